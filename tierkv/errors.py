@@ -1,0 +1,32 @@
+"""The error types of tierkv.
+
+Every error a user can cause derives from :class:`TierKVError`, and also from the builtin type that fits
+(``ValueError`` for bad arguments, ``OSError`` for disk trouble, ``MemoryError`` for a KV that does not
+fit), so callers can catch either. Messages name the problem *and* the fix.
+"""
+
+from __future__ import annotations
+
+
+class TierKVError(Exception):
+    """Base class of every error raised by tierkv."""
+
+
+class InvalidConfigError(TierKVError, ValueError):
+    """An argument or environment setting is malformed (a budget of "12 apples", a negative size ...)."""
+
+
+class BudgetTooSmallError(TierKVError, ValueError):
+    """A budget is below the minimum the cache needs to work at all (e.g. the device staging area)."""
+
+
+class CapacityError(TierKVError, MemoryError):
+    """The KV cache no longer fits in the sum of the tier budgets."""
+
+
+class DiskTierError(TierKVError, OSError):
+    """The disk tier cannot be created, written or read."""
+
+
+class DiskFullError(DiskTierError):
+    """The filesystem under the disk tier ran out of space (ENOSPC)."""
