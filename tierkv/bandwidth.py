@@ -1,0 +1,423 @@
+"""Link models, presets, calibration and the decode-step time model.
+
+This module knows nothing about tensors: it works in bytes and seconds, so the planner, ``tierkv bench``
+and the runtime can all use it, and it can be tested exhaustively on a CPU.
+
+A *link* is one direction of one data path (PCIe host->device, NVMe read, a memcpy) modelled as
+``t = n_transfers * latency + nbytes / bandwidth``. A :class:`LinkProfile` holds the links of one machine,
+from presets or from ``tierkv bench``. :func:`predict_step` turns a per-layer :class:`Placement` (how many
+bytes each layer needs from the host and from disk this step, and its compute time) into a
+:class:`StepForecast` under the layer-ahead pipeline of the exact-gather executor::
+
+    layer:         0        1        2        3
+    disk->host   [D0][D1]     [D2]     [D3]            disk read of layer i ...
+    host->device [H0]  [H1]     [H2]     [H3]          ... then its copy to the device
+    compute            [C0 ]    [C1 ]    [C2 ]    [C3 ]
+                 |fill|         (prefetch depth 1: layer i's transfers start when
+                                 layer i-2 has finished and freed its staging buffer)
+
+The equations are in ``docs/bandwidth-model.md``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from tierkv.errors import InvalidConfigError
+
+GB = 10**9
+
+LINK_KEYS = ("host->device", "device->host", "disk->host", "host->disk", "device->device", "host->host")
+"""The directions a :class:`LinkProfile` describes. ``device->device`` is the gather of device-resident
+blocks into the staging buffer; ``host->host`` is a memcpy (the bounce buffer of a POSIX disk read)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """One direction of one data path: ``time = n_transfers * latency + nbytes / bandwidth``.
+
+    Two numbers are enough for the copies tierkv issues (large, batched, sequential): the latency term is
+    what makes small transfers slow, the bandwidth term what makes big ones slow.
+    """
+
+    name: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bandwidth_bytes_per_s) and self.bandwidth_bytes_per_s > 0):
+            raise InvalidConfigError(
+                f"link {self.name!r}: bandwidth_bytes_per_s={self.bandwidth_bytes_per_s!r} must be a "
+                "positive finite number of bytes per second (e.g. 25e9 for PCIe 4.0 x16)."
+            )
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise InvalidConfigError(
+                f"link {self.name!r}: latency_s={self.latency_s!r} must be a finite number of seconds >= 0."
+            )
+
+    def transfer_time(self, nbytes: int, n_transfers: int = 1) -> float:
+        """Seconds to move ``nbytes`` split into ``n_transfers`` copies issued back to back."""
+        if nbytes < 0 or n_transfers < 0:
+            raise InvalidConfigError(
+                f"link {self.name!r}: nbytes={nbytes} and n_transfers={n_transfers} must both be >= 0."
+            )
+        return n_transfers * self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+def fit_link(name: str, sizes_bytes: Sequence[int], seconds: Sequence[float]) -> Link:
+    """Fit ``t = latency + nbytes / bandwidth`` to measured (size, time) pairs by least squares.
+
+    Measurements over a range of sizes separate the two terms: the intercept is the per-transfer latency,
+    the slope the inverse bandwidth. Noise can push the unconstrained intercept below zero; a latency
+    cannot be negative, so the fit is then redone with the latency fixed at 0 (the constrained optimum
+    of this convex problem lies on that boundary).
+    """
+    if len(sizes_bytes) != len(seconds):
+        raise InvalidConfigError(
+            f"fit_link({name!r}): {len(sizes_bytes)} sizes but {len(seconds)} times; give one time per size."
+        )
+    xs = [float(s) for s in sizes_bytes]
+    ts = [float(t) for t in seconds]
+    if any(not math.isfinite(x) or x < 0 for x in xs) or any(not math.isfinite(t) or t <= 0 for t in ts):
+        raise InvalidConfigError(
+            f"fit_link({name!r}): sizes must be finite and >= 0 and times finite and > 0; "
+            "drop failed or zero-time measurements before fitting."
+        )
+    if len(set(xs)) < 2:
+        raise InvalidConfigError(
+            f"fit_link({name!r}): need measurements at >= 2 distinct sizes to separate latency from "
+            f"bandwidth, got sizes {sorted(set(sizes_bytes))}; measure e.g. 64 KiB, 1 MiB and 64 MiB."
+        )
+    n = len(xs)
+    mean_x, mean_t = sum(xs) / n, sum(ts) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    sxt = sum((x - mean_x) * (t - mean_t) for x, t in zip(xs, ts, strict=True))
+    slope = sxt / sxx
+    latency = mean_t - slope * mean_x
+    if latency < 0:
+        slope = sum(x * t for x, t in zip(xs, ts, strict=True)) / sum(x * x for x in xs)
+        latency = 0.0
+    if slope <= 0:
+        raise InvalidConfigError(
+            f"fit_link({name!r}): time does not grow with size (slope {slope:.3g} s/B), so no bandwidth "
+            "can be fitted; the sizes are probably too small to leave the latency regime: measure larger "
+            "transfers."
+        )
+    return Link(name, 1.0 / slope, latency)
+
+
+PRESETS: dict[str, Link] = {
+    # PCIe x16, one direction, pinned host memory. Raw: 16 GT/s * 16 lanes * 128/130 = 31.5 GB/s (4.0),
+    # 63 GB/s (5.0). Achieved: CUDA bandwidthTest reports ~25 GB/s on A100-PCIe and ~50-55 GB/s on
+    # H100-PCIe. Latency: ~10 us per cudaMemcpyAsync (launch + DMA setup). Pageable memory roughly halves it.
+    "pcie4": Link("pcie4-x16", 25e9, 10e-6),
+    "pcie5": Link("pcie5-x16", 50e9, 10e-6),
+    # NVMe, large sequential reads/writes at high queue depth, vendor data sheets: Gen4 drives ~7 GB/s
+    # read / ~6 GB/s write (Samsung 990 Pro 7.45 / 6.9), Gen5 ~14 / ~12 (Crucial T705 14.5 / 12.7).
+    # Latency: ~80 us per request (flash read latency + submission), an assumption, not a data-sheet value.
+    "nvme-gen4": Link("nvme-gen4-read", 7e9, 80e-6),
+    "nvme-gen5": Link("nvme-gen5-read", 14e9, 80e-6),
+    "nvme-gen4-write": Link("nvme-gen4-write", 6e9, 80e-6),
+    "nvme-gen5-write": Link("nvme-gen5-write", 12e9, 80e-6),
+    # Host memcpy, multi-threaded on a current server socket (single-threaded is ~10 GB/s); ~1 us call cost.
+    "dram": Link("dram-memcpy", 20e9, 1e-6),
+    # Device-to-device copy on H100-class HBM3: 3.35 TB/s peak, a copy reads and writes every byte, so
+    # ~1.3 TB/s of copied bytes is achieved; ~5 us kernel launch.
+    "hbm": Link("hbm-copy", 1.3e12, 5e-6),
+}
+"""Named links with documented, typical achieved values. Prefer a measured :class:`LinkProfile`."""
+
+_PCIE_PRESETS = ("pcie4", "pcie5")
+_DISK_PRESETS = ("nvme-gen4", "nvme-gen5")
+
+
+def _preset(name: str, allowed: Sequence[str], what: str) -> Link:
+    if name not in allowed:
+        raise InvalidConfigError(f"unknown {what} preset {name!r}; choose one of: {', '.join(allowed)}.")
+    return PRESETS[name]
+
+
+@dataclass
+class LinkProfile:
+    """Per-direction links of one machine. Keys of `links`: "host->device", "device->host", "disk->host",
+    "host->disk", "device->device" (block gather into the device tier), "host->host" (memcpy)."""
+
+    links: dict[str, Link]
+    machine: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.links) - set(LINK_KEYS))
+        if unknown:
+            raise InvalidConfigError(
+                f"LinkProfile: unknown link keys {unknown}; valid keys: {', '.join(LINK_KEYS)}."
+            )
+
+    def link(self, key: str) -> Link:
+        """The link for direction ``key``, with an error that says how to get it when it is missing."""
+        try:
+            return self.links[key]
+        except KeyError:
+            raise InvalidConfigError(
+                f"the link profile has no {key!r} link (it has: {', '.join(self.links) or 'none'}); "
+                "measure it with `tierkv bench` or start from LinkProfile.from_presets()."
+            ) from None
+
+    def replace(self, **links: Link) -> LinkProfile:
+        """A copy with some links swapped, e.g. ``profile.replace(**{"host->device": PRESETS["pcie5"]})``."""
+        return LinkProfile({**self.links, **links}, dict(self.machine))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the profile as JSON (``{"links": {key: Link fields}, "machine": {...}}``)."""
+        data = {"links": {key: asdict(link) for key, link in self.links.items()}, "machine": self.machine}
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> LinkProfile:
+        """Read a profile written by :meth:`save` (or by ``tierkv bench --json``)."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise InvalidConfigError(
+                f"link profile {os.fspath(path)!r} does not exist; "
+                "create one with `tierkv bench` or use presets."
+            ) from None
+        except json.JSONDecodeError as e:
+            raise InvalidConfigError(f"link profile {os.fspath(path)!r} is not valid JSON ({e}).") from None
+        try:
+            links = {
+                key: Link(str(v["name"]), float(v["bandwidth_bytes_per_s"]), float(v["latency_s"]))
+                for key, v in data["links"].items()
+            }
+            machine = {str(k): str(v) for k, v in data.get("machine", {}).items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, InvalidConfigError):
+                raise
+            raise InvalidConfigError(
+                f"link profile {os.fspath(path)!r} is malformed ({type(e).__name__}: {e}); expected "
+                '{"links": {"host->device": {"name": ..., "bandwidth_bytes_per_s": ..., "latency_s": ...}, '
+                '...}, '
+                '"machine": {...}}.'
+            ) from None
+        return cls(links, machine)
+
+    @classmethod
+    def from_presets(cls, link: str = "pcie4", disk: str = "nvme-gen4") -> LinkProfile:
+        """A profile assembled from :data:`PRESETS`: PCIe both ways, NVMe read/write, HBM gather, memcpy."""
+        pcie = _preset(link, _PCIE_PRESETS, "link")
+        read = _preset(disk, _DISK_PRESETS, "disk")
+        return cls(
+            {
+                "host->device": pcie,
+                "device->host": pcie,
+                "disk->host": read,
+                "host->disk": PRESETS[f"{disk}-write"],
+                "device->device": PRESETS["hbm"],
+                "host->host": PRESETS["dram"],
+            },
+            {"source": f"presets: {link}, {disk}"},
+        )
+
+
+# --------------------------------------------------------------------------- step-time model
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLoad:
+    """What one layer needs during one decode step.
+
+    ``device_bytes`` are gathered on the device into the staging buffer (device->device); they use the same
+    HBM bandwidth as the compute, so their time is added to the layer's compute rather than overlapped.
+    ``host_bytes`` cross host->device; ``disk_bytes`` cross disk->host and then host->device. The
+    ``*_transfers`` counts are how many separate copies carry them (1 when the mover batches a layer's
+    blocks into one copy per link); they only matter through the links' latency.
+    """
+
+    compute_s: float
+    device_bytes: int = 0
+    host_bytes: int = 0
+    disk_bytes: int = 0
+    host_transfers: int = 1
+    disk_transfers: int = 1
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.compute_s) and self.compute_s >= 0):
+            raise InvalidConfigError(f"LayerLoad.compute_s={self.compute_s!r} must be a finite number >= 0.")
+        for name in ("device_bytes", "host_bytes", "disk_bytes", "host_transfers", "disk_transfers"):
+            if getattr(self, name) < 0:
+                raise InvalidConfigError(f"LayerLoad.{name}={getattr(self, name)} must be >= 0.")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Per-layer loads of one decode step, in layer order, plus the work outside the layers.
+
+    ``other_compute_s`` (embedding, final norm, LM head, sampling) runs after the last layer and hides no
+    transfer: the next step's layer-0 prefetch is not issued before the step starts.
+    """
+
+    layers: tuple[LayerLoad, ...]
+    other_compute_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise InvalidConfigError("Placement needs at least one layer.")
+        if not (math.isfinite(self.other_compute_s) and self.other_compute_s >= 0):
+            raise InvalidConfigError(f"Placement.other_compute_s={self.other_compute_s!r} must be >= 0.")
+
+    @classmethod
+    def uniform(
+        cls,
+        n_layers: int,
+        compute_s_per_layer: float,
+        *,
+        host_bytes_per_layer: int = 0,
+        disk_bytes_per_layer: int = 0,
+        device_bytes_per_layer: int = 0,
+        other_compute_s: float = 0.0,
+    ) -> Placement:
+        """``n_layers`` identical layers: as in a model whose layers all hold the full context."""
+        if n_layers < 1:
+            raise InvalidConfigError(f"n_layers={n_layers} must be >= 1.")
+        layer = LayerLoad(
+            compute_s_per_layer,
+            device_bytes=device_bytes_per_layer,
+            host_bytes=host_bytes_per_layer,
+            disk_bytes=disk_bytes_per_layer,
+        )
+        return cls((layer,) * n_layers, other_compute_s)
+
+
+class Bottleneck(str, enum.Enum):
+    """The resource whose total busy time in a step is the largest: the one to buy more of."""
+
+    COMPUTE = "compute"
+    HOST_TO_DEVICE = "host->device"
+    DISK = "disk"
+
+
+@dataclass(frozen=True, slots=True)
+class StepForecast:
+    """Predicted time of one decode step and where it goes.
+
+    ``compute_s``, ``host_to_device_s`` and ``disk_s`` are each resource's total busy time; the step can
+    be no shorter than the largest of them (``lower_bound_s``). ``fill_s`` is the time before layer 0
+    can start computing (its transfers are not hidden); ``stall_s`` all the time compute waits on data.
+    """
+
+    step_s: float
+    compute_s: float
+    host_to_device_s: float
+    disk_s: float
+    fill_s: float
+    stall_s: float
+    prefetch_depth: int
+    bottleneck: Bottleneck
+
+    @property
+    def lower_bound_s(self) -> float:
+        """``max(compute, host->device, disk)``: a perfectly overlapped step."""
+        return max(self.compute_s, self.host_to_device_s, self.disk_s)
+
+    @property
+    def overlap_efficiency(self) -> float:
+        """``lower_bound_s / step_s`` in (0, 1]: 1 when every transfer hides behind the bottleneck."""
+        return self.lower_bound_s / self.step_s if self.step_s > 0 else 1.0
+
+
+def _stage(link_key: str, links: LinkProfile, nbytes: int, n_transfers: int) -> float:
+    """Time of one pipeline stage; an empty stage costs nothing and needs no link in the profile."""
+    return links.link(link_key).transfer_time(nbytes, n_transfers) if nbytes > 0 else 0.0
+
+
+def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int = 1) -> StepForecast:
+    """Predict one decode step's time with transfers overlapped with compute.
+
+    The model is the exact-gather pipeline with ``prefetch_depth + 1`` staging buffers on the device:
+    layer ``i``'s transfers may start once layer ``i - depth - 1`` has finished computing and freed its
+    buffer (at step start for the first ``depth + 1`` layers). Depth 1 is layer-ahead prefetch
+    (layer L+1's copies run while layer L computes); depth 0 is no prefetch. Each link is a FIFO queue in
+    layer order; a layer's disk bytes go disk->host then host->device, its host bytes host->device only.
+    A layer computes once its data is on the device and the previous layer is done. See
+    ``docs/bandwidth-model.md`` for the recurrences.
+    """
+    if prefetch_depth < 0:
+        raise InvalidConfigError(f"prefetch_depth={prefetch_depth} must be >= 0 (0 = no prefetch).")
+    compute_end: list[float] = []
+    disk_free = h2d_free = compute_free = 0.0
+    compute_total = h2d_total = disk_total = 0.0
+    first_compute_start = 0.0
+    for i, layer in enumerate(placement.layers):
+        freed_by = i - prefetch_depth - 1
+        issue = compute_end[freed_by] if freed_by >= 0 else 0.0
+
+        t_disk = _stage("disk->host", links, layer.disk_bytes, layer.disk_transfers)
+        t_host = _stage("host->device", links, layer.host_bytes, layer.host_transfers)
+        t_host_disk = _stage("host->device", links, layer.disk_bytes, layer.disk_transfers)
+        ready = 0.0  # when all of the layer's bytes are on the device
+        if t_host > 0:
+            h2d_free = ready = max(issue, h2d_free) + t_host
+        if t_disk > 0:
+            disk_free = max(issue, disk_free) + t_disk
+            h2d_free = ready = max(disk_free, h2d_free) + t_host_disk
+
+        t_compute = layer.compute_s + _stage("device->device", links, layer.device_bytes, 1)
+        start = max(compute_free, ready)
+        if i == 0:
+            first_compute_start = start
+        compute_free = start + t_compute
+        compute_end.append(compute_free)
+
+        compute_total += t_compute
+        h2d_total += t_host + t_host_disk
+        disk_total += t_disk
+
+    compute_total += placement.other_compute_s
+    step = compute_free + placement.other_compute_s
+    busy = {
+        Bottleneck.COMPUTE: compute_total,
+        Bottleneck.HOST_TO_DEVICE: h2d_total,
+        Bottleneck.DISK: disk_total,
+    }
+    return StepForecast(
+        step_s=step,
+        compute_s=compute_total,
+        host_to_device_s=h2d_total,
+        disk_s=disk_total,
+        fill_s=first_compute_start,
+        stall_s=max(0.0, step - compute_total),
+        prefetch_depth=prefetch_depth,
+        bottleneck=max(busy, key=busy.__getitem__),
+    )
+
+
+def min_prefetch_depth(
+    placement: Placement, links: LinkProfile, *, max_depth: int | None = None, tolerance: float = 0.01
+) -> int:
+    """The smallest prefetch depth whose step time is within ``tolerance`` of the best reachable one.
+
+    Deeper prefetch never slows the modelled step (every start time can only move earlier) but costs one
+    more layer of device staging per level, so the runtime wants the shallowest depth that does the job.
+    "The best reachable" is the step time at ``max_depth`` (default: the number of layers, i.e. all
+    transfers issued at step start). When a link is the bottleneck no depth hides its time; the answer is
+    then the depth past which deeper prefetch stops helping. 0 when the placement moves nothing.
+    """
+    n_layers = len(placement.layers)
+    deepest = n_layers if max_depth is None else max_depth
+    if deepest < 0:
+        raise InvalidConfigError(f"max_depth={max_depth} must be >= 0.")
+    if tolerance < 0:
+        raise InvalidConfigError(f"tolerance={tolerance} must be >= 0.")
+    limit = min(deepest, n_layers)
+    best = predict_step(placement, links, limit).step_s
+    for depth in range(limit):
+        if predict_step(placement, links, depth).step_s <= best * (1.0 + tolerance):
+            return depth
+    return limit
