@@ -1,0 +1,271 @@
+"""What every disk engine shares: the file ABC, the batch handle, aligned buffers and request checks.
+
+An engine moves *batches* of ``(file offset, buffer)`` requests, never single blocks: the disk tier
+coalesces adjacent slots into large requests and submits a whole step's worth at once, so an engine can
+keep many requests in flight (NVMe needs a queue depth of 16 or more to reach its bandwidth). Each batch
+returns one :class:`IOHandle`; the caller overlaps it with compute and waits only when the data is needed.
+
+Direct I/O (``O_DIRECT``) bypasses the page cache, which is what a tier of KV that is larger than RAM
+wants (the cache would only evict the host tier's pages). Linux then requires the file offset, the
+length and the buffer address of every request to be multiples of the logical block size; :data:`ALIGN`
+(4 KiB) covers every NVMe and ext4/xfs setup we target. :func:`aligned_empty` makes buffers that satisfy it.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tierkv.config import env_str, parse_size
+from tierkv.errors import InvalidConfigError, TierKVError
+
+ALIGN: int = 4096
+"""Alignment in bytes of offsets, lengths and addresses for direct I/O."""
+
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+
+class AlignmentError(TierKVError, ValueError):
+    """A direct-I/O request whose offset, length or buffer address is not a multiple of :data:`ALIGN`."""
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """Return an uninitialised ``uint8`` array of ``nbytes`` whose base address is aligned to :data:`ALIGN`.
+
+    It lives in an anonymous ``mmap``: the kernel hands out whole pages, so the address is page aligned
+    without over-allocating and slicing, and the pages are only touched when first written.
+
+    >>> buf = aligned_empty(10_000)
+    >>> buf.ctypes.data % ALIGN, buf.nbytes
+    (0, 10000)
+    """
+    if nbytes < 0:
+        raise ValueError(f"aligned_empty: nbytes={nbytes} is negative.")
+    region = mmap.mmap(-1, max(nbytes, 1))  # mmap refuses length 0; the array below still has 0 bytes
+    return np.frombuffer(region, dtype=np.uint8, count=nbytes)
+
+
+def as_byte_view(buffer: Any, *, writable: bool) -> np.ndarray:
+    """Return ``buffer`` as a flat ``uint8`` numpy view of the same memory (never a copy).
+
+    Accepts numpy arrays (any dtype, C-contiguous) and objects with the buffer protocol (``bytearray``,
+    ``mmap``, ``memoryview``). A copy would silently break reads (data lands in the copy), so a
+    non-contiguous or read-only buffer is an error instead.
+    """
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise ValueError("disk I/O buffers must be C-contiguous; got a strided numpy array.")
+        view = buffer.reshape(-1).view(np.uint8)
+    else:
+        try:
+            view = np.frombuffer(buffer, dtype=np.uint8)
+        except TypeError as exc:
+            raise TypeError(
+                f"disk I/O buffer of type {type(buffer).__name__} has no buffer protocol; pass a numpy array "
+                "(for a CPU torch tensor use tensor.view(torch.uint8).numpy())."
+            ) from exc
+    if writable and not view.flags.writeable:
+        raise ValueError("a read needs a writable buffer; got a read-only one.")
+    return view
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One checked request: ``nbytes`` at file ``offset`` to/from the memory at ``view``."""
+
+    index: int  # position in the submitted batch, to report the first error in submission order
+    offset: int
+    view: np.ndarray  # [nbytes] uint8
+
+
+def check_requests(
+    requests: Sequence[tuple[int, Any]], *, direct: bool, writable: bool
+) -> list[Request]:
+    """Validate a batch before anything is submitted, so a bad request never leaves half a batch done."""
+    checked = []
+    for index, (offset, buffer) in enumerate(requests):
+        view = as_byte_view(buffer, writable=writable)
+        if offset < 0:
+            raise ValueError(f"request {index}: file offset {offset} is negative.")
+        if direct:
+            address = view.ctypes.data
+            bad = [
+                f"{name}={value} ({value % ALIGN} past a multiple)"
+                for name, value in (("offset", offset), ("nbytes", view.nbytes), ("address", address))
+                if value % ALIGN
+            ]
+            if bad:
+                raise AlignmentError(
+                    f"request {index}: direct I/O needs offset, length and buffer address aligned to {ALIGN} "
+                    f"bytes; misaligned: {', '.join(bad)}. Allocate buffers with tierkv.io.aligned_empty and "
+                    "size slots in multiples of ALIGN, or open the file with direct=False."
+                )
+        checked.append(Request(index, offset, view))
+    return checked
+
+
+def eof_error(path: str, offset: int, wanted: int, got: int | None) -> OSError:
+    """The error for a read that hit end of file: a KV block that was never written is a bug upstream."""
+    short = "" if got is None else f", got {got}"
+    return OSError(errno.EIO, f"read past end of file: wanted {wanted} bytes at offset {offset}{short}", path)
+
+
+def open_fd(path: str, direct: bool | None) -> tuple[int, bool, str]:
+    """Open an existing file read/write; return ``(fd, direct in effect, reason if direct was refused)``.
+
+    ``direct=None`` tries ``O_DIRECT`` and falls back to buffered I/O when the filesystem refuses it
+    (EINVAL at open, or at the first aligned read, which is where some filesystems report it).
+    ``direct=True`` makes a refusal an error that says how to fix it.
+    """
+    if direct is False or not _O_DIRECT:
+        if direct and not _O_DIRECT:
+            raise InvalidConfigError("direct I/O was requested but this OS has no O_DIRECT; use direct=False")
+        reason = "" if direct is False else "O_DIRECT not supported by this OS"
+        return os.open(path, os.O_RDWR), False, reason
+    try:
+        fd = os.open(path, os.O_RDWR | _O_DIRECT)
+        _probe_direct(fd)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        if direct:
+            raise InvalidConfigError(
+                f"the filesystem of {path} refuses O_DIRECT (EINVAL); put the disk tier on a filesystem that "
+                "supports it (ext4, xfs) or set TIERKV_DIRECT_IO=0 for buffered I/O."
+            ) from exc
+        return os.open(path, os.O_RDWR), False, "filesystem refuses O_DIRECT"
+    return fd, True, ""
+
+
+def _probe_direct(fd: int) -> None:
+    """Read one aligned block (if the file has one) so a filesystem that accepts the flag but not the I/O
+    is caught at open, not in the middle of a decode step. Closes ``fd`` before re-raising."""
+    try:
+        if os.fstat(fd).st_size >= ALIGN:
+            os.preadv(fd, [aligned_empty(ALIGN)], 0)
+    except OSError:
+        os.close(fd)
+        raise
+
+
+class IOHandle(ABC):
+    """Completion of one submitted batch. Engines subclass it around their own completion mechanism."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block until every request of the batch finished; then raise the first failure, in submission
+        order, as an ``OSError`` carrying its errno (e.g. ``ENOSPC``). Waiting again re-raises it."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Return True once every request finished (successfully or not); never blocks."""
+
+
+class CompletedHandle(IOHandle):
+    """The handle of an empty batch: nothing to wait for."""
+
+    def wait(self) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+
+class DiskFile(ABC):
+    """One open file through one engine. A context manager; :meth:`close` is idempotent.
+
+    Subclasses set :attr:`engine_name` and :attr:`direct` and implement the two submit methods; the
+    batch is checked (alignment, writability) before anything is issued.
+    """
+
+    engine_name: str
+    direct: bool
+    direct_refused: str  # why O_DIRECT is not in effect when it was tried ("" otherwise)
+    path: str
+
+    @abstractmethod
+    def submit_reads(self, requests: Sequence[tuple[int, Any]]) -> IOHandle:
+        """Read ``len(buffer)`` bytes at each ``offset`` into ``buffer``; all requests may run at once."""
+
+    @abstractmethod
+    def submit_writes(self, requests: Sequence[tuple[int, Any]]) -> IOHandle:
+        """Write each ``buffer`` at its ``offset``; all requests may run at once."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Wait for in-flight requests, then release the file. Safe to call twice."""
+
+    def read(self, offset: int, buffer: Any) -> None:
+        """Blocking single read (convenience for tests and tools)."""
+        self.submit_reads([(offset, buffer)]).wait()
+
+    def write(self, offset: int, buffer: Any) -> None:
+        """Blocking single write (convenience for tests and tools)."""
+        self.submit_writes([(offset, buffer)]).wait()
+
+    def __enter__(self) -> DiskFile:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "O_DIRECT" if self.direct else "buffered"
+        return f"<{type(self).__name__} {self.engine_name} {mode} {self.path!r}>"
+
+
+DEFAULT_QUEUE_DEPTH = 16
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+def queue_depth() -> int:
+    """Requests in flight per file (``TIERKV_IO_QUEUE_DEPTH``; 16 by default, where NVMe reaches its
+    bandwidth)."""
+    raw = env_str("TIERKV_IO_QUEUE_DEPTH")
+    if raw is None:
+        return DEFAULT_QUEUE_DEPTH
+    if not raw.isdigit() or int(raw) < 1:
+        raise InvalidConfigError(f"TIERKV_IO_QUEUE_DEPTH={raw!r} must be a positive integer, e.g. 16.")
+    return int(raw)
+
+
+def chunk_bytes() -> int:
+    """Largest single I/O an engine issues (``TIERKV_IO_CHUNK``, default 4 MiB).
+
+    A 1 GiB request issued as one ``pread`` would run at queue depth 1; cutting it into chunks lets the
+    workers keep the device busy. 4 MiB is past the size where per-call overhead matters.
+    """
+    raw = env_str("TIERKV_IO_CHUNK")
+    size = DEFAULT_CHUNK_BYTES if raw is None else parse_size(raw, name="TIERKV_IO_CHUNK")
+    if size < ALIGN or size % ALIGN:
+        raise InvalidConfigError(f"TIERKV_IO_CHUNK={raw!r} must be a positive multiple of {ALIGN}: 4MiB")
+    return size
+
+
+def split(requests: list[Request], chunk: int) -> list[tuple[int, int, np.ndarray]]:
+    """Cut requests into ``(request index, offset, view)`` pieces of at most ``chunk`` bytes.
+
+    ``chunk`` is a multiple of :data:`ALIGN`, so pieces of an aligned request stay aligned.
+    """
+    pieces = []
+    for req in requests:
+        nbytes = req.view.nbytes
+        for start in range(0, max(nbytes, 1), chunk):
+            pieces.append((req.index, req.offset + start, req.view[start : start + chunk]))
+    return pieces
+
+
+class EngineUnavailableError(TierKVError, RuntimeError):
+    """An engine cannot load on this host; ``reason`` says why and ``fix`` what would make it load."""
+
+    def __init__(self, reason: str, fix: str = "") -> None:
+        super().__init__(f"{reason}. {fix}".strip())
+        self.reason = reason
+        self.fix = fix

@@ -1,0 +1,189 @@
+"""The GPUDirect Storage engine: kvikio ``CuFile`` reads and writes, into GPU or host memory.
+
+With GDS, NVMe DMAs straight into GPU memory and the host tier is skipped; without it kvikio runs in
+*compat mode* (POSIX I/O through its own bounce buffers), which it chooses itself from
+``KVIKIO_COMPAT_MODE`` (ON/OFF/AUTO). We never override that setting, we only report it: ``direct`` is
+True when kvikio is not in compat mode, i.e. when cuFile's O_DIRECT path is in effect.
+
+kvikio splits each ``pread``/``pwrite`` into ``task_size`` pieces on its own thread pool
+(``KVIKIO_NTHREADS``), so this engine issues one future per request and lets kvikio supply queue depth.
+The module imports kvikio only inside :func:`load`, so ``import tierkv.io`` works without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import importlib.util
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tierkv.errors import InvalidConfigError
+from tierkv.io.base import (
+    ALIGN,
+    AlignmentError,
+    CompletedHandle,
+    DiskFile,
+    EngineUnavailableError,
+    IOHandle,
+    as_byte_view,
+    eof_error,
+)
+
+_INSTALL_FIX = "Install it with `pip install 'tierkv[cuda]'` (kvikio-cu12, cupy-cuda12x) on a CUDA host."
+
+# kvikio reports failed POSIX calls as RuntimeError text; these are the errnos a caller acts on.
+_KNOWN_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EINVAL, errno.EBADF)
+
+
+@functools.cache
+def _probe() -> str | None:
+    """Return None if kvikio and CUDA both work here, else the reason they do not (checked once)."""
+    if importlib.util.find_spec("kvikio") is None:
+        return "kvikio not installed"
+    try:
+        import kvikio  # noqa: F401
+        import kvikio.defaults  # noqa: F401
+    except (ImportError, OSError) as exc:  # OSError: libcuda / libcufile missing when the extension loads
+        return f"kvikio failed to load: {exc}"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "CUDA unavailable (torch.cuda.is_available() is False)"
+    return None
+
+
+def load() -> type[DiskFile]:
+    """Return :class:`KvikioFile`, or raise :class:`EngineUnavailableError` with the reason."""
+    reason = _probe()
+    if reason is not None:
+        raise EngineUnavailableError(reason, _INSTALL_FIX)
+    return KvikioFile
+
+
+def _compat_mode_on() -> bool:
+    """Whether kvikio will use its POSIX path (its API for this changed across releases)."""
+    import kvikio.defaults
+
+    preferred = getattr(kvikio.defaults, "is_compat_mode_preferred", None)
+    if preferred is not None:
+        return bool(preferred())
+    return bool(kvikio.defaults.compat_mode())  # releases before 24.12 return a bool
+
+
+def _as_kvikio_buffer(buffer: Any, *, writable: bool) -> tuple[Any, int, int]:
+    """Return ``(object kvikio accepts, nbytes, address)`` for a numpy array, cupy array or torch tensor.
+
+    Torch tensors are viewed as bytes first: ``__cuda_array_interface__`` has no bfloat16 type string.
+    """
+    if hasattr(buffer, "data_ptr") and hasattr(buffer, "untyped_storage"):  # torch.Tensor, CPU or CUDA
+        import torch
+
+        if not buffer.is_contiguous():
+            raise ValueError("disk I/O buffers must be contiguous; got a strided torch tensor.")
+        flat = buffer.reshape(-1).view(torch.uint8)
+        if flat.device.type == "cpu":
+            flat = flat.numpy()
+            return flat, flat.nbytes, flat.ctypes.data
+        return flat, flat.numel(), flat.data_ptr()
+    interface = getattr(buffer, "__cuda_array_interface__", None)
+    if interface is not None:  # cupy or numba device array
+        return buffer, int(buffer.nbytes), int(interface["data"][0])
+    view = as_byte_view(buffer, writable=writable)
+    return view, view.nbytes, view.ctypes.data
+
+
+def _as_oserror(exc: Exception, path: str) -> OSError:
+    """Keep the errno of a failed kvikio call: the disk tier turns ENOSPC into DiskFullError."""
+    if isinstance(exc, OSError):
+        return exc
+    text = str(exc)
+    code = next((c for c in _KNOWN_ERRNOS if os.strerror(c).lower() in text.lower()), errno.EIO)
+    return OSError(code, f"kvikio: {text}", path)
+
+
+class _KvikioBatch(IOHandle):
+    """Futures of one batch, each with what it must have transferred."""
+
+    def __init__(self, path: str, pending: list[tuple[Any, int, int]]) -> None:
+        self._path = path
+        self._pending = pending  # (IOFuture, file offset, nbytes)
+        self._error: OSError | None = None
+        self._finished = False
+
+    def wait(self) -> None:
+        if not self._finished:
+            for future, offset, nbytes in self._pending:
+                try:
+                    moved = future.get()
+                    if moved != nbytes and self._error is None:
+                        self._error = eof_error(self._path, offset, nbytes, moved)
+                except Exception as exc:  # kvikio raises RuntimeError; keep waiting for the rest
+                    if self._error is None:
+                        self._error = _as_oserror(exc, self._path)
+            self._finished = True
+        if self._error is not None:
+            raise self._error
+
+    def done(self) -> bool:
+        return self._finished or all(future.done() for future, _, _ in self._pending)
+
+
+class KvikioFile(DiskFile):
+    """A file opened with ``kvikio.CuFile(path, "r+")``; buffers may live on the GPU."""
+
+    engine_name = "kvikio"
+
+    def __init__(self, path: str, direct: bool | None) -> None:
+        import kvikio
+
+        if not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        compat = _compat_mode_on()
+        if direct and compat:
+            raise InvalidConfigError(
+                "direct I/O was requested but kvikio runs in compat mode (no GPUDirect Storage here); set "
+                "KVIKIO_COMPAT_MODE=OFF on a GDS-capable host, use engine='native' or set TIERKV_DIRECT_IO=0."
+            )
+        self.path = path
+        self.direct = not compat
+        self.direct_refused = "kvikio compat mode (POSIX path, no GPUDirect Storage)" if compat else ""
+        self._file: Any = kvikio.CuFile(path, "r+")
+        self._batches: list[_KvikioBatch] = []
+
+    def submit_reads(self, requests: Sequence[tuple[int, Any]]) -> IOHandle:
+        return self._submit(requests, write=False)
+
+    def submit_writes(self, requests: Sequence[tuple[int, Any]]) -> IOHandle:
+        return self._submit(requests, write=True)
+
+    def _submit(self, requests: Sequence[tuple[int, Any]], *, write: bool) -> IOHandle:
+        if self._file is None:
+            raise ValueError(f"I/O on closed {self!r}.")
+        checked = []
+        for index, (offset, buffer) in enumerate(requests):  # check all before issuing any
+            obj, nbytes, address = _as_kvikio_buffer(buffer, writable=not write)
+            if self.direct and (offset % ALIGN or nbytes % ALIGN or address % ALIGN):
+                raise AlignmentError(
+                    f"request {index}: direct I/O needs offset ({offset}), length ({nbytes}) and address "
+                    f"aligned to {ALIGN} bytes."
+                )
+            checked.append((offset, obj, nbytes))
+        if not checked:
+            return CompletedHandle()
+        issue = self._file.pwrite if write else self._file.pread
+        futures = [(issue(obj, nbytes, offset), offset, nbytes) for offset, obj, nbytes in checked]
+        batch = _KvikioBatch(self.path, futures)
+        self._batches = [b for b in self._batches if not b.done()] + [batch]
+        return batch
+
+    def close(self) -> None:
+        if self._file is None:
+            return
+        for batch in self._batches:  # kvikio must not write into buffers after close returns
+            with contextlib.suppress(OSError):  # the caller who waits on the batch sees the error
+                batch.wait()
+        self._file.close()
+        self._file = None

@@ -1,0 +1,150 @@
+"""Choosing the engine and the I/O mode for a file, and saying once which was chosen and why.
+
+Auto-selection prefers kvikio (GPUDirect Storage: NVMe straight into GPU memory), then the native C
+engine, then posix. Each fallback is a named mode logged once on the ``tierkv`` logger, e.g.::
+
+    disk engine: kvikio unavailable (kvikio not installed), using native (O_DIRECT)
+
+A *forced* engine (``engine=`` or ``TIERKV_DISK_ENGINE``) that cannot load is an error, not a fallback:
+whoever forced it wants to know.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+
+from tierkv.config import env_str
+from tierkv.errors import InvalidConfigError
+from tierkv.io.base import DiskFile, EngineUnavailableError
+
+logger = logging.getLogger("tierkv")
+
+ENGINES: tuple[str, ...] = ("kvikio", "native", "posix")
+"""Every engine, in auto-selection order (fastest first)."""
+
+
+def _load_posix() -> type[DiskFile]:
+    from tierkv.io.posix import PosixFile
+
+    return PosixFile
+
+
+def _load_native() -> type[DiskFile]:
+    from tierkv.io.native import load
+
+    return load()
+
+
+def _load_kvikio() -> type[DiskFile]:
+    from tierkv.io.kvikio_engine import load
+
+    return load()
+
+
+_LOADERS: dict[str, Callable[[], type[DiskFile]]] = {
+    "kvikio": _load_kvikio,
+    "native": _load_native,
+    "posix": _load_posix,
+}
+
+
+def load_engine(name: str) -> type[DiskFile]:
+    """Return the file class of engine ``name``; raise :class:`EngineUnavailableError` if it cannot load."""
+    if name not in _LOADERS:
+        valid = ", ".join(ENGINES)
+        raise InvalidConfigError(f"unknown disk engine {name!r}; valid engines: {valid} (or 'auto').")
+    return _LOADERS[name]()
+
+
+def engine_status() -> dict[str, str | None]:
+    """Map each engine to ``None`` if it loads here, else the reason it does not (for ``tierkv bench``)."""
+    status: dict[str, str | None] = {}
+    for name in ENGINES:
+        try:
+            load_engine(name)
+            status[name] = None
+        except EngineUnavailableError as exc:
+            status[name] = exc.reason
+    return status
+
+
+def available_engines() -> list[str]:
+    """Names of the engines that load on this host, in auto-selection order."""
+    return [name for name, reason in engine_status().items() if reason is None]
+
+
+def _direct_from_env() -> bool | None:
+    raw = env_str("TIERKV_DIRECT_IO")
+    if raw is None or raw.lower() == "auto":
+        return None
+    if raw in ("0", "1"):
+        return raw == "1"
+    raise InvalidConfigError(f"TIERKV_DIRECT_IO={raw!r} must be 0 (buffered), 1 (O_DIRECT) or auto.")
+
+
+@functools.cache
+def _log_choice(message: str) -> None:
+    """Log each distinct choice once per process: a disk tier reopens files, the log must not repeat."""
+    logger.info(message)
+
+
+def open_disk_file(
+    path: str | os.PathLike[str], *, engine: str | None = None, direct: bool | None = None
+) -> DiskFile:
+    """Open an existing file for reading and writing through a disk engine.
+
+    Parameters
+    ----------
+    path:
+        An existing file (the disk tier creates and sizes it).
+    engine:
+        ``"kvikio"``, ``"native"``, ``"posix"`` or ``"auto"``; ``None`` reads ``TIERKV_DISK_ENGINE``,
+        else auto. A forced engine that cannot load raises :class:`InvalidConfigError`.
+    direct:
+        ``True`` requires O_DIRECT, ``False`` uses the page cache, ``None`` reads ``TIERKV_DIRECT_IO``
+        (0/1), else tries O_DIRECT and falls back to buffered where the filesystem refuses it.
+
+    >>> import tempfile
+    >>> from tierkv.io import ALIGN, aligned_empty
+    >>> with tempfile.NamedTemporaryFile() as tmp:
+    ...     _ = tmp.truncate(ALIGN)
+    ...     with open_disk_file(tmp.name, engine="posix") as f:
+    ...         buf = aligned_empty(ALIGN)
+    ...         f.read(0, buf)
+    """
+    path = os.fspath(path)
+    source = "engine=" if engine is not None else "TIERKV_DISK_ENGINE"
+    name = engine if engine is not None else env_str("TIERKV_DISK_ENGINE")
+    direct_source = "direct=" if direct is not None else "TIERKV_DIRECT_IO"
+    if direct is None:
+        direct = _direct_from_env()
+    notes: list[str] = []  # the engines auto-selection passed over, and why
+    forced = ""
+    if name is None or name == "auto":
+        for candidate in ENGINES:
+            try:
+                cls = load_engine(candidate)
+                break
+            except EngineUnavailableError as exc:
+                notes.append(f"{candidate} unavailable ({exc.reason})")
+    else:
+        try:
+            cls = load_engine(name)
+        except EngineUnavailableError as exc:
+            raise InvalidConfigError(
+                f"disk engine {name!r} was forced by {source} but cannot load: {exc.reason}. "
+                f"{exc.fix or 'Choose another engine or unset TIERKV_DISK_ENGINE for auto-selection.'}"
+            ) from exc
+        forced = f", forced by {source}"
+    file = cls(path, direct)
+    if file.direct:
+        mode = "O_DIRECT"
+    elif direct is False:
+        mode = f"buffered, requested by {direct_source}"
+    else:
+        mode = f"buffered, {file.direct_refused}"
+    _log_choice(f"disk engine: {', '.join([*notes, f'using {file.engine_name} ({mode}){forced}'])}")
+    return file
