@@ -203,7 +203,7 @@ class LinkProfile:
             raise InvalidConfigError(
                 f"link profile {os.fspath(path)!r} is malformed ({type(e).__name__}: {e}); expected "
                 '{"links": {"host->device": {"name": ..., "bandwidth_bytes_per_s": ..., "latency_s": ...}, '
-                '...}, '
+                "...}, "
                 '"machine": {...}}.'
             ) from None
         return cls(links, machine)

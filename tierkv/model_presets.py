@@ -1,0 +1,211 @@
+"""KV geometry and size of the models the planner knows, from presets or a Hugging Face ``config.json``.
+
+Plain numbers, no torch and no transformers import: ``tierkv plan`` has to answer in a fraction of a second
+on any machine. The presets copy the fields of the models' published ``config.json`` files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from tierkv.errors import InvalidConfigError
+
+DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What the planner needs of a decoder: KV geometry, plus the sizes that set its compute per token.
+
+    ``sliding_layers`` of the ``layers`` attend only to the last ``sliding_window`` tokens (Gemma2/3,
+    Mistral v0.1), so they hold at most that many tokens of KV whatever the context.
+    """
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    attention_heads: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    sliding_layers: int = 0
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "layers",
+            "kv_heads",
+            "head_dim",
+            "dtype_bytes",
+            "attention_heads",
+            "hidden_size",
+            "vocab_size",
+        ):
+            if getattr(self, name) <= 0:
+                raise InvalidConfigError(
+                    f"model {self.name!r}: {name}={getattr(self, name)} must be positive."
+                )
+        if not 0 <= self.sliding_layers <= self.layers:
+            raise InvalidConfigError(f"model {self.name!r}: sliding_layers must be in [0, {self.layers}].")
+        if self.sliding_layers and not (self.sliding_window and self.sliding_window > 0):
+            raise InvalidConfigError(f"model {self.name!r}: sliding layers need a positive sliding_window.")
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """K and V of one token in one layer: ``2 * kv_heads * head_dim * dtype_bytes``."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token across all layers (Llama-3-8B: 131072 = 128 KiB); sliding layers included."""
+        return self.layers * self.kv_bytes_per_token_per_layer
+
+    def tokens_held(self, layer: int, context: int) -> int:
+        """Tokens of KV that ``layer`` holds at ``context``: the sliding layers come first in this count."""
+        if layer < self.sliding_layers and self.sliding_window is not None:
+            return min(context, self.sliding_window)
+        return context
+
+    def kv_bytes(self, context: int, batch: int = 1) -> int:
+        """Total KV bytes of ``batch`` sequences of ``context`` tokens."""
+        tokens = sum(self.tokens_held(layer, context) for layer in range(self.layers))
+        return batch * tokens * self.kv_bytes_per_token_per_layer
+
+    @property
+    def params_per_layer(self) -> int:
+        """Weights of one decoder layer: Q/K/V/O projections and a gated (3-matrix) MLP; norms neglected."""
+        q_out = self.attention_heads * self.head_dim
+        kv_out = self.kv_heads * self.head_dim
+        attention = self.hidden_size * (q_out + 2 * kv_out) + q_out * self.hidden_size
+        return attention + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def params_outside_layers(self) -> int:
+        """Embedding and LM head (one matrix when tied)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.params_per_layer + self.params_outside_layers
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    # meta-llama/Meta-Llama-3-8B config.json
+    "llama-3-8b": ModelSpec("llama-3-8b", 32, 8, 128, 2, 32, 4096, 14336, 128256),
+    # meta-llama/Meta-Llama-3-70B config.json
+    "llama-3-70b": ModelSpec("llama-3-70b", 80, 8, 128, 2, 64, 8192, 28672, 128256),
+    # mistralai/Mistral-7B-v0.3 config.json (sliding_window null; v0.1 had a 4096-token window)
+    "mistral-7b": ModelSpec("mistral-7b", 32, 8, 128, 2, 32, 4096, 14336, 32768),
+    # Qwen/Qwen2.5-7B config.json (use_sliding_window false)
+    "qwen2.5-7b": ModelSpec("qwen2.5-7b", 28, 4, 128, 2, 28, 3584, 18944, 152064),
+}
+
+
+def _sliding_layers(cfg: dict, layers: int) -> tuple[int, int | None]:
+    """How many layers use a sliding window, following transformers' own defaults per model family."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return 0, None
+    if cfg.get("layer_types"):
+        return sum(t == "sliding_attention" for t in cfg["layer_types"]), window
+    model_type = cfg.get("model_type", "")
+    if model_type == "gemma2":  # alternating: even layers slide (Gemma2Config default)
+        return (layers + 1) // 2, window
+    if model_type.startswith("gemma3"):  # every `sliding_window_pattern`-th layer is global
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        return sum((i + 1) % pattern != 0 for i in range(layers)), window
+    if "use_sliding_window" in cfg:  # Qwen2 family: only layers >= max_window_layers, and only when enabled
+        if not cfg["use_sliding_window"]:
+            return 0, None
+        return max(0, layers - int(cfg.get("max_window_layers", layers))), window
+    return layers, window  # Mistral v0.1 style: a window on every layer
+
+
+def model_from_config(path: str | os.PathLike[str]) -> ModelSpec:
+    """Read a Hugging Face ``config.json`` (or a directory holding one) into a :class:`ModelSpec`.
+
+    Uses ``num_hidden_layers``, ``num_key_value_heads`` (default: ``num_attention_heads``), ``head_dim``
+    (default ``hidden_size // num_attention_heads``), ``torch_dtype``/``dtype`` (default bfloat16) and the
+    sliding-window fields. Multimodal configs are read through their ``text_config``.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise InvalidConfigError(
+            f"model config {path!r} does not exist; give a preset ({', '.join(MODEL_PRESETS)}) "
+            "or the path of a Hugging Face config.json."
+        ) from None
+    except json.JSONDecodeError as e:
+        raise InvalidConfigError(f"model config {path!r} is not valid JSON ({e}).") from None
+    if not isinstance(cfg, dict):
+        raise InvalidConfigError(f"model config {path!r} must hold a JSON object.")
+    cfg = cfg.get("text_config") or cfg
+    if "kv_lora_rank" in cfg:
+        raise InvalidConfigError(
+            f"model config {path!r} uses multi-head latent attention (kv_lora_rank); its compressed KV "
+            "is not modelled yet. Plan with an equivalent preset or a config with plain K/V heads."
+        )
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        intermediate = int(cfg.get("intermediate_size") or 4 * hidden)
+        vocab = int(cfg["vocab_size"])
+    except KeyError as e:
+        raise InvalidConfigError(
+            f"model config {path!r} lacks {e.args[0]!r}; a decoder config.json needs num_hidden_layers, "
+            "num_attention_heads, hidden_size and vocab_size."
+        ) from None
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").removeprefix("torch.")
+    if dtype not in DTYPE_BYTES:
+        raise InvalidConfigError(
+            f"model config {path!r}: dtype {dtype!r} unknown; known: {', '.join(DTYPE_BYTES)}."
+        )
+    sliding, window = _sliding_layers(cfg, layers)
+    return ModelSpec(
+        name=str(
+            cfg.get("_name_or_path") or cfg.get("model_type") or os.path.basename(os.path.dirname(path))
+        ),
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype_bytes=DTYPE_BYTES[dtype],
+        attention_heads=heads,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        vocab_size=vocab,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        sliding_layers=sliding,
+        sliding_window=window,
+    )
+
+
+def resolve_model(name_or_path: str) -> ModelSpec:
+    """A preset name (``llama-3-8b``) or the path of a ``config.json`` / model directory."""
+    if name_or_path in MODEL_PRESETS:
+        return MODEL_PRESETS[name_or_path]
+    if os.path.exists(name_or_path) or name_or_path.endswith(".json"):
+        return model_from_config(name_or_path)
+    raise InvalidConfigError(
+        f"unknown model {name_or_path!r}; use a preset ({', '.join(MODEL_PRESETS)}) or the path "
+        "of a Hugging Face config.json."
+    )

@@ -1,0 +1,386 @@
+"""Budgets + model + links -> bytes per tier, bytes moved per step, predicted tokens/s and bottleneck.
+
+The planner answers "what will this model decode at, at this context, on this machine, with these
+budgets, and what would buy more speed" before anything is allocated. It fills the tiers top down for the
+exact-gather executor, where every byte of KV is read every decode step:
+
+1. the device budget first pays for the staging buffers: ``prefetch_depth + 1`` layers of full K/V
+   (the layer being attended and the ones being prefetched);
+2. the rest of the device budget holds KV; then the host budget; then disk;
+3. each tier's share is spread evenly over the layers (every layer keeps the same fraction of its tokens
+   on each tier), because equal per-layer transfers pipeline best: a layer entirely off-device would
+   stall the pipeline while the others idle the links.
+
+The step time comes from :func:`tierkv.bandwidth.predict_step`; the compute time from a roofline of the
+model's weights, KV reads and FLOPs on a :class:`DeviceSpec` (see ``docs/bandwidth-model.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+
+from tierkv.bandwidth import (
+    PRESETS,
+    Bottleneck,
+    LayerLoad,
+    LinkProfile,
+    Placement,
+    StepForecast,
+    predict_step,
+)
+from tierkv.config import parse_size
+from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
+from tierkv.model_presets import ModelSpec, resolve_model
+
+GiB = 2**30
+_TOKENS = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)\s*$", re.IGNORECASE)
+_TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_tokens(value: int | str, *, name: str = "context") -> int:
+    """A token count: ``32768``, ``"128K"`` (131072) or ``"1M"`` (1048576), binary like context lengths."""
+    if isinstance(value, bool):
+        raise InvalidConfigError(
+            f"{name}={value!r} is a bool; give a token count like 32768, '128K' or '1M'."
+        )
+    if isinstance(value, int):
+        count = value
+    else:
+        match = _TOKENS.match(str(value))
+        if match is None:
+            raise InvalidConfigError(
+                f"{name}={value!r} is not a token count; write e.g. 32768, '128K' (131072) or '1M' (1048576)."
+            )
+        count = int(float(match.group(1)) * _TOKEN_UNITS[match.group(2).lower()])
+    if count < 1:
+        raise InvalidConfigError(f"{name}={value!r} must be at least 1 token.")
+    return count
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """The compute assumption: a decode step is a roofline over the device's memory bandwidth and FLOPs.
+
+    ``efficiency`` is the achieved fraction of both peaks. Decode at small batch is memory-bound; well
+    tuned decoders reach 60-80 % of peak HBM bandwidth (gpt-fast reports its MBU), so 0.7 is the default.
+    """
+
+    name: str
+    memory_bandwidth_bytes_per_s: float
+    peak_flops: float
+    efficiency: float = 0.7
+
+    def time(self, nbytes: float, flops: float) -> float:
+        """Roofline time of a kernel that reads ``nbytes`` and does ``flops``."""
+        return max(nbytes / self.memory_bandwidth_bytes_per_s, flops / self.peak_flops) / self.efficiency
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    # Data-sheet peaks: HBM/GDDR bandwidth and dense BF16 tensor FLOPs (no sparsity).
+    "h100-sxm": DeviceSpec("h100-sxm", 3.35e12, 989e12),
+    "h200": DeviceSpec("h200", 4.8e12, 989e12),
+    "a100-80gb": DeviceSpec("a100-80gb", 2.04e12, 312e12),
+    "l40s": DeviceSpec("l40s", 0.864e12, 362e12),
+    "rtx4090": DeviceSpec("rtx4090", 1.008e12, 165e12),
+}
+
+
+def resolve_device(name: str) -> DeviceSpec:
+    if name not in DEVICES:
+        raise InvalidConfigError(f"unknown device {name!r}; choose one of: {', '.join(DEVICES)}.")
+    return DEVICES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRequest:
+    """Everything a plan depends on; a what-if is this with one field replaced.
+
+    ``gpu_bytes`` is the KV cache's device budget (weights and activations are not in it); ``disk_bytes``
+    None means no limit. ``compute_s_per_step`` overrides the roofline estimate of one step's compute;
+    ``prefetch_depth`` None lets the planner choose.
+    """
+
+    model: ModelSpec
+    context: int
+    batch: int
+    gpu_bytes: int
+    cpu_bytes: int
+    links: LinkProfile
+    disk_bytes: int | None = None
+    device: DeviceSpec = DEVICES["h100-sxm"]
+    compute_s_per_step: float | None = None
+    prefetch_depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.context < 1 or self.batch < 1:
+            raise InvalidConfigError(f"context={self.context} and batch={self.batch} must both be >= 1.")
+        if self.compute_s_per_step is not None and not (
+            math.isfinite(self.compute_s_per_step) and self.compute_s_per_step >= 0
+        ):
+            raise InvalidConfigError(
+                f"compute time per step {self.compute_s_per_step!r} must be a number >= 0."
+            )
+        if self.prefetch_depth is not None and self.prefetch_depth < 0:
+            raise InvalidConfigError(f"prefetch_depth={self.prefetch_depth} must be >= 0 (0 = no prefetch).")
+
+
+@dataclass(frozen=True, slots=True)
+class TierBytes:
+    """KV bytes resident on each tier (staging not included)."""
+
+    device: int
+    host: int
+    disk: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The planner's answer for one :class:`PlanRequest`.
+
+    ``bytes_moved_per_step`` is keyed by link direction. Reads: every off-device byte crosses
+    host->device each step, disk bytes also disk->host. Writes: the step's new K/V (``batch`` tokens)
+    eventually moves down to the lowest tier in use once the device is full (amortized, small).
+    """
+
+    request: PlanRequest
+    kv_bytes_per_token: int
+    kv_bytes_total: int
+    staging_bytes: int
+    bytes_per_tier: TierBytes
+    bytes_moved_per_step: dict[str, int]
+    compute_s_per_step: float
+    forecast: StepForecast
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decoded tokens per second over the batch: ``batch / step time``."""
+        return self.request.batch / self.forecast.step_s if self.forecast.step_s > 0 else math.inf
+
+    @property
+    def bottleneck(self) -> Bottleneck:
+        return self.forecast.bottleneck
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (the ``tierkv plan --json`` file)."""
+        req, fc = self.request, self.forecast
+        return {
+            "model": req.model.name,
+            "context": req.context,
+            "batch": req.batch,
+            "budgets": {"gpu_bytes": req.gpu_bytes, "cpu_bytes": req.cpu_bytes, "disk_bytes": req.disk_bytes},
+            "links": {key: dataclasses.asdict(link) for key, link in req.links.links.items()},
+            "device": dataclasses.asdict(req.device),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_bytes_total": self.kv_bytes_total,
+            "staging_bytes": self.staging_bytes,
+            "prefetch_depth": fc.prefetch_depth,
+            "bytes_per_tier": dataclasses.asdict(self.bytes_per_tier),
+            "bytes_moved_per_step": self.bytes_moved_per_step,
+            "bytes_moved_per_token": {k: v / req.batch for k, v in self.bytes_moved_per_step.items()},
+            "compute_s_per_step": self.compute_s_per_step,
+            "predicted_step_s": fc.step_s,
+            "tokens_per_s": self.tokens_per_s,
+            "bottleneck": fc.bottleneck.value,
+            "busy_s": {"compute": fc.compute_s, "host->device": fc.host_to_device_s, "disk": fc.disk_s},
+            "fill_s": fc.fill_s,
+            "overlap_efficiency": fc.overlap_efficiency,
+        }
+
+
+def _layer_kv_bytes(model: ModelSpec, context: int, batch: int) -> list[int]:
+    return [
+        batch * model.tokens_held(i, context) * model.kv_bytes_per_token_per_layer
+        for i in range(model.layers)
+    ]
+
+
+def compute_s_per_layer(model: ModelSpec, context: int, batch: int, device: DeviceSpec) -> list[float]:
+    """Roofline compute time of each layer for one decode step.
+
+    A layer reads its weights once (shared by the batch) and all of its K/V, and does ``2 * params`` FLOPs
+    per sequence for the projections and MLP plus ``4 * heads * head_dim * tokens`` for QK^T and PV.
+    Weights are assumed to be in the KV dtype.
+    """
+    weight_bytes = model.params_per_layer * model.dtype_bytes
+    times = []
+    for layer, kv in enumerate(_layer_kv_bytes(model, context, batch)):
+        tokens = model.tokens_held(layer, context)
+        flops = batch * (2 * model.params_per_layer + 4 * model.attention_heads * model.head_dim * tokens)
+        times.append(device.time(weight_bytes + kv, flops))
+    return times
+
+
+def _lm_head_s(model: ModelSpec, batch: int, device: DeviceSpec) -> float:
+    """The LM head (the only large matrix outside the layers; the embedding lookup reads ``batch`` rows)."""
+    return device.time(
+        model.vocab_size * model.hidden_size * model.dtype_bytes,
+        2 * batch * model.vocab_size * model.hidden_size,
+    )
+
+
+def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
+    model = req.model
+    layer_kv = _layer_kv_bytes(model, req.context, req.batch)
+    total = sum(layer_kv)
+    staging = (depth + 1) * max(layer_kv)
+    if staging > req.gpu_bytes:
+        raise BudgetTooSmallError(
+            f"the device budget {req.gpu_bytes / 1e9:.1f} GB cannot hold the exact-gather staging of "
+            f"{depth + 1} layers' full K/V ({staging / 1e9:.1f} GB at context {req.context}, "
+            f"batch {req.batch}); raise --gpu-gb to at least {math.ceil(staging / 1e9)}, lower --context or "
+            "--batch" + (", or --prefetch-depth" if depth > 0 else "") + "."
+        )
+    device = min(total, req.gpu_bytes - staging)
+    host = min(total - device, req.cpu_bytes)
+    disk = total - device - host
+    if req.disk_bytes is not None and disk > req.disk_bytes:
+        short = disk - req.disk_bytes
+        raise CapacityError(
+            f"{model.name} at context {req.context} x batch {req.batch} needs {total / 1e9:.1f} GB of KV "
+            f"but the budgets hold {(device + req.cpu_bytes + req.disk_bytes) / 1e9:.1f} GB "
+            f"(device {device / 1e9:.1f} after {staging / 1e9:.1f} GB staging, "
+            f"host {req.cpu_bytes / 1e9:.1f}, disk {req.disk_bytes / 1e9:.1f}); "
+            f"raise --disk-gb or --cpu-gb by {math.ceil(short / 1e9)} GB, or lower --context or --batch."
+        )
+    if req.compute_s_per_step is None:
+        per_layer = compute_s_per_layer(model, req.context, req.batch, req.device)
+        other = _lm_head_s(model, req.batch, req.device)
+    else:
+        per_layer = [req.compute_s_per_step / model.layers] * model.layers
+        other = 0.0
+    shares = (device / total, host / total, disk / total)
+    layers = tuple(
+        LayerLoad(
+            c,
+            device_bytes=round(kv * shares[0]),
+            host_bytes=round(kv * shares[1]),
+            disk_bytes=round(kv * shares[2]),
+        )
+        for c, kv in zip(per_layer, layer_kv, strict=True)
+    )
+    forecast = predict_step(Placement(layers, other), req.links, depth)
+    new_kv = req.batch * model.kv_bytes_per_token
+    moved = {
+        "host->device": sum(layer.host_bytes + layer.disk_bytes for layer in layers),
+        "disk->host": sum(layer.disk_bytes for layer in layers),
+        "device->host": new_kv if host + disk > 0 else 0,
+        "host->disk": new_kv if disk > 0 else 0,
+    }
+    return Plan(
+        request=req,
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        kv_bytes_total=total,
+        staging_bytes=staging,
+        bytes_per_tier=TierBytes(device, host, disk),
+        bytes_moved_per_step=moved,
+        compute_s_per_step=sum(per_layer) + other,
+        forecast=forecast,
+    )
+
+
+def plan(req: PlanRequest, *, tolerance: float = 0.01) -> Plan:
+    """Place the KV and forecast the step for ``req``.
+
+    With ``req.prefetch_depth`` None the planner weighs depth against device memory: each level of depth
+    adds a layer of staging, which pushes KV off the device. It tries every depth from 1 that fits the
+    budget and keeps the shallowest one within ``tolerance`` of the fastest.
+    Raises :class:`BudgetTooSmallError` when even one layer-ahead staging does not fit the device budget,
+    :class:`CapacityError` when the KV does not fit all tiers together.
+    """
+    if req.prefetch_depth is not None:
+        return _plan_at_depth(req, req.prefetch_depth)
+    plans = [_plan_at_depth(req, 1)]
+    for depth in range(2, req.model.layers + 1):
+        try:
+            plans.append(_plan_at_depth(req, depth))
+        except BudgetTooSmallError:
+            break
+    best = min(p.forecast.step_s for p in plans)
+    return next(p for p in plans if p.forecast.step_s <= best * (1.0 + tolerance))
+
+
+@dataclass(frozen=True, slots=True)
+class WhatIf:
+    """One alternative and its forecast, for the "what would buy speed" table."""
+
+    label: str
+    plan: Plan
+
+
+def what_ifs(base: Plan, *, extra_gpu_bytes: int = 16 * 10**9) -> list[WhatIf]:
+    """Re-plan with more device memory, the faster PCIe link, the faster NVMe, and both links.
+
+    Links already at the faster preset are not offered again. Presets replace measured links, so the
+    answer to "what would PCIe 5.0 buy on this machine" keeps the rest of the measured profile.
+    """
+    req = base.request
+    links = req.links.links
+    options = [
+        (
+            f"+{extra_gpu_bytes / 1e9:g} GB device",
+            dataclasses.replace(req, gpu_bytes=req.gpu_bytes + extra_gpu_bytes),
+        )
+    ]
+    pcie5 = {"host->device": PRESETS["pcie5"], "device->host": PRESETS["pcie5"]}
+    gen5 = {"disk->host": PRESETS["nvme-gen5"], "host->disk": PRESETS["nvme-gen5-write"]}
+    faster_link = links.get("host->device") != PRESETS["pcie5"]
+    faster_disk = base.bytes_per_tier.disk > 0 and links.get("disk->host") != PRESETS["nvme-gen5"]
+    if faster_link:
+        options.append(("PCIe 5.0 x16", dataclasses.replace(req, links=req.links.replace(**pcie5))))
+    if faster_disk:
+        options.append(("NVMe Gen5", dataclasses.replace(req, links=req.links.replace(**gen5))))
+    if faster_link and faster_disk:
+        options.append(
+            ("PCIe 5.0 + NVMe Gen5", dataclasses.replace(req, links=req.links.replace(**pcie5, **gen5)))
+        )
+    return [WhatIf(label, plan(option)) for label, option in options]
+
+
+def build_request(
+    model: str | ModelSpec,
+    context: int | str,
+    *,
+    gpu: float | str,
+    cpu: float | str,
+    disk: float | str | None = None,
+    batch: int = 1,
+    link: str | None = None,
+    disk_link: str | None = None,
+    profile: str | None = None,
+    device: str = "h100-sxm",
+    compute_ms_per_step: float | None = None,
+    prefetch_depth: int | None = None,
+) -> PlanRequest:
+    """A :class:`PlanRequest` from user-level values: names, size strings, ``"1M"`` contexts.
+
+    Links: a measured ``profile`` JSON if given, else presets (``pcie4`` / ``nvme-gen4``); an explicit
+    ``link`` or ``disk_link`` preset replaces that link in either.
+    """
+    if batch < 1:
+        raise InvalidConfigError(f"batch={batch} must be >= 1.")
+    links = (
+        LinkProfile.load(profile)
+        if profile
+        else LinkProfile.from_presets(link or "pcie4", disk_link or "nvme-gen4")
+    )
+    if profile and (link or disk_link):
+        presets = LinkProfile.from_presets(link or "pcie4", disk_link or "nvme-gen4").links
+        keys = (["host->device", "device->host"] if link else []) + (
+            ["disk->host", "host->disk"] if disk_link else []
+        )
+        links = links.replace(**{key: presets[key] for key in keys})
+    return PlanRequest(
+        model=model if isinstance(model, ModelSpec) else resolve_model(model),
+        context=parse_tokens(context),
+        batch=batch,
+        gpu_bytes=parse_size(gpu, name="gpu budget"),
+        cpu_bytes=parse_size(cpu, name="cpu budget"),
+        disk_bytes=None if disk is None else parse_size(disk, name="disk budget"),
+        links=links,
+        device=resolve_device(device),
+        compute_s_per_step=None if compute_ms_per_step is None else compute_ms_per_step / 1e3,
+        prefetch_depth=prefetch_depth,
+    )
