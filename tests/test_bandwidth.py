@@ -1,0 +1,200 @@
+"""Link model, calibration fit, profiles and the layer-ahead step-time model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierkv.bandwidth import (
+    LINK_KEYS,
+    PRESETS,
+    Bottleneck,
+    LayerLoad,
+    Link,
+    LinkProfile,
+    Placement,
+    fit_link,
+    min_prefetch_depth,
+    predict_step,
+)
+from tierkv.errors import InvalidConfigError
+
+PROFILE = LinkProfile.from_presets("pcie4", "nvme-gen4")
+
+
+def test_transfer_time_is_latency_plus_bytes_over_bandwidth():
+    link = Link("x", 10e9, 1e-5)
+    assert link.transfer_time(10**9) == pytest.approx(0.1 + 1e-5)
+    assert link.transfer_time(10**9, n_transfers=4) == pytest.approx(0.1 + 4e-5)
+    assert link.transfer_time(0, 0) == 0.0
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(bandwidth_bytes_per_s=0.0), dict(latency_s=-1.0), dict(latency_s=math.nan)]
+)
+def test_link_rejects_bad_parameters(bad):
+    with pytest.raises(InvalidConfigError):
+        Link(**{"name": "x", "bandwidth_bytes_per_s": 1e9, "latency_s": 1e-6, **bad})
+
+
+def test_fit_link_recovers_known_parameters():
+    sizes = [2**k for k in range(12, 28, 2)]
+    times = [20e-6 + s / 25e9 for s in sizes]
+    link = fit_link("pcie", sizes, times)
+    assert link.bandwidth_bytes_per_s == pytest.approx(25e9, rel=1e-9)
+    assert link.latency_s == pytest.approx(20e-6, rel=1e-6)
+
+
+def test_fit_link_clamps_negative_latency_to_zero():
+    sizes = [10**6, 10**7, 10**8]
+    times = [s / 1e10 for s in sizes]
+    times[0] *= 0.5  # noise that tilts the unconstrained intercept below zero
+    link = fit_link("noisy", sizes, times)
+    assert link.latency_s == 0.0
+    assert 0.9e10 < link.bandwidth_bytes_per_s < 1.1e10
+
+
+@pytest.mark.parametrize(
+    ("sizes", "times", "needle"),
+    [
+        ([1, 2], [1.0], "one time per size"),
+        ([4096, 4096], [1e-5, 2e-5], "distinct sizes"),
+        ([4096, 8192], [1e-5, 0.0], "> 0"),
+        ([4096, 8192], [2e-5, 1e-5], "does not grow"),
+    ],
+)
+def test_fit_link_rejects_bad_input_with_a_fix(sizes, times, needle):
+    with pytest.raises(InvalidConfigError, match=needle):
+        fit_link("x", sizes, times)
+
+
+def test_presets_are_sane():
+    gb = 1e9
+    assert 20 * gb <= PRESETS["pcie4"].bandwidth_bytes_per_s < 32 * gb  # below the 31.5 GB/s raw rate
+    assert 40 * gb <= PRESETS["pcie5"].bandwidth_bytes_per_s < 64 * gb
+    assert PRESETS["nvme-gen4"].bandwidth_bytes_per_s == pytest.approx(7 * gb)
+    assert PRESETS["nvme-gen5"].bandwidth_bytes_per_s == pytest.approx(14 * gb)
+    assert PRESETS["dram"].bandwidth_bytes_per_s == pytest.approx(20 * gb)
+    assert all(link.latency_s < 1e-3 for link in PRESETS.values())
+    assert set(PROFILE.links) == set(LINK_KEYS)
+
+
+def test_from_presets_rejects_unknown_names():
+    with pytest.raises(InvalidConfigError, match="pcie4, pcie5"):
+        LinkProfile.from_presets("pcie9")
+    with pytest.raises(InvalidConfigError, match="nvme-gen4, nvme-gen5"):
+        LinkProfile.from_presets(disk="floppy")
+
+
+def test_profile_save_load_round_trip(tmp_path):
+    profile = LinkProfile(
+        {"host->device": Link("measured", 23.7e9, 8e-6), "disk->host": Link("nvme", 3.1e9, 9e-5)},
+        {"cpu": "test", "date": "today"},
+    )
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert LinkProfile.load(path) == profile
+
+
+def test_profile_errors_name_the_fix(tmp_path):
+    with pytest.raises(InvalidConfigError, match="tierkv bench"):
+        LinkProfile.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text('{"links": {"host->device": {"name": "x"}}}')
+    with pytest.raises(InvalidConfigError, match="malformed"):
+        LinkProfile.load(tmp_path / "bad.json")
+    with pytest.raises(InvalidConfigError, match="valid keys"):
+        LinkProfile({"gpu->moon": PRESETS["pcie4"]})
+    with pytest.raises(InvalidConfigError, match="tierkv bench"):
+        LinkProfile({}).link("host->device")
+
+
+def test_all_on_device_is_pure_compute():
+    placement = Placement.uniform(8, 1e-3, other_compute_s=2e-3)
+    forecast = predict_step(placement, PROFILE)
+    assert forecast.step_s == pytest.approx(10e-3)
+    assert forecast.bottleneck is Bottleneck.COMPUTE
+    assert forecast.fill_s == 0.0
+    assert min_prefetch_depth(placement, PROFILE) == 0
+
+
+def test_layer_ahead_hides_transfers_except_the_fill():
+    # 10 MB per layer over 25 GB/s = 0.4 ms (+10 us) < 1 ms of compute: only layer 0's copy shows.
+    placement = Placement.uniform(16, 1e-3, host_bytes_per_layer=10**7)
+    copy = PROFILE.link("host->device").transfer_time(10**7)
+    assert predict_step(placement, PROFILE, 0).step_s == pytest.approx(16 * (1e-3 + copy))
+    layer_ahead = predict_step(placement, PROFILE, 1)
+    assert layer_ahead.step_s == pytest.approx(copy + 16e-3)
+    assert layer_ahead.fill_s == pytest.approx(copy)
+    assert min_prefetch_depth(placement, PROFILE) == 1
+
+
+def test_link_bound_step_reports_the_link():
+    # 100 MB per layer = 4 ms per copy >> 1 ms compute: the step is the PCIe time plus the last compute.
+    placement = Placement.uniform(16, 1e-3, host_bytes_per_layer=10**8)
+    forecast = predict_step(placement, PROFILE, 1)
+    copy = PROFILE.link("host->device").transfer_time(10**8)
+    assert forecast.bottleneck is Bottleneck.HOST_TO_DEVICE
+    assert forecast.step_s == pytest.approx(16 * copy + 1e-3)
+
+
+def test_disk_two_stage_pipeline_needs_depth_two():
+    # disk read 0.8 ms then PCIe 0.2 ms: together above 0.9 ms compute, each alone below it.
+    disk = Link("disk", 1e9, 0.0)
+    pcie = Link("pcie", 4e9, 0.0)
+    profile = LinkProfile({"disk->host": disk, "host->device": pcie})
+    placement = Placement.uniform(32, 0.9e-3, disk_bytes_per_layer=8 * 10**5)
+    assert predict_step(placement, profile, 2).step_s < predict_step(placement, profile, 1).step_s
+    assert min_prefetch_depth(placement, profile) == 2
+    assert predict_step(placement, profile, 2).bottleneck is Bottleneck.COMPUTE
+
+
+def test_prefetch_depth_is_validated():
+    with pytest.raises(InvalidConfigError, match="prefetch_depth"):
+        predict_step(Placement.uniform(2, 1e-3), PROFILE, -1)
+    with pytest.raises(InvalidConfigError):
+        LayerLoad(1e-3, host_bytes=-1)
+    with pytest.raises(InvalidConfigError):
+        Placement(())
+
+
+layers = st.lists(
+    st.builds(
+        LayerLoad,
+        compute_s=st.floats(0, 5e-3),
+        device_bytes=st.integers(0, 10**8),
+        host_bytes=st.integers(0, 10**8),
+        disk_bytes=st.integers(0, 10**8),
+        host_transfers=st.integers(1, 8),
+        disk_transfers=st.integers(1, 8),
+    ),
+    min_size=1,
+    max_size=24,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(layers=layers, other=st.floats(0, 5e-3), depth=st.integers(0, 6))
+def test_step_time_is_bounded_by_max_and_sum_of_resources(layers, other, depth):
+    forecast = predict_step(Placement(tuple(layers), other), PROFILE, depth)
+    busy = (forecast.compute_s, forecast.host_to_device_s, forecast.disk_s)
+    slack = 1e-12 * max(1.0, sum(busy))
+    assert forecast.step_s >= max(busy) - slack
+    assert forecast.step_s >= forecast.fill_s + forecast.compute_s - slack
+    assert forecast.step_s <= sum(busy) + slack
+    assert 0 < forecast.overlap_efficiency <= 1 + 1e-9 or forecast.step_s == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(layers=layers, depth=st.integers(0, 6))
+def test_deeper_prefetch_never_slows_the_step(layers, depth):
+    placement = Placement(tuple(layers))
+    shallow = predict_step(placement, PROFILE, depth).step_s
+    assert predict_step(placement, PROFILE, depth + 1).step_s <= shallow * (1 + 1e-12)
+    chosen = min_prefetch_depth(placement, PROFILE)
+    best = predict_step(placement, PROFILE, len(layers)).step_s
+    assert predict_step(placement, PROFILE, chosen).step_s <= best * 1.01 + 1e-15
+    if chosen > 0:
+        assert predict_step(placement, PROFILE, chosen - 1).step_s > best * 1.01
