@@ -56,7 +56,7 @@ def parse_tokens(value: int | str, *, name: str = "context") -> int:
             )
         count = int(float(match.group(1)) * _TOKEN_UNITS[match.group(2).lower()])
     if count < 1:
-        raise InvalidConfigError(f"{name}={value!r} must be at least 1 token.")
+        raise InvalidConfigError(f"{name}={value!r} must be at least 1 token, e.g. 32768, '128K' or '1M'.")
     return count
 
 

@@ -1,0 +1,213 @@
+"""Planner arithmetic against hand-computed Llama-3-8B numbers, config parsing, the CLI and its errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from tierkv.bandwidth import Bottleneck
+from tierkv.commands import plan as plan_command
+from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
+from tierkv.model_presets import MODEL_PRESETS, model_from_config, resolve_model
+from tierkv.planner import build_request, parse_tokens, plan, what_ifs
+
+GiB = 2**30
+M = 2**20
+
+
+@pytest.mark.parametrize(
+    ("name", "kib_per_token"),
+    [("llama-3-8b", 128), ("llama-3-70b", 320), ("mistral-7b", 128), ("qwen2.5-7b", 56)],
+)
+def test_preset_kv_bytes_per_token(name, kib_per_token):
+    # 2 (K,V) * layers * kv_heads * head_dim * 2 bytes: Llama-3-8B 2*32*8*128*2 = 131072 = 128 KiB.
+    assert MODEL_PRESETS[name].kv_bytes_per_token == kib_per_token * 2**10
+
+
+def test_preset_parameter_counts_match_the_model_names():
+    assert MODEL_PRESETS["llama-3-8b"].params == pytest.approx(8.03e9, rel=0.01)
+    assert MODEL_PRESETS["llama-3-70b"].params == pytest.approx(70.6e9, rel=0.01)
+    assert MODEL_PRESETS["qwen2.5-7b"].params == pytest.approx(7.6e9, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("text", "tokens"), [("1M", 2**20), ("128K", 131072), ("32768", 32768), (4096, 4096)]
+)
+def test_parse_tokens(text, tokens):
+    assert parse_tokens(text) == tokens
+
+
+@pytest.mark.parametrize("bad", ["lots", "-5", 0, "1.5X"])
+def test_parse_tokens_rejects_bad_input(bad):
+    with pytest.raises(InvalidConfigError, match="128K"):
+        parse_tokens(bad)
+
+
+def test_llama_3_8b_1m_tokens_hand_computed():
+    req = build_request("llama-3-8b", "1M", gpu=20, cpu=128, link="pcie5", prefetch_depth=1)
+    result = plan(req)
+    total = 128 * GiB  # 128 KiB/token * 2^20 tokens
+    staging = 2 * 4 * GiB  # one layer holds 1M * 4 KiB = 4 GiB of K/V; layer-ahead needs two
+    assert result.kv_bytes_total == total
+    assert result.staging_bytes == staging
+    tiers = result.bytes_per_tier
+    assert tiers.device == 20 * 10**9 - staging
+    assert tiers.host == total - tiers.device
+    assert tiers.disk == 0
+    moved = result.bytes_moved_per_step
+    assert moved["host->device"] == pytest.approx(tiers.host, abs=32)  # per-layer rounding
+    assert moved["disk->host"] == 0
+    # ~126 GB over 50 GB/s PCIe 5.0: about 2.5 s per token, the link is the bottleneck.
+    assert result.forecast.bottleneck is Bottleneck.HOST_TO_DEVICE
+    assert result.forecast.step_s == pytest.approx(tiers.host / 50e9, rel=0.05)
+    assert result.tokens_per_s == pytest.approx(1 / result.forecast.step_s)
+
+
+def test_host_overflow_goes_to_disk_and_disk_is_the_bottleneck():
+    result = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=64, link="pcie5", disk_link="nvme-gen4"))
+    tiers = result.bytes_per_tier
+    assert tiers.host == 64 * 10**9
+    assert tiers.disk == result.kv_bytes_total - tiers.device - tiers.host > 0
+    assert result.bottleneck is Bottleneck.DISK
+    labels = [w.label for w in what_ifs(result)]
+    assert labels == ["+16 GB device", "NVMe Gen5"]
+
+
+def test_small_context_fits_on_device_and_is_compute_bound():
+    result = plan(build_request("llama-3-8b", "32K", gpu=20, cpu=16))
+    assert result.bytes_per_tier.host == result.bytes_per_tier.disk == 0
+    assert result.bottleneck is Bottleneck.COMPUTE
+    # ~16 GB of bf16 weights at 70 % of 3.35 TB/s: ~7 ms per token on the default h100-sxm assumption.
+    assert 5e-3 < result.compute_s_per_step < 10e-3
+
+
+def test_compute_override_and_what_ifs_help():
+    req = build_request("llama-3-8b", "128K", gpu=4, cpu=64, compute_ms_per_step=20.0)
+    result = plan(req)
+    assert result.compute_s_per_step == pytest.approx(20e-3)
+    for alternative in what_ifs(result):
+        assert alternative.plan.forecast.step_s <= result.forecast.step_s
+
+
+def test_capacity_error_names_the_fix():
+    with pytest.raises(CapacityError, match="raise --disk-gb or --cpu-gb"):
+        plan(build_request("llama-3-8b", "1M", gpu=20, cpu=64, disk=10))
+
+
+def test_staging_that_does_not_fit_names_the_fix():
+    with pytest.raises(BudgetTooSmallError, match="raise --gpu-gb to at least 9"):
+        plan(build_request("llama-3-8b", "1M", gpu=5, cpu=200))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (dict(gpu="20 apples"), "not a size"),
+        (dict(link="pcie9"), "pcie4, pcie5"),
+        (dict(model="gpt-17"), "llama-3-8b"),
+        (dict(device="abacus"), "h100-sxm"),
+        (dict(batch=0), "batch"),
+    ],
+)
+def test_bad_input_is_invalid_config(kwargs, needle):
+    args = dict(model="llama-3-8b", context="1M", gpu=20, cpu=128) | kwargs
+    with pytest.raises(InvalidConfigError, match=needle):
+        build_request(args.pop("model"), args.pop("context"), **args)
+
+
+def test_hf_config_with_sliding_window_layers(tmp_path):
+    # Gemma2-9B's published config: 42 layers, alternating 4096-token sliding window and global layers.
+    config = {
+        "model_type": "gemma2",
+        "num_hidden_layers": 42,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "hidden_size": 3584,
+        "intermediate_size": 14336,
+        "vocab_size": 256000,
+        "sliding_window": 4096,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": True,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = resolve_model(str(tmp_path / "config.json"))
+    assert model.sliding_layers == 21
+    per_layer_token = 2 * 8 * 256 * 2
+    assert model.kv_bytes(M) == (21 * M + 21 * 4096) * per_layer_token
+    assert model_from_config(tmp_path) == model  # a model directory works too
+
+
+def test_hf_config_head_dim_default_and_layer_types(tmp_path):
+    config = {
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "hidden_size": 512,
+        "vocab_size": 1000,
+        "dtype": "float16",
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    }
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(config))
+    model = model_from_config(path)
+    assert (model.kv_heads, model.head_dim, model.dtype_bytes, model.sliding_layers) == (8, 64, 2, 2)
+
+
+def test_hf_config_errors(tmp_path):
+    with pytest.raises(InvalidConfigError, match="does not exist"):
+        model_from_config(tmp_path / "nope.json")
+    (tmp_path / "c.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    with pytest.raises(InvalidConfigError, match="num_attention_heads"):
+        model_from_config(tmp_path / "c.json")
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tierkv plan")
+    plan_command.add_arguments(parser)
+    return plan_command.run(parser.parse_args(argv))
+
+
+def test_cli_prints_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = [
+        "--model",
+        "llama-3-8b",
+        "--context",
+        "1M",
+        "--gpu-gb",
+        "20",
+        "--cpu-gb",
+        "128",
+        "--link",
+        "pcie5",
+    ]
+    assert _cli([*argv, "--disk", "nvme-gen4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "128.00 KiB" in text and "host->device" in text and "what-if" in text
+    data = json.loads(out.read_text())
+    assert data["kv_bytes_total"] == 128 * GiB
+    assert set(data["bytes_per_tier"]) == {"device", "host", "disk"}
+    assert data["predicted_step_s"] > 0
+    assert data["bottleneck"] == "host->device"
+    assert data["what_ifs"]
+
+
+def test_cli_uses_a_measured_profile(tmp_path, capsys):
+    from tierkv.bandwidth import Link, LinkProfile
+
+    profile = LinkProfile.from_presets().replace(**{"host->device": Link("measured-pcie", 12e9, 1e-5)})
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    out = tmp_path / "plan.json"
+    argv = ["--model", "qwen2.5-7b", "--context", "128K", "--gpu-gb", "2", "--cpu-gb", "64"]
+    assert _cli([*argv, "--profile", str(path), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["links"]["host->device"]["name"] == "measured-pcie"
+
+
+def test_cli_reports_user_errors_with_status_2(capsys):
+    argv = ["--model", "llama-3-8b", "--context", "1M", "--gpu-gb", "20", "--cpu-gb", "64", "--disk-gb", "1"]
+    assert _cli(argv) == 2
+    assert "CapacityError" in capsys.readouterr().out
