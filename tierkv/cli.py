@@ -19,19 +19,23 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser, or one that knows just subcommand ``only`` (so only its module is imported)."""
     parser = argparse.ArgumentParser(prog="tierkv", description="Tiered KV-cache offloading for LLM decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in SUBCOMMANDS.items():
-        module = importlib.import_module(f"tierkv.commands.{name}")
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(sub_parser)
-        sub_parser.set_defaults(_module=module)
+        if only in (None, name):
+            module = importlib.import_module(f"tierkv.commands.{name}")
+            module.add_arguments(sub_parser)
+            sub_parser.set_defaults(_module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    args = build_parser(chosen).parse_args(argv)
     return int(args._module.run(args) or 0)
 
 

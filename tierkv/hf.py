@@ -1,0 +1,300 @@
+"""``TieredCache``: the transformers ``Cache`` whose K/V live in tierkv's three-tier block store.
+
+Usage::
+
+    from tierkv import TieredCache
+    with TieredCache(gpu_gb=20, disk_dir="/nvme/tierkv") as cache:
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+        print(cache.stats())
+
+Each attention layer calls ``cache.update(k, v, layer_idx)``: the new tokens are appended to the store
+(tail blocks on the device), and the layer's full K/V is assembled in device staging from all tiers by
+the exact-gather executor and handed to the model's own attention — so outputs equal ``DynamicCache``'s.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from typing import Any
+
+import psutil
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from tierkv.attention.exact_gather import ExactGather, staging_bytes
+from tierkv.blocks import Tier
+from tierkv.config import parse_size
+from tierkv.errors import InvalidConfigError, TierKVError
+from tierkv.layout import BlockLayout
+from tierkv.mover import make_mover
+from tierkv.policy import Policy, make_policy
+from tierkv.store import KVStore
+from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.memory import MemoryTier
+
+DEFAULT_BLOCK_TOKENS = 256
+DEFAULT_DEVICE_FRACTION = 0.25  # of free device memory (CPU RAM on a CPU-only host), when gpu_gb is None
+DEFAULT_HOST_FRACTION = 0.5  # of available RAM, when cpu_gb is None
+DEFAULT_DISK_FRACTION = 0.9  # of free space under disk_dir, when disk_gb is None
+SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+class TieredLayer(CacheLayerMixin):
+    """One model layer's view of the shared store. Sliding-window layers keep only their window."""
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, cache: TieredCache, index: int, sliding_window: int | None = None) -> None:
+        super().__init__()
+        self.cache = cache
+        self.index = index
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.dropped = 0  # tokens freed from the front (sliding layers only)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.cache._update_layer(self, key_states, value_states)
+
+    def stored(self) -> int:
+        store = self.cache.store
+        return store.seq_length(self.index) if store is not None else 0
+
+    def get_seq_length(self) -> int:
+        return self.dropped + self.stored()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        length = self.get_seq_length()
+        if self.sliding_window is None:
+            return length + query_length, 0
+        window = self.sliding_window
+        offset = max(length - window + 1, 0)
+        visible = window - 1 if length >= window else length
+        return visible + query_length, offset
+
+    def get_max_length(self) -> int:
+        return self.sliding_window or -1
+
+    def attention_start(self, new_tokens: int) -> int:
+        """First stored token attention reads after ``new_tokens`` were appended (HF's sliding semantics)."""
+        if self.sliding_window is None:
+            return 0
+        before = self.get_seq_length() - new_tokens
+        visible = min(before, self.sliding_window - 1) + new_tokens
+        return self.stored() - visible
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.cache._crop_layer(self, tokens_to_remove)
+
+    def reset(self) -> None:
+        self.dropped = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.cache.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.cache.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.cache.batch_select_indices(indices)
+
+
+class TieredCache(Cache):
+    """A transformers ``Cache`` backed by device, host and disk tiers.
+
+    Args:
+        gpu_gb: device-tier budget (GB as a float, or a string like ``"512MB"``, ``"20GiB"``). It bounds
+            *all* device memory the cache holds, the attention staging area included (see
+            :meth:`min_device_bytes`). Default: 25% of free device memory.
+        cpu_gb: host-tier budget (pinned RAM on CUDA hosts). Default: half of the available RAM.
+        disk_dir: directory of the disk tier's files; no disk tier when None.
+        disk_gb: disk-tier budget. Default: 90% of the free space under ``disk_dir``.
+        block_tokens: tokens per block, the unit of placement and I/O.
+        policy: residency policy name (``"lru"``) or a :class:`tierkv.policy.Policy`.
+        prefetch_depth: layers gathered ahead of the one computing (each costs one staging buffer).
+        config: the model config; lets sliding-window layers (Gemma2/3, Mistral) keep only their window.
+        disk_engine: force a disk engine (``"posix"``, ``"native"``, ``"kvikio"``); default: automatic.
+    """
+
+    def __init__(self, gpu_gb: float | str | None = None, cpu_gb: float | str | None = None,
+                 disk_dir: str | os.PathLike | None = None, disk_gb: float | str | None = None,
+                 block_tokens: int = DEFAULT_BLOCK_TOKENS, policy: str | Policy = "lru", prefetch_depth: int = 1,
+                 config: PreTrainedConfig | None = None, disk_engine: str | None = None) -> None:
+        if not isinstance(block_tokens, int) or block_tokens <= 0:
+            raise InvalidConfigError(f"block_tokens must be a positive int (e.g. 256), got {block_tokens!r}.")
+        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise InvalidConfigError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}.")
+        self.gpu_budget = None if gpu_gb is None else parse_size(gpu_gb, name="gpu_gb")
+        self.cpu_budget = None if cpu_gb is None else parse_size(cpu_gb, name="cpu_gb")
+        self.disk_budget = None if disk_gb is None else parse_size(disk_gb, name="disk_gb")
+        if disk_gb is not None and disk_dir is None:
+            raise InvalidConfigError("disk_gb was given without disk_dir; pass disk_dir='/path/on/nvme' to enable "
+                                     "the disk tier, or drop disk_gb.")
+        self.disk_dir = disk_dir
+        self.disk_engine = disk_engine
+        self.block_tokens = block_tokens
+        self.policy = make_policy(policy)
+        self.prefetch_depth = prefetch_depth
+        self.store: KVStore | None = None
+        self.executor: ExactGather | None = None
+        self._disk: DiskTier | None = None
+        if disk_dir is not None:
+            budget = self.disk_budget
+            if budget is None:
+                free_dir = disk_dir if os.path.isdir(disk_dir) else os.path.dirname(os.path.abspath(disk_dir))
+                budget = int(shutil.disk_usage(free_dir).free * DEFAULT_DISK_FRACTION) if os.path.isdir(free_dir) \
+                    else 0
+            self._disk = DiskTier(disk_dir, budget, engine=disk_engine)
+        layers: list[CacheLayerMixin] = []
+        if config is not None:
+            layer_types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+            layers = [TieredLayer(self, i, kw.get("sliding_window") if kind in SLIDING_TYPES else None)
+                      for i, (kind, kw) in enumerate(zip(layer_types, kwargs))]
+        super().__init__(layers=layers)
+
+    # ------------------------------------------------------------------------------ transformers API
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.layers) <= layer_idx:
+            self.layers.append(TieredLayer(self, len(self.layers)))
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.store is not None:
+            self._select_rows([i for i in range(self._batch()) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(torch.as_tensor(indices).tolist())
+
+    def reset(self) -> None:
+        if self.store is not None:
+            self.executor.invalidate()
+            self.store.reset()
+        for layer in self.layers:
+            layer.reset()
+
+    # ----------------------------------------------------------------------------------- tierkv API
+    def stats(self) -> dict[str, Any]:
+        """Occupancy and traffic; see docs/architecture.md ("Statistics") for every key."""
+        if self.store is None:
+            empty = {tier.label: 0 for tier in Tier}
+            return {"bytes_resident": empty, "bytes_moved": {}, "blocks": dict(empty), "tokens": 0,
+                    "prefetch_hits": 0, "prefetch_misses": 0}
+        stats = self.store.stats()
+        stats.update(tokens=self.get_seq_length(), prefetch_hits=self.executor.prefetch_hits,
+                     prefetch_misses=self.executor.prefetch_misses, mover=self.executor.mover.name,
+                     disk_engine=self._disk.engine_name if self._disk else None)
+        return stats
+
+    @staticmethod
+    def min_device_bytes(config: PreTrainedConfig, context: int, batch: int = 1,
+                         block_tokens: int = DEFAULT_BLOCK_TOKENS, prefetch_depth: int = 1,
+                         dtype: torch.dtype | None = None) -> int:
+        """Smallest ``gpu_gb`` (in bytes) that decodes ``context`` tokens: staging for the largest layer
+        (``prefetch_depth + 1`` buffers of one layer's full K/V, with 25% growth headroom) plus one tail
+        block per (row, layer)."""
+        text = config.get_text_config(decoder=True)
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        dtype = dtype or getattr(text, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        layout = BlockLayout(heads, head_dim, block_tokens, dtype)
+        staging = staging_bytes(batch, int(context * 1.25), layout.token_bytes, block_tokens, prefetch_depth)
+        return staging + text.num_hidden_layers * batch * layout.slot_bytes
+
+    def close(self) -> None:
+        """Release every tier and delete the disk tier's files."""
+        if self.executor is not None:
+            self.executor.close()
+            self.executor.mover.close()
+        if self.store is not None:
+            self.store.close()
+        elif self._disk is not None:
+            self._disk.close()
+        self.store = self.executor = None
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------ internals
+    def _ensure_store(self, key_states: torch.Tensor) -> KVStore:
+        if self.store is not None:
+            return self.store
+        device = key_states.device
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        else:
+            free = psutil.virtual_memory().available
+        gpu = self.gpu_budget if self.gpu_budget is not None else int(free * DEFAULT_DEVICE_FRACTION)
+        cpu = self.cpu_budget if self.cpu_budget is not None else \
+            int(psutil.virtual_memory().available * DEFAULT_HOST_FRACTION)
+        device_tier = MemoryTier(Tier.DEVICE, gpu, device)
+        host_tier = MemoryTier(Tier.HOST, cpu, torch.device("cpu"), pin=device.type == "cuda")
+        self.store = KVStore(device_tier, host_tier, self._disk, self.policy, self.block_tokens)
+        self.executor = ExactGather(self.store, make_mover(device), self.prefetch_depth)
+        self.executor.start_of = lambda index: self.layers[index].attention_start(0)
+        return self.store
+
+    def _update_layer(self, layer: TieredLayer, key_states: torch.Tensor,
+                      value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        store = self._ensure_store(key_states)
+        try:
+            store.append(layer.index, key_states, value_states)
+        except TierKVError:
+            self._roll_back_to(layer)
+            raise
+        keys, values = self.executor.gather(layer.index, layer.attention_start(key_states.shape[2]))
+        if layer.sliding_window is not None:
+            layer.dropped += store.drop_front(layer.index, layer.stored() - (layer.sliding_window - 1))
+        return keys, values
+
+    def _roll_back_to(self, failed: TieredLayer) -> None:
+        """After a failed append: layers that already took this step's tokens give them back."""
+        length = failed.get_seq_length()
+        for layer in self.layers:
+            if isinstance(layer, TieredLayer) and layer.get_seq_length() > length:
+                self._crop_layer(layer, length - layer.get_seq_length())
+
+    def _crop_layer(self, layer: TieredLayer, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        remove = -tokens_to_remove
+        if remove == 0 or self.store is None:
+            return
+        if remove > layer.stored():
+            raise InvalidConfigError(
+                f"cannot crop {remove} tokens from layer {layer.index}: its sliding window only keeps the last "
+                f"{layer.stored()}; crop fewer tokens, or build the cache without config= to keep all tokens."
+            )
+        self.executor.invalidate()
+        self.store.crop(layer.index, remove)
+
+    def _select_rows(self, indices: Sequence[int]) -> None:
+        if self.store is None:
+            return
+        self.executor.invalidate()
+        self.store.select_rows(list(indices))
+
+    def _batch(self) -> int:
+        return max((self.store.batch_size(layer) for layer in self.store.layouts), default=0)

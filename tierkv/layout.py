@@ -1,0 +1,62 @@
+"""KV geometry of one attention layer, and the byte size of a block derived from it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tierkv.errors import InvalidConfigError
+
+SLOT_ALIGN = 4096  # disk slots and host slots are multiples of this, so O_DIRECT can move them as they are
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """The shape of one block: K and V of ``block_tokens`` tokens of one layer of one sequence.
+
+    A block is stored as ``[2, kv_heads, block_tokens, head_dim]`` (K then V), so one block is one contiguous
+    run of bytes: one copy, one disk request.
+    """
+
+    kv_heads: int
+    head_dim: int
+    block_tokens: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("kv_heads", "head_dim", "block_tokens"):
+            if getattr(self, name) <= 0:
+                raise InvalidConfigError(f"BlockLayout.{name} must be positive, got {getattr(self, name)}.")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (2, self.kv_heads, self.block_tokens, self.head_dim)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of K and V of one token of this layer."""
+        return 2 * self.kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.token_bytes * self.block_tokens
+
+    @property
+    def slot_bytes(self) -> int:
+        """A block's slot: its bytes rounded up to the I/O alignment."""
+        return math.ceil(self.block_bytes / SLOT_ALIGN) * SLOT_ALIGN
+
+    @classmethod
+    def of(cls, key_states: torch.Tensor, block_tokens: int) -> BlockLayout:
+        """Layout of the layer whose new keys are ``key_states`` ``[B, H_kv, T, D]``."""
+        if key_states.dim() != 4:
+            raise InvalidConfigError(
+                f"expected key states of shape [batch, kv_heads, tokens, head_dim], got {tuple(key_states.shape)}."
+            )
+        return cls(int(key_states.shape[1]), int(key_states.shape[3]), block_tokens, key_states.dtype)

@@ -1,0 +1,79 @@
+"""Asynchronous movement of KV into the device staging area.
+
+One interface, two implementations:
+
+- :class:`ThreadMover` (CPU-only hosts): a worker thread runs each job; torch copies and disk reads release
+  the GIL, so a layer's gather overlaps the previous layer's compute.
+- :class:`CudaMover`: a worker thread issues each job's copies on a dedicated copy stream (host->device
+  from pinned slabs is then asynchronous DMA) after that stream has waited for the compute stream — the
+  destination buffer was last read by attention there. Completion is a CUDA event; waiting on a handle
+  makes the *compute stream* wait for the event, it does not block the host on the copies themselves.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+class MoveHandle:
+    """A submitted job; :meth:`wait` returns once its data is usable on the compute stream."""
+
+    def __init__(self, future: Future, event: torch.cuda.Event | None = None) -> None:
+        self._future = future
+        self._event = event
+
+    def wait(self) -> None:
+        self._future.result()
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+class ThreadMover:
+    """Runs jobs on one background thread, in submission order."""
+
+    name = "thread"
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-mover")
+
+    def submit(self, job: Callable[[], None]) -> MoveHandle:
+        return MoveHandle(self._pool.submit(job))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class CudaMover(ThreadMover):
+    """Runs jobs' copies on a side CUDA stream, ordered after the compute stream's work so far."""
+
+    name = "cuda-stream"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._local = threading.local()
+
+    def submit(self, job: Callable[[], None]) -> MoveHandle:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        done = torch.cuda.Event()
+
+        def run() -> None:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                self.stream.wait_event(ready)
+                job()
+                done.record(self.stream)
+
+        return MoveHandle(self._pool.submit(run), done)
+
+
+def make_mover(device: torch.device) -> ThreadMover:
+    return CudaMover(device) if device.type == "cuda" else ThreadMover()

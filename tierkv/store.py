@@ -1,0 +1,544 @@
+"""The KV block store: the block table, three tier pools and the policy, kept consistent together.
+
+It knows nothing about transformers. Its callers append K/V per layer, plan reads of token ranges and
+execute them into a destination tensor; it decides where every block lives.
+
+Placement rules (see docs/architecture.md):
+
+- New blocks go to the fastest tier with a free slot (device, then host, then disk).
+- The tail block of every (row, layer) — the one still being filled — lives on the device, so a decode
+  step's new token is written where attention reads it.
+- When a tier is full, the policy picks victims that move one tier down; nothing is ever dropped.
+  Blocks never move up: in exact mode everything is read every step anyway, so promotion would only
+  ping-pong. Full blocks are immutable, so a block written to a lower tier is never written again.
+- Every change is transactional: an append that fails (disk full, budget exhausted) leaves the table as
+  it was, and every token accepted before it still reads back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tierkv.blocks import Block, BlockTable, Tier
+from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError, TierKVError
+from tierkv.layout import BlockLayout
+from tierkv.policy import Policy
+from tierkv.tiers.disk import BounceBuffer, DiskTier, disk_error
+from tierkv.tiers.memory import MemoryTier, SlabPool
+
+LINKS = ("device->device", "device->host", "host->device", "host->disk", "device->disk", "disk->device")
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSegment:
+    """``length`` tokens of one block, from token ``src`` of the block to token ``dst`` of the destination."""
+
+    row: int
+    block_id: int
+    tier: Tier
+    slot: int
+    slot_bytes: int
+    src: int
+    dst: int
+    length: int
+
+
+class KVStore:
+    """Blocks of K/V for every (row, layer), spread over the device, host and disk tiers."""
+
+    def __init__(self, device: MemoryTier, host: MemoryTier, disk: DiskTier | None, policy: Policy,
+                 block_tokens: int) -> None:
+        if block_tokens <= 0:
+            raise InvalidConfigError(f"block_tokens must be positive, got {block_tokens}.")
+        self.tiers: dict[Tier, MemoryTier | DiskTier] = {Tier.DEVICE: device, Tier.HOST: host}
+        if disk is not None:
+            self.tiers[Tier.DISK] = disk
+        self.policy = policy
+        self.block_tokens = block_tokens
+        self.table = BlockTable()
+        self.layouts: dict[int, BlockLayout] = {}
+        self.bytes_moved = dict.fromkeys(LINKS, 0)
+        self.tick = 0
+        self.barrier: Callable[[], None] = lambda: None  # waits for in-flight reads before slots are reused
+        self._write_bounce = BounceBuffer()
+        self._read_bounce = BounceBuffer()
+
+    # ----------------------------------------------------------------------------------------- queries
+    @property
+    def device(self) -> MemoryTier:
+        return self.tiers[Tier.DEVICE]  # type: ignore[return-value]
+
+    def seq_length(self, layer: int) -> int:
+        return self.table.seq_length(layer)
+
+    def batch_size(self, layer: int) -> int:
+        return len(self.table.layer_rows(layer))
+
+    def block_view(self, block: Block) -> torch.Tensor:
+        """A memory-resident block as ``[2, H_kv, block_tokens, D]`` (a view into its tier's slab)."""
+        layout = self.layouts[block.layer]
+        raw = self.tiers[block.tier].view(block.slot_bytes, block.slot)  # type: ignore[union-attr]
+        return raw[: layout.block_bytes].view(layout.dtype).view(layout.shape)
+
+    def _layer_blocks(self, tier: Tier, slot_bytes: int) -> list[Block]:
+        return [b for b in self.table.blocks.values() if b.tier == tier and b.slot_bytes == slot_bytes]
+
+    def _open_tails(self) -> set[int]:
+        """Ids of last blocks still being filled: they must stay on the device."""
+        tails = set()
+        for rows in self.table.rows.values():
+            for row in rows:
+                if row and self.table.blocks[row[-1]].tokens < self.block_tokens:
+                    tails.add(row[-1])
+        return tails
+
+    # ----------------------------------------------------------------------------------------- append
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append ``keys``/``values`` ``[B, H_kv, q, D]`` to every row of ``layer``. All or nothing."""
+        layout = self._layout_for(layer, keys, values)
+        batch, tokens = keys.shape[0], keys.shape[2]
+        rows = self.table.rows.get(layer)
+        if rows is None or not any(rows):
+            rows = [[] for _ in range(batch)]
+        elif len(rows) != batch:
+            raise InvalidConfigError(
+                f"layer {layer} holds {len(rows)} sequences but update() got a batch of {batch}; call "
+                "cache.reset() before starting a new batch, or use reorder/select for beam search."
+            )
+        if layer == 0:
+            self.tick += 1
+        kv = torch.stack((keys, values))  # [2, B, H_kv, q, D]
+        allocated: list[Block] = []
+        try:
+            plans = self._plan_appends(layer, rows, tokens, layout, allocated)
+            disk_writes = self._write_rows(kv, rows, plans, layout)
+            self._flush_disk_writes(disk_writes, layout)
+        except BaseException:
+            for block in allocated:
+                self._free_slot(block)
+                del self.table.blocks[block.id]
+            raise
+        for row, (new_tail, new_blocks) in zip(rows, plans):
+            if row and self.table.blocks[row[-1]].tokens < self.block_tokens:
+                if new_tail is not None:
+                    self._replace_tail(row, new_tail)
+                tail = self.table.blocks[row[-1]]
+                tail.tokens += min(self.block_tokens - tail.tokens, tokens)
+            for block, count in new_blocks:
+                block.tokens = count
+                row.append(block.id)
+                self.policy.on_insert(block, self.tick)
+        self.table.rows[layer] = rows
+
+    def _layout_for(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> BlockLayout:
+        if keys.shape != values.shape:
+            raise InvalidConfigError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape.")
+        layout = BlockLayout.of(keys, self.block_tokens)
+        known = self.layouts.setdefault(layer, layout)
+        if known != layout:
+            raise InvalidConfigError(
+                f"layer {layer} changed geometry from {known} to {layout}; one TieredCache serves one model — "
+                "create a new cache (or call reset()) for another model."
+            )
+        if keys.device != self.device.device:
+            raise InvalidConfigError(
+                f"layer {layer} keys are on {keys.device} but the cache's device tier is on {self.device.device}; "
+                "keep the model on one device, or create the cache after moving the model."
+            )
+        return layout
+
+    def _plan_appends(self, layer: int, rows: list[list[int]], tokens: int, layout: BlockLayout,
+                      allocated: list[Block]) -> list[tuple[Block | None, list[tuple[Block, int]]]]:
+        """Allocate what each row needs for ``tokens`` more tokens.
+
+        Per row: (a new device block replacing the current tail when that tail is shared or off the device,
+        else None; the new blocks with their final token counts). Blocks that will be open tails are
+        allocated first, on the device, so the fill of the others cannot crowd them out.
+        """
+        shapes = []
+        for row in rows:
+            room = 0
+            copy_tail = False
+            if row:
+                tail = self.table.blocks[row[-1]]
+                room = self.block_tokens - tail.tokens
+                copy_tail = room > 0 and (tail.refcount > 1 or tail.tier != Tier.DEVICE)
+            counts = []
+            remaining = tokens - min(room, tokens)
+            while remaining > 0:
+                counts.append(min(self.block_tokens, remaining))
+                remaining -= counts[-1]
+            shapes.append((copy_tail, counts))
+        tails: dict[int, Block] = {}
+        for r, (copy_tail, counts) in enumerate(shapes):
+            if copy_tail or counts:
+                tails[r] = self._new_block(layer, layout, allocated, on_device=True)
+        plans = []
+        for r, (copy_tail, counts) in enumerate(shapes):
+            new_blocks = [(self._new_block(layer, layout, allocated, on_device=False), n) for n in counts[:-1]]
+            if counts:
+                new_blocks.append((tails[r], counts[-1]))
+            plans.append((tails[r] if copy_tail and not counts else None, new_blocks))
+            if copy_tail and counts:
+                plans[-1] = (self._new_block(layer, layout, allocated, on_device=True), new_blocks)
+        return plans
+
+    def _new_block(self, layer: int, layout: BlockLayout, allocated: list[Block], on_device: bool) -> Block:
+        slot_bytes = layout.slot_bytes
+        if on_device:
+            protect = {b.id for b in allocated if b.tier == Tier.DEVICE}
+            tier, slot = Tier.DEVICE, self._alloc_device(slot_bytes, protect)
+        else:
+            tier, slot = self._alloc_top_down(slot_bytes)
+        block = self.table.new_block(layer, tier, slot, slot_bytes)
+        allocated.append(block)
+        return block
+
+    def _write_rows(self, kv: torch.Tensor, rows: list[list[int]],
+                    plans: list[tuple[Block | None, list[tuple[Block, int]]]],
+                    layout: BlockLayout) -> list[tuple[Block, torch.Tensor]]:
+        """Copy new tokens into their blocks; return the (block, data) pairs bound for disk."""
+        disk_writes = []
+        for b, (row, (new_tail, new_blocks)) in enumerate(zip(rows, plans)):
+            consumed = 0
+            if row and self.table.blocks[row[-1]].tokens < self.block_tokens:
+                tail = self.table.blocks[row[-1]]
+                take = min(self.block_tokens - tail.tokens, kv.shape[3])
+                target = tail
+                if new_tail is not None:
+                    self.block_view(new_tail)[:, :, : tail.tokens].copy_(self._read_block(tail)[:, :, : tail.tokens])
+                    self.bytes_moved[_link(tail.tier, Tier.DEVICE)] += tail.tokens * layout.token_bytes
+                    target = new_tail
+                self.block_view(target)[:, :, tail.tokens : tail.tokens + take].copy_(kv[:, b, :, :take])
+                consumed = take
+            for block, count in new_blocks:
+                data = kv[:, b, :, consumed : consumed + count]
+                consumed += count
+                if block.tier == Tier.DISK:
+                    disk_writes.append((block, data))
+                    continue
+                self.block_view(block)[:, :, :count].copy_(data)
+                if block.tier != Tier.DEVICE:
+                    self.bytes_moved["device->host"] += count * layout.token_bytes
+        return disk_writes
+
+    def _flush_disk_writes(self, writes: list[tuple[Block, torch.Tensor]], layout: BlockLayout) -> None:
+        if not writes:
+            return
+        slot_bytes = layout.slot_bytes
+        bounce = self._write_bounce.get(len(writes) * slot_bytes)
+        staged = torch.from_numpy(bounce)
+        for i, (_, data) in enumerate(writes):
+            block_part = staged[i * slot_bytes : i * slot_bytes + layout.block_bytes].view(layout.dtype)
+            block_part = block_part.view(layout.shape)
+            block_part[:, :, : data.shape[2]].copy_(data)
+        self._disk_io(slot_bytes, [block.slot for block, _ in writes], bounce, write=True)
+        self.bytes_moved["device->disk"] += sum(data.shape[2] for _, data in writes) * layout.token_bytes
+
+    def _replace_tail(self, row: list[int], new_tail: Block) -> None:
+        old = self.table.blocks[row[-1]]
+        new_tail.tokens = old.tokens
+        row[-1] = new_tail.id
+        self.policy.on_insert(new_tail, self.tick)
+        released = self.table.release(old.id)
+        if released is not None:
+            self._free_slot(released)
+
+    # ------------------------------------------------------------------------------------ allocation
+    def _alloc_top_down(self, slot_bytes: int) -> tuple[Tier, int]:
+        for tier in self.tiers:
+            slot = self.tiers[tier].alloc(slot_bytes)
+            if slot is not None:
+                return tier, slot
+        raise self._capacity_error()
+
+    def _alloc_device(self, slot_bytes: int, protect: set[int]) -> int:
+        """A device slot, demoting a victim down a tier when the device is full."""
+        slot = self.device.alloc(slot_bytes)
+        while slot is None:
+            self._demote_victims(Tier.DEVICE, slot_bytes, 1, protect)
+            slot = self.device.alloc(slot_bytes)
+        return slot
+
+    def _demote_victims(self, tier: Tier, slot_bytes: int, count: int, protect: set[int]) -> None:
+        pinned = protect | (self._open_tails() if tier == Tier.DEVICE else set())
+        candidates = [b for b in self._layer_blocks(tier, slot_bytes) if b.id not in pinned]
+        victims = self.policy.victims(candidates, count)
+        if not victims:
+            if tier == Tier.DEVICE:
+                raise BudgetTooSmallError(
+                    f"the device budget ({self.device.budget / 1e6:.2f} MB) cannot even hold the blocks being "
+                    f"filled ({len(pinned)} tail blocks of {slot_bytes} bytes) plus the attention staging area "
+                    f"({self.device.reserved / 1e6:.2f} MB); raise gpu_gb (see TieredCache.min_device_bytes) or "
+                    "lower block_tokens."
+                )
+            raise self._capacity_error()
+        self._demote(victims)
+
+    def _demote(self, blocks: list[Block]) -> None:
+        """Move ``blocks`` (all on one tier, one slot size) one tier down, making room there first."""
+        source = blocks[0].tier
+        target = Tier(source + 1)
+        if target not in self.tiers:
+            raise self._capacity_error()
+        slot_bytes = blocks[0].slot_bytes
+        self.barrier()
+        slots = []
+        try:
+            for _ in blocks:
+                slot = self.tiers[target].alloc(slot_bytes)
+                while slot is None:
+                    self._demote_victims(target, slot_bytes, max(1, len(blocks) - len(slots)),
+                                         protect={b.id for b in blocks})
+                    slot = self.tiers[target].alloc(slot_bytes)
+                slots.append(slot)
+            self._copy_down(blocks, target, slots)
+        except BaseException:
+            for slot in slots:
+                self.tiers[target].free(slot_bytes, slot)
+            raise
+        for block, slot in zip(blocks, slots):
+            self.tiers[source].free(slot_bytes, block.slot)
+            block.tier, block.slot = target, slot
+            self.bytes_moved[_link(source, target)] += block.tokens * self.layouts[block.layer].token_bytes
+
+    def _copy_down(self, blocks: list[Block], target: Tier, slots: list[int]) -> None:
+        slot_bytes = blocks[0].slot_bytes
+        if target != Tier.DISK:
+            for block, slot in zip(blocks, slots):
+                self.tiers[target].view(slot_bytes, slot).copy_(  # type: ignore[union-attr]
+                    self.tiers[block.tier].view(slot_bytes, block.slot))  # type: ignore[union-attr]
+            return
+        bounce = self._write_bounce.get(len(blocks) * slot_bytes)
+        staged = torch.from_numpy(bounce).view(len(blocks), slot_bytes)
+        for i, block in enumerate(blocks):
+            staged[i].copy_(self.tiers[block.tier].view(slot_bytes, block.slot))  # type: ignore[union-attr]
+        self._disk_io(slot_bytes, slots, bounce, write=True)
+
+    def _disk_io(self, slot_bytes: int, slots: list[int], buffer: np.ndarray, write: bool) -> None:
+        disk: DiskTier = self.tiers[Tier.DISK]  # type: ignore[assignment]
+        try:
+            handle = disk.write(slot_bytes, slots, buffer) if write else disk.read(slot_bytes, slots, buffer)
+            handle.wait()
+        except TierKVError:
+            raise
+        except OSError as exc:
+            raise disk_error(exc, disk.files[slot_bytes].path) from exc
+
+    def _free_slot(self, block: Block) -> None:
+        self.barrier()
+        self.tiers[block.tier].free(block.slot_bytes, block.slot)
+
+    def _capacity_error(self) -> CapacityError:
+        budgets = ", ".join(f"{tier.label} {self.tiers[tier].budget / 1e9:.3f} GB" for tier in self.tiers)
+        fix = "raise cpu_gb or disk_gb" if Tier.DISK in self.tiers else "raise cpu_gb or pass disk_dir= to add a disk tier"
+        return CapacityError(f"the KV cache no longer fits in its budgets ({budgets}); {fix}.")
+
+    # ----------------------------------------------------------------------------------------- reads
+    def plan_read(self, layer: int, start: int, stop: int) -> list[ReadSegment]:
+        """Segments that cover tokens ``[start, stop)`` of every row of ``layer``; records the access."""
+        segments = []
+        for r, row in enumerate(self.table.layer_rows(layer)):
+            offset = 0
+            for block_id in row:
+                block = self.table.blocks[block_id]
+                lo, hi = max(start, offset), min(stop, offset + block.tokens)
+                if lo < hi:
+                    segments.append(ReadSegment(r, block.id, block.tier, block.slot, block.slot_bytes,
+                                                lo - offset, lo - start, hi - lo))
+                    self.policy.on_access(block, self.tick)
+                offset += block.tokens
+        return segments
+
+    def read_into(self, layer: int, segments: Iterable[ReadSegment], dest: torch.Tensor) -> None:
+        """Copy ``segments`` of ``layer`` into ``dest`` ``[2, B, H_kv, >= tokens, D]`` on the device."""
+        layout = self.layouts[layer]
+        from_disk = []
+        for seg in segments:
+            if seg.tier == Tier.DISK:
+                from_disk.append(seg)
+                continue
+            raw = self.tiers[seg.tier].view(seg.slot_bytes, seg.slot)  # type: ignore[union-attr]
+            source = raw[: layout.block_bytes].view(layout.dtype).view(layout.shape)
+            dest[:, seg.row, :, seg.dst : seg.dst + seg.length].copy_(
+                source[:, :, seg.src : seg.src + seg.length], non_blocking=True)
+            self.bytes_moved[_link(seg.tier, Tier.DEVICE)] += seg.length * layout.token_bytes
+        if from_disk:
+            self._read_disk_segments(layout, from_disk, dest)
+
+    def _read_disk_segments(self, layout: BlockLayout, segments: list[ReadSegment], dest: torch.Tensor) -> None:
+        slot_bytes = layout.slot_bytes
+        order = sorted(range(len(segments)), key=lambda i: segments[i].slot)  # ascending: runs coalesce
+        bounce = self._read_bounce.get(len(segments) * slot_bytes)
+        self._disk_io(slot_bytes, [segments[i].slot for i in order], bounce, write=False)
+        staged = torch.from_numpy(bounce)
+        for position, i in enumerate(order):
+            seg = segments[i]
+            raw = staged[position * slot_bytes : position * slot_bytes + layout.block_bytes]
+            source = raw.view(layout.dtype).view(layout.shape)
+            dest[:, seg.row, :, seg.dst : seg.dst + seg.length].copy_(source[:, :, seg.src : seg.src + seg.length])
+            self.bytes_moved["disk->device"] += seg.length * layout.token_bytes
+
+    def _read_block(self, block: Block) -> torch.Tensor:
+        """A block's data as ``[2, H_kv, block_tokens, D]`` wherever it lives (disk blocks are read)."""
+        if block.tier != Tier.DISK:
+            return self.block_view(block)
+        layout = self.layouts[block.layer]
+        out = torch.empty(layout.shape, dtype=layout.dtype, device=self.device.device)
+        segment = ReadSegment(0, block.id, block.tier, block.slot, block.slot_bytes, 0, 0, block.tokens)
+        self._read_disk_segments(layout, [segment], out.unsqueeze(1))
+        return out
+
+    def read_tokens(self, layer: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """A fresh ``[2, B, H_kv, stop - start, D]`` copy of a token range (for tests and tools, not decode)."""
+        stop = self.seq_length(layer) if stop is None else stop
+        layout = self.layouts[layer]
+        out = torch.empty((2, self.batch_size(layer), layout.kv_heads, stop - start, layout.head_dim),
+                          dtype=layout.dtype, device=self.device.device)
+        self.read_into(layer, self.plan_read(layer, start, stop), out)
+        return out
+
+    # ----------------------------------------------------------------------------------- table edits
+    def select_rows(self, indices: list[int]) -> None:
+        """Row ``i`` of every layer becomes old row ``indices[i]`` (beam reorder, batch selection)."""
+        self.barrier()
+        for layer in list(self.table.rows):
+            for block in self.table.select_rows(layer, indices):
+                self._free_slot(block)
+
+    def crop(self, layer: int, tokens_to_remove: int) -> None:
+        """Drop the last ``tokens_to_remove`` tokens of every row of ``layer``."""
+        self._trim(layer, tokens_to_remove, from_front=False)
+
+    def drop_front(self, layer: int, whole_blocks_before: int) -> int:
+        """Free whole blocks that end before token ``whole_blocks_before``; return the tokens dropped."""
+        rows = self.table.layer_rows(layer)
+        if not rows or not rows[0]:
+            return 0
+        dropped = 0
+        for block_id in rows[0][:-1]:
+            tokens = self.table.blocks[block_id].tokens
+            if dropped + tokens > whole_blocks_before:
+                break
+            dropped += tokens
+        if dropped:
+            self._trim(layer, dropped, from_front=True)
+        return dropped
+
+    def _trim(self, layer: int, tokens: int, from_front: bool) -> None:
+        if tokens <= 0:
+            return
+        self.barrier()
+        for row in self.table.layer_rows(layer):
+            remaining = tokens
+            while remaining > 0 and row:
+                block = self.table.blocks[row[0] if from_front else row[-1]]
+                if block.tokens <= remaining:
+                    remaining -= block.tokens
+                    row.pop(0 if from_front else -1)
+                    released = self.table.release(block.id)
+                    if released is not None:
+                        self._free_slot(released)
+                elif from_front:
+                    raise InvalidConfigError("drop_front only drops whole blocks.")
+                else:
+                    self._shrink_tail(row, block, block.tokens - remaining)
+                    remaining = 0
+
+    def _shrink_tail(self, row: list[int], block: Block, keep: int) -> None:
+        """Keep the first ``keep`` tokens of a row's last block; a shared block is copied first."""
+        if block.refcount == 1:
+            block.tokens = keep
+            return
+        layout = self.layouts[block.layer]
+        allocated: list[Block] = []
+        copy = self._new_block(block.layer, layout, allocated, on_device=True)
+        self.block_view(copy)[:, :, :keep].copy_(self._read_block(block)[:, :, :keep])
+        copy.tokens = keep
+        self.policy.on_insert(copy, self.tick)
+        row[-1] = copy.id
+        self.table.release(block.id)
+
+    # ------------------------------------------------------------------------------------ staging
+    def reserve_device(self, nbytes: int) -> None:
+        """Count ``nbytes`` of device staging against the device budget, evacuating blocks to make room."""
+        while not self.device.reserve(nbytes):
+            pool = self._fullest_pool()
+            if pool is None:
+                raise BudgetTooSmallError(
+                    f"the device budget ({self.device.budget / 1e6:.2f} MB) is smaller than the attention staging "
+                    f"area alone ({(self.device.reserved + nbytes) / 1e6:.2f} MB); raise gpu_gb (see "
+                    "TieredCache.min_device_bytes)."
+                )
+            self._evacuate_last_chunk(pool)
+
+    def _fullest_pool(self) -> SlabPool | None:
+        pools = [pool for pool in self.device.pools.values() if pool.chunks]
+        return max(pools, key=lambda pool: pool.allocated_bytes, default=None)
+
+    def _evacuate_last_chunk(self, pool: SlabPool) -> None:
+        """Empty the newest chunk of a device pool (demote its blocks, relocate open tails) and release it."""
+        self.barrier()
+        last = set(pool.last_chunk_slots())
+        tails = self._open_tails()
+        on_chunk = [b for b in self._layer_blocks(Tier.DEVICE, pool.slot_bytes) if b.slot in last]
+        movable = [b for b in on_chunk if b.id not in tails]
+        if movable:
+            self._demote(movable)
+        for block in (b for b in on_chunk if b.id in tails):
+            slot = pool.alloc()
+            if slot is not None and slot in last:
+                pool.free(slot)
+                slot = None
+            if slot is None:
+                self._demote_victims(Tier.DEVICE, pool.slot_bytes, 1, protect={b.id for b in on_chunk})
+                slot = pool.alloc()
+                if slot is None or slot in last:
+                    raise BudgetTooSmallError(
+                        f"the device budget ({self.device.budget / 1e6:.2f} MB) cannot hold the attention staging "
+                        "area and the blocks being filled; raise gpu_gb (see TieredCache.min_device_bytes)."
+                    )
+            pool.view(slot).copy_(pool.view(block.slot))
+            pool.free(block.slot)
+            block.slot = slot
+        pool.drop_last_chunk()
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    def reset(self) -> None:
+        """Forget every block; pools stay allocated for the next sequence."""
+        self.barrier()
+        for block in list(self.table.blocks.values()):
+            self.tiers[block.tier].free(block.slot_bytes, block.slot)
+        self.table = BlockTable()
+
+    def close(self) -> None:
+        self.barrier()
+        self.table = BlockTable()
+        for tier in self.tiers.values():
+            if isinstance(tier, DiskTier):
+                tier.close()
+            else:
+                tier.release_all()
+
+    def stats(self) -> dict:
+        blocks = {tier.label: 0 for tier in Tier}
+        resident = {tier.label: 0 for tier in Tier}
+        for block in self.table.blocks.values():
+            blocks[block.tier.label] += 1
+            resident[block.tier.label] += block.tokens * self.layouts[block.layer].token_bytes
+        return {
+            "bytes_resident": resident,
+            "bytes_allocated": {tier.label: self.tiers[tier].allocated_bytes for tier in self.tiers},
+            "budget_bytes": {tier.label: self.tiers[tier].budget for tier in self.tiers},
+            "bytes_staging": self.device.reserved,
+            "bytes_moved": dict(self.bytes_moved),
+            "blocks": blocks,
+        }
+
+
+def _link(source: Tier, target: Tier) -> str:
+    return f"{source.label}->{target.label}"
