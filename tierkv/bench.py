@@ -1,0 +1,540 @@
+"""Microbenchmarks of every link the KV cache moves over, and their fit into a :class:`LinkProfile`.
+
+What is measured (each at transfer sizes from ``min_size`` to ``max_size``, every 4x):
+
+========================  ==========================================================================
+host->host   memcpy       ``dst.copy_(src)`` between two CPU tensors (torch uses every core)
+device->device gather     blocks from random slots of a pool into one staging tensor, the exact-gather
+                          executor's copy: ``index_select(out=)`` and one ``copy_`` per block, each
+                          beside a plain copy of the same bytes (the ratio is the price of gathering)
+disk->host / host->disk   each disk engine, one batch of ``size``-byte requests over a file of
+                          ``disk_bytes``, beside a *raw* baseline: 16 threads issuing bare O_DIRECT
+                          ``preadv``/``pwritev`` of the same request size (no engine, no checks)
+host<->device (CUDA)      pinned and pageable copies each way, and both ways at once on two streams
+========================  ==========================================================================
+
+Honesty rules: warm up before timing; report the median of ``repeats``; on CUDA, time with events and
+synchronize first; read disk data that was really written (a sparse or fallocated file reads as zeros
+without touching the disk) through O_DIRECT, or drop the file's page cache before each read when an
+engine had to fall back to buffered I/O. On a CPU-only host there is no PCIe: the "host->device" link of
+the profile is the memcpy into the device tier (which lives in CPU memory), and ``machine`` says so.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import datetime
+import itertools
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from tierkv.bandwidth import Link, LinkProfile, fit_link
+from tierkv.io import ALIGN, aligned_empty, available_engines, open_disk_file
+from tierkv.io.base import DiskFile, chunk_bytes, queue_depth
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """The median time of one operation moving ``nbytes`` in ``transfers`` requests/copies over ``link``."""
+
+    link: str  # "host->host", "device->device", "disk->host", "host->disk", "host->device", ...
+    method: str  # "memcpy", "gather index_select", "native", "raw O_DIRECT", "pinned", ...
+    size: int  # transfer size the row is plotted at: bytes per request (disk) or per copy (memory)
+    nbytes: int  # bytes moved by one timed operation
+    transfers: int  # requests or copies in one timed operation
+    seconds: float  # median over the repeats
+
+    @property
+    def gbps(self) -> float:
+        """Achieved bandwidth in GB/s (10^9 bytes per second)."""
+        return self.nbytes / self.seconds / 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """What to measure. :meth:`quick` is the ~10 s variant the tests run."""
+
+    directory: Path
+    min_size: int = 4 * KiB
+    max_size: int = 1 * GiB
+    disk_bytes: int = 1 * GiB
+    block_bytes: int = 256 * KiB  # gather unit: one block of one layer
+    engines: tuple[str, ...] | None = None  # None: every engine that loads here
+    warmup: int = 1
+    repeats: int = 5
+    disk_point_bytes: int = 256 * MiB  # most bytes one disk point moves (small requests move less)
+
+    def __post_init__(self) -> None:
+        if not (ALIGN <= self.min_size <= self.max_size):
+            raise ValueError(f"need {ALIGN} <= min_size <= max_size, got {self.min_size}, {self.max_size}.")
+        if self.disk_bytes < self.min_size or self.disk_bytes % ALIGN:
+            raise ValueError(f"disk size {self.disk_bytes} must be a multiple of {ALIGN} and >= min_size.")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError("repeats must be >= 1 and warmup >= 0.")
+
+    @classmethod
+    def quick(cls, directory: Path, **overrides: object) -> BenchConfig:
+        """Small sizes and few repeats: checks the whole pipeline in seconds; numbers are indicative."""
+        small = cls(directory, max_size=4 * MiB, disk_bytes=32 * MiB, block_bytes=64 * KiB, repeats=3,
+                    disk_point_bytes=8 * MiB)  # fmt: skip
+        return dataclasses.replace(small, **overrides)
+
+
+@dataclass
+class BenchResult:
+    """Everything one run measured, the profile fitted from it and the machine it ran on."""
+
+    measurements: list[Measurement]
+    profile: LinkProfile
+    machine: dict[str, str]
+    notes: list[str] = field(default_factory=list)
+
+    def series(self, link: str, method: str) -> list[Measurement]:
+        return [m for m in self.measurements if m.link == link and m.method == method]
+
+
+def transfer_sizes(min_size: int, max_size: int) -> list[int]:
+    """Sizes from ``min_size`` to ``max_size`` in steps of 4x (4 KiB, 16 KiB ... 1 GiB)."""
+    sizes, size = [], min_size
+    while size <= max_size:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+# --------------------------------------------------------------------------- machine
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def filesystem_of(directory: Path) -> str:
+    """``"ext4 on /dev/vda (/)"``: the mount that holds ``directory`` (longest mount-point prefix)."""
+    target = os.path.realpath(directory)
+    best = None
+    for part in psutil.disk_partitions(all=True):
+        mount = part.mountpoint
+        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and (
+            best is None or len(mount) > len(best.mountpoint)
+        ):
+            best = part
+    return "unknown" if best is None else f"{best.fstype} on {best.device} ({best.mountpoint})"
+
+
+def machine_description(directory: Path) -> dict[str, str]:
+    """What a reader needs to judge the numbers: CPU, cores, RAM, GPU, the disk's filesystem, the date."""
+    cuda = torch.cuda.is_available()
+    machine = {
+        "cpu": _cpu_model(),
+        "cores": f"{os.cpu_count()} logical ({torch.get_num_threads()} torch threads)",
+        "ram": f"{psutil.virtual_memory().total / GiB:.1f} GiB",
+        "gpu": torch.cuda.get_device_name(0) if cuda else "none",
+        "disk_dir": str(directory),
+        "filesystem": filesystem_of(directory),
+        "kernel": platform.release(),
+        "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()),  # other work skews a 2-core box
+        "torch": torch.__version__,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
+    if not cuda:
+        machine["host->device"] = (
+            "CPU-only host: memcpy from the host tier into the device tier (CPU memory); no PCIe"
+        )
+        machine["device->host"] = machine["host->device"]
+        machine["device->device"] = "block gather within CPU memory (index_select into the staging tensor)"
+    return machine
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _median_seconds(op: Callable[[], object], *, warmup: int, repeats: int, inner: int = 1) -> float:
+    """Median wall time of ``op``; ``inner`` calls per sample so a sample is not all clock noise."""
+    for _ in range(warmup):
+        op()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            op()
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def _median_cuda_seconds(op: Callable[[], object], *, warmup: int, repeats: int, inner: int = 1) -> float:
+    """Median time of ``op`` between CUDA events on the current stream, synchronized before and after."""
+    for _ in range(warmup):
+        op()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            op()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / inner)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def _inner(size: int) -> int:
+    """Repetitions per sample: ~16 MiB per sample, so 4 KiB copies are timed over ~4000 calls."""
+    return max(1, min(4096, (16 * MiB) // size))
+
+
+# --------------------------------------------------------------------------- memory links
+
+
+def measure_memcpy(sizes: Sequence[int], cfg: BenchConfig) -> list[Measurement]:
+    """host->host: one ``copy_`` of ``size`` bytes between CPU tensors."""
+    src = torch.ones(max(sizes), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    out = []
+    for size in sizes:
+        s, d = src[:size], dst[:size]
+        t = _median_seconds(
+            lambda s=s, d=d: d.copy_(s), warmup=cfg.warmup, repeats=cfg.repeats, inner=_inner(size)
+        )
+        out.append(Measurement("host->host", "memcpy", size, size, 1, t))
+    return out
+
+
+def measure_gather(sizes: Sequence[int], cfg: BenchConfig, device: str = "cpu") -> list[Measurement]:
+    """device->device: gather ``size // block`` blocks from random slots of a 2x larger pool.
+
+    Three ways of moving the same bytes into the staging tensor: one plain contiguous copy (the ceiling),
+    ``index_select(out=)`` (one call) and a ``copy_`` per block (what a naive gather does).
+    """
+    block = cfg.block_bytes
+    sizes = [s for s in sizes if s >= block]
+    if not sizes:
+        return []
+    n_pool = 2 * max(sizes) // block
+    pool = torch.ones(n_pool, block, dtype=torch.uint8, device=device)  # [slots, block bytes]
+    staging = torch.empty(max(sizes) // block, block, dtype=torch.uint8, device=device)
+    timer = _median_cuda_seconds if device == "cuda" else _median_seconds
+    rng = np.random.default_rng(0)
+    out = []
+    for size in sizes:
+        k = size // block
+        slots = torch.from_numpy(rng.permutation(n_pool)[:k]).to(device)  # scattered, like a real table
+        slot_list = slots.tolist()
+        dst = staging[:k]
+        plain_src = pool[:k]
+
+        def per_block(dst: torch.Tensor = dst, slot_list: list[int] = slot_list) -> None:
+            for i, slot in enumerate(slot_list):
+                dst[i].copy_(pool[slot])
+
+        ops = {
+            "plain copy": lambda dst=dst, src=plain_src: dst.copy_(src),
+            "gather index_select": lambda dst=dst, slots=slots: torch.index_select(pool, 0, slots, out=dst),
+            "gather per-block copy_": per_block,
+        }
+        for method, op in ops.items():
+            inner = _inner(size) if method != "gather per-block copy_" else max(1, _inner(size) // k)
+            t = timer(op, warmup=cfg.warmup, repeats=cfg.repeats, inner=inner)
+            out.append(
+                Measurement(
+                    "device->device", method, size, size, 1 if method != "gather per-block copy_" else k, t
+                )
+            )
+    return out
+
+
+def measure_cuda_links(sizes: Sequence[int], cfg: BenchConfig) -> list[Measurement]:
+    """host->device and device->host, pinned and pageable, and both directions at once (pinned)."""
+    n = max(sizes)
+    dev_a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dev_b = torch.empty(n, dtype=torch.uint8, device="cuda")
+    host = {
+        "pinned": (
+            torch.ones(n, dtype=torch.uint8).pin_memory(),
+            torch.empty(n, dtype=torch.uint8).pin_memory(),
+        ),
+        "pageable": (torch.ones(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)),
+    }
+    h2d_stream, d2h_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    out = []
+    for size in sizes:
+        inner = _inner(size)
+        for kind, (h_src, h_dst) in host.items():
+            src, dst, d = h_src[:size], h_dst[:size], dev_a[:size]
+            t = _median_cuda_seconds(lambda d=d, src=src: d.copy_(src, non_blocking=True),
+                                     warmup=cfg.warmup, repeats=cfg.repeats, inner=inner)  # fmt: skip
+            out.append(Measurement("host->device", kind, size, size, 1, t))
+            t = _median_cuda_seconds(lambda d=d, dst=dst: dst.copy_(d, non_blocking=True),
+                                     warmup=cfg.warmup, repeats=cfg.repeats, inner=inner)  # fmt: skip
+            out.append(Measurement("device->host", kind, size, size, 1, t))
+        src, dst = host["pinned"][0][:size], host["pinned"][1][:size]
+        up, down = dev_a[:size], dev_b[:size]
+
+        def both_ways(src: torch.Tensor = src, dst: torch.Tensor = dst, up: torch.Tensor = up,
+                      down: torch.Tensor = down) -> None:  # fmt: skip
+            main = torch.cuda.current_stream()
+            h2d_stream.wait_stream(main)
+            d2h_stream.wait_stream(main)
+            with torch.cuda.stream(h2d_stream):
+                up.copy_(src, non_blocking=True)
+            with torch.cuda.stream(d2h_stream):
+                dst.copy_(down, non_blocking=True)
+            main.wait_stream(h2d_stream)
+            main.wait_stream(d2h_stream)
+
+        t = _median_cuda_seconds(both_ways, warmup=cfg.warmup, repeats=cfg.repeats, inner=inner)
+        out.append(Measurement("host<->device", "pinned both ways", size, 2 * size, 2, t))
+    return out
+
+
+# --------------------------------------------------------------------------- disk
+
+
+class RawDirect:
+    """The baseline: ``depth`` threads issuing bare O_DIRECT preadv/pwritev, pulling from one counter.
+
+    No request checks, no splitting, no handles: what the filesystem gives a minimal program at this queue
+    depth and request size. The threads persist across calls, as an engine's do, so neither side pays
+    thread start-up inside the timing.
+    """
+
+    def __init__(self, path: Path, depth: int) -> None:
+        self._fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+        self._depth = depth
+        self._pool = cf.ThreadPoolExecutor(depth, thread_name_prefix="tierkv-raw-io")
+
+    def run(self, requests: list[tuple[int, np.ndarray]], write: bool) -> None:
+        call = os.pwritev if write else os.preadv
+        counter = itertools.count()
+
+        def worker() -> None:
+            while (i := next(counter)) < len(requests):
+                offset, view = requests[i]
+                done = 0
+                while done < view.nbytes:
+                    moved = call(self._fd, [view[done:]], offset + done)
+                    if moved <= 0:
+                        raise OSError(
+                            f"raw O_DIRECT {'write' if write else 'read'} stalled at {offset + done}"
+                        )
+                    done += moved
+
+        for future in [self._pool.submit(worker) for _ in range(min(self._depth, len(requests)))]:
+            future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        os.close(self._fd)
+
+
+def _drop_page_cache(path: Path) -> None:
+    """Evict the file's clean pages so a buffered read comes from the disk, not from RAM."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def measure_disk(sizes: Sequence[int], cfg: BenchConfig) -> tuple[list[Measurement], list[str]]:
+    """disk->host and host->disk through each engine and the raw baseline; returns (rows, notes)."""
+    cfg.directory.mkdir(parents=True, exist_ok=True)
+    path = cfg.directory / f"tierkv-bench-{os.getpid()}.bin"
+    engines = list(cfg.engines) if cfg.engines is not None else available_engines()
+    if not engines:
+        raise ValueError("no disk engine to measure; give at least one of the available engines.")
+    notes: list[str] = []
+    depth = queue_depth()
+    sizes = [s for s in sizes if s <= cfg.disk_bytes]
+    buffer = aligned_empty(min(cfg.disk_bytes, max(max(sizes), cfg.disk_point_bytes)))
+    buffer[:] = np.random.default_rng(1).integers(0, 256, buffer.nbytes, dtype=np.uint8)
+    out = []
+    try:
+        with open(path, "wb") as f:
+            f.truncate(cfg.disk_bytes)
+        files = {name: open_disk_file(path, engine=name) for name in engines}
+        raw: RawDirect | None = None
+        try:
+            _fill(files[engines[0]], path, buffer, cfg.disk_bytes)
+            try:
+                raw = RawDirect(path, depth)
+            except OSError as exc:
+                notes.append(
+                    f"raw O_DIRECT baseline skipped: the filesystem refuses O_DIRECT ({exc.strerror})"
+                )
+            for name, f in files.items():
+                mode = "O_DIRECT" if f.direct else "buffered (page cache dropped before reads)"
+                notes.append(f"{name}: {mode}, queue depth {depth}, pieces of {chunk_bytes() // MiB} MiB")
+            for size in sizes:
+                total = min(cfg.disk_bytes, max(size, min(size * 1024, cfg.disk_point_bytes)))
+                requests = [(i * size, buffer[i * size : (i + 1) * size]) for i in range(total // size)]
+                n = len(requests)
+                for write in (False, True):
+                    link = "host->disk" if write else "disk->host"
+                    if raw is not None:
+                        t = _median_seconds(lambda w=write, r=requests: raw.run(r, w),
+                                            warmup=cfg.warmup, repeats=cfg.repeats)  # fmt: skip
+                        out.append(Measurement(link, "raw O_DIRECT", size, n * size, n, t))
+                    for name, f in files.items():
+                        t = _median_seconds(lambda f=f, w=write, r=requests: _engine_op(f, r, w, path),
+                                            warmup=cfg.warmup, repeats=cfg.repeats)  # fmt: skip
+                        out.append(Measurement(link, name, size, n * size, n, t))
+        finally:
+            for f in files.values():
+                f.close()
+            if raw is not None:
+                raw.close()
+    finally:
+        path.unlink(missing_ok=True)
+    return out, notes
+
+
+def _fill(f: DiskFile, path: Path, buffer: np.ndarray, disk_bytes: int) -> None:
+    """Write real data over the whole file: holes and fallocated extents read as zeros without disk I/O."""
+    step = buffer.nbytes - buffer.nbytes % ALIGN
+    f.submit_writes(
+        [(off, buffer[: min(step, disk_bytes - off)]) for off in range(0, disk_bytes, step)]
+    ).wait()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _engine_op(f: DiskFile, requests: list[tuple[int, np.ndarray]], write: bool, path: Path) -> None:
+    """One timed batch. Buffered engines get their cache dropped (reads) or fsync'd (writes) so the
+    number is the disk's, not the page cache's."""
+    if not f.direct and not write:
+        _drop_page_cache(path)
+    handle = f.submit_writes(requests) if write else f.submit_reads(requests)
+    handle.wait()
+    if not f.direct and write:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------- profile
+
+
+def _fit(name: str, rows: Sequence[Measurement]) -> Link | str:
+    """Fit per-transfer latency and bandwidth; the reason instead if the series cannot separate them."""
+    if len({m.size for m in rows}) < 2:
+        return f"{name}: fewer than 2 transfer sizes measured"
+    try:
+        return fit_link(name, [m.size for m in rows], [m.seconds / m.transfers for m in rows])
+    except ValueError as exc:
+        return f"{name}: not fitted ({exc})"
+
+
+def build_profile(
+    measurements: Sequence[Measurement], machine: dict[str, str], disk_engine: str | None
+) -> tuple[LinkProfile, list[str]]:
+    """Fit the profile's links from the series the runtime will actually use.
+
+    disk links come from the engine auto-selection picks (``disk_engine``); on CUDA the PCIe links from
+    pinned copies (the host tier is pinned); without CUDA host->device and device->host are the memcpy.
+    """
+
+    def rows(link: str, method: str) -> list[Measurement]:
+        return [m for m in measurements if m.link == link and m.method == method]
+
+    sources = {
+        "host->host": rows("host->host", "memcpy"),
+        "device->device": rows("device->device", "gather index_select"),
+    }
+    if torch.cuda.is_available():
+        sources["host->device"] = rows("host->device", "pinned")
+        sources["device->host"] = rows("device->host", "pinned")
+    else:
+        sources["host->device"] = sources["device->host"] = sources["host->host"]
+    if disk_engine is not None:
+        sources["disk->host"] = rows("disk->host", disk_engine)
+        sources["host->disk"] = rows("host->disk", disk_engine)
+        machine = {**machine, "disk_engine": disk_engine}
+    fits = {key: _fit(key, series) for key, series in sources.items()}
+    links = {key: fit for key, fit in fits.items() if isinstance(fit, Link)}
+    return LinkProfile(links, machine), [fit for fit in fits.values() if isinstance(fit, str)]
+
+
+def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: None) -> BenchResult:
+    """Measure every link of this host and fit the profile."""
+    sizes = transfer_sizes(cfg.min_size, cfg.max_size)
+    machine = machine_description(cfg.directory)
+    measurements: list[Measurement] = []
+    progress("host memcpy")
+    measurements += measure_memcpy(sizes, cfg)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    progress(f"block gather ({device})")
+    measurements += measure_gather(sizes, cfg, device)
+    if device == "cuda":
+        progress("host<->device copies")
+        measurements += measure_cuda_links(sizes, cfg)
+    progress(f"disk ({cfg.disk_bytes // MiB} MiB file in {cfg.directory})")
+    disk_rows, notes = measure_disk(sizes, cfg)
+    measurements += disk_rows
+    engines = list(cfg.engines) if cfg.engines is not None else available_engines()
+    disk_engine = next((e for e in available_engines() if e in engines), None)
+    profile, fit_notes = build_profile(measurements, machine, disk_engine)
+    return BenchResult(measurements, profile, machine, notes + fit_notes)
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def plot(result: BenchResult, path: str | os.PathLike[str]) -> None:
+    """Bandwidth vs transfer size, one panel per family of links."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = {
+        "memory": ("host->host", "device->device", "host->device", "device->host", "host<->device"),
+        "disk read": ("disk->host",),
+        "disk write": ("host->disk",),
+    }
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), constrained_layout=True)
+    for ax, (title, links) in zip(axes, panels.items(), strict=True):
+        series = sorted({(m.link, m.method) for m in result.measurements if m.link in links})
+        for link, method in series:
+            rows = result.series(link, method)
+            ax.plot([m.size for m in rows], [m.gbps for m in rows], marker="o", label=f"{link} {method}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("transfer size (bytes per request / copy)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        if series:
+            ax.legend(fontsize=7)
+    m = result.machine
+    fig.suptitle(
+        f"tierkv bench: {m['cpu']}, {m['cores']}, GPU {m['gpu']}, {m['filesystem']}, {m['date']}", fontsize=9
+    )
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

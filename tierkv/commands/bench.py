@@ -1,0 +1,191 @@
+"""``tierkv bench``: measure this host's links, print them, save a link profile and a plot.
+
+Example::
+
+    tierkv bench --dir /nvme/tierkv --disk-size 1GiB --max-size 1GiB
+    tierkv plan ... --profile tierkv-profile.json      # plan with measured links instead of presets
+
+``--quick`` runs small sizes in seconds (the tests use it); its numbers are indicative only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from tierkv.bench import BenchConfig, BenchResult, KiB, Measurement, plot, run_bench
+from tierkv.config import parse_size
+from tierkv.errors import TierKVError
+from tierkv.io import ENGINES, engine_status
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dir", type=Path, default=Path(tempfile.gettempdir()),
+        help="directory on the disk to measure (put it where the disk tier will live; default: the temp dir)",
+    )  # fmt: skip
+    parser.add_argument("--disk-size", default="1GiB", help="size of the test file (default 1GiB)")
+    parser.add_argument("--max-size", default="1GiB", help="largest transfer size (default 1GiB)")
+    parser.add_argument("--min-size", default="4KiB", help="smallest transfer size (default 4KiB)")
+    parser.add_argument("--block-size", default="256KiB", help="block size of the gather benchmark (256KiB)")
+    parser.add_argument(
+        "--engines", default=None,
+        help=f"comma-separated disk engines to measure ({', '.join(ENGINES)}; default: all that load here)",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point; the median is kept")
+    parser.add_argument("--quick", action="store_true", help="small sizes, ~10 s; for smoke tests")
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="torch intra-op threads for the memory links (default: torch's choice; recorded in the profile)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile-out", type=Path, default=Path("tierkv-profile.json"), help="link profile JSON"
+    )
+    parser.add_argument(
+        "--plot-out", type=Path, default=Path("tierkv-bench.png"), help="bandwidth plot (PNG)"
+    )
+
+
+def _config(args: argparse.Namespace) -> BenchConfig:
+    engines = None
+    if args.engines:
+        engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+        status = engine_status()
+        for name in engines:
+            if name not in status:
+                raise TierKVError(f"unknown disk engine {name!r}; valid engines: {', '.join(ENGINES)}.")
+            if status[name] is not None:
+                raise TierKVError(f"disk engine {name!r} is unavailable here: {status[name]}.")
+    if args.quick:
+        overrides = {"engines": engines}
+        if args.max_size != "1GiB":
+            overrides["max_size"] = parse_size(args.max_size, name="--max-size")
+        return BenchConfig.quick(args.dir, **overrides)
+    return BenchConfig(
+        args.dir,
+        min_size=parse_size(args.min_size, name="--min-size"),
+        max_size=parse_size(args.max_size, name="--max-size"),
+        disk_bytes=parse_size(args.disk_size, name="--disk-size"),
+        block_bytes=parse_size(args.block_size, name="--block-size"),
+        engines=engines,
+        repeats=args.repeats,
+    )
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", KiB)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+_SHORT = {
+    ("host->host", "memcpy"): "memcpy",
+    ("device->device", "plain copy"): "plain copy",
+    ("device->device", "gather index_select"): "gather idx_sel",
+    ("device->device", "gather per-block copy_"): "gather per-blk",
+    ("host->device", "pinned"): "H2D pinned",
+    ("host->device", "pageable"): "H2D pageable",
+    ("device->host", "pinned"): "D2H pinned",
+    ("device->host", "pageable"): "D2H pageable",
+    ("host<->device", "pinned both ways"): "H2D+D2H pinned",
+}
+_MEMORY_LINKS = ("host->host", "device->device", "host->device", "device->host", "host<->device")
+
+
+def _pivot(
+    result: BenchResult, links: tuple[str, ...]
+) -> tuple[list[str], dict[int, dict[str, Measurement]]]:
+    """Rows by transfer size, one column per (link, method), named by its short label."""
+    columns: list[str] = []
+    rows: dict[int, dict[str, Measurement]] = defaultdict(dict)
+    for m in result.measurements:
+        if m.link in links:
+            name = _SHORT.get((m.link, m.method), m.method)
+            if name not in columns:
+                columns.append(name)
+            rows[m.size][name] = m
+    return columns, dict(sorted(rows.items()))
+
+
+def tables(result: BenchResult) -> list[Table]:
+    """The tables ``run`` prints: memory links, disk read/write with ratios to raw, the fitted profile."""
+    out = []
+    columns, rows = _pivot(result, _MEMORY_LINKS)
+    if rows:
+        table = Table(title="Memory links, GB/s; gather = blocks from random slots, ratio to a plain copy")
+        table.add_column("size", justify="right")
+        for name in columns:
+            table.add_column(name, justify="right")
+        table.add_column("idx_sel/plain", justify="right")
+        table.add_column("per-blk/plain", justify="right")
+        for size, by_name in rows.items():
+            plain = by_name.get("plain copy")
+            ratios = [
+                f"{by_name[g].gbps / plain.gbps:.2f}" if g in by_name and plain else ""
+                for g in ("gather idx_sel", "gather per-blk")
+            ]
+            table.add_row(
+                _size(size), *[f"{by_name[c].gbps:.2f}" if c in by_name else "" for c in columns], *ratios
+            )
+        out.append(table)
+    for link, title in (("disk->host", "Disk read"), ("host->disk", "Disk write")):
+        columns, rows = _pivot(result, (link,))
+        if not rows:
+            continue
+        table = Table(title=f"{title}, GB/s (engine / raw O_DIRECT, same request size)")
+        table.add_column("request", justify="right")
+        for name in columns:
+            table.add_column(name, justify="right")
+        for size, by_name in rows.items():
+            raw = by_name.get("raw O_DIRECT")
+            cells = []
+            for name in columns:
+                m = by_name.get(name)
+                ratio = f" ({m.gbps / raw.gbps:.2f})" if m and raw and m is not raw else ""
+                cells.append(f"{m.gbps:.2f}{ratio}" if m else "")
+            table.add_row(_size(size), *cells)
+        out.append(table)
+    table = Table(title="Fitted link profile: t = latency + bytes / bandwidth")
+    for name in ("link", "bandwidth GB/s", "latency us"):
+        table.add_column(name, justify="right" if name != "link" else "left")
+    for key, link in result.profile.links.items():
+        table.add_row(key, f"{link.bandwidth_bytes_per_s / 1e9:.2f}", f"{link.latency_s * 1e6:.1f}")
+    out.append(table)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    if not console.is_terminal:  # piped into a file or a doc: keep the table columns readable
+        console = Console(width=132)
+    try:
+        cfg = _config(args)
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        with console.status("measuring") as status:
+            result = run_bench(cfg, progress=lambda what: status.update(f"measuring {what}"))
+    except (TierKVError, ValueError) as exc:
+        console.print(f"[red]tierkv bench: {exc}[/red]")
+        return 2
+    m = result.machine
+    console.print(f"[bold]tierkv bench[/bold] {m['date']}")
+    console.print(f"CPU {m['cpu']}, {m['cores']}, RAM {m['ram']}, GPU {m['gpu']}")
+    console.print(f"disk dir {m['disk_dir']}: {m['filesystem']}; kernel {m['kernel']}, torch {m['torch']}")
+    console.print(f"load average before the run: {m['load_average']}")
+    if "host->device" in m:
+        console.print(f"host->device: {m['host->device']}")
+    for note in result.notes:
+        console.print(f"disk: {note}")
+    for table in tables(result):
+        console.print(table)
+    result.profile.save(args.profile_out)
+    plot(result, args.plot_out)
+    console.print(f"profile -> {args.profile_out}, plot -> {args.plot_out}")
+    return 0
