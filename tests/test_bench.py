@@ -1,0 +1,70 @@
+"""``tierkv bench --quick`` end to end, and the pieces it is built from (no timed assertions)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tierkv.bandwidth import LINK_KEYS, LinkProfile
+from tierkv.bench import BenchConfig, Measurement, build_profile, filesystem_of, transfer_sizes
+from tierkv.cli import main
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def test_quick_bench_writes_a_loadable_profile_and_a_png(tmp_path: Path, capsys) -> None:
+    profile_path, plot_path = tmp_path / "profile.json", tmp_path / "bench.png"
+    status = main(["bench", "--quick", "--dir", str(tmp_path / "disk"), "--profile-out", str(profile_path),
+                   "--plot-out", str(plot_path)])  # fmt: skip
+    assert status == 0
+    printed = capsys.readouterr().out
+    for heading in ("CPU", "RAM", "GPU", "Memory links", "Disk read", "Disk write", "raw O_DIRECT"):
+        assert heading in printed
+    profile = LinkProfile.load(profile_path)
+    assert {"host->host", "disk->host", "host->disk"} <= set(profile.links) <= set(LINK_KEYS)
+    for link in profile.links.values():
+        assert math.isfinite(link.bandwidth_bytes_per_s) and link.bandwidth_bytes_per_s > 0
+    for key in ("cpu", "cores", "ram", "gpu", "filesystem", "date", "disk_engine"):
+        assert profile.machine[key]
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list((tmp_path / "disk").iterdir())  # the test file is removed
+
+
+def test_bench_rejects_unknown_engine(tmp_path: Path, capsys) -> None:
+    assert main(["bench", "--quick", "--dir", str(tmp_path), "--engines", "uring"]) == 2
+    assert "unknown disk engine 'uring'" in capsys.readouterr().out
+
+
+def test_transfer_sizes() -> None:
+    assert transfer_sizes(4 * KiB, 1 << 30)[:3] == [4 * KiB, 16 * KiB, 64 * KiB]
+    assert transfer_sizes(4 * KiB, 1 << 30)[-1] == 1 << 30
+    assert transfer_sizes(4 * KiB, 4 * KiB) == [4 * KiB]
+
+
+def test_config_validation(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="min_size"):
+        BenchConfig(tmp_path, min_size=MiB, max_size=4 * KiB)
+    with pytest.raises(ValueError, match="disk size"):
+        BenchConfig(tmp_path, disk_bytes=5000)
+    assert BenchConfig.quick(tmp_path, repeats=1).repeats == 1
+
+
+def test_profile_is_fitted_from_the_runtime_series() -> None:
+    """disk links come from the chosen engine; an unfittable series is reported, not guessed."""
+    rows = [
+        Measurement("disk->host", "posix", s, 4 * s, 4, 4 * (50e-6 + s / 2e9))
+        for s in (64 * KiB, MiB, 4 * MiB)
+    ] + [Measurement("disk->host", "raw O_DIRECT", s, s, 1, s / 9e9) for s in (64 * KiB, MiB)]
+    rows += [Measurement("host->host", "memcpy", MiB, MiB, 1, 1e-4)]
+    profile, notes = build_profile(rows, {"cpu": "test"}, "posix")
+    link = profile.link("disk->host")
+    assert link.bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)
+    assert link.latency_s == pytest.approx(50e-6, rel=1e-6)
+    assert profile.machine["disk_engine"] == "posix"
+    assert "host->host" not in profile.links and any("host->host" in n for n in notes)
+
+
+def test_filesystem_of_names_the_mount(tmp_path: Path) -> None:
+    assert "(" in filesystem_of(tmp_path)
