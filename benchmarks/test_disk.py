@@ -1,0 +1,80 @@
+"""Disk benchmarks: each engine beside a raw O_DIRECT loop, reading and writing the same file.
+
+Every timed operation is one batch over the whole data file in ``TIERKV_BENCH_REQUEST``-byte requests,
+so the queue stays full. ``test_disk_ratios`` measures all of them side by side in one run (same file,
+same moment, interleaved) and prints engine/raw ratios: the number that says whether an engine costs
+anything over what the filesystem gives a bare program.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from rich.table import Table
+
+from tierkv.bench import RawDirect, _median_seconds
+from tierkv.io import aligned_empty, available_engines, open_disk_file
+from tierkv.io.base import queue_depth
+
+METHODS = ["raw O_DIRECT", *available_engines()]
+
+
+def _batch(request_size: int, disk_size: int) -> list:
+    buffer = aligned_empty(disk_size)
+    return [
+        (off, buffer[off : off + request_size])
+        for off in range(0, disk_size - request_size + 1, request_size)
+    ]
+
+
+def _operation(method: str, path: Path, write: bool, requests: list):
+    """Return (op, close) for one method; engines are opened with O_DIRECT so reads hit the disk."""
+    if method == "raw O_DIRECT":
+        raw = RawDirect(path, queue_depth())
+        return (lambda: raw.run(requests, write)), raw.close
+    f = open_disk_file(path, engine=method, direct=True)
+    submit = f.submit_writes if write else f.submit_reads
+    return (lambda: submit(requests).wait()), f.close
+
+
+@pytest.mark.parametrize("direction", ["read", "write"])
+@pytest.mark.parametrize("method", METHODS)
+def test_disk(
+    benchmark, data_file: Path, disk_size: int, request_size: int, method: str, direction: str
+) -> None:
+    requests = _batch(request_size, disk_size)
+    op, close = _operation(method, data_file, direction == "write", requests)
+    try:
+        benchmark.pedantic(op, rounds=5, warmup_rounds=1)
+    finally:
+        close()
+    if benchmark.stats is not None:  # None under --benchmark-disable
+        benchmark.extra_info["GB/s"] = round(disk_size / benchmark.stats.stats.median / 1e9, 3)
+
+
+def test_disk_ratios(data_file: Path, disk_size: int, request_size: int, capsys) -> None:
+    """Side by side in one run: median GB/s of every method, and engine / raw."""
+    requests = _batch(request_size, disk_size)
+    table = Table(
+        title=f"disk, {disk_size >> 20} MiB in {request_size >> 10} KiB requests, QD {queue_depth()}"
+    )
+    for column in ("direction", *METHODS):
+        table.add_column(column, justify="right")
+    for write in (False, True):
+        gbps = {}
+        for method in METHODS:
+            op, close = _operation(method, data_file, write, requests)
+            try:
+                gbps[method] = disk_size / _median_seconds(op, warmup=1, repeats=5) / 1e9
+            finally:
+                close()
+        raw = gbps["raw O_DIRECT"]
+        cells = [
+            f"{gbps[m]:.2f}" + ("" if m == "raw O_DIRECT" else f" ({gbps[m] / raw:.2f})") for m in METHODS
+        ]
+        table.add_row("write" if write else "read", *cells)
+        assert all(v > 0 for v in gbps.values())
+    with capsys.disabled():
+        Console(width=132).print(table)
