@@ -215,7 +215,7 @@ class TieredCache(Cache):
             dtype = getattr(torch, dtype)
         layout = BlockLayout(heads, head_dim, block_tokens, dtype)
         staging = staging_bytes(batch, int(context * 1.25), layout.token_bytes, block_tokens, prefetch_depth)
-        return staging + text.num_hidden_layers * batch * layout.slot_bytes
+        return staging + (text.num_hidden_layers + 1) * batch * layout.slot_bytes
 
     def close(self) -> None:
         """Release every tier and delete the disk tier's files."""

@@ -18,7 +18,8 @@ Placement rules (see docs/architecture.md):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,6 +32,16 @@ from tierkv.tiers.disk import BounceBuffer, DiskTier, disk_error
 from tierkv.tiers.memory import MemoryTier, SlabPool
 
 LINKS = ("device->device", "device->host", "host->device", "host->disk", "device->disk", "disk->device")
+
+
+@dataclass(slots=True)
+class RowAppend:
+    """How one row takes an append: tokens written into its open device tail where it is, then new blocks
+    (the first one a copy of the old tail when ``replaces_tail``), each with its final token count."""
+
+    in_place: int = 0
+    replaces_tail: bool = False
+    new_blocks: list[tuple[Block, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +75,7 @@ class KVStore:
         self.bytes_moved = dict.fromkeys(LINKS, 0)
         self.tick = 0
         self.barrier: Callable[[], None] = lambda: None  # waits for in-flight reads before slots are reused
+        self._stats_lock = threading.Lock()  # reads run on the mover thread
         self._write_bounce = BounceBuffer()
         self._read_bounce = BounceBuffer()
 
@@ -115,20 +127,20 @@ class KVStore:
         allocated: list[Block] = []
         try:
             plans = self._plan_appends(layer, rows, tokens, layout, allocated)
-            disk_writes = self._write_rows(kv, rows, plans, layout)
-            self._flush_disk_writes(disk_writes, layout)
+            self._write_blocks(layout, self._row_writes(kv, rows, plans))
         except BaseException:
             for block in allocated:
                 self._free_slot(block)
                 del self.table.blocks[block.id]
             raise
-        for row, (new_tail, new_blocks) in zip(rows, plans):
-            if row and self.table.blocks[row[-1]].tokens < self.block_tokens:
-                if new_tail is not None:
-                    self._replace_tail(row, new_tail)
-                tail = self.table.blocks[row[-1]]
-                tail.tokens += min(self.block_tokens - tail.tokens, tokens)
-            for block, count in new_blocks:
+        for row, plan in zip(rows, plans):
+            if plan.in_place:
+                self.table.blocks[row[-1]].tokens += plan.in_place
+            blocks = list(plan.new_blocks)
+            if plan.replaces_tail:
+                block, count = blocks.pop(0)
+                self._replace_tail(row, block, count)
+            for block, count in blocks:
                 block.tokens = count
                 row.append(block.id)
                 self.policy.on_insert(block, self.tick)
@@ -152,39 +164,36 @@ class KVStore:
         return layout
 
     def _plan_appends(self, layer: int, rows: list[list[int]], tokens: int, layout: BlockLayout,
-                      allocated: list[Block]) -> list[tuple[Block | None, list[tuple[Block, int]]]]:
+                      allocated: list[Block]) -> list[RowAppend]:
         """Allocate what each row needs for ``tokens`` more tokens.
 
-        Per row: (a new device block replacing the current tail when that tail is shared or off the device,
-        else None; the new blocks with their final token counts). Blocks that will be open tails are
-        allocated first, on the device, so the fill of the others cannot crowd them out.
+        Each row's last new block becomes its open tail and must be on the device; those are allocated
+        first, so the top-down placement of the other (full) new blocks cannot crowd them out.
         """
-        shapes = []
+        plans, counts_of_rows = [], []
         for row in rows:
-            room = 0
-            copy_tail = False
-            if row:
-                tail = self.table.blocks[row[-1]]
-                room = self.block_tokens - tail.tokens
-                copy_tail = room > 0 and (tail.refcount > 1 or tail.tier != Tier.DEVICE)
-            counts = []
-            remaining = tokens - min(room, tokens)
+            plan = RowAppend()
+            counts: list[int] = []
+            remaining = tokens
+            if row and (tail := self.table.blocks[row[-1]]).tokens < self.block_tokens:
+                take = min(self.block_tokens - tail.tokens, tokens)
+                if tail.refcount == 1 and tail.tier == Tier.DEVICE:
+                    plan.in_place = take
+                else:  # shared or demoted tail: copy it into a new block (copy-on-write)
+                    plan.replaces_tail = True
+                    counts.append(tail.tokens + take)
+                remaining -= take
             while remaining > 0:
                 counts.append(min(self.block_tokens, remaining))
                 remaining -= counts[-1]
-            shapes.append((copy_tail, counts))
-        tails: dict[int, Block] = {}
-        for r, (copy_tail, counts) in enumerate(shapes):
-            if copy_tail or counts:
-                tails[r] = self._new_block(layer, layout, allocated, on_device=True)
-        plans = []
-        for r, (copy_tail, counts) in enumerate(shapes):
-            new_blocks = [(self._new_block(layer, layout, allocated, on_device=False), n) for n in counts[:-1]]
+            plans.append(plan)
+            counts_of_rows.append(counts)
+        tails = {r: self._new_block(layer, layout, allocated, on_device=True)
+                 for r, counts in enumerate(counts_of_rows) if counts}
+        for r, (plan, counts) in enumerate(zip(plans, counts_of_rows)):
+            plan.new_blocks = [(self._new_block(layer, layout, allocated, on_device=False), n) for n in counts[:-1]]
             if counts:
-                new_blocks.append((tails[r], counts[-1]))
-            plans.append((tails[r] if copy_tail and not counts else None, new_blocks))
-            if copy_tail and counts:
-                plans[-1] = (self._new_block(layer, layout, allocated, on_device=True), new_blocks)
+                plan.new_blocks.append((tails[r], counts[-1]))
         return plans
 
     def _new_block(self, layer: int, layout: BlockLayout, allocated: list[Block], on_device: bool) -> Block:
@@ -198,50 +207,53 @@ class KVStore:
         allocated.append(block)
         return block
 
-    def _write_rows(self, kv: torch.Tensor, rows: list[list[int]],
-                    plans: list[tuple[Block | None, list[tuple[Block, int]]]],
-                    layout: BlockLayout) -> list[tuple[Block, torch.Tensor]]:
-        """Copy new tokens into their blocks; return the (block, data) pairs bound for disk."""
-        disk_writes = []
-        for b, (row, (new_tail, new_blocks)) in enumerate(zip(rows, plans)):
+    def _row_writes(self, kv: torch.Tensor, rows: list[list[int]],
+                    plans: list[RowAppend]) -> list[tuple[Block, int, torch.Tensor]]:
+        """(block, first token, data ``[2, H_kv, n, D]``) for every write an append makes."""
+        writes = []
+        for b, (row, plan) in enumerate(zip(rows, plans)):
             consumed = 0
-            if row and self.table.blocks[row[-1]].tokens < self.block_tokens:
+            if plan.in_place:
                 tail = self.table.blocks[row[-1]]
-                take = min(self.block_tokens - tail.tokens, kv.shape[3])
-                target = tail
-                if new_tail is not None:
-                    self.block_view(new_tail)[:, :, : tail.tokens].copy_(self._read_block(tail)[:, :, : tail.tokens])
-                    self.bytes_moved[_link(tail.tier, Tier.DEVICE)] += tail.tokens * layout.token_bytes
-                    target = new_tail
-                self.block_view(target)[:, :, tail.tokens : tail.tokens + take].copy_(kv[:, b, :, :take])
-                consumed = take
-            for block, count in new_blocks:
-                data = kv[:, b, :, consumed : consumed + count]
-                consumed += count
-                if block.tier == Tier.DISK:
-                    disk_writes.append((block, data))
-                    continue
-                self.block_view(block)[:, :, :count].copy_(data)
-                if block.tier != Tier.DEVICE:
-                    self.bytes_moved["device->host"] += count * layout.token_bytes
-        return disk_writes
+                writes.append((tail, tail.tokens, kv[:, b, :, : plan.in_place]))
+                consumed = plan.in_place
+            for i, (block, count) in enumerate(plan.new_blocks):
+                if i == 0 and plan.replaces_tail:
+                    old = self.table.blocks[row[-1]]
+                    take = count - old.tokens
+                    data = torch.cat((self._read_block(old)[:, :, : old.tokens], kv[:, b, :, :take]), dim=2)
+                    self._count(_link(old.tier, block.tier), old.tokens * self.layouts[old.layer].token_bytes)
+                else:
+                    take = count
+                    data = kv[:, b, :, consumed : consumed + take]
+                writes.append((block, 0, data))
+                consumed += take
+        return writes
 
-    def _flush_disk_writes(self, writes: list[tuple[Block, torch.Tensor]], layout: BlockLayout) -> None:
-        if not writes:
+    def _write_blocks(self, layout: BlockLayout, writes: list[tuple[Block, int, torch.Tensor]]) -> None:
+        """Copy data into memory blocks directly and into disk blocks with one batched write."""
+        to_disk = []
+        for block, start, data in writes:
+            if block.tier == Tier.DISK:
+                to_disk.append((block, data))
+                continue
+            self.block_view(block)[:, :, start : start + data.shape[2]].copy_(data)
+            if block.tier != Tier.DEVICE:
+                self._count("device->host", data.shape[2] * layout.token_bytes)
+        if not to_disk:
             return
         slot_bytes = layout.slot_bytes
-        bounce = self._write_bounce.get(len(writes) * slot_bytes)
+        bounce = self._write_bounce.get(len(to_disk) * slot_bytes)
         staged = torch.from_numpy(bounce)
-        for i, (_, data) in enumerate(writes):
-            block_part = staged[i * slot_bytes : i * slot_bytes + layout.block_bytes].view(layout.dtype)
-            block_part = block_part.view(layout.shape)
-            block_part[:, :, : data.shape[2]].copy_(data)
-        self._disk_io(slot_bytes, [block.slot for block, _ in writes], bounce, write=True)
-        self.bytes_moved["device->disk"] += sum(data.shape[2] for _, data in writes) * layout.token_bytes
+        for i, (_, data) in enumerate(to_disk):
+            part = staged[i * slot_bytes : i * slot_bytes + layout.block_bytes].view(layout.dtype).view(layout.shape)
+            part[:, :, : data.shape[2]].copy_(data)
+        self._disk_io(slot_bytes, [block.slot for block, _ in to_disk], bounce, write=True)
+        self._count("device->disk", sum(data.shape[2] for _, data in to_disk) * layout.token_bytes)
 
-    def _replace_tail(self, row: list[int], new_tail: Block) -> None:
+    def _replace_tail(self, row: list[int], new_tail: Block, tokens: int) -> None:
         old = self.table.blocks[row[-1]]
-        new_tail.tokens = old.tokens
+        new_tail.tokens = tokens
         row[-1] = new_tail.id
         self.policy.on_insert(new_tail, self.tick)
         released = self.table.release(old.id)
@@ -304,7 +316,7 @@ class KVStore:
         for block, slot in zip(blocks, slots):
             self.tiers[source].free(slot_bytes, block.slot)
             block.tier, block.slot = target, slot
-            self.bytes_moved[_link(source, target)] += block.tokens * self.layouts[block.layer].token_bytes
+            self._count(_link(source, target), block.tokens * self.layouts[block.layer].token_bytes)
 
     def _copy_down(self, blocks: list[Block], target: Tier, slots: list[int]) -> None:
         slot_bytes = blocks[0].slot_bytes
@@ -328,6 +340,10 @@ class KVStore:
             raise
         except OSError as exc:
             raise disk_error(exc, disk.files[slot_bytes].path) from exc
+
+    def _count(self, link: str, nbytes: int) -> None:
+        with self._stats_lock:
+            self.bytes_moved[link] = self.bytes_moved.get(link, 0) + nbytes
 
     def _free_slot(self, block: Block) -> None:
         self.barrier()
@@ -366,7 +382,7 @@ class KVStore:
             source = raw[: layout.block_bytes].view(layout.dtype).view(layout.shape)
             dest[:, seg.row, :, seg.dst : seg.dst + seg.length].copy_(
                 source[:, :, seg.src : seg.src + seg.length], non_blocking=True)
-            self.bytes_moved[_link(seg.tier, Tier.DEVICE)] += seg.length * layout.token_bytes
+            self._count(_link(seg.tier, Tier.DEVICE), seg.length * layout.token_bytes)
         if from_disk:
             self._read_disk_segments(layout, from_disk, dest)
 
@@ -381,12 +397,13 @@ class KVStore:
             raw = staged[position * slot_bytes : position * slot_bytes + layout.block_bytes]
             source = raw.view(layout.dtype).view(layout.shape)
             dest[:, seg.row, :, seg.dst : seg.dst + seg.length].copy_(source[:, :, seg.src : seg.src + seg.length])
-            self.bytes_moved["disk->device"] += seg.length * layout.token_bytes
+            self._count("disk->device", seg.length * layout.token_bytes)
 
     def _read_block(self, block: Block) -> torch.Tensor:
         """A block's data as ``[2, H_kv, block_tokens, D]`` wherever it lives (disk blocks are read)."""
         if block.tier != Tier.DISK:
             return self.block_view(block)
+        self.barrier()  # the read bounce buffer is shared with the mover thread
         layout = self.layouts[block.layer]
         out = torch.empty(layout.shape, dtype=layout.dtype, device=self.device.device)
         segment = ReadSegment(0, block.id, block.tier, block.slot, block.slot_bytes, 0, 0, block.tokens)
@@ -533,6 +550,7 @@ class KVStore:
         return {
             "bytes_resident": resident,
             "bytes_allocated": {tier.label: self.tiers[tier].allocated_bytes for tier in self.tiers},
+            "peak_bytes_allocated": {tier.label: self.tiers[tier].peak_bytes for tier in self.tiers},
             "budget_bytes": {tier.label: self.tiers[tier].budget for tier in self.tiers},
             "bytes_staging": self.device.reserved,
             "bytes_moved": dict(self.bytes_moved),

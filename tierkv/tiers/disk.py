@@ -78,6 +78,7 @@ class DiskTier:
         self.engine = engine
         self.extent_bytes = extent_bytes
         self.files: dict[int, DiskSlotFile] = {}
+        self.peak_bytes = 0
         self._paths: list[Path] = []
         self._prefix = f"tierkv-{os.getpid()}-"
         try:
@@ -120,6 +121,7 @@ class DiskTier:
         if room <= 0:
             return None
         slot_file.grow(int(min(room, max(1, self.extent_bytes // slot_bytes))))
+        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         return slot_file.alloc()
 
     def free(self, slot_bytes: int, slot: int) -> None:

@@ -100,6 +100,7 @@ class MemoryTier:
         self.chunk_bytes = chunk_bytes
         self.pools: dict[int, SlabPool] = {}
         self.reserved = 0
+        self.peak_bytes = 0  # high-water mark of allocated_bytes, to prove the budget held
 
     @property
     def allocated_bytes(self) -> int:
@@ -124,6 +125,7 @@ class MemoryTier:
         if room <= 0:
             return None
         pool.add_chunk(int(min(room, max(1, self.chunk_bytes // slot_bytes))))
+        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         return pool.alloc()
 
     def free(self, slot_bytes: int, slot: int) -> None:
@@ -142,6 +144,7 @@ class MemoryTier:
         if self.allocated_bytes + nbytes > self.budget:
             return False
         self.reserved += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         return True
 
     def unreserve(self, nbytes: int) -> None:
