@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One prepared check for a GPU host: the CUDA tests and `tierkv bench`, results under $OUT.
+# Installs nothing (uses .venv if present, else `python`), needs no network, finishes in < 8 minutes:
+# each step has its own timeout and a failing step does not stop the next one.
+#
+#   OUT=/tmp/gpu-results bash benchmarks/gpu_check.sh
+#
+# Writes: env.txt (GPU, torch, disk engines), pytest-cuda.txt, bench.txt, tierkv-profile.json,
+# tierkv-bench.png, summary.txt (exit status of each step).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+PY=python
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+BENCH_DIR=${TIERKV_BENCH_DIR:-${TMPDIR:-/tmp}/tierkv-gpu-check}
+mkdir -p "$BENCH_DIR"
+
+{
+  date -Is
+  nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
+  "$PY" -c "import tierkv.io as io; print('disk engines:', io.engine_status())"
+  df -hT "$BENCH_DIR"
+} > "$OUT/env.txt" 2>&1
+
+timeout 180 "$PY" -m pytest -m cuda tests -q -rs -p no:cacheprovider > "$OUT/pytest-cuda.txt" 2>&1
+pytest_rc=$?
+
+# 1 GiB file; memory links up to 256 MiB keep the run near 3 minutes on an H100/H200 host.
+timeout 270 "$PY" -m tierkv.cli bench --dir "$BENCH_DIR" --disk-size 1GiB --max-size 256MiB --repeats 5 \
+  --profile-out "$OUT/tierkv-profile.json" --plot-out "$OUT/tierkv-bench.png" > "$OUT/bench.txt" 2>&1
+bench_rc=$?
+rm -rf "$BENCH_DIR"
+
+printf 'pytest -m cuda: exit %s\ntierkv bench: exit %s\n' "$pytest_rc" "$bench_rc" | tee "$OUT/summary.txt"
+[ "$pytest_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
