@@ -6,10 +6,10 @@ import errno
 
 import pytest
 import torch
+from helpers import SLOT, kv, make_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import SLOT, kv, make_store
 from tierkv.blocks import Tier
 from tierkv.errors import BudgetTooSmallError, CapacityError, DiskFullError, InvalidConfigError
 

@@ -47,7 +47,9 @@ def parse_size(value: float | int | str, *, name: str = "size") -> int:
             )
         number, unit = float(match.group(1)), match.group(2).lower()
     else:
-        raise InvalidConfigError(f"{name} must be a number of GB or a size string like '20GiB', not {type(value).__name__}.")
+        raise InvalidConfigError(
+            f"{name} must be a number of GB or a size string like '20GiB', not {type(value).__name__}."
+        )
     if number != number or number in (float("inf"), float("-inf")):
         raise InvalidConfigError(f"{name}={value!r} is not finite; give a finite size such as '8GB'.")
     if number < 0:

@@ -256,19 +256,19 @@ class TieredCache(Cache):
     def _update_layer(self, layer: TieredLayer, key_states: torch.Tensor,
                       value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         store = self._ensure_store(key_states)
+        before = layer.get_seq_length()
         try:
             store.append(layer.index, key_states, value_states)
+            keys, values = self.executor.gather(layer.index, layer.attention_start(key_states.shape[2]))
         except TierKVError:
-            self._roll_back_to(layer)
+            self._roll_back_to(before)
             raise
-        keys, values = self.executor.gather(layer.index, layer.attention_start(key_states.shape[2]))
         if layer.sliding_window is not None:
             layer.dropped += store.drop_front(layer.index, layer.stored() - (layer.sliding_window - 1))
         return keys, values
 
-    def _roll_back_to(self, failed: TieredLayer) -> None:
-        """After a failed append: layers that already took this step's tokens give them back."""
-        length = failed.get_seq_length()
+    def _roll_back_to(self, length: int) -> None:
+        """After a failed update: layers that already took this step's tokens give them back."""
         for layer in self.layers:
             if isinstance(layer, TieredLayer) and layer.get_seq_length() > length:
                 self._crop_layer(layer, length - layer.get_seq_length())

@@ -17,8 +17,8 @@ Placement rules (see docs/architecture.md):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -294,9 +294,9 @@ class KVStore:
     def _demote(self, blocks: list[Block]) -> None:
         """Move ``blocks`` (all on one tier, one slot size) one tier down, making room there first."""
         source = blocks[0].tier
-        target = Tier(source + 1)
-        if target not in self.tiers:
+        if source + 1 not in self.tiers:
             raise self._capacity_error()
+        target = Tier(source + 1)
         slot_bytes = blocks[0].slot_bytes
         self.barrier()
         slots = []
@@ -351,7 +351,8 @@ class KVStore:
 
     def _capacity_error(self) -> CapacityError:
         budgets = ", ".join(f"{tier.label} {self.tiers[tier].budget / 1e9:.3f} GB" for tier in self.tiers)
-        fix = "raise cpu_gb or disk_gb" if Tier.DISK in self.tiers else "raise cpu_gb or pass disk_dir= to add a disk tier"
+        fix = "raise cpu_gb or disk_gb" if Tier.DISK in self.tiers else \
+            "raise cpu_gb or pass disk_dir= to add a disk tier"
         return CapacityError(f"the KV cache no longer fits in its budgets ({budgets}); {fix}.")
 
     # ----------------------------------------------------------------------------------------- reads

@@ -83,8 +83,8 @@ class DiskTier:
         self._prefix = f"tierkv-{os.getpid()}-"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            probe = tempfile.NamedTemporaryFile(dir=self.directory, prefix=self._prefix, delete=True)
-            probe.close()
+            with tempfile.NamedTemporaryFile(dir=self.directory, prefix=self._prefix):
+                pass
         except OSError as exc:
             raise DiskTierError(
                 exc.errno, f"disk_dir {str(self.directory)!r} is not writable ({exc.strerror}); pass a directory you "
@@ -120,7 +120,13 @@ class DiskTier:
         room = (self.budget - self.allocated_bytes) // slot_bytes
         if room <= 0:
             return None
-        slot_file.grow(int(min(room, max(1, self.extent_bytes // slot_bytes))))
+        extent = int(min(room, max(1, self.extent_bytes // slot_bytes)))
+        try:
+            slot_file.grow(extent)
+        except DiskFullError:
+            if extent == 1:
+                raise
+            slot_file.grow(1)  # the filesystem is nearly full: use what is left, one slot at a time
         self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         return slot_file.alloc()
 

@@ -124,7 +124,8 @@ class MemoryTier:
         room = (self.budget - self.allocated_bytes) // slot_bytes
         if room <= 0:
             return None
-        pool.add_chunk(int(min(room, max(1, self.chunk_bytes // slot_bytes))))
+        chunk_bytes = min(self.chunk_bytes, self.budget // 16)  # fine enough for staging to reclaim
+        pool.add_chunk(int(min(room, max(1, chunk_bytes // slot_bytes))))
         self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         return pool.alloc()
 

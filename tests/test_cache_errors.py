@@ -1,0 +1,136 @@
+"""TieredCache input validation, disk-tier failures and no-loss guarantees, on a real model."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from tierkv import (
+    BudgetTooSmallError,
+    CapacityError,
+    DiskFullError,
+    DiskTierError,
+    InvalidConfigError,
+    TieredCache,
+)
+from tierkv.blocks import Tier
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"gpu_gb": "lots"}, "gpu_gb='lots' is not a size"),
+    ({"cpu_gb": -1}, "negative"),
+    ({"disk_gb": 1}, "without disk_dir"),
+    ({"block_tokens": 0}, "block_tokens"),
+    ({"prefetch_depth": -1}, "prefetch_depth"),
+    ({"policy": "nope"}, "valid policies"),
+])
+def test_invalid_arguments(kwargs, match):
+    with pytest.raises(InvalidConfigError, match=match):
+        TieredCache(**kwargs)
+
+
+def test_unwritable_disk_dir(tmp_path):
+    target = tmp_path / "file-not-dir"
+    target.write_text("x")
+    with pytest.raises(DiskTierError, match="not writable") as info:
+        TieredCache(disk_dir=target / "sub")
+    assert isinstance(info.value, OSError)
+
+
+def test_budget_below_minimum_is_refused(model):
+    ids = torch.randint(0, 128, (1, 64))
+    needed = TieredCache.min_device_bytes(model.config, context=64, block_tokens=4)
+    with TieredCache(gpu_gb=f"{needed // 8}B", block_tokens=4) as cache, \
+            pytest.raises(BudgetTooSmallError, match="raise gpu_gb"):
+        model(ids, past_key_values=cache)
+
+
+def test_kv_that_does_not_fit_keeps_accepted_tokens(model):
+    """Decode until the budgets run out: the error names the fix and earlier tokens still read back."""
+    ids = torch.randint(0, 128, (1, 16))
+    with TieredCache(gpu_gb="40KB", cpu_gb="40KB", block_tokens=4) as cache:
+        reference = DynamicCache()
+        model(ids, past_key_values=cache)
+        model(ids, past_key_values=reference)
+        token = ids[:, -1:]
+        with pytest.raises(CapacityError, match="pass disk_dir"):
+            for _ in range(200):
+                model(token, past_key_values=cache)
+                model(token, past_key_values=reference)
+        length = cache.get_seq_length()
+        assert all(layer.get_seq_length() == length for layer in cache.layers)
+        for index, layer in enumerate(reference.layers):
+            stored = cache.store.read_tokens(index)
+            torch.testing.assert_close(stored[0], layer.keys[..., :length, :], rtol=0, atol=0)
+            torch.testing.assert_close(stored[1], layer.values[..., :length, :], rtol=0, atol=0)
+
+
+def _mount_tiny_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_real_enospc_keeps_cache_consistent(model, tmp_path):
+    """A disk tier on a 64 KiB tmpfs fills up for real; decoding stops with DiskFullError, nothing is lost."""
+    mount = tmp_path / "tiny"
+    if not _mount_tiny_tmpfs(mount, "64k"):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        ids = torch.randint(0, 128, (1, 12))
+        with TieredCache(gpu_gb="48KB", cpu_gb="24KB", disk_dir=mount, disk_gb="1MB", block_tokens=4) as cache:
+            reference = DynamicCache()
+            model(ids, past_key_values=cache)
+            model(ids, past_key_values=reference)
+            token = ids[:, -1:]
+            with pytest.raises(DiskFullError, match="ran out of space") as info:
+                for _ in range(400):
+                    model(token, past_key_values=cache)
+                    model(token, past_key_values=reference)
+            assert info.value.errno == errno.ENOSPC
+            assert cache.stats()["blocks"]["disk"] > 0
+            length = cache.get_seq_length()
+            for index, layer in enumerate(reference.layers):
+                stored = cache.store.read_tokens(index)
+                torch.testing.assert_close(stored[0], layer.keys[..., :length, :], rtol=0, atol=0)
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_files_removed_on_close(model, tmp_path):
+    ids = torch.randint(0, 128, (1, 40))
+    with TieredCache(gpu_gb="40KB", cpu_gb="24KB", disk_dir=tmp_path, block_tokens=4) as cache:
+        model(ids, past_key_values=cache)
+        assert cache.store.tiers[Tier.DISK].used_bytes > 0
+        assert list(tmp_path.glob("tierkv-*"))
+    assert not list(tmp_path.glob("tierkv-*"))
+
+
+def test_files_removed_at_interpreter_exit(tmp_path):
+    script = (
+        "import torch; from tierkv import TieredCache\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,"
+        " num_attention_heads=2, num_key_value_heads=1)).eval()\n"
+        f"c = TieredCache(gpu_gb='40KB', cpu_gb='12KB', disk_dir={str(tmp_path)!r}, block_tokens=4)\n"
+        "m(torch.randint(0, 64, (1, 40)), past_key_values=c)\n"
+        "assert c.stats()['blocks']['disk'] > 0\n"
+    )
+    subprocess.run([os.sys.executable, "-c", script], check=True, capture_output=True)
+    assert not list(tmp_path.glob("tierkv-*"))
