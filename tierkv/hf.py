@@ -196,7 +196,8 @@ class TieredCache(Cache):
                     "prefetch_hits": 0, "prefetch_misses": 0}
         stats = self.store.stats()
         stats.update(tokens=self.get_seq_length(), prefetch_hits=self.executor.prefetch_hits,
-                     prefetch_misses=self.executor.prefetch_misses, mover=self.executor.mover.name,
+                     prefetch_misses=self.executor.prefetch_misses, prefetch_stall_s=self.executor.stall_s,
+                     mover=self.executor.mover.name,
                      disk_engine=self._disk.engine_name if self._disk else None)
         return stats
 
@@ -207,15 +208,16 @@ class TieredCache(Cache):
         """Smallest ``gpu_gb`` (in bytes) that decodes ``context`` tokens: staging for the largest layer
         (``prefetch_depth + 1`` buffers of one layer's full K/V, with 25% growth headroom) plus one tail
         block per (row, layer)."""
-        text = config.get_text_config(decoder=True)
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        dtype = dtype or getattr(text, "dtype", None) or torch.float32
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        layout = BlockLayout(heads, head_dim, block_tokens, dtype)
+        layout = _layout_of_config(config, block_tokens, dtype)
         staging = staging_bytes(batch, int(context * 1.25), layout.token_bytes, block_tokens, prefetch_depth)
-        return staging + (text.num_hidden_layers + 1) * batch * layout.slot_bytes
+        layers = config.get_text_config(decoder=True).num_hidden_layers
+        return staging + (layers + 1) * batch * layout.slot_bytes
+
+    @staticmethod
+    def kv_bytes_per_token(config: PreTrainedConfig, dtype: torch.dtype | None = None) -> int:
+        """K and V bytes of one token across all layers (every layer counted, as full attention)."""
+        layout = _layout_of_config(config, 1, dtype)
+        return layout.token_bytes * config.get_text_config(decoder=True).num_hidden_layers
 
     def close(self) -> None:
         """Release every tier and delete the disk tier's files."""
@@ -298,3 +300,13 @@ class TieredCache(Cache):
 
     def _batch(self) -> int:
         return max((self.store.batch_size(layer) for layer in self.store.layouts), default=0)
+
+
+def _layout_of_config(config: PreTrainedConfig, block_tokens: int, dtype: torch.dtype | None) -> BlockLayout:
+    text = config.get_text_config(decoder=True)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    dtype = dtype or getattr(text, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return BlockLayout(heads, head_dim, block_tokens, dtype)

@@ -44,7 +44,7 @@ class ThreadMover:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-mover")
 
     def submit(self, job: Callable[[], None]) -> MoveHandle:
-        return MoveHandle(self._pool.submit(job))
+        return MoveHandle(self._pool.submit(_in_callers_mode(job)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -72,7 +72,19 @@ class CudaMover(ThreadMover):
                 job()
                 done.record(self.stream)
 
-        return MoveHandle(self._pool.submit(run), done)
+        return MoveHandle(self._pool.submit(_in_callers_mode(run)), done)
+
+
+def _in_callers_mode(job: Callable[[], None]) -> Callable[[], None]:
+    """Run ``job`` on a worker thread under the caller's inference/grad mode (they are thread-local)."""
+    inference = torch.is_inference_mode_enabled()
+    grad = torch.is_grad_enabled()
+
+    def run() -> None:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            job()
+
+    return run
 
 
 def make_mover(device: torch.device) -> ThreadMover:

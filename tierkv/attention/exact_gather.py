@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ class ExactGather:
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self.prefetch_disabled_logged = False
+        self.stall_s = 0.0  # time the model waited for prefetches to land
         self.start_of: Callable[[int], int] = lambda layer: 0  # first stored token a layer's attention reads
         store.barrier = self.wait_all
 
@@ -68,7 +70,9 @@ class ExactGather:
         batch = self.store.batch_size(layer)
         prefetched = self.pending.pop(layer, None)
         if prefetched is not None:
+            waited_from = time.perf_counter()
             prefetched.handle.wait()
+            self.stall_s += time.perf_counter() - waited_from
         self._ensure_capacity(batch, stop - start, layout.token_bytes)
         if prefetched is not None and prefetched.start == start and prefetched.version == self.version \
                 and prefetched.count <= stop - start and prefetched.buffer < len(self.buffers):
