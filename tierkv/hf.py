@@ -253,6 +253,8 @@ class TieredCache(Cache):
         self.store = KVStore(device_tier, host_tier, self._disk, self.policy, self.block_tokens)
         self.executor = ExactGather(self.store, make_mover(device), self.prefetch_depth)
         self.executor.start_of = lambda index: self.layers[index].attention_start(0)
+        if self.layers:  # built from a config: the layer count is known up front
+            self.executor.num_layers, self.executor.layers_known = len(self.layers), True
         return self.store
 
     def _update_layer(self, layer: TieredLayer, key_states: torch.Tensor,
@@ -284,7 +286,8 @@ class TieredCache(Cache):
         remove = -tokens_to_remove
         if remove == 0 or self.store is None:
             return
-        if remove > layer.stored():
+        keep_window = layer.sliding_window - 1 if layer.sliding_window is not None and layer.dropped else 0
+        if remove > layer.stored() - keep_window:
             raise InvalidConfigError(
                 f"cannot crop {remove} tokens from layer {layer.index}: its sliding window only keeps the last "
                 f"{layer.stored()}; crop fewer tokens, or build the cache without config= to keep all tokens."

@@ -299,15 +299,21 @@ class KVStore:
         target = Tier(source + 1)
         slot_bytes = blocks[0].slot_bytes
         self.barrier()
-        slots = []
-        try:
-            for _ in blocks:
-                slot = self.tiers[target].alloc(slot_bytes)
-                while slot is None:
-                    self._demote_victims(target, slot_bytes, max(1, len(blocks) - len(slots)),
-                                         protect={b.id for b in blocks})
-                    slot = self.tiers[target].alloc(slot_bytes)
+        remaining = list(blocks)
+        while remaining:
+            slots: list[int] = []
+            while len(slots) < len(remaining) and (slot := self.tiers[target].alloc(slot_bytes)) is not None:
                 slots.append(slot)
+            if not slots:  # the target is full: push its own victims further down first
+                self._demote_victims(target, slot_bytes, len(remaining), protect={b.id for b in blocks})
+                continue
+            batch, remaining = remaining[: len(slots)], remaining[len(slots) :]
+            self._commit_demotion(batch, source, target, slots)
+
+    def _commit_demotion(self, blocks: list[Block], source: Tier, target: Tier, slots: list[int]) -> None:
+        """Copy ``blocks`` into ``slots`` of ``target``, then retarget them and free their old slots."""
+        slot_bytes = blocks[0].slot_bytes
+        try:
             self._copy_down(blocks, target, slots)
         except BaseException:
             for slot in slots:

@@ -54,6 +54,8 @@ class ExactGather:
         self.current = -1  # staging buffer the model is attending over now
         self.version = 0  # bumped by table edits that invalidate staged data
         self.num_layers = 0
+        self.layers_known = False
+        self.last_layer = -1
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self.prefetch_disabled_logged = False
@@ -64,7 +66,10 @@ class ExactGather:
     # ---------------------------------------------------------------------------------- public
     def gather(self, layer: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[B, H_kv, T, D]`` of tokens ``[start, seq_length)`` of ``layer`` (views of staging)."""
+        if layer == 0 and self.num_layers > 1 and self.last_layer == self.num_layers - 1:
+            self.layers_known = True  # a full pass was seen: wrapping prefetch to layer 0 is now safe
         self.num_layers = max(self.num_layers, layer + 1)
+        self.last_layer = layer
         stop = self.store.seq_length(layer)
         layout = self.store.layouts[layer]
         batch = self.store.batch_size(layer)
@@ -146,7 +151,15 @@ class ExactGather:
 
     def _free_buffer(self) -> int:
         busy = {self.current} | {p.buffer for p in self.pending.values()}
-        return next((i for i in range(len(self.buffers)) if i not in busy), (self.current + 1) % len(self.buffers))
+        free = next((i for i in range(len(self.buffers)) if i not in busy), None)
+        if free is not None:
+            return free
+        victim = next(p for p in self.pending.values() if p.buffer != self.current) if self.pending else None
+        if victim is None:
+            return (self.current + 1) % len(self.buffers)
+        victim.handle.wait()  # reuse its buffer: that prefetch is dropped, its layer will gather afresh
+        del self.pending[victim.layer]
+        return victim.buffer
 
     # -------------------------------------------------------------------------------- prefetch
     def _prefetch_next(self, layer: int) -> None:
@@ -154,6 +167,8 @@ class ExactGather:
             return
         for ahead in range(1, self.prefetch_depth + 1):
             target = (layer + ahead) % self.num_layers
+            if target <= layer and not self.layers_known:
+                return  # the layer count is not known yet: wrapping could target a layer that is not next
             if target in self.pending or target == layer or target not in self.store.layouts:
                 continue
             busy = {self.current} | {p.buffer for p in self.pending.values()}
