@@ -1,0 +1,31 @@
+"""CUDA paths of the cache: device tier in HBM, pinned host tier, stream mover; budget via the allocator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from tierkv import TieredCache
+
+pytestmark = pytest.mark.cuda
+
+
+def test_generation_on_gpu_matches_and_respects_budget(tmp_path):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).cuda().eval()
+    ids = torch.randint(0, 256, (1, 200), device="cuda")
+    ref = model.generate(ids, max_new_tokens=16, do_sample=False, past_key_values=DynamicCache())
+    budget = TieredCache.min_device_bytes(config, 216, block_tokens=16) + 64 * 1024
+    before = torch.cuda.memory_allocated()
+    with TieredCache(gpu_gb=f"{budget}B", cpu_gb="1MB", disk_dir=tmp_path, block_tokens=16) as cache:
+        out = model.generate(ids, max_new_tokens=16, do_sample=False, past_key_values=cache)
+        stats = cache.stats()
+        assert stats["mover"] == "cuda-stream"
+        assert stats["blocks"]["disk"] > 0 and stats["bytes_moved"]["host->device"] > 0
+        assert cache.store.tiers[1].pools and all(
+            chunk.is_pinned() for pool in cache.store.tiers[1].pools.values() for chunk in pool.chunks)
+        assert torch.cuda.memory_allocated() - before <= budget
+    assert torch.equal(out, ref)
