@@ -18,7 +18,7 @@ import torch
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
-from tierkv.errors import CapacityError, InvalidConfigError
+from tierkv.errors import InvalidConfigError
 from tierkv.hf import TieredCache
 
 ATOL = 1e-5
@@ -260,16 +260,7 @@ def test_crop_rejects_positive_values(make_cache):
         assert cache.get_seq_length() == 10
 
 
-@pytest.mark.parametrize("remove", [2, pytest.param(5, marks=pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="tierkv/hf.py TieredCache._crop_layer only refuses crops larger than layer.stored(); a sliding "
-           "layer holds window-1..window-1+block_tokens-1 tokens, so crop(-5) leaves it 5 < window-1 tokens "
-           "while the sequence is longer than the window. TieredLayer.attention_start then returns stored - "
-           "visible < 0 (5 - 8 = -3), ExactGather.gather plans the read from a negative start, and attention"
-           " reads 3 stale staging rows: silently wrong logits. Fix: in _crop_layer, raise "
-           "InvalidConfigError when layer.is_sliding and layer.dropped > 0 and remove > layer.stored() - "
-           "(layer.sliding_window - 1) (or keep one spare block in drop_front); and assert attention_start()"
-           " >= 0."))])
+@pytest.mark.parametrize("remove", [2, 5])
 def test_crop_of_sliding_layer_is_exact_or_refused(remove, make_cache):
     """With ``config=``, a sliding layer freed the tokens before its window: a crop is either exact (the
     tokens still needed are held) or refused with InvalidConfigError — never silently wrong."""
@@ -322,14 +313,6 @@ def test_get_seq_length_of_empty_and_closed_cache(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ known bugs
-@pytest.mark.xfail(
-    strict=True, raises=CapacityError,
-    reason="tierkv/store.py KVStore._demote allocates all target slots before moving any block: demoting a "
-           "batch (here a 16-slot device chunk that reserve_device evacuates when staging grows) to a host "
-           "tier with fewer free slots calls _demote_victims(HOST, protect=batch), which finds no host "
-           "blocks to push to disk (the slots just taken hold nothing yet) and raises CapacityError although"
-           " the disk tier has room. Fix: demote in batches that fit the target's free slots, committing "
-           "each before making more room, or send the overflow straight to the next tier down.")
 def test_demoting_a_chunk_larger_than_the_host_tier(tmp_path):
     """block_tokens=1 makes every token a 4 KiB slot: a 1 MiB device tier grows its pool 16 slots at a time,
     and once it is full, growing the staging area evacuates a 16-block chunk towards a 4-slot host tier."""

@@ -305,7 +305,7 @@ class KVStore:
             while len(slots) < len(remaining) and (slot := self.tiers[target].alloc(slot_bytes)) is not None:
                 slots.append(slot)
             if not slots:  # the target is full: push its own victims further down first
-                self._demote_victims(target, slot_bytes, len(remaining), protect={b.id for b in blocks})
+                self._demote_victims(target, slot_bytes, len(remaining), protect={b.id for b in remaining})
                 continue
             batch, remaining = remaining[: len(slots)], remaining[len(slots) :]
             self._commit_demotion(batch, source, target, slots)
