@@ -14,9 +14,11 @@ the exact-gather executor and handed to the model's own attention — so outputs
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psutil
@@ -25,6 +27,7 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from tierkv.attention.exact_gather import ExactGather, staging_bytes
+from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS, StreamingAttention
 from tierkv.blocks import Tier
 from tierkv.config import parse_size
 from tierkv.errors import InvalidConfigError, TierKVError
@@ -40,6 +43,7 @@ DEFAULT_DEVICE_FRACTION = 0.25  # of free device memory (CPU RAM on a CPU-only h
 DEFAULT_HOST_FRACTION = 0.5  # of available RAM, when cpu_gb is None
 DEFAULT_DISK_FRACTION = 0.9  # of free space under disk_dir, when disk_gb is None
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+STREAMING_ATTENTION = "tierkv_streaming"  # the AttentionInterface name of the streaming executor
 
 
 class TieredLayer(CacheLayerMixin):
@@ -56,6 +60,7 @@ class TieredLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.dropped = 0  # tokens freed from the front (sliding layers only)
+        self.attend_from = 0  # first stored token the pending streaming attention reads
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -148,6 +153,9 @@ class TieredCache(Cache):
         self.prefetch_depth = prefetch_depth
         self.store: KVStore | None = None
         self.executor: ExactGather | None = None
+        self.streamer: StreamingAttention | None = None
+        self._chunk_tokens = DEFAULT_CHUNK_TOKENS
+        self._streaming_depth = 0  # > 0 inside `streaming(model)`
         self._disk: DiskTier | None = None
         if disk_dir is not None:
             budget = self.disk_budget
@@ -221,6 +229,8 @@ class TieredCache(Cache):
 
     def close(self) -> None:
         """Release every tier and delete the disk tier's files."""
+        if self.streamer is not None:
+            self.streamer.close()
         if self.executor is not None:
             self.executor.close()
             self.executor.mover.close()
@@ -228,7 +238,39 @@ class TieredCache(Cache):
             self.store.close()
         elif self._disk is not None:
             self._disk.close()
-        self.store = self.executor = None
+        self.store = self.executor = self.streamer = None
+
+    @contextlib.contextmanager
+    def streaming(self, model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Iterator[TieredCache]:
+        """Run ``model``'s attention as exact *streaming* attention over this cache while inside the block.
+
+        Each layer attends chunk by chunk (``chunk_tokens`` at a time, merged by log-sum-exp), so the device
+        needs two chunk buffers instead of a whole layer's K/V: contexts far beyond ``min_device_bytes``
+        fit. The model's own attention implementation is restored on exit::
+
+            with TieredCache(gpu_gb=2, disk_dir="/nvme") as cache, cache.streaming(model):
+                model.generate(ids, past_key_values=cache)
+        """
+        if not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
+            raise InvalidConfigError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}.")
+        _register_streaming_attention()
+        previous = model.config._attn_implementation
+        modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+        model.set_attn_implementation(STREAMING_ATTENTION)
+        for module in modules:
+            module._tierkv_cache = self
+        if self.streamer is not None and chunk_tokens != self._chunk_tokens:
+            self.streamer.close()  # buffers are sized per chunk length; the next attention makes new ones
+            self.streamer = None
+        self._chunk_tokens = chunk_tokens
+        self._streaming_depth += 1
+        try:
+            yield self
+        finally:
+            self._streaming_depth -= 1
+            for module in modules:
+                del module._tierkv_cache
+            model.set_attn_implementation(previous)
 
     def __enter__(self) -> TieredCache:
         return self
@@ -253,6 +295,7 @@ class TieredCache(Cache):
         self.store = KVStore(device_tier, host_tier, self._disk, self.policy, self.block_tokens)
         self.executor = ExactGather(self.store, make_mover(device), self.prefetch_depth)
         self.executor.start_of = lambda index: self.layers[index].attention_start(0)
+        self.store.barrier = self._wait_for_reads
         if self.layers:  # built from a config: the layer count is known up front
             self.executor.num_layers, self.executor.layers_known = len(self.layers), True
         return self.store
@@ -263,13 +306,35 @@ class TieredCache(Cache):
         before = layer.get_seq_length()
         try:
             store.append(layer.index, key_states, value_states)
+            if self._streaming_depth:  # attention streams from the store in _attend; hand back what came in
+                layer.attend_from = layer.attention_start(key_states.shape[2])
+                return key_states, value_states
             keys, values = self.executor.gather(layer.index, layer.attention_start(key_states.shape[2]))
         except TierKVError:
             self._roll_back_to(before)
             raise
-        if layer.sliding_window is not None:
-            layer.dropped += store.drop_front(layer.index, layer.stored() - (layer.sliding_window - 1))
+        self._drop_out_of_window(layer)
         return keys, values
+
+    def _attend(self, layer_idx: int, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+                softcap: float | None) -> torch.Tensor:
+        """Streaming attention of ``query`` ``[B, H_q, q, D]`` over layer ``layer_idx``: ``[B, q, H_q, D]``."""
+        layer = self.layers[layer_idx]
+        if self.streamer is None:
+            self.streamer = StreamingAttention(self.store, self.executor.mover, self._chunk_tokens)
+        out = self.streamer.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap)
+        self._drop_out_of_window(layer)
+        return out
+
+    def _drop_out_of_window(self, layer: TieredLayer) -> None:
+        if layer.sliding_window is not None:
+            layer.dropped += self.store.drop_front(layer.index, layer.stored() - (layer.sliding_window - 1))
+
+    def _wait_for_reads(self) -> None:
+        """The store's barrier: no read may be in flight while a slot is freed or moved."""
+        self.executor.wait_all()
+        if self.streamer is not None:
+            self.streamer.wait_all()
 
     def _roll_back_to(self, length: int) -> None:
         """After a failed update: layers that already took this step's tokens give them back."""
@@ -313,3 +378,31 @@ def _layout_of_config(config: PreTrainedConfig, block_tokens: int, dtype: torch.
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     return BlockLayout(heads, head_dim, block_tokens, dtype)
+
+
+def _streaming_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                 value: torch.Tensor, attention_mask: torch.Tensor | None,
+                                 scaling: float | None = None, dropout: float = 0.0, softcap: float | None = None,
+                                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function for ``TieredCache.streaming``: ``key``/``value`` are only this step's
+    tokens (already stored); attention runs over everything the cache holds for ``module.layer_idx``."""
+    cache = getattr(module, "_tierkv_cache", None)
+    if cache is None:
+        raise TierKVError(f"attention '{STREAMING_ATTENTION}' runs only inside `with cache.streaming(model):`.")
+    if module.training and dropout:
+        raise TierKVError("streaming attention is for inference; call model.eval() (dropout is not supported).")
+    if kwargs.get("s_aux") is not None:
+        raise TierKVError("streaming attention does not support attention sinks (s_aux); use exact gather "
+                          "(no `cache.streaming`).")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return cache._attend(module.layer_idx, query, attention_mask, scale, softcap), None
+
+
+@functools.cache
+def _register_streaming_attention() -> None:
+    """Register the attention function and its (boolean, sdpa-style) mask builder once per process."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(STREAMING_ATTENTION, _streaming_attention_forward)
+    AttentionMaskInterface.register(STREAMING_ATTENTION, sdpa_mask)
