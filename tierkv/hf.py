@@ -61,6 +61,7 @@ class TieredLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.dropped = 0  # tokens freed from the front (sliding layers only)
         self.attend_from = 0  # first stored token the pending streaming attention reads
+        self.pending_keys: torch.Tensor | None = None  # what update() handed the model, to match the attention call
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -308,6 +309,7 @@ class TieredCache(Cache):
             store.append(layer.index, key_states, value_states)
             if self._streaming_depth:  # attention streams from the store in _attend; hand back what came in
                 layer.attend_from = layer.attention_start(key_states.shape[2])
+                layer.pending_keys = key_states
                 return key_states, value_states
             keys, values = self.executor.gather(layer.index, layer.attention_start(key_states.shape[2]))
         except TierKVError:
@@ -320,6 +322,7 @@ class TieredCache(Cache):
                 softcap: float | None) -> torch.Tensor:
         """Streaming attention of ``query`` ``[B, H_q, q, D]`` over layer ``layer_idx``: ``[B, q, H_q, D]``."""
         layer = self.layers[layer_idx]
+        layer.pending_keys = None
         if self.streamer is None:
             self.streamer = StreamingAttention(self.store, self.executor.mover, self._chunk_tokens)
         out = self.streamer.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap)
@@ -394,6 +397,10 @@ def _streaming_attention_forward(module: torch.nn.Module, query: torch.Tensor, k
     if kwargs.get("s_aux") is not None:
         raise TierKVError("streaming attention does not support attention sinks (s_aux); use exact gather "
                           "(no `cache.streaming`).")
+    layer = cache.layers[module.layer_idx] if module.layer_idx < len(cache.layers) else None
+    if layer is None or layer.pending_keys is not key:
+        raise TierKVError("inside `cache.streaming(model)` the model must be called with that cache "
+                          "(past_key_values=cache); another cache was passed, or none.")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return cache._attend(module.layer_idx, query, attention_mask, scale, softcap), None
 

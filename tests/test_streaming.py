@@ -1,0 +1,101 @@
+"""Exact streaming attention (``cache.streaming(model)``) against DynamicCache on real model classes.
+
+The device budget here is far below ``min_device_bytes`` (which sizes exact gather's whole-layer staging):
+streaming needs only two chunk buffers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import prompt, tiny_model
+from transformers import DynamicCache
+
+from tierkv import TieredCache, TierKVError
+
+NEW = 8
+CASES = [  # (id, family, attention implementation, sliding window)
+    ("llama", "llama", "sdpa", None),
+    ("llama-eager", "llama", "eager", None),
+    ("mistral-sw8", "mistral", "sdpa", 8),
+    ("qwen3", "qwen3", "sdpa", None),
+    ("gemma2-sw8", "gemma2", "eager", 8),
+    ("phi3", "phi3", "sdpa", None),
+]
+
+
+def run(model, ids, mask, cache, **kwargs):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, past_key_values=cache, **kwargs)
+
+
+def small_cache(tmp_path, model, with_config: bool) -> TieredCache:
+    return TieredCache(gpu_gb="40KB", cpu_gb="24KB", disk_dir=tmp_path, block_tokens=4,
+                       config=model.config if with_config else None)
+
+
+@pytest.mark.parametrize("with_config", [False, True], ids=["no-config", "config"])
+@pytest.mark.parametrize(("name", "family", "attn", "window"), CASES, ids=[c[0] for c in CASES])
+def test_streaming_generation_matches_dynamic_cache(tmp_path, name, family, attn, window, with_config):
+    model = tiny_model(family, attn, window)
+    ids, mask = prompt(2, 40, seed=3, left_pad=(0, 6))
+    reference = run(model, ids, mask, DynamicCache(), prefill_chunk_size=16)
+    with small_cache(tmp_path, model, with_config) as cache:
+        with cache.streaming(model, chunk_tokens=8):
+            assert model.config._attn_implementation == "tierkv_streaming"
+            out = run(model, ids, mask, cache, prefill_chunk_size=16)
+        assert model.config._attn_implementation == attn  # restored
+        stats = cache.stats()
+        if not (with_config and name == "mistral-sw8"):  # all layers sliding: the window fits above disk
+            assert stats["blocks"]["disk"] > 0 and stats["bytes_moved"]["disk->device"] > 0
+        assert stats["peak_bytes_allocated"]["device"] <= stats["budget_bytes"]["device"]
+        assert stats["budget_bytes"]["device"] < TieredCache.min_device_bytes(model.config, 48, 2, block_tokens=4)
+    assert torch.equal(out.sequences, reference.sequences)
+    for got, expected in zip(out.logits, reference.logits):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_streaming_beam_search_matches(tmp_path):
+    model = tiny_model("llama")
+    ids, mask = prompt(1, 30, seed=4)
+    reference = run(model, ids, mask, DynamicCache(), num_beams=2)
+    with small_cache(tmp_path, model, False) as cache, cache.streaming(model, chunk_tokens=12):
+        out = run(model, ids, mask, cache, num_beams=2)
+    assert torch.equal(out.sequences, reference.sequences)
+
+
+def test_switching_between_gather_and_streaming_mid_sequence(tmp_path):
+    """Both executors read the same store: prefill with exact gather, decode streaming."""
+    model = tiny_model("qwen2")
+    ids, mask = prompt(1, 20, seed=5)
+    reference = DynamicCache()
+    with TieredCache(gpu_gb="1MB", cpu_gb="24KB", disk_dir=tmp_path, block_tokens=4) as cache:
+        expected = model(ids, past_key_values=reference).logits[:, -1]
+        got = model(ids, past_key_values=cache).logits[:, -1]
+        token = expected.argmax(-1, keepdim=True)
+        for _ in range(5):
+            expected = model(token, past_key_values=reference).logits[:, -1]
+            with cache.streaming(model, chunk_tokens=8):
+                got = model(token, past_key_values=cache).logits[:, -1]
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+            token = expected.argmax(-1, keepdim=True)
+
+
+def test_another_cache_inside_the_context_is_an_error(tmp_path):
+    model = tiny_model("llama")
+    with TieredCache(block_tokens=4) as cache, cache.streaming(model), \
+            pytest.raises(TierKVError, match="must be called with that cache"):
+        model(torch.tensor([[5, 6, 7]]), past_key_values=DynamicCache())
+
+
+def test_streaming_attention_outside_the_context_is_an_error(tmp_path):
+    model = tiny_model("llama", "sdpa", None, layers=1)
+    with TieredCache(block_tokens=4) as cache:
+        with cache.streaming(model):
+            pass
+        model.set_attn_implementation("tierkv_streaming")
+        try:
+            with pytest.raises(TierKVError, match="inside `with cache.streaming"):
+                model(torch.tensor([[5, 6, 7]]))
+        finally:
+            model.set_attn_implementation("sdpa")
