@@ -44,6 +44,7 @@ DEFAULT_HOST_FRACTION = 0.5  # of available RAM, when cpu_gb is None
 DEFAULT_DISK_FRACTION = 0.9  # of free space under disk_dir, when disk_gb is None
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 STREAMING_ATTENTION = "tierkv_streaming"  # the AttentionInterface name of the streaming executor
+LANDING_BYTES = 32 * 2**20  # device landing buffer for coalesced host->device copies (CUDA only)
 
 
 class TieredLayer(CacheLayerMixin):
@@ -297,6 +298,8 @@ class TieredCache(Cache):
         self.executor = ExactGather(self.store, make_mover(device), self.prefetch_depth)
         self.executor.start_of = lambda index: self.layers[index].attention_start(0)
         self.store.barrier = self._wait_for_reads
+        if device.type == "cuda":  # coalesce host/disk runs into large H2D copies (see KVStore.enable_landing)
+            self.store.enable_landing(min(LANDING_BYTES, gpu // 16))
         if self.layers:  # built from a config: the layer count is known up front
             self.executor.num_layers, self.executor.layers_known = len(self.layers), True
         return self.store

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from tierkv.errors import DiskFullError, DiskTierError
 from tierkv.io import DiskFile, IOHandle, aligned_empty, open_disk_file
@@ -172,12 +173,30 @@ def disk_error(exc: OSError, path: Path) -> DiskTierError:
 
 
 class BounceBuffer:
-    """A reusable, aligned host buffer that grows geometrically (disk I/O needs aligned memory)."""
+    """A reusable, aligned host buffer that grows geometrically (disk I/O needs aligned memory).
 
-    def __init__(self) -> None:
+    With ``pin`` (CUDA hosts) the pages are registered with the driver (``cudaHostRegister``), so copies
+    between it and the GPU are DMA at full PCIe speed instead of staged through pageable memory.
+    """
+
+    def __init__(self, pin: bool = False) -> None:
+        self.pin = pin
         self._buffer = aligned_empty(0)
 
     def get(self, nbytes: int) -> np.ndarray:
         if self._buffer.nbytes < nbytes:
+            self._unpin()
             self._buffer = aligned_empty(max(nbytes, 2 * self._buffer.nbytes))
+            if self.pin:
+                _check_cuda(torch.cuda.cudart().cudaHostRegister(self._buffer.ctypes.data, self._buffer.nbytes, 0))
         return self._buffer[:nbytes]
+
+    def _unpin(self) -> None:
+        if self.pin and self._buffer.nbytes:
+            torch.cuda.cudart().cudaHostUnregister(self._buffer.ctypes.data)
+
+
+def _check_cuda(status: object) -> None:
+    code = getattr(status, "value", status)
+    if code != 0:
+        raise DiskTierError(0, f"cudaHostRegister of the disk bounce buffer failed (CUDA error {code}).")

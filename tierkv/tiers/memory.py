@@ -84,6 +84,16 @@ class SlabPool:
         chunk, row = self._chunk_of_slot[slot]
         return self.chunks[chunk][row]
 
+    def contiguous(self, slot: int, other: int) -> bool:
+        """Whether slot ``other`` directly follows ``slot`` in memory (next row of the same chunk)."""
+        chunk, row = self._chunk_of_slot[slot]
+        return other == slot + 1 and self._chunk_of_slot[other] == (chunk, row + 1)
+
+    def rows(self, first: int, count: int) -> torch.Tensor:
+        """Slots ``first .. first + count - 1`` (contiguous, one chunk) as ``[count, slot_bytes]``."""
+        chunk, row = self._chunk_of_slot[first]
+        return self.chunks[chunk][row : row + count]
+
 
 class MemoryTier:
     """The device tier (GPU HBM, or CPU memory on a CPU-only host) or the host tier (pinned when CUDA exists).
