@@ -28,12 +28,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from tierkv.attention.exact_gather import ExactGather, staging_bytes
 from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS, StreamingAttention
+from tierkv.bandwidth import LinkProfile
 from tierkv.blocks import Tier
 from tierkv.config import parse_size
 from tierkv.errors import InvalidConfigError, TierKVError
 from tierkv.layout import BlockLayout
 from tierkv.mover import make_mover
 from tierkv.policy import Policy, make_policy
+from tierkv.stats import make_timeline, make_trace
 from tierkv.store import KVStore
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.memory import MemoryTier
@@ -129,19 +131,29 @@ class TieredCache(Cache):
         disk_gb: disk-tier budget. Default: 90% of the free space under ``disk_dir``.
         block_tokens: tokens per block, the unit of placement and I/O.
         policy: residency policy name (``"lru"``) or a :class:`tierkv.policy.Policy`.
-        prefetch_depth: layers gathered ahead of the one computing (each costs one staging buffer).
+        prefetch_depth: layers gathered ahead of the one computing (each costs one staging buffer), or
+            ``"auto"``: chosen by the bandwidth model from the first decode steps (docs/benchmarks.md).
         config: the model config; lets sliding-window layers (Gemma2/3, Mistral) keep only their window.
         disk_engine: force a disk engine (``"posix"``, ``"native"``, ``"kvikio"``); default: automatic.
+        profile: the :class:`~tierkv.bandwidth.LinkProfile` (or its JSON path) for the predicted times in
+            ``stats()["steps"]`` and for ``prefetch_depth="auto"``; default ``$TIERKV_PROFILE``, else presets
+            by device type (:func:`tierkv.stats.default_profile`).
+        trace: record a timeline trace (True; or a path written at ``close()``); default ``$TIERKV_TRACE``.
+            See :meth:`save_trace`.
     """
 
     def __init__(self, gpu_gb: float | str | None = None, cpu_gb: float | str | None = None,
                  disk_dir: str | os.PathLike | None = None, disk_gb: float | str | None = None,
-                 block_tokens: int = DEFAULT_BLOCK_TOKENS, policy: str | Policy = "lru", prefetch_depth: int = 1,
-                 config: PreTrainedConfig | None = None, disk_engine: str | None = None) -> None:
+                 block_tokens: int = DEFAULT_BLOCK_TOKENS, policy: str | Policy = "lru",
+                 prefetch_depth: int | str = 1, config: PreTrainedConfig | None = None,
+                 disk_engine: str | None = None, profile: LinkProfile | str | os.PathLike | None = None,
+                 trace: bool | str | os.PathLike | None = None) -> None:
         if not isinstance(block_tokens, int) or block_tokens <= 0:
             raise InvalidConfigError(f"block_tokens must be a positive int (e.g. 256), got {block_tokens!r}.")
-        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
-            raise InvalidConfigError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}.")
+        if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int) or prefetch_depth < 0):
+            raise InvalidConfigError(f"prefetch_depth must be an int >= 0 or 'auto', got {prefetch_depth!r}.")
+        self.profile = profile  # resolved with the device in _ensure_store (see tierkv.stats.resolve_profile)
+        self.trace = make_trace(trace)  # None when off (also reads TIERKV_TRACE)
         self.gpu_budget = None if gpu_gb is None else parse_size(gpu_gb, name="gpu_gb")
         self.cpu_budget = None if cpu_gb is None else parse_size(cpu_gb, name="cpu_gb")
         self.disk_budget = None if disk_gb is None else parse_size(disk_gb, name="disk_gb")
@@ -205,11 +217,22 @@ class TieredCache(Cache):
             return {"bytes_resident": empty, "bytes_moved": {}, "blocks": dict(empty), "tokens": 0,
                     "prefetch_hits": 0, "prefetch_misses": 0}
         stats = self.store.stats()
+        stall = self.executor.stall_s + (self.streamer.stall_s if self.streamer else 0.0)
         stats.update(tokens=self.get_seq_length(), prefetch_hits=self.executor.prefetch_hits,
-                     prefetch_misses=self.executor.prefetch_misses, prefetch_stall_s=self.executor.stall_s,
+                     prefetch_misses=self.executor.prefetch_misses, prefetch_stall_s=stall,
                      mover=self.executor.mover.name,
-                     disk_engine=self._disk.engine_name if self._disk else None)
+                     disk_engine=self._disk.engine_name if self._disk else None,
+                     prefetch_depth=self.executor.prefetch_depth, prefetch_auto=list(self.executor.auto_choices),
+                     steps=self.executor.timeline.summary() if self.executor.timeline is not None else {})
         return stats
+
+    def save_trace(self, path: str | os.PathLike) -> None:
+        """Write the timeline trace (``TieredCache(trace=True)``) as Chrome trace JSON (chrome://tracing,
+        https://ui.perfetto.dev): mover copies/reads per link, synchronous reads, prefetch waits, compute."""
+        if self.trace is None:
+            raise InvalidConfigError("no trace was recorded; create the cache with TieredCache(trace=True) "
+                                     "or set TIERKV_TRACE=path.")
+        self.trace.save(path)
 
     @staticmethod
     def min_device_bytes(config: PreTrainedConfig, context: int, batch: int = 1,
@@ -222,6 +245,17 @@ class TieredCache(Cache):
         staging = staging_bytes(batch, int(context * 1.25), layout.token_bytes, block_tokens, prefetch_depth)
         layers = config.get_text_config(decoder=True).num_hidden_layers
         return staging + (layers + 1) * batch * layout.slot_bytes
+
+    @staticmethod
+    def min_streaming_device_bytes(config: PreTrainedConfig, batch: int = 1,
+                                   block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: torch.dtype | None = None) -> int:
+        """Smallest ``gpu_gb`` (bytes) for :meth:`streaming`: two chunk buffers plus the open tail blocks —
+        independent of the context length."""
+        layout = _layout_of_config(config, block_tokens, dtype)
+        chunk = max(block_tokens, chunk_tokens // block_tokens * block_tokens)
+        layers = config.get_text_config(decoder=True).num_hidden_layers
+        return 2 * batch * chunk * layout.token_bytes + (layers + 1) * batch * layout.slot_bytes
 
     @staticmethod
     def kv_bytes_per_token(config: PreTrainedConfig, dtype: torch.dtype | None = None) -> int:
@@ -295,7 +329,8 @@ class TieredCache(Cache):
         device_tier = MemoryTier(Tier.DEVICE, gpu, device)
         host_tier = MemoryTier(Tier.HOST, cpu, torch.device("cpu"), pin=device.type == "cuda")
         self.store = KVStore(device_tier, host_tier, self._disk, self.policy, self.block_tokens)
-        self.executor = ExactGather(self.store, make_mover(device), self.prefetch_depth)
+        self.executor = ExactGather(self.store, make_mover(device), self.prefetch_depth,
+                                    timeline=make_timeline(self.profile, device), trace=self.trace)
         self.executor.start_of = lambda index: self.layers[index].attention_start(0)
         self.store.barrier = self._wait_for_reads
         if device.type == "cuda":  # coalesce host/disk runs into large H2D copies (see KVStore.enable_landing)

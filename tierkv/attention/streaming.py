@@ -17,6 +17,7 @@ independent of the context length. ``tierkv.hf`` plugs it into transformers' ``A
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ class StreamingAttention:
         self.buffers: list[torch.Tensor] = []
         self.reserved = 0
         self.in_flight: list[ChunkRead] = []
+        self.stall_s = 0.0  # time attention waited for chunks to land
 
     def attend(self, layer: int, start: int, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
                softcap: float | None = None) -> torch.Tensor:
@@ -67,7 +69,9 @@ class StreamingAttention:
         pending = self._issue(layer, chunks[0], stop, 0) if chunks else None
         for index, chunk_start in enumerate(chunks):
             current = pending
+            waited_from = time.perf_counter()
             current.handle.wait()
+            self.stall_s += time.perf_counter() - waited_from
             pending = self._issue(layer, chunks[index + 1], stop, (index + 1) % 2) if index + 1 < len(chunks) else None
             staging = self._staging(current.buffer, layer, batch)
             keys = staging[0, :, :, : current.count].float()  # [B, H_kv, c, D]

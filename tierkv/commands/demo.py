@@ -9,6 +9,7 @@ run. Without the shipped weights (or with ``--random-model``) a tiny random Llam
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import tempfile
@@ -30,6 +31,10 @@ console = Console()
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", default="8K", help="haystack length in tokens, e.g. 8K, 32768 (default 8K)")
     parser.add_argument("--gpu-gb", default=None, help="device budget; default: 1/8 of the KV (plus staging)")
+    parser.add_argument("--executor", choices=("streaming", "gather"), default="streaming",
+                        help="streaming: chunked exact attention, device holds two chunks (default); "
+                             "gather: whole layers assembled on the device")
+    parser.add_argument("--chunk-tokens", type=int, default=1024, help="chunk length of the streaming executor")
     parser.add_argument("--cpu-gb", default=None, help="host budget; default: 1/4 of the KV")
     parser.add_argument("--disk-dir", default=None, help="disk tier directory (default: a temporary directory)")
     parser.add_argument("--block-tokens", type=int, default=64)
@@ -55,8 +60,12 @@ def run(args: argparse.Namespace) -> int:
     if gpu is None:
         from tierkv import TieredCache
 
-        gpu = TieredCache.min_device_bytes(model.config, len(prompt) + decode, block_tokens=args.block_tokens) \
-            + kv_bytes // 8
+        if args.executor == "streaming":
+            floor = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens,
+                                                           chunk_tokens=args.chunk_tokens)
+        else:
+            floor = TieredCache.min_device_bytes(model.config, len(prompt) + decode, block_tokens=args.block_tokens)
+        gpu = floor + kv_bytes // 8
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as tmp:
         disk_dir = args.disk_dir or tmp
         try:
@@ -70,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         "context": len(prompt),
         "kv_bytes": kv_bytes,
         "budgets": {"device": gpu, "host": cpu},
+        "executor": args.executor,
         "expected": expected,
         "answer": answer_text,
         "match": expected is not None and answer_text.replace(" ", "").startswith(expected),
@@ -134,7 +144,7 @@ def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, dis
 
     ids = torch.tensor([prompt])
     with TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{cpu}B", disk_dir=disk_dir, block_tokens=args.block_tokens,
-                     config=model.config) as cache, torch.inference_mode():
+                     config=model.config) as cache, torch.inference_mode(), _executor(args, cache, model):
         started = time.perf_counter()
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("prefill", total=ids.shape[1])
@@ -168,6 +178,13 @@ def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, dis
     }
 
 
+def _executor(args: argparse.Namespace, cache, model):
+    """The attention executor's context: streaming attention, or nothing (exact gather is the default path)."""
+    if args.executor == "streaming":
+        return cache.streaming(model, chunk_tokens=args.chunk_tokens)
+    return contextlib.nullcontext()
+
+
 def _live_table(cache, tokens: list[int], elapsed: float) -> Table:
     stats = cache.stats()
     table = Table(title=f"decoding: {len(tokens)} tokens, {len(tokens) / elapsed if elapsed else 0:.2f} tok/s")
@@ -195,6 +212,7 @@ def _print_summary(summary: dict) -> None:
     table.add_row("context", f"{summary['context']:,} tokens")
     table.add_row("KV size", _mb(summary["kv_bytes"]))
     table.add_row("budgets", f"device {_mb(summary['budgets']['device'])}, host {_mb(summary['budgets']['host'])}")
+    table.add_row("executor", summary["executor"])
     for tier, nbytes in summary["bytes_resident"].items():
         table.add_row(f"resident on {tier}", f"{_mb(nbytes)} ({summary['blocks'][tier]} blocks)")
     for link, nbytes in summary["bytes_moved"].items():
