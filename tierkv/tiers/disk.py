@@ -8,7 +8,6 @@ with ENOSPC — never halfway through a block write) up to the tier's budget. Fi
 from __future__ import annotations
 
 import errno
-import heapq
 import os
 import tempfile
 import weakref
@@ -20,6 +19,7 @@ import torch
 
 from tierkv.errors import DiskFullError, DiskTierError
 from tierkv.io import DiskFile, IOHandle, aligned_empty, open_disk_file
+from tierkv.tiers.slots import FreeSlots, growth_slots
 
 DEFAULT_EXTENT_BYTES = 256 * 2**20
 
@@ -37,29 +37,28 @@ class DiskSlotFile:
         self.slot_bytes = slot_bytes
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.file: DiskFile = open_disk_file(path, engine=engine)
-        self.capacity = 0
-        self._free: list[int] = []
-        self.used = 0
+        self.slots = FreeSlots()
+
+    @property
+    def capacity(self) -> int:
+        return self.slots.capacity
+
+    @property
+    def used(self) -> int:
+        return self.slots.used
 
     def grow(self, slots: int) -> None:
-        new_capacity = self.capacity + slots
         try:
-            os.posix_fallocate(self._fd, 0, new_capacity * self.slot_bytes)
+            os.posix_fallocate(self._fd, 0, (self.capacity + slots) * self.slot_bytes)
         except OSError as exc:
             raise disk_error(exc, self.path) from exc
-        for slot in range(self.capacity, new_capacity):
-            heapq.heappush(self._free, slot)
-        self.capacity = new_capacity
+        self.slots.grow(slots)
 
     def alloc(self) -> int | None:
-        if not self._free:
-            return None
-        self.used += 1
-        return heapq.heappop(self._free)
+        return self.slots.alloc()
 
     def free(self, slot: int) -> None:
-        self.used -= 1
-        heapq.heappush(self._free, slot)
+        self.slots.free(slot)
 
     def offset(self, slot: int) -> int:
         return slot * self.slot_bytes
@@ -118,10 +117,9 @@ class DiskTier:
         slot = slot_file.alloc()
         if slot is not None:
             return slot
-        room = (self.budget - self.allocated_bytes) // slot_bytes
-        if room <= 0:
+        extent = growth_slots(self.budget, self.allocated_bytes, slot_bytes, self.extent_bytes)
+        if extent == 0:
             return None
-        extent = int(min(room, max(1, self.extent_bytes // slot_bytes)))
         try:
             slot_file.grow(extent)
         except DiskFullError:

@@ -8,21 +8,16 @@ Every byte the tier holds, slots and staging alike, counts against its budget.
 
 from __future__ import annotations
 
-import heapq
-
 import torch
 
 from tierkv.blocks import Tier
+from tierkv.tiers.slots import FreeSlots, growth_slots
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 
 class SlabPool:
-    """Slots of ``slot_bytes`` bytes in chunk tensors ``[slots_per_chunk, slot_bytes]`` (uint8).
-
-    The free list is a min-heap: the lowest free slot is handed out first, so blocks pack into the oldest
-    chunks and the newest chunk empties out first when staging needs its room back.
-    """
+    """Slots of ``slot_bytes`` bytes in chunk tensors ``[slots_per_chunk, slot_bytes]`` (uint8)."""
 
     def __init__(self, slot_bytes: int, device: torch.device, pin: bool) -> None:
         self.slot_bytes = slot_bytes
@@ -30,12 +25,15 @@ class SlabPool:
         self.pin = pin
         self.chunks: list[torch.Tensor] = []
         self._chunk_of_slot: list[tuple[int, int]] = []  # slot -> (chunk, row)
-        self._free: list[int] = []
-        self.used = 0
+        self.slots = FreeSlots()
 
     @property
     def capacity(self) -> int:
-        return len(self._chunk_of_slot)
+        return self.slots.capacity
+
+    @property
+    def used(self) -> int:
+        return self.slots.used
 
     @property
     def allocated_bytes(self) -> int:
@@ -43,41 +41,31 @@ class SlabPool:
 
     def add_chunk(self, slots: int) -> None:
         chunk = torch.empty((slots, self.slot_bytes), dtype=torch.uint8, device=self.device, pin_memory=self.pin)
-        index = len(self.chunks)
+        self._chunk_of_slot.extend((len(self.chunks), row) for row in range(slots))
         self.chunks.append(chunk)
-        first = len(self._chunk_of_slot)
-        self._chunk_of_slot.extend((index, row) for row in range(slots))
-        for slot in range(first, first + slots):
-            heapq.heappush(self._free, slot)
+        self.slots.grow(slots)
 
     def last_chunk_slots(self) -> range:
         """Slot ids of the newest chunk (the one :meth:`drop_last_chunk` would return)."""
         size = self.chunks[-1].shape[0]
         return range(self.capacity - size, self.capacity)
 
+    def last_chunk_is_empty(self) -> bool:
+        return bool(self.chunks) and self.slots.all_free(self.last_chunk_slots())
+
     def drop_last_chunk(self) -> int:
         """Release the newest chunk, whose slots must all be free; return the bytes released."""
-        slots = set(self.last_chunk_slots())
-        if not slots <= set(self._free):
-            raise RuntimeError("drop_last_chunk: the chunk still holds blocks; evacuate it first")
+        size = self.chunks[-1].shape[0]
+        self.slots.shrink(size)
         chunk = self.chunks.pop()
-        del self._chunk_of_slot[-chunk.shape[0] :]
-        self._free = [slot for slot in self._free if slot not in slots]
-        heapq.heapify(self._free)
+        del self._chunk_of_slot[-size:]
         return chunk.numel()
 
-    def is_free(self, slot: int) -> bool:
-        return slot in self._free
-
     def alloc(self) -> int | None:
-        if not self._free:
-            return None
-        self.used += 1
-        return heapq.heappop(self._free)
+        return self.slots.alloc()
 
     def free(self, slot: int) -> None:
-        self.used -= 1
-        heapq.heappush(self._free, slot)
+        self.slots.free(slot)
 
     def view(self, slot: int) -> torch.Tensor:
         """The slot's bytes, ``[slot_bytes]`` uint8 (a view: writes land in the slab)."""
@@ -131,11 +119,11 @@ class MemoryTier:
         slot = pool.alloc()
         if slot is not None:
             return slot
-        room = (self.budget - self.allocated_bytes) // slot_bytes
-        if room <= 0:
+        step = min(self.chunk_bytes, self.budget // 16)  # fine enough for staging to reclaim chunks
+        count = growth_slots(self.budget, self.allocated_bytes, slot_bytes, step)
+        if count == 0:
             return None
-        chunk_bytes = min(self.chunk_bytes, self.budget // 16)  # fine enough for staging to reclaim
-        pool.add_chunk(int(min(room, max(1, chunk_bytes // slot_bytes))))
+        pool.add_chunk(count)
         self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         return pool.alloc()
 
@@ -163,7 +151,7 @@ class MemoryTier:
 
     def _drop_an_empty_chunk(self) -> bool:
         for pool in self.pools.values():
-            if pool.chunks and set(pool.last_chunk_slots()) <= set(pool._free):
+            if pool.last_chunk_is_empty():
                 pool.drop_last_chunk()
                 return True
         return False
