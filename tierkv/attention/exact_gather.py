@@ -8,6 +8,13 @@ equal a plain in-memory cache. Staging buffers live in device memory counted aga
 
 While layer L attends over staging[a], the mover fills staging[b] with every block layer L+1 already had.
 When layer L+1's ``update`` arrives, only its new tokens (and anything appended since) are copied on top.
+
+Telemetry (optional :class:`~tierkv.stats.Timeline`): each read job is split by source tier and timed per
+link (``perf_counter`` on CPU hosts, CUDA events on the stream that ran the copies); the time between one
+layer's gather returning and the next layer's gather starting is that layer's compute. An optional
+:class:`~tierkv.stats.Trace` gets the same spans; without one the only cost is a ``None`` check per read.
+``prefetch_depth="auto"`` starts at 1 and, after :data:`AUTO_AFTER_STEPS` decode steps, sets the depth from
+the bandwidth model (:func:`tierkv.stats.choose_prefetch_depth`); it decides again after staging grows.
 """
 
 from __future__ import annotations
@@ -20,13 +27,17 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.errors import BudgetTooSmallError
+from tierkv.blocks import Tier
+from tierkv.errors import BudgetTooSmallError, InvalidConfigError
 from tierkv.mover import MoveHandle, ThreadMover
-from tierkv.store import KVStore
+from tierkv.stats import ReadTiming, Timeline, Trace, choose_prefetch_depth
+from tierkv.store import KVStore, ReadSegment
 
 log = logging.getLogger("tierkv")
 
 GROWTH = 1.25
+AUTO_AFTER_STEPS = 2  # decode steps measured before prefetch_depth="auto" decides (and after staging grows)
+LINK_OF_TIER = {Tier.DEVICE: "device->device", Tier.HOST: "host->device", Tier.DISK: "disk->device"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +50,28 @@ class Prefetch:
     count: int
     version: int
     handle: MoveHandle
+    timings: list[ReadTiming] | None = None  # filled by the mover when telemetry is on
 
 
 class ExactGather:
-    def __init__(self, store: KVStore, mover: ThreadMover, prefetch_depth: int = 1) -> None:
+    def __init__(self, store: KVStore, mover: ThreadMover, prefetch_depth: int | str = 1,
+                 timeline: Timeline | None = None, trace: Trace | None = None) -> None:
+        if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int) or prefetch_depth < 0):
+            raise InvalidConfigError(f"prefetch_depth must be an int >= 0 or 'auto', got {prefetch_depth!r}.")
         self.store = store
         self.mover = mover
-        self.prefetch_depth = prefetch_depth
+        self.auto = prefetch_depth == "auto"
+        self.prefetch_depth: int = 1 if self.auto else prefetch_depth  # type: ignore[assignment]
+        self.timeline = timeline
+        self.trace = trace
+        self.auto_choices: list[dict] = []  # decisions of prefetch_depth="auto", oldest first
+        self._auto_wait = AUTO_AFTER_STEPS  # decode steps left before the next "auto" decision
+        self._resize = False  # the next _ensure_capacity reallocates (the depth changed)
+        self._left_at: float | None = None  # perf_counter when the last gather returned
+        self._last_stop: dict[int, int] = {}
+        self._cuda = store.device.device.type == "cuda"
+        if timeline is not None and self._cuda:
+            timeline.resolve = _resolve_cuda_events
         self.capacity = 0  # tokens per staging buffer
         self.batch = 0
         self.token_bytes = 0  # max over layers seen
@@ -66,18 +92,30 @@ class ExactGather:
     # ---------------------------------------------------------------------------------- public
     def gather(self, layer: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[B, H_kv, T, D]`` of tokens ``[start, seq_length)`` of ``layer`` (views of staging)."""
+        entered = time.perf_counter()
+        new_pass = layer <= self.last_layer
         if layer == 0 and self.num_layers > 1 and self.last_layer == self.num_layers - 1:
             self.layers_known = True  # a full pass was seen: wrapping prefetch to layer 0 is now safe
+        stop = self.store.seq_length(layer)
+        if self.timeline is not None:
+            self._record_pass(layer, stop, entered, new_pass)
+        elif self.trace is not None and self._left_at is not None:
+            self.trace.span(f"compute L{self.last_layer}", "compute", self._left_at, entered)
         self.num_layers = max(self.num_layers, layer + 1)
         self.last_layer = layer
-        stop = self.store.seq_length(layer)
         layout = self.store.layouts[layer]
         batch = self.store.batch_size(layer)
         prefetched = self.pending.pop(layer, None)
         if prefetched is not None:
             waited_from = time.perf_counter()
             prefetched.handle.wait()
-            self.stall_s += time.perf_counter() - waited_from
+            waited = time.perf_counter() - waited_from
+            self.stall_s += waited
+            self._consume(prefetched)
+            if self.timeline is not None:
+                self.timeline.add_stall(waited)
+            if self.trace is not None:
+                self.trace.span(f"wait L{layer}", "stall", waited_from, waited_from + waited)
         self._ensure_capacity(batch, stop - start, layout.token_bytes)
         if prefetched is not None and prefetched.start == start and prefetched.version == self.version \
                 and prefetched.count <= stop - start and prefetched.buffer < len(self.buffers):
@@ -87,15 +125,25 @@ class ExactGather:
             buffer, done = self._free_buffer(), 0
             self.prefetch_misses += prefetched is not None
         staging = self._staging(buffer, layer, batch)
-        self.store.read_into(layer, self.store.plan_read(layer, start + done, stop), staging[..., done:, :])
+        segments = self.store.plan_read(layer, start + done, stop)
+        if self.timeline is None and self.trace is None:
+            self.store.read_into(layer, segments, staging[..., done:, :])
+        else:
+            timings: list[ReadTiming] = []
+            self._read(layer, segments, staging[..., done:, :], timings, prefetch=False)
+            if self.timeline is not None:
+                self.timeline.add_reads(layer, timings, sync=True)
         self.current = buffer
         self._prefetch_next(layer)
         count = stop - start
+        self._left_at = time.perf_counter()
         return staging[0, :, :, :count], staging[1, :, :, :count]
 
     def invalidate(self) -> None:
         """Table edits (reorder, crop, reset) make staged data stale."""
         self.wait_all()
+        for prefetch in self.pending.values():
+            self._consume(prefetch)
         self.pending.clear()
         self.version += 1
 
@@ -106,6 +154,8 @@ class ExactGather:
     def close(self) -> None:
         self.invalidate()
         self._release()
+        if self.trace is not None and self.trace.path is not None:
+            self.trace.save(self.trace.path)
 
     # --------------------------------------------------------------------------------- staging
     def _round(self, tokens: int) -> int:
@@ -118,12 +168,18 @@ class ExactGather:
         return flat.view(2, batch, layout.kv_heads, self.capacity, layout.head_dim)
 
     def _ensure_capacity(self, batch: int, tokens: int, token_bytes: int) -> None:
-        if tokens <= self.capacity and batch <= self.batch and token_bytes <= self.token_bytes:
+        if tokens <= self.capacity and batch <= self.batch and token_bytes <= self.token_bytes and not self._resize:
             return
+        old_capacity, old_batch, old_token_bytes = self.capacity, self.batch, self.token_bytes
+        if tokens <= old_capacity and batch <= old_batch and token_bytes <= old_token_bytes:
+            capacity = old_capacity  # only the depth changed ("auto"): same buffers, another count
+        else:
+            self._auto_wait = AUTO_AFTER_STEPS  # the staging grows: "auto" decides again on the new sizes
+            capacity = self._round(max(tokens, int(old_capacity * GROWTH)))
+        self._resize = False
         self.invalidate()
         self._release()
-        capacity = self._round(max(tokens, int(self.capacity * GROWTH)))
-        batch, token_bytes = max(batch, self.batch), max(token_bytes, self.token_bytes)
+        batch, token_bytes = max(batch, old_batch), max(token_bytes, old_token_bytes)
         per_buffer = batch * capacity * token_bytes
         count = self.prefetch_depth + 1
         while True:
@@ -159,6 +215,7 @@ class ExactGather:
             return (self.current + 1) % len(self.buffers)
         victim.handle.wait()  # reuse its buffer: that prefetch is dropped, its layer will gather afresh
         del self.pending[victim.layer]
+        self._consume(victim)
         return victim.buffer
 
     # -------------------------------------------------------------------------------- prefetch
@@ -185,8 +242,98 @@ class ExactGather:
             return
         staging = self._staging(buffer, layer, batch)
         segments = self.store.plan_read(layer, start, stop)
-        handle = self.mover.submit(lambda: self.store.read_into(layer, segments, staging))
-        self.pending[layer] = Prefetch(layer, buffer, start, stop - start, self.version, handle)
+        if self.timeline is None and self.trace is None:
+            handle = self.mover.submit(lambda: self.store.read_into(layer, segments, staging))
+            timings = None
+        else:
+            timings = []
+            handle = self.mover.submit(lambda: self._read(layer, segments, staging, timings, prefetch=True))
+        self.pending[layer] = Prefetch(layer, buffer, start, stop - start, self.version, handle, timings)
+
+    # ------------------------------------------------------------------------------- telemetry
+    def _read(self, layer: int, segments: list[ReadSegment], dest: torch.Tensor, timings: list[ReadTiming],
+              prefetch: bool) -> None:
+        """``store.read_into`` one source tier at a time, timing each (runs on the mover or the caller)."""
+        by_tier: dict[Tier, list[ReadSegment]] = {}
+        for seg in segments:
+            by_tier.setdefault(seg.tier, []).append(seg)
+        token_bytes = self.store.layouts[layer].token_bytes
+        trace = self.trace
+        for tier, group in by_tier.items():
+            link = LINK_OF_TIER[tier]
+            copies = 1 if tier == Tier.DISK else len(group)  # disk: one batched engine read
+            timing = ReadTiming(link, sum(seg.length for seg in group) * token_bytes, copies)
+            begun = time.perf_counter()
+            timing.start = _cuda_mark() if self._cuda else begun
+            self.store.read_into(layer, group, dest)
+            ended = time.perf_counter()
+            timing.end = _cuda_mark() if self._cuda else ended
+            timings.append(timing)
+            if trace is not None:
+                trace.span(f"{link} L{layer}", "prefetch" if prefetch else "read", begun, ended,
+                           layer=layer, bytes=timing.nbytes, copies=copies)
+
+    def _consume(self, prefetch: Prefetch) -> None:
+        """A prefetch left the pending set (used, dropped or invalidated): count what it moved."""
+        if self.timeline is not None and prefetch.timings is not None:
+            self.timeline.add_reads(prefetch.layer, prefetch.timings, sync=False)
+
+    def _record_pass(self, layer: int, stop: int, entered: float, new_pass: bool) -> None:
+        timeline = self.timeline
+        assert timeline is not None
+        if self._left_at is not None:
+            timeline.add_compute(self.last_layer, entered - self._left_at)
+            if self.trace is not None:
+                self.trace.span(f"compute L{self.last_layer}", "compute", self._left_at, entered)
+        new_tokens = stop - self._last_stop.get(layer, 0)
+        self._last_stop[layer] = stop
+        if new_pass or timeline.current is None:
+            if self.auto and timeline.current is not None and timeline.current.decode:
+                self._auto_wait -= 1
+            timeline.begin_step(entered, new_tokens, stop, self.prefetch_depth)
+            if self.auto and self._auto_wait <= 0 and self.layers_known:
+                self._auto_wait = 1 << 62  # until staging grows
+                self._choose_depth()
+        else:
+            current = timeline.current
+            current.new_tokens = max(current.new_tokens, new_tokens)  # sliding layers may have dropped blocks
+
+    def _choose_depth(self) -> None:
+        """``prefetch_depth="auto"``: set the depth from the last decode step's measured placement."""
+        timeline = self.timeline
+        layers = timeline.last_decode_layers() if timeline is not None else None
+        if layers is None or not self.buffers or len(layers) != self.num_layers:
+            self._auto_wait = 1
+            return
+        device, host = self.store.device, self.store.tiers[Tier.HOST]
+        per_buffer = self.buffers[0].numel()
+        tails = sum(layout.slot_bytes for layout in self.store.layouts.values()) * self.batch
+        choice = choose_prefetch_depth(
+            layers, timeline.profile, current=self.prefetch_depth, held_buffers=len(self.buffers),
+            buffer_bytes=per_buffer, free_device_bytes=device.budget - device.allocated_bytes,
+            max_buffers=(device.budget - tails) // per_buffer,
+            free_host_bytes=host.budget - host.used_bytes)
+        record = {"step": timeline.steps_seen - 1, **choice.as_dict()}
+        self.auto_choices.append(record)
+        del self.auto_choices[:-16]
+        if choice.depth != self.prefetch_depth:
+            log.info("tierkv: prefetch_depth auto: %d -> %d (%s)", self.prefetch_depth, choice.depth, choice.reason)
+            self.prefetch_depth = choice.depth
+            self._resize = True
+
+
+def _cuda_mark() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()  # on the current stream: the mover's copy stream, or the compute stream for sync reads
+    return event
+
+
+def _resolve_cuda_events(start: torch.cuda.Event, end: torch.cuda.Event, block: bool) -> float | None:
+    if block:
+        end.synchronize()
+    elif not end.query():
+        return None
+    return start.elapsed_time(end) / 1e3
 
 
 def round_to_blocks(tokens: int, block_tokens: int) -> int:

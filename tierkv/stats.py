@@ -1,0 +1,428 @@
+"""Decode-step telemetry and the optional timeline trace.
+
+:class:`Timeline` keeps the last :data:`HISTORY` steps (forward passes) of one cache as
+:class:`StepTelemetry` records: wall time, model compute time, prefetch stall, the time the mover spent on
+copies and reads per link (measured), the bytes and copies per link, and what the bandwidth model
+(:mod:`tierkv.bandwidth`) predicts for the same bytes under a :class:`~tierkv.bandwidth.LinkProfile`.
+:meth:`Timeline.summary` gives medians (``cache.stats()["steps"]``).
+
+:class:`Trace` records spans (mover copies and reads, synchronous reads, prefetch waits, layer compute)
+and writes them as Chrome trace JSON for chrome://tracing or https://ui.perfetto.dev. It is created only
+when asked for (``TieredCache(trace=True)`` or ``TIERKV_TRACE=path``); when off, the executor's only cost is
+a ``None`` check per read.
+
+Links are named as in ``stats()["bytes_moved"]``: ``device->device`` (gather of device-resident blocks into
+staging), ``host->device``, ``disk->device`` (one batched engine read into a host bounce buffer, then a copy
+to the device).
+
+This module knows nothing of tensors (CUDA event pairs are resolved through a callable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierkv.bandwidth import PRESETS, LayerLoad, Link, LinkProfile, Placement, min_prefetch_depth, predict_step
+from tierkv.config import env_str
+from tierkv.errors import InvalidConfigError
+
+HISTORY = 256
+READ_LINKS = ("device->device", "host->device", "disk->device")
+
+
+# --------------------------------------------------------------------------------------- profile
+def default_profile(device_type: str, cuda_major: int = 0) -> LinkProfile:
+    """Presets by device type, used when neither ``profile=`` nor ``TIERKV_PROFILE`` gives a measured one.
+
+    CUDA: PCIe 5.0 x16 for compute capability >= 9 (H100/H200/B200 hosts), PCIe 4.0 x16 below, a Gen4 NVMe,
+    the HBM gather. CPU-only: the "device" tier is CPU memory, so host->device, device->host and the gather
+    are all the ``dram`` memcpy preset; disk is a Gen4 NVMe.
+    """
+    if device_type == "cuda":
+        return LinkProfile.from_presets("pcie5" if cuda_major >= 9 else "pcie4", "nvme-gen4")
+    dram = PRESETS["dram"]
+    links = {"host->device": dram, "device->host": dram, "device->device": dram, "host->host": dram,
+             "disk->host": PRESETS["nvme-gen4"], "host->disk": PRESETS["nvme-gen4-write"]}
+    return LinkProfile(links, {"source": "presets: dram (CPU-only host), nvme-gen4"})
+
+
+def resolve_profile(profile: LinkProfile | str | os.PathLike | None, device_type: str,
+                    cuda_major: int = 0) -> tuple[LinkProfile, str]:
+    """The profile the telemetry and ``prefetch_depth="auto"`` use, and where it came from:
+    ``profile=`` (a :class:`LinkProfile` or a JSON path), else ``$TIERKV_PROFILE`` (JSON written by
+    ``tierkv bench``), else :func:`default_profile`."""
+    if isinstance(profile, LinkProfile):
+        return profile, "profile= (LinkProfile)"
+    if profile is not None:
+        return LinkProfile.load(profile), f"profile={os.fspath(profile)}"
+    path = env_str("TIERKV_PROFILE")
+    if path is not None:
+        return LinkProfile.load(path), f"TIERKV_PROFILE={path}"
+    preset = default_profile(device_type, cuda_major)
+    return preset, preset.machine["source"]
+
+
+def _time(profile: LinkProfile, key: str, nbytes: int, transfers: int) -> float:
+    link: Link | None = profile.links.get(key)
+    if link is None or nbytes <= 0:
+        return 0.0
+    return link.transfer_time(nbytes, max(transfers, 1))
+
+
+# --------------------------------------------------------------------------------------- records
+@dataclass(slots=True)
+class LayerRecord:
+    """What one layer moved and computed in one step."""
+
+    compute_s: float = 0.0  # from the end of its gather to the next layer's gather (incl. the next append)
+    bytes: dict[str, int] = field(default_factory=dict)  # per link
+    copies: dict[str, int] = field(default_factory=dict)  # copy_ calls (memory links), batched reads (disk)
+
+    def load(self, compute_s: float | None = None) -> LayerLoad:
+        return LayerLoad(self.compute_s if compute_s is None else compute_s,
+                         device_bytes=self.bytes.get("device->device", 0),
+                         host_bytes=self.bytes.get("host->device", 0),
+                         disk_bytes=self.bytes.get("disk->device", 0),
+                         host_transfers=max(1, self.copies.get("host->device", 0)),
+                         disk_transfers=max(1, self.copies.get("disk->device", 0)))
+
+
+@dataclass(slots=True)
+class StepTelemetry:
+    """One forward pass through the layers (a decode step when ``new_tokens == 1``)."""
+
+    index: int
+    new_tokens: int  # tokens appended per row to the first layer in this pass
+    context: int  # tokens the first layer attends over
+    prefetch_depth: int
+    started: float  # perf_counter at the first layer's gather
+    wall_s: float = 0.0  # first layer's gather to the next pass's first gather
+    compute_s: float = 0.0  # sum of the layers' compute spans (everything outside the cache's gathers)
+    stall_s: float = 0.0  # waits for prefetches
+    sync_read_s: float = 0.0  # reads done on the compute thread (new tokens, prefetch misses)
+    transfer_s: dict[str, float] = field(default_factory=dict)  # measured, per link
+    bytes: dict[str, int] = field(default_factory=dict)
+    copies: dict[str, int] = field(default_factory=dict)
+    predicted_transfer_s: dict[str, float] = field(default_factory=dict)
+    predicted_step_s: float = 0.0  # predict_step on this step's bytes and measured compute spans
+    layers: dict[int, LayerRecord] | None = field(default_factory=dict)  # kept for the latest steps only
+
+    @property
+    def decode(self) -> bool:
+        return self.new_tokens == 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.index, "new_tokens": self.new_tokens, "context": self.context,
+            "prefetch_depth": self.prefetch_depth, "wall_s": self.wall_s, "compute_s": self.compute_s,
+            "stall_s": self.stall_s, "sync_read_s": self.sync_read_s,
+            "transfer_s": sum(self.transfer_s.values()), "transfer_s_by_link": dict(self.transfer_s),
+            "predicted_transfer_s": sum(self.predicted_transfer_s.values()),
+            "predicted_transfer_s_by_link": dict(self.predicted_transfer_s),
+            "predicted_step_s": self.predicted_step_s,
+            "bytes_by_link": dict(self.bytes), "copies_by_link": dict(self.copies),
+        }
+
+
+def steady_state_placement(layers: Sequence[LayerRecord]) -> Placement:
+    """The :class:`Placement` of one step as the runtime pipelines it.
+
+    The executor issues layer 0's prefetch of step ``t + 1`` as soon as the last layer of step ``t`` has
+    its data, so layer 0's transfers overlap the last layer's compute (and the LM head, sampling and
+    embedding counted with it). :func:`~tierkv.bandwidth.predict_step` starts a step with nothing in
+    flight, so the step is rotated: a transfer-free pseudo-layer carrying the last layer's compute comes
+    first, the last layer keeps its transfers and no compute. The predicted time is then the period
+    between two consecutive steps' "last layer has its data" moments, which in steady state is the step time.
+    """
+    if len(layers) < 2:
+        return Placement(tuple(layer.load() for layer in layers))
+    last = layers[-1]
+    head = LayerLoad(last.compute_s)
+    body = [layer.load() for layer in layers[:-1]] + [last.load(compute_s=0.0)]
+    return Placement((head, *body))
+
+
+# ------------------------------------------------------------------------------------- timeline
+class Timeline:
+    """Per-step telemetry of one cache, bounded to the last ``history`` steps."""
+
+    def __init__(self, profile: LinkProfile, profile_source: str, history: int = HISTORY) -> None:
+        self.profile = profile
+        self.profile_source = profile_source
+        self.history: deque[StepTelemetry] = deque(maxlen=history)
+        self.current: StepTelemetry | None = None
+        self.steps_seen = 0
+        self._pending: list[tuple[StepTelemetry, str, Any, Any]] = []  # CUDA event pairs not yet resolved
+        self.resolve: Callable[[Any, Any, bool], float | None] | None = None  # (start, end, block) -> s | None
+
+    # -- recording (compute thread) ---------------------------------------------------------------
+    def begin_step(self, now: float, new_tokens: int, context: int, depth: int) -> StepTelemetry:
+        previous = self.current
+        if previous is not None:
+            self._close(previous, now)
+        self.current = StepTelemetry(self.steps_seen, new_tokens, context, depth, now)
+        self.steps_seen += 1
+        return self.current
+
+    def layer(self, index: int) -> LayerRecord:
+        step = self.current
+        assert step is not None and step.layers is not None
+        record = step.layers.get(index)
+        if record is None:
+            record = step.layers[index] = LayerRecord()
+        return record
+
+    def add_compute(self, layer: int, seconds: float) -> None:
+        if self.current is not None:
+            self.layer(layer).compute_s += seconds
+            self.current.compute_s += seconds
+
+    def add_stall(self, seconds: float) -> None:
+        if self.current is not None:
+            self.current.stall_s += seconds
+
+    def add_reads(self, layer: int, reads: Sequence[ReadTiming], sync: bool) -> None:
+        """Fold the timings of one executed read job (prefetch or synchronous) into the current step."""
+        step = self.current
+        if step is None:
+            return
+        record = self.layer(layer)
+        for read in reads:
+            for target in (record.bytes, step.bytes):
+                target[read.link] = target.get(read.link, 0) + read.nbytes
+            for target in (record.copies, step.copies):
+                target[read.link] = target.get(read.link, 0) + read.copies
+            if read.end is None:
+                continue
+            if isinstance(read.start, float):
+                seconds = read.end - read.start
+                step.transfer_s[read.link] = step.transfer_s.get(read.link, 0.0) + seconds
+                if sync:
+                    step.sync_read_s += seconds
+            else:
+                self._pending.append((step, read.link, read.start, read.end))
+                if sync:
+                    self._pending.append((step, "sync", read.start, read.end))
+
+    # -- closing ----------------------------------------------------------------------------------
+    def _close(self, step: StepTelemetry, now: float) -> None:
+        step.wall_s = now - step.started
+        layers = [step.layers[i] for i in sorted(step.layers)] if step.layers else []
+        for record in layers:
+            for link, nbytes in record.bytes.items():
+                predicted = _predict_link(self.profile, link, nbytes, record.copies.get(link, 0))
+                step.predicted_transfer_s[link] = step.predicted_transfer_s.get(link, 0.0) + predicted
+        if layers:
+            try:
+                step.predicted_step_s = predict_step(steady_state_placement(layers), self.profile,
+                                                     step.prefetch_depth).step_s
+            except InvalidConfigError:  # a link missing from the profile
+                step.predicted_step_s = 0.0
+        self.history.append(step)
+        if len(self.history) > 2:
+            self.history[-3].layers = None  # per-layer detail is kept for the last two steps only
+        self._resolve_pending(block=False)
+
+    def _resolve_pending(self, block: bool) -> None:
+        if not self._pending or self.resolve is None:
+            return
+        left = []
+        for entry in self._pending:
+            step, link, start, end = entry
+            seconds = self.resolve(start, end, block)
+            if seconds is None:
+                left.append(entry)
+            elif link == "sync":
+                step.sync_read_s += seconds
+            else:
+                step.transfer_s[link] = step.transfer_s.get(link, 0.0) + seconds
+        self._pending = left
+
+    # -- reading ----------------------------------------------------------------------------------
+    def completed(self) -> list[StepTelemetry]:
+        self._resolve_pending(block=True)
+        return list(self.history)
+
+    def last_decode_layers(self) -> list[LayerRecord] | None:
+        """Per-layer records of the latest completed decode step, in layer order (None before one)."""
+        for step in reversed(self.history):
+            if step.layers is not None and step.decode and step.layers:
+                return [step.layers[i] for i in sorted(step.layers)]
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        """Medians over the kept decode steps (all kept passes if none was a decode step yet)."""
+        steps = self.completed()
+        decode = [s for s in steps if s.decode]
+        chosen = decode or steps
+        out: dict[str, Any] = {"count": len(chosen), "kind": "decode" if decode else "all passes",
+                               "window": self.history.maxlen, "profile": self.profile_source}
+        if not chosen:
+            return out
+        rows = [s.as_dict() for s in chosen]
+        median: dict[str, Any] = {}
+        for key, value in rows[-1].items():
+            if key in ("step", "prefetch_depth"):
+                continue
+            if isinstance(value, dict):
+                links = sorted({link for row in rows for link in row[key]})
+                median[key] = {link: statistics.median(row[key].get(link, 0) for row in rows) for link in links}
+            else:
+                median[key] = statistics.median(row[key] for row in rows)
+        out["median"] = median
+        out["last"] = rows[-1]
+        return out
+
+
+def _predict_link(profile: LinkProfile, link: str, nbytes: int, copies: int) -> float:
+    if link == "disk->device":  # disk -> host bounce buffer (one batched read), then host -> device
+        return _time(profile, "disk->host", nbytes, copies) + _time(profile, "host->device", nbytes, copies)
+    return _time(profile, link, nbytes, copies)
+
+
+@dataclass(slots=True)
+class ReadTiming:
+    """One link's share of one read job: bytes, copies and its start/end marks (floats, or CUDA events)."""
+
+    link: str
+    nbytes: int
+    copies: int
+    start: Any = None
+    end: Any = None
+
+
+# ---------------------------------------------------------------------------------------- trace
+class Trace:
+    """Spans in Chrome trace format (``ph: "X"``, microseconds), kept in memory until :meth:`save`."""
+
+    def __init__(self, path: str | os.PathLike | None = None, limit: int = 2_000_000) -> None:
+        self.path = path  # written by the executor's close() when set (TIERKV_TRACE=path, trace=path)
+        self.events: list[dict[str, Any]] = []
+        self.limit = limit
+        self.dropped = 0
+        self.pid = os.getpid()
+        self.origin = time.perf_counter()
+        self._threads: dict[int, str] = {}
+
+    def span(self, name: str, category: str, start: float, end: float, **args: Any) -> None:
+        """Record ``[start, end]`` (``time.perf_counter`` seconds) on the calling thread."""
+        if len(self.events) >= self.limit:
+            self.dropped += 1
+            return
+        tid = threading.get_native_id()
+        if tid not in self._threads:
+            self._threads[tid] = threading.current_thread().name
+        event = {"name": name, "cat": category, "ph": "X", "ts": (start - self.origin) * 1e6,
+                 "dur": max(end - start, 0.0) * 1e6, "pid": self.pid, "tid": tid}
+        if args:
+            event["args"] = args
+        self.events.append(event)
+
+    def to_json(self) -> dict[str, Any]:
+        meta = [{"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid, "args": {"name": name}}
+                for tid, name in self._threads.items()]
+        meta.append({"name": "process_name", "ph": "M", "pid": self.pid, "tid": 0, "args": {"name": "tierkv"}})
+        return {"traceEvents": meta + list(self.events), "displayTimeUnit": "ms",
+                "otherData": {"dropped_events": self.dropped}}
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_json(), f)
+
+
+def make_trace(trace: bool | str | os.PathLike | None) -> Trace | None:
+    """``TieredCache(trace=...)``: True records in memory (``save_trace``); a path also writes it there when
+    the cache closes; None reads ``$TIERKV_TRACE`` (a path); False is off whatever the environment says."""
+    if trace is False:
+        return None
+    if trace is None:
+        path = env_str("TIERKV_TRACE")
+        return Trace(path) if path is not None else None
+    return Trace() if trace is True else Trace(trace)
+
+
+def make_timeline(profile: LinkProfile | str | os.PathLike | None, device: Any) -> Timeline:
+    """The telemetry of a cache whose device tier is on ``device`` (a ``torch.device``)."""
+    major = 0
+    if device.type == "cuda":
+        import torch
+
+        major = torch.cuda.get_device_capability(device)[0]
+    links, source = resolve_profile(profile, device.type, major)
+    return Timeline(links, source)
+
+
+# ------------------------------------------------------------------------------ prefetch "auto"
+MAX_AUTO_DEPTH = 8
+
+
+@dataclass(frozen=True, slots=True)
+class DepthChoice:
+    """What ``prefetch_depth="auto"`` decided, and the predicted step time of every depth it weighed."""
+
+    depth: int
+    previous: int
+    predicted_step_s: dict[int, float]
+    free_depth: int  # deepest prefetch whose staging fits in free device memory (no KV evacuated)
+    cap: int  # deepest considered: budget, layer count and MAX_AUTO_DEPTH
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"depth": self.depth, "previous": self.previous, "free_depth": self.free_depth, "cap": self.cap,
+                "predicted_step_s": dict(self.predicted_step_s), "reason": self.reason}
+
+
+def choose_prefetch_depth(layers: Sequence[LayerRecord], profile: LinkProfile, *, current: int, held_buffers: int,
+                          buffer_bytes: int, free_device_bytes: int, max_buffers: int, free_host_bytes: int,
+                          tolerance: float = 0.01, hard_cap: int = MAX_AUTO_DEPTH) -> DepthChoice:
+    """The prefetch depth for the measured step ``layers`` (bytes per link and compute per layer).
+
+    Up to the depth whose staging fits in the device budget's free room (``free_depth``) this is
+    :func:`~tierkv.bandwidth.min_prefetch_depth` on the step's steady-state :class:`Placement`: the
+    shallowest depth within ``tolerance`` of the best. A deeper prefetch needs staging that only evacuating
+    device-resident KV can pay for (the store moves it to the host, or to disk when the host is full), which
+    adds the evacuated bytes to every later step's transfers; such a depth is chosen only when the model
+    predicts it still beats the best shallower one by more than ``tolerance``.
+    """
+    cap = max(0, min(hard_cap, len(layers) - 1, max_buffers - 1))
+    free_depth = max(0, min(cap, held_buffers - 1 + free_device_bytes // max(buffer_bytes, 1)))
+    placement = steady_state_placement(layers)
+    try:
+        best = min_prefetch_depth(placement, profile, max_depth=free_depth, tolerance=tolerance)
+        predicted = {d: predict_step(placement, profile, d).step_s for d in range(free_depth + 1)}
+        for depth in range(free_depth + 1, cap + 1):
+            moved = _evacuate(layers, (depth - free_depth) * buffer_bytes, free_host_bytes)
+            predicted[depth] = predict_step(steady_state_placement(moved), profile, depth).step_s
+            if predicted[depth] < predicted[best] * (1.0 - tolerance):
+                best = depth
+    except InvalidConfigError as exc:  # the profile lacks a link this step used
+        return DepthChoice(current, current, {}, free_depth, cap, f"kept: {exc}")
+    reason = "min_prefetch_depth" if best <= free_depth else "deeper staging pays for the evacuated KV"
+    return DepthChoice(best, current, predicted, free_depth, cap, reason)
+
+
+def _evacuate(layers: Sequence[LayerRecord], nbytes: int, free_host_bytes: int) -> list[LayerRecord]:
+    """``layers`` with ``nbytes`` of device-resident KV moved off the device, spread over the layers in
+    proportion to their device bytes: to the host while it has room, then to disk."""
+    device = sum(layer.bytes.get("device->device", 0) for layer in layers)
+    move = min(nbytes, device)
+    if move <= 0:
+        return list(layers)
+    to_host = min(move, max(free_host_bytes, 0)) / move
+    out = []
+    for layer in layers:
+        share = layer.bytes.get("device->device", 0) * move / device
+        data = dict(layer.bytes)
+        data["device->device"] = int(data.get("device->device", 0) - share)
+        data["host->device"] = int(data.get("host->device", 0) + share * to_host)
+        data["disk->device"] = int(data.get("disk->device", 0) + share * (1 - to_host))
+        out.append(LayerRecord(layer.compute_s, data, dict(layer.copies)))
+    return out
