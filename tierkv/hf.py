@@ -215,7 +215,7 @@ class TieredCache(Cache):
         if self.store is None:
             empty = {tier.label: 0 for tier in Tier}
             return {"bytes_resident": empty, "bytes_moved": {}, "blocks": dict(empty), "tokens": 0,
-                    "prefetch_hits": 0, "prefetch_misses": 0}
+                    "prefetch_hits": 0, "prefetch_misses": 0, "prefetch_stall_s": 0.0}
         stats = self.store.stats()
         stall = self.executor.stall_s + (self.streamer.stall_s if self.streamer else 0.0)
         stats.update(tokens=self.get_seq_length(), prefetch_hits=self.executor.prefetch_hits,

@@ -14,10 +14,12 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import Progress
 from rich.table import Table
@@ -50,9 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tierkv.demo.evaluate import parse_token_count
+    from tierkv.planner import parse_tokens
 
-    context = parse_token_count(str(args.context))
+    context = parse_tokens(str(args.context), name="--context")
     model, prompt, expected, decode = _load(args, context)
     kv_bytes = _kv_bytes(model, len(prompt) + decode)
     gpu = parse_size(args.gpu_gb, name="--gpu-gb") if args.gpu_gb else None
@@ -107,12 +109,12 @@ def _load(args: argparse.Namespace, context: int):
         prompt = tokenizer(Path(args.prompt_file).read_text())["input_ids"]
         return _with_decoder(model, tokenizer), prompt, None, args.max_new_tokens or 32
     if not args.random_model:
-        from tierkv.demo.model import DemoWeightsMissingError, load_demo_model
-        from tierkv.demo.task import make_example
-
         try:
+            from tierkv.demo.model import load_demo_model
+            from tierkv.demo.task import make_example
+
             model, tokenizer = load_demo_model()
-        except DemoWeightsMissingError as exc:
+        except (ImportError, TierKVError) as exc:  # a checkout without the trained demo model
             console.print(f"[yellow]{exc}[/yellow]\nFalling back to a random tiny Llama (exactness only).")
         else:
             example = make_example(random.Random(args.seed), context, args.depth)
@@ -139,42 +141,59 @@ def _kv_bytes(model, tokens: int) -> int:
     return TieredCache.kv_bytes_per_token(model.config, torch.float32) * tokens
 
 
+@dataclass
+class GreedyRun:
+    tokens: list[int]
+    prefill_s: float
+    decode_s: float
+
+
+def greedy(model, prompt: list[int], decode: int, cache, chunk: int,
+           on_prefill: Callable[[int], None] = lambda n: None,
+           on_token: Callable[[list[int], float], None] = lambda tokens, elapsed: None) -> GreedyRun:
+    """Prefill ``prompt`` in chunks, then decode ``decode`` tokens greedily through ``cache``."""
+    ids = torch.tensor([prompt])
+    started = time.perf_counter()
+    for start in range(0, ids.shape[1], chunk):
+        out = model(input_ids=ids[:, start : start + chunk], past_key_values=cache, logits_to_keep=1)
+        on_prefill(min(chunk, ids.shape[1] - start))
+    prefill_s = time.perf_counter() - started
+    tokens: list[int] = []
+    started = time.perf_counter()
+    while True:
+        tokens.append(int(out.logits[0, -1].argmax()))
+        on_token(tokens, time.perf_counter() - started)
+        if len(tokens) == decode:
+            break
+        out = model(input_ids=torch.tensor([tokens[-1:]]), past_key_values=cache, logits_to_keep=1)
+    return GreedyRun(tokens, prefill_s, time.perf_counter() - started)
+
+
 def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, disk_dir: str) -> dict:
     from tierkv import TieredCache
 
-    ids = torch.tensor([prompt])
+    progress = Progress(console=console)
+    task = progress.add_task("prefill", total=len(prompt))
     with TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{cpu}B", disk_dir=disk_dir, block_tokens=args.block_tokens,
-                     config=model.config) as cache, torch.inference_mode(), _executor(args, cache, model):
-        started = time.perf_counter()
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("prefill", total=ids.shape[1])
-            for start in range(0, ids.shape[1], args.prefill_chunk):
-                out = model(input_ids=ids[:, start : start + args.prefill_chunk], past_key_values=cache,
-                            logits_to_keep=1)
-                progress.update(task, advance=min(args.prefill_chunk, ids.shape[1] - start))
-        prefill_s = time.perf_counter() - started
-        tokens: list[int] = []
-        started = time.perf_counter()
-        with Live(_live_table(cache, tokens, 0.0), console=console, refresh_per_second=8) as live:
-            for _ in range(decode):
-                token = int(out.logits[0, -1].argmax())
-                tokens.append(token)
-                live.update(_live_table(cache, tokens, time.perf_counter() - started))
-                if len(tokens) == decode:
-                    break
-                out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, logits_to_keep=1)
-        decode_s = time.perf_counter() - started
+                     config=model.config) as cache, torch.inference_mode(), _executor(args, cache, model), \
+            Live(Group(progress, _live_table(cache, [], 0.0)), console=console, refresh_per_second=8) as live:
+
+        def show(tokens: list[int], elapsed: float) -> None:
+            live.update(Group(progress, _live_table(cache, tokens, elapsed)))
+
+        run = greedy(model, prompt, decode, cache, args.prefill_chunk,
+                     on_prefill=lambda n: (progress.update(task, advance=n), show([], 0.0)), on_token=show)
         stats = cache.stats()
     return {
-        "tokens": tokens,
-        "answer_text": model.decode_tokens(tokens),
+        "tokens": run.tokens,
+        "answer_text": model.decode_tokens(run.tokens),
         "bytes_resident": stats["bytes_resident"],
         "bytes_moved": stats["bytes_moved"],
         "blocks": stats["blocks"],
         "prefetch_stall_s": stats["prefetch_stall_s"],
         "disk_engine": stats["disk_engine"],
-        "decode_tokens_per_s": len(tokens) / decode_s if decode_s > 0 else float("inf"),
-        "prefill_tokens_per_s": len(prompt) / prefill_s,
+        "decode_tokens_per_s": len(run.tokens) / run.decode_s if run.decode_s > 0 else float("inf"),
+        "prefill_tokens_per_s": len(prompt) / run.prefill_s,
     }
 
 
@@ -199,10 +218,11 @@ def _live_table(cache, tokens: list[int], elapsed: float) -> Table:
 
 
 def _reference(model, prompt: list[int], decode: int, chunk: int) -> list[int]:
-    from tierkv.demo.evaluate import greedy_generate
+    """Greedy tokens with transformers' in-memory DynamicCache, prefilled in the same chunks."""
+    from transformers import DynamicCache
 
     with torch.inference_mode():
-        return greedy_generate(model, prompt, decode, prefill_chunk_size=chunk)
+        return greedy(model, prompt, decode, DynamicCache(), chunk).tokens
 
 
 def _print_summary(summary: dict) -> None:
