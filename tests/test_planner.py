@@ -211,3 +211,21 @@ def test_cli_reports_user_errors_with_status_2(capsys):
     argv = ["--model", "llama-3-8b", "--context", "1M", "--gpu-gb", "20", "--cpu-gb", "64", "--disk-gb", "1"]
     assert _cli(argv) == 2
     assert "CapacityError" in capsys.readouterr().out
+
+
+def test_streaming_executor_stages_two_chunks_not_layers():
+    gather = plan(build_request("llama-3-8b", "1M", gpu="20GB", cpu="128GB"))
+    streaming = plan(build_request("llama-3-8b", "1M", gpu="20GB", cpu="128GB", executor="streaming",
+                                   chunk_tokens=4096))
+    per_layer_token = 128 * 1024 // 32  # Llama-3-8B: 4 KiB of K/V per token per layer in bf16
+    assert streaming.staging_bytes == 2 * 4096 * per_layer_token
+    assert gather.staging_bytes == 2 * 2**20 * per_layer_token
+    assert streaming.bytes_per_tier.device - gather.bytes_per_tier.device == gather.staging_bytes - \
+        streaming.staging_bytes
+
+
+def test_gather_budget_error_suggests_streaming():
+    with pytest.raises(BudgetTooSmallError, match="--executor streaming"):
+        plan(build_request("llama-3-8b", "1M", gpu="4GB", cpu="128GB", prefetch_depth=1))
+    tiny = plan(build_request("llama-3-8b", "1M", gpu="4GB", cpu="128GB", executor="streaming"))
+    assert tiny.bytes_per_tier.device > 0

@@ -78,6 +78,8 @@ class DeviceSpec:
         return max(nbytes / self.memory_bandwidth_bytes_per_s, flops / self.peak_flops) / self.efficiency
 
 
+EXECUTORS = ("gather", "streaming")
+
 DEVICES: dict[str, DeviceSpec] = {
     # Data-sheet peaks: HBM/GDDR bandwidth and dense BF16 tensor FLOPs (no sparsity).
     "h100-sxm": DeviceSpec("h100-sxm", 3.35e12, 989e12),
@@ -113,8 +115,14 @@ class PlanRequest:
     device: DeviceSpec = DEVICES["h100-sxm"]
     compute_s_per_step: float | None = None
     prefetch_depth: int | None = None
+    executor: str = "gather"  # "gather": whole layers staged on the device; "streaming": two chunks
+    chunk_tokens: int = 4096
 
     def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise InvalidConfigError(f"executor={self.executor!r}; choose one of {', '.join(EXECUTORS)}.")
+        if self.chunk_tokens < 1:
+            raise InvalidConfigError(f"chunk_tokens={self.chunk_tokens} must be >= 1.")
         if self.context < 1 or self.batch < 1:
             raise InvalidConfigError(f"context={self.context} and batch={self.batch} must both be >= 1.")
         if self.compute_s_per_step is not None and not (
@@ -225,13 +233,21 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
     model = req.model
     layer_kv = _layer_kv_bytes(model, req.context, req.batch)
     total = sum(layer_kv)
-    staging = (depth + 1) * max(layer_kv)
+    if req.executor == "streaming":
+        chunk = min(req.chunk_tokens, req.context)
+        staging = 2 * req.batch * chunk * model.kv_bytes_per_token_per_layer
+    else:
+        staging = (depth + 1) * max(layer_kv)
     if staging > req.gpu_bytes:
+        what = "streaming chunk buffers" if req.executor == "streaming" else \
+            f"exact-gather staging of {depth + 1} layers' full K/V"
         raise BudgetTooSmallError(
-            f"the device budget {req.gpu_bytes / 1e9:.1f} GB cannot hold the exact-gather staging of "
-            f"{depth + 1} layers' full K/V ({staging / 1e9:.1f} GB at context {req.context}, "
-            f"batch {req.batch}); raise --gpu-gb to at least {math.ceil(staging / 1e9)}, lower --context or "
-            "--batch" + (", or --prefetch-depth" if depth > 0 else "") + "."
+            f"the device budget {req.gpu_bytes / 1e9:.1f} GB cannot hold the {what} ({staging / 1e9:.1f} GB at "
+            f"context {req.context}, batch {req.batch}); raise --gpu-gb to at least {math.ceil(staging / 1e9)}, "
+            "lower --context or --batch" + (", or --prefetch-depth" if depth > 0 and req.executor == "gather"
+                                            else "")
+            + (", or use --executor streaming (two chunks instead of whole layers)"
+               if req.executor == "gather" else "") + "."
         )
     device = min(total, req.gpu_bytes - staging)
     host = min(total - device, req.cpu_bytes)
@@ -290,6 +306,8 @@ def plan(req: PlanRequest, *, tolerance: float = 0.01) -> Plan:
     Raises :class:`BudgetTooSmallError` when even one layer-ahead staging does not fit the device budget,
     :class:`CapacityError` when the KV does not fit all tiers together.
     """
+    if req.executor == "streaming":  # chunks are double-buffered: one chunk ahead, whatever the depth
+        return _plan_at_depth(req, 1)
     if req.prefetch_depth is not None:
         return _plan_at_depth(req, req.prefetch_depth)
     plans = [_plan_at_depth(req, 1)]
@@ -353,6 +371,8 @@ def build_request(
     device: str = "h100-sxm",
     compute_ms_per_step: float | None = None,
     prefetch_depth: int | None = None,
+    executor: str = "gather",
+    chunk_tokens: int = 4096,
 ) -> PlanRequest:
     """A :class:`PlanRequest` from user-level values: names, size strings, ``"1M"`` contexts.
 
@@ -383,4 +403,6 @@ def build_request(
         device=resolve_device(device),
         compute_s_per_step=None if compute_ms_per_step is None else compute_ms_per_step / 1e3,
         prefetch_depth=prefetch_depth,
+        executor=executor,
+        chunk_tokens=chunk_tokens,
     )

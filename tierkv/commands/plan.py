@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefetch-depth", type=int, default=None, help="layers prefetched ahead (default: auto)"
     )
+    parser.add_argument("--executor", choices=("gather", "streaming"), default="gather",
+                        help="gather: whole layers staged on the device (default); streaming: two chunks")
+    parser.add_argument("--chunk-tokens", type=int, default=4096, help="streaming chunk length (default 4096)")
     parser.add_argument("--what-if-gpu-gb", type=float, default=16.0, help="extra device GB for the what-if")
     parser.add_argument("--json", metavar="OUT.json", default=None, help="also write the plan as JSON")
 
@@ -83,7 +86,8 @@ def _render(console: Console, result: Plan, alternatives: list[WhatIf]) -> None:
     table.add_column("value", justify="right")
     table.add_row("KV per token", _size(result.kv_bytes_per_token))
     table.add_row("KV total", _size(result.kv_bytes_total))
-    table.add_row("device staging", f"{_size(result.staging_bytes)} ({fc.prefetch_depth + 1} layers)")
+    what = "2 chunks" if result.request.executor == "streaming" else f"{fc.prefetch_depth + 1} layers"
+    table.add_row("device staging", f"{_size(result.staging_bytes)} ({what})")
     table.add_row("KV on device", _size(tiers.device))
     table.add_row("KV on host", _size(tiers.host))
     table.add_row("KV on disk", _size(tiers.disk))
@@ -137,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             compute_ms_per_step=args.compute_ms_per_token,
             prefetch_depth=args.prefetch_depth,
+            executor=args.executor,
+            chunk_tokens=args.chunk_tokens,
         )
         result = plan(request)
         alternatives = what_ifs(result, extra_gpu_bytes=int(args.what_if_gpu_gb * GB))
