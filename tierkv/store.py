@@ -30,6 +30,7 @@ from tierkv.layout import BlockLayout
 from tierkv.policy import Policy
 from tierkv.tiers.disk import BounceBuffer, DiskTier, disk_error
 from tierkv.tiers.memory import MemoryTier, SlabPool
+from tierkv.writeback import Writeback
 
 LINKS = ("device->device", "device->host", "host->device", "host->disk", "device->disk", "disk->device")
 
@@ -80,6 +81,7 @@ class KVStore:
         self._write_bounce = BounceBuffer(pin=pinned)
         self._read_bounce = BounceBuffer(pin=pinned)
         self._landing: torch.Tensor | None = None  # see enable_landing
+        self.writeback = Writeback(self, pin=pinned)
 
     # ----------------------------------------------------------------------------------------- queries
     @property
@@ -125,6 +127,7 @@ class KVStore:
             )
         if layer == 0:
             self.tick += 1
+        self.writeback.reap()
         kv = torch.stack((keys, values))  # [2, B, H_kv, q, D]
         allocated: list[Block] = []
         try:
@@ -147,6 +150,7 @@ class KVStore:
                 row.append(block.id)
                 self.policy.on_insert(block, self.tick)
         self.table.rows[layer] = rows
+        self.writeback.maybe_start()
 
     def _layout_for(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> BlockLayout:
         if keys.shape != values.shape:
@@ -266,6 +270,8 @@ class KVStore:
     def _alloc_top_down(self, slot_bytes: int) -> tuple[Tier, int]:
         for tier in self.tiers:
             slot = self.tiers[tier].alloc(slot_bytes)
+            if slot is None and tier == Tier.HOST and self.writeback.reap(wait=True):
+                slot = self.tiers[tier].alloc(slot_bytes)  # the write-back in flight just made room
             if slot is not None:
                 return tier, slot
         raise self._capacity_error()
@@ -279,7 +285,9 @@ class KVStore:
         return slot
 
     def _demote_victims(self, tier: Tier, slot_bytes: int, count: int, protect: set[int]) -> None:
-        pinned = protect | (self._open_tails() if tier == Tier.DEVICE else set())
+        if tier == Tier.HOST and self.writeback.reap(wait=True):
+            return  # the write-back in flight made room; the caller allocates again
+        pinned = protect | (self._open_tails() if tier == Tier.DEVICE else self.writeback.pending_ids)
         candidates = [b for b in self._layer_blocks(tier, slot_bytes) if b.id not in pinned]
         victims = self.policy.victims(candidates, count)
         if not victims:
@@ -580,12 +588,15 @@ class KVStore:
     def reset(self) -> None:
         """Forget every block; pools stay allocated for the next sequence."""
         self.barrier()
+        self.writeback.reap(wait=True)
+        self.writeback.resume()
         for block in list(self.table.blocks.values()):
             self.tiers[block.tier].free(block.slot_bytes, block.slot)
         self.table = BlockTable()
 
     def close(self) -> None:
         self.barrier()
+        self.writeback.reap(wait=True)
         self.table = BlockTable()
         for tier in self.tiers.values():
             if isinstance(tier, DiskTier):
@@ -606,6 +617,7 @@ class KVStore:
             "budget_bytes": {tier.label: self.tiers[tier].budget for tier in self.tiers},
             "bytes_staging": self.device.reserved,
             "bytes_moved": dict(self.bytes_moved),
+            "writeback": {"pending_blocks": len(self.writeback.pending_ids), "paused": self.writeback.paused_reason},
             "blocks": blocks,
         }
 

@@ -1,0 +1,138 @@
+"""Background write-back: keep free room on the host tier by writing its coldest blocks to disk ahead of need.
+
+Without it, a host tier that is full makes the next demotion (or a new block's placement) wait for a
+synchronous disk write. With it, once the host's free room drops under a low watermark (1/16 of its
+budget), the policy's victims are copied into a private bounce buffer and written to disk asynchronously
+while decoding goes on. Until the write completes the blocks stay on the host, readable and unchanged;
+completion (polled at the next store operation, or awaited when the host is full) retargets them to
+their disk slots and frees the host slots.
+
+A failed background write loses nothing: the disk slots are released, the blocks stay on the host, the
+failure is logged once and write-back pauses. If the space is then really needed, the store's
+synchronous path raises the error (``DiskFullError`` ...) with the cache consistent.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierkv.blocks import Block, Tier
+from tierkv.errors import TierKVError
+from tierkv.io import IOHandle
+from tierkv.tiers.disk import BounceBuffer
+
+if TYPE_CHECKING:
+    from tierkv.store import KVStore
+
+log = logging.getLogger("tierkv")
+
+LOW_WATERMARK = 1 / 16  # start writing back when the host's free room falls under this share of its budget
+TARGET_FREE = 1 / 8  # ... and write back until this share would be free
+
+
+@dataclass(slots=True)
+class PendingWrite:
+    """Blocks (still on the host) being written to ``disk_slots``."""
+
+    blocks: list[Block]
+    disk_slots: list[int]
+    slot_bytes: int
+    handle: IOHandle
+
+
+class Writeback:
+    def __init__(self, store: KVStore, pin: bool) -> None:
+        self.store = store
+        self.enabled = Tier.DISK in store.tiers
+        self.pending: PendingWrite | None = None
+        self.paused_reason: str | None = None
+        self._bounce = BounceBuffer(pin=pin)
+
+    @property
+    def pending_ids(self) -> set[int]:
+        return {block.id for block in self.pending.blocks} if self.pending else set()
+
+    def reap(self, wait: bool = False) -> bool:
+        """Finish the pending write if it is done (or ``wait``); return True if host slots were freed."""
+        pending = self.pending
+        if pending is None or not (wait or pending.handle.done()):
+            return False
+        self.pending = None
+        disk, host = self.store.tiers[Tier.DISK], self.store.tiers[Tier.HOST]
+        try:
+            pending.handle.wait()
+        except OSError as exc:
+            for slot in pending.disk_slots:
+                disk.free(pending.slot_bytes, slot)
+            self._pause(f"a background write failed ({exc}); blocks stay on the host")
+            return False
+        self.store.barrier()  # host slots are about to be reused: no read may still be on them
+        freed = False
+        for block, slot in zip(pending.blocks, pending.disk_slots):
+            if self.store.table.blocks.get(block.id) is not block:  # released while in flight
+                disk.free(pending.slot_bytes, slot)
+                continue
+            host.free(pending.slot_bytes, block.slot)
+            block.tier, block.slot = Tier.DISK, slot
+            self.store._count("host->disk", block.tokens * self.store.layouts[block.layer].token_bytes)
+            freed = True
+        return freed
+
+    def maybe_start(self) -> None:
+        """Start a write-back batch if the host's free room is under the low watermark."""
+        self.reap()
+        if not self.enabled or self.pending is not None or self.paused_reason is not None:
+            return
+        host = self.store.tiers[Tier.HOST]
+        for slot_bytes, pool in host.pools.items():
+            capacity = host.budget // slot_bytes
+            free = (pool.capacity - pool.used) + max(0, (host.budget - host.allocated_bytes) // slot_bytes)
+            if capacity == 0 or free >= capacity * LOW_WATERMARK:
+                continue
+            want = max(1, int(capacity * TARGET_FREE) - free)
+            candidates = [b for b in self.store.table.blocks.values()
+                          if b.tier == Tier.HOST and b.slot_bytes == slot_bytes]
+            victims = self.store.policy.victims(candidates, want)
+            if victims:
+                self._start(victims, slot_bytes)
+            return
+
+    def _start(self, blocks: list[Block], slot_bytes: int) -> None:
+        disk = self.store.tiers[Tier.DISK]
+        slots: list[int] = []
+        try:
+            while len(slots) < len(blocks) and (slot := disk.alloc(slot_bytes)) is not None:
+                slots.append(slot)
+        except TierKVError as exc:  # e.g. the filesystem is full: the foreground will report it if it matters
+            self._pause(str(exc))
+        if not slots:
+            if self.paused_reason is None:
+                self._pause("the disk tier is full")
+            return
+        blocks = blocks[: len(slots)]
+        bounce = self._bounce.get(len(blocks) * slot_bytes)
+        staged = torch.from_numpy(bounce).view(len(blocks), slot_bytes)
+        host = self.store.tiers[Tier.HOST]
+        for row, block in zip(staged, blocks):
+            row.copy_(host.view(slot_bytes, block.slot))
+        try:
+            handle = disk.write(slot_bytes, slots, bounce)
+        except OSError as exc:
+            for slot in slots:
+                disk.free(slot_bytes, slot)
+            self._pause(f"a background write could not be submitted ({exc})")
+            return
+        self.pending = PendingWrite(blocks, slots, slot_bytes, handle)
+
+    def _pause(self, reason: str) -> None:
+        if self.paused_reason is None:
+            log.warning("tierkv: background write-back paused: %s", reason)
+        self.paused_reason = reason
+
+    def resume(self) -> None:
+        """Try background writes again (after a reset, when the disk may have room again)."""
+        self.paused_reason = None
