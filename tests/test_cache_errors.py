@@ -134,3 +134,17 @@ def test_files_removed_at_interpreter_exit(tmp_path):
     )
     subprocess.run([os.sys.executable, "-c", script], check=True, capture_output=True)
     assert not list(tmp_path.glob("tierkv-*"))
+
+
+def test_missing_disk_dir_is_created_with_a_real_budget(tmp_path):
+    target = tmp_path / "a" / "b"
+    with TieredCache(disk_dir=target) as cache:
+        assert target.is_dir()
+        assert cache._disk.budget > 0
+
+
+def test_unsupported_layer_kinds_are_named(model):
+    config = model.config.__class__(**model.config.to_dict())
+    config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(InvalidConfigError, match="linear_attention layers"):
+        TieredCache(config=config)

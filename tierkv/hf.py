@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -171,18 +170,19 @@ class TieredCache(Cache):
         self._chunk_tokens = DEFAULT_CHUNK_TOKENS
         self._streaming_depth = 0  # > 0 inside `streaming(model)`
         self._disk: DiskTier | None = None
-        if disk_dir is not None:
-            budget = self.disk_budget
-            if budget is None:
-                free_dir = disk_dir if os.path.isdir(disk_dir) else os.path.dirname(os.path.abspath(disk_dir))
-                budget = int(shutil.disk_usage(free_dir).free * DEFAULT_DISK_FRACTION) if os.path.isdir(free_dir) \
-                    else 0
-            self._disk = DiskTier(disk_dir, budget, engine=disk_engine)
         layers: list[CacheLayerMixin] = []
         if config is not None:
             layer_types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+            unsupported = sorted(set(layer_types) - {"full_attention", *SLIDING_TYPES})
+            if unsupported:
+                raise InvalidConfigError(
+                    f"this model has {', '.join(unsupported)} layers; TieredCache holds full and sliding-window "
+                    "attention KV only. Use transformers' DynamicCache for this architecture."
+                )
             layers = [TieredLayer(self, i, kw.get("sliding_window") if kind in SLIDING_TYPES else None)
                       for i, (kind, kw) in enumerate(zip(layer_types, kwargs))]
+        if disk_dir is not None:
+            self._disk = DiskTier(disk_dir, self.disk_budget, DEFAULT_DISK_FRACTION, engine=disk_engine)
         super().__init__(layers=layers)
 
     # ------------------------------------------------------------------------------ transformers API

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import tempfile
 import weakref
 from collections.abc import Sequence
@@ -71,10 +72,10 @@ class DiskSlotFile:
 class DiskTier:
     """Block slots on disk under ``directory``, at most ``budget`` bytes of files."""
 
-    def __init__(self, directory: str | os.PathLike, budget: int, engine: str | None = None,
-                 extent_bytes: int = DEFAULT_EXTENT_BYTES) -> None:
+    def __init__(self, directory: str | os.PathLike, budget: int | None, free_fraction: float = 0.9,
+                 engine: str | None = None, extent_bytes: int = DEFAULT_EXTENT_BYTES) -> None:
+        """``budget`` None: ``free_fraction`` of the free space of ``directory`` (created if missing)."""
         self.directory = Path(directory)
-        self.budget = budget
         self.engine = engine
         self.extent_bytes = extent_bytes
         self.files: dict[int, DiskSlotFile] = {}
@@ -90,6 +91,7 @@ class DiskTier:
                 exc.errno, f"disk_dir {str(self.directory)!r} is not writable ({exc.strerror}); pass a directory you "
                 "can write to (e.g. on a local NVMe), or leave disk_dir=None to run without a disk tier."
             ) from exc
+        self.budget = budget if budget is not None else int(shutil.disk_usage(self.directory).free * free_fraction)
         self._finalizer = weakref.finalize(self, _remove_files, self._paths)
 
     @property
