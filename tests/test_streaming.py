@@ -99,3 +99,22 @@ def test_streaming_attention_outside_the_context_is_an_error(tmp_path):
                 model(torch.tensor([[5, 6, 7]]))
         finally:
             model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["gather", "streaming"])
+def test_bf16_models(tmp_path, streaming):
+    """Blocks keep the model's dtype: exact gather is bit-exact in bf16; streaming accumulates in fp32, so it
+    matches to bf16 rounding."""
+    import contextlib
+    import copy
+
+    model = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)
+    ids, mask = prompt(2, 40, seed=1, left_pad=(0, 3))
+    reference = run(model, ids, mask, DynamicCache())
+    with TieredCache(gpu_gb="200KB", cpu_gb="24KB", disk_dir=tmp_path, block_tokens=4) as cache:
+        with cache.streaming(model, chunk_tokens=8) if streaming else contextlib.nullcontext():
+            out = run(model, ids, mask, cache)
+        assert cache.stats()["blocks"]["host"] > 0
+    tolerance = 2e-2 if streaming else 0.0
+    for got, expected in zip(out.logits, reference.logits):
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=0)
