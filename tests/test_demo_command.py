@@ -1,0 +1,52 @@
+"""`tierkv demo` end to end: all three tiers used, tokens checked against DynamicCache, JSON written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from tierkv.cli import main
+
+KEYS = {"context", "expected", "answer", "match", "bytes_resident", "bytes_moved", "decode_tokens_per_s"}
+
+
+@pytest.mark.parametrize("executor", ["streaming", "gather"])
+def test_random_model_demo_uses_every_tier_and_matches_reference(tmp_path, executor):
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--random-model", "--context", "1024", "--executor", executor, "--block-tokens", "16",
+               "--prefill-chunk", "256", "--chunk-tokens", "256", "--max-new-tokens", "4", "--disk-dir",
+               str(tmp_path / "disk"), "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result.keys() >= KEYS
+    assert result["tokens_match_reference"] is True
+    assert all(result["bytes_resident"][tier] > 0 for tier in ("device", "host", "disk"))
+    assert result["budgets"]["device"] < result["kv_bytes"]
+    assert not list((tmp_path / "disk").glob("tierkv-*"))  # files removed on exit
+
+
+def test_local_checkpoint_with_prompt_file(tmp_path):
+    words = ["<unk>"] + [f"w{i}" for i in range(63)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>").save_pretrained(tmp_path / "ckpt")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "ckpt")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(" ".join(f"w{(i * 7) % 63}" for i in range(600)))
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--model", str(tmp_path / "ckpt"), "--prompt-file", str(prompt), "--block-tokens", "16",
+               "--chunk-tokens", "128", "--max-new-tokens", "3", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["context"] == 600 and result["expected"] is None
+    assert result["tokens_match_reference"] is True
+
+
+def test_model_without_prompt_file_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--prompt-file"):
+        main(["demo", "--model", str(tmp_path)])
