@@ -1,0 +1,230 @@
+"""Review findings: each test pins a correctness bug found in review (strict xfail = still present).
+
+When a bug is fixed its test starts passing, the strict xfail turns the suite red, and the marker should
+be dropped so the test guards the fix from then on.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+import pytest
+import torch
+from helpers import kv, make_store
+from models import prompt, tiny_model
+from transformers import DynamicCache
+
+from tierkv.attention.exact_gather import ExactGather
+from tierkv.blocks import Tier
+from tierkv.errors import BudgetTooSmallError, CapacityError, DiskTierError, TierKVError
+from tierkv.hf import TieredCache
+from tierkv.mover import ThreadMover
+from tierkv.store import KVStore
+
+BLOCK = 4
+
+
+def on_mover_thread() -> bool:
+    return threading.current_thread().name.startswith("tierkv-mover")
+
+
+def lengths(cache: TieredCache) -> list[int]:
+    return [layer.get_seq_length() for layer in cache.layers]
+
+
+# ------------------------------------------------------------------------------- 1. poisoned barrier
+@pytest.mark.xfail(strict=True, reason=(
+    "ExactGather.wait_all()/invalidate() re-raise a failed prefetch's exception every time and never drop it "
+    "from `pending`, so after one failed background read every barrier (reorder, crop, reset, close, slot "
+    "frees inside append's commit phase) raises forever; reset() and close() cannot recover the cache."))
+def test_failed_prefetch_does_not_poison_later_table_edits(tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    cache = TieredCache(gpu_gb="1MB", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=BLOCK, config=model.config)
+    keys, values = kv(1, 6, heads=2, dim=16)
+    cache.update(keys, values, 0)
+    real = KVStore.read_into
+
+    def failing(self, *args, **kwargs):
+        if on_mover_thread():
+            raise DiskTierError(errno.EIO, "injected read failure")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVStore, "read_into", failing)
+    cache.update(keys, values, 1)  # issues the (wrapping) prefetch of layer 0, which fails on the mover
+    cache.executor.pending[0].handle._future.exception()  # let it finish
+    monkeypatch.setattr(KVStore, "read_into", real)
+    with pytest.raises(TierKVError):  # the failure surfaces once: acceptable
+        cache.reorder_cache(torch.tensor([0]))
+    cache.reset()  # ... but the cache must be recoverable
+    cache.update(keys, values, 0)
+    cache.close()
+
+
+# ------------------------------------------------------------------------- 2. rollback vs sliding drop
+@pytest.mark.xfail(strict=True, reason=(
+    "TieredCache._update_layer frees a sliding layer's out-of-window blocks (drop_front) right after its "
+    "update, before the step is complete. When a later layer fails, _roll_back_to must crop that sliding "
+    "layer, but _crop_layer refuses (stored == window-1): the original CapacityError is replaced by "
+    "InvalidConfigError and the sliding layer keeps the failed step's token (layers disagree)."))
+def test_failed_step_rolls_back_sliding_layers(tmp_path, monkeypatch):
+    model = tiny_model("gemma2", "eager", 8)  # layer 0 sliding (window 8), layer 1 full
+    cache = TieredCache(gpu_gb="4MB", cpu_gb="1MB", block_tokens=BLOCK, config=model.config)
+    real = KVStore.append
+    fail = {"armed": False}
+
+    def append(self, layer, k, v):
+        if layer == 1 and fail["armed"]:
+            raise CapacityError("injected: the KV cache no longer fits")
+        return real(self, layer, k, v)
+
+    monkeypatch.setattr(KVStore, "append", append)
+    keys, values = kv(1, 11, heads=2, dim=16)
+    for layer in range(2):
+        cache.update(keys, values, layer)
+    for step in range(3):
+        k1, v1 = kv(1, 1, heads=2, dim=16, seed=step + 1)
+        for layer in range(2):
+            cache.update(k1, v1, layer)
+    assert lengths(cache) == [14, 14]
+    fail["armed"] = True  # layer 0 takes token 15 and frees a block (11 stored -> 7 = window - 1)
+    k1, v1 = kv(1, 1, heads=2, dim=16, seed=9)
+    cache.update(k1, v1, 0)
+    with pytest.raises(CapacityError):
+        cache.update(k1, v1, 1)
+    assert lengths(cache) == [14, 14]
+    cache.close()
+
+
+# ------------------------------------------------------------------- 3. streaming errors not rolled back
+@pytest.mark.xfail(strict=True, reason=(
+    "Inside cache.streaming(model), errors raised by the attention call (StreamingAttention: staging "
+    "reservation BudgetTooSmallError, failed chunk reads) escape from _attend, not from _update_layer, so no "
+    "_roll_back_to runs: layers that already stored the step's tokens keep them and the layers disagree."))
+def test_streaming_failure_keeps_layers_consistent(tmp_path):
+    model = tiny_model("llama")
+    ids, mask = prompt(1, 12, seed=3)
+    with TieredCache(gpu_gb="96KiB", cpu_gb="1MB", disk_dir=tmp_path, block_tokens=BLOCK) as cache:
+        model(ids, attention_mask=mask, past_key_values=cache)  # exact gather fits in the budget
+        assert lengths(cache) == [12, 12]
+        nxt = torch.tensor([[5]])
+        mask = torch.cat((mask, torch.ones_like(nxt)), dim=1)
+        with pytest.raises(BudgetTooSmallError), cache.streaming(model):  # 2 x 4096-token chunks do not fit
+            model(nxt, attention_mask=mask, past_key_values=cache)
+        assert lengths(cache) == [12, 12]
+
+
+# ------------------------------------------------------- 4. stale prefetch after sliding drops (mode switch)
+@pytest.mark.xfail(strict=True, reason=(
+    "drop_front shifts a sliding layer's stored token indices without bumping ExactGather.version or dropping "
+    "that layer's pending prefetch. The wrap-around prefetch of layer 0 issued at the end of an exact step "
+    "survives a stretch of streaming steps (which drop blocks); back in exact mode gather() takes it as a hit "
+    "(same start, count <= stop - start) and attends over stale, shifted K/V."))
+def test_prefetch_is_invalidated_by_sliding_drops_across_mode_switch(tmp_path):
+    model = tiny_model("gemma2", "eager", 8)
+    ids, mask = prompt(1, 13, seed=21)
+    reference = DynamicCache()
+    worst = 0.0
+    with TieredCache(gpu_gb="4MB", cpu_gb="1MB", disk_dir=tmp_path, block_tokens=BLOCK,
+                     config=model.config) as cache:
+        expected = model(ids, attention_mask=mask, past_key_values=reference).logits[:, -1]
+        model(ids, attention_mask=mask, past_key_values=cache)
+        token = expected.argmax(-1, keepdim=True)
+        for step in range(15):
+            mask = torch.cat((mask, torch.ones_like(token)), dim=1)
+            expected = model(token, attention_mask=mask, past_key_values=reference).logits[:, -1]
+            if step % 5:  # 4 streaming steps (one block of drops), then one exact step
+                with cache.streaming(model, chunk_tokens=8):
+                    got = model(token, attention_mask=mask, past_key_values=cache).logits[:, -1]
+            else:
+                got = model(token, attention_mask=mask, past_key_values=cache).logits[:, -1]
+            worst = max(worst, (got - expected).abs().max().item())
+            token = expected.argmax(-1, keepdim=True)
+    assert worst < 1e-5
+
+
+# ------------------------------------------------------------------------------ 5. reset keeps layouts
+@pytest.mark.xfail(strict=True, reason=(
+    "KVStore.reset() keeps `layouts`, so after TieredCache.reset() a model of another dtype / geometry is "
+    "refused with an error whose advice is 'create a new cache (or call reset())' -- reset() does not help."))
+def test_reset_allows_another_dtype(tmp_path):
+    cache = TieredCache(gpu_gb="1MB", cpu_gb="1MB", block_tokens=BLOCK)
+    keys, values = kv(1, 5, heads=2, dim=16)
+    cache.update(keys, values, 0)
+    cache.reset()
+    got, _ = cache.update(keys.to(torch.bfloat16), values.to(torch.bfloat16), 0)
+    assert got.dtype == torch.bfloat16
+    cache.close()
+
+
+# ---------------------------------------------------- 6. read bounce buffer shared by mover and caller
+@pytest.mark.xfail(strict=True, reason=(
+    "KVStore._read_bounce is one buffer shared by the mover thread (prefetch jobs) and the caller's "
+    "synchronous reads in gather(); nothing serialises them. With prefetch_depth >= 2 a synchronous read "
+    "that touches disk blocks while the next layer's prefetch is between its disk read and its scatter "
+    "overwrites that prefetch's bytes: the next layer attends over another layer's K/V. (On CUDA every "
+    "back-to-back pair of jobs has the same hazard: the async H2D copy out of the pinned bounce is still "
+    "queued when the next job's pread overwrites it.)"))
+def test_sync_read_does_not_clobber_an_inflight_prefetch(tmp_path, monkeypatch):
+    layers = 3
+    store = make_store(tmp_path, device_slots=16, host_slots=16, staging_bytes=2**16)
+    executor = ExactGather(store, ThreadMover(), prefetch_depth=2)
+    executor.num_layers, executor.layers_known = layers, True
+    reference = {}
+    for layer in range(layers):
+        keys, values = kv(1, 16, seed=layer)
+        store.append(layer, keys, values)
+        reference[layer] = torch.stack((keys, values))
+        full = [store.table.blocks[b] for b in store.table.rows[layer][0][:-1]]
+        store._demote(full)  # device -> host
+        store._demote(full)  # host -> disk
+    assert store.stats()["blocks"]["disk"] >= 2 * layers
+    real = KVStore._disk_io
+
+    def slow_disk(self, slot_bytes, slots, buffer, write):
+        if not write and not on_mover_thread():
+            time.sleep(0.05)  # let the in-flight prefetch read first: the clobbered side is then deterministic
+        real(self, slot_bytes, slots, buffer, write)
+        if not write and on_mover_thread():
+            time.sleep(0.3)  # a slow disk: the window between a job's read and its scatter
+
+    monkeypatch.setattr(KVStore, "_disk_io", slow_disk)
+    executor.gather(0, 0)  # prefetches layers 1 and 2
+    k1, _ = executor.gather(1, 1)  # a miss (other start): a synchronous read of disk blocks of layer 1
+    torch.testing.assert_close(k1, reference[1][0][:, :, 1:], rtol=0, atol=0)
+    k2, v2 = executor.gather(2, 0)  # hit: the prefetch issued by gather(0)
+    torch.testing.assert_close(k2, reference[2][0], rtol=0, atol=0)
+    torch.testing.assert_close(v2, reference[2][1], rtol=0, atol=0)
+    executor.close()
+    store.close()
+
+
+# -------------------------------------------------------------- 7. crop of a shared disk tail, I/O error
+@pytest.mark.xfail(strict=True, reason=(
+    "KVStore._shrink_tail allocates the copy (table.new_block + device slot) before reading the shared "
+    "block; when that read fails the new block stays in table.blocks with refcount 1 and no row, and its "
+    "device slot is never freed (table.check() fails, the slot leaks). It should allocate into a local "
+    "list and free it on failure, like append does."))
+def test_failed_crop_of_shared_disk_tail_leaks_nothing(tmp_path, monkeypatch):
+    store = make_store(tmp_path, device_slots=8, host_slots=8)
+    store.append(0, *kv(1, 12))
+    tail = store.table.blocks[store.table.rows[0][0][-1]]
+    store._demote([tail])
+    store._demote([tail])
+    assert tail.tier == Tier.DISK
+    store.select_rows([0, 0])  # rows share every block, the (full) tail on disk included
+    disk = store.tiers[Tier.DISK]
+    real_read = disk.read
+
+    def broken(*args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk, "read", broken)
+    device_used = store.device.used_bytes
+    with pytest.raises(DiskTierError):
+        store.crop(0, 2)
+    monkeypatch.setattr(disk, "read", real_read)
+    store.table.check()
+    assert store.device.used_bytes == device_used
+    store.close()
