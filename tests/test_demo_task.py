@@ -29,14 +29,14 @@ def test_exact_length_and_layout(kind, length):
     ex = task.make_example(1, length, 0.5, kind)
     assert len(ex.prompt_ids) == length
     assert ex.prompt_ids[0] == task.BOS_ID
-    assert len(ex.answer) == 5 and ex.answer.isdigit()
-    assert [task.VOCAB[i] for i in ex.answer_ids] == list(ex.answer)
+    assert len(ex.answer) == 3 and ex.answer.isdigit()
+    assert [task.VOCAB[i] for i in ex.answer_ids] == [ex.answer]
     n_needles = 1 if kind == "passkey" else 4
     assert len(ex.needle_positions) == n_needles
     # the value follows its needle's template words
     target = ex.needle_positions[0]
     window = ex.prompt_ids[target : target + 16]
-    assert any(window[i : i + 5] == ex.answer_ids for i in range(len(window) - 4))
+    assert ex.answer_ids[0] in window
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
@@ -55,7 +55,7 @@ def test_markers_never_in_filler(kind):
         if kind == "passkey"
         else (task.MULTIKEY_NEEDLE, task.MULTIKEY_QUESTION)
     )
-    needle_len = len(task.encode_words(needle.format(key="falcon", value="1 2 3 4 5")))
+    needle_len = len(task.encode_words(needle.format(key="falcon", value="123")))
     question_len = len(task.encode_words(question.format(key="falcon")))
     ex = task.make_example(5, 20_000, 0.4, kind)
     structure = {0} | set(range(len(ex.prompt_ids) - question_len, len(ex.prompt_ids)))
@@ -73,8 +73,9 @@ def test_tokenizer_round_trip(tokenizer):
     text = tokenizer.decode(list(ex.prompt_ids))
     assert tokenizer(text, add_special_tokens=False)["input_ids"] == list(ex.prompt_ids)
     ids = tokenizer("The pass key is 71339.", add_special_tokens=False)["input_ids"]
-    assert [task.VOCAB[i] for i in ids] == ["the", "pass", "key", "is", "7", "1", "3", "3", "9", "."]
+    assert [task.VOCAB[i] for i in ids] == ["the", "pass", "key", "is", "713", "39", "."]
     assert task.decode_answer(tokenizer, ex.answer_ids) == ex.answer
+    assert task.decode_answer(tokenizer, ids) == "71339"
 
 
 def test_bad_arguments():

@@ -232,7 +232,7 @@ def test_random_operations_match_reference(tmp_path_factory, ops, device_slots):
 def test_landing_buffer_coalesces_and_reads_back(tmp_path):
     """With a landing buffer (the CUDA path), runs of host slots and disk reads cross as large copies in
     pieces of the landing capacity and are scattered into place: same bytes as the direct path."""
-    store = make_store(tmp_path, device_slots=6, host_slots=12, staging_bytes=3 * SLOT)
+    store = make_store(tmp_path, device_slots=6, host_slots=12, staging_bytes=6 * SLOT)
     ref: dict = {}
     for step in range(10):
         for layer in range(2):

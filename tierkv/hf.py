@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -38,6 +39,8 @@ from tierkv.stats import make_timeline, make_trace
 from tierkv.store import KVStore
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.memory import MemoryTier
+
+log = logging.getLogger("tierkv")
 
 DEFAULT_BLOCK_TOKENS = 256
 DEFAULT_DEVICE_FRACTION = 0.25  # of free device memory (CPU RAM on a CPU-only host), when gpu_gb is None
@@ -63,6 +66,7 @@ class TieredLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.dropped = 0  # tokens freed from the front (sliding layers only)
         self.attend_from = 0  # first stored token the pending streaming attention reads
+        self.length_before = 0  # sequence length before the update in progress (the rollback target)
         self.pending_keys: torch.Tensor | None = None  # what update() handed the model, to match the attention call
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -169,6 +173,7 @@ class TieredCache(Cache):
         self.streamer: StreamingAttention | None = None
         self._chunk_tokens = DEFAULT_CHUNK_TOKENS
         self._streaming_depth = 0  # > 0 inside `streaming(model)`
+        self._closed = False
         self._disk: DiskTier | None = None
         layers: list[CacheLayerMixin] = []
         if config is not None:
@@ -275,6 +280,7 @@ class TieredCache(Cache):
         elif self._disk is not None:
             self._disk.close()
         self.store = self.executor = self.streamer = None
+        self._closed = True
 
     @contextlib.contextmanager
     def streaming(self, model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Iterator[TieredCache]:
@@ -299,11 +305,15 @@ class TieredCache(Cache):
             self.streamer.close()  # buffers are sized per chunk length; the next attention makes new ones
             self.streamer = None
         self._chunk_tokens = chunk_tokens
+        if self.executor is not None:
+            self.executor.invalidate()  # exact-gather prefetches do not survive a stretch of streaming steps
         self._streaming_depth += 1
         try:
             yield self
         finally:
             self._streaming_depth -= 1
+            if self.executor is not None:
+                self.executor.invalidate()
             for module in modules:
                 del module._tierkv_cache
             model.set_attn_implementation(previous)
@@ -341,47 +351,68 @@ class TieredCache(Cache):
 
     def _update_layer(self, layer: TieredLayer, key_states: torch.Tensor,
                       value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._closed:
+            raise InvalidConfigError("this TieredCache was closed (its tiers are released); create a new one.")
         store = self._ensure_store(key_states)
-        before = layer.get_seq_length()
+        layer.length_before = layer.get_seq_length()
         try:
+            # Blocks that left the window during the previous step go now, not then: until this step is
+            # committed, a rollback may still need them.
+            self._drop_out_of_window(layer)
             store.append(layer.index, key_states, value_states)
             if self._streaming_depth:  # attention streams from the store in _attend; hand back what came in
                 layer.attend_from = layer.attention_start(key_states.shape[2])
                 layer.pending_keys = key_states
                 return key_states, value_states
-            keys, values = self.executor.gather(layer.index, layer.attention_start(key_states.shape[2]))
-        except TierKVError:
-            self._roll_back_to(before)
+            return self.executor.gather(layer.index, layer.attention_start(key_states.shape[2]))
+        except Exception:
+            self._roll_back_to(layer.length_before)
             raise
-        self._drop_out_of_window(layer)
-        return keys, values
 
     def _attend(self, layer_idx: int, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
                 softcap: float | None) -> torch.Tensor:
         """Streaming attention of ``query`` ``[B, H_q, q, D]`` over layer ``layer_idx``: ``[B, q, H_q, D]``."""
         layer = self.layers[layer_idx]
         layer.pending_keys = None
-        if self.streamer is None:
-            self.streamer = StreamingAttention(self.store, self.executor.mover, self._chunk_tokens)
-        out = self.streamer.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap)
-        self._drop_out_of_window(layer)
-        return out
+        try:
+            if self.streamer is None:
+                self.streamer = StreamingAttention(self.store, self.executor.mover, self._chunk_tokens)
+            return self.streamer.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap)
+        except Exception:
+            self._roll_back_to(layer.length_before)
+            raise
 
     def _drop_out_of_window(self, layer: TieredLayer) -> None:
-        if layer.sliding_window is not None:
-            layer.dropped += self.store.drop_front(layer.index, layer.stored() - (layer.sliding_window - 1))
+        """Free a sliding layer's whole blocks that can no longer be attended to."""
+        if layer.sliding_window is None or self.store is None:
+            return
+        dropped = self.store.drop_front(layer.index, layer.stored() - (layer.sliding_window - 1))
+        if dropped:
+            layer.dropped += dropped
+            self.executor.drop(layer.index)  # its prefetch counted tokens from the old front
 
     def _wait_for_reads(self) -> None:
         """The store's barrier: no read may be in flight while a slot is freed or moved."""
         self.executor.wait_all()
         if self.streamer is not None:
             self.streamer.wait_all()
+        if self.store.device.device.type == "cuda":  # non_blocking copies queued on the compute stream
+            torch.cuda.current_stream(self.store.device.device).synchronize()
 
     def _roll_back_to(self, length: int) -> None:
-        """After a failed update: layers that already took this step's tokens give them back."""
-        for layer in self.layers:
-            if isinstance(layer, TieredLayer) and layer.get_seq_length() > length:
-                self._crop_layer(layer, length - layer.get_seq_length())
+        """After a failed update: layers that already took this step's tokens give them back.
+
+        Called while an error propagates; a failure here is logged, so the original error is the one raised.
+        """
+        if self.store is None:
+            return
+        try:
+            self.executor.invalidate()
+            for layer in self.layers:
+                if isinstance(layer, TieredLayer) and layer.get_seq_length() > length:
+                    self._crop_layer(layer, length - layer.get_seq_length())
+        except Exception:
+            log.exception("tierkv: rolling back a failed update failed; layers may differ in length")
 
     def _crop_layer(self, layer: TieredLayer, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:

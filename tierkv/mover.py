@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -27,9 +28,17 @@ class MoveHandle:
         self._event = event
 
     def wait(self) -> None:
+        """Wait for the job; re-raise its error (the data is then unusable)."""
         self._future.result()
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
+
+    def settle(self) -> None:
+        """Wait until the job and its copies are finished, without raising: for barriers, which must not
+        fail on others' errors and must know no copy still reads a slot about to be reused."""
+        futures.wait([self._future])
+        if self._event is not None and self._future.exception() is None:
+            self._event.synchronize()
 
     def done(self) -> bool:
         return self._future.done()

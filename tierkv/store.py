@@ -79,8 +79,10 @@ class KVStore:
         self._stats_lock = threading.Lock()  # reads run on the mover thread
         pinned = device.device.type == "cuda"
         self._write_bounce = BounceBuffer(pin=pinned)
-        self._read_bounce = BounceBuffer(pin=pinned)
-        self._landing: torch.Tensor | None = None  # see enable_landing
+        # Reads run on the caller's thread and on the mover's: each gets its own bounce and landing buffer.
+        self._owner = threading.get_ident()
+        self._read_bounces = (BounceBuffer(pin=pinned), BounceBuffer(pin=pinned))
+        self._landings: tuple[torch.Tensor, torch.Tensor] | None = None  # see enable_landing
         self.writeback = Writeback(self, pin=pinned)
 
     # ----------------------------------------------------------------------------------------- queries
@@ -227,7 +229,8 @@ class KVStore:
                 if i == 0 and plan.replaces_tail:
                     old = self.table.blocks[row[-1]]
                     take = count - old.tokens
-                    data = torch.cat((self._read_block(old)[:, :, : old.tokens], kv[:, b, :, :take]), dim=2)
+                    kept = self._read_block(old)[:, :, : old.tokens].to(kv.device)
+                    data = torch.cat((kept, kv[:, b, :, :take]), dim=2)
                     self._count(_link(old.tier, block.tier), old.tokens * self.layouts[old.layer].token_bytes)
                 else:
                     take = count
@@ -417,14 +420,18 @@ class KVStore:
         Worth it where a copy has a fixed cost and scattered destinations are slow to reach (CUDA: ~2 µs
         per copy, pageable or strided copies through hidden temporaries). False if the budget has no room.
         """
-        if self._landing is not None:
+        if self._landings is not None:
             return True
         try:
-            self.reserve_device(nbytes)
+            self.reserve_device(2 * nbytes)  # one for the caller's thread, one for the mover's
         except BudgetTooSmallError:
             return False
-        self._landing = torch.empty(nbytes, dtype=torch.uint8, device=self.device.device)
+        self._landings = tuple(torch.empty(nbytes, dtype=torch.uint8, device=self.device.device) for _ in range(2))
         return True
+
+    def _scratch(self) -> int:
+        """0 on the thread that owns the store, 1 on the mover's: which bounce/landing buffer to use."""
+        return 0 if threading.get_ident() == self._owner else 1
 
     def _copy_segment(self, layout: BlockLayout, raw: torch.Tensor, seg: ReadSegment, dest: torch.Tensor) -> None:
         source = raw[: layout.block_bytes].view(layout.dtype).view(layout.shape)
@@ -436,14 +443,15 @@ class KVStore:
                  dest: torch.Tensor) -> None:
         """Copy segments out of ``rows`` ``[n, slot_bytes]`` (host bytes) into ``dest``, via the landing buffer
         in pieces of its capacity when there is one."""
-        if self._landing is None:
+        if self._landings is None:
             for index, seg in items:
                 self._copy_segment(layout, rows[index], seg, dest)
             return
-        capacity = self._landing.numel() // layout.slot_bytes
+        own = self._landings[self._scratch()]
+        capacity = own.numel() // layout.slot_bytes
         if capacity == 0:
             raise BudgetTooSmallError("the landing buffer is smaller than one block; raise gpu_gb.")
-        landing = self._landing[: capacity * layout.slot_bytes].view(capacity, layout.slot_bytes)
+        landing = own[: capacity * layout.slot_bytes].view(capacity, layout.slot_bytes)
         for first in range(0, rows.shape[0], capacity):
             piece = rows[first : first + capacity]
             landing[: piece.shape[0]].copy_(piece, non_blocking=True)
@@ -454,16 +462,17 @@ class KVStore:
     def _read_disk_segments(self, layout: BlockLayout, segments: list[ReadSegment], dest: torch.Tensor) -> None:
         slot_bytes = layout.slot_bytes
         order = sorted(range(len(segments)), key=lambda i: segments[i].slot)  # ascending: runs coalesce
-        bounce = self._read_bounce.get(len(segments) * slot_bytes)
+        bounce = self._read_bounces[self._scratch()].get(len(segments) * slot_bytes)
         self._disk_io(slot_bytes, [segments[i].slot for i in order], bounce, write=False)
         rows = torch.from_numpy(bounce).view(len(segments), slot_bytes)
         self._scatter(layout, rows, [(position, segments[i]) for position, i in enumerate(order)], dest)
+        if dest.is_cuda:  # the copies out of the bounce buffer must land before the next read refills it
+            torch.cuda.current_stream(dest.device).synchronize()
 
     def _read_block(self, block: Block) -> torch.Tensor:
         """A block's data as ``[2, H_kv, block_tokens, D]`` wherever it lives (disk blocks are read)."""
         if block.tier != Tier.DISK:
             return self.block_view(block)
-        self.barrier()  # the read bounce buffer is shared with the mover thread
         layout = self.layouts[block.layer]
         out = torch.empty(layout.shape, dtype=layout.dtype, device=self.device.device)
         segment = ReadSegment(0, block.id, block.tier, block.slot, block.slot_bytes, 0, 0, block.tokens)
@@ -507,38 +516,62 @@ class KVStore:
         return dropped
 
     def _trim(self, layer: int, tokens: int, from_front: bool) -> None:
+        """Remove ``tokens`` from the end (or whole blocks from the front) of every row. All or nothing:
+        the copies a cut through a shared block needs are made before any row changes."""
         if tokens <= 0:
             return
         self.barrier()
-        for row in self.table.layer_rows(layer):
-            remaining = tokens
-            while remaining > 0 and row:
-                block = self.table.blocks[row[0] if from_front else row[-1]]
-                if block.tokens <= remaining:
-                    remaining -= block.tokens
-                    row.pop(0 if from_front else -1)
-                    released = self.table.release(block.id)
-                    if released is not None:
-                        self._free_slot(released)
-                elif from_front:
-                    raise InvalidConfigError("drop_front only drops whole blocks.")
-                else:
-                    self._shrink_tail(row, block, block.tokens - remaining)
-                    remaining = 0
-
-    def _shrink_tail(self, row: list[int], block: Block, keep: int) -> None:
-        """Keep the first ``keep`` tokens of a row's last block; a shared block is copied first."""
-        if block.refcount == 1:
-            block.tokens = keep
-            return
-        layout = self.layouts[block.layer]
+        rows = self.table.layer_rows(layer)
+        cuts = [self._plan_cut(row, tokens, from_front) for row in rows]  # (blocks to drop, tokens kept in next)
         allocated: list[Block] = []
+        copies: dict[int, Block] = {}
+        try:
+            for r, (row, (drop, keep)) in enumerate(zip(rows, cuts)):
+                if keep and self.table.blocks[row[-1 - drop]].refcount > 1:
+                    copies[r] = self._copy_prefix(self.table.blocks[row[-1 - drop]], keep, allocated)
+        except BaseException:
+            for block in allocated:
+                self._free_slot(block)
+                del self.table.blocks[block.id]
+            raise
+        for r, (row, (drop, keep)) in enumerate(zip(rows, cuts)):
+            for _ in range(drop):
+                released = self.table.release(row.pop(0 if from_front else -1))
+                if released is not None:
+                    self._free_slot(released)
+            if r in copies:
+                released = self.table.release(row[-1])
+                if released is not None:  # every row that shared it took a copy
+                    self._free_slot(released)
+                row[-1] = copies[r].id
+            elif keep:
+                self.table.blocks[row[-1]].tokens = keep
+
+    def _plan_cut(self, row: list[int], tokens: int, from_front: bool) -> tuple[int, int]:
+        """(whole blocks to drop, tokens the next block keeps — 0 if it is untouched) to remove ``tokens``."""
+        order = row if from_front else row[::-1]
+        remaining, drop = tokens, 0
+        for block_id in order:
+            held = self.table.blocks[block_id].tokens
+            if held > remaining:
+                if from_front and remaining:
+                    raise InvalidConfigError("drop_front only drops whole blocks.")
+                return drop, (held - remaining if remaining else 0)
+            remaining -= held
+            drop += 1
+            if remaining == 0:
+                return drop, 0
+        return drop, 0
+
+    def _copy_prefix(self, block: Block, keep: int, allocated: list[Block]) -> Block:
+        """A new device block holding the first ``keep`` tokens of ``block`` (copy-on-write of a shared cut)."""
+        layout = self.layouts[block.layer]
         copy = self._new_block(block.layer, layout, allocated, on_device=True)
-        self.block_view(copy)[:, :, :keep].copy_(self._read_block(block)[:, :, :keep])
+        self.block_view(copy)[:, :, :keep].copy_(self._read_block(block)[:, :, :keep].to(self.device.device))
+        self._count(_link(block.tier, Tier.DEVICE), keep * layout.token_bytes)
         copy.tokens = keep
         self.policy.on_insert(copy, self.tick)
-        row[-1] = copy.id
-        self.table.release(block.id)
+        return copy
 
     # ------------------------------------------------------------------------------------ staging
     def reserve_device(self, nbytes: int) -> None:
@@ -593,6 +626,7 @@ class KVStore:
         for block in list(self.table.blocks.values()):
             self.tiers[block.tier].free(block.slot_bytes, block.slot)
         self.table = BlockTable()
+        self.layouts.clear()  # the next sequence may come from another model or dtype
 
     def close(self) -> None:
         self.barrier()

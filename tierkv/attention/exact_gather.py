@@ -19,6 +19,7 @@ the bandwidth model (:func:`tierkv.stats.choose_prefetch_depth`); it decides aga
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -108,7 +109,10 @@ class ExactGather:
         prefetched = self.pending.pop(layer, None)
         if prefetched is not None:
             waited_from = time.perf_counter()
-            prefetched.handle.wait()
+            try:
+                prefetched.handle.wait()
+            except Exception:  # noqa: BLE001 - a failed prefetch is a miss; the synchronous read reports
+                prefetched = dataclasses.replace(prefetched, version=-1)
             waited = time.perf_counter() - waited_from
             self.stall_s += waited
             self._consume(prefetched)
@@ -141,15 +145,25 @@ class ExactGather:
 
     def invalidate(self) -> None:
         """Table edits (reorder, crop, reset) make staged data stale."""
-        self.wait_all()
-        for prefetch in self.pending.values():
+        try:
+            self.wait_all()
+            for prefetch in self.pending.values():
+                self._consume(prefetch)
+        finally:
+            self.pending.clear()
+            self.version += 1
+
+    def drop(self, layer: int) -> None:
+        """Forget the prefetch of one layer (its token positions shifted, e.g. a sliding window dropped blocks)."""
+        prefetch = self.pending.pop(layer, None)
+        if prefetch is not None:
+            prefetch.handle.settle()
             self._consume(prefetch)
-        self.pending.clear()
-        self.version += 1
 
     def wait_all(self) -> None:
+        """The store's barrier: every in-flight read has finished (errors are left to their own layer)."""
         for prefetch in self.pending.values():
-            prefetch.handle.wait()
+            prefetch.handle.settle()
 
     def close(self) -> None:
         self.invalidate()
@@ -213,7 +227,7 @@ class ExactGather:
         victim = next(p for p in self.pending.values() if p.buffer != self.current) if self.pending else None
         if victim is None:
             return (self.current + 1) % len(self.buffers)
-        victim.handle.wait()  # reuse its buffer: that prefetch is dropped, its layer will gather afresh
+        victim.handle.settle()  # reuse its buffer: that prefetch is dropped, its layer will gather afresh
         del self.pending[victim.layer]
         self._consume(victim)
         return victim.buffer

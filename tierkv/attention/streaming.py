@@ -130,8 +130,9 @@ class StreamingAttention:
         self.buffers = [torch.empty(per_buffer, dtype=torch.uint8, device=device) for _ in range(2)]
 
     def wait_all(self) -> None:
+        """Barrier: every chunk read has finished (a failed one raises where attention waits for it)."""
         for read in self.in_flight:
-            read.handle.wait()
+            read.handle.settle()
         self.in_flight = []
 
     def close(self) -> None:

@@ -2,18 +2,25 @@
 
 Two kinds of example, both ``<bos> haystack-with-needles question`` with the answer = a needle's value::
 
-    passkey   ... the pass key is 71339 . remember it . 71339 is the pass key . ...
-              what is the pass key ? the pass key is                          -> 7 1 3 3 9
-    multikey  ... one of the special magic numbers for falcon is 52210 . ...  (plus distractor keys)
+    passkey   ... the pass key is 713 . remember it . 713 is the pass key . ...
+              what is the pass key ? the pass key is                          -> 713
+    multikey  ... one of the special magic numbers for falcon is 522 . ...  (plus distractor keys)
               what is the special magic number for falcon mentioned in the provided text ?
-              the special magic number for falcon mentioned in the provided text is  -> 5 2 2 1 0
+              the special magic number for falcon mentioned in the provided text is  -> 522
 
-The haystack is random sentences over a filler vocabulary that is *disjoint* from every word of the needle
-and question templates, the key names and the digits (only the period is shared). So the needle's marker
-tokens occur exactly where the needle is, and a retrieval (induction) head has one right place to look.
+The haystack is random sentences (a quarter of them repeats of earlier ones) over a filler vocabulary
+that is *disjoint* from every word of the needle and question templates, the key names and the numbers
+(only the period is shared). So the needle's marker tokens occur exactly where the needle is, and a
+retrieval (induction) head has one right place to look.
 
-Generation works in token ids (the tokenizer is word level, one word = one id, each digit its own id), so
-a 64K-token haystack is built in milliseconds and has exactly the requested length.
+Numbers are split into groups of up to three digits and each group is one token ("71339" -> "713" "39"),
+so the default 3-digit value is a single token. A multi-token value would need an induction circuit
+(previous-token head + copy) to be read out digit by digit, and a ~1M-parameter model trained on two CPU
+cores for half an hour did not form one (answer loss stayed at ln 10 for 1,500 steps of 5-digit values);
+a one-token value is retrieved by a plain content-matching attention head, which such a model learns.
+
+Generation works in token ids (the tokenizer is word level, one word or digit group = one id), so a
+64K-token haystack is built in milliseconds and has exactly the requested length.
 """
 
 from __future__ import annotations
@@ -22,14 +29,15 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
 from tierkv.errors import InvalidConfigError
 
 KINDS = ("passkey", "multikey")
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
-DIGITS = tuple("0123456789")
+NUMBERS = tuple(f"{i:0{width}d}" for width in (1, 2, 3) for i in range(10**width))  # every 1-3 digit group
+DEFAULT_DIGITS = 3
 PUNCTUATION = (".", "?")
 
 PASSKEY_NEEDLE = "the pass key is {value} . remember it . {value} is the pass key ."
@@ -96,11 +104,11 @@ def _template_words() -> set[str]:
     return words - set(PUNCTUATION)
 
 
-MARKER_WORDS = tuple(sorted(_template_words() | set(KEY_NAMES) | set(DIGITS)))
+MARKER_WORDS = tuple(sorted(_template_words() | set(KEY_NAMES) | set(NUMBERS)))
 """Every token of a needle or question except punctuation; none of them occurs in the filler."""
 
 FILLER_WORDS = tuple(w for w in dict.fromkeys(FILLER_WORDS) if w not in set(MARKER_WORDS))
-VOCAB = tuple(dict.fromkeys(SPECIAL_TOKENS + DIGITS + PUNCTUATION + MARKER_WORDS + FILLER_WORDS))
+VOCAB = tuple(dict.fromkeys(SPECIAL_TOKENS + PUNCTUATION + MARKER_WORDS + FILLER_WORDS))
 WORD_TO_ID = {w: i for i, w in enumerate(VOCAB)}
 BOS_ID = WORD_TO_ID["<bos>"]
 EOS_ID = WORD_TO_ID["<eos>"]
@@ -110,7 +118,8 @@ _FILLER_IDS = tuple(WORD_TO_ID[w] for w in FILLER_WORDS)
 
 
 def build_tokenizer() -> Tokenizer:
-    """The word-level tokenizer of the demo: lowercase, split on whitespace/punctuation, one id per digit.
+    """The word-level tokenizer of the demo: lowercase, split on whitespace/punctuation and into groups of
+    up to three digits, one id per word or group.
 
     Word level (not BPE) so that one word is one token: the generator can count tokens exactly and the
     needle's markers are whole tokens the filler can never form.
@@ -118,7 +127,7 @@ def build_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.WordLevel(vocab=dict(WORD_TO_ID), unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
+        [pre_tokenizers.Whitespace(), pre_tokenizers.Split(Regex(r"\d{1,3}"), behavior="isolated")]
     )
     return tok
 
@@ -141,7 +150,7 @@ def load_tokenizer(path: str | Path):
 
 
 def encode_words(text: str) -> list[int]:
-    """Ids of a template text (already lowercase and space separated, digits split by the caller)."""
+    """Ids of a template text (already lowercase and space separated, numbers grouped by the caller)."""
     return [WORD_TO_ID[w] for w in text.split()]
 
 
@@ -150,8 +159,8 @@ class Example:
     """One retrieval prompt. ``prompt_ids`` has exactly the requested length and starts with ``<bos>``."""
 
     prompt_ids: tuple[int, ...]  # [T]
-    answer: str  # the needle's value, e.g. "71339"
-    answer_ids: tuple[int, ...]  # [len(answer)] one id per digit
+    answer: str  # the needle's value, e.g. "713"
+    answer_ids: tuple[int, ...]  # one id per group of up to 3 digits
     needle_positions: tuple[int, ...]  # index of each needle's first token; the asked-for needle first
     depth: float  # fraction of the haystack in front of the asked-for needle
     kind: str
@@ -162,13 +171,23 @@ def _rng(seed: int | random.Random) -> random.Random:
 
 
 def _filler(rng: random.Random, n_tokens: int) -> tuple[list[int], list[int]]:
-    """``n_tokens`` filler ids as random sentences, and the sentence start offsets (plus ``n_tokens``)."""
+    """``n_tokens`` filler ids as random sentences, and the sentence start offsets (plus ``n_tokens``).
+
+    A quarter of the sentences repeat an earlier one. That gives a language-model loss on the filler
+    something to predict (by copying), which is what makes induction heads form quickly in training; the
+    needle's markers still never occur here.
+    """
     ids: list[int] = []
     starts: list[int] = []
+    sentences: list[list[int]] = []
     while len(ids) < n_tokens:
         starts.append(len(ids))
-        ids.extend(rng.choices(_FILLER_IDS, k=rng.randint(4, 14)))
-        ids.append(PERIOD_ID)
+        if sentences and rng.random() < 0.25:
+            sentence = rng.choice(sentences)
+        else:
+            sentence = rng.choices(_FILLER_IDS, k=rng.randint(4, 14)) + [PERIOD_ID]
+            sentences.append(sentence)
+        ids.extend(sentence)
     del ids[n_tokens:]
     starts = [s for s in starts if s < n_tokens] + [n_tokens]
     return ids, starts
@@ -178,8 +197,8 @@ def _value(rng: random.Random, digits: int) -> str:
     return str(rng.randrange(10 ** (digits - 1), 10**digits))
 
 
-def _spaced(value: str) -> str:
-    return " ".join(value)
+def _grouped(value: str) -> str:
+    return " ".join(value[i : i + 3] for i in range(0, len(value), 3))
 
 
 def make_example(
@@ -189,7 +208,7 @@ def make_example(
     kind: str = "passkey",
     *,
     num_keys: int = 4,
-    digits: int = 5,
+    digits: int = DEFAULT_DIGITS,
 ) -> Example:
     """A deterministic retrieval prompt of exactly ``context_tokens`` tokens.
 
@@ -208,14 +227,13 @@ def make_example(
     rng = _rng(seed)
     answer = _value(rng, digits)
     if kind == "passkey":
-        needles = [encode_words(PASSKEY_NEEDLE.format(value=_spaced(answer)))]
+        needles = [encode_words(PASSKEY_NEEDLE.format(value=_grouped(answer)))]
         question = encode_words(PASSKEY_QUESTION)
     else:
         keys = rng.sample(KEY_NAMES, num_keys)
         values = [answer] + [_value(rng, digits) for _ in keys[1:]]
         needles = [
-            encode_words(MULTIKEY_NEEDLE.format(key=k, value=_spaced(v)))
-            for k, v in zip(keys, values, strict=True)
+            encode_words(MULTIKEY_NEEDLE.format(key=k, value=_grouped(v))) for k, v in zip(keys, values, strict=True)
         ]
         question = encode_words(MULTIKEY_QUESTION.format(key=keys[0]))
     n_filler = context_tokens - 1 - sum(map(len, needles)) - len(question)
@@ -242,7 +260,7 @@ def make_example(
     return Example(
         prompt_ids=tuple(ids),
         answer=answer,
-        answer_ids=tuple(WORD_TO_ID[d] for d in answer),
+        answer_ids=tuple(encode_words(_grouped(answer))),
         needle_positions=tuple(positions),
         depth=depth,
         kind=kind,
@@ -250,5 +268,5 @@ def make_example(
 
 
 def decode_answer(tokenizer, ids) -> str:
-    """The digits of generated ids, in order: ``[7, 1, 3, <unk>, ...]`` -> ``"713"``."""
+    """The digits of generated ids, in order: ``["713", "39", <unk>]`` -> ``"71339"``."""
     return "".join(ch for ch in tokenizer.decode(list(ids), skip_special_tokens=True) if ch.isdigit())
