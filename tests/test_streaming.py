@@ -118,3 +118,20 @@ def test_bf16_models(tmp_path, streaming):
     tolerance = 2e-2 if streaming else 0.0
     for got, expected in zip(out.logits, reference.logits):
         torch.testing.assert_close(got, expected, atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_and_reference_chunk_attention_agree(monkeypatch, masked):
+    """The fused CPU kernel path and the plain einsum path give the same (output, log-sum-exp) state."""
+    from tierkv.attention import streaming
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 3, 5, 16, generator=gen)  # [B, H_kv, G, q, D]
+    keys, values = torch.randn(2, 2, 9, 16, generator=gen), torch.randn(2, 2, 9, 16, generator=gen)
+    mask = torch.rand(2, 1, 5, 9, generator=gen) > 0.3 if masked else None
+    bias = streaming._mask_bias(mask, 0, 9, 9, 5, torch.float32, q.device)
+    fused = streaming._partial_attention(q, keys, values, bias, 0.25, None)
+    monkeypatch.setattr(streaming, "_FUSED_CPU", None)
+    plain = streaming._partial_attention(q, keys, values, bias, 0.25, None)
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

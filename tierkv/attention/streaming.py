@@ -59,12 +59,9 @@ class StreamingAttention:
         stop = self.store.seq_length(layer)
         layout = self.store.layouts[layer]
         batch, heads, q_len, dim = query.shape
-        groups = heads // layout.kv_heads
         self._ensure_buffers(batch, layout.token_bytes)
-        q = query.float().view(batch, layout.kv_heads, groups, q_len, dim)  # [B, H_kv, G, q, D]
-        running_max = torch.full((batch, layout.kv_heads, groups, q_len), float("-inf"), device=query.device)
-        normaliser = torch.zeros_like(running_max)
-        acc = torch.zeros((batch, layout.kv_heads, groups, q_len, dim), device=query.device)
+        q = query.view(batch, layout.kv_heads, heads // layout.kv_heads, q_len, dim)  # [B, H_kv, G, q, D]
+        out = lse = None  # running state: normalised output [B, H_kv, G, q, D] and its log-sum-exp [.., q]
         chunks = list(range(start, stop, self.chunk_tokens))
         pending = self._issue(layer, chunks[0], stop, 0) if chunks else None
         for index, chunk_start in enumerate(chunks):
@@ -74,36 +71,17 @@ class StreamingAttention:
             self.stall_s += time.perf_counter() - waited_from
             pending = self._issue(layer, chunks[index + 1], stop, (index + 1) % 2) if index + 1 < len(chunks) else None
             staging = self._staging(current.buffer, layer, batch)
-            keys = staging[0, :, :, : current.count].float()  # [B, H_kv, c, D]
-            values = staging[1, :, :, : current.count].float()
-            scores = torch.einsum("bhgqd,bhkd->bhgqk", q, keys) * scaling
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            scores = self._apply_mask(scores, mask, chunk_start - start, stop - start, q_len)
-            new_max = torch.maximum(running_max, scores.amax(dim=-1))
-            correction = torch.exp(running_max - new_max).nan_to_num(0.0)
-            weights = torch.exp(scores - new_max.unsqueeze(-1))
-            normaliser = normaliser * correction + weights.sum(dim=-1)
-            acc = acc * correction.unsqueeze(-1) + torch.einsum("bhgqk,bhkd->bhgqd", weights, values)
-            running_max = new_max
-        out = acc / normaliser.unsqueeze(-1)
-        return out.view(batch, heads, q_len, dim).transpose(1, 2).to(query.dtype)
-
-    @staticmethod
-    def _apply_mask(scores: torch.Tensor, mask: torch.Tensor | None, offset: int, total: int,
-                    q_len: int) -> torch.Tensor:
-        """Mask columns ``[offset, offset + c)`` of the ``total`` keys; ``None`` means causal."""
-        count = scores.shape[-1]
-        lowest = torch.finfo(scores.dtype).min  # finite, like eager masks: a fully masked row stays finite
-        if mask is None:
-            key_pos = torch.arange(offset, offset + count, device=scores.device)
-            query_pos = torch.arange(total - q_len, total, device=scores.device)
-            allowed = key_pos[None, :] <= query_pos[:, None]  # [q, c]
-            return scores.masked_fill(~allowed, lowest)
-        part = mask[..., offset : offset + count].unsqueeze(2)  # [B, 1, 1, q, c]
-        if part.dtype == torch.bool:
-            return scores.masked_fill(~part, lowest)
-        return (scores + part.float()).clamp_min(lowest)
+            keys = staging[0, :, :, : current.count]  # [B, H_kv, c, D]
+            values = staging[1, :, :, : current.count]
+            bias = _mask_bias(mask, chunk_start - start, current.count, stop - start, q_len, query.dtype, query.device)
+            part_out, part_lse = _partial_attention(q, keys, values, bias, scaling, softcap)
+            if out is None:
+                out, lse = part_out, part_lse
+            else:  # merge two softmax states: weights are each part's share of the total mass
+                merged = torch.logaddexp(lse, part_lse)
+                out = out * torch.exp(lse - merged).unsqueeze(-1) + part_out * torch.exp(part_lse - merged)[..., None]
+                lse = merged
+        return out.reshape(batch, heads, q_len, dim).transpose(1, 2).to(query.dtype)
 
     def _issue(self, layer: int, start: int, stop: int, buffer: int) -> ChunkRead:
         count = min(self.chunk_tokens, stop - start)
@@ -140,3 +118,57 @@ class StreamingAttention:
         if self.reserved:
             self.store.device.unreserve(self.reserved)
         self.buffers, self.reserved = [], 0
+
+
+def _mask_bias(mask: torch.Tensor | None, offset: int, count: int, total: int, q_len: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor | None:
+    """Additive bias ``[B or 1, 1, q, c]`` for key columns ``[offset, offset + c)`` of ``total``; None: no mask.
+
+    Masked entries get the dtype's lowest *finite* value, like eager masks, so a fully masked row (a padding
+    query) stays finite — uniform over its keys — instead of turning into NaN.
+    """
+    lowest = torch.finfo(dtype).min
+    if mask is None:  # causal: query i sits at key position total - q_len + i
+        if q_len == 1:
+            return None  # the newest query sees every key
+        key_pos = torch.arange(offset, offset + count, device=device)
+        query_pos = torch.arange(total - q_len, total, device=device)
+        allowed = key_pos[None, :] <= query_pos[:, None]  # [q, c]
+        return torch.zeros((1, 1, q_len, count), dtype=dtype, device=device).masked_fill(~allowed, lowest)
+    part = mask[..., offset : offset + count]
+    if part.dtype == torch.bool:
+        return torch.zeros(part.shape, dtype=dtype, device=device).masked_fill(~part, lowest)
+    return part.to(dtype).clamp_min(lowest)
+
+
+def _partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+                       scaling: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` ``[B, H_kv, G, q, D]`` over one chunk ``[B, H_kv, c, D]``.
+
+    Returns the normalised output ``[B, H_kv, G, q, D]`` and the log-sum-exp of the scores
+    ``[B, H_kv, G, q]``, both fp32 — the state two chunks merge with. On CPU without soft-capping it uses
+    PyTorch's fused flash kernel (which returns the log-sum-exp); query groups of a KV head become extra
+    query rows, so K/V are never repeated.
+    """
+    batch, kv_heads, groups, q_len, dim = q.shape
+    if softcap is None and q.device.type == "cpu" and _FUSED_CPU is not None and keys.dtype == q.dtype:
+        rows = q.reshape(batch, kv_heads, groups * q_len, dim)
+        if bias is not None:
+            bias = bias.unsqueeze(2).expand(bias.shape[0], 1, groups, q_len, bias.shape[-1])
+            bias = bias.reshape(bias.shape[0], 1, groups * q_len, bias.shape[-1])
+        out, lse = _FUSED_CPU(rows, keys, values, 0.0, False, attn_mask=bias, scale=scaling)
+        return out.float().view(q.shape), lse.float().view(q.shape[:-1])
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), keys.float()) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = (scores + bias.float().unsqueeze(2)).clamp_min(torch.finfo(torch.float32).min)
+    peak = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - peak)
+    total = weights.sum(dim=-1)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", weights, values.float()) / total.unsqueeze(-1)
+    return out, peak.squeeze(-1) + torch.log(total)
+
+
+# PyTorch's fused CPU flash attention that also returns the log-sum-exp (a private op: looked up, not required).
+_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
