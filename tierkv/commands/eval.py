@@ -1,0 +1,103 @@
+"""``tierkv eval``: retrieval accuracy of the demo model over context lengths and needle depths.
+
+    tierkv eval --lengths 4K,16K,32K,64K --depths 0,0.25,0.5,0.75,1 --samples 4 --out results/
+
+Prints a depth x length table, and with ``--out`` writes ``eval.json`` and ``heatmap.png`` there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from tierkv.errors import InvalidConfigError
+
+
+def _lengths(text: str) -> list[int]:
+    from tierkv.demo.evaluate import parse_token_count
+
+    return [parse_token_count(part) for part in text.split(",") if part.strip()]
+
+
+def _depths(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InvalidConfigError(f"--depths {text!r}: give fractions in [0, 1], e.g. 0,0.5,1") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lengths", default="4K,16K,32K,64K", help="context lengths in tokens (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1] (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--samples", type=int, default=4, help="seeded haystacks per cell (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--kind", default="passkey", choices=("passkey", "multikey"), help="task (default: passkey)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="haystack seed (default: %(default)s)")
+    parser.add_argument("--model", default=None, help="model folder (default: the packaged demo model)")
+    parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    parser.add_argument("--prefill-chunk", type=int, default=2048, help="prefill tokens per forward")
+    parser.add_argument("--out", default=None, help="folder for eval.json and heatmap.png")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tierkv.demo.evaluate import evaluate, format_length, plot_heatmap
+    from tierkv.demo.model import load_demo_model
+
+    lengths, depths = _lengths(args.lengths), _depths(args.depths)
+    console = Console(stderr=args.json)
+    model, tokenizer = load_demo_model(device=args.device, path=args.model)
+    total = len(lengths) * len(depths) * args.samples
+    done = 0
+    start = time.perf_counter()
+
+    def progress(trial) -> None:
+        nonlocal done
+        done += 1
+        mark = "ok" if trial.correct else f"got {trial.output!r}"
+        console.log(
+            f"[{done}/{total}] {format_length(trial.length)} depth {trial.depth:.2f} "
+            f"#{trial.sample}: {trial.answer} {mark}"
+        )
+
+    result = evaluate(
+        model,
+        tokenizer,
+        lengths=lengths,
+        depths=depths,
+        samples=args.samples,
+        kind=args.kind,
+        seed=args.seed,
+        prefill_chunk_size=args.prefill_chunk,
+        on_trial=progress,
+    )
+    record = result.to_dict() | {"wall_time_s": round(time.perf_counter() - start, 1), "device": args.device}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
+        console.log(f"wrote {plot_heatmap(result, out / 'heatmap.png')} and {out / 'eval.json'}")
+    if args.json:
+        print(json.dumps(record, indent=2))
+        return 0
+    table = Table(title=f"{args.kind} retrieval accuracy, greedy, {args.samples} haystacks per cell")
+    table.add_column("depth", justify="right")
+    for n in lengths:
+        table.add_column(format_length(n), justify="right")
+    for d in depths:
+        table.add_row(f"{d:.0%}", *(f"{result.accuracy(n, d):.0%}" for n in lengths))
+    table.add_row("all", *(f"[bold]{result.accuracy(n):.0%}[/bold]" for n in lengths))
+    console.print(table)
+    return 0

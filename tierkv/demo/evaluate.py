@@ -1,0 +1,190 @@
+"""Retrieval accuracy of a model over context lengths x needle depths (the RULER-style heat map).
+
+Each trial is a real greedy decode through a ``transformers.Cache``: the prompt is prefilled in chunks
+(so a 64K prompt never materialises a 64K x 64K score matrix) and the answer digits are generated one
+token at a time. ``cache_factory`` lets the same harness measure any cache (DynamicCache by default, a
+``TieredCache`` or a sparse mode later) against the same seeded haystacks.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tierkv.demo.task import KINDS, decode_answer, make_example
+from tierkv.errors import InvalidConfigError
+
+DEFAULT_LENGTHS = (4096, 16384, 32768, 65536)
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+_TOKENS = re.compile(r"^\s*(\d+)\s*([km]?)\s*$", re.IGNORECASE)
+
+
+def parse_token_count(text: str) -> int:
+    """``"4K"`` -> 4096, ``"1M"`` -> 1048576, ``"3000"`` -> 3000 (context sizes count in powers of two)."""
+    match = _TOKENS.match(text)
+    if match is None:
+        raise InvalidConfigError(f"{text!r} is not a token count; write e.g. 4096, 4K or 1M")
+    return int(match.group(1)) * {"": 1, "k": 2**10, "m": 2**20}[match.group(2).lower()]
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    """One haystack: where the needle was, what was expected and what the model said."""
+
+    length: int
+    depth: float
+    sample: int
+    answer: str
+    output: str
+    correct: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EvalResult:
+    """All trials of one run plus the settings that produced them."""
+
+    kind: str
+    seed: int
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    samples: int
+    trials: tuple[Trial, ...]
+
+    def accuracy(self, length: int | None = None, depth: float | None = None) -> float:
+        """Fraction correct over the trials matching ``length`` and/or ``depth`` (None: all)."""
+        hits = [
+            t.correct
+            for t in self.trials
+            if (length is None or t.length == length) and (depth is None or t.depth == depth)
+        ]
+        return sum(hits) / len(hits) if hits else float("nan")
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "seed": self.seed,
+            "lengths": list(self.lengths),
+            "depths": list(self.depths),
+            "samples": self.samples,
+            "accuracy": {str(n): self.accuracy(n) for n in self.lengths},
+            "accuracy_by_depth": {str(n): {str(d): self.accuracy(n, d) for d in self.depths} for n in self.lengths},
+            "trials": [asdict(t) for t in self.trials],
+        }
+
+
+@torch.no_grad()
+def greedy_generate(
+    model,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    cache_factory: Callable[[], object] | None = None,
+    prefill_chunk_size: int = 2048,
+) -> list[int]:
+    """Greedy continuation of ``prompt_ids`` through a fresh cache, prefilling ``prefill_chunk_size``
+    tokens per forward. Only the last position's logits are computed (``logits_to_keep=1``).
+    """
+    from transformers import DynamicCache
+
+    if prefill_chunk_size < 1:
+        raise InvalidConfigError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
+    device = next(model.parameters()).device
+    cache = cache_factory() if cache_factory is not None else DynamicCache(config=model.config)
+    ids = torch.tensor([list(prompt_ids)], device=device)  # [1, T]
+    out = None
+    for start in range(0, ids.shape[1], prefill_chunk_size):
+        out = model(input_ids=ids[:, start : start + prefill_chunk_size], cache=cache, logits_to_keep=1)
+    generated: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(out.logits[0, -1].argmax())
+        generated.append(token)
+        if len(generated) == max_new_tokens:
+            break
+        out = model(input_ids=torch.tensor([[token]], device=device), cache=cache, logits_to_keep=1)
+    return generated
+
+
+def evaluate(
+    model,
+    tokenizer,
+    *,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    depths: Sequence[float] = DEFAULT_DEPTHS,
+    samples: int = 4,
+    kind: str = "passkey",
+    seed: int = 0,
+    cache_factory: Callable[[], object] | None = None,
+    prefill_chunk_size: int = 2048,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> EvalResult:
+    """Greedy retrieval accuracy over ``samples`` seeded haystacks per (length, depth).
+
+    The haystack of (kind, seed, length, depth, sample) is the same on every run and every machine, so
+    two cache modes evaluated with the same arguments see identical prompts.
+    """
+    if samples < 1:
+        raise InvalidConfigError(f"samples must be >= 1, got {samples}")
+    if kind not in KINDS:
+        raise InvalidConfigError(f"unknown task kind {kind!r}; choose one of {', '.join(KINDS)}")
+    if not lengths or not depths:
+        raise InvalidConfigError("give at least one length and one depth")
+    for d in depths:
+        if not 0.0 <= d <= 1.0:
+            raise InvalidConfigError(f"needle depths must be in [0, 1], got {d}")
+    trials = []
+    for length in lengths:
+        for depth in depths:
+            for sample in range(samples):
+                example = make_example(random.Random(f"{kind}/{seed}/{length}/{depth}/{sample}"), length, depth, kind)
+                ids = greedy_generate(
+                    model,
+                    example.prompt_ids,
+                    len(example.answer_ids),
+                    cache_factory=cache_factory,
+                    prefill_chunk_size=prefill_chunk_size,
+                )
+                output = decode_answer(tokenizer, ids)
+                trial = Trial(length, depth, sample, example.answer, output, output == example.answer)
+                trials.append(trial)
+                if on_trial is not None:
+                    on_trial(trial)
+    return EvalResult(kind, seed, tuple(lengths), tuple(depths), samples, tuple(trials))
+
+
+def format_length(n: int) -> str:
+    """``65536`` -> ``"64K"``; lengths that are not whole K stay as numbers."""
+    if n % 2**20 == 0:
+        return f"{n // 2**20}M"
+    return f"{n // 2**10}K" if n % 2**10 == 0 else str(n)
+
+
+def plot_heatmap(result: EvalResult, path: str | Path) -> Path:
+    """Write a depth x length accuracy heat map (PNG) and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = [[result.accuracy(n, d) for n in result.lengths] for d in result.depths]
+    fig, ax = plt.subplots(figsize=(1.4 * len(result.lengths) + 2.5, 0.6 * len(result.depths) + 1.8))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    ax.set_xticks(range(len(result.lengths)), [format_length(n) for n in result.lengths])
+    ax.set_yticks(range(len(result.depths)), [f"{d:.0%}" for d in result.depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(f"{result.kind} retrieval accuracy ({result.samples} haystacks per cell)")
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=9)
+    fig.colorbar(image, ax=ax, label="accuracy")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,36 @@
+"""Load the shipped demo model (a ~0.8M-parameter Llama trained by ``tierkv.demo.train``).
+
+The weights live inside the package (``tierkv/demo/weights/``) so ``tierkv demo`` and ``tierkv eval`` work
+offline on a fresh install: nothing is downloaded at run time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tierkv.demo.task import load_tokenizer
+from tierkv.errors import TierKVError
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+_REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+class DemoWeightsMissingError(TierKVError, FileNotFoundError):
+    """The demo model's files are not where the loader looks for them."""
+
+
+def load_demo_model(device: str = "cpu", path: str | Path | None = None):
+    """Return ``(model, tokenizer)``: the demo ``LlamaForCausalLM`` (fp32, sdpa, eval mode) on ``device``
+    and its ``PreTrainedTokenizerFast``. ``path`` defaults to the weights packaged with tierkv.
+    """
+    from transformers import LlamaForCausalLM
+
+    folder = Path(path) if path is not None else WEIGHTS_DIR
+    missing = [name for name in _REQUIRED if not (folder / name).is_file()]
+    if missing:
+        raise DemoWeightsMissingError(
+            f"demo model files missing in {folder}: {', '.join(missing)}. Train them (about 30 minutes on a "
+            f"2-core CPU) with: python -m tierkv.demo.train --out {folder}"
+        )
+    model = LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa").to(device).eval()
+    return model, load_tokenizer(folder / "tokenizer.json")
