@@ -29,18 +29,10 @@ def _depths(text: str) -> list[float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--lengths", default="4K,16K,32K,64K", help="context lengths in tokens (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1] (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--samples", type=int, default=4, help="seeded haystacks per cell (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--kind", default="passkey", choices=("passkey", "multikey"), help="task (default: passkey)"
-    )
+    parser.add_argument("--lengths", default="4K,16K,32K,64K", help="context lengths in tokens (default: %(default)s)")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1] (default: %(default)s)")
+    parser.add_argument("--samples", type=int, default=4, help="seeded haystacks per cell (default: %(default)s)")
+    parser.add_argument("--kind", default="passkey", choices=("passkey", "multikey"), help="task (default: passkey)")
     parser.add_argument("--seed", type=int, default=0, help="haystack seed (default: %(default)s)")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged demo model)")
     parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
