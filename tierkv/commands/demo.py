@@ -31,7 +31,7 @@ console = Console()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--context", default="8K", help="haystack length in tokens, e.g. 8K, 32768 (default 8K)")
+    parser.add_argument("--context", default="32K", help="haystack length in tokens, e.g. 8K, 32768 (default 32K)")
     parser.add_argument("--gpu-gb", default=None, help="device budget; default: 1/8 of the KV (plus staging)")
     parser.add_argument("--executor", choices=("streaming", "gather"), default="streaming",
                         help="streaming: chunked exact attention, device holds two chunks (default); "
