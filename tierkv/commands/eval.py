@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(record, indent=2))
         return 0
-    table = Table(title=f"{args.kind} retrieval accuracy, greedy, {args.samples} haystacks per cell")
+    table = Table(title=f"{args.kind} accuracy", caption=f"greedy, {args.samples} haystacks per cell")
     table.add_column("depth", justify="right")
     for n in lengths:
         table.add_column(format_length(n), justify="right")
