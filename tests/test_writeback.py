@@ -28,6 +28,20 @@ class HeldHandle:
             raise OSError(errno.ENOSPC, "No space left on device")
 
 
+@pytest.fixture
+def held_writes(monkeypatch):
+    """Make a store's disk writes complete only when the test releases them: returns the handles."""
+    held: list[HeldHandle] = []
+
+    def hold(store):
+        disk = store.tiers[Tier.DISK]
+        real_write = disk.write
+        monkeypatch.setattr(disk, "write", lambda *a: held.append(HeldHandle(real_write(*a))) or held[-1])
+        return held
+
+    return hold
+
+
 def fill(store, ref, steps, batch=2, layers=2, seed=0, tokens=3):
     for step in range(steps):
         for layer in range(layers):
@@ -54,12 +68,9 @@ def test_writeback_moves_prefill_writes_off_the_critical_path(tmp_path):
     assert direct[True] < direct[False] / 4
 
 
-def test_blocks_stay_readable_while_their_write_is_in_flight(tmp_path, monkeypatch):
+def test_blocks_stay_readable_while_their_write_is_in_flight(tmp_path, held_writes):
     store = make_store(tmp_path, device_slots=6, host_slots=8)
-    disk = store.tiers[Tier.DISK]
-    held: list[HeldHandle] = []
-    real_write = disk.write
-    monkeypatch.setattr(disk, "write", lambda *a: held.append(HeldHandle(real_write(*a))) or held[-1])
+    held = held_writes(store)
     ref: dict = {}
     fill(store, ref, 8)
     assert store.writeback.pending is not None
@@ -73,12 +84,10 @@ def test_blocks_stay_readable_while_their_write_is_in_flight(tmp_path, monkeypat
     store.close()
 
 
-def test_released_while_in_flight_frees_the_disk_slots(tmp_path, monkeypatch):
+def test_released_while_in_flight_frees_the_disk_slots(tmp_path, held_writes):
     store = make_store(tmp_path, device_slots=6, host_slots=8)
     disk = store.tiers[Tier.DISK]
-    held: list[HeldHandle] = []
-    real_write = disk.write
-    monkeypatch.setattr(disk, "write", lambda *a: held.append(HeldHandle(real_write(*a))) or held[-1])
+    held = held_writes(store)
     ref: dict = {}
     fill(store, ref, 8)
     assert store.writeback.pending is not None

@@ -20,7 +20,7 @@ import torch
 
 from tierkv.errors import DiskFullError, DiskTierError
 from tierkv.io import DiskFile, IOHandle, aligned_empty, open_disk_file
-from tierkv.tiers.slots import FreeSlots, growth_slots
+from tierkv.tiers.slots import SlotPool, growth_slots
 
 DEFAULT_EXTENT_BYTES = 256 * 2**20
 
@@ -30,23 +30,15 @@ def _remove_files(paths: list[Path]) -> None:
         path.unlink(missing_ok=True)
 
 
-class DiskSlotFile:
+class DiskSlotFile(SlotPool):
     """Slots of ``slot_bytes`` in one file, opened through a disk engine."""
 
     def __init__(self, path: Path, slot_bytes: int, engine: str | None) -> None:
+        super().__init__()
         self.path = path
         self.slot_bytes = slot_bytes
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.file: DiskFile = open_disk_file(path, engine=engine)
-        self.slots = FreeSlots()
-
-    @property
-    def capacity(self) -> int:
-        return self.slots.capacity
-
-    @property
-    def used(self) -> int:
-        return self.slots.used
 
     def grow(self, slots: int) -> None:
         try:
@@ -54,12 +46,6 @@ class DiskSlotFile:
         except OSError as exc:
             raise disk_error(exc, self.path) from exc
         self.slots.grow(slots)
-
-    def alloc(self) -> int | None:
-        return self.slots.alloc()
-
-    def free(self, slot: int) -> None:
-        self.slots.free(slot)
 
     def offset(self, slot: int) -> int:
         return slot * self.slot_bytes

@@ -11,29 +11,21 @@ from __future__ import annotations
 import torch
 
 from tierkv.blocks import Tier
-from tierkv.tiers.slots import FreeSlots, growth_slots
+from tierkv.tiers.slots import SlotPool, growth_slots
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 
-class SlabPool:
+class SlabPool(SlotPool):
     """Slots of ``slot_bytes`` bytes in chunk tensors ``[slots_per_chunk, slot_bytes]`` (uint8)."""
 
     def __init__(self, slot_bytes: int, device: torch.device, pin: bool) -> None:
+        super().__init__()
         self.slot_bytes = slot_bytes
         self.device = device
         self.pin = pin
         self.chunks: list[torch.Tensor] = []
         self._chunk_of_slot: list[tuple[int, int]] = []  # slot -> (chunk, row)
-        self.slots = FreeSlots()
-
-    @property
-    def capacity(self) -> int:
-        return self.slots.capacity
-
-    @property
-    def used(self) -> int:
-        return self.slots.used
 
     @property
     def allocated_bytes(self) -> int:
@@ -60,12 +52,6 @@ class SlabPool:
         chunk = self.chunks.pop()
         del self._chunk_of_slot[-size:]
         return chunk.numel()
-
-    def alloc(self) -> int | None:
-        return self.slots.alloc()
-
-    def free(self, slot: int) -> None:
-        self.slots.free(slot)
 
     def view(self, slot: int) -> torch.Tensor:
         """The slot's bytes, ``[slot_bytes]`` uint8 (a view: writes land in the slab)."""

@@ -56,6 +56,29 @@ class FreeSlots:
         self.used -= 1
 
 
+class SlotPool:
+    """Base of a pool whose slots are tracked by a :class:`FreeSlots` (memory slabs, disk files)."""
+
+    slot_bytes: int
+
+    def __init__(self) -> None:
+        self.slots = FreeSlots()
+
+    @property
+    def capacity(self) -> int:
+        return self.slots.capacity
+
+    @property
+    def used(self) -> int:
+        return self.slots.used
+
+    def alloc(self) -> int | None:
+        return self.slots.alloc()
+
+    def free(self, slot: int) -> None:
+        self.slots.free(slot)
+
+
 def growth_slots(budget: int, allocated: int, slot_bytes: int, step_bytes: int) -> int:
     """Slots to add to a pool: a step's worth (at least one), never past the budget; 0 when it is full."""
     room = (budget - allocated) // slot_bytes
