@@ -14,19 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from tierkv.config import env_str, parse_size
 from tierkv.io import aligned_empty, open_disk_file
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

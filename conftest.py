@@ -1,4 +1,4 @@
-"""Shared fixtures; the ``cuda`` marker skips cleanly on hosts without a GPU."""
+"""For tests/ and benchmarks/: the ``cuda`` marker skips cleanly on hosts without a GPU."""
 
 from __future__ import annotations
 
