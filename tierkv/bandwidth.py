@@ -28,6 +28,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from tierkv.config import read_json
 from tierkv.errors import InvalidConfigError
 
 GB = 10**9
@@ -181,16 +182,7 @@ class LinkProfile:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> LinkProfile:
         """Read a profile written by :meth:`save` (or by ``tierkv bench --json``)."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise InvalidConfigError(
-                f"link profile {os.fspath(path)!r} does not exist; "
-                "create one with `tierkv bench` or use presets."
-            ) from None
-        except json.JSONDecodeError as e:
-            raise InvalidConfigError(f"link profile {os.fspath(path)!r} is not valid JSON ({e}).") from None
+        data = read_json(path, "link profile", "create one with `tierkv bench` or use presets")
         try:
             links = {
                 key: Link(str(v["name"]), float(v["bandwidth_bytes_per_s"]), float(v["latency_s"]))

@@ -6,10 +6,10 @@ on any machine. The presets copy the fields of the models' published ``config.js
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
+from tierkv.config import read_json
 from tierkv.errors import InvalidConfigError
 
 DTYPE_BYTES = {
@@ -144,16 +144,8 @@ def model_from_config(path: str | os.PathLike[str]) -> ModelSpec:
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise InvalidConfigError(
-            f"model config {path!r} does not exist; give a preset ({', '.join(MODEL_PRESETS)}) "
-            "or the path of a Hugging Face config.json."
-        ) from None
-    except json.JSONDecodeError as e:
-        raise InvalidConfigError(f"model config {path!r} is not valid JSON ({e}).") from None
+    cfg = read_json(path, "model config", f"give a preset ({', '.join(MODEL_PRESETS)}) or the path of a "
+                    "Hugging Face config.json")
     if not isinstance(cfg, dict):
         raise InvalidConfigError(f"model config {path!r} must hold a JSON object.")
     cfg = cfg.get("text_config") or cfg
