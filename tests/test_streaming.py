@@ -6,6 +6,8 @@ streaming needs only two chunk buffers.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from models import prompt, tiny_model
@@ -135,3 +137,48 @@ def test_fused_and_reference_chunk_attention_agree(monkeypatch, masked):
     plain = streaming._partial_attention(q, keys, values, bias, 0.25, None)
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_streaming_prefetches_across_layers_and_reports_each_step(tmp_path):
+    """The next layer's first chunk is fetched during this layer's last, and every decode step has telemetry
+    whose bytes are exactly the K/V the step attended over."""
+    model = tiny_model("llama", layers=3)
+    ids, mask = prompt(1, 40, seed=6)
+    reference = run(model, ids, mask, DynamicCache())
+    with small_cache(tmp_path, model, True) as cache:
+        with cache.streaming(model, chunk_tokens=8):
+            out = run(model, ids, mask, cache)
+        stats = cache.stats()
+        token_bytes = cache.store.layouts[0].token_bytes
+    assert torch.equal(out.sequences, reference.sequences)
+    # every layer of every decode step after the first starts from a chunk fetched during the layer before
+    assert stats["prefetch_hits"] >= 3 * (NEW - 2) and stats["prefetch_misses"] == 0
+    steps = stats["steps"]
+    assert steps["kind"] == "decode" and steps["count"] == NEW - 2  # 7 decode passes; the last is still open
+    last = steps["last"]
+    assert sum(last["bytes_by_link"].values()) == 3 * last["context"] * token_bytes
+    assert last["bytes_by_link"]["disk->device"] > 0 and last["transfer_s_by_link"]["disk->device"] > 0
+    assert last["predicted_step_s"] > 0 and last["compute_s"] > 0
+    assert last["compute_s"] + last["stall_s"] <= last["wall_s"] * 1.001
+
+
+def test_streaming_crop_drops_the_prefetched_chunk(tmp_path):
+    """A crop between steps makes the chunk already fetched for the next step stale: results stay exact."""
+    model = tiny_model("llama", layers=2)
+    twin = copy.deepcopy(model)  # the reference runs beside the streaming model, with its own attention
+    ids, _ = prompt(1, 6, seed=7)  # context < one chunk: the chunk fetched ahead covers the cropped tokens
+    reference = DynamicCache()
+    with TieredCache(gpu_gb="40KB", cpu_gb="24KB", disk_dir=tmp_path, block_tokens=4) as cache, \
+            cache.streaming(model, chunk_tokens=16):
+        expected = twin(ids, past_key_values=reference).logits[:, -1]
+        model(ids, past_key_values=cache)
+        for step in range(6):
+            token = expected.argmax(-1, keepdim=True)
+            if step == 3:  # rewrite the last 5 tokens: the chunk fetched ahead for layer 0 holds the old ones
+                reference.crop(-5)
+                cache.crop(-5)
+                token = torch.tensor([[11, 12, 13, 14, 15]])
+            expected = twin(token, past_key_values=reference).logits[:, -1]
+            got = model(token, past_key_values=cache).logits[:, -1]
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+        assert cache.stats()["prefetch_misses"] == 1 and cache.stats()["prefetch_hits"] >= 2 * 4

@@ -209,7 +209,7 @@ class TieredCache(Cache):
 
     def reset(self) -> None:
         if self.store is not None:
-            self.executor.invalidate()
+            self._invalidate_staged()
             self.store.reset()
         for layer in self.layers:
             layer.reset()
@@ -222,9 +222,10 @@ class TieredCache(Cache):
             return {"bytes_resident": empty, "bytes_moved": {}, "blocks": dict(empty), "tokens": 0,
                     "prefetch_hits": 0, "prefetch_misses": 0, "prefetch_stall_s": 0.0}
         stats = self.store.stats()
-        stall = self.executor.stall_s + (self.streamer.stall_s if self.streamer else 0.0)
-        stats.update(tokens=self.get_seq_length(), prefetch_hits=self.executor.prefetch_hits,
-                     prefetch_misses=self.executor.prefetch_misses, prefetch_stall_s=stall,
+        executors = [self.executor] + ([self.streamer] if self.streamer else [])
+        stats.update(tokens=self.get_seq_length(), prefetch_hits=sum(e.prefetch_hits for e in executors),
+                     prefetch_misses=sum(e.prefetch_misses for e in executors),
+                     prefetch_stall_s=sum(e.stall_s for e in executors),
                      mover=self.executor.mover.name,
                      disk_engine=self._disk.engine_name if self._disk else None,
                      prefetch_depth=self.executor.prefetch_depth, prefetch_auto=list(self.executor.auto_choices),
@@ -306,14 +307,14 @@ class TieredCache(Cache):
             self.streamer = None
         self._chunk_tokens = chunk_tokens
         if self.executor is not None:
-            self.executor.invalidate()  # exact-gather prefetches do not survive a stretch of streaming steps
+            self._invalidate_staged()  # exact-gather prefetches do not survive a stretch of streaming steps
         self._streaming_depth += 1
         try:
             yield self
         finally:
             self._streaming_depth -= 1
             if self.executor is not None:
-                self.executor.invalidate()
+                self._invalidate_staged()
             for module in modules:
                 del module._tierkv_cache
             model.set_attn_implementation(previous)
@@ -376,11 +377,24 @@ class TieredCache(Cache):
         layer.pending_keys = None
         try:
             if self.streamer is None:
-                self.streamer = StreamingAttention(self.store, self.executor.mover, self._chunk_tokens)
+                self.streamer = self._make_streamer()
             return self.streamer.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap)
         except Exception:
             self._roll_back_to(layer.length_before)
             raise
+
+    def _make_streamer(self) -> StreamingAttention:
+        streamer = StreamingAttention(self.store, self.executor.mover, self._chunk_tokens,
+                                      timeline=self.executor.timeline, trace=self.trace)
+        streamer.start_of = lambda index: self.layers[index].attention_start(0)
+        streamer.num_layers, streamer.layers_known = self.executor.num_layers, self.executor.layers_known
+        return streamer
+
+    def _invalidate_staged(self) -> None:
+        """Table edits (crop, reorder, reset, rollback): data staged by either executor is stale."""
+        self.executor.invalidate()
+        if self.streamer is not None:
+            self.streamer.invalidate()
 
     def _drop_out_of_window(self, layer: TieredLayer) -> None:
         """Free a sliding layer's whole blocks that can no longer be attended to."""
@@ -390,6 +404,8 @@ class TieredCache(Cache):
         if dropped:
             layer.dropped += dropped
             self.executor.drop(layer.index)  # its prefetch counted tokens from the old front
+            if self.streamer is not None:
+                self.streamer.drop(layer.index)
 
     def _wait_for_reads(self) -> None:
         """The store's barrier: no read may be in flight while a slot is freed or moved."""
@@ -407,7 +423,7 @@ class TieredCache(Cache):
         if self.store is None:
             return
         try:
-            self.executor.invalidate()
+            self._invalidate_staged()
             for layer in self.layers:
                 if isinstance(layer, TieredLayer) and layer.get_seq_length() > length:
                     self._crop_layer(layer, length - layer.get_seq_length())
@@ -429,13 +445,13 @@ class TieredCache(Cache):
                 f"cannot crop {remove} tokens from layer {layer.index}: its sliding window only keeps the last "
                 f"{layer.stored()}; crop fewer tokens, or build the cache without config= to keep all tokens."
             )
-        self.executor.invalidate()
+        self._invalidate_staged()
         self.store.crop(layer.index, remove)
 
     def _select_rows(self, indices: Sequence[int]) -> None:
         if self.store is None:
             return
-        self.executor.invalidate()
+        self._invalidate_staged()
         self.store.select_rows(list(indices))
 
     def _batch(self) -> int:

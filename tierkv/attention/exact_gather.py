@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tierkv.attention.timed_read import resolve_cuda_events, timed_read
 from tierkv.blocks import Tier
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError
 from tierkv.mover import MoveHandle, ThreadMover
@@ -38,7 +39,6 @@ log = logging.getLogger("tierkv")
 
 GROWTH = 1.25
 AUTO_AFTER_STEPS = 2  # decode steps measured before prefetch_depth="auto" decides (and after staging grows)
-LINK_OF_TIER = {Tier.DEVICE: "device->device", Tier.HOST: "host->device", Tier.DISK: "disk->device"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,7 @@ class ExactGather:
         self._last_stop: dict[int, int] = {}
         self._cuda = store.device.device.type == "cuda"
         if timeline is not None and self._cuda:
-            timeline.resolve = _resolve_cuda_events
+            timeline.resolve = resolve_cuda_events
         self.capacity = 0  # tokens per staging buffer
         self.batch = 0
         self.token_bytes = 0  # max over layers seen
@@ -267,25 +267,8 @@ class ExactGather:
     # ------------------------------------------------------------------------------- telemetry
     def _read(self, layer: int, segments: list[ReadSegment], dest: torch.Tensor, timings: list[ReadTiming],
               prefetch: bool) -> None:
-        """``store.read_into`` one source tier at a time, timing each (runs on the mover or the caller)."""
-        by_tier: dict[Tier, list[ReadSegment]] = {}
-        for seg in segments:
-            by_tier.setdefault(seg.tier, []).append(seg)
-        token_bytes = self.store.layouts[layer].token_bytes
-        trace = self.trace
-        for tier, group in by_tier.items():
-            link = LINK_OF_TIER[tier]
-            copies = 1 if tier == Tier.DISK else len(group)  # disk: one batched engine read
-            timing = ReadTiming(link, sum(seg.length for seg in group) * token_bytes, copies)
-            begun = time.perf_counter()
-            timing.start = _cuda_mark() if self._cuda else begun
-            self.store.read_into(layer, group, dest)
-            ended = time.perf_counter()
-            timing.end = _cuda_mark() if self._cuda else ended
-            timings.append(timing)
-            if trace is not None:
-                trace.span(f"{link} L{layer}", "prefetch" if prefetch else "read", begun, ended,
-                           layer=layer, bytes=timing.nbytes, copies=copies)
+        timed_read(self.store, layer, segments, dest, timings, cuda=self._cuda, trace=self.trace,
+                   category="prefetch" if prefetch else "read")
 
     def _consume(self, prefetch: Prefetch) -> None:
         """A prefetch left the pending set (used, dropped or invalidated): count what it moved."""
@@ -334,20 +317,6 @@ class ExactGather:
             log.info("tierkv: prefetch_depth auto: %d -> %d (%s)", self.prefetch_depth, choice.depth, choice.reason)
             self.prefetch_depth = choice.depth
             self._resize = True
-
-
-def _cuda_mark() -> torch.cuda.Event:
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()  # on the current stream: the mover's copy stream, or the compute stream for sync reads
-    return event
-
-
-def _resolve_cuda_events(start: torch.cuda.Event, end: torch.cuda.Event, block: bool) -> float | None:
-    if block:
-        end.synchronize()
-    elif not end.query():
-        return None
-    return start.elapsed_time(end) / 1e3
 
 
 def round_to_blocks(tokens: int, block_tokens: int) -> int:

@@ -18,11 +18,14 @@ independent of the context length. ``tierkv.hf`` plugs it into transformers' ``A
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
+from tierkv.attention.timed_read import resolve_cuda_events, timed_read
 from tierkv.mover import MoveHandle, ThreadMover
+from tierkv.stats import ReadTiming, Timeline, Trace
 from tierkv.store import KVStore
 
 DEFAULT_CHUNK_TOKENS = 4096
@@ -30,24 +33,58 @@ DEFAULT_CHUNK_TOKENS = 4096
 
 @dataclass(frozen=True, slots=True)
 class ChunkRead:
-    """Tokens ``[start, start + count)`` of a layer on their way into staging buffer ``buffer``."""
+    """Tokens ``[start, start + count)`` of ``layer`` on their way into staging buffer ``buffer``."""
 
+    layer: int
     start: int
     count: int
     buffer: int
+    version: int
     handle: MoveHandle
+    timings: list[ReadTiming] | None = field(default=None, compare=False)  # filled when telemetry is on
 
 
 class StreamingAttention:
-    def __init__(self, store: KVStore, mover: ThreadMover, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+    """Chunked exact attention with one chunk always in flight, across layer boundaries.
+
+    While chunk ``i`` is attended, chunk ``i + 1`` is being copied into the other buffer; during a layer's
+    last chunk the *next layer's* first chunk is (its tokens are already stored: this step's new token is
+    appended after it), and after the last layer, layer 0's for the next step. So the copies form one
+    pipeline over all chunks of a step, which is what :func:`tierkv.bandwidth.predict_step` models with
+    the chunks as stages and prefetch depth 1. A prefetched chunk is used only if its layer, start and
+    the table version still match; tokens appended since it was issued are read on top of it.
+
+    Telemetry (optional :class:`~tierkv.stats.Timeline`): the *stages* of a step are its chunks in order;
+    a stage's compute is the time from its data landing to the wait for the next chunk (its partial
+    attention, and after a layer's last chunk the rest of the model up to the next layer's attention).
+    """
+
+    def __init__(self, store: KVStore, mover: ThreadMover, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 timeline: Timeline | None = None, trace: Trace | None = None) -> None:
         block = store.block_tokens
         self.store = store
         self.mover = mover
         self.chunk_tokens = max(block, chunk_tokens // block * block)  # whole blocks: one segment per block
+        self.timeline = timeline
+        self.trace = trace
+        self._cuda = store.device.device.type == "cuda"
+        if timeline is not None and self._cuda:
+            timeline.resolve = resolve_cuda_events
         self.buffers: list[torch.Tensor] = []
         self.reserved = 0
         self.in_flight: list[ChunkRead] = []
+        self.ahead: ChunkRead | None = None  # the next layer's first chunk, issued during this layer's last
+        self.version = 0  # bumped by table edits that make staged chunks stale
+        self.start_of: Callable[[int], int] = lambda layer: 0  # first stored token a layer's attention reads
+        self.num_layers = 0
+        self.layers_known = False  # a full pass was seen (or the cache was built from a config)
+        self.last_layer = -1
         self.stall_s = 0.0  # time attention waited for chunks to land
+        self.prefetch_hits = 0  # next-layer chunks that were used
+        self.prefetch_misses = 0  # next-layer chunks dropped (table edit, other start, buffers resized)
+        self._stage = -1  # telemetry: index of the current chunk within the step
+        self._mark: float | None = None  # telemetry: when the current stage's data landed
+        self._last_stop: dict[int, int] = {}
 
     def attend(self, layer: int, start: int, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
                softcap: float | None = None) -> torch.Tensor:
@@ -59,17 +96,25 @@ class StreamingAttention:
         stop = self.store.seq_length(layer)
         layout = self.store.layouts[layer]
         batch, heads, q_len, dim = query.shape
+        if layer == 0 and self.num_layers > 1 and self.last_layer == self.num_layers - 1:
+            self.layers_known = True  # a full pass was seen: prefetching layer 0 after the last is safe
+        self._begin_layer(layer, stop)
+        self.num_layers = max(self.num_layers, layer + 1)
+        self.last_layer = layer
         self._ensure_buffers(batch, layout.token_bytes)
         q = query.view(batch, layout.kv_heads, heads // layout.kv_heads, q_len, dim)  # [B, H_kv, G, q, D]
         out = lse = None  # running state: normalised output [B, H_kv, G, q, D] and its log-sum-exp [.., q]
         chunks = list(range(start, stop, self.chunk_tokens))
-        pending = self._issue(layer, chunks[0], stop, 0) if chunks else None
+        pending = self._take_ahead(layer, start, stop) if chunks else None
+        if chunks and pending is None:
+            pending = self._issue(layer, chunks[0], stop, 0)
         for index, chunk_start in enumerate(chunks):
-            current = pending
-            waited_from = time.perf_counter()
-            current.handle.wait()
-            self.stall_s += time.perf_counter() - waited_from
-            pending = self._issue(layer, chunks[index + 1], stop, (index + 1) % 2) if index + 1 < len(chunks) else None
+            current = self._wait(pending)
+            last = index + 1 == len(chunks)
+            other = 1 - current.buffer
+            pending = None if last else self._issue(layer, chunks[index + 1], stop, other)
+            if last:
+                self._issue_ahead(layer, other)
             staging = self._staging(current.buffer, layer, batch)
             keys = staging[0, :, :, : current.count]  # [B, H_kv, c, D]
             values = staging[1, :, :, : current.count]
@@ -83,15 +128,109 @@ class StreamingAttention:
                 lse = merged
         return out.reshape(batch, heads, q_len, dim).transpose(1, 2).to(query.dtype)
 
+    # ------------------------------------------------------------------------------------ reads
     def _issue(self, layer: int, start: int, stop: int, buffer: int) -> ChunkRead:
         count = min(self.chunk_tokens, stop - start)
-        staging = self._staging(buffer, layer, self.store.batch_size(layer))
+        staging = self._staging(buffer, layer, self.store.batch_size(layer))[..., :count, :]
         segments = self.store.plan_read(layer, start, start + count)
-        handle = self.mover.submit(lambda: self.store.read_into(layer, segments, staging))
-        read = ChunkRead(start, count, buffer, handle)
+        timings: list[ReadTiming] | None = None
+        if self.timeline is None and self.trace is None:
+            handle = self.mover.submit(lambda: self.store.read_into(layer, segments, staging))
+        else:
+            timings = []
+            handle = self.mover.submit(lambda: timed_read(self.store, layer, segments, staging, timings,
+                                                          cuda=self._cuda, trace=self.trace, category="prefetch"))
+        read = ChunkRead(layer, start, count, buffer, self.version, handle, timings)
         self.in_flight = [r for r in self.in_flight if not r.handle.done()] + [read]
         return read
 
+    def _issue_ahead(self, layer: int, buffer: int) -> None:
+        """During ``layer``'s last chunk: start the next layer's first chunk into the free ``buffer``."""
+        target = layer + 1
+        if target >= self.num_layers:
+            if not self.layers_known:
+                return  # the layer count is not known yet: the next attention may not be layer 0
+            target = 0
+        if target == layer or target not in self.store.layouts:
+            return
+        start, stop = self.start_of(target), self.store.seq_length(target)
+        per_token = self.store.batch_size(target) * self.store.layouts[target].token_bytes
+        if stop <= start or per_token * self.chunk_tokens > self.buffers[0].numel():
+            return
+        self.ahead = self._issue(target, start, stop, buffer)
+
+    def _take_ahead(self, layer: int, start: int, stop: int) -> ChunkRead | None:
+        """The prefetched first chunk of ``layer`` if still valid, topped up with tokens appended since."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return None
+        try:
+            ahead.handle.wait()
+            valid = ahead.layer == layer and ahead.start == start and ahead.version == self.version \
+                and ahead.count <= stop - start
+        except Exception:  # noqa: BLE001 - a failed prefetch is a miss; the synchronous read reports
+            valid = False
+        if not valid:
+            self.prefetch_misses += 1
+            self._record_reads(ahead, sync=False)
+            return None
+        self.prefetch_hits += 1
+        count = min(self.chunk_tokens, stop - start)
+        if count == ahead.count:
+            return ahead
+        staging = self._staging(ahead.buffer, layer, self.store.batch_size(layer))[..., ahead.count:count, :]
+        segments = self.store.plan_read(layer, start + ahead.count, start + count)
+        timings: list[ReadTiming] = []
+        if self.timeline is None and self.trace is None:
+            self.store.read_into(layer, segments, staging)
+        else:
+            timed_read(self.store, layer, segments, staging, timings, cuda=self._cuda, trace=self.trace,
+                       category="read")
+        if self.timeline is not None:
+            self.timeline.add_reads(self._stage + 1, timings, sync=True)
+        return ChunkRead(layer, start, count, ahead.buffer, self.version, ahead.handle, ahead.timings)
+
+    def _wait(self, read: ChunkRead) -> ChunkRead:
+        waited_from = time.perf_counter()
+        if self.timeline is not None and self._mark is not None:
+            self.timeline.add_compute(self._stage, waited_from - self._mark)
+        read.handle.wait()
+        landed = time.perf_counter()
+        self.stall_s += landed - waited_from
+        self._stage += 1
+        if self.timeline is not None:
+            self.timeline.add_stall(landed - waited_from)
+            self._record_reads(read, sync=False)
+        if self.trace is not None:
+            if self._mark is not None:
+                self.trace.span(f"compute S{self._stage - 1}", "compute", self._mark, waited_from)
+            self.trace.span(f"wait L{read.layer}", "stall", waited_from, landed)
+        self._mark = landed
+        return read
+
+    def _record_reads(self, read: ChunkRead, sync: bool) -> None:
+        if self.timeline is not None and read.timings is not None:
+            self.timeline.add_reads(max(self._stage, 0), read.timings, sync)
+            read.timings.clear()  # counted once, even if the chunk is used after a top-up
+
+    def _begin_layer(self, layer: int, stop: int) -> None:
+        """Telemetry: a layer at or below the last one starts a new step (pass through the layers)."""
+        new_tokens = stop - self._last_stop.get(layer, 0)
+        self._last_stop[layer] = stop
+        timeline = self.timeline
+        if timeline is None:
+            return
+        if layer <= self.last_layer or timeline.current is None:
+            now = time.perf_counter()
+            if self._mark is not None and timeline.current is not None:
+                timeline.add_compute(self._stage, now - self._mark)  # the previous step's tail (LM head, ...)
+            timeline.begin_step(now, new_tokens, stop, 1)
+            self._stage, self._mark = -1, None
+        else:
+            current = timeline.current
+            current.new_tokens = max(current.new_tokens, new_tokens)
+
+    # ---------------------------------------------------------------------------------- buffers
     def _staging(self, buffer: int, layer: int, batch: int) -> torch.Tensor:
         layout = self.store.layouts[layer]
         flat = self.buffers[buffer][: batch * self.chunk_tokens * layout.token_bytes].view(layout.dtype)
@@ -107,6 +246,18 @@ class StreamingAttention:
         device = self.store.device.device
         self.buffers = [torch.empty(per_buffer, dtype=torch.uint8, device=device) for _ in range(2)]
 
+    # ---------------------------------------------------------------------------------- control
+    def invalidate(self) -> None:
+        """Table edits (crop, reorder, reset, a rollback) make a prefetched chunk stale."""
+        self.wait_all()
+        self.version += 1
+
+    def drop(self, layer: int) -> None:
+        """Forget ``layer``'s prefetched chunk (its token positions shifted: a sliding window dropped blocks)."""
+        if self.ahead is not None and self.ahead.layer == layer:
+            self.ahead.handle.settle()
+            self.ahead = None
+
     def wait_all(self) -> None:
         """Barrier: every chunk read has finished (a failed one raises where attention waits for it)."""
         for read in self.in_flight:
@@ -115,6 +266,7 @@ class StreamingAttention:
 
     def close(self) -> None:
         self.wait_all()
+        self.ahead = None
         if self.reserved:
             self.store.device.unreserve(self.reserved)
         self.buffers, self.reserved = [], 0

@@ -140,38 +140,50 @@ def quick_accuracy(model, length: int, samples: int, seed: int) -> float:
     return hits / samples
 
 
-def train(args: argparse.Namespace) -> dict:
-    """Run the training loop; save the model and tokenizer into ``args.out``; return the run record."""
-    from transformers import LlamaForCausalLM
+def length_range(args: argparse.Namespace, step: int) -> tuple[float, float]:
+    """Training prompt lengths at ``step``: ``(shortest, longest)``, sampled log-uniformly in between.
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
-    model = LlamaForCausalLM(model_config(args.layers, args.hidden))
-    share_number_direction(model)
+    Curriculum: short prompts first. At init attention is uniform, so the needle's share of the final
+    position's input (and with it the gradient that teaches "attend to the needle") is ~1/n: 64-token
+    prompts learn the circuit many times faster than 2K ones. The range grows to ``max_len`` over the
+    first half. The *extension* steps after the main schedule use ``max_len``-``extend_len`` prompts: at
+    test time one needle competes with 16-32x more filler than at 2K, and only long prompts give a
+    gradient that keeps widening the needle's attention margin once short prompts are solved.
+    """
+    if step >= args.steps:
+        return args.max_len, args.extend_len
+    return args.min_len, args.min_len + (args.max_len - args.min_len) * min(1.0, 2 * step / args.steps)
+
+
+def lr_at(args: argparse.Namespace, step: int) -> float:
+    """Linear warm-up and cosine decay over the main steps, then a second, lower cosine for the extension."""
+    if step >= args.steps:
+        k = step - args.steps
+        return args.extend_lr * 0.5 * (1 + math.cos(math.pi * k / max(1, args.extend_steps)))
+    warmup = min(100, args.steps // 10)
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    return args.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
+
+
+def make_optimizer(model, lr: float) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
+        lr=lr,
         betas=(0.9, 0.98),
     )
-    warmup = min(100, args.steps // 10)
 
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return args.lr * (step + 1) / warmup
-        return args.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
 
+def run_steps(model, opt, rng: random.Random, args: argparse.Namespace, steps: range) -> list[dict]:
+    """Train ``steps`` (indices into the whole schedule, main + extension); return the quick checks."""
     start = time.perf_counter()
     history = []
-    for step in range(args.steps):
-        # Curriculum: short prompts first. At init attention is uniform, so the needle's share of the
-        # final position's input (and with it the gradient that teaches "attend to the needle") is ~1/n:
-        # 64-token prompts learn the circuit many times faster than 2K ones. The longest prompts come in
-        # the second half, where the retrieval margin must grow to survive dilution.
-        max_len = args.min_len + (args.max_len - args.min_len) * min(1.0, 2 * step / args.steps)
-        n = int(math.exp(rng.uniform(math.log(args.min_len), math.log(max_len))))
+    last = args.steps + args.extend_steps - 1
+    for step in steps:
+        shortest, longest = length_range(args, step)
+        n = int(math.exp(rng.uniform(math.log(shortest), math.log(longest))))
         batch = max(1, args.batch_tokens // n)
         ids, pos, answers = make_batch(rng, batch, n, contiguous=step < args.contiguous_steps)
         loss, answer_loss = training_loss(model, ids, pos, answers)
@@ -179,34 +191,52 @@ def train(args: argparse.Namespace) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(args, step)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % 25 == 0 or step == args.steps - 1:
+        if step % 25 == 0 or step == last:
             elapsed = time.perf_counter() - start
             print(
                 f"step {step:5d}  n {n:5d}  answer loss {answer_loss:.4f}  lm loss {lm_loss:.3f}  {elapsed:7.1f}s",
                 flush=True,
             )
-        if args.check_every and (step + 1) % args.check_every == 0:
+        if args.check_every and ((step + 1) % args.check_every == 0 or step == last):
             record = {"step": step + 1, "wall_s": round(time.perf_counter() - start, 1)}
             for length in args.check_lengths:
                 record[str(length)] = quick_accuracy(model, length, args.check_samples, seed=10_000 + step)
             history.append(record)
             print("check", json.dumps(record), flush=True)
             save(model, args.out)
+    return history
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Run the training schedule; save the model and tokenizer into ``args.out``; return the run record."""
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    model = LlamaForCausalLM(model_config(args.layers, args.hidden))
+    share_number_direction(model)
+    opt = make_optimizer(model, args.lr)
+    start = time.perf_counter()
+    history = run_steps(model, opt, rng, args, range(args.steps + args.extend_steps))
     wall = time.perf_counter() - start
     save(model, args.out)
     return {
         "seed": args.seed,
         "steps": args.steps,
+        "extend_steps": args.extend_steps,
         "wall_time_s": round(wall, 1),
         "threads": args.threads,
         "batch_tokens": args.batch_tokens,
         "train_lengths": [args.min_len, args.max_len],
+        "extend_lengths": [args.max_len, args.extend_len],
         "contiguous_steps": args.contiguous_steps,
         "max_position": MAX_POSITION,
         "lr": args.lr,
+        "extend_lr": args.extend_lr,
         "layers": args.layers,
         "hidden": args.hidden,
         "checks": history,
@@ -231,6 +261,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--min-len", type=int, default=64)
     p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--extend-steps", type=int, default=300, help="steps on long prompts after the main schedule")
+    p.add_argument("--extend-len", type=int, default=8192, help="longest prompt of the extension steps")
+    p.add_argument("--extend-lr", type=float, default=5e-4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--contiguous-steps", type=int, default=200, help="first steps use positions 0..n-1 (no skips)")
     p.add_argument("--check-every", type=int, default=300, help="quick accuracy check interval (0: never)")
@@ -243,10 +276,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[4096, 16384, 32768, 65536],
         help="final accuracy table stored in training.json (none: skip)",
     )
-    p.add_argument("--eval-samples", type=int, default=2)
+    p.add_argument("--eval-samples", type=int, default=4, help="seeded haystacks per (length, depth)")
+    p.add_argument("--eval-out", default=None, help="also write the table's eval.json and heatmap.png here")
     args = p.parse_args(argv)
-    if not 64 <= args.min_len <= args.max_len:
-        raise InvalidConfigError("need 64 <= --min-len <= --max-len")
+    if not 64 <= args.min_len <= args.max_len <= args.extend_len:
+        raise InvalidConfigError("need 64 <= --min-len <= --max-len <= --extend-len")
     return args
 
 
@@ -254,12 +288,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     record = train(args)
     if args.eval_lengths:
-        from tierkv.demo.evaluate import evaluate
+        from tierkv.demo.evaluate import evaluate, plot_heatmap
         from tierkv.demo.model import load_demo_model
 
         model, tokenizer = load_demo_model(path=args.out)
+        start = time.perf_counter()
         result = evaluate(model, tokenizer, lengths=args.eval_lengths, samples=args.eval_samples)
-        record["eval"] = result.to_dict()
+        record["eval"] = result.to_dict() | {"wall_time_s": round(time.perf_counter() - start, 1)}
+        if args.eval_out:
+            out = Path(args.eval_out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "eval.json").write_text(json.dumps(record["eval"] | {"device": "cpu"}, indent=2) + "\n")
+            plot_heatmap(result, out / "heatmap.png")
     (Path(args.out) / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
     return 0
