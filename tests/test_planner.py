@@ -229,3 +229,14 @@ def test_gather_budget_error_suggests_streaming():
         plan(build_request("llama-3-8b", "1M", gpu="4GB", cpu="128GB", prefetch_depth=1))
     tiny = plan(build_request("llama-3-8b", "1M", gpu="4GB", cpu="128GB", executor="streaming"))
     assert tiny.bytes_per_tier.device > 0
+
+
+def test_streaming_forecast_pipelines_chunks_across_layers():
+    """Streaming keeps one chunk in flight across layer boundaries: only the first chunk's copy is exposed."""
+    p = plan(build_request("llama-3-8b", "128K", gpu="2GB", cpu="128GB", executor="streaming", chunk_tokens=4096))
+    chunk_bytes = 4096 * 4096  # one chunk of one layer: 4 KiB of bf16 K/V per token
+    host_share = p.bytes_per_tier.host / p.kv_bytes_total
+    fill = p.request.links.link("host->device").transfer_time(round(chunk_bytes * host_share))
+    assert p.bottleneck.value == "host->device"
+    assert p.forecast.fill_s == pytest.approx(fill)
+    assert p.forecast.step_s == pytest.approx(p.forecast.lower_bound_s + fill, rel=1e-3)

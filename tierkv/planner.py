@@ -268,15 +268,10 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
         per_layer = [req.compute_s_per_step / model.layers] * model.layers
         other = 0.0
     shares = (device / total, host / total, disk / total)
-    layers = tuple(
-        LayerLoad(
-            c,
-            device_bytes=round(kv * shares[0]),
-            host_bytes=round(kv * shares[1]),
-            disk_bytes=round(kv * shares[2]),
-        )
-        for c, kv in zip(per_layer, layer_kv, strict=True)
-    )
+    if req.executor == "streaming":
+        layers = _streaming_stages(req, per_layer, layer_kv, shares)
+    else:
+        layers = tuple(_load(c, kv, shares) for c, kv in zip(per_layer, layer_kv, strict=True))
     forecast = predict_step(Placement(layers, other), req.links, depth)
     new_kv = req.batch * model.kv_bytes_per_token
     moved = {
@@ -297,6 +292,39 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
     )
 
 
+def _load(compute_s: float, kv: float, shares: tuple[float, float, float]) -> LayerLoad:
+    """``kv`` bytes split over device / host / disk by ``shares``."""
+    device, host, disk = (round(kv * share) for share in shares)
+    return LayerLoad(compute_s, device_bytes=device, host_bytes=host, disk_bytes=disk)
+
+
+def _streaming_stages(req: PlanRequest, per_layer: list[float], layer_kv: list[int],
+                      shares: tuple[float, float, float]) -> tuple[LayerLoad, ...]:
+    """Exact streaming as the pipeline it runs: every chunk of every layer is one stage, and one chunk is in
+    flight while the previous one is attended, across layer boundaries (prefetch depth 1 over stages).
+
+    A chunk's compute is its share of the layer's attention; the rest of the layer (projections, MLP) runs
+    after its last chunk, before the next layer's first chunk is needed. Without a roofline split (a
+    measured ``compute_s_per_step``) the layer's compute is spread evenly over its chunks.
+    """
+    model, stages = req.model, []
+    weights = model.params_per_layer * model.dtype_bytes
+    for layer, (compute, kv) in enumerate(zip(per_layer, layer_kv, strict=True)):
+        tokens = model.tokens_held(layer, req.context)
+        chunks = max(1, math.ceil(tokens / req.chunk_tokens))
+        if req.compute_s_per_step is None:
+            attention = req.device.time(kv, 4 * req.batch * model.attention_heads * model.head_dim * tokens)
+            rest = req.device.time(weights, 2 * req.batch * model.params_per_layer)
+            scale = compute / (attention + rest)
+            attention, rest = attention * scale, rest * scale
+        else:
+            attention, rest = compute, 0.0
+        loads = [_load(attention / chunks, kv / chunks, shares) for _ in range(chunks)]
+        loads[-1] = dataclasses.replace(loads[-1], compute_s=loads[-1].compute_s + rest)
+        stages += loads
+    return tuple(stages)
+
+
 def plan(req: PlanRequest, *, tolerance: float = 0.01) -> Plan:
     """Place the KV and forecast the step for ``req``.
 
@@ -306,7 +334,7 @@ def plan(req: PlanRequest, *, tolerance: float = 0.01) -> Plan:
     Raises :class:`BudgetTooSmallError` when even one layer-ahead staging does not fit the device budget,
     :class:`CapacityError` when the KV does not fit all tiers together.
     """
-    if req.executor == "streaming":  # chunks are double-buffered: one chunk ahead, whatever the depth
+    if req.executor == "streaming":  # two chunk buffers: one chunk ahead, across layers (_streaming_stages)
         return _plan_at_depth(req, 1)
     if req.prefetch_depth is not None:
         return _plan_at_depth(req, req.prefetch_depth)

@@ -4,7 +4,8 @@
 :class:`StepTelemetry` records: wall time, model compute time, prefetch stall, the time the mover spent on
 copies and reads per link (measured), the bytes and copies per link, and what the bandwidth model
 (:mod:`tierkv.bandwidth`) predicts for the same bytes under a :class:`~tierkv.bandwidth.LinkProfile`.
-:meth:`Timeline.summary` gives medians (``cache.stats()["steps"]``).
+:meth:`Timeline.summary` gives medians (``cache.stats()["steps"]``). A step's per-stage records
+(:class:`LayerRecord`) are its layers under exact gather and its chunks, in order, under streaming attention.
 
 :class:`Trace` records spans (mover copies and reads, synchronous reads, prefetch waits, layer compute)
 and writes them as Chrome trace JSON for chrome://tracing or https://ui.perfetto.dev. It is created only
