@@ -10,9 +10,11 @@ without its quadratic cost), so LRU demotion spreads the off-device blocks evenl
 ``test_overlap``: the compute-only step (all KV on the device), the transfer-only pass (the executor's
 gathers of every layer run alone, no model) and the overlapped step (about half the KV on the host) are
 measured side by side, interleaved over rounds; the target is overlapped <= 1.1 x max(compute-only,
-transfer-only). ``test_model_accuracy``: the bandwidth model is calibrated in the same run with
-``tierkv.bench`` (block copies, disk engine reads) and compute per layer from the all-device run; its
-predicted step is compared with the measured one on three placements (target: within 10 %).
+transfer-only). ``test_model_accuracy``: the bandwidth model is calibrated in the same run by ``tierkv.bench.run_bench``
+(the profile ``tierkv bench`` writes: per-block copies of the store's slot size, the disk engine's reads,
+one mover thread and its measured contention with compute) and compute per layer from a plain
+``DynamicCache`` step; its predicted step is compared with the measured one on three placements
+(target: within 10 %).
 
 Ratios are printed always and asserted only with ``--benchmark-enable``. Medians everywhere; the first
 steps of each cache are warm-up. The disk tier uses O_DIRECT (no page cache). Knob: ``TIERKV_BENCH_DIR``
@@ -21,6 +23,7 @@ steps of each cache are warm-up. The disk tier uses O_DIRECT (no page cache). Kn
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -34,10 +37,10 @@ from rich.table import Table
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from tierkv import TieredCache
-from tierkv.bandwidth import LayerLoad, LinkProfile, Placement, fit_link, predict_step
+from tierkv.bandwidth import LinkProfile, predict_step
 from tierkv.bench import BenchConfig, KiB, MiB, machine_description, run_bench
 from tierkv.config import env_str
-from tierkv.stats import LayerRecord
+from tierkv.stats import LayerRecord, steady_state_placement
 
 LAYERS, KV_HEADS, HEAD_DIM = 16, 8, 64
 CONTEXT = 4096
@@ -195,46 +198,19 @@ def test_overlap(benchmark, bench: Bench) -> None:
         assert ratio <= 1.1, f"overlapped step is {ratio:.3f} x max(compute-only, transfer-only)"
 
 
-def _calibrate(bench: Bench) -> tuple[LinkProfile, dict[str, str]]:
-    """Links measured now with tierkv.bench: per-block copies into staging (what the store does for device
-    and host blocks alike on a CPU host) and the disk engine's reads; the profile fitted from them."""
+def _calibrate(bench: Bench) -> LinkProfile:
+    """The profile ``tierkv bench`` fits on this host, measured now: block copies of the store's slot size,
+    the disk tier's engine, and (CPU host) the contention between the mover's copies and compute."""
     slot = bench.caches["some-disk"].store.layouts[0].slot_bytes
     engine = bench.caches["some-disk"]._disk.engine_name
     cfg = BenchConfig(bench.directory, min_size=slot, max_size=64 * MiB, disk_bytes=256 * MiB, block_bytes=slot,
                       engines=(engine,), warmup=1, repeats=3, disk_point_bytes=64 * MiB)
-    result = run_bench(cfg)
-    copies = result.series("device->device", "gather per-block copy_")
-    block_copy = fit_link("block copy into staging", [m.size for m in copies], [m.seconds for m in copies])
-    links = {"host->device": block_copy, "device->device": block_copy}
-    for key in ("disk->host", "host->host"):
-        links[key] = result.profile.link(key)
-    fits = {key: f"{link.bandwidth_bytes_per_s / 1e9:.2f} GB/s + {link.latency_s * 1e6:.0f} us"
-            for key, link in links.items()}
-    return LinkProfile(links, result.machine), fits
-
-
-def _placement(records: list[LayerRecord], compute_s: float, device_on_mover: bool) -> Placement:
-    """Steady-state placement (layer 0's prefetch overlaps the last layer, see stats.steady_state_placement)
-    with the calibrated compute per layer. ``device_on_mover``: device blocks are copied by the mover
-    thread beside compute (CPU host) instead of being added to compute (the model's HBM assumption)."""
-    loads = []
-    for record in records:
-        seconds = compute_s
-        device = record.bytes.get("device->device", 0)
-        host = record.bytes.get("host->device", 0)
-        disk = record.bytes.get("disk->device", 0)
-        if device_on_mover:
-            loads.append(LayerLoad(seconds, host_bytes=host + device, disk_bytes=disk))
-        else:
-            loads.append(LayerLoad(seconds, device_bytes=device, host_bytes=host, disk_bytes=disk))
-    head = LayerLoad(loads[-1].compute_s)
-    last = LayerLoad(0.0, device_bytes=loads[-1].device_bytes, host_bytes=loads[-1].host_bytes,
-                     disk_bytes=loads[-1].disk_bytes)
-    return Placement((head, *loads[:-1], last))
+    return run_bench(cfg).profile
 
 
 def test_model_accuracy(benchmark, bench: Bench) -> None:
-    profile, fits = _calibrate(bench)
+    profile = _calibrate(bench)
+    no_contention = dataclasses.replace(profile, contention=1.0)
     samples = _interleaved({"model alone": bench.plain_step,
                             **{name: (lambda name=name: bench.step(name)) for name in PLACEMENTS}})
     # compute per layer, calibrated: the model's step over a plain DynamicCache (no gather), per layer
@@ -242,9 +218,10 @@ def test_model_accuracy(benchmark, bench: Bench) -> None:
     rows, errors = [], {}
     for name in PLACEMENTS:
         measured = statistics.median(samples[name])
-        layers = bench.decode_layers(name)
-        modelled = predict_step(_placement(layers, compute, device_on_mover=False), profile, 1)
-        mover = predict_step(_placement(layers, compute, device_on_mover=True), profile, 1)
+        layers = [LayerRecord(compute, record.bytes, record.copies) for record in bench.decode_layers(name)]
+        placement = steady_state_placement(layers)
+        modelled = predict_step(placement, profile, 1)
+        plain = predict_step(placement, no_contention, 1)
         errors[name] = modelled.step_s / measured - 1
         moved = {link: sum(r.bytes.get(link, 0) for r in layers) / MiB
                  for link in ("device->device", "host->device", "disk->device")}
@@ -252,19 +229,20 @@ def test_model_accuracy(benchmark, bench: Bench) -> None:
         in_step = {link: telemetry["bytes_by_link"][link] / seconds / 1e9
                    for link, seconds in telemetry["transfer_s_by_link"].items() if seconds > 0}
         rows.append([name, " / ".join(f"{v:.0f}" for v in moved.values()), _ms(measured),
-                     _ms(modelled.step_s), f"{errors[name]:+.1%}",
-                     _ms(mover.step_s), f"{mover.step_s / measured - 1:+.1%}", modelled.bottleneck.value,
+                     _ms(modelled.step_s), f"{errors[name]:+.1%}", _ms(plain.step_s),
+                     f"{plain.step_s / measured - 1:+.1%}", modelled.bottleneck.value,
                      _ms(telemetry["compute_s"]), _ms(telemetry["transfer_s"]),
                      " ".join(f"{link.split('->')[0]} {gbps:.1f}" for link, gbps in in_step.items())])
     _table("decode step: bandwidth model vs measured (ms)",
-           ["placement", "MiB dev/host/disk", "measured", "model (gather on compute)", "error",
-            "model (gather on mover)", "error", "bottleneck", "compute in step", "mover busy in step",
-            "GB/s in step"], rows)
+           ["placement", "MiB dev/host/disk", "measured", "model", "error", "model, contention 1", "error",
+            "bottleneck", "compute in step", "mover busy in step", "GB/s in step"], rows)
     machine = machine_description(bench.directory)
-    print("calibrated links:", fits)
+    fits = {key: f"{link.bandwidth_bytes_per_s / 1e9:.2f} GB/s + {link.latency_s * 1e6:.0f} us"
+            for key, link in profile.links.items()}
+    print("calibrated links:", fits, f"contention {profile.contention:.2f}")
     print(f"compute per layer (DynamicCache step / {LAYERS}): {_ms(compute)} ms; "
           f"machine: {machine['cpu']}, {machine['cores']}, load {machine['load_average']}")
-    benchmark.extra_info.update(errors=errors, links=fits)
+    benchmark.extra_info.update(errors=errors, links=fits, contention=profile.contention)
     benchmark.pedantic(bench.step, args=("some-disk",), rounds=3)
     if not benchmark.disabled:
         assert all(abs(e) <= 0.10 for e in errors.values()), f"prediction errors {errors}"

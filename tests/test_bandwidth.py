@@ -97,6 +97,10 @@ def test_profile_save_load_round_trip(tmp_path):
     path = tmp_path / "profile.json"
     profile.save(path)
     assert LinkProfile.load(path) == profile
+    cpu_host = profile.replace(**{"host->host": PRESETS["dram"]})
+    cpu_host = LinkProfile(cpu_host.links, cpu_host.machine, serial_mover=True, contention=1.3)
+    cpu_host.save(path)
+    assert LinkProfile.load(path) == cpu_host
 
 
 def test_profile_errors_name_the_fix(tmp_path):
@@ -109,6 +113,8 @@ def test_profile_errors_name_the_fix(tmp_path):
         LinkProfile({"gpu->moon": PRESETS["pcie4"]})
     with pytest.raises(InvalidConfigError, match="tierkv bench"):
         LinkProfile({}).link("host->device")
+    with pytest.raises(InvalidConfigError, match=r"contention=2.5 must be in \[1, 2\]"):
+        LinkProfile({}, serial_mover=True, contention=2.5)
 
 
 def test_all_on_device_is_pure_compute():
@@ -149,6 +155,38 @@ def test_disk_two_stage_pipeline_needs_depth_two():
     assert predict_step(placement, profile, 2).step_s < predict_step(placement, profile, 1).step_s
     assert min_prefetch_depth(placement, profile) == 2
     assert predict_step(placement, profile, 2).bottleneck is Bottleneck.COMPUTE
+
+
+SECOND = Link("one byte per second", 1.0, 0.0)  # bytes = seconds: hand-checkable timelines
+
+
+def _cpu_host(contention: float) -> LinkProfile:
+    links = {key: SECOND for key in ("host->device", "device->device", "disk->host")}
+    return LinkProfile(links, serial_mover=True, contention=contention)
+
+
+def test_serial_mover_runs_a_layers_gather_copies_and_reads_in_turn():
+    """CPU host: one mover thread; device gathers are mover work beside compute, not added to compute."""
+    layer = LayerLoad(1.0, device_bytes=1, host_bytes=1, disk_bytes=1)  # job: 1 gather + 1 copy + 1 read + 1 copy
+    forecast = predict_step(Placement((layer, layer)), _cpu_host(1.0), 1)
+    # job 0: [0, 4]; compute 0: [4, 5]; job 1 (issued at start, after job 0): [4, 8]; compute 1: [8, 9]
+    assert forecast.step_s == pytest.approx(9.0)
+    assert (forecast.host_to_device_s, forecast.disk_s, forecast.compute_s) == pytest.approx((6.0, 2.0, 2.0))
+    assert forecast.lower_bound_s == pytest.approx(8.0)  # the mover's busy time: copies + reads
+    assert forecast.bottleneck is Bottleneck.HOST_TO_DEVICE
+    streams = predict_step(Placement((layer, layer)), LinkProfile(_cpu_host(1.0).links), 1)
+    assert streams.step_s < forecast.step_s  # CUDA: reads and copies pipeline, gathers go with compute
+
+
+def test_contention_stretches_overlapping_copies_and_compute():
+    layer = LayerLoad(2.0, host_bytes=1)  # compute 2 s, copy 1 s
+    two = Placement((layer, layer))
+    assert predict_step(two, _cpu_host(1.0), 1).step_s == pytest.approx(5.0)  # copy 0 [0, 1], computes back to back
+    # contention 1.5: compute 0 overlaps job 1 for 1 s, so both take 0.5 s longer: compute 0 [1, 3.5]
+    assert predict_step(two, _cpu_host(1.5), 1).step_s == pytest.approx(5.5)
+    # contention 2 (fully shared): the same time as no prefetch at all
+    assert predict_step(two, _cpu_host(2.0), 1).step_s == pytest.approx(predict_step(two, _cpu_host(2.0), 0).step_s)
+    assert predict_step(two, _cpu_host(2.0), 0).step_s == pytest.approx(6.0)  # depth 0 overlaps nothing
 
 
 def test_prefetch_depth_is_validated():
@@ -198,3 +236,15 @@ def test_deeper_prefetch_never_slows_the_step(layers, depth):
     assert predict_step(placement, PROFILE, chosen).step_s <= best * 1.01 + 1e-15
     if chosen > 0:
         assert predict_step(placement, PROFILE, chosen - 1).step_s > best * 1.01
+
+
+@settings(max_examples=200, deadline=None)
+@given(layers=layers, other=st.floats(0, 5e-3), depth=st.integers(0, 6), contention=st.floats(1.0, 2.0))
+def test_serial_mover_step_is_bounded_by_its_busy_times(layers, other, depth, contention):
+    profile = LinkProfile(PROFILE.links, serial_mover=True, contention=contention)
+    forecast = predict_step(Placement(tuple(layers), other), profile, depth)
+    busy = forecast.compute_s + forecast.host_to_device_s + forecast.disk_s
+    slack = 1e-12 * max(1.0, busy)
+    assert forecast.step_s >= forecast.lower_bound_s - slack
+    assert forecast.step_s >= forecast.fill_s + forecast.compute_s - slack
+    assert forecast.step_s <= busy + slack

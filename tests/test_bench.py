@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from tierkv.bandwidth import LINK_KEYS, LinkProfile
-from tierkv.bench import BenchConfig, Measurement, build_profile, filesystem_of, transfer_sizes
+from tierkv.bench import (
+    BenchConfig,
+    Measurement,
+    build_profile,
+    filesystem_of,
+    transfer_sizes,
+)
 from tierkv.cli import main
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -28,6 +34,8 @@ def test_quick_bench_writes_a_loadable_profile_and_a_png(tmp_path: Path, capsys)
         assert math.isfinite(link.bandwidth_bytes_per_s) and link.bandwidth_bytes_per_s > 0
     for key in ("cpu", "cores", "ram", "gpu", "filesystem", "date", "disk_engine"):
         assert profile.machine[key]
+    assert profile.serial_mover and 1.0 <= profile.contention <= 2.0  # this CPU-only host: one mover thread
+    assert "slow each other by" in printed
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list((tmp_path / "disk").iterdir())  # the test file is removed
 
@@ -64,6 +72,7 @@ def test_profile_is_fitted_from_the_runtime_series() -> None:
     assert link.latency_s == pytest.approx(50e-6, rel=1e-6)
     assert profile.machine["disk_engine"] == "posix"
     assert "host->host" not in profile.links and any("host->host" in n for n in notes)
+
 
 
 def test_filesystem_of_names_the_mount(tmp_path: Path) -> None:

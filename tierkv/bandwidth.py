@@ -21,6 +21,7 @@ The equations are in ``docs/bandwidth-model.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import math
@@ -150,12 +151,25 @@ class LinkProfile:
 
     links: dict[str, Link]
     machine: dict[str, str] = field(default_factory=dict)
+    serial_mover: bool = False
+    """True on CPU-only hosts: one mover thread runs a layer's copies and disk reads one after the other,
+    device gathers included, beside compute. False (CUDA): disk reads and copies pipeline on their own
+    queues, and device gathers share HBM with compute."""
+    contention: float = 1.0
+    """How much the mover's memory copies and compute slow each other when they overlap, in [1, 2]:
+    overlapping for ``t`` seconds costs ``contention * t`` (1: independent, e.g. DMA engines; 2: they
+    share one resource and serialise). Measured by ``tierkv bench`` on CPU-only hosts."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.links) - set(LINK_KEYS))
         if unknown:
             raise InvalidConfigError(
                 f"LinkProfile: unknown link keys {unknown}; valid keys: {', '.join(LINK_KEYS)}."
+            )
+        if not (isinstance(self.contention, (int, float)) and 1.0 <= self.contention <= 2.0):
+            raise InvalidConfigError(
+                f"LinkProfile.contention={self.contention!r} must be in [1, 2] (1: copies and compute do not "
+                "slow each other; 2: they serialise); measure it with `tierkv bench`."
             )
 
     def link(self, key: str) -> Link:
@@ -170,11 +184,12 @@ class LinkProfile:
 
     def replace(self, **links: Link) -> LinkProfile:
         """A copy with some links swapped, e.g. ``profile.replace(**{"host->device": PRESETS["pcie5"]})``."""
-        return LinkProfile({**self.links, **links}, dict(self.machine))
+        return dataclasses.replace(self, links={**self.links, **links}, machine=dict(self.machine))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the profile as JSON (``{"links": {key: Link fields}, "machine": {...}}``)."""
-        data = {"links": {key: asdict(link) for key, link in self.links.items()}, "machine": self.machine}
+        data = {"links": {key: asdict(link) for key, link in self.links.items()}, "machine": self.machine,
+                "serial_mover": self.serial_mover, "contention": self.contention}
         with open(path, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
             f.write("\n")
@@ -189,6 +204,7 @@ class LinkProfile:
                 for key, v in data["links"].items()
             }
             machine = {str(k): str(v) for k, v in data.get("machine", {}).items()}
+            serial, contention = bool(data.get("serial_mover", False)), float(data.get("contention", 1.0))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, InvalidConfigError):
                 raise
@@ -198,7 +214,7 @@ class LinkProfile:
                 "...}, "
                 '"machine": {...}}.'
             ) from None
-        return cls(links, machine)
+        return cls(links, machine, serial, contention)
 
     @classmethod
     def from_presets(cls, link: str = "pcie4", disk: str = "nvme-gen4") -> LinkProfile:
@@ -312,10 +328,14 @@ class StepForecast:
     stall_s: float
     prefetch_depth: int
     bottleneck: Bottleneck
+    serial_mover: bool = False  # one mover thread does copies and disk reads in turn (CPU-only host)
 
     @property
     def lower_bound_s(self) -> float:
-        """``max(compute, host->device, disk)``: a perfectly overlapped step."""
+        """A perfectly overlapped step: ``max(compute, host->device, disk)``, or with a serial mover
+        ``max(compute, host->device + disk)``."""
+        if self.serial_mover:
+            return max(self.compute_s, self.host_to_device_s + self.disk_s)
         return max(self.compute_s, self.host_to_device_s, self.disk_s)
 
     @property
@@ -335,49 +355,56 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
     The model is the exact-gather pipeline with ``prefetch_depth + 1`` staging buffers on the device:
     layer ``i``'s transfers may start once layer ``i - depth - 1`` has finished computing and freed its
     buffer (at step start for the first ``depth + 1`` layers). Depth 1 is layer-ahead prefetch
-    (layer L+1's copies run while layer L computes); depth 0 is no prefetch. Each link is a FIFO queue in
-    layer order; a layer's disk bytes go disk->host then host->device, its host bytes host->device only.
-    A layer computes once its data is on the device and the previous layer is done. See
+    (layer L+1's copies run while layer L computes); depth 0 is no prefetch. A layer computes once its
+    data is on the device and the previous layer is done. How the transfers queue depends on the host
+    (``links.serial_mover``): on CUDA each link is a FIFO queue in layer order (a layer's disk bytes go
+    disk->host then host->device, its host bytes host->device only) and the device gather is added to
+    compute; on a CPU-only host one mover thread runs each layer's gather, copies and disk read in turn,
+    and where its copies overlap compute both stretch by ``links.contention``. See
     ``docs/bandwidth-model.md`` for the recurrences.
     """
     if prefetch_depth < 0:
         raise InvalidConfigError(f"prefetch_depth={prefetch_depth} must be >= 0 (0 = no prefetch).")
+    layers = placement.layers
+    disk = [_stage("disk->host", links, layer.disk_bytes, layer.disk_transfers) for layer in layers]
+    host = [_stage("host->device", links, layer.host_bytes, layer.host_transfers) for layer in layers]
+    host_disk = [_stage("host->device", links, layer.disk_bytes, layer.disk_transfers) for layer in layers]
+    gather = [_stage("device->device", links, layer.device_bytes, 1) for layer in layers]
+    if links.serial_mover:
+        compute, copies = _contended(
+            [layer.compute_s for layer in layers], [g + h + hd for g, h, hd in zip(gather, host, host_disk)],
+            prefetch_depth, links.contention)
+    else:
+        compute = [layer.compute_s + g for layer, g in zip(layers, gather)]
     compute_end: list[float] = []
     disk_free = h2d_free = compute_free = 0.0
-    compute_total = h2d_total = disk_total = 0.0
     first_compute_start = 0.0
-    for i, layer in enumerate(placement.layers):
+    for i in range(len(layers)):
         freed_by = i - prefetch_depth - 1
         issue = compute_end[freed_by] if freed_by >= 0 else 0.0
-
-        t_disk = _stage("disk->host", links, layer.disk_bytes, layer.disk_transfers)
-        t_host = _stage("host->device", links, layer.host_bytes, layer.host_transfers)
-        t_host_disk = _stage("host->device", links, layer.disk_bytes, layer.disk_transfers)
         ready = 0.0  # when all of the layer's bytes are on the device
-        if t_host > 0:
-            h2d_free = ready = max(issue, h2d_free) + t_host
-        if t_disk > 0:
-            disk_free = max(issue, disk_free) + t_disk
-            h2d_free = ready = max(disk_free, h2d_free) + t_host_disk
-
-        t_compute = layer.compute_s + _stage("device->device", links, layer.device_bytes, 1)
+        if links.serial_mover:
+            if copies[i] + disk[i] > 0:
+                h2d_free = ready = max(issue, h2d_free) + disk[i] + copies[i]
+        else:
+            if host[i] > 0:
+                h2d_free = ready = max(issue, h2d_free) + host[i]
+            if disk[i] > 0:
+                disk_free = max(issue, disk_free) + disk[i]
+                h2d_free = ready = max(disk_free, h2d_free) + host_disk[i]
         start = max(compute_free, ready)
         if i == 0:
             first_compute_start = start
-        compute_free = start + t_compute
+        compute_free = start + compute[i]
         compute_end.append(compute_free)
 
-        compute_total += t_compute
-        h2d_total += t_host + t_host_disk
-        disk_total += t_disk
-
-    compute_total += placement.other_compute_s
+    compute_total = sum(compute) + placement.other_compute_s
+    h2d_total = sum(copies) if links.serial_mover else sum(host) + sum(host_disk)
+    disk_total = sum(disk)
     step = compute_free + placement.other_compute_s
-    busy = {
-        Bottleneck.COMPUTE: compute_total,
-        Bottleneck.HOST_TO_DEVICE: h2d_total,
-        Bottleneck.DISK: disk_total,
-    }
+    busy = {Bottleneck.HOST_TO_DEVICE: h2d_total, Bottleneck.DISK: disk_total}
+    transfer = max(busy, key=busy.__getitem__)
+    mover = h2d_total + disk_total if links.serial_mover else busy[transfer]
     return StepForecast(
         step_s=step,
         compute_s=compute_total,
@@ -386,8 +413,26 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
         fill_s=first_compute_start,
         stall_s=max(0.0, step - compute_total),
         prefetch_depth=prefetch_depth,
-        bottleneck=max(busy, key=busy.__getitem__),
+        bottleneck=Bottleneck.COMPUTE if compute_total >= mover else transfer,
+        serial_mover=links.serial_mover,
     )
+
+
+def _contended(compute: list[float], copies: list[float], depth: int, contention: float) -> tuple[list[float],
+                                                                                                  list[float]]:
+    """Compute and mover-copy times stretched where they overlap on a CPU host's shared cores and DRAM.
+
+    With prefetch depth ``d`` the mover's job for layer ``i + d`` runs while layer ``i`` computes; for the
+    ``min`` of the two durations both progress at ``1 / contention`` of their speed alone, so each grows by
+    ``(contention - 1) * overlap``. Depth 0 overlaps nothing.
+    """
+    if depth == 0 or contention == 1.0:
+        return compute, copies
+    n, extra = len(compute), contention - 1.0
+    overlap = [min(compute[i], copies[i + depth]) if i + depth < n else 0.0 for i in range(n)]
+    stretched_compute = [c + extra * o for c, o in zip(compute, overlap)]
+    stretched_copies = [x + (extra * overlap[j - depth] if j >= depth else 0.0) for j, x in enumerate(copies)]
+    return stretched_compute, stretched_copies
 
 
 def min_prefetch_depth(

@@ -75,6 +75,7 @@ class BenchConfig:
     warmup: int = 1
     repeats: int = 5
     disk_point_bytes: int = 256 * MiB  # most bytes one disk point moves (small requests move less)
+    contention_bytes: int = 64 * MiB  # bytes copied (and read by the compute) per contention sample
 
     def __post_init__(self) -> None:
         if not (ALIGN <= self.min_size <= self.max_size):
@@ -88,7 +89,7 @@ class BenchConfig:
     def quick(cls, directory: Path, **overrides: object) -> BenchConfig:
         """Small sizes and few repeats: checks the whole pipeline in seconds; numbers are indicative."""
         small = cls(directory, max_size=4 * MiB, disk_bytes=32 * MiB, block_bytes=64 * KiB, repeats=3,
-                    disk_point_bytes=8 * MiB)  # fmt: skip
+                    disk_point_bytes=8 * MiB, contention_bytes=8 * MiB)  # fmt: skip
         return dataclasses.replace(small, **overrides)
 
 
@@ -439,6 +440,48 @@ def _engine_op(f: DiskFile, requests: list[tuple[int, np.ndarray]], write: bool,
             os.close(fd)
 
 
+def measure_contention(cfg: BenchConfig) -> float:
+    """How much the mover's block copies and decode-like compute slow each other on this CPU host.
+
+    Runs a memory-bound matrix-vector product (decode attention and projections read every byte once) on
+    the calling thread with torch's current thread count, and per-block ``copy_`` of the same number of
+    bytes on a second thread (the mover's work), first each alone, then both at once. With alone times
+    ``a`` (compute) and ``b`` (copies) and ``T`` together, processor sharing gives
+    ``T = max(a, b) + (contention - 1) * min(a, b)``; the median over ``repeats`` is returned, in [1, 2].
+    """
+    nbytes, block = cfg.contention_bytes, cfg.block_bytes
+    weights = torch.ones(nbytes // 4 // 1024, 1024)  # fp32 [rows, 1024]
+    vector = torch.ones(1024)
+    pool = torch.ones(2 * nbytes // block, block, dtype=torch.uint8)
+    staging = torch.empty(nbytes // block, block, dtype=torch.uint8)
+    slots = np.random.default_rng(0).permutation(len(pool))[: len(staging)].tolist()
+
+    def copies() -> None:
+        for i, slot in enumerate(slots):
+            staging[i].copy_(pool[slot])
+
+    one_mv = _median_seconds(lambda: torch.mv(weights, vector), warmup=cfg.warmup, repeats=cfg.repeats)
+    copy_alone = _median_seconds(copies, warmup=cfg.warmup, repeats=cfg.repeats)
+    reps = max(1, round(copy_alone / one_mv))  # compute about as long as the copies: the most overlap
+
+    def compute() -> None:
+        for _ in range(reps):
+            torch.mv(weights, vector)
+
+    samples = []
+    with cf.ThreadPoolExecutor(max_workers=1) as mover:
+        for _ in range(cfg.repeats):
+            a = _median_seconds(compute, warmup=0, repeats=1)
+            b = _median_seconds(copies, warmup=0, repeats=1)
+            start = time.perf_counter()
+            job = mover.submit(copies)
+            compute()
+            job.result()
+            together = time.perf_counter() - start
+            samples.append(1.0 + (together - max(a, b)) / min(a, b))
+    return min(2.0, max(1.0, statistics.median(samples)))
+
+
 # --------------------------------------------------------------------------- profile
 
 
@@ -453,12 +496,15 @@ def _fit(name: str, rows: Sequence[Measurement]) -> Link | str:
 
 
 def build_profile(
-    measurements: Sequence[Measurement], machine: dict[str, str], disk_engine: str | None
+    measurements: Sequence[Measurement], machine: dict[str, str], disk_engine: str | None,
+    contention: float | None = None,
 ) -> tuple[LinkProfile, list[str]]:
     """Fit the profile's links from the series the runtime will actually use.
 
     disk links come from the engine auto-selection picks (``disk_engine``); on CUDA the PCIe links from
-    pinned copies (the host tier is pinned); without CUDA host->device and device->host are the memcpy.
+    pinned copies (the host tier is pinned); without CUDA host->device and device->host are the memcpy,
+    the mover is one thread (``serial_mover``) and ``contention`` (:func:`measure_contention`) says how
+    much its copies slow compute.
     """
 
     def rows(link: str, method: str) -> list[Measurement]:
@@ -466,20 +512,24 @@ def build_profile(
 
     sources = {
         "host->host": rows("host->host", "memcpy"),
-        "device->device": rows("device->device", "gather index_select"),
+        "device->device": rows("device->device", "gather per-block copy_"),  # the store copies block by block
     }
     if torch.cuda.is_available():
         sources["host->device"] = rows("host->device", "pinned")
         sources["device->host"] = rows("device->host", "pinned")
-    else:
-        sources["host->device"] = sources["device->host"] = sources["host->host"]
+    else:  # the "device" is CPU memory: host blocks are copied into staging like device blocks
+        sources["host->device"] = sources["device->device"]
+        sources["device->host"] = sources["host->host"]
     if disk_engine is not None:
         sources["disk->host"] = rows("disk->host", disk_engine)
         sources["host->disk"] = rows("host->disk", disk_engine)
         machine = {**machine, "disk_engine": disk_engine}
     fits = {key: _fit(key, series) for key, series in sources.items()}
     links = {key: fit for key, fit in fits.items() if isinstance(fit, Link)}
-    return LinkProfile(links, machine), [fit for fit in fits.values() if isinstance(fit, str)]
+    notes = [fit for fit in fits.values() if isinstance(fit, str)]
+    if torch.cuda.is_available():
+        return LinkProfile(links, machine), notes
+    return LinkProfile(links, machine, serial_mover=True, contention=contention or 1.0), notes
 
 
 def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: None) -> BenchResult:
@@ -500,7 +550,11 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: N
     measurements += disk_rows
     engines = list(cfg.engines) if cfg.engines is not None else available_engines()
     disk_engine = next((e for e in available_engines() if e in engines), None)
-    profile, fit_notes = build_profile(measurements, machine, disk_engine)
+    contention = None
+    if device == "cpu":
+        progress("copies beside compute (contention)")
+        contention = measure_contention(cfg)
+    profile, fit_notes = build_profile(measurements, machine, disk_engine, contention)
     return BenchResult(measurements, profile, machine, notes + fit_notes)
 
 

@@ -52,7 +52,7 @@ def default_profile(device_type: str, cuda_major: int = 0) -> LinkProfile:
     dram = PRESETS["dram"]
     links = {"host->device": dram, "device->host": dram, "device->device": dram, "host->host": dram,
              "disk->host": PRESETS["nvme-gen4"], "host->disk": PRESETS["nvme-gen4-write"]}
-    return LinkProfile(links, {"source": "presets: dram (CPU-only host), nvme-gen4"})
+    return LinkProfile(links, {"source": "presets: dram (CPU-only host), nvme-gen4"}, serial_mover=True)
 
 
 def resolve_profile(profile: LinkProfile | str | os.PathLike | None, device_type: str,
