@@ -43,6 +43,7 @@ from tierkv.io import ALIGN, aligned_empty, available_engines, open_disk_file
 from tierkv.io.base import DiskFile, chunk_bytes, queue_depth
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+CONTENTION_SAMPLES = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,7 +448,8 @@ def measure_contention(cfg: BenchConfig) -> float:
     the calling thread with torch's current thread count, and per-block ``copy_`` of the same number of
     bytes on a second thread (the mover's work), first each alone, then both at once. With alone times
     ``a`` (compute) and ``b`` (copies) and ``T`` together, processor sharing gives
-    ``T = max(a, b) + (contention - 1) * min(a, b)``; the median over ``repeats`` is returned, in [1, 2].
+    ``T = max(a, b) + (contention - 1) * min(a, b)``; the median over at least :data:`CONTENTION_SAMPLES`
+    samples is returned, clamped to [1, 2].
     """
     nbytes, block = cfg.contention_bytes, cfg.block_bytes
     weights = torch.ones(nbytes // 4 // 1024, 1024)  # fp32 [rows, 1024]
@@ -470,7 +472,7 @@ def measure_contention(cfg: BenchConfig) -> float:
 
     samples = []
     with cf.ThreadPoolExecutor(max_workers=1) as mover:
-        for _ in range(cfg.repeats):
+        for _ in range(max(CONTENTION_SAMPLES, cfg.repeats)):  # each sample is short and noisy: take more
             a = _median_seconds(compute, warmup=0, repeats=1)
             b = _median_seconds(copies, warmup=0, repeats=1)
             start = time.perf_counter()
@@ -486,11 +488,19 @@ def measure_contention(cfg: BenchConfig) -> float:
 
 
 def _fit(name: str, rows: Sequence[Measurement]) -> Link | str:
-    """Fit per-transfer latency and bandwidth; the reason instead if the series cannot separate them."""
+    """Fit per-transfer latency and bandwidth; the reason instead if the series cannot separate them.
+
+    Rows whose transfers all have the row's size (disk requests, single copies) are fitted per transfer;
+    a per-block gather row moves ``nbytes`` in ``transfers`` block copies of one size, so its total time is
+    fitted against its total bytes (the latency is then per gather, and the per-block cost is in the slope).
+    """
     if len({m.size for m in rows}) < 2:
         return f"{name}: fewer than 2 transfer sizes measured"
+    per_transfer = all(m.nbytes == m.size * m.transfers for m in rows)
+    sizes = [m.size if per_transfer else m.nbytes for m in rows]
+    seconds = [m.seconds / m.transfers if per_transfer else m.seconds for m in rows]
     try:
-        return fit_link(name, [m.size for m in rows], [m.seconds / m.transfers for m in rows])
+        return fit_link(name, sizes, seconds)
     except ValueError as exc:
         return f"{name}: not fitted ({exc})"
 
