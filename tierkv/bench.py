@@ -77,6 +77,7 @@ class BenchConfig:
     repeats: int = 5
     disk_point_bytes: int = 256 * MiB  # most bytes one disk point moves (small requests move less)
     contention_bytes: int = 64 * MiB  # bytes copied (and read by the compute) per contention sample
+    gather_pool_bytes: int = 1 * GiB  # one layer's KV for the store gather: larger than a last-level cache
 
     def __post_init__(self) -> None:
         if not (ALIGN <= self.min_size <= self.max_size):
@@ -90,7 +91,7 @@ class BenchConfig:
     def quick(cls, directory: Path, **overrides: object) -> BenchConfig:
         """Small sizes and few repeats: checks the whole pipeline in seconds; numbers are indicative."""
         small = cls(directory, max_size=4 * MiB, disk_bytes=32 * MiB, block_bytes=64 * KiB, repeats=3,
-                    disk_point_bytes=8 * MiB, contention_bytes=8 * MiB)  # fmt: skip
+                    disk_point_bytes=8 * MiB, contention_bytes=8 * MiB, gather_pool_bytes=32 * MiB)  # fmt: skip
         return dataclasses.replace(small, **overrides)
 
 
@@ -263,6 +264,54 @@ def measure_gather(sizes: Sequence[int], cfg: BenchConfig, device: str = "cpu") 
                     "device->device", method, size, size, 1 if method != "gather per-block copy_" else k, t
                 )
             )
+    return out
+
+
+def measure_store_gather(sizes: Sequence[int], cfg: BenchConfig, device: str = "cpu") -> list[Measurement]:
+    """The exact executors' gather as the runtime runs it: ``KVStore.read_into`` of ``size`` bytes of one
+    layer into a staging tensor ``[2, 1, H_kv, T, D]``, from blocks on the device tier (``device->device``)
+    and on the host tier (``host->device``).
+
+    Each block ``[2, H_kv, block_tokens, D]`` (fp16, 8 KV heads x 128, ``block_bytes``) lands as strided
+    per-head slices, with the store's per-segment bookkeeping. Consecutive reads walk through a
+    ``gather_pool_bytes`` layer, so they read memory that is not in the CPU's last-level cache, as a decode
+    step over a long context does (the plain gather series above reuse one pool and can stay cache-resident).
+    """
+    from tierkv.blocks import Tier
+    from tierkv.policy import make_policy
+    from tierkv.store import KVStore
+    from tierkv.tiers.memory import MemoryTier
+
+    heads, dim, dtype = 8, 128, torch.float16
+    token_bytes = 2 * heads * dim * dtype.itemsize
+    block_tokens = max(1, cfg.block_bytes // token_bytes)
+    block = block_tokens * token_bytes
+    sizes = [s - s % block for s in sizes if block <= s <= cfg.gather_pool_bytes // 4]
+    if not sizes:
+        return []
+    tokens = cfg.gather_pool_bytes // block * block_tokens
+    torch_device = torch.device(device)
+    timer = _median_cuda_seconds if device == "cuda" else _median_seconds
+    staging = torch.empty(2, 1, heads, max(sizes) // token_bytes, dim, dtype=dtype, device=torch_device)
+    out = []
+    for source, link in ((Tier.DEVICE, "device->device"), (Tier.HOST, "host->device")):
+        slack = 4 * block  # the open tail block (kept on the device) and slab rounding
+        store = KVStore(MemoryTier(Tier.DEVICE, tokens * token_bytes + slack if source == Tier.DEVICE else slack,
+                                   torch_device),
+                        MemoryTier(Tier.HOST, tokens * token_bytes + slack, torch.device("cpu"),
+                                   pin=device == "cuda"),
+                        None, make_policy("lru"), block_tokens)
+        kv = torch.ones(1, heads, tokens, dim, dtype=dtype, device=torch_device)
+        store.append(0, kv, kv)
+        del kv
+        on_source = [seg for seg in store.plan_read(0, 0, tokens) if seg.tier == source]
+        first, last = on_source[0].dst, on_source[-1].dst + on_source[-1].length
+        for size in sizes:
+            n = size // token_bytes
+            plans = itertools.cycle([store.plan_read(0, start, start + n) for start in range(first, last - n + 1, n)])
+            t = timer(lambda store=store, plans=plans: store.read_into(0, next(plans), staging),
+                      warmup=cfg.warmup, repeats=cfg.repeats, inner=_inner(size))
+            out.append(Measurement(link, "store read_into", size, size, 1, t))
     return out
 
 
@@ -522,13 +571,13 @@ def build_profile(
 
     sources = {
         "host->host": rows("host->host", "memcpy"),
-        "device->device": rows("device->device", "gather per-block copy_"),  # the store copies block by block
+        "device->device": rows("device->device", "store read_into"),  # what the executors' gathers do
     }
     if torch.cuda.is_available():
         sources["host->device"] = rows("host->device", "pinned")
         sources["device->host"] = rows("device->host", "pinned")
     else:  # the "device" is CPU memory: host blocks are copied into staging like device blocks
-        sources["host->device"] = sources["device->device"]
+        sources["host->device"] = rows("host->device", "store read_into")
         sources["device->host"] = sources["host->host"]
     if disk_engine is not None:
         sources["disk->host"] = rows("disk->host", disk_engine)
@@ -552,6 +601,7 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: N
     device = "cuda" if torch.cuda.is_available() else "cpu"
     progress(f"block gather ({device})")
     measurements += measure_gather(sizes, cfg, device)
+    measurements += measure_store_gather(sizes, cfg, device)
     if device == "cuda":
         progress("host<->device copies")
         measurements += measure_cuda_links(sizes, cfg)
