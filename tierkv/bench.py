@@ -452,6 +452,8 @@ def measure_disk(sizes: Sequence[int], cfg: BenchConfig) -> tuple[list[Measureme
                         t = _median_seconds(lambda f=f, w=write, r=requests: _engine_op(f, r, w, path),
                                             warmup=cfg.warmup, repeats=cfg.repeats)  # fmt: skip
                         out.append(Measurement(link, name, size, n * size, n, t))
+            for name, f in files.items():
+                out += _block_batches(f, name, path, buffer, cfg)
         finally:
             for f in files.values():
                 f.close()
@@ -460,6 +462,27 @@ def measure_disk(sizes: Sequence[int], cfg: BenchConfig) -> tuple[list[Measureme
     finally:
         path.unlink(missing_ok=True)
     return out, notes
+
+
+def _block_batches(f: DiskFile, name: str, path: Path, buffer: np.ndarray, cfg: BenchConfig) -> list[Measurement]:
+    """disk->host as the disk tier reads during a decode step: one batch of ``k`` block-sized requests at
+    scattered slots (a layer's disk blocks), for ``k`` = 1..64; each timed batch reads other slots."""
+    block = cfg.block_bytes - cfg.block_bytes % ALIGN
+    slots = cfg.disk_bytes // block
+    rng = np.random.default_rng(2)
+    out = []
+    for k in (1, 2, 4, 8, 16, 32, 64):
+        if k > min(slots, buffer.nbytes // block):
+            break
+        views = [buffer[i * block : (i + 1) * block] for i in range(k)]
+
+        def batch(k: int = k, views: list[np.ndarray] = views) -> None:
+            offsets = rng.choice(slots, size=k, replace=False) * block
+            _engine_op(f, list(zip((int(o) for o in offsets), views)), False, path)
+
+        t = _median_seconds(batch, warmup=cfg.warmup, repeats=max(cfg.repeats, 5), inner=max(1, 16 // k))
+        out.append(Measurement("disk->host", f"{name} block batch", k * block, k * block, 1, t))
+    return out
 
 
 def _fill(f: DiskFile, path: Path, buffer: np.ndarray, disk_bytes: int) -> None:
@@ -579,8 +602,8 @@ def build_profile(
     else:  # the "device" is CPU memory: host blocks are copied into staging like device blocks
         sources["host->device"] = rows("host->device", "store read_into")
         sources["device->host"] = sources["host->host"]
-    if disk_engine is not None:
-        sources["disk->host"] = rows("disk->host", disk_engine)
+    if disk_engine is not None:  # reads: the per-layer batches of blocks the disk tier issues, when measured
+        sources["disk->host"] = rows("disk->host", f"{disk_engine} block batch") or rows("disk->host", disk_engine)
         sources["host->disk"] = rows("host->disk", disk_engine)
         machine = {**machine, "disk_engine": disk_engine}
     fits = {key: _fit(key, series) for key, series in sources.items()}

@@ -95,6 +95,8 @@ _SHORT = {
     ("device->host", "pinned"): "D2H pinned",
     ("device->host", "pageable"): "D2H pageable",
     ("host<->device", "pinned both ways"): "H2D+D2H pinned",
+    ("device->device", "store read_into"): "store gather, device blocks",
+    ("host->device", "store read_into"): "store gather, host blocks",
 }
 _MEMORY_LINKS = ("host->host", "device->device", "host->device", "device->host", "host<->device")
 
@@ -106,7 +108,7 @@ def _pivot(
     columns: list[str] = []
     rows: dict[int, dict[str, Measurement]] = defaultdict(dict)
     for m in result.measurements:
-        if m.link in links:
+        if m.link in links and not m.method.endswith(" block batch"):
             name = _SHORT.get((m.link, m.method), m.method)
             if name not in columns:
                 columns.append(name)
@@ -151,6 +153,16 @@ def tables(result: BenchResult) -> list[Table]:
                 ratio = f" ({m.gbps / raw.gbps:.2f})" if m and raw and m is not raw else ""
                 cells.append(f"{m.gbps:.2f}{ratio}" if m else "")
             table.add_row(_size(size), *cells)
+        out.append(table)
+    batches = [m for m in result.measurements if m.method.endswith(" block batch")]
+    if batches:
+        table = Table(title="Disk read of one layer's blocks: a batch of scattered blocks, GB/s")
+        for name in ("engine", "blocks", "batch", "GB/s", "ms"):
+            table.add_column(name, justify="right")
+        block = min(m.nbytes for m in batches)
+        for m in batches:
+            engine = m.method.removesuffix(" block batch")
+            table.add_row(engine, str(m.nbytes // block), _size(m.nbytes), f"{m.gbps:.2f}", f"{m.seconds * 1e3:.2f}")
         out.append(table)
     table = Table(title="Fitted link profile: t = latency + bytes / bandwidth")
     for name in ("link", "bandwidth GB/s", "latency us"):
