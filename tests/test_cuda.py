@@ -29,3 +29,24 @@ def test_generation_on_gpu_matches_and_respects_budget(tmp_path):
             chunk.is_pinned() for pool in cache.store.tiers[1].pools.values() for chunk in pool.chunks)
         assert torch.cuda.memory_allocated() - before <= budget
     assert torch.equal(out, ref)
+
+
+def test_streaming_on_gpu_matches_with_cross_layer_prefetch_and_event_timing(tmp_path):
+    """Streaming attention on CUDA: chunk copies on the mover's stream, the next layer's first chunk in
+    flight, telemetry timed by CUDA events; tokens equal to DynamicCache."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).cuda().eval()
+    ids = torch.randint(0, 256, (1, 300), device="cuda")
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=DynamicCache())
+    budget = TieredCache.min_streaming_device_bytes(config, block_tokens=16, chunk_tokens=64) + 64 * 1024
+    with TieredCache(gpu_gb=f"{budget}B", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=16,
+                     config=config) as cache, cache.streaming(model, chunk_tokens=64):
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache)
+        stats = cache.stats()
+    assert torch.equal(out, ref)
+    assert stats["mover"] == "cuda-stream" and stats["blocks"]["disk"] > 0
+    assert stats["prefetch_hits"] > 0
+    last = stats["steps"]["last"]
+    assert last["transfer_s_by_link"]["disk->device"] > 0 and last["predicted_step_s"] > 0
