@@ -24,7 +24,6 @@ steps of each cache are warm-up. The disk tier uses O_DIRECT (no page cache). Kn
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import tempfile
 import time
@@ -50,6 +49,7 @@ FILL_CHUNK = 512
 ROUNDS = 8  # interleaved rounds of side-by-side measurements
 STEPS = 3  # decode steps (or gather passes) per cache per round
 WARMUP = 3
+MODEL_ROUNDS = 3  # calibrate-then-measure rounds of the model-accuracy test; the median error is judged
 TOKEN_BYTES = 2 * KV_HEADS * HEAD_DIM * 4  # one layer, fp32
 KV_BYTES = CONTEXT * TOKEN_BYTES * LAYERS
 
@@ -214,20 +214,20 @@ def _calibrate(bench: Bench) -> LinkProfile:
     return run_bench(cfg).profile
 
 
-def test_model_accuracy(benchmark, bench: Bench) -> None:
+def _model_round(bench: Bench) -> tuple[dict[str, float], list[list[str]], LinkProfile, float]:
+    """Calibrate, then measure right after (this VM's memory speed drifts by minutes): the model's error per
+    placement, the table rows, the profile and the calibrated compute per layer."""
     profile = _calibrate(bench)
-    no_contention = dataclasses.replace(profile, contention=1.0)
     samples = _interleaved({name: (lambda name=name: bench.step(name)) for name in (UNOVERLAPPED, *PLACEMENTS)})
     # compute per layer, calibrated: the time outside the gathers of the no-prefetch steps (the model's layers
     # and the cache's per-layer append and bookkeeping, with no copy running beside them), per layer
-    compute = bench.caches[UNOVERLAPPED].stats()["steps"]["median"]["compute_s"] / LAYERS
+    steps = bench.caches[UNOVERLAPPED].executor.timeline.completed()
+    compute = statistics.median(step.compute_s for step in steps[-ROUNDS * STEPS:] if step.decode) / LAYERS
     rows, errors = [], {}
     for name in PLACEMENTS:
         measured = statistics.median(samples[name])
         layers = [LayerRecord(compute, record.bytes, record.copies) for record in bench.decode_layers(name)]
-        placement = steady_state_placement(layers)
-        modelled = predict_step(placement, profile, 1)
-        plain = predict_step(placement, no_contention, 1)
+        modelled = predict_step(steady_state_placement(layers), profile, 1)
         errors[name] = modelled.step_s / measured - 1
         moved = {link: sum(r.bytes.get(link, 0) for r in layers) / MiB
                  for link in ("device->device", "host->device", "disk->device")}
@@ -235,23 +235,32 @@ def test_model_accuracy(benchmark, bench: Bench) -> None:
         in_step = {link: telemetry["bytes_by_link"][link] / seconds / 1e9
                    for link, seconds in telemetry["transfer_s_by_link"].items() if seconds > 0}
         rows.append([name, " / ".join(f"{v:.0f}" for v in moved.values()), _ms(measured),
-                     _ms(modelled.step_s), f"{errors[name]:+.1%}", _ms(plain.step_s),
-                     f"{plain.step_s / measured - 1:+.1%}", modelled.bottleneck.value,
+                     _ms(modelled.step_s), f"{errors[name]:+.1%}", modelled.bottleneck.value,
                      _ms(telemetry["compute_s"]), _ms(telemetry["transfer_s"]),
                      " ".join(f"{link.split('->')[0]} {gbps:.1f}" for link, gbps in in_step.items())])
-    _table("decode step: bandwidth model vs measured (ms)",
-           ["placement", "MiB dev/host/disk", "measured", "model", "error", "model, contention 1", "error",
-            "bottleneck", "compute in step", "mover busy in step", "GB/s in step"], rows)
+    return errors, rows, profile, compute
+
+
+def test_model_accuracy(benchmark, bench: Bench) -> None:
+    by_round = []
+    for index in range(MODEL_ROUNDS):
+        errors, rows, profile, compute = _model_round(bench)
+        by_round.append(errors)
+        _table(f"decode step: bandwidth model vs measured (ms), round {index + 1} of {MODEL_ROUNDS}",
+               ["placement", "MiB dev/host/disk", "measured", "model", "error", "bottleneck", "compute in step",
+                "mover busy in step", "GB/s in step"], rows)
+        fits = {key: f"{link.bandwidth_bytes_per_s / 1e9:.2f} GB/s + {link.latency_s * 1e6:.0f} us"
+                for key, link in profile.links.items()}
+        print("calibrated links:", fits, f"contention {profile.contention:.2f}; "
+              f"compute per layer (no-prefetch steps' compute / {LAYERS}): {_ms(compute)} ms")
+    errors = {name: statistics.median(r[name] for r in by_round) for name in PLACEMENTS}
     machine = machine_description(bench.directory)
-    fits = {key: f"{link.bandwidth_bytes_per_s / 1e9:.2f} GB/s + {link.latency_s * 1e6:.0f} us"
-            for key, link in profile.links.items()}
-    print("calibrated links:", fits, f"contention {profile.contention:.2f}")
-    print(f"compute per layer (no-prefetch steps' compute / {LAYERS}): {_ms(compute)} ms; "
+    print("median error over rounds:", {name: f"{e:+.1%}" for name, e in errors.items()},
           f"machine: {machine['cpu']}, {machine['cores']}, load {machine['load_average']}")
-    benchmark.extra_info.update(errors=errors, links=fits, contention=profile.contention)
+    benchmark.extra_info.update(errors=errors, errors_by_round=by_round)
     benchmark.pedantic(bench.step, args=("some-disk",), rounds=3)
     if not benchmark.disabled:
-        assert all(abs(e) <= 0.10 for e in errors.values()), f"prediction errors {errors}"
+        assert all(abs(e) <= 0.10 for e in errors.values()), f"median prediction errors {errors}"
 
 
 def test_block_copy_sizes_are_what_the_store_moves(bench: Bench) -> None:
