@@ -30,6 +30,9 @@ def test_training_is_reproducible(tmp_path):
     assert first["steps"] + first["extend_steps"] == 11 and (tmp_path / "a" / "tokenizer.json").is_file()
 
 
-def test_lengths_must_be_ordered():
+def test_lengths_must_be_ordered_and_inside_the_trained_positions():
     with pytest.raises(InvalidConfigError, match="--max-len <= --extend-len"):
         train.parse_args(["--max-len", "4096", "--extend-len", "2048"])
+    with pytest.raises(InvalidConfigError, match="--extend-len <= 80000"):
+        train.parse_args(["--extend-len", "90000"])  # caught here, not after the main schedule
+    assert train.parse_args(["--max-len", "16384", "--extend-steps", "0"]).extend_steps == 0  # no extension

@@ -6,7 +6,10 @@ streaming needs only two chunk buffers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from models import prompt, tiny_model
 from transformers import DynamicCache
 
 from tierkv import TieredCache, TierKVError
+from tierkv.store import KVStore
 
 NEW = 8
 CASES = [  # (id, family, attention implementation, sliding window)
@@ -154,7 +158,7 @@ def test_streaming_prefetches_across_layers_and_reports_each_step(tmp_path):
     # every layer of every decode step after the first starts from a chunk fetched during the layer before
     assert stats["prefetch_hits"] >= 3 * (NEW - 2) and stats["prefetch_misses"] == 0
     steps = stats["steps"]
-    assert steps["kind"] == "decode" and steps["count"] == NEW - 2  # 7 decode passes; the last is still open
+    assert steps["kind"] == "decode" and steps["count"] == NEW - 1  # leaving the streaming block closed the last
     last = steps["last"]
     assert sum(last["bytes_by_link"].values()) == 3 * last["context"] * token_bytes
     assert last["bytes_by_link"]["disk->device"] > 0 and last["transfer_s_by_link"]["disk->device"] > 0
@@ -182,3 +186,80 @@ def test_streaming_crop_drops_the_prefetched_chunk(tmp_path):
             got = model(token, past_key_values=cache).logits[:, -1]
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
         assert cache.stats()["prefetch_misses"] == 1 and cache.stats()["prefetch_hits"] >= 2 * 4
+
+
+def _slow_reads(monkeypatch, on_mover: bool, seconds: float = 0.02) -> None:
+    """Make ``KVStore.read_into`` sleep on the mover thread (prefetches) or on the model's (top-ups)."""
+    original = KVStore.read_into
+    main = threading.get_ident()
+
+    def read_into(self, *args, **kwargs):
+        if (threading.get_ident() != main) == on_mover:
+            time.sleep(seconds)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVStore, "read_into", read_into)
+
+
+def test_waiting_for_a_prefetched_chunk_is_stall_not_compute(tmp_path, monkeypatch):
+    model = tiny_model("llama", layers=3)
+    ids, mask = prompt(1, 40, seed=6)
+    _slow_reads(monkeypatch, on_mover=True)
+    with TieredCache(gpu_gb="200KB", block_tokens=4, config=model.config) as cache:
+        with cache.streaming(model, chunk_tokens=64):  # one chunk per layer, each fetched ahead
+            run(model, ids, mask, cache)
+        last = cache.stats()["steps"]["last"]
+    assert last["stall_s"] > 0.5 * last["wall_s"]  # 3 waits of ~20 ms against ~1 ms of compute per layer
+    assert last["compute_s"] < 0.5 * last["wall_s"]
+
+
+def test_a_top_up_read_is_not_counted_as_compute(tmp_path, monkeypatch):
+    model = tiny_model("llama", layers=3)
+    ids, mask = prompt(1, 40, seed=6)
+    _slow_reads(monkeypatch, on_mover=False)
+    with TieredCache(gpu_gb="200KB", block_tokens=4, config=model.config) as cache:
+        with cache.streaming(model, chunk_tokens=64):  # the context is inside the first chunk: every layer tops up
+            run(model, ids, mask, cache)
+        last = cache.stats()["steps"]["last"]
+    assert last["sync_read_s"] > 0.05  # 3 top-ups of ~20 ms
+    assert last["compute_s"] < 0.5 * last["sync_read_s"]
+
+
+def test_switching_executors_ends_the_step_in_progress(tmp_path):
+    """Gather and streaming share the telemetry: a hand-off (and the idle time around it) is no one's compute."""
+    model = tiny_model("qwen2")
+    ids, _ = prompt(1, 20, seed=5)
+    with TieredCache(gpu_gb="1MB", cpu_gb="24KB", disk_dir=tmp_path, block_tokens=4) as cache:
+        token = model(ids, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+        for phase in range(4):
+            time.sleep(0.05)
+            context = contextlib.nullcontext() if phase % 2 else cache.streaming(model, chunk_tokens=8)
+            with context:
+                for _ in range(3):
+                    token = model(token, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+        steps = cache.executor.timeline.completed()
+    assert [step.new_tokens for step in steps] == [20] + [1] * 11  # the last gather step is still open
+    for step in steps:
+        assert step.compute_s + step.stall_s <= step.wall_s + 1e-6
+    assert steps[-1].layers is not None and set(steps[-1].layers) == {0, 1}  # a gather step: its 2 layers only
+
+
+def test_without_a_config_the_first_pass_prefetches_nothing_it_throws_away(tmp_path):
+    model = tiny_model("llama", layers=5)
+    ids, mask = prompt(1, 40, seed=6)
+    with small_cache(tmp_path, model, False) as cache:
+        with cache.streaming(model, chunk_tokens=8):
+            run(model, ids, mask, cache)
+        stats = cache.stats()
+    assert stats["prefetch_misses"] == 0 and stats["prefetch_hits"] > 0
+
+
+def test_a_sliding_window_drop_discards_the_prefetched_chunk(tmp_path):
+    model = tiny_model("mistral", "sdpa", 8)
+    ids, mask = prompt(1, 40, seed=6)
+    reference = run(model, ids, mask, DynamicCache())
+    with small_cache(tmp_path, model, True) as cache:
+        with cache.streaming(model, chunk_tokens=8):
+            out = run(model, ids, mask, cache)
+        assert cache.stats()["prefetch_misses"] > 0  # counted, with their bytes, not silently dropped
+    assert torch.equal(out.sequences, reference.sequences)

@@ -204,7 +204,9 @@ class LinkProfile:
                 for key, v in data["links"].items()
             }
             machine = {str(k): str(v) for k, v in data.get("machine", {}).items()}
-            serial, contention = bool(data.get("serial_mover", False)), float(data.get("contention", 1.0))
+            serial, contention = data.get("serial_mover", False), float(data.get("contention", 1.0))
+            if not isinstance(serial, bool):
+                raise TypeError(f"serial_mover must be true or false, got {serial!r}")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, InvalidConfigError):
                 raise

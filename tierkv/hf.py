@@ -175,6 +175,7 @@ class TieredCache(Cache):
         self._streaming_depth = 0  # > 0 inside `streaming(model)`
         self._closed = False
         self._disk: DiskTier | None = None
+        self._layers_from_config = config is not None  # the layer count is known before the first pass
         layers: list[CacheLayerMixin] = []
         if config is not None:
             layer_types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
@@ -307,14 +308,14 @@ class TieredCache(Cache):
             self.streamer = None
         self._chunk_tokens = chunk_tokens
         if self.executor is not None:
-            self._invalidate_staged()  # exact-gather prefetches do not survive a stretch of streaming steps
+            self._switch_executor()  # exact-gather prefetches do not survive a stretch of streaming steps
         self._streaming_depth += 1
         try:
             yield self
         finally:
             self._streaming_depth -= 1
             if self.executor is not None:
-                self._invalidate_staged()
+                self._switch_executor()
             for module in modules:
                 del module._tierkv_cache
             model.set_attn_implementation(previous)
@@ -346,7 +347,7 @@ class TieredCache(Cache):
         self.store.barrier = self._wait_for_reads
         if device.type == "cuda":  # coalesce host/disk runs into large H2D copies (see KVStore.enable_landing)
             self.store.enable_landing(min(LANDING_BYTES, gpu // 16))
-        if self.layers:  # built from a config: the layer count is known up front
+        if self._layers_from_config:
             self.executor.num_layers, self.executor.layers_known = len(self.layers), True
         return self.store
 
@@ -389,6 +390,14 @@ class TieredCache(Cache):
         streamer.start_of = lambda index: self.layers[index].attention_start(0)
         streamer.num_layers, streamer.layers_known = self.executor.num_layers, self.executor.layers_known
         return streamer
+
+    def _switch_executor(self) -> None:
+        """Entering or leaving streaming: staged data is stale, and the step in progress ends here (the other
+        executor records the next one; the gap between them is not either one's compute)."""
+        self._invalidate_staged()
+        for executor in (self.executor, self.streamer):
+            if executor is not None:
+                executor.pause_telemetry()
 
     def _invalidate_staged(self) -> None:
         """Table edits (crop, reorder, reset, rollback): data staged by either executor is stale."""

@@ -173,6 +173,12 @@ class Timeline:
         self.steps_seen += 1
         return self.current
 
+    def end_step(self, now: float) -> None:
+        """Close the step in progress now (an executor hand-off): the next record starts a new step."""
+        if self.current is not None:
+            self._close(self.current, now)
+            self.current = None
+
     def layer(self, index: int) -> LayerRecord:
         step = self.current
         assert step is not None and step.layers is not None

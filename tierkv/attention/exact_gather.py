@@ -165,6 +165,14 @@ class ExactGather:
         for prefetch in self.pending.values():
             prefetch.handle.settle()
 
+    def pause_telemetry(self) -> None:
+        """The other executor takes over: end the step in progress; the next gather starts a new one."""
+        if self.timeline is not None:
+            self.timeline.end_step(time.perf_counter())
+        self._left_at = None
+        self.last_layer = -1
+        self._last_stop = {layer: self.store.seq_length(layer) for layer in self.store.layouts}
+
     def close(self) -> None:
         self.invalidate()
         self._release()

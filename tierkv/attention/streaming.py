@@ -84,7 +84,7 @@ class StreamingAttention:
         self.prefetch_misses = 0  # next-layer chunks dropped (table edit, other start, buffers resized)
         self._stage = -1  # telemetry: index of the current chunk within the step
         self._mark: float | None = None  # telemetry: when the current stage's data landed
-        self._last_stop: dict[int, int] = {}
+        self._excluded = 0.0  # telemetry: time since _mark that was not compute (waits, top-up reads)
 
     def attend(self, layer: int, start: int, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
                softcap: float | None = None) -> torch.Tensor:
@@ -98,7 +98,7 @@ class StreamingAttention:
         batch, heads, q_len, dim = query.shape
         if layer == 0 and self.num_layers > 1 and self.last_layer == self.num_layers - 1:
             self.layers_known = True  # a full pass was seen: prefetching layer 0 after the last is safe
-        self._begin_layer(layer, stop)
+        self._begin_layer(layer, stop, q_len)
         self.num_layers = max(self.num_layers, layer + 1)
         self.last_layer = layer
         self._ensure_buffers(batch, layout.token_bytes)
@@ -164,20 +164,22 @@ class StreamingAttention:
         ahead, self.ahead = self.ahead, None
         if ahead is None:
             return None
+        waited_from = time.perf_counter()
         try:
             ahead.handle.wait()
-            valid = ahead.layer == layer and ahead.start == start and ahead.version == self.version \
-                and ahead.count <= stop - start
+            failed = False
         except Exception:  # noqa: BLE001 - a failed prefetch is a miss; the synchronous read reports
-            valid = False
-        if not valid:
-            self.prefetch_misses += 1
-            self._record_reads(ahead, sync=False)
+            failed = True
+        self._stalled(waited_from, ahead.layer)
+        if failed or ahead.layer != layer or ahead.start != start or ahead.version != self.version \
+                or ahead.count > stop - start:
+            self._discard(ahead)
             return None
         self.prefetch_hits += 1
         count = min(self.chunk_tokens, stop - start)
         if count == ahead.count:
             return ahead
+        begun = time.perf_counter()
         staging = self._staging(ahead.buffer, layer, self.store.batch_size(layer))[..., ahead.count:count, :]
         segments = self.store.plan_read(layer, start + ahead.count, start + count)
         timings: list[ReadTiming] = []
@@ -188,44 +190,55 @@ class StreamingAttention:
                        category="read")
         if self.timeline is not None:
             self.timeline.add_reads(self._stage + 1, timings, sync=True)
+        self._excluded += time.perf_counter() - begun  # a read on this thread, not compute
         return ChunkRead(layer, start, count, ahead.buffer, self.version, ahead.handle, ahead.timings)
+
+    def _discard(self, ahead: ChunkRead) -> None:
+        """A prefetched chunk that will not be used (stale, failed, dropped, buffers resized): a miss whose
+        bytes still count as moved."""
+        self.prefetch_misses += 1
+        self._record_reads(ahead, sync=False)
 
     def _wait(self, read: ChunkRead) -> ChunkRead:
         waited_from = time.perf_counter()
         if self.timeline is not None and self._mark is not None:
-            self.timeline.add_compute(self._stage, waited_from - self._mark)
+            self.timeline.add_compute(self._stage, waited_from - self._mark - self._excluded)
+        if self.trace is not None and self._mark is not None:
+            self.trace.span(f"compute S{self._stage}", "compute", self._mark, waited_from)
         read.handle.wait()
+        self._stalled(waited_from, read.layer)
+        self._stage += 1
+        self._record_reads(read, sync=False)
+        self._mark, self._excluded = time.perf_counter(), 0.0
+        return read
+
+    def _stalled(self, waited_from: float, layer: int) -> None:
+        """Attention waited from ``waited_from`` until now for a chunk of ``layer``: stall, not compute."""
         landed = time.perf_counter()
         self.stall_s += landed - waited_from
-        self._stage += 1
+        self._excluded += landed - waited_from
         if self.timeline is not None:
             self.timeline.add_stall(landed - waited_from)
-            self._record_reads(read, sync=False)
         if self.trace is not None:
-            if self._mark is not None:
-                self.trace.span(f"compute S{self._stage - 1}", "compute", self._mark, waited_from)
-            self.trace.span(f"wait L{read.layer}", "stall", waited_from, landed)
-        self._mark = landed
-        return read
+            self.trace.span(f"wait L{layer}", "stall", waited_from, landed)
 
     def _record_reads(self, read: ChunkRead, sync: bool) -> None:
         if self.timeline is not None and read.timings is not None:
             self.timeline.add_reads(max(self._stage, 0), read.timings, sync)
             read.timings.clear()  # counted once, even if the chunk is used after a top-up
 
-    def _begin_layer(self, layer: int, stop: int) -> None:
-        """Telemetry: a layer at or below the last one starts a new step (pass through the layers)."""
-        new_tokens = stop - self._last_stop.get(layer, 0)
-        self._last_stop[layer] = stop
+    def _begin_layer(self, layer: int, stop: int, new_tokens: int) -> None:
+        """Telemetry: a layer at or below the last one starts a new step (pass through the layers); the step's
+        new tokens are the query's length (attention runs after the layer stored them)."""
         timeline = self.timeline
         if timeline is None:
             return
         if layer <= self.last_layer or timeline.current is None:
             now = time.perf_counter()
-            if self._mark is not None and timeline.current is not None:
-                timeline.add_compute(self._stage, now - self._mark)  # the previous step's tail (LM head, ...)
+            if self._mark is not None and timeline.current is not None:  # the previous step's tail (LM head, ...)
+                timeline.add_compute(self._stage, now - self._mark - self._excluded)
             timeline.begin_step(now, new_tokens, stop, 1)
-            self._stage, self._mark = -1, None
+            self._stage, self._mark, self._excluded = -1, None, 0.0
         else:
             current = timeline.current
             current.new_tokens = max(current.new_tokens, new_tokens)
@@ -255,8 +268,20 @@ class StreamingAttention:
     def drop(self, layer: int) -> None:
         """Forget ``layer``'s prefetched chunk (its token positions shifted: a sliding window dropped blocks)."""
         if self.ahead is not None and self.ahead.layer == layer:
-            self.ahead.handle.settle()
-            self.ahead = None
+            self._drop_ahead()
+
+    def _drop_ahead(self) -> None:
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.handle.settle()
+            self._discard(ahead)
+
+    def pause_telemetry(self) -> None:
+        """The other executor takes over: end the step in progress; the next attention starts a new one."""
+        if self.timeline is not None:
+            self.timeline.end_step(time.perf_counter())
+        self._stage, self._mark, self._excluded = -1, None, 0.0
+        self.last_layer = -1
 
     def wait_all(self) -> None:
         """Barrier: every chunk read has finished (a failed one raises where attention waits for it)."""
@@ -266,7 +291,7 @@ class StreamingAttention:
 
     def close(self) -> None:
         self.wait_all()
-        self.ahead = None
+        self._drop_ahead()
         if self.reserved:
             self.store.device.unreserve(self.reserved)
         self.buffers, self.reserved = [], 0

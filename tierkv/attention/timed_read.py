@@ -28,7 +28,9 @@ def timed_read(store: KVStore, layer: int, segments: list[ReadSegment], dest: to
     token_bytes = store.layouts[layer].token_bytes
     for tier, group in by_tier.items():
         link = LINK_OF_TIER[tier]
-        copies = 1 if tier == Tier.DISK else len(group)  # disk: one batched engine read
+        # one batched engine read (disk) or one read_into pass (memory tiers): the profile's latencies are per
+        # call (bench fits `store read_into` and disk block batches per call); on CUDA each host run is a copy
+        copies = len(group) if cuda and tier == Tier.HOST else 1
         timing = ReadTiming(link, sum(seg.length for seg in group) * token_bytes, copies)
         begun = time.perf_counter()
         timing.start = cuda_mark() if cuda else begun

@@ -281,8 +281,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-samples", type=int, default=4, help="seeded haystacks per (length, depth)")
     p.add_argument("--eval-out", default=None, help="also write the table's eval.json and heatmap.png here")
     args = p.parse_args(argv)
-    if not 64 <= args.min_len <= args.max_len <= args.extend_len:
-        raise InvalidConfigError("need 64 <= --min-len <= --max-len <= --extend-len")
+    if not 64 <= args.min_len <= args.max_len <= MAX_POSITION:
+        raise InvalidConfigError(f"need 64 <= --min-len <= --max-len <= {MAX_POSITION} (the trained positions)")
+    if args.extend_steps > 0 and not args.max_len <= args.extend_len <= MAX_POSITION:
+        raise InvalidConfigError(f"need --max-len <= --extend-len <= {MAX_POSITION} (or --extend-steps 0)")
     return args
 
 
