@@ -4,12 +4,16 @@ What is measured (each at transfer sizes from ``min_size`` to ``max_size``, ever
 
 ========================  ==========================================================================
 host->host   memcpy       ``dst.copy_(src)`` between two CPU tensors (torch uses every core)
-device->device gather     blocks from random slots of a pool into one staging tensor, the exact-gather
-                          executor's copy: ``index_select(out=)`` and one ``copy_`` per block, each
-                          beside a plain copy of the same bytes (the ratio is the price of gathering)
+device->device gather     blocks from random slots of a pool into one staging tensor: ``index_select(out=)``
+                          and one ``copy_`` per block, each beside a plain copy of the same bytes (the
+                          ratio is the price of gathering)
+store gather              ``KVStore.read_into`` from device-tier and host-tier blocks into executor staging,
+                          over a layer larger than the CPU's last-level cache (what a decode step does)
 disk->host / host->disk   each disk engine, one batch of ``size``-byte requests over a file of
                           ``disk_bytes``, beside a *raw* baseline: 16 threads issuing bare O_DIRECT
-                          ``preadv``/``pwritev`` of the same request size (no engine, no checks)
+                          ``preadv``/``pwritev`` of the same request size (no engine, no checks); and
+                          reads of one layer's blocks: batches of 1-64 scattered ``block_bytes`` requests
+contention (CPU only)     copies on a second thread beside a matrix-vector product, alone and together
 host<->device (CUDA)      pinned and pageable copies each way, and both ways at once on two streams
 ========================  ==========================================================================
 
@@ -17,7 +21,7 @@ Honesty rules: warm up before timing; report the median of ``repeats``; on CUDA,
 synchronize first; read disk data that was really written (a sparse or fallocated file reads as zeros
 without touching the disk) through O_DIRECT, or drop the file's page cache before each read when an
 engine had to fall back to buffered I/O. On a CPU-only host there is no PCIe: the "host->device" link of
-the profile is the memcpy into the device tier (which lives in CPU memory), and ``machine`` says so.
+the profile is the store's copy of host-tier blocks into staging in CPU memory, and ``machine`` says so.
 """
 
 from __future__ import annotations
@@ -161,10 +165,10 @@ def machine_description(directory: Path) -> dict[str, str]:
     }
     if not cuda:
         machine["host->device"] = (
-            "CPU-only host: memcpy from the host tier into the device tier (CPU memory); no PCIe"
+            "CPU-only host: the store's copy from the host tier into staging in CPU memory; no PCIe"
         )
-        machine["device->host"] = machine["host->device"]
-        machine["device->device"] = "block gather within CPU memory (index_select into the staging tensor)"
+        machine["device->host"] = "CPU-only host: memcpy from the device tier into the host tier; no PCIe"
+        machine["device->device"] = "the store's block gather within CPU memory (read_into the staging tensor)"
     return machine
 
 
@@ -592,15 +596,14 @@ def build_profile(
     def rows(link: str, method: str) -> list[Measurement]:
         return [m for m in measurements if m.link == link and m.method == method]
 
-    sources = {
-        "host->host": rows("host->host", "memcpy"),
-        "device->device": rows("device->device", "store read_into"),  # what the executors' gathers do
-    }
+    # what the executors' gathers do; per-block copies where the store series was not measured (small sizes)
+    gather = rows("device->device", "store read_into") or rows("device->device", "gather per-block copy_")
+    sources = {"host->host": rows("host->host", "memcpy"), "device->device": gather}
     if torch.cuda.is_available():
         sources["host->device"] = rows("host->device", "pinned")
         sources["device->host"] = rows("device->host", "pinned")
     else:  # the "device" is CPU memory: host blocks are copied into staging like device blocks
-        sources["host->device"] = rows("host->device", "store read_into")
+        sources["host->device"] = rows("host->device", "store read_into") or gather
         sources["device->host"] = sources["host->host"]
     if disk_engine is not None:  # reads: the per-layer batches of blocks the disk tier issues, when measured
         sources["disk->host"] = rows("disk->host", f"{disk_engine} block batch") or rows("disk->host", disk_engine)
