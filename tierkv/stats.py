@@ -85,7 +85,7 @@ class LayerRecord:
 
     compute_s: float = 0.0  # from the end of its gather to the next layer's gather (incl. the next append)
     bytes: dict[str, int] = field(default_factory=dict)  # per link
-    copies: dict[str, int] = field(default_factory=dict)  # copy_ calls (memory links), batched reads (disk)
+    copies: dict[str, int] = field(default_factory=dict)  # read calls per link (the unit of the profile latency)
 
     def load(self, compute_s: float | None = None) -> LayerLoad:
         return LayerLoad(self.compute_s if compute_s is None else compute_s,
