@@ -81,3 +81,31 @@ def test_bad_eval_arguments(demo):
         evaluate(model, tokenizer, lengths=[512], depths=[2.0], samples=1)
     with pytest.raises(InvalidConfigError, match="samples"):
         evaluate(model, tokenizer, lengths=[512], samples=0)
+
+
+@pytest.mark.parametrize("executor", ["streaming", "gather"])
+def test_eval_command_tiered_cache_gives_the_same_answers(tmp_path, capsys, monkeypatch, executor):
+    """`tierkv eval --cache tiered`: every trial through all three tiers, same outputs as full attention."""
+    from tierkv import TieredCache
+    from tierkv.commands import eval as eval_command
+
+    parser = argparse.ArgumentParser()
+    eval_command.add_arguments(parser)
+    common = ["--lengths", "1K,2K", "--depths", "0,1", "--samples", "1", "--json"]
+    assert eval_command.run(parser.parse_args(common)) == 0
+    reference = json.loads(capsys.readouterr().out)
+    from_disk, close = [], TieredCache.close
+
+    def close_and_count(cache):
+        from_disk.append(cache.stats()["bytes_moved"].get("disk->device", 0))
+        close(cache)
+
+    monkeypatch.setattr(TieredCache, "close", close_and_count)
+    budgets = ["--chunk-tokens", "256", "--gpu-gb", "600KB"] if executor == "streaming" else ["--gpu-gb", "3MB"]
+    tiered = ["--cache", "tiered", "--executor", executor, "--cpu-gb", "256KB", "--disk-dir", str(tmp_path), *budgets]
+    assert eval_command.run(parser.parse_args(common + tiered)) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["cache"]["mode"] == "tiered" and record["cache"]["executor"] == executor
+    assert [t["output"] for t in record["trials"]] == [t["output"] for t in reference["trials"]]
+    assert len(from_disk) == 4 and all(n > 0 for n in from_disk[2:])  # the 2K trials read KV back from disk
+    assert not list(tmp_path.iterdir())  # every trial's cache was closed and its disk files removed

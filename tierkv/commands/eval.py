@@ -3,15 +3,19 @@
     tierkv eval --lengths 4K,16K,32K,64K --depths 0,0.25,0.5,0.75,1 --samples 4 --out results/
 
 Prints a depth x length table, and with ``--out`` writes ``eval.json`` and ``heatmap.png`` there.
+``--cache tiered`` runs every trial through a ``TieredCache`` (all three tiers; ``--executor``) instead of
+the in-memory ``DynamicCache``: exact attention must give the same table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
+from tierkv.config import parse_size
 from tierkv.errors import InvalidConfigError
 
 
@@ -37,8 +41,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the packaged demo model)")
     parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="prefill tokens per forward")
+    parser.add_argument("--cache", default="dynamic", choices=("dynamic", "tiered"),
+                        help="dynamic: full attention in memory (DynamicCache); tiered: TieredCache over three tiers")
+    parser.add_argument("--executor", default="streaming", choices=("streaming", "gather"),
+                        help="with --cache tiered: streaming attention or exact gather (default: %(default)s)")
+    parser.add_argument("--chunk-tokens", type=int, default=4096,
+                        help="with --executor streaming: tokens per attention chunk (default: %(default)s)")
+    parser.add_argument("--gpu-gb", default=None,
+                        help="with --cache tiered: device budget (default: the executor's minimum + 1/8 of the "
+                             "longest prompt's KV)")
+    parser.add_argument("--cpu-gb", default=None, help="with --cache tiered: host budget (default: 1/4 of that KV)")
+    parser.add_argument("--disk-dir", default=None, help="with --cache tiered: disk tier folder (default: a temp dir)")
     parser.add_argument("--out", default=None, help="folder for eval.json and heatmap.png")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+
+
+def _cache_mode(args: argparse.Namespace, model, longest: int, tmp: str):
+    """``(cache_factory, cache_context, record)`` for ``--cache``: None/None for the in-memory reference, or a
+    fresh ``TieredCache`` per trial with budgets sized on the longest prompt (shorter ones keep more on the
+    device)."""
+    if args.cache == "dynamic":
+        return None, None, {"mode": "dynamic"}
+    import torch
+
+    from tierkv import TieredCache
+
+    kv = TieredCache.kv_bytes_per_token(model.config, torch.float32) * (longest + 8)
+    if args.gpu_gb:
+        gpu = parse_size(args.gpu_gb, name="--gpu-gb")
+    elif args.executor == "streaming":
+        gpu = TieredCache.min_streaming_device_bytes(model.config, chunk_tokens=args.chunk_tokens) + kv // 8
+    else:
+        gpu = TieredCache.min_device_bytes(model.config, longest + 8) + kv // 8
+    cpu = parse_size(args.cpu_gb, name="--cpu-gb") if args.cpu_gb else max(kv // 4, 2**20)
+    disk = args.disk_dir or tmp
+
+    def factory() -> TieredCache:
+        return TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{cpu}B", disk_dir=disk, config=model.config)
+
+    streaming = args.executor == "streaming"
+    context = (lambda cache: cache.streaming(model, chunk_tokens=args.chunk_tokens)) if streaming else None
+    return factory, context, {"mode": "tiered", "executor": args.executor, "gpu_bytes": gpu, "cpu_bytes": cpu}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,18 +107,23 @@ def run(args: argparse.Namespace) -> int:
             f"#{trial.sample}: {trial.answer} {mark}"
         )
 
-    result = evaluate(
-        model,
-        tokenizer,
-        lengths=lengths,
-        depths=depths,
-        samples=args.samples,
-        kind=args.kind,
-        seed=args.seed,
-        prefill_chunk_size=args.prefill_chunk,
-        on_trial=progress,
-    )
-    record = result.to_dict() | {"wall_time_s": round(time.perf_counter() - start, 1), "device": args.device}
+    with tempfile.TemporaryDirectory(prefix="tierkv-eval-") as tmp:
+        factory, context, cache_record = _cache_mode(args, model, max(lengths), tmp)
+        result = evaluate(
+            model,
+            tokenizer,
+            lengths=lengths,
+            depths=depths,
+            samples=args.samples,
+            kind=args.kind,
+            seed=args.seed,
+            cache_factory=factory,
+            cache_context=context,
+            prefill_chunk_size=args.prefill_chunk,
+            on_trial=progress,
+        )
+    record = result.to_dict() | {"wall_time_s": round(time.perf_counter() - start, 1), "device": args.device,
+                                 "cache": cache_record}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ token at a time. ``cache_factory`` lets the same harness measure any cache (Dyna
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -84,10 +85,14 @@ def greedy_generate(
     max_new_tokens: int,
     *,
     cache_factory: Callable[[], object] | None = None,
+    cache_context: Callable[[object], contextlib.AbstractContextManager] | None = None,
     prefill_chunk_size: int = 2048,
 ) -> list[int]:
     """Greedy continuation of ``prompt_ids`` through a fresh cache, prefilling ``prefill_chunk_size``
     tokens per forward. Only the last position's logits are computed (``logits_to_keep=1``).
+
+    ``cache_context(cache)`` is entered around the forwards (e.g. ``lambda c: c.streaming(model)``); a cache
+    with a ``close`` method is closed afterwards (a ``TieredCache`` frees its tiers and disk files).
     """
     from transformers import DynamicCache
 
@@ -96,16 +101,21 @@ def greedy_generate(
     device = next(model.parameters()).device
     cache = cache_factory() if cache_factory is not None else DynamicCache(config=model.config)
     ids = torch.tensor([list(prompt_ids)], device=device)  # [1, T]
-    out = None
-    for start in range(0, ids.shape[1], prefill_chunk_size):
-        out = model(input_ids=ids[:, start : start + prefill_chunk_size], cache=cache, logits_to_keep=1)
     generated: list[int] = []
-    for _ in range(max_new_tokens):
-        token = int(out.logits[0, -1].argmax())
-        generated.append(token)
-        if len(generated) == max_new_tokens:
-            break
-        out = model(input_ids=torch.tensor([[token]], device=device), cache=cache, logits_to_keep=1)
+    try:
+        with cache_context(cache) if cache_context is not None else contextlib.nullcontext():
+            out = None
+            for start in range(0, ids.shape[1], prefill_chunk_size):
+                out = model(input_ids=ids[:, start : start + prefill_chunk_size], cache=cache, logits_to_keep=1)
+            for _ in range(max_new_tokens):
+                token = int(out.logits[0, -1].argmax())
+                generated.append(token)
+                if len(generated) == max_new_tokens:
+                    break
+                out = model(input_ids=torch.tensor([[token]], device=device), cache=cache, logits_to_keep=1)
+    finally:
+        if callable(getattr(cache, "close", None)):
+            cache.close()
     return generated
 
 
@@ -119,6 +129,7 @@ def evaluate(
     kind: str = "passkey",
     seed: int = 0,
     cache_factory: Callable[[], object] | None = None,
+    cache_context: Callable[[object], contextlib.AbstractContextManager] | None = None,
     prefill_chunk_size: int = 2048,
     on_trial: Callable[[Trial], None] | None = None,
 ) -> EvalResult:
@@ -146,6 +157,7 @@ def evaluate(
                     example.prompt_ids,
                     len(example.answer_ids),
                     cache_factory=cache_factory,
+                    cache_context=cache_context,
                     prefill_chunk_size=prefill_chunk_size,
                 )
                 output = decode_answer(tokenizer, ids)
