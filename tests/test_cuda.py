@@ -11,11 +11,16 @@ from tierkv import TieredCache
 pytestmark = pytest.mark.cuda
 
 
-def test_generation_on_gpu_matches_and_respects_budget(tmp_path):
+def _gpu_model() -> tuple[LlamaConfig, LlamaForCausalLM]:
+    """A small seeded GQA Llama on the GPU."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(config).cuda().eval()
+    return config, LlamaForCausalLM(config).cuda().eval()
+
+
+def test_generation_on_gpu_matches_and_respects_budget(tmp_path):
+    config, model = _gpu_model()
     ids = torch.randint(0, 256, (1, 200), device="cuda")
     ref = model.generate(ids, max_new_tokens=16, do_sample=False, past_key_values=DynamicCache())
     budget = TieredCache.min_device_bytes(config, 216, block_tokens=16) + 64 * 1024
@@ -34,10 +39,7 @@ def test_generation_on_gpu_matches_and_respects_budget(tmp_path):
 def test_streaming_on_gpu_matches_with_cross_layer_prefetch_and_event_timing(tmp_path):
     """Streaming attention on CUDA: chunk copies on the mover's stream, the next layer's first chunk in
     flight, telemetry timed by CUDA events; tokens equal to DynamicCache."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(config).cuda().eval()
+    config, model = _gpu_model()
     ids = torch.randint(0, 256, (1, 300), device="cuda")
     ref = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=DynamicCache())
     budget = TieredCache.min_streaming_device_bytes(config, block_tokens=16, chunk_tokens=64) + 64 * 1024
