@@ -19,6 +19,17 @@ def reference_append(ref: dict, layer: int, keys: torch.Tensor, values: torch.Te
     ref[layer] = new if layer not in ref else torch.cat((ref[layer], new), dim=3)
 
 
+def fill(store, steps: int, first: int, then: int, seed_step: int) -> dict:
+    """Append ``first`` tokens to 2 layers of 2 rows, then ``then`` per step; return the reference K/V."""
+    ref: dict = {}
+    for step in range(steps):
+        for layer in range(2):
+            keys, values = kv(2, first if step == 0 else then, seed=step * seed_step + layer)
+            store.append(layer, keys, values)
+            reference_append(ref, layer, keys, values)
+    return ref
+
+
 def assert_matches(store, ref: dict) -> None:
     store.table.check()
     for layer, expected in ref.items():
@@ -28,12 +39,7 @@ def assert_matches(store, ref: dict) -> None:
 
 def test_blocks_spill_down_and_read_back(tmp_path):
     store = make_store(tmp_path, device_slots=6, host_slots=4)
-    ref: dict = {}
-    for step in range(12):
-        for layer in range(2):
-            keys, values = kv(2, 5 if step == 0 else 1, seed=step * 10 + layer)
-            store.append(layer, keys, values)
-            reference_append(ref, layer, keys, values)
+    ref = fill(store, steps=12, first=5, then=1, seed_step=10)
     assert_matches(store, ref)
     stats = store.stats()
     assert stats["blocks"]["device"] > 0 and stats["blocks"]["host"] > 0 and stats["blocks"]["disk"] > 0
@@ -233,12 +239,7 @@ def test_landing_buffer_coalesces_and_reads_back(tmp_path):
     """With a landing buffer (the CUDA path), runs of host slots and disk reads cross as large copies in
     pieces of the landing capacity and are scattered into place: same bytes as the direct path."""
     store = make_store(tmp_path, device_slots=6, host_slots=12, staging_bytes=6 * SLOT)
-    ref: dict = {}
-    for step in range(10):
-        for layer in range(2):
-            keys, values = kv(2, 6 if step == 0 else 2, seed=step * 3 + layer)
-            store.append(layer, keys, values)
-            reference_append(ref, layer, keys, values)
+    ref = fill(store, steps=10, first=6, then=2, seed_step=3)
     assert store.enable_landing(3 * SLOT)  # capacity of 3 slots: longer runs go in pieces
     stats = store.stats()
     assert stats["blocks"]["host"] > 3 and stats["blocks"]["disk"] > 3
