@@ -98,7 +98,7 @@ def test_profile_save_load_round_trip(tmp_path):
     profile.save(path)
     assert LinkProfile.load(path) == profile
     cpu_host = profile.replace(**{"host->host": PRESETS["dram"]})
-    cpu_host = LinkProfile(cpu_host.links, cpu_host.machine, serial_mover=True, contention=1.3)
+    cpu_host = LinkProfile(cpu_host.links, cpu_host.machine, serial_mover=True, contention=1.3, disk_contention=1.2)
     cpu_host.save(path)
     assert LinkProfile.load(path) == cpu_host
 
@@ -115,6 +115,8 @@ def test_profile_errors_name_the_fix(tmp_path):
         LinkProfile({}).link("host->device")
     with pytest.raises(InvalidConfigError, match=r"contention=2.5 must be in \[1, 2\]"):
         LinkProfile({}, serial_mover=True, contention=2.5)
+    with pytest.raises(InvalidConfigError, match=r"disk_contention=0.5 must be in \[1, 2\]"):
+        LinkProfile({}, serial_mover=True, disk_contention=0.5)
 
 
 def test_all_on_device_is_pure_compute():
@@ -160,9 +162,9 @@ def test_disk_two_stage_pipeline_needs_depth_two():
 SECOND = Link("one byte per second", 1.0, 0.0)  # bytes = seconds: hand-checkable timelines
 
 
-def _cpu_host(contention: float) -> LinkProfile:
+def _cpu_host(contention: float, disk_contention: float = 1.0) -> LinkProfile:
     links = {key: SECOND for key in ("host->device", "device->device", "disk->host")}
-    return LinkProfile(links, serial_mover=True, contention=contention)
+    return LinkProfile(links, serial_mover=True, contention=contention, disk_contention=disk_contention)
 
 
 def test_serial_mover_runs_a_layers_gather_copies_and_reads_in_turn():
@@ -187,6 +189,20 @@ def test_contention_stretches_overlapping_copies_and_compute():
     # contention 2 (fully shared): the same time as no prefetch at all
     assert predict_step(two, _cpu_host(2.0), 1).step_s == pytest.approx(predict_step(two, _cpu_host(2.0), 0).step_s)
     assert predict_step(two, _cpu_host(2.0), 0).step_s == pytest.approx(6.0)  # depth 0 overlaps nothing
+
+
+def test_disk_contention_stretches_the_overlapped_share_of_disk_reads():
+    layer = LayerLoad(2.0, disk_bytes=1)  # compute 2 s; job: read 1 s, then copy it 1 s
+    two = Placement((layer, layer))
+    # job 0 [0, 2]; compute 0 [2, 4] overlaps job 1 (2 s, half read, half copy) for 2 s
+    assert predict_step(two, _cpu_host(1.0, 1.0), 1).step_s == pytest.approx(6.0)
+    # only the read's half of the overlap is stretched: +0.5 s on compute 0 and on job 1
+    disk_only = predict_step(two, _cpu_host(1.0, 1.5), 1)
+    assert disk_only.step_s == pytest.approx(6.5)
+    assert (disk_only.disk_s, disk_only.host_to_device_s) == pytest.approx((2.5, 2.0))
+    both = predict_step(two, _cpu_host(1.5, 1.5), 1)  # the whole overlap is stretched
+    assert both.step_s == pytest.approx(7.0)
+    assert predict_step(two, _cpu_host(1.0, 2.0), 0).step_s == pytest.approx(8.0)  # depth 0 overlaps nothing
 
 
 def test_prefetch_depth_is_validated():
@@ -239,9 +255,10 @@ def test_deeper_prefetch_never_slows_the_step(layers, depth):
 
 
 @settings(max_examples=200, deadline=None)
-@given(layers=layers, other=st.floats(0, 5e-3), depth=st.integers(0, 6), contention=st.floats(1.0, 2.0))
-def test_serial_mover_step_is_bounded_by_its_busy_times(layers, other, depth, contention):
-    profile = LinkProfile(PROFILE.links, serial_mover=True, contention=contention)
+@given(layers=layers, other=st.floats(0, 5e-3), depth=st.integers(0, 6), contention=st.floats(1.0, 2.0),
+       disk_contention=st.floats(1.0, 2.0))
+def test_serial_mover_step_is_bounded_by_its_busy_times(layers, other, depth, contention, disk_contention):
+    profile = LinkProfile(PROFILE.links, serial_mover=True, contention=contention, disk_contention=disk_contention)
     forecast = predict_step(Placement(tuple(layers), other), profile, depth)
     busy = forecast.compute_s + forecast.host_to_device_s + forecast.disk_s
     slack = 1e-12 * max(1.0, busy)

@@ -34,10 +34,11 @@ def test_quick_bench_writes_a_loadable_profile_and_a_png(tmp_path: Path, capsys)
         assert math.isfinite(link.bandwidth_bytes_per_s) and link.bandwidth_bytes_per_s > 0
     for key in ("cpu", "cores", "ram", "gpu", "filesystem", "date", "disk_engine"):
         assert profile.machine[key]
-    assert profile.serial_mover and 1.0 <= profile.contention <= 2.0  # this CPU-only host: one mover thread
-    assert "slow each other by" in printed
+    assert profile.serial_mover  # this CPU-only host: one mover thread
+    assert 1.0 <= profile.contention <= 2.0 and 1.0 <= profile.disk_contention <= 2.0
+    assert "copies slow by" in printed and "disk reads by" in printed
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not list((tmp_path / "disk").iterdir())  # the test file is removed
+    assert not list((tmp_path / "disk").iterdir())  # the test files (links, contention) are removed
 
 
 def test_bench_rejects_unknown_engine(tmp_path: Path, capsys) -> None:

@@ -159,6 +159,9 @@ class LinkProfile:
     """How much the mover's memory copies and compute slow each other when they overlap, in [1, 2]:
     overlapping for ``t`` seconds costs ``contention * t`` (1: independent, e.g. DMA engines; 2: they
     share one resource and serialise). Measured by ``tierkv bench`` on CPU-only hosts."""
+    disk_contention: float = 1.0
+    """The same factor for the mover's disk reads beside compute, in [1, 2]: on a CPU-only host the engine's
+    I/O threads and completions need the cores the compute holds. Measured by ``tierkv bench``."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.links) - set(LINK_KEYS))
@@ -166,11 +169,13 @@ class LinkProfile:
             raise InvalidConfigError(
                 f"LinkProfile: unknown link keys {unknown}; valid keys: {', '.join(LINK_KEYS)}."
             )
-        if not (isinstance(self.contention, (int, float)) and 1.0 <= self.contention <= 2.0):
-            raise InvalidConfigError(
-                f"LinkProfile.contention={self.contention!r} must be in [1, 2] (1: copies and compute do not "
-                "slow each other; 2: they serialise); measure it with `tierkv bench`."
-            )
+        for name in ("contention", "disk_contention"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 1.0 <= value <= 2.0):
+                raise InvalidConfigError(
+                    f"LinkProfile.{name}={value!r} must be in [1, 2] (1: the mover's work and compute do not "
+                    "slow each other; 2: they serialise); measure it with `tierkv bench`."
+                )
 
     def link(self, key: str) -> Link:
         """The link for direction ``key``, with an error that says how to get it when it is missing."""
@@ -189,7 +194,8 @@ class LinkProfile:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the profile as JSON (``{"links": {key: Link fields}, "machine": {...}}``)."""
         data = {"links": {key: asdict(link) for key, link in self.links.items()}, "machine": self.machine,
-                "serial_mover": self.serial_mover, "contention": self.contention}
+                "serial_mover": self.serial_mover, "contention": self.contention,
+                "disk_contention": self.disk_contention}
         with open(path, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
             f.write("\n")
@@ -205,6 +211,7 @@ class LinkProfile:
             }
             machine = {str(k): str(v) for k, v in data.get("machine", {}).items()}
             serial, contention = data.get("serial_mover", False), float(data.get("contention", 1.0))
+            disk_contention = float(data.get("disk_contention", 1.0))
             if not isinstance(serial, bool):
                 raise TypeError(f"serial_mover must be true or false, got {serial!r}")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -216,7 +223,7 @@ class LinkProfile:
                 "...}, "
                 '"machine": {...}}.'
             ) from None
-        return cls(links, machine, serial, contention)
+        return cls(links, machine, serial, contention, disk_contention)
 
     @classmethod
     def from_presets(cls, link: str = "pcie4", disk: str = "nvme-gen4") -> LinkProfile:
@@ -362,7 +369,8 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
     (``links.serial_mover``): on CUDA each link is a FIFO queue in layer order (a layer's disk bytes go
     disk->host then host->device, its host bytes host->device only) and the device gather is added to
     compute; on a CPU-only host one mover thread runs each layer's gather, copies and disk read in turn,
-    and where its copies overlap compute both stretch by ``links.contention``. See
+    and where its job overlaps compute both stretch by ``links.contention`` (copies) and
+    ``links.disk_contention`` (disk reads). See
     ``docs/bandwidth-model.md`` for the recurrences.
     """
     if prefetch_depth < 0:
@@ -373,9 +381,9 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
     host_disk = [_stage("host->device", links, layer.disk_bytes, layer.disk_transfers) for layer in layers]
     gather = [_stage("device->device", links, layer.device_bytes, 1) for layer in layers]
     if links.serial_mover:
-        compute, copies = _contended(
+        compute, copies, disk = _contended(
             [layer.compute_s for layer in layers], [g + h + hd for g, h, hd in zip(gather, host, host_disk)],
-            prefetch_depth, links.contention)
+            disk, prefetch_depth, (links.contention, links.disk_contention))
     else:
         compute = [layer.compute_s + g for layer, g in zip(layers, gather)]
     compute_end: list[float] = []
@@ -420,21 +428,31 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
     )
 
 
-def _contended(compute: list[float], copies: list[float], depth: int, contention: float) -> tuple[list[float],
-                                                                                                  list[float]]:
-    """Compute and mover-copy times stretched where they overlap on a CPU host's shared cores and DRAM.
+def _contended(compute: list[float], copies: list[float], disk: list[float], depth: int,
+               contention: tuple[float, float]) -> tuple[list[float], list[float], list[float]]:
+    """Compute, mover-copy and disk-read times stretched where they overlap on a CPU host's shared cores and DRAM.
 
-    With prefetch depth ``d`` the mover's job for layer ``i + d`` runs while layer ``i`` computes; for the
-    ``min`` of the two durations both progress at ``1 / contention`` of their speed alone, so each grows by
-    ``(contention - 1) * overlap``. Depth 0 overlaps nothing.
+    With prefetch depth ``d`` the mover's job for layer ``i + d`` (its copies, then its disk read) runs while
+    layer ``i`` computes, for ``o = min(compute, job)``. The part of ``o`` spent on copies costs
+    ``contention[0] - 1`` extra per second, the part on the disk read ``contention[1] - 1``, on both sides
+    (processor sharing). Depth 0 overlaps nothing.
     """
-    if depth == 0 or contention == 1.0:
-        return compute, copies
-    n, extra = len(compute), contention - 1.0
-    overlap = [min(compute[i], copies[i + depth]) if i + depth < n else 0.0 for i in range(n)]
-    stretched_compute = [c + extra * o for c, o in zip(compute, overlap)]
-    stretched_copies = [x + (extra * overlap[j - depth] if j >= depth else 0.0) for j, x in enumerate(copies)]
-    return stretched_compute, stretched_copies
+    n = len(compute)
+    stretched_compute, stretched_copies, stretched_disk = list(compute), list(copies), list(disk)
+    if depth == 0:
+        return stretched_compute, stretched_copies, stretched_disk
+    copy_extra, disk_extra = contention[0] - 1.0, contention[1] - 1.0
+    for i in range(n - depth):
+        j = i + depth
+        job = copies[j] + disk[j]
+        if job <= 0:
+            continue
+        overlap = min(compute[i], job)
+        on_copies, on_disk = copy_extra * overlap * copies[j] / job, disk_extra * overlap * disk[j] / job
+        stretched_compute[i] += on_copies + on_disk
+        stretched_copies[j] += on_copies
+        stretched_disk[j] += on_disk
+    return stretched_compute, stretched_copies, stretched_disk
 
 
 def min_prefetch_depth(

@@ -13,7 +13,8 @@ disk->host / host->disk   each disk engine, one batch of ``size``-byte requests 
                           ``disk_bytes``, beside a *raw* baseline: 16 threads issuing bare O_DIRECT
                           ``preadv``/``pwritev`` of the same request size (no engine, no checks); and
                           reads of one layer's blocks: batches of 1-64 scattered ``block_bytes`` requests
-contention (CPU only)     copies on a second thread beside a matrix-vector product, alone and together
+contention (CPU only)     block copies, and disk reads of a layer's blocks, on a second thread beside a
+                          matrix-vector product, alone and together
 host<->device (CUDA)      pinned and pageable copies each way, and both ways at once on two streams
 ========================  ==========================================================================
 
@@ -517,30 +518,20 @@ def _engine_op(f: DiskFile, requests: list[tuple[int, np.ndarray]], write: bool,
             os.close(fd)
 
 
-def measure_contention(cfg: BenchConfig) -> float:
-    """How much the mover's block copies and decode-like compute slow each other on this CPU host.
+def _contention_beside_compute(job: Callable[[], None], cfg: BenchConfig) -> float:
+    """How much ``job`` on a second thread and decode-like compute slow each other on this CPU host.
 
-    Runs a memory-bound matrix-vector product (decode attention and projections read every byte once) on
-    the calling thread with torch's current thread count, and per-block ``copy_`` of the same number of
-    bytes on a second thread (the mover's work), first each alone, then both at once. With alone times
-    ``a`` (compute) and ``b`` (copies) and ``T`` together, processor sharing gives
-    ``T = max(a, b) + (contention - 1) * min(a, b)``; the median over at least :data:`CONTENTION_SAMPLES`
-    samples is returned, clamped to [1, 2].
+    The compute is a memory-bound matrix-vector product (decode attention and projections read every byte
+    once) on the calling thread with torch's current thread count, repeated to last about as long as the job
+    (the most overlap). With alone times ``a`` (compute) and ``b`` (job) and ``T`` together, processor
+    sharing gives ``T = max(a, b) + (contention - 1) * min(a, b)``; the median over at least
+    :data:`CONTENTION_SAMPLES` samples is returned, clamped to [1, 2].
     """
-    nbytes, block = cfg.contention_bytes, cfg.block_bytes
-    weights = torch.ones(nbytes // 4 // 1024, 1024)  # fp32 [rows, 1024]
+    weights = torch.ones(cfg.contention_bytes // 4 // 1024, 1024)  # fp32 [rows, 1024]
     vector = torch.ones(1024)
-    pool = torch.ones(2 * nbytes // block, block, dtype=torch.uint8)
-    staging = torch.empty(nbytes // block, block, dtype=torch.uint8)
-    slots = np.random.default_rng(0).permutation(len(pool))[: len(staging)].tolist()
-
-    def copies() -> None:
-        for i, slot in enumerate(slots):
-            staging[i].copy_(pool[slot])
-
     one_mv = _median_seconds(lambda: torch.mv(weights, vector), warmup=cfg.warmup, repeats=cfg.repeats)
-    copy_alone = _median_seconds(copies, warmup=cfg.warmup, repeats=cfg.repeats)
-    reps = max(1, round(copy_alone / one_mv))  # compute about as long as the copies: the most overlap
+    job_alone = _median_seconds(job, warmup=cfg.warmup, repeats=cfg.repeats)
+    reps = max(1, round(job_alone / one_mv))
 
     def compute() -> None:
         for _ in range(reps):
@@ -550,14 +541,64 @@ def measure_contention(cfg: BenchConfig) -> float:
     with cf.ThreadPoolExecutor(max_workers=1) as mover:
         for _ in range(max(CONTENTION_SAMPLES, cfg.repeats)):  # each sample is short and noisy: take more
             a = _median_seconds(compute, warmup=0, repeats=1)
-            b = _median_seconds(copies, warmup=0, repeats=1)
+            b = _median_seconds(job, warmup=0, repeats=1)
             start = time.perf_counter()
-            job = mover.submit(copies)
+            running = mover.submit(job)
             compute()
-            job.result()
+            running.result()
             together = time.perf_counter() - start
             samples.append(1.0 + (together - max(a, b)) / min(a, b))
     return min(2.0, max(1.0, statistics.median(samples)))
+
+
+def measure_contention(cfg: BenchConfig) -> float:
+    """Contention of the mover's block copies (``copy_`` per block of ``contention_bytes`` in all, from
+    scattered slots) with compute: :func:`_contention_beside_compute`."""
+    nbytes, block = cfg.contention_bytes, cfg.block_bytes
+    pool = torch.ones(2 * nbytes // block, block, dtype=torch.uint8)
+    staging = torch.empty(nbytes // block, block, dtype=torch.uint8)
+    slots = np.random.default_rng(0).permutation(len(pool))[: len(staging)].tolist()
+
+    def copies() -> None:
+        for i, slot in enumerate(slots):
+            staging[i].copy_(pool[slot])
+
+    return _contention_beside_compute(copies, cfg)
+
+
+DISK_CONTENTION_BATCH = 4  # blocks per read batch: a layer's disk blocks in a decode step
+
+
+def measure_disk_contention(cfg: BenchConfig, engine: str) -> float:
+    """Contention of the disk tier's reads (``engine``, batches of :data:`DISK_CONTENTION_BATCH` scattered
+    ``block_bytes`` requests, ``contention_bytes`` in all, from a file 4x that size) with compute: on a CPU
+    host the engine's I/O threads and their completions need the cores the compute holds."""
+    cfg.directory.mkdir(parents=True, exist_ok=True)
+    path = cfg.directory / f"tierkv-bench-contention-{os.getpid()}.bin"
+    block = cfg.block_bytes - cfg.block_bytes % ALIGN
+    file_bytes = 4 * cfg.contention_bytes // block * block
+    buffer = aligned_empty(min(file_bytes, max(cfg.contention_bytes, DISK_CONTENTION_BATCH * block)))
+    buffer[:] = np.random.default_rng(3).integers(0, 256, buffer.nbytes, dtype=np.uint8)
+    rng = np.random.default_rng(4)
+    batches = max(1, cfg.contention_bytes // (DISK_CONTENTION_BATCH * block))
+    views = [buffer[i * block : (i + 1) * block] for i in range(DISK_CONTENTION_BATCH)]
+    try:
+        with open(path, "wb") as f:
+            f.truncate(file_bytes)
+        disk_file = open_disk_file(path, engine=engine)
+        try:
+            _fill(disk_file, path, buffer, file_bytes)
+
+            def reads() -> None:
+                for _ in range(batches):
+                    offsets = rng.choice(file_bytes // block, size=DISK_CONTENTION_BATCH, replace=False) * block
+                    _engine_op(disk_file, list(zip((int(o) for o in np.sort(offsets)), views)), False, path)
+
+            return _contention_beside_compute(reads, cfg)
+        finally:
+            disk_file.close()
+    finally:
+        path.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- profile
@@ -583,14 +624,15 @@ def _fit(name: str, rows: Sequence[Measurement]) -> Link | str:
 
 def build_profile(
     measurements: Sequence[Measurement], machine: dict[str, str], disk_engine: str | None,
-    contention: float | None = None,
+    contention: float | None = None, disk_contention: float | None = None,
 ) -> tuple[LinkProfile, list[str]]:
     """Fit the profile's links from the series the runtime will actually use.
 
     disk links come from the engine auto-selection picks (``disk_engine``); on CUDA the PCIe links from
     pinned copies (the host tier is pinned); without CUDA host->device and device->host are the memcpy,
-    the mover is one thread (``serial_mover``) and ``contention`` (:func:`measure_contention`) says how
-    much its copies slow compute.
+    the mover is one thread (``serial_mover``) and ``contention`` (:func:`measure_contention`) and
+    ``disk_contention`` (:func:`measure_disk_contention`) say how much its copies and disk reads and compute
+    slow each other.
     """
 
     def rows(link: str, method: str) -> list[Measurement]:
@@ -614,7 +656,8 @@ def build_profile(
     notes = [fit for fit in fits.values() if isinstance(fit, str)]
     if torch.cuda.is_available():
         return LinkProfile(links, machine), notes
-    return LinkProfile(links, machine, serial_mover=True, contention=contention or 1.0), notes
+    return LinkProfile(links, machine, serial_mover=True, contention=contention or 1.0,
+                       disk_contention=disk_contention or 1.0), notes
 
 
 def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: None) -> BenchResult:
@@ -636,11 +679,13 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: N
     measurements += disk_rows
     engines = list(cfg.engines) if cfg.engines is not None else available_engines()
     disk_engine = next((e for e in available_engines() if e in engines), None)
-    contention = None
+    contention = disk_contention = None
     if device == "cpu":
-        progress("copies beside compute (contention)")
+        progress("copies and disk reads beside compute (contention)")
         contention = measure_contention(cfg)
-    profile, fit_notes = build_profile(measurements, machine, disk_engine, contention)
+        if disk_engine is not None:
+            disk_contention = measure_disk_contention(cfg, disk_engine)
+    profile, fit_notes = build_profile(measurements, machine, disk_engine, contention, disk_contention)
     return BenchResult(measurements, profile, machine, notes + fit_notes)
 
 

@@ -170,8 +170,9 @@ def tables(result: BenchResult) -> list[Table]:
     for key, link in result.profile.links.items():
         table.add_row(key, f"{link.bandwidth_bytes_per_s / 1e9:.2f}", f"{link.latency_s * 1e6:.1f}")
     if result.profile.serial_mover:
-        table.caption = (f"one mover thread beside compute; copies and compute overlapping slow each other by "
-                         f"{result.profile.contention:.2f}x (1: independent, 2: serialised)")
+        table.caption = (f"one mover thread beside compute; overlapping compute, copies slow by "
+                         f"{result.profile.contention:.2f}x and disk reads by {result.profile.disk_contention:.2f}x "
+                         "(1: independent, 2: serialised)")
     out.append(table)
     return out
 
