@@ -12,8 +12,9 @@ gathers of every layer run alone, no model) and the overlapped step (about half 
 measured side by side, interleaved over rounds; the target is overlapped <= 1.1 x max(compute-only,
 transfer-only). ``test_model_accuracy``: the bandwidth model is calibrated in the same run by
 ``tierkv.bench.run_bench`` (the profile ``tierkv bench`` writes: the store's own gather of device and host
-blocks, the disk engine's per-layer block batches, one mover thread and the measured contention of its
-copies and disk reads with compute), CALIBRATIONS times, each run followed by rounds of decode steps, and
+blocks, the disk engine's per-layer block batches, one mover thread and how much its gathers and disk
+reads and this model's compute slow each other, with a ``StaticCache`` step as the compute: the model
+alone), CALIBRATIONS times, each run followed by rounds of decode steps, and
 pooled (each point's median time, then the fit): this VM's memory and disk speeds drift by the minute, and
 interleaving samples the drift the steps see. Compute per layer comes from an all-device cache with no
 prefetch (its steps' time outside the gathers: the model's layers plus the cache's per-layer bookkeeping,
@@ -27,6 +28,7 @@ steps of each cache are warm-up. The disk tier uses O_DIRECT (no page cache). Kn
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -40,7 +42,7 @@ from rich.table import Table
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from tierkv import TieredCache
-from tierkv.bandwidth import LinkProfile, predict_step
+from tierkv.bandwidth import Contention, LinkProfile, predict_step
 from tierkv.bench import BenchConfig, BenchResult, KiB, Measurement, MiB, build_profile, machine_description, run_bench
 from tierkv.config import env_str
 from tierkv.stats import LayerRecord, steady_state_placement
@@ -209,12 +211,13 @@ def test_overlap(benchmark, bench: Bench) -> None:
 
 def _calibrate(bench: Bench) -> BenchResult:
     """What ``tierkv bench`` measures on this host, now: block copies of the store's slot size, the disk tier's
-    engine, and (CPU host) the contention of the mover's copies and disk reads with compute."""
+    engine, and (CPU host) how the mover's gathers and disk reads and this model's compute (a decode step over
+    the StaticCache: the model alone) slow each other."""
     slot = bench.caches["some-disk"].store.layouts[0].slot_bytes
     engine = bench.caches["some-disk"]._disk.engine_name
     cfg = BenchConfig(bench.directory, min_size=slot, max_size=64 * MiB, disk_bytes=256 * MiB, block_bytes=slot,
                       engines=(engine,), warmup=1, repeats=3, disk_point_bytes=64 * MiB)
-    return run_bench(cfg)
+    return run_bench(cfg, compute=bench.plain_step)
 
 
 def _pooled_profile(results: list[BenchResult]) -> LinkProfile:
@@ -228,27 +231,37 @@ def _pooled_profile(results: list[BenchResult]) -> LinkProfile:
     rows = [Measurement(link, method, size, nbytes, transfers, statistics.median(seconds))
             for (link, method, size, nbytes, transfers), seconds in points.items()]
     profiles = [result.profile for result in results]
-    profile, _ = build_profile(rows, results[0].machine, profiles[0].machine.get("disk_engine"),
-                               statistics.median(p.contention for p in profiles),
-                               statistics.median(p.disk_contention for p in profiles))
+    factors = [dataclasses.astuple(p.contention) for p in profiles]
+    contention = Contention(*(statistics.median(column) for column in zip(*factors, strict=True)))
+    profile, _ = build_profile(rows, results[0].machine, profiles[0].machine.get("disk_engine"), contention)
     return profile
 
 
 def _compute_per_layer(bench: Bench, steps: int) -> float:
-    """Compute per layer, calibrated: the time outside the gathers of the last ``steps`` no-prefetch steps
-    (the model's layers and the cache's per-layer append and bookkeeping, with no copy running beside them)."""
+    """Compute per layer, calibrated on the last ``steps`` no-prefetch steps: everything the compute thread
+    does except reading and waiting (the model's layers, and the cache's append and bookkeeping), with no
+    copy running beside it, per layer."""
     records = bench.caches[UNOVERLAPPED].executor.timeline.completed()
-    return statistics.median(step.compute_s for step in records[-steps:] if step.decode) / LAYERS
+    return statistics.median(step.wall_s - step.stall_s - step.sync_read_s
+                             for step in records[-steps:] if step.decode) / LAYERS
 
 
-def _predictions(bench: Bench, profile: LinkProfile, compute: float,
+def _jitter(spans: list[float]) -> float:
+    """The spread of the per-layer compute spans of the no-prefetch steps, as a coefficient of variation:
+    robust (interquartile range / 1.349, the standard deviation of a normal, over the median), because a
+    span that a descheduled thread stretched tenfold would dominate a plain standard deviation."""
+    low, _, high = statistics.quantiles(spans, n=4)
+    return (high - low) / 1.349 / statistics.median(spans)
+
+
+def _predictions(bench: Bench, profile: LinkProfile, compute: float, jitter: float,
                  samples: dict[str, list[float]]) -> tuple[dict[str, float], list[list[str]]]:
     """The model's error per placement against the measured steps, and the table rows."""
     rows, errors = [], {}
     for name in PLACEMENTS:
         measured = statistics.median(samples[name])
         layers = [LayerRecord(compute, record.bytes, record.copies) for record in bench.decode_layers(name)]
-        modelled = predict_step(steady_state_placement(layers), profile, 1)
+        modelled = predict_step(steady_state_placement(layers), profile, 1, jitter=jitter)
         errors[name] = modelled.step_s / measured - 1
         moved = {link: sum(r.bytes.get(link, 0) for r in layers) / MiB
                  for link in ("device->device", "host->device", "disk->device")}
@@ -265,7 +278,9 @@ def _predictions(bench: Bench, profile: LinkProfile, compute: float,
 def _describe(profile: LinkProfile) -> str:
     fits = ", ".join(f"{key} {link.bandwidth_bytes_per_s / 1e9:.2f} GB/s + {link.latency_s * 1e6:.0f} us"
                      for key, link in profile.links.items() if key not in ("host->host", "device->host"))
-    return f"{fits}; contention {profile.contention:.2f} (copies), {profile.disk_contention:.2f} (disk reads)"
+    c = profile.contention
+    return (f"{fits}; slowdowns where they overlap: compute {c.compute_by_copies:.2f} / copies "
+            f"{c.copies_by_compute:.2f}, compute {c.compute_by_disk:.2f} / disk reads {c.disk_by_compute:.2f}")
 
 
 COLUMNS = ["placement", "MiB dev/host/disk", "measured", "model", "error", "bottleneck", "compute in step",
@@ -275,29 +290,38 @@ COLUMNS = ["placement", "MiB dev/host/disk", "measured", "model", "error", "bott
 def test_model_accuracy(benchmark, bench: Bench) -> None:
     """CALIBRATIONS rounds of (``tierkv bench``, then interleaved decode steps); the model is fitted from the
     pooled calibrations and judged against the pooled steps. Each round's own prediction is printed too."""
-    ops = {name: (lambda name=name: bench.step(name)) for name in (UNOVERLAPPED, *PLACEMENTS)}
+    spans: list[float] = []  # per-layer compute spans of the no-prefetch steps (not the first or last layer)
+
+    def calibration_step() -> float:
+        elapsed = bench.step(UNOVERLAPPED)
+        layers = bench.decode_layers(UNOVERLAPPED)
+        spans.extend(record.compute_s for record in layers[1:-1])
+        return elapsed
+
+    ops = {UNOVERLAPPED: calibration_step, **{name: (lambda name=name: bench.step(name)) for name in PLACEMENTS}}
     results: list[BenchResult] = []
     samples: dict[str, list[float]] = {name: [] for name in ops}
     by_round = []
     for index in range(CALIBRATIONS):
         results.append(_calibrate(bench))
+        first_span = len(spans)
         measured = _interleaved(ops)
         for name, values in measured.items():
             samples[name] += values
-        compute = _compute_per_layer(bench, ROUNDS * STEPS)
-        errors, _ = _predictions(bench, results[-1].profile, compute, measured)
+        compute, jitter = _compute_per_layer(bench, ROUNDS * STEPS), _jitter(spans[first_span:])
+        errors, _ = _predictions(bench, results[-1].profile, compute, jitter, measured)
         by_round.append(errors)
         print(f"round {index + 1} of {CALIBRATIONS}: errors with this round's calibration "
-              f"{ {name: f'{e:+.1%}' for name, e in errors.items()} }; compute per layer {_ms(compute)} ms; "
-              f"{_describe(results[-1].profile)}")
+              f"{ {name: f'{e:+.1%}' for name, e in errors.items()} }; compute per layer {_ms(compute)} ms, "
+              f"jitter {jitter:.0%}; {_describe(results[-1].profile)}")
     profile = _pooled_profile(results)
-    compute = _compute_per_layer(bench, CALIBRATIONS * ROUNDS * STEPS)
-    errors, rows = _predictions(bench, profile, compute, samples)
+    compute, jitter = _compute_per_layer(bench, CALIBRATIONS * ROUNDS * STEPS), _jitter(spans)
+    errors, rows = _predictions(bench, profile, compute, jitter, samples)
     _table(f"decode step: bandwidth model (pooled over {CALIBRATIONS} calibrations) vs measured (ms; medians "
            f"of {CALIBRATIONS * ROUNDS * STEPS} steps each)", COLUMNS, rows)
     machine = machine_description(bench.directory)
-    print(f"pooled profile: {_describe(profile)}; compute per layer (no-prefetch steps' compute / {LAYERS}): "
-          f"{_ms(compute)} ms")
+    print(f"pooled profile: {_describe(profile)}; compute per layer (no-prefetch steps, all but reads and waits, "
+          f"/ {LAYERS}): {_ms(compute)} ms; jitter (cv of per-layer compute) {jitter:.0%}")
     print("pooled errors:", {name: f"{e:+.1%}" for name, e in errors.items()},
           f"machine: {machine['cpu']}, {machine['cores']}, load {machine['load_average']}")
     benchmark.extra_info.update(errors=errors, errors_by_round=by_round)

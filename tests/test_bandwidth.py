@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,8 +11,10 @@ from hypothesis import strategies as st
 
 from tierkv.bandwidth import (
     LINK_KEYS,
+    MAX_SLOWDOWN,
     PRESETS,
     Bottleneck,
+    Contention,
     LayerLoad,
     Link,
     LinkProfile,
@@ -98,9 +101,14 @@ def test_profile_save_load_round_trip(tmp_path):
     profile.save(path)
     assert LinkProfile.load(path) == profile
     cpu_host = profile.replace(**{"host->host": PRESETS["dram"]})
-    cpu_host = LinkProfile(cpu_host.links, cpu_host.machine, serial_mover=True, contention=1.3, disk_contention=1.2)
+    cpu_host = LinkProfile(cpu_host.links, cpu_host.machine, serial_mover=True,
+                           contention=Contention(1.3, 1.1, 1.2, 1.05))
     cpu_host.save(path)
     assert LinkProfile.load(path) == cpu_host
+    old = json.loads(path.read_text())
+    old["contention"] = 1.3  # a profile written when contention was one processor-sharing factor
+    path.write_text(json.dumps(old))
+    assert LinkProfile.load(path).contention == Contention.uniform(1.3)
 
 
 def test_profile_errors_name_the_fix(tmp_path):
@@ -113,10 +121,10 @@ def test_profile_errors_name_the_fix(tmp_path):
         LinkProfile({"gpu->moon": PRESETS["pcie4"]})
     with pytest.raises(InvalidConfigError, match="tierkv bench"):
         LinkProfile({}).link("host->device")
-    with pytest.raises(InvalidConfigError, match=r"contention=2.5 must be in \[1, 2\]"):
-        LinkProfile({}, serial_mover=True, contention=2.5)
-    with pytest.raises(InvalidConfigError, match=r"disk_contention=0.5 must be in \[1, 2\]"):
-        LinkProfile({}, serial_mover=True, disk_contention=0.5)
+    with pytest.raises(InvalidConfigError, match=r"compute_by_copies=0.5 must be a slowdown in \[1, 4\]"):
+        Contention(compute_by_copies=0.5)
+    with pytest.raises(InvalidConfigError, match="must be a Contention"):
+        LinkProfile({}, serial_mover=True, contention=1.3)
 
 
 def test_all_on_device_is_pure_compute():
@@ -162,9 +170,10 @@ def test_disk_two_stage_pipeline_needs_depth_two():
 SECOND = Link("one byte per second", 1.0, 0.0)  # bytes = seconds: hand-checkable timelines
 
 
-def _cpu_host(contention: float, disk_contention: float = 1.0) -> LinkProfile:
+def _cpu_host(copies: float, disk: float = 1.0) -> LinkProfile:
+    """A CPU host whose copies (disk reads) and compute slow each other by ``copies`` (``disk``) both ways."""
     links = {key: SECOND for key in ("host->device", "device->device", "disk->host")}
-    return LinkProfile(links, serial_mover=True, contention=contention, disk_contention=disk_contention)
+    return LinkProfile(links, serial_mover=True, contention=Contention(copies, copies, disk, disk))
 
 
 def test_serial_mover_runs_a_layers_gather_copies_and_reads_in_turn():
@@ -203,6 +212,37 @@ def test_disk_contention_stretches_the_overlapped_share_of_disk_reads():
     both = predict_step(two, _cpu_host(1.5, 1.5), 1)  # the whole overlap is stretched
     assert both.step_s == pytest.approx(7.0)
     assert predict_step(two, _cpu_host(1.0, 2.0), 0).step_s == pytest.approx(8.0)  # depth 0 overlaps nothing
+
+
+def test_one_sided_contention_slows_only_that_side():
+    layer = LayerLoad(1.0, host_bytes=2)  # compute 1 s, copy 2 s: compute 0 overlaps all of job 1's first second
+    two = Placement((layer, layer))
+    links = _cpu_host(1.0).links
+    compute_only = LinkProfile(links, serial_mover=True, contention=Contention(compute_by_copies=2.0))
+    # job 0 [0, 2]; compute 0 [2, 4] at half speed beside job 1 [2, 4]; compute 1 [4, 5]
+    assert predict_step(two, compute_only, 1).step_s == pytest.approx(5.0)
+    assert predict_step(two, compute_only, 1).compute_s == pytest.approx(3.0)
+    copies_only = LinkProfile(links, serial_mover=True, contention=Contention(copies_by_compute=1.5))
+    # compute 0 [2, 3] at full speed; job 1 does 1/1.5 of a second's work by then, the rest alone: ends at 4 + 1/3
+    forecast = predict_step(two, copies_only, 1)
+    assert forecast.step_s == pytest.approx(4.0 + 1.0 / 3.0 + 1.0)
+    assert forecast.host_to_device_s == pytest.approx(4.0 + 1.0 / 3.0)
+
+
+def test_jitter_slows_a_balanced_pipeline_and_nothing_else():
+    balanced = Placement.uniform(16, 1.0, host_bytes_per_layer=1)  # compute 1 s, copy 1 s per layer
+    profile = _cpu_host(1.0)
+    exact = predict_step(balanced, profile, 1)
+    noisy = predict_step(balanced, profile, 1, jitter=0.15)
+    assert exact.step_s == pytest.approx(17.0)  # the fill, then 16 computes back to back
+    # each layer waits on the slower of two noisy stages: E[max] of two unit means with cv 0.15 is ~1.08
+    assert 17.5 < noisy.step_s < 19.5
+    assert noisy.compute_s == exact.compute_s and noisy.host_to_device_s == exact.host_to_device_s
+    compute_only = Placement.uniform(16, 1.0)  # one stage: its sum's mean is the sum of the means
+    assert predict_step(compute_only, profile, 1, jitter=0.3).step_s == pytest.approx(16.0)
+    assert predict_step(balanced, profile, 1, jitter=0.15).step_s == noisy.step_s  # seeded: deterministic
+    with pytest.raises(InvalidConfigError, match="jitter=-0.1 must be a coefficient of variation"):
+        predict_step(balanced, profile, 1, jitter=-0.1)
 
 
 def test_prefetch_depth_is_validated():
@@ -255,11 +295,11 @@ def test_deeper_prefetch_never_slows_the_step(layers, depth):
 
 
 @settings(max_examples=200, deadline=None)
-@given(layers=layers, other=st.floats(0, 5e-3), depth=st.integers(0, 6), contention=st.floats(1.0, 2.0),
-       disk_contention=st.floats(1.0, 2.0))
-def test_serial_mover_step_is_bounded_by_its_busy_times(layers, other, depth, contention, disk_contention):
-    profile = LinkProfile(PROFILE.links, serial_mover=True, contention=contention, disk_contention=disk_contention)
-    forecast = predict_step(Placement(tuple(layers), other), profile, depth)
+@given(layers=layers, other=st.floats(0, 5e-3), depth=st.integers(0, 6),
+       slowdowns=st.tuples(*[st.floats(1.0, MAX_SLOWDOWN)] * 4), jitter=st.sampled_from([0.0, 0.2]))
+def test_serial_mover_step_is_bounded_by_its_busy_times(layers, other, depth, slowdowns, jitter):
+    profile = LinkProfile(PROFILE.links, serial_mover=True, contention=Contention(*slowdowns))
+    forecast = predict_step(Placement(tuple(layers), other), profile, depth, jitter=jitter)
     busy = forecast.compute_s + forecast.host_to_device_s + forecast.disk_s
     slack = 1e-12 * max(1.0, busy)
     assert forecast.step_s >= forecast.lower_bound_s - slack

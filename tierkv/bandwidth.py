@@ -26,6 +26,8 @@ import enum
 import json
 import math
 import os
+import random
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -144,6 +146,39 @@ def _preset(name: str, allowed: Sequence[str], what: str) -> Link:
     return PRESETS[name]
 
 
+MAX_SLOWDOWN = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class Contention:
+    """How much the mover's work and the model's compute slow each other where they overlap, on a CPU-only
+    host (cores, caches and DRAM are shared), as slowdown factors >= 1, each side measured separately by
+    ``tierkv bench``: the compute's while the mover copies or reads, the mover's copies and disk reads while
+    the compute runs. 1 everywhere means independent (e.g. DMA engines on a GPU host)."""
+
+    compute_by_copies: float = 1.0
+    copies_by_compute: float = 1.0
+    compute_by_disk: float = 1.0
+    disk_by_compute: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (isinstance(value, (int, float)) and 1.0 <= value <= MAX_SLOWDOWN):
+                raise InvalidConfigError(
+                    f"Contention.{name}={value!r} must be a slowdown in [1, {MAX_SLOWDOWN:g}] (1: no slowdown); "
+                    "measure it with `tierkv bench`."
+                )
+
+    @classmethod
+    def uniform(cls, factor: float) -> Contention:
+        """Every side slowed by ``factor``: processor sharing of one resource."""
+        return cls(factor, factor, factor, factor)
+
+    @property
+    def is_none(self) -> bool:
+        return all(value == 1.0 for value in asdict(self).values())
+
+
 @dataclass
 class LinkProfile:
     """Per-direction links of one machine. Keys of `links`: "host->device", "device->host", "disk->host",
@@ -155,13 +190,9 @@ class LinkProfile:
     """True on CPU-only hosts: one mover thread runs a layer's copies and disk reads one after the other,
     device gathers included, beside compute. False (CUDA): disk reads and copies pipeline on their own
     queues, and device gathers share HBM with compute."""
-    contention: float = 1.0
-    """How much the mover's memory copies and compute slow each other when they overlap, in [1, 2]:
-    overlapping for ``t`` seconds costs ``contention * t`` (1: independent, e.g. DMA engines; 2: they
-    share one resource and serialise). Measured by ``tierkv bench`` on CPU-only hosts."""
-    disk_contention: float = 1.0
-    """The same factor for the mover's disk reads beside compute, in [1, 2]: on a CPU-only host the engine's
-    I/O threads and completions need the cores the compute holds. Measured by ``tierkv bench``."""
+    contention: Contention = field(default_factory=Contention)
+    """How the mover's copies and disk reads and compute slow each other where they overlap (CPU-only hosts;
+    measured by ``tierkv bench``)."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.links) - set(LINK_KEYS))
@@ -169,13 +200,11 @@ class LinkProfile:
             raise InvalidConfigError(
                 f"LinkProfile: unknown link keys {unknown}; valid keys: {', '.join(LINK_KEYS)}."
             )
-        for name in ("contention", "disk_contention"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 1.0 <= value <= 2.0):
-                raise InvalidConfigError(
-                    f"LinkProfile.{name}={value!r} must be in [1, 2] (1: the mover's work and compute do not "
-                    "slow each other; 2: they serialise); measure it with `tierkv bench`."
-                )
+        if not isinstance(self.contention, Contention):
+            raise InvalidConfigError(
+                f"LinkProfile.contention={self.contention!r} must be a Contention (slowdowns of compute and of the "
+                "mover's copies and disk reads where they overlap); measure it with `tierkv bench`."
+            )
 
     def link(self, key: str) -> Link:
         """The link for direction ``key``, with an error that says how to get it when it is missing."""
@@ -194,8 +223,7 @@ class LinkProfile:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the profile as JSON (``{"links": {key: Link fields}, "machine": {...}}``)."""
         data = {"links": {key: asdict(link) for key, link in self.links.items()}, "machine": self.machine,
-                "serial_mover": self.serial_mover, "contention": self.contention,
-                "disk_contention": self.disk_contention}
+                "serial_mover": self.serial_mover, "contention": asdict(self.contention)}
         with open(path, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
             f.write("\n")
@@ -210,8 +238,11 @@ class LinkProfile:
                 for key, v in data["links"].items()
             }
             machine = {str(k): str(v) for k, v in data.get("machine", {}).items()}
-            serial, contention = data.get("serial_mover", False), float(data.get("contention", 1.0))
-            disk_contention = float(data.get("disk_contention", 1.0))
+            serial, contention = data.get("serial_mover", False), data.get("contention", {})
+            if isinstance(contention, (int, float)):  # profiles written before the four factors: one for all
+                contention = Contention.uniform(float(contention))
+            else:
+                contention = Contention(**{str(k): float(v) for k, v in contention.items()})
             if not isinstance(serial, bool):
                 raise TypeError(f"serial_mover must be true or false, got {serial!r}")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -223,7 +254,7 @@ class LinkProfile:
                 "...}, "
                 '"machine": {...}}.'
             ) from None
-        return cls(links, machine, serial, contention, disk_contention)
+        return cls(links, machine, serial, contention)
 
     @classmethod
     def from_presets(cls, link: str = "pcie4", disk: str = "nvme-gen4") -> LinkProfile:
@@ -358,7 +389,8 @@ def _stage(link_key: str, links: LinkProfile, nbytes: int, n_transfers: int) -> 
     return links.link(link_key).transfer_time(nbytes, n_transfers) if nbytes > 0 else 0.0
 
 
-def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int = 1) -> StepForecast:
+def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int = 1, *,
+                 jitter: float = 0.0) -> StepForecast:
     """Predict one decode step's time with transfers overlapped with compute.
 
     The model is the exact-gather pipeline with ``prefetch_depth + 1`` staging buffers on the device:
@@ -369,12 +401,17 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
     (``links.serial_mover``): on CUDA each link is a FIFO queue in layer order (a layer's disk bytes go
     disk->host then host->device, its host bytes host->device only) and the device gather is added to
     compute; on a CPU-only host one mover thread runs each layer's gather, copies and disk read in turn,
-    and where its job overlaps compute both stretch by ``links.contention`` (copies) and
-    ``links.disk_contention`` (disk reads). See
+    and where its job overlaps compute both slow down as ``links.contention`` says. See
     ``docs/bandwidth-model.md`` for the recurrences.
+
+    ``jitter`` (0 = exact times) is the coefficient of variation of every per-layer stage time, e.g. the
+    spread of a noisy CPU host's per-layer compute spans in the telemetry; the step is then the expected
+    one (:func:`_mean_with_jitter`).
     """
     if prefetch_depth < 0:
         raise InvalidConfigError(f"prefetch_depth={prefetch_depth} must be >= 0 (0 = no prefetch).")
+    if not (math.isfinite(jitter) and 0.0 <= jitter <= 1.0):
+        raise InvalidConfigError(f"jitter={jitter!r} must be a coefficient of variation in [0, 1] (0: exact times).")
     layers = placement.layers
     disk = [_stage("disk->host", links, layer.disk_bytes, layer.disk_transfers) for layer in layers]
     host = [_stage("host->device", links, layer.host_bytes, layer.host_transfers) for layer in layers]
@@ -383,35 +420,20 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
     if links.serial_mover:
         compute, copies, disk = _contended(
             [layer.compute_s for layer in layers], [g + h + hd for g, h, hd in zip(gather, host, host_disk)],
-            disk, prefetch_depth, (links.contention, links.disk_contention))
+            disk, prefetch_depth, links.contention)
     else:
         compute = [layer.compute_s + g for layer, g in zip(layers, gather)]
-    compute_end: list[float] = []
-    disk_free = h2d_free = compute_free = 0.0
-    first_compute_start = 0.0
-    for i in range(len(layers)):
-        freed_by = i - prefetch_depth - 1
-        issue = compute_end[freed_by] if freed_by >= 0 else 0.0
-        ready = 0.0  # when all of the layer's bytes are on the device
-        if links.serial_mover:
-            if copies[i] + disk[i] > 0:
-                h2d_free = ready = max(issue, h2d_free) + disk[i] + copies[i]
-        else:
-            if host[i] > 0:
-                h2d_free = ready = max(issue, h2d_free) + host[i]
-            if disk[i] > 0:
-                disk_free = max(issue, disk_free) + disk[i]
-                h2d_free = ready = max(disk_free, h2d_free) + host_disk[i]
-        start = max(compute_free, ready)
-        if i == 0:
-            first_compute_start = start
-        compute_free = start + compute[i]
-        compute_end.append(compute_free)
+    if not links.serial_mover:
+        copies = [0.0] * len(layers)
+    stages = (compute, host, host_disk, disk, copies)
+    end, first_compute_start = _pipeline(*stages, links.serial_mover, prefetch_depth)
+    if jitter > 0:
+        end = _mean_with_jitter(stages, links.serial_mover, prefetch_depth, jitter)
 
     compute_total = sum(compute) + placement.other_compute_s
     h2d_total = sum(copies) if links.serial_mover else sum(host) + sum(host_disk)
     disk_total = sum(disk)
-    step = compute_free + placement.other_compute_s
+    step = end + placement.other_compute_s
     busy = {Bottleneck.HOST_TO_DEVICE: h2d_total, Bottleneck.DISK: disk_total}
     transfer = max(busy, key=busy.__getitem__)
     mover = h2d_total + disk_total if links.serial_mover else busy[transfer]
@@ -428,30 +450,94 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
     )
 
 
+def _pipeline(compute: Sequence[float], host: Sequence[float], host_disk: Sequence[float], disk: Sequence[float],
+              copies: Sequence[float], serial: bool, depth: int) -> tuple[float, float]:
+    """The recurrences of :func:`predict_step` on per-layer stage times: (last compute's end, first's start)."""
+    compute_end: list[float] = []
+    disk_free = h2d_free = compute_free = first_compute_start = 0.0
+    for i in range(len(compute)):
+        freed_by = i - depth - 1
+        issue = compute_end[freed_by] if freed_by >= 0 else 0.0
+        ready = 0.0  # when all of the layer's bytes are on the device
+        if serial:
+            if copies[i] + disk[i] > 0:
+                h2d_free = ready = max(issue, h2d_free) + disk[i] + copies[i]
+        else:
+            if host[i] > 0:
+                h2d_free = ready = max(issue, h2d_free) + host[i]
+            if disk[i] > 0:
+                disk_free = max(issue, disk_free) + disk[i]
+                h2d_free = ready = max(disk_free, h2d_free) + host_disk[i]
+        start = max(compute_free, ready)
+        if i == 0:
+            first_compute_start = start
+        compute_free = start + compute[i]
+        compute_end.append(compute_free)
+    return compute_free, first_compute_start
+
+
+JITTER_SAMPLES = 64
+
+
+def _mean_with_jitter(stages: tuple[list[float], ...], serial: bool, depth: int, jitter: float) -> float:
+    """The expected end of the pipeline when every stage time varies with coefficient of variation ``jitter``.
+
+    A balanced pipeline (compute and transfers of a layer about equal) waits each layer on the slower of two
+    noisy stages, so it is slower on average than the recurrences on mean times say. Each stage time is
+    multiplied by a lognormal factor; :data:`JITTER_SAMPLES` stratified samples with mean exactly 1 per stage
+    (seeded: the forecast is deterministic), so every busy total keeps its mean and the bounds still hold.
+    """
+    rng = random.Random(0)
+    sigma = math.sqrt(math.log1p(jitter * jitter))
+    normal = statistics.NormalDist()
+    quantiles = [math.exp(sigma * normal.inv_cdf((k + 0.5) / JITTER_SAMPLES)) for k in range(JITTER_SAMPLES)]
+    mean = sum(quantiles) / JITTER_SAMPLES
+    quantiles = [q / mean for q in quantiles]
+
+    def factors() -> list[float]:
+        shuffled = list(quantiles)
+        rng.shuffle(shuffled)
+        return shuffled
+
+    per_stage = [[factors() for _ in stage] for stage in stages]
+    ends = []
+    for sample in range(JITTER_SAMPLES):
+        varied = [[t * f[sample] for t, f in zip(stage, fs)] for stage, fs in zip(stages, per_stage)]
+        ends.append(_pipeline(*varied, serial, depth)[0])
+    return sum(ends) / JITTER_SAMPLES
+
+
 def _contended(compute: list[float], copies: list[float], disk: list[float], depth: int,
-               contention: tuple[float, float]) -> tuple[list[float], list[float], list[float]]:
+               contention: Contention) -> tuple[list[float], list[float], list[float]]:
     """Compute, mover-copy and disk-read times stretched where they overlap on a CPU host's shared cores and DRAM.
 
-    With prefetch depth ``d`` the mover's job for layer ``i + d`` (its copies, then its disk read) runs while
-    layer ``i`` computes, for ``o = min(compute, job)``. The part of ``o`` spent on copies costs
-    ``contention[0] - 1`` extra per second, the part on the disk read ``contention[1] - 1``, on both sides
-    (processor sharing). Depth 0 overlaps nothing.
+    With prefetch depth ``d`` the mover's job for layer ``i + d`` (copies ``X``, disk read ``D``) runs while
+    layer ``i`` computes (``C``). Both are taken to start together; while both run, compute progresses at
+    ``1 / s_c`` and the job at ``1 / s_j`` of their speed alone (``s_c``, ``s_j``: the slowdowns of
+    ``contention``, weighted by the job's copy and read time); whichever ends first leaves the other to
+    finish at full speed. The job's stretched time is split between copies and read in proportion to
+    ``X * s_x : D * s_d``. Depth 0 overlaps nothing.
     """
-    n = len(compute)
     stretched_compute, stretched_copies, stretched_disk = list(compute), list(copies), list(disk)
-    if depth == 0:
+    if depth == 0 or contention.is_none:
         return stretched_compute, stretched_copies, stretched_disk
-    copy_extra, disk_extra = contention[0] - 1.0, contention[1] - 1.0
-    for i in range(n - depth):
+    c = contention
+    for i in range(len(compute) - depth):
         j = i + depth
         job = copies[j] + disk[j]
-        if job <= 0:
+        if job <= 0 or compute[i] <= 0:
             continue
-        overlap = min(compute[i], job)
-        on_copies, on_disk = copy_extra * overlap * copies[j] / job, disk_extra * overlap * disk[j] / job
-        stretched_compute[i] += on_copies + on_disk
-        stretched_copies[j] += on_copies
-        stretched_disk[j] += on_disk
+        slow_compute = (copies[j] * c.compute_by_copies + disk[j] * c.compute_by_disk) / job
+        slow_copies, slow_disk = copies[j] * c.copies_by_compute, disk[j] * c.disk_by_compute
+        slow_job = (slow_copies + slow_disk) / job
+        compute_end, job_end = compute[i] * slow_compute, job * slow_job
+        if compute_end <= job_end:  # compute ends first; the job's rest runs alone
+            job_end = compute_end + job - compute_end / slow_job
+        else:
+            compute_end = job_end + compute[i] - job_end / slow_compute
+        stretched_compute[i] = compute_end
+        stretched_copies[j] = job_end * slow_copies / (slow_copies + slow_disk)
+        stretched_disk[j] = job_end * slow_disk / (slow_copies + slow_disk)
     return stretched_compute, stretched_copies, stretched_disk
 
 

@@ -13,8 +13,9 @@ disk->host / host->disk   each disk engine, one batch of ``size``-byte requests 
                           ``disk_bytes``, beside a *raw* baseline: 16 threads issuing bare O_DIRECT
                           ``preadv``/``pwritev`` of the same request size (no engine, no checks); and
                           reads of one layer's blocks: batches of 1-64 scattered ``block_bytes`` requests
-contention (CPU only)     block copies, and disk reads of a layer's blocks, on a second thread beside a
-                          matrix-vector product, alone and together
+contention (CPU only)     the store's gather, and disk reads of a layer's blocks, on a second thread beside
+                          a matrix-vector product (or a given compute, e.g. a model's decode step): each
+                          side's slowdown while the other runs throughout
 host<->device (CUDA)      pinned and pageable copies each way, and both ways at once on two streams
 ========================  ==========================================================================
 
@@ -28,14 +29,16 @@ the profile is the store's copy of host-tier blocks into staging in CPU memory, 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import datetime
 import itertools
 import os
 import platform
 import statistics
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +46,7 @@ import numpy as np
 import psutil
 import torch
 
-from tierkv.bandwidth import Link, LinkProfile, fit_link
+from tierkv.bandwidth import MAX_SLOWDOWN, Contention, Link, LinkProfile, fit_link
 from tierkv.io import ALIGN, aligned_empty, available_engines, open_disk_file
 from tierkv.io.base import DiskFile, chunk_bytes, queue_depth
 
@@ -518,61 +521,116 @@ def _engine_op(f: DiskFile, requests: list[tuple[int, np.ndarray]], write: bool,
             os.close(fd)
 
 
-def _contention_beside_compute(job: Callable[[], None], cfg: BenchConfig) -> float:
-    """How much ``job`` on a second thread and decode-like compute slow each other on this CPU host.
+def _slowdowns(job: Callable[[], None], unit: Callable[[], object], cfg: BenchConfig) -> tuple[float, float]:
+    """How much compute (``unit`` repeated on the calling thread) and ``job`` (on a second thread, as the mover
+    runs it) slow each other.
 
-    The compute is a memory-bound matrix-vector product (decode attention and projections read every byte
-    once) on the calling thread with torch's current thread count, repeated to last about as long as the job
-    (the most overlap). With alone times ``a`` (compute) and ``b`` (job) and ``T`` together, processor
-    sharing gives ``T = max(a, b) + (contention - 1) * min(a, b)``; the median over at least
-    :data:`CONTENTION_SAMPLES` samples is returned, clamped to [1, 2].
+    The compute is ``unit`` repeated to last about as long as one job. Each sample times both alone, then
+    the compute while the mover repeats the job the whole time, then one job while the compute repeats the
+    whole time. Each side is measured under full overlap because that is what the model stretches; a single
+    "together" time would hide the slowdown of whichever side ends first. Returns the medians over at least
+    :data:`CONTENTION_SAMPLES` samples of (compute beside the job / alone, job beside compute / alone), each
+    clamped to [1, MAX_SLOWDOWN].
     """
-    weights = torch.ones(cfg.contention_bytes // 4 // 1024, 1024)  # fp32 [rows, 1024]
-    vector = torch.ones(1024)
-    one_mv = _median_seconds(lambda: torch.mv(weights, vector), warmup=cfg.warmup, repeats=cfg.repeats)
-    job_alone = _median_seconds(job, warmup=cfg.warmup, repeats=cfg.repeats)
-    reps = max(1, round(job_alone / one_mv))
+    reps = max(1, round(_median_seconds(job, warmup=cfg.warmup, repeats=cfg.repeats)
+                        / _median_seconds(unit, warmup=cfg.warmup, repeats=cfg.repeats)))
 
     def compute() -> None:
         for _ in range(reps):
-            torch.mv(weights, vector)
+            unit()
 
-    samples = []
+    def timed_job() -> float:
+        start = time.perf_counter()
+        job()
+        return time.perf_counter() - start
+
+    compute_ratios, job_ratios = [], []
     with cf.ThreadPoolExecutor(max_workers=1) as mover:
         for _ in range(max(CONTENTION_SAMPLES, cfg.repeats)):  # each sample is short and noisy: take more
-            a = _median_seconds(compute, warmup=0, repeats=1)
-            b = _median_seconds(job, warmup=0, repeats=1)
-            start = time.perf_counter()
-            running = mover.submit(job)
-            compute()
-            running.result()
-            together = time.perf_counter() - start
-            samples.append(1.0 + (together - max(a, b)) / min(a, b))
-    return min(2.0, max(1.0, statistics.median(samples)))
+            compute_alone, job_alone = _median_seconds(compute, warmup=0, repeats=1), timed_job()
+            started, stop = threading.Event(), threading.Event()
 
+            def repeat_job(started: threading.Event = started, stop: threading.Event = stop) -> None:
+                started.set()
+                while not stop.is_set():
+                    job()
 
-def measure_contention(cfg: BenchConfig) -> float:
-    """Contention of the mover's block copies (``copy_`` per block of ``contention_bytes`` in all, from
-    scattered slots) with compute: :func:`_contention_beside_compute`."""
-    nbytes, block = cfg.contention_bytes, cfg.block_bytes
-    pool = torch.ones(2 * nbytes // block, block, dtype=torch.uint8)
-    staging = torch.empty(nbytes // block, block, dtype=torch.uint8)
-    slots = np.random.default_rng(0).permutation(len(pool))[: len(staging)].tolist()
-
-    def copies() -> None:
-        for i, slot in enumerate(slots):
-            staging[i].copy_(pool[slot])
-
-    return _contention_beside_compute(copies, cfg)
+            repeating = mover.submit(repeat_job)
+            started.wait()
+            compute_beside = _median_seconds(compute, warmup=0, repeats=1)
+            stop.set()
+            repeating.result()
+            running = mover.submit(timed_job)
+            while not running.done():
+                unit()
+            compute_ratios.append(compute_beside / compute_alone)
+            job_ratios.append(running.result() / job_alone)
+    return tuple(min(MAX_SLOWDOWN, max(1.0, statistics.median(r))) for r in (compute_ratios, job_ratios))
 
 
 DISK_CONTENTION_BATCH = 4  # blocks per read batch: a layer's disk blocks in a decode step
 
 
-def measure_disk_contention(cfg: BenchConfig, engine: str) -> float:
-    """Contention of the disk tier's reads (``engine``, batches of :data:`DISK_CONTENTION_BATCH` scattered
-    ``block_bytes`` requests, ``contention_bytes`` in all, from a file 4x that size) with compute: on a CPU
-    host the engine's I/O threads and their completions need the cores the compute holds."""
+def measure_contention(cfg: BenchConfig, disk_engine: str | None,
+                       compute: Callable[[], object] | None = None) -> Contention:
+    """How the mover's work and compute slow each other on this CPU host (:func:`_slowdowns`).
+
+    Two mover jobs: the store's gather (``KVStore.read_into`` of ``contention_bytes`` of one layer from
+    device-tier blocks, walking a pool 4x that size, as :func:`measure_store_gather` and the executors do)
+    and, with a ``disk_engine``, the disk tier's reads (batches of :data:`DISK_CONTENTION_BATCH` scattered
+    block-sized requests, ``contention_bytes`` in all, from a file 4x that size: the engine's I/O threads
+    and completions need the cores the compute holds). ``compute`` is one unit of the work to measure
+    against, e.g. one decode step of your model; the default, a matrix-vector product over
+    ``contention_bytes`` of weights, is decode's most memory-bound kernel, so its slowdown is an upper bound
+    for a real model's."""
+    unit = compute or _matrix_vector(cfg.contention_bytes)
+    with _store_gather_job(cfg) as gather:
+        compute_by_copies, copies_by_compute = _slowdowns(gather, unit, cfg)
+    if disk_engine is None:
+        return Contention(compute_by_copies, copies_by_compute)
+    with _disk_reads(cfg, disk_engine) as reads:
+        compute_by_disk, disk_by_compute = _slowdowns(reads, unit, cfg)
+    return Contention(compute_by_copies, copies_by_compute, compute_by_disk, disk_by_compute)
+
+
+def _matrix_vector(nbytes: int) -> Callable[[], object]:
+    weights = torch.ones(nbytes // 4 // 1024, 1024)  # fp32 [rows, 1024]
+    vector = torch.ones(1024)
+    return lambda: torch.mv(weights, vector)
+
+
+@contextlib.contextmanager
+def _store_gather_job(cfg: BenchConfig) -> Iterator[Callable[[], None]]:
+    """A job that gathers ``contention_bytes`` of one layer from device-tier blocks as the executors do."""
+    from tierkv.blocks import Tier
+    from tierkv.policy import make_policy
+    from tierkv.store import KVStore
+    from tierkv.tiers.memory import MemoryTier
+
+    heads, dim, dtype = 8, 128, torch.float16
+    token_bytes = 2 * heads * dim * dtype.itemsize
+    block_tokens = max(1, cfg.block_bytes // token_bytes)
+    layer_tokens = max(block_tokens, cfg.contention_bytes // token_bytes // block_tokens * block_tokens)
+    pool_tokens = 4 * layer_tokens
+    slack = 4 * block_tokens * token_bytes
+    cpu = torch.device("cpu")
+    store = KVStore(MemoryTier(Tier.DEVICE, pool_tokens * token_bytes + slack, cpu), MemoryTier(Tier.HOST, slack, cpu),
+                    None, make_policy("lru"), block_tokens)
+    kv = torch.ones(1, heads, pool_tokens, dim, dtype=dtype)
+    store.append(0, kv, kv)
+    del kv
+    plans = itertools.cycle([store.plan_read(0, start, start + layer_tokens)
+                             for start in range(0, pool_tokens - layer_tokens + 1, layer_tokens)])
+    staging = torch.empty(2, 1, heads, layer_tokens, dim, dtype=dtype)
+    try:
+        yield lambda: store.read_into(0, next(plans), staging)
+    finally:
+        store.close()
+
+
+@contextlib.contextmanager
+def _disk_reads(cfg: BenchConfig, engine: str) -> Iterator[Callable[[], None]]:
+    """A job that reads ``contention_bytes`` through ``engine`` as the disk tier does in a decode step."""
     cfg.directory.mkdir(parents=True, exist_ok=True)
     path = cfg.directory / f"tierkv-bench-contention-{os.getpid()}.bin"
     block = cfg.block_bytes - cfg.block_bytes % ALIGN
@@ -594,7 +652,7 @@ def measure_disk_contention(cfg: BenchConfig, engine: str) -> float:
                     offsets = rng.choice(file_bytes // block, size=DISK_CONTENTION_BATCH, replace=False) * block
                     _engine_op(disk_file, list(zip((int(o) for o in np.sort(offsets)), views)), False, path)
 
-            return _contention_beside_compute(reads, cfg)
+            yield reads
         finally:
             disk_file.close()
     finally:
@@ -624,15 +682,14 @@ def _fit(name: str, rows: Sequence[Measurement]) -> Link | str:
 
 def build_profile(
     measurements: Sequence[Measurement], machine: dict[str, str], disk_engine: str | None,
-    contention: float | None = None, disk_contention: float | None = None,
+    contention: Contention | None = None,
 ) -> tuple[LinkProfile, list[str]]:
     """Fit the profile's links from the series the runtime will actually use.
 
     disk links come from the engine auto-selection picks (``disk_engine``); on CUDA the PCIe links from
     pinned copies (the host tier is pinned); without CUDA host->device and device->host are the memcpy,
-    the mover is one thread (``serial_mover``) and ``contention`` (:func:`measure_contention`) and
-    ``disk_contention`` (:func:`measure_disk_contention`) say how much its copies and disk reads and compute
-    slow each other.
+    the mover is one thread (``serial_mover``) and ``contention`` (:func:`measure_contention`) says how much
+    its copies and disk reads and compute slow each other.
     """
 
     def rows(link: str, method: str) -> list[Measurement]:
@@ -656,12 +713,12 @@ def build_profile(
     notes = [fit for fit in fits.values() if isinstance(fit, str)]
     if torch.cuda.is_available():
         return LinkProfile(links, machine), notes
-    return LinkProfile(links, machine, serial_mover=True, contention=contention or 1.0,
-                       disk_contention=disk_contention or 1.0), notes
+    return LinkProfile(links, machine, serial_mover=True, contention=contention or Contention()), notes
 
 
-def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: None) -> BenchResult:
-    """Measure every link of this host and fit the profile."""
+def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: None,
+              compute: Callable[[], object] | None = None) -> BenchResult:
+    """Measure every link of this host and fit the profile; ``compute``: see :func:`measure_contention`."""
     sizes = transfer_sizes(cfg.min_size, cfg.max_size)
     machine = machine_description(cfg.directory)
     measurements: list[Measurement] = []
@@ -679,13 +736,11 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: N
     measurements += disk_rows
     engines = list(cfg.engines) if cfg.engines is not None else available_engines()
     disk_engine = next((e for e in available_engines() if e in engines), None)
-    contention = disk_contention = None
+    contention = None
     if device == "cpu":
         progress("copies and disk reads beside compute (contention)")
-        contention = measure_contention(cfg)
-        if disk_engine is not None:
-            disk_contention = measure_disk_contention(cfg, disk_engine)
-    profile, fit_notes = build_profile(measurements, machine, disk_engine, contention, disk_contention)
+        contention = measure_contention(cfg, disk_engine, compute)
+    profile, fit_notes = build_profile(measurements, machine, disk_engine, contention)
     return BenchResult(measurements, profile, machine, notes + fit_notes)
 
 

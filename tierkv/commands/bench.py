@@ -170,9 +170,10 @@ def tables(result: BenchResult) -> list[Table]:
     for key, link in result.profile.links.items():
         table.add_row(key, f"{link.bandwidth_bytes_per_s / 1e9:.2f}", f"{link.latency_s * 1e6:.1f}")
     if result.profile.serial_mover:
-        table.caption = (f"one mover thread beside compute; overlapping compute, copies slow by "
-                         f"{result.profile.contention:.2f}x and disk reads by {result.profile.disk_contention:.2f}x "
-                         "(1: independent, 2: serialised)")
+        c = result.profile.contention
+        table.caption = (f"one mover thread beside compute. Where they overlap, compute slows "
+                         f"{c.compute_by_copies:.2f}x and copies {c.copies_by_compute:.2f}x; beside disk reads, "
+                         f"compute slows {c.compute_by_disk:.2f}x and the reads {c.disk_by_compute:.2f}x")
     out.append(table)
     return out
 
