@@ -301,7 +301,7 @@ def test_model_accuracy(benchmark, bench: Bench) -> None:
     ops = {UNOVERLAPPED: calibration_step, **{name: (lambda name=name: bench.step(name)) for name in PLACEMENTS}}
     results: list[BenchResult] = []
     samples: dict[str, list[float]] = {name: [] for name in ops}
-    by_round = []
+    by_round, jitters = [], []
     for index in range(CALIBRATIONS):
         results.append(_calibrate(bench))
         first_span = len(spans)
@@ -309,19 +309,21 @@ def test_model_accuracy(benchmark, bench: Bench) -> None:
         for name, values in measured.items():
             samples[name] += values
         compute, jitter = _compute_per_layer(bench, ROUNDS * STEPS), _jitter(spans[first_span:])
+        jitters.append(jitter)
         errors, _ = _predictions(bench, results[-1].profile, compute, jitter, measured)
         by_round.append(errors)
         print(f"round {index + 1} of {CALIBRATIONS}: errors with this round's calibration "
               f"{ {name: f'{e:+.1%}' for name, e in errors.items()} }; compute per layer {_ms(compute)} ms, "
               f"jitter {jitter:.0%}; {_describe(results[-1].profile)}")
     profile = _pooled_profile(results)
-    compute, jitter = _compute_per_layer(bench, CALIBRATIONS * ROUNDS * STEPS), _jitter(spans)
+    # the step-to-step spread within rounds (the pooled spans' spread would add the drift between rounds)
+    compute, jitter = _compute_per_layer(bench, CALIBRATIONS * ROUNDS * STEPS), statistics.median(jitters)
     errors, rows = _predictions(bench, profile, compute, jitter, samples)
     _table(f"decode step: bandwidth model (pooled over {CALIBRATIONS} calibrations) vs measured (ms; medians "
            f"of {CALIBRATIONS * ROUNDS * STEPS} steps each)", COLUMNS, rows)
     machine = machine_description(bench.directory)
     print(f"pooled profile: {_describe(profile)}; compute per layer (no-prefetch steps, all but reads and waits, "
-          f"/ {LAYERS}): {_ms(compute)} ms; jitter (cv of per-layer compute) {jitter:.0%}")
+          f"/ {LAYERS}): {_ms(compute)} ms; jitter (median over rounds of the cv of per-layer compute) {jitter:.0%}")
     print("pooled errors:", {name: f"{e:+.1%}" for name, e in errors.items()},
           f"machine: {machine['cpu']}, {machine['cores']}, load {machine['load_average']}")
     benchmark.extra_info.update(errors=errors, errors_by_round=by_round)
