@@ -270,7 +270,8 @@ def _predictions(bench: Bench, profile: LinkProfile, compute: float, jitter: flo
                    for link, seconds in telemetry["transfer_s_by_link"].items() if seconds > 0}
         rows.append([name, " / ".join(f"{v:.0f}" for v in moved.values()), _ms(measured),
                      _ms(modelled.step_s), f"{errors[name]:+.1%}", modelled.bottleneck.value,
-                     _ms(telemetry["compute_s"]), _ms(telemetry["transfer_s"]),
+                     f"{_ms(telemetry['compute_s'])} / {_ms(modelled.compute_s)}",
+                     f"{_ms(telemetry['transfer_s'])} / {_ms(modelled.host_to_device_s + modelled.disk_s)}",
                      " ".join(f"{link.split('->')[0]} {gbps:.1f}" for link, gbps in in_step.items())])
     return errors, rows
 
@@ -283,8 +284,8 @@ def _describe(profile: LinkProfile) -> str:
             f"{c.copies_by_compute:.2f}, compute {c.compute_by_disk:.2f} / disk reads {c.disk_by_compute:.2f}")
 
 
-COLUMNS = ["placement", "MiB dev/host/disk", "measured", "model", "error", "bottleneck", "compute in step",
-           "mover busy in step", "GB/s in step"]
+COLUMNS = ["placement", "MiB dev/host/disk", "measured", "model", "error", "bottleneck",
+           "compute: in step / model", "mover busy: in step / model", "GB/s in step"]
 
 
 def test_model_accuracy(benchmark, bench: Bench) -> None:
