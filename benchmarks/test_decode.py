@@ -17,9 +17,9 @@ reads and this model's compute slow each other, with a ``StaticCache`` step as t
 alone), CALIBRATIONS times, each run followed by rounds of decode steps, and
 pooled (each point's median time, then the fit): this VM's memory and disk speeds drift by the minute, and
 interleaving samples the drift the steps see. Compute per layer comes from an all-device cache with no
-prefetch (its steps' time outside the gathers: the model's layers plus the cache's per-layer bookkeeping,
-with nothing beside them). The predicted step is compared with the measured one on three placements
-(target: within 10 %).
+prefetch (its steps' time outside the gathers: the model's layers and the cache's append, with nothing
+beside them); the gathers' own work per layer is the profile's ``layer_overhead_s``. The predicted step is
+compared with the measured one on three placements (target: within 10 %).
 
 Ratios are printed always and asserted only with ``--benchmark-enable``. Medians everywhere; the first
 steps of each cache are warm-up. The disk tier uses O_DIRECT (no page cache). Knob: ``TIERKV_BENCH_DIR``
@@ -233,17 +233,17 @@ def _pooled_profile(results: list[BenchResult]) -> LinkProfile:
     profiles = [result.profile for result in results]
     factors = [dataclasses.astuple(p.contention) for p in profiles]
     contention = Contention(*(statistics.median(column) for column in zip(*factors, strict=True)))
-    profile, _ = build_profile(rows, results[0].machine, profiles[0].machine.get("disk_engine"), contention)
+    overhead = statistics.median(p.layer_overhead_s for p in profiles)
+    profile, _ = build_profile(rows, results[0].machine, profiles[0].machine.get("disk_engine"), contention, overhead)
     return profile
 
 
 def _compute_per_layer(bench: Bench, steps: int) -> float:
-    """Compute per layer, calibrated on the last ``steps`` no-prefetch steps: everything the compute thread
-    does except reading and waiting (the model's layers, and the cache's append and bookkeeping), with no
-    copy running beside it, per layer."""
+    """Compute per layer, calibrated on the last ``steps`` no-prefetch steps: the compute thread's time outside
+    the cache's gathers (the model's layers and the cache's append of the new token), with no copy running
+    beside it, per layer. The gathers' own work is the profile's ``layer_overhead_s``."""
     records = bench.caches[UNOVERLAPPED].executor.timeline.completed()
-    return statistics.median(step.wall_s - step.stall_s - step.sync_read_s
-                             for step in records[-steps:] if step.decode) / LAYERS
+    return statistics.median(step.compute_s for step in records[-steps:] if step.decode) / LAYERS
 
 
 def _jitter(spans: list[float]) -> float:
@@ -281,7 +281,8 @@ def _describe(profile: LinkProfile) -> str:
                      for key, link in profile.links.items() if key not in ("host->host", "device->host"))
     c = profile.contention
     return (f"{fits}; slowdowns where they overlap: compute {c.compute_by_copies:.2f} / copies "
-            f"{c.copies_by_compute:.2f}, compute {c.compute_by_disk:.2f} / disk reads {c.disk_by_compute:.2f}")
+            f"{c.copies_by_compute:.2f}, compute {c.compute_by_disk:.2f} / disk reads {c.disk_by_compute:.2f}; "
+            f"cache's work per layer {profile.layer_overhead_s * 1e6:.0f} us")
 
 
 COLUMNS = ["placement", "MiB dev/host/disk", "measured", "model", "error", "bottleneck",
@@ -323,7 +324,7 @@ def test_model_accuracy(benchmark, bench: Bench) -> None:
     _table(f"decode step: bandwidth model (pooled over {CALIBRATIONS} calibrations) vs measured (ms; medians "
            f"of {CALIBRATIONS * ROUNDS * STEPS} steps each)", COLUMNS, rows)
     machine = machine_description(bench.directory)
-    print(f"pooled profile: {_describe(profile)}; compute per layer (no-prefetch steps, all but reads and waits, "
+    print(f"pooled profile: {_describe(profile)}; compute per layer (no-prefetch steps, outside the gathers, "
           f"/ {LAYERS}): {_ms(compute)} ms; jitter (median over rounds of the cv of per-layer compute) {jitter:.0%}")
     print("pooled errors:", {name: f"{e:+.1%}" for name, e in errors.items()},
           f"machine: {machine['cpu']}, {machine['cores']}, load {machine['load_average']}")

@@ -102,7 +102,7 @@ def test_profile_save_load_round_trip(tmp_path):
     assert LinkProfile.load(path) == profile
     cpu_host = profile.replace(**{"host->host": PRESETS["dram"]})
     cpu_host = LinkProfile(cpu_host.links, cpu_host.machine, serial_mover=True,
-                           contention=Contention(1.3, 1.1, 1.2, 1.05))
+                           contention=Contention(1.3, 1.1, 1.2, 1.05), layer_overhead_s=3e-4)
     cpu_host.save(path)
     assert LinkProfile.load(path) == cpu_host
     old = json.loads(path.read_text())
@@ -123,6 +123,8 @@ def test_profile_errors_name_the_fix(tmp_path):
         LinkProfile({}).link("host->device")
     with pytest.raises(InvalidConfigError, match=r"compute_by_copies=0.5 must be a slowdown in \[1, 4\]"):
         Contention(compute_by_copies=0.5)
+    with pytest.raises(InvalidConfigError, match="layer_overhead_s=-1 must be a finite number of seconds"):
+        LinkProfile({}, layer_overhead_s=-1)
     with pytest.raises(InvalidConfigError, match="must be a Contention"):
         LinkProfile({}, serial_mover=True, contention=1.3)
 
@@ -227,6 +229,22 @@ def test_one_sided_contention_slows_only_that_side():
     forecast = predict_step(two, copies_only, 1)
     assert forecast.step_s == pytest.approx(4.0 + 1.0 / 3.0 + 1.0)
     assert forecast.host_to_device_s == pytest.approx(4.0 + 1.0 / 3.0)
+
+
+def test_layer_overhead_delays_compute_and_a_busy_movers_next_job():
+    layer = LayerLoad(1.0, host_bytes=2)  # compute 1 s, job 2 s: the mover is the bottleneck
+    three = Placement((layer,) * 3)
+    links = _cpu_host(1.0).links
+    assert predict_step(three, LinkProfile(links, serial_mover=True), 1).step_s == pytest.approx(7.0)
+    # each gather returns 0.5 s after its data is ready, and only then submits the next job:
+    # job 0 [0, 2], compute 0 [2.5, 3.5]; job 1 [2.5, 4.5], compute 1 [5, 6]; job 2 [5, 7], compute 2 [7.5, 8.5]
+    slow = LinkProfile(links, serial_mover=True, layer_overhead_s=0.5)
+    forecast = predict_step(three, slow, 1)
+    assert forecast.step_s == pytest.approx(8.5)
+    assert forecast.compute_s == pytest.approx(3 * 1.5)  # the overhead runs on the compute thread
+    # on CUDA the next job is queued without waiting for this one: only the computes move
+    queued = predict_step(three, LinkProfile(links, layer_overhead_s=0.5), 1)
+    assert queued.step_s == pytest.approx(7.5)
 
 
 def test_jitter_slows_a_balanced_pipeline_and_nothing_else():

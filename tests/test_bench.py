@@ -37,8 +37,9 @@ def test_quick_bench_writes_a_loadable_profile_and_a_png(tmp_path: Path, capsys)
         assert profile.machine[key]
     assert profile.serial_mover  # this CPU-only host: one mover thread
     assert all(1.0 <= factor <= MAX_SLOWDOWN for factor in dataclasses.astuple(profile.contention))
+    assert 0 < profile.layer_overhead_s < 0.1  # the executor's bookkeeping: microseconds to a millisecond
     caption = " ".join(printed.split())  # the table caption wraps
-    assert "compute slows" in caption and "beside disk reads" in caption
+    assert "compute slows" in caption and "beside disk reads" in caption and "own work per layer" in caption
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list((tmp_path / "disk").iterdir())  # the test files (links, contention) are removed
 

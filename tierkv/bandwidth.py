@@ -193,12 +193,21 @@ class LinkProfile:
     contention: Contention = field(default_factory=Contention)
     """How the mover's copies and disk reads and compute slow each other where they overlap (CPU-only hosts;
     measured by ``tierkv bench``)."""
+    layer_overhead_s: float = 0.0
+    """The cache's own work per layer on the compute thread once the layer's data is ready (bookkeeping,
+    the read of the newest tokens, submitting the next prefetch): it delays the layer's compute and, when
+    the mover is the bottleneck, the mover's next job. Measured by ``tierkv bench`` on CPU-only hosts."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.links) - set(LINK_KEYS))
         if unknown:
             raise InvalidConfigError(
                 f"LinkProfile: unknown link keys {unknown}; valid keys: {', '.join(LINK_KEYS)}."
+            )
+        if not (isinstance(self.layer_overhead_s, (int, float)) and math.isfinite(self.layer_overhead_s)
+                and self.layer_overhead_s >= 0):
+            raise InvalidConfigError(
+                f"LinkProfile.layer_overhead_s={self.layer_overhead_s!r} must be a finite number of seconds >= 0."
             )
         if not isinstance(self.contention, Contention):
             raise InvalidConfigError(
@@ -223,7 +232,8 @@ class LinkProfile:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the profile as JSON (``{"links": {key: Link fields}, "machine": {...}}``)."""
         data = {"links": {key: asdict(link) for key, link in self.links.items()}, "machine": self.machine,
-                "serial_mover": self.serial_mover, "contention": asdict(self.contention)}
+                "serial_mover": self.serial_mover, "contention": asdict(self.contention),
+                "layer_overhead_s": self.layer_overhead_s}
         with open(path, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
             f.write("\n")
@@ -243,6 +253,7 @@ class LinkProfile:
                 contention = Contention.uniform(float(contention))
             else:
                 contention = Contention(**{str(k): float(v) for k, v in contention.items()})
+            overhead = float(data.get("layer_overhead_s", 0.0))
             if not isinstance(serial, bool):
                 raise TypeError(f"serial_mover must be true or false, got {serial!r}")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -254,7 +265,7 @@ class LinkProfile:
                 "...}, "
                 '"machine": {...}}.'
             ) from None
-        return cls(links, machine, serial, contention)
+        return cls(links, machine, serial, contention, overhead)
 
     @classmethod
     def from_presets(cls, link: str = "pcie4", disk: str = "nvme-gen4") -> LinkProfile:
@@ -426,11 +437,12 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
     if not links.serial_mover:
         copies = [0.0] * len(layers)
     stages = (compute, host, host_disk, disk, copies)
-    end, first_compute_start = _pipeline(*stages, links.serial_mover, prefetch_depth)
+    overhead = links.layer_overhead_s
+    end, first_compute_start = _pipeline(*stages, links.serial_mover, prefetch_depth, overhead)
     if jitter > 0:
-        end = _mean_with_jitter(stages, links.serial_mover, prefetch_depth, jitter)
+        end = _mean_with_jitter(stages, links.serial_mover, prefetch_depth, overhead, jitter)
 
-    compute_total = sum(compute) + placement.other_compute_s
+    compute_total = sum(compute) + len(layers) * overhead + placement.other_compute_s
     h2d_total = sum(copies) if links.serial_mover else sum(host) + sum(host_disk)
     disk_total = sum(disk)
     step = end + placement.other_compute_s
@@ -451,13 +463,23 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
 
 
 def _pipeline(compute: Sequence[float], host: Sequence[float], host_disk: Sequence[float], disk: Sequence[float],
-              copies: Sequence[float], serial: bool, depth: int) -> tuple[float, float]:
-    """The recurrences of :func:`predict_step` on per-layer stage times: (last compute's end, first's start)."""
+              copies: Sequence[float], serial: bool, depth: int, overhead: float) -> tuple[float, float]:
+    """The recurrences of :func:`predict_step` on per-layer stage times: (last compute's end, first's start).
+
+    Layer ``i``'s gather returns ``overhead`` after both its data is ready and layer ``i - 1`` is done, and
+    its compute starts then. Layer ``i + depth``'s transfers may start when layer ``i - 1`` is done and has
+    released its staging buffer; with a serial mover (a CPU host) and prefetch only once layer ``i``'s
+    gather returns, because the compute thread submits that job from it, after waiting for layer ``i``'s
+    job to finish.
+    """
     compute_end: list[float] = []
+    gather_end: list[float] = []
     disk_free = h2d_free = compute_free = first_compute_start = 0.0
     for i in range(len(compute)):
-        freed_by = i - depth - 1
+        freed_by = i - depth - 1  # the layer whose staging buffer this one reuses
         issue = compute_end[freed_by] if freed_by >= 0 else 0.0
+        if serial and depth > 0 and i >= depth:
+            issue = max(issue, gather_end[i - depth])
         ready = 0.0  # when all of the layer's bytes are on the device
         if serial:
             if copies[i] + disk[i] > 0:
@@ -468,9 +490,10 @@ def _pipeline(compute: Sequence[float], host: Sequence[float], host_disk: Sequen
             if disk[i] > 0:
                 disk_free = max(issue, disk_free) + disk[i]
                 h2d_free = ready = max(disk_free, h2d_free) + host_disk[i]
-        start = max(compute_free, ready)
+        start = max(compute_free, ready) + overhead
         if i == 0:
             first_compute_start = start
+        gather_end.append(start)
         compute_free = start + compute[i]
         compute_end.append(compute_free)
     return compute_free, first_compute_start
@@ -479,7 +502,8 @@ def _pipeline(compute: Sequence[float], host: Sequence[float], host_disk: Sequen
 JITTER_SAMPLES = 64
 
 
-def _mean_with_jitter(stages: tuple[list[float], ...], serial: bool, depth: int, jitter: float) -> float:
+def _mean_with_jitter(stages: tuple[list[float], ...], serial: bool, depth: int, overhead: float,
+                      jitter: float) -> float:
     """The expected end of the pipeline when every stage time varies with coefficient of variation ``jitter``.
 
     A balanced pipeline (compute and transfers of a layer about equal) waits each layer on the slower of two
@@ -503,7 +527,7 @@ def _mean_with_jitter(stages: tuple[list[float], ...], serial: bool, depth: int,
     ends = []
     for sample in range(JITTER_SAMPLES):
         varied = [[t * f[sample] for t, f in zip(stage, fs)] for stage, fs in zip(stages, per_stage)]
-        ends.append(_pipeline(*varied, serial, depth)[0])
+        ends.append(_pipeline(*varied, serial, depth, overhead)[0])
     return sum(ends) / JITTER_SAMPLES
 
 

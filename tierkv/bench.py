@@ -13,6 +13,7 @@ disk->host / host->disk   each disk engine, one batch of ``size``-byte requests 
                           ``disk_bytes``, beside a *raw* baseline: 16 threads issuing bare O_DIRECT
                           ``preadv``/``pwritev`` of the same request size (no engine, no checks); and
                           reads of one layer's blocks: batches of 1-64 scattered ``block_bytes`` requests
+layer overhead (CPU only) the exact-gather executor's own work per layer on the compute thread (telemetry)
 contention (CPU only)     the store's gather, and disk reads of a layer's blocks, on a second thread beside
                           a matrix-vector product (or a given compute, e.g. a model's decode step): each
                           side's slowdown while the other runs throughout
@@ -673,6 +674,49 @@ def _disk_reads(cfg: BenchConfig, engine: str) -> Iterator[Callable[[], None]]:
         path.unlink(missing_ok=True)
 
 
+OVERHEAD_LAYERS, OVERHEAD_BLOCKS, OVERHEAD_STEPS = 8, 16, 20
+
+
+def measure_layer_overhead(cfg: BenchConfig) -> float:
+    """``LinkProfile.layer_overhead_s``: the cache's own work per layer on the compute thread, on the runtime's
+    code. The exact-gather executor with layer-ahead prefetch runs decode steps over a device-tier store of
+    :data:`OVERHEAD_LAYERS` layers of :data:`OVERHEAD_BLOCKS` blocks, one token appended per layer per step
+    and no model; from its own telemetry, the time in ``gather`` outside the waits for prefetches (the
+    bookkeeping, the read of the newest token, submitting the next prefetch), per layer, median over steps."""
+    from tierkv.attention.exact_gather import ExactGather
+    from tierkv.blocks import Tier
+    from tierkv.mover import ThreadMover
+    from tierkv.policy import make_policy
+    from tierkv.stats import Timeline
+    from tierkv.store import KVStore
+    from tierkv.tiers.memory import MemoryTier
+
+    heads, dim, dtype = 8, 128, torch.float16
+    token_bytes = 2 * heads * dim * dtype.itemsize
+    block_tokens = max(1, cfg.block_bytes // token_bytes)
+    tokens = OVERHEAD_BLOCKS * block_tokens
+    cpu = torch.device("cpu")
+    budget = OVERHEAD_LAYERS * (OVERHEAD_BLOCKS + 2) * block_tokens * token_bytes
+    store = KVStore(MemoryTier(Tier.DEVICE, budget + 4 * tokens * token_bytes, cpu), MemoryTier(Tier.HOST, 0, cpu),
+                    None, make_policy("lru"), block_tokens)
+    kv, token = torch.ones(1, heads, tokens, dim, dtype=dtype), torch.ones(1, heads, 1, dim, dtype=dtype)
+    for layer in range(OVERHEAD_LAYERS):
+        store.append(layer, kv, kv)
+    executor = ExactGather(store, ThreadMover(), 1, timeline=Timeline(LinkProfile({}), "tierkv bench"))
+    try:
+        with torch.inference_mode():
+            for _ in range(OVERHEAD_STEPS + 2):
+                for layer in range(OVERHEAD_LAYERS):
+                    store.append(layer, token, token)
+                    executor.gather(layer, 0)
+        steps = [step for step in executor.timeline.completed() if step.decode][-OVERHEAD_STEPS:]
+        return statistics.median((step.wall_s - step.compute_s - step.stall_s) / OVERHEAD_LAYERS for step in steps)
+    finally:
+        executor.close()
+        executor.mover.close()
+        store.close()
+
+
 # --------------------------------------------------------------------------- profile
 
 
@@ -696,14 +740,15 @@ def _fit(name: str, rows: Sequence[Measurement]) -> Link | str:
 
 def build_profile(
     measurements: Sequence[Measurement], machine: dict[str, str], disk_engine: str | None,
-    contention: Contention | None = None,
+    contention: Contention | None = None, layer_overhead_s: float = 0.0,
 ) -> tuple[LinkProfile, list[str]]:
     """Fit the profile's links from the series the runtime will actually use.
 
     disk links come from the engine auto-selection picks (``disk_engine``); on CUDA the PCIe links from
     pinned copies (the host tier is pinned); without CUDA host->device and device->host are the memcpy,
-    the mover is one thread (``serial_mover``) and ``contention`` (:func:`measure_contention`) says how much
-    its copies and disk reads and compute slow each other.
+    the mover is one thread (``serial_mover``), ``contention`` (:func:`measure_contention`) says how much
+    its copies and disk reads and compute slow each other and ``layer_overhead_s``
+    (:func:`measure_layer_overhead`) is the cache's own work per layer on the compute thread.
     """
 
     def rows(link: str, method: str) -> list[Measurement]:
@@ -727,7 +772,8 @@ def build_profile(
     notes = [fit for fit in fits.values() if isinstance(fit, str)]
     if torch.cuda.is_available():
         return LinkProfile(links, machine), notes
-    return LinkProfile(links, machine, serial_mover=True, contention=contention or Contention()), notes
+    return LinkProfile(links, machine, serial_mover=True, contention=contention or Contention(),
+                       layer_overhead_s=layer_overhead_s), notes
 
 
 def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: None,
@@ -750,11 +796,12 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: N
     measurements += disk_rows
     engines = list(cfg.engines) if cfg.engines is not None else available_engines()
     disk_engine = next((e for e in available_engines() if e in engines), None)
-    contention = None
+    contention, overhead = None, 0.0
     if device == "cpu":
-        progress("copies and disk reads beside compute (contention)")
+        progress("copies and disk reads beside compute (contention), the cache's own work per layer")
         contention = measure_contention(cfg, disk_engine, compute)
-    profile, fit_notes = build_profile(measurements, machine, disk_engine, contention)
+        overhead = measure_layer_overhead(cfg)
+    profile, fit_notes = build_profile(measurements, machine, disk_engine, contention, overhead)
     return BenchResult(measurements, profile, machine, notes + fit_notes)
 
 

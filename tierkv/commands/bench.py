@@ -173,7 +173,8 @@ def tables(result: BenchResult) -> list[Table]:
         c = result.profile.contention
         table.caption = (f"one mover thread beside compute. Where they overlap, compute slows "
                          f"{c.compute_by_copies:.2f}x and copies {c.copies_by_compute:.2f}x; beside disk reads, "
-                         f"compute slows {c.compute_by_disk:.2f}x and the reads {c.disk_by_compute:.2f}x")
+                         f"compute slows {c.compute_by_disk:.2f}x and the reads {c.disk_by_compute:.2f}x. "
+                         f"The cache's own work per layer: {result.profile.layer_overhead_s * 1e6:.0f} us")
     out.append(table)
     return out
 
