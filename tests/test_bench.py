@@ -27,7 +27,7 @@ def test_quick_bench_writes_a_loadable_profile_and_a_png(tmp_path: Path, capsys)
                    "--plot-out", str(plot_path)])  # fmt: skip
     assert status == 0
     printed = capsys.readouterr().out
-    for heading in ("CPU", "RAM", "GPU", "Memory links", "Disk read", "Disk write", "raw O_DIRECT", "pipelined"):
+    for heading in ("CPU", "RAM", "GPU", "Memory links", "Disk read", "Disk write", "raw O_DIRECT"):
         assert heading in printed
     profile = LinkProfile.load(profile_path)
     assert {"host->host", "disk->host", "host->disk"} <= set(profile.links) <= set(LINK_KEYS)

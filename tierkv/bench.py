@@ -13,9 +13,7 @@ disk->host / host->disk   each disk engine, one batch of ``size``-byte requests 
                           ``disk_bytes``, beside a *raw* baseline: 16 threads issuing bare O_DIRECT
                           ``preadv``/``pwritev`` of the same request size (no engine, no checks); and
                           reads of one layer's blocks: batches of 1-64 scattered ``block_bytes`` requests
-pipelined gather (CPU)    decode steps of the exact-gather executor without a model: the mover's gathers of
-                          device and host blocks as they run in the pipeline, and the cache's own work per
-                          layer on the compute thread (from the executor's telemetry)
+layer overhead (CPU only) the exact-gather executor's own work per layer on the compute thread (telemetry)
 contention (CPU only)     the store's gather, and disk reads of a layer's blocks, on a second thread beside
                           a matrix-vector product (or a given compute, e.g. a model's decode step): each
                           side's slowdown while the other runs throughout
@@ -676,25 +674,15 @@ def _disk_reads(cfg: BenchConfig, engine: str) -> Iterator[Callable[[], None]]:
         path.unlink(missing_ok=True)
 
 
-PIPELINE_LAYER_BLOCKS = (4, 16, 64)  # blocks per layer of the pipelined-gather series
-PIPELINE_POOL_BLOCKS = 256  # blocks over all layers: 256 MiB of 1 MiB blocks, beyond per-core caches
-PIPELINE_STEPS = 10
-OVERHEAD_LAYER_BLOCKS = 16  # the series point whose telemetry gives layer_overhead_s
+OVERHEAD_LAYERS, OVERHEAD_BLOCKS, OVERHEAD_STEPS = 8, 16, 20
 
 
-def measure_pipelined_gather(cfg: BenchConfig) -> tuple[list[Measurement], float]:
-    """``device->device`` and ``host->device`` as the exact-gather executor runs them on a CPU-only host, and
-    ``LinkProfile.layer_overhead_s``.
-
-    Decode steps of the runtime's own code with no model: per layer, one token appended, then ``gather``,
-    with layer-ahead prefetch on the mover thread, over layers of 4, 16 and 64 blocks (fp16, 8 KV heads x 128,
-    ``block_bytes``) on the device or the host tier, :data:`PIPELINE_POOL_BLOCKS` blocks in all. Each point is
-    a layer's transfer time from the executor's telemetry (median over steps): the mover's copies as they run
-    in the pipeline, a handover per layer, which on the VM of docs/benchmarks.md is 1.15-1.2x slower than
-    the same ``read_into`` calls back to back. ``layer_overhead_s`` is the time per layer in ``gather``
-    outside the waits for prefetches (bookkeeping, the newest token's read, submitting the next prefetch),
-    at :data:`OVERHEAD_LAYER_BLOCKS` blocks per layer.
-    """
+def measure_layer_overhead(cfg: BenchConfig) -> float:
+    """``LinkProfile.layer_overhead_s``: the cache's own work per layer on the compute thread, on the runtime's
+    code. The exact-gather executor with layer-ahead prefetch runs decode steps over a device-tier store of
+    :data:`OVERHEAD_LAYERS` layers of :data:`OVERHEAD_BLOCKS` blocks, one token appended per layer per step
+    and no model; from its own telemetry, the time in ``gather`` outside the waits for prefetches (the
+    bookkeeping, the read of the newest token, submitting the next prefetch), per layer, median over steps."""
     from tierkv.attention.exact_gather import ExactGather
     from tierkv.blocks import Tier
     from tierkv.mover import ThreadMover
@@ -706,41 +694,27 @@ def measure_pipelined_gather(cfg: BenchConfig) -> tuple[list[Measurement], float
     heads, dim, dtype = 8, 128, torch.float16
     token_bytes = 2 * heads * dim * dtype.itemsize
     block_tokens = max(1, cfg.block_bytes // token_bytes)
-    block = block_tokens * token_bytes
+    tokens = OVERHEAD_BLOCKS * block_tokens
     cpu = torch.device("cpu")
-    rows, overhead = [], 0.0
-    for tier, link in ((Tier.DEVICE, "device->device"), (Tier.HOST, "host->device")):
-        for blocks in PIPELINE_LAYER_BLOCKS:
-            layers = max(2, PIPELINE_POOL_BLOCKS // blocks)
-            working = (layers + 2 * (blocks + 1) + 8) * block  # open tail blocks, two staging buffers, slabs
-            pool = layers * blocks * block
-            store = KVStore(MemoryTier(Tier.DEVICE, working + (pool if tier == Tier.DEVICE else 0), cpu),
-                            MemoryTier(Tier.HOST, pool + working, cpu), None, make_policy("lru"), block_tokens)
-            kv = torch.ones(1, heads, blocks * block_tokens, dim, dtype=dtype)
-            token = torch.ones(1, heads, 1, dim, dtype=dtype)
-            for layer in range(layers):
-                store.append(layer, kv, kv)
-            executor = ExactGather(store, ThreadMover(), 1, timeline=Timeline(LinkProfile({}), "tierkv bench"))
-            try:
-                with torch.inference_mode():
-                    for _ in range(PIPELINE_STEPS + 2):
-                        for layer in range(layers):
-                            store.append(layer, token, token)
-                            executor.gather(layer, 0)
-                steps = [step for step in executor.timeline.completed() if step.decode][-PIPELINE_STEPS:]
-                if len(executor.buffers) < 2:
-                    raise RuntimeError(f"pipelined gather, {blocks} blocks per layer: the device budget of the bench's "
-                                       "store held no prefetch buffer; this is a bug in the bench, please report it")
-            finally:
-                executor.close()
-                executor.mover.close()
-                store.close()
-            seconds = statistics.median(step.transfer_s.get(link, 0.0) for step in steps) / layers
-            if seconds > 0:
-                rows.append(Measurement(link, "executor pipeline", blocks * block, blocks * block, 1, seconds))
-            if tier == Tier.DEVICE and blocks == OVERHEAD_LAYER_BLOCKS:
-                overhead = statistics.median((step.wall_s - step.compute_s - step.stall_s) / layers for step in steps)
-    return rows, overhead
+    budget = OVERHEAD_LAYERS * (OVERHEAD_BLOCKS + 2) * block_tokens * token_bytes
+    store = KVStore(MemoryTier(Tier.DEVICE, budget + 4 * tokens * token_bytes, cpu), MemoryTier(Tier.HOST, 0, cpu),
+                    None, make_policy("lru"), block_tokens)
+    kv, token = torch.ones(1, heads, tokens, dim, dtype=dtype), torch.ones(1, heads, 1, dim, dtype=dtype)
+    for layer in range(OVERHEAD_LAYERS):
+        store.append(layer, kv, kv)
+    executor = ExactGather(store, ThreadMover(), 1, timeline=Timeline(LinkProfile({}), "tierkv bench"))
+    try:
+        with torch.inference_mode():
+            for _ in range(OVERHEAD_STEPS + 2):
+                for layer in range(OVERHEAD_LAYERS):
+                    store.append(layer, token, token)
+                    executor.gather(layer, 0)
+        steps = [step for step in executor.timeline.completed() if step.decode][-OVERHEAD_STEPS:]
+        return statistics.median((step.wall_s - step.compute_s - step.stall_s) / OVERHEAD_LAYERS for step in steps)
+    finally:
+        executor.close()
+        executor.mover.close()
+        store.close()
 
 
 # --------------------------------------------------------------------------- profile
@@ -774,8 +748,7 @@ def build_profile(
     pinned copies (the host tier is pinned); without CUDA host->device and device->host are the memcpy,
     the mover is one thread (``serial_mover``), ``contention`` (:func:`measure_contention`) says how much
     its copies and disk reads and compute slow each other and ``layer_overhead_s``
-    (:func:`measure_pipelined_gather`) is the cache's own work per layer on the compute thread; there the
-    memory links come from the executor's pipelined gathers when they were measured.
+    (:func:`measure_layer_overhead`) is the cache's own work per layer on the compute thread.
     """
 
     def rows(link: str, method: str) -> list[Measurement]:
@@ -787,10 +760,8 @@ def build_profile(
     if torch.cuda.is_available():
         sources["host->device"] = rows("host->device", "pinned")
         sources["device->host"] = rows("device->host", "pinned")
-    else:  # the "device" is CPU memory: host blocks are copied into staging like device blocks, by the mover
-        sources["device->device"] = rows("device->device", "executor pipeline") or gather
-        sources["host->device"] = (rows("host->device", "executor pipeline") or rows("host->device", "store read_into")
-                                   or gather)
+    else:  # the "device" is CPU memory: host blocks are copied into staging like device blocks
+        sources["host->device"] = rows("host->device", "store read_into") or gather
         sources["device->host"] = sources["host->host"]
     if disk_engine is not None:  # reads: the per-layer batches of blocks the disk tier issues, when measured
         sources["disk->host"] = rows("disk->host", f"{disk_engine} block batch") or rows("disk->host", disk_engine)
@@ -829,8 +800,7 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: N
     if device == "cpu":
         progress("copies and disk reads beside compute (contention), the cache's own work per layer")
         contention = measure_contention(cfg, disk_engine, compute)
-        pipelined, overhead = measure_pipelined_gather(cfg)
-        measurements += pipelined
+        overhead = measure_layer_overhead(cfg)
     profile, fit_notes = build_profile(measurements, machine, disk_engine, contention, overhead)
     return BenchResult(measurements, profile, machine, notes + fit_notes)
 

@@ -97,8 +97,6 @@ _SHORT = {
     ("host<->device", "pinned both ways"): "H2D+D2H pinned",
     ("device->device", "store read_into"): "store gather, device blocks",
     ("host->device", "store read_into"): "store gather, host blocks",
-    ("device->device", "executor pipeline"): "pipelined, device blocks",
-    ("host->device", "executor pipeline"): "pipelined, host blocks",
 }
 _MEMORY_LINKS = ("host->host", "device->device", "host->device", "device->host", "host<->device")
 
