@@ -14,7 +14,7 @@ transfer-only). ``test_model_accuracy``: the bandwidth model is calibrated in th
 ``tierkv.bench.run_bench`` (the profile ``tierkv bench`` writes: the store's own gather of device and host
 blocks, the disk engine's per-layer block batches, one mover thread and how much its gathers and disk
 reads and this model's compute slow each other, with a ``StaticCache`` step as the compute: the model
-alone), CALIBRATIONS times, each run followed by rounds of decode steps, and
+alone), CALIBRATIONS times, each run followed by MODEL_ROUNDS rounds of decode steps, and
 pooled (each point's median time, then the fit): this VM's memory and disk speeds drift by the minute, and
 interleaving samples the drift the steps see. Compute per layer comes from an all-device cache with no
 prefetch (its steps' time outside the gathers: the model's layers and the cache's append, with nothing
@@ -54,7 +54,8 @@ FILL_CHUNK = 512
 ROUNDS = 8  # interleaved rounds of side-by-side measurements
 STEPS = 3  # decode steps (or gather passes) per cache per round
 WARMUP = 3
-CALIBRATIONS = 4  # bench runs of the model-accuracy test, each followed by ROUNDS of decode steps
+CALIBRATIONS = 8  # bench runs of the model-accuracy test, each followed by MODEL_ROUNDS of decode steps
+MODEL_ROUNDS = 4  # short windows: the VM's speed drifts by the minute, so bench and steps alternate often
 TOKEN_BYTES = 2 * KV_HEADS * HEAD_DIM * 4  # one layer, fp32
 KV_BYTES = CONTEXT * TOKEN_BYTES * LAYERS
 
@@ -158,10 +159,10 @@ def bench() -> Iterator[Bench]:
         setup.close()
 
 
-def _interleaved(ops: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
-    """Run every op STEPS times per round, round-robin over ROUNDS rounds: background load hits all alike."""
+def _interleaved(ops: dict[str, Callable[[], float]], rounds: int = ROUNDS) -> dict[str, list[float]]:
+    """Run every op STEPS times per round, round-robin over ``rounds`` rounds: background load hits all alike."""
     samples: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for name, op in ops.items():
             samples[name] += [op() for _ in range(STEPS)]
     return samples
@@ -309,10 +310,10 @@ def test_model_accuracy(benchmark, bench: Bench) -> None:
     for index in range(CALIBRATIONS):
         results.append(_calibrate(bench))
         first_span = len(spans)
-        measured = _interleaved(ops)
+        measured = _interleaved(ops, MODEL_ROUNDS)
         for name, values in measured.items():
             samples[name] += values
-        compute, jitter = _compute_per_layer(bench, ROUNDS * STEPS), _jitter(spans[first_span:])
+        compute, jitter = _compute_per_layer(bench, MODEL_ROUNDS * STEPS), _jitter(spans[first_span:])
         jitters.append(jitter)
         errors, _ = _predictions(bench, results[-1].profile, compute, jitter, measured)
         by_round.append(errors)
@@ -321,10 +322,10 @@ def test_model_accuracy(benchmark, bench: Bench) -> None:
               f"jitter {jitter:.0%}; {_describe(results[-1].profile)}")
     profile = _pooled_profile(results)
     # the step-to-step spread within rounds (the pooled spans' spread would add the drift between rounds)
-    compute, jitter = _compute_per_layer(bench, CALIBRATIONS * ROUNDS * STEPS), statistics.median(jitters)
+    compute, jitter = _compute_per_layer(bench, CALIBRATIONS * MODEL_ROUNDS * STEPS), statistics.median(jitters)
     errors, rows = _predictions(bench, profile, compute, jitter, samples)
     _table(f"decode step: bandwidth model (pooled over {CALIBRATIONS} calibrations) vs measured (ms; medians "
-           f"of {CALIBRATIONS * ROUNDS * STEPS} steps each)", COLUMNS, rows)
+           f"of {CALIBRATIONS * MODEL_ROUNDS * STEPS} steps each)", COLUMNS, rows)
     machine = machine_description(bench.directory)
     print(f"pooled profile: {_describe(profile)}; compute per layer (no-prefetch steps, outside the gathers, "
           f"/ {LAYERS}): {_ms(compute)} ms; jitter (median over rounds of the cv of per-layer compute) {jitter:.0%}")
