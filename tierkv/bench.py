@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
@@ -50,6 +51,9 @@ import torch
 from tierkv.bandwidth import MAX_SLOWDOWN, Contention, Link, LinkProfile, fit_link
 from tierkv.io import ALIGN, aligned_empty, available_engines, open_disk_file
 from tierkv.io.base import DiskFile, chunk_bytes, queue_depth
+
+if TYPE_CHECKING:
+    from tierkv.store import KVStore
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 CONTENTION_SAMPLES = 9
@@ -276,6 +280,32 @@ def measure_gather(sizes: Sequence[int], cfg: BenchConfig, device: str = "cpu") 
     return out
 
 
+KV_HEADS, HEAD_DIM, KV_DTYPE = 8, 128, torch.float16  # the store benchmarks' KV layout (Llama-3-8B's)
+KV_TOKEN_BYTES = 2 * KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
+
+
+def _bench_store(cfg: BenchConfig, device_bytes: int, host_bytes: int, device: str = "cpu") -> KVStore:
+    """A ``KVStore`` of the benchmarks' KV layout in ``block_bytes`` blocks (LRU, no disk tier) with these tier
+    budgets; the host tier is pinned on CUDA, as the runtime's is."""
+    from tierkv.blocks import Tier
+    from tierkv.policy import make_policy
+    from tierkv.store import KVStore
+    from tierkv.tiers.memory import MemoryTier
+
+    return KVStore(MemoryTier(Tier.DEVICE, device_bytes, torch.device(device)),
+                   MemoryTier(Tier.HOST, host_bytes, torch.device("cpu"), pin=device == "cuda"),
+                   None, make_policy("lru"), _block_tokens(cfg))
+
+
+def _block_tokens(cfg: BenchConfig) -> int:
+    return max(1, cfg.block_bytes // KV_TOKEN_BYTES)
+
+
+def _kv(tokens: int, device: str = "cpu") -> torch.Tensor:
+    """K (or V) of ``tokens`` tokens for one layer, ``[1, H_kv, T, D]``."""
+    return torch.ones(1, KV_HEADS, tokens, HEAD_DIM, dtype=KV_DTYPE, device=device)
+
+
 def measure_store_gather(sizes: Sequence[int], cfg: BenchConfig, device: str = "cpu") -> list[Measurement]:
     """The exact executors' gather as the runtime runs it: ``KVStore.read_into`` of ``size`` bytes of one
     layer into a staging tensor ``[2, 1, H_kv, T, D]``, from blocks on the device tier (``device->device``)
@@ -287,30 +317,21 @@ def measure_store_gather(sizes: Sequence[int], cfg: BenchConfig, device: str = "
     step over a long context does (the plain gather series above reuse one pool and can stay cache-resident).
     """
     from tierkv.blocks import Tier
-    from tierkv.policy import make_policy
-    from tierkv.store import KVStore
-    from tierkv.tiers.memory import MemoryTier
 
-    heads, dim, dtype = 8, 128, torch.float16
-    token_bytes = 2 * heads * dim * dtype.itemsize
-    block_tokens = max(1, cfg.block_bytes // token_bytes)
+    token_bytes, block_tokens = KV_TOKEN_BYTES, _block_tokens(cfg)
     block = block_tokens * token_bytes
     sizes = [s - s % block for s in sizes if block <= s <= cfg.gather_pool_bytes // 4]
     if not sizes:
         return []
     tokens = cfg.gather_pool_bytes // block * block_tokens
-    torch_device = torch.device(device)
     timer = _median_cuda_seconds if device == "cuda" else _median_seconds
-    staging = torch.empty(2, 1, heads, max(sizes) // token_bytes, dim, dtype=dtype, device=torch_device)
+    staging = torch.empty(2, 1, KV_HEADS, max(sizes) // token_bytes, HEAD_DIM, dtype=KV_DTYPE, device=device)
     out = []
     for source, link in ((Tier.DEVICE, "device->device"), (Tier.HOST, "host->device")):
         slack = 4 * block  # the open tail block (kept on the device) and slab rounding
-        store = KVStore(MemoryTier(Tier.DEVICE, tokens * token_bytes + slack if source == Tier.DEVICE else slack,
-                                   torch_device),
-                        MemoryTier(Tier.HOST, tokens * token_bytes + slack, torch.device("cpu"),
-                                   pin=device == "cuda"),
-                        None, make_policy("lru"), block_tokens)
-        kv = torch.ones(1, heads, tokens, dim, dtype=dtype, device=torch_device)
+        pool = tokens * token_bytes
+        store = _bench_store(cfg, pool + slack if source == Tier.DEVICE else slack, pool + slack, device)
+        kv = _kv(tokens, device)
         store.append(0, kv, kv)
         del kv
         on_source = [seg for seg in store.plan_read(0, 0, tokens) if seg.tier == source]
@@ -617,26 +638,17 @@ def _matrix_vector(nbytes: int) -> Callable[[], object]:
 @contextlib.contextmanager
 def _store_gather_job(cfg: BenchConfig) -> Iterator[Callable[[], None]]:
     """A job that gathers ``contention_bytes`` of one layer from device-tier blocks as the executors do."""
-    from tierkv.blocks import Tier
-    from tierkv.policy import make_policy
-    from tierkv.store import KVStore
-    from tierkv.tiers.memory import MemoryTier
-
-    heads, dim, dtype = 8, 128, torch.float16
-    token_bytes = 2 * heads * dim * dtype.itemsize
-    block_tokens = max(1, cfg.block_bytes // token_bytes)
-    layer_tokens = max(block_tokens, cfg.contention_bytes // token_bytes // block_tokens * block_tokens)
+    block_tokens = _block_tokens(cfg)
+    layer_tokens = max(block_tokens, cfg.contention_bytes // KV_TOKEN_BYTES // block_tokens * block_tokens)
     pool_tokens = 4 * layer_tokens
-    slack = 4 * block_tokens * token_bytes
-    cpu = torch.device("cpu")
-    store = KVStore(MemoryTier(Tier.DEVICE, pool_tokens * token_bytes + slack, cpu), MemoryTier(Tier.HOST, slack, cpu),
-                    None, make_policy("lru"), block_tokens)
-    kv = torch.ones(1, heads, pool_tokens, dim, dtype=dtype)
+    slack = 4 * block_tokens * KV_TOKEN_BYTES
+    store = _bench_store(cfg, pool_tokens * KV_TOKEN_BYTES + slack, slack)
+    kv = _kv(pool_tokens)
     store.append(0, kv, kv)
     del kv
     plans = itertools.cycle([store.plan_read(0, start, start + layer_tokens)
                              for start in range(0, pool_tokens - layer_tokens + 1, layer_tokens)])
-    staging = torch.empty(2, 1, heads, layer_tokens, dim, dtype=dtype)
+    staging = torch.empty(2, 1, KV_HEADS, layer_tokens, HEAD_DIM, dtype=KV_DTYPE)
     try:
         yield lambda: store.read_into(0, next(plans), staging)
     finally:
@@ -684,22 +696,14 @@ def measure_layer_overhead(cfg: BenchConfig) -> float:
     and no model; from its own telemetry, the time in ``gather`` outside the waits for prefetches (the
     bookkeeping, the read of the newest token, submitting the next prefetch), per layer, median over steps."""
     from tierkv.attention.exact_gather import ExactGather
-    from tierkv.blocks import Tier
     from tierkv.mover import ThreadMover
-    from tierkv.policy import make_policy
     from tierkv.stats import Timeline
-    from tierkv.store import KVStore
-    from tierkv.tiers.memory import MemoryTier
 
-    heads, dim, dtype = 8, 128, torch.float16
-    token_bytes = 2 * heads * dim * dtype.itemsize
-    block_tokens = max(1, cfg.block_bytes // token_bytes)
+    block_tokens = _block_tokens(cfg)
     tokens = OVERHEAD_BLOCKS * block_tokens
-    cpu = torch.device("cpu")
-    budget = OVERHEAD_LAYERS * (OVERHEAD_BLOCKS + 2) * block_tokens * token_bytes
-    store = KVStore(MemoryTier(Tier.DEVICE, budget + 4 * tokens * token_bytes, cpu), MemoryTier(Tier.HOST, 0, cpu),
-                    None, make_policy("lru"), block_tokens)
-    kv, token = torch.ones(1, heads, tokens, dim, dtype=dtype), torch.ones(1, heads, 1, dim, dtype=dtype)
+    budget = OVERHEAD_LAYERS * (OVERHEAD_BLOCKS + 2) * block_tokens * KV_TOKEN_BYTES
+    store = _bench_store(cfg, budget + 4 * tokens * KV_TOKEN_BYTES, 0)
+    kv, token = _kv(tokens), _kv(1)
     for layer in range(OVERHEAD_LAYERS):
         store.append(layer, kv, kv)
     executor = ExactGather(store, ThreadMover(), 1, timeline=Timeline(LinkProfile({}), "tierkv bench"))
