@@ -551,17 +551,17 @@ def _contended(compute: list[float], copies: list[float], disk: list[float], dep
         job = copies[j] + disk[j]
         if job <= 0 or compute[i] <= 0:
             continue
-        slow_compute = (copies[j] * c.compute_by_copies + disk[j] * c.compute_by_disk) / job
-        slow_copies, slow_disk = copies[j] * c.copies_by_compute, disk[j] * c.disk_by_compute
-        slow_job = (slow_copies + slow_disk) / job
-        compute_end, job_end = compute[i] * slow_compute, job * slow_job
+        compute_factor = (copies[j] * c.compute_by_copies + disk[j] * c.compute_by_disk) / job
+        copies_beside, disk_beside = copies[j] * c.copies_by_compute, disk[j] * c.disk_by_compute
+        job_factor = (copies_beside + disk_beside) / job
+        compute_end, job_end = compute[i] * compute_factor, job * job_factor
         if compute_end <= job_end:  # compute ends first; the job's rest runs alone
-            job_end = compute_end + job - compute_end / slow_job
+            job_end = compute_end + job - compute_end / job_factor
         else:
-            compute_end = job_end + compute[i] - job_end / slow_compute
+            compute_end = job_end + compute[i] - job_end / compute_factor
         stretched_compute[i] = compute_end
-        stretched_copies[j] = job_end * slow_copies / (slow_copies + slow_disk)
-        stretched_disk[j] = job_end * slow_disk / (slow_copies + slow_disk)
+        stretched_copies[j] = job_end * copies_beside / (copies_beside + disk_beside)
+        stretched_disk[j] = job_end * disk_beside / (copies_beside + disk_beside)
     return stretched_compute, stretched_copies, stretched_disk
 
 
