@@ -184,6 +184,13 @@ def machine_description(directory: Path) -> dict[str, str]:
 # --------------------------------------------------------------------------- timing
 
 
+def _seconds(op: Callable[[], object]) -> float:
+    """Wall time of one call of ``op``."""
+    start = time.perf_counter()
+    op()
+    return time.perf_counter() - start
+
+
 def _median_seconds(op: Callable[[], object], *, warmup: int, repeats: int, inner: int = 1) -> float:
     """Median wall time of ``op``; ``inner`` calls per sample so a sample is not all clock noise."""
     for _ in range(warmup):
@@ -516,10 +523,9 @@ def _block_batches(f: DiskFile, name: str, path: Path, buffer: np.ndarray, cfg: 
 
         def batch(k: int = k, views: list[np.ndarray] = views) -> float:
             offsets = rng.choice(slots, size=k, replace=False) * block
-            copy.copy_(source)
-            start = time.perf_counter()
-            _engine_op(f, list(zip((int(o) for o in offsets), views)), False, path)
-            return time.perf_counter() - start
+            requests = list(zip((int(o) for o in offsets), views))
+            copy.copy_(source)  # untimed: the layer's memory copies before its disk batch
+            return _seconds(lambda: _engine_op(f, requests, False, path))
 
         for _ in range(cfg.warmup):
             batch()
@@ -575,15 +581,10 @@ def _slowdowns(job: Callable[[], None], unit: Callable[[], object], cfg: BenchCo
         for _ in range(reps):
             unit()
 
-    def timed_job() -> float:
-        start = time.perf_counter()
-        job()
-        return time.perf_counter() - start
-
     compute_ratios, job_ratios = [], []
     with cf.ThreadPoolExecutor(max_workers=1) as mover:
         for _ in range(max(CONTENTION_SAMPLES, cfg.repeats)):  # each sample is short and noisy: take more
-            compute_alone, job_alone = _median_seconds(compute, warmup=0, repeats=1), timed_job()
+            compute_alone, job_alone = _seconds(compute), _seconds(job)
             started, stop = threading.Event(), threading.Event()
 
             def repeat_job(started: threading.Event = started, stop: threading.Event = stop) -> None:
@@ -593,10 +594,10 @@ def _slowdowns(job: Callable[[], None], unit: Callable[[], object], cfg: BenchCo
 
             repeating = mover.submit(repeat_job)
             started.wait()
-            compute_beside = _median_seconds(compute, warmup=0, repeats=1)
+            compute_beside = _seconds(compute)
             stop.set()
             repeating.result()
-            running = mover.submit(timed_job)
+            running = mover.submit(_seconds, job)
             while not running.done():
                 unit()
             compute_ratios.append(compute_beside / compute_alone)
