@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tierkv import settings as tierkv_settings
 from tierkv.errors import InvalidConfigError
 from tierkv.io import (
     ALIGN,
@@ -80,12 +81,11 @@ def test_aligned_empty_is_aligned(nbytes: int) -> None:
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_round_trip_batches(engine: str, direct: bool, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_round_trip_batches(engine: str, direct: bool, tmp_path) -> None:
     """Many requests per batch, some larger than the chunk size so they are split across workers."""
-    monkeypatch.setenv("TIERKV_IO_CHUNK", "64KiB")
     path = make_file(tmp_path / "kv.bin", 8 * MiB)
     src = random_bytes(8 * MiB)
-    with open_disk_file(path, engine=engine, direct=direct) as f:
+    with tierkv_settings.override(io_chunk="64KiB"), open_disk_file(path, engine=engine, direct=direct) as f:
         assert f.engine_name == engine and f.direct is direct
         sizes = [ALIGN, 3 * ALIGN, 256 * 1024, MiB, 2 * MiB + 8 * ALIGN]  # mixed, some > chunk
         offsets = np.cumsum([0, *sizes[:-1]])
@@ -318,14 +318,14 @@ def test_env_vars_force_engine_and_mode(tmp_path, monkeypatch, caplog: pytest.Lo
     with open_disk_file(path) as f:
         assert (f.engine_name, f.direct) == ("posix", False)
     assert (
-        "using posix (buffered, requested by TIERKV_DIRECT_IO), forced by TIERKV_DISK_ENGINE" in caplog.text
+        "using posix (buffered, requested by TIERKV_DIRECT_IO=0), forced by TIERKV_DISK_ENGINE=posix" in caplog.text
     )
     monkeypatch.setenv("TIERKV_DIRECT_IO", "1")
     with open_disk_file(path) as f:
         assert f.direct
     with open_disk_file(path, engine="posix", direct=False) as f:  # arguments beat the environment
         assert not f.direct
-    monkeypatch.setenv("TIERKV_DIRECT_IO", "yes")
+    monkeypatch.setenv("TIERKV_DIRECT_IO", "maybe")
     with pytest.raises(InvalidConfigError, match="TIERKV_DIRECT_IO"):
         open_disk_file(path)
 
@@ -350,13 +350,19 @@ def test_forced_kvikio_without_kvikio_says_why(tmp_path) -> None:
 
 
 @pytest.fixture
-def no_compiler(tmp_path, monkeypatch):
-    """The native engine as on a host with no C compiler and an empty build cache."""
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path / "cache"))
+def no_extension(tmp_path, monkeypatch):
+    """The native engine as installed without its extension built, with an empty build cache."""
+    monkeypatch.setattr(native_engine, "extension", lambda: None)
     native_engine._build.cache_clear()
-    yield
-    native_engine._build.cache_clear()  # later tests rebuild from the real cache (a file lookup)
+    with tierkv_settings.override(cache_dir=tmp_path / "cache"):
+        yield
+    native_engine._build.cache_clear()  # later tests load the extension or the real cache (a file lookup)
+
+
+@pytest.fixture
+def no_compiler(no_extension, tmp_path, monkeypatch):
+    """The native engine as on a host with no C compiler: not built at install, cannot build now."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
 
 
 def test_no_compiler_falls_back_to_posix(tmp_path, no_compiler, caplog: pytest.LogCaptureFixture) -> None:
@@ -371,17 +377,13 @@ def test_no_compiler_falls_back_to_posix(tmp_path, no_compiler, caplog: pytest.L
     assert "TIERKV_DISK_ENGINE=posix" in str(info.value)
 
 
-def test_native_builds_into_the_cache_dir(tmp_path, monkeypatch) -> None:
+def test_native_builds_into_the_cache_dir(tmp_path, no_extension) -> None:
+    """Installed without the extension: the engine compiles the checkout's source on first use."""
     if engine_status()["native"] is not None:
         pytest.skip("native unavailable here")
-    monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path / "cache"))
-    native_engine._build.cache_clear()
-    try:
-        native_engine.library()
-        built = list((tmp_path / "cache" / "native").glob("tierkv_io-*.so"))
-        assert len(built) == 1 and not list((tmp_path / "cache" / "native").glob("tmp*"))
-    finally:
-        native_engine._build.cache_clear()
+    native_engine.library()
+    built = list((tmp_path / "cache" / "native").glob("tierkv_io-*.so"))
+    assert len(built) == 1 and not list((tmp_path / "cache" / "native").glob("tmp*"))
 
 
 def test_bad_tuning_knobs(tmp_path, monkeypatch) -> None:

@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierkv import settings
 from tierkv.bandwidth import PRESETS, LayerLoad, Link, LinkProfile, Placement, min_prefetch_depth, predict_step
-from tierkv.config import env_str
 from tierkv.errors import InvalidConfigError
 
 HISTORY = 256
@@ -58,15 +58,15 @@ def default_profile(device_type: str, cuda_major: int = 0) -> LinkProfile:
 def resolve_profile(profile: LinkProfile | str | os.PathLike | None, device_type: str,
                     cuda_major: int = 0) -> tuple[LinkProfile, str]:
     """The profile the telemetry and ``prefetch_depth="auto"`` use, and where it came from:
-    ``profile=`` (a :class:`LinkProfile` or a JSON path), else ``$TIERKV_PROFILE`` (JSON written by
-    ``tierkv bench``), else :func:`default_profile`."""
+    ``profile=`` (a :class:`LinkProfile` or a JSON path), else the ``profile`` setting (``$TIERKV_PROFILE``:
+    JSON written by ``tierkv bench``), else :func:`default_profile`."""
     if isinstance(profile, LinkProfile):
         return profile, "profile= (LinkProfile)"
     if profile is not None:
         return LinkProfile.load(profile), f"profile={os.fspath(profile)}"
-    path = env_str("TIERKV_PROFILE")
+    path = settings.get("profile")
     if path is not None:
-        return LinkProfile.load(path), f"TIERKV_PROFILE={path}"
+        return LinkProfile.load(path), settings.source("profile")
     preset = default_profile(device_type, cuda_major)
     return preset, preset.machine["source"]
 
@@ -347,11 +347,12 @@ class Trace:
 
 def make_trace(trace: bool | str | os.PathLike | None) -> Trace | None:
     """``TieredCache(trace=...)``: True records in memory (``save_trace``); a path also writes it there when
-    the cache closes; None reads ``$TIERKV_TRACE`` (a path); False is off whatever the environment says."""
+    the cache closes; None reads the ``trace`` setting (``$TIERKV_TRACE``, a path); False is off whatever the
+    settings say."""
     if trace is False:
         return None
     if trace is None:
-        path = env_str("TIERKV_TRACE")
+        path = settings.get("trace")
         return Trace(path) if path is not None else None
     return Trace() if trace is True else Trace(trace)
 

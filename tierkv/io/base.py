@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from tierkv.config import env_str, parse_size
+from tierkv import settings
 from tierkv.errors import InvalidConfigError, TierKVError
 
-ALIGN: int = 4096
-"""Alignment in bytes of offsets, lengths and addresses for direct I/O."""
+ALIGN: int = settings.DIRECT_IO_ALIGN
+"""Alignment in bytes of offsets, lengths and addresses for direct I/O (4 KiB)."""
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
@@ -221,32 +221,19 @@ class DiskFile(ABC):
         return f"<{type(self).__name__} {self.engine_name} {mode} {self.path!r}>"
 
 
-DEFAULT_QUEUE_DEPTH = 16
-DEFAULT_CHUNK_BYTES = 4 << 20
-
-
 def queue_depth() -> int:
-    """Requests in flight per file (``TIERKV_IO_QUEUE_DEPTH``; 16 by default, where NVMe reaches its
-    bandwidth)."""
-    raw = env_str("TIERKV_IO_QUEUE_DEPTH")
-    if raw is None:
-        return DEFAULT_QUEUE_DEPTH
-    if not raw.isdigit() or int(raw) < 1:
-        raise InvalidConfigError(f"TIERKV_IO_QUEUE_DEPTH={raw!r} must be a positive integer, e.g. 16.")
-    return int(raw)
+    """Requests in flight per file (setting ``io_queue_depth``, ``TIERKV_IO_QUEUE_DEPTH``; 16 by default,
+    where NVMe reaches its bandwidth)."""
+    return int(settings.get("io_queue_depth"))
 
 
 def chunk_bytes() -> int:
-    """Largest single I/O an engine issues (``TIERKV_IO_CHUNK``, default 4 MiB).
+    """Largest single I/O an engine issues (setting ``io_chunk``, ``TIERKV_IO_CHUNK``; 4 MiB by default).
 
     A 1 GiB request issued as one ``pread`` would run at queue depth 1; cutting it into chunks lets the
     workers keep the device busy. 4 MiB is past the size where per-call overhead matters.
     """
-    raw = env_str("TIERKV_IO_CHUNK")
-    size = DEFAULT_CHUNK_BYTES if raw is None else parse_size(raw, name="TIERKV_IO_CHUNK")
-    if size < ALIGN or size % ALIGN:
-        raise InvalidConfigError(f"TIERKV_IO_CHUNK={raw!r} must be a positive multiple of {ALIGN}: 4MiB")
-    return size
+    return int(settings.get("io_chunk"))
 
 
 def split(requests: list[Request], chunk: int) -> list[tuple[int, int, np.ndarray]]:

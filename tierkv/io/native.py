@@ -1,14 +1,19 @@
-"""The native engine: ``native_src/tierkv_io.c`` compiled on first use and driven through ctypes.
+"""The native engine: the C library of ``native/tierkv_io.c``, driven through ctypes.
 
-Build, FlashInfer-style: the first :func:`load` compiles the C source with the system compiler (``$CC``,
-else ``cc``) into a per-user cache (``$TIERKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/tierkv``, else
-``~/.cache/tierkv``) under a name that carries a hash of the source, so an edited source rebuilds and
-concurrent processes never load a half-written library (it is written aside and renamed into place).
-The outcome, success or the reason of failure, is cached for the process (``functools.cache``): a
-missing compiler costs one lookup, not one per opened file.
+Where the library comes from, in order (the choice is logged once on the ``tierkv`` logger):
 
-The canonical C source lives inside the package so that wheels ship it; ``native/`` at the repository
-root only points here (see ``native/README.md``).
+1. *extension*: built with the package by ``setup.py`` as ``tierkv/io/_native*.so`` (an optional extension,
+   so installing succeeds without a compiler). Used unless it was built from an older source than the
+   checkout's (an editable install whose C file was edited since): the source's hash is compiled in.
+2. *built on first use*, FlashInfer-style, from a source checkout (``native/`` beside the package): the
+   system compiler (``$CC``, else ``cc``) writes it into the ``cache_dir`` setting (``$TIERKV_CACHE_DIR``,
+   else ``$XDG_CACHE_HOME/tierkv``, else ``~/.cache/tierkv``) under a name that carries a hash of the
+   source and flags, written aside and renamed into place so concurrent processes never load a half-written
+   library.
+3. otherwise the engine is unavailable, with the reason, and auto-selection uses posix.
+
+The outcome, success or the reason of failure, is cached for the process (``functools.cache``): a missing
+compiler costs one lookup, not one per opened file.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import ctypes
 import errno
 import functools
 import hashlib
+import importlib.machinery
+import logging
 import os
 import shlex
 import shutil
@@ -29,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from tierkv import settings
 from tierkv.io.base import (
     CompletedHandle,
     DiskFile,
@@ -41,7 +49,10 @@ from tierkv.io.base import (
     queue_depth,
 )
 
-SOURCE = Path(__file__).with_name("native_src") / "tierkv_io.c"
+logger = logging.getLogger("tierkv")
+
+SOURCE = Path(__file__).resolve().parents[2] / "native" / "tierkv_io.c"
+"""The C source in a source checkout (also an editable install); a wheel ships only the built extension."""
 _EOF = -1  # TKV_EOF in the C source
 _CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
 _FIX = "Install a C compiler (e.g. `apt-get install gcc`) or set CC, or use TIERKV_DISK_ENGINE=posix."
@@ -50,11 +61,22 @@ _i64p = ctypes.POINTER(ctypes.c_int64)
 
 
 def cache_dir() -> Path:
-    """Where compiled libraries are kept (per user, survives restarts, safe to delete)."""
-    if root := os.environ.get("TIERKV_CACHE_DIR"):
-        return Path(root) / "native"
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "tierkv" / "native"
+    """Where libraries built on first use are kept (per user, survives restarts, safe to delete)."""
+    return Path(settings.get("cache_dir")) / "native"
+
+
+def source_digest() -> str | None:
+    """sha256 of :data:`SOURCE` (16 hex digits, as ``setup.py`` compiles it in); None without the source."""
+    try:
+        return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    except OSError:
+        return None
+
+
+def extension() -> Path | None:
+    """The library the install built (``tierkv/io/_native<ABI suffix>``), if it did."""
+    here = Path(__file__).parent
+    return next((p for s in importlib.machinery.EXTENSION_SUFFIXES if (p := here / f"_native{s}").exists()), None)
 
 
 def _compile(target: Path) -> None:
@@ -78,23 +100,55 @@ def _compile(target: Path) -> None:
             os.unlink(partial)
 
 
-@functools.cache
-def _build() -> ctypes.CDLL | EngineUnavailableError:
-    """Compile (once per source version) and load the library; return the error instead of raising so
-    that the failure, too, is cached."""
+def _built_from(lib: ctypes.CDLL) -> str:
+    """The source hash compiled into ``lib`` ("" if it has none: a library from before the hash existed)."""
     try:
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:16]
-    except OSError as exc:
-        return EngineUnavailableError(f"C source missing ({exc})", "Reinstall tierkv.")
-    target = cache_dir() / f"tierkv_io-{digest}.so"
+        lib.tkv_source_sha.restype = ctypes.c_char_p
+    except AttributeError:
+        return ""
+    return (lib.tkv_source_sha() or b"").decode()
+
+
+def _open_library() -> ctypes.CDLL:
+    """Load the extension, else build on first use (module docstring); raise EngineUnavailableError."""
+    digest, built = source_digest(), extension()
+    stale = ""
+    if built is not None:
+        try:
+            lib = ctypes.CDLL(str(built))
+        except OSError as exc:
+            stale = f"the extension {built.name} does not load ({exc})"
+        else:
+            if digest is None or _built_from(lib) == digest:
+                logger.info("native engine: the extension built at install (%s)", built)
+                return lib
+            stale = f"the extension {built.name} was built from an older {SOURCE.name}"
+    if digest is None:
+        raise EngineUnavailableError(
+            "not built at install (no C compiler then?) and no C source to build it from",
+            "Reinstall tierkv where a C compiler is available, or use TIERKV_DISK_ENGINE=posix.",
+        )
+    jit_digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    target = cache_dir() / f"tierkv_io-{jit_digest}.so"
     try:
         if not target.exists():
             _compile(target)
         lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise EngineUnavailableError(f"building or loading {target} failed ({exc})", _FIX) from exc
+    why = stale or "no extension built at install"
+    logger.info("native engine: built on first use into %s (%s)", target, why)
+    return lib
+
+
+@functools.cache
+def _build() -> ctypes.CDLL | EngineUnavailableError:
+    """Open the library once per process and declare its functions; return the error instead of raising so
+    that the failure, too, is cached."""
+    try:
+        lib = _open_library()
     except EngineUnavailableError as exc:
         return exc
-    except (OSError, subprocess.SubprocessError) as exc:
-        return EngineUnavailableError(f"building or loading {target} failed ({exc})", _FIX)
     lib.tkv_pool_new.restype = ctypes.c_void_p
     lib.tkv_pool_new.argtypes = [ctypes.c_int]
     lib.tkv_pool_free.argtypes = [ctypes.c_void_p]

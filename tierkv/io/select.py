@@ -5,8 +5,8 @@ engine, then posix. Each fallback is a named mode logged once on the ``tierkv`` 
 
     disk engine: kvikio unavailable (kvikio not installed), using native (O_DIRECT)
 
-A *forced* engine (``engine=`` or ``TIERKV_DISK_ENGINE``) that cannot load is an error, not a fallback:
-whoever forced it wants to know.
+A *forced* engine (``engine=``, or the ``disk_engine`` setting: ``TIERKV_DISK_ENGINE`` or an override) that
+cannot load is an error, not a fallback: whoever forced it wants to know.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import logging
 import os
 from collections.abc import Callable
 
-from tierkv.config import env_str
+from tierkv import settings
 from tierkv.errors import InvalidConfigError
 from tierkv.io.base import DiskFile, EngineUnavailableError
 
 logger = logging.getLogger("tierkv")
 
-ENGINES: tuple[str, ...] = ("kvikio", "native", "posix")
+ENGINES: tuple[str, ...] = settings.DISK_ENGINES
 """Every engine, in auto-selection order (fastest first)."""
 
 
@@ -76,15 +76,6 @@ def available_engines() -> list[str]:
     return [name for name, reason in engine_status().items() if reason is None]
 
 
-def _direct_from_env() -> bool | None:
-    raw = env_str("TIERKV_DIRECT_IO")
-    if raw is None or raw.lower() == "auto":
-        return None
-    if raw in ("0", "1"):
-        return raw == "1"
-    raise InvalidConfigError(f"TIERKV_DIRECT_IO={raw!r} must be 0 (buffered), 1 (O_DIRECT) or auto.")
-
-
 @functools.cache
 def _log_choice(message: str) -> None:
     """Log each distinct choice once per process: a disk tier reopens files, the log must not repeat."""
@@ -101,11 +92,13 @@ def open_disk_file(
     path:
         An existing file (the disk tier creates and sizes it).
     engine:
-        ``"kvikio"``, ``"native"``, ``"posix"`` or ``"auto"``; ``None`` reads ``TIERKV_DISK_ENGINE``,
-        else auto. A forced engine that cannot load raises :class:`InvalidConfigError`.
+        ``"kvikio"``, ``"native"``, ``"posix"`` or ``"auto"``; ``None`` reads the ``disk_engine`` setting
+        (``TIERKV_DISK_ENGINE``, default auto). A forced engine that cannot load raises
+        :class:`InvalidConfigError`.
     direct:
-        ``True`` requires O_DIRECT, ``False`` uses the page cache, ``None`` reads ``TIERKV_DIRECT_IO``
-        (0/1), else tries O_DIRECT and falls back to buffered where the filesystem refuses it.
+        ``True`` requires O_DIRECT, ``False`` uses the page cache, ``None`` reads the ``direct_io`` setting
+        (``TIERKV_DIRECT_IO``: 0/1), whose default tries O_DIRECT and falls back to buffered where the
+        filesystem refuses it.
 
     >>> import tempfile
     >>> from tierkv.io import ALIGN, aligned_empty
@@ -116,14 +109,14 @@ def open_disk_file(
     ...         f.read(0, buf)
     """
     path = os.fspath(path)
-    source = "engine=" if engine is not None else "TIERKV_DISK_ENGINE"
-    name = engine if engine is not None else env_str("TIERKV_DISK_ENGINE")
-    direct_source = "direct=" if direct is not None else "TIERKV_DIRECT_IO"
+    source = "engine=" if engine is not None else settings.source("disk_engine")
+    name = engine if engine is not None else settings.get("disk_engine")
+    direct_source = "direct=" if direct is not None else settings.source("direct_io")
     if direct is None:
-        direct = _direct_from_env()
+        direct = settings.get("direct_io")
     notes: list[str] = []  # the engines auto-selection passed over, and why
     forced = ""
-    if name is None or name == "auto":
+    if name == "auto":
         for candidate in ENGINES:
             try:
                 cls = load_engine(candidate)

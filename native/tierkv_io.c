@@ -15,8 +15,10 @@
  * Errors are per request: 0, a positive errno, or TKV_EOF for a read that hit end of file. Pieces of a
  * request that already failed are skipped. tkv_wait reports the first failed request in submission order.
  *
- * Built on first use by tierkv/io/native.py (cc -O2 -shared -fPIC -pthread) and loaded with ctypes,
- * which releases the GIL during every call, so tkv_wait blocks without stalling Python threads.
+ * Built with the package as the optional extension tierkv.io._native (setup.py), or, where the install
+ * could not build it, on first use by tierkv/io/native.py (cc -O2 -shared -fPIC -pthread). Either way it
+ * is a plain C library loaded with ctypes (not a Python module), which releases the GIL during every call,
+ * so tkv_wait blocks without stalling Python threads.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -27,6 +29,14 @@
 #include <unistd.h>
 
 #define TKV_EOF (-1)
+
+/* sha256 of this file (16 hex digits), defined by setup.py: the loader rebuilds a library that an editable
+ * install built from an older version of the source. */
+#ifndef TKV_SOURCE_SHA
+#define TKV_SOURCE_SHA ""
+#endif
+
+const char *tkv_source_sha(void) { return TKV_SOURCE_SHA; }
 
 typedef struct tkv_batch {
     struct tkv_batch *next; /* FIFO link while pieces remain to be handed out */

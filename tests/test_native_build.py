@@ -1,0 +1,102 @@
+"""The native engine's library: built by ``setup.py`` as an optional extension, else on first use.
+
+Each test builds into its own temporary folders (never into the checkout) and points the loader at what it
+built, so the outcome does not depend on how this checkout was installed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tierkv import settings
+from tierkv.io import native
+from tierkv.io.base import EngineUnavailableError
+
+ROOT = Path(native.__file__).resolve().parents[2]
+needs_checkout = pytest.mark.skipif(not (ROOT / "setup.py").exists(), reason="not a source checkout")
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+def _build_ext(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``setup.py build_ext`` of the checkout into ``out`` (what ``pip install`` runs)."""
+    command = [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(out / "lib"),
+               "--build-temp", str(out / "tmp")]  # fmt: skip
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def built_extension(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("build")
+    result = _build_ext(out)
+    assert result.returncode == 0, result.stderr
+    found = list((out / "lib" / "tierkv" / "io").glob("_native*.so"))
+    assert len(found) == 1, result.stderr
+    return found[0]
+
+
+@pytest.fixture
+def fresh_loader(tmp_path: Path) -> Iterator[None]:
+    """An empty build cache and no cached load outcome, before and after the test."""
+    native._build.cache_clear()
+    with settings.override(cache_dir=tmp_path / "cache"):
+        yield
+    native._build.cache_clear()
+
+
+@needs_checkout
+@needs_compiler
+def test_setup_builds_the_extension_with_the_source_hash(built_extension: Path) -> None:
+    assert native._built_from(ctypes.CDLL(str(built_extension))) == native.source_digest()
+
+
+@needs_checkout
+def test_install_without_a_compiler_still_succeeds(tmp_path: Path) -> None:
+    result = _build_ext(tmp_path, CC=str(tmp_path / "no-such-cc"))
+    assert result.returncode == 0, result.stderr
+    assert "tierkv.io._native" in result.stderr + result.stdout  # setuptools says the optional build failed
+    assert not list(tmp_path.rglob("_native*.so"))
+
+
+@needs_checkout
+@needs_compiler
+def test_the_extension_is_loaded_first(
+    built_extension: Path, fresh_loader: None, monkeypatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tierkv")
+    monkeypatch.setattr(native, "extension", lambda: built_extension)
+    assert native.load() is native.NativeFile
+    assert "the extension built at install" in caplog.text
+    assert not (tmp_path / "cache").exists()  # nothing compiled on first use
+
+
+@needs_checkout
+@needs_compiler
+def test_an_extension_from_an_older_source_is_rebuilt(
+    built_extension: Path, fresh_loader: None, monkeypatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tierkv")
+    monkeypatch.setattr(native, "extension", lambda: built_extension)
+    monkeypatch.setattr(native, "source_digest", lambda: "0" * 16)  # the checkout's C file changed since
+    native.library()
+    assert "built from an older tierkv_io.c" in caplog.text
+    assert len(list((tmp_path / "cache" / "native").glob("tierkv_io-*.so"))) == 1
+
+
+def test_no_extension_and_no_source_is_unavailable_with_the_reason(
+    fresh_loader: None, monkeypatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(native, "extension", lambda: None)
+    monkeypatch.setattr(native, "SOURCE", tmp_path / "missing.c")  # a wheel installed without the extension
+    with pytest.raises(EngineUnavailableError, match="not built at install") as info:
+        native.library()
+    assert "TIERKV_DISK_ENGINE=posix" in str(info.value)

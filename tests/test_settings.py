@@ -1,0 +1,146 @@
+"""``tierkv.settings``: environment, defaults, scoped overrides and the errors of bad values."""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from tierkv import settings
+from tierkv.errors import InvalidConfigError
+from tierkv.io import ALIGN, ENGINES
+
+
+@pytest.fixture(autouse=True)
+def _no_tierkv_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for setting in settings.SETTINGS.values():
+        monkeypatch.delenv(setting.variable, raising=False)
+
+
+def test_defaults_are_typed() -> None:
+    assert settings.get("disk_engine") == "auto"
+    assert settings.get("direct_io") is None
+    assert settings.get("io_queue_depth") == 16
+    assert settings.get("io_chunk") == 4 << 20
+    assert settings.get("profile") is None and settings.get("trace") is None
+    assert settings.get("debug") is False
+    assert isinstance(settings.get("cache_dir"), Path)
+    assert settings.source("io_chunk") == "default"
+
+
+def test_environment_is_read_and_parsed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TIERKV_DISK_ENGINE", " Posix ")
+    monkeypatch.setenv("TIERKV_DIRECT_IO", "0")
+    monkeypatch.setenv("TIERKV_IO_QUEUE_DEPTH", "4")
+    monkeypatch.setenv("TIERKV_IO_CHUNK", "1MiB")
+    monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TIERKV_TRACE", str(tmp_path / "trace.json"))
+    monkeypatch.setenv("TIERKV_DEBUG", "yes")
+    assert settings.get("disk_engine") == "posix" and settings.get("direct_io") is False
+    assert settings.get("io_queue_depth") == 4 and settings.get("io_chunk") == 1 << 20
+    assert settings.get("cache_dir") == tmp_path and settings.get("trace") == tmp_path / "trace.json"
+    assert settings.get("debug") is True
+    assert settings.source("io_queue_depth") == "TIERKV_IO_QUEUE_DEPTH=4"
+    monkeypatch.setenv("TIERKV_DIRECT_IO", "auto")
+    assert settings.get("direct_io") is None
+    monkeypatch.setenv("TIERKV_DEBUG", "")  # empty counts as unset
+    assert settings.get("debug") is False
+
+
+def test_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert settings.get("cache_dir") == tmp_path / "tierkv"
+
+
+def test_override_beats_the_environment_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERKV_DISK_ENGINE", "native")
+    with settings.override(disk_engine="posix", direct_io=False):
+        assert settings.get("disk_engine") == "posix" and settings.get("direct_io") is False
+        assert settings.source("disk_engine") == "override(disk_engine='posix')"
+    assert settings.get("disk_engine") == "native" and settings.get("direct_io") is None
+
+
+def test_nested_overrides_restore_in_any_exit_order() -> None:
+    with settings.override(io_queue_depth=2):
+        with settings.override(io_queue_depth=3, io_chunk=ALIGN):
+            assert (settings.get("io_queue_depth"), settings.get("io_chunk")) == (3, ALIGN)
+        assert (settings.get("io_queue_depth"), settings.get("io_chunk")) == (2, 4 << 20)
+    assert settings.get("io_queue_depth") == 16
+    outer, inner = settings.override(io_queue_depth=5), settings.override(io_queue_depth=6)
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)  # the outer block ends first (another thread's, say)
+    assert settings.get("io_queue_depth") == 6
+    inner.__exit__(None, None, None)
+    assert settings.get("io_queue_depth") == 16
+
+
+def test_override_is_seen_by_other_threads_and_restored_on_error() -> None:
+    seen: list[int] = []
+    with pytest.raises(RuntimeError), settings.override(io_queue_depth=7):
+        worker = threading.Thread(target=lambda: seen.append(settings.get("io_queue_depth")))
+        worker.start()
+        worker.join()
+        raise RuntimeError
+    assert seen == [7] and settings.get("io_queue_depth") == 16
+
+
+def test_override_can_turn_an_environment_trace_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TIERKV_TRACE", str(tmp_path / "t.json"))
+    with settings.override(trace=None):
+        assert settings.get("trace") is None
+
+
+@pytest.mark.parametrize(
+    ("variable", "raw", "reason"),
+    [
+        ("TIERKV_DISK_ENGINE", "gds", "is not a disk engine"),
+        ("TIERKV_DIRECT_IO", "maybe", "must be 1 (on), 0 (off) or auto"),
+        ("TIERKV_IO_QUEUE_DEPTH", "0", "positive integer"),
+        ("TIERKV_IO_QUEUE_DEPTH", "many", "positive integer"),
+        ("TIERKV_IO_CHUNK", "6KiB", f"multiple of {ALIGN}"),
+        ("TIERKV_IO_CHUNK", "big", "is not a size"),
+        ("TIERKV_DEBUG", "loud", "must be 1 or 0"),
+    ],
+)
+def test_bad_environment_names_the_variable_and_an_example(
+    monkeypatch: pytest.MonkeyPatch, variable: str, raw: str, reason: str
+) -> None:
+    monkeypatch.setenv(variable, raw)
+    name = next(s.name for s in settings.SETTINGS.values() if s.variable == variable)
+    with pytest.raises(InvalidConfigError) as info:
+        settings.get(name)
+    message = str(info.value)
+    assert f"{variable}={raw!r}" in message and reason in message
+    assert f"e.g. {variable}={settings.SETTINGS[name].example}" in message
+
+
+def test_bad_override_is_refused_before_anything_changes() -> None:
+    bad_chunk = r"override\(io_chunk=5000\).*e\.g\. TIERKV_IO_CHUNK=4MiB"
+    with pytest.raises(InvalidConfigError, match=bad_chunk), settings.override(io_queue_depth=2, io_chunk=5000):
+        pass
+    assert settings.get("io_queue_depth") == 16
+    unknown = "unknown tierkv setting 'disk'.*disk_engine"
+    with pytest.raises(InvalidConfigError, match=unknown), settings.override(disk="posix"):
+        pass
+    with pytest.raises(InvalidConfigError, match="positive integer"), settings.override(io_queue_depth=True):
+        pass
+
+
+def test_vocabulary_matches_the_io_package() -> None:
+    """The engine names and the chunk alignment the settings check are those tierkv.io uses."""
+    assert settings.DISK_ENGINES == ENGINES
+    with settings.override(io_chunk=3 * ALIGN):
+        assert settings.get("io_chunk") == 3 * ALIGN
+    with pytest.raises(InvalidConfigError), settings.override(io_chunk=ALIGN // 2):
+        pass
+
+
+def test_every_tierkv_variable_is_a_setting() -> None:
+    """No module of the package reads a TIERKV_* variable behind the settings' back."""
+    direct_read = re.compile(r"""(environ\b|getenv|env_str)\W{0,8}["']TIERKV_""")
+    package = Path(settings.__file__).parent
+    offenders = [p.name for p in package.rglob("*.py") if p.name != "settings.py" and direct_read.search(p.read_text())]
+    assert not offenders

@@ -1,0 +1,240 @@
+"""Every ``TIERKV_*`` environment variable in one place, each with a typed default and a scoped override.
+
+A setting's value comes from, in order: the innermost :func:`override` in effect, else its environment
+variable, else its default. Values are validated the same way whichever way they come, and a bad one is an
+:class:`~tierkv.errors.InvalidConfigError` that names where it came from and shows a valid example::
+
+    import tierkv.settings
+
+    tierkv.settings.get("disk_engine")              # "auto", or $TIERKV_DISK_ENGINE
+    with tierkv.settings.override(disk_engine="posix", io_queue_depth=4):
+        ...                                         # every disk file opened here uses posix at depth 4
+    tierkv.settings.source("disk_engine")           # "TIERKV_DISK_ENGINE=posix", "override(...)", "default"
+
+This is KvikIO's ``kvikio.defaults`` pattern: a runtime knob has an environment variable *and* a context
+manager that restores the previous value on exit (tests use the override, never ``os.environ``). Overrides
+are process-wide, not per thread, because the threads that read them (the mover, the disk engines' workers)
+are not the thread that entered the ``with``. Each :func:`override` pushes its values on a per-setting stack
+and removes exactly its own entries on exit, so nested overrides restore in any exit order, also when two
+threads override at once. The environment is read on every :func:`get` (a dictionary lookup and a parse),
+so a variable set after import counts; no setting is read on a per-block path.
+
+Settings (variable, type, default):
+
+==================  ========================  ============  =====================================================
+name                variable                  default       meaning
+==================  ========================  ============  =====================================================
+disk_engine         TIERKV_DISK_ENGINE        auto          disk engine: auto, kvikio, native or posix
+direct_io           TIERKV_DIRECT_IO          None (auto)   O_DIRECT: 1 on, 0 off (page cache), auto (try it)
+io_queue_depth      TIERKV_IO_QUEUE_DEPTH     16            requests in flight per disk file
+io_chunk            TIERKV_IO_CHUNK           4 MiB         largest single I/O request, a multiple of 4 KiB
+cache_dir           TIERKV_CACHE_DIR          XDG cache     where the native engine is built on first use
+profile             TIERKV_PROFILE            None          link profile JSON (``tierkv bench``) for telemetry
+trace               TIERKV_TRACE              None          write a Chrome trace of each cache to this path
+debug               TIERKV_DEBUG              False         full tracebacks from the CLI instead of one line
+==================  ========================  ============  =====================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierkv.config import parse_size
+from tierkv.errors import InvalidConfigError
+
+DISK_ENGINES: tuple[str, ...] = ("kvikio", "native", "posix")
+"""The disk engines, in auto-selection order (fastest first); ``tierkv.io`` loads them by these names."""
+
+DIRECT_IO_ALIGN = 4096
+"""Alignment of direct I/O (``tierkv.io.ALIGN``): the I/O chunk must be a multiple of it."""
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+class _Invalid(ValueError):
+    """Why a value was refused (a phrase); :func:`_convert` adds how the value was given."""
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One knob: its variable, its default, how a value (an env string or a Python value) becomes typed."""
+
+    name: str
+    variable: str
+    default: Callable[[], Any]  # called on each read: a default may depend on other environment (XDG)
+    convert: Callable[[Any], Any]  # raw value -> typed value; raises _Invalid with the reason
+    example: str  # a valid environment value, for error messages
+    doc: str
+
+
+def _engine(value: Any) -> str:
+    name = str(value).strip().lower()
+    if name not in ("auto", *DISK_ENGINES):
+        raise _Invalid(f"is not a disk engine; valid: auto, {', '.join(DISK_ENGINES)}")
+    return name
+
+
+def _tristate(value: Any) -> bool | None:
+    """``True``/``False``/``None`` as themselves; strings 1/0 (or true/false, yes/no, on/off) and auto."""
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise _Invalid("must be 1 (on), 0 (off) or auto")
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise _Invalid("must be 1 or 0 (or true/false, yes/no, on/off)")
+
+
+def _positive_int(value: Any) -> int:
+    digits = isinstance(value, str) and value.strip().isdigit()
+    if isinstance(value, bool) or not (isinstance(value, int) or digits) or int(value) < 1:
+        raise _Invalid("must be a positive integer")
+    return int(value)
+
+
+def _chunk(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise _Invalid("must be a size such as 4MiB (or a number of bytes in Python)")
+    try:  # a bare number in the environment is GB, as everywhere in tierkv; in Python an int is bytes
+        size = value if isinstance(value, int) else parse_size(value)
+    except InvalidConfigError as exc:
+        raise _Invalid(f"is not a size ({exc})") from None
+    if size < DIRECT_IO_ALIGN or size % DIRECT_IO_ALIGN:
+        raise _Invalid(f"must be a positive multiple of {DIRECT_IO_ALIGN} bytes")
+    return size
+
+
+def _path_or_none(value: Any) -> Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value).strip():
+        raise _Invalid("must be a file path")
+    return Path(os.fspath(value)).expanduser()
+
+
+def _directory(value: Any) -> Path:
+    path = _path_or_none(value)
+    if path is None:
+        raise _Invalid("must be a directory path")
+    return path
+
+
+def _xdg_cache() -> Path:
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "tierkv"
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting("disk_engine", "TIERKV_DISK_ENGINE", lambda: "auto", _engine, "posix",
+                "disk engine of the disk tier; auto picks the fastest that loads (kvikio, native, posix)"),
+        Setting("direct_io", "TIERKV_DIRECT_IO", lambda: None, _tristate, "0",
+                "O_DIRECT for disk files: 1 requires it, 0 uses the page cache, auto tries it"),
+        Setting("io_queue_depth", "TIERKV_IO_QUEUE_DEPTH", lambda: 16, _positive_int, "16",
+                "requests in flight per disk file (NVMe reaches its bandwidth from about 16)"),
+        Setting("io_chunk", "TIERKV_IO_CHUNK", lambda: 4 << 20, _chunk, "4MiB",
+                "largest single I/O an engine issues: larger requests are cut so the workers share them"),
+        Setting("cache_dir", "TIERKV_CACHE_DIR", _xdg_cache, _directory, "~/.cache/tierkv",
+                "per-user cache: the native engine is compiled into its native/ folder on first use"),
+        Setting("profile", "TIERKV_PROFILE", lambda: None, _path_or_none, "tierkv-profile.json",
+                "link profile (JSON written by `tierkv bench`) for telemetry and prefetch_depth='auto'"),
+        Setting("trace", "TIERKV_TRACE", lambda: None, _path_or_none, "/tmp/tierkv-trace.json",
+                "record a Chrome trace of every cache and write it to this path when the cache closes"),
+        Setting("debug", "TIERKV_DEBUG", lambda: False, _flag, "1",
+                "the CLI shows full tracebacks instead of a one-line error"),
+    )
+}  # fmt: skip
+"""Every setting by name."""
+
+_lock = threading.Lock()
+_overrides: dict[str, list[tuple[int, Any, str]]] = {}  # name -> stack of (override token, typed value, source)
+_tokens = itertools.count()
+
+
+def _setting(name: str) -> Setting:
+    if name not in SETTINGS:
+        raise InvalidConfigError(f"unknown tierkv setting {name!r}; valid: {', '.join(SETTINGS)}.")
+    return SETTINGS[name]
+
+
+def _convert(setting: Setting, value: Any, given: str) -> Any:
+    try:
+        return setting.convert(value)
+    except _Invalid as exc:
+        raise InvalidConfigError(
+            f"{given} {exc}; e.g. {setting.variable}={setting.example} ({setting.doc})."
+        ) from None
+
+
+def _resolve(setting: Setting) -> tuple[Any, str]:
+    with _lock:
+        stack = _overrides.get(setting.name)
+        if stack:
+            return stack[-1][1], stack[-1][2]
+    raw = os.environ.get(setting.variable, "").strip()  # empty counts as unset
+    if raw:
+        return _convert(setting, raw, f"{setting.variable}={raw!r}"), f"{setting.variable}={raw}"
+    return setting.default(), "default"
+
+
+def get(name: str) -> Any:
+    """The value of setting ``name`` (see the module's table): override, else environment, else default.
+
+    >>> with override(io_queue_depth=4):
+    ...     get("io_queue_depth")
+    4
+    """
+    return _resolve(_setting(name))[0]
+
+
+def source(name: str) -> str:
+    """How the value of ``name`` was given, for messages: ``"TIERKV_DISK_ENGINE=posix"``,
+    ``"override(disk_engine='posix')"`` or ``"default"``."""
+    return _resolve(_setting(name))[1]
+
+
+def describe() -> dict[str, tuple[Any, str]]:
+    """``{name: (value, source)}`` of every setting, for reports and debug output."""
+    return {name: _resolve(s) for name, s in SETTINGS.items()}
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Set settings for the duration of a ``with`` block, whatever the environment says.
+
+    Values are checked before any is applied (a bad one leaves every setting as it was). Strings are read
+    as the environment variable would be; Python values may also be typed (``direct_io=False``,
+    ``io_chunk=1 << 20`` in bytes, ``trace=None`` to turn a ``TIERKV_TRACE`` off in the block).
+    """
+    entries = {}
+    for name, value in values.items():
+        given = f"override({name}={value!r})"
+        entries[name] = (_convert(_setting(name), value, given), given)
+    token = next(_tokens)
+    with _lock:
+        for name, (typed, given) in entries.items():
+            _overrides.setdefault(name, []).append((token, typed, given))
+    try:
+        yield
+    finally:
+        with _lock:
+            for name in entries:
+                _overrides[name] = [entry for entry in _overrides[name] if entry[0] != token]
