@@ -1,62 +1,117 @@
-"""Budgets and options: size parsing and validation with errors that say how to fix the input."""
+"""Budgets and options: validation with errors that say how to fix the input.
+
+Sizes and token counts are parsed by :mod:`tierkv.units` (``parse_size`` is re-exported here, where the
+callers of older versions import it). The checks below run when a ``TieredCache`` is built, so a mistake is
+reported at construction, not at the first ``generate``.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import re
+import shutil
 from typing import Any
 
 from tierkv.errors import InvalidConfigError
+from tierkv.units import format_bytes, parse_size
 
-_UNITS = {
-    "": 10**9,  # a bare number is GB, like the `gpu_gb=` keyword that carries it
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+__all__ = ["check_budgets_fit_machine", "check_count", "check_disk_engine", "check_model_config", "env_str",
+           "parse_size", "read_json"]
 
 
-def parse_size(value: float | int | str, *, name: str = "size") -> int:
-    """Return a byte count from a number of GB (``20``, ``0.5``) or a string (``"512MB"``, ``"20GiB"``).
+def check_model_config(config: object, *, name: str = "config") -> None:
+    """Refuse anything but a transformers config, naming the usual slip (the model instead of ``model.config``).
 
-    >>> parse_size("512MiB")
-    536870912
-    >>> parse_size(0.5)
-    500000000
+    Checked when the cache is built, so the mistake is not an ``AttributeError`` from deep inside the first
+    ``generate``.
     """
-    if isinstance(value, bool):
-        raise InvalidConfigError(f"{name}={value!r} is a bool; give a number of GB (e.g. 20) or a string like '512MB'.")
-    if isinstance(value, (int, float)):
-        number, unit = float(value), ""
-    elif isinstance(value, str):
-        match = _SIZE.match(value)
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise InvalidConfigError(
-                f"{name}={value!r} is not a size; write a number with an optional unit, e.g. '512MB', '20GiB' or 1.5 "
-                f"(GB). Units: {', '.join(u for u in _UNITS if u)}."
-            )
-        number, unit = float(match.group(1)), match.group(2).lower()
+    from transformers import PreTrainedConfig
+
+    if isinstance(config, PreTrainedConfig):
+        return
+    if isinstance(getattr(config, "config", None), PreTrainedConfig):
+        raise InvalidConfigError(
+            f"{name}= got a {type(config).__name__} (a model); pass its config: {name}=model.config."
+        )
+    raise InvalidConfigError(
+        f"{name}= must be a transformers PreTrainedConfig (e.g. model.config or AutoConfig.from_pretrained(path)), "
+        f"not {type(config).__name__}."
+    )
+
+
+def check_disk_engine(engine: str | None) -> None:
+    """Refuse an unknown or unloadable forced disk engine (``engine=`` or ``TIERKV_DISK_ENGINE``) up front.
+
+    Without this a typo such as ``"io_uring"`` would only fail at the first write to the disk tier, mid-prefill.
+    """
+    from tierkv import settings
+    from tierkv.io.base import EngineUnavailableError
+    from tierkv.io.select import ENGINES, load_engine
+
+    if engine is None:
+        name, source = settings.get("disk_engine"), settings.source("disk_engine")
+    elif isinstance(engine, str) and engine in ("auto", *ENGINES):
+        name, source = engine, f"disk_engine={engine!r}"
     else:
         raise InvalidConfigError(
-            f"{name} must be a number of GB or a size string like '20GiB', not {type(value).__name__}."
+            f"disk_engine={engine!r} is not a disk engine; choose one of {', '.join(ENGINES)}, or 'auto' (None)."
         )
-    if number != number or number in (float("inf"), float("-inf")):
-        raise InvalidConfigError(f"{name}={value!r} is not finite; give a finite size such as '8GB'.")
-    if number < 0:
-        raise InvalidConfigError(f"{name}={value!r} is negative; budgets must be >= 0.")
-    return int(number * _UNITS[unit])
+    if name == "auto":
+        return
+    try:
+        load_engine(name)
+    except EngineUnavailableError as exc:
+        raise InvalidConfigError(
+            f"disk engine {name!r} ({source}) cannot load here: {exc.reason}; use disk_engine='auto' to pick one "
+            "that does."
+        ) from exc
+
+
+def _machine_memory() -> tuple[int, str]:
+    """The largest memory one tier could use here, and how to say it: RAM, or the largest GPU if bigger."""
+    import psutil
+    import torch
+
+    ram = psutil.virtual_memory().total
+    where = f"{format_bytes(ram)} of RAM"
+    if torch.cuda.is_available():
+        gpu = max(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+        where += f" and a {format_bytes(gpu)} GPU"
+        return max(ram, gpu), where
+    return ram, where + " and no GPU"
+
+
+def _disk_size(directory: str | os.PathLike[str]) -> int:
+    """Total size of the filesystem that holds ``directory`` (or its nearest existing parent)."""
+    path = os.path.abspath(os.fspath(directory))
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).total
+
+
+def check_budgets_fit_machine(gpu: int | None, cpu: int | None, disk: int | None,
+                              disk_dir: str | os.PathLike[str] | None) -> None:
+    """Refuse a budget larger than this machine could ever provide (bytes; None = not given).
+
+    The usual cause is a byte count passed where GB are expected (``gpu_gb=TieredCache.min_device_bytes(...)``
+    is a petabyte budget); the message says how to pass bytes.
+    """
+    budgets = {"gpu_gb": gpu, "cpu_gb": cpu}
+    if any(v is not None for v in budgets.values()):
+        memory, where = _machine_memory()
+        for name, nbytes in budgets.items():
+            if nbytes is not None and nbytes > memory:
+                raise InvalidConfigError(
+                    f"{name} is {format_bytes(nbytes)} but this machine has {where}; a bare number counts GB, so "
+                    f"pass a byte count as a string (e.g. {name}=f\"{{n}}B\") or give a size that fits."
+                )
+    if disk is not None and disk_dir is not None:
+        size = _disk_size(disk_dir)
+        if disk > size:
+            raise InvalidConfigError(
+                f"disk_gb is {format_bytes(disk)} but the filesystem under {os.fspath(disk_dir)!r} holds "
+                f"{format_bytes(size)}; give a size that fits, or leave disk_gb unset (90% of its free space)."
+            )
 
 
 def env_str(name: str, default: str | None = None) -> str | None:
@@ -74,3 +129,10 @@ def read_json(path: str | os.PathLike[str], what: str, fix: str) -> Any:
         raise InvalidConfigError(f"{what} {os.fspath(path)!r} does not exist; {fix}.") from None
     except json.JSONDecodeError as e:
         raise InvalidConfigError(f"{what} {os.fspath(path)!r} is not valid JSON ({e}).") from None
+
+
+def check_count(value: object, *, name: str, minimum: int = 1) -> int:
+    """``value`` as an int >= ``minimum`` (a bool or a float is refused: ``batch=True`` is a slip, not 1)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidConfigError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    return value

@@ -30,7 +30,7 @@ from tierkv.attention.exact_gather import ExactGather, staging_bytes
 from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS, StreamingAttention
 from tierkv.bandwidth import LinkProfile
 from tierkv.blocks import Tier
-from tierkv.config import parse_size
+from tierkv.config import check_budgets_fit_machine, check_count, check_disk_engine, check_model_config, parse_size
 from tierkv.errors import InvalidConfigError, TierKVError
 from tierkv.layout import BlockLayout
 from tierkv.mover import make_mover
@@ -155,6 +155,8 @@ class TieredCache(Cache):
             raise InvalidConfigError(f"block_tokens must be a positive int (e.g. 256), got {block_tokens!r}.")
         if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int) or prefetch_depth < 0):
             raise InvalidConfigError(f"prefetch_depth must be an int >= 0 or 'auto', got {prefetch_depth!r}.")
+        if config is not None:
+            check_model_config(config)
         self.profile = profile  # resolved with the device in _ensure_store (see tierkv.stats.resolve_profile)
         self.trace = make_trace(trace)  # None when off (also reads TIERKV_TRACE)
         self.gpu_budget = None if gpu_gb is None else parse_size(gpu_gb, name="gpu_gb")
@@ -163,6 +165,12 @@ class TieredCache(Cache):
         if disk_gb is not None and disk_dir is None:
             raise InvalidConfigError("disk_gb was given without disk_dir; pass disk_dir='/path/on/nvme' to enable "
                                      "the disk tier, or drop disk_gb.")
+        if disk_engine is not None and disk_dir is None:
+            raise InvalidConfigError("disk_engine was given without disk_dir; pass disk_dir='/path/on/nvme' to enable "
+                                     "the disk tier, or drop disk_engine.")
+        check_budgets_fit_machine(self.gpu_budget, self.cpu_budget, self.disk_budget, disk_dir)
+        if disk_dir is not None:
+            check_disk_engine(disk_engine)
         self.disk_dir = disk_dir
         self.disk_engine = disk_engine
         self.block_tokens = block_tokens
@@ -247,7 +255,12 @@ class TieredCache(Cache):
                          dtype: torch.dtype | None = None) -> int:
         """Smallest ``gpu_gb`` (in bytes) that decodes ``context`` tokens: staging for the largest layer
         (``prefetch_depth + 1`` buffers of one layer's full K/V, with 25% growth headroom) plus one tail
-        block per (row, layer)."""
+        block per (row, layer). Bytes, not GB: pass it on as ``gpu_gb=f"{n}B"``."""
+        check_model_config(config)
+        check_count(context, name="context")
+        check_count(batch, name="batch")
+        check_count(block_tokens, name="block_tokens")
+        check_count(prefetch_depth, name="prefetch_depth", minimum=0)
         layout = _layout_of_config(config, block_tokens, dtype)
         staging = staging_bytes(batch, int(context * 1.25), layout.token_bytes, block_tokens, prefetch_depth)
         layers = config.get_text_config(decoder=True).num_hidden_layers
@@ -258,7 +271,11 @@ class TieredCache(Cache):
                                    block_tokens: int = DEFAULT_BLOCK_TOKENS,
                                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: torch.dtype | None = None) -> int:
         """Smallest ``gpu_gb`` (bytes) for :meth:`streaming`: two chunk buffers plus the open tail blocks —
-        independent of the context length."""
+        independent of the context length. Bytes, not GB: pass it on as ``gpu_gb=f"{n}B"``."""
+        check_model_config(config)
+        check_count(batch, name="batch")
+        check_count(block_tokens, name="block_tokens")
+        check_count(chunk_tokens, name="chunk_tokens")
         layout = _layout_of_config(config, block_tokens, dtype)
         chunk = max(block_tokens, chunk_tokens // block_tokens * block_tokens)
         layers = config.get_text_config(decoder=True).num_hidden_layers
@@ -267,6 +284,7 @@ class TieredCache(Cache):
     @staticmethod
     def kv_bytes_per_token(config: PreTrainedConfig, dtype: torch.dtype | None = None) -> int:
         """K and V bytes of one token across all layers (every layer counted, as full attention)."""
+        check_model_config(config)
         layout = _layout_of_config(config, 1, dtype)
         return layout.token_bytes * config.get_text_config(decoder=True).num_hidden_layers
 

@@ -1,0 +1,144 @@
+"""One grammar for the sizes and token counts users type, and the formatting that reads them back.
+
+A value is a number (``20``, ``1.5``, ``2e3``) with an optional unit, spaces allowed between them:
+
+=========  =====================================================  ==========================
+kind       units                                                  a bare number means
+=========  =====================================================  ==========================
+size       ``B``; ``KB MB GB TB`` and ``K M G T`` (powers of 10);  GB, like ``gpu_gb=20``
+           ``KiB MiB GiB TiB`` (powers of 2)
+tokens     ``K M G`` (powers of 2, as context lengths are named:   tokens
+           ``128K`` = 131,072)
+=========  =====================================================  ==========================
+
+Numbers are parsed as decimals, not floats, so ``"1.5K"`` tokens is exactly 1,536 and ``"0.1GB"`` exactly
+100,000,000 bytes. Python numbers are accepted too (``bool`` is not: ``True`` is a typo, not 1). Anything
+above :data:`MAX_BYTES` / :data:`MAX_TOKENS` is refused as no machine's size, so ``"1e30"`` or ``10**400``
+is an :class:`~tierkv.errors.InvalidConfigError`, never an ``OverflowError`` deeper down.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+from tierkv.errors import InvalidConfigError
+
+SIZE_UNITS: dict[str, int] = {
+    "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+TOKEN_UNITS: dict[str, int] = {"k": 2**10, "m": 2**20, "g": 2**30}
+MAX_BYTES = 2**63 - 1
+"""The largest size accepted (8 EiB, int64's range: what torch, numpy and the OS can index)."""
+MAX_TOKENS = 2**40
+"""The largest token count accepted (about 10^12)."""
+
+_VALUE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_SIZE_EXAMPLES = "'512MB', '20GiB' or 1.5 (GB)"
+_TOKEN_EXAMPLES = "32768, '1.5K' (1536) or '1M' (1048576)"
+
+
+def _number(value: object, name: str, examples: str, units: dict[str, int]) -> tuple[Decimal, str]:
+    """Split ``value`` into an exact decimal and a lower-case unit ('' when none was given)."""
+    if isinstance(value, bool):
+        raise InvalidConfigError(f"{name}={value!r} is a bool; give a number such as {examples}.")
+    if isinstance(value, int):  # clamped: a 5,000-digit int must not reach int-to-str limits
+        return Decimal(min(value, 10**40)), ""
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise InvalidConfigError(f"{name}={value!r} is not finite; give a value such as {examples}.")
+        return Decimal(repr(value)), ""
+    if not isinstance(value, str):
+        raise InvalidConfigError(f"{name} must be a number or a string such as {examples}, not {type(value).__name__}.")
+    text = value.strip()
+    if text.startswith("-"):
+        raise InvalidConfigError(f"{name}={value!r} is negative; give a value >= 0 such as {examples}.")
+    match = _VALUE.match(text)
+    if match is None or match.group(2).lower() not in ("", *units):
+        raise InvalidConfigError(
+            f"{name}={value!r} is not understood; write a number with an optional unit ({', '.join(units)}), "
+            f"e.g. {examples}."
+        )
+    return Decimal(match.group(1)), match.group(2).lower()
+
+
+def _shown(value: object) -> str:
+    """``repr`` short enough for a one-line error (``10**400`` is not printed digit by digit)."""
+    if isinstance(value, int) and abs(value) >= 10**20:
+        return f"~1e{int(abs(value).bit_length() * 0.30103)}"
+    return repr(value)
+
+
+def parse_size(value: float | int | str, *, name: str = "size") -> int:
+    """Bytes from a number of GB (``20``, ``0.5``) or a size string (``"512MB"``, ``"20GiB"``, ``"4096B"``).
+
+    Fractions of a byte round to the nearest byte.
+
+    >>> parse_size("512MiB"), parse_size(0.5), parse_size("1.5 KB")
+    (536870912, 500000000, 1500)
+    """
+    number, unit = _number(value, name, _SIZE_EXAMPLES, SIZE_UNITS)
+    if number < 0:
+        raise InvalidConfigError(f"{name}={value!r} is negative; budgets and sizes must be >= 0.")
+    nbytes = number * (SIZE_UNITS[unit] if unit else 10**9) if number <= MAX_BYTES else number
+    if nbytes > MAX_BYTES:
+        raise InvalidConfigError(
+            f"{name}={_shown(value)} is beyond any machine (more than {format_bytes(MAX_BYTES)}); a bare number "
+            f"counts GB: give e.g. {_SIZE_EXAMPLES}, or '4096B' for bytes."
+        )
+    return int(nbytes.to_integral_value())
+
+
+def parse_tokens(value: int | str, *, name: str = "context", minimum: int = 1) -> int:
+    """A whole token count: ``32768``, ``"128K"`` (131072), ``"1.5K"`` (1536), ``"1M"`` (1048576).
+
+    >>> parse_tokens("1.5K"), parse_tokens(4096)
+    (1536, 4096)
+    """
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    number, unit = _number(value, name, _TOKEN_EXAMPLES, TOKEN_UNITS)
+    count = number * (TOKEN_UNITS[unit] if unit else 1) if number <= MAX_TOKENS else number
+    if count != count.to_integral_value():
+        raise InvalidConfigError(
+            f"{name}={value!r} is {count:f} tokens; give a whole number of tokens, e.g. {int(count)}."
+        )
+    if count < minimum:
+        raise InvalidConfigError(
+            f"{name}={value!r} must be at least {plural(minimum, 'token')}; e.g. {_TOKEN_EXAMPLES}."
+        )
+    if count > MAX_TOKENS:
+        raise InvalidConfigError(f"{name}={_shown(value)} is more than {MAX_TOKENS:,} tokens; e.g. {_TOKEN_EXAMPLES}.")
+    return int(count)
+
+
+def parse_token_list(text: str, *, name: str = "lengths") -> list[int]:
+    """Comma-separated token counts, ``"4K,16K,1.5K"`` -> ``[4096, 16384, 1536]``; at least one."""
+    counts = [parse_tokens(part, name=name) for part in text.split(",") if part.strip()]
+    if not counts:
+        raise InvalidConfigError(f"{name}={text!r} has no token counts; give e.g. '4K,16K,32K'.")
+    return counts
+
+
+def format_bytes(nbytes: float | Decimal) -> str:
+    """Binary units throughout, so 128 KiB/token x 1M tokens reads as 128 GiB: ``'1.50 GiB'``, ``'0 B'``."""
+    value = float(nbytes)
+    for unit, scale in (("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20),
+                        ("KiB", 2**10)):
+        if value >= scale:
+            return f"{value / scale:,.2f} {unit}"
+    return f"{value:,.0f} B"
+
+
+def format_tokens(count: int) -> str:
+    """``65536`` -> ``'64K'``, ``1048576`` -> ``'1M'``; counts that are not whole K stay numbers."""
+    if count and count % 2**20 == 0:
+        return f"{count // 2**20}M"
+    return f"{count // 2**10}K" if count and count % 2**10 == 0 else str(count)
+
+
+def plural(count: int, word: str, plural_word: str | None = None) -> str:
+    """``plural(1, 'haystack')`` -> ``'1 haystack'``, ``plural(4, 'haystack')`` -> ``'4 haystacks'``."""
+    return f"{count:,} {word if count == 1 else plural_word or word + 's'}"
