@@ -3,13 +3,24 @@
 Each subcommand lives in ``tierkv/commands/<name>.py`` with ``add_arguments(parser)`` and
 ``run(args) -> int``; they are imported only when chosen, so ``tierkv plan`` never imports torch-heavy code
 it does not need.
+
+Failures read the same in every command: one line on stderr that says what is wrong and how to fix it,
+exit status 2 for a usage error (a bad argument, a budget that cannot work) and 1 for a failure while
+running (a disk error, a KV that no longer fits); Ctrl-C exits 130. ``--debug`` (or ``TIERKV_DEBUG=1``)
+shows the traceback instead. A command module may list more exception types that count as usage errors in
+``USAGE_ERRORS`` (``plan``: a KV that does not fit the budgets given is the user's input, not a failure).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import re
 import sys
+from typing import NoReturn
+
+from tierkv.errors import TierKVError
 
 SUBCOMMANDS = {
     "demo": "decode a long context through all three tiers and check the answer",
@@ -17,26 +28,92 @@ SUBCOMMANDS = {
     "plan": "predict tokens/s and placement for a model, context and hardware",
     "eval": "retrieval accuracy of the demo model over lengths and needle depths",
 }
+USAGE, FAILURE, INTERRUPTED = 2, 1, 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``tierkv demo: error: --context='0' must be at least 1 token; ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        # argparse says "argument --context: --context='0' must ..."; the option is named once is enough.
+        message = re.sub(r"^argument (\S+): (?=\1)", "", message)
+        hint = "" if message.endswith(".") else f"; see {self.prog} --help"
+        self.exit(USAGE, f"{self.prog}: error: {message}{hint}\n")
+
+
+def _version() -> str:
+    """``tierkv 0.1.0 (python 3.11.9, torch 2.13.0, transformers 5.24.0)``, without importing torch."""
+    from tierkv import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    py = ".".join(map(str, sys.version_info[:3]))
+    return f"tierkv {__version__} (python {py}, torch {installed('torch')}, transformers {installed('transformers')})"
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The full parser, or one that knows just subcommand ``only`` (so only its module is imported)."""
-    parser = argparse.ArgumentParser(prog="tierkv", description="Tiered KV-cache offloading for LLM decoding.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="tierkv", description="Tiered KV-cache offloading for LLM decoding.")
+    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (also: TIERKV_DEBUG=1)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, help_text in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if only in (None, name):
             module = importlib.import_module(f"tierkv.commands.{name}")
             module.add_arguments(sub_parser)
+            sub_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                    help="show tracebacks (also: TIERKV_DEBUG=1)")
             sub_parser.set_defaults(_module=module)
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    """The error as one line: TierKVError messages as written, OS errors as "what: which file"."""
+    if isinstance(exc, OSError) and not isinstance(exc, TierKVError) and exc.strerror:
+        where = f": {exc.filename!r}" if exc.filename else ""
+        text = f"{exc.strerror}{where}; check the path and its permissions"
+    else:
+        text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
+
+
+def _debug_requested(args: argparse.Namespace) -> bool:
+    from tierkv import settings
+
+    return bool(getattr(args, "debug", False)) or bool(settings.get("debug"))
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None
-    args = build_parser(chosen).parse_args(argv)
-    return int(args._module.run(args) or 0)
+    """Run ``tierkv`` with ``argv`` (default: the process arguments) and return the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    debug = "--debug" in argv
+    prog = "tierkv" + (f" {chosen}" if chosen in SUBCOMMANDS else "")
+    usage_errors: tuple[type[BaseException], ...] = (ValueError,)
+    try:
+        try:
+            args = build_parser(chosen if chosen in SUBCOMMANDS else None).parse_args(argv)
+        except SystemExit as exc:  # --help, --version, or a usage error already printed on one line
+            return exc.code if isinstance(exc.code, int) else USAGE
+        debug = _debug_requested(args)
+        usage_errors += tuple(getattr(args._module, "USAGE_ERRORS", ()))
+        return int(args._module.run(args) or 0)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        fresh_line = "\n" if sys.stderr.isatty() else ""  # after the terminal's echoed ^C
+        print(f"{fresh_line}{prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except (TierKVError, OSError) as exc:
+        if debug:
+            raise
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return USAGE if isinstance(exc, usage_errors) else FAILURE
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
 
 from tierkv.bandwidth import (
@@ -31,33 +30,12 @@ from tierkv.bandwidth import (
     StepForecast,
     predict_step,
 )
-from tierkv.config import parse_size
 from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
 from tierkv.model_presets import ModelSpec, resolve_model
+from tierkv.units import format_bytes, parse_size, parse_tokens
 
-GiB = 2**30
-_TOKENS = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)\s*$", re.IGNORECASE)
-_TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
-
-
-def parse_tokens(value: int | str, *, name: str = "context") -> int:
-    """A token count: ``32768``, ``"128K"`` (131072) or ``"1M"`` (1048576), binary like context lengths."""
-    if isinstance(value, bool):
-        raise InvalidConfigError(
-            f"{name}={value!r} is a bool; give a token count like 32768, '128K' or '1M'."
-        )
-    if isinstance(value, int):
-        count = value
-    else:
-        match = _TOKENS.match(str(value))
-        if match is None:
-            raise InvalidConfigError(
-                f"{name}={value!r} is not a token count; write e.g. 32768, '128K' (131072) or '1M' (1048576)."
-            )
-        count = int(float(match.group(1)) * _TOKEN_UNITS[match.group(2).lower()])
-    if count < 1:
-        raise InvalidConfigError(f"{name}={value!r} must be at least 1 token, e.g. 32768, '128K' or '1M'.")
-    return count
+__all__ = ["DEVICES", "DeviceSpec", "Plan", "PlanRequest", "TierBytes", "WhatIf", "build_request", "parse_tokens",
+           "plan", "what_ifs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +149,35 @@ class Plan:
     def bottleneck(self) -> Bottleneck:
         return self.forecast.bottleneck
 
+    @property
+    def compute_source(self) -> str:
+        """Where the compute time comes from: the user's measurement, or the roofline of a device preset."""
+        return "given" if self.request.compute_s_per_step is not None else f"roofline, {self.request.device.name}"
+
+    def busy_rows(self) -> list[tuple[str, float]]:
+        """Each resource's busy time in one step, named as it runs on this host, the device first.
+
+        On a CPU-only host (``serial_mover``) one mover thread does the device gather *and* the host->device
+        copies, so its copy time is not zero when no KV is on the host; on CUDA the gather runs on the device
+        beside the compute and each link has its own queue.
+        """
+        fc = self.forecast
+        if self.request.links.serial_mover:
+            return [("compute thread busy", fc.compute_s), ("mover: gather + host->device", fc.host_to_device_s),
+                    ("mover: disk->host", fc.disk_s)]
+        return [("device busy", fc.compute_s), ("host->device link busy", fc.host_to_device_s),
+                ("disk->host link busy", fc.disk_s)]
+
+    @property
+    def bound_label(self) -> str:
+        """The resource that bounds the step, in :meth:`busy_rows`' words."""
+        fc = self.forecast
+        if fc.bottleneck is Bottleneck.COMPUTE:
+            return "compute"
+        if self.request.links.serial_mover:
+            return "mover"
+        return "host->device" if fc.bottleneck is Bottleneck.HOST_TO_DEVICE else "disk->host"
+
     def to_dict(self) -> dict:
         """JSON-ready summary (the ``tierkv plan --json`` file)."""
         req, fc = self.request, self.forecast
@@ -189,6 +196,10 @@ class Plan:
             "bytes_moved_per_step": self.bytes_moved_per_step,
             "bytes_moved_per_token": {k: v / req.batch for k, v in self.bytes_moved_per_step.items()},
             "compute_s_per_step": self.compute_s_per_step,
+            "compute_source": self.compute_source,
+            "serial_mover": req.links.serial_mover,
+            "lower_bound_s": fc.lower_bound_s,
+            "not_overlapped_s": fc.step_s - fc.lower_bound_s,
             "predicted_step_s": fc.step_s,
             "tokens_per_s": self.tokens_per_s,
             "bottleneck": fc.bottleneck.value,
@@ -275,6 +286,7 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
     forecast = predict_step(Placement(layers, other), req.links, depth)
     new_kv = req.batch * model.kv_bytes_per_token
     moved = {
+        "device->device": sum(layer.device_bytes for layer in layers),  # the gather of device-resident KV
         "host->device": sum(layer.host_bytes + layer.disk_bytes for layer in layers),
         "disk->host": sum(layer.disk_bytes for layer in layers),
         "device->host": new_kv if host + disk > 0 else 0,
@@ -350,17 +362,52 @@ def plan(req: PlanRequest, *, tolerance: float = 0.01) -> Plan:
 
 @dataclass(frozen=True, slots=True)
 class WhatIf:
-    """One alternative and its forecast, for the "what would buy speed" table."""
+    """One alternative and its forecast, for the "what would buy speed" table; ``note`` says why it is not
+    faster when it is not (empty otherwise)."""
 
     label: str
     plan: Plan
+    note: str = ""
+
+
+def _why_slower(base: Plan, alt: Plan) -> str:
+    """Why ``alt`` (more of something) is predicted slower than ``base``, or "" when it is not.
+
+    More device memory puts more KV on the device, where it is *gathered* rather than copied: on CUDA that
+    gather runs on the device, in series with compute, while the host->device copies it replaces overlapped
+    compute; on a CPU-only host the gather is a copy by the same mover thread at the device->device rate.
+    The auto prefetch depth can also change (it keeps the shallowest depth within 1% of the fastest).
+    """
+    if alt.forecast.step_s <= base.forecast.step_s * (1 + 1e-9):
+        return ""
+    reasons = []
+    more_on_device = alt.bytes_per_tier.device - base.bytes_per_tier.device
+    if more_on_device > 0:
+        links = alt.request.links
+        if links.serial_mover:
+            gather, copy = links.link("device->device"), links.link("host->device")
+            reasons.append(
+                f"{format_bytes(more_on_device)} more KV is gathered on the device by the mover at "
+                f"{gather.bandwidth_bytes_per_s / 1e9:.2f} GB/s instead of copied at "
+                f"{copy.bandwidth_bytes_per_s / 1e9:.2f} GB/s"
+            )
+        else:
+            reasons.append(
+                f"{format_bytes(more_on_device)} more KV is gathered on the device, in series with compute, instead "
+                "of copied host->device in the background"
+            )
+    if alt.forecast.prefetch_depth != base.forecast.prefetch_depth:
+        reasons.append(f"auto prefetch depth {base.forecast.prefetch_depth} -> {alt.forecast.prefetch_depth}")
+    return "slower: " + ("; ".join(reasons) if reasons else "less of the transfer time is hidden behind compute")
 
 
 def what_ifs(base: Plan, *, extra_gpu_bytes: int = 16 * 10**9) -> list[WhatIf]:
     """Re-plan with more device memory, the faster PCIe link, the faster NVMe, and both links.
 
-    Links already at the faster preset are not offered again. Presets replace measured links, so the
-    answer to "what would PCIe 5.0 buy on this machine" keeps the rest of the measured profile.
+    Each is the plan the runtime would follow with that change, so it can be slower; its ``note`` then says
+    why (see :func:`_why_slower`). Links already at the faster preset are not offered again. Presets replace
+    measured links, so the answer to "what would PCIe 5.0 buy on this machine" keeps the rest of the measured
+    profile.
     """
     req = base.request
     links = req.links.links
@@ -372,7 +419,8 @@ def what_ifs(base: Plan, *, extra_gpu_bytes: int = 16 * 10**9) -> list[WhatIf]:
     ]
     pcie5 = {"host->device": PRESETS["pcie5"], "device->host": PRESETS["pcie5"]}
     gen5 = {"disk->host": PRESETS["nvme-gen5"], "host->disk": PRESETS["nvme-gen5-write"]}
-    faster_link = links.get("host->device") != PRESETS["pcie5"]
+    # A serial-mover profile is a CPU-only host: it has no PCIe link to upgrade.
+    faster_link = not req.links.serial_mover and links.get("host->device") != PRESETS["pcie5"]
     faster_disk = base.bytes_per_tier.disk > 0 and links.get("disk->host") != PRESETS["nvme-gen5"]
     if faster_link:
         options.append(("PCIe 5.0 x16", dataclasses.replace(req, links=req.links.replace(**pcie5))))
@@ -382,7 +430,8 @@ def what_ifs(base: Plan, *, extra_gpu_bytes: int = 16 * 10**9) -> list[WhatIf]:
         options.append(
             ("PCIe 5.0 + NVMe Gen5", dataclasses.replace(req, links=req.links.replace(**pcie5, **gen5)))
         )
-    return [WhatIf(label, plan(option)) for label, option in options]
+    alternatives = [(label, plan(option)) for label, option in options]
+    return [WhatIf(label, alt, _why_slower(base, alt)) for label, alt in alternatives]
 
 
 def build_request(

@@ -1,0 +1,150 @@
+"""What every ``tierkv`` subcommand shares: argument types that validate before any work, and one ``--json``.
+
+Argument types turn a bad value into an ``argparse`` error (one line, exit status 2) while the command line
+is parsed, so ``--context 0`` fails in milliseconds, not after a model was loaded. ``--json [PATH]`` means
+the same in every command: write the result as JSON to ``PATH``, or to stdout when ``PATH`` is ``-`` or
+left out (the human-readable output then goes to stderr, so stdout stays valid JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tierkv.errors import InvalidConfigError
+from tierkv.units import parse_size, parse_token_list, parse_tokens
+
+STDOUT = "-"
+
+
+def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type from a parser that raises InvalidConfigError (its message becomes argparse's)."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except InvalidConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def tokens(option: str, minimum: int = 1) -> Callable[[str], int]:
+    """Type of a token-count option (``32768``, ``1.5K``, ``1M``; see :mod:`tierkv.units`)."""
+    return _typed(lambda text: parse_tokens(text, name=option, minimum=minimum))
+
+
+def token_list(option: str) -> Callable[[str], list[int]]:
+    """Type of a comma-separated list of token counts (``4K,16K,1.5K``)."""
+    return _typed(lambda text: parse_token_list(text, name=option))
+
+
+def size(option: str) -> Callable[[str], int]:
+    """Type of a size option, in bytes (``20`` is GB; ``512MB``, ``20GiB``)."""
+    return _typed(lambda text: parse_size(text, name=option))
+
+
+def integer(option: str, minimum: int) -> Callable[[str], int]:
+    """Type of a whole-number option of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise InvalidConfigError(f"{option}={text!r} is not a whole number.") from None
+        if value < minimum:
+            raise InvalidConfigError(f"{option}={text!r} must be at least {minimum}.")
+        return value
+
+    return _typed(parse)
+
+
+def number(option: str, low: float = 0.0, high: float = math.inf) -> Callable[[str], float]:
+    """Type of a real-number option in ``[low, high]``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise InvalidConfigError(f"{option}={text!r} is not a number.") from None
+        if not low <= value <= high:
+            bounds = f"in [{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
+            raise InvalidConfigError(f"{option}={text!r} must be a number {bounds}.")
+        return value
+
+    return _typed(parse)
+
+
+def fractions(option: str) -> Callable[[str], list[float]]:
+    """Type of a comma-separated list of fractions in [0, 1] (``0,0.25,1``)."""
+    one = number(option, 0.0, 1.0)
+
+    def parse(text: str) -> list[float]:
+        values = [one(part) for part in text.split(",") if part.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"{option}={text!r} has no values; give e.g. 0,0.5,1.")
+        return values
+
+    return parse
+
+
+def existing_file(option: str) -> Callable[[str], Path]:
+    """Type of an option naming a file that must exist."""
+
+    def parse(text: str) -> Path:
+        path = Path(text).expanduser()
+        if not path.exists():
+            raise InvalidConfigError(f"{option} {text!r}: file not found.")
+        if not path.is_file():
+            raise InvalidConfigError(f"{option} {text!r} is not a file.")
+        return path
+
+    return _typed(parse)
+
+
+def checkpoint_folder(option: str) -> Callable[[str], Path]:
+    """Type of an option naming a local Hugging Face checkpoint folder (it must hold ``config.json``)."""
+
+    def parse(text: str) -> Path:
+        path = Path(text).expanduser()
+        if not path.exists():
+            raise InvalidConfigError(f"{option} {text!r}: folder not found; give a local checkpoint folder.")
+        if not path.is_dir():
+            raise InvalidConfigError(f"{option} {text!r} is a file; give the checkpoint's folder.")
+        if not (path / "config.json").is_file():
+            raise InvalidConfigError(
+                f"{option} {text!r} has no config.json; give a folder saved by save_pretrained() (nothing is "
+                "downloaded)."
+            )
+        return path
+
+    return _typed(parse)
+
+
+def add_json_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--json [PATH]``: the same flag, with the same meaning, in every command."""
+    parser.add_argument("--json", nargs="?", const=STDOUT, default=None, metavar="PATH",
+                        help=f"write {what} as JSON to PATH, or to stdout with '-' or no PATH "
+                             "(the tables then go to stderr)")
+
+
+def json_to_stdout(args: argparse.Namespace) -> bool:
+    """True when ``--json`` claims stdout, so human-readable output must go to stderr."""
+    return getattr(args, "json", None) == STDOUT
+
+
+def write_json(data: Any, target: str) -> str | None:
+    """Write ``data`` to ``target`` (a path, or ``-`` for stdout); returns the path written, None for stdout."""
+    text = json.dumps(data, indent=2) + "\n"
+    if target == STDOUT:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return None
+    Path(target).write_text(text, encoding="utf-8")
+    return target
