@@ -21,6 +21,7 @@ mkdir -p "$BENCH_DIR"
   nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
   "$PY" -c "import tierkv.io as io; print('disk engines:', io.engine_status())"
+  "$PY" -c "import tierkv.settings as s; print('settings:', s.describe())"
   df -hT "$BENCH_DIR"
 } > "$OUT/env.txt" 2>&1
 

@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 from rich.table import Table
 
-from tierkv.bench import RawDirect, _median_seconds
+from tierkv.calibrate import RawDirect, median_seconds
 from tierkv.io import aligned_empty, available_engines, open_disk_file
 from tierkv.io.base import queue_depth
 
@@ -67,7 +67,7 @@ def test_disk_ratios(data_file: Path, disk_size: int, request_size: int, capsys)
         for method in METHODS:
             op, close = _operation(method, data_file, write, requests)
             try:
-                gbps[method] = disk_size / _median_seconds(op, warmup=1, repeats=5) / 1e9
+                gbps[method] = disk_size / median_seconds(op, warmup=1, repeats=5) / 1e9
             finally:
                 close()
         raw = gbps["raw O_DIRECT"]

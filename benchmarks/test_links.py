@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tierkv.bench import _median_seconds
+from tierkv.calibrate import median_seconds
 
 MiB = 1 << 20
 BLOCK = 256 * 1024  # bytes per block of one layer
@@ -57,7 +57,7 @@ def test_gather(benchmark, method: str) -> None:
 
 def test_gather_ratio(capsys) -> None:
     ops = _gather_ops()
-    gbps = {name: TOTAL / _median_seconds(op, warmup=2, repeats=9) / 1e9 for name, op in ops.items()}
+    gbps = {name: TOTAL / median_seconds(op, warmup=2, repeats=9) / 1e9 for name, op in ops.items()}
     table = Table(
         title=f"gather of {TOTAL // BLOCK} blocks of {BLOCK >> 10} KiB ({torch.get_num_threads()} threads)"
     )

@@ -1,4 +1,5 @@
-"""``tierkv bench --quick`` end to end, and the pieces it is built from (no timed assertions)."""
+"""``tierkv bench --quick`` end to end, and the pieces of ``tierkv.calibrate`` it is built from (no timed
+assertions)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,21 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from tierkv.bandwidth import LINK_KEYS, MAX_SLOWDOWN, LinkProfile
-from tierkv.bench import (
+from tierkv.calibrate import (
     BenchConfig,
+    BenchResult,
     Measurement,
     build_profile,
     filesystem_of,
     transfer_sizes,
 )
+from tierkv.calibrate.kv import compute_device
+from tierkv.calibrate.plot import figure, link_label
 from tierkv.cli import main
+from tierkv.errors import InvalidConfigError
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -46,7 +52,29 @@ def test_quick_bench_writes_a_loadable_profile_and_a_png(tmp_path: Path, capsys)
 
 def test_bench_rejects_unknown_engine(tmp_path: Path, capsys) -> None:
     assert main(["bench", "--quick", "--dir", str(tmp_path), "--engines", "uring"]) == 2
-    assert "unknown disk engine 'uring'" in capsys.readouterr().out
+    assert "unknown disk engine 'uring'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_bench_dir_that_is_a_file_is_one_line(tmp_path: Path, capsys, below: str) -> None:
+    """``--dir /etc/passwd`` (or a folder under a file): a one-line usage error, not a FileExistsError."""
+    a_file = tmp_path / "passwd"
+    a_file.write_text("root\n")
+    assert main(["bench", "--quick", "--dir", str(a_file / below)]) == 2
+    err = capsys.readouterr().err
+    assert "not a directory" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(InvalidConfigError, match="is a file, not a directory"):
+        BenchConfig(a_file)
+
+
+def test_bench_runtime_failure_is_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    def fail(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+
+    monkeypatch.setattr("tierkv.commands.bench.run_bench", fail)
+    assert main(["bench", "--quick", "--dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "Permission denied" in err and "Traceback" not in err
 
 
 def test_transfer_sizes() -> None:
@@ -81,3 +109,27 @@ def test_profile_is_fitted_from_the_runtime_series() -> None:
 
 def test_filesystem_of_names_the_mount(tmp_path: Path) -> None:
     assert "(" in filesystem_of(tmp_path)
+
+
+def test_plot_names_tiers_as_on_this_host_on_log_axes() -> None:
+    """A CPU-only host has no "device" memory of its own: lines say CPU memory (device tier)."""
+    rows = [Measurement("host->device", "store read_into", s, s, 1, s / 5e9) for s in (64 * KiB, MiB)]
+    rows += [Measurement("device->device", "gather per-block copy_", s, s, 16, s / 1e8) for s in (64 * KiB, MiB)]
+    rows += [Measurement("disk->host", "posix", s, s, 1, s / 1e9) for s in (64 * KiB, MiB)]
+    result = BenchResult(rows, LinkProfile({}), {"cpu": "test", "cores": "2", "gpu": "none", "filesystem": "ext4",
+                                                 "date": "today"})  # fmt: skip
+    fig = figure(result)
+    labels = [text.get_text() for ax in fig.axes if ax.get_legend() for text in ax.get_legend().get_texts()]
+    assert "CPU memory (host tier) -> CPU memory (device tier): store read_into" in labels
+    assert "within CPU memory (device tier): gather per-block copy_" in labels
+    panels = [ax for ax in fig.axes if ax.lines]
+    assert len(panels) == 2 and all(ax.get_yscale() == "log" and ax.get_xscale() == "log" for ax in panels)
+    pinned = link_label("host->device", "pinned", gpu=True)
+    assert pinned == "CPU memory (host tier) -> GPU memory (device tier): pinned"
+
+
+def test_compute_device_is_indexed() -> None:
+    """The bench's device tier compares equal to the device its tensors report (``cuda:0``, not ``cuda``)."""
+    device = compute_device()
+    assert torch.empty(1, device=device).device == device
+    assert device.type == "cpu" or device.index is not None

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierkv.config import parse_size
 from tierkv.errors import InvalidConfigError
+from tierkv.units import parse_size
 
 DISK_ENGINES: tuple[str, ...] = ("kvikio", "native", "posix")
 """The disk engines, in auto-selection order (fastest first); ``tierkv.io`` loads them by these names."""

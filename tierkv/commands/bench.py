@@ -5,7 +5,10 @@ Example::
     tierkv bench --dir /nvme/tierkv --disk-size 1GiB --max-size 1GiB
     tierkv plan ... --profile tierkv-profile.json      # plan with measured links instead of presets
 
-``--quick`` runs small sizes in seconds (the tests use it); its numbers are indicative only.
+``--quick`` runs small sizes in seconds (the tests use it); its numbers are indicative only. The measuring
+and the fit are :mod:`tierkv.calibrate`; this module parses, prints and saves. A bad argument is one line on
+stderr and exit status 2, a failure while measuring (a disk error) one line and 1; ``TIERKV_DEBUG=1`` shows
+the traceback instead.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tierkv.bench import BenchConfig, BenchResult, KiB, Measurement, plot, run_bench
-from tierkv.config import parse_size
+from tierkv import settings
+from tierkv.calibrate import BenchConfig, BenchResult, Measurement, plot, run_bench
 from tierkv.errors import TierKVError
 from tierkv.io import ENGINES, engine_status
+from tierkv.units import format_bytes, parse_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
+    if args.threads is not None and args.threads < 1:
+        raise TierKVError(f"--threads {args.threads}: give a positive number of torch threads, e.g. --threads 1.")
     engines = None
     if args.engines:
         engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
@@ -76,13 +82,6 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         engines=engines,
         repeats=args.repeats,
     )
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", KiB)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes} B"
 
 
 _SHORT = {
@@ -134,7 +133,7 @@ def tables(result: BenchResult) -> list[Table]:
                 for g in ("gather idx_sel", "gather per-blk")
             ]
             table.add_row(
-                _size(size), *[f"{by_name[c].gbps:.2f}" if c in by_name else "" for c in columns], *ratios
+                format_bytes(size), *[f"{by_name[c].gbps:.2f}" if c in by_name else "" for c in columns], *ratios
             )
         out.append(table)
     for link, title in (("disk->host", "Disk read"), ("host->disk", "Disk write")):
@@ -152,7 +151,7 @@ def tables(result: BenchResult) -> list[Table]:
                 m = by_name.get(name)
                 ratio = f" ({m.gbps / raw.gbps:.2f})" if m and raw and m is not raw else ""
                 cells.append(f"{m.gbps:.2f}{ratio}" if m else "")
-            table.add_row(_size(size), *cells)
+            table.add_row(format_bytes(size), *cells)
         out.append(table)
     batches = [m for m in result.measurements if m.method.endswith(" block batch")]
     if batches:
@@ -162,7 +161,8 @@ def tables(result: BenchResult) -> list[Table]:
         block = min(m.nbytes for m in batches)
         for m in batches:
             engine = m.method.removesuffix(" block batch")
-            table.add_row(engine, str(m.nbytes // block), _size(m.nbytes), f"{m.gbps:.2f}", f"{m.seconds * 1e3:.2f}")
+            table.add_row(engine, str(m.nbytes // block), format_bytes(m.nbytes), f"{m.gbps:.2f}",
+                          f"{m.seconds * 1e3:.2f}")
         out.append(table)
     table = Table(title="Fitted link profile: t = latency + bytes / bandwidth")
     for name in ("link", "bandwidth GB/s", "latency us"):
@@ -183,15 +183,24 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:  # piped into a file or a doc: keep the table columns readable
         console = Console(width=132)
+    errors = Console(stderr=True, highlight=False)
     try:
         cfg = _config(args)
+    except (TierKVError, ValueError) as exc:
+        if settings.get("debug"):
+            raise
+        errors.print(f"tierkv bench: {exc}", style="red", soft_wrap=True)
+        return 2
+    try:
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         with console.status("measuring") as status:
             result = run_bench(cfg, progress=lambda what: status.update(f"measuring {what}"))
-    except (TierKVError, ValueError) as exc:
-        console.print(f"[red]tierkv bench: {exc}[/red]")
-        return 2
+    except (TierKVError, OSError) as exc:
+        if settings.get("debug"):
+            raise
+        errors.print(f"tierkv bench: {exc} (TIERKV_DEBUG=1 shows the traceback)", style="red", soft_wrap=True)
+        return 1
     m = result.machine
     console.print(f"[bold]tierkv bench[/bold] {m['date']}")
     console.print(f"CPU {m['cpu']}, {m['cores']}, RAM {m['ram']}, GPU {m['gpu']}")
