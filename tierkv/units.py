@@ -37,10 +37,10 @@ MAX_TOKENS = 2**40
 
 _VALUE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _SIZE_EXAMPLES = "'512MB', '20GiB' or 1.5 (GB)"
-_TOKEN_EXAMPLES = "32768, '1.5K' (1536) or '1M' (1048576)"
+_TOKEN_EXAMPLES = "32768, '128K' (131072) or '1.5K' (1536)"
 
 
-def _number(value: object, name: str, examples: str, units: dict[str, int]) -> tuple[Decimal, str]:
+def _number(value: object, name: str, what: str, examples: str, units: dict[str, int]) -> tuple[Decimal, str]:
     """Split ``value`` into an exact decimal and a lower-case unit ('' when none was given)."""
     if isinstance(value, bool):
         raise InvalidConfigError(f"{name}={value!r} is a bool; give a number such as {examples}.")
@@ -58,7 +58,7 @@ def _number(value: object, name: str, examples: str, units: dict[str, int]) -> t
     match = _VALUE.match(text)
     if match is None or match.group(2).lower() not in ("", *units):
         raise InvalidConfigError(
-            f"{name}={value!r} is not understood; write a number with an optional unit ({', '.join(units)}), "
+            f"{name}={value!r} is not {what}; write a number with an optional unit ({', '.join(units)}), "
             f"e.g. {examples}."
         )
     return Decimal(match.group(1)), match.group(2).lower()
@@ -79,7 +79,7 @@ def parse_size(value: float | int | str, *, name: str = "size") -> int:
     >>> parse_size("512MiB"), parse_size(0.5), parse_size("1.5 KB")
     (536870912, 500000000, 1500)
     """
-    number, unit = _number(value, name, _SIZE_EXAMPLES, SIZE_UNITS)
+    number, unit = _number(value, name, "a size", _SIZE_EXAMPLES, SIZE_UNITS)
     if number < 0:
         raise InvalidConfigError(f"{name}={value!r} is negative; budgets and sizes must be >= 0.")
     nbytes = number * (SIZE_UNITS[unit] if unit else 10**9) if number <= MAX_BYTES else number
@@ -99,7 +99,7 @@ def parse_tokens(value: int | str, *, name: str = "context", minimum: int = 1) -
     """
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    number, unit = _number(value, name, _TOKEN_EXAMPLES, TOKEN_UNITS)
+    number, unit = _number(value, name, "a token count", _TOKEN_EXAMPLES, TOKEN_UNITS)
     count = number * (TOKEN_UNITS[unit] if unit else 1) if number <= MAX_TOKENS else number
     if count != count.to_integral_value():
         raise InvalidConfigError(
@@ -133,10 +133,12 @@ def format_bytes(nbytes: float | Decimal) -> str:
 
 
 def format_tokens(count: int) -> str:
-    """``65536`` -> ``'64K'``, ``1048576`` -> ``'1M'``; counts that are not whole K stay numbers."""
-    if count and count % 2**20 == 0:
-        return f"{count // 2**20}M"
-    return f"{count // 2**10}K" if count and count % 2**10 == 0 else str(count)
+    """``65536`` -> ``'64K'``, ``1536`` -> ``'1.5K'``, ``1048576`` -> ``'1M'``: the spelling that parses back
+    to the same count; counts that are no short multiple of K stay numbers (``1000``)."""
+    for unit, scale in (("M", 2**20), ("K", 2**10)):
+        if count >= scale and count * 100 % scale == 0:  # at most two decimals, exactly
+            return f"{count / scale:g}{unit}"
+    return str(count)
 
 
 def plural(count: int, word: str, plural_word: str | None = None) -> str:

@@ -1,16 +1,17 @@
 """``tierkv demo``: decode a long context through device, host and disk tiers, and check the answer.
 
 By default it uses the shipped demo model on a passkey-retrieval haystack; the device budget is a small
-fraction of the KV, so all three tiers hold blocks. It prefills in chunks (progress bar), decodes the
-answer greedily showing live tier occupancy and traffic, then compares with an in-memory ``DynamicCache``
-run. Without the shipped weights (or with ``--random-model``) a tiny random Llama shows exactness only.
+fraction of the KV, so all three tiers hold blocks. It prefills in chunks, decodes greedily (16 tokens by
+default, so the decode rate is measured over real decode steps), then compares the tokens with an in-memory
+``DynamicCache`` run. Without the shipped weights (or with ``--random-model``) a tiny random Llama shows
+exactness only. Progress and tier occupancy show live on stderr when it is a terminal; the result table goes
+to stdout (to stderr with ``--json -``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import random
 import tempfile
 import time
@@ -24,41 +25,71 @@ from rich.live import Live
 from rich.progress import Progress
 from rich.table import Table
 
-from tierkv.config import parse_size
-from tierkv.errors import InvalidConfigError, TierKVError
+from tierkv.commands import (
+    add_json_argument,
+    checkpoint_folder,
+    existing_file,
+    integer,
+    json_to_stdout,
+    number,
+    size,
+    tokens,
+    write_json,
+)
+from tierkv.errors import InvalidConfigError
+from tierkv.units import format_bytes
 
-console = Console()
+MIN_DECODE = 16  # default decode length: enough steps for a decode rate that is not one token's noise
+FEW_TOKENS_PER_WORD = 0.25  # a real tokenizer gives >= ~1 token per word; far fewer means the wrong one
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--context", default="32K", help="haystack length in tokens, e.g. 8K, 32768 (default 32K)")
-    parser.add_argument("--gpu-gb", default=None, help="device budget; default: 1/8 of the KV (plus staging)")
+    parser.add_argument("--context", type=tokens("--context", minimum=64), default="32K",
+                        help="haystack length in tokens, e.g. 8K, 1.5K, 32768 (default 32K)")
+    parser.add_argument("--gpu-gb", type=size("--gpu-gb"), default=None,
+                        help="device budget, GB or a size ('8MiB'); default: 1/8 of the KV plus the executor's minimum")
     parser.add_argument("--executor", choices=("streaming", "gather"), default="streaming",
                         help="streaming: chunked exact attention, device holds two chunks (default); "
                              "gather: whole layers assembled on the device")
-    parser.add_argument("--chunk-tokens", type=int, default=1024, help="chunk length of the streaming executor")
-    parser.add_argument("--cpu-gb", default=None, help="host budget; default: 1/4 of the KV")
+    parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=1024,
+                        help="chunk length of the streaming executor (default 1024)")
+    parser.add_argument("--cpu-gb", type=size("--cpu-gb"), default=None, help="host budget; default: 1/4 of the KV")
     parser.add_argument("--disk-dir", default=None, help="disk tier directory (default: a temporary directory)")
-    parser.add_argument("--block-tokens", type=int, default=64)
-    parser.add_argument("--prefill-chunk", type=int, default=1024)
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the answer's length")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--depth", type=float, default=0.3, help="needle depth in the haystack, 0..1")
-    parser.add_argument("--model", default=None, help="a local HF checkpoint folder instead of the demo model")
-    parser.add_argument("--prompt-file", default=None, help="prompt text for --model")
+    parser.add_argument("--block-tokens", type=integer("--block-tokens", 1), default=64, help="tokens per block")
+    parser.add_argument("--prefill-chunk", type=tokens("--prefill-chunk"), default=1024,
+                        help="prefill tokens per forward (default 1024)")
+    parser.add_argument("--max-new-tokens", type=integer("--max-new-tokens", 1), default=None,
+                        help=f"tokens to decode (default: {MIN_DECODE}, or the answer's length if longer; 32 "
+                             "with --model)")
+    parser.add_argument("--seed", type=integer("--seed", 0), default=0)
+    parser.add_argument("--depth", type=number("--depth", 0.0, 1.0), default=0.3,
+                        help="needle depth in the haystack, 0..1 (default 0.3)")
+    parser.add_argument("--model", type=checkpoint_folder("--model"), default=None,
+                        help="a local HF checkpoint folder instead of the demo model (needs --prompt-file)")
+    parser.add_argument("--prompt-file", type=existing_file("--prompt-file"), default=None,
+                        help="prompt text for --model")
     parser.add_argument("--random-model", action="store_true", help="a tiny random Llama (exactness only)")
     parser.add_argument("--no-reference", action="store_true", help="skip the in-memory DynamicCache check")
-    parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    add_json_argument(parser, "the results")
+
+
+def _check_combination(args: argparse.Namespace) -> None:
+    """Options that only make sense together, checked before anything is loaded."""
+    if args.model and not args.prompt_file:
+        raise InvalidConfigError("--model needs --prompt-file with the prompt text to decode from.")
+    if args.prompt_file and not args.model:
+        raise InvalidConfigError("--prompt-file needs --model (the shipped demo model builds its own haystack).")
+    if args.model and args.random_model:
+        raise InvalidConfigError("--model and --random-model exclude each other; give one.")
 
 
 def run(args: argparse.Namespace) -> int:
-    from tierkv.planner import parse_tokens
-
-    context = parse_tokens(str(args.context), name="--context")
-    model, prompt, expected, decode = _load(args, context)
+    _check_combination(args)
+    out = Console(stderr=json_to_stdout(args), highlight=False)
+    status = Console(stderr=True, highlight=False)
+    model, prompt, expected, decode = _load(args, status)
     kv_bytes = _kv_bytes(model, len(prompt) + decode)
-    gpu = parse_size(args.gpu_gb, name="--gpu-gb") if args.gpu_gb else None
-    cpu = parse_size(args.cpu_gb, name="--cpu-gb") if args.cpu_gb else max(kv_bytes // 4, 2**20)
+    gpu, cpu = args.gpu_gb, args.cpu_gb if args.cpu_gb is not None else max(kv_bytes // 4, 2**20)
     if gpu is None:
         from tierkv import TieredCache
 
@@ -69,12 +100,7 @@ def run(args: argparse.Namespace) -> int:
             floor = TieredCache.min_device_bytes(model.config, len(prompt) + decode, block_tokens=args.block_tokens)
         gpu = floor + kv_bytes // 8
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as tmp:
-        disk_dir = args.disk_dir or tmp
-        try:
-            result = _decode(args, model, prompt, decode, gpu, cpu, disk_dir)
-        except TierKVError as exc:
-            console.print(f"[red]tierkv error:[/red] {exc}")
-            return 2
+        result = _decode(args, model, prompt, decode, gpu, cpu, args.disk_dir or tmp, status)
     answer_text = result["answer_text"]
     reference = None if args.no_reference else _reference(model, prompt, decode, args.prefill_chunk)
     summary = {
@@ -86,48 +112,79 @@ def run(args: argparse.Namespace) -> int:
         "answer": answer_text,
         "match": expected is not None and answer_text.replace(" ", "").startswith(expected),
         "tokens_match_reference": None if reference is None else reference == result["tokens"],
-        **{k: result[k] for k in ("bytes_resident", "bytes_moved", "blocks", "decode_tokens_per_s",
-                                  "prefill_tokens_per_s", "prefetch_stall_s", "disk_engine")},
+        **{k: result[k] for k in ("bytes_resident", "bytes_moved", "blocks", "decode_tokens", "decode_steps",
+                                  "decode_tokens_per_s", "prefill_tokens_per_s", "prefetch_stall_s", "disk_engine")},
     }
-    _print_summary(summary)
+    _print_summary(out, summary)
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+        written = write_json(summary, args.json)
+        if written:
+            status.print(f"wrote {written}")
     ok = summary["tokens_match_reference"] is not False and (expected is None or summary["match"])
     return 0 if ok else 1
 
 
-def _load(args: argparse.Namespace, context: int):
+def _load(args: argparse.Namespace, status: Console):
     """(model, prompt ids, expected answer or None, tokens to decode)."""
     torch.manual_seed(args.seed)
     if args.model:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        if not args.prompt_file:
-            raise InvalidConfigError("--model needs --prompt-file with the prompt text to decode from.")
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
-        prompt = tokenizer(Path(args.prompt_file).read_text())["input_ids"]
+        model, tokenizer = _load_checkpoint(args.model)
+        prompt = _tokenize_prompt(tokenizer, args.prompt_file, status)
         return _with_decoder(model, tokenizer), prompt, None, args.max_new_tokens or 32
     if not args.random_model:
-        try:
-            from tierkv.demo.model import load_demo_model
-            from tierkv.demo.task import make_example
+        from tierkv.demo.model import DemoWeightsMissingError, load_demo_model
+        from tierkv.demo.task import make_example
 
+        try:
             model, tokenizer = load_demo_model()
-        except (ImportError, TierKVError) as exc:  # a checkout without the trained demo model
-            console.print(f"[yellow]{exc}[/yellow]\nFalling back to a random tiny Llama (exactness only).")
+        except DemoWeightsMissingError as exc:  # a checkout without the trained demo model
+            status.print(f"[yellow]{exc}[/yellow]\nFalling back to a random tiny Llama (exactness only).")
         else:
-            example = make_example(random.Random(args.seed), context, args.depth)
-            decode = args.max_new_tokens or len(example.answer_ids)
+            example = make_example(random.Random(args.seed), args.context, args.depth)
+            decode = args.max_new_tokens or max(MIN_DECODE, len(example.answer_ids))
             return _with_decoder(model, tokenizer), list(example.prompt_ids), example.answer, decode
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    context = args.context
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context + 64)
     model = LlamaForCausalLM(config).eval()
     model.decode_tokens = lambda ids: " ".join(map(str, ids))
     prompt = torch.randint(0, config.vocab_size, (context,), generator=torch.Generator().manual_seed(args.seed))
-    return model, prompt.tolist(), None, args.max_new_tokens or 16
+    return model, prompt.tolist(), None, args.max_new_tokens or MIN_DECODE
+
+
+def _load_checkpoint(folder: Path):
+    """(model, tokenizer) of a local checkpoint; transformers' own errors become one line naming the folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    except (OSError, ValueError, ImportError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InvalidConfigError(f"--model {str(folder)!r}: transformers cannot load it: {first}") from exc
+    return model, tokenizer
+
+
+def _tokenize_prompt(tokenizer, path: Path, status: Console) -> list[int]:
+    """The prompt's ids, with a warning when the tokenizer makes far fewer tokens than the text has words:
+    a checkpoint whose tokenizer files transformers maps to the wrong class (seen with Qwen2) silently
+    turns a long prompt into a handful of ids."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidConfigError(f"--prompt-file {str(path)!r} is not UTF-8 text ({exc.reason}).") from None
+    prompt = list(tokenizer(text)["input_ids"])
+    if not prompt:
+        raise InvalidConfigError(f"--prompt-file {str(path)!r} tokenizes to no tokens; give a file with text.")
+    words = len(text.split())
+    if len(prompt) < FEW_TOKENS_PER_WORD * words:
+        status.print(
+            f"[yellow]warning:[/yellow] --prompt-file has {words:,} words but {type(tokenizer).__name__} made "
+            f"{len(prompt):,} tokens of it; the checkpoint's tokenizer files may not fit this transformers "
+            f"version. The demo decodes from these {len(prompt):,} tokens.")
+    return prompt
 
 
 def _with_decoder(model, tokenizer):
@@ -135,14 +192,17 @@ def _with_decoder(model, tokenizer):
     return model
 
 
-def _kv_bytes(model, tokens: int) -> int:
+def _kv_bytes(model, n_tokens: int) -> int:
     from tierkv import TieredCache
 
-    return TieredCache.kv_bytes_per_token(model.config, torch.float32) * tokens
+    return TieredCache.kv_bytes_per_token(model.config, torch.float32) * n_tokens
 
 
 @dataclass
 class GreedyRun:
+    """Tokens of a greedy run; ``decode_s`` covers the ``len(tokens) - 1`` decode steps after the prefill
+    (the first token comes from the prefill's logits)."""
+
     tokens: list[int]
     prefill_s: float
     decode_s: float
@@ -151,11 +211,15 @@ class GreedyRun:
 def greedy(model, prompt: list[int], decode: int, cache, chunk: int,
            on_prefill: Callable[[int], None] = lambda n: None,
            on_token: Callable[[list[int], float], None] = lambda tokens, elapsed: None) -> GreedyRun:
-    """Prefill ``prompt`` in chunks, then decode ``decode`` tokens greedily through ``cache``."""
-    ids = torch.tensor([prompt])
+    """Prefill ``prompt`` in chunks, then decode ``decode`` tokens greedily through ``cache``.
+
+    The cache is passed as ``cache=``, the keyword transformers 5.x's ``forward`` and ``generate`` take
+    (``past_key_values=`` still works there but warns that it goes away).
+    """
+    ids = torch.tensor([prompt])  # [1, T]
     started = time.perf_counter()
     for start in range(0, ids.shape[1], chunk):
-        out = model(input_ids=ids[:, start : start + chunk], past_key_values=cache, logits_to_keep=1)
+        out = model(input_ids=ids[:, start : start + chunk], cache=cache, logits_to_keep=1)
         on_prefill(min(chunk, ids.shape[1] - start))
     prefill_s = time.perf_counter() - started
     tokens: list[int] = []
@@ -165,25 +229,34 @@ def greedy(model, prompt: list[int], decode: int, cache, chunk: int,
         on_token(tokens, time.perf_counter() - started)
         if len(tokens) == decode:
             break
-        out = model(input_ids=torch.tensor([tokens[-1:]]), past_key_values=cache, logits_to_keep=1)
+        out = model(input_ids=torch.tensor([tokens[-1:]]), cache=cache, logits_to_keep=1)
     return GreedyRun(tokens, prefill_s, time.perf_counter() - started)
 
 
-def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, disk_dir: str) -> dict:
+def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, disk_dir: str,
+            status: Console) -> dict:
+    """The tiered run, with a live panel on stderr when it is a terminal (nothing when it is piped)."""
     from tierkv import TieredCache
 
-    progress = Progress(console=console)
+    live_view = status.is_terminal
+    progress = Progress(console=status, transient=True)
     task = progress.add_task("prefill", total=len(prompt))
     with TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{cpu}B", disk_dir=disk_dir, block_tokens=args.block_tokens,
                      config=model.config) as cache, torch.inference_mode(), _executor(args, cache, model), \
-            Live(Group(progress, _live_table(cache, [], 0.0)), console=console, refresh_per_second=8) as live:
+            (Live(Group(progress, _live_table(cache, [], 0.0, decode)), console=status, refresh_per_second=8,
+                  transient=True) if live_view else contextlib.nullcontext()) as live:
 
         def show(tokens: list[int], elapsed: float) -> None:
-            live.update(Group(progress, _live_table(cache, tokens, elapsed)))
+            if live is not None:
+                live.update(Group(progress, _live_table(cache, tokens, elapsed, decode)))
 
-        run = greedy(model, prompt, decode, cache, args.prefill_chunk,
-                     on_prefill=lambda n: (progress.update(task, advance=n), show([], 0.0)), on_token=show)
+        def prefilled(n: int) -> None:
+            progress.update(task, advance=n)
+            show([], 0.0)
+
+        run = greedy(model, prompt, decode, cache, args.prefill_chunk, on_prefill=prefilled, on_token=show)
         stats = cache.stats()
+    steps = len(run.tokens) - 1
     return {
         "tokens": run.tokens,
         "answer_text": model.decode_tokens(run.tokens),
@@ -192,7 +265,9 @@ def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, dis
         "blocks": stats["blocks"],
         "prefetch_stall_s": stats["prefetch_stall_s"],
         "disk_engine": stats["disk_engine"],
-        "decode_tokens_per_s": len(run.tokens) / run.decode_s if run.decode_s > 0 else float("inf"),
+        "decode_tokens": len(run.tokens),
+        "decode_steps": steps,
+        "decode_tokens_per_s": steps / run.decode_s if steps and run.decode_s > 0 else None,
         "prefill_tokens_per_s": len(prompt) / run.prefill_s,
     }
 
@@ -204,16 +279,20 @@ def _executor(args: argparse.Namespace, cache, model):
     return contextlib.nullcontext()
 
 
-def _live_table(cache, tokens: list[int], elapsed: float) -> Table:
+def _live_table(cache, tokens: list[int], elapsed: float, decode: int) -> Table:
+    """A narrow panel (under 50 columns) that every terminal shows without wrapping."""
     stats = cache.stats()
-    table = Table(title=f"decoding: {len(tokens)} tokens, {len(tokens) / elapsed if elapsed else 0:.2f} tok/s")
+    rate = f", {(len(tokens) - 1) / elapsed:.1f} tok/s" if len(tokens) > 1 and elapsed > 0 else ""
+    table = Table(title=f"decoding {len(tokens)}/{decode}{rate}", title_justify="left")
     table.add_column("tier")
     table.add_column("blocks", justify="right")
-    table.add_column("KV resident", justify="right")
+    table.add_column("KV", justify="right")
     for tier, nbytes in stats["bytes_resident"].items():
-        table.add_row(tier, str(stats["blocks"][tier]), _mb(nbytes))
-    moved = ", ".join(f"{link} {_mb(n)}" for link, n in stats["bytes_moved"].items() if n)
-    table.caption = f"moved: {moved}; prefetch stall {stats['prefetch_stall_s']:.3f} s"
+        table.add_row(tier, str(stats["blocks"][tier]), format_bytes(nbytes))
+    for link, nbytes in stats["bytes_moved"].items():
+        if nbytes:
+            table.add_row(f"moved {link}", "", format_bytes(nbytes))
+    table.add_row("prefetch stall", "", f"{stats['prefetch_stall_s']:.3f} s")
     return table
 
 
@@ -225,34 +304,37 @@ def _reference(model, prompt: list[int], decode: int, chunk: int) -> list[int]:
         return greedy(model, prompt, decode, DynamicCache(), chunk).tokens
 
 
-def _print_summary(summary: dict) -> None:
+def _yes_no(value: bool) -> str:
+    return "[green]yes[/green]" if value else "[red]no[/red]"
+
+
+def _print_summary(console: Console, summary: dict) -> None:
     table = Table(title="tierkv demo")
     table.add_column("")
     table.add_column("value", justify="right")
     table.add_row("context", f"{summary['context']:,} tokens")
-    table.add_row("KV size", _mb(summary["kv_bytes"]))
-    table.add_row("budgets", f"device {_mb(summary['budgets']['device'])}, host {_mb(summary['budgets']['host'])}")
+    table.add_row("KV size", format_bytes(summary["kv_bytes"]))
+    budgets = summary["budgets"]
+    table.add_row("budgets", f"device {format_bytes(budgets['device'])}, host {format_bytes(budgets['host'])}")
     table.add_row("executor", summary["executor"])
     for tier, nbytes in summary["bytes_resident"].items():
-        table.add_row(f"resident on {tier}", f"{_mb(nbytes)} ({summary['blocks'][tier]} blocks)")
+        table.add_row(f"resident on {tier}", f"{format_bytes(nbytes)} ({summary['blocks'][tier]} blocks)")
     for link, nbytes in summary["bytes_moved"].items():
         if nbytes:
-            table.add_row(f"moved {link}", _mb(nbytes))
+            table.add_row(f"moved {link}", format_bytes(nbytes))
     table.add_row("prefill", f"{summary['prefill_tokens_per_s']:,.0f} tok/s")
-    table.add_row("decode", f"{summary['decode_tokens_per_s']:.2f} tok/s")
+    rate = summary["decode_tokens_per_s"]
+    steps = summary["decode_steps"]
+    table.add_row("decode", f"{rate:.2f} tok/s over {steps} steps" if rate is not None else
+                  "no decode step (--max-new-tokens 1)")
     table.add_row("prefetch stall", f"{summary['prefetch_stall_s']:.3f} s")
     table.add_row("disk engine", str(summary["disk_engine"]))
     if summary["expected"] is not None:
         table.add_row("expected passkey", summary["expected"])
-        table.add_row("answer", summary["answer"])
-        table.add_row("match", "[green]yes[/green]" if summary["match"] else "[red]no[/red]")
+        table.add_row("answer", summary["answer"][:40])
+        table.add_row("match", _yes_no(summary["match"]))
     else:
-        table.add_row("answer", summary["answer"][:60])
+        table.add_row("answer", summary["answer"][:40])
     reference = summary["tokens_match_reference"]
-    table.add_row("tokens == DynamicCache", "skipped" if reference is None else
-                  ("[green]yes[/green]" if reference else "[red]no[/red]"))
+    table.add_row("tokens == DynamicCache", "skipped" if reference is None else _yes_no(reference))
     console.print(table)
-
-
-def _mb(nbytes: int) -> str:
-    return f"{nbytes / 2**20:,.2f} MiB"

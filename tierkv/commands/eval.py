@@ -2,7 +2,8 @@
 
     tierkv eval --lengths 4K,16K,32K,64K --depths 0,0.25,0.5,0.75,1 --samples 4 --out results/
 
-Prints a depth x length table, and with ``--out`` writes ``eval.json`` and ``heatmap.png`` there.
+Prints a depth x length table, and with ``--out`` writes ``eval.json`` and ``heatmap.png`` there; ``--json
+[PATH]`` writes the record to PATH or stdout (the table then goes to stderr).
 ``--cache tiered`` runs every trial through a ``TieredCache`` (all three tiers; ``--executor``) instead of
 the in-memory ``DynamicCache``: exact attention must give the same table.
 """
@@ -10,50 +11,52 @@ the in-memory ``DynamicCache``: exact attention must give the same table.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
-from tierkv.config import parse_size
-from tierkv.errors import InvalidConfigError
-
-
-def _lengths(text: str) -> list[int]:
-    from tierkv.demo.evaluate import parse_token_count
-
-    return [parse_token_count(part) for part in text.split(",") if part.strip()]
-
-
-def _depths(text: str) -> list[float]:
-    try:
-        return [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise InvalidConfigError(f"--depths {text!r}: give fractions in [0, 1], e.g. 0,0.5,1") from None
+from tierkv.commands import (
+    add_json_argument,
+    checkpoint_folder,
+    fractions,
+    integer,
+    json_to_stdout,
+    size,
+    token_list,
+    tokens,
+    write_json,
+)
+from tierkv.units import format_tokens, plural
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", default="4K,16K,32K,64K", help="context lengths in tokens (default: %(default)s)")
-    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1] (default: %(default)s)")
-    parser.add_argument("--samples", type=int, default=4, help="seeded haystacks per cell (default: %(default)s)")
+    parser.add_argument("--lengths", type=token_list("--lengths"), default="4K,16K,32K,64K",
+                        help="context lengths in tokens, e.g. 4K,1.5K,32768 (default: %(default)s)")
+    parser.add_argument("--depths", type=fractions("--depths"), default="0,0.25,0.5,0.75,1",
+                        help="needle depths in [0, 1] (default: %(default)s)")
+    parser.add_argument("--samples", type=integer("--samples", 1), default=4,
+                        help="seeded haystacks per cell (default: %(default)s)")
     parser.add_argument("--kind", default="passkey", choices=("passkey", "multikey"), help="task (default: passkey)")
-    parser.add_argument("--seed", type=int, default=0, help="haystack seed (default: %(default)s)")
-    parser.add_argument("--model", default=None, help="model folder (default: the packaged demo model)")
+    parser.add_argument("--seed", type=integer("--seed", 0), default=0, help="haystack seed (default: %(default)s)")
+    parser.add_argument("--model", type=checkpoint_folder("--model"), default=None,
+                        help="model folder (default: the packaged demo model)")
     parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
-    parser.add_argument("--prefill-chunk", type=int, default=2048, help="prefill tokens per forward")
+    parser.add_argument("--prefill-chunk", type=tokens("--prefill-chunk"), default=2048,
+                        help="prefill tokens per forward (default: %(default)s)")
     parser.add_argument("--cache", default="dynamic", choices=("dynamic", "tiered"),
                         help="dynamic: full attention in memory (DynamicCache); tiered: TieredCache over three tiers")
     parser.add_argument("--executor", default="streaming", choices=("streaming", "gather"),
                         help="with --cache tiered: streaming attention or exact gather (default: %(default)s)")
-    parser.add_argument("--chunk-tokens", type=int, default=4096,
+    parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=4096,
                         help="with --executor streaming: tokens per attention chunk (default: %(default)s)")
-    parser.add_argument("--gpu-gb", default=None,
-                        help="with --cache tiered: device budget (default: the executor's minimum + 1/8 of the "
-                             "longest prompt's KV)")
-    parser.add_argument("--cpu-gb", default=None, help="with --cache tiered: host budget (default: 1/4 of that KV)")
+    parser.add_argument("--gpu-gb", type=size("--gpu-gb"), default=None,
+                        help="with --cache tiered: device budget, GB or a size (default: the executor's minimum + "
+                             "1/8 of the longest prompt's KV)")
+    parser.add_argument("--cpu-gb", type=size("--cpu-gb"), default=None,
+                        help="with --cache tiered: host budget (default: 1/4 of that KV)")
     parser.add_argument("--disk-dir", default=None, help="with --cache tiered: disk tier folder (default: a temp dir)")
     parser.add_argument("--out", default=None, help="folder for eval.json and heatmap.png")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    add_json_argument(parser, "the result (every trial)")
 
 
 def _cache_mode(args: argparse.Namespace, model, longest: int, tmp: str):
@@ -67,13 +70,13 @@ def _cache_mode(args: argparse.Namespace, model, longest: int, tmp: str):
     from tierkv import TieredCache
 
     kv = TieredCache.kv_bytes_per_token(model.config, torch.float32) * (longest + 8)
-    if args.gpu_gb:
-        gpu = parse_size(args.gpu_gb, name="--gpu-gb")
+    if args.gpu_gb is not None:
+        gpu = args.gpu_gb
     elif args.executor == "streaming":
         gpu = TieredCache.min_streaming_device_bytes(model.config, chunk_tokens=args.chunk_tokens) + kv // 8
     else:
         gpu = TieredCache.min_device_bytes(model.config, longest + 8) + kv // 8
-    cpu = parse_size(args.cpu_gb, name="--cpu-gb") if args.cpu_gb else max(kv // 4, 2**20)
+    cpu = args.cpu_gb if args.cpu_gb is not None else max(kv // 4, 2**20)
     disk = args.disk_dir or tmp
 
     def factory() -> TieredCache:
@@ -88,11 +91,12 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from tierkv.demo.evaluate import evaluate, format_length, plot_heatmap
+    from tierkv.demo.evaluate import evaluate, plot_heatmap
     from tierkv.demo.model import load_demo_model
 
-    lengths, depths = _lengths(args.lengths), _depths(args.depths)
-    console = Console(stderr=args.json)
+    lengths, depths = args.lengths, args.depths
+    console = Console(stderr=json_to_stdout(args), highlight=False)
+    status = Console(stderr=True, highlight=False)  # per-trial progress: never mixed into the results
     model, tokenizer = load_demo_model(device=args.device, path=args.model)
     total = len(lengths) * len(depths) * args.samples
     done = 0
@@ -102,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
         nonlocal done
         done += 1
         mark = "ok" if trial.correct else f"got {trial.output!r}"
-        console.log(
-            f"[{done}/{total}] {format_length(trial.length)} depth {trial.depth:.2f} "
+        status.log(
+            f"[{done}/{total}] {format_tokens(trial.length)} depth {trial.depth:.2f} "
             f"#{trial.sample}: {trial.answer} {mark}"
         )
 
@@ -127,15 +131,16 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
-        console.log(f"wrote {plot_heatmap(result, out / 'heatmap.png')} and {out / 'eval.json'}")
+        heatmap, record_path = plot_heatmap(result, out / "heatmap.png"), write_json(record, str(out / "eval.json"))
+        status.log(f"wrote {heatmap} and {record_path}")
     if args.json:
-        print(json.dumps(record, indent=2))
-        return 0
-    table = Table(title=f"{args.kind} accuracy", caption=f"greedy, {args.samples} haystacks per cell")
+        written = write_json(record, args.json)
+        if written:
+            status.log(f"wrote {written}")
+    table = Table(title=f"{args.kind} accuracy, greedy, {plural(args.samples, 'haystack')} per cell")
     table.add_column("depth", justify="right")
     for n in lengths:
-        table.add_column(format_length(n), justify="right")
+        table.add_column(format_tokens(n), justify="right")
     for d in depths:
         table.add_row(f"{d:.0%}", *(f"{result.accuracy(n, d):.0%}" for n in lengths))
     table.add_row("all", *(f"[bold]{result.accuracy(n):.0%}[/bold]" for n in lengths))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,18 +18,16 @@ import torch
 
 from tierkv.demo.task import KINDS, decode_answer, make_example
 from tierkv.errors import InvalidConfigError
+from tierkv.units import format_tokens, parse_tokens, plural
 
 DEFAULT_LENGTHS = (4096, 16384, 32768, 65536)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-_TOKENS = re.compile(r"^\s*(\d+)\s*([km]?)\s*$", re.IGNORECASE)
 
 
 def parse_token_count(text: str) -> int:
-    """``"4K"`` -> 4096, ``"1M"`` -> 1048576, ``"3000"`` -> 3000 (context sizes count in powers of two)."""
-    match = _TOKENS.match(text)
-    if match is None:
-        raise InvalidConfigError(f"{text!r} is not a token count; write e.g. 4096, 4K or 1M")
-    return int(match.group(1)) * {"": 1, "k": 2**10, "m": 2**20}[match.group(2).lower()]
+    """``"4K"`` -> 4096, ``"1.5K"`` -> 1536, ``"1M"`` -> 1048576: :func:`tierkv.units.parse_tokens`, the
+    grammar every command uses (context sizes count in powers of two)."""
+    return parse_tokens(text, name="length")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +103,7 @@ def greedy_generate(
         with cache_context(cache) if cache_context is not None else contextlib.nullcontext():
             out = None
             for start in range(0, ids.shape[1], prefill_chunk_size):
+                # `cache=`: transformers 5.x's keyword (`past_key_values=` warns that it is going away)
                 out = model(input_ids=ids[:, start : start + prefill_chunk_size], cache=cache, logits_to_keep=1)
             for _ in range(max_new_tokens):
                 token = int(out.logits[0, -1].argmax())
@@ -168,13 +166,6 @@ def evaluate(
     return EvalResult(kind, seed, tuple(lengths), tuple(depths), samples, tuple(trials))
 
 
-def format_length(n: int) -> str:
-    """``65536`` -> ``"64K"``; lengths that are not whole K stay as numbers."""
-    if n % 2**20 == 0:
-        return f"{n // 2**20}M"
-    return f"{n // 2**10}K" if n % 2**10 == 0 else str(n)
-
-
 def plot_heatmap(result: EvalResult, path: str | Path) -> Path:
     """Write a depth x length accuracy heat map (PNG) and return its path."""
     import matplotlib
@@ -185,11 +176,11 @@ def plot_heatmap(result: EvalResult, path: str | Path) -> Path:
     grid = [[result.accuracy(n, d) for n in result.lengths] for d in result.depths]
     fig, ax = plt.subplots(figsize=(1.4 * len(result.lengths) + 2.5, 0.6 * len(result.depths) + 1.8))
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
-    ax.set_xticks(range(len(result.lengths)), [format_length(n) for n in result.lengths])
+    ax.set_xticks(range(len(result.lengths)), [format_tokens(n) for n in result.lengths])
     ax.set_yticks(range(len(result.depths)), [f"{d:.0%}" for d in result.depths])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
-    ax.set_title(f"{result.kind} retrieval accuracy ({result.samples} haystacks per cell)")
+    ax.set_title(f"{result.kind} retrieval accuracy ({plural(result.samples, 'haystack')} per cell)")
     for i, row in enumerate(grid):
         for j, value in enumerate(row):
             ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=9)
