@@ -1,9 +1,18 @@
-"""Size parsing: every accepted spelling, and errors that say how to write a size."""
+"""Size parsing re-exported from tierkv.config, and the checks TieredCache runs when it is built."""
 
 import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from tierkv.config import parse_size
+from tierkv import settings
+from tierkv.config import (
+    check_budgets_fit_machine,
+    check_count,
+    check_disk_engine,
+    check_model_config,
+    parse_size,
+)
 from tierkv.errors import InvalidConfigError, TierKVError
+from tierkv.io.select import engine_status
 
 
 @pytest.mark.parametrize(("value", "expected"), [
@@ -19,3 +28,46 @@ def test_parse_size_rejects(value):
     with pytest.raises(InvalidConfigError, match="gpu_gb") as info:
         parse_size(value, name="gpu_gb")
     assert isinstance(info.value, ValueError) and isinstance(info.value, TierKVError)
+
+
+def _tiny_config() -> LlamaConfig:
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1)
+
+
+def test_model_instead_of_its_config_names_the_fix():
+    check_model_config(_tiny_config())
+    with pytest.raises(InvalidConfigError, match=r"pass its config: config=model.config"):
+        check_model_config(LlamaForCausalLM(_tiny_config()))
+    with pytest.raises(InvalidConfigError, match="PreTrainedConfig"):
+        check_model_config({"num_hidden_layers": 2})
+
+
+def test_budget_beyond_the_machine_names_its_memory(tmp_path):
+    check_budgets_fit_machine(2**20, 2**20, 2**20, tmp_path)
+    with pytest.raises(InvalidConfigError, match=r"gpu_gb is .*PiB but this machine has .* of RAM"):
+        check_budgets_fit_machine(parse_size(8_000_000), None, None, None)  # 8 PB: bytes passed as GB
+    with pytest.raises(InvalidConfigError, match="cpu_gb"):
+        check_budgets_fit_machine(None, 2**62, None, None)
+    with pytest.raises(InvalidConfigError, match="filesystem under"):
+        check_budgets_fit_machine(None, None, 2**62, tmp_path / "not" / "yet")
+
+
+def test_disk_engine_names_are_checked_up_front():
+    check_disk_engine(None)
+    check_disk_engine("auto")
+    check_disk_engine("posix")
+    with pytest.raises(InvalidConfigError, match="'io_uring' is not a disk engine; choose one of kvikio, native"):
+        check_disk_engine("io_uring")
+
+    if engine_status()["kvikio"] is None:
+        pytest.skip("kvikio loads on this host")
+    with settings.override(disk_engine="kvikio"), pytest.raises(InvalidConfigError, match="cannot load"):
+        check_disk_engine(None)  # a forced engine that cannot load here (no GPU / no kvikio)
+
+
+def test_check_count():
+    assert check_count(3, name="batch") == 3
+    for bad in (0, True, 1.0, "2"):
+        with pytest.raises(InvalidConfigError, match="batch must be an int >= 1"):
+            check_count(bad, name="batch")
