@@ -19,7 +19,8 @@ def test_sizes(value, expected):
 @pytest.mark.parametrize(("value", "needle"), [
     ("1e30", "beyond any machine"), pytest.param(10**400, "beyond any machine", id="10**400"),
     ("1e999999999", "beyond any machine"), pytest.param(10**5000, "beyond any machine", id="10**5000"),
-    (True, "bool"), ("-1GB", "negative"), (-3, "negative"), (float("inf"), "not finite"), ("12 apples", "not a size"), (None, "NoneType"),
+    (True, "bool"), ("-1GB", "negative"), (-3, "negative"), (float("inf"), "not finite"),
+    ("12 apples", "not a size"), (None, "NoneType"),
 ])  # fmt: skip
 def test_absurd_or_malformed_sizes_are_invalid_config(value, needle):
     with pytest.raises(InvalidConfigError, match=needle) as info:
