@@ -6,9 +6,9 @@ Example::
     tierkv plan ... --profile tierkv-profile.json      # plan with measured links instead of presets
 
 ``--quick`` runs small sizes in seconds (the tests use it); its numbers are indicative only. The measuring
-and the fit are :mod:`tierkv.calibrate`; this module parses, prints and saves. A bad argument is one line on
-stderr and exit status 2, a failure while measuring (a disk error) one line and 1; ``TIERKV_DEBUG=1`` shows
-the traceback instead.
+and the fit are :mod:`tierkv.calibrate`; this module parses, prints and saves. Errors propagate to
+``tierkv.cli.main``, which prints them as one line (exit status 2 for bad arguments, 1 for a failure while
+measuring, such as a disk error).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tierkv import settings
 from tierkv.calibrate import BenchConfig, BenchResult, Measurement, plot, run_bench
-from tierkv.errors import TierKVError
+from tierkv.commands import integer, size
+from tierkv.errors import InvalidConfigError
 from tierkv.io import ENGINES, engine_status
-from tierkv.units import format_bytes, parse_size
+from tierkv.units import format_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,18 +34,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dir", type=Path, default=Path(tempfile.gettempdir()),
         help="directory on the disk to measure (put it where the disk tier will live; default: the temp dir)",
     )  # fmt: skip
-    parser.add_argument("--disk-size", default="1GiB", help="size of the test file (default 1GiB)")
-    parser.add_argument("--max-size", default="1GiB", help="largest transfer size (default 1GiB)")
-    parser.add_argument("--min-size", default="4KiB", help="smallest transfer size (default 4KiB)")
-    parser.add_argument("--block-size", default="256KiB", help="block size of the gather benchmark (256KiB)")
+    parser.add_argument("--disk-size", type=size("--disk-size"), default=None,
+                        help="size of the test file (default 1GiB; 32MiB with --quick)")  # fmt: skip
+    parser.add_argument("--max-size", type=size("--max-size"), default=None,
+                        help="largest transfer size (default 1GiB; 4MiB with --quick)")  # fmt: skip
+    parser.add_argument("--min-size", type=size("--min-size"), default=None,
+                        help="smallest transfer size (default 4KiB)")  # fmt: skip
+    parser.add_argument("--block-size", type=size("--block-size"), default=None,
+                        help="block size of the gather benchmarks (default 256KiB; 64KiB with --quick)")  # fmt: skip
     parser.add_argument(
         "--engines", default=None,
         help=f"comma-separated disk engines to measure ({', '.join(ENGINES)}; default: all that load here)",
     )  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point; the median is kept")
+    parser.add_argument("--repeats", type=integer("--repeats", 1), default=None,
+                        help="timed repeats per point; the median is kept (default 5; 3 with --quick)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small sizes, ~10 s; for smoke tests")
     parser.add_argument(
-        "--threads", type=int, default=None,
+        "--threads", type=integer("--threads", 1), default=None,
         help="torch intra-op threads for the memory links (default: torch's choice; recorded in the profile)",
     )  # fmt: skip
     parser.add_argument(
@@ -56,32 +61,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _engines(text: str | None) -> tuple[str, ...] | None:
+    """``--engines``: each name must be an engine that loads here (None: all that do)."""
+    if not text:
+        return None
+    engines = tuple(e.strip() for e in text.split(",") if e.strip())
+    status = engine_status()
+    for name in engines:
+        if name not in status:
+            raise InvalidConfigError(f"--engines: unknown disk engine {name!r}; valid engines: {', '.join(ENGINES)}.")
+        if status[name] is not None:
+            raise InvalidConfigError(f"--engines: disk engine {name!r} is unavailable here: {status[name]}.")
+    return engines
+
+
 def _config(args: argparse.Namespace) -> BenchConfig:
-    if args.threads is not None and args.threads < 1:
-        raise TierKVError(f"--threads {args.threads}: give a positive number of torch threads, e.g. --threads 1.")
-    engines = None
-    if args.engines:
-        engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
-        status = engine_status()
-        for name in engines:
-            if name not in status:
-                raise TierKVError(f"unknown disk engine {name!r}; valid engines: {', '.join(ENGINES)}.")
-            if status[name] is not None:
-                raise TierKVError(f"disk engine {name!r} is unavailable here: {status[name]}.")
+    """The flags given (the rest from the full or ``--quick`` defaults), checked by :class:`BenchConfig`."""
+    given = {"min_size": args.min_size, "max_size": args.max_size, "disk_bytes": args.disk_size,
+             "block_bytes": args.block_size, "repeats": args.repeats}  # fmt: skip
+    overrides = {key: value for key, value in given.items() if value is not None}
+    overrides["engines"] = _engines(args.engines)
     if args.quick:
-        overrides = {"engines": engines}
-        if args.max_size != "1GiB":
-            overrides["max_size"] = parse_size(args.max_size, name="--max-size")
         return BenchConfig.quick(args.dir, **overrides)
-    return BenchConfig(
-        args.dir,
-        min_size=parse_size(args.min_size, name="--min-size"),
-        max_size=parse_size(args.max_size, name="--max-size"),
-        disk_bytes=parse_size(args.disk_size, name="--disk-size"),
-        block_bytes=parse_size(args.block_size, name="--block-size"),
-        engines=engines,
-        repeats=args.repeats,
-    )
+    return BenchConfig(args.dir, **overrides)
 
 
 _SHORT = {
@@ -183,24 +185,11 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:  # piped into a file or a doc: keep the table columns readable
         console = Console(width=132)
-    errors = Console(stderr=True, highlight=False)
-    try:
-        cfg = _config(args)
-    except (TierKVError, ValueError) as exc:
-        if settings.get("debug"):
-            raise
-        errors.print(f"tierkv bench: {exc}", style="red", soft_wrap=True)
-        return 2
-    try:
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-        with console.status("measuring") as status:
-            result = run_bench(cfg, progress=lambda what: status.update(f"measuring {what}"))
-    except (TierKVError, OSError) as exc:
-        if settings.get("debug"):
-            raise
-        errors.print(f"tierkv bench: {exc} (TIERKV_DEBUG=1 shows the traceback)", style="red", soft_wrap=True)
-        return 1
+    cfg = _config(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    with console.status("measuring") as status:
+        result = run_bench(cfg, progress=lambda what: status.update(f"measuring {what}"))
     m = result.machine
     console.print(f"[bold]tierkv bench[/bold] {m['date']}")
     console.print(f"CPU {m['cpu']}, {m['cores']}, RAM {m['ram']}, GPU {m['gpu']}")
