@@ -9,8 +9,10 @@ Everything the disk tier needs is re-exported here::
         ...                                         # overlap with compute
         handle.wait()                               # raises OSError with errno (ENOSPC, EIO ...)
 
-Importing this package loads no engine: kvikio is imported and the native library compiled only when
-an engine is chosen, so it works with no GPU, no kvikio and no compiler. See docs/disk-io.md.
+Importing this package loads no engine: kvikio is imported and the native library loaded (built with the
+package, else compiled on first use: ``native/README.md``) only when an engine is chosen, so it works with no
+GPU, no kvikio and no compiler. Engine, O_DIRECT, queue depth and chunk size are settings
+(:mod:`tierkv.settings`: ``TIERKV_DISK_ENGINE`` ... or a scoped override). See docs/disk-io.md.
 """
 
 from tierkv.io.base import (
