@@ -22,12 +22,11 @@ import torch
 from tierkv.bandwidth import MAX_SLOWDOWN, Contention
 from tierkv.calibrate.config import BenchConfig
 from tierkv.calibrate.disk import engine_batch, fill_file
-from tierkv.calibrate.kv import HEAD_DIM, KV_DTYPE, KV_HEADS, KV_TOKEN_BYTES, bench_store, block_tokens, kv_tensor
+from tierkv.calibrate.kv import CPU, HEAD_DIM, KV_DTYPE, KV_HEADS, KV_TOKEN_BYTES, bench_store, block_tokens, kv_tensor
 from tierkv.calibrate.timing import median_seconds, seconds
 from tierkv.io import ALIGN, aligned_empty, open_disk_file
 
 CONTENTION_SAMPLES = 9
-CPU = torch.device("cpu")
 
 
 def _slowdowns(job: Callable[[], None], unit: Callable[[], object], cfg: BenchConfig) -> tuple[float, float]:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 KV_HEADS, HEAD_DIM, KV_DTYPE = 8, 128, torch.float16
 KV_TOKEN_BYTES = 2 * KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize
 """Bytes of K and V of one token of one layer."""
+CPU = torch.device("cpu")  # contention and layer overhead are measured on CPU-only hosts
 
 
 def block_tokens(cfg: BenchConfig) -> int:

@@ -12,10 +12,9 @@ import torch
 
 from tierkv.bandwidth import LinkProfile
 from tierkv.calibrate.config import BenchConfig
-from tierkv.calibrate.kv import KV_TOKEN_BYTES, bench_store, block_tokens, kv_tensor
+from tierkv.calibrate.kv import CPU, KV_TOKEN_BYTES, bench_store, block_tokens, kv_tensor
 
 OVERHEAD_LAYERS, OVERHEAD_BLOCKS, OVERHEAD_STEPS = 8, 16, 20
-CPU = torch.device("cpu")
 
 
 def measure_layer_overhead(cfg: BenchConfig) -> float:
