@@ -37,7 +37,7 @@ from tierkv.commands import (
     write_json,
 )
 from tierkv.errors import InvalidConfigError
-from tierkv.units import format_bytes
+from tierkv.units import format_bytes, plural
 
 MIN_DECODE = 16  # default decode length: enough steps for a decode rate that is not one token's noise
 FEW_TOKENS_PER_WORD = 0.25  # a real tokenizer gives >= ~1 token per word; far fewer means the wrong one
@@ -182,8 +182,8 @@ def _tokenize_prompt(tokenizer, path: Path, status: Console) -> list[int]:
     if len(prompt) < FEW_TOKENS_PER_WORD * words:
         status.print(
             f"[yellow]warning:[/yellow] --prompt-file has {words:,} words but {type(tokenizer).__name__} made "
-            f"{len(prompt):,} tokens of it; the checkpoint's tokenizer files may not fit this transformers "
-            f"version. The demo decodes from these {len(prompt):,} tokens.")
+            f"{plural(len(prompt), 'token')} of it; the checkpoint's tokenizer files may not fit this transformers "
+            f"version. The demo decodes from those {plural(len(prompt), 'token')}.")
     return prompt
 
 
