@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -47,6 +48,24 @@ def test_local_checkpoint_with_prompt_file(tmp_path):
     assert result["tokens_match_reference"] is True
 
 
-def test_model_without_prompt_file_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="--prompt-file"):
-        main(["demo", "--model", str(tmp_path)])
+def test_model_without_prompt_file_is_refused(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["demo", "--model", str(tmp_path)]) == 2
+    assert "--model needs --prompt-file" in capsys.readouterr().err
+
+
+def test_default_decode_is_16_steps_and_json_to_stdout(tmp_path, capsys):
+    """No --max-new-tokens: 16 tokens, the decode rate over their 15 steps; --json - keeps stdout pure JSON."""
+    rc = main(["demo", "--random-model", "--context", "512", "--block-tokens", "16", "--prefill-chunk", "256",
+               "--chunk-tokens", "128", "--no-reference", "--disk-dir", str(tmp_path), "--json", "-"])
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert rc == 0 and result["decode_tokens"] == 16 and result["decode_steps"] == 15
+    assert result["decode_tokens_per_s"] > 0 and "tierkv demo" in captured.err
+
+
+def test_demo_emits_no_future_warning(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert main(["demo", "--random-model", "--context", "256", "--block-tokens", "16", "--prefill-chunk", "128",
+                     "--chunk-tokens", "64", "--max-new-tokens", "2", "--disk-dir", str(tmp_path)]) == 0

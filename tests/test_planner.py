@@ -208,9 +208,66 @@ def test_cli_uses_a_measured_profile(tmp_path, capsys):
 
 
 def test_cli_reports_user_errors_with_status_2(capsys):
-    argv = ["--model", "llama-3-8b", "--context", "1M", "--gpu-gb", "20", "--cpu-gb", "64", "--disk-gb", "1"]
-    assert _cli(argv) == 2
-    assert "CapacityError" in capsys.readouterr().out
+    from tierkv.cli import main
+
+    argv = ["plan", "--model", "llama-3-8b", "--context", "1M", "--gpu-gb", "20", "--cpu-gb", "64", "--disk-gb", "1"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("tierkv plan: error: ") and "raise --disk-gb" in captured.err
+
+
+def _cpu_host_profile(tmp_path):
+    """A CPU-only host's measured profile: one serial mover thread does gathers, copies and disk reads."""
+    from tierkv.bandwidth import Contention, Link, LinkProfile
+
+    links = {"device->device": Link("memcpy-gather", 3.53e9, 0.0), "host->device": Link("memcpy", 3.56e9, 0.0),
+             "device->host": Link("memcpy", 3.5e9, 0.0), "disk->host": Link("nvme", 1.43e9, 152e-6),
+             "host->disk": Link("nvme-write", 2.18e9, 118e-6), "host->host": Link("memcpy", 4e9, 0.0)}
+    path = tmp_path / "cpu.json"
+    LinkProfile(links, {"source": "test"}, True, Contention(1.09, 1.0, 1.41, 1.02), 359e-6).save(path)
+    return str(path)
+
+
+def test_table_rows_add_up_to_the_step(capsys):
+    assert _cli(["--model", "llama-3-8b", "--context", "1M", "--gpu-gb", "20", "--cpu-gb", "128",
+                 "--link", "pcie5"]) == 0
+    text = capsys.readouterr().out
+    result = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=128, link="pcie5"))
+    fc = result.forecast
+    assert fc.lower_bound_s == max(seconds for _, seconds in result.busy_rows())
+    for label, seconds in [("compute per step (roofline, h100-sxm)", result.compute_s_per_step),
+                           ("= device busy", fc.compute_s), ("host->device link busy", fc.host_to_device_s),
+                           ("+ not overlapped (fill, stalls)", fc.step_s - fc.lower_bound_s),
+                           ("= predicted step", fc.step_s)]:
+        row = next(line for line in text.splitlines() if label in line)
+        assert f"{seconds * 1e3:,.1f} ms" in row, (label, row)
+
+
+def test_given_compute_is_not_labelled_with_a_device(capsys):
+    assert _cli(["--model", "llama-3-8b", "--context", "128K", "--gpu-gb", "4", "--cpu-gb", "64",
+                 "--compute-ms-per-token", "20"]) == 0
+    text = capsys.readouterr().out
+    assert "compute per step (given)" in text and "h100" not in text
+
+
+def test_serial_mover_host_names_the_gather_when_no_kv_is_on_the_host(tmp_path):
+    """All KV on the device of a CPU host: the mover is still busy (it gathers), and the table says so."""
+    result = plan(build_request("llama-3-8b", "32K", gpu=20, cpu=8, profile=_cpu_host_profile(tmp_path)))
+    assert result.bytes_per_tier.host == result.bytes_per_tier.disk == 0
+    rows = dict(result.busy_rows())
+    assert rows["mover: gather + host->device"] > 0 and result.bound_label == "mover"
+    assert result.bytes_moved_per_step["device->device"] == result.bytes_per_tier.device
+    assert [w.label for w in what_ifs(result)] == ["+16 GB device"]  # no PCIe on a CPU-only host
+
+
+def test_a_slower_what_if_says_why(tmp_path):
+    result = plan(build_request("llama-3-8b", "32K", gpu=1, cpu=8, profile=_cpu_host_profile(tmp_path)))
+    more = what_ifs(result)[0]
+    assert more.plan.forecast.step_s > result.forecast.step_s
+    assert more.note.startswith("slower: ") and "more KV is gathered on the device" in more.note
+    for alternative in what_ifs(plan(build_request("llama-3-8b", "1M", gpu=20, cpu=128))):
+        assert alternative.note == "" and alternative.plan.forecast.step_s <= plan(
+            build_request("llama-3-8b", "1M", gpu=20, cpu=128)).forecast.step_s
 
 
 def test_streaming_executor_stages_two_chunks_not_layers():
