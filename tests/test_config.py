@@ -71,3 +71,27 @@ def test_check_count():
     for bad in (0, True, 1.0, "2"):
         with pytest.raises(InvalidConfigError, match="batch must be an int >= 1"):
             check_count(bad, name="batch")
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    (dict(gpu_gb=8_000_000), "but this machine has"),
+    (dict(gpu_gb=10**400), "beyond any machine"),
+    (dict(config="model"), "PreTrainedConfig"),
+    (dict(disk_engine="posix"), "disk_engine was given without disk_dir"),
+])  # fmt: skip
+def test_tiered_cache_refuses_at_construction(kwargs, needle):
+    from tierkv import TieredCache
+
+    with pytest.raises(InvalidConfigError, match=needle):
+        TieredCache(**kwargs)
+
+
+def test_tiered_cache_refuses_unknown_engine_and_model_as_config(tmp_path):
+    from tierkv import TieredCache
+
+    with pytest.raises(InvalidConfigError, match="'io_uring' is not a disk engine"):
+        TieredCache(disk_dir=tmp_path, disk_engine="io_uring")
+    with pytest.raises(InvalidConfigError, match="config=model.config"):
+        TieredCache(config=LlamaForCausalLM(_tiny_config()))
+    with pytest.raises(InvalidConfigError, match="config=model.config"):
+        TieredCache.min_device_bytes(LlamaForCausalLM(_tiny_config()), 1024)
