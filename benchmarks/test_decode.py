@@ -11,7 +11,7 @@ without its quadratic cost), so LRU demotion spreads the off-device blocks evenl
 gathers of every layer run alone, no model) and the overlapped step (about half the KV on the host) are
 measured side by side, interleaved over rounds; the target is overlapped <= 1.1 x max(compute-only,
 transfer-only). ``test_model_accuracy``: the bandwidth model is calibrated in the same run by
-``tierkv.bench.run_bench`` (the profile ``tierkv bench`` writes: the store's own gather of device and host
+``tierkv.calibrate.run_bench`` (the profile ``tierkv bench`` writes: the store's own gather of device and host
 blocks, the disk engine's per-layer block batches, one mover thread and how much its gathers and disk
 reads and this model's compute slow each other, with a ``StaticCache`` step as the compute: the model
 alone), CALIBRATIONS times, each run followed by MODEL_ROUNDS rounds of decode steps, and
@@ -43,7 +43,16 @@ from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from tierkv import TieredCache
 from tierkv.bandwidth import Contention, LinkProfile, predict_step
-from tierkv.bench import BenchConfig, BenchResult, KiB, Measurement, MiB, build_profile, machine_description, run_bench
+from tierkv.calibrate import (
+    BenchConfig,
+    BenchResult,
+    KiB,
+    Measurement,
+    MiB,
+    build_profile,
+    machine_description,
+    run_bench,
+)
 from tierkv.config import env_str
 from tierkv.stats import LayerRecord, steady_state_placement
 
@@ -217,7 +226,7 @@ def _calibrate(bench: Bench) -> BenchResult:
     engine, and (CPU host) how the mover's gathers and disk reads and this model's compute (a decode step over
     the StaticCache: the model alone) slow each other."""
     slot = bench.caches["some-disk"].store.layouts[0].slot_bytes
-    engine = bench.caches["some-disk"]._disk.engine_name
+    engine = bench.caches["some-disk"].stats()["disk_engine"]
     cfg = BenchConfig(bench.directory, min_size=slot, max_size=64 * MiB, disk_bytes=256 * MiB, block_bytes=slot,
                       engines=(engine,), warmup=1, repeats=3, disk_point_bytes=64 * MiB)
     return run_bench(cfg, compute=bench.plain_step)

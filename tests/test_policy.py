@@ -1,4 +1,4 @@
-"""The contract every registered policy keeps, and the registry's error."""
+"""The contract every registered policy keeps (event hooks, an index, recency), and the registry's error."""
 
 import pytest
 
@@ -6,28 +6,82 @@ from tierkv.blocks import Block, Tier
 from tierkv.errors import InvalidConfigError
 from tierkv.policy import POLICIES, make_policy
 
-
-@pytest.mark.parametrize("name", sorted(POLICIES))
-def test_victims_contract(name):
-    policy = make_policy(name)
-    blocks = [Block(i, 0, Tier.DEVICE, i, 4096, tokens=4) for i in range(6)]
-    for tick, block in enumerate(blocks):
-        policy.on_insert(block, tick)
-    for block in blocks[:3]:
-        policy.on_access(block, 10)
-    victims = policy.victims(blocks, 2)
-    assert len(victims) == 2 and len({v.id for v in victims}) == 2
-    assert all(v in blocks for v in victims)
-    assert policy.victims(blocks, 0) == [] and policy.victims([], 3) == []
+SLOT = 4096
 
 
-def test_lru_demotes_least_recent_first():
+def inserted(policy, layers: int = 2, per_layer: int = 4) -> list[Block]:
+    """Blocks created in time order, interleaved over ``layers`` (as decoding makes them)."""
+    blocks = []
+    for i in range(layers * per_layer):
+        block = Block(i, i % layers, Tier.DEVICE, i, SLOT, tokens=4, index=i // layers)
+        policy.on_insert(block, tick=i // layers)
+        blocks.append(block)
+    return blocks
+
+
+@pytest.fixture(params=sorted(POLICIES))
+def policy(request):
+    return make_policy(request.param)
+
+
+def test_victims_are_distinct_live_blocks_of_the_tier(policy):
+    blocks = inserted(policy)
+    victims = policy.victims(Tier.DEVICE, SLOT, 3)
+    assert len(victims) == 3 and len({v.id for v in victims}) == 3 and all(v in blocks for v in victims)
+    assert policy.victims(Tier.DEVICE, SLOT, 0) == []
+    assert policy.victims(Tier.HOST, SLOT, 3) == []  # nothing there
+    assert policy.victims(Tier.DEVICE, 2 * SLOT, 3) == []  # no blocks of that size
+    assert len(policy.victims(Tier.DEVICE, SLOT, 100)) == len(blocks)
+
+
+def test_excluded_pinned_and_released_blocks_are_never_victims(policy):
+    blocks = inserted(policy)
+    policy.pin(blocks[0])
+    policy.on_release(blocks[1])
+    victims = policy.victims(Tier.DEVICE, SLOT, 100, exclude={blocks[2].id})
+    assert {v.id for v in victims} == {b.id for b in blocks[3:]}
+    policy.unpin(blocks[0])
+    assert blocks[0] in policy.victims(Tier.DEVICE, SLOT, 100)
+
+
+def test_moved_blocks_are_victims_of_their_new_tier(policy):
+    blocks = inserted(policy)
+    blocks[0].tier = Tier.HOST
+    policy.on_move(blocks[0], Tier.DEVICE)
+    assert policy.victims(Tier.HOST, SLOT, 5) == [blocks[0]]
+    assert blocks[0] not in policy.victims(Tier.DEVICE, SLOT, 100)
+
+
+def test_recency_decides_between_layers(policy):
+    """A layer read recently keeps its blocks; the victims come from the layer read longest ago. A policy
+    that ignores recency (e.g. the first n candidates) fails here."""
+    blocks = inserted(policy, layers=2, per_layer=4)
+    policy.on_access(0, tick=10)
+    policy.on_access(1, tick=9)
+    victims = policy.victims(Tier.DEVICE, SLOT, 4)
+    assert {v.layer for v in victims} == {1}
+    policy.on_access(1, tick=11)
+    assert {v.layer for v in policy.victims(Tier.DEVICE, SLOT, 4)} == {0}
+    assert len(blocks) == 8
+
+
+def test_recency_decides_within_a_layer(policy):
+    """Blocks read on their own (sparse access) are the last to go."""
+    blocks = inserted(policy, layers=1, per_layer=5)
+    policy.on_access(0, tick=20, block_ids=[blocks[0].id, blocks[1].id])
+    victims = policy.victims(Tier.DEVICE, SLOT, 3)
+    assert blocks[0] not in victims and blocks[1] not in victims
+
+
+def test_lru_is_fifo_over_a_cyclic_scan():
+    """Exact decoding reads every layer each step: LRU then demotes the oldest blocks, spread over layers."""
     policy = make_policy("lru")
-    blocks = [Block(i, 0, Tier.DEVICE, i, 4096) for i in range(4)]
-    for tick, block in enumerate(blocks):
-        policy.on_insert(block, tick)
-    policy.on_access(blocks[0], 9)
-    assert [b.id for b in policy.victims(blocks, 2)] == [1, 2]
+    blocks = inserted(policy, layers=2, per_layer=3)
+    for tick in range(3, 6):
+        for layer in range(2):
+            policy.on_access(layer, tick)
+    assert [b.id for b in policy.victims(Tier.DEVICE, SLOT, 4)] == [0, 1, 2, 3]
+    assert len(blocks) == 6
 
 
 def test_unknown_policy_lists_valid_names():

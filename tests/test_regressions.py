@@ -20,6 +20,7 @@ from tierkv.errors import BudgetTooSmallError, CapacityError, DiskTierError, Inv
 from tierkv.hf import TieredCache
 from tierkv.mover import ThreadMover
 from tierkv.store import KVStore
+from tierkv.tiers.disk import DiskTier
 
 BLOCK = 4
 
@@ -146,19 +147,21 @@ def test_sync_read_does_not_clobber_an_inflight_prefetch(tmp_path, monkeypatch):
         store.append(layer, keys, values)
         reference[layer] = torch.stack((keys, values))
         full = [store.table.blocks[b] for b in store.table.rows[layer][0][:-1]]
-        store._demote(full)  # device -> host
-        store._demote(full)  # host -> disk
+        store.demote(full)  # device -> host
+        store.demote(full)  # host -> disk
     assert store.stats()["blocks"]["disk"] >= 2 * layers
-    real = KVStore._disk_io
+    real = DiskTier.start_read
 
-    def slow_disk(self, slot_bytes, slots, buffer, write):
-        if not write and not on_mover_thread():
+    def slow_disk(self, layout, slots, scratch):
+        if not on_mover_thread():
             time.sleep(0.05)  # let the in-flight prefetch read first: the clobbered side is then deterministic
-        real(self, slot_bytes, slots, buffer, write)
-        if not write and on_mover_thread():
+        pending = real(self, layout, slots, scratch)
+        if on_mover_thread():
+            pending.handle.wait()
             time.sleep(0.3)  # a slow disk: the window between a job's read and its scatter
+        return pending
 
-    monkeypatch.setattr(KVStore, "_disk_io", slow_disk)
+    monkeypatch.setattr(DiskTier, "start_read", slow_disk)
     executor.gather(0, 0)  # prefetches layers 1 and 2
     k1, _ = executor.gather(1, 1)  # a miss (other start): a synchronous read of disk blocks of layer 1
     torch.testing.assert_close(k1, reference[1][0][:, :, 1:], rtol=0, atol=0)
@@ -174,8 +177,8 @@ def test_failed_crop_of_shared_disk_tail_leaks_nothing(tmp_path, monkeypatch):
     store = make_store(tmp_path, device_slots=8, host_slots=8)
     store.append(0, *kv(1, 12))
     tail = store.table.blocks[store.table.rows[0][0][-1]]
-    store._demote([tail])
-    store._demote([tail])
+    store.demote([tail])
+    store.demote([tail])
     assert tail.tier == Tier.DISK
     store.select_rows([0, 0])  # rows share every block, the (full) tail on disk included
     disk = store.tiers[Tier.DISK]

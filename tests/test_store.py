@@ -124,7 +124,7 @@ def test_capacity_error_keeps_accepted_tokens(tmp_path):
     store = make_store(tmp_path, device_slots=2, host_slots=2, disk_bytes=None)
     ref: dict = {}
     accepted = 0
-    with pytest.raises(CapacityError, match="cpu_gb or pass disk_dir"):
+    with pytest.raises(CapacityError, match="raise cpu_gb, or pass disk_dir"):
         for step in range(100):
             keys, values = kv(1, 2, seed=step)
             store.append(0, keys, values)

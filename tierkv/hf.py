@@ -26,7 +26,8 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from tierkv.attention.exact_gather import ExactGather, staging_bytes
+from tierkv.attention.base import EXECUTORS, Executor
+from tierkv.attention.exact_gather import ExactGather
 from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS, StreamingAttention
 from tierkv.bandwidth import LinkProfile
 from tierkv.blocks import Tier
@@ -35,6 +36,7 @@ from tierkv.errors import InvalidConfigError, TierKVError
 from tierkv.layout import BlockLayout
 from tierkv.mover import make_mover
 from tierkv.policy import Policy, make_policy
+from tierkv.staging import gather_staging_bytes, landing_bytes, open_tail_bytes, streaming_staging_bytes
 from tierkv.stats import make_timeline, make_trace
 from tierkv.store import KVStore
 from tierkv.tiers.disk import DiskTier
@@ -48,7 +50,6 @@ DEFAULT_HOST_FRACTION = 0.5  # of available RAM, when cpu_gb is None
 DEFAULT_DISK_FRACTION = 0.9  # of free space under disk_dir, when disk_gb is None
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 STREAMING_ATTENTION = "tierkv_streaming"  # the AttentionInterface name of the streaming executor
-LANDING_BYTES = 32 * 2**20  # device landing buffer for coalesced host->device copies (CUDA only)
 
 
 class TieredLayer(CacheLayerMixin):
@@ -177,8 +178,7 @@ class TieredCache(Cache):
         self.policy = make_policy(policy)
         self.prefetch_depth = prefetch_depth
         self.store: KVStore | None = None
-        self.executor: ExactGather | None = None
-        self.streamer: StreamingAttention | None = None
+        self.executors: dict[str, Executor] = {}  # by name (tierkv.attention.EXECUTORS), built with the store
         self._chunk_tokens = DEFAULT_CHUNK_TOKENS
         self._streaming_depth = 0  # > 0 inside `streaming(model)`
         self._closed = False
@@ -186,7 +186,7 @@ class TieredCache(Cache):
         self._layers_from_config = config is not None  # the layer count is known before the first pass
         layers: list[CacheLayerMixin] = []
         if config is not None:
-            layer_types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+            layer_types, kwargs = _layer_types(config.get_text_config(decoder=True))
             unsupported = sorted(set(layer_types) - {"full_attention", *SLIDING_TYPES})
             if unsupported:
                 raise InvalidConfigError(
@@ -218,7 +218,8 @@ class TieredCache(Cache):
 
     def reset(self) -> None:
         if self.store is not None:
-            self._invalidate_staged()
+            for executor in self.executors.values():
+                executor.reset()
             self.store.reset()
         for layer in self.layers:
             layer.reset()
@@ -231,7 +232,7 @@ class TieredCache(Cache):
             return {"bytes_resident": empty, "bytes_moved": {}, "blocks": dict(empty), "tokens": 0,
                     "prefetch_hits": 0, "prefetch_misses": 0, "prefetch_stall_s": 0.0}
         stats = self.store.stats()
-        executors = [self.executor] + ([self.streamer] if self.streamer else [])
+        executors = list(self.executors.values())
         stats.update(tokens=self.get_seq_length(), prefetch_hits=sum(e.prefetch_hits for e in executors),
                      prefetch_misses=sum(e.prefetch_misses for e in executors),
                      prefetch_stall_s=sum(e.stall_s for e in executors),
@@ -252,34 +253,37 @@ class TieredCache(Cache):
     @staticmethod
     def min_device_bytes(config: PreTrainedConfig, context: int, batch: int = 1,
                          block_tokens: int = DEFAULT_BLOCK_TOKENS, prefetch_depth: int = 1,
-                         dtype: torch.dtype | None = None) -> int:
+                         dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> int:
         """Smallest ``gpu_gb`` (in bytes) that decodes ``context`` tokens: staging for the largest layer
-        (``prefetch_depth + 1`` buffers of one layer's full K/V, with 25% growth headroom) plus one tail
-        block per (row, layer). Bytes, not GB: pass it on as ``gpu_gb=f"{n}B"``."""
+        (``prefetch_depth + 1`` buffers of one layer's full K/V, with 25% growth headroom), one tail block
+        per (row, layer), and on CUDA (``device``; default: CUDA if available) the two landing buffers.
+        Bytes, not GB: pass it on as ``gpu_gb=f"{n}B"``."""
         check_model_config(config)
         check_count(context, name="context")
         check_count(batch, name="batch")
         check_count(block_tokens, name="block_tokens")
         check_count(prefetch_depth, name="prefetch_depth", minimum=0)
         layout = _layout_of_config(config, block_tokens, dtype)
-        staging = staging_bytes(batch, int(context * 1.25), layout.token_bytes, block_tokens, prefetch_depth)
+        staging = gather_staging_bytes(batch, context, layout.token_bytes, block_tokens, prefetch_depth)
         layers = config.get_text_config(decoder=True).num_hidden_layers
-        return staging + (layers + 1) * batch * layout.slot_bytes
+        return _with_landing(staging + open_tail_bytes(layers, batch, layout.slot_bytes), device)
 
     @staticmethod
     def min_streaming_device_bytes(config: PreTrainedConfig, batch: int = 1,
                                    block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: torch.dtype | None = None) -> int:
-        """Smallest ``gpu_gb`` (bytes) for :meth:`streaming`: two chunk buffers plus the open tail blocks —
-        independent of the context length. Bytes, not GB: pass it on as ``gpu_gb=f"{n}B"``."""
+                                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: torch.dtype | None = None,
+                                   device: str | torch.device | None = None) -> int:
+        """Smallest ``gpu_gb`` (bytes) for :meth:`streaming`: two chunk buffers plus the open tail blocks (and
+        the landing buffers on CUDA) — independent of the context length. Bytes, not GB: pass it on as
+        ``gpu_gb=f"{n}B"``."""
         check_model_config(config)
         check_count(batch, name="batch")
         check_count(block_tokens, name="block_tokens")
         check_count(chunk_tokens, name="chunk_tokens")
         layout = _layout_of_config(config, block_tokens, dtype)
-        chunk = max(block_tokens, chunk_tokens // block_tokens * block_tokens)
+        staging = streaming_staging_bytes(batch, chunk_tokens, layout.token_bytes, block_tokens)
         layers = config.get_text_config(decoder=True).num_hidden_layers
-        return 2 * batch * chunk * layout.token_bytes + (layers + 1) * batch * layout.slot_bytes
+        return _with_landing(staging + open_tail_bytes(layers, batch, layout.slot_bytes), device)
 
     @staticmethod
     def kv_bytes_per_token(config: PreTrainedConfig, dtype: torch.dtype | None = None) -> int:
@@ -290,16 +294,17 @@ class TieredCache(Cache):
 
     def close(self) -> None:
         """Release every tier and delete the disk tier's files."""
-        if self.streamer is not None:
-            self.streamer.close()
-        if self.executor is not None:
-            self.executor.close()
-            self.executor.mover.close()
+        mover = self.executor.mover if self.executors else None
+        for executor in self.executors.values():
+            executor.close()
+        if mover is not None:
+            mover.close()
         if self.store is not None:
             self.store.close()
         elif self._disk is not None:
             self._disk.close()
-        self.store = self.executor = self.streamer = None
+        self.store = None
+        self.executors = {}
         self._closed = True
 
     @contextlib.contextmanager
@@ -318,24 +323,23 @@ class TieredCache(Cache):
         _register_streaming_attention()
         previous = model.config._attn_implementation
         modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
-        model.set_attn_implementation(STREAMING_ATTENTION)
-        for module in modules:
-            module._tierkv_cache = self
-        if self.streamer is not None and chunk_tokens != self._chunk_tokens:
-            self.streamer.close()  # buffers are sized per chunk length; the next attention makes new ones
-            self.streamer = None
+        streamer = self.executors.get("streaming")
+        if streamer is not None and chunk_tokens != self._chunk_tokens:
+            streamer.close()  # buffers are sized per chunk length; the next attention makes new ones
+            del self.executors["streaming"]
         self._chunk_tokens = chunk_tokens
-        if self.executor is not None:
-            self._switch_executor()  # exact-gather prefetches do not survive a stretch of streaming steps
+        self._switch_executor()  # exact-gather prefetches do not survive a stretch of streaming steps
         self._streaming_depth += 1
-        try:
+        try:  # every change to the user's model happens inside the try, so the finally undoes all of it
+            for module in modules:
+                module._tierkv_cache = self
+            model.set_attn_implementation(STREAMING_ATTENTION)
             yield self
         finally:
             self._streaming_depth -= 1
-            if self.executor is not None:
-                self._switch_executor()
+            self._switch_executor()
             for module in modules:
-                del module._tierkv_cache
+                module.__dict__.pop("_tierkv_cache", None)
             model.set_attn_implementation(previous)
 
     def __enter__(self) -> TieredCache:
@@ -358,16 +362,13 @@ class TieredCache(Cache):
             int(psutil.virtual_memory().available * DEFAULT_HOST_FRACTION)
         device_tier = MemoryTier(Tier.DEVICE, gpu, device)
         host_tier = MemoryTier(Tier.HOST, cpu, torch.device("cpu"), pin=device.type == "cuda")
-        self.store = KVStore(device_tier, host_tier, self._disk, self.policy, self.block_tokens)
-        self.executor = ExactGather(self.store, make_mover(device), self.prefetch_depth,
-                                    timeline=make_timeline(self.profile, device), trace=self.trace)
-        self.executor.start_of = lambda index: self.layers[index].attention_start(0)
-        self.store.barrier = self._wait_for_reads
-        if device.type == "cuda":  # coalesce host/disk runs into large H2D copies (see KVStore.enable_landing)
-            self.store.enable_landing(min(LANDING_BYTES, gpu // 16))
-        if self._layers_from_config:
-            self.executor.num_layers, self.executor.layers_known = len(self.layers), True
-        return self.store
+        store = self.store = KVStore(device_tier, host_tier, self._disk, self.policy, self.block_tokens)
+        self._mover = make_mover(device)
+        self._timeline = make_timeline(self.profile, device)
+        if device.type == "cuda" and not store.enable_landing(landing_bytes(gpu)):
+            log.warning("tierkv: no room for the landing buffers in gpu_gb; host runs cross PCIe block by block")
+        self.executors["exact_gather"] = self._make_executor("exact_gather", prefetch_depth=self.prefetch_depth)
+        return store
 
     def _update_layer(self, layer: TieredLayer, key_states: torch.Tensor,
                       value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,33 +396,43 @@ class TieredCache(Cache):
         layer = self.layers[layer_idx]
         layer.pending_keys = None
         try:
-            if self.streamer is None:
-                self.streamer = self._make_streamer()
+            if "streaming" not in self.executors:
+                self.executors["streaming"] = self._make_executor("streaming", chunk_tokens=self._chunk_tokens)
             return self.streamer.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap)
         except Exception:
             self._roll_back_to(layer.length_before)
             raise
 
-    def _make_streamer(self) -> StreamingAttention:
-        streamer = StreamingAttention(self.store, self.executor.mover, self._chunk_tokens,
-                                      timeline=self.executor.timeline, trace=self.trace)
-        streamer.start_of = lambda index: self.layers[index].attention_start(0)
-        streamer.num_layers, streamer.layers_known = self.executor.num_layers, self.executor.layers_known
-        return streamer
+    def _make_executor(self, name: str, **options: Any) -> Executor:
+        """Build a registered executor with everything it needs (it registers with the store as a reader)."""
+        known = self.executor.num_layers if self.executors and self.executor.layers_known else None
+        layers = len(self.layers) if self._layers_from_config else known
+        return EXECUTORS[name](self.store, self._mover, start_of=self._attention_start, num_layers=layers,
+                               timeline=self._timeline, trace=self.trace, **options)
+
+    def _attention_start(self, index: int) -> int:
+        return self.layers[index].attention_start(0)
+
+    @property
+    def executor(self) -> ExactGather:
+        """The exact-gather executor (the default path); it exists once the first update built the store."""
+        return self.executors["exact_gather"]  # type: ignore[return-value]
+
+    @property
+    def streamer(self) -> StreamingAttention | None:
+        return self.executors.get("streaming")  # type: ignore[return-value]
 
     def _switch_executor(self) -> None:
         """Entering or leaving streaming: staged data is stale, and the step in progress ends here (the other
         executor records the next one; the gap between them is not either one's compute)."""
         self._invalidate_staged()
-        for executor in (self.executor, self.streamer):
-            if executor is not None:
-                executor.pause_telemetry()
+        for executor in self.executors.values():
+            executor.pause_telemetry()
 
     def _invalidate_staged(self) -> None:
         """Table edits (crop, reorder, reset, rollback): data staged by either executor is stale."""
-        self.executor.invalidate()
-        if self.streamer is not None:
-            self.streamer.invalidate()
+        for executor in self.executors.values():
+            executor.invalidate()
 
     def _drop_out_of_window(self, layer: TieredLayer) -> None:
         """Free a sliding layer's whole blocks that can no longer be attended to."""
@@ -430,17 +441,8 @@ class TieredCache(Cache):
         dropped = self.store.drop_front(layer.index, layer.stored() - (layer.sliding_window - 1))
         if dropped:
             layer.dropped += dropped
-            self.executor.drop(layer.index)  # its prefetch counted tokens from the old front
-            if self.streamer is not None:
-                self.streamer.drop(layer.index)
-
-    def _wait_for_reads(self) -> None:
-        """The store's barrier: no read may be in flight while a slot is freed or moved."""
-        self.executor.wait_all()
-        if self.streamer is not None:
-            self.streamer.wait_all()
-        if self.store.device.device.type == "cuda":  # non_blocking copies queued on the compute stream
-            torch.cuda.current_stream(self.store.device.device).synchronize()
+            for executor in self.executors.values():
+                executor.drop(layer.index)  # its prefetch counted tokens from the old front
 
     def _roll_back_to(self, length: int) -> None:
         """After a failed update: layers that already took this step's tokens give them back.
@@ -483,6 +485,32 @@ class TieredCache(Cache):
 
     def _batch(self) -> int:
         return max((self.store.batch_size(layer) for layer in self.store.layouts), default=0)
+
+
+def _layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, Any]]]:
+    """Per-layer attention types and kwargs from transformers, across its 5.x releases: some return one
+    kwargs dict per layer, others (5.17) one dict of per-layer lists or shared values."""
+    layer_types, kwargs = get_layer_types_and_kwargs(config)
+    layer_types = list(layer_types) if layer_types else ["full_attention"] * config.num_hidden_layers
+    if isinstance(kwargs, dict):
+        def value(item: Any, i: int) -> Any:
+            return item[i] if isinstance(item, (list, tuple)) else item
+
+        kwargs = [{key: value(item, i) for key, item in kwargs.items()} for i in range(len(layer_types))]
+    kwargs = list(kwargs) if kwargs else [{} for _ in layer_types]
+    if "sliding_window" not in {key for kw in kwargs for key in kw} and getattr(config, "sliding_window", None):
+        kwargs = [{**kw, "sliding_window": config.sliding_window} for kw in kwargs]
+    return layer_types, kwargs
+
+
+def _with_landing(nbytes: int, device: str | torch.device | None) -> int:
+    """``nbytes`` of blocks and staging plus, on CUDA, the two landing buffers sized from the budget itself
+    (each ``min(LANDING_BYTES, budget / 16)``): the smallest budget that holds both."""
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    if not cuda:
+        return nbytes
+    fixed = nbytes + 2 * landing_bytes(2**62)  # landing at its cap
+    return fixed if landing_bytes(fixed) * 2 + nbytes <= fixed else -(-nbytes * 8 // 7)  # else 2 x budget/16
 
 
 def _layout_of_config(config: PreTrainedConfig, block_tokens: int, dtype: torch.dtype | None) -> BlockLayout:

@@ -52,6 +52,11 @@ class BlockLayout:
         """A block's slot: its bytes rounded up to the I/O alignment."""
         return math.ceil(self.block_bytes / SLOT_ALIGN) * SLOT_ALIGN
 
+    def blocks_of(self, raw: torch.Tensor) -> torch.Tensor:
+        """Slots ``raw`` ``[n, slot_bytes]`` (uint8, contiguous rows) as blocks ``[n, 2, H_kv, block_tokens, D]``
+        (a strided view: the slot padding is skipped, nothing is copied)."""
+        return raw[:, : self.block_bytes].view(self.dtype).view(raw.shape[0], *self.shape)
+
     @classmethod
     def of(cls, key_states: torch.Tensor, block_tokens: int) -> BlockLayout:
         """Layout of the layer whose new keys are ``key_states`` ``[B, H_kv, T, D]``."""
@@ -60,3 +65,22 @@ class BlockLayout:
                 f"expected key states of shape [batch, kv_heads, tokens, head_dim], got {tuple(key_states.shape)}."
             )
         return cls(int(key_states.shape[1]), int(key_states.shape[3]), block_tokens, key_states.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotBytes:
+    """A layout for moving whole slots as raw bytes, whatever layer they hold (demotion, evacuation):
+    it duck-types the parts of :class:`BlockLayout` the tiers use."""
+
+    slot_bytes: int
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.slot_bytes,)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def blocks_of(self, raw: torch.Tensor) -> torch.Tensor:
+        return raw

@@ -2,149 +2,128 @@
 
 The model's own attention (eager, sdpa, flash) then runs unchanged on the assembled tensors, so results
 equal a plain in-memory cache. Staging buffers live in device memory counted against the device budget:
-``prefetch_depth + 1`` of them, each big enough for one layer's K/V of the whole batch::
+``prefetch_depth + 1`` of them, each big enough for one layer's K/V of the whole batch, in whole blocks::
 
     staging[i]: [2, B, H_kv, capacity, D]   (K = [0], V = [1]; capacity grows by 25% steps, block aligned)
 
-While layer L attends over staging[a], the mover fills staging[b] with every block layer L+1 already had.
-When layer L+1's ``update`` arrives, only its new tokens (and anything appended since) are copied on top.
+A layer's staging starts at the block that holds its first attended token (a sliding window may start
+mid-block); the model gets a view from that token on. While layer L attends over staging[a], the mover
+fills staging[b] with every block layer L+1 already had. When layer L+1's ``update`` arrives, only the
+blocks that were not yet full (the tail, and anything appended since) are read on top.
 
 Telemetry (optional :class:`~tierkv.stats.Timeline`): each read job is split by source tier and timed per
 link (``perf_counter`` on CPU hosts, CUDA events on the stream that ran the copies); the time between one
 layer's gather returning and the next layer's gather starting is that layer's compute. An optional
-:class:`~tierkv.stats.Trace` gets the same spans; without one the only cost is a ``None`` check per read.
-``prefetch_depth="auto"`` starts at 1 and, after :data:`AUTO_AFTER_STEPS` decode steps, sets the depth from
-the bandwidth model (:func:`tierkv.stats.choose_prefetch_depth`); it decides again after staging grows.
+:class:`~tierkv.stats.Trace` gets the same spans. ``prefetch_depth="auto"`` starts at 1 and, after
+:data:`AUTO_AFTER_STEPS` decode steps, sets the depth from the bandwidth model
+(:func:`tierkv.stats.choose_prefetch_depth`); it decides again after staging grows.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from tierkv.attention.timed_read import resolve_cuda_events, timed_read
+from tierkv.attention.base import PipelinedExecutor, from_first_token, register_executor, wait_quietly
 from tierkv.blocks import Tier
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError
 from tierkv.mover import MoveHandle, ThreadMover
+from tierkv.staging import gather_capacity
 from tierkv.stats import ReadTiming, Timeline, Trace, choose_prefetch_depth
-from tierkv.store import KVStore, ReadSegment
+from tierkv.store import KVStore
 
 log = logging.getLogger("tierkv")
 
-GROWTH = 1.25
 AUTO_AFTER_STEPS = 2  # decode steps measured before prefetch_depth="auto" decides (and after staging grows)
 
 
 @dataclass(frozen=True, slots=True)
 class Prefetch:
-    """Layer ``layer`` tokens ``[start, start + count)`` are on their way into staging buffer ``buffer``."""
+    """Block columns ``[first, first + columns)`` of ``layer`` on their way into staging buffer ``buffer``;
+    the first ``full`` of them were full when planned (immutable since, unless the table is edited)."""
 
     layer: int
     buffer: int
-    start: int
-    count: int
+    first: int
+    columns: int
+    full: int
     version: int
     handle: MoveHandle
     timings: list[ReadTiming] | None = None  # filled by the mover when telemetry is on
 
 
-class ExactGather:
-    def __init__(self, store: KVStore, mover: ThreadMover, prefetch_depth: int | str = 1,
-                 timeline: Timeline | None = None, trace: Trace | None = None) -> None:
+@register_executor
+class ExactGather(PipelinedExecutor):
+    name = "exact_gather"
+
+    def __init__(self, store: KVStore, mover: ThreadMover, *, start_of: Callable[[int], int] = from_first_token,
+                 num_layers: int | None = None, prefetch_depth: int | str = 1, timeline: Timeline | None = None,
+                 trace: Trace | None = None) -> None:
         if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int) or prefetch_depth < 0):
             raise InvalidConfigError(f"prefetch_depth must be an int >= 0 or 'auto', got {prefetch_depth!r}.")
-        self.store = store
-        self.mover = mover
+        super().__init__(store, mover, start_of=start_of, num_layers=num_layers, timeline=timeline, trace=trace)
         self.auto = prefetch_depth == "auto"
-        self.prefetch_depth: int = 1 if self.auto else prefetch_depth  # type: ignore[assignment]
-        self.timeline = timeline
-        self.trace = trace
+        self.prefetch_depth: int = 1 if self.auto else int(prefetch_depth)
         self.auto_choices: list[dict] = []  # decisions of prefetch_depth="auto", oldest first
         self._auto_wait = AUTO_AFTER_STEPS  # decode steps left before the next "auto" decision
         self._resize = False  # the next _ensure_capacity reallocates (the depth changed)
         self._left_at: float | None = None  # perf_counter when the last gather returned
         self._last_stop: dict[int, int] = {}
-        self._cuda = store.device.device.type == "cuda"
-        if timeline is not None and self._cuda:
-            timeline.resolve = resolve_cuda_events
-        self.capacity = 0  # tokens per staging buffer
+        self.capacity = 0  # tokens per staging buffer (whole blocks)
         self.batch = 0
         self.token_bytes = 0  # max over layers seen
         self.buffers: list[torch.Tensor] = []
         self.pending: dict[int, Prefetch] = {}
         self.current = -1  # staging buffer the model is attending over now
-        self.version = 0  # bumped by table edits that invalidate staged data
-        self.num_layers = 0
-        self.layers_known = False
-        self.last_layer = -1
-        self.prefetch_hits = 0
-        self.prefetch_misses = 0
         self.prefetch_disabled_logged = False
-        self.stall_s = 0.0  # time the model waited for prefetches to land
-        self.start_of: Callable[[int], int] = lambda layer: 0  # first stored token a layer's attention reads
-        store.barrier = self.wait_all
 
     # ---------------------------------------------------------------------------------- public
     def gather(self, layer: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[B, H_kv, T, D]`` of tokens ``[start, seq_length)`` of ``layer`` (views of staging)."""
         entered = time.perf_counter()
         new_pass = layer <= self.last_layer
-        if layer == 0 and self.num_layers > 1 and self.last_layer == self.num_layers - 1:
-            self.layers_known = True  # a full pass was seen: wrapping prefetch to layer 0 is now safe
         stop = self.store.seq_length(layer)
         if self.timeline is not None:
             self._record_pass(layer, stop, entered, new_pass)
         elif self.trace is not None and self._left_at is not None:
             self.trace.span(f"compute L{self.last_layer}", "compute", self._left_at, entered)
-        self.num_layers = max(self.num_layers, layer + 1)
-        self.last_layer = layer
-        layout = self.store.layouts[layer]
+        self._see_layer(layer)
+        bt = self.store.block_tokens
+        first, end = start // bt, -(-stop // bt)
         batch = self.store.batch_size(layer)
         prefetched = self.pending.pop(layer, None)
         if prefetched is not None:
             waited_from = time.perf_counter()
-            try:
-                prefetched.handle.wait()
-            except Exception:  # noqa: BLE001 - a failed prefetch is a miss; the synchronous read reports
-                prefetched = dataclasses.replace(prefetched, version=-1)
-            waited = time.perf_counter() - waited_from
-            self.stall_s += waited
+            ok = wait_quietly(prefetched.handle)
+            self._stalled(waited_from, layer)
             self._consume(prefetched)
-            if self.timeline is not None:
-                self.timeline.add_stall(waited)
-            if self.trace is not None:
-                self.trace.span(f"wait L{layer}", "stall", waited_from, waited_from + waited)
-        self._ensure_capacity(batch, stop - start, layout.token_bytes)
-        if prefetched is not None and prefetched.start == start and prefetched.version == self.version \
-                and prefetched.count <= stop - start and prefetched.buffer < len(self.buffers):
-            buffer, done = prefetched.buffer, prefetched.count
+            if not ok:
+                prefetched = None
+                self.prefetch_misses += 1
+        self._ensure_capacity(batch, (end - first) * bt, self.store.layouts[layer].token_bytes)
+        if prefetched is not None and prefetched.first == first and prefetched.version == self.version \
+                and prefetched.columns <= end - first and prefetched.buffer < len(self.buffers):
+            buffer, done = prefetched.buffer, prefetched.full
             self.prefetch_hits += 1
         else:
             buffer, done = self._free_buffer(), 0
             self.prefetch_misses += prefetched is not None
         staging = self._staging(buffer, layer, batch)
-        segments = self.store.plan_read(layer, start + done, stop)
-        if self.timeline is None and self.trace is None:
-            self.store.read_into(layer, segments, staging[..., done:, :])
-        else:
-            timings: list[ReadTiming] = []
-            self._read(layer, segments, staging[..., done:, :], timings, prefetch=False)
-            if self.timeline is not None:
-                self.timeline.add_reads(layer, timings, sync=True)
+        plan = self.store.plan_read(layer, (first + done) * bt, stop)
+        timings = self._read_now(layer, plan, staging[..., done * bt :, :])
+        if self.timeline is not None:
+            self.timeline.add_reads(layer, timings, sync=True)
         self.current = buffer
         self._prefetch_next(layer)
-        count = stop - start
+        offset, count = start - first * bt, stop - start
         self._left_at = time.perf_counter()
-        return staging[0, :, :, :count], staging[1, :, :, :count]
+        return staging[0, :, :, offset : offset + count], staging[1, :, :, offset : offset + count]
 
     def invalidate(self) -> None:
-        """Table edits (reorder, crop, reset) make staged data stale."""
         try:
             self.wait_all()
             for prefetch in self.pending.values():
@@ -153,20 +132,21 @@ class ExactGather:
             self.pending.clear()
             self.version += 1
 
+    def reset(self) -> None:
+        self.invalidate()
+        self._last_stop.clear()  # the next sequence's first step counts all its tokens as new
+
     def drop(self, layer: int) -> None:
-        """Forget the prefetch of one layer (its token positions shifted, e.g. a sliding window dropped blocks)."""
         prefetch = self.pending.pop(layer, None)
         if prefetch is not None:
             prefetch.handle.settle()
             self._consume(prefetch)
 
     def wait_all(self) -> None:
-        """The store's barrier: every in-flight read has finished (errors are left to their own layer)."""
         for prefetch in self.pending.values():
             prefetch.handle.settle()
 
     def pause_telemetry(self) -> None:
-        """The other executor takes over: end the step in progress; the next gather starts a new one."""
         if self.timeline is not None:
             self.timeline.end_step(time.perf_counter())
         self._left_at = None
@@ -180,9 +160,6 @@ class ExactGather:
             self.trace.save(self.trace.path)
 
     # --------------------------------------------------------------------------------- staging
-    def _round(self, tokens: int) -> int:
-        return round_to_blocks(tokens, self.store.block_tokens)
-
     def _staging(self, buffer: int, layer: int, batch: int) -> torch.Tensor:
         layout = self.store.layouts[layer]
         nbytes = batch * self.capacity * layout.token_bytes
@@ -197,7 +174,7 @@ class ExactGather:
             capacity = old_capacity  # only the depth changed ("auto"): same buffers, another count
         else:
             self._auto_wait = AUTO_AFTER_STEPS  # the staging grows: "auto" decides again on the new sizes
-            capacity = self._round(max(tokens, int(old_capacity * GROWTH)))
+            capacity = gather_capacity(tokens, self.store.block_tokens, old_capacity)
         self._resize = False
         self.invalidate()
         self._release()
@@ -257,27 +234,18 @@ class ExactGather:
             self._issue(target, free[0])
 
     def _issue(self, layer: int, buffer: int) -> None:
-        start = self.start_of(layer)
-        stop = self.store.seq_length(layer)
+        bt = self.store.block_tokens
+        start, stop = self.start_of(layer), self.store.seq_length(layer)
+        first, end = start // bt, -(-stop // bt)
         batch = self.store.batch_size(layer)
-        if stop - start > self.capacity or batch > self.batch:
+        if (end - first) * bt > self.capacity or batch > self.batch or end <= first:
             return
-        staging = self._staging(buffer, layer, batch)
-        segments = self.store.plan_read(layer, start, stop)
-        if self.timeline is None and self.trace is None:
-            handle = self.mover.submit(lambda: self.store.read_into(layer, segments, staging))
-            timings = None
-        else:
-            timings = []
-            handle = self.mover.submit(lambda: self._read(layer, segments, staging, timings, prefetch=True))
-        self.pending[layer] = Prefetch(layer, buffer, start, stop - start, self.version, handle, timings)
+        plan = self.store.plan_read(layer, start, stop)
+        full = stop // bt - first  # columns that are full now: the tail (if partial) is read again later
+        handle, timings = self._read_later(layer, plan, self._staging(buffer, layer, batch))
+        self.pending[layer] = Prefetch(layer, buffer, first, end - first, full, self.version, handle, timings)
 
     # ------------------------------------------------------------------------------- telemetry
-    def _read(self, layer: int, segments: list[ReadSegment], dest: torch.Tensor, timings: list[ReadTiming],
-              prefetch: bool) -> None:
-        timed_read(self.store, layer, segments, dest, timings, cuda=self._cuda, trace=self.trace,
-                   category="prefetch" if prefetch else "read")
-
     def _consume(self, prefetch: Prefetch) -> None:
         """A prefetch left the pending set (used, dropped or invalidated): count what it moved."""
         if self.timeline is not None and prefetch.timings is not None:
@@ -325,12 +293,3 @@ class ExactGather:
             log.info("tierkv: prefetch_depth auto: %d -> %d (%s)", self.prefetch_depth, choice.depth, choice.reason)
             self.prefetch_depth = choice.depth
             self._resize = True
-
-
-def round_to_blocks(tokens: int, block_tokens: int) -> int:
-    return max(block_tokens, math.ceil(tokens / block_tokens) * block_tokens)
-
-
-def staging_bytes(batch: int, tokens: int, token_bytes: int, block_tokens: int, prefetch_depth: int) -> int:
-    """Device bytes of the staging area for ``tokens`` of context: one buffer per prefetch level, plus one."""
-    return (prefetch_depth + 1) * batch * round_to_blocks(tokens, block_tokens) * token_bytes

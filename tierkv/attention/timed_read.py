@@ -1,45 +1,55 @@
-"""Timed reads: ``store.read_into`` split by source tier, each part timed for the telemetry and the trace.
+"""Timed reads: ``store.read_into`` with a probe that times each source tier's part for the telemetry and trace.
 
 Both executors (exact gather, streaming) use it when a :class:`~tierkv.stats.Timeline` or
 :class:`~tierkv.stats.Trace` is on. On CPU hosts the marks are ``perf_counter`` floats; on CUDA they are
 events recorded on the stream that runs the copies (the mover's, or the compute stream for synchronous
 reads), resolved later by :func:`resolve_cuda_events` so timing never synchronises the compute stream.
+A tier's part runs from its submission to its data landing: the disk part (submitted first, landed last)
+spans the memory parts it overlaps.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
 from tierkv.blocks import Tier
 from tierkv.stats import ReadTiming, Trace
-from tierkv.store import KVStore, ReadSegment
+from tierkv.store import KVStore, ReadPlan
 
 LINK_OF_TIER = {Tier.DEVICE: "device->device", Tier.HOST: "host->device", Tier.DISK: "disk->device"}
 
 
-def timed_read(store: KVStore, layer: int, segments: list[ReadSegment], dest: torch.Tensor,
-               timings: list[ReadTiming], *, cuda: bool, trace: Trace | None, category: str) -> None:
-    """``store.read_into(layer, segments, dest)`` one source tier at a time, appending one timing per tier."""
-    by_tier: dict[Tier, list[ReadSegment]] = {}
-    for seg in segments:
-        by_tier.setdefault(seg.tier, []).append(seg)
-    token_bytes = store.layouts[layer].token_bytes
-    for tier, group in by_tier.items():
-        link = LINK_OF_TIER[tier]
-        # one batched engine read (disk) or one read_into pass (memory tiers): the profile's latencies are per
-        # call (bench fits `store read_into` and disk block batches per call); on CUDA each host run is a copy
-        copies = len(group) if cuda and tier == Tier.HOST else 1
-        timing = ReadTiming(link, sum(seg.length for seg in group) * token_bytes, copies)
+class TimedProbe:
+    """A :class:`~tierkv.store.ReadProbe` that appends one :class:`ReadTiming` per source tier."""
+
+    def __init__(self, layer: int, timings: list[ReadTiming], *, cuda: bool, trace: Trace | None,
+                 category: str) -> None:
+        self.layer, self.timings, self.cuda, self.trace, self.category = layer, timings, cuda, trace, category
+
+    def begin(self, tier: Tier) -> tuple[float, Any]:
         begun = time.perf_counter()
-        timing.start = cuda_mark() if cuda else begun
-        store.read_into(layer, group, dest)
+        return begun, cuda_mark() if self.cuda else begun
+
+    def end(self, mark: tuple[float, Any], tier: Tier, nbytes: int, copies: int) -> None:
+        begun, start = mark
         ended = time.perf_counter()
-        timing.end = cuda_mark() if cuda else ended
-        timings.append(timing)
-        if trace is not None:
-            trace.span(f"{link} L{layer}", category, begun, ended, layer=layer, bytes=timing.nbytes, copies=copies)
+        link = LINK_OF_TIER[tier]
+        # the profile's latencies are per call (one batched engine read, one gather pass); on CUDA each host
+        # run is its own copy across the link
+        calls = copies if self.cuda and tier == Tier.HOST else 1
+        self.timings.append(ReadTiming(link, nbytes, calls, start, cuda_mark() if self.cuda else ended))
+        if self.trace is not None:
+            self.trace.span(f"{link} L{self.layer}", self.category, begun, ended, layer=self.layer, bytes=nbytes,
+                            copies=calls)
+
+
+def timed_read(store: KVStore, layer: int, plan: ReadPlan, dest: torch.Tensor, timings: list[ReadTiming], *,
+               cuda: bool, trace: Trace | None, category: str) -> None:
+    """``store.read_into(layer, plan, dest)``, appending one timing per source tier to ``timings``."""
+    store.read_into(layer, plan, dest, probe=TimedProbe(layer, timings, cuda=cuda, trace=trace, category=category))
 
 
 def cuda_mark() -> torch.cuda.Event:

@@ -105,11 +105,13 @@ def measure_store_gather(sizes: Sequence[int], cfg: BenchConfig, device: torch.d
         kv = kv_tensor(tokens, device)
         store.append(0, kv, kv)
         del kv
-        on_source = [seg for seg in store.plan_read(0, 0, tokens) if seg.tier == source]
-        first, last = on_source[0].dst, on_source[-1].dst + on_source[-1].length
+        runs = store.plan_read(0, 0, tokens).only(source).parts[0].runs  # where the source's blocks sit (row 0)
+        first = runs[0].column * tokens_per_block
+        last = (runs[-1].column + runs[-1].hi - runs[-1].lo) * tokens_per_block
         for size in sizes:
             n = size // token_bytes
-            plans = itertools.cycle([store.plan_read(0, start, start + n) for start in range(first, last - n + 1, n)])
+            plans = itertools.cycle([store.plan_read(0, start, start + n).only(source)
+                                     for start in range(first, last - n + 1, n)])
             t = timer(lambda store=store, plans=plans: store.read_into(0, next(plans), staging),
                       warmup=cfg.warmup, repeats=cfg.repeats, inner=inner_repeats(size))
             out.append(Measurement(link, "store read_into", size, size, 1, t))

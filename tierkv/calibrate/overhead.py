@@ -34,7 +34,7 @@ def measure_layer_overhead(cfg: BenchConfig) -> float:
     kv, token = kv_tensor(tokens, CPU), kv_tensor(1, CPU)
     for layer in range(OVERHEAD_LAYERS):
         store.append(layer, kv, kv)
-    executor = ExactGather(store, ThreadMover(), 1, timeline=Timeline(LinkProfile({}), "tierkv bench"))
+    executor = ExactGather(store, ThreadMover(), prefetch_depth=1, timeline=Timeline(LinkProfile({}), "tierkv bench"))
     try:
         with torch.inference_mode():
             for _ in range(OVERHEAD_STEPS + 2):

@@ -4,31 +4,55 @@ A policy sees block events and answers one question: when a tier is full, which 
 It never drops data — the store demotes what it picks. In exact mode every block is read every step, so
 a policy that *promotes* on access would thrash; policies here only choose demotion victims, which keeps
 the resident set stable and the streamed set read-only.
+
+Events are O(1) each and the hot path sends one per layer-step: ``on_access(layer, tick)`` says "every
+block of this layer was read" (exact executors), ``on_access(layer, tick, ids)`` names the blocks read
+(sparse executors). ``victims`` answers from the policy's own index, never from a scan of all blocks.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
-from tierkv.blocks import Block
+from tierkv.blocks import Block, Tier
 from tierkv.errors import InvalidConfigError
 
 POLICIES: dict[str, type[Policy]] = {}
 
 
 class Policy(ABC):
+    """Event hooks plus ``victims``. Blocks the store is busy with (a write-back in flight) are *pinned*:
+    never offered as victims until unpinned."""
+
     name: str = ""
 
+    @abstractmethod
     def on_insert(self, block: Block, tick: int) -> None:
-        block.last_access = tick
-
-    def on_access(self, block: Block, tick: int) -> None:
-        block.last_access = tick
+        """A new block on ``block.tier``."""
 
     @abstractmethod
-    def victims(self, candidates: Iterable[Block], n: int) -> list[Block]:
-        """Up to ``n`` of ``candidates`` to demote, best victim first."""
+    def on_access(self, layer: int, tick: int, block_ids: Iterable[int] | None = None) -> None:
+        """Blocks of ``layer`` were read at ``tick``: all of them (None) or those named."""
+
+    @abstractmethod
+    def on_release(self, block: Block) -> None:
+        """The block's last reference went away (its slot is freed)."""
+
+    @abstractmethod
+    def on_move(self, block: Block, old_tier: Tier) -> None:
+        """The block moved from ``old_tier`` to ``block.tier`` (a demotion or a completed write-back)."""
+
+    @abstractmethod
+    def pin(self, block: Block) -> None:
+        """Keep ``block`` out of :meth:`victims` until :meth:`unpin`."""
+
+    @abstractmethod
+    def unpin(self, block: Block) -> None: ...
+
+    @abstractmethod
+    def victims(self, tier: Tier, slot_bytes: int, n: int, exclude: Collection[int] = ()) -> list[Block]:
+        """Up to ``n`` blocks of ``tier`` and ``slot_bytes`` to demote, best victim first, none in ``exclude``."""
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:

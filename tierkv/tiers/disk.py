@@ -3,10 +3,15 @@
 The file grows in extents reserved with ``posix_fallocate`` (so a full filesystem fails early, at growth,
 with ENOSPC — never halfway through a block write) up to the tier's budget. Files are deleted on
 :meth:`DiskTier.close` and, as a safety net, at interpreter exit.
+
+A read of a layer's disk blocks is one batched engine call into an aligned bounce buffer (adjacent slots
+coalesce into one request); it is submitted in :meth:`DiskTier.start_read` and runs on the engine's own
+threads while the caller copies the layer's memory blocks, then lands in the destination.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -18,8 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierkv.errors import DiskFullError, DiskTierError
+from tierkv.blocks import Tier
+from tierkv.errors import DiskFullError, DiskTierError, TierKVError
 from tierkv.io import DiskFile, IOHandle, aligned_empty, open_disk_file
+from tierkv.layout import BlockLayout
+from tierkv.tiers.base import Dest, Scratch
 from tierkv.tiers.slots import SlotPool, growth_slots
 
 DEFAULT_EXTENT_BYTES = 256 * 2**20
@@ -33,12 +41,18 @@ def _remove_files(paths: list[Path]) -> None:
 class DiskSlotFile(SlotPool):
     """Slots of ``slot_bytes`` in one file, opened through a disk engine."""
 
-    def __init__(self, path: Path, slot_bytes: int, engine: str | None) -> None:
+    def __init__(self, directory: Path, prefix: str, slot_bytes: int, engine: str | None) -> None:
         super().__init__()
-        self.path = path
         self.slot_bytes = slot_bytes
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        self.file: DiskFile = open_disk_file(path, engine=engine)
+        fd, name = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=f"-{slot_bytes}.kv")
+        self.path = Path(name)
+        try:
+            self.file: DiskFile = open_disk_file(self.path, engine=engine)
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        self._fd = fd
 
     def grow(self, slots: int) -> None:
         try:
@@ -51,12 +65,17 @@ class DiskSlotFile(SlotPool):
         return slot * self.slot_bytes
 
     def close(self) -> None:
-        self.file.close()
-        os.close(self._fd)
+        try:
+            self.file.close()
+        finally:
+            os.close(self._fd)
 
 
 class DiskTier:
     """Block slots on disk under ``directory``, at most ``budget`` bytes of files."""
+
+    kind = Tier.DISK
+    device = torch.device("cpu")  # where its reads land before they are copied on
 
     def __init__(self, directory: str | os.PathLike, budget: int | None, free_fraction: float = 0.9,
                  engine: str | None = None, extent_bytes: int = DEFAULT_EXTENT_BYTES) -> None:
@@ -95,9 +114,12 @@ class DiskTier:
 
     def slot_file(self, slot_bytes: int) -> DiskSlotFile:
         if slot_bytes not in self.files:
-            path = Path(tempfile.mktemp(dir=self.directory, prefix=self._prefix, suffix=f"-{slot_bytes}.kv"))
-            self._paths.append(path)
-            self.files[slot_bytes] = DiskSlotFile(path, slot_bytes, self.engine)
+            try:
+                slot_file = DiskSlotFile(self.directory, self._prefix, slot_bytes, self.engine)
+            except OSError as exc:
+                raise disk_error(exc, self.directory / f"{self._prefix}*.kv") from exc
+            self._paths.append(slot_file.path)
+            self.files[slot_bytes] = slot_file
         return self.files[slot_bytes]
 
     def alloc(self, slot_bytes: int) -> int | None:
@@ -120,6 +142,7 @@ class DiskTier:
     def free(self, slot_bytes: int, slot: int) -> None:
         self.files[slot_bytes].free(slot)
 
+    # ------------------------------------------------------------------------------------------ I/O
     def write(self, slot_bytes: int, slots: Sequence[int], buffer: np.ndarray) -> IOHandle:
         """Write ``buffer`` (``len(slots) * slot_bytes`` aligned bytes) to ``slots``, coalescing runs."""
         return self._submit(slot_bytes, slots, buffer, write=True)
@@ -127,6 +150,36 @@ class DiskTier:
     def read(self, slot_bytes: int, slots: Sequence[int], buffer: np.ndarray) -> IOHandle:
         """Read ``slots`` into ``buffer`` in order, coalescing runs of consecutive slots into one request."""
         return self._submit(slot_bytes, slots, buffer, write=False)
+
+    def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch) -> _DiskRead:
+        slot_bytes = layout.slot_bytes
+        bounce = scratch.bounce(len(slots) * slot_bytes, "read")
+        try:
+            handle = self.read(slot_bytes, slots.tolist(), bounce)
+        except OSError as exc:
+            raise disk_error(exc, self.files[slot_bytes].path) from exc
+        return _DiskRead(self, layout, bounce, handle, scratch.landing())
+
+    def write_from(self, layout: BlockLayout, slots: np.ndarray, src: torch.Tensor, scratch: Scratch) -> None:
+        """Stage ``src`` in the write bounce buffer and write it with one batched engine call."""
+        slot_bytes = layout.slot_bytes
+        bounce = scratch.bounce(len(slots) * slot_bytes, "write")
+        staged = torch.from_numpy(bounce).view(len(slots), slot_bytes)
+        layout.blocks_of(staged).copy_(src)
+        try:
+            handle = self.write(slot_bytes, slots.tolist(), bounce)
+        except OSError as exc:
+            raise disk_error(exc, self.files[slot_bytes].path) from exc
+        self.wait(handle, slot_bytes)
+
+    def wait(self, handle: IOHandle, slot_bytes: int) -> None:
+        """Wait for ``handle``; an OS failure becomes a :class:`DiskTierError` that names the file."""
+        try:
+            handle.wait()
+        except TierKVError:
+            raise
+        except OSError as exc:
+            raise disk_error(exc, self.files[slot_bytes].path) from exc
 
     def _submit(self, slot_bytes: int, slots: Sequence[int], buffer: np.ndarray, write: bool) -> IOHandle:
         slot_file = self.files[slot_bytes]
@@ -142,10 +195,41 @@ class DiskTier:
         return submit(requests)
 
     def close(self) -> None:
-        for slot_file in self.files.values():
-            slot_file.close()
-        self.files.clear()
-        self._finalizer()
+        try:
+            for slot_file in self.files.values():
+                slot_file.close()
+        finally:
+            self.files.clear()
+            self._finalizer()
+
+
+class _DiskRead:
+    """A submitted read of a layer's disk blocks, in plan order, into a bounce buffer."""
+
+    def __init__(self, tier: DiskTier, layout: BlockLayout, bounce: np.ndarray, handle: IOHandle,
+                 landing: torch.Tensor | None) -> None:
+        self.tier, self.layout, self.bounce, self.handle, self.landing = tier, layout, bounce, handle, landing
+
+    def settle(self) -> None:
+        with contextlib.suppress(OSError):  # the failure that matters was raised where it happened
+            self.handle.wait()
+
+    def finish(self, dests: Sequence[Dest]) -> None:
+        layout = self.layout
+        self.tier.wait(self.handle, layout.slot_bytes)
+        staged = torch.from_numpy(self.bounce).view(-1, layout.slot_bytes)
+        for lo, hi, out in dests:
+            if self.landing is None:
+                out.copy_(layout.blocks_of(staged[lo:hi]), non_blocking=True)
+                continue
+            capacity = self.landing.numel() // layout.slot_bytes
+            if capacity == 0:
+                raise ValueError("the landing buffer is smaller than one block")
+            slab = self.landing[: capacity * layout.slot_bytes].view(capacity, layout.slot_bytes)
+            for piece in range(lo, hi, capacity):
+                end = min(hi, piece + capacity)
+                slab[: end - piece].copy_(staged[piece:end], non_blocking=True)
+                out[piece - lo : end - lo].copy_(layout.blocks_of(slab[: end - piece]), non_blocking=True)
 
 
 def disk_error(exc: OSError, path: Path) -> DiskTierError:
@@ -162,24 +246,35 @@ class BounceBuffer:
     """A reusable, aligned host buffer that grows geometrically (disk I/O needs aligned memory).
 
     With ``pin`` (CUDA hosts) the pages are registered with the driver (``cudaHostRegister``), so copies
-    between it and the GPU are DMA at full PCIe speed instead of staged through pageable memory.
+    between it and the GPU are DMA at full PCIe speed instead of staged through pageable memory. The
+    registration is undone when the buffer grows or is garbage-collected.
     """
 
     def __init__(self, pin: bool = False) -> None:
         self.pin = pin
         self._buffer = aligned_empty(0)
+        self._finalizer: weakref.finalize | None = None
 
     def get(self, nbytes: int) -> np.ndarray:
         if self._buffer.nbytes < nbytes:
-            self._unpin()
+            self.release()
             self._buffer = aligned_empty(max(nbytes, 2 * self._buffer.nbytes))
             if self.pin:
-                _check_cuda(torch.cuda.cudart().cudaHostRegister(self._buffer.ctypes.data, self._buffer.nbytes, 0))
+                address = self._buffer.ctypes.data
+                _check_cuda(torch.cuda.cudart().cudaHostRegister(address, self._buffer.nbytes, 0))
+                self._finalizer = weakref.finalize(self, _unregister, address)
         return self._buffer[:nbytes]
 
-    def _unpin(self) -> None:
-        if self.pin and self._buffer.nbytes:
-            torch.cuda.cudart().cudaHostUnregister(self._buffer.ctypes.data)
+    def release(self) -> None:
+        """Unpin and drop the buffer (the next :meth:`get` allocates anew)."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self._buffer = aligned_empty(0)
+
+
+def _unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def _check_cuda(status: object) -> None:

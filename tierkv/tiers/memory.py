@@ -4,16 +4,24 @@ A tier owns one :class:`SlabPool` per slot size (models whose layers differ in g
 geometry). A pool grows in chunks — one tensor of many slots each — so nothing is allocated per block
 during decode, and a chunk is only returned when staging needs the room (see :meth:`MemoryTier.reserve`).
 Every byte the tier holds, slots and staging alike, counts against its budget.
+
+Chunks are at most 1/16 of the budget, so a pool has few of them: a read of any number of blocks is one
+``index_select`` per chunk the blocks live in, straight into the (strided) destination.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 from tierkv.blocks import Tier
+from tierkv.layout import BlockLayout
+from tierkv.tiers.base import Dest, Scratch
 from tierkv.tiers.slots import SlotPool, growth_slots
 
-DEFAULT_CHUNK_BYTES = 64 * 2**20
+CHUNKS_PER_BUDGET = 16  # a pool grows by 1/16 of its tier's budget: few chunks, fine enough for staging
 
 
 class SlabPool(SlotPool):
@@ -25,7 +33,7 @@ class SlabPool(SlotPool):
         self.device = device
         self.pin = pin
         self.chunks: list[torch.Tensor] = []
-        self._chunk_of_slot: list[tuple[int, int]] = []  # slot -> (chunk, row)
+        self._starts = np.zeros(0, dtype=np.int64)  # first slot id of each chunk
 
     @property
     def allocated_bytes(self) -> int:
@@ -33,14 +41,13 @@ class SlabPool(SlotPool):
 
     def add_chunk(self, slots: int) -> None:
         chunk = torch.empty((slots, self.slot_bytes), dtype=torch.uint8, device=self.device, pin_memory=self.pin)
-        self._chunk_of_slot.extend((len(self.chunks), row) for row in range(slots))
+        self._starts = np.append(self._starts, self.capacity)
         self.chunks.append(chunk)
         self.slots.grow(slots)
 
     def last_chunk_slots(self) -> range:
         """Slot ids of the newest chunk (the one :meth:`drop_last_chunk` would return)."""
-        size = self.chunks[-1].shape[0]
-        return range(self.capacity - size, self.capacity)
+        return range(int(self._starts[-1]), self.capacity)
 
     def last_chunk_is_empty(self) -> bool:
         return bool(self.chunks) and self.slots.all_free(self.last_chunk_slots())
@@ -49,24 +56,60 @@ class SlabPool(SlotPool):
         """Release the newest chunk, whose slots must all be free; return the bytes released."""
         size = self.chunks[-1].shape[0]
         self.slots.shrink(size)
-        chunk = self.chunks.pop()
-        del self._chunk_of_slot[-size:]
-        return chunk.numel()
+        self._starts = self._starts[:-1]
+        return self.chunks.pop().numel()
 
     def view(self, slot: int) -> torch.Tensor:
         """The slot's bytes, ``[slot_bytes]`` uint8 (a view: writes land in the slab)."""
-        chunk, row = self._chunk_of_slot[slot]
-        return self.chunks[chunk][row]
+        chunk = int(np.searchsorted(self._starts, slot, side="right")) - 1
+        return self.chunks[chunk][slot - int(self._starts[chunk])]
 
-    def contiguous(self, slot: int, other: int) -> bool:
-        """Whether slot ``other`` directly follows ``slot`` in memory (next row of the same chunk)."""
-        chunk, row = self._chunk_of_slot[slot]
-        return other == slot + 1 and self._chunk_of_slot[other] == (chunk, row + 1)
+    def locate(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(chunk, row within the chunk) of each slot, vectorised."""
+        chunk = np.searchsorted(self._starts, slots, side="right") - 1
+        return chunk, slots - self._starts[chunk]
 
-    def rows(self, first: int, count: int) -> torch.Tensor:
-        """Slots ``first .. first + count - 1`` (contiguous, one chunk) as ``[count, slot_bytes]``."""
-        chunk, row = self._chunk_of_slot[first]
-        return self.chunks[chunk][row : row + count]
+    def gather(self, layout: BlockLayout, slots: np.ndarray, dests: Sequence[Dest],
+               landing: torch.Tensor | None = None) -> None:
+        """Copy the blocks in ``slots`` into ``dests``: one ``index_select`` per run of slots in one chunk;
+        through ``landing`` (a device buffer) when the destination is on another device than the slab."""
+        chunks, rows = self.locate(slots)
+        for lo, hi, out in dests:
+            if out.device == self.device and landing is None:
+                for a, b, chunk in _runs(chunks, lo, hi):
+                    index = torch.from_numpy(rows[a:b]).to(self.device)
+                    torch.index_select(layout.blocks_of(self.chunks[chunk]), 0, index, out=out[a - lo : b - lo])
+            else:
+                self._gather_across(layout, chunks, rows, lo, hi, out, landing)
+
+    def _gather_across(self, layout: BlockLayout, chunks: np.ndarray, rows: np.ndarray, lo: int, hi: int,
+                       out: torch.Tensor, landing: torch.Tensor | None) -> None:
+        """Host slab -> device: runs of consecutive slots cross the link as one large copy each (into the
+        landing buffer, in pieces of its capacity), then land in ``out`` with one on-device gather."""
+        if landing is None:
+            for a, b in _consecutive(chunks, rows, lo, hi):
+                first = int(rows[a])
+                out[a - lo : b - lo].copy_(layout.blocks_of(self.chunks[chunks[a]][first : first + b - a]),
+                                           non_blocking=True)
+            return
+        capacity = landing.numel() // self.slot_bytes
+        if capacity == 0:
+            raise ValueError("the landing buffer is smaller than one block")
+        slab = landing[: capacity * self.slot_bytes].view(capacity, self.slot_bytes)
+        for piece in range(lo, hi, capacity):
+            end = min(hi, piece + capacity)
+            for a, b in _consecutive(chunks, rows, piece, end):
+                first = int(rows[a])
+                slab[a - piece : b - piece].copy_(self.chunks[chunks[a]][first : first + b - a], non_blocking=True)
+            out[piece - lo : end - lo].copy_(layout.blocks_of(slab[: end - piece]), non_blocking=True)
+
+    def scatter(self, layout: BlockLayout, slots: np.ndarray, src: torch.Tensor) -> None:
+        """Write blocks ``src`` ``[n, 2, H_kv, block_tokens, D]`` into ``slots``: one ``index_copy_`` per chunk run."""
+        chunks, rows = self.locate(slots)
+        src = src.to(self.device, non_blocking=True)
+        for a, b, chunk in _runs(chunks, 0, len(slots)):
+            index = torch.from_numpy(rows[a:b]).to(self.device)
+            layout.blocks_of(self.chunks[chunk]).index_copy_(0, index, src[a:b])
 
 
 class MemoryTier:
@@ -76,12 +119,12 @@ class MemoryTier:
     """
 
     def __init__(self, tier: Tier, budget: int, device: torch.device, pin: bool = False,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-        self.tier = tier
+                 chunk_bytes: int | None = None) -> None:
+        self.kind = tier
         self.budget = budget
         self.device = device
         self.pin = pin
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = chunk_bytes if chunk_bytes is not None else max(1, budget // CHUNKS_PER_BUDGET)
         self.pools: dict[int, SlabPool] = {}
         self.reserved = 0
         self.peak_bytes = 0  # high-water mark of allocated_bytes, to prove the budget held
@@ -105,8 +148,7 @@ class MemoryTier:
         slot = pool.alloc()
         if slot is not None:
             return slot
-        step = min(self.chunk_bytes, self.budget // 16)  # fine enough for staging to reclaim chunks
-        count = growth_slots(self.budget, self.allocated_bytes, slot_bytes, step)
+        count = growth_slots(self.budget, self.allocated_bytes, slot_bytes, self.chunk_bytes)
         if count == 0:
             return None
         pool.add_chunk(count)
@@ -118,6 +160,17 @@ class MemoryTier:
 
     def view(self, slot_bytes: int, slot: int) -> torch.Tensor:
         return self.pools[slot_bytes].view(slot)
+
+    def block(self, layout: BlockLayout, slot: int) -> torch.Tensor:
+        """One slot as a block ``[2, H_kv, block_tokens, D]`` (a view into the slab)."""
+        return layout.blocks_of(self.view(layout.slot_bytes, slot)[None])[0]
+
+    def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch) -> _MemoryRead:
+        landing = scratch.landing() if self.kind != Tier.DEVICE else None  # device blocks are gathered in place
+        return _MemoryRead(self.pools[layout.slot_bytes], layout, slots, landing)
+
+    def write_from(self, layout: BlockLayout, slots: np.ndarray, src: torch.Tensor, scratch: Scratch) -> None:
+        self.pool(layout.slot_bytes).scatter(layout, slots, src)
 
     def reserve(self, nbytes: int) -> bool:
         """Count ``nbytes`` of staging against the budget; False if it does not fit even after trimming.
@@ -142,6 +195,39 @@ class MemoryTier:
                 return True
         return False
 
-    def release_all(self) -> None:
+    def close(self) -> None:
         self.pools.clear()
         self.reserved = 0
+
+
+class _MemoryRead:
+    """A memory tier's read: nothing to wait for; ``finish`` gathers."""
+
+    def __init__(self, pool: SlabPool, layout: BlockLayout, slots: np.ndarray, landing: torch.Tensor | None) -> None:
+        self.pool, self.layout, self.slots, self.landing = pool, layout, slots, landing
+
+    def finish(self, dests: Sequence[Dest]) -> None:
+        self.pool.gather(self.layout, self.slots, dests, self.landing)
+
+    def settle(self) -> None:
+        pass
+
+
+def _runs(chunks: np.ndarray, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """Maximal ``(a, b, chunk)`` ranges of ``[lo, hi)`` whose slots all live in one chunk."""
+    if hi <= lo:
+        return []
+    part = chunks[lo:hi]
+    cuts = np.flatnonzero(part[1:] != part[:-1]) + 1
+    starts = [0, *cuts.tolist()]
+    ends = [*cuts.tolist(), hi - lo]
+    return [(lo + a, lo + b, int(part[a])) for a, b in zip(starts, ends)]
+
+
+def _consecutive(chunks: np.ndarray, rows: np.ndarray, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Maximal ``(a, b)`` ranges of ``[lo, hi)`` whose slots are consecutive rows of one chunk."""
+    if hi <= lo:
+        return []
+    breaks = (np.diff(rows[lo:hi]) != 1) | (np.diff(chunks[lo:hi]) != 0)
+    cuts = (np.flatnonzero(breaks) + 1).tolist()
+    return [(lo + a, lo + b) for a, b in zip([0, *cuts], [*cuts, hi - lo])]

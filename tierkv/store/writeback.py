@@ -3,30 +3,33 @@
 Without it, a host tier that is full makes the next demotion (or a new block's placement) wait for a
 synchronous disk write. With it, once the host's free room drops under a low watermark (1/16 of its
 budget), the policy's victims are copied into a private bounce buffer and written to disk asynchronously
-while decoding goes on. Until the write completes the blocks stay on the host, readable and unchanged;
-completion (polled at the next store operation, or awaited when the host is full) retargets them to
-their disk slots and frees the host slots.
+while decoding goes on. Until the write completes the blocks stay on the host, readable and unchanged, and
+pinned in the policy (no one else demotes them); completion (polled at the next store operation, or awaited
+when the host is full) retargets them to their disk slots and frees the host slots.
 
 A failed background write loses nothing: the disk slots are released, the blocks stay on the host, the
 failure is logged once and write-back pauses. If the space is then really needed, the store's
 synchronous path raises the error (``DiskFullError`` ...) with the cache consistent.
+
+It talks to its collaborators (tiers, table, policy) through their public methods, never to the store.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from tierkv.blocks import Block, Tier
+from tierkv.blocks import Block, BlockTable, Tier
 from tierkv.errors import TierKVError
 from tierkv.io import IOHandle
-from tierkv.tiers.disk import BounceBuffer
-
-if TYPE_CHECKING:
-    from tierkv.store import KVStore
+from tierkv.layout import SlotBytes
+from tierkv.policy import Policy
+from tierkv.tiers.disk import BounceBuffer, DiskTier
+from tierkv.tiers.memory import MemoryTier
 
 log = logging.getLogger("tierkv")
 
@@ -45,9 +48,11 @@ class PendingWrite:
 
 
 class Writeback:
-    def __init__(self, store: KVStore, pin: bool) -> None:
-        self.store = store
-        self.enabled = Tier.DISK in store.tiers
+    def __init__(self, host: MemoryTier, disk: DiskTier | None, table: Callable[[], BlockTable], policy: Policy,
+                 barrier: Callable[[], None], on_moved: Callable[[Block, Tier, Tier], None], pin: bool) -> None:
+        self.host, self.disk = host, disk
+        self._table, self.policy, self.barrier, self.on_moved = table, policy, barrier, on_moved
+        self.enabled = disk is not None
         self.pending: PendingWrite | None = None
         self.paused_reason: str | None = None
         self._bounce = BounceBuffer(pin=pin)
@@ -62,50 +67,53 @@ class Writeback:
         if pending is None or not (wait or pending.handle.done()):
             return False
         self.pending = None
-        disk, host = self.store.tiers[Tier.DISK], self.store.tiers[Tier.HOST]
+        assert self.disk is not None
+        table = self._table()
         try:
             pending.handle.wait()
         except OSError as exc:
             for slot in pending.disk_slots:
-                disk.free(pending.slot_bytes, slot)
+                self.disk.free(pending.slot_bytes, slot)
+            for block in pending.blocks:
+                self.policy.unpin(block)
             self._pause(f"a background write failed ({exc}); blocks stay on the host")
             return False
-        self.store.barrier()  # host slots are about to be reused: no read may still be on them
+        self.barrier()  # host slots are about to be reused: no read may still be on them
         freed = False
         for block, slot in zip(pending.blocks, pending.disk_slots):
-            if self.store.table.blocks.get(block.id) is not block:  # released while in flight
-                disk.free(pending.slot_bytes, slot)
+            if table.blocks.get(block.id) is not block:  # released while in flight
+                self.disk.free(pending.slot_bytes, slot)
                 continue
-            host.free(pending.slot_bytes, block.slot)
-            block.tier, block.slot = Tier.DISK, slot
-            self.store._count("host->disk", block.tokens * self.store.layouts[block.layer].token_bytes)
+            self.host.free(pending.slot_bytes, block.slot)
+            table.place(block, Tier.DISK, slot)
+            self.policy.unpin(block)
+            self.policy.on_move(block, Tier.HOST)
+            self.on_moved(block, Tier.HOST, Tier.DISK)
             freed = True
         return freed
 
     def maybe_start(self) -> None:
-        """Start a write-back batch if the host's free room is under the low watermark."""
+        """Start a write-back batch if the host's free room is under the low watermark (O(pools))."""
         self.reap()
-        if not self.enabled or self.pending is not None or self.paused_reason is not None:
+        if not self.enabled or self.disk is None or self.pending is not None or self.paused_reason is not None:
             return
-        host = self.store.tiers[Tier.HOST]
+        host = self.host
         for slot_bytes, pool in host.pools.items():
             capacity = host.budget // slot_bytes
             free = (pool.capacity - pool.used) + max(0, (host.budget - host.allocated_bytes) // slot_bytes)
             if capacity == 0 or free >= capacity * LOW_WATERMARK:
                 continue
             want = max(1, int(capacity * TARGET_FREE) - free)
-            candidates = [b for b in self.store.table.blocks.values()
-                          if b.tier == Tier.HOST and b.slot_bytes == slot_bytes]
-            victims = self.store.policy.victims(candidates, want)
+            victims = self.policy.victims(Tier.HOST, slot_bytes, want)
             if victims:
                 self._start(victims, slot_bytes)
             return
 
     def _start(self, blocks: list[Block], slot_bytes: int) -> None:
-        disk = self.store.tiers[Tier.DISK]
+        assert self.disk is not None
         slots: list[int] = []
         try:
-            while len(slots) < len(blocks) and (slot := disk.alloc(slot_bytes)) is not None:
+            while len(slots) < len(blocks) and (slot := self.disk.alloc(slot_bytes)) is not None:
                 slots.append(slot)
         except TierKVError as exc:  # e.g. the filesystem is full: the foreground will report it if it matters
             self._pause(str(exc))
@@ -114,18 +122,21 @@ class Writeback:
                 self._pause("the disk tier is full")
             return
         blocks = blocks[: len(slots)]
-        bounce = self._bounce.get(len(blocks) * slot_bytes)
-        staged = torch.from_numpy(bounce).view(len(blocks), slot_bytes)
-        host = self.store.tiers[Tier.HOST]
-        for row, block in zip(staged, blocks):
-            row.copy_(host.view(slot_bytes, block.slot))
         try:
-            handle = disk.write(slot_bytes, slots, bounce)
-        except OSError as exc:
+            bounce = self._bounce.get(len(blocks) * slot_bytes)
+            staged = torch.from_numpy(bounce).view(len(blocks), slot_bytes)
+            host_slots = np.asarray([block.slot for block in blocks], dtype=np.int64)
+            self.host.pools[slot_bytes].gather(SlotBytes(slot_bytes), host_slots, [(0, len(blocks), staged)])
+            handle = self.disk.write(slot_bytes, slots, bounce)
+        except BaseException as exc:
             for slot in slots:
-                disk.free(slot_bytes, slot)
+                self.disk.free(slot_bytes, slot)
+            if not isinstance(exc, OSError):
+                raise
             self._pause(f"a background write could not be submitted ({exc})")
             return
+        for block in blocks:
+            self.policy.pin(block)
         self.pending = PendingWrite(blocks, slots, slot_bytes, handle)
 
     def _pause(self, reason: str) -> None:

@@ -1,0 +1,75 @@
+"""Partial attention with its log-sum-exp, and the exact merge of two partial results.
+
+Every executor that attends in pieces (streaming chunks today; split and sparse next) computes, per piece,
+the softmax-normalised output and the log-sum-exp of its scores, then merges pieces by their share of the
+total mass — FlashAttention's (and FlashInfer's cascade) merge, exact up to float rounding::
+
+    lse = logaddexp(lse_a, lse_b);   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge(out: torch.Tensor | None, lse: torch.Tensor | None, part_out: torch.Tensor,
+          part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge a piece ``part_out`` ``[..., q, D]`` / ``part_lse`` ``[..., q]`` into the running state (None: first)."""
+    if out is None or lse is None:
+        return part_out, part_lse
+    merged = torch.logaddexp(lse, part_lse)
+    return out * torch.exp(lse - merged).unsqueeze(-1) + part_out * torch.exp(part_lse - merged)[..., None], merged
+
+
+def mask_bias(mask: torch.Tensor | None, offset: int, count: int, total: int, q_len: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor | None:
+    """Additive bias ``[B or 1, 1, q, c]`` for key columns ``[offset, offset + c)`` of ``total``; None: no mask.
+
+    Masked entries get the dtype's lowest *finite* value, like eager masks, so a fully masked row (a padding
+    query) stays finite — uniform over its keys — instead of turning into NaN.
+    """
+    lowest = torch.finfo(dtype).min
+    if mask is None:  # causal: query i sits at key position total - q_len + i
+        if q_len == 1:
+            return None  # the newest query sees every key
+        key_pos = torch.arange(offset, offset + count, device=device)
+        query_pos = torch.arange(total - q_len, total, device=device)
+        allowed = key_pos[None, :] <= query_pos[:, None]  # [q, c]
+        return torch.zeros((1, 1, q_len, count), dtype=dtype, device=device).masked_fill(~allowed, lowest)
+    part = mask[..., offset : offset + count]
+    if part.dtype == torch.bool:
+        return torch.zeros(part.shape, dtype=dtype, device=device).masked_fill(~part, lowest)
+    return part.to(dtype).clamp_min(lowest)
+
+
+def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+                       scaling: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` ``[B, H_kv, G, q, D]`` over one chunk ``[B, H_kv, c, D]``.
+
+    Returns the normalised output ``[B, H_kv, G, q, D]`` and the log-sum-exp of the scores
+    ``[B, H_kv, G, q]``, both fp32 — the state two chunks merge with. On CPU without soft-capping it uses
+    PyTorch's fused flash kernel (which returns the log-sum-exp); query groups of a KV head become extra
+    query rows, so K/V are never repeated.
+    """
+    batch, kv_heads, groups, q_len, dim = q.shape
+    if softcap is None and q.device.type == "cpu" and _FUSED_CPU is not None and keys.dtype == q.dtype:
+        rows = q.reshape(batch, kv_heads, groups * q_len, dim)
+        if bias is not None:
+            bias = bias.unsqueeze(2).expand(bias.shape[0], 1, groups, q_len, bias.shape[-1])
+            bias = bias.reshape(bias.shape[0], 1, groups * q_len, bias.shape[-1])
+        out, lse = _FUSED_CPU(rows, keys, values, 0.0, False, attn_mask=bias, scale=scaling)
+        return out.float().view(q.shape), lse.float().view(q.shape[:-1])
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), keys.float()) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = (scores + bias.float().unsqueeze(2)).clamp_min(torch.finfo(torch.float32).min)
+    peak = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - peak)
+    total = weights.sum(dim=-1)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", weights, values.float()) / total.unsqueeze(-1)
+    return out, peak.squeeze(-1) + torch.log(total)
+
+
+# PyTorch's fused CPU flash attention that also returns the log-sum-exp (a private op: looked up, not required).
+_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

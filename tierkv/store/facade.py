@@ -1,0 +1,446 @@
+"""The KV block store: the block table, the tier chain and the policy, kept consistent together.
+
+It knows nothing about transformers. Its callers append K/V per layer, plan reads of token ranges and
+execute them into a destination tensor; it decides where every block lives (:mod:`.placement`), and moves
+the bytes (:mod:`.transfer`).
+
+Every change is transactional: an append that fails (disk full, budget exhausted) leaves the table as it
+was, and every token accepted before it still reads back. Table edits that free or move slots first wait
+for in-flight reads: executors register as *readers* (:meth:`KVStore.add_reader`) and the store's
+:meth:`~KVStore.barrier` waits for them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from tierkv.blocks import Block, BlockTable, LayerRows, Tier
+from tierkv.errors import BudgetTooSmallError, InvalidConfigError
+from tierkv.layout import BlockLayout
+from tierkv.policy import Policy
+from tierkv.store.placement import Placement
+from tierkv.store.plan import ReadPlan, build_plan
+from tierkv.store.transfer import ReadProbe, Transfer, link
+from tierkv.store.writeback import Writeback
+from tierkv.tiers.base import StorageTier
+from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.memory import MemoryTier
+
+
+class Reader(Protocol):
+    """Anything that reads from the store asynchronously (executors): the barrier waits for it."""
+
+    def wait_all(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _NewBlocks:
+    """What one row takes in an append: tokens written in place into its open device tail, a copy of a
+    shared or demoted tail (copy-on-write), then new blocks (the last one the new open tail)."""
+
+    in_place: int = 0
+    tail_copy: Block | None = None
+    blocks: list[Block] = field(default_factory=list)
+
+
+class KVStore:
+    """Blocks of K/V for every (row, layer), spread over the device, host and disk tiers."""
+
+    def __init__(self, device: MemoryTier, host: MemoryTier, disk: DiskTier | None, policy: Policy,
+                 block_tokens: int) -> None:
+        if not isinstance(block_tokens, int) or block_tokens <= 0:
+            raise InvalidConfigError(f"block_tokens must be a positive int, got {block_tokens!r}.")
+        self.tiers: dict[Tier, StorageTier] = {Tier.DEVICE: device, Tier.HOST: host}
+        if disk is not None:
+            self.tiers[Tier.DISK] = disk
+        self.chain = tuple(self.tiers)
+        self.policy = policy
+        self.block_tokens = block_tokens
+        self.table = BlockTable(block_tokens)
+        self.layouts: dict[int, BlockLayout] = {}
+        self.tick = 0
+        self.device = device
+        self.transfer = Transfer(self.tiers, device.device)
+        self.writeback = Writeback(host, disk, lambda: self.table, policy, self.barrier, self._moved,
+                                   pin=device.device.type == "cuda")
+        self.placement = Placement(self.tiers, self.table, policy, self.transfer, self.writeback, self.layouts,
+                                   self.barrier, self._moved)
+        self._readers: list[Reader] = []
+        self._plans: dict[int, tuple[int, dict[tuple[int, int], ReadPlan]]] = {}  # layer -> (version, plans)
+
+    # ----------------------------------------------------------------------------------------- queries
+    @property
+    def bytes_moved(self) -> dict[str, int]:
+        return self.transfer.bytes_moved
+
+    def seq_length(self, layer: int) -> int:
+        return self.table.seq_length(layer)
+
+    def batch_size(self, layer: int) -> int:
+        rows = self.table.layer_rows(layer)
+        return rows.batch if rows is not None else 0
+
+    def add_reader(self, reader: Reader) -> None:
+        self._readers.append(reader)
+
+    def barrier(self) -> None:
+        """No read may be in flight while a slot is freed or moved."""
+        for reader in self._readers:
+            reader.wait_all()
+        if self.device.device.type == "cuda":  # non_blocking copies queued on the compute stream
+            torch.cuda.current_stream(self.device.device).synchronize()
+
+    # ----------------------------------------------------------------------------------------- append
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append ``keys``/``values`` ``[B, H_kv, q, D]`` to every row of ``layer``. All or nothing."""
+        layout = self._layout_for(layer, keys, values)
+        batch, tokens = keys.shape[0], keys.shape[2]
+        rows = self.table.layer_rows(layer)
+        if rows is None or rows.count == 0:
+            rows = LayerRows(batch)
+        elif rows.batch != batch:
+            raise InvalidConfigError(
+                f"layer {layer} holds {rows.batch} sequences but update() got a batch of {batch}; call "
+                "cache.reset() before starting a new batch, or use reorder/select for beam search."
+            )
+        if layer == 0:
+            self.tick += 1
+        self.writeback.reap()
+        kv = torch.stack((keys, values))  # [2, B, H_kv, q, D]
+        length = self.table.seq_length(layer) if rows.count else 0
+        allocated: list[Block] = []
+        try:
+            plans = self._allocate(layer, rows, length, tokens, layout, allocated)
+            self._write(layer, layout, rows, plans, kv, length)
+        except BaseException:
+            for block in allocated:
+                self.tiers[block.tier].free(block.slot_bytes, block.slot)
+                del self.table.blocks[block.id]
+            raise
+        self._commit(layer, rows, plans, length, tokens)
+        self.writeback.maybe_start()
+
+    def _layout_for(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> BlockLayout:
+        if keys.shape != values.shape:
+            raise InvalidConfigError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape.")
+        layout = BlockLayout.of(keys, self.block_tokens)
+        known = self.layouts.setdefault(layer, layout)
+        if known != layout:
+            raise InvalidConfigError(
+                f"layer {layer} changed geometry from {known} to {layout}; one TieredCache serves one model — "
+                "create a new cache (or call reset()) for another model."
+            )
+        if keys.device != self.device.device:
+            raise InvalidConfigError(
+                f"layer {layer} keys are on {keys.device} but the cache's device tier is on {self.device.device}; "
+                "keep the model on one device, or create the cache after moving the model."
+            )
+        return layout
+
+    def _allocate(self, layer: int, rows: LayerRows, length: int, tokens: int, layout: BlockLayout,
+                  allocated: list[Block]) -> list[_NewBlocks]:
+        """Allocate what each row needs for ``tokens`` more tokens.
+
+        Each row's last new block becomes its open tail and must be on the device; those are allocated
+        first, so the top-down placement of the other (full) new blocks cannot crowd them out.
+        """
+        bt = self.block_tokens
+        held = length % bt  # tokens in the partial tail column, 0 if there is none
+        take = min(bt - held, tokens) if held else 0
+        new_columns = math.ceil((tokens - take) / bt)
+        first_index = rows.front + rows.count
+        plans = [_NewBlocks() for _ in range(rows.batch)]
+        protect: set[int] = set()
+
+        def device_block(index: int) -> Block:
+            slot = self.placement.alloc_device(layout.slot_bytes, protect)
+            block = self.table.new_block(layer, Tier.DEVICE, slot, layout.slot_bytes, index)
+            allocated.append(block)
+            protect.add(block.id)
+            return block
+
+        def placed_block(index: int) -> Block:
+            tier, slot = self.placement.alloc_top_down(layout.slot_bytes)
+            block = self.table.new_block(layer, tier, slot, layout.slot_bytes, index)
+            allocated.append(block)
+            return block
+
+        copy_on_write = []
+        for r, plan in enumerate(plans):
+            if held:
+                tail = self.table.tail(layer, r)
+                if tail.refcount == 1 and tail.tier == Tier.DEVICE:
+                    plan.in_place = take
+                elif new_columns:  # shared or demoted tail that fills up: a full copy, placed like any full block
+                    copy_on_write.append((plan, tail.index))
+                else:  # ... that stays the open tail: its copy goes to the device
+                    plan.tail_copy = device_block(tail.index)
+            if new_columns:
+                plan.blocks.append(device_block(first_index + new_columns - 1))
+        for plan, index in copy_on_write:
+            plan.tail_copy = placed_block(index)
+        for plan in plans:
+            plan.blocks[:0] = [placed_block(first_index + k) for k in range(new_columns - 1)]
+        return plans
+
+    def _write(self, layer: int, layout: BlockLayout, rows: LayerRows, plans: list[_NewBlocks], kv: torch.Tensor,
+               length: int) -> None:
+        """Copy the appended tokens into their blocks: in place into open tails, whole (zero-padded) blocks
+        elsewhere, one batched write per tier."""
+        bt = self.block_tokens
+        held = length % bt
+        tokens = kv.shape[3]
+        take = min(bt - held, tokens) if held else 0
+        by_tier: dict[Tier, tuple[list[int], list[torch.Tensor]]] = {}
+        device: MemoryTier = self.device
+        for r, plan in enumerate(plans):
+            if plan.in_place:
+                tail = self.table.tail(layer, r)
+                device.block(layout, tail.slot)[:, :, held : held + take].copy_(kv[:, r, :, :take])
+            if plan.tail_copy is not None:
+                old = self.table.tail(layer, r)
+                data = self.transfer.read_blocks(layout, old.tier, [old.slot])[0]
+                data[:, :, held : held + take].copy_(kv[:, r, :, :take])
+                data[:, :, held + take :].zero_()
+                self.transfer.count(link(old.tier, Tier.DEVICE), held * layout.token_bytes)
+                slots, datas = by_tier.setdefault(plan.tail_copy.tier, ([], []))
+                slots.append(plan.tail_copy.slot)
+                datas.append(data[None])
+            if plan.blocks:
+                rest = kv[:, r, :, take:]  # [2, H_kv, n, D]
+                padded = torch.zeros((2, layout.kv_heads, len(plan.blocks) * bt, layout.head_dim),
+                                     dtype=layout.dtype, device=kv.device)
+                padded[:, :, : rest.shape[2]] = rest
+                blocks = padded.unflatten(2, (len(plan.blocks), bt)).permute(2, 0, 1, 3, 4)  # [n, 2, H, bt, D]
+                for block, data in zip(plan.blocks, blocks):
+                    slots, datas = by_tier.setdefault(block.tier, ([], []))
+                    slots.append(block.slot)
+                    datas.append(data[None])
+        for tier, (slots, datas) in by_tier.items():
+            data = torch.cat(datas)
+            self.transfer.write_blocks(layout, tier, slots, data)
+            if tier != Tier.DEVICE:
+                self.transfer.count(link(Tier.DEVICE, tier), len(slots) * bt * layout.token_bytes)
+
+    def _commit(self, layer: int, rows: LayerRows, plans: list[_NewBlocks], length: int, tokens: int) -> None:
+        bt = self.block_tokens
+        held = length % bt
+        take = min(bt - held, tokens) if held else 0
+        rest = tokens - take
+        for r, plan in enumerate(plans):
+            if plan.in_place:
+                self.table.tail(layer, r).tokens += plan.in_place
+            if plan.tail_copy is not None:
+                old = self.table.tail(layer, r)
+                plan.tail_copy.tokens = held + take
+                rows.put(r, rows.count - 1, plan.tail_copy)
+                self.policy.on_insert(plan.tail_copy, self.tick)
+                released = self.table.release(old.id)
+                if released is not None:
+                    self._free(released)
+        columns = len(plans[0].blocks) if plans else 0
+        for k in range(columns):
+            filled = min(bt, rest - k * bt)
+            column = [plan.blocks[k] for plan in plans]
+            for block in column:
+                block.tokens = filled
+                self.policy.on_insert(block, self.tick)
+            rows.append_column(column)
+        self.table.rows[layer] = rows
+
+    # ----------------------------------------------------------------------------------------- reads
+    def plan_read(self, layer: int, start: int, stop: int) -> ReadPlan:
+        """The plan that covers tokens ``[start, stop)`` of every row of ``layer`` in whole blocks: block
+        columns ``[start // block_tokens, ceil(stop / block_tokens))``; records the access (once)."""
+        bt = self.block_tokens
+        first, end = start // bt, -(-stop // bt)
+        rows = self.table.layer_rows(layer)
+        self.policy.on_access(layer, self.tick)
+        if rows is None or end <= first:
+            return ReadPlan(layer, first, 0, ())
+        version, plans = self._plans.get(layer, (-1, {}))
+        if version != rows.version:
+            plans = {}
+            self._plans[layer] = (rows.version, plans)
+        plan = plans.get((first, end))
+        if plan is None:
+            plan = plans[(first, end)] = build_plan(layer, rows, first, end, self.chain)
+        return plan
+
+    def read_into(self, layer: int, plan: ReadPlan, dest: torch.Tensor, probe: ReadProbe | None = None) -> None:
+        """Copy ``plan``'s blocks into ``dest`` ``[2, B, H_kv, >= plan.blocks * block_tokens, D]`` (block
+        column ``plan.first + i`` at tokens ``[i * block_tokens, (i + 1) * block_tokens)``)."""
+        if plan.parts:
+            self.transfer.read_into(self.layouts[layer], plan, dest, self.table.tail(layer).tokens, probe)
+
+    def read_tokens(self, layer: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """A fresh ``[2, B, H_kv, stop - start, D]`` copy of a token range (for tests and tools, not decode)."""
+        stop = self.seq_length(layer) if stop is None else stop
+        layout = self.layouts[layer]
+        plan = self.plan_read(layer, start, stop)
+        out = torch.empty((2, self.batch_size(layer), layout.kv_heads, plan.blocks * self.block_tokens,
+                           layout.head_dim), dtype=layout.dtype, device=self.device.device)
+        self.read_into(layer, plan, out)
+        offset = start - plan.first * self.block_tokens
+        return out[..., offset : offset + stop - start, :].clone()
+
+    def enable_landing(self, nbytes: int) -> bool:
+        """Reserve device landing buffers so host and disk runs cross the link as large copies.
+
+        Worth it where a copy has a fixed cost and scattered destinations are slow to reach (CUDA: ~2 µs
+        per copy, pageable or strided copies through hidden temporaries). False if the budget has no room.
+        """
+        if self.transfer.scratch.landing_bytes:
+            return True
+        try:
+            self.reserve_device(2 * nbytes)  # one for the caller's thread, one for the mover's
+        except BudgetTooSmallError:
+            return False
+        self.transfer.scratch.landing_bytes = nbytes
+        return True
+
+    def reserve_device(self, nbytes: int) -> None:
+        """Count ``nbytes`` of device staging against the device budget, evacuating blocks to make room."""
+        self.placement.reserve_device(nbytes)
+
+    # ----------------------------------------------------------------------------------- table edits
+    def select_rows(self, indices: list[int]) -> None:
+        """Row ``i`` of every layer becomes old row ``indices[i]`` (beam reorder, batch selection)."""
+        self.barrier()
+        for layer in list(self.table.rows):
+            for block in self.table.select_rows(layer, indices):
+                self._free(block)
+
+    def crop(self, layer: int, tokens_to_remove: int) -> None:
+        """Drop the last ``tokens_to_remove`` tokens of every row of ``layer``. All or nothing: the copy a cut
+        through a shared block needs is made before any row changes."""
+        length = self.seq_length(layer)
+        remove = min(tokens_to_remove, length)
+        if remove <= 0:
+            return
+        self.barrier()
+        rows = self.table.rows[layer]
+        bt = self.block_tokens
+        keep_tokens = length - remove
+        keep_columns = -(-keep_tokens // bt)
+        in_last = keep_tokens - (keep_columns - 1) * bt if keep_columns else 0
+        copies: dict[int, Block] = {}
+        layout = self.layouts[layer]
+        if keep_columns and in_last < self.table.blocks[int(rows.ids[0, keep_columns - 1])].tokens:
+            allocated: list[Block] = []
+            try:
+                for r in range(rows.batch):
+                    cut = self.table.blocks[int(rows.ids[r, keep_columns - 1])]
+                    if cut.refcount > 1:
+                        copies[r] = self._copy_prefix(cut, in_last, allocated)
+            except BaseException:
+                for block in allocated:
+                    self.tiers[block.tier].free(block.slot_bytes, block.slot)
+                    del self.table.blocks[block.id]
+                raise
+        for block_id in rows.ids[:, keep_columns:].ravel().tolist():
+            released = self.table.release(block_id)
+            if released is not None:
+                self._free(released)
+        rows.truncate(keep_columns)
+        if not keep_columns:
+            return
+        for r in range(rows.batch):
+            if r in copies:
+                released = self.table.release(int(rows.ids[r, keep_columns - 1]))
+                if released is not None:  # every row that shared it took a copy
+                    self._free(released)
+                rows.put(r, keep_columns - 1, copies[r])
+            else:
+                cut = self.table.blocks[int(rows.ids[r, keep_columns - 1])]
+                if cut.tokens > in_last:
+                    cut.tokens = in_last
+                    if cut.tier == Tier.DEVICE:  # no stale bytes past the tokens (a demoted cut is copied on write)
+                        self.device.block(layout, cut.slot)[:, :, in_last:].zero_()
+
+    def drop_front(self, layer: int, whole_blocks_before: int) -> int:
+        """Free whole blocks that end before token ``whole_blocks_before``; return the tokens dropped."""
+        rows = self.table.layer_rows(layer)
+        if rows is None or rows.count < 2:
+            return 0
+        columns = min(whole_blocks_before // self.block_tokens, rows.count - 1)
+        if columns <= 0:
+            return 0
+        self.barrier()
+        for block_id in rows.ids[:, :columns].ravel().tolist():
+            released = self.table.release(block_id)
+            if released is not None:
+                self._free(released)
+        rows.drop_front(columns)
+        return columns * self.block_tokens
+
+    def _copy_prefix(self, block: Block, keep: int, allocated: list[Block]) -> Block:
+        """A new device block holding the first ``keep`` tokens of ``block`` (copy-on-write of a cut)."""
+        layout = self.layouts[block.layer]
+        data = self.transfer.read_blocks(layout, block.tier, [block.slot])
+        data[0, :, :, keep:].zero_()
+        slot = self.placement.alloc_device(layout.slot_bytes, {b.id for b in allocated} | {block.id})
+        copy = self.table.new_block(block.layer, Tier.DEVICE, slot, layout.slot_bytes, block.index)
+        allocated.append(copy)
+        self.transfer.write_blocks(layout, Tier.DEVICE, [slot], data)
+        self.transfer.count(link(block.tier, Tier.DEVICE), keep * layout.token_bytes)
+        copy.tokens = keep
+        self.policy.on_insert(copy, self.tick)
+        return copy
+
+    def _free(self, block: Block) -> None:
+        self.barrier()
+        self.policy.on_release(block)
+        self.tiers[block.tier].free(block.slot_bytes, block.slot)
+
+    def _moved(self, block: Block, source: Tier, target: Tier) -> None:
+        self.transfer.count(link(source, target), block.tokens * self.layouts[block.layer].token_bytes)
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    def reset(self) -> None:
+        """Forget every block; pools stay allocated for the next sequence."""
+        self.barrier()
+        self.writeback.reap(wait=True)
+        self.writeback.resume()
+        for block in list(self.table.blocks.values()):
+            self.policy.on_release(block)
+            self.tiers[block.tier].free(block.slot_bytes, block.slot)
+        self.table.clear()
+        self._plans.clear()
+        self.layouts.clear()  # the next sequence may come from another model or dtype
+
+    def close(self) -> None:
+        self.barrier()
+        self.writeback.reap(wait=True)
+        for block in list(self.table.blocks.values()):
+            self.policy.on_release(block)
+        self.table.clear()
+        self._plans.clear()
+        for tier in self.tiers.values():
+            tier.close()
+
+    def stats(self) -> dict:
+        blocks = {tier.label: 0 for tier in Tier}
+        resident = {tier.label: 0 for tier in Tier}
+        for block in self.table.blocks.values():
+            blocks[block.tier.label] += 1
+            resident[block.tier.label] += block.tokens * self.layouts[block.layer].token_bytes
+        return {
+            "bytes_resident": resident,
+            "bytes_allocated": {tier.label: self.tiers[tier].allocated_bytes for tier in self.tiers},
+            "peak_bytes_allocated": {tier.label: self.tiers[tier].peak_bytes for tier in self.tiers},
+            "budget_bytes": {tier.label: self.tiers[tier].budget for tier in self.tiers},
+            "bytes_staging": self.device.reserved,
+            "bytes_moved": dict(self.bytes_moved),
+            "writeback": {"pending_blocks": len(self.writeback.pending_ids), "paused": self.writeback.paused_reason},
+            "blocks": blocks,
+        }
+
+    # ------------------------------------------------------------------------------ for tests/tools
+    def demote(self, blocks: list[Block]) -> None:
+        """Move ``blocks`` one step down the chain now (tests and tools; decoding demotes on its own)."""
+        self.placement.demote(blocks)

@@ -1,0 +1,215 @@
+"""Placement: which tier a block lives on, and moving blocks down the tier chain when a tier is full.
+
+Rules (see docs/architecture.md):
+
+- New blocks go to the fastest tier with a free slot, following the chain (device, host, disk).
+- The tail block of every (row, layer) — the one still being filled — lives on the device, so a decode
+  step's new token is written where attention reads it.
+- When a tier is full, the policy picks victims that move down to the next tier of the chain that can
+  take them (a tier with no room at all is skipped, so ``cpu_gb=0`` with a disk tier works); nothing is
+  ever dropped. Blocks never move up: in exact mode everything is read every step anyway.
+- Staging (executors' buffers) is reserved against the device budget; to make room, the newest slab chunk
+  of the fullest device pool is evacuated.
+
+Errors carry numbers (budgets, what is held, the minimum); the adapter adds the user's words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+
+import numpy as np
+
+from tierkv.blocks import Block, BlockTable, Tier
+from tierkv.errors import BudgetTooSmallError, CapacityError
+from tierkv.layout import BlockLayout
+from tierkv.policy import Policy
+from tierkv.store.transfer import Transfer
+from tierkv.store.writeback import Writeback
+from tierkv.tiers.base import StorageTier
+from tierkv.tiers.memory import MemoryTier, SlabPool
+
+
+class Placement:
+    def __init__(self, tiers: Mapping[Tier, StorageTier], table: BlockTable, policy: Policy, transfer: Transfer,
+                 writeback: Writeback, layouts: Mapping[int, BlockLayout], barrier: Callable[[], None],
+                 on_moved: Callable[[Block, Tier, Tier], None]) -> None:
+        self.tiers = tiers
+        self.chain = tuple(tiers)  # fastest first
+        self.table, self.policy, self.transfer, self.writeback = table, policy, transfer, writeback
+        self.layouts, self.barrier, self.on_moved = layouts, barrier, on_moved
+
+    @property
+    def device(self) -> MemoryTier:
+        device = self.tiers[self.chain[0]]
+        assert isinstance(device, MemoryTier)
+        return device
+
+    def below(self, tier: Tier) -> tuple[Tier, ...]:
+        return self.chain[self.chain.index(tier) + 1 :]
+
+    # ------------------------------------------------------------------------------------ allocation
+    def alloc_top_down(self, slot_bytes: int) -> tuple[Tier, int]:
+        for tier in self.chain:
+            slot = self._alloc(tier, slot_bytes)
+            if slot is not None:
+                return tier, slot
+        raise self.capacity_error()
+
+    def alloc_device(self, slot_bytes: int, protect: Collection[int]) -> int:
+        """A device slot, demoting a victim down the chain when the device is full."""
+        slot = self.device.alloc(slot_bytes)
+        while slot is None:
+            self.demote_victims(self.chain[0], slot_bytes, 1, protect)
+            slot = self.device.alloc(slot_bytes)
+        return slot
+
+    def _alloc(self, tier: Tier, slot_bytes: int) -> int | None:
+        slot = self.tiers[tier].alloc(slot_bytes)
+        if slot is None and tier == Tier.HOST and self.writeback.reap(wait=True):
+            slot = self.tiers[tier].alloc(slot_bytes)  # the write-back in flight just made room
+        return slot
+
+    def open_tails(self) -> set[int]:
+        """Ids of last blocks still being filled: they must stay on the device. O(layers x rows)."""
+        tails: set[int] = set()
+        for layer, rows in self.table.rows.items():
+            if rows.count and self.table.tail(layer).tokens < self.table.block_tokens:
+                tails.update(rows.ids[:, -1].tolist())
+        return tails
+
+    # -------------------------------------------------------------------------------------- demotion
+    def demote_victims(self, tier: Tier, slot_bytes: int, count: int, protect: Collection[int]) -> None:
+        if tier == Tier.HOST and self.writeback.reap(wait=True):
+            return  # the write-back in flight made room; the caller allocates again
+        exclude = set(protect) | (self.open_tails() if tier == self.chain[0] else set())
+        victims = self.policy.victims(tier, slot_bytes, count, exclude)
+        if not victims:
+            if tier == self.chain[0]:
+                raise self._tails_error(slot_bytes, len(exclude))
+            raise self.capacity_error()
+        self.demote(victims)
+
+    def demote(self, blocks: list[Block]) -> None:
+        """Move ``blocks`` (all on one tier, one slot size) down the chain, making room there first."""
+        source, slot_bytes = blocks[0].tier, blocks[0].slot_bytes
+        self.barrier()
+        remaining = list(blocks)
+        while remaining:
+            target, slots = self._room_below(source, slot_bytes, len(remaining), {b.id for b in remaining})
+            batch, remaining = remaining[: len(slots)], remaining[len(slots) :]
+            self._commit_demotion(batch, source, target, slots)
+
+    def _room_below(self, source: Tier, slot_bytes: int, want: int, protect: set[int]) -> tuple[Tier, list[int]]:
+        """Free slots on the first tier below ``source`` that can take blocks, pushing that tier's own
+        victims further down when it is full; tiers that hold nothing and have no room are skipped."""
+        for target in self.below(source):
+            slots = self._alloc_many(target, slot_bytes, want)
+            if slots:
+                return target, slots
+            if self.below(target) and self.policy.victims(target, slot_bytes, 1, protect):
+                self.demote_victims(target, slot_bytes, want, protect)
+                slots = self._alloc_many(target, slot_bytes, want)
+                if slots:
+                    return target, slots
+        raise self.capacity_error()
+
+    def _alloc_many(self, tier: Tier, slot_bytes: int, want: int) -> list[int]:
+        slots: list[int] = []
+        while len(slots) < want and (slot := self._alloc(tier, slot_bytes)) is not None:
+            slots.append(slot)
+        return slots
+
+    def _commit_demotion(self, blocks: list[Block], source: Tier, target: Tier, slots: list[int]) -> None:
+        """Copy ``blocks`` into ``slots`` of ``target``, then retarget them and free their old slots."""
+        slot_bytes = blocks[0].slot_bytes
+        try:
+            self.transfer.copy_slots(slot_bytes, source, [b.slot for b in blocks], target, slots)
+        except BaseException:
+            for slot in slots:
+                self.tiers[target].free(slot_bytes, slot)
+            raise
+        for block, slot in zip(blocks, slots):
+            self.tiers[source].free(slot_bytes, block.slot)
+            self.table.place(block, target, slot)
+            self.policy.on_move(block, source)
+            self.on_moved(block, source, target)
+
+    # --------------------------------------------------------------------------------------- staging
+    def reserve_device(self, nbytes: int) -> None:
+        """Count ``nbytes`` of device staging against the device budget, evacuating blocks to make room."""
+        device = self.device
+        while not device.reserve(nbytes):
+            pools = [pool for pool in device.pools.values() if pool.chunks]
+            if not pools:
+                raise BudgetTooSmallError(
+                    f"the device budget ({device.budget / 1e6:.2f} MB) is smaller than the attention staging area "
+                    f"alone ({(device.reserved + nbytes) / 1e6:.2f} MB): raise gpu_gb to at least "
+                    f"{(device.reserved + nbytes) / 1e6:.2f} MB plus the open tail blocks (see "
+                    "TieredCache.min_device_bytes)."
+                )
+            self._evacuate_last_chunk(max(pools, key=lambda pool: pool.allocated_bytes))
+
+    def _blocks_on(self, tier: Tier, slot_bytes: int, slots: range) -> list[Block]:
+        """Live blocks of ``tier`` and ``slot_bytes`` whose slot is in ``slots`` (vectorised over the grids)."""
+        ids: set[int] = set()
+        for rows in self.table.rows.values():
+            held = (rows.tiers == tier) & (rows.slots >= slots.start) & (rows.slots < slots.stop)
+            ids.update(np.unique(rows.ids[held]).tolist())
+        blocks = (self.table.blocks[i] for i in ids)
+        return sorted((b for b in blocks if b.slot_bytes == slot_bytes), key=lambda b: b.id)
+
+    def _evacuate_last_chunk(self, pool: SlabPool) -> None:
+        """Empty the newest chunk of a device pool (demote its blocks, relocate open tails) and release it."""
+        self.barrier()
+        last = pool.last_chunk_slots()
+        tails = self.open_tails()
+        on_chunk = self._blocks_on(self.chain[0], pool.slot_bytes, last)
+        movable = [b for b in on_chunk if b.id not in tails]
+        if movable:
+            self.demote(movable)
+        for block in (b for b in on_chunk if b.id in tails):
+            slot = pool.alloc()
+            if slot is not None and slot in last:
+                pool.free(slot)
+                slot = None
+            if slot is None:
+                self.demote_victims(self.chain[0], pool.slot_bytes, 1, protect={b.id for b in on_chunk})
+                slot = pool.alloc()
+                if slot is None or slot in last:
+                    raise BudgetTooSmallError(
+                        f"the device budget ({self.device.budget / 1e6:.2f} MB) cannot hold the attention staging "
+                        f"area ({self.device.reserved / 1e6:.2f} MB) and the blocks being filled; raise gpu_gb "
+                        "(see TieredCache.min_device_bytes)."
+                    )
+            pool.view(slot).copy_(pool.view(block.slot))
+            pool.free(block.slot)
+            self.table.place(block, self.chain[0], slot)
+        pool.drop_last_chunk()
+
+    # ---------------------------------------------------------------------------------------- errors
+    def _tails_error(self, slot_bytes: int, tails: int) -> BudgetTooSmallError:
+        device = self.device
+        need = device.reserved + (tails + 1) * slot_bytes
+        return BudgetTooSmallError(
+            f"the device budget ({device.budget / 1e6:.2f} MB) cannot hold the attention staging area "
+            f"({device.reserved / 1e6:.2f} MB) plus the {tails + 1} blocks being filled ({tails + 1} x {slot_bytes} "
+            f"bytes = {(tails + 1) * slot_bytes / 1e6:.2f} MB): at least {need / 1e6:.2f} MB are needed; raise gpu_gb "
+            "(see TieredCache.min_device_bytes) or lower block_tokens."
+        )
+
+    def capacity_error(self) -> CapacityError:
+        held = ", ".join(f"{tier.label} {_size(self.tiers[tier].used_bytes)} of {_size(self.tiers[tier].budget)}"
+                         for tier in self.chain)
+        last = self.chain[-1]
+        fix = ("raise disk_gb (or free space under disk_dir)" if last == Tier.DISK
+               else "raise cpu_gb, or pass disk_dir= to add a disk tier")
+        return CapacityError(f"the KV cache no longer fits in its budgets (KV held: {held}); {fix}.")
+
+
+def _size(nbytes: int) -> str:
+    """Bytes for a message, in the largest decimal unit that keeps a digit before the point."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.2f} {unit}"
+    return f"{nbytes} B"

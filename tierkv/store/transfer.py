@@ -1,0 +1,108 @@
+"""Moving block data: plans into staging, new blocks into their tiers, demoted blocks down the chain.
+
+Each tier does its own I/O (:mod:`tierkv.tiers.base`); this module only decides the order. A read submits
+its slowest tier first (the disk engine reads on its own threads), copies the memory tiers' blocks while
+that read is in flight, and lands the disk blocks last. Per-thread bounce and landing buffers
+(:class:`~tierkv.tiers.base.Scratch`) keep a read on the mover thread and one on the caller's apart.
+
+Counts per layer per step (a run is a stretch of one row's consecutive columns on one tier; a chunk run
+also stays within one slab chunk, of which a pool has at most 16): one ``index_select`` per device chunk
+run and per host chunk run (CPU hosts); on CUDA one host->landing copy per run of consecutive host slots
+and one landing->staging copy per landing piece; one batched engine call for all disk blocks, then one
+copy per run (through the landing buffer on CUDA).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from tierkv.blocks import Tier
+from tierkv.layout import BlockLayout, SlotBytes
+from tierkv.store.plan import ReadPlan, TierPart
+from tierkv.tiers.base import PendingRead, Scratch, StorageTier
+from tierkv.tiers.disk import BounceBuffer
+
+LINKS = ("device->device", "device->host", "host->device", "host->disk", "device->disk", "disk->device")
+
+
+class ReadProbe(Protocol):
+    """Telemetry around each tier's part of a read (see :mod:`tierkv.attention.timed_read`)."""
+
+    def begin(self, tier: Tier) -> Any: ...
+
+    def end(self, mark: Any, tier: Tier, nbytes: int, copies: int) -> None: ...
+
+
+def link(source: Tier, target: Tier) -> str:
+    return f"{source.label}->{target.label}"
+
+
+class Transfer:
+    """The store's data movement and its byte counters (``bytes_moved`` per link)."""
+
+    def __init__(self, tiers: Mapping[Tier, StorageTier], device: torch.device) -> None:
+        self.tiers = tiers
+        self.device = device
+        pin = device.type == "cuda"
+        self.scratch = Scratch(lambda: BounceBuffer(pin=pin), device=device)
+        self.bytes_moved = dict.fromkeys(LINKS, 0)
+        self._lock = threading.Lock()  # reads run on the mover thread too
+
+    def count(self, name: str, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_moved[name] = self.bytes_moved.get(name, 0) + nbytes
+
+    # ----------------------------------------------------------------------------------------- reads
+    def read_into(self, layout: BlockLayout, plan: ReadPlan, dest: torch.Tensor, tail_tokens: int,
+                  probe: ReadProbe | None = None) -> None:
+        """Fill ``dest`` ``[2, B, H_kv, >= plan.blocks * block_tokens, D]`` with the plan's blocks."""
+        bt = layout.block_tokens
+        grid = dest[..., : plan.blocks * bt, :].unflatten(3, (plan.blocks, bt))  # [2, B, H, n, bt, D]
+        blocks = grid.permute(1, 3, 0, 2, 4, 5)  # [B, n, 2, H, bt, D]: one strided view per run below
+        started: list[tuple[TierPart, PendingRead, Any]] = []
+        try:
+            for part in plan.parts:  # slowest tier first
+                mark = probe.begin(part.tier) if probe is not None else None
+                started.append((part, self.tiers[part.tier].start_read(layout, part.slots, self.scratch), mark))
+            while started:
+                part, pending, mark = started[-1]  # fastest first: the disk read lands last
+                pending.finish([(r.lo, r.hi, blocks[r.row, r.column : r.column + r.hi - r.lo]) for r in part.runs])
+                started.pop()
+                nbytes = (part.blocks * bt - part.tail_blocks * (bt - tail_tokens)) * layout.token_bytes
+                self.count(link(part.tier, Tier.DEVICE), nbytes)
+                if probe is not None:
+                    probe.end(mark, part.tier, nbytes, len(part.runs))
+        finally:
+            for _, pending, _ in started:  # a failure above: no read may still land in a buffer being reused
+                pending.settle()
+
+    def read_blocks(self, layout: BlockLayout | SlotBytes, tier: Tier, slots: list[int],
+                    device: torch.device | None = None) -> torch.Tensor:
+        """Blocks of ``tier`` as a fresh ``[n, *layout.shape]`` tensor on ``device`` (default: the device tier's)
+        — for the cold paths: copy-on-write, crop of a shared block, demotion."""
+        out = torch.empty((len(slots), *layout.shape), dtype=layout.dtype, device=device or self.device)
+        pending = self.tiers[tier].start_read(layout, np.asarray(slots, dtype=np.int64), self.scratch)
+        try:
+            pending.finish([(0, len(slots), out)])
+        except BaseException:
+            pending.settle()
+            raise
+        return out
+
+    # ---------------------------------------------------------------------------------------- writes
+    def write_blocks(self, layout: BlockLayout | SlotBytes, tier: Tier, slots: list[int],
+                     data: torch.Tensor) -> None:
+        """Write whole blocks ``data`` ``[n, *layout.shape]`` into ``slots`` of ``tier``."""
+        self.tiers[tier].write_from(layout, np.asarray(slots, dtype=np.int64), data, self.scratch)
+
+    def copy_slots(self, slot_bytes: int, source: Tier, slots: list[int], target: Tier,
+                   target_slots: list[int]) -> None:
+        """Copy whole slots, as bytes, from ``source`` to ``target``."""
+        raw = SlotBytes(slot_bytes)
+        data = self.read_blocks(raw, source, slots, device=self.tiers[source].device)  # stays on the source's side
+        self.write_blocks(raw, target, target_slots, data)

@@ -1,0 +1,90 @@
+"""The one interface every storage tier implements, so the store never branches on which tier it talks to.
+
+A tier owns slots (``alloc``/``free`` under a byte budget) and its own I/O. Reads are two-phase so that
+slow tiers overlap fast ones: ``start_read`` submits (a disk tier's engine starts reading at once), the
+returned :class:`PendingRead` ``finish``-es into the destinations. Data moves as typed block views
+``[n, 2, H_kv, block_tokens, D]`` (see :meth:`tierkv.layout.BlockLayout.blocks_of`); a destination may be
+strided (a slice of a layer's staging buffer), so gathers land in place, without temporaries.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from tierkv.blocks import Tier
+from tierkv.layout import BlockLayout
+
+Dest = tuple[int, int, torch.Tensor]
+"""``(lo, hi, out)``: slots ``[lo, hi)`` of a read land in ``out`` ``[hi - lo, 2, H_kv, block_tokens, D]``."""
+
+
+class BounceLike(Protocol):
+    def get(self, nbytes: int) -> np.ndarray: ...
+
+
+class PendingRead(Protocol):
+    def finish(self, dests: Sequence[Dest]) -> None:
+        """Wait for the read (if it is asynchronous) and copy its blocks into ``dests``."""
+
+    def settle(self) -> None:
+        """Wait until nothing more lands in the read's buffers, raising nothing (after a failure elsewhere)."""
+
+
+class StorageTier(Protocol):
+    kind: Tier
+    device: torch.device
+    budget: int
+    peak_bytes: int
+
+    @property
+    def allocated_bytes(self) -> int: ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    def alloc(self, slot_bytes: int) -> int | None: ...
+
+    def free(self, slot_bytes: int, slot: int) -> None: ...
+
+    def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch) -> PendingRead: ...
+
+    def write_from(self, layout: BlockLayout, slots: np.ndarray, src: torch.Tensor, scratch: Scratch) -> None:
+        """Write ``src`` ``[n, 2, H_kv, block_tokens, D]`` (any device) into ``slots``."""
+
+    def close(self) -> None: ...
+
+
+class Scratch:
+    """Per-thread transfer buffers: a read on the mover thread and one on the caller's thread never share
+    a bounce or landing buffer (a ``threading.local``, so any number of threads is safe)."""
+
+    def __init__(self, make_bounce: Callable[[], BounceLike], landing_bytes: int = 0,
+                 device: torch.device | None = None) -> None:
+        self._make_bounce = make_bounce
+        self._local = threading.local()
+        self.landing_bytes = landing_bytes
+        self.device = device
+
+    def bounce(self, nbytes: int, purpose: str) -> np.ndarray:
+        """This thread's aligned host buffer for ``purpose`` (``"read"``, ``"write"``) of at least ``nbytes``."""
+        buffers = self._local.__dict__.setdefault("bounces", {})
+        if purpose not in buffers:
+            buffers[purpose] = self._make_bounce()
+        return buffers[purpose].get(nbytes)
+
+    def landing(self) -> torch.Tensor | None:
+        """This thread's device landing buffer (``landing_bytes`` uint8), or None when landing is off."""
+        if not self.landing_bytes:
+            return None
+        buffer = getattr(self._local, "landing", None)
+        if buffer is None or buffer.numel() != self.landing_bytes:
+            buffer = self._local.landing = torch.empty(self.landing_bytes, dtype=torch.uint8, device=self.device)
+        return buffer
+
+    def release(self) -> None:
+        self._local = threading.local()
