@@ -88,13 +88,15 @@ def _mount_tiny_tmpfs(path: Path, size: str) -> bool:
 
 
 def test_real_enospc_keeps_cache_consistent(model, tmp_path):
-    """A disk tier on a 64 KiB tmpfs fills up for real; decoding stops with DiskFullError, nothing is lost."""
+    """A disk tier on a 64 KiB tmpfs that another program fills up for real: decoding stops with DiskFullError
+    and nothing is lost."""
     mount = tmp_path / "tiny"
     if not _mount_tiny_tmpfs(mount, "64k"):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         ids = torch.randint(0, 128, (1, 12))
-        with TieredCache(gpu_gb="48KB", cpu_gb="24KB", disk_dir=mount, disk_gb="1MB", block_tokens=4) as cache:
+        with TieredCache(gpu_gb="48KB", cpu_gb="24KB", disk_dir=mount, block_tokens=4) as cache:
+            (mount / "other-program").write_bytes(bytes(40 * 1024))  # someone else fills the filesystem
             reference = DynamicCache()
             model(ids, past_key_values=cache)
             model(ids, past_key_values=reference)

@@ -8,6 +8,7 @@ import torch
 from helpers import kv, make_store
 
 from tierkv.attention.exact_gather import ExactGather
+from tierkv.blocks import Tier
 from tierkv.mover import MoveHandle, ThreadMover
 
 
@@ -59,5 +60,83 @@ def test_sliding_start_reads_a_suffix(tmp_path):
     got_k, got_v = executor.gather(0, 6)
     torch.testing.assert_close(got_k, keys[:, :, 6:], rtol=0, atol=0)
     torch.testing.assert_close(got_v, values[:, :, 6:], rtol=0, atol=0)
+    executor.close()
+    store.close()
+
+
+def _disk_heavy_store(tmp_path, layers: int = 4):
+    store = make_store(tmp_path, device_slots=4 * layers, host_slots=4, staging_bytes=2**17, disk_bytes=2**23,
+                       extent_slots=64)
+    reference = {}
+    for layer in range(layers):
+        keys, values = kv(1, 40, seed=layer)
+        store.append(layer, keys, values)
+        reference[layer] = torch.stack((keys, values))
+    for layer in range(layers):  # most blocks to disk (two steps down)
+        full = [store.table.blocks[int(b)] for b in store.table.rows[layer][0][:-1]]
+        store.demote(full)
+        store.demote([b for b in full if b.tier == Tier.HOST])
+    return store, reference
+
+
+def test_disk_reads_are_submitted_ahead_and_used(tmp_path):
+    """Layers beyond the prefetch have their disk blocks in flight already; the reads that come use them."""
+    store, reference = _disk_heavy_store(tmp_path)
+    executor = ExactGather(store, ThreadMover(), num_layers=4, prefetch_depth=1)
+    for _ in range(3):
+        for layer in range(4):
+            got_k, got_v = executor.gather(layer, 0)
+            torch.testing.assert_close(got_k, reference[layer][0], rtol=0, atol=0)
+            torch.testing.assert_close(got_v, reference[layer][1], rtol=0, atol=0)
+    assert executor.read_ahead_hits >= 8
+    executor.close()
+    store.close()
+
+
+def test_a_read_ahead_of_a_changed_layer_is_not_used(tmp_path):
+    store, reference = _disk_heavy_store(tmp_path)
+    executor = ExactGather(store, SyncMover(), num_layers=4, prefetch_depth=1)
+    executor.gather(0, 0)  # reads ahead layers 2 and 3
+    assert {key[0] for key in executor._disk_ahead} >= {2}
+    store.crop(2, 6)  # a table edit of layer 2 after its read was submitted
+    executor.invalidate()
+    for layer in (1, 2, 3):
+        got_k, _ = executor.gather(layer, 0)
+        expected = reference[layer][0][:, :, : store.seq_length(layer)]
+        torch.testing.assert_close(got_k, expected, rtol=0, atol=0)
+    executor.close()
+    store.close()
+
+
+def test_small_layers_are_read_when_they_come(tmp_path):
+    """Below ``prefetch_min`` bytes off the device a layer is not handed to the mover (it would cost more)."""
+    from tierkv import settings
+
+    store, _ = _disk_heavy_store(tmp_path)
+    with settings.override(prefetch_min="1GB"):
+        executor = ExactGather(store, ThreadMover(), num_layers=4, prefetch_depth=1)
+    for layer in range(4):
+        executor.gather(layer, 0)
+    assert executor.prefetch_hits == 0 and not executor.pending
+    executor.close()
+    store.close()
+
+
+def test_telemetry_after_reset_counts_the_new_sequence(tmp_path):
+    """Regression: the first step after a reset recorded negative new tokens (the old lengths were kept)."""
+    from tierkv.bandwidth import LinkProfile
+    from tierkv.stats import Timeline
+
+    store = make_store(tmp_path, device_slots=32, host_slots=8, staging_bytes=2**16)
+    executor = ExactGather(store, SyncMover(), num_layers=1, timeline=Timeline(LinkProfile({}), "test"))
+    store.append(0, *kv(1, 20))
+    executor.gather(0, 0)
+    executor.reset()
+    store.reset()
+    store.append(0, *kv(1, 5))
+    executor.gather(0, 0)
+    store.append(0, *kv(1, 1))
+    executor.gather(0, 0)
+    assert [step.new_tokens for step in executor.timeline.completed()] == [20, 5]
     executor.close()
     store.close()

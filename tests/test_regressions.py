@@ -152,10 +152,10 @@ def test_sync_read_does_not_clobber_an_inflight_prefetch(tmp_path, monkeypatch):
     assert store.stats()["blocks"]["disk"] >= 2 * layers
     real = DiskTier.start_read
 
-    def slow_disk(self, layout, slots, scratch):
+    def slow_disk(self, layout, slots, scratch, *args):
         if not on_mover_thread():
             time.sleep(0.05)  # let the in-flight prefetch read first: the clobbered side is then deterministic
-        pending = real(self, layout, slots, scratch)
+        pending = real(self, layout, slots, scratch, *args)
         if on_mover_thread():
             pending.handle.wait()
             time.sleep(0.3)  # a slow disk: the window between a job's read and its scatter

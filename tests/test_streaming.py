@@ -283,3 +283,19 @@ def test_a_sliding_window_drop_discards_the_prefetched_chunk(tmp_path):
             out = run(model, ids, mask, cache)
         assert cache.stats()["prefetch_misses"] > 0  # counted, with their bytes, not silently dropped
     assert torch.equal(out.sequences, reference.sequences)
+
+
+def test_a_failure_entering_streaming_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+    """Regression: ``streaming()`` changed the user's model before its ``try``, so an error there left the
+    cache attached to the model's attention modules."""
+    model = tiny_model("llama")
+    cache = TieredCache(gpu_gb="1MB", block_tokens=4)
+
+    def broken(name):
+        raise RuntimeError("no such attention")
+
+    monkeypatch.setattr(model, "set_attn_implementation", broken)
+    with pytest.raises(RuntimeError, match="no such attention"), cache.streaming(model):
+        pass
+    assert not [m for m in model.modules() if hasattr(m, "_tierkv_cache")]
+    cache.close()

@@ -36,7 +36,13 @@ from tierkv.errors import InvalidConfigError, TierKVError
 from tierkv.layout import BlockLayout
 from tierkv.mover import make_mover
 from tierkv.policy import Policy, make_policy
-from tierkv.staging import gather_staging_bytes, landing_bytes, open_tail_bytes, streaming_staging_bytes
+from tierkv.staging import (
+    device_minimum,
+    gather_staging_bytes,
+    landing_bytes,
+    open_tail_bytes,
+    streaming_staging_bytes,
+)
 from tierkv.stats import make_timeline, make_trace
 from tierkv.store import KVStore
 from tierkv.tiers.disk import DiskTier
@@ -236,6 +242,7 @@ class TieredCache(Cache):
         stats.update(tokens=self.get_seq_length(), prefetch_hits=sum(e.prefetch_hits for e in executors),
                      prefetch_misses=sum(e.prefetch_misses for e in executors),
                      prefetch_stall_s=sum(e.stall_s for e in executors),
+                     disk_read_ahead_hits=sum(e.read_ahead_hits for e in executors),
                      mover=self.executor.mover.name,
                      disk_engine=self._disk.engine_name if self._disk else None,
                      prefetch_depth=self.executor.prefetch_depth, prefetch_auto=list(self.executor.auto_choices),
@@ -266,7 +273,7 @@ class TieredCache(Cache):
         layout = _layout_of_config(config, block_tokens, dtype)
         staging = gather_staging_bytes(batch, context, layout.token_bytes, block_tokens, prefetch_depth)
         layers = config.get_text_config(decoder=True).num_hidden_layers
-        return _with_landing(staging + open_tail_bytes(layers, batch, layout.slot_bytes), device)
+        return _device_minimum(staging, open_tail_bytes(layers, batch, layout.slot_bytes), device)
 
     @staticmethod
     def min_streaming_device_bytes(config: PreTrainedConfig, batch: int = 1,
@@ -283,7 +290,7 @@ class TieredCache(Cache):
         layout = _layout_of_config(config, block_tokens, dtype)
         staging = streaming_staging_bytes(batch, chunk_tokens, layout.token_bytes, block_tokens)
         layers = config.get_text_config(decoder=True).num_hidden_layers
-        return _with_landing(staging + open_tail_bytes(layers, batch, layout.slot_bytes), device)
+        return _device_minimum(staging, open_tail_bytes(layers, batch, layout.slot_bytes), device)
 
     @staticmethod
     def kv_bytes_per_token(config: PreTrainedConfig, dtype: torch.dtype | None = None) -> int:
@@ -503,14 +510,22 @@ def _layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, An
     return layer_types, kwargs
 
 
-def _with_landing(nbytes: int, device: str | torch.device | None) -> int:
-    """``nbytes`` of blocks and staging plus, on CUDA, the two landing buffers sized from the budget itself
-    (each ``min(LANDING_BYTES, budget / 16)``): the smallest budget that holds both."""
+def _device_minimum(staging: int, tails: int, device: str | torch.device | None) -> int:
+    """The smallest budget for ``staging`` beside ``tails`` (:func:`tierkv.staging.device_minimum`), plus on CUDA
+    (``device``; None: CUDA if available) the two landing buffers, which are staging too and are sized from
+    the budget itself: found by bisection, as the smallest budget that holds what it implies."""
     cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
     if not cuda:
-        return nbytes
-    fixed = nbytes + 2 * landing_bytes(2**62)  # landing at its cap
-    return fixed if landing_bytes(fixed) * 2 + nbytes <= fixed else -(-nbytes * 8 // 7)  # else 2 x budget/16
+        return device_minimum(staging, tails)
+
+    def needs(budget: int) -> int:
+        return device_minimum(staging + 2 * landing_bytes(budget), tails)
+
+    low, high = device_minimum(staging, tails), needs(1 << 62)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if needs(middle) <= middle else (middle + 1, high)
+    return high
 
 
 def _layout_of_config(config: PreTrainedConfig, block_tokens: int, dtype: torch.dtype | None) -> BlockLayout:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,33 +24,24 @@ class BlockLayout:
     head_dim: int
     block_tokens: int
     dtype: torch.dtype
+    # derived once (the hot path asks for them on every layer of every step)
+    token_bytes: int = field(init=False, compare=False, repr=False)
+    block_bytes: int = field(init=False, compare=False, repr=False)
+    slot_bytes: int = field(init=False, compare=False, repr=False)
+    shape: tuple[int, int, int, int] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("kv_heads", "head_dim", "block_tokens"):
-            if getattr(self, name) <= 0:
-                raise InvalidConfigError(f"BlockLayout.{name} must be positive, got {getattr(self, name)}.")
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (2, self.kv_heads, self.block_tokens, self.head_dim)
-
-    @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def token_bytes(self) -> int:
-        """Bytes of K and V of one token of this layer."""
-        return 2 * self.kv_heads * self.head_dim * self.itemsize
-
-    @property
-    def block_bytes(self) -> int:
-        return self.token_bytes * self.block_tokens
-
-    @property
-    def slot_bytes(self) -> int:
-        """A block's slot: its bytes rounded up to the I/O alignment."""
-        return math.ceil(self.block_bytes / SLOT_ALIGN) * SLOT_ALIGN
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidConfigError(f"BlockLayout.{name} must be a positive int, got {value!r}.")
+        token_bytes = 2 * self.kv_heads * self.head_dim * self.dtype.itemsize  # K and V of one token
+        block_bytes = token_bytes * self.block_tokens
+        object.__setattr__(self, "token_bytes", token_bytes)
+        object.__setattr__(self, "block_bytes", block_bytes)
+        # a block's slot: its bytes rounded up to the I/O alignment
+        object.__setattr__(self, "slot_bytes", math.ceil(block_bytes / SLOT_ALIGN) * SLOT_ALIGN)
+        object.__setattr__(self, "shape", (2, self.kv_heads, self.block_tokens, self.head_dim))
 
     def blocks_of(self, raw: torch.Tensor) -> torch.Tensor:
         """Slots ``raw`` ``[n, slot_bytes]`` (uint8, contiguous rows) as blocks ``[n, 2, H_kv, block_tokens, D]``

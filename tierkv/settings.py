@@ -32,6 +32,7 @@ cache_dir           TIERKV_CACHE_DIR          XDG cache     where the native eng
 profile             TIERKV_PROFILE            None          link profile JSON (``tierkv bench``) for telemetry
 trace               TIERKV_TRACE              None          write a Chrome trace of each cache to this path
 debug               TIERKV_DEBUG              False         full tracebacks from the CLI instead of one line
+prefetch_min        TIERKV_PREFETCH_MIN       1 MiB         smallest off-device read worth a mover hand-off
 ==================  ========================  ============  =====================================================
 """
 
@@ -121,6 +122,20 @@ def _chunk(value: Any) -> int:
     return size
 
 
+def _size(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise _Invalid("must be a size such as 1MiB, or 0 (or a number of bytes in Python)")
+    if isinstance(value, str) and value.strip() == "0":
+        return 0
+    try:  # a bare number in the environment is GB, as everywhere in tierkv; in Python an int is bytes
+        size = value if isinstance(value, int) else parse_size(value)
+    except InvalidConfigError as exc:
+        raise _Invalid(f"is not a size ({exc})") from None
+    if size < 0:
+        raise _Invalid("must not be negative")
+    return size
+
+
 def _path_or_none(value: Any) -> Path | None:
     if value is None:
         return None
@@ -160,6 +175,8 @@ SETTINGS: dict[str, Setting] = {
                 "record a Chrome trace of every cache and write it to this path when the cache closes"),
         Setting("debug", "TIERKV_DEBUG", lambda: False, _flag, "1",
                 "the CLI shows full tracebacks instead of a one-line error"),
+        Setting("prefetch_min", "TIERKV_PREFETCH_MIN", lambda: 1 << 20, _size, "1MiB",
+                "layers with less KV below the device tier are read when they come, not prefetched (0: all)"),
     )
 }  # fmt: skip
 """Every setting by name."""

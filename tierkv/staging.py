@@ -12,6 +12,7 @@ import math
 GROWTH = 1.25  # exact-gather staging grows by at least this factor, so it reallocates rarely
 LANDING_BYTES = 32 * 2**20  # per landing buffer (CUDA): host/disk runs cross PCIe as copies this large
 LANDING_SHARE = 16  # ... and at most 1/16 of the device budget each
+CHUNKS_PER_BUDGET = 16  # memory tiers grow their slabs by 1/16 of the budget (see tierkv.tiers.memory)
 
 
 def round_to_blocks(tokens: int, block_tokens: int) -> int:
@@ -50,3 +51,13 @@ def landing_bytes(device_budget: int) -> int:
 def open_tail_bytes(layers: int, batch: int, slot_bytes: int) -> int:
     """The blocks being filled (one per row and layer) plus one being allocated: they must be on the device."""
     return (layers + 1) * batch * slot_bytes
+
+
+def device_minimum(staging: int, tails: int) -> int:
+    """The smallest device budget that holds ``staging`` bytes beside ``tails`` bytes of open blocks.
+
+    Blocks live in slab chunks of 1/16 of the budget, and a chunk that holds a block cannot be given to
+    staging: the open tails cost at least one whole chunk, so the budget must also hold staging in the
+    other 15/16.
+    """
+    return max(staging + tails, -(-staging * CHUNKS_PER_BUDGET // (CHUNKS_PER_BUDGET - 1)) + tails)

@@ -11,15 +11,18 @@ The adapter (:mod:`tierkv.hf`) builds executors by name with everything they nee
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from tierkv.attention.timed_read import resolve_cuda_events, timed_read
+from tierkv.blocks import Tier
 from tierkv.mover import MoveHandle, ThreadMover
 from tierkv.stats import ReadTiming, Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
+from tierkv.tiers.base import PendingRead
 
 
 class Executor(Protocol):
@@ -61,6 +64,20 @@ def from_first_token(layer: int) -> int:
     return 0
 
 
+READ_AHEAD = 4
+"""Disk reads submitted ahead of the reads that will use them (see ``PipelinedExecutor._read_ahead``); each
+holds a host bounce buffer of one read's disk bytes until the read that uses it has copied it out."""
+
+
+@dataclass(slots=True)
+class DiskAhead:
+    """The disk part of ``plan``, submitted early into the scratch buffer ``purpose``."""
+
+    plan: ReadPlan
+    pending: PendingRead
+    purpose: str
+
+
 class PipelinedExecutor:
     """Shared state of executors that prefetch layer by layer on a mover.
 
@@ -89,6 +106,9 @@ class PipelinedExecutor:
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self.stall_s = 0.0  # time the model waited for prefetches to land
+        self.read_ahead_hits = 0  # reads whose disk part was already in flight (see _read_ahead)
+        self._disk_ahead: dict[tuple[int, int], DiskAhead] = {}  # (layer, first column) -> its disk read in flight
+        self._buffer_users: dict[str, DiskAhead | MoveHandle] = {}  # read-ahead buffer -> who holds it
         store.add_reader(self)
 
     @property
@@ -105,19 +125,90 @@ class PipelinedExecutor:
     def _read_now(self, layer: int, plan: ReadPlan, dest: torch.Tensor) -> list[ReadTiming]:
         """A synchronous read on the caller's thread (a miss, or a top-up of a prefetch)."""
         timings: list[ReadTiming] = []
-        if not self.timed:
-            self.store.read_into(layer, plan, dest)
-        else:
-            timed_read(self.store, layer, plan, dest, timings, cuda=self._cuda, trace=self.trace, category="read")
+        ahead = self._claim_ahead(layer, plan)
+        try:
+            if not self.timed:
+                self.store.read_into(layer, plan, dest, ahead=ahead.pending if ahead else None)
+            else:
+                timed_read(self.store, layer, plan, dest, timings, cuda=self._cuda, trace=self.trace,
+                           category="read", ahead=ahead.pending if ahead else None)
+        finally:
+            if ahead is not None:
+                del self._buffer_users[ahead.purpose]
         return timings
 
     def _read_later(self, layer: int, plan: ReadPlan, dest: torch.Tensor) -> tuple[MoveHandle, list[ReadTiming] | None]:
         """A read on the mover; its timings list fills when the job runs (None when telemetry is off)."""
+        claimed = self._claim_ahead(layer, plan)
+        ahead = claimed.pending if claimed is not None else None
+        timings: list[ReadTiming] | None = None
         if not self.timed:
-            return self.mover.submit(lambda: self.store.read_into(layer, plan, dest)), None
-        timings: list[ReadTiming] = []
-        return self.mover.submit(lambda: timed_read(self.store, layer, plan, dest, timings, cuda=self._cuda,
-                                                    trace=self.trace, category="prefetch")), timings
+            handle = self.mover.submit(lambda: self.store.read_into(layer, plan, dest, ahead=ahead))
+        else:
+            timings = []
+            handle = self.mover.submit(lambda: timed_read(self.store, layer, plan, dest, timings, cuda=self._cuda,
+                                                          trace=self.trace, category="prefetch", ahead=ahead))
+        if claimed is not None:
+            self._buffer_users[claimed.purpose] = handle  # its buffer is busy until the job has copied it out
+        return handle, timings
+
+    # ---------------------------------------------------------------------------- disk read-ahead
+    def _read_ahead(self, targets: Iterable[tuple[int, int, int]]) -> None:
+        """Submit the disk part of each ``(layer, start, stop)`` read that will come soon, so the disk engine
+        always has work queued (it reads on its own threads) while the mover copies and the model computes.
+        A read ahead is used only by a read of the identical plan (plans change with any table edit)."""
+        for layer, start, stop in targets:
+            if stop <= start or layer not in self.store.layouts:
+                continue
+            plan = self.store.plan_read(layer, start, stop)
+            key = (layer, plan.first)
+            held = self._disk_ahead.get(key)
+            if held is not None and held.plan is plan:
+                continue
+            if held is not None:
+                self._drop_ahead_read(key)
+            if Tier.DISK not in plan.tiers:
+                continue
+            purpose = self._free_buffer_name()
+            if purpose is None:
+                return
+            entry = DiskAhead(plan, self.store.read_ahead(layer, plan, purpose), purpose)
+            self._disk_ahead[key] = entry
+            self._buffer_users[purpose] = entry
+
+    def _claim_ahead(self, layer: int, plan: ReadPlan) -> DiskAhead | None:
+        entry = self._disk_ahead.pop((layer, plan.first), None)
+        if entry is not None and entry.plan is not plan:
+            entry.pending.settle()
+            del self._buffer_users[entry.purpose]
+            return None
+        self.read_ahead_hits += entry is not None
+        return entry
+
+    def _drop_ahead_read(self, key: tuple[int, int]) -> None:
+        entry = self._disk_ahead.pop(key)
+        entry.pending.settle()
+        del self._buffer_users[entry.purpose]
+
+    def _drop_all_ahead(self) -> None:
+        for key in list(self._disk_ahead):
+            self._drop_ahead_read(key)
+
+    def _settle_ahead(self) -> None:
+        """Barrier: no read ahead is still landing (they stay usable if their plans do not change)."""
+        for entry in self._disk_ahead.values():
+            entry.pending.settle()
+
+    def _free_buffer_name(self) -> str | None:
+        for index in range(READ_AHEAD + 2):
+            name = f"ahead{index}"
+            user = self._buffer_users.get(name)
+            if isinstance(user, MoveHandle) and user.done():
+                del self._buffer_users[name]
+                user = None
+            if user is None:
+                return name
+        return None
 
     def _stalled(self, since: float, layer: int) -> float:
         """The model waited from ``since`` until now for data of ``layer``: stall, not compute."""

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.attention.base import PipelinedExecutor, from_first_token, register_executor, wait_quietly
+from tierkv import settings
+from tierkv.attention.base import READ_AHEAD, PipelinedExecutor, from_first_token, register_executor, wait_quietly
 from tierkv.blocks import Tier
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError
 from tierkv.mover import MoveHandle, ThreadMover
@@ -67,6 +68,10 @@ class ExactGather(PipelinedExecutor):
             raise InvalidConfigError(f"prefetch_depth must be an int >= 0 or 'auto', got {prefetch_depth!r}.")
         super().__init__(store, mover, start_of=start_of, num_layers=num_layers, timeline=timeline, trace=trace)
         self.auto = prefetch_depth == "auto"
+        # Layers with less KV than this below the device tier are not prefetched: the mover's hand-off (a
+        # thread switch, ~50-100 µs on a 2-core host) costs more than the copy it overlaps; device blocks
+        # gather as fast on the compute thread (see docs/benchmarks.md, "Scale").
+        self.prefetch_min: int = settings.get("prefetch_min")
         self.prefetch_depth: int = 1 if self.auto else int(prefetch_depth)
         self.auto_choices: list[dict] = []  # decisions of prefetch_depth="auto", oldest first
         self._auto_wait = AUTO_AFTER_STEPS  # decode steps left before the next "auto" decision
@@ -130,6 +135,7 @@ class ExactGather(PipelinedExecutor):
                 self._consume(prefetch)
         finally:
             self.pending.clear()
+            self._drop_all_ahead()
             self.version += 1
 
     def reset(self) -> None:
@@ -141,10 +147,13 @@ class ExactGather(PipelinedExecutor):
         if prefetch is not None:
             prefetch.handle.settle()
             self._consume(prefetch)
+        for key in [key for key in self._disk_ahead if key[0] == layer]:
+            self._drop_ahead_read(key)
 
     def wait_all(self) -> None:
         for prefetch in self.pending.values():
             prefetch.handle.settle()
+        self._settle_ahead()
 
     def pause_telemetry(self) -> None:
         if self.timeline is not None:
@@ -221,17 +230,26 @@ class ExactGather(PipelinedExecutor):
     def _prefetch_next(self, layer: int) -> None:
         if len(self.buffers) < 2 or self.num_layers < 2:
             return
-        for ahead in range(1, self.prefetch_depth + 1):
-            target = (layer + ahead) % self.num_layers
-            if target <= layer and not self.layers_known:
-                return  # the layer count is not known yet: wrapping could target a layer that is not next
-            if target in self.pending or target == layer or target not in self.store.layouts:
+        for target in self._next_layers(layer, self.prefetch_depth):
+            if target in self.pending or target not in self.store.layouts:
                 continue
             busy = {self.current} | {p.buffer for p in self.pending.values()}
             free = [i for i in range(len(self.buffers)) if i not in busy]
             if not free:
-                return
+                break
             self._issue(target, free[0])
+        beyond = self._next_layers(layer, self.prefetch_depth + READ_AHEAD)[self.prefetch_depth :]
+        self._read_ahead((t, self.start_of(t), self.store.seq_length(t)) for t in beyond)
+
+    def _next_layers(self, layer: int, count: int) -> list[int]:
+        """The ``count`` layers after ``layer`` in pass order (wrapping to layer 0 once the count is known)."""
+        out = []
+        for ahead in range(1, count + 1):
+            target = (layer + ahead) % self.num_layers
+            if (target <= layer and not self.layers_known) or target == layer:
+                break  # the layer count is not known yet: wrapping could target a layer that is not next
+            out.append(target)
+        return out
 
     def _issue(self, layer: int, buffer: int) -> None:
         bt = self.store.block_tokens
@@ -241,6 +259,9 @@ class ExactGather(PipelinedExecutor):
         if (end - first) * bt > self.capacity or batch > self.batch or end <= first:
             return
         plan = self.store.plan_read(layer, start, stop)
+        layout = self.store.layouts[layer]
+        if plan.moved_blocks * layout.block_bytes < self.prefetch_min:
+            return  # read it when the layer comes: a hand-off to the mover would cost more than it overlaps
         full = stop // bt - first  # columns that are full now: the tail (if partial) is read again later
         handle, timings = self._read_later(layer, plan, self._staging(buffer, layer, batch))
         self.pending[layer] = Prefetch(layer, buffer, first, end - first, full, self.version, handle, timings)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierkv.attention.base import PipelinedExecutor, from_first_token, register_executor, wait_quietly
+from tierkv.attention.base import READ_AHEAD, PipelinedExecutor, from_first_token, register_executor, wait_quietly
 from tierkv.attention.lse import mask_bias, merge, partial_attention
 from tierkv.mover import MoveHandle, ThreadMover
 from tierkv.staging import streaming_chunk_tokens
@@ -111,6 +111,7 @@ class StreamingAttention(PipelinedExecutor):
             pending = None if last else self._issue(layer, chunks[index + 1], stop, other)
             if last:
                 self._issue_ahead(layer, other)
+            self._read_ahead(self._upcoming(layer, chunks[index + 2 :], stop))
             staging = self._staging(current.buffer, layer, batch)
             lo = max(start, column * bt) - column * bt  # first attended token within the chunk
             hi = min(stop, (column + self.chunk_columns) * bt) - column * bt
@@ -131,6 +132,25 @@ class StreamingAttention(PipelinedExecutor):
                          timings)
         self.in_flight = [r for r in self.in_flight if not r.handle.done()] + [read]
         return read
+
+    def _upcoming(self, layer: int, columns: list[int], stop: int) -> list[tuple[int, int, int]]:
+        """The next :data:`READ_AHEAD` chunk reads after the one in flight, as ``(layer, start, stop)``: this
+        layer's chunks from ``columns`` on, then the next layers' (wrapping once the layer count is known)."""
+        bt = self.store.block_tokens
+        out = [(layer, c * bt, min(stop, (c + self.chunk_columns) * bt)) for c in columns[:READ_AHEAD]]
+        target = layer
+        while len(out) < READ_AHEAD:
+            target += 1
+            if target >= self.num_layers:
+                if not self.layers_known:
+                    break
+                target = 0
+            if target == layer or target not in self.store.layouts:
+                break
+            start, end = self.start_of(target), self.store.seq_length(target)
+            for c in range(start // bt, -(-end // bt), self.chunk_columns):
+                out.append((target, c * bt, min(end, (c + self.chunk_columns) * bt)))
+        return out[:READ_AHEAD]
 
     def _issue_ahead(self, layer: int, buffer: int) -> None:
         """During ``layer``'s last chunk: start the next layer's first chunk into the free ``buffer``."""
@@ -233,6 +253,7 @@ class StreamingAttention(PipelinedExecutor):
     # ---------------------------------------------------------------------------------- control
     def invalidate(self) -> None:
         self.wait_all()
+        self._drop_all_ahead()
         self.version += 1
 
     def reset(self) -> None:
@@ -241,6 +262,8 @@ class StreamingAttention(PipelinedExecutor):
     def drop(self, layer: int) -> None:
         if self.ahead is not None and self.ahead.layer == layer:
             self._drop_ahead()
+        for key in [key for key in self._disk_ahead if key[0] == layer]:
+            self._drop_ahead_read(key)
 
     def _drop_ahead(self) -> None:
         ahead, self.ahead = self.ahead, None
@@ -258,6 +281,7 @@ class StreamingAttention(PipelinedExecutor):
         for read in self.in_flight:
             read.handle.settle()
         self.in_flight = []
+        self._settle_ahead()
 
     def close(self) -> None:
         self.wait_all()

@@ -18,6 +18,7 @@ import torch
 from tierkv.blocks import Tier
 from tierkv.stats import ReadTiming, Trace
 from tierkv.store import KVStore, ReadPlan
+from tierkv.tiers.base import PendingRead
 
 LINK_OF_TIER = {Tier.DEVICE: "device->device", Tier.HOST: "host->device", Tier.DISK: "disk->device"}
 
@@ -47,9 +48,10 @@ class TimedProbe:
 
 
 def timed_read(store: KVStore, layer: int, plan: ReadPlan, dest: torch.Tensor, timings: list[ReadTiming], *,
-               cuda: bool, trace: Trace | None, category: str) -> None:
+               cuda: bool, trace: Trace | None, category: str, ahead: PendingRead | None = None) -> None:
     """``store.read_into(layer, plan, dest)``, appending one timing per source tier to ``timings``."""
-    store.read_into(layer, plan, dest, probe=TimedProbe(layer, timings, cuda=cuda, trace=trace, category=category))
+    store.read_into(layer, plan, dest, probe=TimedProbe(layer, timings, cuda=cuda, trace=trace, category=category),
+                    ahead=ahead)
 
 
 def cuda_mark() -> torch.cuda.Event:

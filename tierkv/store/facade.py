@@ -26,7 +26,7 @@ from tierkv.store.placement import Placement
 from tierkv.store.plan import ReadPlan, build_plan
 from tierkv.store.transfer import ReadProbe, Transfer, link
 from tierkv.store.writeback import Writeback
-from tierkv.tiers.base import StorageTier
+from tierkv.tiers.base import PendingRead, StorageTier
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.memory import MemoryTier
 
@@ -100,6 +100,8 @@ class KVStore:
         layout = self._layout_for(layer, keys, values)
         batch, tokens = keys.shape[0], keys.shape[2]
         rows = self.table.layer_rows(layer)
+        if rows is not None and rows.count and rows.batch == batch and self._append_in_place(layer, rows, keys, values):
+            return
         if rows is None or rows.count == 0:
             rows = LayerRows(batch)
         elif rows.batch != batch:
@@ -110,7 +112,7 @@ class KVStore:
         if layer == 0:
             self.tick += 1
         self.writeback.reap()
-        kv = torch.stack((keys, values))  # [2, B, H_kv, q, D]
+        kv = torch.stack((keys.detach(), values.detach()))  # [2, B, H_kv, q, D]; the cache holds no autograd graph
         length = self.table.seq_length(layer) if rows.count else 0
         allocated: list[Block] = []
         try:
@@ -124,7 +126,34 @@ class KVStore:
         self._commit(layer, rows, plans, length, tokens)
         self.writeback.maybe_start()
 
+    def _append_in_place(self, layer: int, rows: LayerRows, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """The decode step's common case, kept short: the new tokens fit in every row's open tail, which is on
+        the device and not shared — written where attention reads them, with no table change. False: use
+        the general path."""
+        held, tokens = self.table.tail(layer).tokens, keys.shape[2]
+        if held + tokens > self.block_tokens or not (rows.tiers[:, -1] == Tier.DEVICE).all():
+            return False
+        tails = [self.table.tail(layer, r) for r in range(rows.batch)]
+        if any(tail.refcount != 1 for tail in tails):
+            return False
+        if layer == 0:
+            self.tick += 1
+        self.writeback.reap()
+        layout = self.layouts[layer]
+        for r, tail in enumerate(tails):
+            block = self.device.block(layout, tail.slot)  # [2, H_kv, block_tokens, D]
+            block[0, :, held : held + tokens].copy_(keys[r].detach())
+            block[1, :, held : held + tokens].copy_(values[r].detach())
+            tail.tokens += tokens
+        self.writeback.maybe_start()
+        return True
+
     def _layout_for(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> BlockLayout:
+        known = self.layouts.get(layer)
+        if known is not None and keys.shape == values.shape and keys.dim() == 4 and keys.dtype == known.dtype \
+                and keys.shape[1] == known.kv_heads and keys.shape[3] == known.head_dim \
+                and keys.device == self.device.device:
+            return known  # the same geometry as before (checked without building a layout)
         if keys.shape != values.shape:
             raise InvalidConfigError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape.")
         layout = BlockLayout.of(keys, self.block_tokens)
@@ -157,14 +186,14 @@ class KVStore:
         protect: set[int] = set()
 
         def device_block(index: int) -> Block:
-            slot = self.placement.alloc_device(layout.slot_bytes, protect)
+            slot = self.placement.alloc_device(layout.slot_bytes, protect, (layer, index))
             block = self.table.new_block(layer, Tier.DEVICE, slot, layout.slot_bytes, index)
             allocated.append(block)
             protect.add(block.id)
             return block
 
         def placed_block(index: int) -> Block:
-            tier, slot = self.placement.alloc_top_down(layout.slot_bytes)
+            tier, slot = self.placement.alloc_top_down(layout.slot_bytes, (layer, index))
             block = self.table.new_block(layer, tier, slot, layout.slot_bytes, index)
             allocated.append(block)
             return block
@@ -271,11 +300,20 @@ class KVStore:
             plan = plans[(first, end)] = build_plan(layer, rows, first, end, self.chain)
         return plan
 
-    def read_into(self, layer: int, plan: ReadPlan, dest: torch.Tensor, probe: ReadProbe | None = None) -> None:
+    def read_into(self, layer: int, plan: ReadPlan, dest: torch.Tensor, probe: ReadProbe | None = None,
+                  ahead: PendingRead | None = None) -> None:
         """Copy ``plan``'s blocks into ``dest`` ``[2, B, H_kv, >= plan.blocks * block_tokens, D]`` (block
-        column ``plan.first + i`` at tokens ``[i * block_tokens, (i + 1) * block_tokens)``)."""
+        column ``plan.first + i`` at tokens ``[i * block_tokens, (i + 1) * block_tokens)``); ``ahead`` is the
+        plan's disk part from :meth:`read_ahead`."""
         if plan.parts:
-            self.transfer.read_into(self.layouts[layer], plan, dest, self.table.tail(layer).tokens, probe)
+            self.transfer.read_into(self.layouts[layer], plan, dest, self.table.tail(layer).tokens, probe, ahead)
+        elif ahead is not None:
+            ahead.settle()
+
+    def read_ahead(self, layer: int, plan: ReadPlan, purpose: str) -> PendingRead | None:
+        """Start reading ``plan``'s disk blocks now (the disk engine works on its own threads), into the scratch
+        buffer ``purpose``; pass the result to :meth:`read_into` with the same plan. None: nothing on disk."""
+        return self.transfer.read_ahead(self.layouts[layer], plan, purpose)
 
     def read_tokens(self, layer: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """A fresh ``[2, B, H_kv, stop - start, D]`` copy of a token range (for tests and tools, not decode)."""
@@ -383,7 +421,8 @@ class KVStore:
         layout = self.layouts[block.layer]
         data = self.transfer.read_blocks(layout, block.tier, [block.slot])
         data[0, :, :, keep:].zero_()
-        slot = self.placement.alloc_device(layout.slot_bytes, {b.id for b in allocated} | {block.id})
+        slot = self.placement.alloc_device(layout.slot_bytes, {b.id for b in allocated} | {block.id},
+                                           (block.layer, block.index))
         copy = self.table.new_block(block.layer, Tier.DEVICE, slot, layout.slot_bytes, block.index)
         allocated.append(copy)
         self.transfer.write_blocks(layout, Tier.DEVICE, [slot], data)

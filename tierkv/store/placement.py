@@ -49,25 +49,26 @@ class Placement:
         return self.chain[self.chain.index(tier) + 1 :]
 
     # ------------------------------------------------------------------------------------ allocation
-    def alloc_top_down(self, slot_bytes: int) -> tuple[Tier, int]:
+    def alloc_top_down(self, slot_bytes: int, near: tuple[int, int]) -> tuple[Tier, int]:
+        """The fastest tier's free slot for the block at ``near=(layer, index)``."""
         for tier in self.chain:
-            slot = self._alloc(tier, slot_bytes)
+            slot = self._alloc(tier, slot_bytes, near)
             if slot is not None:
                 return tier, slot
         raise self.capacity_error()
 
-    def alloc_device(self, slot_bytes: int, protect: Collection[int]) -> int:
+    def alloc_device(self, slot_bytes: int, protect: Collection[int], near: tuple[int, int]) -> int:
         """A device slot, demoting a victim down the chain when the device is full."""
-        slot = self.device.alloc(slot_bytes)
+        slot = self.device.alloc(slot_bytes, near)
         while slot is None:
             self.demote_victims(self.chain[0], slot_bytes, 1, protect)
-            slot = self.device.alloc(slot_bytes)
+            slot = self.device.alloc(slot_bytes, near)
         return slot
 
-    def _alloc(self, tier: Tier, slot_bytes: int) -> int | None:
-        slot = self.tiers[tier].alloc(slot_bytes)
+    def _alloc(self, tier: Tier, slot_bytes: int, near: tuple[int, int]) -> int | None:
+        slot = self.tiers[tier].alloc(slot_bytes, near)
         if slot is None and tier == Tier.HOST and self.writeback.reap(wait=True):
-            slot = self.tiers[tier].alloc(slot_bytes)  # the write-back in flight just made room
+            slot = self.tiers[tier].alloc(slot_bytes, near)  # the write-back in flight just made room
         return slot
 
     def open_tails(self) -> set[int]:
@@ -94,29 +95,34 @@ class Placement:
         """Move ``blocks`` (all on one tier, one slot size) down the chain, making room there first."""
         source, slot_bytes = blocks[0].tier, blocks[0].slot_bytes
         self.barrier()
-        remaining = list(blocks)
+        remaining = sorted(blocks, key=in_sequence_order)
         while remaining:
-            target, slots = self._room_below(source, slot_bytes, len(remaining), {b.id for b in remaining})
+            target, slots = self._room_below(source, slot_bytes, remaining, {b.id for b in remaining})
             batch, remaining = remaining[: len(slots)], remaining[len(slots) :]
             self._commit_demotion(batch, source, target, slots)
 
-    def _room_below(self, source: Tier, slot_bytes: int, want: int, protect: set[int]) -> tuple[Tier, list[int]]:
-        """Free slots on the first tier below ``source`` that can take blocks, pushing that tier's own
-        victims further down when it is full; tiers that hold nothing and have no room are skipped."""
+    def _room_below(self, source: Tier, slot_bytes: int, blocks: list[Block],
+                    protect: set[int]) -> tuple[Tier, list[int]]:
+        """Free slots for (a prefix of) ``blocks`` on the first tier below ``source`` that can take them,
+        pushing that tier's own victims further down when it is full; tiers with no room are skipped."""
         for target in self.below(source):
-            slots = self._alloc_many(target, slot_bytes, want)
+            slots = self._alloc_many(target, slot_bytes, blocks)
             if slots:
                 return target, slots
             if self.below(target) and self.policy.victims(target, slot_bytes, 1, protect):
-                self.demote_victims(target, slot_bytes, want, protect)
-                slots = self._alloc_many(target, slot_bytes, want)
+                self.demote_victims(target, slot_bytes, len(blocks), protect)
+                slots = self._alloc_many(target, slot_bytes, blocks)
                 if slots:
                     return target, slots
         raise self.capacity_error()
 
-    def _alloc_many(self, tier: Tier, slot_bytes: int, want: int) -> list[int]:
+    def _alloc_many(self, tier: Tier, slot_bytes: int, blocks: list[Block]) -> list[int]:
+        """Slots on ``tier`` for the first blocks of ``blocks`` (each next to its layer's last one)."""
         slots: list[int] = []
-        while len(slots) < want and (slot := self._alloc(tier, slot_bytes)) is not None:
+        for block in blocks:
+            slot = self._alloc(tier, slot_bytes, (block.layer, block.index))
+            if slot is None:
+                break
             slots.append(slot)
         return slots
 
@@ -213,3 +219,9 @@ def _size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:,.2f} {unit}"
     return f"{nbytes} B"
+
+
+def in_sequence_order(block: Block) -> tuple[int, int]:
+    """Blocks moved together get consecutive slots in this order, so a layer's blocks sit side by side on
+    the lower tier and its later reads coalesce into few large requests (one per run of slots)."""
+    return block.layer, block.index

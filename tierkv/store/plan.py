@@ -17,7 +17,7 @@ step builds none: appending a token to an open tail changes no place.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,6 +45,7 @@ class TierPart:
     slots: np.ndarray  # [n] int64
     runs: tuple[Run, ...]
     tail_blocks: int
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # the tier's derived index tensors
 
     @property
     def blocks(self) -> int:
@@ -63,6 +64,11 @@ class ReadPlan:
     def only(self, tier: Tier) -> ReadPlan:
         """The same plan restricted to one source tier (for per-link benchmarks and timing)."""
         return dataclasses.replace(self, parts=tuple(part for part in self.parts if part.tier == tier))
+
+    @property
+    def moved_blocks(self) -> int:
+        """Blocks this plan reads from below the device tier (across a link)."""
+        return sum(part.blocks for part in self.parts if part.tier != Tier.DEVICE)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:

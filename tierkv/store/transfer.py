@@ -59,8 +59,9 @@ class Transfer:
 
     # ----------------------------------------------------------------------------------------- reads
     def read_into(self, layout: BlockLayout, plan: ReadPlan, dest: torch.Tensor, tail_tokens: int,
-                  probe: ReadProbe | None = None) -> None:
-        """Fill ``dest`` ``[2, B, H_kv, >= plan.blocks * block_tokens, D]`` with the plan's blocks."""
+                  probe: ReadProbe | None = None, ahead: PendingRead | None = None) -> None:
+        """Fill ``dest`` ``[2, B, H_kv, >= plan.blocks * block_tokens, D]`` with the plan's blocks; ``ahead`` is
+        this plan's disk part already submitted by :meth:`read_ahead`."""
         bt = layout.block_tokens
         grid = dest[..., : plan.blocks * bt, :].unflatten(3, (plan.blocks, bt))  # [2, B, H, n, bt, D]
         blocks = grid.permute(1, 3, 0, 2, 4, 5)  # [B, n, 2, H, bt, D]: one strided view per run below
@@ -68,7 +69,11 @@ class Transfer:
         try:
             for part in plan.parts:  # slowest tier first
                 mark = probe.begin(part.tier) if probe is not None else None
-                started.append((part, self.tiers[part.tier].start_read(layout, part.slots, self.scratch), mark))
+                if ahead is not None and part.tier == Tier.DISK:
+                    pending, ahead = ahead, None
+                else:
+                    pending = self.tiers[part.tier].start_read(layout, part.slots, self.scratch, part.memo)
+                started.append((part, pending, mark))
             while started:
                 part, pending, mark = started[-1]  # fastest first: the disk read lands last
                 pending.finish([(r.lo, r.hi, blocks[r.row, r.column : r.column + r.hi - r.lo]) for r in part.runs])
@@ -80,6 +85,16 @@ class Transfer:
         finally:
             for _, pending, _ in started:  # a failure above: no read may still land in a buffer being reused
                 pending.settle()
+            if ahead is not None:  # given but not used (the plan has no disk part)
+                ahead.settle()
+
+    def read_ahead(self, layout: BlockLayout, plan: ReadPlan, purpose: str) -> PendingRead | None:
+        """Submit the disk part of ``plan`` now, into the scratch buffer named ``purpose`` (which the caller
+        keeps for it until the read is finished or settled); None if the plan reads nothing from disk."""
+        for part in plan.parts:
+            if part.tier == Tier.DISK:
+                return self.tiers[part.tier].start_read(layout, part.slots, self.scratch, part.memo, purpose)
+        return None
 
     def read_blocks(self, layout: BlockLayout | SlotBytes, tier: Tier, slots: list[int],
                     device: torch.device | None = None) -> torch.Tensor:

@@ -105,15 +105,18 @@ class Writeback:
                 continue
             want = max(1, int(capacity * TARGET_FREE) - free)
             victims = self.policy.victims(Tier.HOST, slot_bytes, want)
-            if victims:
-                self._start(victims, slot_bytes)
+            if victims:  # in sequence order: a layer's blocks land in consecutive disk slots and read back as runs
+                self._start(sorted(victims, key=lambda block: (block.layer, block.index)), slot_bytes)
             return
 
     def _start(self, blocks: list[Block], slot_bytes: int) -> None:
         assert self.disk is not None
         slots: list[int] = []
         try:
-            while len(slots) < len(blocks) and (slot := self.disk.alloc(slot_bytes)) is not None:
+            for block in blocks:
+                slot = self.disk.alloc(slot_bytes, (block.layer, block.index))
+                if slot is None:
+                    break
                 slots.append(slot)
         except TierKVError as exc:  # e.g. the filesystem is full: the foreground will report it if it matters
             self._pause(str(exc))

@@ -47,11 +47,17 @@ class StorageTier(Protocol):
     @property
     def used_bytes(self) -> int: ...
 
-    def alloc(self, slot_bytes: int) -> int | None: ...
+    def alloc(self, slot_bytes: int, near: tuple[int, int] | None = None) -> int | None:
+        """A free slot, or None when the tier is full; ``near=(layer, index)`` places a block next to its
+        neighbours in the sequence (see :class:`~tierkv.tiers.slots.FreeSlots`), so reads coalesce."""
 
     def free(self, slot_bytes: int, slot: int) -> None: ...
 
-    def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch) -> PendingRead: ...
+    def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
+                   purpose: str = "read") -> PendingRead:
+        """Submit a read of ``slots``; ``memo`` is a dict that lives as long as ``slots`` (a cached plan's), where
+        the tier may keep what it derives from them (index tensors); ``purpose`` names the scratch buffer a
+        read in flight holds (reads ahead each hold their own until finished)."""
 
     def write_from(self, layout: BlockLayout, slots: np.ndarray, src: torch.Tensor, scratch: Scratch) -> None:
         """Write ``src`` ``[n, 2, H_kv, block_tokens, D]`` (any device) into ``slots``."""

@@ -122,22 +122,25 @@ class DiskTier:
             self.files[slot_bytes] = slot_file
         return self.files[slot_bytes]
 
-    def alloc(self, slot_bytes: int) -> int | None:
+    def alloc(self, slot_bytes: int, near: tuple[int, int] | None = None) -> int | None:
+        """A free slot (beside its sequence neighbours where it can, so a layer's blocks read back as runs)."""
         slot_file = self.slot_file(slot_bytes)
-        slot = slot_file.alloc()
+        slot = slot_file.alloc(near)
         if slot is not None:
             return slot
         extent = growth_slots(self.budget, self.allocated_bytes, slot_bytes, self.extent_bytes)
-        if extent == 0:
-            return None
-        try:
-            slot_file.grow(extent)
-        except DiskFullError:
-            if extent == 1:
-                raise
-            slot_file.grow(1)  # the filesystem is nearly full: use what is left, one slot at a time
-        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
-        return slot_file.alloc()
+        if extent:
+            try:
+                slot_file.grow(extent)
+            except DiskFullError:
+                if extent == 1:
+                    raise
+                slot_file.grow(1)  # the filesystem is nearly full: use what is left, one slot at a time
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+            slot = slot_file.alloc(near)
+        if slot is None and slot_file.reclaim():  # only runs' reserved slots are left: give them out
+            slot = slot_file.alloc(near)
+        return slot
 
     def free(self, slot_bytes: int, slot: int) -> None:
         self.files[slot_bytes].free(slot)
@@ -151,14 +154,15 @@ class DiskTier:
         """Read ``slots`` into ``buffer`` in order, coalescing runs of consecutive slots into one request."""
         return self._submit(slot_bytes, slots, buffer, write=False)
 
-    def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch) -> _DiskRead:
+    def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
+                   purpose: str = "read") -> _DiskRead:
         slot_bytes = layout.slot_bytes
-        bounce = scratch.bounce(len(slots) * slot_bytes, "read")
+        bounce = scratch.bounce(len(slots) * slot_bytes, purpose)
         try:
             handle = self.read(slot_bytes, slots.tolist(), bounce)
         except OSError as exc:
             raise disk_error(exc, self.files[slot_bytes].path) from exc
-        return _DiskRead(self, layout, bounce, handle, scratch.landing())
+        return _DiskRead(self, layout, bounce, handle, scratch)
 
     def write_from(self, layout: BlockLayout, slots: np.ndarray, src: torch.Tensor, scratch: Scratch) -> None:
         """Stage ``src`` in the write bounce buffer and write it with one batched engine call."""
@@ -207,8 +211,8 @@ class _DiskRead:
     """A submitted read of a layer's disk blocks, in plan order, into a bounce buffer."""
 
     def __init__(self, tier: DiskTier, layout: BlockLayout, bounce: np.ndarray, handle: IOHandle,
-                 landing: torch.Tensor | None) -> None:
-        self.tier, self.layout, self.bounce, self.handle, self.landing = tier, layout, bounce, handle, landing
+                 scratch: Scratch) -> None:
+        self.tier, self.layout, self.bounce, self.handle, self.scratch = tier, layout, bounce, handle, scratch
 
     def settle(self) -> None:
         with contextlib.suppress(OSError):  # the failure that matters was raised where it happened
@@ -218,14 +222,15 @@ class _DiskRead:
         layout = self.layout
         self.tier.wait(self.handle, layout.slot_bytes)
         staged = torch.from_numpy(self.bounce).view(-1, layout.slot_bytes)
+        landing = self.scratch.landing()  # the finishing thread's (a read ahead is submitted on another)
         for lo, hi, out in dests:
-            if self.landing is None:
+            if landing is None:
                 out.copy_(layout.blocks_of(staged[lo:hi]), non_blocking=True)
                 continue
-            capacity = self.landing.numel() // layout.slot_bytes
+            capacity = landing.numel() // layout.slot_bytes
             if capacity == 0:
                 raise ValueError("the landing buffer is smaller than one block")
-            slab = self.landing[: capacity * layout.slot_bytes].view(capacity, layout.slot_bytes)
+            slab = landing[: capacity * layout.slot_bytes].view(capacity, layout.slot_bytes)
             for piece in range(lo, hi, capacity):
                 end = min(hi, piece + capacity)
                 slab[: end - piece].copy_(staged[piece:end], non_blocking=True)

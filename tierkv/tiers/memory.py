@@ -17,11 +17,10 @@ import numpy as np
 import torch
 
 from tierkv.blocks import Tier
-from tierkv.layout import BlockLayout
+from tierkv.layout import BlockLayout, SlotBytes
+from tierkv.staging import CHUNKS_PER_BUDGET  # a pool grows by 1/16 of its budget: few chunks, fine for staging
 from tierkv.tiers.base import Dest, Scratch
 from tierkv.tiers.slots import SlotPool, growth_slots
-
-CHUNKS_PER_BUDGET = 16  # a pool grows by 1/16 of its tier's budget: few chunks, fine enough for staging
 
 
 class SlabPool(SlotPool):
@@ -34,6 +33,7 @@ class SlabPool(SlotPool):
         self.pin = pin
         self.chunks: list[torch.Tensor] = []
         self._starts = np.zeros(0, dtype=np.int64)  # first slot id of each chunk
+        self._typed: dict[tuple[int, object], torch.Tensor] = {}  # (chunk, layout) -> typed block view
 
     @property
     def allocated_bytes(self) -> int:
@@ -43,6 +43,7 @@ class SlabPool(SlotPool):
         chunk = torch.empty((slots, self.slot_bytes), dtype=torch.uint8, device=self.device, pin_memory=self.pin)
         self._starts = np.append(self._starts, self.capacity)
         self.chunks.append(chunk)
+        self._typed.clear()
         self.slots.grow(slots)
 
     def last_chunk_slots(self) -> range:
@@ -57,6 +58,7 @@ class SlabPool(SlotPool):
         size = self.chunks[-1].shape[0]
         self.slots.shrink(size)
         self._starts = self._starts[:-1]
+        self._typed.clear()
         return self.chunks.pop().numel()
 
     def view(self, slot: int) -> torch.Tensor:
@@ -64,23 +66,48 @@ class SlabPool(SlotPool):
         chunk = int(np.searchsorted(self._starts, slot, side="right")) - 1
         return self.chunks[chunk][slot - int(self._starts[chunk])]
 
+    def typed(self, chunk: int, layout: BlockLayout | SlotBytes) -> torch.Tensor:
+        """Chunk ``chunk`` as blocks of ``layout`` (a cached view)."""
+        view = self._typed.get((chunk, layout))
+        if view is None:
+            view = self._typed[(chunk, layout)] = layout.blocks_of(self.chunks[chunk])
+        return view
+
+    def block(self, layout: BlockLayout, slot: int) -> torch.Tensor:
+        """One slot as a block ``[2, H_kv, block_tokens, D]`` (a view into the slab)."""
+        chunk = int(np.searchsorted(self._starts, slot, side="right")) - 1
+        return self.typed(chunk, layout)[slot - int(self._starts[chunk])]
+
     def locate(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(chunk, row within the chunk) of each slot, vectorised."""
         chunk = np.searchsorted(self._starts, slots, side="right") - 1
         return chunk, slots - self._starts[chunk]
 
-    def gather(self, layout: BlockLayout, slots: np.ndarray, dests: Sequence[Dest],
-               landing: torch.Tensor | None = None) -> None:
+    def gather(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, dests: Sequence[Dest],
+               landing: torch.Tensor | None = None, memo: dict | None = None) -> None:
         """Copy the blocks in ``slots`` into ``dests``: one ``index_select`` per run of slots in one chunk;
-        through ``landing`` (a device buffer) when the destination is on another device than the slab."""
-        chunks, rows = self.locate(slots)
-        for lo, hi, out in dests:
-            if out.device == self.device and landing is None:
-                for a, b, chunk in _runs(chunks, lo, hi):
-                    index = torch.from_numpy(rows[a:b]).to(self.device)
-                    torch.index_select(layout.blocks_of(self.chunks[chunk]), 0, index, out=out[a - lo : b - lo])
-            else:
+        through ``landing`` (a device buffer) when the destination is on another device than the slab.
+        ``memo`` (a dict that lives as long as ``slots`` does, e.g. a cached plan's) keeps the index tensors."""
+        if landing is not None or any(out.device != self.device for _, _, out in dests):
+            chunks, rows = self.locate(slots)
+            for lo, hi, out in dests:
                 self._gather_across(layout, chunks, rows, lo, hi, out, landing)
+            return
+        program = memo.get("gather") if memo is not None else None
+        if program is None:
+            program = self._program(slots, [(lo, hi) for lo, hi, _ in dests])
+            if memo is not None:
+                memo["gather"] = program
+        for (_, _, out), steps in zip(dests, program):
+            for a, b, chunk, index in steps:
+                torch.index_select(self.typed(chunk, layout), 0, index, out=out[a:b])
+
+    def _program(self, slots: np.ndarray,
+                 ranges: list[tuple[int, int]]) -> list[list[tuple[int, int, int, torch.Tensor]]]:
+        """Per destination range: ``(a, b, chunk, rows)`` steps, offsets relative to the range."""
+        chunks, rows = self.locate(slots)
+        return [[(a - lo, b - lo, chunk, torch.from_numpy(rows[a:b]).to(self.device))
+                 for a, b, chunk in _runs(chunks, lo, hi)] for lo, hi in ranges]
 
     def _gather_across(self, layout: BlockLayout, chunks: np.ndarray, rows: np.ndarray, lo: int, hi: int,
                        out: torch.Tensor, landing: torch.Tensor | None) -> None:
@@ -103,13 +130,13 @@ class SlabPool(SlotPool):
                 slab[a - piece : b - piece].copy_(self.chunks[chunks[a]][first : first + b - a], non_blocking=True)
             out[piece - lo : end - lo].copy_(layout.blocks_of(slab[: end - piece]), non_blocking=True)
 
-    def scatter(self, layout: BlockLayout, slots: np.ndarray, src: torch.Tensor) -> None:
+    def scatter(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, src: torch.Tensor) -> None:
         """Write blocks ``src`` ``[n, 2, H_kv, block_tokens, D]`` into ``slots``: one ``index_copy_`` per chunk run."""
         chunks, rows = self.locate(slots)
         src = src.to(self.device, non_blocking=True)
         for a, b, chunk in _runs(chunks, 0, len(slots)):
             index = torch.from_numpy(rows[a:b]).to(self.device)
-            layout.blocks_of(self.chunks[chunk]).index_copy_(0, index, src[a:b])
+            self.typed(chunk, layout).index_copy_(0, index, src[a:b])
 
 
 class MemoryTier:
@@ -142,18 +169,24 @@ class MemoryTier:
             self.pools[slot_bytes] = SlabPool(slot_bytes, self.device, self.pin)
         return self.pools[slot_bytes]
 
-    def alloc(self, slot_bytes: int) -> int | None:
-        """A free slot for a block of ``slot_bytes``, growing the pool by a chunk if the budget allows."""
+    def alloc(self, slot_bytes: int, near: tuple[int, int] | None = None) -> int | None:
+        """A free slot for a block of ``slot_bytes`` (beside its sequence neighbours where it can), growing
+        the pool by a chunk if the budget allows."""
+        if self.kind == Tier.DEVICE:
+            near = None  # device blocks gather in place: neighbours buy nothing, and reserved room would
+            # make the pool grow into space that staging may need
         pool = self.pool(slot_bytes)
-        slot = pool.alloc()
+        slot = pool.alloc(near)
         if slot is not None:
             return slot
         count = growth_slots(self.budget, self.allocated_bytes, slot_bytes, self.chunk_bytes)
-        if count == 0:
-            return None
-        pool.add_chunk(count)
-        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
-        return pool.alloc()
+        if count:
+            pool.add_chunk(count)
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+            slot = pool.alloc(near)
+        if slot is None and pool.reclaim():  # only runs' reserved slots are left: give them out
+            slot = pool.alloc(near)
+        return slot
 
     def free(self, slot_bytes: int, slot: int) -> None:
         self.pools[slot_bytes].free(slot)
@@ -163,11 +196,13 @@ class MemoryTier:
 
     def block(self, layout: BlockLayout, slot: int) -> torch.Tensor:
         """One slot as a block ``[2, H_kv, block_tokens, D]`` (a view into the slab)."""
-        return layout.blocks_of(self.view(layout.slot_bytes, slot)[None])[0]
+        return self.pools[layout.slot_bytes].block(layout, slot)
 
-    def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch) -> _MemoryRead:
-        landing = scratch.landing() if self.kind != Tier.DEVICE else None  # device blocks are gathered in place
-        return _MemoryRead(self.pools[layout.slot_bytes], layout, slots, landing)
+    def start_read(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, scratch: Scratch,
+                   memo: dict | None = None, purpose: str = "read") -> _MemoryRead:
+        # device blocks are gathered in place; the others through the finishing thread's landing buffer
+        return _MemoryRead(self.pools[layout.slot_bytes], layout, slots, scratch if self.kind != Tier.DEVICE
+                           else None, memo)
 
     def write_from(self, layout: BlockLayout, slots: np.ndarray, src: torch.Tensor, scratch: Scratch) -> None:
         self.pool(layout.slot_bytes).scatter(layout, slots, src)
@@ -203,11 +238,13 @@ class MemoryTier:
 class _MemoryRead:
     """A memory tier's read: nothing to wait for; ``finish`` gathers."""
 
-    def __init__(self, pool: SlabPool, layout: BlockLayout, slots: np.ndarray, landing: torch.Tensor | None) -> None:
-        self.pool, self.layout, self.slots, self.landing = pool, layout, slots, landing
+    def __init__(self, pool: SlabPool, layout: BlockLayout | SlotBytes, slots: np.ndarray,
+                 scratch: Scratch | None, memo: dict | None) -> None:
+        self.pool, self.layout, self.slots, self.scratch, self.memo = pool, layout, slots, scratch, memo
 
     def finish(self, dests: Sequence[Dest]) -> None:
-        self.pool.gather(self.layout, self.slots, dests, self.landing)
+        landing = self.scratch.landing() if self.scratch is not None else None
+        self.pool.gather(self.layout, self.slots, dests, landing, self.memo)
 
     def settle(self) -> None:
         pass

@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import heapq
 
+GROUP_RUN = 16  # blocks of a layer that share a run of slots (4 MiB at 256 KiB blocks: one large request)
+
 
 class FreeSlots:
     """Slot ids ``0 .. capacity - 1`` of one pool and which of them are free.
 
     Free slots are handed out lowest first (a min-heap, with a set for membership): blocks pack into the
     oldest chunk or file extent, so the newest one is the first to empty when its room is wanted back.
+
+    An allocation may say where its block sits in its sequence, ``near=(layer, index)``: blocks
+    ``16k .. 16k + 15`` of a layer then share a run of :data:`GROUP_RUN` consecutive slots, block ``i`` at
+    offset ``i % 16``, so however the layer's blocks arrive (interleaved with other layers', demoted out of
+    order) they sit in sequence order and a read of them coalesces into one large request. A run's other
+    slots are reserved, still free; when nothing unreserved is left and the pool cannot grow, the owner
+    calls :meth:`reclaim` and every reservation is released. The
+    heap is lazy (entries of slots taken out of order are skipped when they surface): O(1) amortised.
     """
 
     def __init__(self) -> None:
         self._heap: list[int] = []
         self._free: set[int] = set()
+        self._owner: dict[int, tuple[int, int]] = {}  # reserved free slot -> its run's group
+        self._runs: dict[tuple[int, int], list[int]] = {}  # group -> [first slot, reserved slots left]
+        self._beyond: set[tuple[int, int]] = set()  # runs that reach past the capacity: growth extends them
         self.capacity = 0
         self.used = 0
 
@@ -25,6 +38,12 @@ class FreeSlots:
             heapq.heappush(self._heap, slot)
         self._free.update(added)
         self.capacity += count
+        for group in list(self._beyond):  # the file or slab grew under a run: its slots there are its own
+            run = self._runs.get(group)
+            if run is not None:
+                self._reserve(group, max(run[0], added.start), run[0] + GROUP_RUN)
+            if run is None or run[0] + GROUP_RUN <= self.capacity:
+                self._beyond.discard(group)
         return added
 
     def shrink(self, count: int) -> None:
@@ -32,18 +51,28 @@ class FreeSlots:
         dropped = set(range(self.capacity - count, self.capacity))
         if not dropped <= self._free:
             raise RuntimeError("FreeSlots.shrink: the slots to drop still hold blocks; evacuate them first")
+        self._release_reservations()
         self._free -= dropped
-        self._heap = [slot for slot in self._heap if slot not in dropped]
+        self._heap = [slot for slot in self._heap if slot in self._free]
         heapq.heapify(self._heap)
         self.capacity -= count
 
     def all_free(self, slots: range) -> bool:
         return all(slot in self._free for slot in slots)
 
-    def alloc(self) -> int | None:
-        if not self._heap:
-            return None
-        slot = heapq.heappop(self._heap)
+    def alloc(self, near: tuple[int, int] | None = None) -> int | None:
+        """A free slot; with ``near=(layer, index)``, the one for block ``index`` in its layer's run."""
+        slot = self._in_run(near) if near is not None else None
+        if slot is None:
+            base = self._lowest()
+            if base is None:
+                return None  # the pool grows, or reclaim() gives the reserved slots back
+            slot = base
+            if near is not None and self._open_run(base, near):
+                slot = self._in_run(near)
+                if slot is None:  # the block's own place in the new run is taken: it gets the run's first slot
+                    slot = base
+                    self._unreserve(base)
         self._free.discard(slot)
         self.used += 1
         return slot
@@ -54,6 +83,67 @@ class FreeSlots:
         heapq.heappush(self._heap, slot)
         self._free.add(slot)
         self.used -= 1
+
+    def _in_run(self, near: tuple[int, int]) -> int | None:
+        """The reserved slot of block ``near`` in its group's run, taken out of the reservation; None if none."""
+        layer, index = near
+        run = self._runs.get((layer, index // GROUP_RUN))
+        slot = run[0] + index % GROUP_RUN if run is not None else -1
+        if self._owner.get(slot) != (layer, index // GROUP_RUN):
+            return None
+        self._unreserve(slot)
+        return slot
+
+    def _unreserve(self, slot: int) -> None:
+        group = self._owner.pop(slot)
+        run = self._runs[group]
+        run[1] -= 1
+        if run[1] == 0 and group not in self._beyond:
+            del self._runs[group]
+
+    def _open_run(self, base: int, near: tuple[int, int]) -> bool:
+        """Reserve the run of ``near``'s group from ``base`` (the lowest free slot): its free slots
+        ``base .. base + 15``, block ``16k + i`` at ``base + i``. False if the group already has a run (the
+        block's own slot there was taken: it goes elsewhere, the run stays)."""
+        layer, index = near
+        group = (layer, index // GROUP_RUN)
+        if group in self._runs:
+            return False
+        self._runs[group] = [base, 0]
+        self._reserve(group, base, base + GROUP_RUN)
+        if base + GROUP_RUN > self.capacity:
+            self._beyond.add(group)
+        return True
+
+    def _reserve(self, group: tuple[int, int], start: int, stop: int) -> None:
+        run = self._runs[group]
+        for slot in range(start, min(stop, self.capacity)):
+            if slot in self._free and slot not in self._owner:
+                self._owner[slot] = group
+                run[1] += 1
+
+    def _lowest(self) -> int | None:
+        """The lowest free slot no run holds (reserved ones are skipped: their runs take them)."""
+        while self._heap:
+            slot = heapq.heappop(self._heap)
+            if slot in self._free and slot not in self._owner:
+                return slot
+        return None
+
+    def reclaim(self) -> bool:
+        """Release every run's reserved slots (the pool cannot grow and nothing else is free); False if
+        there were none."""
+        if not self._owner:
+            return False
+        self._release_reservations()
+        return True
+
+    def _release_reservations(self) -> None:
+        for slot in self._owner:
+            heapq.heappush(self._heap, slot)
+        self._owner.clear()
+        self._runs.clear()
+        self._beyond.clear()
 
 
 class SlotPool:
@@ -72,8 +162,11 @@ class SlotPool:
     def used(self) -> int:
         return self.slots.used
 
-    def alloc(self) -> int | None:
-        return self.slots.alloc()
+    def alloc(self, near: tuple[int, int] | None = None) -> int | None:
+        return self.slots.alloc(near)
+
+    def reclaim(self) -> bool:
+        return self.slots.reclaim()
 
     def free(self, slot: int) -> None:
         self.slots.free(slot)

@@ -1,0 +1,14 @@
+"""Fixtures for every test: the suite prefetches everything, so the prefetch paths run at test sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierkv import settings
+
+
+@pytest.fixture(autouse=True)
+def prefetch_every_layer():
+    """Tests use small layers, which the runtime would read without prefetching (``prefetch_min``)."""
+    with settings.override(prefetch_min=0):
+        yield
