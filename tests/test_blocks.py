@@ -17,7 +17,7 @@ def test_grid_tracks_every_move(tmp_path):
     full = [store.table.blocks[int(b)] for b in rows.ids[0, :2]]
     store.demote(full)
     assert (rows.tiers[0, :2] != Tier.DEVICE).all()
-    store.table.check()
+    store.check()
 
 
 def test_plans_are_cached_until_the_grid_changes(tmp_path):
@@ -70,4 +70,19 @@ def test_bytes_past_a_blocks_tokens_are_zero(tmp_path, cut):
     assert raw[:, :, tail.tokens :].abs().sum() == 0 and raw[:, :, : tail.tokens].abs().sum() > 0
     torch_ref = store.read_tokens(0)
     assert torch_ref.shape[3] == 12 - cut
+    store.close()
+
+
+def test_a_layer_emptied_and_refilled_gets_a_fresh_plan(tmp_path):
+    """Regression (found by the property test): a new grid restarted its version at 0, so a plan cached for
+    the old grid could come back for the new one."""
+    store = make_store(tmp_path, device_slots=16, host_slots=16, block_tokens=4)
+    store.append(0, *kv(1, 2, seed=1))
+    store.read_tokens(0)
+    store.crop(0, 2)
+    keys, values = kv(1, 1, seed=2)
+    store.append(0, keys, values)
+    got = store.read_tokens(0)
+    assert got.shape[3] == 1
+    assert (got[0] == keys).all() and (got[1] == values).all()
     store.close()

@@ -192,7 +192,7 @@ def test_failed_crop_of_shared_disk_tail_leaks_nothing(tmp_path, monkeypatch):
     with pytest.raises(DiskTierError):
         store.crop(0, 2)
     monkeypatch.setattr(disk, "read", real_read)
-    store.table.check()
+    store.check()
     assert store.device.used_bytes == device_used
     store.close()
 

@@ -31,7 +31,7 @@ def fill(store, steps: int, first: int, then: int, seed_step: int) -> dict:
 
 
 def assert_matches(store, ref: dict) -> None:
-    store.table.check()
+    store.check()
     for layer, expected in ref.items():
         assert store.seq_length(layer) == expected.shape[3]
         torch.testing.assert_close(store.read_tokens(layer), expected, rtol=0, atol=0)
@@ -227,7 +227,7 @@ def test_random_operations_match_reference(tmp_path_factory, ops, device_slots):
                     ref[layer] = ref[layer][:, list(arg)]
             elif name == "read" and arg in ref:
                 torch.testing.assert_close(store.read_tokens(arg), ref[arg], rtol=0, atol=0)
-            store.table.check()
+            store.check()
         assert_matches(store, ref)
         for tier, peak in store.stats()["peak_bytes_allocated"].items():
             assert peak <= store.stats()["budget_bytes"][tier]

@@ -54,6 +54,9 @@ class Block:
     last_access: int = 0  # the policy's bookkeeping (see tierkv.policy)
 
 
+_VERSIONS = itertools.count()  # one sequence for every grid: a version never repeats, even in a new grid
+
+
 class LayerRows:
     """One layer's grid of blocks: ``ids``/``tiers``/``slots`` as ``[B, n]`` arrays (views into buffers that
     grow geometrically, so appending a column is amortised O(B)).
@@ -68,7 +71,7 @@ class LayerRows:
         self._slots = np.zeros((batch, 8), dtype=np.int64)
         self.count = 0
         self.front = 0  # sequence index of column 0 (blocks dropped from the front before it)
-        self.version = 0
+        self.version = next(_VERSIONS)
 
     @property
     def batch(self) -> int:
@@ -107,7 +110,7 @@ class LayerRows:
         self._ids[row, column] = block.id
         self._tiers[row, column] = block.tier
         self._slots[row, column] = block.slot
-        self.version += 1
+        self.version = next(_VERSIONS)
 
     def moved(self, block: Block) -> None:
         """``block`` changed tier or slot: update every row that holds it (shared blocks share a column)."""
@@ -115,22 +118,22 @@ class LayerRows:
         holders = self._ids[:, column] == block.id
         self._tiers[holders, column] = block.tier
         self._slots[holders, column] = block.slot
-        self.version += 1
+        self.version = next(_VERSIONS)
 
     def truncate(self, count: int) -> None:
         self.count = count
-        self.version += 1
+        self.version = next(_VERSIONS)
 
     def drop_front(self, columns: int) -> None:
         for array in (self._ids, self._tiers, self._slots):
             array[:, : self.count - columns] = array[:, columns : self.count].copy()
         self.count -= columns
         self.front += columns
-        self.version += 1
+        self.version = next(_VERSIONS)
 
     def select(self, indices: list[int]) -> None:
         self._ids, self._tiers, self._slots = (array[indices] for array in (self._ids, self._tiers, self._slots))
-        self.version += 1
+        self.version = next(_VERSIONS)
 
     def _grow(self) -> None:
         width = 2 * self._ids.shape[1]

@@ -157,10 +157,12 @@ class PipelinedExecutor:
         """Submit the disk part of each ``(layer, start, stop)`` read that will come soon, so the disk engine
         always has work queued (it reads on its own threads) while the mover copies and the model computes.
         A read ahead is used only by a read of the identical plan (plans change with any table edit)."""
+        if Tier.DISK not in self.store.tiers:
+            return
         for layer, start, stop in targets:
             if stop <= start or layer not in self.store.layouts:
                 continue
-            plan = self.store.plan_read(layer, start, stop)
+            plan = self.store.plan_read(layer, start, stop, access=False)
             key = (layer, plan.first)
             held = self._disk_ahead.get(key)
             if held is not None and held.plan is plan:

@@ -70,6 +70,7 @@ class KVStore:
         self.placement = Placement(self.tiers, self.table, policy, self.transfer, self.writeback, self.layouts,
                                    self.barrier, self._moved)
         self._readers: list[Reader] = []
+        self._lengths: dict[int, int] = {}  # layer -> tokens per row (asked for several times per layer-step)
         self._plans: dict[int, tuple[int, dict[tuple[int, int], ReadPlan]]] = {}  # layer -> (version, plans)
 
     # ----------------------------------------------------------------------------------------- queries
@@ -78,7 +79,15 @@ class KVStore:
         return self.transfer.bytes_moved
 
     def seq_length(self, layer: int) -> int:
-        return self.table.seq_length(layer)
+        return self._lengths.get(layer, 0)
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` if the table's invariants or the kept lengths are broken (for tests)."""
+        self.table.check()
+        for layer in self.table.rows:
+            if self.table.seq_length(layer) != self.seq_length(layer):
+                raise AssertionError(f"layer {layer}: kept length {self.seq_length(layer)} != "
+                                     f"{self.table.seq_length(layer)} in the table")
 
     def batch_size(self, layer: int) -> int:
         rows = self.table.layer_rows(layer)
@@ -113,7 +122,7 @@ class KVStore:
             self.tick += 1
         self.writeback.reap()
         kv = torch.stack((keys.detach(), values.detach()))  # [2, B, H_kv, q, D]; the cache holds no autograd graph
-        length = self.table.seq_length(layer) if rows.count else 0
+        length = self.seq_length(layer) if rows.count else 0
         allocated: list[Block] = []
         try:
             plans = self._allocate(layer, rows, length, tokens, layout, allocated)
@@ -124,17 +133,17 @@ class KVStore:
                 del self.table.blocks[block.id]
             raise
         self._commit(layer, rows, plans, length, tokens)
+        self._lengths[layer] = length + tokens
         self.writeback.maybe_start()
 
     def _append_in_place(self, layer: int, rows: LayerRows, keys: torch.Tensor, values: torch.Tensor) -> bool:
         """The decode step's common case, kept short: the new tokens fit in every row's open tail, which is on
         the device and not shared — written where attention reads them, with no table change. False: use
         the general path."""
-        held, tokens = self.table.tail(layer).tokens, keys.shape[2]
-        if held + tokens > self.block_tokens or not (rows.tiers[:, -1] == Tier.DEVICE).all():
-            return False
-        tails = [self.table.tail(layer, r) for r in range(rows.batch)]
-        if any(tail.refcount != 1 for tail in tails):
+        blocks = self.table.blocks
+        tails = [blocks[i] for i in rows.ids[:, -1].tolist()]
+        held, tokens = tails[0].tokens, keys.shape[2]
+        if held + tokens > self.block_tokens or any(t.refcount != 1 or t.tier != Tier.DEVICE for t in tails):
             return False
         if layer == 0:
             self.tick += 1
@@ -145,6 +154,7 @@ class KVStore:
             block[0, :, held : held + tokens].copy_(keys[r].detach())
             block[1, :, held : held + tokens].copy_(values[r].detach())
             tail.tokens += tokens
+        self._lengths[layer] += tokens
         self.writeback.maybe_start()
         return True
 
@@ -282,13 +292,15 @@ class KVStore:
         self.table.rows[layer] = rows
 
     # ----------------------------------------------------------------------------------------- reads
-    def plan_read(self, layer: int, start: int, stop: int) -> ReadPlan:
+    def plan_read(self, layer: int, start: int, stop: int, access: bool = True) -> ReadPlan:
         """The plan that covers tokens ``[start, stop)`` of every row of ``layer`` in whole blocks: block
-        columns ``[start // block_tokens, ceil(stop / block_tokens))``; records the access (once)."""
+        columns ``[start // block_tokens, ceil(stop / block_tokens))``; records the access (one event for the
+        layer) unless ``access`` is False (a plan looked at, not read)."""
         bt = self.block_tokens
         first, end = start // bt, -(-stop // bt)
         rows = self.table.layer_rows(layer)
-        self.policy.on_access(layer, self.tick)
+        if access:
+            self.policy.on_access(layer, self.tick)
         if rows is None or end <= first:
             return ReadPlan(layer, first, 0, ())
         version, plans = self._plans.get(layer, (-1, {}))
@@ -385,6 +397,7 @@ class KVStore:
             if released is not None:
                 self._free(released)
         rows.truncate(keep_columns)
+        self._lengths[layer] = keep_tokens
         if not keep_columns:
             return
         for r in range(rows.batch):
@@ -414,6 +427,7 @@ class KVStore:
             if released is not None:
                 self._free(released)
         rows.drop_front(columns)
+        self._lengths[layer] -= columns * self.block_tokens
         return columns * self.block_tokens
 
     def _copy_prefix(self, block: Block, keep: int, allocated: list[Block]) -> Block:
@@ -450,6 +464,7 @@ class KVStore:
             self.tiers[block.tier].free(block.slot_bytes, block.slot)
         self.table.clear()
         self._plans.clear()
+        self._lengths.clear()
         self.layouts.clear()  # the next sequence may come from another model or dtype
 
     def close(self) -> None:
@@ -459,6 +474,7 @@ class KVStore:
             self.policy.on_release(block)
         self.table.clear()
         self._plans.clear()
+        self._lengths.clear()
         for tier in self.tiers.values():
             tier.close()
 
