@@ -101,8 +101,8 @@ def test_history_is_bounded_and_summarised():
         now += 0.01
     timeline.begin_step(now, 1, 0, 1)  # closes the last full step
     assert len(timeline.history) == HISTORY
-    assert sum(step.layers is not None for step in timeline.history) == 2  # per-layer detail: last two only
-    summary = timeline.summary()
+    summary = timeline.summary()  # runs the model over the kept steps, then keeps per-layer detail of two only
+    assert sum(step.layers is not None for step in timeline.history) == 2
     assert summary["count"] == HISTORY and summary["kind"] == "decode"
     assert summary["median"]["wall_s"] == pytest.approx(0.01)
     assert summary["median"]["compute_s"] == pytest.approx(0.008)

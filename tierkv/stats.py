@@ -153,7 +153,11 @@ def steady_state_placement(layers: Sequence[LayerRecord]) -> Placement:
 
 # ------------------------------------------------------------------------------------- timeline
 class Timeline:
-    """Per-step telemetry of one cache, bounded to the last ``history`` steps."""
+    """Per-step telemetry of one cache, bounded to the last ``history`` steps.
+
+    Recording is cheap (a few dictionary updates per layer); the bandwidth model's predictions for the
+    recorded steps are computed when they are read (:meth:`completed`, :meth:`summary`), so a decode loop
+    that never asks pays nothing for them. Until then each kept step holds its per-layer records."""
 
     def __init__(self, profile: LinkProfile, profile_source: str, history: int = HISTORY) -> None:
         self.profile = profile
@@ -162,6 +166,7 @@ class Timeline:
         self.current: StepTelemetry | None = None
         self.steps_seen = 0
         self._pending: list[tuple[StepTelemetry, str, Any, Any]] = []  # CUDA event pairs not yet resolved
+        self._unpredicted: deque[StepTelemetry] = deque(maxlen=history)  # closed, not yet run through the model
         self.resolve: Callable[[Any, Any, bool], float | None] | None = None  # (start, end, block) -> s | None
 
     # -- recording (compute thread) ---------------------------------------------------------------
@@ -222,6 +227,13 @@ class Timeline:
     # -- closing ----------------------------------------------------------------------------------
     def _close(self, step: StepTelemetry, now: float) -> None:
         step.wall_s = now - step.started
+        self.history.append(step)
+        self._unpredicted.append(step)  # predicted when read (completed()): most steps are never looked at
+        self._resolve_pending(block=False)
+
+    def _predict(self, step: StepTelemetry) -> None:
+        """The bandwidth model's times for a closed step's bytes (its per-layer detail is then dropped, but for
+        the latest two steps)."""
         layers = [step.layers[i] for i in sorted(step.layers)] if step.layers else []
         for record in layers:
             for link, nbytes in record.bytes.items():
@@ -233,10 +245,8 @@ class Timeline:
                                                      step.prefetch_depth).step_s
             except InvalidConfigError:  # a link missing from the profile
                 step.predicted_step_s = 0.0
-        self.history.append(step)
-        if len(self.history) > 2:
-            self.history[-3].layers = None  # per-layer detail is kept for the last two steps only
-        self._resolve_pending(block=False)
+        if all(step is not latest for latest in list(self.history)[-2:]):
+            step.layers = None  # per-layer detail is kept for the last two steps only
 
     def _resolve_pending(self, block: bool) -> None:
         if not self._pending or self.resolve is None:
@@ -256,6 +266,8 @@ class Timeline:
     # -- reading ----------------------------------------------------------------------------------
     def completed(self) -> list[StepTelemetry]:
         self._resolve_pending(block=True)
+        while self._unpredicted:
+            self._predict(self._unpredicted.popleft())
         return list(self.history)
 
     def last_decode_layers(self) -> list[LayerRecord] | None:

@@ -82,6 +82,7 @@ class ExactGather(PipelinedExecutor):
         self.batch = 0
         self.token_bytes = 0  # max over layers seen
         self.buffers: list[torch.Tensor] = []
+        self._views: dict[tuple, torch.Tensor] = {}  # (buffer, layout, batch) -> typed staging view
         self.pending: dict[int, Prefetch] = {}
         self.current = -1  # staging buffer the model is attending over now
         self.prefetch_disabled_logged = False
@@ -170,10 +171,16 @@ class ExactGather(PipelinedExecutor):
 
     # --------------------------------------------------------------------------------- staging
     def _staging(self, buffer: int, layer: int, batch: int) -> torch.Tensor:
+        """Staging buffer ``buffer`` as ``[2, B, H_kv, capacity, D]`` for ``layer``'s layout (views are cached
+        until the buffers are reallocated)."""
         layout = self.store.layouts[layer]
-        nbytes = batch * self.capacity * layout.token_bytes
-        flat = self.buffers[buffer][:nbytes].view(layout.dtype)
-        return flat.view(2, batch, layout.kv_heads, self.capacity, layout.head_dim)
+        key = (buffer, layout, batch)
+        view = self._views.get(key)
+        if view is None:
+            nbytes = batch * self.capacity * layout.token_bytes
+            flat = self.buffers[buffer][:nbytes].view(layout.dtype)
+            view = self._views[key] = flat.view(2, batch, layout.kv_heads, self.capacity, layout.head_dim)
+        return view
 
     def _ensure_capacity(self, batch: int, tokens: int, token_bytes: int) -> None:
         if tokens <= self.capacity and batch <= self.batch and token_bytes <= self.token_bytes and not self._resize:
@@ -210,6 +217,7 @@ class ExactGather(PipelinedExecutor):
         if self.buffers:
             self.store.device.unreserve(sum(buffer.numel() for buffer in self.buffers))
         self.buffers = []
+        self._views.clear()
         self.capacity = self.batch = self.token_bytes = 0
         self.current = -1
 
@@ -258,7 +266,7 @@ class ExactGather(PipelinedExecutor):
         batch = self.store.batch_size(layer)
         if (end - first) * bt > self.capacity or batch > self.batch or end <= first:
             return
-        plan = self.store.plan_read(layer, start, stop)
+        plan = self.store.plan_read(layer, start, stop, access=False)  # the access is the layer's gather
         layout = self.store.layouts[layer]
         if plan.moved_blocks * layout.block_bytes < self.prefetch_min:
             return  # read it when the layer comes: a hand-off to the mover would cost more than it overlaps

@@ -11,6 +11,7 @@ Chunks are at most 1/16 of the budget, so a pool has few of them: a read of any 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,6 +34,7 @@ class SlabPool(SlotPool):
         self.pin = pin
         self.chunks: list[torch.Tensor] = []
         self._starts = np.zeros(0, dtype=np.int64)  # first slot id of each chunk
+        self._start_list: list[int] = []  # the same, for bisect on single slots (cheaper than numpy calls)
         self._typed: dict[tuple[int, object], torch.Tensor] = {}  # (chunk, layout) -> typed block view
 
     @property
@@ -42,6 +44,7 @@ class SlabPool(SlotPool):
     def add_chunk(self, slots: int) -> None:
         chunk = torch.empty((slots, self.slot_bytes), dtype=torch.uint8, device=self.device, pin_memory=self.pin)
         self._starts = np.append(self._starts, self.capacity)
+        self._start_list.append(self.capacity)
         self.chunks.append(chunk)
         self._typed.clear()
         self.slots.grow(slots)
@@ -58,13 +61,14 @@ class SlabPool(SlotPool):
         size = self.chunks[-1].shape[0]
         self.slots.shrink(size)
         self._starts = self._starts[:-1]
+        self._start_list.pop()
         self._typed.clear()
         return self.chunks.pop().numel()
 
     def view(self, slot: int) -> torch.Tensor:
         """The slot's bytes, ``[slot_bytes]`` uint8 (a view: writes land in the slab)."""
-        chunk = int(np.searchsorted(self._starts, slot, side="right")) - 1
-        return self.chunks[chunk][slot - int(self._starts[chunk])]
+        chunk = bisect.bisect_right(self._start_list, slot) - 1
+        return self.chunks[chunk][slot - self._start_list[chunk]]
 
     def typed(self, chunk: int, layout: BlockLayout | SlotBytes) -> torch.Tensor:
         """Chunk ``chunk`` as blocks of ``layout`` (a cached view)."""
@@ -75,8 +79,8 @@ class SlabPool(SlotPool):
 
     def block(self, layout: BlockLayout, slot: int) -> torch.Tensor:
         """One slot as a block ``[2, H_kv, block_tokens, D]`` (a view into the slab)."""
-        chunk = int(np.searchsorted(self._starts, slot, side="right")) - 1
-        return self.typed(chunk, layout)[slot - int(self._starts[chunk])]
+        chunk = bisect.bisect_right(self._start_list, slot) - 1
+        return self.typed(chunk, layout)[slot - self._start_list[chunk]]
 
     def locate(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(chunk, row within the chunk) of each slot, vectorised."""
