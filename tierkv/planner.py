@@ -32,6 +32,7 @@ from tierkv.bandwidth import (
 )
 from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
 from tierkv.model_presets import ModelSpec, resolve_model
+from tierkv.staging import gather_staging_bytes, streaming_staging_bytes
 from tierkv.units import format_bytes, parse_size, parse_tokens
 
 __all__ = ["DEVICES", "DeviceSpec", "Plan", "PlanRequest", "TierBytes", "WhatIf", "build_request", "parse_tokens",
@@ -95,6 +96,7 @@ class PlanRequest:
     prefetch_depth: int | None = None
     executor: str = "gather"  # "gather": whole layers staged on the device; "streaming": two chunks
     chunk_tokens: int = 4096
+    block_tokens: int = 256  # staging is whole blocks (TieredCache's default block)
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
@@ -244,11 +246,12 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
     model = req.model
     layer_kv = _layer_kv_bytes(model, req.context, req.batch)
     total = sum(layer_kv)
-    if req.executor == "streaming":
-        chunk = min(req.chunk_tokens, req.context)
-        staging = 2 * req.batch * chunk * model.kv_bytes_per_token_per_layer
+    token_bytes = model.kv_bytes_per_token_per_layer
+    if req.executor == "streaming":  # the runtime's sizes (tierkv.staging): the planner and the cache agree
+        staging = streaming_staging_bytes(req.batch, req.chunk_tokens, token_bytes, req.block_tokens)
     else:
-        staging = (depth + 1) * max(layer_kv)
+        held = max(model.tokens_held(i, req.context) for i in range(model.layers))
+        staging = gather_staging_bytes(req.batch, held, token_bytes, req.block_tokens, depth)
     if staging > req.gpu_bytes:
         what = "streaming chunk buffers" if req.executor == "streaming" else \
             f"exact-gather staging of {depth + 1} layers' full K/V"
