@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One prepared check for a GPU host: the CUDA tests and `tierkv bench`, results under $OUT.
-# Installs nothing (uses .venv if present, else `python`), needs no network, finishes in < 8 minutes:
+# Installs nothing (uses .venv if present, else `python`), needs no network, finishes in < 7 minutes:
 # each step has its own timeout and a failing step does not stop the next one.
 #
 #   OUT=/tmp/gpu-results bash benchmarks/gpu_check.sh
 #
-# Writes: env.txt (GPU, torch, disk engines), pytest-cuda.txt, links-cuda.txt, bench.txt, tierkv-profile.json,
+# Writes: env.txt (GPU, torch, disk engines), pytest-cuda.txt, links-cuda.txt, scale-cuda.txt, bench.txt,
+# tierkv-profile.json,
 # tierkv-bench.png, summary.txt (exit status of each step).
 set -u
 cd "$(dirname "$0")/.."
@@ -25,20 +26,25 @@ mkdir -p "$BENCH_DIR"
   df -hT "$BENCH_DIR"
 } > "$OUT/env.txt" 2>&1
 
-timeout 120 "$PY" -m pytest -m cuda tests -q -rs -p no:cacheprovider > "$OUT/pytest-cuda.txt" 2>&1
+timeout 100 "$PY" -m pytest -m cuda tests -q -rs -p no:cacheprovider > "$OUT/pytest-cuda.txt" 2>&1
 pytest_rc=$?
 
 # pinned H2D / D2H against a plain torch copy of 256 MiB, side by side (target >= 0.9x)
-timeout 90 "$PY" -m pytest -m cuda benchmarks/test_links.py --benchmark-enable -s -q -p no:cacheprovider \
+timeout 60 "$PY" -m pytest -m cuda benchmarks/test_links.py --benchmark-enable -s -q -p no:cacheprovider \
   > "$OUT/links-cuda.txt" 2>&1
 links_rc=$?
 
+# the scale paths: one layer of 4,096 blocks from pinned host memory (kernel count, GB/s vs a plain copy)
+timeout 60 "$PY" -m pytest -m cuda benchmarks/test_scale.py --benchmark-enable -s -q -p no:cacheprovider \
+  > "$OUT/scale-cuda.txt" 2>&1
+scale_rc=$?
+
 # 1 GiB file; memory links up to 256 MiB keep the run near 3 minutes on an H100/H200 host.
-timeout 240 "$PY" -m tierkv.cli bench --dir "$BENCH_DIR" --disk-size 1GiB --max-size 256MiB --repeats 5 \
+timeout 180 "$PY" -m tierkv.cli bench --dir "$BENCH_DIR" --disk-size 1GiB --max-size 256MiB --repeats 5 \
   --profile-out "$OUT/tierkv-profile.json" --plot-out "$OUT/tierkv-bench.png" > "$OUT/bench.txt" 2>&1
 bench_rc=$?
 rm -rf "$BENCH_DIR"
 
-printf 'pytest -m cuda: exit %s\nlink benchmarks (cuda): exit %s\ntierkv bench: exit %s\n' \
-  "$pytest_rc" "$links_rc" "$bench_rc" | tee "$OUT/summary.txt"
-[ "$pytest_rc" -eq 0 ] && [ "$links_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+printf 'pytest -m cuda: exit %s\nlink benchmarks (cuda): exit %s\nscale (cuda): exit %s\ntierkv bench: exit %s\n' \
+  "$pytest_rc" "$links_rc" "$scale_rc" "$bench_rc" | tee "$OUT/summary.txt"
+[ "$pytest_rc" -eq 0 ] && [ "$links_rc" -eq 0 ] && [ "$scale_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

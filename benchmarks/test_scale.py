@@ -224,3 +224,55 @@ def test_disk_reads_overlap_compute(benchmark, capsys) -> None:
 
 if __name__ == "__main__":
     pytest.main([__file__, "--benchmark-enable", "-s"])
+
+
+@pytest.mark.cuda
+def test_cuda_gather_at_4096_blocks_per_layer(capsys) -> None:
+    """On a GPU: one layer of 4,096 blocks, most on the pinned host tier, read into staging. Counts the CUDA
+    kernels and copies one layer's read launches (the table in docs/architecture.md) and prints the achieved
+    H2D GB/s beside a plain pinned copy of the same bytes, side by side."""
+    from tierkv.blocks import Tier
+    from tierkv.policy import make_policy
+    from tierkv.store import KVStore
+    from tierkv.tiers.memory import MemoryTier
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    heads, dim, block, blocks = 8, 128, 16, 4096
+    context = blocks * block - block // 2
+    layer_bytes = 2 * heads * dim * 2 * blocks * block  # bf16
+    store = KVStore(MemoryTier(Tier.DEVICE, 192 * MiB, device), MemoryTier(Tier.HOST, 2 * layer_bytes,
+                    torch.device("cpu"), pin=True), None, make_policy("lru"), block)
+    try:
+        assert store.enable_landing(32 * MiB)
+        kv = torch.randn(1, heads, context, dim, dtype=torch.bfloat16, device=device)
+        store.append(0, kv, kv)
+        plan = store.plan_read(0, 0, context)
+        staging = torch.empty(2, 1, heads, blocks * block, dim, dtype=torch.bfloat16, device=device)
+        host_part = next(part for part in plan.parts if part.tier == Tier.HOST)
+        host_bytes = host_part.blocks * store.layouts[0].block_bytes
+
+        def gather() -> None:
+            store.read_into(0, plan, staging)
+            torch.cuda.synchronize(device)
+
+        pinned = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
+        target = torch.empty(host_bytes, dtype=torch.uint8, device=device)
+
+        def plain() -> None:
+            target.copy_(pinned, non_blocking=True)
+            torch.cuda.synchronize(device)
+
+        gather_s, plain_s = median_seconds(gather, warmup=2, repeats=7), median_seconds(plain, warmup=2, repeats=7)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            gather()
+        launched = [event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+        torch.testing.assert_close(staging[0, :, :, :context], kv, rtol=0, atol=0)
+    finally:
+        store.close()
+    runs = sum(len(part.runs) for part in plan.parts)
+    with capsys.disabled():
+        print(f"\n4,096 blocks/layer, {host_part.blocks:,} on the pinned host tier ({host_bytes / MiB:.0f} MiB): "
+              f"gather {host_bytes / gather_s / 1e9:.1f} GB/s, plain pinned copy {host_bytes / plain_s / 1e9:.1f} GB/s "
+              f"(ratio {plain_s / gather_s:.2f}); {len(launched)} CUDA kernels/copies for the layer "
+              f"({runs} runs, {len(plan.parts)} tiers)")
+    assert len(launched) < blocks // 8, f"{len(launched)} launches for one layer: per-block work is back"
