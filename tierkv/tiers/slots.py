@@ -27,7 +27,6 @@ class FreeSlots:
         self._free: set[int] = set()
         self._owner: dict[int, tuple[int, int]] = {}  # reserved free slot -> its run's group
         self._runs: dict[tuple[int, int], list[int]] = {}  # group -> [first slot, reserved slots left]
-        self._beyond: set[tuple[int, int]] = set()  # runs that reach past the capacity: growth extends them
         self.capacity = 0
         self.used = 0
 
@@ -38,12 +37,6 @@ class FreeSlots:
             heapq.heappush(self._heap, slot)
         self._free.update(added)
         self.capacity += count
-        for group in list(self._beyond):  # the file or slab grew under a run: its slots there are its own
-            run = self._runs.get(group)
-            if run is not None:
-                self._reserve(group, max(run[0], added.start), run[0] + GROUP_RUN)
-            if run is None or run[0] + GROUP_RUN <= self.capacity:
-                self._beyond.discard(group)
         return added
 
     def shrink(self, count: int) -> None:
@@ -98,7 +91,7 @@ class FreeSlots:
         group = self._owner.pop(slot)
         run = self._runs[group]
         run[1] -= 1
-        if run[1] == 0 and group not in self._beyond:
+        if run[1] == 0:
             del self._runs[group]
 
     def _open_run(self, base: int, near: tuple[int, int]) -> bool:
@@ -109,18 +102,12 @@ class FreeSlots:
         group = (layer, index // GROUP_RUN)
         if group in self._runs:
             return False
-        self._runs[group] = [base, 0]
-        self._reserve(group, base, base + GROUP_RUN)
-        if base + GROUP_RUN > self.capacity:
-            self._beyond.add(group)
-        return True
-
-    def _reserve(self, group: tuple[int, int], start: int, stop: int) -> None:
-        run = self._runs[group]
-        for slot in range(start, min(stop, self.capacity)):
+        run = self._runs[group] = [base, 0]
+        for slot in range(base, min(base + GROUP_RUN, self.capacity)):  # a run ends where the pool does
             if slot in self._free and slot not in self._owner:
                 self._owner[slot] = group
                 run[1] += 1
+        return True
 
     def _lowest(self) -> int | None:
         """The lowest free slot no run holds (reserved ones are skipped: their runs take them)."""
@@ -143,7 +130,6 @@ class FreeSlots:
             heapq.heappush(self._heap, slot)
         self._owner.clear()
         self._runs.clear()
-        self._beyond.clear()
 
 
 class SlotPool:

@@ -1,0 +1,53 @@
+"""The contract every registered executor keeps, driven through TieredCache on a real model class: exact
+against DynamicCache across tiers and table edits, and the bookkeeping the adapter relies on."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from models import prompt, tiny_model
+from transformers import DynamicCache
+
+from tierkv import TieredCache
+from tierkv.attention.base import EXECUTORS
+
+
+def engage(name: str, cache: TieredCache, model):
+    """How a user selects each executor (a new executor adds itself here, or the test below fails)."""
+    return {"exact_gather": contextlib.nullcontext, "streaming": lambda: cache.streaming(model, chunk_tokens=8)}[name]()
+
+
+@pytest.mark.parametrize("name", sorted(EXECUTORS))
+def test_exact_across_tiers_and_edits(tmp_path, name):
+    model = tiny_model("llama")
+    ids, _ = prompt(1, 24, seed=3)
+    reference = DynamicCache()
+    gpu = TieredCache.min_device_bytes(model.config, 40, block_tokens=4, device="cpu")  # the rest spills down
+    with TieredCache(gpu_gb=f"{gpu}B", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
+        def run(tokens: torch.Tensor) -> torch.Tensor:
+            expected = model(tokens, past_key_values=reference).logits[:, -1]
+            with engage(name, cache, model):
+                got = model(tokens, past_key_values=cache).logits[:, -1]
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+            return expected.argmax(-1, keepdim=True)
+
+        token = run(ids)
+        for step in range(8):
+            if step == 4:  # a table edit mid-sequence: everything staged or read ahead is stale
+                reference.crop(-3)
+                cache.crop(-3)
+            token = run(token)
+        stats = cache.stats()
+        assert stats["blocks"]["disk"] > 0 and stats["bytes_moved"]["disk->device"] > 0
+        executor = cache.executors[name]
+        assert executor.name == name and executor.prefetch_hits > 0
+        for method in ("invalidate", "wait_all", "pause_telemetry", "reset"):
+            getattr(executor, method)()  # safe at any time, in any order
+        executor.drop(0)
+
+
+def test_every_executor_is_registered_by_its_name():
+    assert {"exact_gather", "streaming"} <= set(EXECUTORS)
+    assert all(cls.name == name for name, cls in EXECUTORS.items())
