@@ -10,13 +10,14 @@ strided (a slice of a layer's staging buffer), so gathers land in place, without
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from tierkv.blocks import Tier
+from tierkv.errors import BudgetTooSmallError
 from tierkv.layout import BlockLayout
 
 Dest = tuple[int, int, torch.Tensor]
@@ -63,6 +64,18 @@ class StorageTier(Protocol):
         """Write ``src`` ``[n, 2, H_kv, block_tokens, D]`` (any device) into ``slots``."""
 
     def close(self) -> None: ...
+
+
+def landing_pieces(landing: torch.Tensor, slot_bytes: int, lo: int, hi: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Slots ``[lo, hi)`` cut into pieces that fit the landing buffer: ``(start, end, rows)`` with ``rows`` the
+    landing buffer as ``[end - start, slot_bytes]``."""
+    capacity = landing.numel() // slot_bytes
+    if capacity == 0:
+        raise BudgetTooSmallError("the landing buffer is smaller than one block; raise gpu_gb.")
+    rows = landing[: capacity * slot_bytes].view(capacity, slot_bytes)
+    for start in range(lo, hi, capacity):
+        end = min(hi, start + capacity)
+        yield start, end, rows[: end - start]
 
 
 class Scratch:

@@ -27,7 +27,7 @@ from tierkv.blocks import Tier
 from tierkv.errors import DiskFullError, DiskTierError, TierKVError
 from tierkv.io import DiskFile, IOHandle, aligned_empty, open_disk_file
 from tierkv.layout import BlockLayout
-from tierkv.tiers.base import Dest, Scratch
+from tierkv.tiers.base import Dest, Scratch, landing_pieces
 from tierkv.tiers.slots import SlotPool, growth_slots
 
 DEFAULT_EXTENT_BYTES = 256 * 2**20
@@ -227,14 +227,9 @@ class _DiskRead:
             if landing is None:
                 out.copy_(layout.blocks_of(staged[lo:hi]), non_blocking=True)
                 continue
-            capacity = landing.numel() // layout.slot_bytes
-            if capacity == 0:
-                raise ValueError("the landing buffer is smaller than one block")
-            slab = landing[: capacity * layout.slot_bytes].view(capacity, layout.slot_bytes)
-            for piece in range(lo, hi, capacity):
-                end = min(hi, piece + capacity)
-                slab[: end - piece].copy_(staged[piece:end], non_blocking=True)
-                out[piece - lo : end - lo].copy_(layout.blocks_of(slab[: end - piece]), non_blocking=True)
+            for piece, end, rows in landing_pieces(landing, layout.slot_bytes, lo, hi):
+                rows.copy_(staged[piece:end], non_blocking=True)
+                out[piece - lo : end - lo].copy_(layout.blocks_of(rows), non_blocking=True)
 
 
 def disk_error(exc: OSError, path: Path) -> DiskTierError:

@@ -20,7 +20,7 @@ import torch
 from tierkv.blocks import Tier
 from tierkv.layout import BlockLayout, SlotBytes
 from tierkv.staging import CHUNKS_PER_BUDGET  # a pool grows by 1/16 of its budget: few chunks, fine for staging
-from tierkv.tiers.base import Dest, Scratch
+from tierkv.tiers.base import Dest, Scratch, landing_pieces
 from tierkv.tiers.slots import SlotPool, growth_slots
 
 
@@ -123,16 +123,11 @@ class SlabPool(SlotPool):
                 out[a - lo : b - lo].copy_(layout.blocks_of(self.chunks[chunks[a]][first : first + b - a]),
                                            non_blocking=True)
             return
-        capacity = landing.numel() // self.slot_bytes
-        if capacity == 0:
-            raise ValueError("the landing buffer is smaller than one block")
-        slab = landing[: capacity * self.slot_bytes].view(capacity, self.slot_bytes)
-        for piece in range(lo, hi, capacity):
-            end = min(hi, piece + capacity)
+        for piece, end, landed in landing_pieces(landing, self.slot_bytes, lo, hi):
             for a, b in _consecutive(chunks, rows, piece, end):
                 first = int(rows[a])
-                slab[a - piece : b - piece].copy_(self.chunks[chunks[a]][first : first + b - a], non_blocking=True)
-            out[piece - lo : end - lo].copy_(layout.blocks_of(slab[: end - piece]), non_blocking=True)
+                landed[a - piece : b - piece].copy_(self.chunks[chunks[a]][first : first + b - a], non_blocking=True)
+            out[piece - lo : end - lo].copy_(layout.blocks_of(landed), non_blocking=True)
 
     def scatter(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, src: torch.Tensor) -> None:
         """Write blocks ``src`` ``[n, 2, H_kv, block_tokens, D]`` into ``slots``: one ``index_copy_`` per chunk run."""
