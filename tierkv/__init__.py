@@ -2,9 +2,12 @@
 
     from tierkv import TieredCache
     cache = TieredCache(gpu_gb=20, disk_dir="/nvme/tierkv")
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+    out = model.generate(ids, cache=cache, max_new_tokens=256)
 
-``TieredCache`` is imported lazily so ``import tierkv`` (and ``tierkv plan``) stays light.
+    with tierkv.settings.override(disk_engine="posix"):   # every TIERKV_* knob, scoped
+        ...
+
+``TieredCache`` and ``settings`` are imported lazily so ``import tierkv`` (and ``tierkv plan``) stays light.
 """
 
 from __future__ import annotations
@@ -40,4 +43,8 @@ def __getattr__(name: str) -> Any:
         from tierkv.hf import TieredCache
 
         return TieredCache
+    if name == "settings":
+        import tierkv.settings
+
+        return tierkv.settings
     raise AttributeError(f"module 'tierkv' has no attribute {name!r}")

@@ -4,7 +4,7 @@ Usage::
 
     from tierkv import TieredCache
     with TieredCache(gpu_gb=20, disk_dir="/nvme/tierkv") as cache:
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+        out = model.generate(ids, cache=cache, max_new_tokens=256)
         print(cache.stats())
 
 Each attention layer calls ``cache.update(k, v, layer_idx)``: the new tokens are appended to the store
@@ -323,7 +323,7 @@ class TieredCache(Cache):
         fit. The model's own attention implementation is restored on exit::
 
             with TieredCache(gpu_gb=2, disk_dir="/nvme") as cache, cache.streaming(model):
-                model.generate(ids, past_key_values=cache)
+                model.generate(ids, cache=cache)
         """
         if not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
             raise InvalidConfigError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}.")
@@ -555,7 +555,7 @@ def _streaming_attention_forward(module: torch.nn.Module, query: torch.Tensor, k
     layer = cache.layers[module.layer_idx] if module.layer_idx < len(cache.layers) else None
     if layer is None or layer.pending_keys is not key:
         raise TierKVError("inside `cache.streaming(model)` the model must be called with that cache "
-                          "(past_key_values=cache); another cache was passed, or none.")
+                          "(cache=cache); another cache was passed, or none.")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return cache._attend(module.layer_idx, query, attention_mask, scale, softcap), None
 

@@ -32,7 +32,7 @@ cache_dir           TIERKV_CACHE_DIR          XDG cache     where the native eng
 profile             TIERKV_PROFILE            None          link profile JSON (``tierkv bench``) for telemetry
 trace               TIERKV_TRACE              None          write a Chrome trace of each cache to this path
 debug               TIERKV_DEBUG              False         full tracebacks from the CLI instead of one line
-prefetch_min        TIERKV_PREFETCH_MIN       1 MiB         smallest off-device read worth a mover hand-off
+prefetch_min        TIERKV_PREFETCH_MIN       1 MiB         smallest layer read worth a hand-off to the mover
 ==================  ========================  ============  =====================================================
 """
 
@@ -176,7 +176,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("debug", "TIERKV_DEBUG", lambda: False, _flag, "1",
                 "the CLI shows full tracebacks instead of a one-line error"),
         Setting("prefetch_min", "TIERKV_PREFETCH_MIN", lambda: 1 << 20, _size, "1MiB",
-                "layers with less KV below the device tier are read when they come, not prefetched (0: all)"),
+                "layers with less KV than this are read when they come, not prefetched (0: prefetch all)"),
     )
 }  # fmt: skip
 """Every setting by name."""

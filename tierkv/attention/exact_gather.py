@@ -68,9 +68,8 @@ class ExactGather(PipelinedExecutor):
             raise InvalidConfigError(f"prefetch_depth must be an int >= 0 or 'auto', got {prefetch_depth!r}.")
         super().__init__(store, mover, start_of=start_of, num_layers=num_layers, timeline=timeline, trace=trace)
         self.auto = prefetch_depth == "auto"
-        # Layers with less KV than this below the device tier are not prefetched: the mover's hand-off (a
-        # thread switch, ~50-100 µs on a 2-core host) costs more than the copy it overlaps; device blocks
-        # gather as fast on the compute thread (see docs/benchmarks.md, "Scale").
+        # Layers with less KV than this are not prefetched: the mover's hand-off (a thread switch, ~50-100 µs
+        # on a 2-core host) costs more than the copy it overlaps (see docs/benchmarks.md, "Scale").
         self.prefetch_min: int = settings.get("prefetch_min")
         self.prefetch_depth: int = 1 if self.auto else int(prefetch_depth)
         self.auto_choices: list[dict] = []  # decisions of prefetch_depth="auto", oldest first
@@ -268,7 +267,7 @@ class ExactGather(PipelinedExecutor):
             return
         plan = self.store.plan_read(layer, start, stop, access=False)  # the access is the layer's gather
         layout = self.store.layouts[layer]
-        if plan.moved_blocks * layout.block_bytes < self.prefetch_min:
+        if plan.total_blocks * layout.block_bytes < self.prefetch_min:
             return  # read it when the layer comes: a hand-off to the mover would cost more than it overlaps
         full = stop // bt - first  # columns that are full now: the tail (if partial) is read again later
         handle, timings = self._read_later(layer, plan, self._staging(buffer, layer, batch))

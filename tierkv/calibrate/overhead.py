@@ -10,6 +10,7 @@ import statistics
 
 import torch
 
+from tierkv import settings
 from tierkv.bandwidth import LinkProfile
 from tierkv.calibrate.config import BenchConfig
 from tierkv.calibrate.kv import CPU, KV_TOKEN_BYTES, bench_store, block_tokens, kv_tensor
@@ -34,7 +35,9 @@ def measure_layer_overhead(cfg: BenchConfig) -> float:
     kv, token = kv_tensor(tokens, CPU), kv_tensor(1, CPU)
     for layer in range(OVERHEAD_LAYERS):
         store.append(layer, kv, kv)
-    executor = ExactGather(store, ThreadMover(), prefetch_depth=1, timeline=Timeline(LinkProfile({}), "tierkv bench"))
+    with settings.override(prefetch_min=0):  # the pipelined path, whatever the layers' size
+        executor = ExactGather(store, ThreadMover(), prefetch_depth=1, timeline=Timeline(LinkProfile({}),
+                                                                                         "tierkv bench"))
     try:
         with torch.inference_mode():
             for _ in range(OVERHEAD_STEPS + 2):

@@ -66,9 +66,9 @@ class ReadPlan:
         return dataclasses.replace(self, parts=tuple(part for part in self.parts if part.tier == tier))
 
     @property
-    def moved_blocks(self) -> int:
-        """Blocks this plan reads from below the device tier (across a link)."""
-        return sum(part.blocks for part in self.parts if part.tier != Tier.DEVICE)
+    def total_blocks(self) -> int:
+        """Blocks this plan reads, from every tier."""
+        return sum(part.blocks for part in self.parts)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
