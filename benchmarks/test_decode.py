@@ -42,7 +42,7 @@ from rich.table import Table
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from tierkv import TieredCache
-from tierkv.bandwidth import Contention, LinkProfile, predict_step
+from tierkv.bandwidth import DISK_READ_AHEAD, Contention, LinkProfile, predict_step
 from tierkv.calibrate import (
     BenchConfig,
     BenchResult,
@@ -273,7 +273,7 @@ def _predictions(bench: Bench, profile: LinkProfile, compute: float, jitter: flo
     for name in PLACEMENTS:
         measured = statistics.median(samples[name])
         layers = [LayerRecord(compute, record.bytes, record.copies) for record in bench.decode_layers(name)]
-        modelled = predict_step(steady_state_placement(layers), profile, 1, jitter=jitter)
+        modelled = predict_step(steady_state_placement(layers), profile, 1, jitter=jitter, read_ahead=DISK_READ_AHEAD)
         errors[name] = modelled.step_s / measured - 1
         moved = {link: sum(r.bytes.get(link, 0) for r in layers) / MiB
                  for link in ("device->device", "host->device", "disk->device")}

@@ -216,6 +216,21 @@ def test_disk_contention_stretches_the_overlapped_share_of_disk_reads():
     assert predict_step(two, _cpu_host(1.0, 2.0), 0).step_s == pytest.approx(8.0)  # depth 0 overlaps nothing
 
 
+def test_disk_read_ahead_runs_the_disk_beside_the_movers_copies():
+    """CPU host with read-ahead: every layer's disk read is in flight on the engine's threads from the start,
+    so the mover only copies (1 s) and lands each read (0 s here); the disk (2 s per layer) sets the pace."""
+    links = {"device->device": SECOND, "disk->host": SECOND, "host->device": Link("instant", 1e18, 0.0)}
+    profile = LinkProfile(links, serial_mover=True)
+    layer = LayerLoad(1.0, device_bytes=1, disk_bytes=2)  # compute 1 s, gather 1 s, read 2 s
+    three = Placement((layer,) * 3)
+    # in turn (no read-ahead): job 0 [0, 3], compute [3, 4]; job 1 [3, 6], compute [6, 7]; job 2 [6, 9], [9, 10]
+    assert predict_step(three, profile, 1).step_s == pytest.approx(10.0)
+    # reads back to back [0, 2], [2, 4], [4, 6]: layer i computes once its read lands: [2, 3], [4, 5], [6, 7]
+    ahead = predict_step(three, profile, 1, read_ahead=4)
+    assert ahead.step_s == pytest.approx(7.0)
+    assert ahead.lower_bound_s == pytest.approx(6.0) and ahead.bottleneck is Bottleneck.DISK
+
+
 def test_one_sided_contention_slows_only_that_side():
     layer = LayerLoad(1.0, host_bytes=2)  # compute 1 s, copy 2 s: compute 0 overlaps all of job 1's first second
     two = Placement((layer, layer))

@@ -31,9 +31,11 @@ def layers(n: int, compute_s: float, **nbytes: int) -> list[LayerRecord]:
     return [LayerRecord(compute_s, dict(data), dict.fromkeys(data, 1)) for _ in range(n)]
 
 
-def choose(records, links, *, held=2, free=0, max_buffers=16, host_free=10**12, current=1, buffer=MB):
+def choose(records, links, *, held=2, free=0, max_buffers=16, host_free=10**12, current=1, buffer=MB, read_ahead=0):
+    """Without the disk read-ahead by default: the depth logic on its own (the read-ahead test is below)."""
     return choose_prefetch_depth(records, links, current=current, held_buffers=held, buffer_bytes=buffer,
-                                 free_device_bytes=free, max_buffers=max_buffers, free_host_bytes=host_free)
+                                 free_device_bytes=free, max_buffers=max_buffers, free_host_bytes=host_free,
+                                 read_ahead=read_ahead)
 
 
 def test_compute_dominates_needs_no_prefetch():
@@ -56,6 +58,15 @@ def test_disk_then_pcie_needs_two_layers_ahead():
     links = profile({"disk->host": MB / 0.008, "host->device": MB / 0.008})
     choice = choose(records, links, free=10 * MB)
     assert choice.depth == 2 and choice.predicted_step_s[2] < choice.predicted_step_s[1]
+
+
+def test_disk_read_ahead_makes_the_second_layer_of_staging_unnecessary():
+    """The executors submit disk reads layers ahead on the engine's threads: the disk stage no longer waits
+    for a staging buffer, so layer-ahead prefetch already hides both stages."""
+    records = layers(8, 0.01, disk_device=MB)
+    links = profile({"disk->host": MB / 0.008, "host->device": MB / 0.008})
+    choice = choose(records, links, free=10 * MB, read_ahead=4)
+    assert choice.depth == 1 and choice.predicted_step_s[1] == pytest.approx(choice.predicted_step_s[2])
 
 
 def test_depth_is_bounded_by_the_device_budget():

@@ -40,6 +40,10 @@ LINK_KEYS = ("host->device", "device->host", "disk->host", "host->disk", "device
 """The directions a :class:`LinkProfile` describes. ``device->device`` is the gather of device-resident
 blocks into the staging buffer; ``host->host`` is a memcpy (the bounce buffer of a POSIX disk read)."""
 
+DISK_READ_AHEAD = 4
+"""Layers whose disk reads the executors submit ahead of their prefetch (``PipelinedExecutor._read_ahead``):
+the disk engine works through them on its own threads while the mover copies and the model computes."""
+
 
 @dataclass(frozen=True, slots=True)
 class Link:
@@ -379,7 +383,7 @@ class StepForecast:
     stall_s: float
     prefetch_depth: int
     bottleneck: Bottleneck
-    serial_mover: bool = False  # one mover thread does copies and disk reads in turn (CPU-only host)
+    serial_mover: bool = False  # one mover thread does copies and disk reads in turn (CPU-only host, no read-ahead)
 
     @property
     def lower_bound_s(self) -> float:
@@ -401,7 +405,7 @@ def _stage(link_key: str, links: LinkProfile, nbytes: int, n_transfers: int) -> 
 
 
 def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int = 1, *,
-                 jitter: float = 0.0) -> StepForecast:
+                 jitter: float = 0.0, read_ahead: int = 0) -> StepForecast:
     """Predict one decode step's time with transfers overlapped with compute.
 
     The model is the exact-gather pipeline with ``prefetch_depth + 1`` staging buffers on the device:
@@ -417,7 +421,9 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
 
     ``jitter`` (0 = exact times) is the coefficient of variation of every per-layer stage time, e.g. the
     spread of a noisy CPU host's per-layer compute spans in the telemetry; the step is then the expected
-    one (:func:`_mean_with_jitter`).
+    one (:func:`_mean_with_jitter`). ``read_ahead``: a layer's disk read is submitted that many layers
+    before its prefetch, on the disk engine's own threads — the executors do so with
+    :data:`DISK_READ_AHEAD`; 0 submits it with the prefetch (inside the mover's job on a CPU host).
     """
     if prefetch_depth < 0:
         raise InvalidConfigError(f"prefetch_depth={prefetch_depth} must be >= 0 (0 = no prefetch).")
@@ -432,23 +438,29 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
         compute, copies, disk = _contended(
             [layer.compute_s for layer in layers], [g + h + hd for g, h, hd in zip(gather, host, host_disk)],
             disk, prefetch_depth, links.contention)
+        # the copy out of a layer's disk bounce buffer can only follow its read: its share of the mover's job
+        host_disk = [c * hd / (g + h + hd) if g + h + hd > 0 else 0.0
+                     for c, g, h, hd in zip(copies, gather, host, host_disk)]
+        copies = [c - hd for c, hd in zip(copies, host_disk)]
     else:
         compute = [layer.compute_s + g for layer, g in zip(layers, gather)]
     if not links.serial_mover:
         copies = [0.0] * len(layers)
     stages = (compute, host, host_disk, disk, copies)
     overhead = links.layer_overhead_s
-    end, first_compute_start = _pipeline(*stages, links.serial_mover, prefetch_depth, overhead)
+    shape = (links.serial_mover, prefetch_depth, overhead, read_ahead)
+    end, first_compute_start = _pipeline(*stages, *shape)
     if jitter > 0:
-        end = _mean_with_jitter(stages, links.serial_mover, prefetch_depth, overhead, jitter)
+        end = _mean_with_jitter(stages, *shape, jitter)
 
     compute_total = sum(compute) + len(layers) * overhead + placement.other_compute_s
-    h2d_total = sum(copies) if links.serial_mover else sum(host) + sum(host_disk)
+    h2d_total = sum(copies) + sum(host_disk) if links.serial_mover else sum(host) + sum(host_disk)
     disk_total = sum(disk)
     step = end + placement.other_compute_s
     busy = {Bottleneck.HOST_TO_DEVICE: h2d_total, Bottleneck.DISK: disk_total}
     transfer = max(busy, key=busy.__getitem__)
-    mover = h2d_total + disk_total if links.serial_mover else busy[transfer]
+    serial_disk = links.serial_mover and not read_ahead  # the disk read inside the mover's job
+    mover = h2d_total + disk_total if serial_disk else busy[transfer]
     return StepForecast(
         step_s=step,
         compute_s=compute_total,
@@ -458,19 +470,23 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
         stall_s=max(0.0, step - compute_total),
         prefetch_depth=prefetch_depth,
         bottleneck=Bottleneck.COMPUTE if compute_total >= mover else transfer,
-        serial_mover=links.serial_mover,
+        serial_mover=serial_disk,
     )
 
 
 def _pipeline(compute: Sequence[float], host: Sequence[float], host_disk: Sequence[float], disk: Sequence[float],
-              copies: Sequence[float], serial: bool, depth: int, overhead: float) -> tuple[float, float]:
+              copies: Sequence[float], serial: bool, depth: int, overhead: float,
+              read_ahead: int = 0) -> tuple[float, float]:
     """The recurrences of :func:`predict_step` on per-layer stage times: (last compute's end, first's start).
 
     Layer ``i``'s gather returns ``overhead`` after both its data is ready and layer ``i - 1`` is done, and
     its compute starts then. Layer ``i + depth``'s transfers may start when layer ``i - 1`` is done and has
     released its staging buffer; with a serial mover (a CPU host) and prefetch only once layer ``i``'s
     gather returns, because the compute thread submits that job from it, after waiting for layer ``i``'s
-    job to finish.
+    job to finish. Disk reads queue on the disk (FIFO) from ``read_ahead`` layers earlier: layer ``i``'s is
+    submitted when layer ``i - depth - read_ahead``'s gather returns; on a serial mover the job copies the
+    layer's memory blocks, then waits for its disk read and copies it out of the bounce buffer
+    (``host_disk``).
     """
     compute_end: list[float] = []
     gather_end: list[float] = []
@@ -480,16 +496,25 @@ def _pipeline(compute: Sequence[float], host: Sequence[float], host_disk: Sequen
         issue = compute_end[freed_by] if freed_by >= 0 else 0.0
         if serial and depth > 0 and i >= depth:
             issue = max(issue, gather_end[i - depth])
+        ahead_of = i - depth - read_ahead  # the layer whose gather submits this layer's disk read
+        disk_issue = (gather_end[ahead_of] if ahead_of >= 0 else 0.0) if read_ahead else issue
         ready = 0.0  # when all of the layer's bytes are on the device
-        if serial:
-            if copies[i] + disk[i] > 0:
-                h2d_free = ready = max(issue, h2d_free) + disk[i] + copies[i]
+        if serial and not read_ahead:  # the job reads the disk, then copies, in turn
+            if copies[i] + disk[i] + host_disk[i] > 0:
+                h2d_free = ready = max(issue, h2d_free) + disk[i] + copies[i] + host_disk[i]
+        elif serial:  # the read was in flight on the engine's threads; the job copies, then lands it
+            if disk[i] > 0:
+                disk_free = max(disk_issue, disk_free) + disk[i]
+            if copies[i] + disk[i] + host_disk[i] > 0:
+                copied = max(issue, h2d_free) + copies[i]
+                h2d_free = ready = (max(copied, disk_free) if disk[i] > 0 else copied) + host_disk[i]
         else:
+            if disk[i] > 0:
+                disk_free = max(disk_issue, disk_free) + disk[i]
             if host[i] > 0:
                 h2d_free = ready = max(issue, h2d_free) + host[i]
-            if disk[i] > 0:
-                disk_free = max(issue, disk_free) + disk[i]
-                h2d_free = ready = max(disk_free, h2d_free) + host_disk[i]
+            if disk[i] > 0:  # its copy into staging waits for the read and for the staging buffer
+                h2d_free = ready = max(disk_free, h2d_free, issue) + host_disk[i]
         start = max(compute_free, ready) + overhead
         if i == 0:
             first_compute_start = start
@@ -503,7 +528,7 @@ JITTER_SAMPLES = 64
 
 
 def _mean_with_jitter(stages: tuple[list[float], ...], serial: bool, depth: int, overhead: float,
-                      jitter: float) -> float:
+                      read_ahead: int, jitter: float) -> float:
     """The expected end of the pipeline when every stage time varies with coefficient of variation ``jitter``.
 
     A balanced pipeline (compute and transfers of a layer about equal) waits each layer on the slower of two
@@ -527,7 +552,7 @@ def _mean_with_jitter(stages: tuple[list[float], ...], serial: bool, depth: int,
     ends = []
     for sample in range(JITTER_SAMPLES):
         varied = [[t * f[sample] for t, f in zip(stage, fs)] for stage, fs in zip(stages, per_stage)]
-        ends.append(_pipeline(*varied, serial, depth, overhead)[0])
+        ends.append(_pipeline(*varied, serial, depth, overhead, read_ahead)[0])
     return sum(ends) / JITTER_SAMPLES
 
 
@@ -566,7 +591,8 @@ def _contended(compute: list[float], copies: list[float], disk: list[float], dep
 
 
 def min_prefetch_depth(
-    placement: Placement, links: LinkProfile, *, max_depth: int | None = None, tolerance: float = 0.01
+    placement: Placement, links: LinkProfile, *, max_depth: int | None = None, tolerance: float = 0.01,
+    read_ahead: int = 0,
 ) -> int:
     """The smallest prefetch depth whose step time is within ``tolerance`` of the best reachable one.
 
@@ -583,8 +609,8 @@ def min_prefetch_depth(
     if tolerance < 0:
         raise InvalidConfigError(f"tolerance={tolerance} must be >= 0.")
     limit = min(deepest, n_layers)
-    best = predict_step(placement, links, limit).step_s
+    best = predict_step(placement, links, limit, read_ahead=read_ahead).step_s
     for depth in range(limit):
-        if predict_step(placement, links, depth).step_s <= best * (1.0 + tolerance):
+        if predict_step(placement, links, depth, read_ahead=read_ahead).step_s <= best * (1.0 + tolerance):
             return depth
     return limit

@@ -12,7 +12,6 @@ One interface, two implementations:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,21 +22,24 @@ import torch
 class MoveHandle:
     """A submitted job; :meth:`wait` returns once its data is usable on the compute stream."""
 
-    def __init__(self, future: Future, event: torch.cuda.Event | None = None) -> None:
+    def __init__(self, future: Future, event: torch.cuda.Event | None = None,
+                 device: torch.device | None = None) -> None:
         self._future = future
         self._event = event
+        self._device = device
 
     def wait(self) -> None:
         """Wait for the job; re-raise its error (the data is then unusable)."""
         self._future.result()
-        if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+        if self._event is not None:  # the compute stream of the job's device (not the current device's)
+            torch.cuda.current_stream(self._device).wait_event(self._event)
 
     def settle(self) -> None:
         """Wait until the job and its copies are finished, without raising: for barriers, which must not
-        fail on others' errors and must know no copy still reads a slot about to be reused."""
+        fail on others' errors and must know no copy still reads a slot about to be reused (also after a
+        failed job: copies it queued before failing may still run)."""
         futures.wait([self._future])
-        if self._event is not None and self._future.exception() is None:
+        if self._event is not None:
             self._event.synchronize()
 
     def done(self) -> bool:
@@ -68,7 +70,6 @@ class CudaMover(ThreadMover):
         super().__init__()
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
-        self._local = threading.local()
 
     def submit(self, job: Callable[[], None]) -> MoveHandle:
         ready = torch.cuda.Event()
@@ -78,10 +79,12 @@ class CudaMover(ThreadMover):
         def run() -> None:
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
-                job()
-                done.record(self.stream)
+                try:
+                    job()
+                finally:  # recorded after whatever the job queued, also when it failed half-way
+                    done.record(self.stream)
 
-        return MoveHandle(self._pool.submit(_in_callers_mode(run)), done)
+        return MoveHandle(self._pool.submit(_in_callers_mode(run)), done, self.device)
 
 
 def _in_callers_mode(job: Callable[[], None]) -> Callable[[], None]:

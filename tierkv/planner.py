@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from tierkv.bandwidth import (
+    DISK_READ_AHEAD,
     PRESETS,
     Bottleneck,
     LayerLoad,
@@ -286,7 +287,7 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
         layers = _streaming_stages(req, per_layer, layer_kv, shares)
     else:
         layers = tuple(_load(c, kv, shares) for c, kv in zip(per_layer, layer_kv, strict=True))
-    forecast = predict_step(Placement(layers, other), req.links, depth)
+    forecast = predict_step(Placement(layers, other), req.links, depth, read_ahead=DISK_READ_AHEAD)
     new_kv = req.batch * model.kv_bytes_per_token
     moved = {
         "device->device": sum(layer.device_bytes for layer in layers),  # the gather of device-resident KV

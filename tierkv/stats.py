@@ -32,7 +32,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv import settings
-from tierkv.bandwidth import PRESETS, LayerLoad, Link, LinkProfile, Placement, min_prefetch_depth, predict_step
+from tierkv.bandwidth import (
+    DISK_READ_AHEAD,
+    PRESETS,
+    LayerLoad,
+    Link,
+    LinkProfile,
+    Placement,
+    min_prefetch_depth,
+    predict_step,
+)
 from tierkv.errors import InvalidConfigError
 
 HISTORY = 256
@@ -242,7 +251,7 @@ class Timeline:
         if layers:
             try:
                 step.predicted_step_s = predict_step(steady_state_placement(layers), self.profile,
-                                                     step.prefetch_depth).step_s
+                                                     step.prefetch_depth, read_ahead=DISK_READ_AHEAD).step_s
             except InvalidConfigError:  # a link missing from the profile
                 step.predicted_step_s = 0.0
         if all(step is not latest for latest in list(self.history)[-2:]):
@@ -402,7 +411,8 @@ class DepthChoice:
 
 def choose_prefetch_depth(layers: Sequence[LayerRecord], profile: LinkProfile, *, current: int, held_buffers: int,
                           buffer_bytes: int, free_device_bytes: int, max_buffers: int, free_host_bytes: int,
-                          tolerance: float = 0.01, hard_cap: int = MAX_AUTO_DEPTH) -> DepthChoice:
+                          tolerance: float = 0.01, hard_cap: int = MAX_AUTO_DEPTH,
+                          read_ahead: int = DISK_READ_AHEAD) -> DepthChoice:
     """The prefetch depth for the measured step ``layers`` (bytes per link and compute per layer).
 
     Up to the depth whose staging fits in the device budget's free room (``free_depth``) this is
@@ -416,11 +426,14 @@ def choose_prefetch_depth(layers: Sequence[LayerRecord], profile: LinkProfile, *
     free_depth = max(0, min(cap, held_buffers - 1 + free_device_bytes // max(buffer_bytes, 1)))
     placement = steady_state_placement(layers)
     try:
-        best = min_prefetch_depth(placement, profile, max_depth=free_depth, tolerance=tolerance)
-        predicted = {d: predict_step(placement, profile, d).step_s for d in range(free_depth + 1)}
+        best = min_prefetch_depth(placement, profile, max_depth=free_depth, tolerance=tolerance,
+                                  read_ahead=read_ahead)
+        predicted = {d: predict_step(placement, profile, d, read_ahead=read_ahead).step_s
+                     for d in range(free_depth + 1)}
         for depth in range(free_depth + 1, cap + 1):
             moved = _evacuate(layers, (depth - free_depth) * buffer_bytes, free_host_bytes)
-            predicted[depth] = predict_step(steady_state_placement(moved), profile, depth).step_s
+            predicted[depth] = predict_step(steady_state_placement(moved), profile, depth,
+                                            read_ahead=read_ahead).step_s
             if predicted[depth] < predicted[best] * (1.0 - tolerance):
                 best = depth
     except InvalidConfigError as exc:  # the profile lacks a link this step used

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from tierkv.attention.timed_read import resolve_cuda_events, timed_read
+from tierkv.bandwidth import DISK_READ_AHEAD
 from tierkv.blocks import Tier
 from tierkv.mover import MoveHandle, ThreadMover
 from tierkv.stats import ReadTiming, Timeline, Trace
@@ -64,9 +65,10 @@ def from_first_token(layer: int) -> int:
     return 0
 
 
-READ_AHEAD = 4
+READ_AHEAD = DISK_READ_AHEAD
 """Disk reads submitted ahead of the reads that will use them (see ``PipelinedExecutor._read_ahead``); each
-holds a host bounce buffer of one read's disk bytes until the read that uses it has copied it out."""
+holds a host bounce buffer of one read's disk bytes until the read that uses it has copied it out. The
+bandwidth model's number, so the forecast pipelines the disk as the runtime does."""
 
 
 @dataclass(slots=True)

@@ -65,8 +65,7 @@ class KVStore:
         self.tick = 0
         self.device = device
         self.transfer = Transfer(self.tiers, device.device)
-        self.writeback = Writeback(host, disk, lambda: self.table, policy, self.barrier, self._moved,
-                                   pin=device.device.type == "cuda")
+        self.writeback = Writeback(host, disk, lambda: self.table, policy, self.barrier, self._moved)
         self.placement = Placement(self.tiers, self.table, policy, self.transfer, self.writeback, self.layouts,
                                    self.barrier, self._moved)
         self._readers: list[Reader] = []

@@ -49,13 +49,13 @@ class PendingWrite:
 
 class Writeback:
     def __init__(self, host: MemoryTier, disk: DiskTier | None, table: Callable[[], BlockTable], policy: Policy,
-                 barrier: Callable[[], None], on_moved: Callable[[Block, Tier, Tier], None], pin: bool) -> None:
+                 barrier: Callable[[], None], on_moved: Callable[[Block, Tier, Tier], None]) -> None:
         self.host, self.disk = host, disk
         self._table, self.policy, self.barrier, self.on_moved = table, policy, barrier, on_moved
         self.enabled = disk is not None
         self.pending: PendingWrite | None = None
         self.paused_reason: str | None = None
-        self._bounce = BounceBuffer(pin=pin)
+        self._bounce = BounceBuffer()  # host slab -> disk: no GPU copy touches it, so it is not pinned
 
     @property
     def pending_ids(self) -> set[int]:

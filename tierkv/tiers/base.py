@@ -27,6 +27,8 @@ Dest = tuple[int, int, torch.Tensor]
 class BounceLike(Protocol):
     def get(self, nbytes: int) -> np.ndarray: ...
 
+    def fence(self, event: object) -> None: ...
+
 
 class PendingRead(Protocol):
     def finish(self, dests: Sequence[Dest]) -> None:
@@ -91,10 +93,14 @@ class Scratch:
 
     def bounce(self, nbytes: int, purpose: str) -> np.ndarray:
         """This thread's aligned host buffer for ``purpose`` (``"read"``, ``"write"``) of at least ``nbytes``."""
+        return self.bounce_buffer(purpose).get(nbytes)
+
+    def bounce_buffer(self, purpose: str) -> BounceLike:
+        """The buffer object behind :meth:`bounce` (to :meth:`~tierkv.tiers.disk.BounceBuffer.fence` it)."""
         buffers = self._local.__dict__.setdefault("bounces", {})
         if purpose not in buffers:
             buffers[purpose] = self._make_bounce()
-        return buffers[purpose].get(nbytes)
+        return buffers[purpose]
 
     def landing(self) -> torch.Tensor | None:
         """This thread's device landing buffer (``landing_bytes`` uint8), or None when landing is off."""

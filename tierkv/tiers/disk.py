@@ -27,7 +27,7 @@ from tierkv.blocks import Tier
 from tierkv.errors import DiskFullError, DiskTierError, TierKVError
 from tierkv.io import DiskFile, IOHandle, aligned_empty, open_disk_file
 from tierkv.layout import BlockLayout
-from tierkv.tiers.base import Dest, Scratch, landing_pieces
+from tierkv.tiers.base import BounceLike, Dest, Scratch, landing_pieces
 from tierkv.tiers.slots import SlotPool, growth_slots
 
 DEFAULT_EXTENT_BYTES = 256 * 2**20
@@ -157,12 +157,13 @@ class DiskTier:
     def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
                    purpose: str = "read") -> _DiskRead:
         slot_bytes = layout.slot_bytes
-        bounce = scratch.bounce(len(slots) * slot_bytes, purpose)
+        owner = scratch.bounce_buffer(purpose)
+        bounce = owner.get(len(slots) * slot_bytes)  # waits until the GPU has copied its last contents out
         try:
             handle = self.read(slot_bytes, slots.tolist(), bounce)
         except OSError as exc:
             raise disk_error(exc, self.files[slot_bytes].path) from exc
-        return _DiskRead(self, layout, bounce, handle, scratch)
+        return _DiskRead(self, layout, bounce, handle, scratch, owner)
 
     def write_from(self, layout: BlockLayout, slots: np.ndarray, src: torch.Tensor, scratch: Scratch) -> None:
         """Stage ``src`` in the write bounce buffer and write it with one batched engine call."""
@@ -211,8 +212,9 @@ class _DiskRead:
     """A submitted read of a layer's disk blocks, in plan order, into a bounce buffer."""
 
     def __init__(self, tier: DiskTier, layout: BlockLayout, bounce: np.ndarray, handle: IOHandle,
-                 scratch: Scratch) -> None:
+                 scratch: Scratch, owner: BounceLike) -> None:
         self.tier, self.layout, self.bounce, self.handle, self.scratch = tier, layout, bounce, handle, scratch
+        self.owner = owner
 
     def settle(self) -> None:
         with contextlib.suppress(OSError):  # the failure that matters was raised where it happened
@@ -230,6 +232,12 @@ class _DiskRead:
             for piece, end, rows in landing_pieces(landing, layout.slot_bytes, lo, hi):
                 rows.copy_(staged[piece:end], non_blocking=True)
                 out[piece - lo : end - lo].copy_(layout.blocks_of(rows), non_blocking=True)
+        if (landing is not None and landing.is_cuda) or any(out.is_cuda for _, _, out in dests):
+            # the copies out of the bounce buffer are queued on this thread's stream: the next read into it
+            # waits for them (on the host, only then), instead of every read syncing the stream now
+            event = torch.cuda.Event()
+            event.record()
+            self.owner.fence(event)
 
 
 def disk_error(exc: OSError, path: Path) -> DiskTierError:
@@ -254,8 +262,16 @@ class BounceBuffer:
         self.pin = pin
         self._buffer = aligned_empty(0)
         self._finalizer: weakref.finalize | None = None
+        self._fence: torch.cuda.Event | None = None  # GPU copies still reading the buffer (CUDA hosts)
+
+    def fence(self, event: torch.cuda.Event) -> None:
+        """Copies recorded before ``event`` still read the buffer: :meth:`get` waits for them."""
+        self._fence = event
 
     def get(self, nbytes: int) -> np.ndarray:
+        if self._fence is not None:
+            self._fence.synchronize()
+            self._fence = None
         if self._buffer.nbytes < nbytes:
             self.release()
             self._buffer = aligned_empty(max(nbytes, 2 * self._buffer.nbytes))

@@ -1,0 +1,34 @@
+"""TieredCache builds its layers from a config across transformers 5.x releases (``get_layer_types_and_kwargs``
+returns per-layer dicts in some and one dict of per-layer values in others, e.g. 5.17)."""
+
+from __future__ import annotations
+
+import pytest
+from models import tiny_model
+
+from tierkv import hf
+from tierkv.hf import TieredCache
+
+
+@pytest.mark.parametrize("shape", ["per-layer dicts", "one dict of lists", "one dict of shared values"])
+def test_layers_from_config_whatever_the_release_returns(monkeypatch, shape):
+    config = tiny_model("gemma2", "eager", 8).config  # layer 0 sliding (window 8), layer 1 full
+    types = ["sliding_attention", "full_attention"]
+    answers = {
+        "per-layer dicts": (types, [{"sliding_window": 8}, {}]),
+        "one dict of lists": (types, {"sliding_window": [8, None]}),
+        "one dict of shared values": (types, {"sliding_window": 8}),
+    }
+    monkeypatch.setattr(hf, "get_layer_types_and_kwargs", lambda text_config: answers[shape])
+    cache = TieredCache(gpu_gb="1MB", config=config)
+    assert [layer.sliding_window for layer in cache.layers] == [8, None]
+    cache.close()
+
+
+def test_a_release_that_returns_no_types_means_full_attention(monkeypatch):
+    config = tiny_model("llama").config
+    monkeypatch.setattr(hf, "get_layer_types_and_kwargs", lambda text_config: (None, {}))
+    cache = TieredCache(gpu_gb="1MB", config=config)
+    assert len(cache.layers) == config.num_hidden_layers
+    assert all(layer.sliding_window is None for layer in cache.layers)
+    cache.close()
