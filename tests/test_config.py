@@ -95,3 +95,11 @@ def test_tiered_cache_refuses_unknown_engine_and_model_as_config(tmp_path):
         TieredCache(config=LlamaForCausalLM(_tiny_config()))
     with pytest.raises(InvalidConfigError, match="config=model.config"):
         TieredCache.min_device_bytes(LlamaForCausalLM(_tiny_config()), 1024)
+
+
+@pytest.mark.parametrize("bad", [True, 0, -4, 2.5, "16"])
+def test_block_tokens_must_be_a_positive_int(bad):
+    from tierkv import TieredCache
+
+    with pytest.raises(InvalidConfigError, match="block_tokens"):
+        TieredCache(gpu_gb="1MB", block_tokens=bad)

@@ -158,7 +158,7 @@ class TieredCache(Cache):
                  prefetch_depth: int | str = 1, config: PreTrainedConfig | None = None,
                  disk_engine: str | None = None, profile: LinkProfile | str | os.PathLike | None = None,
                  trace: bool | str | os.PathLike | None = None) -> None:
-        if not isinstance(block_tokens, int) or block_tokens <= 0:
+        if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens <= 0:
             raise InvalidConfigError(f"block_tokens must be a positive int (e.g. 256), got {block_tokens!r}.")
         if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int) or prefetch_depth < 0):
             raise InvalidConfigError(f"prefetch_depth must be an int >= 0 or 'auto', got {prefetch_depth!r}.")

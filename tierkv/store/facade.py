@@ -52,7 +52,7 @@ class KVStore:
 
     def __init__(self, device: MemoryTier, host: MemoryTier, disk: DiskTier | None, policy: Policy,
                  block_tokens: int) -> None:
-        if not isinstance(block_tokens, int) or block_tokens <= 0:
+        if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens <= 0:
             raise InvalidConfigError(f"block_tokens must be a positive int, got {block_tokens!r}.")
         self.tiers: dict[Tier, StorageTier] = {Tier.DEVICE: device, Tier.HOST: host}
         if disk is not None:
