@@ -109,3 +109,13 @@ def test_eval_command_tiered_cache_gives_the_same_answers(tmp_path, capsys, monk
     assert [t["output"] for t in record["trials"]] == [t["output"] for t in reference["trials"]]
     assert len(from_disk) == 4 and all(n > 0 for n in from_disk[2:])  # the 2K trials read KV back from disk
     assert not list(tmp_path.iterdir())  # every trial's cache was closed and its disk files removed
+
+
+def test_loading_prints_no_progress_bar_and_keeps_the_users_setting(capsys):
+    from transformers.utils import logging as hf_logging
+
+    from tierkv.demo.model import load_demo_model
+
+    load_demo_model()
+    assert "Loading weights" not in capsys.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()

@@ -32,5 +32,19 @@ def load_demo_model(device: str = "cpu", path: str | Path | None = None):
             f"demo model files missing in {folder}: {', '.join(missing)}. Train them (about 30 minutes on a "
             f"2-core CPU) with: python -m tierkv.demo.train --out {folder}"
         )
-    model = LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa").to(device).eval()
-    return model, load_tokenizer(folder / "tokenizer.json")
+    model = _quietly(lambda: LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa"))
+    return model.to(device).eval(), load_tokenizer(folder / "tokenizer.json")
+
+
+def _quietly(load):
+    """Run ``load`` without transformers' "Loading weights" progress bar (it would cut into the demo's own
+    output, and a 0.8M-parameter model loads in milliseconds); the user's setting is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return load()
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
