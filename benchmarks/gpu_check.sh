@@ -17,6 +17,11 @@ PY=python
 BENCH_DIR=${TIERKV_BENCH_DIR:-${TMPDIR:-/tmp}/tierkv-gpu-check}
 mkdir -p "$BENCH_DIR"
 
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: CUDA is not visible to torch (no GPU, or a CPU build of torch): nothing to check" | tee "$OUT/summary.txt"
+  exit 2
+fi
+
 {
   date -Is
   nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
@@ -24,6 +29,7 @@ mkdir -p "$BENCH_DIR"
   "$PY" -c "import tierkv.io as io; print('disk engines:', io.engine_status())"
   "$PY" -c "import tierkv.settings as s; print('settings:', s.describe())"
   df -hT "$BENCH_DIR"
+  "$PY" -m pip list 2>/dev/null
 } > "$OUT/env.txt" 2>&1
 
 timeout 100 "$PY" -m pytest -m cuda tests -q -rs -p no:cacheprovider > "$OUT/pytest-cuda.txt" 2>&1
