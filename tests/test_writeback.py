@@ -120,3 +120,24 @@ def test_failed_background_write_loses_nothing(tmp_path, monkeypatch, caplog):
     assert_matches(store, ref)
     assert torch.count_nonzero(store.read_tokens(0)) > 0
     store.close()
+
+
+def test_a_block_moved_while_its_write_back_is_in_flight_is_left_where_it_went(tmp_path, held_writes):
+    """Regression (found by fuzzing the store): a block demoted by hand while its background write was in
+    flight was then freed from the host at completion, as if it were still there."""
+    store = make_store(tmp_path, device_slots=9, host_slots=1)
+    held = held_writes(store)
+    ref: dict = {}
+    for layer in range(2):
+        keys, values = kv(3, 5, seed=layer)
+        store.append(layer, keys, values)
+        reference_append(ref, layer, keys, values)
+    pending = list(store.writeback.pending.blocks) if store.writeback.pending else []
+    assert pending and held
+    store.demote(pending)  # host -> disk now, while the background copy is still in flight
+    for handle in held:
+        handle.released = True
+    store.writeback.reap(wait=True)
+    assert all(block.tier == Tier.DISK for block in pending)
+    assert_matches(store, ref)
+    store.close()

@@ -43,6 +43,7 @@ class PendingWrite:
 
     blocks: list[Block]
     disk_slots: list[int]
+    host_slots: list[int]  # where the blocks were when the write started
     slot_bytes: int
     handle: IOHandle
 
@@ -80,9 +81,12 @@ class Writeback:
             return False
         self.barrier()  # host slots are about to be reused: no read may still be on them
         freed = False
-        for block, slot in zip(pending.blocks, pending.disk_slots):
-            if table.blocks.get(block.id) is not block:  # released while in flight
+        for block, slot, host_slot in zip(pending.blocks, pending.disk_slots, pending.host_slots):
+            live = table.blocks.get(block.id) is block
+            if not live or block.tier != Tier.HOST or block.slot != host_slot:  # released or moved meanwhile
                 self.disk.free(pending.slot_bytes, slot)
+                if live:
+                    self.policy.unpin(block)
                 continue
             self.host.free(pending.slot_bytes, block.slot)
             table.place(block, Tier.DISK, slot)
@@ -140,7 +144,7 @@ class Writeback:
             return
         for block in blocks:
             self.policy.pin(block)
-        self.pending = PendingWrite(blocks, slots, slot_bytes, handle)
+        self.pending = PendingWrite(blocks, slots, [block.slot for block in blocks], slot_bytes, handle)
 
     def _pause(self, reason: str) -> None:
         if self.paused_reason is None:
