@@ -38,8 +38,11 @@ class ReadProbe(Protocol):
     def end(self, mark: Any, tier: Tier, nbytes: int, copies: int) -> None: ...
 
 
+_LINKS = {(source, target): f"{source.label}->{target.label}" for source in Tier for target in Tier}
+
+
 def link(source: Tier, target: Tier) -> str:
-    return f"{source.label}->{target.label}"
+    return _LINKS[(source, target)]
 
 
 class Transfer:

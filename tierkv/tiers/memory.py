@@ -92,7 +92,7 @@ class SlabPool(SlotPool):
         """Copy the blocks in ``slots`` into ``dests``: one ``index_select`` per run of slots in one chunk;
         through ``landing`` (a device buffer) when the destination is on another device than the slab.
         ``memo`` (a dict that lives as long as ``slots`` does, e.g. a cached plan's) keeps the index tensors."""
-        if landing is not None or any(out.device != self.device for _, _, out in dests):
+        if landing is not None or (dests and dests[0][2].device != self.device):  # one destination tensor
             chunks, rows = self.locate(slots)
             for lo, hi, out in dests:
                 self._gather_across(layout, chunks, rows, lo, hi, out, landing)
