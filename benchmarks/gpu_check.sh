@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared check for a GPU host: the CUDA tests and `tierkv bench`, results under $OUT.
-# Installs nothing (uses .venv if present, else `python`), needs no network, finishes in < 7 minutes:
+# Installs nothing (uses .venv if present, else `python`), needs no network, finishes in < 5 minutes (timeouts 90 + 45 + 45 + 120 s), so a rerun fits the device time:
 # each step has its own timeout and a failing step does not stop the next one.
 #
 #   OUT=/tmp/gpu-results bash benchmarks/gpu_check.sh
@@ -32,21 +32,21 @@ fi
   "$PY" -m pip list 2>/dev/null
 } > "$OUT/env.txt" 2>&1
 
-timeout 100 "$PY" -m pytest -m cuda tests -q -rs -p no:cacheprovider > "$OUT/pytest-cuda.txt" 2>&1
+timeout 90 "$PY" -m pytest -m cuda tests -q -rs -p no:cacheprovider > "$OUT/pytest-cuda.txt" 2>&1
 pytest_rc=$?
 
 # pinned H2D / D2H against a plain torch copy of 256 MiB, side by side (target >= 0.9x)
-timeout 60 "$PY" -m pytest -m cuda benchmarks/test_links.py --benchmark-enable -s -q -p no:cacheprovider \
+timeout 45 "$PY" -m pytest -m cuda benchmarks/test_links.py --benchmark-enable -s -q -p no:cacheprovider \
   > "$OUT/links-cuda.txt" 2>&1
 links_rc=$?
 
 # the scale paths: one layer of 4,096 blocks from pinned host memory (kernel count, GB/s vs a plain copy)
-timeout 60 "$PY" -m pytest -m cuda benchmarks/test_scale.py --benchmark-enable -s -q -p no:cacheprovider \
+timeout 45 "$PY" -m pytest -m cuda benchmarks/test_scale.py --benchmark-enable -s -q -p no:cacheprovider \
   > "$OUT/scale-cuda.txt" 2>&1
 scale_rc=$?
 
-# 1 GiB file; memory links up to 256 MiB keep the run near 3 minutes on an H100/H200 host.
-timeout 180 "$PY" -m tierkv.cli bench --dir "$BENCH_DIR" --disk-size 1GiB --max-size 256MiB --repeats 5 \
+# 512 MiB file, 3 repeats: about 2 minutes on an H100/H200 host.
+timeout 120 "$PY" -m tierkv.cli bench --dir "$BENCH_DIR" --disk-size 512MiB --max-size 256MiB --repeats 3 \
   --profile-out "$OUT/tierkv-profile.json" --plot-out "$OUT/tierkv-bench.png" > "$OUT/bench.txt" 2>&1
 bench_rc=$?
 rm -rf "$BENCH_DIR"
