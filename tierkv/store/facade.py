@@ -476,6 +476,7 @@ class KVStore:
         self._lengths.clear()
         for tier in self.tiers.values():
             tier.close()
+        self.transfer.scratch.release()
 
     def stats(self) -> dict:
         blocks = {tier.label: 0 for tier in Tier}

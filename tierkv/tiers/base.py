@@ -112,4 +112,5 @@ class Scratch:
         return buffer
 
     def release(self) -> None:
+        """Drop every thread's buffers (the cache closes; pinned bounce buffers are unregistered as they go)."""
         self._local = threading.local()
