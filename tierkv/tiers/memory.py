@@ -23,6 +23,8 @@ from tierkv.staging import CHUNKS_PER_BUDGET  # a pool grows by 1/16 of its budg
 from tierkv.tiers.base import Dest, Scratch, landing_pieces
 from tierkv.tiers.slots import SlotPool, growth_slots
 
+PINNED_CHUNK_BYTES = 1 << 30  # page-locking is slow and bounded by the OS: pinned slabs grow by at most this
+
 
 class SlabPool(SlotPool):
     """Slots of ``slot_bytes`` bytes in chunk tensors ``[slots_per_chunk, slot_bytes]`` (uint8)."""
@@ -132,7 +134,7 @@ class SlabPool(SlotPool):
     def scatter(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, src: torch.Tensor) -> None:
         """Write blocks ``src`` ``[n, 2, H_kv, block_tokens, D]`` into ``slots``: one ``index_copy_`` per chunk run."""
         chunks, rows = self.locate(slots)
-        src = src.to(self.device, non_blocking=True)
+        src = src.to(self.device)  # blocking: a non-blocking GPU -> CPU copy may not have landed when read below
         for a, b, chunk in _runs(chunks, 0, len(slots)):
             index = torch.from_numpy(rows[a:b]).to(self.device)
             self.typed(chunk, layout).index_copy_(0, index, src[a:b])
@@ -151,6 +153,8 @@ class MemoryTier:
         self.device = device
         self.pin = pin
         self.chunk_bytes = chunk_bytes if chunk_bytes is not None else max(1, budget // CHUNKS_PER_BUDGET)
+        if pin:
+            self.chunk_bytes = min(self.chunk_bytes, PINNED_CHUNK_BYTES)
         self.pools: dict[int, SlabPool] = {}
         self.reserved = 0
         self.peak_bytes = 0  # high-water mark of allocated_bytes, to prove the budget held
