@@ -225,6 +225,8 @@ class _DiskRead:
         self.tier.wait(self.handle, layout.slot_bytes)
         staged = torch.from_numpy(self.bounce).view(-1, layout.slot_bytes)
         landing = self.scratch.landing()  # the finishing thread's (a read ahead is submitted on another)
+        if landing is not None and dests and landing.device != dests[0][2].device:
+            landing = None  # a read into host memory: straight from the bounce buffer
         for lo, hi, out in dests:
             if landing is None:
                 out.copy_(layout.blocks_of(staged[lo:hi]), non_blocking=True)

@@ -94,7 +94,10 @@ class SlabPool(SlotPool):
         """Copy the blocks in ``slots`` into ``dests``: one ``index_select`` per run of slots in one chunk;
         through ``landing`` (a device buffer) when the destination is on another device than the slab.
         ``memo`` (a dict that lives as long as ``slots`` does, e.g. a cached plan's) keeps the index tensors."""
-        if landing is not None or (dests and dests[0][2].device != self.device):  # one destination tensor
+        target = dests[0][2].device if dests else self.device  # the destinations are views of one tensor
+        if landing is not None and landing.device != target:
+            landing = None  # the landing buffer lives on the device tier: of no use for a read into host memory
+        if landing is not None or target != self.device:
             chunks, rows = self.locate(slots)
             for lo, hi, out in dests:
                 self._gather_across(layout, chunks, rows, lo, hi, out, landing)
