@@ -24,6 +24,7 @@ from tierkv.blocks import Block, BlockTable, Tier
 from tierkv.errors import BudgetTooSmallError, CapacityError
 from tierkv.layout import BlockLayout
 from tierkv.policy import Policy
+from tierkv.staging import device_minimum
 from tierkv.store.transfer import Transfer
 from tierkv.store.writeback import Writeback
 from tierkv.tiers.base import StorageTier
@@ -145,16 +146,28 @@ class Placement:
     def reserve_device(self, nbytes: int) -> None:
         """Count ``nbytes`` of device staging against the device budget, evacuating blocks to make room."""
         device = self.device
-        while not device.reserve(nbytes):
-            pools = [pool for pool in device.pools.values() if pool.chunks]
-            if not pools:
-                raise BudgetTooSmallError(
-                    f"the device budget ({device.budget / 1e6:.2f} MB) is smaller than the attention staging area "
-                    f"alone ({(device.reserved + nbytes) / 1e6:.2f} MB): raise gpu_gb to at least "
-                    f"{(device.reserved + nbytes) / 1e6:.2f} MB plus the open tail blocks (see "
-                    "TieredCache.min_device_bytes)."
-                )
-            self._evacuate_last_chunk(max(pools, key=lambda pool: pool.allocated_bytes))
+        try:
+            while not device.reserve(nbytes):
+                pools = [pool for pool in device.pools.values() if pool.chunks]
+                if not pools:
+                    raise BudgetTooSmallError("no blocks left to evacuate")
+                self._evacuate_last_chunk(max(pools, key=lambda pool: pool.allocated_bytes))
+        except BudgetTooSmallError as exc:
+            raise self._staging_error(nbytes) from exc
+
+    def _staging_error(self, nbytes: int) -> BudgetTooSmallError:
+        """Staging of ``nbytes`` more does not fit: the numbers, the minimum that would, and the ways out."""
+        device = self.device
+        staging = device.reserved + nbytes
+        slot = max((pool.slot_bytes for pool in device.pools.values()), default=0)
+        tails = (len(self.open_tails()) + 1) * slot
+        need = device_minimum(staging, tails)
+        return BudgetTooSmallError(
+            f"the device budget ({_size(device.budget)}) cannot hold the attention staging area ({_size(staging)}) "
+            f"beside the blocks being filled ({_size(tails)}); with slab chunks of 1/16 of the budget that takes "
+            f"{_size(need)}: raise gpu_gb to at least that (TieredCache.min_device_bytes gives it for the context "
+            "you decode to), or attend with cache.streaming(model), which stages two chunks instead of layers."
+        )
 
     def _blocks_on(self, tier: Tier, slot_bytes: int, slots: range) -> list[Block]:
         """Live blocks of ``tier`` and ``slot_bytes`` whose slot is in ``slots`` (vectorised over the grids)."""
