@@ -140,3 +140,17 @@ def test_telemetry_after_reset_counts_the_new_sequence(tmp_path):
     assert [step.new_tokens for step in executor.timeline.completed()] == [20, 5]
     executor.close()
     store.close()
+
+
+def test_reads_ahead_are_bounded_in_bytes(tmp_path, monkeypatch):
+    """Each read ahead holds a host buffer of its disk bytes: beyond the cap, fewer layers are read ahead."""
+    from tierkv.attention import base
+
+    store, _ = _disk_heavy_store(tmp_path, layers=6)
+    one_layer = sum(part.blocks for part in store.plan_read(1, 0, 40).parts if part.tier == Tier.DISK)
+    monkeypatch.setattr(base, "READ_AHEAD_BYTES", one_layer * store.layouts[1].slot_bytes)
+    executor = ExactGather(store, SyncMover(), num_layers=6, prefetch_depth=1)
+    executor.gather(0, 0)
+    assert len(executor._disk_ahead) == 1  # the cap holds one layer's disk bytes
+    executor.close()
+    store.close()

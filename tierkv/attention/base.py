@@ -65,6 +65,10 @@ def from_first_token(layer: int) -> int:
     return 0
 
 
+READ_AHEAD_BYTES = 1 << 30
+"""At most this many bytes of disk reads ahead in flight (one is always allowed): each holds a host bounce
+buffer of its size, which no budget counts yet, so long layers read fewer layers ahead."""
+
 READ_AHEAD = DISK_READ_AHEAD
 """Disk reads submitted ahead of the reads that will use them (see ``PipelinedExecutor._read_ahead``); each
 holds a host bounce buffer of one read's disk bytes until the read that uses it has copied it out. The
@@ -78,6 +82,7 @@ class DiskAhead:
     plan: ReadPlan
     pending: PendingRead
     purpose: str
+    nbytes: int  # its disk bytes (the size of the host buffer it holds)
 
 
 class PipelinedExecutor:
@@ -173,10 +178,13 @@ class PipelinedExecutor:
                 self._drop_ahead_read(key)
             if Tier.DISK not in plan.tiers:
                 continue
+            nbytes = _disk_bytes(self.store, layer, plan)
+            if self._disk_ahead and sum(e.nbytes for e in self._disk_ahead.values()) + nbytes > READ_AHEAD_BYTES:
+                return  # enough is in flight: each read ahead holds a host buffer of its disk bytes
             purpose = self._free_buffer_name()
             if purpose is None:
                 return
-            entry = DiskAhead(plan, self.store.read_ahead(layer, plan, purpose), purpose)
+            entry = DiskAhead(plan, self.store.read_ahead(layer, plan, purpose), purpose, nbytes)
             self._disk_ahead[key] = entry
             self._buffer_users[purpose] = entry
 
@@ -223,6 +231,10 @@ class PipelinedExecutor:
         if self.trace is not None:
             self.trace.span(f"wait L{layer}", "stall", since, now)
         return now - since
+
+
+def _disk_bytes(store: KVStore, layer: int, plan: ReadPlan) -> int:
+    return sum(part.blocks for part in plan.parts if part.tier == Tier.DISK) * store.layouts[layer].slot_bytes
 
 
 def wait_quietly(handle: MoveHandle) -> bool:

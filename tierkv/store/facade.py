@@ -497,5 +497,13 @@ class KVStore:
 
     # ------------------------------------------------------------------------------ for tests/tools
     def demote(self, blocks: list[Block]) -> None:
-        """Move ``blocks`` one step down the chain now (tests and tools; decoding demotes on its own)."""
-        self.placement.demote(blocks)
+        """Move ``blocks`` one step down the chain now (tests and tools; decoding demotes on its own). Blocks
+        already on the lowest tier stay where they are; the others move per (tier, slot size) group."""
+        groups: dict[tuple[Tier, int], list[Block]] = {}
+        for block in blocks:
+            if block.tier != self.chain[-1]:
+                groups.setdefault((block.tier, block.slot_bytes), []).append(block)
+        for (tier, _), group in sorted(groups.items(), key=lambda item: -item[0][0]):  # lowest tier first:
+            still = [block for block in group if block.tier == tier]  # a cascade only pushes lower blocks down
+            if still:
+                self.placement.demote(still)
