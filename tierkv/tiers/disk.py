@@ -160,7 +160,7 @@ class DiskTier:
         owner = scratch.bounce_buffer(purpose)
         bounce = owner.get(len(slots) * slot_bytes)  # waits until the GPU has copied its last contents out
         try:
-            handle = self.read(slot_bytes, slots.tolist(), bounce)
+            handle = self.read(slot_bytes, slots, bounce)
         except OSError as exc:
             raise disk_error(exc, self.files[slot_bytes].path) from exc
         return _DiskRead(self, layout, bounce, handle, scratch, owner)
@@ -172,7 +172,7 @@ class DiskTier:
         staged = torch.from_numpy(bounce).view(len(slots), slot_bytes)
         layout.blocks_of(staged).copy_(src)
         try:
-            handle = self.write(slot_bytes, slots.tolist(), bounce)
+            handle = self.write(slot_bytes, slots, bounce)
         except OSError as exc:
             raise disk_error(exc, self.files[slot_bytes].path) from exc
         self.wait(handle, slot_bytes)
@@ -187,15 +187,14 @@ class DiskTier:
             raise disk_error(exc, self.files[slot_bytes].path) from exc
 
     def _submit(self, slot_bytes: int, slots: Sequence[int], buffer: np.ndarray, write: bool) -> IOHandle:
+        """One request per run of consecutive slots (found with numpy: the loop is over runs, not blocks)."""
         slot_file = self.files[slot_bytes]
-        requests = []
-        start = 0
-        while start < len(slots):
-            end = start + 1
-            while end < len(slots) and slots[end] == slots[end - 1] + 1:
-                end += 1
-            requests.append((slot_file.offset(slots[start]), buffer[start * slot_bytes : end * slot_bytes]))
-            start = end
+        order = np.asarray(slots, dtype=np.int64)
+        if order.size == 0:
+            return slot_file.file.submit_writes([]) if write else slot_file.file.submit_reads([])
+        cuts = (np.flatnonzero(np.diff(order) != 1) + 1).tolist()
+        requests = [(slot_file.offset(int(order[a])), buffer[a * slot_bytes : b * slot_bytes])
+                    for a, b in zip([0, *cuts], [*cuts, order.size])]
         submit = slot_file.file.submit_writes if write else slot_file.file.submit_reads
         return submit(requests)
 
