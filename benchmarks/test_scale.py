@@ -84,6 +84,13 @@ def _interleaved(steps: dict[str, Callable[[int], list[float]]]) -> dict[str, fl
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def _model(config: LlamaConfig) -> tuple[LlamaForCausalLM, torch.Tensor]:
+    """The seeded model and the decode token; one torch thread, so the mover thread gets the other core."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval(), torch.tensor([[7]])
+
+
 def _steps(model: torch.nn.Module, cache, token: torch.Tensor) -> Callable[[int], list[float]]:
     return lambda n: [_step(model, cache, token) for _ in range(n)]
 
@@ -95,11 +102,8 @@ def _scale_config() -> LlamaConfig:
 
 
 def test_step_cost_follows_bytes_not_blocks(benchmark, capsys) -> None:
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
     config = _scale_config()
-    model = LlamaForCausalLM(config).eval()
-    token = torch.tensor([[7]])
+    model, token = _model(config)
     table = Table(title=f"decode step vs DynamicCache, {config.num_hidden_layers} layers, {SCALE_BLOCK}-token "
                         "blocks (median of interleaved rounds)")
     for column in ("blocks/layer", "context", "DynamicCache", "(a) all device", "ratio (a)", "(b) device at min",
@@ -182,11 +186,8 @@ def _raw_read_bandwidth(cache: TieredCache) -> tuple[float, float]:
 
 
 def test_disk_reads_overlap_compute(benchmark, capsys) -> None:
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
     config = _disk_config()
-    model = LlamaForCausalLM(config).eval()
-    token = torch.tensor([[7]])
+    model, token = _model(config)
     directory = Path(env_str("TIERKV_BENCH_DIR", tempfile.gettempdir()))
     gpu = TieredCache.min_device_bytes(config, DISK_CONTEXT + 256, block_tokens=DISK_BLOCK) + DISK_KV // 16
     plain = StaticCache(config=config, max_cache_len=DISK_CONTEXT + 64)

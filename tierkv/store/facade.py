@@ -37,6 +37,23 @@ class Reader(Protocol):
     def wait_all(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class _Split:
+    """How ``tokens`` appended to rows of ``length`` tokens fall on blocks of ``block_tokens``: ``take`` of them
+    into the partial tail column (which holds ``held``), the ``rest`` into ``new_columns`` new columns."""
+
+    held: int
+    take: int
+    rest: int
+    new_columns: int
+
+    @classmethod
+    def of(cls, length: int, tokens: int, block_tokens: int) -> _Split:
+        held = length % block_tokens  # 0: there is no partial tail column
+        take = min(block_tokens - held, tokens) if held else 0
+        return cls(held, take, tokens - take, math.ceil((tokens - take) / block_tokens))
+
+
 @dataclass(slots=True)
 class _NewBlocks:
     """What one row takes in an append: tokens written in place into its open device tail, a copy of a
@@ -122,16 +139,17 @@ class KVStore:
         self.writeback.reap()
         kv = torch.stack((keys.detach(), values.detach()))  # [2, B, H_kv, q, D]; the cache holds no autograd graph
         length = self.seq_length(layer) if rows.count else 0
+        split = _Split.of(length, tokens, self.block_tokens)
         allocated: list[Block] = []
         try:
-            plans = self._allocate(layer, rows, length, tokens, layout, allocated)
-            self._write(layer, layout, rows, plans, kv, length)
+            plans = self._allocate(layer, rows, split, layout, allocated)
+            self._write(layer, layout, plans, kv, split)
         except BaseException:
             for block in allocated:
                 self.tiers[block.tier].free(block.slot_bytes, block.slot)
                 del self.table.blocks[block.id]
             raise
-        self._commit(layer, rows, plans, length, tokens)
+        self._commit(layer, rows, plans, split)
         self._lengths[layer] = length + tokens
         self.writeback.maybe_start()
 
@@ -179,17 +197,14 @@ class KVStore:
             )
         return layout
 
-    def _allocate(self, layer: int, rows: LayerRows, length: int, tokens: int, layout: BlockLayout,
+    def _allocate(self, layer: int, rows: LayerRows, split: _Split, layout: BlockLayout,
                   allocated: list[Block]) -> list[_NewBlocks]:
         """Allocate what each row needs for ``tokens`` more tokens.
 
         Each row's last new block becomes its open tail and must be on the device; those are allocated
         first, so the top-down placement of the other (full) new blocks cannot crowd them out.
         """
-        bt = self.block_tokens
-        held = length % bt  # tokens in the partial tail column, 0 if there is none
-        take = min(bt - held, tokens) if held else 0
-        new_columns = math.ceil((tokens - take) / bt)
+        held, take, new_columns = split.held, split.take, split.new_columns
         first_index = rows.front + rows.count
         plans = [_NewBlocks() for _ in range(rows.batch)]
         protect: set[int] = set()
@@ -225,14 +240,12 @@ class KVStore:
             plan.blocks[:0] = [placed_block(first_index + k) for k in range(new_columns - 1)]
         return plans
 
-    def _write(self, layer: int, layout: BlockLayout, rows: LayerRows, plans: list[_NewBlocks], kv: torch.Tensor,
-               length: int) -> None:
+    def _write(self, layer: int, layout: BlockLayout, plans: list[_NewBlocks], kv: torch.Tensor,
+               split: _Split) -> None:
         """Copy the appended tokens into their blocks: in place into open tails, whole (zero-padded) blocks
         elsewhere, one batched write per tier."""
         bt = self.block_tokens
-        held = length % bt
-        tokens = kv.shape[3]
-        take = min(bt - held, tokens) if held else 0
+        held, take = split.held, split.take
         by_tier: dict[Tier, tuple[list[int], list[torch.Tensor]]] = {}
         device: MemoryTier = self.device
         for r, plan in enumerate(plans):
@@ -264,11 +277,9 @@ class KVStore:
             if tier != Tier.DEVICE:
                 self.transfer.count(link(Tier.DEVICE, tier), len(slots) * bt * layout.token_bytes)
 
-    def _commit(self, layer: int, rows: LayerRows, plans: list[_NewBlocks], length: int, tokens: int) -> None:
+    def _commit(self, layer: int, rows: LayerRows, plans: list[_NewBlocks], split: _Split) -> None:
         bt = self.block_tokens
-        held = length % bt
-        take = min(bt - held, tokens) if held else 0
-        rest = tokens - take
+        held, take, rest = split.held, split.take, split.rest
         for r, plan in enumerate(plans):
             if plan.in_place:
                 self.table.tail(layer, r).tokens += plan.in_place
