@@ -19,6 +19,7 @@ from tierkv.errors import (
     CapacityError,
     DiskFullError,
     DiskTierError,
+    IntegrityError,
     InvalidConfigError,
     TierKVError,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "CapacityError",
     "DiskFullError",
     "DiskTierError",
+    "IntegrityError",
     "InvalidConfigError",
     "TierKVError",
     "TieredCache",

@@ -30,3 +30,8 @@ class DiskTierError(TierKVError, OSError):
 
 class DiskFullError(DiskTierError):
     """The filesystem under the disk tier ran out of space (ENOSPC)."""
+
+
+class IntegrityError(DiskTierError):
+    """A block read back from below the host tier does not match the checksum taken when it was written
+    (a failing drive, or another program wrote to the file): its data is never returned."""

@@ -1,0 +1,129 @@
+"""Content addresses of full KV blocks: a model fingerprint, a namespace, and a hash chain over token ids.
+
+A block's K/V is a function of the model, how it computes (dtype, device type, attention implementation),
+the block geometry and *every* token up to the block's end — not of the block's own tokens alone. So a
+block's key chains over its whole prefix (vLLM's ``hash_block_tokens(parent_hash, token_ids, extra_keys)``)::
+
+    root    = H(namespace fields)                      # model fingerprint, layers, kv heads, head dim, ...
+    key[0]  = H(root,       ids[0 : bt])
+    key[i]  = H(key[i - 1], ids[i * bt : (i + 1) * bt])
+
+Two prompts share ``key[0..k]`` exactly when they share their first ``(k + 1) * bt`` tokens *and* the
+namespace; a different model, layout or dtype has another root, so none of its keys can match.
+
+Interface (also used by the remote tier)::
+
+    ns = Namespace.of_model(model, block_tokens=256)  # or Namespace(fingerprint=..., layers=..., ...)
+    keys = block_keys(ns.root, ids, 256)             # one hex key per *full* block of ids (a 1-D int sequence)
+    model_fingerprint(model)                          # hex digest of config + parameter names/shapes/dtypes/samples
+
+Keys are 32 hex characters (BLAKE2b, 128 bits): cryptographic, so two different prefixes cannot be made to
+collide on purpose, and short enough for file names and Redis keys. The fingerprint samples parameter
+*values* (``SAMPLES_PER_TENSOR`` evenly spaced elements of every tensor) instead of hashing every byte:
+a fine-tuned or differently initialised copy of a model differs in those samples; two models that differ
+only in unsampled elements would collide (pass your own ``fingerprint=`` string to :class:`Namespace` if
+that matters).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+KEY_BYTES = 16  # 128-bit keys, written as 32 hex characters
+SAMPLES_PER_TENSOR = 16
+FORMAT = "tierkv-kv/1"  # part of every root: a change of the block format changes every key
+# config entries that name where a model came from or how it was loaded, not what it computes
+_CONFIG_NOISE = ("_name_or_path", "transformers_version", "_attn_implementation_autoset", "_commit_hash")
+
+
+def _digest(*parts: bytes) -> str:
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))  # length-prefixed: no two part lists hash the same bytes
+        h.update(part)
+    return h.hexdigest()
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Hex digest of what makes ``model`` compute what it does: its config (without its path and the
+    transformers version) and, for every parameter and buffer, its name, shape, dtype and
+    ``SAMPLES_PER_TENSOR`` evenly spaced values. Costs one small device->host copy per tensor."""
+    import torch
+
+    config = getattr(model, "config", None)
+    described = config.to_dict() if config is not None else {"class": type(model).__qualname__}
+    for key in _CONFIG_NOISE:
+        described.pop(key, None)
+    parts = [json.dumps(described, sort_keys=True, default=str).encode()]
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            flat = tensor.detach().reshape(-1)
+            parts.append(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
+            if flat.numel():
+                picks = torch.linspace(0, flat.numel() - 1, SAMPLES_PER_TENSOR, device=flat.device).long()
+                parts.append(flat[picks].cpu().view(torch.uint8).numpy().tobytes())
+    return _digest(*parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything besides the token ids that decides a block's bytes; its :attr:`root` starts every chain.
+
+    ``dtype`` is the K/V dtype's name (``"float32"``, ``"bfloat16"``); ``device_type`` is ``"cpu"``/``"cuda"``
+    (kernels differ in the last bits); ``attention`` is the model's attention implementation (``"sdpa"``,
+    ``"eager"`` ...: the K/V of layer 1 and up depend on layer 0's attention output, bit for bit).
+    """
+
+    fingerprint: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    block_tokens: int
+    device_type: str
+    attention: str
+
+    @property
+    def root(self) -> str:
+        return _digest(FORMAT.encode(), json.dumps(asdict(self), sort_keys=True).encode())
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """The K/V of one block of every layer: ``[layers, 2, kv_heads, block_tokens, head_dim]``."""
+        return (self.layers, 2, self.kv_heads, self.block_tokens, self.head_dim)
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, block_tokens: int, fingerprint: str | None = None) -> Namespace:
+        """The namespace of a transformers decoder (geometry from its text config, dtype and device from its
+        parameters); ``fingerprint`` defaults to :func:`model_fingerprint`."""
+        text = model.config.get_text_config(decoder=True)
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        parameter = next(model.parameters())
+        return cls(fingerprint=fingerprint or model_fingerprint(model), layers=int(text.num_hidden_layers),
+                   kv_heads=int(kv_heads), head_dim=int(head_dim), dtype=str(parameter.dtype).removeprefix("torch."),
+                   block_tokens=int(block_tokens), device_type=parameter.device.type,
+                   attention=str(model.config._attn_implementation))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def block_keys(root: str, ids: Sequence[int] | np.ndarray, block_tokens: int) -> list[str]:
+    """Keys of the *full* blocks of one sequence's token ``ids`` (a partial last block has no key):
+    ``key[i] = H(key[i-1], ids of block i)`` with ``key[-1] = root``."""
+    tokens = np.ascontiguousarray(np.asarray(ids, dtype="<i8").reshape(-1))
+    keys, parent = [], root
+    for i in range(len(tokens) // block_tokens):
+        parent = _digest(parent.encode(), tokens[i * block_tokens : (i + 1) * block_tokens].tobytes())
+        keys.append(parent)
+    return keys

@@ -1,0 +1,185 @@
+"""The on-disk (and on-the-wire) record: a small JSON header and a payload, checked by one xxhash.
+
+::
+
+    offset 0   b"TKVR"                     magic
+           4   u16  format version (1)
+           6   u16  reserved (0)
+           8   u32  header length H
+          12   u64  payload length P
+          20   u64  xxh3_64 of header + payload
+          28   header: UTF-8 JSON object   (H bytes)
+      28 + H   payload                     (P bytes)
+
+A record is valid only if its length is exactly ``28 + H + P`` and the checksum matches, so a torn write
+(a process killed half way, a short read) or a flipped byte anywhere is detected, never decoded.
+
+Block records hold one block-row of KV — the K/V of ``block_tokens`` tokens of *every* layer, one
+``[layers, 2, kv_heads, block_tokens, head_dim]`` tensor — with the header
+``{"kind": "block", "key", "namespace", "depth", "dtype", "shape"}`` (``depth``: the block's index in its
+chain). One record per block-row keeps a prefix lookup to one object per block, whatever the layer count.
+
+Interface::
+
+    head, payload = encode_block(key, namespace_root, depth, kv)   # kv: [L, 2, H_kv, bt, D], any device
+    kv = decode_block(buffer, key=key, namespace=ns)               # IntegrityError if anything is off
+    head, payload = encode(header_dict, payload_bytes)             # any record (write head, then payload)
+    header, payload = decode(buffer)                               # a record from one contiguous buffer
+    header, payload = read(binary_file)                            # a record from a stream (sync)
+    header, payload = await aread(aiofiles_file)                   # ... and from an aiofiles file
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import xxhash
+
+from tierkv.errors import IntegrityError
+
+if TYPE_CHECKING:
+    import torch
+
+    from tierkv.persist.keys import Namespace
+
+MAGIC = b"TKVR"
+VERSION = 1
+_PREFIX = struct.Struct("<4sHHIQQ")
+PREFIX_BYTES = _PREFIX.size  # 28
+MAX_HEADER_BYTES = 1 << 20  # a header is a few hundred bytes; a larger length is a corrupt prefix
+
+
+def _checksum(header: bytes, payload: bytes | memoryview) -> int:
+    digest = xxhash.xxh3_64()
+    digest.update(header)
+    digest.update(payload)
+    return digest.intdigest()
+
+
+def encode(header: dict[str, Any], payload: bytes | bytearray | memoryview) -> tuple[bytes, memoryview]:
+    """``(head, payload)``: write ``head`` then ``payload`` (not copied) to store the record."""
+    payload = memoryview(payload).cast("B")
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return _PREFIX.pack(MAGIC, VERSION, 0, len(text), len(payload), _checksum(text, payload)) + text, payload
+
+
+def _parse_prefix(prefix: bytes | memoryview, what: str) -> tuple[int, int, int]:
+    if len(prefix) < PREFIX_BYTES:
+        raise IntegrityError(f"{what}: {len(prefix)} bytes, shorter than a record's {PREFIX_BYTES}-byte prefix "
+                             "(a torn or truncated write).")
+    magic, version, reserved, header_bytes, payload_bytes, checksum = _PREFIX.unpack_from(prefix)
+    if magic != MAGIC or version != VERSION or reserved:
+        raise IntegrityError(f"{what}: not a tierkv record (magic {magic!r}, version {version}, reserved {reserved}).")
+    if header_bytes > MAX_HEADER_BYTES:
+        raise IntegrityError(f"{what}: header length {header_bytes} is corrupt.")
+    return header_bytes, payload_bytes, checksum
+
+
+def _finish(text: bytes | memoryview, payload: memoryview, checksum: int, what: str) -> dict[str, Any]:
+    if _checksum(bytes(text), payload) != checksum:
+        raise IntegrityError(f"{what}: checksum mismatch (xxh3_64); the stored bytes changed after they were written.")
+    try:
+        header = json.loads(bytes(text))
+    except ValueError as error:  # only reachable with a colliding checksum: still never decoded as data
+        raise IntegrityError(f"{what}: unreadable header ({error}).") from None
+    if not isinstance(header, dict):
+        raise IntegrityError(f"{what}: the header is not a JSON object.")
+    return header
+
+
+def decode(buffer: bytes | bytearray | memoryview, what: str = "record") -> tuple[dict[str, Any], memoryview]:
+    """Check and split one whole record; ``what`` names it in errors (a file name, a key)."""
+    view = memoryview(buffer).cast("B")
+    header_bytes, payload_bytes, checksum = _parse_prefix(view[:PREFIX_BYTES], what)
+    expected = PREFIX_BYTES + header_bytes + payload_bytes
+    if len(view) != expected:
+        raise IntegrityError(f"{what}: {len(view)} bytes, the record says {expected} (a torn or truncated write).")
+    text = view[PREFIX_BYTES : PREFIX_BYTES + header_bytes]
+    payload = view[PREFIX_BYTES + header_bytes :]
+    return _finish(text, payload, checksum, what), payload
+
+
+def _read_exact(stream: BinaryIO, size: int, what: str) -> bytearray:
+    data = bytearray(size)
+    got = stream.readinto(data) if size else 0
+    if got != size:
+        raise IntegrityError(f"{what}: ended after {got} of {size} bytes (a torn or truncated write).")
+    return data
+
+
+def read(stream: BinaryIO, what: str = "record") -> tuple[dict[str, Any], bytearray]:
+    """Read and check the next record of a binary stream (the payload is a fresh, writable bytearray)."""
+    header_bytes, payload_bytes, checksum = _parse_prefix(_read_exact(stream, PREFIX_BYTES, what), what)
+    text = _read_exact(stream, header_bytes, what)
+    payload = _read_exact(stream, payload_bytes, what)
+    return _finish(text, memoryview(payload), checksum, what), payload
+
+
+async def aread(stream: Any, what: str = "record") -> tuple[dict[str, Any], bytearray]:
+    """:func:`read` for an asynchronous file (``aiofiles``) opened in binary mode."""
+
+    async def exact(size: int) -> bytes:
+        data = await stream.read(size) if size else b""
+        if len(data) != size:
+            raise IntegrityError(f"{what}: ended after {len(data)} of {size} bytes (a torn or truncated write).")
+        return data
+
+    header_bytes, payload_bytes, checksum = _parse_prefix(await exact(PREFIX_BYTES), what)
+    text = await exact(header_bytes)
+    payload = bytearray(await exact(payload_bytes))
+    return _finish(text, memoryview(payload), checksum, what), payload
+
+
+# ------------------------------------------------------------------------------------------ tensors
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of ``tensor`` (copied to the host, made contiguous), any dtype (bfloat16 included)."""
+    import torch
+
+    host = tensor.detach().to("cpu").contiguous()
+    return memoryview(host.view(torch.uint8).numpy()).cast("B")
+
+
+def tensor_from(payload: bytearray | memoryview, dtype_name: str, shape: list[int] | tuple[int, ...],
+                what: str = "record") -> torch.Tensor:
+    """A tensor view of ``payload`` (writable, not copied); IntegrityError if its size does not fit."""
+    import torch
+
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise IntegrityError(f"{what}: unknown dtype {dtype_name!r}.")
+    count = 1
+    for size in shape:
+        count *= int(size)
+    if count * dtype.itemsize != len(payload):
+        raise IntegrityError(f"{what}: {len(payload)} payload bytes do not hold {list(shape)} of {dtype_name}.")
+    if count == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return torch.frombuffer(payload, dtype=dtype).view(*shape)
+
+
+def encode_block(key: str, namespace: str, depth: int, kv: torch.Tensor) -> tuple[bytes, memoryview]:
+    """A block record of ``kv`` ``[layers, 2, H_kv, block_tokens, D]`` under ``key`` (``namespace``: the
+    root of its chain, ``depth``: its index in the chain)."""
+    header = {"kind": "block", "key": key, "namespace": namespace, "depth": depth,
+              "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}
+    return encode(header, tensor_bytes(kv))
+
+
+def decode_block(buffer: bytes | bytearray | memoryview, key: str | None = None,
+                 namespace: Namespace | None = None, what: str = "block") -> torch.Tensor:
+    """The ``[layers, 2, H_kv, block_tokens, D]`` tensor of a block record (a view of ``buffer``, which should
+    be writable — a ``bytearray`` — for the tensor to be). Checks the checksum, that it is a block, and,
+    if given, its key and that its namespace root, dtype and shape are ``namespace``'s."""
+    header, payload = decode(buffer, what)
+    if header.get("kind") != "block":
+        raise IntegrityError(f"{what}: a {header.get('kind')!r} record, not a block.")
+    if key is not None and header.get("key") != key:
+        raise IntegrityError(f"{what}: holds block {header.get('key')}, not {key}.")
+    if namespace is not None:
+        expected = (namespace.root, namespace.dtype, list(namespace.block_shape))
+        found = (header.get("namespace"), header.get("dtype"), header.get("shape"))
+        if found != expected:
+            raise IntegrityError(f"{what}: namespace/dtype/shape {found} differ from the expected {expected}.")
+    return tensor_from(payload, header["dtype"], header["shape"], what)
