@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from redis_server import redis_cluster, redis_factory, redis_server  # noqa: F401  (fixtures of the remote tier)
 
 from tierkv import settings
 

@@ -33,7 +33,10 @@ profile             TIERKV_PROFILE            None          link profile JSON (`
 trace               TIERKV_TRACE              None          write a Chrome trace of each cache to this path
 debug               TIERKV_DEBUG              False         full tracebacks from the CLI instead of one line
 prefetch_min        TIERKV_PREFETCH_MIN       1 MiB         smallest layer read worth a hand-off to the mover
+redis_password      TIERKV_REDIS_PASSWORD     None          the remote tier's password when its URL has none
 ==================  ========================  ============  =====================================================
+
+Secrets (``redis_password``) are never shown: :func:`source` and :func:`describe` print ``***`` for them.
 """
 
 from __future__ import annotations
@@ -151,6 +154,14 @@ def _directory(value: Any) -> Path:
     return path
 
 
+def _secret(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise _Invalid("must be a non-empty string")
+    return value
+
+
 def _xdg_cache() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(xdg) / "tierkv"
@@ -177,9 +188,14 @@ SETTINGS: dict[str, Setting] = {
                 "the CLI shows full tracebacks instead of a one-line error"),
         Setting("prefetch_min", "TIERKV_PREFETCH_MIN", lambda: 1 << 20, _size, "1MiB",
                 "layers with less KV than this are read when they come, not prefetched (0: prefetch all)"),
+        Setting("redis_password", "TIERKV_REDIS_PASSWORD", lambda: None, _secret, "s3cret",
+                "password of the remote tier's Redis (remote=...) when the URL carries none"),
     )
 }  # fmt: skip
 """Every setting by name."""
+
+SECRETS = frozenset({"redis_password"})
+"""Settings whose values are never printed (their source reads ``TIERKV_REDIS_PASSWORD=***``)."""
 
 _lock = threading.Lock()
 _overrides: dict[str, list[tuple[int, Any, str]]] = {}  # name -> stack of (override token, typed value, source)
@@ -208,7 +224,8 @@ def _resolve(setting: Setting) -> tuple[Any, str]:
             return stack[-1][1], stack[-1][2]
     raw = os.environ.get(setting.variable, "").strip()  # empty counts as unset
     if raw:
-        return _convert(setting, raw, f"{setting.variable}={raw!r}"), f"{setting.variable}={raw}"
+        shown = "***" if setting.name in SECRETS else raw
+        return _convert(setting, raw, f"{setting.variable}={shown!r}"), f"{setting.variable}={shown}"
     return setting.default(), "default"
 
 
@@ -230,7 +247,9 @@ def source(name: str) -> str:
 
 def describe() -> dict[str, tuple[Any, str]]:
     """``{name: (value, source)}`` of every setting, for reports and debug output."""
-    return {name: _resolve(s) for name, s in SETTINGS.items()}
+    described = {name: _resolve(s) for name, s in SETTINGS.items()}
+    return {name: ("***", src) if name in SECRETS and value is not None else (value, src)
+            for name, (value, src) in described.items()}
 
 
 @contextlib.contextmanager
@@ -243,7 +262,7 @@ def override(**values: Any) -> Iterator[None]:
     """
     entries = {}
     for name, value in values.items():
-        given = f"override({name}={value!r})"
+        given = f"override({name}={'***' if name in SECRETS else repr(value)})"
         entries[name] = (_convert(_setting(name), value, given), given)
     token = next(_tokens)
     with _lock:

@@ -1,0 +1,145 @@
+"""Faults of the remote tier, each against a real ``redis-server``: every one is a miss or a warning, never an
+exception out of the store and never wrong bytes (the cache-level versions are in test_remote_cache.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from redis_server import RedisServer
+
+from tierkv.remote import RemoteBlockStore
+
+
+def blocks(n: int, size: int = 4096) -> tuple[list[str], list[bytes]]:
+    return [f"{i:032x}" for i in range(n)], [os.urandom(size) for _ in range(n)]
+
+
+def fill(store: RemoteBlockStore, keys: list[str], values: list[bytes]) -> None:
+    for key, value in zip(keys, values):
+        store.put(key, value)
+    assert store.flush(10)
+
+
+def assert_never_wrong(payloads, values) -> None:
+    """Each payload is the block that was written under its key, or a miss."""
+    for payload, value in zip(payloads, values):
+        assert payload is None or bytes(payload) == value
+
+
+def wait_until_up(store: RemoteBlockStore, deadline_s: float = 10.0) -> None:
+    """Poll until the store's breaker lets a command through again and the server answers."""
+    end = time.monotonic() + deadline_s
+    while not store.ping():
+        assert time.monotonic() < end, f"the store did not reconnect: {store.stats()}"
+        time.sleep(0.05)
+
+
+def test_server_down_at_start_then_up(tmp_path, redis_factory, caplog) -> None:
+    redis_factory()  # (skips without redis-server)
+    server = RedisServer(tmp_path / "late")
+    keys, values = blocks(4)
+    with RemoteBlockStore(server.url, "m", backoff_s=0.05) as store:
+        assert store.prefix_length(keys) == 0 and store.get_many(keys) == [None] * 4
+        fill(store, keys, values)  # writes fail in the background, counted
+        stats = store.stats()
+        assert stats["down"] and stats["errors"] >= 1 and stats["writes"] == 0
+        assert stats["writes_failed"] == 4
+        assert "unreachable" in caplog.text and caplog.text.count("unreachable") == 1  # warned once
+        server.start()
+        try:
+            wait_until_up(store)
+            fill(store, keys, values)
+            assert [bytes(p) for p in store.get_many(keys)] == values
+        finally:
+            server.stop()
+
+
+def test_server_killed_mid_run_and_restarted_empty(redis_server) -> None:
+    keys, values = blocks(12)
+    with RemoteBlockStore(redis_server.url, "m", keys_per_request=3, backoff_s=0.05) as store:
+        fill(store, keys[:8], values[:8])
+        assert store.prefix_length(keys) == 8
+        redis_server.kill()
+        payloads = store.get_many(keys)
+        assert payloads == [None] * 12 and store.stats()["down"]
+        fill(store, keys[8:], values[8:])  # dropped or failed, never raised
+        redis_server.start()  # same port, empty: a restarted server without persistence
+        wait_until_up(store)
+        assert store.prefix_length(keys) == 0
+        fill(store, keys, values)
+        assert [bytes(p) for p in store.get_many(keys)] == values
+
+
+def test_a_slow_server_is_a_miss_within_the_timeout(redis_server) -> None:
+    keys, values = blocks(4)
+    with RemoteBlockStore(redis_server.url, "m", timeout_s=0.2, backoff_s=0.05) as store:
+        fill(store, keys, values)
+        redis_server.pause(1.0)
+        assert store.get_many(keys) == [None] * 4
+        stats = store.stats()
+        assert stats["errors"] >= 1 and stats["warnings_down"] >= 1
+        time.sleep(1.0)  # the pause ends; the values are still there
+        wait_until_up(store)
+        assert [bytes(p) for p in store.get_many(keys)] == values
+
+
+def test_full_server_without_eviction_refuses_writes(redis_factory, caplog) -> None:
+    server = redis_factory(maxmemory="3mb", policy="noeviction")
+    keys, values = blocks(80, size=64 << 10)  # 5 MiB
+    with RemoteBlockStore(server.url, "m") as store:
+        fill(store, keys, values)
+        stats = store.stats()
+        assert stats["rejected_full"] > 0 and stats["writes"] + stats["rejected_full"] == 80
+        assert not stats["down"]  # full is not down: reads go on
+        payloads = store.get_many(keys)
+        assert sum(p is not None for p in payloads) == stats["writes"]
+        assert_never_wrong(payloads, values)
+    assert "allkeys-lru" in caplog.text  # the warning names the fix
+
+
+def test_full_server_with_eviction_forgets_old_blocks(redis_factory) -> None:
+    server = redis_factory(maxmemory="3mb", policy="allkeys-lru")
+    keys, values = blocks(80, size=64 << 10)
+    with RemoteBlockStore(server.url, "m") as store:
+        fill(store, keys, values)
+        stats = store.stats()
+        assert stats["writes"] == 80 and stats["rejected_full"] == 0
+        payloads = store.get_many(keys)
+        assert 0 < sum(p is not None for p in payloads) < 80
+        assert_never_wrong(payloads, values)
+        assert store.prefix_length(keys) < 80
+
+
+def test_a_key_evicted_between_lookup_and_read(redis_server) -> None:
+    keys, values = blocks(10)
+    with RemoteBlockStore(redis_server.url, "m", keys_per_request=4) as store:
+        fill(store, keys, values)
+        assert store.prefix_length(keys) == 10
+        redis_server.client().delete(f"tierkv:m:{keys[5]}")
+        payloads = store.get_many(keys)
+        assert payloads[5] is None
+        assert [bytes(p) for i, p in enumerate(payloads) if i != 5] == values[:5] + values[6:]
+
+
+@pytest.mark.parametrize("damage", ["random bytes", "one payload bit", "truncated", "another key's value", "empty"])
+def test_a_corrupted_value_is_a_miss_and_is_replaced(redis_server, caplog, damage: str) -> None:
+    keys, values = blocks(3)
+    raw = redis_server.client()
+    name = f"tierkv:m:{keys[1]}"
+    with RemoteBlockStore(redis_server.url, "m") as store:
+        fill(store, keys, values)
+        good = raw.get(name)
+        bad = {"random bytes": os.urandom(len(good)),
+               "one payload bit": good[:-1] + bytes([good[-1] ^ 0x10]),
+               "truncated": good[: len(good) // 2],
+               "another key's value": raw.get(f"tierkv:m:{keys[2]}"),
+               "empty": b""}[damage]
+        raw.set(name, bad)
+        payloads = store.get_many(keys)
+        assert payloads[1] is None and bytes(payloads[0]) == values[0] and bytes(payloads[2]) == values[2]
+        assert store.stats()["corrupt"] == 1 and "failed its checksum" in caplog.text
+        assert store.flush(5) and not raw.exists(name)  # deleted, so a write-through can replace it
+        fill(store, keys[1:2], values[1:2])
+        assert bytes(store.get_many(keys[1:2])[0]) == values[1]

@@ -1,0 +1,77 @@
+"""Remote-tier URLs, the password setting and the value framing: parsing and checks, no server needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierkv import settings
+from tierkv.errors import InvalidConfigError
+from tierkv.remote.framing import HEADER, frame, unframe
+from tierkv.remote.url import parse_remote_url
+
+
+def test_single_server_urls() -> None:
+    url = parse_remote_url("redis://cache.internal:6380/3")
+    assert (url.nodes, url.db, url.tls, url.cluster, url.password) == ((("cache.internal", 6380),), 3, False, False,
+                                                                      None)
+    assert parse_remote_url("redis://localhost").nodes == (("localhost", 6379),)
+    assert parse_remote_url("redis://[::1]:7000/0").nodes == (("::1", 7000),)
+    tls = parse_remote_url("rediss://alice:s%40cret@h:6390/1?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required")
+    assert tls.tls and tls.username == "alice" and tls.password == "s@cret"
+    assert dict(tls.tls_options) == {"ssl_ca_certs": "/etc/ca.pem", "ssl_cert_reqs": "required"}
+
+
+def test_cluster_urls() -> None:
+    url = parse_remote_url("redis+cluster://:pw@10.0.0.1:7000,10.0.0.2:7001,10.0.0.3")
+    assert url.cluster and not url.tls and url.password == "pw"
+    assert url.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 7001), ("10.0.0.3", 6379))
+    assert parse_remote_url("rediss+cluster://h1:7000").tls
+
+
+def test_password_from_the_url_wins_over_the_setting() -> None:
+    assert parse_remote_url("redis://h:1/0", password="env").password == "env"
+    assert parse_remote_url("redis://:url@h:1/0", password="env").password == "url"
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("localhost:6379", "is not a Redis URL"),
+    ("http://h:6379", "scheme 'http' is not one of"),
+    ("redis://h1:1,h2:2", r"use redis\+cluster://"),
+    ("redis://h:99999", "a port is 1-65535"),
+    ("redis://:6379", "empty host"),
+    ("redis://h:1/db0", "a database is a number"),
+    ("redis+cluster://h:1/2", "only database 0"),
+    ("redis://h:1/0?ssl_ca_certs=/x", "not rediss://"),
+    ("rediss://h:1/0?timeout=3", "unknown options timeout"),
+])
+def test_bad_urls_name_the_problem(url: str, problem: str) -> None:
+    with pytest.raises(InvalidConfigError, match=problem):
+        parse_remote_url(url)
+
+
+def test_passwords_are_never_printed(monkeypatch: pytest.MonkeyPatch) -> None:
+    url = parse_remote_url("rediss://bob:hunter2@h:6380/0")
+    assert "hunter2" not in url.redacted() and "hunter2" not in repr(url)
+    assert url.redacted() == "rediss://bob:***@h:6380/0"
+    with pytest.raises(InvalidConfigError) as info:
+        parse_remote_url("redis://:hunter2@h1:1,h2:2/0")
+    assert "hunter2" not in str(info.value)
+    monkeypatch.setenv("TIERKV_REDIS_PASSWORD", "hunter2")
+    assert settings.get("redis_password") == "hunter2"
+    assert settings.source("redis_password") == "TIERKV_REDIS_PASSWORD=***"
+    assert settings.describe()["redis_password"] == ("***", "TIERKV_REDIS_PASSWORD=***")
+    with settings.override(redis_password="other"):
+        assert settings.get("redis_password") == "other" and "other" not in settings.source("redis_password")
+
+
+def test_framing_detects_any_change_and_the_wrong_key() -> None:
+    key, payload = b"0123456789abcdef", bytes(range(256)) * 4
+    value = frame(key, payload)
+    assert len(value) == HEADER.size + len(payload)
+    assert bytes(unframe(key, value)) == payload
+    assert unframe(b"another-key-0000", value) is None
+    for offset in (0, 5, 13, HEADER.size, len(value) - 1):  # magic, length, checksum, payload
+        flipped = bytearray(value)
+        flipped[offset] ^= 0x01
+        assert unframe(key, bytes(flipped)) is None
+    assert unframe(key, value[:-1]) is None and unframe(key, value[:7]) is None and unframe(key, b"") is None

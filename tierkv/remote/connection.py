@@ -1,0 +1,196 @@
+"""One connection to the remote tier: a bounded redis-py pool, timeouts, and a breaker for a server that is down.
+
+The remote tier is a cache: it must never fail or stall the model. So every command runs through
+:meth:`RemoteConnection.run`, which
+
+- refuses at once (a miss) while the server is marked down, instead of waiting for a timeout on every call;
+- marks it down on a connection error or timeout for a back-off that doubles from ``backoff_s`` up to
+  ``max_backoff_s`` (retried by the next call after it), and logs the change once;
+- classifies a server's refusal to store (``OOM`` under ``maxmemory`` with ``noeviction``) as *full*, not down;
+- never retries inside redis-py (its default retry would multiply a dead server's timeout).
+
+The client is built lazily, on the first command: a cache that names an unreachable server starts fine
+(and a Redis Cluster client, which contacts its seeds when built, is only built once one answers).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tierkv.errors import InvalidConfigError
+from tierkv.remote.url import RemoteURL
+
+log = logging.getLogger("tierkv.remote")
+T = TypeVar("T")
+WARN_INTERVAL_S = 60.0  # the same kind of warning is logged at most once a minute (with its count)
+
+
+def _redis() -> Any:
+    try:
+        import redis
+    except ImportError as exc:
+        raise InvalidConfigError("the remote tier needs redis-py: pip install 'tierkv[redis]' "
+                                 "(or drop remote=).") from exc
+    return redis
+
+
+class RemoteConnection:
+    """A lazily built redis-py client (single server or cluster) with a bounded pool and a down-breaker.
+
+    Args:
+        url: where the server is (:func:`tierkv.remote.url.parse_remote_url`).
+        timeout_s: socket timeout of every command (a slow server costs at most this per call, then it
+            is marked down), and the longest wait for a free pooled connection.
+        connect_timeout_s: TCP/TLS connect timeout.
+        max_connections: pool bound (per node for a cluster).
+    """
+
+    def __init__(self, url: RemoteURL, timeout_s: float = 2.0, connect_timeout_s: float = 1.0,
+                 max_connections: int = 8, backoff_s: float = 1.0, max_backoff_s: float = 30.0) -> None:
+        _redis()  # a missing redis-py is a construction error, not a silent miss
+        self.url = url
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_connections = max_connections
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.counts: Counter[str] = Counter()  # what happened, for stats(): see RemoteBlockStore.stats
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._down_until = 0.0
+        self._backoff = backoff_s
+        self._down = False
+        self._closed = False
+        self._warned: dict[str, float] = {}
+
+    # ----------------------------------------------------------------------------------- health
+    @property
+    def down(self) -> bool:
+        """True while the breaker is open (the server failed recently; calls are misses until it retries)."""
+        return self._down and time.monotonic() < self._down_until
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[name] += n
+
+    def warn(self, kind: str, message: str) -> None:
+        """Log ``message`` at WARNING, at most once per ``WARN_INTERVAL_S`` for each ``kind``."""
+        now = time.monotonic()
+        with self._lock:
+            self.counts[f"warnings_{kind}"] += 1
+            if now - self._warned.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
+                return
+            self._warned[kind] = now
+            seen = self.counts[f"warnings_{kind}"]
+        log.warning("tierkv remote %s: %s%s", self.url.redacted(), message, f" ({seen} so far)" if seen > 1 else "")
+
+    def _failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.counts["errors"] += 1
+            self._down_until = time.monotonic() + self._backoff
+            retry = self._backoff
+            self._backoff = min(self._backoff * 2, self.max_backoff_s)
+            was_down, self._down = self._down, True
+        if not was_down:
+            hint = ""
+            if isinstance(exc, _redis().exceptions.AuthenticationError):
+                hint = "; give the password in the URL or in $TIERKV_REDIS_PASSWORD"
+            self.warn("down", f"unreachable ({type(exc).__name__}: {exc}){hint}; remote lookups are misses and "
+                              f"writes are dropped, retrying in {retry:.0f} s")
+
+    def _succeeded(self) -> None:
+        if not self._down:
+            return
+        with self._lock:
+            self._down, self._backoff = False, self.backoff_s
+        log.info("tierkv remote %s: reachable again", self.url.redacted())
+
+    # ---------------------------------------------------------------------------------- commands
+    def run(self, op: Callable[[Any], T], fallback: T) -> T:
+        """``op(client)``, or ``fallback`` when the server is down, unreachable, slow or refuses (counted,
+        warned). Programming errors (anything not from redis-py or the socket) propagate."""
+        redis = _redis()
+        if self._closed:
+            return fallback
+        if self.down:
+            self.count("skipped_down")
+            return fallback
+        try:
+            result = op(self._get_client())
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+                redis.exceptions.ClusterError, redis.exceptions.RedisClusterException) as exc:
+            self._drop_client_if_cluster()
+            self._failed(exc)
+            return fallback
+        except redis.exceptions.ResponseError as exc:
+            self._refused(exc)
+            return fallback
+        self._succeeded()
+        return result
+
+    def _refused(self, exc: BaseException) -> None:
+        if isinstance(exc, _redis().exceptions.OutOfMemoryError):
+            self.count("rejected_full")
+            self.warn("full", f"the server is full and refused a write ({exc}); set maxmemory-policy allkeys-lru "
+                              "so old blocks make room (docs/remote.md)")
+        else:
+            self.count("refused")
+            self.warn("refused", f"the server refused a command: {exc}")
+
+    def refused(self, results: list[Any]) -> None:
+        """Count and warn about the per-command errors of a pipeline run with ``raise_on_error=False``."""
+        for item in results:
+            if isinstance(item, Exception):
+                self._refused(item)
+
+    def _get_client(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                self._client = self._build()
+            return self._client
+
+    def _drop_client_if_cluster(self) -> None:
+        """A cluster client caches the slot map; after a failure it is rebuilt from the seeds next time."""
+        if self.url.cluster:
+            with self._lock:
+                client, self._client = self._client, None
+            if client is not None:
+                client.close()
+
+    def _build(self) -> Any:
+        redis = _redis()
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        url = self.url
+        common: dict[str, Any] = dict(
+            username=url.username, password=url.password, socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.connect_timeout_s, retry=Retry(NoBackoff(), 0),
+        )
+        if url.tls:
+            common.update(ssl=True, **dict(url.tls_options))
+        if url.cluster:
+            from redis.cluster import ClusterNode, RedisCluster
+
+            return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in url.nodes],
+                                max_connections=self.max_connections, **common)
+        ssl = common.pop("ssl", False)
+        connection = redis.SSLConnection if ssl else redis.Connection
+        (host, port), = url.nodes
+        pool = redis.BlockingConnectionPool(host=host, port=port, db=url.db, max_connections=self.max_connections,
+                                            timeout=self.timeout_s, connection_class=connection, **common)
+        return redis.Redis(connection_pool=pool)
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client, self._closed = self._client, None, True
+        if client is not None:
+            client.close()
+            pool = getattr(client, "connection_pool", None)
+            if pool is not None:
+                pool.disconnect()

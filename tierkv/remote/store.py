@@ -1,0 +1,282 @@
+"""``RemoteBlockStore``: content-addressed blocks on a shared Redis (or Valkey) server, as a cache below disk.
+
+Many workers share one server: a block one of them computed and wrote is loaded by the others instead of
+being prefilled again (LMCache's ``redis://`` backend, SGLang HiCache's L3). The store is a *cache* — it may
+lose any block at any time (eviction, restart, a corrupted value) and every failure is a miss, counted and
+logged, never an exception and never wrong data::
+
+    store = RemoteBlockStore("redis://10.0.0.5:6379/0", namespace="a3f9...-l3h2d32f32b256")
+    store.put(key, payload)                 # returns at once; a background thread writes it
+    n = store.prefix_length(keys)           # how many leading keys the server holds (one round-trip)
+    payloads = store.get_many(keys[:n])     # verified payloads (memoryviews), None for a miss
+
+Keys are the caller's content hashes (hex strings: :func:`tierkv.persist.keys.block_keys`), stored as
+``tierkv:<namespace>:<key>``: the namespace (model
+fingerprint and layout) keeps models apart and lets an operator find or drop one model's blocks with
+``SCAN MATCH tierkv:<namespace>:*``. Values carry a checksum over key and payload
+(:mod:`tierkv.remote.framing`), verified on every read; a value that fails is a miss and is deleted so a
+later write-through replaces it.
+
+Reads are batched: ``keys_per_request`` GETs per pipeline (one round-trip), ``inflight`` pipelines at once
+on a small thread pool, each on its own pooled connection. Writes go through :class:`WriteBehind` (bounded,
+never blocking) and skip blocks the server already holds (an ``EXISTS`` before the ``SET``), so workers that
+computed the same block at once send it only as often as they race.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tierkv import settings
+from tierkv.errors import InvalidConfigError
+from tierkv.remote.connection import RemoteConnection
+from tierkv.remote.framing import HEADER, frame, unframe
+from tierkv.remote.url import RemoteURL, parse_remote_url
+from tierkv.remote.writer import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS, Item, WriteBehind
+
+KEY_PREFIX = "tierkv"
+LOOKUP_KEYS = 512  # EXISTS per lookup pipeline
+_NAMESPACE = re.compile(r"[A-Za-z0-9._+-]{1,200}")
+
+
+class _Wire:
+    """The commands, over one :class:`RemoteConnection`; shared by the store, its reader pool and its writer
+    thread (and referencing none of them back, so a dropped store can be collected and finalized)."""
+
+    def __init__(self, conn: RemoteConnection, namespace: str, ttl_s: int | None) -> None:
+        self.conn = conn
+        self.prefix = f"{KEY_PREFIX}:{namespace}:".encode()
+        self.ttl_s = ttl_s
+        self.writer: WriteBehind | None = None
+
+    def name(self, key: str) -> bytes:
+        return self.prefix + key.encode()
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        def op(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self.name(key))
+            return pipe.execute(raise_on_error=False)
+
+        results = self.conn.run(op, fallback=[False] * len(keys))
+        self.conn.refused(results)
+        found = [result is not False and not isinstance(result, Exception) and int(result) > 0 for result in results]
+        self.conn.count("lookups", len(keys))
+        self.conn.count("lookup_hits", sum(found))
+        return found
+
+    def get(self, keys: Sequence[str]) -> list[memoryview | None]:
+        def op(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(self.name(key))
+            return pipe.execute(raise_on_error=False)
+
+        values = self.conn.run(op, fallback=[None] * len(keys))
+        self.conn.refused(values)
+        payloads: list[memoryview | None] = []
+        for key, value in zip(keys, values):
+            payload = unframe(key.encode(), value) if isinstance(value, bytes) else None
+            if isinstance(value, bytes) and payload is None:
+                self.conn.count("corrupt")
+                self.conn.warn("corrupt", f"value of {self.name(key).decode()} failed its checksum ({len(value)} "
+                                          "bytes); it is a miss and is deleted (wrong bytes on the server)")
+                if self.writer is not None:
+                    self.writer.offer(key, None)
+            elif payload is not None:
+                self.conn.count("bytes_read", len(value))
+            payloads.append(payload)
+        self.conn.count("reads", len(keys))
+        self.conn.count("read_hits", sum(p is not None for p in payloads))
+        return payloads
+
+    def write(self, batch: list[Item]) -> None:
+        """One writer batch: deletes, then ``SET`` of the blocks the server does not hold yet."""
+        deletes = [key for key, payload in batch if payload is None]
+        sets = [(key, payload) for key, payload in batch if payload is not None]
+
+        def op(client: Any) -> tuple[int, int, int]:
+            pipe = client.pipeline(transaction=False)
+            for key in deletes:
+                pipe.delete(self.name(key))
+            for key, _ in sets:
+                pipe.exists(self.name(key))
+            held = pipe.execute(raise_on_error=False)[len(deletes):]
+            todo = [item for item, present in zip(sets, held) if isinstance(present, Exception) or not present]
+            pipe = client.pipeline(transaction=False)
+            sizes = []
+            for key, payload in todo:
+                value = frame(key.encode(), payload)
+                sizes.append(len(value))
+                pipe.set(self.name(key), value, ex=self.ttl_s)
+            results = pipe.execute(raise_on_error=False) if todo else []
+            self.conn.refused(results)
+            ok = [not isinstance(result, Exception) for result in results]
+            return sum(ok), sum(size for size, good in zip(sizes, ok) if good), len(sets) - len(todo)
+
+        written, size, existing = self.conn.run(op, fallback=(0, 0, 0))
+        self.conn.count("writes", written)
+        self.conn.count("bytes_written", size)
+        self.conn.count("writes_existing", existing)
+        self.conn.count("writes_failed", len(sets) - written - existing)
+
+
+class RemoteBlockStore:
+    """Blocks on a Redis/Valkey server (or cluster) shared by many workers; see the module doc.
+
+    Args:
+        url: ``redis://``, ``rediss://``, ``redis+cluster://`` ... (:mod:`tierkv.remote.url`); the password
+            comes from the URL, else ``$TIERKV_REDIS_PASSWORD``.
+        namespace: model fingerprint and layout, e.g. ``"<fingerprint>-<layout>"`` (letters, digits, ``._+-``).
+        timeout_s / connect_timeout_s: per command / per connect; a server slower than this is a miss and
+            is marked down for a back-off (:class:`~tierkv.remote.connection.RemoteConnection`).
+        inflight: read pipelines in flight at once (threads, and pooled connections).
+        keys_per_request: GETs per read pipeline.
+        queue_items / queue_bytes: bounds of the write-behind queue (full: blocks are dropped, counted).
+        ttl_s: expiry of written blocks; None keeps them until the server evicts them (``allkeys-lru``).
+        backoff_s: how long a failed server is left alone before the next try (doubling, up to 30 s).
+    """
+
+    def __init__(self, url: str | RemoteURL, namespace: str, *, timeout_s: float = 2.0,
+                 connect_timeout_s: float = 1.0, inflight: int = 4, keys_per_request: int = 8,
+                 queue_items: int = DEFAULT_QUEUE_ITEMS, queue_bytes: int = DEFAULT_QUEUE_BYTES,
+                 ttl_s: int | None = None, backoff_s: float = 1.0) -> None:
+        if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+            raise InvalidConfigError(f"remote namespace {namespace!r} must be 1-200 letters, digits or ._+- "
+                                     "(e.g. the model fingerprint and layout).")
+        for name, value in (("inflight", inflight), ("keys_per_request", keys_per_request),
+                            ("queue_items", queue_items), ("queue_bytes", queue_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidConfigError(f"{name} must be a positive int, got {value!r}.")
+        for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s),
+                            ("backoff_s", backoff_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise InvalidConfigError(f"{name} must be a positive number of seconds, got {value!r}.")
+        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 1):
+            raise InvalidConfigError(f"ttl_s must be a positive int (seconds) or None, got {ttl_s!r}.")
+        if isinstance(url, str):
+            url = parse_remote_url(url, password=settings.get("redis_password"))
+        self.url = url
+        self.namespace = namespace
+        self.keys_per_request = keys_per_request
+        conn = RemoteConnection(url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+                                max_connections=inflight + 2,  # readers, the writer, one lookup
+                                backoff_s=backoff_s, max_backoff_s=max(30.0, backoff_s))
+        self._wire = _Wire(conn, namespace, ttl_s)
+        self._writer = WriteBehind(self._wire.write, on_drop=_dropped(conn), on_error=_write_bug(conn),
+                                   max_items=queue_items, max_bytes=queue_bytes)
+        self._wire.writer = self._writer
+        self._readers = ThreadPoolExecutor(max_workers=inflight, thread_name_prefix="tierkv-remote-read")
+        self._finalizer = weakref.finalize(self, _shut_down, self._writer, self._readers, conn)
+
+    # ------------------------------------------------------------------------------------- reads
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Whether the server holds each key (batched ``EXISTS``); all False while it is down."""
+        found: list[bool] = []
+        for start in range(0, len(keys), LOOKUP_KEYS):
+            found += self._wire.exists(keys[start:start + LOOKUP_KEYS])
+        return found
+
+    def prefix_length(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, the server holds (a prefix chain is usable only that far)."""
+        found = self.contains(keys)
+        return found.index(False) if False in found else len(found)
+
+    def get_many(self, keys: Sequence[str]) -> list[memoryview | None]:
+        """Verified payloads of ``keys`` in order (None: missing, evicted, corrupt, or the server failed),
+        read ``keys_per_request`` per pipeline with up to ``inflight`` pipelines in flight."""
+        groups = [keys[start:start + self.keys_per_request] for start in range(0, len(keys), self.keys_per_request)]
+        if len(groups) <= 1:
+            return self._wire.get(groups[0]) if groups else []
+        payloads: list[memoryview | None] = []
+        for result in self._readers.map(self._wire.get, groups):
+            payloads += result
+        return payloads
+
+    # ------------------------------------------------------------------------------------ writes
+    def put(self, key: str, payload: bytes | memoryview) -> bool:
+        """Queue ``payload`` for ``key`` (returns at once); False when the queue is full (dropped, counted).
+        ``payload`` must not change afterwards (``bytes``, or a view of memory nobody writes again)."""
+        queued = self._writer.offer(key, payload)
+        if queued:
+            self._wire.conn.count("writes_queued")
+        return queued
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write was sent (or failed); False if ``timeout`` passed first."""
+        return self._writer.flush(timeout)
+
+    # ------------------------------------------------------------------------------- management
+    def ping(self) -> bool:
+        """True if the server answers now; False while it is down (the breaker), unreachable or slow."""
+        return self._wire.conn.run(lambda client: bool(client.ping()), fallback=False)
+
+    def clear(self) -> int:
+        """Delete this namespace's blocks on the server (``SCAN`` + ``DEL``); the number deleted."""
+        def op(client: Any) -> int:
+            deleted = 0
+            for name in client.scan_iter(match=self._wire.prefix + b"*", count=1000):
+                deleted += client.delete(name)
+            return deleted
+
+        return self._wire.conn.run(op, fallback=0)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since construction: ``lookups``/``lookup_hits`` (keys asked/held), ``reads``/``read_hits``,
+        ``corrupt`` (values that failed the checksum), ``bytes_read``/``bytes_written`` (values on the wire,
+        header included), ``writes`` (sent), ``writes_existing`` (skipped: the server had them),
+        ``writes_dropped`` (queue full, or closed), ``writes_failed``, ``rejected_full`` (server out of
+        memory), ``errors`` (connection failures and timeouts), ``skipped_down`` (calls answered as misses
+        while down), ``warnings_*``; ``down`` and ``pending`` (queued writes) now."""
+        conn = self._wire.conn
+        with conn._lock:
+            counts = dict(conn.counts)
+        names = ("lookups", "lookup_hits", "reads", "read_hits", "corrupt", "bytes_read", "bytes_written",
+                 "writes_queued", "writes", "writes_existing", "writes_dropped", "writes_failed", "rejected_full",
+                 "errors", "skipped_down")
+        return {**{name: counts.get(name, 0) for name in names}, **counts, "down": conn.down,
+                "pending": self._writer.pending, "header_bytes": HEADER.size}
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send queued writes (up to ``timeout`` s), stop the threads, close the connections. Idempotent."""
+        if self._finalizer.alive:
+            self._writer.close(timeout)
+            self._finalizer()
+
+    def __enter__(self) -> RemoteBlockStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteBlockStore({self.url.redacted()!r}, namespace={self.namespace!r})"
+
+
+def _dropped(conn: RemoteConnection):
+    def on_drop(size: int) -> None:
+        conn.count("writes_dropped")
+        conn.warn("dropped", "the write-behind queue is full (the server is slower than blocks arrive, or down); "
+                             "blocks are dropped and will be recomputed by whoever needs them")
+
+    return on_drop
+
+
+def _write_bug(conn: RemoteConnection):
+    def on_error(exc: BaseException) -> None:
+        conn.count("writes_failed")
+        conn.warn("writer", f"a background write failed unexpectedly: {type(exc).__name__}: {exc}")
+
+    return on_error
+
+
+def _shut_down(writer: WriteBehind, readers: ThreadPoolExecutor, conn: RemoteConnection) -> None:
+    """Finalizer (also when a store is dropped without close()): stop the threads, close the sockets."""
+    writer.close(timeout=0.0)
+    readers.shutdown(wait=False, cancel_futures=True)
+    conn.close()
