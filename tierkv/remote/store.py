@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -56,14 +56,18 @@ class _Wire:
     def name(self, key: str) -> bytes:
         return self.prefix + key.encode()
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
+    def _each(self, command: str, keys: Sequence[str]) -> Callable[[Any], list[Any]]:
+        """One pipeline (one round-trip) of ``command`` per key; per-command errors come back as values."""
         def op(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for key in keys:
-                pipe.exists(self.name(key))
+                getattr(pipe, command)(self.name(key))
             return pipe.execute(raise_on_error=False)
 
-        results = self.conn.run(op, fallback=[False] * len(keys))
+        return op
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        results = self.conn.run(self._each("exists", keys), fallback=[False] * len(keys))
         self.conn.refused(results)
         found = [result is not False and not isinstance(result, Exception) and int(result) > 0 for result in results]
         self.conn.count("lookups", len(keys))
@@ -71,13 +75,7 @@ class _Wire:
         return found
 
     def get(self, keys: Sequence[str]) -> list[memoryview | None]:
-        def op(client: Any) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(self.name(key))
-            return pipe.execute(raise_on_error=False)
-
-        values = self.conn.run(op, fallback=[None] * len(keys))
+        values = self.conn.run(self._each("get", keys), fallback=[None] * len(keys))
         self.conn.refused(values)
         payloads: list[memoryview | None] = []
         for key, value in zip(keys, values):
