@@ -18,6 +18,7 @@ import contextlib
 import functools
 import logging
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -67,7 +68,7 @@ class TieredLayer(CacheLayerMixin):
 
     def __init__(self, cache: TieredCache, index: int, sliding_window: int | None = None) -> None:
         super().__init__()
-        self.cache = cache
+        self._cache = weakref.ref(cache)  # the cache holds its layers: a strong reference back would be a cycle
         self.index = index
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
@@ -75,6 +76,14 @@ class TieredLayer(CacheLayerMixin):
         self.attend_from = 0  # first stored token the pending streaming attention reads
         self.length_before = 0  # sequence length before the update in progress (the rollback target)
         self.pending_keys: torch.Tensor | None = None  # what update() handed the model, to match the attention call
+
+    @property
+    def cache(self) -> TieredCache:
+        cache = self._cache()
+        if cache is None:
+            raise TierKVError("this layer's TieredCache was garbage-collected; keep a reference to the cache while "
+                              "its layers are in use.")
+        return cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -184,11 +193,14 @@ class TieredCache(Cache):
         self.policy = make_policy(policy)
         self.prefetch_depth = prefetch_depth
         self.store: KVStore | None = None
-        self.executors: dict[str, Executor] = {}  # by name (tierkv.attention.EXECUTORS), built with the store
         self._chunk_tokens = DEFAULT_CHUNK_TOKENS
         self._streaming_depth = 0  # > 0 inside `streaming(model)`
         self._closed = False
         self._disk: DiskTier | None = None
+        self._resources = _Resources()
+        self.executors = self._resources.executors  # by name (tierkv.attention.EXECUTORS), built with the store
+        # dropped without close() (or alive at exit), the cache still releases threads, descriptors and files
+        self._finalizer = weakref.finalize(self, self._resources.close)
         self._layers_from_config = config is not None  # the layer count is known before the first pass
         layers: list[CacheLayerMixin] = []
         if config is not None:
@@ -202,15 +214,29 @@ class TieredCache(Cache):
             layers = [TieredLayer(self, i, kw.get("sliding_window") if kind in SLIDING_TYPES else None)
                       for i, (kind, kw) in enumerate(zip(layer_types, kwargs))]
         if disk_dir is not None:
-            self._disk = DiskTier(disk_dir, self.disk_budget, DEFAULT_DISK_FRACTION, engine=disk_engine)
+            self._disk = self._resources.disk = DiskTier(disk_dir, self.disk_budget, DEFAULT_DISK_FRACTION,
+                                                         engine=disk_engine)
         super().__init__(layers=layers)
 
     # ------------------------------------------------------------------------------ transformers API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= layer_idx < len(self.layers):
+            self._add_layers(layer_idx)
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def _add_layers(self, layer_idx: int) -> None:
+        """Layers up to ``layer_idx`` (a model seen without ``config=``); refused beyond the config's count."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise InvalidConfigError(f"layer_idx must be an int >= 0, got {layer_idx!r}.")
+        if self._layers_from_config:
+            raise InvalidConfigError(
+                f"layer_idx {layer_idx} is beyond the {len(self.layers)} layers of the config this cache was built "
+                "with; pass the config of the model that uses the cache (config=model.config), or build the cache "
+                "without config=."
+            )
         while len(self.layers) <= layer_idx:
             self.layers.append(TieredLayer(self, len(self.layers)))
-        return self.layers[layer_idx].update(key_states, value_states)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_rows(beam_idx.tolist())
@@ -300,16 +326,10 @@ class TieredCache(Cache):
         return layout.token_bytes * config.get_text_config(decoder=True).num_hidden_layers
 
     def close(self) -> None:
-        """Release every tier and delete the disk tier's files."""
-        mover = self.executor.mover if self.executors else None
-        for executor in self.executors.values():
-            executor.close()
-        if mover is not None:
-            mover.close()
-        if self.store is not None:
-            self.store.close()
-        elif self._disk is not None:
-            self._disk.close()
+        """Release every tier and delete the disk tier's files. Idempotent; a failure while cleaning up is
+        logged, never raised (a file that cannot be removed is retried at exit, or by the next cache that opens
+        its directory). A cache dropped without ``close()`` is closed when it is garbage-collected."""
+        self._finalizer()
         self.store = None
         self.executors = {}
         self._closed = True
@@ -370,7 +390,8 @@ class TieredCache(Cache):
         device_tier = MemoryTier(Tier.DEVICE, gpu, device)
         host_tier = MemoryTier(Tier.HOST, cpu, torch.device("cpu"), pin=device.type == "cuda")
         store = self.store = KVStore(device_tier, host_tier, self._disk, self.policy, self.block_tokens)
-        self._mover = make_mover(device)
+        self._mover = self._resources.mover = make_mover(device)
+        self._resources.store = store
         self._timeline = make_timeline(self.profile, device)
         if device.type == "cuda" and not store.enable_landing(landing_bytes(gpu)):
             log.warning("tierkv: no room for the landing buffers in gpu_gb; host runs cross PCIe block by block")
@@ -414,11 +435,8 @@ class TieredCache(Cache):
         """Build a registered executor with everything it needs (it registers with the store as a reader)."""
         known = self.executor.num_layers if self.executors and self.executor.layers_known else None
         layers = len(self.layers) if self._layers_from_config else known
-        return EXECUTORS[name](self.store, self._mover, start_of=self._attention_start, num_layers=layers,
-                               timeline=self._timeline, trace=self.trace, **options)
-
-    def _attention_start(self, index: int) -> int:
-        return self.layers[index].attention_start(0)
+        return EXECUTORS[name](self.store, self._mover, start_of=functools.partial(_attention_start, self.layers),
+                               num_layers=layers, timeline=self._timeline, trace=self.trace, **options)
 
     @property
     def executor(self) -> ExactGather:
@@ -492,6 +510,39 @@ class TieredCache(Cache):
 
     def _batch(self) -> int:
         return max((self.store.batch_size(layer) for layer in self.store.layouts), default=0)
+
+
+class _Resources:
+    """What a cache holds beyond Python objects (threads, descriptors, files, pinned and device memory), apart
+    from the cache itself: a finalizer that holds it keeps no cycle through the cache alive."""
+
+    def __init__(self) -> None:
+        self.disk: DiskTier | None = None
+        self.store: KVStore | None = None
+        self.mover: Any = None
+        self.executors: dict[str, Executor] = {}
+
+    def close(self) -> None:
+        """Close executors, the mover and the store (its tiers); log each failure and go on."""
+        steps = [*(executor.close for executor in self.executors.values())]
+        if self.mover is not None:
+            steps.append(self.mover.close)
+        if self.store is not None:
+            steps.append(self.store.close)
+        if self.disk is not None:
+            steps.append(self.disk.close)  # idempotent: the store closed it already, if there is one
+        for step in steps:
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - cleanup goes on: every other resource is still released
+                log.exception("tierkv: closing the cache: %s failed", getattr(step, "__qualname__", step))
+        self.executors.clear()
+        self.store = self.mover = self.disk = None
+
+
+def _attention_start(layers: list[CacheLayerMixin], index: int) -> int:
+    """The first stored token layer ``index`` attends to (the executors' ``start_of``)."""
+    return layers[index].attention_start(0)  # type: ignore[attr-defined]
 
 
 def _layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, Any]]]:

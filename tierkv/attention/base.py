@@ -66,8 +66,10 @@ def from_first_token(layer: int) -> int:
 
 
 READ_AHEAD_BYTES = 1 << 30
-"""At most this many bytes of disk reads ahead in flight (one is always allowed): each holds a host bounce
-buffer of its size, which no budget counts yet, so long layers read fewer layers ahead."""
+"""At most this many bytes of disk reads ahead in flight (one is always allowed), so long layers read fewer
+layers ahead. Each holds a host bounce buffer of at most ``tierkv.tiers.disk.BOUNCE_BYTES`` (a larger read
+runs in rounds), so their memory is also bounded by ``(READ_AHEAD + 2) * BOUNCE_BYTES``
+(docs/reliability.md, "Memory")."""
 
 READ_AHEAD = DISK_READ_AHEAD
 """Disk reads submitted ahead of the reads that will use them (see ``PipelinedExecutor._read_ahead``); each

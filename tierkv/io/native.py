@@ -176,11 +176,33 @@ def load() -> type[DiskFile]:
     return NativeFile
 
 
+class _Pool:
+    """A C thread pool and the descriptor it serves, shared by a file and its batches, so that whichever is
+    collected first (the garbage collector calls weakref callbacks before ``__del__``) sees whether the pool
+    still exists."""
+
+    def __init__(self, lib: ctypes.CDLL, depth: int, fd: int) -> None:
+        self.lib, self.fd = lib, fd
+        self.handle: int | None = lib.tkv_pool_new(depth) or None
+
+    def release(self) -> None:
+        """Stop and join the threads (after the queued batches: they all finish), free the pool, close the fd."""
+        handle, self.handle = self.handle, None
+        try:
+            if handle is not None:
+                self.lib.tkv_pool_free(handle)
+        finally:
+            if self.fd >= 0:
+                fd, self.fd = self.fd, -1
+                os.close(fd)
+
+
 class _NativeBatch(IOHandle):
     """A C batch; keeps the request buffers alive until the workers are done with them."""
 
     def __init__(self, file: NativeFile, batch: int, requests: list[Any]) -> None:
-        self._file = file
+        self._pool = file.pool_state
+        self._path = file.path
         self._batch: int | None = batch
         self._requests = requests  # keep-alive: the C side holds raw addresses into these arrays
         self._error: OSError | None = None
@@ -189,16 +211,21 @@ class _NativeBatch(IOHandle):
         """Wait in C, record the first error, free the C batch. Idempotent; never raises."""
         if self._batch is None:
             return
+        lib, pool = self._pool.lib, self._pool.handle
+        batch, self._batch = self._batch, None
+        if pool is None:  # the pool was freed, which finished every batch first
+            lib.tkv_batch_free(batch)
+            self._requests = []
+            return
         code = ctypes.c_int32()
-        failed = self._file.lib.tkv_wait(self._file.pool, self._batch, ctypes.byref(code))
-        self._file.lib.tkv_batch_free(self._batch)
-        self._batch = None
+        failed = lib.tkv_wait(pool, batch, ctypes.byref(code))
+        lib.tkv_batch_free(batch)
         if failed >= 0:
             req = self._requests[failed]
             if code.value == _EOF:
-                self._error = eof_error(self._file.path, req.offset, req.view.nbytes, None)
+                self._error = eof_error(self._path, req.offset, req.view.nbytes, None)
             else:
-                self._error = OSError(code.value, os.strerror(code.value), self._file.path)
+                self._error = OSError(code.value, os.strerror(code.value), self._path)
         self._requests = []
 
     def wait(self) -> None:
@@ -207,7 +234,8 @@ class _NativeBatch(IOHandle):
             raise self._error
 
     def done(self) -> bool:
-        return self._batch is None or bool(self._file.lib.tkv_done(self._file.pool, self._batch))
+        pool = self._pool.handle
+        return self._batch is None or pool is None or bool(self._pool.lib.tkv_done(pool, self._batch))
 
     def __del__(self) -> None:
         # An abandoned handle must not free memory that workers still write into: drain it first.
@@ -225,11 +253,17 @@ class NativeFile(DiskFile):
         self.path = path
         self.fd, self.direct, self.direct_refused = open_fd(path, direct)
         self._chunk = chunk_bytes()
-        self.pool: int | None = self.lib.tkv_pool_new(queue_depth())
-        if not self.pool:
+        self.pool_state = _Pool(self.lib, queue_depth(), self.fd)
+        if self.pool_state.handle is None:
             os.close(self.fd)
             raise OSError(errno.ENOMEM, "native engine: could not start its I/O threads", path)
         self._live: weakref.WeakSet[_NativeBatch] = weakref.WeakSet()  # finished before the pool is freed
+        # dropped without close() (or alive at exit), the file still joins its C threads and closes its descriptor
+        self._finalizer = weakref.finalize(self, self.pool_state.release)
+
+    @property
+    def pool(self) -> int | None:
+        return self.pool_state.handle
 
     def submit_reads(self, requests: Sequence[tuple[int, Any]]) -> IOHandle:
         return self._submit(requests, write=False)
@@ -260,8 +294,8 @@ class NativeFile(DiskFile):
     def close(self) -> None:
         if self.pool is None:
             return
-        for handle in list(self._live):  # their C batches point into the pool: finish them first
-            handle._finish()
-        self.lib.tkv_pool_free(self.pool)
-        self.pool = None
-        os.close(self.fd)
+        try:
+            for handle in list(self._live):  # their C batches point into the pool: finish them first
+                handle._finish()
+        finally:
+            self._finalizer()

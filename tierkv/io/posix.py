@@ -13,6 +13,7 @@ import concurrent.futures as cf
 import errno
 import itertools
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,6 +66,8 @@ class PosixFile(DiskFile):
         self._pool: cf.ThreadPoolExecutor | None = cf.ThreadPoolExecutor(
             max_workers=self._depth, thread_name_prefix="tierkv-posix-io"
         )
+        # a file dropped without close() (or alive at exit) still stops its threads and closes its descriptor
+        self._finalizer = weakref.finalize(self, _release, self._pool, self.fd)
 
     def submit_reads(self, requests: Sequence[tuple[int, Any]]) -> IOHandle:
         return self._submit(check_requests(requests, direct=self.direct, writable=True), self._read_piece)
@@ -111,8 +114,15 @@ class PosixFile(DiskFile):
             done += put
 
     def close(self) -> None:
-        if self._pool is None:
-            return
-        self._pool.shutdown(wait=True)
         self._pool = None
-        os.close(self.fd)
+        self._finalizer()
+
+
+def _release(pool: cf.ThreadPoolExecutor, fd: int) -> None:
+    """Finish the queued requests, stop the threads, close the descriptor."""
+    try:
+        pool.shutdown(wait=True)
+    except RuntimeError:  # collected on one of the pool's own threads, which cannot join itself
+        pool.shutdown(wait=False)
+    finally:
+        os.close(fd)

@@ -12,7 +12,9 @@ for in-flight reads: executors register as *readers* (:meth:`KVStore.add_reader`
 
 from __future__ import annotations
 
+import collections
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -85,7 +87,7 @@ class KVStore:
         self.writeback = Writeback(host, disk, lambda: self.table, policy, self.barrier, self._moved)
         self.placement = Placement(self.tiers, self.table, policy, self.transfer, self.writeback, self.layouts,
                                    self.barrier, self._moved)
-        self._readers: list[Reader] = []
+        self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()  # their owner holds them: no cycle
         self._lengths: dict[int, int] = {}  # layer -> tokens per row (asked for several times per layer-step)
         self._plans: dict[int, tuple[int, dict[tuple[int, int], ReadPlan]]] = {}  # layer -> (version, plans)
 
@@ -98,8 +100,21 @@ class KVStore:
         return self._lengths.get(layer, 0)
 
     def check(self) -> None:
-        """Raise ``AssertionError`` if the table's invariants or the kept lengths are broken (for tests)."""
+        """Raise ``AssertionError`` if the table's invariants, the kept lengths or the slot accounting are broken
+        (for tests): every slot in use on a tier holds exactly one live block, or a write-back in flight."""
         self.table.check()
+        held = collections.Counter((block.tier, block.slot_bytes) for block in self.table.blocks.values())
+        places = {(block.tier, block.slot_bytes, block.slot) for block in self.table.blocks.values()}
+        if len(places) != len(self.table.blocks):
+            raise AssertionError("two live blocks share a slot")
+        pending = self.writeback.pending
+        if pending is not None:
+            held[(Tier.DISK, pending.slot_bytes)] += len(pending.disk_slots)
+        for kind, tier in self.tiers.items():
+            for slot_bytes, used in tier.slot_counts().items():
+                if used != held[(kind, slot_bytes)]:
+                    raise AssertionError(f"{kind.label} tier: {used} slots of {slot_bytes} bytes in use, but "
+                                         f"{held[(kind, slot_bytes)]} blocks hold them (a leaked slot)")
         for layer in self.table.rows:
             if self.table.seq_length(layer) != self.seq_length(layer):
                 raise AssertionError(f"layer {layer}: kept length {self.seq_length(layer)} != "
@@ -110,11 +125,11 @@ class KVStore:
         return rows.batch if rows is not None else 0
 
     def add_reader(self, reader: Reader) -> None:
-        self._readers.append(reader)
+        self._readers.add(reader)
 
     def barrier(self) -> None:
         """No read may be in flight while a slot is freed or moved."""
-        for reader in self._readers:
+        for reader in list(self._readers):
             reader.wait_all()
         if self.device.device.type == "cuda":  # non_blocking copies queued on the compute stream
             torch.cuda.current_stream(self.device.device).synchronize()
@@ -465,29 +480,36 @@ class KVStore:
 
     # ------------------------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
-        """Forget every block; pools stay allocated for the next sequence."""
+        """Forget every block; pools stay allocated for the next sequence. Every slot is free afterwards, also one
+        that an interrupted operation (a KeyboardInterrupt mid-append) left taken."""
         self.barrier()
         self.writeback.reap(wait=True)
         self.writeback.resume()
         for block in list(self.table.blocks.values()):
             self.policy.on_release(block)
-            self.tiers[block.tier].free(block.slot_bytes, block.slot)
+        for tier in self.tiers.values():
+            tier.free_all()
         self.table.clear()
         self._plans.clear()
         self._lengths.clear()
         self.layouts.clear()  # the next sequence may come from another model or dtype
 
     def close(self) -> None:
-        self.barrier()
-        self.writeback.reap(wait=True)
-        for block in list(self.table.blocks.values()):
-            self.policy.on_release(block)
-        self.table.clear()
-        self._plans.clear()
-        self._lengths.clear()
-        for tier in self.tiers.values():
-            tier.close()
-        self.transfer.scratch.release()
+        """Release every tier (idempotent); the tiers are closed even if waiting for reads failed."""
+        try:
+            self.barrier()
+            self.writeback.reap(wait=True)
+        finally:
+            for block in list(self.table.blocks.values()):
+                self.policy.on_release(block)
+            self.table.clear()
+            self._plans.clear()
+            self._lengths.clear()
+            try:
+                for tier in self.tiers.values():
+                    tier.close()
+            finally:
+                self.transfer.scratch.release()
 
     def stats(self) -> dict:
         blocks = {tier.label: 0 for tier in Tier}

@@ -120,11 +120,16 @@ class Placement:
     def _alloc_many(self, tier: Tier, slot_bytes: int, blocks: list[Block]) -> list[int]:
         """Slots on ``tier`` for the first blocks of ``blocks`` (each next to its layer's last one)."""
         slots: list[int] = []
-        for block in blocks:
-            slot = self._alloc(tier, slot_bytes, (block.layer, block.index))
-            if slot is None:
-                break
-            slots.append(slot)
+        try:
+            for block in blocks:
+                slot = self._alloc(tier, slot_bytes, (block.layer, block.index))
+                if slot is None:
+                    break
+                slots.append(slot)
+        except BaseException:  # a full disk, or an interrupt: the slots taken so far go back
+            for slot in slots:
+                self.tiers[tier].free(slot_bytes, slot)
+            raise
         return slots
 
     def _commit_demotion(self, blocks: list[Block], source: Tier, target: Tier, slots: list[int]) -> None:

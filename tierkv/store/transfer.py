@@ -25,7 +25,7 @@ from tierkv.blocks import Tier
 from tierkv.layout import BlockLayout, SlotBytes
 from tierkv.store.plan import ReadPlan, TierPart
 from tierkv.tiers.base import PendingRead, Scratch, StorageTier
-from tierkv.tiers.disk import BounceBuffer
+from tierkv.tiers.disk import BOUNCE_BYTES, BounceBuffer
 
 LINKS = ("device->device", "device->host", "host->device", "host->disk", "device->disk", "disk->device")
 
@@ -122,5 +122,7 @@ class Transfer:
                    target_slots: list[int]) -> None:
         """Copy whole slots, as bytes, from ``source`` to ``target``."""
         raw = SlotBytes(slot_bytes)
-        data = self.read_blocks(raw, source, slots, device=self.tiers[source].device)  # stays on the source's side
-        self.write_blocks(raw, target, target_slots, data)
+        step = max(1, BOUNCE_BYTES // slot_bytes)  # what is held in between is bounded like a bounce buffer
+        for lo in range(0, len(slots), step):
+            data = self.read_blocks(raw, source, slots[lo : lo + step], device=self.tiers[source].device)
+            self.write_blocks(raw, target, target_slots[lo : lo + step], data)

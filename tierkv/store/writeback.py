@@ -16,6 +16,7 @@ It talks to its collaborators (tiers, table, policy) through their public method
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from tierkv.errors import TierKVError
 from tierkv.io import IOHandle
 from tierkv.layout import SlotBytes
 from tierkv.policy import Policy
-from tierkv.tiers.disk import BounceBuffer, DiskTier
+from tierkv.tiers.disk import BOUNCE_BYTES, BounceBuffer, DiskTier
 from tierkv.tiers.memory import MemoryTier
 
 log = logging.getLogger("tierkv")
@@ -63,38 +64,52 @@ class Writeback:
         return {block.id for block in self.pending.blocks} if self.pending else set()
 
     def reap(self, wait: bool = False) -> bool:
-        """Finish the pending write if it is done (or ``wait``); return True if host slots were freed."""
+        """Finish the pending write if it is done (or ``wait``); return True if host slots were freed.
+
+        Interrupted while waiting (KeyboardInterrupt), the write stays pending and is reaped later."""
         pending = self.pending
         if pending is None or not (wait or pending.handle.done()):
             return False
-        self.pending = None
         assert self.disk is not None
         table = self._table()
         try:
             pending.handle.wait()
         except OSError as exc:
-            for slot in pending.disk_slots:
-                self.disk.free(pending.slot_bytes, slot)
-            for block in pending.blocks:
-                self.policy.unpin(block)
+            self.pending = None
+            self._give_back(pending, 0)
             self._pause(f"a background write failed ({exc}); blocks stay on the host")
             return False
-        self.barrier()  # host slots are about to be reused: no read may still be on them
-        freed = False
-        for block, slot, host_slot in zip(pending.blocks, pending.disk_slots, pending.host_slots):
-            live = table.blocks.get(block.id) is block
-            if not live or block.tier != Tier.HOST or block.slot != host_slot:  # released or moved meanwhile
-                self.disk.free(pending.slot_bytes, slot)
-                if live:
-                    self.policy.unpin(block)
-                continue
-            self.host.free(pending.slot_bytes, block.slot)
-            table.place(block, Tier.DISK, slot)
-            self.policy.unpin(block)
-            self.policy.on_move(block, Tier.HOST)
-            self.on_moved(block, Tier.HOST, Tier.DISK)
-            freed = True
+        self.pending = None
+        freed, done = False, 0
+        try:
+            self.barrier()  # host slots are about to be reused: no read may still be on them
+            for block, slot, host_slot in zip(pending.blocks, pending.disk_slots, pending.host_slots):
+                live = table.blocks.get(block.id) is block
+                if not live or block.tier != Tier.HOST or block.slot != host_slot:  # released or moved meanwhile
+                    self.disk.free(pending.slot_bytes, slot)
+                    if live:
+                        self.policy.unpin(block)
+                    done += 1
+                    continue
+                self.host.free(pending.slot_bytes, block.slot)
+                table.place(block, Tier.DISK, slot)
+                done += 1
+                self.policy.unpin(block)
+                self.policy.on_move(block, Tier.HOST)
+                self.on_moved(block, Tier.HOST, Tier.DISK)
+                freed = True
+        finally:
+            self._give_back(pending, done)  # an interrupt above: the blocks not yet moved stay on the host
         return freed
+
+    def _give_back(self, pending: PendingWrite, start: int) -> None:
+        """Release the disk slots of ``pending``'s blocks from ``start`` on; they stay (unpinned) on the host."""
+        assert self.disk is not None
+        table = self._table()
+        for block, slot in zip(pending.blocks[start:], pending.disk_slots[start:]):
+            self.disk.free(pending.slot_bytes, slot)
+            if table.blocks.get(block.id) is block:
+                self.policy.unpin(block)
 
     def maybe_start(self) -> None:
         """Start a write-back batch if the host's free room is under the low watermark (O(pools))."""
@@ -107,44 +122,51 @@ class Writeback:
             free = (pool.capacity - pool.used) + max(0, (host.budget - host.allocated_bytes) // slot_bytes)
             if capacity == 0 or free >= capacity * LOW_WATERMARK:
                 continue
-            want = max(1, int(capacity * TARGET_FREE) - free)
+            want = min(max(1, int(capacity * TARGET_FREE) - free), max(1, BOUNCE_BYTES // slot_bytes))
             victims = self.policy.victims(Tier.HOST, slot_bytes, want)
             if victims:  # in sequence order: a layer's blocks land in consecutive disk slots and read back as runs
                 self._start(sorted(victims, key=lambda block: (block.layer, block.index)), slot_bytes)
             return
 
     def _start(self, blocks: list[Block], slot_bytes: int) -> None:
+        """Write ``blocks`` to new disk slots in the background. Whatever interrupts it (a full disk, an
+        ``OSError``, a KeyboardInterrupt) gives the disk slots back before the exception goes on."""
         assert self.disk is not None
         slots: list[int] = []
+        handle: IOHandle | None = None
         try:
-            for block in blocks:
-                slot = self.disk.alloc(slot_bytes, (block.layer, block.index))
-                if slot is None:
-                    break
-                slots.append(slot)
-        except TierKVError as exc:  # e.g. the filesystem is full: the foreground will report it if it matters
-            self._pause(str(exc))
-        if not slots:
-            if self.paused_reason is None:
-                self._pause("the disk tier is full")
-            return
-        blocks = blocks[: len(slots)]
-        try:
+            try:
+                for block in blocks:
+                    slot = self.disk.alloc(slot_bytes, (block.layer, block.index))
+                    if slot is None:
+                        break
+                    slots.append(slot)
+            except TierKVError as exc:  # e.g. the filesystem is full: the foreground will report it if it matters
+                self._pause(str(exc))
+            if not slots:
+                if self.paused_reason is None:
+                    self._pause("the disk tier is full")
+                return
+            blocks = blocks[: len(slots)]
             bounce = self._bounce.get(len(blocks) * slot_bytes)
             staged = torch.from_numpy(bounce).view(len(blocks), slot_bytes)
             host_slots = np.asarray([block.slot for block in blocks], dtype=np.int64)
             self.host.pools[slot_bytes].gather(SlotBytes(slot_bytes), host_slots, [(0, len(blocks), staged)])
             handle = self.disk.write(slot_bytes, slots, bounce)
+            self.pending = PendingWrite(blocks, slots, host_slots.tolist(), slot_bytes, handle)
         except BaseException as exc:
-            for slot in slots:
-                self.disk.free(slot_bytes, slot)
+            if handle is not None:  # no write may still land in slots given back
+                with contextlib.suppress(OSError):
+                    handle.wait()
+            if self.pending is None or self.pending.handle is not handle:
+                for slot in slots:
+                    self.disk.free(slot_bytes, slot)
             if not isinstance(exc, OSError):
                 raise
             self._pause(f"a background write could not be submitted ({exc})")
             return
-        for block in blocks:
+        for block in blocks:  # from here reap() owns the slots (unpinning a block never pinned is a no-op)
             self.policy.pin(block)
-        self.pending = PendingWrite(blocks, slots, [block.slot for block in blocks], slot_bytes, handle)
 
     def _pause(self, reason: str) -> None:
         if self.paused_reason is None:

@@ -56,6 +56,12 @@ class StorageTier(Protocol):
 
     def free(self, slot_bytes: int, slot: int) -> None: ...
 
+    def free_all(self) -> None:
+        """Every slot free again (the store resets: nothing an interrupted operation took stays taken)."""
+
+    def slot_counts(self) -> dict[int, int]:
+        """Slots in use per slot size (for the store's consistency check)."""
+
     def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
                    purpose: str = "read") -> PendingRead:
         """Submit a read of ``slots``; ``memo`` is a dict that lives as long as ``slots`` (a cached plan's), where

@@ -1,18 +1,31 @@
 """The disk tier: one preallocated file per slot size, slots at aligned offsets, I/O through tierkv.io.
 
 The file grows in extents reserved with ``posix_fallocate`` (so a full filesystem fails early, at growth,
-with ENOSPC — never halfway through a block write) up to the tier's budget. Files are deleted on
-:meth:`DiskTier.close` and, as a safety net, at interpreter exit.
+with ENOSPC — never halfway through a block write) up to the tier's budget.
 
-A read of a layer's disk blocks is one batched engine call into an aligned bounce buffer (adjacent slots
-coalesce into one request); it is submitted in :meth:`DiskTier.start_read` and runs on the engine's own
-threads while the caller copies the layer's memory blocks, then lands in the destination.
+**Integrity.** Every block written carries an xxh3-64 checksum of its slot's bytes, kept in memory beside
+the slot (one ``uint64`` per slot); every read verifies each block after it landed in the bounce buffer and
+before it is copied on, so a byte changed on disk (a failing drive, another program writing the file) raises
+:class:`~tierkv.errors.IntegrityError` naming the file and slot, and wrong KV is never returned.
+
+**Lifetimes.** The tier holds a :class:`~tierkv.tiers.lease.Lease` (a ``flock``-ed lock file) on its files;
+when it opens a directory it first removes the files of tiers whose process died. Its files are closed and
+removed by :meth:`DiskTier.close`, or by a finalizer when the tier is garbage-collected or the interpreter
+exits; a removal that fails is logged and retried at exit, and never raises.
+
+**Memory.** A read of a layer's disk blocks is one batched engine call into an aligned bounce buffer
+(adjacent slots coalesce into one request); it is submitted in :meth:`DiskTier.start_read` and runs on the
+engine's own threads while the caller copies the layer's memory blocks, then lands in the destination. No
+I/O bounces through more than :data:`BOUNCE_BYTES`: a larger read runs in rounds through two halves of
+the buffer (the next round in flight while the last is verified and copied out), a larger write in rounds.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
+import logging
 import os
 import shutil
 import tempfile
@@ -22,53 +35,130 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from xxhash import xxh3_64_intdigest
 
 from tierkv.blocks import Tier
-from tierkv.errors import DiskFullError, DiskTierError, TierKVError
+from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, TierKVError
 from tierkv.io import DiskFile, IOHandle, aligned_empty, open_disk_file
 from tierkv.layout import BlockLayout
 from tierkv.tiers.base import BounceLike, Dest, Scratch, landing_pieces
+from tierkv.tiers.lease import Lease, reclaim_dead
 from tierkv.tiers.slots import SlotPool, growth_slots
 
+log = logging.getLogger("tierkv")
+
 DEFAULT_EXTENT_BYTES = 256 * 2**20
+BOUNCE_BYTES = 32 * 2**20
+"""The most host memory one disk read or write bounces through (or two slots, for slots above half of it).
+A read of more runs in rounds of half of it (four 4 MiB engine pieces), the next round in flight while the
+last is copied out; a write of more runs in rounds of all of it. So the bounce buffers, which no budget
+counts, are bounded by a constant independent of the context: see docs/reliability.md ("Memory")."""
+
+_LEFT_OVER: list[Path] = []  # files a close could not remove: retried at exit
 
 
-def _remove_files(paths: list[Path]) -> None:
-    for path in paths:
+def checksums(rows: np.ndarray) -> np.ndarray:
+    """xxh3-64 of each row of ``rows`` ``[n, slot_bytes]`` uint8, as ``[n]`` uint64."""
+    return np.fromiter((xxh3_64_intdigest(row) for row in rows), dtype=np.uint64, count=len(rows))
+
+
+def _remove(path: Path) -> None:
+    """Delete ``path``; on failure log it and retry at exit (cleanup never raises)."""
+    try:
         path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("tierkv: could not remove the disk tier file %s (%s); retrying at exit", path,
+                    exc.strerror or exc)
+        _LEFT_OVER.append(path)
+
+
+@atexit.register
+def _remove_left_over() -> None:
+    for path in _LEFT_OVER:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("tierkv: %s is left behind (%s); the next cache opening its directory removes it", path,
+                        exc.strerror or exc)
+    _LEFT_OVER.clear()
+
+
+def _release(files: dict[int, DiskSlotFile], lease: Lease) -> None:
+    """Close and remove every file of a tier, then drop its lease. Never raises: each failure is logged."""
+    for slot_file in list(files.values()):
+        try:
+            slot_file.file.close()
+        except Exception as exc:  # noqa: BLE001 - cleanup goes on; the file is still removed
+            log.warning("tierkv: closing %s failed (%s)", slot_file.path, exc)
+        _remove(slot_file.path)
+    files.clear()
+    try:
+        lease.release()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("tierkv: releasing the lock file %s failed (%s)", lease.path, exc)
 
 
 class DiskSlotFile(SlotPool):
-    """Slots of ``slot_bytes`` in one file, opened through a disk engine."""
+    """Slots of ``slot_bytes`` in one file, opened through a disk engine, with a checksum per written slot."""
 
     def __init__(self, directory: Path, prefix: str, slot_bytes: int, engine: str | None) -> None:
         super().__init__()
         self.slot_bytes = slot_bytes
-        fd, name = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=f"-{slot_bytes}.kv")
+        fd, name = tempfile.mkstemp(dir=directory, prefix=f"{prefix}-", suffix=f"-{slot_bytes}.kv")
+        os.close(fd)
         self.path = Path(name)
         try:
             self.file: DiskFile = open_disk_file(self.path, engine=engine)
         except BaseException:
-            os.close(fd)
             self.path.unlink(missing_ok=True)
             raise
-        self._fd = fd
+        self.sums = np.zeros(0, dtype=np.uint64)  # [capacity]: xxh3-64 of what was written to each slot
+        self.written = np.zeros(0, dtype=bool)  # [capacity]: the slot holds a block (its checksum is valid)
 
     def grow(self, slots: int) -> None:
         try:
-            os.posix_fallocate(self._fd, 0, (self.capacity + slots) * self.slot_bytes)
+            fd = os.open(self.path, os.O_WRONLY)
+            try:
+                os.posix_fallocate(fd, 0, (self.capacity + slots) * self.slot_bytes)
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise disk_error(exc, self.path) from exc
         self.slots.grow(slots)
+        self.sums = np.concatenate([self.sums, np.zeros(slots, dtype=np.uint64)])
+        self.written = np.concatenate([self.written, np.zeros(slots, dtype=bool)])
+
+    def free(self, slot: int) -> None:
+        super().free(slot)
+        self.written[slot] = False
+
+    def free_all(self) -> None:
+        super().free_all()
+        self.written[:] = False
 
     def offset(self, slot: int) -> int:
         return slot * self.slot_bytes
 
-    def close(self) -> None:
-        try:
-            self.file.close()
-        finally:
-            os.close(self._fd)
+    def record(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """``rows`` ``[n, slot_bytes]`` are being written to ``slots``: keep their checksums."""
+        self.sums[slots] = checksums(rows)
+        self.written[slots] = True
+
+    def verify(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Raise :class:`IntegrityError` unless ``rows`` (read from ``slots``) are what was written there."""
+        bad = np.flatnonzero((checksums(rows) != self.sums[slots]) | ~self.written[slots])
+        if bad.size == 0:
+            return
+        slot = int(slots[bad[0]])
+        what = ("was never written (a bug in tierkv: please report it)" if not self.written[slot] else
+                "does not hold the bytes written to it")
+        raise IntegrityError(
+            errno.EIO, f"disk tier block checksum mismatch in {str(self.path)!r}: slot {slot} (bytes "
+            f"{self.offset(slot)}..{self.offset(slot) + self.slot_bytes}) {what}; {bad.size} of the {len(slots)} "
+            "blocks of this read differ. Nothing was returned from them. The drive returned wrong data or "
+            "another program wrote to the file: check the drive (e.g. smartctl), keep disk_dir private, then "
+            "call cache.reset() (or create a new cache) and run the prompt again."
+        )
 
 
 class DiskTier:
@@ -85,19 +175,21 @@ class DiskTier:
         self.extent_bytes = extent_bytes
         self.files: dict[int, DiskSlotFile] = {}
         self.peak_bytes = 0
-        self._paths: list[Path] = []
-        self._prefix = f"tierkv-{os.getpid()}-"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.directory, prefix=self._prefix):
-                pass
+            reclaim_dead(self.directory)
+            self._lease = Lease(self.directory)  # also proves that the directory takes new files
         except OSError as exc:
             raise DiskTierError(
                 exc.errno, f"disk_dir {str(self.directory)!r} is not writable ({exc.strerror}); pass a directory you "
                 "can write to (e.g. on a local NVMe), or leave disk_dir=None to run without a disk tier."
             ) from exc
-        self.budget = budget if budget is not None else int(shutil.disk_usage(self.directory).free * free_fraction)
-        self._finalizer = weakref.finalize(self, _remove_files, self._paths)
+        self._finalizer = weakref.finalize(self, _release, self.files, self._lease)
+        try:
+            self.budget = budget if budget is not None else int(shutil.disk_usage(self.directory).free * free_fraction)
+        except BaseException:
+            self._finalizer()
+            raise
 
     @property
     def allocated_bytes(self) -> int:
@@ -114,13 +206,32 @@ class DiskTier:
 
     def slot_file(self, slot_bytes: int) -> DiskSlotFile:
         if slot_bytes not in self.files:
+            if not self._finalizer.alive:
+                raise DiskTierError(errno.EBADF, "the disk tier was closed; create a new cache.")
             try:
-                slot_file = DiskSlotFile(self.directory, self._prefix, slot_bytes, self.engine)
+                slot_file = DiskSlotFile(self.directory, self._lease.prefix, slot_bytes, self.engine)
+            except TierKVError:
+                raise
             except OSError as exc:
-                raise disk_error(exc, self.directory / f"{self._prefix}*.kv") from exc
-            self._paths.append(slot_file.path)
+                raise self._directory_error(exc) from exc
             self.files[slot_bytes] = slot_file
         return self.files[slot_bytes]
+
+    def _directory_error(self, exc: OSError) -> DiskTierError:
+        """The first file in ``directory`` could not be created: say what happened to the directory."""
+        where = str(self.directory)
+        if exc.errno == errno.ENOENT:
+            return DiskTierError(
+                exc.errno, f"disk_dir {where!r} no longer exists (it was removed after the cache was created); "
+                "recreate it, or create the cache with another disk_dir."
+            )
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return DiskTierError(
+                exc.errno, f"disk_dir {where!r} no longer accepts new files ({exc.strerror}): it was made read-only "
+                "or immutable after the cache was created; make it writable again (chmod u+w, chattr -i, a read-write "
+                "mount), or create the cache with another disk_dir."
+            )
+        return disk_error(exc, self.directory / f"{self._lease.prefix}-*.kv")
 
     def alloc(self, slot_bytes: int, near: tuple[int, int] | None = None) -> int | None:
         """A free slot (beside its sequence neighbours where it can, so a layer's blocks read back as runs)."""
@@ -145,37 +256,48 @@ class DiskTier:
     def free(self, slot_bytes: int, slot: int) -> None:
         self.files[slot_bytes].free(slot)
 
+    def free_all(self) -> None:
+        for slot_file in self.files.values():
+            slot_file.free_all()
+
+    def slot_counts(self) -> dict[int, int]:
+        return {slot_bytes: slot_file.used for slot_bytes, slot_file in self.files.items()}
+
     # ------------------------------------------------------------------------------------------ I/O
     def write(self, slot_bytes: int, slots: Sequence[int], buffer: np.ndarray) -> IOHandle:
-        """Write ``buffer`` (``len(slots) * slot_bytes`` aligned bytes) to ``slots``, coalescing runs."""
-        return self._submit(slot_bytes, slots, buffer, write=True)
+        """Write ``buffer`` (``len(slots) * slot_bytes`` aligned bytes) to ``slots``, coalescing runs, and keep
+        each block's checksum for the reads that follow."""
+        order = np.asarray(slots, dtype=np.int64)
+        self.files[slot_bytes].record(order, buffer[: order.size * slot_bytes].reshape(order.size, slot_bytes))
+        try:
+            return self._submit(slot_bytes, order, buffer, write=True)
+        except OSError as exc:
+            raise disk_error(exc, self.files[slot_bytes].path) from exc
 
-    def read(self, slot_bytes: int, slots: Sequence[int], buffer: np.ndarray) -> IOHandle:
-        """Read ``slots`` into ``buffer`` in order, coalescing runs of consecutive slots into one request."""
-        return self._submit(slot_bytes, slots, buffer, write=False)
+    def read(self, slot_bytes: int, slots: np.ndarray, buffer: np.ndarray) -> IOHandle:
+        """Submit a read of ``slots`` into ``buffer`` in order, coalescing runs of consecutive slots into one
+        request (unverified: :meth:`start_read` is the read that checks the blocks)."""
+        return self._submit(slot_bytes, np.asarray(slots, dtype=np.int64), buffer, write=False)
 
     def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
                    purpose: str = "read") -> _DiskRead:
-        slot_bytes = layout.slot_bytes
-        owner = scratch.bounce_buffer(purpose)
-        bounce = owner.get(len(slots) * slot_bytes)  # waits until the GPU has copied its last contents out
-        try:
-            handle = self.read(slot_bytes, slots, bounce)
-        except OSError as exc:
-            raise disk_error(exc, self.files[slot_bytes].path) from exc
-        return _DiskRead(self, layout, bounce, handle, scratch, owner)
+        slots = np.asarray(slots, dtype=np.int64)
+        return _DiskRead(self, self.files[layout.slot_bytes], layout, slots, scratch.bounce_buffer(purpose), scratch)
 
     def write_from(self, layout: BlockLayout, slots: np.ndarray, src: torch.Tensor, scratch: Scratch) -> None:
-        """Stage ``src`` in the write bounce buffer and write it with one batched engine call."""
+        """Stage ``src`` in the write bounce buffer and write it with one batched engine call per round of at
+        most :data:`BOUNCE_BYTES`."""
         slot_bytes = layout.slot_bytes
-        bounce = scratch.bounce(len(slots) * slot_bytes, "write")
-        staged = torch.from_numpy(bounce).view(len(slots), slot_bytes)
-        layout.blocks_of(staged).copy_(src)
-        try:
-            handle = self.write(slot_bytes, slots, bounce)
-        except OSError as exc:
-            raise disk_error(exc, self.files[slot_bytes].path) from exc
-        self.wait(handle, slot_bytes)
+        per_round = max(1, BOUNCE_BYTES // slot_bytes)
+        for lo in range(0, len(slots), per_round):
+            hi = min(len(slots), lo + per_round)
+            bounce = scratch.bounce((hi - lo) * slot_bytes, "write")
+            layout.blocks_of(torch.from_numpy(bounce).view(hi - lo, slot_bytes)).copy_(src[lo:hi])
+            try:
+                handle = self.write(slot_bytes, slots[lo:hi], bounce)
+            except OSError as exc:
+                raise disk_error(exc, self.files[slot_bytes].path) from exc
+            self.wait(handle, slot_bytes)
 
     def wait(self, handle: IOHandle, slot_bytes: int) -> None:
         """Wait for ``handle``; an OS failure becomes a :class:`DiskTierError` that names the file."""
@@ -186,73 +308,113 @@ class DiskTier:
         except OSError as exc:
             raise disk_error(exc, self.files[slot_bytes].path) from exc
 
-    def _submit(self, slot_bytes: int, slots: Sequence[int], buffer: np.ndarray, write: bool) -> IOHandle:
+    def _submit(self, slot_bytes: int, slots: np.ndarray, buffer: np.ndarray, write: bool) -> IOHandle:
         """One request per run of consecutive slots (found with numpy: the loop is over runs, not blocks)."""
         slot_file = self.files[slot_bytes]
-        order = np.asarray(slots, dtype=np.int64)
-        if order.size == 0:
+        if slots.size == 0:
             return slot_file.file.submit_writes([]) if write else slot_file.file.submit_reads([])
-        cuts = (np.flatnonzero(np.diff(order) != 1) + 1).tolist()
-        requests = [(slot_file.offset(int(order[a])), buffer[a * slot_bytes : b * slot_bytes])
-                    for a, b in zip([0, *cuts], [*cuts, order.size])]
+        cuts = (np.flatnonzero(np.diff(slots) != 1) + 1).tolist()
+        requests = [(slot_file.offset(int(slots[a])), buffer[a * slot_bytes : b * slot_bytes])
+                    for a, b in zip([0, *cuts], [*cuts, slots.size])]
         submit = slot_file.file.submit_writes if write else slot_file.file.submit_reads
         return submit(requests)
 
     def close(self) -> None:
-        try:
-            for slot_file in self.files.values():
-                slot_file.close()
-        finally:
-            self.files.clear()
-            self._finalizer()
+        """Close and remove the files and drop the lease; idempotent, never raises (failures are logged)."""
+        self._finalizer()
 
 
 class _DiskRead:
-    """A submitted read of a layer's disk blocks, in plan order, into a bounce buffer."""
+    """A submitted read of a layer's disk blocks, in plan order, into a bounce buffer of at most
+    :data:`BOUNCE_BYTES`: one batched engine call when they fit (the usual case), else rounds through the
+    buffer's two halves. Every block is verified against its checksum before it is copied on."""
 
-    def __init__(self, tier: DiskTier, layout: BlockLayout, bounce: np.ndarray, handle: IOHandle,
-                 scratch: Scratch, owner: BounceLike) -> None:
-        self.tier, self.layout, self.bounce, self.handle, self.scratch = tier, layout, bounce, handle, scratch
-        self.owner = owner
+    def __init__(self, tier: DiskTier, slot_file: DiskSlotFile, layout: BlockLayout, slots: np.ndarray,
+                 owner: BounceLike, scratch: Scratch) -> None:
+        self.tier, self.slot_file, self.layout, self.slots, self.owner = tier, slot_file, layout, slots, owner
+        self.scratch = scratch
+        size = layout.slot_bytes
+        self.per_round = len(slots) if len(slots) * size <= BOUNCE_BYTES else max(1, BOUNCE_BYTES // 2 // size)
+        halves = 1 if self.per_round >= len(slots) else 2
+        bounce = owner.get(halves * self.per_round * size)  # waits until the GPU has copied its last contents out
+        self.halves = [bounce[i * self.per_round * size : (i + 1) * self.per_round * size] for i in range(halves)]
+        self.rounds = -(-len(slots) // self.per_round) if len(slots) else 0
+        self.handles: dict[int, IOHandle] = {}
+        self._copied: list[torch.cuda.Event | None] = [None] * halves  # GPU copies still reading a half
+        if self.rounds:
+            self._submit(0)
+
+    def _bounds(self, k: int) -> tuple[int, int]:
+        return k * self.per_round, min(len(self.slots), (k + 1) * self.per_round)
+
+    def _submit(self, k: int) -> None:
+        lo, hi = self._bounds(k)
+        half = k % len(self.halves)
+        if self._copied[half] is not None:
+            self._copied[half].synchronize()
+            self._copied[half] = None
+        buffer = self.halves[half][: (hi - lo) * self.layout.slot_bytes]
+        try:
+            self.handles[k] = self.tier.read(self.layout.slot_bytes, self.slots[lo:hi], buffer)
+        except OSError as exc:
+            raise disk_error(exc, self.slot_file.path) from exc
 
     def settle(self) -> None:
-        with contextlib.suppress(OSError):  # the failure that matters was raised where it happened
-            self.handle.wait()
+        """Wait for the rounds in flight (a barrier: the read stays usable; its failure is raised by finish)."""
+        for handle in self.handles.values():
+            with contextlib.suppress(OSError):
+                handle.wait()
 
     def finish(self, dests: Sequence[Dest]) -> None:
-        layout = self.layout
-        self.tier.wait(self.handle, layout.slot_bytes)
-        staged = torch.from_numpy(self.bounce).view(-1, layout.slot_bytes)
+        layout, size = self.layout, self.layout.slot_bytes
         landing = self.scratch.landing()  # the finishing thread's (a read ahead is submitted on another)
         if landing is not None and dests and landing.device != dests[0][2].device:
             landing = None  # a read into host memory: straight from the bounce buffer
-        for lo, hi, out in dests:
-            if landing is None:
-                out.copy_(layout.blocks_of(staged[lo:hi]), non_blocking=True)
-                continue
-            for piece, end, rows in landing_pieces(landing, layout.slot_bytes, lo, hi):
-                rows.copy_(staged[piece:end], non_blocking=True)
-                out[piece - lo : end - lo].copy_(layout.blocks_of(rows), non_blocking=True)
-        if (landing is not None and landing.is_cuda) or any(out.is_cuda for _, _, out in dests):
-            # the copies out of the bounce buffer are queued on this thread's stream: the next read into it
-            # waits for them (on the host, only then), instead of every read syncing the stream now
-            event = torch.cuda.Event()
-            event.record()
-            self.owner.fence(event)
+        cuda = (landing is not None and landing.is_cuda) or any(out.is_cuda for _, _, out in dests)
+        for k in range(self.rounds):
+            if k + 1 < self.rounds:
+                self._submit(k + 1)  # into the other half: the disk reads it while this round is copied out
+            self.tier.wait(self.handles.pop(k), size)
+            lo, hi = self._bounds(k)
+            staged = torch.from_numpy(self.halves[k % len(self.halves)][: (hi - lo) * size]).view(hi - lo, size)
+            self.slot_file.verify(self.slots[lo:hi], staged.numpy())
+            for first, last, out in dests:
+                a, b = max(first, lo), min(last, hi)
+                if a >= b:
+                    continue
+                if landing is None:
+                    out[a - first : b - first].copy_(layout.blocks_of(staged[a - lo : b - lo]), non_blocking=True)
+                    continue
+                for piece, end, rows in landing_pieces(landing, size, a, b):
+                    rows.copy_(staged[piece - lo : end - lo], non_blocking=True)
+                    out[piece - first : end - first].copy_(layout.blocks_of(rows), non_blocking=True)
+            if cuda:
+                # the copies out of the bounce buffer are queued on this thread's stream: the next read into it
+                # waits for them (on the host, only then), instead of every read syncing the stream now
+                event = torch.cuda.Event()
+                event.record()
+                self._copied[k % len(self.halves)] = event
+                self.owner.fence(event)
 
 
 def disk_error(exc: OSError, path: Path) -> DiskTierError:
     """Wrap an I/O failure of the disk tier in a TierKVError that says what to do."""
+    if isinstance(exc, DiskTierError):
+        return exc
     if exc.errno == errno.ENOSPC:
         return DiskFullError(
             errno.ENOSPC, f"the disk tier ran out of space in {str(path.parent)!r}; free space there, point disk_dir "
             "at a larger filesystem, or lower disk_gb so the cache stops before the disk is full."
         )
-    return DiskTierError(exc.errno, f"disk tier I/O failed on {str(path)!r}: {exc.strerror or exc}")
+    return DiskTierError(
+        exc.errno, f"disk tier I/O failed on {str(path)!r}: {exc.strerror or exc}. The blocks accepted so far are "
+        "intact; check the drive and its kernel log (dmesg), or move disk_dir to another drive."
+    )
 
 
 class BounceBuffer:
-    """A reusable, aligned host buffer that grows geometrically (disk I/O needs aligned memory).
+    """A reusable, aligned host buffer that grows geometrically up to :data:`BOUNCE_BYTES` (disk I/O needs
+    aligned memory).
 
     With ``pin`` (CUDA hosts) the pages are registered with the driver (``cudaHostRegister``), so copies
     between it and the GPU are DMA at full PCIe speed instead of staged through pageable memory. The
@@ -265,6 +427,10 @@ class BounceBuffer:
         self._finalizer: weakref.finalize | None = None
         self._fence: torch.cuda.Event | None = None  # GPU copies still reading the buffer (CUDA hosts)
 
+    @property
+    def nbytes(self) -> int:
+        return self._buffer.nbytes
+
     def fence(self, event: torch.cuda.Event) -> None:
         """Copies recorded before ``event`` still read the buffer: :meth:`get` waits for them."""
         self._fence = event
@@ -275,7 +441,7 @@ class BounceBuffer:
             self._fence = None
         if self._buffer.nbytes < nbytes:
             self.release()
-            self._buffer = aligned_empty(max(nbytes, 2 * self._buffer.nbytes))
+            self._buffer = aligned_empty(max(nbytes, min(2 * self._buffer.nbytes, BOUNCE_BYTES)))
             if self.pin:
                 address = self._buffer.ctypes.data
                 _check_cuda(torch.cuda.cudart().cudaHostRegister(address, self._buffer.nbytes, 0))

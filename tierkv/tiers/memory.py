@@ -236,6 +236,14 @@ class MemoryTier:
                 return True
         return False
 
+    def free_all(self) -> None:
+        """Every slot free (a reset); the chunks and the staging reservations stay."""
+        for pool in self.pools.values():
+            pool.free_all()
+
+    def slot_counts(self) -> dict[int, int]:
+        return {slot_bytes: pool.used for slot_bytes, pool in self.pools.items()}
+
     def close(self) -> None:
         self.pools.clear()
         self.reserved = 0

@@ -157,6 +157,12 @@ class SlotPool:
     def free(self, slot: int) -> None:
         self.slots.free(slot)
 
+    def free_all(self) -> None:
+        """Every slot free again (a reset: also what an interrupted operation may have left taken)."""
+        capacity = self.slots.capacity
+        self.slots = FreeSlots()
+        self.slots.grow(capacity)
+
 
 def growth_slots(budget: int, allocated: int, slot_bytes: int, step_bytes: int) -> int:
     """Slots to add to a pool: a step's worth (at least one), never past the budget; 0 when it is full."""

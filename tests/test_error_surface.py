@@ -1,0 +1,88 @@
+"""One error surface: the faults of the issue's list that are about input and the disk directory, each a
+TierKVError (also the fitting builtin) whose message names the problem and the fix, with the cache still
+closable afterwards."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from tierkv import DiskTierError, InvalidConfigError, TieredCache, TierKVError
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    (dict(gpu_gb="1e30"), "beyond any machine"),
+    (dict(cpu_gb=10**400), "beyond any machine"),
+    (dict(gpu_gb=10**400), "beyond any machine"),
+    (dict(block_tokens=True), "block_tokens must be a positive int"),
+    (dict(block_tokens=4.0), "block_tokens must be a positive int"),
+])  # fmt: skip
+def test_the_issues_inputs_are_refused_at_construction(kwargs, needle):
+    with pytest.raises(InvalidConfigError, match=needle) as info:
+        TieredCache(**kwargs)
+    assert isinstance(info.value, ValueError)
+
+
+def test_a_layer_beyond_the_configs_count_is_refused(model):
+    """Regression: a 12-layer model fed into a cache built from an 8-layer config was silently accepted."""
+    cache = TieredCache(gpu_gb="1MB", config=model.config)
+    keys = torch.zeros(1, 2, 1, 16)
+    cache.update(keys, keys, 1)
+    with pytest.raises(InvalidConfigError, match="layer_idx 2 is beyond the 2 layers of the config"):
+        cache.update(keys, keys, 2)
+    with pytest.raises(InvalidConfigError, match="layer_idx must be an int >= 0"):
+        cache.update(keys, keys, -1)
+    assert len(cache.layers) == 2
+    cache.close()
+
+
+def test_a_zero_host_budget_with_a_disk_tier_demotes_straight_to_disk(model, tmp_path):
+    """Regression: ``cpu_gb="0"`` with a disk tier failed mid-generation (victims moved only one tier down)."""
+    ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    with TieredCache(gpu_gb="40KB", cpu_gb="0", disk_dir=tmp_path, block_tokens=4) as cache:
+        reference = DynamicCache()
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
+        expected = model.generate(ids, past_key_values=reference, max_new_tokens=6, do_sample=False)
+        assert torch.equal(out, expected)
+        blocks = cache.stats()["blocks"]
+        assert blocks["host"] == 0 and blocks["disk"] > 0
+
+
+def test_disk_dir_removed_before_the_first_spill(model, tmp_path):
+    """Regression: a raw FileNotFoundError at the first spill, and close() then raised."""
+    directory = tmp_path / "kv"
+    cache = TieredCache(gpu_gb="40KB", cpu_gb="24KB", disk_dir=directory, block_tokens=4)
+    shutil.rmtree(directory)
+    with pytest.raises(DiskTierError, match="no longer exists .*recreate it") as info:
+        model(torch.randint(2, 128, (1, 40)), past_key_values=cache)
+    assert isinstance(info.value, TierKVError) and isinstance(info.value, OSError)
+    cache.close()
+
+
+def test_disk_dir_made_immutable_before_the_first_spill(model, tmp_path):
+    """Regression: a raw PermissionError at the first spill, and close() then raised and left the file."""
+    directory = tmp_path / "kv"
+    cache = TieredCache(gpu_gb="40KB", cpu_gb="24KB", disk_dir=directory, block_tokens=4)
+    if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode != 0:
+        cache.close()
+        pytest.skip("cannot make a directory immutable here (needs root and a filesystem with chattr)")
+    try:
+        with pytest.raises(DiskTierError, match="no longer accepts new files .*chattr -i"):
+            model(torch.randint(2, 128, (1, 40)), past_key_values=cache)
+        cache.close()  # logs that its lock file stays, does not raise
+    finally:
+        subprocess.run(["chattr", "-i", str(directory)], capture_output=True)
+    TieredCache(disk_dir=directory).close()  # the next cache removes what was left
+    assert not list(directory.iterdir())

@@ -1,0 +1,214 @@
+"""Lifetimes: a cache dropped without close() releases its threads, descriptors and files at once (no reference
+cycle holds it); close() is idempotent and never raises; files of processes that died are reclaimed by the
+next cache that opens the directory, and a live process's files are never touched."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import subprocess
+import sys
+import weakref
+
+import psutil
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tierkv import TieredCache
+from tierkv.tiers import disk as disk_module
+from tierkv.tiers.disk import DiskTier
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def threads() -> int:
+    """Every thread of the process, the native engine's C threads included."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def use(cache: TieredCache, layers: int = 2, tokens: int = 24) -> None:
+    """Fill ``cache`` past its memory budgets (so blocks land on disk) and read every layer back."""
+    keys = torch.randn(1, 2, tokens, 8)
+    for layer in range(layers):
+        cache.update(keys, keys, layer)
+    for layer in range(layers):
+        cache.update(keys[:, :, :1], keys[:, :, :1], layer)
+
+
+def small_cache(directory, engine: str = "posix") -> TieredCache:
+    return TieredCache(gpu_gb="40KB", cpu_gb="8KB", disk_dir=directory, block_tokens=4, disk_engine=engine)
+
+
+@pytest.mark.parametrize("engine", ["posix", "native"])
+def test_a_dropped_cache_is_released_at_once(tmp_path, engine):
+    """Regression: a cache dropped without close() kept two open descriptors and 16 native I/O threads until
+    the process exited (reference cycles through TieredLayer.cache and the executors' callbacks)."""
+    warm = small_cache(tmp_path, engine)
+    use(warm)
+    warm.close()
+    before_fds, before_threads = fds(), threads()
+    gc.disable()  # freed by reference counting alone: nothing may wait for the cycle collector
+    try:
+        cache = small_cache(tmp_path, engine)
+        use(cache)
+        assert cache.stats()["blocks"]["disk"] > 0
+        assert fds() > before_fds and list(tmp_path.iterdir())
+        alive = weakref.ref(cache)
+        del cache
+        assert alive() is None
+        assert fds() == before_fds
+        assert threads() == before_threads
+        assert not list(tmp_path.iterdir())
+    finally:
+        gc.enable()
+
+
+def test_a_thousand_caches_leave_nothing_behind(tmp_path):
+    """Create, use and drop 1,000 caches, half of them without close(): no file, descriptor or thread is
+    left, and RSS does not grow beyond noise."""
+    process = psutil.Process()
+    for warmup in range(20):
+        use(small_cache(tmp_path, "native" if warmup % 2 else "posix"))
+    gc.collect()
+    before_fds, before_threads, before_rss = fds(), threads(), process.memory_info().rss
+    for index in range(1000):
+        cache = small_cache(tmp_path, "native" if index % 4 < 2 else "posix")
+        use(cache, tokens=12)
+        if index % 2:
+            cache.close()
+        del cache
+    assert not list(tmp_path.iterdir())
+    assert fds() == before_fds
+    assert threads() == before_threads
+    gc.collect()
+    growth = process.memory_info().rss - before_rss
+    assert growth < 64 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 1,000 caches"
+
+
+def test_close_is_idempotent_and_use_after_close_is_refused(tmp_path):
+    cache = small_cache(tmp_path)
+    use(cache)
+    cache.close()
+    cache.close()
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(Exception, match="closed"):
+        use(cache)
+
+
+def _chattr(path, flag: str) -> bool:
+    return subprocess.run(["chattr", flag, str(path)], capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def immutable(tmp_path):
+    """Make a directory immutable (``chattr +i``; root only) for the test, and mutable again after it."""
+    made = []
+
+    def make(path) -> None:
+        if not _chattr(path, "+i"):
+            pytest.skip("cannot make a directory immutable here (needs root and a filesystem with chattr)")
+        made.append(path)
+
+    yield make
+    for path in made:
+        _chattr(path, "-i")
+
+
+def test_close_never_raises_and_retries_at_exit(tmp_path, immutable, caplog):
+    """A directory made immutable after the files exist: close() logs and does not raise; the files are
+    removed by the retry at exit once they can be."""
+    directory = tmp_path / "kv"
+    cache = small_cache(directory)
+    use(cache)
+    immutable(directory)
+    with caplog.at_level(logging.WARNING, logger="tierkv"):
+        cache.close()
+    assert "retrying at exit" in caplog.text
+    assert list(directory.glob("*.kv"))
+    _chattr(directory, "-i")
+    disk_module._remove_left_over()  # what atexit runs
+    assert not list(directory.glob("*.kv"))
+
+
+CHILD = """
+import sys
+from tierkv.tiers.disk import DiskTier
+tier = DiskTier(sys.argv[1], budget=2**20)
+assert tier.alloc(4096) is not None  # a lock file and a fallocated .kv file
+print("ready", flush=True)
+sys.stdin.readline()
+tier.close()
+"""
+
+
+def _children(directory, count: int) -> list[subprocess.Popen]:
+    """``count`` processes that each hold a disk tier in ``directory`` (started together: imports are slow)."""
+    children = [subprocess.Popen([sys.executable, "-c", CHILD, str(directory)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                for _ in range(count)]
+    for child in children:
+        assert child.stdout.readline().strip() == "ready"
+    return children
+
+
+def test_files_of_a_killed_process_are_reclaimed_and_a_live_ones_are_not(tmp_path):
+    """Regression: a SIGKILLed process left its files (each a fallocated extent) for ever. The next cache
+    opening the directory removes them; a live process's files stay; another program's files stay."""
+    (tmp_path / "notes.txt").write_text("not tierkv's")
+    killed, live = _children(tmp_path, 2)
+    killed_files = {p.name for p in tmp_path.glob(f"tierkv-{killed.pid}-*")}
+    live_files = {p.name for p in tmp_path.glob(f"tierkv-{live.pid}-*")}
+    assert len(killed_files) == 2 and len(live_files) == 2  # a lock file and a .kv file each
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert {p.name for p in tmp_path.glob(f"tierkv-{killed.pid}-*")} == killed_files  # nobody removed them
+    cache = small_cache(tmp_path)
+    assert not list(tmp_path.glob(f"tierkv-{killed.pid}-*"))
+    assert {p.name for p in tmp_path.glob(f"tierkv-{live.pid}-*")} == live_files
+    assert (tmp_path / "notes.txt").exists()
+    use(cache)
+    cache.close()
+    live.communicate("\n")
+    assert live.returncode == 0
+    assert {p.name for p in tmp_path.iterdir()} == {"notes.txt"}
+
+
+def test_a_second_cache_in_the_same_process_keeps_the_first_ones_files(tmp_path):
+    """flock locks, not per-process record locks: a cache never reclaims another live cache's files in its
+    own process."""
+    first = small_cache(tmp_path)
+    use(first)
+    names = {p.name for p in tmp_path.iterdir()}
+    second = DiskTier(tmp_path, budget=2**20)
+    assert names <= {p.name for p in tmp_path.iterdir()}
+    use(first)  # still readable
+    second.close()
+    first.close()
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_a_dropped_cache_used_by_a_real_model_is_released(model, tmp_path):
+    before_fds = fds()
+    cache = TieredCache(gpu_gb="40KB", cpu_gb="24KB", disk_dir=tmp_path, block_tokens=4, config=model.config)
+    model.generate(torch.randint(2, 128, (1, 30)), past_key_values=cache, max_new_tokens=4, do_sample=False)
+    assert cache.stats()["blocks"]["disk"] > 0
+    alive = weakref.ref(cache)
+    del cache
+    if alive() is not None:  # generate() may keep a frame (and so the cache) in a traceback or cycle of its own
+        gc.collect()
+    assert alive() is None
+    assert fds() == before_fds
+    assert not list(tmp_path.iterdir())
