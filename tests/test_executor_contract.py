@@ -16,7 +16,8 @@ from tierkv.attention.base import EXECUTORS
 
 def engage(name: str, cache: TieredCache, model):
     """How a user selects each executor (a new executor adds itself here, or the test below fails)."""
-    return {"exact_gather": contextlib.nullcontext, "streaming": lambda: cache.streaming(model, chunk_tokens=8)}[name]()
+    return {"exact_gather": contextlib.nullcontext, "streaming": lambda: cache.streaming(model, chunk_tokens=8),
+            "sparse": lambda: cache.sparse(model, tokens=1.0, chunk_tokens=8)}[name]()
 
 
 @pytest.mark.parametrize("name", sorted(EXECUTORS))
@@ -42,12 +43,13 @@ def test_exact_across_tiers_and_edits(tmp_path, name):
         stats = cache.stats()
         assert stats["blocks"]["disk"] > 0 and stats["bytes_moved"]["disk->device"] > 0
         executor = cache.executors[name]
-        assert executor.name == name and executor.prefetch_hits > 0
+        # sparse reads what this layer's query selects: nothing to prefetch (its prefill streams)
+        assert executor.name == name and (executor.prefetch_hits > 0 or name == "sparse")
         for method in ("invalidate", "wait_all", "pause_telemetry", "reset"):
             getattr(executor, method)()  # safe at any time, in any order
         executor.drop(0)
 
 
 def test_every_executor_is_registered_by_its_name():
-    assert {"exact_gather", "streaming"} <= set(EXECUTORS)
+    assert {"exact_gather", "streaming", "sparse"} <= set(EXECUTORS)
     assert all(cls.name == name for name, cls in EXECUTORS.items())

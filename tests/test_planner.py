@@ -11,7 +11,15 @@ from tierkv.bandwidth import Bottleneck
 from tierkv.commands import plan as plan_command
 from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
 from tierkv.model_presets import MODEL_PRESETS, model_from_config, resolve_model
-from tierkv.planner import build_request, parse_tokens, plan, what_ifs
+from tierkv.planner import (
+    build_request,
+    parse_tokens,
+    plan,
+    sparse_advice,
+    sparse_summary_bytes,
+    sparse_what_if,
+    what_ifs,
+)
 
 GiB = 2**30
 M = 2**20
@@ -299,3 +307,56 @@ def test_streaming_forecast_pipelines_chunks_across_layers():
     assert p.bottleneck.value == "host->device"
     assert p.forecast.fill_s == pytest.approx(fill)
     assert p.forecast.step_s == pytest.approx(p.forecast.lower_bound_s + fill, rel=1e-3)
+
+
+def test_sparse_step_reads_the_budgets_fraction_and_pays_for_the_summaries():
+    """Llama-3-8B at 1M tokens, 32K attended: 1/32 of every layer's KV crosses the links; the device holds the
+    prefill's two chunks, one layer's selection and one summary per block (2·H_kv·D values = one token's K/V)."""
+    exact = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=136, link="pcie5"))
+    sparse = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=136, link="pcie5", executor="sparse",
+                                sparse_tokens="32K"))
+    per_layer_token = 4 * 1024
+    summaries = 32 * (2**20 // 256) * per_layer_token  # layers x blocks x one token's K/V
+    assert sparse.staging_bytes == 2 * 4096 * per_layer_token + 32768 * per_layer_token + summaries
+    tiers = sparse.bytes_per_tier
+    assert tiers.device == 20 * 10**9 - sparse.staging_bytes and tiers.disk == 0
+    moved = sparse.bytes_moved_per_step
+    assert moved["host->device"] == pytest.approx(tiers.host / 32, rel=1e-6)
+    assert sparse.forecast.prefetch_depth == 0  # the read waits for the layer's query
+    link = sparse.request.links.link("host->device")
+    assert sparse.forecast.step_s >= link.transfer_time(moved["host->device"])  # at least its reads, in series
+    assert exact.forecast.step_s / sparse.forecast.step_s > 10
+
+
+def test_plan_says_when_sparse_is_the_better_choice():
+    exact = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=136, link="pcie5", sparse_tokens="32K"))
+    alternative = sparse_what_if(exact)
+    assert alternative.plan.request.executor == "sparse" and "approximate" in alternative.note
+    assert "faster: the better choice" in sparse_advice(exact, alternative)
+    sparse = alternative.plan
+    back = sparse_what_if(sparse)
+    assert back.plan.request.executor == "gather" and "sparse is predicted" in sparse_advice(sparse, back)
+    covering = plan(build_request("llama-3-8b", "8K", gpu=20, cpu=136, sparse_tokens="8K"))
+    assert sparse_what_if(covering) is None  # the budget covers the context: sparse would read it all
+
+
+def test_sparse_cost_grows_with_its_budget_not_the_context():
+    small = plan(build_request("llama-3-8b", "256K", gpu=4, cpu=136, link="pcie5", executor="sparse",
+                               sparse_tokens=4096))
+    large = plan(build_request("llama-3-8b", "1M", gpu=4, cpu=136, link="pcie5", executor="sparse",
+                               sparse_tokens=4096))
+    read = [p.bytes_moved_per_step["host->device"] + p.bytes_moved_per_step["device->device"] for p in (small, large)]
+    assert read[0] == pytest.approx(read[1], rel=0.01)  # 4096 tokens per layer either way
+    assert large.staging_bytes - small.staging_bytes == sparse_summary_bytes(large.request) - \
+        sparse_summary_bytes(small.request)
+
+
+def test_cli_plans_sparse_and_writes_the_advice(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert _cli(["--model", "llama-3-8b", "--context", "1M", "--gpu-gb", "20", "--cpu-gb", "136",
+                    "--link", "pcie5", "--executor", "sparse", "--sparse-tokens", "32K", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "32,768-token" in text and "exact (gather)" in text
+    data = json.loads(out.read_text())
+    assert data["sparse_advice"].startswith("sparse is predicted") and data["prefetch_depth"] == 0
+    assert any(w["change"] == "exact (gather)" for w in data["what_ifs"])

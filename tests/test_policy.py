@@ -85,5 +85,5 @@ def test_lru_is_fifo_over_a_cyclic_scan():
 
 
 def test_unknown_policy_lists_valid_names():
-    with pytest.raises(InvalidConfigError, match="valid policies: lru"):
+    with pytest.raises(InvalidConfigError, match="valid policies: attention, lru"):
         make_policy("belady")

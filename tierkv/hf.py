@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from tierkv.attention.base import EXECUTORS, Executor
 from tierkv.attention.exact_gather import ExactGather
+from tierkv.attention.sparse import SparseAttention, SparseBudget
 from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS, StreamingAttention
 from tierkv.bandwidth import LinkProfile
 from tierkv.blocks import Tier
@@ -195,6 +196,8 @@ class TieredCache(Cache):
         self.store: KVStore | None = None
         self._chunk_tokens = DEFAULT_CHUNK_TOKENS
         self._streaming_depth = 0  # > 0 inside `streaming(model)`
+        self._sparse: SparseBudget | None = None  # inside `sparse(model)`: decode steps attend sparsely
+        self._attending: str | None = None  # the executor of the last attention call (streaming or sparse)
         self._closed = False
         self._disk: DiskTier | None = None
         self._resources = _Resources()
@@ -273,6 +276,9 @@ class TieredCache(Cache):
                      disk_engine=self._disk.engine_name if self._disk else None,
                      prefetch_depth=self.executor.prefetch_depth, prefetch_auto=list(self.executor.auto_choices),
                      steps=self.executor.timeline.summary() if self.executor.timeline is not None else {})
+        sparse = self.executors.get("sparse")
+        if sparse is not None:
+            stats["sparse"] = sparse.counters.as_dict()
         return stats
 
     def save_trace(self, path: str | os.PathLike) -> None:
@@ -369,6 +375,28 @@ class TieredCache(Cache):
                 module.__dict__.pop("_tierkv_cache", None)
             model.set_attn_implementation(previous)
 
+    @contextlib.contextmanager
+    def sparse(self, model: torch.nn.Module, tokens: int | float = 2048, sinks: int | None = None,
+               recent: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Iterator[TieredCache]:
+        """Decode with query-aware *sparse* attention over this cache while inside the block (approximate).
+
+        Each decode step, every layer scores its blocks by their key summaries and attends exactly over the
+        best ones within ``tokens`` (an int, or a fraction of the context in (0, 1]), which include ``sinks``
+        (first tokens; default one block) and ``recent`` (last tokens; default one block) — fetched from
+        whatever tier holds them (:mod:`tierkv.attention.sparse`). Nothing is dropped: a later step can read any
+        block again. Prefill and other multi-token steps stay exact (streaming attention, ``chunk_tokens``)::
+
+            with TieredCache(gpu_gb=2, disk_dir="/nvme") as cache, cache.sparse(model, tokens=2048):
+                model.generate(ids, cache=cache)
+        """
+        budget = SparseBudget(tokens, sinks, recent)
+        with self.streaming(model, chunk_tokens):
+            previous, self._sparse = self._sparse, budget
+            try:
+                yield self
+            finally:
+                self._sparse = previous
+
     def __enter__(self) -> TieredCache:
         return self
 
@@ -424,8 +452,17 @@ class TieredCache(Cache):
         layer = self.layers[layer_idx]
         layer.pending_keys = None
         try:
-            if "streaming" not in self.executors:
-                self.executors["streaming"] = self._make_executor("streaming", chunk_tokens=self._chunk_tokens)
+            name = "sparse" if self._sparse is not None and query.shape[2] == 1 else "streaming"
+            if name not in self.executors:
+                options = {"chunk_tokens": self._chunk_tokens} if name == "streaming" else {}
+                self.executors[name] = self._make_executor(name, **options)
+            if self._attending != name:  # a hand-off: the other executor's step in progress ends here
+                if self._attending in self.executors:
+                    self.executors[self._attending].pause_telemetry()
+                self._attending = name
+            if name == "sparse":
+                sparse: SparseAttention = self.executors["sparse"]  # type: ignore[assignment]
+                return sparse.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap, self._sparse)
             return self.streamer.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap)
         except Exception:
             self._roll_back_to(layer.length_before)

@@ -33,11 +33,11 @@ from tierkv.bandwidth import (
 )
 from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
 from tierkv.model_presets import ModelSpec, resolve_model
-from tierkv.staging import gather_staging_bytes, streaming_staging_bytes
+from tierkv.staging import gather_staging_bytes, round_to_blocks, streaming_staging_bytes
 from tierkv.units import format_bytes, parse_size, parse_tokens
 
 __all__ = ["DEVICES", "DeviceSpec", "Plan", "PlanRequest", "TierBytes", "WhatIf", "build_request", "parse_tokens",
-           "plan", "what_ifs"]
+           "plan", "sparse_advice", "sparse_what_if", "what_ifs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,7 @@ class DeviceSpec:
         return max(nbytes / self.memory_bandwidth_bytes_per_s, flops / self.peak_flops) / self.efficiency
 
 
-EXECUTORS = ("gather", "streaming")
+EXECUTORS = ("gather", "streaming", "sparse")
 
 DEVICES: dict[str, DeviceSpec] = {
     # Data-sheet peaks: HBM/GDDR bandwidth and dense BF16 tensor FLOPs (no sparsity).
@@ -95,8 +95,10 @@ class PlanRequest:
     device: DeviceSpec = DEVICES["h100-sxm"]
     compute_s_per_step: float | None = None
     prefetch_depth: int | None = None
-    executor: str = "gather"  # "gather": whole layers staged on the device; "streaming": two chunks
+    executor: str = "gather"  # "gather": whole layers staged on the device; "streaming": two chunks;
+    # "sparse": decode steps read only the top blocks (sparse_tokens per row and layer), prefill streams
     chunk_tokens: int = 4096
+    sparse_tokens: int = 2048  # attended tokens per row and layer in sparse mode (sinks and recent included)
     block_tokens: int = 256  # staging is whole blocks (TieredCache's default block)
 
     def __post_init__(self) -> None:
@@ -104,6 +106,8 @@ class PlanRequest:
             raise InvalidConfigError(f"executor={self.executor!r}; choose one of {', '.join(EXECUTORS)}.")
         if self.chunk_tokens < 1:
             raise InvalidConfigError(f"chunk_tokens={self.chunk_tokens} must be >= 1.")
+        if self.sparse_tokens < 1:
+            raise InvalidConfigError(f"sparse_tokens={self.sparse_tokens} must be >= 1.")
         if self.context < 1 or self.batch < 1:
             raise InvalidConfigError(f"context={self.context} and batch={self.batch} must both be >= 1.")
         if self.compute_s_per_step is not None and not (
@@ -151,6 +155,11 @@ class Plan:
     @property
     def bottleneck(self) -> Bottleneck:
         return self.forecast.bottleneck
+
+    @property
+    def bytes_read_per_step(self) -> int:
+        """KV bytes read per decode step from every tier (the device's own gather included)."""
+        return self.bytes_moved_per_step["device->device"] + self.bytes_moved_per_step["host->device"]
 
     @property
     def compute_source(self) -> str:
@@ -250,12 +259,15 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
     token_bytes = model.kv_bytes_per_token_per_layer
     if req.executor == "streaming":  # the runtime's sizes (tierkv.staging): the planner and the cache agree
         staging = streaming_staging_bytes(req.batch, req.chunk_tokens, token_bytes, req.block_tokens)
+    elif req.executor == "sparse":
+        staging = sparse_staging_bytes(req)
     else:
         held = max(model.tokens_held(i, req.context) for i in range(model.layers))
         staging = gather_staging_bytes(req.batch, held, token_bytes, req.block_tokens, depth)
     if staging > req.gpu_bytes:
-        what = "streaming chunk buffers" if req.executor == "streaming" else \
-            f"exact-gather staging of {depth + 1} layers' full K/V"
+        what = {"streaming": "streaming chunk buffers",
+                "sparse": "streaming chunk buffers, the sparse selection's buffer and the key summaries"}.get(
+            req.executor, f"exact-gather staging of {depth + 1} layers' full K/V")
         raise BudgetTooSmallError(
             f"the device budget {req.gpu_bytes / 1e9:.1f} GB cannot hold the {what} ({staging / 1e9:.1f} GB at "
             f"context {req.context}, batch {req.batch}); raise --gpu-gb to at least {math.ceil(staging / 1e9)}, "
@@ -285,6 +297,8 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
     shares = (device / total, host / total, disk / total)
     if req.executor == "streaming":
         layers = _streaming_stages(req, per_layer, layer_kv, shares)
+    elif req.executor == "sparse":
+        layers = _sparse_layers(req, per_layer, layer_kv, shares)
     else:
         layers = tuple(_load(c, kv, shares) for c, kv in zip(per_layer, layer_kv, strict=True))
     forecast = predict_step(Placement(layers, other), req.links, depth, read_ahead=DISK_READ_AHEAD)
@@ -303,7 +317,7 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
         staging_bytes=staging,
         bytes_per_tier=TierBytes(device, host, disk),
         bytes_moved_per_step=moved,
-        compute_s_per_step=sum(per_layer) + other,
+        compute_s_per_step=sum(layer.compute_s for layer in layers) + other,
         forecast=forecast,
     )
 
@@ -341,6 +355,63 @@ def _streaming_stages(req: PlanRequest, per_layer: list[float], layer_kv: list[i
     return tuple(stages)
 
 
+def sparse_summary_bytes(req: PlanRequest) -> int:
+    """Device bytes of the key summaries: per full block of every layer and row, a per-channel min and max of
+    its keys — ``2 · H_kv · D`` values, exactly one token's K+V bytes (:mod:`tierkv.store.summaries`)."""
+    model = req.model
+    blocks = sum(model.tokens_held(i, req.context) // req.block_tokens for i in range(model.layers))
+    return req.batch * blocks * model.kv_bytes_per_token_per_layer
+
+
+def sparse_fetched_tokens(req: PlanRequest, layer: int) -> int:
+    """Tokens a sparse decode step reads of ``layer`` per row: the budget in whole blocks, at most the layer."""
+    held = req.model.tokens_held(layer, req.context)
+    if req.sparse_tokens >= held:
+        return held
+    return min(held, math.ceil(req.sparse_tokens / req.block_tokens) * req.block_tokens)
+
+
+def sparse_staging_bytes(req: PlanRequest) -> int:
+    """Device bytes sparse mode holds besides blocks: the exact prefill's two streaming chunks, the buffer of
+    one layer's selected blocks, and the key summaries."""
+    token_bytes = req.model.kv_bytes_per_token_per_layer
+    chunks = streaming_staging_bytes(req.batch, req.chunk_tokens, token_bytes, req.block_tokens)
+    largest = max(sparse_fetched_tokens(req, i) for i in range(req.model.layers))
+    selection = req.batch * round_to_blocks(largest, req.block_tokens) * token_bytes
+    return chunks + selection + sparse_summary_bytes(req)
+
+
+def _sparse_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int],
+                   shares: tuple[float, float, float]) -> tuple[LayerLoad, ...]:
+    """A sparse decode step as it runs: each layer scores its blocks' summaries (on the device), then reads the
+    selected blocks — a ``fetched / held`` fraction of its KV, spread over the tiers as the KV is (a uniform
+    placement: with ``policy="attention"`` hot blocks gather on the device, so off-device reads can only be
+    fewer) — and only then attends. The read waits for the layer's query, so nothing is prefetched (depth 0);
+    scattered blocks cross the links as one transfer each.
+
+    Compute: the roofline of the layer with attention over the fetched tokens only, plus the scoring pass (it
+    reads every summary and does ``4 · heads · D`` FLOPs per block and row); a measured ``compute_s_per_step``
+    (of exact decoding) is kept and the scoring added.
+    """
+    model, loads = req.model, []
+    weights = model.params_per_layer * model.dtype_bytes
+    for layer, (compute, kv) in enumerate(zip(per_layer, layer_kv, strict=True)):
+        held = model.tokens_held(layer, req.context)
+        fetched = sparse_fetched_tokens(req, layer)
+        blocks = held // req.block_tokens
+        summaries = req.batch * blocks * model.kv_bytes_per_token_per_layer
+        scoring = req.device.time(summaries, 4 * req.batch * model.attention_heads * model.head_dim * blocks)
+        if req.compute_s_per_step is None:
+            fetched_kv = req.batch * fetched * model.kv_bytes_per_token_per_layer
+            flops = req.batch * (2 * model.params_per_layer + 4 * model.attention_heads * model.head_dim * fetched)
+            compute = req.device.time(weights + fetched_kv, flops)
+        load = _load(compute + scoring, kv * fetched / held if held else 0, shares)
+        selected = req.batch * math.ceil(fetched / req.block_tokens)
+        loads.append(dataclasses.replace(load, host_transfers=max(1, round(selected * shares[1])),
+                                         disk_transfers=max(1, round(selected * shares[2]))))
+    return tuple(loads)
+
+
 def plan(req: PlanRequest, *, tolerance: float = 0.01) -> Plan:
     """Place the KV and forecast the step for ``req``.
 
@@ -352,6 +423,8 @@ def plan(req: PlanRequest, *, tolerance: float = 0.01) -> Plan:
     """
     if req.executor == "streaming":  # two chunk buffers: one chunk ahead, across layers (_streaming_stages)
         return _plan_at_depth(req, 1)
+    if req.executor == "sparse":  # the selection needs the layer's query: read synchronously (_sparse_layers)
+        return _plan_at_depth(req, 0)
     if req.prefetch_depth is not None:
         return _plan_at_depth(req, req.prefetch_depth)
     plans = [_plan_at_depth(req, 1)]
@@ -438,6 +511,47 @@ def what_ifs(base: Plan, *, extra_gpu_bytes: int = 16 * 10**9) -> list[WhatIf]:
     return [WhatIf(label, alt, _why_slower(base, alt)) for label, alt in alternatives]
 
 
+def sparse_what_if(base: Plan) -> WhatIf | None:
+    """The other side of the exact/sparse choice, re-planned: sparse attention at ``sparse_tokens`` for an exact
+    plan; for a sparse plan the exact executor that fits (gather, else streaming). None when the budget covers
+    the context (sparse would read everything) or nothing else fits."""
+    req = base.request
+    if req.executor != "sparse":
+        if req.sparse_tokens >= req.context:
+            return None
+        options = [dataclasses.replace(req, executor="sparse")]
+    else:
+        options = [dataclasses.replace(req, executor=name) for name in ("gather", "streaming")]
+    for option in options:
+        try:
+            alt = plan(option)
+        except (BudgetTooSmallError, CapacityError):
+            continue
+        if option.executor == "sparse":
+            share = alt.bytes_read_per_step / max(base.bytes_read_per_step, 1)
+            label = f"sparse, {req.sparse_tokens:,} tokens"
+            note = (f"approximate attention: reads {share:.1%} of the KV bytes exact decoding reads per step "
+                    "(the top blocks by key summaries, plus sinks and the recent window; quality in docs/quality.md)")
+        else:
+            label, note = f"exact ({option.executor})", "exact attention over every token"
+        return WhatIf(label, alt, note)
+    return None
+
+
+def sparse_advice(base: Plan, alt: WhatIf | None) -> str:
+    """One sentence on whether sparse attention is the better choice for this request (empty: no alternative)."""
+    if alt is None:
+        return ""
+    speedup = base.forecast.step_s / alt.plan.forecast.step_s if alt.plan.forecast.step_s > 0 else math.inf
+    if base.request.executor == "sparse":
+        return (f"sparse is predicted {1 / speedup:.1f}x faster than {alt.label} here" if speedup < 1 else
+                f"sparse is not faster than {alt.label} here ({speedup:.2f}x): prefer exact attention")
+    if speedup > 1.05:
+        return (f"sparse attention ({alt.label}) is predicted {speedup:.1f}x faster: the better choice if its "
+                "quality at this budget is enough (approximate; see docs/quality.md)")
+    return f"sparse attention ({alt.label}) is not predicted faster here ({speedup:.2f}x): stay exact"
+
+
 def build_request(
     model: str | ModelSpec,
     context: int | str,
@@ -454,6 +568,7 @@ def build_request(
     prefetch_depth: int | None = None,
     executor: str = "gather",
     chunk_tokens: int = 4096,
+    sparse_tokens: int | str = 2048,
 ) -> PlanRequest:
     """A :class:`PlanRequest` from user-level values: names, size strings, ``"1M"`` contexts.
 
@@ -486,4 +601,5 @@ def build_request(
         prefetch_depth=prefetch_depth,
         executor=executor,
         chunk_tokens=chunk_tokens,
+        sparse_tokens=parse_tokens(sparse_tokens),
     )

@@ -26,7 +26,7 @@ from tierkv.commands import (
 )
 from tierkv.errors import CapacityError
 from tierkv.model_presets import MODEL_PRESETS
-from tierkv.planner import DEVICES, Plan, WhatIf, build_request, plan, what_ifs
+from tierkv.planner import DEVICES, Plan, WhatIf, build_request, plan, sparse_advice, sparse_what_if, what_ifs
 from tierkv.units import format_bytes
 
 USAGE_ERRORS = (CapacityError,)  # a KV that does not fit the budgets given is a usage error here, not a failure
@@ -69,10 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefetch-depth", type=integer("--prefetch-depth", 0), default=None,
                         help="layers prefetched ahead (default: auto)")
-    parser.add_argument("--executor", choices=("gather", "streaming"), default="gather",
-                        help="gather: whole layers staged on the device (default); streaming: two chunks")
+    parser.add_argument("--executor", choices=("gather", "streaming", "sparse"), default="gather",
+                        help="gather: whole layers staged on the device (default); streaming: two chunks; "
+                             "sparse: decode steps read only the top blocks (approximate)")
     parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=4096,
                         help="streaming chunk length (default 4096)")
+    parser.add_argument("--sparse-tokens", type=tokens("--sparse-tokens"), default=2048,
+                        help="tokens a sparse step attends per layer, sinks and recent window included "
+                             "(default 2048); plan compares sparse with exact either way")
     parser.add_argument("--what-if-gpu-gb", type=size("--what-if-gpu-gb"), default=16 * 10**9,
                         help="extra device memory for the what-if: GB or a size (default 16)")
     add_json_argument(parser, "the plan")
@@ -82,7 +86,7 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms"
 
 
-def _render(console: Console, result: Plan, alternatives: list[WhatIf]) -> None:
+def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: str = "") -> None:
     """The plan as one table read top to bottom: where the KV lives, what moves, then how the step adds up."""
     req, fc = result.request, result.forecast
     tiers = result.bytes_per_tier
@@ -91,7 +95,9 @@ def _render(console: Console, result: Plan, alternatives: list[WhatIf]) -> None:
     table.add_column("value", justify="right")
     table.add_row("KV per token", format_bytes(result.kv_bytes_per_token))
     table.add_row("KV total", format_bytes(result.kv_bytes_total))
-    what = "2 chunks" if req.executor == "streaming" else f"{fc.prefetch_depth + 1} layers"
+    what = {"streaming": "2 chunks",
+            "sparse": f"2 chunks + {req.sparse_tokens:,}-token selection + key summaries"}.get(
+        req.executor, f"{fc.prefetch_depth + 1} layers")
     table.add_row("device staging", f"{format_bytes(result.staging_bytes)} ({what})")
     table.add_row("KV on device / host / disk",
                   " / ".join(format_bytes(n) for n in (tiers.device, tiers.host, tiers.disk)))
@@ -133,6 +139,8 @@ def _render(console: Console, result: Plan, alternatives: list[WhatIf]) -> None:
         for alt in alternatives:
             if alt.note:
                 console.print(f"* {alt.label}: {alt.note}", highlight=False)
+    if advice:
+        console.print(advice, highlight=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,12 +160,16 @@ def run(args: argparse.Namespace) -> int:
         prefetch_depth=args.prefetch_depth,
         executor=args.executor,
         chunk_tokens=args.chunk_tokens,
+        sparse_tokens=args.sparse_tokens,
     )
     result = plan(request)
     alternatives = what_ifs(result, extra_gpu_bytes=args.what_if_gpu_gb)
-    _render(console, result, alternatives)
+    other = sparse_what_if(result)
+    advice = sparse_advice(result, other)
+    _render(console, result, alternatives + ([other] if other is not None else []), advice)
     if args.json:
         data = result.to_dict()
+        data["sparse_advice"] = advice
         data["what_ifs"] = [
             {
                 "change": alt.label,
@@ -166,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
                 "bottleneck": alt.plan.forecast.bottleneck.value,
                 "note": alt.note,
             }
-            for alt in alternatives
+            for alt in alternatives + ([other] if other is not None else [])
         ]
         written = write_json(data, args.json)
         if written:

@@ -7,13 +7,15 @@ the resident set stable and the streamed set read-only.
 
 Events are O(1) each and the hot path sends one per layer-step: ``on_access(layer, tick)`` says "every
 block of this layer was read" (exact executors), ``on_access(layer, tick, ids)`` names the blocks read
-(sparse executors). ``victims`` answers from the policy's own index, never from a scan of all blocks.
+(sparse executors), and ``on_attention`` adds each block's softmax mass. ``victims`` answers from the policy's
+own index, never from a scan of all blocks. Only sparse attention moves blocks *up* (``promotions``,
+``prefers``): what it reads is skewed, so a hot block on the device saves its read every step.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 
 from tierkv.blocks import Block, Tier
 from tierkv.errors import InvalidConfigError
@@ -53,6 +55,21 @@ class Policy(ABC):
     @abstractmethod
     def victims(self, tier: Tier, slot_bytes: int, n: int, exclude: Collection[int] = ()) -> list[Block]:
         """Up to ``n`` blocks of ``tier`` and ``slot_bytes`` to demote, best victim first, none in ``exclude``."""
+
+    def on_attention(self, layer: int, tick: int, block_ids: Sequence[int], mass: Sequence[float]) -> None:
+        """Sparse attention read ``block_ids`` of ``layer`` at ``tick``, giving each the softmax ``mass`` (its share
+        of the attention, averaged over heads; a block listed twice was read by two rows). Default: an access."""
+        self.on_access(layer, tick, block_ids)
+
+    def promotions(self, blocks: Sequence[Block], limit: int) -> list[Block]:
+        """Of off-device ``blocks`` just attended sparsely, up to ``limit`` to move up to the device, hottest
+        first. Default: none (blocks never move up)."""
+        return []
+
+    def prefers(self, block: Block, resident: Block) -> bool:
+        """Whether ``block`` deserves ``resident``'s device slot more than ``resident`` does (promotion by
+        replacement). Default: never."""
+        return False
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:

@@ -15,9 +15,11 @@ from __future__ import annotations
 import collections
 import math
 import weakref
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tierkv.blocks import Block, BlockTable, LayerRows, Tier
@@ -25,12 +27,16 @@ from tierkv.errors import BudgetTooSmallError, InvalidConfigError
 from tierkv.layout import BlockLayout
 from tierkv.policy import Policy
 from tierkv.store.placement import Placement
-from tierkv.store.plan import ReadPlan, build_plan
+from tierkv.store.plan import ReadPlan, build_plan, build_selection_plan
+from tierkv.store.summaries import KeySummaries
 from tierkv.store.transfer import ReadProbe, Transfer, link
 from tierkv.store.writeback import Writeback
 from tierkv.tiers.base import PendingRead, StorageTier
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.memory import MemoryTier
+
+BACKFILL_COLUMNS = 64  # enable_summaries reads blocks already full in pieces of this many columns
+PROMOTE_PER_LAYER = 2  # at most this many blocks move up to the device per layer-step of sparse attention
 
 
 class Reader(Protocol):
@@ -90,6 +96,8 @@ class KVStore:
         self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()  # their owner holds them: no cycle
         self._lengths: dict[int, int] = {}  # layer -> tokens per row (asked for several times per layer-step)
         self._plans: dict[int, tuple[int, dict[tuple[int, int], ReadPlan]]] = {}  # layer -> (version, plans)
+        self.summaries: KeySummaries | None = None  # per-block key summaries, once sparse attention asks for them
+        self.promoted = 0  # blocks copied up to the device by promote()
 
     # ----------------------------------------------------------------------------------------- queries
     @property
@@ -159,6 +167,7 @@ class KVStore:
         try:
             plans = self._allocate(layer, rows, split, layout, allocated)
             self._write(layer, layout, plans, kv, split)
+            filled = self._filled_blocks(layer, plans, kv, split) if self.summaries is not None else None
         except BaseException:
             for block in allocated:
                 self.tiers[block.tier].free(block.slot_bytes, block.slot)
@@ -166,6 +175,8 @@ class KVStore:
             raise
         self._commit(layer, rows, plans, split)
         self._lengths[layer] = length + tokens
+        if filled:
+            self.summaries.add(layer, [block.id for block, _ in filled], torch.stack([keys for _, keys in filled]))
         self.writeback.maybe_start()
 
     def _append_in_place(self, layer: int, rows: LayerRows, keys: torch.Tensor, values: torch.Tensor) -> bool:
@@ -187,6 +198,9 @@ class KVStore:
             block[1, :, held : held + tokens].copy_(values[r].detach())
             tail.tokens += tokens
         self._lengths[layer] += tokens
+        if self.summaries is not None and held + tokens == self.block_tokens:  # the tails just filled
+            self.summaries.add(layer, [t.id for t in tails],
+                               torch.stack([self.device.block(layout, t.slot)[0] for t in tails]))
         self.writeback.maybe_start()
         return True
 
@@ -292,6 +306,26 @@ class KVStore:
             if tier != Tier.DEVICE:
                 self.transfer.count(link(Tier.DEVICE, tier), len(slots) * bt * layout.token_bytes)
 
+    def _filled_blocks(self, layer: int, plans: list[_NewBlocks], kv: torch.Tensor,
+                       split: _Split) -> list[tuple[Block, torch.Tensor]]:
+        """The blocks this append (written, not yet committed) fills, with their keys ``[H_kv, block_tokens, D]``:
+        tails filled in place or by their copy, and every full new block (its keys come from ``kv``)."""
+        bt, layout = self.block_tokens, self.layouts[layer]
+        fills = split.held + split.take == bt and split.held > 0
+        filled: list[tuple[Block, torch.Tensor]] = []
+        for r, plan in enumerate(plans):
+            if fills and plan.in_place:
+                tail = self.table.tail(layer, r)
+                filled.append((tail, self.device.block(layout, tail.slot)[0]))
+            elif fills and plan.tail_copy is not None:  # a shared or demoted tail, copied and filled (rare)
+                copy = plan.tail_copy
+                keys = self.transfer.read_blocks(layout, copy.tier, [copy.slot])[0, 0]
+                filled.append((copy, keys))
+            for k, block in enumerate(plan.blocks):
+                if (k + 1) * bt <= split.rest:
+                    filled.append((block, kv[0, r, :, split.take + k * bt : split.take + (k + 1) * bt]))
+        return filled
+
     def _commit(self, layer: int, rows: LayerRows, plans: list[_NewBlocks], split: _Split) -> None:
         bt = self.block_tokens
         held, take, rest = split.held, split.take, split.rest
@@ -336,6 +370,73 @@ class KVStore:
         if plan is None:
             plan = plans[(first, end)] = build_plan(layer, rows, first, end, self.chain)
         return plan
+
+    def plan_columns(self, layer: int, columns: np.ndarray) -> ReadPlan:
+        """A plan for grid columns ``columns`` ``[B, K]`` (each row ascending, its own selection): sparse
+        attention's read, one batched read per tier like any plan. Not cached (selections change every step)."""
+        return build_selection_plan(layer, self.table.rows[layer], columns, self.chain)
+
+    def enable_summaries(self) -> KeySummaries:
+        """Keep key summaries of full blocks from now on (:mod:`tierkv.store.summaries`), on the device and in
+        its budget; blocks already full are summarised now, read once from wherever they live."""
+        if self.summaries is not None:
+            return self.summaries
+        summaries = KeySummaries(self.device.device, self.reserve_device, self.device.unreserve)
+        bt = self.block_tokens
+        for layer, rows in self.table.rows.items():
+            full = self.seq_length(layer) // bt
+            layout = self.layouts[layer]
+            for lo in range(0, full, BACKFILL_COLUMNS):
+                hi = min(full, lo + BACKFILL_COLUMNS)
+                plan = self.plan_read(layer, lo * bt, hi * bt, access=False)
+                data = torch.empty((2, rows.batch, layout.kv_heads, (hi - lo) * bt, layout.head_dim),
+                                   dtype=layout.dtype, device=self.device.device)
+                self.read_into(layer, plan, data)
+                keys = data[0].unflatten(2, (hi - lo, bt)).transpose(1, 2)  # [B, n, H_kv, bt, D]
+                summaries.add(layer, rows.ids[:, lo:hi].ravel().tolist(), keys.flatten(0, 1))
+        self.summaries = summaries
+        return summaries
+
+    def attended(self, layer: int, columns: np.ndarray, mass: np.ndarray | None) -> list[Block]:
+        """Sparse attention read grid ``columns`` ``[B, K]`` of ``layer`` with softmax ``mass`` ``[B, K]`` (None:
+        not measured): tell the policy, and return the off-device blocks it wants promoted (hottest first)."""
+        rows = self.table.rows[layer]
+        ids = rows.ids[np.arange(rows.batch)[:, None], columns].ravel()
+        weights = mass.ravel() if mass is not None else np.ones(ids.shape, dtype=np.float64)
+        self.policy.on_attention(layer, self.tick, ids.tolist(), weights.tolist())
+        off = rows.tiers[np.arange(rows.batch)[:, None], columns].ravel() != Tier.DEVICE
+        if not off.any():
+            return []
+        blocks = [self.table.blocks[i] for i in dict.fromkeys(ids[off].tolist())]
+        return self.policy.promotions(blocks, PROMOTE_PER_LAYER)
+
+    def promote(self, block: Block, data: torch.Tensor, keep: Collection[int] = ()) -> bool:
+        """Move ``block`` up to the device, writing ``data`` ``[2, H_kv, block_tokens, D]`` (its bytes, already
+        staged on the device by the read that attended it: no second read). Takes a free device slot, or the
+        slot of the device's coldest block when the policy prefers ``block`` to it (that one moves down, nothing
+        is dropped; never one of ``keep``). False when there is no such room."""
+        if block.tier == Tier.DEVICE or block.id in self.writeback.pending_ids:
+            return False
+        layout = self.layouts[block.layer]
+        slot = self.device.alloc(block.slot_bytes)
+        if slot is None:
+            exclude = self.placement.open_tails() | {block.id, *keep}
+            victims = self.policy.victims(Tier.DEVICE, block.slot_bytes, 1, exclude)
+            if not victims or not self.policy.prefers(block, victims[0]):
+                return False
+            self.placement.demote(victims)
+            slot = self.device.alloc(block.slot_bytes)
+            if slot is None:
+                return False
+        self.barrier()  # the old slot is freed below: no read of it may be in flight
+        self.device.block(layout, slot).copy_(data)
+        source = block.tier
+        self.tiers[source].free(block.slot_bytes, block.slot)
+        self.table.place(block, Tier.DEVICE, slot)
+        self.policy.on_move(block, source)
+        self.transfer.count(link(Tier.DEVICE, Tier.DEVICE), block.tokens * layout.token_bytes)
+        self.promoted += 1
+        return True
 
     def read_into(self, layer: int, plan: ReadPlan, dest: torch.Tensor, probe: ReadProbe | None = None,
                   ahead: PendingRead | None = None) -> None:
@@ -473,6 +574,8 @@ class KVStore:
     def _free(self, block: Block) -> None:
         self.barrier()
         self.policy.on_release(block)
+        if self.summaries is not None:
+            self.summaries.release(block.id)
         self.tiers[block.tier].free(block.slot_bytes, block.slot)
 
     def _moved(self, block: Block, source: Tier, target: Tier) -> None:
@@ -489,6 +592,8 @@ class KVStore:
             self.policy.on_release(block)
         for tier in self.tiers.values():
             tier.free_all()
+        if self.summaries is not None:
+            self.summaries.clear()
         self.table.clear()
         self._plans.clear()
         self._lengths.clear()
@@ -502,6 +607,8 @@ class KVStore:
         finally:
             for block in list(self.table.blocks.values()):
                 self.policy.on_release(block)
+            if self.summaries is not None:
+                self.summaries.clear()
             self.table.clear()
             self._plans.clear()
             self._lengths.clear()
@@ -523,6 +630,8 @@ class KVStore:
             "peak_bytes_allocated": {tier.label: self.tiers[tier].peak_bytes for tier in self.tiers},
             "budget_bytes": {tier.label: self.tiers[tier].budget for tier in self.tiers},
             "bytes_staging": self.device.reserved,
+            "bytes_summaries": self.summaries.nbytes if self.summaries is not None else 0,
+            "blocks_promoted": self.promoted,
             "bytes_moved": dict(self.bytes_moved),
             "writeback": {"pending_blocks": len(self.writeback.pending_ids), "paused": self.writeback.paused_reason},
             "blocks": blocks,

@@ -81,9 +81,27 @@ def build_plan(layer: int, rows: LayerRows, first: int, stop: int, chain: tuple[
     columns = stop - first
     tiers = rows.tiers[:, first:stop].ravel()  # [B * columns], row-major: position = row * columns + column
     slots = rows.slots[:, first:stop].ravel()
-    last = rows.count - 1 - first  # plan column of the layer's tail
+    last = np.arange(first, stop) == rows.count - 1  # [columns]: the plan column of the layer's tail
+    return ReadPlan(layer, first, columns, _parts(tiers, slots, np.tile(last, rows.batch), columns, chain))
+
+
+def build_selection_plan(layer: int, rows: LayerRows, columns: np.ndarray, chain: tuple[Tier, ...]) -> ReadPlan:
+    """The plan for a different set of grid columns per row (sparse attention): ``columns`` ``[B, K]``, each row
+    ascending; plan column ``j`` of row ``r`` is grid column ``columns[r, j]``. ``first`` is then row 0's first
+    selected column (the plan is not a range: it is never cached, nor read ahead)."""
+    batch, count = columns.shape
+    picked = (np.arange(batch)[:, None], columns)
+    tiers, slots = rows.tiers[picked].ravel(), rows.slots[picked].ravel()
+    last = (columns == rows.count - 1).ravel()
+    return ReadPlan(layer, int(columns[0, 0]) if count else 0, count, _parts(tiers, slots, last, count, chain))
+
+
+def _parts(tiers: np.ndarray, slots: np.ndarray, last: np.ndarray, columns: int,
+           chain: tuple[Tier, ...]) -> tuple[TierPart, ...]:
+    """Per source tier (slowest first: its read is submitted first and overlaps the others) the slots of the
+    row-major positions ``[B * columns]`` it holds, grouped into runs; ``last`` flags the layer's tail column."""
     parts = []
-    for tier in reversed(chain):  # slowest first: its read is submitted first and overlaps the others
+    for tier in reversed(chain):
         positions = np.flatnonzero(tiers == tier)
         if positions.size == 0:
             continue
@@ -92,5 +110,5 @@ def build_plan(layer: int, rows: LayerRows, first: int, stop: int, chain: tuple[
         cuts = (np.flatnonzero(breaks) + 1).tolist()
         starts, ends = [0, *cuts], [*cuts, positions.size]
         runs = tuple(Run(lo, hi, int(row[lo]), int(column[lo])) for lo, hi in zip(starts, ends))
-        parts.append(TierPart(tier, slots[positions], runs, int(np.count_nonzero(column == last))))
-    return ReadPlan(layer, first, columns, tuple(parts))
+        parts.append(TierPart(tier, slots[positions], runs, int(np.count_nonzero(last[positions]))))
+    return tuple(parts)

@@ -1,0 +1,232 @@
+"""Sparse decode attention (``cache.sparse(model)``): exact when the budget covers the context, the blocks a
+query needs fetched from any tier (disk included), nothing dropped, budgets held with the summaries counted.
+
+References: DynamicCache on real model classes, and full softmax attention over exactly the selected tokens
+(float64) for the store-level cases.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from models import prompt, tiny_model
+from transformers import DynamicCache
+
+from tierkv import InvalidConfigError, TieredCache
+from tierkv.attention.sparse import SparseAttention, SparseBudget
+from tierkv.blocks import Tier
+from tierkv.mover import ThreadMover
+from tierkv.policy import make_policy
+from tierkv.store import KVStore
+from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.memory import MemoryTier
+
+NEW = 8
+CASES = [  # (id, family, attention implementation, sliding window)
+    ("llama", "llama", "sdpa", None),
+    ("mistral-sw8", "mistral", "sdpa", 8),
+    ("qwen2", "qwen2", "sdpa", None),
+    ("qwen3", "qwen3", "sdpa", None),
+    ("gemma2-sw8", "gemma2", "eager", 8),
+]
+
+
+def generate(model, ids, mask, cache):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, cache=cache)
+
+
+def small_cache(tmp_path, model=None, policy="lru") -> TieredCache:
+    return TieredCache(gpu_gb="128KB", cpu_gb="24KB", disk_dir=tmp_path, block_tokens=4, policy=policy,
+                       config=model.config if model is not None else None)
+
+
+@pytest.mark.parametrize(("name", "family", "attn", "window"), CASES, ids=[c[0] for c in CASES])
+def test_budget_covering_the_context_matches_dynamic_cache(tmp_path, name, family, attn, window):
+    model = tiny_model(family, attn, window)
+    ids, mask = prompt(2, 40, seed=3, left_pad=(0, 6))
+    reference = generate(model, ids, mask, DynamicCache())
+    with small_cache(tmp_path, model) as cache:
+        with cache.sparse(model, tokens=1.0, chunk_tokens=8):
+            out = generate(model, ids, mask, cache)
+        assert model.config._attn_implementation == attn  # restored
+        stats = cache.stats()
+        cache.store.check()
+    assert stats["sparse"]["layer_steps"] > 0 and stats["sparse"]["exact_layer_steps"] == stats["sparse"]["layer_steps"]
+    assert stats["sparse"]["blocks_selected_by_tier"].get("disk", 0) > 0  # read from disk, not only the device
+    assert torch.equal(out.sequences, reference.sequences)
+    for got, expected in zip(out.logits, reference.logits):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_prefill_is_exact_and_nothing_is_dropped(tmp_path):
+    model = tiny_model("llama")
+    ids, mask = prompt(2, 40, seed=7)
+    reference = generate(model, ids, mask, DynamicCache())
+    with small_cache(tmp_path) as cache:
+        with cache.sparse(model, tokens=8, sinks=4, recent=4, chunk_tokens=8):
+            out = generate(model, ids, mask, cache)
+        stats = cache.stats()
+        cache.store.check()
+        length = 40 + NEW - 1
+        assert stats["tokens"] == length
+        for layer in range(2):  # every token stays readable; the prompt's equal what DynamicCache holds
+            stored = cache.store.read_tokens(layer)
+            held = reference.past_key_values.layers[layer]
+            assert stored.shape[3] == length
+            torch.testing.assert_close(stored[0, :, :, :40], held.keys[:, :, :40], atol=1e-5, rtol=0)
+            torch.testing.assert_close(stored[1, :, :, :40], held.values[:, :, :40], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logits[0], reference.logits[0], atol=1e-5, rtol=0)  # the prefill's logits
+    sparse = stats["sparse"]
+    assert sparse["exact_layer_steps"] == 0 and sparse["selected_fraction"] < 0.5
+    # per row: one sink block and the blocks holding the last 4 tokens (one or two); the budget leaves no top
+    assert 2 * 2 * sparse["layer_steps"] <= sparse["blocks_selected"] <= 2 * 3 * sparse["layer_steps"]
+
+
+def test_budgets_hold_with_the_summaries_counted(tmp_path):
+    model = tiny_model("qwen2")
+    ids, mask = prompt(1, 64, seed=2)
+    with small_cache(tmp_path) as cache:
+        with cache.sparse(model, tokens=0.25, chunk_tokens=8):
+            generate(model, ids, mask, cache)
+        stats = cache.stats()
+        summaries = cache.store.summaries
+        full_blocks = sum(1 for b in cache.store.table.blocks.values() if b.tokens == 4)
+        assert len(summaries) == full_blocks  # every full block has one, the open tails none
+    assert stats["bytes_summaries"] > 0 and stats["bytes_staging"] >= stats["bytes_summaries"]  # reserved
+    assert stats["peak_bytes_allocated"]["device"] <= stats["budget_bytes"]["device"]
+    assert stats["sparse"]["exact_layer_steps"] == 0 and stats["sparse"]["bytes_fetched_per_step"] > 0
+
+
+def test_exact_mode_keeps_no_summaries_and_attention_policy_never_promotes(tmp_path):
+    model = tiny_model("llama")
+    ids, mask = prompt(2, 40, seed=3)
+    reference = generate(model, ids, mask, DynamicCache())
+    with small_cache(tmp_path, policy="attention") as cache:
+        out = generate(model, ids, mask, cache)
+        stats = cache.stats()
+        assert cache.store.summaries is None
+    assert stats["bytes_summaries"] == 0 and stats["blocks_promoted"] == 0
+    assert torch.equal(out.sequences, reference.sequences)
+
+
+def test_attention_policy_promotes_blocks_sparse_attention_keeps_reading(tmp_path):
+    model = tiny_model("llama")
+    ids, mask = prompt(2, 40, seed=3)
+    moved = {}
+    for policy in ("lru", "attention"):
+        with small_cache(tmp_path / policy, policy=policy) as cache:
+            with cache.sparse(model, tokens=16, chunk_tokens=8):
+                generate(model, ids, mask, cache)
+            stats = cache.stats()
+            cache.store.check()
+        assert stats["peak_bytes_allocated"]["device"] <= stats["budget_bytes"]["device"]
+        moved[policy] = stats["sparse"]
+    assert moved["lru"]["promotions"] == 0 and moved["attention"]["promotions"] > 0
+    assert moved["attention"]["blocks_selected"] == moved["lru"]["blocks_selected"]
+
+
+@pytest.mark.parametrize("tokens", [0, -3, 1.5, 0.0, "2K", True])
+def test_bad_budgets_name_the_fix(tokens):
+    with pytest.raises(InvalidConfigError, match="sparse tokens"):
+        SparseBudget(tokens)
+    with pytest.raises(InvalidConfigError, match="sparse sinks"):
+        SparseBudget(16, sinks=-1)
+
+
+# --------------------------------------------------------------------------- the executor on a store
+BT, HEADS, GROUPS, DIM, COLUMNS = 4, 2, 2, 8, 16
+
+
+def store_with_needles(tmp_path, needles: dict[int, int], policy: str = "lru") -> tuple[KVStore, torch.Tensor]:
+    """A 2-row store of ``COLUMNS`` blocks (the last one partial) whose full blocks all sit on disk; in row
+    ``r`` the keys of KV head 0 in block ``needles[r]`` point along the query direction ``e_0``."""
+    device = MemoryTier(Tier.DEVICE, 96 * 4096, torch.device("cpu"), chunk_bytes=2 * 4096)
+    host = MemoryTier(Tier.HOST, 4 * 4096, torch.device("cpu"), chunk_bytes=2 * 4096)
+    store = KVStore(device, host, DiskTier(tmp_path / "disk", 2**22), make_policy(policy), BT)
+    generator = torch.Generator().manual_seed(0)
+    tokens = (COLUMNS - 1) * BT + 2
+    keys = torch.randn(2, HEADS, tokens, DIM, generator=generator) * 0.1
+    values = torch.randn(2, HEADS, tokens, DIM, generator=generator)
+    keys[..., 0] = -1.0  # every key points away from the query ...
+    for row, column in needles.items():
+        keys[row, 0, column * BT : (column + 1) * BT, 0] = 4.0  # ... but the needle's, on KV head 0
+    for start in range(0, tokens, 6):  # appended in pieces: blocks fill across appends and in place
+        store.append(0, keys[:, :, start : start + 6], values[:, :, start : start + 6])
+    store.enable_summaries()
+    for _ in range(2):
+        full = [b for b in store.table.blocks.values() if b.tokens == BT and b.tier != Tier.DISK]
+        store.demote(full)
+    assert all(b.tier == Tier.DISK for b in store.table.blocks.values() if b.tokens == BT)
+    return store, torch.stack((keys, values))
+
+
+def reference_attention(q: torch.Tensor, kv: torch.Tensor, columns: np.ndarray, scaling: float) -> torch.Tensor:
+    """Softmax attention of ``q`` ``[B, H_q, 1, D]`` over exactly the tokens of ``columns`` per row, float64."""
+    out = []
+    for row in range(q.shape[0]):
+        positions = [t for c in columns[row] for t in range(c * BT, min((c + 1) * BT, kv.shape[3]))]
+        k, v = kv[0, row][:, positions].double(), kv[1, row][:, positions].double()  # [H_kv, n, D]
+        k, v = k.repeat_interleave(GROUPS, 0), v.repeat_interleave(GROUPS, 0)
+        weights = torch.softmax(q[row, :, 0].double()[:, None] @ k.transpose(1, 2) * scaling, dim=-1)
+        out.append((weights @ v)[:, 0])  # [H_q, D]
+    return torch.stack(out)[:, None]  # [B, 1, H_q, D]
+
+
+def query_for_head(head: int) -> torch.Tensor:
+    """A query ``[2, H_q, 1, D]`` whose query head ``head`` (of KV head 0's group) points along ``e_0``; the other
+    heads point along ``e_1``, where no key stands out."""
+    q = torch.zeros(2, HEADS * GROUPS, 1, DIM)
+    q[:, :, 0, 1] = 1.0
+    q[:, head, 0, 0], q[:, head, 0, 1] = 3.0, 0.0
+    return q
+
+
+@pytest.mark.parametrize("head", [0, 1], ids=["first-head-of-group", "second-head-of-group"])
+def test_the_block_a_query_needs_is_fetched_from_disk_per_row(tmp_path, head):
+    """Row 0 needs block 5, row 1 block 10 — both on disk; a budget of three blocks (one sink, the top block,
+    the open tail) must pick each row's own needle, whichever head of the GQA group asks for it."""
+    store, kv = store_with_needles(tmp_path, {0: 5, 1: 10})
+    executor = SparseAttention(store, ThreadMover())
+    q = query_for_head(head)
+    disk_reads = store.bytes_moved["disk->device"]
+    out = executor.attend(0, 0, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
+    columns = executor.last_columns
+    assert columns.tolist() == [[0, 5, COLUMNS - 1], [0, 10, COLUMNS - 1]]
+    assert executor.counters.by_tier["disk"] == 4 and store.bytes_moved["disk->device"] > disk_reads
+    torch.testing.assert_close(out.double(), reference_attention(q, kv, columns, DIM**-0.5), atol=1e-5, rtol=0)
+    store.check()
+    torch.testing.assert_close(store.read_tokens(0), kv)  # nothing dropped, nothing changed
+    executor.close()
+
+
+def test_a_padding_mask_is_applied_to_the_selected_tokens(tmp_path):
+    store, kv = store_with_needles(tmp_path, {0: 5, 1: 10})
+    executor = SparseAttention(store, ThreadMover())
+    q = query_for_head(0)
+    tokens = kv.shape[3]
+    mask = torch.ones(2, 1, 1, tokens, dtype=torch.bool)
+    mask[1, ..., :BT] = False  # row 1 is left-padded by one block: its sink block is masked out
+    out = executor.attend(0, 0, q, mask, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
+    columns = executor.last_columns
+    expected = reference_attention(q, kv, columns, DIM**-0.5)
+    expected[1] = reference_attention(q[1:], kv[:, 1:], columns[1:, 1:], DIM**-0.5)[0]
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+    executor.close()
+
+
+def test_attention_policy_moves_the_needle_to_the_device(tmp_path):
+    """Read every step, the needle block gathers mass and is promoted; the next steps read it from the
+    device, and the table still holds every token where it was."""
+    store, kv = store_with_needles(tmp_path, {0: 5, 1: 5}, policy="attention")
+    executor = SparseAttention(store, ThreadMover())
+    q = query_for_head(0)
+    budget = SparseBudget(3 * BT, sinks=BT, recent=0)
+    for _ in range(3):
+        executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+    needle = store.table.blocks[int(store.table.rows[0].ids[0, 5])]
+    assert needle.tier == Tier.DEVICE and executor.counters.promotions >= 1
+    store.check()
+    torch.testing.assert_close(store.read_tokens(0), kv)
+    executor.close()

@@ -1,0 +1,339 @@
+"""Query-aware sparse attention over blocks on any tier (Quest-style), exact over the blocks it reads.
+
+Each decode step (one query token per row), per layer::
+
+    bound[b, c, h, g] = q⁺·hi_c + q⁻·lo_c                 # ≥ every key logit of block c (tierkv.store.summaries)
+    share[b, c, h, g] = softmax over c of bound · scale       # each head's bound-estimated attention share
+    score[b, c]       = max over heads of share               # a block matters if any query head needs it
+    selected[b]       = sinks ∪ top_k(score[b]) ∪ recent      # per row: rows select different blocks
+    read the selected columns: one ReadPlan, one batched read per tier, into device staging
+    out = softmax attention over the selected tokens (tierkv.attention.lse), exact over them
+
+GQA: a block is fetched for all KV heads at once (it is the unit of placement and I/O), so its score is the
+best over every query head of every KV-head group. Each head's bounds become shares by a softmax over the
+blocks first, so a head whose logits are flat (no block stands out: each gets 1/C) does not drown a head that
+points at one block, and a head with large logits does not drown the others. Nothing is dropped from the store: a block
+that is not selected now is read the step a query needs it, from whatever tier holds it.
+
+The budget ``tokens`` counts every attended token in whole blocks: the sinks (the layer's first blocks), the
+recent window (its last blocks, always including the open tail that holds the new token) and the top-scored
+blocks in between. Fast path: when the budget covers every block of the layer, the step reads them all and
+is exact (no scoring). Prefill and multi-token steps are not this executor's: the adapter runs them through
+exact streaming attention. Key summaries are turned on in the store the first time this executor runs
+(blocks already full are summarised then, read once).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tierkv.attention.base import PipelinedExecutor, from_first_token, register_executor
+from tierkv.attention.lse import partial_attention
+from tierkv.errors import InvalidConfigError
+from tierkv.mover import ThreadMover
+from tierkv.staging import GROWTH
+from tierkv.stats import Timeline, Trace
+from tierkv.store import KVStore, ReadPlan
+
+
+@dataclass(frozen=True, slots=True)
+class SparseBudget:
+    """How much of a layer a sparse decode step reads.
+
+    ``tokens``: attended tokens per row and layer — an int, or a float in (0, 1] for that fraction of the
+    layer's context — sinks and recent window included, rounded up to whole blocks. ``sinks``: tokens at the
+    start always attended (default: one block). ``recent``: the last tokens always attended (default: one
+    block; the open tail is attended in any case).
+    """
+
+    tokens: int | float
+    sinks: int | None = None
+    recent: int | None = None
+
+    def __post_init__(self) -> None:
+        tokens = self.tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, float)):
+            raise InvalidConfigError(f"sparse tokens={tokens!r}: give an int budget (e.g. 2048) or a fraction "
+                                     "of the context in (0, 1] (e.g. 0.05).")
+        if isinstance(tokens, int) and tokens < 1:
+            raise InvalidConfigError(f"sparse tokens={tokens} must be >= 1 (or a fraction in (0, 1]).")
+        if isinstance(tokens, float) and not 0.0 < tokens <= 1.0:
+            raise InvalidConfigError(f"sparse tokens={tokens} as a fraction must be in (0, 1]; give an int for a "
+                                     "number of tokens.")
+        for name in ("sinks", "recent"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise InvalidConfigError(f"sparse {name}={value!r} must be an int >= 0 (tokens).")
+
+    def budget_tokens(self, context: int) -> int:
+        """Attended tokens per row for a layer attending over ``context`` tokens."""
+        if isinstance(self.tokens, float):
+            return max(1, math.ceil(self.tokens * context))
+        return self.tokens
+
+
+@dataclass(slots=True)
+class SparseCounters:
+    """What sparse decode steps read (``cache.stats()["sparse"]``)."""
+
+    layer_steps: int = 0  # layers attended sparsely (one query token)
+    exact_layer_steps: int = 0  # ... of which the budget covered every block (fast path: all read)
+    steps: int = 0  # passes through the layers
+    blocks_selected: int = 0  # blocks read, over rows and layers
+    blocks_total: int = 0  # blocks the same layers hold, over rows
+    bytes_fetched: int = 0  # KV bytes the selected blocks hold (every tier, the device's own included)
+    bytes_fetched_off_device: int = 0  # ... of which came from the host and disk tiers
+    promotions: int = 0  # blocks moved up to the device after being attended (policy="attention")
+    by_tier: dict[str, int] = field(default_factory=dict)  # blocks read per source tier
+
+    def as_dict(self) -> dict:
+        steps = max(self.steps, 1)
+        return {
+            "layer_steps": self.layer_steps, "exact_layer_steps": self.exact_layer_steps, "steps": self.steps,
+            "blocks_selected": self.blocks_selected, "blocks_total": self.blocks_total,
+            "selected_fraction": self.blocks_selected / self.blocks_total if self.blocks_total else 0.0,
+            "blocks_selected_by_tier": dict(self.by_tier),
+            "bytes_fetched": self.bytes_fetched, "bytes_fetched_per_step": self.bytes_fetched / steps,
+            "bytes_fetched_off_device": self.bytes_fetched_off_device,
+            "bytes_fetched_off_device_per_step": self.bytes_fetched_off_device / steps,
+            "promotions": self.promotions,
+        }
+
+
+@register_executor
+class SparseAttention(PipelinedExecutor):
+    """Sparse decode attention: score blocks by their key summaries, read the top ones, attend exactly.
+
+    Staging: one buffer ``[2, B, H_kv, capacity, D]`` of the selected blocks (capacity: the budget in whole
+    blocks, grown by 25% steps when a fractional budget grows with the context), reserved against the device
+    budget. The selection needs this layer's query, so nothing is prefetched: the read is synchronous, its disk
+    part submitted first and overlapped with the memory tiers' copies.
+    """
+
+    name = "sparse"
+
+    def __init__(self, store: KVStore, mover: ThreadMover, *, start_of: Callable[[int], int] = from_first_token,
+                 num_layers: int | None = None, timeline: Timeline | None = None, trace: Trace | None = None) -> None:
+        super().__init__(store, mover, start_of=start_of, num_layers=num_layers, timeline=timeline, trace=trace)
+        self.counters = SparseCounters()
+        self.buffer: torch.Tensor | None = None
+        self.reserved = 0
+        self._rows_cache: dict[int, tuple[tuple[int, int, int], torch.Tensor]] = {}  # layer -> (key, rows)
+        self._left_at: float | None = None  # telemetry: when the previous layer's attention returned
+        self.last_columns: np.ndarray | None = None  # the last layer-step's selection [B, K] (grid columns)
+
+    def attend(self, layer: int, start: int, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+               softcap: float | None, budget: SparseBudget) -> torch.Tensor:
+        """Sparse attention of ``query`` ``[B, H_q, 1, D]`` over stored tokens ``[start, seq_length)`` of ``layer``.
+
+        ``mask`` is ``None`` (causal) or boolean / additive ``[B or 1, 1, 1, kv]`` over those tokens.
+        Returns ``[B, 1, H_q, D]`` in the query's dtype, like transformers' attention functions.
+        """
+        batch, heads, q_len, dim = query.shape
+        if q_len != 1:
+            raise InvalidConfigError(f"sparse attention runs decode steps (one query token), got {q_len}.")
+        store = self.store
+        summaries = store.enable_summaries()
+        self._begin_layer(layer)
+        stop = store.seq_length(layer)
+        layout = store.layouts[layer]
+        bt = store.block_tokens
+        q = query.view(batch, layout.kv_heads, heads // layout.kv_heads, 1, dim)  # [B, H_kv, G, 1, D]
+        columns = self._select(layer, start, stop, q, budget, summaries, scaling, softcap)  # [B, K] ascending
+        self.last_columns = columns
+        count = columns.shape[1]
+        staging = self._staging(layer, batch, count)
+        plan = store.plan_columns(layer, columns)
+        timings = self._read_now(layer, plan, staging)
+        if self.timeline is not None:
+            self.timeline.add_reads(layer, timings, sync=True)
+        self._count(layer, plan, columns)
+        keys, values = staging[0, :, :, : count * bt], staging[1, :, :, : count * bt]  # [B, H_kv, K·bt, D]
+        bias = _selection_bias(columns, bt, start, stop, mask, query.dtype, query.device)
+        out, lse = partial_attention(q, keys, values, bias, scaling, softcap)
+        mass = None
+        if getattr(store.policy, "wants_mass", False):
+            mass = _block_mass(q, keys, bias, lse, scaling, softcap, count, bt)
+        self._promote(layer, columns, mass, staging)
+        self._left_at = time.perf_counter()
+        return out.reshape(batch, heads, 1, dim).transpose(1, 2).to(query.dtype)
+
+    # ---------------------------------------------------------------------------------- selection
+    def _select(self, layer: int, start: int, stop: int, q: torch.Tensor, budget: SparseBudget, summaries,
+                scaling: float, softcap: float | None) -> np.ndarray:
+        """Grid columns each row attends, ``[B, K]`` ascending: sinks, top-scored blocks, recent window."""
+        store = self.store
+        bt = store.block_tokens
+        rows = store.table.rows[layer]
+        first, end = start // bt, -(-stop // bt)
+        wanted = budget.budget_tokens(stop - start)
+        total = -(-wanted // bt) if wanted < stop - start else end - first  # a covering budget covers every column
+        sinks = min(end - first, -(-(bt if budget.sinks is None else budget.sinks) // bt))
+        recent_tokens = bt if budget.recent is None else budget.recent
+        recent_from = min(end - 1, max(start, stop - recent_tokens) // bt)  # the tail column at least
+        lo, hi = first + sinks, recent_from  # candidates: [lo, hi), all full
+        top = total - sinks - (end - recent_from)
+        self.counters.layer_steps += 1
+        if top >= hi - lo:  # the budget covers every block: read them all (exact)
+            self.counters.exact_layer_steps += 1
+            return np.broadcast_to(np.arange(first, end), (rows.batch, end - first))
+        head, tail = np.arange(first, lo), np.arange(recent_from, end)
+        if top <= 0:
+            chosen = np.empty((rows.batch, 0), dtype=np.int64)
+        else:
+            score = self._scores(layer, rows, lo, hi, q, summaries, scaling, softcap)  # [B, C]
+            chosen = score.topk(top, dim=1).indices.sort(dim=1).values.cpu().numpy() + lo
+        batch = rows.batch
+        return np.concatenate((np.broadcast_to(head, (batch, head.size)), chosen,
+                               np.broadcast_to(tail, (batch, tail.size))), axis=1)
+
+    def _scores(self, layer: int, rows, lo: int, hi: int, q: torch.Tensor, summaries, scaling: float,
+                softcap: float | None) -> torch.Tensor:
+        """Each row's score of candidate columns ``[lo, hi)``: ``[B, C]`` (one vectorized pass, no loop)."""
+        table = summaries.table(layer)
+        key = (rows.version, lo, hi)
+        cached = self._rows_cache.get(layer)
+        if cached is not None and cached[0] == key:
+            index = cached[1]
+        else:
+            found = summaries.rows(rows.ids[:, lo:hi])  # [B, C]; -1: no summary (always a candidate)
+            index = torch.from_numpy(found).to(q.device)
+            self._rows_cache[layer] = (key, index)
+        if table is None:
+            return torch.zeros(index.shape, device=q.device)
+        bounds = table[index.clamp_min(0)].float()  # [B, C, 2, H_kv, D]
+        query = q[:, :, :, 0].float()  # [B, H_kv, G, D]
+        bound = torch.einsum("bhgd,bchd->bchg", query.clamp_min(0), bounds[:, :, 1]) + \
+            torch.einsum("bhgd,bchd->bchg", query.clamp_max(0), bounds[:, :, 0])  # [B, C, H_kv, G]
+        logits = bound * scaling
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        share = torch.softmax(logits, dim=1)  # [B, C, H_kv, G]: each head's bound-estimated attention share
+        score = share.flatten(2).amax(dim=2)  # [B, C]: the most any query head would give the block
+        return score.masked_fill(index < 0, math.inf)
+
+    # ---------------------------------------------------------------------------------- promotion
+    def _promote(self, layer: int, columns: np.ndarray, mass: torch.Tensor | None, staging: torch.Tensor) -> None:
+        """Tell the policy what was attended; copy the blocks it wants up to the device from staging."""
+        weights = mass.cpu().numpy() if mass is not None else None
+        wanted = self.store.attended(layer, columns, weights)
+        if not wanted:
+            return
+        rows = self.store.table.rows[layer]
+        ids = rows.ids[np.arange(rows.batch)[:, None], columns]  # [B, K]
+        keep = set(ids.ravel().tolist())
+        bt = self.store.block_tokens
+        for block in wanted:
+            row, position = np.argwhere(ids == block.id)[0]
+            data = staging[:, row, :, position * bt : (position + 1) * bt]  # [2, H_kv, bt, D]
+            self.counters.promotions += self.store.promote(block, data, keep)
+
+    # ---------------------------------------------------------------------------------- telemetry
+    def _count(self, layer: int, plan: ReadPlan, columns: np.ndarray) -> None:
+        store, counters = self.store, self.counters
+        bt = store.block_tokens
+        layout = store.layouts[layer]
+        tail_tokens = store.table.tail(layer).tokens
+        counters.blocks_selected += columns.size
+        counters.blocks_total += store.batch_size(layer) * (-(-store.seq_length(layer) // bt)
+                                                           - self.start_of(layer) // bt)
+        for part in plan.parts:
+            nbytes = (part.blocks * bt - part.tail_blocks * (bt - tail_tokens)) * layout.token_bytes
+            counters.bytes_fetched += nbytes
+            if part.tier != store.chain[0]:
+                counters.bytes_fetched_off_device += nbytes
+            counters.by_tier[part.tier.label] = counters.by_tier.get(part.tier.label, 0) + part.blocks
+
+    def _begin_layer(self, layer: int) -> None:
+        """A layer at or below the last one starts a new pass (a decode step)."""
+        new_step = layer <= self.last_layer or self.last_layer < 0
+        if new_step:
+            self.counters.steps += 1
+        timeline = self.timeline
+        now = time.perf_counter()
+        if timeline is not None:
+            if self._left_at is not None and timeline.current is not None:
+                timeline.add_compute(self.last_layer, now - self._left_at)
+            if new_step or timeline.current is None:
+                timeline.begin_step(now, 1, self.store.seq_length(layer), 0)
+        self._see_layer(layer)
+
+    # ---------------------------------------------------------------------------------- staging
+    def _staging(self, layer: int, batch: int, columns: int) -> torch.Tensor:
+        """The staging buffer as ``[2, B, H_kv, >= columns · block_tokens, D]`` for ``layer``'s layout."""
+        layout = self.store.layouts[layer]
+        nbytes = batch * columns * self.store.block_tokens * layout.token_bytes
+        if self.buffer is None or self.buffer.numel() < nbytes:
+            grown = max(nbytes, int(self.reserved * GROWTH))
+            self._release()
+            self.store.reserve_device(grown)
+            self.reserved = grown
+            self.buffer = torch.empty(grown, dtype=torch.uint8, device=self.store.device.device)
+        flat = self.buffer[:nbytes].view(layout.dtype)
+        return flat.view(2, batch, layout.kv_heads, columns * self.store.block_tokens, layout.head_dim)
+
+    def _release(self) -> None:
+        if self.reserved:
+            self.store.device.unreserve(self.reserved)
+        self.buffer, self.reserved = None, 0
+
+    # ---------------------------------------------------------------------------------- control
+    def invalidate(self) -> None:
+        self._rows_cache.clear()
+
+    def reset(self) -> None:
+        self.invalidate()
+
+    def drop(self, layer: int) -> None:
+        self._rows_cache.pop(layer, None)
+
+    def wait_all(self) -> None:
+        pass  # every read is synchronous: nothing is ever in flight between calls
+
+    def pause_telemetry(self) -> None:
+        if self.timeline is not None:
+            self.timeline.end_step(time.perf_counter())
+        self._left_at = None
+        self.last_layer = -1
+
+    def close(self) -> None:
+        self._release()
+
+
+def _selection_bias(columns: np.ndarray, bt: int, start: int, stop: int, mask: torch.Tensor | None,
+                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive bias ``[B, 1, 1, K·bt]`` over the selected blocks' tokens: positions outside ``[start, stop)``
+    (the tail's empty slots, a sliding window's first block) and those ``mask`` hides get the lowest finite
+    value (like eager masks: a fully masked row stays finite)."""
+    lowest = torch.finfo(dtype).min
+    cols = torch.from_numpy(np.ascontiguousarray(columns)).to(device)
+    positions = (cols[:, :, None] * bt + torch.arange(bt, device=device)).flatten(1)  # [B, K·bt]
+    allowed = (positions >= start) & (positions < stop)
+    bias = torch.zeros(positions.shape, dtype=dtype, device=device)
+    if mask is not None:
+        part = mask[:, 0, -1]  # [B or 1, kv] over tokens [start, stop)
+        index = (positions - start).clamp(0, part.shape[-1] - 1)
+        picked = part.expand(positions.shape[0], -1).gather(1, index)
+        if picked.dtype == torch.bool:
+            allowed &= picked
+        else:
+            bias = picked.to(dtype).clamp_min(lowest)
+    return bias.masked_fill(~allowed, lowest)[:, None, None, :]
+
+
+def _block_mass(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, lse: torch.Tensor, scaling: float,
+                softcap: float | None, count: int, bt: int) -> torch.Tensor:
+    """Each selected block's share of the softmax, averaged over query heads: ``[B, K]`` — from the attended
+    tokens' logits and their log-sum-exp (only the K·bt selected tokens of one query: no attention matrix)."""
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), keys.float()) * scaling  # [B, H_kv, G, 1, K·bt]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + bias.float().unsqueeze(2)
+    weights = torch.exp(scores - lse.unsqueeze(-1))[:, :, :, 0]  # [B, H_kv, G, K·bt]
+    return weights.unflatten(-1, (count, bt)).sum(-1).mean(dim=(1, 2))  # [B, K]
