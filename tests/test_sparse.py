@@ -127,6 +127,33 @@ def test_attention_policy_promotes_blocks_sparse_attention_keeps_reading(tmp_pat
     assert moved["attention"]["blocks_selected"] == moved["lru"]["blocks_selected"]
 
 
+def test_rows_select_independently(tmp_path):
+    """Batch rows select their own blocks: each row of a batch decodes exactly as it does alone."""
+    model = tiny_model("qwen3")
+    ids, mask = prompt(2, 44, seed=11)
+    with small_cache(tmp_path / "batch") as cache, cache.sparse(model, tokens=12, sinks=4, recent=4, chunk_tokens=8):
+        together = generate(model, ids, mask, cache)
+        assert cache.stats()["sparse"]["exact_layer_steps"] == 0
+    for row in range(2):
+        with small_cache(tmp_path / f"row{row}") as cache, \
+                cache.sparse(model, tokens=12, sinks=4, recent=4, chunk_tokens=8):
+            alone = generate(model, ids[row : row + 1], mask[row : row + 1], cache)
+        assert torch.equal(alone.sequences[0], together.sequences[row])
+        for got, expected in zip(alone.logits, together.logits):
+            torch.testing.assert_close(got[0], expected[row], atol=1e-5, rtol=0)
+
+
+def test_beam_search_shares_blocks_and_keeps_the_table_consistent(tmp_path):
+    model = tiny_model("llama")
+    ids, mask = prompt(1, 40, seed=4)
+    with small_cache(tmp_path, policy="attention") as cache, cache.sparse(model, tokens=12, chunk_tokens=8):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, num_beams=2,
+                             cache=cache)
+        cache.store.check()
+        assert cache.stats()["sparse"]["layer_steps"] > 0
+    assert out.shape == (1, 40 + NEW)
+
+
 @pytest.mark.parametrize("tokens", [0, -3, 1.5, 0.0, "2K", True])
 def test_bad_budgets_name_the_fix(tokens):
     with pytest.raises(InvalidConfigError, match="sparse tokens"):
