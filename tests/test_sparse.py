@@ -257,3 +257,22 @@ def test_attention_policy_moves_the_needle_to_the_device(tmp_path):
     store.check()
     torch.testing.assert_close(store.read_tokens(0), kv)
     executor.close()
+
+
+def test_a_dropped_sparse_cache_is_released_at_once(tmp_path):
+    """Sparse attention adds no reference cycle through the cache (its summaries and executor hang off the store)."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    ids, mask = prompt(1, 24, seed=1)
+    gc.disable()
+    try:
+        cache = small_cache(tmp_path)
+        with cache.sparse(model, tokens=8, chunk_tokens=8):
+            generate(model, ids, mask, cache)
+        alive = weakref.ref(cache)
+        del cache
+        assert alive() is None and not list(tmp_path.iterdir())
+    finally:
+        gc.enable()
