@@ -27,6 +27,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
+from tierkv import accel
 from tierkv.attention.base import EXECUTORS, Executor
 from tierkv.attention.exact_gather import ExactGather
 from tierkv.attention.sparse import SparseAttention, SparseBudget
@@ -305,7 +306,7 @@ class TieredCache(Cache):
         layout = _layout_of_config(config, block_tokens, dtype)
         staging = gather_staging_bytes(batch, context, layout.token_bytes, block_tokens, prefetch_depth)
         layers = config.get_text_config(decoder=True).num_hidden_layers
-        return _device_minimum(staging, open_tail_bytes(layers, batch, layout.slot_bytes), device)
+        return _device_minimum(staging, open_tail_bytes(layers, batch, layout.slot_bytes), layout.slot_bytes, device)
 
     @staticmethod
     def min_streaming_device_bytes(config: PreTrainedConfig, batch: int = 1,
@@ -322,7 +323,7 @@ class TieredCache(Cache):
         layout = _layout_of_config(config, block_tokens, dtype)
         staging = streaming_staging_bytes(batch, chunk_tokens, layout.token_bytes, block_tokens)
         layers = config.get_text_config(decoder=True).num_hidden_layers
-        return _device_minimum(staging, open_tail_bytes(layers, batch, layout.slot_bytes), device)
+        return _device_minimum(staging, open_tail_bytes(layers, batch, layout.slot_bytes), layout.slot_bytes, device)
 
     @staticmethod
     def kv_bytes_per_token(config: PreTrainedConfig, dtype: torch.dtype | None = None) -> int:
@@ -416,12 +417,14 @@ class TieredCache(Cache):
         cpu = self.cpu_budget if self.cpu_budget is not None else \
             int(psutil.virtual_memory().available * DEFAULT_HOST_FRACTION)
         device_tier = MemoryTier(Tier.DEVICE, gpu, device)
-        host_tier = MemoryTier(Tier.HOST, cpu, torch.device("cpu"), pin=device.type == "cuda")
+        accelerated = accel.backend(device).streams  # CUDA, or its checking stand-in on the CPU
+        host_tier = MemoryTier(Tier.HOST, cpu, torch.device("cpu"), pin=accelerated)
         store = self.store = KVStore(device_tier, host_tier, self._disk, self.policy, self.block_tokens)
         self._mover = self._resources.mover = make_mover(device)
         self._resources.store = store
         self._timeline = make_timeline(self.profile, device)
-        if device.type == "cuda" and not store.enable_landing(landing_bytes(gpu)):
+        slot_bytes = BlockLayout.of(key_states, self.block_tokens).slot_bytes  # a landing piece holds a block
+        if accelerated and not store.enable_landing(landing_bytes(gpu, slot_bytes)):
             log.warning("tierkv: no room for the landing buffers in gpu_gb; host runs cross PCIe block by block")
         self.executors["exact_gather"] = self._make_executor("exact_gather", prefetch_depth=self.prefetch_depth)
         return store
@@ -598,16 +601,17 @@ def _layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, An
     return layer_types, kwargs
 
 
-def _device_minimum(staging: int, tails: int, device: str | torch.device | None) -> int:
+def _device_minimum(staging: int, tails: int, slot_bytes: int, device: str | torch.device | None) -> int:
     """The smallest budget for ``staging`` beside ``tails`` (:func:`tierkv.staging.device_minimum`), plus on CUDA
     (``device``; None: CUDA if available) the two landing buffers, which are staging too and are sized from
     the budget itself: found by bisection, as the smallest budget that holds what it implies."""
-    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
-    if not cuda:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not accel.backend(torch.device(device)).streams:  # CUDA (or its stand-in): landing buffers too
         return device_minimum(staging, tails)
 
     def needs(budget: int) -> int:
-        return device_minimum(staging + 2 * landing_bytes(budget), tails)
+        return device_minimum(staging + 2 * landing_bytes(budget, slot_bytes), tails)
 
     low, high = device_minimum(staging, tails), needs(1 << 62)
     while low < high:

@@ -34,6 +34,7 @@ trace               TIERKV_TRACE              None          write a Chrome trace
 debug               TIERKV_DEBUG              False         full tracebacks from the CLI instead of one line
 prefetch_min        TIERKV_PREFETCH_MIN       1 MiB         smallest layer read worth a hand-off to the mover
 redis_password      TIERKV_REDIS_PASSWORD     None          the remote tier's password when its URL has none
+cuda_standin        TIERKV_CUDA_STANDIN       False         CPU caches take the CUDA paths on a checking stand-in
 ==================  ========================  ============  =====================================================
 
 Secrets (``redis_password``) are never shown: :func:`source` and :func:`describe` print ``***`` for them.
@@ -190,6 +191,8 @@ SETTINGS: dict[str, Setting] = {
                 "layers with less KV than this are read when they come, not prefetched (0: prefetch all)"),
         Setting("redis_password", "TIERKV_REDIS_PASSWORD", lambda: None, _secret, "s3cret",
                 "password of the remote tier's Redis (remote=...) when the URL carries none"),
+        Setting("cuda_standin", "TIERKV_CUDA_STANDIN", lambda: False, _flag, "1",
+                "a cache on the CPU runs the CUDA code paths on tierkv.cuda_standin, which checks stream ordering"),
     )
 }  # fmt: skip
 """Every setting by name."""

@@ -43,9 +43,10 @@ def streaming_staging_bytes(batch: int, chunk_tokens: int, token_bytes: int, blo
     return 2 * batch * streaming_chunk_tokens(chunk_tokens, block_tokens) * token_bytes
 
 
-def landing_bytes(device_budget: int) -> int:
-    """Bytes of each of the two landing buffers a CUDA device tier reserves (caller's and mover's threads)."""
-    return min(LANDING_BYTES, device_budget // LANDING_SHARE)
+def landing_bytes(device_budget: int, slot_bytes: int = 0) -> int:
+    """Bytes of each of the two landing buffers a CUDA device tier reserves (caller's and mover's threads):
+    at least one block of ``slot_bytes`` (a landing piece is whole blocks)."""
+    return max(slot_bytes, min(LANDING_BYTES, device_budget // LANDING_SHARE))
 
 
 def open_tail_bytes(layers: int, batch: int, slot_bytes: int) -> int:

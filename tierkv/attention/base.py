@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from tierkv import accel
 from tierkv.attention.timed_read import resolve_cuda_events, timed_read
 from tierkv.bandwidth import DISK_READ_AHEAD
 from tierkv.blocks import Tier
@@ -107,8 +108,8 @@ class PipelinedExecutor:
         self.layers_known = num_layers is not None
         self.timeline = timeline
         self.trace = trace
-        self._cuda = store.device.device.type == "cuda"
-        if timeline is not None and self._cuda:
+        self._accel = accel.backend(store.device.device)  # CUDA, its stand-in, or none (tierkv.accel)
+        if timeline is not None and self._accel.streams:
             timeline.resolve = resolve_cuda_events
         self.last_layer = -1
         self.version = 0  # bumped by table edits that invalidate staged data
@@ -139,7 +140,7 @@ class PipelinedExecutor:
             if not self.timed:
                 self.store.read_into(layer, plan, dest, ahead=ahead.pending if ahead else None)
             else:
-                timed_read(self.store, layer, plan, dest, timings, cuda=self._cuda, trace=self.trace,
+                timed_read(self.store, layer, plan, dest, timings, accel=self._accel, trace=self.trace,
                            category="read", ahead=ahead.pending if ahead else None)
         finally:
             if ahead is not None:
@@ -155,7 +156,7 @@ class PipelinedExecutor:
             handle = self.mover.submit(lambda: self.store.read_into(layer, plan, dest, ahead=ahead))
         else:
             timings = []
-            handle = self.mover.submit(lambda: timed_read(self.store, layer, plan, dest, timings, cuda=self._cuda,
+            handle = self.mover.submit(lambda: timed_read(self.store, layer, plan, dest, timings, accel=self._accel,
                                                           trace=self.trace, category="prefetch", ahead=ahead))
         if claimed is not None:
             self._buffer_users[claimed.purpose] = handle  # its buffer is busy until the job has copied it out

@@ -126,7 +126,9 @@ class ExactGather(PipelinedExecutor):
         self._prefetch_next(layer)
         offset, count = start - first * bt, stop - start
         self._left_at = time.perf_counter()
-        return staging[0, :, :, offset : offset + count], staging[1, :, :, offset : offset + count]
+        keys, values = staging[0, :, :, offset : offset + count], staging[1, :, :, offset : offset + count]
+        self._accel.used(keys, values)
+        return keys, values
 
     def invalidate(self) -> None:
         try:
@@ -209,16 +211,19 @@ class ExactGather(PipelinedExecutor):
                                 "prefetch is off until gpu_gb is raised", tokens)
                     self.prefetch_disabled_logged = True
         device = self.store.device.device
-        self.buffers = [torch.empty(per_buffer, dtype=torch.uint8, device=device) for _ in range(count)]
+        self.buffers = [self._accel.empty(per_buffer, device) for _ in range(count)]
         self.capacity, self.batch, self.token_bytes = capacity, batch, token_bytes
 
     def _release(self) -> None:
-        if self.buffers:
+        released = bool(self.buffers)
+        if released:
             self.store.device.unreserve(sum(buffer.numel() for buffer in self.buffers))
         self.buffers = []
         self._views.clear()
         self.capacity = self.batch = self.token_bytes = 0
         self.current = -1
+        if released:  # what the budget no longer counts must not stay reserved in CUDA's caching allocator
+            self._accel.release_cached()
 
     def _free_buffer(self) -> int:
         busy = {self.current} | {p.buffer for p in self.pending.values()}

@@ -118,6 +118,7 @@ class StreamingAttention(PipelinedExecutor):
             keys = staging[0, :, :, lo:hi]  # [B, H_kv, c, D]
             values = staging[1, :, :, lo:hi]
             bias = mask_bias(mask, column * bt + lo - start, hi - lo, stop - start, q_len, query.dtype, query.device)
+            self._accel.used(keys, values)
             out, lse = merge(out, lse, *partial_attention(q, keys, values, bias, scaling, softcap))
         return out.reshape(batch, heads, q_len, dim).transpose(1, 2).to(query.dtype)
 
@@ -248,7 +249,7 @@ class StreamingAttention(PipelinedExecutor):
         self.store.reserve_device(2 * per_buffer)
         self.reserved = 2 * per_buffer
         device = self.store.device.device
-        self.buffers = [torch.empty(per_buffer, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.buffers = [self._accel.empty(per_buffer, device) for _ in range(2)]
 
     # ---------------------------------------------------------------------------------- control
     def invalidate(self) -> None:
@@ -288,4 +289,7 @@ class StreamingAttention(PipelinedExecutor):
         self._drop_ahead()
         if self.reserved:
             self.store.device.unreserve(self.reserved)
+        released = bool(self.buffers)
         self.buffers, self.reserved = [], 0
+        if released:
+            self._accel.release_cached()  # what the budget no longer counts must not stay reserved

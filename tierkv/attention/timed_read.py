@@ -1,9 +1,10 @@
 """Timed reads: ``store.read_into`` with a probe that times each source tier's part for the telemetry and trace.
 
 Both executors (exact gather, streaming) use it when a :class:`~tierkv.stats.Timeline` or
-:class:`~tierkv.stats.Trace` is on. On CPU hosts the marks are ``perf_counter`` floats; on CUDA they are
-events recorded on the stream that runs the copies (the mover's, or the compute stream for synchronous
-reads), resolved later by :func:`resolve_cuda_events` so timing never synchronises the compute stream.
+:class:`~tierkv.stats.Trace` is on. On CPU hosts the marks are ``perf_counter`` floats; on CUDA (and its
+stand-in) they are events recorded on the stream that runs the copies (the mover's, or the device's compute
+stream for synchronous reads), resolved later by :func:`resolve_cuda_events` so timing never synchronises
+the compute stream.
 A tier's part runs from its submission to its data landing: the disk part (submitted first, landed last)
 spans the memory parts it overlaps.
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from tierkv.accel import HostOnly
 from tierkv.blocks import Tier
 from tierkv.stats import ReadTiming, Trace
 from tierkv.store import KVStore, ReadPlan
@@ -26,13 +28,20 @@ LINK_OF_TIER = {Tier.DEVICE: "device->device", Tier.HOST: "host->device", Tier.D
 class TimedProbe:
     """A :class:`~tierkv.store.ReadProbe` that appends one :class:`ReadTiming` per source tier."""
 
-    def __init__(self, layer: int, timings: list[ReadTiming], *, cuda: bool, trace: Trace | None,
-                 category: str) -> None:
-        self.layer, self.timings, self.cuda, self.trace, self.category = layer, timings, cuda, trace, category
+    def __init__(self, layer: int, timings: list[ReadTiming], *, accel: HostOnly, device: torch.device,
+                 trace: Trace | None, category: str) -> None:
+        self.layer, self.timings, self.trace, self.category = layer, timings, trace, category
+        self.accel, self.device, self.cuda = accel, device, accel.streams
+
+    def _mark(self) -> Any:
+        """An event recorded on the stream this thread issues the copies on (the mover's, or the compute's)."""
+        event = self.accel.Event(timing=True)
+        event.record(self.accel.current_stream(self.device))
+        return event
 
     def begin(self, tier: Tier) -> tuple[float, Any]:
         begun = time.perf_counter()
-        return begun, cuda_mark() if self.cuda else begun
+        return begun, self._mark() if self.cuda else begun
 
     def end(self, mark: tuple[float, Any], tier: Tier, nbytes: int, copies: int) -> None:
         begun, start = mark
@@ -41,26 +50,20 @@ class TimedProbe:
         # the profile's latencies are per call (one batched engine read, one gather pass); on CUDA each host
         # run is its own copy across the link
         calls = copies if self.cuda and tier == Tier.HOST else 1
-        self.timings.append(ReadTiming(link, nbytes, calls, start, cuda_mark() if self.cuda else ended))
+        self.timings.append(ReadTiming(link, nbytes, calls, start, self._mark() if self.cuda else ended))
         if self.trace is not None:
             self.trace.span(f"{link} L{self.layer}", self.category, begun, ended, layer=self.layer, bytes=nbytes,
                             copies=calls)
 
 
 def timed_read(store: KVStore, layer: int, plan: ReadPlan, dest: torch.Tensor, timings: list[ReadTiming], *,
-               cuda: bool, trace: Trace | None, category: str, ahead: PendingRead | None = None) -> None:
+               accel: HostOnly, trace: Trace | None, category: str, ahead: PendingRead | None = None) -> None:
     """``store.read_into(layer, plan, dest)``, appending one timing per source tier to ``timings``."""
-    store.read_into(layer, plan, dest, probe=TimedProbe(layer, timings, cuda=cuda, trace=trace, category=category),
-                    ahead=ahead)
+    probe = TimedProbe(layer, timings, accel=accel, device=store.device.device, trace=trace, category=category)
+    store.read_into(layer, plan, dest, probe=probe, ahead=ahead)
 
 
-def cuda_mark() -> torch.cuda.Event:
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()  # on the current stream: the mover's copy stream, or the compute stream for sync reads
-    return event
-
-
-def resolve_cuda_events(start: torch.cuda.Event, end: torch.cuda.Event, block: bool) -> float | None:
+def resolve_cuda_events(start: Any, end: Any, block: bool) -> float | None:
     """Seconds between two recorded events; None while ``end`` has not completed and ``block`` is False."""
     if block:
         end.synchronize()

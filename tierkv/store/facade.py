@@ -139,8 +139,12 @@ class KVStore:
         """No read may be in flight while a slot is freed or moved."""
         for reader in list(self._readers):
             reader.wait_all()
-        if self.device.device.type == "cuda":  # non_blocking copies queued on the compute stream
-            torch.cuda.current_stream(self.device.device).synchronize()
+        accel = self.transfer.accel
+        if accel.streams:  # copies queued on the compute stream may still read host slots about to be reused:
+            # the host tier's next CPU write waits for them, the CPU does not wait now (the GPU keeps its queue)
+            event = accel.Event()
+            event.record(accel.current_stream(self.device.device))
+            self.tiers[Tier.HOST].fence_writes(event)
 
     # ----------------------------------------------------------------------------------------- append
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:

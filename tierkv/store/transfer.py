@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from tierkv.accel import backend
 from tierkv.blocks import Tier
 from tierkv.layout import BlockLayout, SlotBytes
 from tierkv.store.plan import ReadPlan, TierPart
@@ -51,8 +52,8 @@ class Transfer:
     def __init__(self, tiers: Mapping[Tier, StorageTier], device: torch.device) -> None:
         self.tiers = tiers
         self.device = device
-        pin = device.type == "cuda"
-        self.scratch = Scratch(lambda: BounceBuffer(pin=pin), device=device)
+        self.accel = accel = backend(device)
+        self.scratch = Scratch(lambda: BounceBuffer(pin=accel.streams, accel=accel), device=device, accel=accel)
         self.bytes_moved = dict.fromkeys(LINKS, 0)
         self._lock = threading.Lock()  # reads run on the mover thread too
 
@@ -100,10 +101,15 @@ class Transfer:
         return None
 
     def read_blocks(self, layout: BlockLayout | SlotBytes, tier: Tier, slots: list[int],
-                    device: torch.device | None = None) -> torch.Tensor:
-        """Blocks of ``tier`` as a fresh ``[n, *layout.shape]`` tensor on ``device`` (default: the device tier's)
-        — for the cold paths: copy-on-write, crop of a shared block, demotion."""
-        out = torch.empty((len(slots), *layout.shape), dtype=layout.dtype, device=device or self.device)
+                    into: Tier = Tier.DEVICE) -> torch.Tensor:
+        """Blocks of ``tier`` as a fresh ``[n, *layout.shape]`` tensor in the memory of tier ``into`` (the device
+        tier's, or the host's for a tier below it) — for the cold paths: copy-on-write, crop of a shared block,
+        demotion."""
+        shape = (len(slots), *layout.shape)
+        if into == Tier.DEVICE:
+            out = self.accel.empty_blocks(shape, layout.dtype, self.device)  # device memory (the stand-in's too)
+        else:
+            out = self.accel.host_blocks(shape, layout.dtype)
         pending = self.tiers[tier].start_read(layout, np.asarray(slots, dtype=np.int64), self.scratch)
         try:
             pending.finish([(0, len(slots), out)])
@@ -124,5 +130,5 @@ class Transfer:
         raw = SlotBytes(slot_bytes)
         step = max(1, BOUNCE_BYTES // slot_bytes)  # what is held in between is bounded like a bounce buffer
         for lo in range(0, len(slots), step):
-            data = self.read_blocks(raw, source, slots[lo : lo + step], device=self.tiers[source].device)
+            data = self.read_blocks(raw, source, slots[lo : lo + step], into=min(source, Tier.HOST))  # source's side
             self.write_blocks(raw, target, target_slots[lo : lo + step], data)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tierkv.accel import host_backend
 from tierkv.blocks import Block, BlockTable, Tier
 from tierkv.errors import TierKVError
 from tierkv.io import IOHandle
@@ -57,7 +58,7 @@ class Writeback:
         self.enabled = disk is not None
         self.pending: PendingWrite | None = None
         self.paused_reason: str | None = None
-        self._bounce = BounceBuffer()  # host slab -> disk: no GPU copy touches it, so it is not pinned
+        self._bounce = BounceBuffer(accel=host_backend())  # host slab -> disk: no GPU copy touches it, not pinned
 
     @property
     def pending_ids(self) -> set[int]:

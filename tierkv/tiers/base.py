@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from tierkv.accel import HOST_ONLY, HostOnly
 from tierkv.blocks import Tier
 from tierkv.errors import BudgetTooSmallError
 from tierkv.layout import BlockLayout
@@ -91,11 +92,12 @@ class Scratch:
     a bounce or landing buffer (a ``threading.local``, so any number of threads is safe)."""
 
     def __init__(self, make_bounce: Callable[[], BounceLike], landing_bytes: int = 0,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, accel: HostOnly = HOST_ONLY) -> None:
         self._make_bounce = make_bounce
         self._local = threading.local()
         self.landing_bytes = landing_bytes
         self.device = device
+        self.accel = accel  # where landing buffers come from, and how copies out of bounce buffers are issued
 
     def bounce(self, nbytes: int, purpose: str) -> np.ndarray:
         """This thread's aligned host buffer for ``purpose`` (``"read"``, ``"write"``) of at least ``nbytes``."""
@@ -114,7 +116,7 @@ class Scratch:
             return None
         buffer = getattr(self._local, "landing", None)
         if buffer is None or buffer.numel() != self.landing_bytes:
-            buffer = self._local.landing = torch.empty(self.landing_bytes, dtype=torch.uint8, device=self.device)
+            buffer = self._local.landing = self.accel.empty(self.landing_bytes, self.device)
         return buffer
 
     def release(self) -> None:

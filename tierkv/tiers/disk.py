@@ -32,11 +32,13 @@ import tempfile
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from xxhash import xxh3_64_intdigest
 
+from tierkv.accel import DEVICE, HOST_ONLY, HostOnly
 from tierkv.blocks import Tier
 from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, TierKVError
 from tierkv.io import DiskFile, IOHandle, aligned_empty, open_disk_file
@@ -340,7 +342,7 @@ class _DiskRead:
         self.halves = [bounce[i * self.per_round * size : (i + 1) * self.per_round * size] for i in range(halves)]
         self.rounds = -(-len(slots) // self.per_round) if len(slots) else 0
         self.handles: dict[int, IOHandle] = {}
-        self._copied: list[torch.cuda.Event | None] = [None] * halves  # GPU copies still reading a half
+        self._copied: list[Any] = [None] * halves  # events after the GPU copies still reading a half
         if self.rounds:
             self._submit(0)
 
@@ -354,6 +356,7 @@ class _DiskRead:
             self._copied[half].synchronize()
             self._copied[half] = None
         buffer = self.halves[half][: (hi - lo) * self.layout.slot_bytes]
+        self.scratch.accel.host_write(torch.from_numpy(buffer))  # the engine fills it from now on
         try:
             self.handles[k] = self.tier.read(self.layout.slot_bytes, self.slots[lo:hi], buffer)
         except OSError as exc:
@@ -367,10 +370,12 @@ class _DiskRead:
 
     def finish(self, dests: Sequence[Dest]) -> None:
         layout, size = self.layout, self.layout.slot_bytes
+        accel = self.scratch.accel
         landing = self.scratch.landing()  # the finishing thread's (a read ahead is submitted on another)
-        if landing is not None and dests and landing.device != dests[0][2].device:
+        into_device = bool(dests) and accel.space(dests[0][2]) == DEVICE
+        if not into_device:
             landing = None  # a read into host memory: straight from the bounce buffer
-        cuda = (landing is not None and landing.is_cuda) or any(out.is_cuda for _, _, out in dests)
+        cuda = into_device and accel.streams
         for k in range(self.rounds):
             if k + 1 < self.rounds:
                 self._submit(k + 1)  # into the other half: the disk reads it while this round is copied out
@@ -383,16 +388,16 @@ class _DiskRead:
                 if a >= b:
                     continue
                 if landing is None:
-                    out[a - first : b - first].copy_(layout.blocks_of(staged[a - lo : b - lo]), non_blocking=True)
+                    accel.copy(out[a - first : b - first], layout.blocks_of(staged[a - lo : b - lo]))
                     continue
                 for piece, end, rows in landing_pieces(landing, size, a, b):
-                    rows.copy_(staged[piece - lo : end - lo], non_blocking=True)
-                    out[piece - first : end - first].copy_(layout.blocks_of(rows), non_blocking=True)
+                    accel.copy(rows, staged[piece - lo : end - lo])
+                    accel.copy(out[piece - first : end - first], layout.blocks_of(rows))
             if cuda:
                 # the copies out of the bounce buffer are queued on this thread's stream: the next read into it
                 # waits for them (on the host, only then), instead of every read syncing the stream now
-                event = torch.cuda.Event()
-                event.record()
+                event = accel.Event()
+                event.record(accel.current_stream(dests[0][2].device))
                 self._copied[k % len(self.halves)] = event
                 self.owner.fence(event)
 
@@ -416,51 +421,57 @@ class BounceBuffer:
     """A reusable, aligned host buffer that grows geometrically up to :data:`BOUNCE_BYTES` (disk I/O needs
     aligned memory).
 
-    With ``pin`` (CUDA hosts) the pages are registered with the driver (``cudaHostRegister``), so copies
-    between it and the GPU are DMA at full PCIe speed instead of staged through pageable memory. The
-    registration is undone when the buffer grows or is garbage-collected.
+    With ``pin`` (CUDA hosts) the pages are registered with the driver (``cudaHostRegister``) through
+    ``accel`` (:mod:`tierkv.accel`), so copies between it and the GPU are DMA at full PCIe speed instead of
+    staged through pageable memory. The registration is undone when the buffer grows, is released or is
+    garbage-collected — each time only after the GPU copies still reading it (its fence) have run.
     """
 
-    def __init__(self, pin: bool = False) -> None:
+    def __init__(self, pin: bool = False, accel: HostOnly = HOST_ONLY) -> None:
         self.pin = pin
+        self.accel = accel
         self._buffer = aligned_empty(0)
         self._finalizer: weakref.finalize | None = None
-        self._fence: torch.cuda.Event | None = None  # GPU copies still reading the buffer (CUDA hosts)
+        self._fence: list[Any] = [None]  # an event after the GPU copies still reading the buffer (CUDA hosts);
+        # a cell, so the finalizer of a buffer that is garbage-collected waits for it too
 
     @property
     def nbytes(self) -> int:
         return self._buffer.nbytes
 
-    def fence(self, event: torch.cuda.Event) -> None:
+    def fence(self, event: Any) -> None:
         """Copies recorded before ``event`` still read the buffer: :meth:`get` waits for them."""
-        self._fence = event
+        self._fence[0] = event
 
     def get(self, nbytes: int) -> np.ndarray:
-        if self._fence is not None:
-            self._fence.synchronize()
-            self._fence = None
+        """The buffer's first ``nbytes``, for the caller to fill (a disk read or a staged write)."""
+        _wait_for(self._fence)
         if self._buffer.nbytes < nbytes:
+            grown = max(nbytes, min(2 * self._buffer.nbytes, BOUNCE_BYTES))
             self.release()
-            self._buffer = aligned_empty(max(nbytes, min(2 * self._buffer.nbytes, BOUNCE_BYTES)))
-            if self.pin:
-                address = self._buffer.ctypes.data
-                _check_cuda(torch.cuda.cudart().cudaHostRegister(address, self._buffer.nbytes, 0))
-                self._finalizer = weakref.finalize(self, _unregister, address)
-        return self._buffer[:nbytes]
+            self._buffer = aligned_empty(grown)
+            address = self._buffer.ctypes.data
+            self.accel.register_host(address, self._buffer.nbytes, self.pin)
+            self._finalizer = weakref.finalize(self, _unregister, self.accel, address, self.pin, self._fence)
+        view = self._buffer[:nbytes]
+        self.accel.host_write(torch.from_numpy(view))
+        return view
 
     def release(self) -> None:
-        """Unpin and drop the buffer (the next :meth:`get` allocates anew)."""
+        """Unpin and drop the buffer (the next :meth:`get` allocates anew), once no GPU copy reads it."""
+        _wait_for(self._fence)
         if self._finalizer is not None:
             self._finalizer()
             self._finalizer = None
         self._buffer = aligned_empty(0)
 
 
-def _unregister(address: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(address)
+def _wait_for(fence: list[Any]) -> None:
+    if fence[0] is not None:
+        fence[0].synchronize()
+        fence[0] = None
 
 
-def _check_cuda(status: object) -> None:
-    code = getattr(status, "value", status)
-    if code != 0:
-        raise DiskTierError(0, f"cudaHostRegister of the disk bounce buffer failed (CUDA error {code}).")
+def _unregister(accel: HostOnly, address: int, pin: bool, fence: list[Any]) -> None:
+    _wait_for(fence)
+    accel.unregister_host(address, pin)

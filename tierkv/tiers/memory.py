@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from tierkv.accel import DEVICE, HOST, HostOnly, backend, host_backend
 from tierkv.blocks import Tier
 from tierkv.layout import BlockLayout, SlotBytes
 from tierkv.staging import CHUNKS_PER_BUDGET  # a pool grows by 1/16 of its budget: few chunks, fine for staging
@@ -27,13 +29,16 @@ PINNED_CHUNK_BYTES = 1 << 30  # page-locking is slow and bounded by the OS: pinn
 
 
 class SlabPool(SlotPool):
-    """Slots of ``slot_bytes`` bytes in chunk tensors ``[slots_per_chunk, slot_bytes]`` (uint8)."""
+    """Slots of ``slot_bytes`` bytes in chunk tensors ``[slots_per_chunk, slot_bytes]`` (uint8), in the device's
+    memory (``space`` "device", a device tier on an accelerator) or the host's, allocated through ``accel``."""
 
-    def __init__(self, slot_bytes: int, device: torch.device, pin: bool) -> None:
+    def __init__(self, slot_bytes: int, device: torch.device, pin: bool, accel: HostOnly, space: str) -> None:
         super().__init__()
         self.slot_bytes = slot_bytes
         self.device = device
         self.pin = pin
+        self.accel = accel
+        self.space = space
         self.chunks: list[torch.Tensor] = []
         self._starts = np.zeros(0, dtype=np.int64)  # first slot id of each chunk
         self._start_list: list[int] = []  # the same, for bisect on single slots (cheaper than numpy calls)
@@ -44,7 +49,10 @@ class SlabPool(SlotPool):
         return self.capacity * self.slot_bytes
 
     def add_chunk(self, slots: int) -> None:
-        chunk = torch.empty((slots, self.slot_bytes), dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+        if self.space == DEVICE:
+            chunk = self.accel.empty(slots * self.slot_bytes, self.device).view(slots, self.slot_bytes)
+        else:
+            chunk = self.accel.host_empty((slots, self.slot_bytes), self.pin)
         self._starts = np.append(self._starts, self.capacity)
         self._start_list.append(self.capacity)
         self.chunks.append(chunk)
@@ -94,10 +102,11 @@ class SlabPool(SlotPool):
         """Copy the blocks in ``slots`` into ``dests``: one ``index_select`` per run of slots in one chunk;
         through ``landing`` (a device buffer) when the destination is on another device than the slab.
         ``memo`` (a dict that lives as long as ``slots`` does, e.g. a cached plan's) keeps the index tensors."""
-        target = dests[0][2].device if dests else self.device  # the destinations are views of one tensor
-        if landing is not None and landing.device != target:
+        accel = self.accel
+        target = accel.space(dests[0][2]) if dests else self.space  # the destinations are views of one tensor
+        if landing is not None and target != DEVICE:
             landing = None  # the landing buffer lives on the device tier: of no use for a read into host memory
-        if landing is not None or target != self.device:
+        if landing is not None or target != self.space:
             chunks, rows = self.locate(slots)
             for lo, hi, out in dests:
                 self._gather_across(layout, chunks, rows, lo, hi, out, landing)
@@ -107,9 +116,10 @@ class SlabPool(SlotPool):
             program = self._program(slots, [(lo, hi) for lo, hi, _ in dests])
             if memo is not None:
                 memo["gather"] = program
+        select = accel.index_select if self.space == DEVICE else _index_select  # a stream op, or the CPU's
         for (_, _, out), steps in zip(dests, program):
             for a, b, chunk, index in steps:
-                torch.index_select(self.typed(chunk, layout), 0, index, out=out[a:b])
+                select(self.typed(chunk, layout), index, out[a:b])
 
     def _program(self, slots: np.ndarray,
                  ranges: list[tuple[int, int]]) -> list[list[tuple[int, int, int, torch.Tensor]]]:
@@ -122,25 +132,32 @@ class SlabPool(SlotPool):
                        out: torch.Tensor, landing: torch.Tensor | None) -> None:
         """Host slab -> device: runs of consecutive slots cross the link as one large copy each (into the
         landing buffer, in pieces of its capacity), then land in ``out`` with one on-device gather."""
+        copy = self.accel.copy
         if landing is None:
             for a, b in _consecutive(chunks, rows, lo, hi):
                 first = int(rows[a])
-                out[a - lo : b - lo].copy_(layout.blocks_of(self.chunks[chunks[a]][first : first + b - a]),
-                                           non_blocking=True)
+                copy(out[a - lo : b - lo], layout.blocks_of(self.chunks[chunks[a]][first : first + b - a]))
             return
         for piece, end, landed in landing_pieces(landing, self.slot_bytes, lo, hi):
             for a, b in _consecutive(chunks, rows, piece, end):
                 first = int(rows[a])
-                landed[a - piece : b - piece].copy_(self.chunks[chunks[a]][first : first + b - a], non_blocking=True)
-            out[piece - lo : end - lo].copy_(layout.blocks_of(landed), non_blocking=True)
+                copy(landed[a - piece : b - piece], self.chunks[chunks[a]][first : first + b - a])
+            copy(out[piece - lo : end - lo], layout.blocks_of(landed))
 
     def scatter(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, src: torch.Tensor) -> None:
         """Write blocks ``src`` ``[n, 2, H_kv, block_tokens, D]`` into ``slots``: one ``index_copy_`` per chunk run."""
         chunks, rows = self.locate(slots)
-        src = src.to(self.device)  # blocking: a non-blocking GPU -> CPU copy may not have landed when read below
+        accel = self.accel
+        if self.space == HOST and accel.space(src) != HOST:
+            src = accel.to_host(src)  # blocking: a non-blocking GPU -> CPU copy may not have landed when read below
         for a, b, chunk in _runs(chunks, 0, len(slots)):
             index = torch.from_numpy(rows[a:b]).to(self.device)
-            self.typed(chunk, layout).index_copy_(0, index, src[a:b])
+            typed = self.typed(chunk, layout)
+            if self.space == DEVICE:
+                accel.index_copy(typed, index, src[a:b])
+            else:  # the CPU writes slots the GPU may have read: the barrier before their reuse ordered that
+                accel.host_write(typed, index)
+                typed.index_copy_(0, index, src[a:b].to(self.device))
 
 
 class MemoryTier:
@@ -155,6 +172,9 @@ class MemoryTier:
         self.budget = budget
         self.device = device
         self.pin = pin
+        self.accel = backend(device) if tier == Tier.DEVICE else host_backend()
+        self.space = DEVICE if tier == Tier.DEVICE and self.accel.streams else HOST
+        self._write_fence: Any = None  # see fence_writes
         self.chunk_bytes = chunk_bytes if chunk_bytes is not None else max(1, budget // CHUNKS_PER_BUDGET)
         if pin:
             self.chunk_bytes = min(self.chunk_bytes, PINNED_CHUNK_BYTES)
@@ -172,7 +192,7 @@ class MemoryTier:
 
     def pool(self, slot_bytes: int) -> SlabPool:
         if slot_bytes not in self.pools:
-            self.pools[slot_bytes] = SlabPool(slot_bytes, self.device, self.pin)
+            self.pools[slot_bytes] = SlabPool(slot_bytes, self.device, self.pin, self.accel, self.space)
         return self.pools[slot_bytes]
 
     def alloc(self, slot_bytes: int, near: tuple[int, int] | None = None) -> int | None:
@@ -211,15 +231,27 @@ class MemoryTier:
                            else None, memo)
 
     def write_from(self, layout: BlockLayout, slots: np.ndarray, src: torch.Tensor, scratch: Scratch) -> None:
+        if self._write_fence is not None:  # device copies out of slots freed since may still be queued
+            self._write_fence.synchronize()
+            self._write_fence = None
         self.pool(layout.slot_bytes).scatter(layout, slots, src)
+
+    def fence_writes(self, event: Any) -> None:
+        """Copies recorded before ``event`` (a CUDA event) may still read this tier's slots: the next write
+        waits for them. The store's barrier sets it, so freeing a slot never blocks the CPU on the GPU."""
+        if self.space == HOST:
+            self._write_fence = event
 
     def reserve(self, nbytes: int) -> bool:
         """Count ``nbytes`` of staging against the budget; False if it does not fit even after trimming.
 
         Empty chunks are released first to make room; chunks that hold blocks are the caller's to evacuate.
         """
+        dropped = False
         while self.allocated_bytes + nbytes > self.budget and self._drop_an_empty_chunk():
-            pass
+            dropped = True
+        if dropped:
+            self.accel.release_cached()  # the freed chunk must not stay reserved beside the staging it makes room for
         if self.allocated_bytes + nbytes > self.budget:
             return False
         self.reserved += nbytes
@@ -282,3 +314,7 @@ def _consecutive(chunks: np.ndarray, rows: np.ndarray, lo: int, hi: int) -> list
     breaks = (np.diff(rows[lo:hi]) != 1) | (np.diff(chunks[lo:hi]) != 0)
     cuts = (np.flatnonzero(breaks) + 1).tolist()
     return [(lo + a, lo + b) for a, b in zip([0, *cuts], [*cuts, hi - lo])]
+
+
+def _index_select(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    torch.index_select(src, 0, index, out=out)
