@@ -26,7 +26,7 @@ def test_generation_on_gpu_matches_and_respects_budget(tmp_path):
     # the documented minimum on CUDA (landing buffers included) plus two blocks; 216 tokens x 3 layers hold
     # 1.3 MB of KV, so a 64 KB host tier sends most of it to disk
     budget = TieredCache.min_device_bytes(config, 216, block_tokens=16, device="cuda") + 64 * 1024
-    before = torch.cuda.memory_allocated()
+    before, reserved_before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     with TieredCache(gpu_gb=f"{budget}B", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=16) as cache:
         out = model.generate(ids, max_new_tokens=16, do_sample=False, past_key_values=cache)
         stats = cache.stats()
@@ -38,6 +38,8 @@ def test_generation_on_gpu_matches_and_respects_budget(tmp_path):
         assert stats["peak_bytes_allocated"]["device"] <= budget  # the cache's own high-water mark
         assert torch.cuda.memory_allocated() - before <= budget  # and what the allocator holds for it now
     assert torch.equal(out, ref)
+    # freed staging and slabs went back to the driver (empty_cache), not into the caching allocator's reserve
+    assert torch.cuda.memory_reserved() <= reserved_before
 
 
 def test_streaming_on_gpu_matches_with_cross_layer_prefetch_and_event_timing(tmp_path):

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from models import prompt, tiny_model
+from packaging import version
 from transformers import DynamicCache
 
 from tierkv.errors import InvalidConfigError
-from tierkv.hf import TieredCache
+from tierkv.hf import TieredCache, cache_keyword
 
 ATOL = 1e-5
 BLOCK = 4
@@ -134,8 +136,10 @@ def test_chunked_prefill_matches_dynamic_cache(name, make_cache):
         out = generate(model, ids, mask, cache=cache, prefill_chunk_size=6)
         assert_same_generation(ref, out)
         assert_tiered(cache)
-    # chunking itself changes nothing either
-    assert torch.equal(generate(model, ids, mask).sequences, ref.sequences)
+    # chunking itself changes nothing either (a check of transformers: 5.0.0's own chunked prefill of
+    # sliding-window models differs from its unchunked one; 5.17 and 5.24 agree)
+    if version.parse(transformers.__version__) > version.parse("5.0.0") or name not in SLIDING:
+        assert torch.equal(generate(model, ids, mask).sequences, ref.sequences)
 
 
 @pytest.mark.parametrize("name", MODEL_IDS)
@@ -175,7 +179,7 @@ def test_beam_search_matches_dynamic_cache(name, make_cache, monkeypatch):
 # ------------------------------------------------------------------------------------- direct forward
 def forward(model, ids, mask, cache):
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits
+        return model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_keyword(model): cache}).logits
 
 
 @pytest.mark.parametrize("with_config", [False, True], ids=["no-config", "config"])

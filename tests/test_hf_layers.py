@@ -4,6 +4,7 @@ returns per-layer dicts in some and one dict of per-layer values in others, e.g.
 from __future__ import annotations
 
 import pytest
+import torch
 from models import tiny_model
 
 from tierkv import hf
@@ -31,4 +32,29 @@ def test_a_release_that_returns_no_types_means_full_attention(monkeypatch):
     cache = TieredCache(gpu_gb="1MB", config=config)
     assert len(cache.layers) == config.num_hidden_layers
     assert all(layer.sliding_window is None for layer in cache.layers)
+    cache.close()
+
+
+@pytest.mark.parametrize("family, window, windows", [("gemma2", 8, [8, None]), ("llama", None, [None, None]),
+                                                     ("mistral", 8, [8, 8])])
+def test_layers_from_config_on_a_release_without_the_helper(monkeypatch, family, window, windows):
+    """transformers 5.0 has no ``get_layer_types_and_kwargs``: DynamicCache's own rule is replayed."""
+    config = tiny_model(family, "eager", window).config
+    monkeypatch.setattr(hf, "get_layer_types_and_kwargs", None)
+    cache = TieredCache(gpu_gb="1MB", config=config)
+    assert [layer.sliding_window for layer in cache.layers] == windows
+    cache.close()
+
+
+def test_the_cache_goes_in_by_the_keyword_this_release_takes():
+    """Newer 5.x forwards take ``cache=``, earlier ones (5.17) ``past_key_values=`` and would silently ignore a
+    ``cache=``: the keyword is read from the model's signature, and a forward through it fills the cache."""
+    import inspect
+
+    model = tiny_model("llama")
+    keyword = hf.cache_keyword(model)
+    assert keyword in inspect.signature(type(model).forward).parameters
+    cache = TieredCache(gpu_gb="1MB", config=model.config)
+    model(input_ids=torch.tensor([[1, 2, 3]]), **{keyword: cache})
+    assert cache.get_seq_length() == 3
     cache.close()

@@ -74,9 +74,9 @@ class HostOnly:
     def index_copy(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
         dst.index_copy_(0, index, src)
 
-    def to_host(self, src: torch.Tensor) -> torch.Tensor:
-        """``src`` in host memory, complete when this returns (a blocking device->host copy)."""
-        return src.to("cpu")
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` into host memory, complete when this returns (a blocking device->host DMA)."""
+        dst.copy_(src)
 
     def host_write(self, tensor: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """The CPU is about to write ``tensor`` (only ``rows`` of its first dimension, if given)."""

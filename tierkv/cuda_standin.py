@@ -374,11 +374,11 @@ class StandIn(HostOnly):
         self._on_stream("index_copy", [(src, None)], [(dst, _rows(dst, index))])
         dst.index_copy_(0, index, src)
 
-    def to_host(self, src: torch.Tensor) -> torch.Tensor:
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         stream = self.current_stream(None)
-        self._on_stream("copy device->host (blocking)", [(src, None)], [])
+        self._on_stream("copy device->host (blocking)", [(src, None)], [(dst, None)])
         self._host_sync(f"blocking copy on {stream.name}", stream.clock)
-        return src.clone()
+        dst.copy_(src)
 
     def host_write(self, tensor: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         with self._lock:

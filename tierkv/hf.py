@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import weakref
@@ -25,7 +26,12 @@ from typing import Any
 import psutil
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+try:  # transformers >= 5.x (after 5.0): how its caches read layer types from a config
+    from transformers.cache_utils import get_layer_types_and_kwargs
+except ImportError:  # 5.0: DynamicCache inlines the same rule (see _layer_types_of_config)
+    get_layer_types_and_kwargs = None
 
 from tierkv import accel
 from tierkv.attention.base import EXECUTORS, Executor
@@ -104,7 +110,9 @@ class TieredLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.dropped + self.stored()
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # transformers 5.0 passes the cache positions
+            query_length = query_length.shape[0]
         length = self.get_seq_length()
         if self.sliding_window is None:
             return length + query_length, 0
@@ -115,6 +123,8 @@ class TieredLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.sliding_window or -1
+
+    get_max_cache_shape = get_max_length  # its name in transformers 5.0
 
     def attention_start(self, new_tokens: int) -> int:
         """First stored token attention reads after ``new_tokens`` were appended (HF's sliding semantics)."""
@@ -585,10 +595,26 @@ def _attention_start(layers: list[CacheLayerMixin], index: int) -> int:
     return layers[index].attention_start(0)  # type: ignore[attr-defined]
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword this transformers release's ``forward`` takes the cache by: ``cache`` (newer 5.x, where
+    ``past_key_values`` warns that it goes away) or ``past_key_values`` (earlier 5.x, e.g. 5.17, where a
+    ``cache=`` would land in ``**kwargs`` and be ignored: decoding without the cache)."""
+    return _cache_keyword(type(model))
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def _layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, Any]]]:
     """Per-layer attention types and kwargs from transformers, across its 5.x releases: some return one
-    kwargs dict per layer, others (5.17) one dict of per-layer lists or shared values."""
-    layer_types, kwargs = get_layer_types_and_kwargs(config)
+    kwargs dict per layer, others (5.17) one dict of per-layer lists or shared values; 5.0 has no such
+    function (its DynamicCache's rule is replayed)."""
+    if get_layer_types_and_kwargs is None:
+        layer_types, kwargs = _layer_types_of_config(config)
+    else:
+        layer_types, kwargs = get_layer_types_and_kwargs(config)
     layer_types = list(layer_types) if layer_types else ["full_attention"] * config.num_hidden_layers
     if isinstance(kwargs, dict):
         def value(item: Any, i: int) -> Any:
@@ -599,6 +625,20 @@ def _layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, An
     if "sliding_window" not in {key for kw in kwargs for key in kw} and getattr(config, "sliding_window", None):
         kwargs = [{**kw, "sliding_window": config.sliding_window} for kw in kwargs]
     return layer_types, kwargs
+
+
+def _layer_types_of_config(config: PreTrainedConfig) -> tuple[list[str], dict[str, Any]]:
+    """transformers 5.0's ``DynamicCache(config=...)`` rule: ``layer_types``, else all sliding when the config
+    has a window (or a chunk size), else all full; shared KV layers (Gemma3n) hold no cache."""
+    window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        kind = "sliding_attention" if window is not None else "full_attention"
+        layer_types = [kind] * config.num_hidden_layers
+    shared = getattr(config, "num_kv_shared_layers", None)
+    if shared:
+        layer_types = layer_types[:-shared]
+    return list(layer_types), ({"sliding_window": window} if window is not None else {})
 
 
 def _device_minimum(staging: int, tails: int, slot_bytes: int, device: str | torch.device | None) -> int:

@@ -55,7 +55,7 @@ from tierkv.errors import InvalidConfigError
 from tierkv.units import parse_size
 
 DISK_ENGINES: tuple[str, ...] = ("kvikio", "native", "posix")
-"""The disk engines, in auto-selection order (fastest first); ``tierkv.io`` loads them by these names."""
+"""The disk engines; ``tierkv.io`` loads them by these names (auto-selection: native, then posix)."""
 
 DIRECT_IO_ALIGN = 4096
 """Alignment of direct I/O (``tierkv.io.ALIGN``): the I/O chunk must be a multiple of it."""
@@ -172,7 +172,7 @@ SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
         Setting("disk_engine", "TIERKV_DISK_ENGINE", lambda: "auto", _engine, "posix",
-                "disk engine of the disk tier; auto picks the fastest that loads (kvikio, native, posix)"),
+                "disk engine of the disk tier; auto picks native, else posix (kvikio only when forced)"),
         Setting("direct_io", "TIERKV_DIRECT_IO", lambda: None, _tristate, "0",
                 "O_DIRECT for disk files: 1 requires it, 0 uses the page cache, auto tries it"),
         Setting("io_queue_depth", "TIERKV_IO_QUEUE_DEPTH", lambda: 16, _positive_int, "16",

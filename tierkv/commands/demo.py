@@ -213,13 +213,15 @@ def greedy(model, prompt: list[int], decode: int, cache, chunk: int,
            on_token: Callable[[list[int], float], None] = lambda tokens, elapsed: None) -> GreedyRun:
     """Prefill ``prompt`` in chunks, then decode ``decode`` tokens greedily through ``cache``.
 
-    The cache is passed as ``cache=``, the keyword transformers 5.x's ``forward`` and ``generate`` take
-    (``past_key_values=`` still works there but warns that it goes away).
+    The cache is passed by the keyword the installed transformers takes (:func:`tierkv.hf.cache_keyword`).
     """
+    from tierkv.hf import cache_keyword
+
+    keyword = cache_keyword(model)
     ids = torch.tensor([prompt])  # [1, T]
     started = time.perf_counter()
     for start in range(0, ids.shape[1], chunk):
-        out = model(input_ids=ids[:, start : start + chunk], cache=cache, logits_to_keep=1)
+        out = model(input_ids=ids[:, start : start + chunk], logits_to_keep=1, **{keyword: cache})
         on_prefill(min(chunk, ids.shape[1] - start))
     prefill_s = time.perf_counter() - started
     tokens: list[int] = []
@@ -229,7 +231,7 @@ def greedy(model, prompt: list[int], decode: int, cache, chunk: int,
         on_token(tokens, time.perf_counter() - started)
         if len(tokens) == decode:
             break
-        out = model(input_ids=torch.tensor([tokens[-1:]]), cache=cache, logits_to_keep=1)
+        out = model(input_ids=torch.tensor([tokens[-1:]]), logits_to_keep=1, **{keyword: cache})
     return GreedyRun(tokens, prefill_s, time.perf_counter() - started)
 
 

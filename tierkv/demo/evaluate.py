@@ -93,24 +93,28 @@ def greedy_generate(
     """
     from transformers import DynamicCache
 
+    from tierkv.hf import cache_keyword
+
     if prefill_chunk_size < 1:
         raise InvalidConfigError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
     device = next(model.parameters()).device
     cache = cache_factory() if cache_factory is not None else DynamicCache(config=model.config)
+    keyword = cache_keyword(model)
     ids = torch.tensor([list(prompt_ids)], device=device)  # [1, T]
     generated: list[int] = []
     try:
         with cache_context(cache) if cache_context is not None else contextlib.nullcontext():
             out = None
             for start in range(0, ids.shape[1], prefill_chunk_size):
-                # `cache=`: transformers 5.x's keyword (`past_key_values=` warns that it is going away)
-                out = model(input_ids=ids[:, start : start + prefill_chunk_size], cache=cache, logits_to_keep=1)
+                # the keyword this transformers takes (`cache=` in newer 5.x, `past_key_values=` before)
+                out = model(input_ids=ids[:, start : start + prefill_chunk_size], logits_to_keep=1,
+                            **{keyword: cache})
             for _ in range(max_new_tokens):
                 token = int(out.logits[0, -1].argmax())
                 generated.append(token)
                 if len(generated) == max_new_tokens:
                     break
-                out = model(input_ids=torch.tensor([[token]], device=device), cache=cache, logits_to_keep=1)
+                out = model(input_ids=torch.tensor([[token]], device=device), logits_to_keep=1, **{keyword: cache})
     finally:
         if callable(getattr(cache, "close", None)):
             cache.close()

@@ -1,9 +1,17 @@
 """The GPUDirect Storage engine: kvikio ``CuFile`` reads and writes, into GPU or host memory.
 
-With GDS, NVMe DMAs straight into GPU memory and the host tier is skipped; without it kvikio runs in
-*compat mode* (POSIX I/O through its own bounce buffers), which it chooses itself from
-``KVIKIO_COMPAT_MODE`` (ON/OFF/AUTO). We never override that setting, we only report it: ``direct`` is
-True when kvikio is not in compat mode, i.e. when cuFile's O_DIRECT path is in effect.
+With GDS, NVMe DMAs straight into GPU memory; without it kvikio runs in *compat mode* (POSIX I/O through
+its own bounce buffers), which it chooses itself from ``KVIKIO_COMPAT_MODE`` (ON/OFF/AUTO). We never
+override that setting, we only report what is in effect, honestly:
+
+- ``gds``: kvikio is not in compat mode — GDS serves reads into *device* memory;
+- ``direct``: whether reads into the *host* buffers the disk tier passes bypass the page cache. kvikio reads
+  host memory with POSIX ``pread`` whatever the compat mode, through the page cache unless its
+  ``auto_direct_io_read`` is on and the file supports O_DIRECT.
+
+Because the disk tier reads into host bounce buffers, automatic selection (:mod:`tierkv.io.select`) does not
+pick kvikio: the native engine's O_DIRECT is the better path for host memory. Force it with
+``TIERKV_DISK_ENGINE=kvikio`` (or ``engine="kvikio"``).
 
 kvikio splits each ``pread``/``pwrite`` into ``task_size`` pieces on its own thread pool
 (``KVIKIO_NTHREADS``), so this engine issues one future per request and lets kvikio supply queue depth.
@@ -32,7 +40,8 @@ from tierkv.io.base import (
     eof_error,
 )
 
-_INSTALL_FIX = "Install it with `pip install 'tierkv[cuda]'` (kvikio-cu12, cupy-cuda12x) on a CUDA host."
+_INSTALL_FIX = ("Install it on a CUDA host with `pip install 'tierkv[cuda13]'` (kvikio-cu13, cupy-cuda13x) or, for a "
+                "CUDA 12 driver, `pip install 'tierkv[cuda12]'` (kvikio-cu12, cupy-cuda12x).")
 
 # kvikio reports failed POSIX calls as RuntimeError text; these are the errnos a caller acts on.
 _KNOWN_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EINVAL, errno.EBADF)
@@ -68,9 +77,33 @@ def _compat_mode_on() -> bool:
     import kvikio.defaults
 
     preferred = getattr(kvikio.defaults, "is_compat_mode_preferred", None)
-    if preferred is not None:
+    if preferred is not None:  # resolves AUTO against cuFile's availability
         return bool(preferred())
-    return bool(kvikio.defaults.compat_mode())  # releases before 24.12 return a bool
+    getter = getattr(kvikio.defaults, "compat_mode", None)
+    value = getter() if getter is not None else kvikio.defaults.get("compat_mode")
+    return compat_from(value)
+
+
+def compat_from(value: Any) -> bool:
+    """Compat mode from ``compat_mode()``: older releases return a bool, newer a ``CompatMode`` enum, where
+    ``bool(CompatMode.AUTO)`` is True although AUTO means "GDS if cuFile works": AUTO counts as compat only
+    when nothing says GDS works (here: no ``is_compat_mode_preferred`` to ask), which is the safe side."""
+    name = getattr(value, "name", None)
+    if name is None:
+        return bool(value)
+    return name != "OFF"
+
+
+def _host_direct_io(handle: Any) -> bool:
+    """Whether kvikio reads host buffers with O_DIRECT (``auto_direct_io_read``, releases from 25.08)."""
+    import kvikio.defaults
+
+    try:
+        wanted = bool(kvikio.defaults.get("auto_direct_io_read"))
+    except (KeyError, ValueError, AttributeError):
+        return False  # older releases: host reads always go through the page cache
+    supported = getattr(handle, "is_direct_io_supported", None)
+    return wanted and bool(supported()) if supported is not None else False
 
 
 def _as_kvikio_buffer(buffer: Any, *, writable: bool) -> tuple[Any, int, int]:
@@ -141,17 +174,20 @@ class KvikioFile(DiskFile):
 
         if not os.path.exists(path):
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
-        compat = _compat_mode_on()
-        if direct and compat:
-            raise InvalidConfigError(
-                "direct I/O was requested but kvikio runs in compat mode (no GPUDirect Storage here); set "
-                "KVIKIO_COMPAT_MODE=OFF on a GDS-capable host, use engine='native' or set TIERKV_DIRECT_IO=0."
-            )
         self.path = path
-        self.direct = not compat
-        self.direct_refused = "kvikio compat mode (POSIX path, no GPUDirect Storage)" if compat else ""
+        self.gds = not _compat_mode_on()
         self._file: Any = kvikio.CuFile(path, "r+")
         self._batches: list[_KvikioBatch] = []
+        self.direct = _host_direct_io(self._file)
+        self.direct_refused = "" if self.direct else (
+            "kvikio reads host buffers with POSIX through the page cache (" +
+            ("GDS serves device memory only)" if self.gds else "compat mode: no GPUDirect Storage)"))
+        if direct and not self.direct:
+            self.close()
+            raise InvalidConfigError(
+                f"direct I/O was requested but {self.direct_refused}; use engine='native' (O_DIRECT into host "
+                "buffers), set KVIKIO_AUTO_DIRECT_IO_READ=1 on kvikio >= 25.08, or set TIERKV_DIRECT_IO=0."
+            )
 
     def submit_reads(self, requests: Sequence[tuple[int, Any]]) -> IOHandle:
         return self._submit(requests, write=False)

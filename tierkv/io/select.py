@@ -1,9 +1,12 @@
 """Choosing the engine and the I/O mode for a file, and saying once which was chosen and why.
 
-Auto-selection prefers kvikio (GPUDirect Storage: NVMe straight into GPU memory), then the native C
-engine, then posix. Each fallback is a named mode logged once on the ``tierkv`` logger, e.g.::
+Auto-selection takes the native C engine (O_DIRECT, io_uring-style queue depth), else posix. kvikio is used
+only when forced (``engine="kvikio"`` / ``TIERKV_DISK_ENGINE=kvikio``): the disk tier reads into host bounce
+buffers, which kvikio reads with POSIX through the page cache whatever its compat mode — GDS serves device
+memory only — so it never beats O_DIRECT there (see :mod:`tierkv.io.kvikio_engine`). Each choice is a named
+mode logged once on the ``tierkv`` logger, e.g.::
 
-    disk engine: kvikio unavailable (kvikio not installed), using native (O_DIRECT)
+    disk engine: native unavailable (no C compiler), using posix (O_DIRECT)
 
 A *forced* engine (``engine=``, or the ``disk_engine`` setting: ``TIERKV_DISK_ENGINE`` or an override) that
 cannot load is an error, not a fallback: whoever forced it wants to know.
@@ -23,7 +26,10 @@ from tierkv.io.base import DiskFile, EngineUnavailableError
 logger = logging.getLogger("tierkv")
 
 ENGINES: tuple[str, ...] = settings.DISK_ENGINES
-"""Every engine, in auto-selection order (fastest first)."""
+"""Every engine."""
+
+AUTO_ENGINES: tuple[str, ...] = ("native", "posix")
+"""What auto-selection tries, in order: the engines that read host buffers with O_DIRECT."""
 
 
 def _load_posix() -> type[DiskFile]:
@@ -72,8 +78,9 @@ def engine_status() -> dict[str, str | None]:
 
 
 def available_engines() -> list[str]:
-    """Names of the engines that load on this host, in auto-selection order."""
-    return [name for name, reason in engine_status().items() if reason is None]
+    """Names of the engines that load on this host, auto-selection's first (kvikio, forced only, last)."""
+    status = engine_status()
+    return [name for name in (*AUTO_ENGINES, *(e for e in ENGINES if e not in AUTO_ENGINES)) if status[name] is None]
 
 
 @functools.cache
@@ -117,7 +124,12 @@ def open_disk_file(
     notes: list[str] = []  # the engines auto-selection passed over, and why
     forced = ""
     if name == "auto":
-        for candidate in ENGINES:
+        try:
+            load_engine("kvikio")
+            notes.append("kvikio not auto-selected (it reads host buffers through the page cache)")
+        except EngineUnavailableError as exc:
+            notes.append(f"kvikio unavailable ({exc.reason})")
+        for candidate in AUTO_ENGINES:
             try:
                 cls = load_engine(candidate)
                 break

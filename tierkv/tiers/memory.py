@@ -149,7 +149,12 @@ class SlabPool(SlotPool):
         chunks, rows = self.locate(slots)
         accel = self.accel
         if self.space == HOST and accel.space(src) != HOST:
-            src = accel.to_host(src)  # blocking: a non-blocking GPU -> CPU copy may not have landed when read below
+            # device data: one DMA per run of consecutive slots straight into the (pinned) slab, blocking, so the
+            # CPU never reads a slot the GPU has not finished writing
+            for a, b in _consecutive(chunks, rows, 0, len(slots)):
+                first = int(rows[a])
+                accel.copy_to_host(self.typed(int(chunks[a]), layout)[first : first + b - a], src[a:b])
+            return
         for a, b, chunk in _runs(chunks, 0, len(slots)):
             index = torch.from_numpy(rows[a:b]).to(self.device)
             typed = self.typed(chunk, layout)
@@ -279,6 +284,8 @@ class MemoryTier:
     def close(self) -> None:
         self.pools.clear()
         self.reserved = 0
+        if self.space == DEVICE:
+            self.accel.release_cached()  # the slabs go back to the driver, not to the caching allocator
 
 
 class _MemoryRead:
