@@ -177,3 +177,24 @@ def test_a_truncated_file_is_a_clear_disk_error(tmp_path):
     assert str(slot_file.path) in str(info.value)
     store.check()
     store.close()
+
+
+@pytest.mark.cuda
+def test_rounds_into_cuda_through_pinned_bounce_and_landing(tmp_path, monkeypatch):
+    """On CUDA: a read in rounds lands through the pinned halves and the device landing buffer (each half is
+    reused only after the GPU copied it out), exactly; a flipped byte still raises before any copy."""
+    layout = _layout()
+    monkeypatch.setattr(disk_module, "BOUNCE_BYTES", 4 * layout.slot_bytes)
+    tier = disk_module.DiskTier(tmp_path, budget=64 * layout.slot_bytes, extent_bytes=16 * layout.slot_bytes)
+    slots = np.array([tier.alloc(layout.slot_bytes) for _ in range(9)], dtype=np.int64)
+    data = torch.randn(9, *layout.shape)
+    scratch = Scratch(lambda: BounceBuffer(pin=True), landing_bytes=3 * layout.slot_bytes, device=torch.device("cuda"))
+    tier.write_from(layout, slots, data, scratch)
+    out = torch.empty(9, *layout.shape, device="cuda")
+    tier.start_read(layout, slots, scratch).finish([(0, 9, out)])
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.cpu(), data, rtol=0, atol=0)
+    flip(next(iter(tier.files.values())).path, int(slots[6]) * layout.slot_bytes, 0x01)
+    with pytest.raises(IntegrityError, match=f"slot {int(slots[6])} "):
+        tier.start_read(layout, slots, scratch).finish([(0, 9, out)])
+    tier.close()
