@@ -13,3 +13,17 @@ def prefetch_every_layer():
     """Tests use small layers, which the runtime would read without prefetching (``prefetch_min``)."""
     with settings.override(prefetch_min=0):
         yield
+
+
+@pytest.fixture(autouse=True)
+def cuda_protocol_checked():
+    """With ``TIERKV_CUDA_STANDIN=1`` every test runs the CUDA paths on the stand-in: each starts a fresh one
+    and fails if it saw an access no wait orders (see tierkv/cuda_standin.py and .ci/run)."""
+    if not settings.get("cuda_standin"):
+        yield
+        return
+    from tierkv import cuda_standin
+
+    standin = cuda_standin.fresh()
+    yield
+    standin.check()
