@@ -4,14 +4,19 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
 import pytest
 import torch
-from models import tiny_model
+from models import prompt, tiny_model
+from transformers import DynamicCache
 
-from tierkv.errors import IntegrityError
+from tierkv.errors import IntegrityError, InvalidConfigError
+from tierkv.hf import TieredCache
 from tierkv.persist import record
 from tierkv.persist.keys import Namespace, block_keys, model_fingerprint
+from tierkv.persist.store import DIRECTORY_NAME, Item, PersistentStore, Recovery
 
 BT = 4
 
@@ -123,3 +128,320 @@ def test_records_stream_back_to_back(tmp_path):
 
     (first, one), (second, two) = asyncio.run(both())
     assert (first["n"], second["n"]) == (1, 2) and bytes(two) == b"\2" * 2000 and len(one) == 1000
+
+
+# ----------------------------------------------------------------------------------------------- store
+def _item(key: str, size: int = 1000, depth: int = 0) -> Item:
+    head, payload = record.encode({"kind": "block", "key": key}, bytes([len(key) % 251]) * size)
+    return Item(key, depth, head, bytes(payload))
+
+
+def _keys(n: int, tag: str = "a") -> list[str]:
+    return [f"{tag}{i:031x}" for i in range(n)]
+
+
+def test_store_round_trip_shared_by_two_stores(tmp_path):
+    one = PersistentStore(tmp_path, 1 << 20)
+    keys = _keys(4)
+    assert one.put([_item(k, depth=i) for i, k in enumerate(keys[:3])]) == 3
+    assert one.put([_item(keys[0])]) == 0  # already listed
+    two = PersistentStore(tmp_path, 1 << 20)  # a second store (another process would be the same) sees them
+    assert two.recovery == Recovery()
+    assert two.lookup(keys) == 3 and two.lookup(keys[1:]) == 2 and two.lookup(_keys(2, "b")) == 0
+    found = two.get(keys)
+    assert len(found) == 3
+    assert [record.decode(data)[0]["key"] for data in found] == keys[:3]
+    assert two.verify() == [] and two.stats()["blocks"] == 3
+    one.close()
+    two.close()
+    assert [p.name for p in (tmp_path / DIRECTORY_NAME / "tmp").iterdir()] == []
+
+
+def test_a_corrupt_block_is_a_miss_and_is_removed(tmp_path, caplog):
+    store = PersistentStore(tmp_path, 1 << 20)
+    keys = _keys(3)
+    store.put([_item(k, depth=i) for i, k in enumerate(keys)])
+    path = store._path(keys[1])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert len(store.get(keys)) == 1  # the chain stops at the corrupt block
+    assert "checksum" in caplog.text and not path.exists()
+    assert store.lookup(keys) == 1 and keys[2] in store
+    store.close()
+
+
+def test_opening_removes_what_dead_writers_left(tmp_path):
+    store = PersistentStore(tmp_path, 1 << 20)
+    keys = _keys(3)
+    store.put([_item(k) for k in keys])
+    root = tmp_path / DIRECTORY_NAME
+    (root / "blocks" / "zz").mkdir()
+    (root / "blocks" / "zz" / f"{'z' * 32}.tkv").write_bytes(b"renamed but never listed")
+    (root / "tmp" / "999-dead").mkdir()
+    (root / "tmp" / "999-dead" / "x.tkv").write_bytes(b"half a record")
+    (root / "tmp" / "998-dead.lock").write_bytes(b"")  # died between taking its lock and making its area
+    (root / "manifest.tmp").write_bytes(b"torn manifest")
+    torn = store._path(keys[2])
+    torn.write_bytes(torn.read_bytes()[:100])
+    store._path(keys[1]).unlink()
+    other = PersistentStore(tmp_path, 1 << 20)
+    assert other.recovery == Recovery(scratch_areas=1, unlisted=1, torn=1, missing=1)
+    assert other.lookup(keys) == 1 and other.verify() == []
+    assert sorted(p.name for p in (root / "tmp").iterdir()) == sorted(  # the live stores' areas stay
+        [store._scratch.name, f"{store._scratch.name}.lock", other._scratch.name, f"{other._scratch.name}.lock"])
+    assert not (root / "manifest.tmp").exists()
+    store.close()
+    other.close()
+
+
+def test_a_corrupt_manifest_starts_empty(tmp_path):
+    store = PersistentStore(tmp_path, 1 << 20)
+    store.put([_item(k) for k in _keys(2)])
+    store.close()
+    manifest = tmp_path / DIRECTORY_NAME / "manifest"
+    manifest.write_bytes(manifest.read_bytes()[:-1])
+    again = PersistentStore(tmp_path, 1 << 20)
+    assert again.recovery.manifest_lost and again.recovery.unlisted == 2 and again.stats()["blocks"] == 0
+    again.close()
+
+
+def test_capacity_evicts_least_recently_used_and_keeps_chains_usable(tmp_path):
+    size = len(_item("x" * 32).head) + 1000
+    store = PersistentStore(tmp_path, 5 * size)
+    old, new = _keys(3, "a"), _keys(3, "b")
+    store.put([_item(k, depth=i) for i, k in enumerate(old)])
+    store.put([_item(k, depth=i) for i, k in enumerate(new[:2])])
+    store.get(old[:1])  # old[0] is now the most recently used
+    store.put([_item(new[2], depth=2)], touch=new[:2])
+    assert store.stats()["bytes"] <= 5 * size
+    # one had to go: the least recently used chain's deepest block; new's chain was touched
+    assert store.lookup(old) == 2 and store.lookup(new) == 3 and old[2] not in store
+    store.put([_item(k, depth=3 + i) for i, k in enumerate(_keys(2, "d"))], touch=new)
+    assert store.lookup(old) == 0 and store.lookup(new) == 3  # the two oldest went: old[1], then old[0]
+    # a chain longer than the capacity keeps its shallow blocks
+    long = _keys(8, "c")
+    store.put([_item(k, depth=i) for i, k in enumerate(long)])
+    assert store.lookup(long) == 5 and store.stats()["blocks"] == 5
+    store.close()
+
+
+WRITER = """
+import sys
+from tierkv.persist import record
+from tierkv.persist.store import Item, PersistentStore
+store = PersistentStore(sys.argv[1], 1 << 30)
+for i in range(40):
+    key = f"{sys.argv[2]}{i:031x}"
+    head, payload = record.encode({"kind": "block", "key": key}, bytes(5000))
+    store.put([Item(key, i, head, payload)])
+store.close()
+"""
+
+
+def test_two_processes_write_one_directory(tmp_path):
+    children = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), tag]) for tag in "pq"]
+    here = PersistentStore(tmp_path, 1 << 30)
+    mine = _keys(40, "r")
+    for key in mine:
+        here.put([_item(key)])
+    assert [child.wait(timeout=60) for child in children] == [0, 0]
+    assert all(here.lookup(_keys(40, tag)) == 40 for tag in "pqr")
+    assert here.verify() == [] and here.stats()["blocks"] == 120
+    here.close()
+
+
+# ------------------------------------------------------------------------------ prefix reuse (TieredCache)
+SLOT = 4096  # one 4-token block of the tiny models (1 KiB of K/V) in its 4 KiB slot
+PROMPT = 26  # 6 full blocks and 2 tokens
+NEW = 6
+# (family, attention, sliding window): Mistral's every layer and Gemma2's every other layer slide over 8 tokens
+FAMILIES = [("llama", "sdpa", None), ("qwen2", "sdpa", None), ("phi3", "sdpa", None),
+            ("mistral", "sdpa", 8), ("gemma2", "eager", 8)]
+
+
+def _cache(model, directory, context: int = PROMPT + NEW, batch: int = 1, **options) -> TieredCache:
+    """Budgets small enough that the K/V spreads over device, host and disk (as in test_hf_exactness)."""
+    device = TieredCache.min_device_bytes(model.config, context, batch, BT) + 2 * SLOT
+    options.setdefault("persist", True)
+    return TieredCache(gpu_gb=f"{device}B", cpu_gb=f"{4 * SLOT}B", disk_gb="64MiB", disk_dir=directory,
+                       block_tokens=BT, config=model.config, **options)
+
+
+def _generate(model, ids, cache=None, new: int = NEW):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+class _Counter:
+    """Counts the token positions the model computes (its embedding's inputs), per forward."""
+
+    def __init__(self, model) -> None:
+        self.calls: list[int] = []
+        self._hook = model.get_input_embeddings().register_forward_pre_hook(
+            lambda _, args: self.calls.append(args[0].shape[1]))
+
+    def __enter__(self) -> _Counter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+
+
+def _assert_same(ref, out) -> None:
+    assert torch.equal(ref.sequences, out.sequences)
+    for a, b in zip(ref.logits, out.logits):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family,attn,window", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_a_later_cache_reuses_the_prefix_and_computes_only_the_tail(family, attn, window, tmp_path):
+    model = tiny_model(family, attn, window)
+    ids, _ = prompt(1, PROMPT, seed=3)
+    reference = _generate(model, ids, DynamicCache(config=model.config))
+    with _cache(model, tmp_path) as cold:
+        assert cold.load_prefix(model, ids) == 0
+        with _Counter(model) as counted:
+            _assert_same(reference, _generate(model, ids, cold))
+        assert counted.calls[0] == PROMPT
+    with _cache(model, tmp_path) as warm:
+        loaded = warm.load_prefix(model, ids)
+        assert loaded == (PROMPT // BT) * BT == 24
+        with _Counter(model) as counted:
+            out = _generate(model, ids, warm)
+        assert counted.calls == [PROMPT - loaded] + [1] * (NEW - 1)  # only the uncached tail was prefilled
+        _assert_same(reference, out)
+        warm.store.check()
+
+
+def test_at_least_one_token_is_left_to_compute(tmp_path):
+    model = tiny_model("llama")
+    ids, _ = prompt(1, 6 * BT, seed=4)  # a whole number of blocks
+    with _cache(model, tmp_path) as cold:
+        cold.load_prefix(model, ids)
+        reference = _generate(model, ids, cold)
+    with _cache(model, tmp_path) as warm:
+        assert warm.load_prefix(model, ids) == 5 * BT  # the sixth block holds the last token: computed again
+        _assert_same(reference, _generate(model, ids, warm))
+    with _cache(model, tmp_path) as short:
+        assert short.load_prefix(model, ids[:, :1]) == 0
+
+
+def test_a_shared_prefix_with_another_suffix(tmp_path):
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=5)
+    with _cache(model, tmp_path) as cold:
+        cold.load_prefix(model, ids)
+        _generate(model, ids, cold)
+    other = ids.clone()
+    other[0, 10:] = (other[0, 10:] + 1) % 120 + 2  # shares tokens 0..9: blocks 0 and 1
+    reference = _generate(model, other, DynamicCache(config=model.config))
+    with _cache(model, tmp_path) as warm:
+        assert warm.load_prefix(model, other) == 2 * BT
+        _assert_same(reference, _generate(model, other, warm))
+
+
+def test_another_model_dtype_layout_or_attention_never_matches(tmp_path):
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=6)
+    with _cache(model, tmp_path) as cold:
+        cold.load_prefix(model, ids)
+        _generate(model, ids, cold)
+    half = tiny_model.__wrapped__("llama").to(torch.bfloat16)
+    for other in (tiny_model("qwen2"), tiny_model("llama", attn="eager"), tiny_model("llama", layers=3), half):
+        with _cache(other, tmp_path) as cache:
+            assert cache.load_prefix(other, ids) == 0
+    device = TieredCache.min_device_bytes(model.config, PROMPT + NEW, 1, 2 * BT) + 2 * SLOT
+    with TieredCache(gpu_gb=f"{device}B", disk_dir=tmp_path, block_tokens=2 * BT, persist=True) as cache:
+        assert cache.load_prefix(model, ids) == 0  # another block size
+
+
+def test_batches_load_what_every_row_shares(tmp_path):
+    model = tiny_model("llama")
+    ids, _ = prompt(2, PROMPT, seed=7)
+    with _cache(model, tmp_path, batch=2) as cold:
+        cold.load_prefix(model, ids[:1])  # row 0 alone: its 6 blocks are stored
+        _generate(model, ids[:1], cold)
+    both = ids.clone()
+    both[1, : 3 * BT] = both[0, : 3 * BT]  # row 1 shares row 0's first 3 blocks
+    reference = _generate(model, both, DynamicCache(config=model.config))
+    with _cache(model, tmp_path, batch=2) as warm:
+        assert warm.load_prefix(model, both) == 3 * BT
+        _assert_same(reference, _generate(model, both, warm))
+    with _cache(model, tmp_path, batch=2) as again:  # now row 1's blocks were persisted too
+        assert again.load_prefix(model, both) == 6 * BT
+
+
+def test_a_conversation_persists_its_generated_tokens_on_the_next_turn(tmp_path):
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=8)
+    with _cache(model, tmp_path, context=64) as cache:
+        cache.load_prefix(model, ids)
+        first = _generate(model, ids, cache).sequences  # the cache holds all but its last token
+        follow, _ = prompt(1, 5, seed=9)
+        turn = torch.cat((first, follow), dim=1)
+        wrong = turn.clone()
+        wrong[0, 3] += 1
+        with pytest.raises(InvalidConfigError, match="do not start with"):
+            cache.load_prefix(model, wrong)
+        assert cache.load_prefix(model, turn) == first.shape[1] - 1
+        second = _generate(model, turn, cache)
+    reference = _generate(model, turn, DynamicCache(config=model.config))
+    _assert_same(reference, second)
+    with _cache(model, tmp_path, context=64) as later:  # the first turn's generated tokens were persisted
+        assert later.load_prefix(model, turn) == (turn.shape[1] - 1) // BT * BT
+        _assert_same(reference, _generate(model, turn, later))
+
+
+def test_a_corrupt_persisted_block_is_recomputed(tmp_path, caplog):
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=10)
+    with _cache(model, tmp_path) as cold:
+        cold.load_prefix(model, ids)
+        reference = _generate(model, ids, cold)
+    store = PersistentStore(tmp_path, 1 << 30)
+    keys = block_keys(Namespace.of_model(model, BT).root, ids[0].tolist(), BT)
+    path = store._path(keys[3])
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x01  # the low bit of one stored value
+    path.write_bytes(bytes(data))
+    with _cache(model, tmp_path) as warm:
+        assert warm.load_prefix(model, ids) == 3 * BT
+        _assert_same(reference, _generate(model, ids, warm))
+    assert "checksum" in caplog.text
+    store.close()
+
+
+def test_the_size_cap_keeps_the_shallow_blocks(tmp_path):
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=11)
+    head, payload = record.encode_block("k" * 32, "r" * 32, 5, torch.zeros(2, 2, 2, BT, 16))
+    cap = 3 * (len(head) + len(payload)) + 100  # room for 3 of the 6 block-rows
+    with _cache(model, tmp_path, persist_gb=f"{cap}B") as cold:
+        cold.load_prefix(model, ids)
+        _generate(model, ids, cold)
+        cold.flush()
+        stats = cold._prefix.store.stats()
+        assert stats["bytes"] <= cap and stats["blocks"] == 3
+    with _cache(model, tmp_path) as warm:
+        assert warm.load_prefix(model, ids) == 3 * BT
+
+
+def test_persistence_arguments_are_checked(tmp_path):
+    model = tiny_model("llama")
+    with pytest.raises(InvalidConfigError, match="disk_dir"):
+        TieredCache(persist=True)
+    with pytest.raises(InvalidConfigError, match="persist=True"):
+        TieredCache(disk_dir=tmp_path, persist_gb=1)
+    with pytest.raises(InvalidConfigError, match="persist must be"):
+        TieredCache(disk_dir=tmp_path, persist="yes")
+    with TieredCache(disk_dir=tmp_path) as cache, pytest.raises(InvalidConfigError, match="persist=True"):
+        cache.load_prefix(model, [1, 2, 3])
+    with _cache(model, tmp_path) as cache:
+        with pytest.raises(InvalidConfigError, match="token ids"):
+            cache.load_prefix(model, torch.zeros(1, 3))
+        ids, _ = prompt(1, 9, seed=1)
+        cache.load_prefix(model, ids)
+        _generate(model, ids, cache, new=1)
+        with pytest.raises(InvalidConfigError, match="at least one new token"):
+            cache.load_prefix(model, ids)

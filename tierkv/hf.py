@@ -21,8 +21,10 @@ import logging
 import os
 import weakref
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import torch
 from transformers import PreTrainedConfig
@@ -41,9 +43,14 @@ from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS, StreamingAttention
 from tierkv.bandwidth import LinkProfile
 from tierkv.blocks import Tier
 from tierkv.config import check_budgets_fit_machine, check_count, check_disk_engine, check_model_config, parse_size
-from tierkv.errors import InvalidConfigError, TierKVError
+from tierkv.errors import IntegrityError, InvalidConfigError, TierKVError
 from tierkv.layout import BlockLayout
 from tierkv.mover import make_mover
+from tierkv.persist import conversation
+from tierkv.persist import record as records
+from tierkv.persist.keys import Namespace, model_fingerprint
+from tierkv.persist.prefix import PrefixPersistence
+from tierkv.persist.store import PersistentStore
 from tierkv.policy import Policy, make_policy
 from tierkv.staging import (
     device_minimum,
@@ -63,6 +70,7 @@ DEFAULT_BLOCK_TOKENS = 256
 DEFAULT_DEVICE_FRACTION = 0.25  # of free device memory (CPU RAM on a CPU-only host), when gpu_gb is None
 DEFAULT_HOST_FRACTION = 0.5  # of available RAM, when cpu_gb is None
 DEFAULT_DISK_FRACTION = 0.9  # of free space under disk_dir, when disk_gb is None
+DEFAULT_PERSIST_FRACTION = 0.1  # of free space under disk_dir, when persist=True and persist_gb is None
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 STREAMING_ATTENTION = "tierkv_streaming"  # the AttentionInterface name of the streaming executor
 
@@ -171,6 +179,10 @@ class TieredCache(Cache):
             by device type (:func:`tierkv.stats.default_profile`).
         trace: record a timeline trace (True; or a path written at ``close()``); default ``$TIERKV_TRACE``.
             See :meth:`save_trace`.
+        persist: keep full blocks in ``disk_dir`` after the process ends, content-addressed by model and
+            token ids, so a later cache reuses a shared prefix (:meth:`load_prefix`; docs/reliability.md).
+        persist_gb: size cap of the persisted blocks (least recently used evicted first). Default: 10% of
+            the free space under ``disk_dir``.
     """
 
     def __init__(self, gpu_gb: float | str | None = None, cpu_gb: float | str | None = None,
@@ -178,7 +190,8 @@ class TieredCache(Cache):
                  block_tokens: int = DEFAULT_BLOCK_TOKENS, policy: str | Policy = "lru",
                  prefetch_depth: int | str = 1, config: PreTrainedConfig | None = None,
                  disk_engine: str | None = None, profile: LinkProfile | str | os.PathLike | None = None,
-                 trace: bool | str | os.PathLike | None = None) -> None:
+                 trace: bool | str | os.PathLike | None = None, persist: bool = False,
+                 persist_gb: float | str | None = None) -> None:
         if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens <= 0:
             raise InvalidConfigError(f"block_tokens must be a positive int (e.g. 256), got {block_tokens!r}.")
         if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int) or prefetch_depth < 0):
@@ -196,6 +209,11 @@ class TieredCache(Cache):
         if disk_engine is not None and disk_dir is None:
             raise InvalidConfigError("disk_engine was given without disk_dir; pass disk_dir='/path/on/nvme' to enable "
                                      "the disk tier, or drop disk_engine.")
+        if not isinstance(persist, bool):
+            raise InvalidConfigError(f"persist must be True or False, got {persist!r}.")
+        if (persist or persist_gb is not None) and (disk_dir is None or not persist):
+            raise InvalidConfigError("persist=True keeps blocks in disk_dir and persist_gb caps them; pass both "
+                                     "disk_dir='/path/on/nvme' and persist=True (persist_gb is optional).")
         check_budgets_fit_machine(self.gpu_budget, self.cpu_budget, self.disk_budget, disk_dir)
         if disk_dir is not None:
             check_disk_engine(disk_engine)
@@ -230,6 +248,11 @@ class TieredCache(Cache):
         if disk_dir is not None:
             self._disk = self._resources.disk = DiskTier(disk_dir, self.disk_budget, DEFAULT_DISK_FRACTION,
                                                          engine=disk_engine)
+        self._prefix: PrefixPersistence | None = None
+        if persist:
+            capacity = parse_size(persist_gb, name="persist_gb") if persist_gb is not None else \
+                int(psutil.disk_usage(os.fspath(disk_dir)).free * DEFAULT_PERSIST_FRACTION)
+            self._prefix = PrefixPersistence(PersistentStore(disk_dir, max(capacity, 1)), block_tokens)
         super().__init__(layers=layers)
 
     # ------------------------------------------------------------------------------ transformers API
@@ -263,6 +286,9 @@ class TieredCache(Cache):
         self._select_rows(torch.as_tensor(indices).tolist())
 
     def reset(self) -> None:
+        if self._prefix is not None:
+            self._persist_new_blocks()
+            self._prefix.reset()
         if self.store is not None:
             for executor in self.executors.values():
                 executor.reset()
@@ -291,6 +317,119 @@ class TieredCache(Cache):
         if sparse is not None:
             stats["sparse"] = sparse.counters.as_dict()
         return stats
+
+    def load_prefix(self, model: torch.nn.Module, input_ids: torch.Tensor | Sequence[int]) -> int:
+        """Load the longest persisted prefix of ``input_ids`` ``[B, T]`` into this empty cache and remember the
+        ids, so the sequence's own full blocks are persisted in turn (needs ``persist=True``). Returns the
+        tokens the cache now holds; ``model.generate(input_ids, cache=cache)`` then computes only the rest —
+        always at least the last token. Blocks match only for the same model weights and config, dtype,
+        device type, attention implementation and ``block_tokens``.
+
+        On a cache that already holds a conversation, it records the ids of the next turn (they must start
+        with the ones it holds: pass the previous ids, the generated tokens, then the new ones), loads nothing
+        and returns the tokens held.
+        """
+        if self._prefix is None:
+            raise InvalidConfigError("load_prefix needs a persistent cache: "
+                                     "TieredCache(disk_dir='/path/on/nvme', persist=True).")
+        if self._closed:
+            raise InvalidConfigError("this TieredCache was closed (its tiers are released); create a new one.")
+        ids = _token_ids(input_ids)
+        held = self.get_seq_length()
+        if held:
+            if ids.shape[1] <= held or (self.store is not None and ids.shape[0] != self._batch()):
+                raise InvalidConfigError(
+                    f"the cache holds {held} tokens of {self._batch()} rows; load_prefix needs the same rows with at "
+                    f"least one new token, got ids of shape {tuple(ids.shape)}. Call cache.reset() for a new prompt.")
+            self._prefix.extend(ids, held)
+            return held
+        namespace = Namespace.of_model(model, self.block_tokens)
+        if self._layers_from_config and len(self.layers) != namespace.layers:
+            raise InvalidConfigError(f"the model has {namespace.layers} layers but this cache was built for "
+                                     f"{len(self.layers)} (config=); pass that model's config.")
+        self._prefix.start(namespace, ids)
+        blocks, kv = self._prefix.load()
+        if blocks:
+            self._import(kv, next(model.parameters()).device)
+        return blocks * self.block_tokens
+
+    def flush(self) -> None:
+        """Persist the full blocks with known ids now and wait until they are written (``persist=True``;
+        also done on ``close()``)."""
+        if self._prefix is not None:
+            self._persist_new_blocks()
+            self._prefix.flush()
+
+    def save(self, path: str | os.PathLike, model: torch.nn.Module | None = None) -> None:
+        """Write this conversation (every layer's K/V, the token ids it knows, per-layer state) to ``path``, so
+        :meth:`load` resumes it without prefill. Atomic: a crash while saving leaves the previous file.
+        ``model``: recorded by fingerprint, so that loading with another model is refused."""
+        target = Path(path)
+        with open(conversation.temporary(target), "wb") as f:
+            for head, payload in self._conversation_records(model):
+                f.write(head)
+                f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        conversation.finish(target)
+
+    async def asave(self, path: str | os.PathLike, model: torch.nn.Module | None = None) -> None:
+        """:meth:`save` for asyncio servers: the file I/O (aiofiles) does not block the event loop; the K/V is
+        copied out of the tiers on the loop's thread, one chunk (``CHUNK_BYTES``) at a time."""
+        aiofiles = _aiofiles()
+        import asyncio
+
+        target = Path(path)
+        async with aiofiles.open(conversation.temporary(target), "wb") as f:
+            for head, payload in self._conversation_records(model):
+                await f.write(head)
+                await f.write(payload)
+            await f.flush()
+            await asyncio.to_thread(os.fsync, f.fileno())
+        await asyncio.to_thread(conversation.finish, target)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: torch.nn.Module | None = None,
+             device: str | torch.device | None = None, **options: Any) -> TieredCache:
+        """A cache holding the conversation saved at ``path``: ``model.generate(ids, cache=cache)`` continues
+        it with no prefill. ``options`` are :class:`TieredCache` arguments (budgets, ``disk_dir`` ...);
+        ``device`` defaults to ``model``'s, else the CPU. Every record is verified (IntegrityError)."""
+        what = os.fspath(path)
+        with open(path, "rb") as f:
+            header = conversation.parse_header(*records.read(f, what), what)
+            cache = cls._for_conversation(header, model, options, what)
+            try:
+                reader = conversation.Reader(header, what)
+                while (chunk := reader.take(*records.read(f, what))) is not None:
+                    cache._restore_chunk(chunk, header, model, device)
+                if f.read(1):
+                    raise IntegrityError(f"{what}: data after the end record.")
+                cache._restored(header)
+            except BaseException:
+                cache.close()
+                raise
+        return cache
+
+    @classmethod
+    async def aload(cls, path: str | os.PathLike, model: torch.nn.Module | None = None,
+                    device: str | torch.device | None = None, **options: Any) -> TieredCache:
+        """:meth:`load` for asyncio servers (the file is read with aiofiles)."""
+        aiofiles = _aiofiles()
+        what = os.fspath(path)
+        async with aiofiles.open(path, "rb") as f:
+            header = conversation.parse_header(*(await records.aread(f, what)), what)
+            cache = cls._for_conversation(header, model, options, what)
+            try:
+                reader = conversation.Reader(header, what)
+                while (chunk := reader.take(*(await records.aread(f, what)))) is not None:
+                    cache._restore_chunk(chunk, header, model, device)
+                if await f.read(1):
+                    raise IntegrityError(f"{what}: data after the end record.")
+                cache._restored(header)
+            except BaseException:
+                cache.close()
+                raise
+        return cache
 
     def save_trace(self, path: str | os.PathLike) -> None:
         """Write the timeline trace (``TieredCache(trace=True)``) as Chrome trace JSON (chrome://tracing,
@@ -343,9 +482,11 @@ class TieredCache(Cache):
         return layout.token_bytes * config.get_text_config(decoder=True).num_hidden_layers
 
     def close(self) -> None:
-        """Release every tier and delete the disk tier's files. Idempotent; a failure while cleaning up is
-        logged, never raised (a file that cannot be removed is retried at exit, or by the next cache that opens
-        its directory). A cache dropped without ``close()`` is closed when it is garbage-collected."""
+        """Release every tier and delete the disk tier's files; persisted blocks (``persist=True``) stay, the
+        last ones written first. Idempotent; a failure while cleaning up is logged, never raised (a file that
+        cannot be removed is retried at exit, or by the next cache that opens its directory). A cache dropped
+        without ``close()`` is closed when it is garbage-collected."""
+        self._close_persistence()
         self._finalizer()
         self.store = None
         self.executors = {}
@@ -444,6 +585,8 @@ class TieredCache(Cache):
         if self._closed:
             raise InvalidConfigError("this TieredCache was closed (its tiers are released); create a new one.")
         store = self._ensure_store(key_states)
+        if layer.index == 0 and self._prefix is not None:
+            self._persist_new_blocks()  # the previous forward is complete: its full blocks can be persisted
         layer.length_before = layer.get_seq_length()
         try:
             # Blocks that left the window during the previous step go now, not then: until this step is
@@ -551,12 +694,106 @@ class TieredCache(Cache):
             )
         self._invalidate_staged()
         self.store.crop(layer.index, remove)
+        if self._prefix is not None:
+            self._prefix.truncate(layer.get_seq_length())
 
     def _select_rows(self, indices: Sequence[int]) -> None:
         if self.store is None:
             return
         self._invalidate_staged()
         self.store.select_rows(list(indices))
+        if self._prefix is not None:
+            self._prefix.select_rows(indices)
+
+    def _persist_new_blocks(self) -> None:
+        """Hand the full blocks with known ids that are not persisted yet to the background writer. Never raises:
+        persistence is a copy, and its failure must not fail decoding (it is logged)."""
+        if self.store is None or self._prefix is None:
+            return
+        layers = [layer for layer in self.layers if isinstance(layer, TieredLayer)]
+        try:
+            self._prefix.collect(self.store, [layer.get_seq_length() for layer in layers],
+                                 [layer.dropped for layer in layers])
+        except Exception:
+            log.exception("tierkv: persisting this sequence's blocks failed; it is no longer persisted")
+            self._prefix.reset()
+
+    def _close_persistence(self) -> None:
+        if self._prefix is None:
+            return
+        if not self._closed:
+            self._persist_new_blocks()
+        prefix, self._prefix = self._prefix, None
+        prefix.close()  # waits for the writer
+        prefix.store.close()
+
+    def _import(self, kv: list[torch.Tensor], device: torch.device) -> None:
+        """Append ``kv[layer]`` ``[2, B, H_kv, T, D]`` to every layer of this empty cache (all or nothing)."""
+        while len(self.layers) < len(kv):
+            self.layers.append(TieredLayer(self, len(self.layers)))
+        try:
+            for index, layer_kv in enumerate(kv):
+                layer_kv = layer_kv.to(device)
+                self._ensure_store(layer_kv[0]).append(index, layer_kv[0], layer_kv[1])
+        except BaseException:
+            self.reset()
+            raise
+
+    def _conversation_records(self, model: torch.nn.Module | None) -> Iterator[tuple[bytes, memoryview]]:
+        if self._closed:
+            raise InvalidConfigError("this TieredCache was closed (its tiers are released); save before close().")
+        if self.store is None or not self.get_seq_length():
+            raise InvalidConfigError("this cache holds no tokens yet; save it after a forward pass or generate().")
+        prefix = self._prefix
+        namespace = prefix.namespace if prefix is not None else None
+        fingerprint = model_fingerprint(model) if model is not None else namespace.fingerprint if namespace else None
+        layers = tuple(conversation.LayerState(layer.index, layer.sliding_window, layer.dropped,
+                                               layer.get_seq_length()) for layer in self.layers)
+        header = conversation.Header(self.block_tokens, self._batch(), layers,
+                                     prefix.ids if prefix is not None else None,
+                                     namespace.to_dict() if namespace is not None else None, fingerprint)
+        return conversation.records(self.store, header)
+
+    @classmethod
+    def _for_conversation(cls, header: conversation.Header, model: torch.nn.Module | None,
+                          options: dict[str, Any], what: str) -> TieredCache:
+        """An empty cache shaped like the saved one (its layers, windows and block size)."""
+        if options.setdefault("block_tokens", header.block_tokens) != header.block_tokens:
+            raise InvalidConfigError(f"{what} was saved with block_tokens={header.block_tokens}; load it with the "
+                                     "same (or leave block_tokens out).")
+        if model is not None and header.fingerprint is not None and model_fingerprint(model) != header.fingerprint:
+            raise InvalidConfigError(f"{what} was saved from another model (weights or config differ); load it "
+                                     "with the model that produced it.")
+        cache = cls(**options)
+        windows = [layer.sliding_window for layer in header.layers]
+        if cache._layers_from_config and [layer.sliding_window for layer in cache.layers] != windows:
+            cache.close()
+            raise InvalidConfigError(f"{what} holds {len(windows)} layers with sliding windows {windows}; the "
+                                     "config= given describes other layers. Pass the model's own config, or none.")
+        cache.layers = [TieredLayer(cache, i, window) for i, window in enumerate(windows)]
+        cache._layers_from_config = True
+        return cache
+
+    def _restore_chunk(self, chunk: tuple[int, int, torch.Tensor], header: conversation.Header,
+                       model: torch.nn.Module | None, device: str | torch.device | None) -> None:
+        index, first, blocks = chunk  # blocks: [B, n, 2, H, bt, D]
+        layer = header.layers[index]
+        bt = header.block_tokens
+        end = min((first + blocks.shape[1]) * bt, layer.length) - first * bt  # tokens of this chunk
+        kv = blocks.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)[:, :, :, :end]  # [2, B, H, tokens, D]
+        where = device if device is not None else next(model.parameters()).device if model is not None else "cpu"
+        kv = kv.to(where)
+        self._ensure_store(kv[0]).append(index, kv[0], kv[1])
+
+    def _restored(self, header: conversation.Header) -> None:
+        """Set what the K/V records do not carry, and check every layer's length against the header."""
+        for saved, layer in zip(header.layers, self.layers):
+            layer.dropped = saved.dropped
+            if layer.get_seq_length() != saved.length:
+                raise IntegrityError(f"layer {saved.index} holds {layer.get_seq_length()} tokens after loading, "
+                                     f"the file says {saved.length}.")
+        if self._prefix is not None and header.ids is not None and header.namespace is not None:
+            self._prefix.start(Namespace(**header.namespace), header.ids)
 
     def _batch(self) -> int:
         return max((self.store.batch_size(layer) for layer in self.store.layouts), default=0)
@@ -639,6 +876,26 @@ def _layer_types_of_config(config: PreTrainedConfig) -> tuple[list[str], dict[st
     if shared:
         layer_types = layer_types[:-shared]
     return list(layer_types), ({"sliding_window": window} if window is not None else {})
+
+
+def _token_ids(input_ids: torch.Tensor | Sequence[int]) -> np.ndarray:
+    """Token ids as an int64 ``[B, T]`` array (a 1-D sequence is one row)."""
+    ids = np.asarray(input_ids.detach().cpu() if isinstance(input_ids, torch.Tensor) else input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[1] == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise InvalidConfigError(f"input_ids must be token ids of shape [batch, tokens], got {ids.dtype} "
+                                 f"{tuple(ids.shape)}.")
+    return ids.astype(np.int64)
+
+
+def _aiofiles() -> Any:
+    try:
+        import aiofiles
+    except ImportError:
+        raise InvalidConfigError("asave/aload need aiofiles: pip install 'tierkv[aio]' (or pip install aiofiles); "
+                                 "save/load work without it.") from None
+    return aiofiles
 
 
 def _device_minimum(staging: int, tails: int, slot_bytes: int, device: str | torch.device | None) -> int:

@@ -468,6 +468,24 @@ class KVStore:
         offset = start - plan.first * self.block_tokens
         return out[..., offset : offset + stop - start, :].clone()
 
+    def export_blocks(self, layer: int, first: int, stop: int) -> torch.Tensor:
+        """Blocks ``[first, stop)`` (sequence indices) of every row of ``layer`` as a fresh host tensor
+        ``[B, n, 2, H_kv, block_tokens, D]``, one read per source tier — for persistence and saving, not the
+        decode path (no access is recorded; a partial tail comes with its unused positions zeroed)."""
+        rows = self.table.rows[layer]
+        layout = self.layouts[layer]
+        lo, hi = first - rows.front, stop - rows.front
+        if not 0 <= lo <= hi <= rows.count:
+            raise InvalidConfigError(f"blocks [{first}, {stop}) of layer {layer} are not held (it holds "
+                                     f"[{rows.front}, {rows.front + rows.count})).")
+        tiers, slots = rows.tiers[:, lo:hi], rows.slots[:, lo:hi]
+        out = torch.empty((rows.batch, hi - lo, *layout.shape), dtype=layout.dtype)
+        for tier in np.unique(tiers).tolist():
+            where = tiers == tier
+            out[torch.from_numpy(where)] = self.transfer.read_blocks(layout, Tier(tier), slots[where].tolist(),
+                                                                     device=torch.device("cpu"))
+        return out
+
     def enable_landing(self, nbytes: int) -> bool:
         """Reserve device landing buffers so host and disk runs cross the link as large copies.
 

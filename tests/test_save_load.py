@@ -1,0 +1,166 @@
+"""Saving and loading a conversation: ``cache.save(path)`` / ``TieredCache.load(path)`` (and the asyncio
+``asave`` / ``aload``) resume decoding without prefill, token for token as the uninterrupted cache does, on
+real transformers models (tests/models.py) with their K/V spread over device, host and disk."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+import torch
+from models import prompt, tiny_model
+
+from tierkv.errors import IntegrityError, InvalidConfigError
+from tierkv.hf import TieredCache
+
+BT = 4
+SLOT = 4096
+PROMPT = 22
+NEW = 5
+MORE = 6
+FAMILIES = [("llama", "sdpa", None), ("qwen3", "sdpa", None), ("mistral", "sdpa", 8), ("gemma2", "eager", 8)]
+
+
+def _options(model, tmp_path, batch: int = 1, name: str = "disk") -> dict:
+    device = TieredCache.min_device_bytes(model.config, PROMPT + NEW + MORE, batch, BT) + 2 * SLOT
+    return dict(gpu_gb=f"{device}B", cpu_gb=f"{4 * SLOT}B", disk_gb="64MiB", disk_dir=tmp_path / name)
+
+
+def _generate(model, ids, cache, new: int):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+def _computed(model):
+    """A list that collects the number of positions each forward computes."""
+    calls: list[int] = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _, args: calls.append(args[0].shape[1]))
+    return calls, hook
+
+
+def _conversation(model, tmp_path, batch: int = 1, with_config: bool = True):
+    """A cache after a first turn, the tokens so far, and the uninterrupted continuation."""
+    ids, _ = prompt(batch, PROMPT, seed=2)
+    cache = TieredCache(block_tokens=BT, config=model.config if with_config else None,
+                        **_options(model, tmp_path, batch, "first"))
+    so_far = _generate(model, ids, cache, NEW).sequences
+    return cache, so_far
+
+
+@pytest.mark.parametrize("family,attn,window", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_a_loaded_conversation_continues_like_the_uninterrupted_one(family, attn, window, tmp_path):
+    model = tiny_model(family, attn, window)
+    cache, so_far = _conversation(model, tmp_path)
+    path = tmp_path / "conversation.tkv"
+    cache.save(path, model=model)
+    uninterrupted = _generate(model, so_far, cache, MORE)
+    cache.close()
+    loaded = TieredCache.load(path, model=model, **_options(model, tmp_path))
+    assert loaded.get_seq_length() == so_far.shape[1] - 1
+    assert [layer.sliding_window for layer in loaded.layers] == [layer.sliding_window for layer in cache.layers]
+    calls, hook = _computed(model)
+    try:
+        resumed = _generate(model, so_far, loaded, MORE)
+    finally:
+        hook.remove()
+    assert calls == [1] * MORE  # no prefill: the first forward computes the one token not in the cache
+    assert torch.equal(resumed.sequences, uninterrupted.sequences)
+    for a, b in zip(uninterrupted.logits, resumed.logits):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+    loaded.store.check()
+    loaded.close()
+
+
+def test_asave_and_aload_round_trip(tmp_path):
+    model = tiny_model("llama")
+    cache, so_far = _conversation(model, tmp_path, batch=2, with_config=False)
+    path = tmp_path / "async.tkv"
+    asyncio.run(cache.asave(path))
+    uninterrupted = _generate(model, so_far, cache, MORE)
+    cache.close()
+    loaded = asyncio.run(TieredCache.aload(path, model=model, **_options(model, tmp_path, batch=2)))
+    assert torch.equal(_generate(model, so_far, loaded, MORE).sequences, uninterrupted.sequences)
+    loaded.close()
+    # the synchronous reader reads what the asynchronous writer wrote, and the other way round
+    TieredCache.load(path, **_options(model, tmp_path, batch=2, name="again")).close()
+
+
+def test_damaged_files_are_refused(tmp_path):
+    model = tiny_model("llama")
+    cache, _ = _conversation(model, tmp_path)
+    path = tmp_path / "c.tkv"
+    cache.save(path, model=model)
+    cache.close()
+    data = path.read_bytes()
+    options = _options(model, tmp_path)
+    for position in (5, 100, len(data) // 2, len(data) - 3):
+        flipped = bytearray(data)
+        flipped[position] ^= 0x40
+        path.write_bytes(bytes(flipped))
+        with pytest.raises(IntegrityError):
+            TieredCache.load(path, **options)
+    for length in (10, len(data) // 3, len(data) - 40):  # cut inside a record and at the end record
+        path.write_bytes(data[:length])
+        with pytest.raises(IntegrityError):
+            TieredCache.load(path, **options)
+    path.write_bytes(data + b"x")
+    with pytest.raises(IntegrityError, match="after the end"):
+        TieredCache.load(path, **options)
+    path.write_bytes(data)
+    with pytest.raises(InvalidConfigError, match="another model"):
+        TieredCache.load(path, model=tiny_model("qwen2"), **options)
+    with pytest.raises(InvalidConfigError, match="block_tokens"):
+        TieredCache.load(path, block_tokens=8, **options)
+    with pytest.raises(InvalidConfigError, match="sliding windows"):
+        TieredCache.load(path, config=tiny_model("gemma2", "eager", 8).config, **options)
+    TieredCache.load(path, model=model, **options).close()
+
+
+def test_saving_is_atomic_and_needs_tokens(tmp_path):
+    model = tiny_model("llama")
+    path = tmp_path / "c.tkv"
+    with TieredCache(block_tokens=BT) as empty, pytest.raises(InvalidConfigError, match="no tokens"):
+        empty.save(path)
+    cache, _ = _conversation(model, tmp_path)
+    cache.save(path)
+    before = path.read_bytes()
+
+    def fail(*args, **kwargs):
+        raise OSError("disk gone")
+
+    original = cache.store.export_blocks
+    cache.store.export_blocks = fail  # the write dies half way through
+    with pytest.raises(OSError, match="disk gone"):
+        cache.save(path)
+    cache.store.export_blocks = original
+    assert path.read_bytes() == before  # the previous file is intact
+    cache.close()
+    with pytest.raises(InvalidConfigError, match="closed"):
+        cache.save(path)
+
+
+def test_a_persistent_cache_keeps_persisting_after_load(tmp_path):
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=4)
+    options = dict(_options(model, tmp_path, name="persist"), persist=True)
+    with TieredCache(block_tokens=BT, **options) as cache:
+        cache.load_prefix(model, ids)
+        so_far = _generate(model, ids, cache, 1).sequences  # one forward: nothing persisted yet
+        cache.save(tmp_path / "c.tkv")
+        cache._prefix.reset()  # this one forgets its ids (so only the loaded cache can persist)
+    with TieredCache.load(tmp_path / "c.tkv", model=model, **options) as loaded:
+        _generate(model, so_far, loaded, 2)
+    with TieredCache(block_tokens=BT, **options) as later:
+        assert later.load_prefix(model, ids) == PROMPT // BT * BT
+
+
+def test_async_without_aiofiles_says_what_to_install(tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    cache, _ = _conversation(model, tmp_path)
+    monkeypatch.setitem(sys.modules, "aiofiles", None)
+    with pytest.raises(InvalidConfigError, match="pip install"):
+        asyncio.run(cache.asave(tmp_path / "x.tkv"))
+    with pytest.raises(InvalidConfigError, match="pip install"):
+        asyncio.run(TieredCache.aload(tmp_path / "x.tkv"))
+    cache.close()

@@ -1,0 +1,205 @@
+"""``PrefixPersistence``: a sequence's token ids tied to its full blocks in a :class:`PersistentStore`.
+
+The cache's K/V does not know which tokens it encodes; the ids come from the user
+(``TieredCache.load_prefix(model, ids)``), once per prompt. With them:
+
+- *load*: the longest prefix whose block-rows are all stored (for every row of the batch) is read,
+  verified and handed back as per-layer K/V, never the last token (the model must compute at least one,
+  to produce the next token's logits);
+- *persist*: each full block column that every layer holds (a sliding-window layer may have freed it) and
+  whose ids are known is exported from the store, encoded and written by a background thread
+  (:class:`_Writer`), so the decode loop only pays for a host copy once every ``block_tokens`` steps.
+
+Memory outside the tier budgets is bounded by constants: one export batch holds at most
+``BATCH_BYTES`` of K/V, and the writer's queue at most ``QUEUE_BATCHES`` batches (the caller waits when
+it is full).
+
+The ids the user passes for tokens already in the cache are taken on trust — transformers' own contract
+for a pre-filled cache (``generate`` skips them) — except that ids known from an earlier call must match.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from tierkv.errors import IntegrityError, InvalidConfigError
+from tierkv.persist import record
+from tierkv.persist.keys import Namespace, block_keys
+from tierkv.persist.store import Item, PersistentStore
+from tierkv.store import KVStore
+
+log = logging.getLogger("tierkv")
+
+BATCH_BYTES = 64 << 20  # K/V bytes exported at once for the writer
+QUEUE_BATCHES = 4  # batches waiting for the writer; so at most (QUEUE_BATCHES + 1) * BATCH_BYTES in flight
+
+
+class PrefixPersistence:
+    """Which tokens a cache holds (``ids`` ``[B, T]``) and which of its block columns are persisted."""
+
+    def __init__(self, store: PersistentStore, block_tokens: int) -> None:
+        self.store = store
+        self.block_tokens = block_tokens
+        self.namespace: Namespace | None = None
+        self.ids: np.ndarray | None = None  # [B, T] int64: tokens held, then the ones about to be appended
+        self.persisted = 0  # block columns [0, persisted) are stored, or can never be (freed before full)
+        self._keys: list[list[str]] = []  # per row, the chain of its full blocks of ids
+        self._writer = _Writer(store)
+
+    # ---------------------------------------------------------------------------------------- ids
+    def start(self, namespace: Namespace, ids: np.ndarray) -> None:
+        """A new sequence (the cache is empty) of ``ids`` ``[B, T]`` computed in ``namespace``."""
+        self.namespace, self.persisted = namespace, 0
+        self._set_ids(ids)
+
+    def extend(self, ids: np.ndarray, held: int) -> None:
+        """The cache holds ``held`` tokens and is about to take the rest of ``ids`` ``[B, T]``."""
+        if self.ids is not None:
+            known = min(self.ids.shape[1], held, ids.shape[1])
+            if ids.shape[0] != self.ids.shape[0] or not np.array_equal(ids[:, :known], self.ids[:, :known]):
+                raise InvalidConfigError(
+                    "these ids do not start with the tokens this cache holds; pass the whole conversation so far "
+                    "(the previous ids, the generated tokens, then the new ones), or call cache.reset() first.")
+        self._set_ids(ids)
+
+    def truncate(self, length: int) -> None:
+        """The cache was cropped to ``length`` tokens: ids after it are no longer what it will hold."""
+        if self.ids is not None and self.ids.shape[1] > length:
+            self._set_ids(self.ids[:, :length])
+        self.persisted = min(self.persisted, length // self.block_tokens)
+
+    def select_rows(self, indices: Sequence[int]) -> None:
+        if self.ids is not None:
+            self._set_ids(self.ids[list(indices)])
+
+    def reset(self) -> None:
+        self.namespace, self.ids, self._keys, self.persisted = None, None, [], 0
+
+    def _set_ids(self, ids: np.ndarray) -> None:
+        self.ids = ids
+        root = self.namespace.root if self.namespace is not None else ""
+        self._keys = [block_keys(root, row, self.block_tokens) for row in ids]
+
+    # --------------------------------------------------------------------------------------- load
+    def load(self) -> tuple[int, list[torch.Tensor]]:
+        """``(blocks, kv)``: the stored prefix of every row — ``kv[layer]`` ``[2, B, H_kv, blocks * bt, D]`` on
+        the host — leaving at least the last id to compute. ``(0, [])`` if nothing is stored. Call after
+        :meth:`start`."""
+        limit = (self.ids.shape[1] - 1) // self.block_tokens
+        blocks = min(self.store.lookup(keys[:limit]) for keys in self._keys)
+        rows: list[list[torch.Tensor]] = []
+        for keys in self._keys:
+            found = self.store.get(keys[:blocks])
+            decoded = []
+            for key, data in zip(keys, found):
+                try:
+                    decoded.append(record.decode_block(data, key=key, namespace=self.namespace, what=f"block {key}"))
+                except IntegrityError as error:  # listed under the right key, not this namespace's shape: a miss
+                    log.warning("tierkv: persistent block %s not used: %s", key, error)
+                    break
+            blocks = min(blocks, len(decoded))
+            rows.append(decoded)
+        self.persisted = blocks
+        if blocks == 0:
+            return 0, []
+        # rows[r][j]: [L, 2, H, bt, D] -> per layer [2, B, H, blocks * bt, D]
+        grid = torch.stack([torch.stack(row[:blocks]) for row in rows])  # [B, n, L, 2, H, bt, D]
+        kv = grid.permute(2, 3, 0, 4, 1, 5, 6).flatten(4, 5)  # [L, 2, B, H, n * bt, D]
+        return blocks, list(kv.unbind(0))
+
+    # ------------------------------------------------------------------------------------ persist
+    def collect(self, kv: KVStore, lengths: Sequence[int], dropped: Sequence[int]) -> None:
+        """Queue the block columns that became persistable: full in every layer (``lengths[l]`` tokens of
+        which the first ``dropped[l]`` were freed, a sliding window's), ids known, not stored yet."""
+        if self.ids is None or self.namespace is None or len(lengths) != self.namespace.layers:
+            return
+        bt = self.block_tokens
+        target = min(self.ids.shape[1], *lengths) // bt
+        first = max(self.persisted, max(dropped) // bt)  # columns a window freed can never be persisted
+        self.persisted = max(self.persisted, min(first, target))
+        if first >= target:
+            return
+        self._check_layouts(kv)
+        if self.namespace is None:
+            return
+        batch = len(self._keys)
+        per_column = batch * self.namespace.layers * int(np.prod(self.namespace.block_shape[1:])) * \
+            getattr(torch, self.namespace.dtype).itemsize
+        step = max(1, BATCH_BYTES // per_column)
+        for start in range(first, target, step):
+            stop = min(start + step, target)
+            if all(keys[c] in self.store for keys in self._keys for c in range(start, stop)):
+                continue  # another process (or an earlier run) stored them
+            # per layer [B, n, 2, H, bt, D] -> [B, n, L, 2, H, bt, D]
+            blocks = torch.stack([kv.export_blocks(layer, start, stop) for layer in range(len(lengths))], dim=2)
+            jobs = [(keys[c], c, blocks[r, c - start]) for r, keys in enumerate(self._keys) for c in range(start, stop)]
+            self._writer.submit(self.namespace.root, jobs, [k for keys in self._keys for k in keys[:start]])
+        self.persisted = target
+
+    def _check_layouts(self, kv: KVStore) -> None:
+        ns = self.namespace
+        for layer, layout in kv.layouts.items():
+            found = (layout.kv_heads, layout.head_dim, str(layout.dtype).removeprefix("torch."), layout.block_tokens)
+            if found != (ns.kv_heads, ns.head_dim, ns.dtype, ns.block_tokens):
+                log.warning("tierkv: layer %d's K/V %s differ from the model config's %s; this sequence is not "
+                            "persisted", layer, found, (ns.kv_heads, ns.head_dim, ns.dtype, ns.block_tokens))
+                self.namespace = None
+                return
+
+    def flush(self) -> None:
+        """Wait until everything queued is written (or its failure logged)."""
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class _Writer:
+    """One background thread that encodes and stores queued block-rows, started on first use.
+
+    It holds the store, never the cache, so a dropped cache is collected; a failure is logged (once) and
+    the blocks are not persisted — persistence never breaks decoding."""
+
+    def __init__(self, store: PersistentStore) -> None:
+        self.store = store
+        self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
+        self._thread: threading.Thread | None = None
+        self._warned = False
+
+    def submit(self, root: str, jobs: list[tuple[str, int, torch.Tensor]], touch: list[str]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tierkv-persist", daemon=True)
+            self._thread.start()
+        self._queue.put((root, jobs, touch))
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                root, blocks, touch = job
+                items = [Item(key, depth, *record.encode_block(key, root, depth, kv)) for key, depth, kv in blocks]
+                self.store.put(items, touch=touch)
+            except Exception as error:
+                if not self._warned:
+                    log.warning("tierkv: persisting blocks failed, they will be recomputed next time: %s", error)
+                    self._warned = True
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        if self._thread is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
