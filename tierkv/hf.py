@@ -724,8 +724,7 @@ class TieredCache(Cache):
         if not self._closed:
             self._persist_new_blocks()
         prefix, self._prefix = self._prefix, None
-        prefix.close()  # waits for the writer
-        prefix.store.close()
+        prefix.close()  # waits for the writer, releases the store
 
     def _import(self, kv: list[torch.Tensor], device: torch.device) -> None:
         """Append ``kv[layer]`` ``[2, B, H_kv, T, D]`` to every layer of this empty cache (all or nothing)."""

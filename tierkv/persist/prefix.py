@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -51,6 +52,8 @@ class PrefixPersistence:
         self.persisted = 0  # block columns [0, persisted) are stored, or can never be (freed before full)
         self._keys: list[list[str]] = []  # per row, the chain of its full blocks of ids
         self._writer = _Writer(store)
+        # dropped without close(): what is queued is still written, and the store's scratch area released
+        self._finalizer = weakref.finalize(self, _close, self._writer, store)
 
     # ---------------------------------------------------------------------------------------- ids
     def start(self, namespace: Namespace, ids: np.ndarray) -> None:
@@ -157,7 +160,13 @@ class PrefixPersistence:
         self._writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        """Write what is queued, stop the writer and release the store (idempotent)."""
+        self._finalizer()
+
+
+def _close(writer: _Writer, store: PersistentStore) -> None:
+    writer.close()
+    store.close()
 
 
 class _Writer:

@@ -1,0 +1,110 @@
+"""Prefix reuse across processes: time to first token of a later process that shares a 16K-token prefix
+with an earlier one, against cold processes (persistence off), with the shipped demo model.
+
+Three kinds of fresh processes, each timing ``load_prefix`` + ``generate(max_new_tokens=1)``:
+
+- *first*: cold, ``persist=True`` on an empty directory — prefills prompt A (16K-token document +
+  its question) and persists its blocks (at ``close()``, not counted in its TTFT);
+- *warm*: ``persist=True`` — prompt B (the same 16K-token document, another 64-token tail) loads the shared
+  blocks and computes only the tail;
+- *cold*: persistence off — prompt B from scratch: the reference for identical outputs.
+
+*warm* and *cold* alternate ``TIERKV_BENCH_ROUNDS`` times (default 3); the ratios use medians of one run.
+Outputs of *warm* and *cold* must be identical (greedy tokens, 16 of them) and the first token's logits
+close. Knobs: ``TIERKV_BENCH_PREFIX`` (default 16384 tokens), ``TIERKV_BENCH_DIR`` (the disk_dir's parent).
+
+    flock -x /tmp/tierkv-cpu.lock python -m pytest benchmarks/test_prefix_reuse.py --benchmark-enable -s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from rich.table import Table
+
+from tierkv.config import env_str
+
+PREFIX = int(env_str("TIERKV_BENCH_PREFIX", "16384"))
+ROUNDS = int(env_str("TIERKV_BENCH_ROUNDS", "3"))
+TAIL = 64
+NEW = 16
+CHUNK = 2048  # prefill chunk (transformers' prefill_chunk_size): no 16K x 16K attention matrix at once
+
+CHILD = r"""
+import json, sys, time
+import torch
+from tierkv.demo.model import load_demo_model
+from tierkv.demo.task import make_example
+from tierkv.hf import TieredCache
+
+mode, directory, which, prefix, tail, new, chunk, out = sys.argv[1:]
+prefix, tail, new, chunk = int(prefix), int(tail), int(new), int(chunk)
+model, _ = load_demo_model()
+document = make_example(7, prefix + tail, depth=0.3).prompt_ids
+question = make_example(8, 64, depth=0.5).prompt_ids[-(tail // 2):]  # "... what is the pass key ?"
+if which == "A":
+    ids = list(document)
+else:  # the same first `prefix` tokens, another tail: filler from elsewhere in the document, the question
+    ids = list(document[:prefix]) + list(document[prefix // 2 : prefix // 2 + tail - len(question)]) + list(question)
+ids = torch.tensor([ids])
+cache = TieredCache(disk_dir=directory, persist=mode != "cold", block_tokens=256)
+with torch.no_grad():
+    start = time.perf_counter()
+    loaded = cache.load_prefix(model, ids) if mode != "cold" else 0
+    first = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=1,
+                           do_sample=False, prefill_chunk_size=chunk, output_logits=True,
+                           return_dict_in_generate=True)
+    ttft = time.perf_counter() - start
+    rest = model.generate(first.sequences, attention_mask=torch.ones_like(first.sequences), cache=cache,
+                          max_new_tokens=new - 1, do_sample=False)
+start = time.perf_counter()
+cache.close()
+closing = time.perf_counter() - start
+json.dump({"ttft_s": ttft, "loaded": loaded, "prompt": ids.shape[1], "close_s": closing,
+           "tokens": rest[0, ids.shape[1]:].tolist(), "logits": first.logits[0][0].tolist()}, open(out, "w"))
+"""
+
+
+def _run(mode: str, directory: Path, which: str, scratch: Path) -> dict:
+    out = scratch / f"{mode}-{which}-{len(list(scratch.iterdir()))}.json"
+    subprocess.run([sys.executable, "-c", CHILD, mode, str(directory), which, str(PREFIX), str(TAIL), str(NEW),
+                    str(CHUNK), str(out)], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    return json.loads(out.read_text())
+
+
+def test_prefix_reuse_ttft(capsys) -> None:
+    pytest.importorskip("safetensors")
+    parent = Path(env_str("TIERKV_BENCH_DIR", tempfile.gettempdir()))
+    with tempfile.TemporaryDirectory(dir=parent) as disk, tempfile.TemporaryDirectory() as scratch:
+        first = _run("first", Path(disk), "A", Path(scratch))
+        warm, cold = [], []
+        for _ in range(ROUNDS):
+            cold.append(_run("cold", Path(disk) / "cold", "B", Path(scratch)))
+            warm.append(_run("warm", Path(disk), "B", Path(scratch)))
+    for run in warm:
+        assert run["loaded"] == PREFIX, run["loaded"]  # the whole shared prefix came from disk
+        assert run["tokens"] == cold[0]["tokens"]  # token for token what a cold process generates
+        assert max(abs(a - b) for a, b in zip(run["logits"], cold[0]["logits"])) < 1e-4
+    warm_s = statistics.median(run["ttft_s"] for run in warm)
+    cold_s = statistics.median(run["ttft_s"] for run in cold)
+    table = Table(title=f"prefix reuse, demo model, {PREFIX}-token shared prefix + {TAIL}-token tail, "
+                        f"{os.cpu_count()} CPUs, medians of {ROUNDS}")
+    for column in ("process", "TTFT s", "tokens loaded", "close s (persist)"):
+        table.add_column(column, justify="right")
+    table.add_row("first (cold, persists A)", f"{first['ttft_s']:.3f}", "0", f"{first['close_s']:.3f}")
+    table.add_row("cold (B, no persistence)", f"{cold_s:.3f}", "0", "")
+    table.add_row("warm (B, reuses A's prefix)", f"{warm_s:.3f}", str(warm[0]["loaded"]),
+                  f"{statistics.median(run['close_s'] for run in warm):.3f}")
+    with capsys.disabled():
+        Console(width=132).print(table)
+        print(f"TTFT first/warm = {first['ttft_s'] / warm_s:.1f}x, cold/warm = {cold_s / warm_s:.1f}x; "
+              f"outputs identical: {NEW} greedy tokens, first-token logits within 1e-4")
+    assert cold_s / warm_s >= 5 and first["ttft_s"] / warm_s >= 5
