@@ -72,3 +72,55 @@ def test_sigkill_at_random_points_leaves_a_directory_that_opens_clean(tmp_path):
         store.close()
     assert sum(r.scratch_areas for r in recovered) >= KILLS // 2  # the kills did land while writers were alive
     assert max(listed_counts) > 0  # and some of them after blocks had been listed
+
+
+# A TieredCache(persist=True) process: prompt after prompt (sharing prefixes of various lengths), each
+# generated and flushed, printing the seed once its blocks are stored; killed while it keeps going.
+CACHE_WRITER = """
+import sys
+sys.path.insert(0, "tests")
+import torch
+from models import prompt, tiny_model
+from tierkv.hf import TieredCache
+model = tiny_model("llama")
+base, _ = prompt(1, 64, seed=0)
+for seed in range(1, 10_000):
+    ids, _ = prompt(1, 64, seed=seed)
+    ids[:, : 4 * (seed % 12)] = base[:, : 4 * (seed % 12)]
+    with TieredCache(disk_dir=sys.argv[1], persist=True, block_tokens=4, gpu_gb="64MiB", cpu_gb="64MiB") as cache:
+        cache.load_prefix(model, ids)
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=2, do_sample=False)
+        cache.flush()
+    print(seed, flush=True)
+"""
+
+
+def test_a_killed_persistent_cache_leaves_blocks_a_later_cache_reuses_exactly(tmp_path):
+    import torch
+    from models import prompt, tiny_model
+    from transformers import DynamicCache
+
+    from tierkv.hf import TieredCache
+
+    # one child (its start costs seconds: torch and transformers); the random kills are the test above's
+    child = subprocess.Popen([sys.executable, "-c", CACHE_WRITER, str(tmp_path)], stdout=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    done = [int(child.stdout.readline())]  # one prompt is stored ...
+    time.sleep(random.Random(5).uniform(0.05, 0.5))  # ... and it is somewhere in the next ones
+    child.send_signal(signal.SIGKILL)
+    assert child.wait(timeout=30) == -signal.SIGKILL
+    child.stdout.close()
+    model = tiny_model("llama")
+    base, _ = prompt(1, 64, seed=0)
+    ids, _ = prompt(1, 64, seed=done[-1])
+    ids[:, : 4 * (done[-1] % 12)] = base[:, : 4 * (done[-1] % 12)]
+    reference = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
+                               max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with TieredCache(disk_dir=tmp_path, persist=True, block_tokens=4, gpu_gb="64MiB", cpu_gb="64MiB") as cache:
+        assert cache._prefix.store.verify() == []
+        assert cache.load_prefix(model, ids) == 60  # the stored prompt's 15 full blocks before its last token
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=4,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference.sequences)
+    for a, b in zip(reference.logits, out.logits):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)

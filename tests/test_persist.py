@@ -445,3 +445,24 @@ def test_persistence_arguments_are_checked(tmp_path):
         _generate(model, ids, cache, new=1)
         with pytest.raises(InvalidConfigError, match="at least one new token"):
             cache.load_prefix(model, ids)
+
+
+@pytest.mark.cuda
+def test_prefix_reuse_and_save_load_on_cuda(tmp_path):
+    """The CUDA path: blocks exported from HBM and the pinned host tier, loaded back onto the GPU."""
+    model = tiny_model.__wrapped__("llama").cuda()
+    ids, _ = prompt(1, 40, seed=12)
+    ids = ids.cuda()
+    reference = _generate(model, ids, DynamicCache(config=model.config))
+    options = dict(gpu_gb="256MiB", cpu_gb=f"{4 * SLOT}B", disk_dir=tmp_path, block_tokens=BT, persist=True)
+    with TieredCache(**options) as cold:
+        cold.load_prefix(model, ids)
+        _assert_same(reference, _generate(model, ids, cold))
+        cold.save(tmp_path / "c.tkv", model=model)
+    with TieredCache(**options) as warm:
+        assert warm.load_prefix(model, ids) == 36
+        _assert_same(reference, _generate(model, ids, warm))
+    continued = _generate(model, reference.sequences, DynamicCache(config=model.config))
+    with TieredCache.load(tmp_path / "c.tkv", model=model, **options) as loaded:
+        assert loaded.store.device.device.type == "cuda"
+        _assert_same(continued, _generate(model, reference.sequences, loaded))

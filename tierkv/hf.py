@@ -724,7 +724,10 @@ class TieredCache(Cache):
         if not self._closed:
             self._persist_new_blocks()
         prefix, self._prefix = self._prefix, None
-        prefix.close()  # waits for the writer, releases the store
+        try:
+            prefix.close()  # waits for the writer, releases the store
+        except Exception:  # noqa: BLE001 - close() never raises; what was listed stays listed
+            log.exception("tierkv: closing the persistent block store failed")
 
     def _import(self, kv: list[torch.Tensor], device: torch.device) -> None:
         """Append ``kv[layer]`` ``[2, B, H_kv, T, D]`` to every layer of this empty cache (all or nothing)."""
