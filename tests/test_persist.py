@@ -12,7 +12,7 @@ import torch
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
-from tierkv.errors import IntegrityError, InvalidConfigError
+from tierkv.errors import DiskTierError, IntegrityError, InvalidConfigError
 from tierkv.hf import TieredCache
 from tierkv.persist import record
 from tierkv.persist.keys import Namespace, block_keys, model_fingerprint
@@ -466,3 +466,22 @@ def test_prefix_reuse_and_save_load_on_cuda(tmp_path):
     with TieredCache.load(tmp_path / "c.tkv", model=model, **options) as loaded:
         assert loaded.store.device.device.type == "cuda"
         _assert_same(continued, _generate(model, reference.sequences, loaded))
+
+
+def test_a_failing_persistent_disk_never_fails_decoding(tmp_path, monkeypatch, caplog):
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=13)
+    reference = _generate(model, ids, DynamicCache(config=model.config))
+
+    def full(self, items, touch=()):
+        raise DiskTierError(28, "No space left on device")
+
+    monkeypatch.setattr(PersistentStore, "put", full)
+    with _cache(model, tmp_path) as cache:
+        cache.load_prefix(model, ids)
+        _assert_same(reference, _generate(model, ids, cache))
+    assert "persisting blocks failed" in caplog.text
+    monkeypatch.undo()
+    with _cache(model, tmp_path) as later:
+        assert later.load_prefix(model, ids) == 0  # nothing was listed: recomputed, not wrong
+        _assert_same(reference, _generate(model, ids, later))
