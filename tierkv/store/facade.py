@@ -482,8 +482,9 @@ class KVStore:
         out = torch.empty((rows.batch, hi - lo, *layout.shape), dtype=layout.dtype)
         for tier in np.unique(tiers).tolist():
             where = tiers == tier
+            into = Tier.DEVICE if tier == Tier.DEVICE else Tier.HOST  # the source's side, then to this host tensor
             out[torch.from_numpy(where)] = self.transfer.read_blocks(layout, Tier(tier), slots[where].tolist(),
-                                                                     device=torch.device("cpu"))
+                                                                     into=into).cpu()
         return out
 
     def enable_landing(self, nbytes: int) -> bool:
