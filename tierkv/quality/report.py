@@ -1,0 +1,210 @@
+"""Every method of a quality run side by side: tables (terminal and markdown) and plots.
+
+A run folder holds ``reference.json`` (the prompts, full attention), ``tierkv.json`` (``tierkv eval --tasks``)
+and ``kvpress*.json`` (``benchmarks/quality/kvpress_run.py``, one file per invocation); the report reads what
+is there. kvpress records
+carry generated ids; they are decoded and scored here with the same tokenizer and rule as tierkv's::
+
+    python -m tierkv.quality.report results/quality/smollm2 --plot docs/quality/smollm2.png --markdown -
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from tierkv.quality.tasks import TASKS, answer_matches
+from tierkv.units import format_tokens
+
+FAMILIES = {"sparse": "tierkv sparse", "snapkv": "SnapKV", "streaming_llm": "StreamingLLM",
+            "expected_attention": "ExpectedAttention", "knorm": "Knorm"}
+BASELINES = {"full": "full attention", "exact": "tierkv exact", "kvpress-full": "full (kvpress env)"}
+
+
+def load_results(folder: str | Path, tokenizer=None) -> list[dict[str, Any]]:
+    """Every record of the run, kvpress's scored with ``tokenizer`` (needed when kvpress.json is there)."""
+    folder = Path(folder)
+    reference = json.loads((folder / "reference.json").read_text())
+    answers = {_key(p): p["answer"] for p in reference["prompts"]}
+    records = list(reference["results"])
+    for path in [folder / "tierkv.json", *sorted(folder.glob("kvpress*.json"))]:
+        if path.is_file():
+            records += json.loads(path.read_text())["results"]
+    for record in records:
+        if "generated" in record and "correct" not in record and record["task"] != "fidelity":
+            if tokenizer is None:
+                raise ValueError("kvpress results carry token ids; give the model's tokenizer to score them")
+            text = tokenizer.decode(record["generated"], skip_special_tokens=True)
+            expected = answers[record["prompt"]]
+            record.update(answer=expected, output=text, correct=answer_matches(expected, text))
+    return records
+
+
+def _key(prompt: dict[str, Any]) -> str:
+    depth = "" if prompt["depth"] is None else f"/d{prompt['depth']:.2f}"
+    return f"{prompt['task']}/{prompt['length']}{depth}/#{prompt['sample']}"
+
+
+def label(method: str) -> str:
+    """``sparse@0.05`` -> ``tierkv sparse 5%``; ``snapkv@0.1`` -> ``SnapKV 10%``; ``full`` -> ``full attention``."""
+    if method in BASELINES:
+        return BASELINES[method]
+    family, budget = method.split("@")
+    return f"{FAMILIES.get(family, family)} {float(budget):.0%}"
+
+
+def aggregate(records: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, float]]:
+    """``{(task, method, length): {"accuracy" | "top1", "kl_mean", "n"}}``."""
+    groups: dict[tuple[str, str, int], list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["task"], r["method"], r["length"])].append(r)
+    out = {}
+    for key, rs in groups.items():
+        if key[0] == "fidelity":
+            steps = sum(r["agreement"]["steps"] for r in rs)
+            out[key] = {"top1": sum(r["agreement"]["top1"] * r["agreement"]["steps"] for r in rs) / steps,
+                        "kl_mean": sum(r["agreement"]["kl_mean"] * r["agreement"]["steps"] for r in rs) / steps,
+                        "n": len(rs), "steps": steps}
+        else:
+            out[key] = {"accuracy": sum(bool(r["correct"]) for r in rs) / len(rs), "n": len(rs)}
+    return out
+
+
+def _order(methods) -> list[str]:
+    def rank(m: str) -> tuple:
+        if m in BASELINES:
+            return (0, list(BASELINES).index(m), 0.0)
+        family, budget = m.split("@")
+        return (1, list(FAMILIES).index(family) if family in FAMILIES else 99, float(budget))
+
+    return sorted(set(methods), key=rank)
+
+
+def rows(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[tuple[str, list[str]]]]]:
+    """Per task: (lengths, [(method label, cells)]) with accuracy (needles) or "top-1 / KL" (fidelity)."""
+    table = aggregate(records)
+    out = {}
+    for task in TASKS:
+        keys = [k for k in table if k[0] == task]
+        if not keys:
+            continue
+        lengths = sorted({k[2] for k in keys})
+        body = []
+        for method in _order(k[1] for k in keys):
+            cells = []
+            for n in lengths:
+                cell = table.get((task, method, n))
+                if cell is None:
+                    cells.append("")
+                elif task == "fidelity":
+                    cells.append(f"{cell['top1']:.1%} / {cell['kl_mean']:.3f}")
+                else:
+                    cells.append(f"{cell['accuracy']:.0%} ({cell['n']})")
+            body.append((label(method), cells))
+        out[task] = (lengths, body)
+    return out
+
+
+def summary_table(folder: str | Path, tokenizer=None):
+    """A rich table for the terminal: one block of rows per task."""
+    from rich.table import Table
+
+    records = load_results(folder, tokenizer)
+    table = Table(title="quality vs full attention: accuracy (prompts) / fidelity top-1 agreement / mean KL")
+    per_task = rows(records)
+    lengths = sorted({n for ls, _ in per_task.values() for n in ls})
+    table.add_column("task")
+    table.add_column("method")
+    for n in lengths:
+        table.add_column(format_tokens(n), justify="right")
+    for task, (task_lengths, body) in per_task.items():
+        for i, (name, cells) in enumerate(body):
+            by_length = dict(zip(task_lengths, cells, strict=True))
+            table.add_row(task if i == 0 else "", name, *(by_length.get(n, "") for n in lengths))
+    return table
+
+
+def markdown(records: list[dict[str, Any]]) -> str:
+    """One markdown table per task."""
+    parts = []
+    for task, (lengths, body) in rows(records).items():
+        what = "top-1 agreement / mean KL (nats)" if task == "fidelity" else "accuracy (prompts)"
+        parts.append(f"**{task}** — {what}\n")
+        parts.append("| method | " + " | ".join(format_tokens(n) for n in lengths) + " |")
+        parts.append("|---|" + "---:|" * len(lengths))
+        parts += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in body]
+        parts.append("")
+    return "\n".join(parts)
+
+
+def plot(records: list[dict[str, Any]], path: str | Path, title: str) -> Path:
+    """Accuracy (needle, multi-needle) and top-1 agreement / KL (fidelity) against the KV budget, per length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = aggregate(records)
+    lengths = sorted({k[2] for k in table})
+    panels = [(t, m) for t, m in (("needle", "accuracy"), ("multi-needle", "accuracy"), ("fidelity", "top1"),
+                                  ("fidelity", "kl_mean")) if any(k[0] == t for k in table)]
+    fig, axes = plt.subplots(len(lengths), len(panels), figsize=(3.6 * len(panels), 2.8 * len(lengths)),
+                             squeeze=False)
+    for row, n in enumerate(lengths):
+        for col, (task, metric) in enumerate(panels):
+            ax = axes[row][col]
+            methods = {k[1] for k in table if k[0] == task and k[2] == n}
+            families = sorted({m.split("@")[0] for m in methods if "@" in m},
+                              key=lambda f: list(FAMILIES).index(f) if f in FAMILIES else 99)
+            for family in families:
+                points = sorted((float(m.split("@")[1]), table[(task, m, n)][metric]) for m in methods
+                                if m.startswith(family + "@"))
+                style = dict(linewidth=2.5, color="black") if family == "sparse" else {}
+                ax.plot([100 * b for b, _ in points], [v for _, v in points], marker="o",
+                        label=FAMILIES.get(family, family), **style)
+            if "full" in methods:
+                ax.axhline(table[(task, "full", n)][metric], color="gray", linestyle="--", label="full attention")
+            ax.set_title(f"{task} {format_tokens(n)}: {metric.replace('_', ' ')}", fontsize=9)
+            ax.set_xlabel("KV budget (% of context)", fontsize=8)
+            if metric in ("accuracy", "top1"):
+                ax.set_ylim(-0.05, 1.05)
+            ax.tick_params(labelsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Tables and plots of a quality run folder.")
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--plot", type=Path, default=None, help="PNG to write")
+    parser.add_argument("--markdown", default=None, help="markdown file to write, or - for stdout")
+    args = parser.parse_args(argv)
+    from tierkv import models
+
+    name = json.loads((args.folder / "reference.json").read_text()).get("model", "demo")
+    _, tokenizer = models.load(name)
+    records = load_results(args.folder, tokenizer)
+    if args.plot:
+        print(f"wrote {plot(records, args.plot, f'{name}: quality against full attention')}", file=sys.stderr)
+    if args.markdown:
+        text = markdown(records)
+        if args.markdown == "-":
+            print(text)
+        else:
+            Path(args.markdown).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The prompts every method is measured on: needles in a haystack, and real-text continuations.
+
+Three tasks, each a list of :class:`Prompt` records (token ids, so a second environment — kvpress's — reads
+exactly the same prompts from JSON):
+
+    needle        one fact "The special magic number for Lisbon is 48213." at a given depth of the
+                  haystack; the question asks for it and the answer's first digits must match
+    multi-needle  four such facts with different keys at random depths (the asked-for one at the given
+                  depth); the question asks for one of them, the other three are distractors
+    fidelity      ``length`` tokens of real text and the next ``steps`` tokens of the same text: the method's
+                  next-token distributions over those steps (teacher-forced on the real continuation) are
+                  compared with full attention's
+
+Two writers build them. :class:`ChatTaskWriter` is for a real instruction-tuned model with a chat template
+(SmolLM2): the haystack is the Python Language Reference (:mod:`tierkv.quality.text`), needles are inserted
+at line boundaries, and the assistant's answer is started for it ("The special magic number for Lisbon
+is"), so the next tokens are the digits. :class:`DemoTaskWriter` is for the shipped demo model, which
+knows only its own 1,634-word synthetic vocabulary and cannot read real text: its passkey (one needle) and
+multikey (four keys) haystacks from :mod:`tierkv.demo.task`, and for fidelity a continuation of that
+synthetic filler.
+
+Each prompt is split into ``context_ids`` (the document) and ``question_ids`` (what follows it): a KV
+compressor prunes the context before the question is seen, as kvpress's pipeline does; tierkv's sparse
+executor sees the whole prompt and picks blocks per decode step.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tierkv.errors import InvalidConfigError
+
+TASKS = ("needle", "multi-needle", "fidelity")
+NEEDLE_KEYS = 4  # facts in a multi-needle prompt (the asked-for one and three distractors)
+
+KEYS = (
+    "Lisbon", "Nairobi", "Oslo", "Lima", "Hanoi", "Dakar", "Quito", "Riga", "Tunis", "Perth", "Accra", "Bergen",
+    "Cusco", "Dublin", "Geneva", "Havana", "Kyoto", "Luanda", "Malmo", "Porto", "Seville", "Tallinn", "Vienna",
+    "Zagreb",
+)  # fmt: skip
+NEEDLE = "The special magic number for {key} is {value}.\n"
+INSTRUCTION = "Read the document below and answer the question after it.\n\n<document>\n"
+QUESTION = "</document>\n\nWhat is the special magic number for {key} mentioned in the document?"
+ANSWER_START = "The special magic number for {key} is"
+DOC_MARK = "\x00DOCUMENT\x00"  # stands for the document while the chat template is rendered
+VALUE_DIGITS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt of one task, as token ids.
+
+    ``length`` is ``len(context_ids) + len(question_ids)``, the context length the task is measured at.
+    """
+
+    task: str
+    length: int
+    sample: int
+    context_ids: tuple[int, ...]  # [C] the document (and the chat header before it)
+    question_ids: tuple[int, ...]  # [Q] the question and the started answer; empty for fidelity
+    depth: float | None = None  # where the asked-for needle sits, 0 (start) .. 1 (end of the context)
+    answer: str | None = None  # the needle's value ("48213"); None for fidelity
+    answer_tokens: int = 0  # tokens to generate greedily for the answer
+    continuation_ids: tuple[int, ...] = field(default=())  # [S] fidelity: the real next tokens
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return self.context_ids + self.question_ids
+
+    @property
+    def key(self) -> str:
+        """A name for the prompt in tables and JSON: ``needle/8192/d0.50/#1``."""
+        depth = "" if self.depth is None else f"/d{self.depth:.2f}"
+        return f"{self.task}/{self.length}{depth}/#{self.sample}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Prompt:
+        tuples = ("context_ids", "question_ids", "continuation_ids")
+        return cls(**{k: tuple(v) if k in tuples else v for k, v in record.items()})
+
+
+def answer_matches(expected: str, output: str) -> bool:
+    """Whether the first run of digits in ``output`` is ``expected`` (" 48213." matches "48213")."""
+    digits = ""
+    for ch in output:
+        if ch.isdigit():
+            digits += ch
+        elif digits:
+            break
+    return digits == expected
+
+
+class ChatTaskWriter:
+    """Prompts for a chat model with a Hugging Face tokenizer, over real text (see the module docstring)."""
+
+    def __init__(self, tokenizer) -> None:
+        from tierkv.quality.text import reference_text
+
+        self.tokenizer = tokenizer
+        self.haystack = self._encode(reference_text())  # [~190K] ids of the whole reference text
+        newline = {i for i in set(self.haystack) if "\n" in tokenizer.decode([i])}
+        # positions right after a token that ends a line: a needle inserted there starts a line of its own
+        self.line_starts = [p + 1 for p, i in enumerate(self.haystack[:-1]) if i in newline]
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @functools.cache  # noqa: B019 (one writer per run, a handful of keys)
+    def _frame(self, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(ids before the document, ids after it) for a question about ``key``, from the chat template."""
+        messages = [{"role": "user", "content": INSTRUCTION + DOC_MARK + QUESTION.format(key=key)}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        head, tail = text.split(DOC_MARK)
+        return tuple(self._encode(head)), tuple(self._encode(tail + ANSWER_START.format(key=key)))
+
+    def needle(self, length: int, depth: float, sample: int, seed: int = 0, keys: int = 1) -> Prompt:
+        """A needle prompt of exactly ``length`` tokens with ``keys`` facts (1: single needle)."""
+        _check_depth(depth)
+        task = "needle" if keys == 1 else "multi-needle"
+        rng = random.Random(f"{task}/{seed}/{length}/{depth}/{sample}")
+        names = rng.sample(KEYS, keys)
+        values = [str(rng.randrange(10 ** (VALUE_DIGITS - 1), 10**VALUE_DIGITS)) for _ in names]
+        needles = [self._encode(NEEDLE.format(key=k, value=v)) for k, v in zip(names, values, strict=True)]
+        head, tail = self._frame(names[0])
+        n_filler = length - len(head) - len(tail) - sum(map(len, needles))
+        if n_filler < 64:
+            raise InvalidConfigError(f"a {task} prompt needs more than {length} tokens; give a longer length.")
+        start = rng.choice([s for s in self.line_starts if s + n_filler < len(self.haystack)])
+        filler = self.haystack[start : start + n_filler]
+        lines = [s - start for s in self.line_starts if start < s < start + n_filler]
+        target = min(lines, key=lambda s: abs(s - depth * n_filler)) if lines else round(depth * n_filler)
+        placed = sorted([(target, 0)] + [(rng.choice(lines or [target]), i) for i in range(1, keys)])
+        context, cursor = list(head), 0
+        for at, index in placed:
+            context += filler[cursor:at] + needles[index]
+            cursor = at
+        context += filler[cursor:]
+        answer_tokens = len(self._encode(" " + values[0] + ".")) + 1
+        return Prompt(task, length, sample, tuple(context), tail, depth, values[0], answer_tokens)
+
+    def fidelity(self, length: int, sample: int, steps: int, seed: int = 0) -> Prompt:
+        """``length`` tokens of real text starting at a line, and the ``steps`` tokens that follow it."""
+        rng = random.Random(f"fidelity/{seed}/{length}/{sample}")
+        start = rng.choice([s for s in self.line_starts if s + length + steps < len(self.haystack)])
+        ids = self.haystack[start : start + length + steps]
+        return Prompt("fidelity", length, sample, tuple(ids[:length]), (), continuation_ids=tuple(ids[length:]))
+
+
+class DemoTaskWriter:
+    """Prompts for the shipped demo model in its own synthetic vocabulary (see the module docstring)."""
+
+    def __init__(self) -> None:
+        from tierkv.demo.task import WORD_TO_ID
+
+        self.question_start = WORD_TO_ID["what"]  # a marker word: it occurs only where the question starts
+
+    def needle(self, length: int, depth: float, sample: int, seed: int = 0, keys: int = 1) -> Prompt:
+        from tierkv.demo.task import make_example
+
+        _check_depth(depth)
+        task = "needle" if keys == 1 else "multi-needle"
+        kind = "passkey" if keys == 1 else "multikey"
+        example = make_example(random.Random(f"{task}/{seed}/{length}/{depth}/{sample}"), length, depth, kind,
+                               num_keys=max(keys, 1))
+        ids = list(example.prompt_ids)
+        split = len(ids) - 1 - ids[::-1].index(self.question_start)
+        return Prompt(task, length, sample, tuple(ids[:split]), tuple(ids[split:]), depth, example.answer,
+                      len(example.answer_ids))
+
+    def fidelity(self, length: int, sample: int, steps: int, seed: int = 0) -> Prompt:
+        """The demo's synthetic filler: ``length`` tokens (a passkey haystack's start) and the next ``steps``."""
+        from tierkv.demo.task import make_example
+
+        example = make_example(random.Random(f"fidelity/{seed}/{length}/{sample}"), length + steps + 64, 0.5)
+        ids = example.prompt_ids
+        return Prompt("fidelity", length, sample, tuple(ids[:length]), (),
+                      continuation_ids=tuple(ids[length : length + steps]))
+
+
+def task_writer(model_name: str, tokenizer) -> ChatTaskWriter | DemoTaskWriter:
+    """The writer that fits the model: the demo's synthetic tasks for ``demo``, real text for the others."""
+    return DemoTaskWriter() if model_name == "demo" else ChatTaskWriter(tokenizer)
+
+
+def build_prompts(writer, tasks, lengths, depths, samples: int, steps: int, seed: int = 0) -> list[Prompt]:
+    """Every prompt of a run: per task and length, ``samples`` per depth (fidelity: ``samples`` in all)."""
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown:
+        raise InvalidConfigError(f"unknown task {', '.join(unknown)}; valid: {', '.join(TASKS)}.")
+    prompts = []
+    for task in tasks:
+        for length in lengths:
+            if task == "fidelity":
+                prompts += [writer.fidelity(length, s, steps, seed) for s in range(samples)]
+                continue
+            keys = 1 if task == "needle" else NEEDLE_KEYS
+            prompts += [writer.needle(length, d, s, seed, keys) for d in depths for s in range(samples)]
+    return prompts
+
+
+def _check_depth(depth: float) -> None:
+    if not 0.0 <= depth <= 1.0:
+        raise InvalidConfigError(f"needle depth must be in [0, 1], got {depth}")
