@@ -214,7 +214,7 @@ def _run_quality(args: argparse.Namespace, console, status) -> int:
     if isinstance(args.model, Path):
         raise InvalidConfigError("--tasks takes a named model (--model demo or --model smollm2), not a folder.")
     context = models.spec(name).context
-    too_long = [n for n in args.lengths if n > context]
+    too_long = [n for n in args.lengths if n > context] if args.stage != "measure" else []
     if too_long:
         raise InvalidConfigError(f"--lengths {', '.join(map(format_tokens, too_long))}: model {name!r} was trained "
                                  f"for {format_tokens(context)} tokens; give lengths up to that.")
