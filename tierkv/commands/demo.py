@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import random
 import tempfile
 import time
@@ -53,9 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="haystack length in tokens, e.g. 8K, 1.5K, 32768 (default 32K; 4K with --model smollm2)")
     parser.add_argument("--gpu-gb", type=size("--gpu-gb"), default=None,
                         help="device budget, GB or a size ('8MiB'); default: 1/8 of the KV plus the executor's minimum")
-    parser.add_argument("--executor", choices=("streaming", "gather"), default="streaming",
+    parser.add_argument("--executor", choices=("streaming", "gather", "sparse"), default="streaming",
                         help="streaming: chunked exact attention, device holds two chunks (default); "
-                             "gather: whole layers assembled on the device")
+                             "gather: whole layers assembled on the device; sparse: decode steps attend only the "
+                             "top blocks (approximate; --sparse-tokens)")
+    parser.add_argument("--sparse-tokens", type=_sparse_budget, default=0.1,
+                        help="with --executor sparse: tokens attended per layer, a count (2048, 2K) or a fraction "
+                             "of the context (0.1, the default)")
     parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=1024,
                         help="chunk length of the streaming executor (default 1024)")
     parser.add_argument("--cpu-gb", type=size("--cpu-gb"), default=None, help="host budget; default: 1/4 of the KV")
@@ -104,11 +109,13 @@ def run(args: argparse.Namespace) -> int:
     if gpu is None:
         from tierkv import TieredCache
 
-        if args.executor == "streaming":
+        if args.executor == "gather":
+            floor = TieredCache.min_device_bytes(model.config, len(prompt) + decode, block_tokens=args.block_tokens)
+        else:
             floor = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens,
                                                            chunk_tokens=args.chunk_tokens)
-        else:
-            floor = TieredCache.min_device_bytes(model.config, len(prompt) + decode, block_tokens=args.block_tokens)
+        if args.executor == "sparse":  # key summaries (min and max: 1/block_tokens of the KV) and the selection
+            floor += kv_bytes // args.block_tokens + 2 * _sparse_selection_bytes(args, model, kv_bytes, len(prompt))
         gpu = floor + kv_bytes // 8
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as tmp:
         result = _decode(args, model, prompt, decode, gpu, cpu, args.disk_dir or tmp, status)
@@ -124,14 +131,16 @@ def run(args: argparse.Namespace) -> int:
         "match": expected is not None and answer_text.replace(" ", "").startswith(expected),
         "tokens_match_reference": None if reference is None else reference == result["tokens"],
         **{k: result[k] for k in ("bytes_resident", "bytes_moved", "blocks", "decode_tokens", "decode_steps",
-                                  "decode_tokens_per_s", "prefill_tokens_per_s", "prefetch_stall_s", "disk_engine")},
+                                  "decode_tokens_per_s", "prefill_tokens_per_s", "prefetch_stall_s", "disk_engine",
+                                  "sparse")},
     }
     _print_summary(out, summary)
     if args.json:
         written = write_json(summary, args.json)
         if written:
             status.print(f"wrote {written}")
-    ok = summary["tokens_match_reference"] is not False and (expected is None or summary["match"])
+    exact = args.executor != "sparse"  # sparse attention is approximate: only its answer must be right
+    ok = (not exact or summary["tokens_match_reference"] is not False) and (expected is None or summary["match"])
     return 0 if ok else 1
 
 
@@ -293,6 +302,7 @@ def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, dis
         "blocks": stats["blocks"],
         "prefetch_stall_s": stats["prefetch_stall_s"],
         "disk_engine": stats["disk_engine"],
+        "sparse": stats.get("sparse"),  # what sparse decode steps read (None with the exact executors)
         "decode_tokens": len(run.tokens),
         "decode_steps": steps,
         "decode_tokens_per_s": steps / run.decode_s if steps and run.decode_s > 0 else None,
@@ -301,10 +311,32 @@ def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, dis
 
 
 def _executor(args: argparse.Namespace, cache, model):
-    """The attention executor's context: streaming attention, or nothing (exact gather is the default path)."""
+    """The attention executor's context: streaming or sparse attention, or nothing (exact gather is the default
+    path)."""
     if args.executor == "streaming":
         return cache.streaming(model, chunk_tokens=args.chunk_tokens)
+    if args.executor == "sparse":
+        return cache.sparse(model, tokens=args.sparse_tokens, chunk_tokens=args.chunk_tokens)
     return contextlib.nullcontext()
+
+
+def _sparse_budget(text: str) -> int | float:
+    """``0.1`` (a fraction of the context, in (0, 1]) or a token count (``2048``, ``2K``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is not None and 0.0 < value <= 1.0 and not text.strip().isdigit():
+        return value
+    return tokens("--sparse-tokens")(text)
+
+
+def _sparse_selection_bytes(args: argparse.Namespace, model, kv_bytes: int, context: int) -> int:
+    """One layer's KV of the tokens a sparse step attends (its staging buffer), in whole blocks."""
+    budget = args.sparse_tokens if isinstance(args.sparse_tokens, int) else math.ceil(args.sparse_tokens * context)
+    blocks = -(-budget // args.block_tokens) + 2  # the sinks' and the recent window's blocks may come on top
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    return blocks * args.block_tokens * kv_bytes // max(context, 1) // layers
 
 
 def _live_table(cache, tokens: list[int], elapsed: float, decode: int) -> Table:
@@ -357,6 +389,10 @@ def _print_summary(console: Console, summary: dict) -> None:
                   "no decode step (--max-new-tokens 1)")
     table.add_row("prefetch stall", f"{summary['prefetch_stall_s']:.3f} s")
     table.add_row("disk engine", str(summary["disk_engine"]))
+    sparse = summary["sparse"]
+    if sparse and sparse.get("steps"):
+        table.add_row("sparse steps read", f"{sparse['selected_fraction']:.1%} of the blocks, "
+                      f"{format_bytes(int(sparse['bytes_fetched_per_step']))} per step")
     if summary["expected"] is not None:
         table.add_row("expected answer", summary["expected"])
         table.add_row("answer", summary["answer"][:40])
