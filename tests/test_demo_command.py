@@ -69,3 +69,13 @@ def test_demo_emits_no_future_warning(tmp_path):
         warnings.simplefilter("error", FutureWarning)
         assert main(["demo", "--random-model", "--context", "256", "--block-tokens", "16", "--prefill-chunk", "128",
                      "--chunk-tokens", "64", "--max-new-tokens", "2", "--disk-dir", str(tmp_path)]) == 0
+
+
+def test_sparse_executor_demo_reports_what_it_read(tmp_path):
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--context", "2048", "--executor", "sparse", "--sparse-tokens", "0.25", "--block-tokens", "16",
+               "--prefill-chunk", "512", "--chunk-tokens", "256", "--max-new-tokens", "2", "--disk-dir",
+               str(tmp_path / "disk"), "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["match"] is True and result["executor"] == "sparse"
+    assert 0.2 < result["sparse"]["selected_fraction"] < 0.35 and result["bytes_resident"]["disk"] > 0

@@ -81,7 +81,7 @@ def test_chat_needles_in_real_text(smollm2):
     assert len(prompt.ids) == 2048
     context = tokenizer.decode(prompt.context_ids)
     question = tokenizer.decode(prompt.question_ids)
-    facts = [line for line in context.splitlines() if line.startswith("The special magic number for ")]
+    facts = [line.strip() for line in context.splitlines() if "The special magic number for " in line]
     assert len(facts) == NEEDLE_KEYS and len({f.split()[5] for f in facts}) == NEEDLE_KEYS
     asked = next(k for k in KEYS if f"number for {k} mentioned" in question)
     target = f"The special magic number for {asked} is {prompt.answer}."
@@ -103,8 +103,24 @@ def test_harness_exact_path_is_full_attention(tmp_path):
     assert needle["output"] == full[0]["output"] and needle["correct"] == full[0]["correct"]
     fidelity = next(r for r in records if r["task"] == "fidelity")["agreement"]
     assert fidelity["steps"] == 24 and fidelity["top1"] == 1.0 and fidelity["kl_max"] < 1e-6
+    (tmp_path / "tierkv.json").write_text(json.dumps({"results": records}))  # as `tierkv eval` writes it
     text = report.markdown(report.load_results(tmp_path))
     assert "| tierkv exact | 100.0% / 0.000 |" in text and "**needle**" in text
+
+
+def test_harness_sparse_covering_budget_is_exact_and_small_budget_reads_little(tmp_path):
+    """sparse@1.0 covers every block (the executor's exact fast path); sparse@0.1 reads about a tenth of them."""
+    model, tokenizer = models.load("demo")
+    prompts = build_prompts(DemoTaskWriter(), ["needle", "fidelity"], [1024], [0.5], 1, 16)
+    harness.reference(model, tokenizer, prompts, tmp_path, prefill_chunk=512, meta={"model": "demo"})
+    methods = [harness.Method("sparse", 1.0), harness.Method("sparse", 0.1)]
+    records = harness.measure(model, tokenizer, tmp_path, methods,
+                              harness.CacheSetup(block_tokens=16, device_fraction=0.1, device_extra=1 << 20))
+    by = {(r["task"], r["method"]): r for r in records}
+    assert by[("fidelity", "sparse@1")]["agreement"]["kl_max"] < 1e-6
+    assert by[("needle", "sparse@1")]["selected_fraction"] == 1.0
+    assert 0.05 < by[("needle", "sparse@0.1")]["selected_fraction"] < 0.15
+    assert by[("fidelity", "sparse@0.1")]["agreement"]["steps"] == 16
 
 
 @pytest.mark.parametrize(("argv", "message"), [

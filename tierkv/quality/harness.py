@@ -175,6 +175,11 @@ def reference(model, tokenizer, prompts: Sequence[Prompt], out: str | Path, *, p
     return path
 
 
+def load_kv(folder: str | Path, prompt: Prompt) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The saved full-attention KV of ``prompt`` (its ``ids[:-1]``): per layer ``(keys, values)`` ``[1, H, T, D]``."""
+    return _load_kv(_kv_path(Path(folder), prompt))
+
+
 def load_reference(folder: str | Path) -> tuple[list[Prompt], list[dict[str, Any]]]:
     """The prompts and full attention's results written by :func:`reference`."""
     data = json.loads((Path(folder) / REFERENCE_FILE).read_text())

@@ -1,0 +1,94 @@
+"""KV bytes read per decoded token and decode step time, exact vs sparse, SmolLM2 with most of the KV on disk.
+
+    python benchmarks/quality/bytes_per_token.py --reference RUN/smollm2 --prompt needle/4096/d0.50/#0
+    flock -x /tmp/tierkv-cpu.lock python benchmarks/quality/bytes_per_token.py ...   (for the step times)
+
+The prompt's full-attention KV (saved by ``tierkv eval --stage reference``) is written into one TieredCache
+whose device budget is the streaming minimum plus 10% of the KV and whose host budget is 1 MiB, so most
+blocks are on disk. Then, interleaved in rounds on that same cache (the placement does not change between
+them): STEPS decode steps with exact streaming attention and STEPS with ``cache.sparse`` at each budget. Per
+step: the KV bytes read into the device over every link (``stats()["bytes_moved"]``: device->device, host->device,
+disk->device) and the wall time (median), after one uncounted warm-up step per method (the first sparse step
+reads every full block once to summarise it). Each step feeds the same token at the next position, so every
+method decodes the same context length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tierkv import TieredCache, models  # noqa: E402
+from tierkv.quality import harness  # noqa: E402
+
+READ_LINKS = ("device->device", "host->device", "disk->device")
+
+
+def read_bytes(cache) -> int:
+    moved = cache.stats()["bytes_moved"]
+    return sum(moved.get(link, 0) for link in READ_LINKS)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reference", type=Path, required=True)
+    parser.add_argument("--prompt", default="needle/4096/d0.50/#0")
+    parser.add_argument("--budgets", default="0.02,0.05,0.1")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--block-tokens", type=int, default=16)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    prompts, _ = harness.load_reference(args.reference)
+    prompt = next(p for p in prompts if p.key == args.prompt)
+    kv = harness.load_kv(args.reference, prompt)
+    model, _ = models.load("smollm2")
+    kv_bytes = sum(2 * k.numel() * k.element_size() for k, _ in kv)
+    gpu = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens) + kv_bytes // 10
+    budgets = [float(b) for b in args.budgets.split(",")]
+    methods = ["exact"] + [f"sparse@{b:g}" for b in budgets]
+    per_step: dict[str, list[int]] = {m: [] for m in methods}
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    with tempfile.TemporaryDirectory(prefix="tierkv-bytes-") as tmp, torch.inference_mode(), \
+            TieredCache(gpu_gb=f"{gpu}B", cpu_gb="1MiB", disk_dir=tmp, block_tokens=args.block_tokens,
+                        config=model.config) as cache:
+        with cache.streaming(model):
+            for i, (keys, values) in enumerate(kv):
+                cache.update(keys, values, i)
+        resident = cache.stats()["bytes_resident"]
+        token = torch.tensor([[prompt.ids[-1]]])
+        for method in methods:  # warm-up, not counted: the first sparse step summarises every full block once
+            with cache.streaming(model) if method == "exact" else \
+                    cache.sparse(model, tokens=float(method.split("@")[1])):
+                model(input_ids=token, cache=cache, logits_to_keep=1)
+        for _ in range(args.rounds):
+            for method in methods:
+                context = cache.streaming(model) if method == "exact" else \
+                    cache.sparse(model, tokens=float(method.split("@")[1]))
+                with context:
+                    for _ in range(args.steps):
+                        before, started = read_bytes(cache), time.perf_counter()
+                        model(input_ids=token, cache=cache, logits_to_keep=1)
+                        times[method].append(time.perf_counter() - started)
+                        per_step[method].append(read_bytes(cache) - before)
+    print(f"SmolLM2, {prompt.key}: {len(prompt.ids):,} tokens, KV {kv_bytes / 2**20:.0f} MiB; resident "
+          + ", ".join(f"{t} {b / 2**20:.1f} MiB" for t, b in resident.items()))
+    exact_bytes, exact_time = statistics.median(per_step["exact"]), statistics.median(times["exact"])
+    print(f"{'method':<12} {'MiB read/token':>15} {'vs exact':>9} {'step ms (median)':>17} {'speed-up':>9}")
+    for method in methods:
+        b, t = statistics.median(per_step[method]), statistics.median(times[method])
+        print(f"{method:<12} {b / 2**20:>15.2f} {exact_bytes / b:>8.1f}x {1000 * t:>17.0f} {exact_time / t:>8.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
