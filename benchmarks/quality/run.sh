@@ -15,8 +15,11 @@ $ref --model smollm2 --out "$run/smollm2" --tasks needle,multi-needle,fidelity -
 $ref --model smollm2 --out "$run/smollm2" --tasks multi-needle --lengths 8K --depths 0.5
 $ref --model smollm2 --out "$run/smollm2" --tasks needle --lengths 8K --depths 0.1,0.9
 $ref --model smollm2 --out "$run/smollm2" --tasks fidelity --lengths 8K
-$ref --model demo --out "$run/demo" --tasks needle,multi-needle,fidelity --lengths 16K,32K,64K \
-    --depths 0.1,0.5,0.9 --prefill-chunk 4096
+$ref --model demo --out "$run/demo" --tasks needle --lengths 16K,32K --depths 0.1,0.5,0.9 --prefill-chunk 4096
+$ref --model demo --out "$run/demo" --tasks needle --lengths 64K --depths 0.1,0.5 --prefill-chunk 4096
+$ref --model demo --out "$run/demo" --tasks multi-needle,fidelity --lengths 16K,32K --depths 0.1,0.5,0.9 \
+    --prefill-chunk 4096
+$ref --model demo --out "$run/demo" --tasks fidelity --lengths 64K --prefill-chunk 4096
 
 # 2. kvpress presses on the same prompts, in kvpress's own environment
 smollm2_dir="$(python -c "from tierkv import models; print(models.checkpoint_folder('smollm2'))")"
@@ -30,5 +33,10 @@ tierkv eval --stage measure --model smollm2 --out "$run/smollm2" --methods spars
 tierkv eval --stage measure --model demo --out "$run/demo" --methods sparse
 
 # 4. tables and plots
-python -m tierkv.quality.report "$run/smollm2" --plot docs/quality/smollm2.png --markdown "$run/smollm2/tables.md"
-python -m tierkv.quality.report "$run/demo" --plot docs/quality/demo.png --markdown "$run/demo/tables.md"
+for model in smollm2 demo; do
+    python -m tierkv.quality.report "$run/$model" --plot "docs/quality/$model.png" --markdown "$run/$model/tables.md" \
+        --records "benchmarks/quality/results/$model.json"
+done
+
+# 5. bytes read per decoded token and step time, KV mostly on disk (timing: under the exclusive lock)
+python benchmarks/quality/bytes_per_token.py --reference "$run/smollm2" --prompt needle/4096/d0.50/#0

@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--plot", type=Path, default=None, help="PNG to write")
     parser.add_argument("--markdown", default=None, help="markdown file to write, or - for stdout")
+    parser.add_argument("--records", type=Path, default=None,
+                        help="JSON file to write with every scored record (no token ids: small enough to commit)")
     args = parser.parse_args(argv)
     from tierkv import models
 
@@ -197,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     records = load_results(args.folder, tokenizer)
     if args.plot:
         print(f"wrote {plot(records, args.plot, f'{name}: quality against full attention')}", file=sys.stderr)
+    if args.records:
+        slim = [{k: v for k, v in r.items() if k != "generated"} for r in records]
+        args.records.parent.mkdir(parents=True, exist_ok=True)
+        args.records.write_text(json.dumps({"model": name, "results": slim}, indent=0))
     if args.markdown:
         text = markdown(records)
         if args.markdown == "-":
