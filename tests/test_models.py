@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from tierkv import InvalidConfigError, TieredCache, models, settings
 from tierkv.cli import main
+from tierkv.hf import cache_keyword
 from tierkv.models import ModelPackageMissingError
 from tierkv.quality.tasks import ChatTaskWriter, answer_matches
 
@@ -61,10 +62,10 @@ def test_smollm2_finds_a_needle_through_every_tier(smollm2, tmp_path):
     kv = TieredCache.kv_bytes_per_token(model.config, torch.float32) * (len(prompt.ids) + 8)
 
     def greedy(cache) -> list[int]:
-        out = model(input_ids=ids, cache=cache, logits_to_keep=1)
+        out = model(input_ids=ids, **{cache_keyword(model): cache}, logits_to_keep=1)
         tokens = [int(out.logits[0, -1].argmax())]
         for _ in range(prompt.answer_tokens - 1):
-            out = model(input_ids=torch.tensor([tokens[-1:]]), cache=cache, logits_to_keep=1)
+            out = model(input_ids=torch.tensor([tokens[-1:]]), **{cache_keyword(model): cache}, logits_to_keep=1)
             tokens.append(int(out.logits[0, -1].argmax()))
         return tokens
 

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tierkv import TieredCache, models  # noqa: E402
+from tierkv.hf import cache_keyword  # noqa: E402
 from tierkv.quality import harness  # noqa: E402
 
 READ_LINKS = ("device->device", "host->device", "disk->device")
@@ -69,7 +70,7 @@ def main() -> int:
         for method in methods:  # warm-up, not counted: the first sparse step summarises every full block once
             with cache.streaming(model) if method == "exact" else \
                     cache.sparse(model, tokens=float(method.split("@")[1])):
-                model(input_ids=token, cache=cache, logits_to_keep=1)
+                model(input_ids=token, **{cache_keyword(model): cache}, logits_to_keep=1)
         for _ in range(args.rounds):
             for method in methods:
                 context = cache.streaming(model) if method == "exact" else \
@@ -77,7 +78,7 @@ def main() -> int:
                 with context:
                     for _ in range(args.steps):
                         before, started = read_bytes(cache), time.perf_counter()
-                        model(input_ids=token, cache=cache, logits_to_keep=1)
+                        model(input_ids=token, **{cache_keyword(model): cache}, logits_to_keep=1)
                         times[method].append(time.perf_counter() - started)
                         per_step[method].append(read_bytes(cache) - before)
     print(f"SmolLM2, {prompt.key}: {len(prompt.ids):,} tokens, KV {kv_bytes / 2**20:.0f} MiB; resident "

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from tierkv.hf import cache_keyword
 from tierkv.quality.metrics import Agreement, compare
 from tierkv.quality.tasks import Prompt, answer_matches
 
@@ -83,7 +84,7 @@ def _prefill(model, ids: Sequence[int], chunk: int):
     cache = DynamicCache(config=model.config)
     tensor = torch.tensor([list(ids)])  # [1, T]
     for start in range(0, tensor.shape[1], chunk):
-        model(input_ids=tensor[:, start : start + chunk], cache=cache, logits_to_keep=1)
+        model(input_ids=tensor[:, start : start + chunk], **{cache_keyword(model): cache}, logits_to_keep=1)
     return cache
 
 
@@ -97,7 +98,7 @@ def _decode(model, cache, fed: Sequence[int], greedy: int) -> tuple[list[int], t
     rows, generated = [], []
     queue = list(fed)
     while queue:
-        out = model(input_ids=torch.tensor([[queue.pop(0)]]), cache=cache, logits_to_keep=1)
+        out = model(input_ids=torch.tensor([[queue.pop(0)]]), **{cache_keyword(model): cache}, logits_to_keep=1)
         rows.append(out.logits[0, -1].float())
         if not queue and len(generated) < greedy:
             generated.append(int(rows[-1].argmax()))
