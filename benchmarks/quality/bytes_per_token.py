@@ -5,12 +5,12 @@
 
 The prompt's full-attention KV (saved by ``tierkv eval --stage reference``) is written into one TieredCache
 whose device budget is the streaming minimum plus 10% of the KV plus 16 MiB (key summaries, the sparse
-selection) and whose host budget is 1 MiB, so most blocks are on disk. Then, interleaved in rounds on that same cache (the placement does not change between
-them): STEPS decode steps with exact streaming attention and STEPS with ``cache.sparse`` at each budget. Per
-step: the KV bytes read into the device over every link (``stats()["bytes_moved"]``: device->device, host->device,
-disk->device) and the wall time (median), after one uncounted warm-up step per method (the first sparse step
-reads every full block once to summarise it). Each step feeds the same token at the next position, so every
-method decodes the same context length.
+selection) and whose host budget is 1 MiB, so most blocks are on disk. Then, interleaved in rounds on that
+same cache (the placement does not change between them): STEPS decode steps with exact streaming attention
+and STEPS with ``cache.sparse`` at each budget. Per step: the KV bytes read into the device over every link
+(``stats()["bytes_moved"]``: device->device, host->device, disk->device) and the wall time (median), after
+one uncounted warm-up step per method (the first sparse step reads every full block once to summarise it).
+Each step feeds the same token at the next position, so every method decodes the same context length.
 """
 
 from __future__ import annotations
