@@ -35,6 +35,7 @@ debug               TIERKV_DEBUG              False         full tracebacks from
 prefetch_min        TIERKV_PREFETCH_MIN       1 MiB         smallest layer read worth a hand-off to the mover
 redis_password      TIERKV_REDIS_PASSWORD     None          the remote tier's password when its URL has none
 cuda_standin        TIERKV_CUDA_STANDIN       False         CPU caches take the CUDA paths on a checking stand-in
+remote_timeout      TIERKV_REMOTE_TIMEOUT     2.0           seconds a remote-tier command may take before a miss
 ==================  ========================  ============  =====================================================
 
 Secrets (``redis_password``) are never shown: :func:`source` and :func:`describe` print ``***`` for them.
@@ -163,6 +164,16 @@ def _secret(value: Any) -> str | None:
     return value
 
 
+def _seconds(value: Any) -> float:
+    try:
+        seconds = float(value) if not isinstance(value, bool) else -1.0
+    except (TypeError, ValueError):
+        raise _Invalid("must be a number of seconds such as 0.5") from None
+    if not 0 < seconds < float("inf"):
+        raise _Invalid("must be a positive number of seconds")
+    return seconds
+
+
 def _xdg_cache() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(xdg) / "tierkv"
@@ -194,6 +205,8 @@ SETTINGS: dict[str, Setting] = {
                 "password of the remote tier's Redis (remote=...) when the URL carries none"),
         Setting("cuda_standin", "TIERKV_CUDA_STANDIN", lambda: False, _flag, "1",
                 "a cache on the CPU runs the CUDA code paths on tierkv.cuda_standin, which checks stream ordering"),
+        Setting("remote_timeout", "TIERKV_REMOTE_TIMEOUT", lambda: 2.0, _seconds, "0.5",
+                "longest wait of one remote-tier command; slower is a miss and the server is left alone a while"),
     )
 }  # fmt: skip
 """Every setting by name."""

@@ -30,7 +30,8 @@ T = TypeVar("T")
 WARN_INTERVAL_S = 60.0  # the same kind of warning is logged at most once a minute (with its count)
 
 
-def _redis() -> Any:
+def redis_module() -> Any:
+    """The redis package, or InvalidConfigError naming the install command."""
     try:
         import redis
     except ImportError as exc:
@@ -52,7 +53,7 @@ class RemoteConnection:
 
     def __init__(self, url: RemoteURL, timeout_s: float = 2.0, connect_timeout_s: float = 1.0,
                  max_connections: int = 8, backoff_s: float = 1.0, max_backoff_s: float = 30.0) -> None:
-        _redis()  # a missing redis-py is a construction error, not a silent miss
+        redis_module()  # a missing redis-py is a construction error, not a silent miss
         self.url = url
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -98,7 +99,7 @@ class RemoteConnection:
             was_down, self._down = self._down, True
         if not was_down:
             hint = ""
-            if isinstance(exc, _redis().exceptions.AuthenticationError):
+            if isinstance(exc, redis_module().exceptions.AuthenticationError):
                 hint = "; give the password in the URL or in $TIERKV_REDIS_PASSWORD"
             self.warn("down", f"unreachable ({type(exc).__name__}: {exc}){hint}; remote lookups are misses and "
                               f"writes are dropped, retrying in {retry:.0f} s")
@@ -114,7 +115,7 @@ class RemoteConnection:
     def run(self, op: Callable[[Any], T], fallback: T) -> T:
         """``op(client)``, or ``fallback`` when the server is down, unreachable, slow or refuses (counted,
         warned). Programming errors (anything not from redis-py or the socket) propagate."""
-        redis = _redis()
+        redis = redis_module()
         if self._closed:
             return fallback
         if self.down:
@@ -134,7 +135,7 @@ class RemoteConnection:
         return result
 
     def _refused(self, exc: BaseException) -> None:
-        if isinstance(exc, _redis().exceptions.OutOfMemoryError):
+        if isinstance(exc, redis_module().exceptions.OutOfMemoryError):
             self.count("rejected_full")
             self.warn("full", f"the server is full and refused a write ({exc}); set maxmemory-policy allkeys-lru "
                               "so old blocks make room (docs/remote.md)")
@@ -163,7 +164,7 @@ class RemoteConnection:
                 client.close()
 
     def _build(self) -> Any:
-        redis = _redis()
+        redis = redis_module()
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 

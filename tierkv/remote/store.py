@@ -33,7 +33,7 @@ from typing import Any
 
 from tierkv import settings
 from tierkv.errors import InvalidConfigError
-from tierkv.remote.connection import RemoteConnection
+from tierkv.remote.connection import RemoteConnection, redis_module
 from tierkv.remote.framing import HEADER, frame, unframe
 from tierkv.remote.url import RemoteURL, parse_remote_url
 from tierkv.remote.writer import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS, Item, WriteBehind
@@ -131,8 +131,9 @@ class RemoteBlockStore:
         url: ``redis://``, ``rediss://``, ``redis+cluster://`` ... (:mod:`tierkv.remote.url`); the password
             comes from the URL, else ``$TIERKV_REDIS_PASSWORD``.
         namespace: model fingerprint and layout, e.g. ``"<fingerprint>-<layout>"`` (letters, digits, ``._+-``).
-        timeout_s / connect_timeout_s: per command / per connect; a server slower than this is a miss and
-            is marked down for a back-off (:class:`~tierkv.remote.connection.RemoteConnection`).
+        timeout_s / connect_timeout_s: per command (default ``$TIERKV_REMOTE_TIMEOUT``, 2 s) / per connect;
+            a server slower than this is a miss and is marked down for a back-off
+            (:class:`~tierkv.remote.connection.RemoteConnection`).
         inflight: read pipelines in flight at once (threads, and pooled connections).
         keys_per_request: GETs per read pipeline.
         queue_items / queue_bytes: bounds of the write-behind queue (full: blocks are dropped, counted).
@@ -140,7 +141,7 @@ class RemoteBlockStore:
         backoff_s: how long a failed server is left alone before the next try (doubling, up to 30 s).
     """
 
-    def __init__(self, url: str | RemoteURL, namespace: str, *, timeout_s: float = 2.0,
+    def __init__(self, url: str | RemoteURL, namespace: str, *, timeout_s: float | None = None,
                  connect_timeout_s: float = 1.0, inflight: int = 4, keys_per_request: int = 8,
                  queue_items: int = DEFAULT_QUEUE_ITEMS, queue_bytes: int = DEFAULT_QUEUE_BYTES,
                  ttl_s: int | None = None, backoff_s: float = 1.0) -> None:
@@ -151,6 +152,8 @@ class RemoteBlockStore:
                             ("queue_items", queue_items), ("queue_bytes", queue_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidConfigError(f"{name} must be a positive int, got {value!r}.")
+        if timeout_s is None:
+            timeout_s = settings.get("remote_timeout")
         for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s),
                             ("backoff_s", backoff_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -171,6 +174,11 @@ class RemoteBlockStore:
         self._wire.writer = self._writer
         self._readers = ThreadPoolExecutor(max_workers=inflight, thread_name_prefix="tierkv-remote-read")
         self._finalizer = weakref.finalize(self, _shut_down, self._writer, self._readers, conn)
+
+    @staticmethod
+    def check_available() -> None:
+        """Raise :class:`~tierkv.errors.InvalidConfigError` (with the install command) without redis-py."""
+        redis_module()
 
     # ------------------------------------------------------------------------------------- reads
     def contains(self, keys: Sequence[str]) -> list[bool]:
