@@ -1,0 +1,155 @@
+"""``ChainedBlockStore``: the local persistent blocks (if any), then the shared remote tier, as one store.
+
+:class:`tierkv.persist.prefix.PrefixPersistence` finds, reads and writes block records through a store with
+``lookup`` / ``get`` / ``put`` / ``in``; this one answers from the local disk first and asks the remote tier
+only for the rest of a chain::
+
+    lookup(keys)  local prefix L, then the remote's from L on (one EXISTS pipeline)     -> L + R
+    get(keys)     the local records, then the remote's (batched GETs, verified twice:
+                  the remote frame's checksum, then the record's own when decoded)
+    put(items)    the local store (as before), and every record queued for the remote (write-through,
+                  never blocking: a full queue drops and counts)
+
+Records read from the remote are also written to the local store in the background (bounded, dropped
+when full), so the next process on this machine finds them on its own disk; records the local store holds
+but the remote lacks are queued for the remote when they are read, so a block persisted while the server
+was down reaches it later.
+
+Remote keys are namespaced by the chain's root (a hash of the model fingerprint and layout,
+:class:`tierkv.persist.keys.Namespace`): ``tierkv:<root>:<key>``. A record's own header names its root,
+so writes go to the right namespace whatever the cache does meanwhile; reads use the namespace of the
+last :meth:`bind` (``TieredCache.load_prefix`` binds before it looks up).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tierkv import settings
+from tierkv.errors import TierKVError
+from tierkv.persist import record
+from tierkv.persist.store import Item, PersistentStore
+from tierkv.remote.store import RemoteBlockStore
+from tierkv.remote.url import RemoteURL, parse_remote_url
+from tierkv.remote.writer import WriteBehind
+
+log = logging.getLogger("tierkv.remote")
+
+
+class ChainedBlockStore:
+    """``local`` (a :class:`PersistentStore`, or None for a worker without disk persistence) above the remote
+    tier at ``url``; ``options`` go to every :class:`RemoteBlockStore` (one per namespace root)."""
+
+    def __init__(self, local: PersistentStore | None, url: str | RemoteURL, **options: Any) -> None:
+        self.local = local
+        self.url = parse_remote_url(url, password=settings.get("redis_password")) if isinstance(url, str) else url
+        RemoteBlockStore.check_available()
+        self.options = options
+        self._remotes: dict[str, RemoteBlockStore] = {}
+        self._root: str | None = None
+        self._local_missing_remotely: set[str] = set()  # read from local, absent remotely: pushed on get()
+        self.counts = {"local_blocks": 0, "remote_blocks": 0, "pushed_from_local": 0, "saved_locally": 0}
+        self._saver = WriteBehind(self._save_locally, on_drop=lambda size: None, on_error=self._save_failed) \
+            if local is not None else None
+
+    def remote(self, root: str) -> RemoteBlockStore:
+        """The remote store of namespace ``root`` (built on first use; a bad URL raised at construction)."""
+        if root not in self._remotes:
+            self._remotes[root] = RemoteBlockStore(self.url, root, **self.options)
+        return self._remotes[root]
+
+    def bind(self, root: str) -> None:
+        """Lookups and reads from now on are in namespace ``root`` (the chain root of the model's blocks)."""
+        self._root = root
+        self.remote(root)
+
+    # ---------------------------------------------------------------------------------------- reading
+    def __contains__(self, key: str) -> bool:
+        """Held locally (a cheap check on the persisting path; the remote skips blocks it holds by itself)."""
+        return self.local is not None and key in self.local
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        local = self.local.lookup(keys) if self.local is not None else 0
+        if self._root is None:
+            return local
+        held = self.remote(self._root).contains(keys)
+        self._local_missing_remotely = {key for key, there in zip(keys[:local], held) if not there}
+        return local + _leading(held[local:])
+
+    def get(self, keys: Sequence[str]) -> list[bytearray]:
+        found = self.local.get(keys) if self.local is not None else []
+        self.counts["local_blocks"] += len(found)
+        if self._root is None:
+            return found
+        remote = self.remote(self._root)
+        for key, data in zip(keys, found):
+            if key in self._local_missing_remotely:
+                remote.put(key, bytes(data))
+                self.counts["pushed_from_local"] += 1
+        self._local_missing_remotely.clear()
+        if len(found) == len(keys):
+            return found
+        for key, payload in zip(keys[len(found):], remote.get_many(keys[len(found):])):
+            if payload is None:
+                break
+            data = bytearray(payload)  # writable, for the tensor view that decoding makes
+            found.append(data)
+            self.counts["remote_blocks"] += 1
+            if self._saver is not None:
+                self._saver.offer(key, data)
+        return found
+
+    # ---------------------------------------------------------------------------------------- writing
+    def put(self, items: Sequence[Item], touch: Sequence[str] = ()) -> int:
+        """Queue each of ``items`` for the remote (never blocks), then store them locally (raises as the local
+        store does: a full local disk does not keep the blocks from the other workers)."""
+        for item in items:
+            root = json.loads(item.head[record.PREFIX_BYTES:])["namespace"]
+            self.remote(root).put(item.key, item.head + item.payload)
+        return self.local.put(items, touch) if self.local is not None else len(items)
+
+    def _save_locally(self, batch: list[tuple[str, Any]]) -> None:
+        """Writer thread: records the remote gave us, into the local store (verified again before)."""
+        try:
+            items = []
+            for key, data in batch:
+                header, payload = record.decode(data, what=f"block {key}")
+                items.append(Item(key, int(header["depth"]), bytes(data[: len(data) - len(payload)]), payload))
+            self.counts["saved_locally"] += self.local.put(items)
+        except TierKVError as error:
+            self._save_failed(error)
+
+    def _save_failed(self, error: BaseException) -> None:
+        log.warning("tierkv: keeping remote blocks on the local disk failed (they stay remote): %s", error)
+
+    # ---------------------------------------------------------------------------------- management
+    def stats(self) -> dict[str, Any]:
+        """The remote stores' counters (summed over namespaces; see :meth:`RemoteBlockStore.stats`), blocks
+        served locally and remotely, pushed from local to remote, saved locally, and the local store's."""
+        remote: dict[str, Any] = {}
+        for store in self._remotes.values():
+            for name, value in store.stats().items():
+                remote[name] = (remote.get(name, False) or value) if isinstance(value, bool) else \
+                    remote.get(name, 0) + value
+        return {**remote, **self.counts, "local": self.local.stats() if self.local is not None else {}}
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued remote writes and local saves."""
+        done = all([store.flush(timeout) for store in self._remotes.values()])
+        return (self._saver.flush(timeout) if self._saver is not None else True) and done
+
+    def close(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
+        for store in self._remotes.values():
+            store.close()
+        if self.local is not None:
+            self.local.close()
+
+
+def _leading(found: Sequence[bool]) -> int:
+    return found.index(False) if False in found else len(found)
+
