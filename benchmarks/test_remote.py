@@ -185,7 +185,8 @@ def test_workers_one_server_feeds(server, tmp_path) -> None:
     """Aggregate rate of N concurrent readers of the same prefix blocks (loopback, 2-core host)."""
     from tierkv.remote import RemoteBlockStore
 
-    namespace, blocks, size = "bench", PREFIX // 256, 196_608 + 300  # one demo-model block record
+    # one demo-model block record: 3 layers x (K, V) x 2 heads x 256 tokens x 32 dims x 4 B, plus its header
+    namespace, blocks, size = "bench", PREFIX // 256, 393_216 + 204
     keys = [f"{i:032x}" for i in range(blocks)]
     with RemoteBlockStore(server.url, namespace) as store:
         for key in keys:

@@ -22,7 +22,7 @@ import os
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import psutil
@@ -63,6 +63,9 @@ from tierkv.stats import make_timeline, make_trace
 from tierkv.store import KVStore
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.memory import MemoryTier
+
+if TYPE_CHECKING:
+    from tierkv.remote.chain import ChainedBlockStore
 
 log = logging.getLogger("tierkv")
 
@@ -183,6 +186,10 @@ class TieredCache(Cache):
             token ids, so a later cache reuses a shared prefix (:meth:`load_prefix`; docs/reliability.md).
         persist_gb: size cap of the persisted blocks (least recently used evicted first). Default: 10% of
             the free space under ``disk_dir``.
+        remote: URL of a Redis/Valkey server (or cluster) shared by many workers — ``redis://host:6379/0``,
+            ``rediss://`` (TLS), ``redis+cluster://h1:p1,h2:p2``; password in the URL or
+            ``$TIERKV_REDIS_PASSWORD``. Full blocks are written to it in the background and
+            :meth:`load_prefix` loads a prefix from it after the local persistent blocks (docs/remote.md).
     """
 
     def __init__(self, gpu_gb: float | str | None = None, cpu_gb: float | str | None = None,
@@ -191,7 +198,7 @@ class TieredCache(Cache):
                  prefetch_depth: int | str = 1, config: PreTrainedConfig | None = None,
                  disk_engine: str | None = None, profile: LinkProfile | str | os.PathLike | None = None,
                  trace: bool | str | os.PathLike | None = None, persist: bool = False,
-                 persist_gb: float | str | None = None) -> None:
+                 persist_gb: float | str | None = None, remote: str | None = None) -> None:
         if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens <= 0:
             raise InvalidConfigError(f"block_tokens must be a positive int (e.g. 256), got {block_tokens!r}.")
         if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int) or prefetch_depth < 0):
@@ -249,10 +256,25 @@ class TieredCache(Cache):
             self._disk = self._resources.disk = DiskTier(disk_dir, self.disk_budget, DEFAULT_DISK_FRACTION,
                                                          engine=disk_engine)
         self._prefix: PrefixPersistence | None = None
-        if persist:
-            capacity = parse_size(persist_gb, name="persist_gb") if persist_gb is not None else \
-                int(psutil.disk_usage(os.fspath(disk_dir)).free * DEFAULT_PERSIST_FRACTION)
-            self._prefix = PrefixPersistence(PersistentStore(disk_dir, max(capacity, 1)), block_tokens)
+        self._remote: ChainedBlockStore | None = None
+        if remote is not None and not isinstance(remote, str):
+            raise InvalidConfigError(f"remote must be a Redis URL such as 'redis://host:6379/0', got {remote!r}.")
+        if persist or remote is not None:
+            local = None
+            if persist:
+                capacity = parse_size(persist_gb, name="persist_gb") if persist_gb is not None else \
+                    int(psutil.disk_usage(os.fspath(disk_dir)).free * DEFAULT_PERSIST_FRACTION)
+                local = PersistentStore(disk_dir, max(capacity, 1))
+            if remote is not None:
+                from tierkv.remote.chain import ChainedBlockStore  # imports redis-py only when asked for
+
+                try:
+                    self._remote = ChainedBlockStore(local, remote)
+                except BaseException:
+                    if local is not None:
+                        local.close()
+                    raise
+            self._prefix = PrefixPersistence(self._remote or local, block_tokens)
         super().__init__(layers=layers)
 
     # ------------------------------------------------------------------------------ transformers API
@@ -302,8 +324,11 @@ class TieredCache(Cache):
         if self.store is None:
             empty = {tier.label: 0 for tier in Tier}
             return {"bytes_resident": empty, "bytes_moved": {}, "blocks": dict(empty), "tokens": 0,
-                    "prefetch_hits": 0, "prefetch_misses": 0, "prefetch_stall_s": 0.0}
+                    "prefetch_hits": 0, "prefetch_misses": 0, "prefetch_stall_s": 0.0,
+                    **({"remote": self._remote.stats()} if self._remote is not None else {})}
         stats = self.store.stats()
+        if self._remote is not None:
+            stats["remote"] = self._remote.stats()  # lookups, hits, bytes on the wire ... (docs/remote.md)
         executors = list(self.executors.values())
         stats.update(tokens=self.get_seq_length(), prefetch_hits=sum(e.prefetch_hits for e in executors),
                      prefetch_misses=sum(e.prefetch_misses for e in executors),
@@ -330,7 +355,7 @@ class TieredCache(Cache):
         and returns the tokens held.
         """
         if self._prefix is None:
-            raise InvalidConfigError("load_prefix needs a persistent cache: "
+            raise InvalidConfigError("load_prefix needs persistent or remote blocks: remote='redis://...', or "
                                      "TieredCache(disk_dir='/path/on/nvme', persist=True).")
         if self._closed:
             raise InvalidConfigError("this TieredCache was closed (its tiers are released); create a new one.")
@@ -348,6 +373,8 @@ class TieredCache(Cache):
             raise InvalidConfigError(f"the model has {namespace.layers} layers but this cache was built for "
                                      f"{len(self.layers)} (config=); pass that model's config.")
         self._prefix.start(namespace, ids)
+        if self._remote is not None:
+            self._remote.bind(namespace.root)
         blocks, kv = self._prefix.load()
         if blocks:
             self._import(kv, next(model.parameters()).device)
@@ -359,6 +386,8 @@ class TieredCache(Cache):
         if self._prefix is not None:
             self._persist_new_blocks()
             self._prefix.flush()
+        if self._remote is not None:
+            self._remote.flush()  # the remote's writes (each bounded by its timeout)
 
     def save(self, path: str | os.PathLike, model: torch.nn.Module | None = None) -> None:
         """Write this conversation (every layer's K/V, the token ids it knows, per-layer state) to ``path``, so
