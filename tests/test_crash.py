@@ -81,7 +81,7 @@ import sys
 sys.path.insert(0, "tests")
 import torch
 from models import prompt, tiny_model
-from tierkv.hf import TieredCache
+from tierkv.hf import TieredCache, cache_keyword
 model = tiny_model("llama")
 base, _ = prompt(1, 64, seed=0)
 for seed in range(1, 10_000):
@@ -89,7 +89,8 @@ for seed in range(1, 10_000):
     ids[:, : 4 * (seed % 12)] = base[:, : 4 * (seed % 12)]
     with TieredCache(disk_dir=sys.argv[1], persist=True, block_tokens=4, gpu_gb="64MiB", cpu_gb="64MiB") as cache:
         cache.load_prefix(model, ids)
-        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=2, do_sample=False)
+        model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_keyword(model): cache}, max_new_tokens=2,
+                       do_sample=False)
         cache.flush()
     print(seed, flush=True)
 """
@@ -100,7 +101,7 @@ def test_a_killed_persistent_cache_leaves_blocks_a_later_cache_reuses_exactly(tm
     from models import prompt, tiny_model
     from transformers import DynamicCache
 
-    from tierkv.hf import TieredCache
+    from tierkv.hf import TieredCache, cache_keyword
 
     # one child (its start costs seconds: torch and transformers); the random kills are the test above's
     child = subprocess.Popen([sys.executable, "-c", CACHE_WRITER, str(tmp_path)], stdout=subprocess.PIPE,
@@ -114,13 +115,14 @@ def test_a_killed_persistent_cache_leaves_blocks_a_later_cache_reuses_exactly(tm
     base, _ = prompt(1, 64, seed=0)
     ids, _ = prompt(1, 64, seed=done[-1])
     ids[:, : 4 * (done[-1] % 12)] = base[:, : 4 * (done[-1] % 12)]
-    reference = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
-                               max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    keyword = cache_keyword(model)
+    options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, output_logits=True,
+                   return_dict_in_generate=True)
+    reference = model.generate(ids, **{keyword: DynamicCache(config=model.config)}, **options)
     with TieredCache(disk_dir=tmp_path, persist=True, block_tokens=4, gpu_gb="64MiB", cpu_gb="64MiB") as cache:
         assert cache._prefix.store.verify() == []
         assert cache.load_prefix(model, ids) == 60  # the stored prompt's 15 full blocks before its last token
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=4,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+        out = model.generate(ids, **{keyword: cache}, **options)
     assert torch.equal(out.sequences, reference.sequences)
     for a, b in zip(reference.logits, out.logits):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0)

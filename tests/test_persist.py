@@ -13,7 +13,7 @@ from models import prompt, tiny_model
 from transformers import DynamicCache
 
 from tierkv.errors import DiskTierError, IntegrityError, InvalidConfigError
-from tierkv.hf import TieredCache
+from tierkv.hf import TieredCache, cache_keyword
 from tierkv.persist import record
 from tierkv.persist.keys import Namespace, block_keys, model_fingerprint
 from tierkv.persist.store import DIRECTORY_NAME, Item, PersistentStore, Recovery
@@ -269,7 +269,7 @@ def _cache(model, directory, context: int = PROMPT + NEW, batch: int = 1, **opti
 
 
 def _generate(model, ids, cache=None, new: int = NEW):
-    return model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new,
+    return model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_keyword(model): cache}, max_new_tokens=new,
                           do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 

@@ -12,7 +12,7 @@ import torch
 from models import prompt, tiny_model
 
 from tierkv.errors import IntegrityError, InvalidConfigError
-from tierkv.hf import TieredCache
+from tierkv.hf import TieredCache, cache_keyword
 
 BT = 4
 SLOT = 4096
@@ -28,7 +28,7 @@ def _options(model, tmp_path, batch: int = 1, name: str = "disk") -> dict:
 
 
 def _generate(model, ids, cache, new: int):
-    return model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new,
+    return model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_keyword(model): cache}, max_new_tokens=new,
                           do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 
