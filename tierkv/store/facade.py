@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tierkv.blocks import Block, BlockTable, LayerRows, Tier
-from tierkv.errors import BudgetTooSmallError, InvalidConfigError
+from tierkv.errors import BudgetTooSmallError, InvalidConfigError, TierKVError
 from tierkv.layout import BlockLayout
 from tierkv.policy import Policy
 from tierkv.store.placement import Placement
@@ -428,7 +428,10 @@ class KVStore:
             victims = self.policy.victims(Tier.DEVICE, block.slot_bytes, 1, exclude)
             if not victims or not self.policy.prefers(block, victims[0]):
                 return False
-            self.placement.demote(victims)
+            try:
+                self.placement.demote(victims)
+            except TierKVError:  # no room below (a full disk): a promotion is optional, the cache is consistent
+                return False
             slot = self.device.alloc(block.slot_bytes)
             if slot is None:
                 return False
