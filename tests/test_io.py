@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -206,6 +207,21 @@ def test_read_past_end_of_file_is_an_oserror(engine: str, tmp_path) -> None:
         assert handle.done()
         with pytest.raises(OSError, match="offset 4096"):  # waiting again re-raises the same error
             handle.wait()
+
+
+def test_a_dropped_file_releases_its_descriptor(engine: str, tmp_path) -> None:
+    """A file dropped without ``close()`` (a cache garbage-collected mid-use) leaves no open descriptor."""
+    path = make_file(tmp_path / "kv.bin", MiB)
+    f = open_disk_file(path, engine=engine)
+    f.submit_reads([(0, aligned_empty(MiB))]).wait()
+    assert _open_on(path)
+    del f
+    assert not _open_on(path)
+
+
+def _open_on(path: str) -> bool:
+    fds = Path("/proc/self/fd")
+    return any(os.path.realpath(fds / fd) == os.path.realpath(path) for fd in os.listdir(fds))
 
 
 def test_close_is_idempotent_and_io_after_close_fails(engine: str, tmp_path) -> None:

@@ -25,6 +25,7 @@ import errno
 import functools
 import importlib.util
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -177,7 +178,8 @@ class KvikioFile(DiskFile):
         self.path = path
         self.gds = not _compat_mode_on()
         self._file: Any = kvikio.CuFile(path, "r+")
-        self._batches: list[_KvikioBatch] = []
+        self._batches: list[_KvikioBatch] = []  # edited in place: the finalizer holds this list
+        self._finalizer = weakref.finalize(self, _release, self._file, self._batches)
         self.direct = _host_direct_io(self._file)
         self.direct_refused = "" if self.direct else (
             "kvikio reads host buffers with POSIX through the page cache (" +
@@ -212,14 +214,21 @@ class KvikioFile(DiskFile):
         issue = self._file.pwrite if write else self._file.pread
         futures = [(issue(obj, nbytes, offset), offset, nbytes) for offset, obj, nbytes in checked]
         batch = _KvikioBatch(self.path, futures)
-        self._batches = [b for b in self._batches if not b.done()] + [batch]
+        self._batches[:] = [b for b in self._batches if not b.done()] + [batch]
         return batch
 
     def close(self) -> None:
         if self._file is None:
             return
-        for batch in self._batches:  # kvikio must not write into buffers after close returns
-            with contextlib.suppress(OSError):  # the caller who waits on the batch sees the error
-                batch.wait()
-        self._file.close()
+        self._finalizer()
         self._file = None
+
+
+def _release(file: Any, batches: list[_KvikioBatch]) -> None:
+    """Close a CuFile once its batches are done (kvikio must not write into buffers after close returns); also
+    the finalizer of a :class:`KvikioFile` dropped without ``close()``, so no descriptor outlives it."""
+    for batch in batches:
+        with contextlib.suppress(OSError):  # the caller who waits on the batch sees the error
+            batch.wait()
+    batches.clear()
+    file.close()
