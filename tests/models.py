@@ -75,3 +75,11 @@ def prompt(batch: int, length: int, seed: int = 0,
         ids[row, :pad] = PAD
         mask[row, :pad] = 0
     return ids, mask
+
+
+def small_llama() -> transformers.LlamaForCausalLM:
+    """A fresh 2-layer Llama (seed 0) whose KV sizes the cache-error and reliability tests' budgets assume."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return transformers.LlamaForCausalLM(config).eval()

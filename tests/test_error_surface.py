@@ -9,17 +9,15 @@ import subprocess
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from models import small_llama
+from transformers import DynamicCache
 
 from tierkv import DiskTierError, InvalidConfigError, TieredCache, TierKVError
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaForCausalLM(config).eval()
+    return small_llama()
 
 
 @pytest.mark.parametrize(("kwargs", "needle"), [

@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 from helpers import kv, make_store
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from models import small_llama
+from transformers import DynamicCache
 
 from tierkv import DiskFullError, DiskTierError, IntegrityError, TieredCache
 from tierkv.blocks import Tier
@@ -81,10 +82,7 @@ def faulty(monkeypatch):
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaForCausalLM(config).eval()
+    return small_llama()
 
 
 def decode(model, cache, reference, token, steps):

@@ -14,8 +14,8 @@ import torch
 from helpers import kv, make_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import tiny_model
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from models import small_llama, tiny_model
+from transformers import DynamicCache
 
 from tierkv import DiskTierError, IntegrityError, TieredCache, TierKVError, cuda_standin
 from tierkv import settings as tierkv_settings
@@ -134,10 +134,7 @@ def test_reads_larger_than_the_bounce_limit_run_in_verified_rounds(tmp_path, mon
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaForCausalLM(config).eval()
+    return small_llama()
 
 
 @pytest.mark.parametrize("where", ["sign and exponent", "low mantissa", "padding"])

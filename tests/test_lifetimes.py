@@ -17,7 +17,7 @@ import weakref
 import psutil
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from models import small_llama
 
 from tierkv import TieredCache
 from tierkv.tiers import disk as disk_module
@@ -214,10 +214,7 @@ def test_a_second_cache_in_the_same_process_keeps_the_first_ones_files(tmp_path)
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaForCausalLM(config).eval()
+    return small_llama()
 
 
 def test_a_dropped_cache_used_by_a_real_model_is_released(model, tmp_path):
