@@ -20,6 +20,7 @@ setup(
         Extension(
             "tierkv.io._native",
             [SOURCE],
+            depends=["native/xxhash.h"],  # included by the source (xxHash, BSD-2-Clause, vendored)
             define_macros=[("TKV_SOURCE_SHA", f'"{DIGEST}"')],
             extra_compile_args=["-O2", "-pthread"],
             extra_link_args=["-pthread"],

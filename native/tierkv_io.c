@@ -15,6 +15,13 @@
  * Errors are per request: 0, a positive errno, or TKV_EOF for a read that hit end of file. Pieces of a
  * request that already failed are skipped. tkv_wait reports the first failed request in submission order.
  *
+ * Checksums: a read batch may ask for the XXH3-64 (seed 0) of every `unit` bytes (the disk tier's slots) as
+ * they land. Pieces are then cut at unit boundaries and the worker that read a piece hashes its units right
+ * after its pread returns, so verification runs on the I/O threads, in parallel, with no Python loop over
+ * blocks. The digests equal the Python `xxhash.xxh3_64_intdigest` of the same bytes (the same algorithm:
+ * xxHash's single header, vendored as native/xxhash.h, BSD-2-Clause). tkv_xxh3_rows hashes rows already in
+ * memory (blocks being written, reads through other engines).
+ *
  * Built with the package as the optional extension tierkv.io._native (setup.py), or, where the install
  * could not build it, on first use by tierkv/io/native.py (cc -O2 -shared -fPIC -pthread). Either way it
  * is a plain C library loaded with ctypes (not a Python module), which releases the GIL during every call,
@@ -27,6 +34,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+#define XXH_INLINE_ALL /* header-only: xxHash's functions compile into this library */
+#include "xxhash.h"
 
 #define TKV_EOF (-1)
 
@@ -48,6 +58,9 @@ typedef struct tkv_batch {
     int64_t *lengths;
     uint64_t *addrs;
     int32_t *errs;
+    int64_t unit;           /* > 0: hash every `unit` bytes of each read piece into digests */
+    uint64_t *digests;      /* the caller's array, one digest per unit over all requests in order */
+    int64_t *unit_base;     /* index in digests of each request's first unit */
     int64_t next_req;       /* next piece to hand out: request index ... */
     int64_t next_pos;       /* ... and byte position inside it */
     int64_t pieces_left;    /* pieces not yet finished; the batch is done at 0 */
@@ -101,7 +114,12 @@ static void *worker(void *arg) {
         int skip = b->errs[req] != 0;
         pthread_mutex_unlock(&pool->mu);
 
-        int err = skip ? 0 : do_io(b->fd, b->is_write, b->offsets[req] + pos, (char *)(uintptr_t)b->addrs[req] + pos, len);
+        char *addr = (char *)(uintptr_t)b->addrs[req] + pos;
+        int err = skip ? 0 : do_io(b->fd, b->is_write, b->offsets[req] + pos, addr, len);
+        if (err == 0 && !skip && b->unit > 0) { /* pieces start and end on unit boundaries (tkv_submit) */
+            uint64_t *out = b->digests + b->unit_base[req] + pos / b->unit;
+            for (int64_t k = 0; k < len / b->unit; k++) out[k] = XXH3_64bits(addr + k * b->unit, (size_t)b->unit);
+        }
 
         pthread_mutex_lock(&pool->mu);
         if (err != 0 && b->errs[req] == 0) b->errs[req] = err;
@@ -144,18 +162,24 @@ void tkv_pool_free(void *p) {
 
 int tkv_pool_threads(void *p) { return ((tkv_pool *)p)->nthreads; }
 
-/* Queue a batch of n >= 1 requests (arrays are copied); NULL if out of memory. */
+/* Queue a batch of n >= 1 requests (arrays are copied); NULL if out of memory or if `unit` does not divide
+ * every request. With unit > 0 (reads only) the workers write the XXH3-64 of every `unit` bytes into
+ * digests[] (one per unit, requests in order), which the caller keeps alive until tkv_wait returned. */
 void *tkv_submit(void *p, int fd, int is_write, int64_t chunk, int64_t n, const int64_t *offsets,
-                 const int64_t *lengths, const uint64_t *addrs) {
+                 const int64_t *lengths, const uint64_t *addrs, int64_t unit, uint64_t *digests) {
     tkv_pool *pool = (tkv_pool *)p;
+    if (n < 1 || unit < 0 || (unit > 0 && (is_write || digests == NULL))) return NULL;
+    for (int64_t i = 0; unit > 0 && i < n; i++)
+        if (lengths[i] % unit != 0) return NULL;
     tkv_batch *b = calloc(1, sizeof *b);
     if (b == NULL) return NULL;
     b->offsets = malloc((size_t)n * sizeof(int64_t));
     b->lengths = malloc((size_t)n * sizeof(int64_t));
     b->addrs = malloc((size_t)n * sizeof(uint64_t));
     b->errs = calloc((size_t)n, sizeof(int32_t));
-    if (!b->offsets || !b->lengths || !b->addrs || !b->errs) {
-        free(b->offsets); free(b->lengths); free(b->addrs); free(b->errs); free(b);
+    b->unit_base = unit > 0 ? malloc((size_t)n * sizeof(int64_t)) : NULL;
+    if (!b->offsets || !b->lengths || !b->addrs || !b->errs || (unit > 0 && !b->unit_base)) {
+        free(b->offsets); free(b->lengths); free(b->addrs); free(b->errs); free(b->unit_base); free(b);
         return NULL;
     }
     memcpy(b->offsets, offsets, (size_t)n * sizeof(int64_t));
@@ -163,6 +187,17 @@ void *tkv_submit(void *p, int fd, int is_write, int64_t chunk, int64_t n, const 
     memcpy(b->addrs, addrs, (size_t)n * sizeof(uint64_t));
     b->fd = fd;
     b->is_write = is_write;
+    b->unit = unit;
+    b->digests = digests;
+    if (unit > 0) { /* whole units per piece: the worker that reads a unit hashes it */
+        chunk = chunk / unit * unit;
+        if (chunk < unit) chunk = unit;
+        int64_t units = 0;
+        for (int64_t i = 0; i < n; i++) {
+            b->unit_base[i] = units;
+            units += lengths[i] / unit;
+        }
+    }
     b->chunk = chunk;
     b->n_req = n;
     for (int64_t i = 0; i < n; i++) /* a zero-length request is one empty piece */
@@ -175,6 +210,11 @@ void *tkv_submit(void *p, int fd, int is_write, int64_t chunk, int64_t n, const 
     pthread_cond_broadcast(&pool->work_cv);
     pthread_mutex_unlock(&pool->mu);
     return b;
+}
+
+/* XXH3-64 (seed 0) of n rows of row_bytes bytes, the first at base and each `stride` bytes after the last. */
+void tkv_xxh3_rows(const char *base, int64_t stride, int64_t row_bytes, int64_t n, uint64_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = XXH3_64bits(base + i * stride, (size_t)row_bytes);
 }
 
 int tkv_done(void *p, void *bp) {
@@ -207,5 +247,5 @@ int64_t tkv_wait(void *p, void *bp, int32_t *err) {
 void tkv_batch_free(void *bp) {
     tkv_batch *b = (tkv_batch *)bp;
     pthread_cond_destroy(&b->done_cv);
-    free(b->offsets); free(b->lengths); free(b->addrs); free(b->errs); free(b);
+    free(b->offsets); free(b->lengths); free(b->addrs); free(b->errs); free(b->unit_base); free(b);
 }

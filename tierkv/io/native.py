@@ -58,6 +58,7 @@ _CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
 _FIX = "Install a C compiler (e.g. `apt-get install gcc`) or set CC, or use TIERKV_DISK_ENGINE=posix."
 
 _i64p = ctypes.POINTER(ctypes.c_int64)
+_u64p = ctypes.POINTER(ctypes.c_uint64)
 
 
 def cache_dir() -> Path:
@@ -154,11 +155,13 @@ def _build() -> ctypes.CDLL | EngineUnavailableError:
     lib.tkv_pool_free.argtypes = [ctypes.c_void_p]
     lib.tkv_submit.restype = ctypes.c_void_p
     lib.tkv_submit.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                               _i64p, _i64p, ctypes.POINTER(ctypes.c_uint64)]  # fmt: skip
+                               _i64p, _i64p, _u64p, ctypes.c_int64, _u64p]  # fmt: skip
     lib.tkv_done.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.tkv_wait.restype = ctypes.c_int64
     lib.tkv_wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)]
     lib.tkv_batch_free.argtypes = [ctypes.c_void_p]
+    lib.tkv_xxh3_rows.restype = None
+    lib.tkv_xxh3_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _u64p]
     return lib
 
 
@@ -200,11 +203,12 @@ class _Pool:
 class _NativeBatch(IOHandle):
     """A C batch; keeps the request buffers alive until the workers are done with them."""
 
-    def __init__(self, file: NativeFile, batch: int, requests: list[Any]) -> None:
+    def __init__(self, file: NativeFile, batch: int, requests: list[Any], digests: np.ndarray | None) -> None:
         self._pool = file.pool_state
         self._path = file.path
         self._batch: int | None = batch
         self._requests = requests  # keep-alive: the C side holds raw addresses into these arrays
+        self._digests = digests  # ... and writes into this one
         self._error: OSError | None = None
 
     def _finish(self) -> None:
@@ -215,7 +219,7 @@ class _NativeBatch(IOHandle):
         batch, self._batch = self._batch, None
         if pool is None:  # the pool was freed, which finished every batch first
             lib.tkv_batch_free(batch)
-            self._requests = []
+            self._requests, self._digests = [], None
             return
         code = ctypes.c_int32()
         failed = lib.tkv_wait(pool, batch, ctypes.byref(code))
@@ -226,7 +230,7 @@ class _NativeBatch(IOHandle):
                 self._error = eof_error(self._path, req.offset, req.view.nbytes, None)
             else:
                 self._error = OSError(code.value, os.strerror(code.value), self._path)
-        self._requests = []
+        self._requests, self._digests = [], None
 
     def wait(self) -> None:
         self._finish()
@@ -266,30 +270,38 @@ class NativeFile(DiskFile):
         return self.pool_state.handle
 
     def submit_reads(self, requests: Sequence[tuple[int, Any]]) -> IOHandle:
-        return self._submit(requests, write=False)
+        return self._submit(requests, write=False)[0]
 
     def submit_writes(self, requests: Sequence[tuple[int, Any]]) -> IOHandle:
-        return self._submit(requests, write=True)
+        return self._submit(requests, write=True)[0]
 
-    def _submit(self, requests: Sequence[tuple[int, Any]], *, write: bool) -> IOHandle:
+    def submit_hashed_reads(self, requests: Sequence[tuple[int, Any]], unit: int) -> tuple[IOHandle, np.ndarray | None]:
+        """The workers hash every ``unit`` bytes right after their piece landed (on the I/O threads)."""
+        return self._submit(requests, write=False, unit=unit)
+
+    def _submit(self, requests: Sequence[tuple[int, Any]], *, write: bool,
+                unit: int = 0) -> tuple[IOHandle, np.ndarray | None]:
         if self.pool is None:
             raise ValueError(f"I/O on closed {self!r}.")
         checked = check_requests(requests, direct=self.direct, writable=not write)
         if not checked:
-            return CompletedHandle()
+            return CompletedHandle(), (np.zeros(0, dtype=np.uint64) if unit else None)
         offsets = np.array([r.offset for r in checked], dtype=np.int64)
         lengths = np.array([r.view.nbytes for r in checked], dtype=np.int64)
         addrs = np.array([r.view.ctypes.data for r in checked], dtype=np.uint64)
+        if unit and np.any(lengths % unit):
+            raise ValueError(f"hashed reads need requests of whole {unit}-byte units; got lengths {lengths.tolist()}.")
+        digests = np.empty(int(lengths.sum()) // unit, dtype=np.uint64) if unit else None
         batch = self.lib.tkv_submit(
             self.pool, self.fd, int(write), self._chunk, len(checked),
-            offsets.ctypes.data_as(_i64p), lengths.ctypes.data_as(_i64p),
-            addrs.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)),
+            offsets.ctypes.data_as(_i64p), lengths.ctypes.data_as(_i64p), addrs.ctypes.data_as(_u64p),
+            unit, digests.ctypes.data_as(_u64p) if digests is not None else None,
         )  # fmt: skip
         if not batch:
             raise OSError(errno.ENOMEM, "native engine: out of memory queueing a batch", self.path)
-        handle = _NativeBatch(self, batch, checked)
+        handle = _NativeBatch(self, batch, checked, digests)
         self._live.add(handle)
-        return handle
+        return handle, digests
 
     def close(self) -> None:
         if self.pool is None:

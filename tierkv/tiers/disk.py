@@ -36,12 +36,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from xxhash import xxh3_64_intdigest
 
 from tierkv.accel import DEVICE, HOST_ONLY, HostOnly
 from tierkv.blocks import Tier
 from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, TierKVError
 from tierkv.io import DiskFile, IOHandle, aligned_empty, open_disk_file
+from tierkv.io.checksum import xxh3_rows
 from tierkv.layout import BlockLayout
 from tierkv.tiers.base import BounceLike, Dest, Scratch, landing_pieces
 from tierkv.tiers.lease import Lease, reclaim_dead
@@ -60,8 +60,8 @@ _LEFT_OVER: list[Path] = []  # files a close could not remove: retried at exit
 
 
 def checksums(rows: np.ndarray) -> np.ndarray:
-    """xxh3-64 of each row of ``rows`` ``[n, slot_bytes]`` uint8, as ``[n]`` uint64."""
-    return np.fromiter((xxh3_64_intdigest(row) for row in rows), dtype=np.uint64, count=len(rows))
+    """xxh3-64 of each row of ``rows`` ``[n, slot_bytes]`` uint8, as ``[n]`` uint64 (one native call)."""
+    return xxh3_rows(rows)
 
 
 def _remove(path: Path) -> None:
@@ -146,9 +146,10 @@ class DiskSlotFile(SlotPool):
         self.sums[slots] = checksums(rows)
         self.written[slots] = True
 
-    def verify(self, slots: np.ndarray, rows: np.ndarray) -> None:
-        """Raise :class:`IntegrityError` unless ``rows`` (read from ``slots``) are what was written there."""
-        bad = np.flatnonzero((checksums(rows) != self.sums[slots]) | ~self.written[slots])
+    def verify(self, slots: np.ndarray, digests: np.ndarray) -> None:
+        """Raise :class:`IntegrityError` unless ``digests`` (xxh3-64 of the bytes read from ``slots``, as they
+        landed) are those of what was written there."""
+        bad = np.flatnonzero((digests != self.sums[slots]) | ~self.written[slots])
         if bad.size == 0:
             return
         slot = int(slots[bad[0]])
@@ -276,10 +277,12 @@ class DiskTier:
         except OSError as exc:
             raise disk_error(exc, self.files[slot_bytes].path) from exc
 
-    def read(self, slot_bytes: int, slots: np.ndarray, buffer: np.ndarray) -> IOHandle:
+    def read(self, slot_bytes: int, slots: np.ndarray, buffer: np.ndarray) -> tuple[IOHandle, np.ndarray | None]:
         """Submit a read of ``slots`` into ``buffer`` in order, coalescing runs of consecutive slots into one
-        request (unverified: :meth:`start_read` is the read that checks the blocks)."""
-        return self._submit(slot_bytes, np.asarray(slots, dtype=np.int64), buffer, write=False)
+        request. Also returns the xxh3-64 of each slot as it landed where the engine computes them on its I/O
+        threads (native; valid once the handle was waited on), else None: the caller hashes the buffer. (The
+        check against the written checksums is :meth:`start_read`'s.)"""
+        return self._submit(slot_bytes, np.asarray(slots, dtype=np.int64), buffer, write=False, hashed=True)
 
     def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
                    purpose: str = "read") -> _DiskRead:
@@ -310,16 +313,18 @@ class DiskTier:
         except OSError as exc:
             raise disk_error(exc, self.files[slot_bytes].path) from exc
 
-    def _submit(self, slot_bytes: int, slots: np.ndarray, buffer: np.ndarray, write: bool) -> IOHandle:
+    def _submit(self, slot_bytes: int, slots: np.ndarray, buffer: np.ndarray, write: bool,
+                hashed: bool = False) -> Any:
         """One request per run of consecutive slots (found with numpy: the loop is over runs, not blocks)."""
-        slot_file = self.files[slot_bytes]
-        if slots.size == 0:
-            return slot_file.file.submit_writes([]) if write else slot_file.file.submit_reads([])
-        cuts = (np.flatnonzero(np.diff(slots) != 1) + 1).tolist()
-        requests = [(slot_file.offset(int(slots[a])), buffer[a * slot_bytes : b * slot_bytes])
-                    for a, b in zip([0, *cuts], [*cuts, slots.size])]
-        submit = slot_file.file.submit_writes if write else slot_file.file.submit_reads
-        return submit(requests)
+        file = self.files[slot_bytes].file
+        requests: list[tuple[int, np.ndarray]] = []
+        if slots.size:
+            cuts = (np.flatnonzero(np.diff(slots) != 1) + 1).tolist()
+            requests = [(self.files[slot_bytes].offset(int(slots[a])), buffer[a * slot_bytes : b * slot_bytes])
+                        for a, b in zip([0, *cuts], [*cuts, slots.size])]
+        if hashed:
+            return file.submit_hashed_reads(requests, slot_bytes)
+        return file.submit_writes(requests) if write else file.submit_reads(requests)
 
     def close(self) -> None:
         """Close and remove the files and drop the lease; idempotent, never raises (failures are logged)."""
@@ -342,6 +347,7 @@ class _DiskRead:
         self.halves = [bounce[i * self.per_round * size : (i + 1) * self.per_round * size] for i in range(halves)]
         self.rounds = -(-len(slots) // self.per_round) if len(slots) else 0
         self.handles: dict[int, IOHandle] = {}
+        self.digests: dict[int, np.ndarray | None] = {}  # per round: the engine's xxh3-64 of each slot (or None)
         self._copied: list[Any] = [None] * halves  # events after the GPU copies still reading a half
         if self.rounds:
             self._submit(0)
@@ -358,7 +364,7 @@ class _DiskRead:
         buffer = self.halves[half][: (hi - lo) * self.layout.slot_bytes]
         self.scratch.accel.host_write(torch.from_numpy(buffer))  # the engine fills it from now on
         try:
-            self.handles[k] = self.tier.read(self.layout.slot_bytes, self.slots[lo:hi], buffer)
+            self.handles[k], self.digests[k] = self.tier.read(self.layout.slot_bytes, self.slots[lo:hi], buffer)
         except OSError as exc:
             raise disk_error(exc, self.slot_file.path) from exc
 
@@ -382,7 +388,8 @@ class _DiskRead:
             self.tier.wait(self.handles.pop(k), size)
             lo, hi = self._bounds(k)
             staged = torch.from_numpy(self.halves[k % len(self.halves)][: (hi - lo) * size]).view(hi - lo, size)
-            self.slot_file.verify(self.slots[lo:hi], staged.numpy())
+            digests = self.digests.pop(k)  # of the bytes that landed, hashed by the engine's I/O threads
+            self.slot_file.verify(self.slots[lo:hi], checksums(staged.numpy()) if digests is None else digests)
             for first, last, out in dests:
                 a, b = max(first, lo), min(last, hi)
                 if a >= b:
