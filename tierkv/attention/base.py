@@ -98,6 +98,8 @@ class PipelinedExecutor:
     """
 
     name = ""
+    read_ahead = READ_AHEAD
+    """Disk reads this executor keeps submitted ahead (each may hold a bounce buffer: ``read_ahead + 2`` names)."""
 
     def __init__(self, store: KVStore, mover: ThreadMover, *, start_of: Callable[[int], int] = from_first_token,
                  num_layers: int | None = None, timeline: Timeline | None = None, trace: Trace | None = None) -> None:
@@ -215,7 +217,7 @@ class PipelinedExecutor:
             entry.pending.settle()
 
     def _free_buffer_name(self) -> str | None:
-        for index in range(READ_AHEAD + 2):
+        for index in range(self.read_ahead + 2):
             name = f"ahead{index}"
             user = self._buffer_users.get(name)
             if isinstance(user, MoveHandle) and user.done():

@@ -68,6 +68,10 @@ class StreamingAttention(PipelinedExecutor):
     """
 
     name = "streaming"
+    read_ahead = 2 * READ_AHEAD
+    """Chunk reads are smaller than a gather's layer reads (two per layer at 8K tokens of 4K-token chunks): with
+    four ahead the disk's queue ran dry (75 % busy, ~8 requests in flight); with eight it stays busy (98 %) and
+    the step was 17 % shorter (docs/benchmarks.md, "Scale")."""
 
     def __init__(self, store: KVStore, mover: ThreadMover, *, start_of: Callable[[int], int] = from_first_token,
                  num_layers: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
@@ -135,12 +139,12 @@ class StreamingAttention(PipelinedExecutor):
         return read
 
     def _upcoming(self, layer: int, columns: list[int], stop: int) -> list[tuple[int, int, int]]:
-        """The next :data:`READ_AHEAD` chunk reads after the one in flight, as ``(layer, start, stop)``: this
+        """The next :attr:`read_ahead` chunk reads after the one in flight, as ``(layer, start, stop)``: this
         layer's chunks from ``columns`` on, then the next layers' (wrapping once the layer count is known)."""
         bt = self.store.block_tokens
-        out = [(layer, c * bt, min(stop, (c + self.chunk_columns) * bt)) for c in columns[:READ_AHEAD]]
+        out = [(layer, c * bt, min(stop, (c + self.chunk_columns) * bt)) for c in columns[: self.read_ahead]]
         target = layer
-        while len(out) < READ_AHEAD:
+        while len(out) < self.read_ahead:
             target += 1
             if target >= self.num_layers:
                 if not self.layers_known:
@@ -151,7 +155,7 @@ class StreamingAttention(PipelinedExecutor):
             start, end = self.start_of(target), self.store.seq_length(target)
             for c in range(start // bt, -(-end // bt), self.chunk_columns):
                 out.append((target, c * bt, min(end, (c + self.chunk_columns) * bt)))
-        return out[:READ_AHEAD]
+        return out[: self.read_ahead]
 
     def _issue_ahead(self, layer: int, buffer: int) -> None:
         """During ``layer``'s last chunk: start the next layer's first chunk into the free ``buffer``."""
