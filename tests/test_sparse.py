@@ -7,6 +7,8 @@ References: DynamicCache on real model classes, and full softmax attention over 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -160,6 +162,27 @@ def test_bad_budgets_name_the_fix(tokens):
         SparseBudget(tokens)
     with pytest.raises(InvalidConfigError, match="sparse sinks"):
         SparseBudget(16, sinks=-1)
+    with pytest.raises(InvalidConfigError, match="sparse dense_layers=-1 must be an int >= 0 \\(layers\\)"):
+        SparseBudget(16, dense_layers=-1)
+
+
+def test_dense_layers_are_read_in_full_and_paid_for_by_the_others(tmp_path):
+    """``dense_layers=1`` of a 2-layer model: layer 0 reads every block each step (counted as exact), layer 1
+    reads what is left of the two layers' budget, so the total stays within the nominal budget."""
+    model = tiny_model("llama")
+    ids, mask = prompt(1, 96, seed=5)
+    with small_cache(tmp_path) as cache, cache.sparse(model, tokens=0.75, sinks=4, recent=4, dense_layers=1,
+                                                      chunk_tokens=8):
+        generate(model, ids, mask, cache)
+        sparse = cache.stats()["sparse"]
+        cache.store.check()
+    assert sparse["exact_layer_steps"] == sparse["steps"] == sparse["layer_steps"] // 2  # layer 0 of each step
+    assert sparse["blocks_selected"] < sparse["blocks_total"]  # layer 1 read less than all
+    nominal = sum(2 * -(-math.ceil(0.75 * n) // 4) for n in range(97, 97 + NEW - 1))  # both layers, each step
+    assert sparse["blocks_selected"] <= nominal
+    budget = SparseBudget(0.5, dense_layers=1)
+    assert budget.budget_blocks(94, 24, 4, 2) == 0  # 2 · 12 - 24: the dense layer used both layers' budget
+    assert budget.budget_blocks(94, 24, 4, 1) == 12 == SparseBudget(0.5).budget_blocks(94, 24, 4, 2)
 
 
 # --------------------------------------------------------------------------- the executor on a store
@@ -225,6 +248,29 @@ def test_the_block_a_query_needs_is_fetched_from_disk_per_row(tmp_path, head):
     torch.testing.assert_close(out.double(), reference_attention(q, kv, columns, DIM**-0.5), atol=1e-5, rtol=0)
     store.check()
     torch.testing.assert_close(store.read_tokens(0), kv)  # nothing dropped, nothing changed
+    executor.close()
+
+
+def test_a_block_whose_channels_peak_on_different_tokens_is_not_taken_for_the_needle(tmp_path):
+    """Quest's bound adds each channel's max over the block's tokens: a block whose tokens each peak in other
+    channels bounds a high logit that no token of it has. The mean key gives its true mean logit, and the
+    mixed estimate picks the block whose every key matches the query."""
+    device = MemoryTier(Tier.DEVICE, 96 * 4096, torch.device("cpu"), chunk_bytes=2 * 4096)
+    store = KVStore(device, MemoryTier(Tier.HOST, 96 * 4096, torch.device("cpu")),
+                    DiskTier(tmp_path / "disk", 2**22), make_policy("lru"), BT)
+    tokens = 8 * BT + 1
+    keys = torch.zeros(1, 1, tokens, DIM)  # one row, one KV head
+    for t in range(BT):  # block 2: token t holds 3 in channels 2t, 2t+1 (bound 3·8 = 24, every logit 6)
+        keys[0, 0, 2 * BT + t, 2 * t : 2 * t + 2] = 3.0
+    keys[0, 0, 5 * BT : 6 * BT] = 2.0  # block 5: every key 2 in every channel (bound and logits 16)
+    store.append(0, keys, torch.randn(1, 1, tokens, DIM))
+    executor = SparseAttention(store, ThreadMover())
+    q = torch.ones(1, 1, 1, DIM)
+    executor.attend(0, 0, q, None, 0.1, None, SparseBudget(3 * BT, sinks=BT, recent=0))
+    assert executor.last_columns.tolist() == [[0, 5, 8]]
+    summary = store.summaries.table(0)[int(store.summaries.rows(store.table.rows[0].ids[:, 2])[0])]  # [3, 1, D]
+    torch.testing.assert_close(summary[2, 0], keys[0, 0, 2 * BT : 3 * BT].mean(0))  # min, max, mean
+    torch.testing.assert_close(summary[1, 0], torch.full((DIM,), 3.0))
     executor.close()
 
 

@@ -558,19 +558,21 @@ class TieredCache(Cache):
 
     @contextlib.contextmanager
     def sparse(self, model: torch.nn.Module, tokens: int | float = 2048, sinks: int | None = None,
-               recent: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Iterator[TieredCache]:
+               recent: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+               dense_layers: int = 0) -> Iterator[TieredCache]:
         """Decode with query-aware *sparse* attention over this cache while inside the block (approximate).
 
         Each decode step, every layer scores its blocks by their key summaries and attends exactly over the
         best ones within ``tokens`` (an int, or a fraction of the context in (0, 1]), which include ``sinks``
         (first tokens; default one block) and ``recent`` (last tokens; default one block) — fetched from
-        whatever tier holds them (:mod:`tierkv.attention.sparse`). Nothing is dropped: a later step can read any
+        whatever tier holds them (:mod:`tierkv.attention.sparse`). ``dense_layers``: the first layers attend in
+        full, their blocks taken out of the other layers' budgets. Nothing is dropped: a later step can read any
         block again. Prefill and other multi-token steps stay exact (streaming attention, ``chunk_tokens``)::
 
             with TieredCache(gpu_gb=2, disk_dir="/nvme") as cache, cache.sparse(model, tokens=2048):
                 model.generate(ids, cache=cache)
         """
-        budget = SparseBudget(tokens, sinks, recent)
+        budget = SparseBudget(tokens, sinks, recent, dense_layers)
         with self.streaming(model, chunk_tokens):
             previous, self._sparse = self._sparse, budget
             try:

@@ -355,12 +355,21 @@ def _streaming_stages(req: PlanRequest, per_layer: list[float], layer_kv: list[i
     return tuple(stages)
 
 
+SUMMARY_VECTORS = 3  # per block and KV head: the keys' per-channel min, max and mean (tierkv.store.summaries)
+
+
+def summary_bytes(blocks: int, token_bytes: int) -> int:
+    """Bytes of ``blocks`` key summaries, ``SUMMARY_VECTORS · H_kv · D`` values each, from one token's K+V bytes
+    (``2 · H_kv · D`` values)."""
+    return blocks * token_bytes * SUMMARY_VECTORS // 2
+
+
 def sparse_summary_bytes(req: PlanRequest) -> int:
-    """Device bytes of the key summaries: per full block of every layer and row, a per-channel min and max of
-    its keys — ``2 · H_kv · D`` values, exactly one token's K+V bytes (:mod:`tierkv.store.summaries`)."""
+    """Device bytes of the key summaries: per full block of every layer and row, a per-channel min, max and mean
+    of its keys — 1.5 tokens' K+V bytes (:mod:`tierkv.store.summaries`)."""
     model = req.model
     blocks = sum(model.tokens_held(i, req.context) // req.block_tokens for i in range(model.layers))
-    return req.batch * blocks * model.kv_bytes_per_token_per_layer
+    return summary_bytes(req.batch * blocks, model.kv_bytes_per_token_per_layer)
 
 
 def sparse_fetched_tokens(req: PlanRequest, layer: int) -> int:
@@ -390,7 +399,7 @@ def _sparse_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int]
     scattered blocks cross the links as one transfer each.
 
     Compute: the roofline of the layer with attention over the fetched tokens only, plus the scoring pass (it
-    reads every summary and does ``4 · heads · D`` FLOPs per block and row); a measured ``compute_s_per_step``
+    reads every summary and does ``6 · heads · D`` FLOPs per block and row); a measured ``compute_s_per_step``
     (of exact decoding) is kept and the scoring added.
     """
     model, loads = req.model, []
@@ -399,8 +408,8 @@ def _sparse_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int]
         held = model.tokens_held(layer, req.context)
         fetched = sparse_fetched_tokens(req, layer)
         blocks = held // req.block_tokens
-        summaries = req.batch * blocks * model.kv_bytes_per_token_per_layer
-        scoring = req.device.time(summaries, 4 * req.batch * model.attention_heads * model.head_dim * blocks)
+        summaries = summary_bytes(req.batch * blocks, model.kv_bytes_per_token_per_layer)
+        scoring = req.device.time(summaries, 6 * req.batch * model.attention_heads * model.head_dim * blocks)
         if req.compute_s_per_step is None:
             fetched_kv = req.batch * fetched * model.kv_bytes_per_token_per_layer
             flops = req.batch * (2 * model.params_per_layer + 4 * model.attention_heads * model.head_dim * fetched)

@@ -88,6 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="sparse sink tokens (default: one block)")
     quality.add_argument("--recent", type=integer("--recent", 0), default=None,
                          help="sparse recent-window tokens (default: one block)")
+    quality.add_argument("--dense-layers", type=integer("--dense-layers", 0), default=0,
+                         help="sparse: first layers attended in full, within the budget (default: %(default)s)")
     add_json_argument(parser, "the result (every trial)")
 
 
@@ -231,7 +233,8 @@ def _run_quality(args: argparse.Namespace, console, status) -> int:
         methods = [harness.Method("exact")] if "exact" in args.methods else []
         if "sparse" in args.methods:
             methods += [harness.Method("sparse", b) for b in args.budgets]
-        setup = harness.CacheSetup(block_tokens=args.block_tokens, sinks=args.sinks, recent=args.recent)
+        setup = harness.CacheSetup(block_tokens=args.block_tokens, sinks=args.sinks, recent=args.recent,
+                                   dense_layers=args.dense_layers)
         path = out / "tierkv.json"
         records = json.loads(path.read_text())["results"] if path.is_file() else []
 

@@ -56,6 +56,7 @@ class CacheSetup:
     block_tokens: int = 16  # Quest's page size: 2% of 2K is 41 tokens, i.e. sinks + recent + 1 block
     sinks: int | None = None  # default: one block
     recent: int | None = None  # default: one block
+    dense_layers: int = 0  # first layers attended in full (their blocks come out of the others' budgets)
     device_fraction: float = 0.25  # device budget: the streaming minimum, this share of the KV, and ...
     device_extra: int = 64 << 20  # ... this much for the sparse staging and the key summaries
     disk_dir: str | None = None  # None: the rest lives on the host tier
@@ -244,7 +245,8 @@ def _run_method(model, tokenizer, prompt: Prompt, kv, logprobs, method: Method, 
 
 def _context(cache, model, method: Method, setup: CacheSetup):
     if method.kind == "sparse":
-        return cache.sparse(model, tokens=method.budget, sinks=setup.sinks, recent=setup.recent)
+        return cache.sparse(model, tokens=method.budget, sinks=setup.sinks, recent=setup.recent,
+                            dense_layers=setup.dense_layers)
     return cache.streaming(model)
 
 

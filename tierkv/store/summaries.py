@@ -1,15 +1,20 @@
-"""Per-block key summaries for query-aware sparse attention: the per-channel min and max of a full block's keys.
+"""Per-block key summaries for query-aware sparse attention: the per-channel min, max and mean of a block's keys.
 
 For a block whose keys lie channel-wise in ``[lo, hi]``, every key ``k`` of it satisfies (Quest's bound)::
 
     q · k  <=  Σ_d max(q_d · lo_d, q_d · hi_d)  =  q⁺ · hi + q⁻ · lo      (q⁺ = max(q, 0), q⁻ = min(q, 0))
 
-an upper bound on each of its attention logits from ``2 · H_kv · D`` numbers instead of ``block_tokens · H_kv · D``.
+an upper bound on each of its attention logits, and the mean key ``m`` gives the block's *mean* logit exactly::
+
+    q · m  =  (1 / block_tokens) · Σ_k q · k
+
+— ``3 · H_kv · D`` numbers instead of ``block_tokens · H_kv · D``. The bound alone over-rates blocks with one
+outlying channel (measured on SmolLM2, docs/quality.md); the sparse executor ranks blocks by both.
 A summary is computed once, when its block fills (the store calls :meth:`KeySummaries.add` with the block's keys,
 which it holds at that moment); a full block is immutable, so its summary never changes, and blocks shared
 by several rows (beams, a common prefix) share one. The open tail block has none: sparse attention always reads it.
 
-Summaries live on the device tier, one table ``[capacity, 2, H_kv, D]`` per layer in the KV dtype, addressed
+Summaries live on the device tier, one table ``[capacity, 3, H_kv, D]`` per layer in the KV dtype, addressed
 through ``row_of[block_id]`` (a numpy array, so a layer's grid of block ids maps to table rows in one
 vectorized lookup). Their bytes are reserved against the device budget like staging, through the callable the
 store passes in, so ``stats()`` and the budget checks include them.
@@ -23,10 +28,11 @@ import numpy as np
 import torch
 
 MIN_ROWS = 8  # a table's first capacity; it doubles when full
+VECTORS = 3  # per block and KV head: the keys' per-channel min, max and mean
 
 
 class _LayerTable:
-    """One layer's summaries: ``table`` ``[capacity, 2, H_kv, D]`` (min, max) and its free rows."""
+    """One layer's summaries: ``table`` ``[capacity, 3, H_kv, D]`` (min, max, mean) and its free rows."""
 
     def __init__(self, table: torch.Tensor) -> None:
         self.table = table
@@ -59,7 +65,7 @@ class KeySummaries:
         return len(self._layer_of)
 
     def table(self, layer: int) -> torch.Tensor | None:
-        """Layer ``layer``'s table ``[capacity, 2, H_kv, D]`` (row ``r``: min then max), None before its first."""
+        """Layer ``layer``'s table ``[capacity, 3, H_kv, D]`` (row ``r``: min, max, mean), None before its first."""
         entry = self._layers.get(layer)
         return entry.table if entry is not None else None
 
@@ -76,7 +82,8 @@ class KeySummaries:
         that filled up with new tokens) gets its summary replaced."""
         if not block_ids:
             return
-        summary = torch.stack((keys.amin(dim=2), keys.amax(dim=2)), dim=1)  # [n, 2, H_kv, D]
+        summary = torch.stack((keys.amin(dim=2), keys.amax(dim=2), keys.float().mean(dim=2).to(keys.dtype)),
+                              dim=1)  # [n, 3, H_kv, D]
         ids = list(dict.fromkeys(block_ids))  # shared blocks appear once per row holding them
         if len(ids) != len(block_ids):
             first = {block_id: i for i, block_id in reversed(list(enumerate(block_ids)))}
