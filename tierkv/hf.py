@@ -629,7 +629,7 @@ class TieredCache(Cache):
                 layer.pending_keys = key_states
                 return key_states, value_states
             return self.executor.gather(layer.index, layer.attention_start(key_states.shape[2]))
-        except Exception:
+        except BaseException:  # a KeyboardInterrupt too: the layers that took this step give it back
             self._roll_back_to(layer.length_before)
             raise
 
@@ -651,7 +651,7 @@ class TieredCache(Cache):
                 sparse: SparseAttention = self.executors["sparse"]  # type: ignore[assignment]
                 return sparse.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap, self._sparse)
             return self.streamer.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap)
-        except Exception:
+        except BaseException:
             self._roll_back_to(layer.length_before)
             raise
 

@@ -13,15 +13,17 @@ for in-flight reads: executors register as *readers* (:meth:`KVStore.add_reader`
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Block, BlockTable, LayerRows, Tier
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError, TierKVError
 from tierkv.layout import BlockLayout
@@ -72,8 +74,29 @@ class _NewBlocks:
     blocks: list[Block] = field(default_factory=list)
 
 
+def _recovering(operation: Callable) -> Callable:
+    """A store operation that, however it ends (an error, a KeyboardInterrupt at any line), leaves no slot
+    taken that no block holds: :meth:`KVStore.recover` runs before the exception goes on."""
+
+    @functools.wraps(operation)
+    def run(self: KVStore, *args, **kwargs):
+        try:
+            return operation(self, *args, **kwargs)
+        except BaseException:
+            self.recover()
+            raise
+
+    return run
+
+
 class KVStore:
-    """Blocks of K/V for every (row, layer), spread over the device, host and disk tiers."""
+    """Blocks of K/V for every (row, layer), spread over the device, host and disk tiers.
+
+    Interrupts (docs/reliability.md): every operation first does what may fail or take time (allocation,
+    copies, I/O), then commits its table edits inside :func:`~tierkv.atomic.deferred_interrupts`, so a Ctrl-C
+    lands before the commit (the operation did not happen; :meth:`recover` gives back what it took) or after
+    it (it did), never inside.
+    """
 
     def __init__(self, device: MemoryTier, host: MemoryTier, disk: DiskTier | None, policy: Policy,
                  block_tokens: int) -> None:
@@ -128,6 +151,27 @@ class KVStore:
                 raise AssertionError(f"layer {layer}: kept length {self.seq_length(layer)} != "
                                      f"{self.table.seq_length(layer)} in the table")
 
+    def recover(self) -> None:
+        """After an operation that did not finish: forget blocks no row holds and give back every slot that no
+        live block (or the write-back in flight) holds. O(blocks + slots), on the failure path only."""
+        with deferred_interrupts():
+            listed = set()
+            for rows in self.table.rows.values():
+                listed.update(rows.ids.ravel().tolist())
+            for block_id in [i for i in self.table.blocks if i not in listed]:  # allocated, never committed
+                block = self.table.blocks.pop(block_id)
+                self.policy.on_release(block)
+                if self.summaries is not None:
+                    self.summaries.release(block_id)
+            held: dict[Tier, dict[int, set[int]]] = {kind: collections.defaultdict(set) for kind in self.tiers}
+            for block in self.table.blocks.values():
+                held[block.tier][block.slot_bytes].add(block.slot)
+            pending = self.writeback.pending
+            if pending is not None:
+                held[Tier.DISK][pending.slot_bytes].update(pending.disk_slots)
+            for kind, tier in self.tiers.items():
+                tier.release_unheld(held[kind])
+
     def batch_size(self, layer: int) -> int:
         rows = self.table.layer_rows(layer)
         return rows.batch if rows is not None else 0
@@ -147,6 +191,7 @@ class KVStore:
             self.tiers[Tier.HOST].fence_writes(event)
 
     # ----------------------------------------------------------------------------------------- append
+    @_recovering
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append ``keys``/``values`` ``[B, H_kv, q, D]`` to every row of ``layer``. All or nothing."""
         layout = self._layout_for(layer, keys, values)
@@ -173,12 +218,16 @@ class KVStore:
             self._write(layer, layout, plans, kv, split)
             filled = self._filled_blocks(layer, plans, kv, split) if self.summaries is not None else None
         except BaseException:
-            for block in allocated:
-                self.tiers[block.tier].free(block.slot_bytes, block.slot)
-                del self.table.blocks[block.id]
+            with deferred_interrupts():
+                for block in allocated:
+                    self.tiers[block.tier].free(block.slot_bytes, block.slot)
+                    del self.table.blocks[block.id]
             raise
-        self._commit(layer, rows, plans, split)
-        self._lengths[layer] = length + tokens
+        if any(plan.tail_copy is not None for plan in plans):
+            self.barrier()  # a replaced tail's slot is freed in the commit
+        with deferred_interrupts():
+            self._commit(layer, rows, plans, split)
+            self._lengths[layer] = length + tokens
         if filled:
             self.summaries.add(layer, [block.id for block, _ in filled], torch.stack([keys for _, keys in filled]))
         self.writeback.maybe_start()
@@ -200,8 +249,16 @@ class KVStore:
             block = self.device.block(layout, tail.slot)  # [2, H_kv, block_tokens, D]
             block[0, :, held : held + tokens].copy_(keys[r].detach())
             block[1, :, held : held + tokens].copy_(values[r].detach())
-            tail.tokens += tokens
-        self._lengths[layer] += tokens
+        length = self._lengths[layer]
+        try:  # the commit, by assignment: an interrupt in it is undone (a deferred section costs ~10 us here)
+            for tail in tails:
+                tail.tokens = held + tokens
+            self._lengths[layer] = length + tokens
+        except BaseException:
+            for tail in tails:
+                tail.tokens = held
+            self._lengths[layer] = length
+            raise
         if self.summaries is not None and held + tokens == self.block_tokens:  # the tails just filled
             self.summaries.add(layer, [t.id for t in tails],
                                torch.stack([self.device.block(layout, t.slot)[0] for t in tails]))
@@ -331,6 +388,7 @@ class KVStore:
         return filled
 
     def _commit(self, layer: int, rows: LayerRows, plans: list[_NewBlocks], split: _Split) -> None:
+        """The append's table edits (in memory only; run with interrupts deferred, after the barrier)."""
         bt = self.block_tokens
         held, take, rest = split.held, split.take, split.rest
         for r, plan in enumerate(plans):
@@ -343,7 +401,7 @@ class KVStore:
                 self.policy.on_insert(plan.tail_copy, self.tick)
                 released = self.table.release(old.id)
                 if released is not None:
-                    self._free(released)
+                    self._free(released, barrier=False)
         columns = len(plans[0].blocks) if plans else 0
         for k in range(columns):
             filled = min(bt, rest - k * bt)
@@ -414,6 +472,7 @@ class KVStore:
         blocks = [self.table.blocks[i] for i in dict.fromkeys(ids[off].tolist())]
         return self.policy.promotions(blocks, PROMOTE_PER_LAYER)
 
+    @_recovering
     def promote(self, block: Block, data: torch.Tensor, keep: Collection[int] = ()) -> bool:
         """Move ``block`` up to the device, writing ``data`` ``[2, H_kv, block_tokens, D]`` (its bytes, already
         staged on the device by the read that attended it: no second read). Takes a free device slot, or the
@@ -438,11 +497,12 @@ class KVStore:
         self.barrier()  # the old slot is freed below: no read of it may be in flight
         self.device.block(layout, slot).copy_(data)
         source = block.tier
-        self.tiers[source].free(block.slot_bytes, block.slot)
-        self.table.place(block, Tier.DEVICE, slot)
-        self.policy.on_move(block, source)
+        with deferred_interrupts():
+            self.tiers[source].free(block.slot_bytes, block.slot)
+            self.table.place(block, Tier.DEVICE, slot)
+            self.policy.on_move(block, source)
+            self.promoted += 1
         self.transfer.count(link(Tier.DEVICE, Tier.DEVICE), block.tokens * layout.token_bytes)
-        self.promoted += 1
         return True
 
     def read_into(self, layer: int, plan: ReadPlan, dest: torch.Tensor, probe: ReadProbe | None = None,
@@ -505,18 +565,23 @@ class KVStore:
         self.transfer.scratch.landing_bytes = nbytes
         return True
 
+    @_recovering
     def reserve_device(self, nbytes: int) -> None:
         """Count ``nbytes`` of device staging against the device budget, evacuating blocks to make room."""
         self.placement.reserve_device(nbytes)
 
     # ----------------------------------------------------------------------------------- table edits
+    @_recovering
     def select_rows(self, indices: list[int]) -> None:
-        """Row ``i`` of every layer becomes old row ``indices[i]`` (beam reorder, batch selection)."""
+        """Row ``i`` of every layer becomes old row ``indices[i]`` (beam reorder, batch selection); every layer
+        or none."""
         self.barrier()
-        for layer in list(self.table.rows):
-            for block in self.table.select_rows(layer, indices):
-                self._free(block)
+        with deferred_interrupts():
+            for layer in list(self.table.rows):
+                for block in self.table.select_rows(layer, indices):
+                    self._free(block, barrier=False)
 
+    @_recovering
     def crop(self, layer: int, tokens_to_remove: int) -> None:
         """Drop the last ``tokens_to_remove`` tokens of every row of ``layer``. All or nothing: the copy a cut
         through a shared block needs is made before any row changes."""
@@ -531,7 +596,6 @@ class KVStore:
         keep_columns = -(-keep_tokens // bt)
         in_last = keep_tokens - (keep_columns - 1) * bt if keep_columns else 0
         copies: dict[int, Block] = {}
-        layout = self.layouts[layer]
         if keep_columns and in_last < self.table.blocks[int(rows.ids[0, keep_columns - 1])].tokens:
             allocated: list[Block] = []
             try:
@@ -540,14 +604,23 @@ class KVStore:
                     if cut.refcount > 1:
                         copies[r] = self._copy_prefix(cut, in_last, allocated)
             except BaseException:
-                for block in allocated:
-                    self.tiers[block.tier].free(block.slot_bytes, block.slot)
-                    del self.table.blocks[block.id]
+                with deferred_interrupts():
+                    for block in allocated:
+                        self.policy.on_release(block)
+                        self.tiers[block.tier].free(block.slot_bytes, block.slot)
+                        del self.table.blocks[block.id]
                 raise
+        with deferred_interrupts():
+            self._cut(layer, rows, keep_columns, keep_tokens, in_last, copies)
+
+    def _cut(self, layer: int, rows: LayerRows, keep_columns: int, keep_tokens: int, in_last: int,
+             copies: dict[int, Block]) -> None:
+        """The crop's table edits (in memory only; run with interrupts deferred, after the barrier)."""
+        layout = self.layouts[layer]
         for block_id in rows.ids[:, keep_columns:].ravel().tolist():
             released = self.table.release(block_id)
             if released is not None:
-                self._free(released)
+                self._free(released, barrier=False)
         rows.truncate(keep_columns)
         self._lengths[layer] = keep_tokens
         if not keep_columns:
@@ -556,7 +629,7 @@ class KVStore:
             if r in copies:
                 released = self.table.release(int(rows.ids[r, keep_columns - 1]))
                 if released is not None:  # every row that shared it took a copy
-                    self._free(released)
+                    self._free(released, barrier=False)
                 rows.put(r, keep_columns - 1, copies[r])
             else:
                 cut = self.table.blocks[int(rows.ids[r, keep_columns - 1])]
@@ -565,6 +638,7 @@ class KVStore:
                     if cut.tier == Tier.DEVICE:  # no stale bytes past the tokens (a demoted cut is copied on write)
                         self.device.block(layout, cut.slot)[:, :, in_last:].zero_()
 
+    @_recovering
     def drop_front(self, layer: int, whole_blocks_before: int) -> int:
         """Free whole blocks that end before token ``whole_blocks_before``; return the tokens dropped."""
         rows = self.table.layer_rows(layer)
@@ -574,12 +648,13 @@ class KVStore:
         if columns <= 0:
             return 0
         self.barrier()
-        for block_id in rows.ids[:, :columns].ravel().tolist():
-            released = self.table.release(block_id)
-            if released is not None:
-                self._free(released)
-        rows.drop_front(columns)
-        self._lengths[layer] -= columns * self.block_tokens
+        with deferred_interrupts():
+            for block_id in rows.ids[:, :columns].ravel().tolist():
+                released = self.table.release(block_id)
+                if released is not None:
+                    self._free(released, barrier=False)
+            rows.drop_front(columns)
+            self._lengths[layer] -= columns * self.block_tokens
         return columns * self.block_tokens
 
     def _copy_prefix(self, block: Block, keep: int, allocated: list[Block]) -> Block:
@@ -597,8 +672,9 @@ class KVStore:
         self.policy.on_insert(copy, self.tick)
         return copy
 
-    def _free(self, block: Block) -> None:
-        self.barrier()
+    def _free(self, block: Block, barrier: bool = True) -> None:
+        if barrier:
+            self.barrier()
         self.policy.on_release(block)
         if self.summaries is not None:
             self.summaries.release(block.id)
@@ -613,17 +689,18 @@ class KVStore:
         that an interrupted operation (a KeyboardInterrupt mid-append) left taken."""
         self.barrier()
         self.writeback.reap(wait=True)
-        self.writeback.resume()
-        for block in list(self.table.blocks.values()):
-            self.policy.on_release(block)
-        for tier in self.tiers.values():
-            tier.free_all()
-        if self.summaries is not None:
-            self.summaries.clear()
-        self.table.clear()
-        self._plans.clear()
-        self._lengths.clear()
-        self.layouts.clear()  # the next sequence may come from another model or dtype
+        with deferred_interrupts():
+            self.writeback.resume()
+            for block in list(self.table.blocks.values()):
+                self.policy.on_release(block)
+            for tier in self.tiers.values():
+                tier.free_all()
+            if self.summaries is not None:
+                self.summaries.clear()
+            self.table.clear()
+            self._plans.clear()
+            self._lengths.clear()
+            self.layouts.clear()  # the next sequence may come from another model or dtype
 
     def close(self) -> None:
         """Release every tier (idempotent); the tiers are closed even if waiting for reads failed."""
@@ -664,6 +741,7 @@ class KVStore:
         }
 
     # ------------------------------------------------------------------------------ for tests/tools
+    @_recovering
     def demote(self, blocks: list[Block]) -> None:
         """Move ``blocks`` one step down the chain now (tests and tools; decoding demotes on its own). Blocks
         already on the lowest tier stay where they are; the others move per (tier, slot size) group."""

@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
+from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Block, BlockTable, Tier
 from tierkv.errors import BudgetTooSmallError, CapacityError
 from tierkv.layout import BlockLayout
@@ -127,8 +128,9 @@ class Placement:
                     break
                 slots.append(slot)
         except BaseException:  # a full disk, or an interrupt: the slots taken so far go back
-            for slot in slots:
-                self.tiers[tier].free(slot_bytes, slot)
+            with deferred_interrupts():
+                for slot in slots:
+                    self.tiers[tier].free(slot_bytes, slot)
             raise
         return slots
 
@@ -138,13 +140,16 @@ class Placement:
         try:
             self.transfer.copy_slots(slot_bytes, source, [b.slot for b in blocks], target, slots)
         except BaseException:
-            for slot in slots:
-                self.tiers[target].free(slot_bytes, slot)
+            with deferred_interrupts():
+                for slot in slots:
+                    self.tiers[target].free(slot_bytes, slot)
             raise
-        for block, slot in zip(blocks, slots):
-            self.tiers[source].free(slot_bytes, block.slot)
-            self.table.place(block, target, slot)
-            self.policy.on_move(block, source)
+        with deferred_interrupts():  # every block moves, or none
+            for block, slot in zip(blocks, slots):
+                self.tiers[source].free(slot_bytes, block.slot)
+                self.table.place(block, target, slot)
+                self.policy.on_move(block, source)
+        for block in blocks:
             self.on_moved(block, source, target)
 
     # --------------------------------------------------------------------------------------- staging
@@ -207,8 +212,9 @@ class Placement:
                         "(see TieredCache.min_device_bytes)."
                     )
             pool.view(slot).copy_(pool.view(block.slot))
-            pool.free(block.slot)
-            self.table.place(block, self.chain[0], slot)
+            with deferred_interrupts():
+                pool.free(block.slot)
+                self.table.place(block, self.chain[0], slot)
         pool.drop_last_chunk()
 
     # ---------------------------------------------------------------------------------------- errors

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tierkv.accel import host_backend
+from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Block, BlockTable, Tier
 from tierkv.errors import TierKVError
 from tierkv.io import IOHandle
@@ -67,7 +68,8 @@ class Writeback:
     def reap(self, wait: bool = False) -> bool:
         """Finish the pending write if it is done (or ``wait``); return True if host slots were freed.
 
-        Interrupted while waiting (KeyboardInterrupt), the write stays pending and is reaped later."""
+        Interrupted while waiting (KeyboardInterrupt), the write stays pending and is reaped later; once it is
+        done, its blocks move in one step (interrupts deferred), after the barrier."""
         pending = self.pending
         if pending is None or not (wait or pending.handle.done()):
             return False
@@ -76,32 +78,30 @@ class Writeback:
         try:
             pending.handle.wait()
         except OSError as exc:
-            self.pending = None
-            self._give_back(pending, 0)
+            with deferred_interrupts():
+                self.pending = None
+                self._give_back(pending, 0)
             self._pause(f"a background write failed ({exc}); blocks stay on the host")
             return False
-        self.pending = None
-        freed, done = False, 0
-        try:
-            self.barrier()  # host slots are about to be reused: no read may still be on them
+        self.barrier()  # host slots are about to be reused: no read may still be on them
+        moved = []
+        with deferred_interrupts():
+            self.pending = None
             for block, slot, host_slot in zip(pending.blocks, pending.disk_slots, pending.host_slots):
                 live = table.blocks.get(block.id) is block
                 if not live or block.tier != Tier.HOST or block.slot != host_slot:  # released or moved meanwhile
                     self.disk.free(pending.slot_bytes, slot)
                     if live:
                         self.policy.unpin(block)
-                    done += 1
                     continue
                 self.host.free(pending.slot_bytes, block.slot)
                 table.place(block, Tier.DISK, slot)
-                done += 1
                 self.policy.unpin(block)
                 self.policy.on_move(block, Tier.HOST)
-                self.on_moved(block, Tier.HOST, Tier.DISK)
-                freed = True
-        finally:
-            self._give_back(pending, done)  # an interrupt above: the blocks not yet moved stay on the host
-        return freed
+                moved.append(block)
+        for block in moved:
+            self.on_moved(block, Tier.HOST, Tier.DISK)
+        return bool(moved)
 
     def _give_back(self, pending: PendingWrite, start: int) -> None:
         """Release the disk slots of ``pending``'s blocks from ``start`` on; they stay (unpinned) on the host."""
@@ -154,20 +154,22 @@ class Writeback:
             host_slots = np.asarray([block.slot for block in blocks], dtype=np.int64)
             self.host.pools[slot_bytes].gather(SlotBytes(slot_bytes), host_slots, [(0, len(blocks), staged)])
             handle = self.disk.write(slot_bytes, slots, bounce)
-            self.pending = PendingWrite(blocks, slots, host_slots.tolist(), slot_bytes, handle)
+            with deferred_interrupts():  # from here reap() owns the slots and the blocks are out of the victims
+                self.pending = PendingWrite(blocks, slots, host_slots.tolist(), slot_bytes, handle)
+                for block in blocks:
+                    self.policy.pin(block)
         except BaseException as exc:
-            if handle is not None:  # no write may still land in slots given back
+            if handle is not None and self.pending is None:  # no write may still land in slots given back
                 with contextlib.suppress(OSError):
                     handle.wait()
-            if self.pending is None or self.pending.handle is not handle:
-                for slot in slots:
-                    self.disk.free(slot_bytes, slot)
+            if self.pending is None:
+                with deferred_interrupts():
+                    for slot in slots:
+                        self.disk.free(slot_bytes, slot)
             if not isinstance(exc, OSError):
                 raise
             self._pause(f"a background write could not be submitted ({exc})")
             return
-        for block in blocks:  # from here reap() owns the slots (unpinning a block never pinned is a no-op)
-            self.policy.pin(block)
 
     def _pause(self, reason: str) -> None:
         if self.paused_reason is None:

@@ -10,7 +10,7 @@ strided (a slice of a layer's staging buffer), so gathers land in place, without
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -62,6 +62,10 @@ class StorageTier(Protocol):
 
     def slot_counts(self) -> dict[int, int]:
         """Slots in use per slot size (for the store's consistency check)."""
+
+    def release_unheld(self, held: Mapping[int, Collection[int]]) -> int:
+        """Free every slot in use that is not in ``held[slot_bytes]`` (recovery after an interrupt: what an
+        operation took and never recorded); return how many."""
 
     def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
                    purpose: str = "read") -> PendingRead:

@@ -30,7 +30,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from tierkv.accel import DEVICE, HOST_ONLY, HostOnly
+from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Tier
 from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, TierKVError
 from tierkv.io import DiskFile, IOHandle, aligned_empty, open_disk_file
@@ -126,9 +127,11 @@ class DiskSlotFile(SlotPool):
                 os.close(fd)
         except OSError as exc:
             raise disk_error(exc, self.path) from exc
-        self.slots.grow(slots)
-        self.sums = np.concatenate([self.sums, np.zeros(slots, dtype=np.uint64)])
-        self.written = np.concatenate([self.written, np.zeros(slots, dtype=bool)])
+        sums = np.concatenate([self.sums, np.zeros(slots, dtype=np.uint64)])
+        written = np.concatenate([self.written, np.zeros(slots, dtype=bool)])
+        with deferred_interrupts():  # slot ids and their checksum arrays grow together
+            self.slots.grow(slots)
+            self.sums, self.written = sums, written
 
     def free(self, slot: int) -> None:
         super().free(slot)
@@ -265,6 +268,9 @@ class DiskTier:
 
     def slot_counts(self) -> dict[int, int]:
         return {slot_bytes: slot_file.used for slot_bytes, slot_file in self.files.items()}
+
+    def release_unheld(self, held: Mapping[int, Collection[int]]) -> int:
+        return sum(file.release_unheld(held.get(slot_bytes, ())) for slot_bytes, file in self.files.items())
 
     # ------------------------------------------------------------------------------------------ I/O
     def write(self, slot_bytes: int, slots: Sequence[int], buffer: np.ndarray) -> IOHandle:

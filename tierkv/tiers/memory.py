@@ -12,13 +12,14 @@ Chunks are at most 1/16 of the budget, so a pool has few of them: a read of any 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from tierkv.accel import DEVICE, HOST, HostOnly, backend, host_backend
+from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Tier
 from tierkv.layout import BlockLayout, SlotBytes
 from tierkv.staging import CHUNKS_PER_BUDGET  # a pool grows by 1/16 of its budget: few chunks, fine for staging
@@ -53,11 +54,13 @@ class SlabPool(SlotPool):
             chunk = self.accel.empty(slots * self.slot_bytes, self.device).view(slots, self.slot_bytes)
         else:
             chunk = self.accel.host_empty((slots, self.slot_bytes), self.pin)
-        self._starts = np.append(self._starts, self.capacity)
-        self._start_list.append(self.capacity)
-        self.chunks.append(chunk)
-        self._typed.clear()
-        self.slots.grow(slots)
+        starts = np.append(self._starts, self.capacity)
+        with deferred_interrupts():  # chunks, their starts and the slot ids change together
+            self._starts = starts
+            self._start_list.append(self.capacity)
+            self.chunks.append(chunk)
+            self._typed.clear()
+            self.slots.grow(slots)
 
     def last_chunk_slots(self) -> range:
         """Slot ids of the newest chunk (the one :meth:`drop_last_chunk` would return)."""
@@ -69,11 +72,12 @@ class SlabPool(SlotPool):
     def drop_last_chunk(self) -> int:
         """Release the newest chunk, whose slots must all be free; return the bytes released."""
         size = self.chunks[-1].shape[0]
-        self.slots.shrink(size)
-        self._starts = self._starts[:-1]
-        self._start_list.pop()
-        self._typed.clear()
-        return self.chunks.pop().numel()
+        with deferred_interrupts():
+            self.slots.shrink(size)
+            self._starts = self._starts[:-1]
+            self._start_list.pop()
+            self._typed.clear()
+            return self.chunks.pop().numel()
 
     def view(self, slot: int) -> torch.Tensor:
         """The slot's bytes, ``[slot_bytes]`` uint8 (a view: writes land in the slab)."""
@@ -280,6 +284,9 @@ class MemoryTier:
 
     def slot_counts(self) -> dict[int, int]:
         return {slot_bytes: pool.used for slot_bytes, pool in self.pools.items()}
+
+    def release_unheld(self, held: Mapping[int, Collection[int]]) -> int:
+        return sum(pool.release_unheld(held.get(slot_bytes, ())) for slot_bytes, pool in self.pools.items())
 
     def close(self) -> None:
         self.pools.clear()

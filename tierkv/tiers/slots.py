@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import heapq
+from collections.abc import Collection
+
+from tierkv.atomic import deferred_interrupts
 
 GROUP_RUN = 16  # blocks of a layer that share a run of slots (4 MiB at 256 KiB blocks: one large request)
 
@@ -28,15 +31,23 @@ class FreeSlots:
         self._owner: dict[int, tuple[int, int]] = {}  # reserved free slot -> its run's group
         self._runs: dict[tuple[int, int], list[int]] = {}  # group -> [first slot, reserved slots left]
         self.capacity = 0
-        self.used = 0
+
+    @property
+    def used(self) -> int:
+        return self.capacity - len(self._free)  # derived, so no interrupt can set it apart from the free set
+
+    def in_use(self) -> set[int]:
+        """Slot ids not free (O(capacity): for recovery after an interrupt, not the hot path)."""
+        return set(range(self.capacity)) - self._free
 
     def grow(self, count: int) -> range:
         """Add ``count`` new free slots; return their ids."""
         added = range(self.capacity, self.capacity + count)
-        for slot in added:
-            heapq.heappush(self._heap, slot)
-        self._free.update(added)
-        self.capacity += count
+        with deferred_interrupts():  # rare (a pool grows by a chunk): the three change together
+            for slot in added:
+                heapq.heappush(self._heap, slot)
+            self._free.update(added)
+            self.capacity += count
         return added
 
     def shrink(self, count: int) -> None:
@@ -45,10 +56,12 @@ class FreeSlots:
         if not dropped <= self._free:
             raise RuntimeError("FreeSlots.shrink: the slots to drop still hold blocks; evacuate them first")
         self._release_reservations()
-        self._free -= dropped
-        self._heap = [slot for slot in self._heap if slot in self._free]
-        heapq.heapify(self._heap)
-        self.capacity -= count
+        heap = [slot for slot in self._heap if slot not in dropped]
+        heapq.heapify(heap)
+        with deferred_interrupts():
+            self._free -= dropped
+            self.capacity -= count
+            self._heap = heap
 
     def all_free(self, slots: range) -> bool:
         return all(slot in self._free for slot in slots)
@@ -67,7 +80,6 @@ class FreeSlots:
                     slot = base
                     self._unreserve(base)
         self._free.discard(slot)
-        self.used += 1
         return slot
 
     def free(self, slot: int) -> None:
@@ -75,7 +87,6 @@ class FreeSlots:
             raise RuntimeError(f"FreeSlots.free: slot {slot} is not in use")
         heapq.heappush(self._heap, slot)
         self._free.add(slot)
-        self.used -= 1
 
     def _in_run(self, near: tuple[int, int]) -> int | None:
         """The reserved slot of block ``near`` in its group's run, taken out of the reservation; None if none."""
@@ -159,9 +170,17 @@ class SlotPool:
 
     def free_all(self) -> None:
         """Every slot free again (a reset: also what an interrupted operation may have left taken)."""
-        capacity = self.slots.capacity
-        self.slots = FreeSlots()
-        self.slots.grow(capacity)
+        slots = FreeSlots()
+        slots.grow(self.slots.capacity)
+        self.slots = slots
+
+    def release_unheld(self, held: Collection[int]) -> int:
+        """Free every slot in use that is not in ``held`` — what an interrupted operation took and never
+        recorded; return how many."""
+        orphans = sorted(self.slots.in_use().difference(held))
+        for slot in orphans:
+            self.free(slot)
+        return len(orphans)
 
 
 def growth_slots(budget: int, allocated: int, slot_bytes: int, step_bytes: int) -> int:

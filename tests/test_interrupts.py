@@ -1,0 +1,308 @@
+"""Ctrl-C at any line: a SIGINT delivered at the n-th line that runs inside tierkv's store, tiers, policy,
+persist and block-table modules (``sys.settrace``), for many n, during real store and cache operations.
+
+After each interrupt: every slot of every tier is free or held by exactly one live block (or the write-back
+in flight), the policy indexes exactly the live blocks, budgets hold, the interrupted operation either took
+effect or did not (every layer reads back its contents before or after it, equal to a reference), and
+``reset()``/``close()`` then free everything. The interrupt is delivered the way CPython delivers Ctrl-C: the
+SIGINT handler installed at that moment is called there (the default one raises ``KeyboardInterrupt``; inside
+a :func:`tierkv.atomic.deferred_interrupts` commit the store's handler holds it until the commit is done).
+Not at the line event that starts a ``with`` statement's exit code: CPython checks for signals only after
+``__exit__`` was called there (a ``with lock:`` always releases it), so an interrupt there cannot happen.
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import random
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import CodeType
+
+import torch
+from helpers import kv, make_store
+
+import tierkv
+from tierkv.blocks import Tier
+from tierkv.policy.lru import LRUPolicy
+
+PACKAGE = Path(tierkv.__file__).parent
+TRACED = tuple(str(PACKAGE / name) for name in ("store/", "tiers/", "policy/", "persist/", "blocks.py", "atomic.py"))
+RUNS_PER_OPERATION = 40  # interrupt points per operation: every line when it runs fewer, else a spread sample
+
+
+@functools.cache
+def with_exits(code: CodeType) -> frozenset[int]:
+    """Offsets where a ``with`` block's exit starts (``__exit__(None, None, None)``, or the exception path's
+    ``PUSH_EXC_INFO; WITH_EXCEPT_START``): no signal is handled before ``__exit__`` runs."""
+    ops = list(dis.get_instructions(code))
+    exits = set()
+    for i, op in enumerate(ops):
+        window = [o.opname for o in ops[i : i + 5]]
+        if window[:2] == ["PUSH_EXC_INFO", "WITH_EXCEPT_START"] or (
+                window == ["LOAD_CONST"] * 3 + ["PRECALL", "CALL"] and all(o.argval is None for o in ops[i : i + 3])):
+            exits.add(op.offset)
+    return frozenset(exits)
+
+
+class Interrupt:
+    """Deliver SIGINT at the ``nth`` line executed in :data:`TRACED` files (``nth=0``: never; count them)."""
+
+    def __init__(self, nth: int = 0) -> None:
+        self.nth, self.lines, self.fired, self.where = nth, 0, False, ""
+
+    def __enter__(self) -> Interrupt:
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        sys.settrace(None)
+
+    def _call(self, frame, event, arg):
+        return self._line if frame.f_code.co_filename.startswith(TRACED) else None
+
+    def _line(self, frame, event, arg):
+        if event != "line" or self.fired:
+            return None if self.fired else self._line
+        if frame.f_lasti in with_exits(frame.f_code):
+            return self._line
+        self.lines += 1
+        if self.lines == self.nth:
+            self.fired = True
+            code = frame.f_code
+            self.where = f"{Path(code.co_filename).relative_to(PACKAGE)}:{frame.f_lineno} ({code.co_name})"
+            sys.settrace(None)
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)  # what CPython does when Ctrl-C arrives
+        return self._line
+
+
+def points(lines: int) -> list[int]:
+    """Which lines to interrupt at: all of them, or an even spread plus a fixed random sample."""
+    if lines <= RUNS_PER_OPERATION:
+        return list(range(1, lines + 1))
+    spread = {1 + round(i * (lines - 1) / (RUNS_PER_OPERATION // 2 - 1)) for i in range(RUNS_PER_OPERATION // 2)}
+    return sorted(spread | set(random.Random(lines).sample(range(1, lines + 1), RUNS_PER_OPERATION // 2)))
+
+
+def interrupt_everywhere(setup: Callable, operation: Callable, check: Callable) -> int:
+    """Run ``operation(state)`` once to count its traced lines, then again from a fresh ``setup()`` for each
+    interrupt point; ``check(state, interrupted)`` after each. Returns the lines counted. (A run may execute a
+    few lines fewer than the count, e.g. when a background write finished sooner: then it is not interrupted.)"""
+    state = setup()
+    with Interrupt() as counter:
+        operation(state)
+    check(state, False)
+    assert counter.lines > 0
+    fired = 0
+    for nth in points(counter.lines):
+        state = setup()
+        interrupted = False
+        with Interrupt(nth) as interrupt:
+            try:
+                operation(state)
+            except KeyboardInterrupt:
+                interrupted = True
+        fired += interrupt.fired
+        try:
+            check(state, interrupted)
+        except AssertionError as exc:
+            raise AssertionError(f"interrupted at line {nth} of {counter.lines}, {interrupt.where}: {exc}") from exc
+    assert fired >= len(points(counter.lines)) * 0.9, f"only {fired} runs reached their interrupt point"
+    return counter.lines
+
+
+# ------------------------------------------------------------------------------------------ invariants
+def check_policy(store) -> None:
+    """The LRU index holds exactly the live blocks that are not pinned, each under its tier and slot size."""
+    policy = store.policy
+    assert isinstance(policy, LRUPolicy)
+    indexed = {}
+    for (tier, slot_bytes), layers in policy._index.items():
+        for layer, held in layers.items():
+            for block_id, block in held.items():
+                assert block_id not in indexed, f"block {block_id} indexed twice"
+                assert (block.tier, block.slot_bytes, block.layer) == (tier, slot_bytes, layer), block
+                indexed[block_id] = block
+    live = store.table.blocks
+    for block_id, block in indexed.items():
+        assert live.get(block_id) is block, f"dead block {block_id} still indexed by the policy"
+    pinned = store.writeback.pending_ids
+    missing = set(live) - set(indexed) - pinned
+    assert not missing, f"live blocks {sorted(missing)} unknown to the policy: never demoted"
+
+
+def check_store(store) -> None:
+    store.check()
+    check_policy(store)
+    for tier in store.tiers.values():
+        assert tier.allocated_bytes <= tier.budget, tier
+
+
+def contents(store) -> dict[int, torch.Tensor]:
+    return {layer: store.read_tokens(layer) for layer in store.table.rows if store.seq_length(layer)}
+
+
+def same(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+
+def check_frees_everything(store) -> None:
+    store.reset()
+    check_store(store)
+    assert all(used == 0 for tier in store.tiers.values() for used in tier.slot_counts().values())
+    keys, values = kv(2, 9, seed=99)
+    store.append(0, keys, values)  # works as new
+    assert torch.equal(store.read_tokens(0), torch.stack((keys, values)))
+    store.close()
+
+
+# --------------------------------------------------------------------------------------- store operations
+def _filled(tmp_path, name: str, tokens: int = 22, batch: int = 2, layers: int = 2, **sizes):
+    """A store with ``tokens`` tokens in each of ``layers`` layers: blocks on the device, host and disk."""
+    counter = [0]
+
+    def setup():
+        counter[0] += 1
+        store = make_store(tmp_path / f"{name}-{counter[0]}", **{"device_slots": 6, "host_slots": 6, **sizes})
+        for step, length in enumerate((tokens - 1, 1)):  # a prefill, then one decode token
+            for layer in range(layers):
+                store.append(layer, *kv(batch, length, seed=100 * step + layer))
+        store.writeback.reap(wait=True)
+        return store
+
+    return setup
+
+
+def _append(tokens: int):
+    def operation(store):
+        for layer in sorted(store.table.rows):
+            store.append(layer, *kv(store.batch_size(layer), tokens, seed=7 + layer))
+    return operation
+
+
+def _expect_append(before, tokens: int):
+    after = {}
+    for layer, held in before.items():
+        keys, values = kv(held.shape[1], tokens, seed=7 + layer)
+        after[layer] = torch.cat((held, torch.stack((keys, values))), dim=3)
+    return after
+
+
+def _store_case(tmp_path, name, setup, operation, expect, per_layer: bool = True) -> None:
+    """Interrupt ``operation`` everywhere; each layer (or, ``per_layer=False``, the whole store) must hold its
+    contents before or after it (``expect(before)``); then reset and close free everything."""
+    befores = {}
+
+    def fresh():
+        store = setup()
+        befores[id(store)] = contents(store)
+        return store
+
+    def check(store, interrupted):
+        store.writeback.reap(wait=True)  # a write-back left in flight by the interrupt lands or fails now
+        check_store(store)
+        before = befores.pop(id(store))
+        after = expect(before)
+        now = contents(store)
+        if per_layer:
+            for layer in before.keys() | after.keys():
+                got = {layer: now[layer]} if layer in now else {}
+                was = {layer: before[layer]} if layer in before else {}
+                will = {layer: after[layer]} if layer in after else {}
+                assert same(got, was) or same(got, will), f"layer {layer} is neither before nor after the operation"
+        else:
+            assert same(now, before) or same(now, after), "the store is neither before nor after the operation"
+        if not interrupted:
+            assert same(now, after)
+        check_frees_everything(store)
+
+    interrupt_everywhere(fresh, operation, check)
+
+
+def test_appends(tmp_path):
+    """Prefill-sized and decode appends into a full device: allocation, demotion to host and disk, write-back."""
+    setup = _filled(tmp_path, "append")
+    _store_case(tmp_path, "prefill", setup, _append(9), lambda before: _expect_append(before, 9))
+    _store_case(tmp_path, "decode", setup, _append(1), lambda before: _expect_append(before, 1))
+    _store_case(tmp_path, "new-block", _filled(tmp_path, "edge", tokens=24), _append(1),
+                lambda before: _expect_append(before, 1))
+
+
+def test_writeback_completion(tmp_path):
+    """Reaping a finished background write: blocks move from host to disk, host slots are freed."""
+    filled = _filled(tmp_path, "writeback")
+
+    def setup():
+        store = filled()
+        for step in range(64):  # decode until the host is full enough to start a background write
+            store.append(step % 2, *kv(2, 1, seed=step))
+            if store.writeback.pending is not None:
+                break
+        assert store.writeback.pending is not None, "the workload must leave a write-back in flight"
+        store.writeback.pending.handle.wait()
+        return store
+
+    def expect(before):
+        return before
+
+    def reap(store):
+        store.writeback.reap(wait=True)
+
+    _store_case(tmp_path, "reap", setup, reap, expect)
+
+
+def test_demotion(tmp_path):
+    """An explicit demotion of every device block (device -> host, host -> disk cascades)."""
+    def demote(store):
+        store.demote([b for b in list(store.table.blocks.values()) if b.tier == Tier.DEVICE and b.tokens == 4])
+
+    _store_case(tmp_path, "demote", _filled(tmp_path, "demote", device_slots=12), demote, lambda before: before)
+
+
+def _rows(indices):
+    def operation(store):
+        store.select_rows(indices)
+
+    def expect(before):
+        return {layer: held[:, indices] for layer, held in before.items()}
+
+    return operation, expect
+
+
+def test_select_rows_and_crop(tmp_path):
+    """Beam reorder and batch selection (all layers at once), then crops through shared and demoted blocks."""
+    setup = _filled(tmp_path, "rows", device_slots=10)
+    for indices in ([1, 0], [0, 0, 1], [1]):
+        _store_case(tmp_path, f"select-{indices}", setup, *_rows(indices), per_layer=False)
+
+    def shared():
+        store = setup()
+        store.select_rows([0, 0, 1])  # rows 0 and 1 share every block: a crop through one copies it
+        return store
+
+    for remove in (3, 9, 22):
+        def crop(store, remove=remove):
+            for layer in sorted(store.table.rows):
+                store.crop(layer, remove)
+
+        def expect(before, remove=remove):
+            return {layer: held[..., : held.shape[3] - remove, :] for layer, held in before.items()
+                    if held.shape[3] > remove}
+
+        _store_case(tmp_path, f"crop-{remove}", shared, crop, expect)
+
+
+def test_drop_front_and_reset(tmp_path):
+    setup = _filled(tmp_path, "front")
+
+    def drop(store):
+        for layer in sorted(store.table.rows):
+            store.drop_front(layer, 10)
+
+    _store_case(tmp_path, "drop-front", setup, drop,
+                lambda before: {layer: held[..., 8:, :] for layer, held in before.items()})
+    _store_case(tmp_path, "reset", setup, lambda store: store.reset(), lambda before: {}, per_layer=False)

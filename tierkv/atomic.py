@@ -1,0 +1,56 @@
+"""Commits that a Ctrl-C cannot cut in half.
+
+A ``KeyboardInterrupt`` is asynchronous: CPython raises it from the SIGINT handler at almost any point of
+the main thread. The store's operations are ordered so that an interrupt anywhere before their commit leaves
+nothing behind (slots taken so far are given back in ``except BaseException``). The commit itself — a few
+table, refcount and free-list edits that must happen together, in memory, with no I/O or wait — runs inside
+:func:`deferred_interrupts`: a SIGINT that arrives meanwhile is held and delivered, to whatever handler was
+installed, the moment the commit is done. Only the main thread receives SIGINT, so elsewhere it is a no-op.
+
+Never put I/O or a wait inside: the user's Ctrl-C would wait for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+_held: list[tuple[int, FrameType | None]] = []  # a SIGINT received inside the outermost section
+_depth = 0  # sections open on the main thread
+
+
+def _hold(signum: int, frame: FrameType | None) -> None:
+    _held.append((signum, frame))
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Hold SIGINT until the block ends (nested blocks: until the outermost ends), then deliver it."""
+    global _depth
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # no SIGINT arrives here (or its handler is not Python's and cannot be put back)
+        return
+    if _depth:
+        _depth += 1
+        try:
+            yield
+        finally:
+            _depth -= 1
+        return
+    previous = signal.signal(signal.SIGINT, _hold)
+    _depth = 1
+    try:
+        yield
+    finally:
+        _depth = 0
+        signal.signal(signal.SIGINT, previous)
+        if _held:
+            signum, frame = _held.pop()
+            _held.clear()
+            if callable(previous):
+                previous(signum, frame)  # the default handler raises KeyboardInterrupt here
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signum)  # SIG_IGN: dropped, as it would have been
