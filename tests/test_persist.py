@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from tierkv.errors import DiskTierError, IntegrityError, InvalidConfigError
 from tierkv.hf import TieredCache, cache_keyword
-from tierkv.persist import record
+from tierkv.persist import keys, record
 from tierkv.persist.keys import Namespace, block_keys, model_fingerprint
 from tierkv.persist.store import DIRECTORY_NAME, Item, PersistentStore, Recovery
 
@@ -228,7 +228,7 @@ def test_capacity_evicts_least_recently_used_and_keeps_chains_usable(tmp_path):
 
 WRITER = """
 import sys
-from tierkv.persist import record
+from tierkv.persist import keys, record
 from tierkv.persist.store import Item, PersistentStore
 store = PersistentStore(sys.argv[1], 1 << 30)
 for i in range(40):
@@ -354,6 +354,39 @@ def test_another_model_dtype_layout_or_attention_never_matches(tmp_path):
     device = TieredCache.min_device_bytes(model.config, PROMPT + NEW, 1, 2 * BT) + 2 * SLOT
     with TieredCache(gpu_gb=f"{device}B", disk_dir=tmp_path, block_tokens=2 * BT, persist=True) as cache:
         assert cache.load_prefix(model, ids) == 0  # another block size
+
+
+def test_models_that_differ_in_one_weight_element_never_share_blocks(tmp_path, monkeypatch):
+    """The fingerprint hashes every parameter byte: a copy with one element changed (an element no sampling of
+    a few values per tensor would see) loads nothing of the original's blocks; the digest is computed once per
+    model object and again after an in-place change, or with ``cached=False`` after a write through ``.data``."""
+    model = tiny_model.__wrapped__("llama")
+    ids, _ = prompt(1, PROMPT, seed=6)
+    with _cache(model, tmp_path) as cold:
+        cold.load_prefix(model, ids)
+        _generate(model, ids, cold)
+    with _cache(model, tmp_path) as warm:
+        assert warm.load_prefix(model, ids) == PROMPT // BT * BT  # the original's own blocks are found
+    other = tiny_model.__wrapped__("llama")
+    weight = other.model.layers[1].mlp.down_proj.weight  # [64, 128]: element 1 of 8192
+    original = weight.view(-1)[1].item()
+    with torch.no_grad():
+        weight.view(-1)[1] += 1e-3
+    assert model_fingerprint(other) != model_fingerprint(model)
+    with _cache(other, tmp_path) as cache:
+        assert cache.load_prefix(other, ids) == 0
+
+    hashed = []
+    real = keys._tensors_digest
+    monkeypatch.setattr(keys, "_tensors_digest", lambda tensors: hashed.append(1) or real(tensors))
+    first = model_fingerprint(other)  # computed above (load_prefix): kept per model object
+    assert model_fingerprint(other) == first and not hashed
+    with torch.no_grad():
+        weight.view(-1)[1] = original  # in place: torch counts it, the digest is computed again
+    assert model_fingerprint(other) == model_fingerprint(model) and len(hashed) == 1
+    weight.data.view(-1)[2] += 1.0  # through .data: torch does not count it
+    assert model_fingerprint(other) == model_fingerprint(model)
+    assert model_fingerprint(other, cached=False) != model_fingerprint(model)
 
 
 def test_batches_load_what_every_row_shares(tmp_path):

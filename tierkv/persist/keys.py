@@ -15,31 +15,34 @@ Interface (also used by the remote tier)::
 
     ns = Namespace.of_model(model, block_tokens=256)  # or Namespace(fingerprint=..., layers=..., ...)
     keys = block_keys(ns.root, ids, 256)             # one hex key per *full* block of ids (a 1-D int sequence)
-    model_fingerprint(model)                          # hex digest of config + parameter names/shapes/dtypes/samples
+    model_fingerprint(model)                          # hex digest of config + every parameter's bytes
 
 Keys are 32 hex characters (BLAKE2b, 128 bits): cryptographic, so two different prefixes cannot be made to
-collide on purpose, and short enough for file names and Redis keys. The fingerprint samples parameter
-*values* (``SAMPLES_PER_TENSOR`` evenly spaced elements of every tensor) instead of hashing every byte:
-a fine-tuned or differently initialised copy of a model differs in those samples; two models that differ
-only in unsampled elements would collide (pass your own ``fingerprint=`` string to :class:`Namespace` if
-that matters).
+collide on purpose, and short enough for file names and Redis keys. The fingerprint hashes *every byte* of
+every parameter and buffer (xxh3-128; a model that differs in one weight element, e.g. a fine-tune of one
+layer, has another fingerprint and never reuses this one's blocks). That costs one pass over the weights
+(measured in docs/reliability.md), so the tensor digests are kept per model object and reused while each
+tensor is the same storage at the same version (``tensor._version``, which every in-place operation and
+``load_state_dict`` bump); a write through ``tensor.data`` is not seen — pass ``cached=False`` after one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import xxhash
 
 if TYPE_CHECKING:
     import torch
 
 KEY_BYTES = 16  # 128-bit keys, written as 32 hex characters
-SAMPLES_PER_TENSOR = 16
+HASH_CHUNK_BYTES = 64 << 20  # an accelerator's tensor crosses to the host for hashing in pieces of this size
 FORMAT = "tierkv-kv/1"  # part of every root: a change of the block format changes every key
 # config entries that name where a model came from or how it was loaded, not what it computes
 _CONFIG_NOISE = ("_name_or_path", "transformers_version", "_attn_implementation_autoset", "_commit_hash")
@@ -53,25 +56,44 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()
 
 
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """Hex digest of what makes ``model`` compute what it does: its config (without its path and the
-    transformers version) and, for every parameter and buffer, its name, shape, dtype and
-    ``SAMPLES_PER_TENSOR`` evenly spaced values. Costs one small device->host copy per tensor."""
-    import torch
+_TENSOR_DIGESTS: weakref.WeakKeyDictionary[Any, tuple[tuple, bytes]] = weakref.WeakKeyDictionary()
+"""model -> (what its tensors were when hashed: name, storage, version, shape, dtype, device; their digest)."""
 
+
+def model_fingerprint(model: torch.nn.Module, cached: bool = True) -> str:
+    """Hex digest of what makes ``model`` compute what it does: its config (without its path and the
+    transformers version) and, for every parameter and buffer, its name, shape, dtype and all of its bytes.
+    The tensors' digest is computed once per model object and reused while no tensor was replaced or changed
+    in place (``cached=False`` hashes them again: after a write through ``.data``, which torch does not count)."""
     config = getattr(model, "config", None)
     described = config.to_dict() if config is not None else {"class": type(model).__qualname__}
     for key in _CONFIG_NOISE:
         described.pop(key, None)
-    parts = [json.dumps(described, sort_keys=True, default=str).encode()]
+    tensors = [(name, tensor.detach()) for name, tensor in [*model.named_parameters(), *model.named_buffers()]]
+    state = tuple((name, t.untyped_storage().data_ptr(), t.storage_offset(), t._version, tuple(t.shape), t.dtype,
+                   t.device) for name, t in tensors)
+    known = _TENSOR_DIGESTS.get(model) if cached else None
+    if known is None or known[0] != state:
+        known = _TENSOR_DIGESTS[model] = (state, _tensors_digest(tensors))
+    return _digest(json.dumps(described, sort_keys=True, default=str).encode(), known[1])
+
+
+def _tensors_digest(tensors: list[tuple[str, torch.Tensor]]) -> bytes:
+    """xxh3-128 over each tensor's name, shape, dtype and bytes (length-prefixed, in order)."""
+    import torch
+
+    h = xxhash.xxh3_128()
     with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            flat = tensor.detach().reshape(-1)
-            parts.append(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
-            if flat.numel():
-                picks = torch.linspace(0, flat.numel() - 1, SAMPLES_PER_TENSOR, device=flat.device).long()
-                parts.append(flat[picks].cpu().view(torch.uint8).numpy().tobytes())
-    return _digest(*parts)
+        for name, tensor in tensors:
+            described = f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode()
+            h.update(len(described).to_bytes(8, "little") + described)
+            flat = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.reshape(-1)
+            h.update(flat.numel().to_bytes(8, "little"))
+            step = HASH_CHUNK_BYTES if flat.device.type != "cpu" else max(flat.numel(), 1)
+            for start in range(0, flat.numel(), step):  # bounded host copies of an accelerator's tensor
+                piece = flat[start : start + step].cpu().contiguous()
+                h.update(memoryview(piece.numpy()))
+    return h.digest()
 
 
 @dataclass(frozen=True, slots=True)
