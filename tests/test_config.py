@@ -1,9 +1,11 @@
 """Size parsing re-exported from tierkv.config, and the checks TieredCache runs when it is built."""
 
+import shutil
+
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tierkv import settings
+from tierkv import TieredCache, settings
 from tierkv.config import (
     check_budgets_fit_machine,
     check_count,
@@ -51,6 +53,20 @@ def test_budget_beyond_the_machine_names_its_memory(tmp_path):
         check_budgets_fit_machine(None, 2**62, None, None)
     with pytest.raises(InvalidConfigError, match="filesystem under"):
         check_budgets_fit_machine(None, None, 2**62, tmp_path / "not" / "yet")
+
+
+def test_a_disk_budget_beyond_the_free_space_is_refused_with_the_free_figure(tmp_path):
+    """Larger than what is free (not than the filesystem): it would fill the disk mid-generation, so it is refused
+    at construction with the free figure and the fix; up to the free space is accepted."""
+    usage = shutil.disk_usage(tmp_path)
+    check_budgets_fit_machine(None, None, usage.free // 2, tmp_path)
+    if usage.total - usage.free < 2**30:
+        pytest.skip("this filesystem is nearly empty: no budget lies between its free space and its size")
+    between = usage.free + (usage.total - usage.free) // 2
+    with pytest.raises(InvalidConfigError, match=r"but only [0-9.]+ [KMGT]iB are free on the filesystem under .* "
+                                                 r"\(of [0-9.]+ [KMGT]iB\); free some space, give a smaller disk_gb"):
+        TieredCache(disk_dir=tmp_path, disk_gb=f"{between}B")
+    assert not list(tmp_path.iterdir())  # refused before any file was made
 
 
 def test_disk_engine_names_are_checked_up_front():

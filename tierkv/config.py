@@ -81,17 +81,19 @@ def _machine_memory() -> tuple[int, str]:
     return ram, where + " and no GPU"
 
 
-def _disk_size(directory: str | os.PathLike[str]) -> int:
-    """Total size of the filesystem that holds ``directory`` (or its nearest existing parent)."""
+def _disk_usage(directory: str | os.PathLike[str]) -> tuple[int, int]:
+    """(total, free) bytes of the filesystem that holds ``directory`` (or its nearest existing parent)."""
     path = os.path.abspath(os.fspath(directory))
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
-    return shutil.disk_usage(path).total
+    usage = shutil.disk_usage(path)
+    return usage.total, usage.free
 
 
 def check_budgets_fit_machine(gpu: int | None, cpu: int | None, disk: int | None,
                               disk_dir: str | os.PathLike[str] | None) -> None:
-    """Refuse a budget larger than this machine could ever provide (bytes; None = not given).
+    """Refuse a budget larger than this machine could ever provide (bytes; None = not given), and a disk budget
+    larger than the free space under ``disk_dir`` (it would end in ENOSPC mid-generation).
 
     The usual cause is a byte count passed where GB are expected (``gpu_gb=TieredCache.min_device_bytes(...)``
     is a petabyte budget); the message says how to pass bytes.
@@ -106,11 +108,17 @@ def check_budgets_fit_machine(gpu: int | None, cpu: int | None, disk: int | None
                     f"pass a byte count as a string (e.g. {name}=f\"{{n}}B\") or give a size that fits."
                 )
     if disk is not None and disk_dir is not None:
-        size = _disk_size(disk_dir)
-        if disk > size:
+        total, free = _disk_usage(disk_dir)
+        if disk > total:
             raise InvalidConfigError(
                 f"disk_gb is {format_bytes(disk)} but the filesystem under {os.fspath(disk_dir)!r} holds "
-                f"{format_bytes(size)}; give a size that fits, or leave disk_gb unset (90% of its free space)."
+                f"{format_bytes(total)}; give a size that fits, or leave disk_gb unset (90% of its free space)."
+            )
+        if disk > free:  # it would run out of space mid-generation (ENOSPC), long after this call
+            raise InvalidConfigError(
+                f"disk_gb is {format_bytes(disk)} but only {format_bytes(free)} are free on the filesystem "
+                f"under {os.fspath(disk_dir)!r} (of {format_bytes(total)}); free some space, give a smaller "
+                "disk_gb, or leave it unset (90% of the free space)."
             )
 
 
