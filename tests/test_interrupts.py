@@ -80,15 +80,15 @@ class Interrupt:
         return self._line
 
 
-def points(lines: int) -> list[int]:
+def points(lines: int, runs: int = RUNS_PER_OPERATION) -> list[int]:
     """Which lines to interrupt at: all of them, or an even spread plus a fixed random sample."""
-    if lines <= RUNS_PER_OPERATION:
+    if lines <= runs:
         return list(range(1, lines + 1))
-    spread = {1 + round(i * (lines - 1) / (RUNS_PER_OPERATION // 2 - 1)) for i in range(RUNS_PER_OPERATION // 2)}
-    return sorted(spread | set(random.Random(lines).sample(range(1, lines + 1), RUNS_PER_OPERATION // 2)))
+    spread = {1 + round(i * (lines - 1) / (runs // 2 - 1)) for i in range(runs // 2)}
+    return sorted(spread | set(random.Random(lines).sample(range(1, lines + 1), runs // 2)))
 
 
-def interrupt_everywhere(setup: Callable, operation: Callable, check: Callable) -> int:
+def interrupt_everywhere(setup: Callable, operation: Callable, check: Callable, runs: int = RUNS_PER_OPERATION) -> int:
     """Run ``operation(state)`` once to count its traced lines, then again from a fresh ``setup()`` for each
     interrupt point; ``check(state, interrupted)`` after each. Returns the lines counted. (A run may execute a
     few lines fewer than the count, e.g. when a background write finished sooner: then it is not interrupted.)"""
@@ -98,7 +98,7 @@ def interrupt_everywhere(setup: Callable, operation: Callable, check: Callable) 
     check(state, False)
     assert counter.lines > 0
     fired = 0
-    for nth in points(counter.lines):
+    for nth in points(counter.lines, runs):
         state = setup()
         interrupted = False
         with Interrupt(nth) as interrupt:
@@ -111,7 +111,7 @@ def interrupt_everywhere(setup: Callable, operation: Callable, check: Callable) 
             check(state, interrupted)
         except AssertionError as exc:
             raise AssertionError(f"interrupted at line {nth} of {counter.lines}, {interrupt.where}: {exc}") from exc
-    assert fired >= len(points(counter.lines)) * 0.9, f"only {fired} runs reached their interrupt point"
+    assert fired >= len(points(counter.lines, runs)) * 0.9, f"only {fired} runs reached their interrupt point"
     return counter.lines
 
 
@@ -306,3 +306,79 @@ def test_drop_front_and_reset(tmp_path):
     _store_case(tmp_path, "drop-front", setup, drop,
                 lambda before: {layer: held[..., 8:, :] for layer, held in before.items()})
     _store_case(tmp_path, "reset", setup, lambda store: store.reset(), lambda before: {}, per_layer=False)
+
+
+# --------------------------------------------------------------------------------------- cache operations
+CACHE_RUNS = 12  # interrupt points per cache operation (a forward runs thousands of traced lines)
+
+
+@functools.cache
+def _model():
+    from models import small_llama
+
+    return small_llama()
+
+
+def _cache_case(tmp_path, name: str, operation: Callable, persist: bool = False) -> None:
+    """A real model's cache with blocks on every tier: ``operation(cache, reference)`` interrupted anywhere leaves
+    every layer at one length, before or after it, equal to ``DynamicCache``; then ``close()`` removes the files."""
+    from transformers import DynamicCache
+
+    from tierkv import TieredCache
+
+    model = _model()
+    ids = torch.randint(2, 128, (1, 24), generator=torch.Generator().manual_seed(3))
+    counter = [0]
+
+    def setup():
+        counter[0] += 1
+        directory = tmp_path / f"{name}-{counter[0]}"
+        cache = TieredCache(gpu_gb="40KB", cpu_gb="24KB", disk_dir=directory, block_tokens=4, persist=persist)
+        reference = DynamicCache()
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+            model(ids, past_key_values=reference)
+        assert cache.stats()["blocks"]["disk"] > 0
+        return cache, reference, directory
+
+    def run(state):
+        cache, reference, _ = state
+        operation(model, cache, reference, ids)
+
+    def check(state, interrupted):
+        cache, reference, directory = state
+        store = cache.store
+        store.writeback.reap(wait=True)
+        check_store(store)
+        length = cache.get_seq_length()
+        assert {layer.get_seq_length() for layer in cache.layers} == {length}, "layers differ in length"
+        assert length in (24, reference.get_seq_length()), length
+        for index, layer in enumerate(reference.layers):
+            stored = store.read_tokens(index)
+            # the prefill was exact gather (bit-exact); a streaming step's token is within float rounding
+            torch.testing.assert_close(stored[0], layer.keys[..., :length, :], atol=1e-5, rtol=0)
+            torch.testing.assert_close(stored[1], layer.values[..., :length, :], atol=1e-5, rtol=0)
+        cache.close()
+        assert not [p for p in directory.iterdir() if p.name.startswith("tierkv-") and p.is_file()]
+
+    interrupt_everywhere(setup, run, check, runs=CACHE_RUNS)
+
+
+def _decode(model, cache, reference, ids):
+    token = ids[:, -1:]
+    with torch.no_grad():
+        model(token, past_key_values=reference)
+        model(token, past_key_values=cache)
+
+
+def _decode_streaming(model, cache, reference, ids):
+    token = ids[:, -1:]
+    with torch.no_grad():
+        model(token, past_key_values=reference)
+        with cache.streaming(model, chunk_tokens=8):  # two chunks of 8 tokens fit the 40 KB device budget
+            model(token, past_key_values=cache)
+
+
+def test_decode_steps_with_both_executors(tmp_path):
+    _cache_case(tmp_path, "exact", _decode)
+    _cache_case(tmp_path, "streaming", _decode_streaming)
