@@ -310,6 +310,7 @@ def test_drop_front_and_reset(tmp_path):
 
 # --------------------------------------------------------------------------------------- cache operations
 CACHE_RUNS = 12  # interrupt points per cache operation (a forward runs thousands of traced lines)
+FILE_RUNS = 8  # ... per save, load and load_prefix
 
 
 @functools.cache
@@ -382,3 +383,81 @@ def _decode_streaming(model, cache, reference, ids):
 def test_decode_steps_with_both_executors(tmp_path):
     _cache_case(tmp_path, "exact", _decode)
     _cache_case(tmp_path, "streaming", _decode_streaming)
+
+
+def test_save_load_and_load_prefix(tmp_path):
+    """An interrupted save leaves no file or a complete one; an interrupted load or load_prefix leaves no cache
+    files behind and the persistent directory opens clean with every listed block valid."""
+    from tierkv import TieredCache
+    from tierkv.persist.store import PersistentStore
+
+    model = _model()
+    ids = torch.randint(2, 128, (1, 24), generator=torch.Generator().manual_seed(3))
+    options = dict(gpu_gb="40KB", cpu_gb="24KB", block_tokens=4)
+    source = TieredCache(disk_dir=tmp_path / "source", persist=True, **options)
+    source.load_prefix(model, ids)
+    with torch.no_grad():
+        model(ids, past_key_values=source)
+    saved = tmp_path / "saved.tkv"
+    source.save(saved, model)
+    source.close()
+    expected = TieredCache.load(saved, model, disk_dir=tmp_path / "check", **options)
+    want = [expected.store.read_tokens(i) for i in range(2)]
+    expected.close()
+    counter = [0]
+
+    def save_setup():
+        counter[0] += 1
+        return TieredCache.load(saved, model, disk_dir=tmp_path / f"s{counter[0]}", **options), counter[0]
+
+    def save(state):
+        state[0].save(tmp_path / f"out{state[1]}.tkv", model)
+
+    def save_check(state, interrupted):
+        cache, n = state
+        cache.close()
+        out = tmp_path / f"out{n}.tkv"
+        if out.exists():  # a complete file, or none
+            loaded = TieredCache.load(out, model, disk_dir=tmp_path / f"v{n}", **options)
+            assert all(torch.equal(loaded.store.read_tokens(i), want[i]) for i in range(2))
+            loaded.close()
+        else:
+            assert interrupted
+
+    interrupt_everywhere(save_setup, save, save_check, runs=FILE_RUNS)
+
+    def load_setup():
+        counter[0] += 1
+        return tmp_path / f"l{counter[0]}", []
+
+    def load(state):
+        state[1].append(TieredCache.load(saved, model, disk_dir=state[0], **options))
+
+    def load_check(state, interrupted):
+        directory, caches = state
+        for cache in caches:
+            assert all(torch.equal(cache.store.read_tokens(i), want[i]) for i in range(2))
+            cache.close()
+        left = [p for p in directory.iterdir() if p.is_file()] if directory.exists() else []
+        assert not [p for p in left if p.name.startswith("tierkv-")], left
+
+    interrupt_everywhere(load_setup, load, load_check, runs=FILE_RUNS)
+
+    def prefix_setup():
+        counter[0] += 1
+        return TieredCache(disk_dir=tmp_path / "source", persist=True, **options)
+
+    def prefix(cache):
+        cache.load_prefix(model, ids)
+
+    def prefix_check(cache, interrupted):
+        held = cache.get_seq_length()
+        assert held in (0, 20), held
+        if held:
+            check_store(cache.store)
+        cache.close()
+        store = PersistentStore(tmp_path / "source", 2**30)
+        assert store.verify() == []  # every listed block still reads back valid
+        store.close()
+
+    interrupt_everywhere(prefix_setup, prefix, prefix_check, runs=FILE_RUNS)

@@ -551,10 +551,12 @@ class TieredCache(Cache):
             yield self
         finally:
             self._streaming_depth -= 1
-            self._switch_executor()
-            for module in modules:
-                module.__dict__.pop("_tierkv_cache", None)
-            model.set_attn_implementation(previous)
+            try:
+                self._switch_executor()
+            finally:  # the model is restored even if an interrupt lands in the executors' bookkeeping
+                for module in modules:
+                    module.__dict__.pop("_tierkv_cache", None)
+                model.set_attn_implementation(previous)
 
     @contextlib.contextmanager
     def sparse(self, model: torch.nn.Module, tokens: int | float = 2048, sinks: int | None = None,
