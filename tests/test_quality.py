@@ -121,6 +121,11 @@ def test_harness_sparse_covering_budget_is_exact_and_small_budget_reads_little(t
     assert by[("needle", "sparse@1")]["selected_fraction"] == 1.0
     assert 0.05 < by[("needle", "sparse@0.1")]["selected_fraction"] < 0.15
     assert by[("fidelity", "sparse@0.1")]["agreement"]["steps"] == 16
+    dense = harness.CacheSetup(block_tokens=16, dense_layers=model.config.num_hidden_layers, device_fraction=0.1,
+                               device_extra=1 << 20)  # every layer dense: exact whatever the budget
+    (fidelity,) = harness.measure(model, tokenizer, tmp_path, [harness.Method("sparse", 0.1)], dense,
+                                  done=[r for r in records if r["task"] == "needle"])
+    assert fidelity["selected_fraction"] == 1.0 and fidelity["agreement"]["kl_max"] < 1e-6
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -10,8 +10,12 @@ kvpress="${KVPRESS_VENV:-/tmp/tierkv-kvpress-venv}/bin/python"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # a shared 2-core host: one thread per process wastes least
 ref="tierkv eval --stage reference --fidelity-steps 256 --samples 1"
 
-# 1. full attention: prompts, prefill KV, answers and next-token distributions
+# 1. full attention: prompts, prefill KV, answers and next-token distributions (sample #0 everywhere; three
+#    samples per depth at 2K and 4K, and three / two fidelity texts there)
 $ref --model smollm2 --out "$run/smollm2" --tasks needle,multi-needle,fidelity --lengths 2K,4K --depths 0.1,0.5,0.9
+$ref --model smollm2 --out "$run/smollm2" --tasks needle,multi-needle --lengths 2K,4K --depths 0.1,0.5,0.9 --samples 3
+$ref --model smollm2 --out "$run/smollm2" --tasks fidelity --lengths 2K --samples 3
+$ref --model smollm2 --out "$run/smollm2" --tasks fidelity --lengths 4K --samples 2
 $ref --model smollm2 --out "$run/smollm2" --tasks multi-needle --lengths 8K --depths 0.5
 $ref --model smollm2 --out "$run/smollm2" --tasks needle --lengths 8K --depths 0.1,0.9
 $ref --model smollm2 --out "$run/smollm2" --tasks fidelity --lengths 8K
@@ -28,8 +32,8 @@ smollm2_dir="$(python -c "from tierkv import models; print(models.checkpoint_fol
 "$kvpress" benchmarks/quality/kvpress_run.py --reference "$run/demo" --model-dir tierkv/demo/weights \
     --out "$run/demo/kvpress.json" --threads 1
 
-# 3. tierkv's sparse executor (2%, 5%, 10% of the context, 16-token blocks) from the saved KV
-tierkv eval --stage measure --model smollm2 --out "$run/smollm2" --methods sparse
+# 3. tierkv from the saved KV: exact streaming, and the sparse executor at 2%, 5%, 10% of the context
+tierkv eval --stage measure --model smollm2 --out "$run/smollm2" --methods exact,sparse
 tierkv eval --stage measure --model demo --out "$run/demo" --methods sparse
 
 # 4. tables and plots

@@ -182,6 +182,12 @@ def load_kv(folder: str | Path, prompt: Prompt) -> list[tuple[torch.Tensor, torc
     return _load_kv(_kv_path(Path(folder), prompt))
 
 
+def decode_saved(model, folder: str | Path, prompt: Prompt) -> tuple[list[int], torch.Tensor]:
+    """Decode ``prompt`` from its saved KV in a ``DynamicCache``, through the model's attention implementation
+    as set (a study of selection rules registers its own): the generated tokens and every step's logits."""
+    return _decode(model, _cache_of(model, load_kv(folder, prompt)), _fed(prompt), prompt.answer_tokens)
+
+
 def load_reference(folder: str | Path) -> tuple[list[Prompt], list[dict[str, Any]]]:
     """The prompts and full attention's results written by :func:`reference`."""
     data = json.loads((Path(folder) / REFERENCE_FILE).read_text())
