@@ -63,7 +63,8 @@ step env 10 env.txt bash -c '
   "$0" -m pip list 2>/dev/null' "$PY"
 
 PYTEST=("$PY" -m pytest -m cuda -q -rs -p no:cacheprovider)
-# the cuda tests: generation on the GPU within the budget, streaming, kvikio reads into CUDA tensors, its mode
+# the cuda tests: generation on the GPU within the budget, streaming, kvikio reads into CUDA tensors, its mode,
+# and the disk tier reading into device memory with GDS (tests/test_disk_device_reads.py; skips in compat mode)
 step pytest-cuda 60 pytest-cuda.txt "${PYTEST[@]}" tests
 # pinned H2D / D2H: the store's own copies vs a plain pinned copy of the same 256 MiB, targets asserted
 step links 30 links-cuda.txt "${PYTEST[@]}" -s benchmarks/test_links.py -k targets

@@ -207,6 +207,9 @@ class DiskFile(ABC):
     direct: bool
     direct_refused: str  # why O_DIRECT is not in effect when it was tried ("" otherwise)
     path: str
+    reads_device_memory: bool = False
+    """Reads may target GPU memory without a host bounce (kvikio with GPUDirect Storage); the disk tier then
+    reads into the device landing buffer and verifies there."""
 
     @abstractmethod
     def submit_reads(self, requests: Sequence[tuple[int, Any]]) -> IOHandle:

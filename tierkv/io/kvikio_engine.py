@@ -9,9 +9,11 @@ override that setting, we only report what is in effect, honestly:
   host memory with POSIX ``pread`` whatever the compat mode, through the page cache unless its
   ``auto_direct_io_read`` is on and the file supports O_DIRECT.
 
-Because the disk tier reads into host bounce buffers, automatic selection (:mod:`tierkv.io.select`) does not
-pick kvikio: the native engine's O_DIRECT is the better path for host memory. Force it with
-``TIERKV_DISK_ENGINE=kvikio`` (or ``engine="kvikio"``).
+With GDS in effect the file says ``reads_device_memory``: the disk tier then reads a CUDA store's disk blocks
+straight into its device landing buffer and verifies them there (``tierkv.tiers.disk._DiskRead``); in compat
+mode it reads into host bounce buffers like the other engines. Automatic selection (:mod:`tierkv.io.select`)
+does not pick kvikio: for host memory the native engine's O_DIRECT is the better path, and the GDS path has
+not run on a GPU yet. Force it with ``TIERKV_DISK_ENGINE=kvikio`` (or ``engine="kvikio"``).
 
 kvikio splits each ``pread``/``pwrite`` into ``task_size`` pieces on its own thread pool
 (``KVIKIO_NTHREADS``), so this engine issues one future per request and lets kvikio supply queue depth.
@@ -177,6 +179,7 @@ class KvikioFile(DiskFile):
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
         self.path = path
         self.gds = not _compat_mode_on()
+        self.reads_device_memory = self.gds  # GDS: the disk tier reads into device buffers (no host bounce)
         self._file: Any = kvikio.CuFile(path, "r+")
         self._batches: list[_KvikioBatch] = []  # edited in place: the finalizer holds this list
         self._finalizer = weakref.finalize(self, _release, self._file, self._batches)
@@ -203,7 +206,8 @@ class KvikioFile(DiskFile):
         checked = []
         for index, (offset, buffer) in enumerate(requests):  # check all before issuing any
             obj, nbytes, address = _as_kvikio_buffer(buffer, writable=not write)
-            if self.direct and (offset % ALIGN or nbytes % ALIGN or address % ALIGN):
+            on_host = not hasattr(obj, "__cuda_array_interface__")  # cuFile takes any device address (GDS)
+            if self.direct and on_host and (offset % ALIGN or nbytes % ALIGN or address % ALIGN):
                 raise AlignmentError(
                     f"request {index}: direct I/O needs offset ({offset}), length ({nbytes}) and address "
                     f"aligned to {ALIGN} bytes."

@@ -65,6 +65,32 @@ def checksums(rows: np.ndarray) -> np.ndarray:
     return xxh3_rows(rows)
 
 
+_SUM_MODULUS = 65521  # the largest prime below 2**16 (Adler-32's): position weights 1 .. 65521
+_SUM_GROUP_BYTES = 4 * 2**20  # rows summed at a time: the int64 temporaries stay at 8x this
+
+
+def positional_sums(rows: torch.Tensor) -> torch.Tensor:
+    """``[n, 2]`` int64 per row of ``rows`` ``[n, slot_bytes]`` uint8 (even ``slot_bytes``), on the rows' device:
+    ``(sum u_i, sum u_i * (i mod 65521 + 1))`` over the row's 16-bit words ``u_i``.
+
+    The checksum that reads into GPU memory verify on the GPU (there is no xxh3 kernel to run there). Exact
+    integer sums (each product is below 2**32, a sum below 2**63 for rows under 4 GiB), so the value is the same
+    on every device and in every summation order. It catches any change of one word (the plain sum moves) and
+    of two words unless they are a multiple of 65521 words apart and change by opposite amounts: weaker than
+    xxh3-64, but it catches what a drive or another writer does (flipped bits, zeroed or stale sectors, torn
+    writes) — see docs/reliability.md.
+    """
+    words_per_row = rows.shape[1] // 2
+    weights = torch.arange(words_per_row, device=rows.device, dtype=torch.int64) % _SUM_MODULUS + 1
+    out = torch.empty(rows.shape[0], 2, dtype=torch.int64, device=rows.device)
+    step = max(1, _SUM_GROUP_BYTES // max(rows.shape[1], 1))
+    for lo in range(0, rows.shape[0], step):  # groups of >= 4 MiB of rows, not a loop over blocks
+        words = rows[lo : lo + step].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)  # [g, W]
+        out[lo : lo + step, 0] = words.sum(dim=1)
+        out[lo : lo + step, 1] = words.mul_(weights).sum(dim=1)
+    return out
+
+
 def _remove(path: Path) -> None:
     """Delete ``path``; on failure log it and retry at exit (cleanup never raises)."""
     try:
@@ -117,6 +143,9 @@ class DiskSlotFile(SlotPool):
             raise
         self.sums = np.zeros(0, dtype=np.uint64)  # [capacity]: xxh3-64 of what was written to each slot
         self.written = np.zeros(0, dtype=bool)  # [capacity]: the slot holds a block (its checksum is valid)
+        # an engine that reads into GPU memory (kvikio with GDS) is verified there: [capacity, 2] positional sums
+        self.device_reads = bool(getattr(self.file, "reads_device_memory", False))
+        self.device_sums = np.zeros((0, 2), dtype=np.int64)
 
     def grow(self, slots: int) -> None:
         try:
@@ -129,9 +158,11 @@ class DiskSlotFile(SlotPool):
             raise disk_error(exc, self.path) from exc
         sums = np.concatenate([self.sums, np.zeros(slots, dtype=np.uint64)])
         written = np.concatenate([self.written, np.zeros(slots, dtype=bool)])
+        device_sums = (np.concatenate([self.device_sums, np.zeros((slots, 2), dtype=np.int64)]) if self.device_reads
+                       else self.device_sums)
         with deferred_interrupts():  # slot ids and their checksum arrays grow together
             self.slots.grow(slots)
-            self.sums, self.written = sums, written
+            self.sums, self.written, self.device_sums = sums, written, device_sums
 
     def free(self, slot: int) -> None:
         super().free(slot)
@@ -147,12 +178,23 @@ class DiskSlotFile(SlotPool):
     def record(self, slots: np.ndarray, rows: np.ndarray) -> None:
         """``rows`` ``[n, slot_bytes]`` are being written to ``slots``: keep their checksums."""
         self.sums[slots] = checksums(rows)
+        if self.device_reads:
+            self.device_sums[slots] = positional_sums(torch.from_numpy(rows)).numpy()
         self.written[slots] = True
 
     def verify(self, slots: np.ndarray, digests: np.ndarray) -> None:
         """Raise :class:`IntegrityError` unless ``digests`` (xxh3-64 of the bytes read from ``slots``, as they
         landed) are those of what was written there."""
-        bad = np.flatnonzero((digests != self.sums[slots]) | ~self.written[slots])
+        self._refuse(slots, np.flatnonzero((digests != self.sums[slots]) | ~self.written[slots]))
+
+    def verify_device(self, slots: np.ndarray, rows: torch.Tensor) -> None:
+        """:meth:`verify` for ``rows`` ``[n, slot_bytes]`` that landed in GPU memory: their positional sums,
+        computed where they are (only ``[n, 2]`` integers cross to the host)."""
+        sums = positional_sums(rows).cpu().numpy()
+        self._refuse(slots, np.flatnonzero((sums != self.device_sums[slots]).any(axis=1) | ~self.written[slots]))
+
+    def _refuse(self, slots: np.ndarray, bad: np.ndarray) -> None:
+        """Raise :class:`IntegrityError` for the first of the ``bad`` positions of ``slots`` (none: return)."""
         if bad.size == 0:
             return
         slot = int(slots[bad[0]])
@@ -346,14 +388,22 @@ class _DiskRead:
                  owner: BounceLike, scratch: Scratch) -> None:
         self.tier, self.slot_file, self.layout, self.slots, self.owner = tier, slot_file, layout, slots, owner
         self.scratch = scratch
-        size = layout.slot_bytes
-        self.per_round = len(slots) if len(slots) * size <= BOUNCE_BYTES else max(1, BOUNCE_BYTES // 2 // size)
-        halves = 1 if self.per_round >= len(slots) else 2
-        bounce = owner.get(halves * self.per_round * size)  # waits until the GPU has copied its last contents out
-        self.halves = [bounce[i * self.per_round * size : (i + 1) * self.per_round * size] for i in range(halves)]
-        self.rounds = -(-len(slots) // self.per_round) if len(slots) else 0
         self.handles: dict[int, IOHandle] = {}
         self.digests: dict[int, np.ndarray | None] = {}  # per round: the engine's xxh3-64 of each slot (or None)
+        # kvikio with GDS reads into GPU memory: such a read waits for finish() to know it lands on the device
+        self.device_direct = slot_file.device_reads and scratch.accel.streams and scratch.landing_bytes > 0
+        self.rounds = 0
+        if not self.device_direct:
+            self._start_host()
+
+    def _start_host(self) -> None:
+        """Allocate the bounce buffer's halves and submit the first round into host memory."""
+        slots, size = self.slots, self.layout.slot_bytes
+        self.per_round = len(slots) if len(slots) * size <= BOUNCE_BYTES else max(1, BOUNCE_BYTES // 2 // size)
+        halves = 1 if self.per_round >= len(slots) else 2
+        bounce = self.owner.get(halves * self.per_round * size)  # waits until the GPU copied its last contents out
+        self.halves = [bounce[i * self.per_round * size : (i + 1) * self.per_round * size] for i in range(halves)]
+        self.rounds = -(-len(slots) // self.per_round) if len(slots) else 0
         self._copied: list[Any] = [None] * halves  # events after the GPU copies still reading a half
         if self.rounds:
             self._submit(0)
@@ -385,6 +435,12 @@ class _DiskRead:
         accel = self.scratch.accel
         landing = self.scratch.landing()  # the finishing thread's (a read ahead is submitted on another)
         into_device = bool(dests) and accel.space(dests[0][2]) == DEVICE
+        if self.device_direct and into_device and landing is not None:
+            self._finish_on_device(dests, landing)
+            return
+        if self.device_direct:  # a cold path into host memory (a demotion's copy): through the bounce buffer
+            self.device_direct = False
+            self._start_host()
         if not into_device:
             landing = None  # a read into host memory: straight from the bounce buffer
         cuda = into_device and accel.streams
@@ -413,6 +469,28 @@ class _DiskRead:
                 event.record(accel.current_stream(dests[0][2].device))
                 self._copied[k % len(self.halves)] = event
                 self.owner.fence(event)
+
+    def _finish_on_device(self, dests: Sequence[Dest], landing: torch.Tensor) -> None:
+        """GDS: the engine reads each landing-buffer's worth of slots straight into the device landing buffer
+        (no host memory on the way), the positional sums are checked on the device, then one device copy per
+        destination run. The landing buffer is written from outside the stream, so each piece first waits for
+        the stream's earlier copies out of it."""
+        layout, size, accel = self.layout, self.layout.slot_bytes, self.scratch.accel
+        stream = accel.current_stream(dests[0][2].device)
+        for piece, end, rows in landing_pieces(landing, size, 0, len(self.slots)):
+            stream.synchronize()
+            accel.host_write(rows)  # the engine writes it from outside the stream's order (the stand-in checks)
+            flat = rows.reshape(-1)
+            try:
+                handle, _ = self.tier.read(size, self.slots[piece:end], flat if flat.is_cuda else flat.numpy())
+            except OSError as exc:
+                raise disk_error(exc, self.slot_file.path) from exc
+            self.tier.wait(handle, size)
+            self.slot_file.verify_device(self.slots[piece:end], rows)
+            for first, last, out in dests:
+                a, b = max(first, piece), min(last, end)
+                if a < b:
+                    accel.copy(out[a - first : b - first], layout.blocks_of(rows[a - piece : b - piece]))
 
 
 def disk_error(exc: OSError, path: Path) -> DiskTierError:
