@@ -42,7 +42,7 @@ from tierkv.demo.task import make_example
 CONTEXT = int(env_str("TIERKV_BENCH_SPARSE_CONTEXT", "16384"))
 BLOCK_TOKENS = 128
 BUDGETS = (int(CONTEXT * 0.05) // BLOCK_TOKENS * BLOCK_TOKENS, int(CONTEXT * 0.10) // BLOCK_TOKENS * BLOCK_TOKENS)
-GPU, CPU = "6MiB", "1MiB"
+GPU, CPU = env_str("TIERKV_BENCH_SPARSE_GPU", "6MiB"), "1MiB"
 ROUNDS, STEPS, WARMUP = 6, 3, 2
 DECODE = 48  # sparse steps per cache in the policy comparison
 READ_LINKS = ("device->device", "host->device", "disk->device")

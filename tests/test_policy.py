@@ -1,5 +1,6 @@
 """The contract every registered policy keeps (event hooks, an index, recency), and the registry's error."""
 
+import numpy as np
 import pytest
 
 from tierkv.blocks import Block, Tier
@@ -87,3 +88,41 @@ def test_lru_is_fifo_over_a_cyclic_scan():
 def test_unknown_policy_lists_valid_names():
     with pytest.raises(InvalidConfigError, match="valid policies: attention, lru"):
         make_policy("belady")
+
+
+# ------------------------------------------------------------------ the attention policy's vectorized events
+def test_attention_mass_arrives_as_arrays_and_repeated_ids_add_up():
+    policy = make_policy("attention")
+    blocks = inserted(policy, layers=1, per_layer=3)
+    a, b, c = blocks
+    policy.on_attention(0, 4, np.array([a.id, a.id, b.id, 99]), np.array([0.2, 0.3, 0.1, 0.9]))  # 99: unknown
+    assert policy.score(a) == pytest.approx(0.5) and policy.score(b) == pytest.approx(0.1)
+    assert policy.score(c) == 0.0
+    assert policy.victims(Tier.DEVICE, SLOT, 3) == [c, b, a]  # never attended first, then by ascending score
+
+
+def test_attention_victims_follow_mass_received_after_a_block_was_indexed():
+    """The index keeps the score a block had when it was placed; mass only adds, so a block that gained
+    since must not be offered before one that did not."""
+    policy = make_policy("attention")
+    a, b = inserted(policy, layers=1, per_layer=2)
+    policy.on_attention(0, 0, np.array([a.id, b.id]), np.array([0.1, 0.2]))
+    assert policy.victims(Tier.DEVICE, SLOT, 2) == [a, b]
+    policy.on_attention(0, 1, np.array([a.id]), np.array([1.0]))
+    assert policy.victims(Tier.DEVICE, SLOT, 2) == [b, a]
+    a.tier = Tier.HOST
+    policy.on_move(a, Tier.DEVICE)
+    assert policy.victims(Tier.HOST, SLOT, 2) == [a] and policy.victims(Tier.DEVICE, SLOT, 2) == [b]
+    policy.on_release(b)
+    assert policy.victims(Tier.DEVICE, SLOT, 2) == []
+
+
+def test_attention_promotions_are_ids_hottest_first_within_the_limit():
+    policy = make_policy("attention")
+    blocks = inserted(policy, layers=1, per_layer=4)
+    ids = np.array([b.id for b in blocks])
+    policy.on_attention(0, 0, ids, np.array([0.3, 0.9, 0.01, 0.5]))
+    assert policy.promotions(np.repeat(ids, 2), 2) == [blocks[1].id, blocks[3].id]  # 0.01 is below the bar
+    policy.pin(blocks[1])
+    assert policy.promotions(ids, 5) == [blocks[3].id, blocks[0].id]
+    assert make_policy("lru").promotions(ids, 5) == []

@@ -322,3 +322,113 @@ def test_a_dropped_sparse_cache_is_released_at_once(tmp_path):
         assert alive() is None and not list(tmp_path.iterdir())
     finally:
         gc.enable()
+
+
+# --------------------------------------------------------------------------- blocks kept from earlier steps
+def test_kept_blocks_are_reused_and_a_new_selection_reads_only_what_it_lacks(tmp_path):
+    """Steps keep what they read: the same query again reads only the open tail; another query reads just the
+    blocks no earlier step kept (from disk); the first query's blocks are still kept after it. Every output is
+    exact over its selection, and the store is unchanged."""
+    store, kv = store_with_needles(tmp_path, {0: 5, 1: 10})
+    reserved = store.device.reserved  # the key summaries
+    executor = SparseAttention(store, ThreadMover())
+    budget = SparseBudget(3 * BT, sinks=BT, recent=0)
+    needle = query_for_head(0)
+    other = torch.randn(2, HEADS * GROUPS, 1, DIM, generator=torch.Generator().manual_seed(5))
+    kept: list[set[int]] = [set(), set()]
+
+    def step(q: torch.Tensor) -> dict[str, int]:
+        before = dict(executor.counters.by_tier)
+        out = executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+        columns = executor.last_columns
+        torch.testing.assert_close(out.double(), reference_attention(q, kv, columns, DIM**-0.5), atol=1e-5, rtol=0)
+        new = sum(len(set(row.tolist()) - kept[r] - {COLUMNS - 1}) for r, row in enumerate(columns))
+        for r, row in enumerate(columns):
+            kept[r] |= set(row.tolist()) - {COLUMNS - 1}
+        read = {t: executor.counters.by_tier.get(t, 0) - before.get(t, 0) for t in executor.counters.by_tier}
+        assert read.get("disk", 0) == new and read["device"] == 2  # what was not kept, and each row's tail
+        return read
+
+    assert step(needle)["disk"] == 4  # sink and needle of each row, from disk
+    assert step(needle)["disk"] == 0 and executor.counters.blocks_reused == 4
+    assert executor.last_columns.tolist() == [[0, 5, COLUMNS - 1], [0, 10, COLUMNS - 1]]
+    step(other)
+    assert step(needle)["disk"] == 0  # capacity for two selections: the needles were not evicted
+    store.check()
+    torch.testing.assert_close(store.read_tokens(0), kv)  # nothing dropped, nothing changed
+    assert store.device.reserved >= reserved + executor.kept.reserved > reserved  # kept: in the device budget
+    executor.close()
+    assert store.device.reserved == reserved  # ... and released with the executor
+
+
+def test_a_failed_read_leaves_nothing_stale_kept(tmp_path, monkeypatch):
+    """A read that fails mid-step forgets the positions it was filling: the next step reads them again."""
+    store, kv = store_with_needles(tmp_path, {0: 5, 1: 10})
+    executor = SparseAttention(store, ThreadMover())
+    budget = SparseBudget(3 * BT, sinks=BT, recent=0)
+    q = query_for_head(0)
+    real = store.read_into
+
+    def failing(layer, plan, dest, *args, **kwargs):
+        real(layer, plan, dest, *args, **kwargs)
+        dest.fill_(float("nan"))  # the data landed wrong ...
+        raise OSError("injected")  # ... and the read reports it
+
+    monkeypatch.setattr(store, "read_into", failing)
+    with pytest.raises(OSError, match="injected"):
+        executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+    monkeypatch.setattr(store, "read_into", real)
+    out = executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+    assert executor.counters.blocks_reused == 0 and executor.counters.by_tier["disk"] == 4  # all read again
+    torch.testing.assert_close(out.double(), reference_attention(q, kv, executor.last_columns, DIM**-0.5),
+                               atol=1e-5, rtol=0)
+    executor.close()
+
+
+def test_a_table_edit_forgets_the_kept_blocks(tmp_path):
+    """Crop the needle's block away and append other keys in its place (same position, new content): after the
+    adapter's invalidate, attention sees the new keys, not the kept copy."""
+    store, kv = store_with_needles(tmp_path, {0: 5, 1: 10})
+    executor = SparseAttention(store, ThreadMover())
+    budget = SparseBudget(3 * BT, sinks=BT, recent=0)
+    q = query_for_head(0)
+    executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+    tokens = kv.shape[3]
+    store.crop(0, tokens - 5 * BT)
+    executor.invalidate()
+    replaced = kv.clone()
+    replaced[0, 0, 0, 5 * BT :, 0] = -1.0  # row 0's needle moves from block 5 to block 8
+    replaced[0, 0, 0, 8 * BT : 9 * BT, 0] = 4.0
+    generator = torch.Generator().manual_seed(1)
+    replaced[1, :, :, 5 * BT :] = torch.randn(2, HEADS, tokens - 5 * BT, DIM, generator=generator)
+    replaced[1, 0, :, 5 * BT :, 0] = -1.0
+    replaced[1, 0, 0, 10 * BT : 11 * BT, 0] = 4.0
+    store.append(0, replaced[0, :, :, 5 * BT :], replaced[1, :, :, 5 * BT :])
+    out = executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+    assert executor.last_columns.tolist() == [[0, 8, COLUMNS - 1], [0, 10, COLUMNS - 1]]
+    torch.testing.assert_close(out.double(), reference_attention(q, replaced, executor.last_columns, DIM**-0.5),
+                               atol=1e-5, rtol=0)
+    executor.close()
+
+
+def test_promotion_is_one_batched_write_per_layer_step(tmp_path, monkeypatch):
+    """Both rows' needles turn hot in the same step: they move up together, in one write to the device tier,
+    and read back unchanged."""
+    store, kv = store_with_needles(tmp_path, {0: 5, 1: 5}, policy="attention")
+    executor = SparseAttention(store, ThreadMover())
+    writes: list[int] = []
+    write = store.device.write_from
+
+    def counted(layout, slots, src, scratch):
+        writes.append(len(slots))
+        write(layout, slots, src, scratch)
+
+    monkeypatch.setattr(store.device, "write_from", counted)
+    budget = SparseBudget(3 * BT, sinks=BT, recent=0)
+    executor.attend(0, 0, query_for_head(0), None, DIM**-0.5, None, budget)
+    assert writes == [2] and executor.counters.promotions == 2
+    needles = store.table.rows[0].ids[:, 5]
+    assert needles[0] != needles[1] and all(store.table.blocks[int(i)].tier == Tier.DEVICE for i in needles)
+    store.check()
+    torch.testing.assert_close(store.read_tokens(0), kv)
+    executor.close()

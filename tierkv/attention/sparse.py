@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from tierkv.attention.base import PipelinedExecutor, from_first_token, register_executor
+from tierkv.attention.kept import KeptBlocks
 from tierkv.attention.lse import partial_attention
 from tierkv.errors import InvalidConfigError
 from tierkv.mover import ThreadMover
@@ -110,16 +111,18 @@ class SparseCounters:
     steps: int = 0  # passes through the layers
     blocks_selected: int = 0  # blocks read, over rows and layers
     blocks_total: int = 0  # blocks the same layers hold, over rows
-    bytes_fetched: int = 0  # KV bytes the selected blocks hold (every tier, the device's own included)
+    blocks_reused: int = 0  # ... of which were kept on the device from earlier steps (not read again)
+    bytes_fetched: int = 0  # KV bytes read for the other selected blocks (every tier, the device's own included)
     bytes_fetched_off_device: int = 0  # ... of which came from the host and disk tiers
     promotions: int = 0  # blocks moved up to the device after being attended (policy="attention")
-    by_tier: dict[str, int] = field(default_factory=dict)  # blocks read per source tier
+    by_tier: dict[str, int] = field(default_factory=dict)  # blocks read per source tier (reused ones not)
 
     def as_dict(self) -> dict:
         steps = max(self.steps, 1)
         return {
             "layer_steps": self.layer_steps, "exact_layer_steps": self.exact_layer_steps, "steps": self.steps,
             "blocks_selected": self.blocks_selected, "blocks_total": self.blocks_total,
+            "blocks_reused": self.blocks_reused,
             "selected_fraction": self.blocks_selected / self.blocks_total if self.blocks_total else 0.0,
             "blocks_selected_by_tier": dict(self.by_tier),
             "bytes_fetched": self.bytes_fetched, "bytes_fetched_per_step": self.bytes_fetched / steps,
@@ -150,6 +153,7 @@ class SparseAttention(PipelinedExecutor):
         self._rows_cache: dict[int, tuple[tuple[int, int, int], torch.Tensor]] = {}  # layer -> (key, rows)
         self._left_at: float | None = None  # telemetry: when the previous layer's attention returned
         self.last_columns: np.ndarray | None = None  # the last layer-step's selection [B, K] (grid columns)
+        self.kept = KeptBlocks(store)  # each layer's blocks of earlier steps, on the device
 
     def attend(self, layer: int, start: int, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
                softcap: float | None, budget: SparseBudget) -> torch.Tensor:
@@ -172,11 +176,7 @@ class SparseAttention(PipelinedExecutor):
         self.last_columns = columns
         count = columns.shape[1]
         staging = self._staging(layer, batch, count)
-        plan = store.plan_columns(layer, columns)
-        timings = self._read_now(layer, plan, staging)
-        if self.timeline is not None:
-            self.timeline.add_reads(layer, timings, sync=True)
-        self._count(layer, plan, columns)
+        self._fill(layer, columns, staging)
         keys, values = staging[0, :, :, : count * bt], staging[1, :, :, : count * bt]  # [B, H_kv, K·bt, D]
         bias = _selection_bias(columns, bt, start, stop, mask, query.dtype, query.device)
         out, lse = partial_attention(q, keys, values, bias, scaling, softcap)
@@ -245,29 +245,59 @@ class SparseAttention(PipelinedExecutor):
         score = share.flatten(2).amax(dim=2)  # [B, C]: the most any query head would give the block
         return score.masked_fill(index < 0, math.inf)
 
+    # ---------------------------------------------------------------------------------- reading
+    def _fill(self, layer: int, columns: np.ndarray, staging: torch.Tensor) -> None:
+        """Put the blocks of ``columns`` ``[B, K]`` into ``staging`` in order: those kept from earlier steps by
+        one gather, the others by one read (:mod:`tierkv.attention.kept`); without room to keep, one read."""
+        store = self.store
+        rows = store.table.rows[layer]
+        kept = self.kept.layer(layer, rows.batch, columns.shape[1])
+        if kept is None:
+            plan = store.plan_columns(layer, columns)
+            self._read(layer, plan, staging)
+            self._count(layer, plan, columns, 0)
+            return
+        ids = rows.ids[np.arange(rows.batch)[:, None], columns]  # [B, K]
+        tail = columns == rows.count - 1
+        placed = kept.place(ids, columns, tail, self.counters.layer_steps)
+        plan = store.plan_columns(layer, placed.targets)
+        if plan.parts:
+            self._read(layer, plan, kept.view(store.layouts[layer]))
+        kept.hold(placed, ids, tail)
+        kept.gather(store.layouts[layer], placed.positions, staging)
+        self._count(layer, plan, columns, placed.reused)
+
+    def _read(self, layer: int, plan: ReadPlan, dest: torch.Tensor) -> None:
+        timings = self._read_now(layer, plan, dest)
+        if self.timeline is not None:
+            self.timeline.add_reads(layer, timings, sync=True)
+
     # ---------------------------------------------------------------------------------- promotion
     def _promote(self, layer: int, columns: np.ndarray, mass: torch.Tensor | None, staging: torch.Tensor) -> None:
-        """Tell the policy what was attended; copy the blocks it wants up to the device from staging."""
+        """Tell the policy what was attended; copy the blocks it wants up to the device from staging, in one
+        batched write (no loop over the selected blocks: they are found with one vectorized comparison)."""
         weights = mass.cpu().numpy() if mass is not None else None
         wanted = self.store.attended(layer, columns, weights)
         if not wanted:
             return
         rows = self.store.table.rows[layer]
         ids = rows.ids[np.arange(rows.batch)[:, None], columns]  # [B, K]
-        keep = set(ids.ravel().tolist())
+        first = np.argmax(ids.ravel()[None, :] == np.array([b.id for b in wanted])[:, None], axis=1)  # [n]
+        row, position = np.divmod(first, columns.shape[1])
         bt = self.store.block_tokens
-        for block in wanted:
-            row, position = np.argwhere(ids == block.id)[0]
-            data = staging[:, row, :, position * bt : (position + 1) * bt]  # [2, H_kv, bt, D]
-            self.counters.promotions += self.store.promote(block, data, keep)
+        blocks = staging.unflatten(3, (-1, bt))  # [2, B, H_kv, K, bt, D]
+        index = (torch.from_numpy(row).to(staging.device), torch.from_numpy(position).to(staging.device))
+        data = blocks[:, index[0], :, index[1]]  # [n, 2, H_kv, bt, D]
+        self.counters.promotions += self.store.promote(wanted, data, ids)
 
     # ---------------------------------------------------------------------------------- telemetry
-    def _count(self, layer: int, plan: ReadPlan, columns: np.ndarray) -> None:
+    def _count(self, layer: int, plan: ReadPlan, columns: np.ndarray, reused: int) -> None:
         store, counters = self.store, self.counters
         bt = store.block_tokens
         layout = store.layouts[layer]
         tail_tokens = store.table.tail(layer).tokens
         counters.blocks_selected += columns.size
+        counters.blocks_reused += reused
         counters.blocks_total += store.batch_size(layer) * (-(-store.seq_length(layer) // bt)
                                                            - self.start_of(layer) // bt)
         for part in plan.parts:
@@ -313,12 +343,14 @@ class SparseAttention(PipelinedExecutor):
     # ---------------------------------------------------------------------------------- control
     def invalidate(self) -> None:
         self._rows_cache.clear()
+        self.kept.clear()
 
     def reset(self) -> None:
         self.invalidate()
 
     def drop(self, layer: int) -> None:
         self._rows_cache.pop(layer, None)
+        self.kept.clear(layer)
 
     def wait_all(self) -> None:
         pass  # every read is synchronous: nothing is ever in flight between calls
@@ -331,6 +363,7 @@ class SparseAttention(PipelinedExecutor):
 
     def close(self) -> None:
         self._release()
+        self.kept.release()
 
 
 def _selection_bias(columns: np.ndarray, bt: int, start: int, stop: int, mask: torch.Tensor | None,

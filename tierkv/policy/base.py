@@ -15,7 +15,9 @@ own index, never from a scan of all blocks. Only sparse attention moves blocks *
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable
+
+import numpy as np
 
 from tierkv.blocks import Block, Tier
 from tierkv.errors import InvalidConfigError
@@ -56,14 +58,15 @@ class Policy(ABC):
     def victims(self, tier: Tier, slot_bytes: int, n: int, exclude: Collection[int] = ()) -> list[Block]:
         """Up to ``n`` blocks of ``tier`` and ``slot_bytes`` to demote, best victim first, none in ``exclude``."""
 
-    def on_attention(self, layer: int, tick: int, block_ids: Sequence[int], mass: Sequence[float]) -> None:
-        """Sparse attention read ``block_ids`` of ``layer`` at ``tick``, giving each the softmax ``mass`` (its share
-        of the attention, averaged over heads; a block listed twice was read by two rows). Default: an access."""
-        self.on_access(layer, tick, block_ids)
+    def on_attention(self, layer: int, tick: int, block_ids: np.ndarray, mass: np.ndarray) -> None:
+        """Sparse attention read ``block_ids`` ``[n]`` of ``layer`` at ``tick``, giving each the softmax ``mass``
+        ``[n]`` (its share of the attention, averaged over heads; a block listed twice was read by two rows).
+        Arrays, so a policy can take a layer-step in a few vectorized operations. Default: an access."""
+        self.on_access(layer, tick, np.asarray(block_ids).tolist())
 
-    def promotions(self, blocks: Sequence[Block], limit: int) -> list[Block]:
-        """Of off-device ``blocks`` just attended sparsely, up to ``limit`` to move up to the device, hottest
-        first. Default: none (blocks never move up)."""
+    def promotions(self, block_ids: np.ndarray, limit: int) -> list[int]:
+        """Of off-device blocks ``block_ids`` ``[n]`` just attended sparsely (an id may repeat), the ids of up to
+        ``limit`` to move up to the device, hottest first. Default: none (blocks never move up)."""
         return []
 
     def prefers(self, block: Block, resident: Block) -> bool:

@@ -16,7 +16,7 @@ import collections
 import functools
 import math
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -434,8 +434,9 @@ class KVStore:
         return plan
 
     def plan_columns(self, layer: int, columns: np.ndarray) -> ReadPlan:
-        """A plan for grid columns ``columns`` ``[B, K]`` (each row ascending, its own selection): sparse
-        attention's read, one batched read per tier like any plan. Not cached (selections change every step)."""
+        """A plan for grid columns ``columns`` ``[B, K]`` (each row its own selection; -1: leave that position of
+        the destination alone): sparse attention's read, one batched read per tier like any plan. Not cached
+        (selections change every step)."""
         return build_selection_plan(layer, self.table.rows[layer], columns, self.chain)
 
     def enable_summaries(self) -> KeySummaries:
@@ -461,49 +462,67 @@ class KVStore:
 
     def attended(self, layer: int, columns: np.ndarray, mass: np.ndarray | None) -> list[Block]:
         """Sparse attention read grid ``columns`` ``[B, K]`` of ``layer`` with softmax ``mass`` ``[B, K]`` (None:
-        not measured): tell the policy, and return the off-device blocks it wants promoted (hottest first)."""
+        not measured): tell the policy (arrays: one event per layer-step), and return the off-device blocks it
+        wants promoted (hottest first, at most ``PROMOTE_PER_LAYER``)."""
         rows = self.table.rows[layer]
-        ids = rows.ids[np.arange(rows.batch)[:, None], columns].ravel()
+        picked = (np.arange(rows.batch)[:, None], columns)
+        ids = rows.ids[picked].ravel()
         weights = mass.ravel() if mass is not None else np.ones(ids.shape, dtype=np.float64)
-        self.policy.on_attention(layer, self.tick, ids.tolist(), weights.tolist())
-        off = rows.tiers[np.arange(rows.batch)[:, None], columns].ravel() != Tier.DEVICE
+        self.policy.on_attention(layer, self.tick, ids, weights)
+        off = rows.tiers[picked].ravel() != Tier.DEVICE
         if not off.any():
             return []
-        blocks = [self.table.blocks[i] for i in dict.fromkeys(ids[off].tolist())]
-        return self.policy.promotions(blocks, PROMOTE_PER_LAYER)
+        return [self.table.blocks[i] for i in self.policy.promotions(ids[off], PROMOTE_PER_LAYER)]
 
     @_recovering
-    def promote(self, block: Block, data: torch.Tensor, keep: Collection[int] = ()) -> bool:
-        """Move ``block`` up to the device, writing ``data`` ``[2, H_kv, block_tokens, D]`` (its bytes, already
-        staged on the device by the read that attended it: no second read). Takes a free device slot, or the
-        slot of the device's coldest block when the policy prefers ``block`` to it (that one moves down, nothing
-        is dropped; never one of ``keep``). False when there is no such room."""
-        if block.tier == Tier.DEVICE or block.id in self.writeback.pending_ids:
-            return False
-        layout = self.layouts[block.layer]
-        slot = self.device.alloc(block.slot_bytes)
-        if slot is None:
-            exclude = self.placement.open_tails() | {block.id, *keep}
-            victims = self.policy.victims(Tier.DEVICE, block.slot_bytes, 1, exclude)
-            if not victims or not self.policy.prefers(block, victims[0]):
-                return False
-            try:
-                self.placement.demote(victims)
-            except TierKVError:  # no room below (a full disk): a promotion is optional, the cache is consistent
-                return False
-            slot = self.device.alloc(block.slot_bytes)
+    def promote(self, blocks: list[Block], data: torch.Tensor, keep: np.ndarray) -> int:
+        """Move ``blocks`` (off-device, one layer) up to the device, writing ``data`` ``[n, 2, H_kv, block_tokens,
+        D]`` (their bytes, already staged on the device by the read that attended them: no second read) with one
+        batched write. Each takes a free device slot, or the slot of one of the device's coldest blocks that the
+        policy likes less (those move down in one demotion, nothing is dropped; never one of ``keep``, the ids
+        just attended). Returns how many moved; a promotion is optional, so no room is not an error."""
+        chosen = [i for i, b in enumerate(blocks) if b.tier != Tier.DEVICE and b.id not in self.writeback.pending_ids]
+        if not chosen:
+            return 0
+        slot_bytes = blocks[chosen[0]].slot_bytes
+        slots = self._device_slots(slot_bytes, len(chosen))
+        if len(slots) < len(chosen):
+            exclude = self.placement.open_tails() | set(keep.ravel().tolist()) | {blocks[i].id for i in chosen}
+            victims = self.policy.victims(Tier.DEVICE, slot_bytes, len(chosen) - len(slots), exclude)
+            hot = chosen[len(slots):]  # blocks come hottest first, victims coldest first
+            pairs = [(i, v) for i, v in zip(hot, victims) if self.policy.prefers(blocks[i], v)]
+            if pairs:
+                try:
+                    self.placement.demote([v for _, v in pairs])
+                except TierKVError:  # no room below (a full disk): the cache is consistent, nothing moves up
+                    pairs = []
+                slots += self._device_slots(slot_bytes, len(pairs))
+        chosen = chosen[: len(slots)]
+        if not chosen:
+            return 0
+        layout = self.layouts[blocks[chosen[0]].layer]
+        self.barrier()  # the old slots are freed below: no read of them may be in flight
+        self.device.write_from(layout, np.asarray(slots, dtype=np.int64), data[chosen], self.transfer.scratch)
+        with deferred_interrupts():  # table edits, at most PROMOTE_PER_LAYER (a failure above: recover frees slots)
+            for i, slot in zip(chosen, slots):
+                block = blocks[i]
+                source = block.tier
+                self.tiers[source].free(block.slot_bytes, block.slot)
+                self.table.place(block, Tier.DEVICE, slot)
+                self.policy.on_move(block, source)
+            self.promoted += len(chosen)
+        self.transfer.count(link(Tier.DEVICE, Tier.DEVICE), sum(blocks[i].tokens for i in chosen) * layout.token_bytes)
+        return len(chosen)
+
+    def _device_slots(self, slot_bytes: int, n: int) -> list[int]:
+        """Up to ``n`` free device slots, allocated (fewer when the device is full)."""
+        slots: list[int] = []
+        while len(slots) < n:
+            slot = self.device.alloc(slot_bytes)
             if slot is None:
-                return False
-        self.barrier()  # the old slot is freed below: no read of it may be in flight
-        self.device.block(layout, slot).copy_(data)
-        source = block.tier
-        with deferred_interrupts():
-            self.tiers[source].free(block.slot_bytes, block.slot)
-            self.table.place(block, Tier.DEVICE, slot)
-            self.policy.on_move(block, source)
-            self.promoted += 1
-        self.transfer.count(link(Tier.DEVICE, Tier.DEVICE), block.tokens * layout.token_bytes)
-        return True
+                break
+            slots.append(slot)
+        return slots
 
     def read_into(self, layer: int, plan: ReadPlan, dest: torch.Tensor, probe: ReadProbe | None = None,
                   ahead: PendingRead | None = None) -> None:

@@ -86,12 +86,16 @@ def build_plan(layer: int, rows: LayerRows, first: int, stop: int, chain: tuple[
 
 
 def build_selection_plan(layer: int, rows: LayerRows, columns: np.ndarray, chain: tuple[Tier, ...]) -> ReadPlan:
-    """The plan for a different set of grid columns per row (sparse attention): ``columns`` ``[B, K]``, each row
-    ascending; plan column ``j`` of row ``r`` is grid column ``columns[r, j]``. ``first`` is then row 0's first
-    selected column (the plan is not a range: it is never cached, nor read ahead)."""
+    """The plan for a different set of grid columns per row (sparse attention): ``columns`` ``[B, K]``; plan
+    column ``j`` of row ``r`` is grid column ``columns[r, j]``, or nothing where it is -1 (that part of the
+    destination is left as it is: sparse attention keeps blocks of earlier steps there). ``first`` is then
+    row 0's first column (the plan is not a range: it is never cached, nor read ahead)."""
     batch, count = columns.shape
-    picked = (np.arange(batch)[:, None], columns)
+    skip = columns < 0
+    picked = (np.arange(batch)[:, None], np.where(skip, 0, columns))
     tiers, slots = rows.tiers[picked].ravel(), rows.slots[picked].ravel()
+    if skip.any():
+        tiers = np.where(skip.ravel(), -1, tiers)  # no tier: not read
     last = (columns == rows.count - 1).ravel()
     return ReadPlan(layer, int(columns[0, 0]) if count else 0, count, _parts(tiers, slots, last, count, chain))
 
