@@ -265,6 +265,7 @@ class SparseAttention(PipelinedExecutor):
             self._read(layer, plan, kept.view(store.layouts[layer]))
         kept.hold(placed, ids, tail)
         kept.gather(store.layouts[layer], placed.positions, staging)
+        store.count_reused(layer, placed.reused)
         self._count(layer, plan, columns, placed.reused)
 
     def _read(self, layer: int, plan: ReadPlan, dest: torch.Tensor) -> None:

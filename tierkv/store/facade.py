@@ -474,6 +474,12 @@ class KVStore:
             return []
         return [self.table.blocks[i] for i in self.policy.promotions(ids[off], PROMOTE_PER_LAYER)]
 
+    def count_reused(self, layer: int, blocks: int) -> None:
+        """Sparse attention copied ``blocks`` full blocks that it keeps on the device into its staging: counted
+        as a device gather (``bytes_moved["device->device"]``), like the blocks it reads from the device tier."""
+        nbytes = blocks * self.block_tokens * self.layouts[layer].token_bytes
+        self.transfer.count(link(Tier.DEVICE, Tier.DEVICE), nbytes)
+
     @_recovering
     def promote(self, blocks: list[Block], data: torch.Tensor, keep: np.ndarray) -> int:
         """Move ``blocks`` (off-device, one layer) up to the device, writing ``data`` ``[n, 2, H_kv, block_tokens,
