@@ -5,7 +5,7 @@ attention-aware policy against LRU.
 
 The model is the shipped demo model (tierkv/demo: a trained 3-layer Llama, 2 KV heads x 32, fp32: 512 B of
 K/V per token per layer), so attention has real, trained retrieval patterns; the prompt is a passkey
-retrieval example of CONTEXT tokens (default 16K; ``TIERKV_BENCH_SPARSE_CONTEXT``). Budgets: 8 MiB device
+retrieval example of CONTEXT tokens (default 16K; ``TIERKV_BENCH_SPARSE_CONTEXT``). Budgets: 7 MiB device
 (``TIERKV_BENCH_SPARSE_GPU``; streaming's two 4K-token chunks take 4 MiB, the sparse selection, the blocks each
 layer keeps from its recent sparse steps and the key summaries most of the rest), 1 MiB host, the rest (~90% of
 the 24 MiB of KV) on disk under ``TIERKV_BENCH_DIR``, read with the disk engine (O_DIRECT).
@@ -44,7 +44,7 @@ from tierkv.demo.task import make_example
 CONTEXT = int(env_str("TIERKV_BENCH_SPARSE_CONTEXT", "16384"))
 BLOCK_TOKENS = 128
 BUDGETS = (int(CONTEXT * 0.05) // BLOCK_TOKENS * BLOCK_TOKENS, int(CONTEXT * 0.10) // BLOCK_TOKENS * BLOCK_TOKENS)
-GPU, CPU = env_str("TIERKV_BENCH_SPARSE_GPU", "8MiB"), "1MiB"
+GPU, CPU = env_str("TIERKV_BENCH_SPARSE_GPU", "7MiB"), "1MiB"
 ROUNDS, STEPS, WARMUP = 6, 3, 2
 DECODE = 48  # sparse steps per cache in the policy comparison
 READ_LINKS = ("device->device", "host->device", "disk->device")

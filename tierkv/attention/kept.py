@@ -21,8 +21,9 @@ for another one.
 
 Memory: a layer keeps :data:`KEEP_FACTOR` times its selection's blocks (the previous selection and the blocks
 that recently left it), or only its selection's, or nothing, whichever fits in the :data:`KEEP_SHARE` of the
-device budget that all kept layers may take together; a layer that is not kept reads its whole selection every
-step (the behaviour without this module).
+device budget that all kept layers may take together and still leaves the device room for every layer's open
+tail (``tierkv.staging.device_minimum``); a layer that is not kept reads its whole selection every step (the
+behaviour without this module).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from tierkv.errors import BudgetTooSmallError
 from tierkv.layout import BlockLayout
+from tierkv.staging import device_minimum, open_tail_bytes
 from tierkv.store import KVStore
 
 KEEP_FACTOR = 2  # a kept layer holds up to this many times its selection's blocks
@@ -141,12 +143,14 @@ class KeptBlocks:
         if self.refused.get(layer) == batch:
             return None  # it did not fit (a larger selection would not either)
         self._drop(layer)
-        layout = self.store.layouts[layer]
-        block_bytes = batch * self.store.block_tokens * layout.token_bytes
-        share = int(self.store.device.budget * KEEP_SHARE) - self.reserved
+        store = self.store
+        layout = store.layouts[layer]
+        block_bytes = batch * store.block_tokens * layout.token_bytes
+        share = int(store.device.budget * KEEP_SHARE) - self.reserved
+        tails = open_tail_bytes(len(store.layouts), batch, layout.slot_bytes)  # must stay possible beside it
         for capacity in (KEEP_FACTOR * count, count):
             nbytes = capacity * block_bytes
-            if nbytes > share:
+            if nbytes > share or device_minimum(store.device.reserved + nbytes, tails) > store.device.budget:
                 continue
             try:
                 self.store.reserve_device(nbytes)
