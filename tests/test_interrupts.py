@@ -22,12 +22,16 @@ from collections.abc import Callable
 from pathlib import Path
 from types import CodeType
 
+import numpy as np
 import torch
 from helpers import kv, make_store
 
 import tierkv
 from tierkv.blocks import Tier
+from tierkv.layout import BlockLayout
 from tierkv.policy.lru import LRUPolicy
+from tierkv.tiers.base import Scratch
+from tierkv.tiers.disk import BounceBuffer, DiskTier
 
 PACKAGE = Path(tierkv.__file__).parent
 TRACED = tuple(str(PACKAGE / name) for name in ("store/", "tiers/", "policy/", "persist/", "blocks.py", "atomic.py"))
@@ -461,3 +465,45 @@ def test_save_load_and_load_prefix(tmp_path):
         store.close()
 
     interrupt_everywhere(prefix_setup, prefix, prefix_check, runs=FILE_RUNS)
+
+
+class _Watched:
+    """An engine handle that records whether anyone waited for it."""
+
+    def __init__(self, handle) -> None:
+        self.handle, self.waited = handle, False
+
+    def wait(self) -> None:
+        self.waited = True
+        self.handle.wait()
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+
+def test_ctrl_c_inside_the_engines_write_submit_loses_no_handle(tmp_path):
+    """A SIGINT that lands inside the disk engine's submit (its writes already queued, the handle not yet
+    returned) is delivered only once the handle is held, and the write is waited for before the interrupt
+    propagates: the caller frees those slots, so no queued write of ours may land in them later."""
+    layout = BlockLayout(2, 8, 4, torch.float32)
+    tier = DiskTier(tmp_path, budget=16 * layout.slot_bytes, extent_bytes=16 * layout.slot_bytes)
+    slots = np.array([tier.alloc(layout.slot_bytes) for _ in range(4)], dtype=np.int64)
+    file = tier.files[layout.slot_bytes].file
+    submit, watched = file.submit_writes, []
+
+    def interrupted_submit(requests):
+        watched.append(_Watched(submit(requests)))
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C arrives after the writes were queued
+        return watched[-1]
+
+    file.submit_writes = interrupted_submit
+    data = torch.randn(4, *layout.shape)
+    try:
+        tier.write_from(layout, slots, data, Scratch(BounceBuffer))
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the SIGINT was never delivered")
+    assert watched and all(handle.waited for handle in watched)
+    del file.submit_writes
+    tier.close()

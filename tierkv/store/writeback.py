@@ -153,8 +153,10 @@ class Writeback:
             staged = torch.from_numpy(bounce).view(len(blocks), slot_bytes)
             host_slots = np.asarray([block.slot for block in blocks], dtype=np.int64)
             self.host.pools[slot_bytes].gather(SlotBytes(slot_bytes), host_slots, [(0, len(blocks), staged)])
-            handle = self.disk.write(slot_bytes, slots, bounce)
-            with deferred_interrupts():  # from here reap() owns the slots and the blocks are out of the victims
+            # submitted and recorded in one section: a Ctrl-C mid-submit would lose the handle of queued writes,
+            # and from the end of it reap() owns the slots and the blocks are out of the victims
+            with deferred_interrupts():
+                handle = self.disk.write(slot_bytes, slots, bounce)
                 self.pending = PendingWrite(blocks, slots, host_slots.tolist(), slot_bytes, handle)
                 for block in blocks:
                     self.policy.pin(block)

@@ -346,11 +346,18 @@ class DiskTier:
             hi = min(len(slots), lo + per_round)
             bounce = scratch.bounce((hi - lo) * slot_bytes, "write")
             layout.blocks_of(torch.from_numpy(bounce).view(hi - lo, slot_bytes)).copy_(src[lo:hi])
+            handle: IOHandle | None = None
             try:
-                handle = self.write(slot_bytes, slots[lo:hi], bounce)
+                with deferred_interrupts():  # a Ctrl-C mid-submit must not lose the handle of queued writes
+                    handle = self.write(slot_bytes, slots[lo:hi], bounce)
+                self.wait(handle, slot_bytes)
             except OSError as exc:
                 raise disk_error(exc, self.files[slot_bytes].path) from exc
-            self.wait(handle, slot_bytes)
+            except BaseException:
+                if handle is not None:  # the caller frees these slots: no write of ours may land in them later
+                    with contextlib.suppress(Exception):
+                        handle.wait()
+                raise
 
     def wait(self, handle: IOHandle, slot_bytes: int) -> None:
         """Wait for ``handle``; an OS failure becomes a :class:`DiskTierError` that names the file."""
