@@ -288,6 +288,14 @@ class _Counter:
         self._hook.remove()
 
 
+
+def _persist(model, ids: torch.Tensor, tmp_path):
+    """A cold process: prefill ``ids`` with persistence on and generate; returns its output."""
+    with _cache(model, tmp_path) as cold:
+        cold.load_prefix(model, ids)
+        return _generate(model, ids, cold)
+
+
 def _assert_same(ref, out) -> None:
     assert torch.equal(ref.sequences, out.sequences)
     for a, b in zip(ref.logits, out.logits):
@@ -317,9 +325,7 @@ def test_a_later_cache_reuses_the_prefix_and_computes_only_the_tail(family, attn
 def test_at_least_one_token_is_left_to_compute(tmp_path):
     model = tiny_model("llama")
     ids, _ = prompt(1, 6 * BT, seed=4)  # a whole number of blocks
-    with _cache(model, tmp_path) as cold:
-        cold.load_prefix(model, ids)
-        reference = _generate(model, ids, cold)
+    reference = _persist(model, ids, tmp_path)
     with _cache(model, tmp_path) as warm:
         assert warm.load_prefix(model, ids) == 5 * BT  # the sixth block holds the last token: computed again
         _assert_same(reference, _generate(model, ids, warm))
@@ -330,9 +336,7 @@ def test_at_least_one_token_is_left_to_compute(tmp_path):
 def test_a_shared_prefix_with_another_suffix(tmp_path):
     model = tiny_model("llama")
     ids, _ = prompt(1, PROMPT, seed=5)
-    with _cache(model, tmp_path) as cold:
-        cold.load_prefix(model, ids)
-        _generate(model, ids, cold)
+    _persist(model, ids, tmp_path)
     other = ids.clone()
     other[0, 10:] = (other[0, 10:] + 1) % 120 + 2  # shares tokens 0..9: blocks 0 and 1
     reference = _generate(model, other, DynamicCache(config=model.config))
@@ -344,9 +348,7 @@ def test_a_shared_prefix_with_another_suffix(tmp_path):
 def test_another_model_dtype_layout_or_attention_never_matches(tmp_path):
     model = tiny_model("llama")
     ids, _ = prompt(1, PROMPT, seed=6)
-    with _cache(model, tmp_path) as cold:
-        cold.load_prefix(model, ids)
-        _generate(model, ids, cold)
+    _persist(model, ids, tmp_path)
     half = tiny_model.__wrapped__("llama").to(torch.bfloat16)
     for other in (tiny_model("qwen2"), tiny_model("llama", attn="eager"), tiny_model("llama", layers=3), half):
         with _cache(other, tmp_path) as cache:
@@ -362,9 +364,7 @@ def test_models_that_differ_in_one_weight_element_never_share_blocks(tmp_path, m
     model object and again after an in-place change, or with ``cached=False`` after a write through ``.data``."""
     model = tiny_model.__wrapped__("llama")
     ids, _ = prompt(1, PROMPT, seed=6)
-    with _cache(model, tmp_path) as cold:
-        cold.load_prefix(model, ids)
-        _generate(model, ids, cold)
+    _persist(model, ids, tmp_path)
     with _cache(model, tmp_path) as warm:
         assert warm.load_prefix(model, ids) == PROMPT // BT * BT  # the original's own blocks are found
     other = tiny_model.__wrapped__("llama")
@@ -429,9 +429,7 @@ def test_a_conversation_persists_its_generated_tokens_on_the_next_turn(tmp_path)
 def test_a_corrupt_persisted_block_is_recomputed(tmp_path, caplog):
     model = tiny_model("llama")
     ids, _ = prompt(1, PROMPT, seed=10)
-    with _cache(model, tmp_path) as cold:
-        cold.load_prefix(model, ids)
-        reference = _generate(model, ids, cold)
+    reference = _persist(model, ids, tmp_path)
     store = PersistentStore(tmp_path, 1 << 30)
     keys = block_keys(Namespace.of_model(model, BT).root, ids[0].tolist(), BT)
     path = store._path(keys[3])
