@@ -125,12 +125,10 @@ def check_policy(store) -> None:
     policy = store.policy
     assert isinstance(policy, LRUPolicy)
     indexed = {}
-    for (tier, slot_bytes), layers in policy._index.items():
-        for layer, held in layers.items():
-            for block_id, block in held.items():
-                assert block_id not in indexed, f"block {block_id} indexed twice"
-                assert (block.tier, block.slot_bytes, block.layer) == (tier, slot_bytes, layer), block
-                indexed[block_id] = block
+    for tier, slot_bytes, layer, block in policy.indexed():
+        assert block.id not in indexed, f"block {block.id} indexed twice"
+        assert (block.tier, block.slot_bytes, block.layer) == (tier, slot_bytes, layer), block
+        indexed[block.id] = block
     live = store.table.blocks
     for block_id, block in indexed.items():
         assert live.get(block_id) is block, f"dead block {block_id} still indexed by the policy"

@@ -85,6 +85,19 @@ def test_lru_is_fifo_over_a_cyclic_scan():
     assert len(blocks) == 6
 
 
+def test_lru_takes_a_layer_steps_reads_as_one_array_and_orders_by_last_read():
+    """Sparse attention names the blocks it read as an array (one vectorized event); a block read on its own
+    goes after every block read or inserted before that, and before those inserted after it."""
+    policy = make_policy("lru")
+    blocks = inserted(policy, layers=1, per_layer=4)  # ticks 0..3
+    policy.on_access(0, tick=5, block_ids=np.array([blocks[0].id, blocks[2].id, 999]))  # 999: never inserted
+    late = Block(4, 0, Tier.DEVICE, 4, SLOT, tokens=4, index=4)
+    policy.on_insert(late, tick=7)
+    assert [b.id for b in policy.victims(Tier.DEVICE, SLOT, 5)] == [1, 3, 0, 2, 4]
+    policy.on_access(0, tick=8, block_ids=np.array([blocks[1].id]))
+    assert [b.id for b in policy.victims(Tier.DEVICE, SLOT, 5, exclude={3})] == [0, 2, 4, 1]
+
+
 def test_unknown_policy_lists_valid_names():
     with pytest.raises(InvalidConfigError, match="valid policies: attention, lru"):
         make_policy("belady")

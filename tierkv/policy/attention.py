@@ -87,7 +87,7 @@ class AttentionPolicy(Policy):
                 self._place(block)
         massless = ids[live & ~(weights > 0.0) & np.isneginf(self._log_s[ids])]
         if massless.size:
-            self._lru.on_access(layer, tick, massless.tolist())
+            self._lru.on_access(layer, tick, massless)
 
     def on_release(self, block: Block) -> None:
         self._blocks.pop(block.id, None)

@@ -62,7 +62,7 @@ class Policy(ABC):
         """Sparse attention read ``block_ids`` ``[n]`` of ``layer`` at ``tick``, giving each the softmax ``mass``
         ``[n]`` (its share of the attention, averaged over heads; a block listed twice was read by two rows).
         Arrays, so a policy can take a layer-step in a few vectorized operations. Default: an access."""
-        self.on_access(layer, tick, np.asarray(block_ids).tolist())
+        self.on_access(layer, tick, np.asarray(block_ids))
 
     def promotions(self, block_ids: np.ndarray, limit: int) -> list[int]:
         """Of off-device blocks ``block_ids`` ``[n]`` just attended sparsely (an id may repeat), the ids of up to
