@@ -46,6 +46,8 @@ import torch
 from tierkv.attention.base import PipelinedExecutor, from_first_token, register_executor
 from tierkv.attention.kept import KeptBlocks
 from tierkv.attention.lse import partial_attention
+from tierkv.attention.speculation import Speculation, SpeculationCounters
+from tierkv.blocks import Tier
 from tierkv.errors import InvalidConfigError
 from tierkv.mover import ThreadMover
 from tierkv.staging import GROWTH
@@ -116,6 +118,7 @@ class SparseCounters:
     bytes_fetched_off_device: int = 0  # ... of which came from the host and disk tiers
     promotions: int = 0  # blocks moved up to the device after being attended (policy="attention")
     by_tier: dict[str, int] = field(default_factory=dict)  # blocks read per source tier (reused ones not)
+    speculation: SpeculationCounters = field(default_factory=SpeculationCounters)  # disk reads ahead of need
 
     def as_dict(self) -> dict:
         steps = max(self.steps, 1)
@@ -128,7 +131,7 @@ class SparseCounters:
             "bytes_fetched": self.bytes_fetched, "bytes_fetched_per_step": self.bytes_fetched / steps,
             "bytes_fetched_off_device": self.bytes_fetched_off_device,
             "bytes_fetched_off_device_per_step": self.bytes_fetched_off_device / steps,
-            "promotions": self.promotions,
+            "promotions": self.promotions, "speculation": self.speculation.as_dict(),
         }
 
 
@@ -138,11 +141,15 @@ class SparseAttention(PipelinedExecutor):
 
     Staging: one buffer ``[2, B, H_kv, capacity, D]`` of the selected blocks (capacity: the budget in whole
     blocks, grown by 25% steps when a fractional budget grows with the context), reserved against the device
-    budget. The selection needs this layer's query, so nothing is prefetched: the read is synchronous, its disk
-    part submitted first and overlapped with the memory tiers' copies.
+    budget. The selection needs this layer's query, so the read of what it selects is synchronous (its disk part
+    submitted first and overlapped with the memory tiers' copies); what the next layer is likely to select is
+    read from disk speculatively while this one attends (:mod:`tierkv.attention.speculation`), and the blocks
+    each layer keeps from its recent steps are not read at all (:mod:`tierkv.attention.kept`).
     """
 
     name = "sparse"
+    speculate = True  # read the next layer's likely selection from disk while a layer attends
+    speculate_runners = 0  # best-scored unselected blocks a guess adds per row (0: the previous selection only)
 
     def __init__(self, store: KVStore, mover: ThreadMover, *, start_of: Callable[[int], int] = from_first_token,
                  num_layers: int | None = None, timeline: Timeline | None = None, trace: Trace | None = None) -> None:
@@ -154,6 +161,8 @@ class SparseAttention(PipelinedExecutor):
         self._left_at: float | None = None  # telemetry: when the previous layer's attention returned
         self.last_columns: np.ndarray | None = None  # the last layer-step's selection [B, K] (grid columns)
         self.kept = KeptBlocks(store)  # each layer's blocks of earlier steps, on the device
+        self.speculation = Speculation(store, self.counters.speculation, self.speculate_runners)
+        self._ranked: tuple[int, int, torch.Tensor] | None = None  # (layer, lo, score [B, C]) of the last scoring
 
     def attend(self, layer: int, start: int, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
                softcap: float | None, budget: SparseBudget) -> torch.Tensor:
@@ -168,17 +177,23 @@ class SparseAttention(PipelinedExecutor):
         store = self.store
         summaries = store.enable_summaries()
         self._begin_layer(layer)
+        self._speculate_after(layer)
         stop = store.seq_length(layer)
         layout = store.layouts[layer]
         bt = store.block_tokens
         q = query.view(batch, layout.kv_heads, heads // layout.kv_heads, 1, dim)  # [B, H_kv, G, 1, D]
         columns = self._select(layer, start, stop, q, budget, summaries, scaling, softcap)  # [B, K] ascending
         self.last_columns = columns
+        self.speculation.remember(layer, columns, self._runners_up(layer, columns))
         count = columns.shape[1]
         staging = self._staging(layer, batch, count)
         self._fill(layer, columns, staging)
-        keys, values = staging[0, :, :, : count * bt], staging[1, :, :, : count * bt]  # [B, H_kv, K·bt, D]
-        bias = _selection_bias(columns, bt, start, stop, mask, query.dtype, query.device)
+        tokens = _attended_prefix(columns, bt, start, stop, mask)
+        bias = None
+        if tokens is None:  # a mask, or a first block partly before ``start``: mask the selection's tokens
+            tokens = count * bt
+            bias = _selection_bias(columns, bt, start, stop, mask, query.dtype, query.device)
+        keys, values = staging[0, :, :, :tokens], staging[1, :, :, :tokens]  # [B, H_kv, <= K·bt, D]
         out, lse = partial_attention(q, keys, values, bias, scaling, softcap)
         mass = None
         if getattr(store.policy, "wants_mass", False):
@@ -214,6 +229,7 @@ class SparseAttention(PipelinedExecutor):
             chosen = np.empty((rows.batch, 0), dtype=np.int64)
         else:
             score = self._scores(layer, rows, lo, hi, q, summaries, scaling, softcap)  # [B, C]
+            self._ranked = (layer, lo, score)
             chosen = score.topk(top, dim=1).indices.sort(dim=1).values.cpu().numpy() + lo
         batch = rows.batch
         return np.concatenate((np.broadcast_to(head, (batch, head.size)), chosen,
@@ -233,16 +249,18 @@ class SparseAttention(PipelinedExecutor):
             self._rows_cache[layer] = (key, index)
         if table is None:
             return torch.zeros(index.shape, device=q.device)
-        summary = table[index.clamp_min(0)].float()  # [B, C, 3, H_kv, D]: min, max, mean
+        batch, columns = index.shape
+        summary = table[index.clamp_min(0)]  # [B, C, 3, H_kv, D]: min, max, mean
+        stacked = summary.permute(0, 3, 2, 4, 1).reshape(batch, summary.shape[3], -1, columns).float()
         query = q[:, :, :, 0].float()  # [B, H_kv, G, D]
-        bound = torch.einsum("bhgd,bchd->bchg", query.clamp_min(0), summary[:, :, 1]) + \
-            torch.einsum("bhgd,bchd->bchg", query.clamp_max(0), summary[:, :, 0])  # [B, C, H_kv, G]
-        mean = torch.einsum("bhgd,bchd->bchg", query, summary[:, :, 2])  # [B, C, H_kv, G]
-        logits = (bound + mean) * (0.5 * scaling)
+        # bound + mean = q⁻·min + q⁺·max + q·mean: one matmul over the three stacked (einsum's overhead, three
+        # times per layer, was most of the scoring's cost)
+        logits = torch.matmul(torch.cat((query.clamp_max(0), query.clamp_min(0), query), dim=-1), stacked)
+        logits = logits * (0.5 * scaling)  # [B, H_kv, G, C] (stacked: [B, H_kv, 3D, C])
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
-        share = torch.softmax(logits, dim=1)  # [B, C, H_kv, G]: each head's estimated attention share
-        score = share.flatten(2).amax(dim=2)  # [B, C]: the most any query head would give the block
+        share = torch.softmax(logits, dim=-1)  # each head's estimated attention share
+        score = share.flatten(1, 2).amax(dim=1)  # [B, C]: the most any query head would give the block
         return score.masked_fill(index < 0, math.inf)
 
     # ---------------------------------------------------------------------------------- reading
@@ -253,20 +271,61 @@ class SparseAttention(PipelinedExecutor):
         rows = store.table.rows[layer]
         kept = self.kept.layer(layer, rows.batch, columns.shape[1])
         if kept is None:
-            plan = store.plan_columns(layer, columns)
-            self._read(layer, plan, staging)
-            self._count(layer, plan, columns, 0)
+            plan, hits = self._read_selection(layer, rows, columns, staging)
+            self._count(layer, plan, columns, 0, hits)
             return
         ids = rows.ids[np.arange(rows.batch)[:, None], columns]  # [B, K]
         tail = columns == rows.count - 1
         placed = kept.place(ids, columns, tail, self.counters.layer_steps)
-        plan = store.plan_columns(layer, placed.targets)
-        if plan.parts:
-            self._read(layer, plan, kept.view(store.layouts[layer]))
+        plan, hits = self._read_selection(layer, rows, placed.targets, kept.view(store.layouts[layer]))
         kept.hold(placed, ids, tail)
         kept.gather(store.layouts[layer], placed.positions, staging)
         store.count_reused(layer, placed.reused)
-        self._count(layer, plan, columns, placed.reused)
+        self._count(layer, plan, columns, placed.reused, hits)
+
+    def _read_selection(self, layer: int, rows, targets: np.ndarray, dest: torch.Tensor) -> tuple[ReadPlan, int]:
+        """Read grid columns ``targets`` ``[B, P]`` (-1: none) into ``dest``'s positions: the blocks a speculation
+        holds out of its buffer, the others with one ReadPlan. Returns the plan and the speculated hits."""
+        store = self.store
+        claim = self.speculation.claim(layer, rows, targets)
+        plan = store.plan_columns(layer, targets if claim is None else np.where(claim.hits, -1, targets))
+        if plan.parts:
+            self._read(layer, plan, dest)
+        if claim is None:
+            return plan, 0
+        if not self.speculation.land(claim, dest):  # the speculative read failed: read them the ordinary way
+            self._read(layer, store.plan_columns(layer, np.where(claim.hits, targets, -1)), dest)
+        return plan, int(np.count_nonzero(claim.hits))
+
+    # ---------------------------------------------------------------------------------- speculation
+    def _speculate_after(self, layer: int) -> None:
+        """Layer ``layer`` starts attending: submit the disk read of the next layer's likely selection (after the
+        last layer, layer 0's, for the next step)."""
+        if not self.speculate:
+            return
+        following = layer + 1
+        if following >= self.num_layers:
+            if not self.layers_known:
+                return
+            following = 0
+        kept = self.kept.layers.get(following)
+        self.speculation.launch(following, kept.ids if kept is not None else None)
+
+    def _runners_up(self, layer: int, columns: np.ndarray) -> np.ndarray | None:
+        """The ``speculate_runners`` best-scored candidates of this layer-step that it did not select ``[B, r]``
+        (grid columns), from the scores it just computed; None without scores or runners."""
+        ranked, self._ranked = self._ranked, None
+        if not self.speculate_runners or ranked is None or ranked[0] != layer:
+            return None
+        _, lo, score = ranked
+        rest = score.float().cpu().numpy().copy()  # [B, C]
+        candidate = np.asarray(columns) - lo
+        row, position = np.nonzero((candidate >= 0) & (candidate < rest.shape[1]))
+        rest[row, candidate[row, position]] = -np.inf  # the selected ones out
+        count = min(self.speculate_runners, rest.shape[1] - int(np.bincount(row, minlength=rest.shape[0]).max()))
+        if count <= 0:
+            return None
+        return np.argpartition(-rest, count - 1, axis=1)[:, :count] + lo
 
     def _read(self, layer: int, plan: ReadPlan, dest: torch.Tensor) -> None:
         timings = self._read_now(layer, plan, dest)
@@ -292,13 +351,18 @@ class SparseAttention(PipelinedExecutor):
         self.counters.promotions += self.store.promote(wanted, data, ids)
 
     # ---------------------------------------------------------------------------------- telemetry
-    def _count(self, layer: int, plan: ReadPlan, columns: np.ndarray, reused: int) -> None:
+    def _count(self, layer: int, plan: ReadPlan, columns: np.ndarray, reused: int, speculated: int) -> None:
         store, counters = self.store, self.counters
         bt = store.block_tokens
         layout = store.layouts[layer]
         tail_tokens = store.table.tail(layer).tokens
         counters.blocks_selected += columns.size
         counters.blocks_reused += reused
+        if speculated:  # full disk blocks read ahead (their bytes counted in bytes_moved when submitted)
+            nbytes = speculated * bt * layout.token_bytes
+            counters.bytes_fetched += nbytes
+            counters.bytes_fetched_off_device += nbytes
+            counters.by_tier[Tier.DISK.label] = counters.by_tier.get(Tier.DISK.label, 0) + speculated
         counters.blocks_total += store.batch_size(layer) * (-(-store.seq_length(layer) // bt)
                                                            - self.start_of(layer) // bt)
         for part in plan.parts:
@@ -345,6 +409,7 @@ class SparseAttention(PipelinedExecutor):
     def invalidate(self) -> None:
         self._rows_cache.clear()
         self.kept.clear()
+        self.speculation.drop()
 
     def reset(self) -> None:
         self.invalidate()
@@ -352,9 +417,10 @@ class SparseAttention(PipelinedExecutor):
     def drop(self, layer: int) -> None:
         self._rows_cache.pop(layer, None)
         self.kept.clear(layer)
+        self.speculation.forget(layer)
 
     def wait_all(self) -> None:
-        pass  # every read is synchronous: nothing is ever in flight between calls
+        self.speculation.settle()  # speculative reads are the only ones in flight between calls
 
     def pause_telemetry(self) -> None:
         if self.timeline is not None:
@@ -363,8 +429,23 @@ class SparseAttention(PipelinedExecutor):
         self.last_layer = -1
 
     def close(self) -> None:
+        self.speculation.drop()
         self._release()
         self.kept.release()
+
+
+def _attended_prefix(columns: np.ndarray, bt: int, start: int, stop: int, mask: torch.Tensor | None) -> int | None:
+    """How many leading tokens of the staged selection are attended when no bias is needed, else None.
+
+    Without a mask, and with every row's first block at or after ``start``, the only staged tokens outside
+    ``[start, stop)`` are the open tail's empty slots, and the tail is every row's last selected block: attending
+    the first ``(K - 1) · bt + tail tokens`` is exact, with no bias to build or add (a decode step's usual case)."""
+    end = -(-stop // bt)
+    if mask is not None or columns.shape[1] == 0:
+        return None
+    if (columns[:, 0] * bt < start).any() or (columns[:, -1] != end - 1).any():
+        return None
+    return (columns.shape[1] - 1) * bt + stop - (end - 1) * bt
 
 
 def _selection_bias(columns: np.ndarray, bt: int, start: int, stop: int, mask: torch.Tensor | None,
@@ -388,13 +469,15 @@ def _selection_bias(columns: np.ndarray, bt: int, start: int, stop: int, mask: t
     return bias.masked_fill(~allowed, lowest)[:, None, None, :]
 
 
-def _block_mass(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, lse: torch.Tensor, scaling: float,
+def _block_mass(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor, scaling: float,
                 softcap: float | None, count: int, bt: int) -> torch.Tensor:
     """Each selected block's share of the softmax, averaged over query heads: ``[B, K]`` — from the attended
     tokens' logits and their log-sum-exp (only the K·bt selected tokens of one query: no attention matrix)."""
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), keys.float()) * scaling  # [B, H_kv, G, 1, K·bt]
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), keys.float()) * scaling  # [B, H_kv, G, 1, T]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores + bias.float().unsqueeze(2)
-    weights = torch.exp(scores - lse.unsqueeze(-1))[:, :, :, 0]  # [B, H_kv, G, K·bt]
+    if bias is not None:
+        scores = scores + bias.float().unsqueeze(2)
+    weights = torch.exp(scores - lse.unsqueeze(-1))[:, :, :, 0]  # [B, H_kv, G, T]
+    weights = torch.nn.functional.pad(weights, (0, count * bt - weights.shape[-1]))  # T < K·bt: the tail's empty slots
     return weights.unflatten(-1, (count, bt)).sum(-1).mean(dim=(1, 2))  # [B, K]

@@ -480,6 +480,12 @@ class KVStore:
         nbytes = blocks * self.block_tokens * self.layouts[layer].token_bytes
         self.transfer.count(link(Tier.DEVICE, Tier.DEVICE), nbytes)
 
+    def count_speculated(self, layer: int, blocks: int) -> None:
+        """Sparse attention read ``blocks`` full disk blocks ahead of its selection (a speculation): counted in
+        ``bytes_moved["disk->device"]`` when submitted, whether a selection uses them or not."""
+        nbytes = blocks * self.block_tokens * self.layouts[layer].token_bytes
+        self.transfer.count(link(Tier.DISK, Tier.DEVICE), nbytes)
+
     @_recovering
     def promote(self, blocks: list[Block], data: torch.Tensor, keep: np.ndarray) -> int:
         """Move ``blocks`` (off-device, one layer) up to the device, writing ``data`` ``[n, 2, H_kv, block_tokens,
