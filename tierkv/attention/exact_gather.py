@@ -83,6 +83,7 @@ class ExactGather(PipelinedExecutor):
         self.buffers: list[torch.Tensor] = []
         self._views: dict[tuple, torch.Tensor] = {}  # (buffer, layout, batch) -> typed staging view
         self.pending: dict[int, Prefetch] = {}
+        self._next_cache: dict[tuple[int, int, int, bool], tuple[int, ...]] = {}  # see _next_layers
         self.current = -1  # staging buffer the model is attending over now
         self.prefetch_disabled_logged = False
 
@@ -126,7 +127,8 @@ class ExactGather(PipelinedExecutor):
         self._prefetch_next(layer)
         offset, count = start - first * bt, stop - start
         self._left_at = time.perf_counter()
-        keys, values = staging[0, :, :, offset : offset + count], staging[1, :, :, offset : offset + count]
+        kv = staging.narrow(3, offset, count)  # (narrow, then an int index: ~4 us, against ~9 for a 4-d slice)
+        keys, values = kv[0], kv[1]
         self._accel.used(keys, values)
         return keys, values
 
@@ -226,6 +228,8 @@ class ExactGather(PipelinedExecutor):
             self._accel.release_cached()
 
     def _free_buffer(self) -> int:
+        if not self.pending:  # the common case without prefetch: any buffer but the one attended over
+            return 1 if self.current == 0 and len(self.buffers) > 1 else 0
         busy = {self.current} | {p.buffer for p in self.pending.values()}
         free = next((i for i in range(len(self.buffers)) if i not in busy), None)
         if free is not None:
@@ -250,11 +254,19 @@ class ExactGather(PipelinedExecutor):
             if not free:
                 break
             self._issue(target, free[0])
-        beyond = self._next_layers(layer, self.prefetch_depth + READ_AHEAD)[self.prefetch_depth :]
-        self._read_ahead((t, self.start_of(t), self.store.seq_length(t)) for t in beyond)
+        if Tier.DISK in self.store.tiers:
+            beyond = self._next_layers(layer, self.prefetch_depth + READ_AHEAD)[self.prefetch_depth :]
+            self._read_ahead((t, self.start_of(t), self.store.seq_length(t)) for t in beyond)
 
-    def _next_layers(self, layer: int, count: int) -> list[int]:
+    def _next_layers(self, layer: int, count: int) -> tuple[int, ...]:
         """The ``count`` layers after ``layer`` in pass order (wrapping to layer 0 once the count is known)."""
+        key = (layer, count, self.num_layers, self.layers_known)
+        known = self._next_cache.get(key)
+        if known is None:
+            known = self._next_cache[key] = tuple(self._layers_after(layer, count))
+        return known
+
+    def _layers_after(self, layer: int, count: int) -> list[int]:
         out = []
         for ahead in range(1, count + 1):
             target = (layer + ahead) % self.num_layers
@@ -270,10 +282,9 @@ class ExactGather(PipelinedExecutor):
         batch = self.store.batch_size(layer)
         if (end - first) * bt > self.capacity or batch > self.batch or end <= first:
             return
-        plan = self.store.plan_read(layer, start, stop, access=False)  # the access is the layer's gather
-        layout = self.store.layouts[layer]
-        if plan.total_blocks * layout.block_bytes < self.prefetch_min:
+        if (end - first) * batch * self.store.layouts[layer].block_bytes < self.prefetch_min:  # the plan's blocks
             return  # read it when the layer comes: a hand-off to the mover would cost more than it overlaps
+        plan = self.store.plan_read(layer, start, stop, access=False)  # the access is the layer's gather
         full = stop // bt - first  # columns that are full now: the tail (if partial) is read again later
         handle, timings = self._read_later(layer, plan, self._staging(buffer, layer, batch))
         self.pending[layer] = Prefetch(layer, buffer, first, end - first, full, self.version, handle, timings)

@@ -119,6 +119,7 @@ class KVStore:
         self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()  # their owner holds them: no cycle
         self._lengths: dict[int, int] = {}  # layer -> tokens per row (asked for several times per layer-step)
         self._plans: dict[int, tuple[int, dict[tuple[int, int], ReadPlan]]] = {}  # layer -> (version, plans)
+        self._tails: dict[int, tuple[int, list[Block], list[torch.Tensor | None]]] = {}  # see _append_in_place
         self.summaries: KeySummaries | None = None  # per-block key summaries, once sparse attention asks for them
         self.promoted = 0  # blocks copied up to the device by promote()
 
@@ -235,20 +236,29 @@ class KVStore:
     def _append_in_place(self, layer: int, rows: LayerRows, keys: torch.Tensor, values: torch.Tensor) -> bool:
         """The decode step's common case, kept short: the new tokens fit in every row's open tail, which is on
         the device and not shared — written where attention reads them, with no table change. False: use
-        the general path."""
-        blocks = self.table.blocks
-        tails = [blocks[i] for i in rows.ids[:, -1].tolist()]
+        the general path. The tails and their slab views are looked up once per grid version (any edit that
+        replaces or moves a tail changes it), not per token."""
+        cached = self._tails.get(layer)
+        if cached is None or cached[0] != rows.version:
+            tails = [self.table.blocks[i] for i in rows.ids[:, -1].tolist()]
+            layout = self.layouts[layer]
+            views = [self.device.block(layout, t.slot) if t.tier == Tier.DEVICE else None for t in tails]
+            cached = self._tails[layer] = (rows.version, tails, views)
+        _, tails, views = cached
         held, tokens = tails[0].tokens, keys.shape[2]
         if held + tokens > self.block_tokens or any(t.refcount != 1 or t.tier != Tier.DEVICE for t in tails):
             return False
         if layer == 0:
             self.tick += 1
         self.writeback.reap()
-        layout = self.layouts[layer]
-        for r, tail in enumerate(tails):
-            block = self.device.block(layout, tail.slot)  # [2, H_kv, block_tokens, D]
-            block[0, :, held : held + tokens].copy_(keys[r].detach())
-            block[1, :, held : held + tokens].copy_(values[r].detach())
+        if keys.requires_grad or values.requires_grad:  # the cache holds no autograd graph
+            keys, values = keys.detach(), values.detach()
+        if len(views) == 1:  # [2, H_kv, tokens, D] in one copy: cheaper than two strided ones (~4 vs ~18 us)
+            views[0].narrow(2, held, tokens).copy_(torch.cat((keys, values)))
+        else:
+            kv = torch.stack((keys, values), dim=1)  # [B, 2, H_kv, tokens, D]
+            for r, view in enumerate(views):  # view: the tail's slot as [2, H_kv, block_tokens, D]
+                view.narrow(2, held, tokens).copy_(kv[r])
         length = self._lengths[layer]
         try:  # the commit, by assignment: an interrupt in it is undone (a deferred section costs ~10 us here)
             for tail in tails:
@@ -261,7 +271,7 @@ class KVStore:
             raise
         if self.summaries is not None and held + tokens == self.block_tokens:  # the tails just filled
             self.summaries.add(layer, [t.id for t in tails],
-                               torch.stack([self.device.block(layout, t.slot)[0] for t in tails]))
+                               torch.stack([view[0] for view in views]))
         self.writeback.maybe_start()
         return True
 
@@ -599,7 +609,13 @@ class KVStore:
     @_recovering
     def reserve_device(self, nbytes: int) -> None:
         """Count ``nbytes`` of device staging against the device budget, evacuating blocks to make room."""
+        self._forget_views()  # cached plans and tails hold views of slab chunks and staging that may go now
         self.placement.reserve_device(nbytes)
+
+    def _forget_views(self) -> None:
+        """Drop the cached plans (their memos keep index tensors and views of destinations) and tail views."""
+        self._plans.clear()
+        self._tails.clear()
 
     # ----------------------------------------------------------------------------------- table edits
     @_recovering
@@ -729,7 +745,7 @@ class KVStore:
             if self.summaries is not None:
                 self.summaries.clear()
             self.table.clear()
-            self._plans.clear()
+            self._forget_views()
             self._lengths.clear()
             self.layouts.clear()  # the next sequence may come from another model or dtype
 
@@ -744,7 +760,7 @@ class KVStore:
             if self.summaries is not None:
                 self.summaries.clear()
             self.table.clear()
-            self._plans.clear()
+            self._forget_views()
             self._lengths.clear()
             try:
                 for tier in self.tiers.values():

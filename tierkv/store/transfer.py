@@ -25,8 +25,10 @@ from tierkv.accel import backend
 from tierkv.blocks import Tier
 from tierkv.layout import BlockLayout, SlotBytes
 from tierkv.store.plan import ReadPlan, TierPart
-from tierkv.tiers.base import PendingRead, Scratch, StorageTier
+from tierkv.tiers.base import Dest, PendingRead, Scratch, StorageTier
 from tierkv.tiers.disk import BOUNCE_BYTES, BounceBuffer
+
+MEMO_DESTINATIONS = 4  # destinations a plan part keeps views for (an executor's staging buffers)
 
 LINKS = ("device->device", "device->host", "host->device", "host->disk", "device->disk", "disk->device")
 
@@ -67,8 +69,8 @@ class Transfer:
         """Fill ``dest`` ``[2, B, H_kv, >= plan.blocks * block_tokens, D]`` with the plan's blocks; ``ahead`` is
         this plan's disk part already submitted by :meth:`read_ahead`."""
         bt = layout.block_tokens
-        grid = dest[..., : plan.blocks * bt, :].unflatten(3, (plan.blocks, bt))  # [2, B, H, n, bt, D]
-        blocks = grid.permute(1, 3, 0, 2, 4, 5)  # [B, n, 2, H, bt, D]: one strided view per run below
+        where = (dest.data_ptr(), dest.shape, dest.stride(), dest.dtype)  # the destination views are cached for it
+        blocks: list[torch.Tensor] = []  # [B, n, 2, H, bt, D] once a part needs it (see _dests)
         started: list[tuple[TierPart, PendingRead, Any]] = []
         try:
             for part in plan.parts:  # slowest tier first
@@ -80,7 +82,7 @@ class Transfer:
                 started.append((part, pending, mark))
             while started:
                 part, pending, mark = started[-1]  # fastest first: the disk read lands last
-                pending.finish([(r.lo, r.hi, blocks[r.row, r.column : r.column + r.hi - r.lo]) for r in part.runs])
+                pending.finish(_dests(part, where, dest, plan.blocks, bt, blocks))
                 started.pop()
                 nbytes = (part.blocks * bt - part.tail_blocks * (bt - tail_tokens)) * layout.token_bytes
                 self.count(link(part.tier, Tier.DEVICE), nbytes)
@@ -132,3 +134,26 @@ class Transfer:
         for lo in range(0, len(slots), step):
             data = self.read_blocks(raw, source, slots[lo : lo + step], into=min(source, Tier.HOST))  # source's side
             self.write_blocks(raw, target, target_slots[lo : lo + step], data)
+
+
+def _dests(part: TierPart, where: tuple, dest: torch.Tensor, columns: int, bt: int,
+           blocks: list[torch.Tensor]) -> list[Dest]:
+    """The destinations of ``part``'s runs in ``dest``: one strided view ``[hi - lo, 2, H, bt, D]`` per run. Kept in
+    the part's memo for the last few destinations (``where``: address, shape, strides and dtype; an executor reads a
+    layer into one of its few staging buffers), so a decode step slices nothing; the tier's own memo then keys its
+    compiled copies on this list. (A memo holding views keeps that memory alive: the store drops its plans before
+    staging or slab chunks change.)"""
+    known = part.memo.get("dests")
+    if known is None:
+        known = part.memo["dests"] = {}
+    dests = known.get(where)
+    if dests is not None:
+        return dests
+    if not blocks:
+        grid = dest[..., : columns * bt, :].unflatten(3, (columns, bt))  # [2, B, H, n, bt, D]
+        blocks.append(grid.permute(1, 3, 0, 2, 4, 5))  # [B, n, 2, H, bt, D]
+    view = blocks[0]
+    if len(known) >= MEMO_DESTINATIONS:
+        known.clear()
+    dests = known[where] = [(r.lo, r.hi, view[r.row, r.column : r.column + r.hi - r.lo]) for r in part.runs]
+    return dests

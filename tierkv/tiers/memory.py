@@ -26,6 +26,7 @@ from tierkv.staging import CHUNKS_PER_BUDGET  # a pool grows by 1/16 of its budg
 from tierkv.tiers.base import Dest, Scratch, landing_pieces
 from tierkv.tiers.slots import SlotPool, growth_slots
 
+BOUND_DESTINATIONS = 4  # destination lists a read's memo keeps compiled copies for
 PINNED_CHUNK_BYTES = 1 << 30  # page-locking is slow and bounded by the OS: pinned slabs grow by at most this
 
 
@@ -115,15 +116,26 @@ class SlabPool(SlotPool):
             for lo, hi, out in dests:
                 self._gather_across(layout, chunks, rows, lo, hi, out, landing)
             return
+        select = accel.index_select if self.space == DEVICE else _index_select  # a stream op, or the CPU's
+        bound = memo.get("bound") if memo is not None else None
+        known = bound.get(id(dests)) if bound is not None else None
+        if known is not None and known[0] is dests:  # a destination list seen before (a cached plan's)
+            for source, index, out in known[1]:
+                select(source, index, out)
+            return
         program = memo.get("gather") if memo is not None else None
         if program is None:
             program = self._program(slots, [(lo, hi) for lo, hi, _ in dests])
             if memo is not None:
                 memo["gather"] = program
-        select = accel.index_select if self.space == DEVICE else _index_select  # a stream op, or the CPU's
-        for (_, _, out), steps in zip(dests, program):
-            for a, b, chunk, index in steps:
-                select(self.typed(chunk, layout), index, out[a:b])
+        calls = [(self.typed(chunk, layout), index, out[a:b])
+                 for (_, _, out), steps in zip(dests, program) for a, b, chunk, index in steps]
+        if memo is not None:
+            if bound is None or len(bound) >= BOUND_DESTINATIONS:
+                bound = memo["bound"] = {}
+            bound[id(dests)] = (dests, calls)  # holds the list, so its id stays unique while it is cached
+        for source, index, out in calls:
+            select(source, index, out)
 
     def _program(self, slots: np.ndarray,
                  ranges: list[tuple[int, int]]) -> list[list[tuple[int, int, int, torch.Tensor]]]:
