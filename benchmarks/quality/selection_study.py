@@ -12,12 +12,26 @@ blocks by the true attention mass it would have to read every key to know) can b
 Rules (the budget counts attended blocks per layer, sinks and the recent window included, as in the executor):
 
     quest            Quest's bound q⁺·max + q⁻·min, a softmax over blocks per query head, the max over heads
-    mixed            the same on (bound + mean-key logit) / 2 — the executor's rule (tierkv.attention.sparse)
+    mixed            the same on (bound + mean-key logit) / 2 — the executor's rule (tierkv.attention.sparse);
+                     --mix w weighs the bound w and the mean 1 - w
+    gauss            q·mean + scaling/2 · Σ q_d² var_d: the log-mean-exp of a block whose logits are Gaussian
+                     with the keys' per-channel variance (mean and variance summaries)
+    gauss-bound      the same, never above Quest's bound
+    submeans         --parts mean keys per block (equal slices), the block's mass their masses' sum
+                     (log-sum-exp), mixed with the bound by --mix like ``mixed``
+    lowrank          every token's key in a rank-r basis of the layer's keys (principal directions at the
+                     first decode step; Loki / ShadowKV), its approximate attention mass summed per block
     per-head         each KV head its own top blocks by the mixed estimate, the union read, each head masked
                      to its own
     per-head-union   the same, every head attending the whole union
     oracle           the true attention mass of each block (max over query heads), one selection per layer
     oracle-per-head  the true mass, each KV head its own top blocks — as if a read could fetch single heads
+    oracle-top-p     adaptive budget: per layer-step, the fewest best blocks (true mass) whose mass with the
+                     sinks' and recent window's covers --top-p of every query head (--cover min) or of their
+                     mean (--cover mean); --account caps the total at what the fixed budget would read
+    mixed-top-p      the same with the mixed estimate's softmax shares for the mass
+
+--agg mean scores a block by its mean share over query heads instead of the largest.
 
 ``blocks read`` is the fraction of the layer's blocks read (the union over heads). Timings mean nothing here.
 """
@@ -40,15 +54,22 @@ from tierkv.quality.harness import decode_saved, load_reference, logprob_path
 from tierkv.quality.metrics import Agreement, compare
 from tierkv.quality.tasks import answer_matches
 
-RULES = ("quest", "mixed", "per-head", "per-head-union", "oracle", "oracle-per-head")
+RULES = ("quest", "mixed", "gauss", "gauss-bound", "per-head", "per-head-union", "oracle", "oracle-per-head",
+         "oracle-top-p", "mixed-top-p", "lowrank", "submeans")
 
 
 class Study:
     """One rule's settings and the blocks it read; ``attend`` is the registered attention function."""
 
-    def __init__(self, rule: str, budget: SparseBudget, block_tokens: int, layers: int) -> None:
+    def __init__(self, rule: str, budget: SparseBudget, block_tokens: int, layers: int, top_p: float = 0.9,
+                 cap: float = 1.0, cover: str = "min", account: bool = False) -> None:
         self.rule, self.budget, self.bt, self.layers = rule, budget, block_tokens, layers
+        self.top_p, self.cap, self.cover, self.account = top_p, cap, cover, account
+        self.mix, self.agg = 0.5, "max"
+        self.rank, self.bases, self.parts = 8, {}, 2
         self.read = self.total = 0
+        self.credit = 0  # blocks the budget allowed but top-p did not read (account mode), per prompt
+        self.per_layer: dict[int, list[int]] = {}  # layer -> [read, total]
 
     def allowed(self, layer: int, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor | None:
         """Which keys each KV head attends, ``[H_kv, T]``, for ``q`` ``[H_kv, G, D]`` over ``k`` ``[H_kv, T, D]``
@@ -60,19 +81,21 @@ class Study:
         lo, hi = -(-budget.sinks // bt), min(blocks - 1, max(0, length - budget.recent) // bt)
         top = total - lo - (blocks - hi)
         self.total += blocks
+        entry = self.per_layer.setdefault(layer, [0, 0])
+        entry[1] += blocks
         if top >= hi - lo:
             self.read += blocks
+            entry[0] += blocks
             return None
         keys = k[:, lo * bt : hi * bt].reshape(heads, hi - lo, bt, dim)  # [H_kv, C, bt, D]
-        if self.rule.startswith("oracle"):
-            mass = torch.softmax(torch.einsum("hgd,htd->hgt", q, k) * scaling, -1)[:, :, lo * bt : hi * bt]
+        if self.rule.endswith("top-p"):
+            top = self._top_p(q, k, scaling, lo, hi, blocks, top)
+        if self.rule.startswith("oracle") or self.rule == "lowrank":
+            approx = k if self.rule != "lowrank" else self.projected(layer, k)
+            mass = torch.softmax(torch.einsum("hgd,htd->hgt", q, approx) * scaling, -1)[:, :, lo * bt : hi * bt]
             score = mass.reshape(heads, -1, hi - lo, bt).sum(-1).transpose(1, 2)  # [H_kv, C, G]
         else:
-            bound = torch.einsum("hgd,hcd->hcg", q.clamp_min(0), keys.amax(2)) + \
-                torch.einsum("hgd,hcd->hcg", q.clamp_max(0), keys.amin(2))  # [H_kv, C, G]
-            if self.rule != "quest":
-                bound = (bound + torch.einsum("hgd,hcd->hcg", q, keys.mean(2))) / 2
-            score = torch.softmax(bound * scaling, dim=1)
+            score = torch.softmax(self.estimate(q, keys, scaling) * scaling, dim=1)
         chosen = torch.zeros(heads, blocks, dtype=torch.bool)
         chosen[:, :lo] = chosen[:, hi:] = True
         if top > 0 and self.rule.endswith(("per-head", "per-head-union")):
@@ -80,9 +103,72 @@ class Study:
             own.scatter_(1, score.amax(2).topk(top, dim=1).indices, True)
             chosen[:, lo:hi] = own.any(0) if self.rule == "per-head-union" else own
         elif top > 0:
-            chosen[:, lo + score.amax(2).amax(0).topk(top).indices] = True
-        self.read += int(chosen.sum()) / heads if self.rule == "oracle-per-head" else int(chosen.any(0).sum())
+            agg = score.amax(2).amax(0) if self.agg == "max" else score.mean(dim=(0, 2))
+            chosen[:, lo + agg.topk(top).indices] = True
+        read = int(chosen.sum()) / heads if self.rule == "oracle-per-head" else int(chosen.any(0).sum())
+        self.read += read
+        entry[0] += read
         return chosen.repeat_interleave(bt, 1)[:, :length]
+
+    def projected(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """``k`` ``[H_kv, T, D]`` as a rank-``rank`` approximation around the keys' mean, in a per-layer basis
+        (principal directions of the layer's keys at its first decode step of the prompt; Loki / ShadowKV):
+        ``rank`` numbers per token and head instead of ``D``."""
+        if layer not in self.bases:
+            mean = k.mean(1, keepdim=True)
+            basis = torch.linalg.svd(k - mean, full_matrices=False).Vh[:, : self.rank]  # [H, r, D]
+            self.bases[layer] = (mean, basis)
+        mean, basis = self.bases[layer]
+        return mean + torch.einsum("htr,hrd->htd", torch.einsum("htd,hrd->htr", k - mean, basis), basis)
+
+    def estimate(self, q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The rule's estimate of each block's logit ``[H_kv, C, G]`` from ``keys`` ``[H_kv, C, bt, D]``:
+        ``quest`` the bound; ``mixed`` (bound + mean-key logit) / 2 with weight ``mix`` on the bound;
+        ``gauss`` the log-mean-exp of a block whose logits are Gaussian with the keys' per-channel variance,
+        q·m + scaling/2 · Σ q_d² σ_d²; ``gauss-bound`` that, never above the bound."""
+        bound = torch.einsum("hgd,hcd->hcg", q.clamp_min(0), keys.amax(2)) + \
+            torch.einsum("hgd,hcd->hcg", q.clamp_max(0), keys.amin(2))  # [H_kv, C, G]
+        mean = torch.einsum("hgd,hcd->hcg", q, keys.mean(2))
+        if self.rule == "quest":
+            return bound
+        if self.rule.startswith("gauss"):
+            spread = torch.einsum("hgd,hcd->hcg", q * q, keys.var(2, correction=0)) * (scaling / 2)
+            return torch.minimum(mean + spread, bound) if self.rule == "gauss-bound" else mean + spread
+        if self.rule == "submeans":  # the block's mass as the sum of its parts' (mean-key) masses
+            parts = keys.unflatten(2, (self.parts, -1)).mean(3)  # [H_kv, C, parts, D]
+            mean = torch.logsumexp(torch.einsum("hgd,hcpd->hcgp", q, parts) * scaling, -1) / scaling
+        return self.mix * bound + (1 - self.mix) * mean
+
+    def _top_p(self, q, k, scaling, lo, hi, blocks, nominal):
+        """Top-p: the fewest candidate blocks (best first) whose mass, with the sinks' and recent blocks', covers
+        ``top_p`` of every query head's (``cover`` min) or of the heads' mean (``cover`` mean) attention.
+        The oracle uses the true mass; ``mixed`` a softmax of the mixed estimate over the full blocks (the open
+        tail has no summary). Clamped to ``cap`` of the candidates; with ``account``, to the nominal count plus
+        the blocks earlier layer-steps of the prompt left unread (so the mean never exceeds the budget)."""
+        heads, length, dim = k.shape
+        bt = self.bt
+        if self.rule.startswith("oracle"):
+            mass = torch.softmax(torch.einsum("hgd,htd->hgt", q, k) * scaling, -1)  # [H, G, T]
+            mass = torch.nn.functional.pad(mass, (0, blocks * bt - length)).reshape(heads, -1, blocks, bt).sum(-1)
+        else:
+            full = length // bt
+            keys = k[:, : full * bt].reshape(heads, full, bt, dim)
+            est = (torch.einsum("hgd,hcd->hgc", q.clamp_min(0), keys.amax(2))
+                   + torch.einsum("hgd,hcd->hgc", q.clamp_max(0), keys.amin(2))
+                   + torch.einsum("hgd,hcd->hgc", q, keys.mean(2))) / 2
+            mass = torch.nn.functional.pad(torch.softmax(est * scaling, -1), (0, blocks - full))  # [H, G, blocks]
+        fixed = mass[:, :, :lo].sum(-1) + mass[:, :, hi:].sum(-1)  # [H, G]
+        cand = mass[:, :, lo:hi]
+        order = cand.amax(dim=(0, 1)).argsort(descending=True)
+        cum = fixed[:, :, None] + cand[:, :, order].cumsum(-1)  # [H, G, C]
+        cover = cum.flatten(0, 1).amin(0) if self.cover == "min" else cum.flatten(0, 1).mean(0)
+        reached = (cover >= self.top_p).nonzero()
+        want = int(reached[0]) + 1 if reached.numel() else hi - lo
+        want = min(want, max(1, int(self.cap * (hi - lo))))
+        if self.account:
+            want = min(want, nominal + self.credit)
+            self.credit += nominal - want
+        return max(want, 0)
 
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         """Decode-step attention ``[1, H_q, 1, D]`` over ``[1, H_kv, T, D]``, masked to the chosen keys."""
@@ -107,6 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sinks", type=int, default=16)
     parser.add_argument("--recent", type=int, default=16)
     parser.add_argument("--dense-layers", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=0.9, help="top-p rules: attention mass to cover")
+    parser.add_argument("--cap", type=float, default=1.0, help="top-p rules: at most this share of candidates")
+    parser.add_argument("--cover", choices=("min", "mean"), default="min", help="top-p: every head, or their mean")
+    parser.add_argument("--account", action="store_true",
+                        help="top-p: never read more in total than the fixed budget would (unread blocks carry on)")
+    parser.add_argument("--mix", type=float, default=0.5, help="mixed: the bound's weight (the mean's: 1 - it)")
+    parser.add_argument("--agg", choices=("max", "mean"), default="max",
+                        help="a block's score over query heads: the largest share, or the mean share")
+    parser.add_argument("--parts", type=int, default=2, help="submeans: mean keys per block (of equal slices)")
+    parser.add_argument("--rank", type=int, default=8, help="lowrank: numbers kept per token and KV head")
+    parser.add_argument("--per-layer", action="store_true", help="print each layer's read fraction")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model, tokenizer = models.load(json.loads((args.reference / "reference.json").read_text()).get("model", "demo"))
@@ -116,11 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         if rule not in RULES:
             raise SystemExit(f"--rules: {rule!r} is not one of {', '.join(RULES)}")
         budget = SparseBudget(args.budget, args.sinks, args.recent, args.dense_layers)
-        study = Study(rule, budget, args.block_tokens, model.config.num_hidden_layers)
+        study = Study(rule, budget, args.block_tokens, model.config.num_hidden_layers, args.top_p, args.cap,
+                      args.cover, args.account)
+        study.mix, study.agg, study.rank, study.parts = args.mix, args.agg, args.rank, args.parts
         AttentionInterface.register("selection_study", study.attend)
         model.set_attn_implementation("selection_study")
         started, correct, needles, fidelity = time.perf_counter(), 0, 0, {}
         for prompt in prompts:
+            study.credit, study.bases = 0, {}
             generated, logits = decode_saved(model, args.reference, prompt)
             if prompt.task == "fidelity":
                 reference = safetensors.torch.load_file(str(logprob_path(args.reference, prompt)))["logprobs"]
@@ -130,8 +230,16 @@ def main(argv: list[str] | None = None) -> int:
                 correct += answer_matches(prompt.answer, tokenizer.decode(generated, skip_special_tokens=True))
         cells = [f"needles {correct}/{needles}"] if needles else []
         cells += [f"fidelity {n}: top-1 {a.top1:.1%}, KL {a.kl_mean:.3f}" for n, a in sorted(fidelity.items())]
+        rule += f" mix={args.mix:g}" if rule in ("mixed", "submeans") and args.mix != 0.5 else ""
+        rule += f" parts={args.parts}" if rule.startswith("submeans") else ""
+        rule += f" agg={args.agg}" if args.agg != "max" else ""
+        rule += f" rank={args.rank}" if rule == "lowrank" else ""
+        if rule.endswith("top-p"):
+            rule = f"{rule} p={args.top_p:g} {args.cover} cap={args.cap:g}{' account' if args.account else ''}"
         print(f"{rule:16s} budget {args.budget:g}, blocks read {study.read / max(study.total, 1):.1%}: "
               f"{'; '.join(cells)} ({time.perf_counter() - started:.0f} s)", flush=True)
+        if args.per_layer:
+            print("  per layer:", " ".join(f"{r / t:.2f}" for _, (r, t) in sorted(study.per_layer.items())))
     return 0
 
 
