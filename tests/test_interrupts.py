@@ -505,3 +505,63 @@ def test_ctrl_c_inside_the_engines_write_submit_loses_no_handle(tmp_path):
     assert watched and all(handle.waited for handle in watched)
     del file.submit_writes
     tier.close()
+
+
+class _Late:
+    """A read the engine queued but has not carried out yet: it lands when waited for, or when ``land()`` is
+    called (the moment a lost read would land on its own — after the next read into the same buffer)."""
+
+    def __init__(self, start: Callable) -> None:
+        self.start, self.real = start, None
+
+    def land(self):
+        if self.real is None:
+            self.real = self.start()
+            self.real.wait()
+        return self.real
+
+    def wait(self) -> None:
+        self.land().wait()
+
+    def done(self) -> bool:
+        return self.real is not None and self.real.done()
+
+
+def test_ctrl_c_inside_the_engines_read_submit_lands_nothing_in_a_reused_buffer(tmp_path):
+    """A SIGINT that lands inside the engine's read submit (the read queued, its handle not yet returned) is
+    delivered once the handle is recorded, and the bounce buffer's next user waits for that read: a read
+    abandoned by the interrupt never lands in the bytes of the next read (which would then fail its checksum
+    or, unverified, return another block's K/V)."""
+    layout = BlockLayout(2, 8, 4, torch.float32)
+    tier = DiskTier(tmp_path, budget=16 * layout.slot_bytes, extent_bytes=16 * layout.slot_bytes, engine="posix")
+    scratch = Scratch(BounceBuffer)
+    slots = np.array([tier.alloc(layout.slot_bytes) for _ in range(8)], dtype=np.int64)
+    data = torch.randn(8, *layout.shape)
+    tier.write_from(layout, slots, data, scratch)
+    file = tier.files[layout.slot_bytes].file
+    submit, late = file.submit_hashed_reads, []
+
+    def interrupted_submit(requests, unit):
+        if not late:  # the first read: queued, then Ctrl-C arrives before its handle is returned
+            late.append(_Late(lambda: submit(requests, unit)[0]))
+            signal.raise_signal(signal.SIGINT)
+            return late[-1], None
+        handle, digests = submit(requests, unit)
+        handle.wait()
+        for lost in late:
+            lost.land()  # a read nobody waited for lands now, after the next read into its buffer
+        return handle, digests
+
+    file.submit_hashed_reads = interrupted_submit
+    try:
+        tier.start_read(layout, slots[:4], scratch)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the SIGINT was never delivered")
+    for first in (4, 0):  # the next reads through the same bounce buffer are exact
+        out = torch.empty(4, *layout.shape)
+        tier.start_read(layout, slots[first : first + 4], scratch).finish([(0, 4, out)])
+        assert torch.equal(out, data[first : first + 4])
+    del file.submit_hashed_reads
+    tier.close()

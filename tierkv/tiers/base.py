@@ -30,6 +30,8 @@ class BounceLike(Protocol):
 
     def fence(self, event: object) -> None: ...
 
+    def landing(self, handle: object) -> None: ...
+
 
 class PendingRead(Protocol):
     def finish(self, dests: Sequence[Dest]) -> None:

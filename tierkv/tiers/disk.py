@@ -427,7 +427,10 @@ class _DiskRead:
         buffer = self.halves[half][: (hi - lo) * self.layout.slot_bytes]
         self.scratch.accel.host_write(torch.from_numpy(buffer))  # the engine fills it from now on
         try:
-            self.handles[k], self.digests[k] = self.tier.read(self.layout.slot_bytes, self.slots[lo:hi], buffer)
+            with deferred_interrupts():  # a Ctrl-C mid-submit must not lose the handle of reads already queued:
+                handle, self.digests[k] = self.tier.read(self.layout.slot_bytes, self.slots[lo:hi], buffer)
+                self.handles[k] = handle
+                self.owner.landing(handle)  # the buffer's next user waits for it, whatever happens to this read
         except OSError as exc:
             raise disk_error(exc, self.slot_file.path) from exc
 
@@ -489,10 +492,16 @@ class _DiskRead:
             accel.host_write(rows)  # the engine writes it from outside the stream's order (the stand-in checks)
             flat = rows.reshape(-1)
             try:
-                handle, _ = self.tier.read(size, self.slots[piece:end], flat if flat.is_cuda else flat.numpy())
+                with deferred_interrupts():  # as in _submit: no Ctrl-C between queueing the reads and their handle
+                    handle, _ = self.tier.read(size, self.slots[piece:end], flat if flat.is_cuda else flat.numpy())
             except OSError as exc:
                 raise disk_error(exc, self.slot_file.path) from exc
-            self.tier.wait(handle, size)
+            try:
+                self.tier.wait(handle, size)
+            except BaseException:  # an interrupted wait: nothing may land in the landing buffer once it is reused
+                with contextlib.suppress(Exception):
+                    handle.wait()
+                raise
             self.slot_file.verify_device(self.slots[piece:end], rows)
             for first, last, out in dests:
                 a, b = max(first, piece), min(last, end)
@@ -532,6 +541,7 @@ class BounceBuffer:
         self._finalizer: weakref.finalize | None = None
         self._fence: list[Any] = [None]  # an event after the GPU copies still reading the buffer (CUDA hosts);
         # a cell, so the finalizer of a buffer that is garbage-collected waits for it too
+        self._landing: list[IOHandle] = []  # reads submitted into the buffer that may not have landed yet
 
     @property
     def nbytes(self) -> int:
@@ -541,9 +551,16 @@ class BounceBuffer:
         """Copies recorded before ``event`` still read the buffer: :meth:`get` waits for them."""
         self._fence[0] = event
 
+    def landing(self, handle: IOHandle) -> None:
+        """A read submitted into the buffer: :meth:`get` and :meth:`release` wait until it landed, so a read
+        abandoned by an interrupt (its owner never finished or settled it) cannot land in the next user's bytes."""
+        self._landing = [h for h in self._landing if not h.done()]
+        self._landing.append(handle)
+
     def get(self, nbytes: int) -> np.ndarray:
         """The buffer's first ``nbytes``, for the caller to fill (a disk read or a staged write)."""
         _wait_for(self._fence)
+        self._settle()
         if self._buffer.nbytes < nbytes:
             grown = max(nbytes, min(2 * self._buffer.nbytes, BOUNCE_BYTES))
             self.release()
@@ -556,12 +573,21 @@ class BounceBuffer:
         return view
 
     def release(self) -> None:
-        """Unpin and drop the buffer (the next :meth:`get` allocates anew), once no GPU copy reads it."""
+        """Unpin and drop the buffer (the next :meth:`get` allocates anew), once no GPU copy reads it and no
+        read lands in it."""
         _wait_for(self._fence)
+        self._settle()
         if self._finalizer is not None:
             self._finalizer()
             self._finalizer = None
         self._buffer = aligned_empty(0)
+
+    def _settle(self) -> None:
+        """Wait until every read submitted into the buffer landed (its failure is its reader's to report)."""
+        while self._landing:
+            with contextlib.suppress(Exception):
+                self._landing[-1].wait()
+            self._landing.pop()
 
 
 def _wait_for(fence: list[Any]) -> None:
