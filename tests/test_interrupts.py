@@ -13,11 +13,14 @@ Not at the line event that starts a ``with`` statement's exit code: CPython chec
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import functools
+import os
 import random
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import CodeType
@@ -29,6 +32,7 @@ from helpers import kv, make_store
 import tierkv
 from tierkv.blocks import Tier
 from tierkv.layout import BlockLayout
+from tierkv.persist import record
 from tierkv.policy.lru import LRUPolicy
 from tierkv.tiers.base import Scratch
 from tierkv.tiers.disk import BounceBuffer, DiskTier
@@ -55,8 +59,9 @@ def with_exits(code: CodeType) -> frozenset[int]:
 class Interrupt:
     """Deliver SIGINT at the ``nth`` line executed in :data:`TRACED` files (``nth=0``: never; count them)."""
 
-    def __init__(self, nth: int = 0) -> None:
+    def __init__(self, nth: int = 0, traced: tuple[str, ...] = TRACED, functions: frozenset[str] | None = None) -> None:
         self.nth, self.lines, self.fired, self.where = nth, 0, False, ""
+        self.traced, self.functions = traced, functions  # functions: only lines of these (by name), if given
 
     def __enter__(self) -> Interrupt:
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -67,7 +72,10 @@ class Interrupt:
         sys.settrace(None)
 
     def _call(self, frame, event, arg):
-        return self._line if frame.f_code.co_filename.startswith(TRACED) else None
+        code = frame.f_code
+        if not code.co_filename.startswith(self.traced):
+            return None
+        return self._line if self.functions is None or code.co_name in self.functions else None
 
     def _line(self, frame, event, arg):
         if event != "line" or self.fired:
@@ -92,12 +100,14 @@ def points(lines: int, runs: int = RUNS_PER_OPERATION) -> list[int]:
     return sorted(spread | set(random.Random(lines).sample(range(1, lines + 1), runs // 2)))
 
 
-def interrupt_everywhere(setup: Callable, operation: Callable, check: Callable, runs: int = RUNS_PER_OPERATION) -> int:
-    """Run ``operation(state)`` once to count its traced lines, then again from a fresh ``setup()`` for each
-    interrupt point; ``check(state, interrupted)`` after each. Returns the lines counted. (A run may execute a
-    few lines fewer than the count, e.g. when a background write finished sooner: then it is not interrupted.)"""
+def interrupt_everywhere(setup: Callable, operation: Callable, check: Callable, runs: int = RUNS_PER_OPERATION,
+                         traced: tuple[str, ...] = TRACED, functions: frozenset[str] | None = None) -> int:
+    """Run ``operation(state)`` once to count its lines in ``traced`` files (in ``functions``, if given), then
+    again from a fresh ``setup()`` for each interrupt point; ``check(state, interrupted)`` after each. Returns the
+    lines counted. (A run may execute a few lines fewer than the count, e.g. when a background write finished
+    sooner: then it is not interrupted.)"""
     state = setup()
-    with Interrupt() as counter:
+    with Interrupt(traced=traced, functions=functions) as counter:
         operation(state)
     check(state, False)
     assert counter.lines > 0
@@ -105,7 +115,7 @@ def interrupt_everywhere(setup: Callable, operation: Callable, check: Callable, 
     for nth in points(counter.lines, runs):
         state = setup()
         interrupted = False
-        with Interrupt(nth) as interrupt:
+        with Interrupt(nth, traced, functions) as interrupt:
             try:
                 operation(state)
             except KeyboardInterrupt:
@@ -565,3 +575,171 @@ def test_ctrl_c_inside_the_engines_read_submit_lands_nothing_in_a_reused_buffer(
         assert torch.equal(out, data[first : first + 4])
     del file.submit_hashed_reads
     tier.close()
+
+
+# ------------------------------------------------------------------------------- the persistence writer
+PERSIST_RUNS = 30  # interrupt points per persistent-store operation
+UPDATE_RUNS = 120  # every line of a put's listing change: its own code, the manifest's write, the lock
+UPDATE_CODE = frozenset({"_update", "write", "fsync_directory", "locked", "deferred_interrupts"})
+STORE_CODE = tuple(str(PACKAGE / name) for name in ("persist/store.py", "persist/manifest.py", "persist/lock.py",
+                                                    "atomic.py"))  # record.py and keys.py: pure functions
+PERSIST_CODE = (*STORE_CODE, str(PACKAGE / "persist/prefix.py"))
+FLUSH_RUNS = 100  # every line of a flush in those files
+
+
+def _open_under(directory: Path) -> list[str]:
+    """This process's descriptors open on files under ``directory`` (a leaked lock or record file)."""
+    found = []
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith(str(directory)):
+                found.append(target)
+    return found
+
+
+def _check_directory(directory: Path, item) -> None:
+    """After an interrupted operation, its store closed: no descriptor of ours is left open (a held lock); the
+    manifest parses; the next store opens the directory without error (removing what a dead writer left),
+    every listed block verifies, a new block can be written and read back, and nothing is left in ``tmp/``."""
+    from tierkv.persist import manifest as manifests
+    from tierkv.persist.store import DIRECTORY_NAME, PersistentStore
+
+    root = directory / DIRECTORY_NAME
+    assert not _open_under(directory), f"descriptors left open: {_open_under(directory)}"
+    ours = [p for p in (root / "tmp").iterdir() if p.name.startswith(f"{os.getpid()}-")] if root.exists() else []
+    assert not ours, f"scratch areas or owner locks of this process left behind: {ours}"
+    listing = manifests.load(root / "manifest")  # parses (or is absent)
+    for key, entry in listing.entries.items():  # and every block it lists is there and verifies, as it is now
+        path = root / "blocks" / key[:2] / f"{key}.tkv"
+        assert path.exists(), f"listed block {key} has no file"
+        header, _ = record.decode(path.read_bytes(), what=str(path))
+        assert header["key"] == key and path.stat().st_size == entry.nbytes
+    store = PersistentStore(directory, 2**30)
+    try:
+        assert store.verify() == [], "a listed block does not verify"
+        store.put([item])
+        assert len(store.get([item.key])) == 1
+    finally:
+        store.close()
+    left = list((root / "tmp").iterdir())
+    assert not _open_under(directory) and not left, f"left in tmp/ after the next store closed: {left}"
+
+
+def test_persistent_store_operations(tmp_path):
+    """What the background writer runs (``put``: records written, renamed, the manifest replaced, evictions),
+    what ``load_prefix`` runs (``get`` marks blocks used), ``verify`` and opening a directory with a dead
+    writer's leftovers, run on the main thread so that a SIGINT can reach every one of their lines."""
+    from tierkv.persist.store import DIRECTORY_NAME, Item, PersistentStore
+
+    def item(n: int) -> Item:
+        payload = bytes([n % 251]) * 4096
+        return Item(f"{n:032x}", n % 3, *record.encode({"kind": "block", "key": f"{n:032x}"}, payload))
+
+    items = [item(n) for n in range(8)]
+    size = len(items[0].head) + len(items[0].payload)
+    counter = [0]
+
+    def prepared():
+        """A directory listing 4 blocks (at capacity), and the scratch area and unlisted block of a dead writer."""
+        counter[0] += 1
+        directory = tmp_path / f"p{counter[0]}"
+        store = PersistentStore(directory, 4 * size)
+        store.put(items[:4])
+        store.close()
+        root = directory / DIRECTORY_NAME
+        (root / "tmp" / "999999-dead").mkdir()
+        (root / "tmp" / "999999-dead" / "x.tkv").write_bytes(b"torn")
+        (root / "tmp" / "999999-dead.lock").touch()
+        (root / "blocks" / "ff").mkdir(exist_ok=True)
+        (root / "blocks" / "ff" / f"{'f' * 32}.tkv").write_bytes(b"renamed, never listed")
+        return directory
+
+    def opened():
+        directory = prepared()
+        return directory, [PersistentStore(directory, 4 * size)]
+
+    def check(state, interrupted):
+        directory, stores = state
+        for store in stores:
+            store.close()
+        _check_directory(directory, items[7])
+
+    def put(state):
+        state[1][0].put(items[3:6], touch=[items[0].key])  # two evictions, one listed already
+
+    interrupt_everywhere(opened, put, check, runs=PERSIST_RUNS, traced=STORE_CODE)
+    # every line of the listing's change (renames, evictions, the manifest's replacement, the lock)
+    lines = interrupt_everywhere(opened, put, check, runs=UPDATE_RUNS, traced=STORE_CODE, functions=UPDATE_CODE)
+    assert lines <= UPDATE_RUNS, f"{lines} lines: raise UPDATE_RUNS so that every line is interrupted"
+    interrupt_everywhere(opened, lambda s: s[1][0].get([items[0].key, items[1].key]), check, runs=PERSIST_RUNS,
+                         traced=STORE_CODE)
+    interrupt_everywhere(opened, lambda s: s[1][0].verify(), check, runs=PERSIST_RUNS, traced=STORE_CODE)
+
+    def open_setup():
+        return prepared(), []
+
+    def open_directory(state):
+        state[1].append(PersistentStore(state[0], 4 * size))
+
+    interrupt_everywhere(open_setup, open_directory, check, runs=PERSIST_RUNS, traced=STORE_CODE)
+
+
+def test_flush_of_a_persistent_cache(tmp_path):
+    """``cache.flush()`` (block columns exported from the store, queued for the writer thread, waited for)
+    interrupted anywhere: the cache stays consistent, a second ``flush()`` returns (the writer is not lost)
+    and ``close()`` releases everything; a fresh cache then loads the prefix that was written and decodes
+    exactly as ``DynamicCache``."""
+    from transformers import DynamicCache
+
+    from tierkv import TieredCache
+    from tierkv.persist.store import Item
+
+    model = _model()
+    ids = torch.randint(2, 128, (1, 24), generator=torch.Generator().manual_seed(3))
+    options = dict(gpu_gb="40KB", cpu_gb="24KB", block_tokens=4)
+    reference = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :20], past_key_values=reference)
+        expect = model(ids[:, 20:], past_key_values=reference).logits  # the tail after a prefix of 5 blocks
+    spare = Item("e" * 32, 0, *record.encode({"kind": "block", "key": "e" * 32}, b"spare"))
+    counter = [0]
+
+    def setup():
+        counter[0] += 1
+        directory = tmp_path / f"f{counter[0]}"
+        cache = TieredCache(disk_dir=directory, persist=True, **options)
+        cache.load_prefix(model, ids)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        return cache, directory
+
+    def flush(state):
+        state[0].flush()
+
+    def in_thread(call: Callable) -> None:
+        done = threading.Thread(target=call, daemon=True)
+        done.start()
+        done.join(30)
+        assert not done.is_alive(), f"{call.__name__} never returns: the writer thread was lost"
+
+    def check(state, interrupted):
+        cache, directory = state
+        check_store(cache.store)
+        assert cache.get_seq_length() == 24
+        in_thread(cache.flush)
+        in_thread(cache.close)
+        _check_directory(directory, spare)
+        fresh = TieredCache(disk_dir=directory, persist=True, **options)
+        held = fresh.load_prefix(model, ids)
+        assert held == 20, f"the flushed prefix was not stored: {held} tokens loaded"
+        with torch.no_grad():
+            got = model(ids[:, held:], past_key_values=fresh).logits
+        torch.testing.assert_close(got, expect, atol=1e-5, rtol=0)
+        fresh.close()
+        assert not _open_under(directory)
+
+    # every line of the persistence code but the pure key hashing (the store's export of the blocks is covered
+    # by the store operations above)
+    lines = interrupt_everywhere(setup, flush, check, runs=FLUSH_RUNS, traced=PERSIST_CODE)
+    assert lines <= FLUSH_RUNS, f"{lines} lines: raise FLUSH_RUNS so that every line is interrupted"

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tierkv.atomic import deferred_interrupts
 from tierkv.errors import IntegrityError
 from tierkv.persist import record
 
@@ -87,8 +88,9 @@ def write(path: Path, manifest: Manifest) -> None:
 
 def fsync_directory(path: Path) -> None:
     """Make renames and unlinks in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with deferred_interrupts():  # one fsync: no Ctrl-C between the open and the close of the descriptor
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

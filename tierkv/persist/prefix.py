@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tierkv.atomic import deferred_interrupts
 from tierkv.errors import IntegrityError, InvalidConfigError
 from tierkv.persist import record
 from tierkv.persist.keys import Namespace, block_keys
@@ -183,8 +184,11 @@ class _Writer:
 
     def submit(self, root: str, jobs: list[tuple[str, int, torch.Tensor]], touch: list[str]) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="tierkv-persist", daemon=True)
-            self._thread.start()
+            with deferred_interrupts():  # started and recorded together: a thread made but never started, or
+                # started twice, would leave queued blocks nobody writes (flush() would never return)
+                thread = threading.Thread(target=self._run, name="tierkv-persist", daemon=True)
+                thread.start()
+                self._thread = thread
         self._queue.put((root, jobs, touch))
 
     def _run(self) -> None:

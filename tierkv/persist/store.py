@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierkv.atomic import deferred_interrupts
 from tierkv.errors import DiskTierError, IntegrityError, InvalidConfigError
 from tierkv.persist import manifest as manifests
 from tierkv.persist import record
@@ -86,15 +87,21 @@ class PersistentStore:
                 self.recovery = self._recover()
             with locked(self._lock, exclusive=False):  # recovery (exclusive) never sees a half-made scratch area
                 name = f"{os.getpid()}-{secrets.token_hex(4)}"
-                self._owner = OwnerLock(self._tmp / f"{name}.lock")
                 self._scratch = self._tmp / name
-                self._scratch.mkdir()
+                try:
+                    with deferred_interrupts():  # the lock file and the finalizer that removes it, together
+                        self._owner = OwnerLock(self._tmp / f"{name}.lock")  # a new file: its flock never waits
+                        self._finalizer = weakref.finalize(self, _release, self._owner, self._scratch)
+                    self._scratch.mkdir()
+                except BaseException:  # an interrupt too: nothing of this store stays behind
+                    if getattr(self, "_finalizer", None) is not None:
+                        self._finalizer()
+                    raise
         except OSError as error:
             raise DiskTierError(f"cannot open the persistent block directory {self.root}: {error}. Pass a "
                                 "disk_dir on a writable filesystem.") from error
         self._mutex = threading.Lock()  # the cached manifest, between this process's threads
         self._cached: tuple[tuple[int, int, int], Manifest] | None = None
-        self._finalizer = weakref.finalize(self, _release, self._owner, self._scratch)
 
     # --------------------------------------------------------------------------------------- reading
     def __contains__(self, key: str) -> bool:
@@ -217,7 +224,9 @@ class PersistentStore:
     def _update(self, touch: Sequence[str] = (), remove: Sequence[str] = (),
                 add: Sequence[tuple[Item, Path, int]] = ()) -> int:
         """One change of the listing under the exclusive lock: mark ``touch`` used, remove ``remove``, rename
-        ``add``'s staged files into place (evicting to fit); then write the new manifest. Returns #added."""
+        ``add``'s staged files into place (evicting to fit); then write the new manifest, and only then delete the
+        files it no longer lists — so whatever stops it (a SIGKILL, a Ctrl-C), every listed block has its file
+        (what is left unlisted is removed at the next open). Returns #added."""
         with locked(self._lock, exclusive=True):
             listing = self._load_for_update()
             tick = listing.tick()
@@ -225,9 +234,7 @@ class PersistentStore:
                 entry = listing.entries.get(key)
                 if entry is not None:
                     entry.last_used = tick
-            for key in remove:
-                listing.entries.pop(key, None)
-                self._path(key).unlink(missing_ok=True)
+            unlisted = [key for key in remove if listing.entries.pop(key, None) is not None]
             total = listing.nbytes
             victims = iter(listing.victims())
             added: list[str] = []
@@ -239,7 +246,7 @@ class PersistentStore:
                     if victim is None or listing.entries[victim].last_used == tick:
                         break  # what is left was used by this call (victims come oldest first)
                     total -= listing.entries.pop(victim).nbytes
-                    self._path(victim).unlink(missing_ok=True)
+                    unlisted.append(victim)
                 if total + nbytes > self.capacity_bytes:
                     break  # deeper blocks of this batch are useless without this one
                 target = self._path(item.key)
@@ -251,6 +258,8 @@ class PersistentStore:
             for parent in {self._path(key).parent for key in added}:
                 manifests.fsync_directory(parent)
             manifests.write(self._manifest_path, listing)
+            for key in unlisted:  # only once no manifest lists them (a listed block's file is always there)
+                self._path(key).unlink(missing_ok=True)
             return len(added)
 
     def _load_for_update(self) -> Manifest:
@@ -305,6 +314,7 @@ class PersistentStore:
 
 
 def _release(owner: OwnerLock, scratch: Path) -> None:
-    shutil.rmtree(scratch, ignore_errors=True)
-    owner.release()
-    owner.path.unlink(missing_ok=True)
+    with deferred_interrupts():  # all of it, or a Ctrl-C would leave the lock held on a removed scratch area
+        shutil.rmtree(scratch, ignore_errors=True)
+        owner.release()
+        owner.path.unlink(missing_ok=True)
