@@ -115,20 +115,25 @@ class LRUPolicy(Policy):
                 yield self._blocks[block_id]
 
     def _place(self, block: Block) -> None:
+        """Index the block. Its entry goes in last, and :meth:`_unplace` takes it out first, so an interrupt
+        between any two lines (a crop's copy is inserted outside a deferred commit) never leaves an entry
+        whose block is unknown, nor one that a later ``_unplace`` cannot find."""
         tick = int(self._tick[block.id])
+        self._blocks[block.id] = block
+        self._placed[block.id] = (block.tier, tick)
         layers = self._index.setdefault((block.tier, block.slot_bytes), {})
         layers.setdefault(block.layer, SortedList()).add((tick, block.id))
-        self._placed[block.id] = (block.tier, tick)
-        self._blocks[block.id] = block
 
     def _unplace(self, block: Block) -> None:
         """Take the block's entry out of the index, wherever it was placed (a no-op if it is not indexed)."""
-        placed = self._placed.pop(block.id, None)
-        if placed is None:
-            return
-        tier, tick = placed
-        self._index[(tier, block.slot_bytes)][block.layer].discard((tick, block.id))
-        del self._blocks[block.id]
+        placed = self._placed.get(block.id)
+        if placed is not None:
+            tier, tick = placed
+            entries = self._index.get((tier, block.slot_bytes), {}).get(block.layer)
+            if entries is not None:
+                entries.discard((tick, block.id))
+        self._placed.pop(block.id, None)
+        self._blocks.pop(block.id, None)
 
     def _push(self, heads: list, layer: int, it: Iterator[Block]) -> None:
         block = next(it, None)
