@@ -251,6 +251,21 @@ def test_the_block_a_query_needs_is_fetched_from_disk_per_row(tmp_path, head):
     executor.close()
 
 
+def test_by_default_only_the_open_tail_is_forced_and_a_recent_window_takes_budget(tmp_path):
+    """Default ``recent``: the open tail alone is always read, so a three-block budget reads the sink, the needle
+    and the tail; asking for one block of recent tokens forces the last full block in and leaves the needle no
+    room. Either way the budget holds: three blocks per row."""
+    store, _ = store_with_needles(tmp_path, {0: 5, 1: 10})
+    executor = SparseAttention(store, ThreadMover())
+    q = query_for_head(0)
+    executor.attend(0, 0, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT))
+    assert executor.last_columns.tolist() == [[0, 5, COLUMNS - 1], [0, 10, COLUMNS - 1]]
+    executor.attend(0, 0, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=BT))
+    assert executor.last_columns.tolist() == [[0, COLUMNS - 2, COLUMNS - 1]] * 2
+    assert executor.counters.blocks_selected == 2 * 2 * 3
+    executor.close()
+
+
 def test_a_block_whose_channels_peak_on_different_tokens_is_not_taken_for_the_needle(tmp_path):
     """Quest's bound adds each channel's max over the block's tokens: a block whose tokens each peak in other
     channels bounds a high logit that no token of it has. The mean key gives its true mean logit, and the

@@ -566,7 +566,7 @@ class TieredCache(Cache):
 
         Each decode step, every layer scores its blocks by their key summaries and attends exactly over the
         best ones within ``tokens`` (an int, or a fraction of the context in (0, 1]), which include ``sinks``
-        (first tokens; default one block) and ``recent`` (last tokens; default one block) — fetched from
+        (first tokens; default one block) and ``recent`` (last tokens; default: the open tail) — fetched from
         whatever tier holds them (:mod:`tierkv.attention.sparse`). ``dense_layers``: the first layers attend in
         full, their blocks taken out of the other layers' budgets. Nothing is dropped: a later step can read any
         block again. Prefill and other multi-token steps stay exact (streaming attention, ``chunk_tokens``)::

@@ -19,6 +19,7 @@ Rules (the budget counts attended blocks per layer, sinks and the recent window 
     gauss-bound      the same, never above Quest's bound
     submeans         --parts mean keys per block (equal slices), the block's mass their masses' sum
                      (log-sum-exp), mixed with the bound by --mix like ``mixed``
+    union            the top blocks of the bound's list and of the mean logit's, taken in turn
     lowrank          every token's key in a rank-r basis of the layer's keys (principal directions at the
                      first decode step; Loki / ShadowKV), its approximate attention mass summed per block
     per-head         each KV head its own top blocks by the mixed estimate, the union read, each head masked
@@ -55,7 +56,7 @@ from tierkv.quality.metrics import Agreement, compare
 from tierkv.quality.tasks import answer_matches
 
 RULES = ("quest", "mixed", "gauss", "gauss-bound", "per-head", "per-head-union", "oracle", "oracle-per-head",
-         "oracle-top-p", "mixed-top-p", "lowrank", "submeans")
+         "oracle-top-p", "mixed-top-p", "lowrank", "submeans", "union")
 
 
 class Study:
@@ -102,6 +103,11 @@ class Study:
             own = torch.zeros(heads, hi - lo, dtype=torch.bool)
             own.scatter_(1, score.amax(2).topk(top, dim=1).indices, True)
             chosen[:, lo:hi] = own.any(0) if self.rule == "per-head-union" else own
+        elif top > 0 and self.rule == "union":  # the best of the bound's list and of the mean's, in turn
+            rank = [torch.softmax(e * scaling, dim=1).amax(2).amax(0).argsort(descending=True).argsort()
+                    for e in self.estimate(q, keys, scaling, parts=True)]
+            key = torch.minimum(rank[0], rank[1]) * 2 + (rank[1] < rank[0])  # ties: the bound's first
+            chosen[:, lo + (-key).topk(top).indices] = True
         elif top > 0:
             agg = score.amax(2).amax(0) if self.agg == "max" else score.mean(dim=(0, 2))
             chosen[:, lo + agg.topk(top).indices] = True
@@ -121,7 +127,7 @@ class Study:
         mean, basis = self.bases[layer]
         return mean + torch.einsum("htr,hrd->htd", torch.einsum("htd,hrd->htr", k - mean, basis), basis)
 
-    def estimate(self, q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    def estimate(self, q: torch.Tensor, keys: torch.Tensor, scaling: float, parts: bool = False):
         """The rule's estimate of each block's logit ``[H_kv, C, G]`` from ``keys`` ``[H_kv, C, bt, D]``:
         ``quest`` the bound; ``mixed`` (bound + mean-key logit) / 2 with weight ``mix`` on the bound;
         ``gauss`` the log-mean-exp of a block whose logits are Gaussian with the keys' per-channel variance,
@@ -129,6 +135,8 @@ class Study:
         bound = torch.einsum("hgd,hcd->hcg", q.clamp_min(0), keys.amax(2)) + \
             torch.einsum("hgd,hcd->hcg", q.clamp_max(0), keys.amin(2))  # [H_kv, C, G]
         mean = torch.einsum("hgd,hcd->hcg", q, keys.mean(2))
+        if parts:
+            return bound, mean
         if self.rule == "quest":
             return bound
         if self.rule.startswith("gauss"):

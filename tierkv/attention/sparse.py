@@ -24,12 +24,12 @@ Nothing is dropped from the store: a block that is not selected now is read the 
 whatever tier holds it.
 
 The budget ``tokens`` counts every attended token in whole blocks: the sinks (the layer's first blocks), the
-recent window (its last blocks, always including the open tail that holds the new token) and the top-scored
-blocks in between. ``dense_layers`` attends the first layers in full (Quest does so for two: their attention
-is diffuse) and takes their blocks out of the other layers' budgets, so the total over layers stays within
-``tokens`` per layer. Fast path: when the budget covers every block of the layer, the step reads them all
-and is exact (no scoring). Prefill and multi-token steps are not this executor's: the adapter runs them
-through exact streaming attention. Key summaries are turned on in the store the first time this executor
+recent window (its last blocks, always including the open tail that holds the new token; by default that tail
+alone) and the top-scored blocks in between. ``dense_layers`` attends the first layers in full (Quest does so
+for two: their attention is diffuse) and takes their blocks out of the other layers' budgets, so the total over
+layers stays within ``tokens`` per layer. Fast path: when the budget covers every block of the layer, the step
+reads them all and is exact (no scoring). Prefill and multi-token steps are not this executor's: the adapter
+runs them through exact streaming attention. Key summaries are turned on in the store the first time this executor
 runs (blocks already full are summarised then, read once).
 """
 
@@ -61,8 +61,9 @@ class SparseBudget:
 
     ``tokens``: attended tokens per row and layer — an int, or a float in (0, 1] for that fraction of the
     layer's context — sinks and recent window included, rounded up to whole blocks. ``sinks``: tokens at the
-    start always attended (default: one block). ``recent``: the last tokens always attended (default: one
-    block; the open tail is attended in any case). ``dense_layers``: the first layers attended in full, their
+    start always attended (default: one block). ``recent``: the last tokens always attended (default 0: the
+    open tail, attended in any case; the blocks before it compete like any other — a forced last full block
+    measured worse on SmolLM2, docs/quality.md). ``dense_layers``: the first layers attended in full, their
     blocks taken out of the other layers' budgets (default 0: measured worse at 10% on SmolLM2).
     """
 
@@ -216,7 +217,7 @@ class SparseAttention(PipelinedExecutor):
         else:
             total = budget.budget_blocks(stop - start, end - first, bt, len(store.layouts))
         sinks = min(end - first, -(-(bt if budget.sinks is None else budget.sinks) // bt))
-        recent_tokens = bt if budget.recent is None else budget.recent
+        recent_tokens = budget.recent or 0  # default: the open tail only
         recent_from = min(end - 1, max(start, stop - recent_tokens) // bt)  # the tail column at least
         lo, hi = first + sinks, recent_from  # candidates: [lo, hi), all full
         top = total - sinks - (end - recent_from)

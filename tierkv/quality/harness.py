@@ -53,9 +53,9 @@ class Method:
 class CacheSetup:
     """How each method's TieredCache is built; placement changes no result, only what a step moves."""
 
-    block_tokens: int = 16  # Quest's page size: 2% of 2K is 41 tokens, i.e. sinks + recent + 1 block
+    block_tokens: int = 16  # Quest's page size: 2% of 2K is 41 tokens, i.e. a sink, the tail + 1 block
     sinks: int | None = None  # default: one block
-    recent: int | None = None  # default: one block
+    recent: int | None = None  # default: the open tail only
     dense_layers: int = 0  # first layers attended in full (their blocks come out of the others' budgets)
     device_fraction: float = 0.25  # device budget: the streaming minimum, this share of the KV, and ...
     device_extra: int = 64 << 20  # ... this much for the sparse staging and the key summaries
