@@ -20,7 +20,7 @@ gather, every speculative disk read counts, used or not). "Mostly on disk" is as
 and after. Targets (asserted with ``--benchmark-enable``): at the budget under 5% of the context, >= 10x fewer
 bytes read per token and a step >= 5x faster than exact. Budgets are whole blocks below 5% and 10% of the
 context (``TIERKV_BENCH_SPARSE_BUDGETS``: a comma-separated subset of the two, e.g. ``5`` at 64K to prefill
-fewer caches).
+fewer caches). ``TIERKV_BENCH_SPARSE_RUNNERS``: runners-up each speculative guess adds per row (default 0).
 
 ``test_attention_policy_vs_lru``: two caches prefilled alike, policy ``lru`` and ``attention``; DECODE sparse
 steps each; the bytes read from host and disk per step over the second half (after promotions settled).
@@ -53,6 +53,7 @@ BUDGETS = tuple(int(CONTEXT * BUDGET_SHARES[key]) // BLOCK_TOKENS * BLOCK_TOKENS
                 for key in env_str("TIERKV_BENCH_SPARSE_BUDGETS", "5,10").split(","))
 GPU, CPU = env_str("TIERKV_BENCH_SPARSE_GPU", "7MiB"), "1MiB"
 SPARSE_CHUNK = 1024  # the sparse caches' streaming chunks (prefill chunks stay 4K)
+RUNNERS = int(env_str("TIERKV_BENCH_SPARSE_RUNNERS", "0"))  # runners-up per speculative guess (SparseAttention)
 ROUNDS, STEPS, WARMUP = 6, 3, 4
 DECODE = 48  # sparse steps per cache in the policy comparison
 READ_LINKS = ("device->device", "host->device", "disk->device")
@@ -128,6 +129,8 @@ def test_sparse_vs_exact(benchmark, capsys) -> None:
         for _ in range(WARMUP):
             for decoder in decoders.values():
                 decoder.step([], [])
+                if "sparse" in decoder.cache.executors:
+                    decoder.cache.executors["sparse"].speculate_runners = RUNNERS
         for _ in range(ROUNDS):
             for name, decoder in decoders.items():
                 for _ in range(STEPS):

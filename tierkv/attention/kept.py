@@ -19,11 +19,12 @@ Kept blocks are copies: the store's table is untouched and nothing is dropped fr
 selection, reset) calls :meth:`KeptBlocks.clear`; block ids never repeat, so a kept block is never mistaken
 for another one.
 
-Memory: a layer keeps :data:`KEEP_FACTOR` times its selection's blocks (the previous selection and the blocks
-that recently left it), or only its selection's, or nothing, whichever fits in the :data:`KEEP_SHARE` of the
-device budget that all kept layers may take together and still leaves the device room for every layer's open
-tail (``tierkv.staging.device_minimum``); a layer that is not kept reads its whole selection every step (the
-behaviour without this module).
+Memory: a layer keeps up to :data:`KEEP_FACTOR` times its selection's blocks (the previous selection and the
+blocks that recently left it) but no more than its equal part of the :data:`KEEP_SHARE` of the device budget
+that all kept layers may take together (so that the first layers do not take it all: at least its selection's),
+or only its selection's, or nothing, whichever fits in what is left of that share and still leaves the device
+room for every layer's open tail (``tierkv.staging.device_minimum``); a layer that is not kept reads its whole
+selection every step (the behaviour without this module; speculation then guesses its previous selection).
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ class KeptBlocks:
         block_bytes = batch * store.block_tokens * layout.token_bytes
         share = int(store.device.budget * KEEP_SHARE) - self.reserved
         tails = open_tail_bytes(len(store.layouts), batch, layout.slot_bytes)  # must stay possible beside it
-        for capacity in (KEEP_FACTOR * count, count):
+        fair = int(store.device.budget * KEEP_SHARE) // (len(store.layouts) * block_bytes)  # blocks per layer
+        for capacity in dict.fromkeys((min(KEEP_FACTOR * count, max(count, fair)), count)):
             nbytes = capacity * block_bytes
             if nbytes > share or device_minimum(store.device.reserved + nbytes, tails) > store.device.budget:
                 continue

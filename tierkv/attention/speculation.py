@@ -9,7 +9,8 @@ own threads into a host bounce buffer while layer ``i`` scores, reads, attends a
 
     guess[i + 1]  = its previous step's selection                      (minus the open tail: it is on the device)
                   ∪ the ``runners`` best-scored blocks it did not select  (the next ones up, by that step's scores)
-                  minus the blocks it keeps on the device (tierkv.attention.kept), minus those not on disk
+                  minus the blocks it keeps on the device (tierkv.attention.kept: all of its previous selection,
+                  so a kept layer's guess is its runners-up alone), minus those not on disk
     submit        one batched engine read of the guess's disk slots (ascending: runs coalesce)
     layer i + 1:  hit  = a block the real selection must read that the guess holds, at the same disk slot
                   read the misses as usual (one ReadPlan); copy the hits out of the bounce buffer
@@ -120,10 +121,15 @@ class Speculation:
         rows = store.table.layer_rows(layer)
         if rows is None or rows.batch != previous.shape[0]:
             return
-        guess = previous
         runners = self._runners.get(layer)
-        if runners is not None and runners.shape[0] == previous.shape[0]:
-            guess = np.concatenate((previous, runners), axis=1)
+        if runners is not None and runners.shape[0] != previous.shape[0]:
+            runners = None
+        if held is not None:  # a kept layer holds its previous selection (the last step placed all of it)
+            if runners is None:
+                return
+            guess = runners
+        else:
+            guess = previous if runners is None else np.concatenate((previous, runners), axis=1)
         row = np.broadcast_to(np.arange(rows.batch)[:, None], guess.shape)
         inside = (guess >= 0) & (guess < rows.count - 1)  # a full block (the open tail is on the device)
         row, guess = row[inside], guess[inside]
