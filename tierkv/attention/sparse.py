@@ -162,7 +162,7 @@ class SparseAttention(PipelinedExecutor):
         self._left_at: float | None = None  # telemetry: when the previous layer's attention returned
         self.last_columns: np.ndarray | None = None  # the last layer-step's selection [B, K] (grid columns)
         self.kept = KeptBlocks(store)  # each layer's blocks of earlier steps, on the device
-        self.speculation = Speculation(store, self.counters.speculation, self.speculate_runners)
+        self.speculation = Speculation(store, self.counters.speculation)
         self._ranked: tuple[int, int, torch.Tensor] | None = None  # (layer, lo, score [B, C]) of the last scoring
 
     def attend(self, layer: int, start: int, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,

@@ -8,7 +8,7 @@ layer: layer 0's, for the next step) likely selection is submitted to the disk e
 own threads into a host bounce buffer while layer ``i`` scores, reads, attends and the model computes on::
 
     guess[i + 1]  = its previous step's selection                      (minus the open tail: it is on the device)
-                  ∪ the ``runners`` best-scored blocks it did not select  (the next ones up, by that step's scores)
+                  ∪ its best-scored blocks it did not select   (``SparseAttention.speculate_runners`` per row)
                   minus the blocks it keeps on the device (tierkv.attention.kept: all of its previous selection,
                   so a kept layer's guess is its runners-up alone), minus those not on disk
     submit        one batched engine read of the guess's disk slots (ascending: runs coalesce)
@@ -96,9 +96,8 @@ class Claim:
 class Speculation:
     """The speculative reads of one sparse executor (one per layer at most) and their counters."""
 
-    def __init__(self, store: KVStore, counters: SpeculationCounters, runners: int = 0) -> None:
+    def __init__(self, store: KVStore, counters: SpeculationCounters) -> None:
         self.store = store
-        self.runners = runners  # best-scored unselected blocks added to a guess, per row (informational)
         self.counters = counters
         self._selected: dict[int, np.ndarray] = {}  # layer -> its last selection [B, K] (grid columns)
         self._runners: dict[int, np.ndarray] = {}  # layer -> its last runners-up [B, r] (grid columns)
@@ -107,7 +106,9 @@ class Speculation:
     def remember(self, layer: int, columns: np.ndarray, runners: np.ndarray | None) -> None:
         """Layer ``layer`` selected ``columns`` ``[B, K]`` this step (``runners`` ``[B, r]``: the next best)."""
         self._selected[layer] = columns
-        if runners is not None:
+        if runners is None:
+            self._runners.pop(layer, None)
+        else:
             self._runners[layer] = runners
 
     def launch(self, layer: int, held: np.ndarray | None) -> None:
