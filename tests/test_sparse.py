@@ -376,6 +376,26 @@ def test_kept_blocks_are_reused_and_a_new_selection_reads_only_what_it_lacks(tmp
     assert store.device.reserved == reserved  # ... and released with the executor
 
 
+def test_every_layer_gets_its_part_of_the_kept_share(tmp_path):
+    """Three layers whose doubled selections do not all fit the kept share: each keeps its equal part (at least
+    its selection), instead of the first two taking everything and the third reading all of its blocks."""
+    from tierkv.attention.kept import KEEP_SHARE, KeptBlocks
+
+    device = MemoryTier(Tier.DEVICE, 96 * 4096, torch.device("cpu"), chunk_bytes=2 * 4096)
+    store = KVStore(device, MemoryTier(Tier.HOST, 96 * 4096, torch.device("cpu")), None, make_policy("lru"), BT)
+    for layer in range(3):
+        store.append(layer, torch.zeros(2, HEADS, 3 * BT, DIM), torch.zeros(2, HEADS, 3 * BT, DIM))
+    block_bytes = 2 * BT * store.layouts[0].token_bytes  # two rows
+    count = int(device.budget * KEEP_SHARE) // (3 * block_bytes) * 2 // 3  # 2x for all three does not fit
+    kept = KeptBlocks(store)
+    layers = [kept.layer(layer, 2, count) for layer in range(3)]
+    fair = int(device.budget * KEEP_SHARE) // (3 * block_bytes)
+    assert all(k is not None for k in layers) and [k.capacity for k in layers] == [fair] * 3
+    assert count < fair < 2 * count and kept.reserved <= device.budget * KEEP_SHARE
+    kept.release()
+    assert kept.reserved == 0
+
+
 def test_a_failed_read_leaves_nothing_stale_kept(tmp_path, monkeypatch):
     """A read that fails mid-step forgets the positions it was filling: the next step reads them again."""
     store, kv = store_with_needles(tmp_path, {0: 5, 1: 10})
