@@ -60,6 +60,18 @@ def test_fit_link_clamps_negative_latency_to_zero():
     assert 0.9e10 < link.bandwidth_bytes_per_s < 1.1e10
 
 
+
+def test_fit_link_survives_one_sample_slowed_by_a_busy_host():
+    """``tierkv bench --quick`` on a loaded host: one small transfer's median, slowed 200x (its thread was
+    descheduled for tens of milliseconds), tilts the least-squares slope below zero; the link must still be
+    fitted, close to the truth, not dropped from the profile."""
+    sizes = [4096 * 4**k for k in range(6)]  # 4 KiB .. 4 MiB, the quick bench's sizes
+    times = [5e-6 + s / 8e9 for s in sizes]
+    times[3] *= 200  # the 256 KiB sample
+    link = fit_link("host->host", sizes, times)
+    assert 7e9 < link.bandwidth_bytes_per_s < 9e9
+    assert 0 <= link.latency_s < 1e-4
+
 @pytest.mark.parametrize(
     ("sizes", "times", "needle"),
     [

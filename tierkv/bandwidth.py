@@ -83,7 +83,9 @@ def fit_link(name: str, sizes_bytes: Sequence[int], seconds: Sequence[float]) ->
     Measurements over a range of sizes separate the two terms: the intercept is the per-transfer latency,
     the slope the inverse bandwidth. Noise can push the unconstrained intercept below zero; a latency
     cannot be negative, so the fit is then redone with the latency fixed at 0 (the constrained optimum
-    of this convex problem lies on that boundary).
+    of this convex problem lies on that boundary). One sample slowed by a busy host can tilt the least-squares
+    slope to zero or below; the fit then falls back to Theil-Sen (the median of the pairwise slopes), which
+    ignores such outliers, so a noisy run still yields the link instead of dropping it from the profile.
     """
     if len(sizes_bytes) != len(seconds):
         raise InvalidConfigError(
@@ -110,6 +112,10 @@ def fit_link(name: str, sizes_bytes: Sequence[int], seconds: Sequence[float]) ->
     if latency < 0:
         slope = sum(x * t for x, t in zip(xs, ts, strict=True)) / sum(x * x for x in xs)
         latency = 0.0
+    if slope <= 0 and len(set(xs)) >= 3:  # an outlier, not a flat series: the robust estimate
+        pairs = [(xs[j], ts[j], xs[i], ts[i]) for i in range(n) for j in range(i) if xs[i] != xs[j]]
+        slope = statistics.median((t2 - t1) / (x2 - x1) for x1, t1, x2, t2 in pairs)
+        latency = max(0.0, statistics.median(t - slope * x for x, t in zip(xs, ts, strict=True)))
     if slope <= 0:
         raise InvalidConfigError(
             f"fit_link({name!r}): time does not grow with size (slope {slope:.3g} s/B), so no bandwidth "
