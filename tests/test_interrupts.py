@@ -397,6 +397,121 @@ def test_decode_steps_with_both_executors(tmp_path):
     _cache_case(tmp_path, "streaming", _decode_streaming)
 
 
+
+class SecondInterrupt:
+    """Once ``first`` has fired, deliver another SIGINT at the ``nth`` Python call into :data:`TRACED` files while
+    the first unwinds (its undo). A profile hook, not a trace: raising from the trace function switched tracing
+    off. Call ``1`` is typically the entry of an undo's ``deferred_interrupts()``, before it holds signals."""
+
+    def __init__(self, first: Interrupt, nth: int, function: str | None = None) -> None:
+        self.first, self.nth, self.calls, self.fired = first, nth, 0, False
+        self.function = function  # count only calls of this function (by name), if given
+
+    def __enter__(self) -> SecondInterrupt:
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        sys.setprofile(None)
+
+    def _profile(self, frame, event, arg):
+        code = frame.f_code
+        if event != "call" or self.fired or not self.first.fired or not code.co_filename.startswith(TRACED) \
+                or self.function not in (None, code.co_name):
+            return
+        self.calls += 1
+        if self.calls == self.nth:
+            self.fired = True
+            sys.setprofile(None)
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)
+
+
+
+def test_a_second_ctrl_c_during_the_stores_recover(tmp_path):
+    """An append interrupted as one of its commits starts (slots taken, not yet recorded), then again as its
+    ``recover()`` starts (before it holds signals): the slots stay taken until the next store operation, which
+    recovers first; then no slot is leaked."""
+    setup = _filled(tmp_path, "twice")
+    operation = _append(9)
+    commits = frozenset({"deferred_interrupts"})
+    with Interrupt(functions=commits) as counter:
+        operation(setup())
+    leaked_then_recovered = 0
+    for nth in points(counter.lines):
+        store = setup()
+        with Interrupt(nth, functions=commits) as first, SecondInterrupt(first, 1, "recover"), \
+                contextlib.suppress(KeyboardInterrupt):
+            operation(store)
+        store.writeback.reap(wait=True)
+        try:
+            store.check()
+        except AssertionError:
+            leaked_then_recovered += 1
+        _append(1)(store)  # the next operation
+        store.writeback.reap(wait=True)
+        check_store(store)
+        check_frees_everything(store)
+    assert leaked_then_recovered, "no second interrupt cut a recover() short: the test reached nothing"
+
+def test_a_second_ctrl_c_during_the_undo_of_the_first(tmp_path):
+    """A decode step interrupted twice, the second time inside the undo of the first (cache rollback, the store's
+    recover, an in-place append's undo): the next step settles whatever the cut undo left, and the cache then
+    equals ``DynamicCache`` with no slot leaked; ``close()`` removes the files."""
+    from transformers import DynamicCache
+
+    from tierkv import TieredCache
+
+    model = _model()
+    ids = torch.randint(2, 128, (1, 26), generator=torch.Generator().manual_seed(3))
+    prompt, step, after = ids[:, :24], ids[:, 24:25], ids[:, 25:26]
+
+    def fresh(directory):
+        cache = TieredCache(gpu_gb="40KB", cpu_gb="24KB", disk_dir=directory, block_tokens=4)
+        with torch.no_grad():
+            model(prompt, past_key_values=cache)
+        assert cache.stats()["blocks"]["disk"] > 0
+        return cache
+
+    reference = DynamicCache()
+    with torch.no_grad():
+        model(ids, past_key_values=reference)
+    cache = fresh(tmp_path / "count")
+    with Interrupt() as counter, torch.no_grad():
+        model(step, past_key_values=cache)
+    cache.close()
+    seconds_fired = 0
+    for run, (nth, second) in enumerate((n, m) for n in points(counter.lines, 16) for m in (1, 2, 4, 8)):
+        directory = tmp_path / f"run-{run}"
+        cache = fresh(directory)
+        with Interrupt(nth) as first, SecondInterrupt(first, second) as again:
+            try:
+                with torch.no_grad():
+                    model(step, past_key_values=cache)
+            except KeyboardInterrupt:
+                pass
+        where = f"first at line {nth} ({first.where}), second at call {second}: "
+        seconds_fired += again.fired
+        with torch.no_grad():
+            length = cache.get_seq_length()  # what generate() asks first
+            assert length in (24, 25), where + str(length)
+            if length == 24:
+                model(step, past_key_values=cache)
+            model(after, past_key_values=cache)  # a store operation after the interrupts
+        store = cache.store
+        store.writeback.reap(wait=True)
+        try:
+            check_store(store)
+            assert {layer.get_seq_length() for layer in cache.layers} == {26}
+            for index, layer in enumerate(reference.layers):
+                stored = store.read_tokens(index)
+                torch.testing.assert_close(stored[0], layer.keys, atol=1e-5, rtol=0)
+                torch.testing.assert_close(stored[1], layer.values, atol=1e-5, rtol=0)
+        except AssertionError as exc:
+            raise AssertionError(where + str(exc)) from exc
+        cache.close()
+        assert not [p for p in directory.iterdir() if p.name.startswith("tierkv-") and p.is_file()], where
+    assert seconds_fired > 10, f"only {seconds_fired} second interrupts were delivered"
+
 def test_save_load_and_load_prefix(tmp_path):
     """An interrupted save leaves no file or a complete one; an interrupted load or load_prefix leaves no cache
     files behind and the persistent directory opens clean with every listed block valid."""

@@ -36,6 +36,7 @@ except ImportError:  # 5.0: DynamicCache inlines the same rule (see _layer_types
     get_layer_types_and_kwargs = None
 
 from tierkv import accel
+from tierkv.atomic import deferred_interrupts
 from tierkv.attention.base import EXECUTORS, Executor
 from tierkv.attention.exact_gather import ExactGather
 from tierkv.attention.sparse import SparseAttention, SparseBudget
@@ -232,6 +233,7 @@ class TieredCache(Cache):
         self.store: KVStore | None = None
         self._chunk_tokens = DEFAULT_CHUNK_TOKENS
         self._streaming_depth = 0  # > 0 inside `streaming(model)`
+        self._unsettled: int | None = None  # the length a rollback cut short by a second Ctrl-C still owes
         self._sparse: SparseBudget | None = None  # inside `sparse(model)`: decode steps attend sparsely
         self._attending: str | None = None  # the executor of the last attention call (streaming or sparse)
         self._closed = False
@@ -280,9 +282,16 @@ class TieredCache(Cache):
     # ------------------------------------------------------------------------------ transformers API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._unsettled is not None:
+            self._roll_back_to(self._unsettled)
         if not 0 <= layer_idx < len(self.layers):
             self._add_layers(layer_idx)
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self._unsettled is not None:  # generate() asks before its first update: finish the rollback first
+            self._roll_back_to(self._unsettled)
+        return super().get_seq_length(layer_idx)
 
     def _add_layers(self, layer_idx: int) -> None:
         """Layers up to ``layer_idx`` (a model seen without ``config=``); refused beyond the config's count."""
@@ -317,6 +326,7 @@ class TieredCache(Cache):
             self.store.reset()
         for layer in self.layers:
             layer.reset()
+        self._unsettled = None
 
     # ----------------------------------------------------------------------------------- tierkv API
     def stats(self) -> dict[str, Any]:
@@ -550,13 +560,14 @@ class TieredCache(Cache):
             model.set_attn_implementation(STREAMING_ATTENTION)
             yield self
         finally:
-            self._streaming_depth -= 1
-            try:
-                self._switch_executor()
-            finally:  # the model is restored even if an interrupt lands in the executors' bookkeeping
-                for module in modules:
-                    module.__dict__.pop("_tierkv_cache", None)
-                model.set_attn_implementation(previous)
+            with deferred_interrupts():  # a Ctrl-C while leaving waits until the model is the user's again
+                self._streaming_depth -= 1
+                try:
+                    self._switch_executor()
+                finally:  # the model is restored even if the executors' bookkeeping fails
+                    for module in modules:
+                        module.__dict__.pop("_tierkv_cache", None)
+                    model.set_attn_implementation(previous)
 
     @contextlib.contextmanager
     def sparse(self, model: torch.nn.Module, tokens: int | float = 2048, sinks: int | None = None,
@@ -632,6 +643,7 @@ class TieredCache(Cache):
                 return key_states, value_states
             return self.executor.gather(layer.index, layer.attention_start(key_states.shape[2]))
         except BaseException:  # a KeyboardInterrupt too: the layers that took this step give it back
+            self._unsettled = layer.length_before  # first, by assignment: no signal is handled here
             self._roll_back_to(layer.length_before)
             raise
 
@@ -654,6 +666,7 @@ class TieredCache(Cache):
                 return sparse.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap, self._sparse)
             return self.streamer.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap)
         except BaseException:
+            self._unsettled = layer.length_before  # first, by assignment: no signal is handled here
             self._roll_back_to(layer.length_before)
             raise
 
@@ -698,17 +711,24 @@ class TieredCache(Cache):
     def _roll_back_to(self, length: int) -> None:
         """After a failed update: layers that already took this step's tokens give them back.
 
-        Called while an error propagates; a failure here is logged, so the original error is the one raised.
+        Called while an error propagates; a failure here is logged, so the original error is the one raised. A
+        second Ctrl-C meanwhile is held until every layer is back (the undo is a few table edits per layer); one
+        that lands before the hold starts leaves ``_unsettled`` set, and the next ``update`` or
+        ``get_seq_length`` finishes the rollback.
         """
         if self.store is None:
+            self._unsettled = None
             return
         try:
-            self._invalidate_staged()
-            for layer in self.layers:
-                if isinstance(layer, TieredLayer) and layer.get_seq_length() > length:
-                    self._crop_layer(layer, length - layer.get_seq_length())
+            with deferred_interrupts():
+                self._invalidate_staged()
+                for layer in self.layers:
+                    if isinstance(layer, TieredLayer) and layer.get_seq_length() > length:
+                        self._crop_layer(layer, length - layer.get_seq_length())
+                self._unsettled = None
         except Exception:
             log.exception("tierkv: rolling back a failed update failed; layers may differ in length")
+            self._unsettled = None  # not retried: the failure is logged once
 
     def _crop_layer(self, layer: TieredLayer, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -771,7 +791,8 @@ class TieredCache(Cache):
                 layer_kv = layer_kv.to(device)
                 self._ensure_store(layer_kv[0]).append(index, layer_kv[0], layer_kv[1])
         except BaseException:
-            self.reset()
+            with deferred_interrupts():  # all or nothing, even under a second Ctrl-C
+                self.reset()
             raise
 
     def _conversation_records(self, model: torch.nn.Module | None) -> Iterator[tuple[bytes, memoryview]]:

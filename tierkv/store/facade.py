@@ -76,13 +76,17 @@ class _NewBlocks:
 
 def _recovering(operation: Callable) -> Callable:
     """A store operation that, however it ends (an error, a KeyboardInterrupt at any line), leaves no slot
-    taken that no block holds: :meth:`KVStore.recover` runs before the exception goes on."""
+    taken that no block holds: :meth:`KVStore.recover` runs before the exception goes on. A second Ctrl-C that
+    lands before ``recover`` holds interrupts leaves ``unrecovered`` set: the next operation recovers first."""
 
     @functools.wraps(operation)
     def run(self: KVStore, *args, **kwargs):
+        if self.unrecovered:
+            self.recover()
         try:
             return operation(self, *args, **kwargs)
         except BaseException:
+            self.unrecovered = True  # by assignment, before any call: no signal is handled in between
             self.recover()
             raise
 
@@ -111,6 +115,7 @@ class KVStore:
         self.table = BlockTable(block_tokens)
         self.layouts: dict[int, BlockLayout] = {}
         self.tick = 0
+        self.unrecovered = False  # an operation failed and its recover() was cut short (see _recovering)
         self.device = device
         self.transfer = Transfer(self.tiers, device.device)
         self.writeback = Writeback(host, disk, lambda: self.table, policy, self.barrier, self._moved)
@@ -156,6 +161,7 @@ class KVStore:
         """After an operation that did not finish: forget blocks no row holds and give back every slot that no
         live block (or the write-back in flight) holds. O(blocks + slots), on the failure path only."""
         with deferred_interrupts():
+            self.unrecovered = False
             listed = set()
             for rows in self.table.rows.values():
                 listed.update(rows.ids.ravel().tolist())
@@ -265,9 +271,10 @@ class KVStore:
                 tail.tokens = held + tokens
             self._lengths[layer] = length + tokens
         except BaseException:
-            for tail in tails:
-                tail.tokens = held
-            self._lengths[layer] = length
+            with deferred_interrupts():  # the undo is not cut by a second Ctrl-C
+                for tail in tails:
+                    tail.tokens = held
+                self._lengths[layer] = length
             raise
         if self.summaries is not None and held + tokens == self.block_tokens:  # the tails just filled
             self.summaries.add(layer, [t.id for t in tails],
