@@ -26,6 +26,7 @@ from pathlib import Path
 from types import CodeType
 
 import numpy as np
+import pytest
 import torch
 from helpers import kv, make_store
 
@@ -511,6 +512,51 @@ def test_a_second_ctrl_c_during_the_undo_of_the_first(tmp_path):
         cache.close()
         assert not [p for p in directory.iterdir() if p.name.startswith("tierkv-") and p.is_file()], where
     assert seconds_fired > 10, f"only {seconds_fired} second interrupts were delivered"
+
+
+def test_a_ctrl_c_in_the_models_own_code_between_two_layers(tmp_path):
+    """SIGINT inside a decoder layer's own forward (no tierkv code on the stack) leaves the layers before it one
+    step ahead. The next forward's first update rolls them back and refuses that forward with a clear error (its
+    positions came from layer 0's length); the one after resumes, and generate() then gives DynamicCache's tokens
+    and logits."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from tierkv import TieredCache
+    from tierkv.errors import InterruptedStepError
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(2, 128, (1, 24), generator=torch.Generator().manual_seed(3))
+    options = dict(do_sample=False, max_new_tokens=6, output_scores=True, return_dict_in_generate=True)
+    reference = model.generate(ids, past_key_values=DynamicCache(), **options)
+
+    for stop_at in (0, 1, 2):  # the decoder layer whose MLP is interrupted (after its attention updated the cache)
+        cache = TieredCache(gpu_gb="48KB", cpu_gb="16KB", disk_dir=tmp_path / f"at-{stop_at}", block_tokens=4,
+                            config=config)
+        with torch.no_grad():
+            model(ids[:, :-1], past_key_values=cache)
+        assert cache.stats()["blocks"]["disk"] > 0
+
+        def interrupt(module, args):
+            raise KeyboardInterrupt
+
+        hook = model.model.layers[stop_at].mlp.register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model(ids[:, -1:], past_key_values=cache)
+        hook.remove()
+        lengths = [layer.get_seq_length() for layer in cache.layers]
+        assert lengths == [24] * (stop_at + 1) + [23] * (3 - stop_at), lengths  # what the interrupt left
+        with pytest.raises(InterruptedStepError, match="Call generate"):
+            model.generate(ids, past_key_values=cache, **options)
+        assert [layer.get_seq_length() for layer in cache.layers] == [23] * 4
+        check_store(cache.store)
+        out = model.generate(ids, past_key_values=cache, **options)
+        assert torch.equal(out.sequences, reference.sequences)
+        for got, want in zip(out.scores, reference.scores, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        cache.close()
 
 def test_save_load_and_load_prefix(tmp_path):
     """An interrupted save leaves no file or a complete one; an interrupted load or load_prefix leaves no cache

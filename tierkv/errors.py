@@ -35,3 +35,8 @@ class DiskFullError(DiskTierError):
 class IntegrityError(DiskTierError):
     """A block read back from below the host tier does not match the checksum taken when it was written
     (a failing drive, or another program wrote to the file): its data is never returned."""
+
+
+class InterruptedStepError(TierKVError, RuntimeError):
+    """The previous forward stopped between two layers (a Ctrl-C or an error in the model's own code): the layers
+    it reached were rolled back, and this forward, whose positions were computed before, is refused."""

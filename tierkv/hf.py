@@ -44,7 +44,7 @@ from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS, StreamingAttention
 from tierkv.bandwidth import LinkProfile
 from tierkv.blocks import Tier
 from tierkv.config import check_budgets_fit_machine, check_count, check_disk_engine, check_model_config, parse_size
-from tierkv.errors import IntegrityError, InvalidConfigError, TierKVError
+from tierkv.errors import IntegrityError, InterruptedStepError, InvalidConfigError, TierKVError
 from tierkv.layout import BlockLayout
 from tierkv.mover import make_mover
 from tierkv.persist import conversation
@@ -234,6 +234,8 @@ class TieredCache(Cache):
         self._chunk_tokens = DEFAULT_CHUNK_TOKENS
         self._streaming_depth = 0  # > 0 inside `streaming(model)`
         self._unsettled: int | None = None  # the length a rollback cut short by a second Ctrl-C still owes
+        self._step_layers = 0  # layers updated since the current forward's update of layer 0
+        self._full_step = 0  # layers a complete forward updates (the most one has updated)
         self._sparse: SparseBudget | None = None  # inside `sparse(model)`: decode steps attend sparsely
         self._attending: str | None = None  # the executor of the last attention call (streaming or sparse)
         self._closed = False
@@ -327,6 +329,7 @@ class TieredCache(Cache):
         for layer in self.layers:
             layer.reset()
         self._unsettled = None
+        self._step_layers = 0
 
     # ----------------------------------------------------------------------------------- tierkv API
     def stats(self) -> dict[str, Any]:
@@ -629,8 +632,11 @@ class TieredCache(Cache):
         if self._closed:
             raise InvalidConfigError("this TieredCache was closed (its tiers are released); create a new one.")
         store = self._ensure_store(key_states)
-        if layer.index == 0 and self._prefix is not None:
-            self._persist_new_blocks()  # the previous forward is complete: its full blocks can be persisted
+        if layer.index == 0:
+            self._begin_forward()
+            if self._prefix is not None:
+                self._persist_new_blocks()  # the previous forward is complete: its full blocks can be persisted
+        self._step_layers += 1
         layer.length_before = layer.get_seq_length()
         try:
             # Blocks that left the window during the previous step go now, not then: until this step is
@@ -644,6 +650,7 @@ class TieredCache(Cache):
             return self.executor.gather(layer.index, layer.attention_start(key_states.shape[2]))
         except BaseException:  # a KeyboardInterrupt too: the layers that took this step give it back
             self._unsettled = layer.length_before  # first, by assignment: no signal is handled here
+            self._step_layers = 0  # this forward is undone: the next one is not a resumption of it
             self._roll_back_to(layer.length_before)
             raise
 
@@ -667,6 +674,7 @@ class TieredCache(Cache):
             return self.streamer.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap)
         except BaseException:
             self._unsettled = layer.length_before  # first, by assignment: no signal is handled here
+            self._step_layers = 0  # this forward is undone: the next one is not a resumption of it
             self._roll_back_to(layer.length_before)
             raise
 
@@ -707,6 +715,27 @@ class TieredCache(Cache):
             layer.dropped += dropped
             for executor in self.executors.values():
                 executor.drop(layer.index)  # its prefetch counted tokens from the old front
+
+    def _begin_forward(self) -> None:
+        """A forward's first update: if the previous forward updated fewer layers than a complete one does, it
+        stopped between two layers in the model's own code (no tierkv code ran to undo it), so its layers differ
+        in length. Roll back the ones it reached and refuse this forward: its positions were computed from
+        layer 0's length, one step ahead."""
+        reached, self._step_layers = self._step_layers, 0
+        if not reached or reached >= self._full_step:
+            self._full_step = max(self._full_step, reached)
+            return
+        lengths = {layer.get_seq_length() for layer in self.layers if isinstance(layer, TieredLayer)} - {0}
+        if len(lengths) < 2:  # every layer that holds tokens holds as many (an update's own rollback ran)
+            return
+        behind = min(lengths)
+        self._unsettled = behind  # by assignment first, as in update's rollback
+        self._roll_back_to(behind)
+        raise InterruptedStepError(
+            f"the previous forward stopped after {reached} of {self._full_step} layers (a Ctrl-C or an error in the "
+            f"model between layers); the layers it reached were rolled back to {behind} tokens, so every layer "
+            "holds the same tokens again. Call generate() / the model again: it will resume from there."
+        )
 
     def _roll_back_to(self, length: int) -> None:
         """After a failed update: layers that already took this step's tokens give them back.
