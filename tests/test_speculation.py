@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 import torch
 from models import prompt, tiny_model
+from test_integrity import flip
 from test_sparse import BT, COLUMNS, DIM, query_for_head, reference_attention, store_with_needles
 
 from tierkv import TieredCache
 from tierkv.attention import kept as kept_module
 from tierkv.attention.sparse import SparseAttention, SparseBudget
 from tierkv.attention.speculation import Claim
-from tierkv.errors import DiskTierError
+from tierkv.blocks import Tier
+from tierkv.errors import DiskTierError, IntegrityError
 from tierkv.mover import ThreadMover
 
 # (id, keep blocks of earlier steps, runners-up per guess): without kept blocks the previous selection is
@@ -146,4 +148,21 @@ def test_a_table_edit_drops_the_speculation(tmp_path):
     cropped = kv[..., : kv.shape[3] - BT, :]
     torch.testing.assert_close(out.double(), reference_attention(query_for_head(0), cropped, executor.last_columns,
                                                                  DIM**-0.5), atol=1e-5, rtol=0)
+    executor.close()
+
+
+def test_a_corrupted_speculated_block_is_refused(tmp_path):
+    """A hit comes out of the speculative read only after its checksum is verified: a byte flipped on disk in a
+    guessed needle's slot fails the speculation, and the ordinary read of it raises IntegrityError — the step
+    never attends the corrupted bytes."""
+    store, _ = store_with_needles(tmp_path, {0: 5, 1: 10})
+    executor = SparseAttention(store, ThreadMover())
+    slot_file = next(iter(store.tiers[Tier.DISK].files.values()))
+    slot = int(store.table.layer_rows(0).slots[0, 5])
+    flip(slot_file.path, slot * slot_file.slot_bytes + 7, 0x10)
+    executor.speculation.remember(0, np.array([[0, 5], [0, 10]]), None)
+    executor.speculation.launch(0, None)
+    with pytest.raises(IntegrityError, match=f"slot {slot} "):
+        executor.attend(0, 0, query_for_head(0), None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
+    assert executor.counters.speculation.failed == 1 and executor.counters.speculation.hits == 4
     executor.close()

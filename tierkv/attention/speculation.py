@@ -83,14 +83,17 @@ class Claim:
     index: np.ndarray  # [h] the read positions of the hits, in np.nonzero(hits) order
 
     def land(self, dest: torch.Tensor, block_tokens: int) -> None:
-        """Copy the hits into ``dest`` ``[2, B, H_kv, >= P · block_tokens, D]`` at their positions (one copy per
-        hit, like one per run of a plan)."""
+        """Copy the hits into ``dest`` ``[2, B, H_kv, >= P · block_tokens, D]`` at their positions: the read's span
+        of hits lands in host memory in one piece (verified against the checksums, every round), one gather
+        picks the hits out of it and one indexed copy puts them at their grid positions — no per-block work."""
         positions = self.hits.shape[1]
         grid = dest[..., : positions * block_tokens, :].unflatten(3, (positions, block_tokens))
         blocks = grid.permute(1, 3, 0, 2, 4, 5)  # [B, P, 2, H_kv, bt, D]
-        rows, columns = np.nonzero(self.hits)
-        self.flight.pending.finish([(k, k + 1, blocks[r, c : c + 1])
-                                    for r, c, k in zip(rows.tolist(), columns.tolist(), self.index.tolist())])
+        lo, hi = int(self.index.min()), int(self.index.max()) + 1
+        span = torch.empty((hi - lo, *blocks.shape[2:]), dtype=dest.dtype)
+        self.flight.pending.finish([(lo, hi, span)])
+        rows, columns = (torch.from_numpy(axis) for axis in np.nonzero(self.hits))
+        blocks[rows, columns] = span[torch.from_numpy(self.index - lo)].to(dest.device)
 
 
 class Speculation:
