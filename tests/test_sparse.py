@@ -178,11 +178,20 @@ def test_dense_layers_are_read_in_full_and_paid_for_by_the_others(tmp_path):
         cache.store.check()
     assert sparse["exact_layer_steps"] == sparse["steps"] == sparse["layer_steps"] // 2  # layer 0 of each step
     assert sparse["blocks_selected"] < sparse["blocks_total"]  # layer 1 read less than all
-    nominal = sum(2 * -(-math.ceil(0.75 * n) // 4) for n in range(97, 97 + NEW - 1))  # both layers, each step
+    nominal = sum(2 * (math.floor(0.75 * n) // 4) for n in range(97, 97 + NEW - 1))  # both layers, each step
     assert sparse["blocks_selected"] <= nominal
     budget = SparseBudget(0.5, dense_layers=1)
-    assert budget.budget_blocks(94, 24, 4, 2) == 0  # 2 · 12 - 24: the dense layer used both layers' budget
-    assert budget.budget_blocks(94, 24, 4, 1) == 12 == SparseBudget(0.5).budget_blocks(94, 24, 4, 2)
+    assert budget.budget_blocks(96, 24, 4, 2) == 0  # 2 · 12 - 24: the dense layer used both layers' budget
+    assert budget.budget_blocks(94, 24, 4, 1) == 11 == SparseBudget(0.5).budget_blocks(94, 24, 4, 2)  # 47 // 4
+
+
+def test_the_budget_is_a_cap_in_whole_blocks():
+    """A budget never lets a step attend more tokens than it names: a fraction's tokens and the blocks are
+    rounded down (10% of 8,192 tokens in 16-token blocks: 51 blocks, 816 tokens, not 52)."""
+    assert SparseBudget(0.1).budget_tokens(8192) == 819
+    assert SparseBudget(0.1).budget_blocks(8192, 512, 16, 30) == 51
+    assert SparseBudget(100).budget_blocks(8192, 512, 16, 30) == 6
+    assert SparseBudget(0.001).budget_tokens(100) == 1  # at least one token: the open tail is always read
 
 
 # --------------------------------------------------------------------------- the executor on a store

@@ -373,11 +373,12 @@ def sparse_summary_bytes(req: PlanRequest) -> int:
 
 
 def sparse_fetched_tokens(req: PlanRequest, layer: int) -> int:
-    """Tokens a sparse decode step reads of ``layer`` per row: the budget in whole blocks, at most the layer."""
+    """Tokens a sparse decode step reads of ``layer`` per row: the budget in whole blocks (rounded down, as the
+    executor's cap; at least the open tail's block), at most the layer."""
     held = req.model.tokens_held(layer, req.context)
     if req.sparse_tokens >= held:
         return held
-    return min(held, math.ceil(req.sparse_tokens / req.block_tokens) * req.block_tokens)
+    return min(held, max(1, req.sparse_tokens // req.block_tokens) * req.block_tokens)
 
 
 def sparse_staging_bytes(req: PlanRequest) -> int:

@@ -60,7 +60,8 @@ class SparseBudget:
     """How much of a layer a sparse decode step reads.
 
     ``tokens``: attended tokens per row and layer — an int, or a float in (0, 1] for that fraction of the
-    layer's context — sinks and recent window included, rounded up to whole blocks. ``sinks``: tokens at the
+    layer's context — sinks and recent window included, rounded down to whole blocks (a cap: the attended
+    tokens never exceed it, unless the sinks and the open tail alone do). ``sinks``: tokens at the
     start always attended (default: one block). ``recent``: the last tokens always attended (default 0: the
     open tail, attended in any case; the blocks before it compete like any other — a forced last full block
     measured worse on SmolLM2, docs/quality.md). ``dense_layers``: the first layers attended in full, their
@@ -89,16 +90,16 @@ class SparseBudget:
                 raise InvalidConfigError(f"sparse {name}={value!r} must be an int >= 0 ({unit}).")
 
     def budget_tokens(self, context: int) -> int:
-        """Attended tokens per row for a layer attending over ``context`` tokens."""
+        """Attended tokens per row, at most, for a layer attending over ``context`` tokens."""
         if isinstance(self.tokens, float):
-            return max(1, math.ceil(self.tokens * context))
+            return max(1, math.floor(self.tokens * context))
         return self.tokens
 
     def budget_blocks(self, context: int, columns: int, block_tokens: int, num_layers: int) -> int:
         """Blocks a sparse layer of ``columns`` blocks holding ``context`` tokens reads per row: the budget in
         whole blocks, less the dense layers' blocks beyond their own budget (each taken to hold as many).
         Sinks and the recent window are read even where that leaves less (``stats()`` counts what was read)."""
-        nominal = -(-self.budget_tokens(context) // block_tokens)
+        nominal = self.budget_tokens(context) // block_tokens  # a cap: whole blocks within the budget
         dense = min(self.dense_layers, num_layers)
         if not dense or dense == num_layers:
             return nominal
