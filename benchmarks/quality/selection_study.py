@@ -32,7 +32,11 @@ Rules (the budget counts attended blocks per layer, sinks and the recent window 
                      mean (--cover mean); --account caps the total at what the fixed budget would read
     mixed-top-p      the same with the mixed estimate's softmax shares for the mass
 
---agg mean scores a block by its mean share over query heads instead of the largest.
+--agg mean scores a block by its mean share over query heads instead of the largest. --pair-bound bounds each
+RoPE channel pair (d, d + D/2) by the lesser of the box bound and |q_pair| · max |k_pair| (rotated keys fill a
+disc, not a box). --residual mean / gauss attends, besides the chosen keys, one stand-in per unchosen full block
+(its mean key with the logit bias log(block tokens), gauss: plus the Gaussian spread; its mean value): an
+estimate of the mass a selection leaves out. --block-tokens 1 with the oracle is per-token selection.
 
 ``blocks read`` is the fraction of the layer's blocks read (the union over heads). Timings mean nothing here.
 """
@@ -66,7 +70,7 @@ class Study:
                  cap: float = 1.0, cover: str = "min", account: bool = False) -> None:
         self.rule, self.budget, self.bt, self.layers = rule, budget, block_tokens, layers
         self.top_p, self.cap, self.cover, self.account = top_p, cap, cover, account
-        self.mix, self.agg = 0.5, "max"
+        self.mix, self.agg, self.residual, self.pair_bound = 0.5, "max", "none", False
         self.rank, self.bases, self.parts = 8, {}, 2
         self.read = self.total = 0
         self.credit = 0  # blocks the budget allowed but top-p did not read (account mode), per prompt
@@ -134,6 +138,14 @@ class Study:
         q·m + scaling/2 · Σ q_d² σ_d²; ``gauss-bound`` that, never above the bound."""
         bound = torch.einsum("hgd,hcd->hcg", q.clamp_min(0), keys.amax(2)) + \
             torch.einsum("hgd,hcd->hcg", q.clamp_max(0), keys.amin(2))  # [H_kv, C, G]
+        if self.pair_bound:  # per RoPE channel pair (d, d + D/2): the box's bound or |q_pair| · max |k_pair|
+            half = keys.shape[-1] // 2
+            box = q.clamp_min(0)[:, None] * keys.amax(2)[:, :, None] \
+                + q.clamp_max(0)[:, None] * keys.amin(2)[:, :, None]  # [H_kv, C, G, D]
+            box = box[..., :half] + box[..., half:]
+            qn = torch.hypot(q[..., :half], q[..., half:])  # [H_kv, G, D/2]
+            kn = torch.hypot(keys[..., :half], keys[..., half:]).amax(2)  # [H_kv, C, D/2]
+            bound = torch.minimum(box, qn[:, None] * kn[:, :, None]).sum(-1)
         mean = torch.einsum("hgd,hcd->hcg", q, keys.mean(2))
         if parts:
             return bound, mean
@@ -178,6 +190,23 @@ class Study:
             self.credit += nominal - want
         return max(want, 0)
 
+    def with_residual(self, q, k, v, scores, allowed, scaling):
+        """Attention over the chosen keys plus one stand-in per unchosen full block: its mean key with the
+        logit bias log(block tokens) (``gauss``: plus the Gaussian spread of the block's logits) and its mean
+        value — an estimate of the mass a block selection leaves out, instead of none."""
+        heads, length, dim = k.shape
+        full = length // self.bt
+        keys = k[:, : full * self.bt].reshape(heads, full, self.bt, dim)
+        values = v[:, : full * self.bt].reshape(heads, full, self.bt, dim)
+        logit = torch.einsum("hgd,hcd->hgc", q, keys.mean(2)) * scaling + torch.log(torch.tensor(float(self.bt)))
+        if self.residual == "gauss":
+            logit = logit + torch.einsum("hgd,hcd->hgc", q * q, keys.var(2, correction=0)) * (scaling**2 / 2)
+        unchosen = ~allowed[:, : full * self.bt : self.bt]  # [H_kv, C]
+        logit = logit.masked_fill(~unchosen[:, None], float("-inf"))
+        weights = torch.softmax(torch.cat([scores, logit], -1), -1)
+        return (torch.einsum("hgt,htd->hgd", weights[..., :length], v)
+                + torch.einsum("hgc,hcd->hgd", weights[..., length:], values.mean(2)))
+
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         """Decode-step attention ``[1, H_q, 1, D]`` over ``[1, H_kv, T, D]``, masked to the chosen keys."""
         heads, groups = key.shape[1], query.shape[1] // key.shape[1]
@@ -185,9 +214,15 @@ class Study:
         k, v = key[0].float(), value[0].float()  # [H_kv, T, D]
         scores = torch.einsum("hgd,htd->hgt", q, k) * scaling
         allowed = self.allowed(module.layer_idx, q, k, scaling)
-        if allowed is not None:
+        if allowed is None:
+            out = torch.einsum("hgt,htd->hgd", torch.softmax(scores, -1), v)
+        else:
             scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        out = torch.einsum("hgt,htd->hgd", torch.softmax(scores, -1), v).reshape(1, -1, 1, q.shape[-1])
+            if self.residual == "none":
+                out = torch.einsum("hgt,htd->hgd", torch.softmax(scores, -1), v)
+            else:
+                out = self.with_residual(q, k, v, scores, allowed, scaling)
+        out = out.reshape(1, -1, 1, q.shape[-1])
         return out.transpose(1, 2).to(query.dtype), None
 
 
@@ -211,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a block's score over query heads: the largest share, or the mean share")
     parser.add_argument("--parts", type=int, default=2, help="submeans: mean keys per block (of equal slices)")
     parser.add_argument("--rank", type=int, default=8, help="lowrank: numbers kept per token and KV head")
+    parser.add_argument("--residual", choices=("none", "mean", "gauss"), default="none",
+                        help="estimate the unchosen blocks' share from their mean key and value (gauss: + spread)")
+    parser.add_argument("--pair-bound", action="store_true",
+                        help="bound each RoPE channel pair by the lesser of the box and |q| · max |k| (+D/2 values)")
     parser.add_argument("--per-layer", action="store_true", help="print each layer's read fraction")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -224,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         study = Study(rule, budget, args.block_tokens, model.config.num_hidden_layers, args.top_p, args.cap,
                       args.cover, args.account)
         study.mix, study.agg, study.rank, study.parts = args.mix, args.agg, args.rank, args.parts
+        study.residual, study.pair_bound = args.residual, args.pair_bound
         AttentionInterface.register("selection_study", study.attend)
         model.set_attn_implementation("selection_study")
         started, correct, needles, fidelity = time.perf_counter(), 0, 0, {}
@@ -242,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         rule += f" parts={args.parts}" if rule.startswith("submeans") else ""
         rule += f" agg={args.agg}" if args.agg != "max" else ""
         rule += f" rank={args.rank}" if rule == "lowrank" else ""
+        rule += f" residual={args.residual}" if args.residual != "none" else ""
+        rule += " pair-bound" if args.pair_bound else ""
         if rule.endswith("top-p"):
             rule = f"{rule} p={args.top_p:g} {args.cover} cap={args.cap:g}{' account' if args.account else ''}"
         print(f"{rule:16s} budget {args.budget:g}, blocks read {study.read / max(study.total, 1):.1%}: "
