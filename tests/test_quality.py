@@ -139,3 +139,19 @@ def test_eval_quality_usage_errors(argv, message, capsys, tmp_path):
     argv = [str(tmp_path) if a == "X" else a for a in argv]
     assert main(["eval", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_report_gives_other_block_sizes_rows_of_their_own(tmp_path):
+    """A run measured with 8-token blocks (``tierkv-8.json``, its setup saying so) is reported beside the
+    default 16-token one, as its own family, never averaged into it."""
+    prompt = {"task": "needle", "length": 2048, "depth": 0.5, "sample": 0, "answer": "12345"}
+    record = dict(prompt, prompt="needle/2048/d0.50/#0")
+    (tmp_path / "reference.json").write_text(json.dumps(
+        {"prompts": [prompt], "results": [dict(record, method="full", correct=True)]}))
+    for name, block_tokens, correct in (("tierkv.json", 16, False), ("tierkv-8.json", 8, True)):
+        (tmp_path / name).write_text(json.dumps({"setup": {"block_tokens": block_tokens}, "results": [
+            dict(record, method="sparse@0.1", budget=0.1, correct=correct)]}))
+    text = report.markdown(report.load_results(tmp_path))
+    assert "| tierkv sparse 10% | 0% (1) |" in text
+    assert "| tierkv sparse, 8-token blocks 10% | 100% (1) |" in text
+    assert text.index("tierkv sparse 10%") < text.index("8-token blocks 10%")

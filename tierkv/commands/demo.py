@@ -45,6 +45,8 @@ from tierkv.units import format_bytes, plural
 SMOLLM2_CONTEXT = 8192  # SmolLM2-135M's trained context (tierkv.models)
 DEFAULT_CONTEXT = 32768
 SMOLLM2_DEFAULT_CONTEXT = 4096  # a 4K prefill of a 135M model takes tens of seconds on two CPU cores
+BLOCK_TOKENS = 64  # exact executors: blocks large enough for efficient reads
+SPARSE_BLOCK_TOKENS = 8  # sparse: blocks are selected whole, and 8-token ones select far better (docs/quality.md)
 MIN_DECODE = 16  # default decode length: enough steps for a decode rate that is not one token's noise
 FEW_TOKENS_PER_WORD = 0.25  # a real tokenizer gives >= ~1 token per word; far fewer means the wrong one
 
@@ -65,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="chunk length of the streaming executor (default 1024)")
     parser.add_argument("--cpu-gb", type=size("--cpu-gb"), default=None, help="host budget; default: 1/4 of the KV")
     parser.add_argument("--disk-dir", default=None, help="disk tier directory (default: a temporary directory)")
-    parser.add_argument("--block-tokens", type=integer("--block-tokens", 1), default=64, help="tokens per block")
+    parser.add_argument("--block-tokens", type=integer("--block-tokens", 1), default=None,
+                        help=f"tokens per block (default {BLOCK_TOKENS}; {SPARSE_BLOCK_TOKENS} with --executor sparse)")
     parser.add_argument("--prefill-chunk", type=tokens("--prefill-chunk"), default=1024,
                         help="prefill tokens per forward (default 1024)")
     parser.add_argument("--max-new-tokens", type=integer("--max-new-tokens", 1), default=None,
@@ -101,6 +104,8 @@ def _check_combination(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_combination(args)
+    if args.block_tokens is None:
+        args.block_tokens = SPARSE_BLOCK_TOKENS if args.executor == "sparse" else BLOCK_TOKENS
     out = Console(stderr=json_to_stdout(args), highlight=False)
     status = Console(stderr=True, highlight=False)
     model, prompt, expected, decode = _load(args, status)

@@ -58,7 +58,7 @@ class CacheSetup:
     recent: int | None = None  # default: the open tail only
     dense_layers: int = 0  # first layers attended in full (their blocks come out of the others' budgets)
     device_fraction: float = 0.25  # device budget: the streaming minimum, this share of the KV, and ...
-    device_extra: int = 64 << 20  # ... this much for the sparse staging and the key summaries
+    device_extra: int = 64 << 20  # ... this much for the sparse staging (sparse runs: and their key summaries)
     disk_dir: str | None = None  # None: the rest lives on the host tier
 
     def to_dict(self) -> dict[str, Any]:
@@ -226,10 +226,13 @@ def measure(model, tokenizer, folder: str | Path, methods: Sequence[Method], set
 
 def _run_method(model, tokenizer, prompt: Prompt, kv, logprobs, method: Method, setup: CacheSetup) -> dict:
     from tierkv import TieredCache
+    from tierkv.planner import summary_bytes
 
     kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
     floor = TieredCache.min_streaming_device_bytes(model.config, block_tokens=setup.block_tokens)
     gpu = floor + int(kv_bytes * setup.device_fraction) + setup.device_extra
+    if method.kind == "sparse":  # the key summaries: 3 vectors per block, 18.75% of the KV at 8-token blocks
+        gpu += summary_bytes(kv_bytes // setup.block_tokens, 1)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tierkv-quality-") as tmp, \
             TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{2 * kv_bytes + (64 << 20)}B", config=model.config,

@@ -23,6 +23,7 @@ from tierkv.units import format_tokens
 FAMILIES = {"sparse": "tierkv sparse", "snapkv": "SnapKV", "streaming_llm": "StreamingLLM",
             "expected_attention": "ExpectedAttention", "knorm": "Knorm"}
 BASELINES = {"full": "full attention", "exact": "tierkv exact", "kvpress-full": "full (kvpress env)"}
+DEFAULT_BLOCK_TOKENS = 16  # the harness's (CacheSetup); a tierkv file with other blocks gets rows of its own
 
 
 def load_results(folder: str | Path, tokenizer=None) -> list[dict[str, Any]]:
@@ -31,9 +32,15 @@ def load_results(folder: str | Path, tokenizer=None) -> list[dict[str, Any]]:
     reference = json.loads((folder / "reference.json").read_text())
     answers = {_key(p): p["answer"] for p in reference["prompts"]}
     records = list(reference["results"])
-    for path in [folder / "tierkv.json", *sorted(folder.glob("kvpress*.json"))]:
-        if path.is_file():
-            records += json.loads(path.read_text())["results"]
+    for path in sorted(folder.glob("tierkv*.json")):  # tierkv.json, and e.g. tierkv-8.json from other blocks
+        data = json.loads(path.read_text())
+        block_tokens = data.get("setup", {}).get("block_tokens", DEFAULT_BLOCK_TOKENS)
+        for record in data["results"]:
+            if block_tokens != DEFAULT_BLOCK_TOKENS and record["method"].startswith("sparse@"):
+                record["method"] = f"sparse{block_tokens}@{record['method'].split('@')[1]}"
+            records.append(record)
+    for path in sorted(folder.glob("kvpress*.json")):
+        records += json.loads(path.read_text())["results"]
     for record in records:
         if "generated" in record and "correct" not in record and record["task"] != "fidelity":
             if tokenizer is None:
@@ -54,7 +61,22 @@ def label(method: str) -> str:
     if method in BASELINES:
         return BASELINES[method]
     family, budget = method.split("@")
-    return f"{FAMILIES.get(family, family)} {float(budget):.0%}"
+    return f"{family_label(family)} {float(budget):.0%}"
+
+
+def family_label(family: str) -> str:
+    """``snapkv`` -> ``SnapKV``; ``sparse8`` (tierkv sparse on 8-token blocks) -> ``tierkv sparse, 8-token blocks``."""
+    if family in FAMILIES:
+        return FAMILIES[family]
+    size = family.removeprefix("sparse")
+    return f"tierkv sparse, {size}-token blocks" if size.isdigit() else family
+
+
+def family_rank(family: str) -> float:
+    """Table and legend order: tierkv's families first (other block sizes after the default), then the presses."""
+    if family in FAMILIES:
+        return list(FAMILIES).index(family)
+    return 0.5 if family.removeprefix("sparse").isdigit() else 99
 
 
 def aggregate(records: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, float]]:
@@ -77,9 +99,9 @@ def aggregate(records: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[
 def _order(methods) -> list[str]:
     def rank(m: str) -> tuple:
         if m in BASELINES:
-            return (0, list(BASELINES).index(m), 0.0)
+            return (0, list(BASELINES).index(m), "", 0.0)
         family, budget = m.split("@")
-        return (1, list(FAMILIES).index(family) if family in FAMILIES else 99, float(budget))
+        return (1, family_rank(family), family, float(budget))
 
     return sorted(set(methods), key=rank)
 
@@ -158,14 +180,13 @@ def plot(records: list[dict[str, Any]], path: str | Path, title: str) -> Path:
         for col, (task, metric) in enumerate(panels):
             ax = axes[row][col]
             methods = {k[1] for k in table if k[0] == task and k[2] == n}
-            families = sorted({m.split("@")[0] for m in methods if "@" in m},
-                              key=lambda f: list(FAMILIES).index(f) if f in FAMILIES else 99)
+            families = sorted({m.split("@")[0] for m in methods if "@" in m}, key=lambda f: (family_rank(f), f))
             for family in families:
                 points = sorted((float(m.split("@")[1]), table[(task, m, n)][metric]) for m in methods
                                 if m.startswith(family + "@"))
                 style = dict(linewidth=2.5, color="black") if family == "sparse" else {}
                 ax.plot([100 * b for b, _ in points], [v for _, v in points], marker="o",
-                        label=FAMILIES.get(family, family), **style)
+                        label=family_label(family), **style)
             if "full" in methods:
                 ax.axhline(table[(task, "full", n)][metric], color="gray", linestyle="--", label="full attention")
             ax.set_title(f"{task} {format_tokens(n)}: {metric.replace('_', ' ')}", fontsize=9)
