@@ -4,8 +4,8 @@
     flock -x /tmp/tierkv-cpu.lock python benchmarks/quality/bytes_per_token.py ...   (for the step times)
 
 The prompt's full-attention KV (saved by ``tierkv eval --stage reference``) is written into one TieredCache
-whose device budget is the streaming minimum plus 10% of the KV plus 16 MiB (key summaries, the sparse
-selection) and whose host budget is 1 MiB, so most blocks are on disk. Then, interleaved in rounds on that
+whose device budget is the streaming minimum plus 10% of the KV plus the key summaries plus 16 MiB (the
+sparse selection) and whose host budget is 1 MiB, so most blocks are on disk. Then, interleaved in rounds on that
 same cache (the placement does not change between them): STEPS decode steps with exact streaming attention
 and STEPS with ``cache.sparse`` at each budget. Per step: the KV bytes read into the device over every link
 (``stats()["bytes_moved"]``: device->device, host->device, disk->device) and the wall time (median), after
@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from tierkv import TieredCache, models  # noqa: E402
 from tierkv.hf import cache_keyword  # noqa: E402
+from tierkv.planner import summary_bytes  # noqa: E402
 from tierkv.quality import harness  # noqa: E402
 
 READ_LINKS = ("device->device", "host->device", "disk->device")
@@ -55,7 +56,8 @@ def main() -> int:
     model, _ = models.load("smollm2")
     kv_bytes = sum(2 * k.numel() * k.element_size() for k, _ in kv)
     gpu = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens) + kv_bytes // 10 \
-        + (16 << 20)  # room for the key summaries and the sparse selection as the context grows
+        + summary_bytes(kv_bytes // args.block_tokens, 1) \
+        + (16 << 20)  # the key summaries, and room for the sparse selection as the context grows
     budgets = [float(b) for b in args.budgets.split(",")]
     methods = ["exact"] + [f"sparse@{b:g}" for b in budgets]
     per_step: dict[str, list[int]] = {m: [] for m in methods}

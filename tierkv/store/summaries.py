@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-MIN_ROWS = 8  # a table's first capacity; it doubles when full
+MIN_ROWS = 8  # a table's first capacity
+TABLE_GROWTH = 1.25  # a full table grows by this factor: doubling could reserve twice the device bytes needed
 VECTORS = 3  # per block and KV head: the keys' per-channel min, max and mean
 
 
@@ -126,14 +127,14 @@ class KeySummaries:
         self.row_of[block_id] = row
 
     def _room(self, layer: int, like: torch.Tensor, new_rows: int) -> _LayerTable:
-        """Layer ``layer``'s table with at least ``new_rows`` free rows (doubling it, bytes reserved first)."""
+        """Layer ``layer``'s table with at least ``new_rows`` free rows (grown by 25% steps, bytes reserved first)."""
         entry = self._layers.get(layer)
         if entry is not None and len(entry.free) >= new_rows:
             return entry
         used = entry.table.shape[0] - len(entry.free) if entry is not None else 0
         capacity = max(MIN_ROWS, entry.table.shape[0] if entry is not None else 0)
         while capacity - used < new_rows:
-            capacity *= 2
+            capacity = max(capacity + 1, int(capacity * TABLE_GROWTH))
         table = torch.empty((capacity, *like.shape[1:]), dtype=like.dtype, device=self.device)
         grown = table.numel() * table.element_size() - (entry.nbytes if entry is not None else 0)
         self._reserve(grown)
