@@ -141,6 +141,11 @@ def test_eval_quality_usage_errors(argv, message, capsys, tmp_path):
     assert message in capsys.readouterr().err
 
 
+def test_runs_on_other_blocks_keep_their_own_results_file():
+    assert harness.results_file(harness.CacheSetup()) == "tierkv.json"
+    assert harness.results_file(harness.CacheSetup(block_tokens=8)) == "tierkv-8.json"
+
+
 def test_report_gives_other_block_sizes_rows_of_their_own(tmp_path):
     """A run measured with 8-token blocks (``tierkv-8.json``, its setup saying so) is reported beside the
     default 16-token one, as its own family, never averaged into it."""

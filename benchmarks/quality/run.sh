@@ -17,6 +17,8 @@ $ref --model smollm2 --out "$run/smollm2" --tasks needle,multi-needle --lengths 
 $ref --model smollm2 --out "$run/smollm2" --tasks fidelity --lengths 2K --samples 3
 $ref --model smollm2 --out "$run/smollm2" --tasks fidelity --lengths 4K --samples 2
 $ref --model smollm2 --out "$run/smollm2" --tasks multi-needle --lengths 8K --depths 0.5
+$ref --model smollm2 --out "$run/smollm2" --tasks multi-needle --lengths 8K --depths 0.1,0.9
+$ref --model smollm2 --out "$run/smollm2" --tasks multi-needle --lengths 8K --depths 0.5 --samples 2
 $ref --model smollm2 --out "$run/smollm2" --tasks needle --lengths 8K --depths 0.1,0.9
 for depth in 0.1 0.5 0.9; do  # two samples per depth, one depth per call (a prefill takes 2-7 min)
     $ref --model smollm2 --out "$run/smollm2" --tasks needle --lengths 8K --depths "$depth" --samples 2
@@ -37,6 +39,7 @@ smollm2_dir="$(python -c "from tierkv import models; print(models.checkpoint_fol
 
 # 3. tierkv from the saved KV: exact streaming, and the sparse executor at 2%, 5%, 10% of the context
 tierkv eval --stage measure --model smollm2 --out "$run/smollm2" --methods exact,sparse
+tierkv eval --stage measure --model smollm2 --out "$run/smollm2" --methods sparse --block-tokens 8  # tierkv-8.json
 tierkv eval --stage measure --model demo --out "$run/demo" --methods sparse
 
 # 4. tables and plots

@@ -235,7 +235,7 @@ def _run_quality(args: argparse.Namespace, console, status) -> int:
             methods += [harness.Method("sparse", b) for b in args.budgets]
         setup = harness.CacheSetup(block_tokens=args.block_tokens, sinks=args.sinks, recent=args.recent,
                                    dense_layers=args.dense_layers)
-        path = out / "tierkv.json"
+        path = out / harness.results_file(setup)
         records = json.loads(path.read_text())["results"] if path.is_file() else []
 
         def save(record: dict) -> None:  # after every record: an interrupted run resumes where it stopped

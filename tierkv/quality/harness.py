@@ -35,6 +35,7 @@ from tierkv.quality.metrics import Agreement, compare
 from tierkv.quality.tasks import Prompt, answer_matches
 
 REFERENCE_FILE = "reference.json"
+DEFAULT_BLOCK_TOKENS = 16  # Quest's page size: 2% of 2K is 41 tokens, i.e. a sink, the tail + 1 block
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +54,7 @@ class Method:
 class CacheSetup:
     """How each method's TieredCache is built; placement changes no result, only what a step moves."""
 
-    block_tokens: int = 16  # Quest's page size: 2% of 2K is 41 tokens, i.e. a sink, the tail + 1 block
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
     sinks: int | None = None  # default: one block
     recent: int | None = None  # default: the open tail only
     dense_layers: int = 0  # first layers attended in full (their blocks come out of the others' budgets)
@@ -222,6 +223,12 @@ def measure(model, tokenizer, folder: str | Path, methods: Sequence[Method], set
             on_record(record)
             on_prompt(_line(record))
     return records
+
+
+def results_file(setup: CacheSetup) -> str:
+    """The file of a run's tierkv records: ``tierkv.json``, or ``tierkv-8.json`` for 8-token blocks (any size but
+    the default), so runs on other blocks resume and are reported on their own (tierkv.quality.report)."""
+    return "tierkv.json" if setup.block_tokens == DEFAULT_BLOCK_TOKENS else f"tierkv-{setup.block_tokens}.json"
 
 
 def _run_method(model, tokenizer, prompt: Prompt, kv, logprobs, method: Method, setup: CacheSetup) -> dict:

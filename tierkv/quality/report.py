@@ -17,13 +17,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from tierkv.quality.harness import DEFAULT_BLOCK_TOKENS  # other block sizes get rows of their own
 from tierkv.quality.tasks import TASKS, answer_matches
 from tierkv.units import format_tokens
 
 FAMILIES = {"sparse": "tierkv sparse", "snapkv": "SnapKV", "streaming_llm": "StreamingLLM",
             "expected_attention": "ExpectedAttention", "knorm": "Knorm"}
 BASELINES = {"full": "full attention", "exact": "tierkv exact", "kvpress-full": "full (kvpress env)"}
-DEFAULT_BLOCK_TOKENS = 16  # the harness's (CacheSetup); a tierkv file with other blocks gets rows of its own
 
 
 def load_results(folder: str | Path, tokenizer=None) -> list[dict[str, Any]]:
