@@ -17,8 +17,7 @@ $ref --model smollm2 --out "$run/smollm2" --tasks needle,multi-needle --lengths 
 $ref --model smollm2 --out "$run/smollm2" --tasks fidelity --lengths 2K --samples 3
 $ref --model smollm2 --out "$run/smollm2" --tasks fidelity --lengths 4K --samples 2
 $ref --model smollm2 --out "$run/smollm2" --tasks multi-needle --lengths 8K --depths 0.5
-$ref --model smollm2 --out "$run/smollm2" --tasks multi-needle --lengths 8K --depths 0.1,0.9
-$ref --model smollm2 --out "$run/smollm2" --tasks multi-needle --lengths 8K --depths 0.5 --samples 2
+$ref --model smollm2 --out "$run/smollm2" --tasks multi-needle --lengths 8K --depths 0.1,0.5,0.9 --samples 3
 $ref --model smollm2 --out "$run/smollm2" --tasks needle --lengths 8K --depths 0.1,0.9
 for depth in 0.1 0.5 0.9; do  # two samples per depth, one depth per call (a prefill takes 2-7 min)
     $ref --model smollm2 --out "$run/smollm2" --tasks needle --lengths 8K --depths "$depth" --samples 2
