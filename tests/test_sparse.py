@@ -476,3 +476,21 @@ def test_promotion_is_one_batched_write_per_layer_step(tmp_path, monkeypatch):
     store.check()
     torch.testing.assert_close(store.read_tokens(0), kv)
     executor.close()
+
+
+def test_summary_tables_grow_in_small_steps():
+    """A layer's summary table grows by 25% steps, one block at a time as decoding fills them, so what it
+    reserves stays within 1.25x of what it holds (doubling reserved up to 2x: a budget that held the summaries
+    failed at the next block)."""
+    from tierkv.store.summaries import KeySummaries
+
+    reserved = [0]
+    summaries = KeySummaries(torch.device("cpu"), lambda n: reserved.__setitem__(0, reserved[0] + n),
+                             lambda n: reserved.__setitem__(0, reserved[0] - n))
+    keys = torch.randn(1, 2, 4, 8)
+    row_bytes = 3 * 2 * 8 * keys.element_size()
+    for block_id in range(1, 400):
+        summaries.add(0, [block_id], keys)
+        assert reserved[0] == summaries.nbytes
+        assert summaries.nbytes <= max(8, math.ceil(1.25 * block_id) + 1) * row_bytes, block_id
+    assert len(summaries) == 399

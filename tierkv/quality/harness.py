@@ -35,7 +35,7 @@ from tierkv.quality.metrics import Agreement, compare
 from tierkv.quality.tasks import Prompt, answer_matches
 
 REFERENCE_FILE = "reference.json"
-DEFAULT_BLOCK_TOKENS = 16  # Quest's page size: 2% of 2K is 41 tokens, i.e. a sink, the tail + 1 block
+DEFAULT_BLOCK_TOKENS = 16  # Quest's page size (2% of 2K is 40 tokens: the sink and the tail alone)
 
 
 @dataclass(frozen=True, slots=True)
