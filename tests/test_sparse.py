@@ -494,3 +494,24 @@ def test_summary_tables_grow_in_small_steps():
         assert reserved[0] == summaries.nbytes
         assert summaries.nbytes <= max(8, math.ceil(1.25 * block_id) + 1) * row_bytes, block_id
     assert len(summaries) == 399
+
+
+@pytest.mark.parametrize("sticky", [0.5, 0.0], ids=["sticky", "off"])
+def test_a_block_a_head_attended_stays_selected_at_the_next_step(tmp_path, monkeypatch, sticky):
+    """Step 1's query points at each row's needle block, which takes nearly all of head 0's attention; step 2's
+    points away from it, so its summary ranks it last. With ``sticky_share`` the needle is read again (its
+    measured share counts); without, it is dropped from the selection. Both steps stay exact over what they read."""
+    monkeypatch.setattr(SparseAttention, "sticky_share", sticky)
+    store, kv = store_with_needles(tmp_path, {0: 5, 1: 10})
+    executor = SparseAttention(store, ThreadMover())
+    budget = SparseBudget(3 * BT, sinks=BT, recent=0)
+    executor.attend(0, 0, query_for_head(0), None, DIM**-0.5, None, budget)
+    assert executor.last_columns[:, 1].tolist() == [5, 10]
+    away = -query_for_head(0)
+    out = executor.attend(0, 0, away, None, DIM**-0.5, None, budget)
+    kept = executor.last_columns[:, 1].tolist() == [5, 10]
+    assert kept == bool(sticky)
+    torch.testing.assert_close(out.double(), reference_attention(away, kv, executor.last_columns, DIM**-0.5),
+                               atol=1e-5, rtol=0)
+    store.check()
+    executor.close()

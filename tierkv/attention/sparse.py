@@ -6,6 +6,7 @@ Each decode step (one query token per row), per layer::
     mean[b, c, h, g]  = q·m_c                              # the block's mean key logit, exactly
     share[b, c, h, g] = softmax over c of (bound + mean) / 2 · scale   # each head's estimated attention share
     score[b, c]       = max over heads of share               # a block matters if any query head needs it
+    score[b, c]       = max(score, measured share at the layer's previous step, where >= sticky_share)
     selected[b]       = sinks ∪ top_k(score[b]) ∪ recent      # per row: rows select different blocks
     read the selected columns: one ReadPlan, one batched read per tier, into device staging
     out = softmax attention over the selected tokens (tierkv.attention.lse), exact over them
@@ -152,6 +153,7 @@ class SparseAttention(PipelinedExecutor):
     name = "sparse"
     speculate = True  # read the next layer's likely selection from disk while a layer attends
     speculate_runners = 0  # best-scored unselected blocks a guess adds per row (0: the previous selection only)
+    sticky_share = 0.5  # a block that got this share of some query head's attention is read at the next step too
 
     def __init__(self, store: KVStore, mover: ThreadMover, *, start_of: Callable[[int], int] = from_first_token,
                  num_layers: int | None = None, timeline: Timeline | None = None, trace: Trace | None = None) -> None:
@@ -165,6 +167,7 @@ class SparseAttention(PipelinedExecutor):
         self.kept = KeptBlocks(store)  # each layer's blocks of earlier steps, on the device
         self.speculation = Speculation(store, self.counters.speculation)
         self._ranked: tuple[int, int, torch.Tensor] | None = None  # (layer, lo, score [B, C]) of the last scoring
+        self._sticky: dict[int, tuple[np.ndarray, torch.Tensor]] = {}  # layer -> (columns [B, K], shares [B, K])
 
     def attend(self, layer: int, start: int, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
                softcap: float | None, budget: SparseBudget) -> torch.Tensor:
@@ -198,8 +201,12 @@ class SparseAttention(PipelinedExecutor):
         keys, values = staging[0, :, :, :tokens], staging[1, :, :, :tokens]  # [B, H_kv, <= K·bt, D]
         out, lse = partial_attention(q, keys, values, bias, scaling, softcap)
         mass = None
-        if getattr(store.policy, "wants_mass", False):
-            mass = _block_mass(q, keys, bias, lse, scaling, softcap, count, bt)
+        wants_mass = getattr(store.policy, "wants_mass", False)
+        if wants_mass or self.sticky_share:
+            shares = _block_shares(q, keys, bias, lse, scaling, softcap, count, bt)  # [B, H_q, K]
+            mass = shares.mean(dim=1) if wants_mass else None
+            if self.sticky_share:
+                self._sticky[layer] = (columns, shares.amax(dim=1))
         self._promote(layer, columns, mass, staging)
         self._left_at = time.perf_counter()
         return out.reshape(batch, heads, 1, dim).transpose(1, 2).to(query.dtype)
@@ -230,7 +237,8 @@ class SparseAttention(PipelinedExecutor):
         if top <= 0:
             chosen = np.empty((rows.batch, 0), dtype=np.int64)
         else:
-            score = self._scores(layer, rows, lo, hi, q, summaries, scaling, softcap)  # [B, C]
+            score = self._with_sticky(layer, lo, hi, self._scores(layer, rows, lo, hi, q, summaries, scaling,
+                                                                  softcap))  # [B, C]
             self._ranked = (layer, lo, score)
             chosen = score.topk(top, dim=1).indices.sort(dim=1).values.cpu().numpy() + lo
         batch = rows.batch
@@ -264,6 +272,25 @@ class SparseAttention(PipelinedExecutor):
         share = torch.softmax(logits, dim=-1)  # each head's estimated attention share
         score = share.flatten(1, 2).amax(dim=1)  # [B, C]: the most any query head would give the block
         return score.masked_fill(index < 0, math.inf)
+
+    def _with_sticky(self, layer: int, lo: int, hi: int, score: torch.Tensor) -> torch.Tensor:
+        """``score`` ``[B, C]`` of candidates ``[lo, hi)``, raised to the share a block got from some query head at
+        the layer's previous step where that share was at least ``sticky_share``. Why: a head that copies (the
+        digits of a retrieved number, one per step) keeps attending the block it read from, and the summaries
+        can miss it on the next step (docs/quality.md: both multi-needle misses on 8-token blocks dropped the
+        number's last digit); a measured share is no estimate. One vectorized update, no loop."""
+        previous = self._sticky.get(layer)
+        if previous is None or previous[0].shape[0] != score.shape[0]:
+            return score
+        columns, shares = previous
+        keep = (columns >= lo) & (columns < hi) & (shares >= self.sticky_share).cpu().numpy()
+        if not keep.any():
+            return score
+        row, position = np.nonzero(keep)
+        index = (torch.from_numpy(row).to(score.device), torch.from_numpy(columns[row, position] - lo).to(score.device))
+        score = score.clone()
+        score[index] = torch.maximum(score[index], shares[torch.from_numpy(keep).to(shares.device)].to(score.dtype))
+        return score
 
     # ---------------------------------------------------------------------------------- reading
     def _fill(self, layer: int, columns: np.ndarray, staging: torch.Tensor) -> None:
@@ -410,6 +437,7 @@ class SparseAttention(PipelinedExecutor):
     # ---------------------------------------------------------------------------------- control
     def invalidate(self) -> None:
         self._rows_cache.clear()
+        self._sticky.clear()
         self.kept.clear()
         self.speculation.drop()
 
@@ -418,6 +446,7 @@ class SparseAttention(PipelinedExecutor):
 
     def drop(self, layer: int) -> None:
         self._rows_cache.pop(layer, None)
+        self._sticky.pop(layer, None)
         self.kept.clear(layer)
         self.speculation.forget(layer)
 
@@ -471,10 +500,10 @@ def _selection_bias(columns: np.ndarray, bt: int, start: int, stop: int, mask: t
     return bias.masked_fill(~allowed, lowest)[:, None, None, :]
 
 
-def _block_mass(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor, scaling: float,
-                softcap: float | None, count: int, bt: int) -> torch.Tensor:
-    """Each selected block's share of the softmax, averaged over query heads: ``[B, K]`` — from the attended
-    tokens' logits and their log-sum-exp (only the K·bt selected tokens of one query: no attention matrix)."""
+def _block_shares(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor, scaling: float,
+                  softcap: float | None, count: int, bt: int) -> torch.Tensor:
+    """Each selected block's share of each query head's softmax: ``[B, H_q, K]`` — from the attended tokens'
+    logits and their log-sum-exp (only the K·bt selected tokens of one query: no attention matrix)."""
     scores = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), keys.float()) * scaling  # [B, H_kv, G, 1, T]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -482,4 +511,4 @@ def _block_mass(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | None, 
         scores = scores + bias.float().unsqueeze(2)
     weights = torch.exp(scores - lse.unsqueeze(-1))[:, :, :, 0]  # [B, H_kv, G, T]
     weights = torch.nn.functional.pad(weights, (0, count * bt - weights.shape[-1]))  # T < K·bt: the tail's empty slots
-    return weights.unflatten(-1, (count, bt)).sum(-1).mean(dim=(1, 2))  # [B, K]
+    return weights.unflatten(-1, (count, bt)).sum(-1).flatten(1, 2)  # [B, H_q, K]
