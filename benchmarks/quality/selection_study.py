@@ -36,7 +36,9 @@ Rules (the budget counts attended blocks per layer, sinks and the recent window 
 RoPE channel pair (d, d + D/2) by the lesser of the box bound and |q_pair| · max |k_pair| (rotated keys fill a
 disc, not a box). --residual mean / gauss attends, besides the chosen keys, one stand-in per unchosen full block
 (its mean key with the logit bias log(block tokens), gauss: plus the Gaussian spread; its mean value): an
-estimate of the mass a selection leaves out. --block-tokens 1 with the oracle is per-token selection.
+estimate of the mass a selection leaves out. --block-tokens 1 with the oracle is per-token selection. --sticky
+(with --sticky-share s) raises a block's score to the share some query head gave it at the layer's previous
+step where that share is at least s (the executor's ``sticky_share``).
 
 ``blocks read`` is the fraction of the layer's blocks read (the union over heads). Timings mean nothing here.
 """
@@ -71,6 +73,8 @@ class Study:
         self.rule, self.budget, self.bt, self.layers = rule, budget, block_tokens, layers
         self.top_p, self.cap, self.cover, self.account = top_p, cap, cover, account
         self.mix, self.agg, self.residual, self.pair_bound = 0.5, "max", "none", False
+        self.sticky, self.seen = False, {}  # sticky: layer -> each block's measured share at its last step
+        self.sticky_share = 0.0  # sticky: only shares at least this high count
         self.rank, self.bases, self.parts = 8, {}, 2
         self.read = self.total = 0
         self.credit = 0  # blocks the budget allowed but top-p did not read (account mode), per prompt
@@ -114,6 +118,10 @@ class Study:
             chosen[:, lo + (-key).topk(top).indices] = True
         elif top > 0:
             agg = score.amax(2).amax(0) if self.agg == "max" else score.mean(dim=(0, 2))
+            seen = self.seen.get(layer)
+            if self.sticky and seen is not None:  # a block's share measured when it was last attended counts too
+                seen = torch.nn.functional.pad(seen, (0, blocks - seen.numel()))[lo:hi]
+                agg = torch.maximum(agg, torch.where(seen >= self.sticky_share, seen, 0.0))
             chosen[:, lo + agg.topk(top).indices] = True
         read = int(chosen.sum()) / heads if self.rule == "oracle-per-head" else int(chosen.any(0).sum())
         self.read += read
@@ -219,7 +227,12 @@ class Study:
         else:
             scores = scores.masked_fill(~allowed[:, None], float("-inf"))
             if self.residual == "none":
-                out = torch.einsum("hgt,htd->hgd", torch.softmax(scores, -1), v)
+                weights = torch.softmax(scores, -1)
+                out = torch.einsum("hgt,htd->hgd", weights, v)
+                if self.sticky:  # each block's largest share over the query heads, this step
+                    length = weights.shape[-1]
+                    padded = torch.nn.functional.pad(weights, (0, -length % self.bt))
+                    self.seen[module.layer_idx] = padded.unflatten(-1, (-1, self.bt)).sum(-1).amax(dim=(0, 1))
             else:
                 out = self.with_residual(q, k, v, scores, allowed, scaling)
         out = out.reshape(1, -1, 1, q.shape[-1])
@@ -250,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="estimate the unchosen blocks' share from their mean key and value (gauss: + spread)")
     parser.add_argument("--pair-bound", action="store_true",
                         help="bound each RoPE channel pair by the lesser of the box and |q| · max |k| (+D/2 values)")
+    parser.add_argument("--sticky", action="store_true",
+                        help="a block's score is at least the share it got when it was last attended (the step before)")
+    parser.add_argument("--sticky-share", type=float, default=0.0, help="sticky: the least share that counts")
     parser.add_argument("--per-layer", action="store_true", help="print each layer's read fraction")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -263,12 +279,13 @@ def main(argv: list[str] | None = None) -> int:
         study = Study(rule, budget, args.block_tokens, model.config.num_hidden_layers, args.top_p, args.cap,
                       args.cover, args.account)
         study.mix, study.agg, study.rank, study.parts = args.mix, args.agg, args.rank, args.parts
-        study.residual, study.pair_bound = args.residual, args.pair_bound
+        study.residual, study.pair_bound, study.sticky = args.residual, args.pair_bound, args.sticky
+        study.sticky_share = args.sticky_share
         AttentionInterface.register("selection_study", study.attend)
         model.set_attn_implementation("selection_study")
         started, correct, needles, fidelity = time.perf_counter(), 0, 0, {}
         for prompt in prompts:
-            study.credit, study.bases = 0, {}
+            study.credit, study.bases, study.seen = 0, {}, {}
             generated, logits = decode_saved(model, args.reference, prompt)
             if prompt.task == "fidelity":
                 reference = safetensors.torch.load_file(str(logprob_path(args.reference, prompt)))["logprobs"]
@@ -284,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         rule += f" rank={args.rank}" if rule == "lowrank" else ""
         rule += f" residual={args.residual}" if args.residual != "none" else ""
         rule += " pair-bound" if args.pair_bound else ""
+        rule += f" sticky>={args.sticky_share:g}" if args.sticky else ""
         if rule.endswith("top-p"):
             rule = f"{rule} p={args.top_p:g} {args.cover} cap={args.cap:g}{' account' if args.account else ''}"
         print(f"{rule:16s} budget {args.budget:g}, blocks read {study.read / max(study.total, 1):.1%}: "
