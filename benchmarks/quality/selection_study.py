@@ -38,7 +38,8 @@ disc, not a box). --residual mean / gauss attends, besides the chosen keys, one 
 (its mean key with the logit bias log(block tokens), gauss: plus the Gaussian spread; its mean value): an
 estimate of the mass a selection leaves out. --block-tokens 1 with the oracle is per-token selection. --sticky
 (with --sticky-share s) raises a block's score to the share some query head gave it at the layer's previous
-step where that share is at least s (the executor's ``sticky_share``).
+step where that share is at least s (the executor's ``sticky_share``). --oracle-layers 7,17 uses the oracle in
+those layers and the rule in the others: which layer's choice decides an answer.
 
 ``blocks read`` is the fraction of the layer's blocks read (the union over heads). Timings mean nothing here.
 """
@@ -75,6 +76,7 @@ class Study:
         self.mix, self.agg, self.residual, self.pair_bound = 0.5, "max", "none", False
         self.sticky, self.seen = False, {}  # sticky: layer -> each block's measured share at its last step
         self.sticky_share = 0.0  # sticky: only shares at least this high count
+        self.base_rule, self.oracle_layers = rule, frozenset()
         self.rank, self.bases, self.parts = 8, {}, 2
         self.read = self.total = 0
         self.credit = 0  # blocks the budget allowed but top-p did not read (account mode), per prompt
@@ -83,6 +85,8 @@ class Study:
     def allowed(self, layer: int, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor | None:
         """Which keys each KV head attends, ``[H_kv, T]``, for ``q`` ``[H_kv, G, D]`` over ``k`` ``[H_kv, T, D]``
         (None: all), with the executor's budget arithmetic (:class:`tierkv.attention.sparse.SparseBudget`)."""
+        if self.oracle_layers:  # the oracle in these layers, the rule in the others: which layer's choice matters
+            self.rule = "oracle" if layer in self.oracle_layers else self.base_rule
         heads, length, dim = k.shape
         bt, budget = self.bt, self.budget
         blocks = -(-length // bt)
@@ -266,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sticky", action="store_true",
                         help="a block's score is at least the share it got when it was last attended (the step before)")
     parser.add_argument("--sticky-share", type=float, default=0.0, help="sticky: the least share that counts")
+    parser.add_argument("--oracle-layers", default="", help="comma-separated layers that use the oracle instead")
     parser.add_argument("--per-layer", action="store_true", help="print each layer's read fraction")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -281,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         study.mix, study.agg, study.rank, study.parts = args.mix, args.agg, args.rank, args.parts
         study.residual, study.pair_bound, study.sticky = args.residual, args.pair_bound, args.sticky
         study.sticky_share = args.sticky_share
+        study.oracle_layers = frozenset(int(n) for n in args.oracle_layers.split(",") if n)
         AttentionInterface.register("selection_study", study.attend)
         model.set_attn_implementation("selection_study")
         started, correct, needles, fidelity = time.perf_counter(), 0, 0, {}
@@ -302,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         rule += f" residual={args.residual}" if args.residual != "none" else ""
         rule += " pair-bound" if args.pair_bound else ""
         rule += f" sticky>={args.sticky_share:g}" if args.sticky else ""
+        rule += f" oracle in layers {args.oracle_layers}" if args.oracle_layers else ""
         if rule.endswith("top-p"):
             rule = f"{rule} p={args.top_p:g} {args.cover} cap={args.cap:g}{' account' if args.account else ''}"
         print(f"{rule:16s} budget {args.budget:g}, blocks read {study.read / max(study.total, 1):.1%}: "
