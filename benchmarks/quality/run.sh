@@ -40,6 +40,7 @@ smollm2_dir="$(python -c "from tierkv import models; print(models.checkpoint_fol
 tierkv eval --stage measure --model smollm2 --out "$run/smollm2" --methods exact,sparse
 tierkv eval --stage measure --model smollm2 --out "$run/smollm2" --methods sparse --block-tokens 8  # tierkv-8.json
 tierkv eval --stage measure --model demo --out "$run/demo" --methods sparse
+tierkv eval --stage measure --model demo --out "$run/demo" --methods sparse --block-tokens 8  # tierkv-8.json
 
 # 4. tables and plots
 for model in smollm2 demo; do
