@@ -168,6 +168,7 @@ class SparseAttention(PipelinedExecutor):
         self.speculation = Speculation(store, self.counters.speculation)
         self._ranked: tuple[int, int, torch.Tensor] | None = None  # (layer, lo, score [B, C]) of the last scoring
         self._sticky: dict[int, tuple[np.ndarray, torch.Tensor]] = {}  # layer -> (columns [B, K], shares [B, K])
+        self._scored = False  # whether the last selection ranked blocks (not the exact fast path)
 
     def attend(self, layer: int, start: int, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
                softcap: float | None, budget: SparseBudget) -> torch.Tensor:
@@ -202,11 +203,14 @@ class SparseAttention(PipelinedExecutor):
         out, lse = partial_attention(q, keys, values, bias, scaling, softcap)
         mass = None
         wants_mass = getattr(store.policy, "wants_mass", False)
-        if wants_mass or self.sticky_share:
+        sticky = self.sticky_share and self._scored  # an exact layer-step (all blocks read) chose nothing
+        if wants_mass or sticky:
             shares = _block_shares(q, keys, bias, lse, scaling, softcap, count, bt)  # [B, H_q, K]
             mass = shares.mean(dim=1) if wants_mass else None
-            if self.sticky_share:
+            if sticky:
                 self._sticky[layer] = (columns, shares.amax(dim=1))
+        if not sticky:
+            self._sticky.pop(layer, None)  # never a share older than the previous step
         self._promote(layer, columns, mass, staging)
         self._left_at = time.perf_counter()
         return out.reshape(batch, heads, 1, dim).transpose(1, 2).to(query.dtype)
@@ -230,6 +234,7 @@ class SparseAttention(PipelinedExecutor):
         lo, hi = first + sinks, recent_from  # candidates: [lo, hi), all full
         top = total - sinks - (end - recent_from)
         self.counters.layer_steps += 1
+        self._scored = 0 < top < hi - lo
         if top >= hi - lo:  # the budget covers every block: read them all (exact)
             self.counters.exact_layer_steps += 1
             return np.broadcast_to(np.arange(first, end), (rows.batch, end - first))
