@@ -283,19 +283,16 @@ class SparseAttention(PipelinedExecutor):
         the layer's previous step where that share was at least ``sticky_share``. Why: a head that copies (the
         digits of a retrieved number, one per step) keeps attending the block it read from, and the summaries
         can miss it on the next step (docs/quality.md: both multi-needle misses on 8-token blocks dropped the
-        number's last digit); a measured share is no estimate. One vectorized update, no loop."""
+        number's last digit); a measured share is no estimate. One scatter, no loop."""
         previous = self._sticky.get(layer)
         if previous is None or previous[0].shape[0] != score.shape[0]:
             return score
         columns, shares = previous
-        keep = (columns >= lo) & (columns < hi) & (shares >= self.sticky_share).cpu().numpy()
-        if not keep.any():
-            return score
-        row, position = np.nonzero(keep)
-        index = (torch.from_numpy(row).to(score.device), torch.from_numpy(columns[row, position] - lo).to(score.device))
-        score = score.clone()
-        score[index] = torch.maximum(score[index], shares[torch.from_numpy(keep).to(shares.device)].to(score.dtype))
-        return score
+        candidate = torch.from_numpy(columns - lo).to(score.device)  # [B, K]: positions among the candidates
+        counts = (candidate >= 0) & (candidate < hi - lo) & (shares >= self.sticky_share)
+        boost = torch.zeros_like(score).scatter_reduce_(1, candidate.clamp(0, hi - lo - 1),
+                                                        torch.where(counts, shares, 0.0).to(score.dtype), "amax")
+        return torch.maximum(score, boost)  # on the device: no sync, no copy of the scores
 
     # ---------------------------------------------------------------------------------- reading
     def _fill(self, layer: int, columns: np.ndarray, staging: torch.Tensor) -> None:
