@@ -364,6 +364,11 @@ def summary_bytes(blocks: int, token_bytes: int) -> int:
     return blocks * token_bytes * SUMMARY_VECTORS // 2
 
 
+def kv_summary_bytes(kv_bytes: int, block_tokens: int) -> int:
+    """Bytes of the key summaries of ``kv_bytes`` of K/V in blocks of ``block_tokens``: 3/(2 · block_tokens) of it."""
+    return summary_bytes(kv_bytes // block_tokens, 1)
+
+
 def sparse_summary_bytes(req: PlanRequest) -> int:
     """Device bytes of the key summaries: per full block of every layer and row, a per-channel min, max and mean
     of its keys — 1.5 tokens' K+V bytes (:mod:`tierkv.store.summaries`)."""

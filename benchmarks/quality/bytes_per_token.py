@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from tierkv import TieredCache, models  # noqa: E402
 from tierkv.hf import cache_keyword  # noqa: E402
-from tierkv.planner import summary_bytes  # noqa: E402
+from tierkv.planner import kv_summary_bytes  # noqa: E402
 from tierkv.quality import harness  # noqa: E402
 
 READ_LINKS = ("device->device", "host->device", "disk->device")
@@ -56,7 +56,7 @@ def main() -> int:
     model, _ = models.load("smollm2")
     kv_bytes = sum(2 * k.numel() * k.element_size() for k, _ in kv)
     gpu = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens) + kv_bytes // 10 \
-        + summary_bytes(kv_bytes // args.block_tokens, 1) \
+        + kv_summary_bytes(kv_bytes, args.block_tokens) \
         + (16 << 20)  # the key summaries, and room for the sparse selection as the context grows
     budgets = [float(b) for b in args.budgets.split(",")]
     methods = ["exact"] + [f"sparse@{b:g}" for b in budgets]

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     gpu, cpu = args.gpu_gb, args.cpu_gb if args.cpu_gb is not None else max(kv_bytes // 4, 2**20)
     if gpu is None:
         from tierkv import TieredCache
-        from tierkv.planner import summary_bytes
+        from tierkv.planner import kv_summary_bytes
 
         if args.executor == "gather":
             floor = TieredCache.min_device_bytes(model.config, len(prompt) + decode, block_tokens=args.block_tokens)
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             floor = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens,
                                                            chunk_tokens=args.chunk_tokens)
         if args.executor == "sparse":  # key summaries (min, max, mean: 1.5/block_tokens of the KV), the selection
-            floor += summary_bytes(kv_bytes // args.block_tokens, 1) + \
+            floor += kv_summary_bytes(kv_bytes, args.block_tokens) + \
                 2 * _sparse_selection_bytes(args, model, kv_bytes, len(prompt))
         gpu = floor + kv_bytes // 8
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as tmp:

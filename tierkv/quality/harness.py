@@ -233,13 +233,13 @@ def results_file(setup: CacheSetup) -> str:
 
 def _run_method(model, tokenizer, prompt: Prompt, kv, logprobs, method: Method, setup: CacheSetup) -> dict:
     from tierkv import TieredCache
-    from tierkv.planner import summary_bytes
+    from tierkv.planner import kv_summary_bytes
 
     kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
     floor = TieredCache.min_streaming_device_bytes(model.config, block_tokens=setup.block_tokens)
     gpu = floor + int(kv_bytes * setup.device_fraction) + setup.device_extra
     if method.kind == "sparse":  # the key summaries: 3 vectors per block, 18.75% of the KV at 8-token blocks
-        gpu += summary_bytes(kv_bytes // setup.block_tokens, 1)
+        gpu += kv_summary_bytes(kv_bytes, setup.block_tokens)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tierkv-quality-") as tmp, \
             TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{2 * kv_bytes + (64 << 20)}B", config=model.config,
