@@ -23,6 +23,27 @@ def test_fused_and_reference_chunk_attention_agree(monkeypatch, masked):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_weighted_attention_returns_the_output_and_each_keys_softmax_weight(softcap):
+    """The one-pass path sparse attention uses for per-block shares: the same output as partial_attention,
+    and weights that are the masked, soft-capped softmax of the scores."""
+    from tierkv.attention import lse
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 2, 3, 1, 16, generator=gen) * 3  # [B, H_kv, G, q, D]
+    keys, values = torch.randn(2, 2, 9, 16, generator=gen), torch.randn(2, 2, 9, 16, generator=gen)
+    bias = lse.mask_bias(torch.rand(2, 1, 1, 9, generator=gen) > 0.3, 0, 9, 9, 1, torch.float32, q.device)
+    out, weights = lse.weighted_attention(q, keys, values, bias, 0.25, softcap)
+    reference, _ = lse.partial_attention(q, keys, values, bias, 0.25, softcap)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, keys) * 0.25
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    expected = (scores + bias.unsqueeze(2)).softmax(-1)
+    torch.testing.assert_close(weights, expected, atol=1e-6, rtol=1e-5)
+    assert (weights.masked_select(bias.unsqueeze(2).expand_as(weights) < 0) == 0).all()  # masked keys: no weight
+
+
 
 def test_merging_chunks_equals_attention_over_all_keys():
     gen = torch.Generator().manual_seed(1)

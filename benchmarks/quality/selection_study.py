@@ -63,7 +63,7 @@ from tierkv.quality.metrics import Agreement, compare
 from tierkv.quality.tasks import answer_matches
 
 RULES = ("quest", "mixed", "gauss", "gauss-bound", "per-head", "per-head-union", "oracle", "oracle-per-head",
-         "oracle-top-p", "mixed-top-p", "lowrank", "submeans", "union")
+         "oracle-top-p", "mixed-top-p", "lowrank", "submeans", "union", "oracle-output", "oracle-output-rel")
 
 
 class Study:
@@ -82,7 +82,8 @@ class Study:
         self.credit = 0  # blocks the budget allowed but top-p did not read (account mode), per prompt
         self.per_layer: dict[int, list[int]] = {}  # layer -> [read, total]
 
-    def allowed(self, layer: int, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor | None:
+    def allowed(self, layer: int, q: torch.Tensor, k: torch.Tensor, scaling: float,
+                v: torch.Tensor | None = None) -> torch.Tensor | None:
         """Which keys each KV head attends, ``[H_kv, T]``, for ``q`` ``[H_kv, G, D]`` over ``k`` ``[H_kv, T, D]``
         (None: all), with the executor's budget arithmetic (:class:`tierkv.attention.sparse.SparseBudget`)."""
         if self.oracle_layers:  # the oracle in these layers, the rule in the others: which layer's choice matters
@@ -107,6 +108,15 @@ class Study:
             approx = k if self.rule != "lowrank" else self.projected(layer, k)
             mass = torch.softmax(torch.einsum("hgd,htd->hgt", q, approx) * scaling, -1)[:, :, lo * bt : hi * bt]
             score = mass.reshape(heads, -1, hi - lo, bt).sum(-1).transpose(1, 2)  # [H_kv, C, G]
+            if self.rule.startswith("oracle-output"):  # what leaving the block out would move the output by
+                weights = torch.softmax(torch.einsum("hgd,htd->hgt", q, k) * scaling, -1)
+                out = torch.einsum("hgt,htd->hgd", weights, v)  # [H, G, D]
+                part = torch.einsum("hgcb,hcbd->hgcd", weights[:, :, lo * bt : hi * bt].unflatten(-1, (-1, bt)),
+                                    v[:, lo * bt : hi * bt].unflatten(1, (-1, bt)))  # [H, G, C, D]
+                shift = (part - score.transpose(1, 2)[..., None] * out[:, :, None]).norm(dim=-1)  # [H, G, C]
+                if self.rule == "oracle-output-rel":
+                    shift = shift / out.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+                score = shift.transpose(1, 2)
         else:
             score = torch.softmax(self.estimate(q, keys, scaling) * scaling, dim=1)
         chosen = torch.zeros(heads, blocks, dtype=torch.bool)
@@ -225,7 +235,7 @@ class Study:
         q = query[0, :, 0].view(heads, groups, -1).float()  # [H_kv, G, D]
         k, v = key[0].float(), value[0].float()  # [H_kv, T, D]
         scores = torch.einsum("hgd,htd->hgt", q, k) * scaling
-        allowed = self.allowed(module.layer_idx, q, k, scaling)
+        allowed = self.allowed(module.layer_idx, q, k, scaling, v)
         if allowed is None:
             out = torch.einsum("hgt,htd->hgd", torch.softmax(scores, -1), v)
         else:

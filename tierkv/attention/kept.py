@@ -11,8 +11,9 @@ Per kept layer, a device buffer ``[2, B, H_kv, capacity · block_tokens, D]`` (r
 budget, like staging) and, per position, the block held there and the step it was last attended::
 
     held[b, k]   = selected block (b, k) sits at position pos[b, k]      (full blocks never change)
-    read         = the others, and the layer's last column (the open tail changes every step), into the
-                   positions attended longest ago: one ReadPlan, one batched read per tier
+    read         = the others into the positions attended longest ago: one ReadPlan, one batched read per
+                   tier; and the layer's last column, the open tail (it changes every step), copied straight
+                   from its device slot (``KVStore.copy_open_tails``: no plan for the one block every step reads)
     staging      = kept[:, b, :, pos[b, k]]                               (one gather, in selection order)
 
 Kept blocks are copies: the store's table is untouched and nothing is dropped from it. A table edit (crop, row

@@ -59,16 +59,36 @@ def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             bias = bias.reshape(bias.shape[0], 1, groups * q_len, bias.shape[-1])
         out, lse = _FUSED_CPU(rows, keys, values, 0.0, False, attn_mask=bias, scale=scaling)
         return out.float().view(q.shape), lse.float().view(q.shape[:-1])
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), keys.float()) * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if bias is not None:
-        scores = (scores + bias.float().unsqueeze(2)).clamp_min(torch.finfo(torch.float32).min)
+    scores = _scores(q, keys, bias, scaling, softcap)
     peak = scores.amax(dim=-1, keepdim=True)
     weights = torch.exp(scores - peak)
     total = weights.sum(dim=-1)
     out = torch.einsum("bhgqk,bhkd->bhgqd", weights, values.float()) / total.unsqueeze(-1)
     return out, peak.squeeze(-1) + torch.log(total)
+
+
+def weighted_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+                       scaling: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention like :func:`partial_attention` (no log-sum-exp: nothing merges it) that also returns
+    each key's weight ``[B, H_kv, G, q, c]`` (fp32): one pass for a caller that needs the weights (sparse
+    attention's per-block shares), instead of scoring the keys a second time after the fused kernel."""
+    weights = torch.softmax(_scores(q, keys, bias, scaling, softcap), dim=-1)
+    batch, kv_heads, groups, q_len, _ = weights.shape
+    out = torch.matmul(weights.view(batch, kv_heads, groups * q_len, -1), values.float())
+    return out.view(q.shape), weights
+
+
+def _scores(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | None, scaling: float,
+            softcap: float | None) -> torch.Tensor:
+    """Attention logits ``[B, H_kv, G, q, c]`` in fp32 (soft-capped, bias added; masked ones finite)."""
+    batch, kv_heads, groups, q_len, dim = q.shape
+    rows = q.float().reshape(batch, kv_heads, groups * q_len, dim) * scaling
+    scores = torch.matmul(rows, keys.float().transpose(-1, -2)).view(batch, kv_heads, groups, q_len, -1)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = (scores + bias.float().unsqueeze(2)).clamp_min(torch.finfo(torch.float32).min)
+    return scores
 
 
 # PyTorch's fused CPU flash attention that also returns the log-sum-exp (a private op: looked up, not required).

@@ -46,7 +46,7 @@ import torch
 
 from tierkv.attention.base import PipelinedExecutor, from_first_token, register_executor
 from tierkv.attention.kept import KeptBlocks
-from tierkv.attention.lse import partial_attention
+from tierkv.attention.lse import partial_attention, weighted_attention
 from tierkv.attention.speculation import Speculation, SpeculationCounters
 from tierkv.blocks import Tier
 from tierkv.errors import InvalidConfigError
@@ -161,7 +161,7 @@ class SparseAttention(PipelinedExecutor):
         self.counters = SparseCounters()
         self.buffer: torch.Tensor | None = None
         self.reserved = 0
-        self._rows_cache: dict[int, tuple[tuple[int, int, int], torch.Tensor]] = {}  # layer -> (key, rows)
+        self._rows_cache: dict[int, tuple] = {}  # layer -> (key, summary rows [B·C], no-summary mask or None)
         self._left_at: float | None = None  # telemetry: when the previous layer's attention returned
         self.last_columns: np.ndarray | None = None  # the last layer-step's selection [B, K] (grid columns)
         self.kept = KeptBlocks(store)  # each layer's blocks of earlier steps, on the device
@@ -200,15 +200,18 @@ class SparseAttention(PipelinedExecutor):
             tokens = count * bt
             bias = _selection_bias(columns, bt, start, stop, mask, query.dtype, query.device)
         keys, values = staging[0, :, :, :tokens], staging[1, :, :, :tokens]  # [B, H_kv, <= K·bt, D]
-        out, lse = partial_attention(q, keys, values, bias, scaling, softcap)
         mass = None
         wants_mass = getattr(store.policy, "wants_mass", False)
         sticky = self.sticky_share and self._scored  # an exact layer-step (all blocks read) chose nothing
-        if wants_mass or sticky:
-            shares = _block_shares(q, keys, bias, lse, scaling, softcap, count, bt)  # [B, H_q, K]
+        if wants_mass or sticky:  # the attention's own weights give each block's share (no second scoring)
+            out, weights = weighted_attention(q, keys, values, bias, scaling, softcap)
+            shares = _block_shares(weights, count, bt)  # [B, H_q, K]
             mass = shares.mean(dim=1) if wants_mass else None
             if sticky:
-                self._sticky[layer] = (columns, shares.amax(dim=1))
+                strongest = shares.amax(dim=1)  # [B, K]: the most some query head gave each block
+                self._sticky[layer] = (columns, strongest.masked_fill(strongest < self.sticky_share, 0.0))
+        else:
+            out, _ = partial_attention(q, keys, values, bias, scaling, softcap)
         if not sticky:
             self._sticky.pop(layer, None)  # never a share older than the previous step
         self._promote(layer, columns, mass, staging)
@@ -256,27 +259,26 @@ class SparseAttention(PipelinedExecutor):
         table = summaries.table(layer)
         key = (rows.version, lo, hi)
         cached = self._rows_cache.get(layer)
-        if cached is not None and cached[0] == key:
-            index = cached[1]
-        else:
+        if cached is None or cached[0] != key:
             found = summaries.rows(rows.ids[:, lo:hi])  # [B, C]; -1: no summary (always a candidate)
-            index = torch.from_numpy(found).to(q.device)
-            self._rows_cache[layer] = (key, index)
+            missing = torch.from_numpy(found < 0).to(q.device) if (found < 0).any() else None
+            cached = self._rows_cache[layer] = (key, torch.from_numpy(found.clip(0).ravel()).to(q.device), missing)
+        _, index, missing = cached
+        batch, columns = rows.batch, hi - lo
         if table is None:
-            return torch.zeros(index.shape, device=q.device)
-        batch, columns = index.shape
-        summary = table[index.clamp_min(0)]  # [B, C, 3, H_kv, D]: min, max, mean
-        stacked = summary.permute(0, 3, 2, 4, 1).reshape(batch, summary.shape[3], -1, columns).float()
-        query = q[:, :, :, 0].float()  # [B, H_kv, G, D]
-        # bound + mean = q⁻·min + q⁺·max + q·mean: one matmul over the three stacked (einsum's overhead, three
-        # times per layer, was most of the scoring's cost)
-        logits = torch.matmul(torch.cat((query.clamp_max(0), query.clamp_min(0), query), dim=-1), stacked)
-        logits = logits * (0.5 * scaling)  # [B, H_kv, G, C] (stacked: [B, H_kv, 3D, C])
+            return torch.zeros((batch, columns), device=q.device)
+        heads = table.shape[0]
+        # [H_kv, B·C, 3, D] -> [B, H_kv, C, 3·D]: rows of (min, max, mean), a view (no copy of the summaries)
+        stacked = table.index_select(1, index).view(heads, batch, columns, -1).transpose(0, 1).float()
+        query = q[:, :, :, 0].float() * (0.5 * scaling)  # [B, H_kv, G, D]
+        # (bound + mean) / 2 = (q⁻·min + q⁺·max + q·mean) / 2: one matmul over the three stacked
+        logits = torch.matmul(torch.cat((query.clamp_max(0), query.clamp_min(0), query), dim=-1),
+                              stacked.transpose(-1, -2))  # [B, H_kv, G, C]
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         share = torch.softmax(logits, dim=-1)  # each head's estimated attention share
         score = share.flatten(1, 2).amax(dim=1)  # [B, C]: the most any query head would give the block
-        return score.masked_fill(index < 0, math.inf)
+        return score if missing is None else score.masked_fill(missing, math.inf)
 
     def _with_sticky(self, layer: int, lo: int, hi: int, score: torch.Tensor) -> torch.Tensor:
         """``score`` ``[B, C]`` of candidates ``[lo, hi)``, raised to the share a block got from some query head at
@@ -287,12 +289,12 @@ class SparseAttention(PipelinedExecutor):
         previous = self._sticky.get(layer)
         if previous is None or previous[0].shape[0] != score.shape[0]:
             return score
-        columns, shares = previous
-        candidate = torch.from_numpy(columns - lo).to(score.device)  # [B, K]: positions among the candidates
-        counts = (candidate >= 0) & (candidate < hi - lo) & (shares >= self.sticky_share)
-        boost = torch.zeros_like(score).scatter_reduce_(1, candidate.clamp(0, hi - lo - 1),
-                                                        torch.where(counts, shares, 0.0).to(score.dtype), "amax")
-        return torch.maximum(score, boost)  # on the device: no sync, no copy of the scores
+        columns, shares = previous  # shares: 0 where below sticky_share
+        candidate = columns - lo  # [B, K]: positions among the candidates (the others get share 0)
+        inside = (candidate >= 0) & (candidate < hi - lo)
+        index = torch.from_numpy(np.where(inside, candidate, 0)).to(score.device)
+        # scores and shares are >= 0: an amax scatter into the scores raises each block to its share, in one op
+        return score.scatter_reduce(1, index, shares * torch.from_numpy(inside).to(score.device), "amax")
 
     # ---------------------------------------------------------------------------------- reading
     def _fill(self, layer: int, columns: np.ndarray, staging: torch.Tensor) -> None:
@@ -308,7 +310,16 @@ class SparseAttention(PipelinedExecutor):
         ids = rows.ids[np.arange(rows.batch)[:, None], columns]  # [B, K]
         tail = columns == rows.count - 1
         placed = kept.place(ids, columns, tail, self.counters.layer_steps)
-        plan, hits = self._read_selection(layer, rows, placed.targets, kept.view(store.layouts[layer]))
+        view, targets = kept.view(store.layouts[layer]), placed.targets
+        if tail[:, -1].all():  # the open tail (every row's last column) copied from its slot, not planned
+            copied = store.copy_open_tails(layer, view, placed.positions[:, -1])
+            if copied:
+                counters = self.counters
+                counters.bytes_fetched += copied
+                counters.by_tier[Tier.DEVICE.label] = counters.by_tier.get(Tier.DEVICE.label, 0) + rows.batch
+                targets = targets.copy()
+                targets[np.arange(rows.batch), placed.positions[:, -1]] = -1
+        plan, hits = self._read_selection(layer, rows, targets, view)
         kept.hold(placed, ids, tail)
         kept.gather(store.layouts[layer], placed.positions, staging)
         store.count_reused(layer, placed.reused)
@@ -319,6 +330,8 @@ class SparseAttention(PipelinedExecutor):
         holds out of its buffer, the others with one ReadPlan. Returns the plan and the speculated hits."""
         store = self.store
         claim = self.speculation.claim(layer, rows, targets)
+        if claim is None and not (targets >= 0).any():  # every block held already: nothing to plan
+            return ReadPlan(layer, 0, 0, ()), 0
         plan = store.plan_columns(layer, targets if claim is None else np.where(claim.hits, -1, targets))
         if plan.parts:
             self._read(layer, plan, dest)
@@ -502,15 +515,9 @@ def _selection_bias(columns: np.ndarray, bt: int, start: int, stop: int, mask: t
     return bias.masked_fill(~allowed, lowest)[:, None, None, :]
 
 
-def _block_shares(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor, scaling: float,
-                  softcap: float | None, count: int, bt: int) -> torch.Tensor:
-    """Each selected block's share of each query head's softmax: ``[B, H_q, K]`` — from the attended tokens'
-    logits and their log-sum-exp (only the K·bt selected tokens of one query: no attention matrix)."""
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), keys.float()) * scaling  # [B, H_kv, G, 1, T]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if bias is not None:
-        scores = scores + bias.float().unsqueeze(2)
-    weights = torch.exp(scores - lse.unsqueeze(-1))[:, :, :, 0]  # [B, H_kv, G, T]
+def _block_shares(weights: torch.Tensor, count: int, bt: int) -> torch.Tensor:
+    """Each selected block's share of each query head's softmax, ``[B, H_q, K]``, from the attended tokens'
+    weights ``[B, H_kv, G, 1, T]`` (only the K·bt selected tokens of one query: no attention matrix)."""
+    weights = weights[:, :, :, 0]  # [B, H_kv, G, T]
     weights = torch.nn.functional.pad(weights, (0, count * bt - weights.shape[-1]))  # T < K·bt: the tail's empty slots
     return weights.unflatten(-1, (count, bt)).sum(-1).flatten(1, 2)  # [B, H_q, K]

@@ -244,13 +244,7 @@ class KVStore:
         the device and not shared — written where attention reads them, with no table change. False: use
         the general path. The tails and their slab views are looked up once per grid version (any edit that
         replaces or moves a tail changes it), not per token."""
-        cached = self._tails.get(layer)
-        if cached is None or cached[0] != rows.version:
-            tails = [self.table.blocks[i] for i in rows.ids[:, -1].tolist()]
-            layout = self.layouts[layer]
-            views = [self.device.block(layout, t.slot) if t.tier == Tier.DEVICE else None for t in tails]
-            cached = self._tails[layer] = (rows.version, tails, views)
-        _, tails, views = cached
+        tails, views = self._open_tails(layer, rows)
         held, tokens = tails[0].tokens, keys.shape[2]
         if held + tokens > self.block_tokens or any(t.refcount != 1 or t.tier != Tier.DEVICE for t in tails):
             return False
@@ -281,6 +275,34 @@ class KVStore:
                                torch.stack([view[0] for view in views]))
         self.writeback.maybe_start()
         return True
+
+    def _open_tails(self, layer: int, rows: LayerRows) -> tuple[list, list[torch.Tensor | None]]:
+        """Each row's open tail block and its device slot as ``[2, H_kv, block_tokens, D]`` (None: not on the
+        device), looked up once per grid version (any edit that replaces or moves a tail changes it)."""
+        cached = self._tails.get(layer)
+        if cached is None or cached[0] != rows.version:
+            tails = [self.table.blocks[i] for i in rows.ids[:, -1].tolist()]
+            layout = self.layouts[layer]
+            views = [self.device.block(layout, t.slot) if t.tier == Tier.DEVICE else None for t in tails]
+            cached = self._tails[layer] = (rows.version, tails, views)
+        return cached[1], cached[2]
+
+    def copy_open_tails(self, layer: int, dest: torch.Tensor, positions: np.ndarray) -> int:
+        """Copy each row's open tail (its tokens so far) into block position ``positions[b]`` of ``dest``
+        ``[2, B, H_kv, n · block_tokens, D]`` straight from its device slot: sparse attention's every-step read of
+        the one block that changes, without planning a read. Counted as a device gather. Returns the bytes
+        copied; 0 (nothing copied) where a tail is not on the device: read it with a plan."""
+        rows = self.table.rows[layer]
+        tails, views = self._open_tails(layer, rows)
+        if any(view is None for view in views):
+            return 0
+        bt, tokens = self.block_tokens, tails[0].tokens
+        for row, (view, position) in enumerate(zip(views, positions.tolist())):
+            start = position * bt
+            dest[:, row, :, start : start + tokens].copy_(view[:, :, :tokens])
+        nbytes = len(views) * tokens * self.layouts[layer].token_bytes
+        self.transfer.count(link(Tier.DEVICE, Tier.DEVICE), nbytes)
+        return nbytes
 
     def _layout_for(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> BlockLayout:
         known = self.layouts.get(layer)

@@ -14,7 +14,8 @@ A summary is computed once, when its block fills (the store calls :meth:`KeySumm
 which it holds at that moment); a full block is immutable, so its summary never changes, and blocks shared
 by several rows (beams, a common prefix) share one. The open tail block has none: sparse attention always reads it.
 
-Summaries live on the device tier, one table ``[capacity, 3, H_kv, D]`` per layer in the KV dtype, addressed
+Summaries live on the device tier, one table ``[H_kv, capacity, 3, D]`` per layer in the KV dtype (head-major: a
+selection's rows gathered from it are already each head's ``[C, 3·D]`` matrix for scoring), addressed
 through ``row_of[block_id]`` (a numpy array, so a layer's grid of block ids maps to table rows in one
 vectorized lookup). Their bytes are reserved against the device budget like staging, through the callable the
 store passes in, so ``stats()`` and the budget checks include them.
@@ -33,11 +34,11 @@ VECTORS = 3  # per block and KV head: the keys' per-channel min, max and mean
 
 
 class _LayerTable:
-    """One layer's summaries: ``table`` ``[capacity, 3, H_kv, D]`` (min, max, mean) and its free rows."""
+    """One layer's summaries: ``table`` ``[H_kv, capacity, 3, D]`` (min, max, mean) and its free rows."""
 
     def __init__(self, table: torch.Tensor) -> None:
         self.table = table
-        self.free: list[int] = list(range(table.shape[0] - 1, -1, -1))  # pop() gives the lowest row
+        self.free: list[int] = list(range(table.shape[1] - 1, -1, -1))  # pop() gives the lowest row
 
     @property
     def nbytes(self) -> int:
@@ -66,7 +67,7 @@ class KeySummaries:
         return len(self._layer_of)
 
     def table(self, layer: int) -> torch.Tensor | None:
-        """Layer ``layer``'s table ``[capacity, 3, H_kv, D]`` (row ``r``: min, max, mean), None before its first."""
+        """Layer ``layer``'s table ``[H_kv, capacity, 3, D]`` (row ``r``: min, max, mean), None before its first."""
         entry = self._layers.get(layer)
         return entry.table if entry is not None else None
 
@@ -98,7 +99,7 @@ class KeySummaries:
                 self._set_row(block_id, row)
                 self._layer_of[block_id] = layer
             rows.append(row)
-        entry.table[torch.tensor(rows, device=self.device)] = summary.to(entry.table.dtype)
+        entry.table[:, torch.tensor(rows, device=self.device)] = summary.permute(2, 0, 1, 3).to(entry.table.dtype)
 
     def release(self, block_id: int) -> None:
         """``block_id`` was freed: its row goes back to its layer's free list."""
@@ -131,18 +132,19 @@ class KeySummaries:
         entry = self._layers.get(layer)
         if entry is not None and len(entry.free) >= new_rows:
             return entry
-        used = entry.table.shape[0] - len(entry.free) if entry is not None else 0
-        capacity = max(MIN_ROWS, entry.table.shape[0] if entry is not None else 0)
+        used = entry.table.shape[1] - len(entry.free) if entry is not None else 0
+        capacity = max(MIN_ROWS, entry.table.shape[1] if entry is not None else 0)
         while capacity - used < new_rows:
             capacity = max(capacity + 1, int(capacity * TABLE_GROWTH))
-        table = torch.empty((capacity, *like.shape[1:]), dtype=like.dtype, device=self.device)
+        _, vectors, heads, dim = like.shape  # like: [n, 3, H_kv, D]
+        table = torch.empty((heads, capacity, vectors, dim), dtype=like.dtype, device=self.device)
         grown = table.numel() * table.element_size() - (entry.nbytes if entry is not None else 0)
         self._reserve(grown)
         if entry is None:
             entry = self._layers[layer] = _LayerTable(table)
             return entry
-        old = entry.table.shape[0]
-        table[:old] = entry.table
+        old = entry.table.shape[1]
+        table[:, :old] = entry.table
         entry.table = table
         entry.free = list(range(capacity - 1, old - 1, -1)) + entry.free
         return entry
