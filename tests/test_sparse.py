@@ -515,3 +515,21 @@ def test_a_block_a_head_attended_stays_selected_at_the_next_step(tmp_path, monke
                                atol=1e-5, rtol=0)
     store.check()
     executor.close()
+
+
+def test_a_masked_step_is_finite_whatever_the_open_tails_empty_slots_hold(tmp_path):
+    """The bias path attends whole blocks, the open tail's empty slots masked: never-written slab memory there
+    (NaN here) must not reach the output (zero weight times NaN is NaN). Exact over the selection, read or kept."""
+    store, kv = store_with_needles(tmp_path, {0: 5, 1: 10})
+    layout = store.layouts[0]
+    for block_id in store.table.rows[0].ids[:, -1].tolist():
+        tail = store.table.blocks[block_id]
+        store.device.block(layout, tail.slot)[:, :, tail.tokens :] = float("nan")
+    executor = SparseAttention(store, ThreadMover())
+    mask = torch.ones(2, 1, 1, kv.shape[3], dtype=torch.bool)  # hides nothing, but takes the bias path
+    q = query_for_head(0)
+    for _ in range(2):  # read from the tiers, then from the kept blocks
+        out = executor.attend(0, 0, q, mask, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
+        reference = reference_attention(q, kv, executor.last_columns, DIM**-0.5)
+        torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=0)
+    executor.close()

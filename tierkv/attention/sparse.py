@@ -199,6 +199,7 @@ class SparseAttention(PipelinedExecutor):
         if tokens is None:  # a mask, or a first block partly before ``start``: mask the selection's tokens
             tokens = count * bt
             bias = _selection_bias(columns, bt, start, stop, mask, query.dtype, query.device)
+            _clear_open_slots(staging, columns, bt, stop)
         keys, values = staging[0, :, :, :tokens], staging[1, :, :, :tokens]  # [B, H_kv, <= K·bt, D]
         mass = None
         wants_mass = getattr(store.policy, "wants_mass", False)
@@ -492,6 +493,16 @@ def _attended_prefix(columns: np.ndarray, bt: int, start: int, stop: int, mask: 
     if (columns[:, 0] * bt < start).any() or (columns[:, -1] != end - 1).any():
         return None
     return (columns.shape[1] - 1) * bt + stop - (end - 1) * bt
+
+
+def _clear_open_slots(staging: torch.Tensor, columns: np.ndarray, bt: int, stop: int) -> None:
+    """Zero the open tail's empty slots in ``staging`` (every row's last selected block): the bias masks them,
+    but a zero weight times the NaN that never-written slab memory may hold is NaN, so they must be finite."""
+    end = -(-stop // bt)
+    filled = stop - (end - 1) * bt
+    if filled < bt and columns.shape[1] and (columns[:, -1] == end - 1).all():
+        count = columns.shape[1]
+        staging[:, :, :, (count - 1) * bt + filled : count * bt].zero_()
 
 
 def _selection_bias(columns: np.ndarray, bt: int, start: int, stop: int, mask: torch.Tensor | None,

@@ -288,7 +288,7 @@ class KVStore:
         return cached[1], cached[2]
 
     def copy_open_tails(self, layer: int, dest: torch.Tensor, positions: np.ndarray) -> int:
-        """Copy each row's open tail (its tokens so far) into block position ``positions[b]`` of ``dest``
+        """Copy each row's open tail into block position ``positions[b]`` of ``dest``
         ``[2, B, H_kv, n · block_tokens, D]`` straight from its device slot: sparse attention's every-step read of
         the one block that changes, without planning a read. Counted as a device gather. Returns the bytes
         copied; 0 (nothing copied) where a tail is not on the device: read it with a plan."""
@@ -296,11 +296,10 @@ class KVStore:
         tails, views = self._open_tails(layer, rows)
         if any(view is None for view in views):
             return 0
-        bt, tokens = self.block_tokens, tails[0].tokens
+        bt = self.block_tokens
         for row, (view, position) in enumerate(zip(views, positions.tolist())):
-            start = position * bt
-            dest[:, row, :, start : start + tokens].copy_(view[:, :, :tokens])
-        nbytes = len(views) * tokens * self.layouts[layer].token_bytes
+            dest[:, row, :, position * bt : (position + 1) * bt].copy_(view)  # the whole slot, like a planned read
+        nbytes = len(views) * tails[0].tokens * self.layouts[layer].token_bytes
         self.transfer.count(link(Tier.DEVICE, Tier.DEVICE), nbytes)
         return nbytes
 
