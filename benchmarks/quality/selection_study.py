@@ -31,6 +31,8 @@ Rules (the budget counts attended blocks per layer, sinks and the recent window 
                      sinks' and recent window's covers --top-p of every query head (--cover min) or of their
                      mean (--cover mean); --account caps the total at what the fixed budget would read
     mixed-top-p      the same with the mixed estimate's softmax shares for the mass
+    oracle-output    each block ranked by how far leaving it out moves each head's output, ‖Σ p·(v − out)‖
+                     over its tokens (needs every key and value; max over heads); -rel: relative to ‖out‖
 
 --agg mean scores a block by its mean share over query heads instead of the largest. --pair-bound bounds each
 RoPE channel pair (d, d + D/2) by the lesser of the box bound and |q_pair| · max |k_pair| (rotated keys fill a

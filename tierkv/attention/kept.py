@@ -41,11 +41,11 @@ from tierkv.staging import device_minimum, open_tail_bytes
 from tierkv.store import KVStore
 
 # A kept layer holds up to KEEP_FACTOR times its selection's blocks; all kept layers together take at most
-# KEEP_SHARE of the device budget. 3 / 0.7 against 2 / 0.5 (demo model, 32K tokens, 7 MiB device, ~5%, one
-# interleaved run): 40% fewer disk blocks per step (3.3 against 5.6), a step 11% faster. Kept blocks serve a
-# sparse step better than the device tier's own: they are the blocks recent selections chose.
-KEEP_FACTOR = 3
-KEEP_SHARE = 0.7
+# KEEP_SHARE of the device budget. 3 / 0.7 was measured against these (docs/benchmarks.md, 2026-12-01 23:48):
+# 40% fewer disk blocks per step and an 11% faster step at 32K, but the device tier left to the store then
+# holds too little for policy="attention" to read less than lru (equal bytes at 16K, both budgets).
+KEEP_FACTOR = 2
+KEEP_SHARE = 0.5
 _ROW_SHIFT = 40  # (row << 40) | block id: one sorted key per (row, block) for a single vectorized search
 
 
