@@ -276,7 +276,7 @@ class KVStore:
         self.writeback.maybe_start()
         return True
 
-    def _open_tails(self, layer: int, rows: LayerRows) -> tuple[list, list[torch.Tensor | None]]:
+    def _open_tails(self, layer: int, rows: LayerRows) -> tuple[list[Block], list[torch.Tensor | None]]:
         """Each row's open tail block and its device slot as ``[2, H_kv, block_tokens, D]`` (None: not on the
         device), looked up once per grid version (any edit that replaces or moves a tail changes it)."""
         cached = self._tails.get(layer)
