@@ -37,6 +37,17 @@ def assert_matches(store, ref: dict) -> None:
         torch.testing.assert_close(store.read_tokens(layer), expected, rtol=0, atol=0)
 
 
+def assert_residency(store) -> None:
+    """stats()'s blocks and resident bytes per tier (vectorized over the grids) equal a count over every block."""
+    blocks = {tier.label: 0 for tier in Tier}
+    resident = {tier.label: 0 for tier in Tier}
+    for block in store.table.blocks.values():
+        blocks[block.tier.label] += 1
+        resident[block.tier.label] += block.tokens * store.layouts[block.layer].token_bytes
+    stats = store.stats()
+    assert stats["blocks"] == blocks and stats["bytes_resident"] == resident
+
+
 def test_blocks_spill_down_and_read_back(tmp_path):
     store = make_store(tmp_path, device_slots=6, host_slots=4)
     ref = fill(store, steps=12, first=5, then=1, seed_step=10)
@@ -241,6 +252,7 @@ def test_random_operations_match_reference(tmp_path_factory, ops, device_slots, 
                 if block is not None and block.tier != store.chain[-1]:
                     store.demote([block])
             store.check()
+            assert_residency(store)
         assert_matches(store, ref)
         for tier, peak in store.stats()["peak_bytes_allocated"].items():
             assert peak <= store.stats()["budget_bytes"][tier]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -181,6 +181,24 @@ class BlockTable:
         """The last block of ``row`` of ``layer`` (which must hold at least one)."""
         rows = self.rows[layer]
         return self.blocks[int(rows.ids[row, rows.count - 1])]
+
+    def residency(self, token_bytes: Mapping[int, int]) -> tuple[list[int], list[int]]:
+        """Blocks and resident KV bytes per tier (list index: the tier's value), from the grids with numpy: each
+        block once (a shared one is listed by several rows), a full block holding ``block_tokens`` and a row's
+        last as many as its tail (every row's tail holds as many). ``token_bytes``: layer -> K/V bytes per token.
+        No Python per block: ``stats()`` is called every step by harnesses, and contexts hold millions of them."""
+        counts, nbytes = np.zeros(len(Tier), dtype=np.int64), np.zeros(len(Tier), dtype=np.int64)
+        for layer, rows in self.rows.items():
+            if rows.count == 0:
+                continue
+            _, first = np.unique(rows.ids, return_index=True)
+            held = np.bincount(rows.tiers.ravel()[first].astype(np.int64), minlength=len(Tier))
+            tail_ids, tail_first = np.unique(rows.ids[:, -1], return_index=True)
+            tails = np.bincount(rows.tiers[:, -1][tail_first].astype(np.int64), minlength=len(Tier))
+            short = self.block_tokens - self.blocks[int(tail_ids[0])].tokens  # empty slots of each tail
+            counts += held
+            nbytes += (held * self.block_tokens - tails * short) * token_bytes[layer]
+        return counts.tolist(), nbytes.tolist()
 
     def place(self, block: Block, tier: Tier, slot: int) -> None:
         """Move ``block`` to ``slot`` of ``tier`` in the table (its data is the caller's to copy first)."""

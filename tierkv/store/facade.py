@@ -797,13 +797,9 @@ class KVStore:
                 self.transfer.scratch.release()
 
     def stats(self) -> dict:
-        blocks = {tier.label: 0 for tier in Tier}
-        resident = {tier.label: 0 for tier in Tier}
-        for block in self.table.blocks.values():
-            blocks[block.tier.label] += 1
-            resident[block.tier.label] += block.tokens * self.layouts[block.layer].token_bytes
+        counts, resident = self.table.residency({layer: layout.token_bytes for layer, layout in self.layouts.items()})
         return {
-            "bytes_resident": resident,
+            "bytes_resident": {tier.label: resident[tier] for tier in Tier},
             "bytes_allocated": {tier.label: self.tiers[tier].allocated_bytes for tier in self.tiers},
             "peak_bytes_allocated": {tier.label: self.tiers[tier].peak_bytes for tier in self.tiers},
             "budget_bytes": {tier.label: self.tiers[tier].budget for tier in self.tiers},
@@ -812,7 +808,7 @@ class KVStore:
             "blocks_promoted": self.promoted,
             "bytes_moved": dict(self.bytes_moved),
             "writeback": {"pending_blocks": len(self.writeback.pending_ids), "paused": self.writeback.paused_reason},
-            "blocks": blocks,
+            "blocks": {tier.label: counts[tier] for tier in Tier},
         }
 
     # ------------------------------------------------------------------------------ for tests/tools
