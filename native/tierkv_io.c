@@ -207,7 +207,10 @@ void *tkv_submit(void *p, int fd, int is_write, int64_t chunk, int64_t n, const 
     pthread_mutex_lock(&pool->mu);
     if (pool->tail) pool->tail->next = b; else pool->head = b;
     pool->tail = b;
-    pthread_cond_broadcast(&pool->work_cv);
+    /* wake one worker per piece (at most all of them), not every worker: a one-block read woke all of them
+     * to fight over the lock, which cost ~0.3 ms per small read on a 2-core host (docs/benchmarks.md) */
+    int64_t wake = b->pieces_left < pool->nthreads ? b->pieces_left : pool->nthreads;
+    for (int64_t i = 0; i < wake; i++) pthread_cond_signal(&pool->work_cv);
     pthread_mutex_unlock(&pool->mu);
     return b;
 }
