@@ -197,9 +197,8 @@ class SparseAttention(PipelinedExecutor):
         tokens = _attended_prefix(columns, bt, start, stop, mask)
         bias = None
         if tokens is None:  # a mask, or a first block partly before ``start``: mask the selection's tokens
-            tokens = count * bt
-            bias = _selection_bias(columns, bt, start, stop, mask, query.dtype, query.device)
-            _clear_open_slots(staging, columns, bt, stop)
+            tokens = _staged_tokens(columns, bt, stop)
+            bias = _selection_bias(columns, bt, start, stop, mask, query.dtype, query.device)[..., :tokens]
         keys, values = staging[0, :, :, :tokens], staging[1, :, :, :tokens]  # [B, H_kv, <= K·bt, D]
         mass = None
         wants_mass = getattr(store.policy, "wants_mass", False)
@@ -492,17 +491,18 @@ def _attended_prefix(columns: np.ndarray, bt: int, start: int, stop: int, mask: 
         return None
     if (columns[:, 0] * bt < start).any() or (columns[:, -1] != end - 1).any():
         return None
-    return (columns.shape[1] - 1) * bt + stop - (end - 1) * bt
+    return _staged_tokens(columns, bt, stop)
 
 
-def _clear_open_slots(staging: torch.Tensor, columns: np.ndarray, bt: int, stop: int) -> None:
-    """Zero the open tail's empty slots in ``staging`` (every row's last selected block): the bias masks them,
-    but a zero weight times the NaN that never-written slab memory may hold is NaN, so they must be finite."""
+def _staged_tokens(columns: np.ndarray, bt: int, stop: int) -> int:
+    """Staged tokens the bias path attends: every selected block's, less the open tail's empty slots where the
+    tail is every row's last block — never-written slab memory there may hold NaN, and a zero weight times NaN
+    is NaN, so those slots are not attended at all."""
+    count = columns.shape[1]
     end = -(-stop // bt)
-    filled = stop - (end - 1) * bt
-    if filled < bt and columns.shape[1] and (columns[:, -1] == end - 1).all():
-        count = columns.shape[1]
-        staging[:, :, :, (count - 1) * bt + filled : count * bt].zero_()
+    if count and (columns[:, -1] == end - 1).all():
+        return (count - 1) * bt + stop - (end - 1) * bt
+    return count * bt
 
 
 def _selection_bias(columns: np.ndarray, bt: int, start: int, stop: int, mask: torch.Tensor | None,
