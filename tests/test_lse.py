@@ -33,9 +33,10 @@ def test_weighted_attention_returns_the_output_and_each_keys_softmax_weight(soft
     q = torch.randn(2, 2, 3, 1, 16, generator=gen) * 3  # [B, H_kv, G, q, D]
     keys, values = torch.randn(2, 2, 9, 16, generator=gen), torch.randn(2, 2, 9, 16, generator=gen)
     bias = lse.mask_bias(torch.rand(2, 1, 1, 9, generator=gen) > 0.3, 0, 9, 9, 1, torch.float32, q.device)
-    out, weights = lse.weighted_attention(q, keys, values, bias, 0.25, softcap)
-    reference, _ = lse.partial_attention(q, keys, values, bias, 0.25, softcap)
+    out, weights, total = lse.weighted_attention(q, keys, values, bias, 0.25, softcap)
+    reference, reference_lse = lse.partial_attention(q, keys, values, bias, 0.25, softcap)
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(total, reference_lse, atol=1e-5, rtol=1e-5)
     scores = torch.einsum("bhgqd,bhkd->bhgqk", q, keys) * 0.25
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap

@@ -487,10 +487,10 @@ def test_summary_tables_grow_in_small_steps():
     reserved = [0]
     summaries = KeySummaries(torch.device("cpu"), lambda n: reserved.__setitem__(0, reserved[0] + n),
                              lambda n: reserved.__setitem__(0, reserved[0] - n))
-    keys = torch.randn(1, 2, 4, 8)
-    row_bytes = 3 * 2 * 8 * keys.element_size()
+    blocks = torch.randn(1, 2, 2, 4, 8)  # [n, 2, H_kv, bt, D]
+    row_bytes = 3 * 2 * 8 * blocks.element_size()
     for block_id in range(1, 400):
-        summaries.add(0, [block_id], keys)
+        summaries.add(0, [block_id], blocks)
         assert reserved[0] == summaries.nbytes
         assert summaries.nbytes <= max(8, math.ceil(1.25 * block_id) + 1) * row_bytes, block_id
     assert len(summaries) == 399
@@ -533,3 +533,94 @@ def test_a_masked_step_is_finite_whatever_the_open_tails_empty_slots_hold(tmp_pa
         reference = reference_attention(q, kv, executor.last_columns, DIM**-0.5)
         torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=0)
     executor.close()
+
+
+# --------------------------------------------------------------------------- the rest copy (rest_bits)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_rest_copy_decodes_within_half_a_step_of_every_key_and_value(bits):
+    """Keys are coded per channel over the block on the summary's min and max, values per token over groups of
+    VALUE_GROUP channels: decoding is within half a level of each, and the bytes reserved are the bytes held."""
+    from tierkv.store.summaries import VALUE_GROUP, KeySummaries
+
+    reserved = [0]
+    summaries = KeySummaries(torch.device("cpu"), lambda n: reserved.__setitem__(0, reserved[0] + n),
+                             lambda n: reserved.__setitem__(0, reserved[0] - n), rest_bits=bits)
+    blocks = torch.randn(5, 2, 3, 8, 2 * VALUE_GROUP, generator=torch.Generator().manual_seed(bits)) * 3
+    summaries.add(0, [11, 12, 13, 14, 15], blocks)
+    keys, values = summaries.rest(0, torch.from_numpy(summaries.rows([13, 11])), torch.float32)  # [H_kv, 2, bt, D]
+    levels = 2**bits - 1
+    for got, block in zip(keys.transpose(0, 1), blocks[[2, 0], 0]):  # per channel over the block's tokens
+        step = (block.amax(1, keepdim=True) - block.amin(1, keepdim=True)) / levels
+        assert ((got - block).abs() <= step * 0.5 + 1e-5).all()
+    for got, block in zip(values.transpose(0, 1), blocks[[2, 0], 1]):  # per token, per channel group
+        grouped = block.unflatten(-1, (2, VALUE_GROUP))
+        step = (grouped.amax(-1, keepdim=True) - grouped.amin(-1, keepdim=True)) / levels
+        assert ((got.unflatten(-1, (2, VALUE_GROUP)) - grouped).abs() <= step * 0.5 + 1e-5).all()
+    assert reserved[0] == summaries.nbytes
+    summaries.clear()
+    assert reserved[0] == 0
+
+
+def test_rest_bits_must_be_one_the_copy_knows():
+    with pytest.raises(InvalidConfigError, match="rest_bits=3"):
+        SparseBudget(0.1, rest_bits=3)
+
+
+@pytest.mark.parametrize("policy", ["lru", "attention"])
+def test_with_rest_bits_the_blocks_not_read_are_attended_from_their_copy(tmp_path, policy):
+    """One softmax over both: the selected blocks exactly, every other full block from its decoded copy (the
+    store's own, checked above), merged by log-sum-exp — against a float64 softmax over exactly those keys. At
+    8 bits that is much closer to full attention than the selection alone."""
+    store, kv = store_with_needles(tmp_path, {0: 5, 1: 10}, policy)
+    store.enable_summaries(8)
+    executor = SparseAttention(store, ThreadMover())
+    q = query_for_head(0) + 0.3 * torch.randn(2, HEADS * GROUPS, 1, DIM, generator=torch.Generator().manual_seed(4))
+    budget = SparseBudget(3 * BT, sinks=BT, recent=0, rest_bits=8)
+    out = executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+    columns = executor.last_columns
+    assert columns.tolist() == [[0, 5, COLUMNS - 1], [0, 10, COLUMNS - 1]]
+    assert executor.counters.rest_layer_steps == 1
+    rows = store.table.rows[0]
+    decoded = kv.clone()
+    for row in range(2):
+        for column in set(range(1, COLUMNS - 1)) - set(columns[row].tolist()):
+            index = torch.from_numpy(store.summaries.rows(rows.ids[row : row + 1, column]))
+            keys, values = store.summaries.rest(0, index, torch.float32)  # [H_kv, 1, bt, D]
+            decoded[0, row, :, column * BT : (column + 1) * BT] = keys[:, 0]
+            decoded[1, row, :, column * BT : (column + 1) * BT] = values[:, 0]
+    every = np.broadcast_to(np.arange(COLUMNS), (2, COLUMNS))
+    torch.testing.assert_close(out.double(), reference_attention(q, decoded, every, DIM**-0.5), atol=1e-5, rtol=0)
+    full = reference_attention(q, kv, every, DIM**-0.5)
+    selection_only = reference_attention(q, kv, columns, DIM**-0.5)
+    assert (out.double() - full).abs().max() < 0.05 * (selection_only - full).abs().max()
+    store.check()
+    torch.testing.assert_close(store.read_tokens(0), kv)  # nothing dropped, nothing changed
+    executor.close()
+
+
+@pytest.mark.parametrize(("name", "family", "attn", "window"), CASES, ids=[c[0] for c in CASES])
+def test_rest_bits_bring_a_small_budget_close_to_dynamic_cache(tmp_path, name, family, attn, window):
+    """On real model classes (padding, sliding windows, Gemma2's soft-capping): at a budget far below the
+    context, an 8-bit copy of the blocks not read keeps every step's logits much closer to DynamicCache's than
+    the selection alone, the summaries' bytes (copies included) stay counted in the device budget, and nothing
+    the store holds changes."""
+    model = tiny_model(family, attn, window)
+    ids, mask = prompt(2, 40, seed=3, left_pad=(0, 6))
+    reference = generate(model, ids, mask, DynamicCache())
+    errors, held = {}, {}
+    for bits in (0, 8):
+        with small_cache(tmp_path / str(bits), model) as cache:
+            with cache.sparse(model, tokens=12, sinks=4, chunk_tokens=8, rest_bits=bits):
+                out = generate(model, ids, mask, cache)
+            stats = cache.stats()
+            cache.store.check()
+            assert stats["peak_bytes_allocated"]["device"] <= stats["budget_bytes"]["device"]
+            held[bits] = stats["bytes_summaries"]
+            rest_steps = stats["sparse"]["rest_layer_steps"]
+        errors[bits] = max((got - expected).abs().max().item() for got, expected in zip(out.logits[1:],
+                                                                                       reference.logits[1:]))
+    assert held[8] > held[0] > 0
+    if window is not None and family == "mistral":  # an 8-token window within the budget: every step exact
+        assert rest_steps == 0 and errors[8] < 1e-4 and errors[0] < 1e-4, errors
+    else:
+        assert rest_steps > 0 and errors[0] > 0.01 and errors[8] < errors[0] / 50, errors

@@ -223,6 +223,8 @@ class Study:
         keys = k[:, : full * self.bt].reshape(heads, full, self.bt, dim)
         values = v[:, : full * self.bt].reshape(heads, full, self.bt, dim)
         logit = torch.einsum("hgd,hcd->hgc", q, keys.mean(2)) * scaling + torch.log(torch.tensor(float(self.bt)))
+        if self.residual == "quant":
+            return self.quantized_rest(q, k, v, scores, allowed, scaling)
         if self.residual == "gauss":
             logit = logit + torch.einsum("hgd,hcd->hgc", q * q, keys.var(2, correction=0)) * (scaling**2 / 2)
         unchosen = ~allowed[:, : full * self.bt : self.bt]  # [H_kv, C]
@@ -230,6 +232,29 @@ class Study:
         weights = torch.softmax(torch.cat([scores, logit], -1), -1)
         return (torch.einsum("hgt,htd->hgd", weights[..., :length], v)
                 + torch.einsum("hgc,hcd->hgd", weights[..., length:], values.mean(2)))
+
+    def quantized_rest(self, q, k, v, scores, allowed, scaling):
+        """Attention over every key: the chosen exactly, the others from a ``bits``-bit copy (keys per channel
+        over each block, from the block's min and max; values per token over ``quant_group`` channels)."""
+        heads, length, dim = k.shape
+        full = length // self.bt * self.bt
+        levels = 2**self.bits - 1
+
+        def roundtrip(x, axis):
+            lo, hi = x.amin(axis, keepdim=True), x.amax(axis, keepdim=True)
+            step = ((hi - lo) / levels).clamp_min(1e-8)
+            return ((x - lo) / step).round().clamp(0, levels) * step + lo
+
+        kq, vq = k.clone(), v.clone()
+        kq[:, :full] = roundtrip(k[:, :full].unflatten(1, (-1, self.bt)), 2).flatten(1, 2)
+        g = self.quant_group
+        vq[:, :full] = roundtrip(v[:, :full].unflatten(-1, (-1, g)), -1).flatten(-2)
+        rest = torch.einsum("hgd,htd->hgt", q, kq) * scaling
+        exact = allowed[:, None].expand_as(rest).clone()
+        exact[..., full:] = True  # the open tail is always read
+        logits = torch.where(exact, scores, rest)
+        weights = torch.softmax(logits, -1)
+        return torch.einsum("hgt,htd->hgd", weights * exact, v) + torch.einsum("hgt,htd->hgd", weights * ~exact, vq)
 
     def attend(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         """Decode-step attention ``[1, H_q, 1, D]`` over ``[1, H_kv, T, D]``, masked to the chosen keys."""
@@ -275,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a block's score over query heads: the largest share, or the mean share")
     parser.add_argument("--parts", type=int, default=2, help="submeans: mean keys per block (of equal slices)")
     parser.add_argument("--rank", type=int, default=8, help="lowrank: numbers kept per token and KV head")
-    parser.add_argument("--residual", choices=("none", "mean", "gauss"), default="none",
+    parser.add_argument("--residual", choices=("none", "mean", "gauss", "quant"), default="none",
                         help="estimate the unchosen blocks' share from their mean key and value (gauss: + spread)")
+    parser.add_argument("--bits", type=int, default=2, help="--residual quant: bits per key and value")
+    parser.add_argument("--quant-group", type=int, default=32, help="--residual quant: channels per value scale")
     parser.add_argument("--pair-bound", action="store_true",
                         help="bound each RoPE channel pair by the lesser of the box and |q| · max |k| (+D/2 values)")
     parser.add_argument("--sticky", action="store_true",
@@ -298,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         study.mix, study.agg, study.rank, study.parts = args.mix, args.agg, args.rank, args.parts
         study.residual, study.pair_bound, study.sticky = args.residual, args.pair_bound, args.sticky
         study.sticky_share = args.sticky_share
+        study.bits, study.quant_group = args.bits, args.quant_group
         study.oracle_layers = frozenset(int(n) for n in args.oracle_layers.split(",") if n)
         AttentionInterface.register("selection_study", study.attend)
         model.set_attn_implementation("selection_study")

@@ -68,14 +68,16 @@ def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def weighted_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
-                       scaling: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention like :func:`partial_attention` (no log-sum-exp: nothing merges it) that also returns
-    each key's weight ``[B, H_kv, G, q, c]`` (fp32): one pass for a caller that needs the weights (sparse
-    attention's per-block shares), instead of scoring the keys a second time after the fused kernel."""
-    weights = torch.softmax(_scores(q, keys, bias, scaling, softcap), dim=-1)
+                       scaling: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`partial_attention` that also returns each key's weight ``[B, H_kv, G, q, c]`` (fp32): one pass
+    for a caller that needs the weights (sparse attention's per-block shares), instead of scoring the keys a
+    second time after the fused kernel. Returns the output, the weights and the log-sum-exp."""
+    scores = _scores(q, keys, bias, scaling, softcap)
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse[..., None])
     batch, kv_heads, groups, q_len, _ = weights.shape
     out = torch.matmul(weights.view(batch, kv_heads, groups * q_len, -1), values.float())
-    return out.view(q.shape), weights
+    return out.view(q.shape), weights, lse
 
 
 def _scores(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | None, scaling: float,

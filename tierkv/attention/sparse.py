@@ -46,7 +46,7 @@ import torch
 
 from tierkv.attention.base import PipelinedExecutor, from_first_token, register_executor
 from tierkv.attention.kept import KeptBlocks
-from tierkv.attention.lse import partial_attention, weighted_attention
+from tierkv.attention.lse import merge, partial_attention, weighted_attention
 from tierkv.attention.speculation import Speculation, SpeculationCounters
 from tierkv.blocks import Tier
 from tierkv.errors import InvalidConfigError
@@ -54,6 +54,7 @@ from tierkv.mover import ThreadMover
 from tierkv.staging import GROWTH
 from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
+from tierkv.store.summaries import REST_BITS
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +67,16 @@ class SparseBudget:
     start always attended (default: one block). ``recent``: the last tokens always attended (default 0: the
     open tail, attended in any case; the blocks before it compete like any other — a forced last full block
     measured worse on SmolLM2, docs/quality.md). ``dense_layers``: the first layers attended in full, their
-    blocks taken out of the other layers' budgets (default 0: measured worse at 10% on SmolLM2).
+    blocks taken out of the other layers' budgets (default 0: measured worse at 10% on SmolLM2). ``rest_bits``:
+    the blocks a step does not read are attended too, from a copy of this many bits (2, 4 or 8) kept on the
+    device beside the summaries (:mod:`tierkv.store.summaries`; default 0: not attended) — nothing more is read.
     """
 
     tokens: int | float
     sinks: int | None = None
     recent: int | None = None
     dense_layers: int = 0
+    rest_bits: int = 0
 
     def __post_init__(self) -> None:
         tokens = self.tokens
@@ -84,6 +88,9 @@ class SparseBudget:
         if isinstance(tokens, float) and not 0.0 < tokens <= 1.0:
             raise InvalidConfigError(f"sparse tokens={tokens} as a fraction must be in (0, 1]; give an int for a "
                                      "number of tokens.")
+        if self.rest_bits not in REST_BITS:
+            raise InvalidConfigError(f"sparse rest_bits={self.rest_bits!r}: give one of "
+                                     f"{', '.join(map(str, REST_BITS))} (0: the blocks not read are not attended).")
         for name in ("sinks", "recent", "dense_layers"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -120,6 +127,7 @@ class SparseCounters:
     bytes_fetched: int = 0  # KV bytes read for the other selected blocks (every tier, the device's own included)
     bytes_fetched_off_device: int = 0  # ... of which came from the host and disk tiers
     promotions: int = 0  # blocks moved up to the device after being attended (policy="attention")
+    rest_layer_steps: int = 0  # layer-steps that attended the blocks not read from their rest copy (rest_bits)
     by_tier: dict[str, int] = field(default_factory=dict)  # blocks read per source tier (reused ones not)
     speculation: SpeculationCounters = field(default_factory=SpeculationCounters)  # disk reads ahead of need
 
@@ -134,7 +142,8 @@ class SparseCounters:
             "bytes_fetched": self.bytes_fetched, "bytes_fetched_per_step": self.bytes_fetched / steps,
             "bytes_fetched_off_device": self.bytes_fetched_off_device,
             "bytes_fetched_off_device_per_step": self.bytes_fetched_off_device / steps,
-            "promotions": self.promotions, "speculation": self.speculation.as_dict(),
+            "promotions": self.promotions, "rest_layer_steps": self.rest_layer_steps,
+            "speculation": self.speculation.as_dict(),
         }
 
 
@@ -169,6 +178,7 @@ class SparseAttention(PipelinedExecutor):
         self._ranked: tuple[int, int, torch.Tensor] | None = None  # (layer, lo, score [B, C]) of the last scoring
         self._sticky: dict[int, tuple[np.ndarray, torch.Tensor]] = {}  # layer -> (columns [B, K], shares [B, K])
         self._scored = False  # whether the last selection ranked blocks (not the exact fast path)
+        self._unread: tuple[int, int] | None = None  # the last selection's candidates [lo, hi), some not read
 
     def attend(self, layer: int, start: int, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
                softcap: float | None, budget: SparseBudget) -> torch.Tensor:
@@ -181,7 +191,7 @@ class SparseAttention(PipelinedExecutor):
         if q_len != 1:
             raise InvalidConfigError(f"sparse attention runs decode steps (one query token), got {q_len}.")
         store = self.store
-        summaries = store.enable_summaries()
+        summaries = store.enable_summaries(budget.rest_bits)
         self._begin_layer(layer)
         self._speculate_after(layer)
         stop = store.seq_length(layer)
@@ -203,15 +213,23 @@ class SparseAttention(PipelinedExecutor):
         mass = None
         wants_mass = getattr(store.policy, "wants_mass", False)
         sticky = self.sticky_share and self._scored  # an exact layer-step (all blocks read) chose nothing
+        rest = self._unread is not None and budget.rest_bits
         if wants_mass or sticky:  # the attention's own weights give each block's share (no second scoring)
-            out, weights = weighted_attention(q, keys, values, bias, scaling, softcap)
+            out, weights, lse = weighted_attention(q, keys, values, bias, scaling, softcap)
+            if rest:  # shares of the whole softmax, the blocks not read included
+                out, total = merge(out, lse, *self._rest_attention(layer, start, stop, columns, q, mask, scaling,
+                                                                   softcap, summaries))
+                weights = weights * torch.exp(lse - total)[..., None]
             shares = _block_shares(weights, count, bt)  # [B, H_q, K]
             mass = shares.mean(dim=1) if wants_mass else None
             if sticky:
                 strongest = shares.amax(dim=1)  # [B, K]: the most some query head gave each block
                 self._sticky[layer] = (columns, strongest.masked_fill(strongest < self.sticky_share, 0.0))
         else:
-            out, _ = partial_attention(q, keys, values, bias, scaling, softcap)
+            out, lse = partial_attention(q, keys, values, bias, scaling, softcap)
+            if rest:
+                out, _ = merge(out, lse, *self._rest_attention(layer, start, stop, columns, q, mask, scaling,
+                                                               softcap, summaries))
         if not sticky:
             self._sticky.pop(layer, None)  # never a share older than the previous step
         self._promote(layer, columns, mass, staging)
@@ -238,9 +256,11 @@ class SparseAttention(PipelinedExecutor):
         top = total - sinks - (end - recent_from)
         self.counters.layer_steps += 1
         self._scored = 0 < top < hi - lo
+        self._unread = None
         if top >= hi - lo:  # the budget covers every block: read them all (exact)
             self.counters.exact_layer_steps += 1
             return np.broadcast_to(np.arange(first, end), (rows.batch, end - first))
+        self._unread = (lo, hi)
         head, tail = np.arange(first, lo), np.arange(recent_from, end)
         if top <= 0:
             chosen = np.empty((rows.batch, 0), dtype=np.int64)
@@ -257,13 +277,7 @@ class SparseAttention(PipelinedExecutor):
                 softcap: float | None) -> torch.Tensor:
         """Each row's score of candidate columns ``[lo, hi)``: ``[B, C]`` (one vectorized pass, no loop)."""
         table = summaries.table(layer)
-        key = (rows.version, lo, hi)
-        cached = self._rows_cache.get(layer)
-        if cached is None or cached[0] != key:
-            found = summaries.rows(rows.ids[:, lo:hi])  # [B, C]; -1: no summary (always a candidate)
-            missing = torch.from_numpy(found < 0).to(q.device) if (found < 0).any() else None
-            cached = self._rows_cache[layer] = (key, torch.from_numpy(found.clip(0).ravel()).to(q.device), missing)
-        _, index, missing = cached
+        index, missing = self._summary_rows(layer, rows, lo, hi, summaries, q.device)
         batch, columns = rows.batch, hi - lo
         if table is None:
             return torch.zeros((batch, columns), device=q.device)
@@ -279,6 +293,43 @@ class SparseAttention(PipelinedExecutor):
         share = torch.softmax(logits, dim=-1)  # each head's estimated attention share
         score = share.flatten(1, 2).amax(dim=1)  # [B, C]: the most any query head would give the block
         return score if missing is None else score.masked_fill(missing, math.inf)
+
+    def _summary_rows(self, layer: int, rows, lo: int, hi: int, summaries,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Summary table rows of candidate columns ``[lo, hi)`` as ``[B·C]`` (0 where a block has none), and which
+        have none ``[B, C]`` (None: all have one); looked up once per grid version and candidate range."""
+        key = (rows.version, lo, hi)
+        cached = self._rows_cache.get(layer)
+        if cached is None or cached[0] != key:
+            found = summaries.rows(rows.ids[:, lo:hi])  # [B, C]; -1: no summary (always a candidate)
+            missing = torch.from_numpy(found < 0).to(device) if (found < 0).any() else None
+            cached = self._rows_cache[layer] = (key, torch.from_numpy(found.clip(0).ravel()).to(device), missing)
+        return cached[1], cached[2]
+
+    def _rest_attention(self, layer: int, start: int, stop: int, columns: np.ndarray, q: torch.Tensor,
+                        mask: torch.Tensor | None, scaling: float, softcap: float | None,
+                        summaries) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``q`` over the candidates the selection ``columns`` did not read, from their rest copy on
+        the device: the output and log-sum-exp to merge with the read blocks' (the same softmax, in two pieces).
+        Blocks without a copy (none was summarised yet) and the selected ones are masked out."""
+        lo, hi = self._unread
+        rows = self.store.table.rows[layer]
+        bt, batch = self.store.block_tokens, rows.batch
+        index, missing = self._summary_rows(layer, rows, lo, hi, summaries, q.device)
+        keys, values = summaries.rest(layer, index, q.dtype)  # [H_kv, B·C, bt, D]
+        heads, dim = keys.shape[0], keys.shape[-1]
+        keys = keys.view(heads, batch, -1, dim).transpose(0, 1)  # [B, H_kv, C·bt, D]
+        values = values.view(heads, batch, -1, dim).transpose(0, 1)
+        candidates = np.broadcast_to(np.arange(lo, hi), (batch, hi - lo))
+        bias = _selection_bias(candidates, bt, start, stop, mask, q.dtype, q.device)  # [B, 1, 1, C·bt]
+        read = np.zeros((batch, hi - lo), dtype=bool)
+        row, position = np.nonzero((columns >= lo) & (columns < hi))
+        read[row, columns[row, position] - lo] = True
+        skip = torch.from_numpy(read).to(q.device)
+        skip = skip if missing is None else skip | missing
+        bias = bias.masked_fill(skip.repeat_interleave(bt, dim=1)[:, None, None], torch.finfo(q.dtype).min)
+        self.counters.rest_layer_steps += 1
+        return partial_attention(q, keys, values, bias, scaling, softcap)
 
     def _with_sticky(self, layer: int, lo: int, hi: int, score: torch.Tensor) -> torch.Tensor:
         """``score`` ``[B, C]`` of candidates ``[lo, hi)``, raised to the share a block got from some query head at

@@ -90,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="sparse recent-window tokens (default: one block)")
     quality.add_argument("--dense-layers", type=integer("--dense-layers", 0), default=0,
                          help="sparse: first layers attended in full, within the budget (default: %(default)s)")
+    quality.add_argument("--rest-bits", type=int, choices=(0, 2, 4, 8), default=0,
+                         help="sparse: attend the blocks not read from a copy of this many bits on the device "
+                              "(default: %(default)s, not at all)")
     add_json_argument(parser, "the result (every trial)")
 
 
@@ -234,7 +237,7 @@ def _run_quality(args: argparse.Namespace, console, status) -> int:
         if "sparse" in args.methods:
             methods += [harness.Method("sparse", b) for b in args.budgets]
         setup = harness.CacheSetup(block_tokens=args.block_tokens, sinks=args.sinks, recent=args.recent,
-                                   dense_layers=args.dense_layers)
+                                   dense_layers=args.dense_layers, rest_bits=args.rest_bits)
         path = out / harness.results_file(setup)
         records = json.loads(path.read_text())["results"] if path.is_file() else []
 

@@ -58,6 +58,7 @@ class CacheSetup:
     sinks: int | None = None  # default: one block
     recent: int | None = None  # default: the open tail only
     dense_layers: int = 0  # first layers attended in full (their blocks come out of the others' budgets)
+    rest_bits: int = 0  # the blocks a sparse step does not read: attended from a copy of this many bits (0: not)
     device_fraction: float = 0.25  # device budget: the streaming minimum, this share of the KV, and ...
     device_extra: int = 64 << 20  # ... this much for the sparse staging (sparse runs: and their key summaries)
     disk_dir: str | None = None  # None: the rest lives on the host tier
@@ -226,20 +227,24 @@ def measure(model, tokenizer, folder: str | Path, methods: Sequence[Method], set
 
 
 def results_file(setup: CacheSetup) -> str:
-    """The file of a run's tierkv records: ``tierkv.json``, or ``tierkv-8.json`` for 8-token blocks (any size but
-    the default), so runs on other blocks resume and are reported on their own (tierkv.quality.report)."""
-    return "tierkv.json" if setup.block_tokens == DEFAULT_BLOCK_TOKENS else f"tierkv-{setup.block_tokens}.json"
+    """The file of a run's tierkv records: ``tierkv.json``, ``tierkv-8.json`` for 8-token blocks (any size but
+    the default), ``tierkv-8-rest2.json`` with a 2-bit rest copy, so runs of other setups resume and are
+    reported on their own (tierkv.quality.report)."""
+    name = "tierkv" if setup.block_tokens == DEFAULT_BLOCK_TOKENS else f"tierkv-{setup.block_tokens}"
+    return f"{name}-rest{setup.rest_bits}.json" if setup.rest_bits else f"{name}.json"
 
 
 def _run_method(model, tokenizer, prompt: Prompt, kv, logprobs, method: Method, setup: CacheSetup) -> dict:
     from tierkv import TieredCache
     from tierkv.planner import kv_summary_bytes
+    from tierkv.store.summaries import rest_copy_bytes
 
     kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
     floor = TieredCache.min_streaming_device_bytes(model.config, block_tokens=setup.block_tokens)
     gpu = floor + int(kv_bytes * setup.device_fraction) + setup.device_extra
     if method.kind == "sparse":  # the key summaries: 3 vectors per block, 18.75% of the KV at 8-token blocks
         gpu += kv_summary_bytes(kv_bytes, setup.block_tokens)
+        gpu += rest_copy_bytes(kv_bytes, setup.rest_bits, kv[0][0].element_size(), kv[0][0].shape[-1])
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tierkv-quality-") as tmp, \
             TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{2 * kv_bytes + (64 << 20)}B", config=model.config,
@@ -262,7 +267,7 @@ def _run_method(model, tokenizer, prompt: Prompt, kv, logprobs, method: Method, 
 def _context(cache, model, method: Method, setup: CacheSetup):
     if method.kind == "sparse":
         return cache.sparse(model, tokens=method.budget, sinks=setup.sinks, recent=setup.recent,
-                            dense_layers=setup.dense_layers)
+                            dense_layers=setup.dense_layers, rest_bits=setup.rest_bits)
     return cache.streaming(model)
 
 

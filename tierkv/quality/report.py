@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -34,10 +35,10 @@ def load_results(folder: str | Path, tokenizer=None) -> list[dict[str, Any]]:
     records = list(reference["results"])
     for path in sorted(folder.glob("tierkv*.json")):  # tierkv.json, and e.g. tierkv-8.json from other blocks
         data = json.loads(path.read_text())
-        block_tokens = data.get("setup", {}).get("block_tokens", DEFAULT_BLOCK_TOKENS)
+        family = sparse_family(data.get("setup", {}))
         for record in data["results"]:
-            if block_tokens != DEFAULT_BLOCK_TOKENS and record["method"].startswith("sparse@"):
-                record["method"] = f"sparse{block_tokens}@{record['method'].split('@')[1]}"
+            if family != "sparse" and record["method"].startswith("sparse@"):
+                record["method"] = f"{family}@{record['method'].split('@')[1]}"
             records.append(record)
     for path in sorted(folder.glob("kvpress*.json")):
         records += json.loads(path.read_text())["results"]
@@ -64,19 +65,39 @@ def label(method: str) -> str:
     return f"{family_label(family)} {float(budget):.0%}"
 
 
+def sparse_family(setup: dict[str, Any]) -> str:
+    """The family name of a run's sparse records: ``sparse``, ``sparse8`` (8-token blocks), ``sparse8r2`` (and a
+    2-bit rest copy), from the run's cache setup."""
+    block_tokens = setup.get("block_tokens", DEFAULT_BLOCK_TOKENS)
+    rest_bits = setup.get("rest_bits", 0)
+    family = "sparse" if block_tokens == DEFAULT_BLOCK_TOKENS and not rest_bits else f"sparse{block_tokens}"
+    return f"{family}r{rest_bits}" if rest_bits else family
+
+
+def _sparse_variant(family: str) -> tuple[int, int] | None:
+    """``sparse8r2`` -> (8, 2), ``sparse8`` -> (8, 0); None for any other family."""
+    match = re.fullmatch(r"sparse(\d+)(?:r(\d+))?", family)
+    return (int(match[1]), int(match[2] or 0)) if match else None
+
+
 def family_label(family: str) -> str:
-    """``snapkv`` -> ``SnapKV``; ``sparse8`` (tierkv sparse on 8-token blocks) -> ``tierkv sparse, 8-token blocks``."""
+    """``snapkv`` -> ``SnapKV``; ``sparse8`` (tierkv sparse on 8-token blocks) -> ``tierkv sparse, 8-token blocks``;
+    ``sparse8r2`` -> ``tierkv sparse, 8-token blocks, 2-bit rest``."""
     if family in FAMILIES:
         return FAMILIES[family]
-    size = family.removeprefix("sparse")
-    return f"tierkv sparse, {size}-token blocks" if size.isdigit() else family
+    variant = _sparse_variant(family)
+    if variant is None:
+        return family
+    size, bits = variant
+    return f"tierkv sparse, {size}-token blocks" + (f", {bits}-bit rest" if bits else "")
 
 
 def family_rank(family: str) -> float:
     """Table and legend order: tierkv's families first (other block sizes after the default), then the presses."""
     if family in FAMILIES:
         return list(FAMILIES).index(family)
-    return 0.5 if family.removeprefix("sparse").isdigit() else 99
+    variant = _sparse_variant(family)
+    return 99 if variant is None else 0.5 + 0.01 * variant[1]
 
 
 def aggregate(records: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, float]]:

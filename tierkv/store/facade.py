@@ -236,7 +236,7 @@ class KVStore:
             self._commit(layer, rows, plans, split)
             self._lengths[layer] = length + tokens
         if filled:
-            self.summaries.add(layer, [block.id for block, _ in filled], torch.stack([keys for _, keys in filled]))
+            self.summaries.add(layer, [block.id for block, _ in filled], torch.stack([kv for _, kv in filled]))
         self.writeback.maybe_start()
 
     def _append_in_place(self, layer: int, rows: LayerRows, keys: torch.Tensor, values: torch.Tensor) -> bool:
@@ -271,8 +271,7 @@ class KVStore:
                 self._lengths[layer] = length
             raise
         if self.summaries is not None and held + tokens == self.block_tokens:  # the tails just filled
-            self.summaries.add(layer, [t.id for t in tails],
-                               torch.stack([view[0] for view in views]))
+            self.summaries.add(layer, [t.id for t in tails], torch.stack(views))
         self.writeback.maybe_start()
         return True
 
@@ -407,22 +406,22 @@ class KVStore:
 
     def _filled_blocks(self, layer: int, plans: list[_NewBlocks], kv: torch.Tensor,
                        split: _Split) -> list[tuple[Block, torch.Tensor]]:
-        """The blocks this append (written, not yet committed) fills, with their keys ``[H_kv, block_tokens, D]``:
-        tails filled in place or by their copy, and every full new block (its keys come from ``kv``)."""
+        """The blocks this append (written, not yet committed) fills, with their keys and values
+        ``[2, H_kv, block_tokens, D]``: tails filled in place or by their copy, and every full new block (from
+        ``kv``)."""
         bt, layout = self.block_tokens, self.layouts[layer]
         fills = split.held + split.take == bt and split.held > 0
         filled: list[tuple[Block, torch.Tensor]] = []
         for r, plan in enumerate(plans):
             if fills and plan.in_place:
                 tail = self.table.tail(layer, r)
-                filled.append((tail, self.device.block(layout, tail.slot)[0]))
+                filled.append((tail, self.device.block(layout, tail.slot)))
             elif fills and plan.tail_copy is not None:  # a shared or demoted tail, copied and filled (rare)
                 copy = plan.tail_copy
-                keys = self.transfer.read_blocks(layout, copy.tier, [copy.slot])[0, 0]
-                filled.append((copy, keys))
+                filled.append((copy, self.transfer.read_blocks(layout, copy.tier, [copy.slot])[0]))
             for k, block in enumerate(plan.blocks):
                 if (k + 1) * bt <= split.rest:
-                    filled.append((block, kv[0, r, :, split.take + k * bt : split.take + (k + 1) * bt]))
+                    filled.append((block, kv[:, r, :, split.take + k * bt : split.take + (k + 1) * bt]))
         return filled
 
     def _commit(self, layer: int, rows: LayerRows, plans: list[_NewBlocks], split: _Split) -> None:
@@ -477,12 +476,16 @@ class KVStore:
         (selections change every step)."""
         return build_selection_plan(layer, self.table.rows[layer], columns, self.chain)
 
-    def enable_summaries(self) -> KeySummaries:
-        """Keep key summaries of full blocks from now on (:mod:`tierkv.store.summaries`), on the device and in
-        its budget; blocks already full are summarised now, read once from wherever they live."""
+    def enable_summaries(self, rest_bits: int = 0) -> KeySummaries:
+        """Keep key summaries of full blocks from now on (:mod:`tierkv.store.summaries`), with a ``rest_bits``-bit
+        copy of their keys and values if that is not 0, on the device and in its budget; blocks already full
+        are summarised now, read once from wherever they live (again if ``rest_bits`` changed)."""
         if self.summaries is not None:
-            return self.summaries
-        summaries = KeySummaries(self.device.device, self.reserve_device, self.device.unreserve)
+            if self.summaries.rest_bits == rest_bits:
+                return self.summaries
+            self.summaries.clear()
+            self.summaries = None
+        summaries = KeySummaries(self.device.device, self.reserve_device, self.device.unreserve, rest_bits)
         bt = self.block_tokens
         for layer, rows in self.table.rows.items():
             full = self.seq_length(layer) // bt
@@ -493,8 +496,8 @@ class KVStore:
                 data = torch.empty((2, rows.batch, layout.kv_heads, (hi - lo) * bt, layout.head_dim),
                                    dtype=layout.dtype, device=self.device.device)
                 self.read_into(layer, plan, data)
-                keys = data[0].unflatten(2, (hi - lo, bt)).transpose(1, 2)  # [B, n, H_kv, bt, D]
-                summaries.add(layer, rows.ids[:, lo:hi].ravel().tolist(), keys.flatten(0, 1))
+                blocks = data.unflatten(3, (hi - lo, bt)).permute(1, 3, 0, 2, 4, 5)  # [B, n, 2, H_kv, bt, D]
+                summaries.add(layer, rows.ids[:, lo:hi].ravel().tolist(), blocks.flatten(0, 1))
         self.summaries = summaries
         return summaries
 

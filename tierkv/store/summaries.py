@@ -19,6 +19,15 @@ selection's rows gathered from it are already each head's ``[C, 3·D]`` matrix f
 through ``row_of[block_id]`` (a numpy array, so a layer's grid of block ids maps to table rows in one
 vectorized lookup). Their bytes are reserved against the device budget like staging, through the callable the
 store passes in, so ``stats()`` and the budget checks include them.
+
+**The rest copy** (``rest_bits`` 2, 4 or 8; 0: none). Beside its summary, a block may keep a low-bit copy of its
+keys and values, so that sparse attention can attend the blocks it does not read from it instead of not at all
+(KIVI's layout): keys per channel over the block, on the summary's own min and max (no scale of their own);
+values per token over groups of :data:`VALUE_GROUP` channels, with a min and a step per group. Why: on SmolLM2
+at 10% of a 2K context, the best possible selection of tokens leaves 6% of next tokens different from full
+attention (the mass spread thinly over the other 90%); attending those from a 2-bit copy made top-1 agreement
+95.6% (docs/quality.md). At 2 bits it takes ``(2 + 2 + 32 / VALUE_GROUP) / 32`` of the KV bytes on the device
+(15.6%), besides the summaries; nothing more is read from the tiers.
 """
 
 from __future__ import annotations
@@ -28,21 +37,32 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from tierkv.errors import InvalidConfigError
+
 MIN_ROWS = 8  # a table's first capacity
 TABLE_GROWTH = 1.25  # a full table grows by this factor: doubling could reserve twice the device bytes needed
 VECTORS = 3  # per block and KV head: the keys' per-channel min, max and mean
+REST_BITS = (0, 2, 4, 8)  # bits per key and value of the rest copy (0: none)
+VALUE_GROUP = 32  # channels per value scale of the rest copy (a head dimension not divisible by it: one group)
 
 
 class _LayerTable:
-    """One layer's summaries: ``table`` ``[H_kv, capacity, 3, D]`` (min, max, mean) and its free rows."""
+    """One layer's summaries: ``table`` ``[H_kv, capacity, 3, D]`` (min, max, mean), its free rows, and the rest
+    copy if kept: ``codes`` ``[H_kv, capacity, 2, bt, D · bits / 8]`` (packed keys and values) and
+    ``value_scale`` ``[H_kv, capacity, bt, groups, 2]`` (each value group's min and step)."""
 
-    def __init__(self, table: torch.Tensor) -> None:
-        self.table = table
+    def __init__(self, table: torch.Tensor, codes: torch.Tensor | None = None,
+                 value_scale: torch.Tensor | None = None) -> None:
+        self.table, self.codes, self.value_scale = table, codes, value_scale
         self.free: list[int] = list(range(table.shape[1] - 1, -1, -1))  # pop() gives the lowest row
 
     @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.table, self.codes, self.value_scale) if t is not None)
+
+    @property
     def nbytes(self) -> int:
-        return self.table.numel() * self.table.element_size()
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 class KeySummaries:
@@ -51,8 +71,12 @@ class KeySummaries:
     ``reserve(n)`` / ``unreserve(n)`` count device bytes (the store's staging reservation: it may demote blocks
     to make room, and raises :class:`~tierkv.errors.BudgetTooSmallError` when it cannot)."""
 
-    def __init__(self, device: torch.device, reserve: Callable[[int], None], unreserve: Callable[[int], None]) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, reserve: Callable[[int], None], unreserve: Callable[[int], None],
+                 rest_bits: int = 0) -> None:
+        if rest_bits not in REST_BITS:
+            raise InvalidConfigError(f"rest_bits={rest_bits!r}: give one of {', '.join(map(str, REST_BITS))} "
+                                     "(0: no copy of the blocks a sparse step does not read).")
+        self.device, self.rest_bits = device, rest_bits
         self._reserve, self._unreserve = reserve, unreserve
         self._layers: dict[int, _LayerTable] = {}
         self.row_of = np.full(1024, -1, dtype=np.int64)  # block id -> row in its layer's table (-1: none)
@@ -77,20 +101,23 @@ class KeySummaries:
         inside = ids < self.row_of.shape[0]
         return np.where(inside, self.row_of[np.minimum(ids, self.row_of.shape[0] - 1)], -1)
 
-    def add(self, layer: int, block_ids: Sequence[int], keys: torch.Tensor) -> None:
-        """Summarise full blocks ``block_ids`` of ``layer`` from their keys ``[n, H_kv, block_tokens, D]``.
+    def add(self, layer: int, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Summarise full blocks ``block_ids`` of ``layer`` from their keys and values
+        ``[n, 2, H_kv, block_tokens, D]`` (the values only serve the rest copy).
 
         All or nothing: room is reserved before any row is written. A block summarised again (a cut block
         that filled up with new tokens) gets its summary replaced."""
         if not block_ids:
             return
-        summary = torch.stack((keys.amin(dim=2), keys.amax(dim=2), keys.float().mean(dim=2).to(keys.dtype)),
-                              dim=1)  # [n, 3, H_kv, D]
         ids = list(dict.fromkeys(block_ids))  # shared blocks appear once per row holding them
         if len(ids) != len(block_ids):
             first = {block_id: i for i, block_id in reversed(list(enumerate(block_ids)))}
-            summary = summary[[first[block_id] for block_id in ids]]
-        entry = self._room(layer, summary, sum(1 for i in ids if self._row(i) < 0))
+            blocks = blocks[[first[block_id] for block_id in ids]]
+        keys = blocks[:, 0]  # [n, H_kv, bt, D]
+        summary = torch.stack((keys.amin(dim=2), keys.amax(dim=2), keys.float().mean(dim=2).to(keys.dtype)),
+                              dim=1)  # [n, 3, H_kv, D]
+        rest = self._rest_copy(blocks, summary) if self.rest_bits else None
+        entry = self._room(layer, summary, sum(1 for i in ids if self._row(i) < 0), blocks.shape[3])
         rows = []
         for block_id in ids:
             row = self._row(block_id)
@@ -99,7 +126,23 @@ class KeySummaries:
                 self._set_row(block_id, row)
                 self._layer_of[block_id] = layer
             rows.append(row)
-        entry.table[:, torch.tensor(rows, device=self.device)] = summary.permute(2, 0, 1, 3).to(entry.table.dtype)
+        index = torch.tensor(rows, device=self.device)
+        entry.table[:, index] = summary.permute(2, 0, 1, 3).to(entry.table.dtype)
+        if rest is not None:
+            entry.codes[:, index], entry.value_scale[:, index] = rest[0], rest[1].to(entry.value_scale.dtype)
+
+    def rest(self, layer: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest copy of table rows ``index`` ``[N]`` of ``layer``, decoded: keys and values
+        ``[H_kv, N, block_tokens, D]`` in ``dtype``, each within half a step of the block's own."""
+        entry = self._layers[layer]
+        codes = _unpack(entry.codes.index_select(1, index), self.rest_bits)  # [H_kv, N, 2, bt, D], float32
+        bounds = entry.table.index_select(1, index)[:, :, :2].float()  # [H_kv, N, 2, D]: the keys' min, max
+        lo, hi = bounds[:, :, None, 0], bounds[:, :, None, 1]
+        keys = lo + codes[:, :, 0] * ((hi - lo) / (2**self.rest_bits - 1))
+        scale = entry.value_scale.index_select(1, index).float()  # [H_kv, N, bt, groups, 2]
+        grouped = codes[:, :, 1].unflatten(-1, (scale.shape[3], -1))  # [H_kv, N, bt, groups, D / groups]
+        values = (scale[..., :1] + grouped * scale[..., 1:]).flatten(-2)
+        return keys.to(dtype), values.to(dtype)
 
     def release(self, block_id: int) -> None:
         """``block_id`` was freed: its row goes back to its layer's free list."""
@@ -127,7 +170,22 @@ class KeySummaries:
             self.row_of = grown
         self.row_of[block_id] = row
 
-    def _room(self, layer: int, like: torch.Tensor, new_rows: int) -> _LayerTable:
+    def _rest_copy(self, blocks: torch.Tensor, summary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest copy of ``blocks`` ``[n, 2, H_kv, bt, D]`` as table rows: packed codes
+        ``[H_kv, n, 2, bt, D · bits / 8]`` and the value groups' (min, step) ``[H_kv, n, bt, groups, 2]``. Keys are
+        coded on the summary's min and max as stored (rounded to the KV dtype), so decoding needs nothing else."""
+        levels = 2**self.rest_bits - 1
+        lo, hi = summary[:, 0, :, None].float(), summary[:, 1, :, None].float()  # [n, H_kv, 1, D]
+        keys = _codes(blocks[:, 0].float(), lo, (hi - lo) / levels, levels)
+        dim = blocks.shape[-1]
+        values = blocks[:, 1].float().unflatten(-1, (_value_groups(dim), -1))  # [n, H_kv, bt, groups, D / groups]
+        vlo = values.amin(-1, keepdim=True)
+        vstep = (values.amax(-1, keepdim=True) - vlo) / levels
+        value_codes = _codes(values, vlo, vstep, levels).flatten(-2)
+        packed = _pack(torch.stack((keys, value_codes), dim=1), self.rest_bits)  # [n, 2, H_kv, bt, D · bits / 8]
+        return packed.permute(2, 0, 1, 3, 4), torch.cat((vlo, vstep), -1).permute(1, 0, 2, 3, 4)
+
+    def _room(self, layer: int, like: torch.Tensor, new_rows: int, block_tokens: int) -> _LayerTable:
         """Layer ``layer``'s table with at least ``new_rows`` free rows (grown by 25% steps, bytes reserved first)."""
         entry = self._layers.get(layer)
         if entry is not None and len(entry.free) >= new_rows:
@@ -137,14 +195,52 @@ class KeySummaries:
         while capacity - used < new_rows:
             capacity = max(capacity + 1, int(capacity * TABLE_GROWTH))
         _, vectors, heads, dim = like.shape  # like: [n, 3, H_kv, D]
-        table = torch.empty((heads, capacity, vectors, dim), dtype=like.dtype, device=self.device)
-        grown = table.numel() * table.element_size() - (entry.nbytes if entry is not None else 0)
-        self._reserve(grown)
+        grown = _LayerTable(torch.empty((heads, capacity, vectors, dim), dtype=like.dtype, device=self.device))
+        if self.rest_bits:
+            grown.codes = torch.empty((heads, capacity, 2, block_tokens, dim * self.rest_bits // 8),
+                                      dtype=torch.uint8, device=self.device)
+            grown.value_scale = torch.empty((heads, capacity, block_tokens, _value_groups(dim), 2),
+                                            dtype=like.dtype, device=self.device)
+        self._reserve(grown.nbytes - (entry.nbytes if entry is not None else 0))
         if entry is None:
-            entry = self._layers[layer] = _LayerTable(table)
-            return entry
+            self._layers[layer] = grown
+            return grown
         old = entry.table.shape[1]
-        table[:, :old] = entry.table
-        entry.table = table
-        entry.free = list(range(capacity - 1, old - 1, -1)) + entry.free
-        return entry
+        for new, held in zip(grown.tensors, entry.tensors, strict=True):
+            new[:, :old] = held
+        grown.free = list(range(capacity - 1, old - 1, -1)) + entry.free
+        self._layers[layer] = grown
+        return grown
+
+
+def rest_copy_bytes(kv_bytes: int, bits: int, element_size: int, head_dim: int) -> int:
+    """Device bytes of the ``bits``-bit rest copy of ``kv_bytes`` of K/V (elements of ``element_size`` bytes,
+    heads of ``head_dim`` channels): per key and value ``bits`` bits, per value group a min and a step."""
+    if not bits:
+        return 0
+    pairs = kv_bytes // (2 * element_size)  # key and value elements
+    return pairs * 2 * bits // 8 + pairs // (head_dim // _value_groups(head_dim)) * 2 * element_size
+
+
+def _value_groups(dim: int) -> int:
+    return dim // VALUE_GROUP if dim % VALUE_GROUP == 0 else 1
+
+
+def _codes(x: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, levels: int) -> torch.Tensor:
+    """``x`` as integer levels ``[0, levels]`` of ``lo + level · step`` (uint8; a zero step: level 0)."""
+    return ((x - lo) / step.clamp_min(torch.finfo(torch.float32).tiny)).round_().clamp_(0, levels).to(torch.uint8)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``8 / bits`` codes of the last dimension per byte: code ``j · per + i`` at bit ``i · bits`` of byte ``j``."""
+    per = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (codes.unflatten(-1, (-1, per)) << shifts).sum(-1, dtype=torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of :func:`_pack`: ``[..., D · bits / 8]`` bytes to ``[..., D]`` codes as float32, through a
+    table of every byte's codes (one gather: twice as fast on the CPU as shifting and masking each code)."""
+    shifts = torch.arange(0, 8, bits, device=packed.device)
+    table = ((torch.arange(256, device=packed.device)[:, None] >> shifts) & (2**bits - 1)).float()  # [256, 8 / bits]
+    return torch.nn.functional.embedding(packed.int(), table).flatten(-2)
