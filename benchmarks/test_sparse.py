@@ -21,6 +21,8 @@ and after. Targets (asserted with ``--benchmark-enable``): at the budget under 5
 bytes read per token and a step >= 5x faster than exact. Budgets are whole blocks below 5% and 10% of the
 context (``TIERKV_BENCH_SPARSE_BUDGETS``: a comma-separated subset of the two, e.g. ``5`` at 64K to prefill
 fewer caches). ``TIERKV_BENCH_SPARSE_RUNNERS``: runners-up each speculative guess adds per row (default 0).
+``TIERKV_BENCH_SPARSE_REST_BITS``: the sparse caches attend the blocks they do not read from a copy of this
+many bits on the device (``cache.sparse(..., rest_bits=)``; default 0: not at all).
 
 ``test_attention_policy_vs_lru``: two caches prefilled alike, policy ``lru`` and ``attention``; DECODE sparse
 steps each; the bytes read from host and disk per step over the second half (after promotions settled).
@@ -54,6 +56,7 @@ BUDGETS = tuple(int(CONTEXT * BUDGET_SHARES[key]) // BLOCK_TOKENS * BLOCK_TOKENS
 GPU, CPU = env_str("TIERKV_BENCH_SPARSE_GPU", "7MiB"), "1MiB"
 SPARSE_CHUNK = 1024  # the sparse caches' streaming chunks (prefill chunks stay 4K)
 RUNNERS = int(env_str("TIERKV_BENCH_SPARSE_RUNNERS", "0"))  # runners-up per speculative guess (SparseAttention)
+REST_BITS = int(env_str("TIERKV_BENCH_SPARSE_REST_BITS", "0"))  # the blocks not read attended from such a copy
 ROUNDS, STEPS, WARMUP = 6, 3, 4
 DECODE = 48  # sparse steps per cache in the policy comparison
 READ_LINKS = ("device->device", "host->device", "disk->device")
@@ -100,7 +103,7 @@ class Decoder:
         return self.cache.streaming(self.model)
 
     def sparse(self, tokens: int) -> Callable[[], contextlib.AbstractContextManager]:
-        return lambda: self.cache.sparse(self.model, tokens=tokens, chunk_tokens=SPARSE_CHUNK)
+        return lambda: self.cache.sparse(self.model, tokens=tokens, chunk_tokens=SPARSE_CHUNK, rest_bits=REST_BITS)
 
 
 def _directory() -> Path:

@@ -71,11 +71,18 @@ def test_demo_emits_no_future_warning(tmp_path):
                      "--chunk-tokens", "64", "--max-new-tokens", "2", "--disk-dir", str(tmp_path)]) == 0
 
 
-def test_sparse_executor_demo_reports_what_it_read(tmp_path):
+@pytest.mark.parametrize("rest_bits", ["0", "2"])
+def test_sparse_executor_demo_reports_what_it_read(tmp_path, rest_bits):
     out = tmp_path / "demo.json"
     rc = main(["demo", "--context", "2048", "--executor", "sparse", "--sparse-tokens", "0.25", "--block-tokens", "16",
                "--prefill-chunk", "512", "--chunk-tokens", "256", "--max-new-tokens", "2", "--disk-dir",
-               str(tmp_path / "disk"), "--json", str(out)])
+               str(tmp_path / "disk"), "--sparse-rest-bits", rest_bits, "--json", str(out)])
     result = json.loads(out.read_text())
     assert rc == 0 and result["match"] is True and result["executor"] == "sparse"
     assert 0.2 < result["sparse"]["selected_fraction"] < 0.35 and result["bytes_resident"]["disk"] > 0
+    assert (result["sparse"]["rest_layer_steps"] > 0) == (rest_bits != "0")
+
+
+def test_a_rest_copy_without_sparse_attention_is_refused(capsys):
+    assert main(["demo", "--random-model", "--sparse-rest-bits", "2"]) == 2
+    assert "--sparse-rest-bits needs --executor sparse" in capsys.readouterr().err

@@ -328,6 +328,22 @@ def test_sparse_step_reads_the_budgets_fraction_and_pays_for_the_summaries():
     assert exact.forecast.step_s / sparse.forecast.step_s > 10
 
 
+def test_a_rest_copy_is_paid_for_in_device_bytes_and_compute_not_in_reads():
+    """A 2-bit rest copy of Llama-3-8B's bf16 KV at 128K: 2 + 2 bits per key and value, and a bf16 min and step
+    per 32 values (4 bits more per value) — (2 + 2 + 1) / 32 of the KV bytes on the device, the same reads,
+    and a step that attends every block from it (slower than the selection alone)."""
+    def sparse(bits):
+        return plan(build_request("llama-3-8b", "128K", gpu=40, cpu=136, link="pcie5", executor="sparse",
+                                  sparse_tokens="12K", sparse_rest_bits=bits))
+
+    alone, rest = sparse(0), sparse(2)
+    assert rest.staging_bytes - alone.staging_bytes == rest.kv_bytes_total * 5 // 32
+    assert rest.bytes_moved_per_step == alone.bytes_moved_per_step  # the KV fits the device either way
+    assert rest.forecast.step_s > alone.forecast.step_s
+    with pytest.raises(InvalidConfigError, match="sparse_rest_bits=3"):
+        build_request("llama-3-8b", "128K", gpu=40, cpu=136, executor="sparse", sparse_rest_bits=3)
+
+
 def test_plan_says_when_sparse_is_the_better_choice():
     exact = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=136, link="pcie5", sparse_tokens="32K"))
     alternative = sparse_what_if(exact)

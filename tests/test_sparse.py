@@ -540,7 +540,8 @@ def test_a_masked_step_is_finite_whatever_the_open_tails_empty_slots_hold(tmp_pa
 def test_the_rest_copy_decodes_within_half_a_step_of_every_key_and_value(bits):
     """Keys are coded per channel over the block on the summary's min and max, values per token over groups of
     VALUE_GROUP channels: decoding is within half a level of each, and the bytes reserved are the bytes held."""
-    from tierkv.store.summaries import VALUE_GROUP, KeySummaries
+    from tierkv.staging import VALUE_GROUP, rest_copy_bytes
+    from tierkv.store.summaries import KeySummaries
 
     reserved = [0]
     summaries = KeySummaries(torch.device("cpu"), lambda n: reserved.__setitem__(0, reserved[0] + n),
@@ -557,6 +558,8 @@ def test_the_rest_copy_decodes_within_half_a_step_of_every_key_and_value(bits):
         step = (grouped.amax(-1, keepdim=True) - grouped.amin(-1, keepdim=True)) / levels
         assert ((got.unflatten(-1, (2, VALUE_GROUP)) - grouped).abs() <= step * 0.5 + 1e-5).all()
     assert reserved[0] == summaries.nbytes
+    held = summaries.nbytes - 3 * 3 * 2 * VALUE_GROUP * 4 * 8  # less the summaries: 8 rows of 3 vectors, 3 heads
+    assert held == rest_copy_bytes(8 * blocks[0].numel() * 4, bits, 4, 2 * VALUE_GROUP)  # 8 rows: the table's first
     summaries.clear()
     assert reserved[0] == 0
 
@@ -570,11 +573,16 @@ def test_rest_bits_must_be_one_the_copy_knows():
 def test_with_rest_bits_the_blocks_not_read_are_attended_from_their_copy(tmp_path, policy):
     """One softmax over both: the selected blocks exactly, every other full block from its decoded copy (the
     store's own, checked above), merged by log-sum-exp — against a float64 softmax over exactly those keys. At
-    8 bits that is much closer to full attention than the selection alone."""
+    8 bits that is much closer to full attention than the selection alone. The step before runs without the
+    copy, so the store rebuilds its summaries in between (the executor must not keep their old rows)."""
     store, kv = store_with_needles(tmp_path, {0: 5, 1: 10}, policy)
-    store.enable_summaries(8)
+    full = store.table.rows[0].ids[:, : COLUMNS - 1].ravel().tolist()  # summarised in reverse: other rows than
+    blocks = kv[:, :, :, : (COLUMNS - 1) * BT].unflatten(3, (COLUMNS - 1, BT)).permute(1, 3, 0, 2, 4, 5)
+    store.summaries.clear()  # ... the rebuild's, which summarises in grid order
+    store.summaries.add(0, full[::-1], blocks.flatten(0, 1).flip(0))
     executor = SparseAttention(store, ThreadMover())
     q = query_for_head(0) + 0.3 * torch.randn(2, HEADS * GROUPS, 1, DIM, generator=torch.Generator().manual_seed(4))
+    executor.attend(0, 0, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
     budget = SparseBudget(3 * BT, sinks=BT, recent=0, rest_bits=8)
     out = executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
     columns = executor.last_columns

@@ -33,7 +33,7 @@ from tierkv.bandwidth import (
 )
 from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
 from tierkv.model_presets import ModelSpec, resolve_model
-from tierkv.staging import gather_staging_bytes, round_to_blocks, streaming_staging_bytes
+from tierkv.staging import REST_BITS, gather_staging_bytes, rest_copy_bytes, round_to_blocks, streaming_staging_bytes
 from tierkv.units import format_bytes, parse_size, parse_tokens
 
 __all__ = ["DEVICES", "DeviceSpec", "Plan", "PlanRequest", "TierBytes", "WhatIf", "build_request", "parse_tokens",
@@ -99,6 +99,7 @@ class PlanRequest:
     # "sparse": decode steps read only the top blocks (sparse_tokens per row and layer), prefill streams
     chunk_tokens: int = 4096
     sparse_tokens: int = 2048  # attended tokens per row and layer in sparse mode (sinks and recent included)
+    sparse_rest_bits: int = 0  # sparse: the blocks not read attended from a copy of this many bits on the device
     block_tokens: int = 256  # staging is whole blocks (TieredCache's default block)
 
     def __post_init__(self) -> None:
@@ -108,6 +109,9 @@ class PlanRequest:
             raise InvalidConfigError(f"chunk_tokens={self.chunk_tokens} must be >= 1.")
         if self.sparse_tokens < 1:
             raise InvalidConfigError(f"sparse_tokens={self.sparse_tokens} must be >= 1.")
+        if self.sparse_rest_bits not in REST_BITS:
+            raise InvalidConfigError(f"sparse_rest_bits={self.sparse_rest_bits} must be one of "
+                                     f"{', '.join(map(str, REST_BITS))} (0: no rest copy).")
         if self.context < 1 or self.batch < 1:
             raise InvalidConfigError(f"context={self.context} and batch={self.batch} must both be >= 1.")
         if self.compute_s_per_step is not None and not (
@@ -266,7 +270,8 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
         staging = gather_staging_bytes(req.batch, held, token_bytes, req.block_tokens, depth)
     if staging > req.gpu_bytes:
         what = {"streaming": "streaming chunk buffers",
-                "sparse": "streaming chunk buffers, the sparse selection's buffer and the key summaries"}.get(
+                "sparse": "streaming chunk buffers, the sparse selection's buffer and the key summaries"
+                          + (" with their rest copy" if req.sparse_rest_bits else "")}.get(
             req.executor, f"exact-gather staging of {depth + 1} layers' full K/V")
         raise BudgetTooSmallError(
             f"the device budget {req.gpu_bytes / 1e9:.1f} GB cannot hold the {what} ({staging / 1e9:.1f} GB at "
@@ -371,10 +376,17 @@ def kv_summary_bytes(kv_bytes: int, block_tokens: int) -> int:
 
 def sparse_summary_bytes(req: PlanRequest) -> int:
     """Device bytes of the key summaries: per full block of every layer and row, a per-channel min, max and mean
-    of its keys — 1.5 tokens' K+V bytes (:mod:`tierkv.store.summaries`)."""
+    of its keys — 1.5 tokens' K+V bytes (:mod:`tierkv.store.summaries`) — and the blocks' rest copy if asked."""
     model = req.model
     blocks = sum(model.tokens_held(i, req.context) // req.block_tokens for i in range(model.layers))
-    return summary_bytes(req.batch * blocks, model.kv_bytes_per_token_per_layer)
+    return summary_bytes(req.batch * blocks, model.kv_bytes_per_token_per_layer) + _rest_bytes(req, blocks)
+
+
+def _rest_bytes(req: PlanRequest, blocks: int) -> int:
+    """Device bytes of the rest copy of ``blocks`` full blocks per row (0 without ``sparse_rest_bits``)."""
+    model = req.model
+    kv = req.batch * blocks * req.block_tokens * model.kv_bytes_per_token_per_layer
+    return rest_copy_bytes(kv, req.sparse_rest_bits, model.dtype_bytes, model.head_dim)
 
 
 def sparse_fetched_tokens(req: PlanRequest, layer: int) -> int:
@@ -405,8 +417,9 @@ def _sparse_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int]
     scattered blocks cross the links as one transfer each.
 
     Compute: the roofline of the layer with attention over the fetched tokens only, plus the scoring pass (it
-    reads every summary and does ``6 · heads · D`` FLOPs per block and row); a measured ``compute_s_per_step``
-    (of exact decoding) is kept and the scoring added.
+    reads every summary and does ``6 · heads · D`` FLOPs per block and row) and, with a rest copy, attention
+    over every block from it (its bytes read, ``4 · heads · D`` FLOPs per token); a measured
+    ``compute_s_per_step`` (of exact decoding) is kept and these added.
     """
     model, loads = req.model, []
     weights = model.params_per_layer * model.dtype_bytes
@@ -416,6 +429,10 @@ def _sparse_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int]
         blocks = held // req.block_tokens
         summaries = summary_bytes(req.batch * blocks, model.kv_bytes_per_token_per_layer)
         scoring = req.device.time(summaries, 6 * req.batch * model.attention_heads * model.head_dim * blocks)
+        if req.sparse_rest_bits:
+            rest_tokens = req.batch * blocks * req.block_tokens
+            flops = 4 * rest_tokens * model.attention_heads * model.head_dim
+            scoring += req.device.time(_rest_bytes(req, blocks), flops)
         if req.compute_s_per_step is None:
             fetched_kv = req.batch * fetched * model.kv_bytes_per_token_per_layer
             flops = req.batch * (2 * model.params_per_layer + 4 * model.attention_heads * model.head_dim * fetched)
@@ -584,6 +601,7 @@ def build_request(
     executor: str = "gather",
     chunk_tokens: int = 4096,
     sparse_tokens: int | str = 2048,
+    sparse_rest_bits: int = 0,
 ) -> PlanRequest:
     """A :class:`PlanRequest` from user-level values: names, size strings, ``"1M"`` contexts.
 
@@ -617,4 +635,5 @@ def build_request(
         executor=executor,
         chunk_tokens=chunk_tokens,
         sparse_tokens=parse_tokens(sparse_tokens),
+        sparse_rest_bits=sparse_rest_bits,
     )

@@ -13,6 +13,8 @@ GROWTH = 1.25  # exact-gather staging grows by at least this factor, so it reall
 LANDING_BYTES = 32 * 2**20  # per landing buffer (CUDA): host/disk runs cross PCIe as copies this large
 LANDING_SHARE = 16  # ... and at most 1/16 of the device budget each
 CHUNKS_PER_BUDGET = 16  # memory tiers grow their slabs by 1/16 of the budget (see tierkv.tiers.memory)
+REST_BITS = (0, 2, 4, 8)  # bits per key and value of sparse attention's rest copy (0: none; tierkv.store.summaries)
+VALUE_GROUP = 32  # channels per value scale of the rest copy (a head dimension not divisible by it: one group)
 
 
 def round_to_blocks(tokens: int, block_tokens: int) -> int:
@@ -62,3 +64,18 @@ def device_minimum(staging: int, tails: int) -> int:
     other 15/16.
     """
     return max(staging + tails, -(-staging * CHUNKS_PER_BUDGET // (CHUNKS_PER_BUDGET - 1)) + tails)
+
+
+def value_groups(head_dim: int) -> int:
+    """Value groups per token and head of the rest copy: one (min, step) per :data:`VALUE_GROUP` channels."""
+    return head_dim // VALUE_GROUP if head_dim % VALUE_GROUP == 0 else 1
+
+
+def rest_copy_bytes(kv_bytes: int, bits: int, element_size: int, head_dim: int) -> int:
+    """Device bytes of the ``bits``-bit rest copy of ``kv_bytes`` of K/V (elements of ``element_size`` bytes,
+    heads of ``head_dim`` channels): ``bits`` per key and value, and per value group a min and a step. Keys
+    need no scale of their own: they are coded on their block's summary (min, max)."""
+    if not bits:
+        return 0
+    pairs = kv_bytes // (2 * element_size)  # key (and value) elements
+    return pairs * 2 * bits // 8 + pairs * value_groups(head_dim) // head_dim * 2 * element_size

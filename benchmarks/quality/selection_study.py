@@ -38,7 +38,9 @@ Rules (the budget counts attended blocks per layer, sinks and the recent window 
 RoPE channel pair (d, d + D/2) by the lesser of the box bound and |q_pair| · max |k_pair| (rotated keys fill a
 disc, not a box). --residual mean / gauss attends, besides the chosen keys, one stand-in per unchosen full block
 (its mean key with the logit bias log(block tokens), gauss: plus the Gaussian spread; its mean value): an
-estimate of the mass a selection leaves out. --block-tokens 1 with the oracle is per-token selection. --sticky
+estimate of the mass a selection leaves out; --residual quant attends every unchosen key and value from a
+--bits-bit copy instead (keys per channel over their block, values per token over --quant-group channels: the
+executor's ``rest_bits``). --block-tokens 1 with the oracle is per-token selection. --sticky
 (with --sticky-share s) raises a block's score to the share some query head gave it at the layer's previous
 step where that share is at least s (the executor's ``sticky_share``). --oracle-layers 7,17 uses the oracle in
 those layers and the rule in the others: which layer's choice decides an answer.
@@ -80,6 +82,7 @@ class Study:
         self.sticky_share = 0.0  # sticky: only shares at least this high count
         self.base_rule, self.oracle_layers = rule, frozenset()
         self.rank, self.bases, self.parts = 8, {}, 2
+        self.bits, self.quant_group = 2, 32  # --residual quant
         self.read = self.total = 0
         self.credit = 0  # blocks the budget allowed but top-p did not read (account mode), per prompt
         self.per_layer: dict[int, list[int]] = {}  # layer -> [read, total]
@@ -223,8 +226,6 @@ class Study:
         keys = k[:, : full * self.bt].reshape(heads, full, self.bt, dim)
         values = v[:, : full * self.bt].reshape(heads, full, self.bt, dim)
         logit = torch.einsum("hgd,hcd->hgc", q, keys.mean(2)) * scaling + torch.log(torch.tensor(float(self.bt)))
-        if self.residual == "quant":
-            return self.quantized_rest(q, k, v, scores, allowed, scaling)
         if self.residual == "gauss":
             logit = logit + torch.einsum("hgd,hcd->hgc", q * q, keys.var(2, correction=0)) * (scaling**2 / 2)
         unchosen = ~allowed[:, : full * self.bt : self.bt]  # [H_kv, C]
@@ -275,7 +276,8 @@ class Study:
                     padded = torch.nn.functional.pad(weights, (0, -length % self.bt))
                     self.seen[module.layer_idx] = padded.unflatten(-1, (-1, self.bt)).sum(-1).amax(dim=(0, 1))
             else:
-                out = self.with_residual(q, k, v, scores, allowed, scaling)
+                rest = self.quantized_rest if self.residual == "quant" else self.with_residual
+                out = rest(q, k, v, scores, allowed, scaling)
         out = out.reshape(1, -1, 1, q.shape[-1])
         return out.transpose(1, 2).to(query.dtype), None
 

@@ -51,10 +51,9 @@ from tierkv.attention.speculation import Speculation, SpeculationCounters
 from tierkv.blocks import Tier
 from tierkv.errors import InvalidConfigError
 from tierkv.mover import ThreadMover
-from tierkv.staging import GROWTH
+from tierkv.staging import GROWTH, REST_BITS
 from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
-from tierkv.store.summaries import REST_BITS
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,8 +296,9 @@ class SparseAttention(PipelinedExecutor):
     def _summary_rows(self, layer: int, rows, lo: int, hi: int, summaries,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Summary table rows of candidate columns ``[lo, hi)`` as ``[B·C]`` (0 where a block has none), and which
-        have none ``[B, C]`` (None: all have one); looked up once per grid version and candidate range."""
-        key = (rows.version, lo, hi)
+        have none ``[B, C]`` (None: all have one); looked up once per grid version, candidate range and summaries
+        (the store rebuilds them when ``rest_bits`` changes)."""
+        key = (rows.version, lo, hi, summaries)
         cached = self._rows_cache.get(layer)
         if cached is None or cached[0] != key:
             found = summaries.rows(rows.ids[:, lo:hi])  # [B, C]; -1: no summary (always a candidate)

@@ -40,6 +40,7 @@ from tierkv.commands import (
     write_json,
 )
 from tierkv.errors import InvalidConfigError
+from tierkv.staging import REST_BITS, rest_copy_bytes
 from tierkv.units import format_bytes, plural
 
 SMOLLM2_CONTEXT = 8192  # SmolLM2-135M's trained context (tierkv.models)
@@ -63,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-tokens", type=_sparse_budget, default=0.1,
                         help="with --executor sparse: tokens attended per layer, a count (2048, 2K) or a fraction "
                              "of the context (0.1, the default)")
+    parser.add_argument("--sparse-rest-bits", type=int, choices=REST_BITS, default=0,
+                        help="with --executor sparse: attend the blocks not read from a copy of this many bits on the "
+                             "device (default 0: not at all)")
     parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=1024,
                         help="chunk length of the streaming executor (default 1024)")
     parser.add_argument("--cpu-gb", type=size("--cpu-gb"), default=None, help="host budget; default: 1/4 of the KV")
@@ -100,6 +104,8 @@ def _check_combination(args: argparse.Namespace) -> None:
                                  "give --context 8K or less.")
     if args.model and args.random_model:
         raise InvalidConfigError("--model and --random-model exclude each other; give one.")
+    if args.sparse_rest_bits and args.executor != "sparse":
+        raise InvalidConfigError("--sparse-rest-bits needs --executor sparse (exact attention reads every block).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
                                                            chunk_tokens=args.chunk_tokens)
         if args.executor == "sparse":  # key summaries (min, max, mean: 1.5/block_tokens of the KV), the selection
             floor += kv_summary_bytes(kv_bytes, args.block_tokens) + \
-                2 * _sparse_selection_bytes(args, model, kv_bytes, len(prompt))
+                2 * _sparse_selection_bytes(args, model, kv_bytes, len(prompt)) + \
+                rest_copy_bytes(kv_bytes, args.sparse_rest_bits, 4, _head_dim(model.config))  # fp32 KV
         gpu = floor + kv_bytes // 8
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as tmp:
         result = _decode(args, model, prompt, decode, gpu, cpu, args.disk_dir or tmp, status)
@@ -234,6 +241,10 @@ def _with_decoder(model, tokenizer):
     return model
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _kv_bytes(model, n_tokens: int) -> int:
     from tierkv import TieredCache
 
@@ -323,7 +334,8 @@ def _executor(args: argparse.Namespace, cache, model):
     if args.executor == "streaming":
         return cache.streaming(model, chunk_tokens=args.chunk_tokens)
     if args.executor == "sparse":
-        return cache.sparse(model, tokens=args.sparse_tokens, chunk_tokens=args.chunk_tokens)
+        return cache.sparse(model, tokens=args.sparse_tokens, chunk_tokens=args.chunk_tokens,
+                            rest_bits=args.sparse_rest_bits)
     return contextlib.nullcontext()
 
 

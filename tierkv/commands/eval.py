@@ -38,6 +38,7 @@ from tierkv.commands import (
 )
 from tierkv.errors import InvalidConfigError
 from tierkv.quality.tasks import TASKS
+from tierkv.staging import REST_BITS
 from tierkv.units import format_tokens, plural
 
 
@@ -90,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="sparse recent-window tokens (default: one block)")
     quality.add_argument("--dense-layers", type=integer("--dense-layers", 0), default=0,
                          help="sparse: first layers attended in full, within the budget (default: %(default)s)")
-    quality.add_argument("--rest-bits", type=int, choices=(0, 2, 4, 8), default=0,
+    quality.add_argument("--rest-bits", type=int, choices=REST_BITS, default=0,
                          help="sparse: attend the blocks not read from a copy of this many bits on the device "
                               "(default: %(default)s, not at all)")
     add_json_argument(parser, "the result (every trial)")

@@ -27,6 +27,7 @@ from tierkv.commands import (
 from tierkv.errors import CapacityError
 from tierkv.model_presets import MODEL_PRESETS
 from tierkv.planner import DEVICES, Plan, WhatIf, build_request, plan, sparse_advice, sparse_what_if, what_ifs
+from tierkv.staging import REST_BITS
 from tierkv.units import format_bytes
 
 USAGE_ERRORS = (CapacityError,)  # a KV that does not fit the budgets given is a usage error here, not a failure
@@ -77,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-tokens", type=tokens("--sparse-tokens"), default=2048,
                         help="tokens a sparse step attends per layer, sinks and recent window included "
                              "(default 2048); plan compares sparse with exact either way")
+    parser.add_argument("--sparse-rest-bits", type=int, choices=REST_BITS, default=0,
+                        help="sparse: the blocks not read are attended from a copy of this many bits kept on the "
+                             "device (default 0: not attended)")
     parser.add_argument("--what-if-gpu-gb", type=size("--what-if-gpu-gb"), default=16 * 10**9,
                         help="extra device memory for the what-if: GB or a size (default 16)")
     add_json_argument(parser, "the plan")
@@ -96,7 +100,8 @@ def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: 
     table.add_row("KV per token", format_bytes(result.kv_bytes_per_token))
     table.add_row("KV total", format_bytes(result.kv_bytes_total))
     what = {"streaming": "2 chunks",
-            "sparse": f"2 chunks + {req.sparse_tokens:,}-token selection + key summaries"}.get(
+            "sparse": f"2 chunks + {req.sparse_tokens:,}-token selection + key summaries"
+                      + (f" + {req.sparse_rest_bits}-bit rest copy" if req.sparse_rest_bits else "")}.get(
         req.executor, f"{fc.prefetch_depth + 1} layers")
     table.add_row("device staging", f"{format_bytes(result.staging_bytes)} ({what})")
     table.add_row("KV on device / host / disk",
@@ -161,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         executor=args.executor,
         chunk_tokens=args.chunk_tokens,
         sparse_tokens=args.sparse_tokens,
+        sparse_rest_bits=args.sparse_rest_bits,
     )
     result = plan(request)
     alternatives = what_ifs(result, extra_gpu_bytes=args.what_if_gpu_gb)

@@ -237,7 +237,7 @@ def results_file(setup: CacheSetup) -> str:
 def _run_method(model, tokenizer, prompt: Prompt, kv, logprobs, method: Method, setup: CacheSetup) -> dict:
     from tierkv import TieredCache
     from tierkv.planner import kv_summary_bytes
-    from tierkv.store.summaries import rest_copy_bytes
+    from tierkv.staging import rest_copy_bytes
 
     kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
     floor = TieredCache.min_streaming_device_bytes(model.config, block_tokens=setup.block_tokens)

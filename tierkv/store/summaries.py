@@ -23,11 +23,12 @@ store passes in, so ``stats()`` and the budget checks include them.
 **The rest copy** (``rest_bits`` 2, 4 or 8; 0: none). Beside its summary, a block may keep a low-bit copy of its
 keys and values, so that sparse attention can attend the blocks it does not read from it instead of not at all
 (KIVI's layout): keys per channel over the block, on the summary's own min and max (no scale of their own);
-values per token over groups of :data:`VALUE_GROUP` channels, with a min and a step per group. Why: on SmolLM2
-at 10% of a 2K context, the best possible selection of tokens leaves 6% of next tokens different from full
-attention (the mass spread thinly over the other 90%); attending those from a 2-bit copy made top-1 agreement
-95.6% (docs/quality.md). At 2 bits it takes ``(2 + 2 + 32 / VALUE_GROUP) / 32`` of the KV bytes on the device
-(15.6%), besides the summaries; nothing more is read from the tiers.
+values per token over groups of ``tierkv.staging.VALUE_GROUP`` (32) channels, with a min and a step per group.
+Why: on SmolLM2 at 10% of a 2K context, even the best selection of single tokens leaves 6% of next tokens
+different from full attention (the mass spread thinly over the other 90%); attending those from a 2-bit copy
+made top-1 agreement 95.4% (docs/quality.md). At 2 bits and fp16 it takes 15.6% of the KV bytes on the device
+(``tierkv.staging.rest_copy_bytes``), besides the summaries; nothing more is read from the tiers. Decoding it
+is a step's work over every block of the layer, so it costs compute the selection alone does not.
 """
 
 from __future__ import annotations
@@ -38,12 +39,11 @@ import numpy as np
 import torch
 
 from tierkv.errors import InvalidConfigError
+from tierkv.staging import REST_BITS, value_groups
 
 MIN_ROWS = 8  # a table's first capacity
 TABLE_GROWTH = 1.25  # a full table grows by this factor: doubling could reserve twice the device bytes needed
 VECTORS = 3  # per block and KV head: the keys' per-channel min, max and mean
-REST_BITS = (0, 2, 4, 8)  # bits per key and value of the rest copy (0: none)
-VALUE_GROUP = 32  # channels per value scale of the rest copy (a head dimension not divisible by it: one group)
 
 
 class _LayerTable:
@@ -178,7 +178,7 @@ class KeySummaries:
         lo, hi = summary[:, 0, :, None].float(), summary[:, 1, :, None].float()  # [n, H_kv, 1, D]
         keys = _codes(blocks[:, 0].float(), lo, (hi - lo) / levels, levels)
         dim = blocks.shape[-1]
-        values = blocks[:, 1].float().unflatten(-1, (_value_groups(dim), -1))  # [n, H_kv, bt, groups, D / groups]
+        values = blocks[:, 1].float().unflatten(-1, (value_groups(dim), -1))  # [n, H_kv, bt, groups, D / groups]
         vlo = values.amin(-1, keepdim=True)
         vstep = (values.amax(-1, keepdim=True) - vlo) / levels
         value_codes = _codes(values, vlo, vstep, levels).flatten(-2)
@@ -199,7 +199,7 @@ class KeySummaries:
         if self.rest_bits:
             grown.codes = torch.empty((heads, capacity, 2, block_tokens, dim * self.rest_bits // 8),
                                       dtype=torch.uint8, device=self.device)
-            grown.value_scale = torch.empty((heads, capacity, block_tokens, _value_groups(dim), 2),
+            grown.value_scale = torch.empty((heads, capacity, block_tokens, value_groups(dim), 2),
                                             dtype=like.dtype, device=self.device)
         self._reserve(grown.nbytes - (entry.nbytes if entry is not None else 0))
         if entry is None:
@@ -211,19 +211,6 @@ class KeySummaries:
         grown.free = list(range(capacity - 1, old - 1, -1)) + entry.free
         self._layers[layer] = grown
         return grown
-
-
-def rest_copy_bytes(kv_bytes: int, bits: int, element_size: int, head_dim: int) -> int:
-    """Device bytes of the ``bits``-bit rest copy of ``kv_bytes`` of K/V (elements of ``element_size`` bytes,
-    heads of ``head_dim`` channels): per key and value ``bits`` bits, per value group a min and a step."""
-    if not bits:
-        return 0
-    pairs = kv_bytes // (2 * element_size)  # key and value elements
-    return pairs * 2 * bits // 8 + pairs // (head_dim // _value_groups(head_dim)) * 2 * element_size
-
-
-def _value_groups(dim: int) -> int:
-    return dim // VALUE_GROUP if dim % VALUE_GROUP == 0 else 1
 
 
 def _codes(x: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, levels: int) -> torch.Tensor:
