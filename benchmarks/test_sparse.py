@@ -21,8 +21,9 @@ and after. Targets (asserted with ``--benchmark-enable``): at the budget under 5
 bytes read per token and a step >= 5x faster than exact. Budgets are whole blocks below 5% and 10% of the
 context (``TIERKV_BENCH_SPARSE_BUDGETS``: a comma-separated subset of the two, e.g. ``5`` at 64K to prefill
 fewer caches). ``TIERKV_BENCH_SPARSE_RUNNERS``: runners-up each speculative guess adds per row (default 0).
-``TIERKV_BENCH_SPARSE_REST_BITS``: the sparse caches attend the blocks they do not read from a copy of this
-many bits on the device (``cache.sparse(..., rest_bits=)``; default 0: not at all).
+``TIERKV_BENCH_SPARSE_REST_BITS``: one more sparse cache per budget attends the blocks it does not read from
+a copy of this many bits on the device (``cache.sparse(..., rest_bits=)``; default 0: no such caches), its
+steps interleaved with the others'.
 
 ``test_attention_policy_vs_lru``: two caches prefilled alike, policy ``lru`` and ``attention``; DECODE sparse
 steps each; the bytes read from host and disk per step over the second half (after promotions settled).
@@ -102,8 +103,14 @@ class Decoder:
     def exact(self) -> contextlib.AbstractContextManager:
         return self.cache.streaming(self.model)
 
-    def sparse(self, tokens: int) -> Callable[[], contextlib.AbstractContextManager]:
-        return lambda: self.cache.sparse(self.model, tokens=tokens, chunk_tokens=SPARSE_CHUNK, rest_bits=REST_BITS)
+    def sparse(self, tokens: int, rest_bits: int = 0) -> Callable[[], contextlib.AbstractContextManager]:
+        return lambda: self.cache.sparse(self.model, tokens=tokens, chunk_tokens=SPARSE_CHUNK, rest_bits=rest_bits)
+
+
+def _sparse_mode(name: str) -> tuple[int, int]:
+    """``sparse 819`` -> (819, 0); ``sparse 819 rest4`` -> (819, 4): the budget and the rest copy's bits."""
+    parts = name.split()
+    return int(parts[1]), int(parts[2].removeprefix("rest")) if len(parts) > 2 else 0
 
 
 def _directory() -> Path:
@@ -117,7 +124,7 @@ def _mostly_on_disk(decoder: Decoder) -> dict[str, int]:
 
 
 def test_sparse_vs_exact(benchmark, capsys) -> None:
-    names = ["exact", *(f"sparse {t}" for t in BUDGETS)]
+    names = ["exact", *(f"sparse {t}" for t in BUDGETS), *(f"sparse {t} rest{REST_BITS}" for t in BUDGETS if REST_BITS)]
     times: dict[str, list[float]] = {name: [] for name in names}
     reads: dict[str, list[int]] = {name: [] for name in names}
     with contextlib.ExitStack() as stack:
@@ -128,7 +135,7 @@ def test_sparse_vs_exact(benchmark, capsys) -> None:
             stack.callback(decoder.cache.close)
         placed = {name: _mostly_on_disk(decoder) for name, decoder in decoders.items()}
         for name, decoder in decoders.items():  # each executor entered once, for every step below
-            stack.enter_context(decoder.exact() if name == "exact" else decoder.sparse(int(name.split()[1]))())
+            stack.enter_context(decoder.exact() if name == "exact" else decoder.sparse(*_sparse_mode(name))())
         for _ in range(WARMUP):
             for decoder in decoders.values():
                 decoder.step([], [])
@@ -149,7 +156,7 @@ def test_sparse_vs_exact(benchmark, capsys) -> None:
     for column in ("attention", "budget", "KV read / token", "fewer bytes", "step", "faster"):
         table.add_column(column, justify="right")
     for name in names:
-        budget = "all" if name == "exact" else f"{int(name.split()[1]) / CONTEXT:.1%}"
+        budget = "all" if name == "exact" else f"{_sparse_mode(name)[0] / CONTEXT:.1%}"
         table.add_row(name, budget, f"{read[name] / 2**20:.2f} MiB", f"{read['exact'] / read[name]:.1f}x",
                       f"{step[name] * 1e3:.1f} ms", f"{step['exact'] / step[name]:.1f}x")
     with capsys.disabled():

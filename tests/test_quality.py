@@ -144,6 +144,7 @@ def test_eval_quality_usage_errors(argv, message, capsys, tmp_path):
 def test_runs_on_other_blocks_keep_their_own_results_file():
     assert harness.results_file(harness.CacheSetup()) == "tierkv.json"
     assert harness.results_file(harness.CacheSetup(block_tokens=8)) == "tierkv-8.json"
+    assert harness.results_file(harness.CacheSetup(block_tokens=8, rest_bits=4)) == "tierkv-8-rest4.json"
 
 
 def test_report_gives_other_block_sizes_rows_of_their_own(tmp_path):
@@ -153,10 +154,13 @@ def test_report_gives_other_block_sizes_rows_of_their_own(tmp_path):
     record = dict(prompt, prompt="needle/2048/d0.50/#0")
     (tmp_path / "reference.json").write_text(json.dumps(
         {"prompts": [prompt], "results": [dict(record, method="full", correct=True)]}))
-    for name, block_tokens, correct in (("tierkv.json", 16, False), ("tierkv-8.json", 8, True)):
-        (tmp_path / name).write_text(json.dumps({"setup": {"block_tokens": block_tokens}, "results": [
-            dict(record, method="sparse@0.1", budget=0.1, correct=correct)]}))
+    runs = (("tierkv.json", 16, 0, False), ("tierkv-8.json", 8, 0, True), ("tierkv-8-rest4.json", 8, 4, False))
+    for name, block_tokens, rest_bits, correct in runs:
+        (tmp_path / name).write_text(json.dumps({"setup": {"block_tokens": block_tokens, "rest_bits": rest_bits},
+                                                 "results": [dict(record, method="sparse@0.1", budget=0.1,
+                                                                  correct=correct)]}))
     text = report.markdown(report.load_results(tmp_path))
     assert "| tierkv sparse 10% | 0% (1) |" in text
     assert "| tierkv sparse, 8-token blocks 10% | 100% (1) |" in text
-    assert text.index("tierkv sparse 10%") < text.index("8-token blocks 10%")
+    assert "| tierkv sparse, 8-token blocks, 4-bit rest 10% | 0% (1) |" in text
+    assert text.index("tierkv sparse 10%") < text.index("8-token blocks 10%") < text.index("4-bit rest 10%")

@@ -134,14 +134,14 @@ class KeySummaries:
     def rest(self, layer: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest copy of table rows ``index`` ``[N]`` of ``layer``, decoded: keys and values
         ``[H_kv, N, block_tokens, D]`` in ``dtype``, each within half a step of the block's own."""
-        entry = self._layers[layer]
-        codes = _unpack(entry.codes.index_select(1, index), self.rest_bits)  # [H_kv, N, 2, bt, D], float32
+        entry, bits = self._layers[layer], self.rest_bits
+        packed = entry.codes.index_select(1, index)  # [H_kv, N, 2, bt, D · bits / 8]
         bounds = entry.table.index_select(1, index)[:, :, :2].float()  # [H_kv, N, 2, D]: the keys' min, max
         lo, hi = bounds[:, :, None, 0], bounds[:, :, None, 1]
-        keys = lo + codes[:, :, 0] * ((hi - lo) / (2**self.rest_bits - 1))
+        keys = torch.addcmul(lo, _unpack(packed[:, :, 0], bits), (hi - lo) / (2**bits - 1))
         scale = entry.value_scale.index_select(1, index).float()  # [H_kv, N, bt, groups, 2]
-        grouped = codes[:, :, 1].unflatten(-1, (scale.shape[3], -1))  # [H_kv, N, bt, groups, D / groups]
-        values = (scale[..., :1] + grouped * scale[..., 1:]).flatten(-2)
+        grouped = _unpack(packed[:, :, 1], bits).unflatten(-1, (scale.shape[3], -1))  # [..., groups, D / groups]
+        values = torch.addcmul(scale[..., :1], grouped, scale[..., 1:]).flatten(-2)
         return keys.to(dtype), values.to(dtype)
 
     def release(self, block_id: int) -> None:
@@ -226,8 +226,11 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of :func:`_pack`: ``[..., D · bits / 8]`` bytes to ``[..., D]`` codes as float32, through a
-    table of every byte's codes (one gather: twice as fast on the CPU as shifting and masking each code)."""
-    shifts = torch.arange(0, 8, bits, device=packed.device)
-    table = ((torch.arange(256, device=packed.device)[:, None] >> shifts) & (2**bits - 1)).float()  # [256, 8 / bits]
-    return torch.nn.functional.embedding(packed.int(), table).flatten(-2)
+    """The inverse of :func:`_pack`: ``[..., D · bits / 8]`` bytes to ``[..., D]`` codes as float32, each code of a
+    byte written straight into its strided place in the output (on the CPU 2.5x faster than a table gather, and
+    than shifting a broadcast copy of every byte)."""
+    per, mask = 8 // bits, 2**bits - 1
+    out = torch.empty((*packed.shape, per), dtype=torch.float32, device=packed.device)
+    for i in range(per):  # at most 4 (2 bits): one pass over the bytes each
+        out[..., i] = (packed >> (i * bits)) & mask
+    return out.flatten(-2)
