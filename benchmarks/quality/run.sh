@@ -41,6 +41,16 @@ tierkv eval --stage measure --model smollm2 --out "$run/smollm2" --methods exact
 tierkv eval --stage measure --model smollm2 --out "$run/smollm2" --methods sparse --block-tokens 8  # tierkv-8.json
 tierkv eval --stage measure --model demo --out "$run/demo" --methods sparse
 tierkv eval --stage measure --model demo --out "$run/demo" --methods sparse --block-tokens 8  # tierkv-8.json
+for bits in 2 4; do  # the blocks not read attended from a low-bit copy: tierkv-8-rest2.json, tierkv-8-rest4.json
+    tierkv eval --stage measure --model smollm2 --out "$run/smollm2" --methods sparse --block-tokens 8 \
+        --budgets 0.1 --rest-bits "$bits"
+    tierkv eval --stage measure --model demo --out "$run/demo" --methods sparse --block-tokens 8 \
+        --budgets 0.1 --rest-bits "$bits"
+done
+tierkv eval --stage measure --model smollm2 --out "$run/smollm2" --methods sparse --block-tokens 8 \
+    --budgets 0.02,0.05 --rest-bits 4
+tierkv eval --stage measure --model demo --out "$run/demo" --methods sparse --block-tokens 8 \
+    --budgets 0.02,0.05 --rest-bits 4
 
 # 4. tables and plots
 for model in smollm2 demo; do

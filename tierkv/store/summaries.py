@@ -25,9 +25,10 @@ keys and values, so that sparse attention can attend the blocks it does not read
 (KIVI's layout): keys per channel over the block, on the summary's own min and max (no scale of their own);
 values per token over groups of ``tierkv.staging.VALUE_GROUP`` (32) channels, with a min and a step per group.
 Why: on SmolLM2 at 10% of a 2K context, even the best selection of single tokens leaves 6% of next tokens
-different from full attention (the mass spread thinly over the other 90%); attending those from a 2-bit copy
-made top-1 agreement 95.4% (docs/quality.md). At 2 bits and fp16 it takes 15.6% of the KV bytes on the device
-(``tierkv.staging.rest_copy_bytes``), besides the summaries; nothing more is read from the tiers. Decoding it
+different from full attention (the mass spread thinly over the other 90%); attending those from a copy made
+top-1 agreement 95.4% with 2 bits and 99.6% with 4 (docs/quality.md). With fp16 KV it takes 15.6% (2 bits) or
+28% (4 bits) of the KV bytes on the device (``tierkv.staging.rest_copy_bytes``), besides the summaries; nothing
+more is read from the tiers. Decoding it
 is a step's work over every block of the layer, so it costs compute the selection alone does not.
 """
 
