@@ -569,12 +569,16 @@ def test_rest_bits_must_be_one_the_copy_knows():
         SparseBudget(0.1, rest_bits=3)
 
 
-@pytest.mark.parametrize("policy", ["lru", "attention"])
-def test_with_rest_bits_the_blocks_not_read_are_attended_from_their_copy(tmp_path, policy):
+@pytest.mark.parametrize(("policy", "chunk"), [("lru", None), ("attention", None), ("lru", 3 * BT)],
+                         ids=["lru", "attention", "in-chunks"])
+def test_with_rest_bits_the_blocks_not_read_are_attended_from_their_copy(tmp_path, monkeypatch, policy, chunk):
     """One softmax over both: the selected blocks exactly, every other full block from its decoded copy (the
-    store's own, checked above), merged by log-sum-exp — against a float64 softmax over exactly those keys. At
-    8 bits that is much closer to full attention than the selection alone. The step before runs without the
-    copy, so the store rebuilds its summaries in between (the executor must not keep their old rows)."""
+    store's own, checked above), merged by log-sum-exp — against a float64 softmax over exactly those keys;
+    also when the copy is decoded a few blocks at a time (``in-chunks``). At 8 bits that is much closer to full
+    attention than the selection alone. The step before runs without the copy, so the store rebuilds its
+    summaries in between (the executor must not keep their old rows)."""
+    if chunk is not None:
+        monkeypatch.setattr("tierkv.attention.sparse.REST_CHUNK_TOKENS", chunk)
     store, kv = store_with_needles(tmp_path, {0: 5, 1: 10}, policy)
     full = store.table.rows[0].ids[:, : COLUMNS - 1].ravel().tolist()  # summarised in reverse: other rows than
     blocks = kv[:, :, :, : (COLUMNS - 1) * BT].unflatten(3, (COLUMNS - 1, BT)).permute(1, 3, 0, 2, 4, 5)

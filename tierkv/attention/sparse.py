@@ -55,6 +55,8 @@ from tierkv.staging import GROWTH, REST_BITS
 from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
 
+REST_CHUNK_TOKENS = 16384  # the rest copy is decoded and attended this many candidate tokens at a time
+
 
 @dataclass(frozen=True, slots=True)
 class SparseBudget:
@@ -212,12 +214,13 @@ class SparseAttention(PipelinedExecutor):
         mass = None
         wants_mass = getattr(store.policy, "wants_mass", False)
         sticky = self.sticky_share and self._scored  # an exact layer-step (all blocks read) chose nothing
-        rest = self._unread is not None and budget.rest_bits
+        rest = self._unread is not None and budget.rest_bits and summaries.table(layer) is not None
         if wants_mass or sticky:  # the attention's own weights give each block's share (no second scoring)
             out, weights, lse = weighted_attention(q, keys, values, bias, scaling, softcap)
-            if rest:  # shares of the whole softmax, the blocks not read included
-                out, total = merge(out, lse, *self._rest_attention(layer, start, stop, columns, q, mask, scaling,
-                                                                   softcap, summaries))
+            unread = self._rest_attention(layer, start, stop, columns, q, mask, scaling, softcap, summaries) \
+                if rest else None
+            if unread is not None:  # shares of the whole softmax, the blocks not read included
+                out, total = merge(out, lse, *unread)
                 weights = weights * torch.exp(lse - total)[..., None]
             shares = _block_shares(weights, count, bt)  # [B, H_q, K]
             mass = shares.mean(dim=1) if wants_mass else None
@@ -226,9 +229,10 @@ class SparseAttention(PipelinedExecutor):
                 self._sticky[layer] = (columns, strongest.masked_fill(strongest < self.sticky_share, 0.0))
         else:
             out, lse = partial_attention(q, keys, values, bias, scaling, softcap)
-            if rest:
-                out, _ = merge(out, lse, *self._rest_attention(layer, start, stop, columns, q, mask, scaling,
-                                                               softcap, summaries))
+            unread = self._rest_attention(layer, start, stop, columns, q, mask, scaling, softcap, summaries) \
+                if rest else None
+            if unread is not None:
+                out, _ = merge(out, lse, *unread)
         if not sticky:
             self._sticky.pop(layer, None)  # never a share older than the previous step
         self._promote(layer, columns, mass, staging)
@@ -308,18 +312,16 @@ class SparseAttention(PipelinedExecutor):
 
     def _rest_attention(self, layer: int, start: int, stop: int, columns: np.ndarray, q: torch.Tensor,
                         mask: torch.Tensor | None, scaling: float, softcap: float | None,
-                        summaries) -> tuple[torch.Tensor, torch.Tensor]:
+                        summaries) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Attention of ``q`` over the candidates the selection ``columns`` did not read, from their rest copy on
-        the device: the output and log-sum-exp to merge with the read blocks' (the same softmax, in two pieces).
-        Blocks without a copy (none was summarised yet) and the selected ones are masked out."""
+        the device: the output and log-sum-exp to merge with the read blocks' (the same softmax, in two pieces;
+        None: nothing to attend). Blocks without a copy (none was summarised yet) and the selected ones are
+        masked out. Decoded :data:`REST_CHUNK_TOKENS` candidate tokens at a time, merged by log-sum-exp, so the
+        decoding's temporaries stay bounded whatever the context."""
         lo, hi = self._unread
         rows = self.store.table.rows[layer]
         bt, batch = self.store.block_tokens, rows.batch
         index, missing = self._summary_rows(layer, rows, lo, hi, summaries, q.device)
-        keys, values = summaries.rest(layer, index, q.dtype)  # [H_kv, B·C, bt, D]
-        heads, dim = keys.shape[0], keys.shape[-1]
-        keys = keys.view(heads, batch, -1, dim).transpose(0, 1)  # [B, H_kv, C·bt, D]
-        values = values.view(heads, batch, -1, dim).transpose(0, 1)
         candidates = np.broadcast_to(np.arange(lo, hi), (batch, hi - lo))
         bias = _selection_bias(candidates, bt, start, stop, mask, q.dtype, q.device)  # [B, 1, 1, C·bt]
         read = np.zeros((batch, hi - lo), dtype=bool)
@@ -328,8 +330,21 @@ class SparseAttention(PipelinedExecutor):
         skip = torch.from_numpy(read).to(q.device)
         skip = skip if missing is None else skip | missing
         bias = bias.masked_fill(skip.repeat_interleave(bt, dim=1)[:, None, None], torch.finfo(q.dtype).min)
-        self.counters.rest_layer_steps += 1
-        return partial_attention(q, keys, values, bias, scaling, softcap)
+        index = index.view(batch, -1)  # [B, C]
+        chunk = max(1, REST_CHUNK_TOKENS // bt)
+        out = lse = None
+        for c in range(0, hi - lo, chunk):
+            if skip[:, c : c + chunk].all():
+                continue
+            keys, values = summaries.rest(layer, index[:, c : c + chunk].reshape(-1), q.dtype)  # [H_kv, B·n, bt, D]
+            heads, dim = keys.shape[0], keys.shape[-1]
+            keys = keys.view(heads, batch, -1, dim).transpose(0, 1)  # [B, H_kv, n·bt, D]
+            values = values.view(heads, batch, -1, dim).transpose(0, 1)
+            out, lse = merge(out, lse, *partial_attention(q, keys, values, bias[..., c * bt : (c + chunk) * bt],
+                                                          scaling, softcap))
+        if out is not None:
+            self.counters.rest_layer_steps += 1
+        return None if out is None else (out, lse)
 
     def _with_sticky(self, layer: int, lo: int, hi: int, score: torch.Tensor) -> torch.Tensor:
         """``score`` ``[B, C]`` of candidates ``[lo, hi)``, raised to the share a block got from some query head at
