@@ -4,12 +4,13 @@
     flock -x /tmp/tierkv-cpu.lock python benchmarks/quality/bytes_per_token.py ...   (for the step times)
 
 The prompt's full-attention KV (saved by ``tierkv eval --stage reference``) is written into one TieredCache
-whose device budget is the streaming minimum plus 10% of the KV plus the key summaries plus 16 MiB (the
-sparse selection) and whose host budget is 1 MiB, so most blocks are on disk. Then, interleaved in rounds on that
-same cache (the placement does not change between them): STEPS decode steps with exact streaming attention
-and STEPS with ``cache.sparse`` at each budget. Per step: the KV bytes read into the device over every link
-(``stats()["bytes_moved"]``: device->device, host->device, disk->device) and the wall time (median), after
-one uncounted warm-up step per method (the first sparse step reads every full block once to summarise it).
+whose device budget is the streaming minimum plus 10% of the KV plus the key summaries (and the rest copy of
+``--rest-bits``) plus 16 MiB (the sparse selection) and whose host budget is 1 MiB, so most blocks are on
+disk. Then, interleaved in rounds on that same cache (the placement does not change between them): STEPS
+decode steps with exact streaming attention and STEPS with ``cache.sparse`` at each budget. Per step: the KV
+bytes read into the device over every link (``stats()["bytes_moved"]``: device->device, host->device,
+disk->device) and the wall time (median), after one uncounted warm-up step per method (the first sparse step
+reads every full block once to summarise it).
 Each step feeds the same token at the next position, so every method decodes the same context length.
 """
 
@@ -31,6 +32,7 @@ from tierkv import TieredCache, models  # noqa: E402
 from tierkv.hf import cache_keyword  # noqa: E402
 from tierkv.planner import kv_summary_bytes  # noqa: E402
 from tierkv.quality import harness  # noqa: E402
+from tierkv.staging import rest_copy_bytes  # noqa: E402
 
 READ_LINKS = ("device->device", "host->device", "disk->device")
 
@@ -48,6 +50,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--block-tokens", type=int, default=16)
+    parser.add_argument("--rest-bits", type=int, default=0, help="sparse: the blocks not read attended from a copy "
+                        "of this many bits on the device (its bytes added to the device budget)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     prompts, _ = harness.load_reference(args.reference)
@@ -57,7 +61,8 @@ def main() -> int:
     kv_bytes = sum(2 * k.numel() * k.element_size() for k, _ in kv)
     gpu = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens) + kv_bytes // 10 \
         + kv_summary_bytes(kv_bytes, args.block_tokens) \
-        + (16 << 20)  # the key summaries, and room for the sparse selection as the context grows
+        + rest_copy_bytes(kv_bytes, args.rest_bits, kv[0][0].element_size(), kv[0][0].shape[-1]) \
+        + (16 << 20)  # the key summaries (and rest copy), and room for the sparse selection as the context grows
     budgets = [float(b) for b in args.budgets.split(",")]
     methods = ["exact"] + [f"sparse@{b:g}" for b in budgets]
     per_step: dict[str, list[int]] = {m: [] for m in methods}
@@ -72,12 +77,12 @@ def main() -> int:
         token = torch.tensor([[prompt.ids[-1]]])
         for method in methods:  # warm-up, not counted: the first sparse step summarises every full block once
             with cache.streaming(model) if method == "exact" else \
-                    cache.sparse(model, tokens=float(method.split("@")[1])):
+                    cache.sparse(model, tokens=float(method.split("@")[1]), rest_bits=args.rest_bits):
                 model(input_ids=token, **{cache_keyword(model): cache}, logits_to_keep=1)
         for _ in range(args.rounds):
             for method in methods:
                 context = cache.streaming(model) if method == "exact" else \
-                    cache.sparse(model, tokens=float(method.split("@")[1]))
+                    cache.sparse(model, tokens=float(method.split("@")[1]), rest_bits=args.rest_bits)
                 with context:
                     for _ in range(args.steps):
                         before, started = read_bytes(cache), time.perf_counter()

@@ -10,6 +10,7 @@ Each decode step (one query token per row), per layer::
     selected[b]       = sinks ∪ top_k(score[b]) ∪ recent      # per row: rows select different blocks
     read the selected columns: one ReadPlan, one batched read per tier, into device staging
     out = softmax attention over the selected tokens (tierkv.attention.lse), exact over them
+    rest_bits: + every other candidate block from its low-bit copy on the device, merged by log-sum-exp
 
 Why the estimate mixes the bound with the mean: Quest's bound alone is loose (one outlying channel lifts it),
 and on SmolLM2 at 10% of a 2K context it found 5 of 18 needles against full attention's 15, the mix 11
@@ -215,10 +216,10 @@ class SparseAttention(PipelinedExecutor):
         wants_mass = getattr(store.policy, "wants_mass", False)
         sticky = self.sticky_share and self._scored  # an exact layer-step (all blocks read) chose nothing
         rest = self._unread is not None and budget.rest_bits and summaries.table(layer) is not None
+        unread = self._rest_attention(layer, start, stop, columns, q, mask, scaling, softcap, summaries) \
+            if rest else None  # the blocks not read, from their rest copy: merged with the read ones below
         if wants_mass or sticky:  # the attention's own weights give each block's share (no second scoring)
             out, weights, lse = weighted_attention(q, keys, values, bias, scaling, softcap)
-            unread = self._rest_attention(layer, start, stop, columns, q, mask, scaling, softcap, summaries) \
-                if rest else None
             if unread is not None:  # shares of the whole softmax, the blocks not read included
                 out, total = merge(out, lse, *unread)
                 weights = weights * torch.exp(lse - total)[..., None]
@@ -229,8 +230,6 @@ class SparseAttention(PipelinedExecutor):
                 self._sticky[layer] = (columns, strongest.masked_fill(strongest < self.sticky_share, 0.0))
         else:
             out, lse = partial_attention(q, keys, values, bias, scaling, softcap)
-            unread = self._rest_attention(layer, start, stop, columns, q, mask, scaling, softcap, summaries) \
-                if rest else None
             if unread is not None:
                 out, _ = merge(out, lse, *unread)
         if not sticky:
