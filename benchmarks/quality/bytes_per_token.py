@@ -89,6 +89,7 @@ def main() -> int:
                         model(input_ids=token, **{cache_keyword(model): cache}, logits_to_keep=1)
                         times[method].append(time.perf_counter() - started)
                         per_step[method].append(read_bytes(cache) - before)
+        speculation = cache.stats().get("sparse", {}).get("speculation")
     print(f"SmolLM2, {prompt.key}: {len(prompt.ids):,} tokens, KV {kv_bytes / 2**20:.0f} MiB; resident "
           + ", ".join(f"{t} {b / 2**20:.1f} MiB" for t, b in resident.items()))
     exact_bytes, exact_time = statistics.median(per_step["exact"]), statistics.median(times["exact"])
@@ -96,6 +97,7 @@ def main() -> int:
     for method in methods:
         b, t = statistics.median(per_step[method]), statistics.median(times[method])
         print(f"{method:<12} {b / 2**20:>15.2f} {exact_bytes / b:>8.1f}x {1000 * t:>17.0f} {exact_time / t:>8.1f}x")
+    print(f"speculative disk reads (every sparse step, warm-up included): {speculation}")
     return 0
 
 
