@@ -58,3 +58,29 @@ def test_streaming_on_gpu_matches_with_cross_layer_prefetch_and_event_timing(tmp
     assert stats["prefetch_hits"] > 0
     last = stats["steps"]["last"]
     assert last["transfer_s_by_link"]["disk->device"] > 0 and last["predicted_step_s"] > 0
+
+
+def test_sparse_on_gpu_exact_at_full_budget_and_close_with_a_rest_copy(tmp_path):
+    """Sparse attention on CUDA: summaries, staging, kept blocks and the rest copy in HBM, disk blocks read into
+    it. A budget covering the context gives DynamicCache's tokens; a small one with an 8-bit rest copy keeps the
+    logits far closer to DynamicCache's than without it; the device budget holds either way."""
+    config, model = _gpu_model()
+    ids = torch.randint(0, 256, (1, 300), device="cuda")
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=DynamicCache(),
+                         output_logits=True, return_dict_in_generate=True)
+    budget = TieredCache.min_streaming_device_bytes(config, block_tokens=8, chunk_tokens=64) + 512 * 1024
+    errors = {}
+    for tokens, bits in ((1.0, 0), (48, 0), (48, 8)):
+        with TieredCache(gpu_gb=f"{budget}B", cpu_gb="64KB", disk_dir=tmp_path / f"{tokens}-{bits}",
+                         block_tokens=8, config=config) as cache, \
+                cache.sparse(model, tokens=tokens, chunk_tokens=64, rest_bits=bits):
+            out = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache,
+                                 output_logits=True, return_dict_in_generate=True)
+            stats = cache.stats()
+            assert cache.store.summaries.device.type == "cuda"
+        assert stats["mover"] == "cuda-stream" and stats["blocks"]["disk"] > 0
+        assert stats["peak_bytes_allocated"]["device"] <= budget
+        errors[tokens, bits] = max((got - want).abs().max().item() for got, want in zip(out.logits[1:],
+                                                                                       ref.logits[1:]))
+    assert errors[1.0, 0] < 1e-3, errors  # every block read: exact up to the GPU's float rounding
+    assert errors[48, 8] < errors[48, 0] / 50, errors
