@@ -12,6 +12,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
@@ -562,6 +564,21 @@ def test_the_rest_copy_decodes_within_half_a_step_of_every_key_and_value(bits):
     assert held == rest_copy_bytes(8 * blocks[0].numel() * 4, bits, 4, 2 * VALUE_GROUP)  # 8 rows: the table's first
     summaries.clear()
     assert reserved[0] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([2, 4, 8]), shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+       groups=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_packed_codes_unpack_to_themselves(bits, shape, groups, seed):
+    """Any codes of any leading shape survive the rest copy's packing: 8 / bits codes per byte and back."""
+    from tierkv.store.summaries import _pack, _unpack
+
+    per = 8 // bits
+    codes = torch.randint(0, 2**bits, (*shape, groups * per), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(seed))
+    packed = _pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == groups
+    assert torch.equal(_unpack(packed, bits), codes.float())
 
 
 def test_rest_bits_must_be_one_the_copy_knows():
