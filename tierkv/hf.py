@@ -58,6 +58,7 @@ from tierkv.staging import (
     gather_staging_bytes,
     landing_bytes,
     open_tail_bytes,
+    rest_copy_bytes,
     streaming_staging_bytes,
 )
 from tierkv.stats import make_timeline, make_trace
@@ -522,6 +523,14 @@ class TieredCache(Cache):
         check_model_config(config)
         layout = _layout_of_config(config, 1, dtype)
         return layout.token_bytes * config.get_text_config(decoder=True).num_hidden_layers
+
+    @staticmethod
+    def rest_copy_bytes(config: PreTrainedConfig, tokens: int, rest_bits: int, dtype: torch.dtype | None = None) -> int:
+        """Device bytes of the ``rest_bits`` copy that ``cache.sparse(..., rest_bits=)`` keeps of ``tokens``
+        tokens' K/V (every layer): to add to ``gpu_gb`` besides the key summaries."""
+        layout = _layout_of_config(config, 1, dtype)
+        kv_bytes = TieredCache.kv_bytes_per_token(config, dtype) * tokens
+        return rest_copy_bytes(kv_bytes, rest_bits, layout.dtype.itemsize, layout.head_dim)
 
     def close(self) -> None:
         """Release every tier and delete the disk tier's files; persisted blocks (``persist=True``) stay, the

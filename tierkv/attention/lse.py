@@ -73,8 +73,11 @@ def weighted_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     for a caller that needs the weights (sparse attention's per-block shares), instead of scoring the keys a
     second time after the fused kernel. Returns the output, the weights and the log-sum-exp."""
     scores = _scores(q, keys, bias, scaling, softcap)
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse[..., None])
+    peak = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - peak)  # one exp, as a softmax; its sum gives the log-sum-exp too
+    total = weights.sum(dim=-1, keepdim=True)
+    weights /= total
+    lse = (peak + torch.log(total)).squeeze(-1)
     batch, kv_heads, groups, q_len, _ = weights.shape
     out = torch.matmul(weights.view(batch, kv_heads, groups * q_len, -1), values.float())
     return out.view(q.shape), weights, lse

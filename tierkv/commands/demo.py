@@ -40,7 +40,7 @@ from tierkv.commands import (
     write_json,
 )
 from tierkv.errors import InvalidConfigError
-from tierkv.staging import REST_BITS, rest_copy_bytes
+from tierkv.staging import REST_BITS
 from tierkv.units import format_bytes, plural
 
 SMOLLM2_CONTEXT = 8192  # SmolLM2-135M's trained context (tierkv.models)
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         if args.executor == "sparse":  # key summaries (min, max, mean: 1.5/block_tokens of the KV), the selection
             floor += kv_summary_bytes(kv_bytes, args.block_tokens) + \
                 2 * _sparse_selection_bytes(args, model, kv_bytes, len(prompt)) + \
-                rest_copy_bytes(kv_bytes, args.sparse_rest_bits, 4, _head_dim(model.config))  # fp32 KV
+                TieredCache.rest_copy_bytes(model.config, len(prompt) + decode, args.sparse_rest_bits, torch.float32)
         gpu = floor + kv_bytes // 8
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as tmp:
         result = _decode(args, model, prompt, decode, gpu, cpu, args.disk_dir or tmp, status)
@@ -239,10 +239,6 @@ def _tokenize_prompt(tokenizer, path: Path, status: Console) -> list[int]:
 def _with_decoder(model, tokenizer):
     model.decode_tokens = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     return model
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _kv_bytes(model, n_tokens: int) -> int:

@@ -137,7 +137,7 @@ class KeySummaries:
         ``[H_kv, N, block_tokens, D]`` in ``dtype``, each within half a step of the block's own."""
         entry, bits = self._layers[layer], self.rest_bits
         packed = entry.codes.index_select(1, index)  # [H_kv, N, 2, bt, D · bits / 8]
-        bounds = entry.table.index_select(1, index)[:, :, :2].float()  # [H_kv, N, 2, D]: the keys' min, max
+        bounds = entry.table[:, :, :2].index_select(1, index).float()  # [H_kv, N, 2, D]: the keys' min, max
         lo, hi = bounds[:, :, None, 0], bounds[:, :, None, 1]
         keys = torch.addcmul(lo, _unpack(packed[:, :, 0], bits), (hi - lo) / (2**bits - 1))
         scale = entry.value_scale.index_select(1, index).float()  # [H_kv, N, bt, groups, 2]
