@@ -387,6 +387,35 @@ def test_kept_blocks_are_reused_and_a_new_selection_reads_only_what_it_lacks(tmp
     assert store.device.reserved == reserved  # ... and released with the executor
 
 
+def test_a_layer_with_room_for_part_of_its_selection_keeps_that_part(tmp_path, monkeypatch):
+    """A kept share with room for two of a layer's five full selected blocks per row: the layer keeps two, reads
+    the other three every step (from disk) and the two kept ones not again; every output is exact over its
+    selection, and the store is unchanged."""
+    from tierkv.attention import kept as kept_module
+
+    store, kv = store_with_needles(tmp_path, {0: 5, 1: 10})
+    block_bytes = 2 * BT * store.layouts[0].token_bytes  # two rows
+    monkeypatch.setattr(kept_module, "KEEP_SHARE", 2.5 * block_bytes / store.device.budget)
+    executor = SparseAttention(store, ThreadMover())
+    budget = SparseBudget(6 * BT, sinks=BT, recent=0)  # a sink, four top blocks, the open tail
+    q = query_for_head(0)
+    reads, held = [], []
+    for _ in range(3):
+        before = executor.counters.by_tier.get("disk", 0)
+        out = executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+        torch.testing.assert_close(out.double(), reference_attention(q, kv, executor.last_columns, DIM**-0.5),
+                                   atol=1e-5, rtol=0)
+        reads.append(executor.counters.by_tier["disk"] - before)
+        held.append(np.sort(executor.kept.layers[0].ids, axis=1))
+    assert executor.kept.layers[0].capacity == 2 and executor.last_columns.shape[1] == 6
+    assert (held[0] >= 0).all() and (held[0] == held[1]).all() and (held[1] == held[2]).all()  # hits stay kept
+    assert reads == [10, 6, 6]  # 5 full blocks per row, then the 3 not kept
+    assert executor.counters.blocks_reused == 2 * 2 * 2  # two per row, at each of the last two steps
+    store.check()
+    torch.testing.assert_close(store.read_tokens(0), kv)  # nothing dropped, nothing changed
+    executor.close()
+
+
 def test_every_layer_gets_its_part_of_the_kept_share(tmp_path):
     """Three layers whose doubled selections do not all fit the kept share: each keeps its equal part (at least
     its selection), instead of the first two taking everything and the third reading all of its blocks."""

@@ -22,9 +22,10 @@ from tierkv.blocks import Tier
 from tierkv.errors import DiskTierError, IntegrityError
 from tierkv.mover import ThreadMover
 
-# (id, keep blocks of earlier steps, runners-up per guess): without kept blocks the previous selection is
-# what a guess holds; with them, only the runners-up are left to guess
-VARIANTS = [("previous-selection", False, 0), ("kept-and-runners-up", True, 3)]
+# (id, blocks kept of earlier steps, runners-up per guess): without kept blocks the previous selection is what
+# a guess holds; with room for it kept, only the runners-up are left to guess; a layer that keeps part of its
+# selection guesses the rest of it
+VARIANTS = [("previous-selection", "none", 0), ("kept-and-runners-up", "all", 3), ("partly-kept", "part", 0)]
 
 
 def decode(model, ids, mask, directory, *, speculate: bool, runners: int, tokens: int = 16, new: int = 10,
@@ -48,9 +49,12 @@ def test_speculation_never_changes_results(tmp_path, monkeypatch, name, keep, ru
     """A left-padded batch of two on a real model class: the same tokens and bit-identical logits with and
     without speculation, while speculation did hit (else this would test nothing). Its wasted blocks are the
     only extra bytes read from disk: budgets hold with speculative reads counted."""
-    if not keep:
-        monkeypatch.setattr(kept_module, "KEEP_SHARE", 0.0)  # no kept layers: every step reads its selection
     model = tiny_model("llama")
+    if keep == "none":
+        monkeypatch.setattr(kept_module, "KEEP_SHARE", 0.0)  # no kept layers: every step reads its selection
+    elif keep == "part":  # a share of 1.5 blocks per layer: each keeps 1 of its 4 (2 rows, 4 tokens, 2 x 16, fp32)
+        layers, block_bytes = model.config.num_hidden_layers, 2 * 4 * 2 * 2 * 16 * 4
+        monkeypatch.setattr(kept_module, "KEEP_SHARE", 1.5 * layers * block_bytes / 128_000)
     ids, mask = prompt(2, 96, seed=9, left_pad=(0, 5))
     plain, off = decode(model, ids, mask, tmp_path / "off", speculate=False, runners=runners, monkeypatch=monkeypatch)
     guessed, on = decode(model, ids, mask, tmp_path / "on", speculate=True, runners=runners, monkeypatch=monkeypatch)

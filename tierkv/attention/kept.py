@@ -11,10 +11,12 @@ Per kept layer, a device buffer ``[2, B, H_kv, capacity · block_tokens, D]`` (r
 budget, like staging) and, per position, the block held there and the step it was last attended::
 
     held[b, k]   = selected block (b, k) sits at position pos[b, k]      (full blocks never change)
-    read         = the others into the positions attended longest ago: one ReadPlan, one batched read per
-                   tier; and the layer's last column, the open tail (it changes every step), copied straight
-                   from its device slot (``KVStore.copy_open_tails``: no plan for the one block every step reads)
     staging      = kept[:, b, :, pos[b, k]]                               (one gather, in selection order)
+    read         = the others straight into staging: one ReadPlan, one batched read per tier; and the layer's
+                   last column, the open tail (it changes every step), copied straight from its device slot
+                   (``KVStore.copy_open_tails``: no plan for the one block every step reads)
+    keep         = the blocks just read into the positions attended longest ago (one indexed copy), as many
+                   as the layer has positions not hit this step
 
 Kept blocks are copies: the store's table is untouched and nothing is dropped from it. A table edit (crop, row
 selection, reset) calls :meth:`KeptBlocks.clear`; block ids never repeat, so a kept block is never mistaken
@@ -23,9 +25,10 @@ for another one.
 Memory: a layer keeps up to :data:`KEEP_FACTOR` times its selection's blocks (the previous selection and the
 blocks that recently left it) but no more than its equal part of the :data:`KEEP_SHARE` of the device budget
 that all kept layers may take together (so that the first layers do not take it all: at least its selection's),
-or only its selection's, or nothing, whichever fits in what is left of that share and still leaves the device
-room for every layer's open tail (``tierkv.staging.device_minimum``); a layer that is not kept reads its whole
-selection every step (the behaviour without this module; speculation then guesses its previous selection).
+or only its selection's, or as much of that as fits, whichever fits in what is left of that share and still
+leaves the device room for every layer's open tail (``tierkv.staging.device_minimum``). A layer that keeps part
+of its selection reads the rest every step, and speculation guesses that rest (its previous selection less what
+it keeps); one that keeps nothing reads its whole selection every step (the behaviour without this module).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 
 from tierkv.errors import BudgetTooSmallError
 from tierkv.layout import BlockLayout
-from tierkv.staging import device_minimum, open_tail_bytes
+from tierkv.staging import CHUNKS_PER_BUDGET, device_minimum, open_tail_bytes
 from tierkv.store import KVStore
 
 # A kept layer holds up to KEEP_FACTOR times its selection's blocks; all kept layers together take at most
@@ -53,10 +56,12 @@ _ROW_SHIFT = 40  # (row << 40) | block id: one sorted key per (row, block) for a
 class Placed:
     """Where a step's selection sits in a kept layer, and what must be read for it.
 
-    ``positions`` ``[B, K]``: the kept position of each selected block; ``targets`` ``[B, capacity]``: the grid
-    column to read into each position (-1: none); ``reused``: selected blocks already held."""
+    ``positions`` ``[B, K]``: the kept position of each selected block (-1: not kept — the open tail, or a miss
+    of a layer that keeps fewer blocks than it selects); ``hit`` ``[B, K]``: already held there; ``targets``
+    ``[B, K]``: the grid column to read into each staging position (-1: none, it is held); ``reused``: the hits."""
 
     positions: np.ndarray
+    hit: np.ndarray
     targets: np.ndarray
     reused: int
 
@@ -85,8 +90,10 @@ class KeptLayer:
 
     def place(self, ids: np.ndarray, columns: np.ndarray, tail: np.ndarray, step: int) -> Placed:
         """Place a selection: ``ids`` / ``columns`` ``[B, K]`` (block ids and grid columns), ``tail`` ``[B, K]``
-        flags the open tail (always read). Positions to be read are forgotten now (a failed read leaves them
-        empty, never holding stale data); call :meth:`hold` once the read has landed."""
+        flags the open tail (always read, never kept). Each miss takes a position not hit now (empty ones first,
+        then those attended longest ago) while there are any; the rest are read but not kept. Positions taken
+        are forgotten now (a failed read leaves them empty, never holding stale data); call :meth:`hold` once
+        the read has landed."""
         batch, capacity = self.ids.shape
         offsets = np.arange(batch, dtype=np.int64)[:, None] << _ROW_SHIFT
         held = np.where(self.ids >= 0, self.ids | offsets, -1).ravel()  # [B·capacity], -1 sorts first
@@ -95,41 +102,53 @@ class KeptLayer:
         found = np.minimum(np.searchsorted(held[order], wanted), held.size - 1)
         flat = order[found]  # flat position of the match (if any)
         match = (held[flat] == wanted).reshape(ids.shape)  # [B, K]
-        positions = np.where(match, flat.reshape(ids.shape) % capacity, 0)
+        positions = np.where(match, flat.reshape(ids.shape) % capacity, -1)
         stale = match & tail  # the open tail is never held (it changes), unless a table edit made it the tail
         self.ids[np.nonzero(stale)[0], positions[stale]] = -1
         hit = match & ~tail
-        # the others go to the positions not hit now: empty ones first, then those attended longest ago
         keep = np.zeros((batch, capacity), dtype=bool)
         keep[np.nonzero(hit)[0], positions[hit]] = True
         rank = np.where(keep, np.iinfo(np.int64).max, self.used)
-        free = np.argsort(rank, axis=1, kind="stable")  # [B, capacity]
-        miss = ~hit
-        nth = np.cumsum(miss, axis=1) - 1  # the j-th miss of a row takes that row's j-th free position
-        rows = np.nonzero(miss)[0]
-        positions[miss] = free[rows, nth[miss]]
-        targets = np.full((batch, capacity), -1, dtype=np.int64)
-        targets[rows, positions[miss]] = columns[miss]
-        self.ids[rows, positions[miss]] = -1
-        self.used[np.arange(batch)[:, None], positions] = step
-        return Placed(positions, targets, int(np.count_nonzero(hit)))
+        free = np.argsort(rank, axis=1, kind="stable")  # [B, capacity]: the positions not hit now come first
+        miss = ~hit & ~tail
+        nth = np.cumsum(miss, axis=1) - 1  # the j-th miss of a row takes that row's j-th free position ...
+        kept = miss & (nth < capacity - keep.sum(axis=1, keepdims=True))  # ... while the row has one
+        rows = np.nonzero(kept)[0]
+        positions = np.where(tail, -1, positions)
+        positions[kept] = free[rows, nth[kept]]
+        self.ids[rows, positions[kept]] = -1
+        taken = positions >= 0
+        self.used[np.nonzero(taken)[0], positions[taken]] = step
+        targets = np.where(hit, -1, columns)
+        return Placed(positions, hit, targets, int(np.count_nonzero(hit)))
 
-    def hold(self, placed: Placed, ids: np.ndarray, tail: np.ndarray) -> None:
-        """The read of ``placed`` landed: its positions hold their blocks (not the open tail: it changes)."""
-        stored = ~tail & (placed.targets[np.arange(self.batch)[:, None], placed.positions] >= 0)
-        self.ids[np.nonzero(stored)[0], placed.positions[stored]] = ids[stored]
-
-    def gather(self, layout: BlockLayout, positions: np.ndarray, dest: torch.Tensor) -> None:
-        """Copy the blocks at ``positions`` ``[B, K]`` into ``dest`` ``[2, B, H_kv, K · bt, D]`` (contiguous), in
-        order: one ``index_select`` per row and K/V straight into ``dest`` (no temporary: on the CPU a large
-        one costs fresh pages every step)."""
-        batch, count = positions.shape
+    def gather(self, layout: BlockLayout, placed: Placed, dest: torch.Tensor) -> None:
+        """Copy the held blocks of ``placed`` into ``dest`` ``[2, B, H_kv, K · bt, D]`` (contiguous) at their
+        selection positions: one ``index_select`` per row and K/V straight into ``dest`` (no temporary: on the
+        CPU a large one costs fresh pages every step). The positions to be read get some held block meanwhile
+        (the read overwrites them): one copy for all is cheaper than picking the hits out."""
+        batch, count = placed.positions.shape
         source = self.view(layout).unflatten(3, (self.capacity, -1))  # [2, B, H_kv, capacity, bt, D]
         target = dest.unflatten(3, (count, -1))  # [2, B, H_kv, K, bt, D]
-        index = torch.from_numpy(positions).to(dest.device)
+        index = torch.from_numpy(np.maximum(placed.positions, 0)).to(dest.device)
         for row in range(batch):
             for part in range(2):  # K, V
                 torch.index_select(source[part, row], 1, index[row], out=target[part, row])
+
+    def hold(self, layout: BlockLayout, placed: Placed, ids: np.ndarray, staged: torch.Tensor) -> None:
+        """The read of ``placed`` landed in ``staged`` ``[2, B, H_kv, K · bt, D]``: copy the blocks read that took
+        a kept position into it (one indexed copy), which then holds them."""
+        new = (placed.positions >= 0) & ~placed.hit
+        if not new.any():
+            return
+        rows, picks = np.nonzero(new)
+        positions = placed.positions[new]
+        device = staged.device
+        row, pick, position = (torch.from_numpy(a).to(device) for a in (rows, picks, positions))
+        blocks = staged.unflatten(3, (placed.positions.shape[1], -1))  # [2, B, H_kv, K, bt, D]
+        source = self.view(layout).unflatten(3, (self.capacity, -1))
+        source[:, row, :, position] = blocks[:, row, :, pick]
+        self.ids[rows, positions] = ids[new]
 
 
 class KeptBlocks:
@@ -138,16 +157,17 @@ class KeptBlocks:
     def __init__(self, store: KVStore) -> None:
         self.store = store
         self.layers: dict[int, KeptLayer] = {}
-        self.refused: dict[int, int] = {}  # layer -> batch size whose selection did not fit the share
+        self.refused: dict[int, tuple[int, int]] = {}  # layer -> (batch, blocks) for which nothing fit the share
+        self.sized: dict[int, int] = {}  # layer -> the selection its kept layer was allocated for
         self.reserved = 0
 
     def layer(self, layer: int, batch: int, count: int) -> KeptLayer | None:
         """The kept layer for a selection of ``count`` blocks per row (allocated, or grown, on first need)."""
         kept = self.layers.get(layer)
-        if kept is not None and kept.batch == batch and kept.capacity >= count:
+        if kept is not None and kept.batch == batch and max(kept.capacity, self.sized[layer]) >= count:
             return kept
-        if self.refused.get(layer) == batch:
-            return None  # it did not fit (a larger selection would not either)
+        if self.refused.get(layer) == (batch, count):
+            return None  # nothing fits (a larger selection would not either)
         self._drop(layer)
         store = self.store
         layout = store.layouts[layer]
@@ -155,9 +175,13 @@ class KeptBlocks:
         share = int(store.device.budget * KEEP_SHARE) - self.reserved
         tails = open_tail_bytes(len(store.layouts), batch, layout.slot_bytes)  # must stay possible beside it
         fair = int(store.device.budget * KEEP_SHARE) // (len(store.layouts) * block_bytes)  # blocks per layer
-        for capacity in dict.fromkeys((min(KEEP_FACTOR * count, max(count, fair)), count)):
+        room = min(count, fair, _fitting_blocks(store.device.budget, store.device.reserved, tails, share, block_bytes))
+        # the doubled selection within the fair part, else the selection, else what fits: a layer that keeps part
+        # of its selection still reads only the rest and its new blocks (one that keeps none reads all of it)
+        for capacity in dict.fromkeys((min(KEEP_FACTOR * count, max(count, fair)), count, room)):
             nbytes = capacity * block_bytes
-            if nbytes > share or device_minimum(store.device.reserved + nbytes, tails) > store.device.budget:
+            if capacity < 1 or nbytes > share \
+                    or device_minimum(store.device.reserved + nbytes, tails) > store.device.budget:
                 continue
             try:
                 self.store.reserve_device(nbytes)
@@ -166,8 +190,9 @@ class KeptBlocks:
             self.reserved += nbytes
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.store.device.device)
             self.layers[layer] = kept = KeptLayer(buffer, batch, capacity)
+            self.sized[layer] = count
             return kept
-        self.refused[layer] = batch
+        self.refused[layer] = (batch, count)
         return None
 
     def clear(self, layer: int | None = None) -> None:
@@ -178,6 +203,7 @@ class KeptBlocks:
                 kept.used.fill(-1)
 
     def _drop(self, layer: int) -> None:
+        self.sized.pop(layer, None)
         kept = self.layers.pop(layer, None)
         if kept is not None:
             self.store.device.unreserve(kept.buffer.numel())
@@ -187,3 +213,13 @@ class KeptBlocks:
         for layer in list(self.layers):
             self._drop(layer)
         self.refused.clear()
+
+
+def _fitting_blocks(budget: int, reserved: int, tails: int, share: int, block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` that fit both ``share`` and a device of ``budget`` bytes with ``reserved`` taken,
+    beside ``tails`` bytes of open blocks (:func:`tierkv.staging.device_minimum`; it is monotonic)."""
+    room = (budget - tails) * (CHUNKS_PER_BUDGET - 1) // CHUNKS_PER_BUDGET - reserved  # device_minimum, inverted
+    blocks = max(0, min(share, room) // block_bytes)
+    while blocks and device_minimum(reserved + blocks * block_bytes, tails) > budget:
+        blocks -= 1  # the rounding of the inversion: once at most
+    return blocks

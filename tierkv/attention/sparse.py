@@ -364,7 +364,8 @@ class SparseAttention(PipelinedExecutor):
     # ---------------------------------------------------------------------------------- reading
     def _fill(self, layer: int, columns: np.ndarray, staging: torch.Tensor) -> None:
         """Put the blocks of ``columns`` ``[B, K]`` into ``staging`` in order: those kept from earlier steps by
-        one gather, the others by one read (:mod:`tierkv.attention.kept`); without room to keep, one read."""
+        one gather, the others by one read, which the kept layer then keeps as far as it has room
+        (:mod:`tierkv.attention.kept`); without a kept layer, one read."""
         store = self.store
         rows = store.table.rows[layer]
         kept = self.kept.layer(layer, rows.batch, columns.shape[1])
@@ -375,18 +376,19 @@ class SparseAttention(PipelinedExecutor):
         ids = rows.ids[np.arange(rows.batch)[:, None], columns]  # [B, K]
         tail = columns == rows.count - 1
         placed = kept.place(ids, columns, tail, self.counters.layer_steps)
-        view, targets = kept.view(store.layouts[layer]), placed.targets
+        layout = store.layouts[layer]
+        kept.gather(layout, placed, staging)  # first: the read below overwrites the positions it does not hold
+        targets = placed.targets
         if tail[:, -1].all():  # the open tail (every row's last column) copied from its slot, not planned
-            copied = store.copy_open_tails(layer, view, placed.positions[:, -1])
+            copied = store.copy_open_tails(layer, staging, np.full(rows.batch, columns.shape[1] - 1))
             if copied:
                 counters = self.counters
                 counters.bytes_fetched += copied
                 counters.by_tier[Tier.DEVICE.label] = counters.by_tier.get(Tier.DEVICE.label, 0) + rows.batch
                 targets = targets.copy()
-                targets[np.arange(rows.batch), placed.positions[:, -1]] = -1
-        plan, hits = self._read_selection(layer, rows, targets, view)
-        kept.hold(placed, ids, tail)
-        kept.gather(store.layouts[layer], placed.positions, staging)
+                targets[:, -1] = -1
+        plan, hits = self._read_selection(layer, rows, targets, staging)
+        kept.hold(layout, placed, ids, staging)
         store.count_reused(layer, placed.reused)
         self._count(layer, plan, columns, placed.reused, hits)
 

@@ -9,8 +9,8 @@ own threads into a host bounce buffer while layer ``i`` scores, reads, attends a
 
     guess[i + 1]  = its previous step's selection                      (minus the open tail: it is on the device)
                   ∪ its best-scored blocks it did not select   (``SparseAttention.speculate_runners`` per row)
-                  minus the blocks it keeps on the device (tierkv.attention.kept: all of its previous selection,
-                  so a kept layer's guess is its runners-up alone), minus those not on disk
+                  minus the blocks it keeps on the device (tierkv.attention.kept: all of its previous selection
+                  where it has room, so such a layer's guess is its runners-up alone), minus those not on disk
     submit        one batched engine read of the guess's disk slots (ascending: runs coalesce)
     layer i + 1:  hit  = a block the real selection must read that the guess holds, at the same disk slot
                   read the misses as usual (one ReadPlan); copy the hits out of the bounce buffer
@@ -128,12 +128,9 @@ class Speculation:
         runners = self._runners.get(layer)
         if runners is not None and runners.shape[0] != previous.shape[0]:
             runners = None
-        if held is not None:  # a kept layer holds its previous selection (the last step placed all of it)
-            if runners is None:
-                return
-            guess = runners
-        else:
-            guess = previous if runners is None else np.concatenate((previous, runners), axis=1)
+        if held is not None and runners is None and held.shape[1] >= previous.shape[1]:
+            return  # a kept layer with room for its whole selection holds all of it: nothing to guess
+        guess = previous if runners is None else np.concatenate((previous, runners), axis=1)
         row = np.broadcast_to(np.arange(rows.batch)[:, None], guess.shape)
         inside = (guess >= 0) & (guess < rows.count - 1)  # a full block (the open tail is on the device)
         row, guess = row[inside], guess[inside]
