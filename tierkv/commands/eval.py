@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", default="passkey", choices=("passkey", "multikey"), help="task (default: passkey)")
     parser.add_argument("--seed", type=integer("--seed", 0), default=0, help="haystack seed (default: %(default)s)")
     parser.add_argument("--model", type=model_or_folder("--model"), default=None,
-                        help="a named model (demo, smollm2) or a demo-model folder (default: the packaged demo model)")
+                        help="a named model (demo, smollm2, gemma3) or a demo-model folder (default: the packaged "
+                             "demo model)")
     parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     parser.add_argument("--prefill-chunk", type=tokens("--prefill-chunk"), default=2048,
                         help="prefill tokens per forward (default: %(default)s)")
@@ -218,7 +219,7 @@ def _run_quality(args: argparse.Namespace, console, status) -> int:
         raise InvalidConfigError("--tasks needs --out: the reference KV and the results are written there.")
     name = args.model if isinstance(args.model, str) else "demo"
     if isinstance(args.model, Path):
-        raise InvalidConfigError("--tasks takes a named model (--model demo or --model smollm2), not a folder.")
+        raise InvalidConfigError("--tasks takes a named model (--model demo, smollm2 or gemma3), not a folder.")
     context = models.spec(name).context
     too_long = [n for n in args.lengths if n > context] if args.stage != "measure" else []
     if too_long:

@@ -82,9 +82,12 @@ def logprob_path(folder: Path, prompt: Prompt) -> Path:
 
 @torch.inference_mode()
 def _prefill(model, ids: Sequence[int], chunk: int):
+    """Full attention's prefill into a cache whose every layer keeps every token: a sliding-window layer's own
+    cache keeps only its window, and saved KV that lacks where it starts would be loaded as the prompt's start
+    (the model still attends only within the window: its mask comes from the config)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache()
     tensor = torch.tensor([list(ids)])  # [1, T]
     for start in range(0, tensor.shape[1], chunk):
         model(input_ids=tensor[:, start : start + chunk], **{cache_keyword(model): cache}, logits_to_keep=1)

@@ -11,13 +11,15 @@ exactly the same prompts from JSON):
                   next-token distributions over those steps (teacher-forced on the real continuation) are
                   compared with full attention's
 
-Two writers build them. :class:`ChatTaskWriter` is for a real instruction-tuned model with a chat template
-(SmolLM2): the haystack is the Python Language Reference (:mod:`tierkv.quality.text`), needles are inserted
-at line boundaries, and the assistant's answer is started for it ("The special magic number for Lisbon
-is"), so the next tokens are the digits. :class:`DemoTaskWriter` is for the shipped demo model, which
-knows only its own 1,634-word synthetic vocabulary and cannot read real text: its passkey (one needle) and
-multikey (four keys) haystacks from :mod:`tierkv.demo.task`, and for fidelity a continuation of that
-synthetic filler.
+Two writers build them. :class:`TextTaskWriter` is for a real pretrained model with a Hugging Face tokenizer:
+the haystack is the Python Language Reference (:mod:`tierkv.quality.text`), needles are inserted at line
+boundaries, and the answer is started for the model ("The special magic number for Lisbon is"), so the next
+tokens are the digits. An instruction-tuned model (SmolLM2) gets the question through its chat template; a
+base model without one (Gemma 3 270M) gets a plain "Question: ... Answer:" frame after the tokens its
+tokenizer starts every text with (Gemma's BOS, which its attention relies on). :class:`DemoTaskWriter` is for
+the shipped demo model, which knows only its own 1,634-word synthetic vocabulary and cannot read real text:
+its passkey (one needle) and multikey (four keys) haystacks from :mod:`tierkv.demo.task`, and for fidelity a
+continuation of that synthetic filler.
 
 Each prompt is split into ``context_ids`` (the document) and ``question_ids`` (what follows it): a KV
 compressor prunes the context before the question is seen, as kvpress's pipeline does; tierkv's sparse
@@ -45,6 +47,8 @@ NEEDLE = "The special magic number for {key} is {value}.\n"
 INSTRUCTION = "Read the document below and answer the question after it.\n\n<document>\n"
 QUESTION = "</document>\n\nWhat is the special magic number for {key} mentioned in the document?"
 ANSWER_START = "The special magic number for {key} is"
+PLAIN_QUESTION = "</document>\n\nQuestion: What is the special magic number for {key} mentioned in the document?\n" \
+    "Answer: "  # a base model's frame (no chat template)
 DOC_MARK = "\x00DOCUMENT\x00"  # stands for the document while the chat template is rendered
 VALUE_DIGITS = 5
 
@@ -96,13 +100,14 @@ def answer_matches(expected: str, output: str) -> bool:
     return digits == expected
 
 
-class ChatTaskWriter:
-    """Prompts for a chat model with a Hugging Face tokenizer, over real text (see the module docstring)."""
+class TextTaskWriter:
+    """Prompts for a real model with a Hugging Face tokenizer, over real text (see the module docstring)."""
 
     def __init__(self, tokenizer) -> None:
         from tierkv.quality.text import reference_text
 
         self.tokenizer = tokenizer
+        self.prefix = _text_prefix(tokenizer)  # what the tokenizer puts before any text (a BOS, or nothing)
         self.haystack = self._encode(reference_text())  # [~190K] ids of the whole reference text
         newline = {i for i in set(self.haystack) if "\n" in tokenizer.decode([i])}
         # positions right after a token that ends a line: a needle inserted there starts a line of its own
@@ -113,7 +118,11 @@ class ChatTaskWriter:
 
     @functools.cache  # noqa: B019 (one writer per run, a handful of keys)
     def _frame(self, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(ids before the document, ids after it) for a question about ``key``, from the chat template."""
+        """(ids before the document, ids after it) for a question about ``key``, from the chat template if the
+        tokenizer has one."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            head = self.prefix + tuple(self._encode(INSTRUCTION))
+            return head, tuple(self._encode(PLAIN_QUESTION.format(key=key) + ANSWER_START.format(key=key)))
         messages = [{"role": "user", "content": INSTRUCTION + DOC_MARK + QUESTION.format(key=key)}]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         head, tail = text.split(DOC_MARK)
@@ -145,11 +154,14 @@ class ChatTaskWriter:
         return Prompt(task, length, sample, tuple(context), tail, depth, values[0], answer_tokens)
 
     def fidelity(self, length: int, sample: int, steps: int, seed: int = 0) -> Prompt:
-        """``length`` tokens of real text starting at a line, and the ``steps`` tokens that follow it."""
+        """``length`` tokens (the tokenizer's prefix, then real text from a line start), and the ``steps`` tokens
+        of text that follow them."""
         rng = random.Random(f"fidelity/{seed}/{length}/{sample}")
-        start = rng.choice([s for s in self.line_starts if s + length + steps < len(self.haystack)])
-        ids = self.haystack[start : start + length + steps]
-        return Prompt("fidelity", length, sample, tuple(ids[:length]), (), continuation_ids=tuple(ids[length:]))
+        text = length - len(self.prefix)
+        start = rng.choice([s for s in self.line_starts if s + text + steps < len(self.haystack)])
+        ids = self.haystack[start : start + text + steps]
+        return Prompt("fidelity", length, sample, self.prefix + tuple(ids[:text]), (),
+                      continuation_ids=tuple(ids[text:]))
 
 
 class DemoTaskWriter:
@@ -183,9 +195,9 @@ class DemoTaskWriter:
                       continuation_ids=tuple(ids[length : length + steps]))
 
 
-def task_writer(model_name: str, tokenizer) -> ChatTaskWriter | DemoTaskWriter:
+def task_writer(model_name: str, tokenizer) -> TextTaskWriter | DemoTaskWriter:
     """The writer that fits the model: the demo's synthetic tasks for ``demo``, real text for the others."""
-    return DemoTaskWriter() if model_name == "demo" else ChatTaskWriter(tokenizer)
+    return DemoTaskWriter() if model_name == "demo" else TextTaskWriter(tokenizer)
 
 
 def build_prompts(writer, tasks, lengths, depths, samples: int, steps: int, seed: int = 0) -> list[Prompt]:
@@ -202,6 +214,13 @@ def build_prompts(writer, tasks, lengths, depths, samples: int, steps: int, seed
             keys = 1 if task == "needle" else NEEDLE_KEYS
             prompts += [writer.needle(length, d, s, seed, keys) for d in depths for s in range(samples)]
     return prompts
+
+
+def _text_prefix(tokenizer) -> tuple[int, ...]:
+    """The ids a tokenizer adds before a text by default (Gemma: its BOS; SmolLM2: none)."""
+    bare = tokenizer("x", add_special_tokens=False)["input_ids"]
+    full = tokenizer("x")["input_ids"]
+    return tuple(full[: len(full) - len(bare)]) if full[len(full) - len(bare):] == bare else ()
 
 
 def _check_depth(depth: float) -> None:
