@@ -88,6 +88,23 @@ def test_prefill_is_exact_and_nothing_is_dropped(tmp_path):
     assert 2 * 2 * sparse["layer_steps"] <= sparse["blocks_selected"] <= 2 * 3 * sparse["layer_steps"]
 
 
+def test_a_fractional_budget_is_a_share_of_the_sequence_not_of_a_sliding_window(tmp_path):
+    """Gemma2's sliding layer (window 16) holds ~16 of 200 tokens: a quarter of the sequence (50 tokens) covers
+    its window, so it is read in full every step while the global layer reads a quarter."""
+    model = tiny_model("gemma2", "eager", 16)
+    ids, mask = prompt(1, 200, seed=5)
+    reference = generate(model, ids, mask, DynamicCache(config=model.config))
+    with small_cache(tmp_path, model) as cache:
+        with cache.sparse(model, tokens=0.25, chunk_tokens=8):
+            out = generate(model, ids, mask, cache)
+        sparse = cache.stats()["sparse"]
+        cache.store.check()
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    assert sparse["layer_steps"] == 2 * sparse["steps"] and sparse["exact_layer_steps"] == sparse["steps"]
+    assert 0.2 < sparse["blocks_selected"] / sparse["blocks_total"] < 0.45  # 4-5 of ~5 and 12-13 of ~50 blocks
+    torch.testing.assert_close(out.logits[0], reference.logits[0], atol=1e-5, rtol=0)  # the prefill: exact
+
+
 def test_budgets_hold_with_the_summaries_counted(tmp_path):
     model = tiny_model("qwen2")
     ids, mask = prompt(1, 64, seed=2)

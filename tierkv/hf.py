@@ -698,7 +698,8 @@ class TieredCache(Cache):
                 self._attending = name
             if name == "sparse":
                 sparse: SparseAttention = self.executors["sparse"]  # type: ignore[assignment]
-                return sparse.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap, self._sparse)
+                return sparse.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap, self._sparse,
+                                     context=layer.get_seq_length())
             return self.streamer.attend(layer_idx, layer.attend_from, query, mask, scaling, softcap)
         except BaseException:
             self._unsettled = layer.length_before  # first, by assignment: no signal is handled here
