@@ -598,7 +598,8 @@ class TieredCache(Cache):
         """Decode with query-aware *sparse* attention over this cache while inside the block (approximate).
 
         Each decode step, every layer scores its blocks by their key summaries and attends exactly over the
-        best ones within ``tokens`` (an int, or a fraction of the context in (0, 1]), which include ``sinks``
+        best ones within ``tokens`` (an int, or a fraction in (0, 1] of the sequence's tokens: a sliding-window
+        layer reads its whole window where that is within the budget), which include ``sinks``
         (first tokens; default one block) and ``recent`` (last tokens; default: the open tail) — fetched from
         whatever tier holds them (:mod:`tierkv.attention.sparse`). ``dense_layers``: the first layers attend in
         full, their blocks taken out of the other layers' budgets. Nothing is dropped: a later step can read any
