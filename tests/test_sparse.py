@@ -699,3 +699,4 @@ def test_rest_bits_bring_a_small_budget_close_to_dynamic_cache(tmp_path, name, f
         assert rest_steps == 0 and errors[8] < 1e-4 and errors[0] < 1e-4, errors
     else:
         assert rest_steps > 0 and errors[0] > 0.01 and errors[8] < errors[0] / 50, errors
+

@@ -50,7 +50,7 @@ from tierkv.attention.kept import KeptBlocks
 from tierkv.attention.lse import merge, partial_attention, weighted_attention
 from tierkv.attention.speculation import Speculation, SpeculationCounters
 from tierkv.blocks import Tier
-from tierkv.errors import InvalidConfigError
+from tierkv.errors import BudgetTooSmallError, InvalidConfigError
 from tierkv.mover import ThreadMover
 from tierkv.staging import GROWTH, REST_BITS
 from tierkv.stats import Timeline, Trace
@@ -509,7 +509,13 @@ class SparseAttention(PipelinedExecutor):
         if self.buffer is None or self.buffer.numel() < nbytes:
             grown = max(nbytes, int(self.reserved * GROWTH))
             self._release()
-            self.store.reserve_device(grown)
+            try:
+                self.store.reserve_device(grown)
+            except BudgetTooSmallError:
+                if not self.kept.reserved:
+                    raise
+                self.kept.release()  # the kept blocks save reads, the staging is needed: they give way
+                self.store.reserve_device(grown)
             self.reserved = grown
             self.buffer = torch.empty(grown, dtype=torch.uint8, device=self.store.device.device)
         flat = self.buffer[:nbytes].view(layout.dtype)
