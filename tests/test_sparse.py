@@ -7,6 +7,7 @@ References: DynamicCache on real model classes, and full softmax attention over 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -700,3 +701,35 @@ def test_rest_bits_bring_a_small_budget_close_to_dynamic_cache(tmp_path, name, f
     else:
         assert rest_steps > 0 and errors[0] > 0.01 and errors[8] < errors[0] / 50, errors
 
+
+
+def test_kept_blocks_give_way_when_a_larger_budget_needs_more_staging(tmp_path):
+    """The kept blocks only save reads: when a step's selection outgrows the staging and the device has room for
+    it only without them, they are released (Gemma 3 at 2%, then 5%, of 16K on one cache failed here)."""
+    from tierkv.errors import BudgetTooSmallError
+
+    store, kv = store_with_needles(tmp_path, {0: 5, 1: 10})
+    executor = SparseAttention(store, ThreadMover())
+    q = query_for_head(0)
+    small, large = SparseBudget(3 * BT, sinks=BT, recent=0), SparseBudget(12 * BT, sinks=BT, recent=0)
+    executor.attend(0, 0, q, None, DIM**-0.5, None, small)
+    executor.attend(0, 0, q, None, DIM**-0.5, None, small)  # the second step keeps what the first read
+    kept = executor.kept.reserved
+    assert kept > 0
+    taken = 0
+    with contextlib.suppress(BudgetTooSmallError):
+        while True:  # take every byte the device can still give
+            store.reserve_device(256)
+            taken += 256
+    grows = 12 * 2 * BT * 2 * HEADS * DIM * 4 - executor.reserved  # the large selection's staging, on top
+    given = grows - kept // 2  # ... more room than that without the kept blocks, less with them
+    store.device.unreserve(given)
+    taken -= given
+    out = executor.attend(0, 0, q, None, DIM**-0.5, None, large)
+    assert executor.last_columns.shape[1] == 12 and executor.kept.reserved < kept
+    torch.testing.assert_close(out.double(), reference_attention(q, kv, executor.last_columns, DIM**-0.5),
+                               atol=1e-5, rtol=0)
+    store.device.unreserve(taken)
+    store.check()
+    torch.testing.assert_close(store.read_tokens(0), kv)
+    executor.close()
