@@ -98,8 +98,8 @@ def _check_combination(args: argparse.Namespace) -> None:
     if args.prompt_file and not folder:
         raise InvalidConfigError("--prompt-file needs --model with a checkpoint folder (the named models build "
                                  "their own haystack).")
-    if isinstance(args.model, str) and args.context is not None and args.context > _trained_context(args.model):
-        trained = _trained_context(args.model)
+    trained = _trained_context(args.model) if isinstance(args.model, str) else None
+    if trained is not None and args.context is not None and args.context > trained:
         raise InvalidConfigError(f"--context {args.context}: {args.model} was trained for {trained} tokens; give "
                                  f"--context {format_tokens(trained)} or less.")
     if args.model and args.random_model:
