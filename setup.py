@@ -1,10 +1,12 @@
-"""Build hook for what pyproject.toml cannot declare: the native disk engine as an optional extension.
+"""Build hook for what pyproject.toml cannot declare: the native disk engine and the host attention kernel as
+optional extensions.
 
 ``native/tierkv_io.c`` becomes ``tierkv/io/_native*.so`` (in place for ``pip install -e .``). It is a plain C
 library loaded with ctypes by ``tierkv/io/native.py``, never imported as a module. ``optional=True``: where
 it cannot compile (no compiler) the install still succeeds and the engine builds itself on first use from a
 source checkout, else auto-selection falls back to posix. The source's hash is compiled in so that the
-loader can tell a library built from an older source.
+loader can tell a library built from an older source. ``native/tierkv_attn.c`` becomes
+``tierkv/attention/_attn*.so`` the same way (with OpenMP), loaded by ``tierkv/attention/host_kernel.py``.
 """
 
 import hashlib
@@ -14,6 +16,8 @@ from setuptools import Extension, setup
 
 SOURCE = "native/tierkv_io.c"  # relative, as setuptools requires
 DIGEST = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()[:16]  # = native.source_digest()
+ATTN_SOURCE = "native/tierkv_attn.c"  # the host attention kernel, loaded by tierkv/attention/host_kernel.py
+ATTN_DIGEST = hashlib.sha256((Path(__file__).parent / ATTN_SOURCE).read_bytes()).hexdigest()[:16]
 
 setup(
     ext_modules=[
@@ -25,6 +29,15 @@ setup(
             extra_compile_args=["-O2", "-pthread"],
             extra_link_args=["-pthread"],
             optional=True,
-        )
+        ),
+        Extension(
+            "tierkv.attention._attn",
+            [ATTN_SOURCE],
+            define_macros=[("TKV_SOURCE_SHA", f'"{ATTN_DIGEST}"')],
+            extra_compile_args=["-O3", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
+            libraries=["m"],
+            optional=True,
+        ),
     ]
 )

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierkv.config import env_str, parse_size
+from tierkv.inputs import env_str
 from tierkv.io import aligned_empty, open_disk_file
+from tierkv.units import parse_size
 
 
 @pytest.fixture(scope="session")

@@ -6,12 +6,12 @@
 # Exit 2 (and nothing else run) unless torch sees CUDA; 1 if any step failed; 0 if all passed.
 # Installs nothing from the network: kvikio is installed only from wheels carried in ./wheels (see
 # docs/gpu-check.md for the one-line download), into a private folder under $TMPDIR. Uses .venv if present.
-# Each step has its own timeout and a failing step does not stop the next; the timeouts add up to 290 s, so
-# the whole check stays under 5 minutes and a rerun fits the device time.
+# Each step has its own timeout and a failing step does not stop the next; the timeouts add up to 410 s, so
+# the whole check stays under 7 minutes.
 #
 # Writes: env.txt (date, GPU, driver, CUDA, torch, pip list, disk engines, settings), kvikio-install.txt,
-# pytest-cuda.txt, links-cuda.txt, scale-cuda.txt, decode-cuda.txt, bench.txt, tierkv-profile.json,
-# tierkv-bench.png, summary.txt (exit status and seconds of each step).
+# pytest-cuda.txt, split-cuda.txt, links-cuda.txt, scale-cuda.txt, decode-cuda.txt, bench.txt,
+# tierkv-profile.json, tierkv-bench.png, summary.txt (exit status and seconds of each step).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -65,7 +65,10 @@ step env 10 env.txt bash -c '
 PYTEST=("$PY" -m pytest -m cuda -q -rs -p no:cacheprovider)
 # the cuda tests: generation on the GPU within the budget, streaming, kvikio reads into CUDA tensors, its mode,
 # and the disk tier reading into device memory with GDS (tests/test_disk_device_reads.py; skips in compat mode)
-step pytest-cuda 60 pytest-cuda.txt "${PYTEST[@]}" tests
+step pytest-cuda 60 pytest-cuda.txt "${PYTEST[@]}" tests --ignore=tests/test_split_cuda.py
+# the split executor's CUDA path: the device share on the GPU, the host and disk shares on the CPU, merged;
+# tokens and logits against DynamicCache, then one decode step's time beside exact gather's, printed
+step split 120 split-cuda.txt "${PYTEST[@]}" -s tests/test_split_cuda.py --basetemp "$SCRATCH/split"
 # pinned H2D / D2H: the store's own copies vs a plain pinned copy of the same 256 MiB, targets asserted
 step links 30 links-cuda.txt "${PYTEST[@]}" -s benchmarks/test_links.py -k targets
 # one layer of 4,096 blocks from pinned host memory: kernel count, GB/s vs a plain copy

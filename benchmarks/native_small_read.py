@@ -1,7 +1,7 @@
 """One small read the caller waits for, through builds of the native engine side by side, and a raw read.
 
     cc -O2 -shared -fPIC -pthread -Inative -o /tmp/new.so native/tierkv_io.c   # (and an older source: old.so)
-    /work/wt/bin/cpu-exclusive python benchmarks/native_small_read.py /tmp/old.so /tmp/new.so [--bytes 65536]
+    python benchmarks/native_small_read.py /tmp/old.so /tmp/new.so [--bytes 65536]
 
 Each library gets its own pool of ``--threads`` I/O threads on one O_DIRECT file (``--file``, written once with
 random bytes); reads of ``--bytes`` at random aligned offsets go to each library in turn, hashed (xxh3 per

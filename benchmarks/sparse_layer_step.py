@@ -1,6 +1,6 @@
 """What one sparse layer-step costs, piece by piece, with every block on the device (no disk latency).
 
-    /work/wt/bin/cpu-exclusive python benchmarks/sparse_layer_step.py [--context 32768] [--repeat 2000]
+    python benchmarks/sparse_layer_step.py [--context 32768] [--repeat 2000]
 
 The demo model's passkey prompt (as ``benchmarks/test_sparse.py``: 128-token blocks, ~5% budget) is prefilled
 into a cache whose device holds it all, a few sparse steps settle the kept blocks, then each piece of layer 1's
@@ -52,7 +52,7 @@ def main() -> int:
                 decoder.step([], [])
             executor = decoder.cache.executors["sparse"]
             store, layer = executor.store, 1
-            rows, summaries = store.table.rows[layer], store.enable_summaries()
+            rows, summaries = store.table.rows[layer], executor.sparse_blocks.enable_summaries()
             layout = store.layouts[layer]
             stop, lo, hi = store.seq_length(layer), 1, rows.count - 1
             config = decoder.model.config
@@ -72,7 +72,8 @@ def main() -> int:
             timed("fill (kept blocks + the open tail)", lambda: executor._fill(layer, columns, staging), args.repeat)
             timed("attention + per-token weights", lambda: weighted_attention(
                 q, keys, values, None, scaling, None), args.repeat)
-            timed("policy update (attended)", lambda: store.attended(layer, columns, None), args.repeat)
+            timed("policy update (attended)", lambda: executor.sparse_blocks.attended(layer, columns, None),
+                  args.repeat)
         decoder.cache.close()
     return 0
 

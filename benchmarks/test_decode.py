@@ -42,6 +42,7 @@ from rich.table import Table
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from tierkv import TieredCache
+from tierkv.attention.base import Span
 from tierkv.bandwidth import DISK_READ_AHEAD, Contention, LinkProfile, predict_step
 from tierkv.calibrate import (
     BenchConfig,
@@ -53,7 +54,7 @@ from tierkv.calibrate import (
     machine_description,
     run_bench,
 )
-from tierkv.config import env_str
+from tierkv.inputs import env_str
 from tierkv.stats import LayerRecord, steady_state_placement
 
 LAYERS, KV_HEADS, HEAD_DIM = 16, 8, 64
@@ -144,7 +145,7 @@ class Bench:
         start = time.perf_counter()
         with torch.inference_mode():
             for layer in range(LAYERS):
-                executor.gather(layer, 0)
+                executor.gather(Span.of(executor.store, layer, 0))
         return time.perf_counter() - start
 
     def decode_layers(self, name: str) -> list[LayerRecord]:

@@ -1,6 +1,6 @@
 """What the disk tier's checksums cost: every block read back is verified (xxh3-64) before it is copied on.
 
-    flock -x /tmp/tierkv-cpu.lock pytest benchmarks/test_integrity.py --benchmark-enable -s
+    pytest benchmarks/test_integrity.py --benchmark-enable -s
 
 ``test_verified_layer_reads``: a layer's disk read through ``DiskTier.start_read(...).finish`` (O_DIRECT,
 1 MiB blocks), 32 MiB (one batched engine call) and 128 MiB (rounds through the two halves of a 32 MiB
@@ -38,7 +38,7 @@ from test_scale import (
 
 from tierkv import TieredCache
 from tierkv.calibrate import machine_description
-from tierkv.config import env_str
+from tierkv.inputs import env_str
 from tierkv.layout import BlockLayout
 from tierkv.tiers import disk as disk_module
 from tierkv.tiers.base import Scratch

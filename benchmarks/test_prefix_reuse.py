@@ -19,8 +19,8 @@ its RoPE positions still compute (what is measured is the time and the token ide
 be identical (greedy tokens, 16 of them) and the first token's logits close. Knobs: ``TIERKV_BENCH_PREFIX``
 (default 16384 tokens), ``TIERKV_BENCH_DIR`` (the disk_dir's parent).
 
-    /work/wt/bin/cpu-exclusive python -m pytest benchmarks/test_prefix_reuse.py --benchmark-enable -s -k demo
-    /work/wt/bin/cpu-exclusive python -m pytest benchmarks/test_prefix_reuse.py --benchmark-enable -s -k smollm2
+    python -m pytest benchmarks/test_prefix_reuse.py --benchmark-enable -s -k demo
+    python -m pytest benchmarks/test_prefix_reuse.py --benchmark-enable -s -k smollm2
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tierkv.models
-from tierkv.config import env_str
+from tierkv.inputs import env_str
 
 PREFIX = int(env_str("TIERKV_BENCH_PREFIX", "16384"))
 TAIL = 64

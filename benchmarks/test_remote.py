@@ -1,6 +1,6 @@
 """The remote tier: time to first token of a second worker that loads a 16K-token shared prefix from Redis.
 
-    flock -x /tmp/tierkv-cpu.lock python -m pytest benchmarks/test_remote.py --benchmark-enable -s
+    python -m pytest benchmarks/test_remote.py --benchmark-enable -s
 
 Every worker is its own process (``python benchmarks/test_remote.py worker ...``), as two machines of a fleet
 would be, talking to one ``redis-server`` on loopback that the benchmark starts (tests/redis_server.py).

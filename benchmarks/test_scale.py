@@ -41,7 +41,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 
 from tierkv import TieredCache
 from tierkv.calibrate import RawDirect, machine_description, median_seconds
-from tierkv.config import env_str
+from tierkv.inputs import env_str
 from tierkv.io import aligned_empty
 from tierkv.io.base import queue_depth
 

@@ -55,9 +55,9 @@ from rich.table import Table
 from transformers import DynamicCache
 
 from tierkv import TieredCache
-from tierkv.config import env_str
 from tierkv.demo.model import load_demo_model
 from tierkv.demo.task import make_example
+from tierkv.inputs import env_str
 
 CONTEXT = int(env_str("TIERKV_BENCH_SPARSE_CONTEXT", "16384"))
 BLOCK_TOKENS = 128

@@ -129,7 +129,30 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* Most threads one pool may have; the Python side refuses more first (settings.MAX_IO_QUEUE_DEPTH). */
+#define TKV_MAX_THREADS 256
+
+/* Free a pool whose threads were all joined (or never started). */
+static void pool_destroy(tkv_pool *pool) {
+    pthread_cond_destroy(&pool->work_cv);
+    pthread_mutex_destroy(&pool->mu);
+    free(pool->threads);
+    free(pool);
+}
+
+/* Stop and join the workers (each finishes the queued batches first). */
+static void pool_stop(tkv_pool *pool) {
+    pthread_mutex_lock(&pool->mu);
+    pool->stop = 1;
+    pthread_cond_broadcast(&pool->work_cv);
+    pthread_mutex_unlock(&pool->mu);
+    for (int i = 0; i < pool->nthreads; i++) pthread_join(pool->threads[i], NULL);
+}
+
+/* A pool of exactly `nthreads` workers, 1 <= nthreads <= TKV_MAX_THREADS; NULL when the count is out of range
+ * or not every thread started (a pool with no worker would take batches and never finish them). */
 void *tkv_pool_new(int nthreads) {
+    if (nthreads < 1 || nthreads > TKV_MAX_THREADS) return NULL;
     tkv_pool *pool = calloc(1, sizeof *pool);
     if (pool == NULL) return NULL;
     pool->threads = calloc((size_t)nthreads, sizeof(pthread_t));
@@ -143,21 +166,19 @@ void *tkv_pool_new(int nthreads) {
         if (pthread_create(&pool->threads[i], NULL, worker, pool) != 0) break;
         pool->nthreads++;
     }
+    if (pool->nthreads < nthreads) {
+        pool_stop(pool);
+        pool_destroy(pool);
+        return NULL;
+    }
     return pool;
 }
 
 /* Finish every queued batch, then stop and join the workers and free the pool. */
 void tkv_pool_free(void *p) {
     tkv_pool *pool = (tkv_pool *)p;
-    pthread_mutex_lock(&pool->mu);
-    pool->stop = 1;
-    pthread_cond_broadcast(&pool->work_cv);
-    pthread_mutex_unlock(&pool->mu);
-    for (int i = 0; i < pool->nthreads; i++) pthread_join(pool->threads[i], NULL);
-    pthread_cond_destroy(&pool->work_cv);
-    pthread_mutex_destroy(&pool->mu);
-    free(pool->threads);
-    free(pool);
+    pool_stop(pool);
+    pool_destroy(pool);
 }
 
 int tkv_pool_threads(void *p) { return ((tkv_pool *)p)->nthreads; }

@@ -15,12 +15,14 @@ from tierkv.bandwidth import (
     PRESETS,
     Bottleneck,
     Contention,
+    HostAttention,
     LayerLoad,
     Link,
     LinkProfile,
     Placement,
     fit_link,
     min_prefetch_depth,
+    predict_split_step,
     predict_step,
 )
 from tierkv.errors import InvalidConfigError
@@ -350,3 +352,81 @@ def test_serial_mover_step_is_bounded_by_its_busy_times(layers, other, depth, sl
     assert forecast.step_s >= forecast.lower_bound_s - slack
     assert forecast.step_s >= forecast.fill_s + forecast.compute_s - slack
     assert forecast.step_s <= busy + slack
+
+
+# ------------------------------------------------------------------------------------------- split executor
+SPLIT_LINKS = LinkProfile.from_presets("pcie5", "nvme-gen4")
+
+
+def test_split_step_is_the_slower_side_of_each_layer_plus_the_merge():
+    """Two layers, device compute 1 ms beside 2 GB of host KV at 100 GB/s (20 ms): the CPUs bound each layer; each
+    layer adds the query's copy down (10 us + 8 KB / 50 GB/s) and its (out, lse) share's copy up (10 us + 16 KB)."""
+    placement = Placement((LayerLoad(1e-3, device_bytes=5 * 10**9, host_bytes=2 * 10**9),) * 2, other_compute_s=2e-3)
+    fc = predict_split_step(placement, SPLIT_LINKS, 100e9, query_bytes=8192, partial_bytes=16512)
+    merge = (10e-6 + 8192 / 50e9) + (10e-6 + 16512 / 50e9)
+    assert fc.step_s == pytest.approx(2 * (0.02 + merge) + 2e-3, rel=1e-12)
+    assert fc.host_attention_s == pytest.approx(0.04) and fc.compute_s == pytest.approx(4e-3)
+    assert fc.host_to_device_s == pytest.approx(2 * merge) and fc.disk_s == 0
+    assert fc.bottleneck is Bottleneck.HOST_ATTENTION and fc.prefetch_depth == 0 and fc.fill_s == 0
+    assert fc.lower_bound_s == pytest.approx(0.04)
+    device_bound = predict_split_step(Placement((LayerLoad(0.05, host_bytes=2 * 10**9),) * 2), SPLIT_LINKS, 100e9)
+    assert device_bound.step_s == pytest.approx(0.1) and device_bound.bottleneck is Bottleneck.COMPUTE
+
+
+def test_split_disk_share_is_read_ahead_then_attended_on_the_cpus():
+    """7 GB per layer from a Gen4 NVMe (1 s + 80 us each, queued from step start: read-ahead 4), then attended at
+    100 GB/s (70 ms) once landed: the second layer waits for its own read, which followed the first."""
+    read = 80e-6 + 1.0
+    placement = Placement((LayerLoad(1e-3, disk_bytes=7 * 10**9),) * 2)
+    fc = predict_split_step(placement, SPLIT_LINKS, 100e9)
+    assert fc.step_s == pytest.approx(2 * read + 0.07, rel=1e-12)
+    assert fc.disk_s == pytest.approx(2 * read) and fc.bottleneck is Bottleneck.DISK
+    no_ahead = predict_split_step(placement, SPLIT_LINKS, 100e9, read_ahead=0)
+    assert no_ahead.step_s == pytest.approx(2 * (read + 0.07), rel=1e-12)  # layer 1's read waits for layer 1
+
+
+def test_split_on_a_cpu_host_attends_every_share_on_the_compute_thread():
+    """No link to cross: one thread computes the layer (5 ms), then attends its device and host blocks (2 GB at
+    10 GB/s) in turn."""
+    placement = Placement((LayerLoad(5e-3, device_bytes=10**9, host_bytes=10**9),) * 3)
+    fc = predict_split_step(placement, SPLIT_LINKS, 10e9, query_bytes=8192, partial_bytes=16512,
+                            on_compute_thread=True)
+    assert fc.step_s == pytest.approx(3 * 0.205, rel=1e-12) and fc.host_to_device_s == 0
+    assert fc.attention_on_compute and fc.lower_bound_s == pytest.approx(fc.step_s)
+    assert fc.bottleneck is Bottleneck.HOST_ATTENTION  # attention (0.6 s) outweighs the layers' compute (15 ms)
+
+
+@pytest.mark.parametrize("rate", [0.0, -1.0, math.inf, math.nan])
+def test_split_step_needs_a_positive_attention_rate(rate):
+    with pytest.raises(InvalidConfigError, match="host_attention_bytes_per_s"):
+        predict_split_step(Placement((LayerLoad(1e-3),)), SPLIT_LINKS, rate)
+
+
+@settings(max_examples=50, deadline=None)
+@given(layers=st.lists(st.tuples(st.floats(0, 0.01), st.integers(0, 10**9), st.integers(0, 10**9),
+                                 st.integers(0, 10**9)), min_size=1, max_size=8),
+       cpu_host=st.booleans(), ahead=st.integers(0, 4))
+def test_split_step_is_bounded_by_its_busy_times(layers, cpu_host, ahead):
+    loads = tuple(LayerLoad(c, device_bytes=d, host_bytes=h, disk_bytes=k) for c, d, h, k in layers)
+    fc = predict_split_step(Placement(loads), SPLIT_LINKS, 50e9, query_bytes=4096, partial_bytes=8192,
+                            read_ahead=ahead, on_compute_thread=cpu_host)
+    total = fc.compute_s + fc.host_attention_s + fc.host_to_device_s + fc.disk_s
+    assert fc.lower_bound_s * (1 - 1e-9) <= fc.step_s <= total * (1 + 1e-9) + 1e-12
+
+
+def test_host_attention_round_trips_and_older_profiles_still_load(tmp_path):
+    measured = LinkProfile.from_presets().replace()
+    measured.host_attention = HostAttention(30e9, 9e9, 16, "native")
+    path = tmp_path / "profile.json"
+    measured.save(path)
+    assert LinkProfile.load(path).host_attention == HostAttention(30e9, 9e9, 16, "native")
+    data = json.loads(path.read_text())
+    del data["host_attention"]  # a profile written before the kernel was measured
+    path.write_text(json.dumps(data))
+    assert LinkProfile.load(path).host_attention is None
+    data["host_attention"] = {"bandwidth_bytes_per_s": -1, "single_thread_bytes_per_s": 1e9, "threads": 2}
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidConfigError, match="bandwidth_bytes_per_s"):
+        LinkProfile.load(path)
+    with pytest.raises(InvalidConfigError, match="threads"):
+        HostAttention(1e9, 1e9, 0)

@@ -4,6 +4,7 @@ assertions)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -48,6 +49,8 @@ def test_quick_bench_writes_a_loadable_profile_and_a_png(tmp_path: Path, capsys)
     assert "compute slows" in caption and "beside disk reads" in caption and "own work per layer" in caption
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list((tmp_path / "disk").iterdir())  # the test files (links, contention) are removed
+    assert profile.host_attention is not None and profile.host_attention.bandwidth_bytes_per_s > 0
+    assert "Host attention kernel" in printed and "host attention" in printed
 
 
 def test_bench_rejects_unknown_engine(tmp_path: Path, capsys) -> None:
@@ -133,3 +136,77 @@ def test_compute_device_is_indexed() -> None:
     device = compute_device()
     assert torch.empty(1, device=device).device == device
     assert device.type == "cpu" or device.index is not None
+
+
+def _fake_result(tmp_path: Path) -> BenchResult:
+    """A bench result without measuring: two measurements and the preset profile (``run_bench`` replaced)."""
+    measurements = [Measurement("host->host", "memcpy", MiB, MiB, 1, 1e-4),
+                    Measurement("disk->host", "raw O_DIRECT", MiB, MiB, 1, 1e-3)]
+    machine = {key: "x" for key in ("date", "cpu", "cores", "ram", "gpu", "filesystem", "kernel", "torch",
+                                    "load_average")} | {"disk_dir": str(tmp_path)}
+    return BenchResult(measurements, LinkProfile.from_presets(), machine)
+
+
+@pytest.mark.parametrize("target", ["-", "FILE"])
+def test_bench_json_writes_every_measurement_and_the_profile(tmp_path: Path, capsys, monkeypatch, target) -> None:
+    """``tierkv bench --json``: the README promises ``--json`` on every command (bench refused it)."""
+    from tierkv.planner import COMPUTE_FLOPS_KEY
+
+    monkeypatch.setattr("tierkv.commands.bench.run_bench", lambda cfg, progress: _fake_result(tmp_path))
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--quick", "--dir", str(tmp_path), "--profile-out", str(tmp_path / "p.json"),
+            "--plot-out", str(tmp_path / "p.png"), "--json", str(path) if target == "FILE" else "-"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    data = json.loads(path.read_text() if target == "FILE" else captured.out)
+    assert [m["method"] for m in data["measurements"]] == ["memcpy", "raw O_DIRECT"]
+    assert data["measurements"][0]["gbps"] == pytest.approx(MiB / 1e-4 / 1e9)
+    assert "host->device" in data["profile"]["links"] and data["machine"]["cpu"] == "x"
+    assert float(LinkProfile.load(tmp_path / "p.json").machine[COMPUTE_FLOPS_KEY]) > 1e8  # plan --device cpu's
+
+
+def test_host_attention_is_measured_on_one_thread_and_all_and_fitted(tmp_path: Path) -> None:
+    """The kernel over 1/64, 1/16 and 1/4 of a 16 MiB slab of fp16 K/V (blocks of 16 tokens of Llama-3-8B's 8 KV
+    heads): one series per thread count, and the fitted rates in the profile's units (bytes of K/V per second)."""
+    from tierkv.attention import host_kernel
+    from tierkv.bandwidth import HostAttention
+    from tierkv.calibrate.attention import ATTENTION, attention_sizes, measure_host_attention, method
+
+    cfg = BenchConfig.quick(tmp_path, gather_pool_bytes=16 * MiB, repeats=3, warmup=1)
+    assert attention_sizes(cfg) == [256 * KiB, MiB, 4 * MiB]
+    rows, fitted = measure_host_attention(cfg)
+    threads = torch.get_num_threads()
+    assert {(m.link, m.method) for m in rows} == {(ATTENTION, method(1)), (ATTENTION, method(threads))}
+    assert sorted(m.size for m in rows if m.method == method(1)) == [256 * KiB, MiB, 4 * MiB]
+    assert all(m.nbytes == m.size and m.seconds > 0 for m in rows)
+    assert isinstance(fitted, HostAttention), fitted
+    assert fitted.threads == threads and fitted.bandwidth_bytes_per_s > 0 and fitted.single_thread_bytes_per_s > 0
+    assert fitted.kernel == ("native" if host_kernel.available() else "torch")
+    assert method(1) == "paged, 1 thread" and method(4) == "paged, 4 threads"
+    too_small = BenchConfig.quick(tmp_path, gather_pool_bytes=256 * KiB)  # 4 blocks: 1/64 and 1/16 are no block
+    assert attention_sizes(too_small) == [64 * KiB]
+    assert measure_host_attention(too_small) == ([], "host attention: the gather pool holds too few blocks for 2 "
+                                                     "sizes (give a larger pool)")
+
+
+def test_bench_prints_and_saves_the_host_attention_rate(tmp_path: Path, capsys, monkeypatch) -> None:
+    from tierkv.bandwidth import HostAttention
+
+    def measured(cfg, progress):
+        result = _fake_result(tmp_path)
+        result.profile.host_attention = HostAttention(21e9, 7e9, 8, "native")
+        result.measurements.append(Measurement("host attention", "paged, 1 thread", MiB, MiB, 1, 1e-4))
+        return result
+
+    monkeypatch.setattr("tierkv.commands.bench.run_bench", measured)
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--quick", "--dir", str(tmp_path), "--profile-out", str(tmp_path / "p.json"),
+            "--plot-out", str(tmp_path / "p.png"), "--json", str(path)]
+    assert main(argv) == 0
+    words = " ".join(capsys.readouterr().out.replace("│", " ").replace("┃", " ").split())
+    assert "host attention (native kernel, K/V attended in place) 21.00 (8 threads)" in words
+    assert "host attention, 1 thread 7.00" in words and "memcpy 20.00 GB/s" in words
+    assert "attended in place (one decode query, 32 heads)" in words and "K/V paged, 1 thread" in words
+    assert "1.00 MiB 10.49" in words
+    assert LinkProfile.load(tmp_path / "p.json").host_attention == HostAttention(21e9, 7e9, 8, "native")
+    assert json.loads(path.read_text())["profile"]["host_attention"]["bandwidth_bytes_per_s"] == 21e9

@@ -140,7 +140,7 @@ def test_missing_disk_dir_is_created_with_a_real_budget(tmp_path):
     target = tmp_path / "a" / "b"
     with TieredCache(disk_dir=target) as cache:
         assert target.is_dir()
-        assert cache._disk.budget > 0
+        assert cache.runtime.disk.budget > 0
 
 
 def test_unsupported_layer_kinds_are_named(model):

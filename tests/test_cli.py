@@ -71,7 +71,19 @@ def test_demo_usage_errors(argv, needles, checkpoint_dir, prompt_file):
 
 def test_demo_checkpoint_that_transformers_cannot_load(checkpoint_dir, prompt_file):
     result = tierkv("demo", "--model", str(checkpoint_dir), "--prompt-file", str(prompt_file))
-    assert_one_line_error(result, 2, f"--model '{checkpoint_dir}': transformers cannot load it")
+    assert_one_line_error(result, 1, f"--model '{checkpoint_dir}': transformers cannot load it")
+
+
+def test_demo_pickle_checkpoint_is_one_line_exit_1_and_never_unpickled(tmp_path, prompt_file):
+    """A checkpoint whose weights are a pickle: refused before anything reads it, one line, exit 1 (a failure
+    while running; the folder itself was a valid argument)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1).save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    result = tierkv("demo", "--model", str(tmp_path), "--prompt-file", str(prompt_file))
+    assert_one_line_error(result, 1, "are pickle files, which tierkv never loads")
 
 
 @pytest.mark.parametrize(("argv", "needles"), [
@@ -86,12 +98,18 @@ def test_plan_usage_errors(argv, needles):
     assert_one_line_error(tierkv(*PLAN, *argv), 2, *needles)
 
 
-def test_plan_runtime_os_error_is_status_1(tmp_path):
-    target = tmp_path / "missing" / "plan.json"
-    result = tierkv(*PLAN, "--context", "128K", "--json", str(target))
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == [
-        f"tierkv plan: error: No such file or directory: '{target}'; check the path and its permissions"
+def test_plan_runtime_os_error_is_status_1(tmp_path, capsys, monkeypatch):
+    """An OS error while running (here the disk filling up as the JSON is written; a --json path that cannot be
+    written at all is a usage error found while parsing) is one line and status 1."""
+    target = tmp_path / "plan.json"
+
+    def full(data, path):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr("tierkv.commands.plan.write_json", full)
+    assert main([*PLAN, "--context", "128K", "--json", str(target)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"tierkv plan: error: No space left on device: '{target}'; check the path and its permissions"
     ]
 
 
@@ -167,3 +185,60 @@ def test_prompt_that_tokenizes_to_far_fewer_tokens_warns(tmp_path):
     log = io.StringIO()
     assert len(_tokenize_prompt(tokenizer, path, Console(file=log, width=200))) == 1
     assert "warning: --prompt-file has 400 words but" in log.getvalue() and "made 1 token of it" in log.getvalue()
+
+
+# ------------------------------------------------------------------------------- issue 29: fast help, CLI terms
+def test_bare_help_and_version_import_no_command_module_nor_torch():
+    """``tierkv``, ``tierkv --help`` and ``tierkv --version`` in one fresh interpreter: torch is never imported
+    (it alone takes seconds), and bare ``tierkv`` names every command."""
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from tierkv.cli import main\n"
+        "codes, outs = [], []\n"
+        "for argv in ([], ['--help'], ['--version']):\n"
+        "    out, err = io.StringIO(), io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):\n"
+        "        codes.append(main(argv))\n"
+        "    outs.append(out.getvalue() + err.getvalue())\n"
+        "print(json.dumps({'codes': codes, 'outs': outs, 'torch': 'torch' in sys.modules,\n"
+        "                  'commands': sorted(m for m in sys.modules if m.startswith('tierkv.commands.'))}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    data = json.loads(result.stdout)
+    assert data["codes"] == [2, 0, 0] and not data["torch"] and data["commands"] == [], data
+    bare, help_text, version = data["outs"]
+    for name in ("demo", "bench", "plan", "eval"):
+        assert name in bare and name in help_text
+    assert version.startswith(f"tierkv {__version__} (python ")
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "plan", "eval"])
+def test_unknown_option_error_names_the_subcommand(command, capsys):
+    assert main([command, "--no-such-option"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tierkv {command}: error: ") and f"see tierkv {command} --help" in err
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "plan", "eval"])
+def test_every_command_takes_json(command, capsys):
+    assert main([command, "--help"]) == 0
+    assert "--json [PATH]" in capsys.readouterr().out
+
+
+def test_plan_json_into_a_missing_folder_fails_while_parsing(tmp_path, capsys):
+    assert main([*PLAN, "--context", "128K", "--json", str(tmp_path / "missing" / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tierkv plan: error: --json ") and "does not exist" in err
+
+
+def test_incomplete_checkpoint_error_says_what_is_missing(tmp_path, prompt_file, capsys):
+    """A folder with config.json and weights but no tokenizer files: transformers' reason spans several lines,
+    and the one line keeps all of it (the first line alone stops before naming the missing files)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    capsys.readouterr()  # save_pretrained's own progress bar
+    assert main(["demo", "--model", str(tmp_path), "--prompt-file", str(prompt_file)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "transformers cannot load it" in err and "serialization file" in err and "\n" not in err, err

@@ -1,4 +1,4 @@
-"""Size parsing re-exported from tierkv.config, and the checks TieredCache runs when it is built."""
+"""Size parsing, and the checks TieredCache runs when it is built (tierkv.hf.sizing)."""
 
 import shutil
 
@@ -6,15 +6,15 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tierkv import TieredCache, settings
-from tierkv.config import (
+from tierkv.errors import InvalidConfigError, TierKVError
+from tierkv.hf.sizing import (
     check_budgets_fit_machine,
     check_count,
     check_disk_engine,
     check_model_config,
-    parse_size,
 )
-from tierkv.errors import InvalidConfigError, TierKVError
 from tierkv.io.select import engine_status
+from tierkv.units import parse_size
 
 
 @pytest.mark.parametrize(("value", "expected"), [

@@ -12,7 +12,7 @@ import sys
 import time
 
 from tierkv.persist import record
-from tierkv.persist.store import DIRECTORY_NAME, SUFFIX, PersistentStore
+from tierkv.persist.blockfile import DIRECTORY_NAME, SUFFIX, PersistentStore
 
 KILLS = 24
 
@@ -21,7 +21,7 @@ KILLS = 24
 WRITER = """
 import random, sys
 from tierkv.persist import record
-from tierkv.persist.store import Item, PersistentStore
+from tierkv.persist.blockfile import Item, PersistentStore
 store = PersistentStore(sys.argv[1], 6 << 20)
 print("ready", flush=True)
 rng = random.Random(int(sys.argv[2]))
@@ -120,7 +120,7 @@ def test_a_killed_persistent_cache_leaves_blocks_a_later_cache_reuses_exactly(tm
                    return_dict_in_generate=True)
     reference = model.generate(ids, **{keyword: DynamicCache(config=model.config)}, **options)
     with TieredCache(disk_dir=tmp_path, persist=True, block_tokens=4, gpu_gb="64MiB", cpu_gb="64MiB") as cache:
-        assert cache._prefix.store.verify() == []
+        assert cache.session.prefix.store.verify() == []
         assert cache.load_prefix(model, ids) == 60  # the stored prompt's 15 full blocks before its last token
         out = model.generate(ids, **{keyword: cache}, **options)
     assert torch.equal(out.sequences, reference.sequences)

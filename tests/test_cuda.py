@@ -84,3 +84,22 @@ def test_sparse_on_gpu_exact_at_full_budget_and_close_with_a_rest_copy(tmp_path)
                                                                                        ref.logits[1:]))
     assert errors[1.0, 0] < 1e-3, errors  # every block read: exact up to the GPU's float rounding
     assert errors[48, 8] < errors[48, 0] / 50, errors
+
+
+def test_split_on_gpu_matches_at_its_minimum_and_attends_host_blocks_on_the_cpu(tmp_path):
+    """``cache.split`` on CUDA: decode attends the device share from the slab, the host share on the CPU
+    (concurrently, on the mover's thread) and the disk share there too; tokens equal to DynamicCache's, the device
+    holds no more than ``min_split_device_bytes`` plus a few blocks, whatever the context."""
+    config, model = _gpu_model()
+    ids = torch.randint(0, 256, (1, 300), device="cuda")
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=DynamicCache())
+    budget = TieredCache.min_split_device_bytes(config, block_tokens=16, chunk_tokens=64, device="cuda") + 64 * 1024
+    with TieredCache(gpu_gb=f"{budget}B", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=16,
+                     config=config) as cache, cache.split(model, chunk_tokens=64):
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache)
+        stats = cache.stats()
+        split = cache.executors["split"]
+        assert split.staging.reserved > 0 and not split.staging.buffers  # its scratch is counted, nothing staged
+    assert torch.equal(out, ref)
+    assert stats["blocks"]["host"] > 0 and stats["blocks"]["disk"] > 0 and stats["bytes_moved"]["disk->host"] > 0
+    assert stats["peak_bytes_allocated"]["device"] <= budget

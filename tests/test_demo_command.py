@@ -86,3 +86,116 @@ def test_sparse_executor_demo_reports_what_it_read(tmp_path, rest_bits):
 def test_a_rest_copy_without_sparse_attention_is_refused(capsys):
     assert main(["demo", "--random-model", "--sparse-rest-bits", "2"]) == 2
     assert "--sparse-rest-bits needs --executor sparse" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- issue 29: never silent, CLI terms
+SMALL = ["demo", "--random-model", "--context", "512", "--block-tokens", "16", "--prefill-chunk", "256",
+         "--chunk-tokens", "128", "--max-new-tokens", "3"]
+
+
+def test_every_phase_prints_a_line_with_its_time_when_piped(tmp_path, capsys):
+    """Not a terminal (capsys): the plan first, then one line per phase, the reference check included."""
+    assert main([*SMALL, "--disk-dir", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[0].startswith("plan: prefill 512 tokens") and "roughly" in lines[0] and "--no-reference" in lines[0]
+    for phase in ("prefill 512 tokens through the tiers: ", "decode 2 steps through the tiers: ",
+                  "reference check (in-memory DynamicCache): "):
+        line = next((line for line in lines if line.startswith(phase)), None)
+        assert line is not None and line.split(": ")[-1].split(" (")[0].endswith(" s"), (phase, err)
+
+
+def test_no_reference_skips_the_check_and_says_so_up_front(tmp_path, capsys):
+    assert main([*SMALL, "--no-reference", "--disk-dir", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "reference check" not in err and "DynamicCache" not in err.splitlines()[0]
+
+
+def test_transformers_progress_bars_are_quiet_during_a_demo_and_restored_after(tmp_path, monkeypatch):
+    from transformers.utils import logging as hf_logging
+
+    import tierkv.commands.demo as demo
+
+    seen, announce = [], demo._announce
+    monkeypatch.setattr(demo, "_announce", lambda *a: seen.append(hf_logging.is_progress_bar_enabled()) or announce(*a))
+    hf_logging.enable_progress_bar()
+    assert main([*SMALL, "--no-reference", "--disk-dir", str(tmp_path)]) == 0
+    assert seen == [False] and hf_logging.is_progress_bar_enabled()
+
+
+@pytest.mark.parametrize(("text", "cell"), [
+    ("964 is 964", "964 is 964"), ("a\nb", "a\\nb"), ("tab\there", "tab\\there"), ("x" * 50, "x" * 39 + "…"),
+])  # fmt: skip
+def test_answers_are_one_escaped_cell(text, cell):
+    from tierkv.commands.demo import answer_cell
+
+    assert answer_cell(text) == cell and "\n" not in answer_cell(text)
+
+
+@pytest.mark.parametrize("executor", ["streaming", "gather"])
+def test_budget_error_gives_the_true_minimum_as_a_flag_on_the_first_try(tmp_path, capsys, executor):
+    """``--gpu-gb 1KB``: exit 2 naming ``--gpu-gb X`` in the units grammar, no API names; X then works."""
+    from tierkv.units import parse_size
+
+    argv = [*SMALL, "--executor", executor, "--no-reference", "--disk-dir", str(tmp_path)]
+    assert main([*argv, "--gpu-gb", "1KB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the plan line
+    assert err.startswith("tierkv demo: error: --gpu-gb 1KB is below this run's minimum: give --gpu-gb "), err
+    for api in ("gpu_gb", "min_device_bytes", "cache.streaming", "TieredCache", "block_tokens"):
+        assert api not in err, err
+    if executor == "gather":
+        assert "--executor streaming, which needs --gpu-gb " in err
+    minimum = err.split("give --gpu-gb ")[1].split()[0]
+    assert parse_size(minimum) > 1000
+    assert main([*argv, "--gpu-gb", minimum]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "needle"), [
+    ("--disk-dir", "is a file; give a directory"), ("--json", "is a directory; give a file name"),
+])  # fmt: skip
+def test_bad_disk_dir_and_json_paths_fail_while_parsing(tmp_path, capsys, monkeypatch, flag, needle):
+    """Exit 2 before any model is loaded (the loader is never reached)."""
+    import tierkv.commands.demo as demo
+
+    monkeypatch.setattr(demo, "_load", lambda *a: pytest.fail("the model was loaded"))
+    target = tmp_path / "a_file" if flag == "--disk-dir" else tmp_path
+    (tmp_path / "a_file").write_text("x")
+    assert main([*SMALL, flag, str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tierkv demo: error: {flag} ") and needle in err and len(err.splitlines()) == 1
+
+
+def test_json_path_in_a_missing_folder_fails_while_parsing(tmp_path, capsys, monkeypatch):
+    import tierkv.commands.demo as demo
+
+    monkeypatch.setattr(demo, "_load", lambda *a: pytest.fail("the model was loaded"))
+    assert main([*SMALL, "--json", str(tmp_path / "nonexistent" / "x.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_help_states_the_real_decode_defaults(capsys):
+    assert main(["demo", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "32 with --model" not in text and "8 or the answer's length" in text and "--no-reference" in text
+
+
+def test_eval_progress_is_plain_lines_with_times(capsys):
+    """``tierkv eval`` piped: what it will run first, then one line per trial with its elapsed time and the
+    time left; no log prefixes or source links (``demo.py:123``)."""
+    assert main(["eval", "--lengths", "256", "--depths", "0,1", "--samples", "1"]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[0].startswith("loading the demo model: ") and lines[1].startswith("2 trials: passkey over 256")
+    trials = [line for line in lines if line.startswith("[")]
+    assert len(trials) == 2 and all(" to go)" in line for line in trials), err
+    assert ".py:" not in err
+
+
+def test_eval_budget_error_is_in_flags(capsys):
+    assert main(["eval", "--lengths", "256", "--depths", "0", "--samples", "1", "--cache", "tiered",
+                 "--gpu-gb", "1KB"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpu-gb 1KB is below the minimum of --executor streaming" in err and "gpu_gb" not in err
+    minimum = err.split("give --gpu-gb ")[1].split()[0]
+    assert main(["eval", "--lengths", "256", "--depths", "0", "--samples", "1", "--cache", "tiered",
+                 "--gpu-gb", minimum]) == 0

@@ -84,3 +84,40 @@ def test_disk_dir_made_immutable_before_the_first_spill(model, tmp_path):
         subprocess.run(["chattr", "-i", str(directory)], capture_output=True)
     TieredCache(disk_dir=directory).close()  # the next cache removes what was left
     assert not list(directory.iterdir())
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "plan", "eval"])
+def test_every_example_in_a_size_or_token_option_help_parses(command):
+    """The examples a command's help gives for its sizes and token counts (``'512MB'``, ``8K``, ``1.5K``) are
+    valid input to that very option: the help and the grammar of tierkv.units cannot drift apart."""
+    import re
+
+    from tierkv.cli import build_parser
+
+    parser = build_parser(command)
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    checked = 0
+    for action in sub._actions:
+        name = getattr(action.type, "__name__", "")
+        if not action.help or action.type is None or name not in ("<lambda>", "convert", "parse_size"):
+            continue
+        quoted = re.findall(r"'([^']+)'", action.help)
+        listed = re.findall(r"e\.g\. ([0-9][^;)(]*)", action.help)
+        defaults = re.findall(r"(?:default:? |; )([0-9][0-9.]*[A-Za-z]*)(?= with| \(|\)|;|$)", action.help)
+        examples = quoted + defaults + [word.strip() for text in listed for word in text.split(",")]
+        for example in examples:
+            if example and example[0].isdigit():
+                action.type(example.split()[0])
+                checked += 1
+    assert checked, command
+
+
+def test_a_tiny_budget_error_reads_its_sizes_and_counts_right(model):
+    """``gpu_gb="1KB"``: the message shows sizes a reader can compare (never "0.00 MB") and counts in words
+    ("1 block", not "1 blocks")."""
+    cache = TieredCache(gpu_gb="1KB", cpu_gb="64MB", config=model.config)
+    with pytest.raises(TierKVError) as info:
+        model(input_ids=torch.arange(8)[None], cache=cache)
+    cache.close()
+    message = str(info.value)
+    assert "0.00 MB" not in message and "1 blocks" not in message and "(1 x " not in message, message

@@ -17,7 +17,8 @@ from tierkv.attention.base import EXECUTORS
 def engage(name: str, cache: TieredCache, model):
     """How a user selects each executor (a new executor adds itself here, or the test below fails)."""
     return {"exact_gather": contextlib.nullcontext, "streaming": lambda: cache.streaming(model, chunk_tokens=8),
-            "sparse": lambda: cache.sparse(model, tokens=1.0, chunk_tokens=8)}[name]()
+            "sparse": lambda: cache.sparse(model, tokens=1.0, chunk_tokens=8),
+            "split": lambda: cache.split(model, chunk_tokens=8)}[name]()
 
 
 @pytest.mark.parametrize("name", sorted(EXECUTORS))
@@ -41,10 +42,11 @@ def test_exact_across_tiers_and_edits(tmp_path, name):
                 cache.crop(-3)
             token = run(token)
         stats = cache.stats()
-        assert stats["blocks"]["disk"] > 0 and stats["bytes_moved"]["disk->device"] > 0
+        read_down = "disk->host" if name == "split" else "disk->device"  # split attends disk blocks in host memory
+        assert stats["blocks"]["disk"] > 0 and stats["bytes_moved"][read_down] > 0
         executor = cache.executors[name]
-        # sparse reads what this layer's query selects: nothing to prefetch (its prefill streams)
-        assert executor.name == name and (executor.prefetch_hits > 0 or name == "sparse")
+        # sparse reads what this layer's query selects, split attends in place: nothing to prefetch (prefill streams)
+        assert executor.name == name and (executor.prefetch_hits > 0 or name in ("sparse", "split"))
         for method in ("invalidate", "wait_all", "pause_telemetry", "reset"):
             getattr(executor, method)()  # safe at any time, in any order
         executor.drop(0)

@@ -8,7 +8,7 @@ import torch
 from models import tiny_model
 
 from tierkv import hf
-from tierkv.hf import TieredCache
+from tierkv.hf import TieredCache, sizing
 
 
 @pytest.mark.parametrize("shape", ["per-layer dicts", "one dict of lists", "one dict of shared values"])
@@ -20,7 +20,7 @@ def test_layers_from_config_whatever_the_release_returns(monkeypatch, shape):
         "one dict of lists": (types, {"sliding_window": [8, None]}),
         "one dict of shared values": (types, {"sliding_window": 8}),
     }
-    monkeypatch.setattr(hf, "get_layer_types_and_kwargs", lambda text_config: answers[shape])
+    monkeypatch.setattr(sizing, "get_layer_types_and_kwargs", lambda text_config: answers[shape])
     cache = TieredCache(gpu_gb="1MB", config=config)
     assert [layer.sliding_window for layer in cache.layers] == [8, None]
     cache.close()
@@ -28,7 +28,7 @@ def test_layers_from_config_whatever_the_release_returns(monkeypatch, shape):
 
 def test_a_release_that_returns_no_types_means_full_attention(monkeypatch):
     config = tiny_model("llama").config
-    monkeypatch.setattr(hf, "get_layer_types_and_kwargs", lambda text_config: (None, {}))
+    monkeypatch.setattr(sizing, "get_layer_types_and_kwargs", lambda text_config: (None, {}))
     cache = TieredCache(gpu_gb="1MB", config=config)
     assert len(cache.layers) == config.num_hidden_layers
     assert all(layer.sliding_window is None for layer in cache.layers)
@@ -40,7 +40,7 @@ def test_a_release_that_returns_no_types_means_full_attention(monkeypatch):
 def test_layers_from_config_on_a_release_without_the_helper(monkeypatch, family, window, windows):
     """transformers 5.0 has no ``get_layer_types_and_kwargs``: DynamicCache's own rule is replayed."""
     config = tiny_model(family, "eager", window).config
-    monkeypatch.setattr(hf, "get_layer_types_and_kwargs", None)
+    monkeypatch.setattr(sizing, "get_layer_types_and_kwargs", None)
     cache = TieredCache(gpu_gb="1MB", config=config)
     assert [layer.sliding_window for layer in cache.layers] == windows
     cache.close()

@@ -562,7 +562,7 @@ def test_save_load_and_load_prefix(tmp_path):
     """An interrupted save leaves no file or a complete one; an interrupted load or load_prefix leaves no cache
     files behind and the persistent directory opens clean with every listed block valid."""
     from tierkv import TieredCache
-    from tierkv.persist.store import PersistentStore
+    from tierkv.persist.blockfile import PersistentStore
 
     model = _model()
     ids = torch.randint(2, 128, (1, 24), generator=torch.Generator().manual_seed(3))
@@ -742,7 +742,7 @@ def test_ctrl_c_inside_the_engines_read_submit_lands_nothing_in_a_reused_buffer(
 PERSIST_RUNS = 30  # interrupt points per persistent-store operation
 UPDATE_RUNS = 120  # every line of a put's listing change: its own code, the manifest's write, the lock
 UPDATE_CODE = frozenset({"_update", "write", "fsync_directory", "locked", "deferred_interrupts"})
-STORE_CODE = tuple(str(PACKAGE / name) for name in ("persist/store.py", "persist/manifest.py", "persist/lock.py",
+STORE_CODE = tuple(str(PACKAGE / name) for name in ("persist/blockfile.py", "persist/manifest.py", "persist/lock.py",
                                                     "atomic.py"))  # record.py and keys.py: pure functions
 PERSIST_CODE = (*STORE_CODE, str(PACKAGE / "persist/prefix.py"))
 FLUSH_RUNS = 100  # every line of a flush in those files
@@ -764,7 +764,7 @@ def _check_directory(directory: Path, item) -> None:
     manifest parses; the next store opens the directory without error (removing what a dead writer left),
     every listed block verifies, a new block can be written and read back, and nothing is left in ``tmp/``."""
     from tierkv.persist import manifest as manifests
-    from tierkv.persist.store import DIRECTORY_NAME, PersistentStore
+    from tierkv.persist.blockfile import DIRECTORY_NAME, PersistentStore
 
     root = directory / DIRECTORY_NAME
     assert not _open_under(directory), f"descriptors left open: {_open_under(directory)}"
@@ -791,7 +791,7 @@ def test_persistent_store_operations(tmp_path):
     """What the background writer runs (``put``: records written, renamed, the manifest replaced, evictions),
     what ``load_prefix`` runs (``get`` marks blocks used), ``verify`` and opening a directory with a dead
     writer's leftovers, run on the main thread so that a SIGINT can reach every one of their lines."""
-    from tierkv.persist.store import DIRECTORY_NAME, Item, PersistentStore
+    from tierkv.persist.blockfile import DIRECTORY_NAME, Item, PersistentStore
 
     def item(n: int) -> Item:
         payload = bytes([n % 251]) * 4096
@@ -854,7 +854,7 @@ def test_flush_of_a_persistent_cache(tmp_path):
     from transformers import DynamicCache
 
     from tierkv import TieredCache
-    from tierkv.persist.store import Item
+    from tierkv.persist.blockfile import Item
 
     model = _model()
     ids = torch.randint(2, 128, (1, 24), generator=torch.Generator().manual_seed(3))

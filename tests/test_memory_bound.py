@@ -86,3 +86,50 @@ def test_peak_rss_during_decode_is_budgets_plus_a_constant():
         assert result["growth"] <= bound, (
             f"{executor}: RSS grew {result['growth'] / 2**20:.1f} MiB, over budgets "
             f"{result['budgets'] / 2**20:.1f} MiB + bounce bound + slack = {bound / 2**20:.1f} MiB")
+
+
+SMALL_KV_CHILD = r"""
+import json
+import psutil, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from tierkv import TieredCache
+
+torch.set_num_threads(1)
+LAYERS, HEADS, DIM, CONTEXT, BLOCK = 2, 8, 64, 576, 16
+config = LlamaConfig(vocab_size=128, hidden_size=512, intermediate_size=256, num_hidden_layers=LAYERS,
+                     num_attention_heads=8, num_key_value_heads=HEADS, head_dim=DIM,
+                     max_position_embeddings=CONTEXT + 64)
+torch.manual_seed(0)
+model = LlamaForCausalLM(config).eval()
+process = psutil.Process()
+with torch.inference_mode():
+    model(torch.randint(2, 128, (1, 8)))
+base = process.memory_info().rss
+cache = TieredCache(gpu_gb="16GB", cpu_gb="4GB", block_tokens=BLOCK, config=config)
+generator = torch.Generator().manual_seed(1)
+with torch.inference_mode():
+    for layer in range(LAYERS):
+        kv = torch.randn(1, HEADS, CONTEXT, DIM, generator=generator)
+        cache.update(kv, kv, layer)
+    for _ in range(4):
+        model(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+stats = cache.stats()
+growth = process.memory_info().rss - base
+cache.close()
+print(json.dumps(dict(growth=growth, kv=(CONTEXT + 4) * LAYERS * 2 * HEADS * DIM * 4, stats=stats)))
+"""
+
+
+def test_a_small_kv_on_a_large_budget_takes_memory_by_need():
+    """``TieredCache(gpu_gb=16GB)`` holding 4.8 MB of KV allocates about that, not 1/16 of the budget per slab
+    pool (1 GB before slabs grew by need), and the process's memory grows by a few times the KV."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", SMALL_KV_CHILD], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    stats, kv = result["stats"], result["kv"]
+    assert stats["bytes_resident"]["device"] == kv  # all of it on the device
+    slabs = stats["bytes_allocated"]["device"] - stats["bytes_staging"]
+    assert kv <= slabs <= 2 * kv + 2**20, f"device slabs {slabs / 2**20:.1f} MiB for {kv / 2**20:.1f} MiB of KV"
+    assert stats["peak_bytes_allocated"]["device"] <= stats["budget_bytes"]["device"]
+    assert result["growth"] <= 4 * kv + SLACK, f"RSS grew {result['growth'] / 2**20:.1f} MiB"

@@ -15,8 +15,9 @@ from transformers import DynamicCache
 from tierkv.errors import DiskTierError, IntegrityError, InvalidConfigError
 from tierkv.hf import TieredCache, cache_keyword
 from tierkv.persist import keys, record
+from tierkv.persist.blockfile import DIRECTORY_NAME, Item, PersistentStore, Recovery
 from tierkv.persist.keys import Namespace, block_keys, model_fingerprint
-from tierkv.persist.store import DIRECTORY_NAME, Item, PersistentStore, Recovery
+from tierkv.persist.prefix import PrefixPersistence
 
 BT = 4
 
@@ -54,6 +55,20 @@ def test_namespace_separates_models_dtypes_layouts_and_attention():
     assert base.root not in roots.values() and len(set(roots.values())) == len(roots)
     half = Namespace(**{**base.to_dict(), "dtype": "bfloat16"})
     assert half.root != base.root
+
+
+def test_a_namespace_needs_a_transformers_model():
+    with pytest.raises(InvalidConfigError, match="no .config"):
+        Namespace.of_model(torch.nn.Linear(2, 2), BT)
+
+
+def test_prefix_load_needs_a_started_sequence(tmp_path):
+    persistence = PrefixPersistence(PersistentStore(tmp_path, 1 << 20), BT)
+    try:
+        with pytest.raises(InvalidConfigError, match="start"):
+            persistence.load()
+    finally:
+        persistence.close()
 
 
 def test_fingerprint_sees_weights_not_the_load_path():
@@ -176,8 +191,10 @@ def test_opening_removes_what_dead_writers_left(tmp_path):
     keys = _keys(3)
     store.put([_item(k) for k in keys])
     root = tmp_path / DIRECTORY_NAME
-    (root / "blocks" / "zz").mkdir()
-    (root / "blocks" / "zz" / f"{'z' * 32}.tkv").write_bytes(b"renamed but never listed")
+    (root / "blocks" / "ff").mkdir()
+    (root / "blocks" / "ff" / f"{'f' * 32}.tkv").write_bytes(b"renamed but never listed")
+    (root / "blocks" / "zz").mkdir()  # not a name tierkv makes (keys are hex): never removed
+    (root / "blocks" / "zz" / f"{'z' * 32}.tkv").write_bytes(b"not tierkv's")
     (root / "tmp" / "999-dead").mkdir()
     (root / "tmp" / "999-dead" / "x.tkv").write_bytes(b"half a record")
     (root / "tmp" / "998-dead.lock").write_bytes(b"")  # died between taking its lock and making its area
@@ -191,6 +208,8 @@ def test_opening_removes_what_dead_writers_left(tmp_path):
     assert sorted(p.name for p in (root / "tmp").iterdir()) == sorted(  # the live stores' areas stay
         [store._scratch.name, f"{store._scratch.name}.lock", other._scratch.name, f"{other._scratch.name}.lock"])
     assert not (root / "manifest.tmp").exists()
+    assert not (root / "blocks" / "ff" / f"{'f' * 32}.tkv").exists()
+    assert (root / "blocks" / "zz" / f"{'z' * 32}.tkv").read_bytes() == b"not tierkv's"
     store.close()
     other.close()
 
@@ -229,7 +248,7 @@ def test_capacity_evicts_least_recently_used_and_keeps_chains_usable(tmp_path):
 WRITER = """
 import sys
 from tierkv.persist import keys, record
-from tierkv.persist.store import Item, PersistentStore
+from tierkv.persist.blockfile import Item, PersistentStore
 store = PersistentStore(sys.argv[1], 1 << 30)
 for i in range(40):
     key = f"{sys.argv[2]}{i:031x}"
@@ -240,13 +259,13 @@ store.close()
 
 
 def test_two_processes_write_one_directory(tmp_path):
-    children = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), tag]) for tag in "pq"]
+    children = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), tag]) for tag in "cd"]  # keys are hex
     here = PersistentStore(tmp_path, 1 << 30)
-    mine = _keys(40, "r")
+    mine = _keys(40, "e")
     for key in mine:
         here.put([_item(key)])
     assert [child.wait(timeout=60) for child in children] == [0, 0]
-    assert all(here.lookup(_keys(40, tag)) == 40 for tag in "pqr")
+    assert all(here.lookup(_keys(40, tag)) == 40 for tag in "cde")
     assert here.verify() == [] and here.stats()["blocks"] == 120
     here.close()
 
@@ -452,7 +471,7 @@ def test_the_size_cap_keeps_the_shallow_blocks(tmp_path):
         cold.load_prefix(model, ids)
         _generate(model, ids, cold)
         cold.flush()
-        stats = cold._prefix.store.stats()
+        stats = cold.session.prefix.store.stats()
         assert stats["bytes"] <= cap and stats["blocks"] == 3
     with _cache(model, tmp_path) as warm:
         assert warm.load_prefix(model, ids) == 3 * BT

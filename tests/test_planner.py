@@ -13,11 +13,15 @@ from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
 from tierkv.model_presets import MODEL_PRESETS, model_from_config, resolve_model
 from tierkv.planner import (
     build_request,
+    compare_executors,
+    fastest_advice,
+    host_attention_rate,
     parse_tokens,
     plan,
     sparse_advice,
     sparse_summary_bytes,
     sparse_what_if,
+    split_min_device_bytes,
     what_ifs,
 )
 
@@ -376,3 +380,226 @@ def test_cli_plans_sparse_and_writes_the_advice(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["sparse_advice"].startswith("sparse is predicted") and data["prefetch_depth"] == 0
     assert any(w["change"] == "exact (gather)" for w in data["what_ifs"])
+
+
+# ----------------------------------------------------------------------- issue 29: a CPU host's plan is meaningful
+def test_a_cpu_profile_prices_compute_on_the_cpu_not_an_h100(tmp_path, capsys):
+    """``tierkv plan --profile`` from a CPU-only host: the roofline is that host's (its measured memcpy and
+    FLOP/s), so SmolLM2 at 4K decodes at tens of tokens/s, not thousands."""
+    from tierkv.bandwidth import LinkProfile
+    from tierkv.planner import COMPUTE_FLOPS_KEY
+
+    path = _cpu_host_profile(tmp_path)
+    profile = LinkProfile.load(path)
+    profile.machine[COMPUTE_FLOPS_KEY] = "5e10"
+    profile.save(path)
+    assert _cli(["--model", "smollm2-135m", "--context", "4K", "--gpu-gb", "0.1", "--cpu-gb", "1",
+                 "--profile", path, "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data["compute_source"] == "roofline, cpu, measured" and "h100" not in captured.err
+    assert data["device"]["peak_flops"] == 5e10 and data["device"]["memory_bandwidth_bytes_per_s"] == 4e9
+    assert 1 < data["tokens_per_s"] < 200
+
+
+def test_device_cpu_without_a_profile_uses_memcpy_links_and_the_cpu_preset(capsys):
+    from tierkv.planner import CPU_PRESET
+
+    result = plan(build_request("smollm2-135m", "4K", gpu=0.1, cpu=1, device="cpu"))
+    assert result.request.device == CPU_PRESET and result.request.links.serial_mover
+    assert result.request.links.links["host->device"].name == "dram-memcpy"
+    assert result.tokens_per_s < 1000
+
+
+def test_tiny_rows_never_print_zero_ms(capsys):
+    assert _cli(["--model", "smollm2-135m", "--context", "64", "--gpu-gb", "1", "--cpu-gb", "1"]) == 0
+    text = capsys.readouterr().out
+    rows = [line for line in text.splitlines() if line.rstrip(" │").endswith((" ms", " us"))]
+    assert rows and " 0.0 ms" not in text, text
+    assert plan_command._ms(3.2e-5) == "32 us" and plan_command._ms(2.5642) == "2,564.2 ms"
+    assert plan_command._rate(61578.2) == "61,600" and plan_command._rate(0.3891) == "0.389"
+
+
+def test_budget_error_gives_a_flag_value_that_parses_and_suffices(capsys):
+    from tierkv.units import parse_size
+
+    with pytest.raises(BudgetTooSmallError) as info:
+        _cli(["--model", "smollm2-135m", "--context", "4K", "--gpu-gb", "0.01", "--cpu-gb", "1"])
+    err = str(info.value)
+    minimum = err.split("raise --gpu-gb to at least ")[1].split(",")[0]
+    streaming = err.split("--executor streaming (two chunks instead of whole layers: --gpu-gb ")[1].split()[0]
+    assert " " not in minimum and "0.0 GB" not in err
+    assert _cli(["--model", "smollm2-135m", "--context", "4K", "--gpu-gb", minimum, "--cpu-gb", "1"]) == 0
+    assert _cli(["--model", "smollm2-135m", "--context", "4K", "--gpu-gb", streaming, "--cpu-gb", "1",
+                 "--executor", "streaming"]) == 0
+    assert parse_size(streaming) < parse_size(minimum)
+
+
+def test_a_pcie_link_on_a_cpu_host_is_refused():
+    with pytest.raises(InvalidConfigError, match="no PCIe link"):
+        build_request("smollm2-135m", "4K", gpu=0.1, cpu=1, device="cpu", link="pcie5")
+
+
+# ------------------------------------------------------------------------------------------- split executor
+TARGET = ["--model", "llama-3-8b", "--context", "1M", "--gpu-gb", "20", "--cpu-gb", "128", "--link", "pcie5",
+          "--disk", "nvme-gen4"]
+
+
+def _words(text: str) -> str:
+    """Printed text with table borders and line wraps removed, for phrases that wrap."""
+    return " ".join(text.replace("│", " ").replace("┃", " ").split())
+
+
+def test_split_device_minimum_is_the_runtimes_and_does_not_grow_with_the_context():
+    """Llama-3-8B, batch 1, 4K chunks, 256-token blocks (1 MiB slots). A CPU host: the prefill's two streaming
+    chunks (2 x 4096 x 4 KiB) beside 33 open blocks (32 layers + one being allocated), under the slab-chunk rule;
+    the same number as ``TieredCache.min_split_device_bytes`` for the same config. A GPU host adds the decode
+    step's scratch: the query and two (out, lse) (3 x 32 x 129 fp32), one 4K-token piece of K/V in fp32 and its
+    scores, masks and positions."""
+    import dataclasses
+
+    import torch
+    from transformers import LlamaConfig
+
+    from tierkv.hf.sizing import min_split_device_bytes
+    from tierkv.stats import default_profile
+
+    gpu = build_request("llama-3-8b", "1M", gpu=20, cpu=256, link="pcie5", executor="split")
+    cpu = dataclasses.replace(gpu, links=default_profile("cpu"))
+    chunks, tails = 2 * 4096 * 4096, 33 * 2**20
+    assert split_min_device_bytes(cpu) == -(-chunks * 16 // 15) + tails == 70_394_403
+    config = LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+                         head_dim=128, intermediate_size=14336, vocab_size=128256, dtype=torch.bfloat16)
+    assert min_split_device_bytes(config, device="cpu") == split_min_device_bytes(cpu)  # one function
+    scratch = 3 * 32 * 129 * 4 + 4096 * 2 * 8 * 128 * 4 + 6 * 32 * 4096 * 4 + 4 * 4096 * 8
+    staging = {context: plan(dataclasses.replace(gpu, context=parse_tokens(context))).staging_bytes
+               for context in ("8K", "128K", "1M")}
+    assert set(staging.values()) == {chunks + scratch} == {70_435_200}  # gather's grows: 10 GiB at 1M
+    assert split_min_device_bytes(gpu) > chunks + scratch + tails  # and the two landing buffers on CUDA
+
+
+def test_split_below_its_minimum_is_refused_with_the_minimum():
+    with pytest.raises(BudgetTooSmallError, match="open tail blocks, the prefill's two streaming chunks and the "
+                                                  "decode step's bounded scratch") as info:
+        plan(build_request("llama-3-8b", "1M", gpu="100MB", cpu=256, executor="split"))
+    assert "at least 126.62MB, lower --batch (split's minimum does not grow with the context)" in str(info.value)
+
+
+def test_host_attention_rate_says_where_it_came_from(tmp_path):
+    from tierkv.bandwidth import HostAttention, Link, LinkProfile
+
+    presets = LinkProfile.from_presets("pcie5", "nvme-gen4")
+    rate = host_attention_rate(presets, 32)
+    assert rate.bytes_per_s == min(32 * 8e9, 0.8 * 300e9) == 240e9 and "32 cores" in rate.source
+    assert host_attention_rate(presets, 16).bytes_per_s == 128e9  # 16 cores x 8 GB/s: the cores bound it
+    assert host_attention_rate(presets, 64, 200e9).bytes_per_s == 160e9  # 0.8 x 200 GB/s: DRAM bounds it
+    assert host_attention_rate(presets).bytes_per_s == 240e9  # 32 cores by default
+    measured = LinkProfile({"host->host": Link("memcpy", 4e9, 0.0)}, {"cpu": "x"})
+    old = host_attention_rate(measured)
+    assert old.bytes_per_s == 0.8 * 4e9 and "measured memcpy" in old.source and "tierkv bench" in old.source
+    measured.host_attention = HostAttention(12e9, 5e9, 4, "native")
+    new = host_attention_rate(measured, 32)  # a measurement wins over the core count
+    assert new.bytes_per_s == 12e9 and new.source.startswith("measured by tierkv bench: 4 threads")
+    no_memcpy = host_attention_rate(LinkProfile({"host->device": Link("pcie", 25e9, 0.0)}, {"cpu": "x"}), 8)
+    assert no_memcpy.bytes_per_s == 64e9 and no_memcpy.source.startswith("preset: min(8 cores")
+    cpu_presets = LinkProfile({"host->host": Link("dram-memcpy", 20e9, 1e-6)}, {"source": "presets: dram"}, True)
+    assert host_attention_rate(cpu_presets, 32).bytes_per_s == 16e9  # a CPU host's presets: 0.8 x its memcpy
+    with pytest.raises(InvalidConfigError, match="host_cores"):
+        host_attention_rate(presets, 0)
+
+
+def test_split_1m_tokens_hand_computed():
+    """The issue's machine: no layer staged, so 20 GB less the prefill chunks and the decode scratch (67 MiB) of KV
+    on the device; the rest (117 GB) attended by 32 cores at 240 GB/s, every layer bound by the CPUs, plus per layer
+    the query down and the CPU part's (out, lse) up."""
+    from tierkv.planner import _lm_head_s
+
+    req = build_request("llama-3-8b", "1M", gpu=20, cpu=128, link="pcie5", disk_link="nvme-gen4", executor="split",
+                        host_cores=32)
+    result = plan(req)
+    tiers = result.bytes_per_tier
+    assert tiers.device == 20 * 10**9 - 70_435_200 and tiers.host == 128 * GiB - tiers.device and tiers.disk == 0
+    assert result.host_attention is not None and result.host_attention.bytes_per_s == 240e9
+    fc = result.forecast
+    assert fc.host_attention_s == pytest.approx(tiers.host / 240e9, rel=1e-9)
+    merge = (10e-6 + 8192 / 50e9) + (10e-6 + 16512 / 50e9)
+    assert fc.step_s == pytest.approx(tiers.host / 240e9 + 32 * merge + _lm_head_s(req.model, 1, req.device),
+                                      rel=1e-9)
+    assert fc.bottleneck is Bottleneck.HOST_ATTENTION and result.bound_label == "host attention"
+    moved = result.bytes_moved_per_step
+    assert moved["device->device"] == 0 and moved["host->device"] == 32 * 16512  # no K/V crosses the link
+    gather = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=128, link="pcie5", disk_link="nvme-gen4"))
+    assert gather.forecast.step_s / fc.step_s > 5
+
+
+def test_a_cpu_host_prices_split_on_its_measured_memcpy(tmp_path):
+    """A CPU-only profile without a kernel measurement: 0.8 x its 4 GB/s memcpy, every share on the compute
+    thread after the layer's compute."""
+    req = build_request("llama-3-8b", "32K", gpu=1, cpu=8, profile=_cpu_host_profile(tmp_path), executor="split")
+    result = plan(req)
+    assert result.host_attention is not None and result.host_attention.bytes_per_s == 3.2e9
+    fc = result.forecast
+    assert fc.attention_on_compute and fc.host_attention_s == pytest.approx(4 * GiB / 3.2e9, rel=1e-6)
+    assert fc.step_s == pytest.approx(fc.compute_s + fc.host_attention_s, rel=1e-9)
+    assert result.bytes_moved_per_step["host->device"] == 0  # nothing crosses a link on a CPU host
+
+
+def test_executors_are_compared_and_the_fastest_exact_one_named():
+    base = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=128, link="pcie5", host_cores=32))
+    options = compare_executors(base)
+    assert [o.executor for o in options] == ["gather", "streaming", "sparse", "split"]
+    assert options[0].plan is base and all(o.plan is not None for o in options)
+    advice = fastest_advice(options)
+    assert advice.startswith("fastest exact executor for this machine: split (2.04 tok/s, 5.2x gather)")
+    assert "240 GB/s (preset: min(32 cores" in advice
+    small = plan(build_request("llama-3-8b", "1M", gpu="40MB", cpu=200, link="pcie5", executor="streaming"))
+    refused = {o.executor: o for o in compare_executors(small)}
+    assert refused["gather"].plan is None and refused["gather"].note.startswith("does not fit")
+    assert refused["split"].plan is None and "at least 126.62MB" in refused["split"].note  # its fixed minimum
+    assert fastest_advice(list(refused.values())) == "fastest exact executor for this machine: streaming (0.353 tok/s)"
+
+
+def test_cli_target_prints_split_beside_gather_with_its_host_bandwidth(tmp_path, capsys):
+    """The issue's target: on a 32-core host split is predicted faster than gather, whose 0.39 tok/s is unchanged,
+    and the plan says which host attention rate it assumed and where the number came from."""
+    out = tmp_path / "plan.json"
+    assert _cli([*TARGET, "--host-cores", "32", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    words = _words(text)
+    gather_row = next(line for line in text.splitlines() if line.startswith("│ gather *"))
+    assert "2,566.9 ms" in gather_row and "0.39" in gather_row  # gather: unchanged
+    split_row = next(line for line in text.splitlines() if line.startswith("│ split "))
+    assert "490.7 ms" in split_row and "2.04" in split_row and "5.23x" in split_row
+    assert "split: attend in place" in words  # the what-if table too
+    assert "fastest exact executor for this machine: split (2.04 tok/s, 5.2x gather); host attention at 240 GB/s " \
+           "(preset: min(32 cores x 8 GB/s, 0.8 x 300 GB/s host DRAM)" in words
+    data = json.loads(out.read_text())
+    by_name = {entry["executor"]: entry for entry in data["executors"]}
+    assert by_name["split"]["tokens_per_s"] > by_name["gather"]["tokens_per_s"] == pytest.approx(data["tokens_per_s"])
+    assert by_name["split"]["host_attention_bytes_per_s"] == 240e9
+    assert "32 cores" in by_name["split"]["host_attention_source"]
+    assert round(data["tokens_per_s"], 2) == 0.39
+
+
+def test_cli_plans_split_and_states_its_host_rate(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert _cli([*TARGET, "--executor", "split", "--host-cores", "16", "--json", str(out)]) == 0
+    words = _words(capsys.readouterr().out)
+    assert "host attention rate 128.0 GB/s" in words and "min(16 cores x 8 GB/s" in words
+    assert "no layer staged" in words and "host CPUs attend host + disk KV" in words
+    data = json.loads(out.read_text())
+    assert data["host_attention"]["bytes_per_s"] == 128e9 and data["bottleneck"] == "host attention"
+    assert data["staging_bytes"] == 70_435_200
+
+
+def test_cli_split_from_a_measured_profile_names_the_measurement(tmp_path, capsys):
+    from tierkv.bandwidth import HostAttention, LinkProfile
+
+    profile = LinkProfile.load(_cpu_host_profile(tmp_path))
+    profile.host_attention = HostAttention(6e9, 3e9, 2, "native")
+    path = tmp_path / "measured.json"
+    profile.save(path)
+    argv = ["--model", "llama-3-8b", "--context", "32K", "--gpu-gb", "1", "--cpu-gb", "8", "--profile", str(path)]
+    assert _cli([*argv, "--executor", "split"]) == 0
+    words = _words(capsys.readouterr().out)
+    assert "host attention rate 6.0 GB/s" in words and "measured by tierkv bench: 2 threads (native kernel" in words

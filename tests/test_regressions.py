@@ -14,6 +14,7 @@ from helpers import kv, make_store
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
+from tierkv.attention.base import Span
 from tierkv.attention.exact_gather import ExactGather
 from tierkv.blocks import Tier
 from tierkv.errors import BudgetTooSmallError, CapacityError, DiskTierError, InvalidConfigError
@@ -48,11 +49,16 @@ def test_failed_prefetch_does_not_poison_later_table_edits(tmp_path, monkeypatch
 
     monkeypatch.setattr(KVStore, "read_into", failing)
     cache.update(keys, values, 1)  # issues the (wrapping) prefetch of layer 0, which fails on the mover
-    cache.executor.pending[0].handle._future.exception()  # let it finish
+    failure = cache.executor.pending[0].handle._future.exception()  # let it finish
+    assert isinstance(failure, DiskTierError) and "injected" in str(failure)
     monkeypatch.setattr(KVStore, "read_into", real)
     cache.reorder_cache(torch.tensor([0]))  # barriers wait for the failed read but do not raise its error
+    assert lengths(cache) == [6, 6] and not cache.executor.pending  # the edit went through; the prefetch is gone
     cache.reset()  # and the cache stays usable
-    cache.update(keys, values, 0)
+    assert lengths(cache) == [0, 0]
+    got_keys, got_values = cache.update(keys, values, 0)
+    assert torch.equal(got_keys, keys) and torch.equal(got_values, values)  # read afresh, exact
+    assert lengths(cache) == [6, 0]
     cache.close()
 
 
@@ -162,10 +168,10 @@ def test_sync_read_does_not_clobber_an_inflight_prefetch(tmp_path, monkeypatch):
         return pending
 
     monkeypatch.setattr(DiskTier, "start_read", slow_disk)
-    executor.gather(0, 0)  # prefetches layers 1 and 2
-    k1, _ = executor.gather(1, 1)  # a miss (other start): a synchronous read of disk blocks of layer 1
+    executor.gather(Span.of(store, 0, 0))  # prefetches layers 1 and 2
+    k1, _ = executor.gather(Span.of(store, 1, 1))  # a miss (other start): a synchronous read of disk blocks of layer 1
     torch.testing.assert_close(k1, reference[1][0][:, :, 1:], rtol=0, atol=0)
-    k2, v2 = executor.gather(2, 0)  # hit: the prefetch issued by gather(0)
+    k2, v2 = executor.gather(Span.of(store, 2, 0))  # hit: the prefetch issued by gather(0)
     torch.testing.assert_close(k2, reference[2][0], rtol=0, atol=0)
     torch.testing.assert_close(v2, reference[2][1], rtol=0, atol=0)
     executor.close()

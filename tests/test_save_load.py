@@ -76,7 +76,7 @@ def test_asave_and_aload_round_trip(tmp_path):
     model = tiny_model("llama")
     cache, so_far = _conversation(model, tmp_path, batch=2, with_config=False)
     path = tmp_path / "async.tkv"
-    asyncio.run(cache.asave(path))
+    asyncio.run(cache.asave(path, model=model))
     uninterrupted = _generate(model, so_far, cache, MORE)
     cache.close()
     loaded = asyncio.run(TieredCache.aload(path, model=model, **_options(model, tmp_path, batch=2)))
@@ -123,7 +123,10 @@ def test_saving_is_atomic_and_needs_tokens(tmp_path):
     with TieredCache(block_tokens=BT) as empty, pytest.raises(InvalidConfigError, match="no tokens"):
         empty.save(path)
     cache, _ = _conversation(model, tmp_path)
-    cache.save(path)
+    with pytest.raises(InvalidConfigError, match="model=model"):  # a file must say which model computed its K/V
+        cache.save(path)
+    assert not path.exists() and not list(tmp_path.glob(".c.tkv.*"))
+    cache.save(path, model=model)
     before = path.read_bytes()
 
     def fail(*args, **kwargs):
@@ -132,15 +135,19 @@ def test_saving_is_atomic_and_needs_tokens(tmp_path):
     original = cache.store.export_blocks
     cache.store.export_blocks = fail  # the write dies half way through
     with pytest.raises(OSError, match="disk gone"):
-        cache.save(path)
+        cache.save(path, model=model)
     cache.store.export_blocks = original
     assert path.read_bytes() == before  # the previous file is intact
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".c.tkv")] == []  # no temporary file left
+    assert path.stat().st_mode & 0o777 == 0o600
     cache.close()
     with pytest.raises(InvalidConfigError, match="closed"):
-        cache.save(path)
+        cache.save(path, model=model)
 
 
-def test_a_persistent_cache_keeps_persisting_after_load(tmp_path):
+def test_a_loaded_conversation_is_private(tmp_path):
+    """K/V from a file is not this process's own computation: neither it nor what is computed on top of it is
+    persisted under the ids the file claims (issue 26: a crafted file would poison the shared store)."""
     model = tiny_model("llama")
     ids, _ = prompt(1, PROMPT, seed=4)
     options = dict(_options(model, tmp_path, name="persist"), persist=True)
@@ -148,11 +155,11 @@ def test_a_persistent_cache_keeps_persisting_after_load(tmp_path):
         cache.load_prefix(model, ids)
         so_far = _generate(model, ids, cache, 1).sequences  # one forward: nothing persisted yet
         cache.save(tmp_path / "c.tkv")
-        cache._prefix.reset()  # this one forgets its ids (so only the loaded cache can persist)
+        cache.session.reset()  # this one forgets its ids (so only the loaded cache could persist)
     with TieredCache.load(tmp_path / "c.tkv", model=model, **options) as loaded:
         _generate(model, so_far, loaded, 2)
     with TieredCache(block_tokens=BT, **options) as later:
-        assert later.load_prefix(model, ids) == PROMPT // BT * BT
+        assert later.load_prefix(model, ids) == 0
 
 
 def test_async_without_aiofiles_says_what_to_install(tmp_path, monkeypatch):
@@ -160,7 +167,7 @@ def test_async_without_aiofiles_says_what_to_install(tmp_path, monkeypatch):
     cache, _ = _conversation(model, tmp_path)
     monkeypatch.setitem(sys.modules, "aiofiles", None)
     with pytest.raises(InvalidConfigError, match="pip install"):
-        asyncio.run(cache.asave(tmp_path / "x.tkv"))
+        asyncio.run(cache.asave(tmp_path / "x.tkv", model=model))
     with pytest.raises(InvalidConfigError, match="pip install"):
         asyncio.run(TieredCache.aload(tmp_path / "x.tkv"))
     cache.close()

@@ -19,7 +19,9 @@ from models import prompt, tiny_model
 from transformers import DynamicCache
 
 from tierkv import InvalidConfigError, TieredCache
+from tierkv.attention.base import Span
 from tierkv.attention.sparse import SparseAttention, SparseBudget
+from tierkv.attention.sparse_store import SparseBlocks
 from tierkv.blocks import Tier
 from tierkv.mover import ThreadMover
 from tierkv.policy import make_policy
@@ -218,6 +220,13 @@ def test_the_budget_is_a_cap_in_whole_blocks():
 BT, HEADS, GROUPS, DIM, COLUMNS = 4, 2, 2, 8, 16
 
 
+def attend(executor: SparseAttention, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+           softcap: float | None, budget: SparseBudget) -> torch.Tensor:
+    """One sparse decode step of layer 0 over everything the store holds, within ``budget``."""
+    executor.budget = budget
+    return executor.attend(Span.of(executor.store, 0), query, mask, scaling, softcap)
+
+
 def store_with_needles(tmp_path, needles: dict[int, int], policy: str = "lru") -> tuple[KVStore, torch.Tensor]:
     """A 2-row store of ``COLUMNS`` blocks (the last one partial) whose full blocks all sit on disk; in row
     ``r`` the keys of KV head 0 in block ``needles[r]`` point along the query direction ``e_0``."""
@@ -233,7 +242,7 @@ def store_with_needles(tmp_path, needles: dict[int, int], policy: str = "lru") -
         keys[row, 0, column * BT : (column + 1) * BT, 0] = 4.0  # ... but the needle's, on KV head 0
     for start in range(0, tokens, 6):  # appended in pieces: blocks fill across appends and in place
         store.append(0, keys[:, :, start : start + 6], values[:, :, start : start + 6])
-    store.enable_summaries()
+    SparseBlocks(store).enable_summaries()
     for _ in range(2):
         full = [b for b in store.table.blocks.values() if b.tokens == BT and b.tier != Tier.DISK]
         store.demote(full)
@@ -270,7 +279,7 @@ def test_the_block_a_query_needs_is_fetched_from_disk_per_row(tmp_path, head):
     executor = SparseAttention(store, ThreadMover())
     q = query_for_head(head)
     disk_reads = store.bytes_moved["disk->device"]
-    out = executor.attend(0, 0, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
+    out = attend(executor, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
     columns = executor.last_columns
     assert columns.tolist() == [[0, 5, COLUMNS - 1], [0, 10, COLUMNS - 1]]
     assert executor.counters.by_tier["disk"] == 4 and store.bytes_moved["disk->device"] > disk_reads
@@ -287,9 +296,9 @@ def test_by_default_only_the_open_tail_is_forced_and_a_recent_window_takes_budge
     store, _ = store_with_needles(tmp_path, {0: 5, 1: 10})
     executor = SparseAttention(store, ThreadMover())
     q = query_for_head(0)
-    executor.attend(0, 0, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT))
+    attend(executor, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT))
     assert executor.last_columns.tolist() == [[0, 5, COLUMNS - 1], [0, 10, COLUMNS - 1]]
-    executor.attend(0, 0, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=BT))
+    attend(executor, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=BT))
     assert executor.last_columns.tolist() == [[0, COLUMNS - 2, COLUMNS - 1]] * 2
     assert executor.counters.blocks_selected == 2 * 2 * 3
     executor.close()
@@ -310,7 +319,7 @@ def test_a_block_whose_channels_peak_on_different_tokens_is_not_taken_for_the_ne
     store.append(0, keys, torch.randn(1, 1, tokens, DIM))
     executor = SparseAttention(store, ThreadMover())
     q = torch.ones(1, 1, 1, DIM)
-    executor.attend(0, 0, q, None, 0.1, None, SparseBudget(3 * BT, sinks=BT, recent=0))
+    attend(executor, q, None, 0.1, None, SparseBudget(3 * BT, sinks=BT, recent=0))
     assert executor.last_columns.tolist() == [[0, 5, 8]]
     summary = store.summaries.table(0)[:, int(store.summaries.rows(store.table.rows[0].ids[:, 2])[0])]  # [1, 3, D]
     torch.testing.assert_close(summary[0, 2], keys[0, 0, 2 * BT : 3 * BT].mean(0))  # min, max, mean
@@ -325,7 +334,7 @@ def test_a_padding_mask_is_applied_to_the_selected_tokens(tmp_path):
     tokens = kv.shape[3]
     mask = torch.ones(2, 1, 1, tokens, dtype=torch.bool)
     mask[1, ..., :BT] = False  # row 1 is left-padded by one block: its sink block is masked out
-    out = executor.attend(0, 0, q, mask, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
+    out = attend(executor, q, mask, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
     columns = executor.last_columns
     expected = reference_attention(q, kv, columns, DIM**-0.5)
     expected[1] = reference_attention(q[1:], kv[:, 1:], columns[1:, 1:], DIM**-0.5)[0]
@@ -341,7 +350,7 @@ def test_attention_policy_moves_the_needle_to_the_device(tmp_path):
     q = query_for_head(0)
     budget = SparseBudget(3 * BT, sinks=BT, recent=0)
     for _ in range(3):
-        executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+        attend(executor, q, None, DIM**-0.5, None, budget)
     needle = store.table.blocks[int(store.table.rows[0].ids[0, 5])]
     assert needle.tier == Tier.DEVICE and executor.counters.promotions >= 1
     store.check()
@@ -383,7 +392,7 @@ def test_kept_blocks_are_reused_and_a_new_selection_reads_only_what_it_lacks(tmp
 
     def step(q: torch.Tensor) -> dict[str, int]:
         before = dict(executor.counters.by_tier)
-        out = executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+        out = attend(executor, q, None, DIM**-0.5, None, budget)
         columns = executor.last_columns
         torch.testing.assert_close(out.double(), reference_attention(q, kv, columns, DIM**-0.5), atol=1e-5, rtol=0)
         new = sum(len(set(row.tolist()) - kept[r] - {COLUMNS - 1}) for r, row in enumerate(columns))
@@ -420,7 +429,7 @@ def test_a_layer_with_room_for_part_of_its_selection_keeps_that_part(tmp_path, m
     reads, held = [], []
     for _ in range(3):
         before = executor.counters.by_tier.get("disk", 0)
-        out = executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+        out = attend(executor, q, None, DIM**-0.5, None, budget)
         torch.testing.assert_close(out.double(), reference_attention(q, kv, executor.last_columns, DIM**-0.5),
                                    atol=1e-5, rtol=0)
         reads.append(executor.counters.by_tier["disk"] - before)
@@ -469,9 +478,9 @@ def test_a_failed_read_leaves_nothing_stale_kept(tmp_path, monkeypatch):
 
     monkeypatch.setattr(store, "read_into", failing)
     with pytest.raises(OSError, match="injected"):
-        executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+        attend(executor, q, None, DIM**-0.5, None, budget)
     monkeypatch.setattr(store, "read_into", real)
-    out = executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+    out = attend(executor, q, None, DIM**-0.5, None, budget)
     assert executor.counters.blocks_reused == 0 and executor.counters.by_tier["disk"] == 4  # all read again
     torch.testing.assert_close(out.double(), reference_attention(q, kv, executor.last_columns, DIM**-0.5),
                                atol=1e-5, rtol=0)
@@ -485,7 +494,7 @@ def test_a_table_edit_forgets_the_kept_blocks(tmp_path):
     executor = SparseAttention(store, ThreadMover())
     budget = SparseBudget(3 * BT, sinks=BT, recent=0)
     q = query_for_head(0)
-    executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+    attend(executor, q, None, DIM**-0.5, None, budget)
     tokens = kv.shape[3]
     store.crop(0, tokens - 5 * BT)
     executor.invalidate()
@@ -497,7 +506,7 @@ def test_a_table_edit_forgets_the_kept_blocks(tmp_path):
     replaced[1, 0, :, 5 * BT :, 0] = -1.0
     replaced[1, 0, 0, 10 * BT : 11 * BT, 0] = 4.0
     store.append(0, replaced[0, :, :, 5 * BT :], replaced[1, :, :, 5 * BT :])
-    out = executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+    out = attend(executor, q, None, DIM**-0.5, None, budget)
     assert executor.last_columns.tolist() == [[0, 8, COLUMNS - 1], [0, 10, COLUMNS - 1]]
     torch.testing.assert_close(out.double(), reference_attention(q, replaced, executor.last_columns, DIM**-0.5),
                                atol=1e-5, rtol=0)
@@ -518,7 +527,7 @@ def test_promotion_is_one_batched_write_per_layer_step(tmp_path, monkeypatch):
 
     monkeypatch.setattr(store.device, "write_from", counted)
     budget = SparseBudget(3 * BT, sinks=BT, recent=0)
-    executor.attend(0, 0, query_for_head(0), None, DIM**-0.5, None, budget)
+    attend(executor, query_for_head(0), None, DIM**-0.5, None, budget)
     assert writes == [2] and executor.counters.promotions == 2
     needles = store.table.rows[0].ids[:, 5]
     assert needles[0] != needles[1] and all(store.table.blocks[int(i)].tier == Tier.DEVICE for i in needles)
@@ -554,10 +563,10 @@ def test_a_block_a_head_attended_stays_selected_at_the_next_step(tmp_path, monke
     store, kv = store_with_needles(tmp_path, {0: 5, 1: 10})
     executor = SparseAttention(store, ThreadMover())
     budget = SparseBudget(3 * BT, sinks=BT, recent=0)
-    executor.attend(0, 0, query_for_head(0), None, DIM**-0.5, None, budget)
+    attend(executor, query_for_head(0), None, DIM**-0.5, None, budget)
     assert executor.last_columns[:, 1].tolist() == [5, 10]
     away = -query_for_head(0)
-    out = executor.attend(0, 0, away, None, DIM**-0.5, None, budget)
+    out = attend(executor, away, None, DIM**-0.5, None, budget)
     kept = executor.last_columns[:, 1].tolist() == [5, 10]
     assert kept == bool(sticky)
     torch.testing.assert_close(out.double(), reference_attention(away, kv, executor.last_columns, DIM**-0.5),
@@ -578,7 +587,7 @@ def test_a_masked_step_is_finite_whatever_the_open_tails_empty_slots_hold(tmp_pa
     mask = torch.ones(2, 1, 1, kv.shape[3], dtype=torch.bool)  # hides nothing, but takes the bias path
     q = query_for_head(0)
     for _ in range(2):  # read from the tiers, then from the kept blocks
-        out = executor.attend(0, 0, q, mask, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
+        out = attend(executor, q, mask, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
         reference = reference_attention(q, kv, executor.last_columns, DIM**-0.5)
         torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=0)
     executor.close()
@@ -650,9 +659,9 @@ def test_with_rest_bits_the_blocks_not_read_are_attended_from_their_copy(tmp_pat
     store.summaries.add(0, full[::-1], blocks.flatten(0, 1).flip(0))
     executor = SparseAttention(store, ThreadMover())
     q = query_for_head(0) + 0.3 * torch.randn(2, HEADS * GROUPS, 1, DIM, generator=torch.Generator().manual_seed(4))
-    executor.attend(0, 0, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
+    attend(executor, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
     budget = SparseBudget(3 * BT, sinks=BT, recent=0, rest_bits=8)
-    out = executor.attend(0, 0, q, None, DIM**-0.5, None, budget)
+    out = attend(executor, q, None, DIM**-0.5, None, budget)
     columns = executor.last_columns
     assert columns.tolist() == [[0, 5, COLUMNS - 1], [0, 10, COLUMNS - 1]]
     assert executor.counters.rest_layer_steps == 1
@@ -712,8 +721,8 @@ def test_kept_blocks_give_way_when_a_larger_budget_needs_more_staging(tmp_path):
     executor = SparseAttention(store, ThreadMover())
     q = query_for_head(0)
     small, large = SparseBudget(3 * BT, sinks=BT, recent=0), SparseBudget(12 * BT, sinks=BT, recent=0)
-    executor.attend(0, 0, q, None, DIM**-0.5, None, small)
-    executor.attend(0, 0, q, None, DIM**-0.5, None, small)  # the second step keeps what the first read
+    attend(executor, q, None, DIM**-0.5, None, small)
+    attend(executor, q, None, DIM**-0.5, None, small)  # the second step keeps what the first read
     kept = executor.kept.reserved
     assert kept > 0
     taken = 0
@@ -725,7 +734,7 @@ def test_kept_blocks_give_way_when_a_larger_budget_needs_more_staging(tmp_path):
     given = grows - kept // 2  # ... more room than that without the kept blocks, less with them
     store.device.unreserve(given)
     taken -= given
-    out = executor.attend(0, 0, q, None, DIM**-0.5, None, large)
+    out = attend(executor, q, None, DIM**-0.5, None, large)
     assert executor.last_columns.shape[1] == 12 and executor.kept.reserved < kept
     torch.testing.assert_close(out.double(), reference_attention(q, kv, executor.last_columns, DIM**-0.5),
                                atol=1e-5, rtol=0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from models import prompt, tiny_model
 from test_integrity import flip
-from test_sparse import BT, COLUMNS, DIM, query_for_head, reference_attention, store_with_needles
+from test_sparse import BT, COLUMNS, DIM, attend, query_for_head, reference_attention, store_with_needles
 
 from tierkv import TieredCache
 from tierkv.attention import kept as kept_module
@@ -98,7 +98,7 @@ def test_a_mis_speculated_block_is_still_fetched(tmp_path):
     disk_before = store.bytes_moved["disk->device"]
     executor.speculation.remember(0, np.array([[0, 3], [0, 3]]), None)
     executor.speculation.launch(0, None)
-    out = executor.attend(0, 0, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
+    out = attend(executor, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
     columns = executor.last_columns
     assert columns.tolist() == [[0, 5, COLUMNS - 1], [0, 10, COLUMNS - 1]]
     torch.testing.assert_close(out.double(), reference_attention(q, kv, columns, DIM**-0.5), atol=1e-5, rtol=0)
@@ -131,7 +131,7 @@ def test_a_failed_speculative_read_is_read_again(tmp_path, monkeypatch):
         raise DiskTierError("injected: checksum mismatch")  # ... and the read says so
 
     monkeypatch.setattr(Claim, "land", failing)
-    out = executor.attend(0, 0, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
+    out = attend(executor, q, None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
     assert executor.counters.speculation.failed == 1 and executor.counters.speculation.hits == 4
     torch.testing.assert_close(out.double(), reference_attention(q, kv, executor.last_columns, DIM**-0.5),
                                atol=1e-5, rtol=0)
@@ -147,7 +147,7 @@ def test_a_table_edit_drops_the_speculation(tmp_path):
     executor.speculation.launch(0, None)
     store.crop(0, BT)
     executor.invalidate()
-    out = executor.attend(0, 0, query_for_head(0), None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
+    out = attend(executor, query_for_head(0), None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
     assert executor.counters.speculation.hits == 0 and executor.counters.speculation.reads == 1
     cropped = kv[..., : kv.shape[3] - BT, :]
     torch.testing.assert_close(out.double(), reference_attention(query_for_head(0), cropped, executor.last_columns,
@@ -167,6 +167,6 @@ def test_a_corrupted_speculated_block_is_refused(tmp_path):
     executor.speculation.remember(0, np.array([[0, 5], [0, 10]]), None)
     executor.speculation.launch(0, None)
     with pytest.raises(IntegrityError, match=f"slot {slot} "):
-        executor.attend(0, 0, query_for_head(0), None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
+        attend(executor, query_for_head(0), None, DIM**-0.5, None, SparseBudget(3 * BT, sinks=BT, recent=0))
     assert executor.counters.speculation.failed == 1 and executor.counters.speculation.hits == 4
     executor.close()

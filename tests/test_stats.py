@@ -18,7 +18,6 @@ from tierkv.bandwidth import PRESETS, Link, LinkProfile, predict_step
 from tierkv.errors import InvalidConfigError
 from tierkv.stats import (
     HISTORY,
-    READ_LINKS,
     LayerRecord,
     ReadTiming,
     Timeline,
@@ -28,6 +27,7 @@ from tierkv.stats import (
     resolve_profile,
     steady_state_placement,
 )
+from tierkv.vocabulary import READ_LINKS
 
 NEW_TOKENS = 8
 

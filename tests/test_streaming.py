@@ -15,7 +15,8 @@ import torch
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
-from tierkv import TieredCache, TierKVError, hf
+from tierkv import TieredCache, TierKVError
+from tierkv.hf import runtime
 from tierkv.tiers.memory import MemoryTier
 
 NEW = 8
@@ -218,7 +219,7 @@ def _virtual_slow_reads(monkeypatch, in_prefetch: bool) -> None:
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(MemoryTier, "start_read", start_read)
-    monkeypatch.setattr(hf, "make_mover", lambda device: LazyMover())
+    monkeypatch.setattr(runtime, "make_mover", lambda device: LazyMover())
 
 
 def test_waiting_for_a_prefetched_chunk_is_stall_not_compute(tmp_path, monkeypatch):

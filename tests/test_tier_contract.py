@@ -70,3 +70,34 @@ def test_a_layers_blocks_are_placed_in_sequence_order(make, tmp_path):
         mine = [got[(layer, index)] for index in range(4)]
         assert mine == list(range(mine[0], mine[0] + 4))
     tier.close()
+
+
+@pytest.mark.parametrize("make", [device_tier, host_tier], ids=["device", "host"])
+def test_a_memory_tier_names_the_chunk_to_empty_and_gives_it_back_for_staging(make, tmp_path):
+    """The reserve / evacuate API the store uses instead of reaching into slab pools: a reservation that does not
+    fit names the newest chunk; its blocks move out (here: one relocated within the tier with ``alloc_outside`` and
+    ``copy_slot``, the others freed), the chunk goes back, and the reservation then fits."""
+    tier = make(tmp_path)
+    scratch = Scratch(BounceBuffer)
+    size = LAYOUT.slot_bytes
+    slots = [tier.alloc(size) for _ in range(12)]  # chunks of 5 slots: [0, 5), [5, 10), [10, 15)
+    data = torch.randn(12, *LAYOUT.shape)
+    tier.write_from(LAYOUT, np.asarray(slots), data, scratch)
+    assert tier.room(size) == SLOTS - 12
+    assert not tier.reserve(SLOTS * size - 10 * size)  # 14 slots of staging: only 12 are not blocks
+    assert tier.evacuation() == (size, range(10, 15))
+    assert tier.alloc_outside(size, range(10, 15)) is None  # every slot of the older chunks holds a block
+    tier.free(size, slots[0])
+    moved = tier.alloc_outside(size, range(10, 15))
+    assert moved == slots[0]
+    tier.copy_slot(size, slots[10], moved)
+    tier.free(size, slots[10])
+    tier.free(size, slots[11])
+    assert tier.drop_chunk(size) == 5 * size
+    assert tier.reserve(SLOTS * size - 10 * size) and tier.allocated_bytes <= tier.budget
+    out = torch.empty(1, *LAYOUT.shape)
+    tier.start_read(LAYOUT, np.asarray([moved]), scratch).finish([(0, 1, out)])
+    torch.testing.assert_close(out[0], data[10], rtol=0, atol=0)
+    tier.unreserve(SLOTS * size - 10 * size)
+    assert tier.evacuation() == (size, range(5, 10))
+    tier.close()

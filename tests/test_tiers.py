@@ -4,7 +4,10 @@ import pytest
 import torch
 
 from tierkv.blocks import Tier
-from tierkv.tiers.memory import MemoryTier
+from tierkv.layout import BlockLayout
+from tierkv.tiers.base import Scratch
+from tierkv.tiers.disk import BounceBuffer
+from tierkv.tiers.memory import FIRST_CHUNK_BYTES, MemoryTier
 from tierkv.tiers.slots import FreeSlots, growth_slots
 
 
@@ -38,6 +41,24 @@ def test_memory_tier_never_exceeds_budget_and_gives_chunks_back():
         tier.free(4096, slot)
     assert tier.reserve(8 * 4096)  # empty chunks are released to make room
     assert tier.allocated_bytes <= tier.budget
+
+
+def test_a_pool_grows_with_its_blocks_not_with_the_budget():
+    """Memory is taken by need: 4.6 MB of blocks on a 20 GB budget hold under twice their bytes plus the first
+    chunk, in chunks that double (the budget's 1/16, 1.25 GB, was taken before); the chunks stop growing at
+    ``chunk_bytes`` and the budget still bounds them."""
+    slot = 64 * 1024
+    tier = MemoryTier(Tier.DEVICE, budget=20 * 10**9, device=torch.device("cpu"))
+    held = 70 * slot  # 4.6 MB
+    assert None not in [tier.alloc(slot) for _ in range(70)]
+    assert held <= tier.allocated_bytes <= 2 * held + FIRST_CHUNK_BYTES
+    chunks = [chunk.numel() for chunk in tier.pools[slot].chunks]
+    assert chunks == [FIRST_CHUNK_BYTES, FIRST_CHUNK_BYTES, 2 * FIRST_CHUNK_BYTES, 4 * FIRST_CHUNK_BYTES]
+
+    capped = MemoryTier(Tier.HOST, budget=40 * slot, device=torch.device("cpu"), chunk_bytes=8 * slot)
+    taken = [capped.alloc(slot) for _ in range(42)]
+    assert taken[40:] == [None, None] and capped.peak_bytes <= capped.budget
+    assert max(chunk.numel() for chunk in capped.pools[slot].chunks) == 8 * slot
 
 
 def test_blocks_of_a_layer_take_consecutive_slots_in_sequence_order():
@@ -128,3 +149,16 @@ def test_a_disk_file_whose_engine_fails_to_open_leaks_nothing(tmp_path, monkeypa
     assert len(os.listdir("/proc/self/fd")) == before
     assert not list(tmp_path.glob("tierkv-*.kv"))
     tier.close()
+
+
+def test_slabs_are_the_chunks_as_blocks_with_slot_ids_counting_on():
+    layout = BlockLayout(2, 8, 4, torch.float32)
+    tier = MemoryTier(Tier.HOST, budget=8 * layout.slot_bytes, device=torch.device("cpu"),
+                      chunk_bytes=3 * layout.slot_bytes)
+    assert tier.slabs(layout) == []
+    slots = [tier.alloc(layout.slot_bytes) for _ in range(7)]
+    data = torch.randn(7, *layout.shape)
+    tier.write_from(layout, torch.tensor(slots).numpy(), data, Scratch(BounceBuffer))
+    slabs = tier.slabs(layout)
+    assert [slab.shape[0] for slab in slabs] == [3, 3, 2]
+    torch.testing.assert_close(torch.cat(slabs)[slots], data, rtol=0, atol=0)

@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 
 from tierkv.errors import InvalidConfigError
-from tierkv.units import MAX_BYTES, format_bytes, format_tokens, parse_size, parse_token_list, parse_tokens, plural
+from tierkv.units import (
+    MAX_BYTES,
+    format_bytes,
+    format_gb,
+    format_size_option,
+    format_tokens,
+    parse_size,
+    parse_token_list,
+    parse_tokens,
+    plural,
+)
 
 
 @pytest.mark.parametrize(("value", "expected"), [
@@ -64,3 +74,46 @@ def test_format_tokens_parses_back(count):
 def test_format_bytes_and_plural():
     assert format_bytes(0) == "0 B" and format_bytes(1.5 * 2**30) == "1.50 GiB" and format_bytes(2**63) == "8.00 EiB"
     assert plural(1, "haystack") == "1 haystack" and plural(4, "haystack") == "4 haystacks"
+
+
+# --------------------------------------------------------------------------- issue 29: messages match the grammar
+@pytest.mark.parametrize(("value", "needle"), [
+    ("-1", "give a value of at least 64 tokens"),  # not ">= 0": 0 is refused too
+    ("1.5", "give a whole number of tokens, e.g. 64."),  # never an example below the minimum
+    ("abc", "(K, M, G; binary, 1K = 1024)"),  # the units as the README spells them, not "(k, m, g)"
+])  # fmt: skip
+def test_token_messages_name_the_minimum_and_the_units_as_written(value, needle):
+    with pytest.raises(InvalidConfigError) as info:
+        parse_tokens(value, name="--context", minimum=64)
+    assert needle in str(info.value), str(info.value)
+
+
+def test_size_message_lists_units_with_their_case():
+    with pytest.raises(InvalidConfigError) as info:
+        parse_size("abc", name="--gpu-gb")
+    assert "(B; KB, MB, GB, TB (powers of 10); KiB, MiB, GiB, TiB (powers of 2))" in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "abc", "1.3K", "0", "1e30", "4KiB"])
+def test_every_example_a_token_message_gives_parses(value):
+    """Each example an error offers (``e.g. ...``, ``such as ...``) is valid input."""
+    import re
+
+    with pytest.raises(InvalidConfigError) as info:
+        parse_tokens(value, name="--context", minimum=64)
+    examples = re.findall(r"(?:e\.g\.|such as) (.*?)(?:\.$|$)", str(info.value))
+    assert examples, str(info.value)
+    for example in re.split(r", | or ", examples[0]):
+        example = example.split(" (")[0].strip("'")
+        assert parse_tokens(example, minimum=64) >= 64, example
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 999, 1000, 1001, 40_000, 1_282_322, 10**9, 1_281_000_001, 10_200_000_000])
+def test_size_option_is_one_word_at_least_the_bytes(nbytes):
+    text = format_size_option(nbytes)
+    assert " " not in text and parse_size(text) >= nbytes
+    assert parse_size(text) <= max(nbytes * 1.01 + 1, nbytes + 10**7) or nbytes >= 10**10  # rounded up, not far
+
+
+def test_format_gb_is_decimal():
+    assert format_gb(137.4e9) == "137.4 GB" and format_gb(1_300_000) == "1.3 MB" and format_gb(12) == "12 B"

@@ -100,6 +100,27 @@ class HostOnly:
     def unregister_host(self, address: int, pin: bool) -> None:
         """Undo :meth:`register_host` (the buffer is about to be freed)."""
 
+    # streams and events: only an accelerator whose ``streams`` is True has them (callers check it first)
+    def Stream(self, device: torch.device) -> Any:  # noqa: N802 - mirrors torch.cuda.Stream
+        """A new copy stream on ``device``."""
+        raise self._no_streams("Stream")
+
+    def Event(self, timing: bool = False) -> Any:  # noqa: N802 - mirrors torch.cuda.Event
+        """A new event (recording its time with ``timing``)."""
+        raise self._no_streams("Event")
+
+    def current_stream(self, device: torch.device) -> Any:
+        """The stream work on ``device`` is issued to now."""
+        raise self._no_streams("current_stream")
+
+    def on_stream(self, stream: Any, device: torch.device) -> contextlib.AbstractContextManager:
+        """Run what the block issues on ``stream`` of ``device``."""
+        raise self._no_streams("on_stream")
+
+    def _no_streams(self, call: str) -> TierKVError:
+        return TierKVError(f"the {self.name!r} accelerator has no streams or events ({call} was called); "
+                           "check its .streams before using them.")
+
 
 class CudaAccelerator(HostOnly):
     """``torch.cuda``: a copy stream and events, pinned slabs, registered bounce buffers, async copies."""
@@ -150,11 +171,12 @@ def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractC
         yield
 
 
-def _code(status: object) -> int:
+def _code(status: Any) -> int:
+    """The number of a CUDA runtime status (an int, or a pybind enum with ``.value``)."""
     return int(getattr(status, "value", status))
 
 
-def _check(status: object, call: str, nbytes: int) -> None:
+def _check(status: Any, call: str, nbytes: int) -> None:
     code = _code(status)
     if code != 0:
         raise HostRegistrationError(

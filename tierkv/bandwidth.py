@@ -31,12 +31,11 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from tierkv.config import read_json
 from tierkv.errors import InvalidConfigError
+from tierkv.inputs import read_json
+from tierkv.vocabulary import PROFILE_LINKS, LinkName
 
-GB = 10**9
-
-LINK_KEYS = ("host->device", "device->host", "disk->host", "host->disk", "device->device", "host->host")
+LINK_KEYS = PROFILE_LINKS
 """The directions a :class:`LinkProfile` describes. ``device->device`` is the gather of device-resident
 blocks into the staging buffer; ``host->host`` is a memcpy (the bounce buffer of a POSIX disk read)."""
 
@@ -160,6 +159,27 @@ MAX_SLOWDOWN = 4.0
 
 
 @dataclass(frozen=True, slots=True)
+class HostAttention:
+    """The host paged-attention kernel's measured rate (``tierkv bench``): bytes of K/V attended per second in
+    place, on every thread torch uses (``threads``) and on one, and which implementation ran (``native``: the C
+    kernel of ``native/tierkv_attn.c``; ``torch``: its fallback)."""
+
+    bandwidth_bytes_per_s: float
+    single_thread_bytes_per_s: float
+    threads: int
+    kernel: str = "native"
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth_bytes_per_s", "single_thread_bytes_per_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise InvalidConfigError(f"HostAttention.{name}={value!r} must be a positive finite number of bytes "
+                                         "per second; measure it with `tierkv bench`.")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise InvalidConfigError(f"HostAttention.threads={self.threads!r} must be an int >= 1.")
+
+
+@dataclass(frozen=True, slots=True)
 class Contention:
     """How much the mover's work and the model's compute slow each other where they overlap, on a CPU-only
     host (cores, caches and DRAM are shared), as slowdown factors >= 1, each side measured separately by
@@ -207,6 +227,9 @@ class LinkProfile:
     """The cache's own work per layer on the compute thread once the layer's data is ready (bookkeeping,
     the read of the newest tokens, submitting the next prefetch): it delays the layer's compute and, when
     the mover is the bottleneck, the mover's next job. Measured by ``tierkv bench`` on CPU-only hosts."""
+    host_attention: HostAttention | None = None
+    """The host attention kernel's measured rate (``tierkv bench``); None in presets and in profiles measured
+    before it was (the planner then estimates it: ``tierkv.planner.host_attention_rate``)."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.links) - set(LINK_KEYS))
@@ -219,6 +242,9 @@ class LinkProfile:
             raise InvalidConfigError(
                 f"LinkProfile.layer_overhead_s={self.layer_overhead_s!r} must be a finite number of seconds >= 0."
             )
+        if self.host_attention is not None and not isinstance(self.host_attention, HostAttention):
+            raise InvalidConfigError(f"LinkProfile.host_attention={self.host_attention!r} must be a HostAttention "
+                                     "or None; measure it with `tierkv bench`.")
         if not isinstance(self.contention, Contention):
             raise InvalidConfigError(
                 f"LinkProfile.contention={self.contention!r} must be a Contention (slowdowns of compute and of the "
@@ -244,6 +270,8 @@ class LinkProfile:
         data = {"links": {key: asdict(link) for key, link in self.links.items()}, "machine": self.machine,
                 "serial_mover": self.serial_mover, "contention": asdict(self.contention),
                 "layer_overhead_s": self.layer_overhead_s}
+        if self.host_attention is not None:
+            data["host_attention"] = asdict(self.host_attention)
         with open(path, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
             f.write("\n")
@@ -264,6 +292,11 @@ class LinkProfile:
             else:
                 contention = Contention(**{str(k): float(v) for k, v in contention.items()})
             overhead = float(data.get("layer_overhead_s", 0.0))
+            attention = data.get("host_attention")  # absent in profiles measured before the kernel was
+            if attention is not None:
+                attention = HostAttention(float(attention["bandwidth_bytes_per_s"]),
+                                          float(attention["single_thread_bytes_per_s"]), int(attention["threads"]),
+                                          str(attention.get("kernel", "native")))
             if not isinstance(serial, bool):
                 raise TypeError(f"serial_mover must be true or false, got {serial!r}")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -275,7 +308,7 @@ class LinkProfile:
                 "...}, "
                 '"machine": {...}}.'
             ) from None
-        return cls(links, machine, serial, contention, overhead)
+        return cls(links, machine, serial, contention, overhead, attention)
 
     @classmethod
     def from_presets(cls, link: str = "pcie4", disk: str = "nvme-gen4") -> LinkProfile:
@@ -284,12 +317,12 @@ class LinkProfile:
         read = _preset(disk, _DISK_PRESETS, "disk")
         return cls(
             {
-                "host->device": pcie,
-                "device->host": pcie,
-                "disk->host": read,
-                "host->disk": PRESETS[f"{disk}-write"],
-                "device->device": PRESETS["hbm"],
-                "host->host": PRESETS["dram"],
+                LinkName.HOST_TO_DEVICE: pcie,
+                LinkName.DEVICE_TO_HOST: pcie,
+                LinkName.DISK_TO_HOST: read,
+                LinkName.HOST_TO_DISK: PRESETS[f"{disk}-write"],
+                LinkName.DEVICE_TO_DEVICE: PRESETS["hbm"],
+                LinkName.HOST_TO_HOST: PRESETS["dram"],
             },
             {"source": f"presets: {link}, {disk}"},
         )
@@ -370,6 +403,7 @@ class Bottleneck(str, enum.Enum):
     COMPUTE = "compute"
     HOST_TO_DEVICE = "host->device"
     DISK = "disk"
+    HOST_ATTENTION = "host attention"  # the split executor: the host's CPUs attending the KV where it lives
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,14 +424,19 @@ class StepForecast:
     prefetch_depth: int
     bottleneck: Bottleneck
     serial_mover: bool = False  # one mover thread does copies and disk reads in turn (CPU-only host, no read-ahead)
+    host_attention_s: float = 0.0  # the split executor: the host's CPUs attending host (and disk) KV in place
+    attention_on_compute: bool = False  # ... on the compute thread, after the layer's compute (CPU-only host)
 
     @property
     def lower_bound_s(self) -> float:
-        """A perfectly overlapped step: ``max(compute, host->device, disk)``, or with a serial mover
-        ``max(compute, host->device + disk)``."""
+        """A perfectly overlapped step: ``max(compute, host->device, disk, host attention)``; with a serial mover
+        ``max(compute, host->device + disk)``; with the attention on the compute thread ``max(compute + host
+        attention, disk)``."""
         if self.serial_mover:
             return max(self.compute_s, self.host_to_device_s + self.disk_s)
-        return max(self.compute_s, self.host_to_device_s, self.disk_s)
+        if self.attention_on_compute:
+            return max(self.compute_s + self.host_attention_s, self.host_to_device_s, self.disk_s)
+        return max(self.compute_s, self.host_to_device_s, self.disk_s, self.host_attention_s)
 
     @property
     def overlap_efficiency(self) -> float:
@@ -436,10 +475,10 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
     if not (math.isfinite(jitter) and 0.0 <= jitter <= 1.0):
         raise InvalidConfigError(f"jitter={jitter!r} must be a coefficient of variation in [0, 1] (0: exact times).")
     layers = placement.layers
-    disk = [_stage("disk->host", links, layer.disk_bytes, layer.disk_transfers) for layer in layers]
-    host = [_stage("host->device", links, layer.host_bytes, layer.host_transfers) for layer in layers]
-    host_disk = [_stage("host->device", links, layer.disk_bytes, layer.disk_transfers) for layer in layers]
-    gather = [_stage("device->device", links, layer.device_bytes, 1) for layer in layers]
+    disk = [_stage(LinkName.DISK_TO_HOST, links, layer.disk_bytes, layer.disk_transfers) for layer in layers]
+    host = [_stage(LinkName.HOST_TO_DEVICE, links, layer.host_bytes, layer.host_transfers) for layer in layers]
+    host_disk = [_stage(LinkName.HOST_TO_DEVICE, links, layer.disk_bytes, layer.disk_transfers) for layer in layers]
+    gather = [_stage(LinkName.DEVICE_TO_DEVICE, links, layer.device_bytes, 1) for layer in layers]
     if links.serial_mover:
         compute, copies, disk = _contended(
             [layer.compute_s for layer in layers], [g + h + hd for g, h, hd in zip(gather, host, host_disk)],
@@ -477,6 +516,76 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
         prefetch_depth=prefetch_depth,
         bottleneck=Bottleneck.COMPUTE if compute_total >= mover else transfer,
         serial_mover=serial_disk,
+    )
+
+
+def predict_split_step(placement: Placement, links: LinkProfile, host_attention_bytes_per_s: float, *,
+                       query_bytes: int = 0, partial_bytes: int = 0, read_ahead: int = DISK_READ_AHEAD,
+                       on_compute_thread: bool = False) -> StepForecast:
+    """Predict one decode step of the split executor: each tier's KV attended where it lives, nothing staged.
+
+    Per layer (``docs/bandwidth-model.md``, "Split"): the device computes the layer with its own KV in place
+    (``compute_s``; ``device_bytes`` move nowhere), while the host's CPUs attend ``host_bytes`` at
+    ``host_attention_bytes_per_s`` and then ``disk_bytes`` once their read has landed; the query goes down
+    (``query_bytes``, device->host) and the CPU part's (output, log-sum-exp), its host and disk shares merged
+    there, comes up (``partial_bytes``), and the layer ends when both sides have. Disk reads queue on the disk in layer
+    order, each submitted ``read_ahead`` layers ahead (when layer ``i - read_ahead`` starts). With
+    ``on_compute_thread`` (a CPU-only host: the "device" is host memory) one thread computes the layer, then
+    attends every share (device blocks too) in turn, and no query crosses a link.
+    """
+    if not (math.isfinite(host_attention_bytes_per_s) and host_attention_bytes_per_s > 0):
+        raise InvalidConfigError(f"host_attention_bytes_per_s={host_attention_bytes_per_s!r} must be a positive "
+                                 "number of bytes per second.")
+    if read_ahead < 0:
+        raise InvalidConfigError(f"read_ahead={read_ahead} must be >= 0.")
+    layers = placement.layers
+    starts: list[float] = []
+    t = disk_free = 0.0
+    compute_total = attention_total = merge_total = disk_total = 0.0
+    for i, layer in enumerate(layers):
+        starts.append(t)
+        disk = _stage(LinkName.DISK_TO_HOST, links, layer.disk_bytes, layer.disk_transfers)
+        landed = t
+        if layer.disk_bytes > 0:
+            disk_free = landed = max(starts[i - read_ahead] if i >= read_ahead else 0.0, disk_free) + disk
+        in_memory = layer.host_bytes + (layer.device_bytes if on_compute_thread else 0)
+        memory_s = in_memory / host_attention_bytes_per_s
+        disk_attention_s = layer.disk_bytes / host_attention_bytes_per_s
+        if on_compute_thread:
+            merge = 0.0
+            end = max(t + layer.compute_s + memory_s, landed) + disk_attention_s
+        else:
+            cpu_part = layer.host_bytes + layer.disk_bytes > 0
+            merge = (_stage(LinkName.DEVICE_TO_HOST, links, query_bytes, 1)
+                     + _stage(LinkName.HOST_TO_DEVICE, links, partial_bytes, 1)) if cpu_part else 0.0
+            cpu_end = max(t + memory_s, landed) + disk_attention_s + merge if cpu_part else t
+            end = max(t + layer.compute_s, cpu_end)
+        compute_total += layer.compute_s
+        attention_total += memory_s + disk_attention_s
+        merge_total += merge
+        disk_total += disk
+        t = end
+    step = t + placement.other_compute_s
+    compute_total += placement.other_compute_s
+    if on_compute_thread:
+        busy = {Bottleneck.COMPUTE: compute_total + attention_total, Bottleneck.DISK: disk_total}
+        if attention_total > compute_total and busy[Bottleneck.COMPUTE] >= disk_total:
+            busy[Bottleneck.HOST_ATTENTION] = busy.pop(Bottleneck.COMPUTE)
+    else:
+        busy = {Bottleneck.COMPUTE: compute_total, Bottleneck.HOST_ATTENTION: attention_total,
+                Bottleneck.HOST_TO_DEVICE: merge_total, Bottleneck.DISK: disk_total}
+    work = compute_total + (attention_total if on_compute_thread else 0.0)
+    return StepForecast(
+        step_s=step,
+        compute_s=compute_total,
+        host_to_device_s=merge_total,
+        disk_s=disk_total,
+        fill_s=0.0,  # layer 0 computes at once: nothing is staged before it
+        stall_s=max(0.0, step - work),
+        prefetch_depth=0,
+        bottleneck=max(busy, key=busy.__getitem__),
+        host_attention_s=attention_total,
+        attention_on_compute=on_compute_thread,
     )
 
 
@@ -558,7 +667,8 @@ def _mean_with_jitter(stages: tuple[list[float], ...], serial: bool, depth: int,
     ends = []
     for sample in range(JITTER_SAMPLES):
         varied = [[t * f[sample] for t, f in zip(stage, fs)] for stage, fs in zip(stages, per_stage)]
-        ends.append(_pipeline(*varied, serial, depth, overhead, read_ahead)[0])
+        compute, host, host_disk, disk, copies = varied
+        ends.append(_pipeline(compute, host, host_disk, disk, copies, serial, depth, overhead, read_ahead)[0])
     return sum(ends) / JITTER_SAMPLES
 
 

@@ -51,7 +51,6 @@ class Block:
     tokens: int = 0
     refcount: int = 1
     index: int = 0
-    last_access: int = 0  # the policy's bookkeeping (see tierkv.policy)
 
 
 _VERSIONS = itertools.count()  # one sequence for every grid: a version never repeats, even in a new grid
@@ -72,22 +71,15 @@ class LayerRows:
         self.count = 0
         self.front = 0  # sequence index of column 0 (blocks dropped from the front before it)
         self.version = next(_VERSIONS)
+        self._views()
 
-    @property
-    def batch(self) -> int:
-        return self._ids.shape[0]
-
-    @property
-    def ids(self) -> np.ndarray:
-        return self._ids[:, : self.count]
-
-    @property
-    def tiers(self) -> np.ndarray:
-        return self._tiers[:, : self.count]
-
-    @property
-    def slots(self) -> np.ndarray:
-        return self._slots[:, : self.count]
+    def _views(self) -> None:
+        """Set ``batch`` and the ``[B, count]`` views ``ids``, ``tiers`` and ``slots``: plain attributes, refreshed
+        by every edit that changes the count or the buffers, so the decode step reads them without a call."""
+        self.batch = self._ids.shape[0]
+        self.ids = self._ids[:, : self.count]
+        self.tiers = self._tiers[:, : self.count]
+        self.slots = self._slots[:, : self.count]
 
     def __len__(self) -> int:
         return self.batch
@@ -105,6 +97,7 @@ class LayerRows:
         for r, block in enumerate(blocks):
             self.put(r, self.count, block)
         self.count += 1
+        self._views()
 
     def put(self, row: int, column: int, block: Block) -> None:
         self._ids[row, column] = block.id
@@ -123,6 +116,7 @@ class LayerRows:
     def truncate(self, count: int) -> None:
         self.count = count
         self.version = next(_VERSIONS)
+        self._views()
 
     def drop_front(self, columns: int) -> None:
         for array in (self._ids, self._tiers, self._slots):
@@ -130,10 +124,12 @@ class LayerRows:
         self.count -= columns
         self.front += columns
         self.version = next(_VERSIONS)
+        self._views()
 
     def select(self, indices: list[int]) -> None:
-        self._ids, self._tiers, self._slots = (array[indices] for array in (self._ids, self._tiers, self._slots))
+        self._ids, self._tiers, self._slots = self._ids[indices], self._tiers[indices], self._slots[indices]
         self.version = next(_VERSIONS)
+        self._views()
 
     def _grow(self) -> None:
         width = 2 * self._ids.shape[1]
@@ -142,6 +138,7 @@ class LayerRows:
             new = np.zeros((old.shape[0], width), dtype=old.dtype)
             new[:, : old.shape[1]] = old
             setattr(self, name, new)
+        self._views()
 
 
 class BlockTable:

@@ -2,7 +2,7 @@
 
 Each subcommand lives in ``tierkv/commands/<name>.py`` with ``add_arguments(parser)`` and
 ``run(args) -> int``; they are imported only when chosen, so ``tierkv plan`` never imports torch-heavy code
-it does not need.
+it does not need, and ``tierkv``, ``tierkv --help`` and ``tierkv --version`` import none of them (nor torch).
 
 Failures read the same in every command: one line on stderr that says what is wrong and how to fix it,
 exit status 2 for a usage error (a bad argument, a budget that cannot work) and 1 for a failure while
@@ -32,13 +32,34 @@ USAGE, FAILURE, INTERRUPTED = 2, 1, 130
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: ``tierkv demo: error: --context='0' must be at least 1 token; ...``."""
+    """argparse with one-line errors: ``tierkv demo: error: --context='0' must be at least 1 token; ...``.
+
+    ``command`` names the subcommand chosen on the command line, so an error the top-level parser finds
+    (an option the subcommand does not know) still names ``tierkv demo``, not ``tierkv``."""
+
+    command: str | None = None
 
     def error(self, message: str) -> NoReturn:
         # argparse says "argument --context: --context='0' must ..."; the option is named once is enough.
         message = re.sub(r"^argument (\S+): (?=\1)", "", message)
-        hint = "" if message.endswith(".") else f"; see {self.prog} --help"
-        self.exit(USAGE, f"{self.prog}: error: {message}{hint}\n")
+        if message.startswith("the following arguments are required: command"):
+            message += f" ({', '.join(SUBCOMMANDS)})"
+        prog = f"{self.prog} {self.command}" if self.command and self.prog == "tierkv" else self.prog
+        hint = "" if message.endswith(".") else f"; see {prog} --help"
+        self.exit(USAGE, f"{prog}: error: {message}{hint}\n")
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the versions are looked up only when asked for (package metadata reads take time)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the versions of tierkv, Python, torch and transformers")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(_version())  # stdout, as argparse's own version action
+        parser.exit(0)
 
 
 def _version() -> str:
@@ -56,14 +77,18 @@ def _version() -> str:
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The full parser, or one that knows just subcommand ``only`` (so only its module is imported)."""
-    parser = _Parser(prog="tierkv", description="Tiered KV-cache offloading for LLM decoding.")
-    parser.add_argument("--version", action="version", version=_version())
+    """The parser, with the arguments of subcommand ``only`` (only its module is imported); without ``only``
+    the subcommands are listed by name and help text, and no command module is imported."""
+    parser = _Parser(prog="tierkv", description="Tiered KV-cache offloading for LLM decoding.",
+                     epilog="Run 'tierkv COMMAND --help' for a command's options.")
+    parser.command = only
+    parser.add_argument("--version", action=_VersionAction)
     parser.add_argument("--debug", action="store_true", help="show tracebacks (also: TIERKV_DEBUG=1)")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
+                                title="commands")
     for name, help_text in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
-        if only in (None, name):
+        if only == name:
             module = importlib.import_module(f"tierkv.commands.{name}")
             module.add_arguments(sub_parser)
             sub_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,

@@ -37,6 +37,11 @@ class IntegrityError(DiskTierError):
     (a failing drive, or another program wrote to the file): its data is never returned."""
 
 
+class CheckpointError(TierKVError, RuntimeError):
+    """A model checkpoint folder cannot be loaded (a missing or unreadable file, pickle weights, a config or
+    tensor transformers refuses): a failure while running, not a malformed argument."""
+
+
 class InterruptedStepError(TierKVError, RuntimeError):
     """The previous forward stopped between two layers (a Ctrl-C or an error in the model's own code): the layers
     it reached were rolled back, and this forward, whose positions were computed before, is refused."""

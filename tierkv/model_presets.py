@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from tierkv.config import read_json
 from tierkv.errors import InvalidConfigError
+from tierkv.inputs import read_json
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -111,6 +111,12 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "mistral-7b": ModelSpec("mistral-7b", 32, 8, 128, 2, 32, 4096, 14336, 32768),
     # Qwen/Qwen2.5-7B config.json (use_sliding_window false)
     "qwen2.5-7b": ModelSpec("qwen2.5-7b", 28, 4, 128, 2, 28, 3584, 18944, 152064),
+    # The two models tierkv.models runs on CPU hosts (float32, as tierkv.models dequantises them):
+    # HuggingFaceTB/SmolLM2-135M-Instruct config.json
+    "smollm2-135m": ModelSpec("smollm2-135m", 30, 3, 64, 4, 9, 576, 1536, 49152, tie_word_embeddings=True),
+    # google/gemma-3-270m config.json: 15 of 18 layers slide over 512 tokens
+    "gemma3-270m": ModelSpec("gemma3-270m", 18, 1, 256, 4, 4, 640, 2048, 262144, tie_word_embeddings=True,
+                             sliding_layers=15, sliding_window=512),
 }
 
 

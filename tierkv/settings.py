@@ -19,24 +19,29 @@ and removes exactly its own entries on exit, so nested overrides restore in any 
 threads override at once. The environment is read on every :func:`get` (a dictionary lookup and a parse),
 so a variable set after import counts; no setting is read on a per-block path.
 
-Settings (variable, type, default):
+Settings (variable, default, range). Every number has a lower *and* an upper bound, checked whenever it is
+read, so a slip (``TIERKV_IO_QUEUE_DEPTH=4294967296``) is an error naming the variable, its range and a valid
+value, never a pool of 0 threads or an allocation of terabytes:
 
-==================  ========================  ============  =====================================================
-name                variable                  default       meaning
-==================  ========================  ============  =====================================================
-disk_engine         TIERKV_DISK_ENGINE        auto          disk engine: auto, kvikio, native or posix
-direct_io           TIERKV_DIRECT_IO          None (auto)   O_DIRECT: 1 on, 0 off (page cache), auto (try it)
-io_queue_depth      TIERKV_IO_QUEUE_DEPTH     16            requests in flight per disk file
-io_chunk            TIERKV_IO_CHUNK           4 MiB         largest single I/O request, a multiple of 4 KiB
-cache_dir           TIERKV_CACHE_DIR          XDG cache     native engine build, dequantised models (models/)
-profile             TIERKV_PROFILE            None          link profile JSON (``tierkv bench``) for telemetry
-trace               TIERKV_TRACE              None          write a Chrome trace of each cache to this path
-debug               TIERKV_DEBUG              False         full tracebacks from the CLI instead of one line
-prefetch_min        TIERKV_PREFETCH_MIN       1 MiB         smallest layer read worth a hand-off to the mover
-redis_password      TIERKV_REDIS_PASSWORD     None          the remote tier's password when its URL has none
-cuda_standin        TIERKV_CUDA_STANDIN       False         CPU caches take the CUDA paths on a checking stand-in
-remote_timeout      TIERKV_REMOTE_TIMEOUT     2.0           seconds a remote-tier command may take before a miss
-==================  ========================  ============  =====================================================
+=================  ========================  ===========  ===============  ======================================
+name               variable                  default      range            meaning
+=================  ========================  ===========  ===============  ======================================
+disk_engine        TIERKV_DISK_ENGINE        auto         engine name      auto, kvikio, native or posix
+direct_io          TIERKV_DIRECT_IO          None (auto)  1, 0, auto       O_DIRECT: on, off (page cache), try it
+io_queue_depth     TIERKV_IO_QUEUE_DEPTH     16           1 - 256          I/O requests (threads) per disk file
+io_chunk           TIERKV_IO_CHUNK           4 MiB        4 KiB - 256 MiB  largest single I/O, 4 KiB multiple
+cache_dir          TIERKV_CACHE_DIR          XDG cache    a directory      native engine build, models
+profile            TIERKV_PROFILE            None         a file           link profile JSON (tierkv bench)
+trace              TIERKV_TRACE              None         a file           Chrome trace of each cache
+debug              TIERKV_DEBUG              False        1, 0             full tracebacks from the CLI
+prefetch_min       TIERKV_PREFETCH_MIN       1 MiB        0 - 64 GiB       smallest layer read prefetched
+redis_password     TIERKV_REDIS_PASSWORD     None         a string         Redis password if not in the URL
+cuda_standin       TIERKV_CUDA_STANDIN       False        1, 0             CUDA paths on a CPU stand-in
+remote_timeout     TIERKV_REMOTE_TIMEOUT     2.0          0.001 - 600 s    a remote command's longest wait
+remote_queue       TIERKV_REMOTE_QUEUE       64 MiB       4 KiB - 16 GiB   bytes queued for remote writes
+remote_queue_wait  TIERKV_REMOTE_QUEUE_WAIT  10.0         0 - 600 s        wait for room, no write sent
+shared_group       TIERKV_SHARED_GROUP       False        1, 0             persistent blocks group-shared
+=================  ========================  ===========  ===============  ======================================
 
 Secrets (``redis_password``) are never shown: :func:`source` and :func:`describe` print ``***`` for them.
 """
@@ -53,13 +58,20 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.errors import InvalidConfigError
-from tierkv.units import parse_size
+from tierkv.units import format_bytes, parse_size
 
 DISK_ENGINES: tuple[str, ...] = ("kvikio", "native", "posix")
 """The disk engines; ``tierkv.io`` loads them by these names (auto-selection: native, then posix)."""
 
 DIRECT_IO_ALIGN = 4096
 """Alignment of direct I/O (``tierkv.io.ALIGN``): the I/O chunk must be a multiple of it."""
+
+MAX_IO_QUEUE_DEPTH = 256
+"""Most I/O threads per disk file (``io_queue_depth``): NVMe reaches its bandwidth from about 16; far more
+threads only cost memory, and the native pool refuses more."""
+
+MAX_IO_CHUNK = 256 << 20
+"""Largest ``io_chunk``: past a few MiB a larger piece only serialises a request onto one thread."""
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -108,11 +120,49 @@ def _flag(value: Any) -> bool:
     raise _Invalid("must be 1 or 0 (or true/false, yes/no, on/off)")
 
 
-def _positive_int(value: Any) -> int:
-    digits = isinstance(value, str) and value.strip().isdigit()
-    if isinstance(value, bool) or not (isinstance(value, int) or digits) or int(value) < 1:
-        raise _Invalid("must be a positive integer")
-    return int(value)
+def _count(high: int) -> Callable[[Any], int]:
+    """A converter to an int in ``[1, high]``."""
+    def convert(value: Any) -> int:
+        digits = isinstance(value, str) and value.strip().isdigit()
+        if isinstance(value, bool) or not (isinstance(value, int) or digits) or not 1 <= int(value) <= high:
+            raise _Invalid(f"must be a positive integer of at most {high} (range 1-{high})")
+        return int(value)
+
+    return convert
+
+
+def _seconds_in(low: float, high: float) -> Callable[[Any], float]:
+    """A converter to a number of seconds in ``[low, high]`` (``low`` 0 accepts 0; else ``low`` is the least)."""
+    def convert(value: Any) -> float:
+        try:
+            seconds = float(value) if not isinstance(value, bool) else -1.0
+        except (TypeError, ValueError):
+            raise _Invalid("must be a number of seconds such as 0.5") from None
+        if not low <= seconds <= high:  # also refuses nan
+            raise _Invalid(f"must be a number of seconds from {low:g} to {high:g}")
+        return seconds
+
+    return convert
+
+
+def _bounded_size(low: int, high: int, what: str) -> Callable[[Any], int]:
+    """A converter to a size in bytes in ``[low, high]`` (a bare number in the environment is GB, as everywhere
+    in tierkv; in Python an int is bytes)."""
+    def convert(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise _Invalid(f"must be a size such as {what} (or a number of bytes in Python)")
+        if isinstance(value, str) and value.strip() == "0":
+            size = 0
+        else:
+            try:
+                size = value if isinstance(value, int) else parse_size(value)
+            except InvalidConfigError as exc:
+                raise _Invalid(f"is not a size ({exc})") from None
+        if not low <= size <= high:
+            raise _Invalid(f"must be a size from {format_bytes(low) if low else 0} to {format_bytes(high)}")
+        return size
+
+    return convert
 
 
 def _chunk(value: Any) -> int:
@@ -122,22 +172,9 @@ def _chunk(value: Any) -> int:
         size = value if isinstance(value, int) else parse_size(value)
     except InvalidConfigError as exc:
         raise _Invalid(f"is not a size ({exc})") from None
-    if size < DIRECT_IO_ALIGN or size % DIRECT_IO_ALIGN:
-        raise _Invalid(f"must be a positive multiple of {DIRECT_IO_ALIGN} bytes")
-    return size
-
-
-def _size(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise _Invalid("must be a size such as 1MiB, or 0 (or a number of bytes in Python)")
-    if isinstance(value, str) and value.strip() == "0":
-        return 0
-    try:  # a bare number in the environment is GB, as everywhere in tierkv; in Python an int is bytes
-        size = value if isinstance(value, int) else parse_size(value)
-    except InvalidConfigError as exc:
-        raise _Invalid(f"is not a size ({exc})") from None
-    if size < 0:
-        raise _Invalid("must not be negative")
+    if size < DIRECT_IO_ALIGN or size % DIRECT_IO_ALIGN or size > MAX_IO_CHUNK:
+        raise _Invalid(f"must be a positive multiple of {DIRECT_IO_ALIGN} bytes of at most "
+                       f"{format_bytes(MAX_IO_CHUNK)}")
     return size
 
 
@@ -164,16 +201,6 @@ def _secret(value: Any) -> str | None:
     return value
 
 
-def _seconds(value: Any) -> float:
-    try:
-        seconds = float(value) if not isinstance(value, bool) else -1.0
-    except (TypeError, ValueError):
-        raise _Invalid("must be a number of seconds such as 0.5") from None
-    if not 0 < seconds < float("inf"):
-        raise _Invalid("must be a positive number of seconds")
-    return seconds
-
-
 def _xdg_cache() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(xdg) / "tierkv"
@@ -186,7 +213,7 @@ SETTINGS: dict[str, Setting] = {
                 "disk engine of the disk tier; auto picks native, else posix (kvikio only when forced)"),
         Setting("direct_io", "TIERKV_DIRECT_IO", lambda: None, _tristate, "0",
                 "O_DIRECT for disk files: 1 requires it, 0 uses the page cache, auto tries it"),
-        Setting("io_queue_depth", "TIERKV_IO_QUEUE_DEPTH", lambda: 16, _positive_int, "16",
+        Setting("io_queue_depth", "TIERKV_IO_QUEUE_DEPTH", lambda: 16, _count(MAX_IO_QUEUE_DEPTH), "16",
                 "requests in flight per disk file (NVMe reaches its bandwidth from about 16)"),
         Setting("io_chunk", "TIERKV_IO_CHUNK", lambda: 4 << 20, _chunk, "4MiB",
                 "largest single I/O an engine issues: larger requests are cut so the workers share them"),
@@ -199,14 +226,23 @@ SETTINGS: dict[str, Setting] = {
                 "record a Chrome trace of every cache and write it to this path when the cache closes"),
         Setting("debug", "TIERKV_DEBUG", lambda: False, _flag, "1",
                 "the CLI shows full tracebacks instead of a one-line error"),
-        Setting("prefetch_min", "TIERKV_PREFETCH_MIN", lambda: 1 << 20, _size, "1MiB",
+        Setting("prefetch_min", "TIERKV_PREFETCH_MIN", lambda: 1 << 20, _bounded_size(0, 64 << 30, "1MiB, or 0"),
+                "1MiB",
                 "layers with less KV than this are read when they come, not prefetched (0: prefetch all)"),
         Setting("redis_password", "TIERKV_REDIS_PASSWORD", lambda: None, _secret, "s3cret",
                 "password of the remote tier's Redis (remote=...) when the URL carries none"),
         Setting("cuda_standin", "TIERKV_CUDA_STANDIN", lambda: False, _flag, "1",
                 "a cache on the CPU runs the CUDA code paths on tierkv.cuda_standin, which checks stream ordering"),
-        Setting("remote_timeout", "TIERKV_REMOTE_TIMEOUT", lambda: 2.0, _seconds, "0.5",
+        Setting("remote_timeout", "TIERKV_REMOTE_TIMEOUT", lambda: 2.0, _seconds_in(0.001, 600.0), "0.5",
                 "longest wait of one remote-tier command; slower is a miss and the server is left alone a while"),
+        Setting("remote_queue", "TIERKV_REMOTE_QUEUE", lambda: 64 << 20, _bounded_size(4 << 10, 16 << 30, "64MiB"),
+                "64MiB", "host memory for blocks waiting to be written to the remote tier (counted in no budget)"),
+        Setting("remote_queue_wait", "TIERKV_REMOTE_QUEUE_WAIT", lambda: 10.0, _seconds_in(0.0, 600.0), "10",
+                "how long the persistence thread waits for room in the remote write queue while no write is sent "
+                "before it drops blocks (0: never wait)"),
+        Setting("shared_group", "TIERKV_SHARED_GROUP", lambda: False, _flag, "1",
+                "the persistent block directory is shared with its group (dirs 2770, files 0660) instead of "
+                "private to its owner (0700/0600); see docs/reliability.md (Security)"),
     )
 }  # fmt: skip
 """Every setting by name."""
@@ -230,7 +266,8 @@ def _convert(setting: Setting, value: Any, given: str) -> Any:
         return setting.convert(value)
     except _Invalid as exc:
         raise InvalidConfigError(
-            f"{given} {exc}; e.g. {setting.variable}={setting.example} ({setting.doc})."
+            f"{given} {exc}; e.g. {setting.variable}={setting.example}, or unset it for the default "
+            f"({setting.doc})."
         ) from None
 
 

@@ -1,4 +1,8 @@
-"""Decode-step telemetry and the optional timeline trace.
+"""Decode-step telemetry, the optional timeline trace, and the shape of ``cache.stats()``.
+
+:class:`CacheStats` is what ``TieredCache.stats()`` returns: a plain dict (JSON-ready, as before) whose keys and
+value types are declared here, with the unit in every name (``bytes_*``, ``*_s``, ``blocks``, ``tokens``);
+:mod:`tierkv.metrics` exposes the same counters to Prometheus.
 
 :class:`Timeline` keeps the last :data:`HISTORY` steps (forward passes) of one cache as
 :class:`StepTelemetry` records: wall time, model compute time, prefetch stall, the time the mover spent on
@@ -29,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from tierkv import settings
 from tierkv.bandwidth import (
@@ -43,9 +47,65 @@ from tierkv.bandwidth import (
     predict_step,
 )
 from tierkv.errors import InvalidConfigError
+from tierkv.vocabulary import LinkName
 
 HISTORY = 256
-READ_LINKS = ("device->device", "host->device", "disk->device")
+
+
+# ------------------------------------------------------------------------------------ stats() shape
+class WritebackStats(TypedDict):
+    """Blocks on their way to disk, and why background writes stopped (None while they run)."""
+
+    pending_blocks: int
+    paused: str | None
+
+
+class _CacheStatsAlways(TypedDict):
+    """The keys every ``stats()`` has, a cache that holds no tokens yet included."""
+
+    tokens: int  # sequence length
+    bytes_resident: dict[str, int]  # tier -> KV bytes held (tokens x token bytes)
+    bytes_moved: dict[str, int]  # link -> bytes moved since the cache was built
+    blocks: dict[str, int]  # tier -> blocks held
+    prefetch_hits: int
+    prefetch_misses: int
+    prefetch_stall_s: float  # time the model waited for prefetched data
+
+
+class CacheStats(_CacheStatsAlways, total=False):
+    """``TieredCache.stats()``: occupancy, traffic and prefetch effectiveness of one cache.
+
+    Tier keys are ``device``, ``host``, ``disk``; link keys as in :data:`~tierkv.vocabulary.READ_LINKS` plus the
+    write links (``device->host``, ``host->disk``, ``device->disk``). The keys below are there once the cache
+    holds tokens (its tiers exist), ``sparse`` after a sparse step, ``remote`` with a remote tier (the keys of
+    the base class always). docs/architecture.md ("Statistics") says what each counts.
+    """
+
+    bytes_allocated: dict[str, int]  # tier -> bytes held now (slots, whole chunks)
+    peak_bytes_allocated: dict[str, int]  # tier -> high-water mark of bytes_allocated
+    budget_bytes: dict[str, int]  # tier -> its budget
+    bytes_staging: int  # device bytes reserved for staging buffers (and key summaries)
+    bytes_summaries: int  # device bytes of the sparse key summaries
+    blocks_promoted: int  # blocks moved up by policy="attention"
+    writeback: WritebackStats  # blocks on their way to disk
+    disk_read_ahead_hits: int  # reads whose disk part was already in flight
+    mover: str  # the mover implementation
+    disk_engine: str | None  # the disk engine (None without a disk tier)
+    prefetch_depth: int  # layers prefetched ahead now
+    prefetch_auto: list[dict[str, Any]]  # prefetch_depth="auto" decisions (DepthChoice.as_dict)
+    steps: dict[str, Any]  # Timeline.summary(): medians of the last HISTORY decode steps
+    sparse: dict[str, Any]  # sparse steps' selection and reads (SparseCounters.as_dict)
+    remote: dict[str, Any]  # the remote tier's lookups, hits and bytes (docs/remote.md)
+
+
+TIERS = ("device", "host", "disk")
+"""Tier names, as ``stats()`` keys them."""
+
+
+def empty_stats() -> CacheStats:
+    """``stats()`` of a cache that holds no tokens yet: every tier empty, nothing moved."""
+    return {"tokens": 0, "bytes_resident": dict.fromkeys(TIERS, 0), "bytes_moved": {},
+            "blocks": dict.fromkeys(TIERS, 0), "prefetch_hits": 0, "prefetch_misses": 0, "prefetch_stall_s": 0.0}
 
 
 # --------------------------------------------------------------------------------------- profile
@@ -59,8 +119,10 @@ def default_profile(device_type: str, cuda_major: int = 0) -> LinkProfile:
     if device_type == "cuda":
         return LinkProfile.from_presets("pcie5" if cuda_major >= 9 else "pcie4", "nvme-gen4")
     dram = PRESETS["dram"]
-    links = {"host->device": dram, "device->host": dram, "device->device": dram, "host->host": dram,
-             "disk->host": PRESETS["nvme-gen4"], "host->disk": PRESETS["nvme-gen4-write"]}
+    links: dict[str, Link] = {
+        LinkName.HOST_TO_DEVICE: dram, LinkName.DEVICE_TO_HOST: dram, LinkName.DEVICE_TO_DEVICE: dram,
+        LinkName.HOST_TO_HOST: dram, LinkName.DISK_TO_HOST: PRESETS["nvme-gen4"],
+        LinkName.HOST_TO_DISK: PRESETS["nvme-gen4-write"]}
     return LinkProfile(links, {"source": "presets: dram (CPU-only host), nvme-gen4"}, serial_mover=True)
 
 
@@ -98,11 +160,11 @@ class LayerRecord:
 
     def load(self, compute_s: float | None = None) -> LayerLoad:
         return LayerLoad(self.compute_s if compute_s is None else compute_s,
-                         device_bytes=self.bytes.get("device->device", 0),
-                         host_bytes=self.bytes.get("host->device", 0),
-                         disk_bytes=self.bytes.get("disk->device", 0),
-                         host_transfers=max(1, self.copies.get("host->device", 0)),
-                         disk_transfers=max(1, self.copies.get("disk->device", 0)))
+                         device_bytes=self.bytes.get(LinkName.DEVICE_TO_DEVICE, 0),
+                         host_bytes=self.bytes.get(LinkName.HOST_TO_DEVICE, 0),
+                         disk_bytes=self.bytes.get(LinkName.DISK_TO_DEVICE, 0),
+                         host_transfers=max(1, self.copies.get(LinkName.HOST_TO_DEVICE, 0)),
+                         disk_transfers=max(1, self.copies.get(LinkName.DISK_TO_DEVICE, 0)))
 
 
 @dataclass(slots=True)
@@ -210,6 +272,17 @@ class Timeline:
         if self.current is not None:
             self.current.stall_s += seconds
 
+    def add_layer(self, layer: int, reads: Sequence[ReadTiming], compute: tuple[int, float] | None = None,
+                  begin: tuple[float, int, int, int] | None = None) -> None:
+        """One layer's gather in one call: the compute span of the layer before it (``(layer, seconds)``), a new
+        step (:meth:`begin_step`'s arguments, at the first layer of a pass), then the layer's synchronous reads —
+        what :meth:`add_compute`, :meth:`begin_step` and :meth:`add_reads` record, in that order."""
+        if compute is not None:
+            self.add_compute(*compute)
+        if begin is not None:
+            self.begin_step(*begin)
+        self.add_reads(layer, reads, sync=True)
+
     def add_reads(self, layer: int, reads: Sequence[ReadTiming], sync: bool) -> None:
         """Fold the timings of one executed read job (prefetch or synchronous) into the current step."""
         step = self.current
@@ -311,8 +384,9 @@ class Timeline:
 
 
 def _predict_link(profile: LinkProfile, link: str, nbytes: int, copies: int) -> float:
-    if link == "disk->device":  # disk -> host bounce buffer (one batched read), then host -> device
-        return _time(profile, "disk->host", nbytes, copies) + _time(profile, "host->device", nbytes, copies)
+    if link == LinkName.DISK_TO_DEVICE:  # disk -> host bounce buffer (one batched read), then host -> device
+        return (_time(profile, LinkName.DISK_TO_HOST, nbytes, copies)
+                + _time(profile, LinkName.HOST_TO_DEVICE, nbytes, copies))
     return _time(profile, link, nbytes, copies)
 
 
@@ -362,8 +436,10 @@ class Trace:
                 "otherData": {"dropped_events": self.dropped}}
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_json(), f)
+        """Replace ``path`` atomically with the trace, mode 0600 (a link there is replaced, never followed)."""
+        from tierkv import safefs
+
+        safefs.write_file(path, [json.dumps(self.to_json()).encode()], shared=False)
 
 
 def make_trace(trace: bool | str | os.PathLike | None) -> Trace | None:
@@ -445,17 +521,17 @@ def choose_prefetch_depth(layers: Sequence[LayerRecord], profile: LinkProfile, *
 def _evacuate(layers: Sequence[LayerRecord], nbytes: int, free_host_bytes: int) -> list[LayerRecord]:
     """``layers`` with ``nbytes`` of device-resident KV moved off the device, spread over the layers in
     proportion to their device bytes: to the host while it has room, then to disk."""
-    device = sum(layer.bytes.get("device->device", 0) for layer in layers)
+    device = sum(layer.bytes.get(LinkName.DEVICE_TO_DEVICE, 0) for layer in layers)
     move = min(nbytes, device)
     if move <= 0:
         return list(layers)
     to_host = min(move, max(free_host_bytes, 0)) / move
     out = []
     for layer in layers:
-        share = layer.bytes.get("device->device", 0) * move / device
+        share = layer.bytes.get(LinkName.DEVICE_TO_DEVICE, 0) * move / device
         data = dict(layer.bytes)
-        data["device->device"] = int(data.get("device->device", 0) - share)
-        data["host->device"] = int(data.get("host->device", 0) + share * to_host)
-        data["disk->device"] = int(data.get("disk->device", 0) + share * (1 - to_host))
+        data[LinkName.DEVICE_TO_DEVICE] = int(data.get(LinkName.DEVICE_TO_DEVICE, 0) - share)
+        data[LinkName.HOST_TO_DEVICE] = int(data.get(LinkName.HOST_TO_DEVICE, 0) + share * to_host)
+        data[LinkName.DISK_TO_DEVICE] = int(data.get(LinkName.DISK_TO_DEVICE, 0) + share * (1 - to_host))
         out.append(LayerRecord(layer.compute_s, data, dict(layer.copies)))
     return out

@@ -20,7 +20,7 @@ is an :class:`~tierkv.errors.InvalidConfigError`, never an ``OverflowError`` dee
 from __future__ import annotations
 
 import re
-from decimal import Decimal
+from decimal import ROUND_CEILING, Decimal
 
 from tierkv.errors import InvalidConfigError
 
@@ -38,10 +38,14 @@ MAX_TOKENS = 2**40
 _VALUE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _SIZE_EXAMPLES = "'512MB', '20GiB' or 1.5 (GB)"
 _TOKEN_EXAMPLES = "32768, '128K' (131072) or '1.5K' (1536)"
+_SIZE_UNIT_NAMES = "B; KB, MB, GB, TB (powers of 10); KiB, MiB, GiB, TiB (powers of 2)"
+_TOKEN_UNIT_NAMES = "K, M, G; binary, 1K = 1024"
 
 
-def _number(value: object, name: str, what: str, examples: str, units: dict[str, int]) -> tuple[Decimal, str]:
-    """Split ``value`` into an exact decimal and a lower-case unit ('' when none was given)."""
+def _number(value: object, name: str, what: str, examples: str, units: dict[str, int], unit_names: str,
+            least: str = ">= 0") -> tuple[Decimal, str]:
+    """Split ``value`` into an exact decimal and a lower-case unit ('' when none was given); ``unit_names`` and
+    ``least`` are how errors spell the units and the smallest value allowed."""
     if isinstance(value, bool):
         raise InvalidConfigError(f"{name}={value!r} is a bool; give a number such as {examples}.")
     if isinstance(value, int):  # clamped: a 5,000-digit int must not reach int-to-str limits
@@ -54,11 +58,11 @@ def _number(value: object, name: str, what: str, examples: str, units: dict[str,
         raise InvalidConfigError(f"{name} must be a number or a string such as {examples}, not {type(value).__name__}.")
     text = value.strip()
     if text.startswith("-"):
-        raise InvalidConfigError(f"{name}={value!r} is negative; give a value >= 0 such as {examples}.")
+        raise InvalidConfigError(f"{name}={value!r} is negative; give a value {least} such as {examples}.")
     match = _VALUE.match(text)
     if match is None or match.group(2).lower() not in ("", *units):
         raise InvalidConfigError(
-            f"{name}={value!r} is not {what}; write a number with an optional unit ({', '.join(units)}), "
+            f"{name}={value!r} is not {what}; write a number with an optional unit ({unit_names}), "
             f"e.g. {examples}."
         )
     return Decimal(match.group(1)), match.group(2).lower()
@@ -79,7 +83,7 @@ def parse_size(value: float | int | str, *, name: str = "size") -> int:
     >>> parse_size("512MiB"), parse_size(0.5), parse_size("1.5 KB")
     (536870912, 500000000, 1500)
     """
-    number, unit = _number(value, name, "a size", _SIZE_EXAMPLES, SIZE_UNITS)
+    number, unit = _number(value, name, "a size", _SIZE_EXAMPLES, SIZE_UNITS, _SIZE_UNIT_NAMES)
     if number < 0:
         raise InvalidConfigError(f"{name}={value!r} is negative; budgets and sizes must be >= 0.")
     nbytes = number * (SIZE_UNITS[unit] if unit else 10**9) if number <= MAX_BYTES else number
@@ -91,7 +95,7 @@ def parse_size(value: float | int | str, *, name: str = "size") -> int:
     return int(nbytes.to_integral_value())
 
 
-def parse_tokens(value: int | str, *, name: str = "context", minimum: int = 1) -> int:
+def parse_tokens(value: int | float | str, *, name: str = "context", minimum: int = 1) -> int:
     """A whole token count: ``32768``, ``"128K"`` (131072), ``"1.5K"`` (1536), ``"1M"`` (1048576).
 
     >>> parse_tokens("1.5K"), parse_tokens(4096)
@@ -99,11 +103,13 @@ def parse_tokens(value: int | str, *, name: str = "context", minimum: int = 1) -
     """
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    number, unit = _number(value, name, "a token count", _TOKEN_EXAMPLES, TOKEN_UNITS)
+    number, unit = _number(value, name, "a token count", _TOKEN_EXAMPLES, TOKEN_UNITS, _TOKEN_UNIT_NAMES,
+                           least=f"of at least {plural(minimum, 'token')}")
     count = number * (TOKEN_UNITS[unit] if unit else 1) if number <= MAX_TOKENS else number
     if count != count.to_integral_value():
+        whole = max(minimum, int(count.to_integral_value(rounding=ROUND_CEILING)))
         raise InvalidConfigError(
-            f"{name}={value!r} is {count:f} tokens; give a whole number of tokens, e.g. {int(count)}."
+            f"{name}={value!r} is {count.normalize():f} tokens; give a whole number of tokens, e.g. {whole}."
         )
     if count < minimum:
         raise InvalidConfigError(
@@ -129,6 +135,30 @@ def format_bytes(nbytes: float | Decimal) -> str:
                         ("KiB", 2**10)):
         if value >= scale:
             return f"{value / scale:,.2f} {unit}"
+    return f"{value:,.0f} B"
+
+
+def format_size_option(nbytes: int) -> str:
+    """The shortest spelling of at least ``nbytes`` that :func:`parse_size` reads back and a command line takes as
+    one word, in the decimal units of the ``--*-gb`` options (rounded up, so a minimum stays a minimum): ``'11'``
+    (GB) for 10.2e9 bytes, ``'1.29'`` for 1.281e9, ``'1.29MB'`` for 1,282,322, ``'512B'``."""
+    nbytes = max(int(nbytes), 0)
+    for unit, scale in (("", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if nbytes >= scale:
+            if nbytes >= 10 * scale and unit == "":
+                return str(-(-nbytes // scale))
+            hundredths = -(-nbytes * 100 // scale)
+            whole, cents = divmod(hundredths, 100)
+            return (f"{whole}.{cents:02d}".rstrip("0").rstrip(".") if cents else str(whole)) + unit
+    return f"{nbytes}B"
+
+
+def format_gb(nbytes: float) -> str:
+    """Bytes in the decimal units the ``--*-gb`` options count in, one decimal: ``'137.4 GB'``, ``'1.3 MB'``."""
+    value = float(nbytes)
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if value >= scale:
+            return f"{value / scale:,.1f} {unit}"
     return f"{value:,.0f} B"
 
 

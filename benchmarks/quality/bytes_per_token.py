@@ -2,7 +2,7 @@
 
     python benchmarks/quality/bytes_per_token.py --reference RUN/smollm2 --prompt needle/4096/d0.50/#0
     python benchmarks/quality/bytes_per_token.py --reference RUN/gemma3 --prompt needle/16384/d0.50/#0
-    flock -x /tmp/tierkv-cpu.lock python benchmarks/quality/bytes_per_token.py ...   (for the step times)
+    python benchmarks/quality/bytes_per_token.py ...   (for the step times)
 
 The prompt's full-attention KV (saved by ``tierkv eval --stage reference``; the model is the one that run
 named) is written into one TieredCache whose device budget is the streaming minimum plus 10% of the KV it

@@ -1,19 +1,31 @@
-"""The executor interface, its registry, and the prefetch bookkeeping every executor shares.
+"""The executor protocol, its registry, and what every executor shares: staging, column reads, prefetch.
 
-An executor decides how a layer attends over KV that lives in several tiers (exact gather, streaming,
-later split and sparse). All of them read from the store through plans, prefetch ahead on the mover, and
-must forget what they staged when the table is edited; :class:`PipelinedExecutor` holds that shared part.
-The adapter (:mod:`tierkv.hf`) builds executors by name with everything they need::
+An executor decides how a layer attends over KV that lives in several tiers (exact gather, streaming, sparse,
+later split). The cache layer (:class:`tierkv.hf.layer.TieredLayer`) appends a step's tokens to the store, then
+hands the active executor one immutable :class:`Span` and the step's keys and values::
 
-    executor = EXECUTORS["exact_gather"](store, mover, start_of=..., num_layers=..., timeline=..., trace=...)
+    keys, values = executor.step(span, keys, values)      # what the model's attention function gets
+    out = executor.attend(span, query, mask, scaling, softcap)   # executors that replace the attention function
+
+Executors are built by name from :data:`EXECUTORS` with everything they need::
+
+    executor = EXECUTORS["exact_gather"](store, mover, num_layers=..., timeline=..., trace=..., **options)
+
+Adding an executor: subclass :class:`PipelinedExecutor`, set ``name`` (and ``replaces_attention``), decorate it
+with :func:`register_executor`, hold device memory only through its :class:`~tierkv.staging.Staging` (the cache
+calls :meth:`~PipelinedExecutor.release_staging` when a mode without it takes over), and add it to
+``tests/test_executor_contract.py``'s ``engage``. A cache runs it inside a :class:`tierkv.hf.runtime.Mode`
+(which registered executor takes multi-token steps, which one-token steps) that an
+:class:`tierkv.hf.attention.Engagement` pushes for a ``with`` block, as ``cache.streaming()`` and
+``cache.sparse()`` do.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -21,19 +33,62 @@ from tierkv import accel
 from tierkv.attention.timed_read import resolve_cuda_events, timed_read
 from tierkv.bandwidth import DISK_READ_AHEAD
 from tierkv.blocks import Tier
+from tierkv.errors import TierKVError
 from tierkv.mover import MoveHandle, ThreadMover
+from tierkv.staging import Staging
 from tierkv.stats import ReadTiming, Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
 from tierkv.tiers.base import PendingRead
 
 
-class Executor(Protocol):
-    """What the adapter needs of every executor."""
+@dataclass(frozen=True, slots=True)
+class Span:
+    """What one layer attends over in one step, after the step's tokens were appended to the store.
 
-    name: str
+    ``start``: the first stored token attended (a sliding window starts later); ``stop``: the stored tokens,
+    this step's included; ``new_tokens``: this step's; ``batch``: rows; ``window``: the layer's sliding window
+    (None: full attention), from which executors predict later steps' starts for prefetch; ``context``: the
+    layer's sequence length, dropped tokens included (what a fractional sparse budget is a fraction of).
+    """
+
+    layer: int
+    start: int
+    stop: int
+    new_tokens: int
+    batch: int
+    window: int | None = None
+    context: int = 0
+
+    @classmethod
+    def of(cls, store: KVStore, layer: int, start: int = 0, new_tokens: int = 0) -> Span:
+        """The span of ``layer`` from ``start`` to everything the store holds (full attention)."""
+        stop = store.seq_length(layer)
+        return cls(layer, start, stop, new_tokens, store.batch_size(layer), None, stop - start)
+
+
+def window_start(stored: int, window: int | None) -> int:
+    """The first stored token a layer of ``stored`` tokens attends at its next one-token step (HF's sliding
+    semantics: the window holds ``window - 1`` past tokens and the new one)."""
+    return 0 if window is None else max(0, stored - (window - 1))
+
+
+class Executor(Protocol):
+    """What the cache layer needs of every executor."""
+
+    name: ClassVar[str]
+    replaces_attention: ClassVar[bool]  # True: the model's attention function calls attend() (streaming, sparse)
     prefetch_hits: int
     prefetch_misses: int
     stall_s: float
+    read_ahead_hits: int
+
+    def step(self, span: Span, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V ``[B, H_kv, T, D]`` the model's attention function gets for ``span`` (the step's own
+        ``keys``/``values`` already appended to the store)."""
+
+    def attend(self, span: Span, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+               softcap: float | None) -> torch.Tensor:
+        """Attention of ``query`` ``[B, H_q, q, D]`` over ``span``: ``[B, q, H_q, D]``."""
 
     def invalidate(self) -> None:
         """Table edits (crop, reorder, reset, a rollback) make staged data stale: forget it."""
@@ -50,20 +105,18 @@ class Executor(Protocol):
     def pause_telemetry(self) -> None:
         """Another executor takes over: end the step in progress."""
 
+    def release_staging(self) -> None:
+        """Another executor takes over: give the device memory staged for this one back to the budget."""
+
     def close(self) -> None: ...
 
 
-EXECUTORS: dict[str, type] = {}
+EXECUTORS: dict[str, type[PipelinedExecutor]] = {}
 
 
-def register_executor(cls: type) -> type:
+def register_executor(cls: type[PipelinedExecutor]) -> type[PipelinedExecutor]:
     EXECUTORS[cls.name] = cls
     return cls
-
-
-def from_first_token(layer: int) -> int:
-    """Full attention: every layer attends from its first stored token."""
-    return 0
 
 
 READ_AHEAD_BYTES = 1 << 30
@@ -88,24 +141,41 @@ class DiskAhead:
     nbytes: int  # its disk bytes (the size of the host buffer it holds)
 
 
+@dataclass(frozen=True, slots=True)
+class ColumnRead:
+    """Block columns ``[first, first + columns)`` of ``layer`` on their way into staging buffer ``buffer``; the
+    first ``full`` of them were full when planned (immutable since, unless the table is edited: ``version``)."""
+
+    layer: int
+    first: int
+    columns: int
+    full: int
+    buffer: int
+    version: int
+    handle: MoveHandle
+    timings: list[ReadTiming] | None = field(default=None, compare=False)  # filled by the mover (telemetry on)
+
+
 class PipelinedExecutor:
     """Shared state of executors that prefetch layer by layer on a mover.
 
-    ``start_of(layer)`` is the first stored token a layer's attention reads (sliding windows start later);
-    ``num_layers`` is known up front when the cache was built from a config, else learnt from the first
-    full pass — until then prefetch never wraps to layer 0. The executor registers with the store as a
-    reader, so the store's barrier waits for its reads.
+    ``num_layers`` is known up front when the cache was built from a config, else learnt from the first full
+    pass — until then prefetch never wraps to layer 0. Each layer's sliding window is learnt from its spans
+    (:func:`window_start` predicts where its next step starts). The executor registers with the store as a
+    reader, so the store's barrier waits for its reads; its device memory is its :attr:`staging`.
     """
 
-    name = ""
+    name: ClassVar[str] = ""
+    replaces_attention: ClassVar[bool] = True
     read_ahead = READ_AHEAD
     """Disk reads this executor keeps submitted ahead (each may hold a bounce buffer: ``read_ahead + 2`` names)."""
 
-    def __init__(self, store: KVStore, mover: ThreadMover, *, start_of: Callable[[int], int] = from_first_token,
-                 num_layers: int | None = None, timeline: Timeline | None = None, trace: Trace | None = None) -> None:
+    def __init__(self, store: KVStore, mover: ThreadMover, *, num_layers: int | None = None,
+                 timeline: Timeline | None = None, trace: Trace | None = None) -> None:
         self.store = store
         self.mover = mover
-        self.start_of = start_of
+        self.staging = Staging(store)
+        self.windows: dict[int, int | None] = {}  # layer -> its sliding window, from the spans seen
         self.num_layers = num_layers or 0
         self.layers_known = num_layers is not None
         self.timeline = timeline
@@ -114,6 +184,7 @@ class PipelinedExecutor:
         if timeline is not None and self._accel.streams:
             timeline.resolve = resolve_cuda_events
         self.last_layer = -1
+        self._left_at: float | None = None  # telemetry: when the last layer's step returned to the model
         self.version = 0  # bumped by table edits that invalidate staged data
         self.prefetch_hits = 0
         self.prefetch_misses = 0
@@ -123,16 +194,78 @@ class PipelinedExecutor:
         self._buffer_users: dict[str, DiskAhead | MoveHandle] = {}  # read-ahead buffer -> who holds it
         store.add_reader(self)
 
+    # ------------------------------------------------------------------------------------ protocol
+    def step(self, span: Span, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Executors that replace the attention function hand the step's own K/V to the model (it passes them
+        back to :meth:`attend`, which reads everything else from the store)."""
+        return keys, values
+
+    def attend(self, span: Span, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+               softcap: float | None = None) -> torch.Tensor:
+        raise TierKVError(f"the {self.name} executor gathers K/V for the model's own attention; it attends nothing.")
+
+    def pause_telemetry(self) -> None:
+        """Another executor takes over: the step in progress ends here (the gap is neither one's compute)."""
+        if self.timeline is not None:
+            self.timeline.end_step(time.perf_counter())
+        self._left_at = None
+        self.last_layer = -1
+        self._paused()
+
+    def _paused(self) -> None:
+        """What else an executor forgets when its telemetry pauses."""
+
+    def invalidate(self) -> None:
+        """Table edits (crop, reorder, reset, a rollback) make staged data stale: forget it."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """The store was reset: forget staged data and per-sequence telemetry state."""
+        raise NotImplementedError
+
+    def drop(self, layer: int) -> None:
+        """Forget ``layer``'s prefetch (its token positions shifted: a sliding window dropped blocks)."""
+        raise NotImplementedError
+
+    def wait_all(self) -> None:
+        """The store's barrier: no read of this executor is still in flight (raises nothing)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release everything (staging, reads in flight); the executor is not used again."""
+        raise NotImplementedError
+
+    def release_staging(self) -> None:
+        self.invalidate()
+        self.staging.release()
+
+    # ------------------------------------------------------------------------------------ layers
     @property
     def timed(self) -> bool:
         return self.timeline is not None or self.trace is not None
 
-    def _see_layer(self, layer: int) -> None:
-        """Called as each layer starts: learns the layer count from the first full pass."""
+    def start_of(self, layer: int) -> int:
+        """The first stored token ``layer`` attends at its next one-token step (a prediction, for prefetch)."""
+        return window_start(self.store.seq_length(layer), self.windows.get(layer))
+
+    def next_layer(self, layer: int) -> int | None:
+        """The layer after ``layer`` in pass order: layer 0 after the last, once the layer count is known
+        (before that the next attention may not be layer 0: None)."""
+        target = layer + 1
+        if target >= self.num_layers:
+            if not self.layers_known:
+                return None
+            target = 0
+        return target
+
+    def _see_layer(self, span: Span) -> None:
+        """Called as each layer starts: learns the layer count from the first full pass, and its window."""
+        layer = span.layer
         if layer == 0 and self.num_layers > 1 and self.last_layer == self.num_layers - 1:
             self.layers_known = True  # a full pass was seen: wrapping prefetch to layer 0 is now safe
         self.num_layers = max(self.num_layers, layer + 1)
         self.last_layer = layer
+        self.windows[layer] = span.window
 
     def _read_now(self, layer: int, plan: ReadPlan, dest: torch.Tensor) -> list[ReadTiming]:
         """A synchronous read on the caller's thread (a miss, or a top-up of a prefetch)."""
@@ -189,7 +322,10 @@ class PipelinedExecutor:
             purpose = self._free_buffer_name()
             if purpose is None:
                 return
-            entry = DiskAhead(plan, self.store.read_ahead(layer, plan, purpose), purpose, nbytes)
+            pending = self.store.read_ahead(layer, plan, purpose)
+            if pending is None:  # nothing of the plan is on disk any more
+                continue
+            entry = DiskAhead(plan, pending, purpose, nbytes)
             self._disk_ahead[key] = entry
             self._buffer_users[purpose] = entry
 

@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from tierkv import settings
-from tierkv.attention.base import READ_AHEAD, PipelinedExecutor, from_first_token, register_executor, wait_quietly
+from tierkv.attention.base import READ_AHEAD, ColumnRead, PipelinedExecutor, Span, register_executor, wait_quietly
 from tierkv.blocks import Tier
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError
-from tierkv.mover import MoveHandle, ThreadMover
+from tierkv.mover import ThreadMover
 from tierkv.staging import gather_capacity
 from tierkv.stats import ReadTiming, Timeline, Trace, choose_prefetch_depth
 from tierkv.store import KVStore
@@ -41,66 +39,82 @@ log = logging.getLogger("tierkv")
 
 AUTO_AFTER_STEPS = 2  # decode steps measured before prefetch_depth="auto" decides (and after staging grows)
 
-
-@dataclass(frozen=True, slots=True)
-class Prefetch:
-    """Block columns ``[first, first + columns)`` of ``layer`` on their way into staging buffer ``buffer``;
-    the first ``full`` of them were full when planned (immutable since, unless the table is edited)."""
-
-    layer: int
-    buffer: int
-    first: int
-    columns: int
-    full: int
-    version: int
-    handle: MoveHandle
-    timings: list[ReadTiming] | None = None  # filled by the mover when telemetry is on
+_Records = tuple[tuple[int, float] | None, tuple[float, int, int, int] | None]  # Timeline.add_layer's compute, begin
 
 
 @register_executor
 class ExactGather(PipelinedExecutor):
-    name = "exact_gather"
+    """Each layer's K/V assembled in device staging for the model's own attention (module docstring)."""
 
-    def __init__(self, store: KVStore, mover: ThreadMover, *, start_of: Callable[[int], int] = from_first_token,
-                 num_layers: int | None = None, prefetch_depth: int | str = 1, timeline: Timeline | None = None,
-                 trace: Trace | None = None) -> None:
+    name = "exact_gather"
+    replaces_attention = False
+
+    def __init__(self, store: KVStore, mover: ThreadMover, *, num_layers: int | None = None,
+                 prefetch_depth: int | str = 1, timeline: Timeline | None = None, trace: Trace | None = None) -> None:
         if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int) or prefetch_depth < 0):
             raise InvalidConfigError(f"prefetch_depth must be an int >= 0 or 'auto', got {prefetch_depth!r}.")
-        super().__init__(store, mover, start_of=start_of, num_layers=num_layers, timeline=timeline, trace=trace)
+        super().__init__(store, mover, num_layers=num_layers, timeline=timeline, trace=trace)
         self.auto = prefetch_depth == "auto"
-        # Layers with less KV than this are not prefetched: the mover's hand-off (a thread switch, ~50-100 µs
-        # on a 2-core host) costs more than the copy it overlaps (see docs/benchmarks.md, "Scale").
+        # Layers with less KV than this (setting prefetch_min) are not prefetched: handing a job to the mover (a
+        # thread switch, tens of µs) costs more than the copy it would overlap.
         self.prefetch_min: int = settings.get("prefetch_min")
         self.prefetch_depth: int = 1 if self.auto else int(prefetch_depth)
         self.auto_choices: list[dict] = []  # decisions of prefetch_depth="auto", oldest first
         self._auto_wait = AUTO_AFTER_STEPS  # decode steps left before the next "auto" decision
         self._resize = False  # the next _ensure_capacity reallocates (the depth changed)
-        self._left_at: float | None = None  # perf_counter when the last gather returned
         self._last_stop: dict[int, int] = {}
         self.capacity = 0  # tokens per staging buffer (whole blocks)
         self.batch = 0
         self.token_bytes = 0  # max over layers seen
-        self.buffers: list[torch.Tensor] = []
         self._views: dict[tuple, torch.Tensor] = {}  # (buffer, layout, batch) -> typed staging view
-        self.pending: dict[int, Prefetch] = {}
+        self.pending: dict[int, ColumnRead] = {}
+        self._batches: dict[int, int] = {}  # layer -> rows of its last span (table edits clear it)
         self._next_cache: dict[tuple[int, int, int, bool], tuple[int, ...]] = {}  # see _next_layers
         self.current = -1  # staging buffer the model is attending over now
         self.prefetch_disabled_logged = False
 
     # ---------------------------------------------------------------------------------- public
-    def gather(self, layer: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[B, H_kv, T, D]`` of tokens ``[start, seq_length)`` of ``layer`` (views of staging)."""
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return self.staging.buffers
+
+    def step(self, span: Span, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gather(span)
+
+    def gather(self, span: Span) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[B, H_kv, T, D]`` of tokens ``[span.start, span.stop)`` of ``span.layer`` (views of staging)."""
         entered = time.perf_counter()
+        layer, stop = span.layer, span.stop
         new_pass = layer <= self.last_layer
-        stop = self.store.seq_length(layer)
+        records: _Records = (None, None)  # the pass's records not yet given to the timeline (see _record_pass)
         if self.timeline is not None:
-            self._record_pass(layer, stop, entered, new_pass)
+            records = self._record_pass(layer, stop, entered, new_pass)
         elif self.trace is not None and self._left_at is not None:
             self.trace.span(f"compute L{self.last_layer}", "compute", self._left_at, entered)
-        self._see_layer(layer)
+        try:
+            kv, buffer, timings = self._gather(span)
+        except BaseException:
+            if self.timeline is not None and records != (None, None):
+                self.timeline.add_layer(layer, (), *records)  # what was recorded before the read, as before
+            raise
+        if self.timeline is not None:
+            self.timeline.add_layer(layer, timings, *records)  # one call per layer-step in the common case
+        keys, values = kv[0], kv[1]
+        self.current = buffer
+        self._prefetch_next(layer)
+        self._left_at = time.perf_counter()
+        if self._accel.streams:  # the caller's stream reads staging (CUDA): the allocator must know
+            self._accel.used(keys, values)
+        return keys, values
+
+    def _gather(self, span: Span) -> tuple[torch.Tensor, int, list[ReadTiming]]:
+        """:meth:`gather`'s work: ``[2, B, H_kv, T, D]`` (a view of staging), the staging buffer and the timings of
+        the synchronous read."""
+        layer, start, stop, batch = span.layer, span.start, span.stop, span.batch
+        self._see_layer(span)
+        self._batches[layer] = batch
         bt = self.store.block_tokens
         first, end = start // bt, -(-stop // bt)
-        batch = self.store.batch_size(layer)
         prefetched = self.pending.pop(layer, None)
         if prefetched is not None:
             waited_from = time.perf_counter()
@@ -121,16 +135,8 @@ class ExactGather(PipelinedExecutor):
         staging = self._staging(buffer, layer, batch)
         plan = self.store.plan_read(layer, (first + done) * bt, stop)
         timings = self._read_now(layer, plan, staging[..., done * bt :, :])
-        if self.timeline is not None:
-            self.timeline.add_reads(layer, timings, sync=True)
-        self.current = buffer
-        self._prefetch_next(layer)
         offset, count = start - first * bt, stop - start
-        self._left_at = time.perf_counter()
-        kv = staging.narrow(3, offset, count)  # (narrow, then an int index: ~4 us, against ~9 for a 4-d slice)
-        keys, values = kv[0], kv[1]
-        self._accel.used(keys, values)
-        return keys, values
+        return staging.narrow(3, offset, count), buffer, timings  # (narrow, then an int index: ~4 us, not ~9)
 
     def invalidate(self) -> None:
         try:
@@ -140,6 +146,7 @@ class ExactGather(PipelinedExecutor):
         finally:
             self.pending.clear()
             self._drop_all_ahead()
+            self._batches.clear()
             self.version += 1
 
     def reset(self) -> None:
@@ -159,16 +166,15 @@ class ExactGather(PipelinedExecutor):
             prefetch.handle.settle()
         self._settle_ahead()
 
-    def pause_telemetry(self) -> None:
-        if self.timeline is not None:
-            self.timeline.end_step(time.perf_counter())
-        self._left_at = None
-        self.last_layer = -1
+    def _paused(self) -> None:
         self._last_stop = {layer: self.store.seq_length(layer) for layer in self.store.layouts}
 
-    def close(self) -> None:
+    def release_staging(self) -> None:
         self.invalidate()
         self._release()
+
+    def close(self) -> None:
+        self.release_staging()
         if self.trace is not None and self.trace.path is not None:
             self.trace.save(self.trace.path)
 
@@ -199,33 +205,23 @@ class ExactGather(PipelinedExecutor):
         self._release()
         batch, token_bytes = max(batch, old_batch), max(token_bytes, old_token_bytes)
         per_buffer = batch * capacity * token_bytes
-        count = self.prefetch_depth + 1
-        while True:
-            try:
-                self.store.reserve_device(count * per_buffer)
-                break
-            except BudgetTooSmallError:
-                if count == 1:
-                    raise
-                count = 1
-                if not self.prefetch_disabled_logged:
-                    log.warning("tierkv: the device budget cannot hold prefetch buffers for %d tokens; "
-                                "prefetch is off until gpu_gb is raised", tokens)
-                    self.prefetch_disabled_logged = True
-        device = self.store.device.device
-        self.buffers = [self._accel.empty(per_buffer, device) for _ in range(count)]
+        try:
+            self.staging.allocate(self.prefetch_depth + 1, per_buffer)
+        except BudgetTooSmallError:
+            if self.prefetch_depth == 0:
+                raise
+            self.staging.allocate(1, per_buffer)  # no prefetch rather than no decoding
+            if not self.prefetch_disabled_logged:
+                log.warning("tierkv: the device budget cannot hold prefetch buffers for %d tokens; "
+                            "prefetch is off until gpu_gb is raised", tokens)
+                self.prefetch_disabled_logged = True
         self.capacity, self.batch, self.token_bytes = capacity, batch, token_bytes
 
     def _release(self) -> None:
-        released = bool(self.buffers)
-        if released:
-            self.store.device.unreserve(sum(buffer.numel() for buffer in self.buffers))
-        self.buffers = []
+        self.staging.release()
         self._views.clear()
         self.capacity = self.batch = self.token_bytes = 0
         self.current = -1
-        if released:  # what the budget no longer counts must not stay reserved in CUDA's caching allocator
-            self._accel.release_cached()
 
     def _free_buffer(self) -> int:
         if not self.pending:  # the common case without prefetch: any buffer but the one attended over
@@ -263,23 +259,21 @@ class ExactGather(PipelinedExecutor):
         key = (layer, count, self.num_layers, self.layers_known)
         known = self._next_cache.get(key)
         if known is None:
-            known = self._next_cache[key] = tuple(self._layers_after(layer, count))
+            out: list[int] = []
+            target = self.next_layer(layer)
+            while target is not None and target != layer and len(out) < count:
+                out.append(target)
+                target = self.next_layer(target)
+            known = self._next_cache[key] = tuple(out)
         return known
-
-    def _layers_after(self, layer: int, count: int) -> list[int]:
-        out = []
-        for ahead in range(1, count + 1):
-            target = (layer + ahead) % self.num_layers
-            if (target <= layer and not self.layers_known) or target == layer:
-                break  # the layer count is not known yet: wrapping could target a layer that is not next
-            out.append(target)
-        return out
 
     def _issue(self, layer: int, buffer: int) -> None:
         bt = self.store.block_tokens
-        start, stop = self.start_of(layer), self.store.seq_length(layer)
+        stop = self.store.lengths.get(layer, 0)  # seq_length's field: this runs for every layer of every step
+        window = self.windows.get(layer)  # base.window_start, inline: this runs for every layer of every step
+        start = 0 if window is None else max(0, stop - (window - 1))
         first, end = start // bt, -(-stop // bt)
-        batch = self.store.batch_size(layer)
+        batch = self._batches.get(layer) or self.store.batch_size(layer)
         if (end - first) * bt > self.capacity or batch > self.batch or end <= first:
             return
         if (end - first) * batch * self.store.layouts[layer].block_bytes < self.prefetch_min:  # the plan's blocks
@@ -287,39 +281,52 @@ class ExactGather(PipelinedExecutor):
         plan = self.store.plan_read(layer, start, stop, access=False)  # the access is the layer's gather
         full = stop // bt - first  # columns that are full now: the tail (if partial) is read again later
         handle, timings = self._read_later(layer, plan, self._staging(buffer, layer, batch))
-        self.pending[layer] = Prefetch(layer, buffer, first, end - first, full, self.version, handle, timings)
+        self.pending[layer] = ColumnRead(layer, first, end - first, full, buffer, self.version, handle, timings)
 
     # ------------------------------------------------------------------------------- telemetry
-    def _consume(self, prefetch: Prefetch) -> None:
+    def _consume(self, prefetch: ColumnRead) -> None:
         """A prefetch left the pending set (used, dropped or invalidated): count what it moved."""
         if self.timeline is not None and prefetch.timings is not None:
             self.timeline.add_reads(prefetch.layer, prefetch.timings, sync=False)
 
-    def _record_pass(self, layer: int, stop: int, entered: float, new_pass: bool) -> None:
+    def _record_pass(self, layer: int, stop: int, entered: float, new_pass: bool) -> _Records:
+        """The compute span of the layer before ``layer`` and, at a new pass, a new step. Returned as
+        ``(compute, begin)`` for :meth:`~tierkv.stats.Timeline.add_layer` to record with the layer's reads when
+        nothing records in between (no prefetch pending, no "auto" decision); recorded now otherwise."""
         timeline = self.timeline
         assert timeline is not None
+        compute = None
         if self._left_at is not None:
-            timeline.add_compute(self.last_layer, entered - self._left_at)
+            compute = (self.last_layer, entered - self._left_at)
             if self.trace is not None:
                 self.trace.span(f"compute L{self.last_layer}", "compute", self._left_at, entered)
         new_tokens = stop - self._last_stop.get(layer, 0)
         self._last_stop[layer] = stop
+        begin, choose = None, False
         if new_pass or timeline.current is None:
             if self.auto and timeline.current is not None and timeline.current.decode:
                 self._auto_wait -= 1
-            timeline.begin_step(entered, new_tokens, stop, self.prefetch_depth)
-            if self.auto and self._auto_wait <= 0 and self.layers_known:
-                self._auto_wait = 1 << 62  # until staging grows
-                self._choose_depth()
+            begin = (entered, new_tokens, stop, self.prefetch_depth)
+            choose = self.auto and self._auto_wait <= 0 and self.layers_known
         else:
             current = timeline.current
             current.new_tokens = max(current.new_tokens, new_tokens)  # sliding layers may have dropped blocks
+        if not self.pending and not choose:  # no stall, prefetch or choice records before the layer's reads
+            return compute, begin
+        if compute is not None:
+            timeline.add_compute(*compute)
+        if begin is not None:
+            timeline.begin_step(*begin)
+        if choose:
+            self._auto_wait = 1 << 62  # until staging grows
+            self._choose_depth()
+        return None, None
 
     def _choose_depth(self) -> None:
         """``prefetch_depth="auto"``: set the depth from the last decode step's measured placement."""
         timeline = self.timeline
         layers = timeline.last_decode_layers() if timeline is not None else None
-        if layers is None or not self.buffers or len(layers) != self.num_layers:
+        if timeline is None or layers is None or not self.buffers or len(layers) != self.num_layers:
             self._auto_wait = 1
             return
         device, host = self.store.device, self.store.tiers[Tier.HOST]

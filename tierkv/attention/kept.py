@@ -2,8 +2,8 @@
 reads from the tiers only the blocks its selection did not hold yet.
 
 Why: the selection needs the layer's query, so its read cannot start before the layer attends, and a read that
-touches the disk waits for the disk's latency (about 1 ms for a few scattered blocks on this project's host,
-against a few hundred microseconds for everything else a layer does). But selections are stable: on the demo
+touches the disk waits for the disk's latency (on a virtio disk about 1 ms for a few scattered blocks, more
+than everything else a sparse layer-step does). But selections are stable: on the demo
 model at 16K tokens, 75-80% of a layer's selected blocks were selected the step before, and 90-97% within the
 last few steps. Keeping each layer's recent selections turns most steps' reads into a device gather.
 
@@ -14,7 +14,7 @@ budget, like staging) and, per position, the block held there and the step it wa
     staging      = kept[:, b, :, pos[b, k]]                               (one gather, in selection order)
     read         = the others straight into staging: one ReadPlan, one batched read per tier; and the layer's
                    last column, the open tail (it changes every step), copied straight from its device slot
-                   (``KVStore.copy_open_tails``: no plan for the one block every step reads)
+                   (``SparseBlocks.copy_open_tails``: no plan for the one block every step reads)
     keep         = the blocks just read into the positions attended longest ago (one indexed copy), as many
                    as the layer has positions not hit this step
 
@@ -40,13 +40,12 @@ import torch
 
 from tierkv.errors import BudgetTooSmallError
 from tierkv.layout import BlockLayout
-from tierkv.staging import CHUNKS_PER_BUDGET, device_minimum, open_tail_bytes
+from tierkv.staging import CHUNKS_PER_BUDGET, Staging, device_minimum, open_tail_bytes
 from tierkv.store import KVStore
 
 # A kept layer holds up to KEEP_FACTOR times its selection's blocks; all kept layers together take at most
-# KEEP_SHARE of the device budget. 3 / 0.7 was measured against these (docs/benchmarks.md, 2026-12-01 23:48):
-# 40% fewer disk blocks per step and an 11% faster step at 32K, but the device tier left to the store then
-# holds too little for policy="attention" to read less than lru (equal bytes at 16K, both budgets).
+# KEEP_SHARE of the device budget. More reads fewer disk blocks per step but leaves the store's device tier too
+# little room for policy="attention"'s promotions, which then saves no off-device bytes over lru.
 KEEP_FACTOR = 2
 KEEP_SHARE = 0.5
 _ROW_SHIFT = 40  # (row << 40) | block id: one sorted key per (row, block) for a single vectorized search
@@ -156,10 +155,14 @@ class KeptBlocks:
 
     def __init__(self, store: KVStore) -> None:
         self.store = store
+        self.staging = Staging(store)
         self.layers: dict[int, KeptLayer] = {}
         self.refused: dict[int, tuple[int, int]] = {}  # layer -> (batch, blocks) for which nothing fit the share
         self.sized: dict[int, int] = {}  # layer -> the selection its kept layer was allocated for
-        self.reserved = 0
+
+    @property
+    def reserved(self) -> int:
+        return self.staging.reserved
 
     def layer(self, layer: int, batch: int, count: int) -> KeptLayer | None:
         """The kept layer for a selection of ``count`` blocks per row (allocated, or grown, on first need)."""
@@ -184,11 +187,9 @@ class KeptBlocks:
                     or device_minimum(store.device.reserved + nbytes, tails) > store.device.budget:
                 continue
             try:
-                self.store.reserve_device(nbytes)
+                buffer = self.staging.take(nbytes)
             except BudgetTooSmallError:
                 break
-            self.reserved += nbytes
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.store.device.device)
             self.layers[layer] = kept = KeptLayer(buffer, batch, capacity)
             self.sized[layer] = count
             return kept
@@ -206,12 +207,12 @@ class KeptBlocks:
         self.sized.pop(layer, None)
         kept = self.layers.pop(layer, None)
         if kept is not None:
-            self.store.device.unreserve(kept.buffer.numel())
-            self.reserved -= kept.buffer.numel()
+            self.staging.give_back(kept.buffer)
 
     def release(self) -> None:
-        for layer in list(self.layers):
-            self._drop(layer)
+        self.layers.clear()
+        self.sized.clear()
+        self.staging.release()
         self.refused.clear()
 
 

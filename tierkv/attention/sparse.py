@@ -21,7 +21,8 @@ best over every query head of every KV-head group, and every head attends every 
 estimates become shares by a softmax over the blocks first, so a head whose logits are flat (no block stands
 out: each gets 1/C) does not drown a head that points at one block, and a head with large logits does not
 drown the others. Selecting per KV head instead (each head its own top blocks, the union read, each head
-masked to its own) read 1.8x the blocks for lower fidelity than attending the union (docs/quality.md).
+masked to its own) read 1.7x the blocks for about the same top-1 (docs/quality.md, "Choosing the selection
+rule"): the block, all heads together, is the unit of I/O.
 Nothing is dropped from the store: a block that is not selected now is read the step a query needs it, from
 whatever tier holds it.
 
@@ -39,15 +40,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from tierkv.attention.base import PipelinedExecutor, from_first_token, register_executor
+from tierkv.attention.base import PipelinedExecutor, Span, register_executor
 from tierkv.attention.kept import KeptBlocks
 from tierkv.attention.lse import merge, partial_attention, weighted_attention
+from tierkv.attention.sparse_store import SparseBlocks
 from tierkv.attention.speculation import Speculation, SpeculationCounters
 from tierkv.blocks import Tier
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError
@@ -166,15 +167,15 @@ class SparseAttention(PipelinedExecutor):
     speculate_runners = 0  # best-scored unselected blocks a guess adds per row (0: the previous selection only)
     sticky_share = 0.5  # a block that got this share of some query head's attention is read at the next step too
 
-    def __init__(self, store: KVStore, mover: ThreadMover, *, start_of: Callable[[int], int] = from_first_token,
-                 num_layers: int | None = None, timeline: Timeline | None = None, trace: Trace | None = None) -> None:
-        super().__init__(store, mover, start_of=start_of, num_layers=num_layers, timeline=timeline, trace=trace)
+    def __init__(self, store: KVStore, mover: ThreadMover, *, num_layers: int | None = None,
+                 budget: SparseBudget | None = None, timeline: Timeline | None = None,
+                 trace: Trace | None = None) -> None:
+        super().__init__(store, mover, num_layers=num_layers, timeline=timeline, trace=trace)
+        self.budget = budget  # what each step reads (TieredCache.sparse sets it)
         self.counters = SparseCounters()
-        self.buffer: torch.Tensor | None = None
-        self.reserved = 0
         self._rows_cache: dict[int, tuple] = {}  # layer -> (key, summary rows [B·C], no-summary mask or None)
-        self._left_at: float | None = None  # telemetry: when the previous layer's attention returned
         self.last_columns: np.ndarray | None = None  # the last layer-step's selection [B, K] (grid columns)
+        self.sparse_blocks = SparseBlocks(store)  # summaries, open-tail copies, promotion
         self.kept = KeptBlocks(store)  # each layer's blocks of earlier steps, on the device
         self.speculation = Speculation(store, self.counters.speculation)
         self._ranked: tuple[int, int, torch.Tensor] | None = None  # (layer, lo, score [B, C]) of the last scoring
@@ -182,29 +183,35 @@ class SparseAttention(PipelinedExecutor):
         self._scored = False  # whether the last selection ranked blocks (not the exact fast path)
         self._unread: tuple[int, int] | None = None  # the last selection's candidates [lo, hi), some not read
 
-    def attend(self, layer: int, start: int, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-               softcap: float | None, budget: SparseBudget, context: int | None = None) -> torch.Tensor:
-        """Sparse attention of ``query`` ``[B, H_q, 1, D]`` over stored tokens ``[start, seq_length)`` of ``layer``.
+    @property
+    def reserved(self) -> int:
+        return self.staging.reserved
+
+    def attend(self, span: Span, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+               softcap: float | None = None) -> torch.Tensor:
+        """Sparse attention of ``query`` ``[B, H_q, 1, D]`` over stored tokens ``[span.start, span.stop)``.
 
         ``mask`` is ``None`` (causal) or boolean / additive ``[B or 1, 1, 1, kv]`` over those tokens.
-        ``context``: the sequence's tokens so far, of which a fractional budget is a share (default: the tokens
-        attended over). A sliding-window layer holds only its window, so a share of the window would make it
-        sparse where the sequence's budget covers all of it (Gemma 3 at 10% of 16K: 1,638 tokens, window 512).
+        ``span.context``: the sequence's tokens so far, of which a fractional budget is a share. A sliding-window
+        layer holds only its window, so a share of the window would make it sparse where the sequence's budget
+        covers all of it (Gemma 3 at 10% of 16K: 1,638 tokens, window 512).
         Returns ``[B, 1, H_q, D]`` in the query's dtype, like transformers' attention functions.
         """
         batch, heads, q_len, dim = query.shape
         if q_len != 1:
             raise InvalidConfigError(f"sparse attention runs decode steps (one query token), got {q_len}.")
+        budget = self.budget
+        if budget is None:
+            raise InvalidConfigError("sparse attention has no budget; enter `with cache.sparse(model, tokens=...)`.")
+        layer, start, stop, context = span.layer, span.start, span.stop, span.context
         store = self.store
-        summaries = store.enable_summaries(budget.rest_bits)
-        self._begin_layer(layer)
+        summaries = self.sparse_blocks.enable_summaries(budget.rest_bits)
+        self._begin_layer(span)
         self._speculate_after(layer)
-        stop = store.seq_length(layer)
         layout = store.layouts[layer]
         bt = store.block_tokens
         q = query.view(batch, layout.kv_heads, heads // layout.kv_heads, 1, dim)  # [B, H_kv, G, 1, D]
-        columns = self._select(layer, start, stop, stop - start if context is None else context, q, budget,
-                               summaries, scaling, softcap)  # [B, K] ascending
+        columns = self._select(layer, start, stop, context, q, budget, summaries, scaling, softcap)  # [B, K]
         self.last_columns = columns
         self.speculation.remember(layer, columns, self._runners_up(layer, columns))
         count = columns.shape[1]
@@ -321,6 +328,8 @@ class SparseAttention(PipelinedExecutor):
         None: nothing to attend). Blocks without a copy (none was summarised yet) and the selected ones are
         masked out. Decoded :data:`REST_CHUNK_TOKENS` candidate tokens at a time, merged by log-sum-exp, so the
         decoding's temporaries stay bounded whatever the context."""
+        if self._unread is None:
+            return None
         lo, hi = self._unread
         rows = self.store.table.rows[layer]
         bt, batch = self.store.block_tokens, rows.batch
@@ -347,7 +356,7 @@ class SparseAttention(PipelinedExecutor):
                                                           scaling, softcap))
         if out is not None:
             self.counters.rest_layer_steps += 1
-        return None if out is None else (out, lse)
+        return None if out is None or lse is None else (out, lse)
 
     def _with_sticky(self, layer: int, lo: int, hi: int, score: torch.Tensor) -> torch.Tensor:
         """``score`` ``[B, C]`` of candidates ``[lo, hi)``, raised to the share a block got from some query head at
@@ -384,7 +393,7 @@ class SparseAttention(PipelinedExecutor):
         kept.gather(layout, placed, staging)  # first: the read below overwrites the positions it does not hold
         targets = placed.targets
         if tail[:, -1].all():  # the open tail (every row's last column) copied from its slot, not planned
-            copied = store.copy_open_tails(layer, staging, np.full(rows.batch, columns.shape[1] - 1))
+            copied = self.sparse_blocks.copy_open_tails(layer, staging, np.full(rows.batch, columns.shape[1] - 1))
             if copied:
                 counters = self.counters
                 counters.bytes_fetched += copied
@@ -393,7 +402,7 @@ class SparseAttention(PipelinedExecutor):
                 targets[:, -1] = -1
         plan, hits = self._read_selection(layer, rows, targets, staging)
         kept.hold(layout, placed, ids, staging)
-        store.count_reused(layer, placed.reused)
+        self.sparse_blocks.count_reused(layer, placed.reused)
         self._count(layer, plan, columns, placed.reused, hits)
 
     def _read_selection(self, layer: int, rows, targets: np.ndarray, dest: torch.Tensor) -> tuple[ReadPlan, int]:
@@ -418,11 +427,9 @@ class SparseAttention(PipelinedExecutor):
         last layer, layer 0's, for the next step)."""
         if not self.speculate:
             return
-        following = layer + 1
-        if following >= self.num_layers:
-            if not self.layers_known:
-                return
-            following = 0
+        following = self.next_layer(layer)
+        if following is None:
+            return
         kept = self.kept.layers.get(following)
         self.speculation.launch(following, kept.ids if kept is not None else None)
 
@@ -452,7 +459,7 @@ class SparseAttention(PipelinedExecutor):
         """Tell the policy what was attended; copy the blocks it wants up to the device from staging, in one
         batched write (no loop over the selected blocks: they are found with one vectorized comparison)."""
         weights = mass.cpu().numpy() if mass is not None else None
-        wanted = self.store.attended(layer, columns, weights)
+        wanted = self.sparse_blocks.attended(layer, columns, weights)
         if not wanted:
             return
         rows = self.store.table.rows[layer]
@@ -463,7 +470,7 @@ class SparseAttention(PipelinedExecutor):
         blocks = staging.unflatten(3, (-1, bt))  # [2, B, H_kv, K, bt, D]
         index = (torch.from_numpy(row).to(staging.device), torch.from_numpy(position).to(staging.device))
         data = blocks[:, index[0], :, index[1]]  # [n, 2, H_kv, bt, D]
-        self.counters.promotions += self.store.promote(wanted, data, ids)
+        self.counters.promotions += self.sparse_blocks.promote(wanted, data, ids)
 
     # ---------------------------------------------------------------------------------- telemetry
     def _count(self, layer: int, plan: ReadPlan, columns: np.ndarray, reused: int, speculated: int) -> None:
@@ -487,8 +494,9 @@ class SparseAttention(PipelinedExecutor):
                 counters.bytes_fetched_off_device += nbytes
             counters.by_tier[part.tier.label] = counters.by_tier.get(part.tier.label, 0) + part.blocks
 
-    def _begin_layer(self, layer: int) -> None:
+    def _begin_layer(self, span: Span) -> None:
         """A layer at or below the last one starts a new pass (a decode step)."""
+        layer = span.layer
         new_step = layer <= self.last_layer or self.last_layer < 0
         if new_step:
             self.counters.steps += 1
@@ -498,33 +506,27 @@ class SparseAttention(PipelinedExecutor):
             if self._left_at is not None and timeline.current is not None:
                 timeline.add_compute(self.last_layer, now - self._left_at)
             if new_step or timeline.current is None:
-                timeline.begin_step(now, 1, self.store.seq_length(layer), 0)
-        self._see_layer(layer)
+                timeline.begin_step(now, 1, span.stop, 0)
+        self._see_layer(span)
 
     # ---------------------------------------------------------------------------------- staging
     def _staging(self, layer: int, batch: int, columns: int) -> torch.Tensor:
         """The staging buffer as ``[2, B, H_kv, >= columns · block_tokens, D]`` for ``layer``'s layout."""
         layout = self.store.layouts[layer]
         nbytes = batch * columns * self.store.block_tokens * layout.token_bytes
-        if self.buffer is None or self.buffer.numel() < nbytes:
-            grown = max(nbytes, int(self.reserved * GROWTH))
-            self._release()
+        staging = self.staging
+        if not staging.buffers or staging.buffers[0].numel() < nbytes:
+            grown = max(nbytes, int(staging.reserved * GROWTH))
+            staging.release()
             try:
-                self.store.reserve_device(grown)
+                staging.allocate(1, grown)
             except BudgetTooSmallError:
                 if not self.kept.reserved:
                     raise
                 self.kept.release()  # the kept blocks save reads, the staging is needed: they give way
-                self.store.reserve_device(grown)
-            self.reserved = grown
-            self.buffer = torch.empty(grown, dtype=torch.uint8, device=self.store.device.device)
-        flat = self.buffer[:nbytes].view(layout.dtype)
+                staging.allocate(1, grown)
+        flat = staging.buffers[0][:nbytes].view(layout.dtype)
         return flat.view(2, batch, layout.kv_heads, columns * self.store.block_tokens, layout.head_dim)
-
-    def _release(self) -> None:
-        if self.reserved:
-            self.store.device.unreserve(self.reserved)
-        self.buffer, self.reserved = None, 0
 
     # ---------------------------------------------------------------------------------- control
     def invalidate(self) -> None:
@@ -545,16 +547,13 @@ class SparseAttention(PipelinedExecutor):
     def wait_all(self) -> None:
         self.speculation.settle()  # speculative reads are the only ones in flight between calls
 
-    def pause_telemetry(self) -> None:
-        if self.timeline is not None:
-            self.timeline.end_step(time.perf_counter())
-        self._left_at = None
-        self.last_layer = -1
+    def release_staging(self) -> None:
+        self.invalidate()
+        self.staging.release()
+        self.kept.release()
 
     def close(self) -> None:
-        self.speculation.drop()
-        self._release()
-        self.kept.release()
+        self.release_staging()
 
 
 def _attended_prefix(columns: np.ndarray, bt: int, start: int, stop: int, mask: torch.Tensor | None) -> int | None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tierkv.attention.sparse_store import SparseBlocks
 from tierkv.blocks import LayerRows, Tier
 from tierkv.errors import TierKVError
 from tierkv.store import KVStore, ReadPlan, Run, TierPart
@@ -152,7 +153,7 @@ class Speculation:
         if pending is None:
             return
         self._flights[layer] = _InFlight(ids, slots, index, pending, purpose)
-        store.count_speculated(layer, int(ids.size))
+        SparseBlocks(store).count_speculated(layer, int(ids.size))
         self.counters.reads += 1
         self.counters.blocks += int(ids.size)
 

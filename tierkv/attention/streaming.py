@@ -21,34 +21,18 @@ keys then start at that token's offset).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from tierkv.attention.base import READ_AHEAD, PipelinedExecutor, from_first_token, register_executor, wait_quietly
+from tierkv.attention.base import READ_AHEAD, ColumnRead, PipelinedExecutor, Span, register_executor, wait_quietly
 from tierkv.attention.lse import mask_bias, merge, partial_attention
-from tierkv.mover import MoveHandle, ThreadMover
+from tierkv.errors import InvalidConfigError
+from tierkv.mover import ThreadMover
 from tierkv.staging import streaming_chunk_tokens
-from tierkv.stats import ReadTiming, Timeline, Trace
+from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore
 
 DEFAULT_CHUNK_TOKENS = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkRead:
-    """Block columns ``[first, first + columns)`` of ``layer`` on their way into staging buffer ``buffer``;
-    the first ``full`` were full when planned."""
-
-    layer: int
-    first: int
-    columns: int
-    full: int
-    buffer: int
-    version: int
-    handle: MoveHandle
-    timings: list[ReadTiming] | None = field(default=None, compare=False)  # filled when telemetry is on
 
 
 @register_executor
@@ -69,37 +53,39 @@ class StreamingAttention(PipelinedExecutor):
 
     name = "streaming"
     read_ahead = 2 * READ_AHEAD
-    """Chunk reads are smaller than a gather's layer reads (two per layer at 8K tokens of 4K-token chunks): with
-    four ahead the disk's queue ran dry (75 % busy, ~8 requests in flight); with eight it stays busy (98 %) and
-    the step was 17 % shorter (docs/benchmarks.md, "Scale")."""
+    """Chunk reads are smaller than a gather's layer reads (two per layer at 8K tokens of 4K-token chunks), so
+    twice as many are kept in flight: with four, the disk's queue runs dry between them (a quarter of a step
+    idle); with eight it stays busy (docs/architecture.md, "Disk reads")."""
 
-    def __init__(self, store: KVStore, mover: ThreadMover, *, start_of: Callable[[int], int] = from_first_token,
-                 num_layers: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 timeline: Timeline | None = None, trace: Trace | None = None) -> None:
-        super().__init__(store, mover, start_of=start_of, num_layers=num_layers, timeline=timeline, trace=trace)
+    def __init__(self, store: KVStore, mover: ThreadMover, *, num_layers: int | None = None,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, timeline: Timeline | None = None,
+                 trace: Trace | None = None) -> None:
+        super().__init__(store, mover, num_layers=num_layers, timeline=timeline, trace=trace)
         self.chunk_tokens = streaming_chunk_tokens(chunk_tokens, store.block_tokens)
         self.chunk_columns = self.chunk_tokens // store.block_tokens
-        self.buffers: list[torch.Tensor] = []
-        self.reserved = 0
-        self.in_flight: list[ChunkRead] = []
-        self.ahead: ChunkRead | None = None  # the next layer's first chunk, issued during this layer's last
+        self.in_flight: list[ColumnRead] = []
+        self.ahead: ColumnRead | None = None  # the next layer's first chunk, issued during this layer's last
         self._stage = -1  # telemetry: index of the current chunk within the step
         self._mark: float | None = None  # telemetry: when the current stage's data landed
         self._excluded = 0.0  # telemetry: time since _mark that was not compute (waits, top-up reads)
 
-    def attend(self, layer: int, start: int, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return self.staging.buffers
+
+    def attend(self, span: Span, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
                softcap: float | None = None) -> torch.Tensor:
-        """Attention of ``query`` ``[B, H_q, q, D]`` over stored tokens ``[start, seq_length)`` of ``layer``.
+        """Attention of ``query`` ``[B, H_q, q, D]`` over stored tokens ``[span.start, span.stop)`` of ``span.layer``.
 
         ``mask`` is ``None`` (causal) or boolean / additive ``[B, 1, q, kv]`` over those tokens.
         Returns ``[B, q, H_q, D]`` in the query's dtype, like transformers' attention functions.
         """
-        stop = self.store.seq_length(layer)
+        layer, start, stop = span.layer, span.start, span.stop
         layout = self.store.layouts[layer]
         batch, heads, q_len, dim = query.shape
         bt = self.store.block_tokens
         self._begin_layer(layer, stop, q_len)
-        self._see_layer(layer)
+        self._see_layer(span)
         self._ensure_buffers(batch, layout.token_bytes)
         q = query.view(batch, layout.kv_heads, heads // layout.kv_heads, q_len, dim)  # [B, H_kv, G, q, D]
         out = lse = None  # running state: normalised output [B, H_kv, G, q, D] and its log-sum-exp [.., q]
@@ -109,6 +95,7 @@ class StreamingAttention(PipelinedExecutor):
         if chunks and pending is None:
             pending = self._issue(layer, chunks[0], stop, 0)
         for index, column in enumerate(chunks):
+            assert pending is not None  # issued before the loop, and by every iteration but the last
             current = self._wait(pending)
             last = index + 1 == len(chunks)
             other = 1 - current.buffer
@@ -124,16 +111,18 @@ class StreamingAttention(PipelinedExecutor):
             bias = mask_bias(mask, column * bt + lo - start, hi - lo, stop - start, q_len, query.dtype, query.device)
             self._accel.used(keys, values)
             out, lse = merge(out, lse, *partial_attention(q, keys, values, bias, scaling, softcap))
+        if out is None:
+            raise InvalidConfigError(f"layer {layer} has no tokens in [{start}, {stop}) to attend to.")
         return out.reshape(batch, heads, q_len, dim).transpose(1, 2).to(query.dtype)
 
     # ------------------------------------------------------------------------------------ reads
-    def _issue(self, layer: int, column: int, stop: int, buffer: int) -> ChunkRead:
+    def _issue(self, layer: int, column: int, stop: int, buffer: int) -> ColumnRead:
         bt = self.store.block_tokens
         end = min(column + self.chunk_columns, -(-stop // bt))
         staging = self._staging(buffer, layer, self.store.batch_size(layer))
         plan = self.store.plan_read(layer, column * bt, min(stop, end * bt))
         handle, timings = self._read_later(layer, plan, staging)
-        read = ChunkRead(layer, column, end - column, min(end, stop // bt) - column, buffer, self.version, handle,
+        read = ColumnRead(layer, column, end - column, min(end, stop // bt) - column, buffer, self.version, handle,
                          timings)
         self.in_flight = [r for r in self.in_flight if not r.handle.done()] + [read]
         return read
@@ -145,13 +134,10 @@ class StreamingAttention(PipelinedExecutor):
         out = [(layer, c * bt, min(stop, (c + self.chunk_columns) * bt)) for c in columns[: self.read_ahead]]
         target = layer
         while len(out) < self.read_ahead:
-            target += 1
-            if target >= self.num_layers:
-                if not self.layers_known:
-                    break
-                target = 0
-            if target == layer or target not in self.store.layouts:
+            following = self.next_layer(target)
+            if following is None or following == layer or following not in self.store.layouts:
                 break
+            target = following
             start, end = self.start_of(target), self.store.seq_length(target)
             for c in range(start // bt, -(-end // bt), self.chunk_columns):
                 out.append((target, c * bt, min(end, (c + self.chunk_columns) * bt)))
@@ -159,12 +145,8 @@ class StreamingAttention(PipelinedExecutor):
 
     def _issue_ahead(self, layer: int, buffer: int) -> None:
         """During ``layer``'s last chunk: start the next layer's first chunk into the free ``buffer``."""
-        target = layer + 1
-        if target >= self.num_layers:
-            if not self.layers_known:
-                return  # the layer count is not known yet: the next attention may not be layer 0
-            target = 0
-        if target == layer or target not in self.store.layouts:
+        target = self.next_layer(layer)
+        if target is None or target == layer or target not in self.store.layouts:
             return
         start, stop = self.start_of(target), self.store.seq_length(target)
         per_token = self.store.batch_size(target) * self.store.layouts[target].token_bytes
@@ -172,7 +154,7 @@ class StreamingAttention(PipelinedExecutor):
             return
         self.ahead = self._issue(target, start // self.store.block_tokens, stop, buffer)
 
-    def _take_ahead(self, layer: int, first: int, stop: int) -> ChunkRead | None:
+    def _take_ahead(self, layer: int, first: int, stop: int) -> ColumnRead | None:
         """The prefetched first chunk of ``layer`` if still valid, topped up with columns not full before."""
         ahead, self.ahead = self.ahead, None
         if ahead is None:
@@ -197,15 +179,15 @@ class StreamingAttention(PipelinedExecutor):
             self.timeline.add_reads(self._stage + 1, timings, sync=True)
         self._excluded += time.perf_counter() - begun  # a read on this thread, not compute
         full = min(end, stop // bt) - first
-        return ChunkRead(layer, first, end - first, full, ahead.buffer, self.version, ahead.handle, ahead.timings)
+        return ColumnRead(layer, first, end - first, full, ahead.buffer, self.version, ahead.handle, ahead.timings)
 
-    def _discard(self, ahead: ChunkRead) -> None:
+    def _discard(self, ahead: ColumnRead) -> None:
         """A prefetched chunk that will not be used (stale, failed, dropped, buffers resized): a miss whose
         bytes still count as moved."""
         self.prefetch_misses += 1
         self._record_reads(ahead, sync=False)
 
-    def _wait(self, read: ChunkRead) -> ChunkRead:
+    def _wait(self, read: ColumnRead) -> ColumnRead:
         waited_from = time.perf_counter()
         if self.timeline is not None and self._mark is not None:
             self.timeline.add_compute(self._stage, waited_from - self._mark - self._excluded)
@@ -218,7 +200,7 @@ class StreamingAttention(PipelinedExecutor):
         self._mark, self._excluded = time.perf_counter(), 0.0
         return read
 
-    def _record_reads(self, read: ChunkRead, sync: bool) -> None:
+    def _record_reads(self, read: ColumnRead, sync: bool) -> None:
         if self.timeline is not None and read.timings is not None:
             self.timeline.add_reads(max(self._stage, 0), read.timings, sync)
             read.timings.clear()  # counted once, even if the chunk is used after a top-up
@@ -249,11 +231,8 @@ class StreamingAttention(PipelinedExecutor):
         per_buffer = batch * self.chunk_tokens * token_bytes
         if self.buffers and self.buffers[0].numel() >= per_buffer:
             return
-        self.close()
-        self.store.reserve_device(2 * per_buffer)
-        self.reserved = 2 * per_buffer
-        device = self.store.device.device
-        self.buffers = [self._accel.empty(per_buffer, device) for _ in range(2)]
+        self.release_staging()
+        self.staging.allocate(2, per_buffer)
 
     # ---------------------------------------------------------------------------------- control
     def invalidate(self) -> None:
@@ -276,11 +255,8 @@ class StreamingAttention(PipelinedExecutor):
             ahead.handle.settle()
             self._discard(ahead)
 
-    def pause_telemetry(self) -> None:
-        if self.timeline is not None:
-            self.timeline.end_step(time.perf_counter())
+    def _paused(self) -> None:
         self._stage, self._mark, self._excluded = -1, None, 0.0
-        self.last_layer = -1
 
     def wait_all(self) -> None:
         for read in self.in_flight:
@@ -288,12 +264,15 @@ class StreamingAttention(PipelinedExecutor):
         self.in_flight = []
         self._settle_ahead()
 
+    def release_staging(self) -> None:
+        self.wait_all()
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:  # switched out: its bytes moved, but no step of this executor missed it
+            ahead.handle.settle()
+            self._record_reads(ahead, sync=False)
+        self.staging.release()
+
     def close(self) -> None:
         self.wait_all()
         self._drop_ahead()
-        if self.reserved:
-            self.store.device.unreserve(self.reserved)
-        released = bool(self.buffers)
-        self.buffers, self.reserved = [], 0
-        if released:
-            self._accel.release_cached()  # what the budget no longer counts must not stay reserved
+        self.release_staging()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tierkv.errors import InvalidConfigError
 from tierkv.io import ALIGN
@@ -44,7 +45,7 @@ class BenchConfig:
             )
 
     @classmethod
-    def quick(cls, directory: Path, **overrides: object) -> BenchConfig:
+    def quick(cls, directory: Path, **overrides: Any) -> BenchConfig:
         """Small sizes and few repeats: checks the whole pipeline in seconds; numbers are indicative."""
         small = cls(directory, max_size=4 * MiB, disk_bytes=32 * MiB, block_bytes=64 * KiB, repeats=3,
                     disk_point_bytes=8 * MiB, contention_bytes=8 * MiB, gather_pool_bytes=32 * MiB)  # fmt: skip

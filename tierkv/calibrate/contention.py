@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from tierkv import safefs
 from tierkv.bandwidth import MAX_SLOWDOWN, Contention
 from tierkv.calibrate.config import BenchConfig
 from tierkv.calibrate.disk import engine_batch, fill_file
@@ -68,7 +69,8 @@ def _slowdowns(job: Callable[[], None], unit: Callable[[], object], cfg: BenchCo
                 unit()
             compute_ratios.append(compute_beside / compute_alone)
             job_ratios.append(running.result() / job_alone)
-    return tuple(min(MAX_SLOWDOWN, max(1.0, statistics.median(r))) for r in (compute_ratios, job_ratios))
+    compute_ratio, job_ratio = (min(MAX_SLOWDOWN, max(1.0, statistics.median(r))) for r in (compute_ratios, job_ratios))
+    return compute_ratio, job_ratio
 
 
 DISK_CONTENTION_BATCH = 4  # blocks per read batch: a layer's disk blocks in a decode step
@@ -125,8 +127,6 @@ def _store_gather_job(cfg: BenchConfig) -> Iterator[Callable[[], None]]:
 @contextlib.contextmanager
 def _disk_reads(cfg: BenchConfig, engine: str) -> Iterator[Callable[[], None]]:
     """A job that reads ``contention_bytes`` through ``engine`` as the disk tier does in a decode step."""
-    cfg.directory.mkdir(parents=True, exist_ok=True)
-    path = cfg.directory / f"tierkv-bench-contention-{os.getpid()}.bin"
     block = cfg.block_bytes - cfg.block_bytes % ALIGN
     file_bytes = 4 * cfg.contention_bytes // block * block
     buffer = aligned_empty(min(file_bytes, max(cfg.contention_bytes, DISK_CONTENTION_BATCH * block)))
@@ -134,9 +134,7 @@ def _disk_reads(cfg: BenchConfig, engine: str) -> Iterator[Callable[[], None]]:
     rng = np.random.default_rng(4)
     batches = max(1, cfg.contention_bytes // (DISK_CONTENTION_BATCH * block))
     views = [buffer[i * block : (i + 1) * block] for i in range(DISK_CONTENTION_BATCH)]
-    try:
-        with open(path, "wb") as f:
-            f.truncate(file_bytes)
+    with safefs.scratch_file(cfg.directory, f"tierkv-bench-contention-{os.getpid()}-", file_bytes) as path:
         disk_file = open_disk_file(path, engine=engine)
         try:
             fill_file(disk_file, path, buffer, file_bytes)
@@ -149,5 +147,3 @@ def _disk_reads(cfg: BenchConfig, engine: str) -> Iterator[Callable[[], None]]:
             yield reads
         finally:
             disk_file.close()
-    finally:
-        path.unlink(missing_ok=True)

@@ -9,6 +9,7 @@ back to buffered I/O gets its page cache dropped before each read and its writes
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import itertools
 import os
 import statistics
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tierkv import safefs
 from tierkv.calibrate.config import BenchConfig, MiB
 from tierkv.calibrate.results import Measurement
 from tierkv.calibrate.timing import median_seconds, seconds
@@ -34,7 +36,7 @@ class RawDirect:
     """
 
     def __init__(self, path: Path, depth: int) -> None:
-        self._fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+        self._fd = os.open(path, os.O_RDWR | os.O_DIRECT | safefs.NOFOLLOW)
         self._depth = depth
         self._pool = cf.ThreadPoolExecutor(depth, thread_name_prefix="tierkv-raw-io")
 
@@ -47,7 +49,7 @@ class RawDirect:
                 offset, view = requests[i]
                 done = 0
                 while done < view.nbytes:
-                    moved = call(self._fd, [view[done:]], offset + done)
+                    moved = call(self._fd, [view[done:].data], offset + done)
                     if moved <= 0:
                         raise OSError(
                             f"raw O_DIRECT {'write' if write else 'read'} stalled at {offset + done}"
@@ -64,7 +66,7 @@ class RawDirect:
 
 def drop_page_cache(path: Path) -> None:
     """Evict the file's clean pages so a buffered read comes from the disk, not from RAM."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | safefs.NOFOLLOW)
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -74,8 +76,6 @@ def drop_page_cache(path: Path) -> None:
 
 def measure_disk(sizes: Sequence[int], cfg: BenchConfig) -> tuple[list[Measurement], list[str]]:
     """disk->host and host->disk through each engine and the raw baseline; returns (rows, notes)."""
-    cfg.directory.mkdir(parents=True, exist_ok=True)
-    path = cfg.directory / f"tierkv-bench-{os.getpid()}.bin"
     engines = list(cfg.engines) if cfg.engines is not None else available_engines()
     if not engines:
         raise ValueError("no disk engine to measure; give at least one of the available engines.")
@@ -85,9 +85,7 @@ def measure_disk(sizes: Sequence[int], cfg: BenchConfig) -> tuple[list[Measureme
     buffer = aligned_empty(min(cfg.disk_bytes, max(max(sizes), cfg.disk_point_bytes)))
     buffer[:] = np.random.default_rng(1).integers(0, 256, buffer.nbytes, dtype=np.uint8)
     out = []
-    try:
-        with open(path, "wb") as f:
-            f.truncate(cfg.disk_bytes)
+    with safefs.scratch_file(cfg.directory, f"tierkv-bench-{os.getpid()}-", cfg.disk_bytes) as path:
         files = {name: open_disk_file(path, engine=name) for name in engines}
         raw: RawDirect | None = None
         try:
@@ -108,11 +106,11 @@ def measure_disk(sizes: Sequence[int], cfg: BenchConfig) -> tuple[list[Measureme
                 for write in (False, True):
                     link = "host->disk" if write else "disk->host"
                     if raw is not None:
-                        t = median_seconds(lambda w=write, r=requests: raw.run(r, w),
+                        t = median_seconds(functools.partial(raw.run, requests, write),
                                             warmup=cfg.warmup, repeats=cfg.repeats)  # fmt: skip
                         out.append(Measurement(link, "raw O_DIRECT", size, n * size, n, t))
                     for name, f in files.items():
-                        t = median_seconds(lambda f=f, w=write, r=requests: engine_batch(f, r, w, path),
+                        t = median_seconds(functools.partial(engine_batch, f, requests, write, path),
                                             warmup=cfg.warmup, repeats=cfg.repeats)  # fmt: skip
                         out.append(Measurement(link, name, size, n * size, n, t))
             for name, f in files.items():
@@ -122,8 +120,6 @@ def measure_disk(sizes: Sequence[int], cfg: BenchConfig) -> tuple[list[Measureme
                 f.close()
             if raw is not None:
                 raw.close()
-    finally:
-        path.unlink(missing_ok=True)
     return out, notes
 
 
@@ -135,7 +131,7 @@ def _block_batches(f: DiskFile, name: str, path: Path, buffer: np.ndarray, cfg: 
     scattered slots (a layer's disk blocks), for ``k`` = 1..64; each timed batch reads other slots. In a step
     the disk tier never reads back to back: between two layers' batches the mover copies the layers' other
     blocks, so an untimed copy of :data:`LAYER_COPY_BLOCKS` blocks precedes every timed batch (back-to-back
-    batches read 7-15 % faster on the VM of docs/benchmarks.md)."""
+    batches read 7-15 % faster than a decode step's on a virtio disk, which would overstate the disk link)."""
     block = cfg.block_bytes - cfg.block_bytes % ALIGN
     slots = cfg.disk_bytes // block
     rng = np.random.default_rng(2)
@@ -167,7 +163,7 @@ def fill_file(f: DiskFile, path: Path, buffer: np.ndarray, disk_bytes: int) -> N
     f.submit_writes(
         [(off, buffer[: min(step, disk_bytes - off)]) for off in range(0, disk_bytes, step)]
     ).wait()
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | safefs.NOFOLLOW)
     try:
         os.fsync(fd)
     finally:
@@ -182,7 +178,7 @@ def engine_batch(f: DiskFile, requests: list[tuple[int, np.ndarray]], write: boo
     handle = f.submit_writes(requests) if write else f.submit_reads(requests)
     handle.wait()
     if not f.direct and write:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | safefs.NOFOLLOW)
         try:
             os.fsync(fd)
         finally:

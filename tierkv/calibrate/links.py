@@ -8,6 +8,7 @@ per block) so the price of gathering scattered blocks is a ratio, and once as th
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -28,7 +29,7 @@ def measure_memcpy(sizes: Sequence[int], cfg: BenchConfig) -> list[Measurement]:
     for size in sizes:
         s, d = src[:size], dst[:size]
         t = median_seconds(
-            lambda s=s, d=d: d.copy_(s), warmup=cfg.warmup, repeats=cfg.repeats, inner=inner_repeats(size)
+            functools.partial(d.copy_, s), warmup=cfg.warmup, repeats=cfg.repeats, inner=inner_repeats(size)
         )
         out.append(Measurement("host->host", "memcpy", size, size, 1, t))
     return out
@@ -136,10 +137,10 @@ def measure_cuda_links(sizes: Sequence[int], cfg: BenchConfig, device: torch.dev
         inner = inner_repeats(size)
         for kind, (h_src, h_dst) in host.items():
             src, dst, d = h_src[:size], h_dst[:size], dev_a[:size]
-            t = median_cuda_seconds(lambda d=d, src=src: d.copy_(src, non_blocking=True),
+            t = median_cuda_seconds(functools.partial(d.copy_, src, non_blocking=True),
                                     warmup=cfg.warmup, repeats=cfg.repeats, inner=inner)  # fmt: skip
             out.append(Measurement("host->device", kind, size, size, 1, t))
-            t = median_cuda_seconds(lambda d=d, dst=dst: dst.copy_(d, non_blocking=True),
+            t = median_cuda_seconds(functools.partial(dst.copy_, d, non_blocking=True),
                                     warmup=cfg.warmup, repeats=cfg.repeats, inner=inner)  # fmt: skip
             out.append(Measurement("device->host", kind, size, size, 1, t))
         src, dst = host["pinned"][0][:size], host["pinned"][1][:size]

@@ -49,7 +49,7 @@ def machine_description(directory: Path) -> dict[str, str]:
         "disk_dir": str(directory),
         "filesystem": filesystem_of(directory),
         "kernel": platform.release(),
-        "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()),  # other work skews a 2-core box
+        "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()),  # other work on the host skews every timing
         "torch": torch.__version__,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }

@@ -24,6 +24,7 @@ def measure_layer_overhead(cfg: BenchConfig) -> float:
     :data:`OVERHEAD_LAYERS` layers of :data:`OVERHEAD_BLOCKS` blocks, one token appended per layer per step
     and no model; from its own telemetry, the time in ``gather`` outside the waits for prefetches (the
     bookkeeping, the read of the newest token, submitting the next prefetch), per layer, median over steps."""
+    from tierkv.attention.base import Span
     from tierkv.attention.exact_gather import ExactGather
     from tierkv.mover import ThreadMover
     from tierkv.stats import Timeline
@@ -36,15 +37,15 @@ def measure_layer_overhead(cfg: BenchConfig) -> float:
     for layer in range(OVERHEAD_LAYERS):
         store.append(layer, kv, kv)
     with settings.override(prefetch_min=0):  # the pipelined path, whatever the layers' size
-        executor = ExactGather(store, ThreadMover(), prefetch_depth=1, timeline=Timeline(LinkProfile({}),
-                                                                                         "tierkv bench"))
+        timeline = Timeline(LinkProfile({}), "tierkv bench")
+        executor = ExactGather(store, ThreadMover(), prefetch_depth=1, timeline=timeline)
     try:
         with torch.inference_mode():
             for _ in range(OVERHEAD_STEPS + 2):
                 for layer in range(OVERHEAD_LAYERS):
                     store.append(layer, token, token)
-                    executor.gather(layer, 0)
-        steps = [step for step in executor.timeline.completed() if step.decode][-OVERHEAD_STEPS:]
+                    executor.gather(Span.of(store, layer, 0))
+        steps = [step for step in timeline.completed() if step.decode][-OVERHEAD_STEPS:]
         return statistics.median((step.wall_s - step.compute_s - step.stall_s) / OVERHEAD_LAYERS for step in steps)
     finally:
         executor.close()

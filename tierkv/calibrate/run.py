@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tierkv.bandwidth import HostAttention
+from tierkv.calibrate.attention import measure_host_attention
 from tierkv.calibrate.config import BenchConfig, MiB, transfer_sizes
 from tierkv.calibrate.contention import measure_contention
 from tierkv.calibrate.disk import measure_disk
@@ -25,6 +27,9 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: N
     measurements: list[Measurement] = []
     progress("host memcpy")
     measurements += measure_memcpy(sizes, cfg)
+    progress("host attention kernel (K/V attended in place)")
+    attention_rows, attention = measure_host_attention(cfg)
+    measurements += attention_rows
     device = compute_device()
     progress(f"block gather ({device})")
     measurements += measure_gather(sizes, cfg, device)
@@ -43,4 +48,8 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: N
         contention = measure_contention(cfg, disk_engine, compute)
         overhead = measure_layer_overhead(cfg)
     profile, fit_notes = build_profile(measurements, machine, disk_engine, contention, overhead)
+    if isinstance(attention, HostAttention):
+        profile.host_attention = attention
+    else:
+        fit_notes.append(attention)
     return BenchResult(measurements, profile, machine, notes + fit_notes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -108,6 +109,27 @@ def existing_file(option: str) -> Callable[[str], Path]:
     return _typed(parse)
 
 
+def writable_dir(option: str) -> Callable[[str], Path]:
+    """Type of an option naming a directory to write into (it may not exist yet: its nearest existing parent
+    must then be a writable directory), checked while parsing so a typo fails before a model loads."""
+
+    def parse(text: str) -> Path:
+        path = Path(text).expanduser()
+        if path.exists() and not path.is_dir():
+            raise InvalidConfigError(f"{option} {text!r} is a file; give a directory (it is created if missing).")
+        existing = path
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            raise InvalidConfigError(f"{option} {text!r}: {str(existing)!r} is a file; give a directory.")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise InvalidConfigError(f"{option} {text!r}: {str(existing)!r} is not writable; give a directory you "
+                                     "can write to.")
+        return path
+
+    return _typed(parse)
+
+
 def checkpoint_folder(option: str) -> Callable[[str], Path]:
     """Type of an option naming a local Hugging Face checkpoint folder (it must hold ``config.json``)."""
 
@@ -145,9 +167,27 @@ def model_or_folder(option: str) -> Callable[[str], str | Path]:
     return parse
 
 
+def json_target(text: str) -> str:
+    """Type of ``--json``: ``-`` (stdout) or a file whose folder exists and is writable, checked while parsing so
+    a long run never ends in a file it cannot write."""
+    if text == STDOUT:
+        return text
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"--json {text!r} is a directory; give a file name such as out.json.")
+    folder = path.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"--json {text!r}: folder {str(folder)!r} does not exist; create it or "
+                                         "give another path.")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"--json {text!r} is not writable; give a path you can write to, or - "
+                                         "for stdout.")
+    return str(path)
+
+
 def add_json_argument(parser: argparse.ArgumentParser, what: str) -> None:
     """``--json [PATH]``: the same flag, with the same meaning, in every command."""
-    parser.add_argument("--json", nargs="?", const=STDOUT, default=None, metavar="PATH",
+    parser.add_argument("--json", nargs="?", type=json_target, const=STDOUT, default=None, metavar="PATH",
                         help=f"write {what} as JSON to PATH, or to stdout with '-' or no PATH "
                              "(the tables then go to stderr)")
 

@@ -14,6 +14,7 @@ measuring, such as a disk error).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -23,10 +24,14 @@ from rich.console import Console
 from rich.table import Table
 
 from tierkv.calibrate import BenchConfig, BenchResult, Measurement, plot, run_bench
-from tierkv.commands import integer, size
+from tierkv.calibrate.attention import ATTENTION
+from tierkv.commands import add_json_argument, integer, json_to_stdout, size, write_json
+from tierkv.commands.estimate import measure_cpu
 from tierkv.errors import InvalidConfigError
 from tierkv.io import ENGINES, engine_status
+from tierkv.planner import COMPUTE_FLOPS_KEY
 from tierkv.units import format_bytes
+from tierkv.vocabulary import LinkName
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot-out", type=Path, default=Path("tierkv-bench.png"), help="bandwidth plot (PNG)"
     )
+    add_json_argument(parser, "every measurement, the fitted profile and the machine")
 
 
 def _engines(text: str | None) -> tuple[str, ...] | None:
@@ -87,19 +93,20 @@ def _config(args: argparse.Namespace) -> BenchConfig:
 
 
 _SHORT = {
-    ("host->host", "memcpy"): "memcpy",
-    ("device->device", "plain copy"): "plain copy",
-    ("device->device", "gather index_select"): "gather idx_sel",
-    ("device->device", "gather per-block copy_"): "gather per-blk",
-    ("host->device", "pinned"): "H2D pinned",
-    ("host->device", "pageable"): "H2D pageable",
-    ("device->host", "pinned"): "D2H pinned",
-    ("device->host", "pageable"): "D2H pageable",
+    (LinkName.HOST_TO_HOST, "memcpy"): "memcpy",
+    (LinkName.DEVICE_TO_DEVICE, "plain copy"): "plain copy",
+    (LinkName.DEVICE_TO_DEVICE, "gather index_select"): "gather idx_sel",
+    (LinkName.DEVICE_TO_DEVICE, "gather per-block copy_"): "gather per-blk",
+    (LinkName.HOST_TO_DEVICE, "pinned"): "H2D pinned",
+    (LinkName.HOST_TO_DEVICE, "pageable"): "H2D pageable",
+    (LinkName.DEVICE_TO_HOST, "pinned"): "D2H pinned",
+    (LinkName.DEVICE_TO_HOST, "pageable"): "D2H pageable",
     ("host<->device", "pinned both ways"): "H2D+D2H pinned",
-    ("device->device", "store read_into"): "store gather, device blocks",
-    ("host->device", "store read_into"): "store gather, host blocks",
+    (LinkName.DEVICE_TO_DEVICE, "store read_into"): "store gather, device blocks",
+    (LinkName.HOST_TO_DEVICE, "store read_into"): "store gather, host blocks",
 }
-_MEMORY_LINKS = ("host->host", "device->device", "host->device", "device->host", "host<->device")
+_MEMORY_LINKS = (LinkName.HOST_TO_HOST, LinkName.DEVICE_TO_DEVICE, LinkName.HOST_TO_DEVICE, LinkName.DEVICE_TO_HOST,
+                 "host<->device")  # the last: pinned copies both ways at once (bench only)
 
 
 def _pivot(
@@ -138,7 +145,16 @@ def tables(result: BenchResult) -> list[Table]:
                 format_bytes(size), *[f"{by_name[c].gbps:.2f}" if c in by_name else "" for c in columns], *ratios
             )
         out.append(table)
-    for link, title in (("disk->host", "Disk read"), ("host->disk", "Disk write")):
+    columns, rows = _pivot(result, (ATTENTION,))
+    if rows:
+        table = Table(title="Host attention kernel: GB/s of K/V attended in place (one decode query, 32 heads)")
+        table.add_column("K/V", justify="right")
+        for name in columns:
+            table.add_column(name, justify="right")
+        for size, by_name in rows.items():
+            table.add_row(format_bytes(size), *[f"{by_name[c].gbps:.2f}" if c in by_name else "" for c in columns])
+        out.append(table)
+    for link, title in ((LinkName.DISK_TO_HOST, "Disk read"), (LinkName.HOST_TO_DISK, "Disk write")):
         columns, rows = _pivot(result, (link,))
         if not rows:
             continue
@@ -169,39 +185,72 @@ def tables(result: BenchResult) -> list[Table]:
     table = Table(title="Fitted link profile: t = latency + bytes / bandwidth")
     for name in ("link", "bandwidth GB/s", "latency us"):
         table.add_column(name, justify="right" if name != "link" else "left")
-    for key, link in result.profile.links.items():
-        table.add_row(key, f"{link.bandwidth_bytes_per_s / 1e9:.2f}", f"{link.latency_s * 1e6:.1f}")
+    for key, fitted in result.profile.links.items():
+        table.add_row(key, f"{fitted.bandwidth_bytes_per_s / 1e9:.2f}", f"{fitted.latency_s * 1e6:.1f}")
     if result.profile.serial_mover:
         c = result.profile.contention
         table.caption = (f"one mover thread beside compute. Where they overlap, compute slows "
                          f"{c.compute_by_copies:.2f}x and copies {c.copies_by_compute:.2f}x; beside disk reads, "
                          f"compute slows {c.compute_by_disk:.2f}x and the reads {c.disk_by_compute:.2f}x. "
                          f"The cache's own work per layer: {result.profile.layer_overhead_s * 1e6:.0f} us")
+    attention = result.profile.host_attention
+    if attention is not None:
+        memcpy = result.profile.links.get(LinkName.HOST_TO_HOST)
+        versus = f"; memcpy {memcpy.bandwidth_bytes_per_s / 1e9:.2f} GB/s" if memcpy is not None else ""
+        table.add_row(f"{ATTENTION} ({attention.kernel} kernel, K/V attended in place)",
+                      f"{attention.bandwidth_bytes_per_s / 1e9:.2f} ({attention.threads} threads)", "")
+        table.add_row(f"{ATTENTION}, 1 thread", f"{attention.single_thread_bytes_per_s / 1e9:.2f}", "")
+        caption = f"split prices its host share at the {attention.threads}-thread rate{versus}"
+        table.caption = f"{table.caption}. {caption}" if table.caption else caption
     out.append(table)
     return out
 
 
+def to_dict(result: BenchResult) -> dict:
+    """The ``--json`` record: the machine, every measurement and the fitted profile (as ``--profile-out``)."""
+    profile = result.profile
+    return {
+        "machine": dict(result.machine),
+        "notes": list(result.notes),
+        "measurements": [{"link": m.link, "method": m.method, "size_bytes": m.size, "bytes": m.nbytes,
+                          "transfers": m.transfers, "seconds": m.seconds, "gbps": m.gbps}
+                         for m in result.measurements],
+        "profile": {"links": {key: {"name": link.name, "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
+                                    "latency_s": link.latency_s} for key, link in profile.links.items()},
+                    "serial_mover": profile.serial_mover, "layer_overhead_s": profile.layer_overhead_s,
+                    "host_attention": None if profile.host_attention is None else dataclasses.asdict(
+                        profile.host_attention)},
+    }
+
+
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = Console(stderr=json_to_stdout(args))
     if not console.is_terminal:  # piped into a file or a doc: keep the table columns readable
-        console = Console(width=132)
+        console = Console(width=132, stderr=json_to_stdout(args))
     cfg = _config(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     with console.status("measuring") as status:
         result = run_bench(cfg, progress=lambda what: status.update(f"measuring {what}"))
+        status.update("measuring matmul FLOP/s (the compute estimate of tierkv plan --device cpu)")
+        result.profile.machine[COMPUTE_FLOPS_KEY] = f"{measure_cpu().peak_flops:.4g}"
     m = result.machine
     console.print(f"[bold]tierkv bench[/bold] {m['date']}")
     console.print(f"CPU {m['cpu']}, {m['cores']}, RAM {m['ram']}, GPU {m['gpu']}")
     console.print(f"disk dir {m['disk_dir']}: {m['filesystem']}; kernel {m['kernel']}, torch {m['torch']}")
     console.print(f"load average before the run: {m['load_average']}")
-    if "host->device" in m:
+    if LinkName.HOST_TO_DEVICE in m:
         console.print(f"host->device: {m['host->device']}")
     for note in result.notes:
         console.print(f"disk: {note}")
     for table in tables(result):
         console.print(table)
+    console.print(f"CPU matmul: {float(result.profile.machine[COMPUTE_FLOPS_KEY]) / 1e9:.1f} GFLOP/s (float32)")
     result.profile.save(args.profile_out)
     plot(result, args.plot_out)
     console.print(f"profile -> {args.profile_out}, plot -> {args.plot_out}")
+    if args.json:
+        written = write_json(to_dict(result), args.json)
+        if written:
+            console.print(f"wrote {written}")
     return 0

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
@@ -37,11 +38,14 @@ from tierkv.commands import (
     number,
     size,
     tokens,
+    writable_dir,
     write_json,
 )
-from tierkv.errors import InvalidConfigError
+from tierkv.commands.progress import Phases, quiet_transformers, seconds
+from tierkv.errors import BudgetTooSmallError, InvalidConfigError
 from tierkv.staging import REST_BITS
-from tierkv.units import format_bytes, format_tokens, plural
+from tierkv.units import format_bytes, format_size_option, format_tokens, plural
+from tierkv.vocabulary import CLI_EXECUTORS
 
 DEFAULT_CONTEXT = 32768
 REAL_MODEL_DEFAULT_CONTEXT = 4096  # a 4K prefill of a 135M-270M model takes 15-30 s on two CPU cores
@@ -49,6 +53,10 @@ BLOCK_TOKENS = 64  # exact executors: blocks large enough for efficient reads
 SPARSE_BLOCK_TOKENS = 8  # sparse: blocks are selected whole, and 8-token ones select far better (docs/quality.md)
 MIN_DECODE = 16  # default decode length: enough steps for a decode rate that is not one token's noise
 FEW_TOKENS_PER_WORD = 0.25  # a real tokenizer gives >= ~1 token per word; far fewer means the wrong one
+TIER_OVERHEAD = 1.5  # the tiered run's time over the in-memory roofline estimate (reads, writes, bookkeeping)
+ANSWER_CHARS = 40  # characters of the answer the summary table shows
+WEIGHT_TOKENS = 1024  # the reference forecast: a token's weight matmuls cost about as much as attending this many
+CHECKPOINT_DECODE = 32  # tokens decoded from a --prompt-file by default (no expected answer to size it by)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,10 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="haystack length in tokens, e.g. 8K, 1.5K, 32768 (default 32K; 4K with a real --model)")
     parser.add_argument("--gpu-gb", type=size("--gpu-gb"), default=None,
                         help="device budget, GB or a size ('8MiB'); default: 1/8 of the KV plus the executor's minimum")
-    parser.add_argument("--executor", choices=("streaming", "gather", "sparse"), default="streaming",
+    parser.add_argument("--executor", choices=[*CLI_EXECUTORS, "split"], default="streaming",
                         help="streaming: chunked exact attention, device holds two chunks (default); "
-                             "gather: whole layers assembled on the device; sparse: decode steps attend only the "
-                             "top blocks (approximate; --sparse-tokens)")
+                             "gather: whole layers assembled on the device; split: exact, decode steps attend each "
+                             "tier's blocks where they live (host blocks on the CPU), prefill streams; sparse: "
+                             "decode steps attend only the top blocks (approximate; --sparse-tokens)")
     parser.add_argument("--sparse-tokens", type=_sparse_budget, default=0.1,
                         help="with --executor sparse: tokens attended per layer, a count (2048, 2K) or a fraction "
                              "of the context (0.1, the default)")
@@ -69,14 +78,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=1024,
                         help="chunk length of the streaming executor (default 1024)")
     parser.add_argument("--cpu-gb", type=size("--cpu-gb"), default=None, help="host budget; default: 1/4 of the KV")
-    parser.add_argument("--disk-dir", default=None, help="disk tier directory (default: a temporary directory)")
+    parser.add_argument("--disk-dir", type=writable_dir("--disk-dir"), default=None,
+                        help="disk tier directory, created if missing (default: a temporary directory)")
     parser.add_argument("--block-tokens", type=integer("--block-tokens", 1), default=None,
                         help=f"tokens per block (default {BLOCK_TOKENS}; {SPARSE_BLOCK_TOKENS} with --executor sparse)")
     parser.add_argument("--prefill-chunk", type=tokens("--prefill-chunk"), default=1024,
                         help="prefill tokens per forward (default 1024)")
     parser.add_argument("--max-new-tokens", type=integer("--max-new-tokens", 1), default=None,
-                        help=f"tokens to decode (default: {MIN_DECODE}, or the answer's length if longer; 32 "
-                             "with --model)")
+                        help=f"tokens to decode (default: {MIN_DECODE}, or the answer's length if longer; with a "
+                             f"named --model {MIN_DECODE // 2} or the answer's length; {CHECKPOINT_DECODE} with "
+                             "--prompt-file)")
     parser.add_argument("--seed", type=integer("--seed", 0), default=0)
     parser.add_argument("--depth", type=number("--depth", 0.0, 1.0), default=0.3,
                         help="needle depth in the haystack, 0..1 (default 0.3)")
@@ -86,7 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-file", type=existing_file("--prompt-file"), default=None,
                         help="prompt text for --model")
     parser.add_argument("--random-model", action="store_true", help="a tiny random Llama (exactness only)")
-    parser.add_argument("--no-reference", action="store_true", help="skip the in-memory DynamicCache check")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip the check that decodes the same tokens again with an in-memory DynamicCache "
+                             "(as long as the tiered run or longer)")
     add_json_argument(parser, "the results")
 
 
@@ -110,31 +123,38 @@ def _check_combination(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_combination(args)
+    with quiet_transformers():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.block_tokens is None:
         args.block_tokens = SPARSE_BLOCK_TOKENS if args.executor == "sparse" else BLOCK_TOKENS
     out = Console(stderr=json_to_stdout(args), highlight=False)
     status = Console(stderr=True, highlight=False)
-    model, prompt, expected, decode = _load(args, status)
+    phases = Phases(status)
+    model, prompt, expected, decode = _load(args, status, phases)
     kv_bytes = _kv_bytes(model, len(prompt) + decode)
-    gpu, cpu = args.gpu_gb, args.cpu_gb if args.cpu_gb is not None else max(kv_bytes // 4, 2**20)
-    if gpu is None:
-        from tierkv import TieredCache
-        from tierkv.planner import kv_summary_bytes
-
-        if args.executor == "gather":
-            floor = TieredCache.min_device_bytes(model.config, len(prompt) + decode, block_tokens=args.block_tokens)
-        else:
-            floor = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens,
-                                                           chunk_tokens=args.chunk_tokens)
-        if args.executor == "sparse":  # key summaries (min, max, mean: 1.5/block_tokens of the KV), the selection
-            floor += kv_summary_bytes(kv_bytes, args.block_tokens) + \
-                2 * _sparse_selection_bytes(args, model, len(prompt)) + \
-                TieredCache.rest_copy_bytes(model.config, len(prompt) + decode, args.sparse_rest_bits, torch.float32)
-        gpu = floor + kv_bytes // 8
+    cpu = args.cpu_gb if args.cpu_gb is not None else max(kv_bytes // 4, 2**20)
+    floor = _device_floor(args, model, len(prompt), decode)
+    gpu = args.gpu_gb if args.gpu_gb is not None else floor + kv_bytes // 8
+    _announce(status, args, model, len(prompt), decode, gpu, cpu, kv_bytes)
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as tmp:
-        result = _decode(args, model, prompt, decode, gpu, cpu, args.disk_dir or tmp, status)
+        try:
+            result = _decode(args, model, prompt, decode, gpu, cpu, str(args.disk_dir or tmp), status, phases)
+        except BudgetTooSmallError as exc:  # the cache's reason names its API: say it in this command's flags
+            if gpu < floor:
+                raise InvalidConfigError(_budget_advice(args, model, len(prompt), floor)) from exc
+            raise InvalidConfigError(f"--gpu-gb {format_size_option(gpu)} is too small for this run "
+                                     f"({_without_api_names(exc)}); give a larger --gpu-gb, e.g. "
+                                     f"--gpu-gb {format_size_option(2 * gpu)}.") from exc
     answer_text = result["answer_text"]
-    reference = None if args.no_reference else _reference(model, prompt, decode, args.prefill_chunk)
+    reference = None
+    if not args.no_reference:
+        with phases.phase("reference check (in-memory DynamicCache)",
+                          total=len(prompt) + decode - 1) as advance:
+            reference = _reference(model, prompt, decode, args.prefill_chunk,
+                                   _forecasting(advance, status, len(prompt), decode, args.prefill_chunk))
     summary = {
         "context": len(prompt),
         "kv_bytes": kv_bytes,
@@ -158,21 +178,88 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _load(args: argparse.Namespace, status: Console):
+def _device_floor(args: argparse.Namespace, model, prompt: int, decode: int) -> int:
+    """A device budget this run surely works with (the cache's ``min_*_device_bytes``, which keep headroom for
+    staging growth and slab chunks; a little less may work too): the executor's staging and open blocks, and with
+    ``--executor sparse`` the key summaries, two selection buffers and the rest copy."""
+    from tierkv import TieredCache
+    from tierkv.planner import kv_summary_bytes
+
+    if args.executor == "gather":
+        floor = TieredCache.min_device_bytes(model.config, prompt + decode, block_tokens=args.block_tokens)
+    elif args.executor == "split":
+        floor = TieredCache.min_split_device_bytes(model.config, block_tokens=args.block_tokens,
+                                                   chunk_tokens=args.chunk_tokens)
+    else:
+        floor = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens,
+                                                       chunk_tokens=args.chunk_tokens)
+    if args.executor == "sparse":  # key summaries (min, max, mean: 1.5/block_tokens of the KV), the selection
+        floor += kv_summary_bytes(_kv_bytes(model, prompt + decode), args.block_tokens) + \
+            2 * _sparse_selection_bytes(args, model, prompt) + \
+            TieredCache.rest_copy_bytes(model.config, prompt + decode, args.sparse_rest_bits, torch.float32)
+    return floor
+
+
+def _budget_advice(args: argparse.Namespace, model, prompt: int, floor: int) -> str:
+    """A too-small ``--gpu-gb`` in command-line terms: the minimum of this run, and the flag that lowers it."""
+    from tierkv import TieredCache
+
+    text = (f"--gpu-gb {format_size_option(args.gpu_gb)} is below this run's minimum: give --gpu-gb "
+            f"{format_size_option(floor)} or more (--executor {args.executor} at --context "
+            f"{format_tokens(prompt)})")
+    if args.executor == "gather":
+        other = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens,
+                                                       chunk_tokens=args.chunk_tokens)
+        return text + f", or --executor streaming, which needs --gpu-gb {format_size_option(other)}."
+    if args.executor == "streaming" and args.chunk_tokens > args.block_tokens:
+        smaller = max(args.block_tokens, args.chunk_tokens // 4)
+        other = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens,
+                                                       chunk_tokens=smaller)
+        return text + (f", or --chunk-tokens {format_tokens(smaller)}, which needs --gpu-gb "
+                       f"{format_size_option(other)}.")
+    return text + "."
+
+
+def _without_api_names(exc: BaseException) -> str:
+    """The cache's reason, up to where it names Python API (``raise gpu_gb``, ``TieredCache.min_...``)."""
+    reason = " ".join(str(exc).split())
+    cut = min((i for i in (reason.find(word) for word in ("; raise", ": raise", ", raise", "gpu_gb", "TieredCache",
+                                                            "cache.")) if i >= 0), default=len(reason))
+    return reason[:cut].rstrip(" ;:,.")
+
+
+def _announce(status: Console, args: argparse.Namespace, model, prompt: int, decode: int, gpu: int, cpu: int,
+              kv_bytes: int) -> None:
+    """What the demo does next, with a rough time for each phase (a roofline of this host, measured now)."""
+    from tierkv.commands.estimate import greedy_s, measure_cpu
+
+    prefill_s, decode_s = greedy_s(model, measure_cpu(), prompt, decode, args.prefill_chunk)
+    tiered = TIER_OVERHEAD * (prefill_s + decode_s)
+    reference = "" if args.no_reference else (
+        ", then the same with an in-memory DynamicCache to check every token (transformers' own attention, often "
+        "several times slower on a CPU: its time is estimated after its first chunk; --no-reference skips it)")
+    status.print(f"plan: prefill {format_tokens(prompt)} tokens ({format_bytes(kv_bytes)} of KV) into device "
+                 f"{format_bytes(gpu)} + host {format_bytes(cpu)} + disk, decode {plural(decode, 'token')} with "
+                 f"--executor {args.executor} (~{seconds(tiered)} in all, roughly){reference}.", soft_wrap=True)
+
+
+def _load(args: argparse.Namespace, status: Console, phases: Phases):
     """(model, prompt ids, expected answer or None, tokens to decode)."""
     torch.manual_seed(args.seed)
     if isinstance(args.model, Path):
-        model, tokenizer = _load_checkpoint(args.model)
+        with phases.phase(f"loading {args.model}"):
+            model, tokenizer = _load_checkpoint(args.model)
         prompt = _tokenize_prompt(tokenizer, args.prompt_file, status)
-        return _with_decoder(model, tokenizer), prompt, None, args.max_new_tokens or 32
+        return _with_decoder(model, tokenizer), prompt, None, args.max_new_tokens or CHECKPOINT_DECODE
     if isinstance(args.model, str) and args.model != "demo":
-        return _real_model_question(args, status)
+        return _real_model_question(args, status, phases)
     if not args.random_model:
         from tierkv.demo.model import DemoWeightsMissingError, load_demo_model
         from tierkv.demo.task import make_example
 
         try:
-            model, tokenizer = load_demo_model()
+            with phases.phase("loading the demo model"):
+                model, tokenizer = load_demo_model()
         except DemoWeightsMissingError as exc:  # a checkout without the trained demo model
             status.print(f"[yellow]{exc}[/yellow]\nFalling back to a random tiny Llama (exactness only).")
         else:
@@ -186,8 +273,8 @@ def _load(args: argparse.Namespace, status: Console):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context + 64)
     model = LlamaForCausalLM(config).eval()
     model.decode_tokens = lambda ids: " ".join(map(str, ids))
-    prompt = torch.randint(0, config.vocab_size, (context,), generator=torch.Generator().manual_seed(args.seed))
-    return model, prompt.tolist(), None, args.max_new_tokens or MIN_DECODE
+    ids = torch.randint(0, config.vocab_size, (context,), generator=torch.Generator().manual_seed(args.seed))
+    return model, ids.tolist(), None, args.max_new_tokens or MIN_DECODE
 
 
 def _trained_context(name: str) -> int:
@@ -196,14 +283,22 @@ def _trained_context(name: str) -> int:
     return models.spec(name).context
 
 
-def _real_model_question(args: argparse.Namespace, status: Console):
+FIRST_LOAD_S = {"smollm2": 45, "gemma3": 110}
+"""Seconds the first load of a named model takes on two CPU cores (joining and dequantising its GGUF)."""
+
+
+def _real_model_question(args: argparse.Namespace, status: Console, phases: Phases):
     """A named real model asked for a fact placed at ``--depth`` of a real document of ``--context`` tokens."""
     from tierkv import models
     from tierkv.quality.tasks import TextTaskWriter
 
-    status.print(f"loading {models.spec(args.model).description} (the first load dequantises the GGUF, "
-                 "30-70 s)")
-    model, tokenizer = models.load(args.model)
+    found = models.spec(args.model)
+    cached = found.checkpoint is None or (found.checkpoint() / "config.json").is_file()
+    label = (f"loading {found.description}" if cached else
+             f"dequantising the GGUF of {found.description} (first load only, ~{seconds(FIRST_LOAD_S[args.model])} "
+             "on 2 cores; later loads take seconds)")
+    with phases.phase(label):
+        model, tokenizer = models.load(args.model)
     prompt = TextTaskWriter(tokenizer).needle(args.context or REAL_MODEL_DEFAULT_CONTEXT, args.depth, 0, args.seed)
     status.print(f"question: {tokenizer.decode(prompt.question_ids, skip_special_tokens=True)!r}")
     decode = args.max_new_tokens or max(MIN_DECODE // 2, prompt.answer_tokens)
@@ -211,16 +306,10 @@ def _real_model_question(args: argparse.Namespace, status: Console):
 
 
 def _load_checkpoint(folder: Path):
-    """(model, tokenizer) of a local checkpoint; transformers' own errors become one line naming the folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer) of a local checkpoint; every failure is one line naming the folder (tierkv.models)."""
+    from tierkv import models
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    except (OSError, ValueError, ImportError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InvalidConfigError(f"--model {str(folder)!r}: transformers cannot load it: {first}") from exc
-    return model, tokenizer
+    return models.load_folder(folder, what=f"--model {str(folder)!r}")
 
 
 def _tokenize_prompt(tokenizer, path: Path, status: Console) -> list[int]:
@@ -293,19 +382,24 @@ def greedy(model, prompt: list[int], decode: int, cache, chunk: int,
 
 
 def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, disk_dir: str,
-            status: Console) -> dict:
-    """The tiered run, with a live panel on stderr when it is a terminal (nothing when it is piped)."""
+            status: Console, phases: Phases) -> dict:
+    """The tiered run: a live panel (progress, tiers) on stderr when it is a terminal, and either way one line
+    when the prefill and one when the decode ends."""
     from tierkv import TieredCache
 
     live_view = status.is_terminal
     progress = Progress(console=status, transient=True)
     task = progress.add_task("prefill", total=len(prompt))
+    marks = {"started": time.perf_counter()}
     with TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{cpu}B", disk_dir=disk_dir, block_tokens=args.block_tokens,
                      config=model.config) as cache, torch.inference_mode(), _executor(args, cache, model), \
             (Live(Group(progress, _live_table(cache, [], 0.0, decode)), console=status, refresh_per_second=8,
                   transient=True) if live_view else contextlib.nullcontext()) as live:
 
         def show(tokens: list[int], elapsed: float) -> None:
+            if len(tokens) == 1:  # the prefill's logits gave the first token: the prefill is over
+                phases.done(f"prefill {format_tokens(len(prompt))} tokens through the tiers",
+                            time.perf_counter() - marks["started"])
             if live is not None:
                 live.update(Group(progress, _live_table(cache, tokens, elapsed, decode)))
 
@@ -315,6 +409,9 @@ def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, dis
 
         run = greedy(model, prompt, decode, cache, args.prefill_chunk, on_prefill=prefilled, on_token=show)
         stats = cache.stats()
+    if len(run.tokens) > 1:
+        phases.done(f"decode {plural(len(run.tokens) - 1, 'step')} through the tiers", run.decode_s,
+                    f"{(len(run.tokens) - 1) / run.decode_s:.1f} tok/s" if run.decode_s > 0 else "")
     steps = len(run.tokens) - 1
     return {
         "tokens": run.tokens,
@@ -333,13 +430,15 @@ def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, dis
 
 
 def _executor(args: argparse.Namespace, cache, model):
-    """The attention executor's context: streaming or sparse attention, or nothing (exact gather is the default
-    path)."""
+    """The attention executor's context: streaming, split or sparse attention, or nothing (exact gather is the
+    default path)."""
     if args.executor == "streaming":
         return cache.streaming(model, chunk_tokens=args.chunk_tokens)
     if args.executor == "sparse":
         return cache.sparse(model, tokens=args.sparse_tokens, chunk_tokens=args.chunk_tokens,
                             rest_bits=args.sparse_rest_bits)
+    if args.executor == "split":
+        return cache.split(model, chunk_tokens=args.chunk_tokens)
     return contextlib.nullcontext()
 
 
@@ -381,12 +480,48 @@ def _live_table(cache, tokens: list[int], elapsed: float, decode: int) -> Table:
     return table
 
 
-def _reference(model, prompt: list[int], decode: int, chunk: int) -> list[int]:
-    """Greedy tokens with transformers' in-memory DynamicCache, prefilled in the same chunks."""
+def _reference(model, prompt: list[int], decode: int, chunk: int,
+               advance: Callable[[int], None] = lambda n: None) -> list[int]:
+    """Greedy tokens with transformers' in-memory DynamicCache, prefilled in the same chunks; ``advance(n)``
+    is told of every ``n`` tokens computed."""
     from transformers import DynamicCache
 
     with torch.inference_mode():
-        return greedy(model, prompt, decode, DynamicCache(), chunk).tokens
+        return greedy(model, prompt, decode, DynamicCache(), chunk, on_prefill=advance,
+                      on_token=lambda tokens, elapsed: advance(1) if len(tokens) > 1 else None).tokens
+
+
+def _forecasting(advance: Callable[[int], None], status: Console, prompt: int, decode: int,
+                 chunk: int) -> Callable[[int], None]:
+    """``advance`` that also says, once the first prefill chunk is done, how long the rest will take: each chunk
+    costs its tokens times (the tokens before it + half its own + :data:`WEIGHT_TOKENS`), a decode step the same
+    with one token."""
+    started = time.perf_counter()
+    state = {"tokens": 0}
+
+    def cost(start: int, n: int) -> float:
+        return n * (start + n / 2 + WEIGHT_TOKENS)
+
+    total = sum(cost(s, min(chunk, prompt - s)) for s in range(0, prompt, chunk)) + \
+        sum(cost(prompt + i, 1) for i in range(decode - 1))
+
+    def step(n: int) -> None:
+        advance(n)
+        state["tokens"] += n
+        if state["tokens"] == min(chunk, prompt) and prompt > chunk:
+            first = time.perf_counter() - started
+            rest = first * (total / cost(0, min(chunk, prompt)) - 1)
+            status.print(f"reference check: first chunk {seconds(first)}, about {seconds(rest)} to go",
+                         highlight=False, soft_wrap=True)
+
+    return step
+
+
+def answer_cell(text: str, limit: int = ANSWER_CHARS) -> str:
+    """A decoded answer as one table cell: newlines and other control characters escaped (``\\n``), cut to
+    ``limit`` characters with an ellipsis, so a multi-line answer never prints blank rows."""
+    escaped = "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+    return escaped if len(escaped) <= limit else escaped[: limit - 1] + "…"
 
 
 def _yes_no(value: bool) -> str:
@@ -420,10 +555,10 @@ def _print_summary(console: Console, summary: dict) -> None:
                       f"{format_bytes(int(sparse['bytes_fetched_per_step']))} per step")
     if summary["expected"] is not None:
         table.add_row("expected answer", summary["expected"])
-        table.add_row("answer", summary["answer"][:40])
+        table.add_row("answer", escape(answer_cell(summary["answer"])))
         table.add_row("match", _yes_no(summary["match"]))
     else:
-        table.add_row("answer", summary["answer"][:40])
+        table.add_row("answer", escape(answer_cell(summary["answer"])))
     reference = summary["tokens_match_reference"]
     table.add_row("tokens == DynamicCache", "skipped" if reference is None else _yes_no(reference))
     console.print(table)

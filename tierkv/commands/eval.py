@@ -34,12 +34,15 @@ from tierkv.commands import (
     size,
     token_list,
     tokens,
+    writable_dir,
     write_json,
 )
-from tierkv.errors import InvalidConfigError
+from tierkv.commands.progress import Phases, quiet_transformers, seconds
+from tierkv.errors import BudgetTooSmallError, InvalidConfigError
 from tierkv.quality.tasks import TASKS
 from tierkv.staging import REST_BITS
-from tierkv.units import format_tokens, plural
+from tierkv.units import format_size_option, format_tokens, plural
+from tierkv.vocabulary import CLI_EXECUTORS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill tokens per forward (default: %(default)s)")
     parser.add_argument("--cache", default="dynamic", choices=("dynamic", "tiered"),
                         help="dynamic: full attention in memory (DynamicCache); tiered: TieredCache over three tiers")
-    parser.add_argument("--executor", default="streaming", choices=("streaming", "gather"),
+    parser.add_argument("--executor", default="streaming", choices=[n for n in CLI_EXECUTORS if n != "sparse"],
                         help="with --cache tiered: streaming attention or exact gather (default: %(default)s)")
     parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=4096,
                         help="with --executor streaming: tokens per attention chunk (default: %(default)s)")
@@ -68,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "1/8 of the longest prompt's KV)")
     parser.add_argument("--cpu-gb", type=size("--cpu-gb"), default=None,
                         help="with --cache tiered: host budget (default: 1/4 of that KV)")
-    parser.add_argument("--disk-dir", default=None, help="with --cache tiered: disk tier folder (default: a temp dir)")
+    parser.add_argument("--disk-dir", type=writable_dir("--disk-dir"), default=None,
+                        help="with --cache tiered: disk tier folder (default: a temp dir)")
     parser.add_argument("--out", default=None, help="folder for eval.json and heatmap.png (with --tasks: for the "
                         "reference KV and every result)")
     quality = parser.add_argument_group("sparse attention quality (docs/quality.md)")
@@ -124,24 +128,29 @@ def _cache_mode(args: argparse.Namespace, model, longest: int, tmp: str):
     from tierkv import TieredCache
 
     kv = TieredCache.kv_bytes_per_token(model.config, torch.float32) * (longest + 8)
-    if args.gpu_gb is not None:
-        gpu = args.gpu_gb
-    elif args.executor == "streaming":
-        gpu = TieredCache.min_streaming_device_bytes(model.config, chunk_tokens=args.chunk_tokens) + kv // 8
+    if args.executor == "streaming":
+        floor = TieredCache.min_streaming_device_bytes(model.config, chunk_tokens=args.chunk_tokens)
     else:
-        gpu = TieredCache.min_device_bytes(model.config, longest + 8) + kv // 8
+        floor = TieredCache.min_device_bytes(model.config, longest + 8)
+    gpu = args.gpu_gb if args.gpu_gb is not None else floor + kv // 8
     cpu = args.cpu_gb if args.cpu_gb is not None else max(kv // 4, 2**20)
-    disk = args.disk_dir or tmp
+    disk = str(args.disk_dir or tmp)
 
     def factory() -> TieredCache:
         return TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{cpu}B", disk_dir=disk, config=model.config)
 
     streaming = args.executor == "streaming"
     context = (lambda cache: cache.streaming(model, chunk_tokens=args.chunk_tokens)) if streaming else None
-    return factory, context, {"mode": "tiered", "executor": args.executor, "gpu_bytes": gpu, "cpu_bytes": cpu}
+    return factory, context, {"mode": "tiered", "executor": args.executor, "gpu_bytes": gpu, "cpu_bytes": cpu,
+                              "min_gpu_bytes": floor}
 
 
 def run(args: argparse.Namespace) -> int:
+    with quiet_transformers():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
@@ -150,53 +159,54 @@ def run(args: argparse.Namespace) -> int:
 
     lengths, depths = args.lengths, args.depths
     console = Console(stderr=json_to_stdout(args), highlight=False)
-    status = Console(stderr=True, highlight=False)  # per-trial progress: never mixed into the results
+    status = Console(stderr=True, highlight=False, soft_wrap=True)  # progress: never mixed into the results
+    phases = Phases(status)
     if args.tasks or args.stage == "measure":
-        return _run_quality(args, console, status)
+        return _run_quality(args, console, _Log(status), phases)
     if isinstance(args.model, str) and args.model != "demo":
         raise InvalidConfigError(f"the retrieval heat map is the demo model's own task; for --model {args.model} "
                                  "give --tasks (e.g. --tasks needle,multi-needle,fidelity).")
     folder = args.model if isinstance(args.model, Path) else None
-    model, tokenizer = load_demo_model(device=args.device, path=folder)
+    with phases.phase("loading the demo model"):
+        model, tokenizer = load_demo_model(device=args.device, path=folder)
     total = len(lengths) * len(depths) * args.samples
     done = 0
     start = time.perf_counter()
+    status.print(f"{plural(total, 'trial')}: {args.kind} over {', '.join(map(format_tokens, lengths))} tokens x "
+                 f"{plural(len(depths), 'depth')} x {plural(args.samples, 'haystack')}, each a prefill and a greedy "
+                 "answer; one line per trial")
 
     def progress(trial) -> None:
         nonlocal done
         done += 1
         mark = "ok" if trial.correct else f"got {trial.output!r}"
-        status.log(
-            f"[{done}/{total}] {format_tokens(trial.length)} depth {trial.depth:.2f} "
-            f"#{trial.sample}: {trial.answer} {mark}"
-        )
+        elapsed = time.perf_counter() - start
+        left = elapsed / done * (total - done)
+        status.print(f"[{done}/{total}] {format_tokens(trial.length)} depth {trial.depth:.2f} #{trial.sample}: "
+                     f"{trial.answer} {mark} ({seconds(elapsed)}, ~{seconds(left)} to go)", markup=False)
 
     with tempfile.TemporaryDirectory(prefix="tierkv-eval-") as tmp:
         factory, context, cache_record = _cache_mode(args, model, max(lengths), tmp)
-        result = evaluate(
-            model,
-            tokenizer,
-            lengths=lengths,
-            depths=depths,
-            samples=args.samples,
-            kind=args.kind,
-            seed=args.seed,
-            cache_factory=factory,
-            cache_context=context,
-            prefill_chunk_size=args.prefill_chunk,
-            on_trial=progress,
-        )
+        try:
+            result = evaluate(model, tokenizer, lengths=lengths, depths=depths, samples=args.samples, kind=args.kind,
+                              seed=args.seed, cache_factory=factory, cache_context=context,
+                              prefill_chunk_size=args.prefill_chunk, on_trial=progress)
+        except BudgetTooSmallError as exc:  # the cache's message names its API: say it in this command's flags
+            raise InvalidConfigError(
+                f"--gpu-gb {format_size_option(cache_record['gpu_bytes'])} is below the minimum of --executor "
+                f"{args.executor} at --lengths up to {format_tokens(max(lengths))}: give --gpu-gb "
+                f"{format_size_option(cache_record['min_gpu_bytes'])} or more.") from exc
     record = result.to_dict() | {"wall_time_s": round(time.perf_counter() - start, 1), "device": args.device,
                                  "cache": cache_record}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         heatmap, record_path = plot_heatmap(result, out / "heatmap.png"), write_json(record, str(out / "eval.json"))
-        status.log(f"wrote {heatmap} and {record_path}")
+        status.print(f"wrote {heatmap} and {record_path}")
     if args.json:
         written = write_json(record, args.json)
         if written:
-            status.log(f"wrote {written}")
+            status.print(f"wrote {written}")
     table = Table(title=f"{args.kind} accuracy, greedy, {plural(args.samples, 'haystack')} per cell")
     table.add_column("depth", justify="right")
     for n in lengths:
@@ -208,7 +218,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_quality(args: argparse.Namespace, console, status) -> int:
+class _Log:
+    """``log(message)`` for the quality harness: plain lines on stderr, each with the time since the start."""
+
+    def __init__(self, console) -> None:
+        self.console = console
+        self.started = time.perf_counter()
+
+    def log(self, message: str) -> None:
+        self.console.print(f"[{seconds(time.perf_counter() - self.started)}] {message}", highlight=False,
+                           markup=False)
+
+
+def _run_quality(args: argparse.Namespace, console, status: _Log, phases: Phases) -> int:
     """``--tasks``: full attention, then tierkv's methods from its saved KV (see the module docstring)."""
     from tierkv import models
     from tierkv.quality import harness
@@ -225,7 +247,8 @@ def _run_quality(args: argparse.Namespace, console, status) -> int:
     if too_long:
         raise InvalidConfigError(f"--lengths {', '.join(map(format_tokens, too_long))}: model {name!r} was trained "
                                  f"for {format_tokens(context)} tokens; give lengths up to that.")
-    model, tokenizer = models.load(name, device=args.device)
+    with phases.phase(f"loading {name} (a GGUF model's first load dequantises it)"):
+        model, tokenizer = models.load(name, device=args.device)
     out = Path(args.out)
     started = time.perf_counter()
     if args.stage in ("all", "reference"):

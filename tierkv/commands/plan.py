@@ -26,9 +26,24 @@ from tierkv.commands import (
 )
 from tierkv.errors import CapacityError
 from tierkv.model_presets import MODEL_PRESETS
-from tierkv.planner import DEVICES, Plan, WhatIf, build_request, plan, sparse_advice, sparse_what_if, what_ifs
+from tierkv.planner import (
+    CPU,
+    DEVICES,
+    ExecutorOption,
+    Plan,
+    WhatIf,
+    build_request,
+    compare_executors,
+    fastest_advice,
+    plan,
+    sparse_advice,
+    sparse_what_if,
+    split_what_if,
+    what_ifs,
+)
 from tierkv.staging import REST_BITS
 from tierkv.units import format_bytes
+from tierkv.vocabulary import PLAN_EXECUTORS, LinkName
 
 USAGE_ERRORS = (CapacityError,)  # a KV that does not fit the budgets given is a usage error here, not a failure
 
@@ -58,9 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--device",
-        choices=list(DEVICES),
-        default="h100-sxm",
-        help="compute roofline assumption (default h100-sxm; unused with --compute-ms-per-token)",
+        choices=[*DEVICES, CPU],
+        default=None,
+        help="compute roofline: a GPU preset, or cpu (a CPU-only host: memory links are memcpy, compute from "
+             "--profile's measurement or a CPU preset); default h100-sxm, or cpu with a profile measured on a "
+             "CPU-only host; unused with --compute-ms-per-token",
     )
     parser.add_argument(
         "--compute-ms-per-token",
@@ -70,9 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefetch-depth", type=integer("--prefetch-depth", 0), default=None,
                         help="layers prefetched ahead (default: auto)")
-    parser.add_argument("--executor", choices=("gather", "streaming", "sparse"), default="gather",
+    parser.add_argument("--executor", choices=list(PLAN_EXECUTORS), default="gather",
                         help="gather: whole layers staged on the device (default); streaming: two chunks; "
-                             "sparse: decode steps read only the top blocks (approximate)")
+                             "sparse: decode steps read only the top blocks (approximate); split: each tier's KV "
+                             "attended where it lives, the host's on its CPUs (nothing staged); plan compares them all")
+    parser.add_argument("--host-cores", type=integer("--host-cores", 1), default=None,
+                        help="split on a GPU host without a measured profile: the host's CPU cores (default 32)")
+    parser.add_argument("--host-dram-gbps", type=number("--host-dram-gbps"), default=None,
+                        help="split on a GPU host without a measured profile: host DRAM read GB/s (default 300)")
     parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=4096,
                         help="streaming chunk length (default 4096)")
     parser.add_argument("--sparse-tokens", type=tokens("--sparse-tokens"), default=2048,
@@ -87,7 +109,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.1f} ms"
+    """A duration that never rounds a real cost to ``0.0 ms``: ``'2,564.2 ms'``, ``'0.4 ms'``, ``'41.3 us'``."""
+    ms = seconds * 1e3
+    if ms == 0:
+        return "0 ms"
+    if abs(ms) >= 0.05:
+        return f"{ms:,.1f} ms"
+    return f"{ms * 1e3:.3g} us"
+
+
+def _rate(tokens_per_s: float) -> str:
+    """Tokens/s with three significant figures at most: ``'0.39'``, ``'61,600'`` (no false precision)."""
+    if tokens_per_s >= 1000:
+        return f"{float(f'{tokens_per_s:.3g}'):,.0f}"
+    return f"{tokens_per_s:.3g}"
 
 
 def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: str = "") -> None:
@@ -101,7 +136,9 @@ def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: 
     table.add_row("KV total", format_bytes(result.kv_bytes_total))
     what = {"streaming": "2 chunks",
             "sparse": f"2 chunks + {req.sparse_tokens:,}-token selection + key summaries"
-                      + (f" + {req.sparse_rest_bits}-bit rest copy" if req.sparse_rest_bits else "")}.get(
+                      + (f" + {req.sparse_rest_bits}-bit rest copy" if req.sparse_rest_bits else ""),
+            "split": "2 prefill chunks" + ("" if req.links.serial_mover else " + decode scratch")
+                     + "; no layer staged"}.get(
         req.executor, f"{fc.prefetch_depth + 1} layers")
     table.add_row("device staging", f"{format_bytes(result.staging_bytes)} ({what})")
     table.add_row("KV on device / host / disk",
@@ -110,22 +147,31 @@ def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: 
         if nbytes:
             link = req.links.links.get(key)
             via = f" via {link.name}" if link else ""
-            verb = "gathered on device" if key == "device->device" else f"moved {key}"
+            verb = "gathered on device" if key == LinkName.DEVICE_TO_DEVICE else f"moved {key}"
             table.add_row(f"{verb} per token", f"{format_bytes(nbytes / req.batch)}{via}")
     table.add_section()
-    table.add_row(f"compute per step ({result.compute_source})", _ms(result.compute_s_per_step))
     busy = result.busy_rows()
-    device_label, device_s = busy[0]
-    extra = "+ per-layer work, contention" if req.links.serial_mover else "+ device gather, per-layer work"
-    table.add_row(extra, _ms(device_s - result.compute_s_per_step))
-    table.add_row(f"= {device_label}", _ms(device_s))
-    for label, seconds in busy[1:]:
-        table.add_row(label, _ms(seconds))
-    combine = "max(compute, sum of mover)" if req.links.serial_mover else "max of the busy rows"
+    if result.host_attention is not None:  # split: nothing is gathered; the CPUs attend at this rate
+        table.add_row("host attention rate", f"{result.host_attention.bytes_per_s / 1e9:,.1f} GB/s")
+        table.add_row("  from", result.host_attention.source)
+        (label, seconds), *rest = busy
+        table.add_row(f"{label} ({result.compute_source})", _ms(seconds))
+        for label, seconds in rest:
+            table.add_row(label, _ms(seconds))
+        combine = "max(compute + attention, disk)" if fc.attention_on_compute else "max of the busy rows"
+    else:
+        table.add_row(f"compute per step ({result.compute_source})", _ms(result.compute_s_per_step))
+        device_label, device_s = busy[0]
+        extra = "+ per-layer work, contention" if req.links.serial_mover else "+ device gather, per-layer work"
+        table.add_row(extra, _ms(device_s - result.compute_s_per_step))
+        table.add_row(f"= {device_label}", _ms(device_s))
+        for label, seconds in busy[1:]:
+            table.add_row(label, _ms(seconds))
+        combine = "max(compute, sum of mover)" if req.links.serial_mover else "max of the busy rows"
     table.add_row(f"bound: {combine}", f"{_ms(fc.lower_bound_s)} ({result.bound_label})")
-    table.add_row("+ not overlapped (fill, stalls)", _ms(fc.step_s - fc.lower_bound_s))
+    table.add_row("+ not overlapped (fill, stalls)", _ms(max(0.0, fc.step_s - fc.lower_bound_s)))
     table.add_row("= predicted step", _ms(fc.step_s))
-    table.add_row("tokens/s", f"{result.tokens_per_s:,.2f}")
+    table.add_row("tokens/s", _rate(result.tokens_per_s))
     table.add_row("overlap efficiency (bound / step)", f"{fc.overlap_efficiency:.1%}")
     console.print(table)
 
@@ -138,12 +184,37 @@ def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: 
         wi.add_column("bound")
         for alt in alternatives:
             p = alt.plan
-            wi.add_row(alt.label, _ms(p.forecast.step_s), f"{p.tokens_per_s:,.2f}",
+            wi.add_row(alt.label, _ms(p.forecast.step_s), _rate(p.tokens_per_s),
                        f"{fc.step_s / p.forecast.step_s:.2f}x" + ("*" if alt.note else ""), p.bound_label)
         console.print(wi)
         for alt in alternatives:
             if alt.note:
                 console.print(f"* {alt.label}: {alt.note}", highlight=False)
+    if advice:
+        console.print(advice, highlight=False)
+
+
+def _render_executors(console: Console, base: Plan, options: list[ExecutorOption], advice: str) -> None:
+    """Every executor planned for the same request, side by side, and which exact one is fastest here."""
+    table = Table(title="executors on this machine (same budgets and links)")
+    for name in ("executor", "staging", "step", "tokens/s", "vs gather", "bound"):
+        table.add_column(name, justify="left" if name in ("executor", "bound") else "right")
+    gather = next((o.plan for o in options if o.executor == "gather"), None)
+    for option in options:
+        p = option.plan
+        name = option.executor + (" (approx.)" if not option.exact else "") + (
+            " *" if option.executor == base.request.executor else "")
+        if p is None:
+            table.add_row(name, "does not fit", "", "", "", "")
+            continue
+        versus = f"{gather.forecast.step_s / p.forecast.step_s:.2f}x" if gather is not None else ""
+        table.add_row(name, format_bytes(p.staging_bytes), _ms(p.forecast.step_s), _rate(p.tokens_per_s), versus,
+                      p.bound_label)
+    table.caption = "* this plan"
+    console.print(table)
+    for option in options:
+        if option.plan is None:
+            console.print(f"{option.executor}: {option.note}", highlight=False)
     if advice:
         console.print(advice, highlight=False)
 
@@ -167,15 +238,33 @@ def run(args: argparse.Namespace) -> int:
         chunk_tokens=args.chunk_tokens,
         sparse_tokens=args.sparse_tokens,
         sparse_rest_bits=args.sparse_rest_bits,
+        host_cores=args.host_cores,
+        host_dram_gbps=args.host_dram_gbps,
     )
     result = plan(request)
+    options = compare_executors(result)
     alternatives = what_ifs(result, extra_gpu_bytes=args.what_if_gpu_gb)
+    split = split_what_if(result, options)
     other = sparse_what_if(result)
     advice = sparse_advice(result, other)
-    _render(console, result, alternatives + ([other] if other is not None else []), advice)
+    alternatives += [alt for alt in (split, other) if alt is not None]
+    _render(console, result, alternatives, advice)
+    fastest = fastest_advice(options)
+    _render_executors(console, result, options, fastest)
     if args.json:
         data = result.to_dict()
         data["sparse_advice"] = advice
+        data["fastest_advice"] = fastest
+        data["executors"] = [
+            {"executor": o.executor, "attention": o.note if o.plan is not None else "",
+             "fits": o.plan is not None, "reason": o.note if o.plan is None else "",
+             **({"predicted_step_s": o.plan.forecast.step_s, "tokens_per_s": o.plan.tokens_per_s,
+                 "staging_bytes": o.plan.staging_bytes, "bottleneck": o.plan.forecast.bottleneck.value,
+                 **({"host_attention_bytes_per_s": o.plan.host_attention.bytes_per_s,
+                     "host_attention_source": o.plan.host_attention.source} if o.plan.host_attention else {})}
+                if o.plan is not None else {})}
+            for o in options
+        ]
         data["what_ifs"] = [
             {
                 "change": alt.label,
@@ -184,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
                 "bottleneck": alt.plan.forecast.bottleneck.value,
                 "note": alt.note,
             }
-            for alt in alternatives + ([other] if other is not None else [])
+            for alt in alternatives
         ]
         written = write_json(data, args.json)
         if written:

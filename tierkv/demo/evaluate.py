@@ -13,6 +13,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -104,7 +105,7 @@ def greedy_generate(
     generated: list[int] = []
     try:
         with cache_context(cache) if cache_context is not None else contextlib.nullcontext():
-            out = None
+            out: Any = None
             for start in range(0, ids.shape[1], prefill_chunk_size):
                 # the keyword this transformers takes (`cache=` in newer 5.x, `past_key_values=` before)
                 out = model(input_ids=ids[:, start : start + prefill_chunk_size], logits_to_keep=1,
@@ -116,8 +117,9 @@ def greedy_generate(
                     break
                 out = model(input_ids=torch.tensor([[token]], device=device), logits_to_keep=1, **{keyword: cache})
     finally:
-        if callable(getattr(cache, "close", None)):
-            cache.close()
+        close = getattr(cache, "close", None)
+        if callable(close):
+            close()
     return generated
 
 

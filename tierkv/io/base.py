@@ -53,8 +53,8 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     in its default ``madvise`` THP mode honours it for private mappings only, hence ``MAP_PRIVATE``). Why:
     an ``O_DIRECT`` request is split by the block layer at its device's segment limit (254 on virtio-blk), and
     each physically discontiguous 4 KiB page is a segment, so a 4 MiB read into scattered small pages reached
-    the disk as ~5 requests of 1 MiB. Measured on the project's VM (docs/benchmarks.md, "Scale"): a decode
-    step's disk reads went from ~300 to ~140 device requests per step and from 1.3 to 1.7 GB/s.
+    the disk as ~5 requests of 1 MiB. With huge pages a 4 MiB piece reaches the disk as one or two requests: about
+    half the device requests per decode step (docs/architecture.md, "Disk reads").
 
     >>> buf = aligned_empty(10_000)
     >>> buf.ctypes.data % ALIGN, buf.nbytes
@@ -135,20 +135,24 @@ def eof_error(path: str, offset: int, wanted: int, got: int | None) -> OSError:
     return OSError(errno.EIO, f"read past end of file: wanted {wanted} bytes at offset {offset}{short}", path)
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
 def open_fd(path: str, direct: bool | None) -> tuple[int, bool, str]:
     """Open an existing file read/write; return ``(fd, direct in effect, reason if direct was refused)``.
 
     ``direct=None`` tries ``O_DIRECT`` and falls back to buffered I/O when the filesystem refuses it
     (EINVAL at open, or at the first aligned read, which is where some filesystems report it).
-    ``direct=True`` makes a refusal an error that says how to fix it.
+    ``direct=True`` makes a refusal an error that says how to fix it. A symbolic link at ``path`` is refused
+    (ELOOP): tierkv opens only the files it created.
     """
     if direct is False or not _O_DIRECT:
         if direct and not _O_DIRECT:
             raise InvalidConfigError("direct I/O was requested but this OS has no O_DIRECT; use direct=False")
         reason = "" if direct is False else "O_DIRECT not supported by this OS"
-        return os.open(path, os.O_RDWR), False, reason
+        return os.open(path, os.O_RDWR | _NOFOLLOW), False, reason
     try:
-        fd = os.open(path, os.O_RDWR | _O_DIRECT)
+        fd = os.open(path, os.O_RDWR | _O_DIRECT | _NOFOLLOW)
         _probe_direct(fd)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
@@ -158,7 +162,7 @@ def open_fd(path: str, direct: bool | None) -> tuple[int, bool, str]:
                 f"the filesystem of {path} refuses O_DIRECT (EINVAL); put the disk tier on a filesystem that "
                 "supports it (ext4, xfs) or set TIERKV_DIRECT_IO=0 for buffered I/O."
             ) from exc
-        return os.open(path, os.O_RDWR), False, "filesystem refuses O_DIRECT"
+        return os.open(path, os.O_RDWR | _NOFOLLOW), False, "filesystem refuses O_DIRECT"
     return fd, True, ""
 
 
@@ -167,7 +171,7 @@ def _probe_direct(fd: int) -> None:
     is caught at open, not in the middle of a decode step. Closes ``fd`` before re-raising."""
     try:
         if os.fstat(fd).st_size >= ALIGN:
-            os.preadv(fd, [aligned_empty(ALIGN)], 0)
+            os.preadv(fd, [aligned_empty(ALIGN).data], 0)
     except OSError:
         os.close(fd)
         raise
@@ -210,6 +214,11 @@ class DiskFile(ABC):
     reads_device_memory: bool = False
     """Reads may target GPU memory without a host bounce (kvikio with GPUDirect Storage); the disk tier then
     reads into the device landing buffer and verifies there."""
+
+    @abstractmethod
+    def __init__(self, path: str, direct: bool | None) -> None:
+        """Open the existing file ``path``: O_DIRECT required with ``direct=True``, the page cache with
+        ``False``, O_DIRECT where the filesystem accepts it with ``None`` (see :func:`open_fd`)."""
 
     @abstractmethod
     def submit_reads(self, requests: Sequence[tuple[int, Any]]) -> IOHandle:

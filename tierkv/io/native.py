@@ -21,14 +21,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
-import hashlib
-import importlib.machinery
 import logging
 import os
-import shlex
-import shutil
-import subprocess
-import tempfile
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from tierkv import settings
+from tierkv import cbuild, settings
+from tierkv.errors import InvalidConfigError
 from tierkv.io.base import (
     CompletedHandle,
     DiskFile,
@@ -61,44 +56,14 @@ _i64p = ctypes.POINTER(ctypes.c_int64)
 _u64p = ctypes.POINTER(ctypes.c_uint64)
 
 
-def cache_dir() -> Path:
-    """Where libraries built on first use are kept (per user, survives restarts, safe to delete)."""
-    return Path(settings.get("cache_dir")) / "native"
-
-
 def source_digest() -> str | None:
     """sha256 of :data:`SOURCE` (16 hex digits, as ``setup.py`` compiles it in); None without the source."""
-    try:
-        return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    except OSError:
-        return None
+    return cbuild.source_digest(SOURCE)
 
 
 def extension() -> Path | None:
     """The library the install built (``tierkv/io/_native<ABI suffix>``), if it did."""
-    here = Path(__file__).parent
-    return next((p for s in importlib.machinery.EXTENSION_SUFFIXES if (p := here / f"_native{s}").exists()), None)
-
-
-def _compile(target: Path) -> None:
-    """Compile :data:`SOURCE` into ``target``; raise :class:`EngineUnavailableError` saying why not."""
-    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or "cc"]
-    if shutil.which(compiler[0]) is None:
-        raise EngineUnavailableError(f"no C compiler ({compiler[0]!r} not found)", _FIX)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run(
-            [*compiler, *_CFLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=120
-        )
-        if result.returncode != 0:
-            tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise EngineUnavailableError(f"compiling {SOURCE.name} failed: {tail[0]}", _FIX)
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+    return cbuild.extension(Path(__file__).parent, "_native")
 
 
 def _built_from(lib: ctypes.CDLL) -> str:
@@ -112,34 +77,9 @@ def _built_from(lib: ctypes.CDLL) -> str:
 
 def _open_library() -> ctypes.CDLL:
     """Load the extension, else build on first use (module docstring); raise EngineUnavailableError."""
-    digest, built = source_digest(), extension()
-    stale = ""
-    if built is not None:
-        try:
-            lib = ctypes.CDLL(str(built))
-        except OSError as exc:
-            stale = f"the extension {built.name} does not load ({exc})"
-        else:
-            if digest is None or _built_from(lib) == digest:
-                logger.info("native engine: the extension built at install (%s)", built)
-                return lib
-            stale = f"the extension {built.name} was built from an older {SOURCE.name}"
-    if digest is None:
-        raise EngineUnavailableError(
-            "not built at install (no C compiler then?) and no C source to build it from",
-            "Reinstall tierkv where a C compiler is available, or use TIERKV_DISK_ENGINE=posix.",
-        )
-    jit_digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"tierkv_io-{jit_digest}.so"
-    try:
-        if not target.exists():
-            _compile(target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise EngineUnavailableError(f"building or loading {target} failed ({exc})", _FIX) from exc
-    why = stale or "no extension built at install"
-    logger.info("native engine: built on first use into %s (%s)", target, why)
-    return lib
+    return cbuild.open_library("native engine", SOURCE, source_digest(), extension(), _built_from, (_CFLAGS,), (),
+                               _FIX, "Reinstall tierkv where a C compiler is available, or use "
+                               "TIERKV_DISK_ENGINE=posix.")
 
 
 @functools.cache
@@ -186,7 +126,13 @@ class _Pool:
 
     def __init__(self, lib: ctypes.CDLL, depth: int, fd: int) -> None:
         self.lib, self.fd = lib, fd
-        self.handle: int | None = lib.tkv_pool_new(depth) or None
+        self.handle: int | None = None
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= settings.MAX_IO_QUEUE_DEPTH:
+            raise InvalidConfigError(
+                f"the native engine's pool needs 1 to {settings.MAX_IO_QUEUE_DEPTH} I/O threads, got {depth!r} "
+                f"(from {settings.source('io_queue_depth')}); set TIERKV_IO_QUEUE_DEPTH=16 or unset it."
+            )
+        self.handle = lib.tkv_pool_new(depth) or None
 
     def release(self) -> None:
         """Stop and join the threads (after the queued batches: they all finish), free the pool, close the fd."""
@@ -257,10 +203,16 @@ class NativeFile(DiskFile):
         self.path = path
         self.fd, self.direct, self.direct_refused = open_fd(path, direct)
         self._chunk = chunk_bytes()
-        self.pool_state = _Pool(self.lib, queue_depth(), self.fd)
+        depth = queue_depth()
+        try:
+            self.pool_state = _Pool(self.lib, depth, self.fd)
+        except BaseException:
+            os.close(self.fd)
+            raise
         if self.pool_state.handle is None:
             os.close(self.fd)
-            raise OSError(errno.ENOMEM, "native engine: could not start its I/O threads", path)
+            raise OSError(errno.EAGAIN, f"native engine: could not start its {depth} I/O threads (the thread or "
+                          "memory limit; a smaller TIERKV_IO_QUEUE_DEPTH needs fewer)", path)
         self._live: weakref.WeakSet[_NativeBatch] = weakref.WeakSet()  # finished before the pool is freed
         # dropped without close() (or alive at exit), the file still joins its C threads and closes its descriptor
         self._finalizer = weakref.finalize(self, self.pool_state.release)

@@ -100,7 +100,7 @@ class PosixFile(DiskFile):
     def _read_piece(self, offset: int, view: np.ndarray) -> None:
         done, nbytes = 0, view.nbytes
         while done < nbytes:
-            got = os.preadv(self.fd, [view[done:]], offset + done)
+            got = os.preadv(self.fd, [view[done:].data], offset + done)
             if got == 0:
                 raise eof_error(self.path, offset, nbytes, done)
             done += got
@@ -108,7 +108,7 @@ class PosixFile(DiskFile):
     def _write_piece(self, offset: int, view: np.ndarray) -> None:
         done, nbytes = 0, view.nbytes
         while done < nbytes:
-            put = os.pwritev(self.fd, [view[done:]], offset + done)
+            put = os.pwritev(self.fd, [view[done:].data], offset + done)
             if put == 0:  # the kernel wrote nothing without an error: report it rather than spin
                 raise OSError(errno.EIO, f"pwritev wrote 0 of {nbytes - done} bytes at {offset}", self.path)
             done += put

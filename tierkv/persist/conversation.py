@@ -9,28 +9,48 @@
     record "end"           header: records (the count before it) — a file cut at a record boundary is caught
 
 Each layer is written in chunks of at most ``CHUNK_BYTES``, so saving and loading hold one chunk at a time
-outside the tiers. Records are written to ``<path>.tmp``, fsynced and renamed over ``path``: a crash
-while saving leaves the previous file intact.
+outside the tiers. Records are written to a fresh temporary file beside ``path`` (``O_EXCL``, mode 0600,
+:func:`tierkv.safefs.replacing`), fsynced and renamed over ``path``: a crash while saving leaves the previous
+file intact, and a link planted at ``path`` is replaced, never followed.
+
+Every file carries the fingerprint of the model that computed its K/V (:func:`records` refuses to write one
+without). A file is input from anywhere: :func:`open_file` refuses anything but a regular file (a FIFO is
+never waited on), :func:`tierkv.persist.record.read` checks each length against the bytes the file really
+has before allocating, and :func:`parse_header` and :class:`Reader` check every field's type and range and
+that each K/V record has exactly the shape the header's geometry implies — any failure is an
+:class:`~tierkv.errors.IntegrityError` naming the file and the field.
 """
 
 from __future__ import annotations
 
+import asyncio
+import io
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from tierkv.errors import IntegrityError
+from tierkv import safefs
+from tierkv.errors import IntegrityError, InvalidConfigError
 from tierkv.persist import record
-from tierkv.persist.manifest import fsync_directory
+from tierkv.persist.keys import KEY_BYTES, Namespace
 from tierkv.store import KVStore
 
 FORMAT = 1
 CHUNK_BYTES = 64 << 20
+FINGERPRINT = re.compile(rf"^[0-9a-f]{{{2 * KEY_BYTES}}}$")
+MAX_LAYERS = 1 << 12
+MAX_BATCH = 1 << 16
+MAX_BLOCK_TOKENS = 1 << 20
+MAX_TOKENS = 1 << 40
+MAX_HEADS = 1 << 12
+MAX_HEAD_DIM = 1 << 16
+KV_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +74,15 @@ class Header:
 
 
 def records(kv: KVStore, header: Header) -> Iterator[tuple[bytes, memoryview]]:
-    """The records of ``header`` and of every layer's blocks (read from ``kv`` one chunk at a time)."""
+    """The records of ``header`` and of every layer's blocks (read from ``kv`` one chunk at a time).
+    InvalidConfigError at once if ``header`` has no model fingerprint: a file must say which model it fits."""
+    if header.fingerprint is None:
+        raise InvalidConfigError("save() needs the model whose K/V this cache holds, so that the file can only be "
+                                 "loaded into that model: cache.save(path, model=model).")
+    return _records(kv, header)
+
+
+def _records(kv: KVStore, header: Header) -> Iterator[tuple[bytes, memoryview]]:
     ids = header.ids if header.ids is not None else np.zeros((0, 0), dtype="<i8")
     yield record.encode({"kind": "conversation", "format": FORMAT, "block_tokens": header.block_tokens,
                          "batch": header.batch, "layers": [_layer_dict(layer) for layer in header.layers],
@@ -83,53 +111,185 @@ def _layer_dict(layer: LayerState) -> dict[str, Any]:
             "length": layer.length}
 
 
+# ------------------------------------------------------------------------------------------- files
+def save(path: str | os.PathLike, chunks: Iterable[tuple[bytes, memoryview]]) -> None:
+    """Write the records ``chunks`` to ``path`` atomically (see the module's docstring)."""
+    safefs.write_file(path, (part for pair in chunks for part in pair))
+
+
+async def asave(path: str | os.PathLike, chunks: Iterable[tuple[bytes, memoryview]]) -> None:
+    """:func:`save` for asyncio: the records are produced on the loop's thread (they read the tiers); the
+    writes, the fsyncs and the rename run on worker threads, so the event loop never waits for the disk."""
+    target = Path(path)
+    directory = await asyncio.to_thread(os.open, target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd, temporary = safefs.create_file(directory, f".{target.name}.", ".tmp")
+        try:
+            try:
+                for head, payload in chunks:
+                    await asyncio.to_thread(safefs.write_all, fd, (head, payload))
+                await asyncio.to_thread(os.fsync, fd)
+            finally:
+                os.close(fd)
+            await asyncio.to_thread(os.replace, temporary, target.name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            safefs.remove_regular(directory, temporary)
+            raise
+        await asyncio.to_thread(safefs.fsync_directory, directory)
+    finally:
+        os.close(directory)
+
+
+def open_fd(path: str | os.PathLike) -> int:
+    """A read-only descriptor of the conversation file ``path`` (a link the user made is followed); refused
+    (IntegrityError) unless it is a regular file — a FIFO or a device is never read or waited on."""
+    return safefs.open_regular(None, path, os.fspath(path), follow=True)
+
+
+def open_file(path: str | os.PathLike) -> io.BufferedReader:
+    """:func:`open_fd` as a buffered binary file."""
+    return os.fdopen(open_fd(path), "rb")
+
+
+# ------------------------------------------------------------------------------------------ checks
+def _integer(value: Any, what: str, name: str, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise IntegrityError(f"{what}: field {name!r} is {str(value)[:40]!r}, not an integer in [{low}, {high}].")
+    return value
+
+
+def _text(value: Any, what: str, name: str, pattern: str = r"^[A-Za-z0-9_.\-]{1,64}$") -> str:
+    if not isinstance(value, str) or not re.match(pattern, value):
+        raise IntegrityError(f"{what}: field {name!r} is {str(value)[:40]!r}, not a valid name.")
+    return value
+
+
+def _namespace(value: Any, what: str, block_tokens: int, layers: int) -> dict[str, Any] | None:
+    """The namespace a conversation's blocks were computed in, every field checked (or None)."""
+    if value is None:
+        return None
+    names = {f.name for f in fields(Namespace)}
+    if not isinstance(value, dict) or set(value) != names:
+        raise IntegrityError(f"{what}: field 'namespace' is not an object with exactly {sorted(names)}.")
+    _text(value["fingerprint"], what, "namespace.fingerprint", FINGERPRINT.pattern)
+    if _integer(value["layers"], what, "namespace.layers", 1, MAX_LAYERS) != layers:
+        raise IntegrityError(f"{what}: field 'namespace.layers' is {value['layers']}, the file has {layers} layers.")
+    _integer(value["kv_heads"], what, "namespace.kv_heads", 1, MAX_HEADS)
+    _integer(value["head_dim"], what, "namespace.head_dim", 1, MAX_HEAD_DIM)
+    if value["dtype"] not in KV_DTYPES:
+        raise IntegrityError(f"{what}: field 'namespace.dtype' is {str(value['dtype'])[:40]!r}, not a K/V dtype.")
+    if value["block_tokens"] != block_tokens:
+        raise IntegrityError(f"{what}: field 'namespace.block_tokens' is {str(value['block_tokens'])[:40]!r}, the "
+                             f"file's block_tokens is {block_tokens}.")
+    _text(value["device_type"], what, "namespace.device_type")
+    _text(value["attention"], what, "namespace.attention")
+    return dict(value)
+
+
+def _layers(value: Any, what: str) -> tuple[LayerState, ...]:
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_LAYERS:
+        raise IntegrityError(f"{what}: field 'layers' is not a list of 1 to {MAX_LAYERS} layers.")
+    layers = []
+    for i, d in enumerate(value):
+        name = f"layers[{i}]"
+        if not isinstance(d, dict) or set(d) != {"index", "sliding_window", "dropped", "length"}:
+            raise IntegrityError(f"{what}: field {name!r} is not an object of index, sliding_window, dropped, length.")
+        _integer(d["index"], what, f"{name}.index", i, i)
+        window = d["sliding_window"]
+        if window is not None:
+            _integer(window, what, f"{name}.sliding_window", 1, MAX_TOKENS)
+        length = _integer(d["length"], what, f"{name}.length", 0, MAX_TOKENS)
+        layers.append(LayerState(i, window, _integer(d["dropped"], what, f"{name}.dropped", 0, length), length))
+    return tuple(layers)
+
+
 def parse_header(header: dict[str, Any], payload: bytearray, what: str) -> Header:
+    """The first record of a conversation file, every field checked (IntegrityError naming the field)."""
     if header.get("kind") != "conversation" or header.get("format") != FORMAT:
-        raise IntegrityError(f"{what}: not a tierkv conversation of format {FORMAT} (first record: {header}).")
-    shape = header.get("ids_shape")
-    ids = np.frombuffer(bytes(payload), dtype="<i8").reshape(shape).astype(np.int64) if shape is not None else None
-    layers = tuple(LayerState(int(d["index"]), d["sliding_window"], int(d["dropped"]), int(d["length"]))
-                   for d in header["layers"])
-    return Header(int(header["block_tokens"]), int(header["batch"]), layers, ids, header.get("namespace"),
-                  header.get("fingerprint"))
+        raise IntegrityError(f"{what}: not a tierkv conversation of format {FORMAT} (first record: "
+                             f"{str(header)[:200]}).")
+    expected = {"kind", "format", "block_tokens", "batch", "layers", "namespace", "fingerprint", "ids_shape"}
+    if set(header) != expected:
+        raise IntegrityError(f"{what}: the first record's fields are {sorted(header)[:20]}, not {sorted(expected)}.")
+    fingerprint = header["fingerprint"]
+    if fingerprint is None:
+        raise IntegrityError(f"{what}: field 'fingerprint' is missing: the file does not say which model computed "
+                             "its K/V, so it cannot be loaded safely; save it again with save(path, model=model).")
+    _text(fingerprint, what, "fingerprint", FINGERPRINT.pattern)
+    block_tokens = _integer(header["block_tokens"], what, "block_tokens", 1, MAX_BLOCK_TOKENS)
+    batch = _integer(header["batch"], what, "batch", 1, MAX_BATCH)
+    layers = _layers(header["layers"], what)
+    namespace = _namespace(header["namespace"], what, block_tokens, len(layers))
+    shape = header["ids_shape"]
+    ids = None
+    if shape is None:
+        if len(payload):
+            raise IntegrityError(f"{what}: {len(payload)} bytes of token ids, but field 'ids_shape' is null.")
+    else:
+        if not isinstance(shape, list) or len(shape) != 2:
+            raise IntegrityError(f"{what}: field 'ids_shape' is not [batch, tokens].")
+        _integer(shape[0], what, "ids_shape[0]", batch, batch)
+        tokens = _integer(shape[1], what, "ids_shape[1]", 0, MAX_TOKENS)
+        if len(payload) != batch * tokens * 8:
+            raise IntegrityError(f"{what}: {len(payload)} bytes of token ids, field 'ids_shape' {shape} needs "
+                                 f"{batch * tokens * 8}.")
+        ids = np.frombuffer(bytes(payload), dtype="<i8").reshape(batch, tokens).astype(np.int64)
+    return Header(block_tokens, batch, layers, ids, namespace, fingerprint)
 
 
 class Reader:
     """Checks the records after the header, in order: ``take`` each; it returns the ``(layer, first, blocks)``
-    of a K/V record, or None at the end record (after which the file must end)."""
+    of a K/V record, or None at the end record (after which the file must end). A K/V record must continue
+    its layer where the last one stopped, stay within the layer's length, and have exactly the shape
+    ``[batch, n, 2, H_kv, block_tokens, head_dim]`` of the header (and its namespace, if any), in one dtype
+    per layer."""
 
     def __init__(self, header: Header, what: str) -> None:
         self.header, self.what = header, what
         self.count = 1
-        self.next_block = {layer.index: layer.dropped // header.block_tokens for layer in header.layers}
+        bt = header.block_tokens
+        self.next_block = {layer.index: layer.dropped // bt for layer in header.layers}
+        self.stop = {layer.index: -(-layer.length // bt) for layer in header.layers}
+        ns = header.namespace
+        self.geometry: dict[int, tuple[str, int, int]] = {}  # layer -> (dtype, H_kv, D) of its first record
+        self.expected = (ns["dtype"], ns["kv_heads"], ns["head_dim"]) if ns is not None else None
 
     def take(self, header: dict[str, Any], payload: bytearray) -> tuple[int, int, torch.Tensor] | None:
+        what = self.what
         kind = header.get("kind")
         if kind == "end":
-            if header.get("records") != self.count:
-                raise IntegrityError(f"{self.what}: {self.count} records before the end, it says {header}.")
-            bt = self.header.block_tokens
-            short = [layer.index for layer in self.header.layers
-                     if self.next_block[layer.index] < -(-layer.length // bt)]
+            if header.get("records") != self.count or set(header) != {"kind", "records"}:
+                raise IntegrityError(f"{what}: {self.count} records before the end, it says {str(header)[:200]}.")
+            short = [index for index, stop in self.stop.items() if self.next_block[index] < stop]
             if short:
-                raise IntegrityError(f"{self.what}: layers {short} are incomplete.")
+                raise IntegrityError(f"{what}: layers {short[:20]} are incomplete.")
             return None
-        if kind != "kv":
-            raise IntegrityError(f"{self.what}: unexpected record {header}.")
+        if kind != "kv" or set(header) != {"kind", "layer", "first", "dtype", "shape"}:
+            raise IntegrityError(f"{what}: unexpected record {str(header)[:200]}.")
         self.count += 1
-        layer, first = int(header["layer"]), int(header["first"])
-        if self.next_block.get(layer) != first:
-            raise IntegrityError(f"{self.what}: blocks of layer {layer} out of order (at {first}).")
-        blocks = record.tensor_from(payload, header["dtype"], header["shape"], self.what)
-        self.next_block[layer] = first + blocks.shape[1]
+        name = f"record {self.count - 1}"
+        layer = _integer(header["layer"], what, f"{name}.layer", 0, len(self.header.layers) - 1)
+        first = _integer(header["first"], what, f"{name}.first", 0, MAX_TOKENS)
+        if self.next_block[layer] != first:
+            raise IntegrityError(f"{what}: blocks of layer {layer} out of order (at {first}).")
+        dtype = header["dtype"]
+        if dtype not in KV_DTYPES:
+            raise IntegrityError(f"{what}: field '{name}.dtype' is {str(dtype)[:40]!r}, not a K/V dtype.")
+        shape = header["shape"]
+        if not isinstance(shape, list) or len(shape) != 6:
+            raise IntegrityError(f"{what}: field '{name}.shape' is not [batch, blocks, 2, kv_heads, block_tokens, "
+                                 "head_dim].")
+        bt = self.header.block_tokens
+        _integer(shape[0], what, f"{name}.shape[0] (batch)", self.header.batch, self.header.batch)
+        count = _integer(shape[1], what, f"{name}.shape[1] (blocks)", 1, self.stop[layer] - first)
+        _integer(shape[2], what, f"{name}.shape[2] (K and V)", 2, 2)
+        heads = _integer(shape[3], what, f"{name}.shape[3] (kv_heads)", 1, MAX_HEADS)
+        _integer(shape[4], what, f"{name}.shape[4] (block_tokens)", bt, bt)
+        dim = _integer(shape[5], what, f"{name}.shape[5] (head_dim)", 1, MAX_HEAD_DIM)
+        geometry = self.geometry.setdefault(layer, (dtype, heads, dim))
+        if geometry != (dtype, heads, dim) or (self.expected is not None and geometry != self.expected):
+            raise IntegrityError(f"{what}: {name} of layer {layer} holds {dtype} K/V of {heads} heads of {dim}; the "
+                                 f"file says {self.expected or geometry}.")
+        blocks = record.tensor_from(payload, dtype, shape, what)
+        self.next_block[layer] = first + count
         return layer, first, blocks
-
-
-def temporary(path: Path) -> Path:
-    return path.with_name(path.name + ".tmp")
-
-
-def finish(path: Path) -> None:
-    """Rename the fsynced ``<path>.tmp`` over ``path`` and make the rename durable."""
-    os.replace(temporary(path), path)
-    fsync_directory(path.parent)

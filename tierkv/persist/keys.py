@@ -38,8 +38,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
+from tierkv.errors import InvalidConfigError
+
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedConfig
 
 KEY_BYTES = 16  # 128-bit keys, written as 32 hex characters
 HASH_CHUNK_BYTES = 64 << 20  # an accelerator's tensor crosses to the host for hashing in pieces of this size
@@ -92,7 +95,7 @@ def _tensors_digest(tensors: list[tuple[str, torch.Tensor]]) -> bytes:
             step = HASH_CHUNK_BYTES if flat.device.type != "cpu" else max(flat.numel(), 1)
             for start in range(0, flat.numel(), step):  # bounded host copies of an accelerator's tensor
                 piece = flat[start : start + step].cpu().contiguous()
-                h.update(memoryview(piece.numpy()))
+                h.update(piece.numpy().data)
     return h.digest()
 
 
@@ -127,14 +130,18 @@ class Namespace:
     def of_model(cls, model: torch.nn.Module, block_tokens: int, fingerprint: str | None = None) -> Namespace:
         """The namespace of a transformers decoder (geometry from its text config, dtype and device from its
         parameters); ``fingerprint`` defaults to :func:`model_fingerprint`."""
-        text = model.config.get_text_config(decoder=True)
+        config: PreTrainedConfig | None = getattr(model, "config", None)
+        if config is None:
+            raise InvalidConfigError(f"{type(model).__qualname__} has no .config: persisted prefixes need a "
+                                     "transformers model (its config gives the K/V geometry); pass one.")
+        text = config.get_text_config(decoder=True)
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         parameter = next(model.parameters())
         return cls(fingerprint=fingerprint or model_fingerprint(model), layers=int(text.num_hidden_layers),
                    kv_heads=int(kv_heads), head_dim=int(head_dim), dtype=str(parameter.dtype).removeprefix("torch."),
                    block_tokens=int(block_tokens), device_type=parameter.device.type,
-                   attention=str(model.config._attn_implementation))
+                   attention=str(config._attn_implementation))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -2,22 +2,31 @@
 
 A block file counts only once the manifest lists it. The manifest is one checksummed record
 (:mod:`tierkv.persist.record`, ``kind: "manifest"``, the JSON listing as payload) replaced atomically —
-written to a temporary file, fsynced, ``os.replace``d over the old one, the directory fsynced — so a
+written to a fresh temporary file, fsynced, ``os.replace``d over the old one, the directory fsynced — so a
 reader sees the old listing or the new one, never a torn one, even after a SIGKILL or a power cut.
+
+The listing is input like any file on a shared disk: every key must be a block key (lowercase hex of
+:data:`~tierkv.persist.keys.KEY_BYTES` bytes — it becomes a file name) and every number an integer in range,
+or the whole manifest is refused (:class:`~tierkv.errors.IntegrityError`) and the store starts empty.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierkv.atomic import deferred_interrupts
+from tierkv import safefs
 from tierkv.errors import IntegrityError
 from tierkv.persist import record
+from tierkv.persist.keys import KEY_BYTES
 
 FORMAT = 1
+NAME = "manifest"
+MAX_BYTES = 1 << 30  # about 10 million listed blocks; a larger file is not a manifest tierkv wrote
+MAX_RECORD_BYTES = 1 << 40  # a listed record's size: larger is a corrupt or crafted listing
+KEY = re.compile(rf"^[0-9a-f]{{{2 * KEY_BYTES}}}$")
 
 
 @dataclass(slots=True)
@@ -52,45 +61,55 @@ class Manifest:
 
 
 def load(path: Path) -> Manifest:
-    """The manifest at ``path`` (empty if there is none). IntegrityError if it exists but does not verify."""
+    """The manifest at ``path`` (``<directory>/tierkv-persist/manifest``; empty if there is none): :func:`load_at`."""
+    with safefs.directory(path.parent) as directory:
+        return load_at(directory, str(path))
+
+
+def load_at(directory: int, what: str) -> Manifest:
+    """The manifest in ``directory`` (a descriptor; empty if there is none); ``what`` names it in errors.
+    IntegrityError if it exists but is not a regular file, or does not verify, or lists a key or a number
+    out of range."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        with safefs.opened(directory, NAME, what) as fd:
+            data = safefs.read_whole(fd, what, MAX_BYTES)
     except FileNotFoundError:
         return Manifest()
-    header, payload = record.decode(data, what=str(path))
+    header, payload = record.decode(data, what=what)
     if header.get("kind") != "manifest" or header.get("format") != FORMAT:
-        raise IntegrityError(f"{path}: not a tierkv manifest of format {FORMAT} ({header}).")
+        raise IntegrityError(f"{what}: not a tierkv manifest of format {FORMAT} ({header}).")
     try:
         listing = json.loads(bytes(payload))
-        entries = {str(key): Entry(*(int(v) for v in values)) for key, values in listing["blocks"].items()}
-        return Manifest(entries, int(listing["clock"]))
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise IntegrityError(f"{path}: unreadable manifest listing ({error!r}).") from None
+    except ValueError as error:
+        raise IntegrityError(f"{what}: unreadable manifest listing ({error}).") from None
+    if not isinstance(listing, dict) or not isinstance(listing.get("blocks"), dict):
+        raise IntegrityError(f"{what}: field 'blocks' is not an object.")
+    clock = _count(listing.get("clock"), what, "clock")
+    entries = {}
+    for key, values in listing["blocks"].items():
+        if not KEY.match(key):
+            raise IntegrityError(f"{what}: field 'blocks' lists {key[:80]!r}, not a block key ({2 * KEY_BYTES} "
+                                 "lowercase hex digits).")
+        if not isinstance(values, list) or len(values) != 3:
+            raise IntegrityError(f"{what}: field 'blocks.{key}' is not [nbytes, last_used, depth].")
+        nbytes = _count(values[0], what, f"blocks.{key}.nbytes", record.PREFIX_BYTES, MAX_RECORD_BYTES)
+        entries[key] = Entry(nbytes, _count(values[1], what, f"blocks.{key}.last_used", 0, clock),
+                             _count(values[2], what, f"blocks.{key}.depth"))
+    return Manifest(entries, clock)
 
 
-def write(path: Path, manifest: Manifest) -> None:
-    """Replace the manifest at ``path`` atomically (temporary file, fsync, ``os.replace``, fsync of the
-    directory). The caller holds the directory's exclusive lock, so one temporary name is enough."""
+def _count(value: object, what: str, name: str, low: int = 0, high: int = 1 << 62) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise IntegrityError(f"{what}: field {name!r} is {str(value)[:40]!r}, not an integer in [{low}, {high}].")
+    return value
+
+
+def write(directory: int, manifest: Manifest) -> None:
+    """Replace the manifest in ``directory`` (a descriptor) atomically: a fresh temporary file (``O_EXCL``,
+    mode 0600), fsync, ``os.replace``, fsync of the directory (:func:`tierkv.safefs.replacing`)."""
     listing = {"clock": manifest.clock,
                "blocks": {key: [e.nbytes, e.last_used, e.depth] for key, e in manifest.entries.items()}}
     head, payload = record.encode({"kind": "manifest", "format": FORMAT},
                                   json.dumps(listing, separators=(",", ":")).encode())
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as f:
-        f.write(head)
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    fsync_directory(path.parent)
-
-
-def fsync_directory(path: Path) -> None:
-    """Make renames and unlinks in ``path`` durable."""
-    with deferred_interrupts():  # one fsync: no Ctrl-C between the open and the close of the descriptor
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    with safefs.replacing(directory, NAME) as fd:
+        safefs.write_all(fd, (head, payload))

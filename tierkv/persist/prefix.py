@@ -25,6 +25,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,8 +33,8 @@ import torch
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import IntegrityError, InvalidConfigError
 from tierkv.persist import record
+from tierkv.persist.blockfile import Item
 from tierkv.persist.keys import Namespace, block_keys
-from tierkv.persist.store import Item, PersistentStore
 from tierkv.store import KVStore
 
 log = logging.getLogger("tierkv")
@@ -42,10 +43,31 @@ BATCH_BYTES = 64 << 20  # K/V bytes exported at once for the writer
 QUEUE_BATCHES = 4  # batches waiting for the writer; so at most (QUEUE_BATCHES + 1) * BATCH_BYTES in flight
 
 
+class BlockStore(Protocol):
+    """What :class:`PrefixPersistence` needs of a store of block records: a :class:`PersistentStore`, or a
+    :class:`tierkv.remote.chain.ChainedBlockStore` (local disk, then the remote tier)."""
+
+    def __contains__(self, key: str) -> bool: ...
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        """How many of ``keys`` (a chain) are stored, counted from the first."""
+        ...
+
+    def get(self, keys: Sequence[str]) -> list[bytearray]:
+        """The records of the leading ``keys`` that could be read (stops at the first miss)."""
+        ...
+
+    def put(self, items: Sequence[Item], touch: Sequence[str] = ()) -> int:
+        """Store ``items`` (and mark ``touch``, the chain they extend, as used); how many were added."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class PrefixPersistence:
     """Which tokens a cache holds (``ids`` ``[B, T]``) and which of its block columns are persisted."""
 
-    def __init__(self, store: PersistentStore, block_tokens: int) -> None:
+    def __init__(self, store: BlockStore, block_tokens: int) -> None:
         self.store = store
         self.block_tokens = block_tokens
         self.namespace: Namespace | None = None
@@ -95,7 +117,11 @@ class PrefixPersistence:
         """``(blocks, kv)``: the stored prefix of every row — ``kv[layer]`` ``[2, B, H_kv, blocks * bt, D]`` on
         the host — leaving at least the last id to compute. ``(0, [])`` if nothing is stored. Call after
         :meth:`start`."""
-        limit = (self.ids.shape[1] - 1) // self.block_tokens
+        ids, namespace = self.ids, self.namespace
+        if ids is None or namespace is None:
+            raise InvalidConfigError("PrefixPersistence.load() has no sequence to load; call start(namespace, "
+                                     "ids) first.")
+        limit = (ids.shape[1] - 1) // self.block_tokens
         blocks = min(self.store.lookup(keys[:limit]) for keys in self._keys)
         rows: list[list[torch.Tensor]] = []
         for keys in self._keys:
@@ -103,7 +129,7 @@ class PrefixPersistence:
             decoded = []
             for key, data in zip(keys, found):
                 try:
-                    decoded.append(record.decode_block(data, key=key, namespace=self.namespace, what=f"block {key}"))
+                    decoded.append(record.decode_block(data, key=key, namespace=namespace, what=f"block {key}"))
                 except IntegrityError as error:  # listed under the right key, not this namespace's shape: a miss
                     log.warning("tierkv: persistent block %s not used: %s", key, error)
                     break
@@ -148,6 +174,8 @@ class PrefixPersistence:
 
     def _check_layouts(self, kv: KVStore) -> None:
         ns = self.namespace
+        if ns is None:
+            return
         for layer, layout in kv.layouts.items():
             found = (layout.kv_heads, layout.head_dim, str(layout.dtype).removeprefix("torch."), layout.block_tokens)
             if found != (ns.kv_heads, ns.head_dim, ns.dtype, ns.block_tokens):
@@ -165,7 +193,7 @@ class PrefixPersistence:
         self._finalizer()
 
 
-def _close(writer: _Writer, store: PersistentStore) -> None:
+def _close(writer: _Writer, store: BlockStore) -> None:
     writer.close()
     store.close()
 
@@ -176,7 +204,7 @@ class _Writer:
     It holds the store, never the cache, so a dropped cache is collected; a failure is logged (once) and
     the blocks are not persisted — persistence never breaks decoding."""
 
-    def __init__(self, store: PersistentStore) -> None:
+    def __init__(self, store: BlockStore) -> None:
         self.store = store
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
         self._thread: threading.Thread | None = None

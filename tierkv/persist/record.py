@@ -31,9 +31,12 @@ Interface::
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import re
 import struct
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -49,6 +52,7 @@ VERSION = 1
 _PREFIX = struct.Struct("<4sHHIQQ")
 PREFIX_BYTES = _PREFIX.size  # 28
 MAX_HEADER_BYTES = 1 << 20  # a header is a few hundred bytes; a larger length is a corrupt prefix
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # a dtype's name in torch
 
 
 def _checksum(header: bytes, payload: bytes | memoryview) -> int:
@@ -65,7 +69,7 @@ def encode(header: dict[str, Any], payload: bytes | bytearray | memoryview) -> t
     return _PREFIX.pack(MAGIC, VERSION, 0, len(text), len(payload), _checksum(text, payload)) + text, payload
 
 
-def _parse_prefix(prefix: bytes | memoryview, what: str) -> tuple[int, int, int]:
+def _parse_prefix(prefix: bytes | bytearray | memoryview, what: str) -> tuple[int, int, int]:
     if len(prefix) < PREFIX_BYTES:
         raise IntegrityError(f"{what}: {len(prefix)} bytes, shorter than a record's {PREFIX_BYTES}-byte prefix "
                              "(a torn or truncated write).")
@@ -77,7 +81,7 @@ def _parse_prefix(prefix: bytes | memoryview, what: str) -> tuple[int, int, int]
     return header_bytes, payload_bytes, checksum
 
 
-def _finish(text: bytes | memoryview, payload: memoryview, checksum: int, what: str) -> dict[str, Any]:
+def _finish(text: bytes | bytearray | memoryview, payload: memoryview, checksum: int, what: str) -> dict[str, Any]:
     if _checksum(bytes(text), payload) != checksum:
         raise IntegrityError(f"{what}: checksum mismatch (xxh3_64); the stored bytes changed after they were written.")
     try:
@@ -101,7 +105,7 @@ def decode(buffer: bytes | bytearray | memoryview, what: str = "record") -> tupl
     return _finish(text, payload, checksum, what), payload
 
 
-def _read_exact(stream: BinaryIO, size: int, what: str) -> bytearray:
+def _read_exact(stream: io.BufferedIOBase, size: int, what: str) -> bytearray:
     data = bytearray(size)
     got = stream.readinto(data) if size else 0
     if got != size:
@@ -109,9 +113,27 @@ def _read_exact(stream: BinaryIO, size: int, what: str) -> bytearray:
     return data
 
 
-def read(stream: BinaryIO, what: str = "record") -> tuple[dict[str, Any], bytearray]:
-    """Read and check the next record of a binary stream (the payload is a fresh, writable bytearray)."""
+def _check_room(header_bytes: int, payload_bytes: int, left: int | None, what: str) -> None:
+    """Refuse a record that claims more bytes than its file has left — before anything is allocated."""
+    if left is not None and header_bytes + payload_bytes > left:
+        raise IntegrityError(f"{what}: a record claims {header_bytes} header and {payload_bytes} payload bytes, "
+                             f"the file has {left} left (a truncated file, or crafted lengths).")
+
+
+def _left(stream: Any, position: int) -> int | None:
+    """Bytes of ``stream``'s file after ``position`` (None for a stream that is not a file)."""
+    try:
+        return os.fstat(stream.fileno()).st_size - position
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def read(stream: io.BufferedIOBase, what: str = "record") -> tuple[dict[str, Any], bytearray]:
+    """Read and check the next record of a binary stream (the payload is a fresh, writable bytearray). In a
+    file, lengths beyond the file's real size are refused before the payload is allocated."""
     header_bytes, payload_bytes, checksum = _parse_prefix(_read_exact(stream, PREFIX_BYTES, what), what)
+    _check_room(header_bytes, payload_bytes, _left(stream, stream.tell()) if hasattr(stream, "tell") else None,
+                what)
     text = _read_exact(stream, header_bytes, what)
     payload = _read_exact(stream, payload_bytes, what)
     return _finish(text, memoryview(payload), checksum, what), payload
@@ -127,6 +149,7 @@ async def aread(stream: Any, what: str = "record") -> tuple[dict[str, Any], byte
         return data
 
     header_bytes, payload_bytes, checksum = _parse_prefix(await exact(PREFIX_BYTES), what)
+    _check_room(header_bytes, payload_bytes, _left(stream, await stream.tell()), what)
     text = await exact(header_bytes)
     payload = bytearray(await exact(payload_bytes))
     return _finish(text, memoryview(payload), checksum, what), payload
@@ -138,20 +161,23 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     import torch
 
     host = tensor.detach().to("cpu").contiguous()
-    return memoryview(host.view(torch.uint8).numpy()).cast("B")
+    return host.view(torch.uint8).numpy().data.cast("B")
 
 
-def tensor_from(payload: bytearray | memoryview, dtype_name: str, shape: list[int] | tuple[int, ...],
-                what: str = "record") -> torch.Tensor:
-    """A tensor view of ``payload`` (writable, not copied); IntegrityError if its size does not fit."""
+def tensor_from(payload: bytearray | memoryview, dtype_name: Any, shape: Any, what: str = "record") -> torch.Tensor:
+    """A tensor view of ``payload`` (writable, not copied); IntegrityError unless ``dtype_name`` names a torch
+    dtype, ``shape`` is a list of sizes, and their bytes are exactly the payload's (both come from files)."""
     import torch
 
-    dtype = getattr(torch, dtype_name, None)
+    dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) and _NAME.match(dtype_name) else None
     if not isinstance(dtype, torch.dtype):
-        raise IntegrityError(f"{what}: unknown dtype {dtype_name!r}.")
+        raise IntegrityError(f"{what}: field 'dtype' is {str(dtype_name)[:40]!r}, not a torch dtype.")
+    if not isinstance(shape, (list, tuple)) or not 0 < len(shape) <= 8 or \
+            any(type(size) is not int or size < 0 for size in shape):
+        raise IntegrityError(f"{what}: field 'shape' is {str(shape)[:80]!r}, not a list of sizes.")
     count = 1
     for size in shape:
-        count *= int(size)
+        count *= size
     if count * dtype.itemsize != len(payload):
         raise IntegrityError(f"{what}: {len(payload)} payload bytes do not hold {list(shape)} of {dtype_name}.")
     if count == 0:
@@ -182,4 +208,4 @@ def decode_block(buffer: bytes | bytearray | memoryview, key: str | None = None,
         found = (header.get("namespace"), header.get("dtype"), header.get("shape"))
         if found != expected:
             raise IntegrityError(f"{what}: namespace/dtype/shape {found} differ from the expected {expected}.")
-    return tensor_from(payload, header["dtype"], header["shape"], what)
+    return tensor_from(payload, header.get("dtype"), header.get("shape"), what)

@@ -53,7 +53,6 @@ class LRUPolicy(Policy):
             grown[: self._tick.size] = self._tick
             self._tick = grown
         self._tick[block.id] = tick
-        block.last_access = tick
         self._unplace(block)  # (a block is inserted once; this keeps the index exact if it were again)
         self._place(block)
 
@@ -108,7 +107,6 @@ class LRUPolicy(Policy):
                     entries.remove((tick, block_id))
                     entries.add((current, block_id))
                     self._placed[block_id] = (block.tier, current)
-                block.last_access = current
                 continue
             at += 1
             if block_id not in exclude:

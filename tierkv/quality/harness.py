@@ -101,7 +101,8 @@ def _decode(model, cache, fed: Sequence[int], greedy: int) -> tuple[list[int], t
     Returns the generated tokens and the logits of every step ``[len(fed) + greedy - 1 or len(fed), V]``
     (for fidelity ``greedy`` is 0 and the rows are the next-token logits after each fed token).
     """
-    rows, generated = [], []
+    rows: list[torch.Tensor] = []
+    generated: list[int] = []
     queue = list(fed)
     while queue:
         out = model(input_ids=torch.tensor([[queue.pop(0)]]), **{cache_keyword(model): cache}, logits_to_keep=1)

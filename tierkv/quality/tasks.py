@@ -86,7 +86,8 @@ class Prompt:
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> Prompt:
         tuples = ("context_ids", "question_ids", "continuation_ids")
-        return cls(**{k: tuple(v) if k in tuples else v for k, v in record.items()})
+        fields: dict[str, Any] = {k: tuple(v) if k in tuples else v for k, v in record.items()}
+        return cls(**fields)
 
 
 def answer_matches(expected: str, output: str) -> bool:

@@ -5,10 +5,15 @@
 only for the rest of a chain::
 
     lookup(keys)  local prefix L, then the remote's from L on (one EXISTS pipeline)     -> L + R
-    get(keys)     the local records, then the remote's (batched GETs, verified twice:
-                  the remote frame's checksum, then the record's own when decoded)
-    put(items)    the local store (as before), and every record queued for the remote (write-through,
-                  never blocking: a full queue drops and counts)
+    get(keys)     the local records, then the remote's (batched reads of at most one record's size,
+                  verified twice: the remote frame's checksum, then the record's own checksum, key and
+                  namespace root)
+    put(items)    every record queued for the remote (write-through; called on the persistence
+                  thread, it waits for room while the server keeps up), then the local store
+
+A remote value whose frame is intact but whose record is not this key's (another block's record, a torn
+record framed anew, another namespace's) is a miss there, counted as ``corrupt`` and deleted from the
+server, so the block this worker computes next is written in its place and later workers load past it.
 
 Records read from the remote are also written to the local store in the background (bounded, dropped
 when full), so the next process on this machine finds them on its own disk; records the local store holds
@@ -18,25 +23,33 @@ was down reaches it later.
 Remote keys are namespaced by the chain's root (a hash of the model fingerprint and layout,
 :class:`tierkv.persist.keys.Namespace`): ``tierkv:<root>:<key>``. A record's own header names its root,
 so writes go to the right namespace whatever the cache does meanwhile; reads use the namespace of the
-last :meth:`bind` (``TieredCache.load_prefix`` binds before it looks up).
+last :meth:`bind` (``TieredCache.load_prefix`` binds before it looks up), which also bounds what one value
+may cost to read: a value longer than the namespace's block record is read only that far, then refused.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from tierkv import settings
 from tierkv.errors import TierKVError
 from tierkv.persist import record
-from tierkv.persist.store import Item, PersistentStore
+from tierkv.persist.blockfile import Item, PersistentStore
+from tierkv.persist.keys import Namespace
+from tierkv.remote.framing import HEADER
 from tierkv.remote.store import RemoteBlockStore
 from tierkv.remote.url import RemoteURL, parse_remote_url
 from tierkv.remote.writer import WriteBehind
 
 log = logging.getLogger("tierkv.remote")
+HEADER_SLACK = 4096  # room for a block record's JSON header (about 250 bytes) in the largest value read
 
 
 class ChainedBlockStore:
@@ -50,10 +63,11 @@ class ChainedBlockStore:
         self.options = options
         self._remotes: dict[str, RemoteBlockStore] = {}
         self._root: str | None = None
+        self._max_value: int | None = None  # the largest remote value of the bound namespace's blocks
         self._local_missing_remotely: set[str] = set()  # read from local, absent remotely: pushed on get()
         self.counts = {"local_blocks": 0, "remote_blocks": 0, "pushed_from_local": 0, "saved_locally": 0}
-        self._saver = WriteBehind(self._save_locally, on_drop=lambda size: None, on_error=self._save_failed) \
-            if local is not None else None
+        self._saver = WriteBehind(functools.partial(self._save_locally, local), on_drop=lambda size, reason: None,
+                                  on_error=self._save_failed) if local is not None else None
 
     def remote(self, root: str) -> RemoteBlockStore:
         """The remote store of namespace ``root`` (built on first use; a bad URL raised at construction)."""
@@ -61,10 +75,13 @@ class ChainedBlockStore:
             self._remotes[root] = RemoteBlockStore(self.url, root, **self.options)
         return self._remotes[root]
 
-    def bind(self, root: str) -> None:
-        """Lookups and reads from now on are in namespace ``root`` (the chain root of the model's blocks)."""
-        self._root = root
-        self.remote(root)
+    def bind(self, namespace: Namespace) -> None:
+        """Lookups and reads from now on are in ``namespace`` (its root names the model's blocks on the server),
+        and a remote value is read only up to the size of one of its block records."""
+        self._root = namespace.root
+        payload = math.prod(namespace.block_shape) * getattr(torch, namespace.dtype).itemsize
+        self._max_value = HEADER.size + record.PREFIX_BYTES + HEADER_SLACK + payload
+        self.remote(self._root)
 
     # ---------------------------------------------------------------------------------------- reading
     def __contains__(self, key: str) -> bool:
@@ -92,8 +109,12 @@ class ChainedBlockStore:
         self._local_missing_remotely.clear()
         if len(found) == len(keys):
             return found
-        for key, payload in zip(keys[len(found):], remote.get_many(keys[len(found):])):
+        for key, payload in zip(keys[len(found):], remote.get_many(keys[len(found):], self._max_value)):
             if payload is None:
+                break
+            why = _wrong_record(payload, key, self._root)
+            if why:
+                remote.discard(key, why)
                 break
             data = bytearray(payload)  # writable, for the tensor view that decoding makes
             found.append(data)
@@ -104,21 +125,22 @@ class ChainedBlockStore:
 
     # ---------------------------------------------------------------------------------------- writing
     def put(self, items: Sequence[Item], touch: Sequence[str] = ()) -> int:
-        """Queue each of ``items`` for the remote (never blocks), then store them locally (raises as the local
-        store does: a full local disk does not keep the blocks from the other workers)."""
+        """Queue each of ``items`` for the remote, then store them locally (raises as the local store does: a
+        full local disk does not keep the blocks from the other workers). Called on the persistence thread,
+        so it waits for room in the remote queue (bounded: :mod:`tierkv.remote.writer`) rather than drop."""
         for item in items:
             root = json.loads(item.head[record.PREFIX_BYTES:])["namespace"]
-            self.remote(root).put(item.key, item.head + item.payload)
+            self.remote(root).put(item.key, item.head + item.payload, wait=True)
         return self.local.put(items, touch) if self.local is not None else len(items)
 
-    def _save_locally(self, batch: list[tuple[str, Any]]) -> None:
-        """Writer thread: records the remote gave us, into the local store (verified again before)."""
+    def _save_locally(self, local: PersistentStore, batch: list[tuple[str, Any]]) -> None:
+        """Writer thread: records the remote gave us, into the ``local`` store (verified again before)."""
         try:
             items = []
             for key, data in batch:
                 header, payload = record.decode(data, what=f"block {key}")
                 items.append(Item(key, int(header["depth"]), bytes(data[: len(data) - len(payload)]), payload))
-            self.counts["saved_locally"] += self.local.put(items)
+            self.counts["saved_locally"] += local.put(items)
         except TierKVError as error:
             self._save_failed(error)
 
@@ -141,6 +163,9 @@ class ChainedBlockStore:
         done = all([store.flush(timeout) for store in self._remotes.values()])
         return (self._saver.flush(timeout) if self._saver is not None else True) and done
 
+    def __repr__(self) -> str:
+        return f"ChainedBlockStore(local={self.local is not None}, remote={self.url.redacted()!r})"
+
     def close(self) -> None:
         if self._saver is not None:
             self._saver.close()
@@ -148,6 +173,20 @@ class ChainedBlockStore:
             store.close()
         if self.local is not None:
             self.local.close()
+
+
+def _wrong_record(value: memoryview, key: str, root: str) -> str:
+    """Why ``value`` (a remote payload whose frame checked out) is not the record of block ``key`` in namespace
+    ``root``; "" when it is."""
+    try:
+        header, _ = record.decode(value, what=f"block {key}")
+    except TierKVError as error:
+        return f"holds no valid record ({error})"
+    found = tuple(header.get(field) for field in ("kind", "key", "namespace"))
+    if found != ("block", key, root):
+        shown = ", ".join(repr(text)[:80] for text in found)  # the server's text: quoted and cut short
+        return f"passed its frame's checksum but holds the record of another block ({shown})"
+    return ""
 
 
 def _leading(found: Sequence[bool]) -> int:

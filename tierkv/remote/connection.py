@@ -79,8 +79,11 @@ class RemoteConnection:
         with self._lock:
             self.counts[name] += n
 
-    def warn(self, kind: str, message: str) -> None:
-        """Log ``message`` at WARNING, at most once per ``WARN_INTERVAL_S`` for each ``kind``."""
+    def warn(self, kind: str, message: str, counted: bool = False) -> None:
+        """Log ``message`` at WARNING, at most once per ``WARN_INTERVAL_S`` for each ``kind``, with how often it
+        happened so far unless the message ``counted`` that itself; the password is masked wherever a message
+        (an exception's text, say) would carry it."""
+        message = self.url.scrub(message)
         now = time.monotonic()
         with self._lock:
             self.counts[f"warnings_{kind}"] += 1
@@ -88,7 +91,8 @@ class RemoteConnection:
                 return
             self._warned[kind] = now
             seen = self.counts[f"warnings_{kind}"]
-        log.warning("tierkv remote %s: %s%s", self.url.redacted(), message, f" ({seen} so far)" if seen > 1 else "")
+        suffix = f" ({seen} so far)" if seen > 1 and not counted else ""
+        log.warning("tierkv remote %s: %s%s", self.url.redacted(), message, suffix)
 
     def _failed(self, exc: BaseException) -> None:
         with self._lock:

@@ -23,13 +23,13 @@ MAGIC = b"TKR1"
 HEADER = struct.Struct("<4sQQ")
 
 
-def _digest(key: bytes, payload: bytes | memoryview) -> int:
+def _digest(key: bytes, payload: bytes | bytearray | memoryview) -> int:
     hasher = xxhash.xxh3_64(key)
     hasher.update(payload)
     return hasher.intdigest()
 
 
-def frame(key: bytes, payload: bytes | memoryview) -> bytes:
+def frame(key: bytes, payload: bytes | bytearray | memoryview) -> bytes:
     """The value stored under ``key``: header + ``payload``."""
     return HEADER.pack(MAGIC, len(payload), _digest(key, payload)) + payload
 

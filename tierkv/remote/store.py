@@ -18,9 +18,15 @@ fingerprint and layout) keeps models apart and lets an operator find or drop one
 later write-through replaces it.
 
 Reads are batched: ``keys_per_request`` GETs per pipeline (one round-trip), ``inflight`` pipelines at once
-on a small thread pool, each on its own pooled connection. Writes go through :class:`WriteBehind` (bounded,
-never blocking) and skip blocks the server already holds (an ``EXISTS`` before the ``SET``), so workers that
-computed the same block at once send it only as often as they race.
+on a small thread pool, each on its own pooled connection. Writes go through :class:`WriteBehind` (bounded;
+``put(..., wait=True)`` from a background thread waits for room while the server keeps up) and skip blocks
+the server already holds (an ``EXISTS`` before the ``SET``), so workers that computed the same block at once
+send it only as often as they race.
+
+Values from a shared server are untrusted: a value is used only if its frame's length equals its real size
+and its checksum (over key and payload) matches; lengths it claims are compared, never allocated. A value
+that passes but holds the wrong record for its key is refused by the caller, which reports it with
+:meth:`RemoteBlockStore.discard` (counted as corrupt, deleted, then replaced by the next write-through).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from tierkv.errors import InvalidConfigError
 from tierkv.remote.connection import RemoteConnection, redis_module
 from tierkv.remote.framing import HEADER, frame, unframe
 from tierkv.remote.url import RemoteURL, parse_remote_url
-from tierkv.remote.writer import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS, Item, WriteBehind
+from tierkv.remote.writer import DEFAULT_QUEUE_ITEMS, Item, WriteBehind
 
 KEY_PREFIX = "tierkv"
 LOOKUP_KEYS = 512  # EXISTS per lookup pipeline
@@ -74,24 +80,38 @@ class _Wire:
         self.conn.count("lookup_hits", sum(found))
         return found
 
-    def get(self, keys: Sequence[str]) -> list[memoryview | None]:
-        values = self.conn.run(self._each("get", keys), fallback=[None] * len(keys))
+    def get(self, keys: Sequence[str], max_bytes: int | None = None) -> list[memoryview | None]:
+        """Verified payloads; with ``max_bytes``, each value is read as ``GETRANGE 0..max_bytes`` so a value
+        longer than that costs at most ``max_bytes + 1`` bytes here (and then fails its frame: corrupt)."""
+        if max_bytes is None:
+            op = self._each("get", keys)
+        else:
+            def op(client: Any) -> list[Any]:
+                pipe = client.pipeline(transaction=False)
+                for key in keys:
+                    pipe.getrange(self.name(key), 0, max_bytes)
+                return [value or None for value in pipe.execute(raise_on_error=False)]  # b"": no such key
+        values = self.conn.run(op, fallback=[None] * len(keys))
         self.conn.refused(values)
         payloads: list[memoryview | None] = []
         for key, value in zip(keys, values):
             payload = unframe(key.encode(), value) if isinstance(value, bytes) else None
             if isinstance(value, bytes) and payload is None:
-                self.conn.count("corrupt")
-                self.conn.warn("corrupt", f"value of {self.name(key).decode()} failed its checksum ({len(value)} "
-                                          "bytes); it is a miss and is deleted (wrong bytes on the server)")
-                if self.writer is not None:
-                    self.writer.offer(key, None)
+                self.discard(key, f"failed its checksum ({len(value)} bytes)")
             elif payload is not None:
                 self.conn.count("bytes_read", len(value))
             payloads.append(payload)
         self.conn.count("reads", len(keys))
         self.conn.count("read_hits", sum(p is not None for p in payloads))
         return payloads
+
+    def discard(self, key: str, why: str) -> None:
+        """Count the value of ``key`` as corrupt, warn, and queue its deletion (a write-through replaces it)."""
+        self.conn.count("corrupt")
+        self.conn.warn("corrupt", f"value of {self.name(key).decode()} {why}; it is a miss and is deleted "
+                                  "(wrong bytes on the server), so the next write of the block replaces it")
+        if self.writer is not None:
+            self.writer.offer(key, None)
 
     def write(self, batch: list[Item]) -> None:
         """One writer batch: deletes, then ``SET`` of the blocks the server does not hold yet."""
@@ -136,18 +156,25 @@ class RemoteBlockStore:
             (:class:`~tierkv.remote.connection.RemoteConnection`).
         inflight: read pipelines in flight at once (threads, and pooled connections).
         keys_per_request: GETs per read pipeline.
-        queue_items / queue_bytes: bounds of the write-behind queue (full: blocks are dropped, counted).
+        queue_items / queue_bytes: bounds of the write-behind queue (default 1,024 blocks and the
+            ``remote_queue`` setting, 64 MiB); a full queue drops, counted, unless the put may wait.
+        queue_wait_s: how long ``put(..., wait=True)`` waits for room without a batch sent before it drops
+            (default the ``remote_queue_wait`` setting, 10 s; :mod:`tierkv.remote.writer`).
         ttl_s: expiry of written blocks; None keeps them until the server evicts them (``allkeys-lru``).
         backoff_s: how long a failed server is left alone before the next try (doubling, up to 30 s).
     """
 
     def __init__(self, url: str | RemoteURL, namespace: str, *, timeout_s: float | None = None,
                  connect_timeout_s: float = 1.0, inflight: int = 4, keys_per_request: int = 8,
-                 queue_items: int = DEFAULT_QUEUE_ITEMS, queue_bytes: int = DEFAULT_QUEUE_BYTES,
-                 ttl_s: int | None = None, backoff_s: float = 1.0) -> None:
+                 queue_items: int = DEFAULT_QUEUE_ITEMS, queue_bytes: int | None = None,
+                 queue_wait_s: float | None = None, ttl_s: int | None = None, backoff_s: float = 1.0) -> None:
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise InvalidConfigError(f"remote namespace {namespace!r} must be 1-200 letters, digits or ._+- "
                                      "(e.g. the model fingerprint and layout).")
+        queue_bytes = settings.get("remote_queue") if queue_bytes is None else queue_bytes
+        queue_wait_s = settings.get("remote_queue_wait") if queue_wait_s is None else queue_wait_s
+        if isinstance(queue_wait_s, bool) or not isinstance(queue_wait_s, (int, float)) or not queue_wait_s >= 0:
+            raise InvalidConfigError(f"queue_wait_s must be a number of seconds >= 0, got {queue_wait_s!r}.")
         for name, value in (("inflight", inflight), ("keys_per_request", keys_per_request),
                             ("queue_items", queue_items), ("queue_bytes", queue_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -170,7 +197,8 @@ class RemoteBlockStore:
                                 backoff_s=backoff_s, max_backoff_s=max(30.0, backoff_s))
         self._wire = _Wire(conn, namespace, ttl_s)
         self._writer = WriteBehind(self._wire.write, on_drop=_dropped(conn), on_error=_write_bug(conn),
-                                   max_items=queue_items, max_bytes=queue_bytes)
+                                   max_items=queue_items, max_bytes=queue_bytes, wait_s=queue_wait_s,
+                                   is_down=lambda: conn.down)
         self._wire.writer = self._writer
         self._readers = ThreadPoolExecutor(max_workers=inflight, thread_name_prefix="tierkv-remote-read")
         self._finalizer = weakref.finalize(self, _shut_down, self._writer, self._readers, conn)
@@ -193,22 +221,26 @@ class RemoteBlockStore:
         found = self.contains(keys)
         return found.index(False) if False in found else len(found)
 
-    def get_many(self, keys: Sequence[str]) -> list[memoryview | None]:
+    def get_many(self, keys: Sequence[str], max_bytes: int | None = None) -> list[memoryview | None]:
         """Verified payloads of ``keys`` in order (None: missing, evicted, corrupt, or the server failed),
-        read ``keys_per_request`` per pipeline with up to ``inflight`` pipelines in flight."""
+        read ``keys_per_request`` per pipeline with up to ``inflight`` pipelines in flight. ``max_bytes``
+        bounds what one value may cost to read (the largest valid value: a shared server's values are
+        untrusted); a longer one is corrupt."""
         groups = [keys[start:start + self.keys_per_request] for start in range(0, len(keys), self.keys_per_request)]
         if len(groups) <= 1:
-            return self._wire.get(groups[0]) if groups else []
+            return self._wire.get(groups[0], max_bytes) if groups else []
         payloads: list[memoryview | None] = []
-        for result in self._readers.map(self._wire.get, groups):
+        for result in self._readers.map(lambda group: self._wire.get(group, max_bytes), groups):
             payloads += result
         return payloads
 
     # ------------------------------------------------------------------------------------ writes
-    def put(self, key: str, payload: bytes | memoryview) -> bool:
-        """Queue ``payload`` for ``key`` (returns at once); False when the queue is full (dropped, counted).
-        ``payload`` must not change afterwards (``bytes``, or a view of memory nobody writes again)."""
-        queued = self._writer.offer(key, payload)
+    def put(self, key: str, payload: bytes | memoryview, wait: bool = False) -> bool:
+        """Queue ``payload`` for ``key``; False when it was dropped (counted, warned). Returns at once, or with
+        ``wait`` (a background thread's put) waits for room while the server keeps up: it drops only while
+        the server is down or no batch was sent for ``queue_wait_s``. ``payload`` must not change afterwards
+        (``bytes``, or a view of memory nobody writes again)."""
+        queued = self._writer.offer(key, payload, wait=wait)
         if queued:
             self._wire.conn.count("writes_queued")
         return queued
@@ -216,6 +248,11 @@ class RemoteBlockStore:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write was sent (or failed); False if ``timeout`` passed first."""
         return self._writer.flush(timeout)
+
+    def discard(self, key: str, why: str) -> None:
+        """A value of ``key`` that passed its frame but was refused by the caller (another block's record, say):
+        counted as ``corrupt``, warned with ``why``, and deleted so the next write-through replaces it."""
+        self._wire.discard(key, why)
 
     # ------------------------------------------------------------------------------- management
     def ping(self) -> bool:
@@ -234,11 +271,12 @@ class RemoteBlockStore:
 
     def stats(self) -> dict[str, Any]:
         """Counters since construction: ``lookups``/``lookup_hits`` (keys asked/held), ``reads``/``read_hits``,
-        ``corrupt`` (values that failed the checksum), ``bytes_read``/``bytes_written`` (values on the wire,
-        header included), ``writes`` (sent), ``writes_existing`` (skipped: the server had them),
-        ``writes_dropped`` (queue full, or closed), ``writes_failed``, ``rejected_full`` (server out of
-        memory), ``errors`` (connection failures and timeouts), ``skipped_down`` (calls answered as misses
-        while down), ``warnings_*``; ``down`` and ``pending`` (queued writes) now."""
+        ``corrupt`` (values that failed the checksum, or held another block's record), ``bytes_read``/
+        ``bytes_written`` (values on the wire, header included), ``writes`` (sent), ``writes_existing`` (skipped:
+        the server had them), ``writes_dropped`` (not queued: the queue stayed full, the server was down, or
+        the store closed), ``writes_failed``, ``rejected_full`` (server out of memory), ``errors`` (connection
+        failures and timeouts), ``skipped_down`` (calls answered as misses while down), ``warnings_*``;
+        ``down`` and ``pending`` (queued writes) now."""
         conn = self._wire.conn
         with conn._lock:
             counts = dict(conn.counts)
@@ -264,11 +302,22 @@ class RemoteBlockStore:
         return f"RemoteBlockStore({self.url.redacted()!r}, namespace={self.namespace!r})"
 
 
+_DROPPED = {
+    "full": "the write-behind queue is full (the server is slower than blocks arrive)",
+    "slow": "the write-behind queue stayed full with no write sent for queue_wait_s (the server is slower than "
+            "one 16 MiB pipeline per queue_wait_s: TIERKV_REMOTE_QUEUE_WAIT)",
+    "down": "the server is down",
+    "closed": "the store closed before they were sent",
+}
+
+
 def _dropped(conn: RemoteConnection):
-    def on_drop(size: int) -> None:
+    def on_drop(size: int, reason: str) -> None:
         conn.count("writes_dropped")
-        conn.warn("dropped", "the write-behind queue is full (the server is slower than blocks arrive, or down); "
-                             "blocks are dropped and will be recomputed by whoever needs them")
+        with conn._lock:
+            dropped = conn.counts["writes_dropped"]
+        conn.warn("dropped", f"{_DROPPED[reason]}: blocks are not written ({dropped} dropped so far); they will be "
+                             "recomputed by whoever needs them", counted=True)
 
     return on_drop
 

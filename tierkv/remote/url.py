@@ -9,15 +9,22 @@ Accepted forms (Valkey speaks the same protocol and takes the same URLs)::
 
 Query options pass TLS settings to redis-py: ``ssl_ca_certs=/path/ca.pem``, ``ssl_certfile=``,
 ``ssl_keyfile=``, ``ssl_cert_reqs=required|optional|none`` (default required: the server's certificate is
-verified). A password in the URL wins; else ``$TIERKV_REDIS_PASSWORD`` (``tierkv.settings``) is used, so a
-secret need not appear in code or in a process list. The password never appears in :meth:`RemoteURL.redacted`,
-which is what logs and errors print.
+verified); ``username=`` and ``password=`` are also taken from the query, as redis-py does (the userinfo
+wins). A password in the URL wins; else ``$TIERKV_REDIS_PASSWORD`` (``tierkv.settings``) is used, so a
+secret need not appear in code or in a process list.
+
+The password never appears in :meth:`RemoteURL.redacted` (what logs, reprs and stats print) nor in any error
+about a URL, well-formed or not: a message shows the URL with its userinfo and every query value other than
+the TLS options masked (:func:`redact`), and any text that could hold the secret passes :func:`scrub`. The
+userinfo is everything before the *last* ``@`` of the part before the query, so a password holding ``/``,
+``:`` or ``@`` parses as one (better: percent-encode such characters, ``%2F`` for ``/``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote
 
 from tierkv.errors import InvalidConfigError
 
@@ -25,7 +32,13 @@ SCHEMES = {"redis": (False, False), "rediss": (True, False), "redis+cluster": (F
            "rediss+cluster": (True, True)}  # scheme -> (tls, cluster)
 DEFAULT_PORT = 6379
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+AUTH_OPTIONS = ("username", "password")
+MASK = "***"
 _EXAMPLE = "e.g. redis://127.0.0.1:6379/0, rediss://:secret@cache.internal:6380/0 or redis+cluster://h1:7000,h2:7001"
+_ENCODE = "percent-encode special characters of a password (%40 for @, %2F for /, %3F for ?, %23 for #)"
+_NAME = re.compile(r"[A-Za-z0-9._~%+-]+")  # a username shown as is; anything else is masked
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,30}")
+_OPTION = re.compile(r"[a-z][a-z0-9_]{0,39}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,41 +56,75 @@ class RemoteURL:
     def redacted(self) -> str:
         """The URL without its password, for logs and messages."""
         scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
-        auth = f"{self.username or ''}:***@" if self.password else (f"{self.username}@" if self.username else "")
-        hosts = ",".join(f"{host}:{port}" for host, port in self.nodes)
+        user = self.username if self.username is None or _NAME.fullmatch(self.username) else MASK
+        auth = f"{user or ''}:{MASK}@" if self.password else (f"{user}@" if user else "")
+        hosts = ",".join(f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in self.nodes)
         return f"{scheme}://{auth}{hosts}" + ("" if self.cluster else f"/{self.db}")
+
+    def scrub(self, text: str) -> str:
+        """``text`` (an exception's message, say) with this URL's password masked wherever it occurs."""
+        return _mask(text, {self.password} if self.password else set())
 
 
 def parse_remote_url(url: str, password: str | None = None) -> RemoteURL:
-    """Parse ``url`` (see the module doc); ``password`` is used when the URL carries none."""
-    if not isinstance(url, str) or "://" not in url:
-        raise InvalidConfigError(f"remote={url!r} is not a Redis URL; {_EXAMPLE}.")
-    scheme, rest = url.split("://", 1)
+    """Parse ``url`` (see the module doc); ``password`` is used when the URL carries none. Every error is an
+    :class:`InvalidConfigError` whose message shows the URL redacted (:func:`redact`)."""
+    if not isinstance(url, str):
+        raise InvalidConfigError(f"remote must be a Redis URL string; got a {type(url).__name__}. {_EXAMPLE}.")
+    try:
+        return _parse(url, password)
+    except InvalidConfigError as exc:
+        raise InvalidConfigError(scrub(str(exc), url)) from None
+
+
+def _parse(url: str, password: str | None) -> RemoteURL:
+    shown = redact(url)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise InvalidConfigError(f"remote={shown!r} is not a Redis URL (no scheme://); {_EXAMPLE}.")
     if scheme.lower() not in SCHEMES:
-        raise InvalidConfigError(f"remote URL scheme {scheme!r} is not one of {', '.join(SCHEMES)}; {_EXAMPLE}.")
+        raise InvalidConfigError(f"remote URL {shown}: scheme {_shown_scheme(scheme)!r} is not one of "
+                                 f"{', '.join(SCHEMES)}; {_EXAMPLE}.")
     tls, cluster = SCHEMES[scheme.lower()]
-    # urlsplit does not accept a comma-separated host list: split the netloc by hand.
-    parts = urlsplit("//" + rest)
-    netloc = rest.split("/", 1)[0].split("?", 1)[0]
-    userinfo, _, hostlist = netloc.rpartition("@")
-    username, _, url_password = userinfo.partition(":")
-    nodes = tuple(_node(item, url) for item in hostlist.split(","))
+    if _ambiguous(rest):
+        raise InvalidConfigError(f"remote URL {shown} is ambiguous: an '@' after the '?' (a password holding '?', "
+                                 f"or a query value holding '@'); {_ENCODE}.")
+    userinfo, hostpart, query = _split(rest)
+    if "#" in hostpart or "#" in query:
+        raise InvalidConfigError(f"remote URL {shown} has a '#' outside its password; {_ENCODE}.")
+    hostlist, _, path = hostpart.partition("/")
+    username, _, url_password = userinfo.partition(":") if userinfo is not None else ("", "", "")
+    nodes = tuple(_node(item, shown) for item in hostlist.split(","))
     if len(nodes) > 1 and not cluster:
-        raise InvalidConfigError(f"remote URL {_redact(url)} names several hosts; use redis+cluster:// for a cluster "
+        raise InvalidConfigError(f"remote URL {shown} names several hosts; use redis+cluster:// for a cluster "
                                  "(or one host for a single server).")
-    db = _db(parts.path, url, cluster)
-    options = {key: values[-1] for key, values in parse_qs(parts.query).items()}
-    unknown = sorted(set(options) - set(TLS_OPTIONS))
+    db = _db(path, shown, cluster)
+    options = dict(parse_qsl(query, keep_blank_values=True))  # a repeated option: the last one counts
+    unknown = sorted(set(options) - set(TLS_OPTIONS) - set(AUTH_OPTIONS))
     if unknown:
-        raise InvalidConfigError(f"remote URL {_redact(url)} has unknown options {', '.join(unknown)}; "
-                                 f"valid: {', '.join(TLS_OPTIONS)}.")
-    if options and not tls:
-        raise InvalidConfigError(f"remote URL {_redact(url)} has TLS options but the scheme is not rediss://.")
-    return RemoteURL(nodes=nodes, db=db, tls=tls, cluster=cluster, username=unquote(username) or None,
-                     password=unquote(url_password) or password or None, tls_options=tuple(sorted(options.items())))
+        names = ", ".join(name if _OPTION.fullmatch(name) else MASK for name in unknown)
+        raise InvalidConfigError(f"remote URL {shown} has unknown options {names}; "
+                                 f"valid: {', '.join(TLS_OPTIONS + AUTH_OPTIONS)}.")
+    tls_options = {key: value for key, value in options.items() if key in TLS_OPTIONS}
+    if tls_options and not tls:
+        raise InvalidConfigError(f"remote URL {shown} has TLS options but the scheme is not rediss://.")
+    username = unquote(username) or options.get("username") or ""
+    secret = unquote(url_password) or options.get("password") or password or None
+    return RemoteURL(nodes=nodes, db=db, tls=tls, cluster=cluster, username=username or None, password=secret,
+                     tls_options=tuple(sorted(tls_options.items())))
 
 
-def _node(item: str, url: str) -> tuple[str, int]:
+def _split(rest: str) -> tuple[str | None, str, str]:
+    """``(userinfo or None, hosts[/db], query)`` of what follows ``scheme://``: the userinfo ends at the last
+    ``@`` before the query (a password may hold ``/``, ``:`` or ``@``), the query at the first ``?`` after it."""
+    before, question, after = rest.partition("?")
+    if "@" in before:
+        userinfo, _, hostpart = before.rpartition("@")
+        return userinfo, hostpart, after
+    return None, before, after
+
+
+def _node(item: str, shown: str) -> tuple[str, int]:
     item = item.strip()
     if item.startswith("["):  # [IPv6]:port
         host, _, port = item[1:].partition("]")
@@ -87,30 +134,96 @@ def _node(item: str, url: str) -> tuple[str, int]:
     else:
         host, port = item, ""
     if not host:
-        raise InvalidConfigError(f"remote URL {_redact(url)} has an empty host; {_EXAMPLE}.")
+        raise InvalidConfigError(f"remote URL {shown} has an empty host; {_EXAMPLE} ({_ENCODE}).")
     if not port:
         return host, DEFAULT_PORT
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidConfigError(f"remote URL {_redact(url)} has port {port!r}; a port is 1-65535.")
+        raise InvalidConfigError(f"remote URL {shown} has a bad port; a port is 1-65535 (a password goes before "
+                                 f"an '@': redis://:password@host:6379/0; {_ENCODE}).")
     return host, int(port)
 
 
-def _db(path: str, url: str, cluster: bool) -> int:
+def _db(path: str, shown: str, cluster: bool) -> int:
     text = path.strip("/")
     if not text:
         return 0
     if not text.isdigit():
-        raise InvalidConfigError(f"remote URL {_redact(url)} has database {text!r}; a database is a number (/0).")
+        raise InvalidConfigError(f"remote URL {shown} has a database path that is not a number; a database is a "
+                                 "number (/0).")
     if cluster and int(text) != 0:
-        raise InvalidConfigError(f"remote URL {_redact(url)}: Redis Cluster has only database 0.")
+        raise InvalidConfigError(f"remote URL {shown}: Redis Cluster has only database 0.")
     return int(text)
 
 
-def _redact(url: str) -> str:
-    """``url`` with any password replaced (for messages about a URL that did not parse)."""
+def _shown_scheme(scheme: str) -> str:
+    return scheme if _SCHEME.fullmatch(scheme) else MASK
+
+
+def _ambiguous(rest: str) -> bool:
+    """An ``@`` after the first ``?``: a password holding ``?``, or a query value holding ``@`` — no reading
+    of it is safe to act on or to print."""
+    return "@" in rest.partition("?")[2]
+
+
+def redact(url: str) -> str:
+    """``url`` for a message, whether or not it parses: the scheme if it looks like one, the userinfo masked
+    (a plain username kept), the hosts and database, and the query with every value but a TLS option's
+    masked; an ambiguous URL (:func:`_ambiguous`) shows only its scheme."""
     scheme, sep, rest = url.partition("://")
-    netloc, slash, tail = rest.partition("/")
-    userinfo, at, hosts = netloc.rpartition("@")
-    if at and ":" in userinfo:
-        userinfo = userinfo.split(":", 1)[0] + ":***"
-    return f"{scheme}{sep}{userinfo}{at}{hosts}{slash}{tail}"
+    if not sep:
+        scheme, rest = "", url
+    shown_scheme = _shown_scheme(scheme) + sep if sep else ""
+    if _ambiguous(rest):
+        return f"{shown_scheme}{MASK}"
+    userinfo, hostpart, query = _split(rest)
+    auth = ""
+    if userinfo is not None:
+        user, colon, _ = userinfo.partition(":")
+        auth = (f"{user}:{MASK}@" if colon else f"{user}@") if _NAME.fullmatch(user) or not user else f"{MASK}@"
+    if "?" in rest:
+        pairs = []
+        for pair in re.split("[&;]", query):
+            key, equals, value = pair.partition("=")
+            if not equals or not _OPTION.fullmatch(key):
+                pairs.append(MASK)
+            else:
+                pairs.append(f"{key}={value}" if key in TLS_OPTIONS else f"{key}={MASK}")
+        query = "?" + "&".join(pairs)
+    hosts, slash, path = hostpart.partition("/")
+    hosts = ",".join(_shown_node(item) for item in hosts.split(","))
+    path = path if path.strip("/").isdigit() or not path else MASK
+    return f"{shown_scheme}{auth}{hosts}{slash}{path}{query}"
+
+
+def _shown_node(item: str) -> str:
+    """A host of a message: its port masked unless it is a number (a misplaced password would land there)."""
+    host, colon, port = item.rpartition(":") if not item.endswith("]") else (item, "", "")
+    return f"{host}:{port if port.isdigit() else MASK}" if colon else item
+
+
+def secrets(url: str) -> set[str]:
+    """Every string of ``url`` that some reading of it takes for a password, as written and decoded: after
+    the ``:`` of the userinfo (ending at the last ``@``, or at the last ``@`` before the query), a userinfo
+    that is no plain name, a ``password=`` or ``username=`` value, a query item without ``=``."""
+    found: set[str] = set()
+    rest = url.partition("://")[2] or url
+    for userinfo in (rest.rpartition("@")[0], rest.partition("?")[0].rpartition("@")[0]):
+        user, colon, password = userinfo.partition(":")
+        found |= {password} if colon else set()
+        found |= {userinfo} if userinfo and not _NAME.fullmatch(user) else set()
+    for pair in re.split("[&;]", rest.partition("?")[2]):
+        key, equals, value = pair.partition("=")
+        found |= {value} if key in AUTH_OPTIONS else set() if equals else {key}
+    found |= {unquote(text) for text in found}
+    return {text for text in found if text}
+
+
+def scrub(text: str, url: str) -> str:
+    """``text`` with every possible password of ``url`` (:func:`secrets`) masked."""
+    return _mask(text, secrets(url))
+
+
+def _mask(text: str, secrets: set[str]) -> str:
+    for secret in sorted(secrets, key=len, reverse=True):  # longest first: a secret may contain another
+        text = text.replace(secret, MASK)
+    return text

@@ -7,9 +7,11 @@ Rules (see docs/architecture.md):
   step's new token is written where attention reads it.
 - When a tier is full, the policy picks victims that move down to the next tier of the chain that can
   take them (a tier with no room at all is skipped, so ``cpu_gb=0`` with a disk tier works); nothing is
-  ever dropped. Blocks never move up: in exact mode everything is read every step anyway.
-- Staging (executors' buffers) is reserved against the device budget; to make room, the newest slab chunk
-  of the fullest device pool is evacuated.
+  ever dropped. In exact mode blocks never move up (everything is read every step anyway); sparse attention
+  moves the blocks its policy rates hot up to the device (:meth:`BlockPlacement.raise_to_device`).
+- Staging (executors' buffers) is reserved against the device budget; to make room, the device tier names a
+  chunk to evacuate (the newest of its fullest pool), placement demotes or relocates its blocks, and the tier
+  gives the chunk back.
 
 Errors carry numbers (budgets, what is held, the minimum); the adapter adds the user's words.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
+import torch
 
 from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Block, BlockTable, Tier
@@ -26,20 +29,26 @@ from tierkv.errors import BudgetTooSmallError, CapacityError
 from tierkv.layout import BlockLayout
 from tierkv.policy import Policy
 from tierkv.staging import device_minimum
-from tierkv.store.transfer import Transfer
+from tierkv.store.transfer import Transfer, link
 from tierkv.store.writeback import Writeback
 from tierkv.tiers.base import StorageTier
-from tierkv.tiers.memory import MemoryTier, SlabPool
+from tierkv.tiers.memory import MemoryTier
+from tierkv.units import plural
 
 
-class Placement:
+class BlockPlacement:
+    """Where blocks go and how they move between tiers, for one store: its tiers (fastest first), table and
+    policy; it copies through the store's :class:`~tierkv.store.transfer.Transfer` and waits for readers with
+    its ``barrier``."""
+
     def __init__(self, tiers: Mapping[Tier, StorageTier], table: BlockTable, policy: Policy, transfer: Transfer,
-                 writeback: Writeback, layouts: Mapping[int, BlockLayout], barrier: Callable[[], None],
+                 writeback: Writeback, barrier: Callable[[], None],
                  on_moved: Callable[[Block, Tier, Tier], None]) -> None:
         self.tiers = tiers
         self.chain = tuple(tiers)  # fastest first
         self.table, self.policy, self.transfer, self.writeback = table, policy, transfer, writeback
-        self.layouts, self.barrier, self.on_moved = layouts, barrier, on_moved
+        self.barrier, self.on_moved = barrier, on_moved
+        self.promoted = 0  # blocks moved up to the device (sparse attention's promotions)
 
     @property
     def device(self) -> MemoryTier:
@@ -103,6 +112,18 @@ class Placement:
             batch, remaining = remaining[: len(slots)], remaining[len(slots) :]
             self._commit_demotion(batch, source, target, slots)
 
+    def demote_any(self, blocks: list[Block]) -> None:
+        """Move ``blocks`` one step down the chain, per (tier, slot size) group; blocks already on the lowest tier
+        stay where they are."""
+        groups: dict[tuple[Tier, int], list[Block]] = {}
+        for block in blocks:
+            if block.tier != self.chain[-1]:
+                groups.setdefault((block.tier, block.slot_bytes), []).append(block)
+        for (tier, _), group in sorted(groups.items(), key=lambda item: -item[0][0]):  # lowest tier first:
+            still = [block for block in group if block.tier == tier]  # a cascade only pushes lower blocks down
+            if still:
+                self.demote(still)
+
     def _room_below(self, source: Tier, slot_bytes: int, blocks: list[Block],
                     protect: set[int]) -> tuple[Tier, list[int]]:
         """Free slots for (a prefix of) ``blocks`` on the first tier below ``source`` that can take them,
@@ -152,16 +173,42 @@ class Placement:
         for block in blocks:
             self.on_moved(block, source, target)
 
+    # ------------------------------------------------------------------------------------- promotion
+    def free_device_slots(self, slot_bytes: int, n: int) -> list[int]:
+        """Up to ``n`` free device slots, allocated (fewer when the device is full: nothing is demoted)."""
+        slots: list[int] = []
+        while len(slots) < n:
+            slot = self.device.alloc(slot_bytes)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
+    def raise_to_device(self, layout: BlockLayout, blocks: list[Block], slots: list[int], data: torch.Tensor) -> None:
+        """Move ``blocks`` (off-device, one layer) into device ``slots``, writing their bytes ``data``
+        ``[n, 2, H_kv, block_tokens, D]`` (already on the device) with one batched write; their old slots are
+        freed. The slots are the caller's to give back if this fails."""
+        self.barrier()  # the old slots are freed below: no read of them may be in flight
+        self.device.write_from(layout, np.asarray(slots, dtype=np.int64), data, self.transfer.scratch)
+        with deferred_interrupts():
+            for block, slot in zip(blocks, slots):
+                source = block.tier
+                self.tiers[source].free(block.slot_bytes, block.slot)
+                self.table.place(block, self.chain[0], slot)
+                self.policy.on_move(block, source)
+            self.promoted += len(blocks)
+        self.transfer.count(link(self.chain[0], self.chain[0]), sum(b.tokens for b in blocks) * layout.token_bytes)
+
     # --------------------------------------------------------------------------------------- staging
     def reserve_device(self, nbytes: int) -> None:
         """Count ``nbytes`` of device staging against the device budget, evacuating blocks to make room."""
         device = self.device
         try:
             while not device.reserve(nbytes):
-                pools = [pool for pool in device.pools.values() if pool.chunks]
-                if not pools:
+                chunk = device.evacuation()
+                if chunk is None:
                     raise BudgetTooSmallError("no blocks left to evacuate")
-                self._evacuate_last_chunk(max(pools, key=lambda pool: pool.allocated_bytes))
+                self._evacuate(*chunk)
         except BudgetTooSmallError as exc:
             raise self._staging_error(nbytes) from exc
 
@@ -169,14 +216,14 @@ class Placement:
         """Staging of ``nbytes`` more does not fit: the numbers, the minimum that would, and the ways out."""
         device = self.device
         staging = device.reserved + nbytes
-        slot = max((pool.slot_bytes for pool in device.pools.values()), default=0)
+        slot = max(device.slot_sizes(), default=0)
         tails = (len(self.open_tails()) + 1) * slot
         need = device_minimum(staging, tails)
         return BudgetTooSmallError(
             f"the device budget ({_size(device.budget)}) cannot hold the attention staging area ({_size(staging)}) "
-            f"beside the blocks being filled ({_size(tails)}); with slab chunks of 1/16 of the budget that takes "
-            f"{_size(need)}: raise gpu_gb to at least that (TieredCache.min_device_bytes gives it for the context "
-            "you decode to), or attend with cache.streaming(model), which stages two chunks instead of layers."
+            f"beside the blocks being filled ({_size(tails)}); with slab chunks of up to 1/16 of the budget that "
+            f"takes {_size(need)}: raise gpu_gb to at least that (TieredCache.min_device_bytes gives it for the "
+            "context you decode to), or attend with cache.streaming(model), which stages two chunks instead of layers."
         )
 
     def _blocks_on(self, tier: Tier, slot_bytes: int, slots: range) -> list[Block]:
@@ -188,43 +235,41 @@ class Placement:
         blocks = (self.table.blocks[i] for i in ids)
         return sorted((b for b in blocks if b.slot_bytes == slot_bytes), key=lambda b: b.id)
 
-    def _evacuate_last_chunk(self, pool: SlabPool) -> None:
-        """Empty the newest chunk of a device pool (demote its blocks, relocate open tails) and release it."""
+    def _evacuate(self, slot_bytes: int, chunk: range) -> None:
+        """Empty the device chunk holding slots ``chunk`` (demote its blocks, relocate open tails within the
+        device) and give it back."""
         self.barrier()
-        last = pool.last_chunk_slots()
+        device, top = self.device, self.chain[0]
         tails = self.open_tails()
-        on_chunk = self._blocks_on(self.chain[0], pool.slot_bytes, last)
+        on_chunk = self._blocks_on(top, slot_bytes, chunk)
         movable = [b for b in on_chunk if b.id not in tails]
         if movable:
             self.demote(movable)
         for block in (b for b in on_chunk if b.id in tails):
-            slot = pool.alloc()
-            if slot is not None and slot in last:
-                pool.free(slot)
-                slot = None
+            slot = device.alloc_outside(slot_bytes, chunk)
             if slot is None:
-                self.demote_victims(self.chain[0], pool.slot_bytes, 1, protect={b.id for b in on_chunk})
-                slot = pool.alloc()
-                if slot is None or slot in last:
+                self.demote_victims(top, slot_bytes, 1, protect={b.id for b in on_chunk})
+                slot = device.alloc_outside(slot_bytes, chunk)
+                if slot is None:
                     raise BudgetTooSmallError(
-                        f"the device budget ({self.device.budget / 1e6:.2f} MB) cannot hold the attention staging "
-                        f"area ({self.device.reserved / 1e6:.2f} MB) and the blocks being filled; raise gpu_gb "
+                        f"the device budget ({_size(device.budget)}) cannot hold the attention staging area "
+                        f"({_size(device.reserved)}) and the blocks being filled; raise gpu_gb "
                         "(see TieredCache.min_device_bytes)."
                     )
-            pool.view(slot).copy_(pool.view(block.slot))
+            device.copy_slot(slot_bytes, block.slot, slot)
             with deferred_interrupts():
-                pool.free(block.slot)
-                self.table.place(block, self.chain[0], slot)
-        pool.drop_last_chunk()
+                device.free(slot_bytes, block.slot)
+                self.table.place(block, top, slot)
+        device.drop_chunk(slot_bytes)
 
     # ---------------------------------------------------------------------------------------- errors
     def _tails_error(self, slot_bytes: int, tails: int) -> BudgetTooSmallError:
         device = self.device
         need = device.reserved + (tails + 1) * slot_bytes
         return BudgetTooSmallError(
-            f"the device budget ({device.budget / 1e6:.2f} MB) cannot hold the attention staging area "
-            f"({device.reserved / 1e6:.2f} MB) plus the {tails + 1} blocks being filled ({tails + 1} x {slot_bytes} "
-            f"bytes = {(tails + 1) * slot_bytes / 1e6:.2f} MB): at least {need / 1e6:.2f} MB are needed; raise gpu_gb "
+            f"the device budget ({_size(device.budget)}) cannot hold the attention staging area "
+            f"({_size(device.reserved)}) plus {plural(tails + 1, 'block')} being filled "
+            f"({_size((tails + 1) * slot_bytes)}): at least {_size(need)} is needed; raise gpu_gb "
             "(see TieredCache.min_device_bytes) or lower block_tokens."
         )
 

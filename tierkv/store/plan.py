@@ -66,11 +66,6 @@ class ReadPlan:
         return dataclasses.replace(self, parts=tuple(part for part in self.parts if part.tier == tier))
 
     @property
-    def total_blocks(self) -> int:
-        """Blocks this plan reads, from every tier."""
-        return sum(part.blocks for part in self.parts)
-
-    @property
     def tiers(self) -> tuple[Tier, ...]:
         return tuple(part.tier for part in self.parts)
 

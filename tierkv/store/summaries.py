@@ -9,7 +9,7 @@ an upper bound on each of its attention logits, and the mean key ``m`` gives the
     q · m  =  (1 / block_tokens) · Σ_k q · k
 
 — ``3 · H_kv · D`` numbers instead of ``block_tokens · H_kv · D``. The bound alone over-rates blocks with one
-outlying channel (measured on SmolLM2, docs/quality.md); the sparse executor ranks blocks by both.
+outlying channel (on SmolLM2: docs/quality.md); the sparse executor ranks blocks by both.
 A summary is computed once, when its block fills (the store calls :meth:`KeySummaries.add` with the block's keys,
 which it holds at that moment); a full block is immutable, so its summary never changes, and blocks shared
 by several rows (beams, a common prefix) share one. The open tail block has none: sparse attention always reads it.
@@ -39,12 +39,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from tierkv.accel import backend
 from tierkv.errors import InvalidConfigError
 from tierkv.staging import REST_BITS, value_groups
 
 MIN_ROWS = 8  # a table's first capacity
 TABLE_GROWTH = 1.25  # a full table grows by this factor: doubling could reserve twice the device bytes needed
-VECTORS = 3  # per block and KV head: the keys' per-channel min, max and mean
 
 
 class _LayerTable:
@@ -78,6 +78,7 @@ class KeySummaries:
             raise InvalidConfigError(f"rest_bits={rest_bits!r}: give one of {', '.join(map(str, REST_BITS))} "
                                      "(0: no copy of the blocks a sparse step does not read).")
         self.device, self.rest_bits = device, rest_bits
+        self._accel = backend(device)
         self._reserve, self._unreserve = reserve, unreserve
         self._layers: dict[int, _LayerTable] = {}
         self.row_of = np.full(1024, -1, dtype=np.int64)  # block id -> row in its layer's table (-1: none)
@@ -130,12 +131,14 @@ class KeySummaries:
         index = torch.tensor(rows, device=self.device)
         entry.table[:, index] = summary.permute(2, 0, 1, 3).to(entry.table.dtype)
         if rest is not None:
+            assert entry.codes is not None and entry.value_scale is not None  # kept with rest_bits
             entry.codes[:, index], entry.value_scale[:, index] = rest[0], rest[1].to(entry.value_scale.dtype)
 
     def rest(self, layer: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest copy of table rows ``index`` ``[N]`` of ``layer``, decoded: keys and values
         ``[H_kv, N, block_tokens, D]`` in ``dtype``, each within half a step of the block's own."""
         entry, bits = self._layers[layer], self.rest_bits
+        assert entry.codes is not None and entry.value_scale is not None, "kept only with rest_bits"
         packed = entry.codes.index_select(1, index)  # [H_kv, N, 2, bt, D · bits / 8]
         bounds = entry.table[:, :, :2].index_select(1, index).float()  # [H_kv, N, 2, D]: the keys' min, max
         lo, hi = bounds[:, :, None, 0], bounds[:, :, None, 1]
@@ -154,11 +157,12 @@ class KeySummaries:
         self.row_of[block_id] = -1
 
     def clear(self) -> None:
-        """Forget every summary and give the tables' bytes back to the device budget."""
-        self._unreserve(self.nbytes)
+        """Forget every summary and give the tables' bytes back to the device budget (once they are dropped)."""
+        nbytes = self.nbytes
         self._layers.clear()
         self._layer_of.clear()
         self.row_of[:] = -1
+        self._unreserve(nbytes)
 
     # ------------------------------------------------------------------------------------ internals
     def _row(self, block_id: int) -> int:
@@ -196,12 +200,12 @@ class KeySummaries:
         while capacity - used < new_rows:
             capacity = max(capacity + 1, int(capacity * TABLE_GROWTH))
         _, vectors, heads, dim = like.shape  # like: [n, 3, H_kv, D]
-        grown = _LayerTable(torch.empty((heads, capacity, vectors, dim), dtype=like.dtype, device=self.device))
+        empty = self._accel.empty_blocks  # device memory through the accelerator (tierkv.accel)
+        grown = _LayerTable(empty((heads, capacity, vectors, dim), like.dtype, self.device))
         if self.rest_bits:
-            grown.codes = torch.empty((heads, capacity, 2, block_tokens, dim * self.rest_bits // 8),
-                                      dtype=torch.uint8, device=self.device)
-            grown.value_scale = torch.empty((heads, capacity, block_tokens, value_groups(dim), 2),
-                                            dtype=like.dtype, device=self.device)
+            grown.codes = empty((heads, capacity, 2, block_tokens, dim * self.rest_bits // 8), torch.uint8,
+                                self.device)
+            grown.value_scale = empty((heads, capacity, block_tokens, value_groups(dim), 2), like.dtype, self.device)
         self._reserve(grown.nbytes - (entry.nbytes if entry is not None else 0))
         if entry is None:
             self._layers[layer] = grown

@@ -6,17 +6,19 @@ that read is in flight, and lands the disk blocks last. Per-thread bounce and la
 (:class:`~tierkv.tiers.base.Scratch`) keep a read on the mover thread and one on the caller's apart.
 
 Counts per layer per step (a run is a stretch of one row's consecutive columns on one tier; a chunk run
-also stays within one slab chunk, of which a pool has at most 16): one ``index_select`` per device chunk
-run and per host chunk run (CPU hosts); on CUDA one host->landing copy per run of consecutive host slots
-and one landing->staging copy per landing piece; one batched engine call for all disk blocks, then one
-copy per run (through the landing buffer on CUDA).
+also stays within one slab chunk, of which a pool has few, see :mod:`tierkv.tiers.memory`): one
+``index_select`` per device chunk run and per host chunk run (CPU hosts); on CUDA one host->landing copy per
+run of consecutive host slots and one landing->staging copy per landing piece; one batched engine call for all
+disk blocks, then one copy per run (through the landing buffer on CUDA).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,12 +35,19 @@ MEMO_DESTINATIONS = 4  # destinations a plan part keeps views for (an executor's
 LINKS = ("device->device", "device->host", "host->device", "host->disk", "device->disk", "disk->device")
 
 
-class ReadProbe(Protocol):
-    """Telemetry around each tier's part of a read (see :mod:`tierkv.attention.timed_read`)."""
+@dataclass(frozen=True, slots=True)
+class PartTiming:
+    """One source tier's part of a read, for the telemetry (:mod:`tierkv.attention.timed_read`): ``perf_counter``
+    from its submission to its data landing, and on an accelerator with streams the events recorded at both ends
+    on the stream that ran the copies (None elsewhere). ``copies``: the part's runs."""
 
-    def begin(self, tier: Tier) -> Any: ...
-
-    def end(self, mark: Any, tier: Tier, nbytes: int, copies: int) -> None: ...
+    tier: Tier
+    nbytes: int
+    copies: int
+    begun: float
+    ended: float
+    start_event: Any = None
+    end_event: Any = None
 
 
 _LINKS = {(source, target): f"{source.label}->{target.label}" for source in Tier for target in Tier}
@@ -65,34 +74,44 @@ class Transfer:
 
     # ----------------------------------------------------------------------------------------- reads
     def read_into(self, layout: BlockLayout, plan: ReadPlan, dest: torch.Tensor, tail_tokens: int,
-                  probe: ReadProbe | None = None, ahead: PendingRead | None = None) -> None:
+                  timings: list[PartTiming] | None = None, ahead: PendingRead | None = None) -> None:
         """Fill ``dest`` ``[2, B, H_kv, >= plan.blocks * block_tokens, D]`` with the plan's blocks; ``ahead`` is
-        this plan's disk part already submitted by :meth:`read_ahead`."""
+        this plan's disk part already submitted by :meth:`read_ahead`. With ``timings`` (telemetry on), each part
+        appends its :class:`PartTiming` as it lands (timed here, so a read makes no call per part to a probe)."""
         bt = layout.block_tokens
         where = (dest.data_ptr(), dest.shape, dest.stride(), dest.dtype)  # the destination views are cached for it
         blocks: list[torch.Tensor] = []  # [B, n, 2, H, bt, D] once a part needs it (see _dests)
-        started: list[tuple[TierPart, PendingRead, Any]] = []
+        started: list[tuple[TierPart, PendingRead, float, Any]] = []
+        events = timings is not None and self.accel.streams
         try:
             for part in plan.parts:  # slowest tier first
-                mark = probe.begin(part.tier) if probe is not None else None
+                begun = time.perf_counter() if timings is not None else 0.0
+                event = self._event() if events else None
                 if ahead is not None and part.tier == Tier.DISK:
                     pending, ahead = ahead, None
                 else:
                     pending = self.tiers[part.tier].start_read(layout, part.slots, self.scratch, part.memo)
-                started.append((part, pending, mark))
+                started.append((part, pending, begun, event))
             while started:
-                part, pending, mark = started[-1]  # fastest first: the disk read lands last
+                part, pending, begun, event = started[-1]  # fastest first: the disk read lands last
                 pending.finish(_dests(part, where, dest, plan.blocks, bt, blocks))
                 started.pop()
-                nbytes = (part.blocks * bt - part.tail_blocks * (bt - tail_tokens)) * layout.token_bytes
+                nbytes = (len(part.slots) * bt - part.tail_blocks * (bt - tail_tokens)) * layout.token_bytes
                 self.count(link(part.tier, Tier.DEVICE), nbytes)
-                if probe is not None:
-                    probe.end(mark, part.tier, nbytes, len(part.runs))
+                if timings is not None:
+                    timings.append(PartTiming(part.tier, nbytes, len(part.runs), begun, time.perf_counter(),
+                                              event, self._event() if events else None))
         finally:
-            for _, pending, _ in started:  # a failure above: no read may still land in a buffer being reused
+            for _, pending, _, _ in started:  # a failure above: no read may still land in a buffer being reused
                 pending.settle()
             if ahead is not None:  # given but not used (the plan has no disk part)
                 ahead.settle()
+
+    def _event(self) -> Any:
+        """A timing event recorded on the stream this thread issues its copies on (the mover's, or the compute's)."""
+        event = self.accel.Event(timing=True)
+        event.record(self.accel.current_stream(self.device))
+        return event
 
     def read_ahead(self, layout: BlockLayout, plan: ReadPlan, purpose: str) -> PendingRead | None:
         """Submit the disk part of ``plan`` now, into the scratch buffer named ``purpose`` (which the caller
@@ -130,7 +149,8 @@ class Transfer:
                    target_slots: list[int]) -> None:
         """Copy whole slots, as bytes, from ``source`` to ``target``."""
         raw = SlotBytes(slot_bytes)
-        step = max(1, BOUNCE_BYTES // slot_bytes)  # what is held in between is bounded like a bounce buffer
+        limit = getattr(self.tiers.get(Tier.DISK), "bounce_bytes", BOUNCE_BYTES)
+        step = max(1, limit // slot_bytes)  # what is held in between is bounded like a bounce buffer
         for lo in range(0, len(slots), step):
             data = self.read_blocks(raw, source, slots[lo : lo + step], into=min(source, Tier.HOST))  # source's side
             self.write_blocks(raw, target, target_slots[lo : lo + step], data)

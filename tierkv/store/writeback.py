@@ -11,7 +11,8 @@ A failed background write loses nothing: the disk slots are released, the blocks
 failure is logged once and write-back pauses. If the space is then really needed, the store's
 synchronous path raises the error (``DiskFullError`` ...) with the cache consistent.
 
-It talks to its collaborators (tiers, table, policy) through their public methods, never to the store.
+It talks to its collaborators (tiers, table, policy) through their public methods — the host tier's ``room``,
+``start_read`` and ``free``, never its slab pools — and never to the store.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from tierkv.errors import TierKVError
 from tierkv.io import IOHandle
 from tierkv.layout import SlotBytes
 from tierkv.policy import Policy
-from tierkv.tiers.disk import BOUNCE_BYTES, BounceBuffer, DiskTier
+from tierkv.tiers.base import Scratch
+from tierkv.tiers.disk import BounceBuffer, DiskTier
 from tierkv.tiers.memory import MemoryTier
 
 log = logging.getLogger("tierkv")
@@ -52,6 +54,8 @@ class PendingWrite:
 
 
 class Writeback:
+    """The host tier's background write-back to the disk tier (at most one batch in flight)."""
+
     def __init__(self, host: MemoryTier, disk: DiskTier | None, table: Callable[[], BlockTable], policy: Policy,
                  barrier: Callable[[], None], on_moved: Callable[[Block, Tier, Tier], None]) -> None:
         self.host, self.disk = host, disk
@@ -60,6 +64,7 @@ class Writeback:
         self.pending: PendingWrite | None = None
         self.paused_reason: str | None = None
         self._bounce = BounceBuffer(accel=host_backend())  # host slab -> disk: no GPU copy touches it, not pinned
+        self._scratch = Scratch(lambda: BounceBuffer(accel=host_backend()))  # host reads need none of its buffers
 
     @property
     def pending_ids(self) -> set[int]:
@@ -118,12 +123,12 @@ class Writeback:
         if not self.enabled or self.disk is None or self.pending is not None or self.paused_reason is not None:
             return
         host = self.host
-        for slot_bytes, pool in host.pools.items():
+        for slot_bytes in host.slot_sizes():
             capacity = host.budget // slot_bytes
-            free = (pool.capacity - pool.used) + max(0, (host.budget - host.allocated_bytes) // slot_bytes)
+            free = host.room(slot_bytes)
             if capacity == 0 or free >= capacity * LOW_WATERMARK:
                 continue
-            want = min(max(1, int(capacity * TARGET_FREE) - free), max(1, BOUNCE_BYTES // slot_bytes))
+            want = min(max(1, int(capacity * TARGET_FREE) - free), max(1, self.disk.bounce_bytes // slot_bytes))
             victims = self.policy.victims(Tier.HOST, slot_bytes, want)
             if victims:  # in sequence order: a layer's blocks land in consecutive disk slots and read back as runs
                 self._start(sorted(victims, key=lambda block: (block.layer, block.index)), slot_bytes)
@@ -149,10 +154,10 @@ class Writeback:
                     self._pause("the disk tier is full")
                 return
             blocks = blocks[: len(slots)]
-            bounce = self._bounce.get(len(blocks) * slot_bytes)
+            bounce = self._bounce.get(len(blocks) * slot_bytes, self.disk.bounce_bytes)
             staged = torch.from_numpy(bounce).view(len(blocks), slot_bytes)
             host_slots = np.asarray([block.slot for block in blocks], dtype=np.int64)
-            self.host.pools[slot_bytes].gather(SlotBytes(slot_bytes), host_slots, [(0, len(blocks), staged)])
+            self.host.start_read(SlotBytes(slot_bytes), host_slots, self._scratch).finish([(0, len(blocks), staged)])
             # submitted and recorded in one section: a Ctrl-C mid-submit would lose the handle of queued writes,
             # and from the end of it reap() owns the slots and the blocks are out of the victims
             with deferred_interrupts():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -19,18 +19,21 @@ import torch
 from tierkv.accel import HOST_ONLY, HostOnly
 from tierkv.blocks import Tier
 from tierkv.errors import BudgetTooSmallError
-from tierkv.layout import BlockLayout
+from tierkv.layout import BlockLayout, SlotBytes
+
+if TYPE_CHECKING:
+    from tierkv.io import IOHandle
 
 Dest = tuple[int, int, torch.Tensor]
 """``(lo, hi, out)``: slots ``[lo, hi)`` of a read land in ``out`` ``[hi - lo, 2, H_kv, block_tokens, D]``."""
 
 
 class BounceLike(Protocol):
-    def get(self, nbytes: int) -> np.ndarray: ...
+    def get(self, nbytes: int, limit: int | None = None) -> np.ndarray: ...
 
     def fence(self, event: object) -> None: ...
 
-    def landing(self, handle: object) -> None: ...
+    def landing(self, handle: IOHandle) -> None: ...
 
 
 class PendingRead(Protocol):
@@ -69,13 +72,14 @@ class StorageTier(Protocol):
         """Free every slot in use that is not in ``held[slot_bytes]`` (recovery after an interrupt: what an
         operation took and never recorded); return how many."""
 
-    def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
+    def start_read(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
                    purpose: str = "read") -> PendingRead:
         """Submit a read of ``slots``; ``memo`` is a dict that lives as long as ``slots`` (a cached plan's), where
         the tier may keep what it derives from them (index tensors); ``purpose`` names the scratch buffer a
         read in flight holds (reads ahead each hold their own until finished)."""
 
-    def write_from(self, layout: BlockLayout, slots: np.ndarray, src: torch.Tensor, scratch: Scratch) -> None:
+    def write_from(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, src: torch.Tensor,
+                   scratch: Scratch) -> None:
         """Write ``src`` ``[n, 2, H_kv, block_tokens, D]`` (any device) into ``slots``."""
 
     def close(self) -> None: ...
@@ -117,8 +121,9 @@ class Scratch:
         return buffers[purpose]
 
     def landing(self) -> torch.Tensor | None:
-        """This thread's device landing buffer (``landing_bytes`` uint8), or None when landing is off."""
-        if not self.landing_bytes:
+        """This thread's device landing buffer (``landing_bytes`` uint8), or None when landing is off (no
+        ``landing_bytes``, or no ``device`` to land on)."""
+        if not self.landing_bytes or self.device is None:
             return None
         buffer = getattr(self._local, "landing", None)
         if buffer is None or buffer.numel() != self.landing_bytes:

@@ -1,7 +1,12 @@
 """The disk tier: one preallocated file per slot size, slots at aligned offsets, I/O through tierkv.io.
 
 The file grows in extents reserved with ``posix_fallocate`` (so a full filesystem fails early, at growth,
-with ENOSPC — never halfway through a block write) up to the tier's budget.
+with ENOSPC — never halfway through a block write) up to the tier's budget: from :data:`FIRST_EXTENT_BYTES`,
+doubling up to ``extent_bytes`` at a time, so a small KV takes a small file.
+
+**Trust.** The files are created ``O_EXCL`` under random names at mode 0600 in the directory's descriptor,
+opened once by the engine (``O_NOFOLLOW``) and never reopened by name: the hot path adds no system call. A
+``disk_dir`` that others can write without the sticky bit is refused (:mod:`tierkv.safefs`).
 
 **Integrity.** Every block written carries an xxh3-64 checksum of its slot's bytes, kept in memory beside
 the slot (one ``uint64`` per slot); every read verifies each block after it landed in the bounce buffer and
@@ -16,8 +21,9 @@ exits; a removal that fails is logged and retried at exit, and never raises.
 **Memory.** A read of a layer's disk blocks is one batched engine call into an aligned bounce buffer
 (adjacent slots coalesce into one request); it is submitted in :meth:`DiskTier.start_read` and runs on the
 engine's own threads while the caller copies the layer's memory blocks, then lands in the destination. No
-I/O bounces through more than :data:`BOUNCE_BYTES`: a larger read runs in rounds through two halves of
-the buffer (the next round in flight while the last is verified and copied out), a larger write in rounds.
+I/O bounces through more than :attr:`DiskTier.bounce_bytes` (:data:`BOUNCE_BYTES`, less at small budgets): a
+larger read runs in rounds through two halves of the buffer (the next round in flight while the last is
+verified and copied out), a larger write in rounds.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import errno
 import logging
 import os
 import shutil
-import tempfile
+import stat
 import weakref
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -37,13 +43,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierkv import safefs
 from tierkv.accel import DEVICE, HOST_ONLY, HostOnly
 from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Tier
 from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, TierKVError
 from tierkv.io import DiskFile, IOHandle, aligned_empty, open_disk_file
 from tierkv.io.checksum import xxh3_rows
-from tierkv.layout import BlockLayout
+from tierkv.layout import BlockLayout, SlotBytes
 from tierkv.tiers.base import BounceLike, Dest, Scratch, landing_pieces
 from tierkv.tiers.lease import Lease, reclaim_dead
 from tierkv.tiers.slots import SlotPool, growth_slots
@@ -51,11 +58,27 @@ from tierkv.tiers.slots import SlotPool, growth_slots
 log = logging.getLogger("tierkv")
 
 DEFAULT_EXTENT_BYTES = 256 * 2**20
+FIRST_EXTENT_BYTES = 2**20
+"""A slot file starts with this much (or one slot) and doubles, up to ``extent_bytes`` at a time: it grows with
+the KV it holds, never past the budget."""
 BOUNCE_BYTES = 32 * 2**20
-"""The most host memory one disk read or write bounces through (or two slots, for slots above half of it).
-A read of more runs in rounds of half of it (four 4 MiB engine pieces), the next round in flight while the
-last is copied out; a write of more runs in rounds of all of it. So the bounce buffers, which no budget
-counts, are bounded by a constant independent of the context: see docs/reliability.md ("Memory")."""
+"""The most host memory one disk read or write bounces through (or two slots, for slots above half of it),
+at large budgets. A read of more runs in rounds of half of it (four 4 MiB engine pieces), the next round in
+flight while the last is copied out; a write of more runs in rounds of all of it. So the bounce buffers are
+bounded independently of the context; at small budgets they shrink with them (:func:`bounce_bytes_for`):
+see docs/reliability.md ("Memory")."""
+MIN_BOUNCE_BYTES = 2**20
+BOUNCE_SHARE = 48
+"""A bounce buffer holds at most 1/48 of the host memory the budgets give the cache: the buffers that may exist at
+once stay within a quarter of the budgets (measured: tests/test_security.py's RSS test), and reach
+:data:`BOUNCE_BYTES` at 1.5 GiB of budgets. Smaller buffers read the disk in more, smaller rounds: at ~200 MB of
+budgets a step mostly on disk is ~1.8x its disk bound instead of ~1.2x (docs/benchmarks.md, "Scale")."""
+
+
+def bounce_bytes_for(memory_budget: int) -> int:
+    """The bounce limit for budgets of ``memory_budget`` bytes of host memory: 1/:data:`BOUNCE_SHARE` of it,
+    between :data:`MIN_BOUNCE_BYTES` and :data:`BOUNCE_BYTES`."""
+    return int(min(BOUNCE_BYTES, max(MIN_BOUNCE_BYTES, memory_budget // BOUNCE_SHARE)))
 
 _LEFT_OVER: list[Path] = []  # files a close could not remove: retried at exit
 
@@ -91,10 +114,11 @@ def positional_sums(rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _remove(path: Path) -> None:
-    """Delete ``path``; on failure log it and retry at exit (cleanup never raises)."""
+def _remove(directory: int, path: Path) -> None:
+    """Delete ``path`` (a regular file of this user in the directory ``directory``, a descriptor); on failure
+    log it and retry at exit (cleanup never raises)."""
     try:
-        path.unlink(missing_ok=True)
+        safefs.remove_regular(directory, path.name)
     except OSError as exc:
         log.warning("tierkv: could not remove the disk tier file %s (%s); retrying at exit", path,
                     exc.strerror or exc)
@@ -105,41 +129,49 @@ def _remove(path: Path) -> None:
 def _remove_left_over() -> None:
     for path in _LEFT_OVER:
         try:
-            path.unlink(missing_ok=True)
+            if stat.S_ISREG(os.lstat(path).st_mode):  # never a link put in its place
+                path.unlink()
+        except FileNotFoundError:
+            pass
         except OSError as exc:
             log.warning("tierkv: %s is left behind (%s); the next cache opening its directory removes it", path,
                         exc.strerror or exc)
     _LEFT_OVER.clear()
 
 
-def _release(files: dict[int, DiskSlotFile], lease: Lease) -> None:
-    """Close and remove every file of a tier, then drop its lease. Never raises: each failure is logged."""
+def _release(files: dict[int, DiskSlotFile], lease: Lease, directory: int) -> None:
+    """Close and remove every file of a tier, then drop its lease and close its directory. Never raises: each
+    failure is logged."""
     for slot_file in list(files.values()):
         try:
             slot_file.file.close()
+            os.close(slot_file.fd)
         except Exception as exc:  # noqa: BLE001 - cleanup goes on; the file is still removed
             log.warning("tierkv: closing %s failed (%s)", slot_file.path, exc)
-        _remove(slot_file.path)
+        _remove(directory, slot_file.path)
     files.clear()
     try:
         lease.release()
     except Exception as exc:  # noqa: BLE001
         log.warning("tierkv: releasing the lock file %s failed (%s)", lease.path, exc)
+    os.close(directory)
 
 
 class DiskSlotFile(SlotPool):
     """Slots of ``slot_bytes`` in one file, opened through a disk engine, with a checksum per written slot."""
 
-    def __init__(self, directory: Path, prefix: str, slot_bytes: int, engine: str | None) -> None:
+    def __init__(self, directory: int, where: Path, prefix: str, slot_bytes: int, engine: str | None) -> None:
+        """A new file (``O_EXCL``, mode 0600) in the directory ``directory`` (a descriptor; ``where`` names it),
+        kept open (``fd``, for growth) beside the engine's descriptor (opened once, ``O_NOFOLLOW``)."""
         super().__init__()
         self.slot_bytes = slot_bytes
-        fd, name = tempfile.mkstemp(dir=directory, prefix=f"{prefix}-", suffix=f"-{slot_bytes}.kv")
-        os.close(fd)
-        self.path = Path(name)
+        self.fd, name = safefs.create_file(directory, f"{prefix}-", f"-{slot_bytes}.kv", shared=False)
+        self.path = where / name
         try:
             self.file: DiskFile = open_disk_file(self.path, engine=engine)
         except BaseException:
-            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            safefs.remove_regular(directory, name)
             raise
         self.sums = np.zeros(0, dtype=np.uint64)  # [capacity]: xxh3-64 of what was written to each slot
         self.written = np.zeros(0, dtype=bool)  # [capacity]: the slot holds a block (its checksum is valid)
@@ -149,11 +181,7 @@ class DiskSlotFile(SlotPool):
 
     def grow(self, slots: int) -> None:
         try:
-            fd = os.open(self.path, os.O_WRONLY)
-            try:
-                os.posix_fallocate(fd, 0, (self.capacity + slots) * self.slot_bytes)
-            finally:
-                os.close(fd)
+            os.posix_fallocate(self.fd, 0, (self.capacity + slots) * self.slot_bytes)
         except OSError as exc:
             raise disk_error(exc, self.path) from exc
         sums = np.concatenate([self.sums, np.zeros(slots, dtype=np.uint64)])
@@ -223,21 +251,37 @@ class DiskTier:
         self.extent_bytes = extent_bytes
         self.files: dict[int, DiskSlotFile] = {}
         self.peak_bytes = 0
+        self.bounce_bytes = BOUNCE_BYTES
+        """The most one read or write bounces through (:meth:`fit_bounce` shrinks it for small budgets)."""
+        self._fd = -1
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            reclaim_dead(self.directory)
-            self._lease = Lease(self.directory)  # also proves that the directory takes new files
+            with deferred_interrupts():  # the descriptor is recorded (closed on failure) as it is made
+                self._fd = safefs.open_user_directory(self.directory)
+            reclaim_dead(self._fd, self.directory)
+            with deferred_interrupts():  # the lease is recorded (released by the finalizer) as it is made
+                self._lease = Lease(self._fd, self.directory)  # also proves that the directory takes new files
+        except DiskTierError:
+            if self._fd >= 0:
+                os.close(self._fd)
+            raise
         except OSError as exc:
+            if self._fd >= 0:
+                os.close(self._fd)
             raise DiskTierError(
                 exc.errno, f"disk_dir {str(self.directory)!r} is not writable ({exc.strerror}); pass a directory you "
                 "can write to (e.g. on a local NVMe), or leave disk_dir=None to run without a disk tier."
             ) from exc
-        self._finalizer = weakref.finalize(self, _release, self.files, self._lease)
+        self._finalizer = weakref.finalize(self, _release, self.files, self._lease, self._fd)
         try:
             self.budget = budget if budget is not None else int(shutil.disk_usage(self.directory).free * free_fraction)
         except BaseException:
             self._finalizer()
             raise
+
+    def fit_bounce(self, memory_budget: int) -> None:
+        """Size the bounce buffers for budgets of ``memory_budget`` bytes of host memory (the host tier's, and the
+        device tier's when the device is the CPU): :func:`bounce_bytes_for`. Call before the first I/O."""
+        self.bounce_bytes = bounce_bytes_for(memory_budget)
 
     @property
     def allocated_bytes(self) -> int:
@@ -257,7 +301,7 @@ class DiskTier:
             if not self._finalizer.alive:
                 raise DiskTierError(errno.EBADF, "the disk tier was closed; create a new cache.")
             try:
-                slot_file = DiskSlotFile(self.directory, self._lease.prefix, slot_bytes, self.engine)
+                slot_file = DiskSlotFile(self._fd, self.directory, self._lease.prefix, slot_bytes, self.engine)
             except TierKVError:
                 raise
             except OSError as exc:
@@ -287,7 +331,8 @@ class DiskTier:
         slot = slot_file.alloc(near)
         if slot is not None:
             return slot
-        extent = growth_slots(self.budget, self.allocated_bytes, slot_bytes, self.extent_bytes)
+        step = min(self.extent_bytes, max(FIRST_EXTENT_BYTES, slot_file.capacity * slot_bytes))  # doubles
+        extent = growth_slots(self.budget, self.allocated_bytes, slot_bytes, step)
         if extent:
             try:
                 slot_file.grow(extent)
@@ -315,7 +360,7 @@ class DiskTier:
         return sum(file.release_unheld(held.get(slot_bytes, ())) for slot_bytes, file in self.files.items())
 
     # ------------------------------------------------------------------------------------------ I/O
-    def write(self, slot_bytes: int, slots: Sequence[int], buffer: np.ndarray) -> IOHandle:
+    def write(self, slot_bytes: int, slots: Sequence[int] | np.ndarray, buffer: np.ndarray) -> IOHandle:
         """Write ``buffer`` (``len(slots) * slot_bytes`` aligned bytes) to ``slots``, coalescing runs, and keep
         each block's checksum for the reads that follow."""
         order = np.asarray(slots, dtype=np.int64)
@@ -325,26 +370,29 @@ class DiskTier:
         except OSError as exc:
             raise disk_error(exc, self.files[slot_bytes].path) from exc
 
-    def read(self, slot_bytes: int, slots: np.ndarray, buffer: np.ndarray) -> tuple[IOHandle, np.ndarray | None]:
-        """Submit a read of ``slots`` into ``buffer`` in order, coalescing runs of consecutive slots into one
-        request. Also returns the xxh3-64 of each slot as it landed where the engine computes them on its I/O
-        threads (native; valid once the handle was waited on), else None: the caller hashes the buffer. (The
-        check against the written checksums is :meth:`start_read`'s.)"""
+    def read(self, slot_bytes: int, slots: np.ndarray,
+             buffer: np.ndarray | torch.Tensor) -> tuple[IOHandle, np.ndarray | None]:
+        """Submit a read of ``slots`` into ``buffer`` in order (a device tensor only for an engine that reads into
+        device memory), coalescing runs of consecutive slots into one request. Also returns the xxh3-64 of each
+        slot as it landed where the engine computes them on its I/O threads (native; valid once the handle was
+        waited on), else None: the caller hashes the buffer. (The check against the written checksums is
+        :meth:`start_read`'s.)"""
         return self._submit(slot_bytes, np.asarray(slots, dtype=np.int64), buffer, write=False, hashed=True)
 
-    def start_read(self, layout: BlockLayout, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
+    def start_read(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
                    purpose: str = "read") -> _DiskRead:
         slots = np.asarray(slots, dtype=np.int64)
         return _DiskRead(self, self.files[layout.slot_bytes], layout, slots, scratch.bounce_buffer(purpose), scratch)
 
-    def write_from(self, layout: BlockLayout, slots: np.ndarray, src: torch.Tensor, scratch: Scratch) -> None:
+    def write_from(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, src: torch.Tensor,
+                   scratch: Scratch) -> None:
         """Stage ``src`` in the write bounce buffer and write it with one batched engine call per round of at
-        most :data:`BOUNCE_BYTES`."""
+        most :attr:`bounce_bytes`."""
         slot_bytes = layout.slot_bytes
-        per_round = max(1, BOUNCE_BYTES // slot_bytes)
+        per_round = max(1, self.bounce_bytes // slot_bytes)
         for lo in range(0, len(slots), per_round):
             hi = min(len(slots), lo + per_round)
-            bounce = scratch.bounce((hi - lo) * slot_bytes, "write")
+            bounce = scratch.bounce_buffer("write").get((hi - lo) * slot_bytes, self.bounce_bytes)
             layout.blocks_of(torch.from_numpy(bounce).view(hi - lo, slot_bytes)).copy_(src[lo:hi])
             handle: IOHandle | None = None
             try:
@@ -368,11 +416,11 @@ class DiskTier:
         except OSError as exc:
             raise disk_error(exc, self.files[slot_bytes].path) from exc
 
-    def _submit(self, slot_bytes: int, slots: np.ndarray, buffer: np.ndarray, write: bool,
+    def _submit(self, slot_bytes: int, slots: np.ndarray, buffer: np.ndarray | torch.Tensor, write: bool,
                 hashed: bool = False) -> Any:
         """One request per run of consecutive slots (found with numpy: the loop is over runs, not blocks)."""
         file = self.files[slot_bytes].file
-        requests: list[tuple[int, np.ndarray]] = []
+        requests: list[tuple[int, np.ndarray | torch.Tensor]] = []
         if slots.size:
             cuts = (np.flatnonzero(np.diff(slots) != 1) + 1).tolist()
             requests = [(self.files[slot_bytes].offset(int(slots[a])), buffer[a * slot_bytes : b * slot_bytes])
@@ -391,7 +439,7 @@ class _DiskRead:
     :data:`BOUNCE_BYTES`: one batched engine call when they fit (the usual case), else rounds through the
     buffer's two halves. Every block is verified against its checksum before it is copied on."""
 
-    def __init__(self, tier: DiskTier, slot_file: DiskSlotFile, layout: BlockLayout, slots: np.ndarray,
+    def __init__(self, tier: DiskTier, slot_file: DiskSlotFile, layout: BlockLayout | SlotBytes, slots: np.ndarray,
                  owner: BounceLike, scratch: Scratch) -> None:
         self.tier, self.slot_file, self.layout, self.slots, self.owner = tier, slot_file, layout, slots, owner
         self.scratch = scratch
@@ -406,9 +454,10 @@ class _DiskRead:
     def _start_host(self) -> None:
         """Allocate the bounce buffer's halves and submit the first round into host memory."""
         slots, size = self.slots, self.layout.slot_bytes
-        self.per_round = len(slots) if len(slots) * size <= BOUNCE_BYTES else max(1, BOUNCE_BYTES // 2 // size)
+        limit = self.tier.bounce_bytes
+        self.per_round = len(slots) if len(slots) * size <= limit else max(1, limit // 2 // size)
         halves = 1 if self.per_round >= len(slots) else 2
-        bounce = self.owner.get(halves * self.per_round * size)  # waits until the GPU copied its last contents out
+        bounce = self.owner.get(halves * self.per_round * size, limit)  # waits until the GPU copied its last out
         self.halves = [bounce[i * self.per_round * size : (i + 1) * self.per_round * size] for i in range(halves)]
         self.rounds = -(-len(slots) // self.per_round) if len(slots) else 0
         self._copied: list[Any] = [None] * halves  # events after the GPU copies still reading a half
@@ -525,7 +574,7 @@ def disk_error(exc: OSError, path: Path) -> DiskTierError:
 
 
 class BounceBuffer:
-    """A reusable, aligned host buffer that grows geometrically up to :data:`BOUNCE_BYTES` (disk I/O needs
+    """A reusable, aligned host buffer that grows geometrically up to its limit (disk I/O needs
     aligned memory).
 
     With ``pin`` (CUDA hosts) the pages are registered with the driver (``cudaHostRegister``) through
@@ -557,12 +606,13 @@ class BounceBuffer:
         self._landing = [h for h in self._landing if not h.done()]
         self._landing.append(handle)
 
-    def get(self, nbytes: int) -> np.ndarray:
-        """The buffer's first ``nbytes``, for the caller to fill (a disk read or a staged write)."""
+    def get(self, nbytes: int, limit: int | None = None) -> np.ndarray:
+        """The buffer's first ``nbytes``, for the caller to fill (a disk read or a staged write); it grows
+        geometrically, but never past ``limit`` (default :data:`BOUNCE_BYTES`) unless ``nbytes`` is larger."""
         _wait_for(self._fence)
         self._settle()
         if self._buffer.nbytes < nbytes:
-            grown = max(nbytes, min(2 * self._buffer.nbytes, BOUNCE_BYTES))
+            grown = max(nbytes, min(2 * self._buffer.nbytes, BOUNCE_BYTES if limit is None else limit))
             self.release()
             self._buffer = aligned_empty(grown)
             address = self._buffer.ctypes.data

@@ -7,9 +7,15 @@ ones without trusting pids: a lock it can take belongs to no one, and the files 
 removed. ``flock`` and not ``fcntl``/``lockf`` record locks, which are per *process*: a second cache in the
 same process would take a live cache's lock.
 
-The lock file is created under a temporary name, locked, then renamed into place, so no reclaimer ever
-sees an unlocked lock file of a live tier. Files that are not tierkv's (another program's, persisted
-blocks) are never touched.
+The lock file is created under a temporary name (``O_EXCL``, mode 0600), locked, then renamed into place, so
+no reclaimer ever sees an unlocked lock file of a live tier. A reclaimer may still take the temporary file in
+the instant before it is locked (it cannot tell it from one a dead process left): the tier then sees its lock
+refused or its file unlinked, and starts over with a new one — two processes opening caches on one directory
+at once never fail.
+
+Everything is named relative to the directory's descriptor: a lock file is opened without following a link or
+waiting for a FIFO (:func:`tierkv.safefs.open_regular`), and only regular files of this user with tierkv's
+names are removed. Files that are not tierkv's (another program's, persisted blocks) are never touched.
 """
 
 from __future__ import annotations
@@ -20,55 +26,75 @@ import logging
 import os
 import re
 import secrets
-import tempfile
 from pathlib import Path
 
 import psutil
+
+from tierkv import safefs
+from tierkv.atomic import deferred_interrupts
 
 log = logging.getLogger("tierkv")
 
 _LOCK = re.compile(r"^tierkv-(\d+)-([0-9a-f]+)\.lock$")
 _DATA = re.compile(r"^tierkv-(\d+)-([0-9a-z_]+)-.*\.kv$")
 _PENDING = re.compile(r"^\.tierkv-.*\.tmp$")  # a lock file not yet renamed into place
+ATTEMPTS = 100  # new lock files tried while reclaimers take them (each try is a few microseconds)
 
 
 class Lease:
-    """This tier's claim on its files in ``directory`` (an open, ``flock``-ed lock file)."""
+    """This tier's claim on its files in the directory ``directory`` (a descriptor; ``where`` names it): an
+    open, ``flock``-ed lock file."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
+    def __init__(self, directory: int, where: Path) -> None:
+        self.directory, self.where = directory, where
         self.prefix = f"tierkv-{os.getpid()}-{secrets.token_hex(6)}"
-        fd, pending = tempfile.mkstemp(dir=directory, prefix=".tierkv-", suffix=".tmp")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self.path = directory / f"{self.prefix}.lock"
-            os.rename(pending, self.path)
-        except BaseException:
+        self.path = where / f"{self.prefix}.lock"
+        self._fd: int | None = None
+        for _ in range(ATTEMPTS):
+            with deferred_interrupts():  # the descriptor is recorded (closed by release) as it is made
+                fd, pending = safefs.create_file(directory, ".tierkv-", ".tmp")
+                self._fd = fd
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.fstat(fd).st_nlink:  # locked before any reclaimer took it: it is ours
+                    os.rename(pending, self.path.name, src_dir_fd=directory, dst_dir_fd=directory)
+                    return
+            except BlockingIOError:
+                pass  # a reclaimer holds it and removes it
+            except BaseException:
+                self._close()
+                safefs.remove_regular(directory, pending)
+                raise
+            self._close()
+        raise OSError(errno.EBUSY, f"no lock file could be made in {str(where)!r} in {ATTEMPTS} tries: other "
+                      "processes keep removing them")
+
+    def _close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
             os.close(fd)
-            Path(pending).unlink(missing_ok=True)
-            raise
-        self._fd: int | None = fd
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (idempotent; an unremovable lock file is only unlocked,
         and the next tier opening the directory removes it)."""
         if self._fd is None:
             return
-        fd, self._fd = self._fd, None
         try:
-            self.path.unlink(missing_ok=True)
+            safefs.remove_regular(self.directory, self.path.name)
         except OSError as exc:
             log.warning("tierkv: could not remove the lock file %s (%s); the next cache opening %s removes it",
-                        self.path, exc.strerror or exc, self.directory)
+                        self.path, exc.strerror or exc, self.where)
         finally:
-            os.close(fd)
+            self._close()
 
 
-def reclaim_dead(directory: Path) -> list[Path]:
-    """Remove the tierkv files in ``directory`` whose owner died; return what was removed.
+def reclaim_dead(directory: int, where: Path) -> list[Path]:
+    """Remove the tierkv files in the directory ``directory`` (a descriptor; ``where`` names it) whose owner
+    died; return what was removed.
 
     A lock file nobody holds, and the ``.kv`` files with its prefix, go; so do ``.kv`` files without a lock
-    file whose pid is not running (left by versions before lock files). Everything else stays.
+    file whose pid is not running (left by versions before lock files). Only regular files of this user are
+    removed; everything else stays.
     """
     try:
         names = os.listdir(directory)
@@ -81,9 +107,9 @@ def reclaim_dead(directory: Path) -> list[Path]:
         match = _LOCK.match(name)
         if match is not None:
             prefix = name[: -len(".lock")]
-            (dead if _take(directory / name, removed) else live).add(prefix)
+            (dead if _take(directory, name, where, removed) else live).add(prefix)
         elif _PENDING.match(name):
-            _take(directory / name, removed)
+            _take(directory, name, where, removed)
     for name in names:
         match = _DATA.match(name)
         if match is None:
@@ -92,35 +118,36 @@ def reclaim_dead(directory: Path) -> list[Path]:
         if prefix in live or (prefix not in dead and psutil.pid_exists(int(match.group(1)))):
             continue
         try:
-            (directory / name).unlink()
-            removed.append(directory / name)
-        except FileNotFoundError:
-            pass  # another reclaimer was first
+            if safefs.remove_regular(directory, name):
+                removed.append(where / name)
         except OSError as exc:
             log.warning("tierkv: could not remove %s, left by a process that died (%s)", name, exc.strerror)
     if removed:
-        log.info("tierkv: removed %d file(s) that processes which died left in %s", len(removed), directory)
+        log.info("tierkv: removed %d file(s) that processes which died left in %s", len(removed), where)
     return removed
 
 
-def _take(path: Path, removed: list[Path]) -> bool:
-    """If nobody holds ``path``'s lock, remove it (while holding the lock) and return True."""
+def _take(directory: int, name: str, where: Path, removed: list[Path]) -> bool:
+    """If ``name`` is a regular file of this user and nobody holds its lock, remove it (while holding the
+    lock) and return True. A link, a FIFO or another user's file is never opened for long nor removed."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = safefs.open_regular(directory, name, str(where / name))
     except OSError:
         return False  # gone already (another reclaimer), or not ours to open
     try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            raise PermissionError(errno.EPERM, "another user's file")
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         os.close(fd)
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            log.warning("tierkv: cannot tell whether %s is in use (%s); leaving it", path, exc.strerror)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EPERM):
+            log.warning("tierkv: cannot tell whether %s is in use (%s); leaving it", name, exc.strerror)
         return False
     try:
-        path.unlink(missing_ok=True)
-        removed.append(path)
+        if safefs.remove_regular(directory, name):
+            removed.append(where / name)
     except OSError as exc:
-        log.warning("tierkv: could not remove %s, left by a process that died (%s)", path, exc.strerror)
+        log.warning("tierkv: could not remove %s, left by a process that died (%s)", name, exc.strerror)
     finally:
         os.close(fd)
     return True

@@ -5,8 +5,11 @@ geometry). A pool grows in chunks — one tensor of many slots each — so nothi
 during decode, and a chunk is only returned when staging needs the room (see :meth:`MemoryTier.reserve`).
 Every byte the tier holds, slots and staging alike, counts against its budget.
 
-Chunks are at most 1/16 of the budget, so a pool has few of them: a read of any number of blocks is one
-``index_select`` per chunk the blocks live in, straight into the (strided) destination.
+Memory is taken by need, not by budget: a pool's first chunk is at most :data:`FIRST_CHUNK_BYTES`, and each
+next one as large as the pool already is (it doubles), up to 1/16 of the budget. A small KV on a large budget
+then holds about twice its bytes, and a pool has few chunks (at most 16 of the largest size, plus the
+doubling ones): a read of any number of blocks is one ``index_select`` per chunk the blocks live in, straight
+into the (strided) destination.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from tierkv.accel import DEVICE, HOST, HostOnly, backend, host_backend
 from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Tier
 from tierkv.layout import BlockLayout, SlotBytes
-from tierkv.staging import CHUNKS_PER_BUDGET  # a pool grows by 1/16 of its budget: few chunks, fine for staging
+from tierkv.staging import CHUNKS_PER_BUDGET  # chunks are at most 1/16 of the budget: staging can take them back
 from tierkv.tiers.base import Dest, Scratch, landing_pieces
 from tierkv.tiers.slots import SlotPool, growth_slots
 
 BOUND_DESTINATIONS = 4  # destination lists a read's memo keeps compiled copies for
+FIRST_CHUNK_BYTES = 1 << 20  # a pool's first chunk; each next one doubles the pool, up to the tier's chunk_bytes
 PINNED_CHUNK_BYTES = 1 << 30  # page-locking is slow and bounded by the OS: pinned slabs grow by at most this
 
 
@@ -108,6 +112,13 @@ class SlabPool(SlotPool):
         through ``landing`` (a device buffer) when the destination is on another device than the slab.
         ``memo`` (a dict that lives as long as ``slots`` does, e.g. a cached plan's) keeps the index tensors."""
         accel = self.accel
+        select = accel.index_select if self.space == DEVICE else _index_select  # a stream op, or the CPU's
+        bound = memo.get("bound") if memo is not None else None
+        known = bound.get(id(dests)) if bound is not None else None
+        if known is not None and known[0] is dests:  # a destination list seen before (a cached plan's), bound below:
+            for source, index, out in known[1]:  # in this pool's memory, so no landing buffer is used for it
+                select(source, index, out)
+            return
         target = accel.space(dests[0][2]) if dests else self.space  # the destinations are views of one tensor
         if landing is not None and target != DEVICE:
             landing = None  # the landing buffer lives on the device tier: of no use for a read into host memory
@@ -115,13 +126,6 @@ class SlabPool(SlotPool):
             chunks, rows = self.locate(slots)
             for lo, hi, out in dests:
                 self._gather_across(layout, chunks, rows, lo, hi, out, landing)
-            return
-        select = accel.index_select if self.space == DEVICE else _index_select  # a stream op, or the CPU's
-        bound = memo.get("bound") if memo is not None else None
-        known = bound.get(id(dests)) if bound is not None else None
-        if known is not None and known[0] is dests:  # a destination list seen before (a cached plan's)
-            for source, index, out in known[1]:
-                select(source, index, out)
             return
         program = memo.get("gather") if memo is not None else None
         if program is None:
@@ -144,7 +148,7 @@ class SlabPool(SlotPool):
         return [[(a - lo, b - lo, chunk, torch.from_numpy(rows[a:b]).to(self.device))
                  for a, b, chunk in _runs(chunks, lo, hi)] for lo, hi in ranges]
 
-    def _gather_across(self, layout: BlockLayout, chunks: np.ndarray, rows: np.ndarray, lo: int, hi: int,
+    def _gather_across(self, layout: BlockLayout | SlotBytes, chunks: np.ndarray, rows: np.ndarray, lo: int, hi: int,
                        out: torch.Tensor, landing: torch.Tensor | None) -> None:
         """Host slab -> device: runs of consecutive slots cross the link as one large copy each (into the
         landing buffer, in pieces of its capacity), then land in ``out`` with one on-device gather."""
@@ -184,7 +188,13 @@ class SlabPool(SlotPool):
 class MemoryTier:
     """The device tier (GPU HBM, or CPU memory on a CPU-only host) or the host tier (pinned when CUDA exists).
 
-    ``budget`` bounds ``allocated_bytes``: slab chunks plus reserved staging bytes.
+    ``budget`` bounds ``allocated_bytes``: slab chunks plus reserved staging bytes. ``chunk_bytes`` is the
+    largest chunk a pool grows by (default 1/16 of the budget); pools start smaller and double (see the module).
+
+    Staging (executors' buffers, sparse attention's summaries) is counted with :meth:`reserve` /
+    :meth:`unreserve`. When a reservation does not fit, the store empties a chunk: :meth:`evacuation` names it,
+    :meth:`alloc_outside` and :meth:`copy_slot` relocate what must stay on this tier, :meth:`drop_chunk` gives
+    it back. The store never reaches into the pools.
     """
 
     def __init__(self, tier: Tier, budget: int, device: torch.device, pin: bool = False,
@@ -226,7 +236,7 @@ class MemoryTier:
         slot = pool.alloc(near)
         if slot is not None:
             return slot
-        count = growth_slots(self.budget, self.allocated_bytes, slot_bytes, self.chunk_bytes)
+        count = growth_slots(self.budget, self.allocated_bytes, slot_bytes, self._step_bytes(pool))
         if count:
             pool.add_chunk(count)
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
@@ -235,15 +245,34 @@ class MemoryTier:
             slot = pool.alloc(near)
         return slot
 
+    def _step_bytes(self, pool: SlabPool) -> int:
+        """The next chunk of ``pool``: as large as the pool is (it doubles, following the KV), at least the first
+        chunk's size, at most ``chunk_bytes``."""
+        return min(self.chunk_bytes, max(FIRST_CHUNK_BYTES, pool.allocated_bytes))
+
     def free(self, slot_bytes: int, slot: int) -> None:
         self.pools[slot_bytes].free(slot)
 
-    def view(self, slot_bytes: int, slot: int) -> torch.Tensor:
-        return self.pools[slot_bytes].view(slot)
+    def room(self, slot_bytes: int) -> int:
+        """Slots of ``slot_bytes`` still to be had: the pool's free ones plus those its budget lets it grow by."""
+        pool = self.pools.get(slot_bytes)
+        free = pool.capacity - pool.used if pool is not None else 0
+        return free + max(0, (self.budget - self.allocated_bytes) // slot_bytes)
+
+    def slot_sizes(self) -> list[int]:
+        """The slot sizes this tier has pools for."""
+        return list(self.pools)
 
     def block(self, layout: BlockLayout, slot: int) -> torch.Tensor:
         """One slot as a block ``[2, H_kv, block_tokens, D]`` (a view into the slab)."""
         return self.pools[layout.slot_bytes].block(layout, slot)
+
+    def slabs(self, layout: BlockLayout) -> list[torch.Tensor]:
+        """The chunks holding ``layout``'s blocks, each as blocks ``[slots, 2, H_kv, block_tokens, D]`` (cached
+        views), in slot order: slot ids count on from one chunk to the next. For kernels that read blocks in
+        place; valid until the pool grows or gives a chunk back."""
+        pool = self.pools.get(layout.slot_bytes)
+        return [pool.typed(i, layout) for i in range(len(pool.chunks))] if pool is not None else []
 
     def start_read(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, scratch: Scratch,
                    memo: dict | None = None, purpose: str = "read") -> _MemoryRead:
@@ -251,7 +280,8 @@ class MemoryTier:
         return _MemoryRead(self.pools[layout.slot_bytes], layout, slots, scratch if self.kind != Tier.DEVICE
                            else None, memo)
 
-    def write_from(self, layout: BlockLayout, slots: np.ndarray, src: torch.Tensor, scratch: Scratch) -> None:
+    def write_from(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, src: torch.Tensor,
+                   scratch: Scratch) -> None:
         if self._write_fence is not None:  # device copies out of slots freed since may still be queued
             self._write_fence.synchronize()
             self._write_fence = None
@@ -280,7 +310,38 @@ class MemoryTier:
         return True
 
     def unreserve(self, nbytes: int) -> None:
+        """Give back ``nbytes`` of staging counted by :meth:`reserve`."""
         self.reserved -= nbytes
+
+    # ------------------------------------------------------------------- evacuation (making room for staging)
+    def evacuation(self) -> tuple[int, range] | None:
+        """The chunk to empty next when a reservation does not fit: ``(slot_bytes, slot ids)`` of the newest chunk
+        of the pool that holds the most bytes; None when no pool holds a chunk."""
+        pools = [pool for pool in self.pools.values() if pool.chunks]
+        if not pools:
+            return None
+        pool = max(pools, key=lambda pool: pool.allocated_bytes)
+        return pool.slot_bytes, pool.last_chunk_slots()
+
+    def alloc_outside(self, slot_bytes: int, avoid: range) -> int | None:
+        """A free slot of the pool's chunks outside ``avoid`` (the chunk being emptied); the pool does not grow:
+        an evacuation makes room, it takes none. None: every free slot is in ``avoid``."""
+        pool = self.pools[slot_bytes]
+        slot = pool.alloc()
+        if slot is not None and slot in avoid:  # the lowest free slot is in the newest chunk: none is outside it
+            pool.free(slot)
+            return None
+        return slot
+
+    def copy_slot(self, slot_bytes: int, source: int, target: int) -> None:
+        """Copy slot ``source``'s bytes into slot ``target`` (relocating a block within the tier)."""
+        pool = self.pools[slot_bytes]
+        pool.view(target).copy_(pool.view(source))
+
+    def drop_chunk(self, slot_bytes: int) -> int:
+        """Give back the newest chunk of the pool for ``slot_bytes``, whose slots must all be free; return the
+        bytes released."""
+        return self.pools[slot_bytes].drop_last_chunk()
 
     def _drop_an_empty_chunk(self) -> bool:
         for pool in self.pools.values():

@@ -20,6 +20,13 @@ Reading needs no lock: the manifest is replaced atomically, and a record evicted
 after it was looked up reads as a miss. Eviction keeps the listed bytes under ``capacity_bytes``:
 least recently used first (:meth:`~tierkv.persist.manifest.Manifest.victims`).
 
+**Trust** (docs/reliability.md, "Security"). The tree is this user's (0700 directories, 0600 files; 2770/0660
+with ``TIERKV_SHARED_GROUP=1``): a ``tierkv-persist``, ``blocks`` or ``tmp`` that is a link, belongs to another
+user or is writable by others is refused (:mod:`tierkv.safefs`). Every name is taken relative to a directory
+descriptor opened once, without following links; recovery and eviction unlink only regular files of this
+user, named by validated block keys (the manifest refuses any other key); a record is read only up to its
+real size, which must equal the listed one.
+
 The store moves bytes only (no torch): callers encode and decode records.
 """
 
@@ -27,25 +34,30 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
-import shutil
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierkv import safefs
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import DiskTierError, IntegrityError, InvalidConfigError
 from tierkv.persist import manifest as manifests
 from tierkv.persist import record
 from tierkv.persist.lock import OwnerLock, is_abandoned, locked
-from tierkv.persist.manifest import Entry, Manifest
+from tierkv.persist.manifest import KEY, Entry, Manifest
 
 log = logging.getLogger("tierkv")
 
 DIRECTORY_NAME = "tierkv-persist"
 SUFFIX = ".tkv"
+LOCK = "lock"
+_FOLDER = re.compile(r"^[0-9a-f]{2}$")
+_SCRATCH_LOCK = re.compile(r"^(\d+-[0-9a-f]+)\.lock$")
+_STALE_MANIFEST = re.compile(rf"^(\.{manifests.NAME}\..*\.tmp|{manifests.NAME}\.tmp)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +81,35 @@ class Recovery:
     manifest_lost: bool = False  # the manifest did not verify: started empty
 
 
+class _Tree:
+    """The store's open directories (descriptors: ``tierkv-persist``, ``blocks``, ``tmp``, the scratch area)
+    and its owner lock; :func:`_release` removes the scratch area and closes them all."""
+
+    def __init__(self, directory: Path) -> None:
+        self.root = self.blocks = self.tmp = self.scratch = -1
+        self.owner: OwnerLock | None = None
+        self.scratch_name = ""
+        where = directory / DIRECTORY_NAME
+        user = safefs.open_user_directory(directory)
+        try:
+            self.root = safefs.open_own_directory(user, DIRECTORY_NAME, where)
+        finally:
+            os.close(user)
+        try:
+            self.blocks = safefs.open_own_directory(self.root, "blocks", where / "blocks")
+            self.tmp = safefs.open_own_directory(self.root, "tmp", where / "tmp")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for name in ("scratch", "tmp", "blocks", "root"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)
+                os.close(fd)
+
+
 class PersistentStore:
     """Content-addressed, size-capped block records in ``directory``, shared safely by processes."""
 
@@ -78,25 +119,29 @@ class PersistentStore:
                                      f"got {capacity_bytes!r}.")
         self.capacity_bytes = capacity_bytes
         self.root = Path(directory) / DIRECTORY_NAME
-        self._blocks, self._tmp = self.root / "blocks", self.root / "tmp"
-        self._lock, self._manifest_path = self.root / "lock", self.root / "manifest"
+        self._blocks = self.root / "blocks"
         try:
-            self._blocks.mkdir(parents=True, exist_ok=True)
-            self._tmp.mkdir(exist_ok=True)
-            with locked(self._lock, exclusive=True):
-                self.recovery = self._recover()
-            with locked(self._lock, exclusive=False):  # recovery (exclusive) never sees a half-made scratch area
-                name = f"{os.getpid()}-{secrets.token_hex(4)}"
-                self._scratch = self._tmp / name
-                try:
-                    with deferred_interrupts():  # the lock file and the finalizer that removes it, together
-                        self._owner = OwnerLock(self._tmp / f"{name}.lock")  # a new file: its flock never waits
-                        self._finalizer = weakref.finalize(self, _release, self._owner, self._scratch)
-                    self._scratch.mkdir()
-                except BaseException:  # an interrupt too: nothing of this store stays behind
-                    if getattr(self, "_finalizer", None) is not None:
-                        self._finalizer()
-                    raise
+            with deferred_interrupts():  # the descriptors and the finalizer that closes them, together
+                tree = _Tree(Path(directory))
+                self._tree = tree
+                self._finalizer = weakref.finalize(self, _release, tree)
+            try:
+                with locked(tree.root, LOCK, exclusive=True):
+                    self.recovery = self._recover()
+                with locked(tree.root, LOCK, exclusive=False):  # recovery (exclusive) never sees a half-made area
+                    name = f"{os.getpid()}-{secrets.token_hex(4)}"
+                    self._scratch = self.root / "tmp" / name
+                    with deferred_interrupts():  # the lock file and the record that _release removes it, together
+                        tree.owner = OwnerLock(tree.tmp, f"{name}.lock")  # a new file: its flock never waits
+                        tree.scratch_name = name
+                    os.mkdir(name, safefs.dir_mode(), dir_fd=tree.tmp)
+                    with deferred_interrupts():
+                        tree.scratch = safefs.open_own_directory(tree.tmp, name, self._scratch, create=False)
+            except BaseException:  # an interrupt too: nothing of this store stays behind
+                self._finalizer()
+                raise
+        except DiskTierError:
+            raise
         except OSError as error:
             raise DiskTierError(f"cannot open the persistent block directory {self.root}: {error}. Pass a "
                                 "disk_dir on a writable filesystem.") from error
@@ -154,25 +199,33 @@ class PersistentStore:
         least recently used are evicted to make room — but never a block marked used by this call: a record
         that does not fit otherwise is dropped, with the deeper ones after it."""
         listed = self._listing().entries
-        staged: list[tuple[Item, Path, int]] = []
+        staged: list[tuple[Item, str, int]] = []
+        scratch = self._tree.scratch
         try:
             for item in items:
+                if not KEY.match(item.key):
+                    raise InvalidConfigError(f"{item.key!r} is not a block key ({manifests.KEY.pattern}).")
                 if item.key in listed:
                     continue
-                path = self._scratch / f"{item.key}{SUFFIX}"
-                with open(path, "wb") as f:
-                    f.write(item.head)
-                    f.write(item.payload)
-                    f.flush()
-                    os.fsync(f.fileno())
-                staged.append((item, path, len(item.head) + len(item.payload)))
+                fd = -1
+                try:
+                    with deferred_interrupts():  # the new file and the record that removes it, together
+                        fd, name = safefs.create_file(scratch, f"{item.key}.", SUFFIX)
+                        staged.append((item, name, len(item.head) + len(item.payload)))
+                    safefs.write_all(fd, (item.head, item.payload))
+                    os.fsync(fd)
+                finally:
+                    if fd >= 0:
+                        os.close(fd)
             return self._update(touch=[*touch, *(item.key for item in items)], add=staged)
+        except DiskTierError:  # a refusal (a link where a folder belongs) says why itself
+            raise
         except OSError as error:
             raise DiskTierError(f"writing persistent blocks under {self.root} failed: {error}. Free space there "
                                 "or lower persist_gb.") from error
         finally:
-            for _, path, _ in staged:
-                path.unlink(missing_ok=True)  # only those that were not renamed into place remain
+            for _, name, _ in staged:
+                safefs.remove_regular(scratch, name)  # only those that were not renamed into place remain
 
     def close(self) -> None:
         """Release this store's scratch area (listed records stay for the next process)."""
@@ -183,29 +236,33 @@ class PersistentStore:
         return self._blocks / key[:2] / f"{key}{SUFFIX}"
 
     def _read(self, key: str, entry: Entry) -> bytearray | None:
-        """The record of ``key`` checked (size, checksum, key); None if it is gone or does not verify."""
-        path = self._path(key)
+        """The record of ``key`` checked (size, checksum, key); None if it is gone or does not verify. Its
+        file's real size must equal the listed size before anything is allocated."""
+        what = str(self._path(key))
         try:
-            with open(path, "rb") as f:
-                data = bytearray(entry.nbytes)
-                got = f.readinto(data)
-                extra = f.read(1)
-            if got != entry.nbytes or extra:
-                raise IntegrityError(f"{path}: {got}{'+' if extra else ''} bytes, the manifest lists {entry.nbytes}.")
-            header, _ = record.decode(data, what=str(path))
+            with safefs.directory_at(self._tree.blocks, key[:2]) as folder, \
+                    safefs.opened(folder, f"{key}{SUFFIX}", what) as fd:
+                size = os.fstat(fd).st_size
+                if size != entry.nbytes:
+                    raise IntegrityError(f"{what}: {size} bytes, the manifest lists {entry.nbytes}.")
+                data = safefs.read_whole(fd, what, entry.nbytes)
+            header, _ = record.decode(data, what=what)
             if header.get("key") != key:
-                raise IntegrityError(f"{path}: holds {header.get('key')}, not {key}.")
+                raise IntegrityError(f"{what}: holds {header.get('key')}, not {key}.")
         except FileNotFoundError:  # evicted by another process since the listing was read
             return None
         except IntegrityError as error:
             log.warning("tierkv: persistent block dropped, it will be recomputed: %s", error)
+            return None
+        except OSError as error:  # a link or a non-directory where a folder of blocks belongs
+            log.warning("tierkv: persistent block %s unreadable, it will be recomputed: %s", key, error)
             return None
         return data
 
     def _listing(self) -> Manifest:
         """The current manifest, re-read only when the file changed (it is replaced, never edited)."""
         try:
-            status = os.stat(self._manifest_path)
+            status = os.stat(manifests.NAME, dir_fd=self._tree.root, follow_symlinks=False)
         except FileNotFoundError:
             return Manifest()
         signature = (status.st_ino, status.st_mtime_ns, status.st_size)
@@ -213,7 +270,7 @@ class PersistentStore:
             if self._cached is not None and self._cached[0] == signature:
                 return self._cached[1]
         try:
-            listing = manifests.load(self._manifest_path)
+            listing = manifests.load_at(self._tree.root, str(self.root / manifests.NAME))
         except IntegrityError as error:
             log.warning("tierkv: %s; persistent blocks are ignored until the next write repairs it", error)
             return Manifest()
@@ -222,12 +279,13 @@ class PersistentStore:
         return listing
 
     def _update(self, touch: Sequence[str] = (), remove: Sequence[str] = (),
-                add: Sequence[tuple[Item, Path, int]] = ()) -> int:
+                add: Sequence[tuple[Item, str, int]] = ()) -> int:
         """One change of the listing under the exclusive lock: mark ``touch`` used, remove ``remove``, rename
         ``add``'s staged files into place (evicting to fit); then write the new manifest, and only then delete the
         files it no longer lists — so whatever stops it (a SIGKILL, a Ctrl-C), every listed block has its file
         (what is left unlisted is removed at the next open). Returns #added."""
-        with locked(self._lock, exclusive=True):
+        tree = self._tree
+        with locked(tree.root, LOCK, exclusive=True):
             listing = self._load_for_update()
             tick = listing.tick()
             for key in touch:
@@ -238,7 +296,7 @@ class PersistentStore:
             total = listing.nbytes
             victims = iter(listing.victims())
             added: list[str] = []
-            for item, path, nbytes in add:
+            for item, name, nbytes in add:
                 if item.key in listing.entries:  # another process stored it meanwhile
                     continue
                 while total + nbytes > self.capacity_bytes:
@@ -249,72 +307,100 @@ class PersistentStore:
                     unlisted.append(victim)
                 if total + nbytes > self.capacity_bytes:
                     break  # deeper blocks of this batch are useless without this one
-                target = self._path(item.key)
-                target.parent.mkdir(exist_ok=True)
-                os.replace(path, target)
+                with safefs.own_directory(tree.blocks, item.key[:2], self._blocks / item.key[:2]) as folder:
+                    os.replace(name, f"{item.key}{SUFFIX}", src_dir_fd=tree.scratch, dst_dir_fd=folder)
+                    safefs.fsync_directory(folder)
                 listing.entries[item.key] = Entry(nbytes, tick, item.depth)
                 total += nbytes
                 added.append(item.key)
-            for parent in {self._path(key).parent for key in added}:
-                manifests.fsync_directory(parent)
-            manifests.write(self._manifest_path, listing)
+            manifests.write(tree.root, listing)
             for key in unlisted:  # only once no manifest lists them (a listed block's file is always there)
-                self._path(key).unlink(missing_ok=True)
+                self._remove_record(key)
             return len(added)
+
+    def _remove_record(self, key: str) -> bool:
+        """Unlink the record file of ``key`` (a validated key) if it is a regular file of this user."""
+        try:
+            with safefs.directory_at(self._tree.blocks, key[:2]) as folder:
+                return safefs.remove_regular(folder, f"{key}{SUFFIX}")
+        except OSError:  # no such folder, or a link in its place: nothing of ours to remove
+            return False
 
     def _load_for_update(self) -> Manifest:
         """The manifest as it is on disk now (under the exclusive lock); a copy, so the cached one stays."""
         try:
-            return manifests.load(self._manifest_path)
+            return manifests.load_at(self._tree.root, str(self.root / manifests.NAME))
         except IntegrityError as error:
             log.warning("tierkv: %s; starting a new listing (unlisted blocks are removed at the next open)", error)
             return Manifest()
 
     def _recover(self) -> Recovery:
-        """Clean up after processes that died (called under the exclusive lock: no writer is mid-commit)."""
+        """Clean up after processes that died (called under the exclusive lock: no writer is mid-commit).
+        Only regular files of this user with tierkv's names are removed; anything else is left and logged."""
+        tree = self._tree
         manifest_lost = False
         try:
-            listing = manifests.load(self._manifest_path)
+            listing = manifests.load_at(tree.root, str(self.root / manifests.NAME))
         except IntegrityError as error:
             log.warning("tierkv: %s; starting with an empty listing", error)
             listing, manifest_lost = Manifest(), True
-        self._manifest_path.with_name(self._manifest_path.name + ".tmp").unlink(missing_ok=True)
+        for name in os.listdir(tree.root):
+            if _STALE_MANIFEST.match(name):
+                safefs.remove_regular(tree.root, name)
         scratch_areas = 0
-        for name in {path.name.removesuffix(".lock") for path in self._tmp.iterdir()}:
-            owner = self._tmp / f"{name}.lock"
-            if is_abandoned(owner):  # its writer died (or died before taking its lock)
-                area = self._tmp / name
-                if area.is_dir():
-                    shutil.rmtree(area, ignore_errors=True)
-                    scratch_areas += 1
-                owner.unlink(missing_ok=True)
+        for name in os.listdir(tree.tmp):
+            match = _SCRATCH_LOCK.match(name)
+            area = match.group(1) if match else name if re.match(r"^\d+-[0-9a-f]+$", name) else None
+            if area is None or not is_abandoned(tree.tmp, f"{area}.lock"):
+                continue  # its writer lives (or died before taking its lock: then the lock name is matched)
+            if safefs.remove_tree(tree.tmp, area):
+                scratch_areas += 1
+            safefs.remove_regular(tree.tmp, f"{area}.lock")
         unlisted = torn = 0
         seen: set[str] = set()
-        for folder in self._blocks.iterdir():
-            files = list(folder.iterdir()) if folder.is_dir() else [folder]
-            for path in files:
-                entry = listing.entries.get(path.stem) if path.suffix == SUFFIX else None
-                if entry is None:
-                    unlisted += 1
-                elif path.stat().st_size != entry.nbytes:
-                    torn += 1
-                    del listing.entries[path.stem]
-                else:
-                    seen.add(path.stem)
-                    continue
-                path.unlink(missing_ok=True)
+        for folder_name in os.listdir(tree.blocks):
+            if not _FOLDER.match(folder_name):
+                log.warning("tierkv: %s is not tierkv's; left alone", self._blocks / folder_name)
+                continue
+            try:
+                with safefs.own_directory(tree.blocks, folder_name, self._blocks / folder_name, False) as folder:
+                    for name in os.listdir(folder):
+                        key = name.removesuffix(SUFFIX)
+                        status = safefs.is_regular_here(folder, name)
+                        if not (name.endswith(SUFFIX) and KEY.match(key) and key.startswith(folder_name)) or \
+                                status is None or not safefs.is_ours(status):
+                            continue  # not a record tierkv wrote: never removed
+                        entry = listing.entries.get(key)
+                        if entry is None:
+                            unlisted += 1
+                        elif status.st_size != entry.nbytes:
+                            torn += 1
+                            del listing.entries[key]
+                        else:
+                            seen.add(key)
+                            continue
+                        safefs.remove_regular(folder, name)
+            except OSError as error:  # a link, a file or another user's directory where a folder belongs
+                log.warning("tierkv: %s", error)
         missing = [key for key in listing.entries if key not in seen]
         for key in missing:
             del listing.entries[key]
         recovery = Recovery(scratch_areas, unlisted, torn, len(missing), manifest_lost)
         if recovery != Recovery():
-            manifests.write(self._manifest_path, listing)
+            manifests.write(tree.root, listing)
             log.info("tierkv: persistent directory %s recovered: %s", self.root, recovery)
         return recovery
 
 
-def _release(owner: OwnerLock, scratch: Path) -> None:
+def _release(tree: _Tree) -> None:
     with deferred_interrupts():  # all of it, or a Ctrl-C would leave the lock held on a removed scratch area
-        shutil.rmtree(scratch, ignore_errors=True)
-        owner.release()
-        owner.path.unlink(missing_ok=True)
+        if tree.scratch_name:
+            if tree.scratch >= 0:
+                os.close(tree.scratch)
+                tree.scratch = -1
+            safefs.remove_tree(tree.tmp, tree.scratch_name)
+        if tree.owner is not None:
+            tree.owner.release()
+            safefs.remove_regular(tree.tmp, tree.owner.name)
+            tree.owner = None
+        tree.close()

@@ -1,0 +1,369 @@
+"""The host's paged decode-attention kernel (``native/tierkv_attn.c``) and its torch version, against plain
+float64 softmax attention over the same keys laid out contiguously, and against torch's SDPA.
+
+K/V are placed the way a memory tier holds them: blocks ``[2, H_kv, block_tokens, D]`` in shuffled slots of a
+uint8 slab whose slots are padded to the I/O alignment (``BlockLayout.blocks_of``), optionally split into
+several chunks like a growing ``SlabPool``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tierkv import settings as tierkv_settings
+from tierkv.attention import host_kernel
+from tierkv.attention.lse import merge
+from tierkv.errors import InvalidConfigError
+from tierkv.layout import BlockLayout
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                    reason="no C compiler: the C kernel cannot be built")  # fmt: skip
+
+
+def _native(*args, **kwargs):
+    if not host_kernel.available():
+        pytest.fail(f"the C kernel does not load: {host_kernel._build()}")
+    return host_kernel.paged_attention(*args, **kwargs)
+
+
+IMPLEMENTATIONS = [pytest.param(_native, id="native", marks=needs_compiler),
+                   pytest.param(host_kernel.paged_attention_torch, id="torch")]  # fmt: skip
+
+
+class Placed:
+    """Contiguous K/V ``[B, H_kv, T, D]`` scattered into the slots of a padded slab (in ``chunks`` pieces)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, block_tokens: int, *, chunks: int = 1,
+                 seed: int = 0, spare: int = 3) -> None:  # fmt: skip
+        batch, kv_heads, tokens, dim = keys.shape
+        self.layout = BlockLayout(kv_heads, dim, block_tokens, keys.dtype)
+        n = math.ceil(tokens / block_tokens)
+        rng = np.random.default_rng(seed)
+        total = batch * n + spare
+        self.table = rng.permutation(total)[: batch * n].reshape(batch, n).astype(np.int64)
+        raw = torch.full((total, self.layout.slot_bytes), 0xFF, dtype=torch.uint8)  # padding reads as NaN
+        blocks = self.layout.blocks_of(raw)
+        padded = n * block_tokens
+        k = torch.zeros(batch, kv_heads, padded, dim, dtype=keys.dtype)
+        v = torch.zeros_like(k)
+        k[:, :, :tokens], v[:, :, :tokens] = keys, values
+        for b in range(batch):  # test setup, not the code under test
+            for j in range(n):
+                blocks[self.table[b, j], 0] = k[b, :, j * block_tokens : (j + 1) * block_tokens]
+                blocks[self.table[b, j], 1] = v[b, :, j * block_tokens : (j + 1) * block_tokens]
+        cuts = sorted(rng.choice(np.arange(1, total), size=min(chunks, total) - 1, replace=False).tolist())
+        self.slabs = [self.layout.blocks_of(piece) for piece in torch.tensor_split(raw, cuts)]
+        self.slab = self.slabs[0] if chunks == 1 else self.slabs
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: list[int], *, scaling: float,
+              softcap: float | None = None, query_start: list[int] | None = None, window: int | None = None,
+              bias: torch.Tensor | None = None, mask_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Plain softmax attention in float64 over contiguous keys (positions 0..T-1), GQA by repeating K/V."""
+    batch, q_heads, q_len, _ = q.shape
+    group = q_heads // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.double() * scaling, k)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    key_pos = torch.arange(keys.shape[2])
+    allowed = key_pos[None, None, :] < torch.tensor(lengths)[:, None, None]  # [B, 1, T]
+    allowed = allowed.expand(batch, q_len, -1)
+    if query_start is not None:
+        query_pos = torch.tensor(query_start)[:, None, None] + torch.arange(q_len)[None, :, None]
+        allowed = allowed & (key_pos <= query_pos)
+        if window is not None:
+            allowed = allowed & (key_pos > query_pos - window)
+    if bias is not None:  # additive [B or 1, q, M] over positions mask_start..
+        allowed = allowed & (key_pos >= mask_start)
+        column = (key_pos - mask_start).clamp(0, bias.shape[-1] - 1)
+        scores = scores + bias.double()[:, None][..., column]
+        scores = scores.clamp_min(torch.finfo(torch.float32).min)
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(scores, dim=-1).nan_to_num(0.0), v)
+    return out, lse
+
+
+def _close(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], tol: float = 2e-5) -> None:
+    out, lse = got
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), want[1], atol=tol, rtol=tol)
+
+
+def _kv(batch: int, kv_heads: int, tokens: int, dim: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, kv_heads, tokens, dim, generator=gen).to(dtype)
+    values = torch.randn(batch, kv_heads, tokens, dim, generator=gen).to(dtype)
+    return keys, values
+
+
+@given(
+    batch=st.integers(1, 3),
+    kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4, 5]),
+    dim=st.sampled_from([64, 128, 8, 20, 33, 72]),
+    block_tokens=st.sampled_from([1, 3, 16]),
+    tokens=st.integers(1, 70),
+    q_len=st.integers(1, 4),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    window=st.one_of(st.none(), st.integers(1, 40)),
+    softcap=st.sampled_from([None, 2.0, 30.0]),
+    ragged=st.booleans(),
+    chunks=st.integers(1, 3),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("attend", IMPLEMENTATIONS)
+def test_matches_float64_softmax_on_random_shapes(attend, batch, kv_heads, group, dim, block_tokens, tokens, q_len,
+                                                  dtype, window, softcap, ragged, chunks, threads, seed):  # fmt: skip
+    """Any geometry, dtype, partial last block, per-row length, query count, window and soft-cap: the
+    kernel's normalised output and log-sum-exp equal float64 softmax attention over the same keys."""
+    q_len = min(q_len, tokens)
+    keys, values = _kv(batch, kv_heads, tokens, dim, dtype, seed)
+    q = torch.randn(batch, kv_heads * group, q_len, dim, generator=torch.Generator().manual_seed(seed + 1))
+    placed = Placed(keys, values, block_tokens, chunks=chunks, seed=seed)
+    rng = np.random.default_rng(seed)
+    lengths = [int(rng.integers(q_len, tokens + 1)) if ragged else tokens for _ in range(batch)]
+    start = [length - q_len for length in lengths]
+    scaling = dim**-0.5
+    got = attend(q, placed.slab, placed.table, lengths, scaling=scaling, softcap=softcap, window=window,
+                 threads=threads)  # fmt: skip
+    want = reference(q, keys, values, lengths, scaling=scaling, softcap=softcap, query_start=start, window=window)
+    _close(got, want)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_c_kernel_and_the_torch_version_agree(dtype):
+    """The fallback is the same function: same inputs, same (output, lse), in every dtype, with a mask."""
+    keys, values = _kv(2, 2, 45, 64, dtype, seed=3)
+    q = torch.randn(2, 8, 3, 64, generator=torch.Generator().manual_seed(4))
+    placed = Placed(keys, values, 16, chunks=2)
+    mask = torch.rand(2, 1, 3, 45, generator=torch.Generator().manual_seed(5)) > 0.2
+    kwargs = dict(scaling=0.125, softcap=20.0, window=30, mask=mask)
+    native = _native(q, placed.slab, placed.table, 45, **kwargs)
+    fallback = host_kernel.paged_attention_torch(q, placed.slab, placed.table, 45, **kwargs)
+    torch.testing.assert_close(native, fallback, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attend", IMPLEMENTATIONS)
+def test_matches_torch_sdpa_with_a_padding_mask(attend):
+    """Left-padded rows (a bool attention mask, as transformers builds it) against torch's own SDPA."""
+    batch, kv_heads, group, tokens, dim = 2, 2, 3, 37, 64
+    keys, values = _kv(batch, kv_heads, tokens, dim, torch.bfloat16, seed=7)
+    q = torch.randn(batch, kv_heads * group, 2, dim, generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(batch, 1, 2, tokens, dtype=torch.bool)
+    mask[1, :, :, :9] = False  # row 1 is padded on the left
+    mask[:, :, 0, -1] = False  # causal: the first of the two queries does not see the last key
+    placed = Placed(keys, values, 8)
+    out, _ = attend(q, placed.slab, placed.table, tokens, scaling=0.1, causal=False, mask=mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), keys.double().repeat_interleave(group, 1), values.double().repeat_interleave(group, 1),
+        attn_mask=mask, scale=0.1)  # fmt: skip
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("attend", IMPLEMENTATIONS)
+def test_parts_named_by_positions_merge_into_attention_over_all_keys(attend):
+    """The split executor's use: the table's columns divided between tiers (any subset, named by their
+    positions; absent entries -1), each part attended alone, merged by log-sum-exp = attention over all."""
+    batch, kv_heads, tokens, dim, bt = 2, 2, 150, 128, 16
+    keys, values = _kv(batch, kv_heads, tokens, dim, torch.float16, seed=11)
+    q = torch.randn(batch, 4 * kv_heads, 1, dim, generator=torch.Generator().manual_seed(12))
+    placed = Placed(keys, values, bt, chunks=3)
+    n = placed.table.shape[1]
+    where = np.random.default_rng(13).integers(0, 3, size=(batch, n))  # which "tier" holds each entry
+    positions = np.broadcast_to(np.arange(n) * bt, (batch, n))
+    out = lse = None
+    for part in range(3):
+        table = np.where(where == part, placed.table, -1)
+        out, lse = merge(out, lse, *attend(q, placed.slab, table, tokens, scaling=0.09, positions=positions,
+                                           window=100))  # fmt: skip
+    want = reference(q, keys, values, [tokens] * batch, scaling=0.09, query_start=[tokens - 1] * batch, window=100)
+    _close((out, lse), want)
+
+
+@pytest.mark.parametrize("attend", IMPLEMENTATIONS)
+def test_an_additive_mask_from_a_later_position(attend):
+    """An additive bias that covers key positions from ``mask_start`` on (keys before it are not attended)."""
+    keys, values = _kv(1, 1, 40, 16, torch.float32, seed=21)
+    q = torch.randn(1, 2, 1, 16, generator=torch.Generator().manual_seed(22))
+    bias = torch.randn(1, 1, 1, 30, generator=torch.Generator().manual_seed(23))
+    placed = Placed(keys, values, 4)
+    got = attend(q, placed.slab, placed.table, 40, scaling=0.3, causal=False, mask=bias, mask_start=10)
+    _close(got, reference(q, keys, values, [40], scaling=0.3, bias=bias[:, 0], mask_start=10))
+
+
+@pytest.mark.parametrize("attend", IMPLEMENTATIONS)
+def test_a_query_with_no_key_is_an_empty_part(attend):
+    """A query whose keys all lie elsewhere (another tier's part) returns output 0 and lse -inf, which merges
+    as nothing."""
+    keys, values = _kv(1, 1, 32, 64, torch.float16, seed=31)
+    q = torch.randn(1, 1, 1, 64)
+    placed = Placed(keys, values, 16)
+    out, lse = attend(q, placed.slab, placed.table[:, :1], 32, scaling=0.1, window=8)  # keys 0..15, query at 31
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    full = attend(q, placed.slab, placed.table, 32, scaling=0.1, window=8)
+    merged = merge(*full, out, lse)
+    torch.testing.assert_close(merged, full)
+
+
+@needs_compiler
+def test_many_threads_split_the_keys_and_merge_exactly():
+    """A long row on several threads is attended in key ranges merged inside the kernel: the result does not
+    depend on the thread count."""
+    keys, values = _kv(1, 1, 4000, 128, torch.bfloat16, seed=41)
+    q = torch.randn(1, 4, 1, 128, generator=torch.Generator().manual_seed(42))
+    placed = Placed(keys, values, 16)
+    want = reference(q, keys, values, [4000], scaling=0.09, query_start=[3999])
+    for threads in (1, 2, 5):
+        _close(_native(q, placed.slab, placed.table, 4000, scaling=0.09, threads=threads), want)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("isa", range(len(host_kernel.ISAS)), ids=host_kernel.ISAS)
+def test_every_code_path_matches_float64_softmax(isa, dtype, monkeypatch):
+    """Each code path the CPU has (AVX-512, AVX2, portable C), pinned in turn, on shapes that reach each of its
+    tiles: GQA groups of 7 (query rows in fours, twos and ones), head_dim 80 (a 64-column slice, then a 16-column
+    one), key counts that leave partial tiles, blocks cut by the length and by a sliding window."""
+    if not host_kernel.available():
+        pytest.fail(f"the C kernel does not load: {host_kernel._build()}")
+    if isa > host_kernel.library().tkv_attn_isa():
+        pytest.skip(f"this CPU cannot run the {host_kernel.ISAS[isa]} path")
+    monkeypatch.setattr(host_kernel, "ISA", isa)
+    for dim, group, q_len, block_tokens, tokens in ((80, 7, 2, 37, 300), (128, 4, 1, 256, 700),
+                                                    (128, 1, 3, 16, 99), (16, 2, 1, 5, 50)):  # fmt: skip
+        keys, values = _kv(2, 2, tokens, dim, dtype, seed=dim + group)
+        q = torch.randn(2, 2 * group, q_len, dim, generator=torch.Generator().manual_seed(dim))
+        placed = Placed(keys, values, block_tokens, chunks=2)
+        lengths = [tokens, tokens - 13]
+        start = [length - q_len for length in lengths]
+        got = _native(q, placed.slab, placed.table, lengths, scaling=dim**-0.5, window=200)
+        _close(got, reference(q, keys, values, lengths, scaling=dim**-0.5, query_start=start, window=200))
+
+
+def _errors_cases():
+    slab = torch.zeros(4, 2, 2, 4, 8, dtype=torch.float16)
+    q = torch.zeros(1, 4, 1, 8)
+    table = np.array([[0, 1]])
+    return [
+        ("slab must be", dict(slabs=slab[:, 0])),
+        ("not supported", dict(slabs=slab.to(torch.int32))),
+        ("does not fit", dict(query=torch.zeros(1, 4, 1, 16))),
+        ("does not fit", dict(query=torch.zeros(1, 3, 1, 8))),
+        ("query must be", dict(query=torch.zeros(4, 1, 8))),
+        ("rows", dict(block_table=np.array([[0], [1]]))),
+        ("names slot 9", dict(block_table=np.array([[0, 9]]))),
+        ("integer array", dict(block_table=np.array([0.0, 1.0]))),
+        ("one per row", dict(lengths=[8, 8])),
+        ("need causal", dict(causal=False, window=4)),
+        ("window must be", dict(window=0)),
+        ("softcap must be", dict(softcap=-1.0)),
+        ("mask must be", dict(mask=torch.ones(1, 1, 2, 8, dtype=torch.bool))),
+        ("mask covers", dict(mask=torch.ones(1, 1, 1, 4, dtype=torch.bool))),
+        ("positions", dict(positions=np.array([[0]]))),
+        ("slab chunks differ", dict(slabs=[slab, slab.float()])),
+        ("contiguous block", dict(slabs=slab.transpose(3, 4))),
+        ("threads must be", dict(threads=0)),
+        ("threads must be", dict(threads=1.5)),
+    ], dict(query=q, slabs=slab, block_table=table, lengths=8, scaling=1.0)
+
+
+@pytest.mark.parametrize("attend", IMPLEMENTATIONS)
+@pytest.mark.parametrize("index", range(len(_errors_cases()[0])))
+def test_wrong_inputs_are_refused_with_a_clear_error(attend, index):
+    cases, good = _errors_cases()
+    expected, change = cases[index]
+    args = {**good, **change}
+    with pytest.raises(InvalidConfigError, match=expected):
+        attend(args.pop("query"), args.pop("slabs"), args.pop("block_table"), args.pop("lengths"), **args)
+
+
+@needs_compiler
+def test_built_on_first_use_into_the_cache_dir(tmp_path, monkeypatch, caplog):
+    """Without an extension built at install, the source is compiled once into the cache directory."""
+    caplog.set_level(logging.INFO, logger="tierkv")
+    monkeypatch.setattr(host_kernel, "extension", lambda: None)
+    host_kernel._build.cache_clear()
+    try:
+        with tierkv_settings.override(cache_dir=tmp_path):
+            assert host_kernel.available()
+        assert list((tmp_path / "native").glob("tierkv_attn-*.so"))
+        assert "built on first use" in caplog.text
+    finally:
+        host_kernel._build.cache_clear()
+
+
+def test_without_a_compiler_the_torch_version_answers(tmp_path, monkeypatch, caplog):
+    """No extension and no compiler: the kernel is unavailable, saying why, and paged_attention falls back."""
+    monkeypatch.setattr(host_kernel, "extension", lambda: None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    host_kernel._build.cache_clear()
+    host_kernel._log_fallback.cache_clear()
+    keys, values = _kv(1, 1, 20, 16, torch.float16, seed=51)
+    placed = Placed(keys, values, 4)
+    q = torch.randn(1, 2, 1, 16)
+    try:
+        with tierkv_settings.override(cache_dir=tmp_path), caplog.at_level(logging.WARNING, logger="tierkv"):
+            assert not host_kernel.available()
+            got = host_kernel.paged_attention(q, placed.slab, placed.table, 20, scaling=0.25)
+        assert "no C compiler" in caplog.text
+        _close(got, reference(q, keys, values, [20], scaling=0.25, query_start=[19]))
+    finally:
+        host_kernel._build.cache_clear()
+
+
+@needs_compiler
+def test_setup_builds_the_extension_with_the_source_hash(tmp_path, monkeypatch, caplog):
+    """``setup.py build_ext`` (what ``pip install`` runs) builds ``tierkv/attention/_attn*.so`` with the source's
+    hash compiled in, and the loader takes it before building anything itself."""
+    root = Path(host_kernel.__file__).resolve().parents[2]
+    if not (root / "setup.py").exists():
+        pytest.skip("not a source checkout")
+    result = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                             "--build-temp", str(tmp_path / "tmp")], cwd=root, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (built,) = (tmp_path / "lib" / "tierkv" / "attention").glob("_attn*.so")
+    assert host_kernel._built_from(ctypes.CDLL(str(built))) == host_kernel.source_digest()
+    caplog.set_level(logging.INFO, logger="tierkv")
+    monkeypatch.setattr(host_kernel, "extension", lambda: built)
+    host_kernel._build.cache_clear()
+    try:
+        with tierkv_settings.override(cache_dir=tmp_path / "cache"):
+            assert host_kernel.available()
+        assert "the extension built at install" in caplog.text
+        assert not (tmp_path / "cache").exists()
+    finally:
+        host_kernel._build.cache_clear()
+
+
+@pytest.mark.parametrize("attend", IMPLEMENTATIONS)
+def test_keys_at_negative_positions_are_not_attended(attend):
+    """A span that starts inside its first block (a sliding window): positions counted from the span's start make
+    that block's earlier keys negative, and they are left out. An empty table is an empty part."""
+    keys, values = _kv(2, 2, 30, 32, torch.bfloat16, seed=61)
+    q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(62))
+    placed = Placed(keys, values, 8)
+    positions = np.broadcast_to(np.arange(placed.table.shape[1]) * 8 - 5, placed.table.shape)  # span starts at 5
+    got = attend(q, placed.slab, placed.table, 25, scaling=0.2, positions=positions)
+    _close(got, reference(q, keys[:, :, 5:], values[:, :, 5:], [25, 25], scaling=0.2, query_start=[24, 24]))
+    out, lse = attend(q, placed.slab, placed.table[:, :0], 25, scaling=0.2)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()

@@ -1,0 +1,608 @@
+"""tierkv on a shared machine, tried as an adversary would (docs/reliability.md, "Security"): links, FIFOs and
+foreign files planted at every name tierkv creates in a shared ``disk_dir``; manifests and conversation files
+whose checksums are right but whose lengths and fields are crafted; files of another model; two processes
+opening caches on one directory at once. Each test asserts the refusal (a tierkv error that says why, never a
+hang, a ``MemoryError`` or a bare ``KeyError``), the modes of what tierkv wrote, and that nothing outside the
+directory it was given changed (a "victim" directory beside it, snapshotted before and compared after)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from models import prompt, tiny_model
+
+from tierkv import safefs
+from tierkv import settings as tierkv_settings
+from tierkv.errors import CheckpointError, DiskTierError, IntegrityError, InvalidConfigError
+from tierkv.hf import TieredCache
+from tierkv.persist import record
+from tierkv.persist.blockfile import DIRECTORY_NAME, Item, PersistentStore
+from tierkv.stats import Trace
+from tierkv.tiers.disk import DiskTier
+
+KEY = "ab" + "0" * 30
+BT = 4
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # this tierkv
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _victim(tmp_path: Path) -> Path:
+    """A directory of files tierkv must never touch (another user's, root's), with names tierkv would use."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for name in (f"{KEY}.tkv", "chat.tkv", "important", "tierkv-1-abc.lock"):
+        (victim / name).write_bytes(b"precious " + name.encode())
+    return victim
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _item(key: str) -> Item:
+    return Item(key, 0, *record.encode({"kind": "block", "key": key}, bytes(1000)))
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def _in_subprocess(code: str, *args: str, timeout: float = 60, limit_bytes: int | None = None) -> str:
+    """Run ``code`` in a fresh interpreter (under an address-space limit, if given, set after the imports):
+    a hang is a timeout, not a stuck test run. Returns its stdout."""
+    prelude = "import resource, sys\n"
+    if limit_bytes is not None:
+        prelude += f"resource.setrlimit(resource.RLIMIT_AS, ({limit_bytes}, {limit_bytes}))\n"
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code).replace("#LIMIT", prelude), *args],
+                            capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+# ------------------------------------------------------------------------ links in the persistent tree
+@pytest.mark.parametrize("name", ["tierkv-persist", "tierkv-persist/blocks", "tierkv-persist/tmp"])
+def test_a_linked_persistent_directory_is_refused(tmp_path, name):
+    victim = _victim(tmp_path)
+    before = _snapshot(victim)
+    disk_dir = tmp_path / "shared"
+    (disk_dir / DIRECTORY_NAME).mkdir(parents=True)
+    link = disk_dir / name
+    if link.exists():
+        link.rmdir()
+    link.symlink_to(victim)
+    with pytest.raises(DiskTierError, match="symbolic link"):
+        PersistentStore(disk_dir, 1 << 20)
+    assert _snapshot(victim) == before
+
+
+def test_links_inside_the_tree_are_never_followed_nor_removed(tmp_path):
+    """The issue's attack: ``blocks/ab -> /some/dir`` made recovery unlink every file listed there. Also a
+    linked manifest, stale temporary manifest, scratch area and owner lock."""
+    victim = _victim(tmp_path)
+    before = _snapshot(victim)
+    store = PersistentStore(tmp_path / "shared", 1 << 20)
+    store.put([_item("cd" + "1" * 30)])
+    store.close()
+    root = tmp_path / "shared" / DIRECTORY_NAME
+    (root / "blocks" / "ab").symlink_to(victim)  # holds a file named like an unlisted record
+    (root / "blocks" / "ef").mkdir()
+    (root / "blocks" / "ef" / f"ef{'2' * 30}.tkv").symlink_to(victim / "important")
+    (root / ".manifest.x.tmp").symlink_to(victim / "important")
+    (root / "tmp" / "999999-dead").symlink_to(victim)
+    (root / "tmp" / "999998-dead.lock").symlink_to(victim / "tierkv-1-abc.lock")
+    again = PersistentStore(tmp_path / "shared", 1 << 20)
+    with pytest.raises(DiskTierError, match="symbolic link"):  # never written through the linked folder
+        again.put([_item(KEY)])
+    assert again.get([KEY]) == [] and again.lookup(["cd" + "1" * 30]) == 1
+    again.close()
+    (root / "manifest").unlink()
+    (root / "manifest").symlink_to(victim / "important")
+    third = PersistentStore(tmp_path / "shared", 1 << 20)
+    assert third.recovery.manifest_lost  # a link is not a manifest: refused, never read
+    third.put([_item("cd" + "3" * 30)])  # the new manifest replaces the link, the file it pointed at stays
+    assert not (root / "manifest").is_symlink()
+    third.close()
+    assert _snapshot(victim) == before
+
+
+def test_special_files_never_hang_and_dev_zero_is_not_read(tmp_path):
+    """A FIFO as the manifest, as a lock file and as a disk tier's lock; ``manifest -> /dev/zero``."""
+    for case in ("manifest-fifo", "manifest-zero", "lock-fifo"):
+        disk_dir = tmp_path / case
+        root = disk_dir / DIRECTORY_NAME
+        (root / "blocks").mkdir(parents=True)
+        if case == "manifest-fifo":
+            os.mkfifo(root / "manifest")
+        elif case == "manifest-zero":
+            (root / "manifest").symlink_to("/dev/zero")
+        else:
+            os.mkfifo(root / "lock")
+        out = _in_subprocess("""
+            import sys
+            from tierkv.errors import DiskTierError
+            from tierkv.persist.blockfile import PersistentStore
+            try:
+                store = PersistentStore(sys.argv[1], 1 << 20)
+            except DiskTierError as error:
+                print("refused:", error)
+            else:
+                print("opened", store.recovery.manifest_lost)
+                store.close()
+        """, str(disk_dir), timeout=60)
+        expected = "refused: " if case == "lock-fifo" else "opened True"
+        assert out.startswith(expected), (case, out)
+    (tmp_path / "tier").mkdir()
+    os.mkfifo(tmp_path / "tier" / "tierkv-1-0a.lock")  # named like a dead tier's lock file
+    os.mkfifo(tmp_path / "tier" / ".tierkv-x.tmp")
+    out = _in_subprocess("""
+        import sys
+        from tierkv.tiers.disk import DiskTier
+        DiskTier(sys.argv[1], budget=1 << 20).close()
+        print("ok")
+    """, str(tmp_path / "tier"))
+    assert out.strip() == "ok"
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "tier" / "tierkv-1-0a.lock").st_mode)  # left alone
+
+
+def test_foreign_manifest_keys_never_become_paths(tmp_path):
+    """A manifest with a right checksum listing ``/abs/path/chat`` and ``../../x``: refused as a whole, so
+    eviction never unlinks ``/abs/path/chat.tkv``."""
+    victim = _victim(tmp_path)
+    before = _snapshot(victim)
+    store = PersistentStore(tmp_path / "shared", 1 << 20)
+    store.close()
+    root = tmp_path / "shared" / DIRECTORY_NAME
+    for key in (str(victim / "chat"), "../../victim/chat", "AB" + "0" * 30, "ab"):
+        listing = {"clock": 5, "blocks": {key: [1000, 1, 0]}}
+        head, payload = record.encode({"kind": "manifest", "format": 1}, json.dumps(listing).encode())
+        (root / "manifest").write_bytes(head + bytes(payload))
+        other = PersistentStore(tmp_path / "shared", 1100)
+        assert other.recovery.manifest_lost, key
+        other.put([_item("cd" + "4" * 30)])  # evicts to fit: nothing outside
+        other.close()
+    for values in ([10**15, 1, 0], [1000, "1", 0], [1000, 1], "x", [True, 1, 0]):  # numbers out of range
+        listing = {"clock": 5, "blocks": {KEY: values}}
+        head, payload = record.encode({"kind": "manifest", "format": 1}, json.dumps(listing).encode())
+        (root / "manifest").write_bytes(head + bytes(payload))
+        other = PersistentStore(tmp_path / "shared", 1 << 20)
+        assert other.recovery.manifest_lost and other.get([KEY]) == [], values
+        other.close()
+    assert _snapshot(victim) == before
+
+
+def test_a_listed_size_beyond_the_file_is_a_miss_without_allocating(tmp_path):
+    """A manifest (written under the lock, as a co-tenant's process would) listing 10^15 bytes for a record."""
+    store = PersistentStore(tmp_path, 1 << 60)
+    store.put([_item(KEY)])
+    from tierkv.persist import manifest as manifests
+
+    listing = manifests.load(tmp_path / DIRECTORY_NAME / "manifest")
+    listing.entries[KEY].nbytes = 10**15
+    with safefs.directory(tmp_path / DIRECTORY_NAME) as root:
+        manifests.write(root, listing)
+    assert store.get([KEY]) == []  # refused by its real size: no 10^15-byte buffer
+    store.close()
+
+
+# ------------------------------------------------------------------------------ the disk tier's files
+def test_disk_tier_files_and_refusals(tmp_path):
+    victim = _victim(tmp_path)
+    before = _snapshot(victim)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "tierkv-1-0b.lock").symlink_to(victim / "tierkv-1-abc.lock")  # a dead tier's lock, by its name
+    (shared / "tierkv-999999-0b-x-4096.kv").symlink_to(victim / "important")  # a dead pid's data file
+    (shared / ".tierkv-y.tmp").symlink_to(victim / "important")
+    old = os.umask(0)
+    try:
+        tier = DiskTier(shared, budget=1 << 20)
+        tier.alloc(4096)
+    finally:
+        os.umask(old)
+    files = [p for p in shared.iterdir() if not p.is_symlink()]
+    assert files and all(_mode(p) == 0o600 for p in files), {p.name: oct(_mode(p)) for p in files}
+    tier.close()
+    assert sorted(p.name for p in shared.iterdir()) == [".tierkv-y.tmp", "tierkv-1-0b.lock",
+                                                        "tierkv-999999-0b-x-4096.kv"]  # the links stay
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(DiskTierError, match="sticky"):
+        DiskTier(open_dir, budget=1 << 20)
+    open_dir.chmod(0o777 | stat.S_ISVTX)  # as /tmp: others cannot rename what tierkv made
+    DiskTier(open_dir, budget=1 << 20).close()
+    assert _snapshot(victim) == before
+
+
+def test_the_disk_file_grows_with_the_kv(tmp_path):
+    """One slot of 4 KiB takes a small file, not a 256 MiB extent; the file doubles as blocks come."""
+    tier = DiskTier(tmp_path, budget=1 << 30)
+    tier.alloc(4096)
+    assert tier.allocated_bytes <= 1 << 20
+    for _ in range(1000):
+        tier.alloc(4096)
+    assert 1000 * 4096 <= tier.allocated_bytes <= 2 * 1001 * 4096
+    tier.close()
+
+
+def test_two_processes_open_caches_on_one_directory_at_once(tmp_path):
+    """Each constructs and closes disk tiers as fast as it can while the other does; no construction fails
+    (the pending lock file a reclaimer took is made again)."""
+    code = """
+        import sys
+        from tierkv.tiers.disk import DiskTier
+        failures = 0
+        for _ in range(int(sys.argv[2])):
+            try:
+                DiskTier(sys.argv[1], budget=1 << 20).close()
+            except Exception as error:
+                failures += 1
+                last = error
+        print(failures)
+    """
+    children = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(tmp_path), "1500"],
+                                 stdout=subprocess.PIPE, text=True, env=ENV) for _ in range(2)]
+    outputs = [child.communicate(timeout=300)[0] for child in children]
+    assert [int(out) for out in outputs] == [0, 0], outputs
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- modes, whatever the umask
+def test_everything_written_is_private_whatever_the_umask(tmp_path):
+    model = tiny_model("llama")
+    ids, _ = prompt(1, 9, seed=1)
+    old = os.umask(0)
+    try:
+        with TieredCache(disk_dir=tmp_path / "d", persist=True, block_tokens=BT, gpu_gb="1MiB", cpu_gb="1MiB",
+                         trace=True) as cache:
+            cache.load_prefix(model, ids)
+            with torch.no_grad():
+                model(ids, past_key_values=cache)
+            cache.flush()
+            cache.save(tmp_path / "chat.tkv", model=model)
+            cache.save_trace(tmp_path / "trace.json")
+            written = [p for p in (tmp_path / "d").rglob("*")]
+    finally:
+        os.umask(old)
+    dirs = [p for p in written if p.is_dir()]
+    files = [p for p in written if p.is_file()]
+    assert any(p.suffix == ".tkv" for p in files) and len(dirs) >= 3
+    assert {oct(_mode(p)) for p in dirs} == {"0o700"}, {str(p): oct(_mode(p)) for p in dirs}
+    assert {oct(_mode(p)) for p in files} == {"0o600"}, {str(p): oct(_mode(p)) for p in files}
+    assert _mode(tmp_path / "chat.tkv") == 0o600 and _mode(tmp_path / "trace.json") == 0o600
+
+
+def test_the_group_shared_store_is_an_explicit_opt_in(tmp_path):
+    with tierkv_settings.override(shared_group=True):
+        store = PersistentStore(tmp_path, 1 << 20)
+        store.put([_item(KEY)])
+        store.close()
+    root = tmp_path / DIRECTORY_NAME
+    assert _mode(root) == 0o2770 and _mode(root / "blocks") == 0o2770
+    assert _mode(root / "blocks" / "ab" / f"{KEY}.tkv") == 0o660 and _mode(root / "manifest") == 0o660
+    PersistentStore(tmp_path, 1 << 20).close()  # without the opt-in the tree is made private again
+    assert _mode(root) == 0o700
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a directory of another user (needs root)")
+def test_a_directory_of_another_user_is_refused(tmp_path):
+    (tmp_path / DIRECTORY_NAME).mkdir()
+    os.chown(tmp_path / DIRECTORY_NAME, 65534, 65534)
+    with pytest.raises(DiskTierError, match="another user"):
+        PersistentStore(tmp_path, 1 << 20)
+
+
+# ------------------------------------------------------------------------------ save and trace paths
+def test_links_at_save_and_trace_paths_are_replaced_not_followed(tmp_path):
+    victim = _victim(tmp_path)
+    before = _snapshot(victim)
+    model = tiny_model("llama")
+    ids, _ = prompt(1, 9, seed=1)
+    with TieredCache(block_tokens=BT, trace=True) as cache:
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        (tmp_path / "chat.tkv").symlink_to(victim / "chat.tkv")
+        (tmp_path / "chat.tkv.tmp").symlink_to(victim / "important")  # the fixed name earlier versions used
+        cache.save(tmp_path / "chat.tkv", model=model)
+        (tmp_path / "trace.json").symlink_to(victim / "important")
+        cache.save_trace(tmp_path / "trace.json")
+    assert not (tmp_path / "chat.tkv").is_symlink() and not (tmp_path / "trace.json").is_symlink()
+    TieredCache.load(tmp_path / "chat.tkv", model=model).close()
+    Trace().save(tmp_path / "trace.json")
+    assert _snapshot(victim) == before
+
+
+def test_a_linked_models_folder_in_the_cache_dir_is_refused(tmp_path):
+    """Dequantised checkpoints are written and renamed into ``$TIERKV_CACHE_DIR/models``: never through a link."""
+    from tierkv import models
+
+    victim = _victim(tmp_path)
+    before = _snapshot(victim)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "models").symlink_to(victim)
+    with pytest.raises(DiskTierError, match="symbolic link"):
+        models._own_models_directory(tmp_path / "cache" / "models")
+    models._own_models_directory(tmp_path / "fresh" / "models")
+    assert _mode(tmp_path / "fresh" / "models") == 0o700 and _snapshot(victim) == before
+
+
+def test_bench_scratch_files_are_new_private_files(tmp_path):
+    victim = _victim(tmp_path)
+    before = _snapshot(victim)
+    (tmp_path / f"tierkv-bench-{os.getpid()}.bin").symlink_to(victim / "important")  # the fixed name of old
+    with safefs.scratch_file(tmp_path, f"tierkv-bench-{os.getpid()}-", 1 << 16) as path:
+        assert _mode(path) == 0o600 and path.stat().st_size == 1 << 16 and not path.is_symlink()
+        path.write_bytes(b"x")
+    assert not path.exists() and _snapshot(victim) == before
+
+
+# ---------------------------------------------------------------------- crafted conversation files
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, list[tuple[dict, bytes]]]:
+    """A real conversation file (2 layers, 9 tokens, its ids known) and its records."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, 9, seed=1)
+    path = tmp_path_factory.mktemp("saved") / "chat.tkv"
+    with TieredCache(block_tokens=BT, disk_dir=path.parent / "d", persist=True) as cache:
+        cache.load_prefix(model, ids)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        cache.save(path, model=model)
+    return path, _records(path)
+
+
+def _records(path: Path) -> list[tuple[dict, bytes]]:
+    out, size = [], path.stat().st_size
+    with open(path, "rb") as f:
+        while f.tell() < size:
+            header, payload = record.read(f)
+            out.append((header, bytes(payload)))
+    return out
+
+
+def _write(path: Path, records: list[tuple[dict, bytes]]) -> None:
+    with open(path, "wb") as f:
+        for header, payload in records:
+            head, body = record.encode(header, payload)
+            f.write(head)
+            f.write(body)
+
+
+def _crafted(saved, index: int, **fields) -> list[tuple[dict, bytes]]:
+    records = [(dict(h), p) for h, p in saved[1]]
+    records[index][0].update(fields)
+    return records
+
+
+def _refused(path: Path, match: str, model=None) -> None:
+    with pytest.raises(IntegrityError, match=match):
+        TieredCache.load(path, model=model)
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"block_tokens": "4"}, "block_tokens"),
+    ({"block_tokens": 0}, "block_tokens"),
+    ({"batch": 2}, "ids_shape"),
+    ({"batch": None}, "batch"),
+    ({"layers": {"0": 1}}, "layers"),
+    ({"layers": [{"index": 0, "sliding_window": None, "dropped": 0}]}, "layers\\[0\\]"),
+    ({"layers": [{"index": 0, "sliding_window": None, "dropped": 0, "length": 9},
+                 {"index": "1", "sliding_window": None, "dropped": 0, "length": 9}]}, "layers\\[1\\].index"),
+    ({"layers": [{"index": 0, "sliding_window": None, "dropped": 10, "length": 9},
+                 {"index": 1, "sliding_window": None, "dropped": 0, "length": 9}]}, "dropped"),
+    ({"layers": [{"index": 0, "sliding_window": -1, "dropped": 0, "length": 9},
+                 {"index": 1, "sliding_window": None, "dropped": 0, "length": 9}]}, "sliding_window"),
+    ({"ids_shape": [1, 10]}, "ids_shape"),
+    ({"ids_shape": [1]}, "ids_shape"),
+    ({"namespace": {"fingerprint": "x"}}, "namespace"),
+    ({"fingerprint": None}, "fingerprint"),
+    ({"fingerprint": "../../etc"}, "fingerprint"),
+    ({"extra": 1}, "fields"),
+])  # fmt: skip
+def test_crafted_header_fields_are_refused(saved, tmp_path, fields, match):
+    path = tmp_path / "crafted.tkv"
+    _write(path, _crafted(saved, 0, **fields))
+    _refused(path, match)
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"layer": 7}, "layer"),
+    ({"layer": "0"}, "layer"),
+    ({"first": -1}, "first"),
+    ({"dtype": "nn"}, "dtype"),
+    ({"dtype": "int64"}, "dtype"),
+    ({"shape": "[1]"}, "shape"),
+    ({"shape": [1, 3, 2, 2, 2, 32]}, "block_tokens"),  # the same bytes as [1, 3, 2, 2, 4, 16]: once scrambled K/V
+    ({"shape": [1, 3, 2, 4, 4, 8]}, "kv_heads|heads"),
+    ({"shape": [1, 5, 2, 2, 4, 16]}, "blocks"),
+    ({"kind": "conversation"}, "unexpected record"),
+])  # fmt: skip
+def test_crafted_kv_records_are_refused(saved, tmp_path, fields, match):
+    path = tmp_path / "crafted.tkv"
+    _write(path, _crafted(saved, 1, **fields))
+    _refused(path, match)
+
+
+def test_lengths_beyond_the_file_are_refused_before_allocating(saved, tmp_path):
+    """A ~100-byte file claiming 10^15 bytes or 2^64 - 1 bytes of payload: an IntegrityError, not a MemoryError or
+    an OverflowError; and under a 1 GiB address-space limit a 3 GiB claim is refused at once."""
+    for claim in (10**15, 2**64 - 1, 3 << 30):
+        head, _ = record.encode({"kind": "conversation"}, b"")
+        prefix = bytearray(head[: record.PREFIX_BYTES])
+        prefix[12:20] = claim.to_bytes(8, "little")
+        path = tmp_path / f"claim-{claim}.tkv"
+        path.write_bytes(bytes(prefix) + head[record.PREFIX_BYTES:] + bytes(64))
+        _refused(path, "claims")
+        with pytest.raises(IntegrityError, match="claims"):  # the asyncio reader checks the same
+            asyncio.run(TieredCache.aload(path))
+    out = _in_subprocess("""
+        import sys
+        from tierkv.errors import IntegrityError
+        from tierkv.persist import record
+        #LIMIT
+        try:
+            with open(sys.argv[1], "rb") as f:
+                record.read(f, "claim")
+        except IntegrityError as error:
+            print("refused", error)
+    """, str(tmp_path / f"claim-{3 << 30}.tkv"), limit_bytes=1 << 30)
+    assert out.startswith("refused"), out
+
+
+def test_a_fifo_is_not_a_conversation_file(tmp_path):
+    os.mkfifo(tmp_path / "chat.tkv")
+    out = _in_subprocess("""
+        import sys
+        from tierkv.errors import IntegrityError
+        from tierkv.hf import TieredCache
+        try:
+            TieredCache.load(sys.argv[1])
+        except IntegrityError as error:
+            print("refused", error)
+    """, str(tmp_path / "chat.tkv"))
+    assert out.startswith("refused") and "not a regular file" in out, out
+
+
+def test_a_file_of_another_model_is_refused(saved, tmp_path):
+    path, _ = saved
+    with pytest.raises(InvalidConfigError, match="another model"):
+        TieredCache.load(path, model=tiny_model("qwen2"))
+    loaded = TieredCache.load(path, model=tiny_model("llama"))
+    assert loaded.get_seq_length() == 9
+    loaded.close()
+
+
+def test_conversation_ids_and_payload_must_agree(saved, tmp_path):
+    """The token ids' bytes must be exactly what ``ids_shape`` says, and a K/V record's payload exactly its shape."""
+    records = [(dict(h), p) for h, p in saved[1]]
+    records[0] = (records[0][0], records[0][1] + bytes(8))
+    _write(tmp_path / "a.tkv", records)
+    _refused(tmp_path / "a.tkv", "ids")
+    records = [(dict(h), p) for h, p in saved[1]]
+    records[1] = (records[1][0], records[1][1][:-4])
+    _write(tmp_path / "b.tkv", records)
+    _refused(tmp_path / "b.tkv", "payload bytes")
+    assert np.frombuffer(saved[1][0][1], dtype="<i8").size == 9
+
+
+# --------------------------------------------------------------------------- memory within the budgets
+RSS_CHILD = r"""
+import contextlib, json, tempfile, threading, time
+import psutil, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from tierkv import TieredCache
+
+torch.set_num_threads(1)
+LAYERS, HEADS, DIM, BLOCK, CHUNK = 4, 8, 64, 256, 1024
+config = LlamaConfig(vocab_size=128, hidden_size=512, intermediate_size=256, num_hidden_layers=LAYERS,
+                     num_attention_heads=8, num_key_value_heads=HEADS, head_dim=DIM, max_position_embeddings=33280)
+torch.manual_seed(0)
+model = LlamaForCausalLM(config).eval()
+process = psutil.Process()
+with torch.inference_mode():
+    model(torch.randint(2, 128, (1, 8)))
+results = {}
+for executor, context in (("exact_gather", 16384), ("streaming", 32768)):
+    if executor == "streaming":
+        gpu, cpu = 96 * 2**20, 32 * 2**20
+    else:
+        gpu, cpu = TieredCache.min_device_bytes(config, context + 64, block_tokens=BLOCK), 16 * 2**20
+    base = process.memory_info().rss
+    peak, done = [base], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    with tempfile.TemporaryDirectory(dir=DIRECTORY) as directory:
+        cache = TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{cpu}B", disk_dir=directory, block_tokens=BLOCK, config=config)
+        streaming = cache.streaming(model, chunk_tokens=CHUNK) if executor == "streaming" else contextlib.nullcontext()
+        generator = torch.Generator().manual_seed(1)
+        with torch.inference_mode(), streaming:
+            for start in range(0, context, 512):  # a chunked prefill without its quadratic cost
+                for layer in range(LAYERS):
+                    kv = torch.randn(1, HEADS, 512, DIM, generator=generator)
+                    cache.update(kv, kv, layer)
+            for _ in range(3):
+                model(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+        blocks = cache.stats()["blocks"]
+        cache.close()
+    done.set()
+    sampler.join()
+    results[executor] = dict(growth=peak[0] - base, budgets=gpu + cpu, blocks=blocks)
+print(json.dumps(results))
+"""
+
+
+def test_rss_stays_within_small_budgets_with_most_kv_on_disk(tmp_path):
+    """The issue's regression: with 200 MB of budgets and most of the KV on disk, RSS grew by more than the whole
+    KV (bounce buffers of 32 MiB whatever the budgets: 1.9x the budgets for exact gather, 1.4x for streaming).
+    The bounce buffers now shrink with the host memory the budgets give (``DiskTier.fit_bounce``): RSS grows by
+    at most the budgets plus 25%, with 75%+ of the KV on disk, for both executors at ~130-200 MB of budgets."""
+    env = {**ENV, "MALLOC_MMAP_THRESHOLD_": "131072"}  # glibc's retention is no buffer of tierkv's (see the docs)
+    code = RSS_CHILD.replace("DIRECTORY", repr(str(tmp_path)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    for executor, result in results.items():
+        blocks = result["blocks"]
+        assert blocks["disk"] >= 3 * (blocks["device"] + blocks["host"]), (executor, blocks)  # 75%+ on disk
+        assert 100 * 2**20 < result["budgets"] < 200 * 2**20
+        assert result["growth"] <= 1.25 * result["budgets"], (
+            f"{executor}: RSS grew {result['growth'] / 2**20:.1f} MiB, budgets {result['budgets'] / 2**20:.1f} MiB")
+
+
+# ------------------------------------------------------------------------------ checkpoints (demo --model)
+class _Payload:
+    """Unpickled, it would create ``marker``: a stand-in for code a crafted checkpoint runs."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_checkpoint_folders_fail_in_one_line_and_nothing_is_unpickled(tmp_path):
+    """``tierkv demo --model DIR`` loads through :func:`tierkv.models.load_folder`: a pickle checkpoint is refused
+    before anything reads it; a folder transformers cannot load (incomplete, corrupt) is one CheckpointError
+    with the reason, never a traceback of another type."""
+    import pickle
+
+    from tierkv import models
+
+    marker = tmp_path / "unpickled"
+    model = tiny_model("llama")
+    pickled = tmp_path / "pickled"
+    model.config.save_pretrained(pickled)
+    (pickled / "pytorch_model.bin").write_bytes(pickle.dumps({"weight": _Payload(str(marker))}))
+    with pytest.raises(CheckpointError, match="pickle"):
+        models.load_folder(pickled)
+    assert not marker.exists()
+    incomplete = tmp_path / "incomplete"
+    model.config.save_pretrained(incomplete)
+    corrupt = tmp_path / "corrupt"
+    model.config.save_pretrained(corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\xff" * 64)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    (broken / "model.safetensors").write_bytes(b"")
+    for folder in (incomplete, corrupt, broken, tmp_path / "missing"):
+        with pytest.raises(CheckpointError) as caught:
+            models.load_folder(folder, what=f"--model {str(folder)!r}")
+        assert str(caught.value).startswith(f"--model {str(folder)!r}") and "\n" not in str(caught.value)

@@ -1,0 +1,97 @@
+"""Key summaries (tierkv.store.summaries) against the keys they summarise, their device reservation, and the store
+keeping them with its blocks (tierkv.attention.sparse_store)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import kv, make_store
+
+from tierkv.attention.sparse_store import SparseBlocks
+from tierkv.blocks import Tier
+from tierkv.errors import BudgetTooSmallError
+from tierkv.store.summaries import KeySummaries
+
+
+class Reservation:
+    """Counts what a KeySummaries reserves; refuses once ``limit`` bytes would be exceeded."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.held, self.limit = 0, limit
+
+    def reserve(self, nbytes: int) -> None:
+        if self.limit is not None and self.held + nbytes > self.limit:
+            raise BudgetTooSmallError("no room")
+        self.held += nbytes
+
+    def unreserve(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
+def test_the_bound_is_above_every_key_logit_and_the_mean_logit_is_exact():
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randn(6, 2, 2, 4, 8, generator=generator, dtype=torch.float64)  # [n, 2, H_kv, bt, D]
+    summaries = KeySummaries(torch.device("cpu"), Reservation().reserve, Reservation().unreserve)
+    summaries.add(0, list(range(6)), blocks)
+    rows = torch.from_numpy(summaries.rows(np.arange(6)))
+    table = summaries.table(0)[:, rows]  # [H_kv, n, 3, D]: min, max, mean
+    q = torch.randn(2, 8, generator=generator, dtype=torch.float64)  # one query per KV head
+    keys = blocks[:, 0].transpose(0, 1)  # [H_kv, n, bt, D]
+    logits = torch.einsum("hd,hntd->hnt", q, keys)
+    lo, hi, mean = table[:, :, 0], table[:, :, 1], table[:, :, 2]
+    bound = (q.clamp(min=0)[:, None] * hi + q.clamp(max=0)[:, None] * lo).sum(-1)  # [H_kv, n]
+    assert (bound[..., None] >= logits - 1e-12).all()
+    torch.testing.assert_close(torch.einsum("hd,hnd->hn", q, mean), logits.mean(-1))
+
+
+def test_rows_are_reused_after_release_and_clear_gives_every_byte_back():
+    reservation = Reservation()
+    summaries = KeySummaries(torch.device("cpu"), reservation.reserve, reservation.unreserve)
+    blocks = torch.randn(3, 2, 2, 4, 8)
+    summaries.add(0, [10, 11, 12], blocks)
+    assert reservation.held == summaries.nbytes > 0 and len(summaries) == 3
+    row = int(summaries.rows(np.array([11]))[0])
+    summaries.release(11)
+    assert summaries.rows(np.array([11, 99]))[0] == -1 and summaries.rows(np.array([99]))[0] == -1
+    summaries.add(0, [13], blocks[:1])
+    assert int(summaries.rows(np.array([13]))[0]) == row  # the freed row, no growth
+    summaries.clear()
+    assert reservation.held == 0 and len(summaries) == 0 and summaries.table(0) is None
+
+
+def test_a_refused_reservation_leaves_the_summaries_as_they_were():
+    row_bytes = 3 * 2 * 8 * 4  # min, max, mean of 2 heads x 8 channels, fp32
+    reservation = Reservation(limit=8 * row_bytes)  # the first table (8 rows), no growth
+    summaries = KeySummaries(torch.device("cpu"), reservation.reserve, reservation.unreserve)
+    summaries.add(0, list(range(8)), torch.randn(8, 2, 2, 4, 8))
+    before = summaries.table(0).clone()
+    with pytest.raises(BudgetTooSmallError):
+        summaries.add(0, [8, 9], torch.randn(2, 2, 2, 4, 8))
+    assert len(summaries) == 8 and (summaries.rows(np.array([8, 9])) == -1).all()
+    assert torch.equal(summaries.table(0), before) and reservation.held == summaries.nbytes
+
+
+def test_summaries_enabled_late_are_backfilled_from_every_tier_and_kept_with_the_blocks(tmp_path):
+    store = make_store(tmp_path, device_slots=6, host_slots=4)
+    keys, values = kv(2, 30, seed=1)
+    store.append(0, keys, values)  # 7 full blocks a row, spread over device, host and disk
+    assert {b.tier for b in store.table.blocks.values()} >= {Tier.HOST, Tier.DISK}
+    sparse = SparseBlocks(store)
+    summaries = sparse.enable_summaries()
+    assert sparse.enable_summaries() is summaries  # the same rest_bits: kept
+    full = store.table.rows[0].ids[:, :7]
+    table = summaries.table(0)[:, torch.from_numpy(summaries.rows(full.ravel()))]  # [H_kv, B·7, 3, D]
+    blocks = keys[:, :, :28].unflatten(2, (7, 4))  # [B, H_kv, 7, bt, D]
+    expected = blocks.amax(dim=3).permute(1, 0, 2, 3).flatten(1, 2)  # [H_kv, B·7, D]
+    torch.testing.assert_close(table[:, :, 1], expected, rtol=0, atol=0)
+    assert store.device.reserved == summaries.nbytes  # counted in the device budget
+    store.append(0, *kv(2, 2, seed=2))  # the tail fills: its summary is added by the store
+    assert (summaries.rows(store.table.rows[0].ids[:, 7]) >= 0).all()
+    replaced = sparse.enable_summaries(rest_bits=4)  # other rest_bits: rebuilt, the old bytes given back
+    assert replaced is not summaries and store.summaries is replaced
+    assert store.device.reserved == replaced.nbytes
+    store.crop(0, 32)
+    assert len(replaced) == 0  # freed with their blocks
+    store.close()
+    assert store.device.reserved == 0

@@ -1,0 +1,386 @@
+"""Paged decode attention on the host's CPUs, over a memory tier's slab in place (``native/tierkv_attn.c``).
+
+:func:`paged_attention` attends a query over the K/V blocks a block table names, where they lie in the slab
+(no gather into a staging buffer), and returns the partial result every executor merges —
+the softmax-normalised output and the log-sum-exp per (row, query head, query), fp32, in
+:mod:`tierkv.attention.lse`'s convention. :func:`paged_attention_torch` computes the same in plain torch (it
+gathers the blocks first); it is what runs where the C library cannot be built, and the reference the C
+kernel is tested against.
+
+The C library is found like the native disk engine's (:mod:`tierkv.io.native`), in order:
+
+1. *extension*: built by ``setup.py`` as ``tierkv/attention/_attn*.so`` (optional: installing succeeds without
+   a compiler), unless it was built from an older source than the checkout's (the source hash is compiled in);
+2. *built on first use* from ``native/tierkv_attn.c`` by ``$CC`` (else ``cc``) into the ``cache_dir``
+   setting's ``native/`` folder, under a name carrying the hash of source and flags, with OpenMP where the
+   compiler has it, else single-threaded;
+3. otherwise unavailable, with the reason; :func:`paged_attention` then runs the torch version (logged once).
+
+The kernel picks its widest code path at run time (AVX-512, AVX2, portable C: :data:`ISAS`). A call costs
+little beyond the attention itself: a slab's geometry is checked once per shape (cached), the arguments are
+packed into the C struct by one ``struct.pack``, and the C side resolves the table's slot ids into block
+addresses (checking them against the slab) — no per-block Python, nothing proportional to the table in Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from tierkv import cbuild
+from tierkv.errors import InvalidConfigError
+from tierkv.io.base import EngineUnavailableError
+
+logger = logging.getLogger("tierkv")
+
+SOURCE = Path(__file__).resolve().parents[2] / "native" / "tierkv_attn.c"
+"""The C source in a source checkout (also an editable install); a wheel ships only the built extension."""
+_FLAG_SETS = (("-O3", "-shared", "-fPIC", "-fopenmp"), ("-O3", "-shared", "-fPIC"))  # OpenMP where the compiler has it
+_FIX = "Install a C compiler (e.g. `apt-get install gcc`) or set CC; meanwhile the torch version runs."
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_ENOMEM = -1  # TKV_ENOMEM in the C source
+
+ISAS = ("portable", "avx2", "avx512")
+"""The C kernel's code paths (``TKV_PORTABLE``..``TKV_AVX512``), each needing the CPU features of the one before."""
+ISA = -1
+"""The widest path :func:`paged_attention` may use, an index into :data:`ISAS`; -1: the best the CPU has (tests
+pin each path in turn)."""
+
+Table = torch.Tensor | np.ndarray
+Ints = int | Sequence[int] | torch.Tensor | np.ndarray
+
+
+_ARGS = struct.Struct("<15q2d8Q")
+"""``tkv_attn_args`` of the C source, packed in one call: batch, q_heads, kv_heads, q_len, head_dim, block_tokens,
+n_blocks, dtype, window, mask_len, mask_start, mask_batch_stride, threads, isa, n_chunks; scaling, softcap; the
+addresses of query, table, positions, lengths, query_start, mask, out, lse (0: none). Then come the chunks
+(address, slots, slot stride in bytes; int64 each), in the same buffer."""
+_ESLOT = -3  # TKV_ESLOT in the C source
+
+
+def source_digest() -> str | None:
+    """sha256 of :data:`SOURCE` (16 hex digits, as ``setup.py`` compiles it in); None without the source."""
+    return cbuild.source_digest(SOURCE)
+
+
+def extension() -> Path | None:
+    """The library the install built (``tierkv/attention/_attn<ABI suffix>``), if it did."""
+    return cbuild.extension(Path(__file__).parent, "_attn")
+
+
+def _built_from(lib: ctypes.CDLL) -> str:
+    """The source hash compiled into ``lib``."""
+    lib.tkv_attn_source_sha.restype = ctypes.c_char_p
+    return (lib.tkv_attn_source_sha() or b"").decode()
+
+
+def _open_library() -> ctypes.CDLL:
+    """Load the extension, else build on first use (module docstring); raise EngineUnavailableError."""
+    return cbuild.open_library("host attention kernel", SOURCE, source_digest(), extension(), _built_from,
+                               _FLAG_SETS, ("-lm",), _FIX, "Reinstall tierkv where a C compiler is available.")
+
+
+@functools.cache
+def _build() -> ctypes.CDLL | EngineUnavailableError:
+    """Open the library once per process and declare its functions; the failure, too, is cached."""
+    try:
+        lib = _open_library()
+    except EngineUnavailableError as exc:
+        return exc
+    lib.tkv_attn_args_size.restype = ctypes.c_int64
+    lib.tkv_attn_max_threads.restype = ctypes.c_int64
+    lib.tkv_attn_isa.restype = ctypes.c_int64
+    lib.tkv_attn.restype = ctypes.c_int
+    lib.tkv_attn.argtypes = [ctypes.c_char_p]
+    if lib.tkv_attn_args_size() != _ARGS.size:
+        return EngineUnavailableError(f"{SOURCE.name}'s argument struct does not match _ARGS", _FIX)
+    return lib
+
+
+def library() -> ctypes.CDLL:
+    """The loaded C library; raise :class:`EngineUnavailableError` if it cannot be built here."""
+    lib = _build()
+    if isinstance(lib, EngineUnavailableError):
+        raise lib
+    return lib
+
+
+def available() -> bool:
+    """Whether the C kernel loads here (else :func:`paged_attention` runs the torch version)."""
+    return not isinstance(_build(), EngineUnavailableError)
+
+
+@functools.cache
+def _log_fallback(reason: str) -> None:
+    logger.warning("host attention kernel unavailable (%s): attending with the torch version", reason)
+
+
+class _Inputs(NamedTuple):
+    """Checked, normalised arguments shared by both implementations."""
+
+    query: torch.Tensor  # [B, H_q, q, D] fp32 contiguous
+    slabs: list[torch.Tensor]  # [slots, 2, H_kv, bt, D] each
+    table: np.ndarray  # [B, n] int64, -1: no block
+    positions: np.ndarray | None  # [B, n] int64
+    lengths: np.ndarray  # [B] int64
+    query_start: np.ndarray | None  # [B] int64; None: not causal
+    window: int  # 0: none
+    mask: torch.Tensor | None  # [1 or B, q, M] fp32 contiguous
+    mask_start: int
+    scaling: float
+    softcap: float  # 0: none
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.slabs[0].shape[2])
+
+    @property
+    def block_tokens(self) -> int:
+        return int(self.slabs[0].shape[3])
+
+
+def _rows(value: Ints, batch: int, name: str) -> np.ndarray:
+    """An int or ``batch`` ints as int64 ``[batch]``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return np.full(batch, value, dtype=np.int64)
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    array = np.asarray(value)
+    if array.dtype.kind not in "iu" or array.ndim > 1 or (array.ndim == 1 and array.shape[0] != batch):
+        raise InvalidConfigError(f"{name} must be an int or {batch} ints (one per row), got {value!r}.")
+    return np.array(np.broadcast_to(array.astype(np.int64), (batch,)))  # a writable copy
+
+
+def _table(value: Table, name: str) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    array = np.asarray(value)
+    if array.ndim != 2 or array.dtype.kind not in "iu":
+        raise InvalidConfigError(f"{name} must be an integer array [batch, blocks], got {array.dtype} "
+                                 f"of shape {array.shape}.")  # fmt: skip
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+SlabGeometry = tuple[tuple[torch.Size, tuple[int, ...], torch.dtype, torch.device], ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _check_slabs(chunks: SlabGeometry, query_device: torch.device, host: bool) -> None:
+    """Check the slab chunks' (shape, stride, dtype, device); raise InvalidConfigError. A pure function of
+    them, so a pool's slab is checked once, not on every decode step."""
+    first_shape, _, first_dtype, _ = chunks[0]
+    for shape, stride, dtype, device in chunks:
+        if len(shape) != 5 or shape[1] != 2:
+            raise InvalidConfigError(f"a slab must be [slots, 2, kv_heads, block_tokens, head_dim] (K then V), got "
+                                     f"{tuple(shape)}: view raw slots with BlockLayout.blocks_of.")  # fmt: skip
+        if dtype not in _DTYPES:
+            raise InvalidConfigError(f"slab dtype {dtype} is not supported: K/V must be fp32, fp16 or bf16.")
+        if shape[1:] != first_shape[1:] or dtype != first_dtype:
+            raise InvalidConfigError(f"slab chunks differ: {tuple(shape[1:])} {dtype} beside "
+                                     f"{tuple(first_shape[1:])} {first_dtype}; pass one pool's chunks.")  # fmt: skip
+        if host and device.type != "cpu":
+            raise InvalidConfigError(f"the host kernel reads host memory; this slab is on {device}.")
+        if device != query_device:
+            raise InvalidConfigError(f"the slab is on {device} but the query on {query_device}.")
+        dense = (shape[2] * shape[3] * shape[4], shape[3] * shape[4], shape[4], 1)
+        if any(size > 1 and step != want for size, step, want in zip(shape[1:], stride[1:], dense)):
+            raise InvalidConfigError("each slot of the slab must be one contiguous block [2, kv_heads, "
+                                     "block_tokens, head_dim]; only the slot stride may differ.")  # fmt: skip
+
+
+def _check(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], block_table: Table, lengths: Ints, *,
+           scaling: float, softcap: float | None, causal: bool, query_start: Ints | None, window: int | None,
+           mask: torch.Tensor | None, mask_start: int, positions: Table | None,
+           threads: int | None, host: bool = True) -> _Inputs:  # fmt: skip
+    """Check every argument (the C side trusts them) and normalise them; raise InvalidConfigError. ``host``:
+    everything must be in host memory (the C kernel's inputs), else on the query's device."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise InvalidConfigError(f"threads must be a positive int or None (torch's count), got {threads!r}.")
+    chunks = [slabs] if isinstance(slabs, torch.Tensor) else list(slabs)
+    if not chunks:
+        raise InvalidConfigError("slabs is empty: pass the tier's slab [slots, 2, kv_heads, block_tokens, "
+                                 "head_dim] (or its chunks).")  # fmt: skip
+    _check_slabs(tuple((c.shape, c.stride(), c.dtype, c.device) for c in chunks), query.device, host)
+    _, _, kv_heads, block_tokens, head_dim = chunks[0].shape
+    if query.dim() != 4 or not query.is_floating_point():
+        raise InvalidConfigError(f"query must be a float tensor [batch, q_heads, q_len, head_dim], got "
+                                 f"{query.dtype} of shape {tuple(query.shape)}.")  # fmt: skip
+    batch, q_heads, q_len, q_dim = query.shape
+    if q_dim != head_dim or q_heads % kv_heads or q_len < 1:
+        raise InvalidConfigError(f"query {tuple(query.shape)} does not fit the slab's {kv_heads} kv heads of dim "
+                                 f"{head_dim}: q_heads must be a multiple of kv_heads and head_dim equal, "
+                                 f"q_len >= 1.")  # fmt: skip
+    if host and query.device.type != "cpu":
+        raise InvalidConfigError(f"the host kernel attends on the CPU; move the query from {query.device} first.")
+    table = _table(block_table, "block_table")
+    if table.shape[0] != batch:
+        raise InvalidConfigError(f"block_table has {table.shape[0]} rows for a query of batch {batch}.")
+    pos = None
+    if positions is not None:
+        pos = _table(positions, "positions")
+        if pos.shape != table.shape:
+            raise InvalidConfigError(f"positions {pos.shape} must match block_table {table.shape}.")
+    length = _rows(lengths, batch, "lengths")
+    start = None
+    if causal:
+        start = length - q_len if query_start is None else _rows(query_start, batch, "query_start")
+    elif query_start is not None or window is not None:
+        raise InvalidConfigError("query_start and window place the queries: they need causal=True.")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise InvalidConfigError(f"window must be a positive number of keys or None, got {window!r}.")
+    if softcap is not None and not softcap > 0:
+        raise InvalidConfigError(f"softcap must be positive or None, got {softcap!r}.")
+    bias = None
+    if mask is not None:
+        if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] != 1 or mask.shape[2] != q_len:
+            raise InvalidConfigError(f"mask must be [batch or 1, 1, q_len={q_len}, keys], got {tuple(mask.shape)}.")
+        mask = mask.detach().to(query.device)
+        if mask.dtype == torch.bool:
+            bias = torch.zeros(mask.shape, dtype=torch.float32, device=query.device).masked_fill(
+                ~mask, torch.finfo(torch.float32).min)  # fmt: skip
+        else:
+            bias = mask.float().clamp_min(torch.finfo(torch.float32).min)
+        bias = bias[:, 0].contiguous()
+        if mask_start + bias.shape[-1] < int(length.max(initial=0)):
+            raise InvalidConfigError(f"the mask covers key positions [{mask_start}, {mask_start + bias.shape[-1]}) "
+                                     f"but keys reach position {int(length.max()) - 1}.")  # fmt: skip
+    q = query.detach().float().contiguous()
+    return _Inputs(q, chunks, table, pos, length, start, window or 0, bias, int(mask_start), float(scaling),
+                   float(softcap or 0.0))  # fmt: skip
+
+
+def _check_slots(inputs: _Inputs) -> None:
+    """Raise InvalidConfigError if the table names a slot past the slab (the C kernel checks this itself)."""
+    total_slots = sum(int(chunk.shape[0]) for chunk in inputs.slabs)
+    if inputs.table.size and int(inputs.table.max()) >= total_slots:
+        raise InvalidConfigError(f"block_table names slot {int(inputs.table.max())} of a slab of {total_slots} "
+                                 f"slots.")  # fmt: skip
+
+
+def _address(array: np.ndarray | None) -> int:
+    return 0 if array is None else array.__array_interface__["data"][0]
+
+
+def paged_attention(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], block_table: Table,
+                    lengths: Ints, *, scaling: float, softcap: float | None = None, causal: bool = True,
+                    query_start: Ints | None = None, window: int | None = None, mask: torch.Tensor | None = None,
+                    mask_start: int = 0, positions: Table | None = None,
+                    threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Attend ``query`` over the blocks ``block_table`` names in ``slabs``, in place, on the CPU.
+
+    - ``query``: ``[B, H_q, q_len, D]``; query head ``j`` reads kv head ``j // (H_q // H_kv)`` (GQA).
+    - ``slabs``: the tier's slab as blocks ``[slots, 2, H_kv, block_tokens, D]`` (K then V; fp32, fp16 or bf16;
+      only the slot stride may be padded), or a pool's chunks of it, whose slot ids count on across chunks.
+    - ``block_table``: ``[B, n]`` slot ids; negative: no block. Entry ``j`` holds key positions
+      ``positions[b, j] .. + block_tokens - 1`` (``j * block_tokens`` without ``positions``).
+    - ``lengths``: per row (or one int), keys at positions ``>= length`` are not attended (a partial last block),
+      nor keys at negative positions (a span that starts inside its first block).
+    - ``causal``: query ``i`` sits at position ``query_start + i`` (default ``length - q_len``) and attends keys
+      at positions ``<= `` it, and ``> position - window`` with a sliding ``window``.
+    - ``mask``: ``[B or 1, 1, q_len, M]`` bool (True: attend) or additive, column ``position - mask_start``;
+      keys before ``mask_start`` are not attended. ``softcap``: ``tanh(s / cap) * cap`` before the mask.
+
+    Returns the normalised output ``[B, H_q, q_len, D]`` and the log-sum-exp ``[B, H_q, q_len]``, fp32, as
+    :func:`tierkv.attention.lse.merge` takes them; a query that attends no key gets 0 and ``-inf``. Runs the C
+    kernel on ``threads`` threads (default: torch's), else :func:`paged_attention_torch`.
+    """
+    inputs = _check(query, slabs, block_table, lengths, scaling=scaling, softcap=softcap, causal=causal,
+                    query_start=query_start, window=window, mask=mask, mask_start=mask_start, positions=positions,
+                    threads=threads)
+    lib = _build()
+    if isinstance(lib, EngineUnavailableError):
+        _log_fallback(lib.reason)
+        return _attend_torch(inputs)
+    return _attend_native(lib, inputs, threads)
+
+
+def _attend_native(lib: ctypes.CDLL, inputs: _Inputs, threads: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    q, table, mask, slabs = inputs.query, inputs.table, inputs.mask, inputs.slabs
+    batch, q_heads, q_len, head_dim = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32)
+    chunks = [v for c in slabs for v in (c.data_ptr(), c.shape[0], c.stride(0) * c.element_size())]
+    args = _ARGS.pack(
+        batch, q_heads, inputs.kv_heads, q_len, head_dim, inputs.block_tokens, table.shape[1],
+        _DTYPES[slabs[0].dtype], inputs.window, 0 if mask is None else mask.shape[-1], inputs.mask_start,
+        0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
+        threads if threads is not None else torch.get_num_threads(), ISA, len(slabs), inputs.scaling, inputs.softcap,
+        q.data_ptr(), _address(table), _address(inputs.positions), _address(inputs.lengths),
+        _address(inputs.query_start), 0 if mask is None else mask.data_ptr(), out.data_ptr(), lse.data_ptr(),
+    ) + struct.pack(f"<{len(chunks)}q", *chunks)  # fmt: skip
+    code = lib.tkv_attn(args)
+    if code == _ENOMEM:
+        raise MemoryError("host attention kernel: out of memory for its per-thread buffers")
+    if code == _ESLOT:
+        _check_slots(inputs)
+    if code:
+        raise InvalidConfigError(f"host attention kernel refused its arguments (code {code}): a bug in _check.")
+    return out, lse
+
+
+def paged_attention_torch(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], block_table: Table,
+                          lengths: Ints, *, scaling: float, softcap: float | None = None, causal: bool = True,
+                          query_start: Ints | None = None, window: int | None = None,
+                          mask: torch.Tensor | None = None, mask_start: int = 0, positions: Table | None = None,
+                          threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`paged_attention` in plain torch (gathers the named blocks, then attends them in fp32), on the
+    device the query and the slab share (the host's, or an accelerator's); ``threads`` is accepted for the same
+    signature and ignored."""
+    return _attend_torch(_check(query, slabs, block_table, lengths, scaling=scaling, softcap=softcap, causal=causal,
+                                query_start=query_start, window=window, mask=mask, mask_start=mask_start,
+                                positions=positions, threads=threads, host=False))  # fmt: skip
+
+
+def _attend_torch(inputs: _Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_slots(inputs)
+    q, table = inputs.query, inputs.table
+    device = q.device
+
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.array(array)).to(device)  # a writable copy (broadcast views are read-only)
+
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, block_tokens, n = inputs.kv_heads, inputs.block_tokens, table.shape[1]
+    group = q_heads // kv_heads
+    blocks = torch.zeros((batch, n, 2, kv_heads, block_tokens, head_dim), dtype=torch.float32, device=device)
+    start = 0
+    for chunk in inputs.slabs:  # one gather per chunk of the pool
+        inside = (table >= start) & (table < start + chunk.shape[0])
+        if inside.any():
+            blocks[tensor(inside)] = chunk[tensor(table[inside] - start)].float()
+        start += int(chunk.shape[0])
+    keys = blocks[:, :, 0].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * block_tokens, head_dim)
+    values = blocks[:, :, 1].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * block_tokens, head_dim)
+    first = inputs.positions if inputs.positions is not None else np.arange(n, dtype=np.int64)[None] * block_tokens
+    key_pos = tensor(np.broadcast_to(first, table.shape))[:, :, None] + torch.arange(block_tokens, device=device)
+    key_pos = key_pos.reshape(batch, 1, n * block_tokens)  # [B, 1 (query), keys]
+    present = tensor(table >= 0).repeat_interleave(block_tokens, dim=1)[:, None]
+    allowed = present & (key_pos >= 0) & (key_pos < tensor(inputs.lengths)[:, None, None])
+    if inputs.query_start is not None:
+        query_pos = tensor(inputs.query_start)[:, None, None] + torch.arange(q_len, device=device)[None, :, None]
+        allowed = allowed & (key_pos <= query_pos)
+        if inputs.window:
+            allowed = allowed & (key_pos > query_pos - inputs.window)
+    rows = (q * inputs.scaling).view(batch, kv_heads, group * q_len, head_dim)
+    scores = torch.matmul(rows, keys.transpose(-1, -2)).view(batch, kv_heads, group, q_len, -1)
+    if inputs.softcap:
+        scores = torch.tanh(scores / inputs.softcap) * inputs.softcap
+    if inputs.mask is not None:
+        allowed = allowed & (key_pos >= inputs.mask_start)
+        column = (key_pos - inputs.mask_start).clamp(0, inputs.mask.shape[-1] - 1)
+        bias = torch.gather(inputs.mask.expand(batch, q_len, -1), 2, column.expand(batch, q_len, -1))
+        scores = (scores + bias[:, None, None]).clamp_min(torch.finfo(torch.float32).min)
+    allowed = allowed[:, None, None].expand(scores.shape)  # [B, H_kv, G, q, keys]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # a query with no key: all weights 0
+    out = torch.matmul(weights.view(batch, kv_heads, group * q_len, -1), values)
+    return out.view(q.shape), lse.view(q.shape[:-1])

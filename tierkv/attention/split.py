@@ -1,0 +1,308 @@
+"""Split attention: attend each tier's share of a layer where it lives, merge the shares by log-sum-exp.
+
+Exact gather copies a whole layer into device staging every step before attending it; split moves no K/V for
+the blocks already in memory. Per layer-step, the layer's block columns ``[start // bt, ceil(stop / bt))`` are
+divided by the tier that holds each (row, column)::
+
+    device blocks  -> the host kernel over the device tier's slab, in place (CPU hosts: that slab is host memory)
+    host blocks    -> the host kernel over the host tier's slab, in place
+    disk blocks    -> read (verified) into a host buffer, then the host kernel over it
+
+Each share is a partial attention (normalised output and log-sum-exp, :mod:`tierkv.attention.host_kernel`),
+and the shares merge exactly (:func:`tierkv.attention.lse.merge`) — FlexGen's ``cpu_cache_compute`` and vLLM's
+paged attention through a block table, with no staging buffer: on a CPU host the executor holds no memory of
+its own beyond a disk share's host buffer.
+
+Which path each phase takes: split runs one-token (decode) steps; multi-token steps (prefill) run on the mode's
+prefill executor (streaming: exact, two chunk buffers). Key positions are counted from ``span.start`` (the
+first attended token; a sliding window may start inside its first block, whose earlier tokens then have
+negative positions and are not attended), which is also where the attention mask's columns start.
+
+Disk shares of the next layers are submitted ahead (:meth:`PipelinedExecutor._read_ahead`: the disk engine
+reads them on its threads while this layer attends); a layer's share is read then, if it was not.
+
+On an accelerator (CUDA, or its checking stand-in) the parts run concurrently. The host share goes to the mover's
+thread (:meth:`ThreadMover.submit`: its copy stream first waits for the compute stream's work so far): the query
+is copied into pinned host memory on that stream, an event is recorded and waited for, the host kernel attends
+the host slab, and its (out, lse) is copied up into device tensors on the same stream, which the compute stream
+waits for (:meth:`MoveHandle.wait`) before the final merge. The disk share is read and attended on the calling
+thread meanwhile (its bounce buffer is that thread's), after the device share's work was queued: the device share
+is attended on the compute stream straight from the device slab through its block table, in pieces of at most
+``piece_tokens / 4`` per row: torch's paged fallback (:func:`host_kernel.paged_attention_torch`), which indexes the
+slab and whose fp32 temporaries per piece are reserved against the device budget
+(:func:`tierkv.staging.split_scratch_bytes`) — a paged device kernel (FlashInfer / flash-attention
+``block_table``, FlexAttention) would read it without them. Nothing is staged: the device budget needs only
+the open tails and that bounded scratch (``TieredCache.min_split_device_bytes``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierkv.attention import host_kernel
+from tierkv.attention import lse as _lse
+from tierkv.attention.base import PipelinedExecutor, Span, register_executor
+from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS
+from tierkv.blocks import Tier
+from tierkv.errors import InvalidConfigError
+from tierkv.layout import BlockLayout
+from tierkv.mover import MoveHandle, ThreadMover
+from tierkv.staging import split_scratch_bytes, streaming_chunk_tokens
+from tierkv.stats import Timeline, Trace
+from tierkv.store import KVStore, ReadPlan
+from tierkv.store.transfer import link
+from tierkv.tiers.memory import MemoryTier
+
+
+@register_executor
+class SplitAttention(PipelinedExecutor):
+    """Each tier's blocks attended where they live — on the CPU from host memory, on an accelerator from its slab
+    — and merged by log-sum-exp (module docstring)."""
+
+    name = "split"
+    replaces_attention = True
+
+    def __init__(self, store: KVStore, mover: ThreadMover, *, num_layers: int | None = None,
+                 threads: int | None = None, piece_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 timeline: Timeline | None = None, trace: Trace | None = None) -> None:
+        super().__init__(store, mover, num_layers=num_layers, timeline=timeline, trace=trace)
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise InvalidConfigError(f"threads must be a positive int or None (torch's), got {threads!r}.")
+        if isinstance(piece_tokens, bool) or not isinstance(piece_tokens, int) or piece_tokens < 1:
+            raise InvalidConfigError(f"piece_tokens must be a positive int, got {piece_tokens!r}.")
+        self.threads = threads
+        self.piece_tokens = streaming_chunk_tokens(piece_tokens, store.block_tokens)  # device share, per row
+        self._shares: dict[int, tuple[int, int, int, list[tuple[Tier, np.ndarray]], np.ndarray]] = {}
+
+    def attend(self, span: Span, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+               softcap: float | None = None) -> torch.Tensor:
+        """Attention of ``query`` ``[B, H_q, q, D]`` over stored tokens ``[span.start, span.stop)`` of
+        ``span.layer``; ``mask`` None (causal) or ``[B, 1, q, stop - start]``. Returns ``[B, q, H_q, D]``."""
+        self._see_layer(span)
+        accelerated = self._accel.streams
+        if accelerated:  # before the tables: a reservation may move device blocks to the host
+            self._reserve_scratch(query, span.layer)
+        layer, start, stop = span.layer, span.start, span.stop
+        plan = self.store.plan_read(layer, start, stop)  # also the access, as every executor records it
+        shares, positions = self._tables(layer, start, stop)
+        if Tier.DISK in self.store.tiers:  # the next layers' disk shares start now, on the engine's threads
+            upcoming: list[tuple[int, int, int]] = []
+            target = self.next_layer(layer)
+            while target is not None and target != layer and len(upcoming) < self.read_ahead:
+                if target in self.store.layouts:
+                    upcoming.append((target, self.start_of(target), self.store.seq_length(target)))
+                target = self.next_layer(target)
+            self._read_ahead(upcoming)
+        attend = _Attend(self, plan, query, mask, scaling, softcap, positions, stop - start)
+        if not accelerated:  # every slab is host memory: all shares on the CPU, here
+            out, lse = attend.cpu_part(shares, query, mask)
+        else:  # host share on the mover's thread, device share on the compute stream, disk share on this thread
+            by_tier = dict(shares)
+            host = [(Tier.HOST, by_tier[Tier.HOST])] if Tier.HOST in by_tier else []
+            handle = self._start_cpu_part(attend, host) if host else None
+            try:
+                out, lse = attend.device_part(by_tier[Tier.DEVICE]) if Tier.DEVICE in by_tier else (None, None)
+                if Tier.DISK in by_tier:
+                    out, lse = merge(out, lse, *self._disk_part(attend, by_tier[Tier.DISK]))
+            finally:
+                if handle is not None:
+                    handle.wait()  # re-raises the CPU part's error; the compute stream waits for its copy up
+            if attend.landed is not None:
+                out, lse = merge(out, lse, *attend.landed)
+        if out is None:
+            raise InvalidConfigError(f"layer {layer} has no stored tokens in [{start}, {stop}) to attend.")
+        return out.transpose(1, 2).to(query.dtype)
+
+    def _reserve_scratch(self, query: torch.Tensor, layer: int) -> None:
+        """Count the device temporaries of a step (:func:`split_scratch_bytes`) against the budget, growing the
+        reservation when a larger batch or model needs more."""
+        batch, q_heads, _, head_dim = query.shape
+        need = split_scratch_bytes(batch, q_heads, self.store.layouts[layer].kv_heads, head_dim, self.piece_tokens)
+        if need > self.staging.reserved:
+            self.staging.release()
+            self.staging.reserve(need)
+
+    def _disk_part(self, attend: _Attend, table: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The disk share, read into a host buffer and attended there on this thread (while the device part runs
+        on the compute stream and the host part on the mover's thread), its (out, lse) moved up."""
+        query, mask = attend.query.cpu(), None if attend.mask is None else attend.mask.cpu()
+        out, lse = attend.cpu_part([(Tier.DISK, table)], query, mask)
+        assert out is not None and lse is not None
+        return out.to(attend.query.device), lse.to(attend.query.device)
+
+    def _start_cpu_part(self, attend: _Attend, shares: list[tuple[Tier, np.ndarray]]) -> MoveHandle:
+        """The host share on the mover's thread and copy stream: the query and mask down into pinned memory, an
+        event waited for, the host kernel over the host slab, the (out, lse) copied up into device tensors."""
+        accel: Any = self._accel
+        query, mask = attend.query, attend.mask
+        device = query.device
+        batch, heads, q_len, head_dim = query.shape
+        out = torch.empty((batch, heads, q_len, head_dim), dtype=torch.float32, device=device)
+        lse = torch.empty((batch, heads, q_len), dtype=torch.float32, device=device)
+        attend.landed = (out, lse)
+
+        held: list[torch.Tensor] = []  # the pinned buffers themselves (an accelerator tracks them while they live)
+
+        def pinned(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            held.append(accel.host_empty((like.numel() * dtype.itemsize,), True))
+            return held[-1].view(dtype).view(like.shape)
+
+        def job() -> None:  # runs on the mover's copy stream, after the compute stream's work so far
+            stream = accel.current_stream(device)
+            host_query = pinned(query, query.dtype)
+            accel.copy(host_query, query.detach())
+            host_mask = None if mask is None else pinned(mask, mask.dtype)
+            if mask is not None:
+                accel.copy(host_mask, mask.detach())
+            down = accel.Event()
+            down.record(stream)
+            down.synchronize()
+            accel.host_write(host_query)  # the kernel's read of it, checked (on the stand-in) as an access
+            part_out, part_lse = attend.cpu_part(shares, host_query, host_mask)
+            assert part_out is not None and part_lse is not None
+            up_out, up_lse = pinned(part_out, torch.float32), pinned(part_lse, torch.float32)
+            accel.host_write(up_out)
+            accel.host_write(up_lse)
+            up_out.copy_(part_out)
+            up_lse.copy_(part_lse)
+            accel.copy(out, up_out)  # on this stream; the compute stream waits for it (MoveHandle.wait)
+            accel.copy(lse, up_lse)
+
+        return self.mover.submit(job)
+
+    def _tables(self, layer: int, start: int, stop: int) -> tuple[list[tuple[Tier, np.ndarray]], np.ndarray]:
+        """Per tier, the block table of its share (``[B, n]`` slots, -1 where another tier holds the block), and
+        each column's first key position from ``start``; cached until the layer's grid changes."""
+        rows = self.store.table.rows[layer]
+        bt = self.store.block_tokens
+        first, end = start // bt, -(-stop // bt)
+        cached = self._shares.get(layer)
+        if cached is not None and cached[:3] == (rows.version, first, end):
+            return cached[3], cached[4] - start + first * bt
+        tiers, slots = rows.tiers[:, first:end], rows.slots[:, first:end]
+        shares = [(tier, np.where(tiers == tier, slots, -1)) for tier in self.store.chain if (tiers == tier).any()]
+        columns = np.ascontiguousarray(np.broadcast_to(np.arange(end - first) * bt, slots.shape), dtype=np.int64)
+        self._shares[layer] = (rows.version, first, end, shares, columns)
+        return shares, columns - start + first * bt
+
+    def _read_disk(self, layout: BlockLayout, plan: ReadPlan, table: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """The disk share (``plan``'s disk part, in the same row-major order as ``table``'s disk entries) read and
+        verified into a host buffer ``[n, 2, H_kv, block_tokens, D]`` — from the read submitted ahead when there
+        is one — and its table renumbered into that buffer."""
+        held = table >= 0
+        count = int(np.count_nonzero(held))
+        blocks = self._accel.host_blocks((count, *layout.shape), layout.dtype)
+        waited_from = time.perf_counter()
+        ahead = self._claim_ahead(plan.layer, plan)
+        try:
+            if ahead is not None:
+                pending = ahead.pending
+            else:
+                slots = table[held]
+                pending = self.store.tiers[Tier.DISK].start_read(layout, slots, self.store.transfer.scratch)
+            try:
+                pending.finish([(0, count, blocks)])
+                accelerator: Any = self._accel
+                if accelerator.streams:  # its copy out of the bounce buffer is a stream op: done before the CPU
+                    # reads the blocks and before the next read refills the bounce buffer
+                    accelerator.current_stream(self.store.device.device).synchronize()
+            except BaseException:
+                pending.settle()
+                raise
+        finally:
+            if ahead is not None:
+                del self._buffer_users[ahead.purpose]
+        self._stalled(waited_from, plan.layer)
+        self.store.transfer.count(link(Tier.DISK, Tier.HOST), count * layout.block_bytes)
+        renumbered = np.full(table.shape, -1, dtype=np.int64)
+        renumbered[held] = np.arange(count)
+        return blocks, renumbered
+
+    # ------------------------------------------------------------------------------------ bookkeeping
+    def invalidate(self) -> None:
+        self.wait_all()
+        self._drop_all_ahead()
+        self._shares.clear()
+        self.version += 1
+
+    def reset(self) -> None:
+        self.invalidate()
+
+    def drop(self, layer: int) -> None:
+        self._shares.pop(layer, None)
+        for key in [key for key in self._disk_ahead if key[0] == layer]:
+            self._drop_ahead_read(key)
+
+    def wait_all(self) -> None:
+        """Only disk reads ahead may be in flight (the shares are read inside :meth:`attend`)."""
+        self._settle_ahead()
+
+    def close(self) -> None:
+        self.invalidate()
+        self.staging.release()
+
+
+def merge(out: torch.Tensor | None, lse: torch.Tensor | None, part_out: torch.Tensor,
+          part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tierkv.attention.lse.merge` where a row may hold no block of either part (each tier holds some rows'
+    blocks only): such a query keeps output 0 and log-sum-exp ``-inf`` instead of NaN."""
+    merged_out, merged_lse = _lse.merge(out, lse, part_out, part_lse)
+    return merged_out.nan_to_num(0.0), merged_lse
+
+
+class _Attend:
+    """One layer-step's arguments, and its two parts: shares attended on the CPU, the device share on the device."""
+
+    def __init__(self, executor: SplitAttention, plan: ReadPlan, query: torch.Tensor, mask: torch.Tensor | None,
+                 scaling: float, softcap: float | None, positions: np.ndarray, length: int) -> None:
+        self.executor, self.plan, self.query, self.mask = executor, plan, query, mask
+        self.scaling, self.softcap, self.positions, self.length = scaling, softcap, positions, length
+        self.layout = executor.store.layouts[plan.layer]
+        self.landed: tuple[torch.Tensor, torch.Tensor] | None = None  # the CPU part's (out, lse), on the device
+
+    def cpu_part(self, shares: list[tuple[Tier, np.ndarray]], query: torch.Tensor,
+                 mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The shares in host memory (a CPU host's device slab too), attended in place by the host kernel; the
+        disk share read into a host buffer first. ``query`` and ``mask`` are in host memory."""
+        executor, layout = self.executor, self.layout
+        out = lse = None
+        for tier, table in shares:
+            slabs: torch.Tensor | list[torch.Tensor]
+            if tier == Tier.DISK:
+                slabs, table = executor._read_disk(layout, self.plan, table)
+            else:
+                memory = executor.store.tiers[tier]
+                assert isinstance(memory, MemoryTier)
+                pool = memory.pools[layout.slot_bytes]
+                slabs = [pool.typed(i, layout) for i in range(len(pool.chunks))]
+            part = host_kernel.paged_attention(query, slabs, table, self.length, scaling=self.scaling,
+                                               softcap=self.softcap, causal=mask is None, mask=mask,
+                                               positions=self.positions, threads=executor.threads)  # fmt: skip
+            out, lse = merge(out, lse, *part)
+        return out, lse
+
+    def device_part(self, table: np.ndarray) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The device share attended on the compute stream straight from the device slab, through its block
+        table: only the columns that hold a device block, a quarter of ``piece_tokens`` per row at a time (the
+        fp32 temporaries of each piece fit in the reserved scratch)."""
+        executor, layout = self.executor, self.layout
+        memory = executor.store.tiers[Tier.DEVICE]
+        assert isinstance(memory, MemoryTier)
+        pool = memory.pools[layout.slot_bytes]
+        slabs = [pool.typed(i, layout) for i in range(len(pool.chunks))]
+        executor._accel.used(*slabs)  # the compute stream reads the slab now
+        columns = np.flatnonzero((table >= 0).any(axis=0))
+        per = max(1, executor.piece_tokens // 4 // layout.block_tokens)  # within the scratch (split_scratch_bytes)
+        out = lse = None
+        for first in range(0, len(columns), per):
+            piece = columns[first:first + per]
+            part = host_kernel.paged_attention_torch(self.query, slabs, table[:, piece], self.length,
+                                                     scaling=self.scaling, softcap=self.softcap,
+                                                     causal=self.mask is None, mask=self.mask,
+                                                     positions=self.positions[:, piece])  # fmt: skip
+            out, lse = merge(out, lse, *part)
+        return out, lse

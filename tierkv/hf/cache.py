@@ -1,0 +1,314 @@
+"""``TieredCache``: the transformers ``Cache`` whose K/V live in tierkv's three-tier block store.
+
+Usage::
+
+    from tierkv import TieredCache
+    with TieredCache(gpu_gb=20, disk_dir="/nvme/tierkv") as cache:
+        out = model.generate(ids, cache=cache, max_new_tokens=256)
+        print(cache.stats())
+
+Each attention layer calls ``cache.update(k, v, layer_idx)``; its :class:`~tierkv.hf.layer.TieredLayer` appends
+the new tokens to the store and runs the active executor: by default exact gather, which assembles the layer's
+K/V in device staging from all tiers for the model's own attention — so outputs equal ``DynamicCache``'s. The
+cache is the list of layers, their resources (:class:`~tierkv.hf.runtime.Runtime`), the executor modes, and
+the forward-level rollback that keeps every layer at the same length whatever fails.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache
+
+from tierkv.attention.base import PipelinedExecutor
+from tierkv.attention.exact_gather import ExactGather
+from tierkv.bandwidth import LinkProfile
+from tierkv.errors import InvalidConfigError
+from tierkv.hf import conversation, sizing
+from tierkv.hf.attention import Engagement
+from tierkv.hf.forward import Forward
+from tierkv.hf.layer import TieredLayer
+from tierkv.hf.modes import AttentionModes
+from tierkv.hf.runtime import Budgets, Runtime
+from tierkv.hf.session import PrefixSession
+from tierkv.hf.sizing import DEFAULT_BLOCK_TOKENS
+from tierkv.policy import Policy, make_policy
+from tierkv.stats import make_trace
+from tierkv.store import KVStore
+from tierkv.tiers.disk import DiskTier
+from tierkv.units import parse_size
+
+DEFAULT_DISK_FRACTION = 0.9  # of free space under disk_dir, when disk_gb is None
+
+
+class TieredCache(AttentionModes, Cache):
+    """A transformers ``Cache`` backed by device, host and disk tiers.
+
+    Args:
+        gpu_gb: device-tier budget (GB as a float, or a string like ``"512MB"``, ``"20GiB"``). It bounds
+            *all* device memory the cache holds, the attention staging area included (see
+            :meth:`min_device_bytes`). Default: 25% of free device memory.
+        cpu_gb: host-tier budget (pinned RAM on CUDA hosts). Default: half of the available RAM.
+        disk_dir: directory of the disk tier's files; no disk tier when None.
+        disk_gb: disk-tier budget. Default: 90% of the free space under ``disk_dir``.
+        block_tokens: tokens per block, the unit of placement and I/O.
+        policy: residency policy name (``"lru"``) or a :class:`tierkv.policy.Policy`.
+        prefetch_depth: layers gathered ahead of the one computing (each costs one staging buffer), or
+            ``"auto"``: chosen by the bandwidth model from the first decode steps (docs/architecture.md,
+            "Statistics and telemetry").
+        config: the model config; lets sliding-window layers (Gemma2/3, Mistral) keep only their window.
+        disk_engine: force a disk engine (``"posix"``, ``"native"``, ``"kvikio"``); default: automatic.
+        profile: the :class:`~tierkv.bandwidth.LinkProfile` (or its JSON path) for the predicted times in
+            ``stats()["steps"]`` and for ``prefetch_depth="auto"``; default ``$TIERKV_PROFILE``, else presets
+            by device type (:func:`tierkv.stats.default_profile`).
+        trace: record a timeline trace (True; or a path written at ``close()``); default ``$TIERKV_TRACE``.
+            See :meth:`save_trace`.
+        persist: keep full blocks in ``disk_dir`` after the process ends, content-addressed by model and
+            token ids, so a later cache reuses a shared prefix (:meth:`load_prefix`; docs/reliability.md).
+        persist_gb: size cap of the persisted blocks (least recently used evicted first). Default: 10% of
+            the free space under ``disk_dir``.
+        remote: URL of a Redis/Valkey server (or cluster) shared by many workers — ``redis://host:6379/0``,
+            ``rediss://`` (TLS), ``redis+cluster://h1:p1,h2:p2``; password in the URL or
+            ``$TIERKV_REDIS_PASSWORD``. Full blocks are written to it in the background and
+            :meth:`load_prefix` loads a prefix from it after the local persistent blocks (docs/remote.md).
+    """
+
+    layers: list[TieredLayer]  # type: ignore[assignment]  # transformers declares its own layer kinds
+    min_device_bytes = staticmethod(sizing.min_device_bytes)
+    min_streaming_device_bytes = staticmethod(sizing.min_streaming_device_bytes)
+    min_split_device_bytes = staticmethod(sizing.min_split_device_bytes)
+    kv_bytes_per_token = staticmethod(sizing.kv_bytes_per_token)
+    kv_bytes_held = staticmethod(sizing.kv_bytes_held)
+    rest_copy_bytes = staticmethod(sizing.rest_copy_bytes)
+
+    def __init__(self, gpu_gb: float | str | None = None, cpu_gb: float | str | None = None,
+                 disk_dir: str | os.PathLike | None = None, disk_gb: float | str | None = None,
+                 block_tokens: int = DEFAULT_BLOCK_TOKENS, policy: str | Policy = "lru",
+                 prefetch_depth: int | str = 1, config: PreTrainedConfig | None = None,
+                 disk_engine: str | None = None, profile: LinkProfile | str | os.PathLike | None = None,
+                 trace: bool | str | os.PathLike | None = None, persist: bool = False,
+                 persist_gb: float | str | None = None, remote: str | None = None) -> None:
+        sizing.check_arguments(block_tokens, prefetch_depth, config, disk_dir, disk_gb, disk_engine, persist,
+                               persist_gb, remote)
+        self.trace = make_trace(trace)  # None when off (also reads TIERKV_TRACE)
+        budgets = Budgets(None if gpu_gb is None else parse_size(gpu_gb, name="gpu_gb"),
+                          None if cpu_gb is None else parse_size(cpu_gb, name="cpu_gb"),
+                          block_tokens, make_policy(policy), prefetch_depth, profile)
+        disk_budget = None if disk_gb is None else parse_size(disk_gb, name="disk_gb")
+        sizing.check_budgets_fit_machine(budgets.gpu, budgets.cpu, disk_budget, disk_dir)
+        self.block_tokens = block_tokens
+        self.closed = False
+        self.unentered: Engagement | None = None  # a streaming()/sparse() made but not entered (never honoured)
+        self.chosen = "gather"  # the exact executor the last exact() chose
+        self.forward = Forward()  # how far the current forward got; the rollback it may owe
+        disk = DiskTier(disk_dir, disk_budget, DEFAULT_DISK_FRACTION, engine=disk_engine) if disk_dir else None
+        self.runtime = Runtime(budgets, disk, self.trace)
+        # dropped without close() (or alive at exit), the cache still releases threads, descriptors and files
+        self._finalizer = weakref.finalize(self, self.runtime.close)
+        layers = []
+        if config is not None:
+            layers = [TieredLayer(self, i, window) for i, window in enumerate(sizing.layer_windows(config))]
+            self.runtime.num_layers = len(layers)  # the layer count is known before the first pass
+        self.session = PrefixSession(disk_dir, persist, persist_gb, remote, block_tokens) \
+            if persist or remote is not None else None
+        super().__init__(layers=cast(list, layers))  # transformers types its own layer kinds
+
+    # ------------------------------------------------------------------------------ transformers API
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.forward.unsettled is not None:
+            self.forward.settle(self.layers, self.runtime)
+        if not 0 <= layer_idx < len(self.layers):
+            try:
+                self._add_layers(layer_idx)
+            except BaseException:  # refused mid-forward: the layers that took this step give it back
+                if self.forward.layers_updated:
+                    self.roll_back(self.layers[0].length_before)
+                raise
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self.forward.unsettled is not None:  # generate() asks before its first update: finish the rollback
+            self.forward.settle(self.layers, self.runtime)
+        return super().get_seq_length(layer_idx)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.runtime.store is not None:
+            self._select_rows([i for i in range(self.batch_size) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(torch.as_tensor(indices).tolist())
+
+    def reset(self) -> None:
+        if self.session is not None:
+            self.session.collect(self)
+            self.session.reset()
+        if self.runtime.store is not None:
+            for executor in self.runtime.executors.values():
+                executor.reset()
+            self.runtime.store.reset()
+        for layer in self.layers:
+            layer.reset()
+        self.forward.unsettled = None
+        self.forward.layers_updated = 0
+
+    # ----------------------------------------------------------------------------------- tierkv API
+    @property
+    def store(self) -> KVStore | None:
+        return self.runtime.store
+
+    @property
+    def executors(self) -> dict[str, PipelinedExecutor]:
+        """The executors built so far, by registered name (:data:`tierkv.attention.base.EXECUTORS`)."""
+        return self.runtime.executors
+
+    @property
+    def executor(self) -> ExactGather:
+        """The exact-gather executor (the default path); it exists once the first update built the store."""
+        return self.runtime.exact
+
+    def stats(self) -> dict[str, Any]:
+        """Occupancy and traffic; see docs/architecture.md ("Statistics") for every key."""
+        remote = self.session.remote if self.session is not None else None
+        return self.runtime.stats(self.get_seq_length(), remote.stats() if remote is not None else None)
+
+    def load_prefix(self, model: torch.nn.Module, input_ids: torch.Tensor | Sequence[int]) -> int:
+        """Load the longest persisted prefix of ``input_ids`` ``[B, T]`` into this empty cache and remember the
+        ids, so the sequence's own full blocks are persisted in turn (needs ``persist=True``). Returns the
+        tokens the cache now holds; ``model.generate(input_ids, cache=cache)`` then computes only the rest —
+        always at least the last token. Blocks match only for the same model weights and config, dtype,
+        device type, attention implementation and ``block_tokens``.
+
+        On a cache that already holds a conversation, it records the ids of the next turn (they must start
+        with the ones it holds: pass the previous ids, the generated tokens, then the new ones), loads nothing
+        and returns the tokens held. A conversation loaded from a file (:meth:`load`) stays private: nothing
+        of it, nor what is computed on top of it, is persisted.
+        """
+        if self.session is None:
+            raise InvalidConfigError("load_prefix needs persistent or remote blocks: remote='redis://...', or "
+                                     "TieredCache(disk_dir='/path/on/nvme', persist=True).")
+        if self.closed:
+            raise InvalidConfigError("this TieredCache was closed (its tiers are released); create a new one.")
+        return self.session.load(self, model, input_ids)
+
+    def flush(self) -> None:
+        """Persist the full blocks with known ids now and wait until they are written (``persist=True``;
+        also done on ``close()``)."""
+        if self.session is not None:
+            self.session.collect(self)
+            self.session.flush()
+
+    def save(self, path: str | os.PathLike, model: torch.nn.Module | None = None) -> None:
+        """Write this conversation (every layer's K/V, the token ids it knows, per-layer state) to ``path``, so
+        :meth:`load` resumes it without prefill. Atomic: a crash while saving leaves the previous file.
+        ``model``: recorded by fingerprint, so that loading with another model is refused."""
+        conversation.save(self, path, model)
+
+    async def asave(self, path: str | os.PathLike, model: torch.nn.Module | None = None) -> None:
+        """:meth:`save` for asyncio servers: the file I/O does not block the event loop; the K/V is copied out
+        of the tiers on the loop's thread, one chunk (``CHUNK_BYTES``) at a time."""
+        await conversation.asave(self, path, model)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: torch.nn.Module | None = None,
+             device: str | torch.device | None = None, **options: Any) -> TieredCache:
+        """A cache holding the conversation saved at ``path``: ``model.generate(ids, cache=cache)`` continues
+        it with no prefill. ``options`` are :class:`TieredCache` arguments (budgets, ``disk_dir`` ...);
+        ``device`` defaults to ``model``'s, else the CPU. Every record is verified (IntegrityError). The
+        conversation is private: it is never written to the persistent or remote store."""
+        return conversation.load(cls, path, model, device, options)
+
+    @classmethod
+    async def aload(cls, path: str | os.PathLike, model: torch.nn.Module | None = None,
+                    device: str | torch.device | None = None, **options: Any) -> TieredCache:
+        """:meth:`load` for asyncio servers (the file is read with aiofiles)."""
+        return await conversation.aload(cls, path, model, device, options)
+
+    def save_trace(self, path: str | os.PathLike) -> None:
+        """Write the timeline trace (``TieredCache(trace=True)``) as Chrome trace JSON (chrome://tracing,
+        https://ui.perfetto.dev): mover copies/reads per link, synchronous reads, prefetch waits, compute."""
+        if self.trace is None:
+            raise InvalidConfigError("no trace was recorded; create the cache with TieredCache(trace=True) "
+                                     "or set TIERKV_TRACE=path.")
+        self.trace.save(path)
+
+    def close(self) -> None:
+        """Release every tier and delete the disk tier's files; persisted blocks (``persist=True``) stay, the
+        last ones written first. Idempotent; a failure while cleaning up is logged, never raised (a file that
+        cannot be removed is retried at exit, or by the next cache that opens its directory). A cache dropped
+        without ``close()`` is closed when it is garbage-collected."""
+        session, self.session = self.session, None
+        if session is not None:
+            if not self.closed:
+                session.collect(self)
+            session.close()
+        self._finalizer()
+        self.closed = True
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------------------- layers and forwards
+    def begin_layer(self, index: int, key_states: torch.Tensor, forward: bool = True) -> KVStore:
+        """A layer's update (``forward``) or import begins: the store, built on the first K/V's device. At a
+        forward's layer 0, the previous forward is complete: its full blocks are persisted."""
+        if self.closed:
+            raise InvalidConfigError("this TieredCache was closed (its tiers are released); create a new one.")
+        store = self.runtime.open_store(key_states)
+        if forward and index == 0:
+            if self.unentered is not None:
+                engagement, self.unentered = self.unentered, None
+                engagement.refuse()
+            self.forward.begin(self.layers, self.runtime)
+            if self.session is not None:
+                self.session.collect(self)
+        return store
+
+    def roll_back(self, length: int) -> None:
+        """A forward failed (or was refused) at some layer: every layer gives back what it took, to ``length``."""
+        self.forward.roll_back(self.layers, self.runtime, length)
+
+    def ensure_layers(self, count: int) -> None:
+        while len(self.layers) < count:
+            self.layers.append(TieredLayer(self, len(self.layers)))
+
+    def set_layers(self, windows: list[int | None]) -> None:
+        """Layers of these sliding windows (None: full attention), as a saved conversation had them."""
+        self.layers = [TieredLayer(self, i, window) for i, window in enumerate(windows)]
+        self.runtime.num_layers = len(windows)
+
+    @property
+    def batch_size(self) -> int:
+        store = self.runtime.store
+        return max((store.batch_size(layer) for layer in store.layouts), default=0) if store is not None else 0
+
+    def _add_layers(self, layer_idx: int) -> None:
+        """Layers up to ``layer_idx`` (a model seen without ``config=``); refused beyond the config's count."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise InvalidConfigError(f"layer_idx must be an int >= 0, got {layer_idx!r}.")
+        if self.runtime.num_layers is not None:
+            raise InvalidConfigError(
+                f"layer_idx {layer_idx} is beyond the {len(self.layers)} layers of the config this cache was built "
+                "with; pass the config of the model that uses the cache (config=model.config), or build the cache "
+                "without config=."
+            )
+        self.ensure_layers(layer_idx + 1)
+
+    def _select_rows(self, indices: Sequence[int]) -> None:
+        if self.runtime.store is None:
+            return
+        self.runtime.invalidate()
+        self.runtime.store.select_rows(list(indices))
+        if self.session is not None:
+            self.session.select_rows(indices)

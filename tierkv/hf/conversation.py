@@ -1,0 +1,140 @@
+"""Save a cache's conversation to a file and load it back: one implementation behind the sync and async faces.
+
+The file format, its checks and the atomic writes are :mod:`tierkv.persist.conversation`'s; this module maps a
+:class:`~tierkv.hf.cache.TieredCache` to and from it. Loading is a :class:`Restore` fed one record at a time, so
+:func:`load` (a file) and :func:`aload` (aiofiles) differ only in how they read a record. A loaded conversation
+is private: its K/V is never written to the persistent or remote store (:mod:`tierkv.hf.session`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tierkv.errors import IntegrityError, InvalidConfigError
+from tierkv.persist import conversation
+from tierkv.persist import record as records
+from tierkv.persist.keys import model_fingerprint
+
+if TYPE_CHECKING:
+    from tierkv.hf.cache import TieredCache
+
+
+def save(cache: TieredCache, path: str | os.PathLike, model: torch.nn.Module | None) -> None:
+    conversation.save(path, _records(cache, model))
+
+
+async def asave(cache: TieredCache, path: str | os.PathLike, model: torch.nn.Module | None) -> None:
+    _aiofiles()
+    await conversation.asave(path, _records(cache, model))
+
+
+def load(cls: type[TieredCache], path: str | os.PathLike, model: torch.nn.Module | None,
+         device: str | torch.device | None, options: dict[str, Any]) -> TieredCache:
+    what = os.fspath(path)
+    with conversation.open_file(path) as f:
+        restore = Restore(cls, model, device, options, what, *records.read(f, what))
+        with restore:
+            while restore.take(*records.read(f, what)):
+                pass
+            return restore.finish(f.read(1))
+
+
+async def aload(cls: type[TieredCache], path: str | os.PathLike, model: torch.nn.Module | None,
+                device: str | torch.device | None, options: dict[str, Any]) -> TieredCache:
+    aiofiles = _aiofiles()
+    what = os.fspath(path)
+    async with aiofiles.open(conversation.open_fd(path), "rb") as f:
+        restore = Restore(cls, model, device, options, what, *(await records.aread(f, what)))
+        with restore:
+            while restore.take(*(await records.aread(f, what))):
+                pass
+            return restore.finish(await f.read(1))
+
+
+class Restore:
+    """A cache being filled from a conversation's records: built from the header record, fed each K/V record
+    by :meth:`take`, checked by :meth:`finish`; used as a context manager, it closes the cache on any error."""
+
+    def __init__(self, cls: type[TieredCache], model: torch.nn.Module | None, device: str | torch.device | None,
+                 options: dict[str, Any], what: str, head: dict[str, Any], payload: bytearray) -> None:
+        self.header = header = conversation.parse_header(head, payload, what)
+        self.what = what
+        self.device = device if device is not None else next(model.parameters()).device if model is not None \
+            else "cpu"
+        if options.setdefault("block_tokens", header.block_tokens) != header.block_tokens:
+            raise InvalidConfigError(f"{what} was saved with block_tokens={header.block_tokens}; load it with the "
+                                     "same (or leave block_tokens out).")
+        if model is not None and model_fingerprint(model) != header.fingerprint:
+            raise InvalidConfigError(f"{what} was saved from another model (weights or config differ); load it "
+                                     "with the model that produced it.")
+        self.cache = cache = cls(**options)
+        windows = [layer.sliding_window for layer in header.layers]
+        if cache.runtime.num_layers is not None and [layer.sliding_window for layer in cache.layers] != windows:
+            cache.close()
+            raise InvalidConfigError(f"{what} holds {len(windows)} layers with sliding windows {windows}; the "
+                                     "config= given describes other layers. Pass the model's own config, or none.")
+        cache.set_layers(windows)
+        self.reader = conversation.Reader(header, what)
+
+    def __enter__(self) -> Restore:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is not None:
+            self.cache.close()
+
+    def take(self, head: dict[str, Any], payload: bytearray) -> bool:
+        """Append one K/V record's blocks; False at the end record."""
+        chunk = self.reader.take(head, payload)
+        if chunk is None:
+            return False
+        index, first, blocks = chunk  # blocks: [B, n, 2, H, bt, D]
+        bt = self.header.block_tokens
+        end = min((first + blocks.shape[1]) * bt, self.header.layers[index].length) - first * bt  # tokens in it
+        kv = blocks.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)[:, :, :, :end].to(self.device)  # [2, B, H, tokens, D]
+        self.cache.layers[index].load(kv[0], kv[1])
+        return True
+
+    def finish(self, trailing: bytes) -> TieredCache:
+        """Set what the K/V records do not carry and check every layer's length against the header."""
+        if trailing:
+            raise IntegrityError(f"{self.what}: data after the end record.")
+        cache = self.cache
+        for saved, layer in zip(self.header.layers, cache.layers):
+            layer.dropped = saved.dropped
+            if layer.get_seq_length() != saved.length:
+                raise IntegrityError(f"layer {saved.index} holds {layer.get_seq_length()} tokens after loading, "
+                                     f"the file says {saved.length}.")
+        if cache.session is not None:
+            cache.session.loaded_from_file()  # its K/V is the file's: never persisted under the ids it claims
+        return cache
+
+
+def _records(cache: TieredCache, model: torch.nn.Module | None) -> Iterator[tuple[bytes, memoryview]]:
+    if cache.closed:
+        raise InvalidConfigError("this TieredCache was closed (its tiers are released); save before close().")
+    store = cache.runtime.store
+    if store is None or not cache.get_seq_length():
+        raise InvalidConfigError("this cache holds no tokens yet; save it after a forward pass or generate().")
+    session = cache.session
+    namespace = session.namespace if session is not None else None
+    fingerprint = model_fingerprint(model) if model is not None else namespace.fingerprint if namespace else None
+    layers = tuple(conversation.LayerState(layer.index, layer.sliding_window, layer.dropped,
+                                           layer.get_seq_length()) for layer in cache.layers)
+    header = conversation.Header(cache.block_tokens, cache.batch_size, layers,
+                                 session.ids if session is not None else None,
+                                 namespace.to_dict() if namespace is not None else None, fingerprint)
+    return conversation.records(store, header)
+
+
+def _aiofiles() -> Any:
+    try:
+        import aiofiles
+    except ImportError:
+        raise InvalidConfigError("asave/aload need aiofiles: pip install 'tierkv[aio]' (or pip install aiofiles); "
+                                 "save/load work without it.") from None
+    return aiofiles

@@ -1,0 +1,81 @@
+"""The forward pass in progress across a cache's layers, and the rollback that keeps every layer at one length.
+
+A forward updates layer 0, 1, ... in the model's own code. When a layer's step fails, or the cache refuses one
+(a layer beyond its config), the layers that already took the step give it back (:meth:`Forward.roll_back`);
+when a forward stops between two layers where no tierkv code runs (a Ctrl-C in the model), the next forward
+finds the layers at different lengths, rolls them back and refuses itself (:meth:`Forward.begin`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from tierkv.atomic import deferred_interrupts
+from tierkv.errors import InterruptedStepError
+
+if TYPE_CHECKING:
+    from tierkv.hf.layer import TieredLayer
+    from tierkv.hf.runtime import Runtime
+
+log = logging.getLogger("tierkv")
+
+
+class Forward:
+    """How far the current forward got, and the length a rollback still owes."""
+
+    def __init__(self) -> None:
+        self.layers_updated = 0  # layers updated since the current forward's update of layer 0
+        self.full = 0  # layers a complete forward updates (the most one has updated)
+        self.unsettled: int | None = None  # the length a rollback cut short by a second Ctrl-C still owes
+
+    def begin(self, layers: Sequence[TieredLayer], runtime: Runtime) -> None:
+        """A forward's first update: if the previous forward updated fewer layers than a complete one does, it
+        stopped between two layers in the model's own code (no tierkv code ran to undo it), so its layers differ
+        in length. Roll back the ones it reached and refuse this forward: its positions were computed from
+        layer 0's length, one step ahead."""
+        reached, self.layers_updated = self.layers_updated, 0
+        if not reached or reached >= self.full:
+            self.full = max(self.full, reached)
+            return
+        lengths = {layer.get_seq_length() for layer in layers} - {0}
+        if len(lengths) < 2:  # every layer that holds tokens holds as many (an update's own rollback ran)
+            return
+        behind = min(lengths)
+        self.unsettled = behind  # by assignment first, as in roll_back
+        self.settle(layers, runtime)
+        raise InterruptedStepError(
+            f"the previous forward stopped after {reached} of {self.full} layers (a Ctrl-C or an error in the "
+            f"model between layers); the layers it reached were rolled back to {behind} tokens, so every layer "
+            "holds the same tokens again. Call generate() / the model again: it will resume from there."
+        )
+
+    def roll_back(self, layers: Sequence[TieredLayer], runtime: Runtime, length: int) -> None:
+        """A step failed (or was refused) at some layer: every layer gives back what it took, to ``length``."""
+        self.unsettled = length  # first, by assignment: no signal is handled here
+        self.layers_updated = 0  # this forward is undone: the next one is not a resumption of it
+        self.settle(layers, runtime)
+
+    def settle(self, layers: Sequence[TieredLayer], runtime: Runtime) -> None:
+        """Crop every layer longer than :attr:`unsettled` back to it.
+
+        Called while an error propagates; a failure here is logged, so the original error is the one raised. A
+        second Ctrl-C meanwhile is held until every layer is back (the undo is a few table edits per layer); one
+        that lands before the hold starts leaves ``unsettled`` set, and the cache's next ``update`` or
+        ``get_seq_length`` settles it.
+        """
+        length = self.unsettled
+        if runtime.store is None or length is None:
+            self.unsettled = None
+            return
+        try:
+            with deferred_interrupts():
+                runtime.invalidate()
+                for layer in layers:
+                    if layer.get_seq_length() > length:
+                        layer.crop(length - layer.get_seq_length())
+                self.unsettled = None
+        except Exception:
+            log.exception("tierkv: rolling back a failed update failed; layers may differ in length")
+            self.unsettled = None  # not retried: the failure is logged once

@@ -1,0 +1,189 @@
+"""``TieredLayer``: one model layer's KV in the shared store, and its own step.
+
+A step (``update``) appends the layer's new tokens to the store, then hands the active executor one immutable
+:class:`~tierkv.attention.base.Span`; executors that replace the model's attention function get the same span
+back through :meth:`TieredLayer.attend`. The layer owns its state — the tokens a sliding window freed from its
+front, the length to roll back to, the keys it handed the model — and gives its step back itself when the step
+fails (the cache then rolls back the layers before it: :meth:`TieredCache.roll_back`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from tierkv.attention.base import Executor, Span
+from tierkv.errors import BudgetTooSmallError, InvalidConfigError, TierKVError
+
+if TYPE_CHECKING:
+    from tierkv.hf.cache import TieredCache
+    from tierkv.store import KVStore
+
+
+class TieredLayer(CacheLayerMixin):
+    """One model layer's view of the shared store. Sliding-window layers keep only their window."""
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, cache: TieredCache, index: int, sliding_window: int | None = None) -> None:
+        super().__init__()
+        self._cache = weakref.ref(cache)  # the cache holds its layers: a strong reference back would be a cycle
+        self.index = index
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.dropped = 0  # tokens freed from the front (sliding layers only)
+        self.length_before = 0  # sequence length before the update in progress (the rollback target)
+        self.pending: tuple[Executor, Span, torch.Tensor] | None = None  # the step attend() completes
+
+    @property
+    def cache(self) -> TieredCache:
+        cache = self._cache()
+        if cache is None:
+            raise TierKVError("this layer's TieredCache was garbage-collected; keep a reference to the cache while "
+                              "its layers are in use.")
+        return cache
+
+    # ------------------------------------------------------------------------------------------ the step
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's K/V ``[B, H_kv, T, D]`` and return what the model's attention function gets."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        cache = self.cache
+        runtime = cache.runtime
+        store = runtime.store
+        if self.index == 0 or store is None or cache.closed:
+            store = cache.begin_layer(self.index, key_states)
+        cache.forward.layers_updated += 1
+        stored = store.seq_length(self.index)
+        self.length_before = self.dropped + stored
+        new = key_states.shape[2]
+        try:
+            # Blocks that left the window during the previous step go now, not then: until this step is
+            # committed, a rollback may still need them.
+            if self.sliding_window is not None and stored >= self.sliding_window:
+                stored -= self._drop_front(store, stored)
+            store.append(self.index, key_states, value_states)
+            stop = stored + new
+            span = Span(self.index, self._start(stop, new), stop, new, key_states.shape[0], self.sliding_window,
+                        self.dropped + stop)
+            executor = runtime.decode if new == 1 else runtime.prefill
+            if executor is None or executor is not runtime.attending:
+                executor = runtime.hand_off(new)
+            if executor.replaces_attention:
+                self.pending = (executor, span, key_states)
+            return executor.step(span, key_states, value_states)
+        except BaseException as error:  # a KeyboardInterrupt too: the layers that took this step give it back
+            cache.roll_back(self.length_before)
+            if isinstance(error, BudgetTooSmallError):
+                raise runtime.budget_error(error, self.length_before + new, key_states.shape[0]) from error
+            raise
+
+    def attend(self, key_states: torch.Tensor, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+               softcap: float | None) -> torch.Tensor:
+        """The attention of this layer's step (the model's attention function with ``key_states`` from
+        :meth:`update`): ``query`` ``[B, H_q, q, D]`` -> ``[B, q, H_q, D]``."""
+        pending, self.pending = self.pending, None
+        if pending is None or pending[2] is not key_states:
+            raise TierKVError("inside `cache.streaming(model)` the model must be called with that cache "
+                              "(cache=cache); another cache was passed, or none.")
+        executor, span, _ = pending
+        try:
+            return executor.attend(span, query, mask, scaling, softcap)
+        except BaseException as error:
+            cache = self.cache
+            cache.roll_back(self.length_before)
+            if isinstance(error, BudgetTooSmallError):
+                raise cache.runtime.budget_error(error, span.context, span.batch) from error
+            raise
+
+    def _start(self, stop: int, new: int) -> int:
+        """First stored token attention reads after ``new`` tokens were appended (HF's sliding semantics)."""
+        if self.sliding_window is None:
+            return 0
+        before = self.dropped + stop - new
+        return stop - (min(before, self.sliding_window - 1) + new)
+
+    def _drop_front(self, store: KVStore, stored: int) -> int:
+        """Free the whole blocks of a sliding layer that can no longer be attended to; the tokens freed."""
+        assert self.sliding_window is not None
+        dropped = store.drop_front(self.index, stored - (self.sliding_window - 1))
+        if dropped:
+            self.dropped += dropped
+            for executor in self.cache.runtime.executors.values():
+                executor.drop(self.index)  # its prefetch counted tokens from the old front
+        return dropped
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append K/V that no forward of this cache computed (a persisted prefix, a saved conversation)."""
+        self.cache.begin_layer(self.index, keys, forward=False).append(self.index, keys, values)
+
+    # ---------------------------------------------------------------------------------------- queries
+    def stored(self) -> int:
+        store = self.cache.runtime.store
+        return store.seq_length(self.index) if store is not None else 0
+
+    def get_seq_length(self) -> int:
+        return self.dropped + self.stored()
+
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # transformers 5.0 passes the cache positions
+            query_length = query_length.shape[0]
+        length = self.get_seq_length()
+        if self.sliding_window is None:
+            return length + query_length, 0
+        window = self.sliding_window
+        offset = max(length - window + 1, 0)
+        visible = window - 1 if length >= window else length
+        return visible + query_length, offset
+
+    def get_max_length(self) -> int:
+        return self.sliding_window or -1
+
+    get_max_cache_shape = get_max_length  # its name in transformers 5.0
+
+    # ------------------------------------------------------------------------------------------ edits
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        remove = -tokens_to_remove
+        cache = self.cache
+        store = cache.runtime.store
+        if remove == 0 or store is None:
+            return
+        stored = store.seq_length(self.index)
+        keep_window = self.sliding_window - 1 if self.sliding_window is not None and self.dropped else 0
+        if remove > stored - keep_window:
+            raise InvalidConfigError(
+                f"cannot crop {remove} tokens from layer {self.index}: its sliding window only keeps the last "
+                f"{stored}; crop fewer tokens, or build the cache without config= to keep all tokens."
+            )
+        cache.runtime.invalidate()
+        store.crop(self.index, remove)
+        if cache.session is not None:
+            cache.session.truncate(self.get_seq_length())
+
+    def reset(self) -> None:
+        self.dropped = 0
+        self.pending = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.cache.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.cache.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.cache.batch_select_indices(indices)

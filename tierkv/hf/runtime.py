@@ -1,0 +1,247 @@
+"""What a cache holds beyond Python objects, and which executor runs each step.
+
+:class:`Runtime` owns the store (its tiers), the mover, the telemetry and the executors, apart from the cache
+itself: the cache's finalizer holds it, and it holds nothing of the cache, so no cycle keeps a dropped cache
+alive. A :class:`Mode` says which registered executor runs multi-token steps (prefill) and which one-token
+steps (decode); ``cache.streaming()`` / ``cache.sparse()`` push one for their block. Switching modes releases
+the staging of every executor the new mode does not run, so each ``min_*_device_bytes`` holds whatever ran
+before.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import torch
+
+from tierkv import accel
+from tierkv.attention import sparse as _sparse  # noqa: F401 - registers the sparse executor
+from tierkv.attention import streaming as _streaming  # noqa: F401 - registers the streaming executor
+from tierkv.attention.base import EXECUTORS, PipelinedExecutor
+from tierkv.attention.exact_gather import ExactGather
+from tierkv.bandwidth import LinkProfile
+from tierkv.blocks import Tier
+from tierkv.errors import BudgetTooSmallError
+from tierkv.hf import sizing
+from tierkv.layout import BlockLayout
+from tierkv.mover import make_mover
+from tierkv.policy import Policy
+from tierkv.staging import gather_staging_bytes, landing_bytes, open_tail_bytes, streaming_staging_bytes
+from tierkv.stats import Timeline, Trace, make_timeline
+from tierkv.store import KVStore
+from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.memory import MemoryTier
+
+if TYPE_CHECKING:
+    from tierkv.attention.sparse import SparseBudget
+
+log = logging.getLogger("tierkv")
+
+DEFAULT_DEVICE_FRACTION = 0.25  # of free device memory (CPU RAM on a CPU-only host), when gpu_gb is None
+DEFAULT_HOST_FRACTION = 0.5  # of available RAM, when cpu_gb is None
+EXACT = "exact_gather"
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    """The registered executors that run multi-token steps (``prefill``) and one-token steps (``decode``), their
+    construction options (an executor built with other options is rebuilt), and a sparse step's budget."""
+
+    prefill: str = EXACT
+    decode: str = EXACT
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    budget: SparseBudget | None = None
+
+
+@dataclass(slots=True)
+class Budgets:
+    """The tier budgets and options a store is built with (bytes; None: a share of what is free)."""
+
+    gpu: int | None
+    cpu: int | None
+    block_tokens: int
+    policy: Policy
+    prefetch_depth: int | str
+    profile: LinkProfile | str | Any | None
+
+
+class Runtime:
+    """The store, mover, telemetry and executors of one cache, and the mode stack that picks executors."""
+
+    def __init__(self, budgets: Budgets, disk: DiskTier | None, trace: Trace | None) -> None:
+        self.budgets = budgets
+        self.disk = disk
+        self.trace = trace
+        self.store: KVStore | None = None
+        self.mover: Any = None
+        self.timeline: Timeline | None = None
+        self.executors: dict[str, PipelinedExecutor] = {}  # by registered name, built on first use
+        self.built_with: dict[str, dict[str, Any]] = {}  # name -> the options it was built with
+        self.modes: list[Mode] = []
+        self.num_layers: int | None = None  # known from the config, else learnt by the executors
+        self.prefill: PipelinedExecutor | None = None  # the executors of the current mode (None: not built yet)
+        self.decode: PipelinedExecutor | None = None
+        self.attending: PipelinedExecutor | None = None  # the executor of the last step
+
+    @property
+    def mode(self) -> Mode:
+        return self.modes[-1] if self.modes else Mode(options={EXACT: {"prefetch_depth": self.budgets.prefetch_depth}})
+
+    @property
+    def exact(self) -> ExactGather:
+        """The exact-gather executor (the default path; it exists once the store does)."""
+        return self.executors[EXACT]  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------------------- building
+    def open_store(self, key_states: torch.Tensor) -> KVStore:
+        """The store, built on the device of the first K/V it will hold."""
+        if self.store is not None:
+            return self.store
+        budgets, device = self.budgets, key_states.device
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+        gpu = budgets.gpu if budgets.gpu is not None else int(free * DEFAULT_DEVICE_FRACTION)
+        cpu = budgets.cpu if budgets.cpu is not None else int(psutil.virtual_memory().available * DEFAULT_HOST_FRACTION)
+        if self.disk is not None:  # bounce buffers shrink with the host memory the budgets give (docs/reliability.md)
+            self.disk.fit_bounce(cpu + (gpu if device.type == "cpu" else 0))
+        device_tier = MemoryTier(Tier.DEVICE, gpu, device)
+        accelerated = accel.backend(device).streams  # CUDA, or its checking stand-in on the CPU
+        host_tier = MemoryTier(Tier.HOST, cpu, torch.device("cpu"), pin=accelerated)
+        store = self.store = KVStore(device_tier, host_tier, self.disk, budgets.policy, budgets.block_tokens)
+        self.mover = make_mover(device)
+        self.timeline = make_timeline(budgets.profile, device)
+        slot_bytes = BlockLayout.of(key_states, budgets.block_tokens).slot_bytes  # a landing piece holds a block
+        if accelerated and not store.enable_landing(landing_bytes(gpu, slot_bytes)):
+            log.warning("tierkv: no room for the landing buffers in gpu_gb; host runs cross PCIe block by block")
+        self.executor(EXACT, {"prefetch_depth": budgets.prefetch_depth})
+        return store
+
+    def executor(self, name: str, options: dict[str, Any]) -> PipelinedExecutor:
+        """The registered executor ``name``, built with ``options`` (rebuilt if it was built with others)."""
+        executor = self.executors.get(name)
+        if executor is not None and self.built_with[name] == options:
+            return executor
+        if executor is not None:
+            executor.close()  # e.g. streaming buffers are sized per chunk length
+            del self.executors[name]
+        exact = self.executors.get(EXACT)
+        layers = self.num_layers if self.num_layers is not None else \
+            exact.num_layers if exact is not None and exact.layers_known else None
+        assert self.store is not None, "executors are built once the store is"
+        executor = EXECUTORS[name](self.store, self.mover, num_layers=layers, timeline=self.timeline,
+                                   trace=self.trace, **options)
+        self.executors[name] = executor
+        self.built_with[name] = options
+        return executor
+
+    def stats(self, tokens: int, remote: dict[str, Any] | None) -> dict[str, Any]:
+        """``TieredCache.stats()``: the store's occupancy and traffic, the executors' (docs/architecture.md)."""
+        extra = {"remote": remote} if remote is not None else {}  # lookups, hits, bytes on the wire (docs/remote.md)
+        if self.store is None:
+            empty = {tier.label: 0 for tier in Tier}
+            return {"bytes_resident": empty, "bytes_moved": {}, "blocks": dict(empty), "tokens": 0,
+                    "prefetch_hits": 0, "prefetch_misses": 0, "prefetch_stall_s": 0.0, **extra}
+        stats = {**self.store.stats(), **extra}
+        executors, exact = list(self.executors.values()), self.exact
+        stats.update(tokens=tokens, prefetch_hits=sum(e.prefetch_hits for e in executors),
+                     prefetch_misses=sum(e.prefetch_misses for e in executors),
+                     prefetch_stall_s=sum(e.stall_s for e in executors),
+                     disk_read_ahead_hits=sum(e.read_ahead_hits for e in executors), mover=exact.mover.name,
+                     disk_engine=self.disk.engine_name if self.disk else None,
+                     prefetch_depth=exact.prefetch_depth, prefetch_auto=list(exact.auto_choices),
+                     steps=exact.timeline.summary() if exact.timeline is not None else {})
+        sparse = self.executors.get("sparse")
+        if sparse is not None:
+            stats["sparse"] = sparse.counters.as_dict()  # type: ignore[attr-defined]
+        return stats
+
+    def budget_error(self, error: BudgetTooSmallError, context: int, batch: int) -> BudgetTooSmallError:
+        """``error`` with the device budget that holds a step at ``context`` tokens in the current mode: the staging
+        and every layer's open block (what ``min_device_bytes`` / ``min_streaming_device_bytes`` promise), where
+        the store that raised it knows only the layers it has seen so far."""
+        store = self.store
+        if store is None or not store.layouts:
+            return error
+        layout = max(store.layouts.values(), key=lambda layout: layout.slot_bytes)
+        exact = self.executors.get(EXACT)
+        layers = self.num_layers or max(len(store.layouts), exact.num_layers if exact is not None else 0)
+        mode = self.mode
+        chunk = mode.options.get("streaming", {}).get("chunk_tokens")
+        if chunk is None:
+            depth = self.budgets.prefetch_depth if isinstance(self.budgets.prefetch_depth, int) else 1
+            staging = gather_staging_bytes(batch, context, layout.token_bytes, store.block_tokens, depth)
+        else:
+            staging = streaming_staging_bytes(batch, chunk, layout.token_bytes, store.block_tokens)
+            split = self.executors.get("split")
+            if mode.decode == "split" and split is not None:  # its scratch on an accelerator (0 on a CPU host)
+                staging += split.staging.reserved
+        tails = open_tail_bytes(layers, batch, layout.slot_bytes)
+        need = sizing.device_minimum(staging, tails, layout.slot_bytes, store.device.device)
+        if need <= store.device.budget:
+            return error
+        how = "exact gather" if chunk is None else f"{chunk}-token chunks"
+        return BudgetTooSmallError(f"{error} For {layers} layers at {context} tokens ({how}), gpu_gb=\"{need}B\" holds "
+                                   "the staging and every layer's open block.")
+
+    # ---------------------------------------------------------------------------------------- modes
+    def hand_off(self, new_tokens: int) -> PipelinedExecutor:
+        """The executor of a step of ``new_tokens`` in the current mode (built if needed); a step by another
+        executor than the last one ends the last one's step in progress (telemetry)."""
+        if self.prefill is None or self.decode is None:
+            mode = self.mode
+            prefill = self.prefill = self.executor(mode.prefill, mode.options.get(mode.prefill, {}))
+            decode = self.decode = self.executor(mode.decode, mode.options.get(mode.decode, {}))
+            if mode.budget is not None:  # a sparse mode: its decode executor reads within the budget
+                decode.budget = mode.budget  # type: ignore[attr-defined]
+        else:
+            prefill, decode = self.prefill, self.decode
+        executor = decode if new_tokens == 1 else prefill
+        if executor is not self.attending:
+            if self.attending is not None:
+                self.attending.pause_telemetry()
+            self.attending = executor
+        return executor
+
+    def push(self, mode: Mode) -> None:
+        self.modes.append(mode)
+        self.switch()
+
+    def pop(self) -> None:
+        self.modes.pop()
+        self.switch()
+
+    def switch(self) -> None:
+        """Entering or leaving a mode: staged data is stale, the step in progress ends here, and the executors
+        the new mode does not run give their staging back (the next ones may need all of the budget)."""
+        self.invalidate()
+        mode = self.mode
+        for name, executor in self.executors.items():
+            executor.pause_telemetry()
+            if name not in (mode.prefill, mode.decode):
+                executor.release_staging()
+        self.prefill = self.decode = self.attending = None
+
+    def invalidate(self) -> None:
+        """Table edits (crop, reorder, reset, rollback): data staged by any executor is stale."""
+        for executor in self.executors.values():
+            executor.invalidate()
+
+    def close(self) -> None:
+        """Close executors, the mover and the store (its tiers); log each failure and go on."""
+        steps = [*(executor.close for executor in self.executors.values())]
+        if self.mover is not None:
+            steps.append(self.mover.close)
+        if self.store is not None:
+            steps.append(self.store.close)
+        if self.disk is not None:
+            steps.append(self.disk.close)  # idempotent: the store closed it already, if there is one
+        for step in steps:
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - cleanup goes on: every other resource is still released
+                log.exception("tierkv: closing the cache: %s failed", getattr(step, "__qualname__", step))
+        self.executors.clear()
+        self.prefill = self.decode = self.attending = None
+        self.store = self.mover = self.disk = None

@@ -1,0 +1,309 @@
+"""Sizes and checks from a model config: the device budget a context needs, KV bytes, and argument checks.
+
+What :class:`~tierkv.hf.cache.TieredCache` needs to know about a transformers config (its layer types and
+windows, KV layout) and the checks it runs when it is built, so a mistake is reported at construction, not at
+the first ``generate``. The staging arithmetic itself is :mod:`tierkv.staging` (shared with the planner).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+from transformers import PreTrainedConfig
+
+from tierkv import accel
+from tierkv import staging as sizes
+from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS
+from tierkv.errors import InvalidConfigError
+from tierkv.layout import BlockLayout
+from tierkv.units import format_bytes
+
+try:  # transformers >= 5.x (after 5.0): how its caches read layer types from a config
+    from transformers.cache_utils import get_layer_types_and_kwargs
+except ImportError:  # 5.0: DynamicCache inlines the same rule (see _layer_types_of_config)
+    get_layer_types_and_kwargs = None  # type: ignore[assignment]
+
+DEFAULT_BLOCK_TOKENS = 256
+SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+# ------------------------------------------------------------------------------------------ device budgets
+def min_device_bytes(config: PreTrainedConfig, context: int, batch: int = 1,
+                     block_tokens: int = DEFAULT_BLOCK_TOKENS, prefetch_depth: int = 1,
+                     dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> int:
+    """Smallest ``gpu_gb`` (in bytes) that decodes ``context`` tokens: staging for the largest layer
+    (``prefetch_depth + 1`` buffers of one layer's full K/V, with 25% growth headroom), one tail block
+    per (row, layer), and on CUDA (``device``; default: CUDA if available) the two landing buffers.
+    Bytes, not GB: pass it on as ``gpu_gb=f"{n}B"``."""
+    check_model_config(config)
+    check_count(context, name="context")
+    check_count(batch, name="batch")
+    check_count(block_tokens, name="block_tokens")
+    check_count(prefetch_depth, name="prefetch_depth", minimum=0)
+    layout = layout_of_config(config, block_tokens, dtype)
+    staging = sizes.gather_staging_bytes(batch, context, layout.token_bytes, block_tokens, prefetch_depth)
+    layers = config.get_text_config(decoder=True).num_hidden_layers
+    tails = sizes.open_tail_bytes(layers, batch, layout.slot_bytes)
+    return device_minimum(staging, tails, layout.slot_bytes, device)
+
+
+def min_streaming_device_bytes(config: PreTrainedConfig, batch: int = 1, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                               chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: torch.dtype | None = None,
+                               device: str | torch.device | None = None) -> int:
+    """Smallest ``gpu_gb`` (bytes) for ``cache.streaming``: two chunk buffers plus the open tail blocks (and
+    the landing buffers on CUDA) — independent of the context length. Bytes, not GB: pass it on as
+    ``gpu_gb=f"{n}B"``."""
+    check_model_config(config)
+    check_count(batch, name="batch")
+    check_count(block_tokens, name="block_tokens")
+    check_count(chunk_tokens, name="chunk_tokens")
+    layout = layout_of_config(config, block_tokens, dtype)
+    staging = sizes.streaming_staging_bytes(batch, chunk_tokens, layout.token_bytes, block_tokens)
+    layers = config.get_text_config(decoder=True).num_hidden_layers
+    tails = sizes.open_tail_bytes(layers, batch, layout.slot_bytes)
+    return device_minimum(staging, tails, layout.slot_bytes, device)
+
+
+def min_split_device_bytes(config: PreTrainedConfig, batch: int = 1, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                           chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: torch.dtype | None = None,
+                           device: str | torch.device | None = None) -> int:
+    """Smallest ``gpu_gb`` (bytes) for ``cache.split``: exact decoding that attends every tier's blocks where they
+    live needs on the device only the open tail blocks (and on CUDA the query, the host part's (out, lse), the
+    device share's bounded scratch and the landing buffers); the prefill streams in ``chunk_tokens`` chunks
+    (two chunk buffers). Independent of the context (:func:`tierkv.staging.split_device_minimum`). Bytes, not
+    GB: pass it on as ``gpu_gb=f"{n}B"``."""
+    check_model_config(config)
+    check_count(batch, name="batch")
+    check_count(block_tokens, name="block_tokens")
+    check_count(chunk_tokens, name="chunk_tokens")
+    layout = layout_of_config(config, block_tokens, dtype)
+    text = config.get_text_config(decoder=True)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    accelerated = accel.backend(torch.device(device)).streams
+    return sizes.split_device_minimum(text.num_hidden_layers, batch, text.num_attention_heads, layout.kv_heads,
+                                      layout.head_dim, layout.dtype.itemsize, block_tokens, chunk_tokens,
+                                      accelerated)
+
+
+def kv_bytes_per_token(config: PreTrainedConfig, dtype: torch.dtype | None = None) -> int:
+    """K and V bytes of one token across all layers (every layer counted, as full attention)."""
+    check_model_config(config)
+    layout = layout_of_config(config, 1, dtype)
+    return layout.token_bytes * config.get_text_config(decoder=True).num_hidden_layers
+
+
+def kv_bytes_held(config: PreTrainedConfig, tokens: int, dtype: torch.dtype | None = None) -> int:
+    """K and V bytes the cache holds after ``tokens`` tokens: a sliding-window layer keeps only its window
+    (Gemma 3 270M at 16K: 15 of its 18 layers hold 512 tokens), so this is what the tiers must hold."""
+    check_model_config(config)
+    token_bytes = layout_of_config(config, 1, dtype).token_bytes
+    kinds, kwargs = layer_types(config.get_text_config(decoder=True))
+    return sum(token_bytes * (min(tokens, kw["sliding_window"]) if kind in SLIDING_TYPES else tokens)
+               for kind, kw in zip(kinds, kwargs, strict=True))
+
+
+def rest_copy_bytes(config: PreTrainedConfig, tokens: int, rest_bits: int, dtype: torch.dtype | None = None) -> int:
+    """Device bytes of the ``rest_bits`` copy that ``cache.sparse(..., rest_bits=)`` keeps of ``tokens``
+    tokens' K/V (every layer): to add to ``gpu_gb`` besides the key summaries."""
+    layout = layout_of_config(config, 1, dtype)
+    kv_bytes = kv_bytes_per_token(config, dtype) * tokens
+    return sizes.rest_copy_bytes(kv_bytes, rest_bits, layout.dtype.itemsize, layout.head_dim)
+
+
+def device_minimum(staging: int, tails: int, slot_bytes: int, device: str | torch.device | None) -> int:
+    """The smallest budget for ``staging`` beside ``tails`` (:func:`tierkv.staging.device_minimum`), plus on CUDA
+    (``device``; None: CUDA if available) the two landing buffers (:func:`tierkv.staging.landed_device_minimum`)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not accel.backend(torch.device(device)).streams:  # CUDA (or its stand-in): landing buffers too
+        return sizes.device_minimum(staging, tails)
+    return sizes.landed_device_minimum(staging, tails, slot_bytes)
+
+
+# ---------------------------------------------------------------------------------------- config reading
+def layout_of_config(config: PreTrainedConfig, block_tokens: int, dtype: torch.dtype | None) -> BlockLayout:
+    text = config.get_text_config(decoder=True)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    dtype = dtype or getattr(text, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return BlockLayout(heads, head_dim, block_tokens, dtype)
+
+
+def layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, Any]]]:
+    """Per-layer attention types and kwargs from transformers, across its 5.x releases: some return one
+    kwargs dict per layer, others (5.17) one dict of per-layer lists or shared values; 5.0 has no such
+    function (its DynamicCache's rule is replayed)."""
+    if get_layer_types_and_kwargs is None:
+        kinds, kwargs = _layer_types_of_config(config)
+    else:
+        kinds, kwargs = get_layer_types_and_kwargs(config)
+    kinds = list(kinds) if kinds else ["full_attention"] * config.num_hidden_layers
+    if isinstance(kwargs, dict):
+        def value(item: Any, i: int) -> Any:
+            return item[i] if isinstance(item, (list, tuple)) else item
+
+        kwargs = [{key: value(item, i) for key, item in kwargs.items()} for i in range(len(kinds))]
+    kwargs = list(kwargs) if kwargs else [{} for _ in kinds]
+    if "sliding_window" not in {key for kw in kwargs for key in kw} and getattr(config, "sliding_window", None):
+        kwargs = [{**kw, "sliding_window": config.sliding_window} for kw in kwargs]
+    return kinds, kwargs
+
+
+def layer_windows(config: PreTrainedConfig) -> list[int | None]:
+    """Each layer's sliding window (None: full attention); other attention types are refused."""
+    kinds, kwargs = layer_types(config.get_text_config(decoder=True))
+    unsupported = sorted(set(kinds) - {"full_attention", *SLIDING_TYPES})
+    if unsupported:
+        raise InvalidConfigError(
+            f"this model has {', '.join(unsupported)} layers; TieredCache holds full and sliding-window "
+            "attention KV only. Use transformers' DynamicCache for this architecture."
+        )
+    return [kw.get("sliding_window") if kind in SLIDING_TYPES else None for kind, kw in zip(kinds, kwargs)]
+
+
+def _layer_types_of_config(config: PreTrainedConfig) -> tuple[list[str], dict[str, Any]]:
+    """transformers 5.0's ``DynamicCache(config=...)`` rule: ``layer_types``, else all sliding when the config
+    has a window (or a chunk size), else all full; shared KV layers (Gemma3n) hold no cache."""
+    window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:
+        kind = "sliding_attention" if window is not None else "full_attention"
+        kinds = [kind] * config.num_hidden_layers
+    shared = getattr(config, "num_kv_shared_layers", None)
+    if shared:
+        kinds = kinds[:-shared]
+    return list(kinds), ({"sliding_window": window} if window is not None else {})
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def check_arguments(block_tokens: object, prefetch_depth: object, config: object, disk_dir: object, disk_gb: object,
+                    disk_engine: object, persist: object, persist_gb: object, remote: object) -> None:
+    """The checks of ``TieredCache(...)``'s arguments that need no machine (:func:`check_budgets_fit_machine`
+    checks the budgets)."""
+    if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens <= 0:
+        raise InvalidConfigError(f"block_tokens must be a positive int (e.g. 256), got {block_tokens!r}.")
+    if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int) or prefetch_depth < 0):
+        raise InvalidConfigError(f"prefetch_depth must be an int >= 0 or 'auto', got {prefetch_depth!r}.")
+    if config is not None:
+        check_model_config(config)
+    if disk_dir is None and (disk_gb is not None or disk_engine is not None):
+        what = "disk_gb" if disk_gb is not None else "disk_engine"
+        raise InvalidConfigError(f"{what} was given without disk_dir; pass disk_dir='/path/on/nvme' to enable "
+                                 f"the disk tier, or drop {what}.")
+    if not isinstance(persist, bool):
+        raise InvalidConfigError(f"persist must be True or False, got {persist!r}.")
+    if (persist or persist_gb is not None) and (disk_dir is None or not persist):
+        raise InvalidConfigError("persist=True keeps blocks in disk_dir and persist_gb caps them; pass both "
+                                 "disk_dir='/path/on/nvme' and persist=True (persist_gb is optional).")
+    if remote is not None and not isinstance(remote, str):
+        raise InvalidConfigError(f"remote must be a Redis URL such as 'redis://host:6379/0', got a "
+                                 f"{type(remote).__name__}.")
+    if disk_dir is not None:
+        check_disk_engine(disk_engine)  # type: ignore[arg-type]
+
+
+def check_model_config(config: object, *, name: str = "config") -> None:
+    """Refuse anything but a transformers config, naming the usual slip (the model instead of ``model.config``)."""
+    if isinstance(config, PreTrainedConfig):
+        return
+    if isinstance(getattr(config, "config", None), PreTrainedConfig):
+        raise InvalidConfigError(
+            f"{name}= got a {type(config).__name__} (a model); pass its config: {name}=model.config."
+        )
+    raise InvalidConfigError(
+        f"{name}= must be a transformers PreTrainedConfig (e.g. model.config or AutoConfig.from_pretrained(path)), "
+        f"not {type(config).__name__}."
+    )
+
+
+def check_count(value: object, *, name: str, minimum: int = 1) -> int:
+    """``value`` as an int >= ``minimum`` (a bool or a float is refused: ``batch=True`` is a slip, not 1)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidConfigError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    return value
+
+
+def check_disk_engine(engine: str | None) -> None:
+    """Refuse an unknown or unloadable forced disk engine (``engine=`` or ``TIERKV_DISK_ENGINE``) up front:
+    a typo such as ``"io_uring"`` would otherwise fail at the first write to the disk tier, mid-prefill."""
+    from tierkv import settings
+    from tierkv.io.base import EngineUnavailableError
+    from tierkv.io.select import ENGINES, load_engine
+
+    if engine is None:
+        name, source = settings.get("disk_engine"), settings.source("disk_engine")
+    elif isinstance(engine, str) and engine in ("auto", *ENGINES):
+        name, source = engine, f"disk_engine={engine!r}"
+    else:
+        raise InvalidConfigError(
+            f"disk_engine={engine!r} is not a disk engine; choose one of {', '.join(ENGINES)}, or 'auto' (None)."
+        )
+    if name == "auto":
+        return
+    try:
+        load_engine(name)
+    except EngineUnavailableError as exc:
+        raise InvalidConfigError(
+            f"disk engine {name!r} ({source}) cannot load here: {exc.reason}; use disk_engine='auto' to pick one "
+            "that does."
+        ) from exc
+
+
+def check_budgets_fit_machine(gpu: int | None, cpu: int | None, disk: int | None,
+                              disk_dir: str | os.PathLike[str] | None) -> None:
+    """Refuse a budget larger than this machine could ever provide (bytes; None = not given), and a disk budget
+    larger than the free space under ``disk_dir`` (it would end in ENOSPC mid-generation).
+
+    The usual cause is a byte count passed where GB are expected (``gpu_gb=TieredCache.min_device_bytes(...)``
+    is a petabyte budget); the message says how to pass bytes.
+    """
+    budgets = {"gpu_gb": gpu, "cpu_gb": cpu}
+    if any(v is not None for v in budgets.values()):
+        memory, where = _machine_memory()
+        for name, nbytes in budgets.items():
+            if nbytes is not None and nbytes > memory:
+                raise InvalidConfigError(
+                    f"{name} is {format_bytes(nbytes)} but this machine has {where}; a bare number counts GB, so "
+                    f"pass a byte count as a string (e.g. {name}=f\"{{n}}B\") or give a size that fits."
+                )
+    if disk is not None and disk_dir is not None:
+        total, free = _disk_usage(disk_dir)
+        if disk > total:
+            raise InvalidConfigError(
+                f"disk_gb is {format_bytes(disk)} but the filesystem under {os.fspath(disk_dir)!r} holds "
+                f"{format_bytes(total)}; give a size that fits, or leave disk_gb unset (90% of its free space)."
+            )
+        if disk > free:  # it would run out of space mid-generation (ENOSPC), long after this call
+            raise InvalidConfigError(
+                f"disk_gb is {format_bytes(disk)} but only {format_bytes(free)} are free on the filesystem "
+                f"under {os.fspath(disk_dir)!r} (of {format_bytes(total)}); free some space, give a smaller "
+                "disk_gb, or leave it unset (90% of the free space)."
+            )
+
+
+def _machine_memory() -> tuple[int, str]:
+    """The largest memory one tier could use here, and how to say it: RAM, or the largest GPU if bigger."""
+    import psutil
+
+    ram = psutil.virtual_memory().total
+    where = f"{format_bytes(ram)} of RAM"
+    if torch.cuda.is_available():
+        gpu = max(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+        where += f" and a {format_bytes(gpu)} GPU"
+        return max(ram, gpu), where
+    return ram, where + " and no GPU"
+
+
+def _disk_usage(directory: str | os.PathLike[str]) -> tuple[int, int]:
+    """(total, free) bytes of the filesystem that holds ``directory`` (or its nearest existing parent)."""
+    path = os.path.abspath(os.fspath(directory))
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    usage = shutil.disk_usage(path)
+    return usage.total, usage.free

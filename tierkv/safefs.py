@@ -1,0 +1,328 @@
+"""Files and directories tierkv creates, handled so that nobody else's link, FIFO or directory is followed.
+
+The rules (docs/reliability.md, "Security"):
+
+- A directory tierkv makes inside a directory the user named (``tierkv-persist`` and its ``blocks``/``tmp``,
+  the cache dir's ``models``) is opened with ``O_NOFOLLOW | O_DIRECTORY`` and checked with ``fstat``: owned by
+  this user and writable by nobody else (OpenSSH's StrictModes). With the group-shared opt-in
+  (``TIERKV_SHARED_GROUP=1``) it may belong to another member of its group, but is never writable by others.
+  Everything below it is named relative to the directory's descriptor (``dir_fd=``), so a directory renamed
+  or replaced after it was checked is never followed.
+- A directory the user named is refused when others can write it and it lacks the sticky bit (anyone could
+  rename tierkv's files in it).
+- Files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a random name (a planted name fails, it is
+  never opened) and ``fchmod``-ed to 0600 (0660 shared) whatever the umask; a file is replaced by renaming
+  such a temporary file over it (a symlink in its place is replaced, not followed).
+- Files are opened for reading with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO opens without waiting for a writer)
+  and refused unless ``fstat`` says they are regular; a read is bounded by that size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import stat
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tierkv.errors import DiskTierError, IntegrityError
+
+log = logging.getLogger("tierkv")
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+NOFOLLOW = _NOFOLLOW
+
+
+def shared_group() -> bool:
+    """The group-shared opt-in (setting ``shared_group``, ``TIERKV_SHARED_GROUP``)."""
+    from tierkv import settings
+
+    return bool(settings.get("shared_group"))
+
+
+def file_mode(shared: bool | None = None) -> int:
+    """Mode of the files tierkv creates: 0600, or 0660 with the group-shared opt-in."""
+    return 0o660 if (shared_group() if shared is None else shared) else 0o600
+
+
+def dir_mode(shared: bool | None = None) -> int:
+    """Mode of the directories tierkv creates: 0700, or 2770 (setgid: new files keep the group) when shared."""
+    return 0o2770 if (shared_group() if shared is None else shared) else 0o700
+
+
+def refuse(path: str | os.PathLike, why: str, fix: str, code: int = errno.EPERM) -> DiskTierError:
+    """The error for a path tierkv will not use: what it is, why that is unsafe, and what to do."""
+    return DiskTierError(code, f"tierkv refuses {os.fspath(path)!r}: {why}. {fix}")
+
+
+def open_user_directory(path: str | os.PathLike) -> int:
+    """A descriptor of the directory the user named (links in *its* path are the user's choice and followed),
+    made 0700 if tierkv creates it; refused when others may write it without the sticky bit."""
+    path = Path(path)
+    if not path.exists():
+        with contextlib.suppress(FileExistsError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.mkdir(path, dir_mode())
+    fd = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    try:
+        status = os.fstat(fd)
+        if status.st_mode & stat.S_IWOTH and not status.st_mode & stat.S_ISVTX:
+            raise refuse(path, "every user can write it and it has no sticky bit, so another user could replace "
+                         "tierkv's files in it", "Use a directory only you can write (chmod o-w), or set the "
+                         "sticky bit as /tmp has (chmod +t).")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_own_directory(parent: int, name: str, where: str | os.PathLike, create: bool = True,
+                       shared: bool | None = None) -> int:
+    """A descriptor of tierkv's directory ``name`` in the directory ``parent`` (a descriptor), created if
+    missing; refused if it is a link or not a directory, if another user owns it (outside the group-shared
+    opt-in), or if others can write it. A directory of this user with looser modes is tightened."""
+    shared = shared_group() if shared is None else shared
+    mode = dir_mode(shared)
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, mode, dir_fd=parent)
+    try:
+        fd = os.open(name, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=parent)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise refuse(where, "it is a symbolic link or not a directory (tierkv never follows a link in its own "
+                         "tree: another user may have planted it)", "Remove it, and use a disk_dir only you can "
+                         "write.", exc.errno) from exc
+        raise
+    try:
+        status = os.fstat(fd)
+        mine = status.st_uid == os.geteuid()
+        if not mine and not (shared and status.st_gid in _groups()):
+            raise refuse(where, f"it belongs to another user (uid {status.st_uid}), who could change what tierkv "
+                         "reads and deletes there", "Remove it (or ask its owner to), or use your own disk_dir; "
+                         "a store shared by a group needs TIERKV_SHARED_GROUP=1 and a directory of that group.")
+        if not mine and status.st_mode & stat.S_IWOTH:  # a group's directory: never one every user can write
+            raise refuse(where, f"mode {stat.S_IMODE(status.st_mode):o} lets others write it", "chmod o-w it, or "
+                         "remove it.")
+        if mine and stat.S_IMODE(status.st_mode) != mode:
+            os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _groups() -> set[int]:
+    return {os.getegid(), *os.getgroups()}
+
+
+def create_file(directory: int, prefix: str, suffix: str = "", shared: bool | None = None) -> tuple[int, str]:
+    """``(fd, name)``: a new, empty, regular file opened read/write in ``directory`` (a descriptor) under a
+    random name (``O_EXCL``: nothing planted is ever opened), mode 0600 (0660 shared) whatever the umask."""
+    mode = file_mode(shared)
+    for _ in range(100):
+        name = f"{prefix}{secrets.token_hex(6)}{suffix}"
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode, dir_fd=directory)
+        except FileExistsError:
+            continue
+        try:
+            os.fchmod(fd, mode)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=directory)
+            raise
+        return fd, name
+    raise FileExistsError(errno.EEXIST, f"no free temporary name {prefix}*{suffix}")
+
+
+def open_regular(directory: int | None, name: str | os.PathLike, what: str, flags: int = os.O_RDONLY,
+                 follow: bool = False, mode: int = 0o600) -> int:
+    """Open ``name`` (in ``directory``, a descriptor, or None: a path) without following a link (unless
+    ``follow``) or waiting for a FIFO's writer; IntegrityError unless it is a regular file. ``mode``: of a
+    file ``flags`` create (``os.O_CREAT``)."""
+    try:
+        fd = os.open(name, flags | _NONBLOCK | _CLOEXEC | (0 if follow else _NOFOLLOW), mode, dir_fd=directory)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise IntegrityError(errno.ELOOP, f"{what}: a symbolic link where tierkv keeps a file; refused (tierkv "
+                                 "never follows one).") from None
+        raise
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise IntegrityError(errno.EINVAL, f"{what}: not a regular file (mode {status.st_mode:o}: a FIFO, device "
+                                 "or directory); refused, never read.")
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_whole(fd: int, what: str, limit: int) -> bytearray:
+    """The whole regular file ``fd``: its ``fstat`` size, refused above ``limit`` before anything is allocated."""
+    size = os.fstat(fd).st_size
+    if size > limit:
+        raise IntegrityError(errno.EFBIG, f"{what}: {size} bytes, more than the {limit} such a file can hold.")
+    data = bytearray(size)
+    view, done = memoryview(data), 0
+    while done < size:
+        got = os.readv(fd, [view[done:]])
+        if got == 0:
+            raise IntegrityError(errno.EIO, f"{what}: ended after {done} of {size} bytes (truncated meanwhile).")
+        done += got
+    return data
+
+
+def write_all(fd: int, chunks: Iterable[bytes | memoryview]) -> None:
+    """Write every byte of ``chunks`` to ``fd`` (a short write goes on where it stopped)."""
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while view.nbytes:
+            view = view[os.write(fd, view):]
+
+
+def fsync_directory(fd: int) -> None:
+    """Make renames and unlinks in the directory ``fd`` durable."""
+    os.fsync(fd)
+
+
+@contextlib.contextmanager
+def replacing(directory: int, name: str, shared: bool | None = None) -> Iterator[int]:
+    """Write a new version of ``name`` in ``directory`` (a descriptor): yields the descriptor of a fresh
+    temporary file; on success it is fsynced and renamed over ``name`` (whatever is there, a link too, is
+    replaced, never followed), and the directory fsynced; on failure it is removed and ``name`` is untouched."""
+    fd, temporary = create_file(directory, f".{name}.", ".tmp", shared)
+    try:
+        try:
+            yield fd
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary, dir_fd=directory)
+        raise
+    fsync_directory(directory)
+
+
+def write_file(path: str | os.PathLike, chunks: Iterable[bytes | memoryview], shared: bool | None = None) -> None:
+    """Replace the file ``path`` atomically with ``chunks`` (mode 0600; :func:`replacing`)."""
+    path = Path(path)
+    with directory(path.parent) as parent, replacing(parent, path.name, shared) as fd:
+        write_all(fd, chunks)
+
+
+@contextlib.contextmanager
+def scratch_file(directory: str | os.PathLike, prefix: str, size: int) -> Iterator[Path]:
+    """A new file of ``size`` bytes (a hole) in the user's ``directory`` (created 0700 if missing; refused if
+    others may write it without the sticky bit), created ``O_EXCL`` at mode 0600 under a random name: a name
+    planted in a shared directory such as /tmp is never opened. Removed after the block."""
+    fd_dir = open_user_directory(directory)
+    try:
+        fd, name = create_file(fd_dir, prefix, ".bin", shared=False)
+        try:
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            yield Path(directory) / name
+        finally:
+            remove_regular(fd_dir, name)
+    finally:
+        os.close(fd_dir)
+
+
+def is_regular_here(directory: int, name: str) -> os.stat_result | None:
+    """``lstat`` of ``name`` in ``directory`` if it is a regular file (not a link), else None."""
+    try:
+        status = os.stat(name, dir_fd=directory, follow_symlinks=False)
+    except OSError:
+        return None
+    return status if stat.S_ISREG(status.st_mode) else None
+
+
+@contextlib.contextmanager
+def opened(directory: int, name: str, what: str) -> Iterator[int]:
+    """:func:`open_regular` (read-only) for the block (closed after it)."""
+    fd = open_regular(directory, name, what)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def directory(path: str | os.PathLike) -> Iterator[int]:
+    """A descriptor of the directory ``path`` (the user's: links in its path are followed) for the block."""
+    fd = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def directory_at(parent: int, name: str) -> Iterator[int]:
+    """A descriptor of the directory ``name`` in ``parent`` for the block, never through a link (ELOOP)."""
+    fd = os.open(name, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=parent)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def own_directory(parent: int, name: str, where: str | os.PathLike, create: bool = True) -> Iterator[int]:
+    """:func:`open_own_directory` for the block (closed after it)."""
+    fd = open_own_directory(parent, name, where, create)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def remove_tree(parent: int, name: str) -> bool:
+    """Remove tierkv's directory ``name`` in ``parent`` holding only files: its regular files are unlinked,
+    then the directory; a link or any other entry in it is left (and so is the directory). True if it went."""
+    try:
+        with directory_at(parent, name) as fd:
+            for entry in os.listdir(fd):
+                remove_regular(fd, entry)
+        os.rmdir(name, dir_fd=parent)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log.warning("tierkv: left %s in place (%s): it holds something tierkv did not create", name,
+                    exc.strerror or exc)
+        return False
+    return True
+
+
+def is_ours(status: os.stat_result) -> bool:
+    """Whether tierkv may remove a file of this ``stat``: this user's, or, with the group-shared opt-in, its
+    group's (a store shared by a group evicts every member's blocks)."""
+    return status.st_uid == os.geteuid() or (shared_group() and status.st_gid in _groups())
+
+
+def remove_regular(directory: int, name: str) -> bool:
+    """Unlink ``name`` in ``directory`` only if it is a regular file tierkv may remove (:func:`is_ours`): True if
+    it was removed. A link, FIFO, device, directory or another user's file there is left alone."""
+    status = is_regular_here(directory, name)
+    if status is None or not is_ours(status):
+        return False
+    try:
+        os.unlink(name, dir_fd=directory)
+    except FileNotFoundError:
+        return False
+    return True
