@@ -21,6 +21,7 @@ import random
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import CodeType
@@ -81,7 +82,7 @@ class Interrupt:
     def _line(self, frame, event, arg):
         if event != "line" or self.fired:
             return None if self.fired else self._line
-        if frame.f_lasti in with_exits(frame.f_code):
+        if frame.f_lasti in with_exits(frame.f_code) or _in_finalizer(frame):
             return self._line
         self.lines += 1
         if self.lines == self.nth:
@@ -91,6 +92,17 @@ class Interrupt:
             sys.settrace(None)
             signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)  # what CPython does when Ctrl-C arrives
         return self._line
+
+
+def _in_finalizer(frame) -> bool:
+    """A line that a ``weakref.finalize`` callback runs (when the garbage collector frees an object, at any line of
+    the operation): not an interrupt point. CPython reports a KeyboardInterrupt raised there as unraisable and
+    goes on, and a trace function that raises there leaves the interpreter's tracing state broken."""
+    while frame is not None:
+        if frame.f_code.co_filename == weakref.__file__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def points(lines: int, runs: int = RUNS_PER_OPERATION) -> list[int]:
