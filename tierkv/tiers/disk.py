@@ -67,7 +67,7 @@ at large budgets. A read of more runs in rounds of half of it (four 4 MiB engine
 flight while the last is copied out; a write of more runs in rounds of all of it. So the bounce buffers are
 bounded independently of the context; at small budgets they shrink with them (:func:`bounce_bytes_for`):
 see docs/reliability.md ("Memory")."""
-MIN_BOUNCE_BYTES = 2**20
+MIN_BOUNCE_BYTES = 2 * 2**20  # below this a layer's read at tiny budgets runs in rounds too small for the disk
 BOUNCE_SHARE = 48
 """A bounce buffer holds at most 1/48 of the host memory the budgets give the cache: the buffers that may exist at
 once stay within a quarter of the budgets (measured: tests/test_security.py's RSS test), and reach
