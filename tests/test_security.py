@@ -606,3 +606,23 @@ def test_checkpoint_folders_fail_in_one_line_and_nothing_is_unpickled(tmp_path):
         with pytest.raises(CheckpointError) as caught:
             models.load_folder(folder, what=f"--model {str(folder)!r}")
         assert str(caught.value).startswith(f"--model {str(folder)!r}") and "\n" not in str(caught.value)
+
+
+def test_cli_json_and_a_bench_profile_replace_a_planted_link_instead_of_writing_through_it(tmp_path):
+    """``--json PATH`` and a saved link profile are written to a fresh file renamed over PATH: a symlink planted
+    there is replaced, and the file it pointed to is untouched."""
+    from tierkv.bandwidth import LinkProfile
+    from tierkv.cli import main
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    for name in ("plan.json", "profile.json"):
+        (tmp_path / name).symlink_to(victim)
+    assert main(["plan", "--model", "llama-3-8b", "--context", "128K", "--gpu-gb", "20", "--cpu-gb", "64",
+                 "--json", str(tmp_path / "plan.json")]) == 0
+    LinkProfile.from_presets().save(tmp_path / "profile.json")
+    assert victim.read_text() == "keep me"
+    for name in ("plan.json", "profile.json"):
+        path = tmp_path / name
+        assert not path.is_symlink() and path.stat().st_mode & 0o777 == 0o600
+    assert json.loads((tmp_path / "plan.json").read_text())

@@ -31,6 +31,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from tierkv import safefs
 from tierkv.errors import InvalidConfigError
 from tierkv.inputs import read_json
 from tierkv.vocabulary import PROFILE_LINKS, LinkName
@@ -272,9 +273,7 @@ class LinkProfile:
                 "layer_overhead_s": self.layer_overhead_s}
         if self.host_attention is not None:
             data["host_attention"] = asdict(self.host_attention)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
+        safefs.write_file(path, [(json.dumps(data, indent=2) + "\n").encode()])  # never through a planted link
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> LinkProfile:

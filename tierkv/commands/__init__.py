@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tierkv import safefs
 from tierkv.errors import InvalidConfigError
 from tierkv.units import parse_size, parse_token_list, parse_tokens
 
@@ -204,5 +205,5 @@ def write_json(data: Any, target: str) -> str | None:
         sys.stdout.write(text)
         sys.stdout.flush()
         return None
-    Path(target).write_text(text, encoding="utf-8")
+    safefs.write_file(target, [text.encode()])  # a fresh file renamed into place: never through a planted link
     return target

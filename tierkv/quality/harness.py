@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from tierkv import safefs
 from tierkv.hf import cache_keyword
 from tierkv.quality.metrics import Agreement, compare
 from tierkv.quality.tasks import Prompt, answer_matches
@@ -178,7 +179,8 @@ def reference(model, tokenizer, prompts: Sequence[Prompt], out: str | Path, *, p
         record["prefill_s"] = round(prefill_s, 2)
         kept.append(prompt)
         records.append(record)
-        path.write_text(json.dumps({**(meta or {}), "prompts": [p.to_dict() for p in kept], "results": records}))
+        safefs.write_file(path, [json.dumps({**(meta or {}), "prompts": [p.to_dict() for p in kept],
+                                             "results": records}).encode()])
         on_prompt(_line(record))
     return path
 

@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from tierkv import safefs
 from tierkv.quality.harness import DEFAULT_BLOCK_TOKENS  # other block sizes get rows of their own
 from tierkv.quality.tasks import TASKS, answer_matches
 from tierkv.units import format_tokens
@@ -244,13 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.records:
         slim = [{k: v for k, v in r.items() if k != "generated"} for r in records]
         args.records.parent.mkdir(parents=True, exist_ok=True)
-        args.records.write_text(json.dumps({"model": name, "results": slim}, indent=0))
+        safefs.write_file(args.records, [json.dumps({"model": name, "results": slim}, indent=0).encode()])
     if args.markdown:
         text = markdown(records)
         if args.markdown == "-":
             print(text)
         else:
-            Path(args.markdown).write_text(text)
+            safefs.write_file(args.markdown, [text.encode()])
     return 0
 
 
