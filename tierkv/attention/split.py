@@ -277,8 +277,7 @@ class _Attend:
             else:
                 memory = executor.store.tiers[tier]
                 assert isinstance(memory, MemoryTier)
-                pool = memory.pools[layout.slot_bytes]
-                slabs = [pool.typed(i, layout) for i in range(len(pool.chunks))]
+                slabs = memory.slabs(layout)
             part = host_kernel.paged_attention(query, slabs, table, self.length, scaling=self.scaling,
                                                softcap=self.softcap, causal=mask is None, mask=mask,
                                                positions=self.positions, threads=executor.threads)  # fmt: skip
@@ -292,8 +291,7 @@ class _Attend:
         executor, layout = self.executor, self.layout
         memory = executor.store.tiers[Tier.DEVICE]
         assert isinstance(memory, MemoryTier)
-        pool = memory.pools[layout.slot_bytes]
-        slabs = [pool.typed(i, layout) for i in range(len(pool.chunks))]
+        slabs = memory.slabs(layout)
         executor._accel.used(*slabs)  # the compute stream reads the slab now
         columns = np.flatnonzero((table >= 0).any(axis=0))
         per = max(1, executor.piece_tokens // 4 // layout.block_tokens)  # within the scratch (split_scratch_bytes)
