@@ -321,7 +321,7 @@ def test_a_block_whose_channels_peak_on_different_tokens_is_not_taken_for_the_ne
     q = torch.ones(1, 1, 1, DIM)
     attend(executor, q, None, 0.1, None, SparseBudget(3 * BT, sinks=BT, recent=0))
     assert executor.last_columns.tolist() == [[0, 5, 8]]
-    summary = store.summaries.table(0)[:, int(store.summaries.rows(store.table.rows[0].ids[:, 2])[0])]  # [1, 3, D]
+    summary = store.summaries.table(0)[:, int(store.summaries.rows(store.table.rows[0].ids[:, 2])[0]), 0]  # [1, 3, D]
     torch.testing.assert_close(summary[0, 2], keys[0, 0, 2 * BT : 3 * BT].mean(0))  # min, max, mean
     torch.testing.assert_close(summary[0, 1], torch.full((DIM,), 3.0))
     executor.close()

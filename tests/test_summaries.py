@@ -10,7 +10,7 @@ from helpers import kv, make_store
 
 from tierkv.attention.sparse_store import SparseBlocks
 from tierkv.blocks import Tier
-from tierkv.errors import BudgetTooSmallError
+from tierkv.errors import BudgetTooSmallError, InvalidConfigError
 from tierkv.store.summaries import KeySummaries
 
 
@@ -29,20 +29,35 @@ class Reservation:
         self.held -= nbytes
 
 
-def test_the_bound_is_above_every_key_logit_and_the_mean_logit_is_exact():
+@pytest.mark.parametrize("page_tokens", [None, 1, 2, 4])
+def test_the_bound_is_above_every_key_logit_and_the_mean_logit_is_exact(page_tokens):
     generator = torch.Generator().manual_seed(0)
     blocks = torch.randn(6, 2, 2, 4, 8, generator=generator, dtype=torch.float64)  # [n, 2, H_kv, bt, D]
-    summaries = KeySummaries(torch.device("cpu"), Reservation().reserve, Reservation().unreserve)
+    summaries = KeySummaries(torch.device("cpu"), Reservation().reserve, Reservation().unreserve,
+                             page_tokens=page_tokens)
     summaries.add(0, list(range(6)), blocks)
+    pages = 4 // (page_tokens or 4)
     rows = torch.from_numpy(summaries.rows(np.arange(6)))
-    table = summaries.table(0)[:, rows]  # [H_kv, n, 3, D]: min, max, mean
+    table = summaries.table(0)[:, rows]  # [H_kv, n, pages, 3, D]: min, max, mean of each page
+    assert table.shape == (2, 6, pages, 3, 8)
     q = torch.randn(2, 8, generator=generator, dtype=torch.float64)  # one query per KV head
-    keys = blocks[:, 0].transpose(0, 1)  # [H_kv, n, bt, D]
-    logits = torch.einsum("hd,hntd->hnt", q, keys)
-    lo, hi, mean = table[:, :, 0], table[:, :, 1], table[:, :, 2]
-    bound = (q.clamp(min=0)[:, None] * hi + q.clamp(max=0)[:, None] * lo).sum(-1)  # [H_kv, n]
+    keys = blocks[:, 0].transpose(0, 1).unflatten(2, (pages, -1))  # [H_kv, n, pages, page_tokens, D]
+    logits = torch.einsum("hd,hnptd->hnpt", q, keys)
+    lo, hi, mean = table[..., 0, :], table[..., 1, :], table[..., 2, :]
+    bound = (q.clamp(min=0)[:, None, None] * hi + q.clamp(max=0)[:, None, None] * lo).sum(-1)  # [H_kv, n, pages]
     assert (bound[..., None] >= logits - 1e-12).all()
-    torch.testing.assert_close(torch.einsum("hd,hnd->hn", q, mean), logits.mean(-1))
+    torch.testing.assert_close(torch.einsum("hd,hnpd->hnp", q, mean), logits.mean(-1))
+    if pages > 1:  # tighter than one summary of the block: some page's bound is below the block's
+        block_bound = (q.clamp(min=0)[:, None] * keys.amax((2, 3)) + q.clamp(max=0)[:, None] * keys.amin((2, 3)))
+        assert (bound < block_bound.sum(-1)[..., None] - 1e-9).any()
+
+
+def test_a_page_size_that_does_not_divide_the_block_is_refused_by_name():
+    summaries = KeySummaries(torch.device("cpu"), Reservation().reserve, Reservation().unreserve, page_tokens=3)
+    with pytest.raises(InvalidConfigError, match="page_tokens=3 does not divide"):
+        summaries.add(0, [0], torch.randn(1, 2, 2, 4, 8))
+    with pytest.raises(InvalidConfigError, match="page_tokens=0"):
+        KeySummaries(torch.device("cpu"), Reservation().reserve, Reservation().unreserve, page_tokens=0)
 
 
 def test_rows_are_reused_after_release_and_clear_gives_every_byte_back():
@@ -81,10 +96,10 @@ def test_summaries_enabled_late_are_backfilled_from_every_tier_and_kept_with_the
     summaries = sparse.enable_summaries()
     assert sparse.enable_summaries() is summaries  # the same rest_bits: kept
     full = store.table.rows[0].ids[:, :7]
-    table = summaries.table(0)[:, torch.from_numpy(summaries.rows(full.ravel()))]  # [H_kv, B·7, 3, D]
+    table = summaries.table(0)[:, torch.from_numpy(summaries.rows(full.ravel()))]  # [H_kv, B·7, 1, 3, D]
     blocks = keys[:, :, :28].unflatten(2, (7, 4))  # [B, H_kv, 7, bt, D]
     expected = blocks.amax(dim=3).permute(1, 0, 2, 3).flatten(1, 2)  # [H_kv, B·7, D]
-    torch.testing.assert_close(table[:, :, 1], expected, rtol=0, atol=0)
+    torch.testing.assert_close(table[:, :, 0, 1], expected, rtol=0, atol=0)
     assert store.device.reserved == summaries.nbytes  # counted in the device budget
     store.append(0, *kv(2, 2, seed=2))  # the tail fills: its summary is added by the store
     assert (summaries.rows(store.table.rows[0].ids[:, 7]) >= 0).all()

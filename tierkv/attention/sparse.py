@@ -1,23 +1,31 @@
 """Query-aware sparse attention over blocks on any tier (Quest-style), exact over the blocks it reads.
 
-Each decode step (one query token per row), per layer::
+Each decode step (one query token per row), per layer, over the *pages* of the candidate blocks (``page_tokens``
+consecutive tokens, :data:`DEFAULT_PAGE_TOKENS` by default: the unit of selection, finer than the block, which
+stays the unit of placement and of large transfers)::
 
-    bound[b, c, h, g] = q⁺·hi_c + q⁻·lo_c                 # ≥ every key logit of block c (tierkv.store.summaries)
-    mean[b, c, h, g]  = q·m_c                              # the block's mean key logit, exactly
-    share[b, c, h, g] = softmax over c of (bound + mean) / 2 · scale   # each head's estimated attention share
-    score[b, c]       = max over heads of share               # a block matters if any query head needs it
-    score[b, c]       = max(score, measured share at the layer's previous step, where >= sticky_share)
-    selected[b]       = sinks ∪ top_k(score[b]) ∪ recent      # per row: rows select different blocks
-    read the selected columns: one ReadPlan, one batched read per tier, into device staging
+    bound[b, p, h, g] = q⁺·hi_p + q⁻·lo_p                 # ≥ every key logit of page p (tierkv.store.summaries)
+    mean[b, p, h, g]  = q·m_p                              # the page's mean key logit, exactly
+    share[b, p, h, g] = softmax over p of (bound + mean) / 2 · scale   # each head's estimated attention share
+    score[b, p]       = max over heads of share               # a page matters if any query head needs it
+    score[b, p]       = max(score, measured share at the layer's previous step, where >= sticky_share)
+    selected[b]       = sinks ∪ top_k(score[b]) ∪ recent      # per row: rows select different pages
+    read the sink and recent blocks whole (one ReadPlan), the selected pages by one page read per tier
+        (KVStore.read_pages: sub-block reads, the disk's covering aligned sectors), into device staging
     out = softmax attention over the selected tokens (tierkv.attention.lse), exact over them
-    rest_bits: + every other candidate block from its low-bit copy on the device, merged by log-sum-exp
+    rest_bits: + every other candidate page from its low-bit copy on the device, merged by log-sum-exp
+
+With ``page_tokens`` equal to the block's tokens the page is the block, and the selected blocks are read like the
+sinks (kept on the device across steps, read ahead from disk by speculation, promoted by the attention policy);
+pages are not kept or speculated: they are a tenth of the bytes, and a block is promoted only when it was read
+whole.
 
 Why the estimate mixes the bound with the mean: Quest's bound alone is loose (one outlying channel lifts it),
 and on SmolLM2 at 10% of a 2K context it found 5 of 18 needles against full attention's 15, the mix 11
 (docs/quality.md, with the oracle that ranks by the true attention mass for comparison).
 
-GQA: a block is fetched for all KV heads at once (it is the unit of placement and I/O), so its score is the
-best over every query head of every KV-head group, and every head attends every block read. Each head's
+GQA: a page is fetched for all KV heads at once, so its score is the best over every query head of every
+KV-head group, and every head attends every page read. Each head's
 estimates become shares by a softmax over the blocks first, so a head whose logits are flat (no block stands
 out: each gets 1/C) does not drown a head that points at one block, and a head with large logits does not
 drown the others. Selecting per KV head instead (each head its own top blocks, the union read, each head
@@ -26,9 +34,9 @@ rule"): the block, all heads together, is the unit of I/O.
 Nothing is dropped from the store: a block that is not selected now is read the step a query needs it, from
 whatever tier holds it.
 
-The budget ``tokens`` counts every attended token in whole blocks: the sinks (the layer's first blocks), the
+The budget ``tokens`` counts every attended token in whole pages: the sinks (the layer's first blocks), the
 recent window (its last blocks, always including the open tail that holds the new token; by default that tail
-alone) and the top-scored blocks in between. ``dense_layers`` attends the first layers in full (Quest does so
+alone) and the top-scored pages in between. ``dense_layers`` attends the first layers in full (Quest does so
 for two: their attention is diffuse) and takes their blocks out of the other layers' budgets, so the total over
 layers stays within ``tokens`` per layer. Fast path: when the budget covers every block of the layer, the step
 reads them all and is exact (no scoring). Prefill and multi-token steps are not this executor's: the adapter
@@ -58,6 +66,7 @@ from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
 
 REST_CHUNK_TOKENS = 16384  # the rest copy is decoded and attended this many candidate tokens at a time
+DEFAULT_PAGE_TOKENS = 16  # tokens per selected page (docs/quality.md: 8-16-token units select well)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +82,8 @@ class SparseBudget:
     blocks taken out of the other layers' budgets (default 0: measured worse at 10% on SmolLM2). ``rest_bits``:
     the blocks a step does not read are attended too, from a copy of this many bits (2, 4 or 8) kept on the
     device beside the summaries (:mod:`tierkv.store.summaries`; default 0: not attended) — nothing more is read.
+    ``page_tokens``: tokens per selected page, a divisor of the cache's ``block_tokens`` (default: the largest
+    divisor up to :data:`DEFAULT_PAGE_TOKENS`; the block's tokens: whole blocks).
     """
 
     tokens: int | float
@@ -80,6 +91,7 @@ class SparseBudget:
     recent: int | None = None
     dense_layers: int = 0
     rest_bits: int = 0
+    page_tokens: int | None = None
 
     def __post_init__(self) -> None:
         tokens = self.tokens
@@ -94,6 +106,10 @@ class SparseBudget:
         if self.rest_bits not in REST_BITS:
             raise InvalidConfigError(f"sparse rest_bits={self.rest_bits!r}: give one of "
                                      f"{', '.join(map(str, REST_BITS))} (0: the blocks not read are not attended).")
+        page = self.page_tokens
+        if page is not None and (isinstance(page, bool) or not isinstance(page, int) or page < 1):
+            raise InvalidConfigError(f"sparse page_tokens={page!r} must be an int >= 1 dividing the cache's "
+                                     "block_tokens (e.g. 16 for 256-token blocks).")
         for name in ("sinks", "recent", "dense_layers"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -106,10 +122,19 @@ class SparseBudget:
             return max(1, math.floor(self.tokens * context))
         return self.tokens
 
+    def page_size(self, block_tokens: int) -> int:
+        """Tokens per selected page in a cache of ``block_tokens``-token blocks (raises if it does not divide)."""
+        page = self.page_tokens if self.page_tokens is not None else math.gcd(block_tokens, DEFAULT_PAGE_TOKENS)
+        if block_tokens % page:
+            raise InvalidConfigError(f"sparse page_tokens={page} does not divide the cache's block_tokens="
+                                     f"{block_tokens}: give a divisor of it (e.g. 16 for 256-token blocks).")
+        return page
+
     def budget_blocks(self, context: int, columns: int, block_tokens: int, num_layers: int) -> int:
-        """Blocks a sparse layer of ``columns`` blocks holding ``context`` tokens reads per row: the budget in
-        whole blocks, less the dense layers' blocks beyond their own budget (each taken to hold as many).
-        Sinks and the recent window are read even where that leaves less (``stats()`` counts what was read)."""
+        """Units (blocks or pages) of ``block_tokens`` tokens a sparse layer of ``columns`` such units holding
+        ``context`` tokens reads per row: the budget in whole units, less the dense layers' units beyond their
+        own budget (each taken to hold as many). Sinks and the recent window are read even where that leaves
+        less (``stats()`` counts what was read)."""
         nominal = self.budget_tokens(context) // block_tokens  # a cap: whole blocks within the budget
         dense = min(self.dense_layers, num_layers)
         if not dense or dense == num_layers:
@@ -131,12 +156,24 @@ class SparseCounters:
     bytes_fetched_off_device: int = 0  # ... of which came from the host and disk tiers
     promotions: int = 0  # blocks moved up to the device after being attended (policy="attention")
     rest_layer_steps: int = 0  # layer-steps that attended the blocks not read from their rest copy (rest_bits)
+    pages_selected: int = 0  # pages read on their own (page_tokens < block_tokens), over rows and layers
+    link_bytes: dict[str, int] = field(default_factory=dict)  # bytes the steps moved into the device, per link
+    summary_bytes_read: int = 0  # key summaries read on the device to score the candidates
+    rest_bytes_read: int = 0  # rest copy read on the device (codes, scales and the keys' page bounds)
+    staged_bytes_read: int = 0  # selected K/V attended from staging
     by_tier: dict[str, int] = field(default_factory=dict)  # blocks read per source tier (reused ones not)
     speculation: SpeculationCounters = field(default_factory=SpeculationCounters)  # disk reads ahead of need
 
     def as_dict(self) -> dict:
         steps = max(self.steps, 1)
+        device_reads = self.summary_bytes_read + self.rest_bytes_read + self.staged_bytes_read
         return {
+            "pages_selected": self.pages_selected,
+            "link_bytes_per_step": {name: nbytes / steps for name, nbytes in self.link_bytes.items()},
+            "summary_bytes_read_per_step": self.summary_bytes_read / steps,
+            "rest_bytes_read_per_step": self.rest_bytes_read / steps,
+            "staged_bytes_read_per_step": self.staged_bytes_read / steps,
+            "device_bytes_read_per_step": device_reads / steps,
             "layer_steps": self.layer_steps, "exact_layer_steps": self.exact_layer_steps, "steps": self.steps,
             "blocks_selected": self.blocks_selected, "blocks_total": self.blocks_total,
             "blocks_reused": self.blocks_reused,
@@ -174,7 +211,8 @@ class SparseAttention(PipelinedExecutor):
         self.budget = budget  # what each step reads (TieredCache.sparse sets it)
         self.counters = SparseCounters()
         self._rows_cache: dict[int, tuple] = {}  # layer -> (key, summary rows [B·C], no-summary mask or None)
-        self.last_columns: np.ndarray | None = None  # the last layer-step's selection [B, K] (grid columns)
+        self.last_columns: np.ndarray | None = None  # the last layer-step's whole blocks [B, K] (grid columns)
+        self.last_pages: np.ndarray | None = None  # ... and its pages [B, P] (column · per + page; None: blocks)
         self.sparse_blocks = SparseBlocks(store)  # summaries, open-tail copies, promotion
         self.kept = KeptBlocks(store)  # each layer's blocks of earlier steps, on the device
         self.speculation = Speculation(store, self.counters.speculation)
@@ -205,113 +243,150 @@ class SparseAttention(PipelinedExecutor):
             raise InvalidConfigError("sparse attention has no budget; enter `with cache.sparse(model, tokens=...)`.")
         layer, start, stop, context = span.layer, span.start, span.stop, span.context
         store = self.store
-        summaries = self.sparse_blocks.enable_summaries(budget.rest_bits)
+        bt = store.block_tokens
+        page = budget.page_size(bt)
+        per = bt // page  # pages per block
+        summaries = self.sparse_blocks.enable_summaries(budget.rest_bits, None if per == 1 else page)
+        moved = self._moved_in()
         self._begin_layer(span)
         self._speculate_after(layer)
         layout = store.layouts[layer]
-        bt = store.block_tokens
         q = query.view(batch, layout.kv_heads, heads // layout.kv_heads, 1, dim)  # [B, H_kv, G, 1, D]
-        columns = self._select(layer, start, stop, context, q, budget, summaries, scaling, softcap)  # [B, K]
-        self.last_columns = columns
+        columns, pages = self._select(layer, start, stop, context, q, budget, summaries, scaling, softcap, per)
+        self.last_columns, self.last_pages = columns, pages
         self.speculation.remember(layer, columns, self._runners_up(layer, columns))
-        count = columns.shape[1]
-        staging = self._staging(layer, batch, count)
+        count, picked = columns.shape[1], 0 if pages is None else pages.shape[1]
+        staging, page_staging = self._staging(layer, batch, count, picked * page)
         self._fill(layer, columns, staging)
+        parts = [self._block_part(columns, staging, start, stop, mask, query)]
+        if pages is not None and picked:
+            self._read_pages(layer, pages, per, page, page_staging)
+            parts.append((page_staging[0], page_staging[1],
+                          _page_bias(pages, per, page, start, mask, self._unread, query.dtype, query.device)))
+        wants_mass = getattr(store.policy, "wants_mass", False)
+        sticky = bool(self.sticky_share) and self._scored  # an exact layer-step (all blocks read) chose nothing
+        rest = self._unread is not None and budget.rest_bits and summaries.table(layer) is not None
+        unread = self._rest_attention(layer, start, stop, columns if pages is None else pages, per, q, mask, scaling,
+                                      softcap, summaries) if rest else None  # merged with the read ones below
+        out, shares = self._attend_parts(q, parts, unread, wants_mass or sticky, scaling, softcap)
+        units = [(columns, bt)] + ([(pages, page)] if pages is not None and picked else [])
+        unit_shares = [_unit_shares(w, u.shape[1], size) for w, (u, size) in zip(shares, units)]  # [B, H_q, K]
+        if sticky:  # the selected units' measured shares: blocks, or pages where pages are the unit
+            chosen, measured = units[-1][0], unit_shares[-1]
+            strongest = measured.amax(dim=1)  # [B, K]: the most some query head gave each
+            self._sticky[layer] = (chosen, strongest.masked_fill(strongest < self.sticky_share, 0.0))
+        else:
+            self._sticky.pop(layer, None)  # never a share older than the previous step
+        attended = columns if pages is None else np.concatenate((columns, pages // per), axis=1)
+        mass = torch.cat([s.mean(dim=1) for s in unit_shares], dim=1) if wants_mass else None
+        self._promote(layer, attended, mass, columns, staging)
+        self._count_moved(moved)
+        self.counters.staged_bytes_read += sum(k.numel() * k.element_size() for k, _, _ in parts) * 2  # K and V
+        self._left_at = time.perf_counter()
+        return out.reshape(batch, heads, 1, dim).transpose(1, 2).to(query.dtype)
+
+    def _block_part(self, columns: np.ndarray, staging: torch.Tensor, start: int, stop: int,
+                    mask: torch.Tensor | None, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                             torch.Tensor | None]:
+        """Keys, values and bias (None: none needed) of the whole blocks ``columns`` staged in ``staging``."""
+        bt = self.store.block_tokens
         tokens = _attended_prefix(columns, bt, start, stop, mask)
         bias = None
         if tokens is None:  # a mask, or a first block partly before ``start``: mask the selection's tokens
             tokens = _staged_tokens(columns, bt, stop)
             bias = _selection_bias(columns, bt, start, stop, mask, query.dtype, query.device)[..., :tokens]
-        keys, values = staging[0, :, :, :tokens], staging[1, :, :, :tokens]  # [B, H_kv, <= K·bt, D]
-        mass = None
-        wants_mass = getattr(store.policy, "wants_mass", False)
-        sticky = self.sticky_share and self._scored  # an exact layer-step (all blocks read) chose nothing
-        rest = self._unread is not None and budget.rest_bits and summaries.table(layer) is not None
-        unread = self._rest_attention(layer, start, stop, columns, q, mask, scaling, softcap, summaries) \
-            if rest else None  # the blocks not read, from their rest copy: merged with the read ones below
-        if wants_mass or sticky:  # the attention's own weights give each block's share (no second scoring)
-            out, weights, lse = weighted_attention(q, keys, values, bias, scaling, softcap)
-            if unread is not None:  # shares of the whole softmax, the blocks not read included
-                out, total = merge(out, lse, *unread)
-                weights = weights * torch.exp(lse - total)[..., None]
-            shares = _block_shares(weights, count, bt)  # [B, H_q, K]
-            mass = shares.mean(dim=1) if wants_mass else None
-            if sticky:
-                strongest = shares.amax(dim=1)  # [B, K]: the most some query head gave each block
-                self._sticky[layer] = (columns, strongest.masked_fill(strongest < self.sticky_share, 0.0))
-        else:
-            out, lse = partial_attention(q, keys, values, bias, scaling, softcap)
-            if unread is not None:
-                out, _ = merge(out, lse, *unread)
-        if not sticky:
-            self._sticky.pop(layer, None)  # never a share older than the previous step
-        self._promote(layer, columns, mass, staging)
-        self._left_at = time.perf_counter()
-        return out.reshape(batch, heads, 1, dim).transpose(1, 2).to(query.dtype)
+        return staging[0, :, :, :tokens], staging[1, :, :, :tokens], bias
+
+    @staticmethod
+    def _attend_parts(q: torch.Tensor, parts: list, unread: tuple[torch.Tensor, torch.Tensor] | None,
+                      weighted: bool, scaling: float, softcap: float | None) -> tuple[torch.Tensor, list]:
+        """One softmax over every part (keys, values, bias) and the rest copy's ``unread`` (out, lse), merged by
+        log-sum-exp; with ``weighted``, each part's keys' weights in that whole softmax ``[B, H_kv, G, 1, T]``
+        (the attention's own: no second scoring)."""
+        out = lse = None
+        pieces = []
+        for keys, values, bias in parts:
+            if weighted:
+                part_out, weights, part_lse = weighted_attention(q, keys, values, bias, scaling, softcap)
+                pieces.append((weights, part_lse))
+            else:
+                part_out, part_lse = partial_attention(q, keys, values, bias, scaling, softcap)
+            out, lse = merge(out, lse, part_out, part_lse)
+        if unread is not None:
+            out, lse = merge(out, lse, *unread)
+        assert out is not None and lse is not None  # the open tail is always a part
+        return out, [weights * torch.exp(part_lse - lse)[..., None] for weights, part_lse in pieces]
 
     # ---------------------------------------------------------------------------------- selection
     def _select(self, layer: int, start: int, stop: int, context: int, q: torch.Tensor, budget: SparseBudget,
-                summaries, scaling: float, softcap: float | None) -> np.ndarray:
-        """Grid columns each row attends, ``[B, K]`` ascending: sinks, top-scored blocks, recent window."""
+                summaries, scaling: float, softcap: float | None, per: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """What each row reads: grid columns read whole ``[B, K]`` ascending (sinks and the recent window; with
+        whole-block pages, ``per`` 1, the top-scored blocks too), and the top-scored pages ``[B, P]`` ascending
+        as ``column · per + page`` (None with whole-block pages)."""
         store = self.store
         bt = store.block_tokens
         rows = store.table.rows[layer]
         first, end = start // bt, -(-stop // bt)
         wanted = budget.budget_tokens(context)
         if layer < budget.dense_layers or wanted >= stop - start:  # dense, or a budget covering every column
-            total = end - first
+            total = (end - first) * per
         else:
-            total = budget.budget_blocks(context, end - first, bt, len(store.layouts))
+            total = budget.budget_blocks(context, (end - first) * per, bt // per, len(store.layouts))
         sinks = min(end - first, -(-(bt if budget.sinks is None else budget.sinks) // bt))
         recent_tokens = budget.recent or 0  # default: the open tail only
         recent_from = min(end - 1, max(start, stop - recent_tokens) // bt)  # the tail column at least
-        lo, hi = first + sinks, recent_from  # candidates: [lo, hi), all full
-        top = total - sinks - (end - recent_from)
+        lo, hi = first + sinks, recent_from  # candidates: blocks [lo, hi), all full
+        top = total - (sinks + end - recent_from) * per  # pages (blocks where per is 1) to select
         self.counters.layer_steps += 1
-        self._scored = 0 < top < hi - lo
+        self._scored = 0 < top < (hi - lo) * per
         self._unread = None
-        if top >= hi - lo:  # the budget covers every block: read them all (exact)
+        batch = rows.batch
+        if top >= (hi - lo) * per:  # the budget covers every block: read them all (exact)
             self.counters.exact_layer_steps += 1
-            return np.broadcast_to(np.arange(first, end), (rows.batch, end - first))
+            return np.broadcast_to(np.arange(first, end), (batch, end - first)), None
         self._unread = (lo, hi)
         head, tail = np.arange(first, lo), np.arange(recent_from, end)
         if top <= 0:
-            chosen = np.empty((rows.batch, 0), dtype=np.int64)
+            chosen = np.empty((batch, 0), dtype=np.int64)
         else:
-            score = self._with_sticky(layer, lo, hi, self._scores(layer, rows, lo, hi, q, summaries, scaling,
-                                                                  softcap))  # [B, C]
-            self._ranked = (layer, lo, score)
-            chosen = score.topk(top, dim=1).indices.sort(dim=1).values.cpu().numpy() + lo
-        batch = rows.batch
-        return np.concatenate((np.broadcast_to(head, (batch, head.size)), chosen,
-                               np.broadcast_to(tail, (batch, tail.size))), axis=1)
+            score = self._with_sticky(layer, lo * per, hi * per,
+                                      self._scores(layer, rows, lo, hi, q, summaries, scaling, softcap))  # [B, C·per]
+            self._ranked = (layer, lo, score) if per == 1 else None
+            chosen = score.topk(top, dim=1).indices.sort(dim=1).values.cpu().numpy() + lo * per
+        whole = (np.broadcast_to(head, (batch, head.size)), np.broadcast_to(tail, (batch, tail.size)))
+        if per == 1:
+            return np.concatenate((whole[0], chosen, whole[1]), axis=1), None
+        return np.concatenate(whole, axis=1), chosen
 
     def _scores(self, layer: int, rows, lo: int, hi: int, q: torch.Tensor, summaries, scaling: float,
                 softcap: float | None) -> torch.Tensor:
-        """Each row's score of candidate columns ``[lo, hi)``: ``[B, C]`` (one vectorized pass, no loop)."""
+        """Each row's score of the pages of candidate columns ``[lo, hi)``: ``[B, C · pages]`` (one vectorized
+        pass, no loop)."""
         table = summaries.table(layer)
         index, missing = self._summary_rows(layer, rows, lo, hi, summaries, q.device)
         batch, columns = rows.batch, hi - lo
         if table is None:
-            return torch.zeros((batch, columns), device=q.device)
-        heads = table.shape[0]
-        # [H_kv, B·C, 3, D] -> [B, H_kv, C, 3·D]: rows of (min, max, mean), a view (no copy of the summaries)
-        stacked = table.index_select(1, index).view(heads, batch, columns, -1).transpose(0, 1).float()
+            return torch.zeros((batch, columns * summaries.pages(self.store.block_tokens)), device=q.device)
+        heads, pages = table.shape[0], table.shape[2]
+        # [H_kv, B·C, pages, 3, D] -> [B, H_kv, C·pages, 3·D]: rows of (min, max, mean), gathered once
+        gathered = table.index_select(1, index)
+        self.counters.summary_bytes_read += gathered.numel() * gathered.element_size()
+        stacked = gathered.view(heads, batch, columns * pages, -1).transpose(0, 1).float()
         query = q[:, :, :, 0].float() * (0.5 * scaling)  # [B, H_kv, G, D]
         # (bound + mean) / 2 = (q⁻·min + q⁺·max + q·mean) / 2: one matmul over the three stacked
         logits = torch.matmul(torch.cat((query.clamp_max(0), query.clamp_min(0), query), dim=-1),
-                              stacked.transpose(-1, -2))  # [B, H_kv, G, C]
+                              stacked.transpose(-1, -2))  # [B, H_kv, G, C·pages]
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         share = torch.softmax(logits, dim=-1)  # each head's estimated attention share
-        score = share.flatten(1, 2).amax(dim=1)  # [B, C]: the most any query head would give the block
-        return score if missing is None else score.masked_fill(missing, math.inf)
+        score = share.flatten(1, 2).amax(dim=1)  # [B, C·pages]: the most any query head would give the page
+        return score if missing is None else score.masked_fill(missing.repeat_interleave(pages, dim=1), math.inf)
 
     def _summary_rows(self, layer: int, rows, lo: int, hi: int, summaries,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Summary table rows of candidate columns ``[lo, hi)`` as ``[B·C]`` (0 where a block has none), and which
         have none ``[B, C]`` (None: all have one); looked up once per grid version, candidate range and summaries
-        (the store rebuilds them when ``rest_bits`` changes)."""
+        (the store rebuilds them when ``rest_bits`` or ``page_tokens`` changes)."""
         key = (rows.version, lo, hi, summaries)
         cached = self._rows_cache.get(layer)
         if cached is None or cached[0] != key:
@@ -320,14 +395,15 @@ class SparseAttention(PipelinedExecutor):
             cached = self._rows_cache[layer] = (key, torch.from_numpy(found.clip(0).ravel()).to(device), missing)
         return cached[1], cached[2]
 
-    def _rest_attention(self, layer: int, start: int, stop: int, columns: np.ndarray, q: torch.Tensor,
+    def _rest_attention(self, layer: int, start: int, stop: int, read: np.ndarray, per: int, q: torch.Tensor,
                         mask: torch.Tensor | None, scaling: float, softcap: float | None,
                         summaries) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Attention of ``q`` over the candidates the selection ``columns`` did not read, from their rest copy on
-        the device: the output and log-sum-exp to merge with the read blocks' (the same softmax, in two pieces;
-        None: nothing to attend). Blocks without a copy (none was summarised yet) and the selected ones are
-        masked out. Decoded :data:`REST_CHUNK_TOKENS` candidate tokens at a time, merged by log-sum-exp, so the
-        decoding's temporaries stay bounded whatever the context."""
+        """Attention of ``q`` over the candidate pages the selection did not read (``read`` ``[B, K]``: the pages,
+        as ``column · per + page``, or the blocks where ``per`` is 1), from their rest copy on the device: the
+        output and log-sum-exp to merge with the read ones' (the same softmax, in two pieces; None: nothing to
+        attend). Blocks without a copy (none was summarised yet) and the pages read are masked out. Decoded
+        :data:`REST_CHUNK_TOKENS` candidate tokens at a time, merged by log-sum-exp, so the decoding's
+        temporaries stay bounded whatever the context."""
         if self._unread is None:
             return None
         lo, hi = self._unread
@@ -336,19 +412,22 @@ class SparseAttention(PipelinedExecutor):
         index, missing = self._summary_rows(layer, rows, lo, hi, summaries, q.device)
         candidates = np.broadcast_to(np.arange(lo, hi), (batch, hi - lo))
         bias = _selection_bias(candidates, bt, start, stop, mask, q.dtype, q.device)  # [B, 1, 1, C·bt]
-        read = np.zeros((batch, hi - lo), dtype=bool)
-        row, position = np.nonzero((columns >= lo) & (columns < hi))
-        read[row, columns[row, position] - lo] = True
-        skip = torch.from_numpy(read).to(q.device)
-        skip = skip if missing is None else skip | missing
-        bias = bias.masked_fill(skip.repeat_interleave(bt, dim=1)[:, None, None], torch.finfo(q.dtype).min)
+        taken = np.zeros((batch, (hi - lo) * per), dtype=bool)
+        row, position = np.nonzero((read >= lo * per) & (read < hi * per))
+        taken[row, read[row, position] - lo * per] = True
+        skip = torch.from_numpy(taken).to(q.device)
+        skip = skip if missing is None else skip | missing.repeat_interleave(per, dim=1)
+        bias = bias.masked_fill(skip.repeat_interleave(bt // per, dim=1)[:, None, None], torch.finfo(q.dtype).min)
+        skipped = skip.view(batch, hi - lo, per).all(dim=2)  # [B, C]: blocks with nothing left to attend
         index = index.view(batch, -1)  # [B, C]
         chunk = max(1, REST_CHUNK_TOKENS // bt)
         out = lse = None
         for c in range(0, hi - lo, chunk):
-            if skip[:, c : c + chunk].all():
+            if skipped[:, c : c + chunk].all():
                 continue
-            keys, values = summaries.rest(layer, index[:, c : c + chunk].reshape(-1), q.dtype)  # [H_kv, B·n, bt, D]
+            picked = index[:, c : c + chunk].reshape(-1)
+            keys, values = summaries.rest(layer, picked, q.dtype)  # [H_kv, B·n, bt, D]
+            self.counters.rest_bytes_read += summaries.rest_nbytes(layer, picked.numel())
             heads, dim = keys.shape[0], keys.shape[-1]
             keys = keys.view(heads, batch, -1, dim).transpose(0, 1)  # [B, H_kv, n·bt, D]
             values = values.view(heads, batch, -1, dim).transpose(0, 1)
@@ -359,11 +438,11 @@ class SparseAttention(PipelinedExecutor):
         return None if out is None or lse is None else (out, lse)
 
     def _with_sticky(self, layer: int, lo: int, hi: int, score: torch.Tensor) -> torch.Tensor:
-        """``score`` ``[B, C]`` of candidates ``[lo, hi)``, raised to the share a block got from some query head at
-        the layer's previous step where that share was at least ``sticky_share``. Why: a head that copies (the
-        digits of a retrieved number, one per step) keeps attending the block it read from, and the summaries
-        can miss it on the next step (docs/quality.md: both multi-needle misses on 8-token blocks dropped the
-        number's last digit); a measured share is no estimate. One scatter, no loop."""
+        """``score`` ``[B, C]`` of candidate units (pages, or blocks) ``[lo, hi)``, raised to the share a unit got
+        from some query head at the layer's previous step where that share was at least ``sticky_share``. Why: a
+        head that copies (the digits of a retrieved number, one per step) keeps attending the unit it read from,
+        and the summaries can miss it on the next step (docs/quality.md: both multi-needle misses on 8-token
+        blocks dropped the number's last digit); a measured share is no estimate. One scatter, no loop."""
         previous = self._sticky.get(layer)
         if previous is None or previous[0].shape[0] != score.shape[0]:
             return score
@@ -455,16 +534,24 @@ class SparseAttention(PipelinedExecutor):
             self.timeline.add_reads(layer, timings, sync=True)
 
     # ---------------------------------------------------------------------------------- promotion
-    def _promote(self, layer: int, columns: np.ndarray, mass: torch.Tensor | None, staging: torch.Tensor) -> None:
-        """Tell the policy what was attended; copy the blocks it wants up to the device from staging, in one
-        batched write (no loop over the selected blocks: they are found with one vectorized comparison)."""
+    def _promote(self, layer: int, attended: np.ndarray, mass: torch.Tensor | None, columns: np.ndarray,
+                 staging: torch.Tensor) -> None:
+        """Tell the policy what was attended (``attended`` ``[B, A]``: the block of every unit read, with its
+        ``mass``); copy the blocks it wants up to the device from staging, where they were read whole
+        (``columns``), in one batched write (no loop over the selected blocks: they are found with one vectorized
+        comparison). A block read only in pages stays where it is: its whole bytes are not on the device."""
         weights = mass.cpu().numpy() if mass is not None else None
-        wanted = self.sparse_blocks.attended(layer, columns, weights)
+        wanted = self.sparse_blocks.attended(layer, attended, weights)
         if not wanted:
             return
         rows = self.store.table.rows[layer]
         ids = rows.ids[np.arange(rows.batch)[:, None], columns]  # [B, K]
-        first = np.argmax(ids.ravel()[None, :] == np.array([b.id for b in wanted])[:, None], axis=1)  # [n]
+        match = ids.ravel()[None, :] == np.array([b.id for b in wanted])[:, None]  # [n, B·K]
+        found = match.any(axis=1)
+        if not found.any():
+            return
+        wanted = [block for block, whole in zip(wanted, found.tolist()) if whole]
+        first = np.argmax(match[found], axis=1)  # [n]
         row, position = np.divmod(first, columns.shape[1])
         bt = self.store.block_tokens
         blocks = staging.unflatten(3, (-1, bt))  # [2, B, H_kv, K, bt, D]
@@ -472,7 +559,33 @@ class SparseAttention(PipelinedExecutor):
         data = blocks[:, index[0], :, index[1]]  # [n, 2, H_kv, bt, D]
         self.counters.promotions += self.sparse_blocks.promote(wanted, data, ids)
 
+    def _read_pages(self, layer: int, pages: np.ndarray, per: int, page: int, dest: torch.Tensor) -> None:
+        """Read pages ``pages`` ``[B, P]`` (``column · per + page``) into ``dest`` ``[2, B, H_kv, P · page, D]``:
+        one page read per tier (:meth:`KVStore.read_pages`), counted like the blocks' reads."""
+        before = self._moved_in()
+        columns, index = np.divmod(pages, per)
+        self.store.read_pages(layer, columns, index, page, dest)
+        counters = self.counters
+        counters.pages_selected += pages.size
+        for name, nbytes in self._moved_in().items():
+            delta = nbytes - before.get(name, 0)
+            counters.bytes_fetched += delta
+            if not name.startswith(Tier.DEVICE.label):
+                counters.bytes_fetched_off_device += delta
+
     # ---------------------------------------------------------------------------------- telemetry
+    def _moved_in(self) -> dict[str, int]:
+        """The store's byte counters of the links into the device, now."""
+        return {name: nbytes for name, nbytes in self.store.transfer.bytes_moved.items()
+                if name.endswith(f"->{Tier.DEVICE.label}")}
+
+    def _count_moved(self, before: dict[str, int]) -> None:
+        """Add what moved into the device since ``before`` (:meth:`_moved_in`) to the per-link counts."""
+        link_bytes = self.counters.link_bytes
+        for name, nbytes in self._moved_in().items():
+            if nbytes != before.get(name, 0):
+                link_bytes[name] = link_bytes.get(name, 0) + nbytes - before.get(name, 0)
+
     def _count(self, layer: int, plan: ReadPlan, columns: np.ndarray, reused: int, speculated: int) -> None:
         store, counters = self.store, self.counters
         bt = store.block_tokens
@@ -510,10 +623,12 @@ class SparseAttention(PipelinedExecutor):
         self._see_layer(span)
 
     # ---------------------------------------------------------------------------------- staging
-    def _staging(self, layer: int, batch: int, columns: int) -> torch.Tensor:
-        """The staging buffer as ``[2, B, H_kv, >= columns · block_tokens, D]`` for ``layer``'s layout."""
+    def _staging(self, layer: int, batch: int, columns: int, page_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staging buffer for ``layer``'s layout as two contiguous parts: ``[2, B, H_kv, columns ·
+        block_tokens, D]`` for whole blocks, and ``[2, B, H_kv, page_tokens, D]`` for pages after it."""
         layout = self.store.layouts[layer]
-        nbytes = batch * columns * self.store.block_tokens * layout.token_bytes
+        whole = batch * columns * self.store.block_tokens * layout.token_bytes
+        nbytes = whole + batch * page_tokens * layout.token_bytes
         staging = self.staging
         if not staging.buffers or staging.buffers[0].numel() < nbytes:
             grown = max(nbytes, int(staging.reserved * GROWTH))
@@ -525,8 +640,10 @@ class SparseAttention(PipelinedExecutor):
                     raise
                 self.kept.release()  # the kept blocks save reads, the staging is needed: they give way
                 staging.allocate(1, grown)
-        flat = staging.buffers[0][:nbytes].view(layout.dtype)
-        return flat.view(2, batch, layout.kv_heads, columns * self.store.block_tokens, layout.head_dim)
+        flat = staging.buffers[0]
+        heads, dim = layout.kv_heads, layout.head_dim
+        return (flat[:whole].view(layout.dtype).view(2, batch, heads, columns * self.store.block_tokens, dim),
+                flat[whole:nbytes].view(layout.dtype).view(2, batch, heads, page_tokens, dim))
 
     # ---------------------------------------------------------------------------------- control
     def invalidate(self) -> None:
@@ -583,14 +700,30 @@ def _staged_tokens(columns: np.ndarray, bt: int, stop: int) -> int:
 
 def _selection_bias(columns: np.ndarray, bt: int, start: int, stop: int, mask: torch.Tensor | None,
                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive bias ``[B, 1, 1, K·bt]`` over the selected blocks' tokens: positions outside ``[start, stop)``
-    (the tail's empty slots, a sliding window's first block) and those ``mask`` hides get the lowest finite
-    value (like eager masks: a fully masked row stays finite)."""
-    lowest = torch.finfo(dtype).min
+    """Additive bias ``[B, 1, 1, K·bt]`` over the selected blocks' tokens (:func:`_bias`)."""
     cols = torch.from_numpy(np.array(columns, dtype=np.int64)).to(device)  # a copy: broadcast views are read-only
-    positions = (cols[:, :, None] * bt + torch.arange(bt, device=device)).flatten(1)  # [B, K·bt]
+    return _bias((cols[:, :, None] * bt + torch.arange(bt, device=device)).flatten(1), start, stop, mask, dtype)
+
+
+def _page_bias(pages: np.ndarray, per: int, page: int, start: int, mask: torch.Tensor | None,
+               candidates: tuple[int, int] | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Additive bias ``[B, 1, 1, P·page]`` over the selected pages' tokens (:func:`_bias`); None where none is
+    needed: no mask, and every candidate block (``[lo, hi)``, all full) at or after ``start``."""
+    if mask is None and candidates is not None and candidates[0] * per * page >= start:
+        return None
+    firsts = torch.from_numpy((pages // per * per * page + pages % per * page).astype(np.int64)).to(device)
+    positions = (firsts[:, :, None] + torch.arange(page, device=device)).flatten(1)  # [B, P·page]
+    return _bias(positions, start, int(positions.max()) + 1, mask, dtype)
+
+
+def _bias(positions: torch.Tensor, start: int, stop: int, mask: torch.Tensor | None,
+          dtype: torch.dtype) -> torch.Tensor:
+    """Additive bias ``[B, 1, 1, T]`` over staged tokens at ``positions`` ``[B, T]``: positions outside
+    ``[start, stop)`` (the tail's empty slots, a sliding window's first block) and those ``mask`` hides get the
+    lowest finite value (like eager masks: a fully masked row stays finite)."""
+    lowest = torch.finfo(dtype).min
     allowed = (positions >= start) & (positions < stop)
-    bias = torch.zeros(positions.shape, dtype=dtype, device=device)
+    bias = torch.zeros(positions.shape, dtype=dtype, device=positions.device)
     if mask is not None:
         part = mask[:, 0, -1]  # [B or 1, kv] over tokens [start, stop)
         index = (positions - start).clamp(0, part.shape[-1] - 1)
@@ -602,9 +735,10 @@ def _selection_bias(columns: np.ndarray, bt: int, start: int, stop: int, mask: t
     return bias.masked_fill(~allowed, lowest)[:, None, None, :]
 
 
-def _block_shares(weights: torch.Tensor, count: int, bt: int) -> torch.Tensor:
-    """Each selected block's share of each query head's softmax, ``[B, H_q, K]``, from the attended tokens'
-    weights ``[B, H_kv, G, 1, T]`` (only the K·bt selected tokens of one query: no attention matrix)."""
+def _unit_shares(weights: torch.Tensor, count: int, size: int) -> torch.Tensor:
+    """Each selected unit's (block's or page's) share of each query head's softmax, ``[B, H_q, K]``, from the
+    attended tokens' weights ``[B, H_kv, G, 1, T]`` (only the K·size selected tokens of one query: no attention
+    matrix)."""
     weights = weights[:, :, :, 0]  # [B, H_kv, G, T]
-    weights = torch.nn.functional.pad(weights, (0, count * bt - weights.shape[-1]))  # T < K·bt: the tail's empty slots
-    return weights.unflatten(-1, (count, bt)).sum(-1).flatten(1, 2)  # [B, H_q, K]
+    weights = torch.nn.functional.pad(weights, (0, count * size - weights.shape[-1]))  # the tail's empty slots
+    return weights.unflatten(-1, (count, size)).sum(-1).flatten(1, 2)  # [B, H_q, K]

@@ -35,17 +35,20 @@ class SparseBlocks:
     def __init__(self, store: KVStore) -> None:
         self.store = store
 
-    def enable_summaries(self, rest_bits: int = 0) -> KeySummaries:
-        """Keep key summaries of full blocks from now on (:mod:`tierkv.store.summaries`), with a ``rest_bits``-bit
-        copy of their keys and values if that is not 0, on the device and in its budget; blocks already full
-        are summarised now, read once from wherever they live (again if ``rest_bits`` changed)."""
+    def enable_summaries(self, rest_bits: int = 0, page_tokens: int | None = None) -> KeySummaries:
+        """Keep key summaries of every ``page_tokens``-token page of full blocks from now on (None: one per block;
+        :mod:`tierkv.store.summaries`), with a ``rest_bits``-bit copy of their keys and values if that is not 0,
+        on the device and in its budget; blocks already full are summarised now, read once from wherever they
+        live (again if ``rest_bits`` or ``page_tokens`` changed)."""
         store = self.store
         if store.summaries is not None:
-            if store.summaries.rest_bits == rest_bits:
+            if (store.summaries.rest_bits, store.summaries.page_tokens) == (rest_bits, page_tokens):
                 return store.summaries
             store.summaries.clear()
             store.summaries = None
-        summaries = KeySummaries(store.device.device, store.reserve_device, store.release_device, rest_bits)
+        summaries = KeySummaries(store.device.device, store.reserve_device, store.release_device, rest_bits,
+                                 page_tokens)
+        summaries.pages(store.block_tokens)  # a page size that does not divide the blocks: refused before any read
         bt = store.block_tokens
         for layer, rows in store.table.rows.items():
             full = store.seq_length(layer) // bt

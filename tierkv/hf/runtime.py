@@ -154,7 +154,11 @@ class Runtime:
                      steps=exact.timeline.summary() if exact.timeline is not None else {})
         sparse = self.executors.get("sparse")
         if sparse is not None:
-            stats["sparse"] = sparse.counters.as_dict()  # type: ignore[attr-defined]
+            summaries = self.store.summaries
+            held = summaries.summary_nbytes if summaries is not None else 0
+            stats["sparse"] = {**sparse.counters.as_dict(),  # type: ignore[attr-defined]
+                               "summaries_device_bytes": held,
+                               "rest_copy_device_bytes": summaries.nbytes - held if summaries is not None else 0}
         return stats
 
     def budget_error(self, error: BudgetTooSmallError, context: int, batch: int) -> BudgetTooSmallError:

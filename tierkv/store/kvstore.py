@@ -29,6 +29,7 @@ from tierkv.errors import BudgetTooSmallError, InvalidConfigError
 from tierkv.layout import BlockLayout
 from tierkv.policy import Policy
 from tierkv.store import consistency, edits, export
+from tierkv.store import pages as page_reads
 from tierkv.store.placement import BlockPlacement
 from tierkv.store.plan import ReadPlan, build_plan, build_selection_plan
 from tierkv.store.summaries import KeySummaries
@@ -264,6 +265,12 @@ class KVStore:
         the destination alone): sparse attention's read, one batched read per tier like any plan. Not cached
         (selections change every step)."""
         return build_selection_plan(layer, self.table.rows[layer], columns, self.chain)
+
+    def read_pages(self, layer: int, columns: np.ndarray, pages: np.ndarray, page_tokens: int,
+                   dest: torch.Tensor) -> None:
+        """Copy page ``pages[b, k]`` of full grid column ``columns[b, k]`` (-1: none) of row ``b`` into ``dest[:, b,
+        :, k * page_tokens : (k + 1) * page_tokens]``: reads finer than a block (:func:`.pages.read_pages`)."""
+        page_reads.read_pages(self, layer, columns, pages, page_tokens, dest)
 
     def read_into(self, layer: int, plan: ReadPlan, dest: torch.Tensor, timings: list[PartTiming] | None = None,
                   ahead: PendingRead | None = None) -> None:

@@ -1,35 +1,40 @@
-"""Per-block key summaries for query-aware sparse attention: the per-channel min, max and mean of a block's keys.
+"""Key summaries for query-aware sparse attention: the per-channel min, max and mean of each *page* of a block's
+keys (``page_tokens`` consecutive tokens; a block of ``block_tokens`` holds ``block_tokens / page_tokens`` pages).
 
-For a block whose keys lie channel-wise in ``[lo, hi]``, every key ``k`` of it satisfies (Quest's bound)::
+For a page whose keys lie channel-wise in ``[lo, hi]``, every key ``k`` of it satisfies (Quest's bound)::
 
     q · k  <=  Σ_d max(q_d · lo_d, q_d · hi_d)  =  q⁺ · hi + q⁻ · lo      (q⁺ = max(q, 0), q⁻ = min(q, 0))
 
-an upper bound on each of its attention logits, and the mean key ``m`` gives the block's *mean* logit exactly::
+an upper bound on each of its attention logits, and the mean key ``m`` gives the page's *mean* logit exactly::
 
-    q · m  =  (1 / block_tokens) · Σ_k q · k
+    q · m  =  (1 / page_tokens) · Σ_k q · k
 
-— ``3 · H_kv · D`` numbers instead of ``block_tokens · H_kv · D``. The bound alone over-rates blocks with one
-outlying channel (on SmolLM2: docs/quality.md); the sparse executor ranks blocks by both.
-A summary is computed once, when its block fills (the store calls :meth:`KeySummaries.add` with the block's keys,
-which it holds at that moment); a full block is immutable, so its summary never changes, and blocks shared
-by several rows (beams, a common prefix) share one. The open tail block has none: sparse attention always reads it.
+— ``3 · H_kv · D`` numbers instead of ``page_tokens · H_kv · D``. The bound alone over-rates pages with one
+outlying channel (on SmolLM2: docs/quality.md); the sparse executor ranks pages by both. Why pages, not blocks:
+the block is the unit of placement and of large transfers (256 tokens by default), far too coarse a unit to
+select (at 10% of a 2K context a block is the whole budget); pages let the selection be fine while the blocks
+stay large.
+A block's summaries are computed once, when it fills (the store calls :meth:`KeySummaries.add` with the block's
+keys, which it holds at that moment); a full block is immutable, so they never change, and blocks shared by
+several rows (beams, a common prefix) share them. The open tail block has none: sparse attention always reads it.
 
-Summaries live on the device tier, one table ``[H_kv, capacity, 3, D]`` per layer in the KV dtype (head-major: a
-selection's rows gathered from it are already each head's ``[C, 3·D]`` matrix for scoring), addressed
-through ``row_of[block_id]`` (a numpy array, so a layer's grid of block ids maps to table rows in one
-vectorized lookup). Their bytes are reserved against the device budget like staging, through the callable the
-store passes in, so ``stats()`` and the budget checks include them.
+Summaries live on the device tier, one table ``[H_kv, capacity, pages, 3, D]`` per layer in the KV dtype
+(head-major: a selection's rows gathered from it are already each head's ``[C · pages, 3·D]`` matrix for
+scoring), a block's pages in one table row, addressed through ``row_of[block_id]`` (a numpy array, so a layer's
+grid of block ids maps to table rows in one vectorized lookup). Their bytes are reserved against the device
+budget like staging, through the callable the store passes in, so ``stats()`` and the budget checks include
+them.
 
-**The rest copy** (``rest_bits`` 2, 4 or 8; 0: none). Beside its summary, a block may keep a low-bit copy of its
-keys and values, so that sparse attention can attend the blocks it does not read from it instead of not at all
-(KIVI's layout): keys per channel over the block, on the summary's own min and max (no scale of their own);
+**The rest copy** (``rest_bits`` 2, 4 or 8; 0: none). Beside its summaries, a block may keep a low-bit copy of its
+keys and values, so that sparse attention can attend the pages it does not read from it instead of not at all
+(KIVI's layout): keys per channel over each page, on the page summary's own min and max (no scale of their own);
 values per token over groups of ``tierkv.staging.VALUE_GROUP`` (32) channels, with a min and a step per group.
 Why: on SmolLM2 at 10% of a 2K context, even the best selection of single tokens leaves 6% of next tokens
 different from full attention (the mass spread thinly over the other 90%); attending those from a copy made
 top-1 agreement 95.4% with 2 bits and 99.6% with 4 (docs/quality.md). With fp16 KV it takes 15.6% (2 bits) or
 28% (4 bits) of the KV bytes on the device (``tierkv.staging.rest_copy_bytes``), besides the summaries; nothing
-more is read from the tiers. Decoding it
-is a step's work over every block of the layer, so it costs compute the selection alone does not.
+more is read from the tiers. Decoding it is a step's work over every page not read, so it costs compute the
+selection alone does not.
 """
 
 from __future__ import annotations
@@ -48,9 +53,9 @@ TABLE_GROWTH = 1.25  # a full table grows by this factor: doubling could reserve
 
 
 class _LayerTable:
-    """One layer's summaries: ``table`` ``[H_kv, capacity, 3, D]`` (min, max, mean), its free rows, and the rest
-    copy if kept: ``codes`` ``[H_kv, capacity, 2, bt, D · bits / 8]`` (packed keys and values) and
-    ``value_scale`` ``[H_kv, capacity, bt, groups, 2]`` (each value group's min and step)."""
+    """One layer's summaries: ``table`` ``[H_kv, capacity, pages, 3, D]`` (min, max, mean of each page), its free
+    rows, and the rest copy if kept: ``codes`` ``[H_kv, capacity, 2, bt, D · bits / 8]`` (packed keys and values)
+    and ``value_scale`` ``[H_kv, capacity, bt, groups, 2]`` (each value group's min and step)."""
 
     def __init__(self, table: torch.Tensor, codes: torch.Tensor | None = None,
                  value_scale: torch.Tensor | None = None) -> None:
@@ -65,6 +70,10 @@ class _LayerTable:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
+    @property
+    def summary_nbytes(self) -> int:
+        return self.table.numel() * self.table.element_size()
+
 
 class KeySummaries:
     """Summaries of every full block of every layer, on the device, counted in its budget.
@@ -73,11 +82,15 @@ class KeySummaries:
     to make room, and raises :class:`~tierkv.errors.BudgetTooSmallError` when it cannot)."""
 
     def __init__(self, device: torch.device, reserve: Callable[[int], None], unreserve: Callable[[int], None],
-                 rest_bits: int = 0) -> None:
+                 rest_bits: int = 0, page_tokens: int | None = None) -> None:
+        """``page_tokens``: tokens per summarised page, dividing every block's tokens (None: one page per block)."""
         if rest_bits not in REST_BITS:
             raise InvalidConfigError(f"rest_bits={rest_bits!r}: give one of {', '.join(map(str, REST_BITS))} "
                                      "(0: no copy of the blocks a sparse step does not read).")
-        self.device, self.rest_bits = device, rest_bits
+        if page_tokens is not None and (isinstance(page_tokens, bool) or not isinstance(page_tokens, int)
+                                        or page_tokens < 1):
+            raise InvalidConfigError(f"page_tokens={page_tokens!r} must be an int >= 1 (tokens per summarised page).")
+        self.device, self.rest_bits, self.page_tokens = device, rest_bits, page_tokens
         self._accel = backend(device)
         self._reserve, self._unreserve = reserve, unreserve
         self._layers: dict[int, _LayerTable] = {}
@@ -89,11 +102,25 @@ class KeySummaries:
         """Device bytes the tables hold (all reserved against the device budget)."""
         return sum(t.nbytes for t in self._layers.values())
 
+    @property
+    def summary_nbytes(self) -> int:
+        """Device bytes of the summaries alone (the rest copy's are ``nbytes - summary_nbytes``)."""
+        return sum(t.summary_nbytes for t in self._layers.values())
+
+    def pages(self, block_tokens: int) -> int:
+        """Pages per block of ``block_tokens`` tokens (raises if ``page_tokens`` does not divide it)."""
+        page = self.page_tokens or block_tokens
+        if block_tokens % page:
+            raise InvalidConfigError(f"page_tokens={page} does not divide the cache's block_tokens={block_tokens}: "
+                                     "give a divisor of it (e.g. 16 for 256-token blocks).")
+        return block_tokens // page
+
     def __len__(self) -> int:
         return len(self._layer_of)
 
     def table(self, layer: int) -> torch.Tensor | None:
-        """Layer ``layer``'s table ``[H_kv, capacity, 3, D]`` (row ``r``: min, max, mean), None before its first."""
+        """Layer ``layer``'s table ``[H_kv, capacity, pages, 3, D]`` (row ``r``: each page's min, max, mean), None
+        before its first."""
         entry = self._layers.get(layer)
         return entry.table if entry is not None else None
 
@@ -115,9 +142,10 @@ class KeySummaries:
         if len(ids) != len(block_ids):
             first = {block_id: i for i, block_id in reversed(list(enumerate(block_ids)))}
             blocks = blocks[[first[block_id] for block_id in ids]]
-        keys = blocks[:, 0]  # [n, H_kv, bt, D]
-        summary = torch.stack((keys.amin(dim=2), keys.amax(dim=2), keys.float().mean(dim=2).to(keys.dtype)),
-                              dim=1)  # [n, 3, H_kv, D]
+        pages = self.pages(blocks.shape[3])
+        keys = blocks[:, 0].unflatten(2, (pages, -1))  # [n, H_kv, pages, page_tokens, D]
+        summary = torch.stack((keys.amin(dim=3), keys.amax(dim=3), keys.float().mean(dim=3).to(keys.dtype)),
+                              dim=3)  # [n, H_kv, pages, 3, D]
         rest = self._rest_copy(blocks, summary) if self.rest_bits else None
         entry = self._room(layer, summary, sum(1 for i in ids if self._row(i) < 0), blocks.shape[3])
         rows = []
@@ -129,7 +157,7 @@ class KeySummaries:
                 self._layer_of[block_id] = layer
             rows.append(row)
         index = torch.tensor(rows, device=self.device)
-        entry.table[:, index] = summary.permute(2, 0, 1, 3).to(entry.table.dtype)
+        entry.table[:, index] = summary.transpose(0, 1).to(entry.table.dtype)
         if rest is not None:
             assert entry.codes is not None and entry.value_scale is not None  # kept with rest_bits
             entry.codes[:, index], entry.value_scale[:, index] = rest[0], rest[1].to(entry.value_scale.dtype)
@@ -140,13 +168,22 @@ class KeySummaries:
         entry, bits = self._layers[layer], self.rest_bits
         assert entry.codes is not None and entry.value_scale is not None, "kept only with rest_bits"
         packed = entry.codes.index_select(1, index)  # [H_kv, N, 2, bt, D · bits / 8]
-        bounds = entry.table[:, :, :2].index_select(1, index).float()  # [H_kv, N, 2, D]: the keys' min, max
-        lo, hi = bounds[:, :, None, 0], bounds[:, :, None, 1]
-        keys = torch.addcmul(lo, _unpack(packed[:, :, 0], bits), (hi - lo) / (2**bits - 1))
+        bounds = entry.table[:, :, :, :2].index_select(1, index).float()  # [H_kv, N, pages, 2, D]: keys' min, max
+        lo, hi = bounds[:, :, :, None, 0], bounds[:, :, :, None, 1]  # [H_kv, N, pages, 1, D]
+        codes = _unpack(packed[:, :, 0], bits).unflatten(2, (bounds.shape[2], -1))  # [H_kv, N, pages, pt, D]
+        keys = torch.addcmul(lo, codes, (hi - lo) / (2**bits - 1)).flatten(2, 3)
         scale = entry.value_scale.index_select(1, index).float()  # [H_kv, N, bt, groups, 2]
         grouped = _unpack(packed[:, :, 1], bits).unflatten(-1, (scale.shape[3], -1))  # [..., groups, D / groups]
         values = torch.addcmul(scale[..., :1], grouped, scale[..., 1:]).flatten(-2)
         return keys.to(dtype), values.to(dtype)
+
+    def rest_nbytes(self, layer: int, rows: int) -> int:
+        """Device bytes :meth:`rest` reads for ``rows`` table rows of ``layer``: codes, value scales, key bounds."""
+        entry = self._layers[layer]
+        assert entry.codes is not None and entry.value_scale is not None, "kept only with rest_bits"
+        bounds = entry.table[:, 0, :, :2]
+        per_row = sum(t[:, 0].numel() * t.element_size() for t in (entry.codes, entry.value_scale, bounds))
+        return rows * per_row
 
     def release(self, block_id: int) -> None:
         """``block_id`` was freed: its row goes back to its layer's free list."""
@@ -178,10 +215,13 @@ class KeySummaries:
     def _rest_copy(self, blocks: torch.Tensor, summary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest copy of ``blocks`` ``[n, 2, H_kv, bt, D]`` as table rows: packed codes
         ``[H_kv, n, 2, bt, D · bits / 8]`` and the value groups' (min, step) ``[H_kv, n, bt, groups, 2]``. Keys are
-        coded on the summary's min and max as stored (rounded to the KV dtype), so decoding needs nothing else."""
+        coded on their page summary's min and max as stored (rounded to the KV dtype), so decoding needs nothing
+        else."""
         levels = 2**self.rest_bits - 1
-        lo, hi = summary[:, 0, :, None].float(), summary[:, 1, :, None].float()  # [n, H_kv, 1, D]
-        keys = _codes(blocks[:, 0].float(), lo, (hi - lo) / levels, levels)
+        stored = summary.to(blocks.dtype).float()  # [n, H_kv, pages, 3, D], as the table holds it
+        lo, hi = stored[:, :, :, None, 0], stored[:, :, :, None, 1]  # [n, H_kv, pages, 1, D]
+        paged = blocks[:, 0].float().unflatten(2, (summary.shape[2], -1))  # [n, H_kv, pages, pt, D]
+        keys = _codes(paged, lo, (hi - lo) / levels, levels).flatten(2, 3)
         dim = blocks.shape[-1]
         values = blocks[:, 1].float().unflatten(-1, (value_groups(dim), -1))  # [n, H_kv, bt, groups, D / groups]
         vlo = values.amin(-1, keepdim=True)
@@ -199,9 +239,9 @@ class KeySummaries:
         capacity = max(MIN_ROWS, entry.table.shape[1] if entry is not None else 0)
         while capacity - used < new_rows:
             capacity = max(capacity + 1, int(capacity * TABLE_GROWTH))
-        _, vectors, heads, dim = like.shape  # like: [n, 3, H_kv, D]
+        _, heads, pages, vectors, dim = like.shape  # like: [n, H_kv, pages, 3, D]
         empty = self._accel.empty_blocks  # device memory through the accelerator (tierkv.accel)
-        grown = _LayerTable(empty((heads, capacity, vectors, dim), like.dtype, self.device))
+        grown = _LayerTable(empty((heads, capacity, pages, vectors, dim), like.dtype, self.device))
         if self.rest_bits:
             grown.codes = empty((heads, capacity, 2, block_tokens, dim * self.rest_bits // 8), torch.uint8,
                                 self.device)

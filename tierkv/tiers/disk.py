@@ -11,7 +11,9 @@ opened once by the engine (``O_NOFOLLOW``) and never reopened by name: the hot p
 **Integrity.** Every block written carries an xxh3-64 checksum of its slot's bytes, kept in memory beside
 the slot (one ``uint64`` per slot); every read verifies each block after it landed in the bounce buffer and
 before it is copied on, so a byte changed on disk (a failing drive, another program writing the file) raises
-:class:`~tierkv.errors.IntegrityError` naming the file and slot, and wrong KV is never returned.
+:class:`~tierkv.errors.IntegrityError` naming the file and slot, and wrong KV is never returned. Page reads
+(:mod:`tierkv.store.pages`), which read a few 4 KiB sectors of a slot, verify each against an xxh3-64 per sector
+taken at the same write (:data:`SECTOR_BYTES`).
 
 **Lifetimes.** The tier holds a :class:`~tierkv.tiers.lease.Lease` (a ``flock``-ed lock file) on its files;
 when it opens a directory it first removes the files of tiers whose process died. Its files are closed and
@@ -48,7 +50,7 @@ from tierkv.accel import DEVICE, HOST_ONLY, HostOnly
 from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Tier
 from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, TierKVError
-from tierkv.io import DiskFile, IOHandle, aligned_empty, open_disk_file
+from tierkv.io import ALIGN, DiskFile, IOHandle, aligned_empty, open_disk_file
 from tierkv.io.checksum import xxh3_rows
 from tierkv.layout import BlockLayout, SlotBytes
 from tierkv.tiers.base import BounceLike, Dest, Scratch, landing_pieces
@@ -81,6 +83,12 @@ def bounce_bytes_for(memory_budget: int) -> int:
     return int(min(BOUNCE_BYTES, max(MIN_BOUNCE_BYTES, memory_budget // BOUNCE_SHARE)))
 
 _LEFT_OVER: list[Path] = []  # files a close could not remove: retried at exit
+
+SECTOR_BYTES = ALIGN
+"""The unit of page reads (:mod:`tierkv.store.pages`): each written slot also keeps an xxh3-64 per sector of this
+many bytes (8 bytes per 4 KiB: 0.2% of the file in memory), so a read of a few sectors is verified on its own."""
+_ADVICE = ("The drive returned wrong data or another program wrote to the file: check the drive (e.g. smartctl), keep "
+           "disk_dir private, then call cache.reset() (or create a new cache) and run the prompt again.")
 
 
 def checksums(rows: np.ndarray) -> np.ndarray:
@@ -158,7 +166,8 @@ def _release(files: dict[int, DiskSlotFile], lease: Lease, directory: int) -> No
 
 
 class DiskSlotFile(SlotPool):
-    """Slots of ``slot_bytes`` in one file, opened through a disk engine, with a checksum per written slot."""
+    """Slots of ``slot_bytes`` in one file, opened through a disk engine, with a checksum per written slot and one
+    per 4 KiB sector of it (for page reads)."""
 
     def __init__(self, directory: int, where: Path, prefix: str, slot_bytes: int, engine: str | None) -> None:
         """A new file (``O_EXCL``, mode 0600) in the directory ``directory`` (a descriptor; ``where`` names it),
@@ -178,6 +187,8 @@ class DiskSlotFile(SlotPool):
         # an engine that reads into GPU memory (kvikio with GDS) is verified there: [capacity, 2] positional sums
         self.device_reads = bool(getattr(self.file, "reads_device_memory", False))
         self.device_sums = np.zeros((0, 2), dtype=np.int64)
+        self.sectors_per_slot = slot_bytes // SECTOR_BYTES
+        self.sector_sums = np.zeros(0, dtype=np.uint64)  # [capacity * sectors_per_slot]: xxh3-64 of each sector
 
     def grow(self, slots: int) -> None:
         try:
@@ -188,9 +199,11 @@ class DiskSlotFile(SlotPool):
         written = np.concatenate([self.written, np.zeros(slots, dtype=bool)])
         device_sums = (np.concatenate([self.device_sums, np.zeros((slots, 2), dtype=np.int64)]) if self.device_reads
                        else self.device_sums)
+        sector_sums = np.concatenate([self.sector_sums, np.zeros(slots * self.sectors_per_slot, dtype=np.uint64)])
         with deferred_interrupts():  # slot ids and their checksum arrays grow together
             self.slots.grow(slots)
             self.sums, self.written, self.device_sums = sums, written, device_sums
+            self.sector_sums = sector_sums
 
     def free(self, slot: int) -> None:
         super().free(slot)
@@ -204,8 +217,11 @@ class DiskSlotFile(SlotPool):
         return slot * self.slot_bytes
 
     def record(self, slots: np.ndarray, rows: np.ndarray) -> None:
-        """``rows`` ``[n, slot_bytes]`` are being written to ``slots``: keep their checksums."""
+        """``rows`` ``[n, slot_bytes]`` are being written to ``slots``: keep their checksums (one per slot, and one
+        per sector for page reads)."""
         self.sums[slots] = checksums(rows)
+        sectors = (slots[:, None] * self.sectors_per_slot + np.arange(self.sectors_per_slot)).ravel()
+        self.sector_sums[sectors] = checksums(np.ascontiguousarray(rows).reshape(-1, SECTOR_BYTES))
         if self.device_reads:
             self.device_sums[slots] = positional_sums(torch.from_numpy(rows)).numpy()
         self.written[slots] = True
@@ -231,9 +247,24 @@ class DiskSlotFile(SlotPool):
         raise IntegrityError(
             errno.EIO, f"disk tier block checksum mismatch in {str(self.path)!r}: slot {slot} (bytes "
             f"{self.offset(slot)}..{self.offset(slot) + self.slot_bytes}) {what}; {bad.size} of the {len(slots)} "
-            "blocks of this read differ. Nothing was returned from them. The drive returned wrong data or "
-            "another program wrote to the file: check the drive (e.g. smartctl), keep disk_dir private, then "
-            "call cache.reset() (or create a new cache) and run the prompt again."
+            f"blocks of this read differ. Nothing was returned from them. {_ADVICE}"
+        )
+
+    def verify_sectors(self, sectors: np.ndarray, digests: np.ndarray) -> None:
+        """Raise :class:`IntegrityError` unless ``digests`` (xxh3-64 of the bytes read from the file's sectors
+        ``sectors``, numbered from the start of the file in :data:`SECTOR_BYTES`) are those written there."""
+        slots = sectors // self.sectors_per_slot
+        bad = np.flatnonzero((digests != self.sector_sums[sectors]) | ~self.written[slots])
+        if bad.size == 0:
+            return
+        sector, slot = int(sectors[bad[0]]), int(slots[bad[0]])
+        what = ("was never written (a bug in tierkv: please report it)" if not self.written[slot] else
+                "does not hold the bytes written to it")
+        raise IntegrityError(
+            errno.EIO, f"disk tier sector checksum mismatch in {str(self.path)!r}: slot {slot} (bytes "
+            f"{sector * SECTOR_BYTES}..{(sector + 1) * SECTOR_BYTES} of the file, sector "
+            f"{sector - slot * self.sectors_per_slot} of the slot) {what}; {bad.size} of the {len(sectors)} sectors "
+            f"of this page read differ. Nothing was returned from them. {_ADVICE}"
         )
 
 
@@ -378,6 +409,23 @@ class DiskTier:
         waited on), else None: the caller hashes the buffer. (The check against the written checksums is
         :meth:`start_read`'s.)"""
         return self._submit(slot_bytes, np.asarray(slots, dtype=np.int64), buffer, write=False, hashed=True)
+
+    def read_sectors(self, slot_bytes: int, sectors: np.ndarray,
+                     buffer: np.ndarray) -> tuple[IOHandle, np.ndarray | None]:
+        """Submit a read of the file's sectors ``sectors`` (sorted, unique, numbered from the start of the file in
+        :data:`SECTOR_BYTES`) into ``buffer`` in order, consecutive sectors as one request: the one batched engine
+        call of a page read. Also returns the xxh3-64 of each sector as it landed where the engine hashes on its
+        I/O threads (native), else None (the caller hashes); the check is
+        :meth:`DiskSlotFile.verify_sectors`. Host memory only: an engine that reads into GPU memory (kvikio with
+        GDS) reads pages through this host bounce too."""
+        slot_file = self.files[slot_bytes]
+        cuts = (np.flatnonzero(np.diff(sectors) != 1) + 1).tolist()
+        requests = [(int(sectors[a]) * SECTOR_BYTES, buffer[a * SECTOR_BYTES : b * SECTOR_BYTES])
+                    for a, b in zip([0, *cuts], [*cuts, sectors.size])]
+        try:
+            return slot_file.file.submit_hashed_reads(requests, SECTOR_BYTES)
+        except OSError as exc:
+            raise disk_error(exc, slot_file.path) from exc
 
     def start_read(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
                    purpose: str = "read") -> _DiskRead:

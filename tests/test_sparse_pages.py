@@ -1,0 +1,219 @@
+"""Sparse attention selecting pages inside blocks (tierkv.attention.sparse with ``page_tokens`` < ``block_tokens``):
+the page a query needs is fetched from whatever tier holds it, without its block; outputs are exact over what was
+read (against a float64 softmax over exactly those tokens), nothing is dropped, the rest copy attends every page
+not read, and every byte read is counted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from models import prompt, tiny_model
+from transformers import DynamicCache
+
+from tierkv import InvalidConfigError, TieredCache
+from tierkv.attention.base import Span
+from tierkv.attention.sparse import SparseAttention, SparseBudget
+from tierkv.attention.sparse_store import SparseBlocks
+from tierkv.blocks import Tier
+from tierkv.mover import ThreadMover
+from tierkv.policy import make_policy
+from tierkv.store import KVStore
+from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.memory import MemoryTier
+
+BT, PAGE, HEADS, GROUPS, DIM, COLUMNS = 64, 8, 2, 2, 32, 12  # a page: one 4 KiB sector per head's K or V
+PER = BT // PAGE
+
+
+def attend(executor: SparseAttention, query: torch.Tensor, budget: SparseBudget,
+           mask: torch.Tensor | None = None) -> torch.Tensor:
+    executor.budget = budget
+    return executor.attend(Span.of(executor.store, 0), query, mask, DIM**-0.5, None)
+
+
+def store_with_needles(tmp_path, needles: dict[int, tuple[int, int]], policy: str = "lru",
+                       on_disk: bool = True) -> tuple[KVStore, torch.Tensor]:
+    """A 2-row store of ``COLUMNS`` 64-token blocks (the last one partial), the full ones on disk (else spread
+    over device and host); in row ``r`` the keys of KV head 0 in page ``needles[r] = (column, page)`` point
+    along the query direction ``e_0``, every other key away from it."""
+    device = MemoryTier(Tier.DEVICE, 2**21, torch.device("cpu"), chunk_bytes=2**16)
+    host = MemoryTier(Tier.HOST, 2**21, torch.device("cpu"), chunk_bytes=2**16)
+    store = KVStore(device, host, DiskTier(tmp_path / "disk", 2**24), make_policy(policy), BT)
+    generator = torch.Generator().manual_seed(0)
+    tokens = (COLUMNS - 1) * BT + 3
+    keys = torch.randn(2, HEADS, tokens, DIM, generator=generator) * 0.1
+    values = torch.randn(2, HEADS, tokens, DIM, generator=generator)
+    keys[..., 0] = -1.0
+    for row, (column, page) in needles.items():
+        first = column * BT + page * PAGE
+        keys[row, 0, first : first + PAGE, 0] = 4.0
+    for start in range(0, tokens, 7):  # blocks fill across appends
+        store.append(0, keys[:, :, start : start + 7], values[:, :, start : start + 7])
+    SparseBlocks(store).enable_summaries(page_tokens=PAGE)
+    full = [b for b in store.table.blocks.values() if b.tokens == BT]
+    if on_disk:
+        for _ in range(2):
+            store.demote([b for b in full if b.tier != Tier.DISK])
+        assert all(b.tier == Tier.DISK for b in full)
+    else:
+        store.demote(full[::2])  # every other block to the host (or below)
+    return store, torch.stack((keys, values))
+
+
+def reference(q: torch.Tensor, kv: torch.Tensor, positions: list[list[int]]) -> torch.Tensor:
+    """Softmax attention of ``q`` ``[B, H_q, 1, D]`` over exactly the tokens ``positions[b]`` of each row, float64."""
+    out = []
+    for row in range(q.shape[0]):
+        k, v = kv[0, row][:, positions[row]].double(), kv[1, row][:, positions[row]].double()
+        k, v = k.repeat_interleave(GROUPS, 0), v.repeat_interleave(GROUPS, 0)
+        weights = torch.softmax(q[row, :, 0].double()[:, None] @ k.transpose(1, 2) * DIM**-0.5, dim=-1)
+        out.append((weights @ v)[:, 0])
+    return torch.stack(out)[:, None]
+
+
+def read_positions(executor: SparseAttention, tokens: int) -> list[list[int]]:
+    """Every token position the last step read, per row: its whole blocks and its pages."""
+    positions = []
+    for row in range(executor.last_columns.shape[0]):
+        held = [t for c in executor.last_columns[row] for t in range(c * BT, min((c + 1) * BT, tokens))]
+        pages = executor.last_pages[row] if executor.last_pages is not None else []
+        held += [t for p in pages for t in range(p // PER * BT + p % PER * PAGE, p // PER * BT + p % PER * PAGE + PAGE)]
+        positions.append(sorted(held))
+    return positions
+
+
+def needle_query() -> torch.Tensor:
+    q = torch.zeros(2, HEADS * GROUPS, 1, DIM)
+    q[:, :, 0, 1] = 1.0
+    q[:, 0, 0, 0], q[:, 0, 0, 1] = 3.0, 0.0
+    return q
+
+
+def test_the_page_a_query_needs_is_read_from_disk_without_its_block(tmp_path):
+    """Row 0 needs page 2 of block 5, row 1 page 1 of block 9, both on disk: a budget of the sink block, the
+    open tail and one page reads exactly those pages; the disk read covers less than the blocks; the output is
+    exact over what was read, and the store is unchanged."""
+    store, kv = store_with_needles(tmp_path, {0: (5, 2), 1: (9, 1)})
+    executor = SparseAttention(store, ThreadMover())
+    q = needle_query()
+    disk = store.bytes_moved["disk->device"]
+    out = attend(executor, q, SparseBudget(2 * BT + PAGE, sinks=BT, recent=0, page_tokens=PAGE))
+    assert executor.last_columns.tolist() == [[0, COLUMNS - 1]] * 2
+    assert executor.last_pages.tolist() == [[5 * PER + 2], [9 * PER + 1]]
+    block_bytes = BT * store.layouts[0].token_bytes
+    sink_bytes = 2 * block_bytes  # the sink block of each row, whole, from disk
+    assert 0 < store.bytes_moved["disk->device"] - disk - sink_bytes < 2 * block_bytes
+    torch.testing.assert_close(out.double(), reference(q, kv, read_positions(executor, kv.shape[3])),
+                               atol=1e-5, rtol=0)
+    counters = executor.counters.as_dict()
+    assert counters["pages_selected"] == 2 and counters["staged_bytes_read_per_step"] > 0
+    assert counters["summary_bytes_read_per_step"] > 0 and counters["link_bytes_per_step"]["disk->device"] > 0
+    store.check()
+    torch.testing.assert_close(store.read_tokens(0), kv)  # nothing dropped, nothing changed
+    executor.close()
+
+
+@pytest.mark.parametrize("on_disk", [True, False], ids=["disk", "device-and-host"])
+def test_pages_from_every_tier_give_exact_attention_over_the_selection(tmp_path, on_disk):
+    """A random query, a budget of about a third: whatever pages each row selects, from whichever tiers, the output
+    is a float64 softmax over exactly the tokens read; a padding mask hides tokens inside the pages too."""
+    store, kv = store_with_needles(tmp_path, {0: (5, 2), 1: (9, 1)}, on_disk=on_disk)
+    executor = SparseAttention(store, ThreadMover())
+    q = torch.randn(2, HEADS * GROUPS, 1, DIM, generator=torch.Generator().manual_seed(3))
+    budget = SparseBudget(0.33, page_tokens=PAGE)
+    out = attend(executor, q, budget)
+    positions = read_positions(executor, kv.shape[3])
+    assert executor.last_pages.shape[1] > 1 and len(positions[0]) <= int(0.33 * kv.shape[3])
+    torch.testing.assert_close(out.double(), reference(q, kv, positions), atol=1e-5, rtol=0)
+    mask = torch.ones(2, 1, 1, kv.shape[3], dtype=torch.bool)
+    mask[1, ..., : 2 * BT + 5] = False  # row 1 left-padded into its third block
+    out = attend(executor, q, budget, mask)
+    positions = read_positions(executor, kv.shape[3])
+    positions[1] = [t for t in positions[1] if t >= 2 * BT + 5]
+    torch.testing.assert_close(out.double(), reference(q, kv, positions), atol=1e-5, rtol=0)
+    store.check()
+    torch.testing.assert_close(store.read_tokens(0), kv)
+    executor.close()
+
+
+def test_the_rest_copy_attends_every_page_not_read(tmp_path):
+    """With an 8-bit rest copy the pages not read are attended from it: the output is within the copy's rounding
+    of full attention, far closer than the selection alone, and the rest copy's device reads are counted."""
+    store, kv = store_with_needles(tmp_path, {0: (5, 2), 1: (9, 1)}, on_disk=False)
+    q = torch.randn(2, HEADS * GROUPS, 1, DIM, generator=torch.Generator().manual_seed(4))
+    full = reference(q, kv, [list(range(kv.shape[3]))] * 2)
+    alone = SparseAttention(store, ThreadMover())
+    without = attend(alone, q, SparseBudget(0.25, page_tokens=PAGE))
+    alone.close()
+    executor = SparseAttention(store, ThreadMover())
+    with_rest = attend(executor, q, SparseBudget(0.25, page_tokens=PAGE, rest_bits=8))
+    error, baseline = (with_rest.double() - full).abs().max(), (without.double() - full).abs().max()
+    assert error < 0.02 and error < baseline / 5
+    assert executor.counters.as_dict()["rest_bytes_read_per_step"] > 0 and executor.counters.rest_layer_steps == 1
+    executor.close()
+
+
+def test_a_copying_head_keeps_its_page_through_the_sticky_share(tmp_path):
+    """A page that took most of a head's attention at the previous step is selected again even when the summaries
+    now rank other pages higher."""
+    store, kv = store_with_needles(tmp_path, {0: (5, 2), 1: (9, 1)}, on_disk=False)
+    executor = SparseAttention(store, ThreadMover())
+    budget = SparseBudget(2 * BT + PAGE, sinks=BT, recent=0, page_tokens=PAGE)
+    attend(executor, needle_query(), budget)
+    assert executor.last_pages.tolist() == [[5 * PER + 2], [9 * PER + 1]]
+    away = torch.zeros(2, HEADS * GROUPS, 1, DIM)
+    away[:, :, 0, 2] = 1.0  # scores no page above the others by much
+    attend(executor, away, budget)
+    assert executor.last_pages.tolist() == [[5 * PER + 2], [9 * PER + 1]]
+    executor.close()
+
+
+def test_a_page_size_that_does_not_divide_the_block_is_refused_by_name(tmp_path):
+    store, _ = store_with_needles(tmp_path, {0: (5, 2)}, on_disk=False)
+    executor = SparseAttention(store, ThreadMover())
+    with pytest.raises(InvalidConfigError, match="page_tokens=6 does not divide the cache's block_tokens=64"):
+        attend(executor, needle_query(), SparseBudget(0.2, page_tokens=6))
+    with pytest.raises(InvalidConfigError, match="page_tokens=0"):
+        SparseBudget(0.2, page_tokens=0)
+    executor.close()
+
+
+@pytest.mark.parametrize(("family", "attn", "window"), [("llama", "sdpa", None), ("gemma2", "eager", 24)])
+def test_pages_at_a_budget_covering_everything_match_dynamic_cache(tmp_path, family, attn, window):
+    """Through transformers: 32-token blocks, 8-token pages. A budget covering the context is DynamicCache token
+    for token and logit for logit; half the context with an 8-bit rest copy stays close to it, and stats() counts
+    the pages and every device read."""
+    model = tiny_model(family, attn, window)
+    ids, mask = prompt(2, 200, seed=3, left_pad=(0, 6))
+
+    def run(cache):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, cache=cache)
+
+    reference_out = run(DynamicCache())
+    with TieredCache(gpu_gb="256KB", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=32) as cache:
+        with cache.sparse(model, tokens=1.0, page_tokens=8, chunk_tokens=32):
+            out = run(cache)
+        assert torch.equal(out.sequences, reference_out.sequences)
+        for got, want in zip(out.logits, reference_out.logits, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with TieredCache(gpu_gb="256KB", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=32) as cache:
+        with cache.sparse(model, tokens=0.5, page_tokens=8, rest_bits=8, chunk_tokens=32):
+            out = run(cache)
+        sparse = cache.stats()["sparse"]
+        assert sparse["pages_selected"] > 0 and sparse["rest_bytes_read_per_step"] > 0
+        assert sparse["summaries_device_bytes"] > 0 and sparse["rest_copy_device_bytes"] > 0
+        assert sparse["device_bytes_read_per_step"] == pytest.approx(
+            sparse["summary_bytes_read_per_step"] + sparse["rest_bytes_read_per_step"]
+            + sparse["staged_bytes_read_per_step"])
+        cache.store.check()
+    for got, want in zip(out.logits, reference_out.logits, strict=True):
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.5
+        assert (torch.softmax(got, -1) - torch.softmax(want, -1)).abs().max() < 0.2
+
+
+def test_the_default_page_is_the_largest_divisor_of_the_block_up_to_16():
+    assert [SparseBudget(0.1).page_size(bt) for bt in (256, 16, 8, 24, 100)] == [16, 16, 8, 8, 4]
+    assert SparseBudget(0.1, page_tokens=32).page_size(256) == 32
+    assert np.array_equal(np.arange(3), np.arange(3))

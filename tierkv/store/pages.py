@@ -1,0 +1,275 @@
+"""Page reads: token ranges inside blocks, from every tier, so a selection can be finer than the transfer block.
+
+Page ``p`` of a block (tokens ``[p * pt, (p + 1) * pt)``) is ``2 * H_kv`` strided *runs* of ``pt * D`` elements in
+the block's slot (``[2, H_kv, block_tokens, D]``): K and V of each head. A read moves those runs only:
+
+- device and host tiers: the slab chunks are viewed as rows of runs (an ``as_strided`` view, nothing copied), one
+  ``index_select`` per chunk the pages live in gathers them into a device buffer (host runs: by the CPU into a
+  pinned buffer first, then one copy over the link, on accelerators with streams), then one ``index_copy`` puts
+  them into the destination, itself viewed as rows of runs;
+- disk tier: the 4 KiB sectors holding the runs, adjacent ones coalesced, in one batched engine submission into
+  the disk tier's bounce buffer (submitted first, so it overlaps the memory tiers' gathers); every sector is
+  verified against the xxh3-64 taken when it was written
+  (:meth:`~tierkv.tiers.disk.DiskSlotFile.verify_sectors`) before a byte of it is copied on, then the runs take
+  the host runs' way. A read larger than the bounce limit runs in rounds. (Engines that read into GPU memory,
+  kvikio with GDS, read pages through this host bounce too.)
+
+Planning is numpy over all pages at once: the Python loops are over tiers, slab chunks and rounds, never over
+blocks or pages. Like the sparse executor's block reads, a page read is synchronous on the caller's thread and
+plans from the table as it is: no table edit (a demotion, a write-back landing) can run until it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tierkv.accel import DEVICE
+from tierkv.atomic import deferred_interrupts
+from tierkv.blocks import Tier
+from tierkv.errors import InvalidConfigError
+from tierkv.io import IOHandle
+from tierkv.io.checksum import xxh3_rows
+from tierkv.layout import BlockLayout
+from tierkv.store.transfer import link
+from tierkv.tiers.disk import BOUNCE_BYTES, SECTOR_BYTES, DiskTier, disk_error
+from tierkv.tiers.memory import MemoryTier
+
+if TYPE_CHECKING:
+    from tierkv.store.kvstore import KVStore
+
+Segment = tuple[torch.Tensor, np.ndarray]
+"""``(rows, index)``: a source viewed as rows of one run each, and the rows to take from it."""
+
+
+def read_pages(store: KVStore, layer: int, columns: np.ndarray, pages: np.ndarray, page_tokens: int,
+               dest: torch.Tensor) -> None:
+    """Copy page ``pages[b, k]`` of grid column ``columns[b, k]`` of row ``b`` of ``layer`` into ``dest[:, b, :,
+    k * page_tokens : (k + 1) * page_tokens]`` (``dest``: ``[2, B, H_kv, >= K * page_tokens, D]`` on the device
+    tier's device, its last two dimensions contiguous); -1 columns leave their position alone. Full blocks only.
+    One batched request per source tier; ``store.transfer`` counts the page bytes of the memory tiers and the
+    sector bytes read from the disk."""
+    layout = store.layouts[layer]
+    columns, pages = _checked(store, layer, layout, columns, pages, page_tokens, dest)
+    row, position = np.nonzero(columns >= 0)
+    if row.size == 0:
+        return
+    grid = store.table.rows[layer]
+    column, page = columns[row, position], pages[row, position]
+    tiers, slots = grid.tiers[row, column], grid.slots[row, column]
+    run = page_tokens * layout.head_dim
+    heads = np.arange(2 * layout.kv_heads)
+    # per page and run (K then V of each head): its element offset in the slot and in the destination
+    within = heads * layout.block_tokens * layout.head_dim + (page * run)[:, None]  # [n, 2H]
+    kv, head = np.divmod(heads, layout.kv_heads)
+    stride = dest.stride()
+    into = kv * stride[0] + head * stride[2] + (row * stride[1] + position * page_tokens * stride[3])[:, None]
+    sink = _Sink(store, dest, into, run)
+    on_disk = tiers == Tier.DISK
+    disk = _DiskPages(store, layout, slots[on_disk], within[on_disk], sink.rows[on_disk], run) if on_disk.any() \
+        else None
+    try:
+        for tier in (Tier.HOST, Tier.DEVICE):  # while the disk read is in flight
+            mine = np.flatnonzero(tiers == tier)
+            if mine.size:
+                memory = store.tiers[tier]
+                assert isinstance(memory, MemoryTier)
+                segments, order = _slab_segments(memory, layout, slots[mine], within[mine], run)
+                sink.land(segments, sink.rows[mine[order]].ravel(), host=memory.space != DEVICE)
+                store.transfer.count(link(tier, Tier.DEVICE), mine.size * page_tokens * layout.token_bytes)
+        if disk is not None:
+            disk.finish(sink)
+    finally:
+        if disk is not None:
+            disk.settle()
+
+
+def _checked(store: KVStore, layer: int, layout: BlockLayout, columns: np.ndarray, pages: np.ndarray,
+             page_tokens: int, dest: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """``columns`` and ``pages`` as int64 ``[B, K]`` (pages 0 where no column), or an error that says what is wrong."""
+    columns, pages = np.asarray(columns, dtype=np.int64), np.asarray(pages, dtype=np.int64)
+    grid = store.table.rows[layer]
+    bt = store.block_tokens
+    if not isinstance(page_tokens, int) or page_tokens <= 0 or bt % page_tokens:
+        raise InvalidConfigError(f"page_tokens must be a positive divisor of block_tokens={bt}, got {page_tokens!r}.")
+    if columns.ndim != 2 or columns.shape != pages.shape or columns.shape[0] != grid.batch:
+        raise InvalidConfigError(f"columns and pages must both be [batch={grid.batch}, K]; got {columns.shape} and "
+                                 f"{pages.shape}.")
+    wanted = (2, grid.batch, layout.kv_heads, columns.shape[1] * page_tokens, layout.head_dim)
+    if (dest.dim() != 5 or dest.shape[:3] != wanted[:3] or dest.shape[3] < wanted[3] or dest.shape[4] != wanted[4]
+            or dest.dtype != layout.dtype or dest.device != store.device.device):
+        raise InvalidConfigError(f"read_pages needs dest [2, B, H_kv, >= K * page_tokens, D] = {list(wanted)} of "
+                                 f"{layout.dtype} on {store.device.device}; got {list(dest.shape)} of {dest.dtype} on "
+                                 f"{dest.device}.")
+    if dest.stride(4) != 1 or dest.stride(3) != layout.head_dim:
+        raise InvalidConfigError("read_pages needs dest's tokens and head_dim dimensions contiguous (each page of a "
+                                 "head one run of memory); pass a contiguous staging buffer or a slice of one.")
+    tail = store.table.blocks[int(grid.ids[0, -1])]
+    full = grid.count - (tail.tokens < bt)
+    chosen = columns >= 0
+    if (columns >= full).any():
+        raise InvalidConfigError(f"read_pages reads full blocks only: layer {layer} has {full} full columns, asked "
+                                 f"for column {int(columns.max())}; read the open tail with read_tokens.")
+    if ((pages < 0) | (pages >= bt // page_tokens))[chosen].any():
+        raise InvalidConfigError(f"pages must be in [0, {bt // page_tokens}) where a column is chosen.")
+    return columns, np.where(chosen, pages, 0)
+
+
+def _rows_view(source: torch.Tensor, offsets: np.ndarray, run: int) -> tuple[torch.Tensor, np.ndarray]:
+    """``source``'s memory as rows of ``run`` elements starting at every multiple of the offsets' common divisor
+    (a view: rows overlap where runs are not that far apart), and the row of each offset."""
+    step = int(np.gcd.reduce(np.append(offsets.ravel(), run)))
+    count = int(offsets.max()) // step + 1
+    return torch.as_strided(source, (count, run), (step, 1)), offsets // step
+
+
+def _slab_segments(tier: MemoryTier, layout: BlockLayout, slots: np.ndarray, within: np.ndarray,
+                   run: int) -> tuple[list[Segment], np.ndarray]:
+    """The runs of the pages in ``slots`` (run offsets ``within`` their slot, ``[n, 2H]``) as rows of the slab
+    chunks holding them, one segment per chunk (a pool has few), and the order of the pages they come in."""
+    slabs = tier.slabs(layout)  # [slots, 2, H, bt, D] per chunk, slot ids counting on from one to the next
+    starts = np.cumsum([0, *(slab.shape[0] for slab in slabs)])
+    chunk = np.searchsorted(starts, slots, side="right") - 1
+    order = np.argsort(chunk, kind="stable")
+    segments = []
+    for index in np.unique(chunk).tolist():
+        mine = order[chunk[order] == index]
+        slab = slabs[index]
+        view, rows = _rows_view(slab, (slots[mine] - starts[index])[:, None] * slab.stride(0) + within[mine], run)
+        segments.append((view, rows.ravel()))
+    return segments, order
+
+
+class _Sink:
+    """The destination viewed as rows of runs, and the buffers runs cross on their way there: a device buffer
+    (the caller thread's landing buffer, counted in the device budget, where there is one; else a transient one
+    of at most the bounce limit, like the cold paths' reads), and on accelerators with streams a pinned host
+    buffer for host-side runs."""
+
+    def __init__(self, store: KVStore, dest: torch.Tensor, into: np.ndarray, run: int) -> None:
+        self.store, self.dest, self.run = store, dest, run
+        self.accel = store.transfer.accel
+        self.view, self.rows = _rows_view(dest, into, run)  # rows: [n, 2H]
+        self.row_bytes = run * dest.element_size()
+        disk = store.tiers.get(Tier.DISK)
+        self.limit = disk.bounce_bytes if isinstance(disk, DiskTier) else BOUNCE_BYTES
+        self._device: torch.Tensor | None = None
+
+    def _buffer(self, count: int) -> torch.Tensor:
+        """A device buffer of at least ``min(count, capacity)`` rows (the landing buffer, or a transient one)."""
+        landing = self.store.transfer.scratch.landing()
+        if landing is not None and landing.numel() >= self.row_bytes:
+            raw = landing
+        else:
+            need = min(count, max(1, self.limit // self.row_bytes)) * self.row_bytes
+            if self._device is None or self._device.numel() < need:
+                self._device = self.accel.empty(need, self.dest.device)
+            raw = self._device
+        rows = raw.numel() // self.row_bytes
+        return raw[: rows * self.row_bytes].view(self.dest.dtype).view(rows, self.run)
+
+    def land(self, segments: Sequence[Segment], dest_rows: np.ndarray, host: bool) -> None:
+        """Copy the rows of ``segments`` (in order) into the destination rows ``dest_rows``: per round of the
+        buffer's capacity, one ``index_select`` per segment into the buffer (from host memory: by the CPU, through
+        the pinned buffer and one copy where the accelerator has streams), then one ``index_copy``."""
+        accel, device = self.accel, self.dest.device
+        total = len(dest_rows)
+        bounds = np.cumsum([0, *(len(index) for _, index in segments)])
+        pinned = host and accel.streams
+        lo = 0
+        while lo < total:  # rounds of the buffer's capacity: one, unless the read is large
+            buffer = self._buffer(total - lo)
+            hi = min(total, lo + buffer.shape[0])
+            out = buffer[: hi - lo]
+            staged = out
+            owner = None
+            if pinned:
+                owner = self.store.transfer.scratch.bounce_buffer("pages")
+                raw = owner.get((hi - lo) * self.row_bytes, self.limit)
+                staged = torch.from_numpy(raw).view(self.dest.dtype).view(hi - lo, self.run)
+            for (source, index), first, last in zip(segments, bounds[:-1].tolist(), bounds[1:].tolist()):
+                a, b = max(first, lo), min(last, hi)
+                if a >= b:
+                    continue
+                rows = torch.from_numpy(index[a - first : b - first])
+                if host:  # host memory: the CPU gathers, as it does everything else there
+                    torch.index_select(source, 0, rows, out=staged[a - lo : b - lo])
+                else:
+                    accel.index_select(source, rows.to(device), staged[a - lo : b - lo])
+            if owner is not None:
+                accel.copy(out, staged)
+                event = accel.Event()
+                event.record(accel.current_stream(device))
+                owner.fence(event)  # the pinned buffer's next user waits until the copy read it
+            accel.index_copy(self.view, torch.from_numpy(dest_rows[lo:hi]).to(device), out)
+            lo = hi
+
+
+class _DiskPages:
+    """The disk tier's part of a page read: the sectors holding the pages' runs, in rounds of at most the bounce
+    limit (one, unless the selection is large), the first submitted at once; each round verified, then landed."""
+
+    def __init__(self, store: KVStore, layout: BlockLayout, slots: np.ndarray, within: np.ndarray,
+                 dest_rows: np.ndarray, run: int) -> None:
+        tier = store.tiers[Tier.DISK]
+        assert isinstance(tier, DiskTier)
+        self.tier, self.store, self.layout, self.run = tier, store, layout, run
+        self.slot_file = tier.files[layout.slot_bytes]
+        order = np.lexsort((within[:, 0], slots))  # file order: reads ahead, coalesces
+        self.slots, self.dest_rows = slots[order], dest_rows[order]
+        self.start = within[order] * layout.dtype.itemsize  # [n, 2H] byte offsets of the runs in their slot
+        first = self.start // SECTOR_BYTES
+        span = (self.start + run * layout.dtype.itemsize - 1) // SECTOR_BYTES - first + 1
+        steps = np.arange(int(span.max()))
+        self.first = self.slots[:, None] * self.slot_file.sectors_per_slot + first  # [n, 2H] file sectors
+        sectors = self.first[:, :, None] + steps  # [n, 2H, width]: the sectors of every run, past its end masked
+        sectors = np.where(steps < span[:, :, None], sectors, self.first[:, :1, None]).reshape(len(order), -1)
+        self.sectors = sectors
+        ordered = np.sort(sectors, axis=1)
+        most = int(((np.diff(ordered, axis=1) != 0).sum(axis=1) + 1).max())  # the most sectors one page needs
+        per_round = max(1, tier.bounce_bytes // SECTOR_BYTES // most)
+        self.bounds = [*range(0, len(order), per_round), len(order)]
+        self.owner = store.transfer.scratch.bounce_buffer("read")  # the caller thread's: free while this runs
+        self.handle: IOHandle | None = None
+        self._submit(0)
+
+    def _submit(self, k: int) -> None:
+        """Submit round ``k``: its pages' sectors, sorted and unique, in one engine call."""
+        lo, hi = self.bounds[k], self.bounds[k + 1]
+        self.round = np.unique(self.sectors[lo:hi])
+        self.buffer = self.owner.get(self.round.size * SECTOR_BYTES, self.tier.bounce_bytes)
+        try:
+            with deferred_interrupts():  # a Ctrl-C mid-submit must not lose the handle of reads already queued
+                self.handle, self.digests = self.tier.read_sectors(self.layout.slot_bytes, self.round, self.buffer)
+                self.owner.landing(self.handle)  # the buffer's next user waits for it, whatever happens here
+        except OSError as exc:
+            raise disk_error(exc, self.slot_file.path) from exc
+
+    def finish(self, sink: _Sink) -> None:
+        """Wait for each round, verify its sectors, count them, and land its runs (submitting the next)."""
+        itemsize = self.layout.dtype.itemsize
+        for k in range(len(self.bounds) - 1):
+            if k:
+                self._submit(k)
+            assert self.handle is not None
+            self.tier.wait(self.handle, self.layout.slot_bytes)
+            self.handle = None
+            sectors, buffer = self.round, self.buffer
+            self.store.transfer.count(link(Tier.DISK, Tier.DEVICE), sectors.size * SECTOR_BYTES)
+            digests = self.digests if self.digests is not None else xxh3_rows(buffer.reshape(-1, SECTOR_BYTES))
+            self.slot_file.verify_sectors(sectors, digests)
+            lo, hi = self.bounds[k], self.bounds[k + 1]
+            landed = np.searchsorted(sectors, self.first[lo:hi]) * SECTOR_BYTES + self.start[lo:hi] % SECTOR_BYTES
+            view, rows = _rows_view(torch.from_numpy(buffer).view(self.layout.dtype), landed // itemsize, self.run)
+            sink.land([(view, rows.ravel())], self.dest_rows[lo:hi].ravel(), host=True)
+
+    def settle(self) -> None:
+        """No read of this one may still land in the bounce buffer (after a failure elsewhere; raises nothing)."""
+        if self.handle is not None:
+            with contextlib.suppress(OSError):
+                self.handle.wait()
+            self.handle = None
