@@ -8,10 +8,16 @@
  * Layout. A block is [2, kv_heads, block_tokens, head_dim] (K then V) of fp32, fp16 or bf16, in a slot of the
  * tier's slab, which may come in chunks (a growing pool): table[b * n_blocks + j] is a slot id counted on across
  * the chunks, each given as (address, slots, bytes from one slot to the next); a negative id means "no block" (a
- * row with fewer blocks than the widest). Addresses are resolved here, once per call. Block j
- * of row b holds the keys at positions positions[b][j] .. + block_tokens - 1 (j * block_tokens without a
- * positions array); keys at positions >= lengths[b] are not attended (a partly filled last block), nor keys at
- * negative positions (a span that starts inside its first block).
+ * row with fewer blocks than the widest). Addresses are resolved here, once per call.
+ *
+ * Entries. A table entry names entry_tokens tokens of its slot: all of them (entry_tokens == block_tokens, no
+ * starts array), or, with starts, tokens starts[b][j] .. + entry_tokens - 1 of the slot (a page of a block that
+ * sparse attention selected; starts[b][j] a multiple of entry_tokens below block_tokens). The slot keeps the
+ * whole block's geometry: an entry's K of head h is entry_tokens rows inside that head's block_tokens rows.
+ * Entry j of row b holds the keys at positions positions[b][j] .. + entry_tokens - 1 (j * entry_tokens without
+ * a positions array: the entries concatenated in table order); keys at positions >= lengths[b] are not attended
+ * (a partly filled last block or page), nor keys at negative positions (a span that starts inside its first
+ * block).
  *
  * Which keys query i of row b attends (q = query_start[b] + i, the query's position):
  *   causal (query_start given): positions <= q, and > q - window when window > 0;
@@ -63,7 +69,8 @@
 #endif
 
 enum { TKV_F32 = 0, TKV_F16 = 1, TKV_BF16 = 2 };
-enum { TKV_OK = 0, TKV_ENOMEM = -1, TKV_EINVAL = -2, TKV_ESLOT = -3 /* a slot id past the slab */ };
+enum { TKV_OK = 0, TKV_ENOMEM = -1, TKV_EINVAL = -2, TKV_ESLOT = -3 /* a slot id past the slab */,
+       TKV_ESTART = -4 /* a start that is not a multiple of entry_tokens inside the block */ };
 enum { TKV_PORTABLE = 0, TKV_AVX2 = 1, TKV_AVX512 = 2 }; /* the code paths, each needing the one before */
 
 #define SPLIT_TOKENS 256 /* the fewest keys a split-K range covers: its merge must stay cheap beside its reads */
@@ -73,13 +80,15 @@ enum { TKV_PORTABLE = 0, TKV_AVX2 = 1, TKV_AVX512 = 2 }; /* the code paths, each
                            * than 32 on Zen 4 (16: ~8%) at 4 queries per kv head */
 #define STREAM_AHEAD 4096 /* software prefetch distance in a K or V stream: the next 4 KiB page, which the
                           * hardware prefetchers do not cross into (without it 1 MiB blocks ran ~35% slower) */
-#define NEXT_BLOCK_BYTES (256 << 10) /* blocks up to this size also fetch the next block (table order) ahead */
+#define NEXT_BLOCK_BYTES (256 << 10) /* entries up to this size also fetch the next entry (table order) ahead */
 #define THREAD_BYTES (1 << 20) /* K/V bytes that pay for one more thread (its wake-up and the merge) */
 
 /* Mirrored by _ARGS in tierkv/attention/host_kernel.py (tkv_attn_args_size() guards the two), which packs the
  * struct and its chunks into one buffer. */
 typedef struct {
-    int64_t batch, q_heads, kv_heads, q_len, head_dim, block_tokens, n_blocks;
+    int64_t batch, q_heads, kv_heads, q_len, head_dim, block_tokens;
+    int64_t entry_tokens;      /* tokens per table entry: block_tokens, or a divisor of it with starts */
+    int64_t n_blocks;          /* table entries per row */
     int64_t dtype;
     int64_t window;
     int64_t mask_len, mask_start, mask_batch_stride;
@@ -89,6 +98,7 @@ typedef struct {
     double scaling, softcap;
     const float *query;        /* [batch, q_heads, q_len, head_dim], contiguous */
     const int64_t *table;      /* [batch, n_blocks] slot ids, < 0: none */
+    const int64_t *starts;     /* [batch, n_blocks] first token of each entry in its slot, or NULL (0) */
     const int64_t *positions;  /* [batch, n_blocks] or NULL */
     const int64_t *lengths;    /* [batch] */
     const int64_t *query_start;/* [batch] or NULL (not causal) */
@@ -683,14 +693,14 @@ static float exp_sum(float *w, int64_t n, float peak, int simd) {
 static int best_isa(void) { return TKV_PORTABLE; }
 #endif
 
-/* ---- one task: row b, kv heads [h0, h1), blocks [j0, j1) ---- */
+/* ---- one task: row b, kv heads [h0, h1), table entries [j0, j1) ---- */
 
 /* State of one (kv head, query of its group): running max, sum of exp(score - max), output * sum. */
 #define STATE(state, hh, r, D) ((state) + ((hh) * rows + (r)) * ((D) + 2))
 
 static void run_task(const tkv_attn_args *a, const uint64_t *blocks, int64_t b, int64_t h0, int64_t h1, int64_t j0, int64_t j1,
                      float *state, float *qbuf, float *kbuf, float *vbuf, float *sc, int simd) {
-    const int64_t D = a->head_dim, bt = a->block_tokens, q_len = a->q_len;
+    const int64_t D = a->head_dim, bt = a->block_tokens, et = a->entry_tokens, q_len = a->q_len;
     const int64_t group = a->q_heads / a->kv_heads, rows = group * q_len;
     const int64_t elt = a->dtype == TKV_F32 ? 4 : 2;
     const int64_t value_offset = a->kv_heads * bt * D * elt; /* bytes from a block's K to its V */
@@ -721,16 +731,17 @@ static void run_task(const tkv_attn_args *a, const uint64_t *blocks, int64_t b, 
     for (int64_t j = j0; j < j1; j++) {
         const uint64_t addr = blocks[b * a->n_blocks + j];
         if (!addr) continue;
-        const int64_t pos = a->positions ? a->positions[b * a->n_blocks + j] : j * bt;
+        const int64_t pos = a->positions ? a->positions[b * a->n_blocks + j] : j * et;
         const int64_t t_lo = lo > pos ? lo - pos : 0;
-        const int64_t t_hi = hi - pos < bt ? hi - pos : bt;
+        const int64_t t_hi = hi - pos < et ? hi - pos : et;
         if (t_lo >= t_hi) continue;
         const int64_t n = t_hi - t_lo;
         /* K of every head of the block (one contiguous run), then V of every head (the next run): a run of
-         * consecutive slots is one sequential stream. The next block's bytes are fetched while this one is computed. */
-        const char *next = j + 1 < j1 && 2 * a->kv_heads * bt * D * elt <= NEXT_BLOCK_BYTES
+         * consecutive slots is one sequential stream. The next entry's bytes are fetched while this one is computed.
+         * `block` is the entry's first attended K row of head 0; a head's rows lie block_tokens rows apart. */
+        const char *next = j + 1 < j1 && 2 * a->kv_heads * et * D * elt <= NEXT_BLOCK_BYTES
                                ? (const char *)(uintptr_t)blocks[b * a->n_blocks + j + 1] : NULL;
-        const int64_t head_bytes = bt * D * elt;
+        const int64_t head_bytes = bt * D * elt, entry_bytes = et * D * elt;
         const char *block = (const char *)(uintptr_t)addr + t_lo * D * elt;
         const int64_t p0 = pos + t_lo, p1 = pos + t_hi - 1; /* first and last key position */
         const int plain = !mask && softcap <= 0.0f &&
@@ -738,7 +749,7 @@ static void run_task(const tkv_attn_args *a, const uint64_t *blocks, int64_t b, 
         for (int64_t hh = 0; hh < h1 - h0; hh++) {
             const char *kp = block + (h0 + hh) * head_bytes;
             if (next)
-                for (int64_t off = (h0 + hh) * head_bytes; off < (h0 + hh + 1) * head_bytes; off += 64)
+                for (int64_t off = (h0 + hh) * head_bytes; off < (h0 + hh) * head_bytes + entry_bytes; off += 64)
                     __builtin_prefetch(next + off, 0, 2);
             const float *qh = qbuf + hh * rows * D;
             float *sh = sc + hh * rows * n;
@@ -787,7 +798,7 @@ static void run_task(const tkv_attn_args *a, const uint64_t *blocks, int64_t b, 
         for (int64_t hh = 0; hh < h1 - h0; hh++) {
             const char *vp = block + value_offset + (h0 + hh) * head_bytes;
             if (next)
-                for (int64_t off = (h0 + hh) * head_bytes; off < (h0 + hh + 1) * head_bytes; off += 64)
+                for (int64_t off = (h0 + hh) * head_bytes; off < (h0 + hh) * head_bytes + entry_bytes; off += 64)
                     __builtin_prefetch(next + value_offset + off, 0, 2);
             const float *sh = sc + hh * rows * n;
 #if TKV_X86
@@ -806,34 +817,40 @@ static void run_task(const tkv_attn_args *a, const uint64_t *blocks, int64_t b, 
 
 static int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
-/* Each table entry's block address (0: no block); TKV_ESLOT if one names a slot past the slab. */
+/* Each table entry's address: its slot's, plus its start's rows (0: no entry); TKV_ESLOT if one names a slot
+ * past the slab, TKV_ESTART if a start is not a multiple of entry_tokens inside the block. */
 static int resolve(const tkv_attn_args *a, uint64_t *blocks) {
+    const int64_t row_bytes = a->head_dim * (a->dtype == TKV_F32 ? 4 : 2);
     for (int64_t i = 0; i < a->batch * a->n_blocks; i++) {
         int64_t slot = a->table[i], c = 0;
         blocks[i] = 0;
         if (slot < 0) continue;
         while (c < a->n_chunks && slot >= a->chunks[3 * c + 1]) slot -= a->chunks[3 * c + 1], c++;
         if (c == a->n_chunks) return TKV_ESLOT;
-        blocks[i] = (uint64_t)a->chunks[3 * c] + (uint64_t)slot * (uint64_t)a->chunks[3 * c + 2];
+        const int64_t start = a->starts ? a->starts[i] : 0;
+        if (start < 0 || start >= a->block_tokens || start % a->entry_tokens) return TKV_ESTART;
+        blocks[i] = (uint64_t)a->chunks[3 * c] + (uint64_t)slot * (uint64_t)a->chunks[3 * c + 2] +
+                    (uint64_t)(start * row_bytes);
     }
     return TKV_OK;
 }
 
-/* Attend; 0, or TKV_ENOMEM / TKV_EINVAL. */
+/* Attend; 0, or TKV_ENOMEM / TKV_EINVAL / TKV_ESLOT / TKV_ESTART. */
 int tkv_attn(const tkv_attn_args *a) {
     if (a->batch <= 0 || a->kv_heads <= 0 || a->q_heads % a->kv_heads || a->q_len <= 0 || a->head_dim <= 0 ||
-        a->block_tokens <= 0 || a->n_blocks < 0 || a->dtype < TKV_F32 || a->dtype > TKV_BF16)
+        a->block_tokens <= 0 || a->entry_tokens <= 0 || a->block_tokens % a->entry_tokens || a->n_blocks < 0 ||
+        a->dtype < TKV_F32 || a->dtype > TKV_BF16)
         return TKV_EINVAL;
     const int64_t D = a->head_dim, B = a->batch, H = a->kv_heads, rows = a->q_heads / H * a->q_len;
     /* a thread per THREAD_BYTES of K/V at most: waking a team costs more than a small layer's attention */
     const int64_t elt = a->dtype == TKV_F32 ? 4 : 2;
-    const int64_t kv_bytes = B * a->n_blocks * 2 * H * a->block_tokens * D * elt;
+    const int64_t kv_bytes = B * a->n_blocks * 2 * H * a->entry_tokens * D * elt;
     int64_t threads = a->threads > 0 ? a->threads : 1;
     if (threads > kv_bytes / THREAD_BYTES) threads = kv_bytes / THREAD_BYTES > 1 ? kv_bytes / THREAD_BYTES : 1;
     /* work units: key ranges first (they keep each slot's bytes one stream), then kv head groups */
     const int64_t want = threads * TASKS_PER_THREAD;
     int64_t splits = ceil_div(want, B);
-    const int64_t by_size = ceil_div(a->n_blocks * a->block_tokens, SPLIT_TOKENS);
+    const int64_t by_size = ceil_div(a->n_blocks * a->entry_tokens, SPLIT_TOKENS);
     if (splits > by_size) splits = by_size;
     if (splits > a->n_blocks) splits = a->n_blocks;
     if (splits < 1) splits = 1;
@@ -868,10 +885,10 @@ int tkv_attn(const tkv_attn_args *a) {
 #endif
     {
         float *qbuf = malloc((size_t)(heads_per_group * rows * D) * sizeof(float));
-        /* the portable path's fp32 copies of a block's K and V rows (the SIMD paths convert in registers) */
-        const size_t row_buf = simd ? 0 : (size_t)(a->block_tokens * D) * sizeof(float);
+        /* the portable path's fp32 copies of an entry's K and V rows (the SIMD paths convert in registers) */
+        const size_t row_buf = simd ? 0 : (size_t)(a->entry_tokens * D) * sizeof(float);
         float *kbuf = row_buf ? malloc(row_buf) : NULL, *vbuf = row_buf ? malloc(row_buf) : NULL;
-        float *sc = malloc((size_t)(heads_per_group * rows * a->block_tokens) * sizeof(float));
+        float *sc = malloc((size_t)(heads_per_group * rows * a->entry_tokens) * sizeof(float));
         /* one task's state, contiguous per head; copied to `states` in [B, H, splits] order at the end */
         float *local = malloc((size_t)(heads_per_group * state_per_head) * sizeof(float));
         const int ok = qbuf && (!row_buf || (kbuf && vbuf)) && sc && local;

@@ -1,6 +1,12 @@
-"""Small builders shared by the store tests."""
+"""Small builders shared by the store tests, and the child process that samples RSS during decode."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -27,3 +33,78 @@ def kv(batch: int, tokens: int, heads: int = 2, dim: int = 8, seed: int = 0) -> 
     generator = torch.Generator().manual_seed(seed)
     keys = torch.randn(batch, heads, tokens, dim, generator=generator)
     return keys, torch.randn(batch, heads, tokens, dim, generator=generator)
+
+
+DECODE_RSS_CHILD = r"""
+import contextlib, json, sys, tempfile, threading, time
+import psutil, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from tierkv import TieredCache
+from tierkv.tiers import disk as disk_module
+
+spec = json.loads(sys.argv[1])
+if spec["bounce_bytes"] is not None:
+    disk_module.BOUNCE_BYTES = spec["bounce_bytes"]
+torch.set_num_threads(1)
+LAYERS, HEADS, DIM, BLOCK, CHUNK = spec["layers"], 8, 64, 256, 1024
+config = LlamaConfig(vocab_size=128, hidden_size=512, intermediate_size=256, num_hidden_layers=LAYERS,
+                     num_attention_heads=8, num_key_value_heads=HEADS, head_dim=DIM,
+                     max_position_embeddings=spec["max_positions"])
+#BUDGETS
+torch.manual_seed(0)
+model = LlamaForCausalLM(config).eval()
+process = psutil.Process()
+with torch.inference_mode():
+    model(torch.randint(2, 128, (1, 8)))
+results = {}
+for executor, context in spec["runs"]:
+    gpu, cpu = budgets(executor, context)
+    base = process.memory_info().rss
+    peak, done = [base], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    with tempfile.TemporaryDirectory(dir=spec["directory"]) as directory:
+        cache = TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{cpu}B", disk_dir=directory, block_tokens=BLOCK, config=config)
+        streaming = cache.streaming(model, chunk_tokens=CHUNK) if executor == "streaming" else contextlib.nullcontext()
+        generator = torch.Generator().manual_seed(1)
+        with torch.inference_mode(), streaming:
+            for start in range(0, context, 512):  # a chunked prefill without its quadratic cost
+                for layer in range(LAYERS):
+                    kv = torch.randn(1, HEADS, 512, DIM, generator=generator)
+                    cache.update(kv, kv, layer)
+            for _ in range(spec["steps"]):
+                model(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+        blocks = cache.stats()["blocks"]
+        cache.close()
+    done.set()
+    sampler.join()
+    results[executor] = dict(growth=peak[0] - base, budgets=gpu + cpu, blocks=blocks,
+                             bounce=disk_module.BOUNCE_BYTES)
+print(json.dumps(results))
+"""
+
+
+def decode_rss(budgets: str, runs: Sequence[tuple[str, int]], *, layers: int, max_positions: int, steps: int,
+               env: dict[str, str], bounce_bytes: int | None = None,
+               directory: str | None = None) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Peak RSS growth while a fresh interpreter prefills ``context`` random tokens into a ``TieredCache`` and
+    decodes ``steps`` tokens of a tiny random Llama (256-token blocks, ``layers`` layers, 8 kv heads of 64), once
+    per ``(executor, context)`` of ``runs`` ("exact_gather" or "streaming", chunks of 1,024 tokens), with a thread
+    sampling RSS every 2 ms. ``budgets`` is code that defines ``budgets(executor, context) -> (gpu bytes, cpu
+    bytes)`` (it sees ``config``, ``BLOCK``, ``CHUNK`` and ``TieredCache``); ``bounce_bytes`` replaces the disk
+    tier's ``BOUNCE_BYTES``; the disk tier lives in a temporary directory under ``directory``. Returns, per
+    executor: ``growth`` (peak RSS minus RSS before the cache), ``budgets`` (gpu + cpu), the cache's ``blocks`` per
+    tier, and ``bounce`` (``BOUNCE_BYTES``)."""
+    spec = dict(runs=list(runs), layers=layers, max_positions=max_positions, steps=steps, bounce_bytes=bounce_bytes,
+                directory=directory)  # fmt: skip
+    code = DECODE_RSS_CHILD.replace("#BUDGETS", budgets)
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True, env=env,
+                         timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

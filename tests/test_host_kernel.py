@@ -112,13 +112,11 @@ def _kv(batch: int, kv_heads: int, tokens: int, dim: int, dtype: torch.dtype, se
     return keys, values
 
 
-@given(
+SHAPES = dict(
     batch=st.integers(1, 3),
     kv_heads=st.integers(1, 3),
     group=st.sampled_from([1, 2, 4, 5]),
     dim=st.sampled_from([64, 128, 8, 20, 33, 72]),
-    block_tokens=st.sampled_from([1, 3, 16]),
-    tokens=st.integers(1, 70),
     q_len=st.integers(1, 4),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
     window=st.one_of(st.none(), st.integers(1, 40)),
@@ -128,6 +126,10 @@ def _kv(batch: int, kv_heads: int, tokens: int, dim: int, dtype: torch.dtype, se
     threads=st.integers(1, 3),
     seed=st.integers(0, 2**16),
 )
+"""The random-shape tests' strategies, besides how the keys are cut into table entries."""
+
+
+@given(**SHAPES, block_tokens=st.sampled_from([1, 3, 16]), tokens=st.integers(1, 70))
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @pytest.mark.parametrize("attend", IMPLEMENTATIONS)
 def test_matches_float64_softmax_on_random_shapes(attend, batch, kv_heads, group, dim, block_tokens, tokens, q_len,
@@ -367,3 +369,184 @@ def test_keys_at_negative_positions_are_not_attended(attend):
     _close(got, reference(q, keys[:, :, 5:], values[:, :, 5:], [25, 25], scaling=0.2, query_start=[24, 24]))
     out, lse = attend(q, placed.slab, placed.table[:, :0], 25, scaling=0.2)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+# ------------------------------------------------------------------ pages inside blocks (sparse attention's use)
+class Pages:
+    """Random K/V in every slot of a padded slab (in ``chunks`` pieces), and per row ``entries`` table entries that
+    name a page (``entry_tokens`` tokens at a random page index) of a random slot: slots repeat within and across
+    rows, and each row names its own; a share ``absent`` of the entries is -1."""
+
+    def __init__(self, batch: int, kv_heads: int, dim: int, block_tokens: int, entry_tokens: int, entries: int,
+                 dtype: torch.dtype, *, chunks: int = 1, seed: int = 0, absent: float = 0.0) -> None:  # fmt: skip
+        self.layout = BlockLayout(kv_heads, dim, block_tokens, dtype)
+        self.entry_tokens = entry_tokens
+        rng = np.random.default_rng(seed)
+        slots = max(3, batch * entries // 2)
+        raw = torch.full((slots, self.layout.slot_bytes), 0xFF, dtype=torch.uint8)  # padding reads as NaN
+        self.blocks = self.layout.blocks_of(raw)
+        self.blocks.copy_(torch.randn(self.blocks.shape, generator=torch.Generator().manual_seed(seed)).to(dtype))
+        self.table = rng.integers(0, slots, size=(batch, entries)).astype(np.int64)
+        self.table[rng.random((batch, entries)) < absent] = -1
+        pages = rng.integers(0, block_tokens // entry_tokens, size=(batch, entries))
+        self.starts = (pages * entry_tokens).astype(np.int64)
+        cuts = sorted(rng.choice(np.arange(1, slots), size=min(chunks, slots) - 1, replace=False).tolist())
+        self.slabs = [self.layout.blocks_of(piece) for piece in torch.tensor_split(raw, cuts)]
+        self.slab = self.slabs[0] if chunks == 1 else self.slabs
+
+    def gathered(self, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The tokens the entries name at concatenated positions (entry ``j``: ``j * entry_tokens ..``) below each
+        row's length, in table order, absent entries skipped: keys and values ``[B, H_kv, T, D]`` (zero-padded)
+        and the count per row."""
+        batch, entries = self.table.shape
+        size = self.entry_tokens
+        rows: list[list[torch.Tensor]] = []
+        for b in range(batch):  # test setup, not the code under test
+            rows.append([self.blocks[slot, :, :, start : start + min(size, lengths[b] - j * size)]
+                         for j, (slot, start) in enumerate(zip(self.table[b], self.starts[b]))
+                         if slot >= 0 and j * size < lengths[b]])  # fmt: skip
+        counts = [sum(part.shape[2] for part in parts) for parts in rows]
+        _, kv_heads, _, dim = self.layout.shape
+        kv = torch.zeros(2, batch, kv_heads, max(counts + [1]), dim, dtype=self.blocks.dtype)
+        for b, parts in enumerate(rows):
+            if parts:
+                kv[:, b, :, : counts[b]] = torch.cat(parts, dim=2)
+        return kv[0], kv[1], counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("attend", IMPLEMENTATIONS)
+def test_pages_of_random_slots_match_float64_softmax_over_the_gathered_tokens(attend, dtype):
+    """Sparse attention's call: each row names its own pages of random slots (absent entries among them, GQA,
+    several chunks, the last page of a row cut by its length), one query after every key: the result equals
+    float64 softmax over exactly the named tokens, with or without causal placement."""
+    pages = Pages(3, 2, 64, 32, 8, 11, dtype, chunks=3, seed=71, absent=0.2)
+    q = torch.randn(3, 8, 1, 64, generator=torch.Generator().manual_seed(72))
+    lengths = [88, 85, 60]  # 11 pages of 8; row 1's last page is cut; row 2 stops after page 7
+    keys, values, counts = pages.gathered(lengths)
+    want = reference(q, keys, values, counts, scaling=0.125)
+    for causal in (True, False):
+        got = attend(q, pages.slab, pages.table, lengths, scaling=0.125, causal=causal, starts=pages.starts,
+                     entry_tokens=8)  # fmt: skip
+        _close(got, want)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_c_kernel_and_the_torch_version_agree_on_pages(dtype):
+    """The fallback attends the same tokens of the same pages: with a mask, a soft-cap, a window and three
+    queries."""
+    pages = Pages(2, 2, 32, 16, 4, 9, dtype, chunks=2, seed=81, absent=0.3)
+    q = torch.randn(2, 6, 3, 32, generator=torch.Generator().manual_seed(82))
+    mask = torch.rand(2, 1, 3, 36, generator=torch.Generator().manual_seed(83)) > 0.2
+    kwargs = dict(scaling=0.2, softcap=20.0, window=25, mask=mask, starts=pages.starts, entry_tokens=4)
+    native = _native(q, pages.slab, pages.table, 36, **kwargs)
+    fallback = host_kernel.paged_attention_torch(q, pages.slab, pages.table, 36, **kwargs)
+    torch.testing.assert_close(native, fallback, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attend", IMPLEMENTATIONS)
+def test_pages_at_their_positions_in_parts_merge_into_attention_over_all_keys(attend):
+    """Pages across tiers: every page of every block named by its slot and start, in a shuffled order per row and
+    placed at its real position (block position + start), divided at random between two parts; each part
+    attended alone (two causal queries, a sliding window), merged by log-sum-exp = attention over all keys."""
+    batch, kv_heads, tokens, dim, bt, page = 2, 2, 150, 64, 32, 8
+    keys, values = _kv(batch, kv_heads, tokens, dim, torch.bfloat16, seed=91)
+    q = torch.randn(batch, 3 * kv_heads, 2, dim, generator=torch.Generator().manual_seed(92))
+    placed = Placed(keys, values, bt, chunks=2)
+    per_block = bt // page
+    columns = placed.table.shape[1] * per_block  # column c: page c % per_block of block c // per_block
+    rng = np.random.default_rng(93)
+    order = rng.permuted(np.tile(np.arange(columns), (batch, 1)), axis=1)
+    table = np.take_along_axis(np.repeat(placed.table, per_block, axis=1), order, axis=1)
+    starts = order % per_block * page
+    positions = order * page
+    where = rng.integers(0, 2, size=table.shape)
+    out = lse = None
+    for part in range(2):
+        out, lse = merge(out, lse, *attend(q, placed.slab, np.where(where == part, table, -1), tokens, scaling=0.1,
+                                           window=100, positions=positions, starts=starts,
+                                           entry_tokens=page))  # fmt: skip
+    want = reference(q, keys, values, [tokens] * batch, scaling=0.1, query_start=[tokens - 2] * batch, window=100)
+    _close((out, lse), want)
+
+
+@pytest.mark.parametrize("attend", IMPLEMENTATIONS)
+def test_whole_block_entries_through_starts_are_the_block_table(attend):
+    """``entry_tokens=block_tokens`` with every start 0 names the same keys as the plain block table: the same
+    result, bit for bit."""
+    keys, values = _kv(2, 2, 45, 64, torch.float16, seed=101)
+    q = torch.randn(2, 4, 2, 64, generator=torch.Generator().manual_seed(102))
+    placed = Placed(keys, values, 16, chunks=2)
+    plain = attend(q, placed.slab, placed.table, 45, scaling=0.125, window=30)
+    paged = attend(q, placed.slab, placed.table, 45, scaling=0.125, window=30, starts=np.zeros_like(placed.table),
+                   entry_tokens=16)  # fmt: skip
+    assert torch.equal(plain[0], paged[0]) and torch.equal(plain[1], paged[1])
+
+
+@given(**SHAPES, geometry=st.sampled_from([(16, 4), (16, 8), (16, 16), (6, 3), (6, 1), (32, 16)]),
+       entries=st.integers(1, 6))  # fmt: skip
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("attend", IMPLEMENTATIONS)
+def test_pages_match_float64_softmax_on_random_shapes(attend, batch, kv_heads, group, dim, geometry, entries,
+                                                      q_len, dtype, window, softcap, ragged, chunks, threads,
+                                                      seed):  # fmt: skip
+    """Any geometry, page size dividing the block, dtype, per-row length, query count, window and soft-cap: the
+    pages concatenated in table order are attended like contiguous keys at those positions."""
+    block_tokens, entry_tokens = geometry
+    pages = Pages(batch, kv_heads, dim, block_tokens, entry_tokens, entries, dtype, chunks=chunks, seed=seed)
+    tokens = entries * entry_tokens
+    q_len = min(q_len, tokens)
+    q = torch.randn(batch, kv_heads * group, q_len, dim, generator=torch.Generator().manual_seed(seed + 1))
+    rng = np.random.default_rng(seed)
+    lengths = [int(rng.integers(q_len, tokens + 1)) if ragged else tokens for _ in range(batch)]
+    start = [length - q_len for length in lengths]
+    keys, values, _ = pages.gathered([tokens] * batch)
+    got = attend(q, pages.slab, pages.table, lengths, scaling=dim**-0.5, softcap=softcap, window=window,
+                 starts=pages.starts, entry_tokens=entry_tokens, threads=threads)  # fmt: skip
+    want = reference(q, keys, values, lengths, scaling=dim**-0.5, softcap=softcap, query_start=start, window=window)
+    _close(got, want)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("isa", range(len(host_kernel.ISAS)), ids=host_kernel.ISAS)
+def test_every_code_path_attends_pages(isa, dtype, monkeypatch):
+    """Each code path, pinned in turn, on pages that reach its tiles: GQA groups of 7, head_dim 80, pages of 8 in
+    blocks of 40, of 16 in blocks of 256 (enough bytes for two threads' key ranges), of 5; lengths and a window
+    that cut pages."""
+    if not host_kernel.available():
+        pytest.fail(f"the C kernel does not load: {host_kernel._build()}")
+    if isa > host_kernel.library().tkv_attn_isa():
+        pytest.skip(f"this CPU cannot run the {host_kernel.ISAS[isa]} path")
+    monkeypatch.setattr(host_kernel, "ISA", isa)
+    for dim, group, q_len, block_tokens, entry_tokens, entries in ((80, 7, 2, 40, 8, 9), (128, 4, 1, 256, 16, 70),
+                                                                   (16, 2, 1, 10, 5, 13)):  # fmt: skip
+        pages = Pages(2, 2, dim, block_tokens, entry_tokens, entries, dtype, chunks=2, seed=dim)
+        q = torch.randn(2, 2 * group, q_len, dim, generator=torch.Generator().manual_seed(dim))
+        tokens = entries * entry_tokens
+        lengths = [tokens, tokens - 3]
+        start = [length - q_len for length in lengths]
+        keys, values, _ = pages.gathered([tokens, tokens])
+        got = _native(q, pages.slab, pages.table, lengths, scaling=dim**-0.5, window=60, starts=pages.starts,
+                      entry_tokens=entry_tokens, threads=2)  # fmt: skip
+        _close(got, reference(q, keys, values, lengths, scaling=dim**-0.5, query_start=start, window=60))
+
+
+@pytest.mark.parametrize("attend", IMPLEMENTATIONS)
+@pytest.mark.parametrize(("expected", "change"), [
+    ("go together", dict(starts=np.array([[0, 4]]))),
+    ("go together", dict(entry_tokens=2)),
+    ("positive divisor", dict(starts=np.array([[0, 1]]), entry_tokens=3)),
+    ("positive divisor", dict(starts=np.array([[0, 1]]), entry_tokens=0)),
+    ("must match", dict(starts=np.array([[0]]), entry_tokens=2)),
+    ("names token 1 ", dict(starts=np.array([[0, 1]]), entry_tokens=2)),
+    ("names token 4 ", dict(starts=np.array([[0, 4]]), entry_tokens=2)),
+    ("names token -2 ", dict(starts=np.array([[-2, 0]]), entry_tokens=2)),
+])  # fmt: skip
+def test_wrong_pages_are_refused_with_a_clear_error(attend, expected, change):
+    """A start that is a page index instead of a token, past the block, or negative; a page size that does not
+    divide the block; starts without their size: each refused, by the C kernel's own check too."""
+    slab = torch.zeros(4, 2, 2, 4, 8, dtype=torch.float16)
+    with pytest.raises(InvalidConfigError, match=expected):
+        attend(torch.zeros(1, 4, 1, 8), slab, np.array([[0, 1]]), 8, scaling=1.0, **change)

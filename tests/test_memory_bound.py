@@ -2,9 +2,9 @@
 most of the KV on disk (docs/reliability.md, "Memory").
 
 Regression: the exact path's disk bounce buffers grew with the context and no budget counted them (RSS grew
-282-433 MB over 210 MB of budgets). Now no disk I/O bounces through more than ``BOUNCE_BYTES``; the child
-process below sets it to 1 MiB, so layers whose disk part is 8-16 times larger must run in rounds, and the
-bound is ``gpu_gb + cpu_gb + 11 * BOUNCE_BYTES + SLACK``. glibc's dynamic mmap threshold is fixed in the
+282-433 MB over 210 MB of budgets). Now no disk I/O bounces through more than ``BOUNCE_BYTES``; the first test
+sets it to 1 MiB in its child process, so layers whose disk part is 8-16 times larger must run in rounds, and
+the bound is ``gpu_gb + cpu_gb + 11 * BOUNCE_BYTES + SLACK``. glibc's dynamic mmap threshold is fixed in the
 child (``MALLOC_MMAP_THRESHOLD_``): otherwise the allocator keeps freed heap memory resident, which is no
 buffer of tierkv's and varies from run to run.
 """
@@ -16,69 +16,22 @@ import os
 import subprocess
 import sys
 
+from helpers import decode_rss
+
 SLACK = 24 * 2**20  # the interpreter, threads' stacks, index tensors, one prefill chunk's temporaries
 
-CHILD = r"""
-import contextlib, json, sys, tempfile, threading, time
-import psutil, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from tierkv import TieredCache
-from tierkv.tiers import disk as disk_module
-
-disk_module.BOUNCE_BYTES = 2**20
-torch.set_num_threads(1)
-LAYERS, HEADS, DIM, CONTEXT, BLOCK, CHUNK = 2, 8, 64, 8192, 256, 1024
-config = LlamaConfig(vocab_size=128, hidden_size=512, intermediate_size=256, num_hidden_layers=LAYERS,
-                     num_attention_heads=8, num_key_value_heads=HEADS, head_dim=DIM,
-                     max_position_embeddings=CONTEXT + 512)
-torch.manual_seed(0)
-model = LlamaForCausalLM(config).eval()
-process = psutil.Process()
-with torch.inference_mode():
-    model(torch.randint(2, 128, (1, 8)))
-results = {}
-for executor in ("exact_gather", "streaming"):
+BUDGETS = """
+def budgets(executor, context):
     if executor == "streaming":
-        gpu = TieredCache.min_streaming_device_bytes(config, block_tokens=BLOCK, chunk_tokens=CHUNK) + 2**21
-    else:
-        gpu = TieredCache.min_device_bytes(config, CONTEXT + 64, block_tokens=BLOCK)
-    cpu = 4 * 2**20
-    base = process.memory_info().rss
-    peak, done = [base], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], process.memory_info().rss)
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    with tempfile.TemporaryDirectory() as directory:
-        cache = TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{cpu}B", disk_dir=directory, block_tokens=BLOCK, config=config)
-        streaming = cache.streaming(model, chunk_tokens=CHUNK) if executor == "streaming" else contextlib.nullcontext()
-        generator = torch.Generator().manual_seed(1)
-        with torch.inference_mode(), streaming:
-            for start in range(0, CONTEXT, 512):  # a chunked prefill without its quadratic cost
-                for layer in range(LAYERS):
-                    kv = torch.randn(1, HEADS, 512, DIM, generator=generator)
-                    cache.update(kv, kv, layer)
-            for _ in range(4):
-                model(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
-        blocks = cache.stats()["blocks"]
-        cache.close()
-    done.set()
-    sampler.join()
-    results[executor] = dict(growth=peak[0] - base, budgets=gpu + cpu, blocks=blocks,
-                             bounce=disk_module.BOUNCE_BYTES)
-print(json.dumps(results))
+        return TieredCache.min_streaming_device_bytes(config, block_tokens=BLOCK, chunk_tokens=CHUNK) + 2**21, 4 * 2**20
+    return TieredCache.min_device_bytes(config, context + 64, block_tokens=BLOCK), 4 * 2**20
 """
 
 
 def test_peak_rss_during_decode_is_budgets_plus_a_constant():
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": os.getcwd()}
-    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
+    results = decode_rss(BUDGETS, [("exact_gather", 8192), ("streaming", 8192)], layers=2, max_positions=8192 + 512,
+                         steps=4, env=env, bounce_bytes=2**20)  # fmt: skip
     for executor, result in results.items():
         blocks = result["blocks"]
         assert blocks["disk"] > blocks["device"] + blocks["host"], (executor, blocks)  # most KV on disk

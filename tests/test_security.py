@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import decode_rss
 from models import prompt, tiny_model
 
 from tierkv import safefs
@@ -497,54 +498,11 @@ def test_conversation_ids_and_payload_must_agree(saved, tmp_path):
 
 
 # --------------------------------------------------------------------------- memory within the budgets
-RSS_CHILD = r"""
-import contextlib, json, tempfile, threading, time
-import psutil, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from tierkv import TieredCache
-
-torch.set_num_threads(1)
-LAYERS, HEADS, DIM, BLOCK, CHUNK = 4, 8, 64, 256, 1024
-config = LlamaConfig(vocab_size=128, hidden_size=512, intermediate_size=256, num_hidden_layers=LAYERS,
-                     num_attention_heads=8, num_key_value_heads=HEADS, head_dim=DIM, max_position_embeddings=33280)
-torch.manual_seed(0)
-model = LlamaForCausalLM(config).eval()
-process = psutil.Process()
-with torch.inference_mode():
-    model(torch.randint(2, 128, (1, 8)))
-results = {}
-for executor, context in (("exact_gather", 16384), ("streaming", 32768)):
+RSS_BUDGETS = """
+def budgets(executor, context):
     if executor == "streaming":
-        gpu, cpu = 96 * 2**20, 32 * 2**20
-    else:
-        gpu, cpu = TieredCache.min_device_bytes(config, context + 64, block_tokens=BLOCK), 16 * 2**20
-    base = process.memory_info().rss
-    peak, done = [base], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], process.memory_info().rss)
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    with tempfile.TemporaryDirectory(dir=DIRECTORY) as directory:
-        cache = TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{cpu}B", disk_dir=directory, block_tokens=BLOCK, config=config)
-        streaming = cache.streaming(model, chunk_tokens=CHUNK) if executor == "streaming" else contextlib.nullcontext()
-        generator = torch.Generator().manual_seed(1)
-        with torch.inference_mode(), streaming:
-            for start in range(0, context, 512):  # a chunked prefill without its quadratic cost
-                for layer in range(LAYERS):
-                    kv = torch.randn(1, HEADS, 512, DIM, generator=generator)
-                    cache.update(kv, kv, layer)
-            for _ in range(3):
-                model(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
-        blocks = cache.stats()["blocks"]
-        cache.close()
-    done.set()
-    sampler.join()
-    results[executor] = dict(growth=peak[0] - base, budgets=gpu + cpu, blocks=blocks)
-print(json.dumps(results))
+        return 96 * 2**20, 32 * 2**20
+    return TieredCache.min_device_bytes(config, context + 64, block_tokens=BLOCK), 16 * 2**20
 """
 
 
@@ -554,10 +512,8 @@ def test_rss_stays_within_small_budgets_with_most_kv_on_disk(tmp_path):
     The bounce buffers now shrink with the host memory the budgets give (``DiskTier.fit_bounce``): RSS grows by
     at most the budgets plus 25%, with 75%+ of the KV on disk, for both executors at ~130-200 MB of budgets."""
     env = {**ENV, "MALLOC_MMAP_THRESHOLD_": "131072"}  # glibc's retention is no buffer of tierkv's (see the docs)
-    code = RSS_CHILD.replace("DIRECTORY", repr(str(tmp_path)))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
+    results = decode_rss(RSS_BUDGETS, [("exact_gather", 16384), ("streaming", 32768)], layers=4, max_positions=33280,
+                         steps=3, env=env, directory=str(tmp_path))  # fmt: skip
     for executor, result in results.items():
         blocks = result["blocks"]
         assert blocks["disk"] >= 3 * (blocks["device"] + blocks["host"]), (executor, blocks)  # 75%+ on disk

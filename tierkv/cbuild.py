@@ -47,6 +47,17 @@ def extension(package_dir: Path, stem: str) -> Path | None:
                 None)
 
 
+def built_from(lib: ctypes.CDLL, symbol: str) -> str:
+    """The source hash compiled into ``lib``, which returns it from the C function ``symbol`` ("" if it has none: a
+    library from before the hash existed)."""
+    try:
+        function = getattr(lib, symbol)
+    except AttributeError:
+        return ""
+    function.restype = ctypes.c_char_p
+    return (function() or b"").decode()
+
+
 def compile_library(source: Path, target: Path, flag_sets: Sequence[Sequence[str]], libraries: Sequence[str],
                     fix: str) -> None:
     """Compile ``source`` into ``target`` with the first of ``flag_sets`` that works; raise

@@ -1,7 +1,8 @@
 """Paged decode attention on the host's CPUs, over a memory tier's slab in place (``native/tierkv_attn.c``).
 
 :func:`paged_attention` attends a query over the K/V blocks a block table names, where they lie in the slab
-(no gather into a staging buffer), and returns the partial result every executor merges —
+(no gather into a staging buffer) — or, with ``starts`` and ``entry_tokens``, over pages of tokens inside those
+blocks (sparse attention's selection) — and returns the partial result every executor merges —
 the softmax-normalised output and the log-sum-exp per (row, query head, query), fp32, in
 :mod:`tierkv.attention.lse`'s convention. :func:`paged_attention_torch` computes the same in plain torch (it
 gathers the blocks first); it is what runs where the C library cannot be built, and the reference the C
@@ -18,8 +19,9 @@ The C library is found like the native disk engine's (:mod:`tierkv.io.native`), 
 
 The kernel picks its widest code path at run time (AVX-512, AVX2, portable C: :data:`ISAS`). A call costs
 little beyond the attention itself: a slab's geometry is checked once per shape (cached), the arguments are
-packed into the C struct by one ``struct.pack``, and the C side resolves the table's slot ids into block
-addresses (checking them against the slab) — no per-block Python, nothing proportional to the table in Python.
+packed into the C struct by one ``struct.pack``, and the C side resolves the table's slot ids (and starts) into
+entry addresses (checking them against the slab) — no per-block Python, nothing proportional to the table in
+Python.
 """
 
 from __future__ import annotations
@@ -58,12 +60,13 @@ Table = torch.Tensor | np.ndarray
 Ints = int | Sequence[int] | torch.Tensor | np.ndarray
 
 
-_ARGS = struct.Struct("<15q2d8Q")
+_ARGS = struct.Struct("<16q2d9Q")
 """``tkv_attn_args`` of the C source, packed in one call: batch, q_heads, kv_heads, q_len, head_dim, block_tokens,
-n_blocks, dtype, window, mask_len, mask_start, mask_batch_stride, threads, isa, n_chunks; scaling, softcap; the
-addresses of query, table, positions, lengths, query_start, mask, out, lse (0: none). Then come the chunks
-(address, slots, slot stride in bytes; int64 each), in the same buffer."""
+entry_tokens, n_blocks, dtype, window, mask_len, mask_start, mask_batch_stride, threads, isa, n_chunks; scaling,
+softcap; the addresses of query, table, starts, positions, lengths, query_start, mask, out, lse (0: none). Then
+come the chunks (address, slots, slot stride in bytes; int64 each), in the same buffer."""
 _ESLOT = -3  # TKV_ESLOT in the C source
+_ESTART = -4  # TKV_ESTART in the C source
 
 
 def source_digest() -> str | None:
@@ -76,10 +79,8 @@ def extension() -> Path | None:
     return cbuild.extension(Path(__file__).parent, "_attn")
 
 
-def _built_from(lib: ctypes.CDLL) -> str:
-    """The source hash compiled into ``lib``."""
-    lib.tkv_attn_source_sha.restype = ctypes.c_char_p
-    return (lib.tkv_attn_source_sha() or b"").decode()
+_built_from = functools.partial(cbuild.built_from, symbol="tkv_attn_source_sha")
+"""The source hash a loaded library's ``tkv_attn_source_sha()`` returns ("" if it has none)."""
 
 
 def _open_library() -> ctypes.CDLL:
@@ -129,6 +130,8 @@ class _Inputs(NamedTuple):
     query: torch.Tensor  # [B, H_q, q, D] fp32 contiguous
     slabs: list[torch.Tensor]  # [slots, 2, H_kv, bt, D] each
     table: np.ndarray  # [B, n] int64, -1: no block
+    starts: np.ndarray | None  # [B, n] int64 first token of each entry in its slot; None: whole blocks
+    entry_tokens: int  # tokens per table entry (block_tokens without starts)
     positions: np.ndarray | None  # [B, n] int64
     lengths: np.ndarray  # [B] int64
     query_start: np.ndarray | None  # [B] int64; None: not causal
@@ -198,8 +201,8 @@ def _check_slabs(chunks: SlabGeometry, query_device: torch.device, host: bool) -
 
 def _check(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], block_table: Table, lengths: Ints, *,
            scaling: float, softcap: float | None, causal: bool, query_start: Ints | None, window: int | None,
-           mask: torch.Tensor | None, mask_start: int, positions: Table | None,
-           threads: int | None, host: bool = True) -> _Inputs:  # fmt: skip
+           mask: torch.Tensor | None, mask_start: int, positions: Table | None, starts: Table | None,
+           entry_tokens: int | None, threads: int | None, host: bool = True) -> _Inputs:  # fmt: skip
     """Check every argument (the C side trusts them) and normalise them; raise InvalidConfigError. ``host``:
     everything must be in host memory (the C kernel's inputs), else on the query's device."""
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -228,6 +231,18 @@ def _check(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], bl
         pos = _table(positions, "positions")
         if pos.shape != table.shape:
             raise InvalidConfigError(f"positions {pos.shape} must match block_table {table.shape}.")
+    page_starts = None
+    if (starts is None) != (entry_tokens is None):
+        raise InvalidConfigError("starts and entry_tokens go together: pass both to attend pages inside the blocks, "
+                                 "neither to attend whole blocks.")  # fmt: skip
+    if starts is not None:
+        if (isinstance(entry_tokens, bool) or not isinstance(entry_tokens, int) or entry_tokens < 1
+                or block_tokens % entry_tokens):  # fmt: skip
+            raise InvalidConfigError(f"entry_tokens must be a positive divisor of the slab's block_tokens "
+                                     f"({block_tokens}), got {entry_tokens!r}.")  # fmt: skip
+        page_starts = _table(starts, "starts")
+        if page_starts.shape != table.shape:
+            raise InvalidConfigError(f"starts {page_starts.shape} must match block_table {table.shape}.")
     length = _rows(lengths, batch, "lengths")
     start = None
     if causal:
@@ -253,16 +268,24 @@ def _check(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], bl
             raise InvalidConfigError(f"the mask covers key positions [{mask_start}, {mask_start + bias.shape[-1]}) "
                                      f"but keys reach position {int(length.max()) - 1}.")  # fmt: skip
     q = query.detach().float().contiguous()
-    return _Inputs(q, chunks, table, pos, length, start, window or 0, bias, int(mask_start), float(scaling),
-                   float(softcap or 0.0))  # fmt: skip
+    return _Inputs(q, chunks, table, page_starts, int(entry_tokens or block_tokens), pos, length, start, window or 0,
+                   bias, int(mask_start), float(scaling), float(softcap or 0.0))  # fmt: skip
 
 
 def _check_slots(inputs: _Inputs) -> None:
-    """Raise InvalidConfigError if the table names a slot past the slab (the C kernel checks this itself)."""
+    """Raise InvalidConfigError if the table names a slot past the slab, or an entry's start is not a page of its
+    block (the C kernel checks both itself)."""
     total_slots = sum(int(chunk.shape[0]) for chunk in inputs.slabs)
     if inputs.table.size and int(inputs.table.max()) >= total_slots:
         raise InvalidConfigError(f"block_table names slot {int(inputs.table.max())} of a slab of {total_slots} "
                                  f"slots.")  # fmt: skip
+    if inputs.starts is not None:
+        starts, entry, block = inputs.starts[inputs.table >= 0], inputs.entry_tokens, inputs.block_tokens
+        bad = starts[(starts < 0) | (starts >= block) | (starts % entry != 0)]
+        if bad.size:
+            raise InvalidConfigError(f"starts names token {int(bad[0])} of a slot: each start must be a multiple "
+                                     f"of entry_tokens={entry} below block_tokens={block} (a page's first token, "
+                                     f"not its index).")  # fmt: skip
 
 
 def _address(array: np.ndarray | None) -> int:
@@ -272,17 +295,25 @@ def _address(array: np.ndarray | None) -> int:
 def paged_attention(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], block_table: Table,
                     lengths: Ints, *, scaling: float, softcap: float | None = None, causal: bool = True,
                     query_start: Ints | None = None, window: int | None = None, mask: torch.Tensor | None = None,
-                    mask_start: int = 0, positions: Table | None = None,
+                    mask_start: int = 0, positions: Table | None = None, starts: Table | None = None,
+                    entry_tokens: int | None = None,
                     threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Attend ``query`` over the blocks ``block_table`` names in ``slabs``, in place, on the CPU.
+    """Attend ``query`` over the blocks ``block_table`` names in ``slabs`` (or pages inside them), in place, on
+    the CPU.
 
     - ``query``: ``[B, H_q, q_len, D]``; query head ``j`` reads kv head ``j // (H_q // H_kv)`` (GQA).
     - ``slabs``: the tier's slab as blocks ``[slots, 2, H_kv, block_tokens, D]`` (K then V; fp32, fp16 or bf16;
       only the slot stride may be padded), or a pool's chunks of it, whose slot ids count on across chunks.
-    - ``block_table``: ``[B, n]`` slot ids; negative: no block. Entry ``j`` holds key positions
-      ``positions[b, j] .. + block_tokens - 1`` (``j * block_tokens`` without ``positions``).
-    - ``lengths``: per row (or one int), keys at positions ``>= length`` are not attended (a partial last block),
-      nor keys at negative positions (a span that starts inside its first block).
+    - ``block_table``: ``[B, n]`` slot ids; negative: no entry. Each entry is ``entry_tokens`` tokens of its slot
+      (the whole block without ``starts``); entry ``j`` holds the key positions from ``positions[b, j]`` on
+      (``j * entry_tokens`` without ``positions``: the entries concatenated in table order).
+    - ``starts`` with ``entry_tokens`` (together or neither): entry ``[b, j]`` is the ``entry_tokens`` tokens of
+      its slot from token ``starts[b, j]`` on (``[B, n]`` ints, each a multiple of ``entry_tokens``, a divisor of
+      ``block_tokens``): sparse attention's selected pages, attended where the block lies. Positions stay the
+      caller's choice: the pages' real positions (block position + start) keep causal, window and mask
+      meaningful; the default (concatenated) suits ``causal=False`` or one query after every key.
+    - ``lengths``: per row (or one int), keys at positions ``>= length`` are not attended (a partial last block
+      or page), nor keys at negative positions (a span that starts inside its first block).
     - ``causal``: query ``i`` sits at position ``query_start + i`` (default ``length - q_len``) and attends keys
       at positions ``<= `` it, and ``> position - window`` with a sliding ``window``.
     - ``mask``: ``[B or 1, 1, q_len, M]`` bool (True: attend) or additive, column ``position - mask_start``;
@@ -294,7 +325,7 @@ def paged_attention(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Te
     """
     inputs = _check(query, slabs, block_table, lengths, scaling=scaling, softcap=softcap, causal=causal,
                     query_start=query_start, window=window, mask=mask, mask_start=mask_start, positions=positions,
-                    threads=threads)
+                    starts=starts, entry_tokens=entry_tokens, threads=threads)
     lib = _build()
     if isinstance(lib, EngineUnavailableError):
         _log_fallback(lib.reason)
@@ -309,17 +340,17 @@ def _attend_native(lib: ctypes.CDLL, inputs: _Inputs, threads: int | None) -> tu
     lse = torch.empty(q.shape[:-1], dtype=torch.float32)
     chunks = [v for c in slabs for v in (c.data_ptr(), c.shape[0], c.stride(0) * c.element_size())]
     args = _ARGS.pack(
-        batch, q_heads, inputs.kv_heads, q_len, head_dim, inputs.block_tokens, table.shape[1],
+        batch, q_heads, inputs.kv_heads, q_len, head_dim, inputs.block_tokens, inputs.entry_tokens, table.shape[1],
         _DTYPES[slabs[0].dtype], inputs.window, 0 if mask is None else mask.shape[-1], inputs.mask_start,
         0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
         threads if threads is not None else torch.get_num_threads(), ISA, len(slabs), inputs.scaling, inputs.softcap,
-        q.data_ptr(), _address(table), _address(inputs.positions), _address(inputs.lengths),
+        q.data_ptr(), _address(table), _address(inputs.starts), _address(inputs.positions), _address(inputs.lengths),
         _address(inputs.query_start), 0 if mask is None else mask.data_ptr(), out.data_ptr(), lse.data_ptr(),
     ) + struct.pack(f"<{len(chunks)}q", *chunks)  # fmt: skip
     code = lib.tkv_attn(args)
     if code == _ENOMEM:
         raise MemoryError("host attention kernel: out of memory for its per-thread buffers")
-    if code == _ESLOT:
+    if code in (_ESLOT, _ESTART):
         _check_slots(inputs)
     if code:
         raise InvalidConfigError(f"host attention kernel refused its arguments (code {code}): a bug in _check.")
@@ -330,13 +361,15 @@ def paged_attention_torch(query: torch.Tensor, slabs: torch.Tensor | Sequence[to
                           lengths: Ints, *, scaling: float, softcap: float | None = None, causal: bool = True,
                           query_start: Ints | None = None, window: int | None = None,
                           mask: torch.Tensor | None = None, mask_start: int = 0, positions: Table | None = None,
+                          starts: Table | None = None, entry_tokens: int | None = None,
                           threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """:func:`paged_attention` in plain torch (gathers the named blocks, then attends them in fp32), on the
-    device the query and the slab share (the host's, or an accelerator's); ``threads`` is accepted for the same
-    signature and ignored."""
+    """:func:`paged_attention` in plain torch (gathers the named blocks or pages, then attends them in fp32), on
+    the device the query and the slab share (the host's, or an accelerator's); ``threads`` is accepted for the
+    same signature and ignored."""
     return _attend_torch(_check(query, slabs, block_table, lengths, scaling=scaling, softcap=softcap, causal=causal,
                                 query_start=query_start, window=window, mask=mask, mask_start=mask_start,
-                                positions=positions, threads=threads, host=False))  # fmt: skip
+                                positions=positions, starts=starts, entry_tokens=entry_tokens, threads=threads,
+                                host=False))  # fmt: skip
 
 
 def _attend_torch(inputs: _Inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,21 +381,26 @@ def _attend_torch(inputs: _Inputs) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.from_numpy(np.array(array)).to(device)  # a writable copy (broadcast views are read-only)
 
     batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, block_tokens, n = inputs.kv_heads, inputs.block_tokens, table.shape[1]
+    kv_heads, entry, n = inputs.kv_heads, inputs.entry_tokens, table.shape[1]
     group = q_heads // kv_heads
-    blocks = torch.zeros((batch, n, 2, kv_heads, block_tokens, head_dim), dtype=torch.float32, device=device)
+    blocks = torch.zeros((batch, n, 2, kv_heads, entry, head_dim), dtype=torch.float32, device=device)
     start = 0
     for chunk in inputs.slabs:  # one gather per chunk of the pool
         inside = (table >= start) & (table < start + chunk.shape[0])
         if inside.any():
-            blocks[tensor(inside)] = chunk[tensor(table[inside] - start)].float()
+            slots = tensor(table[inside] - start)
+            if inputs.starts is None:
+                blocks[tensor(inside)] = chunk[slots].float()
+            else:  # each entry's tokens of its slot: [entries, entry, 2, H_kv, D] -> [entries, 2, H_kv, entry, D]
+                tokens = tensor(inputs.starts[inside])[:, None] + torch.arange(entry, device=device)
+                blocks[tensor(inside)] = chunk[slots[:, None], :, :, tokens].permute(0, 2, 3, 1, 4).float()
         start += int(chunk.shape[0])
-    keys = blocks[:, :, 0].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * block_tokens, head_dim)
-    values = blocks[:, :, 1].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * block_tokens, head_dim)
-    first = inputs.positions if inputs.positions is not None else np.arange(n, dtype=np.int64)[None] * block_tokens
-    key_pos = tensor(np.broadcast_to(first, table.shape))[:, :, None] + torch.arange(block_tokens, device=device)
-    key_pos = key_pos.reshape(batch, 1, n * block_tokens)  # [B, 1 (query), keys]
-    present = tensor(table >= 0).repeat_interleave(block_tokens, dim=1)[:, None]
+    keys = blocks[:, :, 0].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * entry, head_dim)
+    values = blocks[:, :, 1].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * entry, head_dim)
+    first = inputs.positions if inputs.positions is not None else np.arange(n, dtype=np.int64)[None] * entry
+    key_pos = tensor(np.broadcast_to(first, table.shape))[:, :, None] + torch.arange(entry, device=device)
+    key_pos = key_pos.reshape(batch, 1, n * entry)  # [B, 1 (query), keys]
+    present = tensor(table >= 0).repeat_interleave(entry, dim=1)[:, None]
     allowed = present & (key_pos >= 0) & (key_pos < tensor(inputs.lengths)[:, None, None])
     if inputs.query_start is not None:
         query_pos = tensor(inputs.query_start)[:, None, None] + torch.arange(q_len, device=device)[None, :, None]

@@ -66,13 +66,8 @@ def extension() -> Path | None:
     return cbuild.extension(Path(__file__).parent, "_native")
 
 
-def _built_from(lib: ctypes.CDLL) -> str:
-    """The source hash compiled into ``lib`` ("" if it has none: a library from before the hash existed)."""
-    try:
-        lib.tkv_source_sha.restype = ctypes.c_char_p
-    except AttributeError:
-        return ""
-    return (lib.tkv_source_sha() or b"").decode()
+_built_from = functools.partial(cbuild.built_from, symbol="tkv_source_sha")
+"""The source hash a loaded library's ``tkv_source_sha()`` returns ("" if it has none)."""
 
 
 def _open_library() -> ctypes.CDLL:
