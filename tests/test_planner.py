@@ -360,6 +360,16 @@ def test_plan_says_when_sparse_is_the_better_choice():
     assert sparse_what_if(covering) is None  # the budget covers the context: sparse would read it all
 
 
+@pytest.mark.parametrize("executor", ["gather", "split"])
+def test_the_sparse_what_if_names_its_share_of_the_kv_attended(executor):
+    """The share is of the KV an exact step attends, whatever the exact executor moves (split moves almost
+    nothing: a share of its moved bytes read 50,803%)."""
+    base = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=128, link="pcie5", executor=executor))
+    note = sparse_what_if(base).note
+    share = float(note.split("reads ")[1].split("%")[0])
+    assert 0 < share < 5  # 2,048 of 1M tokens, with sinks, recent window and summaries
+
+
 def test_sparse_cost_grows_with_its_budget_not_the_context():
     small = plan(build_request("llama-3-8b", "256K", gpu=4, cpu=136, link="pcie5", executor="sparse",
                                sparse_tokens=4096))
