@@ -31,10 +31,15 @@ def request_size() -> int:
 
 
 @pytest.fixture(scope="session")
-def data_file(disk_size: int) -> Iterator[Path]:
+def bench_dir() -> Path:
+    """Where the benchmarks' disk files and disk tiers go (``TIERKV_BENCH_DIR``; default: the temp folder)."""
+    return Path(env_str("TIERKV_BENCH_DIR", tempfile.gettempdir()))
+
+
+@pytest.fixture(scope="session")
+def data_file(disk_size: int, bench_dir: Path) -> Iterator[Path]:
     """A file of ``disk_size`` bytes of real data (a sparse file would read as zeros without disk I/O)."""
-    directory = Path(env_str("TIERKV_BENCH_DIR", tempfile.gettempdir()))
-    path = directory / f"tierkv-benchmark-{os.getpid()}.bin"
+    path = bench_dir / f"tierkv-benchmark-{os.getpid()}.bin"
     with open(path, "wb") as f:
         f.truncate(disk_size)
     chunk = aligned_empty(min(disk_size, 64 << 20))

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from tierkv.cli import main
+from tierkv.quality import report
 
 KEYS = {"context", "expected", "answer", "match", "bytes_resident", "bytes_moved", "decode_tokens_per_s"}
 
@@ -199,3 +200,73 @@ def test_eval_budget_error_is_in_flags(capsys):
     minimum = err.split("give --gpu-gb ")[1].split()[0]
     assert main(["eval", "--lengths", "256", "--depths", "0", "--samples", "1", "--cache", "tiered",
                  "--gpu-gb", minimum]) == 0
+
+
+# ---------------------------------------------------------------------------- issue 30: pages inside blocks
+def _pages_selected(result: dict) -> int:
+    if "pages_selected" not in (result["sparse"] or {}):
+        pytest.skip("stats()['sparse'] has no pages_selected yet (page selection not landed)")
+    return result["sparse"]["pages_selected"]
+
+
+@pytest.mark.parametrize("page_tokens", ["4", "16"])
+def test_page_tokens_reaches_the_sparse_cache(tmp_path, capsys, page_tokens):
+    """``--page-tokens 4`` in 16-token blocks: the steps read pages on their own (the cache's counter);
+    ``--page-tokens 16``: whole blocks, no page read alone. Both find the passkey, and the table says what a step
+    reads over the links and on the device."""
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--context", "2048", "--executor", "sparse", "--sparse-tokens", "0.25", "--block-tokens", "16",
+               "--page-tokens", page_tokens, "--prefill-chunk", "512", "--chunk-tokens", "256", "--max-new-tokens",
+               "2", "--disk-dir", str(tmp_path / "disk"), "--no-reference", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["match"] is True and result["page_tokens"] == int(page_tokens)
+    pages = _pages_selected(result)
+    assert (pages > 0) == (page_tokens == "4"), result["sparse"]
+    assert "over the links" in capsys.readouterr().out and result["sparse"]["device_bytes_read_per_step"] > 0
+
+
+def test_sparse_runs_use_the_ordinary_block_size(tmp_path):
+    """Without --block-tokens a sparse run's blocks are the demo's ordinary 64 tokens (not a sparse-only size):
+    the pages inside them are the unit of selection (the library's default page)."""
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--context", "2048", "--executor", "sparse", "--prefill-chunk", "512", "--chunk-tokens", "256",
+               "--max-new-tokens", "2", "--disk-dir", str(tmp_path / "disk"), "--no-reference", "--json", str(out)])
+    result = json.loads(out.read_text())
+    layers = 3  # the demo model's
+    assert rc == 0 and result["block_tokens"] == 64 and result["page_tokens"] == 16
+    assert sum(result["blocks"].values()) == layers * -(-(result["context"] + 1) // 64)
+    assert _pages_selected(result) > 0
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--page-tokens", "8"], "--page-tokens needs --executor sparse"),
+    (["--executor", "sparse", "--block-tokens", "16", "--page-tokens", "6"],
+     "--page-tokens 6 does not divide --block-tokens 16: give a divisor of it, e.g. --page-tokens 16"),
+    (["--executor", "sparse", "--page-tokens", "0"], "--page-tokens"),
+])  # fmt: skip
+def test_page_tokens_misuse_is_refused_in_flags(capsys, argv, needle):
+    assert main(["demo", "--random-model", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_eval_page_tokens_reaches_the_sparse_cache(tmp_path, capsys):
+    """``tierkv eval --page-tokens``: the harness's caches select pages of that size (none read alone when the page
+    is the 64-token block; some with 8-token pages, where the library's default would be 16), each size with its
+    own results file and report family; a page size that does not divide the blocks is refused in flags."""
+    argv = ["eval", "--tasks", "needle", "--lengths", "1K", "--depths", "0.5", "--samples", "1", "--methods",
+            "sparse", "--budgets", "0.25", "--block-tokens", "64", "--out", str(tmp_path)]
+    pages = {}
+    for page in (64, 8):
+        assert main([*argv, "--page-tokens", str(page)]) == 0
+        run = json.loads((tmp_path / f"tierkv-64-p{page}.json").read_text())
+        (record,) = run["results"]
+        assert record["method"] == "sparse@0.25" and run["setup"]["page_tokens"] == page
+        pages[page] = record.get("pages_selected")
+    if pages[8] is None:
+        pytest.skip("stats()['sparse'] has no pages_selected yet (page selection not landed)")
+    assert pages[64] == 0 and pages[8] > 0, pages
+    family = report.sparse_family(run["setup"])  # reported apart from other page sizes
+    assert family == "sparse64p8" and report.family_label(family) == "tierkv sparse, 64-token blocks, 8-token pages"
+    capsys.readouterr()
+    assert main([*argv, "--page-tokens", "5"]) == 2
+    assert "--page-tokens 5 does not divide --block-tokens 64" in capsys.readouterr().err

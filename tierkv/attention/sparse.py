@@ -320,23 +320,27 @@ class SparseAttention(PipelinedExecutor):
     # ---------------------------------------------------------------------------------- selection
     def _select(self, layer: int, start: int, stop: int, context: int, q: torch.Tensor, budget: SparseBudget,
                 summaries, scaling: float, softcap: float | None, per: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """What each row reads: grid columns read whole ``[B, K]`` ascending (sinks and the recent window; with
-        whole-block pages, ``per`` 1, the top-scored blocks too), and the top-scored pages ``[B, P]`` ascending
-        as ``column · per + page`` (None with whole-block pages)."""
+        """What each row reads: grid columns read whole ``[B, K]`` ascending, and pages ``[B, P]`` ascending as
+        ``column · per + page`` (None where the page is the block, ``per`` 1: the top-scored blocks are then among
+        the columns). Whole: the recent window (the open tail at least), and with ``per`` 1 the sink blocks too;
+        pages: the sinks (the first ``sinks`` tokens from ``start``, in pages) and the top-scored pages."""
         store = self.store
         bt = store.block_tokens
         rows = store.table.rows[layer]
         first, end = start // bt, -(-stop // bt)
+        page = bt // per
         wanted = budget.budget_tokens(context)
         if layer < budget.dense_layers or wanted >= stop - start:  # dense, or a budget covering every column
             total = (end - first) * per
         else:
-            total = budget.budget_blocks(context, (end - first) * per, bt // per, len(store.layouts))
-        sinks = min(end - first, -(-(bt if budget.sinks is None else budget.sinks) // bt))
+            total = budget.budget_blocks(context, (end - first) * per, page, len(store.layouts))
+        sink_tokens = (bt if per == 1 else page) if budget.sinks is None else budget.sinks  # default: one unit
         recent_tokens = budget.recent or 0  # default: the open tail only
         recent_from = min(end - 1, max(start, stop - recent_tokens) // bt)  # the tail column at least
+        recent = (end - 1 - recent_from) * per + -(-(stop - (end - 1) * bt) // page)  # its units, the tail's filled
+        sinks = min(end - first, -(-sink_tokens // bt)) if per == 1 else 0  # whole sink blocks
         lo, hi = first + sinks, recent_from  # candidates: blocks [lo, hi), all full
-        top = total - (sinks + end - recent_from) * per  # pages (blocks where per is 1) to select
+        top = total - sinks - recent  # units (pages, or blocks where per is 1) to select
         self.counters.layer_steps += 1
         self._scored = 0 < top < (hi - lo) * per
         self._unread = None
@@ -349,14 +353,18 @@ class SparseAttention(PipelinedExecutor):
         if top <= 0:
             chosen = np.empty((batch, 0), dtype=np.int64)
         else:
-            score = self._with_sticky(layer, lo * per, hi * per,
-                                      self._scores(layer, rows, lo, hi, q, summaries, scaling, softcap))  # [B, C·per]
+            score = self._scores(layer, rows, lo, hi, q, summaries, scaling, softcap)  # [B, C·per]
+            if per > 1:  # pages before the window's start never; the sink pages always
+                offset = start // page - lo * per
+                score[:, :offset] = -math.inf
+                score[:, offset : offset + -(-sink_tokens // page)] = math.inf
+            score = self._with_sticky(layer, lo * per, hi * per, score)
             self._ranked = (layer, lo, score) if per == 1 else None
             chosen = score.topk(top, dim=1).indices.sort(dim=1).values.cpu().numpy() + lo * per
         whole = (np.broadcast_to(head, (batch, head.size)), np.broadcast_to(tail, (batch, tail.size)))
         if per == 1:
             return np.concatenate((whole[0], chosen, whole[1]), axis=1), None
-        return np.concatenate(whole, axis=1), chosen
+        return whole[1], chosen
 
     def _scores(self, layer: int, rows, lo: int, hi: int, q: torch.Tensor, summaries, scaling: float,
                 softcap: float | None) -> torch.Tensor:

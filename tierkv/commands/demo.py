@@ -29,6 +29,7 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
+from tierkv.attention.sparse import DEFAULT_PAGE_TOKENS, SparseBudget
 from tierkv.commands import (
     add_json_argument,
     existing_file,
@@ -49,8 +50,7 @@ from tierkv.vocabulary import CLI_EXECUTORS
 
 DEFAULT_CONTEXT = 32768
 REAL_MODEL_DEFAULT_CONTEXT = 4096  # a 4K prefill of a 135M-270M model takes 15-30 s on two CPU cores
-BLOCK_TOKENS = 64  # exact executors: blocks large enough for efficient reads
-SPARSE_BLOCK_TOKENS = 8  # sparse: blocks are selected whole, and 8-token ones select far better (docs/quality.md)
+BLOCK_TOKENS = 64  # blocks large enough for efficient reads (sparse attention selects pages inside them)
 MIN_DECODE = 16  # default decode length: enough steps for a decode rate that is not one token's noise
 FEW_TOKENS_PER_WORD = 0.25  # a real tokenizer gives >= ~1 token per word; far fewer means the wrong one
 TIER_OVERHEAD = 1.5  # the tiered run's time over the in-memory roofline estimate (reads, writes, bookkeeping)
@@ -68,20 +68,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="streaming: chunked exact attention, device holds two chunks (default); "
                              "gather: whole layers assembled on the device; split: exact, decode steps attend each "
                              "tier's blocks where they live (host blocks on the CPU), prefill streams; sparse: "
-                             "decode steps attend only the top blocks (approximate; --sparse-tokens)")
+                             "decode steps attend only the top pages (approximate; --sparse-tokens, --page-tokens)")
     parser.add_argument("--sparse-tokens", type=_sparse_budget, default=0.1,
                         help="with --executor sparse: tokens attended per layer, a count (2048, 2K) or a fraction "
                              "of the context (0.1, the default)")
     parser.add_argument("--sparse-rest-bits", type=int, choices=REST_BITS, default=0,
-                        help="with --executor sparse: attend the blocks not read from a copy of this many bits on the "
+                        help="with --executor sparse: attend the pages not read from a copy of this many bits on the "
                              "device (default 0: not at all)")
+    parser.add_argument("--page-tokens", type=integer("--page-tokens", 1), default=None,
+                        help="with --executor sparse: tokens per selected page, a divisor of --block-tokens (default: "
+                             f"the library's, {DEFAULT_PAGE_TOKENS} or the largest divisor of --block-tokens below it; "
+                             "--page-tokens equal to --block-tokens selects whole blocks)")
     parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=1024,
                         help="chunk length of the streaming executor (default 1024)")
     parser.add_argument("--cpu-gb", type=size("--cpu-gb"), default=None, help="host budget; default: 1/4 of the KV")
     parser.add_argument("--disk-dir", type=writable_dir("--disk-dir"), default=None,
                         help="disk tier directory, created if missing (default: a temporary directory)")
-    parser.add_argument("--block-tokens", type=integer("--block-tokens", 1), default=None,
-                        help=f"tokens per block (default {BLOCK_TOKENS}; {SPARSE_BLOCK_TOKENS} with --executor sparse)")
+    parser.add_argument("--block-tokens", type=integer("--block-tokens", 1), default=BLOCK_TOKENS,
+                        help="tokens per block, the unit of placement and transfer (default %(default)s)")
     parser.add_argument("--prefill-chunk", type=tokens("--prefill-chunk"), default=1024,
                         help="prefill tokens per forward (default 1024)")
     parser.add_argument("--max-new-tokens", type=integer("--max-new-tokens", 1), default=None,
@@ -119,6 +123,12 @@ def _check_combination(args: argparse.Namespace) -> None:
         raise InvalidConfigError("--model and --random-model exclude each other; give one.")
     if args.sparse_rest_bits and args.executor != "sparse":
         raise InvalidConfigError("--sparse-rest-bits needs --executor sparse (exact attention reads every block).")
+    if args.page_tokens is not None and args.executor != "sparse":
+        raise InvalidConfigError("--page-tokens needs --executor sparse (exact attention reads every block whole).")
+    if args.page_tokens is not None and args.block_tokens % args.page_tokens:
+        raise InvalidConfigError(f"--page-tokens {args.page_tokens} does not divide --block-tokens "
+                                 f"{args.block_tokens}: give a divisor of it, e.g. --page-tokens "
+                                 f"{math.gcd(args.block_tokens, DEFAULT_PAGE_TOKENS)}.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,8 +138,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.block_tokens is None:
-        args.block_tokens = SPARSE_BLOCK_TOKENS if args.executor == "sparse" else BLOCK_TOKENS
     out = Console(stderr=json_to_stdout(args), highlight=False)
     status = Console(stderr=True, highlight=False)
     phases = Phases(status)
@@ -160,6 +168,8 @@ def _run(args: argparse.Namespace) -> int:
         "kv_bytes": kv_bytes,
         "budgets": {"device": gpu, "host": cpu},
         "executor": args.executor,
+        "block_tokens": args.block_tokens,
+        "page_tokens": _page_tokens(args) if args.executor == "sparse" else None,
         "expected": expected,
         "answer": answer_text,
         "match": expected is not None and answer_text.replace(" ", "").startswith(expected),
@@ -193,8 +203,8 @@ def _device_floor(args: argparse.Namespace, model, prompt: int, decode: int) -> 
     else:
         floor = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens,
                                                        chunk_tokens=args.chunk_tokens)
-    if args.executor == "sparse":  # key summaries (min, max, mean: 1.5/block_tokens of the KV), the selection
-        floor += kv_summary_bytes(_kv_bytes(model, prompt + decode), args.block_tokens) + \
+    if args.executor == "sparse":  # key summaries (min, max, mean per page: 1.5/page_tokens of the KV), the selection
+        floor += kv_summary_bytes(_kv_bytes(model, prompt + decode), _page_tokens(args)) + \
             2 * _sparse_selection_bytes(args, model, prompt) + \
             TieredCache.rest_copy_bytes(model.config, prompt + decode, args.sparse_rest_bits, torch.float32)
     return floor
@@ -436,7 +446,7 @@ def _executor(args: argparse.Namespace, cache, model):
         return cache.streaming(model, chunk_tokens=args.chunk_tokens)
     if args.executor == "sparse":
         return cache.sparse(model, tokens=args.sparse_tokens, chunk_tokens=args.chunk_tokens,
-                            rest_bits=args.sparse_rest_bits)
+                            rest_bits=args.sparse_rest_bits, page_tokens=args.page_tokens)
     if args.executor == "split":
         return cache.split(model, chunk_tokens=args.chunk_tokens)
     return contextlib.nullcontext()
@@ -451,6 +461,11 @@ def _sparse_budget(text: str) -> int | float:
     if value is not None and 0.0 < value <= 1.0 and not text.strip().isdigit():
         return value
     return tokens("--sparse-tokens")(text)
+
+
+def _page_tokens(args: argparse.Namespace) -> int:
+    """Tokens per page sparse attention selects (and summarises) in this run's blocks."""
+    return SparseBudget(args.sparse_tokens, page_tokens=args.page_tokens).page_size(args.block_tokens)
 
 
 def _sparse_selection_bytes(args: argparse.Namespace, model, context: int) -> int:
@@ -553,6 +568,10 @@ def _print_summary(console: Console, summary: dict) -> None:
     if sparse and sparse.get("steps"):
         table.add_row("sparse steps read", f"{sparse['selected_fraction']:.1%} of the blocks, "
                       f"{format_bytes(int(sparse['bytes_fetched_per_step']))} per step")
+        if "device_bytes_read_per_step" in sparse:  # every byte a step reads: over the links and on the device
+            links = sum(sparse["link_bytes_per_step"].values())
+            table.add_row("sparse step, per token", f"{format_bytes(int(links))} over the links, "
+                          f"{format_bytes(int(sparse['device_bytes_read_per_step']))} read on the device")
     if summary["expected"] is not None:
         table.add_row("expected answer", summary["expected"])
         table.add_row("answer", escape(answer_cell(summary["answer"])))

@@ -97,8 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     quality.add_argument("--dense-layers", type=integer("--dense-layers", 0), default=0,
                          help="sparse: first layers attended in full, within the budget (default: %(default)s)")
     quality.add_argument("--rest-bits", type=int, choices=REST_BITS, default=0,
-                         help="sparse: attend the blocks not read from a copy of this many bits on the device "
+                         help="sparse: attend the pages not read from a copy of this many bits on the device "
                               "(default: %(default)s, not at all)")
+    quality.add_argument("--page-tokens", type=integer("--page-tokens", 1), default=None,
+                         help="sparse: tokens per selected page, a divisor of --block-tokens (default: the "
+                              "library's; equal to --block-tokens: whole blocks)")
     add_json_argument(parser, "the result (every trial)")
 
 
@@ -239,6 +242,9 @@ def _run_quality(args: argparse.Namespace, console, status: _Log, phases: Phases
 
     if not args.out:
         raise InvalidConfigError("--tasks needs --out: the reference KV and the results are written there.")
+    if args.page_tokens is not None and args.block_tokens % args.page_tokens:
+        raise InvalidConfigError(f"--page-tokens {args.page_tokens} does not divide --block-tokens "
+                                 f"{args.block_tokens}: give a divisor of it.")
     name = args.model if isinstance(args.model, str) else "demo"
     if isinstance(args.model, Path):
         raise InvalidConfigError("--tasks takes a named model (--model demo, smollm2 or gemma3), not a folder.")
@@ -262,7 +268,8 @@ def _run_quality(args: argparse.Namespace, console, status: _Log, phases: Phases
         if "sparse" in args.methods:
             methods += [harness.Method("sparse", b) for b in args.budgets]
         setup = harness.CacheSetup(block_tokens=args.block_tokens, sinks=args.sinks, recent=args.recent,
-                                   dense_layers=args.dense_layers, rest_bits=args.rest_bits)
+                                   dense_layers=args.dense_layers, rest_bits=args.rest_bits,
+                                   page_tokens=args.page_tokens)
         path = out / harness.results_file(setup)
         records = json.loads(path.read_text())["results"] if path.is_file() else []
 

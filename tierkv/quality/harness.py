@@ -59,7 +59,8 @@ class CacheSetup:
     sinks: int | None = None  # default: one block
     recent: int | None = None  # default: the open tail only
     dense_layers: int = 0  # first layers attended in full (their blocks come out of the others' budgets)
-    rest_bits: int = 0  # the blocks a sparse step does not read: attended from a copy of this many bits (0: not)
+    rest_bits: int = 0  # the pages a sparse step does not read: attended from a copy of this many bits (0: not)
+    page_tokens: int | None = None  # tokens per selected page inside a block (None: the library's default)
     device_fraction: float = 0.25  # device budget: the streaming minimum, this share of the KV, and ...
     device_extra: int = 64 << 20  # ... this much for the sparse staging (sparse runs: and their key summaries)
     disk_dir: str | None = None  # None: the rest lives on the host tier
@@ -82,7 +83,7 @@ def logprob_path(folder: Path, prompt: Prompt) -> Path:
 
 
 @torch.inference_mode()
-def _prefill(model, ids: Sequence[int], chunk: int):
+def prefill(model, ids: Sequence[int], chunk: int):
     """Full attention's prefill into a cache whose every layer keeps every token: a sliding-window layer's own
     cache keeps only its window, and saved KV that lacks where it starts would be loaded as the prompt's start
     (the model still attends only within the window: its mask comes from the config)."""
@@ -164,7 +165,7 @@ def reference(model, tokenizer, prompts: Sequence[Prompt], out: str | Path, *, p
         if saved.is_file():  # prefilled by an interrupted run: its KV is the prefill's result
             cache = _cache_of(model, _load_kv(saved))
         else:
-            cache = _prefill(model, prompt.ids[:-1], prefill_chunk)
+            cache = prefill(model, prompt.ids[:-1], prefill_chunk)
             _save_kv(cache, saved)
         prefill_s = time.perf_counter() - started
         generated, logits = _decode(model, cache, _fed(prompt), prompt.answer_tokens)
@@ -234,22 +235,26 @@ def measure(model, tokenizer, folder: str | Path, methods: Sequence[Method], set
 
 def results_file(setup: CacheSetup) -> str:
     """The file of a run's tierkv records: ``tierkv.json``, ``tierkv-8.json`` for 8-token blocks (any size but
-    the default), ``tierkv-8-rest2.json`` with a 2-bit rest copy, so runs of other setups resume and are
-    reported on their own (tierkv.quality.report)."""
+    the default), ``tierkv-256-p16.json`` with ``page_tokens=16`` given, ``tierkv-8-rest2.json`` with a 2-bit rest
+    copy, so runs of other setups resume and are reported on their own (tierkv.quality.report)."""
     name = "tierkv" if setup.block_tokens == DEFAULT_BLOCK_TOKENS else f"tierkv-{setup.block_tokens}"
+    if setup.page_tokens is not None:
+        name += f"-p{setup.page_tokens}"
     return f"{name}-rest{setup.rest_bits}.json" if setup.rest_bits else f"{name}.json"
 
 
 def _run_method(model, tokenizer, prompt: Prompt, kv, logprobs, method: Method, setup: CacheSetup) -> dict:
     from tierkv import TieredCache
+    from tierkv.attention.sparse import SparseBudget
     from tierkv.planner import kv_summary_bytes
     from tierkv.staging import rest_copy_bytes
 
     kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
     floor = TieredCache.min_streaming_device_bytes(model.config, block_tokens=setup.block_tokens)
     gpu = floor + int(kv_bytes * setup.device_fraction) + setup.device_extra
-    if method.kind == "sparse":  # the key summaries: 3 vectors per block, 18.75% of the KV at 8-token blocks
-        gpu += kv_summary_bytes(kv_bytes, setup.block_tokens)
+    if method.kind == "sparse":  # the key summaries: 3 vectors per page, 18.75% of the KV at 8-token pages
+        page = SparseBudget(method.budget or 1.0, page_tokens=setup.page_tokens).page_size(setup.block_tokens)
+        gpu += kv_summary_bytes(kv_bytes, page)
         gpu += rest_copy_bytes(kv_bytes, setup.rest_bits, kv[0][0].element_size(), kv[0][0].shape[-1])
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tierkv-quality-") as tmp, \
@@ -265,6 +270,7 @@ def _run_method(model, tokenizer, prompt: Prompt, kv, logprobs, method: Method, 
     sparse = stats.get("sparse")
     if sparse:
         record["selected_fraction"] = sparse.get("selected_fraction")
+        record["pages_selected"] = sparse.get("pages_selected")  # pages read without their block
     if logprobs is not None:
         record["agreement"] = compare(logprobs, logits).to_dict()
     return record
@@ -273,7 +279,7 @@ def _run_method(model, tokenizer, prompt: Prompt, kv, logprobs, method: Method, 
 def _context(cache, model, method: Method, setup: CacheSetup):
     if method.kind == "sparse":
         return cache.sparse(model, tokens=method.budget, sinks=setup.sinks, recent=setup.recent,
-                            dense_layers=setup.dense_layers, rest_bits=setup.rest_bits)
+                            dense_layers=setup.dense_layers, rest_bits=setup.rest_bits, page_tokens=setup.page_tokens)
     return cache.streaming(model)
 
 

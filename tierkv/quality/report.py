@@ -67,18 +67,20 @@ def label(method: str) -> str:
 
 
 def sparse_family(setup: dict[str, Any]) -> str:
-    """The family name of a run's sparse records: ``sparse``, ``sparse8`` (8-token blocks), ``sparse8r2`` (and a
-    2-bit rest copy), from the run's cache setup."""
+    """The family name of a run's sparse records: ``sparse``, ``sparse8`` (8-token blocks), ``sparse256p16`` (and
+    16-token pages given), ``sparse8r2`` (and a 2-bit rest copy), from the run's cache setup."""
     block_tokens = setup.get("block_tokens", DEFAULT_BLOCK_TOKENS)
-    rest_bits = setup.get("rest_bits", 0)
-    family = "sparse" if block_tokens == DEFAULT_BLOCK_TOKENS and not rest_bits else f"sparse{block_tokens}"
+    rest_bits, page_tokens = setup.get("rest_bits", 0), setup.get("page_tokens")
+    family = "sparse" if block_tokens == DEFAULT_BLOCK_TOKENS and not rest_bits and page_tokens is None else \
+        f"sparse{block_tokens}" + (f"p{page_tokens}" if page_tokens is not None else "")
     return f"{family}r{rest_bits}" if rest_bits else family
 
 
-def _sparse_variant(family: str) -> tuple[int, int] | None:
-    """``sparse8r2`` -> (8, 2), ``sparse8`` -> (8, 0); None for any other family."""
-    match = re.fullmatch(r"sparse(\d+)(?:r(\d+))?", family)
-    return (int(match[1]), int(match[2] or 0)) if match else None
+def _sparse_variant(family: str) -> tuple[int, int, int | None] | None:
+    """``sparse8r2`` -> (8, 2, None), ``sparse8`` -> (8, 0, None), ``sparse256p16`` -> (256, 0, 16): block tokens,
+    rest bits, page tokens (None: the default); None for any other family."""
+    match = re.fullmatch(r"sparse(\d+)(?:p(\d+))?(?:r(\d+))?", family)
+    return (int(match[1]), int(match[3] or 0), int(match[2]) if match[2] else None) if match else None
 
 
 def family_label(family: str) -> str:
@@ -89,8 +91,9 @@ def family_label(family: str) -> str:
     variant = _sparse_variant(family)
     if variant is None:
         return family
-    size, bits = variant
-    return f"tierkv sparse, {size}-token blocks" + (f", {bits}-bit rest" if bits else "")
+    size, bits, page = variant
+    return f"tierkv sparse, {size}-token blocks" + (f", {page}-token pages" if page else "") + \
+        (f", {bits}-bit rest" if bits else "")
 
 
 def family_rank(family: str) -> float:
