@@ -33,7 +33,7 @@ def attend(executor: SparseAttention, query: torch.Tensor, budget: SparseBudget,
 
 
 def store_with_needles(tmp_path, needles: dict[int, tuple[int, int]], policy: str = "lru",
-                       on_disk: bool = True) -> tuple[KVStore, torch.Tensor]:
+                       on_disk: bool = True, tail_tokens: int = 3) -> tuple[KVStore, torch.Tensor]:
     """A 2-row store of ``COLUMNS`` 64-token blocks (the last one partial), the full ones on disk (else spread
     over device and host); in row ``r`` the keys of KV head 0 in page ``needles[r] = (column, page)`` point
     along the query direction ``e_0``, every other key away from it."""
@@ -41,7 +41,7 @@ def store_with_needles(tmp_path, needles: dict[int, tuple[int, int]], policy: st
     host = MemoryTier(Tier.HOST, 2**21, torch.device("cpu"), chunk_bytes=2**16)
     store = KVStore(device, host, DiskTier(tmp_path / "disk", 2**24), make_policy(policy), BT)
     generator = torch.Generator().manual_seed(0)
-    tokens = (COLUMNS - 1) * BT + 3
+    tokens = (COLUMNS - 1) * BT + tail_tokens
     keys = torch.randn(2, HEADS, tokens, DIM, generator=generator) * 0.1
     values = torch.randn(2, HEADS, tokens, DIM, generator=generator)
     keys[..., 0] = -1.0
@@ -79,6 +79,21 @@ def read_positions(executor: SparseAttention, tokens: int) -> list[list[int]]:
         held = [t for c in executor.last_columns[row] for t in range(c * BT, min((c + 1) * BT, tokens))]
         pages = executor.last_pages[row] if executor.last_pages is not None else []
         held += [t for p in pages for t in range(p // PER * BT + p % PER * PAGE, p // PER * BT + p % PER * PAGE + PAGE)]
+        positions.append(sorted(held))
+    return positions
+
+
+def tail_positions(executor: SparseAttention, tokens: int) -> list[list[int]]:
+    """Every token position the last step attended, per row, where the open tail's full pages competed: the pages
+    read, the tail's chosen pages and its newest token's page."""
+    chosen, full = executor._tail_kept
+    tail_first = (COLUMNS - 1) * BT
+    positions = []
+    for row in range(chosen.shape[0]):
+        held = [t for p in executor.last_pages[row] if p >= 0
+                for t in range(p // PER * BT + p % PER * PAGE, p // PER * BT + p % PER * PAGE + PAGE)]
+        held += [tail_first + p * PAGE + t for p in chosen[row] if p >= 0 for t in range(PAGE)]
+        held += list(range(tail_first + full * PAGE, tokens))
         positions.append(sorted(held))
     return positions
 
@@ -165,6 +180,23 @@ def test_a_copying_head_keeps_its_page_through_the_sticky_share(tmp_path):
     away[:, :, 0, 2] = 1.0  # scores no page above the others by much
     attend(executor, away, budget)
     assert executor.last_pages.tolist() == [[0, 5 * PER + 2], [0, 9 * PER + 1]]
+    executor.close()
+
+
+def test_the_open_tails_full_pages_compete_with_the_others(tmp_path):
+    """A tail with five full pages before the newest token's: they are candidates like any page (scored from
+    summaries made from the tail's slot), so a three-page budget reads the sink page, the newest token's page and
+    the needle's page inside the tail; the tail's other pages are not attended. With a rest copy they are
+    attended exactly (they are on the device)."""
+    store, kv = store_with_needles(tmp_path, {0: (COLUMNS - 1, 2), 1: (4, 3)}, tail_tokens=5 * PAGE + 3)
+    executor = SparseAttention(store, ThreadMover())
+    q = needle_query()
+    out = attend(executor, q, SparseBudget(3 * PAGE, recent=0, page_tokens=PAGE))
+    chosen, full = executor._tail_kept
+    assert full == 5 and chosen.tolist() == [[-1, 2], [-1, -1]]
+    assert executor.last_pages.tolist() == [[0, -1], [0, 4 * PER + 3]]
+    torch.testing.assert_close(out.double(), reference(q, kv, tail_positions(executor, kv.shape[3])),
+                               atol=1e-5, rtol=0)
     executor.close()
 
 

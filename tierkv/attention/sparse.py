@@ -220,6 +220,7 @@ class SparseAttention(PipelinedExecutor):
         self._sticky: dict[int, tuple[np.ndarray, torch.Tensor]] = {}  # layer -> (columns [B, K], shares [B, K])
         self._scored = False  # whether the last selection ranked blocks (not the exact fast path)
         self._unread: tuple[int, int] | None = None  # the last selection's candidates [lo, hi), some not read
+        self._tail_kept: tuple[np.ndarray, int] | None = None  # (the tail's chosen pages [B, P] or -1, its E pages)
 
     @property
     def reserved(self) -> int:
@@ -259,6 +260,8 @@ class SparseAttention(PipelinedExecutor):
         staging, page_staging = self._staging(layer, batch, count, picked * page)
         self._fill(layer, columns, staging)
         parts = [self._block_part(columns, staging, start, stop, mask, query)]
+        if self._tail_kept is not None and not budget.rest_bits:  # the tail's pages not chosen: not attended
+            parts[0] = (*parts[0][:2], _tail_bias(parts[0][2], *self._tail_kept, page, parts[0][0].shape[2], query))
         if pages is not None and picked:
             self._read_pages(layer, pages, per, page, page_staging)
             parts.append((page_staging[0], page_staging[1],
@@ -340,46 +343,62 @@ class SparseAttention(PipelinedExecutor):
         recent = (end - 1 - recent_from) * per + -(-(stop - (end - 1) * bt) // page)  # its units, the tail's filled
         sinks = min(end - first, -(-sink_tokens // bt)) if per == 1 else 0  # whole sink blocks
         lo, hi = first + sinks, recent_from  # candidates: blocks [lo, hi), all full
+        tail = self._tail_pages(layer, stop, page) if per > 1 and recent_from == end - 1 else None
+        if tail is not None:  # the open tail's full pages compete too: only the newest token's page is forced
+            recent -= tail.shape[2]
         top = total - sinks - recent  # units (pages, or blocks where per is 1) to select
         self.counters.layer_steps += 1
-        self._scored = 0 < top < (hi - lo) * per
+        competing = (hi - lo) * per + (0 if tail is None else tail.shape[2])
+        self._scored = 0 < top < competing
         self._unread = None
+        self._tail_kept = None
         batch = rows.batch
-        if top >= (hi - lo) * per:  # the budget covers every block: read them all (exact)
+        if top >= competing:  # the budget covers every block: read them all (exact)
             self.counters.exact_layer_steps += 1
             return np.broadcast_to(np.arange(first, end), (batch, end - first)), None
         self._unread = (lo, hi)
-        head, tail = np.arange(first, lo), np.arange(recent_from, end)
+        head, tail_columns = np.arange(first, lo), np.arange(recent_from, end)
         if top <= 0:
             chosen = np.empty((batch, 0), dtype=np.int64)
         else:
-            score = self._scores(layer, rows, lo, hi, q, summaries, scaling, softcap)  # [B, C·per]
+            score = self._scores(layer, rows, lo, hi, q, summaries, scaling, softcap, tail)  # [B, C·per (+ E)]
             if per > 1:  # pages before the window's start never; the sink pages always
                 offset = start // page - lo * per
                 score[:, :offset] = -math.inf
                 score[:, offset : offset + -(-sink_tokens // page)] = math.inf
-            score = self._with_sticky(layer, lo * per, hi * per, score)
+            score = self._with_sticky(layer, lo * per, lo * per + score.shape[1], score)
             self._ranked = (layer, lo, score) if per == 1 else None
             chosen = score.topk(top, dim=1).indices.sort(dim=1).values.cpu().numpy() + lo * per
-        whole = (np.broadcast_to(head, (batch, head.size)), np.broadcast_to(tail, (batch, tail.size)))
+        whole = (np.broadcast_to(head, (batch, head.size)), np.broadcast_to(tail_columns, (batch, tail_columns.size)))
         if per == 1:
             return np.concatenate((whole[0], chosen, whole[1]), axis=1), None
+        if tail is not None:  # the tail's chosen pages are attended in it (read whole, from its slot): -1 here
+            in_tail = chosen >= (end - 1) * per
+            self._tail_kept = (np.where(in_tail, chosen - (end - 1) * per, -1), tail.shape[2])
+            chosen = np.where(in_tail, -1, chosen)
         return whole[1], chosen
 
     def _scores(self, layer: int, rows, lo: int, hi: int, q: torch.Tensor, summaries, scaling: float,
-                softcap: float | None) -> torch.Tensor:
-        """Each row's score of the pages of candidate columns ``[lo, hi)``: ``[B, C · pages]`` (one vectorized
-        pass, no loop)."""
+                softcap: float | None, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's score of the pages of candidate columns ``[lo, hi)``, then of the ``extra`` summaries
+        ``[B, H_kv, E, 3·D]`` (the open tail's full pages): ``[B, C · pages + E]`` (one vectorized pass, no
+        loop; one softmax over them all)."""
         table = summaries.table(layer)
         index, missing = self._summary_rows(layer, rows, lo, hi, summaries, q.device)
         batch, columns = rows.batch, hi - lo
+        pages = summaries.pages(self.store.block_tokens)
         if table is None:
-            return torch.zeros((batch, columns * summaries.pages(self.store.block_tokens)), device=q.device)
-        heads, pages = table.shape[0], table.shape[2]
+            return torch.zeros((batch, columns * pages + (0 if extra is None else extra.shape[2])), device=q.device)
+        heads = table.shape[0]
         # [H_kv, B·C, pages, 3, D] -> [B, H_kv, C·pages, 3·D]: rows of (min, max, mean), gathered once
         gathered = table.index_select(1, index)
         self.counters.summary_bytes_read += gathered.numel() * gathered.element_size()
         stacked = gathered.view(heads, batch, columns * pages, -1).transpose(0, 1).float()
+        if extra is not None:
+            stacked = torch.cat((stacked, extra.float()), dim=2)
+            if missing is not None:
+                missing = torch.nn.functional.pad(missing.repeat_interleave(pages, dim=1), (0, extra.shape[2]))
+                pages = 1
         query = q[:, :, :, 0].float() * (0.5 * scaling)  # [B, H_kv, G, D]
         # (bound + mean) / 2 = (q⁻·min + q⁺·max + q·mean) / 2: one matmul over the three stacked
         logits = torch.matmul(torch.cat((query.clamp_max(0), query.clamp_min(0), query), dim=-1),
@@ -389,6 +408,21 @@ class SparseAttention(PipelinedExecutor):
         share = torch.softmax(logits, dim=-1)  # each head's estimated attention share
         score = share.flatten(1, 2).amax(dim=1)  # [B, C·pages]: the most any query head would give the page
         return score if missing is None else score.masked_fill(missing.repeat_interleave(pages, dim=1), math.inf)
+
+    def _tail_pages(self, layer: int, stop: int, page: int) -> torch.Tensor | None:
+        """Summaries ``[B, H_kv, E, 3·D]`` of the full pages of each row's open tail before the one that holds the
+        newest token (E of them), computed from its device slot now (a tail changes every step, so the store keeps
+        none); None where a tail is not on the device or has no such page."""
+        bt = self.store.block_tokens
+        full = (stop - 1 - (-(-stop // bt) - 1) * bt) // page  # pages of the tail before the newest token's
+        _, views = self.store.tail_views(layer)
+        if full == 0 or any(view is None for view in views):
+            return None
+        keys = torch.stack([view[0, :, : full * page] for view in views])  # type: ignore[index]
+        paged = keys.unflatten(2, (full, page))  # [B, H_kv, E, page, D]
+        self.counters.summary_bytes_read += keys.numel() * keys.element_size()
+        summary = torch.stack((paged.amin(3), paged.amax(3), paged.float().mean(3).to(keys.dtype)), dim=3)
+        return summary.flatten(3)
 
     def _summary_rows(self, layer: int, rows, lo: int, hi: int, summaries,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -574,7 +608,7 @@ class SparseAttention(PipelinedExecutor):
         columns, index = np.divmod(pages, per)
         self.store.read_pages(layer, columns, index, page, dest)
         counters = self.counters
-        counters.pages_selected += pages.size
+        counters.pages_selected += int(np.count_nonzero(pages >= 0))
         for name, nbytes in self._moved_in().items():
             delta = nbytes - before.get(name, 0)
             counters.bytes_fetched += delta
@@ -717,11 +751,29 @@ def _page_bias(pages: np.ndarray, per: int, page: int, start: int, mask: torch.T
                candidates: tuple[int, int] | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """Additive bias ``[B, 1, 1, P·page]`` over the selected pages' tokens (:func:`_bias`); None where none is
     needed: no mask, and every candidate block (``[lo, hi)``, all full) at or after ``start``."""
-    if mask is None and candidates is not None and candidates[0] * per * page >= start:
+    unread = pages < 0  # positions the read left alone (pages chosen in the open tail)
+    if mask is None and candidates is not None and candidates[0] * per * page >= start and not unread.any():
         return None
     firsts = torch.from_numpy((pages // per * per * page + pages % per * page).astype(np.int64)).to(device)
     positions = (firsts[:, :, None] + torch.arange(page, device=device)).flatten(1)  # [B, P·page]
+    positions = positions.masked_fill(torch.from_numpy(unread).to(device).repeat_interleave(page, dim=1), -1)
     return _bias(positions, start, int(positions.max()) + 1, mask, dtype)
+
+
+def _tail_bias(bias: torch.Tensor | None, chosen: np.ndarray, pages: int, page: int, tokens: int,
+               query: torch.Tensor) -> torch.Tensor:
+    """``bias`` (None: zeros) ``[B, 1, 1, tokens]`` over the open tail's staged tokens, with its first ``pages`` full
+    pages masked out but those ``chosen`` ``[B, P]`` (page indexes in the tail, -1: none)."""
+    batch = chosen.shape[0]
+    allowed = np.zeros((batch, pages + 1), dtype=bool)
+    rows, picks = np.nonzero(chosen >= 0)
+    allowed[rows, chosen[rows, picks]] = True
+    allowed[:, pages] = True  # the newest token's page and after
+    index = np.minimum(np.arange(tokens) // page, pages)
+    hidden = torch.from_numpy(~allowed[:, index]).to(query.device)[:, None, None]  # [B, 1, 1, tokens]
+    if bias is None:
+        bias = torch.zeros((batch, 1, 1, tokens), dtype=query.dtype, device=query.device)
+    return bias.masked_fill(hidden, torch.finfo(query.dtype).min)
 
 
 def _bias(positions: torch.Tensor, start: int, stop: int, mask: torch.Tensor | None,
