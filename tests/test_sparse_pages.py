@@ -33,10 +33,10 @@ def attend(executor: SparseAttention, query: torch.Tensor, budget: SparseBudget,
 
 
 def store_with_needles(tmp_path, needles: dict[int, tuple[int, int]], policy: str = "lru",
-                       on_disk: bool = True, tail_tokens: int = 3) -> tuple[KVStore, torch.Tensor]:
+                       on_disk: bool = True, tail_tokens: int = 3, heads: int = 1) -> tuple[KVStore, torch.Tensor]:
     """A 2-row store of ``COLUMNS`` 64-token blocks (the last one partial), the full ones on disk (else spread
-    over device and host); in row ``r`` the keys of KV head 0 in page ``needles[r] = (column, page)`` point
-    along the query direction ``e_0``, every other key away from it."""
+    over device and host); in row ``r`` the keys of the first ``heads`` KV heads in page ``needles[r] = (column,
+    page)`` point along the query direction ``e_0``, every other key away from it."""
     device = MemoryTier(Tier.DEVICE, 2**21, torch.device("cpu"), chunk_bytes=2**16)
     host = MemoryTier(Tier.HOST, 2**21, torch.device("cpu"), chunk_bytes=2**16)
     store = KVStore(device, host, DiskTier(tmp_path / "disk", 2**24), make_policy(policy), BT)
@@ -47,7 +47,7 @@ def store_with_needles(tmp_path, needles: dict[int, tuple[int, int]], policy: st
     keys[..., 0] = -1.0
     for row, (column, page) in needles.items():
         first = column * BT + page * PAGE
-        keys[row, 0, first : first + PAGE, 0] = 4.0
+        keys[row, :heads, first : first + PAGE, 0] = 4.0
     for start in range(0, tokens, 7):  # blocks fill across appends
         store.append(0, keys[:, :, start : start + 7], values[:, :, start : start + 7])
     SparseBlocks(store).enable_summaries(page_tokens=PAGE)
@@ -166,6 +166,30 @@ def test_the_rest_copy_attends_every_page_not_read(tmp_path):
     assert error < 0.02 and error < baseline / 5
     assert executor.counters.as_dict()["rest_bytes_read_per_step"] > 0 and executor.counters.rest_layer_steps == 1
     executor.close()
+
+
+def test_rest_pages_whose_mass_is_bounded_below_the_threshold_are_left_out_within_that_bound(tmp_path, monkeypatch):
+    """A query whose every head finds its needle: the read pages hold nearly all the mass, so Quest's bound proves
+    most pages not read negligible and the rest copy leaves them out. The output stays within the bound's promise
+    of the output that attends every page's copy (omitted mass <= REST_PRUNE_MASS of the read pages'), and fewer
+    rest bytes are read."""
+    from tierkv.attention import sparse as sparse_module
+
+    store, kv = store_with_needles(tmp_path, {0: (5, 2), 1: (9, 1)}, on_disk=False, heads=HEADS)
+    q = torch.zeros(2, HEADS * GROUPS, 1, DIM)
+    q[..., 0] = 12.0  # every head looks for the needle: the pages not read are negligible to all of them
+    budget = SparseBudget(3 * PAGE, recent=0, page_tokens=PAGE, rest_bits=8)
+    pruned = SparseAttention(store, ThreadMover())
+    out = attend(pruned, q, budget)
+    limit = 2 * sparse_module.REST_PRUNE_MASS * kv[1].abs().max()  # the omitted mass times the largest value
+    monkeypatch.setattr(sparse_module, "REST_PRUNE_MASS", 0.0)  # log(0): nothing provably negligible
+    every = SparseAttention(store, ThreadMover())
+    reference_out = attend(every, q, budget)
+    assert pruned.counters.rest_pages_pruned > 0 and every.counters.rest_pages_pruned == 0
+    assert pruned.counters.rest_bytes_read < every.counters.rest_bytes_read
+    assert (out - reference_out).abs().max() <= limit
+    pruned.close()
+    every.close()
 
 
 def test_a_copying_head_keeps_its_page_through_the_sticky_share(tmp_path):

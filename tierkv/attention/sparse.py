@@ -66,6 +66,7 @@ from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
 
 REST_CHUNK_TOKENS = 16384  # the rest copy is decoded and attended this many candidate tokens at a time
+REST_PRUNE_MASS = 1e-3  # the rest copy leaves out pages whose summed mass is bounded below this share of the read's
 DEFAULT_PAGE_TOKENS = 16  # tokens per selected page (docs/quality.md: 8-16-token units select well)
 
 
@@ -156,6 +157,7 @@ class SparseCounters:
     bytes_fetched_off_device: int = 0  # ... of which came from the host and disk tiers
     promotions: int = 0  # blocks moved up to the device after being attended (policy="attention")
     rest_layer_steps: int = 0  # layer-steps that attended the blocks not read from their rest copy (rest_bits)
+    rest_pages_pruned: int = 0  # ... pages (or blocks) left out there: their mass bounded below REST_PRUNE_MASS
     pages_selected: int = 0  # pages read on their own (page_tokens < block_tokens), over rows and layers
     link_bytes: dict[str, int] = field(default_factory=dict)  # bytes the steps moved into the device, per link
     summary_bytes_read: int = 0  # key summaries read on the device to score the candidates
@@ -168,7 +170,7 @@ class SparseCounters:
         steps = max(self.steps, 1)
         device_reads = self.summary_bytes_read + self.rest_bytes_read + self.staged_bytes_read
         return {
-            "pages_selected": self.pages_selected,
+            "pages_selected": self.pages_selected, "rest_pages_pruned": self.rest_pages_pruned,
             "link_bytes_per_step": {name: nbytes / steps for name, nbytes in self.link_bytes.items()},
             "summary_bytes_read_per_step": self.summary_bytes_read / steps,
             "rest_bytes_read_per_step": self.rest_bytes_read / steps,
@@ -221,6 +223,7 @@ class SparseAttention(PipelinedExecutor):
         self._scored = False  # whether the last selection ranked blocks (not the exact fast path)
         self._unread: tuple[int, int] | None = None  # the last selection's candidates [lo, hi), some not read
         self._tail_kept: tuple[np.ndarray, int] | None = None  # (the tail's chosen pages [B, P] or -1, its E pages)
+        self._bound: tuple[int, torch.Tensor] | None = None  # (layer, Quest's bound [B, H_kv, G, C·per]) last scored
 
     @property
     def reserved(self) -> int:
@@ -268,10 +271,13 @@ class SparseAttention(PipelinedExecutor):
                           _page_bias(pages, per, page, start, mask, self._unread, query.dtype, query.device)))
         wants_mass = getattr(store.policy, "wants_mass", False)
         sticky = bool(self.sticky_share) and self._scored  # an exact layer-step (all blocks read) chose nothing
-        rest = self._unread is not None and budget.rest_bits and summaries.table(layer) is not None
-        unread = self._rest_attention(layer, start, stop, columns if pages is None else pages, per, q, mask, scaling,
-                                      softcap, summaries) if rest else None  # merged with the read ones below
-        out, shares = self._attend_parts(q, parts, unread, wants_mass or sticky, scaling, softcap)
+        out, lse, pieces = self._attend_parts(q, parts, wants_mass or sticky, scaling, softcap)
+        if self._unread is not None and budget.rest_bits and summaries.table(layer) is not None:
+            unread = self._rest_attention(layer, start, stop, columns if pages is None else pages, per, q, mask,
+                                          scaling, softcap, summaries, lse)
+            if unread is not None:  # the pages not read, from their copy: the same softmax, merged
+                out, lse = merge(out, lse, *unread)
+        shares = [weights * torch.exp(part_lse - lse)[..., None] for weights, part_lse in pieces]
         units = [(columns, bt)] + ([(pages, page)] if pages is not None and picked else [])
         unit_shares = [_unit_shares(w, u.shape[1], size) for w, (u, size) in zip(shares, units)]  # [B, H_q, K]
         if sticky:  # the selected units' measured shares: blocks, or pages where pages are the unit
@@ -301,11 +307,11 @@ class SparseAttention(PipelinedExecutor):
         return staging[0, :, :, :tokens], staging[1, :, :, :tokens], bias
 
     @staticmethod
-    def _attend_parts(q: torch.Tensor, parts: list, unread: tuple[torch.Tensor, torch.Tensor] | None,
-                      weighted: bool, scaling: float, softcap: float | None) -> tuple[torch.Tensor, list]:
-        """One softmax over every part (keys, values, bias) and the rest copy's ``unread`` (out, lse), merged by
-        log-sum-exp; with ``weighted``, each part's keys' weights in that whole softmax ``[B, H_kv, G, 1, T]``
-        (the attention's own: no second scoring)."""
+    def _attend_parts(q: torch.Tensor, parts: list, weighted: bool, scaling: float,
+                      softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """One softmax over every part (keys, values, bias), merged by log-sum-exp: (out, lse), and with
+        ``weighted`` each part's keys' weights in its own softmax ``[B, H_kv, G, 1, T]`` and log-sum-exp (the
+        attention's own: no second scoring)."""
         out = lse = None
         pieces = []
         for keys, values, bias in parts:
@@ -315,10 +321,8 @@ class SparseAttention(PipelinedExecutor):
             else:
                 part_out, part_lse = partial_attention(q, keys, values, bias, scaling, softcap)
             out, lse = merge(out, lse, part_out, part_lse)
-        if unread is not None:
-            out, lse = merge(out, lse, *unread)
         assert out is not None and lse is not None  # the open tail is always a part
-        return out, [weights * torch.exp(part_lse - lse)[..., None] for weights, part_lse in pieces]
+        return out, lse, pieces
 
     # ---------------------------------------------------------------------------------- selection
     def _select(self, layer: int, start: int, stop: int, context: int, q: torch.Tensor, budget: SparseBudget,
@@ -352,6 +356,7 @@ class SparseAttention(PipelinedExecutor):
         self._scored = 0 < top < competing
         self._unread = None
         self._tail_kept = None
+        self._bound = None
         batch = rows.batch
         if top >= competing:  # the budget covers every block: read them all (exact)
             self.counters.exact_layer_steps += 1
@@ -399,12 +404,16 @@ class SparseAttention(PipelinedExecutor):
             if missing is not None:
                 missing = torch.nn.functional.pad(missing.repeat_interleave(pages, dim=1), (0, extra.shape[2]))
                 pages = 1
-        query = q[:, :, :, 0].float() * (0.5 * scaling)  # [B, H_kv, G, D]
-        # (bound + mean) / 2 = (q⁻·min + q⁺·max + q·mean) / 2: one matmul over the three stacked
-        logits = torch.matmul(torch.cat((query.clamp_max(0), query.clamp_min(0), query), dim=-1),
-                              stacked.transpose(-1, -2))  # [B, H_kv, G, C·pages]
-        if softcap is not None:
+        query = q[:, :, :, 0].float() * scaling  # [B, H_kv, G, D]
+        dim = query.shape[-1]
+        bound = torch.matmul(torch.cat((query.clamp_max(0), query.clamp_min(0)), dim=-1),
+                             stacked[..., : 2 * dim].transpose(-1, -2))  # [B, H_kv, G, C·pages]: q⁻·min + q⁺·max
+        logits = torch.matmul(query, stacked[..., 2 * dim :].transpose(-1, -2)).add_(bound).mul_(0.5)
+        if softcap is not None:  # monotonic: a capped bound still bounds the capped logits
             logits = torch.tanh(logits / softcap) * softcap
+            bound = torch.tanh(bound / softcap) * softcap
+        self._bound = (layer, bound if missing is None else bound.masked_fill(
+            missing.repeat_interleave(pages, dim=1)[:, None, None], math.inf))
         share = torch.softmax(logits, dim=-1)  # each head's estimated attention share
         score = share.flatten(1, 2).amax(dim=1)  # [B, C·pages]: the most any query head would give the page
         return score if missing is None else score.masked_fill(missing.repeat_interleave(pages, dim=1), math.inf)
@@ -438,45 +447,62 @@ class SparseAttention(PipelinedExecutor):
         return cached[1], cached[2]
 
     def _rest_attention(self, layer: int, start: int, stop: int, read: np.ndarray, per: int, q: torch.Tensor,
-                        mask: torch.Tensor | None, scaling: float, softcap: float | None,
-                        summaries) -> tuple[torch.Tensor, torch.Tensor] | None:
+                        mask: torch.Tensor | None, scaling: float, softcap: float | None, summaries,
+                        read_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Attention of ``q`` over the candidate pages the selection did not read (``read`` ``[B, K]``: the pages,
         as ``column · per + page``, or the blocks where ``per`` is 1), from their rest copy on the device: the
         output and log-sum-exp to merge with the read ones' (the same softmax, in two pieces; None: nothing to
-        attend). Blocks without a copy (none was summarised yet) and the pages read are masked out. Decoded
-        :data:`REST_CHUNK_TOKENS` candidate tokens at a time, merged by log-sum-exp, so the decoding's
-        temporaries stay bounded whatever the context."""
+        attend). Blocks without a copy (none was summarised yet) and the pages read are left out, and so are the
+        pages whose attention mass cannot matter: by Quest's bound (:mod:`tierkv.store.summaries`) no key of a
+        page has a logit above its bound, so its mass is at most ``page_tokens · exp(bound)``; the pages with the
+        least such mass are left out while their sum stays within :data:`REST_PRUNE_MASS` of the read pages' mass
+        (``read_lse``: ``[B, H_kv, G, 1]``), in every query head — a bounded error, not a guess. Decoded
+        :data:`REST_CHUNK_TOKENS` tokens at a time, merged by log-sum-exp, so the temporaries stay bounded."""
         if self._unread is None:
             return None
         lo, hi = self._unread
         rows = self.store.table.rows[layer]
-        bt, batch = self.store.block_tokens, rows.batch
-        index, missing = self._summary_rows(layer, rows, lo, hi, summaries, q.device)
-        candidates = np.broadcast_to(np.arange(lo, hi), (batch, hi - lo))
-        bias = _selection_bias(candidates, bt, start, stop, mask, q.dtype, q.device)  # [B, 1, 1, C·bt]
-        taken = np.zeros((batch, (hi - lo) * per), dtype=bool)
+        bt, batch, device = self.store.block_tokens, rows.batch, q.device
+        page, units = bt // per, (hi - lo) * per
+        index, missing = self._summary_rows(layer, rows, lo, hi, summaries, device)
+        taken = np.zeros((batch, units), dtype=bool)
         row, position = np.nonzero((read >= lo * per) & (read < hi * per))
         taken[row, read[row, position] - lo * per] = True
-        skip = torch.from_numpy(taken).to(q.device)
+        skip = torch.from_numpy(taken).to(device)
         skip = skip if missing is None else skip | missing.repeat_interleave(per, dim=1)
-        bias = bias.masked_fill(skip.repeat_interleave(bt // per, dim=1)[:, None, None], torch.finfo(q.dtype).min)
-        skipped = skip.view(batch, hi - lo, per).all(dim=2)  # [B, C]: blocks with nothing left to attend
-        index = index.view(batch, -1)  # [B, C]
-        chunk = max(1, REST_CHUNK_TOKENS // bt)
+        bound = self._bound
+        if REST_PRUNE_MASS > 0 and bound is not None and bound[0] == layer and bound[1].shape[-1] >= units:
+            upper = bound[1][..., :units] + math.log(page) - read_lse.float()  # [B, H_kv, G, units]: log mass / read's
+            worst = upper.flatten(1, 2).amax(dim=1).masked_fill(skip, -math.inf)  # [B, units]
+            ordered, order = worst.sort(dim=1)
+            within = torch.logcumsumexp(ordered, dim=1) <= math.log(REST_PRUNE_MASS)
+            skip = skip | torch.zeros_like(skip).scatter(1, order, within)
+            self.counters.rest_pages_pruned += int(within.sum()) - int((ordered == -math.inf).sum())
+        needed = ~skip
+        count = needed.sum(dim=1)
+        most = int(count.max())
+        if most == 0:
+            return None
+        # each row's needed pages first, ascending: [B, most] (rows with fewer: padded, masked below)
+        unit = torch.sort(skip.long() * units + torch.arange(units, device=device), dim=1).values[:, :most] % units
+        valid = torch.arange(most, device=device) < count[:, None]
+        block, part = unit // per, unit % per
+        pages = index.view(batch, -1).gather(1, block) * per + part  # [B, most]: rows of the rest copy
+        positions = ((lo + block) * bt + part * page)[:, :, None] + torch.arange(page, device=device)
+        positions = positions.masked_fill(~valid[:, :, None], -1).flatten(1)  # [B, most · page]
+        bias = _bias(positions, start, stop, mask, q.dtype)
+        chunk = max(1, REST_CHUNK_TOKENS // page)
         out = lse = None
-        for c in range(0, hi - lo, chunk):
-            if skipped[:, c : c + chunk].all():
-                continue
-            picked = index[:, c : c + chunk].reshape(-1)
-            keys, values = summaries.rest(layer, picked, q.dtype)  # [H_kv, B·n, bt, D]
-            self.counters.rest_bytes_read += summaries.rest_nbytes(layer, picked.numel())
+        for c in range(0, most, chunk):
+            picked = pages[:, c : c + chunk].reshape(-1)
+            keys, values = summaries.rest(layer, picked, q.dtype)  # [H_kv, B·n, page, D]
+            self.counters.rest_bytes_read += summaries.rest_nbytes(layer, int(valid[:, c : c + chunk].sum()))
             heads, dim = keys.shape[0], keys.shape[-1]
-            keys = keys.view(heads, batch, -1, dim).transpose(0, 1)  # [B, H_kv, n·bt, D]
+            keys = keys.view(heads, batch, -1, dim).transpose(0, 1)  # [B, H_kv, n·page, D]
             values = values.view(heads, batch, -1, dim).transpose(0, 1)
-            out, lse = merge(out, lse, *partial_attention(q, keys, values, bias[..., c * bt : (c + chunk) * bt],
+            out, lse = merge(out, lse, *partial_attention(q, keys, values, bias[..., c * page : (c + chunk) * page],
                                                           scaling, softcap))
-        if out is not None:
-            self.counters.rest_layer_steps += 1
+        self.counters.rest_layer_steps += 1
         return None if out is None or lse is None else (out, lse)
 
     def _with_sticky(self, layer: int, lo: int, hi: int, score: torch.Tensor) -> torch.Tensor:

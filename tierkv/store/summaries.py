@@ -54,8 +54,9 @@ TABLE_GROWTH = 1.25  # a full table grows by this factor: doubling could reserve
 
 class _LayerTable:
     """One layer's summaries: ``table`` ``[H_kv, capacity, pages, 3, D]`` (min, max, mean of each page), its free
-    rows, and the rest copy if kept: ``codes`` ``[H_kv, capacity, 2, bt, D · bits / 8]`` (packed keys and values)
-    and ``value_scale`` ``[H_kv, capacity, bt, groups, 2]`` (each value group's min and step)."""
+    rows, and the rest copy if kept: ``codes`` ``[H_kv, capacity, pages, 2, page_tokens, D · bits / 8]`` (packed
+    keys and values, page-major so that a page's copy is one row of a ``[H_kv, capacity · pages, ...]`` view) and
+    ``value_scale`` ``[H_kv, capacity, bt, groups, 2]`` (each value group's min and step)."""
 
     def __init__(self, table: torch.Tensor, codes: torch.Tensor | None = None,
                  value_scale: torch.Tensor | None = None) -> None:
@@ -163,27 +164,29 @@ class KeySummaries:
             entry.codes[:, index], entry.value_scale[:, index] = rest[0], rest[1].to(entry.value_scale.dtype)
 
     def rest(self, layer: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rest copy of table rows ``index`` ``[N]`` of ``layer``, decoded: keys and values
-        ``[H_kv, N, block_tokens, D]`` in ``dtype``, each within half a step of the block's own."""
+        """The rest copy of pages ``index`` ``[N]`` of ``layer`` (``table row · pages + page``; with one page per
+        block, the table rows), decoded: keys and values ``[H_kv, N, page_tokens, D]`` in ``dtype``, each within
+        half a step of the page's own."""
         entry, bits = self._layers[layer], self.rest_bits
         assert entry.codes is not None and entry.value_scale is not None, "kept only with rest_bits"
-        packed = entry.codes.index_select(1, index)  # [H_kv, N, 2, bt, D · bits / 8]
-        bounds = entry.table[:, :, :, :2].index_select(1, index).float()  # [H_kv, N, pages, 2, D]: keys' min, max
-        lo, hi = bounds[:, :, :, None, 0], bounds[:, :, :, None, 1]  # [H_kv, N, pages, 1, D]
-        codes = _unpack(packed[:, :, 0], bits).unflatten(2, (bounds.shape[2], -1))  # [H_kv, N, pages, pt, D]
-        keys = torch.addcmul(lo, codes, (hi - lo) / (2**bits - 1)).flatten(2, 3)
-        scale = entry.value_scale.index_select(1, index).float()  # [H_kv, N, bt, groups, 2]
+        heads, capacity, pages = entry.table.shape[:3]
+        packed = entry.codes.flatten(1, 2).index_select(1, index)  # [H_kv, N, 2, pt, D · bits / 8]
+        bounds = entry.table.flatten(1, 2)[:, :, :2].index_select(1, index).float()  # [H_kv, N, 2, D]
+        lo, hi = bounds[:, :, None, 0], bounds[:, :, None, 1]  # [H_kv, N, 1, D]: the page's keys' min, max
+        keys = torch.addcmul(lo, _unpack(packed[:, :, 0], bits), (hi - lo) / (2**bits - 1))
+        groups = entry.value_scale.shape[3]
+        scale = entry.value_scale.view(heads, capacity * pages, -1, groups, 2).index_select(1, index).float()
         grouped = _unpack(packed[:, :, 1], bits).unflatten(-1, (scale.shape[3], -1))  # [..., groups, D / groups]
         values = torch.addcmul(scale[..., :1], grouped, scale[..., 1:]).flatten(-2)
         return keys.to(dtype), values.to(dtype)
 
-    def rest_nbytes(self, layer: int, rows: int) -> int:
-        """Device bytes :meth:`rest` reads for ``rows`` table rows of ``layer``: codes, value scales, key bounds."""
+    def rest_nbytes(self, layer: int, pages: int) -> int:
+        """Device bytes :meth:`rest` reads for ``pages`` pages of ``layer``: codes, value scales, key bounds."""
         entry = self._layers[layer]
         assert entry.codes is not None and entry.value_scale is not None, "kept only with rest_bits"
-        bounds = entry.table[:, 0, :, :2]
-        per_row = sum(t[:, 0].numel() * t.element_size() for t in (entry.codes, entry.value_scale, bounds))
-        return rows * per_row
+        per_row = sum(t[:, 0].numel() * t.element_size() for t in (entry.codes, entry.value_scale, entry.table))
+        return pages * (per_row - entry.table[:, 0, :, 2].numel() * entry.table.element_size()) \
+            // entry.table.shape[2]
 
     def release(self, block_id: int) -> None:
         """``block_id`` was freed: its row goes back to its layer's free list."""
@@ -214,9 +217,9 @@ class KeySummaries:
 
     def _rest_copy(self, blocks: torch.Tensor, summary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest copy of ``blocks`` ``[n, 2, H_kv, bt, D]`` as table rows: packed codes
-        ``[H_kv, n, 2, bt, D · bits / 8]`` and the value groups' (min, step) ``[H_kv, n, bt, groups, 2]``. Keys are
-        coded on their page summary's min and max as stored (rounded to the KV dtype), so decoding needs nothing
-        else."""
+        ``[H_kv, n, pages, 2, pt, D · bits / 8]`` and the value groups' (min, step) ``[H_kv, n, bt, groups, 2]``.
+        Keys are coded on their page summary's min and max as stored (rounded to the KV dtype), so decoding needs
+        nothing else."""
         levels = 2**self.rest_bits - 1
         stored = summary.to(blocks.dtype).float()  # [n, H_kv, pages, 3, D], as the table holds it
         lo, hi = stored[:, :, :, None, 0], stored[:, :, :, None, 1]  # [n, H_kv, pages, 1, D]
@@ -228,7 +231,8 @@ class KeySummaries:
         vstep = (values.amax(-1, keepdim=True) - vlo) / levels
         value_codes = _codes(values, vlo, vstep, levels).flatten(-2)
         packed = _pack(torch.stack((keys, value_codes), dim=1), self.rest_bits)  # [n, 2, H_kv, bt, D · bits / 8]
-        return packed.permute(2, 0, 1, 3, 4), torch.cat((vlo, vstep), -1).permute(1, 0, 2, 3, 4)
+        paged = packed.unflatten(3, (summary.shape[2], -1))  # [n, 2, H_kv, pages, pt, D · bits / 8]
+        return paged.permute(2, 0, 3, 1, 4, 5), torch.cat((vlo, vstep), -1).permute(1, 0, 2, 3, 4)
 
     def _room(self, layer: int, like: torch.Tensor, new_rows: int, block_tokens: int) -> _LayerTable:
         """Layer ``layer``'s table with at least ``new_rows`` free rows (grown by 25% steps, bytes reserved first)."""
@@ -243,8 +247,8 @@ class KeySummaries:
         empty = self._accel.empty_blocks  # device memory through the accelerator (tierkv.accel)
         grown = _LayerTable(empty((heads, capacity, pages, vectors, dim), like.dtype, self.device))
         if self.rest_bits:
-            grown.codes = empty((heads, capacity, 2, block_tokens, dim * self.rest_bits // 8), torch.uint8,
-                                self.device)
+            grown.codes = empty((heads, capacity, pages, 2, block_tokens // pages, dim * self.rest_bits // 8),
+                                torch.uint8, self.device)
             grown.value_scale = empty((heads, capacity, block_tokens, value_groups(dim), 2), like.dtype, self.device)
         self._reserve(grown.nbytes - (entry.nbytes if entry is not None else 0))
         if entry is None:
