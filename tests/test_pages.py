@@ -4,7 +4,9 @@ a page's sector raises, a page elsewhere in the same block still reads), counted
 
 from __future__ import annotations
 
+import itertools
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -183,17 +185,82 @@ def test_one_engine_submission_per_call(tmp_path):
         want = expected(store, 0, columns, pages, 16, dest)
         slot_file = next(iter(store.tiers[Tier.DISK].files.values()))
         calls = []
-        submit = slot_file.file.submit_hashed_reads
+        submit = slot_file.file.submit_array
 
-        def counting(requests, unit):
-            calls.append(len(requests))
-            return submit(requests, unit)
+        def counting(offsets, *args, **kwargs):
+            calls.append(len(offsets))
+            return submit(offsets, *args, **kwargs)
 
-        slot_file.file.submit_hashed_reads = counting
+        slot_file.file.submit_array = counting
         store.read_pages(0, columns, pages, 16, dest)
         assert torch.equal(dest, want)
         # both pages of every disk block of every row: whole slots, coalesced across consecutive slots
         assert len(calls) == 1 and calls[0] <= np.count_nonzero(rows.tiers == Tier.DISK)
+
+
+def chunk_of(store: KVStore, layer: int, tier: Tier) -> np.ndarray:
+    """``[B, columns]``: the slab chunk holding each block of ``layer`` on the memory tier ``tier`` (-1 elsewhere)."""
+    rows = store.table.rows[layer]
+    pool = store.tiers[tier].pools[store.layouts[layer].slot_bytes]
+    chunks = pool.locate(np.where(rows.tiers == tier, rows.slots, 0))[0]
+    return np.where(rows.tiers == tier, chunks, -1)
+
+
+def test_pages_across_many_slab_chunks(tmp_path):
+    """Memory tiers whose pools hold several chunks: pages from all of them in one call, exact, and the Python the
+    call runs is the same whether its pages sit in one chunk per tier or are spread over every chunk."""
+    cache, store = filled(tmp_path, 2, 2, 64, 64, blocks=48, dtype=torch.bfloat16, layers=2)
+    with cache:
+        for tier in (Tier.DEVICE, Tier.HOST):
+            assert len(store.tiers[tier].pools[store.layouts[0].slot_bytes].chunks) >= 3
+        for seed in range(3):
+            columns, pages = selection(store, 0, 40, 8, seed=seed)
+            for tier in (Tier.DEVICE, Tier.HOST):
+                chunks = chunk_of(store, 0, tier)[np.arange(2)[:, None], columns][columns >= 0]
+                assert np.unique(chunks[chunks >= 0]).size >= 3
+            dest = torch.full((2, 2, 2, 40 * 8, 64), SENTINEL, dtype=torch.bfloat16)
+            want = expected(store, 0, columns, pages, 8, dest)
+            store.read_pages(0, columns, pages, 8, dest)
+            assert torch.equal(dest, want)
+
+        def events(columns: np.ndarray) -> int:
+            count = 0
+
+            def tracer(frame, event, arg):
+                nonlocal count
+                count += 1
+                return tracer
+
+            dest = torch.zeros(2, 2, 2, columns.shape[1] * 8, 64, dtype=torch.bfloat16)
+            pages = np.arange(columns.size).reshape(columns.shape) % 8
+            sys.settrace(tracer)
+            try:
+                store.read_pages(0, columns, pages, 8, dest)
+            finally:
+                sys.settrace(None)
+            return count
+
+        device, host = chunk_of(store, 0, Tier.DEVICE), chunk_of(store, 0, Tier.HOST)
+        for b in range(2):
+            assert np.unique(device[b][device[b] >= 0]).size >= 2 and np.unique(host[b][host[b] >= 0]).size >= 2
+
+        def pick(spread: bool) -> np.ndarray:
+            """Per row: 8 device and 8 host blocks, from one chunk of each tier or from every chunk."""
+            picked = []
+            for b in range(2):
+                row = []
+                for chunks in (device[b], host[b]):
+                    held = np.flatnonzero(chunks >= 0)
+                    if spread:
+                        groups = [held[chunks[held] == c] for c in np.unique(chunks[held])]
+                        row += [int(g[i // len(groups) % len(g)]) for i, g in
+                                zip(range(8), itertools.cycle(groups))]
+                    else:
+                        row += np.repeat(held[chunks[held] == chunks[held][0]], 8)[:8].tolist()
+                picked.append(row)
+            return np.array(picked)
+
+        assert events(pick(spread=False)) == events(pick(spread=True))
 
 
 def test_bad_arguments_are_refused(tmp_path):

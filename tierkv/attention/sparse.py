@@ -267,6 +267,9 @@ class SparseAttention(PipelinedExecutor):
             parts[0] = (*parts[0][:2], _tail_bias(parts[0][2], *self._tail_kept, page, parts[0][0].shape[2], query))
         if pages is not None and picked:
             self._read_pages(layer, pages, per, page, page_staging)
+            if (pages < 0).any():  # positions left alone hold stale bytes, maybe NaN: masked, and zero
+                stale = torch.from_numpy(pages < 0).to(query.device).repeat_interleave(page, dim=1)
+                page_staging.masked_fill_(stale[None, :, None, :, None], 0)
             parts.append((page_staging[0], page_staging[1],
                           _page_bias(pages, per, page, start, mask, self._unread, query.dtype, query.device)))
         wants_mass = getattr(store.policy, "wants_mass", False)
@@ -380,7 +383,7 @@ class SparseAttention(PipelinedExecutor):
         if tail is not None:  # the tail's chosen pages are attended in it (read whole, from its slot): -1 here
             in_tail = chosen >= (end - 1) * per
             self._tail_kept = (np.where(in_tail, chosen - (end - 1) * per, -1), tail.shape[2])
-            chosen = np.where(in_tail, -1, chosen)
+            chosen = np.where(in_tail, -1, chosen)[:, : chosen.shape[1] - int(in_tail.sum(axis=1).min())]
         return whole[1], chosen
 
     def _scores(self, layer: int, rows, lo: int, hi: int, q: torch.Tensor, summaries, scaling: float,
@@ -500,6 +503,9 @@ class SparseAttention(PipelinedExecutor):
             heads, dim = keys.shape[0], keys.shape[-1]
             keys = keys.view(heads, batch, -1, dim).transpose(0, 1)  # [B, H_kv, n·page, D]
             values = values.view(heads, batch, -1, dim).transpose(0, 1)
+            padded = ~valid[:, c : c + chunk].repeat_interleave(page, dim=1)[:, None, :, None]
+            if padded.any():  # a padded position may name a row never written (NaN there would survive any bias)
+                keys, values = keys.masked_fill(padded, 0), values.masked_fill(padded, 0)
             out, lse = merge(out, lse, *partial_attention(q, keys, values, bias[..., c * page : (c + chunk) * page],
                                                           scaling, softcap))
         self.counters.rest_layer_steps += 1

@@ -129,6 +129,68 @@ def check_requests(
     return checked
 
 
+@dataclass(frozen=True, slots=True)
+class ArrayRequests:
+    """A checked array batch: request ``i`` moves ``lengths[i]`` bytes between file offset ``offsets[i]`` and
+    ``view[starts[i] : starts[i] + lengths[i]]`` (all ``int64 [n]``)."""
+
+    view: np.ndarray  # [nbytes] uint8: the one buffer every request lands in or comes from
+    offsets: np.ndarray
+    lengths: np.ndarray
+    starts: np.ndarray
+
+
+def _int64_array(name: str, values: Any) -> np.ndarray:
+    """``values`` as a contiguous 1-D int64 array (never truncated or wrapped), or a ValueError naming ``name``."""
+    array = np.asarray(values)
+    if array.ndim != 1 or not (array.dtype.kind in "iu" or array.size == 0):
+        raise ValueError(f"{name} must be a 1-D array of integers; got {array.dtype} of shape {array.shape}.")
+    if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} holds {int(array.max())}, past the int64 range of file and buffer offsets.")
+    return np.ascontiguousarray(array, dtype=np.int64)  # the native engine hands its memory to C
+
+
+def check_array_requests(offsets: Any, lengths: Any, buffer: Any, buffer_offsets: Any, *, direct: bool, write: bool,
+                         unit: int = 0) -> ArrayRequests:
+    """Validate an array batch (see :meth:`DiskFile.submit_array`) with numpy, before anything is submitted: what
+    :func:`check_requests` checks per request (the buffer contiguous and, for a read, writable; file offsets not
+    negative; under ``O_DIRECT`` offset, length and memory address multiples of :data:`ALIGN`), plus what one shared
+    buffer adds (each request inside it) and, with ``unit``, lengths of whole units. The error names the first bad
+    request in submission order."""
+    if isinstance(unit, bool) or not isinstance(unit, int | np.integer) or unit < 0 or (write and unit):
+        raise ValueError(f"unit must be a byte count >= 0 for reads (0: no hashing) and 0 for writes; got {unit!r}.")
+    view = as_byte_view(buffer, writable=not write)
+    offsets, lengths = _int64_array("offsets", offsets), _int64_array("lengths", lengths)
+    starts = _int64_array("buffer_offsets", buffer_offsets)
+    if not offsets.shape == lengths.shape == starts.shape:
+        raise ValueError(f"offsets, lengths and buffer_offsets must have one entry per request; got "
+                         f"{offsets.size}, {lengths.size} and {starts.size}.")
+    checks = [
+        (offsets < 0, lambda i: f"file offset {offsets[i]} is negative."),
+        (lengths < 0, lambda i: f"length {lengths[i]} is negative."),
+        ((starts < 0) | (starts > view.nbytes - lengths),
+         lambda i: f"bytes {starts[i]}..{starts[i] + lengths[i]} of the buffer are outside its {view.nbytes} bytes."),
+    ]
+    if unit:
+        checks.append((lengths % unit != 0, lambda i: f"length {lengths[i]} is not a multiple of the unit {unit} "
+                       "(hashed reads need requests of whole units)."))
+    if direct:
+        address = view.ctypes.data + starts
+        checks.append(((offsets % ALIGN != 0) | (lengths % ALIGN != 0) | (address % ALIGN != 0), lambda i: (
+            f"direct I/O needs offset, length and buffer address aligned to {ALIGN} bytes; misaligned: "
+            + ", ".join(f"{name}={value} ({value % ALIGN} past a multiple)" for name, value in
+                        (("offset", offsets[i]), ("nbytes", lengths[i]), ("address", address[i])) if value % ALIGN)
+            + ". Allocate buffers with tierkv.io.aligned_empty and size slots in multiples of ALIGN, or open the "
+            "file with direct=False.")))
+    firsts = [int(np.argmax(bad)) if bad.any() else offsets.size for bad, _ in checks]
+    first = min(firsts, default=offsets.size)
+    if first < offsets.size:
+        which = firsts.index(first)  # checks in check_requests' order: the first that request fails
+        error = AlignmentError if direct and which == len(checks) - 1 else ValueError
+        raise error(f"request {first}: {checks[which][1](first)}")
+    return ArrayRequests(view, offsets, lengths, starts)
+
+
 def eof_error(path: str, offset: int, wanted: int, got: int | None) -> OSError:
     """The error for a read that hit end of file: a KV block that was never written is a bug upstream."""
     short = "" if got is None else f", got {got}"
@@ -232,6 +294,26 @@ class DiskFile(ABC):
         """Like :meth:`submit_reads`; an engine that can also hash what lands returns the xxh3-64 of every
         ``unit`` bytes (requests in order) in an array valid once the handle was waited on. This one cannot:
         ``None``, the caller hashes (:func:`tierkv.io.checksum.xxh3_rows`)."""
+        return self.submit_reads(requests), None
+
+    def submit_array(self, offsets: np.ndarray, lengths: np.ndarray, buffer: Any, buffer_offsets: np.ndarray, *,
+                     write: bool, unit: int = 0) -> tuple[IOHandle, np.ndarray | None]:
+        """Submit ``len(offsets)`` requests between one host ``buffer`` and the file, given as arrays: request ``i``
+        moves ``lengths[i]`` bytes between file offset ``offsets[i]`` and the buffer's bytes from
+        ``buffer_offsets[i]``. Checked as a whole first (:func:`check_array_requests`: the tuple methods' checks,
+        vectorized, plus each request inside the buffer); a batch of thousands of small requests (a page read's
+        sectors) then costs no Python per request where the engine takes arrays (native). With ``unit`` (reads
+        only) the second value is as :meth:`submit_hashed_reads`'s; else None.
+
+        This default cuts the batch into the tuple form for :meth:`submit_reads` and friends."""
+        batch = check_array_requests(offsets, lengths, buffer, buffer_offsets, direct=self.direct, write=write,
+                                     unit=unit)
+        requests = [(offset, batch.view[start : start + length]) for offset, start, length in
+                    zip(batch.offsets.tolist(), batch.starts.tolist(), batch.lengths.tolist())]
+        if write:
+            return self.submit_writes(requests), None
+        if unit:
+            return self.submit_hashed_reads(requests, unit)
         return self.submit_reads(requests), None
 
     @abstractmethod

@@ -37,6 +37,7 @@ from tierkv.io.base import (
     DiskFile,
     EngineUnavailableError,
     IOHandle,
+    check_array_requests,
     check_requests,
     chunk_bytes,
     eof_error,
@@ -144,12 +145,14 @@ class _Pool:
 class _NativeBatch(IOHandle):
     """A C batch; keeps the request buffers alive until the workers are done with them."""
 
-    def __init__(self, file: NativeFile, batch: int, requests: list[Any], digests: np.ndarray | None) -> None:
+    def __init__(self, file: NativeFile, batch: int, buffers: Any, offsets: np.ndarray, lengths: np.ndarray,
+                 digests: np.ndarray | None) -> None:
         self._pool = file.pool_state
         self._path = file.path
         self._batch: int | None = batch
-        self._requests = requests  # keep-alive: the C side holds raw addresses into these arrays
+        self._buffers = buffers  # keep-alive: the C side holds raw addresses into these arrays
         self._digests = digests  # ... and writes into this one
+        self._offsets, self._lengths = offsets, lengths  # of each request, for the error of the first that failed
         self._error: OSError | None = None
 
     def _finish(self) -> None:
@@ -160,18 +163,17 @@ class _NativeBatch(IOHandle):
         batch, self._batch = self._batch, None
         if pool is None:  # the pool was freed, which finished every batch first
             lib.tkv_batch_free(batch)
-            self._requests, self._digests = [], None
+            self._buffers, self._digests = None, None
             return
         code = ctypes.c_int32()
         failed = lib.tkv_wait(pool, batch, ctypes.byref(code))
         lib.tkv_batch_free(batch)
         if failed >= 0:
-            req = self._requests[failed]
             if code.value == _EOF:
-                self._error = eof_error(self._path, req.offset, req.view.nbytes, None)
+                self._error = eof_error(self._path, int(self._offsets[failed]), int(self._lengths[failed]), None)
             else:
                 self._error = OSError(code.value, os.strerror(code.value), self._path)
-        self._requests, self._digests = [], None
+        self._buffers, self._digests = None, None
 
     def wait(self) -> None:
         self._finish()
@@ -226,27 +228,45 @@ class NativeFile(DiskFile):
         """The workers hash every ``unit`` bytes right after their piece landed (on the I/O threads)."""
         return self._submit(requests, write=False, unit=unit)
 
-    def _submit(self, requests: Sequence[tuple[int, Any]], *, write: bool,
-                unit: int = 0) -> tuple[IOHandle, np.ndarray | None]:
+    def submit_array(self, offsets: np.ndarray, lengths: np.ndarray, buffer: Any, buffer_offsets: np.ndarray, *,
+                     write: bool, unit: int = 0) -> tuple[IOHandle, np.ndarray | None]:
+        """The arrays go to the C pool as they are: no Python per request."""
+        self._open()
+        batch = check_array_requests(offsets, lengths, buffer, buffer_offsets, direct=self.direct, write=write,
+                                     unit=unit)
+        addrs = batch.starts.astype(np.uint64) + np.uint64(batch.view.ctypes.data)
+        return self._queue(batch.view, batch.offsets, batch.lengths, addrs, write, unit)
+
+    def _open(self) -> None:
         if self.pool is None:
             raise ValueError(f"I/O on closed {self!r}.")
+
+    def _submit(self, requests: Sequence[tuple[int, Any]], *, write: bool,
+                unit: int = 0) -> tuple[IOHandle, np.ndarray | None]:
+        self._open()
         checked = check_requests(requests, direct=self.direct, writable=not write)
-        if not checked:
-            return CompletedHandle(), (np.zeros(0, dtype=np.uint64) if unit else None)
         offsets = np.array([r.offset for r in checked], dtype=np.int64)
         lengths = np.array([r.view.nbytes for r in checked], dtype=np.int64)
         addrs = np.array([r.view.ctypes.data for r in checked], dtype=np.uint64)
         if unit and np.any(lengths % unit):
             raise ValueError(f"hashed reads need requests of whole {unit}-byte units; got lengths {lengths.tolist()}.")
+        return self._queue(checked, offsets, lengths, addrs, write, unit)
+
+    def _queue(self, buffers: Any, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray, write: bool,
+               unit: int) -> tuple[IOHandle, np.ndarray | None]:
+        """Queue checked requests (``int64`` offsets and lengths, ``uint64`` addresses into ``buffers``, which the
+        batch keeps alive) as one C batch."""
+        if not offsets.size:
+            return CompletedHandle(), (np.zeros(0, dtype=np.uint64) if unit else None)
         digests = np.empty(int(lengths.sum()) // unit, dtype=np.uint64) if unit else None
         batch = self.lib.tkv_submit(
-            self.pool, self.fd, int(write), self._chunk, len(checked),
+            self.pool, self.fd, int(write), self._chunk, offsets.size,
             offsets.ctypes.data_as(_i64p), lengths.ctypes.data_as(_i64p), addrs.ctypes.data_as(_u64p),
             unit, digests.ctypes.data_as(_u64p) if digests is not None else None,
         )  # fmt: skip
         if not batch:
             raise OSError(errno.ENOMEM, "native engine: out of memory queueing a batch", self.path)
-        handle = _NativeBatch(self, batch, checked, digests)
+        handle = _NativeBatch(self, batch, buffers, offsets, lengths, digests)
         self._live.add(handle)
         return handle, digests
 

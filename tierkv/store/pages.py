@@ -7,22 +7,26 @@ the block's slot (``[2, H_kv, block_tokens, D]``): K and V of each head. A read 
   ``index_select`` per chunk the pages live in gathers them into a device buffer (host runs: by the CPU into a
   pinned buffer first, then one copy over the link, on accelerators with streams), then one ``index_copy`` puts
   them into the destination, itself viewed as rows of runs;
-- disk tier: the 4 KiB sectors holding the runs, adjacent ones coalesced, in one batched engine submission into
-  the disk tier's bounce buffer (submitted first, so it overlaps the memory tiers' gathers); every sector is
-  verified against the xxh3-64 taken when it was written
+- disk tier: the 4 KiB sectors holding the runs, adjacent ones coalesced, in one array submission to the engine
+  (:meth:`~tierkv.io.DiskFile.submit_array`) into the disk tier's bounce buffer (submitted first, so it overlaps
+  the memory tiers' gathers); every sector is verified against the xxh3-64 taken when it was written
   (:meth:`~tierkv.tiers.disk.DiskSlotFile.verify_sectors`) before a byte of it is copied on, then the runs take
   the host runs' way. A read larger than the bounce limit runs in rounds. (Engines that read into GPU memory,
   kvikio with GDS, read pages through this host bounce too.)
 
-Planning is numpy over all pages at once: the Python loops are over tiers, slab chunks and rounds, never over
-blocks or pages. Like the sparse executor's block reads, a page read is synchronous on the caller's thread and
-plans from the table as it is: no table edit (a demotion, a write-back landing) can run until it returns.
+Planning is numpy over all pages at once, and the calls per slab chunk are a ``map`` over torch's functions: the
+Python loops are over tiers and rounds of the bounce limit, never over blocks, pages, chunks or disk requests. Like
+the sparse executor's block reads, a page read is synchronous on the caller's thread and plans from the table as it
+is: no table edit (a demotion, a write-back landing) can run until it returns.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import math
 from collections.abc import Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,10 +45,6 @@ from tierkv.tiers.memory import MemoryTier
 
 if TYPE_CHECKING:
     from tierkv.store.kvstore import KVStore
-
-Segment = tuple[torch.Tensor, np.ndarray]
-"""``(rows, index)``: a source viewed as rows of one run each, and the rows to take from it."""
-
 
 def read_pages(store: KVStore, layer: int, columns: np.ndarray, pages: np.ndarray, page_tokens: int,
                dest: torch.Tensor) -> None:
@@ -78,8 +78,8 @@ def read_pages(store: KVStore, layer: int, columns: np.ndarray, pages: np.ndarra
             if mine.size:
                 memory = store.tiers[tier]
                 assert isinstance(memory, MemoryTier)
-                segments, order = _slab_segments(memory, layout, slots[mine], within[mine], run)
-                sink.land(segments, sink.rows[mine[order]].ravel(), host=memory.space != DEVICE)
+                sources, counts, index, order = _slab_runs(memory, layout, slots[mine], within[mine], run)
+                sink.land(sources, counts, index, sink.rows[mine[order]].ravel(), host=memory.space != DEVICE)
                 store.transfer.count(link(tier, Tier.DEVICE), mine.size * page_tokens * layout.token_bytes)
         if disk is not None:
             disk.finish(sink)
@@ -127,21 +127,25 @@ def _rows_view(source: torch.Tensor, offsets: np.ndarray, run: int) -> tuple[tor
     return torch.as_strided(source, (count, run), (step, 1)), offsets // step
 
 
-def _slab_segments(tier: MemoryTier, layout: BlockLayout, slots: np.ndarray, within: np.ndarray,
-                   run: int) -> tuple[list[Segment], np.ndarray]:
-    """The runs of the pages in ``slots`` (run offsets ``within`` their slot, ``[n, 2H]``) as rows of the slab
-    chunks holding them, one segment per chunk (a pool has few), and the order of the pages they come in."""
-    slabs = tier.slabs(layout)  # [slots, 2, H, bt, D] per chunk, slot ids counting on from one to the next
-    starts = np.cumsum([0, *(slab.shape[0] for slab in slabs)])
-    chunk = np.searchsorted(starts, slots, side="right") - 1
+def _slab_runs(tier: MemoryTier, layout: BlockLayout, slots: np.ndarray, within: np.ndarray,
+               run: int) -> tuple[list[torch.Tensor], np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of the pages in ``slots`` (run offsets ``within`` their slot, ``[n, 2H]``) as rows of the slab chunks
+    holding them: one rows view per chunk touched, the runs taken from each (``[chunks]``), their rows in those views
+    (``[runs]``, chunk after chunk), and the order of the pages they come in. One numpy computation for all chunks;
+    the views are made by ``map`` over torch's own functions, so no Python runs per chunk (a pool has a few dozen at
+    most, but more as the KV grows)."""
+    pool = tier.pools[layout.slot_bytes]
+    chunk, row = pool.locate(slots)
     order = np.argsort(chunk, kind="stable")
-    segments = []
-    for index in np.unique(chunk).tolist():
-        mine = order[chunk[order] == index]
-        slab = slabs[index]
-        view, rows = _rows_view(slab, (slots[mine] - starts[index])[:, None] * slab.stride(0) + within[mine], run)
-        segments.append((view, rows.ravel()))
-    return segments, order
+    touched, pages = np.unique(chunk[order], return_counts=True)
+    slot_elements = layout.slot_bytes // layout.dtype.itemsize
+    step = math.gcd(slot_elements, run)  # divides every run offset: page runs start at multiples of ``run``
+    index = (row[order, None] * slot_elements + within[order]) // step
+    chunks = list(map(pool.chunks.__getitem__, touched.tolist()))
+    sizes = np.fromiter(map(torch.Tensor.size, chunks, repeat(0)), dtype=np.int64, count=len(chunks))
+    shapes = zip(((sizes * slot_elements - run) // step + 1).tolist(), repeat(run))
+    views = list(map(torch.as_strided, map(torch.Tensor.view, chunks, repeat(layout.dtype)), shapes, repeat((step, 1))))
+    return views, pages * within.shape[1], index.ravel(), order
 
 
 class _Sink:
@@ -172,13 +176,17 @@ class _Sink:
         rows = raw.numel() // self.row_bytes
         return raw[: rows * self.row_bytes].view(self.dest.dtype).view(rows, self.run)
 
-    def land(self, segments: Sequence[Segment], dest_rows: np.ndarray, host: bool) -> None:
-        """Copy the rows of ``segments`` (in order) into the destination rows ``dest_rows``: per round of the
-        buffer's capacity, one ``index_select`` per segment into the buffer (from host memory: by the CPU, through
-        the pinned buffer and one copy where the accelerator has streams), then one ``index_copy``."""
+    def land(self, sources: Sequence[torch.Tensor], counts: np.ndarray, index: np.ndarray, dest_rows: np.ndarray,
+             host: bool) -> None:
+        """Copy rows ``index`` of ``sources`` (``counts[i]`` rows of source ``i``, then of the next) into the
+        destination rows ``dest_rows``: per round of the buffer's capacity, one ``index_select`` per source into
+        the buffer (from host memory: by the CPU, through the pinned buffer and one copy where the accelerator has
+        streams), then one ``index_copy``. The sources are iterated by ``map`` in C: as many Python calls for one
+        slab chunk as for forty (on the device, through the accelerator's ``index_select``, one call per chunk)."""
         accel, device = self.accel, self.dest.device
         total = len(dest_rows)
-        bounds = np.cumsum([0, *(len(index) for _, index in segments)])
+        ends = np.cumsum(counts)
+        rows = torch.from_numpy(index) if host else torch.from_numpy(index).to(device)
         pinned = host and accel.streams
         lo = 0
         while lo < total:  # rounds of the buffer's capacity: one, unless the read is large
@@ -191,15 +199,18 @@ class _Sink:
                 owner = self.store.transfer.scratch.bounce_buffer("pages")
                 raw = owner.get((hi - lo) * self.row_bytes, self.limit)
                 staged = torch.from_numpy(raw).view(self.dest.dtype).view(hi - lo, self.run)
-            for (source, index), first, last in zip(segments, bounds[:-1].tolist(), bounds[1:].tolist()):
-                a, b = max(first, lo), min(last, hi)
-                if a >= b:
-                    continue
-                rows = torch.from_numpy(index[a - first : b - first])
-                if host:  # host memory: the CPU gathers, as it does everything else there
-                    torch.index_select(source, 0, rows, out=staged[a - lo : b - lo])
-                else:
-                    accel.index_select(source, rows.to(device), staged[a - lo : b - lo])
+            inside = np.minimum(ends, hi) - np.maximum(ends - counts, lo)  # rows of each source in this round
+            these = np.flatnonzero(inside > 0)
+            split = inside[these].tolist()
+            picked = map(sources.__getitem__, these.tolist())
+            parts, outs = torch.split(rows[lo:hi], split), torch.split(staged, split)
+            if host and len(split) == 1:  # host memory: the CPU gathers, as it does everything else there
+                torch.index_select(next(picked), 0, parts[0], out=outs[0])
+            elif host:  # index_select takes out= by keyword only, so map's gathers land in temporaries first
+                collections.deque(map(torch.Tensor.copy_, outs, map(torch.index_select, picked, repeat(0), parts)),
+                                  maxlen=0)
+            else:
+                collections.deque(map(accel.index_select, picked, parts, outs), maxlen=0)
             if owner is not None:
                 accel.copy(out, staged)
                 event = accel.Event()
@@ -265,7 +276,7 @@ class _DiskPages:
             lo, hi = self.bounds[k], self.bounds[k + 1]
             landed = np.searchsorted(sectors, self.first[lo:hi]) * SECTOR_BYTES + self.start[lo:hi] % SECTOR_BYTES
             view, rows = _rows_view(torch.from_numpy(buffer).view(self.layout.dtype), landed // itemsize, self.run)
-            sink.land([(view, rows.ravel())], self.dest_rows[lo:hi].ravel(), host=True)
+            sink.land([view], np.array([rows.size]), rows.ravel(), self.dest_rows[lo:hi].ravel(), host=True)
 
     def settle(self) -> None:
         """No read of this one may still land in the bounce buffer (after a failure elsewhere; raises nothing)."""

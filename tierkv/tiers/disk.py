@@ -408,7 +408,7 @@ class DiskTier:
         slot as it landed where the engine computes them on its I/O threads (native; valid once the handle was
         waited on), else None: the caller hashes the buffer. (The check against the written checksums is
         :meth:`start_read`'s.)"""
-        return self._submit(slot_bytes, np.asarray(slots, dtype=np.int64), buffer, write=False, hashed=True)
+        return self._submit_read(slot_bytes, np.asarray(slots, dtype=np.int64), buffer)
 
     def read_sectors(self, slot_bytes: int, sectors: np.ndarray,
                      buffer: np.ndarray) -> tuple[IOHandle, np.ndarray | None]:
@@ -419,11 +419,10 @@ class DiskTier:
         :meth:`DiskSlotFile.verify_sectors`. Host memory only: an engine that reads into GPU memory (kvikio with
         GDS) reads pages through this host bounce too."""
         slot_file = self.files[slot_bytes]
-        cuts = (np.flatnonzero(np.diff(sectors) != 1) + 1).tolist()
-        requests = [(int(sectors[a]) * SECTOR_BYTES, buffer[a * SECTOR_BYTES : b * SECTOR_BYTES])
-                    for a, b in zip([0, *cuts], [*cuts, sectors.size])]
+        first, count = _runs(np.asarray(sectors, dtype=np.int64))
         try:
-            return slot_file.file.submit_hashed_reads(requests, SECTOR_BYTES)
+            return slot_file.file.submit_array(sectors[first] * SECTOR_BYTES, count * SECTOR_BYTES, buffer,
+                                               first * SECTOR_BYTES, write=False, unit=SECTOR_BYTES)
         except OSError as exc:
             raise disk_error(exc, slot_file.path) from exc
 
@@ -464,8 +463,7 @@ class DiskTier:
         except OSError as exc:
             raise disk_error(exc, self.files[slot_bytes].path) from exc
 
-    def _submit(self, slot_bytes: int, slots: np.ndarray, buffer: np.ndarray | torch.Tensor, write: bool,
-                hashed: bool = False) -> Any:
+    def _submit(self, slot_bytes: int, slots: np.ndarray, buffer: np.ndarray | torch.Tensor, write: bool) -> Any:
         """One request per run of consecutive slots (found with numpy: the loop is over runs, not blocks)."""
         file = self.files[slot_bytes].file
         requests: list[tuple[int, np.ndarray | torch.Tensor]] = []
@@ -473,9 +471,21 @@ class DiskTier:
             cuts = (np.flatnonzero(np.diff(slots) != 1) + 1).tolist()
             requests = [(self.files[slot_bytes].offset(int(slots[a])), buffer[a * slot_bytes : b * slot_bytes])
                         for a, b in zip([0, *cuts], [*cuts, slots.size])]
-        if hashed:
-            return file.submit_hashed_reads(requests, slot_bytes)
         return file.submit_writes(requests) if write else file.submit_reads(requests)
+
+    def _submit_read(self, slot_bytes: int, slots: np.ndarray,
+                     buffer: np.ndarray | torch.Tensor) -> tuple[IOHandle, np.ndarray | None]:
+        """A hashed read of one request per run of consecutive slots, found with numpy; into a host buffer as arrays
+        (:meth:`~tierkv.io.DiskFile.submit_array`: no Python per run), into a device one (kvikio with GDS) as a
+        list of requests."""
+        file = self.files[slot_bytes].file
+        first, count = _runs(slots)
+        if isinstance(buffer, np.ndarray):
+            return file.submit_array(slots[first] * slot_bytes, count * slot_bytes, buffer, first * slot_bytes,
+                                     write=False, unit=slot_bytes)
+        requests = [(int(slots[a]) * slot_bytes, buffer[a * slot_bytes : (a + n) * slot_bytes])
+                    for a, n in zip(first.tolist(), count.tolist())]
+        return file.submit_hashed_reads(requests, slot_bytes)
 
     def close(self) -> None:
         """Close and remove the files and drop the lease; idempotent, never raises (failures are logged)."""
@@ -604,6 +614,12 @@ class _DiskRead:
                 a, b = max(first, piece), min(last, end)
                 if a < b:
                     accel.copy(out[a - first : b - first], layout.blocks_of(rows[a - piece : b - piece]))
+
+
+def _runs(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of consecutive integers in ``items`` ``[n]``: the position of each run's first and its length."""
+    first = np.flatnonzero(np.diff(items, prepend=items[:1] - 2) != 1)
+    return first, np.diff(first, append=items.size)
 
 
 def disk_error(exc: OSError, path: Path) -> DiskTierError:
