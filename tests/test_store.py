@@ -233,7 +233,10 @@ def test_random_operations_match_reference(tmp_path_factory, ops, device_slots, 
             elif name == "crop" and ref:
                 for layer in ref:
                     remove = min(arg, ref[layer].shape[3])
-                    store.crop(layer, remove)
+                    try:
+                        store.crop(layer, remove)
+                    except BudgetTooSmallError:  # rows sharing a block each need a copy of it: more open blocks
+                        continue  # than the device holds. Refused whole: the checks below see every token kept
                     ref[layer] = ref[layer][..., : ref[layer].shape[3] - remove, :]
             elif name == "select" and ref:
                 store.select_rows(list(arg))

@@ -771,7 +771,7 @@ def sparse_what_if(base: Plan) -> WhatIf | None:
             share = alt.bytes_read_per_step / max(base.kv_bytes_total, 1)  # split moves fewer than it attends
             label = f"sparse, {req.sparse_tokens:,} tokens"
             note = (f"approximate attention: reads {share:.1%} of the KV bytes exact decoding attends per step "
-                    "(the top blocks by key summaries, plus sinks and the recent window; quality in docs/quality.md)")
+                    "(the top pages by key summaries, plus sinks and the recent window; quality in docs/quality.md)")
         else:
             label, note = f"exact ({option.executor})", "exact attention over every token"
         return WhatIf(label, alt, note)
