@@ -68,6 +68,7 @@ from tierkv.store import KVStore, ReadPlan
 REST_CHUNK_TOKENS = 16384  # the rest copy is decoded and attended this many candidate tokens at a time
 REST_PRUNE_MASS = 1e-3  # the rest copy leaves out pages whose summed mass is bounded below this share of the read's
 DEFAULT_PAGE_TOKENS = 16  # tokens per selected page (docs/quality.md: 8-16-token units select well)
+DEFAULT_REST_BITS = 4  # cache.sparse's rest copy: at 10% the one with top-1 >= 97% on every model (docs/quality.md)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
-from tierkv.attention.sparse import DEFAULT_PAGE_TOKENS, SparseBudget
+from tierkv.attention.sparse import DEFAULT_PAGE_TOKENS, DEFAULT_REST_BITS, SparseBudget
 from tierkv.commands import (
     add_json_argument,
     existing_file,
@@ -72,9 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-tokens", type=_sparse_budget, default=0.1,
                         help="with --executor sparse: tokens attended per layer, a count (2048, 2K) or a fraction "
                              "of the context (0.1, the default)")
-    parser.add_argument("--sparse-rest-bits", type=int, choices=REST_BITS, default=0,
+    parser.add_argument("--sparse-rest-bits", type=int, choices=REST_BITS, default=None,
                         help="with --executor sparse: attend the pages not read from a copy of this many bits on the "
-                             "device (default 0: not at all)")
+                             f"device (default {DEFAULT_REST_BITS}, the library's; 0: not at all)")
     parser.add_argument("--page-tokens", type=integer("--page-tokens", 1), default=None,
                         help="with --executor sparse: tokens per selected page, a divisor of --block-tokens (default: "
                              f"the library's, {DEFAULT_PAGE_TOKENS} or the largest divisor of --block-tokens below it; "
@@ -121,8 +121,10 @@ def _check_combination(args: argparse.Namespace) -> None:
                                  f"--context {format_tokens(trained)} or less.")
     if args.model and args.random_model:
         raise InvalidConfigError("--model and --random-model exclude each other; give one.")
-    if args.sparse_rest_bits and args.executor != "sparse":
+    if args.sparse_rest_bits is not None and args.executor != "sparse":
         raise InvalidConfigError("--sparse-rest-bits needs --executor sparse (exact attention reads every block).")
+    if args.sparse_rest_bits is None:
+        args.sparse_rest_bits = DEFAULT_REST_BITS if args.executor == "sparse" else 0
     if args.page_tokens is not None and args.executor != "sparse":
         raise InvalidConfigError("--page-tokens needs --executor sparse (exact attention reads every block whole).")
     if args.page_tokens is not None and args.block_tokens % args.page_tokens:

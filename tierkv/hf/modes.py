@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from tierkv import accel
-from tierkv.attention.sparse import SparseBudget
+from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseBudget
 from tierkv.hf import sizing
 from tierkv.hf.attention import Engagement, split_mode, streaming_mode
 from tierkv.hf.choice import choose_executor
@@ -49,17 +49,18 @@ class AttentionModes:
 
     def sparse(self, model: torch.nn.Module, tokens: int | float = 2048, sinks: int | None = None,
                recent: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-               dense_layers: int = 0, rest_bits: int = 0, page_tokens: int | None = None) -> Engagement:
+               dense_layers: int = 0, rest_bits: int = DEFAULT_REST_BITS, page_tokens: int | None = None) -> Engagement:
         """Decode with query-aware *sparse* attention over this cache while inside the block (approximate).
 
         Each decode step, every layer scores its pages by their key summaries and attends exactly over the
         best ones within ``tokens`` (an int, or a fraction in (0, 1] of the sequence's tokens), which include
-        ``sinks`` (first tokens; default one block) and ``recent`` (last tokens; default: the open tail) —
+        ``sinks`` (first tokens; default one page) and ``recent`` (last tokens; default: the newest token's page) —
         fetched from whatever tier holds them. ``dense_layers``: the first layers attend in full. Nothing is
         dropped. Prefill and other multi-token steps stay exact (streaming attention, ``chunk_tokens``).
-        ``rest_bits`` (2, 4 or 8): the pages a step does not read are attended too, from a low-bit copy on the
-        device. ``page_tokens``: the unit of selection inside each block (default 16 tokens, or the largest
-        divisor of ``block_tokens`` below it), so the blocks stay large transfers while the selection is fine
+        ``rest_bits`` (2, 4 — the default — or 8; 0: none): the pages a step does not read are attended too, from a
+        low-bit copy on the device (a page whose mass Quest's bound proves negligible is left out).
+        ``page_tokens``: the unit of selection inside each block (default 16 tokens, or the largest divisor of
+        ``block_tokens`` below it), so the blocks stay large transfers while the selection is fine
         (docs/quality.md, :mod:`tierkv.attention.sparse`)::
 
             with TieredCache(gpu_gb=2, disk_dir="/nvme") as cache, cache.sparse(model, tokens=0.1):
