@@ -22,10 +22,10 @@ benchmarks/test_sparse.py), medians:
   headroom for staging growth holds blocks too);
 - **sparse**: ``cache.sparse(model, tokens=0.1)`` at every default (256-token blocks, the default pages; another
   page size: ``TIERKV_BENCH_CEILING_PAGE_TOKENS``, 256 for whole blocks), its device budget the streaming minimum,
-  the key summaries, twice the selection and 1/16 of the KV.
+  the key summaries and the rest copy (with their tables' growth step), twice the selection and 1/16 of the KV.
 
 Both tiered caches get 1/16 of the KV on the host, the rest (asserted after the warm-up steps, which size the
-executors' staging, and at the end: > 4x the blocks of device and host together) on a disk tier under
+executors' staging, and at the end: >= 3/4 of the blocks) on a disk tier under
 ``TIERKV_BENCH_DIR``. Bytes per decoded token (one pass through the layers): sparse's from ``stats()["sparse"]`` —
 over each link (``link_bytes_per_step``) and read on the device (summaries, rest copy, staged K/V:
 ``*_bytes_read_per_step``); exact's links from ``stats()["bytes_moved"]`` over the timed steps, and its device
@@ -63,7 +63,7 @@ from rich.table import Table
 from transformers import DynamicCache
 
 from tierkv import TieredCache, models
-from tierkv.attention.sparse import SparseBudget
+from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseBudget
 from tierkv.calibrate.disk import RawDirect
 from tierkv.calibrate.timing import seconds
 from tierkv.hf import cache_keyword
@@ -73,6 +73,7 @@ from tierkv.io.base import queue_depth
 from tierkv.planner import kv_summary_bytes
 from tierkv.quality import harness
 from tierkv.quality.tasks import task_writer
+from tierkv.store.summaries import TABLE_GROWTH
 from tierkv.units import format_bytes, parse_token_list
 
 MODELS = [m.strip() for m in env_str("TIERKV_BENCH_CEILING_MODELS", "demo,smollm2").split(",") if m.strip()]
@@ -162,11 +163,13 @@ def _budgets(model, context: int, page_tokens: int) -> tuple[int, int, int, int]
     tokens = context + ROUNDS * (STEPS + SWITCH_STEPS) + WARMUP + 8
     kv = TieredCache.kv_bytes_held(config, tokens, model.dtype)
     share = kv // TIER_SHARE
-    exact = TieredCache.min_device_bytes(config, tokens)  # its headroom holds blocks too
+    exact = TieredCache.min_device_bytes(config, tokens, dtype=model.dtype)  # its headroom holds blocks too
     layers = config.get_text_config(decoder=True).num_hidden_layers
     selection = (int(BUDGET * tokens) + 2 * 256) * TieredCache.kv_bytes_per_token(config, model.dtype) // layers
-    sparse = TieredCache.min_streaming_device_bytes(config, chunk_tokens=SPARSE_CHUNK) + \
-        kv_summary_bytes(kv, page_tokens) + 2 * selection + share
+    rest = TieredCache.rest_copy_bytes(config, tokens, DEFAULT_REST_BITS, model.dtype)
+    tables = int((kv_summary_bytes(kv, page_tokens) + rest) * TABLE_GROWTH)  # the tables grow in 25% steps
+    sparse = TieredCache.min_streaming_device_bytes(config, chunk_tokens=SPARSE_CHUNK, dtype=model.dtype) + \
+        tables + 2 * selection + share
     return exact, sparse, share, kv
 
 
@@ -179,7 +182,7 @@ def _written(cache: TieredCache, kv) -> None:
 
 def _mostly_on_disk(cache: TieredCache) -> dict[str, int]:
     placed = cache.stats()["blocks"]
-    assert placed["disk"] > 4 * (placed["host"] + placed["device"]), placed
+    assert placed["disk"] >= 3 * (placed["host"] + placed["device"]), placed  # 3/4 of the blocks or more
     return placed
 
 

@@ -315,12 +315,12 @@ def test_streaming_forecast_pipelines_chunks_across_layers():
 
 def test_sparse_step_reads_the_budgets_fraction_and_pays_for_the_summaries():
     """Llama-3-8B at 1M tokens, 32K attended: 1/32 of every layer's KV crosses the links; the device holds the
-    prefill's two chunks, one layer's selection and one summary per block (3·H_kv·D values = 1.5 tokens' K/V)."""
+    prefill's two chunks, one layer's selection and one summary per block (4·H_kv·D values = 2 tokens' K/V)."""
     exact = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=136, link="pcie5"))
     sparse = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=136, link="pcie5", executor="sparse",
                                 sparse_tokens="32K"))
     per_layer_token = 4 * 1024
-    summaries = 32 * (2**20 // 256) * per_layer_token * 3 // 2  # layers x blocks x 1.5 tokens' K/V
+    summaries = 32 * (2**20 // 256) * per_layer_token * 2  # layers x blocks x 2 tokens' K/V
     assert sparse.staging_bytes == 2 * 4096 * per_layer_token + 32768 * per_layer_token + summaries
     tiers = sparse.bytes_per_tier
     assert tiers.device == 20 * 10**9 - sparse.staging_bytes and tiers.disk == 0

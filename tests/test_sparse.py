@@ -546,7 +546,7 @@ def test_summary_tables_grow_in_small_steps():
     summaries = KeySummaries(torch.device("cpu"), lambda n: reserved.__setitem__(0, reserved[0] + n),
                              lambda n: reserved.__setitem__(0, reserved[0] - n))
     blocks = torch.randn(1, 2, 2, 4, 8)  # [n, 2, H_kv, bt, D]
-    row_bytes = 3 * 2 * 8 * blocks.element_size()
+    row_bytes = 4 * 2 * 8 * blocks.element_size()  # keys' min, max, mean and the values' mean
     for block_id in range(1, 400):
         summaries.add(0, [block_id], blocks)
         assert reserved[0] == summaries.nbytes
@@ -616,7 +616,8 @@ def test_the_rest_copy_decodes_within_half_a_step_of_every_key_and_value(bits):
         step = (grouped.amax(-1, keepdim=True) - grouped.amin(-1, keepdim=True)) / levels
         assert ((got.unflatten(-1, (2, VALUE_GROUP)) - grouped).abs() <= step * 0.5 + 1e-5).all()
     assert reserved[0] == summaries.nbytes
-    held = summaries.nbytes - 3 * 3 * 2 * VALUE_GROUP * 4 * 8  # less the summaries: 8 rows of 3 vectors, 3 heads
+    held = summaries.nbytes - summaries.summary_nbytes  # less the summaries: 8 rows of 4 vectors, 3 heads
+    assert summaries.summary_nbytes == 4 * 3 * 2 * VALUE_GROUP * 4 * 8
     assert held == rest_copy_bytes(8 * blocks[0].numel() * 4, bits, 4, 2 * VALUE_GROUP)  # 8 rows: the table's first
     summaries.clear()
     assert reserved[0] == 0

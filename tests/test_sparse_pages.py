@@ -252,13 +252,13 @@ def test_pages_at_a_budget_covering_everything_match_dynamic_cache(tmp_path, fam
                               return_dict_in_generate=True, cache=cache)
 
     reference_out = run(DynamicCache())
-    with TieredCache(gpu_gb="256KB", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=32) as cache:
+    with TieredCache(gpu_gb="512KB", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=32) as cache:
         with cache.sparse(model, tokens=1.0, page_tokens=8, chunk_tokens=32):
             out = run(cache)
         assert torch.equal(out.sequences, reference_out.sequences)
         for got, want in zip(out.logits, reference_out.logits, strict=True):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    with TieredCache(gpu_gb="256KB", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=32) as cache:
+    with TieredCache(gpu_gb="512KB", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=32) as cache:
         with cache.sparse(model, tokens=0.5, page_tokens=8, rest_bits=8, chunk_tokens=32):
             out = run(cache)
         sparse = cache.stats()["sparse"]
@@ -277,3 +277,20 @@ def test_the_default_page_is_the_largest_divisor_of_the_block_up_to_16():
     assert [SparseBudget(0.1).page_size(bt) for bt in (256, 16, 8, 24, 100)] == [16, 16, 8, 8, 4]
     assert SparseBudget(0.1, page_tokens=32).page_size(256) == 32
     assert np.array_equal(np.arange(3), np.arange(3))
+
+
+def test_the_page_means_attend_the_pages_not_read_closer_to_full_attention(tmp_path):
+    """Without a copy, ``rest_means`` attends each page not read from its mean key and value (weighted by its
+    tokens): nearer full attention than the selection alone, with no rest copy held and none read."""
+    store, kv = store_with_needles(tmp_path, {0: (5, 2), 1: (9, 1)}, on_disk=False)
+    q = torch.randn(2, HEADS * GROUPS, 1, DIM, generator=torch.Generator().manual_seed(6))
+    full = reference(q, kv, [list(range(kv.shape[3]))] * 2)
+    errors = {}
+    for means in (False, True):
+        executor = SparseAttention(store, ThreadMover())
+        out = attend(executor, q, SparseBudget(0.2, page_tokens=PAGE, rest_means=means))
+        errors[means] = float((out.double() - full).abs().max())
+        assert executor.counters.rest_bytes_read == 0 and executor.counters.rest_layer_steps == int(means)
+        executor.close()
+    assert errors[True] < errors[False] / 2
+    assert store.summaries.nbytes == store.summaries.summary_nbytes  # no copy kept

@@ -38,8 +38,8 @@ def test_the_bound_is_above_every_key_logit_and_the_mean_logit_is_exact(page_tok
     summaries.add(0, list(range(6)), blocks)
     pages = 4 // (page_tokens or 4)
     rows = torch.from_numpy(summaries.rows(np.arange(6)))
-    table = summaries.table(0)[:, rows]  # [H_kv, n, pages, 3, D]: min, max, mean of each page
-    assert table.shape == (2, 6, pages, 3, 8)
+    table = summaries.table(0)[:, rows]  # [H_kv, n, pages, 4, D]: keys' min, max, mean, values' mean of each page
+    assert table.shape == (2, 6, pages, 4, 8)
     q = torch.randn(2, 8, generator=generator, dtype=torch.float64)  # one query per KV head
     keys = blocks[:, 0].transpose(0, 1).unflatten(2, (pages, -1))  # [H_kv, n, pages, page_tokens, D]
     logits = torch.einsum("hd,hnptd->hnpt", q, keys)
@@ -47,6 +47,8 @@ def test_the_bound_is_above_every_key_logit_and_the_mean_logit_is_exact(page_tok
     bound = (q.clamp(min=0)[:, None, None] * hi + q.clamp(max=0)[:, None, None] * lo).sum(-1)  # [H_kv, n, pages]
     assert (bound[..., None] >= logits - 1e-12).all()
     torch.testing.assert_close(torch.einsum("hd,hnpd->hnp", q, mean), logits.mean(-1))
+    values = blocks[:, 1].transpose(0, 1).unflatten(2, (pages, -1))  # [H_kv, n, pages, page_tokens, D]
+    torch.testing.assert_close(table[..., 3, :], values.mean(3))
     if pages > 1:  # tighter than one summary of the block: some page's bound is below the block's
         block_bound = (q.clamp(min=0)[:, None] * keys.amax((2, 3)) + q.clamp(max=0)[:, None] * keys.amin((2, 3)))
         assert (bound < block_bound.sum(-1)[..., None] - 1e-9).any()
@@ -76,7 +78,7 @@ def test_rows_are_reused_after_release_and_clear_gives_every_byte_back():
 
 
 def test_a_refused_reservation_leaves_the_summaries_as_they_were():
-    row_bytes = 3 * 2 * 8 * 4  # min, max, mean of 2 heads x 8 channels, fp32
+    row_bytes = 4 * 2 * 8 * 4  # min, max, mean, mean value of 2 heads x 8 channels, fp32
     reservation = Reservation(limit=8 * row_bytes)  # the first table (8 rows), no growth
     summaries = KeySummaries(torch.device("cpu"), reservation.reserve, reservation.unreserve)
     summaries.add(0, list(range(8)), torch.randn(8, 2, 2, 4, 8))
@@ -96,7 +98,7 @@ def test_summaries_enabled_late_are_backfilled_from_every_tier_and_kept_with_the
     summaries = sparse.enable_summaries()
     assert sparse.enable_summaries() is summaries  # the same rest_bits: kept
     full = store.table.rows[0].ids[:, :7]
-    table = summaries.table(0)[:, torch.from_numpy(summaries.rows(full.ravel()))]  # [H_kv, B·7, 1, 3, D]
+    table = summaries.table(0)[:, torch.from_numpy(summaries.rows(full.ravel()))]  # [H_kv, B·7, 1, 4, D]
     blocks = keys[:, :, :28].unflatten(2, (7, 4))  # [B, H_kv, 7, bt, D]
     expected = blocks.amax(dim=3).permute(1, 0, 2, 3).flatten(1, 2)  # [H_kv, B·7, D]
     torch.testing.assert_close(table[:, :, 0, 1], expected, rtol=0, atol=0)

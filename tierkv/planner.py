@@ -568,7 +568,7 @@ def _split_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int],
     return tuple(loads)
 
 
-SUMMARY_VECTORS = 3  # per block and KV head: the keys' per-channel min, max and mean (tierkv.store.summaries)
+SUMMARY_VECTORS = 4  # per page and KV head: the keys' per-channel min, max, mean and the values' mean (summaries)
 
 
 def summary_bytes(blocks: int, token_bytes: int) -> int:
@@ -578,13 +578,14 @@ def summary_bytes(blocks: int, token_bytes: int) -> int:
 
 
 def kv_summary_bytes(kv_bytes: int, block_tokens: int) -> int:
-    """Bytes of the key summaries of ``kv_bytes`` of K/V in blocks of ``block_tokens``: 3/(2 · block_tokens) of it."""
+    """Bytes of the summaries of ``kv_bytes`` of K/V in pages of ``block_tokens``: 2/``block_tokens`` of it."""
     return summary_bytes(kv_bytes // block_tokens, 1)
 
 
 def sparse_summary_bytes(req: PlanRequest) -> int:
     """Device bytes of the key summaries: per full block of every layer and row, a per-channel min, max and mean
-    of its keys — 1.5 tokens' K+V bytes (:mod:`tierkv.store.summaries`) — and the blocks' rest copy if asked."""
+    of its keys and the mean of its values — 2 tokens' K+V bytes (:mod:`tierkv.store.summaries`) — and the blocks'
+    rest copy if asked."""
     model = req.model
     blocks = sum(model.tokens_held(i, req.context) // req.block_tokens for i in range(model.layers))
     return summary_bytes(req.batch * blocks, model.kv_bytes_per_token_per_layer) + _rest_bytes(req, blocks)

@@ -85,7 +85,9 @@ class SparseBudget:
     the blocks a step does not read are attended too, from a copy of this many bits (2, 4 or 8) kept on the
     device beside the summaries (:mod:`tierkv.store.summaries`; default 0: not attended) — nothing more is read.
     ``page_tokens``: tokens per selected page, a divisor of the cache's ``block_tokens`` (default: the largest
-    divisor up to :data:`DEFAULT_PAGE_TOKENS`; the block's tokens: whole blocks).
+    divisor up to :data:`DEFAULT_PAGE_TOKENS`; the block's tokens: whole blocks). ``rest_means``: without a rest
+    copy, the pages a step does not read are attended from their mean key and value (each standing for the page's
+    tokens), which the summaries hold anyway: nothing more is kept or read.
     """
 
     tokens: int | float
@@ -94,6 +96,7 @@ class SparseBudget:
     dense_layers: int = 0
     rest_bits: int = 0
     page_tokens: int | None = None
+    rest_means: bool = False
 
     def __post_init__(self) -> None:
         tokens = self.tokens
@@ -225,6 +228,7 @@ class SparseAttention(PipelinedExecutor):
         self._unread: tuple[int, int] | None = None  # the last selection's candidates [lo, hi), some not read
         self._tail_kept: tuple[np.ndarray, int] | None = None  # (the tail's chosen pages [B, P] or -1, its E pages)
         self._bound: tuple[int, torch.Tensor] | None = None  # (layer, Quest's bound [B, H_kv, G, C·per]) last scored
+        self._means: tuple[int, torch.Tensor] | None = None  # (layer, each page's mean key and value) last scored
 
     @property
     def reserved(self) -> int:
@@ -264,7 +268,8 @@ class SparseAttention(PipelinedExecutor):
         staging, page_staging = self._staging(layer, batch, count, picked * page)
         self._fill(layer, columns, staging)
         parts = [self._block_part(columns, staging, start, stop, mask, query)]
-        if self._tail_kept is not None and not budget.rest_bits:  # the tail's pages not chosen: not attended
+        rest = budget.rest_bits or budget.rest_means
+        if self._tail_kept is not None and not rest:  # the tail's pages not chosen: not attended
             parts[0] = (*parts[0][:2], _tail_bias(parts[0][2], *self._tail_kept, page, parts[0][0].shape[2], query))
         if pages is not None and picked:
             self._read_pages(layer, pages, per, page, page_staging)
@@ -276,9 +281,11 @@ class SparseAttention(PipelinedExecutor):
         wants_mass = getattr(store.policy, "wants_mass", False)
         sticky = bool(self.sticky_share) and self._scored  # an exact layer-step (all blocks read) chose nothing
         out, lse, pieces = self._attend_parts(q, parts, wants_mass or sticky, scaling, softcap)
-        if self._unread is not None and budget.rest_bits and summaries.table(layer) is not None:
-            unread = self._rest_attention(layer, start, stop, columns if pages is None else pages, per, q, mask,
-                                          scaling, softcap, summaries, lse)
+        if self._unread is not None and rest and summaries.table(layer) is not None:
+            read = columns if pages is None else pages
+            unread = self._rest_attention(layer, start, stop, read, per, q, mask, scaling, softcap, summaries, lse) \
+                if budget.rest_bits else self._mean_attention(layer, start, stop, read, per, q, mask, scaling, softcap,
+                                                              summaries)
             if unread is not None:  # the pages not read, from their copy: the same softmax, merged
                 out, lse = merge(out, lse, *unread)
         shares = [weights * torch.exp(part_lse - lse)[..., None] for weights, part_lse in pieces]
@@ -360,7 +367,7 @@ class SparseAttention(PipelinedExecutor):
         self._scored = 0 < top < competing
         self._unread = None
         self._tail_kept = None
-        self._bound = None
+        self._bound = self._means = None
         batch = rows.batch
         if top >= competing:  # the budget covers every block: read them all (exact)
             self.counters.exact_layer_steps += 1
@@ -390,7 +397,7 @@ class SparseAttention(PipelinedExecutor):
     def _scores(self, layer: int, rows, lo: int, hi: int, q: torch.Tensor, summaries, scaling: float,
                 softcap: float | None, extra: torch.Tensor | None = None) -> torch.Tensor:
         """Each row's score of the pages of candidate columns ``[lo, hi)``, then of the ``extra`` summaries
-        ``[B, H_kv, E, 3·D]`` (the open tail's full pages): ``[B, C · pages + E]`` (one vectorized pass, no
+        ``[B, H_kv, E, 4·D]`` (the open tail's full pages): ``[B, C · pages + E]`` (one vectorized pass, no
         loop; one softmax over them all)."""
         table = summaries.table(layer)
         index, missing = self._summary_rows(layer, rows, lo, hi, summaries, q.device)
@@ -399,7 +406,7 @@ class SparseAttention(PipelinedExecutor):
         if table is None:
             return torch.zeros((batch, columns * pages + (0 if extra is None else extra.shape[2])), device=q.device)
         heads = table.shape[0]
-        # [H_kv, B·C, pages, 3, D] -> [B, H_kv, C·pages, 3·D]: rows of (min, max, mean), gathered once
+        # [H_kv, B·C, pages, 4, D] -> [B, H_kv, C·pages, 4·D]: rows of (min, max, mean, mean value), gathered once
         gathered = table.index_select(1, index)
         self.counters.summary_bytes_read += gathered.numel() * gathered.element_size()
         stacked = gathered.view(heads, batch, columns * pages, -1).transpose(0, 1).float()
@@ -412,18 +419,19 @@ class SparseAttention(PipelinedExecutor):
         dim = query.shape[-1]
         bound = torch.matmul(torch.cat((query.clamp_max(0), query.clamp_min(0)), dim=-1),
                              stacked[..., : 2 * dim].transpose(-1, -2))  # [B, H_kv, G, C·pages]: q⁻·min + q⁺·max
-        logits = torch.matmul(query, stacked[..., 2 * dim :].transpose(-1, -2)).add_(bound).mul_(0.5)
+        logits = torch.matmul(query, stacked[..., 2 * dim : 3 * dim].transpose(-1, -2)).add_(bound).mul_(0.5)
         if softcap is not None:  # monotonic: a capped bound still bounds the capped logits
             logits = torch.tanh(logits / softcap) * softcap
             bound = torch.tanh(bound / softcap) * softcap
         self._bound = (layer, bound if missing is None else bound.masked_fill(
             missing.repeat_interleave(pages, dim=1)[:, None, None], math.inf))
+        self._means = (layer, stacked[..., 2 * dim :])  # [B, H_kv, C·pages (+ E), 2·D]: mean key, mean value
         share = torch.softmax(logits, dim=-1)  # each head's estimated attention share
         score = share.flatten(1, 2).amax(dim=1)  # [B, C·pages]: the most any query head would give the page
         return score if missing is None else score.masked_fill(missing.repeat_interleave(pages, dim=1), math.inf)
 
     def _tail_pages(self, layer: int, stop: int, page: int) -> torch.Tensor | None:
-        """Summaries ``[B, H_kv, E, 3·D]`` of the full pages of each row's open tail before the one that holds the
+        """Summaries ``[B, H_kv, E, 4·D]`` of the full pages of each row's open tail before the one that holds the
         newest token (E of them), computed from its device slot now (a tail changes every step, so the store keeps
         none); None where a tail is not on the device or has no such page."""
         bt = self.store.block_tokens
@@ -431,10 +439,12 @@ class SparseAttention(PipelinedExecutor):
         _, views = self.store.tail_views(layer)
         if full == 0 or any(view is None for view in views):
             return None
-        keys = torch.stack([view[0, :, : full * page] for view in views])  # type: ignore[index]
-        paged = keys.unflatten(2, (full, page))  # [B, H_kv, E, page, D]
-        self.counters.summary_bytes_read += keys.numel() * keys.element_size()
-        summary = torch.stack((paged.amin(3), paged.amax(3), paged.float().mean(3).to(keys.dtype)), dim=3)
+        tails = torch.stack([view[:, :, : full * page] for view in views])  # type: ignore[index]
+        paged = tails.unflatten(3, (full, page))  # [B, 2, H_kv, E, page, D]
+        self.counters.summary_bytes_read += tails.numel() * tails.element_size()
+        keys, values = paged[:, 0], paged[:, 1]
+        summary = torch.stack((keys.amin(3), keys.amax(3), keys.float().mean(3).to(keys.dtype),
+                               values.float().mean(3).to(keys.dtype)), dim=3)
         return summary.flatten(3)
 
     def _summary_rows(self, layer: int, rows, lo: int, hi: int, summaries,
@@ -511,6 +521,47 @@ class SparseAttention(PipelinedExecutor):
                                                           scaling, softcap))
         self.counters.rest_layer_steps += 1
         return None if out is None or lse is None else (out, lse)
+
+    def _mean_attention(self, layer: int, start: int, stop: int, read: np.ndarray, per: int, q: torch.Tensor,
+                        mask: torch.Tensor | None, scaling: float, softcap: float | None,
+                        summaries) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Attention of ``q`` over the candidate pages the selection did not read (``read``: as in
+        :meth:`_rest_attention`), each from its mean key and value standing for its tokens: logit ``q · k̄`` plus
+        the log of the page's attended tokens (those inside ``[start, stop)`` and the mask), value ``v̄`` — the
+        output and log-sum-exp to merge with the read pages' (None: nothing to attend). The means are the
+        summaries' own, gathered by the scoring already: no more bytes are read."""
+        if self._unread is None:
+            return None
+        lo, hi = self._unread
+        store = self.store
+        rows = store.table.rows[layer]
+        bt, batch, device = store.block_tokens, rows.batch, q.device
+        page, units = bt // per, (hi - lo) * per
+        index, missing = self._summary_rows(layer, rows, lo, hi, summaries, device)
+        means = self._means
+        if means is not None and means[0] == layer:
+            pairs = means[1][:, :, :units]  # [B, H_kv, units, 2·D]
+        else:  # no scoring this step (nothing selected): gather them
+            table = summaries.table(layer)
+            gathered = table.index_select(1, index)[:, :, :, 2:]  # [H_kv, B·C, pages, 2, D]
+            self.counters.summary_bytes_read += gathered.numel() * gathered.element_size()
+            pairs = gathered.reshape(table.shape[0], batch, units, -1).transpose(0, 1)
+        dim = pairs.shape[-1] // 2
+        keys, values = pairs[..., :dim].to(q.dtype), pairs[..., dim:].to(q.dtype)
+        taken = np.zeros((batch, units), dtype=bool)
+        row, position = np.nonzero((read >= lo * per) & (read < hi * per))
+        taken[row, read[row, position] - lo * per] = True
+        skip = torch.from_numpy(taken).to(device)
+        skip = skip if missing is None else skip | missing.repeat_interleave(per, dim=1)
+        firsts = lo * bt + torch.arange(units, device=device) * page  # [units]
+        positions = (firsts[:, None] + torch.arange(page, device=device)).flatten()[None].expand(batch, -1)
+        allowed = _bias(positions, start, stop, mask, q.dtype) > torch.finfo(q.dtype).min / 2  # [B, 1, 1, units·page]
+        count = allowed.view(batch, units, page).sum(dim=2).masked_fill(skip, 0)  # [B, units]
+        if not bool(count.any()):
+            return None
+        bias = torch.log(count.to(torch.float32)).clamp_min(torch.finfo(q.dtype).min).to(q.dtype)[:, None, None]
+        self.counters.rest_layer_steps += 1
+        return partial_attention(q, keys, values, bias, scaling, softcap)
 
     def _with_sticky(self, layer: int, lo: int, hi: int, score: torch.Tensor) -> torch.Tensor:
         """``score`` ``[B, C]`` of candidate units (pages, or blocks) ``[lo, hi)``, raised to the share a unit got

@@ -49,7 +49,8 @@ class AttentionModes:
 
     def sparse(self, model: torch.nn.Module, tokens: int | float = 2048, sinks: int | None = None,
                recent: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-               dense_layers: int = 0, rest_bits: int = DEFAULT_REST_BITS, page_tokens: int | None = None) -> Engagement:
+               dense_layers: int = 0, rest_bits: int = DEFAULT_REST_BITS, page_tokens: int | None = None,
+               rest_means: bool = False) -> Engagement:
         """Decode with query-aware *sparse* attention over this cache while inside the block (approximate).
 
         Each decode step, every layer scores its pages by their key summaries and attends exactly over the
@@ -58,7 +59,8 @@ class AttentionModes:
         fetched from whatever tier holds them. ``dense_layers``: the first layers attend in full. Nothing is
         dropped. Prefill and other multi-token steps stay exact (streaming attention, ``chunk_tokens``).
         ``rest_bits`` (2, 4 — the default — or 8; 0: none): the pages a step does not read are attended too, from a
-        low-bit copy on the device (a page whose mass Quest's bound proves negligible is left out).
+        low-bit copy on the device (a page whose mass Quest's bound proves negligible is left out); without a copy,
+        ``rest_means`` attends them from each page's mean key and value (kept with the summaries, nothing more).
         ``page_tokens``: the unit of selection inside each block (default 16 tokens, or the largest divisor of
         ``block_tokens`` below it), so the blocks stay large transfers while the selection is fine
         (docs/quality.md, :mod:`tierkv.attention.sparse`)::
@@ -66,7 +68,7 @@ class AttentionModes:
             with TieredCache(gpu_gb=2, disk_dir="/nvme") as cache, cache.sparse(model, tokens=0.1):
                 model.generate(ids, cache=cache)
         """
-        budget = SparseBudget(tokens, sinks, recent, dense_layers, rest_bits, page_tokens)
+        budget = SparseBudget(tokens, sinks, recent, dense_layers, rest_bits, page_tokens, rest_means)
         return Engagement(self._cache, model, streaming_mode(chunk_tokens, budget), "sparse")
 
     def split(self, model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Engagement:

@@ -18,8 +18,12 @@ A block's summaries are computed once, when it fills (the store calls :meth:`Key
 keys, which it holds at that moment); a full block is immutable, so they never change, and blocks shared by
 several rows (beams, a common prefix) share them. The open tail block has none: sparse attention always reads it.
 
-Summaries live on the device tier, one table ``[H_kv, capacity, pages, 3, D]`` per layer in the KV dtype
-(head-major: a selection's rows gathered from it are already each head's ``[C · pages, 3·D]`` matrix for
+**Page means.** Beside the key summaries each page keeps the mean of its values: the mean key and value stand for
+the page's tokens (``page_tokens`` of them) where sparse attention attends the pages it does not read from their
+means (``rest_means``) — one key and value per page, 1/16 of the tokens at the default page size, with no copy.
+
+Summaries live on the device tier, one table ``[H_kv, capacity, pages, 4, D]`` per layer in the KV dtype
+(head-major: a selection's rows gathered from it are already each head's ``[C · pages, 4·D]`` matrix for
 scoring), a block's pages in one table row, addressed through ``row_of[block_id]`` (a numpy array, so a layer's
 grid of block ids maps to table rows in one vectorized lookup). Their bytes are reserved against the device
 budget like staging, through the callable the store passes in, so ``stats()`` and the budget checks include
@@ -53,7 +57,8 @@ TABLE_GROWTH = 1.25  # a full table grows by this factor: doubling could reserve
 
 
 class _LayerTable:
-    """One layer's summaries: ``table`` ``[H_kv, capacity, pages, 3, D]`` (min, max, mean of each page), its free
+    """One layer's summaries: ``table`` ``[H_kv, capacity, pages, 4, D]`` (keys' min, max, mean and the values' mean
+    of each page), its free
     rows, and the rest copy if kept: ``codes`` ``[H_kv, capacity, pages, 2, page_tokens, D · bits / 8]`` (packed
     keys and values, page-major so that a page's copy is one row of a ``[H_kv, capacity · pages, ...]`` view) and
     ``value_scale`` ``[H_kv, capacity, bt, groups, 2]`` (each value group's min and step)."""
@@ -120,7 +125,8 @@ class KeySummaries:
         return len(self._layer_of)
 
     def table(self, layer: int) -> torch.Tensor | None:
-        """Layer ``layer``'s table ``[H_kv, capacity, pages, 3, D]`` (row ``r``: each page's min, max, mean), None
+        """Layer ``layer``'s table ``[H_kv, capacity, pages, 4, D]`` (row ``r``: each page's keys' min, max, mean and
+        its values' mean), None
         before its first."""
         entry = self._layers.get(layer)
         return entry.table if entry is not None else None
@@ -145,8 +151,9 @@ class KeySummaries:
             blocks = blocks[[first[block_id] for block_id in ids]]
         pages = self.pages(blocks.shape[3])
         keys = blocks[:, 0].unflatten(2, (pages, -1))  # [n, H_kv, pages, page_tokens, D]
-        summary = torch.stack((keys.amin(dim=3), keys.amax(dim=3), keys.float().mean(dim=3).to(keys.dtype)),
-                              dim=3)  # [n, H_kv, pages, 3, D]
+        values = blocks[:, 1].unflatten(2, (pages, -1))
+        summary = torch.stack((keys.amin(dim=3), keys.amax(dim=3), keys.float().mean(dim=3).to(keys.dtype),
+                               values.float().mean(dim=3).to(keys.dtype)), dim=3)  # [n, H_kv, pages, 4, D]
         rest = self._rest_copy(blocks, summary) if self.rest_bits else None
         entry = self._room(layer, summary, sum(1 for i in ids if self._row(i) < 0), blocks.shape[3])
         rows = []
@@ -185,7 +192,7 @@ class KeySummaries:
         entry = self._layers[layer]
         assert entry.codes is not None and entry.value_scale is not None, "kept only with rest_bits"
         per_row = sum(t[:, 0].numel() * t.element_size() for t in (entry.codes, entry.value_scale, entry.table))
-        return pages * (per_row - entry.table[:, 0, :, 2].numel() * entry.table.element_size()) \
+        return pages * (per_row - entry.table[:, 0, :, 2:].numel() * entry.table.element_size()) \
             // entry.table.shape[2]
 
     def release(self, block_id: int) -> None:
@@ -221,7 +228,7 @@ class KeySummaries:
         Keys are coded on their page summary's min and max as stored (rounded to the KV dtype), so decoding needs
         nothing else."""
         levels = 2**self.rest_bits - 1
-        stored = summary.to(blocks.dtype).float()  # [n, H_kv, pages, 3, D], as the table holds it
+        stored = summary.to(blocks.dtype).float()  # [n, H_kv, pages, 4, D], as the table holds it
         lo, hi = stored[:, :, :, None, 0], stored[:, :, :, None, 1]  # [n, H_kv, pages, 1, D]
         paged = blocks[:, 0].float().unflatten(2, (summary.shape[2], -1))  # [n, H_kv, pages, pt, D]
         keys = _codes(paged, lo, (hi - lo) / levels, levels).flatten(2, 3)
@@ -243,7 +250,7 @@ class KeySummaries:
         capacity = max(MIN_ROWS, entry.table.shape[1] if entry is not None else 0)
         while capacity - used < new_rows:
             capacity = max(capacity + 1, int(capacity * TABLE_GROWTH))
-        _, heads, pages, vectors, dim = like.shape  # like: [n, H_kv, pages, 3, D]
+        _, heads, pages, vectors, dim = like.shape  # like: [n, H_kv, pages, 4, D]
         empty = self._accel.empty_blocks  # device memory through the accelerator (tierkv.accel)
         grown = _LayerTable(empty((heads, capacity, pages, vectors, dim), like.dtype, self.device))
         if self.rest_bits:
