@@ -35,7 +35,7 @@ def decode(model, ids, mask, directory, *, speculate: bool, runners: int, tokens
     monkeypatch.setattr(SparseAttention, "speculate_runners", runners)
     with TieredCache(gpu_gb=gpu, cpu_gb="24KB", disk_dir=directory, block_tokens=block_tokens,
                      config=model.config) as cache:
-        with cache.sparse(model, tokens=tokens, chunk_tokens=8):
+        with cache.sparse(model, tokens=tokens, chunk_tokens=8, rest_bits=0):  # speculation, not the rest copy
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, output_logits=True,
                                  return_dict_in_generate=True, cache=cache)
         cache.store.check()  # nothing dropped, the table consistent
