@@ -25,7 +25,7 @@ benchmarks/test_sparse.py), medians:
   the key summaries and the rest copy (with their tables' growth step), twice the selection and 1/16 of the KV.
 
 Both tiered caches get 1/16 of the KV on the host, the rest (asserted after the warm-up steps, which size the
-executors' staging, and at the end: >= 3/4 of the blocks) on a disk tier under
+executors' staging, and at the end: >= 2/3 of the blocks) on a disk tier under
 ``TIERKV_BENCH_DIR``. Bytes per decoded token (one pass through the layers): sparse's from ``stats()["sparse"]`` —
 over each link (``link_bytes_per_step``) and read on the device (summaries, rest copy, staged K/V:
 ``*_bytes_read_per_step``); exact's links from ``stats()["bytes_moved"]`` over the timed steps, and its device
@@ -182,7 +182,7 @@ def _written(cache: TieredCache, kv) -> None:
 
 def _mostly_on_disk(cache: TieredCache) -> dict[str, int]:
     placed = cache.stats()["blocks"]
-    assert placed["disk"] >= 3 * (placed["host"] + placed["device"]), placed  # 3/4 of the blocks or more
+    assert placed["disk"] >= 2 * (placed["host"] + placed["device"]), placed  # 2/3 of the blocks or more
     return placed
 
 

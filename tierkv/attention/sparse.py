@@ -406,12 +406,15 @@ class SparseAttention(PipelinedExecutor):
         if table is None:
             return torch.zeros((batch, columns * pages + (0 if extra is None else extra.shape[2])), device=q.device)
         heads = table.shape[0]
-        # [H_kv, B·C, pages, 4, D] -> [B, H_kv, C·pages, 4·D]: rows of (min, max, mean, mean value), gathered once
-        gathered = table.index_select(1, index)
+        budget = self.budget
+        means = budget is not None and budget.rest_means and not budget.rest_bits  # the page means attend the rest
+        vectors = 4 if means else 3  # the values' mean is read only when it is attended
+        # [H_kv, B·C, pages, 4, D] -> [B, H_kv, C·pages, vectors·D]: rows of (min, max, mean[, mean value])
+        gathered = table[:, :, :, :vectors].index_select(1, index)
         self.counters.summary_bytes_read += gathered.numel() * gathered.element_size()
         stacked = gathered.view(heads, batch, columns * pages, -1).transpose(0, 1).float()
         if extra is not None:
-            stacked = torch.cat((stacked, extra.float()), dim=2)
+            stacked = torch.cat((stacked, extra[..., : stacked.shape[-1]].float()), dim=2)
             if missing is not None:
                 missing = torch.nn.functional.pad(missing.repeat_interleave(pages, dim=1), (0, extra.shape[2]))
                 pages = 1
@@ -425,7 +428,7 @@ class SparseAttention(PipelinedExecutor):
             bound = torch.tanh(bound / softcap) * softcap
         self._bound = (layer, bound if missing is None else bound.masked_fill(
             missing.repeat_interleave(pages, dim=1)[:, None, None], math.inf))
-        self._means = (layer, stacked[..., 2 * dim :])  # [B, H_kv, C·pages (+ E), 2·D]: mean key, mean value
+        self._means = (layer, stacked[..., 2 * dim :]) if means else None  # [B, H_kv, C·pages (+ E), 2·D]
         share = torch.softmax(logits, dim=-1)  # each head's estimated attention share
         score = share.flatten(1, 2).amax(dim=1)  # [B, C·pages]: the most any query head would give the page
         return score if missing is None else score.masked_fill(missing.repeat_interleave(pages, dim=1), math.inf)
