@@ -294,3 +294,22 @@ def test_the_page_means_attend_the_pages_not_read_closer_to_full_attention(tmp_p
         executor.close()
     assert errors[True] < errors[False] / 2
     assert store.summaries.nbytes == store.summaries.summary_nbytes  # no copy kept
+
+
+def test_attention_policy_moves_a_hot_pages_block_to_the_device(tmp_path):
+    """Read in pages every step, the needle's page gathers mass; its block is read whole once and promoted, so
+    the next steps read the page from the device; every token stays where the table says."""
+    store, kv = store_with_needles(tmp_path, {0: (5, 2), 1: (5, 2)}, policy="attention")
+    executor = SparseAttention(store, ThreadMover())
+    budget = SparseBudget(3 * PAGE, recent=0, page_tokens=PAGE)
+    for _ in range(3):
+        attend(executor, needle_query(), budget)
+    needle = store.table.blocks[int(store.table.rows[0].ids[0, 5])]
+    assert needle.tier == Tier.DEVICE and executor.counters.promotions >= 1
+    gathered = store.bytes_moved["device->device"]
+    attend(executor, needle_query(), budget)
+    assert executor.last_pages.tolist()[0] == [0, 5 * PER + 2]
+    assert store.bytes_moved["device->device"] > gathered  # the needle's page now comes from the device
+    store.check()
+    torch.testing.assert_close(store.read_tokens(0), kv)
+    executor.close()

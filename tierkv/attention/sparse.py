@@ -64,6 +64,7 @@ from tierkv.mover import ThreadMover
 from tierkv.staging import GROWTH, REST_BITS
 from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
+from tierkv.store.transfer import link
 
 REST_CHUNK_TOKENS = 16384  # the rest copy is decoded and attended this many candidate tokens at a time
 REST_PRUNE_MASS = 1e-3  # the rest copy leaves out pages whose summed mass is bounded below this share of the read's
@@ -666,26 +667,30 @@ class SparseAttention(PipelinedExecutor):
     def _promote(self, layer: int, attended: np.ndarray, mass: torch.Tensor | None, columns: np.ndarray,
                  staging: torch.Tensor) -> None:
         """Tell the policy what was attended (``attended`` ``[B, A]``: the block of every unit read, with its
-        ``mass``); copy the blocks it wants up to the device from staging, where they were read whole
-        (``columns``), in one batched write (no loop over the selected blocks: they are found with one vectorized
-        comparison). A block read only in pages stays where it is: its whole bytes are not on the device."""
+        ``mass``); copy the blocks it wants up to the device in one batched write: from staging where they were
+        read whole (``columns``; found with one vectorized comparison), else read whole now from their tier (a
+        block read in pages: at most :data:`~tierkv.attention.sparse_store.PROMOTE_PER_LAYER` per layer-step,
+        counted on its link like any read), so hot pages' blocks gather on the device."""
         weights = mass.cpu().numpy() if mass is not None else None
         wanted = self.sparse_blocks.attended(layer, attended, weights)
         if not wanted:
             return
-        rows = self.store.table.rows[layer]
+        store = self.store
+        rows = store.table.rows[layer]
         ids = rows.ids[np.arange(rows.batch)[:, None], columns]  # [B, K]
         match = ids.ravel()[None, :] == np.array([b.id for b in wanted])[:, None]  # [n, B·K]
         found = match.any(axis=1)
-        if not found.any():
-            return
-        wanted = [block for block, whole in zip(wanted, found.tolist()) if whole]
-        first = np.argmax(match[found], axis=1)  # [n]
-        row, position = np.divmod(first, columns.shape[1])
-        bt = self.store.block_tokens
+        row, position = np.divmod(np.argmax(match, axis=1), columns.shape[1])
+        bt = store.block_tokens
         blocks = staging.unflatten(3, (-1, bt))  # [2, B, H_kv, K, bt, D]
-        index = (torch.from_numpy(row).to(staging.device), torch.from_numpy(position).to(staging.device))
-        data = blocks[:, index[0], :, index[1]]  # [n, 2, H_kv, bt, D]
+        device = staging.device
+        data = blocks[:, torch.from_numpy(row).to(device), :, torch.from_numpy(position).to(device)]  # [n, 2, ...]
+        if not found.all():  # read in pages only: their blocks whole, from each tier
+            layout = store.layouts[layer]
+            for tier in {wanted[i].tier for i in np.flatnonzero(~found).tolist()}:
+                picked = [i for i in np.flatnonzero(~found).tolist() if wanted[i].tier == tier]
+                data[picked] = store.transfer.read_blocks(layout, tier, [wanted[i].slot for i in picked])
+                store.transfer.count(link(tier, Tier.DEVICE), len(picked) * bt * layout.token_bytes)
         self.counters.promotions += self.sparse_blocks.promote(wanted, data, ids)
 
     def _read_pages(self, layer: int, pages: np.ndarray, per: int, page: int, dest: torch.Tensor) -> None:
