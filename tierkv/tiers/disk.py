@@ -242,12 +242,10 @@ class DiskSlotFile(SlotPool):
         if bad.size == 0:
             return
         slot = int(slots[bad[0]])
-        what = ("was never written (a bug in tierkv: please report it)" if not self.written[slot] else
-                "does not hold the bytes written to it")
         raise IntegrityError(
             errno.EIO, f"disk tier block checksum mismatch in {str(self.path)!r}: slot {slot} (bytes "
-            f"{self.offset(slot)}..{self.offset(slot) + self.slot_bytes}) {what}; {bad.size} of the {len(slots)} "
-            f"blocks of this read differ. Nothing was returned from them. {_ADVICE}"
+            f"{self.offset(slot)}..{self.offset(slot) + self.slot_bytes}) {self._damage(slot)}; {bad.size} of the "
+            f"{len(slots)} blocks of this read differ. Nothing was returned from them. {_ADVICE}"
         )
 
     def verify_sectors(self, sectors: np.ndarray, digests: np.ndarray) -> None:
@@ -258,14 +256,17 @@ class DiskSlotFile(SlotPool):
         if bad.size == 0:
             return
         sector, slot = int(sectors[bad[0]]), int(slots[bad[0]])
-        what = ("was never written (a bug in tierkv: please report it)" if not self.written[slot] else
-                "does not hold the bytes written to it")
         raise IntegrityError(
             errno.EIO, f"disk tier sector checksum mismatch in {str(self.path)!r}: slot {slot} (bytes "
             f"{sector * SECTOR_BYTES}..{(sector + 1) * SECTOR_BYTES} of the file, sector "
-            f"{sector - slot * self.sectors_per_slot} of the slot) {what}; {bad.size} of the {len(sectors)} sectors "
-            f"of this page read differ. Nothing was returned from them. {_ADVICE}"
+            f"{sector - slot * self.sectors_per_slot} of the slot) {self._damage(slot)}; {bad.size} of the "
+            f"{len(sectors)} sectors of this page read differ. Nothing was returned from them. {_ADVICE}"
         )
+
+    def _damage(self, slot: int) -> str:
+        """What is wrong with ``slot``, whose checksum did not match."""
+        return ("was never written (a bug in tierkv: please report it)" if not self.written[slot] else
+                "does not hold the bytes written to it")
 
 
 class DiskTier:
