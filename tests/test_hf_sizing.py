@@ -17,6 +17,7 @@ def test_the_cache_exposes_the_same_calculators():
     assert TieredCache.min_device_bytes is sizing.min_device_bytes
     assert TieredCache.min_streaming_device_bytes is sizing.min_streaming_device_bytes
     assert TieredCache.kv_bytes_per_token is sizing.kv_bytes_per_token
+    assert TieredCache.min_sparse_device_bytes is sizing.min_sparse_device_bytes
 
 
 def test_min_device_bytes_decodes_that_context_and_less_does_not():
@@ -40,6 +41,28 @@ def test_min_streaming_device_bytes_does_not_grow_with_the_context():
     with TieredCache(gpu_gb=f"{need}B", cpu_gb="64MB", block_tokens=4, config=model.config) as cache, \
             cache.streaming(model, chunk_tokens=8):
         torch.testing.assert_close(model(ids, past_key_values=cache).logits[:, -1], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("family", "attn", "window"), [("llama", "sdpa", None), ("gemma2", "eager", 24)])
+def test_min_sparse_device_bytes_decodes_that_context_at_the_defaults(tmp_path, family, attn, window):
+    """A budget of exactly ``min_sparse_device_bytes`` prefills and decodes to its context with ``cache.sparse`` at
+    its defaults (pages, the 4-bit rest copy), KV on every tier; half of it is refused by name."""
+    model = tiny_model(family, attn, window)
+    ids, mask = prompt(1, 300, seed=9)
+    context = 300 + 8
+    need = sizing.min_sparse_device_bytes(model.config, context, tokens=0.1, block_tokens=32, chunk_tokens=64,
+                                          device="cpu")
+    assert need > sizing.min_streaming_device_bytes(model.config, block_tokens=32, chunk_tokens=64, device="cpu")
+
+    def run(gpu: int):
+        with TieredCache(gpu_gb=f"{gpu}B", cpu_gb="16KB", disk_dir=tmp_path / str(gpu), block_tokens=32,
+                         config=model.config) as cache, cache.sparse(model, tokens=0.1, chunk_tokens=64):
+            model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache=cache)
+            assert cache.stats()["sparse"]["rest_copy_device_bytes"] > 0 and cache.stats()["blocks"]["disk"] > 0
+
+    run(need)
+    with pytest.raises(BudgetTooSmallError):
+        run(need // 2)
 
 
 def test_kv_bytes_and_the_rest_copy_from_a_config():

@@ -82,6 +82,7 @@ class TieredCache(AttentionModes, Cache):
     min_device_bytes = staticmethod(sizing.min_device_bytes)
     min_streaming_device_bytes = staticmethod(sizing.min_streaming_device_bytes)
     min_split_device_bytes = staticmethod(sizing.min_split_device_bytes)
+    min_sparse_device_bytes = staticmethod(sizing.min_sparse_device_bytes)
     kv_bytes_per_token = staticmethod(sizing.kv_bytes_per_token)
     kv_bytes_held = staticmethod(sizing.kv_bytes_held)
     rest_copy_bytes = staticmethod(sizing.rest_copy_bytes)

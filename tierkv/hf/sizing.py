@@ -7,6 +7,7 @@ the first ``generate``. The staging arithmetic itself is :mod:`tierkv.staging` (
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from typing import Any
@@ -104,6 +105,36 @@ def kv_bytes_held(config: PreTrainedConfig, tokens: int, dtype: torch.dtype | No
     kinds, kwargs = layer_types(config.get_text_config(decoder=True))
     return sum(token_bytes * (min(tokens, kw["sliding_window"]) if kind in SLIDING_TYPES else tokens)
                for kind, kw in zip(kinds, kwargs, strict=True))
+
+
+def min_sparse_device_bytes(config: PreTrainedConfig, context: int, tokens: int | float = 0.1, batch: int = 1,
+                            block_tokens: int = DEFAULT_BLOCK_TOKENS, page_tokens: int | None = None,
+                            rest_bits: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                            dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> int:
+    """Smallest ``gpu_gb`` (bytes) for ``cache.sparse(model, tokens=tokens)`` up to ``context`` tokens: the prefill's
+    two streaming chunks, one layer's selection, the summaries and rest copy of every full block (their tables grow
+    in 25% steps, at least 8 rows a layer) and the open tails (and on CUDA the landing buffers). ``rest_bits``:
+    None for ``cache.sparse``'s default. Bytes, not GB: pass it on as ``gpu_gb=f"{n}B"``."""
+    from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseBudget
+    from tierkv.store.summaries import MIN_ROWS, TABLE_GROWTH
+
+    check_model_config(config)
+    check_count(context, name="context")
+    check_count(batch, name="batch")
+    check_count(block_tokens, name="block_tokens")
+    budget = SparseBudget(tokens, rest_bits=DEFAULT_REST_BITS if rest_bits is None else rest_bits,
+                          page_tokens=page_tokens)
+    layout = layout_of_config(config, block_tokens, dtype)
+    pages, elem = block_tokens // budget.page_size(block_tokens), layout.dtype.itemsize
+    row = layout.kv_heads * layout.head_dim * elem * 4 * pages \
+        + sizes.rest_copy_bytes(block_tokens * layout.token_bytes, budget.rest_bits, elem, layout.head_dim)
+    held = [min(context, window + block_tokens) if window else context for window in layer_windows(config)]
+    tables = sum(max(MIN_ROWS, math.ceil(batch * (tokens // block_tokens) * TABLE_GROWTH) + 1) * row
+                 for tokens in held)
+    selection = math.ceil(batch * (budget.budget_tokens(context) + block_tokens) * layout.token_bytes * sizes.GROWTH)
+    staging = sizes.streaming_staging_bytes(batch, chunk_tokens, layout.token_bytes, block_tokens) + selection
+    tails = sizes.open_tail_bytes(len(held), batch, layout.slot_bytes)
+    return device_minimum(staging + tables, tails, layout.slot_bytes, device)
 
 
 def rest_copy_bytes(config: PreTrainedConfig, tokens: int, rest_bits: int, dtype: torch.dtype | None = None) -> int:
