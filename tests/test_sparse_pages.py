@@ -122,6 +122,7 @@ def test_the_page_a_query_needs_is_read_from_disk_without_its_block(tmp_path):
                                atol=1e-5, rtol=0)
     counters = executor.counters.as_dict()
     assert counters["pages_selected"] == 4 and counters["staged_bytes_read_per_step"] > 0
+    assert counters["tokens_read_fraction"] == pytest.approx((2 * PAGE + 3) / kv.shape[3])  # 2 pages, the tail
     assert counters["summary_bytes_read_per_step"] > 0 and counters["link_bytes_per_step"]["disk->device"] > 0
     store.check()
     torch.testing.assert_close(store.read_tokens(0), kv)  # nothing dropped, nothing changed

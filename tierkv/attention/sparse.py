@@ -164,6 +164,8 @@ class SparseCounters:
     rest_layer_steps: int = 0  # layer-steps that attended the blocks not read from their rest copy (rest_bits)
     rest_pages_pruned: int = 0  # ... pages (or blocks) left out there: their mass bounded below REST_PRUNE_MASS
     pages_selected: int = 0  # pages read on their own (page_tokens < block_tokens), over rows and layers
+    tokens_read: int = 0  # tokens staged and attended exactly (whole blocks and pages), over rows and layers
+    tokens_total: int = 0  # tokens the same layers hold, over rows
     link_bytes: dict[str, int] = field(default_factory=dict)  # bytes the steps moved into the device, per link
     summary_bytes_read: int = 0  # key summaries read on the device to score the candidates
     rest_bytes_read: int = 0  # rest copy read on the device (codes, scales and the keys' page bounds)
@@ -185,6 +187,7 @@ class SparseCounters:
             "blocks_selected": self.blocks_selected, "blocks_total": self.blocks_total,
             "blocks_reused": self.blocks_reused,
             "selected_fraction": self.blocks_selected / self.blocks_total if self.blocks_total else 0.0,
+            "tokens_read_fraction": self.tokens_read / self.tokens_total if self.tokens_total else 0.0,
             "blocks_selected_by_tier": dict(self.by_tier),
             "bytes_fetched": self.bytes_fetched, "bytes_fetched_per_step": self.bytes_fetched / steps,
             "bytes_fetched_off_device": self.bytes_fetched_off_device,
@@ -302,7 +305,10 @@ class SparseAttention(PipelinedExecutor):
         mass = torch.cat([s.mean(dim=1) for s in unit_shares], dim=1) if wants_mass else None
         self._promote(layer, attended, mass, columns, staging)
         self._count_moved(moved)
-        self.counters.staged_bytes_read += sum(k.numel() * k.element_size() for k, _, _ in parts) * 2  # K and V
+        counters = self.counters
+        counters.staged_bytes_read += sum(k.numel() * k.element_size() for k, _, _ in parts) * 2  # K and V
+        counters.tokens_read += batch * parts[0][0].shape[2] + (0 if pages is None else int((pages >= 0).sum()) * page)
+        counters.tokens_total += batch * (stop - start)
         self._left_at = time.perf_counter()
         return out.reshape(batch, heads, 1, dim).transpose(1, 2).to(query.dtype)
 

@@ -568,7 +568,7 @@ def _print_summary(console: Console, summary: dict) -> None:
     table.add_row("disk engine", str(summary["disk_engine"]))
     sparse = summary["sparse"]
     if sparse and sparse.get("steps"):
-        table.add_row("sparse steps read", f"{sparse['selected_fraction']:.1%} of the blocks, "
+        table.add_row("sparse steps read", f"{sparse['tokens_read_fraction']:.1%} of the tokens, "
                       f"{format_bytes(int(sparse['bytes_fetched_per_step']))} per step")
         if "device_bytes_read_per_step" in sparse:  # every byte a step reads: over the links and on the device
             links = sum(sparse["link_bytes_per_step"].values())
