@@ -108,3 +108,23 @@ def decode_rss(budgets: str, runs: Sequence[tuple[str, int]], *, layers: int, ma
                          timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def prefix_worker(model, ids, block_tokens: int, new_tokens: int, **options) -> tuple[torch.Tensor, int, dict]:
+    """One worker: a fresh cache, load what it can of ``ids``' prefix, generate; returns (tokens, tokens loaded,
+    stats)."""
+    from tierkv import TieredCache
+
+    with TieredCache(block_tokens=block_tokens, **options) as cache:
+        loaded = cache.load_prefix(model, ids)
+        out = model.generate(ids, cache=cache, max_new_tokens=new_tokens, do_sample=False)
+        cache.flush()
+        return out, loaded, cache.stats()
+
+
+def assert_same_generation(out, reference, atol: float) -> None:
+    """``generate`` outputs with scores: the same tokens, and logits within ``atol`` step by step."""
+    assert torch.equal(out.sequences, reference.sequences)
+    for got, expected in zip(out.logits, reference.logits, strict=True):
+        torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+

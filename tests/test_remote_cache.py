@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import prefix_worker
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
@@ -35,12 +36,7 @@ def reference(model, ids) -> torch.Tensor:
 
 
 def run(model, ids, **options) -> tuple[torch.Tensor, int, dict]:
-    """One worker: a fresh cache, load what it can, generate; returns (tokens, tokens loaded, stats)."""
-    with TieredCache(block_tokens=BT, **options) as cache:
-        loaded = cache.load_prefix(model, ids)
-        out = model.generate(ids, cache=cache, max_new_tokens=NEW, do_sample=False)
-        cache.flush()
-        return out, loaded, cache.stats()
+    return prefix_worker(model, ids, BT, NEW, **options)
 
 
 def keys_on(server) -> list[bytes]:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import prefix_worker
 from models import prompt, tiny_model
 from redis_server import RedisServer, _free_port
 from transformers import DynamicCache
@@ -172,11 +173,7 @@ def reference(model, ids) -> torch.Tensor:
 
 
 def run(model, ids, **options) -> tuple[torch.Tensor, int, dict]:
-    with TieredCache(block_tokens=BT, **options) as cache:
-        loaded = cache.load_prefix(model, ids)
-        out = model.generate(ids, cache=cache, max_new_tokens=NEW, do_sample=False)
-        cache.flush()
-        return out, loaded, cache.stats()
+    return prefix_worker(model, ids, BT, NEW, **options)
 
 
 def loaded_host(server: RedisServer) -> None:

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from helpers import assert_same_generation
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
@@ -66,9 +67,7 @@ def test_split_generation_matches_dynamic_cache(tmp_path, name, family, attn, wi
         assert stats["bytes_moved"]["disk->host"] > 0  # decode read the disk share into host memory
         assert cache.executors["split"].read_ahead_hits > 0  # ... submitted while an earlier layer attended
         assert cache.executors["split"].staging.reserved == 0  # no device staging
-    assert torch.equal(out.sequences, reference.sequences)
-    for got, expected in zip(out.logits, reference.logits):
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert_same_generation(out, reference, atol=1e-4)
 
 
 def test_split_beam_search_matches(tmp_path):
@@ -114,9 +113,7 @@ def test_split_decodes_4k_tokens_at_its_context_independent_minimum(tmp_path):
         assert stats["blocks"]["host"] > 0 and stats["bytes_resident"]["device"] <= minimum
         staging = cache.executors["split"].staging
         assert not staging.buffers and (staging.reserved > 0) == accel.backend(torch.device("cpu")).streams
-    assert torch.equal(out.sequences, reference.sequences)
-    for got, expected in zip(out.logits, reference.logits):
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert_same_generation(out, reference, atol=1e-4)
 
 
 def test_split_minimum_is_context_independent_and_4x_below_gather_at_64k():

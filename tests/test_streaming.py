@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from helpers import assert_same_generation
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
@@ -56,9 +57,7 @@ def test_streaming_generation_matches_dynamic_cache(tmp_path, name, family, attn
             assert stats["blocks"]["disk"] > 0 and stats["bytes_moved"]["disk->device"] > 0
         assert stats["peak_bytes_allocated"]["device"] <= stats["budget_bytes"]["device"]
         assert stats["budget_bytes"]["device"] < TieredCache.min_device_bytes(model.config, 48, 2, block_tokens=4)
-    assert torch.equal(out.sequences, reference.sequences)
-    for got, expected in zip(out.logits, reference.logits):
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert_same_generation(out, reference, atol=1e-5)
 
 
 def test_streaming_beam_search_matches(tmp_path):
