@@ -6,7 +6,9 @@ library loaded with ctypes by ``tierkv/io/native.py``, never imported as a modul
 it cannot compile (no compiler) the install still succeeds and the engine builds itself on first use from a
 source checkout, else auto-selection falls back to posix. The source's hash is compiled in so that the
 loader can tell a library built from an older source. ``native/tierkv_attn.c`` becomes
-``tierkv/attention/_attn*.so`` the same way (with OpenMP), loaded by ``tierkv/attention/host_kernel.py``.
+``tierkv/attention/_attn*.so`` the same way (with OpenMP), loaded by ``tierkv/attention/host_kernel.py``, and
+``native/tierkv_rest.c`` (attention over sparse attention's low-bit rest copy) ``tierkv/attention/_rest*.so``,
+loaded by ``tierkv/attention/rest_kernel.py``.
 """
 
 import hashlib
@@ -18,6 +20,8 @@ SOURCE = "native/tierkv_io.c"  # relative, as setuptools requires
 DIGEST = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()[:16]  # = native.source_digest()
 ATTN_SOURCE = "native/tierkv_attn.c"  # the host attention kernel, loaded by tierkv/attention/host_kernel.py
 ATTN_DIGEST = hashlib.sha256((Path(__file__).parent / ATTN_SOURCE).read_bytes()).hexdigest()[:16]
+REST_SOURCE = "native/tierkv_rest.c"  # the rest-copy attention kernel, loaded by tierkv/attention/rest_kernel.py
+REST_DIGEST = hashlib.sha256((Path(__file__).parent / REST_SOURCE).read_bytes()).hexdigest()[:16]
 
 setup(
     ext_modules=[
@@ -34,6 +38,15 @@ setup(
             "tierkv.attention._attn",
             [ATTN_SOURCE],
             define_macros=[("TKV_SOURCE_SHA", f'"{ATTN_DIGEST}"')],
+            extra_compile_args=["-O3", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
+            libraries=["m"],
+            optional=True,
+        ),
+        Extension(
+            "tierkv.attention._rest",
+            [REST_SOURCE],
+            define_macros=[("TKV_SOURCE_SHA", f'"{REST_DIGEST}"')],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             libraries=["m"],

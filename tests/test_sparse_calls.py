@@ -13,6 +13,10 @@ of 8,192 pages against 10% of 256) ~800 per layer: far above :data:`SLACK`, whic
 constant number of times more or less (a staging buffer grown, a speculative read landed or not). On failure the
 message lists the functions whose counts grew, with how much: the per-block Python to vectorise. Only the decoding
 thread is traced (the mover's and the disk engine's threads run their own loops over requests, not over blocks).
+
+Pages a layer kept from its earlier steps (:mod:`tierkv.attention.kept`) are not read again, so whether a step reads
+from some tier at all depends on its hits, not on the block count: the whole step is compared with keeping off (every
+tier read in both), and with it on, the kept layers' own work must be exactly equal at both sizes.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from models import COMMON
 
 import tierkv
 from tierkv import TieredCache
+from tierkv.attention import kept as kept_module
 from tierkv.attention import sparse as sparse_module
 from tierkv.tiers import disk as disk_module
 
@@ -116,6 +121,7 @@ def test_python_calls_per_sparse_step_do_not_grow_with_blocks(tmp_path, monkeypa
     copies are not flat (docs/architecture.md)."""
     monkeypatch.setattr(disk_module, "MIN_BOUNCE_BYTES", disk_module.BOUNCE_BYTES)
     monkeypatch.setattr(sparse_module, "REST_CHUNK_TOKENS", 2 * MANY * BLOCK_TOKENS)  # one chunk of the rest copy
+    monkeypatch.setattr(kept_module, "KEEP_SHARE", 0.0)  # nothing kept: every step reads every tier (docstring)
     few, few_placed = traced_step(tmp_path / "few", FEW, None)
     many, many_placed = traced_step(tmp_path / "many", MANY, None)
     for placed in (few_placed, many_placed):  # every tier holds blocks in both
@@ -124,3 +130,17 @@ def test_python_calls_per_sparse_step_do_not_grow_with_blocks(tmp_path, monkeypa
     assert total_many - total_few <= SLACK, (  # growth: a path taken only at one size may make fewer
         f"a sparse step's Python events: {total_few} at {FEW} blocks per layer, {total_many} at {MANY}; "
         f"grown:\n{_grown(few, many)}")
+
+
+def test_kept_pages_work_the_same_whatever_the_blocks(tmp_path, monkeypatch):
+    """With pages kept across steps (the default), the kept layers' own Python (placing a selection, gathering the
+    hits, keeping the misses) is the same at 128 and 4,096 blocks per layer, and it ran."""
+    monkeypatch.setattr(disk_module, "MIN_BOUNCE_BYTES", disk_module.BOUNCE_BYTES)
+    monkeypatch.setattr(sparse_module, "REST_CHUNK_TOKENS", 2 * MANY * BLOCK_TOKENS)
+    kept_file = str(Path(kept_module.__file__).resolve())
+    counts = []
+    for name, blocks in (("few", FEW), ("many", MANY)):
+        events, _ = traced_step(tmp_path / name, blocks, None)
+        counts.append({key: n for key, n in events.items() if key[0] == kept_file})
+    assert (kept_file, "KeptLayer.gather") in counts[0], "no kept layer"
+    assert counts[0] == counts[1], _grown(collections.Counter(counts[0]), collections.Counter(counts[1]))

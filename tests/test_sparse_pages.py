@@ -169,6 +169,29 @@ def test_the_rest_copy_attends_every_page_not_read(tmp_path):
     executor.close()
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_rest_copy_attended_from_its_codes_equals_its_torch_decoding(tmp_path, monkeypatch, bits):
+    """The native kernel (straight from the codes) and torch (decode, then attend) give the same step, with a
+    padding mask and rows that leave out different pages; a missing C library falls back to torch."""
+    from tierkv.attention import rest_kernel
+
+    if not rest_kernel.available():
+        pytest.skip("no C compiler: the kernel cannot be built")
+    store, kv = store_with_needles(tmp_path, {0: (5, 2), 1: (9, 1)}, on_disk=False)
+    q = torch.randn(2, HEADS * GROUPS, 1, DIM, generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 1, 1, kv.shape[3], dtype=torch.bool)
+    mask[1, ..., : BT + 9] = False
+    budget = SparseBudget(0.25, page_tokens=PAGE, rest_bits=bits)
+    outputs = []
+    for native in (True, False):
+        monkeypatch.setattr(rest_kernel, "available", lambda native=native: native)
+        executor = SparseAttention(store, ThreadMover())
+        outputs.append(attend(executor, q, budget, mask))
+        assert executor.counters.rest_layer_steps == 1
+        executor.close()
+    torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=1e-4)
+
+
 def test_rest_pages_whose_mass_is_bounded_below_the_threshold_are_left_out_within_that_bound(tmp_path, monkeypatch):
     """A query whose every head finds its needle: the read pages hold nearly all the mass, so Quest's bound proves
     most pages not read negligible and the rest copy leaves them out. The output stays within the bound's promise
@@ -313,4 +336,42 @@ def test_attention_policy_moves_a_hot_pages_block_to_the_device(tmp_path):
     assert store.bytes_moved["device->device"] > gathered  # the needle's page now comes from the device
     store.check()
     torch.testing.assert_close(store.read_tokens(0), kv)
+    executor.close()
+
+
+def test_pages_kept_from_earlier_steps_are_not_read_again(tmp_path, monkeypatch):
+    """A layer keeps the pages it read on the device: the same query again reads nothing from disk (every page a
+    kept hit, counted on ``device->device``) and gives the same output; a new query reads only what it lacks and is
+    exact over its selection. With keeping off, the repeat reads the disk again."""
+    from tierkv.attention import kept as kept_module
+
+    store, kv = store_with_needles(tmp_path, {0: (5, 2), 1: (9, 1)})
+    executor = SparseAttention(store, ThreadMover())
+    generator = torch.Generator().manual_seed(4)
+    q, other = (torch.randn(2, HEADS * GROUPS, 1, DIM, generator=generator) for _ in range(2))
+    budget = SparseBudget(0.25, page_tokens=PAGE)
+    disk = store.bytes_moved["disk->device"]
+    first = attend(executor, q, budget)
+    read = store.bytes_moved["disk->device"] - disk
+    assert read > 0
+    device = store.bytes_moved.get("device->device", 0)
+    again = attend(executor, q, budget)
+    selected = int((executor.last_pages >= 0).sum())
+    assert store.bytes_moved["disk->device"] - disk == read  # nothing more from disk
+    assert executor.counters.pages_reused == selected
+    page_bytes = PAGE * store.layouts[0].token_bytes
+    assert store.bytes_moved["device->device"] - device >= selected * page_bytes
+    assert torch.equal(again, first)
+    out = attend(executor, other, budget)
+    torch.testing.assert_close(out.double(), reference(other, kv, read_positions(executor, kv.shape[3])),
+                               atol=1e-5, rtol=0)
+    store.check()
+    executor.close()
+
+    monkeypatch.setattr(kept_module, "KEEP_SHARE", 0.0)
+    executor = SparseAttention(store, ThreadMover())
+    attend(executor, q, budget)
+    disk = store.bytes_moved["disk->device"]
+    torch.testing.assert_close(attend(executor, q, budget), first, atol=1e-6, rtol=0)
+    assert store.bytes_moved["disk->device"] > disk and executor.counters.pages_reused == 0
     executor.close()

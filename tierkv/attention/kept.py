@@ -18,6 +18,11 @@ budget, like staging) and, per position, the block held there and the step it wa
     keep         = the blocks just read into the positions attended longest ago (one indexed copy), as many
                    as the layer has positions not hit this step
 
+Where sparse attention selects *pages* (``page_tokens`` below the block), a kept layer holds pages the same way:
+its unit is the page, a page's id is ``block id · pages per block + page`` (block ids never repeat, so neither do
+these), and the misses are read with one page read (:meth:`KVStore.read_pages`). Selections of pages are as
+stable as those of blocks, so most of a step's pages come from the device and the disk sees only the new ones.
+
 Kept blocks are copies: the store's table is untouched and nothing is dropped from it. A table edit (crop, row
 selection, reset) calls :meth:`KeptBlocks.clear`; block ids never repeat, so a kept block is never mistaken
 for another one.
@@ -66,10 +71,12 @@ class Placed:
 
 
 class KeptLayer:
-    """One layer's kept blocks: the device buffer and, per position, the block id (-1: none) and last use."""
+    """One layer's kept units (blocks, or pages of ``unit_tokens``): the device buffer and, per position, the unit's
+    id (-1: none) and last use."""
 
-    def __init__(self, buffer: torch.Tensor, batch: int, capacity: int) -> None:
+    def __init__(self, buffer: torch.Tensor, batch: int, capacity: int, unit_tokens: int) -> None:
         self.buffer = buffer  # flat uint8, reserved against the device budget
+        self.unit_tokens = unit_tokens
         self.ids = np.full((batch, capacity), -1, dtype=np.int64)  # [B, capacity]
         self.used = np.full((batch, capacity), -1, dtype=np.int64)  # [B, capacity]: step last attended
 
@@ -82,8 +89,8 @@ class KeptLayer:
         return self.ids.shape[1]
 
     def view(self, layout: BlockLayout) -> torch.Tensor:
-        """The buffer as ``[2, B, H_kv, capacity · block_tokens, D]``."""
-        tokens = self.capacity * layout.block_tokens
+        """The buffer as ``[2, B, H_kv, capacity · unit_tokens, D]``."""
+        tokens = self.capacity * self.unit_tokens
         nbytes = self.batch * tokens * layout.token_bytes
         return self.buffer[:nbytes].view(layout.dtype).view(2, self.batch, layout.kv_heads, tokens, layout.head_dim)
 
@@ -157,24 +164,27 @@ class KeptBlocks:
         self.store = store
         self.staging = Staging(store)
         self.layers: dict[int, KeptLayer] = {}
-        self.refused: dict[int, tuple[int, int]] = {}  # layer -> (batch, blocks) for which nothing fit the share
+        self.refused: dict[int, tuple[int, int, int]] = {}  # layer -> (batch, units, unit tokens): nothing fit
         self.sized: dict[int, int] = {}  # layer -> the selection its kept layer was allocated for
 
     @property
     def reserved(self) -> int:
         return self.staging.reserved
 
-    def layer(self, layer: int, batch: int, count: int) -> KeptLayer | None:
-        """The kept layer for a selection of ``count`` blocks per row (allocated, or grown, on first need)."""
+    def layer(self, layer: int, batch: int, count: int, unit_tokens: int | None = None) -> KeptLayer | None:
+        """The kept layer for a selection of ``count`` units of ``unit_tokens`` per row (default: whole blocks;
+        allocated, or grown, on first need)."""
+        store = self.store
+        unit = unit_tokens or store.block_tokens
         kept = self.layers.get(layer)
-        if kept is not None and kept.batch == batch and max(kept.capacity, self.sized[layer]) >= count:
+        if kept is not None and kept.batch == batch and kept.unit_tokens == unit \
+                and max(kept.capacity, self.sized[layer]) >= count:
             return kept
-        if self.refused.get(layer) == (batch, count):
+        if self.refused.get(layer) == (batch, count, unit):
             return None  # nothing fits (a larger selection would not either)
         self._drop(layer)
-        store = self.store
         layout = store.layouts[layer]
-        block_bytes = batch * store.block_tokens * layout.token_bytes
+        block_bytes = batch * unit * layout.token_bytes
         share = int(store.device.budget * KEEP_SHARE) - self.reserved
         tails = open_tail_bytes(len(store.layouts), batch, layout.slot_bytes)  # must stay possible beside it
         fair = int(store.device.budget * KEEP_SHARE) // (len(store.layouts) * block_bytes)  # blocks per layer
@@ -190,10 +200,10 @@ class KeptBlocks:
                 buffer = self.staging.take(nbytes)
             except BudgetTooSmallError:
                 break
-            self.layers[layer] = kept = KeptLayer(buffer, batch, capacity)
+            self.layers[layer] = kept = KeptLayer(buffer, batch, capacity, unit)
             self.sized[layer] = count
             return kept
-        self.refused[layer] = (batch, count)
+        self.refused[layer] = (batch, count, unit)
         return None
 
     def clear(self, layer: int | None = None) -> None:

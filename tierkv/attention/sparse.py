@@ -15,10 +15,10 @@ stays the unit of placement and of large transfers)::
     out = softmax attention over the selected tokens (tierkv.attention.lse), exact over them
     rest_bits: + every other candidate page from its low-bit copy on the device, merged by log-sum-exp
 
-With ``page_tokens`` equal to the block's tokens the page is the block, and the selected blocks are read like the
-sinks (kept on the device across steps, read ahead from disk by speculation, promoted by the attention policy);
-pages are not kept or speculated: they are a tenth of the bytes, and a block is promoted only when it was read
-whole.
+Each layer keeps the units it read in its recent steps on the device (:mod:`tierkv.attention.kept`): pages, or
+blocks where ``page_tokens`` equals the block's tokens (the page is then the block, and the selected blocks are
+also read ahead from disk by speculation); a step reads from the tiers only the units it did not hold. The
+attention policy promotes the blocks of hot units.
 
 Why the estimate mixes the bound with the mean: Quest's bound alone is loose (one outlying channel lifts it),
 and on SmolLM2 at 10% of a 2K context it found 5 of 18 needles against full attention's 15, the mix 11
@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tierkv.attention import rest_kernel
 from tierkv.attention.base import PipelinedExecutor, Span, register_executor
 from tierkv.attention.kept import KeptBlocks
 from tierkv.attention.lse import merge, partial_attention, weighted_attention
@@ -164,6 +165,7 @@ class SparseCounters:
     rest_layer_steps: int = 0  # layer-steps that attended the blocks not read from their rest copy (rest_bits)
     rest_pages_pruned: int = 0  # ... pages (or blocks) left out there: their mass bounded below REST_PRUNE_MASS
     pages_selected: int = 0  # pages read on their own (page_tokens < block_tokens), over rows and layers
+    pages_reused: int = 0  # ... of which were kept on the device from earlier steps (not read from their tier)
     tokens_read: int = 0  # tokens staged and attended exactly (whole blocks and pages), over rows and layers
     tokens_total: int = 0  # tokens the same layers hold, over rows
     link_bytes: dict[str, int] = field(default_factory=dict)  # bytes the steps moved into the device, per link
@@ -177,7 +179,8 @@ class SparseCounters:
         steps = max(self.steps, 1)
         device_reads = self.summary_bytes_read + self.rest_bytes_read + self.staged_bytes_read
         return {
-            "pages_selected": self.pages_selected, "rest_pages_pruned": self.rest_pages_pruned,
+            "pages_selected": self.pages_selected, "pages_reused": self.pages_reused,
+            "rest_pages_pruned": self.rest_pages_pruned,
             "link_bytes_per_step": {name: nbytes / steps for name, nbytes in self.link_bytes.items()},
             "summary_bytes_read_per_step": self.summary_bytes_read / steps,
             "rest_bytes_read_per_step": self.rest_bytes_read / steps,
@@ -270,7 +273,7 @@ class SparseAttention(PipelinedExecutor):
         self.speculation.remember(layer, columns, self._runners_up(layer, columns))
         count, picked = columns.shape[1], 0 if pages is None else pages.shape[1]
         staging, page_staging = self._staging(layer, batch, count, picked * page)
-        self._fill(layer, columns, staging)
+        self._fill(layer, columns, staging, keep=pages is None)
         parts = [self._block_part(columns, staging, start, stop, mask, query)]
         rest = budget.rest_bits or budget.rest_means
         if self._tail_kept is not None and not rest:  # the tail's pages not chosen: not attended
@@ -517,10 +520,21 @@ class SparseAttention(PipelinedExecutor):
         bias = _bias(positions, start, stop, mask, q.dtype)
         chunk = max(1, REST_CHUNK_TOKENS // page)
         out = lse = None
+        scaled = (q[:, :, :, 0].float() * scaling).contiguous()  # [B, H_kv, G, D]: the native kernel's query
         for c in range(0, most, chunk):
             picked = pages[:, c : c + chunk].reshape(-1)
-            keys, values = summaries.rest(layer, picked, q.dtype)  # [H_kv, B·n, page, D]
             self.counters.rest_bytes_read += summaries.rest_nbytes(layer, int(valid[:, c : c + chunk].sum()))
+            native = None
+            if rest_kernel.available() and device.type == "cpu":
+                codes, bounds, scales = summaries.rest_packed(layer, picked)
+                native = rest_kernel.rest_attention(
+                    scaled, codes, pages[:, c : c + chunk].contiguous(), valid[:, c : c + chunk].sum(dim=1), bounds,
+                    scales, bias[:, 0, 0, c * page : (c + chunk) * page].float().contiguous(), summaries.rest_bits,
+                    softcap)
+            if native is not None:  # attended straight from the codes
+                out, lse = merge(out, lse, native[0].unsqueeze(-2), native[1].unsqueeze(-1))
+                continue
+            keys, values = summaries.rest(layer, picked, q.dtype)  # [H_kv, B·n, page, D]: decoded, then attended
             heads, dim = keys.shape[0], keys.shape[-1]
             keys = keys.view(heads, batch, -1, dim).transpose(0, 1)  # [B, H_kv, n·page, D]
             values = values.view(heads, batch, -1, dim).transpose(0, 1)
@@ -590,13 +604,13 @@ class SparseAttention(PipelinedExecutor):
         return score.scatter_reduce(1, index, shares * torch.from_numpy(inside).to(score.device), "amax")
 
     # ---------------------------------------------------------------------------------- reading
-    def _fill(self, layer: int, columns: np.ndarray, staging: torch.Tensor) -> None:
+    def _fill(self, layer: int, columns: np.ndarray, staging: torch.Tensor, keep: bool) -> None:
         """Put the blocks of ``columns`` ``[B, K]`` into ``staging`` in order: those kept from earlier steps by
         one gather, the others by one read, which the kept layer then keeps as far as it has room
-        (:mod:`tierkv.attention.kept`); without a kept layer, one read."""
+        (:mod:`tierkv.attention.kept`); without a kept layer (or ``keep`` False: the layer keeps pages), one read."""
         store = self.store
         rows = store.table.rows[layer]
-        kept = self.kept.layer(layer, rows.batch, columns.shape[1])
+        kept = self.kept.layer(layer, rows.batch, columns.shape[1]) if keep else None
         if kept is None:
             plan, hits = self._read_selection(layer, rows, columns, staging)
             self._count(layer, plan, columns, 0, hits)
@@ -646,7 +660,8 @@ class SparseAttention(PipelinedExecutor):
         if following is None:
             return
         kept = self.kept.layers.get(following)
-        self.speculation.launch(following, kept.ids if kept is not None else None)
+        whole = kept if kept is not None and kept.unit_tokens == self.store.block_tokens else None  # pages: no guess
+        self.speculation.launch(following, whole.ids if whole is not None else None)
 
     def _runners_up(self, layer: int, columns: np.ndarray) -> np.ndarray | None:
         """The ``speculate_runners`` best-scored candidates of this layer-step that it did not select ``[B, r]``
@@ -700,12 +715,29 @@ class SparseAttention(PipelinedExecutor):
         self.counters.promotions += self.sparse_blocks.promote(wanted, data, ids)
 
     def _read_pages(self, layer: int, pages: np.ndarray, per: int, page: int, dest: torch.Tensor) -> None:
-        """Read pages ``pages`` ``[B, P]`` (``column · per + page``) into ``dest`` ``[2, B, H_kv, P · page, D]``:
-        one page read per tier (:meth:`KVStore.read_pages`), counted like the blocks' reads."""
+        """Put pages ``pages`` ``[B, P]`` (``column · per + page``; -1: none) into ``dest`` ``[2, B, H_kv, P · page,
+        D]``: those the layer kept from earlier steps by one gather (counted on ``device->device``), the others by
+        one page read per tier (:meth:`KVStore.read_pages`), which the kept layer then keeps as far as it has room."""
+        store, counters = self.store, self.counters
         before = self._moved_in()
-        columns, index = np.divmod(pages, per)
-        self.store.read_pages(layer, columns, index, page, dest)
-        counters = self.counters
+        rows = store.table.rows[layer]
+        kept = self.kept.layer(layer, rows.batch, pages.shape[1], page)
+        targets = pages
+        if kept is not None:
+            none = pages < 0
+            columns = np.where(none, 0, pages // per)
+            ids = np.where(none, -1, rows.ids[np.arange(rows.batch)[:, None], columns] * per + pages % per)
+            placed = kept.place(ids, pages, none, counters.layer_steps)
+            layout = store.layouts[layer]
+            kept.gather(layout, placed, dest)  # first: the read below overwrites the positions it does not hold
+            targets = placed.targets
+        if (targets >= 0).any():
+            columns, index = np.divmod(targets, per)
+            store.read_pages(layer, columns, index, page, dest)
+        if kept is not None:
+            kept.hold(layout, placed, ids, dest)
+            counters.pages_reused += placed.reused
+            store.transfer.count(link(Tier.DEVICE, Tier.DEVICE), placed.reused * page * layout.token_bytes)
         counters.pages_selected += int(np.count_nonzero(pages >= 0))
         for name, nbytes in self._moved_in().items():
             delta = nbytes - before.get(name, 0)

@@ -1,0 +1,111 @@
+"""Attention over sparse attention's low-bit rest copy without decoding it first (``native/tierkv_rest.c``).
+
+:func:`rest_attention` attends a decode query over pages of a layer's rest copy (:mod:`tierkv.store.summaries`)
+straight from their packed codes: each code byte is read once, no decoded page is materialised, and every query
+head of a KV head's group shares the pass. It returns the partial result every executor merges (the normalised
+output and the log-sum-exp, fp32, :mod:`tierkv.attention.lse`'s convention). Where the C library cannot be built,
+or the codes live in accelerator memory, it returns None and the caller decodes with torch
+(:meth:`~tierkv.store.summaries.KeySummaries.rest`, then :func:`~tierkv.attention.lse.partial_attention`): the
+reference this kernel is tested against.
+
+The library is found like the host attention kernel's (:mod:`tierkv.cbuild`): the extension built at install
+(``tierkv/attention/_rest*.so``), else built on first use from the source checkout, else unavailable (logged once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import struct
+from pathlib import Path
+
+import torch
+
+from tierkv import cbuild
+from tierkv.errors import InvalidConfigError
+from tierkv.io.base import EngineUnavailableError
+
+logger = logging.getLogger("tierkv")
+
+SOURCE = Path(__file__).resolve().parents[2] / "native" / "tierkv_rest.c"
+"""The C source in a source checkout (also an editable install); a wheel ships only the built extension."""
+_FLAG_SETS = (("-O3", "-shared", "-fPIC", "-fopenmp"), ("-O3", "-shared", "-fPIC"))  # OpenMP where available
+_FIX = "Install a C compiler (e.g. `apt-get install gcc`) or set CC; meanwhile the torch decoding runs."
+_ARGS = struct.Struct("<10qd9Q")
+"""``tkv_rest_args``: batch, kv_heads, groups, head_dim, page_tokens, entries, bits, value_groups, rows, threads;
+softcap (0: none); the addresses of query, codes, pages, counts, bounds, scales, bias (0: none), out, lse."""
+_ENOMEM, _EROW = -1, -3  # TKV_ENOMEM, TKV_EROW in the C source
+
+
+@functools.cache
+def _build() -> ctypes.CDLL | EngineUnavailableError:
+    """Open the library once per process and declare its functions; the failure, too, is cached."""
+    try:
+        lib = cbuild.open_library(
+            "rest-copy attention kernel", SOURCE, cbuild.source_digest(SOURCE),
+            cbuild.extension(Path(__file__).parent, "_rest"),
+            functools.partial(cbuild.built_from, symbol="tkv_rest_source_sha"), _FLAG_SETS, ("-lm",), _FIX,
+            "Reinstall tierkv where a C compiler is available.")
+    except EngineUnavailableError as exc:
+        return exc
+    lib.tkv_rest_args_size.restype = ctypes.c_int64
+    lib.tkv_rest.restype = ctypes.c_int
+    lib.tkv_rest.argtypes = [ctypes.c_char_p]
+    if lib.tkv_rest_args_size() != _ARGS.size:
+        return EngineUnavailableError(f"{SOURCE.name}'s argument struct does not match _ARGS", _FIX)
+    return lib
+
+
+def available() -> bool:
+    """Whether the C kernel loads here."""
+    return not isinstance(_build(), EngineUnavailableError)
+
+
+@functools.cache
+def _log_unavailable(reason: str) -> None:
+    logger.warning("rest-copy attention kernel unavailable (%s): decoding the rest copy with torch", reason)
+
+
+def rest_attention(query: torch.Tensor, codes: torch.Tensor, pages: torch.Tensor, counts: torch.Tensor,
+                   bounds: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, bits: int,
+                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Attention of ``query`` ``[B, H_kv, G, D]`` (fp32, scaled) over the rest-copy pages ``pages`` ``[B, n]`` (rows
+    of ``codes`` ``[H_kv, rows, 2, pt, D · bits / 8]``; the first ``counts[b]`` of row ``b`` are attended), with their
+    key bounds ``[H_kv, B · n, 2, D]`` and value scales ``[H_kv, B · n, pt, groups, 2]`` (fp32) and an additive
+    ``bias`` ``[B, n · pt]`` (fp32) or None: (output ``[B, H_kv, G, D]``, log-sum-exp ``[B, H_kv, G]``); None where
+    the kernel cannot run here (not built, or the tensors are not in CPU memory)."""
+    lib = _build()
+    if isinstance(lib, EngineUnavailableError):
+        _log_unavailable(str(lib))
+        return None
+    if codes.device.type != "cpu":
+        return None
+    batch, heads, groups, dim = query.shape
+    pt = codes.shape[3]
+    entries = pages.shape[1]
+    wanted = {"query": (query, torch.float32, (batch, heads, groups, dim)),
+              "codes": (codes, torch.uint8, (heads, codes.shape[1], 2, pt, dim * bits // 8)),
+              "pages": (pages, torch.int64, (batch, entries)), "counts": (counts, torch.int64, (batch,)),
+              "bounds": (bounds, torch.float32, (heads, batch * entries, 2, dim)),
+              "scales": (scales, torch.float32, (heads, batch * entries, pt, scales.shape[3], 2))}
+    if bias is not None:
+        wanted["bias"] = (bias, torch.float32, (batch, entries * pt))
+    for name, (tensor, dtype, shape) in wanted.items():
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
+            raise InvalidConfigError(f"rest_attention: {name} must be contiguous {dtype} {list(shape)}, got "
+                                     f"{tensor.dtype} {list(tensor.shape)}.")
+    out = torch.empty((batch, heads, groups, dim), dtype=torch.float32)
+    lse = torch.empty((batch, heads, groups), dtype=torch.float32)
+    packed = _ARGS.pack(batch, heads, groups, dim, pt, entries, bits, scales.shape[3], codes.shape[1],
+                        torch.get_num_threads(), float(softcap or 0.0), query.data_ptr(), codes.data_ptr(),
+                        pages.data_ptr(), counts.data_ptr(), bounds.data_ptr(), scales.data_ptr(),
+                        0 if bias is None else bias.data_ptr(), out.data_ptr(), lse.data_ptr())
+    status = lib.tkv_rest(packed)
+    if status == _ENOMEM:
+        raise MemoryError("rest_attention: the kernel's scratch (a page of decoded codes per task) was refused.")
+    if status == _EROW:
+        raise InvalidConfigError("rest_attention: a page names a row outside the rest copy's table.")
+    if status:
+        raise InvalidConfigError(f"rest_attention: the kernel refused its arguments (status {status}).")
+    return out, lse
