@@ -19,6 +19,7 @@ from tierkv.planner import (
     parse_tokens,
     plan,
     sparse_advice,
+    sparse_fetched_tokens,
     sparse_summary_bytes,
     sparse_what_if,
     split_min_device_bytes,
@@ -313,14 +314,16 @@ def test_streaming_forecast_pipelines_chunks_across_layers():
     assert p.forecast.step_s == pytest.approx(p.forecast.lower_bound_s + fill, rel=1e-3)
 
 
-def test_sparse_step_reads_the_budgets_fraction_and_pays_for_the_summaries():
+@pytest.mark.parametrize("page", [None, 256], ids=["default-pages", "whole-blocks"])
+def test_sparse_step_reads_the_budgets_fraction_and_pays_for_the_summaries(page):
     """Llama-3-8B at 1M tokens, 32K attended: 1/32 of every layer's KV crosses the links; the device holds the
-    prefill's two chunks, one layer's selection and one summary per block (4·H_kv·D values = 2 tokens' K/V)."""
+    prefill's two chunks, one layer's selection and one summary per page (4·H_kv·D values = 2 tokens' K/V): 16
+    per 256-token block at the default 16-token pages, one where the page is the block."""
     exact = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=136, link="pcie5"))
     sparse = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=136, link="pcie5", executor="sparse",
-                                sparse_tokens="32K"))
+                                sparse_tokens="32K", sparse_page_tokens=page))
     per_layer_token = 4 * 1024
-    summaries = 32 * (2**20 // 256) * per_layer_token * 2  # layers x blocks x 2 tokens' K/V
+    summaries = 32 * (2**20 // (page or 16)) * per_layer_token * 2  # layers x pages x 2 tokens' K/V
     assert sparse.staging_bytes == 2 * 4096 * per_layer_token + 32768 * per_layer_token + summaries
     tiers = sparse.bytes_per_tier
     assert tiers.device == 20 * 10**9 - sparse.staging_bytes and tiers.disk == 0
@@ -329,7 +332,8 @@ def test_sparse_step_reads_the_budgets_fraction_and_pays_for_the_summaries():
     assert sparse.forecast.prefetch_depth == 0  # the read waits for the layer's query
     link = sparse.request.links.link("host->device")
     assert sparse.forecast.step_s >= link.transfer_time(moved["host->device"])  # at least its reads, in series
-    assert exact.forecast.step_s / sparse.forecast.step_s > 10
+    # 16-token pages' summaries hold 1/8 of the KV (17 GB of the 20 here), which pushes KV off the device
+    assert exact.forecast.step_s / sparse.forecast.step_s > (10 if page else 3)
 
 
 def test_a_rest_copy_is_paid_for_in_device_bytes_and_compute_not_in_reads():
@@ -371,9 +375,9 @@ def test_the_sparse_what_if_names_its_share_of_the_kv_attended(executor):
 
 
 def test_sparse_cost_grows_with_its_budget_not_the_context():
-    small = plan(build_request("llama-3-8b", "256K", gpu=4, cpu=136, link="pcie5", executor="sparse",
-                               sparse_tokens=4096))
-    large = plan(build_request("llama-3-8b", "1M", gpu=4, cpu=136, link="pcie5", executor="sparse",
+    small = plan(build_request("llama-3-8b", "256K", gpu=24, cpu=136, link="pcie5", executor="sparse",
+                               sparse_tokens=4096))  # 24 GB: the 1M context's page summaries take 17 GB
+    large = plan(build_request("llama-3-8b", "1M", gpu=24, cpu=136, link="pcie5", executor="sparse",
                                sparse_tokens=4096))
     read = [p.bytes_moved_per_step["host->device"] + p.bytes_moved_per_step["device->device"] for p in (small, large)]
     assert read[0] == pytest.approx(read[1], rel=0.01)  # 4096 tokens per layer either way
@@ -613,3 +617,32 @@ def test_cli_split_from_a_measured_profile_names_the_measurement(tmp_path, capsy
     assert _cli([*argv, "--executor", "split"]) == 0
     words = _words(capsys.readouterr().out)
     assert "host attention rate 6.0 GB/s" in words and "measured by tierkv bench: 2 threads (native kernel" in words
+
+
+def test_sparse_selects_pages_and_reads_whole_sectors_from_disk():
+    """A budget that is not a whole number of blocks is read in pages (rounded down to 16 tokens, not to 256); the
+    disk reads whole 4 KiB sectors, so 8-token pages of Llama-3-8B (a 2 KiB run per head) read twice the bytes they
+    hold from disk, 16-token ones (4 KiB) what they hold; a page that does not divide the block is refused."""
+    def sparse(page):
+        return build_request("llama-3-8b", "128K", gpu=8, cpu=4, disk=1000, link="pcie5", executor="sparse",
+                             sparse_tokens=1024, sparse_page_tokens=page)
+
+    assert sparse_fetched_tokens(sparse(None), 0) == 1024 and sparse_fetched_tokens(sparse(256), 0) == 1024
+    assert sparse_fetched_tokens(build_request("llama-3-8b", "128K", gpu=4, cpu=8, executor="sparse",
+                                               sparse_tokens=1000), 0) == 992
+    read = {page: plan(sparse(page)) for page in (8, 16, 256)}
+    disk = {page: p.bytes_moved_per_step["disk->host"] / p.bytes_per_tier.disk for page, p in read.items()}
+    assert disk[16] == pytest.approx(disk[256], rel=0.02) and disk[8] == pytest.approx(2 * disk[16], rel=0.02)
+    with pytest.raises(InvalidConfigError, match="sparse_page_tokens=24 must divide block_tokens=256"):
+        sparse(24)
+
+
+def test_cli_takes_the_sparse_page(tmp_path):
+    out = tmp_path / "plan.json"
+    assert _cli(["--model", "llama-3-8b", "--context", "128K", "--gpu-gb", "20", "--cpu-gb", "64", "--executor",
+                 "sparse", "--sparse-tokens", "8K", "--sparse-page-tokens", "64", "--json", str(out)]) == 0
+    coarse = json.loads(out.read_text())
+    assert _cli(["--model", "llama-3-8b", "--context", "128K", "--gpu-gb", "20", "--cpu-gb", "64", "--executor",
+                 "sparse", "--sparse-tokens", "8K", "--json", str(out)]) == 0
+    fine = json.loads(out.read_text())
+    assert fine["staging_bytes"] > coarse["staging_bytes"]  # four times the page summaries

@@ -39,8 +39,10 @@ from tierkv.bandwidth import (
 )
 from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
 from tierkv.model_presets import ModelSpec, resolve_model
+from tierkv.settings import DIRECT_IO_ALIGN
 from tierkv.staging import (
     REST_BITS,
+    default_page_tokens,
     gather_staging_bytes,
     rest_copy_bytes,
     round_to_blocks,
@@ -216,6 +218,7 @@ class PlanRequest:
     chunk_tokens: int = 4096
     sparse_tokens: int = 2048  # attended tokens per row and layer in sparse mode (sinks and recent included)
     sparse_rest_bits: int = 0  # sparse: the blocks not read attended from a copy of this many bits on the device
+    sparse_page_tokens: int | None = None  # sparse: tokens per selected page (None: the library's default page)
     block_tokens: int = 256  # staging is whole blocks (TieredCache's default block)
     host_cores: int | None = None  # split, GPU-host presets: the host's cores (host_attention_rate)
     host_dram_bytes_per_s: float | None = None  # ... and its DRAM read bandwidth
@@ -227,6 +230,10 @@ class PlanRequest:
             raise InvalidConfigError(f"chunk_tokens={self.chunk_tokens} must be >= 1.")
         if self.sparse_tokens < 1:
             raise InvalidConfigError(f"sparse_tokens={self.sparse_tokens} must be >= 1.")
+        if self.sparse_page_tokens is not None and (self.sparse_page_tokens < 1
+                                                    or self.block_tokens % self.sparse_page_tokens):
+            raise InvalidConfigError(f"sparse_page_tokens={self.sparse_page_tokens} must divide block_tokens="
+                                     f"{self.block_tokens} (e.g. 16 for 256-token blocks).")
         if self.sparse_rest_bits not in REST_BITS:
             raise InvalidConfigError(f"sparse_rest_bits={self.sparse_rest_bits} must be one of "
                                      f"{', '.join(map(str, REST_BITS))} (0: no rest copy).")
@@ -582,13 +589,19 @@ def kv_summary_bytes(kv_bytes: int, block_tokens: int) -> int:
     return summary_bytes(kv_bytes // block_tokens, 1)
 
 
+def sparse_page_tokens(req: PlanRequest) -> int:
+    """Tokens per page a sparse step selects: ``req.sparse_page_tokens``, else the library's default page."""
+    return req.sparse_page_tokens or default_page_tokens(req.block_tokens)
+
+
 def sparse_summary_bytes(req: PlanRequest) -> int:
-    """Device bytes of the key summaries: per full block of every layer and row, a per-channel min, max and mean
-    of its keys and the mean of its values — 2 tokens' K+V bytes (:mod:`tierkv.store.summaries`) — and the blocks'
-    rest copy if asked."""
+    """Device bytes of the key summaries: per page of every full block of every layer and row, a per-channel min,
+    max and mean of its keys and the mean of its values — 2 tokens' K+V bytes (:mod:`tierkv.store.summaries`) —
+    and the blocks' rest copy if asked."""
     model = req.model
     blocks = sum(model.tokens_held(i, req.context) // req.block_tokens for i in range(model.layers))
-    return summary_bytes(req.batch * blocks, model.kv_bytes_per_token_per_layer) + _rest_bytes(req, blocks)
+    pages = blocks * (req.block_tokens // sparse_page_tokens(req))
+    return summary_bytes(req.batch * pages, model.kv_bytes_per_token_per_layer) + _rest_bytes(req, blocks)
 
 
 def _rest_bytes(req: PlanRequest, blocks: int) -> int:
@@ -599,12 +612,13 @@ def _rest_bytes(req: PlanRequest, blocks: int) -> int:
 
 
 def sparse_fetched_tokens(req: PlanRequest, layer: int) -> int:
-    """Tokens a sparse decode step reads of ``layer`` per row: the budget in whole blocks (rounded down, as the
-    executor's cap; at least the open tail's block), at most the layer."""
+    """Tokens a sparse decode step reads of ``layer`` per row: the budget in whole pages (rounded down, as the
+    executor's cap; at least one page), at most the layer."""
     held = req.model.tokens_held(layer, req.context)
     if req.sparse_tokens >= held:
         return held
-    return min(held, max(1, req.sparse_tokens // req.block_tokens) * req.block_tokens)
+    page = sparse_page_tokens(req)
+    return min(held, max(1, req.sparse_tokens // page) * page)
 
 
 def sparse_staging_bytes(req: PlanRequest) -> int:
@@ -619,14 +633,17 @@ def sparse_staging_bytes(req: PlanRequest) -> int:
 
 def _sparse_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int],
                    shares: tuple[float, float, float]) -> tuple[LayerLoad, ...]:
-    """A sparse decode step as it runs: each layer scores its blocks' summaries (on the device), then reads the
-    selected blocks — a ``fetched / held`` fraction of its KV, spread over the tiers as the KV is (a uniform
-    placement: with ``policy="attention"`` hot blocks gather on the device, so off-device reads can only be
-    fewer) — and only then attends. The read waits for the layer's query, so nothing is prefetched (depth 0);
-    scattered blocks cross the links as one transfer each.
+    """A sparse decode step as it runs: each layer scores its pages' summaries (on the device), then reads the
+    selected pages — a ``fetched / held`` fraction of its KV, spread over the tiers as the KV is (a uniform
+    placement: with ``policy="attention"`` hot blocks gather on the device, and kept pages are not read again, so
+    off-device reads can only be fewer) — and only then attends. The read waits for the layer's query, so nothing
+    is prefetched (depth 0). Pages are read with one batched request per tier (:mod:`tierkv.store.pages`), the
+    disk's in whole 4 KiB sectors: a page's K or V run of one KV head (``page · D`` elements) is rounded up to
+    them, so runs smaller than a sector read more than they hold. Whole blocks (the page is the block) cross the
+    links as one transfer each.
 
     Compute: the roofline of the layer with attention over the fetched tokens only, plus the scoring pass (it
-    reads every summary and does ``6 · heads · D`` FLOPs per block and row) and, with a rest copy, attention
+    reads every summary and does ``6 · heads · D`` FLOPs per page and row) and, with a rest copy, attention
     over every block from it (its bytes read, ``4 · heads · D`` FLOPs per token); a measured
     ``compute_s_per_step`` (of exact decoding) is kept and these added.
     """
@@ -636,8 +653,10 @@ def _sparse_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int]
         held = model.tokens_held(layer, req.context)
         fetched = sparse_fetched_tokens(req, layer)
         blocks = held // req.block_tokens
-        summaries = summary_bytes(req.batch * blocks, model.kv_bytes_per_token_per_layer)
-        scoring = req.device.time(summaries, 6 * req.batch * model.attention_heads * model.head_dim * blocks)
+        page = sparse_page_tokens(req)
+        pages = blocks * (req.block_tokens // page)
+        summaries = summary_bytes(req.batch * pages, model.kv_bytes_per_token_per_layer)
+        scoring = req.device.time(summaries, 6 * req.batch * model.attention_heads * model.head_dim * pages)
         if req.sparse_rest_bits:
             rest_tokens = req.batch * blocks * req.block_tokens
             flops = 4 * rest_tokens * model.attention_heads * model.head_dim
@@ -647,7 +666,12 @@ def _sparse_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int]
             flops = req.batch * (2 * model.params_per_layer + 4 * model.attention_heads * model.head_dim * fetched)
             compute = req.device.time(weights + fetched_kv, flops)
         load = _load(compute + scoring, kv * fetched / held if held else 0, shares)
-        selected = req.batch * math.ceil(fetched / req.block_tokens)
+        if page < req.block_tokens:  # one batched read per tier; the disk's rounded up to sectors
+            run = page * model.head_dim * model.dtype_bytes
+            sectors = -(-run // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN  # the disk tier's sector (tierkv.tiers.disk)
+            loads.append(dataclasses.replace(load, disk_bytes=load.disk_bytes * sectors // run))
+            continue
+        selected = req.batch * math.ceil(fetched / page)
         loads.append(dataclasses.replace(load, host_transfers=max(1, round(selected * shares[1])),
                                          disk_transfers=max(1, round(selected * shares[2]))))
     return tuple(loads)
@@ -874,6 +898,7 @@ def build_request(
     chunk_tokens: int = 4096,
     sparse_tokens: int | str = 2048,
     sparse_rest_bits: int = 0,
+    sparse_page_tokens: int | None = None,
     host_cores: int | None = None,
     host_dram_gbps: float | None = None,
 ) -> PlanRequest:
@@ -920,6 +945,7 @@ def build_request(
         chunk_tokens=chunk_tokens,
         sparse_tokens=parse_tokens(sparse_tokens),
         sparse_rest_bits=sparse_rest_bits,
+        sparse_page_tokens=sparse_page_tokens,
         host_cores=host_cores,
         host_dram_bytes_per_s=None if host_dram_gbps is None else host_dram_gbps * 1e9,
     )

@@ -128,6 +128,15 @@ def split_device_minimum(layers: int, batch: int, q_heads: int, kv_heads: int, h
     return landed_device_minimum(staging, tails, slot_bytes) if accelerated else device_minimum(staging, tails)
 
 
+DEFAULT_PAGE_TOKENS = 16  # tokens per selected page of sparse attention (docs/quality.md: 8-16-token units select well)
+
+
+def default_page_tokens(block_tokens: int) -> int:
+    """Sparse attention's default page in ``block_tokens``-token blocks: the largest divisor of the block up to
+    :data:`DEFAULT_PAGE_TOKENS`."""
+    return math.gcd(block_tokens, DEFAULT_PAGE_TOKENS)
+
+
 def value_groups(head_dim: int) -> int:
     """Value groups per token and head of the rest copy: one (min, step) per :data:`VALUE_GROUP` channels."""
     return head_dim // VALUE_GROUP if head_dim % VALUE_GROUP == 0 else 1

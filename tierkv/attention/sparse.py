@@ -1,8 +1,8 @@
 """Query-aware sparse attention over blocks on any tier (Quest-style), exact over the blocks it reads.
 
 Each decode step (one query token per row), per layer, over the *pages* of the candidate blocks (``page_tokens``
-consecutive tokens, :data:`DEFAULT_PAGE_TOKENS` by default: the unit of selection, finer than the block, which
-stays the unit of placement and of large transfers)::
+consecutive tokens, :data:`~tierkv.staging.DEFAULT_PAGE_TOKENS` by default: the unit of selection, finer than the
+block, which stays the unit of placement and of large transfers)::
 
     bound[b, p, h, g] = q⁺·hi_p + q⁻·lo_p                 # ≥ every key logit of page p (tierkv.store.summaries)
     mean[b, p, h, g]  = q·m_p                              # the page's mean key logit, exactly
@@ -14,6 +14,7 @@ stays the unit of placement and of large transfers)::
         (KVStore.read_pages: sub-block reads, the disk's covering aligned sectors), into device staging
     out = softmax attention over the selected tokens (tierkv.attention.lse), exact over them
     rest_bits: + every other candidate page from its low-bit copy on the device, merged by log-sum-exp
+        (in CPU memory attended straight from its codes: tierkv.attention.rest_kernel)
 
 Each layer keeps the units it read in its recent steps on the device (:mod:`tierkv.attention.kept`): pages, or
 blocks where ``page_tokens`` equals the block's tokens (the page is then the block, and the selected blocks are
@@ -62,14 +63,13 @@ from tierkv.attention.speculation import Speculation, SpeculationCounters
 from tierkv.blocks import Tier
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError
 from tierkv.mover import ThreadMover
-from tierkv.staging import GROWTH, REST_BITS
+from tierkv.staging import GROWTH, REST_BITS, default_page_tokens
 from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
 from tierkv.store.transfer import link
 
 REST_CHUNK_TOKENS = 16384  # the rest copy is decoded and attended this many candidate tokens at a time
 REST_PRUNE_MASS = 1e-3  # the rest copy leaves out pages whose summed mass is bounded below this share of the read's
-DEFAULT_PAGE_TOKENS = 16  # tokens per selected page (docs/quality.md: 8-16-token units select well)
 DEFAULT_REST_BITS = 4  # cache.sparse's rest copy: at 10% the one with top-1 >= 97% on every model (docs/quality.md)
 
 
@@ -87,9 +87,9 @@ class SparseBudget:
     the blocks a step does not read are attended too, from a copy of this many bits (2, 4 or 8) kept on the
     device beside the summaries (:mod:`tierkv.store.summaries`; default 0: not attended) — nothing more is read.
     ``page_tokens``: tokens per selected page, a divisor of the cache's ``block_tokens`` (default: the largest
-    divisor up to :data:`DEFAULT_PAGE_TOKENS`; the block's tokens: whole blocks). ``rest_means``: without a rest
-    copy, the pages a step does not read are attended from their mean key and value (each standing for the page's
-    tokens), which the summaries hold anyway: nothing more is kept or read.
+    divisor up to :data:`~tierkv.staging.DEFAULT_PAGE_TOKENS`; the block's tokens: whole blocks). ``rest_means``:
+    without a rest copy, the pages a step does not read are attended from their mean key and value (each standing
+    for the page's tokens), which the summaries hold anyway: nothing more is kept or read.
     """
 
     tokens: int | float
@@ -131,7 +131,7 @@ class SparseBudget:
 
     def page_size(self, block_tokens: int) -> int:
         """Tokens per selected page in a cache of ``block_tokens``-token blocks (raises if it does not divide)."""
-        page = self.page_tokens if self.page_tokens is not None else math.gcd(block_tokens, DEFAULT_PAGE_TOKENS)
+        page = self.page_tokens if self.page_tokens is not None else default_page_tokens(block_tokens)
         if block_tokens % page:
             raise InvalidConfigError(f"sparse page_tokens={page} does not divide the cache's block_tokens="
                                      f"{block_tokens}: give a divisor of it (e.g. 16 for 256-token blocks).")

@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
-from tierkv.attention.sparse import DEFAULT_PAGE_TOKENS, DEFAULT_REST_BITS, SparseBudget
+from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseBudget
 from tierkv.commands import (
     add_json_argument,
     existing_file,
@@ -44,7 +44,7 @@ from tierkv.commands import (
 )
 from tierkv.commands.progress import Phases, quiet_transformers, seconds
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError
-from tierkv.staging import REST_BITS
+from tierkv.staging import DEFAULT_PAGE_TOKENS, REST_BITS, default_page_tokens
 from tierkv.units import format_bytes, format_size_option, format_tokens, plural
 from tierkv.vocabulary import CLI_EXECUTORS
 
@@ -130,7 +130,7 @@ def _check_combination(args: argparse.Namespace) -> None:
     if args.page_tokens is not None and args.block_tokens % args.page_tokens:
         raise InvalidConfigError(f"--page-tokens {args.page_tokens} does not divide --block-tokens "
                                  f"{args.block_tokens}: give a divisor of it, e.g. --page-tokens "
-                                 f"{math.gcd(args.block_tokens, DEFAULT_PAGE_TOKENS)}.")
+                                 f"{default_page_tokens(args.block_tokens)}.")
 
 
 def run(args: argparse.Namespace) -> int:

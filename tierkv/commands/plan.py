@@ -103,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-rest-bits", type=int, choices=REST_BITS, default=0,
                         help="sparse: the blocks not read are attended from a copy of this many bits kept on the "
                              "device (default 0: not attended)")
+    parser.add_argument("--sparse-page-tokens", type=tokens("--sparse-page-tokens"), default=None,
+                        help="sparse: tokens per selected page, a divisor of the 256-token block (default: the "
+                             "library's, 16)")
     parser.add_argument("--what-if-gpu-gb", type=size("--what-if-gpu-gb"), default=16 * 10**9,
                         help="extra device memory for the what-if: GB or a size (default 16)")
     add_json_argument(parser, "the plan")
@@ -238,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         chunk_tokens=args.chunk_tokens,
         sparse_tokens=args.sparse_tokens,
         sparse_rest_bits=args.sparse_rest_bits,
+        sparse_page_tokens=args.sparse_page_tokens,
         host_cores=args.host_cores,
         host_dram_gbps=args.host_dram_gbps,
     )
