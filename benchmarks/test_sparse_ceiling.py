@@ -167,7 +167,7 @@ def _budgets(model, context: int, page_tokens: int) -> tuple[int, int, int, int]
     layers = config.get_text_config(decoder=True).num_hidden_layers
     selection = (int(BUDGET * tokens) + 2 * 256) * TieredCache.kv_bytes_per_token(config, model.dtype) // layers
     rest = TieredCache.rest_copy_bytes(config, tokens, DEFAULT_REST_BITS, model.dtype)
-    tables = int((kv_summary_bytes(kv, page_tokens) + rest) * TABLE_GROWTH)  # the tables grow in 25% steps
+    tables = int((kv_summary_bytes(kv, page_tokens, model.dtype.itemsize) + rest) * TABLE_GROWTH)  # 25% steps
     sparse = TieredCache.min_streaming_device_bytes(config, chunk_tokens=SPARSE_CHUNK, dtype=model.dtype) + \
         tables + 2 * selection + share
     return exact, sparse, share, kv

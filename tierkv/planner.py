@@ -49,6 +49,7 @@ from tierkv.staging import (
     split_device_minimum,
     split_staging_bytes,
     streaming_staging_bytes,
+    summary_element_size,
 )
 from tierkv.stats import default_profile
 from tierkv.units import format_bytes, format_gb, format_size_option, parse_size, parse_tokens
@@ -578,15 +579,17 @@ def _split_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int],
 SUMMARY_VECTORS = 4  # per page and KV head: the keys' per-channel min, max, mean and the values' mean (summaries)
 
 
-def summary_bytes(blocks: int, token_bytes: int) -> int:
+def summary_bytes(blocks: int, token_bytes: int, element_size: int = 2) -> int:
     """Bytes of ``blocks`` key summaries, ``SUMMARY_VECTORS · H_kv · D`` values each, from one token's K+V bytes
-    (``2 · H_kv · D`` values)."""
-    return blocks * token_bytes * SUMMARY_VECTORS // 2
+    (``2 · H_kv · D`` values of ``element_size`` bytes): held in the summaries' own element size
+    (:func:`tierkv.staging.summary_element_size`: fp32 K/V's are bf16)."""
+    return blocks * token_bytes * SUMMARY_VECTORS // 2 * summary_element_size(element_size) // element_size
 
 
-def kv_summary_bytes(kv_bytes: int, block_tokens: int) -> int:
-    """Bytes of the summaries of ``kv_bytes`` of K/V in pages of ``block_tokens``: 2/``block_tokens`` of it."""
-    return summary_bytes(kv_bytes // block_tokens, 1)
+def kv_summary_bytes(kv_bytes: int, block_tokens: int, element_size: int = 2) -> int:
+    """Bytes of the summaries of ``kv_bytes`` of K/V (``element_size``-byte elements) in pages of ``block_tokens``:
+    2/``block_tokens`` of it, halved for fp32 K/V (bf16 summaries)."""
+    return summary_bytes(kv_bytes // block_tokens, 1, element_size)
 
 
 def sparse_page_tokens(req: PlanRequest) -> int:
@@ -601,7 +604,8 @@ def sparse_summary_bytes(req: PlanRequest) -> int:
     model = req.model
     blocks = sum(model.tokens_held(i, req.context) // req.block_tokens for i in range(model.layers))
     pages = blocks * (req.block_tokens // sparse_page_tokens(req))
-    return summary_bytes(req.batch * pages, model.kv_bytes_per_token_per_layer) + _rest_bytes(req, blocks)
+    return summary_bytes(req.batch * pages, model.kv_bytes_per_token_per_layer, model.dtype_bytes) + \
+        _rest_bytes(req, blocks)
 
 
 def _rest_bytes(req: PlanRequest, blocks: int) -> int:
@@ -655,7 +659,7 @@ def _sparse_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int]
         blocks = held // req.block_tokens
         page = sparse_page_tokens(req)
         pages = blocks * (req.block_tokens // page)
-        summaries = summary_bytes(req.batch * pages, model.kv_bytes_per_token_per_layer)
+        summaries = summary_bytes(req.batch * pages, model.kv_bytes_per_token_per_layer, model.dtype_bytes)
         scoring = req.device.time(summaries, 6 * req.batch * model.attention_heads * model.head_dim * pages)
         if req.sparse_rest_bits:
             rest_tokens = req.batch * blocks * req.block_tokens

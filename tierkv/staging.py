@@ -137,6 +137,12 @@ def default_page_tokens(block_tokens: int) -> int:
     return math.gcd(block_tokens, DEFAULT_PAGE_TOKENS)
 
 
+def summary_element_size(element_size: int) -> int:
+    """Bytes per element of the key summaries of K/V of ``element_size``-byte elements: fp32 K/V get bf16
+    summaries (:data:`tierkv.store.summaries.SUMMARY_DTYPES`), 16-bit ones their own."""
+    return 2 if element_size == 4 else element_size
+
+
 def value_groups(head_dim: int) -> int:
     """Value groups per token and head of the rest copy: one (min, step) per :data:`VALUE_GROUP` channels."""
     return head_dim // VALUE_GROUP if head_dim % VALUE_GROUP == 0 else 1

@@ -206,7 +206,7 @@ def _device_floor(args: argparse.Namespace, model, prompt: int, decode: int) -> 
         floor = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens,
                                                        chunk_tokens=args.chunk_tokens)
     if args.executor == "sparse":  # summaries (4 vectors per page: 2/page_tokens of the KV), the selection
-        floor += kv_summary_bytes(_kv_bytes(model, prompt + decode), _page_tokens(args)) + \
+        floor += kv_summary_bytes(_kv_bytes(model, prompt + decode), _page_tokens(args), model.dtype.itemsize) + \
             2 * _sparse_selection_bytes(args, model, prompt) + \
             TieredCache.rest_copy_bytes(model.config, prompt + decode, args.sparse_rest_bits, torch.float32)
     return floor

@@ -22,12 +22,13 @@ several rows (beams, a common prefix) share them. The open tail block has none: 
 the page's tokens (``page_tokens`` of them) where sparse attention attends the pages it does not read from their
 means (``rest_means``) — one key and value per page, 1/16 of the tokens at the default page size, with no copy.
 
-Summaries live on the device tier, one table ``[H_kv, capacity, pages, 4, D]`` per layer in the KV dtype
-(head-major: a selection's rows gathered from it are already each head's ``[C · pages, 4·D]`` matrix for
-scoring), a block's pages in one table row, addressed through ``row_of[block_id]`` (a numpy array, so a layer's
-grid of block ids maps to table rows in one vectorized lookup). Their bytes are reserved against the device
-budget like staging, through the callable the store passes in, so ``stats()`` and the budget checks include
-them.
+Summaries live on the device tier, one table ``[H_kv, capacity, pages, 4, D]`` per layer (head-major: a
+selection's rows gathered from it are already each head's ``[C · pages, 4·D]`` matrix for scoring), a block's
+pages in one table row, addressed through ``row_of[block_id]`` (a numpy array, so a layer's grid of block ids maps
+to table rows in one vectorized lookup). The table is in the KV dtype, or bf16 for fp32 KV (:func:`summary_dtype`:
+half the bytes to hold and to score; the keys' min is rounded down and their max up, so the bound stays a
+bound). Their bytes are reserved against the device budget like staging, through the callable the store passes
+in, so ``stats()`` and the budget checks include them.
 
 **The rest copy** (``rest_bits`` 2, 4 or 8; 0: none). Beside its summaries, a block may keep a low-bit copy of its
 keys and values, so that sparse attention can attend the pages it does not read from it instead of not at all
@@ -52,6 +53,7 @@ from tierkv.accel import backend
 from tierkv.errors import InvalidConfigError
 from tierkv.staging import REST_BITS, value_groups
 
+SUMMARY_DTYPES = {torch.float32: torch.bfloat16}  # KV dtype -> the summaries' (others: the KV's own)
 MIN_ROWS = 8  # a table's first capacity
 TABLE_GROWTH = 1.25  # a full table grows by this factor: doubling could reserve twice the device bytes needed
 
@@ -152,10 +154,11 @@ class KeySummaries:
         pages = self.pages(blocks.shape[3])
         keys = blocks[:, 0].unflatten(2, (pages, -1))  # [n, H_kv, pages, page_tokens, D]
         values = blocks[:, 1].unflatten(2, (pages, -1))
-        summary = torch.stack((keys.amin(dim=3), keys.amax(dim=3), keys.float().mean(dim=3).to(keys.dtype),
-                               values.float().mean(dim=3).to(keys.dtype)), dim=3)  # [n, H_kv, pages, 4, D]
+        summary = _narrowed(torch.stack((keys.amin(dim=3), keys.amax(dim=3), keys.float().mean(dim=3).to(keys.dtype),
+                                         values.float().mean(dim=3).to(keys.dtype)), dim=3),  # [n, H_kv, pages, 4, D]
+                            summary_dtype(blocks.dtype))
         rest = self._rest_copy(blocks, summary) if self.rest_bits else None
-        entry = self._room(layer, summary, sum(1 for i in ids if self._row(i) < 0), blocks.shape[3])
+        entry = self._room(layer, summary, blocks.dtype, sum(1 for i in ids if self._row(i) < 0), blocks.shape[3])
         rows = []
         for block_id in ids:
             row = self._row(block_id)
@@ -237,10 +240,10 @@ class KeySummaries:
     def _rest_copy(self, blocks: torch.Tensor, summary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest copy of ``blocks`` ``[n, 2, H_kv, bt, D]`` as table rows: packed codes
         ``[H_kv, n, pages, 2, pt, D · bits / 8]`` and the value groups' (min, step) ``[H_kv, n, bt, groups, 2]``.
-        Keys are coded on their page summary's min and max as stored (rounded to the KV dtype), so decoding needs
+        Keys are coded on their page summary's min and max as stored (in the table's dtype), so decoding needs
         nothing else."""
         levels = 2**self.rest_bits - 1
-        stored = summary.to(blocks.dtype).float()  # [n, H_kv, pages, 4, D], as the table holds it
+        stored = summary.float()  # [n, H_kv, pages, 4, D], as the table holds it
         lo, hi = stored[:, :, :, None, 0], stored[:, :, :, None, 1]  # [n, H_kv, pages, 1, D]
         paged = blocks[:, 0].float().unflatten(2, (summary.shape[2], -1))  # [n, H_kv, pages, pt, D]
         keys = _codes(paged, lo, (hi - lo) / levels, levels).flatten(2, 3)
@@ -253,8 +256,10 @@ class KeySummaries:
         paged = packed.unflatten(3, (summary.shape[2], -1))  # [n, 2, H_kv, pages, pt, D · bits / 8]
         return paged.permute(2, 0, 3, 1, 4, 5), torch.cat((vlo, vstep), -1).permute(1, 0, 2, 3, 4)
 
-    def _room(self, layer: int, like: torch.Tensor, new_rows: int, block_tokens: int) -> _LayerTable:
-        """Layer ``layer``'s table with at least ``new_rows`` free rows (grown by 25% steps, bytes reserved first)."""
+    def _room(self, layer: int, like: torch.Tensor, kv_dtype: torch.dtype, new_rows: int,
+              block_tokens: int) -> _LayerTable:
+        """Layer ``layer``'s table with at least ``new_rows`` free rows (grown by 25% steps, bytes reserved first):
+        summaries like ``like``, the rest copy's value scales in ``kv_dtype``."""
         entry = self._layers.get(layer)
         if entry is not None and len(entry.free) >= new_rows:
             return entry
@@ -268,7 +273,7 @@ class KeySummaries:
         if self.rest_bits:
             grown.codes = empty((heads, capacity, pages, 2, block_tokens // pages, dim * self.rest_bits // 8),
                                 torch.uint8, self.device)
-            grown.value_scale = empty((heads, capacity, block_tokens, value_groups(dim), 2), like.dtype, self.device)
+            grown.value_scale = empty((heads, capacity, block_tokens, value_groups(dim), 2), kv_dtype, self.device)
         self._reserve(grown.nbytes - (entry.nbytes if entry is not None else 0))
         if entry is None:
             self._layers[layer] = grown
@@ -279,6 +284,27 @@ class KeySummaries:
         grown.free = list(range(capacity - 1, old - 1, -1)) + entry.free
         self._layers[layer] = grown
         return grown
+
+
+def summary_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype key summaries of ``kv_dtype`` K/V are held in (:data:`SUMMARY_DTYPES`; its element size is
+    :func:`tierkv.staging.summary_element_size`'s, which sizes them without torch)."""
+    return SUMMARY_DTYPES.get(kv_dtype, kv_dtype)
+
+
+def _narrowed(summary: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``summary`` ``[..., 4, D]`` (keys' min, max, mean, values' mean) in ``dtype``: the min rounded down and the
+    max up to the next value ``dtype`` holds (Quest's bound over the narrowed pair still bounds every key), the
+    means to the nearest."""
+    if summary.dtype == dtype:
+        return summary
+    out = summary.to(dtype)
+    held = out.to(summary.dtype)
+    for vector, inside, toward in ((0, torch.gt, -torch.inf), (1, torch.lt, torch.inf)):
+        rounded = out[..., vector, :]
+        out[..., vector, :] = torch.where(inside(held[..., vector, :], summary[..., vector, :]),
+                                          torch.nextafter(rounded, torch.full_like(rounded, toward)), rounded)
+    return out
 
 
 def _codes(x: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, levels: int) -> torch.Tensor:
