@@ -42,9 +42,12 @@
  *   keys, 2 x 8, 1 x 16 for the scores; 4 queries x half a row of V), 16 independent accumulators hide the FMA
  *   latency, the 16 dot products of a score tile are reduced together (15 adds, no horizontal sums), and the
  *   softmax runs once per block (the block's scores, one max and exp pass, then its V).
- * - AVX2+FMA+F16C (head_dim a multiple of 8): the same structure on 8 lanes, 4 queries x 2 keys.
+ * - AVX2+FMA+F16C (head_dim a multiple of 8): the same structure on 8 lanes and 16 registers: tiles of 4 queries
+ *   x 3 keys for the scores, 4 queries x 24 columns of V, twelve independent accumulators (eight, one FMA each
+ *   per step, ran the FMA units at ~60% on Zen 5, waiting on their latency).
  * - portable C: a block's rows are first converted into a small fp32 buffer (fp16 by bit operations).
- * fp16 converts with F16C's vcvtph2ps, bf16 with a shift. Software prefetch runs a page ahead in each stream.
+ * fp16 converts with F16C's vcvtph2ps, bf16 with a shift. Software prefetch runs ahead in each K and V stream
+ * (STREAM_AHEAD_512, STREAM_AHEAD_256), never past the bytes the call reads (a block's slot, a page's rows).
  */
 
 #include <float.h>
@@ -78,8 +81,13 @@ enum { TKV_PORTABLE = 0, TKV_AVX2 = 1, TKV_AVX512 = 2 }; /* the code paths, each
 #define TILE_TOKENS 32 /* V rows whose columns are swept together: 8 KiB of fp16 at head_dim 128, in L1 */
 #define TILE_TOKENS_512 8 /* the same for the AVX-512 path, whose accumulators cover half a row: 8 ran ~15% faster
                            * than 32 on Zen 4 (16: ~8%) at 4 queries per kv head */
-#define STREAM_AHEAD 4096 /* software prefetch distance in a K or V stream: the next 4 KiB page, which the
-                          * hardware prefetchers do not cross into (without it 1 MiB blocks ran ~35% slower) */
+#define STREAM_AHEAD_256 4096 /* software prefetch distance in a K or V stream of the AVX2 path: the next 4 KiB
+                              * page, which the hardware prefetchers do not cross into (without it 1 MiB blocks ran
+                              * ~35% slower). Prefetches hold lines a stream has yet to use, so the distance is what
+                              * the memory latency times the path's rate needs: longer ran 5-20% slower on Zen 5 */
+#define STREAM_AHEAD_512 16384 /* the same for the AVX-512 path, about twice as fast per byte: 4 KiB ran 15-25%
+                               * slower at 2-4 query heads per kv head over 8K-token layers on Zen 5 (one, over 64K
+                               * tokens and DRAM-bound, ran ~5% faster) */
 #define NEXT_BLOCK_BYTES (256 << 10) /* entries up to this size also fetch the next entry (table order) ahead */
 #define THREAD_BYTES (1 << 20) /* K/V bytes that pay for one more thread (its wake-up and the merge) */
 
@@ -168,6 +176,16 @@ static inline const float *as_f32(const char *src, int64_t n, int dtype, float *
     return buf;
 }
 
+/* Prefetch the `bytes` that lie `ahead` past `p` in a stream, those of them below `stop` (where the bytes the call
+ * is known to read end): a stream never fetches past what it reads, e.g. into a block's unselected tokens after a
+ * sparse page. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const char *p, int64_t bytes, int64_t ahead,
+                                                                 const char *stop) {
+    uintptr_t from = (uintptr_t)p + (uintptr_t)ahead, to = from + (uintptr_t)bytes;
+    if (to > (uintptr_t)stop) to = (uintptr_t)stop;
+    for (; from < to; from += 64) __builtin_prefetch((const char *)from, 0, 3);
+}
+
 /* ---- the two small matrix products of a block, tiled so that compilers vectorise them ---- */
 
 #define LANES 16
@@ -240,35 +258,46 @@ AVX2_INLINE __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 }
 
 AVX2_INLINE void scores_avx2_of(const float *q, const char *k, int64_t n, int64_t D, float *sc, int64_t rows,
-                                int dtype) {
+                                int dtype, const char *stop) {
     const int64_t elt = dtype == TKV_F32 ? 4 : 2;
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) { /* four query rows x two keys: eight independent FMA chains */
+    for (; r + 4 <= rows; r += 4) { /* four query rows x three keys: twelve independent FMA chains (eight kept the
+                                     * FMA units ~60% busy, waiting on their latency) */
         const float *q0 = q + r * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
         int64_t t = 0;
-        for (; t + 2 <= n; t += 2) {
-            const char *ka = k + t * D * elt, *kb = ka + D * elt;
-            for (int64_t off = 0; off < 2 * D * elt; off += 64) __builtin_prefetch(ka + STREAM_AHEAD + off, 0, 3);
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (; t + 3 <= n; t += 3) {
+            const char *ka = k + t * D * elt, *kb = ka + D * elt, *kc = kb + D * elt;
+            prefetch_ahead(ka, 3 * D * elt, STREAM_AHEAD_256, stop);
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, c0 = a0,
+                   c1 = a0, c2 = a0, c3 = a0;
             for (int64_t d = 0; d < D; d += 8) {
-                const __m256 x = load8(ka + d * elt, dtype), y = load8(kb + d * elt, dtype);
-                const __m256 p0 = _mm256_loadu_ps(q0 + d), p1 = _mm256_loadu_ps(q1 + d);
-                a0 = _mm256_fmadd_ps(p0, x, a0);
-                b0 = _mm256_fmadd_ps(p0, y, b0);
-                a1 = _mm256_fmadd_ps(p1, x, a1);
-                b1 = _mm256_fmadd_ps(p1, y, b1);
-                const __m256 p2 = _mm256_loadu_ps(q2 + d), p3 = _mm256_loadu_ps(q3 + d);
-                a2 = _mm256_fmadd_ps(p2, x, a2);
-                b2 = _mm256_fmadd_ps(p2, y, b2);
-                a3 = _mm256_fmadd_ps(p3, x, a3);
-                b3 = _mm256_fmadd_ps(p3, y, b3);
+                const __m256 x = load8(ka + d * elt, dtype), y = load8(kb + d * elt, dtype),
+                             z = load8(kc + d * elt, dtype);
+                __m256 p = _mm256_loadu_ps(q0 + d);
+                a0 = _mm256_fmadd_ps(p, x, a0);
+                b0 = _mm256_fmadd_ps(p, y, b0);
+                c0 = _mm256_fmadd_ps(p, z, c0);
+                p = _mm256_loadu_ps(q1 + d);
+                a1 = _mm256_fmadd_ps(p, x, a1);
+                b1 = _mm256_fmadd_ps(p, y, b1);
+                c1 = _mm256_fmadd_ps(p, z, c1);
+                p = _mm256_loadu_ps(q2 + d);
+                a2 = _mm256_fmadd_ps(p, x, a2);
+                b2 = _mm256_fmadd_ps(p, y, b2);
+                c2 = _mm256_fmadd_ps(p, z, c2);
+                p = _mm256_loadu_ps(q3 + d);
+                a3 = _mm256_fmadd_ps(p, x, a3);
+                b3 = _mm256_fmadd_ps(p, y, b3);
+                c3 = _mm256_fmadd_ps(p, z, c3);
             }
-            float sa[4], sb[4];
+            float sa[4], sb[4], sz[4];
             _mm_storeu_ps(sa, hsum4(a0, a1, a2, a3));
             _mm_storeu_ps(sb, hsum4(b0, b1, b2, b3));
+            _mm_storeu_ps(sz, hsum4(c0, c1, c2, c3));
             for (int rr = 0; rr < 4; rr++) {
                 sc[(r + rr) * n + t] = sa[rr];
                 sc[(r + rr) * n + t + 1] = sb[rr];
+                sc[(r + rr) * n + t + 2] = sz[rr];
             }
         }
         for (; t < n; t++) {
@@ -316,10 +345,49 @@ AVX2_INLINE void accumulate_avx2_of(float *st, const float *w, const char *v, in
                                     int64_t w_stride, int dtype) {
     const int64_t elt = dtype == TKV_F32 ? 4 : 2, stride = D + 2;
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) { /* four query rows x 16 columns: eight independent FMA chains */
+    for (; r + 4 <= rows; r += 4) { /* four query rows x 24 columns: twelve independent FMA chains, as for scores */
         float *o0 = st + r * stride + 2, *o1 = o0 + stride, *o2 = o1 + stride, *o3 = o2 + stride;
         const float *w0 = w + r * w_stride, *w1 = w0 + w_stride, *w2 = w1 + w_stride, *w3 = w2 + w_stride;
         int64_t d = 0;
+        for (; d + 24 <= D; d += 24) {
+            __m256 a0 = _mm256_loadu_ps(o0 + d), a1 = _mm256_loadu_ps(o1 + d), a2 = _mm256_loadu_ps(o2 + d),
+                   a3 = _mm256_loadu_ps(o3 + d), b0 = _mm256_loadu_ps(o0 + d + 8), b1 = _mm256_loadu_ps(o1 + d + 8),
+                   b2 = _mm256_loadu_ps(o2 + d + 8), b3 = _mm256_loadu_ps(o3 + d + 8),
+                   c0 = _mm256_loadu_ps(o0 + d + 16), c1 = _mm256_loadu_ps(o1 + d + 16),
+                   c2 = _mm256_loadu_ps(o2 + d + 16), c3 = _mm256_loadu_ps(o3 + d + 16);
+            for (int64_t t = 0; t < n; t++) {
+                const char *vt = v + (t * D + d) * elt;
+                const __m256 x = load8(vt, dtype), y = load8(vt + 8 * elt, dtype), z = load8(vt + 16 * elt, dtype);
+                __m256 c = _mm256_set1_ps(w0[t]);
+                a0 = _mm256_fmadd_ps(c, x, a0);
+                b0 = _mm256_fmadd_ps(c, y, b0);
+                c0 = _mm256_fmadd_ps(c, z, c0);
+                c = _mm256_set1_ps(w1[t]);
+                a1 = _mm256_fmadd_ps(c, x, a1);
+                b1 = _mm256_fmadd_ps(c, y, b1);
+                c1 = _mm256_fmadd_ps(c, z, c1);
+                c = _mm256_set1_ps(w2[t]);
+                a2 = _mm256_fmadd_ps(c, x, a2);
+                b2 = _mm256_fmadd_ps(c, y, b2);
+                c2 = _mm256_fmadd_ps(c, z, c2);
+                c = _mm256_set1_ps(w3[t]);
+                a3 = _mm256_fmadd_ps(c, x, a3);
+                b3 = _mm256_fmadd_ps(c, y, b3);
+                c3 = _mm256_fmadd_ps(c, z, c3);
+            }
+            _mm256_storeu_ps(o0 + d, a0);
+            _mm256_storeu_ps(o1 + d, a1);
+            _mm256_storeu_ps(o2 + d, a2);
+            _mm256_storeu_ps(o3 + d, a3);
+            _mm256_storeu_ps(o0 + d + 8, b0);
+            _mm256_storeu_ps(o1 + d + 8, b1);
+            _mm256_storeu_ps(o2 + d + 8, b2);
+            _mm256_storeu_ps(o3 + d + 8, b3);
+            _mm256_storeu_ps(o0 + d + 16, c0);
+            _mm256_storeu_ps(o1 + d + 16, c1);
+            _mm256_storeu_ps(o2 + d + 16, c2);
+            _mm256_storeu_ps(o3 + d + 16, c3);
+        }
         for (; d + 16 <= D; d += 16) {
             __m256 a0 = _mm256_loadu_ps(o0 + d), a1 = _mm256_loadu_ps(o1 + d), a2 = _mm256_loadu_ps(o2 + d),
                    a3 = _mm256_loadu_ps(o3 + d), b0 = _mm256_loadu_ps(o0 + d + 8), b1 = _mm256_loadu_ps(o1 + d + 8),
@@ -437,28 +505,28 @@ AVX2 static float exp_sum_avx2(float *w, int64_t n, float peak) {
 
 /* V rows in tiles of TILE_TOKENS, so that the passes over a tile's columns hit L1 */
 AVX2_INLINE void accumulate_tiled_avx2_of(float *st, const float *w, const char *v, int64_t n, int64_t D,
-                                          int64_t rows, int dtype) {
+                                          int64_t rows, int dtype, const char *stop) {
     const int64_t elt = dtype == TKV_F32 ? 4 : 2;
     for (int64_t t = 0; t < n; t += TILE_TOKENS) {
         const int64_t m = n - t < TILE_TOKENS ? n - t : TILE_TOKENS;
-        for (int64_t off = 0; off < m * D * elt; off += 64)
-            __builtin_prefetch(v + t * D * elt + STREAM_AHEAD + off, 0, 3);
+        prefetch_ahead(v + t * D * elt, m * D * elt, STREAM_AHEAD_256, stop);
         accumulate_avx2_of(st, w + t, v + t * D * elt, m, D, rows, n, dtype);
     }
 }
 
 /* one copy per dtype, the conversion chosen at compile time */
-AVX2 static void scores_avx2(const float *q, const char *k, int64_t n, int64_t D, float *sc, int64_t rows, int dtype) {
-    if (dtype == TKV_F16) scores_avx2_of(q, k, n, D, sc, rows, TKV_F16);
-    else if (dtype == TKV_BF16) scores_avx2_of(q, k, n, D, sc, rows, TKV_BF16);
-    else scores_avx2_of(q, k, n, D, sc, rows, TKV_F32);
+AVX2 static void scores_avx2(const float *q, const char *k, int64_t n, int64_t D, float *sc, int64_t rows, int dtype,
+                             const char *stop) {
+    if (dtype == TKV_F16) scores_avx2_of(q, k, n, D, sc, rows, TKV_F16, stop);
+    else if (dtype == TKV_BF16) scores_avx2_of(q, k, n, D, sc, rows, TKV_BF16, stop);
+    else scores_avx2_of(q, k, n, D, sc, rows, TKV_F32, stop);
 }
 
 AVX2 static void accumulate_avx2(float *st, const float *w, const char *v, int64_t n, int64_t D, int64_t rows,
-                                 int dtype) {
-    if (dtype == TKV_F16) accumulate_tiled_avx2_of(st, w, v, n, D, rows, TKV_F16);
-    else if (dtype == TKV_BF16) accumulate_tiled_avx2_of(st, w, v, n, D, rows, TKV_BF16);
-    else accumulate_tiled_avx2_of(st, w, v, n, D, rows, TKV_F32);
+                                 int dtype, const char *stop) {
+    if (dtype == TKV_F16) accumulate_tiled_avx2_of(st, w, v, n, D, rows, TKV_F16, stop);
+    else if (dtype == TKV_BF16) accumulate_tiled_avx2_of(st, w, v, n, D, rows, TKV_BF16, stop);
+    else accumulate_tiled_avx2_of(st, w, v, n, D, rows, TKV_F32, stop);
 }
 
 /* ---- the same two products with AVX-512F (x86-64; head_dim a multiple of 16): see the top of the file ---- */
@@ -490,12 +558,12 @@ AVX512_INLINE __m512 reduce16(__m512 v[16]) {
 
 /* sc[r * n + t] for QB query rows x KB keys at a time (QB * KB == 16), then the keys left one at a time */
 AVX512_INLINE void scores_qk_512(const float *q, const char *k, int64_t n, int64_t D, float *sc, int dtype, int QB,
-                                 int KB) {
+                                 int KB, const char *stop) {
     const int64_t elt = dtype == TKV_F32 ? 4 : 2, row = D * elt;
     int64_t t = 0;
     for (; t + KB <= n; t += KB) {
         const char *kt = k + t * row;
-        for (int64_t off = 0; off < KB * row; off += 64) __builtin_prefetch(kt + STREAM_AHEAD + off, 0, 3);
+        prefetch_ahead(kt, KB * row, STREAM_AHEAD_512, stop);
         __m512 acc[16];
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; d += 16) {
@@ -528,11 +596,11 @@ AVX512_INLINE void scores_qk_512(const float *q, const char *k, int64_t n, int64
 }
 
 AVX512_INLINE void scores_avx512_of(const float *q, const char *k, int64_t n, int64_t D, float *sc, int64_t rows,
-                                    int dtype) {
+                                    int dtype, const char *stop) {
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) scores_qk_512(q + r * D, k, n, D, sc + r * n, dtype, 4, 4);
-    for (; r + 2 <= rows; r += 2) scores_qk_512(q + r * D, k, n, D, sc + r * n, dtype, 2, 8);
-    for (; r < rows; r++) scores_qk_512(q + r * D, k, n, D, sc + r * n, dtype, 1, 16);
+    for (; r + 4 <= rows; r += 4) scores_qk_512(q + r * D, k, n, D, sc + r * n, dtype, 4, 4, stop);
+    for (; r + 2 <= rows; r += 2) scores_qk_512(q + r * D, k, n, D, sc + r * n, dtype, 2, 8, stop);
+    for (; r < rows; r++) scores_qk_512(q + r * D, k, n, D, sc + r * n, dtype, 1, 16, stop);
 }
 
 /* out[r] += sum_t w[r * w_stride + t] * v[t] for QB query rows over CH 16-column slices of D starting at d0:
@@ -577,12 +645,12 @@ AVX512_INLINE void accumulate_rows_512(float *st, const float *w, const char *v,
 
 /* V rows in tiles of TILE_TOKENS_512 (in L1 while every slice of D and every query row passes over them) */
 AVX512_INLINE void accumulate_avx512_of(float *st, const float *w, const char *v, int64_t n, int64_t D, int64_t rows,
-                                        int dtype) {
+                                        int dtype, const char *stop) {
     const int64_t elt = dtype == TKV_F32 ? 4 : 2, stride = D + 2;
     for (int64_t t = 0; t < n; t += TILE_TOKENS_512) {
         const int64_t m = n - t < TILE_TOKENS_512 ? n - t : TILE_TOKENS_512;
         const char *vt = v + t * D * elt;
-        for (int64_t off = 0; off < m * D * elt; off += 64) __builtin_prefetch(vt + STREAM_AHEAD + off, 0, 3);
+        prefetch_ahead(vt, m * D * elt, STREAM_AHEAD_512, stop);
         int64_t r = 0;
         for (; r + 4 <= rows; r += 4) accumulate_rows_512(st + r * stride, w + r * n + t, vt, m, D, n, dtype, 4, 4);
         for (; r + 2 <= rows; r += 2) accumulate_rows_512(st + r * stride, w + r * n + t, vt, m, D, n, dtype, 2, 8);
@@ -636,17 +704,17 @@ AVX512 static float exp_sum_avx512(float *w, int64_t n, float peak) {
 }
 
 AVX512 static void scores_avx512(const float *q, const char *k, int64_t n, int64_t D, float *sc, int64_t rows,
-                                 int dtype) {
-    if (dtype == TKV_F16) scores_avx512_of(q, k, n, D, sc, rows, TKV_F16);
-    else if (dtype == TKV_BF16) scores_avx512_of(q, k, n, D, sc, rows, TKV_BF16);
-    else scores_avx512_of(q, k, n, D, sc, rows, TKV_F32);
+                                 int dtype, const char *stop) {
+    if (dtype == TKV_F16) scores_avx512_of(q, k, n, D, sc, rows, TKV_F16, stop);
+    else if (dtype == TKV_BF16) scores_avx512_of(q, k, n, D, sc, rows, TKV_BF16, stop);
+    else scores_avx512_of(q, k, n, D, sc, rows, TKV_F32, stop);
 }
 
 AVX512 static void accumulate_avx512(float *st, const float *w, const char *v, int64_t n, int64_t D, int64_t rows,
-                                     int dtype) {
-    if (dtype == TKV_F16) accumulate_avx512_of(st, w, v, n, D, rows, TKV_F16);
-    else if (dtype == TKV_BF16) accumulate_avx512_of(st, w, v, n, D, rows, TKV_BF16);
-    else accumulate_avx512_of(st, w, v, n, D, rows, TKV_F32);
+                                     int dtype, const char *stop) {
+    if (dtype == TKV_F16) accumulate_avx512_of(st, w, v, n, D, rows, TKV_F16, stop);
+    else if (dtype == TKV_BF16) accumulate_avx512_of(st, w, v, n, D, rows, TKV_BF16, stop);
+    else accumulate_avx512_of(st, w, v, n, D, rows, TKV_F32, stop);
 }
 
 static float max_of(const float *w, int64_t n, float init, int simd) {
@@ -744,6 +812,18 @@ static void run_task(const tkv_attn_args *a, const uint64_t *blocks, int64_t b, 
         const int64_t head_bytes = bt * D * elt, entry_bytes = et * D * elt;
         const char *block = (const char *)(uintptr_t)addr + t_lo * D * elt;
         const int64_t p0 = pos + t_lo, p1 = pos + t_hi - 1; /* first and last key position */
+        /* Where the K and V streams stop prefetching: a whole block's streams run on through its slot (the K of
+         * every head, then the V) and, for a large entry whose successor is the next slot (past the slot's padding
+         * to the 4 KiB I/O alignment), into the start of that one; a page's streams stop at its own rows. */
+#if TKV_X86
+        const char *slot_end = NULL;
+        if (et == bt) {
+            slot_end = (const char *)(uintptr_t)addr + 2 * a->kv_heads * head_bytes;
+            const uint64_t following = j + 1 < j1 ? blocks[b * a->n_blocks + j + 1] : 0;
+            if (!next && following >= (uintptr_t)slot_end && following - (uintptr_t)slot_end < 4096)
+                slot_end = (const char *)(uintptr_t)following + STREAM_AHEAD_512;
+        }
+#endif
         const int plain = !mask && softcap <= 0.0f &&
                           (!causal || (p1 <= qstart && (a->window <= 0 || p0 > qstart + q_len - 1 - a->window)));
         for (int64_t hh = 0; hh < h1 - h0; hh++) {
@@ -755,8 +835,9 @@ static void run_task(const tkv_attn_args *a, const uint64_t *blocks, int64_t b, 
             float *sh = sc + hh * rows * n;
             int64_t r = 0;
 #if TKV_X86
-            if (simd == TKV_AVX512) scores_avx512(qh, kp, n, D, sh, rows, (int)a->dtype);
-            else if (simd) scores_avx2(qh, kp, n, D, sh, rows, (int)a->dtype);
+            const char *k_stop = slot_end ? slot_end : kp + n * D * elt;
+            if (simd == TKV_AVX512) scores_avx512(qh, kp, n, D, sh, rows, (int)a->dtype, k_stop);
+            else if (simd) scores_avx2(qh, kp, n, D, sh, rows, (int)a->dtype, k_stop);
 #endif
             if (!simd) {
                 const float *k = as_f32(kp, n * D, (int)a->dtype, kbuf);
@@ -802,8 +883,10 @@ static void run_task(const tkv_attn_args *a, const uint64_t *blocks, int64_t b, 
                     __builtin_prefetch(next + value_offset + off, 0, 2);
             const float *sh = sc + hh * rows * n;
 #if TKV_X86
-            if (simd == TKV_AVX512) accumulate_avx512(STATE(state, hh, 0, D), sh, vp, n, D, rows, (int)a->dtype);
-            else if (simd) accumulate_avx2(STATE(state, hh, 0, D), sh, vp, n, D, rows, (int)a->dtype);
+            const char *v_stop = slot_end ? slot_end : vp + n * D * elt;
+            if (simd == TKV_AVX512)
+                accumulate_avx512(STATE(state, hh, 0, D), sh, vp, n, D, rows, (int)a->dtype, v_stop);
+            else if (simd) accumulate_avx2(STATE(state, hh, 0, D), sh, vp, n, D, rows, (int)a->dtype, v_stop);
 #endif
             if (!simd) {
                 const float *v = as_f32(vp, n * D, (int)a->dtype, vbuf);

@@ -550,3 +550,92 @@ def test_wrong_pages_are_refused_with_a_clear_error(attend, expected, change):
     slab = torch.zeros(4, 2, 2, 4, 8, dtype=torch.float16)
     with pytest.raises(InvalidConfigError, match=expected):
         attend(torch.zeros(1, 4, 1, 8), slab, np.array([[0, 1]]), 8, scaling=1.0, **change)
+
+
+# ------------------------------------------------------------------ prepared calls (a layer's decode steps)
+@needs_compiler
+@given(**SHAPES, block_tokens=st.sampled_from([1, 3, 16]), tokens=st.integers(1, 70), calls=st.integers(1, 4),
+       masked=st.sampled_from([None, torch.bool, torch.float32]))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_prepared_call_is_paged_attention_of_each_new_query(batch, kv_heads, group, dim, block_tokens, tokens,
+                                                              q_len, dtype, window, softcap, ragged, chunks, threads,
+                                                              seed, calls, masked):  # fmt: skip
+    """A :class:`PagedCall` (checked and packed once; a call writes only the query, the key count, the mask and,
+    rewritten in place, the positions): each call with a new query at a new key count — with a new mask (bool or
+    additive, one per row or shared) where ``masked``, positions shifted where ``ragged`` draws it, as a sliding
+    window's start moving inside its first block — gives bit for bit what ``paged_attention`` gives for the same
+    arguments, and float64 softmax attention over the same keys."""
+    q_len = min(q_len, tokens)
+    window = None if masked else window  # a window places causal queries; a mask places them itself
+    keys, values = _kv(batch, kv_heads, tokens, dim, dtype, seed)
+    placed = Placed(keys, values, block_tokens, chunks=chunks, seed=seed)
+    columns = np.broadcast_to(np.arange(placed.table.shape[1]) * block_tokens, placed.table.shape)
+    generator = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(batch, kv_heads * group, q_len, dim, generator=generator)
+    options = dict(scaling=0.3, softcap=softcap, window=window, causal=masked is None, threads=threads)
+    call = host_kernel.prepare(query, placed.slab, placed.table, tokens, masked=masked is not None,
+                               positions=columns, **options)  # fmt: skip
+    assert call is not None and call.positions is not None
+    rng = np.random.default_rng(seed)
+    for _ in range(calls):
+        shift = int(rng.integers(0, min(block_tokens, tokens - q_len + 1))) if ragged else 0
+        length = int(rng.integers(q_len, tokens - shift + 1))
+        np.subtract(columns, shift, out=call.positions)
+        query = torch.randn(batch, kv_heads * group, q_len, dim, generator=generator)
+        mask = bias = None
+        if masked is not None:
+            rows = batch if rng.random() < 0.5 else 1
+            allowed = torch.from_numpy(rng.random((rows, 1, q_len, length)) < 0.8)
+            mask = allowed if masked == torch.bool else torch.randn(allowed.shape, generator=generator) * allowed
+            bias = mask.float() if masked != torch.bool else torch.zeros(allowed.shape).masked_fill(
+                ~allowed, torch.finfo(torch.float32).min)  # fmt: skip
+        got = call(query, length, mask)
+        want = host_kernel.paged_attention(query, placed.slab, placed.table, length, mask=mask,
+                                           positions=columns - shift, **options)  # fmt: skip
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        start = [length - q_len] * batch if masked is None else None
+        _close(got, reference(query, keys[:, :, shift:], values[:, :, shift:], [length] * batch, scaling=0.3,
+                              softcap=softcap, query_start=start, window=window,
+                              bias=None if bias is None else bias[:, 0]))  # fmt: skip
+
+
+@needs_compiler
+def test_a_prepared_call_keeps_no_slab_alive_and_refuses_what_does_not_fit():
+    """The call holds the slab's addresses, not its chunks (the caller keeps them, and prepares again when its pool
+    changes); a query of another shape is refused, a non-fp32 or strided one converted; a table naming a slot past
+    the chunks is refused by the call (the C kernel checks the slots) with the error paged_attention gives."""
+    import weakref
+
+    keys, values = _kv(1, 2, 40, 16, torch.float32, seed=71)
+    placed = Placed(keys, values, 8, chunks=2)
+    query = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(72))
+    call = host_kernel.prepare(query, placed.slabs, placed.table, 40, scaling=0.25)
+    assert call is not None
+    want = host_kernel.paged_attention(query, placed.slabs, placed.table, 40, scaling=0.25)
+    strided = torch.randn(1, 1, 4, 32).to(torch.float64)[..., ::2].transpose(1, 2)
+    strided[:] = query
+    got = call(strided, 40)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(InvalidConfigError, match=r"prepared for a CPU query of shape \(1, 4, 1, 16\).*prepare"):
+        call(torch.randn(2, 4, 1, 16), 40)
+    with pytest.raises(InvalidConfigError, match=r"without a mask, got \(1, 4, 1, 16\) on cpu with one"):
+        call(query, 40, torch.ones(1, 1, 1, 40, dtype=torch.bool))
+    chunk = weakref.ref(placed.slabs[0])
+    placed.slabs = placed.slab = []
+    assert chunk() is None  # freed: the call did not keep it
+    past = Placed(keys, values, 8, chunks=2)
+    past.table[0, 1] = sum(int(c.shape[0]) for c in past.slabs)  # one slot past the chunks: the C kernel refuses it
+    call = host_kernel.prepare(query, past.slabs, past.table, 40, scaling=0.25)
+    assert call is not None
+    with pytest.raises(InvalidConfigError, match=r"block_table names slot \d+ of a slab of \d+ slots"):
+        call(query, 40)
+
+
+def test_prepare_without_the_c_kernel_is_none(monkeypatch):
+    """Where the C kernel does not load, there is nothing to prepare: callers call paged_attention (torch)."""
+    from tierkv.io.base import EngineUnavailableError
+
+    monkeypatch.setattr(host_kernel, "_build", lambda: EngineUnavailableError("not here", "none"))
+    keys, values = _kv(1, 1, 8, 16, torch.float32, seed=81)
+    placed = Placed(keys, values, 4)
+    assert host_kernel.prepare(torch.randn(1, 1, 1, 16), placed.slab, placed.table, 8, scaling=0.25) is None

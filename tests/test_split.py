@@ -15,6 +15,7 @@ from tierkv import TieredCache, accel
 from tierkv.attention import host_kernel
 from tierkv.errors import InvalidConfigError
 from tierkv.hf.attention import Engagement
+from tierkv.io.base import EngineUnavailableError
 
 NEW = 8
 CASES = [  # (id, family, attention implementation, sliding window)
@@ -45,9 +46,11 @@ def run(model, ids, mask, cache, **kwargs):
 
 @pytest.fixture(autouse=True, params=["native", "torch"])
 def kernel(request, monkeypatch):
-    """Each test runs on the C kernel and on the torch version."""
+    """Each test runs on the C kernel and on the torch version (where the C kernel does not load: no prepared
+    calls either)."""
     if request.param == "torch":
         monkeypatch.setattr(host_kernel, "paged_attention", host_kernel.paged_attention_torch)
+        monkeypatch.setattr(host_kernel, "_build", lambda: EngineUnavailableError("unloaded by the test", "none"))
     elif not host_kernel.available():
         pytest.skip(f"the C kernel does not load here: {host_kernel._build()}")
     return request.param
@@ -200,3 +203,43 @@ def test_demo_runs_split_exactly_on_every_tier(tmp_path):
     result = json.loads(out.read_text())
     assert rc == 0 and result["executor"] == "split" and result["tokens_match_reference"] is True
     assert all(result["bytes_resident"][tier] > 0 for tier in ("device", "host", "disk"))
+
+
+def test_a_layers_prepared_table_follows_its_grid_and_its_pools(tmp_path, kernel):
+    """On a CPU host a layer-step is one kernel call over a table across the tiers, kept between steps: a step
+    that changes nothing reuses it, one whose device pool's last chunk was given back and another added (same
+    count, other memory: the kept call holds only addresses) builds it again, and so does one that opens a new
+    block column. Logits stay DynamicCache's."""
+    from tierkv.blocks import Tier
+
+    if accel.backend(torch.device("cpu")).streams:
+        pytest.skip("the one-call table is the CPU host's path (on the CUDA stand-in the tiers run concurrently)")
+    model, plain = tiny_model("llama"), copy.deepcopy(tiny_model("llama"))  # `split` binds `model` to its cache
+    ids, _ = prompt(1, 37, seed=6)  # the last block holds 1 of 4 tokens: 3 steps fit before a new column
+    reference = DynamicCache()
+    want = [plain(ids, past_key_values=reference).logits[:, -1]]
+    with TieredCache(gpu_gb=gpu(model, 1), cpu_gb="1MB", block_tokens=4) as cache, split(cache, model):
+        got = [model(ids, past_key_values=cache).logits[:, -1]]
+        executor = cache.executors["split"]
+        token = want[-1].argmax(-1, keepdim=True)
+        pool = cache.store.tiers[Tier.DEVICE].pools[cache.store.layouts[0].slot_bytes]
+        pool.add_chunk(4)  # an empty last chunk (the next three steps open no column: nothing is placed in it)
+
+        def step() -> dict:
+            want.append(plain(token, past_key_values=reference).logits[:, -1])
+            got.append(model(token, past_key_values=cache).logits[:, -1])
+            return dict(executor._here)
+
+        kept = step()  # 38 tokens
+        now = step()
+        assert all(now[layer] is entry for layer, entry in kept.items())  # nothing changed: reused
+        pool.drop_last_chunk()
+        pool.add_chunk(4)
+        kept, now = now, step()
+        assert all(now[layer] is not entry for layer, entry in kept.items())  # the pool's last chunk is another
+        assert cache.store.seq_length(0) == 40
+        kept, now = now, step()
+        assert all(now[layer] is not entry for layer, entry in kept.items())  # a new column
+        assert cache.stats()["blocks"]["device"] > 0 and cache.stats()["blocks"]["host"] > 0
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

@@ -21,7 +21,9 @@ The kernel picks its widest code path at run time (AVX-512, AVX2, portable C: :d
 little beyond the attention itself: a slab's geometry is checked once per shape (cached), the arguments are
 packed into the C struct by one ``struct.pack``, and the C side resolves the table's slot ids (and starts) into
 entry addresses (checking them against the slab) — no per-block Python, nothing proportional to the table in
-Python.
+Python. A caller that attends the same table step after step (a layer's decode steps) does less still:
+:func:`prepare` checks and packs once, and each call of the :class:`PagedCall` it returns writes only the query's
+and the outputs' addresses and the key count into the packed struct.
 """
 
 from __future__ import annotations
@@ -253,29 +255,36 @@ def _check(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], bl
         raise InvalidConfigError(f"window must be a positive number of keys or None, got {window!r}.")
     if softcap is not None and not softcap > 0:
         raise InvalidConfigError(f"softcap must be positive or None, got {softcap!r}.")
-    bias = None
-    if mask is not None:
-        if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] != 1 or mask.shape[2] != q_len:
-            raise InvalidConfigError(f"mask must be [batch or 1, 1, q_len={q_len}, keys], got {tuple(mask.shape)}.")
-        mask = mask.detach().to(query.device)
-        if mask.dtype == torch.bool:
-            bias = torch.zeros(mask.shape, dtype=torch.float32, device=query.device).masked_fill(
-                ~mask, torch.finfo(torch.float32).min)  # fmt: skip
-        else:
-            bias = mask.float().clamp_min(torch.finfo(torch.float32).min)
-        bias = bias[:, 0].contiguous()
-        if mask_start + bias.shape[-1] < int(length.max(initial=0)):
-            raise InvalidConfigError(f"the mask covers key positions [{mask_start}, {mask_start + bias.shape[-1]}) "
-                                     f"but keys reach position {int(length.max()) - 1}.")  # fmt: skip
+    bias = None if mask is None else _bias(mask, batch, q_len, query.device, mask_start, int(length.max(initial=0)))
     q = query.detach().float().contiguous()
     return _Inputs(q, chunks, table, page_starts, int(entry_tokens or block_tokens), pos, length, start, window or 0,
                    bias, int(mask_start), float(scaling), float(softcap or 0.0))  # fmt: skip
 
 
-def _check_slots(inputs: _Inputs) -> None:
-    """Raise InvalidConfigError if the table names a slot past the slab, or an entry's start is not a page of its
-    block (the C kernel checks both itself)."""
-    total_slots = sum(int(chunk.shape[0]) for chunk in inputs.slabs)
+def _bias(mask: torch.Tensor, batch: int, q_len: int, device: torch.device, mask_start: int,
+          keys: int) -> torch.Tensor:  # fmt: skip
+    """``mask`` (``[B or 1, 1, q_len, M]``, bool or additive) as the kernel's additive fp32 bias ``[B or 1, q_len,
+    M]``, checked to cover key positions below ``keys``; raise InvalidConfigError."""
+    if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] != 1 or mask.shape[2] != q_len:
+        raise InvalidConfigError(f"mask must be [batch or 1, 1, q_len={q_len}, keys], got {tuple(mask.shape)}.")
+    mask = mask.detach().to(device)
+    if mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill(
+            ~mask, torch.finfo(torch.float32).min)  # fmt: skip
+    else:
+        bias = mask.float().clamp_min(torch.finfo(torch.float32).min)
+    bias = bias[:, 0].contiguous()
+    if mask_start + bias.shape[-1] < keys:
+        raise InvalidConfigError(f"the mask covers key positions [{mask_start}, {mask_start + bias.shape[-1]}) "
+                                 f"but keys reach position {keys - 1}.")  # fmt: skip
+    return bias
+
+
+def _check_slots(inputs: _Inputs, total_slots: int | None = None) -> None:
+    """Raise InvalidConfigError if the table names a slot past the slab (of ``total_slots``: default, the slabs'),
+    or an entry's start is not a page of its block (the C kernel checks both itself)."""
+    if total_slots is None:
+        total_slots = sum(int(chunk.shape[0]) for chunk in inputs.slabs)
     if inputs.table.size and int(inputs.table.max()) >= total_slots:
         raise InvalidConfigError(f"block_table names slot {int(inputs.table.max())} of a slab of {total_slots} "
                                  f"slots.")  # fmt: skip
@@ -334,27 +343,130 @@ def paged_attention(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Te
 
 
 def _attend_native(lib: ctypes.CDLL, inputs: _Inputs, threads: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(inputs.query)
+    lse = torch.empty(inputs.query.shape[:-1], dtype=torch.float32)
+    _raise_for(lib.tkv_attn(_pack(inputs, threads, out.data_ptr(), lse.data_ptr())), inputs)
+    return out, lse
+
+
+def _pack(inputs: _Inputs, threads: int | None, out: int, lse: int) -> bytes:
+    """The C kernel's argument struct for ``inputs``, writing to the addresses ``out`` and ``lse``."""
     q, table, mask, slabs = inputs.query, inputs.table, inputs.mask, inputs.slabs
     batch, q_heads, q_len, head_dim = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32)
     chunks = [v for c in slabs for v in (c.data_ptr(), c.shape[0], c.stride(0) * c.element_size())]
-    args = _ARGS.pack(
+    return _ARGS.pack(
         batch, q_heads, inputs.kv_heads, q_len, head_dim, inputs.block_tokens, inputs.entry_tokens, table.shape[1],
         _DTYPES[slabs[0].dtype], inputs.window, 0 if mask is None else mask.shape[-1], inputs.mask_start,
         0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
         threads if threads is not None else torch.get_num_threads(), ISA, len(slabs), inputs.scaling, inputs.softcap,
         q.data_ptr(), _address(table), _address(inputs.starts), _address(inputs.positions), _address(inputs.lengths),
-        _address(inputs.query_start), 0 if mask is None else mask.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        _address(inputs.query_start), 0 if mask is None else mask.data_ptr(), out, lse,
     ) + struct.pack(f"<{len(chunks)}q", *chunks)  # fmt: skip
-    code = lib.tkv_attn(args)
+
+
+def _raise_for(code: int, inputs: _Inputs, total_slots: int | None = None) -> None:
+    """Raise for the C kernel's return ``code`` (0: success); ``total_slots`` as :func:`_check_slots` takes it."""
     if code == _ENOMEM:
         raise MemoryError("host attention kernel: out of memory for its per-thread buffers")
     if code in (_ESLOT, _ESTART):
-        _check_slots(inputs)
+        _check_slots(inputs, total_slots)
     if code:
         raise InvalidConfigError(f"host attention kernel refused its arguments (code {code}): a bug in _check.")
-    return out, lse
+
+
+# Offsets into the packed _ARGS (fields in its order) of those a PagedCall writes per call: keep with _ARGS.
+_MASK_SHAPE_AT = struct.calcsize("<10q")  # mask_len, mask_start, mask_batch_stride
+_THREADS_AT = struct.calcsize("<13q")  # threads, isa
+_QUERY_AT = struct.calcsize("<16q2d")  # the query's address
+_MASK_AT = struct.calcsize("<16q2d6Q")  # the mask's address
+_OUTPUTS_AT = struct.calcsize("<16q2d7Q")  # out's and lse's addresses
+_TWO_INTS, _THREE_INTS = struct.Struct("<2q"), struct.Struct("<3q")
+_ADDRESS, _TWO_ADDRESSES = struct.Struct("<Q"), struct.Struct("<2Q")
+
+
+class PagedCall:
+    """:func:`paged_attention` prepared for repeated calls over the same slabs and block table with a new query of
+    the same shape each time (a layer's decode steps): every argument is checked and packed once
+    (:func:`prepare`); a call writes the query's and the outputs' addresses and the rows' key count into the
+    packed struct and runs the C kernel — no checking, no packing, nothing proportional to the table in Python.
+    Prepared ``masked``, each call takes its step's mask (its key columns may grow), converted as
+    :func:`paged_attention` converts it.
+
+    Only the slabs' addresses are kept, not the chunks: the caller keeps them alive, and prepares again when they
+    change (a pool grown or shrunk), for as long as it calls. :attr:`positions` (``[B, n]``, or None for the
+    concatenated default) may be rewritten in place between calls (a sliding window's start moves inside the same
+    blocks).
+    """
+
+    def __init__(self, lib: ctypes.CDLL, inputs: _Inputs, threads: int | None, masked: bool) -> None:
+        self._kernel = lib.tkv_attn
+        self._args = ctypes.create_string_buffer(_pack(inputs, threads, 0, 0))
+        # what stays: the arrays whose addresses are packed, the first chunk's geometry and the slot count
+        first = inputs.slabs[0]
+        self._inputs = inputs._replace(query=torch.empty(0), slabs=[first.new_empty((0, *first.shape[1:]))])
+        self._slots = sum(int(chunk.shape[0]) for chunk in inputs.slabs)
+        self.positions = inputs.positions
+        self.shape = tuple(inputs.query.shape)
+        self._threads = threads
+        self._causal = inputs.query_start is not None
+        self._length = -1  # the key count the lengths hold
+        self.masked = masked
+        self._mask_start = inputs.mask_start
+
+    def __call__(self, query: torch.Tensor, length: int,
+                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """:func:`paged_attention` of ``query`` (of the prepared shape, on the CPU) over the keys at positions below
+        ``length`` (in every row), with ``mask`` where prepared ``masked``: the normalised output and the
+        log-sum-exp, fp32."""
+        if query.shape != self.shape or not query.is_cpu or (mask is None) == self.masked:
+            raise InvalidConfigError(f"this PagedCall was prepared for a CPU query of shape {self.shape} "
+                                     f"{'with' if self.masked else 'without'} a mask, got {tuple(query.shape)} on "
+                                     f"{query.device} {'without' if mask is None else 'with'} one: prepare "
+                                     f"another.")  # fmt: skip
+        if query.dtype != torch.float32 or not query.is_contiguous():
+            query = query.detach().float().contiguous()
+        if length != self._length:
+            inputs = self._inputs
+            inputs.lengths.fill(length)
+            if self._causal:
+                assert inputs.query_start is not None
+                inputs.query_start.fill(length - self.shape[2])
+            self._length = length
+        out = torch.empty(self.shape, dtype=torch.float32)
+        lse = torch.empty(self.shape[:-1], dtype=torch.float32)
+        args = self._args
+        if mask is not None:
+            bias = _bias(mask, self.shape[0], self.shape[2], query.device, self._mask_start, length)
+            _THREE_INTS.pack_into(args, _MASK_SHAPE_AT, bias.shape[-1], self._mask_start,
+                                  0 if bias.shape[0] == 1 else bias.stride(0))  # fmt: skip
+            _ADDRESS.pack_into(args, _MASK_AT, bias.data_ptr())
+        _TWO_INTS.pack_into(args, _THREADS_AT, self._threads or torch.get_num_threads(), ISA)
+        _ADDRESS.pack_into(args, _QUERY_AT, query.data_ptr())
+        _TWO_ADDRESSES.pack_into(args, _OUTPUTS_AT, out.data_ptr(), lse.data_ptr())
+        code = self._kernel(args)
+        if code:
+            _raise_for(code, self._inputs, self._slots)
+        return out, lse
+
+
+def prepare(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], block_table: Table, lengths: int, *,
+            scaling: float, softcap: float | None = None, causal: bool = True, window: int | None = None,
+            masked: bool = False, mask_start: int = 0, positions: Table | None = None, starts: Table | None = None,
+            entry_tokens: int | None = None, threads: int | None = None) -> PagedCall | None:  # fmt: skip
+    """:func:`paged_attention`'s arguments (without an explicit ``query_start``: causal queries are the last
+    ``q_len`` positions) checked and packed for repeated calls (:class:`PagedCall`); ``masked``: each call passes
+    its mask (keys from ``mask_start``). None where the C kernel does not load (call :func:`paged_attention`,
+    which runs the torch version). The table, positions and starts are copied; ``query`` gives the shape (and is
+    not kept), ``lengths`` the first call's key count."""
+    lib = _build()
+    if isinstance(lib, EngineUnavailableError):
+        return None
+    inputs = _check(query, slabs, block_table, lengths, scaling=scaling, softcap=softcap, causal=causal,
+                    query_start=None, window=window, mask=None, mask_start=mask_start, positions=positions,
+                    starts=starts, entry_tokens=entry_tokens, threads=threads)  # fmt: skip
+    inputs = inputs._replace(table=inputs.table.copy(), starts=None if inputs.starts is None else inputs.starts.copy(),
+                             positions=None if inputs.positions is None else inputs.positions.copy())  # fmt: skip
+    return PagedCall(lib, inputs, threads, masked)
 
 
 def paged_attention_torch(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], block_table: Table,

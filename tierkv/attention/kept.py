@@ -158,11 +158,15 @@ class KeptLayer:
 
 
 class KeptBlocks:
-    """The kept layers of one sparse executor, and their device reservation."""
+    """The kept layers of one sparse executor, and their device reservation: a cache, so it gives way when the
+    device has nothing else to make room with (a growing summary table, an open block to place: the store calls
+    :meth:`give_way` through ``placement.yielding`` before it refuses)."""
 
     def __init__(self, store: KVStore) -> None:
         self.store = store
         self.staging = Staging(store)
+        self._taking = False  # while a kept layer reserves, the others do not give way to it
+        store.placement.yielding.append(self.give_way)
         self.layers: dict[int, KeptLayer] = {}
         self.refused: dict[int, tuple[int, int, int]] = {}  # layer -> (batch, units, unit tokens): nothing fit
         self.sized: dict[int, int] = {}  # layer -> the selection its kept layer was allocated for
@@ -197,9 +201,12 @@ class KeptBlocks:
                     or device_minimum(store.device.reserved + nbytes, tails) > store.device.budget:
                 continue
             try:
+                self._taking = True
                 buffer = self.staging.take(nbytes)
             except BudgetTooSmallError:
                 break
+            finally:
+                self._taking = False
             self.layers[layer] = kept = KeptLayer(buffer, batch, capacity, unit)
             self.sized[layer] = count
             return kept
@@ -224,6 +231,19 @@ class KeptBlocks:
         self.sized.clear()
         self.staging.release()
         self.refused.clear()
+
+    def give_way(self) -> bool:
+        """Give every kept layer's device bytes back (the device needs them); whether there were any."""
+        if self._taking or not self.reserved:
+            return False
+        self.release()
+        return True
+
+    def close(self) -> None:
+        """Release, and stop being asked to give way."""
+        self.release()
+        if self.give_way in self.store.placement.yielding:
+            self.store.placement.yielding.remove(self.give_way)
 
 
 def _fitting_blocks(budget: int, reserved: int, tails: int, share: int, block_bytes: int) -> int:

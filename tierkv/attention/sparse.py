@@ -61,7 +61,7 @@ from tierkv.attention.lse import merge, partial_attention, weighted_attention
 from tierkv.attention.sparse_store import SparseBlocks
 from tierkv.attention.speculation import Speculation, SpeculationCounters
 from tierkv.blocks import Tier
-from tierkv.errors import BudgetTooSmallError, InvalidConfigError
+from tierkv.errors import InvalidConfigError
 from tierkv.mover import ThreadMover
 from tierkv.staging import GROWTH, REST_BITS, default_page_tokens
 from tierkv.stats import Timeline, Trace
@@ -262,7 +262,7 @@ class SparseAttention(PipelinedExecutor):
         bt = store.block_tokens
         page = budget.page_size(bt)
         per = bt // page  # pages per block
-        summaries = self.sparse_blocks.enable_summaries(budget.rest_bits, None if per == 1 else page)
+        summaries = self.sparse_blocks.enable_summaries(budget.rest_bits, None if per == 1 else page, layer)
         moved = self._moved_in()
         self._begin_layer(span)
         self._speculate_after(layer)
@@ -805,13 +805,7 @@ class SparseAttention(PipelinedExecutor):
         if not staging.buffers or staging.buffers[0].numel() < nbytes:
             grown = max(nbytes, int(staging.reserved * GROWTH))
             staging.release()
-            try:
-                staging.allocate(1, grown)
-            except BudgetTooSmallError:
-                if not self.kept.reserved:
-                    raise
-                self.kept.release()  # the kept blocks save reads, the staging is needed: they give way
-                staging.allocate(1, grown)
+            staging.allocate(1, grown)  # the kept units give way if the device has no other room for it
         flat = staging.buffers[0]
         heads, dim = layout.kv_heads, layout.head_dim
         return (flat[:whole].view(layout.dtype).view(2, batch, heads, columns * self.store.block_tokens, dim),
@@ -843,6 +837,7 @@ class SparseAttention(PipelinedExecutor):
 
     def close(self) -> None:
         self.release_staging()
+        self.kept.close()
 
 
 def _attended_prefix(columns: np.ndarray, bt: int, start: int, stop: int, mask: torch.Tensor | None) -> int | None:

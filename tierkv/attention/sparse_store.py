@@ -35,34 +35,56 @@ class SparseBlocks:
     def __init__(self, store: KVStore) -> None:
         self.store = store
 
-    def enable_summaries(self, rest_bits: int = 0, page_tokens: int | None = None) -> KeySummaries:
+    def enable_summaries(self, rest_bits: int = 0, page_tokens: int | None = None,
+                         layer: int | None = None) -> KeySummaries:
         """Keep key summaries of every ``page_tokens``-token page of full blocks from now on (None: one per block;
         :mod:`tierkv.store.summaries`), with a ``rest_bits``-bit copy of their keys and values if that is not 0,
-        on the device and in its budget; blocks already full are summarised now, read once from wherever they
-        live (again if ``rest_bits`` or ``page_tokens`` changed)."""
+        on the device and in its budget (rebuilt if ``rest_bits`` or ``page_tokens`` changed). Blocks already full
+        are summarised when their layer first needs them — ``layer``'s now (every layer's where None) — read once
+        from wherever they live: a sliding-window layer drops the blocks that left its window at its own next
+        update, so summarising every layer when the first one attends would size the others' tables for the whole
+        prompt. A refused reservation gives back every byte the summaries held (they are rebuilt when next asked)."""
         store = self.store
-        if store.summaries is not None:
-            if (store.summaries.rest_bits, store.summaries.page_tokens) == (rest_bits, page_tokens):
-                return store.summaries
-            store.summaries.clear()
-            store.summaries = None
-        summaries = KeySummaries(store.device.device, store.reserve_device, store.release_device, rest_bits,
-                                 page_tokens)
-        summaries.pages(store.block_tokens)  # a page size that does not divide the blocks: refused before any read
-        bt = store.block_tokens
-        for layer, rows in store.table.rows.items():
-            full = store.seq_length(layer) // bt
-            layout = store.layouts[layer]
-            for lo in range(0, full, BACKFILL_COLUMNS):
-                hi = min(full, lo + BACKFILL_COLUMNS)
-                plan = store.plan_read(layer, lo * bt, hi * bt, access=False)
-                shape = (2, rows.batch, layout.kv_heads, (hi - lo) * bt, layout.head_dim)
-                data = store.transfer.accel.empty_blocks(shape, layout.dtype, store.device.device)
-                store.read_into(layer, plan, data)
-                blocks = data.unflatten(3, (hi - lo, bt)).permute(1, 3, 0, 2, 4, 5)  # [B, n, 2, H_kv, bt, D]
-                summaries.add(layer, rows.ids[:, lo:hi].ravel().tolist(), blocks.flatten(0, 1))
-        store.summaries = summaries
+        summaries = store.summaries
+        if summaries is not None and (summaries.rest_bits, summaries.page_tokens) != (rest_bits, page_tokens):
+            summaries.clear()
+            store.summaries = summaries = None
+        if summaries is None:
+            summaries = KeySummaries(store.device.device, store.reserve_device, store.release_device, rest_bits,
+                                     page_tokens)
+            summaries.pages(store.block_tokens)  # a page size that does not divide the blocks: refused before reads
+            store.summaries = summaries  # blocks that fill from now on are summarised as they fill
+        layers = list(store.table.rows) if layer is None else [layer] if layer in store.table.rows else []
+        for index in layers:
+            if index in summaries.backfilled:
+                continue
+            try:
+                self._backfill(summaries, index)
+            except BaseException:
+                summaries.clear()
+                store.summaries = None
+                raise
+            summaries.backfilled.add(index)
         return summaries
+
+    def _backfill(self, summaries: KeySummaries, layer: int) -> None:
+        """Summarise ``layer``'s full blocks that have no summary yet, read in pieces of BACKFILL_COLUMNS columns."""
+        store = self.store
+        bt = store.block_tokens
+        rows = store.table.rows[layer]
+        full = store.seq_length(layer) // bt
+        layout = store.layouts[layer]
+        missing = summaries.rows(rows.ids[:, :full]) < 0  # [B, full]
+        for lo in range(0, full, BACKFILL_COLUMNS):
+            hi = min(full, lo + BACKFILL_COLUMNS)
+            if not missing[:, lo:hi].any():
+                continue
+            plan = store.plan_read(layer, lo * bt, hi * bt, access=False)
+            shape = (2, rows.batch, layout.kv_heads, (hi - lo) * bt, layout.head_dim)
+            data = store.transfer.accel.empty_blocks(shape, layout.dtype, store.device.device)
+            store.read_into(layer, plan, data)
+            blocks = data.unflatten(3, (hi - lo, bt)).permute(1, 3, 0, 2, 4, 5)  # [B, n, 2, H_kv, bt, D]
+            summaries.add(layer, rows.ids[:, lo:hi].ravel().tolist(), blocks.flatten(0, 1))
 
     def copy_open_tails(self, layer: int, dest: torch.Tensor, positions: np.ndarray) -> int:
         """Copy each row's open tail into block position ``positions[b]`` of ``dest``

@@ -13,6 +13,13 @@ and the shares merge exactly (:func:`tierkv.attention.lse.merge`) — FlexGen's 
 paged attention through a block table, with no staging buffer: on a CPU host the executor holds no memory of
 its own beyond a disk share's host buffer.
 
+On a CPU host every share is host memory, so a layer-step is one kernel call and needs no merge: the layer's
+columns become one table over the memory tiers' slab chunks concatenated (each tier's slot ids offset by the
+slots of the tiers before it; the disk share's blocks, read into a host buffer, after them), kept per layer until
+its grid or a pool's chunks change (:class:`_Combined`). A step without a disk share runs the call prepared for
+that table (:class:`~tierkv.attention.host_kernel.PagedCall`: checked and packed once): per layer-step a few dozen
+calls into Python and C and, without a mask, four aten ops, whatever the context (``tests/test_split_calls.py``).
+
 Which path each phase takes: split runs one-token (decode) steps; multi-token steps (prefill) run on the mode's
 prefill executor (streaming: exact, two chunk buffers). Key positions are counted from ``span.start`` (the
 first attended token; a sliding window may start inside its first block, whose earlier tokens then have
@@ -38,7 +45,8 @@ the open tails and that bounded scratch (``TieredCache.min_split_device_bytes``)
 from __future__ import annotations
 
 import time
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -55,7 +63,7 @@ from tierkv.staging import split_scratch_bytes, streaming_chunk_tokens
 from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
 from tierkv.store.transfer import link
-from tierkv.tiers.memory import MemoryTier
+from tierkv.tiers.memory import MemoryTier, SlabPool
 
 
 @register_executor
@@ -77,6 +85,7 @@ class SplitAttention(PipelinedExecutor):
         self.threads = threads
         self.piece_tokens = streaming_chunk_tokens(piece_tokens, store.block_tokens)  # device share, per row
         self._shares: dict[int, tuple[int, int, int, list[tuple[Tier, np.ndarray]], np.ndarray]] = {}
+        self._here: dict[int, _Combined] = {}  # layer -> its one-call table on a CPU host (_attend_here)
 
     def attend(self, span: Span, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
                softcap: float | None = None) -> torch.Tensor:
@@ -88,7 +97,6 @@ class SplitAttention(PipelinedExecutor):
             self._reserve_scratch(query, span.layer)
         layer, start, stop = span.layer, span.start, span.stop
         plan = self.store.plan_read(layer, start, stop)  # also the access, as every executor records it
-        shares, positions = self._tables(layer, start, stop)
         if Tier.DISK in self.store.tiers:  # the next layers' disk shares start now, on the engine's threads
             upcoming: list[tuple[int, int, int]] = []
             target = self.next_layer(layer)
@@ -97,25 +105,60 @@ class SplitAttention(PipelinedExecutor):
                     upcoming.append((target, self.start_of(target), self.store.seq_length(target)))
                 target = self.next_layer(target)
             self._read_ahead(upcoming)
+        if not accelerated:  # every slab is host memory: every share on the CPU, here, in one kernel call
+            return self._attend_here(plan, query, mask, scaling, softcap, start, stop).transpose(1, 2).to(query.dtype)
+        # host share on the mover's thread, device share on the compute stream, disk share on this thread
+        shares, positions = self._tables(layer, start, stop)
         attend = _Attend(self, plan, query, mask, scaling, softcap, positions, stop - start)
-        if not accelerated:  # every slab is host memory: all shares on the CPU, here
-            out, lse = attend.cpu_part(shares, query, mask)
-        else:  # host share on the mover's thread, device share on the compute stream, disk share on this thread
-            by_tier = dict(shares)
-            host = [(Tier.HOST, by_tier[Tier.HOST])] if Tier.HOST in by_tier else []
-            handle = self._start_cpu_part(attend, host) if host else None
-            try:
-                out, lse = attend.device_part(by_tier[Tier.DEVICE]) if Tier.DEVICE in by_tier else (None, None)
-                if Tier.DISK in by_tier:
-                    out, lse = merge(out, lse, *self._disk_part(attend, by_tier[Tier.DISK]))
-            finally:
-                if handle is not None:
-                    handle.wait()  # re-raises the CPU part's error; the compute stream waits for its copy up
-            if attend.landed is not None:
-                out, lse = merge(out, lse, *attend.landed)
+        by_tier = dict(shares)
+        host = [(Tier.HOST, by_tier[Tier.HOST])] if Tier.HOST in by_tier else []
+        handle = self._start_cpu_part(attend, host) if host else None
+        try:
+            out, lse = attend.device_part(by_tier[Tier.DEVICE]) if Tier.DEVICE in by_tier else (None, None)
+            if Tier.DISK in by_tier:
+                out, lse = merge(out, lse, *self._disk_part(attend, by_tier[Tier.DISK]))
+        finally:
+            if handle is not None:
+                handle.wait()  # re-raises the CPU part's error; the compute stream waits for its copy up
+        if attend.landed is not None:
+            out, lse = merge(out, lse, *attend.landed)
         if out is None:
             raise InvalidConfigError(f"layer {layer} has no stored tokens in [{start}, {stop}) to attend.")
         return out.transpose(1, 2).to(query.dtype)
+
+    def _attend_here(self, plan: ReadPlan, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+                     softcap: float | None, start: int, stop: int) -> torch.Tensor:
+        """Every share of a layer-step on a CPU host (each slab is host memory), attended by one host kernel call
+        over the layer's table across the tiers (:class:`_Combined`): no merge. Without a disk share the call
+        prepared for the layer (:class:`~tierkv.attention.host_kernel.PagedCall`) runs, with only the query, the
+        key count, the mask and the positions (a moved window start) new. Returns ``[B, H_q, q, D]`` fp32."""
+        layer, layout, bt = plan.layer, self.store.layouts[plan.layer], self.store.block_tokens
+        here = self._here.get(layer)
+        chunks = None  # the tiers' chunks, where this step looked them up
+        if here is None or not here.current((self.store.table.rows[layer].version, start // bt, -(-stop // bt)),
+                                            layout.slot_bytes):  # fmt: skip
+            here, chunks = _Combined.of(self.store, layer, start, stop)
+            self._here[layer] = here
+        if here.empty:
+            raise InvalidConfigError(f"layer {layer} has no stored tokens in [{start}, {stop}) to attend.")
+        shift = start - here.first_position
+        if here.disk is None:
+            call = here.call
+            if here.options != (query.shape, scaling, softcap, mask is None):  # None where the C kernel is not
+                chunks = here.chunks(layout) if chunks is None else chunks
+                call = here.prepare(chunks, query, stop - start, scaling, softcap, mask is not None, self.threads)
+            if call is not None:
+                if here.shift != shift:  # a sliding window's start moved inside the same blocks
+                    assert call.positions is not None
+                    np.subtract(here.columns, shift, out=call.positions)
+                    here.shift = shift
+                return call(query, stop - start, mask)[0]
+        chunks = here.chunks(layout) if chunks is None else chunks
+        if here.disk is not None:
+            chunks.append(self._read_disk(layout, plan, here.disk)[0])
+        return host_kernel.paged_attention(query, chunks, here.table, stop - start, scaling=scaling, softcap=softcap,
+                                           causal=mask is None, mask=mask, positions=here.columns - shift,
+                                           threads=self.threads)[0]  # fmt: skip
 
     def _reserve_scratch(self, query: torch.Tensor, layer: int) -> None:
         """Count the device temporaries of a step (:func:`split_scratch_bytes`) against the budget, growing the
@@ -227,6 +270,7 @@ class SplitAttention(PipelinedExecutor):
         self.wait_all()
         self._drop_all_ahead()
         self._shares.clear()
+        self._here.clear()
         self.version += 1
 
     def reset(self) -> None:
@@ -234,6 +278,7 @@ class SplitAttention(PipelinedExecutor):
 
     def drop(self, layer: int) -> None:
         self._shares.pop(layer, None)
+        self._here.pop(layer, None)
         for key in [key for key in self._disk_ahead if key[0] == layer]:
             self._drop_ahead_read(key)
 
@@ -252,6 +297,106 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, part_out: torch.Te
     blocks only): such a query keeps output 0 and log-sum-exp ``-inf`` instead of NaN."""
     merged_out, merged_lse = _lse.merge(out, lse, part_out, part_lse)
     return merged_out.nan_to_num(0.0), merged_lse
+
+
+class _PoolState(NamedTuple):
+    """A memory tier's pool as a :class:`_Combined` table saw it: the pool and its last chunk (weakly), the chunk
+    count."""
+
+    memory: MemoryTier
+    pool: weakref.ref[SlabPool] | None
+    chunk_count: int
+    last: weakref.ref[torch.Tensor] | None
+
+    @classmethod
+    def of(cls, memory: MemoryTier, slot_bytes: int) -> _PoolState:
+        pool = memory.pools.get(slot_bytes)
+        if pool is None:
+            return cls(memory, None, 0, None)
+        return cls(memory, weakref.ref(pool), len(pool.chunks), weakref.ref(pool.chunks[-1]) if pool.chunks else None)
+
+    def unchanged(self, slot_bytes: int) -> bool:
+        """Whether the tier's pool for ``slot_bytes`` still has exactly the chunks it had."""
+        pool = self.memory.pools.get(slot_bytes)
+        if pool is None or self.pool is None:
+            return pool is None and self.pool is None
+        chunks = pool.chunks
+        return (self.pool() is pool and len(chunks) == self.chunk_count
+                and (self.last is None or self.last() is chunks[-1]))  # fmt: skip
+
+
+class _Combined:
+    """A layer's block columns ``[first, end)`` as one table over every tier's blocks in host memory: the memory
+    tiers' slab chunks concatenated (each tier's slot ids offset by the slots of the tiers before it; the tier with
+    the fewest chunks first), then the disk share read into a host buffer. One kernel call attends them all,
+    exactly: no merge.
+
+    Valid while the layer's grid (version, columns) and the memory tiers' pools are unchanged; a pool's chunks
+    change only at its end (a chunk added or the last given back), so its chunk count and last chunk tell. It
+    holds the pools and chunks weakly: a chunk given back is freed, and the entry is then stale."""
+
+    def __init__(self, version: int, first: int, end: int, first_position: int, pools: list[_PoolState],
+                 table: np.ndarray, columns: np.ndarray, disk: np.ndarray | None) -> None:
+        self.key = (version, first, end)
+        self.first_position = first_position  # the first column's first token
+        self.pools = pools
+        self.table = table  # [B, n] ids into the concatenated chunks, -1: no block
+        self.columns = columns  # [B, n] each column's first token, from the first column's
+        self.disk = disk  # the disk share's table (-1 elsewhere) for SplitAttention._read_disk; None: none on disk
+        self.empty = not bool((table >= 0).any())
+        self.call: host_kernel.PagedCall | None = None  # prepared for `options`, its positions for `shift`
+        self.options: tuple[torch.Size, float, float | None, bool] | None = None  # query, scaling, softcap, causal
+        self.shift = 0
+
+    @classmethod
+    def of(cls, store: KVStore, layer: int, start: int, stop: int) -> tuple[_Combined, list[torch.Tensor]]:
+        """The entry for ``layer``'s columns over ``[start, stop)``, and the memory tiers' chunks it numbers."""
+        rows, layout, bt = store.table.rows[layer], store.layouts[layer], store.block_tokens
+        first, end = start // bt, -(-stop // bt)
+        tiers, slots = rows.tiers[:, first:end], rows.slots[:, first:end]
+        table = np.full(slots.shape, -1, dtype=np.int64)
+        pools: list[_PoolState] = []
+        chunks: list[torch.Tensor] = []
+        offset = 0  # the slots of the tiers before
+        slabs: dict[MemoryTier, list[torch.Tensor]] = {}
+        for tier in store.chain:
+            if tier != Tier.DISK:
+                memory = store.tiers[tier]
+                assert isinstance(memory, MemoryTier)
+                slabs[memory] = memory.slabs(layout)
+        # the tier with the fewest chunks first: the kernel finds an entry's chunk by walking the chunks before it
+        for memory in sorted(slabs, key=lambda memory: len(slabs[memory])):  # a few tiers: vectorised
+            held = tiers == memory.kind
+            table[held] = slots[held] + offset
+            pools.append(_PoolState.of(memory, layout.slot_bytes))
+            chunks += slabs[memory]
+            offset += sum(int(chunk.shape[0]) for chunk in slabs[memory])
+        on_disk = tiers == Tier.DISK
+        disk = None
+        if on_disk.any():
+            disk = np.where(on_disk, slots, -1)
+            table[on_disk] = offset + np.arange(int(np.count_nonzero(on_disk)))  # the host buffer's blocks, in order
+        columns = np.ascontiguousarray(np.broadcast_to(np.arange(end - first, dtype=np.int64) * bt, slots.shape))
+        return cls(rows.version, first, end, first * bt, pools, table, columns, disk), chunks
+
+    def current(self, key: tuple[int, int, int], slot_bytes: int) -> bool:
+        """Whether the entry still holds for the grid ``key`` (version, first column, end column) and the pools."""
+        return key == self.key and all(pool.unchanged(slot_bytes) for pool in self.pools)
+
+    def chunks(self, layout: BlockLayout) -> list[torch.Tensor]:
+        """The memory tiers' chunks, concatenated in the order the table numbers them."""
+        return [chunk for state in self.pools for chunk in state.memory.slabs(layout)]
+
+    def prepare(self, chunks: list[torch.Tensor], query: torch.Tensor, length: int, scaling: float,
+                softcap: float | None, masked: bool, threads: int | None) -> host_kernel.PagedCall | None:
+        """Prepare the layer's call over ``chunks`` for queries like ``query`` (causal, or ``masked``: by each
+        step's mask), None where the C kernel does not load."""
+        self.shift = 0
+        self.call = host_kernel.prepare(query, chunks, self.table, length, scaling=scaling, softcap=softcap,
+                                        causal=not masked, masked=masked, positions=self.columns,
+                                        threads=threads)  # fmt: skip
+        self.options = (query.shape, scaling, softcap, not masked)
+        return self.call
 
 
 class _Attend:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedConfig
@@ -21,6 +21,9 @@ from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS
 from tierkv.errors import InvalidConfigError
 from tierkv.layout import BlockLayout
 from tierkv.units import format_bytes
+
+if TYPE_CHECKING:
+    from tierkv.attention.sparse import SparseBudget
 
 try:  # transformers >= 5.x (after 5.0): how its caches read layer types from a config
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -115,26 +118,44 @@ def min_sparse_device_bytes(config: PreTrainedConfig, context: int, tokens: int 
     two streaming chunks, one layer's selection, the summaries and rest copy of every full block (their tables grow
     in 25% steps, at least 8 rows a layer) and the open tails (and on CUDA the landing buffers). ``rest_bits``:
     None for ``cache.sparse``'s default. Bytes, not GB: pass it on as ``gpu_gb=f"{n}B"``."""
-    from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseBudget
+    tables = sparse_table_bytes(config, context, tokens, batch, block_tokens, page_tokens, rest_bits, dtype)
+    budget = _sparse_budget(tokens, rest_bits, page_tokens)
+    layout = layout_of_config(config, block_tokens, dtype)
+    selection = math.ceil(batch * (budget.budget_tokens(context) + block_tokens) * layout.token_bytes * sizes.GROWTH)
+    staging = sizes.streaming_staging_bytes(batch, chunk_tokens, layout.token_bytes, block_tokens) + selection
+    tails = sizes.open_tail_bytes(len(layer_windows(config)), batch, layout.slot_bytes)
+    return device_minimum(staging + tables, tails, layout.slot_bytes, device)
+
+
+def sparse_table_bytes(config: PreTrainedConfig, context: int, tokens: int | float = 0.1, batch: int = 1,
+                       block_tokens: int = DEFAULT_BLOCK_TOKENS, page_tokens: int | None = None,
+                       rest_bits: int | None = None, dtype: torch.dtype | None = None) -> int:
+    """Device bytes of the key summaries and rest copy that ``cache.sparse(model, tokens=tokens)`` holds up to
+    ``context`` tokens (:mod:`tierkv.store.summaries`): a table per layer with a row per full block it holds (a
+    sliding-window layer: its window and the block it is filling), grown in 25% steps, at least 8 rows. The part
+    of :func:`min_sparse_device_bytes` that grows with the context; ``stats()["sparse"]`` reports what is held
+    (``summaries_device_bytes`` + ``rest_copy_device_bytes``)."""
     from tierkv.store.summaries import MIN_ROWS, TABLE_GROWTH
 
     check_model_config(config)
     check_count(context, name="context")
     check_count(batch, name="batch")
     check_count(block_tokens, name="block_tokens")
-    budget = SparseBudget(tokens, rest_bits=DEFAULT_REST_BITS if rest_bits is None else rest_bits,
-                          page_tokens=page_tokens)
+    budget = _sparse_budget(tokens, rest_bits, page_tokens)
     layout = layout_of_config(config, block_tokens, dtype)
     pages, elem = block_tokens // budget.page_size(block_tokens), layout.dtype.itemsize
-    row = layout.kv_heads * layout.head_dim * elem * 4 * pages \
+    row = layout.kv_heads * layout.head_dim * sizes.summary_element_size(elem) * 4 * pages \
         + sizes.rest_copy_bytes(block_tokens * layout.token_bytes, budget.rest_bits, elem, layout.head_dim)
     held = [min(context, window + block_tokens) if window else context for window in layer_windows(config)]
-    tables = sum(max(MIN_ROWS, math.ceil(batch * (tokens // block_tokens) * TABLE_GROWTH) + 1) * row
-                 for tokens in held)
-    selection = math.ceil(batch * (budget.budget_tokens(context) + block_tokens) * layout.token_bytes * sizes.GROWTH)
-    staging = sizes.streaming_staging_bytes(batch, chunk_tokens, layout.token_bytes, block_tokens) + selection
-    tails = sizes.open_tail_bytes(len(held), batch, layout.slot_bytes)
-    return device_minimum(staging + tables, tails, layout.slot_bytes, device)
+    return sum(max(MIN_ROWS, math.ceil(batch * (n // block_tokens) * TABLE_GROWTH) + 1) * row for n in held)
+
+
+def _sparse_budget(tokens: int | float, rest_bits: int | None, page_tokens: int | None) -> SparseBudget:
+    """``cache.sparse``'s budget for these arguments (``rest_bits`` None: its default)."""
+    from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseBudget
+
+    return SparseBudget(tokens, rest_bits=DEFAULT_REST_BITS if rest_bits is None else rest_bits,
+                        page_tokens=page_tokens)
 
 
 def rest_copy_bytes(config: PreTrainedConfig, tokens: int, rest_bits: int, dtype: torch.dtype | None = None) -> int:

@@ -49,6 +49,13 @@ class BlockPlacement:
         self.table, self.policy, self.transfer, self.writeback = table, policy, transfer, writeback
         self.barrier, self.on_moved = barrier, on_moved
         self.promoted = 0  # blocks moved up to the device (sparse attention's promotions)
+        # device reservations that are only caches (sparse attention's kept units): when the device has nothing
+        # left to evacuate, each gives back what it holds (returning whether it held anything) before a refusal
+        self.yielding: list[Callable[[], bool]] = []
+
+    def give_way(self) -> bool:
+        """Ask every cache-only reservation to give its device bytes back; whether any did."""
+        return any([release() for release in list(self.yielding)])
 
     @property
     def device(self) -> MemoryTier:
@@ -72,7 +79,11 @@ class BlockPlacement:
         """A device slot, demoting a victim down the chain when the device is full."""
         slot = self.device.alloc(slot_bytes, near)
         while slot is None:
-            self.demote_victims(self.chain[0], slot_bytes, 1, protect)
+            try:
+                self.demote_victims(self.chain[0], slot_bytes, 1, protect)
+            except BudgetTooSmallError:
+                if not self.give_way():  # no block to move down, and no cache to drop: the budget is too small
+                    raise
             slot = self.device.alloc(slot_bytes, near)
         return slot
 
@@ -206,9 +217,13 @@ class BlockPlacement:
         try:
             while not device.reserve(nbytes):
                 chunk = device.evacuation()
-                if chunk is None:
-                    raise BudgetTooSmallError("no blocks left to evacuate")
-                self._evacuate(*chunk)
+                try:
+                    if chunk is None:
+                        raise BudgetTooSmallError("no blocks left to evacuate")
+                    self._evacuate(*chunk)
+                except BudgetTooSmallError:
+                    if not self.give_way():  # no cache gave its bytes back either
+                        raise
         except BudgetTooSmallError as exc:
             raise self._staging_error(nbytes) from exc
 

@@ -104,6 +104,7 @@ class KeySummaries:
         self._layers: dict[int, _LayerTable] = {}
         self.row_of = np.full(1024, -1, dtype=np.int64)  # block id -> row in its layer's table (-1: none)
         self._layer_of: dict[int, int] = {}  # block id -> layer, for release
+        self.backfilled: set[int] = set()  # layers whose blocks full before the summaries began are summarised
 
     @property
     def nbytes(self) -> int:
@@ -223,6 +224,7 @@ class KeySummaries:
         nbytes = self.nbytes
         self._layers.clear()
         self._layer_of.clear()
+        self.backfilled.clear()
         self.row_of[:] = -1
         self._unreserve(nbytes)
 

@@ -1,0 +1,107 @@
+"""min_sparse_device_bytes on a model shaped like Gemma 3 (five sliding-window layers to each global one, one KV head
+wider than the hidden size's share): the budget it promises holds ``cache.sparse`` at its defaults after a prompt
+prefilled through the model in one forward, as ``generate`` does, and a sliding layer's key summaries and rest copy
+stay the size of its window (what :func:`tierkv.hf.sizing.sparse_table_bytes` counts): each layer summarises its
+full blocks when it first attends sparsely, after it dropped those that left its window; the kept pages give way
+when a table grows; a refused first step gives back what it reserved."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers
+from models import BOS, PAD, VOCAB, prompt, tiny_model
+
+from tierkv import BudgetTooSmallError, TieredCache
+from tierkv.hf import sizing
+
+BLOCK, CHUNK, WINDOW = 32, 64, 24  # 32-token blocks of 2 default pages; a window shorter than a block
+PROMPT, NEW = 600, 8
+
+@functools.cache
+def gemma3_shaped() -> transformers.Gemma3ForCausalLM:
+    """Six layers (Gemma 3's pattern: five sliding, one global), one KV head of 64 channels, fp32."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, sliding_window=WINDOW,
+        query_pre_attn_scalar=64, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=None)
+    torch.manual_seed(1234)
+    model = transformers.Gemma3ForCausalLM(config).to(torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+def _generate(model: transformers.PreTrainedModel, gpu: int | str, folder, length: int, new: int,
+              piece: int | None = None) -> dict:
+    """Prefill ``length`` tokens (one forward, or ``piece``-token forwards) and greedily decode ``new`` more with
+    ``cache.sparse(model, tokens=0.1)`` at its defaults; ``stats()`` after it."""
+    ids, mask = prompt(1, length, seed=9)
+    with TieredCache(gpu_gb=gpu if isinstance(gpu, str) else f"{gpu}B", cpu_gb="16KB", disk_dir=folder,
+                     block_tokens=BLOCK, config=model.config) as cache, cache.sparse(model, tokens=0.1,
+                                                                                    chunk_tokens=CHUNK):
+        if piece is not None:  # the prompt but its last token in pieces, then generate from that cache
+            with torch.no_grad():  # not inference tensors: generate goes on writing into the same blocks
+                for start in range(0, length - 1, piece):
+                    model(ids[:, start : min(start + piece, length - 1)], past_key_values=cache)
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, cache=cache)
+        return cache.stats()
+
+
+def test_the_model_is_shaped_like_gemma3():
+    config = gemma3_shaped().config
+    assert sizing.layer_windows(config) == [WINDOW] * 5 + [None]
+    layout = sizing.layout_of_config(config, BLOCK, None)
+    assert (layout.kv_heads, layout.head_dim) == (1, 64)
+
+
+@pytest.mark.parametrize("piece", [
+    pytest.param(None, id="one-forward"),
+    pytest.param(WINDOW // 2, id="pieces-within-the-window"),
+])
+def test_sliding_layers_keep_summaries_of_their_window(tmp_path, piece):
+    """The summaries and rest copy held after the prompt and a few steps are within what ``sparse_table_bytes``
+    counts (a sliding layer: its window and the block it fills), whichever way the prompt was prefilled."""
+    model = gemma3_shaped()
+    sparse = _generate(model, "64MB", tmp_path, PROMPT, NEW, piece)["sparse"]
+    held = sparse["summaries_device_bytes"] + sparse["rest_copy_device_bytes"]
+    assert held <= sizing.sparse_table_bytes(model.config, PROMPT + NEW, block_tokens=BLOCK)
+
+
+def test_min_sparse_device_bytes_holds_a_prompt_prefilled_in_one_forward(tmp_path):
+    """Exactly ``min_sparse_device_bytes`` prefills the prompt in one forward and decodes, most KV off the device."""
+    model = gemma3_shaped()
+    need = sizing.min_sparse_device_bytes(model.config, PROMPT + NEW, tokens=0.1, block_tokens=BLOCK,
+                                          chunk_tokens=CHUNK, device="cpu")
+    placed = _generate(model, need, tmp_path, PROMPT, NEW)["blocks"]
+    assert placed["disk"] > placed["device"]
+
+
+def test_min_sparse_device_bytes_holds_the_tables_growth(tmp_path):
+    """Exactly ``min_sparse_device_bytes`` for the whole sequence decodes past a block that fills while the global
+    layer's table is full (the prompt fills 18 blocks: its table is 18 rows, and grows at the 19th)."""
+    model = gemma3_shaped()
+    new = 2 * NEW
+    need = sizing.min_sparse_device_bytes(model.config, PROMPT + new, tokens=0.1, block_tokens=BLOCK,
+                                          chunk_tokens=CHUNK, device="cpu")
+    placed = _generate(model, need, tmp_path, PROMPT, new)["blocks"]
+    assert placed["disk"] > placed["device"]
+
+
+def test_a_refused_first_sparse_step_gives_back_what_it_reserved(tmp_path):
+    """A budget between the streaming minimum and the sparse one: the first decode step is refused while the summaries
+    are built (the first layer's table fits, the second's does not), and afterwards the device holds no staging but
+    the summaries it kept (none)."""
+    model = tiny_model("llama")  # two global layers
+    ids, mask = prompt(1, 240, seed=9)
+    need = sizing.min_sparse_device_bytes(model.config, 248, tokens=0.1, block_tokens=BLOCK, chunk_tokens=CHUNK,
+                                          device="cpu")
+    least = sizing.min_streaming_device_bytes(model.config, block_tokens=BLOCK, chunk_tokens=CHUNK, device="cpu")
+    with TieredCache(gpu_gb=f"{least + (need - least) // 3}B", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=BLOCK,
+                     config=model.config) as cache:
+        with pytest.raises(BudgetTooSmallError), cache.sparse(model, tokens=0.1, chunk_tokens=CHUNK):
+            model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, cache=cache)
+        stats = cache.stats()
+        assert stats["bytes_staging"] == stats["bytes_summaries"]
