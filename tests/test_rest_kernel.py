@@ -4,13 +4,19 @@ groups, masks, padding entries and soft-capping (hypothesis)."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierkv import settings as tierkv_settings
 from tierkv.attention import rest_kernel
 from tierkv.errors import InvalidConfigError
 from tierkv.store.summaries import KeySummaries
@@ -92,3 +98,45 @@ def test_wrong_shapes_are_refused_by_name():
     with pytest.raises(InvalidConfigError, match="query must be contiguous"):
         rest_kernel.rest_attention(torch.zeros(1, 1, 1, 16, dtype=torch.float64), codes, pages, torch.tensor([2]),
                                    bounds, scales, None, 4, None)
+
+
+def test_setup_builds_the_extension_and_the_loader_takes_it(tmp_path, monkeypatch, caplog):
+    """``setup.py build_ext`` (what ``pip install`` runs) builds ``tierkv/attention/_rest*.so`` with the source's hash
+    compiled in; the loader takes it before building anything itself."""
+    root = Path(rest_kernel.__file__).resolve().parents[2]
+    if not (root / "setup.py").exists():
+        pytest.skip("not a source checkout")
+    result = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                             "--build-temp", str(tmp_path / "tmp")], cwd=root, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (built,) = (tmp_path / "lib" / "tierkv" / "attention").glob("_rest*.so")
+    assert rest_kernel._built_from(ctypes.CDLL(str(built))) == rest_kernel.source_digest()
+    caplog.set_level(logging.INFO, logger="tierkv")
+    monkeypatch.setattr(rest_kernel, "extension", lambda: built)
+    rest_kernel._build.cache_clear()
+    try:
+        with tierkv_settings.override(cache_dir=tmp_path / "cache"):
+            assert rest_kernel.available()
+        assert "the extension built at install" in caplog.text and not (tmp_path / "cache").exists()
+    finally:
+        rest_kernel._build.cache_clear()
+
+
+def test_without_a_compiler_the_kernel_is_unavailable_and_says_why(tmp_path, monkeypatch):
+    """No extension and no compiler: unavailable with the reason, and rest_attention returns None (the caller
+    decodes with torch), logging it once."""
+    monkeypatch.setattr(rest_kernel, "extension", lambda: None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    rest_kernel._build.cache_clear()
+    try:
+        with tierkv_settings.override(cache_dir=tmp_path / "cache"):
+            assert not rest_kernel.available()
+            assert "C compiler" in str(rest_kernel._build())
+            summaries = _summaries(4, 2, 1, 16, 8, 16, 0)
+            pages = torch.tensor([[0, 1]])
+            codes, bounds, scales = summaries.rest_packed(0, pages.reshape(-1))
+            assert rest_kernel.rest_attention(torch.zeros(1, 1, 1, 16), codes, pages, torch.tensor([2]), bounds,
+                                              scales, None, 4, None) is None
+    finally:
+        rest_kernel._build.cache_clear()

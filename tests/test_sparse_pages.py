@@ -320,9 +320,13 @@ def test_the_page_means_attend_the_pages_not_read_closer_to_full_attention(tmp_p
     assert store.summaries.nbytes == store.summaries.summary_nbytes  # no copy kept
 
 
-def test_attention_policy_moves_a_hot_pages_block_to_the_device(tmp_path):
-    """Read in pages every step, the needle's page gathers mass; its block is read whole once and promoted, so
-    the next steps read the page from the device; every token stays where the table says."""
+def test_attention_policy_moves_a_hot_pages_block_to_the_device(tmp_path, monkeypatch):
+    """Without kept pages (none fit): read in pages every step, the needle's page gathers mass; its block is read
+    whole once and promoted, so the next steps read the page from the device; every token stays where the table
+    says."""
+    from tierkv.attention import kept as kept_module
+
+    monkeypatch.setattr(kept_module, "KEEP_SHARE", 0.0)
     store, kv = store_with_needles(tmp_path, {0: (5, 2), 1: (5, 2)}, policy="attention")
     executor = SparseAttention(store, ThreadMover())
     budget = SparseBudget(3 * PAGE, recent=0, page_tokens=PAGE)
@@ -334,6 +338,24 @@ def test_attention_policy_moves_a_hot_pages_block_to_the_device(tmp_path):
     attend(executor, needle_query(), budget)
     assert executor.last_pages.tolist()[0] == [0, 5 * PER + 2]
     assert store.bytes_moved["device->device"] > gathered  # the needle's page now comes from the device
+    store.check()
+    torch.testing.assert_close(store.read_tokens(0), kv)
+    executor.close()
+
+
+def test_a_layer_keeping_its_hot_pages_does_not_read_their_blocks_whole_to_promote_them(tmp_path):
+    """With the needle's page kept on the device, a whole-block read to promote its block would cost more than it
+    saves: nothing is promoted, and after the first step the page comes from the kept buffer, not the disk."""
+    store, kv = store_with_needles(tmp_path, {0: (5, 2), 1: (5, 2)}, policy="attention")
+    executor = SparseAttention(store, ThreadMover())
+    budget = SparseBudget(3 * PAGE, recent=0, page_tokens=PAGE)
+    attend(executor, needle_query(), budget)
+    disk = store.bytes_moved["disk->device"]
+    for _ in range(3):
+        attend(executor, needle_query(), budget)
+    assert executor.last_pages.tolist()[0] == [0, 5 * PER + 2]
+    assert store.bytes_moved["disk->device"] == disk and executor.counters.promotions == 0
+    assert executor.counters.pages_reused > 0
     store.check()
     torch.testing.assert_close(store.read_tokens(0), kv)
     executor.close()

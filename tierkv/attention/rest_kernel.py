@@ -38,15 +38,26 @@ softcap (0: none); the addresses of query, codes, pages, counts, bounds, scales,
 _ENOMEM, _EROW = -1, -3  # TKV_ENOMEM, TKV_EROW in the C source
 
 
+def source_digest() -> str | None:
+    """sha256 of :data:`SOURCE` (16 hex digits, as ``setup.py`` compiles it in); None without the source."""
+    return cbuild.source_digest(SOURCE)
+
+
+def extension() -> Path | None:
+    """The library the install built (``tierkv/attention/_rest<ABI suffix>``), if it did."""
+    return cbuild.extension(Path(__file__).parent, "_rest")
+
+
+_built_from = functools.partial(cbuild.built_from, symbol="tkv_rest_source_sha")
+"""The source hash a loaded library's ``tkv_rest_source_sha()`` returns ("" if it has none)."""
+
+
 @functools.cache
 def _build() -> ctypes.CDLL | EngineUnavailableError:
     """Open the library once per process and declare its functions; the failure, too, is cached."""
     try:
-        lib = cbuild.open_library(
-            "rest-copy attention kernel", SOURCE, cbuild.source_digest(SOURCE),
-            cbuild.extension(Path(__file__).parent, "_rest"),
-            functools.partial(cbuild.built_from, symbol="tkv_rest_source_sha"), _FLAG_SETS, ("-lm",), _FIX,
-            "Reinstall tierkv where a C compiler is available.")
+        lib = cbuild.open_library("rest-copy attention kernel", SOURCE, source_digest(), extension(), _built_from,
+                                  _FLAG_SETS, ("-lm",), _FIX, "Reinstall tierkv where a C compiler is available.")
     except EngineUnavailableError as exc:
         return exc
     lib.tkv_rest_args_size.restype = ctypes.c_int64

@@ -701,6 +701,14 @@ class SparseAttention(PipelinedExecutor):
         ids = rows.ids[np.arange(rows.batch)[:, None], columns]  # [B, K]
         match = ids.ravel()[None, :] == np.array([b.id for b in wanted])[:, None]  # [n, B·K]
         found = match.any(axis=1)
+        kept = self.kept.layers.get(layer)
+        if kept is not None and kept.unit_tokens < store.block_tokens and not found.all():
+            # the layer keeps its hot pages on the device already: a whole block read to promote one would cost
+            # more than the reads it saves; only blocks staged whole move up
+            wanted = [b for b, hit in zip(wanted, found.tolist()) if hit]
+            if not wanted:
+                return
+            match, found = match[found], found[found]
         row, position = np.divmod(np.argmax(match, axis=1), columns.shape[1])
         bt = store.block_tokens
         blocks = staging.unflatten(3, (-1, bt))  # [2, B, H_kv, K, bt, D]
