@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -128,3 +129,34 @@ def assert_same_generation(out, reference, atol: float) -> None:
     for got, expected in zip(out.logits, reference.logits, strict=True):
         torch.testing.assert_close(got, expected, atol=atol, rtol=0)
 
+
+
+def check_extension_loads_first(kernel: Any, stem: str, tmp_path: Path, monkeypatch: Any, caplog: Any) -> None:
+    """``setup.py build_ext`` (what ``pip install`` runs) builds ``tierkv/attention/<stem>*.so`` with the source's hash
+    compiled in, and ``kernel``'s loader (a module with ``extension``, ``_built_from``, ``source_digest``, a cached
+    ``_build`` and ``available``) takes it before building anything itself."""
+    import ctypes
+    import logging
+
+    import pytest
+
+    from tierkv import settings
+
+    root = Path(kernel.__file__).resolve().parents[2]
+    if not (root / "setup.py").exists():
+        pytest.skip("not a source checkout")
+    result = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                             "--build-temp", str(tmp_path / "tmp")], cwd=root, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (built,) = (tmp_path / "lib" / "tierkv" / "attention").glob(f"{stem}*.so")
+    assert kernel._built_from(ctypes.CDLL(str(built))) == kernel.source_digest()
+    caplog.set_level(logging.INFO, logger="tierkv")
+    monkeypatch.setattr(kernel, "extension", lambda: built)
+    kernel._build.cache_clear()
+    try:
+        with settings.override(cache_dir=tmp_path / "cache"):
+            assert kernel.available()
+        assert "the extension built at install" in caplog.text and not (tmp_path / "cache").exists()
+    finally:
+        kernel._build.cache_clear()

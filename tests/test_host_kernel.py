@@ -8,17 +8,14 @@ several chunks like a growing ``SlabPool``.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import check_extension_loads_first
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -334,27 +331,7 @@ def test_without_a_compiler_the_torch_version_answers(tmp_path, monkeypatch, cap
 
 @needs_compiler
 def test_setup_builds_the_extension_with_the_source_hash(tmp_path, monkeypatch, caplog):
-    """``setup.py build_ext`` (what ``pip install`` runs) builds ``tierkv/attention/_attn*.so`` with the source's
-    hash compiled in, and the loader takes it before building anything itself."""
-    root = Path(host_kernel.__file__).resolve().parents[2]
-    if not (root / "setup.py").exists():
-        pytest.skip("not a source checkout")
-    result = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
-                             "--build-temp", str(tmp_path / "tmp")], cwd=root, capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    (built,) = (tmp_path / "lib" / "tierkv" / "attention").glob("_attn*.so")
-    assert host_kernel._built_from(ctypes.CDLL(str(built))) == host_kernel.source_digest()
-    caplog.set_level(logging.INFO, logger="tierkv")
-    monkeypatch.setattr(host_kernel, "extension", lambda: built)
-    host_kernel._build.cache_clear()
-    try:
-        with tierkv_settings.override(cache_dir=tmp_path / "cache"):
-            assert host_kernel.available()
-        assert "the extension built at install" in caplog.text
-        assert not (tmp_path / "cache").exists()
-    finally:
-        host_kernel._build.cache_clear()
+    check_extension_loads_first(host_kernel, "_attn", tmp_path, monkeypatch, caplog)
 
 
 @pytest.mark.parametrize("attend", IMPLEMENTATIONS)

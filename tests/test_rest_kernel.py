@@ -4,15 +4,11 @@ groups, masks, padding entries and soft-capping (hypothesis)."""
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import check_extension_loads_first
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -101,26 +97,7 @@ def test_wrong_shapes_are_refused_by_name():
 
 
 def test_setup_builds_the_extension_and_the_loader_takes_it(tmp_path, monkeypatch, caplog):
-    """``setup.py build_ext`` (what ``pip install`` runs) builds ``tierkv/attention/_rest*.so`` with the source's hash
-    compiled in; the loader takes it before building anything itself."""
-    root = Path(rest_kernel.__file__).resolve().parents[2]
-    if not (root / "setup.py").exists():
-        pytest.skip("not a source checkout")
-    result = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
-                             "--build-temp", str(tmp_path / "tmp")], cwd=root, capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    (built,) = (tmp_path / "lib" / "tierkv" / "attention").glob("_rest*.so")
-    assert rest_kernel._built_from(ctypes.CDLL(str(built))) == rest_kernel.source_digest()
-    caplog.set_level(logging.INFO, logger="tierkv")
-    monkeypatch.setattr(rest_kernel, "extension", lambda: built)
-    rest_kernel._build.cache_clear()
-    try:
-        with tierkv_settings.override(cache_dir=tmp_path / "cache"):
-            assert rest_kernel.available()
-        assert "the extension built at install" in caplog.text and not (tmp_path / "cache").exists()
-    finally:
-        rest_kernel._build.cache_clear()
+    check_extension_loads_first(rest_kernel, "_rest", tmp_path, monkeypatch, caplog)
 
 
 def test_without_a_compiler_the_kernel_is_unavailable_and_says_why(tmp_path, monkeypatch):
