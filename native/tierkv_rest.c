@@ -9,7 +9,8 @@
  *     out[g]     += w[g, t] · (v_lo + c'_t · v_step)   per value group                 (one FMA per code)
  *
  * with an online softmax over the pages of each (row, KV head), all query heads of the head's group in the same
- * pass over the codes. Output: the softmax-normalised output and the log-sum-exp per (row, KV head, group), fp32,
+ * pass over the codes. Where there are fewer rows x KV heads than threads, each one's entries are cut into pieces
+ * attended on different threads and merged by log-sum-exp. Output: the softmax-normalised output and the log-sum-exp per (row, KV head, group), fp32,
  * in tierkv.attention.lse's convention (no entries: output 0, log-sum-exp -inf).
  *
  * Layouts (all contiguous; one call per chunk of pages):
@@ -37,6 +38,12 @@
 #endif
 
 enum { TKV_OK = 0, TKV_ENOMEM = -1, TKV_EARGS = -2, TKV_EROW = -3 };
+
+/* The largest query group, head and page a call takes (a piece's scratch lives on its thread's stack, ~320 KiB at
+ * most); tierkv.attention.rest_kernel leaves larger shapes to torch. */
+#define TKV_MAX_GROUP 64
+#define TKV_MAX_DIM 1024
+#define TKV_MAX_PAGE 256
 
 /* The x86 builds carry an AVX-512 and an AVX2 version of the hot function, picked at load time (GCC's function
  * multi-versioning); elsewhere, the portable build. */
@@ -82,35 +89,29 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return s;
 }
 
-/* One (row, KV head): every entry of the row, all G query heads of the head. */
-TKV_CLONES static int attend_head(const tkv_rest_args *a, int64_t b, int64_t h) {
+/* One (row, KV head), entries [e0, e1) of the row, all G query heads of the head: the unnormalised partial state
+ * (running max ``m`` [G], sum ``s`` [G], weighted values ``out`` [G, D]) that tkv_rest merges across pieces. */
+TKV_CLONES static int attend_piece(const tkv_rest_args *a, int64_t b, int64_t h, int64_t e0, int64_t e1,
+                                   float *state_m, float *state_s, float *out) {
     const int64_t G = a->groups, D = a->head_dim, pt = a->page_tokens, n = a->entries;
     const int64_t tok_bytes = D * a->bits / 8, groups = a->value_groups, width = D / groups;
     const float inv_levels = 1.0f / (float)((1 << a->bits) - 1);
     const float *q = (const float *)a->query + (b * a->kv_heads + h) * G * D;
     const uint8_t *codes = (const uint8_t *)a->codes;
     const int64_t *pages = (const int64_t *)a->pages + b * n;
-    const int64_t count = ((const int64_t *)a->counts)[b];
     const float *bias = a->bias ? (const float *)a->bias + b * n * pt : NULL;
-    float *out = (float *)a->out + (b * a->kv_heads + h) * G * D;
-    float *lse = (float *)a->lse + (b * a->kv_heads + h) * G;
-    if (count < 0 || count > n) return TKV_EARGS;
-    /* per task: q ⊙ step [G, D], the page's logits [G, pt], one token's codes [D], and per head base, max, sum */
-    float *scratch = malloc((size_t)(G * D + G * pt + D + 4 * G) * sizeof(float));
-    if (!scratch) return TKV_ENOMEM;
-    float *qs = scratch, *logit = qs + G * D, *c = logit + G * pt, *base = c + D, *m = base + G, *s = m + G;
-    float *peak = s + G;
+    /* per piece, on the stack (fixed sizes, which tkv_rest checks: arrays of known extent vectorise best):
+     * q ⊙ step [G, D], the page's logits [G, pt], one token's codes [D], per head base and page max */
+    float qs[TKV_MAX_GROUP * TKV_MAX_DIM], logit[TKV_MAX_GROUP * TKV_MAX_PAGE], c[TKV_MAX_DIM];
+    float base[TKV_MAX_GROUP], peak[TKV_MAX_GROUP], m[TKV_MAX_GROUP], s[TKV_MAX_GROUP];
     for (int64_t g = 0; g < G; g++) {
         m[g] = -INFINITY;
         s[g] = 0.0f;
         memset(out + g * D, 0, (size_t)D * sizeof(float));
     }
-    for (int64_t e = 0; e < count; e++) {
+    for (int64_t e = e0; e < e1; e++) {
         const int64_t row = pages[e];
-        if (row < 0 || row >= a->rows) {
-            free(scratch);
-            return TKV_EROW;
-        }
+        if (row < 0 || row >= a->rows) return TKV_EROW;
         const uint8_t *key = codes + ((h * a->rows + row) * 2) * pt * tok_bytes;
         const uint8_t *value = key + pt * tok_bytes;
         const float *lo = (const float *)a->bounds + ((h * a->batch + b) * n + e) * 2 * D, *hi = lo + D;
@@ -162,36 +163,47 @@ TKV_CLONES static int attend_head(const tkv_rest_args *a, int64_t b, int64_t h) 
             }
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        if (s[g] > 0.0f) {
-            const float inv = 1.0f / s[g];
-            for (int64_t d = 0; d < D; d++) out[g * D + d] *= inv;
-            lse[g] = m[g] + logf(s[g]);
-        } else {
-            lse[g] = -INFINITY;
-        }
-    }
-    free(scratch);
+    memcpy(state_m, m, (size_t)G * sizeof(float));
+    memcpy(state_s, s, (size_t)G * sizeof(float));
     return TKV_OK;
 }
 
-/* Attend every (row, KV head) of ``packed`` (a tkv_rest_args); 0, or a negative TKV_E* code. */
+
+/* Entries per piece: a (row, KV head) is cut into pieces of at least MIN_PIECE entries so that every thread has
+ * work when there are fewer rows x KV heads than threads (Gemma 3: one KV head); each piece reads its own pages. */
+#define MIN_PIECE 16
+
+/* Attend every (row, KV head) of ``packed`` (a tkv_rest_args), in pieces of entries across the threads, merged
+ * by log-sum-exp per (row, KV head); 0, or a negative TKV_E* code. */
 int tkv_rest(const char *packed) {
     tkv_rest_args a;
     memcpy(&a, packed, sizeof a);
     if (a.batch < 1 || a.kv_heads < 1 || a.groups < 1 || a.head_dim < 1 || a.page_tokens < 1 || a.entries < 0 ||
         (a.bits != 2 && a.bits != 4 && a.bits != 8) || a.head_dim * a.bits % 8 || a.value_groups < 1 ||
-        a.head_dim % a.value_groups || a.rows < 0 || !a.query || !a.codes || !a.pages || !a.counts || !a.bounds ||
-        !a.scales || !a.out || !a.lse)
+        a.head_dim % a.value_groups || a.head_dim / a.value_groups % (8 / a.bits) || a.rows < 0 || !a.query ||
+        !a.codes || !a.pages || !a.counts || !a.bounds || !a.scales || !a.out || !a.lse ||
+        a.groups > TKV_MAX_GROUP || a.head_dim > TKV_MAX_DIM || a.page_tokens > TKV_MAX_PAGE)
         return TKV_EARGS;
-    const int64_t tasks = a.batch * a.kv_heads;
+    const int64_t *counts = (const int64_t *)a.counts;
+    for (int64_t b = 0; b < a.batch; b++)
+        if (counts[b] < 0 || counts[b] > a.entries) return TKV_EARGS;
+    const int64_t G = a.groups, D = a.head_dim, tasks = a.batch * a.kv_heads;
+    const int threads = a.threads > 0 ? (int)a.threads : 1;
+    int64_t split = (threads + tasks - 1) / tasks;  /* pieces per (row, KV head) */
+    if (split > a.entries / MIN_PIECE) split = a.entries / MIN_PIECE;
+    if (split < 1) split = 1;
+    const int64_t items = tasks * split;
+    float *state = malloc((size_t)(items * G * (D + 2)) * sizeof(float));  /* per piece: m [G], s [G], out [G, D] */
+    if (!state) return TKV_ENOMEM;
     int status = TKV_OK;
 #ifdef _OPENMP
-    const int threads = a.threads > 0 ? (int)a.threads : 1;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && items > 1)
 #endif
-    for (int64_t task = 0; task < tasks; task++) {
-        const int rc = attend_head(&a, task / a.kv_heads, task % a.kv_heads);
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t task = item / split, piece = item % split, b = task / a.kv_heads, h = task % a.kv_heads;
+        const int64_t count = counts[b], e0 = count * piece / split, e1 = count * (piece + 1) / split;
+        float *m = state + item * G * (D + 2), *s = m + G;
+        const int rc = attend_piece(&a, b, h, e0, e1, m, s, s + G);
         if (rc != TKV_OK) {
 #ifdef _OPENMP
 #pragma omp atomic write
@@ -199,5 +211,34 @@ int tkv_rest(const char *packed) {
             status = rc;
         }
     }
+    if (status == TKV_OK) {
+        for (int64_t task = 0; task < tasks; task++) {
+            float *out = (float *)a.out + task * G * D, *lse = (float *)a.lse + task * G;
+            for (int64_t g = 0; g < G; g++) {
+                float top = -INFINITY, total = 0.0f;
+                for (int64_t piece = 0; piece < split; piece++) {
+                    const float *m = state + (task * split + piece) * G * (D + 2);
+                    if (m[G + g] > 0.0f && m[g] > top) top = m[g];
+                }
+                float *o = out + g * D;
+                memset(o, 0, (size_t)D * sizeof(float));
+                for (int64_t piece = 0; piece < split; piece++) {
+                    const float *m = state + (task * split + piece) * G * (D + 2), *acc = m + 2 * G + g * D;
+                    if (!(m[G + g] > 0.0f)) continue;  /* a piece with no entries (or all weights 0) adds nothing */
+                    const float w = expf(m[g] - top);
+                    total += m[G + g] * w;
+                    for (int64_t d = 0; d < D; d++) o[d] += acc[d] * w;
+                }
+                if (total > 0.0f) {
+                    const float inv = 1.0f / total;
+                    for (int64_t d = 0; d < D; d++) o[d] *= inv;
+                    lse[g] = top + logf(total);
+                } else {
+                    lse[g] = -INFINITY;
+                }
+            }
+        }
+    }
+    free(state);
     return status;
 }

@@ -78,6 +78,38 @@ def test_the_kernel_equals_a_float64_softmax_over_the_decoded_copy(bits, heads, 
     torch.testing.assert_close(lse.double(), expected_lse, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 4, 5])
+def test_one_row_and_head_cut_into_pieces_across_threads_equals_the_reference(threads):
+    """Fewer rows x KV heads than threads: the entries are cut into pieces (at least 16 each), attended on the
+    threads and merged by log-sum-exp — the same result as one piece, with rows whose entries end early (a piece
+    with none) and masked keys."""
+    summaries = _summaries(4, 40, 1, 32, 16, 64, 7)
+    generator = torch.Generator().manual_seed(8)
+    pages = torch.stack([torch.randperm(80, generator=generator)[:70] for _ in range(2)])
+    counts = torch.tensor([70, 20])
+    q = torch.randn(2, 1, 4, 64, generator=generator) * 0.125
+    bias = torch.randn(2, 70 * 16, generator=generator)
+    bias[:, ::7] = torch.finfo(torch.float32).min
+    codes, bounds, scales = summaries.rest_packed(0, pages.reshape(-1))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = rest_kernel.rest_attention(q, codes, pages, counts, bounds, scales, bias, 4, None)
+    finally:
+        torch.set_num_threads(previous)
+    expected_out, expected_lse = _reference(q, summaries, pages, counts, bias, None)
+    torch.testing.assert_close(out.double(), expected_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_shapes_beyond_the_kernels_scratch_are_left_to_torch():
+    summaries = _summaries(4, 2, 1, 16, 8, 16, 0)
+    pages = torch.tensor([[0, 1]])
+    codes, bounds, scales = summaries.rest_packed(0, pages.reshape(-1))
+    q = torch.zeros(1, 1, rest_kernel.MAX_GROUP + 1, 16)
+    assert rest_kernel.rest_attention(q, codes, pages, torch.tensor([2]), bounds, scales, None, 4, None) is None
+
+
 def test_a_page_outside_the_table_is_refused_by_name():
     summaries = _summaries(4, 2, 1, 16, 8, 16, 0)
     pages = torch.tensor([[0, 99]])

@@ -36,6 +36,7 @@ _ARGS = struct.Struct("<10qd9Q")
 """``tkv_rest_args``: batch, kv_heads, groups, head_dim, page_tokens, entries, bits, value_groups, rows, threads;
 softcap (0: none); the addresses of query, codes, pages, counts, bounds, scales, bias (0: none), out, lse."""
 _ENOMEM, _EROW = -1, -3  # TKV_ENOMEM, TKV_EROW in the C source
+MAX_GROUP, MAX_DIM, MAX_PAGE = 64, 1024, 256  # TKV_MAX_* in the C source: larger shapes are decoded by torch
 
 
 def source_digest() -> str | None:
@@ -85,15 +86,17 @@ def rest_attention(query: torch.Tensor, codes: torch.Tensor, pages: torch.Tensor
     of ``codes`` ``[H_kv, rows, 2, pt, D · bits / 8]``; the first ``counts[b]`` of row ``b`` are attended), with their
     key bounds ``[H_kv, B · n, 2, D]`` and value scales ``[H_kv, B · n, pt, groups, 2]`` (fp32) and an additive
     ``bias`` ``[B, n · pt]`` (fp32) or None: (output ``[B, H_kv, G, D]``, log-sum-exp ``[B, H_kv, G]``); None where
-    the kernel cannot run here (not built, or the tensors are not in CPU memory)."""
+    the kernel cannot run here (not built, the tensors not in CPU memory, or a query group, head or page beyond
+    :data:`MAX_GROUP`, :data:`MAX_DIM`, :data:`MAX_PAGE`). The rows' entries are cut into pieces across torch's
+    threads when there are fewer rows x KV heads than threads, merged by log-sum-exp."""
     lib = _build()
     if isinstance(lib, EngineUnavailableError):
         _log_unavailable(str(lib))
         return None
-    if codes.device.type != "cpu":
-        return None
     batch, heads, groups, dim = query.shape
     pt = codes.shape[3]
+    if codes.device.type != "cpu" or groups > MAX_GROUP or dim > MAX_DIM or pt > MAX_PAGE:
+        return None
     entries = pages.shape[1]
     wanted = {"query": (query, torch.float32, (batch, heads, groups, dim)),
               "codes": (codes, torch.uint8, (heads, codes.shape[1], 2, pt, dim * bits // 8)),
