@@ -17,11 +17,16 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 SOURCE = "native/tierkv_io.c"  # relative, as setuptools requires
-DIGEST = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()[:16]  # = native.source_digest()
-ATTN_SOURCE = "native/tierkv_attn.c"  # the host attention kernel, loaded by tierkv/attention/host_kernel.py
-ATTN_DIGEST = hashlib.sha256((Path(__file__).parent / ATTN_SOURCE).read_bytes()).hexdigest()[:16]
-REST_SOURCE = "native/tierkv_rest.c"  # the rest-copy attention kernel, loaded by tierkv/attention/rest_kernel.py
-REST_DIGEST = hashlib.sha256((Path(__file__).parent / REST_SOURCE).read_bytes()).hexdigest()[:16]
+KERNELS = {  # the attention kernels, loaded by tierkv/attention/host_kernel.py and rest_kernel.py
+    "tierkv.attention._attn": "native/tierkv_attn.c",
+    "tierkv.attention._rest": "native/tierkv_rest.c",
+}
+
+
+def _digest(source: str) -> str:
+    """The sha256 prefix the loaders compare with the source (``tierkv.cbuild.source_digest``)."""
+    return hashlib.sha256((Path(__file__).parent / source).read_bytes()).hexdigest()[:16]
+
 
 setup(
     ext_modules=[
@@ -29,28 +34,22 @@ setup(
             "tierkv.io._native",
             [SOURCE],
             depends=["native/xxhash.h"],  # included by the source (xxHash, BSD-2-Clause, vendored)
-            define_macros=[("TKV_SOURCE_SHA", f'"{DIGEST}"')],
+            define_macros=[("TKV_SOURCE_SHA", f'"{_digest(SOURCE)}"')],
             extra_compile_args=["-O2", "-pthread"],
             extra_link_args=["-pthread"],
             optional=True,
         ),
-        Extension(
-            "tierkv.attention._attn",
-            [ATTN_SOURCE],
-            define_macros=[("TKV_SOURCE_SHA", f'"{ATTN_DIGEST}"')],
-            extra_compile_args=["-O3", "-fopenmp"],
-            extra_link_args=["-fopenmp"],
-            libraries=["m"],
-            optional=True,
-        ),
-        Extension(
-            "tierkv.attention._rest",
-            [REST_SOURCE],
-            define_macros=[("TKV_SOURCE_SHA", f'"{REST_DIGEST}"')],
-            extra_compile_args=["-O3", "-fopenmp"],
-            extra_link_args=["-fopenmp"],
-            libraries=["m"],
-            optional=True,
+        *(
+            Extension(
+                name,
+                [source],
+                define_macros=[("TKV_SOURCE_SHA", f'"{_digest(source)}"')],
+                extra_compile_args=["-O3", "-fopenmp"],
+                extra_link_args=["-fopenmp"],
+                libraries=["m"],
+                optional=True,
+            )
+            for name, source in KERNELS.items()
         ),
     ]
 )

@@ -184,7 +184,7 @@ def test_the_rest_copy_attended_from_its_codes_equals_its_torch_decoding(tmp_pat
     budget = SparseBudget(0.25, page_tokens=PAGE, rest_bits=bits)
     outputs = []
     for native in (True, False):
-        monkeypatch.setattr(rest_kernel, "available", lambda native=native: native)
+        monkeypatch.setattr(rest_kernel, "runs_on", lambda device, native=native: native)
         executor = SparseAttention(store, ThreadMover())
         outputs.append(attend(executor, q, budget, mask))
         assert executor.counters.rest_layer_steps == 1

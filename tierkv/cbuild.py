@@ -1,8 +1,9 @@
 """Native libraries that are plain C files loaded with ctypes: the extension ``setup.py`` built, else one built on
 first use from the source checkout (FlashInfer-style), else unavailable with the reason.
 
-Shared by the native disk engine (:mod:`tierkv.io.native`) and the host attention kernel
-(:mod:`tierkv.attention.host_kernel`), which differ only in their source, flags and names. A library built on
+Shared by the native disk engine (:mod:`tierkv.io.native`) and the attention kernels
+(:mod:`tierkv.attention.host_kernel`, :mod:`tierkv.attention.rest_kernel`: :func:`open_kernel`), which differ only
+in their source, flags and names. A library built on
 first use lives in the ``cache_dir`` setting's ``native/`` folder under a name that carries a hash of source and
 flags, written aside and renamed into place, so concurrent processes never load a half-written file. The
 source's hash is compiled into every build, so an extension built from an older source is noticed and rebuilt.
@@ -111,4 +112,27 @@ def open_library(label: str, source: Path, digest: str | None, built: Path | Non
     except (OSError, subprocess.SubprocessError) as exc:
         raise EngineUnavailableError(f"building or loading {target} failed ({exc})", fix) from exc
     logger.info("%s: built on first use into %s (%s)", label, target, stale or "no extension built at install")
+    return lib
+
+
+KERNEL_FLAG_SETS = (("-O3", "-shared", "-fPIC", "-fopenmp"), ("-O3", "-shared", "-fPIC"))
+"""An attention kernel's flags: with OpenMP where the compiler has it, else single-threaded."""
+
+
+def open_kernel(label: str, source: Path, digest: str | None, built: Path | None,
+                built_from_: Callable[[ctypes.CDLL], str], fix: str,
+                functions: dict[str, tuple[object, list | None]], args: tuple[str, int]) -> ctypes.CDLL:
+    """An attention kernel opened by :func:`open_library` (OpenMP flags, libm; the other arguments as there), its
+    ``functions`` (name -> restype, argtypes or None) declared and its argument struct's size checked (``args``: the
+    C function that returns it, the size the Python side packs); raise :class:`EngineUnavailableError`."""
+    lib = open_library(label, source, digest, built, built_from_, KERNEL_FLAG_SETS, ("-lm",), fix,
+                       "Reinstall tierkv where a C compiler is available.")
+    for name, (restype, argtypes) in functions.items():
+        function = getattr(lib, name)
+        function.restype = restype
+        if argtypes is not None:
+            function.argtypes = argtypes
+    size_function, size = args
+    if getattr(lib, size_function)() != size:
+        raise EngineUnavailableError(f"{source.name}'s argument struct does not match the loader's", fix)
     return lib

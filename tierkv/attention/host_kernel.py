@@ -47,7 +47,6 @@ logger = logging.getLogger("tierkv")
 
 SOURCE = Path(__file__).resolve().parents[2] / "native" / "tierkv_attn.c"
 """The C source in a source checkout (also an editable install); a wheel ships only the built extension."""
-_FLAG_SETS = (("-O3", "-shared", "-fPIC", "-fopenmp"), ("-O3", "-shared", "-fPIC"))  # OpenMP where the compiler has it
 _FIX = "Install a C compiler (e.g. `apt-get install gcc`) or set CC; meanwhile the torch version runs."
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ENOMEM = -1  # TKV_ENOMEM in the C source
@@ -85,27 +84,19 @@ _built_from = functools.partial(cbuild.built_from, symbol="tkv_attn_source_sha")
 """The source hash a loaded library's ``tkv_attn_source_sha()`` returns ("" if it has none)."""
 
 
-def _open_library() -> ctypes.CDLL:
-    """Load the extension, else build on first use (module docstring); raise EngineUnavailableError."""
-    return cbuild.open_library("host attention kernel", SOURCE, source_digest(), extension(), _built_from,
-                               _FLAG_SETS, ("-lm",), _FIX, "Reinstall tierkv where a C compiler is available.")
-
-
 @functools.cache
 def _build() -> ctypes.CDLL | EngineUnavailableError:
-    """Open the library once per process and declare its functions; the failure, too, is cached."""
+    """Open the library once per process (the extension, else built on first use: module docstring) and declare its
+    functions; the failure, too, is cached."""
     try:
-        lib = _open_library()
+        return cbuild.open_kernel("host attention kernel", SOURCE, source_digest(), extension(), _built_from, _FIX,
+                                  {"tkv_attn_args_size": (ctypes.c_int64, None),
+                                   "tkv_attn_max_threads": (ctypes.c_int64, None),
+                                   "tkv_attn_isa": (ctypes.c_int64, None),
+                                   "tkv_attn": (ctypes.c_int, [ctypes.c_char_p])},
+                                  ("tkv_attn_args_size", _ARGS.size))
     except EngineUnavailableError as exc:
         return exc
-    lib.tkv_attn_args_size.restype = ctypes.c_int64
-    lib.tkv_attn_max_threads.restype = ctypes.c_int64
-    lib.tkv_attn_isa.restype = ctypes.c_int64
-    lib.tkv_attn.restype = ctypes.c_int
-    lib.tkv_attn.argtypes = [ctypes.c_char_p]
-    if lib.tkv_attn_args_size() != _ARGS.size:
-        return EngineUnavailableError(f"{SOURCE.name}'s argument struct does not match _ARGS", _FIX)
-    return lib
 
 
 def library() -> ctypes.CDLL:

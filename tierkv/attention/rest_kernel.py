@@ -30,7 +30,6 @@ logger = logging.getLogger("tierkv")
 
 SOURCE = Path(__file__).resolve().parents[2] / "native" / "tierkv_rest.c"
 """The C source in a source checkout (also an editable install); a wheel ships only the built extension."""
-_FLAG_SETS = (("-O3", "-shared", "-fPIC", "-fopenmp"), ("-O3", "-shared", "-fPIC"))  # OpenMP where available
 _FIX = "Install a C compiler (e.g. `apt-get install gcc`) or set CC; meanwhile the torch decoding runs."
 _ARGS = struct.Struct("<10qd9Q")
 """``tkv_rest_args``: batch, kv_heads, groups, head_dim, page_tokens, entries, bits, value_groups, rows, threads;
@@ -57,21 +56,29 @@ _built_from = functools.partial(cbuild.built_from, symbol="tkv_rest_source_sha")
 def _build() -> ctypes.CDLL | EngineUnavailableError:
     """Open the library once per process and declare its functions; the failure, too, is cached."""
     try:
-        lib = cbuild.open_library("rest-copy attention kernel", SOURCE, source_digest(), extension(), _built_from,
-                                  _FLAG_SETS, ("-lm",), _FIX, "Reinstall tierkv where a C compiler is available.")
+        return cbuild.open_kernel("rest-copy attention kernel", SOURCE, source_digest(), extension(), _built_from,
+                                  _FIX, {"tkv_rest_args_size": (ctypes.c_int64, None),
+                                         "tkv_rest": (ctypes.c_int, [ctypes.c_char_p])},
+                                  ("tkv_rest_args_size", _ARGS.size))
     except EngineUnavailableError as exc:
         return exc
-    lib.tkv_rest_args_size.restype = ctypes.c_int64
-    lib.tkv_rest.restype = ctypes.c_int
-    lib.tkv_rest.argtypes = [ctypes.c_char_p]
-    if lib.tkv_rest_args_size() != _ARGS.size:
-        return EngineUnavailableError(f"{SOURCE.name}'s argument struct does not match _ARGS", _FIX)
-    return lib
 
 
 def available() -> bool:
     """Whether the C kernel loads here."""
     return not isinstance(_build(), EngineUnavailableError)
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether :func:`rest_attention` can run for a rest copy on ``device``: in CPU memory, with the library loaded
+    (else the reason is logged, once)."""
+    if device.type != "cpu":
+        return False
+    lib = _build()
+    if isinstance(lib, EngineUnavailableError):
+        _log_unavailable(str(lib))
+        return False
+    return True
 
 
 @functools.cache
@@ -89,14 +96,12 @@ def rest_attention(query: torch.Tensor, codes: torch.Tensor, pages: torch.Tensor
     the kernel cannot run here (not built, the tensors not in CPU memory, or a query group, head or page beyond
     :data:`MAX_GROUP`, :data:`MAX_DIM`, :data:`MAX_PAGE`). The rows' entries are cut into pieces across torch's
     threads when there are fewer rows x KV heads than threads, merged by log-sum-exp."""
-    lib = _build()
-    if isinstance(lib, EngineUnavailableError):
-        _log_unavailable(str(lib))
-        return None
     batch, heads, groups, dim = query.shape
     pt = codes.shape[3]
-    if codes.device.type != "cpu" or groups > MAX_GROUP or dim > MAX_DIM or pt > MAX_PAGE:
+    if not runs_on(codes.device) or groups > MAX_GROUP or dim > MAX_DIM or pt > MAX_PAGE:
         return None
+    lib = _build()
+    assert not isinstance(lib, EngineUnavailableError)  # runs_on said it loads
     entries = pages.shape[1]
     wanted = {"query": (query, torch.float32, (batch, heads, groups, dim)),
               "codes": (codes, torch.uint8, (heads, codes.shape[1], 2, pt, dim * bits // 8)),

@@ -520,12 +520,13 @@ class SparseAttention(PipelinedExecutor):
         bias = _bias(positions, start, stop, mask, q.dtype)
         chunk = max(1, REST_CHUNK_TOKENS // page)
         out = lse = None
-        scaled = (q[:, :, :, 0].float() * scaling).contiguous()  # [B, H_kv, G, D]: the native kernel's query
+        native_kernel = rest_kernel.runs_on(device)
+        scaled = (q[:, :, :, 0].float() * scaling).contiguous() if native_kernel else q  # the C kernel's query
         for c in range(0, most, chunk):
             picked = pages[:, c : c + chunk].reshape(-1)
             self.counters.rest_bytes_read += summaries.rest_nbytes(layer, int(valid[:, c : c + chunk].sum()))
             native = None
-            if rest_kernel.available() and device.type == "cpu":
+            if native_kernel:
                 codes, bounds, scales = summaries.rest_packed(layer, picked)
                 native = rest_kernel.rest_attention(
                     scaled, codes, pages[:, c : c + chunk].contiguous(), valid[:, c : c + chunk].sum(dim=1), bounds,

@@ -54,9 +54,8 @@ class SparseBlocks:
                                      page_tokens)
             summaries.pages(store.block_tokens)  # a page size that does not divide the blocks: refused before reads
             store.summaries = summaries  # blocks that fill from now on are summarised as they fill
-        layers = list(store.table.rows) if layer is None else [layer] if layer in store.table.rows else []
-        for index in layers:
-            if index in summaries.backfilled:
+        for index in list(store.table.rows) if layer is None else [layer]:
+            if index in summaries.backfilled or index not in store.table.rows:
                 continue
             try:
                 self._backfill(summaries, index)
