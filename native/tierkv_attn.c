@@ -113,6 +113,8 @@ typedef struct {
     const float *mask;         /* [mask batch, q_len, mask_len] or NULL */
     float *out;                /* [batch, q_heads, q_len, head_dim] */
     float *lse;                /* [batch, q_heads, q_len] */
+    float *entry_lse;          /* [batch, q_heads, q_len, n_blocks] or NULL: each entry's own log-sum-exp (its share
+                                * of the softmax is exp(entry_lse - lse)); entries attending no key keep theirs */
     int64_t chunks[];          /* [n_chunks, 3] after the struct: address, slots, slot stride in bytes */
 } tkv_attn_args;
 
@@ -873,7 +875,11 @@ static void run_task(const tkv_attn_args *a, const uint64_t *blocks, int64_t b, 
                     for (int64_t d = 0; d < D; d++) st[2 + d] *= scale;
                     st[0] = peak;
                 }
-                st[1] += exp_sum(w, n, peak, simd);
+                const float part = exp_sum(w, n, peak, simd);
+                st[1] += part;
+                if (a->entry_lse) /* query head (h0 + hh) * group + r / q_len, query r % q_len */
+                    a->entry_lse[(((b * a->q_heads + (h0 + hh) * group + r / q_len) * q_len + r % q_len) *
+                                  a->n_blocks) + j] = peak + logf(part);
             }
         }
         for (int64_t hh = 0; hh < h1 - h0; hh++) {

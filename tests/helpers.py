@@ -160,3 +160,31 @@ def check_extension_loads_first(kernel: Any, stem: str, tmp_path: Path, monkeypa
         assert "the extension built at install" in caplog.text and not (tmp_path / "cache").exists()
     finally:
         kernel._build.cache_clear()
+
+
+def use_host_kernel(variant: str, monkeypatch: Any) -> str:
+    """Run the test on the host kernel's ``variant``: "native" (the C kernel; skipped where it does not load) or
+    "torch" (the torch version, as where the C kernel cannot be built: no prepared calls either)."""
+    import pytest
+
+    from tierkv.attention import host_kernel
+    from tierkv.io.base import EngineUnavailableError
+
+    if variant == "torch":
+        monkeypatch.setattr(host_kernel, "paged_attention", host_kernel.paged_attention_torch)
+        monkeypatch.setattr(host_kernel, "_build", lambda: EngineUnavailableError("unloaded by the test", "none"))
+    elif not host_kernel.available():
+        pytest.skip(f"the C kernel does not load here: {host_kernel._build()}")
+    return variant
+
+
+def teacher_forced(model: Any, ids: torch.Tensor, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A ``DynamicCache`` run of ``steps`` greedy steps from ``ids``: each step's input tokens and last logits, so
+    another cache can be fed the same inputs (a near-tie broken either way cannot change the later steps)."""
+    from transformers import DynamicCache
+
+    reference, inputs, expected = DynamicCache(), [ids], []
+    for _ in range(steps):
+        expected.append(model(inputs[-1], past_key_values=reference).logits[:, -1])
+        inputs.append(expected[-1].argmax(-1, keepdim=True))
+    return inputs, expected

@@ -69,10 +69,28 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths
               softcap: float | None = None, query_start: list[int] | None = None, window: int | None = None,
               bias: torch.Tensor | None = None, mask_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Plain softmax attention in float64 over contiguous keys (positions 0..T-1), GQA by repeating K/V."""
+    scores = reference_scores(q, keys, lengths, scaling=scaling, softcap=softcap, query_start=query_start,
+                              window=window, bias=bias, mask_start=mask_start)  # fmt: skip
+    v = values.double().repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(scores, dim=-1).nan_to_num(0.0), v)
+    return out, lse
+
+
+def reference_entries(scores: torch.Tensor, entries: int, entry_tokens: int) -> torch.Tensor:
+    """The log-sum-exp of each run of ``entry_tokens`` keys of :func:`reference_scores`' ``[B, H_q, q, T]``:
+    ``[B, H_q, q, entries]`` (keys past ``T`` count as not attended)."""
+    padded = torch.nn.functional.pad(scores, (0, entries * entry_tokens - scores.shape[-1]), value=float("-inf"))
+    return torch.logsumexp(padded.unflatten(-1, (entries, entry_tokens)), dim=-1)
+
+
+def reference_scores(q: torch.Tensor, keys: torch.Tensor, lengths: list[int], *, scaling: float,
+                     softcap: float | None = None, query_start: list[int] | None = None, window: int | None = None,
+                     bias: torch.Tensor | None = None, mask_start: int = 0) -> torch.Tensor:  # fmt: skip
+    """:func:`reference`'s float64 logits ``[B, H_q, q, T]``, ``-inf`` where a key is not attended."""
     batch, q_heads, q_len, _ = q.shape
     group = q_heads // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1)
-    v = values.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("bhqd,bhkd->bhqk", q.double() * scaling, k)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -89,10 +107,7 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths
         column = (key_pos - mask_start).clamp(0, bias.shape[-1] - 1)
         scores = scores + bias.double()[:, None][..., column]
         scores = scores.clamp_min(torch.finfo(torch.float32).min)
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(scores, dim=-1).nan_to_num(0.0), v)
-    return out, lse
+    return scores.masked_fill(~allowed[:, None], float("-inf"))
 
 
 def _close(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], tol: float = 2e-5) -> None:
@@ -423,6 +438,28 @@ def test_the_c_kernel_and_the_torch_version_agree_on_pages(dtype):
 
 
 @pytest.mark.parametrize("attend", IMPLEMENTATIONS)
+def test_entry_shares_are_each_pages_part_of_the_softmax(attend):
+    """``entry_lse`` with absent entries, a mask and a soft-cap: absent entries get ``-inf``, fully masked-out ones
+    a share of 0, and ``exp(entry_lse - lse)`` summed over the entries is 1 for every query — each page's share of
+    the softmax (what sparse attention's sticky selection and the attention policy measure)."""
+    pages = Pages(2, 2, 32, 16, 4, 9, torch.bfloat16, chunks=2, seed=111, absent=0.3)
+    q = torch.randn(2, 6, 1, 32, generator=torch.Generator().manual_seed(112))
+    mask = torch.ones(2, 1, 1, 36, dtype=torch.bool)
+    mask[1, 0, 0, 8:12] = False  # row 1's third entry: no key attended
+    entry_lse = torch.empty(2, 6, 1, 9)
+    _, lse = attend(q, pages.slab, pages.table, 36, scaling=0.2, softcap=20.0, mask=mask, starts=pages.starts,
+                    entry_tokens=4, entry_lse=entry_lse)  # fmt: skip
+    absent = torch.from_numpy(pages.table < 0)
+    assert absent.any() and torch.isneginf(entry_lse[absent[:, None, None, :].expand_as(entry_lse)]).all()
+    shares = torch.exp(entry_lse - lse[..., None])
+    assert (shares[1, :, :, 2] == 0).all() and (shares[1, :, :, 3] > 0).all()
+    torch.testing.assert_close(shares.sum(-1), torch.ones_like(lse))
+    with pytest.raises(InvalidConfigError, match="entry_lse must be"):
+        attend(q, pages.slab, pages.table, 36, scaling=0.2, starts=pages.starts, entry_tokens=4,
+               entry_lse=torch.empty(2, 6, 9))  # fmt: skip
+
+
+@pytest.mark.parametrize("attend", IMPLEMENTATIONS)
 def test_pages_at_their_positions_in_parts_merge_into_attention_over_all_keys(attend):
     """Pages across tiers: every page of every block named by its slot and start, in a shuffled order per row and
     placed at its real position (block position + start), divided at random between two parts; each part
@@ -479,10 +516,14 @@ def test_pages_match_float64_softmax_on_random_shapes(attend, batch, kv_heads, g
     lengths = [int(rng.integers(q_len, tokens + 1)) if ragged else tokens for _ in range(batch)]
     start = [length - q_len for length in lengths]
     keys, values, _ = pages.gathered([tokens] * batch)
+    entry_lse = torch.empty(batch, kv_heads * group, q_len, entries)
     got = attend(q, pages.slab, pages.table, lengths, scaling=dim**-0.5, softcap=softcap, window=window,
-                 starts=pages.starts, entry_tokens=entry_tokens, threads=threads)  # fmt: skip
+                 starts=pages.starts, entry_tokens=entry_tokens, threads=threads, entry_lse=entry_lse)  # fmt: skip
     want = reference(q, keys, values, lengths, scaling=dim**-0.5, softcap=softcap, query_start=start, window=window)
     _close(got, want)
+    scores = reference_scores(q, keys, lengths, scaling=dim**-0.5, softcap=softcap, query_start=start, window=window)
+    torch.testing.assert_close(entry_lse.double(), reference_entries(scores, entries, entry_tokens), atol=2e-5,
+                               rtol=2e-5)  # fmt: skip
 
 
 @needs_compiler
@@ -505,9 +546,13 @@ def test_every_code_path_attends_pages(isa, dtype, monkeypatch):
         lengths = [tokens, tokens - 3]
         start = [length - q_len for length in lengths]
         keys, values, _ = pages.gathered([tokens, tokens])
+        entry_lse = torch.empty(2, 2 * group, q_len, entries)
         got = _native(q, pages.slab, pages.table, lengths, scaling=dim**-0.5, window=60, starts=pages.starts,
-                      entry_tokens=entry_tokens, threads=2)  # fmt: skip
+                      entry_tokens=entry_tokens, threads=2, entry_lse=entry_lse)  # fmt: skip
         _close(got, reference(q, keys, values, lengths, scaling=dim**-0.5, query_start=start, window=60))
+        scores = reference_scores(q, keys, lengths, scaling=dim**-0.5, query_start=start, window=60)
+        torch.testing.assert_close(entry_lse.double(), reference_entries(scores, entries, entry_tokens), atol=2e-5,
+                                   rtol=2e-5)  # fmt: skip
 
 
 @pytest.mark.parametrize("attend", IMPLEMENTATIONS)

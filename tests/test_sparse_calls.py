@@ -133,8 +133,9 @@ def test_python_calls_per_sparse_step_do_not_grow_with_blocks(tmp_path, monkeypa
 
 
 def test_kept_pages_work_the_same_whatever_the_blocks(tmp_path, monkeypatch):
-    """With pages kept across steps (the default), the kept layers' own Python (placing a selection, gathering the
-    hits, keeping the misses) is the same at 128 and 4,096 blocks per layer, and it ran."""
+    """With pages kept across steps (the default), the kept layers' own Python (placing a selection, recording the
+    misses read into place, viewing the buffer as the kernel's slab) is the same at 128 and 4,096 blocks per layer,
+    and it ran."""
     monkeypatch.setattr(disk_module, "MIN_BOUNCE_BYTES", disk_module.BOUNCE_BYTES)
     monkeypatch.setattr(sparse_module, "REST_CHUNK_TOKENS", 2 * MANY * BLOCK_TOKENS)
     kept_file = str(Path(kept_module.__file__).resolve())
@@ -142,5 +143,5 @@ def test_kept_pages_work_the_same_whatever_the_blocks(tmp_path, monkeypatch):
     for name, blocks in (("few", FEW), ("many", MANY)):
         events, _ = traced_step(tmp_path / name, blocks, None)
         counts.append({key: n for key, n in events.items() if key[0] == kept_file})
-    assert (kept_file, "KeptLayer.gather") in counts[0], "no kept layer"
+    assert (kept_file, "KeptLayer.place") in counts[0] and (kept_file, "KeptLayer.slab") in counts[0], "no kept layer"
     assert counts[0] == counts[1], _grown(collections.Counter(counts[0]), collections.Counter(counts[1]))

@@ -363,7 +363,8 @@ def test_a_layer_keeping_its_hot_pages_does_not_read_their_blocks_whole_to_promo
 
 def test_pages_kept_from_earlier_steps_are_not_read_again(tmp_path, monkeypatch):
     """A layer keeps the pages it read on the device: the same query again reads nothing from disk (every page a
-    kept hit, counted on ``device->device``) and gives the same output; a new query reads only what it lacks and is
+    kept hit: on a CPU host attended where it is kept, so no page byte moves; on an accelerator gathered, counted on
+    ``device->device``) and gives the same output; a new query reads only what it lacks and is
     exact over its selection. With keeping off, the repeat reads the disk again."""
     from tierkv.attention import kept as kept_module
 
@@ -382,7 +383,11 @@ def test_pages_kept_from_earlier_steps_are_not_read_again(tmp_path, monkeypatch)
     assert store.bytes_moved["disk->device"] - disk == read  # nothing more from disk
     assert executor.counters.pages_reused == selected
     page_bytes = PAGE * store.layouts[0].token_bytes
-    assert store.bytes_moved["device->device"] - device >= selected * page_bytes
+    gathered = store.bytes_moved["device->device"] - device
+    if store.transfer.accel.streams:
+        assert gathered >= selected * page_bytes
+    else:
+        assert gathered < page_bytes  # the open tail's copy only
     assert torch.equal(again, first)
     out = attend(executor, other, budget)
     torch.testing.assert_close(out.double(), reference(other, kv, read_positions(executor, kv.shape[3])),
@@ -397,3 +402,48 @@ def test_pages_kept_from_earlier_steps_are_not_read_again(tmp_path, monkeypatch)
     torch.testing.assert_close(attend(executor, q, budget), first, atol=1e-6, rtol=0)
     assert store.bytes_moved["disk->device"] > disk and executor.counters.pages_reused == 0
     executor.close()
+
+
+def test_pages_attended_in_place_equal_the_staged_path(tmp_path, monkeypatch):
+    """On a CPU host the selected pages are attended where the kept layer holds them (the misses read straight into
+    it; no gather, no staging): over steps with and without a padding mask, under the attention policy, the
+    outputs, the selections, the measured page shares (what the sticky selection and the policy are given) and the
+    promotions equal those of the staged path (pages gathered into staging, attended by torch), and the kept hits
+    move no bytes."""
+    runs = []
+    for in_place in (True, False):
+        store, kv = store_with_needles(tmp_path / str(in_place), {0: (5, 2), 1: (9, 1)}, policy="attention")
+        if store.transfer.accel.streams:
+            pytest.skip("an accelerator's pages are gathered into staging (the host kernel reads host memory)")
+        executor = SparseAttention(store, ThreadMover())
+        if not in_place:
+            monkeypatch.setattr(executor, "_pages_here", lambda *args: None)
+        masses: list[np.ndarray] = []
+        told = store.policy.on_attention
+
+        def spy(layer, tick, ids, weights, told=told, masses=masses):
+            masses.append(np.array(weights))
+            return told(layer, tick, ids, weights)
+
+        monkeypatch.setattr(store.policy, "on_attention", spy)
+        mask = torch.ones(2, 1, 1, kv.shape[3], dtype=torch.bool)
+        mask[1, ..., : 2 * BT + 5] = False
+        generator = torch.Generator().manual_seed(6)
+        outs, picks, sticky = [], [], []
+        for step in range(6):
+            q = needle_query() if step % 3 == 0 else torch.randn(2, HEADS * GROUPS, 1, DIM, generator=generator)
+            outs.append(attend(executor, q, SparseBudget(0.2, page_tokens=PAGE), mask if step % 2 else None))
+            picks.append(executor.last_pages.copy())
+            sticky.append(executor._sticky[0][1].clone())
+        runs.append((outs, picks, sticky, masses, executor.counters.promotions, store.bytes_moved["device->device"]))
+        torch.testing.assert_close(store.read_tokens(0), kv)
+        executor.close()
+    (outs, picks, sticky, masses, promoted, moved), (outs_, picks_, sticky_, masses_, promoted_, moved_) = runs
+    for step in range(6):
+        torch.testing.assert_close(outs[step], outs_[step], atol=1e-5, rtol=0)
+        assert np.array_equal(picks[step], picks_[step])
+        torch.testing.assert_close(sticky[step], sticky_[step], atol=1e-5, rtol=0)
+    assert any((s > 0).any() for s in sticky) and len(masses) == len(masses_) > 0
+    for mass, mass_ in zip(masses, masses_):
+        np.testing.assert_allclose(mass, mass_, atol=1e-5)
+    assert promoted == promoted_ and moved < moved_

@@ -7,15 +7,13 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_same_generation
+from helpers import assert_same_generation, teacher_forced, use_host_kernel
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
 from tierkv import TieredCache, accel
-from tierkv.attention import host_kernel
 from tierkv.errors import InvalidConfigError
 from tierkv.hf.attention import Engagement
-from tierkv.io.base import EngineUnavailableError
 
 NEW = 8
 CASES = [  # (id, family, attention implementation, sliding window)
@@ -48,12 +46,7 @@ def run(model, ids, mask, cache, **kwargs):
 def kernel(request, monkeypatch):
     """Each test runs on the C kernel and on the torch version (where the C kernel does not load: no prepared
     calls either)."""
-    if request.param == "torch":
-        monkeypatch.setattr(host_kernel, "paged_attention", host_kernel.paged_attention_torch)
-        monkeypatch.setattr(host_kernel, "_build", lambda: EngineUnavailableError("unloaded by the test", "none"))
-    elif not host_kernel.available():
-        pytest.skip(f"the C kernel does not load here: {host_kernel._build()}")
-    return request.param
+    return use_host_kernel(request.param, monkeypatch)
 
 
 @pytest.mark.parametrize(("name", "family", "attn", "window"), CASES, ids=[c[0] for c in CASES])
@@ -89,10 +82,7 @@ def test_split_bf16(tmp_path):
     bf16 rounding breaks either way cannot change the later steps' inputs)."""
     model = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)
     ids, _ = prompt(2, 40, seed=1)
-    reference, inputs, expected = DynamicCache(), [ids], []
-    for _ in range(NEW):
-        expected.append(model(inputs[-1], past_key_values=reference).logits[:, -1])
-        inputs.append(expected[-1].argmax(-1, keepdim=True))
+    inputs, expected = teacher_forced(model, ids, NEW)
     with TieredCache(gpu_gb=gpu(model, 2), cpu_gb="24KB", disk_dir=tmp_path, block_tokens=4) as cache, \
             split(cache, model):
         for tokens, want in zip(inputs, expected):

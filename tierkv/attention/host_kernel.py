@@ -61,10 +61,11 @@ Table = torch.Tensor | np.ndarray
 Ints = int | Sequence[int] | torch.Tensor | np.ndarray
 
 
-_ARGS = struct.Struct("<16q2d9Q")
+_ARGS = struct.Struct("<16q2d10Q")
 """``tkv_attn_args`` of the C source, packed in one call: batch, q_heads, kv_heads, q_len, head_dim, block_tokens,
 entry_tokens, n_blocks, dtype, window, mask_len, mask_start, mask_batch_stride, threads, isa, n_chunks; scaling,
-softcap; the addresses of query, table, starts, positions, lengths, query_start, mask, out, lse (0: none). Then
+softcap; the addresses of query, table, starts, positions, lengths, query_start, mask, out, lse, entry_lse (0:
+none). Then
 come the chunks (address, slots, slot stride in bytes; int64 each), in the same buffer."""
 _ESLOT = -3  # TKV_ESLOT in the C source
 _ESTART = -4  # TKV_ESTART in the C source
@@ -296,8 +297,8 @@ def paged_attention(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Te
                     lengths: Ints, *, scaling: float, softcap: float | None = None, causal: bool = True,
                     query_start: Ints | None = None, window: int | None = None, mask: torch.Tensor | None = None,
                     mask_start: int = 0, positions: Table | None = None, starts: Table | None = None,
-                    entry_tokens: int | None = None,
-                    threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                    entry_tokens: int | None = None, threads: int | None = None,
+                    entry_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Attend ``query`` over the blocks ``block_table`` names in ``slabs`` (or pages inside them), in place, on
     the CPU.
 
@@ -318,6 +319,9 @@ def paged_attention(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Te
       at positions ``<= `` it, and ``> position - window`` with a sliding ``window``.
     - ``mask``: ``[B or 1, 1, q_len, M]`` bool (True: attend) or additive, column ``position - mask_start``;
       keys before ``mask_start`` are not attended. ``softcap``: ``tanh(s / cap) * cap`` before the mask.
+    - ``entry_lse``: where given, an fp32 ``[B, H_q, q_len, n]`` tensor that receives each table entry's own
+      log-sum-exp (``-inf``: no key of it attended), so that ``exp(entry_lse - lse)`` is the entry's share of the
+      softmax — sparse attention's measured share of each page, without a second pass over the keys.
 
     Returns the normalised output ``[B, H_q, q_len, D]`` and the log-sum-exp ``[B, H_q, q_len]``, fp32, as
     :func:`tierkv.attention.lse.merge` takes them; a query that attends no key gets 0 and ``-inf``. Runs the C
@@ -326,22 +330,41 @@ def paged_attention(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Te
     inputs = _check(query, slabs, block_table, lengths, scaling=scaling, softcap=softcap, causal=causal,
                     query_start=query_start, window=window, mask=mask, mask_start=mask_start, positions=positions,
                     starts=starts, entry_tokens=entry_tokens, threads=threads)
+    entries = _entry_lse(entry_lse, inputs)
     lib = _build()
     if isinstance(lib, EngineUnavailableError):
         _log_fallback(lib.reason)
-        return _attend_torch(inputs)
-    return _attend_native(lib, inputs, threads)
+        return _attend_torch(inputs, entries)
+    return _attend_native(lib, inputs, threads, entries)
 
 
-def _attend_native(lib: ctypes.CDLL, inputs: _Inputs, threads: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _entry_lse(entry_lse: torch.Tensor | None, inputs: _Inputs) -> torch.Tensor | None:
+    """``entry_lse`` checked to be the ``[B, H_q, q_len, n]`` fp32 contiguous tensor on the query's device that
+    :func:`paged_attention` fills, and filled with ``-inf`` (entries that attend no key keep it); raise
+    InvalidConfigError."""
+    if entry_lse is None:
+        return None
+    wanted = (*inputs.query.shape[:-1], inputs.table.shape[1])
+    if (tuple(entry_lse.shape) != wanted or entry_lse.dtype != torch.float32 or not entry_lse.is_contiguous()
+            or entry_lse.device != inputs.query.device):  # fmt: skip
+        raise InvalidConfigError(f"entry_lse must be a contiguous fp32 tensor {list(wanted)} on "
+                                 f"{inputs.query.device}, got {entry_lse.dtype} {list(entry_lse.shape)} on "
+                                 f"{entry_lse.device}.")  # fmt: skip
+    return entry_lse.fill_(float("-inf"))
+
+
+def _attend_native(lib: ctypes.CDLL, inputs: _Inputs, threads: int | None,
+                   entry_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     out = torch.empty_like(inputs.query)
     lse = torch.empty(inputs.query.shape[:-1], dtype=torch.float32)
-    _raise_for(lib.tkv_attn(_pack(inputs, threads, out.data_ptr(), lse.data_ptr())), inputs)
+    entries = 0 if entry_lse is None else entry_lse.data_ptr()
+    _raise_for(lib.tkv_attn(_pack(inputs, threads, out.data_ptr(), lse.data_ptr(), entries)), inputs)
     return out, lse
 
 
-def _pack(inputs: _Inputs, threads: int | None, out: int, lse: int) -> bytes:
-    """The C kernel's argument struct for ``inputs``, writing to the addresses ``out`` and ``lse``."""
+def _pack(inputs: _Inputs, threads: int | None, out: int, lse: int, entry_lse: int = 0) -> bytes:
+    """The C kernel's argument struct for ``inputs``, writing to the addresses ``out``, ``lse`` and ``entry_lse``
+    (0: none)."""
     q, table, mask, slabs = inputs.query, inputs.table, inputs.mask, inputs.slabs
     batch, q_heads, q_len, head_dim = q.shape
     chunks = [v for c in slabs for v in (c.data_ptr(), c.shape[0], c.stride(0) * c.element_size())]
@@ -351,7 +374,7 @@ def _pack(inputs: _Inputs, threads: int | None, out: int, lse: int) -> bytes:
         0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
         threads if threads is not None else torch.get_num_threads(), ISA, len(slabs), inputs.scaling, inputs.softcap,
         q.data_ptr(), _address(table), _address(inputs.starts), _address(inputs.positions), _address(inputs.lengths),
-        _address(inputs.query_start), 0 if mask is None else mask.data_ptr(), out, lse,
+        _address(inputs.query_start), 0 if mask is None else mask.data_ptr(), out, lse, entry_lse,
     ) + struct.pack(f"<{len(chunks)}q", *chunks)  # fmt: skip
 
 
@@ -464,18 +487,18 @@ def paged_attention_torch(query: torch.Tensor, slabs: torch.Tensor | Sequence[to
                           lengths: Ints, *, scaling: float, softcap: float | None = None, causal: bool = True,
                           query_start: Ints | None = None, window: int | None = None,
                           mask: torch.Tensor | None = None, mask_start: int = 0, positions: Table | None = None,
-                          starts: Table | None = None, entry_tokens: int | None = None,
-                          threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                          starts: Table | None = None, entry_tokens: int | None = None, threads: int | None = None,
+                          entry_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`paged_attention` in plain torch (gathers the named blocks or pages, then attends them in fp32), on
     the device the query and the slab share (the host's, or an accelerator's); ``threads`` is accepted for the
     same signature and ignored."""
-    return _attend_torch(_check(query, slabs, block_table, lengths, scaling=scaling, softcap=softcap, causal=causal,
-                                query_start=query_start, window=window, mask=mask, mask_start=mask_start,
-                                positions=positions, starts=starts, entry_tokens=entry_tokens, threads=threads,
-                                host=False))  # fmt: skip
+    inputs = _check(query, slabs, block_table, lengths, scaling=scaling, softcap=softcap, causal=causal,
+                    query_start=query_start, window=window, mask=mask, mask_start=mask_start, positions=positions,
+                    starts=starts, entry_tokens=entry_tokens, threads=threads, host=False)  # fmt: skip
+    return _attend_torch(inputs, _entry_lse(entry_lse, inputs))
 
 
-def _attend_torch(inputs: _Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_torch(inputs: _Inputs, entry_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     _check_slots(inputs)
     q, table = inputs.query, inputs.table
     device = q.device
@@ -522,6 +545,8 @@ def _attend_torch(inputs: _Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     allowed = allowed[:, None, None].expand(scores.shape)  # [B, H_kv, G, q, keys]
     scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
+    if entry_lse is not None:  # [B, H_kv, G, q, n] -> [B, H_q, q, n]
+        entry_lse.copy_(torch.logsumexp(scores.unflatten(-1, (n, entry)), dim=-1).flatten(1, 2))
     weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # a query with no key: all weights 0
     out = torch.matmul(weights.view(batch, kv_heads, group * q_len, -1), values)
     return out.view(q.shape), lse.view(q.shape[:-1])

@@ -7,8 +7,10 @@ than everything else a sparse layer-step does). But selections are stable: on th
 model at 16K tokens, 75-80% of a layer's selected blocks were selected the step before, and 90-97% within the
 last few steps. Keeping each layer's recent selections turns most steps' reads into a device gather.
 
-Per kept layer, a device buffer ``[2, B, H_kv, capacity · block_tokens, D]`` (reserved against the device
-budget, like staging) and, per position, the block held there and the step it was last attended::
+Per kept layer, a device buffer ``[B, 2, H_kv, capacity · block_tokens, D]`` (reserved against the device
+budget, like staging; each row's part laid out like one block of ``capacity · block_tokens`` tokens, so the host
+kernel attends kept units where they are: :meth:`KeptLayer.slab`) and, per position, the block held there and the
+step it was last attended::
 
     held[b, k]   = selected block (b, k) sits at position pos[b, k]      (full blocks never change)
     staging      = kept[:, b, :, pos[b, k]]                               (one gather, in selection order)
@@ -88,11 +90,17 @@ class KeptLayer:
     def capacity(self) -> int:
         return self.ids.shape[1]
 
-    def view(self, layout: BlockLayout) -> torch.Tensor:
-        """The buffer as ``[2, B, H_kv, capacity · unit_tokens, D]``."""
+    def slab(self, layout: BlockLayout) -> torch.Tensor:
+        """The buffer as a slab of one slot per row, ``[B, 2, H_kv, capacity · unit_tokens, D]``: the unit at
+        position ``k`` of row ``b`` is the ``unit_tokens`` tokens from ``k · unit_tokens`` of slot ``b`` (the host
+        kernel's pages, :func:`tierkv.attention.host_kernel.paged_attention` with ``starts``)."""
         tokens = self.capacity * self.unit_tokens
         nbytes = self.batch * tokens * layout.token_bytes
-        return self.buffer[:nbytes].view(layout.dtype).view(2, self.batch, layout.kv_heads, tokens, layout.head_dim)
+        return self.buffer[:nbytes].view(layout.dtype).view(self.batch, 2, layout.kv_heads, tokens, layout.head_dim)
+
+    def view(self, layout: BlockLayout) -> torch.Tensor:
+        """The buffer as ``[2, B, H_kv, capacity · unit_tokens, D]`` (a view of :meth:`slab`)."""
+        return self.slab(layout).transpose(0, 1)
 
     def place(self, ids: np.ndarray, columns: np.ndarray, tail: np.ndarray, step: int) -> Placed:
         """Place a selection: ``ids`` / ``columns`` ``[B, K]`` (block ids and grid columns), ``tail`` ``[B, K]``
@@ -155,6 +163,11 @@ class KeptLayer:
         source = self.view(layout).unflatten(3, (self.capacity, -1))
         source[:, row, :, position] = blocks[:, row, :, pick]
         self.ids[rows, positions] = ids[new]
+
+    def record(self, placed: Placed, ids: np.ndarray) -> None:
+        """The read of ``placed``'s misses landed at their kept positions (read there directly): they are held."""
+        new = (placed.positions >= 0) & ~placed.hit
+        self.ids[np.nonzero(new)[0], placed.positions[new]] = ids[new]
 
 
 class KeptBlocks:

@@ -10,16 +10,21 @@ block, which stays the unit of placement and of large transfers)::
     score[b, p]       = max over heads of share               # a page matters if any query head needs it
     score[b, p]       = max(score, measured share at the layer's previous step, where >= sticky_share)
     selected[b]       = sinks ∪ top_k(score[b]) ∪ recent      # per row: rows select different pages
-    read the sink and recent blocks whole (one ReadPlan), the selected pages by one page read per tier
-        (KVStore.read_pages: sub-block reads, the disk's covering aligned sectors), into device staging
+    read the sink and recent blocks whole (one ReadPlan) into device staging
+    CPU host: attend the selected pages where they are (the host kernel, tierkv.attention.host_kernel): those
+        of blocks in memory in the tiers' slabs, those on disk in the layer's kept buffer, the misses read
+        straight into it (KVStore.read_pages: the disk's covering aligned sectors); nothing gathered or staged
+    accelerator: read the selected pages by one page read per tier into device staging (kept ones gathered)
     out = softmax attention over the selected tokens (tierkv.attention.lse), exact over them
     rest_bits: + every other candidate page from its low-bit copy on the device, merged by log-sum-exp
         (in CPU memory attended straight from its codes: tierkv.attention.rest_kernel)
 
 Each layer keeps the units it read in its recent steps on the device (:mod:`tierkv.attention.kept`): pages, or
 blocks where ``page_tokens`` equals the block's tokens (the page is then the block, and the selected blocks are
-also read ahead from disk by speculation); a step reads from the tiers only the units it did not hold. The
-attention policy promotes the blocks of hot units.
+also read ahead from disk by speculation); a step reads from the tiers only the units it did not hold. On a CPU
+host a layer keeps only its disk pages (the others are attended in their slabs), and attends them in the kept
+buffer: a kept page moves no byte, and the kernel measures each page's share of the softmax in the same pass
+(``entry_lse``). The attention policy promotes the blocks of hot units.
 
 Why the estimate mixes the bound with the mean: Quest's bound alone is loose (one outlying channel lifts it),
 and on SmolLM2 at 10% of a 2K context it found 5 of 18 needles against full attention's 15, the mix 11
@@ -54,9 +59,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tierkv.attention import rest_kernel
+from tierkv.attention import host_kernel, rest_kernel
 from tierkv.attention.base import PipelinedExecutor, Span, register_executor
-from tierkv.attention.kept import KeptBlocks
+from tierkv.attention.kept import KeptBlocks, KeptLayer, Placed
 from tierkv.attention.lse import merge, partial_attention, weighted_attention
 from tierkv.attention.sparse_store import SparseBlocks
 from tierkv.attention.speculation import Speculation, SpeculationCounters
@@ -67,6 +72,7 @@ from tierkv.staging import GROWTH, REST_BITS, default_page_tokens
 from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
 from tierkv.store.transfer import link
+from tierkv.tiers.memory import MemoryTier
 
 REST_CHUNK_TOKENS = 16384  # the rest copy is decoded and attended this many candidate tokens at a time
 REST_PRUNE_MASS = 1e-3  # the rest copy leaves out pages whose summed mass is bounded below this share of the read's
@@ -272,13 +278,14 @@ class SparseAttention(PipelinedExecutor):
         self.last_columns, self.last_pages = columns, pages
         self.speculation.remember(layer, columns, self._runners_up(layer, columns))
         count, picked = columns.shape[1], 0 if pages is None else pages.shape[1]
-        staging, page_staging = self._staging(layer, batch, count, picked * page)
+        here = self._pages_here(layer, batch, picked, page) if picked else None
+        staging, page_staging = self._staging(layer, batch, count, 0 if here is not None else picked * page)
         self._fill(layer, columns, staging, keep=pages is None)
         parts = [self._block_part(columns, staging, start, stop, mask, query)]
         rest = budget.rest_bits or budget.rest_means
         if self._tail_kept is not None and not rest:  # the tail's pages not chosen: not attended
             parts[0] = (*parts[0][:2], _tail_bias(parts[0][2], *self._tail_kept, page, parts[0][0].shape[2], query))
-        if pages is not None and picked:
+        if pages is not None and picked and here is None:
             self._read_pages(layer, pages, per, page, page_staging)
             if (pages < 0).any():  # positions left alone hold stale bytes, maybe NaN: masked, and zero
                 stale = torch.from_numpy(pages < 0).to(query.device).repeat_interleave(page, dim=1)
@@ -288,6 +295,13 @@ class SparseAttention(PipelinedExecutor):
         wants_mass = getattr(store.policy, "wants_mass", False)
         sticky = bool(self.sticky_share) and self._scored  # an exact layer-step (all blocks read) chose nothing
         out, lse, pieces = self._attend_parts(q, parts, wants_mass or sticky, scaling, softcap)
+        page_lse = None  # each page's own log-sum-exp [B, H_q, P], where the pages were attended in place
+        if here is not None:
+            assert pages is not None
+            page_out, part_lse, page_lse = self._attend_pages_here(layer, here, pages, per, page, query, mask, start,
+                                                                   stop, scaling, softcap)  # fmt: skip
+            shape = q.shape[:3]  # [B, H_kv, G]
+            out, lse = merge(out, lse, page_out.view(*shape, 1, dim), part_lse.view(*shape, 1))
         if self._unread is not None and rest and summaries.table(layer) is not None:
             read = columns if pages is None else pages
             unread = self._rest_attention(layer, start, stop, read, per, q, mask, scaling, softcap, summaries, lse) \
@@ -298,6 +312,8 @@ class SparseAttention(PipelinedExecutor):
         shares = [weights * torch.exp(part_lse - lse)[..., None] for weights, part_lse in pieces]
         units = [(columns, bt)] + ([(pages, page)] if pages is not None and picked else [])
         unit_shares = [_unit_shares(w, u.shape[1], size) for w, (u, size) in zip(shares, units)]  # [B, H_q, K]
+        if page_lse is not None:
+            unit_shares.append(torch.exp(page_lse - lse.reshape(batch, heads, 1)))
         if sticky:  # the selected units' measured shares: blocks, or pages where pages are the unit
             chosen, measured = units[-1][0], unit_shares[-1]
             strongest = measured.amax(dim=1)  # [B, K]: the most some query head gave each
@@ -310,6 +326,8 @@ class SparseAttention(PipelinedExecutor):
         self._count_moved(moved)
         counters = self.counters
         counters.staged_bytes_read += sum(k.numel() * k.element_size() for k, _, _ in parts) * 2  # K and V
+        if here is not None and pages is not None:  # the pages attended in place: read once, by the kernel
+            counters.staged_bytes_read += int(np.count_nonzero(pages >= 0)) * page * layout.token_bytes
         counters.tokens_read += batch * parts[0][0].shape[2] + (0 if pages is None else int((pages >= 0).sum()) * page)
         counters.tokens_total += batch * (stop - start)
         self._left_at = time.perf_counter()
@@ -753,6 +771,91 @@ class SparseAttention(PipelinedExecutor):
             counters.bytes_fetched += delta
             if not name.startswith(Tier.DEVICE.label):
                 counters.bytes_fetched_off_device += delta
+
+    def _pages_here(self, layer: int, batch: int, picked: int, page: int) -> KeptLayer | None:
+        """The kept layer for the disk pages of a selection attended in place (:meth:`_attend_pages_here`), or
+        None: attended from staging. In place where the device is the host's memory (the host kernel reads every
+        tier's slab there) and the layer keeps pages with room for a whole selection (every miss has a position)."""
+        if self.store.transfer.accel.streams or self.store.device.device.type != "cpu":
+            return None
+        kept = self.kept.layer(layer, batch, picked, page)
+        return kept if kept is not None and kept.capacity >= picked else None
+
+    def _attend_pages_here(self, layer: int, kept: KeptLayer, pages: np.ndarray, per: int, page: int,
+                           query: torch.Tensor, mask: torch.Tensor | None, start: int, stop: int, scaling: float,
+                           softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attend pages ``pages`` ``[B, P]`` (``column · per + page``; -1: none) where they are, on a CPU host:
+
+        - pages of blocks in memory (the device and host tiers' slabs): by one host-kernel call over those slabs'
+          chunks, through a table of (slot, start) — nothing read, nothing copied;
+        - pages of blocks on disk: from the kept layer, the misses read straight into their kept positions (one
+          page read, :meth:`KVStore.read_pages`), then one host-kernel call over the kept buffer.
+
+        Both at their real key positions (so the mask and a window's start apply), merged by log-sum-exp. Returns
+        the output ``[B, H_q, 1, D]``, the log-sum-exp ``[B, H_q, 1]`` and each page's own log-sum-exp ``[B, H_q,
+        P]`` (its share of the softmax, measured by the same pass)."""
+        store = self.store
+        grid, layout, bt = store.table.rows[layer], store.layouts[layer], store.block_tokens
+        batch, picked = pages.shape
+        none = pages < 0
+        columns = np.where(none, 0, pages // per)
+        row = np.arange(batch)[:, None]
+        tiers = np.where(none, Tier.DISK, grid.tiers[row, columns])
+        on_disk = ~none & (tiers == Tier.DISK)
+        options = dict(scaling=scaling, softcap=softcap, causal=mask is None, mask=mask, entry_tokens=page,
+                       positions=columns * bt + pages % per * page - start)  # fmt: skip
+        out = lse = page_lse = None
+        in_memory = ~none & ~on_disk
+        if in_memory.any():
+            chunks: list[torch.Tensor] = []
+            first: dict[Tier, int] = {}  # each tier's first slot id in the concatenated chunks
+            for tier in (Tier.DEVICE, Tier.HOST):  # two tiers: their chunks concatenated, slot ids offset
+                memory = store.tiers.get(tier)
+                if isinstance(memory, MemoryTier):
+                    first[tier] = sum(int(chunk.shape[0]) for chunk in chunks)
+                    chunks += memory.slabs(layout)
+            offset = np.zeros(max(first) + 1, dtype=np.int64)
+            offset[list(first)] = list(first.values())
+            table = np.where(in_memory, grid.slots[row, columns] + offset[np.where(in_memory, tiers, 0)], -1)
+            page_lse = torch.empty((batch, query.shape[1], 1, picked), dtype=torch.float32)
+            out, lse = host_kernel.paged_attention(query, chunks, table, stop - start, starts=pages % per * page,
+                                                   entry_lse=page_lse, **options)  # fmt: skip
+        if on_disk.any():
+            ids = np.where(on_disk, grid.ids[row, columns] * per + pages % per, -1)
+            placed = self._keep_pages(layer, kept, ids, np.where(on_disk, pages, -1), per, page)
+            kept_lse = torch.empty((batch, query.shape[1], 1, picked), dtype=torch.float32)
+            part = host_kernel.paged_attention(query, kept.slab(layout), np.where(on_disk, row, -1), stop - start,
+                                               starts=np.where(on_disk, placed.positions * page, 0),
+                                               entry_lse=kept_lse, **options)  # fmt: skip
+            out, lse = merge(out, lse, *part)
+            page_lse = kept_lse if page_lse is None else torch.logaddexp(page_lse, kept_lse)  # each page in one
+        self.counters.pages_selected += int(np.count_nonzero(~none))
+        assert out is not None and lse is not None and page_lse is not None  # some page was chosen
+        return out, lse, page_lse[:, :, 0]
+
+    def _keep_pages(self, layer: int, kept: KeptLayer, ids: np.ndarray, pages: np.ndarray, per: int,
+                    page: int) -> Placed:
+        """Place pages ``pages`` ``[B, P]`` (ids ``ids``; -1: none) in the kept layer, reading the misses straight
+        into their kept positions (one page read per tier); count the reuse and the bytes moved."""
+        store, counters = self.store, self.counters
+        before = self._moved_in()
+        batch = pages.shape[0]
+        placed = kept.place(ids, pages, pages < 0, counters.layer_steps)
+        new = (placed.positions >= 0) & ~placed.hit
+        if new.any():  # the read's destination is the kept buffer itself
+            row = np.nonzero(new)[0]
+            into = np.full((batch, kept.capacity), -1, dtype=np.int64)
+            index = np.zeros((batch, kept.capacity), dtype=np.int64)
+            into[row, placed.positions[new]], index[row, placed.positions[new]] = np.divmod(pages[new], per)
+            store.read_pages(layer, into, index, page, kept.view(store.layouts[layer]))
+            kept.record(placed, ids)
+        counters.pages_reused += placed.reused
+        for name, nbytes in self._moved_in().items():
+            delta = nbytes - before.get(name, 0)
+            counters.bytes_fetched += delta
+            if not name.startswith(Tier.DEVICE.label):
+                counters.bytes_fetched_off_device += delta
+        return placed
 
     # ---------------------------------------------------------------------------------- telemetry
     def _moved_in(self) -> dict[str, int]:

@@ -6,34 +6,42 @@ divided by the tier that holds each (row, column)::
 
     device blocks  -> the host kernel over the device tier's slab, in place (CPU hosts: that slab is host memory)
     host blocks    -> the host kernel over the host tier's slab, in place
-    disk blocks    -> read (verified) into a host buffer, then the host kernel over it
+    disk blocks    -> read (verified) in rounds into the disk tier's bounce buffer, the host kernel over each there
 
 Each share is a partial attention (normalised output and log-sum-exp, :mod:`tierkv.attention.host_kernel`),
 and the shares merge exactly (:func:`tierkv.attention.lse.merge`) — FlexGen's ``cpu_cache_compute`` and vLLM's
 paged attention through a block table, with no staging buffer: on a CPU host the executor holds no memory of
-its own beyond a disk share's host buffer.
+its own (a disk share is attended where its read lands, in the disk tier's bounce buffer).
 
-On a CPU host every share is host memory, so a layer-step is one kernel call and needs no merge: the layer's
-columns become one table over the memory tiers' slab chunks concatenated (each tier's slot ids offset by the
-slots of the tiers before it; the disk share's blocks, read into a host buffer, after them), kept per layer until
-its grid or a pool's chunks change (:class:`_Combined`). A step without a disk share runs the call prepared for
-that table (:class:`~tierkv.attention.host_kernel.PagedCall`: checked and packed once): per layer-step a few dozen
-calls into Python and C and, without a mask, four aten ops, whatever the context (``tests/test_split_calls.py``).
+On a CPU host every memory tier's share is host memory, so they take one kernel call and need no merge: the
+layer's columns become one table over the memory tiers' slab chunks concatenated (each tier's slot ids offset by
+the slots of the tiers before it), kept per layer until its grid or a pool's chunks change (:class:`_Combined`),
+and the call prepared for that table runs (:class:`~tierkv.attention.host_kernel.PagedCall`: checked and packed
+once): per layer-step a few dozen calls into Python and C and, without a mask, four aten ops, whatever the context
+(``tests/test_split_calls.py``).
 
 Which path each phase takes: split runs one-token (decode) steps; multi-token steps (prefill) run on the mode's
 prefill executor (streaming: exact, two chunk buffers). Key positions are counted from ``span.start`` (the
 first attended token; a sliding window may start inside its first block, whose earlier tokens then have
 negative positions and are not attended), which is also where the attention mask's columns start.
 
-Disk shares of the next layers are submitted ahead (:meth:`PipelinedExecutor._read_ahead`: the disk engine
-reads them on its threads while this layer attends); a layer's share is read then, if it was not.
+A disk share is read through the disk tier's bounce buffer (at most ``DiskTier.bounce_bytes``), in rounds through
+its two halves, and attended round by round where it landed (:meth:`SplitAttention._attend_rounds`, over
+:meth:`~tierkv.tiers.disk._DiskRead.each_round`): a step with one runs the memory tiers' call first while the
+first two rounds are read, then one kernel call per round, each verified before it is attended and over the
+round's part of the table (:class:`_DiskShare`: the share's columns restricted to the round's blocks, the same
+positions and mask columns), while the disk reads the next round into the other half; the parts merge by
+log-sum-exp (:func:`merge_all`). Nothing is copied out of the bounce buffer, and the disk reads while the CPU
+attends. The disk shares of the next layers are submitted ahead (:meth:`PipelinedExecutor._read_ahead`: the disk
+engine reads their first two rounds on its own threads while this layer attends), and are consumed the same way.
 
 On an accelerator (CUDA, or its checking stand-in) the parts run concurrently. The host share goes to the mover's
 thread (:meth:`ThreadMover.submit`: its copy stream first waits for the compute stream's work so far): the query
 is copied into pinned host memory on that stream, an event is recorded and waited for, the host kernel attends
 the host slab, and its (out, lse) is copied up into device tensors on the same stream, which the compute stream
 waits for (:meth:`MoveHandle.wait`) before the final merge. The disk share is read and attended on the calling
-thread meanwhile (its bounce buffer is that thread's), after the device share's work was queued: the device share
+thread meanwhile, round by round in its bounce buffer as on a CPU host (the buffer is that thread's; the query and
+mask go down once, the merged (out, lse) up once), after the device share's work was queued: the device share
 is attended on the compute stream straight from the device slab through its block table, in pieces of at most
 ``piece_tokens / 4`` per row: torch's paged fallback (:func:`host_kernel.paged_attention_torch`), which indexes the
 slab and whose fp32 temporaries per piece are reserved against the device budget
@@ -44,8 +52,10 @@ the open tails and that bounded scratch (``TieredCache.min_split_device_bytes``)
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -63,6 +73,7 @@ from tierkv.staging import split_scratch_bytes, streaming_chunk_tokens
 from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
 from tierkv.store.transfer import link
+from tierkv.tiers.disk import _DiskRead
 from tierkv.tiers.memory import MemoryTier, SlabPool
 
 
@@ -128,10 +139,12 @@ class SplitAttention(PipelinedExecutor):
 
     def _attend_here(self, plan: ReadPlan, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
                      softcap: float | None, start: int, stop: int) -> torch.Tensor:
-        """Every share of a layer-step on a CPU host (each slab is host memory), attended by one host kernel call
-        over the layer's table across the tiers (:class:`_Combined`): no merge. Without a disk share the call
-        prepared for the layer (:class:`~tierkv.attention.host_kernel.PagedCall`) runs, with only the query, the
-        key count, the mask and the positions (a moved window start) new. Returns ``[B, H_q, q, D]`` fp32."""
+        """Every share of a layer-step on a CPU host (each slab is host memory): one host kernel call over the
+        layer's table across the memory tiers (:class:`_Combined`) — the call prepared for the layer
+        (:class:`~tierkv.attention.host_kernel.PagedCall`), with only the query, the key count, the mask and the
+        positions (a moved window start) new — then, with a disk share, one call per round of its read, in the
+        bounce buffer (:meth:`_attend_rounds`; its rounds read meanwhile), merged. Returns ``[B, H_q, q, D]``
+        fp32."""
         layer, layout, bt = plan.layer, self.store.layouts[plan.layer], self.store.block_tokens
         here = self._here.get(layer)
         chunks = None  # the tiers' chunks, where this step looked them up
@@ -143,22 +156,78 @@ class SplitAttention(PipelinedExecutor):
             raise InvalidConfigError(f"layer {layer} has no stored tokens in [{start}, {stop}) to attend.")
         shift = start - here.first_position
         if here.disk is None:
-            call = here.call
-            if here.options != (query.shape, scaling, softcap, mask is None):  # None where the C kernel is not
-                chunks = here.chunks(layout) if chunks is None else chunks
-                call = here.prepare(chunks, query, stop - start, scaling, softcap, mask is not None, self.threads)
-            if call is not None:
-                if here.shift != shift:  # a sliding window's start moved inside the same blocks
-                    assert call.positions is not None
-                    np.subtract(here.columns, shift, out=call.positions)
-                    here.shift = shift
-                return call(query, stop - start, mask)[0]
-        chunks = here.chunks(layout) if chunks is None else chunks
-        if here.disk is not None:
-            chunks.append(self._read_disk(layout, plan, here.disk)[0])
-        return host_kernel.paged_attention(query, chunks, here.table, stop - start, scaling=scaling, softcap=softcap,
-                                           causal=mask is None, mask=mask, positions=here.columns - shift,
-                                           threads=self.threads)[0]  # fmt: skip
+            return self._attend_memory(here, chunks, layout, query, mask, scaling, softcap, stop - start, shift)[0]
+        with self._reading(plan, here.disk) as read:  # its first rounds are in flight while the memory share attends
+            parts = [] if not here.held else [
+                self._attend_memory(here, chunks, layout, query, mask, scaling, softcap, stop - start, shift)]
+            parts += self._attend_rounds(read, layout, here.disk, query, mask, scaling, softcap, stop - start,
+                                         here.columns - shift, layer)  # fmt: skip
+        return merge_all(parts)[0]
+
+    def _attend_memory(self, here: _Combined, chunks: list[torch.Tensor] | None, layout: BlockLayout,
+                       query: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None,
+                       length: int, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The memory tiers' share of ``here`` in one kernel call: the prepared one (prepared again for a new
+        query shape, scaling, softcap or causality), or where the C kernel does not load, the torch version over
+        the chunks (``chunks``: looked up already, or None)."""
+        call = here.call
+        if here.options != (query.shape, scaling, softcap, mask is None):  # None where the C kernel is not
+            chunks = here.chunks(layout) if chunks is None else chunks
+            call = here.prepare(chunks, query, length, scaling, softcap, mask is not None, self.threads)
+        if call is None:
+            return host_kernel.paged_attention(query, here.chunks(layout) if chunks is None else chunks, here.table,
+                                               length, scaling=scaling, softcap=softcap, causal=mask is None,
+                                               mask=mask, positions=here.columns - shift,
+                                               threads=self.threads)  # fmt: skip
+        if here.shift != shift:  # a sliding window's start moved inside the same blocks
+            assert call.positions is not None
+            np.subtract(here.columns, shift, out=call.positions)
+            here.shift = shift
+        return call(query, length, mask)
+
+    @contextlib.contextmanager
+    def _reading(self, plan: ReadPlan, share: _DiskShare) -> Iterator[_DiskRead]:
+        """The read of ``plan``'s disk share (the same blocks as ``share``, in the same order): the read submitted
+        ahead when there is one (:meth:`_claim_ahead`), else one submitted now. An error or interrupt inside waits
+        for its rounds in flight; its bytes count as ``disk->host`` once it was used."""
+        layout = self.store.layouts[plan.layer]
+        ahead = self._claim_ahead(plan.layer, plan)
+        try:
+            read = ahead.pending if ahead is not None else self.store.tiers[Tier.DISK].start_read(
+                layout, share.slots, self.store.transfer.scratch)  # fmt: skip
+            assert isinstance(read, _DiskRead)
+            try:
+                yield read
+            except BaseException:
+                read.settle()
+                raise
+        finally:
+            if ahead is not None:
+                del self._buffer_users[ahead.purpose]
+        self.store.transfer.count(link(Tier.DISK, Tier.HOST), len(share.slots) * layout.block_bytes)
+
+    def _attend_rounds(self, read: _DiskRead, layout: BlockLayout, share: _DiskShare, query: torch.Tensor,
+                       mask: torch.Tensor | None, scaling: float, softcap: float | None, length: int,
+                       positions: np.ndarray, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The disk share attended round by round where each round landed, in the disk tier's bounce buffer (no
+        copy): one kernel call per round over its blocks (``share.round``), while the next round is read. Returns
+        each round's (out, lse); the time spent waiting for a round is stall. ``query`` and ``mask`` are in host
+        memory; ``positions`` ``[B, n]``: each column's first key position."""
+        query = query.detach().float().contiguous()  # once, not per round
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with contextlib.closing(read.each_round()) as rounds:
+            while True:
+                waited_from = time.perf_counter()
+                landed = next(rounds, None)
+                if landed is None:
+                    return parts
+                self._stalled(waited_from, layer)
+                lo, hi, staged = landed
+                table, columns = share.round(lo, hi)
+                parts.append(host_kernel.paged_attention(query, layout.blocks_of(staged), table, length,
+                                                         scaling=scaling, softcap=softcap, causal=mask is None,
+                                                         mask=mask, positions=positions[:, columns],
+                                                         threads=self.threads))  # fmt: skip
 
     def _reserve_scratch(self, query: torch.Tensor, layer: int) -> None:
         """Count the device temporaries of a step (:func:`split_scratch_bytes`) against the budget, growing the
@@ -170,11 +239,15 @@ class SplitAttention(PipelinedExecutor):
             self.staging.reserve(need)
 
     def _disk_part(self, attend: _Attend, table: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The disk share, read into a host buffer and attended there on this thread (while the device part runs
-        on the compute stream and the host part on the mover's thread), its (out, lse) moved up."""
+        """The disk share attended round by round in the bounce buffer on this thread (:meth:`_attend_rounds`,
+        while the device part runs on the compute stream and the host part on the mover's thread), its (out, lse)
+        moved up."""
         query, mask = attend.query.cpu(), None if attend.mask is None else attend.mask.cpu()
-        out, lse = attend.cpu_part([(Tier.DISK, table)], query, mask)
-        assert out is not None and lse is not None
+        share = _DiskShare(table)
+        with self._reading(attend.plan, share) as read:
+            parts = self._attend_rounds(read, attend.layout, share, query, mask, attend.scaling, attend.softcap,
+                                        attend.length, attend.positions, attend.plan.layer)  # fmt: skip
+        out, lse = merge_all(parts)
         return out.to(attend.query.device), lse.to(attend.query.device)
 
     def _start_cpu_part(self, attend: _Attend, shares: list[tuple[Tier, np.ndarray]]) -> MoveHandle:
@@ -232,39 +305,6 @@ class SplitAttention(PipelinedExecutor):
         self._shares[layer] = (rows.version, first, end, shares, columns)
         return shares, columns - start + first * bt
 
-    def _read_disk(self, layout: BlockLayout, plan: ReadPlan, table: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
-        """The disk share (``plan``'s disk part, in the same row-major order as ``table``'s disk entries) read and
-        verified into a host buffer ``[n, 2, H_kv, block_tokens, D]`` — from the read submitted ahead when there
-        is one — and its table renumbered into that buffer."""
-        held = table >= 0
-        count = int(np.count_nonzero(held))
-        blocks = self._accel.host_blocks((count, *layout.shape), layout.dtype)
-        waited_from = time.perf_counter()
-        ahead = self._claim_ahead(plan.layer, plan)
-        try:
-            if ahead is not None:
-                pending = ahead.pending
-            else:
-                slots = table[held]
-                pending = self.store.tiers[Tier.DISK].start_read(layout, slots, self.store.transfer.scratch)
-            try:
-                pending.finish([(0, count, blocks)])
-                accelerator: Any = self._accel
-                if accelerator.streams:  # its copy out of the bounce buffer is a stream op: done before the CPU
-                    # reads the blocks and before the next read refills the bounce buffer
-                    accelerator.current_stream(self.store.device.device).synchronize()
-            except BaseException:
-                pending.settle()
-                raise
-        finally:
-            if ahead is not None:
-                del self._buffer_users[ahead.purpose]
-        self._stalled(waited_from, plan.layer)
-        self.store.transfer.count(link(Tier.DISK, Tier.HOST), count * layout.block_bytes)
-        renumbered = np.full(table.shape, -1, dtype=np.int64)
-        renumbered[held] = np.arange(count)
-        return blocks, renumbered
-
     # ------------------------------------------------------------------------------------ bookkeeping
     def invalidate(self) -> None:
         self.wait_all()
@@ -299,6 +339,17 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, part_out: torch.Te
     return merged_out.nan_to_num(0.0), merged_lse
 
 
+def merge_all(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge` of any number of (out, lse) parts at once (a disk share's rounds): a few ops in all, not a
+    few per part. A query that no part attended keeps output 0 and log-sum-exp ``-inf``."""
+    if len(parts) == 1:
+        return parts[0]
+    lses = torch.stack([lse for _, lse in parts])
+    lse = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - lse).nan_to_num_(0.0)  # -inf - -inf: a query no part attended
+    return (torch.stack([out for out, _ in parts]) * weights.unsqueeze(-1)).sum(dim=0), lse
+
+
 class _PoolState(NamedTuple):
     """A memory tier's pool as a :class:`_Combined` table saw it: the pool and its last chunk (weakly), the chunk
     count."""
@@ -326,24 +377,26 @@ class _PoolState(NamedTuple):
 
 
 class _Combined:
-    """A layer's block columns ``[first, end)`` as one table over every tier's blocks in host memory: the memory
-    tiers' slab chunks concatenated (each tier's slot ids offset by the slots of the tiers before it; the tier with
-    the fewest chunks first), then the disk share read into a host buffer. One kernel call attends them all,
-    exactly: no merge.
+    """A layer's block columns ``[first, end)`` as one table over the memory tiers' blocks, all in host memory:
+    their slab chunks concatenated (each tier's slot ids offset by the slots of the tiers before it; the tier with
+    the fewest chunks first), -1 where no memory tier holds the block; and the disk share's blocks
+    (:class:`_DiskShare`). One kernel call attends the memory tiers' share exactly; the disk share is attended
+    round by round and merged.
 
     Valid while the layer's grid (version, columns) and the memory tiers' pools are unchanged; a pool's chunks
     change only at its end (a chunk added or the last given back), so its chunk count and last chunk tell. It
     holds the pools and chunks weakly: a chunk given back is freed, and the entry is then stale."""
 
     def __init__(self, version: int, first: int, end: int, first_position: int, pools: list[_PoolState],
-                 table: np.ndarray, columns: np.ndarray, disk: np.ndarray | None) -> None:
+                 table: np.ndarray, columns: np.ndarray, disk: _DiskShare | None) -> None:
         self.key = (version, first, end)
         self.first_position = first_position  # the first column's first token
         self.pools = pools
-        self.table = table  # [B, n] ids into the concatenated chunks, -1: no block
+        self.table = table  # [B, n] ids into the concatenated chunks, -1: no block in a memory tier
         self.columns = columns  # [B, n] each column's first token, from the first column's
-        self.disk = disk  # the disk share's table (-1 elsewhere) for SplitAttention._read_disk; None: none on disk
-        self.empty = not bool((table >= 0).any())
+        self.disk = disk  # None: nothing on disk
+        self.held = bool((table >= 0).any())  # a memory tier holds some block
+        self.empty = not self.held and disk is None
         self.call: host_kernel.PagedCall | None = None  # prepared for `options`, its positions for `shift`
         self.options: tuple[torch.Size, float, float | None, bool] | None = None  # query, scaling, softcap, causal
         self.shift = 0
@@ -372,10 +425,7 @@ class _Combined:
             chunks += slabs[memory]
             offset += sum(int(chunk.shape[0]) for chunk in slabs[memory])
         on_disk = tiers == Tier.DISK
-        disk = None
-        if on_disk.any():
-            disk = np.where(on_disk, slots, -1)
-            table[on_disk] = offset + np.arange(int(np.count_nonzero(on_disk)))  # the host buffer's blocks, in order
+        disk = _DiskShare(np.where(on_disk, slots, -1)) if on_disk.any() else None
         columns = np.ascontiguousarray(np.broadcast_to(np.arange(end - first, dtype=np.int64) * bt, slots.shape))
         return cls(rows.version, first, end, first * bt, pools, table, columns, disk), chunks
 
@@ -399,6 +449,31 @@ class _Combined:
         return self.call
 
 
+class _DiskShare:
+    """A layer-step's disk blocks: their slots in row-major table order (the order its read lands them in), and
+    for each round of the read, a table of that round's blocks in the bounce buffer."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        """``table`` ``[B, n]``: the disk slot of each block column's block, -1 where another tier holds it."""
+        held = table >= 0
+        self.rows, self.columns = np.nonzero(held)  # row-major, as the slots
+        self.slots = table[held]
+        self.batch = table.shape[0]
+        self._rounds: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def round(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """The share's blocks ``[lo, hi)`` (a round): their table ``[B, m]`` over the ``m`` columns that hold one
+        (ids ``0 .. hi - lo`` into the round's buffer, -1 elsewhere), and those columns, for the positions and the
+        mask. Kept: each step reads the same rounds until the grid changes."""
+        kept = self._rounds.get((lo, hi))
+        if kept is None:
+            columns = np.unique(self.columns[lo:hi])
+            table = np.full((self.batch, columns.size), -1, dtype=np.int64)
+            table[self.rows[lo:hi], np.searchsorted(columns, self.columns[lo:hi])] = np.arange(hi - lo)
+            kept = self._rounds[(lo, hi)] = (table, columns)
+        return kept
+
+
 class _Attend:
     """One layer-step's arguments, and its two parts: shares attended on the CPU, the device share on the device."""
 
@@ -411,18 +486,14 @@ class _Attend:
 
     def cpu_part(self, shares: list[tuple[Tier, np.ndarray]], query: torch.Tensor,
                  mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The shares in host memory (a CPU host's device slab too), attended in place by the host kernel; the
-        disk share read into a host buffer first. ``query`` and ``mask`` are in host memory."""
+        """The memory tiers' shares in host memory, attended in place by the host kernel. ``query`` and ``mask``
+        are in host memory."""
         executor, layout = self.executor, self.layout
         out = lse = None
         for tier, table in shares:
-            slabs: torch.Tensor | list[torch.Tensor]
-            if tier == Tier.DISK:
-                slabs, table = executor._read_disk(layout, self.plan, table)
-            else:
-                memory = executor.store.tiers[tier]
-                assert isinstance(memory, MemoryTier)
-                slabs = memory.slabs(layout)
+            memory = executor.store.tiers[tier]
+            assert isinstance(memory, MemoryTier)
+            slabs = memory.slabs(layout)
             part = host_kernel.paged_attention(query, slabs, table, self.length, scaling=self.scaling,
                                                softcap=self.softcap, causal=mask is None, mask=mask,
                                                positions=self.positions, threads=executor.threads)  # fmt: skip

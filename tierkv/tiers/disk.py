@@ -38,7 +38,7 @@ import os
 import shutil
 import stat
 import weakref
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -496,7 +496,9 @@ class DiskTier:
 class _DiskRead:
     """A submitted read of a layer's disk blocks, in plan order, into a bounce buffer of at most
     :data:`BOUNCE_BYTES`: one batched engine call when they fit (the usual case), else rounds through the
-    buffer's two halves. Every block is verified against its checksum before it is copied on."""
+    buffer's two halves (the first two rounds submitted at once, then each next round while the one before it is
+    used). Every block is verified against its checksum before it is used: :meth:`each_round` hands out each round
+    in place, in the bounce buffer (split attention attends it there); :meth:`finish` copies the rounds on."""
 
     def __init__(self, tier: DiskTier, slot_file: DiskSlotFile, layout: BlockLayout | SlotBytes, slots: np.ndarray,
                  owner: BounceLike, scratch: Scratch) -> None:
@@ -511,7 +513,7 @@ class _DiskRead:
             self._start_host()
 
     def _start_host(self) -> None:
-        """Allocate the bounce buffer's halves and submit the first round into host memory."""
+        """Allocate the bounce buffer's halves and submit the first round into each."""
         slots, size = self.slots, self.layout.slot_bytes
         limit = self.tier.bounce_bytes
         self.per_round = len(slots) if len(slots) * size <= limit else max(1, limit // 2 // size)
@@ -520,8 +522,8 @@ class _DiskRead:
         self.halves = [bounce[i * self.per_round * size : (i + 1) * self.per_round * size] for i in range(halves)]
         self.rounds = -(-len(slots) // self.per_round) if len(slots) else 0
         self._copied: list[Any] = [None] * halves  # events after the GPU copies still reading a half
-        if self.rounds:
-            self._submit(0)
+        for k in range(min(halves, self.rounds)):
+            self._submit(k)
 
     def _bounds(self, k: int) -> tuple[int, int]:
         return k * self.per_round, min(len(self.slots), (k + 1) * self.per_round)
@@ -548,6 +550,34 @@ class _DiskRead:
             with contextlib.suppress(OSError):
                 handle.wait()
 
+    def each_round(self) -> Generator[tuple[int, int, torch.Tensor], None, None]:
+        """Each round in turn, verified, in place: ``(lo, hi, staged)``, slots ``[lo, hi)`` of the read as
+        ``staged`` ``[hi - lo, slot_bytes]`` uint8 in the bounce buffer (``layout.blocks_of(staged)``: the blocks).
+
+        The round after is in flight into the other half meanwhile; a half is read into again only once the
+        consumer asked for the round after the one it held, so ``staged`` stays valid until then. Leaving early
+        (an error, an interrupt, the generator closed) waits for the rounds in flight first: nothing lands in
+        the buffer after that."""
+        if self.device_direct:  # wanted in host memory after all (a demotion's copy, split's rounds): bounce it
+            self.device_direct = False
+            self._start_host()
+        size = self.layout.slot_bytes
+        try:
+            for k in range(self.rounds):
+                if 0 < k < self.rounds - 1:  # round 1 went with round 0 (two halves: two rounds or more)
+                    self._submit(k + 1)  # into the half of round k - 1, which the consumer has left
+                handle = self.handles[k]
+                self.tier.wait(handle, size)
+                del self.handles[k]
+                lo, hi = self._bounds(k)
+                staged = torch.from_numpy(self.halves[k % len(self.halves)][: (hi - lo) * size]).view(hi - lo, size)
+                digests = self.digests.pop(k)  # of the bytes that landed, hashed by the engine's I/O threads
+                self.slot_file.verify(self.slots[lo:hi], checksums(staged.numpy()) if digests is None else digests)
+                yield lo, hi, staged
+        except BaseException:
+            self.settle()
+            raise
+
     def finish(self, dests: Sequence[Dest]) -> None:
         layout, size = self.layout, self.layout.slot_bytes
         accel = self.scratch.accel
@@ -556,37 +586,28 @@ class _DiskRead:
         if self.device_direct and into_device and landing is not None:
             self._finish_on_device(dests, landing)
             return
-        if self.device_direct:  # a cold path into host memory (a demotion's copy): through the bounce buffer
-            self.device_direct = False
-            self._start_host()
         if not into_device:
             landing = None  # a read into host memory: straight from the bounce buffer
         cuda = into_device and accel.streams
-        for k in range(self.rounds):
-            if k + 1 < self.rounds:
-                self._submit(k + 1)  # into the other half: the disk reads it while this round is copied out
-            self.tier.wait(self.handles.pop(k), size)
-            lo, hi = self._bounds(k)
-            staged = torch.from_numpy(self.halves[k % len(self.halves)][: (hi - lo) * size]).view(hi - lo, size)
-            digests = self.digests.pop(k)  # of the bytes that landed, hashed by the engine's I/O threads
-            self.slot_file.verify(self.slots[lo:hi], checksums(staged.numpy()) if digests is None else digests)
-            for first, last, out in dests:
-                a, b = max(first, lo), min(last, hi)
-                if a >= b:
-                    continue
-                if landing is None:
-                    accel.copy(out[a - first : b - first], layout.blocks_of(staged[a - lo : b - lo]))
-                    continue
-                for piece, end, rows in landing_pieces(landing, size, a, b):
-                    accel.copy(rows, staged[piece - lo : end - lo])
-                    accel.copy(out[piece - first : end - first], layout.blocks_of(rows))
-            if cuda:
-                # the copies out of the bounce buffer are queued on this thread's stream: the next read into it
-                # waits for them (on the host, only then), instead of every read syncing the stream now
-                event = accel.Event()
-                event.record(accel.current_stream(dests[0][2].device))
-                self._copied[k % len(self.halves)] = event
-                self.owner.fence(event)
+        with contextlib.closing(self.each_round()) as rounds:
+            for lo, hi, staged in rounds:
+                for first, last, out in dests:
+                    a, b = max(first, lo), min(last, hi)
+                    if a >= b:
+                        continue
+                    if landing is None:
+                        accel.copy(out[a - first : b - first], layout.blocks_of(staged[a - lo : b - lo]))
+                        continue
+                    for piece, end, rows in landing_pieces(landing, size, a, b):
+                        accel.copy(rows, staged[piece - lo : end - lo])
+                        accel.copy(out[piece - first : end - first], layout.blocks_of(rows))
+                if cuda:
+                    # the copies out of the bounce buffer are queued on this thread's stream: the next read into
+                    # the half waits for them (on the host, only then), instead of every read syncing the stream now
+                    event = accel.Event()
+                    event.record(accel.current_stream(dests[0][2].device))
+                    self._copied[lo // self.per_round % len(self.halves)] = event
+                    self.owner.fence(event)
 
     def _finish_on_device(self, dests: Sequence[Dest], landing: torch.Tensor) -> None:
         """GDS: the engine reads each landing-buffer's worth of slots straight into the device landing buffer

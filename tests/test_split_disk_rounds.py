@@ -1,0 +1,333 @@
+"""Split attention attends a disk share round by round where each round landed, in the disk tier's bounce buffer,
+while the next round is read (issue 28: with most of the KV on disk, the step within 1.1x max(compute, disk
+bytes / raw O_DIRECT)). Checked against DynamicCache with a bounce limit of a few slots, so each layer's disk
+share takes several rounds; at the tier, the rounds are verified before they are handed out and an error leaves
+no read in flight into the buffer."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_same_generation, teacher_forced, use_host_kernel
+from models import prompt, tiny_model
+from transformers import DynamicCache
+
+from tierkv import IntegrityError, TieredCache, accel
+from tierkv.attention import host_kernel
+from tierkv.attention import split as split_module
+from tierkv.attention.split import SplitAttention, _DiskShare, merge, merge_all
+from tierkv.blocks import Tier
+from tierkv.layout import BlockLayout
+from tierkv.tiers import disk as disk_module
+from tierkv.tiers.base import Scratch
+from tierkv.tiers.disk import BounceBuffer, DiskTier
+
+NEW = 6
+SLOT = 4096  # the tiny models' blocks of 4 tokens (1 KiB in fp32, 512 B in bf16) each take one 4 KiB slot
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernel(request, monkeypatch):
+    """The C kernel, and the torch version (where the C kernel does not load: no prepared calls either)."""
+    return use_host_kernel(request.param, monkeypatch)
+
+
+def gpu(model: torch.nn.Module, batch: int) -> str:
+    """The split minimum and room for a few blocks (as tests/test_split.py): most blocks go to the disk."""
+    return f"{TieredCache.min_split_device_bytes(model.config, batch, block_tokens=4, chunk_tokens=8) + 16384}B"
+
+
+class Watch:
+    """What split did with the disk: the rounds each read handed out (by read), the reads it took from the reads
+    ahead, the host kernel calls over one slab tensor (a round; the memory tiers' share is a prepared call or a
+    list of chunks) and whether each lay inside the calling thread's bounce buffers, and whole-share host buffers
+    allocated by split."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, cache: TieredCache) -> None:
+        self.rounds: dict[int, int] = defaultdict(int)  # id(read) -> rounds handed out
+        self.ahead: set[int] = set()  # ids of reads submitted ahead and claimed
+        self.in_bounce: list[bool] = []  # per round attended: inside a bounce buffer of the calling thread
+        self.allocated = 0  # host_blocks calls from tierkv/attention/split.py
+        self.inside = False
+        each_round, claim, attend = disk_module._DiskRead.each_round, SplitAttention._claim_ahead, SplitAttention.attend
+        kernel = host_kernel.paged_attention
+        backend = type(accel.backend(torch.device("cpu")))
+        host_blocks = backend.host_blocks
+
+        def counted_rounds(read):  # split's, inside attend (a prefill's reads finish through the rounds too)
+            for landed in each_round(read):
+                self.rounds[id(read)] += self.inside
+                yield landed
+
+        def claimed(executor, layer, plan):
+            entry = claim(executor, layer, plan)
+            if entry is not None:
+                self.ahead.add(id(entry.pending))
+            return entry
+
+        def attending(executor, *args, **kwargs):
+            self.inside = True
+            try:
+                return attend(executor, *args, **kwargs)
+            finally:
+                self.inside = False
+
+        def attended(query, slabs, *args, **kwargs):
+            if isinstance(slabs, torch.Tensor):
+                first = slabs.data_ptr()
+                end = first + slabs.shape[0] * slabs.stride(0) * slabs.element_size()
+                buffers = cache.store.transfer.scratch._local.__dict__.get("bounces", {}).values()
+                self.in_bounce.append(any(b._buffer.ctypes.data <= first and end <= b._buffer.ctypes.data
+                                          + b._buffer.nbytes for b in buffers))  # fmt: skip
+            return kernel(query, slabs, *args, **kwargs)
+
+        def allocating(self_backend, *args, **kwargs):  # by split itself (a demotion inside attend may: a cold path)
+            self.allocated += sys._getframe(1).f_code.co_filename == split_module.__file__
+            return host_blocks(self_backend, *args, **kwargs)
+
+        monkeypatch.setattr(disk_module._DiskRead, "each_round", counted_rounds)
+        monkeypatch.setattr(SplitAttention, "_claim_ahead", claimed)
+        monkeypatch.setattr(SplitAttention, "attend", attending)
+        monkeypatch.setattr(host_kernel, "paged_attention", attended)
+        monkeypatch.setattr(backend, "host_blocks", allocating)
+
+    def check(self) -> None:
+        """Some reads took several rounds (one taken from the reads ahead among them), each round was attended
+        once, inside the caller's bounce buffers, and no host buffer for a share was allocated."""
+        assert max(self.rounds.values()) > 1, dict(self.rounds)
+        assert any(self.rounds[read] > 1 for read in self.ahead), "no read ahead was consumed round by round"
+        assert len(self.in_bounce) == sum(self.rounds.values()) and all(self.in_bounce), self.in_bounce
+        assert self.allocated == 0
+
+
+CASES = [  # (id, family, attention implementation, sliding window, slots per round)
+    ("llama-rounds-of-3", "llama", "sdpa", None, 3),
+    ("llama-rounds-of-1", "llama", "eager", None, 1),
+    ("mistral-sw8", "mistral", "sdpa", 8, 2),  # the window's start moves inside the first block: positions shift
+    ("gemma2-sw8", "gemma2", "eager", 8, 2),  # soft-capping, sliding and full layers
+    ("qwen3", "qwen3", "sdpa", None, 2),
+]
+
+
+@pytest.mark.parametrize(("name", "family", "attn", "window", "per_round"), CASES, ids=[c[0] for c in CASES])
+def test_disk_rounds_attended_in_the_bounce_buffer_match_dynamic_cache(tmp_path, monkeypatch, kernel, name, family,
+                                                                       attn, window, per_round):
+    """A batch of two with left padding (a mask; rows whose blocks lie on different tiers, rounds across both
+    rows), GQA, most blocks on disk, read in rounds of ``per_round`` slots: tokens equal, logits within 1e-4."""
+    monkeypatch.setattr(disk_module, "BOUNCE_BYTES", 2 * per_round * SLOT)
+    model = tiny_model(family, attn, window)
+    ids, mask = prompt(2, 40, seed=3, left_pad=(0, 6))
+    run = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)  # fmt: skip
+    reference = model.generate(ids, past_key_values=DynamicCache(), prefill_chunk_size=16, **run)
+    with TieredCache(gpu_gb=gpu(model, 2), cpu_gb="24KB", disk_dir=tmp_path, block_tokens=4) as cache:
+        watch = Watch(monkeypatch, cache)
+        with cache.split(model, chunk_tokens=8):
+            out = model.generate(ids, past_key_values=cache, prefill_chunk_size=16, **run)
+        stats = cache.stats()
+        assert stats["blocks"]["disk"] > stats["blocks"]["host"] + stats["blocks"]["device"]
+        assert cache.store.tiers[Tier.DISK].bounce_bytes == 2 * per_round * SLOT
+        executor = cache.executors["split"]
+        assert executor.read_ahead_hits > 0
+        rounds = sum(watch.rounds.values())  # each of one block at least, counted as disk->host bytes as before
+        assert stats["bytes_moved"]["disk->host"] >= rounds * cache.store.layouts[0].block_bytes
+        watch.check()
+    assert_same_generation(out, reference, atol=1e-4)
+
+
+def test_disk_rounds_in_bf16(tmp_path, monkeypatch, kernel):
+    """bf16 K/V (a 512-byte block in a 4 KiB slot: the round's blocks are a strided view of the bounce buffer),
+    rounds of two slots: logits to bf16 rounding at every step, teacher-forced (as tests/test_split.py)."""
+    monkeypatch.setattr(disk_module, "BOUNCE_BYTES", 4 * SLOT)
+    model = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)
+    ids, _ = prompt(2, 40, seed=1)
+    inputs, expected = teacher_forced(model, ids, NEW)
+    with TieredCache(gpu_gb=gpu(model, 2), cpu_gb="12KB", disk_dir=tmp_path, block_tokens=4) as cache:
+        watch = Watch(monkeypatch, cache)
+        with cache.split(model, chunk_tokens=8):
+            for tokens, want in zip(inputs, expected):
+                got = model(tokens, past_key_values=cache).logits[:, -1]
+                torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+        assert cache.store.layouts[0].dtype == torch.bfloat16 and cache.store.layouts[0].block_bytes < SLOT
+        watch.check()
+
+
+def test_merge_all_is_the_pairwise_merge(kernel):
+    """Merging every round's part at once gives the running pairwise merge's result, rows no part attended
+    included (output 0, log-sum-exp -inf)."""
+    generator = torch.Generator().manual_seed(0)
+    parts = [(torch.randn(2, 4, 1, 16, generator=generator), torch.randn(2, 4, 1, generator=generator) * 3)
+             for _ in range(5)]  # fmt: skip
+    for out, lse in parts[1:3]:  # rows 1 hold no block in these parts
+        out[1], lse[1] = 0.0, float("-inf")
+    parts.append((torch.zeros(2, 4, 1, 16), torch.full((2, 4, 1), float("-inf"))))
+    out = lse = None
+    for part in parts:
+        out, lse = merge(out, lse, *part)
+    merged_out, merged_lse = merge_all(parts)
+    torch.testing.assert_close(merged_out, out, atol=1e-6, rtol=0)
+    torch.testing.assert_close(merged_lse, lse, atol=1e-6, rtol=0)
+    nothing = merge_all([(torch.zeros(1, 1, 1, 2), torch.full((1, 1, 1), float("-inf")))] * 3)
+    assert torch.equal(nothing[0], torch.zeros(1, 1, 1, 2)) and nothing[1].isneginf().all()
+
+
+def test_a_disk_shares_round_table_names_its_blocks_in_the_bounce_buffer():
+    """Blocks ``[lo, hi)`` of a share in row-major order: each round's table holds ids 0.. in that order over the
+    columns the round touches (a round may span both rows), -1 elsewhere."""
+    table = np.array([[7, -1, 3, 9], [-1, 4, 5, -1]])  # disk slots; row-major: 7, 3, 9, 4, 5
+    share = _DiskShare(table)
+    assert share.slots.tolist() == [7, 3, 9, 4, 5]
+    round_table, columns = share.round(1, 4)  # slots 3, 9 (row 0), 4 (row 1)
+    assert columns.tolist() == [1, 2, 3]
+    assert round_table.tolist() == [[-1, 0, 1], [2, -1, -1]]
+    assert share.round(1, 4)[0] is round_table  # kept for the next steps
+    assert share.round(4, 5)[0].tolist() == [[-1], [0]] and share.round(4, 5)[1].tolist() == [2]
+
+
+# ------------------------------------------------------------------------------------------------ at the tier
+class Watched:
+    """An engine handle that remembers whether it was waited for."""
+
+    def __init__(self, handle) -> None:
+        self.handle, self.waited = handle, False
+
+    def wait(self) -> None:
+        try:
+            self.handle.wait()
+        finally:
+            self.waited = True
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+
+def flip(path: Path, position: int) -> None:
+    """Change one byte of the tier's file, as a failing drive would."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, position)[0] ^ 0x40]), position)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def written(tmp_path, monkeypatch):
+    """A disk tier with 9 blocks written, read in rounds of two slots; yields (tier, layout, slots, data, watched),
+    ``watched`` collecting each round's handle."""
+    layout = BlockLayout(2, 8, 4, torch.float32)
+    monkeypatch.setattr(disk_module, "BOUNCE_BYTES", 4 * layout.slot_bytes)
+    tier = DiskTier(tmp_path, budget=64 * layout.slot_bytes, extent_bytes=16 * layout.slot_bytes)
+    slots = np.array([tier.alloc(layout.slot_bytes) for _ in range(9)], dtype=np.int64)
+    data = torch.randn(9, *layout.shape, generator=torch.Generator().manual_seed(0))
+    tier.write_from(layout, slots, data, Scratch(BounceBuffer))
+    watched: list[Watched] = []
+    submit = disk_module._DiskRead._submit
+
+    def watching(read, k):
+        submit(read, k)
+        read.handles[k] = Watched(read.handles[k])
+        watched.append(read.handles[k])
+
+    monkeypatch.setattr(disk_module._DiskRead, "_submit", watching)
+    yield tier, layout, slots, data, watched
+    tier.close()
+
+
+def test_each_round_hands_out_verified_rounds_in_place_the_next_in_flight(written):
+    tier, layout, slots, data, watched = written
+    scratch = Scratch(BounceBuffer)
+    order = slots[::-1].copy()
+    read = tier.start_read(layout, order, scratch)
+    assert read.rounds == 5 and len(watched) == 2  # both halves are read from the start
+    bounce = scratch.bounce_buffer("read")._buffer
+    got = []
+    for lo, _, staged in read.each_round():
+        assert bounce.ctypes.data <= staged.data_ptr() < bounce.ctypes.data + bounce.nbytes  # in place
+        assert len(watched) == min(read.rounds, lo // 2 + 2)  # the round after this one is in flight
+        got.append(layout.blocks_of(staged).clone())
+    torch.testing.assert_close(torch.cat(got), data.flip(0), rtol=0, atol=0)
+    finished = torch.empty(9, *layout.shape)
+    tier.start_read(layout, order, scratch).finish([(0, 4, finished[:4]), (4, 9, finished[4:])])  # the same rounds
+    torch.testing.assert_close(finished, data.flip(0), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["each_round", "finish"])
+def test_a_flipped_byte_in_a_later_round_raises_and_leaves_no_read_in_flight(written, how):
+    """The third round's first block changed on disk: the read raises IntegrityError naming its slot after
+    handing out the first two rounds only, and the fourth round, already in flight into the other half, was
+    waited for before the error surfaced."""
+    tier, layout, slots, _, watched = written
+    flip(next(iter(tier.files.values())).path, int(slots[4]) * layout.slot_bytes + 100)
+    read = tier.start_read(layout, slots, Scratch(BounceBuffer))
+    handed = []
+    with pytest.raises(IntegrityError, match=f"slot {int(slots[4])} "):
+        if how == "finish":
+            read.finish([(0, 9, torch.empty(9, *layout.shape))])
+        else:
+            handed.extend(lo for lo, _, _ in read.each_round())
+    assert how == "finish" or handed == [0, 2]
+    assert len(watched) == 4 and all(handle.waited for handle in watched)
+
+
+def test_leaving_the_rounds_early_waits_for_the_round_in_flight(written):
+    """A consumer that stops after the first round (an error in its kernel call, an interrupt) closes the
+    generator: the round in flight into the other half is waited for before the buffer can be used again."""
+    tier, layout, slots, _, watched = written
+    rounds = tier.start_read(layout, slots, Scratch(BounceBuffer)).each_round()
+    next(rounds)
+    rounds.close()
+    assert len(watched) == 2 and all(handle.waited for handle in watched)
+
+
+def test_a_flipped_byte_on_disk_stops_split_decode_with_no_read_in_flight(tmp_path, monkeypatch, kernel):
+    """Through the model: a byte flipped in a disk block that a later round of layer 0's read reads raises
+    IntegrityError from the decode step, and every round submitted for that read was waited for before the error
+    left ``attend``."""
+    monkeypatch.setattr(disk_module, "BOUNCE_BYTES", 2 * SLOT)  # rounds of one slot
+    model = tiny_model("llama")
+    ids, _ = prompt(1, 60, seed=2)
+    reads: list[tuple[disk_module._DiskRead, list[Watched]]] = []
+    unsettled: list[int] = []
+    flipped: list[int] = []
+    submit, attend = disk_module._DiskRead._submit, SplitAttention.attend
+
+    def watching(read, k):
+        submit(read, k)
+        read.handles[k] = Watched(read.handles[k])
+        if not reads or reads[-1][0] is not read:
+            reads.append((read, []))
+        next(handles for each, handles in reads if each is read).append(read.handles[k])
+
+    def attending(executor, span, *args, **kwargs):
+        try:
+            return attend(executor, span, *args, **kwargs)
+        except IntegrityError:
+            unsettled.extend(sum(not h.waited for h in handles) for read, handles in reads if flipped[0] in read.slots)
+            raise
+
+    monkeypatch.setattr(disk_module._DiskRead, "_submit", watching)
+    monkeypatch.setattr(SplitAttention, "attend", attending)
+    with TieredCache(gpu_gb=gpu(model, 1), cpu_gb="8KB", disk_dir=tmp_path, block_tokens=4) as cache, \
+            cache.split(model, chunk_tokens=8):
+        model(ids, past_key_values=cache)
+        token = torch.tensor([[5]])
+        for _ in range(2):  # the layers' tables built, the layer count learnt: layer 0's read is submitted ahead
+            model(token, past_key_values=cache)
+        assert cache.executors["split"].read_ahead_hits > 0
+        cache.store.writeback.reap(wait=True)
+        rows = cache.store.table.rows[0]
+        on_disk = rows.slots[0][rows.tiers[0] == Tier.DISK]  # the order of layer 0's read
+        assert on_disk.size >= 5, cache.stats()["blocks"]
+        slot_file = next(iter(cache.store.tiers[Tier.DISK].files.values()))
+        flipped.append(int(on_disk[3]))
+        flip(slot_file.path, flipped[0] * slot_file.slot_bytes + 100)  # its fourth round: submitted after now
+        with pytest.raises(IntegrityError, match=f"slot {flipped[0]} "):
+            model(token, past_key_values=cache)
+    assert unsettled and not any(unsettled), f"rounds still in flight when the error left attend: {unsettled}"
