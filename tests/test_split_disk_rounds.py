@@ -39,6 +39,13 @@ def kernel(request, monkeypatch):
     return use_host_kernel(request.param, monkeypatch)
 
 
+def rounds_of(monkeypatch: pytest.MonkeyPatch, slots: int) -> None:
+    """Split's disk reads in rounds of ``slots`` slots: a bounce limit of two rounds, so each read's ring (three
+    bounce buffers: :meth:`SplitAttention.ring`) is six rounds, five of them in flight while one is attended."""
+    monkeypatch.setattr(disk_module, "BOUNCE_BYTES", 2 * slots * SLOT)
+    monkeypatch.setattr(split_module, "RING_PIECE_BYTES", slots * SLOT)
+
+
 def gpu(model: torch.nn.Module, batch: int) -> str:
     """The split minimum and room for a few blocks (as tests/test_split.py): most blocks go to the disk."""
     return f"{TieredCache.min_split_device_bytes(model.config, batch, block_tokens=4, chunk_tokens=8) + 16384}B"
@@ -121,7 +128,7 @@ def test_disk_rounds_attended_in_the_bounce_buffer_match_dynamic_cache(tmp_path,
                                                                        attn, window, per_round):
     """A batch of two with left padding (a mask; rows whose blocks lie on different tiers, rounds across both
     rows), GQA, most blocks on disk, read in rounds of ``per_round`` slots: tokens equal, logits within 1e-4."""
-    monkeypatch.setattr(disk_module, "BOUNCE_BYTES", 2 * per_round * SLOT)
+    rounds_of(monkeypatch, per_round)
     model = tiny_model(family, attn, window)
     ids, mask = prompt(2, 40, seed=3, left_pad=(0, 6))
     run = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
@@ -145,7 +152,7 @@ def test_disk_rounds_attended_in_the_bounce_buffer_match_dynamic_cache(tmp_path,
 def test_disk_rounds_in_bf16(tmp_path, monkeypatch, kernel):
     """bf16 K/V (a 512-byte block in a 4 KiB slot: the round's blocks are a strided view of the bounce buffer),
     rounds of two slots: logits to bf16 rounding at every step, teacher-forced (as tests/test_split.py)."""
-    monkeypatch.setattr(disk_module, "BOUNCE_BYTES", 4 * SLOT)
+    rounds_of(monkeypatch, 2)
     model = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)
     ids, _ = prompt(2, 40, seed=1)
     inputs, expected = teacher_forced(model, ids, NEW)
@@ -290,7 +297,7 @@ def test_a_flipped_byte_on_disk_stops_split_decode_with_no_read_in_flight(tmp_pa
     """Through the model: a byte flipped in a disk block that a later round of layer 0's read reads raises
     IntegrityError from the decode step, and every round submitted for that read was waited for before the error
     left ``attend``."""
-    monkeypatch.setattr(disk_module, "BOUNCE_BYTES", 2 * SLOT)  # rounds of one slot
+    monkeypatch.setattr(disk_module, "BOUNCE_BYTES", SLOT)  # split's ring of 3 slots: two rounds of one slot
     model = tiny_model("llama")
     ids, _ = prompt(1, 60, seed=2)
     reads: list[tuple[disk_module._DiskRead, list[Watched]]] = []

@@ -121,9 +121,11 @@ def register_executor(cls: type[PipelinedExecutor]) -> type[PipelinedExecutor]:
 
 READ_AHEAD_BYTES = 1 << 30
 """At most this many bytes of disk reads ahead in flight (one is always allowed), so long layers read fewer
-layers ahead. Each holds a host bounce buffer of at most ``tierkv.tiers.disk.BOUNCE_BYTES`` (a larger read
-runs in rounds), so their memory is also bounded by ``(READ_AHEAD + 2) * BOUNCE_BYTES``
-(docs/reliability.md, "Memory")."""
+layers ahead. Their host buffers are bounded by ``(READ_AHEAD + 2) * DiskTier.bounce_bytes`` per executor
+(``tierkv.tiers.disk.BOUNCE_BYTES`` at large budgets; docs/reliability.md, "Memory"): exact gather's
+``READ_AHEAD + 2`` buffers (:attr:`PipelinedExecutor.ahead_buffers`) of at most one bounce buffer each (a larger
+read runs in rounds through two halves); split's ``ahead_buffers`` rings share the same total
+(:meth:`~tierkv.attention.split.SplitAttention.ring`)."""
 
 READ_AHEAD = DISK_READ_AHEAD
 """Disk reads submitted ahead of the reads that will use them (see ``PipelinedExecutor._read_ahead``); each
@@ -168,7 +170,13 @@ class PipelinedExecutor:
     name: ClassVar[str] = ""
     replaces_attention: ClassVar[bool] = True
     read_ahead = READ_AHEAD
-    """Disk reads this executor keeps submitted ahead (each may hold a bounce buffer: ``read_ahead + 2`` names)."""
+    """Disk reads this executor keeps submitted ahead (each holds a bounce buffer: :attr:`ahead_buffers` names)."""
+
+    @property
+    def ahead_buffers(self) -> int:
+        """Host buffers (``ahead0`` ..) this executor's reads ahead may hold at once: ``read_ahead + 2`` (a read
+        ahead claimed by a prefetch keeps its buffer until the mover's job copied it out)."""
+        return self.read_ahead + 2
 
     def __init__(self, store: KVStore, mover: ThreadMover, *, num_layers: int | None = None,
                  timeline: Timeline | None = None, trace: Trace | None = None) -> None:
@@ -322,12 +330,17 @@ class PipelinedExecutor:
             purpose = self._free_buffer_name()
             if purpose is None:
                 return
-            pending = self.store.read_ahead(layer, plan, purpose)
+            pending = self._submit_ahead(layer, plan, purpose)
             if pending is None:  # nothing of the plan is on disk any more
                 continue
             entry = DiskAhead(plan, pending, purpose, nbytes)
             self._disk_ahead[key] = entry
             self._buffer_users[purpose] = entry
+
+    def _submit_ahead(self, layer: int, plan: ReadPlan, purpose: str) -> PendingRead | None:
+        """Submit the disk part of ``plan`` into the buffer ``purpose`` (None: nothing of it is on disk): a read
+        through one bounce buffer (:meth:`KVStore.read_ahead`)."""
+        return self.store.read_ahead(layer, plan, purpose)
 
     def _claim_ahead(self, layer: int, plan: ReadPlan) -> DiskAhead | None:
         entry = self._disk_ahead.pop((layer, plan.first), None)
@@ -353,7 +366,7 @@ class PipelinedExecutor:
             entry.pending.settle()
 
     def _free_buffer_name(self) -> str | None:
-        for index in range(self.read_ahead + 2):
+        for index in range(self.ahead_buffers):
             name = f"ahead{index}"
             user = self._buffer_users.get(name)
             if isinstance(user, MoveHandle) and user.done():

@@ -63,18 +63,25 @@ import torch
 
 from tierkv.attention import host_kernel
 from tierkv.attention import lse as _lse
-from tierkv.attention.base import PipelinedExecutor, Span, register_executor
+from tierkv.attention.base import READ_AHEAD, DiskAhead, PipelinedExecutor, Span, register_executor
 from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS
 from tierkv.blocks import Tier
 from tierkv.errors import InvalidConfigError
+from tierkv.io.base import queue_depth
 from tierkv.layout import BlockLayout
 from tierkv.mover import MoveHandle, ThreadMover
 from tierkv.staging import split_scratch_bytes, streaming_chunk_tokens
 from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
 from tierkv.store.transfer import link
-from tierkv.tiers.disk import _DiskRead
+from tierkv.tiers.base import PendingRead
+from tierkv.tiers.disk import DiskTier, _DiskRead
 from tierkv.tiers.memory import MemoryTier, SlabPool
+
+RING_PIECE_BYTES = 2 * 2**20
+"""The size each round of split's disk reads aims at (a piece of the read's ring; whole slots, at least one): half
+the engine's 4 MiB chunk, so each round is one engine request and a ring of a few bounce buffers' bytes keeps
+several of them in flight."""
 
 
 @register_executor
@@ -84,6 +91,17 @@ class SplitAttention(PipelinedExecutor):
 
     name = "split"
     replaces_attention = True
+    read_ahead = 1
+    """The next layer's disk share is read ahead (while this layer's rounds are attended); each read has a ring of
+    :meth:`ring` bytes instead of one bounce buffer, so the disk queue stays deep through a layer (the read ahead
+    fills its ring in parallel) for the memory that ``READ_AHEAD`` reads ahead of one bounce buffer each would
+    hold, most of which would sit full until their layers were attended."""
+
+    @property
+    def ahead_buffers(self) -> int:
+        """The layer attended now and the ``read_ahead`` after it: a claimed read is used up inside :meth:`attend`,
+        before the next layer submits its reads ahead."""
+        return self.read_ahead + 1
 
     def __init__(self, store: KVStore, mover: ThreadMover, *, num_layers: int | None = None,
                  threads: int | None = None, piece_tokens: int = DEFAULT_CHUNK_TOKENS,
@@ -115,6 +133,8 @@ class SplitAttention(PipelinedExecutor):
                 if target in self.store.layouts:
                     upcoming.append((target, self.start_of(target), self.store.seq_length(target)))
                 target = self.next_layer(target)
+            self._drop_unused_ahead({(layer, plan.first), *((t, first // self.store.block_tokens)
+                                                            for t, first, _ in upcoming)})  # fmt: skip
             self._read_ahead(upcoming)
         if not accelerated:  # every slab is host memory: every share on the CPU, here, in one kernel call
             return self._attend_here(plan, query, mask, scaling, softcap, start, stop).transpose(1, 2).to(query.dtype)
@@ -185,16 +205,58 @@ class SplitAttention(PipelinedExecutor):
             here.shift = shift
         return call(query, length, mask)
 
+    def ring(self) -> tuple[int, int]:
+        """``(limit, parts)`` of each of split's disk reads: a ring of ``parts`` pieces of about
+        :data:`RING_PIECE_BYTES` (2 to the engine's queue depth) in at most ``limit`` bytes, the executor's share
+        of the read-ahead bound: ``(READ_AHEAD + 2) * DiskTier.bounce_bytes`` over its :attr:`ahead_buffers`
+        buffers (three bounce buffers each), so ``parts - 1`` rounds are in flight while one is attended."""
+        limit = (READ_AHEAD + 2) * self._disk().bounce_bytes // self.ahead_buffers
+        return limit, min(queue_depth(), max(2, limit // RING_PIECE_BYTES))
+
+    def _disk(self) -> DiskTier:
+        disk = self.store.tiers[Tier.DISK]
+        assert isinstance(disk, DiskTier)
+        return disk
+
+    def _start_ring(self, layout: BlockLayout, slots: np.ndarray, memo: dict | None, purpose: str) -> _DiskRead:
+        """A read of disk ``slots`` through a ring (:meth:`ring`) in the calling thread's buffer ``purpose``."""
+        limit, parts = self.ring()
+        scratch = self.store.transfer.scratch
+        return self._disk().start_read(layout, slots, scratch, memo, purpose, limit=limit, parts=parts)
+
+    def _submit_ahead(self, layer: int, plan: ReadPlan, purpose: str) -> PendingRead | None:
+        """The disk part of ``plan``, read through a ring (:meth:`ring`) instead of one bounce buffer."""
+        for part in plan.parts:
+            if part.tier == Tier.DISK:
+                return self._start_ring(self.store.layouts[layer], part.slots, part.memo, purpose)
+        return None
+
+    def _drop_unused_ahead(self, keep: set[tuple[int, int]]) -> None:
+        """Drop the reads ahead that no key of ``keep`` (this layer's plan, the next layers' first columns) will
+        claim — a sliding window moved their first column — so their buffers are free for the reads that will."""
+        for key in [key for key in self._disk_ahead if key not in keep]:
+            self._drop_ahead_read(key)
+
     @contextlib.contextmanager
     def _reading(self, plan: ReadPlan, share: _DiskShare) -> Iterator[_DiskRead]:
         """The read of ``plan``'s disk share (the same blocks as ``share``, in the same order): the read submitted
-        ahead when there is one (:meth:`_claim_ahead`), else one submitted now. An error or interrupt inside waits
-        for its rounds in flight; its bytes count as ``disk->host`` once it was used."""
+        ahead when there is one (:meth:`_claim_ahead`), else one submitted now, through a ring in a free read-ahead
+        buffer (or, when none is free, through one bounce buffer, the ``read`` buffer every executor's reads use).
+        An error or interrupt inside waits for its rounds in flight; its bytes count as ``disk->host`` once it was
+        used."""
         layout = self.store.layouts[plan.layer]
-        ahead = self._claim_ahead(plan.layer, plan)
+        held = self._claim_ahead(plan.layer, plan)
         try:
-            read = ahead.pending if ahead is not None else self.store.tiers[Tier.DISK].start_read(
-                layout, share.slots, self.store.transfer.scratch)  # fmt: skip
+            if held is None:
+                purpose = self._free_buffer_name()
+                if purpose is None:
+                    read = self.store.tiers[Tier.DISK].start_read(layout, share.slots, self.store.transfer.scratch)
+                else:
+                    read = self._start_ring(layout, share.slots, None, purpose)
+                    held = self._buffer_users[purpose] = DiskAhead(plan, read, purpose,
+                                                                   len(share.slots) * layout.slot_bytes)
+            else:
+                read = held.pending
             assert isinstance(read, _DiskRead)
             try:
                 yield read
@@ -202,8 +264,8 @@ class SplitAttention(PipelinedExecutor):
                 read.settle()
                 raise
         finally:
-            if ahead is not None:
-                del self._buffer_users[ahead.purpose]
+            if held is not None:
+                del self._buffer_users[held.purpose]
         self.store.transfer.count(link(Tier.DISK, Tier.HOST), len(share.slots) * layout.block_bytes)
 
     def _attend_rounds(self, read: _DiskRead, layout: BlockLayout, share: _DiskShare, query: torch.Tensor,

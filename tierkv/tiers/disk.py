@@ -428,9 +428,13 @@ class DiskTier:
             raise disk_error(exc, slot_file.path) from exc
 
     def start_read(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
-                   purpose: str = "read") -> _DiskRead:
+                   purpose: str = "read", *, limit: int | None = None, parts: int = 2) -> _DiskRead:
+        """Submit a read of ``slots`` into the scratch buffer ``purpose``: at most ``limit`` bytes of it (default
+        :attr:`bounce_bytes`), a larger read in rounds through a ring of ``parts`` (>= 2) pieces
+        (:class:`_DiskRead`)."""
         slots = np.asarray(slots, dtype=np.int64)
-        return _DiskRead(self, self.files[layout.slot_bytes], layout, slots, scratch.bounce_buffer(purpose), scratch)
+        return _DiskRead(self, self.files[layout.slot_bytes], layout, slots, scratch.bounce_buffer(purpose), scratch,
+                         limit, parts)
 
     def write_from(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, src: torch.Tensor,
                    scratch: Scratch) -> None:
@@ -494,16 +498,21 @@ class DiskTier:
 
 
 class _DiskRead:
-    """A submitted read of a layer's disk blocks, in plan order, into a bounce buffer of at most
-    :data:`BOUNCE_BYTES`: one batched engine call when they fit (the usual case), else rounds through the
-    buffer's two halves (the first two rounds submitted at once, then each next round while the one before it is
-    used). Every block is verified against its checksum before it is used: :meth:`each_round` hands out each round
-    in place, in the bounce buffer (split attention attends it there); :meth:`finish` copies the rounds on."""
+    """A submitted read of a layer's disk blocks, in plan order, into a bounce buffer of at most ``limit`` bytes
+    (default :attr:`DiskTier.bounce_bytes`): one batched engine call when they fit (the usual case), else rounds
+    through a ring of ``parts`` pieces of the buffer (default two halves): the first ``parts`` rounds submitted at
+    once, then each next round into the piece the consumer just left, so ``parts - 1`` rounds are in flight while
+    it uses one. More pieces keep more of the same buffer in flight (a deeper disk queue: split's reads, whose
+    consumer attends each round in place). Every block is verified against its checksum before it is used:
+    :meth:`each_round` hands out each round in place, in the bounce buffer (split attention attends it there);
+    :meth:`finish` copies the rounds on."""
 
     def __init__(self, tier: DiskTier, slot_file: DiskSlotFile, layout: BlockLayout | SlotBytes, slots: np.ndarray,
-                 owner: BounceLike, scratch: Scratch) -> None:
+                 owner: BounceLike, scratch: Scratch, limit: int | None = None, parts: int = 2) -> None:
         self.tier, self.slot_file, self.layout, self.slots, self.owner = tier, slot_file, layout, slots, owner
         self.scratch = scratch
+        self.limit = tier.bounce_bytes if limit is None else limit
+        self.parts = parts
         self.handles: dict[int, IOHandle] = {}
         self.digests: dict[int, np.ndarray | None] = {}  # per round: the engine's xxh3-64 of each slot (or None)
         # kvikio with GDS reads into GPU memory: such a read waits for finish() to know it lands on the device
@@ -512,17 +521,28 @@ class _DiskRead:
         if not self.device_direct:
             self._start_host()
 
+    @property
+    def nbytes(self) -> int:
+        """The host memory the read holds: its pieces' bytes (0 until a read into GPU memory bounces)."""
+        return sum(piece.nbytes for piece in self.pieces) if not self.device_direct else 0
+
+    @property
+    def halves(self) -> list[np.ndarray]:
+        """The ring's pieces under their default name (two halves, unless more ``parts`` were asked for)."""
+        return self.pieces
+
     def _start_host(self) -> None:
-        """Allocate the bounce buffer's halves and submit the first round into each."""
-        slots, size = self.slots, self.layout.slot_bytes
-        limit = self.tier.bounce_bytes
-        self.per_round = len(slots) if len(slots) * size <= limit else max(1, limit // 2 // size)
-        halves = 1 if self.per_round >= len(slots) else 2
-        bounce = self.owner.get(halves * self.per_round * size, limit)  # waits until the GPU copied its last out
-        self.halves = [bounce[i * self.per_round * size : (i + 1) * self.per_round * size] for i in range(halves)]
+        """Allocate the bounce buffer's pieces (at most ``limit`` bytes in all, or two slots for slots above half of
+        it) and submit the first round into each."""
+        slots, size, limit = self.slots, self.layout.slot_bytes, self.limit
+        self.per_round = len(slots) if len(slots) * size <= limit else max(1, limit // self.parts // size)
         self.rounds = -(-len(slots) // self.per_round) if len(slots) else 0
-        self._copied: list[Any] = [None] * halves  # events after the GPU copies still reading a half
-        for k in range(min(halves, self.rounds)):
+        count = 1 if self.per_round >= len(slots) else min(self.parts, self.rounds,
+                                                           max(2, limit // (self.per_round * size)))  # fmt: skip
+        bounce = self.owner.get(count * self.per_round * size, limit)  # waits until the GPU copied its last out
+        self.pieces = [bounce[i * self.per_round * size : (i + 1) * self.per_round * size] for i in range(count)]
+        self._copied: list[Any] = [None] * count  # events after the GPU copies still reading a piece
+        for k in range(min(count, self.rounds)):
             self._submit(k)
 
     def _bounds(self, k: int) -> tuple[int, int]:
@@ -530,11 +550,11 @@ class _DiskRead:
 
     def _submit(self, k: int) -> None:
         lo, hi = self._bounds(k)
-        half = k % len(self.halves)
-        if self._copied[half] is not None:
-            self._copied[half].synchronize()
-            self._copied[half] = None
-        buffer = self.halves[half][: (hi - lo) * self.layout.slot_bytes]
+        piece = k % len(self.pieces)
+        if self._copied[piece] is not None:
+            self._copied[piece].synchronize()
+            self._copied[piece] = None
+        buffer = self.pieces[piece][: (hi - lo) * self.layout.slot_bytes]
         self.scratch.accel.host_write(torch.from_numpy(buffer))  # the engine fills it from now on
         try:
             with deferred_interrupts():  # a Ctrl-C mid-submit must not lose the handle of reads already queued:
@@ -554,23 +574,24 @@ class _DiskRead:
         """Each round in turn, verified, in place: ``(lo, hi, staged)``, slots ``[lo, hi)`` of the read as
         ``staged`` ``[hi - lo, slot_bytes]`` uint8 in the bounce buffer (``layout.blocks_of(staged)``: the blocks).
 
-        The round after is in flight into the other half meanwhile; a half is read into again only once the
-        consumer asked for the round after the one it held, so ``staged`` stays valid until then. Leaving early
-        (an error, an interrupt, the generator closed) waits for the rounds in flight first: nothing lands in
-        the buffer after that."""
+        The next ``parts - 1`` rounds are in flight into the other pieces meanwhile; a piece is read into again
+        only once the consumer asked for the round after the one it held, so ``staged`` stays valid until then.
+        Leaving early (an error, an interrupt, the generator closed) waits for the rounds in flight first: nothing
+        lands in the buffer after that."""
         if self.device_direct:  # wanted in host memory after all (a demotion's copy, split's rounds): bounce it
             self.device_direct = False
             self._start_host()
         size = self.layout.slot_bytes
         try:
+            ring = len(self.pieces) if self.rounds else 0
             for k in range(self.rounds):
-                if 0 < k < self.rounds - 1:  # round 1 went with round 0 (two halves: two rounds or more)
-                    self._submit(k + 1)  # into the half of round k - 1, which the consumer has left
+                if k > 0 and k + ring - 1 < self.rounds:  # rounds 0 .. ring - 1 went at the start
+                    self._submit(k + ring - 1)  # into the piece of round k - 1, which the consumer has left
                 handle = self.handles[k]
                 self.tier.wait(handle, size)
                 del self.handles[k]
                 lo, hi = self._bounds(k)
-                staged = torch.from_numpy(self.halves[k % len(self.halves)][: (hi - lo) * size]).view(hi - lo, size)
+                staged = torch.from_numpy(self.pieces[k % ring][: (hi - lo) * size]).view(hi - lo, size)
                 digests = self.digests.pop(k)  # of the bytes that landed, hashed by the engine's I/O threads
                 self.slot_file.verify(self.slots[lo:hi], checksums(staged.numpy()) if digests is None else digests)
                 yield lo, hi, staged
@@ -603,10 +624,10 @@ class _DiskRead:
                         accel.copy(out[piece - first : end - first], layout.blocks_of(rows))
                 if cuda:
                     # the copies out of the bounce buffer are queued on this thread's stream: the next read into
-                    # the half waits for them (on the host, only then), instead of every read syncing the stream now
+                    # the piece waits for them (on the host, only then), instead of every read syncing the stream now
                     event = accel.Event()
                     event.record(accel.current_stream(dests[0][2].device))
-                    self._copied[lo // self.per_round % len(self.halves)] = event
+                    self._copied[lo // self.per_round % len(self.pieces)] = event
                     self.owner.fence(event)
 
     def _finish_on_device(self, dests: Sequence[Dest], landing: torch.Tensor) -> None:
