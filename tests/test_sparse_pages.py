@@ -405,11 +405,11 @@ def test_pages_kept_from_earlier_steps_are_not_read_again(tmp_path, monkeypatch)
 
 
 def test_pages_attended_in_place_equal_the_staged_path(tmp_path, monkeypatch):
-    """On a CPU host the selected pages are attended where the kept layer holds them (the misses read straight into
-    it; no gather, no staging): over steps with and without a padding mask, under the attention policy, the
-    outputs, the selections, the measured page shares (what the sticky selection and the policy are given) and the
-    promotions equal those of the staged path (pages gathered into staging, attended by torch), and the kept hits
-    move no bytes."""
+    """On a CPU host the selected pages and blocks are attended where they are (pages of blocks on disk in the kept
+    layer, the misses read straight into it; no gather, no staging): over steps with and without a padding mask,
+    under the attention policy, the outputs, the selections, the measured page shares (what the sticky selection
+    and the policy are given) and the promotions equal those of the staged path (pages gathered into staging,
+    attended by torch), and the kept hits move no bytes."""
     runs = []
     for in_place in (True, False):
         store, kv = store_with_needles(tmp_path / str(in_place), {0: (5, 2), 1: (9, 1)}, policy="attention")
@@ -435,6 +435,7 @@ def test_pages_attended_in_place_equal_the_staged_path(tmp_path, monkeypatch):
             outs.append(attend(executor, q, SparseBudget(0.2, page_tokens=PAGE), mask if step % 2 else None))
             picks.append(executor.last_pages.copy())
             sticky.append(executor._sticky[0][1].clone())
+        assert (executor.staging.reserved == 0) == in_place  # in place: the blocks too, nothing staged
         runs.append((outs, picks, sticky, masses, executor.counters.promotions, store.bytes_moved["device->device"]))
         torch.testing.assert_close(store.read_tokens(0), kv)
         executor.close()
@@ -447,3 +448,53 @@ def test_pages_attended_in_place_equal_the_staged_path(tmp_path, monkeypatch):
     for mass, mass_ in zip(masses, masses_):
         np.testing.assert_allclose(mass, mass_, atol=1e-5)
     assert promoted == promoted_ and moved < moved_
+
+
+def test_the_rest_copy_is_attended_while_the_disk_pages_are_read(tmp_path, monkeypatch):
+    """On a CPU host the read of a step's disk pages is submitted before the rest copy is attended and finished
+    after it (the disk reads while the CPU attends), and the output is the same softmax; an error while the read is
+    in flight waits for it (nothing lands in the bounce buffer later), and the next step is exact again."""
+    from tierkv.store import pages as pages_module
+
+    store, kv = store_with_needles(tmp_path, {0: (5, 2), 1: (9, 1)})
+    if store.transfer.accel.streams:
+        pytest.skip("an accelerator's pages are read into staging, before the rest copy")
+    executor = SparseAttention(store, ThreadMover())
+    events: list[str] = []
+    finish, settle, rest = pages_module.PageRead.finish, pages_module.PageRead.settle, executor._rest_attention
+
+    def finishing(self):
+        events.append("finish")
+        return finish(self)
+
+    def settling(self):
+        events.append("settle")
+        return settle(self)
+
+    def resting(*args, **kwargs):
+        events.append("rest")
+        return rest(*args, **kwargs)
+
+    monkeypatch.setattr(pages_module.PageRead, "finish", finishing)
+    monkeypatch.setattr(pages_module.PageRead, "settle", settling)
+    monkeypatch.setattr(executor, "_rest_attention", resting)
+    budget = SparseBudget(0.25, page_tokens=PAGE, rest_bits=4)
+    q = torch.randn(2, HEADS * GROUPS, 1, DIM, generator=torch.Generator().manual_seed(8))
+    out = attend(executor, q, budget)
+    assert events == ["rest", "finish"]
+    events.clear()
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the rest copy failed")
+
+    monkeypatch.setattr(executor, "_rest_attention", failing)
+    other = torch.randn(2, HEADS * GROUPS, 1, DIM, generator=torch.Generator().manual_seed(9))
+    with pytest.raises(RuntimeError, match="rest copy failed"):
+        attend(executor, other, budget)
+    assert events == ["settle"]  # the new pages' read was in flight: waited for, not landed
+    monkeypatch.setattr(executor, "_rest_attention", resting)
+    executor.kept.clear()
+    torch.testing.assert_close(attend(executor, q, budget), out, atol=1e-5, rtol=0)
+    store.check()
+    torch.testing.assert_close(store.read_tokens(0), kv)
+    executor.close()

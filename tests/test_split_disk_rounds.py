@@ -1,8 +1,9 @@
 """Split attention attends a disk share round by round where each round landed, in the disk tier's bounce buffer,
 while the next round is read (issue 28: with most of the KV on disk, the step within 1.1x max(compute, disk
 bytes / raw O_DIRECT)). Checked against DynamicCache with a bounce limit of a few slots, so each layer's disk
-share takes several rounds; at the tier, the rounds are verified before they are handed out and an error leaves
-no read in flight into the buffer."""
+share takes several rounds through a ring of pieces of three bounce buffers; at the tier, the rounds are verified
+before they are handed out, ``parts - 1`` are in flight while one is used, and an error leaves no read in flight
+into the buffers."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from transformers import DynamicCache
 from tierkv import IntegrityError, TieredCache, accel
 from tierkv.attention import host_kernel
 from tierkv.attention import split as split_module
+from tierkv.attention.base import READ_AHEAD
 from tierkv.attention.split import SplitAttention, _DiskShare, merge, merge_all
 from tierkv.blocks import Tier
 from tierkv.layout import BlockLayout
@@ -40,8 +42,9 @@ def kernel(request, monkeypatch):
 
 
 def rounds_of(monkeypatch: pytest.MonkeyPatch, slots: int) -> None:
-    """Split's disk reads in rounds of ``slots`` slots: a bounce limit of two rounds, so each read's ring (three
-    bounce buffers: :meth:`SplitAttention.ring`) is six rounds, five of them in flight while one is attended."""
+    """Split's disk reads in rounds of ``slots`` slots: a bounce limit of two rounds, so each read's ring (two pieces
+    of each of three bounce buffers: :meth:`SplitAttention.ring`) is six rounds, five in flight while one is
+    attended."""
     monkeypatch.setattr(disk_module, "BOUNCE_BYTES", 2 * slots * SLOT)
     monkeypatch.setattr(split_module, "RING_PIECE_BYTES", slots * SLOT)
 
@@ -293,11 +296,179 @@ def test_leaving_the_rounds_early_waits_for_the_round_in_flight(written):
     assert len(watched) == 2 and all(handle.waited for handle in watched)
 
 
+@pytest.mark.parametrize(("parts", "per_round"), [(3, 2), (6, 1)])
+def test_a_ring_keeps_parts_minus_one_rounds_in_flight_while_one_is_used(written, parts, per_round):
+    """A ring of ``parts`` pieces of ``per_round`` slots in a limit of ``parts * per_round`` slots: ``parts`` rounds
+    are submitted at once, and while the consumer holds round k the next ``parts - 1`` are in flight (submitted, not
+    yet waited for); the pieces stay within the limit, each round is handed out in place, and the blocks are exact
+    (``finish`` through the same ring too)."""
+    tier, layout, slots, data, watched = written
+    scratch = Scratch(BounceBuffer)
+    limit = parts * per_round * layout.slot_bytes
+    order = slots[::-1].copy()
+    read = tier.start_read(layout, order, scratch, limit=limit, parts=parts)
+    assert read.rounds == -(-9 // per_round) and len(read.pieces) == parts and len(watched) == parts
+    assert sum(piece.nbytes for piece in read.pieces) <= limit
+    bounce = scratch.bounce_buffer("read")._buffer
+    got = []
+    for k, (lo, hi, staged) in enumerate(read.each_round()):
+        assert (lo, hi) == (k * per_round, min(9, (k + 1) * per_round))
+        assert bounce.ctypes.data <= staged.data_ptr() < bounce.ctypes.data + bounce.nbytes  # in place
+        assert len(watched) == min(read.rounds, k + parts)  # the ring's other pieces are being read into
+        in_flight = [handle for handle in watched if not handle.waited]
+        assert len(in_flight) == min(parts - 1, read.rounds - 1 - k)
+        got.append(layout.blocks_of(staged).clone())
+    torch.testing.assert_close(torch.cat(got), data.flip(0), rtol=0, atol=0)
+    finished = torch.empty(9, *layout.shape)
+    tier.start_read(layout, order, scratch, limit=limit, parts=parts).finish([(0, 5, finished[:5]),
+                                                                              (5, 9, finished[5:])])  # fmt: skip
+    torch.testing.assert_close(finished, data.flip(0), rtol=0, atol=0)
+
+
+def test_a_ring_through_several_buffers_takes_them_in_turn_each_within_its_limit(written):
+    """Split's shape of ring: two one-slot pieces in each of three buffers of at most two slots. Round k lands in
+    buffer k % 3, five rounds are in flight while one is used, no buffer grows past its limit, the blocks are exact
+    (``finish`` through the same ring too)."""
+    tier, layout, slots, data, watched = written
+    scratch, names, limit = Scratch(BounceBuffer), ["x", "y", "z"], 2 * layout.slot_bytes
+    read = tier.start_read(layout, slots, scratch, purpose=names, limit=limit, parts=2)
+    assert read.rounds == 9 and len(read.pieces) == 6 and len(watched) == 6
+    buffers = [scratch.bounce_buffer(name)._buffer for name in names]
+    assert [buffer.nbytes for buffer in buffers] == [limit] * 3
+    got = []
+    for k, (_, _, staged) in enumerate(read.each_round()):
+        buffer = buffers[k % 3]
+        assert buffer.ctypes.data <= staged.data_ptr() < buffer.ctypes.data + buffer.nbytes
+        assert sum(not handle.waited for handle in watched) == min(5, 8 - k)
+        got.append(layout.blocks_of(staged).clone())
+    torch.testing.assert_close(torch.cat(got), data, rtol=0, atol=0)
+    finished = torch.empty(9, *layout.shape)
+    tier.start_read(layout, slots, scratch, purpose=names, limit=limit, parts=2).finish([(0, 9, finished)])
+    torch.testing.assert_close(finished, data, rtol=0, atol=0)
+    assert [scratch.bounce_buffer(name).nbytes for name in names] == [limit] * 3
+
+
+def test_a_read_that_fits_its_ring_is_cut_into_pieces_all_in_flight(written):
+    """``in_pieces``: 9 slots in a ring of three pieces of 3 slots each are three rounds, all submitted at once
+    (the consumer attends the first while the others land); without it they are one round, as before."""
+    tier, layout, slots, data, watched = written
+    scratch = Scratch(BounceBuffer)
+    limit = 9 * layout.slot_bytes
+    read = tier.start_read(layout, slots, scratch, limit=limit, parts=3, in_pieces=True)
+    assert read.rounds == 3 and len(watched) == 3 and not any(handle.waited for handle in watched)
+    got = [layout.blocks_of(staged).clone() for _, _, staged in read.each_round()]
+    torch.testing.assert_close(torch.cat(got), data, rtol=0, atol=0)
+    assert tier.start_read(layout, slots, scratch, limit=limit, parts=3).rounds == 1
+
+
+def test_a_flipped_byte_in_a_later_round_of_a_ring_raises_and_leaves_no_read_in_flight(written):
+    """A ring of three pieces of two slots: the fifth round (slots 8..) is submitted only when the consumer asks for
+    the third; a byte changed in it raises IntegrityError naming its slot after rounds 0-3 were handed out, and
+    every round submitted was waited for before the error surfaced."""
+    tier, layout, slots, _, watched = written
+    flip(next(iter(tier.files.values())).path, int(slots[8]) * layout.slot_bytes + 100)
+    read = tier.start_read(layout, slots, Scratch(BounceBuffer), limit=6 * layout.slot_bytes, parts=3)
+    handed = []
+    with pytest.raises(IntegrityError, match=f"slot {int(slots[8])} "):
+        handed.extend(lo for lo, _, _ in read.each_round())
+    assert handed == [0, 2, 4, 6]
+    assert len(watched) == 5 and all(handle.waited for handle in watched)
+
+
+def test_leaving_a_ring_early_waits_for_every_round_in_flight(written):
+    """A consumer that stops at the second round of a ring of four closes the generator: the four rounds in flight
+    (three of the first ring's, and the one submitted into the first round's piece) were waited for."""
+    tier, layout, slots, _, watched = written
+    rounds = tier.start_read(layout, slots, Scratch(BounceBuffer), limit=4 * layout.slot_bytes, parts=4).each_round()
+    next(rounds)
+    next(rounds)  # round 4 submitted into round 0's piece
+    rounds.close()
+    assert len(watched) == 5 and all(handle.waited for handle in watched)
+
+
+def test_split_reads_ahead_through_rings_within_the_read_ahead_bound(tmp_path, monkeypatch, kernel):
+    """Split's disk reads at a small bounce limit (two slots): each a ring of six one-slot rounds through three
+    bounce buffers, so while a round is attended five more are in flight (two halves would allow one); the next
+    layer's read was submitted before this layer's rounds are attended, and the read of the layer after it once
+    this layer was attended (into its ring: across the layer boundary); the buffers split's reads hold at once never
+    exceed ``(READ_AHEAD + 2) * bounce_bytes``, the bound of exact gather's reads ahead, and no buffer grows past
+    ``bounce_bytes``. Tokens and logits as DynamicCache's."""
+    rounds_of(monkeypatch, 1)
+    model = tiny_model("llama", layers=3)
+    ids, _ = prompt(1, 60, seed=2)
+    run = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    reference = model.generate(ids, past_key_values=DynamicCache(), prefill_chunk_size=16, **run)
+    seen: list[tuple[int, int, int, set[int]]] = []  # per round attended: layer, in flight, bytes held, layers ahead
+    after: list[tuple[int, set[int]]] = []  # per layer attended: the layers read ahead when attend returned
+    attending: list[tuple[SplitAttention, int]] = []
+    each_round, attend = disk_module._DiskRead.each_round, SplitAttention.attend
+
+    def observed_rounds(read):
+        for landed in each_round(read):
+            if attending:
+                executor, layer = attending[-1]
+                bounces = executor.store.transfer.scratch
+                held = sum(bounces.bounce_buffer(name).nbytes for purpose in executor._buffer_users
+                           for name in executor.ring_names(purpose))  # fmt: skip
+                seen.append((layer, len(read.handles), held, {key[0] for key in executor._disk_ahead}))
+            yield landed
+
+    def watched_attend(executor, span, *args, **kwargs):
+        attending.append((executor, span.layer))
+        try:
+            out = attend(executor, span, *args, **kwargs)
+        finally:
+            attending.pop()
+        after.append((span.layer, {key[0] for key in executor._disk_ahead}))
+        return out
+
+    monkeypatch.setattr(disk_module._DiskRead, "each_round", observed_rounds)
+    monkeypatch.setattr(SplitAttention, "attend", watched_attend)
+    with TieredCache(gpu_gb=gpu(model, 1), cpu_gb="8KB", disk_dir=tmp_path, block_tokens=4) as cache:
+        with cache.split(model, chunk_tokens=8):
+            out = model.generate(ids, past_key_values=cache, prefill_chunk_size=16, **run)
+        executor, disk = cache.executors["split"], cache.store.tiers[Tier.DISK]
+        bounce = disk.bounce_bytes
+        assert bounce == 2 * SLOT and executor.read_ahead == 2 and executor.ring() == (3, bounce, 2)
+        assert executor.ring_names("ahead1") == ["ahead3", "ahead4", "ahead5"]
+        assert max(b.nbytes for b in cache.store.transfer.scratch._local.bounces.values()) <= bounce
+        assert executor.read_ahead_hits > 0
+    assert_same_generation(out, reference, atol=1e-4)
+    assert max(in_flight for _, in_flight, _, _ in seen) == 5  # parts - 1 (two halves: 1)
+    assert max(held for _, _, held, _ in seen) <= (READ_AHEAD + 2) * bounce
+    assert max(held for _, _, held, _ in seen) > 2 * bounce  # rings, not a bounce buffer each
+    assert all(ahead == {(layer + 1) % 3} for layer, _, _, ahead in seen[len(seen) // 2 :]), seen  # while attended
+    assert all(ahead == {(layer + 1) % 3, (layer + 2) % 3} for layer, ahead in after[len(after) // 2 :]), after
+
+
+def test_a_multi_token_step_between_decode_steps_does_not_reuse_a_read_ahead_it_overwrote(tmp_path):
+    """Split's decode steps leave the next step's layer-0 read ahead in a read-ahead buffer; a two-token step in
+    between (streaming, the mode's prefill executor, reading ahead into the same buffers of the thread) fills that
+    buffer with its own reads, and the decode step after it (the table unchanged: the tokens fit the open block)
+    must not attend what is there: the executor that hands over drops its reads ahead. Logits as DynamicCache's at
+    every step (wrong by ~5e-2 before)."""
+    model = tiny_model("llama", layers=3)
+    ids, _ = prompt(1, 48, seed=2)
+    steps = [ids, *(torch.tensor([tokens]) for tokens in ([5], [7], [9, 11], [13], [15]))]
+    reference = DynamicCache()
+    with torch.no_grad():
+        expected = [model(tokens, past_key_values=reference).logits[:, -1] for tokens in steps]
+    budget = TieredCache.min_split_device_bytes(model.config, 1, block_tokens=8, chunk_tokens=8) + 16384
+    with torch.no_grad(), TieredCache(gpu_gb=f"{budget}B", cpu_gb="8KB", disk_dir=tmp_path, block_tokens=8) as cache, \
+            cache.split(model, chunk_tokens=8):
+        for index, (tokens, want) in enumerate(zip(steps, expected)):
+            executor = cache.executors.get("split")
+            if index == 3:
+                assert executor is not None and 0 in {layer for layer, _ in executor._disk_ahead}
+            torch.testing.assert_close(model(tokens, past_key_values=cache).logits[:, -1], want, atol=1e-4, rtol=0)
+        assert cache.executors["split"].read_ahead_hits > 0 and cache.stats()["blocks"]["disk"] > 8
+
+
 def test_a_flipped_byte_on_disk_stops_split_decode_with_no_read_in_flight(tmp_path, monkeypatch, kernel):
     """Through the model: a byte flipped in a disk block that a later round of layer 0's read reads raises
     IntegrityError from the decode step, and every round submitted for that read was waited for before the error
     left ``attend``."""
-    monkeypatch.setattr(disk_module, "BOUNCE_BYTES", SLOT)  # split's ring of 3 slots: two rounds of one slot
+    monkeypatch.setattr(disk_module, "BOUNCE_BYTES", SLOT)  # rings of three one-slot rounds: the 4th read after
     model = tiny_model("llama")
     ids, _ = prompt(1, 60, seed=2)
     reads: list[tuple[disk_module._DiskRead, list[Watched]]] = []

@@ -121,10 +121,10 @@ def register_executor(cls: type[PipelinedExecutor]) -> type[PipelinedExecutor]:
 
 READ_AHEAD_BYTES = 1 << 30
 """At most this many bytes of disk reads ahead in flight (one is always allowed), so long layers read fewer
-layers ahead. Their host buffers are bounded by ``(READ_AHEAD + 2) * DiskTier.bounce_bytes`` per executor
-(``tierkv.tiers.disk.BOUNCE_BYTES`` at large budgets; docs/reliability.md, "Memory"): exact gather's
-``READ_AHEAD + 2`` buffers (:attr:`PipelinedExecutor.ahead_buffers`) of at most one bounce buffer each (a larger
-read runs in rounds through two halves); split's ``ahead_buffers`` rings share the same total
+layers ahead. Each holds a host bounce buffer of at most ``tierkv.tiers.disk.BOUNCE_BYTES`` (a larger read
+runs in rounds), so their memory is also bounded by ``(READ_AHEAD + 2) * BOUNCE_BYTES`` for exact gather
+(:attr:`PipelinedExecutor.ahead_buffers` names; docs/reliability.md, "Memory"). Split's two reads ring through
+three of those buffers each, the same ``READ_AHEAD + 2`` names
 (:meth:`~tierkv.attention.split.SplitAttention.ring`)."""
 
 READ_AHEAD = DISK_READ_AHEAD
@@ -213,12 +213,26 @@ class PipelinedExecutor:
         raise TierKVError(f"the {self.name} executor gathers K/V for the model's own attention; it attends nothing.")
 
     def pause_telemetry(self) -> None:
-        """Another executor takes over: the step in progress ends here (the gap is neither one's compute)."""
+        """Another executor takes over: the step in progress ends here (the gap is neither one's compute), and the
+        read-ahead buffers are given up (:meth:`_give_up_ahead_buffers`)."""
         if self.timeline is not None:
             self.timeline.end_step(time.perf_counter())
         self._left_at = None
         self.last_layer = -1
         self._paused()
+        self._give_up_ahead_buffers()
+
+    def _give_up_ahead_buffers(self) -> None:
+        """The read-ahead buffers (``ahead0`` ..) are the calling thread's, shared by name with the executor that
+        takes over (a mode's prefill and decode executors): drop the reads ahead and wait for the mover's jobs still
+        copying out of one, so its reads neither overwrite a read ahead this executor would later use (a
+        multi-token step between decode steps: its reads land where the next decode step's read ahead waited) nor
+        land under a copy in progress."""
+        self._drop_all_ahead()
+        for name, user in list(self._buffer_users.items()):
+            if isinstance(user, MoveHandle):
+                wait_quietly(user)
+                del self._buffer_users[name]
 
     def _paused(self) -> None:
         """What else an executor forgets when its telemetry pauses."""

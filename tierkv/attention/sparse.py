@@ -10,11 +10,12 @@ block, which stays the unit of placement and of large transfers)::
     score[b, p]       = max over heads of share               # a page matters if any query head needs it
     score[b, p]       = max(score, measured share at the layer's previous step, where >= sticky_share)
     selected[b]       = sinks ∪ top_k(score[b]) ∪ recent      # per row: rows select different pages
-    read the sink and recent blocks whole (one ReadPlan) into device staging
-    CPU host: attend the selected pages where they are (the host kernel, tierkv.attention.host_kernel): those
-        of blocks in memory in the tiers' slabs, those on disk in the layer's kept buffer, the misses read
-        straight into it (KVStore.read_pages: the disk's covering aligned sectors); nothing gathered or staged
-    accelerator: read the selected pages by one page read per tier into device staging (kept ones gathered)
+    CPU host: attend the selection where it is (the host kernel, tierkv.attention.host_kernel): the sink and
+        recent blocks and the pages of blocks in memory in the tiers' slabs, the pages of blocks on disk in the
+        layer's kept buffer, the misses read straight into it (KVStore.start_read_pages: the disk's covering
+        aligned sectors, read while the rest copy below is attended); nothing gathered or staged
+    accelerator: read the sink and recent blocks whole (one ReadPlan) and the selected pages (one page read per
+        tier; kept ones gathered) into device staging
     out = softmax attention over the selected tokens (tierkv.attention.lse), exact over them
     rest_bits: + every other candidate page from its low-bit copy on the device, merged by log-sum-exp
         (in CPU memory attended straight from its codes: tierkv.attention.rest_kernel)
@@ -71,6 +72,7 @@ from tierkv.mover import ThreadMover
 from tierkv.staging import GROWTH, REST_BITS, default_page_tokens
 from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
+from tierkv.store.pages import PageRead
 from tierkv.store.transfer import link
 from tierkv.tiers.memory import MemoryTier
 
@@ -279,12 +281,21 @@ class SparseAttention(PipelinedExecutor):
         self.speculation.remember(layer, columns, self._runners_up(layer, columns))
         count, picked = columns.shape[1], 0 if pages is None else pages.shape[1]
         here = self._pages_here(layer, batch, picked, page) if picked else None
-        staging, page_staging = self._staging(layer, batch, count, 0 if here is not None else picked * page)
-        self._fill(layer, columns, staging, keep=pages is None)
-        parts = [self._block_part(columns, staging, start, stop, mask, query)]
         rest = budget.rest_bits or budget.rest_means
-        if self._tail_kept is not None and not rest:  # the tail's pages not chosen: not attended
-            parts[0] = (*parts[0][:2], _tail_bias(parts[0][2], *self._tail_kept, page, parts[0][0].shape[2], query))
+        blocks_here = None  # the whole blocks attended in place: (out, lse, each block's own lse [B, H_q, K])
+        if self._host_only() and (self._tail_kept is None or rest):  # (no mask of the tail's unchosen pages)
+            blocks_here = self._blocks_here(layer, columns, query, mask, start, stop, scaling, softcap)
+        staging, page_staging = self._staging(layer, batch, 0 if blocks_here is not None else count,
+                                              0 if here is not None else picked * page)  # fmt: skip
+        parts = []  # staged (keys, values, bias), attended by torch
+        if blocks_here is None:
+            self._fill(layer, columns, staging, keep=pages is None)
+            parts.append(self._block_part(columns, staging, start, stop, mask, query))
+            if self._tail_kept is not None and not rest:  # the tail's pages not chosen: not attended
+                parts[0] = (*parts[0][:2], _tail_bias(parts[0][2], *self._tail_kept, page, parts[0][0].shape[2],
+                                                      query))  # fmt: skip
+        else:
+            self._count(layer, ReadPlan(layer, 0, 0, ()), columns, 0, 0)  # nothing read
         if pages is not None and picked and here is None:
             self._read_pages(layer, pages, per, page, page_staging)
             if (pages < 0).any():  # positions left alone hold stale bytes, maybe NaN: masked, and zero
@@ -295,25 +306,50 @@ class SparseAttention(PipelinedExecutor):
         wants_mass = getattr(store.policy, "wants_mass", False)
         sticky = bool(self.sticky_share) and self._scored  # an exact layer-step (all blocks read) chose nothing
         out, lse, pieces = self._attend_parts(q, parts, wants_mass or sticky, scaling, softcap)
-        page_lse = None  # each page's own log-sum-exp [B, H_q, P], where the pages were attended in place
+        if blocks_here is not None:
+            out, lse = merge(out, lse, blocks_here[0].view(*q.shape[:3], 1, dim), blocks_here[1].view(*q.shape[:3], 1))
+        assert out is not None and lse is not None  # the open tail is always attended, staged or in place
+        page_parts = []  # where the pages are attended in place: (out, lse, each page's own lse [B, H_q, P])
+        pending = None  # ... and the read of their misses on disk, in flight while the rest copy is attended
         if here is not None:
             assert pages is not None
-            page_out, part_lse, page_lse = self._attend_pages_here(layer, here, pages, per, page, query, mask, start,
-                                                                   stop, scaling, softcap)  # fmt: skip
-            shape = q.shape[:3]  # [B, H_kv, G]
-            out, lse = merge(out, lse, page_out.view(*shape, 1, dim), part_lse.view(*shape, 1))
-        if self._unread is not None and rest and summaries.table(layer) is not None:
-            read = columns if pages is None else pages
-            unread = self._rest_attention(layer, start, stop, read, per, q, mask, scaling, softcap, summaries, lse) \
-                if budget.rest_bits else self._mean_attention(layer, start, stop, read, per, q, mask, scaling, softcap,
-                                                              summaries)
-            if unread is not None:  # the pages not read, from their copy: the same softmax, merged
-                out, lse = merge(out, lse, *unread)
-        shares = [weights * torch.exp(part_lse - lse)[..., None] for weights, part_lse in pieces]
-        units = [(columns, bt)] + ([(pages, page)] if pages is not None and picked else [])
-        unit_shares = [_unit_shares(w, u.shape[1], size) for w, (u, size) in zip(shares, units)]  # [B, H_q, K]
-        if page_lse is not None:
-            unit_shares.append(torch.exp(page_lse - lse.reshape(batch, heads, 1)))
+            self.counters.pages_selected += int(np.count_nonzero(pages >= 0))
+            in_memory = self._attend_memory_pages(layer, pages, per, page, query, mask, start, stop, scaling, softcap)
+            page_parts += [in_memory] if in_memory is not None else []
+            pending = self._start_disk_pages(layer, here, pages, per, page)
+        try:
+            for page_out, part_lse, _ in page_parts:
+                out, lse = merge(out, lse, page_out.view(*q.shape[:3], 1, dim), part_lse.view(*q.shape[:3], 1))
+            unread = None
+            if self._unread is not None and rest and summaries.table(layer) is not None:
+                read = columns if pages is None else pages
+                # pruned against the mass read so far: the disk pages in flight are not in ``lse`` yet, so fewer
+                # pages are left out than against all of it (the bound holds all the more)
+                unread = self._rest_attention(layer, start, stop, read, per, q, mask, scaling, softcap, summaries,
+                                              lse) if budget.rest_bits else \
+                    self._mean_attention(layer, start, stop, read, per, q, mask, scaling, softcap, summaries)
+            if pending is not None:
+                assert pages is not None
+                page_parts.append(self._attend_disk_pages(layer, pending, pages, per, page, query, mask, start, stop,
+                                                          scaling, softcap))  # fmt: skip
+                out, lse = merge(out, lse, page_parts[-1][0].view(*q.shape[:3], 1, dim),
+                                 page_parts[-1][1].view(*q.shape[:3], 1))  # fmt: skip
+                pending = None
+        finally:
+            if pending is not None and pending.read is not None:
+                pending.read.settle()
+        if unread is not None:  # the pages not read, from their copy: the same softmax, merged
+            out, lse = merge(out, lse, *unread)
+        page_lse = None
+        if page_parts:  # each page is in one part: -inf in the others
+            page_lse = page_parts[0][2] if len(page_parts) == 1 else torch.logaddexp(page_parts[0][2], page_parts[1][2])
+        units = [(columns, bt, None if blocks_here is None else blocks_here[2])]
+        units += [(pages, page, page_lse)] if pages is not None and picked else []
+        unit_shares = []  # [B, H_q, K] each selected unit's share of each query head's softmax, where needed
+        if wants_mass or sticky:
+            staged = iter(weights * torch.exp(part_lse - lse)[..., None] for weights, part_lse in pieces)
+            unit_shares = [_unit_shares(next(staged), chosen.shape[1], size) if own is None
+                           else torch.exp(own - lse.reshape(batch, heads, 1)) for chosen, size, own in units]
         if sticky:  # the selected units' measured shares: blocks, or pages where pages are the unit
             chosen, measured = units[-1][0], unit_shares[-1]
             strongest = measured.amax(dim=1)  # [B, K]: the most some query head gave each
@@ -322,13 +358,16 @@ class SparseAttention(PipelinedExecutor):
             self._sticky.pop(layer, None)  # never a share older than the previous step
         attended = columns if pages is None else np.concatenate((columns, pages // per), axis=1)
         mass = torch.cat([s.mean(dim=1) for s in unit_shares], dim=1) if wants_mass else None
-        self._promote(layer, attended, mass, columns, staging)
+        self._promote(layer, attended, mass, columns, staging if blocks_here is None else None)
         self._count_moved(moved)
         counters = self.counters
         counters.staged_bytes_read += sum(k.numel() * k.element_size() for k, _, _ in parts) * 2  # K and V
         if here is not None and pages is not None:  # the pages attended in place: read once, by the kernel
             counters.staged_bytes_read += int(np.count_nonzero(pages >= 0)) * page * layout.token_bytes
-        counters.tokens_read += batch * parts[0][0].shape[2] + (0 if pages is None else int((pages >= 0).sum()) * page)
+        whole = parts[0][0].shape[2] if blocks_here is None else _staged_tokens(columns, bt, stop)
+        if blocks_here is not None:  # the blocks attended in place: read once, by the kernel
+            counters.staged_bytes_read += batch * whole * layout.token_bytes
+        counters.tokens_read += batch * whole + (0 if pages is None else int((pages >= 0).sum()) * page)
         counters.tokens_total += batch * (stop - start)
         self._left_at = time.perf_counter()
         return out.reshape(batch, heads, 1, dim).transpose(1, 2).to(query.dtype)
@@ -347,8 +386,9 @@ class SparseAttention(PipelinedExecutor):
 
     @staticmethod
     def _attend_parts(q: torch.Tensor, parts: list, weighted: bool, scaling: float,
-                      softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """One softmax over every part (keys, values, bias), merged by log-sum-exp: (out, lse), and with
+                      softcap: float | None) -> tuple[torch.Tensor | None, torch.Tensor | None, list]:
+        """One softmax over every part (keys, values, bias), merged by log-sum-exp: (out, lse; None without parts),
+        and with
         ``weighted`` each part's keys' weights in its own softmax ``[B, H_kv, G, 1, T]`` and log-sum-exp (the
         attention's own: no second scoring)."""
         out = lse = None
@@ -360,7 +400,6 @@ class SparseAttention(PipelinedExecutor):
             else:
                 part_out, part_lse = partial_attention(q, keys, values, bias, scaling, softcap)
             out, lse = merge(out, lse, part_out, part_lse)
-        assert out is not None and lse is not None  # the open tail is always a part
         return out, lse, pieces
 
     # ---------------------------------------------------------------------------------- selection
@@ -705,12 +744,13 @@ class SparseAttention(PipelinedExecutor):
 
     # ---------------------------------------------------------------------------------- promotion
     def _promote(self, layer: int, attended: np.ndarray, mass: torch.Tensor | None, columns: np.ndarray,
-                 staging: torch.Tensor) -> None:
+                 staging: torch.Tensor | None) -> None:
         """Tell the policy what was attended (``attended`` ``[B, A]``: the block of every unit read, with its
         ``mass``); copy the blocks it wants up to the device in one batched write: from staging where they were
         read whole (``columns``; found with one vectorized comparison), else read whole now from their tier (a
         block read in pages: at most :data:`~tierkv.attention.sparse_store.PROMOTE_PER_LAYER` per layer-step,
-        counted on its link like any read), so hot pages' blocks gather on the device."""
+        counted on its link like any read), so hot pages' blocks gather on the device. ``staging`` None: the
+        blocks were attended in place (a CPU host), none staged."""
         weights = mass.cpu().numpy() if mass is not None else None
         wanted = self.sparse_blocks.attended(layer, attended, weights)
         if not wanted:
@@ -719,6 +759,8 @@ class SparseAttention(PipelinedExecutor):
         rows = store.table.rows[layer]
         ids = rows.ids[np.arange(rows.batch)[:, None], columns]  # [B, K]
         match = ids.ravel()[None, :] == np.array([b.id for b in wanted])[:, None]  # [n, B·K]
+        if staging is None:
+            match[:] = False
         found = match.any(axis=1)
         kept = self.kept.layers.get(layer)
         if kept is not None and kept.unit_tokens < store.block_tokens and not found.all():
@@ -728,13 +770,15 @@ class SparseAttention(PipelinedExecutor):
             if not wanted:
                 return
             match, found = match[found], found[found]
-        row, position = np.divmod(np.argmax(match, axis=1), columns.shape[1])
-        bt = store.block_tokens
-        blocks = staging.unflatten(3, (-1, bt))  # [2, B, H_kv, K, bt, D]
-        device = staging.device
-        data = blocks[:, torch.from_numpy(row).to(device), :, torch.from_numpy(position).to(device)]  # [n, 2, ...]
+        bt, layout = store.block_tokens, store.layouts[layer]
+        if staging is None:
+            data = torch.empty((len(wanted), *layout.shape), dtype=layout.dtype, device=store.device.device)
+        else:
+            row, position = np.divmod(np.argmax(match, axis=1), columns.shape[1])
+            blocks = staging.unflatten(3, (-1, bt))  # [2, B, H_kv, K, bt, D]
+            device = staging.device
+            data = blocks[:, torch.from_numpy(row).to(device), :, torch.from_numpy(position).to(device)]  # [n, 2, ...]
         if not found.all():  # read in pages only: their blocks whole, from each tier
-            layout = store.layouts[layer]
             for tier in {wanted[i].tier for i in np.flatnonzero(~found).tolist()}:
                 picked = [i for i in np.flatnonzero(~found).tolist() if wanted[i].tier == tier]
                 data[picked] = store.transfer.read_blocks(layout, tier, [wanted[i].slot for i in picked])
@@ -773,89 +817,141 @@ class SparseAttention(PipelinedExecutor):
                 counters.bytes_fetched_off_device += delta
 
     def _pages_here(self, layer: int, batch: int, picked: int, page: int) -> KeptLayer | None:
-        """The kept layer for the disk pages of a selection attended in place (:meth:`_attend_pages_here`), or
+        """The kept layer for the disk pages of a selection attended in place (:meth:`_start_disk_pages`), or
         None: attended from staging. In place where the device is the host's memory (the host kernel reads every
         tier's slab there) and the layer keeps pages with room for a whole selection (every miss has a position)."""
-        if self.store.transfer.accel.streams or self.store.device.device.type != "cpu":
+        if not self._host_only():
             return None
         kept = self.kept.layer(layer, batch, picked, page)
         return kept if kept is not None and kept.capacity >= picked else None
 
-    def _attend_pages_here(self, layer: int, kept: KeptLayer, pages: np.ndarray, per: int, page: int,
+    def _host_only(self) -> bool:
+        """Whether every tier is host memory (a CPU host), where the host kernel attends any slab in place."""
+        return not self.store.transfer.accel.streams and self.store.device.device.type == "cpu"
+
+    def _attend_memory_pages(self, layer: int, pages: np.ndarray, per: int, page: int, query: torch.Tensor,
+                             mask: torch.Tensor | None, start: int, stop: int, scaling: float,
+                             softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """On a CPU host, the selected pages ``pages`` ``[B, P]`` (``column · per + page``; -1: none) of blocks in
+        memory, attended in the device and host tiers' own slabs by one host-kernel call through a table of
+        (slot, start), at their real key positions (so the mask and a window's start apply): nothing is read or
+        copied. Returns the output ``[B, H_q, 1, D]``, the log-sum-exp ``[B, H_q, 1]`` and each page's own
+        log-sum-exp ``[B, H_q, P]`` (its share of the softmax, from the same pass; ``-inf`` for the others), or
+        None where no selected page is in memory."""
+        columns, row, tiers = self._page_columns(layer, pages, per)
+        in_memory = (pages >= 0) & (tiers != Tier.DISK)
+        if not in_memory.any():
+            return None
+        chunks, table = self._memory_table(layer, columns, in_memory)
+        return self._attend_page_table(query, chunks, table, pages % per * page, columns, pages, per, page, mask,
+                                       start, stop, scaling, softcap)  # fmt: skip
+
+    def _memory_table(self, layer: int, columns: np.ndarray,
+                      held: np.ndarray) -> tuple[list[torch.Tensor], np.ndarray]:
+        """The device and host tiers' slab chunks of ``layer``, concatenated (each tier's slot ids offset by the
+        slots before it), and the table ``[B, K]`` of the blocks of grid ``columns`` ``[B, K]`` where ``held``
+        (each in a memory tier), -1 elsewhere."""
+        store = self.store
+        grid, layout = store.table.rows[layer], store.layouts[layer]
+        row = np.arange(columns.shape[0])[:, None]
+        chunks: list[torch.Tensor] = []
+        first: dict[Tier, int] = {}  # each tier's first slot id in the concatenated chunks
+        for tier in (Tier.DEVICE, Tier.HOST):  # two tiers: a loop of two
+            memory = store.tiers.get(tier)
+            if isinstance(memory, MemoryTier):
+                first[tier] = sum(int(chunk.shape[0]) for chunk in chunks)
+                chunks += memory.slabs(layout)
+        offset = np.zeros(max(first) + 1, dtype=np.int64)
+        offset[list(first)] = list(first.values())
+        tiers = grid.tiers[row, columns]
+        return chunks, np.where(held, grid.slots[row, columns] + offset[np.where(held, tiers, 0)], -1)
+
+    def _blocks_here(self, layer: int, columns: np.ndarray, query: torch.Tensor, mask: torch.Tensor | None,
+                     start: int, stop: int, scaling: float,
+                     softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """On a CPU host, the whole blocks of ``columns`` ``[B, K]`` (sinks, recent blocks, the open tail) attended
+        where they lie in the device and host tiers' slabs, by one host-kernel call at their real key positions
+        (the tail's empty slots are past ``stop``: not attended): the output ``[B, H_q, 1, D]``, the log-sum-exp
+        ``[B, H_q, 1]`` and each block's own log-sum-exp ``[B, H_q, K]``. None where some block is on disk (it
+        is read into staging then)."""
+        grid = self.store.table.rows[layer]
+        row = np.arange(columns.shape[0])[:, None]
+        if (grid.tiers[row, columns] == Tier.DISK).any():
+            return None
+        chunks, table = self._memory_table(layer, columns, np.ones(columns.shape, dtype=bool))
+        block_lse = torch.empty((columns.shape[0], query.shape[1], 1, columns.shape[1]), dtype=torch.float32)
+        out, lse = host_kernel.paged_attention(query, chunks, table, stop - start, scaling=scaling, softcap=softcap,
+                                               causal=mask is None, mask=mask,
+                                               positions=columns * self.store.block_tokens - start,
+                                               entry_lse=block_lse)  # fmt: skip
+        return out, lse, block_lse[:, :, 0]
+
+    def _start_disk_pages(self, layer: int, kept: KeptLayer, pages: np.ndarray, per: int,
+                          page: int) -> _PendingPages | None:
+        """On a CPU host, place the selected pages of blocks on disk in the kept layer and submit the read of the
+        misses straight into their kept positions (one page read, :meth:`KVStore.start_read_pages`), which
+        :meth:`_attend_disk_pages` finishes (the rest copy is attended meanwhile). None: no selected page is on
+        disk."""
+        store = self.store
+        columns, row, tiers = self._page_columns(layer, pages, per)
+        on_disk = (pages >= 0) & (tiers == Tier.DISK)
+        if not on_disk.any():
+            return None
+        moved = self._moved_in()
+        ids = np.where(on_disk, store.table.rows[layer].ids[row, columns] * per + pages % per, -1)
+        chosen = np.where(on_disk, pages, -1)
+        placed = kept.place(ids, chosen, ~on_disk, self.counters.layer_steps)
+        new = (placed.positions >= 0) & ~placed.hit
+        read = None
+        if new.any():  # the read's destination is the kept buffer itself
+            into = np.full((pages.shape[0], kept.capacity), -1, dtype=np.int64)
+            index = np.zeros_like(into)
+            rows, positions = np.nonzero(new)[0], placed.positions[new]
+            into[rows, positions], index[rows, positions] = np.divmod(chosen[new], per)
+            read = store.start_read_pages(layer, into, index, page, kept.view(store.layouts[layer]))
+        return _PendingPages(kept, placed, ids, on_disk, read, moved)
+
+    def _attend_disk_pages(self, layer: int, pending: _PendingPages, pages: np.ndarray, per: int, page: int,
                            query: torch.Tensor, mask: torch.Tensor | None, start: int, stop: int, scaling: float,
                            softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Attend pages ``pages`` ``[B, P]`` (``column · per + page``; -1: none) where they are, on a CPU host:
-
-        - pages of blocks in memory (the device and host tiers' slabs): by one host-kernel call over those slabs'
-          chunks, through a table of (slot, start) — nothing read, nothing copied;
-        - pages of blocks on disk: from the kept layer, the misses read straight into their kept positions (one
-          page read, :meth:`KVStore.read_pages`), then one host-kernel call over the kept buffer.
-
-        Both at their real key positions (so the mask and a window's start apply), merged by log-sum-exp. Returns
-        the output ``[B, H_q, 1, D]``, the log-sum-exp ``[B, H_q, 1]`` and each page's own log-sum-exp ``[B, H_q,
-        P]`` (its share of the softmax, measured by the same pass)."""
-        store = self.store
-        grid, layout, bt = store.table.rows[layer], store.layouts[layer], store.block_tokens
-        batch, picked = pages.shape
-        none = pages < 0
-        columns = np.where(none, 0, pages // per)
-        row = np.arange(batch)[:, None]
-        tiers = np.where(none, Tier.DISK, grid.tiers[row, columns])
-        on_disk = ~none & (tiers == Tier.DISK)
-        options = dict(scaling=scaling, softcap=softcap, causal=mask is None, mask=mask, entry_tokens=page,
-                       positions=columns * bt + pages % per * page - start)  # fmt: skip
-        out = lse = page_lse = None
-        in_memory = ~none & ~on_disk
-        if in_memory.any():
-            chunks: list[torch.Tensor] = []
-            first: dict[Tier, int] = {}  # each tier's first slot id in the concatenated chunks
-            for tier in (Tier.DEVICE, Tier.HOST):  # two tiers: their chunks concatenated, slot ids offset
-                memory = store.tiers.get(tier)
-                if isinstance(memory, MemoryTier):
-                    first[tier] = sum(int(chunk.shape[0]) for chunk in chunks)
-                    chunks += memory.slabs(layout)
-            offset = np.zeros(max(first) + 1, dtype=np.int64)
-            offset[list(first)] = list(first.values())
-            table = np.where(in_memory, grid.slots[row, columns] + offset[np.where(in_memory, tiers, 0)], -1)
-            page_lse = torch.empty((batch, query.shape[1], 1, picked), dtype=torch.float32)
-            out, lse = host_kernel.paged_attention(query, chunks, table, stop - start, starts=pages % per * page,
-                                                   entry_lse=page_lse, **options)  # fmt: skip
-        if on_disk.any():
-            ids = np.where(on_disk, grid.ids[row, columns] * per + pages % per, -1)
-            placed = self._keep_pages(layer, kept, ids, np.where(on_disk, pages, -1), per, page)
-            kept_lse = torch.empty((batch, query.shape[1], 1, picked), dtype=torch.float32)
-            part = host_kernel.paged_attention(query, kept.slab(layout), np.where(on_disk, row, -1), stop - start,
-                                               starts=np.where(on_disk, placed.positions * page, 0),
-                                               entry_lse=kept_lse, **options)  # fmt: skip
-            out, lse = merge(out, lse, *part)
-            page_lse = kept_lse if page_lse is None else torch.logaddexp(page_lse, kept_lse)  # each page in one
-        self.counters.pages_selected += int(np.count_nonzero(~none))
-        assert out is not None and lse is not None and page_lse is not None  # some page was chosen
-        return out, lse, page_lse[:, :, 0]
-
-    def _keep_pages(self, layer: int, kept: KeptLayer, ids: np.ndarray, pages: np.ndarray, per: int,
-                    page: int) -> Placed:
-        """Place pages ``pages`` ``[B, P]`` (ids ``ids``; -1: none) in the kept layer, reading the misses straight
-        into their kept positions (one page read per tier); count the reuse and the bytes moved."""
-        store, counters = self.store, self.counters
-        before = self._moved_in()
-        batch = pages.shape[0]
-        placed = kept.place(ids, pages, pages < 0, counters.layer_steps)
-        new = (placed.positions >= 0) & ~placed.hit
-        if new.any():  # the read's destination is the kept buffer itself
-            row = np.nonzero(new)[0]
-            into = np.full((batch, kept.capacity), -1, dtype=np.int64)
-            index = np.zeros((batch, kept.capacity), dtype=np.int64)
-            into[row, placed.positions[new]], index[row, placed.positions[new]] = np.divmod(pages[new], per)
-            store.read_pages(layer, into, index, page, kept.view(store.layouts[layer]))
-            kept.record(placed, ids)
+        """Finish :meth:`_start_disk_pages`' read and attend the disk pages where the kept layer holds them (one
+        host-kernel call over the kept buffer, slot ``b`` for row ``b``); count the reuse and the bytes moved.
+        Returns what :meth:`_attend_memory_pages` returns, for these pages."""
+        kept, placed, counters = pending.kept, pending.placed, self.counters
+        if pending.read is not None:
+            pending.read.finish()
+            kept.record(placed, pending.ids)
         counters.pages_reused += placed.reused
         for name, nbytes in self._moved_in().items():
-            delta = nbytes - before.get(name, 0)
+            delta = nbytes - pending.moved.get(name, 0)
             counters.bytes_fetched += delta
             if not name.startswith(Tier.DEVICE.label):
                 counters.bytes_fetched_off_device += delta
-        return placed
+        columns, row, _ = self._page_columns(layer, pages, per)
+        table = np.where(pending.on_disk, row, -1)
+        starts = np.where(pending.on_disk, placed.positions * page, 0)
+        return self._attend_page_table(query, kept.slab(self.store.layouts[layer]), table, starts, columns, pages, per,
+                                       page, mask, start, stop, scaling, softcap)  # fmt: skip
+
+    def _page_columns(self, layer: int, pages: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The grid column of each page ``[B, P]`` (0 where none), the rows ``[B, 1]``, and the tier holding each."""
+        columns = np.where(pages < 0, 0, pages // per)
+        row = np.arange(pages.shape[0])[:, None]
+        return columns, row, self.store.table.rows[layer].tiers[row, columns]
+
+    def _attend_page_table(self, query: torch.Tensor, slabs: torch.Tensor | list[torch.Tensor], table: np.ndarray,
+                           starts: np.ndarray, columns: np.ndarray, pages: np.ndarray, per: int, page: int,
+                           mask: torch.Tensor | None, start: int, stop: int, scaling: float,
+                           softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One host-kernel call over the pages ``table`` names in ``slabs`` (each ``page`` tokens from ``starts``),
+        every page at its real key position from ``start`` (so the mask and a window's start apply): the output
+        ``[B, H_q, 1, D]``, the log-sum-exp ``[B, H_q, 1]`` and each page's own log-sum-exp ``[B, H_q, P]``."""
+        page_lse = torch.empty((pages.shape[0], query.shape[1], 1, pages.shape[1]), dtype=torch.float32)
+        positions = columns * self.store.block_tokens + pages % per * page - start
+        out, lse = host_kernel.paged_attention(query, slabs, table, stop - start, scaling=scaling, softcap=softcap,
+                                               causal=mask is None, mask=mask, positions=positions, starts=starts,
+                                               entry_tokens=page, entry_lse=page_lse)  # fmt: skip
+        return out, lse, page_lse[:, :, 0]
 
     # ---------------------------------------------------------------------------------- telemetry
     def _moved_in(self) -> dict[str, int]:
@@ -914,6 +1010,10 @@ class SparseAttention(PipelinedExecutor):
         whole = batch * columns * self.store.block_tokens * layout.token_bytes
         nbytes = whole + batch * page_tokens * layout.token_bytes
         staging = self.staging
+        if not nbytes:  # everything attended in place (a CPU host): no staging at all
+            empty = torch.empty((2, batch, layout.kv_heads, 0, layout.head_dim), dtype=layout.dtype,
+                                device=self.store.device.device)  # fmt: skip
+            return empty, empty
         if not staging.buffers or staging.buffers[0].numel() < nbytes:
             grown = max(nbytes, int(staging.reserved * GROWTH))
             staging.release()
@@ -950,6 +1050,19 @@ class SparseAttention(PipelinedExecutor):
     def close(self) -> None:
         self.release_staging()
         self.kept.close()
+
+
+@dataclass(slots=True)
+class _PendingPages:
+    """A layer-step's disk pages placed in its kept layer, their misses' read in flight (None: all hits), and the
+    device's link counters before it (:meth:`SparseAttention._start_disk_pages`)."""
+
+    kept: KeptLayer
+    placed: Placed
+    ids: np.ndarray
+    on_disk: np.ndarray
+    read: PageRead | None
+    moved: dict[str, int]
 
 
 def _attended_prefix(columns: np.ndarray, bt: int, start: int, stop: int, mask: torch.Tensor | None) -> int | None:

@@ -25,15 +25,29 @@ prefill executor (streaming: exact, two chunk buffers). Key positions are counte
 first attended token; a sliding window may start inside its first block, whose earlier tokens then have
 negative positions and are not attended), which is also where the attention mask's columns start.
 
-A disk share is read through the disk tier's bounce buffer (at most ``DiskTier.bounce_bytes``), in rounds through
-its two halves, and attended round by round where it landed (:meth:`SplitAttention._attend_rounds`, over
-:meth:`~tierkv.tiers.disk._DiskRead.each_round`): a step with one runs the memory tiers' call first while the
-first two rounds are read, then one kernel call per round, each verified before it is attended and over the
-round's part of the table (:class:`_DiskShare`: the share's columns restricted to the round's blocks, the same
-positions and mask columns), while the disk reads the next round into the other half; the parts merge by
-log-sum-exp (:func:`merge_all`). Nothing is copied out of the bounce buffer, and the disk reads while the CPU
-attends. The disk shares of the next layers are submitted ahead (:meth:`PipelinedExecutor._read_ahead`: the disk
-engine reads their first two rounds on its own threads while this layer attends), and are consumed the same way.
+A disk share is read in rounds through a ring of pieces of about :data:`RING_PIECE_BYTES` in three of the disk
+tier's bounce buffers (:meth:`SplitAttention.ring`), and attended round by round where it landed
+(:meth:`SplitAttention._attend_rounds`, over :meth:`~tierkv.tiers.disk._DiskRead.each_round`): a step with one runs
+the memory tiers' call first while the first rounds are read, then one kernel call per round, each verified before
+it is attended and over the round's part of the table (:class:`_DiskShare`: the share's columns restricted to the
+round's blocks, the same positions and mask columns), while the disk reads into the ring's other pieces; the parts
+merge by log-sum-exp (:func:`merge_all`). Nothing is copied out of the bounce buffers, and the disk reads while the
+CPU attends. The next layers' disk shares are submitted ahead (:meth:`PipelinedExecutor._read_ahead`,
+:attr:`SplitAttention.read_ahead` = 2): the next layer's is in flight while this layer's rounds are attended, and
+the one after is submitted into this layer's ring as soon as this layer is attended, so the disk engine reads on
+its own threads across the layer boundary, while the model computes between two attentions; they are consumed
+the same way.
+
+**Memory and queue depth.** Split's reads hold the buffers exact gather's reads ahead may hold, ``READ_AHEAD + 2``
+bounce buffers of at most ``DiskTier.bounce_bytes`` (the same names, ``ahead0`` .. ``ahead5``, so the mode's
+prefill executor reuses them), spent differently: two reads at once (the layer attended and the next) of three
+buffers each, instead of six reads of one buffer each, four of which would sit full until their layers came.
+While a layer is attended all of its ring's pieces but one are in flight (several engine requests; at a 4 MiB
+bounce limit, five rounds of 2 MiB) instead of one half of a bounce buffer, so at small budgets the disk queue
+stays deep through the layer, and the read of the layer after next keeps it busy across the boundary; a layer's
+share larger than one piece is cut into pieces even when it fits the ring, all in flight at once, so its first
+round is attended while the rest land. A read that finds no read ahead (the first step, a table edit) takes the
+ring the next layer's read does not hold.
 
 On an accelerator (CUDA, or its checking stand-in) the parts run concurrently. The host share goes to the mover's
 thread (:meth:`ThreadMover.submit`: its copy stream first waits for the compute stream's work so far): the query
@@ -67,7 +81,6 @@ from tierkv.attention.base import READ_AHEAD, DiskAhead, PipelinedExecutor, Span
 from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS
 from tierkv.blocks import Tier
 from tierkv.errors import InvalidConfigError
-from tierkv.io.base import queue_depth
 from tierkv.layout import BlockLayout
 from tierkv.mover import MoveHandle, ThreadMover
 from tierkv.staging import split_scratch_bytes, streaming_chunk_tokens
@@ -91,17 +104,20 @@ class SplitAttention(PipelinedExecutor):
 
     name = "split"
     replaces_attention = True
-    read_ahead = 1
-    """The next layer's disk share is read ahead (while this layer's rounds are attended); each read has a ring of
-    :meth:`ring` bytes instead of one bounce buffer, so the disk queue stays deep through a layer (the read ahead
-    fills its ring in parallel) for the memory that ``READ_AHEAD`` reads ahead of one bounce buffer each would
-    hold, most of which would sit full until their layers were attended."""
+    read_ahead = 2
+    """The next two layers' disk shares are read ahead: the next one's while this layer's rounds are attended, the
+    one after as soon as this layer's read gave its ring back (at the end of :meth:`attend`), so the disk keeps
+    reading across the layer boundary, while the model computes between two attentions. Each read rings through
+    three bounce buffers (:meth:`ring`) instead of one, so the disk queue stays deep through a layer, in the buffers
+    that ``READ_AHEAD`` reads ahead of one bounce buffer each would hold, most of them full and idle until their
+    layers were attended (module docstring, "Memory and queue depth")."""
 
     @property
     def ahead_buffers(self) -> int:
-        """The layer attended now and the ``read_ahead`` after it: a claimed read is used up inside :meth:`attend`,
-        before the next layer submits its reads ahead."""
-        return self.read_ahead + 1
+        """Reads that hold a ring at once (``ahead0``, ``ahead1``: :meth:`ring_names`): the layer attended now and
+        the next; the one after takes this layer's ring once the layer is attended (a claimed read is used up
+        inside :meth:`attend`)."""
+        return 2
 
     def __init__(self, store: KVStore, mover: ThreadMover, *, num_layers: int | None = None,
                  threads: int | None = None, piece_tokens: int = DEFAULT_CHUNK_TOKENS,
@@ -126,18 +142,20 @@ class SplitAttention(PipelinedExecutor):
             self._reserve_scratch(query, span.layer)
         layer, start, stop = span.layer, span.start, span.stop
         plan = self.store.plan_read(layer, start, stop)  # also the access, as every executor records it
-        if Tier.DISK in self.store.tiers:  # the next layers' disk shares start now, on the engine's threads
-            upcoming: list[tuple[int, int, int]] = []
+        upcoming: list[tuple[int, int, int]] = []
+        if Tier.DISK in self.store.tiers:  # the next layer's disk share is read (if not yet), on the engine's threads
             target = self.next_layer(layer)
             while target is not None and target != layer and len(upcoming) < self.read_ahead:
                 if target in self.store.layouts:
                     upcoming.append((target, self.start_of(target), self.store.seq_length(target)))
                 target = self.next_layer(target)
-            self._drop_unused_ahead({(layer, plan.first), *((t, first // self.store.block_tokens)
-                                                            for t, first, _ in upcoming)})  # fmt: skip
-            self._read_ahead(upcoming)
+            self._drop_unused_ahead({(layer, plan.first), *((t, begin // self.store.block_tokens)
+                                                            for t, begin, _ in upcoming)})  # fmt: skip
+            self._read_ahead(upcoming[:1])  # this layer's read holds the other ring
         if not accelerated:  # every slab is host memory: every share on the CPU, here, in one kernel call
-            return self._attend_here(plan, query, mask, scaling, softcap, start, stop).transpose(1, 2).to(query.dtype)
+            attended = self._attend_here(plan, query, mask, scaling, softcap, start, stop)
+            self._read_ahead(upcoming)  # this layer's ring is free: the layer after next starts reading now
+            return attended.transpose(1, 2).to(query.dtype)
         # host share on the mover's thread, device share on the compute stream, disk share on this thread
         shares, positions = self._tables(layer, start, stop)
         attend = _Attend(self, plan, query, mask, scaling, softcap, positions, stop - start)
@@ -151,6 +169,7 @@ class SplitAttention(PipelinedExecutor):
         finally:
             if handle is not None:
                 handle.wait()  # re-raises the CPU part's error; the compute stream waits for its copy up
+        self._read_ahead(upcoming)  # as on a CPU host: the layer after next, into this layer's ring
         if attend.landed is not None:
             out, lse = merge(out, lse, *attend.landed)
         if out is None:
@@ -205,13 +224,24 @@ class SplitAttention(PipelinedExecutor):
             here.shift = shift
         return call(query, length, mask)
 
-    def ring(self) -> tuple[int, int]:
-        """``(limit, parts)`` of each of split's disk reads: a ring of ``parts`` pieces of about
-        :data:`RING_PIECE_BYTES` (2 to the engine's queue depth) in at most ``limit`` bytes, the executor's share
-        of the read-ahead bound: ``(READ_AHEAD + 2) * DiskTier.bounce_bytes`` over its :attr:`ahead_buffers`
-        buffers (three bounce buffers each), so ``parts - 1`` rounds are in flight while one is attended."""
-        limit = (READ_AHEAD + 2) * self._disk().bounce_bytes // self.ahead_buffers
-        return limit, min(queue_depth(), max(2, limit // RING_PIECE_BYTES))
+    def ring(self) -> tuple[int, int, int]:
+        """``(buffers, limit, parts)`` of each of split's disk reads: a ring through ``buffers`` bounce buffers of at
+        most ``limit`` (``DiskTier.bounce_bytes``) each, ``parts`` pieces of about :data:`RING_PIECE_BYTES` in each,
+        whatever the limit (the engine queues requests beyond its depth; fewer, larger pieces that stayed within
+        it made 32 MiB buffers 1.27-1.31x the disk bound instead of 1.06-1.13x: docs/benchmarks.md, "Scale").
+        ``buffers`` is the executor's share of the read-ahead bound, ``READ_AHEAD + 2`` bounce buffers
+        (:data:`~tierkv.attention.base.READ_AHEAD_BYTES`), over its :attr:`ahead_buffers` reads: three, so
+        ``3 * parts - 1`` rounds are in flight while one is attended."""
+        buffers, limit = (READ_AHEAD + 2) // self.ahead_buffers, self._disk().bounce_bytes
+        return buffers, limit, max(1, limit // RING_PIECE_BYTES)
+
+    def ring_names(self, purpose: str) -> list[str]:
+        """The bounce buffers of the ring a read holds under ``purpose`` (``ahead<g>``, :meth:`_free_buffer_name`):
+        ``ahead<g * buffers>`` .. — the names exact gather's and streaming's reads ahead use, so a mode's prefill
+        executor and split share those buffers instead of holding more."""
+        buffers = self.ring()[0]
+        group = int(purpose.removeprefix("ahead"))
+        return [f"ahead{group * buffers + j}" for j in range(buffers)]
 
     def _disk(self) -> DiskTier:
         disk = self.store.tiers[Tier.DISK]
@@ -219,10 +249,10 @@ class SplitAttention(PipelinedExecutor):
         return disk
 
     def _start_ring(self, layout: BlockLayout, slots: np.ndarray, memo: dict | None, purpose: str) -> _DiskRead:
-        """A read of disk ``slots`` through a ring (:meth:`ring`) in the calling thread's buffer ``purpose``."""
-        limit, parts = self.ring()
-        scratch = self.store.transfer.scratch
-        return self._disk().start_read(layout, slots, scratch, memo, purpose, limit=limit, parts=parts)
+        """A read of disk ``slots`` through the ring (:meth:`ring`) held under ``purpose`` (:meth:`ring_names`)."""
+        _, limit, parts = self.ring()
+        scratch, names = self.store.transfer.scratch, self.ring_names(purpose)
+        return self._disk().start_read(layout, slots, scratch, memo, names, limit=limit, parts=parts, in_pieces=True)
 
     def _submit_ahead(self, layer: int, plan: ReadPlan, purpose: str) -> PendingRead | None:
         """The disk part of ``plan``, read through a ring (:meth:`ring`) instead of one bounce buffer."""
@@ -240,23 +270,19 @@ class SplitAttention(PipelinedExecutor):
     @contextlib.contextmanager
     def _reading(self, plan: ReadPlan, share: _DiskShare) -> Iterator[_DiskRead]:
         """The read of ``plan``'s disk share (the same blocks as ``share``, in the same order): the read submitted
-        ahead when there is one (:meth:`_claim_ahead`), else one submitted now, through a ring in a free read-ahead
-        buffer (or, when none is free, through one bounce buffer, the ``read`` buffer every executor's reads use).
-        An error or interrupt inside waits for its rounds in flight; its bytes count as ``disk->host`` once it was
-        used."""
+        ahead when there is one (:meth:`_claim_ahead`), else one submitted now, through the ring the next layer's
+        read does not hold (:meth:`_drop_unused_ahead` left no other read holding one). An error or interrupt inside
+        waits for its rounds in flight; its bytes count as ``disk->host`` once it was used."""
         layout = self.store.layouts[plan.layer]
         held = self._claim_ahead(plan.layer, plan)
         try:
             if held is None:
                 purpose = self._free_buffer_name()
-                if purpose is None:
-                    read = self.store.tiers[Tier.DISK].start_read(layout, share.slots, self.store.transfer.scratch)
-                else:
-                    read = self._start_ring(layout, share.slots, None, purpose)
-                    held = self._buffer_users[purpose] = DiskAhead(plan, read, purpose,
-                                                                   len(share.slots) * layout.slot_bytes)
-            else:
-                read = held.pending
+                assert purpose is not None, self._disk_ahead
+                ring = self._start_ring(layout, share.slots, None, purpose)
+                held = DiskAhead(plan, ring, purpose, len(share.slots) * layout.slot_bytes)
+                self._buffer_users[purpose] = held
+            read = held.pending
             assert isinstance(read, _DiskRead)
             try:
                 yield read
@@ -264,8 +290,8 @@ class SplitAttention(PipelinedExecutor):
                 read.settle()
                 raise
         finally:
-            if held is not None:
-                del self._buffer_users[held.purpose]
+            if held is not None:  # (an interrupt may come before a ring submitted here was recorded)
+                self._buffer_users.pop(held.purpose, None)
         self.store.transfer.count(link(Tier.DISK, Tier.HOST), len(share.slots) * layout.block_bytes)
 
     def _attend_rounds(self, read: _DiskRead, layout: BlockLayout, share: _DiskShare, query: torch.Tensor,

@@ -272,6 +272,12 @@ class KVStore:
         :, k * page_tokens : (k + 1) * page_tokens]``: reads finer than a block (:func:`.pages.read_pages`)."""
         page_reads.read_pages(self, layer, columns, pages, page_tokens, dest)
 
+    def start_read_pages(self, layer: int, columns: np.ndarray, pages: np.ndarray, page_tokens: int,
+                         dest: torch.Tensor) -> page_reads.PageRead:
+        """:meth:`read_pages` with the disk's part left in flight until the returned read's ``finish()``
+        (:func:`.pages.start_read_pages`)."""
+        return page_reads.start_read_pages(self, layer, columns, pages, page_tokens, dest)
+
     def read_into(self, layer: int, plan: ReadPlan, dest: torch.Tensor, timings: list[PartTiming] | None = None,
                   ahead: PendingRead | None = None) -> None:
         """Copy ``plan``'s blocks into ``dest`` ``[2, B, H_kv, >= plan.blocks * block_tokens, D]`` (block

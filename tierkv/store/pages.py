@@ -53,11 +53,20 @@ def read_pages(store: KVStore, layer: int, columns: np.ndarray, pages: np.ndarra
     tier's device, its last two dimensions contiguous); -1 columns leave their position alone. Full blocks only.
     One batched request per source tier; ``store.transfer`` counts the page bytes of the memory tiers and the
     sector bytes read from the disk."""
+    start_read_pages(store, layer, columns, pages, page_tokens, dest).finish()
+
+
+def start_read_pages(store: KVStore, layer: int, columns: np.ndarray, pages: np.ndarray, page_tokens: int,
+                     dest: torch.Tensor) -> PageRead:
+    """:func:`read_pages` in two halves: the memory tiers' pages are copied and the disk's request submitted now;
+    :meth:`PageRead.finish` waits for the disk, verifies and lands its pages (the caller works meanwhile: sparse
+    attention attends the rest copy while the disk reads). Until then nothing else may use the calling thread's
+    read bounce buffer, nor edit the table."""
     layout = store.layouts[layer]
     columns, pages = _checked(store, layer, layout, columns, pages, page_tokens, dest)
     row, position = np.nonzero(columns >= 0)
     if row.size == 0:
-        return
+        return PageRead(None, None)
     grid = store.table.rows[layer]
     column, page = columns[row, position], pages[row, position]
     tiers, slots = grid.tiers[row, column], grid.slots[row, column]
@@ -81,9 +90,33 @@ def read_pages(store: KVStore, layer: int, columns: np.ndarray, pages: np.ndarra
                 sources, counts, index, order = _slab_runs(memory, layout, slots[mine], within[mine], run)
                 sink.land(sources, counts, index, sink.rows[mine[order]].ravel(), host=memory.space != DEVICE)
                 store.transfer.count(link(tier, Tier.DEVICE), mine.size * page_tokens * layout.token_bytes)
+    except BaseException:
         if disk is not None:
-            disk.finish(sink)
-    finally:
+            disk.settle()
+        raise
+    return PageRead(disk, sink)
+
+
+class PageRead:
+    """A page read whose memory tiers' part has landed and whose disk part (if any) is in flight."""
+
+    def __init__(self, disk: _DiskPages | None, sink: _Sink | None) -> None:
+        self._disk, self._sink = disk, sink
+
+    def finish(self) -> None:
+        """Wait for the disk's sectors, verify them and land their pages (then nothing is in flight)."""
+        disk, self._disk = self._disk, None
+        if disk is None:
+            return
+        try:
+            assert self._sink is not None
+            disk.finish(self._sink)
+        finally:
+            disk.settle()
+
+    def settle(self) -> None:
+        """Leave nothing in flight without landing it (after a failure elsewhere; raises nothing)."""
+        disk, self._disk = self._disk, None
         if disk is not None:
             disk.settle()
 

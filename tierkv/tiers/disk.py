@@ -25,7 +25,10 @@ exits; a removal that fails is logged and retried at exit, and never raises.
 engine's own threads while the caller copies the layer's memory blocks, then lands in the destination. No
 I/O bounces through more than :attr:`DiskTier.bounce_bytes` (:data:`BOUNCE_BYTES`, less at small budgets): a
 larger read runs in rounds through two halves of the buffer (the next round in flight while the last is
-verified and copied out), a larger write in rounds.
+verified and copied out), a larger write in rounds. Split attention's reads ring through smaller pieces of three
+such buffers each (all pieces but one in flight while one is attended), two reads at once instead of six, so
+they hold the same ``READ_AHEAD + 2`` read-ahead buffers as exact gather's (:mod:`tierkv.attention.split`, "Memory
+and queue depth").
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ BOUNCE_BYTES = 32 * 2**20
 at large budgets. A read of more runs in rounds of half of it (four 4 MiB engine pieces), the next round in
 flight while the last is copied out; a write of more runs in rounds of all of it. So the bounce buffers are
 bounded independently of the context; at small budgets they shrink with them (:func:`bounce_bytes_for`):
-see docs/reliability.md ("Memory")."""
+see docs/reliability.md ("Memory"). (Split attention's reads ring through three such buffers each, two reads at
+once instead of six: the same buffers, :data:`tierkv.attention.base.READ_AHEAD_BYTES`.)"""
 MIN_BOUNCE_BYTES = 2 * 2**20  # below this a layer's read at tiny budgets runs in rounds too small for the disk
 BOUNCE_SHARE = 48
 """A bounce buffer holds at most 1/48 of the host memory the budgets give the cache: the buffers that may exist at
@@ -428,13 +432,15 @@ class DiskTier:
             raise disk_error(exc, slot_file.path) from exc
 
     def start_read(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
-                   purpose: str = "read", *, limit: int | None = None, parts: int = 2) -> _DiskRead:
-        """Submit a read of ``slots`` into the scratch buffer ``purpose``: at most ``limit`` bytes of it (default
-        :attr:`bounce_bytes`), a larger read in rounds through a ring of ``parts`` (>= 2) pieces
-        (:class:`_DiskRead`)."""
+                   purpose: str | Sequence[str] = "read", *, limit: int | None = None, parts: int = 2,
+                   in_pieces: bool = False) -> _DiskRead:
+        """Submit a read of ``slots`` into the scratch buffer ``purpose`` (or buffers: a ring through all of them):
+        at most ``limit`` bytes of each (default :attr:`bounce_bytes`), a larger read (with ``in_pieces``, one larger
+        than a piece) in rounds through a ring of ``parts`` pieces of each buffer (:class:`_DiskRead`; at least two
+        pieces in all)."""
         slots = np.asarray(slots, dtype=np.int64)
-        return _DiskRead(self, self.files[layout.slot_bytes], layout, slots, scratch.bounce_buffer(purpose), scratch,
-                         limit, parts)
+        owners = [scratch.bounce_buffer(name) for name in ([purpose] if isinstance(purpose, str) else purpose)]
+        return _DiskRead(self, self.files[layout.slot_bytes], layout, slots, owners, scratch, limit, parts, in_pieces)
 
     def write_from(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, src: torch.Tensor,
                    scratch: Scratch) -> None:
@@ -500,19 +506,22 @@ class DiskTier:
 class _DiskRead:
     """A submitted read of a layer's disk blocks, in plan order, into a bounce buffer of at most ``limit`` bytes
     (default :attr:`DiskTier.bounce_bytes`): one batched engine call when they fit (the usual case), else rounds
-    through a ring of ``parts`` pieces of the buffer (default two halves): the first ``parts`` rounds submitted at
-    once, then each next round into the piece the consumer just left, so ``parts - 1`` rounds are in flight while
-    it uses one. More pieces keep more of the same buffer in flight (a deeper disk queue: split's reads, whose
-    consumer attends each round in place). Every block is verified against its checksum before it is used:
-    :meth:`each_round` hands out each round in place, in the bounce buffer (split attention attends it there);
-    :meth:`finish` copies the rounds on."""
+    through a ring of ``parts`` pieces of the buffer (default two halves): the first rounds submitted at once, one
+    into each piece, then each next round into the piece the consumer just left, so all pieces but one are in
+    flight while it uses one. Split's reads (whose consumer attends each round in place) ring through the pieces of
+    several bounce buffers (``owners``, each at most ``limit``: ``len(owners) * parts`` pieces, in turn), so more
+    rounds are in flight — a deeper disk queue — while no buffer grows past ``limit``; with ``in_pieces`` a read
+    that fits one piece is cut into pieces too, so its first round is used while the others land. Every block is
+    verified against its checksum before it is used: :meth:`each_round` hands out each round in place, in the
+    bounce buffer (split attention attends it there); :meth:`finish` copies the rounds on."""
 
     def __init__(self, tier: DiskTier, slot_file: DiskSlotFile, layout: BlockLayout | SlotBytes, slots: np.ndarray,
-                 owner: BounceLike, scratch: Scratch, limit: int | None = None, parts: int = 2) -> None:
-        self.tier, self.slot_file, self.layout, self.slots, self.owner = tier, slot_file, layout, slots, owner
+                 owners: Sequence[BounceLike], scratch: Scratch, limit: int | None = None, parts: int = 2,
+                 in_pieces: bool = False) -> None:
+        self.tier, self.slot_file, self.layout, self.slots, self.owners = tier, slot_file, layout, slots, owners
         self.scratch = scratch
         self.limit = tier.bounce_bytes if limit is None else limit
-        self.parts = parts
+        self.parts, self.in_pieces = parts, in_pieces
         self.handles: dict[int, IOHandle] = {}
         self.digests: dict[int, np.ndarray | None] = {}  # per round: the engine's xxh3-64 of each slot (or None)
         # kvikio with GDS reads into GPU memory: such a read waits for finish() to know it lands on the device
@@ -522,25 +531,23 @@ class _DiskRead:
             self._start_host()
 
     @property
-    def nbytes(self) -> int:
-        """The host memory the read holds: its pieces' bytes (0 until a read into GPU memory bounces)."""
-        return sum(piece.nbytes for piece in self.pieces) if not self.device_direct else 0
-
-    @property
     def halves(self) -> list[np.ndarray]:
-        """The ring's pieces under their default name (two halves, unless more ``parts`` were asked for)."""
+        """The ring's pieces under their default name (two halves, unless more were asked for)."""
         return self.pieces
 
     def _start_host(self) -> None:
-        """Allocate the bounce buffer's pieces (at most ``limit`` bytes in all, or two slots for slots above half of
-        it) and submit the first round into each."""
-        slots, size, limit = self.slots, self.layout.slot_bytes, self.limit
-        self.per_round = len(slots) if len(slots) * size <= limit else max(1, limit // self.parts // size)
+        """Allocate the ring's pieces (at most ``limit`` bytes of each owner's buffer, or two slots for slots above
+        half of it; piece ``i`` in owner ``i % len(owners)``) and submit the first round into each."""
+        slots, size, limit, owners = self.slots, self.layout.slot_bytes, self.limit, self.owners
+        whole = len(slots) * size <= (limit // self.parts if self.in_pieces else limit)
+        self.per_round = len(slots) if whole else max(1, limit // self.parts // size)
         self.rounds = -(-len(slots) // self.per_round) if len(slots) else 0
-        count = 1 if self.per_round >= len(slots) else min(self.parts, self.rounds,
-                                                           max(2, limit // (self.per_round * size)))  # fmt: skip
-        bounce = self.owner.get(count * self.per_round * size, limit)  # waits until the GPU copied its last out
-        self.pieces = [bounce[i * self.per_round * size : (i + 1) * self.per_round * size] for i in range(count)]
+        piece, n = self.per_round * size, len(owners)
+        count = 1 if self.per_round >= len(slots) else min(self.rounds, max(2, n * min(self.parts, limit // piece)))
+        # waits until the GPU copied its last out of each buffer, and until the reads into it landed
+        buffers = [owner.get(len(range(j, count, n)) * piece, limit) for j, owner in enumerate(owners[:count])]
+        self.pieces = [buffers[i % n][i // n * piece : (i // n + 1) * piece] for i in range(count)]
+        self._piece_owners = [owners[i % n] for i in range(count)]
         self._copied: list[Any] = [None] * count  # events after the GPU copies still reading a piece
         for k in range(min(count, self.rounds)):
             self._submit(k)
@@ -560,7 +567,7 @@ class _DiskRead:
             with deferred_interrupts():  # a Ctrl-C mid-submit must not lose the handle of reads already queued:
                 handle, self.digests[k] = self.tier.read(self.layout.slot_bytes, self.slots[lo:hi], buffer)
                 self.handles[k] = handle
-                self.owner.landing(handle)  # the buffer's next user waits for it, whatever happens to this read
+                self._piece_owners[piece].landing(handle)  # its next user waits for it, whatever happens to the read
         except OSError as exc:
             raise disk_error(exc, self.slot_file.path) from exc
 
@@ -628,7 +635,7 @@ class _DiskRead:
                     event = accel.Event()
                     event.record(accel.current_stream(dests[0][2].device))
                     self._copied[lo // self.per_round % len(self.pieces)] = event
-                    self.owner.fence(event)
+                    self._piece_owners[lo // self.per_round % len(self.pieces)].fence(event)
 
     def _finish_on_device(self, dests: Sequence[Dest], landing: torch.Tensor) -> None:
         """GDS: the engine reads each landing-buffer's worth of slots straight into the device landing buffer
