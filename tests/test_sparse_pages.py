@@ -405,11 +405,12 @@ def test_pages_kept_from_earlier_steps_are_not_read_again(tmp_path, monkeypatch)
 
 
 def test_pages_attended_in_place_equal_the_staged_path(tmp_path, monkeypatch):
-    """On a CPU host the selected pages and blocks are attended where they are (pages of blocks on disk in the kept
-    layer, the misses read straight into it; no gather, no staging): over steps with and without a padding mask,
-    under the attention policy, the outputs, the selections, the measured page shares (what the sticky selection
-    and the policy are given) and the promotions equal those of the staged path (pages gathered into staging,
-    attended by torch), and the kept hits move no bytes."""
+    """On a CPU host the selected pages and the whole blocks are attended where they are (pages of blocks on disk,
+    and a whole block on disk as its pages, in the kept layer, the misses read straight into it; no gather, no
+    staging): over steps with and without a padding mask, under the attention policy, the outputs, the selections
+    and the measured page shares (what the sticky selection and the policy are given) equal those of the staged
+    path (blocks and pages gathered into staging, attended by torch); the kept hits move no bytes, and nothing is
+    promoted (the disk block the staged path reads whole, and promotes, is kept as pages instead)."""
     runs = []
     for in_place in (True, False):
         store, kv = store_with_needles(tmp_path / str(in_place), {0: (5, 2), 1: (9, 1)}, policy="attention")
@@ -418,6 +419,13 @@ def test_pages_attended_in_place_equal_the_staged_path(tmp_path, monkeypatch):
         executor = SparseAttention(store, ThreadMover())
         if not in_place:
             monkeypatch.setattr(executor, "_pages_here", lambda *args: None)
+        as_pages: list = []  # the recent block is on disk: attended as pages beside the others in place
+
+        def block_pages(*args, found=executor._disk_block_pages, as_pages=as_pages):
+            as_pages.append(found(*args))
+            return as_pages[-1]
+
+        monkeypatch.setattr(executor, "_disk_block_pages", block_pages)
         masses: list[np.ndarray] = []
         told = store.policy.on_attention
 
@@ -432,10 +440,12 @@ def test_pages_attended_in_place_equal_the_staged_path(tmp_path, monkeypatch):
         outs, picks, sticky = [], [], []
         for step in range(6):
             q = needle_query() if step % 3 == 0 else torch.randn(2, HEADS * GROUPS, 1, DIM, generator=generator)
-            outs.append(attend(executor, q, SparseBudget(0.2, page_tokens=PAGE), mask if step % 2 else None))
+            budget = SparseBudget(0.2, page_tokens=PAGE, recent=BT)  # the last full block read whole, from disk
+            outs.append(attend(executor, q, budget, mask if step % 2 else None))
             picks.append(executor.last_pages.copy())
             sticky.append(executor._sticky[0][1].clone())
         assert (executor.staging.reserved == 0) == in_place  # in place: the blocks too, nothing staged
+        assert any(found is not None for found in as_pages)
         runs.append((outs, picks, sticky, masses, executor.counters.promotions, store.bytes_moved["device->device"]))
         torch.testing.assert_close(store.read_tokens(0), kv)
         executor.close()
@@ -447,7 +457,7 @@ def test_pages_attended_in_place_equal_the_staged_path(tmp_path, monkeypatch):
     assert any((s > 0).any() for s in sticky) and len(masses) == len(masses_) > 0
     for mass, mass_ in zip(masses, masses_):
         np.testing.assert_allclose(mass, mass_, atol=1e-5)
-    assert promoted == promoted_ and moved < moved_
+    assert promoted == 0 and moved < moved_  # in place a disk block's pages are kept instead of its block promoted
 
 
 def test_the_rest_copy_is_attended_while_the_disk_pages_are_read(tmp_path, monkeypatch):

@@ -180,7 +180,7 @@ class SparseCounters:
     summary_bytes_read: int = 0  # key summaries read on the device to score the candidates
     rest_bytes_read: int = 0  # rest copy read on the device (codes, scales and the keys' page bounds)
     staged_bytes_read: int = 0  # selected K/V attended from staging
-    by_tier: dict[str, int] = field(default_factory=dict)  # blocks read per source tier (reused ones not)
+    by_tier: dict[str, int] = field(default_factory=dict)  # blocks read (or attended in place) per tier, reused not
     speculation: SpeculationCounters = field(default_factory=SpeculationCounters)  # disk reads ahead of need
 
     def as_dict(self) -> dict:
@@ -280,11 +280,32 @@ class SparseAttention(PipelinedExecutor):
         self.last_columns, self.last_pages = columns, pages
         self.speculation.remember(layer, columns, self._runners_up(layer, columns))
         count, picked = columns.shape[1], 0 if pages is None else pages.shape[1]
-        here = self._pages_here(layer, batch, picked, page) if picked else None
         rest = budget.rest_bits or budget.rest_means
+        # a CPU host attends the whole blocks where they are too: those on disk as pages in the kept layer, after
+        # the selection's (``attended``: the pages attended in place, the selection's first)
+        in_place = self._host_only() and (self._tail_kept is None or rest)  # (no mask of the tail's unchosen pages)
+        here: KeptLayer | None = None
+        for _ in range(3):  # until no allocation came after the look at the tiers (a kept layer's may move blocks)
+            disk_blocks = self._disk_block_pages(layer, columns, per, page, start) if in_place and per > 1 else None
+            extra = None if disk_blocks is None else disk_blocks[0]
+            attended = pages if extra is None else extra if pages is None else np.concatenate((pages, extra), axis=1)
+            if attended is None or not attended.shape[1]:
+                here = None
+                break
+            if here is not None and here.capacity >= attended.shape[1]:
+                break
+            here = self._pages_here(layer, batch, attended.shape[1], page)
+            if here is None:
+                break
+        else:
+            here = None  # the blocks kept moving: stage them this step
         blocks_here = None  # the whole blocks attended in place: (out, lse, each block's own lse [B, H_q, K])
-        if self._host_only() and (self._tail_kept is None or rest):  # (no mask of the tail's unchosen pages)
-            blocks_here = self._blocks_here(layer, columns, query, mask, start, stop, scaling, softcap)
+        if in_place and (extra is None or here is not None):  # (whole-block selection: only with none on disk)
+            blocks_here = self._blocks_here(layer, columns, query, mask, start, stop, scaling, softcap,
+                                            disk_as_pages=extra is not None)  # fmt: skip
+        elif extra is not None:  # the kept layer cannot hold them: every whole block staged, pages as selected
+            attended = pages
+            here = self._pages_here(layer, batch, picked, page) if picked else None
         staging, page_staging = self._staging(layer, batch, 0 if blocks_here is not None else count,
                                               0 if here is not None else picked * page)  # fmt: skip
         parts = []  # staged (keys, values, bias), attended by torch
@@ -294,8 +315,13 @@ class SparseAttention(PipelinedExecutor):
             if self._tail_kept is not None and not rest:  # the tail's pages not chosen: not attended
                 parts[0] = (*parts[0][:2], _tail_bias(parts[0][2], *self._tail_kept, page, parts[0][0].shape[2],
                                                       query))  # fmt: skip
-        else:
-            self._count(layer, ReadPlan(layer, 0, 0, ()), columns, 0, 0)  # nothing read
+        else:  # nothing read: the blocks counted by the tier each was attended in
+            self._count(layer, ReadPlan(layer, 0, 0, ()), columns, 0, 0)
+            tiers, counts = np.unique(store.table.rows[layer].tiers[np.arange(batch)[:, None], columns],
+                                      return_counts=True)  # fmt: skip
+            for tier, n in zip(tiers.tolist(), counts.tolist()):  # three tiers at most
+                label = Tier(tier).label
+                self.counters.by_tier[label] = self.counters.by_tier.get(label, 0) + n
         if pages is not None and picked and here is None:
             self._read_pages(layer, pages, per, page, page_staging)
             if (pages < 0).any():  # positions left alone hold stale bytes, maybe NaN: masked, and zero
@@ -312,11 +338,12 @@ class SparseAttention(PipelinedExecutor):
         page_parts = []  # where the pages are attended in place: (out, lse, each page's own lse [B, H_q, P])
         pending = None  # ... and the read of their misses on disk, in flight while the rest copy is attended
         if here is not None:
-            assert pages is not None
-            self.counters.pages_selected += int(np.count_nonzero(pages >= 0))
-            in_memory = self._attend_memory_pages(layer, pages, per, page, query, mask, start, stop, scaling, softcap)
+            assert attended is not None
+            self.counters.pages_selected += 0 if pages is None else int(np.count_nonzero(pages >= 0))
+            in_memory = self._attend_memory_pages(layer, attended, per, page, query, mask, start, stop, scaling,
+                                                  softcap)  # fmt: skip
             page_parts += [in_memory] if in_memory is not None else []
-            pending = self._start_disk_pages(layer, here, pages, per, page)
+            pending = self._start_disk_pages(layer, here, attended, per, page)
         try:
             for page_out, part_lse, _ in page_parts:
                 out, lse = merge(out, lse, page_out.view(*q.shape[:3], 1, dim), part_lse.view(*q.shape[:3], 1))
@@ -329,9 +356,9 @@ class SparseAttention(PipelinedExecutor):
                                               lse) if budget.rest_bits else \
                     self._mean_attention(layer, start, stop, read, per, q, mask, scaling, softcap, summaries)
             if pending is not None:
-                assert pages is not None
-                page_parts.append(self._attend_disk_pages(layer, pending, pages, per, page, query, mask, start, stop,
-                                                          scaling, softcap))  # fmt: skip
+                assert attended is not None
+                page_parts.append(self._attend_disk_pages(layer, pending, attended, per, page, query, mask, start,
+                                                          stop, scaling, softcap))  # fmt: skip
                 out, lse = merge(out, lse, page_parts[-1][0].view(*q.shape[:3], 1, dim),
                                  page_parts[-1][1].view(*q.shape[:3], 1))  # fmt: skip
                 pending = None
@@ -343,6 +370,11 @@ class SparseAttention(PipelinedExecutor):
         page_lse = None
         if page_parts:  # each page is in one part: -inf in the others
             page_lse = page_parts[0][2] if len(page_parts) == 1 else torch.logaddexp(page_parts[0][2], page_parts[1][2])
+        if blocks_here is not None and disk_blocks is not None:  # the disk blocks' own: their pages' (after the
+            assert page_lse is not None  # selection's)
+            blocks_here = (*blocks_here[:2], self._with_disk_blocks(blocks_here[2], page_lse[:, :, picked:],
+                                                                   disk_blocks[1]))  # fmt: skip
+            page_lse = page_lse[:, :, :picked] if picked else None
         units = [(columns, bt, None if blocks_here is None else blocks_here[2])]
         units += [(pages, page, page_lse)] if pages is not None and picked else []
         unit_shares = []  # [B, H_q, K] each selected unit's share of each query head's softmax, where needed
@@ -867,24 +899,60 @@ class SparseAttention(PipelinedExecutor):
         return chunks, np.where(held, grid.slots[row, columns] + offset[np.where(held, tiers, 0)], -1)
 
     def _blocks_here(self, layer: int, columns: np.ndarray, query: torch.Tensor, mask: torch.Tensor | None,
-                     start: int, stop: int, scaling: float,
-                     softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                     start: int, stop: int, scaling: float, softcap: float | None,
+                     disk_as_pages: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """On a CPU host, the whole blocks of ``columns`` ``[B, K]`` (sinks, recent blocks, the open tail) attended
         where they lie in the device and host tiers' slabs, by one host-kernel call at their real key positions
         (the tail's empty slots are past ``stop``: not attended): the output ``[B, H_q, 1, D]``, the log-sum-exp
-        ``[B, H_q, 1]`` and each block's own log-sum-exp ``[B, H_q, K]``. None where some block is on disk (it
-        is read into staging then)."""
+        ``[B, H_q, 1]`` and each block's own log-sum-exp ``[B, H_q, K]`` (``-inf`` for blocks on disk, which
+        ``disk_as_pages`` attends as pages: :meth:`_disk_block_pages`). None where a block is on disk otherwise
+        (whole-block selection keeps blocks: all are staged then)."""
         grid = self.store.table.rows[layer]
         row = np.arange(columns.shape[0])[:, None]
-        if (grid.tiers[row, columns] == Tier.DISK).any():
+        in_memory = grid.tiers[row, columns] != Tier.DISK
+        if not disk_as_pages and not in_memory.all():
             return None
-        chunks, table = self._memory_table(layer, columns, np.ones(columns.shape, dtype=bool))
+        chunks, table = self._memory_table(layer, columns, in_memory)
         block_lse = torch.empty((columns.shape[0], query.shape[1], 1, columns.shape[1]), dtype=torch.float32)
         out, lse = host_kernel.paged_attention(query, chunks, table, stop - start, scaling=scaling, softcap=softcap,
                                                causal=mask is None, mask=mask,
                                                positions=columns * self.store.block_tokens - start,
                                                entry_lse=block_lse)  # fmt: skip
         return out, lse, block_lse[:, :, 0]
+
+    def _disk_block_pages(self, layer: int, columns: np.ndarray, per: int, page: int,
+                          start: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The pages (``column · per + page``, ``[B, E]``, -1 padded) of the whole blocks of ``columns`` that are on
+        disk, less those wholly before ``start`` (a window's start), to be attended as pages in the kept layer
+        (read once, then kept like the selection's), and the position in ``columns`` of each one's block (``[B,
+        E]``, -1 padded); None where no such block is on disk (the open tail never is)."""
+        grid = self.store.table.rows[layer]
+        batch, count = columns.shape
+        on_disk = grid.tiers[np.arange(batch)[:, None], columns] == Tier.DISK
+        if not on_disk.any():
+            return None
+        every = (columns[:, :, None] * per + np.arange(per)).reshape(batch, -1)  # [B, K·per]
+        block = np.repeat(np.arange(count)[None], batch, axis=0).repeat(per, axis=1)  # [B, K·per]: its position
+        wanted = np.repeat(on_disk, per, axis=1) & ((every % per + 1) * page + every // per * self.store.block_tokens
+                                                    > start)  # fmt: skip
+        counts = wanted.sum(axis=1)
+        order = np.argsort(~wanted, axis=1, kind="stable")[:, : int(counts.max())]
+        valid = np.arange(order.shape[1]) < counts[:, None]
+        return (np.where(valid, np.take_along_axis(every, order, axis=1), -1),
+                np.where(valid, np.take_along_axis(block, order, axis=1), -1))
+
+    @staticmethod
+    def _with_disk_blocks(block_lse: torch.Tensor, extra_lse: torch.Tensor, blocks: np.ndarray) -> torch.Tensor:
+        """``block_lse`` ``[B, H_q, K]`` (``-inf`` at blocks on disk) with each disk block's own log-sum-exp: the
+        log-sum-exp of its pages' (``extra_lse`` ``[B, H_q, E]``; ``blocks`` ``[B, E]``: each page's block position,
+        -1: padding), one scatter for all."""
+        batch, heads, count = block_lse.shape
+        index = torch.from_numpy(np.where(blocks < 0, count, blocks)).to(block_lse.device)[:, None].expand(
+            batch, heads, -1).contiguous()  # fmt: skip
+        empty = torch.full((batch, heads, count + 1), float("-inf"), dtype=block_lse.dtype, device=block_lse.device)
+        peak = empty.scatter_reduce(2, index, extra_lse, "amax").nan_to_num(neginf=0.0)  # each block's largest
+        total = torch.zeros_like(empty).scatter_add(2, index, torch.exp(extra_lse - peak.gather(2, index)))
+        return torch.logaddexp(block_lse, (peak + total.log())[:, :, :count])
 
     def _start_disk_pages(self, layer: int, kept: KeptLayer, pages: np.ndarray, per: int,
                           page: int) -> _PendingPages | None:
