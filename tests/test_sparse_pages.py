@@ -421,11 +421,11 @@ def test_pages_attended_in_place_equal_the_staged_path(tmp_path, monkeypatch):
             monkeypatch.setattr(executor, "_pages_here", lambda *args: None)
         as_pages: list = []  # the recent block is on disk: attended as pages beside the others in place
 
-        def block_pages(*args, found=executor._disk_block_pages, as_pages=as_pages):
+        def block_pages(*args, found=executor.inplace.disk_block_pages, as_pages=as_pages):
             as_pages.append(found(*args))
             return as_pages[-1]
 
-        monkeypatch.setattr(executor, "_disk_block_pages", block_pages)
+        monkeypatch.setattr(executor.inplace, "disk_block_pages", block_pages)
         masses: list[np.ndarray] = []
         told = store.policy.on_attention
 

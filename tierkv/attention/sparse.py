@@ -60,10 +60,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tierkv.attention import host_kernel, rest_kernel
+from tierkv.attention import rest_kernel
 from tierkv.attention.base import PipelinedExecutor, Span, register_executor
-from tierkv.attention.kept import KeptBlocks, KeptLayer, Placed
+from tierkv.attention.kept import KeptBlocks, KeptLayer
 from tierkv.attention.lse import merge, partial_attention, weighted_attention
+from tierkv.attention.sparse_in_place import SparseInPlace
 from tierkv.attention.sparse_store import SparseBlocks
 from tierkv.attention.speculation import Speculation, SpeculationCounters
 from tierkv.blocks import Tier
@@ -72,9 +73,7 @@ from tierkv.mover import ThreadMover
 from tierkv.staging import GROWTH, REST_BITS, default_page_tokens
 from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
-from tierkv.store.pages import PageRead
 from tierkv.store.transfer import link
-from tierkv.tiers.memory import MemoryTier
 
 REST_CHUNK_TOKENS = 16384  # the rest copy is decoded and attended this many candidate tokens at a time
 REST_PRUNE_MASS = 1e-3  # the rest copy leaves out pages whose summed mass is bounded below this share of the read's
@@ -236,6 +235,7 @@ class SparseAttention(PipelinedExecutor):
         self.last_pages: np.ndarray | None = None  # ... and its pages [B, P] (column · per + page; None: blocks)
         self.sparse_blocks = SparseBlocks(store)  # summaries, open-tail copies, promotion
         self.kept = KeptBlocks(store)  # each layer's blocks of earlier steps, on the device
+        self.inplace = SparseInPlace(store, self.counters, self._moved_in)  # a CPU host's selection, where it lies
         self.speculation = Speculation(store, self.counters.speculation)
         self._ranked: tuple[int, int, torch.Tensor] | None = None  # (layer, lo, score [B, C]) of the last scoring
         self._sticky: dict[int, tuple[np.ndarray, torch.Tensor]] = {}  # layer -> (columns [B, K], shares [B, K])
@@ -283,10 +283,11 @@ class SparseAttention(PipelinedExecutor):
         rest = budget.rest_bits or budget.rest_means
         # a CPU host attends the whole blocks where they are too: those on disk as pages in the kept layer, after
         # the selection's (``attended``: the pages attended in place, the selection's first)
-        in_place = self._host_only() and (self._tail_kept is None or rest)  # (no mask of the tail's unchosen pages)
+        in_place = self.inplace.host_only() and (self._tail_kept is None or rest)  # (no mask of unchosen tail pages)
         here: KeptLayer | None = None
         for _ in range(3):  # until no allocation came after the look at the tiers (a kept layer's may move blocks)
-            disk_blocks = self._disk_block_pages(layer, columns, per, page, start) if in_place and per > 1 else None
+            disk_blocks = self.inplace.disk_block_pages(layer, columns, per, page, start) \
+                if in_place and per > 1 else None  # fmt: skip
             extra = None if disk_blocks is None else disk_blocks[0]
             attended = pages if extra is None else extra if pages is None else np.concatenate((pages, extra), axis=1)
             if attended is None or not attended.shape[1]:
@@ -301,7 +302,7 @@ class SparseAttention(PipelinedExecutor):
             here = None  # the blocks kept moving: stage them this step
         blocks_here = None  # the whole blocks attended in place: (out, lse, each block's own lse [B, H_q, K])
         if in_place and (extra is None or here is not None):  # (whole-block selection: only with none on disk)
-            blocks_here = self._blocks_here(layer, columns, query, mask, start, stop, scaling, softcap,
+            blocks_here = self.inplace.blocks(layer, columns, query, mask, start, stop, scaling, softcap,
                                             disk_as_pages=extra is not None)  # fmt: skip
         elif extra is not None:  # the kept layer cannot hold them: every whole block staged, pages as selected
             attended = pages
@@ -340,10 +341,10 @@ class SparseAttention(PipelinedExecutor):
         if here is not None:
             assert attended is not None
             self.counters.pages_selected += 0 if pages is None else int(np.count_nonzero(pages >= 0))
-            in_memory = self._attend_memory_pages(layer, attended, per, page, query, mask, start, stop, scaling,
+            in_memory = self.inplace.memory_pages(layer, attended, per, page, query, mask, start, stop, scaling,
                                                   softcap)  # fmt: skip
             page_parts += [in_memory] if in_memory is not None else []
-            pending = self._start_disk_pages(layer, here, attended, per, page)
+            pending = self.inplace.start_disk_pages(layer, here, attended, per, page)
         try:
             for page_out, part_lse, _ in page_parts:
                 out, lse = merge(out, lse, page_out.view(*q.shape[:3], 1, dim), part_lse.view(*q.shape[:3], 1))
@@ -357,8 +358,8 @@ class SparseAttention(PipelinedExecutor):
                     self._mean_attention(layer, start, stop, read, per, q, mask, scaling, softcap, summaries)
             if pending is not None:
                 assert attended is not None
-                page_parts.append(self._attend_disk_pages(layer, pending, attended, per, page, query, mask, start,
-                                                          stop, scaling, softcap))  # fmt: skip
+                page_parts.append(self.inplace.attend_disk_pages(layer, pending, attended, per, page, query, mask,
+                                                                 start, stop, scaling, softcap))  # fmt: skip
                 out, lse = merge(out, lse, page_parts[-1][0].view(*q.shape[:3], 1, dim),
                                  page_parts[-1][1].view(*q.shape[:3], 1))  # fmt: skip
                 pending = None
@@ -372,7 +373,7 @@ class SparseAttention(PipelinedExecutor):
             page_lse = page_parts[0][2] if len(page_parts) == 1 else torch.logaddexp(page_parts[0][2], page_parts[1][2])
         if blocks_here is not None and disk_blocks is not None:  # the disk blocks' own: their pages' (after the
             assert page_lse is not None  # selection's)
-            blocks_here = (*blocks_here[:2], self._with_disk_blocks(blocks_here[2], page_lse[:, :, picked:],
+            blocks_here = (*blocks_here[:2], self.inplace.with_disk_blocks(blocks_here[2], page_lse[:, :, picked:],
                                                                    disk_blocks[1]))  # fmt: skip
             page_lse = page_lse[:, :, :picked] if picked else None
         units = [(columns, bt, None if blocks_here is None else blocks_here[2])]
@@ -849,177 +850,13 @@ class SparseAttention(PipelinedExecutor):
                 counters.bytes_fetched_off_device += delta
 
     def _pages_here(self, layer: int, batch: int, picked: int, page: int) -> KeptLayer | None:
-        """The kept layer for the disk pages of a selection attended in place (:meth:`_start_disk_pages`), or
-        None: attended from staging. In place where the device is the host's memory (the host kernel reads every
+        """The kept layer for the disk pages of a selection attended in place (``SparseInPlace.start_disk_pages``),
+        or None: attended from staging. In place where the device is the host's memory (the host kernel reads every
         tier's slab there) and the layer keeps pages with room for a whole selection (every miss has a position)."""
-        if not self._host_only():
+        if not self.inplace.host_only():
             return None
         kept = self.kept.layer(layer, batch, picked, page)
         return kept if kept is not None and kept.capacity >= picked else None
-
-    def _host_only(self) -> bool:
-        """Whether every tier is host memory (a CPU host), where the host kernel attends any slab in place."""
-        return not self.store.transfer.accel.streams and self.store.device.device.type == "cpu"
-
-    def _attend_memory_pages(self, layer: int, pages: np.ndarray, per: int, page: int, query: torch.Tensor,
-                             mask: torch.Tensor | None, start: int, stop: int, scaling: float,
-                             softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """On a CPU host, the selected pages ``pages`` ``[B, P]`` (``column · per + page``; -1: none) of blocks in
-        memory, attended in the device and host tiers' own slabs by one host-kernel call through a table of
-        (slot, start), at their real key positions (so the mask and a window's start apply): nothing is read or
-        copied. Returns the output ``[B, H_q, 1, D]``, the log-sum-exp ``[B, H_q, 1]`` and each page's own
-        log-sum-exp ``[B, H_q, P]`` (its share of the softmax, from the same pass; ``-inf`` for the others), or
-        None where no selected page is in memory."""
-        columns, row, tiers = self._page_columns(layer, pages, per)
-        in_memory = (pages >= 0) & (tiers != Tier.DISK)
-        if not in_memory.any():
-            return None
-        chunks, table = self._memory_table(layer, columns, in_memory)
-        return self._attend_page_table(query, chunks, table, pages % per * page, columns, pages, per, page, mask,
-                                       start, stop, scaling, softcap)  # fmt: skip
-
-    def _memory_table(self, layer: int, columns: np.ndarray,
-                      held: np.ndarray) -> tuple[list[torch.Tensor], np.ndarray]:
-        """The device and host tiers' slab chunks of ``layer``, concatenated (each tier's slot ids offset by the
-        slots before it), and the table ``[B, K]`` of the blocks of grid ``columns`` ``[B, K]`` where ``held``
-        (each in a memory tier), -1 elsewhere."""
-        store = self.store
-        grid, layout = store.table.rows[layer], store.layouts[layer]
-        row = np.arange(columns.shape[0])[:, None]
-        chunks: list[torch.Tensor] = []
-        first: dict[Tier, int] = {}  # each tier's first slot id in the concatenated chunks
-        for tier in (Tier.DEVICE, Tier.HOST):  # two tiers: a loop of two
-            memory = store.tiers.get(tier)
-            if isinstance(memory, MemoryTier):
-                first[tier] = sum(int(chunk.shape[0]) for chunk in chunks)
-                chunks += memory.slabs(layout)
-        offset = np.zeros(max(first) + 1, dtype=np.int64)
-        offset[list(first)] = list(first.values())
-        tiers = grid.tiers[row, columns]
-        return chunks, np.where(held, grid.slots[row, columns] + offset[np.where(held, tiers, 0)], -1)
-
-    def _blocks_here(self, layer: int, columns: np.ndarray, query: torch.Tensor, mask: torch.Tensor | None,
-                     start: int, stop: int, scaling: float, softcap: float | None,
-                     disk_as_pages: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """On a CPU host, the whole blocks of ``columns`` ``[B, K]`` (sinks, recent blocks, the open tail) attended
-        where they lie in the device and host tiers' slabs, by one host-kernel call at their real key positions
-        (the tail's empty slots are past ``stop``: not attended): the output ``[B, H_q, 1, D]``, the log-sum-exp
-        ``[B, H_q, 1]`` and each block's own log-sum-exp ``[B, H_q, K]`` (``-inf`` for blocks on disk, which
-        ``disk_as_pages`` attends as pages: :meth:`_disk_block_pages`). None where a block is on disk otherwise
-        (whole-block selection keeps blocks: all are staged then)."""
-        grid = self.store.table.rows[layer]
-        row = np.arange(columns.shape[0])[:, None]
-        in_memory = grid.tiers[row, columns] != Tier.DISK
-        if not disk_as_pages and not in_memory.all():
-            return None
-        chunks, table = self._memory_table(layer, columns, in_memory)
-        block_lse = torch.empty((columns.shape[0], query.shape[1], 1, columns.shape[1]), dtype=torch.float32)
-        out, lse = host_kernel.paged_attention(query, chunks, table, stop - start, scaling=scaling, softcap=softcap,
-                                               causal=mask is None, mask=mask,
-                                               positions=columns * self.store.block_tokens - start,
-                                               entry_lse=block_lse)  # fmt: skip
-        return out, lse, block_lse[:, :, 0]
-
-    def _disk_block_pages(self, layer: int, columns: np.ndarray, per: int, page: int,
-                          start: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """The pages (``column · per + page``, ``[B, E]``, -1 padded) of the whole blocks of ``columns`` that are on
-        disk, less those wholly before ``start`` (a window's start), to be attended as pages in the kept layer
-        (read once, then kept like the selection's), and the position in ``columns`` of each one's block (``[B,
-        E]``, -1 padded); None where no such block is on disk (the open tail never is)."""
-        grid = self.store.table.rows[layer]
-        batch, count = columns.shape
-        on_disk = grid.tiers[np.arange(batch)[:, None], columns] == Tier.DISK
-        if not on_disk.any():
-            return None
-        every = (columns[:, :, None] * per + np.arange(per)).reshape(batch, -1)  # [B, K·per]
-        block = np.repeat(np.arange(count)[None], batch, axis=0).repeat(per, axis=1)  # [B, K·per]: its position
-        wanted = np.repeat(on_disk, per, axis=1) & ((every % per + 1) * page + every // per * self.store.block_tokens
-                                                    > start)  # fmt: skip
-        counts = wanted.sum(axis=1)
-        order = np.argsort(~wanted, axis=1, kind="stable")[:, : int(counts.max())]
-        valid = np.arange(order.shape[1]) < counts[:, None]
-        return (np.where(valid, np.take_along_axis(every, order, axis=1), -1),
-                np.where(valid, np.take_along_axis(block, order, axis=1), -1))
-
-    @staticmethod
-    def _with_disk_blocks(block_lse: torch.Tensor, extra_lse: torch.Tensor, blocks: np.ndarray) -> torch.Tensor:
-        """``block_lse`` ``[B, H_q, K]`` (``-inf`` at blocks on disk) with each disk block's own log-sum-exp: the
-        log-sum-exp of its pages' (``extra_lse`` ``[B, H_q, E]``; ``blocks`` ``[B, E]``: each page's block position,
-        -1: padding), one scatter for all."""
-        batch, heads, count = block_lse.shape
-        index = torch.from_numpy(np.where(blocks < 0, count, blocks)).to(block_lse.device)[:, None].expand(
-            batch, heads, -1).contiguous()  # fmt: skip
-        empty = torch.full((batch, heads, count + 1), float("-inf"), dtype=block_lse.dtype, device=block_lse.device)
-        peak = empty.scatter_reduce(2, index, extra_lse, "amax").nan_to_num(neginf=0.0)  # each block's largest
-        total = torch.zeros_like(empty).scatter_add(2, index, torch.exp(extra_lse - peak.gather(2, index)))
-        return torch.logaddexp(block_lse, (peak + total.log())[:, :, :count])
-
-    def _start_disk_pages(self, layer: int, kept: KeptLayer, pages: np.ndarray, per: int,
-                          page: int) -> _PendingPages | None:
-        """On a CPU host, place the selected pages of blocks on disk in the kept layer and submit the read of the
-        misses straight into their kept positions (one page read, :meth:`KVStore.start_read_pages`), which
-        :meth:`_attend_disk_pages` finishes (the rest copy is attended meanwhile). None: no selected page is on
-        disk."""
-        store = self.store
-        columns, row, tiers = self._page_columns(layer, pages, per)
-        on_disk = (pages >= 0) & (tiers == Tier.DISK)
-        if not on_disk.any():
-            return None
-        moved = self._moved_in()
-        ids = np.where(on_disk, store.table.rows[layer].ids[row, columns] * per + pages % per, -1)
-        chosen = np.where(on_disk, pages, -1)
-        placed = kept.place(ids, chosen, ~on_disk, self.counters.layer_steps)
-        new = (placed.positions >= 0) & ~placed.hit
-        read = None
-        if new.any():  # the read's destination is the kept buffer itself
-            into = np.full((pages.shape[0], kept.capacity), -1, dtype=np.int64)
-            index = np.zeros_like(into)
-            rows, positions = np.nonzero(new)[0], placed.positions[new]
-            into[rows, positions], index[rows, positions] = np.divmod(chosen[new], per)
-            read = store.start_read_pages(layer, into, index, page, kept.view(store.layouts[layer]))
-        return _PendingPages(kept, placed, ids, on_disk, read, moved)
-
-    def _attend_disk_pages(self, layer: int, pending: _PendingPages, pages: np.ndarray, per: int, page: int,
-                           query: torch.Tensor, mask: torch.Tensor | None, start: int, stop: int, scaling: float,
-                           softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Finish :meth:`_start_disk_pages`' read and attend the disk pages where the kept layer holds them (one
-        host-kernel call over the kept buffer, slot ``b`` for row ``b``); count the reuse and the bytes moved.
-        Returns what :meth:`_attend_memory_pages` returns, for these pages."""
-        kept, placed, counters = pending.kept, pending.placed, self.counters
-        if pending.read is not None:
-            pending.read.finish()
-            kept.record(placed, pending.ids)
-        counters.pages_reused += placed.reused
-        for name, nbytes in self._moved_in().items():
-            delta = nbytes - pending.moved.get(name, 0)
-            counters.bytes_fetched += delta
-            if not name.startswith(Tier.DEVICE.label):
-                counters.bytes_fetched_off_device += delta
-        columns, row, _ = self._page_columns(layer, pages, per)
-        table = np.where(pending.on_disk, row, -1)
-        starts = np.where(pending.on_disk, placed.positions * page, 0)
-        return self._attend_page_table(query, kept.slab(self.store.layouts[layer]), table, starts, columns, pages, per,
-                                       page, mask, start, stop, scaling, softcap)  # fmt: skip
-
-    def _page_columns(self, layer: int, pages: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The grid column of each page ``[B, P]`` (0 where none), the rows ``[B, 1]``, and the tier holding each."""
-        columns = np.where(pages < 0, 0, pages // per)
-        row = np.arange(pages.shape[0])[:, None]
-        return columns, row, self.store.table.rows[layer].tiers[row, columns]
-
-    def _attend_page_table(self, query: torch.Tensor, slabs: torch.Tensor | list[torch.Tensor], table: np.ndarray,
-                           starts: np.ndarray, columns: np.ndarray, pages: np.ndarray, per: int, page: int,
-                           mask: torch.Tensor | None, start: int, stop: int, scaling: float,
-                           softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One host-kernel call over the pages ``table`` names in ``slabs`` (each ``page`` tokens from ``starts``),
-        every page at its real key position from ``start`` (so the mask and a window's start apply): the output
-        ``[B, H_q, 1, D]``, the log-sum-exp ``[B, H_q, 1]`` and each page's own log-sum-exp ``[B, H_q, P]``."""
-        page_lse = torch.empty((pages.shape[0], query.shape[1], 1, pages.shape[1]), dtype=torch.float32)
-        positions = columns * self.store.block_tokens + pages % per * page - start
-        out, lse = host_kernel.paged_attention(query, slabs, table, stop - start, scaling=scaling, softcap=softcap,
-                                               causal=mask is None, mask=mask, positions=positions, starts=starts,
-                                               entry_tokens=page, entry_lse=page_lse)  # fmt: skip
-        return out, lse, page_lse[:, :, 0]
 
     # ---------------------------------------------------------------------------------- telemetry
     def _moved_in(self) -> dict[str, int]:
@@ -1118,19 +955,6 @@ class SparseAttention(PipelinedExecutor):
     def close(self) -> None:
         self.release_staging()
         self.kept.close()
-
-
-@dataclass(slots=True)
-class _PendingPages:
-    """A layer-step's disk pages placed in its kept layer, their misses' read in flight (None: all hits), and the
-    device's link counters before it (:meth:`SparseAttention._start_disk_pages`)."""
-
-    kept: KeptLayer
-    placed: Placed
-    ids: np.ndarray
-    on_disk: np.ndarray
-    read: PageRead | None
-    moved: dict[str, int]
 
 
 def _attended_prefix(columns: np.ndarray, bt: int, start: int, stop: int, mask: torch.Tensor | None) -> int | None:
