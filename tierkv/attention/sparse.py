@@ -182,6 +182,15 @@ class SparseCounters:
     by_tier: dict[str, int] = field(default_factory=dict)  # blocks read (or attended in place) per tier, reused not
     speculation: SpeculationCounters = field(default_factory=SpeculationCounters)  # disk reads ahead of need
 
+    def add_fetched(self, before: dict[str, int], now: dict[str, int]) -> None:
+        """Count what moved into the device between two looks at the links' counters as fetched (off the device
+        where its link starts elsewhere)."""
+        for name, nbytes in now.items():
+            delta = nbytes - before.get(name, 0)
+            self.bytes_fetched += delta
+            if not name.startswith(Tier.DEVICE.label):
+                self.bytes_fetched_off_device += delta
+
     def as_dict(self) -> dict:
         steps = max(self.steps, 1)
         device_reads = self.summary_bytes_read + self.rest_bytes_read + self.staged_bytes_read
@@ -843,11 +852,7 @@ class SparseAttention(PipelinedExecutor):
             counters.pages_reused += placed.reused
             store.transfer.count(link(Tier.DEVICE, Tier.DEVICE), placed.reused * page * layout.token_bytes)
         counters.pages_selected += int(np.count_nonzero(pages >= 0))
-        for name, nbytes in self._moved_in().items():
-            delta = nbytes - before.get(name, 0)
-            counters.bytes_fetched += delta
-            if not name.startswith(Tier.DEVICE.label):
-                counters.bytes_fetched_off_device += delta
+        counters.add_fetched(before, self._moved_in())
 
     def _pages_here(self, layer: int, batch: int, picked: int, page: int) -> KeptLayer | None:
         """The kept layer for the disk pages of a selection attended in place (``SparseInPlace.start_disk_pages``),

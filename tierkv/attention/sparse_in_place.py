@@ -22,7 +22,7 @@ from tierkv.attention.kept import KeptLayer, Placed
 from tierkv.blocks import Tier
 from tierkv.store import KVStore
 from tierkv.store.pages import PageRead
-from tierkv.tiers.memory import MemoryTier
+from tierkv.tiers.memory import MemoryTier, joined_slabs
 
 
 @dataclass(slots=True)
@@ -74,21 +74,16 @@ class SparseInPlace:
         store = self.store
         grid, layout = store.table.rows[layer], store.layouts[layer]
         row = np.arange(columns.shape[0])[:, None]
-        chunks: list[torch.Tensor] = []
-        first: dict[Tier, int] = {}  # each tier's first slot id in the concatenated chunks
-        for tier in (Tier.DEVICE, Tier.HOST):  # two tiers: a loop of two
-            memory = store.tiers.get(tier)
-            if isinstance(memory, MemoryTier):
-                first[tier] = sum(int(chunk.shape[0]) for chunk in chunks)
-                chunks += memory.slabs(layout)
-        offset = np.zeros(max(first) + 1, dtype=np.int64)
-        offset[list(first)] = list(first.values())
+        memories = [m for m in map(store.tiers.get, (Tier.DEVICE, Tier.HOST)) if isinstance(m, MemoryTier)]
+        chunks, firsts = joined_slabs([memory.slabs(layout) for memory in memories])
+        offset = np.zeros(max(m.kind for m in memories) + 1, dtype=np.int64)
+        offset[[m.kind for m in memories]] = firsts
         tiers = grid.tiers[row, columns]
         return chunks, np.where(held, grid.slots[row, columns] + offset[np.where(held, tiers, 0)], -1)
 
-    def blocks(self, layer: int, columns: np.ndarray, query: torch.Tensor, mask: torch.Tensor | None,
-                     start: int, stop: int, scaling: float, softcap: float | None,
-                     disk_as_pages: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def blocks(self, layer: int, columns: np.ndarray, query: torch.Tensor, mask: torch.Tensor | None, start: int,
+               stop: int, scaling: float, softcap: float | None,
+               disk_as_pages: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """On a CPU host, the whole blocks of ``columns`` ``[B, K]`` (sinks, recent blocks, the open tail) attended
         where they lie in the device and host tiers' slabs, by one host-kernel call at their real key positions
         (the tail's empty slots are past ``stop``: not attended): the output ``[B, H_q, 1, D]``, the log-sum-exp
@@ -178,11 +173,7 @@ class SparseInPlace:
             pending.read.finish()
             kept.record(placed, pending.ids)
         counters.pages_reused += placed.reused
-        for name, nbytes in self.moved_in().items():
-            delta = nbytes - pending.moved.get(name, 0)
-            counters.bytes_fetched += delta
-            if not name.startswith(Tier.DEVICE.label):
-                counters.bytes_fetched_off_device += delta
+        counters.add_fetched(pending.moved, self.moved_in())
         columns, row, _ = self._page_columns(layer, pages, per)
         table = np.where(pending.on_disk, row, -1)
         starts = np.where(pending.on_disk, placed.positions * page, 0)

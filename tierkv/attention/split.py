@@ -89,7 +89,7 @@ from tierkv.store import KVStore, ReadPlan
 from tierkv.store.transfer import link
 from tierkv.tiers.base import PendingRead
 from tierkv.tiers.disk import DiskTier, _DiskRead
-from tierkv.tiers.memory import MemoryTier, SlabPool
+from tierkv.tiers.memory import MemoryTier, SlabPool, joined_slabs
 
 RING_PIECE_BYTES = 2 * 2**20
 """The size each round of split's disk reads aims at (a piece of the read's ring; whole slots, at least one): half
@@ -497,21 +497,15 @@ class _Combined:
         tiers, slots = rows.tiers[:, first:end], rows.slots[:, first:end]
         table = np.full(slots.shape, -1, dtype=np.int64)
         pools: list[_PoolState] = []
-        chunks: list[torch.Tensor] = []
-        offset = 0  # the slots of the tiers before
-        slabs: dict[MemoryTier, list[torch.Tensor]] = {}
-        for tier in store.chain:
-            if tier != Tier.DISK:
-                memory = store.tiers[tier]
-                assert isinstance(memory, MemoryTier)
-                slabs[memory] = memory.slabs(layout)
+        slabs = {memory: memory.slabs(layout) for memory in map(store.tiers.get, store.chain)
+                 if isinstance(memory, MemoryTier)}  # fmt: skip
         # the tier with the fewest chunks first: the kernel finds an entry's chunk by walking the chunks before it
-        for memory in sorted(slabs, key=lambda memory: len(slabs[memory])):  # a few tiers: vectorised
+        memories = sorted(slabs, key=lambda memory: len(slabs[memory]))
+        chunks, firsts = joined_slabs([slabs[memory] for memory in memories])
+        for memory, offset in zip(memories, firsts):  # a few tiers: vectorised
             held = tiers == memory.kind
             table[held] = slots[held] + offset
             pools.append(_PoolState.of(memory, layout.slot_bytes))
-            chunks += slabs[memory]
-            offset += sum(int(chunk.shape[0]) for chunk in slabs[memory])
         on_disk = tiers == Tier.DISK
         disk = _DiskShare(np.where(on_disk, slots, -1)) if on_disk.any() else None
         columns = np.ascontiguousarray(np.broadcast_to(np.arange(end - first, dtype=np.int64) * bt, slots.shape))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Collection, Mapping, Sequence
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -366,6 +367,18 @@ class MemoryTier:
         self.reserved = 0
         if self.space == DEVICE:
             self.accel.release_cached()  # the slabs go back to the driver, not to the caching allocator
+
+
+def joined_slabs(slabs: Sequence[list[torch.Tensor]]) -> tuple[list[torch.Tensor], list[int]]:
+    """Tiers' slab chunks (each :meth:`MemoryTier.slabs`) concatenated in that order, and each tier's first slot
+    id in them: one table over several tiers, for a kernel that reads them in place (a tier's slot ids offset by
+    the slots of the tiers before it). No Python per chunk."""
+    chunks: list[torch.Tensor] = []
+    firsts: list[int] = []
+    for tier_chunks in slabs:  # a tier or two
+        firsts.append(sum(map(torch.Tensor.size, chunks, repeat(0))))
+        chunks += tier_chunks
+    return chunks, firsts
 
 
 class _MemoryRead:
