@@ -10,18 +10,27 @@
  *
  * with an online softmax over the pages of each (row, KV head), all query heads of the head's group in the same
  * pass over the codes. Where there are fewer rows x KV heads than threads, each one's entries are cut into pieces
- * attended on different threads and merged by log-sum-exp. Output: the softmax-normalised output and the log-sum-exp per (row, KV head, group), fp32,
- * in tierkv.attention.lse's convention (no entries: output 0, log-sum-exp -inf).
+ * attended on different threads and merged by log-sum-exp. Output: the softmax-normalised output and the
+ * log-sum-exp per (row, KV head, group), fp32, in tierkv.attention.lse's convention (no entries: output 0,
+ * log-sum-exp -inf).
  *
- * Layouts (all contiguous; one call per chunk of pages):
- *   query   [B, H_kv, G, D]            fp32, already multiplied by the softmax scaling
- *   codes   [H_kv, rows, 2, pt, D·bits/8]   the layer's packed table (K then V per page); code j·(8/bits) + i at bit
- *                                      i·bits of byte j
- *   pages   [B, n]   int64 table row of each entry; entries [counts[b], n) of row b are padding, never read
- *   bounds  [H_kv, B·n, 2, D]          fp32 the entries' key min and max
- *   scales  [H_kv, B·n, pt, groups, 2] fp32 the entries' value (min, step) per token and channel group
- *   bias    [B, n·pt] fp32 additive (masked keys: a large negative value) or NULL
- *   out     [B, H_kv, G, D], lse [B, H_kv, G]
+ * Speed (it is compute-bound, not memory-bound, unless every code is one FMA): the codes of a byte are never
+ * interleaved into channel order. Channel d = j · (8 / bits) + i is code i of byte j, so the query (scaled by the
+ * page's step) and the output accumulators are kept split by i ("lanes"): every inner loop runs over bytes j with
+ * one shift and mask per code, which the compiler vectorises; the output goes back to channel order once per piece.
+ * The head dimension and the bit width are compile-time constants in the common shapes (64, 128, 256 channels);
+ * the softmax weights of a page are one vectorised loop with a polynomial exp, not one libm call per weight.
+ *
+ * Layouts (all contiguous; one call per chunk of pages; `rows` = table rows of the layer, a page each):
+ *   query     [B, H_kv, G, D]              fp32, already multiplied by the softmax scaling
+ *   codes     [H_kv, rows, 2, pt, D·bits/8] the layer's packed table (K then V per page); code i of byte j is at
+ *                                          bit i·bits of byte j
+ *   summaries [H_kv, rows, fields, D]      the layer's summary table (fp32, fp16 or bf16): field 0 the page's key
+ *                                          min, field 1 its max
+ *   scales    [H_kv, rows, pt, groups, 2]  the value (min, step) per token and channel group (fp32, fp16 or bf16)
+ *   pages     [B, n]   int64 table row of each entry; entries [counts[b], n) of row b are padding, never read
+ *   bias      [B, n·pt] fp32 additive (masked keys: a large negative value) or NULL
+ *   out       [B, H_kv, G, D], lse [B, H_kv, G]
  */
 #include <float.h>
 #include <math.h>
@@ -39,11 +48,16 @@
 
 enum { TKV_OK = 0, TKV_ENOMEM = -1, TKV_EARGS = -2, TKV_EROW = -3 };
 
-/* The largest query group, head and page a call takes (a piece's scratch lives on its thread's stack, ~320 KiB at
- * most); tierkv.attention.rest_kernel leaves larger shapes to torch. */
+/* The largest query group, head and page a call takes; tierkv.attention.rest_kernel leaves larger shapes to torch. */
 #define TKV_MAX_GROUP 64
 #define TKV_MAX_DIM 1024
 #define TKV_MAX_PAGE 256
+
+/* Sums may be reassociated (a dot product's lanes added as a tree, not one by one): the reference is a float64
+ * softmax, which no order of fp32 additions matches bit for bit. Infinities and NaN keep their meaning. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("associative-math", "no-signed-zeros", "no-trapping-math")
+#endif
 
 /* The x86 builds carry an AVX-512 and an AVX2 version of the hot function, picked at load time (GCC's function
  * multi-versioning); elsewhere, the portable build. */
@@ -53,119 +67,235 @@ enum { TKV_OK = 0, TKV_ENOMEM = -1, TKV_EARGS = -2, TKV_EROW = -3 };
 #define TKV_CLONES
 #endif
 
+enum { TKV_F32 = 0, TKV_F16 = 1, TKV_BF16 = 2 }; /* tierkv.attention.host_kernel's dtype codes */
+
 typedef struct {
     int64_t batch, kv_heads, groups, head_dim, page_tokens, entries, bits, value_groups, rows, threads;
-    double softcap; /* 0: none */
-    uint64_t query, codes, pages, counts, bounds, scales, bias, out, lse;
+    int64_t fields, summary_dtype, scale_dtype; /* summary fields per row; TKV_F32 / TKV_F16 / TKV_BF16 */
+    double softcap;                             /* 0: none */
+    uint64_t query, codes, pages, counts, summaries, scales, bias, out, lse;
 } tkv_rest_args;
 
 const char *tkv_rest_source_sha(void) { return TKV_SOURCE_SHA; }
 int64_t tkv_rest_args_size(void) { return (int64_t)sizeof(tkv_rest_args); }
 
-/* Codes of one token's D channels as floats. */
-static inline void unpack(const uint8_t *restrict bytes, int64_t dim, int64_t bits, float *restrict out) {
-    if (bits == 8) {
-        for (int64_t d = 0; d < dim; d++) out[d] = (float)bytes[d];
-    } else if (bits == 4) {
-        for (int64_t j = 0; j < dim / 2; j++) {
-            out[2 * j] = (float)(bytes[j] & 15);
-            out[2 * j + 1] = (float)(bytes[j] >> 4);
-        }
+static inline float bits_to_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* IEEE half -> float (exact; zero and subnormals by a multiply, inf and nan kept). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t em = h & 0x7fffu;
+    uint32_t bits = (em << 13) + (112u << 23);
+    bits = em >= 0x7c00u ? bits + (112u << 23) : bits;
+    float f = em < 0x0400u ? (float)em * 5.9604644775390625e-8f : bits_to_float(bits);
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return bits_to_float(u | ((uint32_t)(h & 0x8000u) << 16));
+}
+
+/* `n` elements of `dtype` at `src` as fp32 into `dst` (exact: every format here widens to fp32). */
+static inline void widen(const void *src, int64_t dtype, int64_t n, float *restrict dst) {
+    if (dtype == TKV_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dtype == TKV_BF16) {
+        const uint16_t *h = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bits_to_float((uint32_t)h[i] << 16);
     } else {
-        for (int64_t j = 0; j < dim / 4; j++) {
-            uint8_t b = bytes[j];
-            out[4 * j] = (float)(b & 3);
-            out[4 * j + 1] = (float)((b >> 2) & 3);
-            out[4 * j + 2] = (float)((b >> 4) & 3);
-            out[4 * j + 3] = (float)(b >> 6);
-        }
+        const uint16_t *h = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = half_to_float(h[i]);
     }
 }
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
+/* e^x for x <= 0 (a softmax weight), vectorisable: 2^n · p(r), r = x - n·ln 2 in [-ln2/2, ln2/2], p of degree 6
+ * (relative error ~2e-7, as libm's expf within a few ulp); 0 below e^-87 (libm: a subnormal or 0). */
+static inline float weight_exp(float x) {
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(clamped * 1.44269504088896341f); /* to nearest (vroundps; no libm call) */
+    const float r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const float scale = bits_to_float((uint32_t)((int32_t)n + 127) << 23);
+    return x < -87.0f ? 0.0f : p * scale;
 }
 
 /* One (row, KV head), entries [e0, e1) of the row, all G query heads of the head: the unnormalised partial state
- * (running max ``m`` [G], sum ``s`` [G], weighted values ``out`` [G, D]) that tkv_rest merges across pieces. */
-TKV_CLONES static int attend_piece(const tkv_rest_args *a, int64_t b, int64_t h, int64_t e0, int64_t e1,
-                                   float *state_m, float *state_s, float *out) {
-    const int64_t G = a->groups, D = a->head_dim, pt = a->page_tokens, n = a->entries;
-    const int64_t tok_bytes = D * a->bits / 8, groups = a->value_groups, width = D / groups;
-    const float inv_levels = 1.0f / (float)((1 << a->bits) - 1);
+ * (running max ``m`` [G], sum ``s`` [G], weighted values ``out`` [G, D]) that tkv_rest merges across pieces.
+ * ``D`` and ``BITS`` are constants where the caller passes constants (always inlined into each specialisation). */
+static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args *a, int64_t b, int64_t h, int64_t e0,
+                                                             int64_t e1, float *state_m, float *state_s,
+                                                             float *restrict out, const int64_t D,
+                                                             const int64_t BITS, const int64_t VG) {
+    const int64_t G = a->groups, pt = a->page_tokens, n = a->entries, rows = a->rows;
+    const int64_t LANES = 8 / BITS, J = D / LANES, tok_bytes = D * BITS / 8; /* codes per byte; bytes per token */
+    const int64_t width = D / VG / LANES; /* bytes per value group */
+    const unsigned MASK = (1u << BITS) - 1u;
+    const float inv_levels = 1.0f / (float)MASK;
     const float *q = (const float *)a->query + (b * a->kv_heads + h) * G * D;
     const uint8_t *codes = (const uint8_t *)a->codes;
+    const char *summaries = (const char *)a->summaries;
+    const char *scales = (const char *)a->scales;
+    const int64_t summary_size = a->summary_dtype == TKV_F32 ? 4 : 2, scale_size = a->scale_dtype == TKV_F32 ? 4 : 2;
     const int64_t *pages = (const int64_t *)a->pages + b * n;
     const float *bias = a->bias ? (const float *)a->bias + b * n * pt : NULL;
-    /* per piece, on the stack (fixed sizes, which tkv_rest checks: arrays of known extent vectorise best):
-     * q ⊙ step [G, D], the page's logits [G, pt], one token's codes [D], per head base and page max */
-    float qs[TKV_MAX_GROUP * TKV_MAX_DIM], logit[TKV_MAX_GROUP * TKV_MAX_PAGE], c[TKV_MAX_DIM];
+    /* per piece, one allocation: q ⊙ step by lane [G, LANES, J], the page's logits then weights [G, pt], its codes
+     * by lane [pt, LANES, J] (keys, then values), its key bounds [2, D] and value scales [pt, VG, 2]; on the stack
+     * per head the base logit q · lo, the page's and the running max, the running sum. */
+    float *qs = malloc((size_t)(G * D + G * pt + pt * D + 2 * D + pt * VG * 2) * sizeof(float));
+    if (!qs) return TKV_ENOMEM;
+    float *w = qs + G * D, *c = w + G * pt, *lohi = c + pt * D, *vs = lohi + 2 * D;
     float base[TKV_MAX_GROUP], peak[TKV_MAX_GROUP], m[TKV_MAX_GROUP], s[TKV_MAX_GROUP];
     for (int64_t g = 0; g < G; g++) {
         m[g] = -INFINITY;
         s[g] = 0.0f;
-        memset(out + g * D, 0, (size_t)D * sizeof(float));
     }
+    memset(out, 0, (size_t)(G * D) * sizeof(float)); /* by lane: [G, LANES, J] until the end of the piece */
     for (int64_t e = e0; e < e1; e++) {
         const int64_t row = pages[e];
-        if (row < 0 || row >= a->rows) return TKV_EROW;
-        const uint8_t *key = codes + ((h * a->rows + row) * 2) * pt * tok_bytes;
+        if (row < 0 || row >= rows) {
+            free(qs);
+            return TKV_EROW;
+        }
+        const int64_t at = h * rows + row;
+        const uint8_t *key = codes + at * 2 * pt * tok_bytes;
         const uint8_t *value = key + pt * tok_bytes;
-        const float *lo = (const float *)a->bounds + ((h * a->batch + b) * n + e) * 2 * D, *hi = lo + D;
-        const float *scale = (const float *)a->scales + ((h * a->batch + b) * n + e) * pt * groups * 2;
+        widen(summaries + at * a->fields * D * summary_size, a->summary_dtype, 2 * D, lohi);
+        widen(scales + at * pt * VG * 2 * scale_size, a->scale_dtype, pt * VG * 2, vs);
+        const float *lo = lohi, *hi = lohi + D;
         for (int64_t g = 0; g < G; g++) {
             float acc = 0.0f;
-            for (int64_t d = 0; d < D; d++) {
-                qs[g * D + d] = q[g * D + d] * (hi[d] - lo[d]) * inv_levels;
-                acc += q[g * D + d] * lo[d];
-            }
+            for (int64_t i = 0; i < LANES; i++)
+                for (int64_t j = 0; j < J; j++) {
+                    const int64_t d = j * LANES + i;
+                    qs[(g * LANES + i) * J + j] = q[g * D + d] * (hi[d] - lo[d]) * inv_levels;
+                }
+            for (int64_t d = 0; d < D; d++) acc += q[g * D + d] * lo[d];
             base[g] = acc;
         }
-        for (int64_t g = 0; g < G; g++) peak[g] = -INFINITY;
-        for (int64_t t = 0; t < pt; t++) {
-            unpack(key + t * tok_bytes, D, a->bits, c);
-            const float extra = bias ? bias[e * pt + t] : 0.0f;
-            for (int64_t g = 0; g < G; g++) {
-                float x = base[g] + dot(qs + g * D, c, D);
-                if (a->softcap > 0) x = (float)(tanh(x / a->softcap) * a->softcap);
-                x += extra;
-                if (x < -FLT_MAX) x = -FLT_MAX; /* masked keys stay finite, as in tierkv.attention.lse */
-                logit[g * pt + t] = x;
-                if (x > peak[g]) peak[g] = x;
+        for (int64_t t = 0; t < pt; t++) { /* the page's key codes by lane, [pt, LANES, J] */
+            const uint8_t *bytes = key + t * tok_bytes;
+            for (int64_t i = 0; i < LANES; i++)
+#pragma omp simd
+                for (int64_t j = 0; j < J; j++) c[(t * LANES + i) * J + j] = (float)((bytes[j] >> (i * BITS)) & MASK);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qs + g * D;
+            for (int64_t t = 0; t < pt; t++) {
+                const float *ct = c + t * D;
+                float x = 0.0f;
+#pragma omp simd reduction(+ : x)
+                for (int64_t k = 0; k < D; k++) x += qg[k] * ct[k];
+                w[g * pt + t] = base[g] + x;
             }
+        }
+        if (a->softcap > 0)
+            for (int64_t k = 0; k < G * pt; k++) w[k] = (float)(tanh(w[k] / a->softcap) * a->softcap);
+        for (int64_t g = 0; g < G; g++) {
+            float top = -INFINITY;
+            for (int64_t t = 0; t < pt; t++) {
+                float x = w[g * pt + t] + (bias ? bias[e * pt + t] : 0.0f);
+                x = x < -FLT_MAX ? -FLT_MAX : x; /* masked keys stay finite, as in tierkv.attention.lse */
+                w[g * pt + t] = x;
+                top = x > top ? x : top;
+            }
+            peak[g] = top;
         }
         for (int64_t g = 0; g < G; g++) {
             if (peak[g] > m[g]) {
-                const float shrink = expf(m[g] - peak[g]);  /* 0 when m was -inf */
+                const float shrink = expf(m[g] - peak[g]); /* 0 when m was -inf */
                 s[g] *= shrink;
-                for (int64_t d = 0; d < D; d++) out[g * D + d] *= shrink;
+                for (int64_t k = 0; k < D; k++) out[g * D + k] *= shrink;
                 m[g] = peak[g];
             }
+            float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+            for (int64_t t = 0; t < pt; t++) {
+                const float x = weight_exp(w[g * pt + t] - m[g]);
+                w[g * pt + t] = x;
+                total += x;
+            }
+            s[g] += total;
         }
-        for (int64_t t = 0; t < pt; t++) {
-            unpack(value + t * tok_bytes, D, a->bits, c);
-            const float *vs = scale + t * groups * 2;
-            for (int64_t g = 0; g < G; g++) {
-                const float w = expf(logit[g * pt + t] - m[g]);
-                if (w == 0.0f) continue;
-                s[g] += w;
-                float *o = out + g * D;
-                for (int64_t k = 0; k < groups; k++) {
-                    const float off = w * vs[2 * k], step = w * vs[2 * k + 1];
-                    const float *ck = c + k * width;
-                    float *ok = o + k * width;
+        for (int64_t t = 0; t < pt; t++) { /* the page's value codes by lane, [pt, LANES, J] */
+            const uint8_t *bytes = value + t * tok_bytes;
+            for (int64_t i = 0; i < LANES; i++)
 #pragma omp simd
-                    for (int64_t d = 0; d < width; d++) ok[d] += off + step * ck[d];
+                for (int64_t j = 0; j < J; j++) c[(t * LANES + i) * J + j] = (float)((bytes[j] >> (i * BITS)) & MASK);
+        }
+        for (int64_t g = 0; g < G; g++) { /* a head's accumulators in registers over the page's tokens */
+            float acc[D];
+            memcpy(acc, out + g * D, sizeof acc);
+            for (int64_t t = 0; t < pt; t++) {
+                const float wt = w[g * pt + t], *scale = vs + t * VG * 2, *ct = c + t * D;
+                for (int64_t k = 0; k < VG; k++) {
+                    const float off = wt * scale[2 * k], step = wt * scale[2 * k + 1];
+                    for (int64_t i = 0; i < LANES; i++) {
+                        const int64_t at = i * J + k * width;
+#pragma omp simd
+                        for (int64_t j = 0; j < width; j++) acc[at + j] += off + step * ct[at + j];
+                    }
                 }
             }
+            memcpy(out + g * D, acc, sizeof acc);
         }
     }
+    for (int64_t g = 0; g < G; g++) { /* back to channel order */
+        float *o = out + g * D;
+        memcpy(qs, o, (size_t)D * sizeof(float));
+        for (int64_t i = 0; i < LANES; i++)
+            for (int64_t j = 0; j < J; j++) o[j * LANES + i] = qs[i * J + j];
+    }
+    free(qs);
     memcpy(state_m, m, (size_t)G * sizeof(float));
     memcpy(state_s, s, (size_t)G * sizeof(float));
     return TKV_OK;
+}
+
+/* The specialisations: each (head dimension, bits) in the common shapes with both constant, any other head
+ * dimension with only the bits constant. */
+#define TKV_PIECE(name, dim, bits)                                                                                 \
+    TKV_CLONES static int name(const tkv_rest_args *a, int64_t b, int64_t h, int64_t e0, int64_t e1, float *m,     \
+                               float *s, float *out) {                                                             \
+        return attend_body(a, b, h, e0, e1, m, s, out, dim, bits, (dim) / 32);                                                 \
+    }
+TKV_PIECE(piece_64_2, 64, 2)
+TKV_PIECE(piece_64_4, 64, 4)
+TKV_PIECE(piece_64_8, 64, 8)
+TKV_PIECE(piece_128_2, 128, 2)
+TKV_PIECE(piece_128_4, 128, 4)
+TKV_PIECE(piece_128_8, 128, 8)
+TKV_PIECE(piece_256_2, 256, 2)
+TKV_PIECE(piece_256_4, 256, 4)
+TKV_PIECE(piece_256_8, 256, 8)
+#define TKV_PIECE_ANY(name, bits)                                                                                  \
+    TKV_CLONES static int name(const tkv_rest_args *a, int64_t b, int64_t h, int64_t e0, int64_t e1, float *m,     \
+                               float *s, float *out) {                                                             \
+        return attend_body(a, b, h, e0, e1, m, s, out, a->head_dim, bits, a->value_groups);                        \
+    }
+TKV_PIECE_ANY(piece_any_2, 2)
+TKV_PIECE_ANY(piece_any_4, 4)
+TKV_PIECE_ANY(piece_any_8, 8)
+
+typedef int (*tkv_piece)(const tkv_rest_args *, int64_t, int64_t, int64_t, int64_t, float *, float *, float *);
+
+static tkv_piece piece_for(int64_t dim, int64_t bits, int64_t value_groups) {
+    static const tkv_piece fixed[3][3] = {{piece_64_2, piece_64_4, piece_64_8},
+                                          {piece_128_2, piece_128_4, piece_128_8},
+                                          {piece_256_2, piece_256_4, piece_256_8}};
+    static const tkv_piece any[3] = {piece_any_2, piece_any_4, piece_any_8};
+    const int width = bits == 2 ? 0 : bits == 4 ? 1 : 2;
+    if (value_groups * 32 != dim) return any[width]; /* the fixed shapes have a value group per 32 channels */
+    if (dim == 64) return fixed[0][width];
+    if (dim == 128) return fixed[1][width];
+    if (dim == 256) return fixed[2][width];
+    return any[width];
 }
 
 
@@ -180,8 +310,9 @@ int tkv_rest(const char *packed) {
     memcpy(&a, packed, sizeof a);
     if (a.batch < 1 || a.kv_heads < 1 || a.groups < 1 || a.head_dim < 1 || a.page_tokens < 1 || a.entries < 0 ||
         (a.bits != 2 && a.bits != 4 && a.bits != 8) || a.head_dim * a.bits % 8 || a.value_groups < 1 ||
-        a.head_dim % a.value_groups || a.head_dim / a.value_groups % (8 / a.bits) || a.rows < 0 || !a.query ||
-        !a.codes || !a.pages || !a.counts || !a.bounds || !a.scales || !a.out || !a.lse ||
+        a.head_dim % a.value_groups || a.head_dim / a.value_groups % (8 / a.bits) || a.rows < 0 || a.fields < 2 ||
+        a.summary_dtype < TKV_F32 || a.summary_dtype > TKV_BF16 || a.scale_dtype < TKV_F32 || a.scale_dtype > TKV_BF16 ||
+        !a.query || !a.codes || !a.pages || !a.counts || !a.summaries || !a.scales || !a.out || !a.lse ||
         a.groups > TKV_MAX_GROUP || a.head_dim > TKV_MAX_DIM || a.page_tokens > TKV_MAX_PAGE)
         return TKV_EARGS;
     const int64_t *counts = (const int64_t *)a.counts;
@@ -189,6 +320,7 @@ int tkv_rest(const char *packed) {
         if (counts[b] < 0 || counts[b] > a.entries) return TKV_EARGS;
     const int64_t G = a.groups, D = a.head_dim, tasks = a.batch * a.kv_heads;
     const int threads = a.threads > 0 ? (int)a.threads : 1;
+    const tkv_piece attend_piece = piece_for(D, a.bits, a.value_groups);
     int64_t split = (threads + tasks - 1) / tasks;  /* pieces per (row, KV head) */
     if (split > a.entries / MIN_PIECE) split = a.entries / MIN_PIECE;
     if (split < 1) split = 1;

@@ -21,12 +21,12 @@ pytestmark = pytest.mark.skipif(not rest_kernel.available(), reason="no C compil
 
 
 def _summaries(bits: int, blocks: int, heads: int, block_tokens: int, page: int, dim: int,
-               seed: int) -> KeySummaries:
+               seed: int, dtype: torch.dtype = torch.float32) -> KeySummaries:
     summaries = KeySummaries(torch.device("cpu"), lambda n: None, lambda n: None, rest_bits=bits, page_tokens=page)
     generator = torch.Generator().manual_seed(seed)
     kv = torch.randn(blocks, 2, heads, block_tokens, dim, generator=generator)
     kv[:, 0] *= 2.0  # keys with some spread: softmax weights far from uniform
-    summaries.add(0, list(range(blocks)), kv)
+    summaries.add(0, list(range(blocks)), kv.to(dtype))
     return summaries
 
 
@@ -52,14 +52,17 @@ def _reference(q: torch.Tensor, summaries: KeySummaries, pages: torch.Tensor, co
     return outs, lses
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(bits=st.sampled_from([2, 4, 8]), heads=st.integers(1, 3), groups=st.sampled_from([1, 2, 3, 4, 8]),
-       dim=st.sampled_from([8, 16, 32, 64, 128]), page=st.sampled_from([1, 4, 8, 16]), batch=st.integers(1, 3),
-       masked=st.booleans(), softcap=st.sampled_from([None, 5.0]), seed=st.integers(0, 2**16))
+       dim=st.sampled_from([8, 16, 32, 64, 80, 96, 128, 256]), page=st.sampled_from([1, 4, 8, 16]),
+       batch=st.integers(1, 3), masked=st.booleans(), softcap=st.sampled_from([None, 5.0]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), seed=st.integers(0, 2**16))
 def test_the_kernel_equals_a_float64_softmax_over_the_decoded_copy(bits, heads, groups, dim, page, batch, masked,
-                                                                    softcap, seed):
+                                                                    softcap, dtype, seed):
+    """Every specialisation (head dimensions 64, 128, 256 and the others, each bit width), the summaries and value
+    scales read in the KV's dtype where they are."""
     block_tokens = 2 * page
-    summaries = _summaries(bits, 5, heads, block_tokens, page, dim, seed)
+    summaries = _summaries(bits, 5, heads, block_tokens, page, dim, seed, dtype)
     rows = 5 * block_tokens // page
     generator = torch.Generator().manual_seed(seed + 1)
     entries = int(torch.randint(1, rows + 1, (1,), generator=generator))
@@ -71,8 +74,7 @@ def test_the_kernel_equals_a_float64_softmax_over_the_decoded_copy(bits, heads, 
     if masked:
         bias = torch.randn(batch, entries * page, generator=generator)  # an additive float mask, and masked keys
         bias[torch.rand(batch, entries * page, generator=generator) < 0.3] = torch.finfo(torch.float32).min
-    codes, bounds, scales = summaries.rest_packed(0, pages.reshape(-1))
-    out, lse = rest_kernel.rest_attention(q.contiguous(), codes, pages, counts, bounds, scales, bias, bits, softcap)
+    out, lse = rest_kernel.rest_attention(q.contiguous(), *summaries.rest_packed(0), pages, counts, bias, bits, softcap)
     expected_out, expected_lse = _reference(q, summaries, pages, counts, bias, softcap)
     torch.testing.assert_close(out.double(), expected_out, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(lse.double(), expected_lse, atol=2e-5, rtol=1e-5)
@@ -90,11 +92,10 @@ def test_one_row_and_head_cut_into_pieces_across_threads_equals_the_reference(th
     q = torch.randn(2, 1, 4, 64, generator=generator) * 0.125
     bias = torch.randn(2, 70 * 16, generator=generator)
     bias[:, ::7] = torch.finfo(torch.float32).min
-    codes, bounds, scales = summaries.rest_packed(0, pages.reshape(-1))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out, lse = rest_kernel.rest_attention(q, codes, pages, counts, bounds, scales, bias, 4, None)
+        out, lse = rest_kernel.rest_attention(q, *summaries.rest_packed(0), pages, counts, bias, 4, None)
     finally:
         torch.set_num_threads(previous)
     expected_out, expected_lse = _reference(q, summaries, pages, counts, bias, None)
@@ -105,27 +106,24 @@ def test_one_row_and_head_cut_into_pieces_across_threads_equals_the_reference(th
 def test_shapes_beyond_the_kernels_scratch_are_left_to_torch():
     summaries = _summaries(4, 2, 1, 16, 8, 16, 0)
     pages = torch.tensor([[0, 1]])
-    codes, bounds, scales = summaries.rest_packed(0, pages.reshape(-1))
     q = torch.zeros(1, 1, rest_kernel.MAX_GROUP + 1, 16)
-    assert rest_kernel.rest_attention(q, codes, pages, torch.tensor([2]), bounds, scales, None, 4, None) is None
+    assert rest_kernel.rest_attention(q, *summaries.rest_packed(0), pages, torch.tensor([2]), None, 4, None) is None
 
 
 def test_a_page_outside_the_table_is_refused_by_name():
     summaries = _summaries(4, 2, 1, 16, 8, 16, 0)
     pages = torch.tensor([[0, 99]])
-    codes, bounds, scales = summaries.rest_packed(0, pages.clamp_max(3).reshape(-1))
     with pytest.raises(InvalidConfigError, match="outside the rest copy"):
-        rest_kernel.rest_attention(torch.zeros(1, 1, 1, 16), codes, pages, torch.tensor([2]), bounds, scales, None,
-                                   4, None)
+        rest_kernel.rest_attention(torch.zeros(1, 1, 1, 16), *summaries.rest_packed(0), pages, torch.tensor([2]),
+                                   None, 4, None)
 
 
 def test_wrong_shapes_are_refused_by_name():
     summaries = _summaries(4, 2, 1, 16, 8, 16, 0)
     pages = torch.tensor([[0, 1]])
-    codes, bounds, scales = summaries.rest_packed(0, pages.reshape(-1))
     with pytest.raises(InvalidConfigError, match="query must be contiguous"):
-        rest_kernel.rest_attention(torch.zeros(1, 1, 1, 16, dtype=torch.float64), codes, pages, torch.tensor([2]),
-                                   bounds, scales, None, 4, None)
+        rest_kernel.rest_attention(torch.zeros(1, 1, 1, 16, dtype=torch.float64), *summaries.rest_packed(0), pages,
+                                   torch.tensor([2]), None, 4, None)
 
 
 def test_setup_builds_the_extension_and_the_loader_takes_it(tmp_path, monkeypatch, caplog):
@@ -144,8 +142,7 @@ def test_without_a_compiler_the_kernel_is_unavailable_and_says_why(tmp_path, mon
             assert "C compiler" in str(rest_kernel._build())
             summaries = _summaries(4, 2, 1, 16, 8, 16, 0)
             pages = torch.tensor([[0, 1]])
-            codes, bounds, scales = summaries.rest_packed(0, pages.reshape(-1))
-            assert rest_kernel.rest_attention(torch.zeros(1, 1, 1, 16), codes, pages, torch.tensor([2]), bounds,
-                                              scales, None, 4, None) is None
+            assert rest_kernel.rest_attention(torch.zeros(1, 1, 1, 16), *summaries.rest_packed(0), pages,
+                                              torch.tensor([2]), None, 4, None) is None
     finally:
         rest_kernel._build.cache_clear()

@@ -508,3 +508,66 @@ def test_the_rest_copy_is_attended_while_the_disk_pages_are_read(tmp_path, monke
     store.check()
     torch.testing.assert_close(store.read_tokens(0), kv)
     executor.close()
+
+
+def test_packed_slabs_attend_exactly_as_their_chunks():
+    """The host kernel over slab chunks packed once (``host_kernel.pack_slabs``, what a CPU host's sparse step
+    passes) gives bit-identical outputs, log-sum-exps and page shares to the same call over the chunks; the torch
+    version refuses packed slabs by name (they hold addresses only)."""
+    from tierkv.attention import host_kernel
+
+    if not host_kernel.available():
+        pytest.skip(f"the C kernel does not load here: {host_kernel._build()}")
+    generator = torch.Generator().manual_seed(3)
+    slab = torch.randn(9, 2, HEADS, BT, DIM, generator=generator).to(torch.bfloat16)
+    chunks = list(torch.tensor_split(slab, (2, 5)))  # slot ids count on across the three chunks
+    table = torch.randint(0, 9, (2, 6), generator=generator).numpy()
+    table[1, 4] = -1
+    starts = torch.randint(0, PER, (2, 6), generator=generator).numpy() * PAGE
+    positions = np.arange(6)[None].repeat(2, axis=0) * BT + starts
+    query = torch.randn(2, HEADS * GROUPS, 1, DIM, generator=generator)
+    results = []
+    for slabs in (chunks, host_kernel.pack_slabs(chunks)):
+        shares = torch.empty((2, HEADS * GROUPS, 1, 6), dtype=torch.float32)
+        out, lse = host_kernel.paged_attention(query, slabs, table, 6 * BT, scaling=DIM**-0.5, positions=positions,
+                                               starts=starts, entry_tokens=PAGE, entry_lse=shares)  # fmt: skip
+        results.append((out, lse, shares))
+    for got, want in zip(results[1], results[0]):
+        assert torch.equal(got, want)
+    with pytest.raises(InvalidConfigError, match="packed slabs"):
+        host_kernel.paged_attention_torch(query, host_kernel.pack_slabs(chunks), table, 6 * BT, scaling=1.0,
+                                          positions=positions, starts=starts, entry_tokens=PAGE)  # fmt: skip
+
+
+def test_in_place_slabs_are_packed_once_and_again_when_a_pool_changes(tmp_path):
+    """A CPU host's sparse step joins and packs the memory tiers' chunks once (the same packed slabs step after
+    step), and again when a pool grows or gives a chunk back: the packed slot count follows the pools."""
+    from tierkv.attention import host_kernel
+
+    if not host_kernel.available():
+        pytest.skip(f"the C kernel does not load here: {host_kernel._build()}")
+    store, _ = store_with_needles(tmp_path, {}, on_disk=False)
+    executor = SparseAttention(store, ThreadMover())
+    columns = np.arange(COLUMNS - 1)[None].repeat(2, axis=0)
+    held = np.ones(columns.shape, dtype=bool)
+
+    def packed() -> host_kernel.PackedSlabs:
+        slabs, _ = executor.inplace._memory_table(0, columns, held)
+        assert isinstance(slabs, host_kernel.PackedSlabs)
+        return slabs
+
+    slot_bytes = store.layouts[0].slot_bytes
+    pools = [store.tiers[tier].pools[slot_bytes] for tier in (Tier.DEVICE, Tier.HOST)]
+
+    def slots() -> int:
+        return sum(pool.capacity for pool in pools)
+
+    first = packed()
+    assert packed() is first and first.slots == slots()
+    pool = pools[1]
+    pool.add_chunk(4)
+    grown = packed()
+    assert grown is not first and grown.slots == first.slots + 4 == slots()
+    pool.drop_last_chunk()
+    assert packed().slots == first.slots
+    executor.close()

@@ -21,9 +21,11 @@ The kernel picks its widest code path at run time (AVX-512, AVX2, portable C: :d
 little beyond the attention itself: a slab's geometry is checked once per shape (cached), the arguments are
 packed into the C struct by one ``struct.pack``, and the C side resolves the table's slot ids (and starts) into
 entry addresses (checking them against the slab) — no per-block Python, nothing proportional to the table in
-Python. A caller that attends the same table step after step (a layer's decode steps) does less still:
-:func:`prepare` checks and packs once, and each call of the :class:`PagedCall` it returns writes only the query's
-and the outputs' addresses and the key count into the packed struct.
+Python. A caller that attends the same slabs through a new table each step (sparse attention's selection) passes
+them packed once (:func:`pack_slabs`): nothing per chunk is done per call either. A caller that attends the same
+table step after step (a layer's decode steps) does less still: :func:`prepare` checks and packs once, and each
+call of the :class:`PagedCall` it returns writes only the query's and the outputs' addresses and the key count into
+the packed struct.
 """
 
 from __future__ import annotations
@@ -118,11 +120,23 @@ def _log_fallback(reason: str) -> None:
     logger.warning("host attention kernel unavailable (%s): attending with the torch version", reason)
 
 
+class PackedSlabs(NamedTuple):
+    """Slab chunks checked once and their addresses packed for the C kernel (:func:`pack_slabs`), passed to
+    :func:`paged_attention` in their place step after step: no Python per chunk per call. Keeps no chunk, only
+    their addresses: valid while the caller's pools keep those chunks (it packs again when a pool grows or
+    shrinks)."""
+
+    geometry: torch.Tensor  # [0, 2, H_kv, bt, D]: the chunks' dtype, device and shape past the slots
+    slots: int  # slots over every chunk
+    chunks: int
+    packed: bytes  # (address, slots, slot stride in bytes) per chunk: the tail of the C kernel's arguments
+
+
 class _Inputs(NamedTuple):
     """Checked, normalised arguments shared by both implementations."""
 
     query: torch.Tensor  # [B, H_q, q, D] fp32 contiguous
-    slabs: list[torch.Tensor]  # [slots, 2, H_kv, bt, D] each
+    slabs: list[torch.Tensor] | PackedSlabs  # [slots, 2, H_kv, bt, D] each; packed: the C kernel's only
     table: np.ndarray  # [B, n] int64, -1: no block
     starts: np.ndarray | None  # [B, n] int64 first token of each entry in its slot; None: whole blocks
     entry_tokens: int  # tokens per table entry (block_tokens without starts)
@@ -136,18 +150,31 @@ class _Inputs(NamedTuple):
     softcap: float  # 0: none
 
     @property
+    def first(self) -> torch.Tensor:
+        """A chunk of the slab, for its geometry (a packed slab's empty stand-in)."""
+        return self.slabs.geometry if isinstance(self.slabs, PackedSlabs) else self.slabs[0]
+
+    @property
+    def total_slots(self) -> int:
+        if isinstance(self.slabs, PackedSlabs):
+            return self.slabs.slots
+        return sum(int(chunk.shape[0]) for chunk in self.slabs)
+
+    @property
     def kv_heads(self) -> int:
-        return int(self.slabs[0].shape[2])
+        return int(self.first.shape[2])
 
     @property
     def block_tokens(self) -> int:
-        return int(self.slabs[0].shape[3])
+        return int(self.first.shape[3])
 
 
 def _rows(value: Ints, batch: int, name: str) -> np.ndarray:
     """An int or ``batch`` ints as int64 ``[batch]``."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return np.full(batch, value, dtype=np.int64)
+        rows = np.empty(batch, dtype=np.int64)
+        rows.fill(value)  # (np.full costs three more Python calls)
+        return rows
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     array = np.asarray(value)
@@ -157,6 +184,8 @@ def _rows(value: Ints, batch: int, name: str) -> np.ndarray:
 
 
 def _table(value: Table, name: str) -> np.ndarray:
+    if isinstance(value, np.ndarray) and value.dtype == np.int64 and value.ndim == 2 and value.flags.c_contiguous:
+        return value  # as the lines below return it, in one call (a decode step passes several tables per call)
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     array = np.asarray(value)
@@ -193,20 +222,51 @@ def _check_slabs(chunks: SlabGeometry, query_device: torch.device, host: bool) -
                                      "block_tokens, head_dim]; only the slot stride may differ.")  # fmt: skip
 
 
-def _check(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], block_table: Table, lengths: Ints, *,
-           scaling: float, softcap: float | None, causal: bool, query_start: Ints | None, window: int | None,
-           mask: torch.Tensor | None, mask_start: int, positions: Table | None, starts: Table | None,
-           entry_tokens: int | None, threads: int | None, host: bool = True) -> _Inputs:  # fmt: skip
-    """Check every argument (the C side trusts them) and normalise them; raise InvalidConfigError. ``host``:
-    everything must be in host memory (the C kernel's inputs), else on the query's device."""
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise InvalidConfigError(f"threads must be a positive int or None (torch's count), got {threads!r}.")
+def _geometry(chunks: Sequence[torch.Tensor]) -> SlabGeometry:
+    return tuple((c.shape, c.stride(), c.dtype, c.device) for c in chunks)
+
+
+def pack_slabs(slabs: torch.Tensor | Sequence[torch.Tensor]) -> PackedSlabs | None:
+    """``slabs`` (as :func:`paged_attention` takes them) checked and their addresses packed once, to pass in their
+    place while they stay (:class:`PackedSlabs`); None where the C kernel does not load (pass the chunks: the torch
+    version reads them)."""
+    if not available():
+        return None
+    chunks = _chunks(slabs)
+    first = chunks[0]
+    _check_slabs(_geometry(chunks), first.device, True)
+    return PackedSlabs(first.new_empty((0, *first.shape[1:])), sum(int(chunk.shape[0]) for chunk in chunks),
+                       len(chunks), _pack_chunks(chunks))  # fmt: skip
+
+
+def _chunks(slabs: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     chunks = [slabs] if isinstance(slabs, torch.Tensor) else list(slabs)
     if not chunks:
         raise InvalidConfigError("slabs is empty: pass the tier's slab [slots, 2, kv_heads, block_tokens, "
                                  "head_dim] (or its chunks).")  # fmt: skip
-    _check_slabs(tuple((c.shape, c.stride(), c.dtype, c.device) for c in chunks), query.device, host)
-    _, _, kv_heads, block_tokens, head_dim = chunks[0].shape
+    return chunks
+
+
+def _check(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor] | PackedSlabs, block_table: Table,
+           lengths: Ints, *,
+           scaling: float, softcap: float | None, causal: bool, query_start: Ints | None, window: int | None,
+           mask: torch.Tensor | None, mask_start: int, positions: Table | None, starts: Table | None,
+           entry_tokens: int | None, threads: int | None, host: bool = True) -> _Inputs:  # fmt: skip
+    """Check every argument (the C side trusts them) and normalise them; raise InvalidConfigError. ``host``:
+    everything must be in host memory (the C kernel's inputs), else on the query's device. Packed slabs were
+    checked when packed: only their device is checked against the query's."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise InvalidConfigError(f"threads must be a positive int or None (torch's count), got {threads!r}.")
+    if isinstance(slabs, PackedSlabs):
+        chunks: list[torch.Tensor] | PackedSlabs = slabs
+        first = slabs.geometry
+        if first.device != query.device:
+            raise InvalidConfigError(f"the slab is on {first.device} but the query on {query.device}.")
+    else:
+        chunks = _chunks(slabs)
+        first = chunks[0]
+        _check_slabs(_geometry(chunks), query.device, host)
+    _, _, kv_heads, block_tokens, head_dim = first.shape
     if query.dim() != 4 or not query.is_floating_point():
         raise InvalidConfigError(f"query must be a float tensor [batch, q_heads, q_len, head_dim], got "
                                  f"{query.dtype} of shape {tuple(query.shape)}.")  # fmt: skip
@@ -248,7 +308,8 @@ def _check(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], bl
     if softcap is not None and not softcap > 0:
         raise InvalidConfigError(f"softcap must be positive or None, got {softcap!r}.")
     bias = None if mask is None else _bias(mask, batch, q_len, query.device, mask_start, int(length.max(initial=0)))
-    q = query.detach().float().contiguous()
+    q = query if query.dtype == torch.float32 and not query.requires_grad and query.is_contiguous() else \
+        query.detach().float().contiguous()  # fmt: skip
     return _Inputs(q, chunks, table, page_starts, int(entry_tokens or block_tokens), pos, length, start, window or 0,
                    bias, int(mask_start), float(scaling), float(softcap or 0.0))  # fmt: skip
 
@@ -276,7 +337,7 @@ def _check_slots(inputs: _Inputs, total_slots: int | None = None) -> None:
     """Raise InvalidConfigError if the table names a slot past the slab (of ``total_slots``: default, the slabs'),
     or an entry's start is not a page of its block (the C kernel checks both itself)."""
     if total_slots is None:
-        total_slots = sum(int(chunk.shape[0]) for chunk in inputs.slabs)
+        total_slots = inputs.total_slots
     if inputs.table.size and int(inputs.table.max()) >= total_slots:
         raise InvalidConfigError(f"block_table names slot {int(inputs.table.max())} of a slab of {total_slots} "
                                  f"slots.")  # fmt: skip
@@ -293,18 +354,19 @@ def _address(array: np.ndarray | None) -> int:
     return 0 if array is None else array.__array_interface__["data"][0]
 
 
-def paged_attention(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], block_table: Table,
-                    lengths: Ints, *, scaling: float, softcap: float | None = None, causal: bool = True,
-                    query_start: Ints | None = None, window: int | None = None, mask: torch.Tensor | None = None,
-                    mask_start: int = 0, positions: Table | None = None, starts: Table | None = None,
-                    entry_tokens: int | None = None, threads: int | None = None,
+def paged_attention(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor] | PackedSlabs,
+                    block_table: Table, lengths: Ints, *, scaling: float, softcap: float | None = None,
+                    causal: bool = True, query_start: Ints | None = None, window: int | None = None,
+                    mask: torch.Tensor | None = None, mask_start: int = 0, positions: Table | None = None,
+                    starts: Table | None = None, entry_tokens: int | None = None, threads: int | None = None,
                     entry_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Attend ``query`` over the blocks ``block_table`` names in ``slabs`` (or pages inside them), in place, on
     the CPU.
 
     - ``query``: ``[B, H_q, q_len, D]``; query head ``j`` reads kv head ``j // (H_q // H_kv)`` (GQA).
     - ``slabs``: the tier's slab as blocks ``[slots, 2, H_kv, block_tokens, D]`` (K then V; fp32, fp16 or bf16;
-      only the slot stride may be padded), or a pool's chunks of it, whose slot ids count on across chunks.
+      only the slot stride may be padded), or a pool's chunks of it, whose slot ids count on across chunks, or
+      those chunks packed once (:func:`pack_slabs`, for repeated calls: nothing per chunk is done per call).
     - ``block_table``: ``[B, n]`` slot ids; negative: no entry. Each entry is ``entry_tokens`` tokens of its slot
       (the whole block without ``starts``); entry ``j`` holds the key positions from ``positions[b, j]`` on
       (``j * entry_tokens`` without ``positions``: the entries concatenated in table order).
@@ -338,6 +400,12 @@ def paged_attention(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Te
     return _attend_native(lib, inputs, threads, entries)
 
 
+def _pack_chunks(chunks: Sequence[torch.Tensor]) -> bytes:
+    """The chunks' part of the C kernel's arguments: (address, slots, slot stride in bytes) each."""
+    fields = [v for c in chunks for v in (c.data_ptr(), c.shape[0], c.stride(0) * c.element_size())]
+    return struct.pack(f"<{len(fields)}q", *fields)
+
+
 def _entry_lse(entry_lse: torch.Tensor | None, inputs: _Inputs) -> torch.Tensor | None:
     """``entry_lse`` checked to be the ``[B, H_q, q_len, n]`` fp32 contiguous tensor on the query's device that
     :func:`paged_attention` fills, and filled with ``-inf`` (entries that attend no key keep it); raise
@@ -367,15 +435,18 @@ def _pack(inputs: _Inputs, threads: int | None, out: int, lse: int, entry_lse: i
     (0: none)."""
     q, table, mask, slabs = inputs.query, inputs.table, inputs.mask, inputs.slabs
     batch, q_heads, q_len, head_dim = q.shape
-    chunks = [v for c in slabs for v in (c.data_ptr(), c.shape[0], c.stride(0) * c.element_size())]
+    first = inputs.first
+    _, _, kv_heads, block_tokens, _ = first.shape
+    chunks, tail = (slabs.chunks, slabs.packed) if isinstance(slabs, PackedSlabs) else (len(slabs), _pack_chunks(slabs))
     return _ARGS.pack(
-        batch, q_heads, inputs.kv_heads, q_len, head_dim, inputs.block_tokens, inputs.entry_tokens, table.shape[1],
-        _DTYPES[slabs[0].dtype], inputs.window, 0 if mask is None else mask.shape[-1], inputs.mask_start,
+        batch, q_heads, kv_heads, q_len, head_dim, block_tokens, inputs.entry_tokens, table.shape[1],
+        _DTYPES[first.dtype], inputs.window, 0 if mask is None else mask.shape[-1], inputs.mask_start,
         0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
-        threads if threads is not None else torch.get_num_threads(), ISA, len(slabs), inputs.scaling, inputs.softcap,
+        threads if threads is not None else torch.get_num_threads(), ISA, chunks,
+        inputs.scaling, inputs.softcap,
         q.data_ptr(), _address(table), _address(inputs.starts), _address(inputs.positions), _address(inputs.lengths),
         _address(inputs.query_start), 0 if mask is None else mask.data_ptr(), out, lse, entry_lse,
-    ) + struct.pack(f"<{len(chunks)}q", *chunks)  # fmt: skip
+    ) + tail  # fmt: skip
 
 
 def _raise_for(code: int, inputs: _Inputs, total_slots: int | None = None) -> None:
@@ -416,9 +487,9 @@ class PagedCall:
         self._kernel = lib.tkv_attn
         self._args = ctypes.create_string_buffer(_pack(inputs, threads, 0, 0))
         # what stays: the arrays whose addresses are packed, the first chunk's geometry and the slot count
-        first = inputs.slabs[0]
+        first = inputs.first
         self._inputs = inputs._replace(query=torch.empty(0), slabs=[first.new_empty((0, *first.shape[1:]))])
-        self._slots = sum(int(chunk.shape[0]) for chunk in inputs.slabs)
+        self._slots = inputs.total_slots
         self.positions = inputs.positions
         self.shape = tuple(inputs.query.shape)
         self._threads = threads
@@ -499,6 +570,8 @@ def paged_attention_torch(query: torch.Tensor, slabs: torch.Tensor | Sequence[to
 
 
 def _attend_torch(inputs: _Inputs, entry_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(inputs.slabs, PackedSlabs):
+        raise InvalidConfigError("packed slabs hold only addresses, for the C kernel: pass the chunks themselves.")
     _check_slots(inputs)
     q, table = inputs.query, inputs.table
     device = q.device

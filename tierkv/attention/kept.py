@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tierkv.attention import host_kernel
 from tierkv.errors import BudgetTooSmallError
 from tierkv.layout import BlockLayout
 from tierkv.staging import CHUNKS_PER_BUDGET, Staging, device_minimum, open_tail_bytes
@@ -81,6 +82,7 @@ class KeptLayer:
         self.unit_tokens = unit_tokens
         self.ids = np.full((batch, capacity), -1, dtype=np.int64)  # [B, capacity]
         self.used = np.full((batch, capacity), -1, dtype=np.int64)  # [B, capacity]: step last attended
+        self._packed: tuple[BlockLayout, host_kernel.PackedSlabs] | None = None  # (layout, its slab packed)
 
     @property
     def batch(self) -> int:
@@ -98,6 +100,18 @@ class KeptLayer:
         nbytes = self.batch * tokens * layout.token_bytes
         return self.buffer[:nbytes].view(layout.dtype).view(self.batch, 2, layout.kv_heads, tokens, layout.head_dim)
 
+    def kernel_slab(self, layout: BlockLayout) -> torch.Tensor | host_kernel.PackedSlabs:
+        """:meth:`slab` as the host kernel takes it: packed once (:func:`host_kernel.pack_slabs`; the buffer stays
+        while this layer does), or the slab itself where the C kernel does not load."""
+        if self._packed is not None and self._packed[0] == layout:
+            return self._packed[1]
+        slab = self.slab(layout)
+        packed = host_kernel.pack_slabs(slab)
+        if packed is None:
+            return slab
+        self._packed = (layout, packed)
+        return packed
+
     def view(self, layout: BlockLayout) -> torch.Tensor:
         """The buffer as ``[2, B, H_kv, capacity · unit_tokens, D]`` (a view of :meth:`slab`)."""
         return self.slab(layout).transpose(0, 1)
@@ -108,33 +122,34 @@ class KeptLayer:
         then those attended longest ago) while there are any; the rest are read but not kept. Positions taken
         are forgotten now (a failed read leaves them empty, never holding stale data); call :meth:`hold` once
         the read has landed."""
+        # numpy's methods, not its functions: the same operations, without the functions' Python wrappers
         batch, capacity = self.ids.shape
         offsets = np.arange(batch, dtype=np.int64)[:, None] << _ROW_SHIFT
         held = np.where(self.ids >= 0, self.ids | offsets, -1).ravel()  # [B·capacity], -1 sorts first
-        order = np.argsort(held, kind="stable")
+        order = held.argsort(kind="stable")
         wanted = (ids | offsets).ravel()  # [B·K]
-        found = np.minimum(np.searchsorted(held[order], wanted), held.size - 1)
+        found = np.minimum(held[order].searchsorted(wanted), held.size - 1)
         flat = order[found]  # flat position of the match (if any)
         match = (held[flat] == wanted).reshape(ids.shape)  # [B, K]
         positions = np.where(match, flat.reshape(ids.shape) % capacity, -1)
         stale = match & tail  # the open tail is never held (it changes), unless a table edit made it the tail
-        self.ids[np.nonzero(stale)[0], positions[stale]] = -1
+        self.ids[stale.nonzero()[0], positions[stale]] = -1
         hit = match & ~tail
         keep = np.zeros((batch, capacity), dtype=bool)
-        keep[np.nonzero(hit)[0], positions[hit]] = True
+        keep[hit.nonzero()[0], positions[hit]] = True
         rank = np.where(keep, np.iinfo(np.int64).max, self.used)
-        free = np.argsort(rank, axis=1, kind="stable")  # [B, capacity]: the positions not hit now come first
+        free = rank.argsort(axis=1, kind="stable")  # [B, capacity]: the positions not hit now come first
         miss = ~hit & ~tail
-        nth = np.cumsum(miss, axis=1) - 1  # the j-th miss of a row takes that row's j-th free position ...
+        nth = miss.cumsum(axis=1) - 1  # the j-th miss of a row takes that row's j-th free position ...
         kept = miss & (nth < capacity - keep.sum(axis=1, keepdims=True))  # ... while the row has one
-        rows = np.nonzero(kept)[0]
+        rows = kept.nonzero()[0]
         positions = np.where(tail, -1, positions)
         positions[kept] = free[rows, nth[kept]]
         self.ids[rows, positions[kept]] = -1
         taken = positions >= 0
-        self.used[np.nonzero(taken)[0], positions[taken]] = step
+        self.used[taken.nonzero()[0], positions[taken]] = step
         targets = np.where(hit, -1, columns)
-        return Placed(positions, hit, targets, int(np.count_nonzero(hit)))
+        return Placed(positions, hit, targets, int(hit.sum()))
 
     def gather(self, layout: BlockLayout, placed: Placed, dest: torch.Tensor) -> None:
         """Copy the held blocks of ``placed`` into ``dest`` ``[2, B, H_kv, K · bt, D]`` (contiguous) at their
@@ -167,7 +182,7 @@ class KeptLayer:
     def record(self, placed: Placed, ids: np.ndarray) -> None:
         """The read of ``placed``'s misses landed at their kept positions (read there directly): they are held."""
         new = (placed.positions >= 0) & ~placed.hit
-        self.ids[np.nonzero(new)[0], placed.positions[new]] = ids[new]
+        self.ids[new.nonzero()[0], placed.positions[new]] = ids[new]
 
 
 class KeptBlocks:

@@ -31,9 +31,11 @@ logger = logging.getLogger("tierkv")
 SOURCE = Path(__file__).resolve().parents[2] / "native" / "tierkv_rest.c"
 """The C source in a source checkout (also an editable install); a wheel ships only the built extension."""
 _FIX = "Install a C compiler (e.g. `apt-get install gcc`) or set CC; meanwhile the torch decoding runs."
-_ARGS = struct.Struct("<10qd9Q")
-"""``tkv_rest_args``: batch, kv_heads, groups, head_dim, page_tokens, entries, bits, value_groups, rows, threads;
-softcap (0: none); the addresses of query, codes, pages, counts, bounds, scales, bias (0: none), out, lse."""
+_ARGS = struct.Struct("<13qd9Q")
+"""``tkv_rest_args``: batch, kv_heads, groups, head_dim, page_tokens, entries, bits, value_groups, rows, threads,
+summary fields per row, the summaries' and the scales' dtype codes; softcap (0: none); the addresses of query, codes,
+pages, counts, summaries, scales, bias (0: none), out, lse."""
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # TKV_F32, TKV_F16, TKV_BF16 in the C source
 _ENOMEM, _EROW = -1, -3  # TKV_ENOMEM, TKV_EROW in the C source
 MAX_GROUP, MAX_DIM, MAX_PAGE = 64, 1024, 256  # TKV_MAX_* in the C source: larger shapes are decoded by torch
 
@@ -86,28 +88,39 @@ def _log_unavailable(reason: str) -> None:
     logger.warning("rest-copy attention kernel unavailable (%s): decoding the rest copy with torch", reason)
 
 
-def rest_attention(query: torch.Tensor, codes: torch.Tensor, pages: torch.Tensor, counts: torch.Tensor,
-                   bounds: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, bits: int,
+def takes(groups: int, dim: int, page_tokens: int) -> bool:
+    """Whether the kernel takes a query group of ``groups`` heads of ``dim`` channels over pages of ``page_tokens``
+    (:data:`MAX_GROUP`, :data:`MAX_DIM`, :data:`MAX_PAGE`); larger shapes are decoded by torch."""
+    return groups <= MAX_GROUP and dim <= MAX_DIM and page_tokens <= MAX_PAGE
+
+
+def rest_attention(query: torch.Tensor, codes: torch.Tensor, summaries: torch.Tensor, scales: torch.Tensor,
+                   pages: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor | None, bits: int,
                    softcap: float | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Attention of ``query`` ``[B, H_kv, G, D]`` (fp32, scaled) over the rest-copy pages ``pages`` ``[B, n]`` (rows
-    of ``codes`` ``[H_kv, rows, 2, pt, D · bits / 8]``; the first ``counts[b]`` of row ``b`` are attended), with their
-    key bounds ``[H_kv, B · n, 2, D]`` and value scales ``[H_kv, B · n, pt, groups, 2]`` (fp32) and an additive
+    """Attention of ``query`` ``[B, H_kv, G, D]`` (fp32, scaled) over the rest-copy pages ``pages`` ``[B, n]`` (table
+    rows; the first ``counts[b]`` of row ``b`` are attended), read where they are: the packed ``codes`` ``[H_kv, rows,
+    2, pt, D · bits / 8]``, the key bounds in fields 0 and 1 of ``summaries`` ``[H_kv, rows, fields, D]`` and the
+    value scales ``[H_kv, rows, pt, groups, 2]`` (fp32, fp16 or bf16 each; nothing gathered), with an additive
     ``bias`` ``[B, n · pt]`` (fp32) or None: (output ``[B, H_kv, G, D]``, log-sum-exp ``[B, H_kv, G]``); None where
     the kernel cannot run here (not built, the tensors not in CPU memory, or a query group, head or page beyond
-    :data:`MAX_GROUP`, :data:`MAX_DIM`, :data:`MAX_PAGE`). The rows' entries are cut into pieces across torch's
-    threads when there are fewer rows x KV heads than threads, merged by log-sum-exp."""
+    :data:`MAX_GROUP`, :data:`MAX_DIM`, :data:`MAX_PAGE`). The rows' entries are cut into pieces
+    across torch's threads when there are fewer rows x KV heads than threads, merged by log-sum-exp."""
     batch, heads, groups, dim = query.shape
-    pt = codes.shape[3]
-    if not runs_on(codes.device) or groups > MAX_GROUP or dim > MAX_DIM or pt > MAX_PAGE:
+    rows, pt = codes.shape[1], codes.shape[3]
+    value_groups = scales.shape[3]
+    if not runs_on(codes.device) or not takes(groups, dim, pt):
         return None
     lib = _build()
     assert not isinstance(lib, EngineUnavailableError)  # runs_on said it loads
     entries = pages.shape[1]
+    for name, tensor in (("summaries", summaries), ("scales", scales)):
+        if tensor.dtype not in _DTYPES:
+            raise InvalidConfigError(f"rest_attention: {name} must be fp32, fp16 or bf16, got {tensor.dtype}.")
     wanted = {"query": (query, torch.float32, (batch, heads, groups, dim)),
-              "codes": (codes, torch.uint8, (heads, codes.shape[1], 2, pt, dim * bits // 8)),
-              "pages": (pages, torch.int64, (batch, entries)), "counts": (counts, torch.int64, (batch,)),
-              "bounds": (bounds, torch.float32, (heads, batch * entries, 2, dim)),
-              "scales": (scales, torch.float32, (heads, batch * entries, pt, scales.shape[3], 2))}
+              "codes": (codes, torch.uint8, (heads, rows, 2, pt, dim * bits // 8)),
+              "summaries": (summaries, summaries.dtype, (heads, rows, max(summaries.shape[2], 2), dim)),
+              "scales": (scales, scales.dtype, (heads, rows, pt, value_groups, 2)),
+              "pages": (pages, torch.int64, (batch, entries)), "counts": (counts, torch.int64, (batch,))}
     if bias is not None:
         wanted["bias"] = (bias, torch.float32, (batch, entries * pt))
     for name, (tensor, dtype, shape) in wanted.items():
@@ -116,13 +129,14 @@ def rest_attention(query: torch.Tensor, codes: torch.Tensor, pages: torch.Tensor
                                      f"{tensor.dtype} {list(tensor.shape)}.")
     out = torch.empty((batch, heads, groups, dim), dtype=torch.float32)
     lse = torch.empty((batch, heads, groups), dtype=torch.float32)
-    packed = _ARGS.pack(batch, heads, groups, dim, pt, entries, bits, scales.shape[3], codes.shape[1],
-                        torch.get_num_threads(), float(softcap or 0.0), query.data_ptr(), codes.data_ptr(),
-                        pages.data_ptr(), counts.data_ptr(), bounds.data_ptr(), scales.data_ptr(),
-                        0 if bias is None else bias.data_ptr(), out.data_ptr(), lse.data_ptr())
+    packed = _ARGS.pack(batch, heads, groups, dim, pt, entries, bits, value_groups, rows, torch.get_num_threads(),
+                        summaries.shape[2], _DTYPES[summaries.dtype], _DTYPES[scales.dtype], float(softcap or 0.0),
+                        query.data_ptr(), codes.data_ptr(), pages.data_ptr(), counts.data_ptr(),
+                        summaries.data_ptr(), scales.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                        out.data_ptr(), lse.data_ptr())
     status = lib.tkv_rest(packed)
     if status == _ENOMEM:
-        raise MemoryError("rest_attention: the kernel's scratch (a page of decoded codes per task) was refused.")
+        raise MemoryError("rest_attention: the kernel's scratch (a page's decoded codes per piece) was refused.")
     if status == _EROW:
         raise InvalidConfigError("rest_attention: a page names a row outside the rest copy's table.")
     if status:

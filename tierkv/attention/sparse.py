@@ -69,6 +69,7 @@ from tierkv.attention.sparse_store import SparseBlocks
 from tierkv.attention.speculation import Speculation, SpeculationCounters
 from tierkv.blocks import Tier
 from tierkv.errors import InvalidConfigError
+from tierkv.layout import BlockLayout
 from tierkv.mover import ThreadMover
 from tierkv.staging import GROWTH, REST_BITS, default_page_tokens
 from tierkv.stats import Timeline, Trace
@@ -78,6 +79,9 @@ from tierkv.store.transfer import link
 REST_CHUNK_TOKENS = 16384  # the rest copy is decoded and attended this many candidate tokens at a time
 REST_PRUNE_MASS = 1e-3  # the rest copy leaves out pages whose summed mass is bounded below this share of the read's
 DEFAULT_REST_BITS = 4  # cache.sparse's rest copy: at 10% the one with top-1 >= 97% on every model (docs/quality.md)
+_LABELS = tuple(tier.label for tier in Tier)  # each tier's label by its value, looked up without the enum
+_INTO_DEVICE = tuple(link(tier, Tier.DEVICE) for tier in Tier)  # the links into the device
+_FROM_DEVICE = tuple(link(Tier.DEVICE, tier) for tier in Tier)  # ... and out of it
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +192,7 @@ class SparseCounters:
         for name, nbytes in now.items():
             delta = nbytes - before.get(name, 0)
             self.bytes_fetched += delta
-            if not name.startswith(Tier.DEVICE.label):
+            if name not in _FROM_DEVICE:
                 self.bytes_fetched_off_device += delta
 
     def as_dict(self) -> dict:
@@ -253,6 +257,7 @@ class SparseAttention(PipelinedExecutor):
         self._tail_kept: tuple[np.ndarray, int] | None = None  # (the tail's chosen pages [B, P] or -1, its E pages)
         self._bound: tuple[int, torch.Tensor] | None = None  # (layer, Quest's bound [B, H_kv, G, C·per]) last scored
         self._means: tuple[int, torch.Tensor] | None = None  # (layer, each page's mean key and value) last scored
+        self._unstaged: dict[tuple[BlockLayout, int], torch.Tensor] = {}  # (layout, batch) -> empty staging
 
     @property
     def reserved(self) -> int:
@@ -289,10 +294,13 @@ class SparseAttention(PipelinedExecutor):
         self.last_columns, self.last_pages = columns, pages
         self.speculation.remember(layer, columns, self._runners_up(layer, columns))
         count, picked = columns.shape[1], 0 if pages is None else pages.shape[1]
+        chosen_pages = 0 if pages is None else int((pages >= 0).sum())  # the pages selected (-1: none)
         rest = budget.rest_bits or budget.rest_means
         # a CPU host attends the whole blocks where they are too: those on disk as pages in the kept layer, after
         # the selection's (``attended``: the pages attended in place, the selection's first)
-        in_place = self.inplace.host_only() and (self._tail_kept is None or rest)  # (no mask of unchosen tail pages)
+        host_only = self.inplace.host_only()
+        in_place = host_only and (self._tail_kept is None or rest)  # (no mask of unchosen tail pages)
+        host_query = query.float().contiguous() if host_only else query  # the host kernel's, converted once
         here: KeptLayer | None = None
         for _ in range(3):  # until no allocation came after the look at the tiers (a kept layer's may move blocks)
             disk_blocks = self.inplace.disk_block_pages(layer, columns, per, page, start) \
@@ -311,7 +319,7 @@ class SparseAttention(PipelinedExecutor):
             here = None  # the blocks kept moving: stage them this step
         blocks_here = None  # the whole blocks attended in place: (out, lse, each block's own lse [B, H_q, K])
         if in_place and (extra is None or here is not None):  # (whole-block selection: only with none on disk)
-            blocks_here = self.inplace.blocks(layer, columns, query, mask, start, stop, scaling, softcap,
+            blocks_here = self.inplace.blocks(layer, columns, host_query, mask, start, stop, scaling, softcap,
                                             disk_as_pages=extra is not None)  # fmt: skip
         elif extra is not None:  # the kept layer cannot hold them: every whole block staged, pages as selected
             attended = pages
@@ -327,11 +335,10 @@ class SparseAttention(PipelinedExecutor):
                                                       query))  # fmt: skip
         else:  # nothing read: the blocks counted by the tier each was attended in
             self._count(layer, ReadPlan(layer, 0, 0, ()), columns, 0, 0)
-            tiers, counts = np.unique(store.table.rows[layer].tiers[np.arange(batch)[:, None], columns],
-                                      return_counts=True)  # fmt: skip
-            for tier, n in zip(tiers.tolist(), counts.tolist()):  # three tiers at most
-                label = Tier(tier).label
-                self.counters.by_tier[label] = self.counters.by_tier.get(label, 0) + n
+            tiers = store.table.rows[layer].tiers[np.arange(batch)[:, None], columns]
+            for label, n in zip(_LABELS, np.bincount(tiers.ravel(), minlength=len(_LABELS)).tolist()):  # 3 tiers
+                if n:
+                    self.counters.by_tier[label] = self.counters.by_tier.get(label, 0) + n
         if pages is not None and picked and here is None:
             self._read_pages(layer, pages, per, page, page_staging)
             if (pages < 0).any():  # positions left alone hold stale bytes, maybe NaN: masked, and zero
@@ -349,8 +356,8 @@ class SparseAttention(PipelinedExecutor):
         pending = None  # ... and the read of their misses on disk, in flight while the rest copy is attended
         if here is not None:
             assert attended is not None
-            self.counters.pages_selected += 0 if pages is None else int(np.count_nonzero(pages >= 0))
-            in_memory = self.inplace.memory_pages(layer, attended, per, page, query, mask, start, stop, scaling,
+            self.counters.pages_selected += chosen_pages
+            in_memory = self.inplace.memory_pages(layer, attended, per, page, host_query, mask, start, stop, scaling,
                                                   softcap)  # fmt: skip
             page_parts += [in_memory] if in_memory is not None else []
             pending = self.inplace.start_disk_pages(layer, here, attended, per, page)
@@ -367,7 +374,7 @@ class SparseAttention(PipelinedExecutor):
                     self._mean_attention(layer, start, stop, read, per, q, mask, scaling, softcap, summaries)
             if pending is not None:
                 assert attended is not None
-                page_parts.append(self.inplace.attend_disk_pages(layer, pending, attended, per, page, query, mask,
+                page_parts.append(self.inplace.attend_disk_pages(layer, pending, attended, per, page, host_query, mask,
                                                                  start, stop, scaling, softcap))  # fmt: skip
                 out, lse = merge(out, lse, page_parts[-1][0].view(*q.shape[:3], 1, dim),
                                  page_parts[-1][1].view(*q.shape[:3], 1))  # fmt: skip
@@ -405,11 +412,11 @@ class SparseAttention(PipelinedExecutor):
         counters = self.counters
         counters.staged_bytes_read += sum(k.numel() * k.element_size() for k, _, _ in parts) * 2  # K and V
         if here is not None and pages is not None:  # the pages attended in place: read once, by the kernel
-            counters.staged_bytes_read += int(np.count_nonzero(pages >= 0)) * page * layout.token_bytes
+            counters.staged_bytes_read += chosen_pages * page * layout.token_bytes
         whole = parts[0][0].shape[2] if blocks_here is None else _staged_tokens(columns, bt, stop)
         if blocks_here is not None:  # the blocks attended in place: read once, by the kernel
             counters.staged_bytes_read += batch * whole * layout.token_bytes
-        counters.tokens_read += batch * whole + (0 if pages is None else int((pages >= 0).sum()) * page)
+        counters.tokens_read += batch * whole + chosen_pages * page
         counters.tokens_total += batch * (stop - start)
         self._left_at = time.perf_counter()
         return out.reshape(batch, heads, 1, dim).transpose(1, 2).to(query.dtype)
@@ -480,7 +487,7 @@ class SparseAttention(PipelinedExecutor):
         batch = rows.batch
         if top >= competing:  # the budget covers every block: read them all (exact)
             self.counters.exact_layer_steps += 1
-            return np.broadcast_to(np.arange(first, end), (batch, end - first)), None
+            return np.arange(first, end)[None].repeat(batch, axis=0), None
         self._unread = (lo, hi)
         head, tail_columns = np.arange(first, lo), np.arange(recent_from, end)
         if top <= 0:
@@ -494,14 +501,14 @@ class SparseAttention(PipelinedExecutor):
             score = self._with_sticky(layer, lo * per, lo * per + score.shape[1], score)
             self._ranked = (layer, lo, score) if per == 1 else None
             chosen = score.topk(top, dim=1).indices.sort(dim=1).values.cpu().numpy() + lo * per
-        whole = (np.broadcast_to(head, (batch, head.size)), np.broadcast_to(tail_columns, (batch, tail_columns.size)))
+        recent_columns = tail_columns[None].repeat(batch, axis=0)  # (a method: np.broadcast_to costs ~6 calls)
         if per == 1:
-            return np.concatenate((whole[0], chosen, whole[1]), axis=1), None
+            return np.concatenate((head[None].repeat(batch, axis=0), chosen, recent_columns), axis=1), None
         if tail is not None:  # the tail's chosen pages are attended in it (read whole, from its slot): -1 here
             in_tail = chosen >= (end - 1) * per
             self._tail_kept = (np.where(in_tail, chosen - (end - 1) * per, -1), tail.shape[2])
             chosen = np.where(in_tail, -1, chosen)[:, : chosen.shape[1] - int(in_tail.sum(axis=1).min())]
-        return whole[1], chosen
+        return recent_columns, chosen
 
     def _scores(self, layer: int, rows, lo: int, hi: int, q: torch.Tensor, summaries, scaling: float,
                 softcap: float | None, extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -582,8 +589,9 @@ class SparseAttention(PipelinedExecutor):
         pages whose attention mass cannot matter: by Quest's bound (:mod:`tierkv.store.summaries`) no key of a
         page has a logit above its bound, so its mass is at most ``page_tokens · exp(bound)``; the pages with the
         least such mass are left out while their sum stays within :data:`REST_PRUNE_MASS` of the read pages' mass
-        (``read_lse``: ``[B, H_kv, G, 1]``), in every query head — a bounded error, not a guess. Decoded
-        :data:`REST_CHUNK_TOKENS` tokens at a time, merged by log-sum-exp, so the temporaries stay bounded."""
+        (``read_lse``: ``[B, H_kv, G, 1]``), in every query head — a bounded error, not a guess. The C kernel
+        (:mod:`~tierkv.attention.rest_kernel`) attends them from their codes in one call; torch decodes
+        :data:`REST_CHUNK_TOKENS` tokens at a time, merged by log-sum-exp, so its temporaries stay bounded."""
         if self._unread is None:
             return None
         lo, hi = self._unread
@@ -614,26 +622,30 @@ class SparseAttention(PipelinedExecutor):
         valid = torch.arange(most, device=device) < count[:, None]
         block, part = unit // per, unit % per
         pages = index.view(batch, -1).gather(1, block) * per + part  # [B, most]: rows of the rest copy
-        positions = ((lo + block) * bt + part * page)[:, :, None] + torch.arange(page, device=device)
-        positions = positions.masked_fill(~valid[:, :, None], -1).flatten(1)  # [B, most · page]
-        bias = _bias(positions, start, stop, mask, q.dtype)
-        chunk = max(1, REST_CHUNK_TOKENS // page)
+        native_kernel = rest_kernel.runs_on(device) and rest_kernel.takes(q.shape[2], q.shape[-1], page)
+        bias = None  # the C kernel never reads padding: without a mask and a window it needs no bias
+        if not native_kernel or mask is not None or lo * bt < start:
+            positions = ((lo + block) * bt + part * page)[:, :, None] + torch.arange(page, device=device)
+            positions = positions.masked_fill(~valid[:, :, None], -1).flatten(1)  # [B, most · page]
+            bias = _bias(positions, start, stop, mask, q.dtype)
+        chunk = most if native_kernel else max(1, REST_CHUNK_TOKENS // page)  # (the kernel makes no temporaries)
         out = lse = None
-        native_kernel = rest_kernel.runs_on(device)
         scaled = (q[:, :, :, 0].float() * scaling).contiguous() if native_kernel else q  # the C kernel's query
         for c in range(0, most, chunk):
             picked = pages[:, c : c + chunk].reshape(-1)
             self.counters.rest_bytes_read += summaries.rest_nbytes(layer, int(valid[:, c : c + chunk].sum()))
             native = None
             if native_kernel:
-                codes, bounds, scales = summaries.rest_packed(layer, picked)
+                codes, table, scales = summaries.rest_packed(layer)
                 native = rest_kernel.rest_attention(
-                    scaled, codes, pages[:, c : c + chunk].contiguous(), valid[:, c : c + chunk].sum(dim=1), bounds,
-                    scales, bias[:, 0, 0, c * page : (c + chunk) * page].float().contiguous(), summaries.rest_bits,
-                    softcap)
+                    scaled, codes, table, scales, pages[:, c : c + chunk].contiguous(),
+                    valid[:, c : c + chunk].sum(dim=1),
+                    None if bias is None else bias[:, 0, 0, c * page : (c + chunk) * page].float().contiguous(),
+                    summaries.rest_bits, softcap)
             if native is not None:  # attended straight from the codes
                 out, lse = merge(out, lse, native[0].unsqueeze(-2), native[1].unsqueeze(-1))
                 continue
+            assert bias is not None  # (built above wherever the kernel does not run)
             keys, values = summaries.rest(layer, picked, q.dtype)  # [H_kv, B·n, page, D]: decoded, then attended
             heads, dim = keys.shape[0], keys.shape[-1]
             keys = keys.view(heads, batch, -1, dim).transpose(0, 1)  # [B, H_kv, n·page, D]
@@ -866,8 +878,8 @@ class SparseAttention(PipelinedExecutor):
     # ---------------------------------------------------------------------------------- telemetry
     def _moved_in(self) -> dict[str, int]:
         """The store's byte counters of the links into the device, now."""
-        return {name: nbytes for name, nbytes in self.store.transfer.bytes_moved.items()
-                if name.endswith(f"->{Tier.DEVICE.label}")}
+        moved = self.store.transfer.bytes_moved
+        return {name: moved.get(name, 0) for name in _INTO_DEVICE}
 
     def _count_moved(self, before: dict[str, int]) -> None:
         """Add what moved into the device since ``before`` (:meth:`_moved_in`) to the per-link counts."""
@@ -920,9 +932,12 @@ class SparseAttention(PipelinedExecutor):
         whole = batch * columns * self.store.block_tokens * layout.token_bytes
         nbytes = whole + batch * page_tokens * layout.token_bytes
         staging = self.staging
-        if not nbytes:  # everything attended in place (a CPU host): no staging at all
-            empty = torch.empty((2, batch, layout.kv_heads, 0, layout.head_dim), dtype=layout.dtype,
-                                device=self.store.device.device)  # fmt: skip
+        if not nbytes:  # everything attended in place (a CPU host): no staging at all (one empty view, kept)
+            empty = self._unstaged.get((layout, batch))
+            if empty is None:
+                shape = (2, batch, layout.kv_heads, 0, layout.head_dim)
+                empty = self._unstaged[(layout, batch)] = torch.empty(shape, dtype=layout.dtype,
+                                                                      device=self.store.device.device)
             return empty, empty
         if not staging.buffers or staging.buffers[0].numel() < nbytes:
             grown = max(nbytes, int(staging.reserved * GROWTH))

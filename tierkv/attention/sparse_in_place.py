@@ -7,10 +7,14 @@ the pages of blocks on disk (a whole block on disk as its pages) in the layer's 
 (:mod:`tierkv.attention.kept`), the misses read straight into it while the rest copy is attended. Each call also
 returns every entry's own log-sum-exp (``entry_lse``), the measured shares the sticky selection and the attention
 policy are given. Accelerators stage instead (the executor's own path): the host kernel reads host memory.
+
+The memory tiers' slab chunks are joined and packed for the kernel once, and again only when a pool grows or gives
+a chunk back (:class:`_Joined`): a layer-step does nothing per chunk, however many the pools hold.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,9 +24,12 @@ import torch
 from tierkv.attention import host_kernel
 from tierkv.attention.kept import KeptLayer, Placed
 from tierkv.blocks import Tier
+from tierkv.layout import BlockLayout
 from tierkv.store import KVStore
 from tierkv.store.pages import PageRead
 from tierkv.tiers.memory import MemoryTier, joined_slabs
+
+_DISK = int(Tier.DISK)  # an int: numpy compares it without ~6 Python calls of enum lookups
 
 
 @dataclass(slots=True)
@@ -34,8 +41,45 @@ class PendingPages:
     placed: Placed
     ids: np.ndarray
     on_disk: np.ndarray
+    columns: np.ndarray  # [B, P] each page's grid column (0 where none)
+    row: np.ndarray  # [B, 1]
     read: PageRead | None
     moved: dict[str, int]
+
+
+PoolMark = tuple[int, "weakref.ref[torch.Tensor] | None"]
+"""A memory tier's pool as seen: its chunk count and its last chunk (weakly). Chunks are only appended (new tensors)
+and popped, so the pool holds the same chunks exactly while the count and the last chunk are the same."""
+
+
+def _mark(memory: MemoryTier, slot_bytes: int) -> PoolMark:
+    pool = memory.pools.get(slot_bytes)
+    if pool is None or not pool.chunks:
+        return 0, None
+    return len(pool.chunks), weakref.ref(pool.chunks[-1])
+
+
+def _unchanged(memory: MemoryTier, slot_bytes: int, mark: PoolMark) -> bool:
+    """Whether ``memory``'s pool for ``slot_bytes`` still holds the chunks it held at ``mark``."""
+    pool = memory.pools.get(slot_bytes)
+    count, last = mark
+    if pool is None or last is None:
+        return (0 if pool is None else len(pool.chunks)) == count
+    return len(pool.chunks) == count and last() is pool.chunks[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class _Joined:
+    """The device and host tiers' slab chunks of one layout joined for the host kernel, looked up and packed once
+    per change of their pools (no Python per chunk per layer-step)."""
+
+    memories: tuple[MemoryTier, ...]
+    marks: tuple[PoolMark, ...]  # each memory's pool as it was joined
+    slabs: host_kernel.PackedSlabs | None  # None: the C kernel does not load; the chunks are passed per call
+    offset: np.ndarray  # [tier kinds]: the first slot id of each memory's chunks in the joined slab
+
+    def current(self, slot_bytes: int) -> bool:
+        return all(_unchanged(memory, slot_bytes, mark) for memory, mark in zip(self.memories, self.marks))
 
 
 class SparseInPlace:
@@ -44,6 +88,7 @@ class SparseInPlace:
 
     def __init__(self, store: KVStore, counters, moved_in: Callable[[], dict[str, int]]) -> None:
         self.store, self.counters, self.moved_in = store, counters, moved_in
+        self._joined: dict[BlockLayout, _Joined] = {}
 
     def host_only(self) -> bool:
         """Whether every tier is host memory (a CPU host), where the host kernel attends any slab in place."""
@@ -59,7 +104,7 @@ class SparseInPlace:
         log-sum-exp ``[B, H_q, P]`` (its share of the softmax, from the same pass; ``-inf`` for the others), or
         None where no selected page is in memory."""
         columns, row, tiers = self._page_columns(layer, pages, per)
-        in_memory = (pages >= 0) & (tiers != Tier.DISK)
+        in_memory = (pages >= 0) & (tiers != _DISK)
         if not in_memory.any():
             return None
         chunks, table = self._memory_table(layer, columns, in_memory)
@@ -67,19 +112,32 @@ class SparseInPlace:
                                        start, stop, scaling, softcap)  # fmt: skip
 
     def _memory_table(self, layer: int, columns: np.ndarray,
-                      held: np.ndarray) -> tuple[list[torch.Tensor], np.ndarray]:
+                      held: np.ndarray) -> tuple[list[torch.Tensor] | host_kernel.PackedSlabs, np.ndarray]:
         """The device and host tiers' slab chunks of ``layer``, concatenated (each tier's slot ids offset by the
-        slots before it), and the table ``[B, K]`` of the blocks of grid ``columns`` ``[B, K]`` where ``held``
-        (each in a memory tier), -1 elsewhere."""
+        slots before it; packed for the C kernel once per change of the pools), and the table ``[B, K]`` of the
+        blocks of grid ``columns`` ``[B, K]`` where ``held`` (each in a memory tier), -1 elsewhere."""
         store = self.store
         grid, layout = store.table.rows[layer], store.layouts[layer]
         row = np.arange(columns.shape[0])[:, None]
-        memories = [m for m in map(store.tiers.get, (Tier.DEVICE, Tier.HOST)) if isinstance(m, MemoryTier)]
+        joined = self._joined.get(layout)
+        if joined is None or not joined.current(layout.slot_bytes):
+            joined = self._joined[layout] = self._join(layout)
+        slabs = joined.slabs if joined.slabs is not None else self._chunks(joined.memories, layout)
+        tiers = grid.tiers[row, columns]
+        return slabs, np.where(held, grid.slots[row, columns] + joined.offset[np.where(held, tiers, 0)], -1)
+
+    def _join(self, layout: BlockLayout) -> _Joined:
+        """The device and host tiers' chunks of ``layout`` joined (:class:`_Joined`), as their pools are now."""
+        memories = tuple(m for m in map(self.store.tiers.get, (Tier.DEVICE, Tier.HOST)) if isinstance(m, MemoryTier))
+        marks = tuple(_mark(memory, layout.slot_bytes) for memory in memories)
         chunks, firsts = joined_slabs([memory.slabs(layout) for memory in memories])
         offset = np.zeros(max(m.kind for m in memories) + 1, dtype=np.int64)
         offset[[m.kind for m in memories]] = firsts
-        tiers = grid.tiers[row, columns]
-        return chunks, np.where(held, grid.slots[row, columns] + offset[np.where(held, tiers, 0)], -1)
+        return _Joined(memories, marks, host_kernel.pack_slabs(chunks) if chunks else None, offset)
+
+    @staticmethod
+    def _chunks(memories: tuple[MemoryTier, ...], layout: BlockLayout) -> list[torch.Tensor]:
+        return joined_slabs([memory.slabs(layout) for memory in memories])[0]
 
     def blocks(self, layer: int, columns: np.ndarray, query: torch.Tensor, mask: torch.Tensor | None, start: int,
                stop: int, scaling: float, softcap: float | None,
@@ -92,7 +150,7 @@ class SparseInPlace:
         (whole-block selection keeps blocks: all are staged then)."""
         grid = self.store.table.rows[layer]
         row = np.arange(columns.shape[0])[:, None]
-        in_memory = grid.tiers[row, columns] != Tier.DISK
+        in_memory = grid.tiers[row, columns] != _DISK
         if not disk_as_pages and not in_memory.all():
             return None
         chunks, table = self._memory_table(layer, columns, in_memory)
@@ -111,7 +169,7 @@ class SparseInPlace:
         E]``, -1 padded); None where no such block is on disk (the open tail never is)."""
         grid = self.store.table.rows[layer]
         batch, count = columns.shape
-        on_disk = grid.tiers[np.arange(batch)[:, None], columns] == Tier.DISK
+        on_disk = grid.tiers[np.arange(batch)[:, None], columns] == _DISK
         if not on_disk.any():
             return None
         every = (columns[:, :, None] * per + np.arange(per)).reshape(batch, -1)  # [B, K·per]
@@ -119,7 +177,7 @@ class SparseInPlace:
         wanted = np.repeat(on_disk, per, axis=1) & ((every % per + 1) * page + every // per * self.store.block_tokens
                                                     > start)  # fmt: skip
         counts = wanted.sum(axis=1)
-        order = np.argsort(~wanted, axis=1, kind="stable")[:, : int(counts.max())]
+        order = (~wanted).argsort(axis=1, kind="stable")[:, : int(counts.max())]
         valid = np.arange(order.shape[1]) < counts[:, None]
         return (np.where(valid, np.take_along_axis(every, order, axis=1), -1),
                 np.where(valid, np.take_along_axis(block, order, axis=1), -1))
@@ -145,7 +203,7 @@ class SparseInPlace:
         disk."""
         store = self.store
         columns, row, tiers = self._page_columns(layer, pages, per)
-        on_disk = (pages >= 0) & (tiers == Tier.DISK)
+        on_disk = (pages >= 0) & (tiers == _DISK)
         if not on_disk.any():
             return None
         moved = self.moved_in()
@@ -157,10 +215,10 @@ class SparseInPlace:
         if new.any():  # the read's destination is the kept buffer itself
             into = np.full((pages.shape[0], kept.capacity), -1, dtype=np.int64)
             index = np.zeros_like(into)
-            rows, positions = np.nonzero(new)[0], placed.positions[new]
+            rows, positions = new.nonzero()[0], placed.positions[new]
             into[rows, positions], index[rows, positions] = np.divmod(chosen[new], per)
             read = store.start_read_pages(layer, into, index, page, kept.view(store.layouts[layer]))
-        return PendingPages(kept, placed, ids, on_disk, read, moved)
+        return PendingPages(kept, placed, ids, on_disk, columns, row, read, moved)
 
     def attend_disk_pages(self, layer: int, pending: PendingPages, pages: np.ndarray, per: int, page: int,
                            query: torch.Tensor, mask: torch.Tensor | None, start: int, stop: int, scaling: float,
@@ -174,11 +232,11 @@ class SparseInPlace:
             kept.record(placed, pending.ids)
         counters.pages_reused += placed.reused
         counters.add_fetched(pending.moved, self.moved_in())
-        columns, row, _ = self._page_columns(layer, pages, per)
-        table = np.where(pending.on_disk, row, -1)
+        columns = pending.columns
+        table = np.where(pending.on_disk, pending.row, -1)
         starts = np.where(pending.on_disk, placed.positions * page, 0)
-        return self._attend_page_table(query, kept.slab(self.store.layouts[layer]), table, starts, columns, pages, per,
-                                       page, mask, start, stop, scaling, softcap)  # fmt: skip
+        return self._attend_page_table(query, kept.kernel_slab(self.store.layouts[layer]), table, starts, columns,
+                                       pages, per, page, mask, start, stop, scaling, softcap)  # fmt: skip
 
     def _page_columns(self, layer: int, pages: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The grid column of each page ``[B, P]`` (0 where none), the rows ``[B, 1]``, and the tier holding each."""
@@ -186,7 +244,8 @@ class SparseInPlace:
         row = np.arange(pages.shape[0])[:, None]
         return columns, row, self.store.table.rows[layer].tiers[row, columns]
 
-    def _attend_page_table(self, query: torch.Tensor, slabs: torch.Tensor | list[torch.Tensor], table: np.ndarray,
+    def _attend_page_table(self, query: torch.Tensor,
+                           slabs: torch.Tensor | list[torch.Tensor] | host_kernel.PackedSlabs, table: np.ndarray,
                            starts: np.ndarray, columns: np.ndarray, pages: np.ndarray, per: int, page: int,
                            mask: torch.Tensor | None, start: int, stop: int, scaling: float,
                            softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ from tierkv.store.transfer import link
 
 BACKFILL_COLUMNS = 64  # enable_summaries reads blocks already full in pieces of this many columns
 PROMOTE_PER_LAYER = 2  # at most this many blocks move up to the device per layer-step of sparse attention
+_DEVICE = int(Tier.DEVICE)  # an int: numpy compares it without ~6 Python calls of enum lookups
 
 
 class SparseBlocks:
@@ -112,7 +113,7 @@ class SparseBlocks:
         ids = rows.ids[picked].ravel()
         weights = mass.ravel() if mass is not None else np.ones(ids.shape, dtype=np.float64)
         store.policy.on_attention(layer, store.tick, ids, weights)
-        off = rows.tiers[picked].ravel() != Tier.DEVICE
+        off = rows.tiers[picked].ravel() != _DEVICE
         if not off.any():
             return []
         return [store.table.blocks[i] for i in store.policy.promotions(ids[off], PROMOTE_PER_LAYER)]

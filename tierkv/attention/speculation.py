@@ -44,6 +44,7 @@ from tierkv.tiers.base import PendingRead
 
 IN_FLIGHT = 3  # speculative reads in flight at most (the next layer's, and one or two not yet claimed)
 _ROW_SHIFT = 40  # (row << 40) | block id: a per-row key for one vectorized membership test
+_DISK = int(Tier.DISK)  # an int: numpy compares it without ~6 Python calls of enum lookups
 
 
 @dataclass(slots=True)
@@ -132,11 +133,11 @@ class Speculation:
         if held is not None and runners is None and held.shape[1] >= previous.shape[1]:
             return  # a kept layer with room for its whole selection holds all of it: nothing to guess
         guess = previous if runners is None else np.concatenate((previous, runners), axis=1)
-        row = np.broadcast_to(np.arange(rows.batch)[:, None], guess.shape)
+        row = np.arange(rows.batch)[:, None].repeat(guess.shape[1], axis=1)
         inside = (guess >= 0) & (guess < rows.count - 1)  # a full block (the open tail is on the device)
         row, guess = row[inside], guess[inside]
         ids, tiers, slots = rows.ids[row, guess], rows.tiers[row, guess], rows.slots[row, guess]
-        wanted = tiers == Tier.DISK
+        wanted = tiers == _DISK
         if held is not None and held.shape[0] == rows.batch:
             keys = (np.arange(rows.batch, dtype=np.int64)[:, None] << _ROW_SHIFT) | held
             wanted &= ~np.isin((row.astype(np.int64) << _ROW_SHIFT) | ids, keys[held >= 0])
@@ -144,7 +145,7 @@ class Speculation:
             return
         ids, first = np.unique(ids[wanted], return_index=True)  # a block shared by rows is read once
         slots = slots[wanted][first]
-        order = np.argsort(slots, kind="stable")  # the read goes in ascending slot order
+        order = slots.argsort(kind="stable")  # the read goes in ascending slot order
         index = np.empty_like(order)
         index[order] = np.arange(order.size)
         purpose = self._free_purpose()
@@ -163,16 +164,16 @@ class Speculation:
         disk block is a miss)."""
         flight = self._flights.pop(layer, None)
         picked = (np.arange(rows.batch)[:, None], np.maximum(targets, 0))
-        on_disk = (targets >= 0) & (rows.tiers[picked] == Tier.DISK)
+        on_disk = (targets >= 0) & (rows.tiers[picked] == _DISK)
         if flight is None:
-            self.counters.misses += int(np.count_nonzero(on_disk))
+            self.counters.misses += int(on_disk.sum())
             return None
         ids, slots = rows.ids[picked], rows.slots[picked]
         found = np.minimum(np.searchsorted(flight.ids, ids), flight.ids.size - 1)  # [B, P]
         hits = on_disk & (flight.ids[found] == ids) & (flight.slots[found] == slots)
         used = np.unique(found[hits])
-        self.counters.hits += int(np.count_nonzero(hits))
-        self.counters.misses += int(np.count_nonzero(on_disk & ~hits))
+        self.counters.hits += int(hits.sum())
+        self.counters.misses += int((on_disk & ~hits).sum())
         self.counters.wasted += int(flight.ids.size - used.size)
         if not hits.any():
             self._settle(flight)

@@ -43,6 +43,8 @@ from tierkv.store.transfer import link
 from tierkv.tiers.disk import BOUNCE_BYTES, SECTOR_BYTES, DiskTier, disk_error
 from tierkv.tiers.memory import MemoryTier
 
+_DISK = int(Tier.DISK)  # an int: numpy compares it without ~6 Python calls of enum lookups
+
 if TYPE_CHECKING:
     from tierkv.store.kvstore import KVStore
 
@@ -64,7 +66,7 @@ def start_read_pages(store: KVStore, layer: int, columns: np.ndarray, pages: np.
     read bounce buffer, nor edit the table."""
     layout = store.layouts[layer]
     columns, pages = _checked(store, layer, layout, columns, pages, page_tokens, dest)
-    row, position = np.nonzero(columns >= 0)
+    row, position = (columns >= 0).nonzero()
     if row.size == 0:
         return PageRead(None, None)
     grid = store.table.rows[layer]
@@ -78,12 +80,12 @@ def start_read_pages(store: KVStore, layer: int, columns: np.ndarray, pages: np.
     stride = dest.stride()
     into = kv * stride[0] + head * stride[2] + (row * stride[1] + position * page_tokens * stride[3])[:, None]
     sink = _Sink(store, dest, into, run)
-    on_disk = tiers == Tier.DISK
+    on_disk = tiers == _DISK
     disk = _DiskPages(store, layout, slots[on_disk], within[on_disk], sink.rows[on_disk], run) if on_disk.any() \
         else None
     try:
         for tier in (Tier.HOST, Tier.DEVICE):  # while the disk read is in flight
-            mine = np.flatnonzero(tiers == tier)
+            mine = (tiers == int(tier)).nonzero()[0]
             if mine.size:
                 memory = store.tiers[tier]
                 assert isinstance(memory, MemoryTier)
@@ -155,7 +157,7 @@ def _checked(store: KVStore, layer: int, layout: BlockLayout, columns: np.ndarra
 def _rows_view(source: torch.Tensor, offsets: np.ndarray, run: int) -> tuple[torch.Tensor, np.ndarray]:
     """``source``'s memory as rows of ``run`` elements starting at every multiple of the offsets' common divisor
     (a view: rows overlap where runs are not that far apart), and the row of each offset."""
-    step = int(np.gcd.reduce(np.append(offsets.ravel(), run)))
+    step = int(np.gcd.reduce(offsets.ravel(), initial=run))
     count = int(offsets.max()) // step + 1
     return torch.as_strided(source, (count, run), (step, 1)), offsets // step
 
@@ -218,7 +220,7 @@ class _Sink:
         slab chunk as for forty (on the device, through the accelerator's ``index_select``, one call per chunk)."""
         accel, device = self.accel, self.dest.device
         total = len(dest_rows)
-        ends = np.cumsum(counts)
+        ends = counts.cumsum()
         rows = torch.from_numpy(index) if host else torch.from_numpy(index).to(device)
         pinned = host and accel.streams
         lo = 0
@@ -233,7 +235,7 @@ class _Sink:
                 raw = owner.get((hi - lo) * self.row_bytes, self.limit)
                 staged = torch.from_numpy(raw).view(self.dest.dtype).view(hi - lo, self.run)
             inside = np.minimum(ends, hi) - np.maximum(ends - counts, lo)  # rows of each source in this round
-            these = np.flatnonzero(inside > 0)
+            these = (inside > 0).nonzero()[0]
             split = inside[these].tolist()
             picked = map(sources.__getitem__, these.tolist())
             parts, outs = torch.split(rows[lo:hi], split), torch.split(staged, split)
@@ -274,7 +276,7 @@ class _DiskPages:
         sectors = np.where(steps < span[:, :, None], sectors, self.first[:, :1, None]).reshape(len(order), -1)
         self.sectors = sectors
         ordered = np.sort(sectors, axis=1)
-        most = int(((np.diff(ordered, axis=1) != 0).sum(axis=1) + 1).max())  # the most sectors one page needs
+        most = int(((ordered[:, 1:] != ordered[:, :-1]).sum(axis=1) + 1).max())  # the most sectors one page needs
         per_round = max(1, tier.bounce_bytes // SECTOR_BYTES // most)
         self.bounds = [*range(0, len(order), per_round), len(order)]
         self.owner = store.transfer.scratch.bounce_buffer("read")  # the caller thread's: free while this runs
@@ -284,7 +286,8 @@ class _DiskPages:
     def _submit(self, k: int) -> None:
         """Submit round ``k``: its pages' sectors, sorted and unique, in one engine call."""
         lo, hi = self.bounds[k], self.bounds[k + 1]
-        self.round = np.unique(self.sectors[lo:hi])
+        ordered = np.sort(self.sectors[lo:hi], axis=None)
+        self.round = ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]  # np.unique, in fewer calls
         self.buffer = self.owner.get(self.round.size * SECTOR_BYTES, self.tier.bounce_bytes)
         try:
             with deferred_interrupts():  # a Ctrl-C mid-submit must not lose the handle of reads already queued

@@ -191,17 +191,18 @@ class KeySummaries:
         values = torch.addcmul(scale[..., :1], grouped, scale[..., 1:]).flatten(-2)
         return keys.to(dtype), values.to(dtype)
 
-    def rest_packed(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What attending pages ``index`` ``[N]`` of ``layer``'s rest copy straight from its codes needs
-        (:mod:`tierkv.attention.rest_kernel`): the whole packed table ``[H_kv, rows, 2, pt, D · bits / 8]`` (a view),
-        and the pages' key (min, max) ``[H_kv, N, 2, D]`` and value (min, step) ``[H_kv, N, pt, groups, 2]`` in fp32."""
+    def rest_packed(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What attending pages of ``layer``'s rest copy straight from its codes needs
+        (:mod:`tierkv.attention.rest_kernel`), as views of the tables, nothing copied: the packed codes ``[H_kv, rows,
+        2, pt, D · bits / 8]``, the summaries ``[H_kv, rows, fields, D]`` (fields 0 and 1: the key min and max) and
+        the value (min, step) ``[H_kv, rows, pt, groups, 2]``; a page's table row is
+        ``row_of[block] · pages + page``."""
         entry = self._layers[layer]
         assert entry.codes is not None and entry.value_scale is not None, "kept only with rest_bits"
         heads, capacity, pages = entry.table.shape[:3]
-        bounds = entry.table.flatten(1, 2)[:, :, :2].index_select(1, index).float()
         groups = entry.value_scale.shape[3]
-        scales = entry.value_scale.view(heads, capacity * pages, -1, groups, 2).index_select(1, index).float()
-        return entry.codes.flatten(1, 2), bounds, scales
+        return (entry.codes.flatten(1, 2), entry.table.flatten(1, 2),
+                entry.value_scale.view(heads, capacity * pages, -1, groups, 2))
 
     def rest_nbytes(self, layer: int, pages: int) -> int:
         """Device bytes :meth:`rest` reads for ``pages`` pages of ``layer``: codes, value scales, key bounds."""
