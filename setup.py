@@ -6,9 +6,10 @@ library loaded with ctypes by ``tierkv/io/native.py``, never imported as a modul
 it cannot compile (no compiler) the install still succeeds and the engine builds itself on first use from a
 source checkout, else auto-selection falls back to posix. The source's hash is compiled in so that the
 loader can tell a library built from an older source. ``native/tierkv_attn.c`` becomes
-``tierkv/attention/_attn*.so`` the same way (with OpenMP), loaded by ``tierkv/attention/host_kernel.py``, and
+``tierkv/attention/_attn*.so`` the same way (with OpenMP), loaded by ``tierkv/attention/host_kernel.py``,
 ``native/tierkv_rest.c`` (attention over sparse attention's low-bit rest copy) ``tierkv/attention/_rest*.so``,
-loaded by ``tierkv/attention/rest_kernel.py``.
+loaded by ``tierkv/attention/rest_kernel.py``, and ``native/tierkv_scores.c`` (sparse attention's page scores from
+the summaries table) ``tierkv/attention/_scores*.so``, loaded by ``tierkv/attention/score_kernel.py``.
 """
 
 import hashlib
@@ -17,9 +18,10 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 SOURCE = "native/tierkv_io.c"  # relative, as setuptools requires
-KERNELS = {  # the attention kernels, loaded by tierkv/attention/host_kernel.py and rest_kernel.py
+KERNELS = {  # the attention kernels, loaded by tierkv/attention/host_kernel.py, rest_kernel.py, score_kernel.py
     "tierkv.attention._attn": "native/tierkv_attn.c",
     "tierkv.attention._rest": "native/tierkv_rest.c",
+    "tierkv.attention._scores": "native/tierkv_scores.c",
 }
 
 

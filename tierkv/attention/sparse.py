@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tierkv.attention import rest_kernel
+from tierkv.attention import rest_kernel, score_kernel
 from tierkv.attention.base import PipelinedExecutor, Span, register_executor
 from tierkv.attention.kept import KeptBlocks, KeptLayer
 from tierkv.attention.lse import merge, partial_attention, weighted_attention
@@ -514,7 +514,9 @@ class SparseAttention(PipelinedExecutor):
                 softcap: float | None, extra: torch.Tensor | None = None) -> torch.Tensor:
         """Each row's score of the pages of candidate columns ``[lo, hi)``, then of the ``extra`` summaries
         ``[B, H_kv, E, 4·D]`` (the open tail's full pages): ``[B, C · pages + E]`` (one vectorized pass, no
-        loop; one softmax over them all)."""
+        loop; one softmax over them all). In CPU memory the C kernel (:mod:`~tierkv.attention.score_kernel`) reads
+        the candidates' summaries where the table holds them; elsewhere, and where the page means are attended
+        (they are gathered anyway), torch gathers them and runs the same computation."""
         table = summaries.table(layer)
         index, missing = self._summary_rows(layer, rows, lo, hi, summaries, q.device)
         batch, columns = rows.batch, hi - lo
@@ -525,26 +527,33 @@ class SparseAttention(PipelinedExecutor):
         budget = self.budget
         means = budget is not None and budget.rest_means and not budget.rest_bits  # the page means attend the rest
         vectors = 4 if means else 3  # the values' mean is read only when it is attended
-        # [H_kv, B·C, pages, 4, D] -> [B, H_kv, C·pages, vectors·D]: rows of (min, max, mean[, mean value])
-        gathered = table[:, :, :, :vectors].index_select(1, index)
-        self.counters.summary_bytes_read += gathered.numel() * gathered.element_size()
-        stacked = gathered.view(heads, batch, columns * pages, -1).transpose(0, 1).float()
+        query = (q[:, :, :, 0].float() * scaling).contiguous()  # [B, H_kv, G, D]
+        dim = query.shape[-1]
+        self.counters.summary_bytes_read += heads * index.numel() * pages * vectors * dim * table.element_size()
+        stacked = None  # [B, H_kv, C·pages (+ E), vectors·D]: the rows gathered (torch; the means come from it)
+        scored = None  # (bound, logits) [B, H_kv, G, C·pages] each
+        if not means and score_kernel.runs_on(table.device):  # read where they are: nothing gathered
+            entries = (index.view(batch, columns, 1) * pages + torch.arange(pages)).view(batch, -1)  # [B, C·pages]
+            scored = score_kernel.page_scores(query, table.flatten(1, 2), entries)
+        if scored is None:  # [H_kv, B·C, pages, 4, D] -> rows of (min, max, mean[, mean value])
+            gathered = table[:, :, :, :vectors].index_select(1, index)
+            stacked = gathered.view(heads, batch, columns * pages, -1).transpose(0, 1).float()
+            scored = score_kernel.page_scores_torch(query, stacked)
+        bound, logits = scored
         if extra is not None:
-            stacked = torch.cat((stacked, extra[..., : stacked.shape[-1]].float()), dim=2)
+            tail = extra[..., : vectors * dim].float()  # [B, H_kv, E, vectors·D]
+            tail_bound, tail_logits = score_kernel.page_scores_torch(query, tail)
+            bound, logits = torch.cat((bound, tail_bound), dim=-1), torch.cat((logits, tail_logits), dim=-1)
+            stacked = None if stacked is None else torch.cat((stacked, tail), dim=2)
             if missing is not None:
                 missing = torch.nn.functional.pad(missing.repeat_interleave(pages, dim=1), (0, extra.shape[2]))
                 pages = 1
-        query = q[:, :, :, 0].float() * scaling  # [B, H_kv, G, D]
-        dim = query.shape[-1]
-        bound = torch.matmul(torch.cat((query.clamp_max(0), query.clamp_min(0)), dim=-1),
-                             stacked[..., : 2 * dim].transpose(-1, -2))  # [B, H_kv, G, C·pages]: q⁻·min + q⁺·max
-        logits = torch.matmul(query, stacked[..., 2 * dim : 3 * dim].transpose(-1, -2)).add_(bound).mul_(0.5)
         if softcap is not None:  # monotonic: a capped bound still bounds the capped logits
             logits = torch.tanh(logits / softcap) * softcap
             bound = torch.tanh(bound / softcap) * softcap
         self._bound = (layer, bound if missing is None else bound.masked_fill(
             missing.repeat_interleave(pages, dim=1)[:, None, None], math.inf))
-        self._means = (layer, stacked[..., 2 * dim :]) if means else None  # [B, H_kv, C·pages (+ E), 2·D]
+        self._means = (layer, stacked[..., 2 * dim :]) if means and stacked is not None else None
         share = torch.softmax(logits, dim=-1)  # each head's estimated attention share
         score = share.flatten(1, 2).amax(dim=1)  # [B, C·pages]: the most any query head would give the page
         return score if missing is None else score.masked_fill(missing.repeat_interleave(pages, dim=1), math.inf)
