@@ -281,6 +281,45 @@ def test_submit_array_refusals_submit_nothing(engine: str, tmp_path, offsets, le
     assert not untouched.any()  # request 0 was fine: it did not run
 
 
+def test_submit_array_names_the_first_bad_request_and_its_first_failed_check(engine: str, tmp_path) -> None:
+    """Several bad requests, one failing several checks: the error is the first request's (submission order),
+    for the first check it fails in the tuple form's order (negative before misaligned)."""
+    path = make_file(tmp_path / "kv.bin", 16 * ALIGN)
+    buffer = aligned_empty(4 * ALIGN)
+    offsets, lengths, starts = np.array([0, -ALIGN, 5]), np.array([ALIGN, 1000, -1]), np.array([0, ALIGN, 2 * ALIGN])
+    with open_disk_file(path, engine=engine, direct=True if engine != "kvikio" else None) as f:
+        with pytest.raises(ValueError, match="request 1: file offset -4096 is negative") as info:
+            f.submit_array(offsets, lengths, buffer, starts, write=False)
+        assert not isinstance(info.value, AlignmentError)
+
+
+@pytest.mark.parametrize("depth", [1, 3, 16])
+def test_native_batches_queued_back_to_back_all_complete(depth: int, tmp_path, monkeypatch) -> None:
+    """Many batches of 1 to 64 small pieces queued before any is waited on, on pools smaller and larger than a
+    batch: every piece is read (each worker that takes a piece wakes the next ones; none is left sleeping while
+    pieces wait) and hashed as it landed."""
+    if "native" not in available_engines():
+        pytest.skip("native engine unavailable")
+    monkeypatch.setenv("TIERKV_IO_QUEUE_DEPTH", str(depth))
+    rng = np.random.default_rng(depth)
+    path = make_file(tmp_path / "kv.bin", 256 * ALIGN)
+    want = np.fromfile(path, dtype=np.uint8)
+    with open_disk_file(path, engine="native", direct=False) as f:
+        pending = []
+        for _ in range(60):
+            count = int(rng.integers(1, 65))
+            sectors = rng.choice(256, size=count, replace=False)
+            buffer = aligned_empty(count * ALIGN)
+            handle, digests = f.submit_array(sectors * ALIGN, np.full(count, ALIGN), buffer,
+                                             np.arange(count) * ALIGN, write=False, unit=ALIGN)
+            pending.append((handle, digests, sectors, buffer))
+        for handle, digests, sectors, buffer in pending:
+            handle.wait()
+            rows = buffer.reshape(-1, ALIGN)
+            np.testing.assert_array_equal(rows, want.reshape(-1, ALIGN)[sectors])
+            np.testing.assert_array_equal(digests, xxh3_rows(rows))
+
+
 def test_submit_array_refuses_bad_arrays_and_buffers(engine: str, tmp_path) -> None:
     path = make_file(tmp_path / "kv.bin", 16 * ALIGN)
     readonly = aligned_empty(2 * ALIGN)

@@ -17,7 +17,7 @@ from tierkv import IntegrityError, InvalidConfigError, TieredCache, cuda_standin
 from tierkv import settings as tierkv_settings
 from tierkv.blocks import Tier
 from tierkv.store import KVStore
-from tierkv.tiers.disk import SECTOR_BYTES
+from tierkv.tiers.disk import SECTOR_BYTES, _runs
 
 SENTINEL = -3.0
 
@@ -301,3 +301,22 @@ def test_page_reads_follow_the_gpu_protocol_on_the_standin(tmp_path):
                 standin.used(dest)  # attention reads it on the compute stream
                 assert torch.equal(dest, want) and standin.pageable_copies == pageable
     standin.check()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sector_runs_match_a_plain_scan(seed):
+    """The coalescing of a page read's sorted, unique sectors into runs (``disk._runs``), against a plain scan:
+    empty, single, all-consecutive and scattered inputs."""
+    rng = np.random.default_rng(seed)
+    cases = [np.zeros(0, np.int64), np.array([7]), np.arange(5, 12)]
+    cases += [np.unique(rng.integers(0, 3 * n + 1, size=n)) for n in (2, 9, 200)]
+    for items in cases:
+        want_first, want_count = [], []
+        for i, item in enumerate(items.tolist()):
+            if i and item == items[i - 1] + 1:
+                want_count[-1] += 1
+            else:
+                want_first.append(i)
+                want_count.append(1)
+        first, count = _runs(items.astype(np.int64))
+        assert first.tolist() == want_first and count.tolist() == want_count

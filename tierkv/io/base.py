@@ -20,7 +20,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -142,6 +142,8 @@ class ArrayRequests:
 
 def _int64_array(name: str, values: Any) -> np.ndarray:
     """``values`` as a contiguous 1-D int64 array (never truncated or wrapped), or a ValueError naming ``name``."""
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1 and values.flags.c_contiguous:
+        return values  # already what C takes (the page read's arrays): no conversion to pay for
     array = np.asarray(values)
     if array.ndim != 1 or not (array.dtype.kind in "iu" or array.size == 0):
         raise ValueError(f"{name} must be a 1-D array of integers; got {array.dtype} of shape {array.shape}.")
@@ -165,17 +167,34 @@ def check_array_requests(offsets: Any, lengths: Any, buffer: Any, buffer_offsets
     if not offsets.shape == lengths.shape == starts.shape:
         raise ValueError(f"offsets, lengths and buffer_offsets must have one entry per request; got "
                          f"{offsets.size}, {lengths.size} and {starts.size}.")
+    address = view.ctypes.data + starts if direct else starts
+    # one pass over all the checks at once (a few numpy calls, whatever the batch's size): the common case is a
+    # good batch; only a bad one pays for finding which check its first bad request fails
+    either = offsets | lengths  # negative, or misaligned (ALIGN is a power of two), iff one of them is
+    bad = ((either | starts) < 0) | (starts > view.nbytes - lengths)
+    if unit:
+        bad |= lengths % unit != 0
+    if direct:
+        bad |= (either | address) % ALIGN != 0
+    if bad.any():
+        _raise_first(offsets, lengths, starts, address, view.nbytes, direct=direct, unit=unit)
+    return ArrayRequests(view, offsets, lengths, starts)
+
+
+def _raise_first(offsets: np.ndarray, lengths: np.ndarray, starts: np.ndarray, address: np.ndarray, nbytes: int, *,
+                 direct: bool, unit: int) -> NoReturn:
+    """Raise the error of the first bad request of an array batch (in submission order), for the first check it
+    fails in :func:`check_requests`' order."""
     checks = [
         (offsets < 0, lambda i: f"file offset {offsets[i]} is negative."),
         (lengths < 0, lambda i: f"length {lengths[i]} is negative."),
-        ((starts < 0) | (starts > view.nbytes - lengths),
-         lambda i: f"bytes {starts[i]}..{starts[i] + lengths[i]} of the buffer are outside its {view.nbytes} bytes."),
+        ((starts < 0) | (starts > nbytes - lengths),
+         lambda i: f"bytes {starts[i]}..{starts[i] + lengths[i]} of the buffer are outside its {nbytes} bytes."),
     ]
     if unit:
         checks.append((lengths % unit != 0, lambda i: f"length {lengths[i]} is not a multiple of the unit {unit} "
                        "(hashed reads need requests of whole units)."))
     if direct:
-        address = view.ctypes.data + starts
         checks.append(((offsets % ALIGN != 0) | (lengths % ALIGN != 0) | (address % ALIGN != 0), lambda i: (
             f"direct I/O needs offset, length and buffer address aligned to {ALIGN} bytes; misaligned: "
             + ", ".join(f"{name}={value} ({value % ALIGN} past a multiple)" for name, value in
@@ -183,12 +202,10 @@ def check_array_requests(offsets: Any, lengths: Any, buffer: Any, buffer_offsets
             + ". Allocate buffers with tierkv.io.aligned_empty and size slots in multiples of ALIGN, or open the "
             "file with direct=False.")))
     firsts = [int(np.argmax(bad)) if bad.any() else offsets.size for bad, _ in checks]
-    first = min(firsts, default=offsets.size)
-    if first < offsets.size:
-        which = firsts.index(first)  # checks in check_requests' order: the first that request fails
-        error = AlignmentError if direct and which == len(checks) - 1 else ValueError
-        raise error(f"request {first}: {checks[which][1](first)}")
-    return ArrayRequests(view, offsets, lengths, starts)
+    first = min(firsts)
+    which = firsts.index(first)  # checks in check_requests' order: the first that request fails
+    error = AlignmentError if direct and which == len(checks) - 1 else ValueError
+    raise error(f"request {first}: {checks[which][1](first)}")
 
 
 def eof_error(path: str, offset: int, wanted: int, got: int | None) -> OSError:

@@ -83,8 +83,9 @@ def start_read_pages(store: KVStore, layer: int, columns: np.ndarray, pages: np.
     on_disk = tiers == _DISK
     disk = _DiskPages(store, layout, slots[on_disk], within[on_disk], sink.rows[on_disk], run) if on_disk.any() \
         else None
+    memory_tiers = () if disk is not None and on_disk.all() else (Tier.HOST, Tier.DEVICE)  # none: all on disk
     try:
-        for tier in (Tier.HOST, Tier.DEVICE):  # while the disk read is in flight
+        for tier in memory_tiers:  # while the disk read is in flight
             mine = (tiers == int(tier)).nonzero()[0]
             if mine.size:
                 memory = store.tiers[tier]
@@ -149,9 +150,10 @@ def _checked(store: KVStore, layer: int, layout: BlockLayout, columns: np.ndarra
     if (columns >= full).any():
         raise InvalidConfigError(f"read_pages reads full blocks only: layer {layer} has {full} full columns, asked "
                                  f"for column {int(columns.max())}; read the open tail with read_tokens.")
-    if ((pages < 0) | (pages >= bt // page_tokens))[chosen].any():
+    pages = np.where(chosen, pages, 0)
+    if ((pages < 0) | (pages >= bt // page_tokens)).any():
         raise InvalidConfigError(f"pages must be in [0, {bt // page_tokens}) where a column is chosen.")
-    return columns, np.where(chosen, pages, 0)
+    return columns, pages
 
 
 def _rows_view(source: torch.Tensor, offsets: np.ndarray, run: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -216,10 +218,17 @@ class _Sink:
         """Copy rows ``index`` of ``sources`` (``counts[i]`` rows of source ``i``, then of the next) into the
         destination rows ``dest_rows``: per round of the buffer's capacity, one ``index_select`` per source into
         the buffer (from host memory: by the CPU, through the pinned buffer and one copy where the accelerator has
-        streams), then one ``index_copy``. The sources are iterated by ``map`` in C: as many Python calls for one
-        slab chunk as for forty (on the device, through the accelerator's ``index_select``, one call per chunk)."""
+        streams), then one ``index_copy``; host memory into host memory from one source, in one round, skips the
+        buffer. The sources are iterated by ``map`` in C: as many Python calls for one slab chunk as for forty (on
+        the device, through the accelerator's ``index_select``, one call per chunk)."""
         accel, device = self.accel, self.dest.device
         total = len(dest_rows)
+        if host and device.type == "cpu" and len(sources) == 1 and total * self.row_bytes <= self.limit:
+            # a disk round, or a host tier's pages in one slab chunk, on a CPU host: the gathered runs (at most the
+            # bounce limit, as the staging buffer would be) go straight in, without the buffer and split bookkeeping
+            gathered = torch.index_select(sources[0], 0, torch.from_numpy(index))
+            accel.index_copy(self.view, torch.from_numpy(dest_rows), gathered)
+            return
         ends = counts.cumsum()
         rows = torch.from_numpy(index) if host else torch.from_numpy(index).to(device)
         pinned = host and accel.streams
@@ -265,29 +274,43 @@ class _DiskPages:
         assert isinstance(tier, DiskTier)
         self.tier, self.store, self.layout, self.run = tier, store, layout, run
         self.slot_file = tier.files[layout.slot_bytes]
-        order = np.lexsort((within[:, 0], slots))  # file order: reads ahead, coalesces
-        self.slots, self.dest_rows = slots[order], dest_rows[order]
-        self.start = within[order] * layout.dtype.itemsize  # [n, 2H] byte offsets of the runs in their slot
+        self.start = within * layout.dtype.itemsize  # [n, 2H] byte offsets of the runs in their slot
         first = self.start // SECTOR_BYTES
         span = (self.start + run * layout.dtype.itemsize - 1) // SECTOR_BYTES - first + 1
-        steps = np.arange(int(span.max()))
-        self.first = self.slots[:, None] * self.slot_file.sectors_per_slot + first  # [n, 2H] file sectors
-        sectors = self.first[:, :, None] + steps  # [n, 2H, width]: the sectors of every run, past its end masked
-        sectors = np.where(steps < span[:, :, None], sectors, self.first[:, :1, None]).reshape(len(order), -1)
-        self.sectors = sectors
-        ordered = np.sort(sectors, axis=1)
-        most = int(((ordered[:, 1:] != ordered[:, :-1]).sum(axis=1) + 1).max())  # the most sectors one page needs
-        per_round = max(1, tier.bounce_bytes // SECTOR_BYTES // most)
-        self.bounds = [*range(0, len(order), per_round), len(order)]
+        width = int(span.max())
+        self.first = slots[:, None] * self.slot_file.sectors_per_slot + first  # [n, 2H] file sectors
+        if width == 1:  # every run inside one sector (runs of at most a sector: the common case)
+            sectors = self.first
+        else:  # [n, 2H, width]: the sectors of every run, past its end masked
+            steps = np.arange(width)
+            sectors = np.where(steps < span[:, :, None], self.first[:, :, None] + steps, self.first[:, :1, None])
+        self.sectors = sectors.reshape(len(slots), -1)  # [n, sectors]: each page's, with repeats
+        self.dest_rows = dest_rows
+        self.bounds = [0, len(slots)]
+        if self.sectors.size * SECTOR_BYTES > tier.bounce_bytes:  # may not fit one round: rounds of pages
+            self._plan_rounds(np.lexsort((within[:, 0], slots)), tier.bounce_bytes)
         self.owner = store.transfer.scratch.bounce_buffer("read")  # the caller thread's: free while this runs
         self.handle: IOHandle | None = None
         self._submit(0)
+
+    def _plan_rounds(self, order: np.ndarray, limit: int) -> None:
+        """Put the pages in file ``order`` (reads ahead, coalesces) and cut them into rounds of at most ``limit``
+        bytes of sectors (the most one page needs times the pages of a round)."""
+        self.start, self.first, self.sectors = self.start[order], self.first[order], self.sectors[order]
+        self.dest_rows = self.dest_rows[order]
+        ordered = np.sort(self.sectors, axis=1)
+        most = int(((ordered[:, 1:] != ordered[:, :-1]).sum(axis=1) + 1).max())  # the most sectors one page needs
+        per_round = max(1, limit // SECTOR_BYTES // most)
+        self.bounds = [*range(0, len(order), per_round), len(order)]
 
     def _submit(self, k: int) -> None:
         """Submit round ``k``: its pages' sectors, sorted and unique, in one engine call."""
         lo, hi = self.bounds[k], self.bounds[k + 1]
         ordered = np.sort(self.sectors[lo:hi], axis=None)
-        self.round = ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]  # np.unique, in fewer calls
+        keep = np.empty(ordered.size, dtype=bool)
+        keep[:1] = True
+        np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+        self.round = ordered[keep]  # np.unique, in fewer calls
         self.buffer = self.owner.get(self.round.size * SECTOR_BYTES, self.tier.bounce_bytes)
         try:
             with deferred_interrupts():  # a Ctrl-C mid-submit must not lose the handle of reads already queued
