@@ -18,7 +18,7 @@
  * interleaved into channel order. Channel d = j · (8 / bits) + i is code i of byte j, so the query (scaled by the
  * page's step) and the output accumulators are kept split by i ("lanes"): every inner loop runs over bytes j with
  * one shift and mask per code, which the compiler vectorises; the output goes back to channel order once per piece.
- * The head dimension and the bit width are compile-time constants in the common shapes (64, 128, 256 channels);
+ * The head dimension and the bit width are compile-time constants in the common shapes (32, 64, 128, 256 channels);
  * the softmax weights of a page are one vectorised loop with a polynomial exp, not one libm call per weight.
  *
  * Layouts (all contiguous; one call per chunk of pages; `rows` = table rows of the layer, a page each):
@@ -230,8 +230,8 @@ static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args
                 for (int64_t j = 0; j < J; j++) c[(t * LANES + i) * J + j] = (float)((bytes[j] >> (i * BITS)) & MASK);
         }
         for (int64_t g = 0; g < G; g++) { /* a head's accumulators in registers over the page's tokens */
-            float acc[D];
-            memcpy(acc, out + g * D, sizeof acc);
+            float acc[TKV_MAX_DIM];
+            memcpy(acc, out + g * D, (size_t)D * sizeof(float));
             for (int64_t t = 0; t < pt; t++) {
                 const float wt = w[g * pt + t], *scale = vs + t * VG * 2, *ct = c + t * D;
                 for (int64_t k = 0; k < VG; k++) {
@@ -243,7 +243,7 @@ static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args
                     }
                 }
             }
-            memcpy(out + g * D, acc, sizeof acc);
+            memcpy(out + g * D, acc, (size_t)D * sizeof(float));
         }
     }
     for (int64_t g = 0; g < G; g++) { /* back to channel order */
@@ -259,12 +259,15 @@ static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args
 }
 
 /* The specialisations: each (head dimension, bits) in the common shapes with both constant, any other head
- * dimension with only the bits constant. */
+ * dimension with only the bits constant (as fast as a plain loop, ~2x slower than the constant shapes). */
 #define TKV_PIECE(name, dim, bits)                                                                                 \
     TKV_CLONES static int name(const tkv_rest_args *a, int64_t b, int64_t h, int64_t e0, int64_t e1, float *m,     \
                                float *s, float *out) {                                                             \
         return attend_body(a, b, h, e0, e1, m, s, out, dim, bits, (dim) / 32);                                                 \
     }
+TKV_PIECE(piece_32_2, 32, 2)
+TKV_PIECE(piece_32_4, 32, 4)
+TKV_PIECE(piece_32_8, 32, 8)
 TKV_PIECE(piece_64_2, 64, 2)
 TKV_PIECE(piece_64_4, 64, 4)
 TKV_PIECE(piece_64_8, 64, 8)
@@ -286,15 +289,17 @@ TKV_PIECE_ANY(piece_any_8, 8)
 typedef int (*tkv_piece)(const tkv_rest_args *, int64_t, int64_t, int64_t, int64_t, float *, float *, float *);
 
 static tkv_piece piece_for(int64_t dim, int64_t bits, int64_t value_groups) {
-    static const tkv_piece fixed[3][3] = {{piece_64_2, piece_64_4, piece_64_8},
+    static const tkv_piece fixed[4][3] = {{piece_32_2, piece_32_4, piece_32_8},
+                                          {piece_64_2, piece_64_4, piece_64_8},
                                           {piece_128_2, piece_128_4, piece_128_8},
                                           {piece_256_2, piece_256_4, piece_256_8}};
     static const tkv_piece any[3] = {piece_any_2, piece_any_4, piece_any_8};
     const int width = bits == 2 ? 0 : bits == 4 ? 1 : 2;
     if (value_groups * 32 != dim) return any[width]; /* the fixed shapes have a value group per 32 channels */
-    if (dim == 64) return fixed[0][width];
-    if (dim == 128) return fixed[1][width];
-    if (dim == 256) return fixed[2][width];
+    if (dim == 32) return fixed[0][width];
+    if (dim == 64) return fixed[1][width];
+    if (dim == 128) return fixed[2][width];
+    if (dim == 256) return fixed[3][width];
     return any[width];
 }
 

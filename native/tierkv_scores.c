@@ -128,11 +128,12 @@ static inline __attribute__((always_inline)) int score_body(const tkv_scores_arg
     return TKV_OK;
 }
 
-/* The specialisations: head dimensions 64, 128 and 256 as constants, any other as a variable. */
+/* The specialisations: head dimensions 32, 64, 128 and 256 as constants, any other as a variable. */
 #define TKV_PIECE(name, dim)                                                                                       \
     TKV_CLONES static int name(const tkv_scores_args *a, int64_t b, int64_t h, int64_t e0, int64_t e1) {           \
         return score_body(a, b, h, e0, e1, dim);                                                                   \
     }
+TKV_PIECE(piece_32, 32)
 TKV_PIECE(piece_64, 64)
 TKV_PIECE(piece_128, 128)
 TKV_PIECE(piece_256, 256)
@@ -155,7 +156,8 @@ int tkv_scores(const char *packed) {
         return TKV_EARGS;
     const int64_t tasks = a.batch * a.kv_heads;
     const int threads = a.threads > 0 ? (int)a.threads : 1;
-    const tkv_piece score_piece = a.head_dim == 64    ? piece_64
+    const tkv_piece score_piece = a.head_dim == 32    ? piece_32
+                                  : a.head_dim == 64  ? piece_64
                                   : a.head_dim == 128 ? piece_128
                                   : a.head_dim == 256 ? piece_256
                                                       : piece_any;
