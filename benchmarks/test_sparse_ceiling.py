@@ -22,9 +22,9 @@ benchmarks/test_sparse.py), medians:
   headroom for staging growth holds blocks too);
 - **sparse**: ``cache.sparse(model, tokens=0.1)`` at every default (256-token blocks, the default pages; another
   page size: ``TIERKV_BENCH_CEILING_PAGE_TOKENS``, 256 for whole blocks), its device budget the streaming minimum,
-  the key summaries and the rest copy (with their tables' growth step), a selection per layer (each layer keeps
-  the pages it selected, as the model alone holds its budget in every layer: a step reads from the disk only the
-  pages new to the selection) and 1/16 of the KV.
+  the key summaries and the rest copy (with their tables' growth step), a selection per full-attention layer (each
+  keeps the pages it selected, as the model alone holds its budget in every layer: a step reads from the disk only
+  the pages new to the selection) and 1/16 of the KV.
 
 Both tiered caches get 1/16 of the KV on the host, the rest (asserted after the warm-up steps, which size the
 executors' staging, and at the end: >= 2/3 of the blocks) on a disk tier under
@@ -168,12 +168,15 @@ def _budgets(model, context: int, page_tokens: int) -> tuple[int, int, int, int]
     kv = TieredCache.kv_bytes_held(config, tokens, model.dtype)
     share = kv // TIER_SHARE
     exact = TieredCache.min_device_bytes(config, tokens, dtype=model.dtype)  # its headroom holds blocks too
-    layers = config.get_text_config(decoder=True).num_hidden_layers
+    text = config.get_text_config(decoder=True)
+    layers = text.num_hidden_layers
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * layers
+    selecting = kinds.count("full_attention")  # the layers that select (a sliding layer attends its window whole)
     selection = (int(BUDGET * tokens) + 2 * 256) * TieredCache.kv_bytes_per_token(config, model.dtype) // layers
     rest = TieredCache.rest_copy_bytes(config, tokens, DEFAULT_REST_BITS, model.dtype)
     tables = int((kv_summary_bytes(kv, page_tokens, model.dtype.itemsize) + rest) * TABLE_GROWTH)  # 25% steps
     sparse = TieredCache.min_streaming_device_bytes(config, chunk_tokens=SPARSE_CHUNK, dtype=model.dtype) + \
-        tables + layers * selection + share
+        tables + selecting * selection + share
     return exact, sparse, share, kv
 
 
