@@ -260,31 +260,26 @@ static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args
 
 /* The specialisations: each (head dimension, bits) in the common shapes with both constant, any other head
  * dimension with only the bits constant (as fast as a plain loop, ~2x slower than the constant shapes). */
-#define TKV_PIECE(name, dim, bits)                                                                                 \
+#define TKV_PIECE(name, dim, bits, value_groups)                                                                   \
     TKV_CLONES static int name(const tkv_rest_args *a, int64_t b, int64_t h, int64_t e0, int64_t e1, float *m,     \
                                float *s, float *out) {                                                             \
-        return attend_body(a, b, h, e0, e1, m, s, out, dim, bits, (dim) / 32);                                                 \
+        return attend_body(a, b, h, e0, e1, m, s, out, dim, bits, value_groups);                                   \
     }
-TKV_PIECE(piece_32_2, 32, 2)
-TKV_PIECE(piece_32_4, 32, 4)
-TKV_PIECE(piece_32_8, 32, 8)
-TKV_PIECE(piece_64_2, 64, 2)
-TKV_PIECE(piece_64_4, 64, 4)
-TKV_PIECE(piece_64_8, 64, 8)
-TKV_PIECE(piece_128_2, 128, 2)
-TKV_PIECE(piece_128_4, 128, 4)
-TKV_PIECE(piece_128_8, 128, 8)
-TKV_PIECE(piece_256_2, 256, 2)
-TKV_PIECE(piece_256_4, 256, 4)
-TKV_PIECE(piece_256_8, 256, 8)
-#define TKV_PIECE_ANY(name, bits)                                                                                  \
-    TKV_CLONES static int name(const tkv_rest_args *a, int64_t b, int64_t h, int64_t e0, int64_t e1, float *m,     \
-                               float *s, float *out) {                                                             \
-        return attend_body(a, b, h, e0, e1, m, s, out, a->head_dim, bits, a->value_groups);                        \
-    }
-TKV_PIECE_ANY(piece_any_2, 2)
-TKV_PIECE_ANY(piece_any_4, 4)
-TKV_PIECE_ANY(piece_any_8, 8)
+TKV_PIECE(piece_32_2, 32, 2, 1)
+TKV_PIECE(piece_32_4, 32, 4, 1)
+TKV_PIECE(piece_32_8, 32, 8, 1)
+TKV_PIECE(piece_64_2, 64, 2, 2)
+TKV_PIECE(piece_64_4, 64, 4, 2)
+TKV_PIECE(piece_64_8, 64, 8, 2)
+TKV_PIECE(piece_128_2, 128, 2, 4)
+TKV_PIECE(piece_128_4, 128, 4, 4)
+TKV_PIECE(piece_128_8, 128, 8, 4)
+TKV_PIECE(piece_256_2, 256, 2, 8)
+TKV_PIECE(piece_256_4, 256, 4, 8)
+TKV_PIECE(piece_256_8, 256, 8, 8)
+TKV_PIECE(piece_any_2, a->head_dim, 2, a->value_groups)
+TKV_PIECE(piece_any_4, a->head_dim, 4, a->value_groups)
+TKV_PIECE(piece_any_8, a->head_dim, 8, a->value_groups)
 
 typedef int (*tkv_piece)(const tkv_rest_args *, int64_t, int64_t, int64_t, int64_t, float *, float *, float *);
 
