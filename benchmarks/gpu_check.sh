@@ -6,17 +6,17 @@
 # Exit 2 (and nothing else run) unless torch sees CUDA; 1 if any step failed; 0 if all passed.
 # Installs nothing from the network: kvikio is installed only from wheels carried in ./wheels (see
 # docs/gpu-check.md for the one-line download), into a private folder under $TMPDIR. Uses .venv if present.
-# Each step has its own timeout and a failing step does not stop the next; the timeouts add up to 410 s, so
-# the whole check stays under 7 minutes.
+# Each step has its own timeout and a failing step does not stop the next; the timeouts add up to 550 s; the
+# steps took 180 s on an H200 (docs/benchmarks.md).
 #
-# Writes: env.txt (date, GPU, driver, CUDA, torch, pip list, disk engines, settings), kvikio-install.txt,
-# pytest-cuda.txt, split-cuda.txt, links-cuda.txt, scale-cuda.txt, decode-cuda.txt, bench.txt,
+# Writes: env.txt (date, GPU, driver, CUDA, torch, pip list, disk engines, settings), build.txt, kvikio-install.txt,
+# pytest-cuda.txt, split-cuda.txt, split-profile.txt, links-cuda.txt, scale-cuda.txt, decode-cuda.txt, bench.txt,
 # tierkv-profile.json, tierkv-bench.png, summary.txt (exit status and seconds of each step).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
-PY=python
+PY=python3  # GPU images name their torch-holding interpreter python3 (and may have no plain python)
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 SCRATCH=${TMPDIR:-/tmp}/tierkv-gpu-check
 rm -rf "$SCRATCH"
@@ -51,7 +51,7 @@ else
   echo "no wheels/*kvikio*.whl carried: kvikio is checked only if the image has it" > "$OUT/kvikio-install.txt"
 fi
 
-step env 10 env.txt bash -c '
+step env 30 env.txt bash -c '
   date -Is; uname -a; echo
   nvidia-smi
   nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
@@ -62,6 +62,10 @@ step env 10 env.txt bash -c '
   df -hT "'"$SCRATCH"'"
   "$0" -m pip list 2>/dev/null' "$PY"
 
+# the native disk engine and attention kernels, built in place once (else each would build on first use inside
+# a timed step)
+step build 60 build.txt "$PY" setup.py -q build_ext --inplace --parallel 16
+
 PYTEST=("$PY" -m pytest -m cuda -q -rs -p no:cacheprovider)
 # the cuda tests: generation on the GPU within the budget, streaming, kvikio reads into CUDA tensors, its mode,
 # and the disk tier reading into device memory with GDS (tests/test_disk_device_reads.py; skips in compat mode)
@@ -69,6 +73,8 @@ step pytest-cuda 60 pytest-cuda.txt "${PYTEST[@]}" tests --ignore=tests/test_spl
 # the split executor's CUDA path: the device share on the GPU, the host and disk shares on the CPU, merged;
 # tokens and logits against DynamicCache, then one decode step's time beside exact gather's, printed
 step split 120 split-cuda.txt "${PYTEST[@]}" -s tests/test_split_cuda.py --basetemp "$SCRATCH/split"
+# where split's step goes beside gather's: cProfile and torch's profiler over the split step's scene
+step split-profile 60 split-profile.txt env PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" benchmarks/split_cuda_profile.py
 # pinned H2D / D2H: the store's own copies vs a plain pinned copy of the same 256 MiB, targets asserted
 step links 30 links-cuda.txt "${PYTEST[@]}" -s benchmarks/test_links.py -k targets
 # one layer of 4,096 blocks from pinned host memory: kernel count, GB/s vs a plain copy

@@ -32,11 +32,11 @@ def test_split_on_gpu_matches_dynamic_cache_within_the_split_minimum(tmp_path):
     ids = torch.randint(0, 256, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, output_logits=True,
                   return_dict_in_generate=True)  # fmt: skip
-    reference = model.generate(ids, cache=DynamicCache(), **kwargs)
+    reference = model.generate(ids, past_key_values=DynamicCache(), **kwargs)
     budget = TieredCache.min_split_device_bytes(config, 2, block_tokens=16, chunk_tokens=64) + 64 * 1024
     with TieredCache(gpu_gb=f"{budget}B", cpu_gb="128KB", disk_dir=tmp_path, block_tokens=16,
                      config=config) as cache, cache.split(model, chunk_tokens=64):  # fmt: skip
-        out = model.generate(ids, cache=cache, **kwargs)
+        out = model.generate(ids, past_key_values=cache, **kwargs)
         stats = cache.stats()
     assert stats["mover"] == "cuda-stream"
     assert stats["blocks"]["device"] > 0 and stats["blocks"]["host"] > 0 and stats["blocks"]["disk"] > 0
@@ -49,12 +49,12 @@ def test_split_on_gpu_matches_dynamic_cache_within_the_split_minimum(tmp_path):
 def _step_seconds(model: LlamaForCausalLM, ids: torch.Tensor, cache: object, steps: int = 16) -> float:
     """Mean seconds of ``steps`` greedy one-token forwards, after the prefill and two warm-up steps."""
     with torch.no_grad():
-        token = model(ids, cache=cache).logits[:, -1:].argmax(-1)
+        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
         for i in range(steps + 2):
             if i == 2:
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps
 

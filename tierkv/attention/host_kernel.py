@@ -577,22 +577,25 @@ def _attend_torch(inputs: _Inputs, entry_lse: torch.Tensor | None = None) -> tup
     device = q.device
 
     def tensor(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.array(array)).to(device)  # a writable copy (broadcast views are read-only)
+        # a writable copy (broadcast views are read-only); on an accelerator queued, not waited for: pageable
+        # memory is staged at once, so the copy does not stall the host behind the device's queue
+        return torch.from_numpy(np.array(array)).to(device, non_blocking=True)
 
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, entry, n = inputs.kv_heads, inputs.entry_tokens, table.shape[1]
     group = q_heads // kv_heads
     blocks = torch.zeros((batch, n, 2, kv_heads, entry, head_dim), dtype=torch.float32, device=device)
+    entries = blocks.view(batch * n, 2, kv_heads, entry, head_dim)  # integer indices: no boolean mask (a sync)
     start = 0
     for chunk in inputs.slabs:  # one gather per chunk of the pool
         inside = (table >= start) & (table < start + chunk.shape[0])
         if inside.any():
-            slots = tensor(table[inside] - start)
+            slots, where = tensor(table[inside] - start), tensor(np.flatnonzero(inside))
             if inputs.starts is None:
-                blocks[tensor(inside)] = chunk[slots].float()
+                entries[where] = chunk[slots].float()
             else:  # each entry's tokens of its slot: [entries, entry, 2, H_kv, D] -> [entries, 2, H_kv, entry, D]
                 tokens = tensor(inputs.starts[inside])[:, None] + torch.arange(entry, device=device)
-                blocks[tensor(inside)] = chunk[slots[:, None], :, :, tokens].permute(0, 2, 3, 1, 4).float()
+                entries[where] = chunk[slots[:, None], :, :, tokens].permute(0, 2, 3, 1, 4).float()
         start += int(chunk.shape[0])
     keys = blocks[:, :, 0].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * entry, head_dim)
     values = blocks[:, :, 1].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * entry, head_dim)

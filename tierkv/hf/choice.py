@@ -9,8 +9,10 @@ rate (attention can read no faster than memory)::
     1 / host_attention  <  1 / device->device  +  1 / host->host      (seconds per byte)
 
 Without a measured rate (presets, a profile from before ``tierkv bench`` measured the kernel), without the C
-kernel, or on an accelerator (where the plan decides until a GPU has measured it: ``tierkv plan --executor
-split``), gather stays: the choice changes only on a measurement.
+kernel, or on an accelerator, gather stays: the choice changes only on a measurement. On a GPU the one
+measurement so far says gather (an H200, 8K tokens all on the host tier: split's step 1.73x gather's, its device
+share's paged torch path and the hand-off to the CPU costing more than PCIe saves; docs/benchmarks.md, "The GPU
+check"); ``tierkv plan --executor split`` prices what a fused paged device kernel would make of it.
 """
 
 from __future__ import annotations

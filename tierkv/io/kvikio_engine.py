@@ -141,30 +141,41 @@ def _as_oserror(exc: Exception, path: str) -> OSError:
 
 
 class _KvikioBatch(IOHandle):
-    """Futures of one batch, each with what it must have transferred."""
+    """Futures of one batch, each with what it must have transferred and the buffer it moves: kvikio's futures
+    hold raw addresses only, so the batch keeps every buffer alive until its future is done (a caller may drop
+    its own reference right after submitting)."""
 
-    def __init__(self, path: str, pending: list[tuple[Any, int, int]]) -> None:
+    def __init__(self, path: str, pending: list[tuple[Any, int, int, Any]]) -> None:
         self._path = path
-        self._pending = pending  # (IOFuture, file offset, nbytes)
+        self._pending = pending  # (IOFuture, file offset, nbytes, buffer)
         self._error: OSError | None = None
         self._finished = False
 
     def wait(self) -> None:
         if not self._finished:
-            for future, offset, nbytes in self._pending:
+            for future, offset, nbytes, _ in self._pending:
                 try:
                     moved = future.get()
                     if moved != nbytes and self._error is None:
                         self._error = eof_error(self._path, offset, nbytes, moved)
                 except Exception as exc:  # kvikio raises RuntimeError; keep waiting for the rest
                     if self._error is None:
-                        self._error = _as_oserror(exc, self._path)
+                        self._error = _eof_or_oserror(exc, self._path, offset, nbytes)
+            self._pending = []  # the buffers may go
             self._finished = True
         if self._error is not None:
             raise self._error
 
     def done(self) -> bool:
-        return self._finished or all(future.done() for future, _, _ in self._pending)
+        return self._finished or all(future.done() for future, _, _, _ in self._pending)
+
+
+def _eof_or_oserror(exc: Exception, path: str, offset: int, nbytes: int) -> OSError:
+    """kvikio reports a read that meets the end of the file as "POSIX error on pread: EOF": the same
+    :func:`eof_error` the other engines raise (how many bytes landed first, kvikio does not say)."""
+    if "pread: EOF" in str(exc):
+        return eof_error(path, offset, nbytes, None)
+    return _as_oserror(exc, path)
 
 
 class KvikioFile(DiskFile):
@@ -206,17 +217,20 @@ class KvikioFile(DiskFile):
         checked = []
         for index, (offset, buffer) in enumerate(requests):  # check all before issuing any
             obj, nbytes, address = _as_kvikio_buffer(buffer, writable=not write)
+            if offset < 0:
+                raise ValueError(f"request {index}: file offset {offset} is negative.")
             on_host = not hasattr(obj, "__cuda_array_interface__")  # cuFile takes any device address (GDS)
             if self.direct and on_host and (offset % ALIGN or nbytes % ALIGN or address % ALIGN):
                 raise AlignmentError(
                     f"request {index}: direct I/O needs offset ({offset}), length ({nbytes}) and address "
                     f"aligned to {ALIGN} bytes."
                 )
-            checked.append((offset, obj, nbytes))
+            if nbytes:  # nothing to move (kvikio's futures need a buffer with an address)
+                checked.append((offset, obj, nbytes))
         if not checked:
             return CompletedHandle()
         issue = self._file.pwrite if write else self._file.pread
-        futures = [(issue(obj, nbytes, offset), offset, nbytes) for offset, obj, nbytes in checked]
+        futures = [(issue(obj, nbytes, offset), offset, nbytes, obj) for offset, obj, nbytes in checked]
         batch = _KvikioBatch(self.path, futures)
         self._batches[:] = [b for b in self._batches if not b.done()] + [batch]
         return batch

@@ -151,10 +151,11 @@ class SlabPool(SlotPool):
 
     def _gather_across(self, layout: BlockLayout | SlotBytes, chunks: np.ndarray, rows: np.ndarray, lo: int, hi: int,
                        out: torch.Tensor, landing: torch.Tensor | None) -> None:
-        """Host slab -> device: runs of consecutive slots cross the link as one large copy each (into the
-        landing buffer, in pieces of its capacity), then land in ``out`` with one on-device gather."""
+        """Host slab -> device: runs of consecutive slots cross the link as one large copy each, straight into
+        ``out`` when it is contiguous; else into the landing buffer, in pieces of its capacity, which then land in
+        ``out`` with one on-device copy (a strided destination would make every run's copy a slow one)."""
         copy = self.accel.copy
-        if landing is None:
+        if landing is None or out.is_contiguous():
             for a, b in _consecutive(chunks, rows, lo, hi):
                 first = int(rows[a])
                 copy(out[a - lo : b - lo], layout.blocks_of(self.chunks[chunks[a]][first : first + b - a]))
