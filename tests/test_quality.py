@@ -24,6 +24,11 @@ from tierkv.quality.tasks import (
 )
 from tierkv.quality.text import reference_text
 
+# KL of an exact method against the saved reference: fp32 rounding only. The reference and the decode run the same
+# math in other chunkings, which round differently per CPU (1.7e-6 at most on an AVX2 host for both exact gather
+# and sparse over every block); a wrong block moves it by orders of magnitude more.
+ROUNDING_KL = 1e-5
+
 
 @pytest.mark.parametrize(("output", "expected"), [(" 48213.", True), ("48213", True), (" 4821.", False),
                                                   (" 48213 and 1", True), ("number 482135", False), ("", False)])
@@ -102,7 +107,7 @@ def test_harness_exact_path_is_full_attention(tmp_path):
     needle = next(r for r in records if r["task"] == "needle")
     assert needle["output"] == full[0]["output"] and needle["correct"] == full[0]["correct"]
     fidelity = next(r for r in records if r["task"] == "fidelity")["agreement"]
-    assert fidelity["steps"] == 24 and fidelity["top1"] == 1.0 and fidelity["kl_max"] < 1e-6
+    assert fidelity["steps"] == 24 and fidelity["top1"] == 1.0 and fidelity["kl_max"] < ROUNDING_KL
     (tmp_path / "tierkv.json").write_text(json.dumps({"results": records}))  # as `tierkv eval` writes it
     text = report.markdown(report.load_results(tmp_path))
     assert "| tierkv exact | 100.0% / 0.000 |" in text and "**needle**" in text
@@ -117,7 +122,7 @@ def test_harness_sparse_covering_budget_is_exact_and_small_budget_reads_little(t
     records = harness.measure(model, tokenizer, tmp_path, methods,
                               harness.CacheSetup(block_tokens=16, device_fraction=0.1, device_extra=1 << 20))
     by = {(r["task"], r["method"]): r for r in records}
-    assert by[("fidelity", "sparse@1")]["agreement"]["kl_max"] < 1e-6
+    assert by[("fidelity", "sparse@1")]["agreement"]["kl_max"] < ROUNDING_KL
     assert by[("needle", "sparse@1")]["selected_fraction"] == 1.0
     assert 0.05 < by[("needle", "sparse@0.1")]["selected_fraction"] < 0.15
     assert by[("fidelity", "sparse@0.1")]["agreement"]["steps"] == 16
@@ -125,7 +130,7 @@ def test_harness_sparse_covering_budget_is_exact_and_small_budget_reads_little(t
                                device_extra=1 << 20)  # every layer dense: exact whatever the budget
     (fidelity,) = harness.measure(model, tokenizer, tmp_path, [harness.Method("sparse", 0.1)], dense,
                                   done=[r for r in records if r["task"] == "needle"])
-    assert fidelity["selected_fraction"] == 1.0 and fidelity["agreement"]["kl_max"] < 1e-6
+    assert fidelity["selected_fraction"] == 1.0 and fidelity["agreement"]["kl_max"] < ROUNDING_KL
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from helpers import assert_same_generation
+from helpers import assert_same_generation, assert_same_generation_up_to_ties
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
@@ -109,7 +109,7 @@ def test_streaming_attention_outside_the_context_is_an_error(tmp_path):
 @pytest.mark.parametrize("streaming", [False, True], ids=["gather", "streaming"])
 def test_bf16_models(tmp_path, streaming):
     """Blocks keep the model's dtype: exact gather is bit-exact in bf16; streaming accumulates in fp32, so it
-    matches to bf16 rounding."""
+    matches to bf16 rounding (and may break a tie of the reference's top two logits the other way)."""
     import contextlib
     import copy
 
@@ -120,9 +120,10 @@ def test_bf16_models(tmp_path, streaming):
         with cache.streaming(model, chunk_tokens=8) if streaming else contextlib.nullcontext():
             out = run(model, ids, mask, cache)
         assert cache.stats()["blocks"]["host"] > 0
-    tolerance = 2e-2 if streaming else 0.0
-    for got, expected in zip(out.logits, reference.logits):
-        torch.testing.assert_close(got, expected, atol=tolerance, rtol=0)
+    if streaming:  # greedy may break a bf16 tie the other way (one ulp apart): compared up to it
+        assert_same_generation_up_to_ties(out, reference, atol=2e-2)
+    else:
+        assert_same_generation(out, reference, atol=0.0)
 
 
 def test_streaming_prefetches_across_layers_and_reports_each_step(tmp_path):
