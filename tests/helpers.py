@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -147,25 +148,29 @@ def assert_same_generation_up_to_ties(out, reference, atol: float) -> None:
             live &= ~differ
 
 
-def check_extension_loads_first(kernel: Any, stem: str, tmp_path: Path, monkeypatch: Any, caplog: Any) -> None:
-    """``setup.py build_ext`` (what ``pip install`` runs) builds ``tierkv/attention/<stem>*.so`` with the source's hash
-    compiled in, and ``kernel``'s loader (a module with ``extension``, ``_built_from``, ``source_digest``, a cached
-    ``_build`` and ``available``) takes it before building anything itself."""
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_ext(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``setup.py build_ext`` of the checkout into ``out`` (what ``pip install`` runs), never into the checkout."""
+    command = [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(out / "lib"),
+               "--build-temp", str(out / "tmp"), "--parallel", str(os.cpu_count() or 1)]  # fmt: skip
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})  # fmt: skip
+
+
+def check_extension_loads_first(kernel: Any, stem: str, lib: Path, tmp_path: Path, monkeypatch: Any,
+                                caplog: Any) -> None:
+    """``setup.py build_ext`` (what ``pip install`` runs; ``lib``: what it built, the ``built_extensions``
+    fixture) builds ``tierkv/attention/<stem>*.so`` with the source's hash compiled in, and ``kernel``'s loader (a
+    module with ``extension``, ``_built_from``, ``source_digest``, a cached ``_build`` and ``available``) takes it
+    before building anything itself."""
     import ctypes
     import logging
 
-    import pytest
-
     from tierkv import settings
 
-    root = Path(kernel.__file__).resolve().parents[2]
-    if not (root / "setup.py").exists():
-        pytest.skip("not a source checkout")
-    result = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
-                             "--build-temp", str(tmp_path / "tmp")], cwd=root, capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    (built,) = (tmp_path / "lib" / "tierkv" / "attention").glob(f"{stem}*.so")
+    (built,) = (lib / "tierkv" / "attention").glob(f"{stem}*.so")
     assert kernel._built_from(ctypes.CDLL(str(built))) == kernel.source_digest()
     caplog.set_level(logging.INFO, logger="tierkv")
     monkeypatch.setattr(kernel, "extension", lambda: built)

@@ -345,8 +345,8 @@ def test_without_a_compiler_the_torch_version_answers(tmp_path, monkeypatch, cap
 
 
 @needs_compiler
-def test_setup_builds_the_extension_with_the_source_hash(tmp_path, monkeypatch, caplog):
-    check_extension_loads_first(host_kernel, "_attn", tmp_path, monkeypatch, caplog)
+def test_setup_builds_the_extension_with_the_source_hash(built_extensions, tmp_path, monkeypatch, caplog):
+    check_extension_loads_first(host_kernel, "_attn", built_extensions, tmp_path, monkeypatch, caplog)
 
 
 @pytest.mark.parametrize("attend", IMPLEMENTATIONS)

@@ -1,46 +1,33 @@
 """The native engine's library: built by ``setup.py`` as an optional extension, else on first use.
 
-Each test builds into its own temporary folders (never into the checkout) and points the loader at what it
-built, so the outcome does not depend on how this checkout was installed.
+The suite builds once into a temporary folder (never into the checkout: conftest's ``built_extensions``) and
+each test points the loader at what was built, so the outcome does not depend on how this checkout was installed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, build_ext
 
 from tierkv import settings
 from tierkv.io import native
 from tierkv.io.base import EngineUnavailableError
 
-ROOT = Path(native.__file__).resolve().parents[2]
 needs_checkout = pytest.mark.skipif(not (ROOT / "setup.py").exists(), reason="not a source checkout")
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
 
-def _build_ext(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    """``setup.py build_ext`` of the checkout into ``out`` (what ``pip install`` runs)."""
-    command = [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(out / "lib"),
-               "--build-temp", str(out / "tmp")]  # fmt: skip
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **env})  # fmt: skip
-
-
 @pytest.fixture(scope="module")
-def built_extension(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("build")
-    result = _build_ext(out)
-    assert result.returncode == 0, result.stderr
-    found = list((out / "lib" / "tierkv" / "io").glob("_native*.so"))
-    assert len(found) == 1, result.stderr
+def built_extension(built_extensions: Path) -> Path:
+    """The native engine's library that ``setup.py build_ext`` built (the session's one build)."""
+    found = list((built_extensions / "tierkv" / "io").glob("_native*.so"))
+    assert len(found) == 1, found
     return found[0]
 
 
@@ -61,7 +48,7 @@ def test_setup_builds_the_extension_with_the_source_hash(built_extension: Path) 
 
 @needs_checkout
 def test_install_without_a_compiler_still_succeeds(tmp_path: Path) -> None:
-    result = _build_ext(tmp_path, CC=str(tmp_path / "no-such-cc"))
+    result = build_ext(tmp_path, CC=str(tmp_path / "no-such-cc"))
     assert result.returncode == 0, result.stderr
     assert "tierkv.io._native" in result.stderr + result.stdout  # setuptools says the optional build failed
     assert not list(tmp_path.rglob("_native*.so"))

@@ -126,8 +126,8 @@ def test_wrong_shapes_are_refused_by_name():
                                    torch.tensor([2]), None, 4, None)
 
 
-def test_setup_builds_the_extension_and_the_loader_takes_it(tmp_path, monkeypatch, caplog):
-    check_extension_loads_first(rest_kernel, "_rest", tmp_path, monkeypatch, caplog)
+def test_setup_builds_the_extension_and_the_loader_takes_it(built_extensions, tmp_path, monkeypatch, caplog):
+    check_extension_loads_first(rest_kernel, "_rest", built_extensions, tmp_path, monkeypatch, caplog)
 
 
 def test_without_a_compiler_the_kernel_is_unavailable_and_says_why(tmp_path, monkeypatch):

@@ -109,8 +109,8 @@ def test_sparse_attention_scores_and_selects_the_same_with_the_kernel_and_with_t
     torch.testing.assert_close(out, torch_out, atol=1e-5, rtol=1e-5)
 
 
-def test_setup_builds_the_extension_and_the_loader_takes_it(tmp_path, monkeypatch, caplog):
-    check_extension_loads_first(score_kernel, "_scores", tmp_path, monkeypatch, caplog)
+def test_setup_builds_the_extension_and_the_loader_takes_it(built_extensions, tmp_path, monkeypatch, caplog):
+    check_extension_loads_first(score_kernel, "_scores", built_extensions, tmp_path, monkeypatch, caplog)
 
 
 def test_without_a_compiler_the_kernel_is_unavailable_and_torch_scores(tmp_path, monkeypatch):
