@@ -5,7 +5,7 @@ head_dim 128, MLP 14336) and 4 layers, random weights (nothing is downloaded). A
 the device tier only its minimum, the host tier half the KV and the disk tier the rest. Exact gather in
 bf16 must produce DynamicCache's tokens exactly; streaming (fp32, chunks merged by log-sum-exp) must too,
 unless the reference itself was at a near tie where they part (its top-2 logit gap under :data:`NEAR_TIE`).
-Prints tokens/s of each beside DynamicCache's, measured in the same run.
+Prints tokens/s of each (prefill included) beside DynamicCache's, measured in the same run after a warm-up.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ def _config() -> LlamaConfig:
 
 
 def _generate(model, ids, cache):
+    """Tokens, logits and tokens/s (prefill included) of one greedy generate, after a short warm-up generate
+    (cuBLAS handles and kernels load there, not in whichever run comes first)."""
+    model.generate(ids[:, :64], max_new_tokens=2, do_sample=False, past_key_values=DynamicCache())
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, past_key_values=cache,
