@@ -13,6 +13,7 @@ the summaries table) ``tierkv/attention/_scores*.so``, loaded by ``tierkv/attent
 """
 
 import hashlib
+import re
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -25,9 +26,21 @@ KERNELS = {  # the attention kernels, loaded by tierkv/attention/host_kernel.py,
 }
 
 
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.MULTILINE)
+
+
+def _headers(source: str) -> list[str]:
+    """The headers ``source`` includes from its own folder (``#include "name.h"``), in order."""
+    text = (Path(__file__).parent / source).read_bytes()
+    return [str(Path(source).parent / name.decode()) for name in _LOCAL_INCLUDE.findall(text)]
+
+
 def _digest(source: str) -> str:
-    """The sha256 prefix the loaders compare with the source (``tierkv.cbuild.source_digest``)."""
-    return hashlib.sha256((Path(__file__).parent / source).read_bytes()).hexdigest()[:16]
+    """The sha256 prefix the loaders compare with the source and its local headers (``tierkv.cbuild.source_digest``:
+    setup.py cannot import the package it builds)."""
+    root = Path(__file__).parent
+    data = b"".join((root / path).read_bytes() for path in [source, *_headers(source)])
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 setup(
@@ -35,7 +48,7 @@ setup(
         Extension(
             "tierkv.io._native",
             [SOURCE],
-            depends=["native/xxhash.h"],  # included by the source (xxHash, BSD-2-Clause, vendored)
+            depends=_headers(SOURCE),  # native/xxhash.h (xxHash, BSD-2-Clause, vendored)
             define_macros=[("TKV_SOURCE_SHA", f'"{_digest(SOURCE)}"')],
             extra_compile_args=["-O2", "-pthread"],
             extra_link_args=["-pthread"],
@@ -45,6 +58,7 @@ setup(
             Extension(
                 name,
                 [source],
+                depends=_headers(source),  # native/tierkv_kernel.h
                 define_macros=[("TKV_SOURCE_SHA", f'"{_digest(source)}"')],
                 extra_compile_args=["-O3", "-fopenmp"],
                 extra_link_args=["-fopenmp"],

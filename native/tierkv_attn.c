@@ -67,11 +67,8 @@
 #define TKV_X86 0
 #endif
 
-#ifndef TKV_SOURCE_SHA
-#define TKV_SOURCE_SHA ""
-#endif
+#include "tierkv_kernel.h"
 
-enum { TKV_F32 = 0, TKV_F16 = 1, TKV_BF16 = 2 };
 enum { TKV_OK = 0, TKV_ENOMEM = -1, TKV_EINVAL = -2, TKV_ESLOT = -3 /* a slot id past the slab */,
        TKV_ESTART = -4 /* a start that is not a multiple of entry_tokens inside the block */ };
 enum { TKV_PORTABLE = 0, TKV_AVX2 = 1, TKV_AVX512 = 2 }; /* the code paths, each needing the one before */
@@ -136,45 +133,10 @@ int64_t tkv_attn_max_threads(void) {
 #endif
 }
 
-/* ---- conversions to fp32 ---- */
-
-static inline float bits_to_float(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint32_t float_to_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-/* IEEE half -> float without branches the compiler cannot turn into selects (vectorises). */
-static inline float half_to_float(uint16_t h) {
-    uint32_t em = h & 0x7fffu;
-    uint32_t bits = (em << 13) + (112u << 23); /* rebias the exponent 15 -> 127 */
-    bits = em >= 0x7c00u ? bits + (112u << 23) : bits; /* inf / nan keep an all-ones exponent */
-    float f = bits_to_float(bits);
-    f = em < 0x0400u ? (float)em * 5.9604644775390625e-8f : f; /* zero and subnormals: em * 2^-24 */
-    return bits_to_float(float_to_bits(f) | ((uint32_t)(h & 0x8000u) << 16));
-}
-
-static void f16_rows(const uint16_t *src, float *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] = half_to_float(src[i]);
-}
-
-static inline void bf16_rows(const uint16_t *src, float *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] = bits_to_float((uint32_t)src[i] << 16);
-}
-
-/* `n` elements at `src` as fp32: `src` itself for fp32, else converted into `buf`. */
+/* `n` elements at `src` as fp32: `src` itself for fp32, else widened into `buf`. */
 static inline const float *as_f32(const char *src, int64_t n, int dtype, float *buf) {
     if (dtype == TKV_F32) return (const float *)src;
-    if (dtype == TKV_BF16)
-        bf16_rows((const uint16_t *)src, buf, n);
-    else
-        f16_rows((const uint16_t *)src, buf, n);
+    widen(src, dtype, n, buf);
     return buf;
 }
 

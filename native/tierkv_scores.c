@@ -27,9 +27,7 @@
 #include <omp.h>
 #endif
 
-#ifndef TKV_SOURCE_SHA
-#define TKV_SOURCE_SHA ""
-#endif
+#include "tierkv_kernel.h"
 
 enum { TKV_OK = 0, TKV_ENOMEM = -1, TKV_EARGS = -2, TKV_EROW = -3 };
 
@@ -39,16 +37,6 @@ enum { TKV_OK = 0, TKV_ENOMEM = -1, TKV_EARGS = -2, TKV_EROW = -3 };
 #pragma GCC optimize("associative-math", "no-signed-zeros", "no-trapping-math")
 #endif
 
-/* The x86 builds carry an AVX-512 and an AVX2 version of the hot function, picked at load time (GCC's function
- * multi-versioning); elsewhere, the portable build. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TKV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define TKV_CLONES
-#endif
-
-enum { TKV_F32 = 0, TKV_F16 = 1, TKV_BF16 = 2 }; /* tierkv.attention.host_kernel's dtype codes */
-
 typedef struct {
     int64_t batch, kv_heads, groups, head_dim, entries, rows, fields, dtype, threads; /* dtype: TKV_F32/F16/BF16 */
     uint64_t query, table, pages, bound, logits;
@@ -56,36 +44,6 @@ typedef struct {
 
 const char *tkv_scores_source_sha(void) { return TKV_SOURCE_SHA; }
 int64_t tkv_scores_args_size(void) { return (int64_t)sizeof(tkv_scores_args); }
-
-static inline float bits_to_float(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* IEEE half -> float (exact; zero and subnormals by a multiply, inf and nan kept). */
-static inline float half_to_float(uint16_t h) {
-    const uint32_t em = h & 0x7fffu;
-    uint32_t bits = (em << 13) + (112u << 23);
-    bits = em >= 0x7c00u ? bits + (112u << 23) : bits;
-    float f = em < 0x0400u ? (float)em * 5.9604644775390625e-8f : bits_to_float(bits);
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return bits_to_float(u | ((uint32_t)(h & 0x8000u) << 16));
-}
-
-/* `n` elements of `dtype` at `src` as fp32 into `dst` (exact: every format here widens to fp32). */
-static inline void widen(const void *src, int64_t dtype, int64_t n, float *restrict dst) {
-    if (dtype == TKV_F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    } else if (dtype == TKV_BF16) {
-        const uint16_t *h = (const uint16_t *)src;
-        for (int64_t i = 0; i < n; i++) dst[i] = bits_to_float((uint32_t)h[i] << 16);
-    } else {
-        const uint16_t *h = (const uint16_t *)src;
-        for (int64_t i = 0; i < n; i++) dst[i] = half_to_float(h[i]);
-    }
-}
 
 /* One (row, KV head), entries [e0, e1) of the row, all G query heads of the head. ``D`` is a constant where the
  * caller passes one (always inlined into each specialisation). */

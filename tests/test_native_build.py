@@ -87,3 +87,17 @@ def test_no_extension_and_no_source_is_unavailable_with_the_reason(
     with pytest.raises(EngineUnavailableError, match="not built at install") as info:
         native.library()
     assert "TIERKV_DISK_ENGINE=posix" in str(info.value)
+
+
+def test_the_source_digest_covers_the_headers_it_includes_from_its_folder(tmp_path: Path) -> None:
+    """A build compiles the headers a source includes with quotes: changing one changes the digest (the loaders
+    then rebuild), a system header's name does not count."""
+    from tierkv import cbuild
+
+    (tmp_path / "shared.h").write_text("static int a;\n")
+    source = tmp_path / "kernel.c"
+    source.write_text('#include <stdint.h>\n#include "shared.h"\n')
+    before = cbuild.source_digest(source)
+    (tmp_path / "shared.h").write_text("static int b;\n")
+    assert cbuild.source_digest(source) != before
+    assert cbuild.source_bytes(source).endswith(b"static int b;\n")

@@ -16,6 +16,7 @@ import hashlib
 import importlib.machinery
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -34,10 +35,20 @@ def cache_dir() -> Path:
     return Path(settings.get("cache_dir")) / "native"
 
 
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.MULTILINE)
+
+
+def source_bytes(source: Path) -> bytes:
+    """``source`` followed by each header it includes from its own folder (``#include "name.h"``, in order): what a
+    build of it compiles, so its hash changes with any of them (``setup.py`` hashes the same bytes)."""
+    text = source.read_bytes()
+    return text + b"".join((source.parent / name.decode()).read_bytes() for name in _LOCAL_INCLUDE.findall(text))
+
+
 def source_digest(source: Path) -> str | None:
-    """sha256 of ``source`` (16 hex digits, as ``setup.py`` compiles it in); None without the source."""
+    """sha256 of :func:`source_bytes` (16 hex digits, as ``setup.py`` compiles it in); None without the source."""
     try:
-        return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+        return hashlib.sha256(source_bytes(source)).hexdigest()[:16]
     except OSError:
         return None
 
@@ -104,7 +115,7 @@ def open_library(label: str, source: Path, digest: str | None, built: Path | Non
         raise EngineUnavailableError("not built at install (no C compiler then?) and no C source to build it from",
                                      reinstall)
     flags = " ".join(" ".join(f) for f in flag_sets).encode()
-    target = cache_dir() / f"{source.stem}-{hashlib.sha256(source.read_bytes() + flags).hexdigest()[:16]}.so"
+    target = cache_dir() / f"{source.stem}-{hashlib.sha256(source_bytes(source) + flags).hexdigest()[:16]}.so"
     try:
         if not target.exists():
             compile_library(source, target, flag_sets, libraries, fix)
