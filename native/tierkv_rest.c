@@ -223,18 +223,15 @@ static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args
                                float *s, float *out) {                                                             \
         return attend_body(a, b, h, e0, e1, m, s, out, dim, bits, value_groups);                                   \
     }
-TKV_PIECE(piece_32_2, 32, 2, 1)
-TKV_PIECE(piece_32_4, 32, 4, 1)
-TKV_PIECE(piece_32_8, 32, 8, 1)
-TKV_PIECE(piece_64_2, 64, 2, 2)
-TKV_PIECE(piece_64_4, 64, 4, 2)
-TKV_PIECE(piece_64_8, 64, 8, 2)
-TKV_PIECE(piece_128_2, 128, 2, 4)
-TKV_PIECE(piece_128_4, 128, 4, 4)
-TKV_PIECE(piece_128_8, 128, 8, 4)
-TKV_PIECE(piece_256_2, 256, 2, 8)
-TKV_PIECE(piece_256_4, 256, 4, 8)
-TKV_PIECE(piece_256_8, 256, 8, 8)
+/* One head dimension's three widths: piece_<dim>_2, _4 and _8 (a value group per 32 channels). */
+#define TKV_PIECES(dim)                                                                                            \
+    TKV_PIECE(piece_##dim##_2, dim, 2, dim / 32)                                                                   \
+    TKV_PIECE(piece_##dim##_4, dim, 4, dim / 32)                                                                   \
+    TKV_PIECE(piece_##dim##_8, dim, 8, dim / 32)
+TKV_PIECES(32)
+TKV_PIECES(64)
+TKV_PIECES(128)
+TKV_PIECES(256)
 TKV_PIECE(piece_any_2, a->head_dim, 2, a->value_groups)
 TKV_PIECE(piece_any_4, a->head_dim, 4, a->value_groups)
 TKV_PIECE(piece_any_8, a->head_dim, 8, a->value_groups)
