@@ -250,6 +250,18 @@ def test_submit_array_round_trip(engine: str, direct: bool, tmp_path) -> None:
         empty, none = f.submit_array(np.zeros(0, np.int64), np.zeros(0, np.int64), dst, np.zeros(0, np.int64),
                                      write=False)
         assert empty.done() and none is None
+        plan = f.plan_array(offsets, lengths, spread, write=False, unit=ALIGN)
+        for _ in range(2):  # planned once, submitted into two buffers: the same bytes and digests
+            again = aligned_empty(src.nbytes)
+            handle, planned = f.submit_plan(plan, again)
+            handle.wait()
+            np.testing.assert_array_equal(again, dst)
+            assert (planned is None) == (digests is None) and (planned is None or np.array_equal(planned, digests))
+        with pytest.raises(ValueError, match="outside"):
+            f.submit_plan(plan, aligned_empty(src.nbytes - ALIGN))
+        if f.direct:
+            with pytest.raises(AlignmentError, match="address="):
+                f.submit_plan(plan, aligned_empty(src.nbytes + ALIGN)[8 : 8 + src.nbytes])
 
 
 def test_submit_array_read_past_end_of_file_names_the_request(engine: str, tmp_path) -> None:
@@ -288,6 +300,9 @@ def test_submit_array_refusals_submit_nothing(engine: str, tmp_path, offsets, le
         for write in ([False] if unit else [False, True]):
             with pytest.raises(error, match=what) as info:
                 f.submit_array(*args, write=write, unit=unit)
+            assert "request 1" in str(info.value)
+            with pytest.raises(error, match=what) as info:  # planned: refused by the plan, or by the buffer
+                f.submit_plan(f.plan_array(*args[:2], args[3], write=write, unit=unit), buffer)
             assert "request 1" in str(info.value)
         untouched = aligned_empty(16 * ALIGN)
         f.read(0, untouched)

@@ -4,6 +4,7 @@ a page's sector raises, a page elsewhere in the same block still reads), counted
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import sys
@@ -16,8 +17,10 @@ import torch
 from tierkv import IntegrityError, InvalidConfigError, TieredCache, cuda_standin
 from tierkv import settings as tierkv_settings
 from tierkv.blocks import Tier
+from tierkv.io import aligned_empty
+from tierkv.io.checksum import xxh3_rows
 from tierkv.store import KVStore
-from tierkv.tiers.disk import SECTOR_BYTES, _runs
+from tierkv.tiers.disk import SECTOR_BYTES, DiskTier, _runs
 
 SENTINEL = -3.0
 
@@ -233,11 +236,14 @@ def test_pages_across_many_slab_chunks(tmp_path):
 
             dest = torch.zeros(2, 2, 2, columns.shape[1] * 8, 64, dtype=torch.bfloat16)
             pages = np.arange(columns.size).reshape(columns.shape) % 8
+            gc.collect()  # the call's own Python: no collector (and the finalizers it runs) inside
+            gc.disable()
             sys.settrace(tracer)
             try:
                 store.read_pages(0, columns, pages, 8, dest)
             finally:
                 sys.settrace(None)
+                gc.enable()
             return count
 
         device, host = chunk_of(store, 0, Tier.DEVICE), chunk_of(store, 0, Tier.HOST)
@@ -320,3 +326,37 @@ def test_sector_runs_match_a_plain_scan(seed):
                 want_count.append(1)
         first, count = _runs(items.astype(np.int64))
         assert first.tolist() == want_first and count.tolist() == want_count
+
+
+@pytest.mark.parametrize("per_round", [1, 3, 4, 64])
+def test_rounds_planned_once_read_the_slots_of_each_round(tmp_path, per_round):
+    """``DiskTier.plan_rounds``: each round's requests (a run of consecutive slots cut where a round starts) read
+    that round's slots into its own buffer from byte 0, with the digests of what was written, again and again,
+    into any buffer; against the slots read one by one."""
+    slot = 2 * SECTOR_BYTES
+    tier = DiskTier(tmp_path / "disk", 1 << 22)
+    try:
+        slots = [tier.alloc(slot) for _ in range(24)]
+        assert None not in slots
+        data = np.random.default_rng(per_round).integers(0, 256, (24, slot), dtype=np.uint8)
+        source = aligned_empty(data.nbytes)
+        source[:] = data.reshape(-1)
+        tier.write(slot, np.array(slots), source).wait()
+        order = np.array([5, 6, 7, 8, 2, 3, 11, 12, 13, 14, 15, 0, 23])  # runs that cross round boundaries
+        wanted = np.array(slots)[order]
+        plans = tier.plan_rounds(slot, wanted, per_round)
+        assert len(plans) == -(-order.size // per_round)
+        for _ in range(2):  # planned once, read twice into fresh buffers
+            for k, plan in enumerate(plans):
+                rows = order[k * per_round : (k + 1) * per_round]
+                buffer = aligned_empty(len(rows) * slot)
+                handle, digests = tier.read_plan(plan, slot, buffer)
+                handle.wait()
+                np.testing.assert_array_equal(buffer.reshape(len(rows), slot), data[rows])
+                if digests is not None:
+                    np.testing.assert_array_equal(digests, xxh3_rows(data[rows]))
+                    tier.files[slot].verify(wanted[k * per_round : (k + 1) * per_round], digests)
+        with pytest.raises(ValueError, match="outside"):  # a buffer smaller than its round: refused, nothing read
+            tier.read_plan(plans[0], slot, aligned_empty(slot // 2))
+    finally:
+        tier.close()

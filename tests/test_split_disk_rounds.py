@@ -67,7 +67,7 @@ class Watch:
         self.allocated = 0  # host_blocks calls from tierkv/attention/split.py
         self.inside = False
         each_round, claim, attend = disk_module._DiskRead.each_round, SplitAttention._claim_ahead, SplitAttention.attend
-        kernel = host_kernel.paged_attention
+        kernel, bind = host_kernel.paged_attention, host_kernel.PagedCall.bind
         backend = type(accel.backend(torch.device("cpu")))
         host_blocks = backend.host_blocks
 
@@ -89,14 +89,21 @@ class Watch:
             finally:
                 self.inside = False
 
-        def attended(query, slabs, *args, **kwargs):
+        def record(slabs):  # a round's blocks (a memory share is a list of chunks)
             if isinstance(slabs, torch.Tensor):
                 first = slabs.data_ptr()
                 end = first + slabs.shape[0] * slabs.stride(0) * slabs.element_size()
                 buffers = cache.store.transfer.scratch._local.__dict__.get("bounces", {}).values()
                 self.in_bounce.append(any(b._buffer.ctypes.data <= first and end <= b._buffer.ctypes.data
                                           + b._buffer.nbytes for b in buffers))  # fmt: skip
+
+        def attended(query, slabs, *args, **kwargs):  # without the C kernel
+            record(slabs)
             return kernel(query, slabs, *args, **kwargs)
+
+        def bound(call, slab):  # the round's prepared call
+            record(slab)
+            return bind(call, slab)
 
         def allocating(self_backend, *args, **kwargs):  # by split itself (a demotion inside attend may: a cold path)
             self.allocated += sys._getframe(1).f_code.co_filename == split_module.__file__
@@ -106,6 +113,7 @@ class Watch:
         monkeypatch.setattr(SplitAttention, "_claim_ahead", claimed)
         monkeypatch.setattr(SplitAttention, "attend", attending)
         monkeypatch.setattr(host_kernel, "paged_attention", attended)
+        monkeypatch.setattr(host_kernel.PagedCall, "bind", bound)
         monkeypatch.setattr(backend, "host_blocks", allocating)
 
     def check(self) -> None:

@@ -490,6 +490,8 @@ class PagedCall:
         first = inputs.first
         self._inputs = inputs._replace(query=torch.empty(0), slabs=[first.new_empty((0, *first.shape[1:]))])
         self._slots = inputs.total_slots
+        one = not isinstance(inputs.slabs, PackedSlabs) and len(inputs.slabs) == 1
+        self._geometry = (first.dtype, first.shape[1:], first.stride()) if one else None  # what bind() accepts
         self.positions = inputs.positions
         self.shape = tuple(inputs.query.shape)
         self._threads = threads
@@ -497,6 +499,18 @@ class PagedCall:
         self._length = -1  # the key count the lengths hold
         self.masked = masked
         self._mask_start = inputs.mask_start
+
+    def bind(self, slab: torch.Tensor) -> None:
+        """Read ``slab`` from the next call on, in place of the one slab chunk prepared: a CPU tensor of its dtype,
+        block shape and strides, with at least its slots (a disk round that landed in another bounce buffer). The
+        caller keeps it alive while it calls."""
+        if (self._geometry is None or (slab.dtype, slab.shape[1:], slab.stride()) != self._geometry
+                or slab.shape[0] < self._slots or not slab.is_cpu):  # fmt: skip
+            raise InvalidConfigError(f"this PagedCall reads one slab chunk like {self._geometry} of at least "
+                                     f"{self._slots} slots; got {slab.dtype} {tuple(slab.shape)} strides "
+                                     f"{slab.stride()} on {slab.device}: prepare another.")  # fmt: skip
+        _THREE_INTS.pack_into(self._args, _ARGS.size, slab.data_ptr(), slab.shape[0],
+                              slab.stride(0) * slab.element_size())  # fmt: skip
 
     def __call__(self, query: torch.Tensor, length: int,
                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

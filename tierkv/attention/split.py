@@ -200,7 +200,7 @@ class SplitAttention(PipelinedExecutor):
             parts = [] if not here.held else [
                 self._attend_memory(here, chunks, layout, query, mask, scaling, softcap, stop - start, shift)]
             parts += self._attend_rounds(read, layout, here.disk, query, mask, scaling, softcap, stop - start,
-                                         here.columns - shift, layer)  # fmt: skip
+                                         here.columns, shift, layer)  # fmt: skip
         return merge_all(parts)[0]
 
     def _attend_memory(self, here: _Combined, chunks: list[torch.Tensor] | None, layout: BlockLayout,
@@ -279,7 +279,7 @@ class SplitAttention(PipelinedExecutor):
             if held is None:
                 purpose = self._free_buffer_name()
                 assert purpose is not None, self._disk_ahead
-                ring = self._start_ring(layout, share.slots, None, purpose)
+                ring = self._start_ring(layout, share.slots, share.memo, purpose)
                 held = DiskAhead(plan, ring, purpose, len(share.slots) * layout.slot_bytes)
                 self._buffer_users[purpose] = held
             read = held.pending
@@ -296,11 +296,11 @@ class SplitAttention(PipelinedExecutor):
 
     def _attend_rounds(self, read: _DiskRead, layout: BlockLayout, share: _DiskShare, query: torch.Tensor,
                        mask: torch.Tensor | None, scaling: float, softcap: float | None, length: int,
-                       positions: np.ndarray, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                       columns: np.ndarray, shift: int, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The disk share attended round by round where each round landed, in the disk tier's bounce buffer (no
-        copy): one kernel call per round over its blocks (``share.round``), while the next round is read. Returns
-        each round's (out, lse); the time spent waiting for a round is stall. ``query`` and ``mask`` are in host
-        memory; ``positions`` ``[B, n]``: each column's first key position."""
+        copy): one kernel call per round over its blocks (:meth:`_DiskShare.attend`), while the next round is read.
+        Returns each round's (out, lse); the time spent waiting for a round is stall. ``query`` and ``mask`` are in
+        host memory; ``columns - shift`` ``[B, n]``: each column's first key position."""
         query = query.detach().float().contiguous()  # once, not per round
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         with contextlib.closing(read.each_round()) as rounds:
@@ -311,11 +311,8 @@ class SplitAttention(PipelinedExecutor):
                     return parts
                 self._stalled(waited_from, layer)
                 lo, hi, staged = landed
-                table, columns = share.round(lo, hi)
-                parts.append(host_kernel.paged_attention(query, layout.blocks_of(staged), table, length,
-                                                         scaling=scaling, softcap=softcap, causal=mask is None,
-                                                         mask=mask, positions=positions[:, columns],
-                                                         threads=self.threads))  # fmt: skip
+                parts.append(share.attend(lo, hi, layout.blocks_of(staged), query, length, mask, columns, shift,
+                                          scaling, softcap, self.threads))  # fmt: skip
 
     def _reserve_scratch(self, query: torch.Tensor, layer: int) -> None:
         """Count the device temporaries of a step (:func:`split_scratch_bytes`) against the budget, growing the
@@ -334,7 +331,7 @@ class SplitAttention(PipelinedExecutor):
         share = _DiskShare(table)
         with self._reading(attend.plan, share) as read:
             parts = self._attend_rounds(read, attend.layout, share, query, mask, attend.scaling, attend.softcap,
-                                        attend.length, attend.positions, attend.plan.layer)  # fmt: skip
+                                        attend.length, attend.positions, 0, attend.plan.layer)  # fmt: skip
         out, lse = merge_all(parts)
         return out.to(attend.query.device), lse.to(attend.query.device)
 
@@ -533,7 +530,9 @@ class _Combined:
 
 class _DiskShare:
     """A layer-step's disk blocks: their slots in row-major table order (the order its read lands them in), and
-    for each round of the read, a table of that round's blocks in the bounce buffer."""
+    for each round of the read, a table of that round's blocks in the bounce buffer and the kernel call prepared
+    for it. Kept with the layer's table (:class:`_Combined`), so a decode step plans and checks nothing per round:
+    the read's round requests are in :attr:`memo`, each round's call only takes the buffer it landed in."""
 
     def __init__(self, table: np.ndarray) -> None:
         """``table`` ``[B, n]``: the disk slot of each block column's block, -1 where another tier holds it."""
@@ -541,7 +540,10 @@ class _DiskShare:
         self.rows, self.columns = np.nonzero(held)  # row-major, as the slots
         self.slots = table[held]
         self.batch = table.shape[0]
+        self.memo: dict = {}  # the read's round requests (DiskTier.plan_rounds), as a cached plan's memo keeps them
         self._rounds: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._calls: dict[tuple[int, int], _RoundCall] = {}
+        self._options: tuple | None = None  # what the calls were prepared for
 
     def round(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """The share's blocks ``[lo, hi)`` (a round): their table ``[B, m]`` over the ``m`` columns that hold one
@@ -554,6 +556,47 @@ class _DiskShare:
             table[self.rows[lo:hi], np.searchsorted(columns, self.columns[lo:hi])] = np.arange(hi - lo)
             kept = self._rounds[(lo, hi)] = (table, columns)
         return kept
+
+    def attend(self, lo: int, hi: int, slab: torch.Tensor, query: torch.Tensor, length: int,
+               mask: torch.Tensor | None, columns: np.ndarray, shift: int, scaling: float, softcap: float | None,
+               threads: int | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Round ``[lo, hi)``, landed as the blocks ``slab``, attended by the host kernel (``columns - shift``
+        ``[B, n]``: the share's columns' first key positions): by the call prepared for the round, which each step
+        hands only the buffer, the query, the key count, the mask and a moved ``shift``; prepared again for a new
+        query shape, scaling, softcap, causality or thread count. Where the C kernel does not load, the torch
+        version."""
+        options = (query.shape, scaling, softcap, mask is None, threads)
+        if options != self._options:
+            self._calls.clear()
+            self._options = options
+        kept = self._calls.get((lo, hi))
+        if kept is None:
+            table, round_columns = self.round(lo, hi)
+            base = columns[:, round_columns]
+            call = host_kernel.prepare(query, slab, table, length, scaling=scaling, softcap=softcap,
+                                       causal=mask is None, masked=mask is not None, positions=base - shift,
+                                       threads=threads)  # fmt: skip
+            kept = self._calls[(lo, hi)] = _RoundCall(call, table, base, shift)
+        if kept.call is None:
+            return host_kernel.paged_attention(query, slab, kept.table, length, scaling=scaling, softcap=softcap,
+                                               causal=mask is None, mask=mask, positions=kept.base - shift,
+                                               threads=threads)  # fmt: skip
+        if kept.shift != shift:  # a sliding window's start moved inside the same blocks
+            assert kept.call.positions is not None
+            np.subtract(kept.base, shift, out=kept.call.positions)
+            kept.shift = shift
+        kept.call.bind(slab)
+        return kept.call(query, length, mask)
+
+
+class _RoundCall:
+    """A disk round's prepared kernel call (None: the C kernel does not load), its table, its columns' first key
+    positions before the shift, and the shift its positions hold."""
+
+    __slots__ = ("call", "table", "base", "shift")
+
+    def __init__(self, call: host_kernel.PagedCall | None, table: np.ndarray, base: np.ndarray, shift: int) -> None:
+        self.call, self.table, self.base, self.shift = call, table, base, shift
 
 
 class _Attend:

@@ -159,14 +159,11 @@ def check_array_requests(offsets: Any, lengths: Any, buffer: Any, buffer_offsets
     negative; under ``O_DIRECT`` offset, length and memory address multiples of :data:`ALIGN`), plus what one shared
     buffer adds (each request inside it) and, with ``unit``, lengths of whole units. The error names the first bad
     request in submission order."""
-    if isinstance(unit, bool) or not isinstance(unit, int | np.integer) or unit < 0 or (write and unit):
-        raise ValueError(f"unit must be a byte count >= 0 for reads (0: no hashing) and 0 for writes; got {unit!r}.")
+    _check_unit(unit, write)
     view = as_byte_view(buffer, writable=not write)
     offsets, lengths = _int64_array("offsets", offsets), _int64_array("lengths", lengths)
     starts = _int64_array("buffer_offsets", buffer_offsets)
-    if not offsets.shape == lengths.shape == starts.shape:
-        raise ValueError(f"offsets, lengths and buffer_offsets must have one entry per request; got "
-                         f"{offsets.size}, {lengths.size} and {starts.size}.")
+    _check_shapes(offsets, lengths, starts)
     address = view.ctypes.data + starts if direct else starts
     # one pass over all the checks at once (a few numpy calls, whatever the batch's size): the common case is a
     # good batch; only a bad one pays for finding which check its first bad request fails
@@ -179,6 +176,79 @@ def check_array_requests(offsets: Any, lengths: Any, buffer: Any, buffer_offsets
     if bad.any():
         _raise_first(offsets, lengths, starts, address, view.nbytes, direct=direct, unit=unit)
     return ArrayRequests(view, offsets, lengths, starts)
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayPlan:
+    """An array batch checked for everything that its buffer does not decide (:func:`plan_array_requests`), to
+    submit again and again (:meth:`DiskFile.submit_plan`: a disk read's rounds, every decode step) into buffers of at
+    least ``extent`` bytes; each buffer then costs a check of its size and address, not of every request."""
+
+    offsets: np.ndarray  # int64 [n]
+    lengths: np.ndarray
+    starts: np.ndarray  # into the buffer; multiples of ALIGN for direct I/O
+    addresses: np.ndarray  # uint64 [n]: the starts, to add a buffer's address to
+    extent: int  # the bytes of buffer the requests reach
+    write: bool
+    unit: int
+    units: int  # hashed units in all (0 without unit)
+
+    def split(self, cuts: Sequence[int]) -> list[ArrayPlan]:
+        """The requests cut at indices ``cuts`` into consecutive plans, each reaching only its own requests' bytes
+        (checked already: each is a part of this one)."""
+        bounds = [0, *cuts, self.offsets.size]
+        plans = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            offsets, lengths, starts = self.offsets[a:b], self.lengths[a:b], self.starts[a:b]
+            plans.append(ArrayPlan(offsets, lengths, starts, self.addresses[a:b],
+                                   int((starts + lengths).max(initial=0)), self.write, self.unit,
+                                   int(lengths.sum()) // self.unit if self.unit else 0))  # fmt: skip
+        return plans
+
+
+def plan_array_requests(offsets: Any, lengths: Any, buffer_offsets: Any, *, direct: bool, write: bool,
+                        unit: int = 0) -> ArrayPlan:
+    """An array batch checked as :func:`check_array_requests` checks it, except for what the buffer decides (its
+    size, its address): under ``O_DIRECT`` the buffer offsets must be multiples of :data:`ALIGN` themselves (a
+    buffer at an aligned address then aligns every request). Raises as it does; :func:`fit_plan` checks a
+    buffer."""
+    _check_unit(unit, write)
+    offsets, lengths = _int64_array("offsets", offsets), _int64_array("lengths", lengths)
+    starts = _int64_array("buffer_offsets", buffer_offsets)
+    _check_shapes(offsets, lengths, starts)
+    extent = int((starts + lengths).max(initial=0))
+    bad = (offsets | lengths | starts) < 0
+    if unit:
+        bad |= lengths % unit != 0
+    if direct:
+        bad |= (offsets | lengths | starts) % ALIGN != 0
+    if bad.any():  # with room for every request: only the checks that do not depend on the buffer can fail
+        _raise_first(offsets, lengths, starts, starts, max(extent, 0), direct=direct, unit=unit)
+    return ArrayPlan(offsets, lengths, starts, starts.astype(np.uint64), extent, write, unit,
+                     int(lengths.sum()) // unit if unit else 0)  # fmt: skip
+
+
+def fit_plan(plan: ArrayPlan, buffer: Any, *, direct: bool) -> np.ndarray:
+    """``buffer`` as the byte view :meth:`DiskFile.submit_plan` moves ``plan``'s requests through, checked: large
+    enough, and at an aligned address for direct I/O. A buffer that fails gets :func:`check_array_requests`' error
+    for the first request it fails."""
+    view = as_byte_view(buffer, writable=not plan.write)
+    if plan.extent <= view.nbytes and not (direct and view.ctypes.data % ALIGN):
+        return view
+    check_array_requests(plan.offsets, plan.lengths, view, plan.starts, direct=direct, write=plan.write,
+                         unit=plan.unit)  # fmt: skip
+    return view  # (unreachable for a plan that passed plan_array_requests: the check above raises)
+
+
+def _check_unit(unit: int, write: bool) -> None:
+    if isinstance(unit, bool) or not isinstance(unit, int | np.integer) or unit < 0 or (write and unit):
+        raise ValueError(f"unit must be a byte count >= 0 for reads (0: no hashing) and 0 for writes; got {unit!r}.")
+
+
+def _check_shapes(offsets: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> None:
+    if not offsets.shape == lengths.shape == starts.shape:
+        raise ValueError(f"offsets, lengths and buffer_offsets must have one entry per request; got "
+                         f"{offsets.size}, {lengths.size} and {starts.size}.")
 
 
 def _raise_first(offsets: np.ndarray, lengths: np.ndarray, starts: np.ndarray, address: np.ndarray, nbytes: int, *,
@@ -332,6 +402,16 @@ class DiskFile(ABC):
         if unit:
             return self.submit_hashed_reads(requests, unit)
         return self.submit_reads(requests), None
+
+    def plan_array(self, offsets: np.ndarray, lengths: np.ndarray, buffer_offsets: np.ndarray, *, write: bool,
+                   unit: int = 0) -> ArrayPlan:
+        """:func:`plan_array_requests` for this file's I/O mode: a batch to submit into many buffers."""
+        return plan_array_requests(offsets, lengths, buffer_offsets, direct=self.direct, write=write, unit=unit)
+
+    def submit_plan(self, plan: ArrayPlan, buffer: Any) -> tuple[IOHandle, np.ndarray | None]:
+        """:meth:`submit_array` of a batch checked once (:func:`plan_array_requests`) into ``buffer``. This default
+        checks it again in full; an engine that takes arrays checks only the buffer (:func:`fit_plan`)."""
+        return self.submit_array(plan.offsets, plan.lengths, buffer, plan.starts, write=plan.write, unit=plan.unit)
 
     @abstractmethod
     def close(self) -> None:

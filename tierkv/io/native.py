@@ -33,6 +33,7 @@ import numpy as np
 from tierkv import cbuild, settings
 from tierkv.errors import InvalidConfigError
 from tierkv.io.base import (
+    ArrayPlan,
     CompletedHandle,
     DiskFile,
     EngineUnavailableError,
@@ -41,6 +42,7 @@ from tierkv.io.base import (
     check_requests,
     chunk_bytes,
     eof_error,
+    fit_plan,
     open_fd,
     queue_depth,
 )
@@ -237,6 +239,13 @@ class NativeFile(DiskFile):
         addrs = batch.starts.astype(np.uint64) + np.uint64(batch.view.ctypes.data)
         return self._queue(batch.view, batch.offsets, batch.lengths, addrs, write, unit)
 
+    def submit_plan(self, plan: ArrayPlan, buffer: Any) -> tuple[IOHandle, np.ndarray | None]:
+        """Only the buffer is checked (:func:`~tierkv.io.base.fit_plan`): a few Python operations per batch."""
+        self._open()
+        view = fit_plan(plan, buffer, direct=self.direct)
+        return self._queue(view, plan.offsets, plan.lengths, plan.addresses + np.uint64(view.ctypes.data), plan.write,
+                           plan.unit, plan.units)  # fmt: skip
+
     def _open(self) -> None:
         if self.pool is None:
             raise ValueError(f"I/O on closed {self!r}.")
@@ -253,12 +262,14 @@ class NativeFile(DiskFile):
         return self._queue(checked, offsets, lengths, addrs, write, unit)
 
     def _queue(self, buffers: Any, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray, write: bool,
-               unit: int) -> tuple[IOHandle, np.ndarray | None]:
+               unit: int, units: int | None = None) -> tuple[IOHandle, np.ndarray | None]:
         """Queue checked requests (``int64`` offsets and lengths, ``uint64`` addresses into ``buffers``, which the
-        batch keeps alive) as one C batch."""
+        batch keeps alive) as one C batch; ``units``: the hashed units in all, where known."""
         if not offsets.size:
             return CompletedHandle(), (np.zeros(0, dtype=np.uint64) if unit else None)
-        digests = np.empty(int(lengths.sum()) // unit, dtype=np.uint64) if unit else None
+        digests = None
+        if unit:
+            digests = np.empty(int(lengths.sum()) // unit if units is None else units, dtype=np.uint64)
         batch = self.lib.tkv_submit(
             self.pool, self.fd, int(write), self._chunk, offsets.size, offsets.ctypes.data, lengths.ctypes.data,
             addrs.ctypes.data, unit, digests.ctypes.data if digests is not None else None,

@@ -54,6 +54,7 @@ from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Tier
 from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, TierKVError
 from tierkv.io import ALIGN, DiskFile, IOHandle, aligned_empty, open_disk_file
+from tierkv.io.base import ArrayPlan
 from tierkv.io.checksum import xxh3_rows
 from tierkv.layout import BlockLayout, SlotBytes
 from tierkv.tiers.base import BounceLike, Dest, Scratch, landing_pieces
@@ -415,6 +416,22 @@ class DiskTier:
         :meth:`start_read`'s.)"""
         return self._submit_read(slot_bytes, np.asarray(slots, dtype=np.int64), buffer)
 
+    def plan_rounds(self, slot_bytes: int, slots: np.ndarray, per_round: int) -> list[ArrayPlan]:
+        """The hashed read of ``slots`` in rounds of ``per_round``, each round into a buffer of its own from its first
+        byte: one checked plan per round (:class:`~tierkv.io.base.ArrayPlan`, a request per run of consecutive slots
+        inside the round), found for all rounds at once with numpy and kept by the caller, so that a read repeated
+        every step (:meth:`read_plan`) costs no request arithmetic or checks per round."""
+        slots = np.asarray(slots, dtype=np.int64)
+        first, count = _runs(slots, per_round)
+        cuts = np.searchsorted(first, np.arange(per_round, slots.size, per_round)).tolist()
+        plan = self.files[slot_bytes].file.plan_array(slots[first] * slot_bytes, count * slot_bytes,
+                                                      first % per_round * slot_bytes, write=False, unit=slot_bytes)
+        return plan.split(cuts)
+
+    def read_plan(self, plan: ArrayPlan, slot_bytes: int, buffer: np.ndarray) -> tuple[IOHandle, np.ndarray | None]:
+        """Submit a round :meth:`plan_rounds` planned into host ``buffer``; returns as :meth:`read`."""
+        return self.files[slot_bytes].file.submit_plan(plan, buffer)
+
     def read_sectors(self, slot_bytes: int, sectors: np.ndarray,
                      buffer: np.ndarray) -> tuple[IOHandle, np.ndarray | None]:
         """Submit a read of the file's sectors ``sectors`` (sorted, unique, numbered from the start of the file in
@@ -440,7 +457,8 @@ class DiskTier:
         pieces in all)."""
         slots = np.asarray(slots, dtype=np.int64)
         owners = [scratch.bounce_buffer(name) for name in ([purpose] if isinstance(purpose, str) else purpose)]
-        return _DiskRead(self, self.files[layout.slot_bytes], layout, slots, owners, scratch, limit, parts, in_pieces)
+        return _DiskRead(self, self.files[layout.slot_bytes], layout, slots, owners, scratch, limit, parts, in_pieces,
+                         memo)  # fmt: skip
 
     def write_from(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, src: torch.Tensor,
                    scratch: Scratch) -> None:
@@ -513,13 +531,14 @@ class _DiskRead:
     rounds are in flight — a deeper disk queue — while no buffer grows past ``limit``; with ``in_pieces`` a read
     that fits one piece is cut into pieces too, so its first round is used while the others land. Every block is
     verified against its checksum before it is used: :meth:`each_round` hands out each round in place, in the
-    bounce buffer (split attention attends it there); :meth:`finish` copies the rounds on."""
+    bounce buffer (split attention attends it there); :meth:`finish` copies the rounds on. The rounds' requests are
+    planned once per ``memo`` (a dict that lives as long as ``slots``: a cached plan's), not per read."""
 
     def __init__(self, tier: DiskTier, slot_file: DiskSlotFile, layout: BlockLayout | SlotBytes, slots: np.ndarray,
                  owners: Sequence[BounceLike], scratch: Scratch, limit: int | None = None, parts: int = 2,
-                 in_pieces: bool = False) -> None:
+                 in_pieces: bool = False, memo: dict | None = None) -> None:
         self.tier, self.slot_file, self.layout, self.slots, self.owners = tier, slot_file, layout, slots, owners
-        self.scratch = scratch
+        self.scratch, self.memo = scratch, memo
         self.limit = tier.bounce_bytes if limit is None else limit
         self.parts, self.in_pieces = parts, in_pieces
         self.handles: dict[int, IOHandle] = {}
@@ -542,6 +561,10 @@ class _DiskRead:
         whole = len(slots) * size <= (limit // self.parts if self.in_pieces else limit)
         self.per_round = len(slots) if whole else max(1, limit // self.parts // size)
         self.rounds = -(-len(slots) // self.per_round) if len(slots) else 0
+        memo, key = {} if self.memo is None else self.memo, ("rounds", self.per_round)
+        if key not in memo:
+            memo[key] = self.tier.plan_rounds(size, slots, self.per_round)
+        self.plans: list[ArrayPlan] = memo[key]
         piece, n = self.per_round * size, len(owners)
         count = 1 if self.per_round >= len(slots) else min(self.rounds, max(2, n * min(self.parts, limit // piece)))
         # waits until the GPU copied its last out of each buffer, and until the reads into it landed
@@ -565,7 +588,7 @@ class _DiskRead:
         self.scratch.accel.host_write(torch.from_numpy(buffer))  # the engine fills it from now on
         try:
             with deferred_interrupts():  # a Ctrl-C mid-submit must not lose the handle of reads already queued:
-                handle, self.digests[k] = self.tier.read(self.layout.slot_bytes, self.slots[lo:hi], buffer)
+                handle, self.digests[k] = self.tier.read_plan(self.plans[k], self.layout.slot_bytes, buffer)
                 self.handles[k] = handle
                 self._piece_owners[piece].landing(handle)  # its next user waits for it, whatever happens to the read
         except OSError as exc:
@@ -666,13 +689,15 @@ class _DiskRead:
                     accel.copy(out[a - first : b - first], layout.blocks_of(rows[a - piece : b - piece]))
 
 
-def _runs(items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The runs of consecutive integers in ``items`` ``[n]``: the position of each run's first and its length.
-    (Plain ufuncs into preallocated arrays: ``np.diff`` with ``prepend``/``append`` costs ~3 us of Python each, on
-    every page read.)"""
+def _runs(items: np.ndarray, every: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of consecutive integers in ``items`` ``[n]``: the position of each run's first and its length; with
+    ``every``, a run also starts at every multiple of it (rounds of ``every`` items). (Plain ufuncs into
+    preallocated arrays: ``np.diff`` with ``prepend``/``append`` costs ~3 us of Python each, on every page read.)"""
     starts = np.empty(items.size + 1, dtype=bool)
     starts[0] = starts[-1] = True  # a run starts at 0, and one "starts" past the end: its predecessor's end
     np.not_equal(items[1:], items[:-1] + 1, out=starts[1:-1])
+    if every:
+        starts[every : items.size : every] = True
     bounds = np.flatnonzero(starts)
     return bounds[:-1], bounds[1:] - bounds[:-1]
 
