@@ -350,13 +350,13 @@ def test_rounds_planned_once_read_the_slots_of_each_round(tmp_path, per_round):
             for k, plan in enumerate(plans):
                 rows = order[k * per_round : (k + 1) * per_round]
                 buffer = aligned_empty(len(rows) * slot)
-                handle, digests = tier.read_plan(plan, slot, buffer)
+                handle, digests = tier.read(slot, wanted[k * per_round : (k + 1) * per_round], buffer, plan)
                 handle.wait()
                 np.testing.assert_array_equal(buffer.reshape(len(rows), slot), data[rows])
                 if digests is not None:
                     np.testing.assert_array_equal(digests, xxh3_rows(data[rows]))
                     tier.files[slot].verify(wanted[k * per_round : (k + 1) * per_round], digests)
         with pytest.raises(ValueError, match="outside"):  # a buffer smaller than its round: refused, nothing read
-            tier.read_plan(plans[0], slot, aligned_empty(slot // 2))
+            tier.read(slot, wanted[:per_round], aligned_empty(slot // 2), plans[0])
     finally:
         tier.close()

@@ -129,7 +129,8 @@ class SplitAttention(PipelinedExecutor):
             raise InvalidConfigError(f"piece_tokens must be a positive int, got {piece_tokens!r}.")
         self.threads = threads
         self.piece_tokens = streaming_chunk_tokens(piece_tokens, store.block_tokens)  # device share, per row
-        self._shares: dict[int, tuple[int, int, int, list[tuple[Tier, np.ndarray]], np.ndarray]] = {}
+        self._shares: dict[int, tuple[int, int, int, list[tuple[Tier, np.ndarray]], np.ndarray,
+                                      _DiskShare | None]] = {}  # fmt: skip
         self._here: dict[int, _Combined] = {}  # layer -> its one-call table on a CPU host (_attend_here)
 
     def attend(self, span: Span, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
@@ -157,15 +158,15 @@ class SplitAttention(PipelinedExecutor):
             self._read_ahead(upcoming)  # this layer's ring is free: the layer after next starts reading now
             return attended.transpose(1, 2).to(query.dtype)
         # host share on the mover's thread, device share on the compute stream, disk share on this thread
-        shares, positions = self._tables(layer, start, stop)
-        attend = _Attend(self, plan, query, mask, scaling, softcap, positions, stop - start)
+        shares, columns, shift, disk = self._tables(layer, start, stop)
+        attend = _Attend(self, plan, query, mask, scaling, softcap, columns - shift, stop - start)
         by_tier = dict(shares)
         host = [(Tier.HOST, by_tier[Tier.HOST])] if Tier.HOST in by_tier else []
         handle = self._start_cpu_part(attend, host) if host else None
         try:
             out, lse = attend.device_part(by_tier[Tier.DEVICE]) if Tier.DEVICE in by_tier else (None, None)
-            if Tier.DISK in by_tier:
-                out, lse = merge(out, lse, *self._disk_part(attend, by_tier[Tier.DISK]))
+            if disk is not None:
+                out, lse = merge(out, lse, *self._disk_part(attend, disk, columns, shift))
         finally:
             if handle is not None:
                 handle.wait()  # re-raises the CPU part's error; the compute stream waits for its copy up
@@ -323,15 +324,15 @@ class SplitAttention(PipelinedExecutor):
             self.staging.release()
             self.staging.reserve(need)
 
-    def _disk_part(self, attend: _Attend, table: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _disk_part(self, attend: _Attend, share: _DiskShare, columns: np.ndarray,
+                   shift: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The disk share attended round by round in the bounce buffer on this thread (:meth:`_attend_rounds`,
         while the device part runs on the compute stream and the host part on the mover's thread), its (out, lse)
         moved up."""
         query, mask = attend.query.cpu(), None if attend.mask is None else attend.mask.cpu()
-        share = _DiskShare(table)
         with self._reading(attend.plan, share) as read:
             parts = self._attend_rounds(read, attend.layout, share, query, mask, attend.scaling, attend.softcap,
-                                        attend.length, attend.positions, 0, attend.plan.layer)  # fmt: skip
+                                        attend.length, columns, shift, attend.plan.layer)  # fmt: skip
         out, lse = merge_all(parts)
         return out.to(attend.query.device), lse.to(attend.query.device)
 
@@ -375,20 +376,25 @@ class SplitAttention(PipelinedExecutor):
 
         return self.mover.submit(job)
 
-    def _tables(self, layer: int, start: int, stop: int) -> tuple[list[tuple[Tier, np.ndarray]], np.ndarray]:
-        """Per tier, the block table of its share (``[B, n]`` slots, -1 where another tier holds the block), and
-        each column's first key position from ``start``; cached until the layer's grid changes."""
+    def _tables(self, layer: int, start: int,
+                stop: int) -> tuple[list[tuple[Tier, np.ndarray]], np.ndarray, int, _DiskShare | None]:  # fmt: skip
+        """Per tier, the block table of its share (``[B, n]`` slots, -1 where another tier holds the block); each
+        column's first token counted from the first column's, and ``shift``, where ``start`` lies in it (key
+        positions: ``columns - shift``); the disk share (which keeps its rounds' requests and calls). Cached until
+        the layer's grid changes."""
         rows = self.store.table.rows[layer]
         bt = self.store.block_tokens
         first, end = start // bt, -(-stop // bt)
+        shift = start - first * bt
         cached = self._shares.get(layer)
         if cached is not None and cached[:3] == (rows.version, first, end):
-            return cached[3], cached[4] - start + first * bt
+            return cached[3], cached[4], shift, cached[5]
         tiers, slots = rows.tiers[:, first:end], rows.slots[:, first:end]
         shares = [(tier, np.where(tiers == tier, slots, -1)) for tier in self.store.chain if (tiers == tier).any()]
         columns = np.ascontiguousarray(np.broadcast_to(np.arange(end - first) * bt, slots.shape), dtype=np.int64)
-        self._shares[layer] = (rows.version, first, end, shares, columns)
-        return shares, columns - start + first * bt
+        disk = next((_DiskShare(table) for tier, table in shares if tier == Tier.DISK), None)
+        self._shares[layer] = (rows.version, first, end, shares, columns, disk)
+        return shares, columns, shift, disk
 
     # ------------------------------------------------------------------------------------ bookkeeping
     def invalidate(self) -> None:

@@ -407,30 +407,29 @@ class DiskTier:
         except OSError as exc:
             raise disk_error(exc, self.files[slot_bytes].path) from exc
 
-    def read(self, slot_bytes: int, slots: np.ndarray,
-             buffer: np.ndarray | torch.Tensor) -> tuple[IOHandle, np.ndarray | None]:
+    def read(self, slot_bytes: int, slots: np.ndarray, buffer: np.ndarray | torch.Tensor,
+             plan: ArrayPlan | None = None) -> tuple[IOHandle, np.ndarray | None]:
         """Submit a read of ``slots`` into ``buffer`` in order (a device tensor only for an engine that reads into
-        device memory), coalescing runs of consecutive slots into one request. Also returns the xxh3-64 of each
-        slot as it landed where the engine computes them on its I/O threads (native; valid once the handle was
+        device memory), coalescing runs of consecutive slots into one request — or, into a host buffer, as ``plan``
+        (:meth:`plan_rounds`' for these slots) says, without working them out again. Also returns the xxh3-64 of
+        each slot as it landed where the engine computes them on its I/O threads (native; valid once the handle was
         waited on), else None: the caller hashes the buffer. (The check against the written checksums is
         :meth:`start_read`'s.)"""
+        if plan is not None:
+            return self.files[slot_bytes].file.submit_plan(plan, buffer)
         return self._submit_read(slot_bytes, np.asarray(slots, dtype=np.int64), buffer)
 
     def plan_rounds(self, slot_bytes: int, slots: np.ndarray, per_round: int) -> list[ArrayPlan]:
         """The hashed read of ``slots`` in rounds of ``per_round``, each round into a buffer of its own from its first
         byte: one checked plan per round (:class:`~tierkv.io.base.ArrayPlan`, a request per run of consecutive slots
         inside the round), found for all rounds at once with numpy and kept by the caller, so that a read repeated
-        every step (:meth:`read_plan`) costs no request arithmetic or checks per round."""
+        every step (:meth:`read` with the round's plan) costs no request arithmetic or checks per round."""
         slots = np.asarray(slots, dtype=np.int64)
         first, count = _runs(slots, per_round)
         cuts = np.searchsorted(first, np.arange(per_round, slots.size, per_round)).tolist()
         plan = self.files[slot_bytes].file.plan_array(slots[first] * slot_bytes, count * slot_bytes,
                                                       first % per_round * slot_bytes, write=False, unit=slot_bytes)
         return plan.split(cuts)
-
-    def read_plan(self, plan: ArrayPlan, slot_bytes: int, buffer: np.ndarray) -> tuple[IOHandle, np.ndarray | None]:
-        """Submit a round :meth:`plan_rounds` planned into host ``buffer``; returns as :meth:`read`."""
-        return self.files[slot_bytes].file.submit_plan(plan, buffer)
 
     def read_sectors(self, slot_bytes: int, sectors: np.ndarray,
                      buffer: np.ndarray) -> tuple[IOHandle, np.ndarray | None]:
@@ -588,7 +587,8 @@ class _DiskRead:
         self.scratch.accel.host_write(torch.from_numpy(buffer))  # the engine fills it from now on
         try:
             with deferred_interrupts():  # a Ctrl-C mid-submit must not lose the handle of reads already queued:
-                handle, self.digests[k] = self.tier.read_plan(self.plans[k], self.layout.slot_bytes, buffer)
+                handle, self.digests[k] = self.tier.read(self.layout.slot_bytes, self.slots[lo:hi], buffer,
+                                                         self.plans[k])  # fmt: skip
                 self.handles[k] = handle
                 self._piece_owners[piece].landing(handle)  # its next user waits for it, whatever happens to the read
         except OSError as exc:
