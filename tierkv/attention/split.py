@@ -32,7 +32,12 @@ the memory tiers' call first while the first rounds are read, then one kernel ca
 it is attended and over the round's part of the table (:class:`_DiskShare`: the share's columns restricted to the
 round's blocks, the same positions and mask columns), while the disk reads into the ring's other pieces; the parts
 merge by log-sum-exp (:func:`merge_all`). Nothing is copied out of the bounce buffers, and the disk reads while the
-CPU attends. The next layers' disk shares are submitted ahead (:meth:`PipelinedExecutor._read_ahead`,
+CPU attends. A round's requests are planned (:meth:`~tierkv.tiers.disk.DiskTier.plan_rounds`) and its kernel call
+prepared once per layer table, so a round costs a submit, a verification and a call with only its buffer new: on a
+two-core host, Python run between kernel calls that each stream 2 MiB through the caches was 4-6x slower than in
+a loop (``benchmarks/split_disk_profile.py``, docs/benchmarks.md "Scale").
+
+The next layers' disk shares are submitted ahead (:meth:`PipelinedExecutor._read_ahead`,
 :attr:`SplitAttention.read_ahead` = 2): the next layer's is in flight while this layer's rounds are attended, and
 the one after is submitted into this layer's ring as soon as this layer is attended, so the disk engine reads on
 its own threads across the layer boundary, while the model computes between two attentions; they are consumed
