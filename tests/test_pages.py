@@ -328,6 +328,33 @@ def test_sector_runs_match_a_plain_scan(seed):
         assert first.tolist() == want_first and count.tolist() == want_count
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_round_plans_match_each_rounds_own_runs(tmp_path, seed):
+    """``DiskTier.plan_rounds`` (all rounds at once) against each round's slots coalesced on their own
+    (``disk._runs`` of the round): the same requests, round by round, for random slot orders and round sizes."""
+    rng = np.random.default_rng(seed)
+    slot = 2 * SECTOR_BYTES
+    tier = DiskTier(tmp_path / "disk", 1 << 22)
+    try:
+        tier.alloc(slot)  # the slot file exists
+        for _ in range(20):
+            n = int(rng.integers(1, 40))
+            slots = np.cumsum(rng.choice([1, 1, 1, 2, 5, -3], size=n))  # runs, gaps, steps back
+            slots -= min(int(slots.min()), 0)  # slot ids are not negative
+            per_round = int(rng.integers(1, n + 2))
+            plans = tier.plan_rounds(slot, slots, per_round)
+            assert len(plans) == -(-n // per_round)
+            for k, plan in enumerate(plans):
+                own = slots[k * per_round : (k + 1) * per_round]
+                first, count = _runs(own)
+                assert plan.offsets.tolist() == (own[first] * slot).tolist()
+                assert plan.lengths.tolist() == (count * slot).tolist()
+                assert plan.starts.tolist() == (first * slot).tolist()
+                assert plan.extent == own.size * slot and plan.units == own.size
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("per_round", [1, 3, 4, 64])
 def test_rounds_planned_once_read_the_slots_of_each_round(tmp_path, per_round):
     """``DiskTier.plan_rounds``: each round's requests (a run of consecutive slots cut where a round starts) read
