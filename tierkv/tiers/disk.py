@@ -415,9 +415,11 @@ class DiskTier:
         each slot as it landed where the engine computes them on its I/O threads (native; valid once the handle was
         waited on), else None: the caller hashes the buffer. (The check against the written checksums is
         :meth:`start_read`'s.)"""
-        if plan is not None:
+        slots = np.asarray(slots, dtype=np.int64)
+        if isinstance(buffer, np.ndarray):  # a host buffer: the read as one round of its own, unless planned already
+            plan = self.plan_rounds(slot_bytes, slots, max(1, slots.size))[0] if plan is None else plan
             return self.files[slot_bytes].file.submit_plan(plan, buffer)
-        return self._submit_read(slot_bytes, np.asarray(slots, dtype=np.int64), buffer)
+        return self._device_read(slot_bytes, slots, buffer)
 
     def plan_rounds(self, slot_bytes: int, slots: np.ndarray, per_round: int) -> list[ArrayPlan]:
         """The hashed read of ``slots`` in rounds of ``per_round``, each round into a buffer of its own from its first
@@ -501,19 +503,14 @@ class DiskTier:
                         for a, b in zip([0, *cuts], [*cuts, slots.size])]
         return file.submit_writes(requests) if write else file.submit_reads(requests)
 
-    def _submit_read(self, slot_bytes: int, slots: np.ndarray,
-                     buffer: np.ndarray | torch.Tensor) -> tuple[IOHandle, np.ndarray | None]:
-        """A hashed read of one request per run of consecutive slots, found with numpy; into a host buffer as arrays
-        (:meth:`~tierkv.io.DiskFile.submit_array`: no Python per run), into a device one (kvikio with GDS) as a
-        list of requests."""
-        file = self.files[slot_bytes].file
+    def _device_read(self, slot_bytes: int, slots: np.ndarray,
+                     buffer: torch.Tensor) -> tuple[IOHandle, np.ndarray | None]:  # fmt: skip
+        """A hashed read into device memory (kvikio with GDS): one request per run of consecutive slots, found with
+        numpy, as a list of requests."""
         first, count = _runs(slots)
-        if isinstance(buffer, np.ndarray):
-            return file.submit_array(slots[first] * slot_bytes, count * slot_bytes, buffer, first * slot_bytes,
-                                     write=False, unit=slot_bytes)
         requests = [(int(slots[a]) * slot_bytes, buffer[a * slot_bytes : (a + n) * slot_bytes])
                     for a, n in zip(first.tolist(), count.tolist())]
-        return file.submit_hashed_reads(requests, slot_bytes)
+        return self.files[slot_bytes].file.submit_hashed_reads(requests, slot_bytes)
 
     def close(self) -> None:
         """Close and remove the files and drop the lease; idempotent, never raises (failures are logged)."""
