@@ -74,7 +74,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -212,23 +212,12 @@ class SplitAttention(PipelinedExecutor):
     def _attend_memory(self, here: _Combined, chunks: list[torch.Tensor] | None, layout: BlockLayout,
                        query: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None,
                        length: int, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The memory tiers' share of ``here`` in one kernel call: the prepared one (prepared again for a new
-        query shape, scaling, softcap or causality), or where the C kernel does not load, the torch version over
-        the chunks (``chunks``: looked up already, or None)."""
-        call = here.call
-        if here.options != (query.shape, scaling, softcap, mask is None):  # None where the C kernel is not
-            chunks = here.chunks(layout) if chunks is None else chunks
-            call = here.prepare(chunks, query, length, scaling, softcap, mask is not None, self.threads)
-        if call is None:
-            return host_kernel.paged_attention(query, here.chunks(layout) if chunks is None else chunks, here.table,
-                                               length, scaling=scaling, softcap=softcap, causal=mask is None,
-                                               mask=mask, positions=here.columns - shift,
-                                               threads=self.threads)  # fmt: skip
-        if here.shift != shift:  # a sliding window's start moved inside the same blocks
-            assert call.positions is not None
-            np.subtract(here.columns, shift, out=call.positions)
-            here.shift = shift
-        return call(query, length, mask)
+        """The memory tiers' share of ``here`` in one kernel call (:class:`_TableCall`), over the chunks (``chunks``:
+        looked up already, or None: looked up only if the call needs them)."""
+        def slabs() -> list[torch.Tensor]:
+            return here.chunks(layout) if chunks is None else chunks
+
+        return here.attention.attend(slabs, query, length, mask, shift, scaling, softcap, self.threads)
 
     def ring(self) -> tuple[int, int, int]:
         """``(buffers, limit, parts)`` of each of split's disk reads: a ring through ``buffers`` bounce buffers of at
@@ -493,9 +482,7 @@ class _Combined:
         self.disk = disk  # None: nothing on disk
         self.held = bool((table >= 0).any())  # a memory tier holds some block
         self.empty = not self.held and disk is None
-        self.call: host_kernel.PagedCall | None = None  # prepared for `options`, its positions for `shift`
-        self.options: tuple[torch.Size, float, float | None, bool] | None = None  # query, scaling, softcap, causal
-        self.shift = 0
+        self.attention = _TableCall(table, columns)  # the memory tiers' share's call
 
     @classmethod
     def of(cls, store: KVStore, layer: int, start: int, stop: int) -> tuple[_Combined, list[torch.Tensor]]:
@@ -527,17 +514,6 @@ class _Combined:
         """The memory tiers' chunks, concatenated in the order the table numbers them."""
         return [chunk for state in self.pools for chunk in state.memory.slabs(layout)]
 
-    def prepare(self, chunks: list[torch.Tensor], query: torch.Tensor, length: int, scaling: float,
-                softcap: float | None, masked: bool, threads: int | None) -> host_kernel.PagedCall | None:
-        """Prepare the layer's call over ``chunks`` for queries like ``query`` (causal, or ``masked``: by each
-        step's mask), None where the C kernel does not load."""
-        self.shift = 0
-        self.call = host_kernel.prepare(query, chunks, self.table, length, scaling=scaling, softcap=softcap,
-                                        causal=not masked, masked=masked, positions=self.columns,
-                                        threads=threads)  # fmt: skip
-        self.options = (query.shape, scaling, softcap, not masked)
-        return self.call
-
 
 class _DiskShare:
     """A layer-step's disk blocks: their slots in row-major table order (the order its read lands them in), and
@@ -553,8 +529,7 @@ class _DiskShare:
         self.batch = table.shape[0]
         self.memo: dict = {}  # the read's round requests (DiskTier.plan_rounds), as a cached plan's memo keeps them
         self._rounds: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-        self._calls: dict[tuple[int, int], _RoundCall] = {}
-        self._options: tuple | None = None  # what the calls were prepared for
+        self._calls: dict[tuple[int, int], _TableCall] = {}
 
     def round(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """The share's blocks ``[lo, hi)`` (a round): their table ``[B, m]`` over the ``m`` columns that hold one
@@ -571,43 +546,54 @@ class _DiskShare:
     def attend(self, lo: int, hi: int, slab: torch.Tensor, query: torch.Tensor, length: int,
                mask: torch.Tensor | None, columns: np.ndarray, shift: int, scaling: float, softcap: float | None,
                threads: int | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Round ``[lo, hi)``, landed as the blocks ``slab``, attended by the host kernel (``columns - shift``
-        ``[B, n]``: the share's columns' first key positions): by the call prepared for the round, which each step
-        hands only the buffer, the query, the key count, the mask and a moved ``shift``; prepared again for a new
-        query shape, scaling, softcap, causality or thread count. Where the C kernel does not load, the torch
-        version."""
-        options = (query.shape, scaling, softcap, mask is None, threads)
-        if options != self._options:
-            self._calls.clear()
-            self._options = options
+        """Round ``[lo, hi)``, landed as the blocks ``slab``, attended by the host kernel through the round's
+        :class:`_TableCall` (``columns - shift`` ``[B, n]``: the share's columns' first key positions), which each
+        step hands only the buffer, the query, the key count, the mask and a moved ``shift``."""
         kept = self._calls.get((lo, hi))
         if kept is None:
             table, round_columns = self.round(lo, hi)
-            base = columns[:, round_columns]
-            call = host_kernel.prepare(query, slab, table, length, scaling=scaling, softcap=softcap,
-                                       causal=mask is None, masked=mask is not None, positions=base - shift,
-                                       threads=threads)  # fmt: skip
-            kept = self._calls[(lo, hi)] = _RoundCall(call, table, base, shift)
-        if kept.call is None:
-            return host_kernel.paged_attention(query, slab, kept.table, length, scaling=scaling, softcap=softcap,
-                                               causal=mask is None, mask=mask, positions=kept.base - shift,
+            kept = self._calls[(lo, hi)] = _TableCall(table, columns[:, round_columns])
+        return kept.attend(lambda: slab, query, length, mask, shift, scaling, softcap, threads, bind=slab)
+
+
+class _TableCall:
+    """A block table over host slabs, its columns' first key positions before the shift, and the host kernel call
+    prepared for it (:class:`~tierkv.attention.host_kernel.PagedCall`; None where the C kernel does not load): no
+    checking or packing per step. Prepared again for a new query shape, scaling, softcap, causality or thread
+    count; its positions rewritten in place when the shift moves (a sliding window's start inside the same blocks).
+    A layer's memory share keeps one (:class:`_Combined`), and each round of its disk share (:class:`_DiskShare`)."""
+
+    __slots__ = ("table", "base", "call", "options", "shift")
+
+    def __init__(self, table: np.ndarray, base: np.ndarray) -> None:
+        self.table, self.base = table, base
+        self.call: host_kernel.PagedCall | None = None
+        self.options: tuple | None = None  # what the call was prepared for
+        self.shift = 0  # what its positions hold
+
+    def attend(self, slabs: Callable[[], torch.Tensor | list[torch.Tensor]], query: torch.Tensor, length: int,
+               mask: torch.Tensor | None, shift: int, scaling: float, softcap: float | None, threads: int | None, *,
+               bind: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The table attended over ``slabs()`` (called only to prepare, or for the torch version) with key positions
+        ``base - shift``; ``bind``: the one slab chunk, where it lies elsewhere than when prepared (a round's bounce
+        buffer), so the call is bound to it first."""
+        options = (query.shape, scaling, softcap, mask is None, threads)
+        if options != self.options:
+            self.call = host_kernel.prepare(query, slabs(), self.table, length, scaling=scaling, softcap=softcap,
+                                            causal=mask is None, masked=mask is not None, positions=self.base - shift,
+                                            threads=threads)  # fmt: skip
+            self.options, self.shift = options, shift
+        if self.call is None:
+            return host_kernel.paged_attention(query, slabs(), self.table, length, scaling=scaling, softcap=softcap,
+                                               causal=mask is None, mask=mask, positions=self.base - shift,
                                                threads=threads)  # fmt: skip
-        if kept.shift != shift:  # a sliding window's start moved inside the same blocks
-            assert kept.call.positions is not None
-            np.subtract(kept.base, shift, out=kept.call.positions)
-            kept.shift = shift
-        kept.call.bind(slab)
-        return kept.call(query, length, mask)
-
-
-class _RoundCall:
-    """A disk round's prepared kernel call (None: the C kernel does not load), its table, its columns' first key
-    positions before the shift, and the shift its positions hold."""
-
-    __slots__ = ("call", "table", "base", "shift")
-
-    def __init__(self, call: host_kernel.PagedCall | None, table: np.ndarray, base: np.ndarray, shift: int) -> None:
-        self.call, self.table, self.base, self.shift = call, table, base, shift
+        if self.shift != shift:
+            assert self.call.positions is not None
+            np.subtract(self.base, shift, out=self.call.positions)
+            self.shift = shift
+        if bind is not None:
+            self.call.bind(bind)
+        return self.call(query, length, mask)
 
 
 class _Attend:
