@@ -7,14 +7,18 @@ The model, placement and budgets of ``test_scale.py::test_disk_reads_overlap_com
 about 80% of the blocks on disk, ~200 MB of budgets), one torch thread. Each stage is timed by wrapping its
 function (a few microseconds each), after warm-up steps; the figures are per decode step, with the calls per
 step. When the main thread's CPU time is close to the wall time, the step is bound by the CPU work on that thread
-(submitting, verifying and attending rounds), not by the disk. Last, what a round's Python costs right after a
-kernel-sized stream of memory: the request arithmetic of one round (``tierkv.tiers.disk._runs``) after a sum over a
-fresh 2 MiB, against the same in a loop.
+(submitting, verifying and attending rounds), not by the disk; all threads' CPU time against the wall time times
+the cores says how busy the host was, and the executor's stall how long the main thread waited for disk rounds.
+With the native engine and the C kernel a layer's rounds run in one C loop (``_DiskRead.consume_rounds``); the
+Python loop's stages appear only where it runs instead. Last, what a round's Python costs right after a
+kernel-sized stream of memory: the request arithmetic of one round (``tierkv.tiers.disk._runs``) after a sum over
+a fresh 2 MiB, against the same in a loop.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,11 +38,13 @@ STAGES: list[tuple[object, str, str]] = [  # (owner, attribute, label), outermos
     (split.SplitAttention, "attend", "attend (a layer)"),
     (split.SplitAttention, "_attend_memory", "  memory tiers' share: one kernel call"),
     (split.SplitAttention, "_attend_rounds", "  disk share: its rounds"),
-    (disk._DiskRead, "_submit", "    submit a round"),
-    (disk.DiskTier, "wait", "    wait for a round"),
-    (disk.DiskSlotFile, "verify", "    verify a round"),
-    (split._DiskShare, "attend", "    attend a round"),
-    (host_kernel.PagedCall, "__call__", "      prepared kernel call (rounds and memory share)"),
+    (split._DiskShare, "attend_all", "    all rounds in one C loop (packing included)"),
+    (disk._DiskRead, "consume_rounds", "      the C loop: wait, verify, kernel per round"),
+    (disk._DiskRead, "_submit", "    submit a round (from Python: the ring's first ones)"),
+    (disk.DiskTier, "wait", "    wait for a round (Python loop)"),
+    (disk.DiskSlotFile, "verify", "    verify a round (Python loop)"),
+    (split._DiskShare, "attend", "    attend a round (Python loop)"),
+    (host_kernel.PagedCall, "__call__", "      prepared kernel call (Python loop and memory share)"),
 ]
 
 
@@ -92,12 +98,16 @@ def main() -> None:
                 scale._step(model, cache, token)
             totals.clear()
             calls.clear()
-            wall, cpu = time.perf_counter(), time.thread_time()
+            executor = cache.executors["split"]
+            wall, cpu, process = time.perf_counter(), time.thread_time(), time.process_time()
+            stall = executor.stall_s
             for _ in range(STEPS):
                 scale._step(model, cache, token)
             wall, cpu = (time.perf_counter() - wall) / STEPS, (time.thread_time() - cpu) / STEPS
+            process, stall = (time.process_time() - process) / STEPS, (executor.stall_s - stall) / STEPS
         print(f"blocks {cache.stats()['blocks']}; per step: wall {wall * 1e3:.1f} ms, main thread CPU "
-              f"{cpu * 1e3:.1f} ms")
+              f"{cpu * 1e3:.1f} ms, all threads' CPU {process * 1e3:.1f} ms ({os.cpu_count()} cores), waiting for "
+              f"disk rounds {stall * 1e3:.1f} ms")
     for _, _, label in STAGES:
         if calls[label]:
             print(f"{label:56s} {totals[label] / STEPS * 1e3:7.1f} ms  {calls[label] // STEPS:5d} calls "

@@ -33,6 +33,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define XXH_INLINE_ALL /* header-only: xxHash's functions compile into this library */
@@ -323,4 +324,129 @@ void tkv_batch_free(void *bp) {
     tkv_batch *b = (tkv_batch *)bp;
     pthread_cond_destroy(&b->done_cv);
     free(b->offsets); free(b->lengths); free(b->addrs); free(b->errs); free(b->unit_base); free(b);
+}
+
+/* Rounds read through a ring of buffer pieces and handed, each as soon as it landed and was verified, to a consumer
+ * (tierkv.tiers.disk._DiskRead.consume_rounds): the loop of _DiskRead.each_round in C, so that a read of many
+ * rounds whose consumer is a C kernel (split attention over a bounce buffer) runs no Python per round. Round k
+ * lands in piece k % ring; rounds [0, given) were submitted by the caller (their batches in `given_batches`, waited
+ * here but freed by the caller), each later round is submitted here into the piece of round k - 1 once round k was
+ * reached (the consumer has left that piece), exactly as each_round does. Every round is verified (its digests
+ * against `expected`) before the consumer sees it; the first failure stops the loop, and every batch submitted here
+ * is waited for and freed before returning, so nothing lands in the pieces afterwards. */
+typedef int (*tkv_consumer)(const char *args);
+
+enum { TKV_ROUND_OK = 0, TKV_ROUND_IO = 1, TKV_ROUND_DIGEST = 2, TKV_ROUND_CONSUMER = 3, TKV_ROUND_NOMEM = 4 };
+
+typedef struct {
+    int64_t rounds, ring, given, fd, chunk, unit;
+    uint64_t pool;
+    uint64_t request_start;  /* int64 [rounds + 1]: round k's requests are [request_start[k], request_start[k+1]) */
+    uint64_t offsets, lengths; /* int64 per request: file offset and length */
+    uint64_t within;         /* uint64 per request: its byte offset in the round's piece */
+    uint64_t pieces;         /* uint64 [ring]: the pieces' addresses */
+    uint64_t digests;        /* uint64 [rounds]: where each round's digests land (given rounds: their batch's) */
+    uint64_t unit_start;     /* int64 [rounds + 1]: round k's digests are expected[unit_start[k] .. unit_start[k+1]) */
+    uint64_t expected;       /* uint64 per unit: the digests written */
+    uint64_t given_batches;  /* uint64 [given]: the caller's batches (0: one already waited for) */
+    uint64_t consumer;       /* a tkv_consumer */
+    uint64_t consumer_args;  /* uint64 [rounds]: its argument for each round */
+    /* written back: the round that failed (-1: none), what failed (TKV_ROUND_*), the errno / TKV_EOF or the
+     * consumer's status, the failed request (absolute index), the nanoseconds spent waiting for rounds */
+    int64_t failed, kind, code, request, waited_ns;
+} tkv_rounds_args;
+
+int64_t tkv_rounds_args_size(void) { return (int64_t)sizeof(tkv_rounds_args); }
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+int tkv_rounds(char *packed) {
+    tkv_rounds_args a;
+    memcpy(&a, packed, sizeof a);
+    if (a.rounds < 0 || a.ring < 1 || a.given < 0 || a.given > a.rounds || !a.pool || !a.consumer) return -1;
+    const int64_t *starts = (const int64_t *)(uintptr_t)a.request_start, *offsets = (const int64_t *)(uintptr_t)a.offsets;
+    const int64_t *lengths = (const int64_t *)(uintptr_t)a.lengths, *units = (const int64_t *)(uintptr_t)a.unit_start;
+    const uint64_t *within = (const uint64_t *)(uintptr_t)a.within, *pieces = (const uint64_t *)(uintptr_t)a.pieces;
+    const uint64_t *digests = (const uint64_t *)(uintptr_t)a.digests, *expected = (const uint64_t *)(uintptr_t)a.expected;
+    const uint64_t *given = (const uint64_t *)(uintptr_t)a.given_batches;
+    const uint64_t *args = (const uint64_t *)(uintptr_t)a.consumer_args;
+    const tkv_consumer consume = (tkv_consumer)(uintptr_t)a.consumer;
+    void *pool = (void *)(uintptr_t)a.pool;
+    int64_t most = 0; /* requests of the largest round: the scratch of absolute addresses */
+    for (int64_t k = 0; k < a.rounds; k++)
+        if (starts[k + 1] - starts[k] > most) most = starts[k + 1] - starts[k];
+    void **mine = calloc((size_t)(a.rounds > 0 ? a.rounds : 1), sizeof(void *)); /* batches submitted here */
+    uint64_t *addrs = malloc((size_t)(most > 0 ? most : 1) * sizeof(uint64_t));
+    a.failed = -1;
+    a.kind = a.code = a.request = a.waited_ns = 0;
+    if (!mine || !addrs) {
+        a.failed = 0;
+        a.kind = TKV_ROUND_NOMEM;
+    }
+    for (int64_t k = 0; a.failed < 0 && k < a.rounds; k++) {
+        const int64_t next = k + a.ring - 1;
+        if (k > 0 && next < a.rounds && next >= a.given) { /* into the piece of round k - 1, left by the consumer */
+            const int64_t first = starts[next], n = starts[next + 1] - first;
+            for (int64_t i = 0; i < n; i++) addrs[i] = pieces[next % a.ring] + within[first + i];
+            mine[next] = n ? tkv_submit(pool, (int)a.fd, 0, a.chunk, n, offsets + first, lengths + first, addrs,
+                                        a.unit, (uint64_t *)(uintptr_t)digests[next])
+                           : NULL;
+            if (n && !mine[next]) {
+                a.failed = next;
+                a.kind = TKV_ROUND_NOMEM;
+                break;
+            }
+        }
+        void *batch = k < a.given ? (void *)(uintptr_t)given[k] : mine[k];
+        if (batch) {
+            int32_t err = 0;
+            const int64_t begun = now_ns();
+            const int64_t bad = tkv_wait(pool, batch, &err);
+            a.waited_ns += now_ns() - begun;
+            if (k >= a.given) {
+                tkv_batch_free(batch);
+                mine[k] = NULL;
+            }
+            if (bad >= 0) {
+                a.failed = k;
+                a.kind = TKV_ROUND_IO;
+                a.code = err;
+                a.request = starts[k] + bad;
+                break;
+            }
+        }
+        const uint64_t *landed = (const uint64_t *)(uintptr_t)digests[k];
+        for (int64_t u = units[k]; u < units[k + 1]; u++)
+            if (landed[u - units[k]] != expected[u]) {
+                a.failed = k;
+                a.kind = TKV_ROUND_DIGEST;
+                break;
+            }
+        if (a.failed >= 0) break;
+        const int status = consume((const char *)(uintptr_t)args[k]);
+        if (status) {
+            a.failed = k;
+            a.kind = TKV_ROUND_CONSUMER;
+            a.code = status;
+        }
+    }
+    for (int64_t k = 0; mine && k < a.rounds; k++) /* in flight after a failure: landed before returning */
+        if (mine[k]) {
+            int32_t err;
+            tkv_wait(pool, mine[k], &err);
+            tkv_batch_free(mine[k]);
+        }
+    for (int64_t k = 0; k < a.given; k++) /* the caller's batches: landed too (the caller frees them) */
+        if (given[k]) {
+            int32_t err;
+            tkv_wait(pool, (void *)(uintptr_t)given[k], &err);
+        }
+    free(mine);
+    free(addrs);
+    memcpy(packed, &a, sizeof a);
+    return 0;
 }

@@ -8,8 +8,10 @@ into the buffers."""
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from helpers import assert_same_generation, teacher_forced, use_host_kernel
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
-from tierkv import IntegrityError, TieredCache, accel
+from tierkv import DiskTierError, IntegrityError, TieredCache, accel
 from tierkv.attention import host_kernel
 from tierkv.attention import split as split_module
 from tierkv.attention.base import READ_AHEAD
@@ -62,11 +64,14 @@ class Watch:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, cache: TieredCache) -> None:
         self.rounds: dict[int, int] = defaultdict(int)  # id(read) -> rounds handed out
+        self.looped = 0  # reads whose rounds were all attended in one C loop (consume_rounds)
+        self.stepped: set[int] = set()  # ids of reads attended round by round in Python (each_round)
         self.ahead: set[int] = set()  # ids of reads submitted ahead and claimed
         self.in_bounce: list[bool] = []  # per round attended: inside a bounce buffer of the calling thread
         self.allocated = 0  # host_blocks calls from tierkv/attention/split.py
         self.inside = False
         each_round, claim, attend = disk_module._DiskRead.each_round, SplitAttention._claim_ahead, SplitAttention.attend
+        consume = disk_module._DiskRead.consume_rounds
         kernel, bind = host_kernel.paged_attention, host_kernel.PagedCall.bind
         backend = type(accel.backend(torch.device("cpu")))
         host_blocks = backend.host_blocks
@@ -74,7 +79,16 @@ class Watch:
         def counted_rounds(read):  # split's, inside attend (a prefill's reads finish through the rounds too)
             for landed in each_round(read):
                 self.rounds[id(read)] += self.inside
+                if self.inside:
+                    self.stepped.add(id(read))
                 yield landed
+
+        def consumed(read, consumer, arguments):  # the C loop: every round handed to the kernel in turn
+            outcome = consume(read, consumer, arguments)
+            if outcome.failed is None:
+                self.rounds[id(read)] += read.rounds * self.inside
+                self.looped += self.inside
+            return outcome
 
         def claimed(executor, layer, plan):
             entry = claim(executor, layer, plan)
@@ -110,16 +124,19 @@ class Watch:
             return host_blocks(self_backend, *args, **kwargs)
 
         monkeypatch.setattr(disk_module._DiskRead, "each_round", counted_rounds)
+        monkeypatch.setattr(disk_module._DiskRead, "consume_rounds", consumed)
         monkeypatch.setattr(SplitAttention, "_claim_ahead", claimed)
         monkeypatch.setattr(SplitAttention, "attend", attending)
         monkeypatch.setattr(host_kernel, "paged_attention", attended)
         monkeypatch.setattr(host_kernel.PagedCall, "bind", bound)
         monkeypatch.setattr(backend, "host_blocks", allocating)
 
-    def check(self) -> None:
+    def check(self, kernel: str) -> None:
         """Some reads took several rounds (one taken from the reads ahead among them), each round was attended
-        once, inside the caller's bounce buffers, and no host buffer for a share was allocated."""
+        once, inside the caller's bounce buffers, and no host buffer for a share was allocated; with the C kernel,
+        every read's rounds in one C loop, none round by round in Python."""
         assert max(self.rounds.values()) > 1, dict(self.rounds)
+        assert (self.looped and not self.stepped) if kernel == "native" else (self.stepped and not self.looped)
         assert any(self.rounds[read] > 1 for read in self.ahead), "no read ahead was consumed round by round"
         assert len(self.in_bounce) == sum(self.rounds.values()) and all(self.in_bounce), self.in_bounce
         assert self.allocated == 0
@@ -156,7 +173,7 @@ def test_disk_rounds_attended_in_the_bounce_buffer_match_dynamic_cache(tmp_path,
         assert executor.read_ahead_hits > 0
         rounds = sum(watch.rounds.values())  # each of one block at least, counted as disk->host bytes as before
         assert stats["bytes_moved"]["disk->host"] >= rounds * cache.store.layouts[0].block_bytes
-        watch.check()
+        watch.check(kernel)
     assert_same_generation(out, reference, atol=1e-4)
 
 
@@ -174,7 +191,7 @@ def test_disk_rounds_in_bf16(tmp_path, monkeypatch, kernel):
                 got = model(tokens, past_key_values=cache).logits[:, -1]
                 torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
         assert cache.store.layouts[0].dtype == torch.bfloat16 and cache.store.layouts[0].block_bytes < SLOT
-        watch.check()
+        watch.check(kernel)
 
 
 def test_merge_all_is_the_pairwise_merge(kernel):
@@ -236,15 +253,22 @@ def flip(path: Path, position: int) -> None:
 
 
 @pytest.fixture
-def written(tmp_path, monkeypatch):
-    """A disk tier with 9 blocks written, read in rounds of two slots; yields (tier, layout, slots, data, watched),
-    ``watched`` collecting each round's handle."""
+def nine(tmp_path, monkeypatch):
+    """A disk tier with 9 blocks written, read in rounds of two slots: yields (tier, layout, slots, data)."""
     layout = BlockLayout(2, 8, 4, torch.float32)
     monkeypatch.setattr(disk_module, "BOUNCE_BYTES", 4 * layout.slot_bytes)
     tier = DiskTier(tmp_path, budget=64 * layout.slot_bytes, extent_bytes=16 * layout.slot_bytes)
     slots = np.array([tier.alloc(layout.slot_bytes) for _ in range(9)], dtype=np.int64)
     data = torch.randn(9, *layout.shape, generator=torch.Generator().manual_seed(0))
     tier.write_from(layout, slots, data, Scratch(BounceBuffer))
+    yield tier, layout, slots, data
+    tier.close()
+
+
+@pytest.fixture
+def written(nine, monkeypatch):
+    """:func:`nine`, and ``watched`` collecting each round's handle: yields (tier, layout, slots, data, watched)."""
+    tier, layout, slots, data = nine
     watched: list[Watched] = []
     submit = disk_module._DiskRead._submit
 
@@ -254,8 +278,7 @@ def written(tmp_path, monkeypatch):
         watched.append(read.handles[k])
 
     monkeypatch.setattr(disk_module._DiskRead, "_submit", watching)
-    yield tier, layout, slots, data, watched
-    tier.close()
+    return tier, layout, slots, data, watched
 
 
 def test_each_round_hands_out_verified_rounds_in_place_the_next_in_flight(written):
@@ -394,6 +417,98 @@ def test_leaving_a_ring_early_waits_for_every_round_in_flight(written):
     assert len(watched) == 5 and all(handle.waited for handle in watched)
 
 
+# ------------------------------------------------------------------------------------------------ the C loop
+CONSUMER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+class Consumer:
+    """A C-callable consumer for :meth:`~tierkv.tiers.disk._DiskRead.consume_rounds` written in Python (a ctypes
+    callback): each round's argument is its index; it records the round, where its bytes lay and a copy of its
+    blocks, and returns ``refuse`` at round ``refuse_at`` (else 0)."""
+
+    def __init__(self, read, layout: BlockLayout, refuse_at: int | None = None, refuse: int = 7) -> None:
+        self.views = read.ring_views()
+        assert self.views is not None and len(self.views) == read.rounds
+        self.layout, self.refuse_at, self.refuse = layout, refuse_at, refuse
+        self.got: list[tuple[int, int, torch.Tensor]] = []
+        self.function = CONSUMER(self._consume)  # kept alive while the loop may call it
+        self.address = ctypes.cast(self.function, ctypes.c_void_p).value
+        self.arguments = np.arange(read.rounds, dtype=np.uint64)
+
+    def _consume(self, argument: int | None) -> int:
+        k = int(argument or 0)
+        staged = self.views[k][2]
+        self.got.append((k, staged.data_ptr(), self.layout.blocks_of(staged).clone()))
+        return self.refuse if k == self.refuse_at else 0
+
+
+def quiet_pieces(read) -> None:
+    """Nothing lands in the ring's pieces any more: bytes written into them stay (a read still in flight would
+    overwrite them within the wait)."""
+    for piece in read.pieces:
+        piece[:] = 0xAB
+    time.sleep(0.05)
+    assert all((piece == 0xAB).all() for piece in read.pieces)
+
+
+def test_consume_rounds_hands_every_round_verified_in_place_to_a_c_consumer(nine):
+    """A ring of three pieces of two slots over nine blocks (five rounds, three submitted at the start, the rest by
+    the C loop into the piece its consumer left): each round reaches the consumer once, in order, in its piece of
+    the ring, with the blocks written; nothing is left in flight or held."""
+    tier, layout, slots, data = nine
+    order = slots[::-1].copy()
+    read = tier.start_read(layout, order, Scratch(BounceBuffer), limit=6 * layout.slot_bytes, parts=3)
+    assert read.rounds == 5 and len(read.pieces) == 3 and len(read.handles) == 3
+    consumer = Consumer(read, layout)
+    outcome = read.consume_rounds(consumer.address, consumer.arguments)
+    assert outcome.failed is None and outcome.waited_s >= 0
+    assert [k for k, _, _ in consumer.got] == [0, 1, 2, 3, 4]
+    assert all(pointer == read.pieces[k % 3].ctypes.data for k, pointer, _ in consumer.got)  # in place
+    torch.testing.assert_close(torch.cat([blocks for _, _, blocks in consumer.got]), data.flip(0), rtol=0, atol=0)
+    assert not read.handles and read.ring_views() is None  # consumed: nothing to hand out again
+    quiet_pieces(read)
+
+
+def test_consume_rounds_raises_a_flipped_byte_before_its_round_reaches_the_consumer(nine):
+    """A byte changed in the fifth round (submitted by the C loop): IntegrityError naming its slot once rounds 0-3
+    were consumed, and nothing in flight after it."""
+    tier, layout, slots, _ = nine
+    flip(next(iter(tier.files.values())).path, int(slots[8]) * layout.slot_bytes + 100)
+    read = tier.start_read(layout, slots, Scratch(BounceBuffer), limit=6 * layout.slot_bytes, parts=3)
+    consumer = Consumer(read, layout)
+    with pytest.raises(IntegrityError, match=f"slot {int(slots[8])} "):
+        read.consume_rounds(consumer.address, consumer.arguments)
+    assert [k for k, _, _ in consumer.got] == [0, 1, 2, 3] and not read.handles
+    quiet_pieces(read)
+
+
+def test_consume_rounds_stops_at_the_consumers_refusal_and_returns_it(nine):
+    tier, layout, slots, _ = nine
+    read = tier.start_read(layout, slots, Scratch(BounceBuffer), limit=6 * layout.slot_bytes, parts=3)
+    consumer = Consumer(read, layout, refuse_at=1, refuse=-5)
+    outcome = read.consume_rounds(consumer.address, consumer.arguments)
+    assert (outcome.failed, outcome.refused, outcome.status) == (1, True, -5)
+    assert [k for k, _, _ in consumer.got] == [0, 1] and not read.handles
+    quiet_pieces(read)
+
+
+def test_consume_rounds_raises_a_read_past_the_end_of_the_file_as_a_disk_error(nine):
+    """The tier's file cut after the first four slots once the first two rounds were submitted: the third round,
+    submitted by the C loop, hits its end; DiskTierError naming the file, after rounds 0 and 1 were consumed."""
+    tier, layout, slots, _ = nine
+    order = np.sort(slots)
+    read = tier.start_read(layout, order, Scratch(BounceBuffer))  # two halves of two slots: five rounds
+    assert read.rounds == 5 and len(read.handles) == 2
+    read.settle()  # the first two rounds landed whole
+    slot_file = next(iter(tier.files.values()))
+    os.truncate(slot_file.path, int(order[4]) * layout.slot_bytes)
+    consumer = Consumer(read, layout)
+    with pytest.raises(DiskTierError, match=str(slot_file.path)):
+        read.consume_rounds(consumer.address, consumer.arguments)
+    assert [k for k, _, _ in consumer.got] == [0, 1] and not read.handles
+    quiet_pieces(read)
+
+
 def test_split_reads_ahead_through_rings_within_the_read_ahead_bound(tmp_path, monkeypatch, kernel):
     """Split's disk reads at a small bounce limit (two slots): each a ring of six one-slot rounds through three
     bounce buffers, so while a round is attended five more are in flight (two halves would allow one); the next
@@ -431,6 +546,7 @@ def test_split_reads_ahead_through_rings_within_the_read_ahead_bound(tmp_path, m
         return out
 
     monkeypatch.setattr(disk_module._DiskRead, "each_round", observed_rounds)
+    monkeypatch.setattr(disk_module._DiskRead, "ring_views", lambda read: None)  # round by round, to look inside
     monkeypatch.setattr(SplitAttention, "attend", watched_attend)
     with TieredCache(gpu_gb=gpu(model, 1), cpu_gb="8KB", disk_dir=tmp_path, block_tokens=4) as cache:
         with cache.split(model, chunk_tokens=8):
@@ -517,3 +633,40 @@ def test_a_flipped_byte_on_disk_stops_split_decode_with_no_read_in_flight(tmp_pa
         with pytest.raises(IntegrityError, match=f"slot {flipped[0]} "):
             model(token, past_key_values=cache)
     assert unsettled and not any(unsettled), f"rounds still in flight when the error left attend: {unsettled}"
+
+
+def test_a_flipped_byte_on_disk_stops_the_c_loop_of_split_decode(tmp_path, monkeypatch):
+    """As above, through the C kernel's loop over a read's rounds: the decode step raises IntegrityError from the
+    loop (the flipped block's round never reaches the kernel), and the read has nothing in flight afterwards."""
+    use_host_kernel("native", monkeypatch)
+    monkeypatch.setattr(disk_module, "BOUNCE_BYTES", SLOT)
+    model = tiny_model("llama")
+    ids, _ = prompt(1, 60, seed=2)
+    looped, failed = [], []
+    consume = disk_module._DiskRead.consume_rounds
+
+    def consuming(read, consumer, arguments):
+        looped.append(read)
+        try:
+            return consume(read, consumer, arguments)
+        except IntegrityError:
+            failed.append(read)
+            raise
+
+    monkeypatch.setattr(disk_module._DiskRead, "consume_rounds", consuming)
+    with TieredCache(gpu_gb=gpu(model, 1), cpu_gb="8KB", disk_dir=tmp_path, block_tokens=4) as cache, \
+            cache.split(model, chunk_tokens=8):
+        model(ids, past_key_values=cache)
+        token = torch.tensor([[5]])
+        for _ in range(2):
+            model(token, past_key_values=cache)
+        assert looped and not failed
+        cache.store.writeback.reap(wait=True)
+        rows = cache.store.table.rows[0]
+        on_disk = rows.slots[0][rows.tiers[0] == Tier.DISK]
+        slot_file = next(iter(cache.store.tiers[Tier.DISK].files.values()))
+        flip(slot_file.path, int(on_disk[3]) * slot_file.slot_bytes + 100)  # layer 0's fourth round
+        with pytest.raises(IntegrityError, match=f"slot {int(on_disk[3])} "):
+            model(token, past_key_values=cache)
+        assert len(failed) == 1 and not failed[0].handles
+        quiet_pieces(failed[0])

@@ -110,6 +110,12 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def kernel_address() -> int:
+    """The address of the C kernel's entry (``int tkv_attn(const char *)``), for a C loop that calls it with
+    :meth:`PagedCall.pack`'s arguments (:meth:`tierkv.tiers.disk._DiskRead.consume_rounds`)."""
+    return ctypes.cast(library().tkv_attn, ctypes.c_void_p).value or 0
+
+
 def available() -> bool:
     """Whether the C kernel loads here (else :func:`paged_attention` runs the torch version)."""
     return not isinstance(_build(), EngineUnavailableError)
@@ -517,6 +523,18 @@ class PagedCall:
         """:func:`paged_attention` of ``query`` (of the prepared shape, on the CPU) over the keys at positions below
         ``length`` (in every row), with ``mask`` where prepared ``masked``: the normalised output and the
         log-sum-exp, fp32."""
+        args, out, lse, _ = self.pack(query, length, mask)
+        code = self._kernel(args)
+        if code:
+            self.raise_for(code)
+        return out, lse
+
+    def pack(self, query: torch.Tensor, length: int, mask: torch.Tensor | None = None
+             ) -> tuple[ctypes.Array[ctypes.c_char], torch.Tensor, torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+        """The call of :meth:`__call__` packed and not run: the kernel's argument (for :func:`kernel_address`'s
+        function, or a C loop that calls it), the output and log-sum-exp it will write, and the tensors whose
+        addresses it holds besides (the query and mask as converted), which the caller keeps alive until it ran;
+        :meth:`raise_for` its nonzero status."""
         if query.shape != self.shape or not query.is_cpu or (mask is None) == self.masked:
             raise InvalidConfigError(f"this PagedCall was prepared for a CPU query of shape {self.shape} "
                                      f"{'with' if self.masked else 'without'} a mask, got {tuple(query.shape)} on "
@@ -542,10 +560,11 @@ class PagedCall:
         _TWO_INTS.pack_into(args, _THREADS_AT, self._threads or torch.get_num_threads(), ISA)
         _ADDRESS.pack_into(args, _QUERY_AT, query.data_ptr())
         _TWO_ADDRESSES.pack_into(args, _OUTPUTS_AT, out.data_ptr(), lse.data_ptr())
-        code = self._kernel(args)
-        if code:
-            _raise_for(code, self._inputs, self._slots)
-        return out, lse
+        return args, out, lse, [query] if mask is None else [query, bias]
+
+    def raise_for(self, code: int) -> None:
+        """Raise for the kernel's nonzero status ``code`` over this call's arguments."""
+        _raise_for(code, self._inputs, self._slots)
 
 
 def prepare(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], block_table: Table, lengths: int, *,

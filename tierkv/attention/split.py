@@ -72,6 +72,8 @@ the open tails and that bounded scratch (``TieredCache.min_split_device_bytes``)
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -297,6 +299,11 @@ class SplitAttention(PipelinedExecutor):
         Returns each round's (out, lse); the time spent waiting for a round is stall. ``query`` and ``mask`` are in
         host memory; ``columns - shift`` ``[B, n]``: each column's first key position."""
         query = query.detach().float().contiguous()  # once, not per round
+        looped = share.attend_all(read, layout, query, length, mask, columns, shift, scaling, softcap, self.threads)
+        if looped is not None:
+            if looped[1] > 0:
+                self._stalled(time.perf_counter() - looped[1], layer)  # (the waits, as one span ending now)
+            return looped[0]
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         with contextlib.closing(read.each_round()) as rounds:
             while True:
@@ -549,11 +556,51 @@ class _DiskShare:
         """Round ``[lo, hi)``, landed as the blocks ``slab``, attended by the host kernel through the round's
         :class:`_TableCall` (``columns - shift`` ``[B, n]``: the share's columns' first key positions), which each
         step hands only the buffer, the query, the key count, the mask and a moved ``shift``."""
+        return self._call(lo, hi, columns).attend(lambda: slab, query, length, mask, shift, scaling, softcap, threads,
+                                                  bind=slab)  # fmt: skip
+
+    def attend_all(self, read: _DiskRead, layout: BlockLayout, query: torch.Tensor, length: int,
+                   mask: torch.Tensor | None, columns: np.ndarray, shift: int, scaling: float, softcap: float | None,
+                   threads: int | None) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float] | None:  # fmt: skip
+        """Every round of ``read`` attended where it lands, all in one C loop
+        (:meth:`~tierkv.tiers.disk._DiskRead.consume_rounds`): each round's kernel call is bound to the piece of the
+        ring its round lands in and packed before the loop, and the loop calls the kernel as each round lands and
+        passes its checksums, with no Python between rounds. Returns each round's (out, lse) and the seconds spent
+        waiting for rounds; None where the loop cannot run (:meth:`~tierkv.tiers.disk._DiskRead.ring_views`, or the
+        C kernel does not load): the caller attends round by round."""
+        views = read.ring_views()
+        if views is None:
+            return None
+        packed, parts, alive = [], [], []  # alive: the query and mask as each call reads them, until the loop ran
+        for lo, hi, staged in views:
+            slab = layout.blocks_of(staged)
+            call = self._call(lo, hi, columns).ready(functools.partial(_same, slab), query, length, mask, shift,
+                                                     scaling, softcap, threads, bind=slab)  # fmt: skip
+            if call is None:
+                return None
+            args, out, lse, held = call.pack(query, length, mask)
+            packed.append((args, call))
+            parts.append((out, lse))
+            alive.append(held)
+        arguments = np.array([ctypes.addressof(args) for args, _ in packed], dtype=np.uint64)
+        outcome = read.consume_rounds(host_kernel.kernel_address(), arguments)
+        if outcome.failed is not None:  # (a checksum mismatch raised already)
+            packed[outcome.failed][1].raise_for(outcome.status)
+        return parts, outcome.waited_s
+
+    def _call(self, lo: int, hi: int, columns: np.ndarray) -> _TableCall:
+        """Round ``[lo, hi)``'s :class:`_TableCall`, made on first use (``columns``: the share's first key positions
+        before the shift)."""
         kept = self._calls.get((lo, hi))
         if kept is None:
             table, round_columns = self.round(lo, hi)
             kept = self._calls[(lo, hi)] = _TableCall(table, columns[:, round_columns])
-        return kept.attend(lambda: slab, query, length, mask, shift, scaling, softcap, threads, bind=slab)
+        return kept
+
+
+def _same(slab: torch.Tensor) -> torch.Tensor:
+    """``slab`` itself: a round's slabs for :meth:`_TableCall.ready`, bound with :func:`functools.partial`."""
+    return slab
 
 
 class _TableCall:
@@ -577,6 +624,18 @@ class _TableCall:
         """The table attended over ``slabs()`` (called only to prepare, or for the torch version) with key positions
         ``base - shift``; ``bind``: the one slab chunk, where it lies elsewhere than when prepared (a round's bounce
         buffer), so the call is bound to it first."""
+        call = self.ready(slabs, query, length, mask, shift, scaling, softcap, threads, bind=bind)
+        if call is None:
+            return host_kernel.paged_attention(query, slabs(), self.table, length, scaling=scaling, softcap=softcap,
+                                               causal=mask is None, mask=mask, positions=self.base - shift,
+                                               threads=threads)  # fmt: skip
+        return call(query, length, mask)
+
+    def ready(self, slabs: Callable[[], torch.Tensor | list[torch.Tensor]], query: torch.Tensor, length: int,
+              mask: torch.Tensor | None, shift: int, scaling: float, softcap: float | None, threads: int | None, *,
+              bind: torch.Tensor | None = None) -> host_kernel.PagedCall | None:  # fmt: skip
+        """The kernel call for :meth:`attend`'s arguments: prepared (again where they changed), its positions
+        shifted, bound to ``bind``; None where the C kernel does not load."""
         options = (query.shape, scaling, softcap, mask is None, threads)
         if options != self.options:
             self.call = host_kernel.prepare(query, slabs(), self.table, length, scaling=scaling, softcap=softcap,
@@ -584,16 +643,14 @@ class _TableCall:
                                             threads=threads)  # fmt: skip
             self.options, self.shift = options, shift
         if self.call is None:
-            return host_kernel.paged_attention(query, slabs(), self.table, length, scaling=scaling, softcap=softcap,
-                                               causal=mask is None, mask=mask, positions=self.base - shift,
-                                               threads=threads)  # fmt: skip
+            return None
         if self.shift != shift:
             assert self.call.positions is not None
             np.subtract(self.base, shift, out=self.call.positions)
             self.shift = shift
         if bind is not None:
             self.call.bind(bind)
-        return self.call(query, length, mask)
+        return self.call
 
 
 class _Attend:

@@ -23,10 +23,12 @@ import errno
 import functools
 import logging
 import os
+import struct
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -56,6 +58,48 @@ _CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
 _FIX = "Install a C compiler (e.g. `apt-get install gcc`) or set CC, or use TIERKV_DISK_ENGINE=posix."
 
 _u64p = ctypes.POINTER(ctypes.c_uint64)
+_ROUNDS = struct.Struct("<6q12Q5q")  # tkv_rounds_args, field for field
+_RESULTS_AT = struct.calcsize("<6q12Q")  # failed, kind, code, request, waited_ns
+_ROUND_IO, _ROUND_DIGEST, _ROUND_CONSUMER, _ROUND_NOMEM = 1, 2, 3, 4  # TKV_ROUND_* in the C source
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """The planned rounds of a ring read (:meth:`NativeFile.run_rounds`) as the flat arrays the C loop reads: every
+    round's requests in order, where each round's requests and hashed units start, and the largest extent."""
+
+    offsets: np.ndarray  # int64 per request
+    lengths: np.ndarray
+    within: np.ndarray  # uint64 per request: its offset in its round's piece
+    request_start: np.ndarray  # int64 [rounds + 1]
+    unit_start: np.ndarray  # int64 [rounds + 1]
+    largest: ArrayPlan  # the round that reaches furthest into its piece: a piece that fits it fits every round
+    unit: int
+
+    @classmethod
+    def of(cls, plans: Sequence[ArrayPlan]) -> RingPlan:
+        """The rounds ``plans`` (hashed reads, each into a piece of its own from its first byte), flattened."""
+        if not plans or any(plan.write or not plan.unit or plan.unit != plans[0].unit for plan in plans):
+            raise ValueError("a ring read's rounds are hashed reads of one unit each.")
+        requests = np.cumsum([0, *(plan.offsets.size for plan in plans)], dtype=np.int64)
+        units = np.cumsum([0, *(plan.units for plan in plans)], dtype=np.int64)
+        return cls(np.concatenate([plan.offsets for plan in plans]), np.concatenate([plan.lengths for plan in plans]),
+                   np.concatenate([plan.addresses for plan in plans]), requests, units,
+                   max(plans, key=lambda plan: plan.extent), plans[0].unit)  # fmt: skip
+
+    @property
+    def rounds(self) -> int:
+        return self.request_start.size - 1
+
+
+class RoundsOutcome(NamedTuple):
+    """How :meth:`NativeFile.run_rounds` ended: the round that failed its checksum or whose consumer refused it
+    (None: every round was consumed), the consumer's status there, and the seconds spent waiting for rounds."""
+
+    failed: int | None
+    refused: bool  # the consumer's (else a checksum mismatch)
+    status: int
+    waited_s: float
 
 
 def source_digest() -> str | None:
@@ -98,6 +142,11 @@ def _build() -> ctypes.CDLL | EngineUnavailableError:
     lib.tkv_wait.restype = ctypes.c_int64
     lib.tkv_wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)]
     lib.tkv_batch_free.argtypes = [ctypes.c_void_p]
+    lib.tkv_rounds.argtypes = [ctypes.c_char_p]
+    lib.tkv_rounds_args_size.restype = ctypes.c_int64
+    if lib.tkv_rounds_args_size() != _ROUNDS.size:
+        return EngineUnavailableError(f"native engine: tkv_rounds_args is {lib.tkv_rounds_args_size()} bytes, the "
+                                      f"Python side packs {_ROUNDS.size}: rebuild it (pip install -e .).")
     lib.tkv_xxh3_rows.restype = None
     lib.tkv_xxh3_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _u64p]
     return lib
@@ -245,6 +294,57 @@ class NativeFile(DiskFile):
         view = fit_plan(plan, buffer, direct=self.direct)
         return self._queue(view, plan.offsets, plan.lengths, plan.addresses + np.uint64(view.ctypes.data), plan.write,
                            plan.unit, plan.units)  # fmt: skip
+
+    def owns(self, handle: IOHandle) -> bool:
+        """Whether ``handle`` is a batch of this file's pool (which :meth:`run_rounds` can wait for in C)."""
+        return isinstance(handle, _NativeBatch) and handle._pool is self.pool_state
+
+    def run_rounds(self, ring: RingPlan, pieces: Sequence[np.ndarray], given: Sequence[IOHandle],
+                   digests: Sequence[np.ndarray], expected: np.ndarray, consumer: int,
+                   arguments: np.ndarray) -> RoundsOutcome:  # fmt: skip
+        """Read ``ring``'s rounds through ``pieces`` (round k into piece ``k % len(pieces)``) and hand each, once it
+        landed and its digests (into ``digests[k]``) equal ``expected[unit_start[k]:unit_start[k + 1]]``, to the C
+        function at address ``consumer`` (``int f(const char *)``) with ``arguments[k]`` (an address): one C call for
+        every round, no Python between rounds. The first ``len(given)`` rounds were submitted already (their
+        handles, from :meth:`submit_plan` into their pieces); each later round is submitted once the loop reached
+        the round after the one its piece held. The first failure stops the loop: an I/O error of a round submitted
+        here raises (as :meth:`IOHandle.wait` does; a given round's error is its handle's); a checksum mismatch or a
+        consumer's nonzero status is returned. Nothing is in flight afterwards; the given handles are waited on by
+        their owner, as before."""
+        self._open()
+        rounds = ring.rounds
+        if not (len(given) <= min(len(pieces), rounds) and len(digests) == rounds and arguments.size == rounds
+                and arguments.dtype == np.uint64 and expected.dtype == np.uint64
+                and expected.size == int(ring.unit_start[-1]) and pieces):  # fmt: skip
+            raise ValueError(f"run_rounds: {rounds} rounds need a digest array and an argument each, the expected "
+                             f"digests of {int(ring.unit_start[-1])} units, and at most one given handle per piece.")
+        for k, array in enumerate(digests):
+            if array.dtype != np.uint64 or array.size < ring.unit_start[k + 1] - ring.unit_start[k]:
+                raise ValueError(f"run_rounds: round {k}'s digest array holds {array.size} uint64, it needs "
+                                 f"{int(ring.unit_start[k + 1] - ring.unit_start[k])}.")
+        if not all(self.owns(handle) for handle in given):
+            raise ValueError("run_rounds: the given rounds must be this file's batches.")
+        views = [fit_plan(ring.largest, piece, direct=self.direct) for piece in pieces]
+        piece_addresses = np.array([view.ctypes.data for view in views], dtype=np.uint64)
+        digest_addresses = np.array([array.ctypes.data for array in digests], dtype=np.uint64)
+        batches = np.array([handle._batch or 0 for handle in given], dtype=np.uint64)  # type: ignore[attr-defined]
+        packed = ctypes.create_string_buffer(_ROUNDS.pack(
+            rounds, len(pieces), len(given), self.fd, self._chunk, ring.unit, self.pool, ring.request_start.ctypes.data,
+            ring.offsets.ctypes.data, ring.lengths.ctypes.data, ring.within.ctypes.data, piece_addresses.ctypes.data,
+            digest_addresses.ctypes.data, ring.unit_start.ctypes.data, expected.ctypes.data, batches.ctypes.data,
+            consumer, arguments.ctypes.data, 0, 0, 0, 0, 0), _ROUNDS.size)  # fmt: skip
+        if self.lib.tkv_rounds(packed):
+            raise ValueError("run_rounds: the C loop refused its arguments.")
+        failed, kind, code, request, waited = struct.unpack_from("<5q", packed, _RESULTS_AT)
+        if kind == _ROUND_NOMEM:
+            raise OSError(errno.ENOMEM, "native engine: out of memory queueing a round", self.path)
+        if kind == _ROUND_IO and failed < len(given):
+            given[failed].wait()  # raises its error
+        if kind == _ROUND_IO:
+            if code == _EOF:
+                raise eof_error(self.path, int(ring.offsets[request]), int(ring.lengths[request]), None)
+            raise OSError(code, os.strerror(code), self.path)
+        return RoundsOutcome(None if failed < 0 else failed, kind == _ROUND_CONSUMER, code, waited * 1e-9)
 
     def _open(self) -> None:
         if self.pool is None:

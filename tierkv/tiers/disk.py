@@ -56,6 +56,7 @@ from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, TierKVEr
 from tierkv.io import ALIGN, DiskFile, IOHandle, aligned_empty, open_disk_file
 from tierkv.io.base import ArrayPlan
 from tierkv.io.checksum import xxh3_rows
+from tierkv.io.native import NativeFile, RingPlan, RoundsOutcome
 from tierkv.layout import BlockLayout, SlotBytes
 from tierkv.tiers.base import BounceLike, Dest, Scratch, landing_pieces
 from tierkv.tiers.lease import Lease, reclaim_dead
@@ -625,6 +626,58 @@ class _DiskRead:
         except BaseException:
             self.settle()
             raise
+
+    def ring_views(self) -> list[tuple[int, int, torch.Tensor]] | None:
+        """Where each round will land, for :meth:`consume_rounds`: ``(lo, hi, staged)`` as :meth:`each_round` hands
+        them out (``staged`` holds the round's bytes only while :meth:`consume_rounds` hands the round to its
+        consumer). None where the rounds cannot be consumed in one C loop: another engine than the native one (which
+        hashes as it reads), a read into device memory, a slot never written (:meth:`each_round` raises its error
+        in turn), or a read whose rounds were handed out already (or whose handles are not the engine's own)."""
+        file = self.slot_file.file
+        if self.device_direct or not self.rounds or not isinstance(file, NativeFile) or \
+                sorted(self.handles) != list(range(min(len(self.pieces), self.rounds))) or \
+                not all(file.owns(handle) for handle in self.handles.values()) or \
+                not self.slot_file.written[self.slots].all():  # fmt: skip
+            return None
+        size, ring = self.layout.slot_bytes, len(self.pieces)
+        return [(lo, hi, torch.from_numpy(self.pieces[k % ring][: (hi - lo) * size]).view(hi - lo, size))
+                for k in range(self.rounds) for lo, hi in [self._bounds(k)]]  # fmt: skip
+
+    def consume_rounds(self, consumer: int, arguments: np.ndarray) -> RoundsOutcome:
+        """Every round, in turn, verified, handed in place to the C function ``consumer`` (``int f(const char *)``)
+        with ``arguments[k]`` (an address): :meth:`each_round`'s loop in one C call (:meth:`NativeFile.run_rounds`),
+        no Python between rounds. Only where :meth:`ring_views` gave the rounds. Raises a round's I/O failure or
+        checksum mismatch as :meth:`each_round` does; returns the consumer's refusal (the round and its status) and
+        the time spent waiting for rounds. Nothing is in flight afterwards."""
+        file, slots, ring = self.slot_file.file, self.slots, len(self.pieces)
+        assert isinstance(file, NativeFile) and not self.device_direct, "consume_rounds: only after ring_views"
+        memo, key = {} if self.memo is None else self.memo, ("ring", self.per_round)
+        if key not in memo:
+            memo[key] = RingPlan.of(self.plans)
+        plan: RingPlan = memo[key]
+        given = [self.handles[k] for k in sorted(self.handles)]
+        landed = np.empty(int(plan.unit_start[-1] - plan.unit_start[len(given)]), dtype=np.uint64)
+        digests: list[np.ndarray] = []
+        for k in range(len(given)):
+            array = self.digests[k]
+            assert array is not None  # the native engine hashes as it reads
+            digests.append(array)
+        digests += [landed[plan.unit_start[k] - plan.unit_start[len(given)] :] for k in range(len(given), self.rounds)]
+        for k in range(len(given), min(self.rounds, len(given) + ring)):  # the pieces the loop reads into again
+            self.scratch.accel.host_write(torch.from_numpy(self.pieces[k % ring]))
+        try:
+            outcome = file.run_rounds(plan, self.pieces, given, digests, self.slot_file.sums[slots], consumer,
+                                      arguments)  # fmt: skip
+        except OSError as exc:
+            raise disk_error(exc, self.slot_file.path) from exc
+        finally:
+            self.settle()  # the given rounds landed (the loop waited for them): their batches are freed
+            self.handles.clear()
+            self.digests.clear()
+        if outcome.failed is not None and not outcome.refused:
+            lo, hi = self._bounds(outcome.failed)
+            self.slot_file.verify(slots[lo:hi], digests[outcome.failed][: hi - lo])  # raises its IntegrityError
+        return outcome
 
     def finish(self, dests: Sequence[Dest]) -> None:
         layout, size = self.layout, self.layout.slot_bytes
