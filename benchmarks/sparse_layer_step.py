@@ -1,13 +1,14 @@
-"""What one sparse layer-step costs, piece by piece, with every block on the device (no disk latency).
+"""What one sparse layer-step costs, piece by piece, on the demo model at sparse's defaults.
 
-    python benchmarks/sparse_layer_step.py [--context 32768] [--repeat 2000]
+    python benchmarks/sparse_layer_step.py [--context 16384] [--repeat 300] [--gpu 7MiB]
 
-The demo model's passkey prompt (as ``benchmarks/test_sparse.py``: 128-token blocks, ~5% budget) is prefilled
-into a cache whose device holds it all, a few sparse steps settle the kept blocks, then each piece of layer 1's
-step is repeated ``--repeat`` times on the same state: the scoring, the sticky boost, the whole selection, the
-fill of the staging buffer (kept blocks and the open tail), the attention with its per-block weights. A
-developer's tool for the executor's hot path (it calls its internals): the times are this host's, compare runs
-of two versions of the code made one after the other, not against other machines.
+The demo model's passkey prompt (as ``benchmarks/test_sparse.py``: 128-token blocks, its device budget, the rest of
+the KV on the host and disk) is prefilled, a few sparse steps (``tokens`` the benchmark's first budget, 16-token
+pages, the default rest copy) settle the kept pages, then the arguments of layer 1's next calls are recorded and
+each piece is repeated ``--repeat`` times on that state: the whole layer-step (``attend``), the selection (with
+its scoring), the scoring alone, the rest copy's attention. A developer's tool for the executor's hot path (it
+calls its internals): the times are this host's, compare runs of two versions of the code made one after the
+other, not against other machines.
 """
 
 from __future__ import annotations
@@ -33,47 +34,49 @@ def timed(label: str, piece: Callable[[], object], repeat: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--repeat", type=int, default=2000)
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--repeat", type=int, default=300)
+    parser.add_argument("--gpu", default="7MiB", help="the device budget (512MiB: every block on the device)")
     args = parser.parse_args()
     os.environ["TIERKV_BENCH_SPARSE_CONTEXT"] = str(args.context)
-    os.environ["TIERKV_BENCH_SPARSE_GPU"] = "512MiB"  # everything on the device
+    os.environ["TIERKV_BENCH_SPARSE_GPU"] = args.gpu
     sys.path.insert(0, str(Path(__file__).parent))
     import test_sparse as bench
 
-    from tierkv.attention.lse import weighted_attention
-    from tierkv.attention.sparse import SparseBudget
+    from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseAttention
+
+    layer = 1
+    recorded: dict[str, tuple] = {}
+
+    def recording(name: str, method: Callable) -> Callable:
+        def wrapper(executor, *call_args):
+            if call_args[0] == layer or getattr(call_args[0], "layer", None) == layer:
+                recorded[name] = call_args
+            return method(executor, *call_args)
+        return wrapper
 
     with tempfile.TemporaryDirectory() as folder:
         decoder = bench.Decoder(Path(folder))
-        tokens = bench.BUDGETS[0]
-        with decoder.sparse(tokens)():
+        with decoder.sparse(bench.BUDGETS[0], rest_bits=DEFAULT_REST_BITS)():
             for _ in range(4):
                 decoder.step([], [])
             executor = decoder.cache.executors["sparse"]
-            store, layer = executor.store, 1
-            rows, summaries = store.table.rows[layer], executor.sparse_blocks.enable_summaries()
-            layout = store.layouts[layer]
-            stop, lo, hi = store.seq_length(layer), 1, rows.count - 1
-            config = decoder.model.config
-            groups = config.num_attention_heads // config.num_key_value_heads
-            q = torch.randn(1, layout.kv_heads, groups, 1, layout.head_dim)  # [B, H_kv, G, 1, D]
-            scaling, budget = layout.head_dim**-0.5, SparseBudget(tokens)
-            score = executor._scores(layer, rows, lo, hi, q, summaries, scaling, None)
-            columns = executor._select(layer, 0, stop, q, budget, summaries, scaling, None)
-            staging = executor._staging(layer, 1, columns.shape[1])
-            keys, values = staging[0], staging[1]  # [B, H_kv, K · block_tokens, D]
-            print(f"demo model, {args.context:,} tokens, layer {layer}: {columns.shape[1]} of {rows.count} blocks")
-            timed("scoring (summaries -> block scores)", lambda: executor._scores(
-                layer, rows, lo, hi, q, summaries, scaling, None), args.repeat)
-            timed("sticky boost", lambda: executor._with_sticky(layer, lo, hi, score), args.repeat)
-            timed("whole selection", lambda: executor._select(
-                layer, 0, stop, q, budget, summaries, scaling, None), args.repeat)
-            timed("fill (kept blocks + the open tail)", lambda: executor._fill(layer, columns, staging), args.repeat)
-            timed("attention + per-token weights", lambda: weighted_attention(
-                q, keys, values, None, scaling, None), args.repeat)
-            timed("policy update (attended)", lambda: executor.sparse_blocks.attended(layer, columns, None),
-                  args.repeat)
+            originals = {name: getattr(SparseAttention, name) for name in ("attend", "_select", "_scores",
+                                                                           "_rest_attention")}
+            for name, method in originals.items():
+                setattr(SparseAttention, name, recording(name, method))
+            try:
+                decoder.step([], [])
+            finally:
+                for name, method in originals.items():
+                    setattr(SparseAttention, name, method)
+            print(f"demo model, {args.context:,} tokens, layer {layer}, blocks {decoder.cache.stats()['blocks']}")
+            with torch.no_grad():
+                for name, label in (("attend", "the whole layer-step (attend)"), ("_select", "  selection"),
+                                    ("_scores", "    scoring"), ("_rest_attention", "  rest copy's attention")):
+                    if name in recorded:
+                        method = getattr(executor, name)
+                        timed(label, lambda method=method, name=name: method(*recorded[name]), args.repeat)
         decoder.cache.close()
     return 0
 

@@ -134,7 +134,7 @@ int64_t tkv_attn_max_threads(void) {
 }
 
 /* `n` elements at `src` as fp32: `src` itself for fp32, else widened into `buf`. */
-static inline const float *as_f32(const char *src, int64_t n, int dtype, float *buf) {
+TKV_INLINE const float *as_f32(const char *src, int64_t n, int dtype, float *buf) {
     if (dtype == TKV_F32) return (const float *)src;
     widen(src, dtype, n, buf);
     return buf;

@@ -22,20 +22,29 @@ enum { TKV_F32 = 0, TKV_F16 = 1, TKV_BF16 = 2 };
 #define TKV_CLONES
 #endif
 
-static inline float bits_to_float(uint32_t u) {
+/* The helpers below are always inlined: a plain `static inline` called from a multi-versioned function was compiled
+ * once, out of line, for the baseline target (GCC does not inline it across the clones' targets), so each widened
+ * element or softmax weight cost a call and the loops around them stayed scalar. */
+#if defined(__GNUC__)
+#define TKV_INLINE static inline __attribute__((always_inline))
+#else
+#define TKV_INLINE static inline
+#endif
+
+TKV_INLINE float bits_to_float(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
 }
 
-static inline uint32_t float_to_bits(float f) {
+TKV_INLINE uint32_t float_to_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     return u;
 }
 
 /* IEEE half -> float, exact, without branches the compiler cannot turn into selects (vectorises). */
-static inline float half_to_float(uint16_t h) {
+TKV_INLINE float half_to_float(uint16_t h) {
     uint32_t em = h & 0x7fffu;
     uint32_t bits = (em << 13) + (112u << 23);         /* rebias the exponent 15 -> 127 */
     bits = em >= 0x7c00u ? bits + (112u << 23) : bits; /* inf / nan keep an all-ones exponent */
@@ -45,7 +54,7 @@ static inline float half_to_float(uint16_t h) {
 }
 
 /* `n` elements of `dtype` at `src` as fp32 into `dst` (exact: every format here widens to fp32). */
-static inline void widen(const void *src, int64_t dtype, int64_t n, float *restrict dst) {
+TKV_INLINE void widen(const void *src, int64_t dtype, int64_t n, float *restrict dst) {
     if (dtype == TKV_F32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
     } else if (dtype == TKV_BF16) {

@@ -6,7 +6,8 @@
  * bytes, written and read again); this kernel reads each code byte once and never materialises a decoded page:
  *
  *     logit[g, t] = q_g · (lo + c_t · step)  =  q_g · lo  +  (q_g ⊙ step) · c_t        (one FMA per code)
- *     out[g]     += w[g, t] · (v_lo + c'_t · v_step)   per value group                 (one FMA per code)
+ *     out[g]     += w[g, t] · (v_lo + c'_t · v_step)  =  Σ_t (w · v_step) c'_t  +  Σ_t w · v_lo   (one FMA per
+ *                                                   code; the offsets summed once per value group, not per code)
  *
  * with an online softmax over the pages of each (row, KV head), all query heads of the head's group in the same
  * pass over the codes. Where there are fewer rows x KV heads than threads, each one's entries are cut into pieces
@@ -69,7 +70,7 @@ int64_t tkv_rest_args_size(void) { return (int64_t)sizeof(tkv_rest_args); }
 
 /* e^x for x <= 0 (a softmax weight), vectorisable: 2^n · p(r), r = x - n·ln 2 in [-ln2/2, ln2/2], p of degree 6
  * (relative error ~2e-7, as libm's expf within a few ulp); 0 below e^-87 (libm: a subnormal or 0). */
-static inline float weight_exp(float x) {
+TKV_INLINE float weight_exp(float x) {
     const float clamped = x < -87.0f ? -87.0f : x;
     const float n = __builtin_rintf(clamped * 1.44269504088896341f); /* to nearest (vroundps; no libm call) */
     const float r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
@@ -106,9 +107,13 @@ static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args
     /* per piece, one allocation: q ⊙ step by lane [G, LANES, J], the page's logits then weights [G, pt], its codes
      * by lane [pt, LANES, J] (keys, then values), its key bounds [2, D] and value scales [pt, VG, 2]; on the stack
      * per head the base logit q · lo, the page's and the running max, the running sum. */
-    float *qs = malloc((size_t)(G * D + G * pt + pt * D + 2 * D + pt * VG * 2) * sizeof(float));
+    float *qs = malloc((size_t)(3 * G * D + G * pt + pt * D + 2 * D + pt * VG * 2) * sizeof(float));
     if (!qs) return TKV_ENOMEM;
     float *w = qs + G * D, *c = w + G * pt, *lohi = c + pt * D, *vs = lohi + 2 * D;
+    float *ql = vs + pt * VG * 2, *span = ql + G * D; /* the query by lane [G, LANES, J]; a page's step by lane */
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < LANES; i++)
+            for (int64_t j = 0; j < J; j++) ql[(g * LANES + i) * J + j] = q[g * D + j * LANES + i];
     float base[TKV_MAX_GROUP], peak[TKV_MAX_GROUP], m[TKV_MAX_GROUP], s[TKV_MAX_GROUP];
     for (int64_t g = 0; g < G; g++) {
         m[g] = -INFINITY;
@@ -127,13 +132,13 @@ static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args
         widen(summaries + at * a->fields * D * summary_size, a->summary_dtype, 2 * D, lohi);
         widen(scales + at * pt * VG * 2 * scale_size, a->scale_dtype, pt * VG * 2, vs);
         const float *lo = lohi, *hi = lohi + D;
+        for (int64_t i = 0; i < LANES; i++) /* the page's step by lane, once for all heads of the group */
+            for (int64_t j = 0; j < J; j++) span[i * J + j] = (hi[j * LANES + i] - lo[j * LANES + i]) * inv_levels;
         for (int64_t g = 0; g < G; g++) {
             float acc = 0.0f;
-            for (int64_t i = 0; i < LANES; i++)
-                for (int64_t j = 0; j < J; j++) {
-                    const int64_t d = j * LANES + i;
-                    qs[(g * LANES + i) * J + j] = q[g * D + d] * (hi[d] - lo[d]) * inv_levels;
-                }
+#pragma omp simd
+            for (int64_t k = 0; k < D; k++) qs[g * D + k] = ql[g * D + k] * span[k];
+#pragma omp simd reduction(+ : acc)
             for (int64_t d = 0; d < D; d++) acc += q[g * D + d] * lo[d];
             base[g] = acc;
         }
@@ -155,14 +160,17 @@ static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args
         }
         if (a->softcap > 0)
             for (int64_t k = 0; k < G * pt; k++) w[k] = (float)(tanh(w[k] / a->softcap) * a->softcap);
+        if (bias)
+            for (int64_t g = 0; g < G; g++)
+#pragma omp simd
+                for (int64_t t = 0; t < pt; t++) {
+                    const float x = w[g * pt + t] + bias[e * pt + t];
+                    w[g * pt + t] = x < -FLT_MAX ? -FLT_MAX : x; /* masked keys stay finite, as in tierkv.attention.lse */
+                }
         for (int64_t g = 0; g < G; g++) {
             float top = -INFINITY;
-            for (int64_t t = 0; t < pt; t++) {
-                float x = w[g * pt + t] + (bias ? bias[e * pt + t] : 0.0f);
-                x = x < -FLT_MAX ? -FLT_MAX : x; /* masked keys stay finite, as in tierkv.attention.lse */
-                w[g * pt + t] = x;
-                top = x > top ? x : top;
-            }
+#pragma omp simd reduction(max : top)
+            for (int64_t t = 0; t < pt; t++) top = w[g * pt + t] > top ? w[g * pt + t] : top;
             peak[g] = top;
         }
         for (int64_t g = 0; g < G; g++) {
@@ -188,19 +196,27 @@ static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args
                 for (int64_t j = 0; j < J; j++) c[(t * LANES + i) * J + j] = (float)((bytes[j] >> (i * BITS)) & MASK);
         }
         for (int64_t g = 0; g < G; g++) { /* a head's accumulators in registers over the page's tokens */
-            float acc[TKV_MAX_DIM];
+            float acc[TKV_MAX_DIM], offsets[TKV_MAX_DIM]; /* a value group's offsets: one sum per group, not per code */
             memcpy(acc, out + g * D, (size_t)D * sizeof(float));
+            memset(offsets, 0, (size_t)VG * sizeof(float));
             for (int64_t t = 0; t < pt; t++) {
                 const float wt = w[g * pt + t], *scale = vs + t * VG * 2, *ct = c + t * D;
                 for (int64_t k = 0; k < VG; k++) {
-                    const float off = wt * scale[2 * k], step = wt * scale[2 * k + 1];
+                    const float step = wt * scale[2 * k + 1];
+                    offsets[k] += wt * scale[2 * k];
                     for (int64_t i = 0; i < LANES; i++) {
                         const int64_t at = i * J + k * width;
 #pragma omp simd
-                        for (int64_t j = 0; j < width; j++) acc[at + j] += off + step * ct[at + j];
+                        for (int64_t j = 0; j < width; j++) acc[at + j] += step * ct[at + j];
                     }
                 }
             }
+            for (int64_t k = 0; k < VG; k++)
+                for (int64_t i = 0; i < LANES; i++) {
+                    const int64_t at = i * J + k * width;
+#pragma omp simd
+                    for (int64_t j = 0; j < width; j++) acc[at + j] += offsets[k];
+                }
             memcpy(out + g * D, acc, (size_t)D * sizeof(float));
         }
     }
