@@ -85,6 +85,21 @@ TKV_INLINE float weight_exp(float x) {
     return x < -87.0f ? 0.0f : p * scale;
 }
 
+/* a · b over n floats as 32 running sums (four AVX2 registers), added up at the end: one running sum is bound by
+ * the latency of its chain of FMAs, not by their throughput (at a head of 256 it was a quarter of the kernel). */
+TKV_INLINE float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float part[32] = {0.0f};
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32)
+#pragma omp simd
+        for (int64_t l = 0; l < 32; l++) part[l] += a[k + l] * b[k + l];
+    float x = 0.0f;
+    for (; k < n; k++) x += a[k] * b[k];
+#pragma omp simd reduction(+ : x)
+    for (int64_t l = 0; l < 32; l++) x += part[l];
+    return x;
+}
+
 /* One (row, KV head), entries [e0, e1) of the row, all G query heads of the head: the unnormalised partial state
  * (running max ``m`` [G], sum ``s`` [G], weighted values ``out`` [G, D]) that tkv_rest merges across pieces.
  * ``D`` and ``BITS`` are constants where the caller passes constants (always inlined into each specialisation). */
@@ -95,6 +110,8 @@ static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args
     const int64_t G = a->groups, pt = a->page_tokens, n = a->entries, rows = a->rows;
     const int64_t LANES = 8 / BITS, J = D / LANES, tok_bytes = D * BITS / 8; /* codes per byte; bytes per token */
     const int64_t width = D / VG / LANES; /* bytes per value group */
+    /* channels accumulated at a time: 64 (eight AVX2 registers) where whole value groups of one lane make it */
+    const int64_t CHUNK = D > 64 && J % 64 == 0 && 64 % width == 0 ? 64 : D;
     const unsigned MASK = (1u << BITS) - 1u;
     const float inv_levels = 1.0f / (float)MASK;
     const float *q = (const float *)a->query + (b * a->kv_heads + h) * G * D;
@@ -105,9 +122,10 @@ static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args
     const int64_t *pages = (const int64_t *)a->pages + b * n;
     const float *bias = a->bias ? (const float *)a->bias + b * n * pt : NULL;
     /* per piece, one allocation: q ⊙ step by lane [G, LANES, J], the page's logits then weights [G, pt], its codes
-     * by lane [pt, LANES, J] (keys, then values), its key bounds [2, D] and value scales [pt, VG, 2]; on the stack
-     * per head the base logit q · lo, the page's and the running max, the running sum. */
-    float *qs = malloc((size_t)(3 * G * D + G * pt + pt * D + 2 * D + pt * VG * 2) * sizeof(float));
+     * by lane [pt, LANES, J] (keys, then values), its key bounds [2, D] and value scales [pt, VG, 2], the query by
+     * lane [G, LANES, J] and the page's step by lane [D]; on the stack per head the base logit q · lo, the page's
+     * and the running max, the running sum. */
+    float *qs = malloc((size_t)(2 * G * D + G * pt + pt * D + 3 * D + pt * VG * 2) * sizeof(float));
     if (!qs) return TKV_ENOMEM;
     float *w = qs + G * D, *c = w + G * pt, *lohi = c + pt * D, *vs = lohi + 2 * D;
     float *ql = vs + pt * VG * 2, *span = ql + G * D; /* the query by lane [G, LANES, J]; a page's step by lane */
@@ -135,12 +153,9 @@ static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args
         for (int64_t i = 0; i < LANES; i++) /* the page's step by lane, once for all heads of the group */
             for (int64_t j = 0; j < J; j++) span[i * J + j] = (hi[j * LANES + i] - lo[j * LANES + i]) * inv_levels;
         for (int64_t g = 0; g < G; g++) {
-            float acc = 0.0f;
 #pragma omp simd
             for (int64_t k = 0; k < D; k++) qs[g * D + k] = ql[g * D + k] * span[k];
-#pragma omp simd reduction(+ : acc)
-            for (int64_t d = 0; d < D; d++) acc += q[g * D + d] * lo[d];
-            base[g] = acc;
+            base[g] = dot(q + g * D, lo, D);
         }
         for (int64_t t = 0; t < pt; t++) { /* the page's key codes by lane, [pt, LANES, J] */
             const uint8_t *bytes = key + t * tok_bytes;
@@ -150,13 +165,7 @@ static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args
         }
         for (int64_t g = 0; g < G; g++) {
             const float *qg = qs + g * D;
-            for (int64_t t = 0; t < pt; t++) {
-                const float *ct = c + t * D;
-                float x = 0.0f;
-#pragma omp simd reduction(+ : x)
-                for (int64_t k = 0; k < D; k++) x += qg[k] * ct[k];
-                w[g * pt + t] = base[g] + x;
-            }
+            for (int64_t t = 0; t < pt; t++) w[g * pt + t] = base[g] + dot(qg, c + t * D, D);
         }
         if (a->softcap > 0)
             for (int64_t k = 0; k < G * pt; k++) w[k] = (float)(tanh(w[k] / a->softcap) * a->softcap);
@@ -195,29 +204,31 @@ static inline __attribute__((always_inline)) int attend_body(const tkv_rest_args
 #pragma omp simd
                 for (int64_t j = 0; j < J; j++) c[(t * LANES + i) * J + j] = (float)((bytes[j] >> (i * BITS)) & MASK);
         }
-        for (int64_t g = 0; g < G; g++) { /* a head's accumulators in registers over the page's tokens */
-            float acc[TKV_MAX_DIM], offsets[TKV_MAX_DIM]; /* a value group's offsets: one sum per group, not per code */
-            memcpy(acc, out + g * D, (size_t)D * sizeof(float));
+        for (int64_t g = 0; g < G; g++) {
+            float offsets[TKV_MAX_DIM]; /* a value group's offsets: one sum per group, not per code */
             memset(offsets, 0, (size_t)VG * sizeof(float));
-            for (int64_t t = 0; t < pt; t++) {
-                const float wt = w[g * pt + t], *scale = vs + t * VG * 2, *ct = c + t * D;
-                for (int64_t k = 0; k < VG; k++) {
-                    const float step = wt * scale[2 * k + 1];
-                    offsets[k] += wt * scale[2 * k];
-                    for (int64_t i = 0; i < LANES; i++) {
-                        const int64_t at = i * J + k * width;
+            for (int64_t t = 0; t < pt; t++)
+                for (int64_t k = 0; k < VG; k++) offsets[k] += w[g * pt + t] * vs[(t * VG + k) * 2];
+            /* the head's accumulators a chunk of lane-ordered channels at a time, held in registers over the page's
+             * tokens (a head of 256 does not fit them whole); a chunk is whole value groups of one lane */
+            for (int64_t p0 = 0; p0 < D; p0 += CHUNK) {
+                float acc[TKV_MAX_DIM];
+                memcpy(acc, out + g * D + p0, (size_t)CHUNK * sizeof(float));
+                for (int64_t t = 0; t < pt; t++) {
+                    const float wt = w[g * pt + t], *scale = vs + t * VG * 2, *ct = c + t * D + p0;
+                    for (int64_t at = 0; at < CHUNK; at += width) {
+                        const float step = wt * scale[2 * ((p0 + at) % J / width) + 1];
 #pragma omp simd
                         for (int64_t j = 0; j < width; j++) acc[at + j] += step * ct[at + j];
                     }
                 }
-            }
-            for (int64_t k = 0; k < VG; k++)
-                for (int64_t i = 0; i < LANES; i++) {
-                    const int64_t at = i * J + k * width;
+                for (int64_t at = 0; at < CHUNK; at += width) {
+                    const float offset = offsets[(p0 + at) % J / width];
 #pragma omp simd
-                    for (int64_t j = 0; j < width; j++) acc[at + j] += offsets[k];
+                    for (int64_t j = 0; j < width; j++) acc[at + j] += offset;
                 }
-            memcpy(out + g * D, acc, (size_t)D * sizeof(float));
+                memcpy(out + g * D + p0, acc, (size_t)CHUNK * sizeof(float));
+            }
         }
     }
     for (int64_t g = 0; g < G; g++) { /* back to channel order */
