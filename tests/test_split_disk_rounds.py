@@ -509,6 +509,21 @@ def test_consume_rounds_raises_a_read_past_the_end_of_the_file_as_a_disk_error(n
     quiet_pieces(read)
 
 
+def test_consume_rounds_raises_a_failed_round_settled_before_the_loop(nine):
+    """The file cut after two slots before the read: its second round (submitted at the start) fails and a settle
+    waits for it; the loop raises that DiskTierError before any round reaches the consumer."""
+    tier, layout, slots, _ = nine
+    order = np.sort(slots)
+    slot_file = next(iter(tier.files.values()))
+    os.truncate(slot_file.path, int(order[2]) * layout.slot_bytes)
+    read = tier.start_read(layout, order, Scratch(BounceBuffer))
+    read.settle()
+    consumer = Consumer(read, layout)
+    with pytest.raises(DiskTierError, match=str(slot_file.path)):
+        read.consume_rounds(consumer.address, consumer.arguments)
+    assert consumer.got == [] and not read.handles
+
+
 def test_split_reads_ahead_through_rings_within_the_read_ahead_bound(tmp_path, monkeypatch, kernel):
     """Split's disk reads at a small bounce limit (two slots): each a ring of six one-slot rounds through three
     bounce buffers, so while a round is attended five more are in flight (two halves would allow one); the next

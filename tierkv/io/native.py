@@ -324,6 +324,9 @@ class NativeFile(DiskFile):
                                  f"{int(ring.unit_start[k + 1] - ring.unit_start[k])}.")
         if not all(self.owns(handle) for handle in given):
             raise ValueError("run_rounds: the given rounds must be this file's batches.")
+        for handle in given:  # one waited for already (settled): its failure, if it had one, before its bytes are used
+            if handle._batch is None:  # type: ignore[attr-defined]
+                handle.wait()
         views = [fit_plan(ring.largest, piece, direct=self.direct) for piece in pieces]
         piece_addresses = np.array([view.ctypes.data for view in views], dtype=np.uint64)
         digest_addresses = np.array([array.ctypes.data for array in digests], dtype=np.uint64)
