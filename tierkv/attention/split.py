@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -573,9 +572,8 @@ class _DiskShare:
             return None
         packed, parts, alive = [], [], []  # alive: the query and mask as each call reads them, until the loop ran
         for lo, hi, staged in views:
-            slab = layout.blocks_of(staged)
-            call = self._call(lo, hi, columns).ready(functools.partial(_same, slab), query, length, mask, shift,
-                                                     scaling, softcap, threads, bind=slab)  # fmt: skip
+            call = self._ready(lo, hi, layout.blocks_of(staged), query, length, mask, columns, shift, scaling, softcap,
+                               threads)  # fmt: skip
             if call is None:
                 return None
             args, out, lse, held = call.pack(query, length, mask)
@@ -588,6 +586,13 @@ class _DiskShare:
             packed[outcome.failed][1].raise_for(outcome.status)
         return parts, outcome.waited_s
 
+    def _ready(self, lo: int, hi: int, slab: torch.Tensor, query: torch.Tensor, length: int,
+               mask: torch.Tensor | None, columns: np.ndarray, shift: int, scaling: float, softcap: float | None,
+               threads: int | None) -> host_kernel.PagedCall | None:  # fmt: skip
+        """Round ``[lo, hi)``'s kernel call bound to ``slab``, where the round lands (:meth:`_TableCall.ready`)."""
+        return self._call(lo, hi, columns).ready(lambda: slab, query, length, mask, shift, scaling, softcap, threads,
+                                                 bind=slab)  # fmt: skip
+
     def _call(self, lo: int, hi: int, columns: np.ndarray) -> _TableCall:
         """Round ``[lo, hi)``'s :class:`_TableCall`, made on first use (``columns``: the share's first key positions
         before the shift)."""
@@ -596,11 +601,6 @@ class _DiskShare:
             table, round_columns = self.round(lo, hi)
             kept = self._calls[(lo, hi)] = _TableCall(table, columns[:, round_columns])
         return kept
-
-
-def _same(slab: torch.Tensor) -> torch.Tensor:
-    """``slab`` itself: a round's slabs for :meth:`_TableCall.ready`, bound with :func:`functools.partial`."""
-    return slab
 
 
 class _TableCall:
