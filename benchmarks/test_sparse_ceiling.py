@@ -41,6 +41,12 @@ file (:class:`tierkv.calibrate.disk.RawDirect`, the baseline of ``tierkv bench``
 ceiling **with device reads**: plus sparse's reads on the device (summaries, rest copy, staged K/V) at the memory
 link's bandwidth (on a CPU host the device is host memory, so those reads cost what its memcpy does).
 
+Beside them, the **rest kernel**: the time the sparse step spends in the rest copy's C kernel
+(:func:`tierkv.attention.rest_kernel.rest_attention`, wrapped with a timer during the timed sparse steps; median per
+step), and the **room** the target leaves for everything sparse adds to the model alone (1.3 x ceiling - model alone):
+where the kernel alone takes more than the room, no selection or I/O work can meet the target on this host with the
+4-bit rest copy, which the fidelity target needs (docs/quality.md).
+
 Targets (asserted with ``--benchmark-enable``; issue 30): sparse step <= 1.3x the ceiling at every context; at
 >= 16K on the full-attention models (demo, SmolLM2) >= 10x fewer link bytes per token than exact and >= 4x fewer
 in total (links + device reads). Skipped, with the reason, where the cache lacks ``sparse(page_tokens=)`` or
@@ -67,6 +73,7 @@ from rich.table import Table
 from transformers import DynamicCache
 
 from tierkv import TieredCache, models
+from tierkv.attention import rest_kernel
 from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseBudget
 from tierkv.calibrate.disk import RawDirect
 from tierkv.calibrate.timing import seconds
@@ -108,6 +115,30 @@ def _has_page_tokens(cache: TieredCache) -> bool:
     return "page_tokens" in inspect.signature(cache.sparse).parameters
 
 
+class KernelClock:
+    """Seconds spent in :func:`tierkv.attention.rest_kernel.rest_attention` while entered (the executor calls it
+    through the module, so wrapping the module's function times every call)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._original = rest_kernel.rest_attention
+
+    def _timed(self, *args, **kwargs):
+        begun = time.perf_counter()
+        try:
+            return self._original(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - begun
+
+    def __enter__(self) -> KernelClock:
+        self.seconds = 0.0
+        rest_kernel.rest_attention = self._timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        rest_kernel.rest_attention = self._original
+
+
 class Mode:
     """One way to decode the prompt: a model, a cache, an executor entered once for every step."""
 
@@ -117,6 +148,7 @@ class Mode:
         self.token = torch.tensor([[0]])
         self.times: list[float] = []
         self.reads: list[int] = []
+        self.kernel: list[float] = []  # seconds in the rest kernel per timed step
 
     def read(self) -> int:
         if not isinstance(self.cache, TieredCache):
@@ -126,13 +158,16 @@ class Mode:
 
     def step(self, timed: bool) -> None:
         before = self.read() if timed else 0
-        begun = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model(input_ids=self.token, logits_to_keep=1, **self.keyword)
+        with KernelClock() as kernel:
+            begun = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model(input_ids=self.token, logits_to_keep=1, **self.keyword)
+            elapsed = time.perf_counter() - begun
         self.token = out.logits[:, -1:].argmax(-1)
         if timed:
-            self.times.append(time.perf_counter() - begun)
+            self.times.append(elapsed)
             self.reads.append(self.read() - before)
+            self.kernel.append(kernel.seconds)
 
     def settle(self) -> None:
         """Untimed: reads still in flight land before another mode's steps."""
@@ -257,6 +292,7 @@ def _measure(name: str, model, tokenizer, context: int, links: Links, raw: RawDi
     return {
         "context": context, "kv_bytes": kv_bytes, "placed": placed, "after": after, "step": step,
         "ceiling": ceiling, "with_reads": with_reads, "sparse_links": sparse_links,
+        "rest_kernel": statistics.median(modes["sparse"].kernel),
         "sparse_link_total": sum(sparse_links.values()),
         "summary_read": counters["summary_bytes_read_per_step"], "rest_read": counters["rest_bytes_read_per_step"],
         "staged_read": counters["staged_bytes_read_per_step"], "sparse_device": sparse_device,
@@ -273,7 +309,7 @@ def _tables(name: str, rows: list[dict]) -> tuple[Table, Table]:
     steps = Table(title=f"{name}: decode step, sparse (tokens={BUDGET}, {pages}) against exact and the model alone, "
                         "most KV on disk")
     for column in ("context", "KV", "model alone", "exact", "sparse", "ceiling", "sparse / ceiling",
-                   "with device reads", "sparse / that", "exact / alone"):
+                   "with device reads", "sparse / that", "exact / alone", "rest kernel", "room"):
         steps.add_column(column, justify="right")
     moved = Table(title=f"{name}: bytes per decoded token (links: into the device; reads: on the device)")
     for column in ("context", "sparse links", "sparse reads: summaries / rest / staged", "held: summaries / rest",
@@ -284,7 +320,9 @@ def _tables(name: str, rows: list[dict]) -> tuple[Table, Table]:
         steps.add_row(f"{r['context']:,}", format_bytes(r["kv_bytes"]), f"{step['model alone'] * 1e3:.1f} ms",
                       f"{step['exact'] * 1e3:.1f} ms", f"{step['sparse'] * 1e3:.1f} ms", f"{r['ceiling'] * 1e3:.1f} ms",
                       f"{step['sparse'] / r['ceiling']:.2f}x", f"{r['with_reads'] * 1e3:.1f} ms",
-                      f"{step['sparse'] / r['with_reads']:.2f}x", f"{step['exact'] / step['model alone']:.2f}x")
+                      f"{step['sparse'] / r['with_reads']:.2f}x", f"{step['exact'] / step['model alone']:.2f}x",
+                      f"{r['rest_kernel'] * 1e3:.1f} ms",
+                      f"{(CEILING_TARGET * r['ceiling'] - step['model alone']) * 1e3:.1f} ms")
         links = "\n".join(f"{link} {format_bytes(n)}" for link, n in r["sparse_links"].items()) or "-"
         sparse_total = r["sparse_link_total"] + r["sparse_device"]
         moved.add_row(
