@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv import IntegrityError, InvalidConfigError, TieredCache, cuda_standin
+from tierkv import IntegrityError, InvalidConfigError, TieredCache, accel, cuda_standin
 from tierkv import settings as tierkv_settings
 from tierkv.blocks import Tier
 from tierkv.io import aligned_empty
@@ -211,7 +211,9 @@ def chunk_of(store: KVStore, layer: int, tier: Tier) -> np.ndarray:
 
 def test_pages_across_many_slab_chunks(tmp_path):
     """Memory tiers whose pools hold several chunks: pages from all of them in one call, exact, and the Python the
-    call runs is the same whether its pages sit in one chunk per tier or are spread over every chunk."""
+    call runs is the same whether its pages sit in one chunk per tier or are spread over every chunk — apart from
+    the accelerator backend's own copy calls, one per chunk in device memory (``_Sink.land``; the CUDA stand-in
+    also records each one), which are not counted."""
     cache, store = filled(tmp_path, 2, 2, 64, 64, blocks=48, dtype=torch.bfloat16, layers=2)
     with cache:
         for tier in (Tier.DEVICE, Tier.HOST):
@@ -226,11 +228,19 @@ def test_pages_across_many_slab_chunks(tmp_path):
             store.read_pages(0, columns, pages, 8, dest)
             assert torch.equal(dest, want)
 
+        backends = {accel.__file__, cuda_standin.__file__}
+
         def events(columns: np.ndarray) -> int:
             count = 0
 
             def tracer(frame, event, arg):
                 nonlocal count
+                if event == "call":
+                    caller = frame
+                    while caller is not None:
+                        if caller.f_code.co_filename in backends:
+                            return None  # the backend's copy call and what it runs
+                        caller = caller.f_back
                 count += 1
                 return tracer
 
