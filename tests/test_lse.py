@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tierkv.attention.lse import merge, partial_attention
+from tierkv.attention.lse import merge, merge_all, partial_attention
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -46,14 +46,19 @@ def test_weighted_attention_returns_the_output_and_each_keys_softmax_weight(soft
 
 
 
-def test_merging_chunks_equals_attention_over_all_keys():
+@pytest.mark.parametrize("cuts", [((0, 7), (7, 8), (8, 20)), ((0, 20),), ((0, 1), (1, 2), (2, 3), (3, 19), (19, 20))])
+def test_merging_chunks_equals_attention_over_all_keys(cuts):
+    """Merged in turn (``merge``) or all at once (``merge_all``), the pieces give softmax attention over every key."""
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 2, 2, 3, 8, generator=gen)  # [B, H_kv, G, q, D]
+    q = torch.randn(1, 2, 2, 3, 8, generator=gen) * 4  # [B, H_kv, G, q, D]; scaled up: pieces of unequal mass
     keys, values = torch.randn(1, 2, 20, 8, generator=gen), torch.randn(1, 2, 20, 8, generator=gen)
+    pieces = [partial_attention(q, keys[:, :, lo:hi], values[:, :, lo:hi], None, 0.3, None) for lo, hi in cuts]
     out = lse = None
-    for lo, hi in ((0, 7), (7, 8), (8, 20)):
-        out, lse = merge(out, lse, *partial_attention(q, keys[:, :, lo:hi], values[:, :, lo:hi], None, 0.3, None))
+    for piece in pieces:
+        out, lse = merge(out, lse, *piece)
+    assert out is not None and lse is not None
     scores = torch.einsum("bhgqd,bhkd->bhgqk", q, keys) * 0.3
     expected = torch.einsum("bhgqk,bhkd->bhgqd", scores.softmax(-1), values)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+    for merged_out, merged_lse in ((out, lse), merge_all(pieces)):
+        torch.testing.assert_close(merged_out, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(merged_lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)

@@ -253,6 +253,32 @@ def test_the_open_tails_full_pages_compete_with_the_others(tmp_path):
     executor.close()
 
 
+def test_the_open_tails_page_summaries_are_made_again_after_a_table_edit(tmp_path):
+    """The tail's full pages are summarised once and kept while the tail fills; a crop inside the tail, then other
+    keys appended in place of the cut ones (the same tokens, the needle now in tail page 3), is followed after the
+    adapter's invalidate: the selection picks page 3, not the summaries of what was cut."""
+    tail_tokens = 5 * PAGE + 3
+    store, kv = store_with_needles(tmp_path, {0: (COLUMNS - 1, 2), 1: (4, 3)}, tail_tokens=tail_tokens)
+    executor = SparseAttention(store, ThreadMover())
+    q = needle_query()
+    budget = SparseBudget(3 * PAGE, recent=0, page_tokens=PAGE)
+    attend(executor, q, budget)
+    attend(executor, q, budget)  # the kept summaries
+    assert executor._tail_kept[0].tolist() == [[-1, 2], [-1, -1]]
+    tail_first = (COLUMNS - 1) * BT
+    store.crop(0, tail_tokens - 2 * PAGE)
+    executor.invalidate()
+    replaced = kv.clone()
+    replaced[0, :, :, tail_first + 2 * PAGE :, 0] = -1.0  # row 0's needle moves from tail page 2 to page 3
+    replaced[0, 0, :1, tail_first + 3 * PAGE : tail_first + 4 * PAGE, 0] = 4.0
+    store.append(0, replaced[0, :, :, tail_first + 2 * PAGE :], replaced[1, :, :, tail_first + 2 * PAGE :])
+    out = attend(executor, q, budget)
+    assert executor._tail_kept[0].tolist() == [[-1, 3], [-1, -1]]
+    torch.testing.assert_close(out.double(), reference(q, replaced, tail_positions(executor, kv.shape[3])),
+                               atol=1e-5, rtol=0)
+    executor.close()
+
+
 def test_a_page_size_that_does_not_divide_the_block_is_refused_by_name(tmp_path):
     store, _ = store_with_needles(tmp_path, {0: (5, 2)}, on_disk=False)
     executor = SparseAttention(store, ThreadMover())

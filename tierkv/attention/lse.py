@@ -1,10 +1,12 @@
-"""Partial attention with its log-sum-exp, and the exact merge of two partial results.
+"""Partial attention with its log-sum-exp, and the exact merge of partial results.
 
-Every executor that attends in pieces (streaming chunks today; split and sparse next) computes, per piece,
+Every executor that attends in pieces (streaming's chunks, split's tiers, sparse's parts) computes, per piece,
 the softmax-normalised output and the log-sum-exp of its scores, then merges pieces by their share of the
 total mass — FlashAttention's (and FlashInfer's cascade) merge, exact up to float rounding::
 
     lse = logaddexp(lse_a, lse_b);   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+two at a time as they come (:func:`merge`), or all of a step's at once (:func:`merge_all`: fewer tensor calls).
 """
 
 from __future__ import annotations
@@ -19,6 +21,17 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, part_out: torch.Te
         return part_out, part_lse
     merged = torch.logaddexp(lse, part_lse)
     return out * torch.exp(lse - merged).unsqueeze(-1) + part_out * torch.exp(part_lse - merged)[..., None], merged
+
+
+def merge_all(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge pieces ``(out [..., q, D], lse [..., q])`` (at least one, alike in shape) in one pass: the same sum as
+    :func:`merge` applied in turn, in a fixed number of tensor operations however many pieces there are."""
+    if len(parts) == 1:
+        return parts[0]
+    lses = torch.stack([lse for _, lse in parts])
+    total = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - total).unsqueeze(-1)
+    return (torch.stack([out for out, _ in parts]) * weights).sum(dim=0), total
 
 
 def mask_bias(mask: torch.Tensor | None, offset: int, count: int, total: int, q_len: int, dtype: torch.dtype,

@@ -63,7 +63,7 @@ import torch
 from tierkv.attention import rest_kernel, score_kernel
 from tierkv.attention.base import PipelinedExecutor, Span, register_executor
 from tierkv.attention.kept import KeptBlocks, KeptLayer
-from tierkv.attention.lse import merge, partial_attention, weighted_attention
+from tierkv.attention.lse import merge, merge_all, partial_attention, weighted_attention
 from tierkv.attention.sparse_in_place import SparseInPlace
 from tierkv.attention.sparse_store import SparseBlocks
 from tierkv.attention.speculation import Speculation, SpeculationCounters
@@ -82,6 +82,18 @@ DEFAULT_REST_BITS = 4  # cache.sparse's rest copy: at 10% the one with top-1 >= 
 _LABELS = tuple(tier.label for tier in Tier)  # each tier's label by its value, looked up without the enum
 _INTO_DEVICE = tuple(link(tier, Tier.DEVICE) for tier in Tier)  # the links into the device
 _FROM_DEVICE = tuple(link(Tier.DEVICE, tier) for tier in Tier)  # ... and out of it
+
+
+@dataclass(frozen=True, slots=True)
+class _SummaryRows:
+    """Where the candidates' summaries are: ``index`` ``[B·C]`` table rows on the device and ``rows`` ``[B, C]`` the
+    same in numpy (0 where a block has none); ``missing`` (device) and ``none`` (numpy) ``[B, C]``: the blocks
+    without one (None: every block has one)."""
+
+    index: torch.Tensor
+    missing: torch.Tensor | None
+    rows: np.ndarray
+    none: np.ndarray | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +255,8 @@ class SparseAttention(PipelinedExecutor):
         super().__init__(store, mover, num_layers=num_layers, timeline=timeline, trace=trace)
         self.budget = budget  # what each step reads (TieredCache.sparse sets it)
         self.counters = SparseCounters()
-        self._rows_cache: dict[int, tuple] = {}  # layer -> (key, summary rows [B·C], no-summary mask or None)
+        self._rows_cache: dict[int, tuple] = {}  # layer -> (key, _SummaryRows)
+        self._tail_cache: dict[int, tuple] = {}  # layer -> (key, its open tail's full pages' summaries)
         self.last_columns: np.ndarray | None = None  # the last layer-step's whole blocks [B, K] (grid columns)
         self.last_pages: np.ndarray | None = None  # ... and its pages [B, P] (column · per + page; None: blocks)
         self.sparse_blocks = SparseBlocks(store)  # summaries, open-tail copies, promotion
@@ -349,9 +362,10 @@ class SparseAttention(PipelinedExecutor):
         wants_mass = getattr(store.policy, "wants_mass", False)
         sticky = bool(self.sticky_share) and self._scored  # an exact layer-step (all blocks read) chose nothing
         out, lse, pieces = self._attend_parts(q, parts, wants_mass or sticky, scaling, softcap)
+        attended_parts = [] if out is None or lse is None else [(out, lse)]  # (out, lse) each: merged once, below
         if blocks_here is not None:
-            out, lse = merge(out, lse, blocks_here[0].view(*q.shape[:3], 1, dim), blocks_here[1].view(*q.shape[:3], 1))
-        assert out is not None and lse is not None  # the open tail is always attended, staged or in place
+            attended_parts.append((blocks_here[0].view(*q.shape[:3], 1, dim), blocks_here[1].view(*q.shape[:3], 1)))
+        assert attended_parts  # the open tail is always attended, staged or in place
         page_parts = []  # where the pages are attended in place: (out, lse, each page's own lse [B, H_q, P])
         pending = None  # ... and the read of their misses on disk, in flight while the rest copy is attended
         if here is not None:
@@ -362,28 +376,27 @@ class SparseAttention(PipelinedExecutor):
             page_parts += [in_memory] if in_memory is not None else []
             pending = self.inplace.start_disk_pages(layer, here, attended, per, page)
         try:
-            for page_out, part_lse, _ in page_parts:
-                out, lse = merge(out, lse, page_out.view(*q.shape[:3], 1, dim), part_lse.view(*q.shape[:3], 1))
-            unread = None
+            attended_parts += [(page_out.view(*q.shape[:3], 1, dim), part_lse.view(*q.shape[:3], 1))
+                               for page_out, part_lse, _ in page_parts]
             if self._unread is not None and rest and summaries.table(layer) is not None:
                 read = columns if pages is None else pages
-                # pruned against the mass read so far: the disk pages in flight are not in ``lse`` yet, so fewer
-                # pages are left out than against all of it (the bound holds all the more)
+                # pruned against the mass read so far: the disk pages in flight are not in it yet, so fewer pages
+                # are left out than against all of it (the bound holds all the more)
                 unread = self._rest_attention(layer, start, stop, read, per, q, mask, scaling, softcap, summaries,
-                                              lse) if budget.rest_bits else \
+                                              [part_lse for _, part_lse in attended_parts]) if budget.rest_bits else \
                     self._mean_attention(layer, start, stop, read, per, q, mask, scaling, softcap, summaries)
+                attended_parts += [unread] if unread is not None else []  # the pages not read, from their copy
             if pending is not None:
                 assert attended is not None
                 page_parts.append(self.inplace.attend_disk_pages(layer, pending, attended, per, page, host_query, mask,
                                                                  start, stop, scaling, softcap))  # fmt: skip
-                out, lse = merge(out, lse, page_parts[-1][0].view(*q.shape[:3], 1, dim),
-                                 page_parts[-1][1].view(*q.shape[:3], 1))  # fmt: skip
+                attended_parts.append((page_parts[-1][0].view(*q.shape[:3], 1, dim),
+                                       page_parts[-1][1].view(*q.shape[:3], 1)))  # fmt: skip
                 pending = None
         finally:
             if pending is not None and pending.read is not None:
                 pending.read.settle()
-        if unread is not None:  # the pages not read, from their copy: the same softmax, merged
-            out, lse = merge(out, lse, *unread)
+        out, lse = merge_all(attended_parts)  # one softmax over every part
         page_lse = None
         if page_parts:  # each page is in one part: -inf in the others
             page_lse = page_parts[0][2] if len(page_parts) == 1 else torch.logaddexp(page_parts[0][2], page_parts[1][2])
@@ -518,7 +531,8 @@ class SparseAttention(PipelinedExecutor):
         the candidates' summaries where the table holds them; elsewhere, and where the page means are attended
         (they are gathered anyway), torch gathers them and runs the same computation."""
         table = summaries.table(layer)
-        index, missing = self._summary_rows(layer, rows, lo, hi, summaries, q.device)
+        found = self._summary_rows(layer, rows, lo, hi, summaries, q.device)
+        index, missing = found.index, found.missing
         batch, columns = rows.batch, hi - lo
         pages = summaries.pages(self.store.block_tokens)
         if table is None:
@@ -560,10 +574,16 @@ class SparseAttention(PipelinedExecutor):
 
     def _tail_pages(self, layer: int, stop: int, page: int) -> torch.Tensor | None:
         """Summaries ``[B, H_kv, E, 4·D]`` of the full pages of each row's open tail before the one that holds the
-        newest token (E of them), computed from its device slot now (a tail changes every step, so the store keeps
-        none); None where a tail is not on the device or has no such page."""
+        newest token (E of them), computed from its device slot (the store keeps none: a tail changes every step)
+        when a page fills and kept until then (a full page's tokens change only by a table edit, which
+        :meth:`invalidate` follows, or a new or moved tail, which changes the grid's version); None where a tail
+        is not on the device or has no such page."""
         bt = self.store.block_tokens
         full = (stop - 1 - (-(-stop // bt) - 1) * bt) // page  # pages of the tail before the newest token's
+        key = (self.store.table.rows[layer].version, full, page)
+        cached = self._tail_cache.get(layer)
+        if cached is not None and cached[0] == key:
+            return cached[1]
         _, views = self.store.tail_views(layer)
         if full == 0 or any(view is None for view in views):
             return None
@@ -572,25 +592,40 @@ class SparseAttention(PipelinedExecutor):
         self.counters.summary_bytes_read += tails.numel() * tails.element_size()
         keys, values = paged[:, 0], paged[:, 1]
         summary = torch.stack((keys.amin(3), keys.amax(3), keys.float().mean(3).to(keys.dtype),
-                               values.float().mean(3).to(keys.dtype)), dim=3)
-        return summary.flatten(3)
+                               values.float().mean(3).to(keys.dtype)), dim=3).flatten(3)
+        self._tail_cache[layer] = (key, summary)
+        return summary
 
-    def _summary_rows(self, layer: int, rows, lo: int, hi: int, summaries,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Summary table rows of candidate columns ``[lo, hi)`` as ``[B·C]`` (0 where a block has none), and which
-        have none ``[B, C]`` (None: all have one); looked up once per grid version, candidate range and summaries
-        (the store rebuilds them when ``rest_bits`` or ``page_tokens`` changes)."""
+    def _summary_rows(self, layer: int, rows, lo: int, hi: int, summaries, device: torch.device) -> _SummaryRows:
+        """Summary table rows of candidate columns ``[lo, hi)`` (:class:`_SummaryRows`); looked up once per grid
+        version, candidate range and summaries (the store rebuilds them when ``rest_bits`` or ``page_tokens``
+        changes)."""
         key = (rows.version, lo, hi, summaries)
         cached = self._rows_cache.get(layer)
         if cached is None or cached[0] != key:
             found = summaries.rows(rows.ids[:, lo:hi])  # [B, C]; -1: no summary (always a candidate)
-            missing = torch.from_numpy(found < 0).to(device) if (found < 0).any() else None
-            cached = self._rows_cache[layer] = (key, torch.from_numpy(found.clip(0).ravel()).to(device), missing)
-        return cached[1], cached[2]
+            none = found < 0 if (found < 0).any() else None
+            held = found.clip(0)
+            cached = self._rows_cache[layer] = (key, _SummaryRows(
+                torch.from_numpy(held.ravel()).to(device), None if none is None else torch.from_numpy(none).to(device),
+                held, none))  # fmt: skip
+        return cached[1]
+
+    @staticmethod
+    def _not_from_copy(read: np.ndarray, lo: int, hi: int, per: int, found: _SummaryRows) -> np.ndarray:
+        """``[B, units]`` over the units (pages, or blocks where ``per`` is 1) of candidate columns ``[lo, hi)``: those
+        the rest copy leaves out, the ones read (``read`` ``[B, K]``: as ``column · per + page``) and those of
+        blocks without a summary."""
+        skip = np.zeros((read.shape[0], (hi - lo) * per), dtype=bool)
+        row, position = np.nonzero((read >= lo * per) & (read < hi * per))
+        skip[row, read[row, position] - lo * per] = True
+        if found.none is not None:
+            skip |= np.repeat(found.none, per, axis=1)
+        return skip
 
     def _rest_attention(self, layer: int, start: int, stop: int, read: np.ndarray, per: int, q: torch.Tensor,
                         mask: torch.Tensor | None, scaling: float, softcap: float | None, summaries,
-                        read_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+                        read_lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Attention of ``q`` over the candidate pages the selection did not read (``read`` ``[B, K]``: the pages,
         as ``column · per + page``, or the blocks where ``per`` is 1), from their rest copy on the device: the
         output and log-sum-exp to merge with the read ones' (the same softmax, in two pieces; None: nothing to
@@ -598,60 +633,60 @@ class SparseAttention(PipelinedExecutor):
         pages whose attention mass cannot matter: by Quest's bound (:mod:`tierkv.store.summaries`) no key of a
         page has a logit above its bound, so its mass is at most ``page_tokens · exp(bound)``; the pages with the
         least such mass are left out while their sum stays within :data:`REST_PRUNE_MASS` of the read pages' mass
-        (``read_lse``: ``[B, H_kv, G, 1]``), in every query head — a bounded error, not a guess. The C kernel
-        (:mod:`~tierkv.attention.rest_kernel`) attends them from their codes in one call; torch decodes
-        :data:`REST_CHUNK_TOKENS` tokens at a time, merged by log-sum-exp, so its temporaries stay bounded."""
+        (``read_lses``: each read part's log-sum-exp ``[B, H_kv, G, 1]``), in every query head — a bounded error,
+        not a guess. The C kernel (:mod:`~tierkv.attention.rest_kernel`) attends them from their codes in one call;
+        torch decodes :data:`REST_CHUNK_TOKENS` tokens at a time, merged by log-sum-exp, so its temporaries stay
+        bounded."""
         if self._unread is None:
             return None
         lo, hi = self._unread
         rows = self.store.table.rows[layer]
         bt, batch, device = self.store.block_tokens, rows.batch, q.device
         page, units = bt // per, (hi - lo) * per
-        index, missing = self._summary_rows(layer, rows, lo, hi, summaries, device)
-        taken = np.zeros((batch, units), dtype=bool)
-        row, position = np.nonzero((read >= lo * per) & (read < hi * per))
-        taken[row, read[row, position] - lo * per] = True
-        skip = torch.from_numpy(taken).to(device)
-        skip = skip if missing is None else skip | missing.repeat_interleave(per, dim=1)
+        found = self._summary_rows(layer, rows, lo, hi, summaries, device)
+        skip = self._not_from_copy(read, lo, hi, per, found)  # the page lists are built in numpy: small arrays
         bound = self._bound
         if REST_PRUNE_MASS > 0 and bound is not None and bound[0] == layer and bound[1].shape[-1] >= units:
-            upper = bound[1][..., :units] + math.log(page) - read_lse.float()  # [B, H_kv, G, units]: log mass / read's
-            worst = upper.flatten(1, 2).amax(dim=1)  # [B, units]
+            # each page's log mass over the read's, the most any query head may give it [B, units]
+            read_lse = torch.logsumexp(torch.stack(read_lses), dim=0).float()
+            worst = np.where(skip, -np.inf, (bound[1][..., :units] - read_lse).flatten(1, 2).amax(
+                dim=1).cpu().numpy() + math.log(page))  # fmt: skip
             # the least bounded page alone over the limit: none can be left out (the usual case, measured: Quest's
             # bound is loose) without the sort and cumulative sum
-            if float(worst.masked_fill(skip, math.inf).min()) <= math.log(REST_PRUNE_MASS):
-                ordered, order = worst.masked_fill(skip, -math.inf).sort(dim=1)
-                within = torch.logcumsumexp(ordered, dim=1) <= math.log(REST_PRUNE_MASS)
-                skip = skip | torch.zeros_like(skip).scatter(1, order, within)
-                self.counters.rest_pages_pruned += int(within.sum()) - int((ordered == -math.inf).sum())
-        needed = ~skip
-        count = needed.sum(dim=1)
+            if np.where(skip, np.inf, worst).min() <= math.log(REST_PRUNE_MASS):
+                order = np.argsort(worst, axis=1, kind="stable")
+                ordered = np.take_along_axis(worst, order, axis=1)
+                within = np.logaddexp.accumulate(ordered, axis=1) <= math.log(REST_PRUNE_MASS)
+                pruned = np.zeros_like(skip)
+                np.put_along_axis(pruned, order, within, axis=1)
+                self.counters.rest_pages_pruned += int((pruned & ~skip).sum())
+                skip |= pruned
+        count = units - skip.sum(axis=1)  # [B]
         most = int(count.max())
         if most == 0:
             return None
-        # each row's needed pages first, ascending: [B, most] (rows with fewer: padded, masked below)
-        unit = torch.sort(skip.long() * units + torch.arange(units, device=device), dim=1).values[:, :most] % units
-        valid = torch.arange(most, device=device) < count[:, None]
-        block, part = unit // per, unit % per
-        pages = index.view(batch, -1).gather(1, block) * per + part  # [B, most]: rows of the rest copy
+        unit = np.argsort(skip, axis=1, kind="stable")[:, :most]  # each row's needed pages first, ascending
+        valid = np.arange(most) < count[:, None]  # [B, most] (rows with fewer: padded, masked below)
+        block, part = np.divmod(unit, per)
+        pages = torch.from_numpy(np.take_along_axis(found.rows, block, axis=1) * per + part).to(device)  # [B, most]
         native_kernel = rest_kernel.runs_on(device) and rest_kernel.takes(q.shape[2], q.shape[-1], page)
         bias = None  # the C kernel never reads padding: without a mask and a window it needs no bias
         if not native_kernel or mask is not None or lo * bt < start:
-            positions = ((lo + block) * bt + part * page)[:, :, None] + torch.arange(page, device=device)
-            positions = positions.masked_fill(~valid[:, :, None], -1).flatten(1)  # [B, most · page]
-            bias = _bias(positions, start, stop, mask, q.dtype)
+            positions = ((lo + block) * bt + part * page)[:, :, None] + np.arange(page)
+            positions = torch.from_numpy(np.where(valid[:, :, None], positions, -1).reshape(batch, -1)).to(device)
+            bias = _bias(positions, start, stop, mask, q.dtype)  # [B, 1, 1, most · page]
         chunk = most if native_kernel else max(1, REST_CHUNK_TOKENS // page)  # (the kernel makes no temporaries)
         out = lse = None
         scaled = (q[:, :, :, 0].float() * scaling).contiguous() if native_kernel else q  # the C kernel's query
         for c in range(0, most, chunk):
             picked = pages[:, c : c + chunk].reshape(-1)
-            self.counters.rest_bytes_read += summaries.rest_nbytes(layer, int(valid[:, c : c + chunk].sum()))
+            counts = valid[:, c : c + chunk].sum(axis=1)  # [B]: each row's pages of this chunk
+            self.counters.rest_bytes_read += summaries.rest_nbytes(layer, int(counts.sum()))
             native = None
             if native_kernel:
                 codes, table, scales = summaries.rest_packed(layer)
                 native = rest_kernel.rest_attention(
-                    scaled, codes, table, scales, pages[:, c : c + chunk].contiguous(),
-                    valid[:, c : c + chunk].sum(dim=1),
+                    scaled, codes, table, scales, pages[:, c : c + chunk].contiguous(), torch.from_numpy(counts),
                     None if bias is None else bias[:, 0, 0, c * page : (c + chunk) * page].float().contiguous(),
                     summaries.rest_bits, softcap)
             if native is not None:  # attended straight from the codes
@@ -662,8 +697,9 @@ class SparseAttention(PipelinedExecutor):
             heads, dim = keys.shape[0], keys.shape[-1]
             keys = keys.view(heads, batch, -1, dim).transpose(0, 1)  # [B, H_kv, n·page, D]
             values = values.view(heads, batch, -1, dim).transpose(0, 1)
-            padded = ~valid[:, c : c + chunk].repeat_interleave(page, dim=1)[:, None, :, None]
+            padded = ~valid[:, c : c + chunk]
             if padded.any():  # a padded position may name a row never written (NaN there would survive any bias)
+                padded = torch.from_numpy(np.repeat(padded, page, axis=1)).to(device)[:, None, :, None]
                 keys, values = keys.masked_fill(padded, 0), values.masked_fill(padded, 0)
             out, lse = merge(out, lse, *partial_attention(q, keys, values, bias[..., c * page : (c + chunk) * page],
                                                           scaling, softcap))
@@ -685,22 +721,18 @@ class SparseAttention(PipelinedExecutor):
         rows = store.table.rows[layer]
         bt, batch, device = store.block_tokens, rows.batch, q.device
         page, units = bt // per, (hi - lo) * per
-        index, missing = self._summary_rows(layer, rows, lo, hi, summaries, device)
+        found = self._summary_rows(layer, rows, lo, hi, summaries, device)
         means = self._means
         if means is not None and means[0] == layer:
             pairs = means[1][:, :, :units]  # [B, H_kv, units, 2·D]
         else:  # no scoring this step (nothing selected): gather them
             table = summaries.table(layer)
-            gathered = table.index_select(1, index)[:, :, :, 2:]  # [H_kv, B·C, pages, 2, D]
+            gathered = table.index_select(1, found.index)[:, :, :, 2:]  # [H_kv, B·C, pages, 2, D]
             self.counters.summary_bytes_read += gathered.numel() * gathered.element_size()
             pairs = gathered.reshape(table.shape[0], batch, units, -1).transpose(0, 1)
         dim = pairs.shape[-1] // 2
         keys, values = pairs[..., :dim].to(q.dtype), pairs[..., dim:].to(q.dtype)
-        taken = np.zeros((batch, units), dtype=bool)
-        row, position = np.nonzero((read >= lo * per) & (read < hi * per))
-        taken[row, read[row, position] - lo * per] = True
-        skip = torch.from_numpy(taken).to(device)
-        skip = skip if missing is None else skip | missing.repeat_interleave(per, dim=1)
+        skip = torch.from_numpy(self._not_from_copy(read, lo, hi, per, found)).to(device)
         firsts = lo * bt + torch.arange(units, device=device) * page  # [units]
         positions = (firsts[:, None] + torch.arange(page, device=device)).flatten()[None].expand(batch, -1)
         allowed = _bias(positions, start, stop, mask, q.dtype) > torch.finfo(q.dtype).min / 2  # [B, 1, 1, units·page]
@@ -963,6 +995,7 @@ class SparseAttention(PipelinedExecutor):
     # ---------------------------------------------------------------------------------- control
     def invalidate(self) -> None:
         self._rows_cache.clear()
+        self._tail_cache.clear()
         self._sticky.clear()
         self.kept.clear()
         self.speculation.drop()
@@ -972,6 +1005,7 @@ class SparseAttention(PipelinedExecutor):
 
     def drop(self, layer: int) -> None:
         self._rows_cache.pop(layer, None)
+        self._tail_cache.pop(layer, None)
         self._sticky.pop(layer, None)
         self.kept.clear(layer)
         self.speculation.forget(layer)
