@@ -224,7 +224,8 @@ def attend(executor: SparseAttention, query: torch.Tensor, mask: torch.Tensor | 
            softcap: float | None, budget: SparseBudget) -> torch.Tensor:
     """One sparse decode step of layer 0 over everything the store holds, within ``budget``."""
     executor.budget = budget
-    return executor.attend(Span.of(executor.store, 0), query, mask, scaling, softcap)
+    out, _ = executor.attend(Span.of(executor.store, 0), query, mask, scaling, softcap)
+    return out.transpose(1, 2).to(query.dtype)
 
 
 def store_with_needles(tmp_path, needles: dict[int, int], policy: str = "lru") -> tuple[KVStore, torch.Tensor]:

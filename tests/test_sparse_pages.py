@@ -29,7 +29,8 @@ PER = BT // PAGE
 def attend(executor: SparseAttention, query: torch.Tensor, budget: SparseBudget,
            mask: torch.Tensor | None = None) -> torch.Tensor:
     executor.budget = budget
-    return executor.attend(Span.of(executor.store, 0), query, mask, DIM**-0.5, None)
+    out, _ = executor.attend(Span.of(executor.store, 0), query, mask, DIM**-0.5, None)
+    return out.transpose(1, 2).to(query.dtype)
 
 
 def store_with_needles(tmp_path, needles: dict[int, tuple[int, int]], policy: str = "lru",

@@ -5,7 +5,7 @@ later split). The cache layer (:class:`tierkv.hf.layer.TieredLayer`) appends a s
 hands the active executor one immutable :class:`Span` and the step's keys and values::
 
     keys, values = executor.step(span, keys, values)      # what the model's attention function gets
-    out = executor.attend(span, query, mask, scaling, softcap)   # executors that replace the attention function
+    out, lse = executor.attend(span, query, mask, scaling, softcap)   # executors that replace the attention function
 
 Executors are built by name from :data:`EXECUTORS` with everything they need::
 
@@ -87,8 +87,11 @@ class Executor(Protocol):
         ``keys``/``values`` already appended to the store)."""
 
     def attend(self, span: Span, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-               softcap: float | None) -> torch.Tensor:
-        """Attention of ``query`` ``[B, H_q, q, D]`` over ``span``: ``[B, q, H_q, D]``."""
+               softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``query`` ``[B, H_q, q, D]`` over ``span``: the softmax-normalised output ``[B, H_q, q, D]``
+        and its log-sum-exp ``[B, H_q, q]``, fp32 on the query's device (:mod:`tierkv.attention.lse`'s convention:
+        the layer folds in what the model adds to the softmax, such as attention sinks, then returns the output in
+        the model's layout)."""
 
     def invalidate(self) -> None:
         """Table edits (crop, reorder, reset, a rollback) make staged data stale: forget it."""
@@ -209,7 +212,7 @@ class PipelinedExecutor:
         return keys, values
 
     def attend(self, span: Span, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise TierKVError(f"the {self.name} executor gathers K/V for the model's own attention; it attends nothing.")
 
     def pause_telemetry(self) -> None:

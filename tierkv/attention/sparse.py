@@ -277,14 +277,14 @@ class SparseAttention(PipelinedExecutor):
         return self.staging.reserved
 
     def attend(self, span: Span, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sparse attention of ``query`` ``[B, H_q, 1, D]`` over stored tokens ``[span.start, span.stop)``.
 
         ``mask`` is ``None`` (causal) or boolean / additive ``[B or 1, 1, 1, kv]`` over those tokens.
         ``span.context``: the sequence's tokens so far, of which a fractional budget is a share. A sliding-window
         layer holds only its window, so a share of the window would make it sparse where the sequence's budget
         covers all of it (Gemma 3 at 10% of 16K: 1,638 tokens, window 512).
-        Returns ``[B, 1, H_q, D]`` in the query's dtype, like transformers' attention functions.
+        Returns the output ``[B, H_q, 1, D]`` and its log-sum-exp ``[B, H_q, 1]``, fp32 (:meth:`Executor.attend`).
         """
         batch, heads, q_len, dim = query.shape
         if q_len != 1:
@@ -432,7 +432,7 @@ class SparseAttention(PipelinedExecutor):
         counters.tokens_read += batch * whole + chosen_pages * page
         counters.tokens_total += batch * (stop - start)
         self._left_at = time.perf_counter()
-        return out.reshape(batch, heads, 1, dim).transpose(1, 2).to(query.dtype)
+        return out.reshape(batch, heads, 1, dim), lse.reshape(batch, heads, 1)
 
     def _block_part(self, columns: np.ndarray, staging: torch.Tensor, start: int, stop: int,
                     mask: torch.Tensor | None, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,

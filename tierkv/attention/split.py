@@ -140,9 +140,10 @@ class SplitAttention(PipelinedExecutor):
         self._here: dict[int, _Combined] = {}  # layer -> its one-call table on a CPU host (_attend_here)
 
     def attend(self, span: Span, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``query`` ``[B, H_q, q, D]`` over stored tokens ``[span.start, span.stop)`` of
-        ``span.layer``; ``mask`` None (causal) or ``[B, 1, q, stop - start]``. Returns ``[B, q, H_q, D]``."""
+        ``span.layer``; ``mask`` None (causal) or ``[B, 1, q, stop - start]``. Returns the output ``[B, H_q, q, D]``
+        and its log-sum-exp ``[B, H_q, q]``, fp32 (:meth:`Executor.attend`)."""
         self._see_layer(span)
         accelerated = self._accel.streams
         if accelerated:  # before the tables: a reservation may move device blocks to the host
@@ -162,7 +163,7 @@ class SplitAttention(PipelinedExecutor):
         if not accelerated:  # every slab is host memory: every share on the CPU, here, in one kernel call
             attended = self._attend_here(plan, query, mask, scaling, softcap, start, stop)
             self._read_ahead(upcoming)  # this layer's ring is free: the layer after next starts reading now
-            return attended.transpose(1, 2).to(query.dtype)
+            return attended
         # host share on the mover's thread, device share on the compute stream, disk share on this thread
         shares, columns, shift, disk = self._tables(layer, start, stop)
         attend = _Attend(self, plan, query, mask, scaling, softcap, columns - shift, stop - start)
@@ -179,18 +180,18 @@ class SplitAttention(PipelinedExecutor):
         self._read_ahead(upcoming)  # as on a CPU host: the layer after next, into this layer's ring
         if attend.landed is not None:
             out, lse = merge(out, lse, *attend.landed)
-        if out is None:
+        if out is None or lse is None:
             raise InvalidConfigError(f"layer {layer} has no stored tokens in [{start}, {stop}) to attend.")
-        return out.transpose(1, 2).to(query.dtype)
+        return out, lse
 
     def _attend_here(self, plan: ReadPlan, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-                     softcap: float | None, start: int, stop: int) -> torch.Tensor:
+                     softcap: float | None, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every share of a layer-step on a CPU host (each slab is host memory): one host kernel call over the
         layer's table across the memory tiers (:class:`_Combined`) — the call prepared for the layer
         (:class:`~tierkv.attention.host_kernel.PagedCall`), with only the query, the key count, the mask and the
         positions (a moved window start) new — then, with a disk share, one call per round of its read, in the
-        bounce buffer (:meth:`_attend_rounds`; its rounds read meanwhile), merged. Returns ``[B, H_q, q, D]``
-        fp32."""
+        bounce buffer (:meth:`_attend_rounds`; its rounds read meanwhile), merged. Returns the output
+        ``[B, H_q, q, D]`` and its log-sum-exp, fp32."""
         layer, layout, bt = plan.layer, self.store.layouts[plan.layer], self.store.block_tokens
         here = self._here.get(layer)
         chunks = None  # the tiers' chunks, where this step looked them up
@@ -202,13 +203,13 @@ class SplitAttention(PipelinedExecutor):
             raise InvalidConfigError(f"layer {layer} has no stored tokens in [{start}, {stop}) to attend.")
         shift = start - here.first_position
         if here.disk is None:
-            return self._attend_memory(here, chunks, layout, query, mask, scaling, softcap, stop - start, shift)[0]
+            return self._attend_memory(here, chunks, layout, query, mask, scaling, softcap, stop - start, shift)
         with self._reading(plan, here.disk) as read:  # its first rounds are in flight while the memory share attends
             parts = [] if not here.held else [
                 self._attend_memory(here, chunks, layout, query, mask, scaling, softcap, stop - start, shift)]
             parts += self._attend_rounds(read, layout, here.disk, query, mask, scaling, softcap, stop - start,
                                          here.columns, shift, layer)  # fmt: skip
-        return merge_all(parts)[0]
+        return merge_all(parts)
 
     def _attend_memory(self, here: _Combined, chunks: list[torch.Tensor] | None, layout: BlockLayout,
                        query: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None,

@@ -74,11 +74,11 @@ class StreamingAttention(PipelinedExecutor):
         return self.staging.buffers
 
     def attend(self, span: Span, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``query`` ``[B, H_q, q, D]`` over stored tokens ``[span.start, span.stop)`` of ``span.layer``.
 
         ``mask`` is ``None`` (causal) or boolean / additive ``[B, 1, q, kv]`` over those tokens.
-        Returns ``[B, q, H_q, D]`` in the query's dtype, like transformers' attention functions.
+        Returns the output ``[B, H_q, q, D]`` and its log-sum-exp ``[B, H_q, q]``, fp32 (:meth:`Executor.attend`).
         """
         layer, start, stop = span.layer, span.start, span.stop
         layout = self.store.layouts[layer]
@@ -111,9 +111,9 @@ class StreamingAttention(PipelinedExecutor):
             bias = mask_bias(mask, column * bt + lo - start, hi - lo, stop - start, q_len, query.dtype, query.device)
             self._accel.used(keys, values)
             out, lse = merge(out, lse, *partial_attention(q, keys, values, bias, scaling, softcap))
-        if out is None:
+        if out is None or lse is None:
             raise InvalidConfigError(f"layer {layer} has no tokens in [{start}, {stop}) to attend to.")
-        return out.reshape(batch, heads, q_len, dim).transpose(1, 2).to(query.dtype)
+        return out.reshape(batch, heads, q_len, dim), lse.reshape(batch, heads, q_len)
 
     # ------------------------------------------------------------------------------------ reads
     def _issue(self, layer: int, column: int, stop: int, buffer: int) -> ColumnRead:

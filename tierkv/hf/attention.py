@@ -60,11 +60,15 @@ class Engagement:
         _register_streaming_attention()
         self.previous = self.model.config._attn_implementation
         self.modules = [m for m in self.model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+        if not takes_attention_functions(self.model):
+            raise InvalidConfigError(self._not_an_interface())
         cache.runtime.push(self.mode)  # exact-gather staging is released: the new mode may need all the budget
         try:  # every change to the user's model happens inside the try, so a failure undoes all of it
             for module in self.modules:
                 module._tierkv_cache = cache
             self.model.set_attn_implementation(STREAMING_ATTENTION)
+            if self.model.config.get_text_config(decoder=True)._attn_implementation != STREAMING_ATTENTION:
+                raise InvalidConfigError(self._not_an_interface())
         except BaseException:
             self._restore()
             raise
@@ -72,6 +76,11 @@ class Engagement:
 
     def __exit__(self, *exc_info: object) -> None:
         self._restore()
+
+    def _not_an_interface(self) -> str:
+        return (f"{type(self.model).__name__} attends with its own code, not through transformers' "
+                f"AttentionInterface, so `cache.{self.what}(model)` cannot take its attention over. Decode it with "
+                f"exact gather: leave out the `with cache.{self.what}(model)` block (outputs equal DynamicCache's).")
 
     def _restore(self) -> None:
         with deferred_interrupts():  # a Ctrl-C while leaving waits until the model is the user's again
@@ -106,14 +115,12 @@ def _streaming_attention_forward(module: Any, query: torch.Tensor, key: torch.Te
         raise TierKVError(f"attention '{STREAMING_ATTENTION}' runs only inside `with cache.streaming(model):`.")
     if module.training and dropout:
         raise TierKVError("streaming attention is for inference; call model.eval() (dropout is not supported).")
-    if kwargs.get("s_aux") is not None:
-        raise TierKVError("streaming attention does not support attention sinks (s_aux); use exact gather "
-                          "(no `cache.streaming`).")
     if module.layer_idx >= len(cache.layers):
         raise TierKVError("inside `cache.streaming(model)` the model must be called with that cache "
                           "(cache=cache); another cache was passed, or none.")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return cache.layers[module.layer_idx].attend(key, query, attention_mask, scale, softcap), None
+    sinks = kwargs.get("s_aux")  # gpt-oss: a learnt logit per query head that takes softmax mass and no value
+    return cache.layers[module.layer_idx].attend(key, query, attention_mask, scale, softcap, sinks), None
 
 
 @functools.cache
@@ -124,6 +131,15 @@ def _register_streaming_attention() -> None:
 
     AttentionInterface.register(STREAMING_ATTENTION, _streaming_attention_forward)
     AttentionMaskInterface.register(STREAMING_ATTENTION, sdpa_mask)
+
+
+def takes_attention_functions(model: torch.nn.Module) -> bool:
+    """Whether ``model`` attends through transformers' AttentionInterface, so that streaming, split and sparse
+    attention can take its attention over (Bloom, MPT and other models with their own attention code do not):
+    transformers' own test where this release has it (a look at the model's source), else True (the engagement
+    then checks that the implementation took)."""
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    return bool(can_set()) if callable(can_set) else True
 
 
 def cache_keyword(model: torch.nn.Module) -> str:

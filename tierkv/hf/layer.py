@@ -89,16 +89,28 @@ class TieredLayer(CacheLayerMixin):
             raise
 
     def attend(self, key_states: torch.Tensor, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-               softcap: float | None) -> torch.Tensor:
+               softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The attention of this layer's step (the model's attention function with ``key_states`` from
-        :meth:`update`): ``query`` ``[B, H_q, q, D]`` -> ``[B, q, H_q, D]``."""
+        :meth:`update`): ``query`` ``[B, H_q, q, D]`` -> ``[B, q, H_q, D]`` in the query's dtype. ``sinks``
+        (``[H_q]``, gpt-oss's ``s_aux``): one more logit per query head in the softmax's denominator, attached to no
+        value — the output scaled by ``sigmoid(lse - sink)``, exactly."""
         pending, self.pending = self.pending, None
         if pending is None or pending[2] is not key_states:
             raise TierKVError("inside `cache.streaming(model)` the model must be called with that cache "
                               "(cache=cache); another cache was passed, or none.")
         executor, span, _ = pending
         try:
-            return executor.attend(span, query, mask, scaling, softcap)
+            if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1):
+                raise InvalidConfigError(
+                    f"the model passes an attention mask of shape {tuple(mask.shape)} (one per head, as ALiBi or "
+                    f"dynamic masks are); streaming, split and sparse attention take one [batch, 1, queries, keys] "
+                    f"mask for every head. Decode this model with exact gather: leave out the `with "
+                    f"cache.streaming/split/sparse(model)` block, or use `cache.exact(model, executor=\"gather\")` "
+                    f"(outputs equal DynamicCache's).")  # fmt: skip
+            out, lse = executor.attend(span, query, mask, scaling, softcap)
+            if sinks is not None:
+                out = out * torch.sigmoid(lse - sinks.to(lse).view(1, -1, 1)).unsqueeze(-1)
+            return out.transpose(1, 2).to(query.dtype)
         except BaseException as error:
             cache = self.cache
             cache.roll_back(self.length_before)

@@ -13,7 +13,7 @@ from transformers import PreTrainedConfig
 from tierkv import accel
 from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseBudget
 from tierkv.hf import sizing
-from tierkv.hf.attention import Engagement, split_mode, streaming_mode
+from tierkv.hf.attention import Engagement, split_mode, streaming_mode, takes_attention_functions
 from tierkv.hf.choice import choose_executor
 from tierkv.hf.sizing import DEFAULT_CHUNK_TOKENS
 from tierkv.stats import resolve_profile
@@ -110,6 +110,8 @@ class AttentionModes:
         if executor == "auto" and self.chosen == "split" and gpu is not None and gpu < sizing.min_split_device_bytes(
                 config, block_tokens=self.block_tokens, chunk_tokens=chunk_tokens, device=device):
             self.chosen = "gather"  # split's streaming prefill needs two chunks of device memory; gather fits
+        if executor == "auto" and not takes_attention_functions(model):
+            self.chosen = "gather"  # the model attends with its own code: only gather serves it
         if self.chosen == "split":
             return self.split(model, chunk_tokens)
         return contextlib.nullcontext(self._cache)

@@ -1,0 +1,194 @@
+"""Architectures beyond the core families of ``tests/models.py``, and those whose attention differs from theirs.
+
+- Thirty-one more transformers architectures (partial rotary, MoE, QK norms, parallel blocks, learned positions,
+  NoPE layers, sliding and full layers, KV shared across layers, a hybrid with convolution layers) decode exactly
+  as ``DynamicCache`` through exact gather, split and sparse attention at a full budget, with blocks on every tier.
+- gpt-oss adds a learnt logit per query head to the softmax's denominator (attention sinks, ``s_aux``): the
+  executors fold it in from their log-sum-exp, and decode exactly as ``DynamicCache`` on all three tiers.
+- Bloom attends with its own code (ALiBi), not through transformers' AttentionInterface: engaging it is refused
+  before anything changes, and ``cache.exact(model)`` picks gather for it.
+- Doge passes a mask per head (its dynamic mask): the step is refused with an error that names the fix, and every
+  token accepted before it still reads back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import transformers
+from helpers import assert_same_generation
+from models import BOS, PAD, VOCAB, prompt
+from transformers import DynamicCache
+
+from tierkv import TieredCache
+from tierkv.errors import InvalidConfigError
+
+NEW = 6
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, pad_token_id=PAD,
+             bos_token_id=BOS, eos_token_id=None, tie_word_embeddings=False)  # fmt: skip
+
+
+def build(config_name: str, model_name: str, **kwargs) -> transformers.PreTrainedModel:
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"this transformers release has no {config_name}")
+    config = getattr(transformers, config_name)(**SMALL, **kwargs)
+    torch.manual_seed(99)
+    model = getattr(transformers, model_name)(config).float().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+SLIDING = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+ARCHITECTURES: dict[str, dict] = {  # model_type -> config arguments beside SMALL's and GQA's
+    "gpt_neox": dict(num_attention_heads=4, rotary_pct=0.5), "gpt2": dict(n_head=4),
+    "opt": dict(num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64),
+    "falcon": dict(num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2),
+    "persimmon": dict(num_attention_heads=4), "phi": dict(num_attention_heads=4, partial_rotary_factor=0.5),
+    "stablelm": dict(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.25),
+    "olmo2": {}, "cohere": {}, "starcoder2": {}, "granite": {}, "glm4": {}, "exaone4": {}, "ministral": {},
+    "helium": {}, "arcee": {}, "seed_oss": {}, "ernie4_5": {}, "bitnet": {}, "apertus": {}, "hunyuan_v1_dense": {},
+    "cohere2": SLIDING, "olmo3": SLIDING, "gemma3_text": dict(SLIDING, query_pre_attn_scalar=16),
+    "smollm3": dict(no_rope_layers=[1, 0]),
+    "llama4_text": dict(no_rope_layers=[1, 0], num_local_experts=2, num_experts_per_tok=1,
+                        intermediate_size_mlp=128),
+    "qwen3_moe": dict(MOE, num_experts=4), "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "glm4_moe": dict(MOE, n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "gemma3n_text": dict(SLIDING, num_kv_shared_layers=0, laurel_rank=8, altup_num_inputs=2,
+                         activation_sparsity_pattern=[0.0, 0.0], vocab_size_per_layer_input=VOCAB,
+                         hidden_size_per_layer_input=8, intermediate_size=[128, 128]),
+    "lfm2": {},  # convolution layers beside attention: the cache holds only the attention layers' KV
+}
+GQA = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+OWN_HEADS = {"gpt_neox", "gpt2", "opt", "falcon", "persimmon", "phi", "stablelm"}  # no head_dim / GQA arguments
+
+
+def architecture(model_type: str) -> transformers.PreTrainedModel:
+    kwargs = {**SMALL, **({} if model_type in OWN_HEADS else GQA), **ARCHITECTURES[model_type]}
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    except (KeyError, ValueError):
+        pytest.skip(f"this transformers release has no {model_type}")
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+@pytest.mark.parametrize("executor", ["gather", "split", "sparse"])
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_more_architectures_decode_exactly(tmp_path, model_type, executor):
+    model = architecture(model_type)
+    ids, mask = prompt(2, 40, seed=3, left_pad=(0, 5))
+    reference = run(model, ids, mask, DynamicCache(config=model.config))
+    gpu = f"{TieredCache.min_device_bytes(model.config, 64, 2, block_tokens=4) + 16384}B" if executor == "gather" \
+        else budget(model, executor)  # fmt: skip
+    with TieredCache(gpu_gb=gpu, cpu_gb="64KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
+        with contextlib.nullcontext() if executor == "gather" else engage(cache, model, executor):
+            out = run(model, ids, mask, cache)
+        blocks = cache.stats()["blocks"]
+        assert blocks["host"] + blocks["disk"] > 0  # (sparse's device minimum holds these models' whole context)
+    assert_same_generation(out, reference, atol=1e-4)
+
+
+def gpt_oss(sinks: bool = True) -> transformers.PreTrainedModel:
+    """Two layers, sliding (window 8) then full, 4 query heads over 2 KV heads, 4 experts; the sinks drawn large
+    so that leaving them out changes every logit (or set to -inf: no sinks at all)."""
+    model = build("GptOssConfig", "GptOssForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    with torch.no_grad():
+        for layer in model.model.layers:
+            sink = layer.self_attn.sinks
+            sink.copy_(torch.randn(sink.shape, generator=torch.Generator().manual_seed(5)) * 2 if sinks
+                       else torch.full(sink.shape, float("-inf")))  # fmt: skip
+    return model
+
+
+def run(model, ids, mask, cache):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, past_key_values=cache)
+
+
+def engage(cache: TieredCache, model, executor: str):
+    if executor == "split":
+        return cache.split(model, chunk_tokens=8)
+    if executor == "sparse":  # every token attended: exact
+        return cache.sparse(model, tokens=1.0, chunk_tokens=8)
+    return cache.streaming(model, chunk_tokens=8)
+
+
+def budget(model, executor: str) -> str:
+    config = model.config
+    minimum = {"split": lambda: TieredCache.min_split_device_bytes(config, 2, block_tokens=4, chunk_tokens=8),
+               "sparse": lambda: TieredCache.min_sparse_device_bytes(config, 64, 1.0, 2, block_tokens=4,
+                                                                     chunk_tokens=8),
+               "streaming": lambda: TieredCache.min_streaming_device_bytes(config, 2, block_tokens=4,
+                                                                           chunk_tokens=8)}[executor]()  # fmt: skip
+    return f"{minimum + 16384}B"
+
+
+@pytest.mark.parametrize("executor", ["split", "sparse", "streaming"])
+def test_attention_sinks_decode_exactly_on_every_tier(tmp_path, executor):
+    model = gpt_oss()
+    ids, mask = prompt(2, 40, seed=11, left_pad=(0, 5))
+    reference = run(model, ids, mask, DynamicCache(config=model.config))
+    without = run(gpt_oss(sinks=False), ids, mask, DynamicCache(config=model.config))
+    assert (without.logits[0] - reference.logits[0]).abs().max() > 1e-2  # the sinks matter to every step
+    with TieredCache(gpu_gb=budget(model, executor), cpu_gb="64KB", disk_dir=tmp_path, block_tokens=4,
+                     config=model.config) as cache:  # fmt: skip
+        with engage(cache, model, executor):
+            out = run(model, ids, mask, cache)
+        blocks = cache.stats()["blocks"]
+        assert blocks["host"] > 0 and blocks["disk"] > 0
+    assert_same_generation(out, reference, atol=1e-4)
+
+
+def bloom() -> transformers.PreTrainedModel:
+    return build("BloomConfig", "BloomForCausalLM", n_head=4)
+
+
+@pytest.mark.parametrize("executor", ["split", "sparse", "streaming"])
+def test_a_model_with_its_own_attention_code_is_refused_before_anything_changes(tmp_path, executor):
+    model = bloom()
+    before = model.config._attn_implementation
+    with TieredCache(gpu_gb="1MB", cpu_gb="16KB", block_tokens=4, config=model.config) as cache:
+        engagement = engage(cache, model, executor)
+        with pytest.raises(InvalidConfigError, match=f"BloomForCausalLM attends with its own code.*leave out the "
+                                                     f"`with cache.{executor}"):  # fmt: skip
+            engagement.__enter__()
+        assert model.config._attn_implementation == before
+        assert not cache.runtime.modes  # no mode was left pushed
+
+
+def test_exact_picks_gather_for_a_model_with_its_own_attention_code(tmp_path, monkeypatch):
+    monkeypatch.setattr("tierkv.hf.modes.choose_executor", lambda *args: "split")  # as a fast host kernel would
+    model = bloom()
+    ids, mask = prompt(1, 30, seed=2)
+    reference = run(model, ids, mask, DynamicCache(config=model.config))
+    with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
+        with cache.exact(model):
+            out = run(model, ids, mask, cache)
+        assert cache.chosen == "gather"
+    assert_same_generation(out, reference, atol=1e-5)
+
+
+def test_a_mask_per_head_is_refused_and_nothing_is_lost(tmp_path):
+    model = build("DogeConfig", "DogeForCausalLM", num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    ids, _ = prompt(1, 12, seed=4)
+    with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
+        model(input_ids=ids, past_key_values=cache)  # exact gather: accepted
+        with cache.split(model, chunk_tokens=8), pytest.raises(InvalidConfigError, match="one per head.*exact "
+                                                                                           "gather"):  # fmt: skip
+            model(input_ids=prompt(1, 3, seed=5)[0], past_key_values=cache)
+        assert cache.get_seq_length() == 12
+        following = prompt(1, 3, seed=6)[0]
+        out = model(input_ids=following, past_key_values=cache).logits
+    reference_cache = DynamicCache(config=model.config)
+    model(input_ids=ids, past_key_values=reference_cache)
+    expected = model(input_ids=following, past_key_values=reference_cache).logits
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
