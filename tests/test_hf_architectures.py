@@ -9,6 +9,7 @@
   before anything changes, and ``cache.exact(model)`` picks gather for it.
 - Doge passes a mask per head (its dynamic mask): the step is refused with an error that names the fix, and every
   token accepted before it still reads back.
+- DeepSeek V3 caches values narrower than keys (multi-head latent attention): refused before anything is stored.
 """
 
 from __future__ import annotations
@@ -192,3 +193,17 @@ def test_a_mask_per_head_is_refused_and_nothing_is_lost(tmp_path):
     model(input_ids=ids, past_key_values=reference_cache)
     expected = model(input_ids=following, past_key_values=reference_cache).logits
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def test_values_narrower_than_keys_are_refused_before_anything_is_stored(tmp_path):
+    """DeepSeek's multi-head latent attention caches keys of 24 dims and values of 16."""
+    model = build("DeepseekV3Config", "DeepseekV3ForCausalLM", num_attention_heads=4, num_key_value_heads=4,
+                  head_dim=8, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                  n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32,
+                  n_group=1, topk_group=1)  # fmt: skip
+    ids, _ = prompt(1, 12, seed=4)
+    model(input_ids=ids, past_key_values=DynamicCache(config=model.config))  # the reference takes it
+    with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
+        with pytest.raises(InvalidConfigError, match="differ in shape.*latent attention.*DynamicCache"):
+            model(input_ids=ids, past_key_values=cache)
+        assert cache.get_seq_length() == 0

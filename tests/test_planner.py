@@ -171,6 +171,26 @@ def test_hf_config_head_dim_default_and_layer_types(tmp_path):
     assert (model.kv_heads, model.head_dim, model.dtype_bytes, model.sliding_layers) == (8, 64, 2, 2)
 
 
+@pytest.mark.parametrize(("moe", "width"), [
+    ({}, 2048),  # dense
+    ({"num_local_experts": 32, "num_experts_per_tok": 4}, 4 * 2048),  # gpt-oss, Mixtral: experts as wide as the MLP
+    ({"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}, 8 * 768),  # Qwen3-MoE
+    ({"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+      "shared_expert_intermediate_size": 5632}, 4 * 1408 + 5632),  # Qwen2-MoE: a shared expert
+    ({"n_routed_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1408, "n_shared_experts": 2},
+     8 * 1408),  # DeepSeek-style shared experts
+    ({"num_local_experts": 1, "num_experts_per_tok": 1}, 2048),  # one expert: dense
+])  # fmt: skip
+def test_hf_config_prices_the_experts_a_token_takes(tmp_path, moe, width):
+    config = {"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": 512, "intermediate_size": 2048,
+              "vocab_size": 1000, **moe}  # fmt: skip
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(config))
+    model = model_from_config(path)
+    assert model.intermediate_size == width
+    assert model.params_per_layer == 4 * 512 * 512 + 3 * 512 * width
+
+
 def test_hf_config_errors(tmp_path):
     with pytest.raises(InvalidConfigError, match="does not exist"):
         model_from_config(tmp_path / "nope.json")

@@ -28,7 +28,9 @@ class ModelSpec:
     """What the planner needs of a decoder: KV geometry, plus the sizes that set its compute per token.
 
     ``sliding_layers`` of the ``layers`` attend only to the last ``sliding_window`` tokens (Gemma2/3,
-    Mistral v0.1), so they hold at most that many tokens of KV whatever the context.
+    Mistral v0.1), so they hold at most that many tokens of KV whatever the context. ``intermediate_size`` is the
+    MLP width a token passes through: in a mixture of experts, the experts it takes (their weights are what a
+    decode step reads).
     """
 
     name: str
@@ -140,12 +142,32 @@ def _sliding_layers(cfg: dict, layers: int) -> tuple[int, int | None]:
     return layers, window  # Mistral v0.1 style: a window on every layer
 
 
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
+_EXPERTS_PER_TOKEN = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_topk")
+
+
+def _active_mlp_width(cfg: dict, hidden: int) -> int:
+    """The MLP width one token's decode passes through: ``intermediate_size``, or in a mixture of experts the
+    routed experts' widths (``moe_intermediate_size``, else ``intermediate_size``) times the experts a token takes,
+    plus the shared experts' (Qwen-MoE's ``shared_expert_intermediate_size``, DeepSeek-style ``n_shared_experts``).
+    Dense first layers of some MoE families are priced as MoE ones."""
+    dense = int(cfg.get("intermediate_size") or 4 * hidden)
+    experts = next((int(cfg[k]) for k in _EXPERTS if isinstance(cfg.get(k), int)), 0)
+    per_token = next((int(cfg[k]) for k in _EXPERTS_PER_TOKEN if isinstance(cfg.get(k), int)), 0)
+    if experts <= 1 or per_token < 1:
+        return dense
+    expert = int(cfg.get("moe_intermediate_size") or dense)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) or expert * int(cfg.get("n_shared_experts") or 0)
+    return expert * per_token + shared
+
+
 def model_from_config(path: str | os.PathLike[str]) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (or a directory holding one) into a :class:`ModelSpec`.
 
     Uses ``num_hidden_layers``, ``num_key_value_heads`` (default: ``num_attention_heads``), ``head_dim``
-    (default ``hidden_size // num_attention_heads``), ``torch_dtype``/``dtype`` (default bfloat16) and the
-    sliding-window fields. Multimodal configs are read through their ``text_config``.
+    (default ``hidden_size // num_attention_heads``), ``torch_dtype``/``dtype`` (default bfloat16), the
+    sliding-window fields and, for a mixture of experts, the active experts' MLP width (:func:`_active_mlp_width`).
+    Multimodal configs are read through their ``text_config``.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -166,7 +188,7 @@ def model_from_config(path: str | os.PathLike[str]) -> ModelSpec:
         hidden = int(cfg["hidden_size"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
-        intermediate = int(cfg.get("intermediate_size") or 4 * hidden)
+        intermediate = _active_mlp_width(cfg, hidden)
         vocab = int(cfg["vocab_size"])
     except KeyError as e:
         raise InvalidConfigError(

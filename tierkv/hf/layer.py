@@ -56,6 +56,12 @@ class TieredLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this step's K/V ``[B, H_kv, T, D]`` and return what the model's attention function gets."""
+        if key_states.shape != value_states.shape:
+            raise InvalidConfigError(
+                f"layer {self.index}'s keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} differ "
+                f"in shape: TieredCache stores K and V of one head dim (a model whose values are narrower than its "
+                f"keys, as DeepSeek's multi-head latent attention, is not supported); use transformers' "
+                f"DynamicCache for this model.")  # fmt: skip
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         cache = self.cache
