@@ -10,6 +10,7 @@
 - Doge passes a mask per head (its dynamic mask): the step is refused with an error that names the fix, and every
   token accepted before it still reads back.
 - DeepSeek V3 caches values narrower than keys (multi-head latent attention): refused before anything is stored.
+- T5 (encoder-decoder): the cache serves as the decoder's self-attention cache inside an EncoderDecoderCache.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from models import BOS, PAD, VOCAB, prompt
 from transformers import DynamicCache
 
 from tierkv import TieredCache
-from tierkv.errors import InvalidConfigError
+from tierkv.errors import InvalidConfigError, TierKVError
 
 NEW = 6
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, pad_token_id=PAD,
@@ -207,3 +208,25 @@ def test_values_narrower_than_keys_are_refused_before_anything_is_stored(tmp_pat
         with pytest.raises(InvalidConfigError, match="differ in shape.*latent attention.*DynamicCache"):
             model(input_ids=ids, past_key_values=cache)
         assert cache.get_seq_length() == 0
+
+
+def test_an_encoder_decoder_model_decodes_exactly_with_the_cache_as_its_self_attention(tmp_path):
+    """T5: wrapped in an EncoderDecoderCache (cross-attention K/V in a DynamicCache) the decoder's self-attention
+    KV lives on the tiers; given the cache alone, the model's second update of a layer is refused with that fix."""
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=PAD, pad_token_id=PAD, eos_token_id=None)  # fmt: skip
+    torch.manual_seed(3)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = None
+    ids, _ = prompt(2, 30, seed=8)
+    reference = model.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)  # fmt: skip
+    with TieredCache(gpu_gb="64KB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4) as cache:
+        wrapped = transformers.EncoderDecoderCache(cache, DynamicCache())
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, past_key_values=wrapped)  # fmt: skip
+        assert cache.stats()["blocks"]["disk"] > 0
+    assert_same_generation(out, reference, atol=1e-5)
+    with TieredCache(gpu_gb="64KB", cpu_gb="16KB", disk_dir=tmp_path / "alone", block_tokens=4) as cache, \
+            pytest.raises(TierKVError, match=r"EncoderDecoderCache\(cache, DynamicCache\(\)\)"):  # fmt: skip
+        model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)

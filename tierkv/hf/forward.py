@@ -48,7 +48,9 @@ class Forward:
         raise InterruptedStepError(
             f"the previous forward stopped after {reached} of {self.full} layers (a Ctrl-C or an error in the "
             f"model between layers); the layers it reached were rolled back to {behind} tokens, so every layer "
-            "holds the same tokens again. Call generate() / the model again: it will resume from there."
+            "holds the same tokens again. Call generate() / the model again: it will resume from there. (An "
+            "encoder-decoder model such as T5, BART or Whisper given this cache alone updates each layer twice "
+            "per forward, self- and cross-attention: pass EncoderDecoderCache(cache, DynamicCache()) instead.)"
         )
 
     def roll_back(self, layers: Sequence[TieredLayer], runtime: Runtime, length: int) -> None:
