@@ -69,7 +69,7 @@ for executor, context in spec["runs"]:
             peak[0] = max(peak[0], process.memory_info().rss)
             time.sleep(0.002)
 
-    sampler = threading.Thread(target=sample)
+    sampler = threading.Thread(target=sample, daemon=True)  # a failure above exits with its traceback, not hangs
     sampler.start()
     with tempfile.TemporaryDirectory(dir=spec["directory"]) as directory:
         cache = TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{cpu}B", disk_dir=directory, block_tokens=BLOCK, config=config)

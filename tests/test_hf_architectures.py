@@ -219,14 +219,15 @@ def test_an_encoder_decoder_model_decodes_exactly_with_the_cache_as_its_self_att
     model = transformers.T5ForConditionalGeneration(config).eval()
     model.generation_config.eos_token_id = None
     ids, _ = prompt(2, 30, seed=8)
-    reference = model.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True,
+    reference = model.generate(ids, max_new_tokens=36, do_sample=False, output_logits=True,
                                return_dict_in_generate=True)  # fmt: skip
-    with TieredCache(gpu_gb="64KB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4) as cache:
+    gpu = TieredCache.min_device_bytes(config, 40, 2, block_tokens=4) + 4096
+    with TieredCache(gpu_gb=f"{gpu}B", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4) as cache:
         wrapped = transformers.EncoderDecoderCache(cache, DynamicCache())
-        out = model.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True,
+        out = model.generate(ids, max_new_tokens=36, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, past_key_values=wrapped)  # fmt: skip
         assert cache.stats()["blocks"]["disk"] > 0
     assert_same_generation(out, reference, atol=1e-5)
-    with TieredCache(gpu_gb="64KB", cpu_gb="16KB", disk_dir=tmp_path / "alone", block_tokens=4) as cache, \
+    with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path / "alone", block_tokens=4) as cache, \
             pytest.raises(TierKVError, match=r"EncoderDecoderCache\(cache, DynamicCache\(\)\)"):  # fmt: skip
         model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)

@@ -86,11 +86,14 @@ def test_switching_between_gather_and_streaming_mid_sequence(tmp_path):
             token = expected.argmax(-1, keepdim=True)
 
 
-def test_another_cache_inside_the_context_is_an_error(tmp_path):
+def test_another_cache_inside_the_context_runs_the_models_own_attention(tmp_path):
+    """Only the engaged cache's steps are taken over: a forward through another cache (here a DynamicCache) gets
+    the model's own attention and mask, and its exact logits."""
     model = tiny_model("llama")
-    with TieredCache(block_tokens=4) as cache, cache.streaming(model), \
-            pytest.raises(TierKVError, match="must be called with that cache"):
-        model(torch.tensor([[5, 6, 7]]), past_key_values=DynamicCache())
+    ids = torch.tensor([[5, 6, 7]])
+    expected = model(ids, past_key_values=DynamicCache()).logits
+    with TieredCache(block_tokens=4) as cache, cache.streaming(model):
+        torch.testing.assert_close(model(ids, past_key_values=DynamicCache()).logits, expected, atol=1e-6, rtol=0)
 
 
 def test_streaming_attention_outside_the_context_is_an_error(tmp_path):

@@ -2,8 +2,9 @@
 
 ``cache.streaming(model)`` / ``cache.sparse(model)`` / ``cache.split(model)`` return an :class:`Engagement`:
 entered, it pushes its :class:`~tierkv.hf.runtime.Mode` and points the model's attention at
-:data:`STREAMING_ATTENTION`, which hands each layer's query to its :meth:`~tierkv.hf.layer.TieredLayer.attend`;
-on exit the model is the user's again.
+:data:`STREAMING_ATTENTION`, which hands each layer's query to its :meth:`~tierkv.hf.layer.TieredLayer.attend`
+where the cache's update handed the step over, and runs the model's own implementation for a forward through any
+other cache; on exit the model is the user's again.
 An engagement that is made but never entered (``cache.streaming(model)`` as a plain statement) would decode
 with exact gather while the caller believes otherwise: the cache's next forward raises instead.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
+import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -42,14 +45,31 @@ def split_mode(chunk_tokens: int) -> Mode:
     return Mode("streaming", "split", options)
 
 
+_LOCK = threading.Lock()  # guards the two below: engagements enter and leave on any thread
+_HELD: dict[int, int] = {}  # id(model) -> its engagements entered and not yet left, on every thread
+_BEFORE: dict[int, str] = {}  # id of an engaged model, its attention modules, its configs -> the implementation before
+_STEP = threading.local()  # .cache: the TieredCache whose update just handed this thread's attention over
+
+
+def hand_over(cache: TieredCache) -> None:
+    """``cache``'s update gave the model only the step's K/V: this thread's next attention call is the cache's."""
+    _STEP.cache = cache
+
+
 class Engagement:
-    """``with cache.streaming(model):`` — the model attends through ``mode``'s executors inside the block."""
+    """``with cache.streaming(model):`` — the model attends through ``mode``'s executors inside the block.
+
+    A model's attention implementation is one setting for every thread, so it is switched when the model's first
+    engagement enters and back when its last leaves. Which attention a forward runs is decided by its cache: an
+    engaged cache's update hands the step over (:func:`hand_over`) to the executors, in whatever thread calls the
+    model (a ``TextIteratorStreamer``'s generate thread); a forward with any other cache — a server's other request
+    on the same model — runs the implementation the model had, with its own mask."""
 
     def __init__(self, cache: TieredCache, model: Any, mode: Mode, what: str) -> None:
         self.cache, self.model, self.mode, self.what = cache, model, mode, what
         self.entered = False
-        self.previous: str | None = None
         self.modules: list[Any] = []
+        self.held = False  # counted on the model (_HELD)
         cache.unentered = self
 
     def __enter__(self) -> TieredCache:
@@ -58,17 +78,12 @@ class Engagement:
             cache.unentered = None
         self.entered = True
         _register_streaming_attention()
-        self.previous = self.model.config._attn_implementation
         self.modules = [m for m in self.model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
         if not takes_attention_functions(self.model):
             raise InvalidConfigError(self._not_an_interface())
         cache.runtime.push(self.mode)  # exact-gather staging is released: the new mode may need all the budget
         try:  # every change to the user's model happens inside the try, so a failure undoes all of it
-            for module in self.modules:
-                module._tierkv_cache = cache
-            self.model.set_attn_implementation(STREAMING_ATTENTION)
-            if self.model.config.get_text_config(decoder=True)._attn_implementation != STREAMING_ATTENTION:
-                raise InvalidConfigError(self._not_an_interface())
+            self._hold()
         except BaseException:
             self._restore()
             raise
@@ -76,6 +91,44 @@ class Engagement:
 
     def __exit__(self, *exc_info: object) -> None:
         self._restore()
+
+    def _configs(self) -> frozenset[int]:
+        config = self.model.config
+        return frozenset({id(config), id(config.get_text_config(decoder=True)),
+                          *(id(m.config) for m in self.modules if getattr(m, "config", None) is not None)})
+
+    def _hold(self) -> None:
+        """Count this engagement on the model; the first switches its attention implementation."""
+        model = self.model
+        with _LOCK:
+            held = _HELD.get(id(model), 0)
+            if not held:
+                previous = model.config._attn_implementation
+                try:
+                    model.set_attn_implementation(STREAMING_ATTENTION)
+                    if model.config.get_text_config(decoder=True)._attn_implementation != STREAMING_ATTENTION:
+                        raise InvalidConfigError(self._not_an_interface())
+                except BaseException:
+                    if model.config._attn_implementation != previous:
+                        model.set_attn_implementation(previous)
+                    raise
+                for key in (id(model), *map(id, self.modules), *self._configs()):
+                    _BEFORE[key] = previous
+            _HELD[id(model)] = held + 1
+        self.held = True
+
+    def _release(self) -> None:
+        """Uncount this engagement; the model's last gets its attention implementation back."""
+        model = self.model
+        with _LOCK:
+            held = _HELD.pop(id(model)) - 1
+            if held:
+                _HELD[id(model)] = held
+                return
+            previous = _BEFORE[id(model)]
+            for key in (id(model), *map(id, self.modules), *self._configs()):
+                _BEFORE.pop(key, None)
+            model.set_attn_implementation(previous)
 
     def _not_an_interface(self) -> str:
         return (f"{type(self.model).__name__} attends with its own code, not through transformers' "
@@ -87,9 +140,9 @@ class Engagement:
             try:
                 self.cache.runtime.pop()
             finally:  # the model is restored even if the executors' bookkeeping fails
-                for module in self.modules:
-                    module.__dict__.pop("_tierkv_cache", None)
-                self.model.set_attn_implementation(self.previous)
+                if self.held:
+                    self.held = False
+                    self._release()
 
     def refuse(self) -> None:
         """The cache is used without this engagement having been entered: say so (once)."""
@@ -104,15 +157,48 @@ class Engagement:
                           "it had no effect.", RuntimeWarning, stacklevel=2)
 
 
-def _streaming_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
+def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The attention function registered as :data:`STREAMING_ATTENTION`: the streaming executors' where this
+    thread's last cache update handed the step over, else the implementation the model had before it was
+    engaged."""
+    cache = getattr(_STEP, "cache", None)
+    if cache is not None:
+        _STEP.cache = None
+        return _streaming_attention_forward(cache, module, query, key, value, attention_mask, *args, **kwargs)
+    before = _BEFORE.get(id(module))
+    if before is None:
+        raise TierKVError(f"attention '{STREAMING_ATTENTION}' runs only inside `with cache.streaming(model):`.")
+    return _implementation(module, before)(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _implementation(module: Any, name: str) -> Any:
+    """transformers' attention function ``name``; ``eager`` (registered nowhere) is the module's own file's."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    try:
+        return ALL_ATTENTION_FUNCTIONS[name]
+    except KeyError:
+        return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def _mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
+    """The mask builder registered as :data:`STREAMING_ATTENTION`: the builder of the implementation the model had
+    where it is sdpa's (boolean) or eager's (additive) — both the executors and that implementation take it, so a
+    forward through another cache gets its own mask — else sdpa's."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    before = None if config is None else _BEFORE.get(id(config))
+    builder = ALL_MASK_ATTENTION_FUNCTIONS[before] if before in ("sdpa", "eager") else sdpa_mask
+    return builder(*args, config=config, **kwargs)
+
+
+def _streaming_attention_forward(cache: TieredCache, module: Any, query: torch.Tensor, key: torch.Tensor,
                                  value: torch.Tensor, attention_mask: torch.Tensor | None,
                                  scaling: float | None = None, dropout: float = 0.0, softcap: float | None = None,
                                  **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers attention function for ``TieredCache.streaming``: ``key``/``value`` are only this step's
-    tokens (already stored); attention runs over everything the cache holds for ``module.layer_idx``."""
-    cache = getattr(module, "_tierkv_cache", None)
-    if cache is None:
-        raise TierKVError(f"attention '{STREAMING_ATTENTION}' runs only inside `with cache.streaming(model):`.")
+    """The streaming executors' attention for ``cache``: ``key``/``value`` are only this step's tokens (already
+    stored); attention runs over everything the cache holds for ``module.layer_idx``."""
     if module.training and dropout:
         raise TierKVError("streaming attention is for inference; call model.eval() (dropout is not supported).")
     if module.layer_idx >= len(cache.layers):
@@ -125,12 +211,12 @@ def _streaming_attention_forward(module: Any, query: torch.Tensor, key: torch.Te
 
 @functools.cache
 def _register_streaming_attention() -> None:
-    """Register the attention function and its (boolean, sdpa-style) mask builder once per process."""
+    """Register the attention function and its mask builder once per process."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(STREAMING_ATTENTION, _streaming_attention_forward)
-    AttentionMaskInterface.register(STREAMING_ATTENTION, sdpa_mask)
+    AttentionInterface.register(STREAMING_ATTENTION, _attention)
+    AttentionMaskInterface.register(STREAMING_ATTENTION, _mask)
 
 
 def takes_attention_functions(model: torch.nn.Module) -> bool:

@@ -17,6 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from tierkv.attention.base import Executor, Span
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError, TierKVError
+from tierkv.hf.attention import hand_over
 
 if TYPE_CHECKING:
     from tierkv.hf.cache import TieredCache
@@ -87,6 +88,7 @@ class TieredLayer(CacheLayerMixin):
                 executor = runtime.hand_off(new)
             if executor.replaces_attention:
                 self.pending = (executor, span, key_states)
+                hand_over(cache)
             return executor.step(span, key_states, value_states)
         except BaseException as error:  # a KeyboardInterrupt too: the layers that took this step give it back
             cache.roll_back(self.length_before)
