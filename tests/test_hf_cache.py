@@ -116,3 +116,31 @@ def test_a_budget_named_when_streaming_does_not_fit_works():
     assert named is not None, str(info.value)
     expected = model(ids, past_key_values=DynamicCache()).logits[:, 4:]
     torch.testing.assert_close(stream(named.group(1)), expected, atol=1e-5, rtol=0)
+
+
+def test_a_copy_is_refused_with_the_tiered_way_to_reuse_a_prompt(tmp_path):
+    """transformers' prompt-reuse recipe deep-copies the prompt's cache per continuation; a TieredCache says what
+    to do instead (crop back to the prompt), and that gives the recipe's outputs."""
+    import copy
+    import pickle
+
+    model = tiny_model("llama")
+    shared, _ = prompt(1, 30, seed=1)
+    continuations = [torch.tensor([[7, 8, 9]]), torch.tensor([[40, 41]])]
+    prompt_cache = DynamicCache()
+    with torch.no_grad():
+        model(shared, past_key_values=prompt_cache)
+    expected = [model.generate(torch.cat([shared, more], 1), past_key_values=copy.deepcopy(prompt_cache),
+                               max_new_tokens=5, do_sample=False) for more in continuations]  # fmt: skip
+    with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4) as cache:
+        with torch.no_grad():
+            model(shared, past_key_values=cache)
+        for attempt in (copy.deepcopy, copy.copy, pickle.dumps):
+            with pytest.raises(InvalidConfigError, match=r"cannot be copied.*cache\.crop\(prompt_tokens - "):
+                attempt(cache)
+        for more, want in zip(continuations, expected, strict=True):
+            got = model.generate(torch.cat([shared, more], 1), past_key_values=cache, max_new_tokens=5,
+                                 do_sample=False)  # fmt: skip
+            assert torch.equal(got, want)
+            cache.crop(shared.shape[1] - cache.get_seq_length())
+            assert cache.get_seq_length() == shared.shape[1]

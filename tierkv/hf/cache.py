@@ -46,6 +46,14 @@ from tierkv.units import parse_size
 DEFAULT_DISK_FRACTION = 0.9  # of free space under disk_dir, when disk_gb is None
 
 
+_NOT_COPIED = ("a TieredCache cannot be copied or pickled: it owns its budgets, I/O threads and disk files. To "
+               "continue one prompt several ways (transformers' deepcopy of a prompt cache), crop it back to the "
+               "prompt after each continuation: `cache.crop(prompt_tokens - cache.get_seq_length())` (a negative "
+               "count of tokens to remove); across processes, keep the prompt's blocks with "
+               "persist=True and `load_prefix` them; to write a conversation to a file, `cache.save(path, "
+               "model=model)`.")
+
+
 class TieredCache(AttentionModes, Cache):
     """A transformers ``Cache`` backed by device, host and disk tiers.
 
@@ -256,6 +264,15 @@ class TieredCache(AttentionModes, Cache):
 
     def __enter__(self) -> TieredCache:
         return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TieredCache:
+        raise InvalidConfigError(_NOT_COPIED)
+
+    def __copy__(self) -> TieredCache:
+        raise InvalidConfigError(_NOT_COPIED)
+
+    def __reduce__(self) -> Any:
+        raise InvalidConfigError(_NOT_COPIED)
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
