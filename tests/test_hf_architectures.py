@@ -26,6 +26,7 @@ from transformers import DynamicCache
 
 from tierkv import TieredCache
 from tierkv.errors import InvalidConfigError, TierKVError
+from tierkv.hf.attention import takes_attention_functions
 
 NEW = 6
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, pad_token_id=PAD,
@@ -85,6 +86,11 @@ def architecture(model_type: str) -> transformers.PreTrainedModel:
 @pytest.mark.parametrize("model_type", list(ARCHITECTURES))
 def test_more_architectures_decode_exactly(tmp_path, model_type, executor):
     model = architecture(model_type)
+    if executor != "gather" and not takes_attention_functions(model):  # its own attention code in this release
+        with TieredCache(gpu_gb="1MB", block_tokens=4) as cache, \
+                pytest.raises(InvalidConfigError, match="attends with its own code"):  # fmt: skip
+            engage(cache, model, executor).__enter__()
+        return
     ids, mask = prompt(2, 40, seed=3, left_pad=(0, 5))
     reference = run(model, ids, mask, DynamicCache(config=model.config))
     gpu = f"{TieredCache.min_device_bytes(model.config, 64, 2, block_tokens=4) + 16384}B" if executor == "gather" \
