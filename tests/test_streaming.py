@@ -96,6 +96,18 @@ def test_another_cache_inside_the_context_runs_the_models_own_attention(tmp_path
         torch.testing.assert_close(model(ids, past_key_values=DynamicCache()).logits, expected, atol=1e-6, rtol=0)
 
 
+def test_a_hand_over_no_attention_took_is_dropped(tmp_path):
+    """Direct ``cache.update`` calls inside the block hand steps over that no attention takes: the thread's next
+    forward through another cache still gets the model's own attention."""
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    expected = model(ids, past_key_values=DynamicCache()).logits
+    with TieredCache(block_tokens=4) as cache, cache.streaming(model):
+        keys = torch.randn(1, 2, 3, 16)
+        cache.update(keys, keys, 0)
+        torch.testing.assert_close(model(ids, past_key_values=DynamicCache()).logits, expected, atol=1e-6, rtol=0)
+
+
 def test_streaming_attention_outside_the_context_is_an_error(tmp_path):
     model = tiny_model("llama", "sdpa", None, layers=1)
     with TieredCache(block_tokens=4) as cache:

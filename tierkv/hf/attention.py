@@ -160,12 +160,14 @@ class Engagement:
 def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """The attention function registered as :data:`STREAMING_ATTENTION`: the streaming executors' where this
-    thread's last cache update handed the step over, else the implementation the model had before it was
-    engaged."""
+    thread's last cache update handed this very step over (its keys), else the implementation the model had
+    before it was engaged (a hand-over no attention took, as direct ``cache.update`` calls leave, is dropped)."""
     cache = getattr(_STEP, "cache", None)
     if cache is not None:
         _STEP.cache = None
-        return _streaming_attention_forward(cache, module, query, key, value, attention_mask, *args, **kwargs)
+        layers = cache.layers
+        if module.layer_idx < len(layers) and layers[module.layer_idx].handed(key):
+            return _streaming_attention_forward(cache, module, query, key, value, attention_mask, *args, **kwargs)
     before = _BEFORE.get(id(module))
     if before is None:
         raise TierKVError(f"attention '{STREAMING_ATTENTION}' runs only inside `with cache.streaming(model):`.")

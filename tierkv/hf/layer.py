@@ -96,6 +96,10 @@ class TieredLayer(CacheLayerMixin):
                 raise runtime.budget_error(error, self.length_before + new, key_states.shape[0]) from error
             raise
 
+    def handed(self, key_states: torch.Tensor) -> bool:
+        """Whether this layer's last update handed the model ``key_states`` for an executor to attend."""
+        return self.pending is not None and self.pending[2] is key_states
+
     def attend(self, key_states: torch.Tensor, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
                softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The attention of this layer's step (the model's attention function with ``key_states`` from
