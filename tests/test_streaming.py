@@ -96,6 +96,17 @@ def test_another_cache_inside_the_context_runs_the_models_own_attention(tmp_path
         torch.testing.assert_close(model(ids, past_key_values=DynamicCache()).logits, expected, atol=1e-6, rtol=0)
 
 
+def test_one_engagement_entered_twice_leaves_the_model_as_it_was(tmp_path):
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    with TieredCache(block_tokens=4) as cache:
+        engagement = cache.streaming(model)
+        with engagement, engagement:
+            model(ids, past_key_values=cache)
+        assert model.config._attn_implementation == "sdpa" and id(model) not in attention._HELD
+        assert not cache.runtime.modes
+
+
 def test_a_hand_over_no_attention_took_is_dropped(tmp_path):
     """Direct ``cache.update`` calls inside the block hand steps over that no attention takes: the thread's next
     forward through another cache still gets the model's own attention."""

@@ -69,7 +69,7 @@ class Engagement:
         self.cache, self.model, self.mode, self.what = cache, model, mode, what
         self.entered = False
         self.modules: list[Any] = []
-        self.held = False  # counted on the model (_HELD)
+        self.held = 0  # times counted on the model (_HELD): entered and not yet left
         cache.unentered = self
 
     def __enter__(self) -> TieredCache:
@@ -115,7 +115,7 @@ class Engagement:
                 for key in (id(model), *map(id, self.modules), *self._configs()):
                     _BEFORE[key] = previous
             _HELD[id(model)] = held + 1
-        self.held = True
+        self.held += 1
 
     def _release(self) -> None:
         """Uncount this engagement; the model's last gets its attention implementation back."""
@@ -141,7 +141,7 @@ class Engagement:
                 self.cache.runtime.pop()
             finally:  # the model is restored even if the executors' bookkeeping fails
                 if self.held:
-                    self.held = False
+                    self.held -= 1
                     self._release()
 
     def refuse(self) -> None:
