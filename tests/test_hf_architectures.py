@@ -36,9 +36,13 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
 def build(config_name: str, model_name: str, **kwargs) -> transformers.PreTrainedModel:
     if not hasattr(transformers, config_name):
         pytest.skip(f"this transformers release has no {config_name}")
-    config = getattr(transformers, config_name)(**SMALL, **kwargs)
+    return instantiate(getattr(transformers, model_name), getattr(transformers, config_name)(**SMALL, **kwargs))
+
+
+def instantiate(model_class, config) -> transformers.PreTrainedModel:
+    """An fp32 eval-mode model of ``config`` from a fixed seed, generating without an end token."""
     torch.manual_seed(99)
-    model = getattr(transformers, model_name)(config).float().eval()
+    model = model_class(config).float().eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = PAD
     return model
@@ -75,11 +79,7 @@ def architecture(model_type: str) -> transformers.PreTrainedModel:
         config = transformers.AutoConfig.for_model(model_type, **kwargs)
     except (KeyError, ValueError):
         pytest.skip(f"this transformers release has no {model_type}")
-    torch.manual_seed(7)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = PAD
-    return model
+    return instantiate(transformers.AutoModelForCausalLM.from_config, config)
 
 
 @pytest.mark.parametrize("executor", ["gather", "split", "sparse"])
@@ -221,9 +221,7 @@ def test_an_encoder_decoder_model_decodes_exactly_with_the_cache_as_its_self_att
     KV lives on the tiers; given the cache alone, the model's second update of a layer is refused with that fix."""
     config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
                                    decoder_start_token_id=PAD, pad_token_id=PAD, eos_token_id=None)  # fmt: skip
-    torch.manual_seed(3)
-    model = transformers.T5ForConditionalGeneration(config).eval()
-    model.generation_config.eos_token_id = None
+    model = instantiate(transformers.T5ForConditionalGeneration, config)
     ids, _ = prompt(2, 30, seed=8)
     reference = model.generate(ids, max_new_tokens=36, do_sample=False, output_logits=True,
                                return_dict_in_generate=True)  # fmt: skip

@@ -180,6 +180,8 @@ def test_hf_config_head_dim_default_and_layer_types(tmp_path):
     ({"n_routed_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1408, "n_shared_experts": 2},
      8 * 1408),  # DeepSeek-style shared experts
     ({"num_local_experts": 1, "num_experts_per_tok": 1}, 2048),  # one expert: dense
+    ({"num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": -5, "n_shared_experts": "2"},
+     2 * 2048),  # values that are not counts count as absent
 ])  # fmt: skip
 def test_hf_config_prices_the_experts_a_token_takes(tmp_path, moe, width):
     config = {"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": 512, "intermediate_size": 2048,

@@ -146,18 +146,22 @@ _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_topk")
 
 
+def _positive(cfg: dict, *keys: str) -> int:
+    """The first of ``keys`` that ``cfg`` holds as a positive int; 0 if none does (absent, null, or not a count)."""
+    return next((cfg[k] for k in keys if type(cfg.get(k)) is int and cfg[k] > 0), 0)
+
+
 def _active_mlp_width(cfg: dict, hidden: int) -> int:
     """The MLP width one token's decode passes through: ``intermediate_size``, or in a mixture of experts the
     routed experts' widths (``moe_intermediate_size``, else ``intermediate_size``) times the experts a token takes,
     plus the shared experts' (Qwen-MoE's ``shared_expert_intermediate_size``, DeepSeek-style ``n_shared_experts``).
     Dense first layers of some MoE families are priced as MoE ones."""
     dense = int(cfg.get("intermediate_size") or 4 * hidden)
-    experts = next((int(cfg[k]) for k in _EXPERTS if isinstance(cfg.get(k), int)), 0)
-    per_token = next((int(cfg[k]) for k in _EXPERTS_PER_TOKEN if isinstance(cfg.get(k), int)), 0)
-    if experts <= 1 or per_token < 1:
+    per_token = _positive(cfg, *_EXPERTS_PER_TOKEN)
+    if _positive(cfg, *_EXPERTS) <= 1 or not per_token:
         return dense
-    expert = int(cfg.get("moe_intermediate_size") or dense)
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0) or expert * int(cfg.get("n_shared_experts") or 0)
+    expert = _positive(cfg, "moe_intermediate_size") or dense
+    shared = _positive(cfg, "shared_expert_intermediate_size") or expert * _positive(cfg, "n_shared_experts")
     return expert * per_token + shared
 
 
