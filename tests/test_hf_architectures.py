@@ -1,8 +1,12 @@
 """Architectures beyond the core families of ``tests/models.py``, and those whose attention differs from theirs.
 
-- Thirty-one more transformers architectures (partial rotary, MoE, QK norms, parallel blocks, learned positions,
-  NoPE layers, sliding and full layers, KV shared across layers, a hybrid with convolution layers) decode exactly
-  as ``DynamicCache`` through exact gather, split and sparse attention at a full budget, with blocks on every tier.
+- Thirty-two more transformers architectures (partial rotary, MoE, QK norms, parallel blocks, learned positions,
+  NoPE layers, sliding and full layers, wider heads in some layers than in others, a hybrid with convolution
+  layers) decode exactly as ``DynamicCache`` through exact gather, split and sparse attention at a full budget,
+  with blocks on every tier.
+- Gemma 3n and Gemma 4 let their last layers attend over the K/V of earlier layers (KV shared across layers): exact
+  gather keeps those layers' staging buffers for the rest of the forward and decodes exactly, with or without the
+  config; the executors that hand the model only each step's K/V are refused with the fix.
 - gpt-oss adds a learnt logit per query head to the softmax's denominator (attention sinks, ``s_aux``): the
   executors fold it in from their log-sum-exp, and decode exactly as ``DynamicCache`` on all three tiers.
 - Bloom attends with its own code (ALiBi), not through transformers' AttentionInterface: engaging it is refused
@@ -24,9 +28,10 @@ from helpers import assert_same_generation
 from models import BOS, PAD, VOCAB, prompt
 from transformers import DynamicCache
 
-from tierkv import TieredCache
+from tierkv import TieredCache, settings
 from tierkv.errors import InvalidConfigError, TierKVError
 from tierkv.hf.attention import takes_attention_functions
+from tierkv.hf.sizing import kv_bytes_held, kv_producers
 
 NEW = 6
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, pad_token_id=PAD,
@@ -67,14 +72,16 @@ ARCHITECTURES: dict[str, dict] = {  # model_type -> config arguments beside SMAL
     "gemma3n_text": dict(SLIDING, num_kv_shared_layers=0, laurel_rank=8, altup_num_inputs=2,
                          activation_sparsity_pattern=[0.0, 0.0], vocab_size_per_layer_input=VOCAB,
                          hidden_size_per_layer_input=8, intermediate_size=[128, 128]),
+    "gemma4_text": dict(SLIDING, global_head_dim=32, hidden_size_per_layer_input=8,
+                        vocab_size_per_layer_input=VOCAB),  # full-attention layers' heads twice as wide
     "lfm2": {},  # convolution layers beside attention: the cache holds only the attention layers' KV
 }
 GQA = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 OWN_HEADS = {"gpt_neox", "gpt2", "opt", "falcon", "persimmon", "phi", "stablelm"}  # no head_dim / GQA arguments
 
 
-def architecture(model_type: str) -> transformers.PreTrainedModel:
-    kwargs = {**SMALL, **({} if model_type in OWN_HEADS else GQA), **ARCHITECTURES[model_type]}
+def architecture(model_type: str, **overrides) -> transformers.PreTrainedModel:
+    kwargs = {**SMALL, **({} if model_type in OWN_HEADS else GQA), **ARCHITECTURES[model_type], **overrides}
     try:
         config = transformers.AutoConfig.for_model(model_type, **kwargs)
     except (KeyError, ValueError):
@@ -235,3 +242,65 @@ def test_an_encoder_decoder_model_decodes_exactly_with_the_cache_as_its_self_att
     with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path / "alone", block_tokens=4) as cache, \
             pytest.raises(TierKVError, match=r"EncoderDecoderCache\(cache, DynamicCache\(\)\)"):  # fmt: skip
         model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
+
+
+# Six layers, the last three reusing the K/V of layer 0 (full) and layer 2 (sliding): the two layers whose K/V is kept
+# are not neighbours, so a third staging buffer is needed while layer 1 attends.
+KINDS = ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention", "full_attention",
+         "full_attention"]  # fmt: skip
+SHARED_KV = {"gemma3n_text": dict(num_hidden_layers=6, layer_types=KINDS, num_kv_shared_layers=3,
+                                  activation_sparsity_pattern=[0.0] * 6, intermediate_size=[128] * 6),
+             "gemma4_text": dict(num_hidden_layers=6, layer_types=KINDS, num_kv_shared_layers=3)}  # fmt: skip
+
+
+@pytest.mark.parametrize("with_config", [True, False], ids=["config", "no-config"])
+@pytest.mark.parametrize("model_type", list(SHARED_KV))
+def test_layers_that_reuse_earlier_layers_kv_decode_exactly(tmp_path, model_type, with_config):
+    """Every layer is prefetched (``prefetch_min`` 0), so a buffer the model still reads would be overwritten."""
+    model = architecture(model_type, **SHARED_KV[model_type])
+    assert kv_producers(model.config) == [0, 2]
+    ids, mask = prompt(2, 40, seed=3, left_pad=(0, 5))
+    reference = run(model, ids, mask, DynamicCache(config=model.config))
+    gpu = TieredCache.min_device_bytes(model.config, 48, 2, block_tokens=4, prefetch_depth=0)  # blocks move down
+    with settings.override(prefetch_min=0), \
+            TieredCache(gpu_gb=f"{gpu}B", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=4,
+                        config=model.config if with_config else None) as cache:  # fmt: skip
+        out = run(model, ids, mask, cache)
+        blocks = cache.stats()["blocks"]
+        assert blocks["host"] > 0 and blocks["disk"] > 0
+        assert cache.get_seq_length() == 40 + NEW - 1
+    assert_same_generation(out, reference, atol=1e-4)
+
+
+@pytest.mark.parametrize("executor", ["split", "sparse", "streaming"])
+def test_executors_that_hand_over_only_the_step_refuse_layers_that_reuse_kv(tmp_path, executor, monkeypatch):
+    model = architecture("gemma3n_text", **SHARED_KV["gemma3n_text"])
+    before = model.config._attn_implementation
+    with TieredCache(gpu_gb="1MB", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
+        engagement = engage(cache, model, executor)
+        with pytest.raises(InvalidConfigError, match=f"K/V of earlier layers.*leave out the `with "
+                                                     f"cache.{executor}"):  # fmt: skip
+            engagement.__enter__()
+        assert model.config._attn_implementation == before and not cache.runtime.modes
+        monkeypatch.setattr("tierkv.hf.modes.choose_executor", lambda *args: "split")  # as a fast host kernel would
+        ids, mask = prompt(1, 30, seed=2)
+        with cache.exact(model):
+            out = run(model, ids, mask, cache)
+        assert cache.chosen == "gather"
+    assert_same_generation(out, run(model, ids, mask, DynamicCache(config=model.config)), atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_text", "gemma3n_text"])
+def test_sizes_count_each_layers_own_heads_and_only_the_layers_that_hold_kv(model_type, monkeypatch):
+    """Gemma 4's full-attention layers hold 32-dim heads, its sliding ones 16; Gemma 3n's last three layers hold
+    nothing. The device minimum counts a staging buffer for each of the two layers whose K/V is kept."""
+    model = architecture(model_type, **SHARED_KV[model_type])
+    ids, _ = prompt(1, 6, seed=1)  # under the window of 8: every layer holds every token
+    reference = DynamicCache(config=model.config)
+    model(input_ids=ids, past_key_values=reference)
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in reference.layers
+               if getattr(layer, "keys", None) is not None)  # fmt: skip
+    assert kv_bytes_held(model.config, 6) == held
+    minimum = TieredCache.min_device_bytes(model.config, 512, prefetch_depth=1)
+    monkeypatch.setattr("tierkv.hf.sizing.kv_producers", lambda config: [])
+    assert minimum == TieredCache.min_device_bytes(model.config, 512, prefetch_depth=3)

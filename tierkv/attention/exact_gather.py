@@ -11,6 +11,11 @@ mid-block); the model gets a view from that token on. While layer L attends over
 fills staging[b] with every block layer L+1 already had. When layer L+1's ``update`` arrives, only the
 blocks that were not yet full (the tail, and anything appended since) are read on top.
 
+A buffer is written again only once the model has let go of the K/V it was handed from it: models that share KV
+across layers (Gemma 3n, Gemma 4) keep a layer's K/V for later layers of the same forward, so the buffer stays
+theirs, and another is taken from the device budget when every buffer is in use
+(:func:`tierkv.hf.sizing.kv_producers` counts them in ``min_device_bytes``).
+
 Telemetry (optional :class:`~tierkv.stats.Timeline`): each read job is split by source tier and timed per
 link (``perf_counter`` on CPU hosts, CUDA events on the stream that ran the copies); the time between one
 layer's gather returning and the next layer's gather starting is that layer's compute. An optional
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 
@@ -71,6 +77,7 @@ class ExactGather(PipelinedExecutor):
         self._batches: dict[int, int] = {}  # layer -> rows of its last span (table edits clear it)
         self._next_cache: dict[tuple[int, int, int, bool], tuple[int, ...]] = {}  # see _next_layers
         self.current = -1  # staging buffer the model is attending over now
+        self._handed: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # buffer -> the K and V the model got from it
         self.prefetch_disabled_logged = False
 
     # ---------------------------------------------------------------------------------- public
@@ -101,6 +108,7 @@ class ExactGather(PipelinedExecutor):
             self.timeline.add_layer(layer, timings, *records)  # one call per layer-step in the common case
         keys, values = kv[0], kv[1]
         self.current = buffer
+        self._handed[buffer] = (weakref.ref(keys), weakref.ref(values))
         self._prefetch_next(layer)
         self._left_at = time.perf_counter()
         if self._accel.streams:  # the caller's stream reads staging (CUDA): the allocator must know
@@ -220,23 +228,47 @@ class ExactGather(PipelinedExecutor):
     def _release(self) -> None:
         self.staging.release()
         self._views.clear()
+        self._handed.clear()  # views the model still holds keep their old buffer alive (torch counts them)
         self.capacity = self.batch = self.token_bytes = 0
         self.current = -1
 
+    def _held(self) -> set[int]:
+        """Buffers whose K/V the model still holds: a layer's K/V that later layers of the forward reuse."""
+        return {buffer for buffer, (keys, values) in self._handed.items() if keys() is not None or values() is not None}
+
+    def _busy(self) -> set[int]:
+        """Buffers a prefetch may not write now: the one attended over, those prefetches fill, those held."""
+        return {self.current} | {p.buffer for p in self.pending.values()} | self._held()
+
     def _free_buffer(self) -> int:
-        if not self.pending:  # the common case without prefetch: any buffer but the one attended over
-            return 1 if self.current == 0 and len(self.buffers) > 1 else 0
-        busy = {self.current} | {p.buffer for p in self.pending.values()}
+        """A buffer for a layer's gather: a free one, else one a prefetch fills (dropping it), else the one the
+        previous layer attended over, else one more from the budget."""
+        held = self._held()
+        busy = {self.current} | {p.buffer for p in self.pending.values()} | held
         free = next((i for i in range(len(self.buffers)) if i not in busy), None)
         if free is not None:
             return free
-        victim = next(p for p in self.pending.values() if p.buffer != self.current) if self.pending else None
-        if victim is None:
-            return (self.current + 1) % len(self.buffers)
-        victim.handle.settle()  # reuse its buffer: that prefetch is dropped, its layer will gather afresh
-        del self.pending[victim.layer]
-        self._consume(victim)
-        return victim.buffer
+        victim = next((p for p in self.pending.values() if p.buffer not in held and p.buffer != self.current), None)
+        if victim is not None:
+            victim.handle.settle()  # reuse its buffer: that prefetch is dropped, its layer will gather afresh
+            del self.pending[victim.layer]
+            self._consume(victim)
+            return victim.buffer
+        if 0 <= self.current < len(self.buffers) and self.current not in held:
+            return self.current
+        return self._another_buffer()
+
+    def _another_buffer(self) -> int:
+        """A buffer beside those the model holds K/V in: taken from the device budget."""
+        try:
+            self.staging.take(self.batch * self.capacity * self.token_bytes)
+        except BudgetTooSmallError as exc:
+            raise BudgetTooSmallError(
+                f"{exc} The model keeps the K/V of {len(self._held())} earlier layers while this one attends "
+                "(KV shared across layers, as Gemma 3n and Gemma 4 do): each needs its own staging buffer. Build "
+                "the cache with config=model.config and a budget of at least TieredCache.min_device_bytes(config, "
+                "context), which counts them.") from exc
+        return len(self.buffers) - 1
 
     # -------------------------------------------------------------------------------- prefetch
     def _prefetch_next(self, layer: int) -> None:
@@ -245,7 +277,7 @@ class ExactGather(PipelinedExecutor):
         for target in self._next_layers(layer, self.prefetch_depth):
             if target in self.pending or target not in self.store.layouts:
                 continue
-            busy = {self.current} | {p.buffer for p in self.pending.values()}
+            busy = self._busy()
             free = [i for i in range(len(self.buffers)) if i not in busy]
             if not free:
                 break

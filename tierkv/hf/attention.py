@@ -23,6 +23,7 @@ import torch
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import InvalidConfigError, TierKVError
 from tierkv.hf.runtime import Mode
+from tierkv.hf.sizing import kv_producers
 
 if TYPE_CHECKING:
     from tierkv.attention.sparse import SparseBudget
@@ -81,6 +82,8 @@ class Engagement:
         self.modules = [m for m in self.model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
         if not takes_attention_functions(self.model):
             raise InvalidConfigError(self._not_an_interface())
+        if kv_producers(self.model.config):
+            raise InvalidConfigError(self._reuses_kv())
         cache.runtime.push(self.mode)  # exact-gather staging is released: the new mode may need all the budget
         try:  # every change to the user's model happens inside the try, so a failure undoes all of it
             self._hold()
@@ -134,6 +137,12 @@ class Engagement:
         return (f"{type(self.model).__name__} attends with its own code, not through transformers' "
                 f"AttentionInterface, so `cache.{self.what}(model)` cannot take its attention over. Decode it with "
                 f"exact gather: leave out the `with cache.{self.what}(model)` block (outputs equal DynamicCache's).")
+
+    def _reuses_kv(self) -> str:
+        return (f"{type(self.model).__name__}'s last layers attend over the K/V of earlier layers (KV shared across "
+                f"layers), but `cache.{self.what}(model)` hands the model only each step's K/V, so those layers "
+                f"would attend the step alone. Decode it with exact gather: leave out the `with "
+                f"cache.{self.what}(model)` block (outputs equal DynamicCache's).")
 
     def _restore(self) -> None:
         with deferred_interrupts():  # a Ctrl-C while leaving waits until the model is the user's again

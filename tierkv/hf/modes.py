@@ -110,8 +110,8 @@ class AttentionModes:
         if executor == "auto" and self.chosen == "split" and gpu is not None and gpu < sizing.min_split_device_bytes(
                 config, block_tokens=self.block_tokens, chunk_tokens=chunk_tokens, device=device):
             self.chosen = "gather"  # split's streaming prefill needs two chunks of device memory; gather fits
-        if executor == "auto" and not takes_attention_functions(model):
-            self.chosen = "gather"  # the model attends with its own code: only gather serves it
+        if executor == "auto" and (not takes_attention_functions(model) or sizing.kv_producers(config)):
+            self.chosen = "gather"  # the model attends with its own code, or reuses K/V: only gather serves it
         if self.chosen == "split":
             return self.split(model, chunk_tokens)
         return contextlib.nullcontext(self._cache)

@@ -39,18 +39,19 @@ def min_device_bytes(config: PreTrainedConfig, context: int, batch: int = 1,
                      block_tokens: int = DEFAULT_BLOCK_TOKENS, prefetch_depth: int = 1,
                      dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> int:
     """Smallest ``gpu_gb`` (in bytes) that decodes ``context`` tokens: staging for the largest layer
-    (``prefetch_depth + 1`` buffers of one layer's full K/V, with 25% growth headroom), one tail block
-    per (row, layer), and on CUDA (``device``; default: CUDA if available) the two landing buffers.
-    Bytes, not GB: pass it on as ``gpu_gb=f"{n}B"``."""
+    (``prefetch_depth + 1`` buffers of one layer's full K/V, with 25% growth headroom, and one more for each
+    layer whose K/V later layers reuse: :func:`kv_producers`), one tail block per (row, layer), and on CUDA
+    (``device``; default: CUDA if available) the two landing buffers. Bytes, not GB: pass it on as
+    ``gpu_gb=f"{n}B"``."""
     check_model_config(config)
     check_count(context, name="context")
     check_count(batch, name="batch")
     check_count(block_tokens, name="block_tokens")
     check_count(prefetch_depth, name="prefetch_depth", minimum=0)
     layout = layout_of_config(config, block_tokens, dtype)
-    staging = sizes.gather_staging_bytes(batch, context, layout.token_bytes, block_tokens, prefetch_depth)
-    layers = config.get_text_config(decoder=True).num_hidden_layers
-    tails = sizes.open_tail_bytes(layers, batch, layout.slot_bytes)
+    buffers = prefetch_depth + len(kv_producers(config))  # + 1: gather_staging_bytes counts the attended one
+    staging = sizes.gather_staging_bytes(batch, context, layout.token_bytes, block_tokens, buffers)
+    tails = sizes.open_tail_bytes(len(layer_windows(config)), batch, layout.slot_bytes)
     return device_minimum(staging, tails, layout.slot_bytes, device)
 
 
@@ -66,8 +67,7 @@ def min_streaming_device_bytes(config: PreTrainedConfig, batch: int = 1, block_t
     check_count(chunk_tokens, name="chunk_tokens")
     layout = layout_of_config(config, block_tokens, dtype)
     staging = sizes.streaming_staging_bytes(batch, chunk_tokens, layout.token_bytes, block_tokens)
-    layers = config.get_text_config(decoder=True).num_hidden_layers
-    tails = sizes.open_tail_bytes(layers, batch, layout.slot_bytes)
+    tails = sizes.open_tail_bytes(len(layer_windows(config)), batch, layout.slot_bytes)
     return device_minimum(staging, tails, layout.slot_bytes, device)
 
 
@@ -88,26 +88,23 @@ def min_split_device_bytes(config: PreTrainedConfig, batch: int = 1, block_token
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     accelerated = accel.backend(torch.device(device)).streams
-    return sizes.split_device_minimum(text.num_hidden_layers, batch, text.num_attention_heads, layout.kv_heads,
+    return sizes.split_device_minimum(len(layer_windows(config)), batch, text.num_attention_heads, layout.kv_heads,
                                       layout.head_dim, layout.dtype.itemsize, block_tokens, chunk_tokens,
                                       accelerated)
 
 
 def kv_bytes_per_token(config: PreTrainedConfig, dtype: torch.dtype | None = None) -> int:
-    """K and V bytes of one token across all layers (every layer counted, as full attention)."""
+    """K and V bytes of one token across all layers that hold KV (every one counted, as full attention)."""
     check_model_config(config)
-    layout = layout_of_config(config, 1, dtype)
-    return layout.token_bytes * config.get_text_config(decoder=True).num_hidden_layers
+    return sum(layout.token_bytes for layout in layer_layouts(config, 1, dtype))
 
 
 def kv_bytes_held(config: PreTrainedConfig, tokens: int, dtype: torch.dtype | None = None) -> int:
     """K and V bytes the cache holds after ``tokens`` tokens: a sliding-window layer keeps only its window
     (Gemma 3 270M at 16K: 15 of its 18 layers hold 512 tokens), so this is what the tiers must hold."""
     check_model_config(config)
-    token_bytes = layout_of_config(config, 1, dtype).token_bytes
-    kinds, kwargs = layer_types(config.get_text_config(decoder=True))
-    return sum(token_bytes * (min(tokens, kw["sliding_window"]) if kind in SLIDING_TYPES else tokens)
-               for kind, kw in zip(kinds, kwargs, strict=True))
+    return sum(layout.token_bytes * (min(tokens, window) if window else tokens)
+               for layout, window in zip(layer_layouts(config, 1, dtype), layer_windows(config), strict=True))
 
 
 def min_sparse_device_bytes(config: PreTrainedConfig, context: int, tokens: int | float = 0.1, batch: int = 1,
@@ -142,12 +139,16 @@ def sparse_table_bytes(config: PreTrainedConfig, context: int, tokens: int | flo
     check_count(batch, name="batch")
     check_count(block_tokens, name="block_tokens")
     budget = _sparse_budget(tokens, rest_bits, page_tokens)
-    layout = layout_of_config(config, block_tokens, dtype)
-    pages, elem = block_tokens // budget.page_size(block_tokens), layout.dtype.itemsize
-    row = layout.kv_heads * layout.head_dim * sizes.summary_element_size(elem) * 4 * pages \
-        + sizes.rest_copy_bytes(block_tokens * layout.token_bytes, budget.rest_bits, elem, layout.head_dim)
+    pages = block_tokens // budget.page_size(block_tokens)
+
+    def row(layout: BlockLayout) -> int:
+        elem = layout.dtype.itemsize
+        return layout.kv_heads * layout.head_dim * sizes.summary_element_size(elem) * 4 * pages \
+            + sizes.rest_copy_bytes(block_tokens * layout.token_bytes, budget.rest_bits, elem, layout.head_dim)
+
     held = [min(context, window + block_tokens) if window else context for window in layer_windows(config)]
-    return sum(max(MIN_ROWS, math.ceil(batch * (n // block_tokens) * TABLE_GROWTH) + 1) * row for n in held)
+    return sum(max(MIN_ROWS, math.ceil(batch * (n // block_tokens) * TABLE_GROWTH) + 1) * row(layout)
+               for n, layout in zip(held, layer_layouts(config, block_tokens, dtype), strict=True))
 
 
 def _sparse_budget(tokens: int | float, rest_bits: int | None, page_tokens: int | None) -> SparseBudget:
@@ -178,13 +179,23 @@ def device_minimum(staging: int, tails: int, slot_bytes: int, device: str | torc
 
 # ---------------------------------------------------------------------------------------- config reading
 def layout_of_config(config: PreTrainedConfig, block_tokens: int, dtype: torch.dtype | None) -> BlockLayout:
+    """The largest layer's block layout (staging holds any layer's K/V)."""
+    return max(layer_layouts(config, block_tokens, dtype), key=lambda layout: layout.token_bytes)
+
+
+def layer_layouts(config: PreTrainedConfig, block_tokens: int, dtype: torch.dtype | None) -> list[BlockLayout]:
+    """The block layout of each layer that holds KV. A heterogeneous config (transformers' ``per_layer_config``:
+    Gemma 4's full-attention layers have wider heads than its sliding ones) gives each layer its own."""
     text = config.get_text_config(decoder=True)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     dtype = dtype or getattr(text, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    return BlockLayout(heads, head_dim, block_tokens, dtype)
+    layers = len(layer_windows(config))
+    each = text.per_layer_config[:layers] if getattr(text, "is_heterogeneous", False) else [text] * layers
+    shapes = [(getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads,
+               getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads) for layer in each]
+    layouts = {shape: BlockLayout(*shape, block_tokens, dtype) for shape in set(shapes)}
+    return [layouts[shape] for shape in shapes]
 
 
 def layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, Any]]]:
@@ -202,6 +213,9 @@ def layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, Any
 
         kwargs = [{key: value(item, i) for key, item in kwargs.items()} for i in range(len(kinds))]
     kwargs = list(kwargs) if kwargs else [{} for _ in kinds]
+    shared = _kv_shared_layers(config)
+    if shared and kinds[-shared:] == ["dummy"] * shared:  # layers that reuse earlier layers' K/V hold no cache
+        kinds, kwargs = kinds[:-shared], kwargs[:-shared]
     if "sliding_window" not in {key for kw in kwargs for key in kw} and getattr(config, "sliding_window", None):
         kwargs = [{**kw, "sliding_window": config.sliding_window} for kw in kwargs]
     return kinds, kwargs
@@ -219,6 +233,25 @@ def layer_windows(config: PreTrainedConfig) -> list[int | None]:
     return [kw.get("sliding_window") if kind in SLIDING_TYPES else None for kind, kw in zip(kinds, kwargs)]
 
 
+def kv_producers(config: PreTrainedConfig) -> list[int]:
+    """The layers whose K/V later layers of the same forward attend again: the last
+    ``num_kv_shared_layers`` layers of Gemma 3n and Gemma 4 hold no cache and reuse the K/V that the last unshared
+    layer of their attention type got from the cache's update, so what those updates return must stay valid until
+    the forward ends (exact gather keeps their staging buffers: :func:`min_device_bytes` counts them)."""
+    text = config.get_text_config(decoder=True)
+    shared = _kv_shared_layers(text)
+    if not shared or shared >= text.num_hidden_layers:
+        return []
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    unshared = list(kinds[: text.num_hidden_layers - shared])
+    return sorted(len(unshared) - 1 - unshared[::-1].index(kind) for kind in set(unshared))
+
+
+def _kv_shared_layers(config: PreTrainedConfig) -> int:
+    shared = getattr(config, "num_kv_shared_layers", None)
+    return shared if isinstance(shared, int) and not isinstance(shared, bool) and shared > 0 else 0
+
+
 def _layer_types_of_config(config: PreTrainedConfig) -> tuple[list[str], dict[str, Any]]:
     """transformers 5.0's ``DynamicCache(config=...)`` rule: ``layer_types``, else all sliding when the config
     has a window (or a chunk size), else all full; shared KV layers (Gemma3n) hold no cache."""
@@ -227,7 +260,7 @@ def _layer_types_of_config(config: PreTrainedConfig) -> tuple[list[str], dict[st
     if kinds is None:
         kind = "sliding_attention" if window is not None else "full_attention"
         kinds = [kind] * config.num_hidden_layers
-    shared = getattr(config, "num_kv_shared_layers", None)
+    shared = _kv_shared_layers(config)
     if shared:
         kinds = kinds[:-shared]
     return list(kinds), ({"sliding_window": window} if window is not None else {})
