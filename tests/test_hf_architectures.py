@@ -1,6 +1,6 @@
 """Architectures beyond the core families of ``tests/models.py``, and those whose attention differs from theirs.
 
-- Thirty-two more transformers architectures (partial rotary, MoE, QK norms, parallel blocks, learned positions,
+- Thirty-three more transformers architectures (partial rotary, MoE, QK norms, parallel blocks, learned positions,
   NoPE layers, sliding and full layers, wider heads in some layers than in others, a hybrid with convolution
   layers) decode exactly as ``DynamicCache`` through exact gather, split and sparse attention at a full budget,
   with blocks on every tier.
@@ -74,6 +74,7 @@ ARCHITECTURES: dict[str, dict] = {  # model_type -> config arguments beside SMAL
                          hidden_size_per_layer_input=8, intermediate_size=[128, 128]),
     "gemma4_text": dict(SLIDING, global_head_dim=32, hidden_size_per_layer_input=8,
                         vocab_size_per_layer_input=VOCAB),  # full-attention layers' heads twice as wide
+    "afmoe": {},  # its attention output is .view()ed: the executors' must be contiguous
     "lfm2": {},  # convolution layers beside attention: the cache holds only the attention layers' KV
 }
 GQA = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)

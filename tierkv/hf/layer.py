@@ -122,7 +122,7 @@ class TieredLayer(CacheLayerMixin):
             out, lse = executor.attend(span, query, mask, scaling, softcap)
             if sinks is not None:
                 out = out * torch.sigmoid(lse - sinks.to(lse).view(1, -1, 1)).unsqueeze(-1)
-            return out.transpose(1, 2).to(query.dtype)
+            return out.transpose(1, 2).contiguous().to(query.dtype)  # contiguous as sdpa's: models .view() it
         except BaseException as error:
             cache = self.cache
             cache.roll_back(self.length_before)
