@@ -4,6 +4,7 @@ closable afterwards."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 
@@ -13,6 +14,7 @@ from models import small_llama
 from transformers import DynamicCache
 
 from tierkv import DiskTierError, InvalidConfigError, TieredCache, TierKVError
+from tierkv.hf import cache_keyword
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +123,25 @@ def test_a_tiny_budget_error_reads_its_sizes_and_counts_right(model):
     cache.close()
     message = str(info.value)
     assert "0.00 MB" not in message and "1 blocks" not in message and "(1 x " not in message, message
+
+
+def test_a_trace_path_that_cannot_be_written_is_refused_when_the_cache_is_built(model, tmp_path, monkeypatch):
+    """Sweep finding 9: ``TIERKV_TRACE=<a directory>`` was accepted, and at close() the trace was lost with only a
+    logged traceback. A directory, or a path in a missing directory, is an InvalidConfigError when the cache is
+    built, naming the variable (or ``trace=``) and the fix; nothing is written, and a file path gets the trace."""
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    for value, problem in ((folder, "is a directory"), (tmp_path / "missing" / "t.json", "not an existing directory")):
+        monkeypatch.setenv("TIERKV_TRACE", str(value))
+        with pytest.raises(InvalidConfigError, match=problem) as info:
+            TieredCache(block_tokens=4)
+        assert f"TIERKV_TRACE={value}:" in str(info.value) and "give a file path" in str(info.value)
+        monkeypatch.delenv("TIERKV_TRACE")
+        with pytest.raises(InvalidConfigError, match=f"trace={str(value)!r}: .*{problem}"):
+            TieredCache(block_tokens=4, trace=value)
+    assert not list(folder.iterdir()) and not (tmp_path / "missing").exists()
+    path = folder / "t.json"
+    monkeypatch.setenv("TIERKV_TRACE", str(path))
+    with TieredCache(block_tokens=4) as cache:
+        model(torch.randint(2, 128, (1, 12)), **{cache_keyword(model): cache})
+    assert json.loads(path.read_text())["traceEvents"]

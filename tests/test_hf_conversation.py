@@ -11,7 +11,9 @@ from models import prompt, tiny_model
 from transformers import DynamicCache
 
 from tierkv import TieredCache
+from tierkv.errors import IntegrityError
 from tierkv.hf import cache_keyword
+from tierkv.persist import record
 
 BT = 4
 
@@ -80,5 +82,99 @@ def test_both_faces_load_the_same_conversation(tmp_path, face):
         asyncio.run(TieredCache.aload(tmp_path / "c.tkv", model=model))
     with loaded:
         token = ids[:, -1:]
+        torch.testing.assert_close(model(token, **{cache_keyword(model): loaded}).logits,
+                                   model(token, past_key_values=reference).logits, atol=1e-5, rtol=0)
+
+
+def _records(path) -> list[tuple[dict, bytes]]:
+    """Every record of a conversation file: (header, payload)."""
+    out, size = [], path.stat().st_size
+    with open(path, "rb") as f:
+        while f.tell() < size:
+            header, payload = record.read(f, str(path))
+            out.append((header, bytes(payload)))
+    return out
+
+
+def _rewritten(path, layers: list[dict], blocks: tuple[int, int], at: int | None = None, shape=None) -> None:
+    """``path`` with the header's ``layers`` replaced and each layer's K/V record cut to the saved ``blocks``
+    (first, stop: real bytes; each layer is one record in these small files), placed at block ``at`` (default:
+    first); checksums valid. ``shape``: another [kv_heads, head_dim] for the same bytes. A layer beyond the
+    saved ones repeats the last one's K/V."""
+    records = _records(path)
+    head, ids = records[0]
+    kv = [(h, p) for h, p in records[1:] if h["kind"] == "kv"]
+    out = [({**head, "layers": layers}, ids)]
+    first, stop = blocks
+    for index in range(len(layers)):
+        h, p = kv[min(index, len(kv) - 1)]
+        per = len(p) // h["shape"][1]
+        heads, dim = shape or (h["shape"][3], h["shape"][5])
+        out.append(({**h, "layer": index, "first": first if at is None else at,
+                     "shape": [h["shape"][0], stop - first, 2, heads, h["shape"][4], dim]},
+                    p[per * first: per * stop]))
+    out.append(({"kind": "end", "records": len(out)}, b""))
+    with open(path, "wb") as f:
+        for h, p in out:
+            f.write(b"".join(record.encode(h, p)))
+
+
+def _saved(model, tmp_path, tokens: int):
+    """A real conversation of ``tokens`` tokens (a cache built from the config), its header's layers and ids."""
+    ids, _ = prompt(1, tokens, seed=9)
+    path = tmp_path / "c.tkv"
+    with TieredCache(block_tokens=BT, config=model.config) as cache:
+        model(ids, **{cache_keyword(model): cache})
+        cache.save(path, model=model)
+    return path, _records(path)[0][0]["layers"], ids
+
+
+@pytest.mark.parametrize(("family", "window", "change", "blocks", "at", "match"), [
+    ("llama", None, {"dropped": 4}, (1, 5), None, "no sliding window"),
+    # a window of 8 over 18 tokens still reaches back to token 11
+    ("mistral", 8, {"dropped": 12}, (3, 5), None, "window of 8 over 18 tokens still reaches token 11"),
+    ("mistral", 8, {"dropped": 6}, (1, 5), None, "not a whole number of blocks"),
+    ("llama", None, {"sliding_window": 8}, (0, 5), None, "sliding window is 8, the model's None"),
+    ("llama", None, "one layer more", (0, 5), None, "it holds 3 layers, the model 2"),
+])  # fmt: skip
+def test_impossible_layer_state_is_refused_before_a_cache_is_built(tmp_path, family, window, change, blocks, at,
+                                                                     match):
+    """Sweep finding 8: a file whose K/V bytes are the model's own but whose per-layer state the cache can never
+    make (a full-attention layer missing its first block, a window's tokens dropped, another window or layer
+    count) loaded and decoded wrong. Each is an IntegrityError naming the
+    file, raised before any tier exists; the untouched file still decodes as DynamicCache does."""
+    model = tiny_model(family, "sdpa", window)
+    path, layers, ids = _saved(model, tmp_path, 18)  # 18 tokens: blocks 0-4 in every layer
+    crafted = tmp_path / "crafted.tkv"
+    crafted.write_bytes(path.read_bytes())
+    layers = layers + [{**layers[-1], "index": 2}] if change == "one layer more" else \
+        [{**layer, **change} for layer in layers]
+    _rewritten(crafted, layers, blocks, at)
+    with pytest.raises(IntegrityError, match=match) as info:
+        TieredCache.load(crafted, model=model, disk_dir=tmp_path / "tiers")
+    assert str(crafted) in str(info.value)
+    assert not (tmp_path / "tiers").exists()  # refused before any tier was made
+    _decodes_like_dynamic_cache(model, path, ids)
+
+
+def test_kv_of_another_geometry_than_the_models_config_is_refused(tmp_path):
+    """Sweep finding 8: K/V records whose heads and head dim differ from the model's config (same bytes, the
+    file carries no namespace) loaded, and only the first forward refused them. Now loading does."""
+    model = tiny_model("llama")
+    path, layers, ids = _saved(model, tmp_path, 18)
+    crafted = tmp_path / "crafted.tkv"
+    crafted.write_bytes(path.read_bytes())
+    _rewritten(crafted, layers, (0, 5), shape=(4, 8))
+    with pytest.raises(IntegrityError, match="4 heads of 8; the model's config has 2 heads of 16"):
+        TieredCache.load(crafted, model=model)
+    _decodes_like_dynamic_cache(model, path, ids)
+
+
+def _decodes_like_dynamic_cache(model, path, ids) -> None:
+    """The conversation at ``path`` (of ``ids``) loads and its next step equals DynamicCache's."""
+    reference = DynamicCache()
+    model(ids, past_key_values=reference)
+    token = ids[:, -1:]
+    with TieredCache.load(path, model=model) as loaded:
         torch.testing.assert_close(model(token, **{cache_keyword(model): loaded}).logits,
                                    model(token, past_key_values=reference).logits, atol=1e-5, rtol=0)

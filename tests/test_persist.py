@@ -4,17 +4,21 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
+import tracemalloc
 
 import pytest
 import torch
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
+from tierkv import safefs
 from tierkv.errors import DiskTierError, IntegrityError, InvalidConfigError
 from tierkv.hf import TieredCache, cache_keyword
 from tierkv.persist import keys, record
+from tierkv.persist import manifest as manifests
 from tierkv.persist.blockfile import DIRECTORY_NAME, Item, PersistentStore, Recovery
 from tierkv.persist.keys import Namespace, block_keys, model_fingerprint
 from tierkv.persist.prefix import PrefixPersistence
@@ -222,6 +226,99 @@ def test_a_corrupt_manifest_starts_empty(tmp_path):
     manifest.write_bytes(manifest.read_bytes()[:-1])
     again = PersistentStore(tmp_path, 1 << 20)
     assert again.recovery.manifest_lost and again.recovery.unlisted == 2 and again.stats()["blocks"] == 0
+    again.close()
+
+
+@pytest.mark.parametrize("depth", [2**70, 2**63, -1, True, 1.5])
+def test_put_refuses_what_the_manifest_reader_would_refuse(tmp_path, depth):
+    """The writer checks every item by the reader's rule: a depth out of range (a crafted remote header) is an
+    error, never listed, so the manifest stays readable and the blocks already stored stay."""
+    store = PersistentStore(tmp_path, 1 << 20)
+    keys = _keys(3)
+    store.put([_item(k, depth=i) for i, k in enumerate(keys)])
+    with pytest.raises(InvalidConfigError, match="depth"):
+        store.put([_item("b" * 32, depth=depth)])
+    with pytest.raises(InvalidConfigError, match="block key"):
+        store.put([_item("B" * 32)])
+    store.close()
+    again = PersistentStore(tmp_path, 1 << 20)
+    assert again.recovery == Recovery() and again.lookup(keys) == 3 and "b" * 32 not in again
+    again.close()
+
+
+def test_a_record_that_does_not_fit_in_memory_is_a_miss(tmp_path, monkeypatch, caplog):
+    store = PersistentStore(tmp_path, 1 << 20)
+    keys = _keys(2)
+    store.put([_item(k, depth=i) for i, k in enumerate(keys)])
+
+    read_whole = safefs.read_whole
+
+    def no_memory(fd: int, what: str, limit: int) -> bytearray:
+        if what.endswith(".tkv"):  # records, not the manifest
+            raise MemoryError
+        return read_whole(fd, what, limit)
+
+    monkeypatch.setattr(safefs, "read_whole", no_memory)
+    assert store.get(keys) == [] and "does not fit in memory" in caplog.text
+    store.close()
+
+
+def test_the_manifest_is_read_within_a_bound_the_writer_keeps(tmp_path, monkeypatch):
+    """A sparse manifest beyond ``MAX_BYTES`` is refused by its size before anything is allocated; the writer
+    evicts to keep the listing within ``MAX_ENTRIES`` (which bounds the file), never a block of the same call."""
+    store = PersistentStore(tmp_path, 1 << 20)
+    store.put([_item(k) for k in _keys(2)])
+    store.close()
+    manifest = tmp_path / DIRECTORY_NAME / "manifest"
+    os.truncate(manifest, 200 << 20)  # a hole: nothing is written, reading it would allocate 200 MiB
+    tracemalloc.start()
+    try:
+        again = PersistentStore(tmp_path, 1 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert again.recovery.manifest_lost and peak < 1 << 20
+    monkeypatch.setattr(manifests, "MAX_ENTRIES", 3)
+    keys = _keys(5, "b")
+    assert again.put([_item(k, depth=i) for i, k in enumerate(keys)]) == 3  # the rest would evict its own chain
+    assert again.put([_item("c" * 32)]) == 1 and again.stats()["blocks"] == 3
+    assert again.lookup(keys) == 2 and "c" * 32 in again  # the deepest of the older chain went first
+    again.close()
+
+
+@pytest.mark.parametrize("name,planted", [("manifest", "directory"), ("lock", "directory"), ("lock", "FIFO"),
+                                          ("lock", "symbolic link")])
+def test_a_non_file_planted_at_the_lock_or_manifest_is_named_with_its_fix(tmp_path, name, planted):
+    """Every open is refused with what is there and how to remove it (not "a writable filesystem"); nothing
+    planted is removed or followed, and once it is removed the store opens again."""
+    store = PersistentStore(tmp_path, 1 << 20)
+    keys = _keys(2)
+    store.put([_item(k, depth=i) for i, k in enumerate(keys)])
+    store.close()
+    path = tmp_path / DIRECTORY_NAME / name
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    path.unlink(missing_ok=True)
+    if planted == "directory":
+        path.mkdir()
+        (path / "inside").write_bytes(b"keep")
+    elif planted == "FIFO":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(outside)
+    for _ in range(2):
+        with pytest.raises(DiskTierError, match=f"it is a {planted} where tierkv keeps a file") as refused:
+            PersistentStore(tmp_path, 1 << 20)
+        assert f"rm -r '{path}'" in str(refused.value) and "writable filesystem" not in str(refused.value)
+    assert outside.read_bytes() == b"keep" and (path.is_symlink() or path.exists())
+    if planted == "directory":
+        assert (path / "inside").read_bytes() == b"keep"
+        (path / "inside").unlink()
+        path.rmdir()
+    else:
+        path.unlink()
+    again = PersistentStore(tmp_path, 1 << 20)
+    assert again.lookup(keys) == (2 if name == "lock" else 0)  # a manifest that was a directory listed nothing
     again.close()
 
 
@@ -460,6 +557,63 @@ def test_a_corrupt_persisted_block_is_recomputed(tmp_path, caplog):
         _assert_same(reference, _generate(model, ids, warm))
     assert "checksum" in caplog.text
     store.close()
+
+
+def test_a_listed_size_beyond_a_block_record_is_refused_before_allocating(tmp_path, caplog):
+    """A record made a sparse 64 MiB file and listed at that size (a valid manifest): ``load_prefix`` refuses it
+    by the size a block record of the model's namespace can have, before reading, removes it, and the model
+    recomputes from there, exactly."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=12)
+    reference = _persist(model, ids, tmp_path)
+    keys = block_keys(Namespace.of_model(model, BT).root, ids[0].tolist(), BT)
+    store = PersistentStore(tmp_path, 1 << 30)
+    path = store._path(keys[2])
+    os.truncate(path, 64 << 20)
+    with safefs.directory(tmp_path / DIRECTORY_NAME) as root:
+        listing = manifests.load_at(root, "manifest")
+        listing.entries[keys[2]].nbytes = 64 << 20
+        manifests.write(root, listing)
+    store.close()
+    with _cache(model, tmp_path) as warm:
+        tracemalloc.start()
+        try:
+            loaded = warm.load_prefix(model, ids)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert loaded == 2 * BT and peak < 16 << 20 and not path.exists()
+        assert "a block record of this model's namespace has" in caplog.text
+        _assert_same(reference, _generate(model, ids, warm))
+    with _cache(model, tmp_path) as later:  # the recomputed block took its place
+        assert later.load_prefix(model, ids) == 6 * BT
+
+
+@pytest.mark.parametrize("wrong", ["shape", "depth"])
+def test_a_listed_block_of_another_shape_or_depth_is_removed_and_recomputed(tmp_path, caplog, wrong):
+    """A listed record under the right key and namespace, but of another shape (the same bytes) or at another
+    depth: a miss, removed from the store, so the block computed next takes its place and the prefix loads
+    whole again (the remote tier's local copies used to stay listed and cut the prefix for good)."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=14)
+    reference = _persist(model, ids, tmp_path)
+    namespace = Namespace.of_model(model, BT)
+    keys = block_keys(namespace.root, ids[0].tolist(), BT)
+    store = PersistentStore(tmp_path, 1 << 30)
+    path = store._path(keys[1])
+    layers, _, heads, tokens, dim = namespace.block_shape
+    kv = torch.zeros(layers, 2, 1, tokens, heads * dim) if wrong == "shape" else torch.ones(namespace.block_shape)
+    head, payload = record.encode_block(keys[1], namespace.root, 1 if wrong == "shape" else 7, kv)
+    assert len(head) + len(payload) == path.stat().st_size  # still the listed size: only the content is wrong
+    path.write_bytes(head + bytes(payload))
+    store.close()
+    with _cache(model, tmp_path) as warm:
+        assert warm.load_prefix(model, ids) == BT and not path.exists()
+        assert wrong in caplog.text
+        _assert_same(reference, _generate(model, ids, warm))
+    with _cache(model, tmp_path) as later:
+        assert later.load_prefix(model, ids) == 6 * BT
+        _assert_same(reference, _generate(model, ids, later))
 
 
 def test_the_size_cap_keeps_the_shallow_blocks(tmp_path):

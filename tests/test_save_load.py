@@ -5,13 +5,15 @@ real transformers models (tests/models.py) with their K/V spread over device, ho
 from __future__ import annotations
 
 import asyncio
+import errno
 import sys
 
 import pytest
 import torch
 from models import prompt, tiny_model
+from transformers import DynamicCache
 
-from tierkv.errors import IntegrityError, InvalidConfigError
+from tierkv.errors import DiskTierError, IntegrityError, InvalidConfigError, TierKVError
 from tierkv.hf import TieredCache, cache_keyword
 
 BT = 4
@@ -83,7 +85,7 @@ def test_asave_and_aload_round_trip(tmp_path):
     assert torch.equal(_generate(model, so_far, loaded, MORE).sequences, uninterrupted.sequences)
     loaded.close()
     # the synchronous reader reads what the asynchronous writer wrote, and the other way round
-    TieredCache.load(path, **_options(model, tmp_path, batch=2, name="again")).close()
+    TieredCache.load(path, model=model, **_options(model, tmp_path, batch=2, name="again")).close()
 
 
 def test_damaged_files_are_refused(tmp_path):
@@ -99,21 +101,21 @@ def test_damaged_files_are_refused(tmp_path):
         flipped[position] ^= 0x40
         path.write_bytes(bytes(flipped))
         with pytest.raises(IntegrityError):
-            TieredCache.load(path, **options)
+            TieredCache.load(path, model=model, **options)
     for length in (10, len(data) // 3, len(data) - 40):  # cut inside a record and at the end record
         path.write_bytes(data[:length])
         with pytest.raises(IntegrityError):
-            TieredCache.load(path, **options)
+            TieredCache.load(path, model=model, **options)
     path.write_bytes(data + b"x")
     with pytest.raises(IntegrityError, match="after the end"):
-        TieredCache.load(path, **options)
+        TieredCache.load(path, model=model, **options)
     path.write_bytes(data)
     with pytest.raises(InvalidConfigError, match="another model"):
         TieredCache.load(path, model=tiny_model("qwen2"), **options)
     with pytest.raises(InvalidConfigError, match="block_tokens"):
-        TieredCache.load(path, block_tokens=8, **options)
+        TieredCache.load(path, model=model, block_tokens=8, **options)
     with pytest.raises(InvalidConfigError, match="sliding windows"):
-        TieredCache.load(path, config=tiny_model("gemma2", "eager", 8).config, **options)
+        TieredCache.load(path, model=model, config=tiny_model("gemma2", "eager", 8).config, **options)
     TieredCache.load(path, model=model, **options).close()
 
 
@@ -169,5 +171,60 @@ def test_async_without_aiofiles_says_what_to_install(tmp_path, monkeypatch):
     with pytest.raises(InvalidConfigError, match="pip install"):
         asyncio.run(cache.asave(tmp_path / "x.tkv", model=model))
     with pytest.raises(InvalidConfigError, match="pip install"):
-        asyncio.run(TieredCache.aload(tmp_path / "x.tkv"))
+        asyncio.run(TieredCache.aload(tmp_path / "x.tkv", model=model))
     cache.close()
+
+
+def test_load_needs_the_model(tmp_path):
+    """Sweep finding 5: ``load(path)`` without ``model=`` took a file of another model and decoded on its K/V
+    with no error. Now load and aload refuse with the fix before reading K/V, and the file loaded with its model
+    decodes as DynamicCache does."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=5)
+    reference = DynamicCache()
+    model(ids[:, :-1], past_key_values=reference)
+    path = tmp_path / "c.tkv"
+    with TieredCache(block_tokens=BT) as cache:
+        model(ids[:, :-1], **{cache_keyword(model): cache})
+        cache.save(path, model=model)
+    with pytest.raises(InvalidConfigError, match=r"TieredCache\.load\(path, model=model\)"):
+        TieredCache.load(path, disk_dir=tmp_path / "d")
+    with pytest.raises(InvalidConfigError, match=r"TieredCache\.load\(path, model=model\)"):
+        asyncio.run(TieredCache.aload(path, disk_dir=tmp_path / "d"))
+    assert not (tmp_path / "d").exists()  # refused before any cache was built
+    with TieredCache.load(path, model=model) as loaded:
+        torch.testing.assert_close(model(ids[:, -1:], **{cache_keyword(model): loaded}).logits,
+                                   model(ids[:, -1:], past_key_values=reference).logits, atol=1e-5, rtol=0)
+
+
+def test_save_and_load_paths_name_the_problem_and_the_fix(tmp_path):
+    """Sweep finding 9: saving to a directory or into a missing one, and loading a missing file, raised bare
+    OSErrors (the first naming a temporary file). Each is a DiskTierError (a TierKVError and an OSError) that
+    names the path and the fix, nothing is written, and the conversation still saves and resumes exactly."""
+    pytest.importorskip("aiofiles")
+    model = tiny_model("llama")
+    cache, so_far = _conversation(model, tmp_path)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "mine.txt").write_text("kept")
+    for target, problem in ((folder, "is a directory"), (tmp_path / "missing" / "c.tkv", "not an existing directory")):
+        for face in ("sync", "async"):
+            with pytest.raises(DiskTierError, match=problem) as info:
+                cache.save(target, model=model) if face == "sync" else asyncio.run(cache.asave(target, model=model))
+            message = str(info.value)
+            assert isinstance(info.value, TierKVError) and isinstance(info.value, OSError)
+            assert repr(str(target)) in message and "give a file path in an existing directory" in message
+    assert [p.name for p in folder.iterdir()] == ["mine.txt"] and not (tmp_path / "missing").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first", "folder"]  # no temporary file left anywhere
+    absent = tmp_path / "absent.tkv"
+    for face in ("sync", "async"):
+        with pytest.raises(DiskTierError, match="No such file.*cache.save") as info:
+            TieredCache.load(absent, model=model) if face == "sync" else \
+                asyncio.run(TieredCache.aload(absent, model=model))
+        assert repr(str(absent)) in str(info.value) and info.value.errno == errno.ENOENT
+    path = tmp_path / "c.tkv"
+    cache.save(path, model=model)
+    uninterrupted = _generate(model, so_far, cache, MORE)
+    cache.close()
+    with TieredCache.load(path, model=model, **_options(model, tmp_path)) as loaded:
+        assert torch.equal(_generate(model, so_far, loaded, MORE).sequences, uninterrupted.sequences)

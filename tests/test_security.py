@@ -10,10 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +30,11 @@ from tierkv import safefs
 from tierkv import settings as tierkv_settings
 from tierkv.errors import CheckpointError, DiskTierError, IntegrityError, InvalidConfigError
 from tierkv.hf import TieredCache
+from tierkv.io import EngineUnavailableError, aligned_empty, engine_status, native, open_disk_file
 from tierkv.persist import record
 from tierkv.persist.blockfile import DIRECTORY_NAME, Item, PersistentStore
 from tierkv.stats import Trace
+from tierkv.tiers import disk as disk_module
 from tierkv.tiers.disk import DiskTier
 
 KEY = "ab" + "0" * 30
@@ -332,9 +338,11 @@ def test_a_linked_models_folder_in_the_cache_dir_is_refused(tmp_path):
     before = _snapshot(victim)
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "models").symlink_to(victim)
-    with pytest.raises(DiskTierError, match="symbolic link"):
-        models._own_models_directory(tmp_path / "cache" / "models")
-    models._own_models_directory(tmp_path / "fresh" / "models")
+    linked = tmp_path / "cache" / "models"
+    with pytest.raises(DiskTierError, match="symbolic link"), models._own_models_directory(linked):
+        pass
+    with models._own_models_directory(tmp_path / "fresh" / "models"):
+        pass
     assert _mode(tmp_path / "fresh" / "models") == 0o700 and _snapshot(victim) == before
 
 
@@ -346,6 +354,279 @@ def test_bench_scratch_files_are_new_private_files(tmp_path):
         assert _mode(path) == 0o600 and path.stat().st_size == 1 << 16 and not path.is_symlink()
         path.write_bytes(b"x")
     assert not path.exists() and _snapshot(victim) == before
+
+
+# ------------------------------------------------------ another user of the machine (a real second uid)
+def _other_user() -> tuple[int, int]:
+    """uid and gid of a second real user: ``mallory`` where she exists, else nobody."""
+    try:
+        entry = pwd.getpwnam("mallory")
+    except KeyError:
+        return 65534, 65534
+    return entry.pw_uid, entry.pw_gid
+
+
+OTHER_UID, OTHER_GID = _other_user()
+needs_other_user = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                                      reason="plants files as a second real user (needs root and setpriv)")
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+SECRET = np.frombuffer(b"SECRET-PROMPT-KV" * 256, dtype=np.uint8)  # one 4 KiB slot
+_SWAP = 'umask 0; : > "$1/.hers" && mv -f "$1/.hers" "$1/$2"'
+"""The other user's move: a 0666 file of hers renamed over the name of the file tierkv just created."""
+
+
+def _as_other_user(*argv: str, gid: int = OTHER_GID) -> None:
+    """Run ``argv`` as the other user (her uid, group ``gid`` only)."""
+    result = subprocess.run(["setpriv", f"--reuid={OTHER_UID}", f"--regid={gid}", "--clear-groups", *argv],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.fixture
+def public_tmp() -> Iterator[Path]:
+    """A directory as /tmp is (1777): the other user can reach it and make names in it (pytest's tmp_path is inside
+    a 0700 folder of root's)."""
+    path = Path(tempfile.mkdtemp(prefix="tierkv-security-"))
+    path.chmod(0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _group_store(parent: Path) -> Path:
+    """A store shared by group 0 (2770, root's): with TIERKV_SHARED_GROUP=1 its members, the other user too
+    when she runs in that group, may write it, so she can rename names in it."""
+    store = parent / "store"
+    store.mkdir()
+    store.chmod(0o2770)
+    return store
+
+
+@needs_other_user
+@pytest.mark.parametrize("engine", ["posix", "native"])
+def test_a_disk_tier_file_another_user_swaps_is_never_opened(public_tmp, monkeypatch, engine):
+    """The slot file was created ``O_EXCL`` through the directory's descriptor, then reopened by its name: in that
+    instant a member of a shared disk_dir's group renamed her own 0666 file over the name, and the KV was written
+    to (and read back from, checksums passing) her file. The engine now opens the created file's descriptor."""
+    if engine_status()[engine] is not None:
+        pytest.skip(f"engine {engine} unavailable: {engine_status()[engine]}")
+    store = _group_store(public_tmp)
+    opened = disk_module.open_disk_file
+
+    def swapped_first(path, engine=None):  # the other user moves exactly between the create and the open
+        _as_other_user("sh", "-c", _SWAP, "sh", str(store), path.name, gid=0)
+        return opened(path, engine=engine)
+
+    monkeypatch.setattr(disk_module, "open_disk_file", swapped_first)
+    with tierkv_settings.override(shared_group=True):
+        tier = DiskTier(store, budget=1 << 20, engine=engine)
+    try:
+        slot = tier.alloc(4096)
+        slot_file = tier.files[4096]
+        buffer = aligned_empty(4096)
+        buffer[:] = SECRET
+        tier.wait(tier.write(4096, [slot], buffer), 4096)
+        back = aligned_empty(4096)
+        handle, _ = tier.read(4096, np.array([slot]), back)
+        handle.wait()
+        hers = store / slot_file.path.name
+        assert hers.stat().st_uid == OTHER_UID  # her file holds the name ...
+        assert b"SECRET" not in hers.read_bytes()  # ... and never got the KV
+        engine_file, created = os.fstat(slot_file.file.fd), os.fstat(slot_file.fd)
+        assert (engine_file.st_dev, engine_file.st_ino) == (created.st_dev, created.st_ino)
+        assert bytes(back) == bytes(SECRET)  # the tier still works, on its own file
+    finally:
+        tier.close()
+
+
+@needs_other_user
+def test_a_bench_file_another_user_swaps_is_never_opened(public_tmp):
+    """``safefs.scratch_file`` yielded a path the bench reopened by name; it now carries the created descriptor,
+    which the engines open instead."""
+    store = _group_store(public_tmp)
+    with tierkv_settings.override(shared_group=True), safefs.scratch_file(store, "tierkv-bench-", 1 << 16) as path:
+        _as_other_user("sh", "-c", _SWAP, "sh", str(store), path.name, gid=0)
+        buffer = aligned_empty(4096)
+        buffer[:] = SECRET
+        with open_disk_file(path, engine="posix") as f:
+            f.write(0, buffer)
+            assert b"SECRET" not in (store / path.name).read_bytes()
+            assert os.fstat(f.fd).st_ino == os.fstat(path.fd).st_ino
+            f.read(4096, buffer)  # the created file's hole: zeros
+            assert not buffer.any()
+
+
+@needs_other_user
+@pytest.mark.parametrize(("plant", "match"), [
+    ("theirs", "another user"),  # a predictable /tmp/<name> the other user made first
+    ("theirs, sticky", "another user"),  # sticky, but its owner may rename anything in it
+    ("their group", "its group"),  # root's, writable by the other user's group
+    ("our group", "its group"),  # writable by a group of ours: only with TIERKV_SHARED_GROUP=1
+])
+def test_a_disk_dir_another_user_could_rename_files_in_is_refused(public_tmp, plant, match, monkeypatch):
+    """A disk_dir owned by another user, or that her group can write without the sticky bit, is refused for the
+    disk tier and the persistent store, with the fix; a store shared by a group of ours works with the opt-in."""
+    monkeypatch.setattr(safefs, "_private_group", lambda gid: False)  # our group (root's) has other members too
+    where = public_tmp / "dir"
+    if plant.startswith("theirs"):
+        _as_other_user("mkdir", "-m", "1777" if "sticky" in plant else "755", str(where))
+    else:
+        where.mkdir()
+        os.chown(where, 0, OTHER_GID if plant == "their group" else 0)
+        where.chmod(0o770)
+    with pytest.raises(DiskTierError, match=match) as refused:
+        DiskTier(where, budget=1 << 20)
+    assert str(where) in str(refused.value) and "TIERKV_SHARED_GROUP=1" in str(refused.value)  # and the fixes
+    with pytest.raises(DiskTierError, match=match):
+        PersistentStore(where, 1 << 20)
+    with tierkv_settings.override(shared_group=True):
+        if plant == "our group":  # the legitimately shared store: accepted with the opt-in
+            DiskTier(where, budget=1 << 20).close()
+            store = PersistentStore(where, 1 << 20)
+            store.put([_item(KEY)])
+            assert store.lookup([KEY]) == 1
+            store.close()
+        else:  # the opt-in trusts the groups of this process only
+            with pytest.raises(DiskTierError, match=match):
+                DiskTier(where, budget=1 << 20)
+    assert list(where.iterdir()) == ([] if plant != "our group" else [where / DIRECTORY_NAME])
+
+
+def test_a_disk_dir_only_our_private_group_can_write_is_ours(tmp_path):
+    """Debian's and Ubuntu's umask 002 makes a new directory group-writable, by a group that holds only its user:
+    accepted without the group-shared opt-in (here root's group, which holds only root)."""
+    if os.geteuid() != 0 or not safefs._private_group(0):
+        pytest.skip("needs root, and a root group that holds only root")
+    where = tmp_path / "dir"
+    where.mkdir()
+    os.chown(where, 0, 0)
+    where.chmod(0o775)
+    DiskTier(where, budget=1 << 20).close()
+    store = PersistentStore(where, 1 << 20)
+    store.put([_item(KEY)])
+    assert store.lookup([KEY]) == 1
+    store.close()
+
+
+_PLANTED_C = """#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen("%s", "w");
+    if (f) { fputs("ran", f); fclose(f); }
+}
+"""
+
+
+@pytest.fixture
+def fresh_native(monkeypatch) -> Iterator[None]:
+    """The native engine's library built on first use (no install-built extension), nothing loaded yet."""
+    monkeypatch.setattr(native, "extension", lambda: None)
+    native._build.cache_clear()
+    yield
+    native._build.cache_clear()
+
+
+@needs_other_user
+@needs_compiler
+@pytest.mark.parametrize(("plant", "match"), [
+    ("folder", "another user"),  # her native/ in a cache dir anyone may create names in (sticky, as /tmp)
+    ("file", "another user"),  # her library in a native/ that was made 0777 (an older version, umask 0)
+    ("link", "symbolic link"),  # a link to her library there
+])
+def test_a_planted_native_library_is_never_loaded(public_tmp, fresh_native, plant, match):
+    """A library in ``$TIERKV_CACHE_DIR/native`` under the name computable from the public source was loaded
+    with ctypes after only checking it exists: her constructor ran as the tierkv user. Refused now, with the
+    path, the problem and the fix; a library built on first use still loads, from its descriptor."""
+    own = public_tmp / "own-cache"
+    with tierkv_settings.override(cache_dir=own):  # legitimate use: built on first use (its name is the target)
+        assert native.load() is native.NativeFile
+    built = next((own / "native").glob("tierkv_io-*.so"))
+    native._build.cache_clear()
+
+    marker = public_tmp / "ran"
+    hers = public_tmp / "hers"
+    hers.mkdir()
+    (hers / "planted.c").write_text(_PLANTED_C % marker)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(hers / "planted.so"), str(hers / "planted.c")], check=True)
+    for path in (hers, hers / "planted.so"):
+        os.chown(path, OTHER_UID, OTHER_GID)
+    cache = public_tmp / "cache"
+    cache.mkdir()
+    cache.chmod(0o1777)
+    target = cache / "native" / built.name
+    if plant == "folder":
+        _as_other_user("mkdir", "-m", "755", str(cache / "native"))
+    else:
+        (cache / "native").mkdir()
+        (cache / "native").chmod(0o777)
+    _as_other_user("ln" if plant == "link" else "cp", *(["-s"] if plant == "link" else []), str(hers / "planted.so"),
+                   str(target))
+    with tierkv_settings.override(cache_dir=cache), pytest.raises(EngineUnavailableError, match=match) as refused:
+        native.library()
+    assert str(cache / "native") in str(refused.value) and "Remove it" in str(refused.value)
+    assert not marker.exists()  # her code never ran
+    assert target.is_symlink() if plant == "link" else target.stat().st_uid == OTHER_UID  # and was left alone
+
+    native._build.cache_clear()
+    with tierkv_settings.override(cache_dir=own):  # ours loads again from the cache, not rebuilt
+        native.library()
+    assert list((own / "native").iterdir()) == [built]
+    assert _mode(own / "native") == 0o700 and _mode(built) == 0o700 and built.stat().st_uid == os.geteuid()
+
+
+class _Loaded(Exception):
+    """Raised by :class:`_SpyModel` once tierkv asked it to load a folder."""
+
+
+class _SpyModel:
+    """A model class that records the folder tierkv would load weights from."""
+
+    loaded: list[Path] = []
+
+    @classmethod
+    def from_pretrained(cls, folder, **_):
+        cls.loaded.append(Path(folder))
+        raise _Loaded
+
+
+@needs_other_user
+@pytest.mark.parametrize(("plant", "match"), [
+    ("models", "another user"),  # her models/ in a cache dir anyone may create names in (sticky, as /tmp)
+    ("checkpoint", "another user"),  # her checkpoint folder in a models/ made 0777 (an older version, umask 0)
+    ("link", "symbolic link"),  # models/ as a link to her folder
+])
+def test_planted_weights_in_the_cache_dir_are_never_loaded(public_tmp, monkeypatch, plant, match):
+    """A complete checkpoint already in ``$TIERKV_CACHE_DIR/models/<name>`` was loaded without any check: another
+    user's folder supplied the weights. It is refused now; our own checkpoint still loads."""
+    from tierkv import models
+
+    monkeypatch.setattr(_SpyModel, "loaded", [])
+    files = " ".join(f'"$1/{name}"' for name in models._CHECKPOINT_FILES)
+    cache = public_tmp / "cache"
+    cache.mkdir()
+    cache.chmod(0o1777)
+    checkpoint = cache / "models" / "smollm2-135m-instruct-q4_1-1.0"
+    if plant == "checkpoint":
+        (cache / "models").mkdir()
+        (cache / "models").chmod(0o777)
+        _as_other_user("sh", "-c", f'mkdir "$1" && touch {files}', "sh", str(checkpoint))
+    elif plant == "models":
+        _as_other_user("sh", "-c", f'mkdir -p "$1" && touch {files}', "sh", str(checkpoint))
+    else:
+        _as_other_user("sh", "-c", f'mkdir -p "$1/ck" && touch {files.replace("$1/", "$1/ck/")} && ln -s "$1" "$2"',
+                       "sh", str(public_tmp / "hers"), str(cache / "models"))
+        checkpoint = cache / "models" / "ck"
+    unused = lambda _: pytest.fail("a complete checkpoint is never converted again")  # noqa: E731
+    with pytest.raises(DiskTierError, match=match) as refused:
+        models._load_checkpoint(checkpoint, unused, "", _SpyModel, "cpu")
+    assert "tierkv refuses" in str(refused.value) and "Remove it" in str(refused.value)
+    assert _SpyModel.loaded == []
+
+    own = public_tmp / "own-cache" / "models" / checkpoint.name  # legitimate use: our own checkpoint loads
+    own.mkdir(parents=True)
+    for name in models._CHECKPOINT_FILES:
+        (own / name).write_bytes(b"")
+    with pytest.raises(_Loaded):
+        models._load_checkpoint(own, unused, "", _SpyModel, "cpu")
+    assert _SpyModel.loaded == [own]
 
 
 # ---------------------------------------------------------------------- crafted conversation files
@@ -388,7 +669,7 @@ def _crafted(saved, index: int, **fields) -> list[tuple[dict, bytes]]:
 
 def _refused(path: Path, match: str, model=None) -> None:
     with pytest.raises(IntegrityError, match=match):
-        TieredCache.load(path, model=model)
+        TieredCache.load(path, model=model or tiny_model("llama"))  # load() requires the model
 
 
 @pytest.mark.parametrize(("fields", "match"), [
@@ -446,7 +727,7 @@ def test_lengths_beyond_the_file_are_refused_before_allocating(saved, tmp_path):
         path.write_bytes(bytes(prefix) + head[record.PREFIX_BYTES:] + bytes(64))
         _refused(path, "claims")
         with pytest.raises(IntegrityError, match="claims"):  # the asyncio reader checks the same
-            asyncio.run(TieredCache.aload(path))
+            asyncio.run(TieredCache.aload(path, model=tiny_model("llama")))
     out = _in_subprocess("""
         import sys
         from tierkv.errors import IntegrityError
@@ -466,9 +747,10 @@ def test_a_fifo_is_not_a_conversation_file(tmp_path):
     out = _in_subprocess("""
         import sys
         from tierkv.errors import IntegrityError
+        import torch
         from tierkv.hf import TieredCache
         try:
-            TieredCache.load(sys.argv[1])
+            TieredCache.load(sys.argv[1], model=torch.nn.Linear(1, 1))  # any model: the FIFO is refused at open
         except IntegrityError as error:
             print("refused", error)
     """, str(tmp_path / "chat.tkv"))

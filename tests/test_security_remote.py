@@ -5,8 +5,10 @@
   ``://``, TLS, cluster lists, percent-encoded characters).
 - The write-behind waits for room on its background thread instead of dropping while the server keeps up;
   it drops only while the server is down or stalls, and says how many.
-- Values from the shared server are untrusted: one with a valid frame around another block's record is a
-  corrupt miss that the next write-through replaces; claimed lengths are checked, never allocated.
+- Values from the shared server are untrusted: one with a valid frame around another block's record, a
+  record of another shape or depth (``2**70``: it once wiped the worker's local store), or a key of another
+  Redis type is a corrupt miss that is deleted and that the next write-through replaces; nothing refused is
+  kept in the local store; claimed lengths are checked, never allocated.
 - Every numeric ``TIERKV_*`` knob has an upper bound; the native pool never runs with 0 threads.
 
 Every Redis test runs against a real ``redis-server`` (``tests/redis_server.py``).
@@ -36,7 +38,7 @@ from tierkv import settings
 from tierkv.errors import InvalidConfigError
 from tierkv.hf import TieredCache
 from tierkv.persist import record
-from tierkv.persist.blockfile import Item
+from tierkv.persist.blockfile import Item, PersistentStore, Recovery
 from tierkv.persist.keys import Namespace, block_keys
 from tierkv.remote import RemoteBlockStore
 from tierkv.remote.chain import ChainedBlockStore
@@ -249,6 +251,115 @@ def test_another_blocks_record_is_corrupt_and_replaced(model, redis_server, capl
     assert header["key"] == keys[2]  # the write-through replaced it
     out, loaded, _ = run(model, ids, remote=redis_server.url)
     assert loaded == 96 and torch.equal(out, expected)  # the next worker loads past it
+
+
+def crafted(server: RedisServer, key: str, **header: object) -> None:
+    """Replace ``key``'s value on ``server`` by its own record with ``header``'s fields changed (intact frame
+    and checksums: what a writer of the server can plant)."""
+    raw = server.client()
+    name = next(name for name in raw.keys("tierkv:*") if name.decode().endswith(key))
+    old, payload = record.decode(unframe(key.encode(), raw.get(name)))
+    head, body = record.encode({**old, **header}, bytes(payload))
+    raw.set(name, frame(key.encode(), head + bytes(body)))
+
+
+@pytest.mark.parametrize("depth", [2**70, 2**63, -1, 3])
+def test_a_crafted_depth_is_corrupt_and_never_reaches_the_local_store(model, redis_server, tmp_path, caplog,
+                                                                       depth: int) -> None:
+    """Block 0's value with its depth changed: a miss, deleted and replaced. It is not copied into the local
+    persistent store, whose own blocks (another prompt's) all stay usable."""
+    ids, _ = prompt(1, 100)
+    other, _ = prompt(1, 100, seed=7)
+    disk = dict(disk_dir=tmp_path, persist=True)
+    run(model, other, **disk)  # this worker's own blocks
+    run(model, ids, remote=redis_server.url)  # another worker filled the server
+    keys = block_keys(Namespace.of_model(model, BT).root, ids[0], BT)
+    crafted(redis_server, keys[0], depth=depth)
+    out, loaded, stats = run(model, ids, remote=redis_server.url, **disk)
+    assert loaded == 0 and torch.equal(out, reference(model, ids))
+    assert stats["remote"]["corrupt"] == 1 and "'depth'" in caplog.text
+    store = PersistentStore(tmp_path, 1 << 30)
+    assert store.recovery == Recovery() and store.lookup(keys) == 6  # the worker's own computation, listed
+    store.close()
+    out, loaded, _ = run(model, other, **disk)
+    assert loaded == 96 and torch.equal(out, reference(model, other))
+    raw = redis_server.client()
+    name = f"tierkv:{Namespace.of_model(model, BT).root}:{keys[0]}"
+    assert record.decode(unframe(keys[0].encode(), raw.get(name)))[0]["depth"] == 0  # replaced
+
+
+def test_only_records_that_fit_are_saved_locally(redis_server, tmp_path) -> None:
+    """The local saver checks every header field again: a record of a depth, namespace, shape or dtype the
+    local manifest could not list, or that is not this namespace's block, is not saved; the good one is, and the
+    store reopens with nothing lost."""
+    local = PersistentStore(tmp_path, 1 << 20)
+    chain = ChainedBlockStore(local, redis_server.url)
+
+    def block(key: str, **changes: object) -> bytearray:
+        header = {"kind": "block", "key": key, "namespace": NAMESPACE.root, "depth": 0, "dtype": "float32",
+                  "shape": list(NAMESPACE.block_shape), **changes}
+        head, payload = record.encode(header, bytes(128))
+        return bytearray(head + bytes(payload))
+
+    bad = [{"depth": 2**70}, {"depth": -1}, {"depth": "0"}, {"depth": True}, {"namespace": "0" * 32},
+           {"shape": [1, 2, 1, 2, 8]}, {"dtype": "float16", "shape": [1, 2, 1, 4, 8]}, {"kind": "manifest"}]
+    batch = [(f"{i:02x}" * 16, block(f"{i:02x}" * 16, **changes)) for i, changes in enumerate(bad)]
+    good = "cd" * 16
+    try:
+        chain.bind(NAMESPACE)
+        chain._save_locally(local, [*batch, (good, block(good))])
+        assert local.lookup([good]) == 1 and not any(key in local for key, _ in batch)
+    finally:
+        chain.close()
+    again = PersistentStore(tmp_path, 1 << 20)
+    assert again.recovery == Recovery() and again.lookup([good]) == 1
+    again.close()
+
+
+def test_a_key_of_another_redis_type_is_corrupt_and_replaced(model, redis_server, caplog) -> None:
+    """A list at a block's key: GETRANGE answers WRONGTYPE. It is a corrupt miss and is deleted, so the
+    write-through stores the block there and the next worker loads the whole prefix."""
+    ids, _ = prompt(1, 100)
+    expected = reference(model, ids)
+    run(model, ids, remote=redis_server.url)
+    raw = redis_server.client()
+    root = Namespace.of_model(model, BT).root
+    name = f"tierkv:{root}:{block_keys(root, ids[0], BT)[1]}"
+    raw.delete(name)
+    raw.rpush(name, b"x")
+    out, loaded, stats = run(model, ids, remote=redis_server.url)
+    assert loaded == BT and torch.equal(out, expected)
+    assert stats["remote"]["corrupt"] == 1 and "WRONGTYPE" in caplog.text
+    assert raw.type(name) == b"string"  # deleted, then written by the write-through
+    out, loaded, _ = run(model, ids, remote=redis_server.url)
+    assert loaded == 96 and torch.equal(out, expected)
+
+
+def test_a_record_of_another_shape_is_corrupt_and_never_kept_locally(model, redis_server, tmp_path,
+                                                                     caplog) -> None:
+    """Block 1's record with the right key and namespace but another shape (the same bytes): a corrupt miss,
+    deleted and replaced; the worker's local store lists only the blocks it computed, so once the server loses
+    the value the local copy serves the whole prefix."""
+    ids, _ = prompt(1, 100)
+    expected = reference(model, ids)
+    namespace = Namespace.of_model(model, BT)
+    keys = block_keys(namespace.root, ids[0], BT)
+    run(model, ids, remote=redis_server.url)
+    layers, _, heads, tokens, dim = namespace.block_shape
+    crafted(redis_server, keys[1], shape=[layers, 2, 1, tokens, heads * dim])
+    disk = dict(disk_dir=tmp_path, persist=True)
+    out, loaded, stats = run(model, ids, remote=redis_server.url, **disk)
+    assert loaded == BT and torch.equal(out, expected)
+    assert stats["remote"]["corrupt"] == 1 and "does not fit this model's blocks" in caplog.text
+    raw = redis_server.client()
+    name = f"tierkv:{namespace.root}:{keys[1]}"
+    assert record.decode(unframe(keys[1].encode(), raw.get(name)))[0]["shape"] == list(namespace.block_shape)
+    store = PersistentStore(tmp_path, 1 << 30)
+    assert len(store.get(keys, namespace)) == 6
+    store.close()
+    raw.delete(name)
+    out, loaded, stats = run(model, ids, remote=redis_server.url, **disk)
+    assert loaded == 96 and stats["remote"]["local_blocks"] == 6 and torch.equal(out, expected)
 
 
 NAMESPACE = Namespace(fingerprint="f" * 16, layers=1, kv_heads=1, head_dim=4, dtype="float32", block_tokens=4,

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
+from models import prompt, tiny_model
+from transformers import DynamicCache
 
-from tierkv import settings
+from tierkv import TieredCache, settings, stats
 from tierkv.errors import InvalidConfigError
+from tierkv.hf import cache_keyword
+from tierkv.inputs import MAX_JSON_BYTES
 from tierkv.io import ALIGN, ENGINES
 
 
@@ -100,6 +108,9 @@ def test_override_can_turn_an_environment_trace_off(monkeypatch: pytest.MonkeyPa
         ("TIERKV_DIRECT_IO", "maybe", "must be 1 (on), 0 (off) or auto"),
         ("TIERKV_IO_QUEUE_DEPTH", "0", "positive integer"),
         ("TIERKV_IO_QUEUE_DEPTH", "many", "positive integer"),
+        ("TIERKV_IO_QUEUE_DEPTH", "²", "positive integer"),  # str.isdigit() is True, int() refuses it
+        ("TIERKV_IO_QUEUE_DEPTH", "1²", "positive integer"),
+        ("TIERKV_CACHE_DIR", "~no-such-user-of-tierkv/cache", "whose home directory cannot be found"),
         ("TIERKV_IO_CHUNK", "6KiB", f"multiple of {ALIGN}"),
         ("TIERKV_IO_CHUNK", "big", "is not a size"),
         ("TIERKV_DEBUG", "loud", "must be 1 or 0"),
@@ -144,3 +155,69 @@ def test_every_tierkv_variable_is_a_setting() -> None:
     package = Path(settings.__file__).parent
     offenders = [p.name for p in package.rglob("*.py") if p.name != "settings.py" and direct_read.search(p.read_text())]
     assert not offenders
+
+
+def _alarm(signum: int, frame: object) -> None:
+    raise TimeoutError("reading TIERKV_PROFILE hung")
+
+
+@pytest.mark.parametrize(("kind", "problem"), [
+    ("directory", "is a directory"),
+    ("FIFO", "is a FIFO"),
+    ("oversized", f"larger than {MAX_JSON_BYTES >> 20} MiB"),
+    ("deeply nested", "not valid JSON"),
+])  # fmt: skip
+def test_a_profile_that_is_no_json_file_is_refused_at_the_first_forward(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: str, problem: str
+) -> None:
+    """Sweep finding 4: ``TIERKV_PROFILE`` naming a directory was a bare IsADirectoryError, a FIFO hung the first
+    forward for ever, and any size was read whole. Each is an InvalidConfigError naming the variable, the path
+    and the fix; the path is left as it was, and a real profile there is then used and decodes exactly."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, 12)
+    path = tmp_path / "profile.json"
+    real = tmp_path / "real.json"
+    stats.default_profile("cpu").save(real)
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "oversized":  # a valid profile, padded: only its size is wrong
+        path.write_bytes(real.read_bytes() + b" " * MAX_JSON_BYTES)
+    else:
+        path.write_text("[" * 200_000 + "]" * 200_000)
+    monkeypatch.setenv("TIERKV_PROFILE", str(path))
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(60)
+    try:
+        with pytest.raises(InvalidConfigError, match=problem) as info, TieredCache(block_tokens=4) as cache:
+            model(ids, **{cache_keyword(model): cache})
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    message = str(info.value)
+    assert f"{str(path)!r} (TIERKV_PROFILE)" in message and "or unset TIERKV_PROFILE" in message
+    assert path.exists() and (kind != "FIFO" or path.is_fifo())
+    monkeypatch.setenv("TIERKV_PROFILE", str(real))
+    with TieredCache(block_tokens=4) as cache:
+        logits = model(ids, **{cache_keyword(model): cache}).logits
+        assert cache.runtime.timeline.profile_source == f"TIERKV_PROFILE={real}"
+    assert (logits - model(ids, past_key_values=DynamicCache()).logits).abs().max() <= 1e-5
+
+
+def test_a_profile_on_a_device_is_never_read(tmp_path: Path) -> None:
+    """Sweep finding 4: ``TIERKV_PROFILE=/dev/zero`` read until memory ran out. In a process limited to 2 GiB of
+    address space it is refused at once, naming the variable."""
+    code = (
+        "import resource\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+        "from tierkv import stats\n"
+        "try:\n"
+        "    stats.resolve_profile(None, 'cpu')\n"
+        "except BaseException as error:\n"
+        "    print(type(error).__name__, error)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TIERKV_PROFILE": "/dev/zero"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("InvalidConfigError link profile '/dev/zero' (TIERKV_PROFILE) is a character "
+                                 "device"), out.stdout + out.stderr

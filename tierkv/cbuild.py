@@ -7,6 +7,13 @@ in their source, flags and names. A library built on
 first use lives in the ``cache_dir`` setting's ``native/`` folder under a name that carries a hash of source and
 flags, written aside and renamed into place, so concurrent processes never load a half-written file. The
 source's hash is compiled into every build, so an extension built from an older source is noticed and rebuilt.
+
+A library in the cache is code this process runs, and its name is computable from the public source, so it is
+loaded only from a ``native/`` that is this user's own (not a link, nobody else can write it, in a cache dir
+another user cannot rename it in: :mod:`tierkv.safefs`), and only if the file is this user's, not a link, and
+writable by nobody else. It is checked through one descriptor and loaded through that descriptor
+(``/proc/self/fd/N``), so what was checked is what is loaded. A refusal is an :class:`EngineUnavailableError`
+that names the path, the problem and the fix (never a fallback to loading it).
 """
 
 from __future__ import annotations
@@ -20,11 +27,11 @@ import re
 import shlex
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tierkv import settings
+from tierkv import safefs, settings
+from tierkv.errors import DiskTierError
 from tierkv.io.base import EngineUnavailableError
 
 logger = logging.getLogger("tierkv")
@@ -33,6 +40,17 @@ logger = logging.getLogger("tierkv")
 def cache_dir() -> Path:
     """Where libraries built on first use are kept (per user, survives restarts, safe to delete)."""
     return Path(settings.get("cache_dir")) / "native"
+
+
+def _open_cache_dir() -> int:
+    """A descriptor of :func:`cache_dir`, created 0700 if missing; refused (DiskTierError) unless it is this
+    user's own, not a link, writable by nobody else, in a cache dir no other user could rename it in."""
+    folder = cache_dir()
+    parent = safefs.open_user_directory(folder.parent)
+    try:
+        return safefs.open_own_directory(parent, folder.name, folder, shared=False)
+    finally:
+        os.close(parent)
 
 
 _LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.MULTILINE)
@@ -70,28 +88,44 @@ def built_from(lib: ctypes.CDLL, symbol: str) -> str:
     return (function() or b"").decode()
 
 
-def compile_library(source: Path, target: Path, flag_sets: Sequence[Sequence[str]], libraries: Sequence[str],
-                    fix: str) -> None:
-    """Compile ``source`` into ``target`` with the first of ``flag_sets`` that works; raise
-    :class:`EngineUnavailableError` saying why not."""
+def compile_library(source: Path, directory: int, name: str, flag_sets: Sequence[Sequence[str]],
+                    libraries: Sequence[str], fix: str) -> None:
+    """Compile ``source`` into ``name`` in the cache folder ``directory`` (a descriptor of :func:`cache_dir`), made
+    0700, with the first of ``flag_sets`` that works; raise :class:`EngineUnavailableError` saying why not."""
     compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or "cc"]
     if shutil.which(compiler[0]) is None:
         raise EngineUnavailableError(f"no C compiler ({compiler[0]!r} not found)", fix)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    fd, partial = safefs.create_file(directory, f".{name}.", ".tmp", shared=False)
     os.close(fd)
     try:
         for flags in flag_sets:
-            result = subprocess.run([*compiler, *flags, "-o", partial, str(source), *libraries], capture_output=True,
-                                    text=True, timeout=120)  # fmt: skip
+            result = subprocess.run([*compiler, *flags, "-o", str(cache_dir() / partial), str(source), *libraries],
+                                    capture_output=True, text=True, timeout=120)  # fmt: skip
             if result.returncode == 0:
-                os.replace(partial, target)
+                built = os.open(partial, os.O_RDONLY | safefs.NOFOLLOW, dir_fd=directory)
+                try:
+                    os.fchmod(built, 0o700)  # the linker's own mode follows the umask (group-writable at 002)
+                finally:
+                    os.close(built)
+                os.replace(partial, name, src_dir_fd=directory, dst_dir_fd=directory)
                 return
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
         raise EngineUnavailableError(f"compiling {source.name} failed: {tail[0]}", fix)
     finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        safefs.remove_regular(directory, partial)
+
+
+def _load_cached(directory: int, name: str, where: Path) -> ctypes.CDLL:
+    """Load the library ``name`` of the cache folder ``directory`` through the descriptor it was checked on
+    (:func:`tierkv.safefs.open_own_file`); FileNotFoundError if it is not there. The descriptor stays open while
+    the process lives, as the library stays loaded: the dynamic loader knows a library by the name it was loaded
+    under, so a ``/proc/self/fd/N`` name is never reused for another one."""
+    fd = safefs.open_own_file(directory, name, where)
+    try:
+        return ctypes.CDLL(safefs.fd_path(fd))
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def open_library(label: str, source: Path, digest: str | None, built: Path | None,
@@ -115,11 +149,21 @@ def open_library(label: str, source: Path, digest: str | None, built: Path | Non
         raise EngineUnavailableError("not built at install (no C compiler then?) and no C source to build it from",
                                      reinstall)
     flags = " ".join(" ".join(f) for f in flag_sets).encode()
-    target = cache_dir() / f"{source.stem}-{hashlib.sha256(source_bytes(source) + flags).hexdigest()[:16]}.so"
+    name = f"{source.stem}-{hashlib.sha256(source_bytes(source) + flags).hexdigest()[:16]}.so"
+    target = cache_dir() / name
     try:
-        if not target.exists():
-            compile_library(source, target, flag_sets, libraries, fix)
-        lib = ctypes.CDLL(str(target))
+        directory = _open_cache_dir()
+        try:
+            try:
+                lib = _load_cached(directory, name, target)
+            except FileNotFoundError:
+                compile_library(source, directory, name, flag_sets, libraries, fix)
+                lib = _load_cached(directory, name, target)
+        finally:
+            os.close(directory)
+    except DiskTierError as exc:  # a folder or file another user could have planted: never loaded
+        logger.warning("%s: %s", label, exc.strerror)
+        raise EngineUnavailableError(f"{label} not loaded: {exc.strerror}".rstrip(".")) from exc
     except (OSError, subprocess.SubprocessError) as exc:
         raise EngineUnavailableError(f"building or loading {target} failed ({exc})", fix) from exc
     logger.info("%s: built on first use into %s (%s)", label, target, stale or "no extension built at install")

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
+from pathlib import Path
 from typing import Any
 
+from tierkv import settings
 from tierkv.errors import InvalidConfigError
+
+MAX_JSON_BYTES = 4 << 20
+"""Largest JSON file :func:`read_json` reads: link profiles are a few KB and a Hugging Face ``config.json`` tens
+of KB, so this bounds what a wrong path (``/dev/zero``, a huge log) can cost without refusing a real file."""
+
+JSON_SETTINGS = ("profile",)
+"""Settings whose value is the path of a JSON file :func:`read_json` reads (its errors name the variable)."""
+
+_SPECIAL = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+            (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
 def env_str(name: str, default: str | None = None) -> str | None:
@@ -16,11 +30,67 @@ def env_str(name: str, default: str | None = None) -> str | None:
 
 
 def read_json(path: str | os.PathLike[str], what: str, fix: str) -> Any:
-    """Load a user-supplied JSON file; a missing or malformed file is an InvalidConfigError saying ``fix``."""
+    """Load a user-supplied JSON file. Only a regular file of at most :data:`MAX_JSON_BYTES` is read (a FIFO is
+    never waited on, a device never read); anything else, or malformed JSON, is an InvalidConfigError naming
+    the path (and the ``TIERKV_*`` variable that gave it) and saying ``fix``."""
+    name = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(_read_regular(name))
+    except _Unusable as exc:
+        problem = str(exc)
     except FileNotFoundError:
-        raise InvalidConfigError(f"{what} {os.fspath(path)!r} does not exist; {fix}.") from None
-    except json.JSONDecodeError as e:
-        raise InvalidConfigError(f"{what} {os.fspath(path)!r} is not valid JSON ({e}).") from None
+        problem = "does not exist"
+    except OSError as exc:
+        problem = f"cannot be read ({exc.strerror or exc})"
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError; nesting beyond the stack
+        problem = f"is not valid JSON ({str(exc)[:200] or type(exc).__name__})"
+    variable = _variable_naming(name)
+    given, unset = (f" ({variable})", f", or unset {variable}") if variable else ("", "")
+    raise InvalidConfigError(f"{what} {name!r}{given} {problem}; {fix}{unset}.")
+
+
+class _Unusable(Exception):
+    """Why a JSON input is not read (a phrase)."""
+
+
+def _read_regular(name: str) -> bytearray:
+    """The bytes of the regular file ``name``: opened with ``O_NONBLOCK`` so that a FIFO cannot hang, checked
+    with ``fstat``, read up to :data:`MAX_JSON_BYTES` (a file's ``st_size`` may lie: /proc)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((kind for special, kind in _SPECIAL if special(mode)), "not a regular file")
+            raise _Unusable(f"is {kind}, not a JSON file")
+        os.set_blocking(fd, True)
+        data = bytearray()
+        while len(data) <= MAX_JSON_BYTES and (chunk := os.read(fd, MAX_JSON_BYTES + 1 - len(data))):
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > MAX_JSON_BYTES:
+        raise _Unusable(f"is larger than {MAX_JSON_BYTES >> 20} MiB, more than such a file holds")
+    return data
+
+
+def _variable_naming(name: str) -> str | None:
+    """The ``TIERKV_*`` variable that gave the path ``name`` (so that a message says what to change), or None."""
+    for setting in JSON_SETTINGS:
+        variable = settings.SETTINGS[setting].variable
+        try:
+            if settings.source(setting).startswith(f"{variable}=") and settings.get(setting) == Path(name):
+                return variable
+        except InvalidConfigError:  # malformed itself: then it did not give this path
+            continue
+    return None
+
+
+def output_problem(path: str | os.PathLike[str]) -> tuple[int, str] | None:
+    """Why no file can be written at the user's ``path`` (its errno and a phrase: "is a directory", its folder is
+    missing), or None; checked when the path is given, so that the failure is not found only at the write."""
+    target = Path(path)
+    if target.is_dir() and not target.is_symlink():  # a link there is replaced (renamed over), never followed
+        return errno.EISDIR, "is a directory"
+    if not target.parent.is_dir():
+        return errno.ENOENT, f"is in {os.fspath(target.parent)!r}, which is not an existing directory"
+    return None

@@ -16,13 +16,14 @@ tokenizer as a plain checkpoint under ``$TIERKV_CACHE_DIR/models/`` and later lo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.metadata
 import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -141,27 +142,49 @@ def _load_gemma3(device: str) -> tuple:
 def _load_checkpoint(folder: Path, gguf: Callable[[Path], Path], install: str, model_class: type[PreTrainedModel],
                      device: str) -> tuple:
     """``(model, tokenizer)`` from the dequantised checkpoint in ``folder``, written first from the GGUF that
-    ``gguf(scratch folder)`` gives where it is not there yet."""
+    ``gguf(scratch folder)`` gives where it is not there yet. Read only from a ``models/`` and ``folder`` of this
+    user's own (:func:`_has_checkpoint`): weights another user planted there are never loaded."""
     from transformers import AutoTokenizer
 
     from tierkv.demo.model import quietly
 
-    if not all((folder / name).is_file() for name in _CHECKPOINT_FILES):
-        _own_models_directory(folder.parent)
+    if not _has_checkpoint(folder):
         with tempfile.TemporaryDirectory(prefix=f".{folder.name}-gguf-", dir=folder.parent) as scratch:
             _dequantise(gguf(Path(scratch)), folder, install)
     model = quietly(lambda: model_class.from_pretrained(folder, attn_implementation="sdpa"))
     return model.to(device).eval(), AutoTokenizer.from_pretrained(folder)
 
 
-def _own_models_directory(path: Path) -> None:
-    """Create the cache dir's ``models/`` (0700), refusing one that is a link or another user's: the dequantised
-    weights are written and renamed there (:mod:`tierkv.safefs`)."""
+def _has_checkpoint(folder: Path) -> bool:
+    """Whether the checkpoint ``folder`` (in the cache dir's ``models/``) has all its files. Refuses
+    (DiskTierError) a ``models/`` or ``folder`` that is a link or another user's, or that others can write, and
+    creates ``models/`` (0700) if missing: the checks :func:`_own_models_directory` makes for writing, made for
+    reading too."""
+    with _own_models_directory(folder.parent) as models:
+        try:
+            checkpoint = safefs.open_own_directory(models, folder.name, folder, create=False, shared=False)
+        except FileNotFoundError:
+            return False
+        try:
+            return all(safefs.is_regular_here(checkpoint, name) is not None for name in _CHECKPOINT_FILES)
+        finally:
+            os.close(checkpoint)
+
+
+@contextlib.contextmanager
+def _own_models_directory(path: Path) -> Iterator[int]:
+    """A descriptor of the cache dir's ``models/`` for the block, created 0700 if missing; refused
+    (DiskTierError) when it is a link or another user's, or the cache dir is one another user could rename it
+    in (:mod:`tierkv.safefs`): the dequantised weights are written, renamed and read there."""
     parent = safefs.open_user_directory(path.parent)
     try:
-        os.close(safefs.open_own_directory(parent, path.name, path, shared=False))
+        fd = safefs.open_own_directory(parent, path.name, path, shared=False)
     finally:
         os.close(parent)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _dequantise(gguf: Path, folder: Path, install: str) -> None:

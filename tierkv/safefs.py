@@ -8,11 +8,14 @@ The rules (docs/reliability.md, "Security"):
   (``TIERKV_SHARED_GROUP=1``) it may belong to another member of its group, but is never writable by others.
   Everything below it is named relative to the directory's descriptor (``dir_fd=``), so a directory renamed
   or replaced after it was checked is never followed.
-- A directory the user named is refused when others can write it and it lacks the sticky bit (anyone could
-  rename tierkv's files in it).
+- A directory the user named is refused when another user could rename tierkv's files in it: when it belongs
+  to another user (root aside), or its group or every user can write it and it lacks the sticky bit. With the
+  group-shared opt-in it may belong to, and be writable by, a group of this process.
 - Files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a random name (a planted name fails, it is
   never opened) and ``fchmod``-ed to 0600 (0660 shared) whatever the umask; a file is replaced by renaming
-  such a temporary file over it (a symlink in its place is replaced, not followed).
+  such a temporary file over it (a symlink in its place is replaced, not followed). A created file is opened
+  again only through its descriptor (:func:`reopen`), never by name: a file renamed into its place is never
+  opened.
 - Files are opened for reading with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO opens without waiting for a writer)
   and refused unless ``fstat`` says they are regular; a read is bounded by that size.
 """
@@ -26,7 +29,7 @@ import os
 import secrets
 import stat
 from collections.abc import Iterable, Iterator
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 from tierkv.errors import DiskTierError, IntegrityError
 
@@ -63,7 +66,9 @@ def refuse(path: str | os.PathLike, why: str, fix: str, code: int = errno.EPERM)
 
 def open_user_directory(path: str | os.PathLike) -> int:
     """A descriptor of the directory the user named (links in *its* path are the user's choice and followed),
-    made 0700 if tierkv creates it; refused when others may write it without the sticky bit."""
+    made 0700 if tierkv creates it; refused when another user could rename or replace tierkv's files in it: one
+    owned by another user (root aside), or one its group or every user can write without the sticky bit. The
+    group-shared opt-in accepts a directory of a group of this process (owned or writable by it)."""
     path = Path(path)
     if not path.exists():
         with contextlib.suppress(FileExistsError):
@@ -71,22 +76,56 @@ def open_user_directory(path: str | os.PathLike) -> int:
             os.mkdir(path, dir_mode())
     fd = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
     try:
-        status = os.fstat(fd)
-        if status.st_mode & stat.S_IWOTH and not status.st_mode & stat.S_ISVTX:
-            raise refuse(path, "every user can write it and it has no sticky bit, so another user could replace "
-                         "tierkv's files in it", "Use a directory only you can write (chmod o-w), or set the "
-                         "sticky bit as /tmp has (chmod +t).")
+        _check_user_directory(path, os.fstat(fd))
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
+def _check_user_directory(path: Path, status: os.stat_result) -> None:
+    """Refuse (:func:`refuse`) a directory of ``status`` in which another user could rename tierkv's files."""
+    sticky = status.st_mode & stat.S_ISVTX
+    group = shared_group() and status.st_gid in _groups()
+    if status.st_mode & stat.S_IWOTH and not sticky:
+        raise refuse(path, "every user can write it and it has no sticky bit, so another user could replace "
+                     "tierkv's files in it", "Use a directory only you can write (chmod o-w), or set the "
+                     "sticky bit as /tmp has (chmod +t).")
+    if status.st_uid not in (os.geteuid(), 0) and not group:
+        raise refuse(path, f"it belongs to another user (uid {status.st_uid}), who could rename or replace "
+                     "tierkv's files in it", "Use a directory of your own (tierkv creates a missing one 0700, "
+                     "e.g. a new name in /tmp); a directory shared by a group needs TIERKV_SHARED_GROUP=1 and a "
+                     "directory of that group.")
+    if status.st_mode & stat.S_IWGRP and not sticky and not group and not _private_group(status.st_gid):
+        raise refuse(path, f"its group (gid {status.st_gid}) can write it and it has no sticky bit, so another "
+                     "member could replace tierkv's files in it", "chmod g-w it or use a directory only you "
+                     "can write; for a directory shared by that group, set TIERKV_SHARED_GROUP=1.")
+
+
+def _private_group(gid: int) -> bool:
+    """Whether this user is the only one in group ``gid``: a user private group, as Debian and Ubuntu give every
+    user (their umask 002 makes a new directory group-writable, and no one else can write it)."""
+    import grp
+    import pwd
+
+    uid = os.geteuid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+        members = grp.getgrgid(gid).gr_mem
+    except KeyError:
+        return False
+    return all(member == name for member in members) and \
+        all(user.pw_uid == uid for user in pwd.getpwall() if user.pw_gid == gid)
+
+
 def open_own_directory(parent: int, name: str, where: str | os.PathLike, create: bool = True,
                        shared: bool | None = None) -> int:
     """A descriptor of tierkv's directory ``name`` in the directory ``parent`` (a descriptor), created if
     missing; refused if it is a link or not a directory, if another user owns it (outside the group-shared
-    opt-in), or if others can write it. A directory of this user with looser modes is tightened."""
+    opt-in), or if others can write it. A directory of this user with looser modes is tightened. ``shared``
+    None: as the group-shared opt-in says (a directory that can be shared); False: private whatever it says."""
+    hint = ("; a store shared by a group needs TIERKV_SHARED_GROUP=1 and a directory of that group" if shared is None
+            else " (tierkv makes it again)")
     shared = shared_group() if shared is None else shared
     mode = dir_mode(shared)
     if create:
@@ -97,7 +136,7 @@ def open_own_directory(parent: int, name: str, where: str | os.PathLike, create:
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise refuse(where, "it is a symbolic link or not a directory (tierkv never follows a link in its own "
-                         "tree: another user may have planted it)", "Remove it, and use a disk_dir only you can "
+                         "tree: another user may have planted it)", "Remove it, and use a directory only you can "
                          "write.", exc.errno) from exc
         raise
     try:
@@ -105,8 +144,8 @@ def open_own_directory(parent: int, name: str, where: str | os.PathLike, create:
         mine = status.st_uid == os.geteuid()
         if not mine and not (shared and status.st_gid in _groups()):
             raise refuse(where, f"it belongs to another user (uid {status.st_uid}), who could change what tierkv "
-                         "reads and deletes there", "Remove it (or ask its owner to), or use your own disk_dir; "
-                         "a store shared by a group needs TIERKV_SHARED_GROUP=1 and a directory of that group.")
+                         "reads and deletes there", f"Remove it (or ask its owner to), or use a directory of "
+                         f"your own{hint}.")
         if not mine and status.st_mode & stat.S_IWOTH:  # a group's directory: never one every user can write
             raise refuse(where, f"mode {stat.S_IMODE(status.st_mode):o} lets others write it", "chmod o-w it, or "
                          "remove it.")
@@ -141,6 +180,87 @@ def create_file(directory: int, prefix: str, suffix: str = "", shared: bool | No
             raise
         return fd, name
     raise FileExistsError(errno.EEXIST, f"no free temporary name {prefix}*{suffix}")
+
+
+_FD_DIRECTORY = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+
+
+def fd_path(fd: int) -> str:
+    """A name of the file the descriptor ``fd`` is open on, wherever it was renamed to (``/proc/self/fd/N``:
+    opening it opens that file, not whatever a path now names)."""
+    return f"{_FD_DIRECTORY}/{fd}"
+
+
+def check_same_file(created: int, opened: int, where: str | os.PathLike) -> None:
+    """Refuse (:func:`refuse`) unless the descriptors ``created`` and ``opened`` are open on one file."""
+    a, b = os.fstat(created), os.fstat(opened)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        raise refuse(where, "opened again, it is not the file tierkv created (another file took its place)",
+                     "Use a directory only you can write.", errno.ESTALE)
+
+
+def reopen(fd: int, flags: int, where: str | os.PathLike) -> int:
+    """A new descriptor with ``flags`` (``O_DIRECT``, say) on the file ``fd`` is open on, through :func:`fd_path`
+    (never by name: a file another user renamed into its place is not opened) and checked to be that file."""
+    opened = os.open(fd_path(fd), flags | _CLOEXEC)
+    try:
+        check_same_file(fd, opened, where)
+    except BaseException:
+        os.close(opened)
+        raise
+    return opened
+
+
+class CreatedPath(PosixPath):
+    """The path of a file tierkv created, with ``fd``, the descriptor it was created through (open while its
+    creator holds it): the disk engines open the file from ``fd`` (:func:`reopen`), never by this name. A path
+    derived from it (``parent``, ``/``) has no descriptor (``fd`` None)."""
+
+    fd: int | None = None
+
+    @classmethod
+    def of(cls, path: str | os.PathLike, fd: int) -> CreatedPath:
+        """``path``, created through ``fd``."""
+        created = cls(path)
+        created.fd = fd
+        return created
+
+
+def open_path(path: str | os.PathLike, flags: int) -> int:
+    """``path`` opened with ``flags``: from its descriptor if tierkv created it (:class:`CreatedPath`, checked to
+    be that file), else by name, a symbolic link there refused (ELOOP)."""
+    if isinstance(path, CreatedPath) and path.fd is not None:
+        return reopen(path.fd, flags, path)
+    return os.open(path, flags | _NOFOLLOW | _CLOEXEC)
+
+
+def open_own_file(directory: int, name: str, where: str | os.PathLike) -> int:
+    """A read-only descriptor of ``name`` in ``directory`` (a descriptor), never through a link: refused
+    (:func:`refuse`) unless it is a regular file of this user that nobody else can write (what tierkv runs as
+    code). FileNotFoundError if it is not there."""
+    try:
+        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC, dir_fd=directory)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise refuse(where, "it is a symbolic link (tierkv never follows a link in its own tree: another user "
+                         "may have planted it)", "Remove it.", exc.errno) from exc
+        raise
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise refuse(where, f"it is not a regular file (mode {status.st_mode:o})", "Remove it.", errno.EINVAL)
+        if status.st_uid != os.geteuid():
+            raise refuse(where, f"it belongs to another user (uid {status.st_uid}), who could have planted it",
+                         "Remove it (tierkv builds it again).")
+        if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise refuse(where, f"mode {stat.S_IMODE(status.st_mode):o} lets others write it", "Remove it "
+                         "(tierkv builds it again).")
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def open_regular(directory: int | None, name: str | os.PathLike, what: str, flags: int = os.O_RDONLY,
@@ -224,19 +344,20 @@ def write_file(path: str | os.PathLike, chunks: Iterable[bytes | memoryview], sh
 
 
 @contextlib.contextmanager
-def scratch_file(directory: str | os.PathLike, prefix: str, size: int) -> Iterator[Path]:
-    """A new file of ``size`` bytes (a hole) in the user's ``directory`` (created 0700 if missing; refused if
-    others may write it without the sticky bit), created ``O_EXCL`` at mode 0600 under a random name: a name
-    planted in a shared directory such as /tmp is never opened. Removed after the block."""
+def scratch_file(directory: str | os.PathLike, prefix: str, size: int) -> Iterator[CreatedPath]:
+    """A new file of ``size`` bytes (a hole) in the user's ``directory`` (created 0700 if missing; refused as
+    :func:`open_user_directory` refuses), created ``O_EXCL`` at mode 0600 under a random name: a name planted in
+    a shared directory such as /tmp is never opened. Its descriptor stays open for the block (a
+    :class:`CreatedPath`: the disk engines open the file from it, not by name). Removed after the block."""
     fd_dir = open_user_directory(directory)
     try:
         fd, name = create_file(fd_dir, prefix, ".bin", shared=False)
         try:
             try:
                 os.ftruncate(fd, size)
+                yield CreatedPath.of(Path(directory) / name, fd)
             finally:
                 os.close(fd)
-            yield Path(directory) / name
         finally:
             remove_regular(fd_dir, name)
     finally:

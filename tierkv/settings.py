@@ -123,7 +123,8 @@ def _flag(value: Any) -> bool:
 def _count(high: int) -> Callable[[Any], int]:
     """A converter to an int in ``[1, high]``."""
     def convert(value: Any) -> int:
-        digits = isinstance(value, str) and value.strip().isdigit()
+        # ASCII digits only: str.isdigit() also accepts superscripts ('²'), which int() refuses
+        digits = isinstance(value, str) and value.strip().isascii() and value.strip().isdigit()
         if isinstance(value, bool) or not (isinstance(value, int) or digits) or not 1 <= int(value) <= high:
             raise _Invalid(f"must be a positive integer of at most {high} (range 1-{high})")
         return int(value)
@@ -183,7 +184,11 @@ def _path_or_none(value: Any) -> Path | None:
         return None
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value).strip():
         raise _Invalid("must be a file path")
-    return Path(os.fspath(value)).expanduser()
+    try:
+        return Path(os.fspath(value)).expanduser()
+    except RuntimeError:  # "~user/..." of a user this machine does not know, or "~" without $HOME
+        raise _Invalid(f"starts with {os.fspath(value).split(os.sep)[0]!r}, whose home directory cannot be found "
+                       "(no such user, or $HOME unset); give an absolute path") from None
 
 
 def _directory(value: Any) -> Path:

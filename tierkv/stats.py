@@ -47,6 +47,7 @@ from tierkv.bandwidth import (
     predict_step,
 )
 from tierkv.errors import InvalidConfigError
+from tierkv.inputs import output_problem
 from tierkv.vocabulary import LinkName
 
 HISTORY = 256
@@ -450,8 +451,19 @@ def make_trace(trace: bool | str | os.PathLike | None) -> Trace | None:
         return None
     if trace is None:
         path = settings.get("trace")
-        return Trace(path) if path is not None else None
-    return Trace() if trace is True else Trace(trace)
+        return Trace(_trace_path(path, settings.source("trace"))) if path is not None else None
+    return Trace() if trace is True else Trace(_trace_path(trace, f"trace={os.fspath(trace)!r}"))
+
+
+def _trace_path(path: str | os.PathLike, given: str) -> str | os.PathLike:
+    """``path`` if a trace can be written there when the cache closes; else InvalidConfigError now, not a trace
+    lost at close with only a logged traceback."""
+    problem = output_problem(path)
+    if problem is not None:
+        raise InvalidConfigError(f"{given}: the trace path {problem[1]}, so the trace could not be written when the "
+                                 "cache closes; give a file path in an existing directory (e.g. "
+                                 "/tmp/tierkv-trace.json).")
+    return path
 
 
 def make_timeline(profile: LinkProfile | str | os.PathLike | None, device: Any) -> Timeline:

@@ -36,7 +36,7 @@ class RawDirect:
     """
 
     def __init__(self, path: Path, depth: int) -> None:
-        self._fd = os.open(path, os.O_RDWR | os.O_DIRECT | safefs.NOFOLLOW)
+        self._fd = safefs.open_path(path, os.O_RDWR | os.O_DIRECT)
         self._depth = depth
         self._pool = cf.ThreadPoolExecutor(depth, thread_name_prefix="tierkv-raw-io")
 
@@ -66,7 +66,7 @@ class RawDirect:
 
 def drop_page_cache(path: Path) -> None:
     """Evict the file's clean pages so a buffered read comes from the disk, not from RAM."""
-    fd = os.open(path, os.O_RDONLY | safefs.NOFOLLOW)
+    fd = safefs.open_path(path, os.O_RDONLY)
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -163,7 +163,7 @@ def fill_file(f: DiskFile, path: Path, buffer: np.ndarray, disk_bytes: int) -> N
     f.submit_writes(
         [(off, buffer[: min(step, disk_bytes - off)]) for off in range(0, disk_bytes, step)]
     ).wait()
-    fd = os.open(path, os.O_RDONLY | safefs.NOFOLLOW)
+    fd = safefs.open_path(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -178,7 +178,7 @@ def engine_batch(f: DiskFile, requests: list[tuple[int, np.ndarray]], write: boo
     handle = f.submit_writes(requests) if write else f.submit_reads(requests)
     handle.wait()
     if not f.direct and write:
-        fd = os.open(path, os.O_RDONLY | safefs.NOFOLLOW)
+        fd = safefs.open_path(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierkv.errors import IntegrityError, InvalidConfigError
+from tierkv.hf import sizing
 from tierkv.persist import conversation
 from tierkv.persist import record as records
 from tierkv.persist.keys import model_fingerprint
@@ -34,6 +35,7 @@ async def asave(cache: TieredCache, path: str | os.PathLike, model: torch.nn.Mod
 
 def load(cls: type[TieredCache], path: str | os.PathLike, model: torch.nn.Module | None,
          device: str | torch.device | None, options: dict[str, Any]) -> TieredCache:
+    model = _required(model)
     what = os.fspath(path)
     with conversation.open_file(path) as f:
         restore = Restore(cls, model, device, options, what, *records.read(f, what))
@@ -45,6 +47,7 @@ def load(cls: type[TieredCache], path: str | os.PathLike, model: torch.nn.Module
 
 async def aload(cls: type[TieredCache], path: str | os.PathLike, model: torch.nn.Module | None,
                 device: str | torch.device | None, options: dict[str, Any]) -> TieredCache:
+    model = _required(model)
     aiofiles = _aiofiles()
     what = os.fspath(path)
     async with aiofiles.open(conversation.open_fd(path), "rb") as f:
@@ -55,22 +58,54 @@ async def aload(cls: type[TieredCache], path: str | os.PathLike, model: torch.nn
             return restore.finish(await f.read(1))
 
 
+def _required(model: torch.nn.Module | None) -> torch.nn.Module:
+    """``model``, which loading requires: a file's K/V is only right for the model that computed it, and only
+    ``model=`` lets the fingerprint, layer count and K/V geometry be checked before any is used."""
+    if model is None:
+        raise InvalidConfigError("load() needs the model that will decode the conversation, so that a file of "
+                                 "another model (or one that does not fit it) is refused instead of decoded into "
+                                 "wrong output: TieredCache.load(path, model=model).")
+    return model
+
+
+def _fits_model(header: conversation.Header, model: torch.nn.Module, what: str) -> list[tuple[int, int]] | None:
+    """Check the header's layers against ``model``'s config before anything is allocated: the same layer count, a
+    sliding window only where the model has that window (a length is backed by the file's K/V records, which the
+    reader checks; a conversation may outgrow ``max_position_embeddings``). The fingerprint already matched, so a
+    difference means a damaged or crafted file (IntegrityError). Returns each layer's (kv_heads, head_dim) for the
+    K/V records to match (None: the model has no config)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    windows = sizing.layer_windows(config)
+    problems = [f"it holds {len(header.layers)} layers, the model {len(windows)} that hold K/V"] \
+        if len(windows) != len(header.layers) else []
+    problems += [f"layer {saved.index}'s sliding window is {saved.sliding_window}, the model's {window}"
+                 for saved, window in zip(header.layers, windows)
+                 if saved.sliding_window not in (None, window)]  # None: a cache without config= keeps every token
+    if problems:
+        raise IntegrityError(f"{what}: {'; '.join(problems[:3])}, although the file names this model: it is "
+                             "damaged or was not written by tierkv. Save the conversation again.")
+    return [(layout.kv_heads, layout.head_dim)
+            for layout in sizing.layer_layouts(config, header.block_tokens, None)]
+
+
 class Restore:
     """A cache being filled from a conversation's records: built from the header record, fed each K/V record
     by :meth:`take`, checked by :meth:`finish`; used as a context manager, it closes the cache on any error."""
 
-    def __init__(self, cls: type[TieredCache], model: torch.nn.Module | None, device: str | torch.device | None,
+    def __init__(self, cls: type[TieredCache], model: torch.nn.Module, device: str | torch.device | None,
                  options: dict[str, Any], what: str, head: dict[str, Any], payload: bytearray) -> None:
         self.header = header = conversation.parse_header(head, payload, what)
         self.what = what
-        self.device = device if device is not None else next(model.parameters()).device if model is not None \
-            else "cpu"
+        self.device = device if device is not None else next(model.parameters()).device
         if options.setdefault("block_tokens", header.block_tokens) != header.block_tokens:
             raise InvalidConfigError(f"{what} was saved with block_tokens={header.block_tokens}; load it with the "
                                      "same (or leave block_tokens out).")
-        if model is not None and model_fingerprint(model) != header.fingerprint:
+        if model_fingerprint(model) != header.fingerprint:
             raise InvalidConfigError(f"{what} was saved from another model (weights or config differ); load it "
                                      "with the model that produced it.")
+        geometry = _fits_model(header, model, what)
         self.cache = cache = cls(**options)
         windows = [layer.sliding_window for layer in header.layers]
         if cache.runtime.num_layers is not None and [layer.sliding_window for layer in cache.layers] != windows:
@@ -78,7 +113,7 @@ class Restore:
             raise InvalidConfigError(f"{what} holds {len(windows)} layers with sliding windows {windows}; the "
                                      "config= given describes other layers. Pass the model's own config, or none.")
         cache.set_layers(windows)
-        self.reader = conversation.Reader(header, what)
+        self.reader = conversation.Reader(header, what, geometry)
 
     def __enter__(self) -> Restore:
         return self

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from tierkv import settings
+from tierkv import safefs, settings
 from tierkv.errors import InvalidConfigError, TierKVError
 
 ALIGN: int = settings.DIRECT_IO_ALIGN
@@ -284,34 +284,33 @@ def eof_error(path: str, offset: int, wanted: int, got: int | None) -> OSError:
     return OSError(errno.EIO, f"read past end of file: wanted {wanted} bytes at offset {offset}{short}", path)
 
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def open_fd(path: str, direct: bool | None) -> tuple[int, bool, str]:
+def open_fd(path: str | os.PathLike[str], direct: bool | None) -> tuple[int, bool, str]:
     """Open an existing file read/write; return ``(fd, direct in effect, reason if direct was refused)``.
 
     ``direct=None`` tries ``O_DIRECT`` and falls back to buffered I/O when the filesystem refuses it
     (EINVAL at open, or at the first aligned read, which is where some filesystems report it).
-    ``direct=True`` makes a refusal an error that says how to fix it. A symbolic link at ``path`` is refused
-    (ELOOP): tierkv opens only the files it created.
+    ``direct=True`` makes a refusal an error that says how to fix it. A file tierkv created (a
+    :class:`~tierkv.safefs.CreatedPath`) is opened, both times, from the descriptor it was created through and
+    checked to be that file (:func:`tierkv.safefs.reopen`), never by name; any other path is opened by name, and
+    a symbolic link there is refused (ELOOP).
     """
     if direct is False or not _O_DIRECT:
         if direct and not _O_DIRECT:
             raise InvalidConfigError("direct I/O was requested but this OS has no O_DIRECT; use direct=False")
         reason = "" if direct is False else "O_DIRECT not supported by this OS"
-        return os.open(path, os.O_RDWR | _NOFOLLOW), False, reason
+        return safefs.open_path(path, os.O_RDWR), False, reason
     try:
-        fd = os.open(path, os.O_RDWR | _O_DIRECT | _NOFOLLOW)
+        fd = safefs.open_path(path, os.O_RDWR | _O_DIRECT)
         _probe_direct(fd)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
         if direct:
             raise InvalidConfigError(
-                f"the filesystem of {path} refuses O_DIRECT (EINVAL); put the disk tier on a filesystem that "
-                "supports it (ext4, xfs) or set TIERKV_DIRECT_IO=0 for buffered I/O."
+                f"the filesystem of {os.fspath(path)} refuses O_DIRECT (EINVAL); put the disk tier on a filesystem "
+                "that supports it (ext4, xfs) or set TIERKV_DIRECT_IO=0 for buffered I/O."
             ) from exc
-        return os.open(path, os.O_RDWR | _NOFOLLOW), False, "filesystem refuses O_DIRECT"
+        return safefs.open_path(path, os.O_RDWR), False, "filesystem refuses O_DIRECT"
     return fd, True, ""
 
 
@@ -365,9 +364,10 @@ class DiskFile(ABC):
     reads into the device landing buffer and verifies there."""
 
     @abstractmethod
-    def __init__(self, path: str, direct: bool | None) -> None:
-        """Open the existing file ``path``: O_DIRECT required with ``direct=True``, the page cache with
-        ``False``, O_DIRECT where the filesystem accepts it with ``None`` (see :func:`open_fd`)."""
+    def __init__(self, path: str | os.PathLike[str], direct: bool | None) -> None:
+        """Open the existing file ``path`` (one tierkv created: from its descriptor): O_DIRECT required with
+        ``direct=True``, the page cache with ``False``, O_DIRECT where the filesystem accepts it with ``None``
+        (see :func:`open_fd`)."""
 
     @abstractmethod
     def submit_reads(self, requests: Sequence[tuple[int, Any]]) -> IOHandle:

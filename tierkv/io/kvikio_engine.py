@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from tierkv import safefs
 from tierkv.errors import InvalidConfigError
 from tierkv.io.base import (
     ALIGN,
@@ -183,17 +184,24 @@ class KvikioFile(DiskFile):
 
     engine_name = "kvikio"
 
-    def __init__(self, path: str, direct: bool | None) -> None:
+    def __init__(self, path: str | os.PathLike[str], direct: bool | None) -> None:
         import kvikio
 
-        if not os.path.exists(path):
-            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
-        self.path = path
+        self.path = os.fspath(path)
+        created = path.fd if isinstance(path, safefs.CreatedPath) else None  # a file tierkv created: its descriptor
+        if created is None and not os.path.exists(self.path):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.path)
         self.gds = not _compat_mode_on()
         self.reads_device_memory = self.gds  # GDS: the disk tier reads into device buffers (no host bounce)
-        self._file: Any = kvikio.CuFile(path, "r+")
+        self._file: Any = kvikio.CuFile(self.path if created is None else safefs.fd_path(created), "r+")
         self._batches: list[_KvikioBatch] = []  # edited in place: the finalizer holds this list
         self._finalizer = weakref.finalize(self, _release, self._file, self._batches)
+        if created is not None:
+            try:
+                safefs.check_same_file(created, self._file.fileno(), self.path)
+            except BaseException:
+                self.close()
+                raise
         self.direct = _host_direct_io(self._file)
         self.direct_refused = "" if self.direct else (
             "kvikio reads host buffers with POSIX through the page cache (" +

@@ -246,9 +246,9 @@ class NativeFile(DiskFile):
 
     engine_name = "native"
 
-    def __init__(self, path: str, direct: bool | None) -> None:
+    def __init__(self, path: str | os.PathLike[str], direct: bool | None) -> None:
         self.lib = library()
-        self.path = path
+        self.path = os.fspath(path)
         self.fd, self.direct, self.direct_refused = open_fd(path, direct)
         self._chunk = chunk_bytes()
         depth = queue_depth()

@@ -58,8 +58,8 @@ class PosixFile(DiskFile):
 
     engine_name = "posix"
 
-    def __init__(self, path: str, direct: bool | None) -> None:
-        self.path = path
+    def __init__(self, path: str | os.PathLike[str], direct: bool | None) -> None:
+        self.path = os.fspath(path)
         self.fd, self.direct, self.direct_refused = open_fd(path, direct)
         self._depth = queue_depth()
         self._chunk = chunk_bytes()

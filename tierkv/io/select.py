@@ -97,7 +97,8 @@ def open_disk_file(
     Parameters
     ----------
     path:
-        An existing file (the disk tier creates and sizes it).
+        An existing file (the disk tier creates and sizes it). A :class:`~tierkv.safefs.CreatedPath` (what the
+        disk tier and the bench create) is opened from its descriptor, never by name.
     engine:
         ``"kvikio"``, ``"native"``, ``"posix"`` or ``"auto"``; ``None`` reads the ``disk_engine`` setting
         (``TIERKV_DISK_ENGINE``, default auto). A forced engine that cannot load raises
@@ -115,7 +116,6 @@ def open_disk_file(
     ...         buf = aligned_empty(ALIGN)
     ...         f.read(0, buf)
     """
-    path = os.fspath(path)
     source = "engine=" if engine is not None else settings.source("disk_engine")
     name = engine if engine is not None else settings.get("disk_engine")
     direct_source = "direct=" if direct is not None else settings.source("direct_io")

@@ -25,22 +25,30 @@ with ``TIERKV_SHARED_GROUP=1``): a ``tierkv-persist``, ``blocks`` or ``tmp`` tha
 user or is writable by others is refused (:mod:`tierkv.safefs`). Every name is taken relative to a directory
 descriptor opened once, without following links; recovery and eviction unlink only regular files of this
 user, named by validated block keys (the manifest refuses any other key); a record is read only up to its
-real size, which must equal the listed one.
+real size, which must equal the listed one, and, read for a namespace, no larger than a block record of that
+namespace can be (:func:`tierkv.persist.record.max_block_bytes`). ``put`` checks every item by the manifest's
+own rule (:func:`tierkv.persist.manifest.entry`), so the store never lists what its readers would refuse. A
+directory, FIFO or link planted where the ``lock`` or ``manifest`` file belongs is refused with an error that
+names it and how to remove it.
 
-The store moves bytes only (no torch): callers encode and decode records.
+The store moves bytes: callers encode and decode records (a read for a namespace checks the record's header
+against it, importing torch only for the dtype's item size).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import secrets
+import stat
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tierkv import safefs
 from tierkv.atomic import deferred_interrupts
@@ -50,6 +58,9 @@ from tierkv.persist import record
 from tierkv.persist.lock import OwnerLock, is_abandoned, locked
 from tierkv.persist.manifest import KEY, Entry, Manifest
 
+if TYPE_CHECKING:
+    from tierkv.persist.keys import Namespace
+
 log = logging.getLogger("tierkv")
 
 DIRECTORY_NAME = "tierkv-persist"
@@ -58,6 +69,8 @@ LOCK = "lock"
 _FOLDER = re.compile(r"^[0-9a-f]{2}$")
 _SCRATCH_LOCK = re.compile(r"^(\d+-[0-9a-f]+)\.lock$")
 _STALE_MANIFEST = re.compile(rf"^(\.{manifests.NAME}\..*\.tmp|{manifests.NAME}\.tmp)$")
+_SPECIAL = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFLNK: "a symbolic link",
+            stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,9 +139,9 @@ class PersistentStore:
                 self._tree = tree
                 self._finalizer = weakref.finalize(self, _release, tree)
             try:
-                with locked(tree.root, LOCK, exclusive=True):
+                with self._locked(exclusive=True):
                     self.recovery = self._recover()
-                with locked(tree.root, LOCK, exclusive=False):  # recovery (exclusive) never sees a half-made area
+                with self._locked(exclusive=False):  # recovery (exclusive) never sees a half-made area
                     name = f"{os.getpid()}-{secrets.token_hex(4)}"
                     self._scratch = self.root / "tmp" / name
                     with deferred_interrupts():  # the lock file and the record that _release removes it, together
@@ -162,17 +175,20 @@ class PersistentStore:
             count += 1
         return count
 
-    def get(self, keys: Sequence[str]) -> list[bytearray]:
+    def get(self, keys: Sequence[str], namespace: Namespace | None = None) -> list[bytearray]:
         """The verified records of the leading ``keys`` that are listed and intact (stops at the first that is
-        not; a record that fails its checksum is removed). Marks the returned ones as used."""
+        not; a record that fails a check is removed). Marks the returned ones as used. With ``namespace``
+        (``keys`` are then a chain from its first block), each must be a block record of ``namespace`` at its
+        depth, and one listed larger than such a record can be is refused before it is read."""
         entries = self._listing().entries
+        limit = record.max_block_bytes(namespace) if namespace is not None else manifests.MAX_RECORD_BYTES
         found: list[bytearray] = []
         bad: list[str] = []
-        for key in keys:
+        for depth, key in enumerate(keys):
             entry = entries.get(key)
             if entry is None:
                 break
-            data = self._read(key, entry)
+            data = self._read(key, entry, limit, namespace, depth)
             if data is None:
                 bad.append(key)
                 break
@@ -198,13 +214,18 @@ class PersistentStore:
         of the chain the items extend), are marked as used. Records are fsynced before they are listed; the
         least recently used are evicted to make room — but never a block marked used by this call: a record
         that does not fit otherwise is dropped, with the deeper ones after it."""
+        for item in items:
+            try:
+                manifests.entry(item.key, [len(item.head) + len(item.payload), 0, item.depth], 0,
+                                f"persistent block {str(item.key)[:80]!r}")
+            except IntegrityError as error:
+                raise InvalidConfigError(f"{error} An item is a block key, its index in its chain "
+                                         "and its record: Item(key, depth, *record.encode_block(...)).") from None
         listed = self._listing().entries
         staged: list[tuple[Item, str, int]] = []
         scratch = self._tree.scratch
         try:
             for item in items:
-                if not KEY.match(item.key):
-                    raise InvalidConfigError(f"{item.key!r} is not a block key ({manifests.KEY.pattern}).")
                 if item.key in listed:
                     continue
                 fd = -1
@@ -235,24 +256,35 @@ class PersistentStore:
     def _path(self, key: str) -> Path:
         return self._blocks / key[:2] / f"{key}{SUFFIX}"
 
-    def _read(self, key: str, entry: Entry) -> bytearray | None:
-        """The record of ``key`` checked (size, checksum, key); None if it is gone or does not verify. Its
-        file's real size must equal the listed size before anything is allocated."""
+    def _read(self, key: str, entry: Entry, limit: int = manifests.MAX_RECORD_BYTES,
+              namespace: Namespace | None = None, depth: int = 0) -> bytearray | None:
+        """The record of ``key`` checked (size, checksum, key; with ``namespace``, a block of it at ``depth``);
+        None if it is gone or does not verify. Its listed size must be at most ``limit`` (the largest record it
+        can be), and its file's real size must equal it, before anything is allocated."""
         what = str(self._path(key))
         try:
+            if entry.nbytes > limit:
+                raise IntegrityError(f"{what}: listed at {entry.nbytes} bytes, more than the {limit} a block record "
+                                     "of this model's namespace has.")
             with safefs.directory_at(self._tree.blocks, key[:2]) as folder, \
                     safefs.opened(folder, f"{key}{SUFFIX}", what) as fd:
                 size = os.fstat(fd).st_size
                 if size != entry.nbytes:
                     raise IntegrityError(f"{what}: {size} bytes, the manifest lists {entry.nbytes}.")
                 data = safefs.read_whole(fd, what, entry.nbytes)
-            header, _ = record.decode(data, what=what)
+            header, payload = record.decode(data, what=what)
             if header.get("key") != key:
-                raise IntegrityError(f"{what}: holds {header.get('key')}, not {key}.")
+                raise IntegrityError(f"{what}: holds {str(header.get('key'))[:80]}, not {key}.")
+            if namespace is not None:
+                record.check_block(header, len(payload), key, namespace, what, depth)
         except FileNotFoundError:  # evicted by another process since the listing was read
             return None
         except IntegrityError as error:
             log.warning("tierkv: persistent block dropped, it will be recomputed: %s", error)
+            return None
+        except MemoryError:  # a record this process cannot hold now: a miss, never the caller's error
+            log.warning("tierkv: persistent block %s (%d bytes) does not fit in memory; dropped, it will be "
+                        "recomputed", key, entry.nbytes)
             return None
         except OSError as error:  # a link or a non-directory where a folder of blocks belongs
             log.warning("tierkv: persistent block %s unreadable, it will be recomputed: %s", key, error)
@@ -285,7 +317,7 @@ class PersistentStore:
         files it no longer lists — so whatever stops it (a SIGKILL, a Ctrl-C), every listed block has its file
         (what is left unlisted is removed at the next open). Returns #added."""
         tree = self._tree
-        with locked(tree.root, LOCK, exclusive=True):
+        with self._locked(exclusive=True):
             listing = self._load_for_update()
             tick = listing.tick()
             for key in touch:
@@ -299,13 +331,13 @@ class PersistentStore:
             for item, name, nbytes in add:
                 if item.key in listing.entries:  # another process stored it meanwhile
                     continue
-                while total + nbytes > self.capacity_bytes:
+                while total + nbytes > self.capacity_bytes or len(listing.entries) >= manifests.MAX_ENTRIES:
                     victim = next(victims, None)
                     if victim is None or listing.entries[victim].last_used == tick:
                         break  # what is left was used by this call (victims come oldest first)
                     total -= listing.entries.pop(victim).nbytes
                     unlisted.append(victim)
-                if total + nbytes > self.capacity_bytes:
+                if total + nbytes > self.capacity_bytes or len(listing.entries) >= manifests.MAX_ENTRIES:
                     break  # deeper blocks of this batch are useless without this one
                 with safefs.own_directory(tree.blocks, item.key[:2], self._blocks / item.key[:2]) as folder:
                     os.replace(name, f"{item.key}{SUFFIX}", src_dir_fd=tree.scratch, dst_dir_fd=folder)
@@ -313,7 +345,7 @@ class PersistentStore:
                 listing.entries[item.key] = Entry(nbytes, tick, item.depth)
                 total += nbytes
                 added.append(item.key)
-            manifests.write(tree.root, listing)
+            self._write_manifest(listing)
             for key in unlisted:  # only once no manifest lists them (a listed block's file is always there)
                 self._remove_record(key)
             return len(added)
@@ -325,6 +357,27 @@ class PersistentStore:
                 return safefs.remove_regular(folder, f"{key}{SUFFIX}")
         except OSError:  # no such folder, or a link in its place: nothing of ours to remove
             return False
+
+    @contextlib.contextmanager
+    def _locked(self, exclusive: bool) -> Iterator[None]:
+        """The directory's lock (:func:`tierkv.persist.lock.locked`); a non-file planted at its name is refused
+        with the fix (:func:`_refuse_planted`), never waited on."""
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(locked(self._tree.root, LOCK, exclusive))
+            except OSError:
+                _refuse_planted(self._tree.root, LOCK, self.root / LOCK)
+                raise
+            yield
+
+    def _write_manifest(self, listing: Manifest) -> None:
+        """Replace the manifest (:func:`tierkv.persist.manifest.write`); a directory planted at its name, which
+        a rename cannot replace, is refused with the fix."""
+        try:
+            manifests.write(self._tree.root, listing)
+        except OSError:
+            _refuse_planted(self._tree.root, manifests.NAME, self.root / manifests.NAME)
+            raise
 
     def _load_for_update(self) -> Manifest:
         """The manifest as it is on disk now (under the exclusive lock); a copy, so the cached one stays."""
@@ -387,9 +440,22 @@ class PersistentStore:
             del listing.entries[key]
         recovery = Recovery(scratch_areas, unlisted, torn, len(missing), manifest_lost)
         if recovery != Recovery():
-            manifests.write(tree.root, listing)
+            self._write_manifest(listing)
             log.info("tierkv: persistent directory %s recovered: %s", self.root, recovery)
         return recovery
+
+
+def _refuse_planted(directory: int, name: str, where: Path) -> None:
+    """Raise a DiskTierError that names what is at tierkv's file ``name`` in ``directory`` and how to remove it,
+    if it is not a regular file (a directory, FIFO, link ... that tierkv never made, so never removes)."""
+    try:
+        kind = _SPECIAL.get(stat.S_IFMT(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode))
+    except OSError:
+        return
+    if kind is not None:
+        raise safefs.refuse(where, f"it is {kind} where tierkv keeps a file of its own (another program or user "
+                            "made it; tierkv never uses nor removes it)", f"Remove it (rm -r '{where}') while no "
+                            "tierkv process uses this disk_dir; tierkv makes the file again.")
 
 
 def _release(tree: _Tree) -> None:

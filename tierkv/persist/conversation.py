@@ -16,8 +16,9 @@ file intact, and a link planted at ``path`` is replaced, never followed.
 Every file carries the fingerprint of the model that computed its K/V (:func:`records` refuses to write one
 without). A file is input from anywhere: :func:`open_file` refuses anything but a regular file (a FIFO is
 never waited on), :func:`tierkv.persist.record.read` checks each length against the bytes the file really
-has before allocating, and :func:`parse_header` and :class:`Reader` check every field's type and range and
-that each K/V record has exactly the shape the header's geometry implies — any failure is an
+has before allocating, and :func:`parse_header` and :class:`Reader` check every field's type and range (a
+layer drops whole blocks, only with a sliding window, never one the window still reaches) and that each K/V
+record has exactly the shape the header's geometry implies — any failure is an
 :class:`~tierkv.errors.IntegrityError` naming the file and the field.
 """
 
@@ -27,7 +28,7 @@ import asyncio
 import io
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,8 @@ import numpy as np
 import torch
 
 from tierkv import safefs
-from tierkv.errors import IntegrityError, InvalidConfigError
+from tierkv.errors import DiskTierError, IntegrityError, InvalidConfigError, TierKVError
+from tierkv.inputs import output_problem
 from tierkv.persist import record
 from tierkv.persist.keys import KEY_BYTES, Namespace
 from tierkv.store import KVStore
@@ -114,12 +116,14 @@ def _layer_dict(layer: LayerState) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- files
 def save(path: str | os.PathLike, chunks: Iterable[tuple[bytes, memoryview]]) -> None:
     """Write the records ``chunks`` to ``path`` atomically (see the module's docstring)."""
+    check_target(path)
     safefs.write_file(path, (part for pair in chunks for part in pair))
 
 
 async def asave(path: str | os.PathLike, chunks: Iterable[tuple[bytes, memoryview]]) -> None:
     """:func:`save` for asyncio: the records are produced on the loop's thread (they read the tiers); the
     writes, the fsyncs and the rename run on worker threads, so the event loop never waits for the disk."""
+    check_target(path)
     target = Path(path)
     directory = await asyncio.to_thread(os.open, target.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -140,10 +144,28 @@ async def asave(path: str | os.PathLike, chunks: Iterable[tuple[bytes, memoryvie
         os.close(directory)
 
 
+def check_target(path: str | os.PathLike) -> None:
+    """DiskTierError naming ``path`` and the fix if no file can be saved there (a directory is there, its folder
+    is missing): said before any K/V is copied, never as a bare OSError about a temporary name."""
+    problem = output_problem(path)
+    if problem is not None:
+        code, why = problem
+        raise DiskTierError(code, f"cannot save the conversation to {os.fspath(path)!r}: it {why}; give a file path "
+                                  "in an existing directory, e.g. save('chats/chat.tkv', model=model) after "
+                                  "os.makedirs('chats', exist_ok=True).")
+
+
 def open_fd(path: str | os.PathLike) -> int:
     """A read-only descriptor of the conversation file ``path`` (a link the user made is followed); refused
-    (IntegrityError) unless it is a regular file — a FIFO or a device is never read or waited on."""
-    return safefs.open_regular(None, path, os.fspath(path), follow=True)
+    (IntegrityError) unless it is a regular file — a FIFO or a device is never read or waited on. A path that
+    cannot be opened (missing, no permission) is a DiskTierError naming it."""
+    try:
+        return safefs.open_regular(None, path, os.fspath(path), follow=True)
+    except OSError as exc:
+        if isinstance(exc, TierKVError):
+            raise
+        raise DiskTierError(exc.errno, f"cannot load the conversation file {os.fspath(path)!r}: {exc.strerror}; "
+                                       "give the path of a file written by cache.save(path, model=model).") from None
 
 
 def open_file(path: str | os.PathLike) -> io.BufferedReader:
@@ -186,7 +208,10 @@ def _namespace(value: Any, what: str, block_tokens: int, layers: int) -> dict[st
     return dict(value)
 
 
-def _layers(value: Any, what: str) -> tuple[LayerState, ...]:
+def _layers(value: Any, what: str, block_tokens: int) -> tuple[LayerState, ...]:
+    """Each layer's state, checked as the cache makes it: tokens are ``dropped`` only from a sliding layer, whole
+    blocks at a time, and never one its window still reaches (``length - (window - 1)`` tokens at most), so
+    no file makes a layer attend without tokens it needs."""
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_LAYERS:
         raise IntegrityError(f"{what}: field 'layers' is not a list of 1 to {MAX_LAYERS} layers.")
     layers = []
@@ -199,7 +224,17 @@ def _layers(value: Any, what: str) -> tuple[LayerState, ...]:
         if window is not None:
             _integer(window, what, f"{name}.sliding_window", 1, MAX_TOKENS)
         length = _integer(d["length"], what, f"{name}.length", 0, MAX_TOKENS)
-        layers.append(LayerState(i, window, _integer(d["dropped"], what, f"{name}.dropped", 0, length), length))
+        dropped = _integer(d["dropped"], what, f"{name}.dropped", 0, length)
+        if window is None and dropped:
+            raise IntegrityError(f"{what}: field '{name}.dropped' is {dropped}, but the layer has no sliding window: "
+                                 "a full-attention layer never drops a token.")
+        if window is not None and dropped > max(0, length - (window - 1)):
+            raise IntegrityError(f"{what}: field '{name}.dropped' is {dropped}, but a window of {window} over "
+                                 f"{length} tokens still reaches token {max(0, length - (window - 1))}.")
+        if dropped % block_tokens:
+            raise IntegrityError(f"{what}: field '{name}.dropped' is {dropped}, not a whole number of blocks of "
+                                 f"{block_tokens} tokens.")
+        layers.append(LayerState(i, window, dropped, length))
     return tuple(layers)
 
 
@@ -218,7 +253,7 @@ def parse_header(header: dict[str, Any], payload: bytearray, what: str) -> Heade
     _text(fingerprint, what, "fingerprint", FINGERPRINT.pattern)
     block_tokens = _integer(header["block_tokens"], what, "block_tokens", 1, MAX_BLOCK_TOKENS)
     batch = _integer(header["batch"], what, "batch", 1, MAX_BATCH)
-    layers = _layers(header["layers"], what)
+    layers = _layers(header["layers"], what, block_tokens)
     namespace = _namespace(header["namespace"], what, block_tokens, len(layers))
     shape = header["ids_shape"]
     ids = None
@@ -242,10 +277,12 @@ class Reader:
     of a K/V record, or None at the end record (after which the file must end). A K/V record must continue
     its layer where the last one stopped, stay within the layer's length, and have exactly the shape
     ``[batch, n, 2, H_kv, block_tokens, head_dim]`` of the header (and its namespace, if any), in one dtype
-    per layer."""
+    per layer. ``geometry``: each layer's ``(H_kv, head_dim)`` in the loading model's config, which every
+    record must also have."""
 
-    def __init__(self, header: Header, what: str) -> None:
+    def __init__(self, header: Header, what: str, geometry: Sequence[tuple[int, int]] | None = None) -> None:
         self.header, self.what = header, what
+        self.heads_dims = geometry  # per layer (H_kv, D) of the model that loads the file, if known
         self.count = 1
         bt = header.block_tokens
         self.next_block = {layer.index: layer.dropped // bt for layer in header.layers}
@@ -290,6 +327,10 @@ class Reader:
         if geometry != (dtype, heads, dim) or (self.expected is not None and geometry != self.expected):
             raise IntegrityError(f"{what}: {name} of layer {layer} holds {dtype} K/V of {heads} heads of {dim}; the "
                                  f"file says {self.expected or geometry}.")
+        if self.heads_dims is not None and self.heads_dims[layer] != (heads, dim):
+            model_heads, model_dim = self.heads_dims[layer]
+            raise IntegrityError(f"{what}: {name} of layer {layer} holds K/V of {heads} heads of {dim}; the model's "
+                                 f"config has {model_heads} heads of {model_dim} in that layer.")
         blocks = record.tensor_from(payload, dtype, shape, what)
         self.next_block[layer] = first + count
         return layer, first, blocks

@@ -7,7 +7,10 @@ reader sees the old listing or the new one, never a torn one, even after a SIGKI
 
 The listing is input like any file on a shared disk: every key must be a block key (lowercase hex of
 :data:`~tierkv.persist.keys.KEY_BYTES` bytes — it becomes a file name) and every number an integer in range,
-or the whole manifest is refused (:class:`~tierkv.errors.IntegrityError`) and the store starts empty.
+or the whole manifest is refused (:class:`~tierkv.errors.IntegrityError`) and the store starts empty. So
+the writer lists nothing the reader would refuse: a new entry is checked by the same rule (:func:`entry`)
+before it is listed, and a listing holds at most :data:`MAX_ENTRIES` blocks, which bounds the file (and so
+each read of it) by :data:`MAX_BYTES`.
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ from tierkv.persist.keys import KEY_BYTES
 
 FORMAT = 1
 NAME = "manifest"
-MAX_BYTES = 1 << 30  # about 10 million listed blocks; a larger file is not a manifest tierkv wrote
+MAX_ENTRIES = 1 << 20  # listed blocks: the store evicts beyond it (each costs a few hundred bytes once parsed)
+ENTRY_BYTES = 96  # the longest entry written: '"<32 hex>":[<13 digits>,<19 digits>,<19 digits>],' is 91 bytes
+MAX_BYTES = MAX_ENTRIES * ENTRY_BYTES + (64 << 10)  # about 96 MiB; a larger file is not a manifest tierkv wrote
 MAX_RECORD_BYTES = 1 << 40  # a listed record's size: larger is a corrupt or crafted listing
+MAX_COUNT = 1 << 62  # a clock tick or a depth
 KEY = re.compile(rf"^[0-9a-f]{{{2 * KEY_BYTES}}}$")
 
 
@@ -85,20 +91,28 @@ def load_at(directory: int, what: str) -> Manifest:
     if not isinstance(listing, dict) or not isinstance(listing.get("blocks"), dict):
         raise IntegrityError(f"{what}: field 'blocks' is not an object.")
     clock = _count(listing.get("clock"), what, "clock")
-    entries = {}
-    for key, values in listing["blocks"].items():
-        if not KEY.match(key):
-            raise IntegrityError(f"{what}: field 'blocks' lists {key[:80]!r}, not a block key ({2 * KEY_BYTES} "
-                                 "lowercase hex digits).")
-        if not isinstance(values, list) or len(values) != 3:
-            raise IntegrityError(f"{what}: field 'blocks.{key}' is not [nbytes, last_used, depth].")
-        nbytes = _count(values[0], what, f"blocks.{key}.nbytes", record.PREFIX_BYTES, MAX_RECORD_BYTES)
-        entries[key] = Entry(nbytes, _count(values[1], what, f"blocks.{key}.last_used", 0, clock),
-                             _count(values[2], what, f"blocks.{key}.depth"))
+    if len(listing["blocks"]) > MAX_ENTRIES:
+        raise IntegrityError(f"{what}: lists {len(listing['blocks'])} blocks, more than the {MAX_ENTRIES} tierkv "
+                             "keeps.")
+    entries = {key: entry(key, values, clock, what) for key, values in listing["blocks"].items()}
     return Manifest(entries, clock)
 
 
-def _count(value: object, what: str, name: str, low: int = 0, high: int = 1 << 62) -> int:
+def entry(key: str, values: object, clock: int, what: str) -> Entry:
+    """The listed block ``key`` of ``values`` ``[nbytes, last_used, depth]``; IntegrityError unless ``key`` is a
+    block key and each number an integer in range (``last_used`` up to ``clock``). The one rule of the reader
+    and of the writer (:meth:`tierkv.persist.blockfile.PersistentStore.put`)."""
+    if not isinstance(key, str) or not KEY.match(key):
+        raise IntegrityError(f"{what}: field 'blocks' lists {str(key)[:80]!r}, not a block key ({2 * KEY_BYTES} "
+                             "lowercase hex digits).")
+    if not isinstance(values, list) or len(values) != 3:
+        raise IntegrityError(f"{what}: field 'blocks.{key}' is not [nbytes, last_used, depth].")
+    return Entry(_count(values[0], what, f"blocks.{key}.nbytes", record.PREFIX_BYTES, MAX_RECORD_BYTES),
+                 _count(values[1], what, f"blocks.{key}.last_used", 0, clock),
+                 _count(values[2], what, f"blocks.{key}.depth"))
+
+
+def _count(value: object, what: str, name: str, low: int = 0, high: int = MAX_COUNT) -> int:
     if type(value) is not int or not low <= value <= high:
         raise IntegrityError(f"{what}: field {name!r} is {str(value)[:40]!r}, not an integer in [{low}, {high}].")
     return value

@@ -53,8 +53,10 @@ class BlockStore(Protocol):
         """How many of ``keys`` (a chain) are stored, counted from the first."""
         ...
 
-    def get(self, keys: Sequence[str]) -> list[bytearray]:
-        """The records of the leading ``keys`` that could be read (stops at the first miss)."""
+    def get(self, keys: Sequence[str], namespace: Namespace | None = None) -> list[bytearray]:
+        """The records of the leading ``keys`` that could be read (stops at the first miss). With ``namespace``
+        (``keys``: a chain from its first block) only block records of it at their depth, read no further than
+        such a record's size; one that is not is removed from the store and is a miss."""
         ...
 
     def put(self, items: Sequence[Item], touch: Sequence[str] = ()) -> int:
@@ -125,11 +127,12 @@ class PrefixPersistence:
         blocks = min(self.store.lookup(keys[:limit]) for keys in self._keys)
         rows: list[list[torch.Tensor]] = []
         for keys in self._keys:
-            found = self.store.get(keys[:blocks])
+            found = self.store.get(keys[:blocks], namespace)
             decoded = []
-            for key, data in zip(keys, found):
+            for depth, (key, data) in enumerate(zip(keys, found)):
                 try:
-                    decoded.append(record.decode_block(data, key=key, namespace=namespace, what=f"block {key}"))
+                    decoded.append(record.decode_block(data, key=key, namespace=namespace, what=f"block {key}",
+                                                       depth=depth))
                 except IntegrityError as error:  # listed under the right key, not this namespace's shape: a miss
                     log.warning("tierkv: persistent block %s not used: %s", key, error)
                     break

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 import struct
@@ -52,6 +53,7 @@ VERSION = 1
 _PREFIX = struct.Struct("<4sHHIQQ")
 PREFIX_BYTES = _PREFIX.size  # 28
 MAX_HEADER_BYTES = 1 << 20  # a header is a few hundred bytes; a larger length is a corrupt prefix
+BLOCK_HEADER_BYTES = 4096  # room for a block record's JSON header (about 250 bytes) in the largest one read
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # a dtype's name in torch
 
 
@@ -169,20 +171,26 @@ def tensor_from(payload: bytearray | memoryview, dtype_name: Any, shape: Any, wh
     dtype, ``shape`` is a list of sizes, and their bytes are exactly the payload's (both come from files)."""
     import torch
 
+    dtype = _layout(len(payload), dtype_name, shape, what)
+    if math.prod(shape) == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return torch.frombuffer(payload, dtype=dtype).view(*shape)
+
+
+def _layout(size: int, dtype_name: Any, shape: Any, what: str) -> torch.dtype:
+    """The dtype ``dtype_name`` names; IntegrityError unless it is a torch dtype, ``shape`` a list of sizes,
+    and ``size`` bytes exactly hold ``shape`` of it."""
+    import torch
+
     dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) and _NAME.match(dtype_name) else None
     if not isinstance(dtype, torch.dtype):
         raise IntegrityError(f"{what}: field 'dtype' is {str(dtype_name)[:40]!r}, not a torch dtype.")
     if not isinstance(shape, (list, tuple)) or not 0 < len(shape) <= 8 or \
             any(type(size) is not int or size < 0 for size in shape):
         raise IntegrityError(f"{what}: field 'shape' is {str(shape)[:80]!r}, not a list of sizes.")
-    count = 1
-    for size in shape:
-        count *= size
-    if count * dtype.itemsize != len(payload):
-        raise IntegrityError(f"{what}: {len(payload)} payload bytes do not hold {list(shape)} of {dtype_name}.")
-    if count == 0:
-        return torch.empty(tuple(shape), dtype=dtype)
-    return torch.frombuffer(payload, dtype=dtype).view(*shape)
+    if math.prod(shape) * dtype.itemsize != size:
+        raise IntegrityError(f"{what}: {size} payload bytes do not hold {list(shape)} of {dtype_name}.")
+    return dtype
 
 
 def encode_block(key: str, namespace: str, depth: int, kv: torch.Tensor) -> tuple[bytes, memoryview]:
@@ -193,19 +201,39 @@ def encode_block(key: str, namespace: str, depth: int, kv: torch.Tensor) -> tupl
     return encode(header, tensor_bytes(kv))
 
 
+def max_block_bytes(namespace: Namespace) -> int:
+    """The most bytes a block record of ``namespace`` can have: reads of one are bounded by it, so a listed or
+    served size beyond it is refused before anything is allocated."""
+    import torch
+
+    payload = math.prod(namespace.block_shape) * getattr(torch, namespace.dtype).itemsize
+    return PREFIX_BYTES + BLOCK_HEADER_BYTES + payload
+
+
 def decode_block(buffer: bytes | bytearray | memoryview, key: str | None = None,
-                 namespace: Namespace | None = None, what: str = "block") -> torch.Tensor:
+                 namespace: Namespace | None = None, what: str = "block", depth: int | None = None) -> torch.Tensor:
     """The ``[layers, 2, H_kv, block_tokens, D]`` tensor of a block record (a view of ``buffer``, which should
-    be writable — a ``bytearray`` — for the tensor to be). Checks the checksum, that it is a block, and,
-    if given, its key and that its namespace root, dtype and shape are ``namespace``'s."""
+    be writable — a ``bytearray`` — for the tensor to be). Checks the checksum, then :func:`check_block`."""
     header, payload = decode(buffer, what)
+    check_block(header, len(payload), key, namespace, what, depth)
+    return tensor_from(payload, header.get("dtype"), header.get("shape"), what)
+
+
+def check_block(header: dict[str, Any], size: int, key: str | None = None, namespace: Namespace | None = None,
+                what: str = "block", depth: int | None = None) -> None:
+    """IntegrityError unless a record's ``header`` (with ``size`` payload bytes) is a block whose dtype and shape
+    fill the payload and, if given, whose key, depth in its chain, namespace root, dtype and shape are these."""
     if header.get("kind") != "block":
-        raise IntegrityError(f"{what}: a {header.get('kind')!r} record, not a block.")
+        raise IntegrityError(f"{what}: a {str(header.get('kind'))[:40]!r} record, not a block.")
     if key is not None and header.get("key") != key:
-        raise IntegrityError(f"{what}: holds block {header.get('key')}, not {key}.")
+        raise IntegrityError(f"{what}: holds block {str(header.get('key'))[:80]}, not {key}.")
+    if depth is not None and (type(header.get("depth")) is not int or header["depth"] != depth):
+        raise IntegrityError(f"{what}: field 'depth' is {str(header.get('depth'))[:40]!r}, not its place in the "
+                             f"chain ({depth}).")
     if namespace is not None:
         expected = (namespace.root, namespace.dtype, list(namespace.block_shape))
         found = (header.get("namespace"), header.get("dtype"), header.get("shape"))
         if found != expected:
-            raise IntegrityError(f"{what}: namespace/dtype/shape {found} differ from the expected {expected}.")
-    return tensor_from(payload, header.get("dtype"), header.get("shape"), what)
+            raise IntegrityError(f"{what}: namespace/dtype/shape {str(found)[:200]} differ from the expected "
+                                 f"{expected}.")
+    _layout(size, header.get("dtype"), header.get("shape"), what)

@@ -6,19 +6,22 @@ only for the rest of a chain::
 
     lookup(keys)  local prefix L, then the remote's from L on (one EXISTS pipeline)     -> L + R
     get(keys)     the local records, then the remote's (batched reads of at most one record's size,
-                  verified twice: the remote frame's checksum, then the record's own checksum, key and
-                  namespace root)
+                  verified twice: the remote frame's checksum, then the record's own checksum, key,
+                  namespace root, dtype, shape and depth in the chain)
     put(items)    every record queued for the remote (write-through; called on the persistence
                   thread, it waits for room while the server keeps up), then the local store
 
-A remote value whose frame is intact but whose record is not this key's (another block's record, a torn
-record framed anew, another namespace's) is a miss there, counted as ``corrupt`` and deleted from the
-server, so the block this worker computes next is written in its place and later workers load past it.
+A remote value whose frame is intact but whose record is not this key's block of the bound namespace
+(another block's record, a torn record framed anew, another namespace's, another shape, dtype or depth) is
+a miss there, counted as ``corrupt`` and deleted from the server, so the block this worker computes next is
+written in its place and later workers load past it. A local record that fails the same checks is removed
+from the local store (:meth:`PersistentStore.get` with the namespace).
 
-Records read from the remote are also written to the local store in the background (bounded, dropped
-when full), so the next process on this machine finds them on its own disk; records the local store holds
-but the remote lacks are queued for the remote when they are read, so a block persisted while the server
-was down reaches it later.
+Records read from the remote — only those that passed every check — are also written to the local store in
+the background (bounded, dropped when full; each checked again, header field by field, before it is listed),
+so the next process on this machine finds them on its own disk; records the local store holds but the remote
+lacks are queued for the remote when they are read, so a block persisted while the server was down reaches
+it later.
 
 Remote keys are namespaced by the chain's root (a hash of the model fingerprint and layout,
 :class:`tierkv.persist.keys.Namespace`): ``tierkv:<root>:<key>``. A record's own header names its root,
@@ -32,15 +35,12 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from tierkv import settings
-from tierkv.errors import TierKVError
-from tierkv.persist import record
+from tierkv.errors import IntegrityError, TierKVError
+from tierkv.persist import manifest, record
 from tierkv.persist.blockfile import Item, PersistentStore
 from tierkv.persist.keys import Namespace
 from tierkv.remote.framing import HEADER
@@ -49,7 +49,6 @@ from tierkv.remote.url import RemoteURL, parse_remote_url
 from tierkv.remote.writer import WriteBehind
 
 log = logging.getLogger("tierkv.remote")
-HEADER_SLACK = 4096  # room for a block record's JSON header (about 250 bytes) in the largest value read
 
 
 class ChainedBlockStore:
@@ -63,7 +62,7 @@ class ChainedBlockStore:
         self.options = options
         self._remotes: dict[str, RemoteBlockStore] = {}
         self._root: str | None = None
-        self._max_value: int | None = None  # the largest remote value of the bound namespace's blocks
+        self._namespaces: dict[str, Namespace] = {}  # bound so far, by root: what a record saved locally must fit
         self._local_missing_remotely: set[str] = set()  # read from local, absent remotely: pushed on get()
         self.counts = {"local_blocks": 0, "remote_blocks": 0, "pushed_from_local": 0, "saved_locally": 0}
         self._saver = WriteBehind(functools.partial(self._save_locally, local), on_drop=lambda size, reason: None,
@@ -79,8 +78,7 @@ class ChainedBlockStore:
         """Lookups and reads from now on are in ``namespace`` (its root names the model's blocks on the server),
         and a remote value is read only up to the size of one of its block records."""
         self._root = namespace.root
-        payload = math.prod(namespace.block_shape) * getattr(torch, namespace.dtype).itemsize
-        self._max_value = HEADER.size + record.PREFIX_BYTES + HEADER_SLACK + payload
+        self._namespaces[namespace.root] = namespace
         self.remote(self._root)
 
     # ---------------------------------------------------------------------------------------- reading
@@ -96,12 +94,17 @@ class ChainedBlockStore:
         self._local_missing_remotely = {key for key, there in zip(keys[:local], held) if not there}
         return local + _leading(held[local:])
 
-    def get(self, keys: Sequence[str]) -> list[bytearray]:
-        found = self.local.get(keys) if self.local is not None else []
+    def get(self, keys: Sequence[str], namespace: Namespace | None = None) -> list[bytearray]:
+        """The records of the leading ``keys`` (a chain from its first block): local, then remote. Each is
+        checked as a block of ``namespace`` (default: the bound one) at its depth before it is returned, pushed
+        or saved; a local one that fails is removed, a remote one discarded (counted corrupt, deleted). With no
+        namespace at all, only local records (checked byte by byte) are returned."""
+        namespace = namespace or (self._namespaces[self._root] if self._root is not None else None)
+        found = self.local.get(keys, namespace) if self.local is not None else []
         self.counts["local_blocks"] += len(found)
-        if self._root is None:
+        if namespace is None:
             return found
-        remote = self.remote(self._root)
+        remote = self.remote(namespace.root)
         for key, data in zip(keys, found):
             if key in self._local_missing_remotely:
                 remote.put(key, bytes(data))
@@ -109,10 +112,12 @@ class ChainedBlockStore:
         self._local_missing_remotely.clear()
         if len(found) == len(keys):
             return found
-        for key, payload in zip(keys[len(found):], remote.get_many(keys[len(found):], self._max_value)):
+        limit = HEADER.size + record.max_block_bytes(namespace)  # a longer value is read that far, then refused
+        for depth, (key, payload) in enumerate(zip(keys[len(found):], remote.get_many(keys[len(found):], limit)),
+                                               start=len(found)):
             if payload is None:
                 break
-            why = _wrong_record(payload, key, self._root)
+            why = _wrong_record(payload, key, namespace, depth)
             if why:
                 remote.discard(key, why)
                 break
@@ -134,12 +139,26 @@ class ChainedBlockStore:
         return self.local.put(items, touch) if self.local is not None else len(items)
 
     def _save_locally(self, local: PersistentStore, batch: list[tuple[str, Any]]) -> None:
-        """Writer thread: records the remote gave us, into the ``local`` store (verified again before)."""
+        """Writer thread: records the remote gave us, into the ``local`` store. Each is checked again, every
+        header field (kind, key, a namespace bound here, its dtype and shape, a depth the manifest can list),
+        so nothing the local manifest's readers would refuse is listed; one that fails is not saved."""
+        items = []
+        for key, data in batch:
+            what = f"block {key}"
+            try:
+                header, payload = record.decode(data, what=what)
+                depth = header.get("depth")
+                namespace = self._namespaces.get(str(header.get("namespace")))
+                if namespace is None or type(depth) is not int:
+                    raise IntegrityError(f"{what}: namespace {str(header.get('namespace'))[:40]!r} or depth "
+                                         f"{str(depth)[:40]!r} is not one this store read.")
+                record.check_block(header, len(payload), key, namespace, what, depth)
+                manifest.entry(key, [len(data), 0, depth], 0, what)
+            except IntegrityError as error:
+                self._save_failed(error)
+                continue
+            items.append(Item(key, depth, bytes(data[: len(data) - len(payload)]), payload))
         try:
-            items = []
-            for key, data in batch:
-                header, payload = record.decode(data, what=f"block {key}")
-                items.append(Item(key, int(header["depth"]), bytes(data[: len(data) - len(payload)]), payload))
             self.counts["saved_locally"] += local.put(items)
         except TierKVError as error:
             self._save_failed(error)
@@ -175,17 +194,22 @@ class ChainedBlockStore:
             self.local.close()
 
 
-def _wrong_record(value: memoryview, key: str, root: str) -> str:
-    """Why ``value`` (a remote payload whose frame checked out) is not the record of block ``key`` in namespace
-    ``root``; "" when it is."""
+def _wrong_record(value: memoryview, key: str, namespace: Namespace, depth: int) -> str:
+    """Why ``value`` (a remote payload whose frame checked out) is not the record of block ``key``, at ``depth``
+    in its chain, of ``namespace`` (its dtype and shape too); "" when it is."""
+    what = f"block {key}"
     try:
-        header, _ = record.decode(value, what=f"block {key}")
+        header, payload = record.decode(value, what=what)
     except TierKVError as error:
         return f"holds no valid record ({error})"
     found = tuple(header.get(field) for field in ("kind", "key", "namespace"))
-    if found != ("block", key, root):
+    if found != ("block", key, namespace.root):
         shown = ", ".join(repr(text)[:80] for text in found)  # the server's text: quoted and cut short
         return f"passed its frame's checksum but holds the record of another block ({shown})"
+    try:
+        record.check_block(header, len(payload), key, namespace, what, depth)
+    except IntegrityError as error:
+        return f"passed its frame's checksum but its record does not fit this model's blocks ({error})"
     return ""
 
 

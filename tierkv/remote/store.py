@@ -14,8 +14,9 @@ Keys are the caller's content hashes (hex strings: :func:`tierkv.persist.keys.bl
 ``tierkv:<namespace>:<key>``: the namespace (model
 fingerprint and layout) keeps models apart and lets an operator find or drop one model's blocks with
 ``SCAN MATCH tierkv:<namespace>:*``. Values carry a checksum over key and payload
-(:mod:`tierkv.remote.framing`), verified on every read; a value that fails is a miss and is deleted so a
-later write-through replaces it.
+(:mod:`tierkv.remote.framing`), verified on every read; a value that fails, or a key that holds another Redis
+type (a list, a hash: the server answers WRONGTYPE), is a miss, counted as corrupt and deleted so a later
+write-through replaces it.
 
 Reads are batched: ``keys_per_request`` GETs per pipeline (one round-trip), ``inflight`` pipelines at once
 on a small thread pool, each on its own pooled connection. Writes go through :class:`WriteBehind` (bounded;
@@ -47,6 +48,11 @@ from tierkv.remote.writer import DEFAULT_QUEUE_ITEMS, Item, WriteBehind
 KEY_PREFIX = "tierkv"
 LOOKUP_KEYS = 512  # EXISTS per lookup pipeline
 _NAMESPACE = re.compile(r"[A-Za-z0-9._+-]{1,200}")
+
+
+def _wrong_type(value: object) -> bool:
+    """Whether a per-command result is the server's WRONGTYPE error: that key holds another type of value."""
+    return isinstance(value, Exception) and str(value).startswith("WRONGTYPE")
 
 
 class _Wire:
@@ -92,11 +98,13 @@ class _Wire:
                     pipe.getrange(self.name(key), 0, max_bytes)
                 return [value or None for value in pipe.execute(raise_on_error=False)]  # b"": no such key
         values = self.conn.run(op, fallback=[None] * len(keys))
-        self.conn.refused(values)
+        self.conn.refused([value for value in values if not _wrong_type(value)])
         payloads: list[memoryview | None] = []
         for key, value in zip(keys, values):
             payload = unframe(key.encode(), value) if isinstance(value, bytes) else None
-            if isinstance(value, bytes) and payload is None:
+            if _wrong_type(value):  # a list, hash ... at a block's name: only deleting it lets the block be written
+                self.discard(key, "is a Redis value of another type (WRONGTYPE), not a block")
+            elif isinstance(value, bytes) and payload is None:
                 self.discard(key, f"failed its checksum ({len(value)} bytes)")
             elif payload is not None:
                 self.conn.count("bytes_read", len(value))

@@ -4,9 +4,11 @@ The file grows in extents reserved with ``posix_fallocate`` (so a full filesyste
 with ENOSPC — never halfway through a block write) up to the tier's budget: from :data:`FIRST_EXTENT_BYTES`,
 doubling up to ``extent_bytes`` at a time, so a small KV takes a small file.
 
-**Trust.** The files are created ``O_EXCL`` under random names at mode 0600 in the directory's descriptor,
-opened once by the engine (``O_NOFOLLOW``) and never reopened by name: the hot path adds no system call. A
-``disk_dir`` that others can write without the sticky bit is refused (:mod:`tierkv.safefs`).
+**Trust.** The files are created ``O_EXCL`` under random names at mode 0600 in the directory's descriptor and
+opened once by the engine from the descriptor they were created through (``/proc/self/fd``, checked to be the same
+file), never by name: a file another user renames into place is never opened, and the hot path adds no system
+call. A ``disk_dir`` in which another user could rename the files (theirs, or one their group or everyone can
+write without the sticky bit) is refused (:mod:`tierkv.safefs`).
 
 **Integrity.** Every block written carries an xxh3-64 checksum of its slot's bytes, kept in memory beside
 the slot (one ``uint64`` per slot); every read verifies each block after it landed in the bounce buffer and
@@ -177,11 +179,11 @@ class DiskSlotFile(SlotPool):
 
     def __init__(self, directory: int, where: Path, prefix: str, slot_bytes: int, engine: str | None) -> None:
         """A new file (``O_EXCL``, mode 0600) in the directory ``directory`` (a descriptor; ``where`` names it),
-        kept open (``fd``, for growth) beside the engine's descriptor (opened once, ``O_NOFOLLOW``)."""
+        kept open (``fd``, for growth) beside the engine's descriptor, opened once from ``fd`` (never by name)."""
         super().__init__()
         self.slot_bytes = slot_bytes
         self.fd, name = safefs.create_file(directory, f"{prefix}-", f"-{slot_bytes}.kv", shared=False)
-        self.path = where / name
+        self.path = safefs.CreatedPath.of(where / name, self.fd)
         try:
             self.file: DiskFile = open_disk_file(self.path, engine=engine)
         except BaseException:
