@@ -65,7 +65,7 @@ def test_bench_dir_that_is_a_file_is_one_line(tmp_path: Path, capsys, below: str
     a_file.write_text("root\n")
     assert main(["bench", "--quick", "--dir", str(a_file / below)]) == 2
     err = capsys.readouterr().err
-    assert "not a directory" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "--dir" in err and "is a file" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     with pytest.raises(InvalidConfigError, match="is a file, not a directory"):
         BenchConfig(a_file)
 
@@ -210,3 +210,57 @@ def test_bench_prints_and_saves_the_host_attention_rate(tmp_path: Path, capsys, 
     assert "1.00 MiB 10.49" in words
     assert LinkProfile.load(tmp_path / "p.json").host_attention == HostAttention(21e9, 7e9, 8, "native")
     assert json.loads(path.read_text())["profile"]["host_attention"]["bandwidth_bytes_per_s"] == 21e9
+
+
+# ------------------------------------------------------------------------------------------ newcomer sweep
+UNWRITABLE = "/proc/self"  # a folder no one, root included, can create files or folders in
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    """A bench that starts measuring fails the test: these errors must come before it."""
+    monkeypatch.setattr("tierkv.commands.bench.run_bench", lambda *a, **k: pytest.fail("measuring started"))
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["--min-size", "8MiB", "--max-size", "4MiB"], ["--min-size (8.00 MiB) is larger than --max-size (4.00 MiB)"]),
+    (["--min-size", "8MiB"], ["--max-size (4.00 MiB, the default with --quick)", "raise --max-size"]),
+    (["--min-size", "1KiB"], ["--min-size 1KiB is 1.00 KiB; give a multiple of 4KiB"]),
+    (["--max-size", "0"], ["--max-size 0 is 0 B; give at least 4KiB"]),
+    (["--disk-size", "0"], ["--disk-size 0 is 0 B; give a multiple of 4KiB"]),
+    (["--disk-size", "1KiB"], ["--disk-size 1KiB is 1.00 KiB"]),
+    (["--disk-size", "8MiB", "--min-size", "16MiB", "--max-size", "16MiB"],
+     ["--min-size (16.00 MiB) is larger than --disk-size (8.00 MiB)", "raise --disk-size"]),
+    (["--block-size", "0"], ["--block-size 0 is 0 B; give a multiple of 4KiB"]),
+    (["--block-size", "64MiB"], ["--block-size (64.00 MiB) is larger than --disk-size (32.00 MiB, the default"]),
+    (["--dir", UNWRITABLE + "/disk"], ["--dir", "is not writable"]),
+    (["--profile-out", UNWRITABLE + "/p.json"], ["--profile-out", "is not writable"]),
+    (["--plot-out", UNWRITABLE + "/p.png"], ["--plot-out", "is not writable"]),
+])  # fmt: skip
+def test_bench_bad_sizes_and_paths_are_refused_before_measuring(argv, needles, tmp_path, capsys, no_measuring):
+    """Sweep 1, 5: sizes the bench cannot use (they ended in a ValueError or ZeroDivisionError traceback) and
+    outputs it cannot write (found after the run) are one line, exit 2, naming the flag, before any measuring."""
+    outputs = ["--profile-out", str(tmp_path / "p.json"), "--plot-out", str(tmp_path / "p.png")]
+    assert main(["bench", "--quick", "--dir", str(tmp_path), *outputs, *argv]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("tierkv bench: error: ") and "\n" not in line and "Traceback" not in line, line
+    for needle in needles:
+        assert needle in line, line
+
+
+def test_bench_progress_is_a_line_per_phase_when_piped(tmp_path, capsys, monkeypatch):
+    """Sweep 17: piped, each phase prints a line as it starts (stderr), not nothing until the end."""
+    def phases(cfg, progress):
+        progress("host memcpy")
+        raise OSError(5, "Input/output error", str(tmp_path))
+
+    monkeypatch.setattr("tierkv.commands.bench.run_bench", phases)
+    outputs = ["--profile-out", str(tmp_path / "p.json"), "--plot-out", str(tmp_path / "p.png")]
+    assert main(["bench", "--quick", "--dir", str(tmp_path), *outputs]) == 1
+    assert "measuring host memcpy" in capsys.readouterr().err
+
+
+def test_bench_help_says_where_its_files_go(capsys):
+    assert main(["bench", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tierkv-profile.json in the current directory" in text and "tierkv-bench.png in the current" in text

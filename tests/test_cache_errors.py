@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import subprocess
+import traceback
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from tierkv import (
     TieredCache,
 )
 from tierkv.blocks import Tier
+from tierkv.units import parse_size
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +151,64 @@ def test_unsupported_layer_kinds_are_named(model):
     config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(InvalidConfigError, match="linear_attention layers"):
         TieredCache(config=config)
+
+
+# ------------------------------------------------------------- newcomer sweep 7, 8: one budget error, in its mode
+def _named_budgets(message: str) -> list[str]:
+    return re.findall(r'gpu_gb="([0-9]+B)"', message)
+
+
+def _tracebacks(error: BaseException) -> int:
+    """How many tracebacks Python prints for ``error`` (one per exception of its chain)."""
+    return "".join(traceback.format_exception(error)).count("Traceback (most recent call last)")
+
+
+def test_streaming_budget_error_names_shorter_chunks_that_fit(model):
+    """Inside ``cache.streaming(model)`` a budget too small for its chunks is refused in streaming's terms: its
+    minimum (min_streaming_device_bytes), and shorter chunks that fit (never "use cache.streaming", which is on);
+    one exception, no chain; the chunk it names runs and matches DynamicCache."""
+    ids = torch.randint(0, 128, (1, 128))
+    budget = TieredCache.min_streaming_device_bytes(model.config, block_tokens=4, chunk_tokens=32)
+    need = TieredCache.min_streaming_device_bytes(model.config, block_tokens=4, chunk_tokens=256)
+    assert budget < need
+
+    def stream(chunk_tokens: int) -> torch.Tensor:
+        with TieredCache(gpu_gb=f"{budget}B", cpu_gb="64MB", block_tokens=4, config=model.config) as cache, \
+                cache.streaming(model, chunk_tokens=chunk_tokens):
+            return model(ids, past_key_values=cache).logits
+
+    with pytest.raises(BudgetTooSmallError) as info:
+        stream(256)
+    message = str(info.value)
+    assert _tracebacks(info.value) == 1, message
+    assert "attend with cache.streaming(model)" not in message and "2 layers" in message, message
+    assert _named_budgets(message) == [f"{need}B"], message
+    chunk = re.search(r"cache\.streaming\(model, chunk_tokens=([0-9]+)\) fits this budget", message)
+    assert chunk is not None and 32 <= int(chunk.group(1)) < 256, message
+    expected = model(ids, past_key_values=DynamicCache()).logits
+    torch.testing.assert_close(stream(int(chunk.group(1))), expected, atol=1e-5, rtol=0)
+
+
+def test_gather_budget_error_gives_one_minimum_for_every_layer(model):
+    """Exact gather, ``config=`` given: one minimum (min_device_bytes'), for the model's 2 layers; no chain."""
+    ids = torch.randint(0, 128, (1, 256))
+    need = TieredCache.min_device_bytes(model.config, context=256, block_tokens=4)
+    with TieredCache(gpu_gb=f"{need // 4}B", cpu_gb="64MB", block_tokens=4, config=model.config) as cache, \
+            pytest.raises(BudgetTooSmallError) as info:
+        model(ids, past_key_values=cache)
+    message = str(info.value)
+    assert _tracebacks(info.value) == 1, message
+    takes = re.findall(r"takes ([0-9.]+[KMG]?B)", message)  # the same minimum in the size grammar, rounded up
+    assert _named_budgets(message) == [f"{need}B"] and len(takes) == 1 and parse_size(takes[0]) >= need, message
+    assert "over 2 layers at 256 tokens" in message, message
+
+
+def test_budget_error_without_config_counts_the_layers_it_has_seen(model):
+    """Without ``config=`` the cache has seen one layer when the first one fails: said so (not "1 layers"), with
+    the way to count them all."""
+    with TieredCache(gpu_gb="1KB", cpu_gb="64MB", block_tokens=4) as cache, \
+            pytest.raises(BudgetTooSmallError) as info:
+        model(torch.randint(0, 128, (1, 64)), past_key_values=cache)
+    message = str(info.value)
+    assert "1 layers" not in message and "the 1 layer seen so far" in message, message
+    assert "config=model.config" in message and len(_named_budgets(message)) == 1, message

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
@@ -242,3 +243,67 @@ def test_incomplete_checkpoint_error_says_what_is_missing(tmp_path, prompt_file,
     assert main(["demo", "--model", str(tmp_path), "--prompt-file", str(prompt_file)]) == 1
     err = capsys.readouterr().err.strip()
     assert "transformers cannot load it" in err and "serialization file" in err and "\n" not in err, err
+
+
+# ------------------------------------------------------------------------------------------ newcomer sweep
+UNWRITABLE = "/proc/self"  # a folder no one, root included, can create files or folders in
+
+
+def _one_line(err: str, command: str, *needles: str) -> None:
+    line = err.strip()
+    assert line.startswith(f"tierkv {command}: error: ") and "\n" not in line and "Traceback" not in line, err
+    for needle in needles:
+        assert needle in line, line
+
+
+def test_plan_keeps_the_deepest_prefetch_that_fits_a_disk_budget(tmp_path, capsys):
+    """Sweep 3: with ``--disk-gb`` the auto depth search met a deeper depth whose staging left too little room
+    for the KV (CapacityError) and refused a plan that fits at depth 1; it stops the search there instead."""
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "llama-3-8b", "--context", "128K", "--gpu-gb", "20", "--cpu-gb", "12"]
+    assert main([*argv, "--disk-gb", "0", "--json", str(out)]) == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["bytes_per_tier"]["disk"] == 0 and data["prefetch_depth"] >= 1
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["--context", "-4K"], ["--context='-4K' is negative"]),
+    (["--context", "128K", "--gpu-gb", "-1GB"], ["--gpu-gb='-1GB' is negative"]),
+    (["--context", "128K", "--sparse-page-tokens", "7"],
+     ["--sparse-page-tokens 7 does not divide the plans' 256-token block", "e.g. 16"]),
+])  # fmt: skip
+def test_plan_values_are_refused_in_flags(argv, needles, capsys):
+    """Sweep 13, 14: a negative value with a unit reaches the option's own check (not argparse's "expected one
+    argument"); a page that does not divide the block is named as the flag, without internal field names."""
+    argv = ["plan", "--model", "llama-3-8b", "--gpu-gb", "20", "--cpu-gb", "64", *argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    _one_line(err, "plan", *needles)
+    assert "block_tokens" not in err and "sparse_page_tokens" not in err
+
+
+@pytest.fixture
+def no_eval_load(monkeypatch):
+    """An eval that reaches the model load fails the test: these errors must come before it."""
+    monkeypatch.setattr("tierkv.demo.model.load_demo_model", lambda *a, **k: pytest.fail("the model was loaded"))
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["--device", "foo"], ["--device 'foo' is not a torch device", "give cpu, cuda or cuda:N"]),
+    (["--out", UNWRITABLE + "/results"], ["--out", "is not writable"]),
+    (["--cache", "dynamic", "--gpu-gb", "1"], ["--gpu-gb applies only with --cache tiered", "add --cache tiered"]),
+    (["--cpu-gb", "1", "--executor", "gather"], ["--cpu-gb, --executor apply only with --cache tiered"]),
+    (["--cache", "tiered", "--executor", "gather", "--chunk-tokens", "1K"],
+     ["--chunk-tokens applies only with --executor streaming"]),
+])  # fmt: skip
+def test_eval_refuses_before_loading(argv, needles, capsys, no_eval_load):
+    """Sweep 4, 5, 6: a bad device, an --out that cannot be written, an option that would be ignored: exit 2
+    before the model loads (a default eval runs for minutes, and its results were lost to --out)."""
+    assert main(["eval", *argv]) == 2
+    _one_line(capsys.readouterr().err, "eval", *needles)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+def test_eval_cuda_device_without_cuda_is_one_line(capsys, no_eval_load):
+    assert main(["eval", "--device", "cuda"]) == 2
+    _one_line(capsys.readouterr().err, "eval", "--device 'cuda'", "no CUDA GPU", "--device cpu")

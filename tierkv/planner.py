@@ -194,6 +194,10 @@ def default_device(profile: LinkProfile | None) -> str:
     return CPU if profile is not None and profile.serial_mover else "h100-sxm"
 
 
+PLAN_BLOCK_TOKENS = 256
+"""Tokens per block of every plan (TieredCache's default block): the unit of staging and of sparse pages."""
+
+
 @dataclass(frozen=True, slots=True)
 class PlanRequest:
     """Everything a plan depends on; a what-if is this with one field replaced.
@@ -220,7 +224,7 @@ class PlanRequest:
     sparse_tokens: int = 2048  # attended tokens per row and layer in sparse mode (sinks and recent included)
     sparse_rest_bits: int = 0  # sparse: the blocks not read attended from a copy of this many bits on the device
     sparse_page_tokens: int | None = None  # sparse: tokens per selected page (None: the library's default page)
-    block_tokens: int = 256  # staging is whole blocks (TieredCache's default block)
+    block_tokens: int = PLAN_BLOCK_TOKENS  # staging is whole blocks (TieredCache's default block)
     host_cores: int | None = None  # split, GPU-host presets: the host's cores (host_attention_rate)
     host_dram_bytes_per_s: float | None = None  # ... and its DRAM read bandwidth
 
@@ -686,7 +690,8 @@ def plan(req: PlanRequest, *, tolerance: float = 0.01) -> Plan:
 
     With ``req.prefetch_depth`` None the planner weighs depth against device memory: each level of depth
     adds a layer of staging, which pushes KV off the device. It tries every depth from 1 that fits the
-    budget and keeps the shallowest one within ``tolerance`` of the fastest.
+    budgets (the device's staging, and the KV in the tiers beside it) and keeps the shallowest one within
+    ``tolerance`` of the fastest.
     Raises :class:`BudgetTooSmallError` when even one layer-ahead staging does not fit the device budget,
     :class:`CapacityError` when the KV does not fit all tiers together.
     """
@@ -700,7 +705,7 @@ def plan(req: PlanRequest, *, tolerance: float = 0.01) -> Plan:
     for depth in range(2, req.model.layers + 1):
         try:
             plans.append(_plan_at_depth(req, depth))
-        except BudgetTooSmallError:
+        except (BudgetTooSmallError, CapacityError):  # a deeper depth's staging leaves less room: stop there
             break
     best = min(p.forecast.step_s for p in plans)
     return next(p for p in plans if p.forecast.step_s <= best * (1.0 + tolerance))

@@ -220,8 +220,9 @@ class ExactGather(PipelinedExecutor):
                 raise
             self.staging.allocate(1, per_buffer)  # no prefetch rather than no decoding
             if not self.prefetch_disabled_logged:
-                log.warning("tierkv: the device budget cannot hold prefetch buffers for %d tokens; "
-                            "prefetch is off until gpu_gb is raised", tokens)
+                log.warning("tierkv: the device budget cannot hold prefetch buffers for %d tokens; prefetch is off "
+                            "until gpu_gb is raised by about %.1f MB (%d bytes, the prefetch buffers)", tokens,
+                            self.prefetch_depth * per_buffer / 1e6, self.prefetch_depth * per_buffer)
                 self.prefetch_disabled_logged = True
         self.capacity, self.batch, self.token_bytes = capacity, batch, token_bytes
 

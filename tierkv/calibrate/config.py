@@ -31,11 +31,13 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if not (ALIGN <= self.min_size <= self.max_size):
-            raise ValueError(f"need {ALIGN} <= min_size <= max_size, got {self.min_size}, {self.max_size}.")
+            raise InvalidConfigError(f"need {ALIGN} <= min_size <= max_size, got {self.min_size}, {self.max_size}.")
         if self.disk_bytes < self.min_size or self.disk_bytes % ALIGN:
-            raise ValueError(f"disk size {self.disk_bytes} must be a multiple of {ALIGN} and >= min_size.")
+            raise InvalidConfigError(f"disk size {self.disk_bytes} must be a multiple of {ALIGN} and >= min_size.")
+        if self.block_bytes < ALIGN:  # the disk series read whole sectors of it
+            raise InvalidConfigError(f"block_bytes={self.block_bytes} must be at least {ALIGN}.")
         if self.repeats < 1 or self.warmup < 0:
-            raise ValueError("repeats must be >= 1 and warmup >= 0.")
+            raise InvalidConfigError("repeats must be >= 1 and warmup >= 0.")
         existing = next((p for p in (self.directory, *self.directory.parents) if p.exists()), None)
         if existing is not None and not existing.is_dir():  # said here, not as a FileExistsError from mkdir
             where = "is a file" if existing == self.directory else f"is inside {str(existing)!r}, a file"

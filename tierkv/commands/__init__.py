@@ -168,22 +168,46 @@ def model_or_folder(option: str) -> Callable[[str], str | Path]:
     return parse
 
 
+def writable_file(option: str, example: str, or_else: str = "") -> Callable[[str], Path]:
+    """Type of an option naming a file to write (``example``: a file name to suggest): its folder must exist and
+    be writable, checked while parsing so a long run never ends in a file it cannot write; ``or_else`` ends the
+    unwritable message with another way out (``--json``: "or - for stdout")."""
+
+    def parse(text: str) -> Path:
+        path = Path(text).expanduser()
+        if path.is_dir():
+            raise InvalidConfigError(f"{option} {text!r} is a directory; give a file name such as {example}.")
+        folder = path.parent
+        if not folder.is_dir():
+            raise InvalidConfigError(f"{option} {text!r}: folder {str(folder)!r} does not exist; create it or give "
+                                     "another path.")
+        if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise InvalidConfigError(f"{option} {text!r} is not writable; give a path you can write to{or_else}.")
+        return path
+
+    return _typed(parse)
+
+
+_json_file = writable_file("--json", "out.json", ", or - for stdout")
+
+
+def require_model_package(name: str) -> None:
+    """Refuse a named model (:mod:`tierkv.models`) whose pip package is not installed, before anything loads: the
+    library's own message, with the install command, as a usage error."""
+    from tierkv.models import ModelPackageMissingError, spec
+
+    found = spec(name)
+    if found.install is None:  # shipped with tierkv (the demo model falls back to a random one without weights)
+        return
+    try:
+        found.locate()
+    except ModelPackageMissingError as exc:
+        raise InvalidConfigError(f"--model {name}: {exc}") from None
+
+
 def json_target(text: str) -> str:
-    """Type of ``--json``: ``-`` (stdout) or a file whose folder exists and is writable, checked while parsing so
-    a long run never ends in a file it cannot write."""
-    if text == STDOUT:
-        return text
-    path = Path(text).expanduser()
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"--json {text!r} is a directory; give a file name such as out.json.")
-    folder = path.parent
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"--json {text!r}: folder {str(folder)!r} does not exist; create it or "
-                                         "give another path.")
-    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"--json {text!r} is not writable; give a path you can write to, or - "
-                                         "for stdout.")
-    return str(path)
+    """Type of ``--json``: ``-`` (stdout) or a file :func:`writable_file` accepts."""
+    return text if text == STDOUT else str(_json_file(text))
 
 
 def add_json_argument(parser: argparse.ArgumentParser, what: str) -> None:

@@ -14,9 +14,12 @@ measuring, such as a disk error).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import tempfile
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,10 +28,19 @@ from rich.table import Table
 
 from tierkv.calibrate import BenchConfig, BenchResult, Measurement, plot, run_bench
 from tierkv.calibrate.attention import ATTENTION
-from tierkv.commands import add_json_argument, integer, json_to_stdout, size, write_json
+from tierkv.commands import (
+    add_json_argument,
+    integer,
+    json_to_stdout,
+    size,
+    writable_dir,
+    writable_file,
+    write_json,
+)
 from tierkv.commands.estimate import measure_cpu
+from tierkv.commands.progress import seconds
 from tierkv.errors import InvalidConfigError
-from tierkv.io import ENGINES, engine_status
+from tierkv.io import ALIGN, ENGINES, engine_status
 from tierkv.planner import COMPUTE_FLOPS_KEY
 from tierkv.units import format_bytes
 from tierkv.vocabulary import LinkName
@@ -36,17 +48,18 @@ from tierkv.vocabulary import LinkName
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--dir", type=Path, default=Path(tempfile.gettempdir()),
+        "--dir", type=writable_dir("--dir"), default=Path(tempfile.gettempdir()),
         help="directory on the disk to measure (put it where the disk tier will live; default: the temp dir)",
     )  # fmt: skip
-    parser.add_argument("--disk-size", type=size("--disk-size"), default=None,
-                        help="size of the test file (default 1GiB; 32MiB with --quick)")  # fmt: skip
-    parser.add_argument("--max-size", type=size("--max-size"), default=None,
-                        help="largest transfer size (default 1GiB; 4MiB with --quick)")  # fmt: skip
-    parser.add_argument("--min-size", type=size("--min-size"), default=None,
-                        help="smallest transfer size (default 4KiB)")  # fmt: skip
-    parser.add_argument("--block-size", type=size("--block-size"), default=None,
-                        help="block size of the gather benchmarks (default 256KiB; 64KiB with --quick)")  # fmt: skip
+    parser.add_argument("--disk-size", type=_aligned_size("--disk-size"), default=None,
+                        help="test file size, a multiple of 4KiB (default 1GiB; 32MiB with --quick)")  # fmt: skip
+    parser.add_argument("--max-size", type=_aligned_size("--max-size", aligned=False), default=None,
+                        help="largest transfer size, at least 4KiB (default 1GiB; 4MiB with --quick)")  # fmt: skip
+    parser.add_argument("--min-size", type=_aligned_size("--min-size"), default=None,
+                        help="smallest transfer size, a multiple of 4KiB (default 4KiB)")  # fmt: skip
+    parser.add_argument("--block-size", type=_aligned_size("--block-size"), default=None,
+                        help="block size of the gather benchmarks, a multiple of 4KiB (default 256KiB; 64KiB with "
+                             "--quick)")  # fmt: skip
     parser.add_argument(
         "--engines", default=None,
         help=f"comma-separated disk engines to measure ({', '.join(ENGINES)}; default: all that load here)",
@@ -59,12 +72,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch intra-op threads for the memory links (default: torch's choice; recorded in the profile)",
     )  # fmt: skip
     parser.add_argument(
-        "--profile-out", type=Path, default=Path("tierkv-profile.json"), help="link profile JSON"
-    )
+        "--profile-out", type=writable_file("--profile-out", "tierkv-profile.json"), default="tierkv-profile.json",
+        help="where to write the link profile JSON that tierkv plan --profile reads (default: %(default)s in the "
+             "current directory)",
+    )  # fmt: skip
     parser.add_argument(
-        "--plot-out", type=Path, default=Path("tierkv-bench.png"), help="bandwidth plot (PNG)"
-    )
+        "--plot-out", type=writable_file("--plot-out", "tierkv-bench.png"), default="tierkv-bench.png",
+        help="where to write the bandwidth plot, a PNG (default: %(default)s in the current directory)",
+    )  # fmt: skip
     add_json_argument(parser, "every measurement, the fitted profile and the machine")
+
+
+def _aligned_size(option: str, aligned: bool = True) -> Callable[[str], int]:
+    """Type of a bench size: at least the disk's sector (O_DIRECT's 4 KiB) and, where ``aligned``, a multiple of
+    it (transfer sizes grow from ``--min-size``; blocks and the test file are read with O_DIRECT)."""
+    parse = size(option)
+
+    def convert(text: str) -> int:
+        nbytes = parse(text)
+        if nbytes < ALIGN or (aligned and nbytes % ALIGN):
+            what = "a multiple of 4KiB" if aligned else "at least 4KiB"
+            raise argparse.ArgumentTypeError(
+                f"{option} {text} is {format_bytes(nbytes)}; give {what} (the disk's 4,096-byte sector that O_DIRECT "
+                "reads in), e.g. 4KiB, 64KiB or 1MiB.")
+        return nbytes
+
+    return convert
 
 
 def _engines(text: str | None) -> tuple[str, ...] | None:
@@ -82,14 +115,30 @@ def _engines(text: str | None) -> tuple[str, ...] | None:
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
-    """The flags given (the rest from the full or ``--quick`` defaults), checked by :class:`BenchConfig`."""
-    given = {"min_size": args.min_size, "max_size": args.max_size, "disk_bytes": args.disk_size,
-             "block_bytes": args.block_size, "repeats": args.repeats}  # fmt: skip
-    overrides = {key: value for key, value in given.items() if value is not None}
+    """The flags given (the rest from the full or ``--quick`` defaults), checked together before any measuring:
+    an error names the flags, and a default it compares with says it is one."""
+    base = BenchConfig.quick(args.dir) if args.quick else BenchConfig(args.dir)
+    flags = {"min_size": ("--min-size", args.min_size), "max_size": ("--max-size", args.max_size),
+             "disk_bytes": ("--disk-size", args.disk_size), "block_bytes": ("--block-size", args.block_size)}
+    value = {field: getattr(base, field) if given is None else given for field, (_, given) in flags.items()}
+
+    def shown(field: str) -> str:
+        option, given = flags[field]
+        default = "" if given is not None else f", the default{' with --quick' if args.quick else ''}"
+        return f"{option} ({format_bytes(value[field])}{default})"
+
+    for small, large, fix in (("min_size", "max_size", "lower --min-size or raise --max-size"),
+                              ("min_size", "disk_bytes", "the test file holds the smallest transfer: raise "
+                                                         "--disk-size or lower --min-size"),
+                              ("block_bytes", "disk_bytes", "the test file holds the disk's blocks: raise "
+                                                            "--disk-size or lower --block-size")):
+        if value[small] > value[large]:
+            raise InvalidConfigError(f"{shown(small)} is larger than {shown(large)}; {fix}.")
+    overrides = {field: given for field, (_, given) in flags.items() if given is not None}
+    if args.repeats is not None:
+        overrides["repeats"] = args.repeats
     overrides["engines"] = _engines(args.engines)
-    if args.quick:
-        return BenchConfig.quick(args.dir, **overrides)
-    return BenchConfig(args.dir, **overrides)
+    return dataclasses.replace(base, **overrides)
 
 
 _SHORT = {
@@ -230,9 +279,19 @@ def run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    with console.status("measuring") as status:
-        result = run_bench(cfg, progress=lambda what: status.update(f"measuring {what}"))
-        status.update("measuring matmul FLOP/s (the compute estimate of tierkv plan --device cpu)")
+    log = Console(stderr=True, highlight=False)  # progress: a spinner on a terminal, else a line per phase
+    started = time.perf_counter()
+    with log.status("measuring") if log.is_terminal else contextlib.nullcontext() as status:
+
+        def progress(what: str) -> None:
+            if status is not None:
+                status.update(f"measuring {what}")
+            else:
+                log.print(f"[{seconds(time.perf_counter() - started)}] measuring {what}", markup=False,
+                          soft_wrap=True)
+
+        result = run_bench(cfg, progress=progress)
+        progress("matmul FLOP/s (the compute estimate of tierkv plan --device cpu)")
         result.profile.machine[COMPUTE_FLOPS_KEY] = f"{measure_cpu().peak_flops:.4g}"
     m = result.machine
     console.print(f"[bold]tierkv bench[/bold] {m['date']}")

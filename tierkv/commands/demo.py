@@ -37,6 +37,7 @@ from tierkv.commands import (
     json_to_stdout,
     model_or_folder,
     number,
+    require_model_package,
     size,
     tokens,
     writable_dir,
@@ -57,6 +58,7 @@ TIER_OVERHEAD = 1.5  # the tiered run's time over the in-memory roofline estimat
 ANSWER_CHARS = 40  # characters of the answer the summary table shows
 WEIGHT_TOKENS = 1024  # the reference forecast: a token's weight matmuls cost about as much as attending this many
 CHECKPOINT_DECODE = 32  # tokens decoded from a --prompt-file by default (no expected answer to size it by)
+DEFAULT_SPARSE_TOKENS = 0.1  # --sparse-tokens: a tenth of the context
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "gather: whole layers assembled on the device; split: exact, decode steps attend each "
                              "tier's blocks where they live (host blocks on the CPU), prefill streams; sparse: "
                              "decode steps attend only the top pages (approximate; --sparse-tokens, --page-tokens)")
-    parser.add_argument("--sparse-tokens", type=_sparse_budget, default=0.1,
+    parser.add_argument("--sparse-tokens", type=_sparse_budget, default=None,
                         help="with --executor sparse: tokens attended per layer, a count (2048, 2K) or a fraction "
                              "of the context (0.1, the default)")
     parser.add_argument("--sparse-rest-bits", type=int, choices=REST_BITS, default=None,
@@ -121,6 +123,13 @@ def _check_combination(args: argparse.Namespace) -> None:
                                  f"--context {format_tokens(trained)} or less.")
     if args.model and args.random_model:
         raise InvalidConfigError("--model and --random-model exclude each other; give one.")
+    if isinstance(args.model, str):
+        require_model_package(args.model)
+    if args.sparse_tokens is not None and args.executor != "sparse":
+        raise InvalidConfigError("--sparse-tokens needs --executor sparse (exact attention reads every token); add "
+                                 "--executor sparse or leave it out.")
+    if args.sparse_tokens is None:
+        args.sparse_tokens = DEFAULT_SPARSE_TOKENS
     if args.sparse_rest_bits is not None and args.executor != "sparse":
         raise InvalidConfigError("--sparse-rest-bits needs --executor sparse (exact attention reads every block).")
     if args.sparse_rest_bits is None:
@@ -136,7 +145,28 @@ def _check_combination(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _check_combination(args)
     with quiet_transformers():
+        _check_device_budget(args)
         return _run(args)
+
+
+def _check_device_budget(args: argparse.Namespace) -> None:
+    """A ``--gpu-gb`` below the run's minimum, refused before the model loads where its config is at hand (the
+    demo model's file, the random Llama's): the haystack is exactly ``--context`` tokens, and at least
+    :data:`MIN_DECODE` are decoded, so this minimum never exceeds the run's own (checked again after the load)."""
+    if args.gpu_gb is None or args.model not in (None, "demo"):
+        return
+    from tierkv.demo.model import WEIGHTS_DIR, missing_files
+
+    context = args.context or DEFAULT_CONTEXT
+    if args.random_model or missing_files(WEIGHTS_DIR):
+        config = _random_config(context)
+    else:
+        from transformers import LlamaConfig
+
+        config = LlamaConfig.from_pretrained(WEIGHTS_DIR)
+    floor = _device_floor(args, config, torch.float32, context, args.max_new_tokens or MIN_DECODE)
+    if args.gpu_gb < floor:
+        raise InvalidConfigError(_budget_advice(args, config, context, floor))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -144,17 +174,17 @@ def _run(args: argparse.Namespace) -> int:
     status = Console(stderr=True, highlight=False)
     phases = Phases(status)
     model, prompt, expected, decode = _load(args, status, phases)
-    kv_bytes = _kv_bytes(model, len(prompt) + decode)
+    kv_bytes = _kv_bytes(model.config, len(prompt) + decode)
     cpu = args.cpu_gb if args.cpu_gb is not None else max(kv_bytes // 4, 2**20)
-    floor = _device_floor(args, model, len(prompt), decode)
+    floor = _device_floor(args, model.config, model.dtype, len(prompt), decode)
+    if args.gpu_gb is not None and args.gpu_gb < floor:  # before the plan and the run
+        raise InvalidConfigError(_budget_advice(args, model.config, len(prompt), floor))
     gpu = args.gpu_gb if args.gpu_gb is not None else floor + kv_bytes // 8
     _announce(status, args, model, len(prompt), decode, gpu, cpu, kv_bytes)
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as tmp:
         try:
             result = _decode(args, model, prompt, decode, gpu, cpu, str(args.disk_dir or tmp), status, phases)
         except BudgetTooSmallError as exc:  # the cache's reason names its API: say it in this command's flags
-            if gpu < floor:
-                raise InvalidConfigError(_budget_advice(args, model, len(prompt), floor)) from exc
             raise InvalidConfigError(f"--gpu-gb {format_size_option(gpu)} is too small for this run "
                                      f"({_without_api_names(exc)}); give a larger --gpu-gb, e.g. "
                                      f"--gpu-gb {format_size_option(2 * gpu)}.") from exc
@@ -190,29 +220,30 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _device_floor(args: argparse.Namespace, model, prompt: int, decode: int) -> int:
+def _device_floor(args: argparse.Namespace, config, dtype: torch.dtype, prompt: int, decode: int) -> int:
     """A device budget this run surely works with (the cache's ``min_*_device_bytes``, which keep headroom for
     staging growth and slab chunks; a little less may work too): the executor's staging and open blocks, and with
-    ``--executor sparse`` the key summaries, two selection buffers and the rest copy."""
+    ``--executor sparse`` the key summaries, two selection buffers and the rest copy; ``config`` and ``dtype``:
+    the model's."""
     from tierkv import TieredCache
     from tierkv.planner import kv_summary_bytes
 
     if args.executor == "gather":
-        floor = TieredCache.min_device_bytes(model.config, prompt + decode, block_tokens=args.block_tokens)
+        floor = TieredCache.min_device_bytes(config, prompt + decode, block_tokens=args.block_tokens)
     elif args.executor == "split":
-        floor = TieredCache.min_split_device_bytes(model.config, block_tokens=args.block_tokens,
+        floor = TieredCache.min_split_device_bytes(config, block_tokens=args.block_tokens,
                                                    chunk_tokens=args.chunk_tokens)
     else:
-        floor = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens,
+        floor = TieredCache.min_streaming_device_bytes(config, block_tokens=args.block_tokens,
                                                        chunk_tokens=args.chunk_tokens)
     if args.executor == "sparse":  # summaries (4 vectors per page: 2/page_tokens of the KV), the selection
-        floor += kv_summary_bytes(_kv_bytes(model, prompt + decode), _page_tokens(args), model.dtype.itemsize) + \
-            2 * _sparse_selection_bytes(args, model, prompt) + \
-            TieredCache.rest_copy_bytes(model.config, prompt + decode, args.sparse_rest_bits, torch.float32)
+        floor += kv_summary_bytes(_kv_bytes(config, prompt + decode), _page_tokens(args), dtype.itemsize) + \
+            2 * _sparse_selection_bytes(args, config, prompt) + \
+            TieredCache.rest_copy_bytes(config, prompt + decode, args.sparse_rest_bits, torch.float32)
     return floor
 
 
-def _budget_advice(args: argparse.Namespace, model, prompt: int, floor: int) -> str:
+def _budget_advice(args: argparse.Namespace, config, prompt: int, floor: int) -> str:
     """A too-small ``--gpu-gb`` in command-line terms: the minimum of this run, and the flag that lowers it."""
     from tierkv import TieredCache
 
@@ -220,12 +251,12 @@ def _budget_advice(args: argparse.Namespace, model, prompt: int, floor: int) -> 
             f"{format_size_option(floor)} or more (--executor {args.executor} at --context "
             f"{format_tokens(prompt)})")
     if args.executor == "gather":
-        other = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens,
+        other = TieredCache.min_streaming_device_bytes(config, block_tokens=args.block_tokens,
                                                        chunk_tokens=args.chunk_tokens)
         return text + f", or --executor streaming, which needs --gpu-gb {format_size_option(other)}."
     if args.executor == "streaming" and args.chunk_tokens > args.block_tokens:
         smaller = max(args.block_tokens, args.chunk_tokens // 4)
-        other = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens,
+        other = TieredCache.min_streaming_device_bytes(config, block_tokens=args.block_tokens,
                                                        chunk_tokens=smaller)
         return text + (f", or --chunk-tokens {format_tokens(smaller)}, which needs --gpu-gb "
                        f"{format_size_option(other)}.")
@@ -278,15 +309,21 @@ def _load(args: argparse.Namespace, status: Console, phases: Phases):
             example = make_example(random.Random(args.seed), args.context or DEFAULT_CONTEXT, args.depth)
             decode = args.max_new_tokens or max(MIN_DECODE, len(example.answer_ids))
             return _with_decoder(model, tokenizer), list(example.prompt_ids), example.answer, decode
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     context = args.context or DEFAULT_CONTEXT
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context + 64)
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(_random_config(context)).eval()
     model.decode_tokens = lambda ids: " ".join(map(str, ids))
-    ids = torch.randint(0, config.vocab_size, (context,), generator=torch.Generator().manual_seed(args.seed))
+    ids = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(args.seed))
     return model, ids.tolist(), None, args.max_new_tokens or MIN_DECODE
+
+
+def _random_config(context: int):
+    """The tiny random Llama's config (``--random-model``, or a checkout without the demo model's weights)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context + 64)
 
 
 def _trained_context(name: str) -> int:
@@ -349,11 +386,11 @@ def _with_decoder(model, tokenizer):
     return model
 
 
-def _kv_bytes(model, n_tokens: int) -> int:
+def _kv_bytes(config, n_tokens: int) -> int:
     """What the tiers hold at the end (sliding-window layers: their window), which the budgets are shares of."""
     from tierkv import TieredCache
 
-    return TieredCache.kv_bytes_held(model.config, n_tokens, torch.float32)
+    return TieredCache.kv_bytes_held(config, n_tokens, torch.float32)
 
 
 @dataclass
@@ -470,14 +507,14 @@ def _page_tokens(args: argparse.Namespace) -> int:
     return SparseBudget(args.sparse_tokens, page_tokens=args.page_tokens).page_size(args.block_tokens)
 
 
-def _sparse_selection_bytes(args: argparse.Namespace, model, context: int) -> int:
+def _sparse_selection_bytes(args: argparse.Namespace, config, context: int) -> int:
     """One layer's KV of the tokens a sparse step attends (its staging buffer), in whole blocks."""
     from tierkv import TieredCache
 
     budget = args.sparse_tokens if isinstance(args.sparse_tokens, int) else math.ceil(args.sparse_tokens * context)
     blocks = -(-budget // args.block_tokens) + 2  # the sinks' and the recent window's blocks may come on top
-    layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    return blocks * args.block_tokens * TieredCache.kv_bytes_per_token(model.config, torch.float32) // layers
+    layers = config.get_text_config(decoder=True).num_hidden_layers
+    return blocks * args.block_tokens * TieredCache.kv_bytes_per_token(config, torch.float32) // layers
 
 
 def _live_table(cache, tokens: list[int], elapsed: float, decode: int) -> Table:

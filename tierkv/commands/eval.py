@@ -31,6 +31,7 @@ from tierkv.commands import (
     integer,
     json_to_stdout,
     model_or_folder,
+    require_model_package,
     size,
     token_list,
     tokens,
@@ -43,6 +44,8 @@ from tierkv.quality.tasks import TASKS
 from tierkv.staging import REST_BITS
 from tierkv.units import format_size_option, format_tokens, plural
 from tierkv.vocabulary import CLI_EXECUTORS
+
+CHUNK_TOKENS = 4096  # --chunk-tokens' default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,15 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=model_or_folder("--model"), default=None,
                         help="a named model (demo, smollm2, gemma3) or a demo-model folder (default: the packaged "
                              "demo model)")
-    parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    parser.add_argument("--device", type=_device, default="cpu",
+                        help="torch device: cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument("--prefill-chunk", type=tokens("--prefill-chunk"), default=2048,
                         help="prefill tokens per forward (default: %(default)s)")
     parser.add_argument("--cache", default="dynamic", choices=("dynamic", "tiered"),
                         help="dynamic: full attention in memory (DynamicCache); tiered: TieredCache over three tiers")
-    parser.add_argument("--executor", default="streaming", choices=[n for n in CLI_EXECUTORS if n != "sparse"],
-                        help="with --cache tiered: streaming attention or exact gather (default: %(default)s)")
-    parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=4096,
-                        help="with --executor streaming: tokens per attention chunk (default: %(default)s)")
+    parser.add_argument("--executor", default=None, choices=[n for n in CLI_EXECUTORS if n != "sparse"],
+                        help="with --cache tiered: streaming attention or exact gather (default: streaming)")
+    parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=None,
+                        help=f"with --executor streaming: tokens per attention chunk (default: {CHUNK_TOKENS})")
     parser.add_argument("--gpu-gb", type=size("--gpu-gb"), default=None,
                         help="with --cache tiered: device budget, GB or a size (default: the executor's minimum + "
                              "1/8 of the longest prompt's KV)")
@@ -73,8 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --cache tiered: host budget (default: 1/4 of that KV)")
     parser.add_argument("--disk-dir", type=writable_dir("--disk-dir"), default=None,
                         help="with --cache tiered: disk tier folder (default: a temp dir)")
-    parser.add_argument("--out", default=None, help="folder for eval.json and heatmap.png (with --tasks: for the "
-                        "reference KV and every result)")
+    parser.add_argument("--out", type=writable_dir("--out"), default=None,
+                        help="folder for eval.json and heatmap.png (with --tasks: for the reference KV and every "
+                             "result), created if missing")
     quality = parser.add_argument_group("sparse attention quality (docs/quality.md)")
     quality.add_argument("--tasks", type=_task_list, default=None,
                          help=f"measure approximate attention on these tasks ({', '.join(TASKS)}) instead of the "
@@ -103,6 +108,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="sparse: tokens per selected page, a divisor of --block-tokens (default: the "
                               "library's; equal to --block-tokens: whole blocks)")
     add_json_argument(parser, "the result (every trial)")
+
+
+def _device(text: str) -> str:
+    """``--device``: a torch device this torch can run on, checked while parsing (not as a traceback mid-run)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"--device {text!r} is not a torch device; give cpu, cuda or "
+                                         "cuda:N.") from None
+    if device.type == "cpu":
+        return text
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"--device {text!r}: tierkv eval runs on cpu or cuda; give cpu, cuda or "
+                                         "cuda:N.")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"--device {text!r}: this torch ({torch.__version__}) sees no CUDA GPU; "
+                                         "give --device cpu, or install a CUDA build of torch on a GPU host.")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise argparse.ArgumentTypeError(f"--device {text!r}: this host has {plural(count, 'CUDA GPU')}; give "
+                                         f"cuda:0 to cuda:{count - 1}.")
+    return text
+
+
+TIERED_ONLY = ("gpu_gb", "cpu_gb", "disk_dir", "executor", "chunk_tokens")
+"""The options that size or run the ``TieredCache`` of ``--cache tiered`` (meaningless with the in-memory cache)."""
+
+
+def _check_combination(args: argparse.Namespace) -> None:
+    """Options that apply only with another, refused before the model loads (a default eval runs for minutes);
+    then the tiered defaults filled in."""
+    given = [f"--{name.replace('_', '-')}" for name in TIERED_ONLY if getattr(args, name) is not None]
+    them = "it" if len(given) == 1 else "them"
+    if given and (args.tasks or args.stage == "measure"):
+        raise InvalidConfigError(f"{', '.join(given)}: the quality runs (--tasks, --stage measure) size their own "
+                                 f"caches; leave {them} out.")
+    if given and args.cache != "tiered":
+        raise InvalidConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --cache "
+                                 f"tiered (the default --cache dynamic keeps the KV in memory); add --cache tiered or "
+                                 f"leave {them} out.")
+    if args.chunk_tokens is not None and args.executor == "gather":
+        raise InvalidConfigError("--chunk-tokens applies only with --executor streaming (exact gather stages whole "
+                                 "layers); leave it out, or give --executor streaming.")
+    args.executor = args.executor or "streaming"
+    args.chunk_tokens = args.chunk_tokens or CHUNK_TOKENS
 
 
 def _task_list(text: str) -> list[str]:
@@ -149,6 +201,7 @@ def _cache_mode(args: argparse.Namespace, model, longest: int, tmp: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    _check_combination(args)
     with quiet_transformers():
         return _run(args)
 
@@ -253,6 +306,7 @@ def _run_quality(args: argparse.Namespace, console, status: _Log, phases: Phases
     if too_long:
         raise InvalidConfigError(f"--lengths {', '.join(map(format_tokens, too_long))}: model {name!r} was trained "
                                  f"for {format_tokens(context)} tokens; give lengths up to that.")
+    require_model_package(name)
     with phases.phase(f"loading {name} (a GGUF model's first load dequantises it)"):
         model, tokenizer = models.load(name, device=args.device)
     out = Path(args.out)

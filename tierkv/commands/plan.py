@@ -29,6 +29,7 @@ from tierkv.model_presets import MODEL_PRESETS
 from tierkv.planner import (
     CPU,
     DEVICES,
+    PLAN_BLOCK_TOKENS,
     ExecutorOption,
     Plan,
     WhatIf,
@@ -41,7 +42,7 @@ from tierkv.planner import (
     split_what_if,
     what_ifs,
 )
-from tierkv.staging import REST_BITS
+from tierkv.staging import REST_BITS, default_page_tokens
 from tierkv.units import format_bytes
 from tierkv.vocabulary import PLAN_EXECUTORS, LinkName
 
@@ -103,12 +104,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-rest-bits", type=int, choices=REST_BITS, default=0,
                         help="sparse: the blocks not read are attended from a copy of this many bits kept on the "
                              "device (default 0: not attended)")
-    parser.add_argument("--sparse-page-tokens", type=tokens("--sparse-page-tokens"), default=None,
-                        help="sparse: tokens per selected page, a divisor of the 256-token block (default: the "
-                             "library's, 16)")
+    parser.add_argument("--sparse-page-tokens", type=_page_tokens, default=None,
+                        help=f"sparse: tokens per selected page, a divisor of the {PLAN_BLOCK_TOKENS}-token block "
+                             f"(default: the library's, {default_page_tokens(PLAN_BLOCK_TOKENS)})")
     parser.add_argument("--what-if-gpu-gb", type=size("--what-if-gpu-gb"), default=16 * 10**9,
                         help="extra device memory for the what-if: GB or a size (default 16)")
     add_json_argument(parser, "the plan")
+
+
+def _page_tokens(text: str) -> int:
+    """``--sparse-page-tokens``: a token count that divides the plans' block (refused while parsing, in flags)."""
+    page = tokens("--sparse-page-tokens")(text)
+    if PLAN_BLOCK_TOKENS % page:
+        raise argparse.ArgumentTypeError(
+            f"--sparse-page-tokens {text} does not divide the plans' {PLAN_BLOCK_TOKENS}-token block; give a "
+            f"divisor of {PLAN_BLOCK_TOKENS}, e.g. {default_page_tokens(PLAN_BLOCK_TOKENS)} (the default).")
+    return page
 
 
 def _ms(seconds: float) -> str:

@@ -11,6 +11,7 @@ before.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from tierkv.attention import sparse as _sparse  # noqa: F401 - registers the spa
 from tierkv.attention import streaming as _streaming  # noqa: F401 - registers the streaming executor
 from tierkv.attention.base import EXECUTORS, PipelinedExecutor
 from tierkv.attention.exact_gather import ExactGather
+from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS
 from tierkv.bandwidth import LinkProfile
 from tierkv.blocks import Tier
 from tierkv.errors import BudgetTooSmallError
@@ -34,6 +36,7 @@ from tierkv.stats import Timeline, Trace, make_timeline
 from tierkv.store import KVStore
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.memory import MemoryTier
+from tierkv.units import format_gb, format_size_option, plural
 
 if TYPE_CHECKING:
     from tierkv.attention.sparse import SparseBudget
@@ -162,32 +165,66 @@ class Runtime:
         return stats
 
     def budget_error(self, error: BudgetTooSmallError, context: int, batch: int) -> BudgetTooSmallError:
-        """``error`` with the device budget that holds a step at ``context`` tokens in the current mode: the staging
-        and every layer's open block (what ``min_device_bytes`` / ``min_streaming_device_bytes`` promise), where
-        the store that raised it knows only the layers it has seen so far."""
+        """``error`` told in the current mode: where the budget is below what a step at ``context`` tokens needs (the
+        staging and every layer's open block, what ``min_device_bytes`` / ``min_streaming_device_bytes`` promise,
+        where the store that raised it knows only the layers it has seen so far), that one minimum, and the way
+        out of this mode (streaming for gather; shorter chunks inside streaming). The same error comes back with
+        its message replaced, so ``raise budget_error(error, ...) from error`` shows one traceback, not a chain."""
         store = self.store
         if store is None or not store.layouts:
             return error
         layout = max(store.layouts.values(), key=lambda layout: layout.slot_bytes)
         exact = self.executors.get(EXACT)
+        known = self.num_layers is not None or (exact is not None and exact.layers_known)
         layers = self.num_layers or max(len(store.layouts), exact.num_layers if exact is not None else 0)
         mode = self.mode
         chunk = mode.options.get("streaming", {}).get("chunk_tokens")
-        if chunk is None:
-            depth = self.budgets.prefetch_depth if isinstance(self.budgets.prefetch_depth, int) else 1
-            staging = gather_staging_bytes(batch, context, layout.token_bytes, store.block_tokens, depth)
-        else:
-            staging = streaming_staging_bytes(batch, chunk, layout.token_bytes, store.block_tokens)
-            split = self.executors.get("split")
-            if mode.decode == "split" and split is not None:  # its scratch on an accelerator (0 on a CPU host)
-                staging += split.staging.reserved
-        tails = open_tail_bytes(layers, batch, layout.slot_bytes)
-        need = sizing.device_minimum(staging, tails, layout.slot_bytes, store.device.device)
-        if need <= store.device.budget:
+        split = self.executors.get("split")
+        scratch = split.staging.reserved if mode.decode == "split" and split is not None else 0  # 0 on a CPU host
+
+        def minimum(chunk_tokens: int | None) -> int:
+            """The budget a step needs with exact gather (None) or with streaming in ``chunk_tokens`` chunks."""
+            if chunk_tokens is None:
+                depth = self.budgets.prefetch_depth if isinstance(self.budgets.prefetch_depth, int) else 1
+                staging = gather_staging_bytes(batch, context, layout.token_bytes, store.block_tokens, depth)
+            else:
+                staging = streaming_staging_bytes(batch, chunk_tokens, layout.token_bytes, store.block_tokens) + \
+                    scratch
+            tails = open_tail_bytes(layers, batch, layout.slot_bytes)
+            return sizing.device_minimum(staging, tails, layout.slot_bytes, store.device.device)
+
+        need, budget = minimum(chunk), store.device.budget
+        if need <= budget:  # the store's own reason stands (its numbers); only the way out depends on the mode
+            error.args = (str(error).rstrip(". ") + self._way_out(chunk, minimum, budget, need),)
             return error
-        how = "exact gather" if chunk is None else f"{chunk}-token chunks"
-        return BudgetTooSmallError(f"{error} For {layers} layers at {context} tokens ({how}), gpu_gb=\"{need}B\" holds "
-                                   "the staging and every layer's open block.")
+        over = plural(layers, "layer") if known else \
+            f"the {plural(layers, 'layer')} seen so far (pass config=model.config to TieredCache to count all)"
+        how = "exact gather" if chunk is None else f"{mode.decode} attention in {chunk}-token chunks"
+        api = "min_device_bytes gives it for the context you decode to" if chunk is None else \
+            f"{'min_split_device_bytes' if mode.decode == 'split' else 'min_streaming_device_bytes'} gives it"
+        error.args = (f"the device budget ({format_gb(budget)}) is too small for {how} over {over} at {context:,} "
+                      f"tokens: gpu_gb=\"{need}B\" holds the staging and every layer's open block, which takes "
+                      f"{format_size_option(need)}; raise gpu_gb to at least that (TieredCache.{api})"
+                      f"{self._way_out(chunk, minimum, budget, need)}",)
+        return error
+
+    def _way_out(self, chunk: int | None, minimum: Callable[[int | None], int], budget: int, need: int) -> str:
+        """The end of a budget error: with exact gather, streaming where it needs less; inside streaming (sparse,
+        split), shorter chunks: the longest that fits ``budget``, else the shortest and what it needs."""
+        if chunk is None:
+            streaming = minimum(DEFAULT_CHUNK_TOKENS)
+            if streaming >= need:
+                return "."
+            return (f", or attend with cache.streaming(model), which stages two {DEFAULT_CHUNK_TOKENS}-token chunks "
+                    f"instead of layers: gpu_gb=\"{streaming}B\" at any context.")
+        shorter = [c for c in (chunk >> i for i in range(1, chunk.bit_length())) if c >= self.budgets.block_tokens]
+        if not shorter:
+            return "."
+        fits = next((c for c in shorter if minimum(c) <= budget), None)
+        call = f"cache.{self.mode.decode}(model, chunk_tokens="
+        if fits is not None:
+            return f", or stream in shorter chunks: {call}{fits}) fits this budget."
+        return f", or stream in shorter chunks: {call}{shorter[-1]}) needs gpu_gb=\"{minimum(shorter[-1])}B\"."
 
     # ---------------------------------------------------------------------------------------- modes
     def hand_off(self, new_tokens: int) -> PipelinedExecutor:

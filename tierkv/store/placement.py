@@ -224,8 +224,8 @@ class BlockPlacement:
                 except BudgetTooSmallError:
                     if not self.give_way():  # no cache gave its bytes back either
                         raise
-        except BudgetTooSmallError as exc:
-            raise self._staging_error(nbytes) from exc
+        except BudgetTooSmallError:  # "no blocks left to evacuate" adds nothing to the numbers below
+            raise self._staging_error(nbytes) from None
 
     def _staging_error(self, nbytes: int) -> BudgetTooSmallError:
         """Staging of ``nbytes`` more does not fit: the numbers, the minimum that would, and the ways out."""
@@ -237,9 +237,8 @@ class BlockPlacement:
         return BudgetTooSmallError(
             f"the device budget ({_size(device.budget)}) cannot hold the attention staging area ({_size(staging)}) "
             f"beside the blocks being filled ({_size(tails)}); with slab chunks of up to 1/16 of the budget that "
-            f"takes {_size(need)}: raise gpu_gb to at least that (TieredCache.min_device_bytes gives it for the "
-            "context you decode to), or attend with cache.streaming(model), which stages two chunks instead of layers."
-        )
+            f"takes {_size(need)}: raise gpu_gb to at least that."
+        )  # the cache (tierkv.hf.runtime.budget_error) adds the minimum of its mode and the way out of it
 
     def _blocks_on(self, tier: Tier, slot_bytes: int, slots: range) -> list[Block]:
         """Live blocks of ``tier`` and ``slot_bytes`` whose slot is in ``slots`` (vectorised over the grids)."""
