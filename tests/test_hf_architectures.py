@@ -1,6 +1,6 @@
 """Architectures beyond the core families of ``tests/models.py``, and those whose attention differs from theirs.
 
-- Thirty-three more transformers architectures (partial rotary, MoE, QK norms, parallel blocks, learned positions,
+- Thirty-four more transformers architectures (partial rotary, MoE, QK norms, parallel blocks, learned positions,
   NoPE layers, sliding and full layers, wider heads in some layers than in others, a hybrid with convolution
   layers) decode exactly as ``DynamicCache`` through exact gather, split and sparse attention at a full budget,
   with blocks on every tier.
@@ -30,6 +30,7 @@ from transformers import DynamicCache
 
 from tierkv import TieredCache, settings
 from tierkv.errors import InvalidConfigError, TierKVError
+from tierkv.hf import TieredLayer
 from tierkv.hf.attention import takes_attention_functions
 from tierkv.hf.sizing import kv_bytes_held, kv_producers
 
@@ -75,6 +76,7 @@ ARCHITECTURES: dict[str, dict] = {  # model_type -> config arguments beside SMAL
     "gemma4_text": dict(SLIDING, global_head_dim=32, hidden_size_per_layer_input=8,
                         vocab_size_per_layer_input=VOCAB),  # full-attention layers' heads twice as wide
     "afmoe": {},  # its attention output is .view()ed: the executors' must be contiguous
+    "hrm_text": {},  # its attention modules update cache layer layer_idx + cycle_offset
     "lfm2": {},  # convolution layers beside attention: the cache holds only the attention layers' KV
 }
 GQA = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -82,7 +84,7 @@ OWN_HEADS = {"gpt_neox", "gpt2", "opt", "falcon", "persimmon", "phi", "stablelm"
 
 
 def architecture(model_type: str, **overrides) -> transformers.PreTrainedModel:
-    kwargs = {**SMALL, **({} if model_type in OWN_HEADS else GQA), **ARCHITECTURES[model_type], **overrides}
+    kwargs = {**SMALL, **({} if model_type in OWN_HEADS else GQA), **ARCHITECTURES.get(model_type, {}), **overrides}
     try:
         config = transformers.AutoConfig.for_model(model_type, **kwargs)
     except (KeyError, ValueError):
@@ -169,13 +171,14 @@ def bloom() -> transformers.PreTrainedModel:
 
 
 @pytest.mark.parametrize("executor", ["split", "sparse", "streaming"])
-def test_a_model_with_its_own_attention_code_is_refused_before_anything_changes(tmp_path, executor):
-    model = bloom()
+@pytest.mark.parametrize("model_type", ["bloom", "git"])  # git: its vision attention uses the interface, not its text
+def test_a_model_with_its_own_attention_code_is_refused_before_anything_changes(tmp_path, executor, model_type):
+    model = bloom() if model_type == "bloom" else architecture(model_type)
     before = model.config._attn_implementation
     with TieredCache(gpu_gb="1MB", cpu_gb="16KB", block_tokens=4, config=model.config) as cache:
         engagement = engage(cache, model, executor)
-        with pytest.raises(InvalidConfigError, match=f"BloomForCausalLM attends with its own code.*leave out the "
-                                                     f"`with cache.{executor}"):  # fmt: skip
+        with pytest.raises(InvalidConfigError, match=f"{type(model).__name__} attends with its own code.*leave "
+                                                     f"out the `with cache.{executor}"):  # fmt: skip
             engagement.__enter__()
         assert model.config._attn_implementation == before
         assert not cache.runtime.modes  # no mode was left pushed
@@ -208,6 +211,45 @@ def test_a_mask_per_head_is_refused_and_nothing_is_lost(tmp_path):
     model(input_ids=ids, past_key_values=reference_cache)
     expected = model(input_ids=following, past_key_values=reference_cache).logits
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("executor", ["split", "sparse", "streaming"])
+@pytest.mark.parametrize("model_type", ["diffllama", "jetmoe"])
+def test_kv_the_model_changes_before_attending_is_refused_and_nothing_is_lost(tmp_path, model_type, executor):
+    """DiffLlama attends twice, each time with half of the values the update returned; JetMoE repeats keys and
+    values per expert (its own attention would then see only the step's, silently at batch 1). The executors
+    read the stored K/V, so the step is refused (rolled back) with the fix, and exact gather decodes exactly."""
+    model = architecture(model_type)
+    ids, mask = prompt(1, 30, seed=2)
+    with TieredCache(gpu_gb="1MB", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
+        with engage(cache, model, executor), pytest.raises(InvalidConfigError, match="values other than.*exact "
+                                                                                       "gather"):  # fmt: skip
+            run(model, ids, mask, cache)
+        assert cache.get_seq_length() == 0
+        out = run(model, ids, mask, cache)
+    assert_same_generation(out, run(model, ids, mask, DynamicCache(config=model.config)), atol=1e-4)
+
+
+@pytest.mark.parametrize(("model_type", "extra", "match"), [
+    ("falcon_mamba", {}, "convolution or recurrent state"),  # Mamba layers only
+    ("deepseek_v4", GQA, r"layer\.store_compression_weights"),  # compressed attention's own cache-layer state
+])
+def test_a_model_keeping_other_state_in_its_cache_is_refused_without_a_config(tmp_path, model_type, extra, match):
+    """Built without config=, the cache learns of such a model only when the model asks for that state: the
+    request is refused with the fix (it was an IndexError or AttributeError inside transformers); with config=
+    the cache refuses the model when it is built."""
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **SMALL, **extra)
+    except (KeyError, ValueError):
+        pytest.skip(f"this transformers release has no {model_type}")
+    model = instantiate(transformers.AutoModelForCausalLM.from_config, config)
+    ids, _ = prompt(1, 12, seed=4)
+    with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4) as cache, \
+            pytest.raises(InvalidConfigError, match=f"{match}.*DynamicCache"):  # fmt: skip
+        model.generate(ids, max_new_tokens=2, do_sample=False, past_key_values=cache)
+    with pytest.raises(InvalidConfigError, match="DynamicCache"):
+        TieredCache(gpu_gb="1MB", block_tokens=4, config=config)
+    assert not hasattr(TieredLayer(TieredCache(block_tokens=4), 0), "store_compression_weights")
 
 
 def test_values_narrower_than_keys_are_refused_before_anything_is_stored(tmp_path):

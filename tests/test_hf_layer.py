@@ -91,7 +91,7 @@ def test_attend_refuses_keys_of_another_step():
         cache.layers.append(TieredLayer(cache, 0))
         keys, values = kv(1, 2)
         with pytest.raises(TierKVError, match="must be called with that cache"):
-            cache.layers[0].attend(keys, torch.zeros(1, 4, 2, 8), None, 1.0, None)
+            cache.layers[0].attend(keys, values, torch.zeros(1, 4, 2, 8), None, 1.0, None)
 
 
 def test_a_layer_outliving_its_cache_says_so():

@@ -16,6 +16,11 @@ class InvalidConfigError(TierKVError, ValueError):
     """An argument or environment setting is malformed (a budget of "12 apples", a negative size ...)."""
 
 
+class UnsupportedLayerError(InvalidConfigError, AttributeError):
+    """The model asks the cache for state of a kind it does not hold (convolution or recurrent state, compressed or
+    indexed attention); an AttributeError too, so that probing with ``hasattr`` still says it is absent."""
+
+
 class BudgetTooSmallError(TierKVError, ValueError):
     """A budget is below the minimum the cache needs to work at all (e.g. the device staging area)."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import sys
 import threading
 import warnings
@@ -28,6 +29,7 @@ from tierkv.hf.sizing import kv_producers
 if TYPE_CHECKING:
     from tierkv.attention.sparse import SparseBudget
     from tierkv.hf.cache import TieredCache
+    from tierkv.hf.layer import TieredLayer
 
 STREAMING_ATTENTION = "tierkv_streaming"  # the AttentionInterface name of the executors that attend themselves
 
@@ -49,12 +51,13 @@ def split_mode(chunk_tokens: int) -> Mode:
 _LOCK = threading.Lock()  # guards the two below: engagements enter and leave on any thread
 _HELD: dict[int, int] = {}  # id(model) -> its engagements entered and not yet left, on every thread
 _BEFORE: dict[int, str] = {}  # id of an engaged model, its attention modules, its configs -> the implementation before
-_STEP = threading.local()  # .cache: the TieredCache whose update just handed this thread's attention over
+_STEP = threading.local()  # .layer: the TieredLayer whose update just handed this thread's attention over
 
 
-def hand_over(cache: TieredCache) -> None:
-    """``cache``'s update gave the model only the step's K/V: this thread's next attention call is the cache's."""
-    _STEP.cache = cache
+def hand_over(layer: TieredLayer) -> None:
+    """``layer``'s update gave the model only the step's K/V: this thread's next attention call is the layer's
+    (whatever the attention module's own index: HRM's modules update layer ``layer_idx + cycle_offset``)."""
+    _STEP.layer = layer
 
 
 class Engagement:
@@ -170,13 +173,16 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
                attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """The attention function registered as :data:`STREAMING_ATTENTION`: the streaming executors' where this
     thread's last cache update handed this very step over (its keys), else the implementation the model had
-    before it was engaged (a hand-over no attention took, as direct ``cache.update`` calls leave, is dropped)."""
-    cache = getattr(_STEP, "cache", None)
-    if cache is not None:
-        _STEP.cache = None
-        layers = cache.layers
-        if module.layer_idx < len(layers) and layers[module.layer_idx].handed(key):
-            return _streaming_attention_forward(cache, module, query, key, value, attention_mask, *args, **kwargs)
+    before it was engaged (a hand-over no attention took, as direct ``cache.update`` calls leave, is dropped when
+    the next forward builds its mask). A layer whose step was handed over but whose attention gets other keys
+    (the model changed them after the update) is refused: its own attention would see only the step's."""
+    layer = getattr(_STEP, "layer", None)
+    if layer is not None:
+        _STEP.layer = None
+        if layer.handed(key):
+            return _streaming_attention_forward(layer, module, query, key, value, attention_mask, *args, **kwargs)
+        if layer.pending is not None:
+            layer.refuse_changed_kv()
     before = _BEFORE.get(id(module))
     if before is None:
         raise TierKVError(f"attention '{STREAMING_ATTENTION}' runs only inside `with cache.streaming(model):`.")
@@ -199,25 +205,24 @@ def _mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
     forward through another cache gets its own mask — else sdpa's."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+    _STEP.layer = None  # a forward begins: a hand-over left by direct cache.update calls is not its own
+
     before = None if config is None else _BEFORE.get(id(config))
     builder = ALL_MASK_ATTENTION_FUNCTIONS[before] if before in ("sdpa", "eager") else sdpa_mask
     return builder(*args, config=config, **kwargs)
 
 
-def _streaming_attention_forward(cache: TieredCache, module: Any, query: torch.Tensor, key: torch.Tensor,
+def _streaming_attention_forward(layer: TieredLayer, module: Any, query: torch.Tensor, key: torch.Tensor,
                                  value: torch.Tensor, attention_mask: torch.Tensor | None,
                                  scaling: float | None = None, dropout: float = 0.0, softcap: float | None = None,
                                  **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """The streaming executors' attention for ``cache``: ``key``/``value`` are only this step's tokens (already
-    stored); attention runs over everything the cache holds for ``module.layer_idx``."""
+    """The streaming executors' attention for ``layer``'s step: ``key``/``value`` are only this step's tokens
+    (already stored); attention runs over everything the cache holds for the layer."""
     if module.training and dropout:
         raise TierKVError("streaming attention is for inference; call model.eval() (dropout is not supported).")
-    if module.layer_idx >= len(cache.layers):
-        raise TierKVError("inside `cache.streaming(model)` the model must be called with that cache "
-                          "(cache=cache); another cache was passed, or none.")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     sinks = kwargs.get("s_aux")  # gpt-oss: a learnt logit per query head that takes softmax mass and no value
-    return cache.layers[module.layer_idx].attend(key, query, attention_mask, scale, softcap, sinks), None
+    return layer.attend(key, value, query, attention_mask, scale, softcap, sinks), None
 
 
 @functools.cache
@@ -233,10 +238,28 @@ def _register_streaming_attention() -> None:
 def takes_attention_functions(model: torch.nn.Module) -> bool:
     """Whether ``model`` attends through transformers' AttentionInterface, so that streaming, split and sparse
     attention can take its attention over (Bloom, MPT and other models with their own attention code do not):
-    transformers' own test where this release has it (a look at the model's source), else True (the engagement
-    then checks that the implementation took)."""
+    transformers' own test where this release has it (a look at the model's source), and every module that updates
+    the cache attends through the interface too (GIT's text attention multiplies the K/V itself)."""
     can_set = getattr(model, "_can_set_attn_implementation", None)
-    return bool(can_set()) if callable(can_set) else True
+    if callable(can_set) and not can_set():
+        return False
+    return all(_attends_through_interface(type(module)) for module in model.modules()  # type: ignore[arg-type]
+               if isinstance(getattr(module, "layer_idx", None), int))
+
+
+_UPDATES_THE_CACHE = re.compile(r"\b(cache|past_key_values?|layer_past)\.update\(")
+
+
+@functools.cache
+def _attends_through_interface(module_class: type[torch.nn.Module]) -> bool:
+    """Whether a module class whose ``forward`` updates the cache also calls the attention interface there (a
+    module whose source cannot be read is given the benefit of the doubt)."""
+    try:
+        source = inspect.getsource(module_class.forward)
+    except (OSError, TypeError):
+        return True
+    return not _UPDATES_THE_CACHE.search(source) or "ALL_ATTENTION_FUNCTIONS" in source or \
+        "attention_interface" in source
 
 
 def cache_keyword(model: torch.nn.Module) -> str:

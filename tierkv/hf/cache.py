@@ -28,11 +28,11 @@ from transformers.cache_utils import Cache
 from tierkv.attention.base import PipelinedExecutor
 from tierkv.attention.exact_gather import ExactGather
 from tierkv.bandwidth import LinkProfile
-from tierkv.errors import InvalidConfigError
+from tierkv.errors import InvalidConfigError, UnsupportedLayerError
 from tierkv.hf import conversation, sizing
 from tierkv.hf.attention import Engagement
 from tierkv.hf.forward import Forward
-from tierkv.hf.layer import TieredLayer
+from tierkv.hf.layer import TieredLayer, not_held
 from tierkv.hf.modes import AttentionModes
 from tierkv.hf.runtime import Budgets, Runtime
 from tierkv.hf.session import PrefixSession
@@ -146,6 +146,13 @@ class TieredCache(AttentionModes, Cache):
             self.forward.settle(self.layers, self.runtime)
         return super().get_seq_length(layer_idx)
 
+    def _holds_attention_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedLayerError(not_held("convolution or recurrent state (Mamba, linear attention) or an indexer"))
+
+    # transformers' Cache methods for state TieredCache does not hold: a model built without config= reaches them
+    get_conv_state = update_conv_state = get_recurrent_state = update_recurrent_state = _holds_attention_only
+    update_indexer = _holds_attention_only
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_rows(beam_idx.tolist())
 
@@ -230,8 +237,9 @@ class TieredCache(AttentionModes, Cache):
     def load(cls, path: str | os.PathLike, model: torch.nn.Module | None = None,
              device: str | torch.device | None = None, **options: Any) -> TieredCache:
         """A cache holding the conversation saved at ``path``: ``model.generate(ids, cache=cache)`` continues
-        it with no prefill. ``options`` are :class:`TieredCache` arguments (budgets, ``disk_dir`` ...);
-        ``device`` defaults to ``model``'s, else the CPU. Every record is verified (IntegrityError). The
+        it with no prefill. ``model`` is required: the file is refused unless it was saved from that model and fits
+        its config (a file is untrusted input). ``options`` are :class:`TieredCache` arguments (budgets,
+        ``disk_dir`` ...); ``device`` defaults to ``model``'s. Every record is verified (IntegrityError). The
         conversation is private: it is never written to the persistent or remote store."""
         return conversation.load(cls, path, model, device, options)
 

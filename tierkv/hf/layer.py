@@ -10,18 +10,25 @@ fails (the cache then rolls back the layers before it: :meth:`TieredCache.roll_b
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from tierkv.attention.base import Executor, Span
-from tierkv.errors import BudgetTooSmallError, InvalidConfigError, TierKVError
+from tierkv.errors import BudgetTooSmallError, InvalidConfigError, TierKVError, UnsupportedLayerError
 from tierkv.hf.attention import hand_over
 
 if TYPE_CHECKING:
     from tierkv.hf.cache import TieredCache
     from tierkv.store import KVStore
+
+
+def not_held(what: str) -> str:
+    """The refusal of a model that keeps ``what`` in its cache."""
+    return (f"this model keeps {what} in its cache; TieredCache holds full and sliding-window attention K/V only "
+            f"(given config=, it refuses such a model when it is built). Use transformers' DynamicCache for this "
+            f"architecture.")
 
 
 class TieredLayer(CacheLayerMixin):
@@ -39,7 +46,14 @@ class TieredLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.dropped = 0  # tokens freed from the front (sliding layers only)
         self.length_before = 0  # sequence length before the update in progress (the rollback target)
-        self.pending: tuple[Executor, Span, torch.Tensor] | None = None  # the step attend() completes
+        self.pending: tuple[Executor, Span, torch.Tensor, torch.Tensor] | None = None  # the step attend() completes
+
+    def __getattr__(self, name: str) -> Any:
+        """A cache-layer attribute this layer lacks is state of another kind of attention (DeepSeek V4's
+        compression weights): refused with the fix, and still an AttributeError for ``hasattr``."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise UnsupportedLayerError(not_held(f"state TieredCache's layers lack (layer.{name})"))
 
     @property
     def cache(self) -> TieredCache:
@@ -87,8 +101,8 @@ class TieredLayer(CacheLayerMixin):
             if executor is None or executor is not runtime.attending:
                 executor = runtime.hand_off(new)
             if executor.replaces_attention:
-                self.pending = (executor, span, key_states)
-                hand_over(cache)
+                self.pending = (executor, span, key_states, value_states)
+                hand_over(self)
             return executor.step(span, key_states, value_states)
         except BaseException as error:  # a KeyboardInterrupt too: the layers that took this step give it back
             cache.roll_back(self.length_before)
@@ -100,17 +114,34 @@ class TieredLayer(CacheLayerMixin):
         """Whether this layer's last update handed the model ``key_states`` for an executor to attend."""
         return self.pending is not None and self.pending[2] is key_states
 
-    def attend(self, key_states: torch.Tensor, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-               softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """The attention of this layer's step (the model's attention function with ``key_states`` from
-        :meth:`update`): ``query`` ``[B, H_q, q, D]`` -> ``[B, q, H_q, D]`` in the query's dtype. ``sinks``
+    def refuse_changed_kv(self) -> NoReturn:
+        """The model attends this step with K/V other than those :meth:`update` returned (JetMoE repeats them per
+        expert, DiffLlama splits the values): the executors read the stored K/V, so the step is given back and
+        refused with the fix."""
+        self.pending = None
+        self.cache.roll_back(self.length_before)
+        raise InvalidConfigError(
+            "the model attends with keys or values other than those the cache's update returned (it repeats, splits "
+            "or changes them after the update, as JetMoE and DiffLlama do); streaming, split and sparse attention "
+            "read the stored K/V. Decode this model with exact gather: leave out the `with "
+            "cache.streaming/split/sparse(model)` block (outputs equal DynamicCache's).")
+
+    def attend(self, key_states: torch.Tensor, value_states: torch.Tensor, query: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention of this layer's step (the model's attention function with ``key_states`` and
+        ``value_states`` from :meth:`update`): ``query`` ``[B, H_q, q, D]`` -> ``[B, q, H_q, D]`` in the query's
+        dtype. ``sinks``
         (``[H_q]``, gpt-oss's ``s_aux``): one more logit per query head in the softmax's denominator, attached to no
         value — the output scaled by ``sigmoid(lse - sink)``, exactly."""
         pending, self.pending = self.pending, None
         if pending is None or pending[2] is not key_states:
             raise TierKVError("inside `cache.streaming(model)` the model must be called with that cache "
                               "(cache=cache); another cache was passed, or none.")
-        executor, span, _ = pending
+        executor, span, _, values = pending
+        if value_states is not values:
+            self.pending = pending
+            self.refuse_changed_kv()
         try:
             if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1):
                 raise InvalidConfigError(
