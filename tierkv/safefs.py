@@ -239,24 +239,19 @@ def open_own_file(directory: int, name: str, where: str | os.PathLike) -> int:
     (:func:`refuse`) unless it is a regular file of this user that nobody else can write (what tierkv runs as
     code). FileNotFoundError if it is not there."""
     try:
-        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC, dir_fd=directory)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise refuse(where, "it is a symbolic link (tierkv never follows a link in its own tree: another user "
-                         "may have planted it)", "Remove it.", exc.errno) from exc
-        raise
+        fd = open_regular(directory, name, os.fspath(where))
+    except IntegrityError as exc:
+        what = "a symbolic link (tierkv never follows a link in its own tree: another user may have planted it)" \
+            if exc.errno == errno.ELOOP else "not a regular file"
+        raise refuse(where, f"it is {what}", "Remove it.", exc.errno or errno.EINVAL) from exc
     try:
         status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode):
-            raise refuse(where, f"it is not a regular file (mode {status.st_mode:o})", "Remove it.", errno.EINVAL)
         if status.st_uid != os.geteuid():
             raise refuse(where, f"it belongs to another user (uid {status.st_uid}), who could have planted it",
                          "Remove it (tierkv builds it again).")
         if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise refuse(where, f"mode {stat.S_IMODE(status.st_mode):o} lets others write it", "Remove it "
                          "(tierkv builds it again).")
-        if _NONBLOCK:
-            os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
