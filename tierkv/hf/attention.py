@@ -51,13 +51,14 @@ def split_mode(chunk_tokens: int) -> Mode:
 _LOCK = threading.Lock()  # guards the two below: engagements enter and leave on any thread
 _HELD: dict[int, int] = {}  # id(model) -> its engagements entered and not yet left, on every thread
 _BEFORE: dict[int, str] = {}  # id of an engaged model, its attention modules, its configs -> the implementation before
-_STEP = threading.local()  # .layer: the TieredLayer whose update just handed this thread's attention over
+_STEP = threading.local()  # .layer: the TieredLayer whose update just handed this thread's attention over;
+# .masks: masks this thread built (one or two a forward); .handed_at: .masks when .layer handed over
 
 
 def hand_over(layer: TieredLayer) -> None:
     """``layer``'s update gave the model only the step's K/V: this thread's next attention call is the layer's
     (whatever the attention module's own index: HRM's modules update layer ``layer_idx + cycle_offset``)."""
-    _STEP.layer = layer
+    _STEP.layer, _STEP.handed_at = layer, getattr(_STEP, "masks", 0)
 
 
 class Engagement:
@@ -173,15 +174,15 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
                attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """The attention function registered as :data:`STREAMING_ATTENTION`: the streaming executors' where this
     thread's last cache update handed this very step over (its keys), else the implementation the model had
-    before it was engaged (a hand-over no attention took, as direct ``cache.update`` calls leave, is dropped when
-    the next forward builds its mask). A layer whose step was handed over but whose attention gets other keys
-    (the model changed them after the update) is refused: its own attention would see only the step's."""
+    before it was engaged. A step handed over in this forward (no mask built since) whose attention gets other
+    keys (the model changed them after the update) is refused: its own attention would see only the step's; a
+    hand-over from before the forward's mask (direct ``cache.update`` calls) is dropped."""
     layer = getattr(_STEP, "layer", None)
     if layer is not None:
         _STEP.layer = None
         if layer.handed(key):
             return _streaming_attention_forward(layer, module, query, key, value, attention_mask, *args, **kwargs)
-        if layer.pending is not None:
+        if layer.pending is not None and _STEP.handed_at == getattr(_STEP, "masks", 0):
             layer.refuse_changed_kv()
     before = _BEFORE.get(id(module))
     if before is None:
@@ -205,7 +206,7 @@ def _mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
     forward through another cache gets its own mask — else sdpa's."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    _STEP.layer = None  # a forward begins: a hand-over left by direct cache.update calls is not its own
+    _STEP.masks = getattr(_STEP, "masks", 0) + 1  # a forward begins: earlier hand-overs are not its own
 
     before = None if config is None else _BEFORE.get(id(config))
     builder = ALL_MASK_ATTENTION_FUNCTIONS[before] if before in ("sdpa", "eager") else sdpa_mask
