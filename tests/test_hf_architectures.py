@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import pytest
 import torch
@@ -225,8 +226,9 @@ def test_kv_the_model_changes_before_attending_is_refused_and_nothing_is_lost(tm
     model = architecture(model_type)
     ids, mask = prompt(1, 30, seed=2)
     with TieredCache(gpu_gb="1MB", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
-        with engage(cache, model, executor), pytest.raises(InvalidConfigError, match="values other than.*exact "
-                                                                                       "gather"):  # fmt: skip
+        # (transformers 5.0's DiffLlama attends with its own code: refused when the block is entered)
+        with pytest.raises(InvalidConfigError, match="(values other than|attends with its own code).*exact gather"), \
+                engage(cache, model, executor):  # fmt: skip
             run(model, ids, mask, cache)
         assert cache.get_seq_length() == 0
         out = run(model, ids, mask, cache)
@@ -246,6 +248,8 @@ def test_a_model_keeping_other_state_in_its_cache_is_refused_without_a_config(tm
     except (KeyError, ValueError):
         pytest.skip(f"this transformers release has no {model_type}")
     model = instantiate(transformers.AutoModelForCausalLM.from_config, config)
+    if not {"cache", "past_key_values"} & set(inspect.signature(model.forward).parameters):
+        pytest.skip("this release passes the model's state as cache_params, its own class: no Cache goes in")
     ids, _ = prompt(1, 12, seed=4)
     with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4) as cache, \
             pytest.raises(InvalidConfigError, match=f"{match}.*DynamicCache"):  # fmt: skip
