@@ -237,15 +237,16 @@ class ExactGather(PipelinedExecutor):
         """Buffers whose K/V the model still holds: a layer's K/V that later layers of the forward reuse."""
         return {buffer for buffer, (keys, values) in self._handed.items() if keys() is not None or values() is not None}
 
-    def _busy(self) -> set[int]:
-        """Buffers a prefetch may not write now: the one attended over, those prefetches fill, those held."""
-        return {self.current} | {p.buffer for p in self.pending.values()} | self._held()
+    def _busy(self, held: set[int] | None = None) -> set[int]:
+        """Buffers a prefetch may not write now: the one attended over, those prefetches fill, those held
+        (``held``: :meth:`_held`, if the caller has it)."""
+        return {self.current} | {p.buffer for p in self.pending.values()} | (self._held() if held is None else held)
 
     def _free_buffer(self) -> int:
         """A buffer for a layer's gather: a free one, else one a prefetch fills (dropping it), else the one the
         previous layer attended over, else one more from the budget."""
         held = self._held()
-        busy = {self.current} | {p.buffer for p in self.pending.values()} | held
+        busy = self._busy(held)
         free = next((i for i in range(len(self.buffers)) if i not in busy), None)
         if free is not None:
             return free
