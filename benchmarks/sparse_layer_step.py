@@ -44,15 +44,16 @@ def main() -> int:
     import test_sparse as bench
 
     from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseAttention
+    from tierkv.attention.sparse_rest import RestAttention
 
     layer = 1
     recorded: dict[str, tuple] = {}
 
     def recording(name: str, method: Callable) -> Callable:
-        def wrapper(executor, *call_args):
+        def wrapper(instance, *call_args):
             if call_args[0] == layer or getattr(call_args[0], "layer", None) == layer:
                 recorded[name] = call_args
-            return method(executor, *call_args)
+            return method(instance, *call_args)
         return wrapper
 
     with tempfile.TemporaryDirectory() as folder:
@@ -61,21 +62,23 @@ def main() -> int:
             for _ in range(4):
                 decoder.step([], [])
             executor = decoder.cache.executors["sparse"]
-            originals = {name: getattr(SparseAttention, name) for name in ("attend", "_select", "_scores",
-                                                                           "_rest_attention")}
-            for name, method in originals.items():
-                setattr(SparseAttention, name, recording(name, method))
+            # (owner class, method, the object whose method is timed)
+            pieces = {"attend": (SparseAttention, executor), "_select": (SparseAttention, executor),
+                      "_scores": (SparseAttention, executor), "from_copy": (RestAttention, executor.rest)}
+            originals = {name: getattr(owner, name) for name, (owner, _) in pieces.items()}
+            for name, (owner, _) in pieces.items():
+                setattr(owner, name, recording(name, originals[name]))
             try:
                 decoder.step([], [])
             finally:
-                for name, method in originals.items():
-                    setattr(SparseAttention, name, method)
+                for name, (owner, _) in pieces.items():
+                    setattr(owner, name, originals[name])
             print(f"demo model, {args.context:,} tokens, layer {layer}, blocks {decoder.cache.stats()['blocks']}")
             with torch.no_grad():
                 for name, label in (("attend", "the whole layer-step (attend)"), ("_select", "  selection"),
-                                    ("_scores", "    scoring"), ("_rest_attention", "  rest copy's attention")):
+                                    ("_scores", "    scoring"), ("from_copy", "  rest copy's attention")):
                     if name in recorded:
-                        method = getattr(executor, name)
+                        method = getattr(pieces[name][1], name)
                         timed(label, lambda method=method, name=name: method(*recorded[name]), args.repeat)
         decoder.cache.close()
     return 0

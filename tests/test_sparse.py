@@ -656,7 +656,7 @@ def test_with_rest_bits_the_blocks_not_read_are_attended_from_their_copy(tmp_pat
     attention than the selection alone. The step before runs without the copy, so the store rebuilds its
     summaries in between (the executor must not keep their old rows)."""
     if chunk is not None:
-        monkeypatch.setattr("tierkv.attention.sparse.REST_CHUNK_TOKENS", chunk)
+        monkeypatch.setattr("tierkv.attention.sparse_rest.REST_CHUNK_TOKENS", chunk)
     store, kv = store_with_needles(tmp_path, {0: 5, 1: 10}, policy)
     full = store.table.rows[0].ids[:, : COLUMNS - 1].ravel().tolist()  # summarised in reverse: other rows than
     blocks = kv[:, :, :, : (COLUMNS - 1) * BT].unflatten(3, (COLUMNS - 1, BT)).permute(1, 3, 0, 2, 4, 5)

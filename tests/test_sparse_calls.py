@@ -34,7 +34,7 @@ from models import COMMON
 import tierkv
 from tierkv import TieredCache
 from tierkv.attention import kept as kept_module
-from tierkv.attention import sparse as sparse_module
+from tierkv.attention import sparse_rest as rest_module
 from tierkv.tiers import disk as disk_module
 
 PACKAGE = str(Path(tierkv.__file__).resolve().parent) + "/"
@@ -120,7 +120,7 @@ def test_python_calls_per_sparse_step_do_not_grow_with_blocks(tmp_path, monkeypa
     Whole-block selection (``page_tokens == block_tokens``) reads through the block planner, whose per-run
     copies are not flat (docs/architecture.md)."""
     monkeypatch.setattr(disk_module, "MIN_BOUNCE_BYTES", disk_module.BOUNCE_BYTES)
-    monkeypatch.setattr(sparse_module, "REST_CHUNK_TOKENS", 2 * MANY * BLOCK_TOKENS)  # one chunk of the rest copy
+    monkeypatch.setattr(rest_module, "REST_CHUNK_TOKENS", 2 * MANY * BLOCK_TOKENS)  # one chunk of the rest copy
     monkeypatch.setattr(kept_module, "KEEP_SHARE", 0.0)  # nothing kept: every step reads every tier (docstring)
     few, few_placed = traced_step(tmp_path / "few", FEW, None)
     many, many_placed = traced_step(tmp_path / "many", MANY, None)
@@ -137,7 +137,7 @@ def test_kept_pages_work_the_same_whatever_the_blocks(tmp_path, monkeypatch):
     misses read into place, viewing the buffer as the kernel's slab) is the same at 128 and 4,096 blocks per layer,
     and it ran."""
     monkeypatch.setattr(disk_module, "MIN_BOUNCE_BYTES", disk_module.BOUNCE_BYTES)
-    monkeypatch.setattr(sparse_module, "REST_CHUNK_TOKENS", 2 * MANY * BLOCK_TOKENS)
+    monkeypatch.setattr(rest_module, "REST_CHUNK_TOKENS", 2 * MANY * BLOCK_TOKENS)
     kept_file = str(Path(kept_module.__file__).resolve())
     counts = []
     for name, blocks in (("few", FEW), ("many", MANY)):

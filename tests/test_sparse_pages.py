@@ -198,7 +198,7 @@ def test_rest_pages_whose_mass_is_bounded_below_the_threshold_are_left_out_withi
     most pages not read negligible and the rest copy leaves them out. The output stays within the bound's promise
     of the output that attends every page's copy (omitted mass <= REST_PRUNE_MASS of the read pages'), and fewer
     rest bytes are read."""
-    from tierkv.attention import sparse as sparse_module
+    from tierkv.attention import sparse_rest as rest_module
 
     store, kv = store_with_needles(tmp_path, {0: (5, 2), 1: (9, 1)}, on_disk=False, heads=HEADS)
     q = torch.zeros(2, HEADS * GROUPS, 1, DIM)
@@ -206,8 +206,8 @@ def test_rest_pages_whose_mass_is_bounded_below_the_threshold_are_left_out_withi
     budget = SparseBudget(3 * PAGE, recent=0, page_tokens=PAGE, rest_bits=8)
     pruned = SparseAttention(store, ThreadMover())
     out = attend(pruned, q, budget)
-    limit = 2 * sparse_module.REST_PRUNE_MASS * kv[1].abs().max()  # the omitted mass times the largest value
-    monkeypatch.setattr(sparse_module, "REST_PRUNE_MASS", 0.0)  # log(0): nothing provably negligible
+    limit = 2 * rest_module.REST_PRUNE_MASS * kv[1].abs().max()  # the omitted mass times the largest value
+    monkeypatch.setattr(rest_module, "REST_PRUNE_MASS", 0.0)  # log(0): nothing provably negligible
     every = SparseAttention(store, ThreadMover())
     reference_out = attend(every, q, budget)
     assert pruned.counters.rest_pages_pruned > 0 and every.counters.rest_pages_pruned == 0
@@ -498,7 +498,7 @@ def test_the_rest_copy_is_attended_while_the_disk_pages_are_read(tmp_path, monke
         pytest.skip("an accelerator's pages are read into staging, before the rest copy")
     executor = SparseAttention(store, ThreadMover())
     events: list[str] = []
-    finish, settle, rest = pages_module.PageRead.finish, pages_module.PageRead.settle, executor._rest_attention
+    finish, settle, rest = pages_module.PageRead.finish, pages_module.PageRead.settle, executor.rest.from_copy
 
     def finishing(self):
         events.append("finish")
@@ -514,7 +514,7 @@ def test_the_rest_copy_is_attended_while_the_disk_pages_are_read(tmp_path, monke
 
     monkeypatch.setattr(pages_module.PageRead, "finish", finishing)
     monkeypatch.setattr(pages_module.PageRead, "settle", settling)
-    monkeypatch.setattr(executor, "_rest_attention", resting)
+    monkeypatch.setattr(executor.rest, "from_copy", resting)
     budget = SparseBudget(0.25, page_tokens=PAGE, rest_bits=4)
     q = torch.randn(2, HEADS * GROUPS, 1, DIM, generator=torch.Generator().manual_seed(8))
     out = attend(executor, q, budget)
@@ -524,12 +524,12 @@ def test_the_rest_copy_is_attended_while_the_disk_pages_are_read(tmp_path, monke
     def failing(*args, **kwargs):
         raise RuntimeError("the rest copy failed")
 
-    monkeypatch.setattr(executor, "_rest_attention", failing)
+    monkeypatch.setattr(executor.rest, "from_copy", failing)
     other = torch.randn(2, HEADS * GROUPS, 1, DIM, generator=torch.Generator().manual_seed(9))
     with pytest.raises(RuntimeError, match="rest copy failed"):
         attend(executor, other, budget)
     assert events == ["settle"]  # the new pages' read was in flight: waited for, not landed
-    monkeypatch.setattr(executor, "_rest_attention", resting)
+    monkeypatch.setattr(executor.rest, "from_copy", resting)
     executor.kept.clear()
     torch.testing.assert_close(attend(executor, q, budget), out, atol=1e-5, rtol=0)
     store.check()

@@ -55,6 +55,25 @@ def mask_bias(mask: torch.Tensor | None, offset: int, count: int, total: int, q_
     return part.to(dtype).clamp_min(lowest)
 
 
+def position_bias(positions: torch.Tensor, start: int, stop: int, mask: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Additive bias ``[B, 1, 1, T]`` over staged tokens at ``positions`` ``[B, T]``: positions outside
+    ``[start, stop)`` (the tail's empty slots, a sliding window's first block) and those ``mask`` hides get the
+    lowest finite value (like eager masks: a fully masked row stays finite)."""
+    lowest = torch.finfo(dtype).min
+    allowed = (positions >= start) & (positions < stop)
+    bias = torch.zeros(positions.shape, dtype=dtype, device=positions.device)
+    if mask is not None:
+        part = mask[:, 0, -1]  # [B or 1, kv] over tokens [start, stop)
+        index = (positions - start).clamp(0, part.shape[-1] - 1)
+        picked = part.expand(positions.shape[0], -1).gather(1, index)
+        if picked.dtype == torch.bool:
+            allowed &= picked
+        else:
+            bias = picked.to(dtype).clamp_min(lowest)
+    return bias.masked_fill(~allowed, lowest)[:, None, None, :]
+
+
 def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
                        scaling: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` ``[B, H_kv, G, q, D]`` over one chunk ``[B, H_kv, c, D]``.

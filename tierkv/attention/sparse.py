@@ -60,11 +60,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tierkv.attention import rest_kernel, score_kernel
+from tierkv.attention import score_kernel
 from tierkv.attention.base import PipelinedExecutor, Span, register_executor
 from tierkv.attention.kept import KeptBlocks, KeptLayer
-from tierkv.attention.lse import merge, merge_all, partial_attention, weighted_attention
+from tierkv.attention.lse import merge, merge_all, partial_attention, position_bias, weighted_attention
 from tierkv.attention.sparse_in_place import SparseInPlace
+from tierkv.attention.sparse_rest import RestAttention
 from tierkv.attention.sparse_store import SparseBlocks
 from tierkv.attention.speculation import Speculation, SpeculationCounters
 from tierkv.blocks import Tier
@@ -76,24 +77,10 @@ from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
 from tierkv.store.transfer import link
 
-REST_CHUNK_TOKENS = 16384  # the rest copy is decoded and attended this many candidate tokens at a time
-REST_PRUNE_MASS = 1e-3  # the rest copy leaves out pages whose summed mass is bounded below this share of the read's
 DEFAULT_REST_BITS = 4  # cache.sparse's rest copy: at 10% the one with top-1 >= 97% on every model (docs/quality.md)
 _LABELS = tuple(tier.label for tier in Tier)  # each tier's label by its value, looked up without the enum
 _INTO_DEVICE = tuple(link(tier, Tier.DEVICE) for tier in Tier)  # the links into the device
 _FROM_DEVICE = tuple(link(Tier.DEVICE, tier) for tier in Tier)  # ... and out of it
-
-
-@dataclass(frozen=True, slots=True)
-class _SummaryRows:
-    """Where the candidates' summaries are: ``index`` ``[B·C]`` table rows on the device and ``rows`` ``[B, C]`` the
-    same in numpy (0 where a block has none); ``missing`` (device) and ``none`` (numpy) ``[B, C]``: the blocks
-    without one (None: every block has one)."""
-
-    index: torch.Tensor
-    missing: torch.Tensor | None
-    rows: np.ndarray
-    none: np.ndarray | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +173,7 @@ class SparseCounters:
     bytes_fetched_off_device: int = 0  # ... of which came from the host and disk tiers
     promotions: int = 0  # blocks moved up to the device after being attended (policy="attention")
     rest_layer_steps: int = 0  # layer-steps that attended the blocks not read from their rest copy (rest_bits)
-    rest_pages_pruned: int = 0  # ... pages (or blocks) left out there: their mass bounded below REST_PRUNE_MASS
+    rest_pages_pruned: int = 0  # ... pages (or blocks) left out there: mass bounded below sparse_rest.REST_PRUNE_MASS
     pages_selected: int = 0  # pages read on their own (page_tokens < block_tokens), over rows and layers
     pages_reused: int = 0  # ... of which were kept on the device from earlier steps (not read from their tier)
     tokens_read: int = 0  # tokens staged and attended exactly (whole blocks and pages), over rows and layers
@@ -255,7 +242,7 @@ class SparseAttention(PipelinedExecutor):
         super().__init__(store, mover, num_layers=num_layers, timeline=timeline, trace=trace)
         self.budget = budget  # what each step reads (TieredCache.sparse sets it)
         self.counters = SparseCounters()
-        self._rows_cache: dict[int, tuple] = {}  # layer -> (key, _SummaryRows)
+        self.rest = RestAttention(store, self.counters)  # the pages a step does not read
         self._tail_cache: dict[int, tuple] = {}  # layer -> (key, its open tail's full pages' summaries)
         self.last_columns: np.ndarray | None = None  # the last layer-step's whole blocks [B, K] (grid columns)
         self.last_pages: np.ndarray | None = None  # ... and its pages [B, P] (column · per + page; None: blocks)
@@ -382,9 +369,10 @@ class SparseAttention(PipelinedExecutor):
                 read = columns if pages is None else pages
                 # pruned against the mass read so far: the disk pages in flight are not in it yet, so fewer pages
                 # are left out than against all of it (the bound holds all the more)
-                unread = self._rest_attention(layer, start, stop, read, per, q, mask, scaling, softcap, summaries,
-                                              [part_lse for _, part_lse in attended_parts]) if budget.rest_bits else \
-                    self._mean_attention(layer, start, stop, read, per, q, mask, scaling, softcap, summaries)
+                unread = self.rest.from_copy(layer, self._unread, start, stop, read, per, q, mask, scaling, softcap,
+                                             summaries, [part_lse for _, part_lse in attended_parts], self._bound) \
+                    if budget.rest_bits else self.rest.from_means(layer, self._unread, start, stop, read, per, q, mask,
+                                                                  scaling, softcap, summaries, self._means)
                 attended_parts += [unread] if unread is not None else []  # the pages not read, from their copy
             if pending is not None:
                 assert attended is not None
@@ -531,7 +519,7 @@ class SparseAttention(PipelinedExecutor):
         the candidates' summaries where the table holds them; elsewhere, and where the page means are attended
         (they are gathered anyway), torch gathers them and runs the same computation."""
         table = summaries.table(layer)
-        found = self._summary_rows(layer, rows, lo, hi, summaries, q.device)
+        found = self.rest.rows(layer, rows, lo, hi, summaries, q.device)
         index, missing = found.index, found.missing
         batch, columns = rows.batch, hi - lo
         pages = summaries.pages(self.store.block_tokens)
@@ -595,153 +583,6 @@ class SparseAttention(PipelinedExecutor):
                                values.float().mean(3).to(keys.dtype)), dim=3).flatten(3)
         self._tail_cache[layer] = (key, summary)
         return summary
-
-    def _summary_rows(self, layer: int, rows, lo: int, hi: int, summaries, device: torch.device) -> _SummaryRows:
-        """Summary table rows of candidate columns ``[lo, hi)`` (:class:`_SummaryRows`); looked up once per grid
-        version, candidate range and summaries (the store rebuilds them when ``rest_bits`` or ``page_tokens``
-        changes)."""
-        key = (rows.version, lo, hi, summaries)
-        cached = self._rows_cache.get(layer)
-        if cached is None or cached[0] != key:
-            found = summaries.rows(rows.ids[:, lo:hi])  # [B, C]; -1: no summary (always a candidate)
-            none = found < 0 if (found < 0).any() else None
-            held = found.clip(0)
-            cached = self._rows_cache[layer] = (key, _SummaryRows(
-                torch.from_numpy(held.ravel()).to(device), None if none is None else torch.from_numpy(none).to(device),
-                held, none))  # fmt: skip
-        return cached[1]
-
-    @staticmethod
-    def _not_from_copy(read: np.ndarray, lo: int, hi: int, per: int, found: _SummaryRows) -> np.ndarray:
-        """``[B, units]`` over the units (pages, or blocks where ``per`` is 1) of candidate columns ``[lo, hi)``: those
-        the rest copy leaves out, the ones read (``read`` ``[B, K]``: as ``column · per + page``) and those of
-        blocks without a summary."""
-        skip = np.zeros((read.shape[0], (hi - lo) * per), dtype=bool)
-        row, position = np.nonzero((read >= lo * per) & (read < hi * per))
-        skip[row, read[row, position] - lo * per] = True
-        if found.none is not None:
-            skip |= np.repeat(found.none, per, axis=1)
-        return skip
-
-    def _rest_attention(self, layer: int, start: int, stop: int, read: np.ndarray, per: int, q: torch.Tensor,
-                        mask: torch.Tensor | None, scaling: float, softcap: float | None, summaries,
-                        read_lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Attention of ``q`` over the candidate pages the selection did not read (``read`` ``[B, K]``: the pages,
-        as ``column · per + page``, or the blocks where ``per`` is 1), from their rest copy on the device: the
-        output and log-sum-exp to merge with the read ones' (the same softmax, in two pieces; None: nothing to
-        attend). Blocks without a copy (none was summarised yet) and the pages read are left out, and so are the
-        pages whose attention mass cannot matter: by Quest's bound (:mod:`tierkv.store.summaries`) no key of a
-        page has a logit above its bound, so its mass is at most ``page_tokens · exp(bound)``; the pages with the
-        least such mass are left out while their sum stays within :data:`REST_PRUNE_MASS` of the read pages' mass
-        (``read_lses``: each read part's log-sum-exp ``[B, H_kv, G, 1]``), in every query head — a bounded error,
-        not a guess. The C kernel (:mod:`~tierkv.attention.rest_kernel`) attends them from their codes in one call;
-        torch decodes :data:`REST_CHUNK_TOKENS` tokens at a time, merged by log-sum-exp, so its temporaries stay
-        bounded."""
-        if self._unread is None:
-            return None
-        lo, hi = self._unread
-        rows = self.store.table.rows[layer]
-        bt, batch, device = self.store.block_tokens, rows.batch, q.device
-        page, units = bt // per, (hi - lo) * per
-        found = self._summary_rows(layer, rows, lo, hi, summaries, device)
-        skip = self._not_from_copy(read, lo, hi, per, found)  # the page lists are built in numpy: small arrays
-        bound = self._bound
-        if REST_PRUNE_MASS > 0 and bound is not None and bound[0] == layer and bound[1].shape[-1] >= units:
-            # each page's log mass over the read's, the most any query head may give it [B, units]
-            read_lse = torch.logsumexp(torch.stack(read_lses), dim=0).float()
-            worst = np.where(skip, -np.inf, (bound[1][..., :units] - read_lse).flatten(1, 2).amax(
-                dim=1).cpu().numpy() + math.log(page))  # fmt: skip
-            # the least bounded page alone over the limit: none can be left out (the usual case, measured: Quest's
-            # bound is loose) without the sort and cumulative sum
-            if np.where(skip, np.inf, worst).min() <= math.log(REST_PRUNE_MASS):
-                order = np.argsort(worst, axis=1, kind="stable")
-                ordered = np.take_along_axis(worst, order, axis=1)
-                within = np.logaddexp.accumulate(ordered, axis=1) <= math.log(REST_PRUNE_MASS)
-                pruned = np.zeros_like(skip)
-                np.put_along_axis(pruned, order, within, axis=1)
-                self.counters.rest_pages_pruned += int((pruned & ~skip).sum())
-                skip |= pruned
-        count = units - skip.sum(axis=1)  # [B]
-        most = int(count.max())
-        if most == 0:
-            return None
-        unit = np.argsort(skip, axis=1, kind="stable")[:, :most]  # each row's needed pages first, ascending
-        valid = np.arange(most) < count[:, None]  # [B, most] (rows with fewer: padded, masked below)
-        block, part = np.divmod(unit, per)
-        pages = torch.from_numpy(np.take_along_axis(found.rows, block, axis=1) * per + part).to(device)  # [B, most]
-        native_kernel = rest_kernel.runs_on(device) and rest_kernel.takes(q.shape[2], q.shape[-1], page)
-        bias = None  # the C kernel never reads padding: without a mask and a window it needs no bias
-        if not native_kernel or mask is not None or lo * bt < start:
-            positions = ((lo + block) * bt + part * page)[:, :, None] + np.arange(page)
-            positions = torch.from_numpy(np.where(valid[:, :, None], positions, -1).reshape(batch, -1)).to(device)
-            bias = _bias(positions, start, stop, mask, q.dtype)  # [B, 1, 1, most · page]
-        chunk = most if native_kernel else max(1, REST_CHUNK_TOKENS // page)  # (the kernel makes no temporaries)
-        out = lse = None
-        scaled = (q[:, :, :, 0].float() * scaling).contiguous() if native_kernel else q  # the C kernel's query
-        for c in range(0, most, chunk):
-            picked = pages[:, c : c + chunk].reshape(-1)
-            counts = valid[:, c : c + chunk].sum(axis=1)  # [B]: each row's pages of this chunk
-            self.counters.rest_bytes_read += summaries.rest_nbytes(layer, int(counts.sum()))
-            native = None
-            if native_kernel:
-                codes, table, scales = summaries.rest_packed(layer)
-                native = rest_kernel.rest_attention(
-                    scaled, codes, table, scales, pages[:, c : c + chunk].contiguous(), torch.from_numpy(counts),
-                    None if bias is None else bias[:, 0, 0, c * page : (c + chunk) * page].float().contiguous(),
-                    summaries.rest_bits, softcap)
-            if native is not None:  # attended straight from the codes
-                out, lse = merge(out, lse, native[0].unsqueeze(-2), native[1].unsqueeze(-1))
-                continue
-            assert bias is not None  # (built above wherever the kernel does not run)
-            keys, values = summaries.rest(layer, picked, q.dtype)  # [H_kv, B·n, page, D]: decoded, then attended
-            heads, dim = keys.shape[0], keys.shape[-1]
-            keys = keys.view(heads, batch, -1, dim).transpose(0, 1)  # [B, H_kv, n·page, D]
-            values = values.view(heads, batch, -1, dim).transpose(0, 1)
-            padded = ~valid[:, c : c + chunk]
-            if padded.any():  # a padded position may name a row never written (NaN there would survive any bias)
-                padded = torch.from_numpy(np.repeat(padded, page, axis=1)).to(device)[:, None, :, None]
-                keys, values = keys.masked_fill(padded, 0), values.masked_fill(padded, 0)
-            out, lse = merge(out, lse, *partial_attention(q, keys, values, bias[..., c * page : (c + chunk) * page],
-                                                          scaling, softcap))
-        self.counters.rest_layer_steps += 1
-        return None if out is None or lse is None else (out, lse)
-
-    def _mean_attention(self, layer: int, start: int, stop: int, read: np.ndarray, per: int, q: torch.Tensor,
-                        mask: torch.Tensor | None, scaling: float, softcap: float | None,
-                        summaries) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Attention of ``q`` over the candidate pages the selection did not read (``read``: as in
-        :meth:`_rest_attention`), each from its mean key and value standing for its tokens: logit ``q · k̄`` plus
-        the log of the page's attended tokens (those inside ``[start, stop)`` and the mask), value ``v̄`` — the
-        output and log-sum-exp to merge with the read pages' (None: nothing to attend). The means are the
-        summaries' own, gathered by the scoring already: no more bytes are read."""
-        if self._unread is None:
-            return None
-        lo, hi = self._unread
-        store = self.store
-        rows = store.table.rows[layer]
-        bt, batch, device = store.block_tokens, rows.batch, q.device
-        page, units = bt // per, (hi - lo) * per
-        found = self._summary_rows(layer, rows, lo, hi, summaries, device)
-        means = self._means
-        if means is not None and means[0] == layer:
-            pairs = means[1][:, :, :units]  # [B, H_kv, units, 2·D]
-        else:  # no scoring this step (nothing selected): gather them
-            table = summaries.table(layer)
-            gathered = table.index_select(1, found.index)[:, :, :, 2:]  # [H_kv, B·C, pages, 2, D]
-            self.counters.summary_bytes_read += gathered.numel() * gathered.element_size()
-            pairs = gathered.reshape(table.shape[0], batch, units, -1).transpose(0, 1)
-        dim = pairs.shape[-1] // 2
-        keys, values = pairs[..., :dim].to(q.dtype), pairs[..., dim:].to(q.dtype)
-        skip = torch.from_numpy(self._not_from_copy(read, lo, hi, per, found)).to(device)
-        firsts = lo * bt + torch.arange(units, device=device) * page  # [units]
-        positions = (firsts[:, None] + torch.arange(page, device=device)).flatten()[None].expand(batch, -1)
-        allowed = _bias(positions, start, stop, mask, q.dtype) > torch.finfo(q.dtype).min / 2  # [B, 1, 1, units·page]
-        count = allowed.view(batch, units, page).sum(dim=2).masked_fill(skip, 0)  # [B, units]
-        if not bool(count.any()):
-            return None
-        bias = torch.log(count.to(torch.float32)).clamp_min(torch.finfo(q.dtype).min).to(q.dtype)[:, None, None]
-        self.counters.rest_layer_steps += 1
-        return partial_attention(q, keys, values, bias, scaling, softcap)
 
     def _with_sticky(self, layer: int, lo: int, hi: int, score: torch.Tensor) -> torch.Tensor:
         """``score`` ``[B, C]`` of candidate units (pages, or blocks) ``[lo, hi)``, raised to the share a unit got
@@ -994,7 +835,7 @@ class SparseAttention(PipelinedExecutor):
 
     # ---------------------------------------------------------------------------------- control
     def invalidate(self) -> None:
-        self._rows_cache.clear()
+        self.rest.forget()
         self._tail_cache.clear()
         self._sticky.clear()
         self.kept.clear()
@@ -1004,7 +845,7 @@ class SparseAttention(PipelinedExecutor):
         self.invalidate()
 
     def drop(self, layer: int) -> None:
-        self._rows_cache.pop(layer, None)
+        self.rest.forget(layer)
         self._tail_cache.pop(layer, None)
         self._sticky.pop(layer, None)
         self.kept.clear(layer)
@@ -1052,7 +893,7 @@ def _selection_bias(columns: np.ndarray, bt: int, start: int, stop: int, mask: t
                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive bias ``[B, 1, 1, K·bt]`` over the selected blocks' tokens (:func:`_bias`)."""
     cols = torch.from_numpy(np.array(columns, dtype=np.int64)).to(device)  # a copy: broadcast views are read-only
-    return _bias((cols[:, :, None] * bt + torch.arange(bt, device=device)).flatten(1), start, stop, mask, dtype)
+    return position_bias((cols[:, :, None] * bt + torch.arange(bt, device=device)).flatten(1), start, stop, mask, dtype)
 
 
 def _page_bias(pages: np.ndarray, per: int, page: int, start: int, mask: torch.Tensor | None,
@@ -1065,7 +906,7 @@ def _page_bias(pages: np.ndarray, per: int, page: int, start: int, mask: torch.T
     firsts = torch.from_numpy((pages // per * per * page + pages % per * page).astype(np.int64)).to(device)
     positions = (firsts[:, :, None] + torch.arange(page, device=device)).flatten(1)  # [B, P·page]
     positions = positions.masked_fill(torch.from_numpy(unread).to(device).repeat_interleave(page, dim=1), -1)
-    return _bias(positions, start, int(positions.max()) + 1, mask, dtype)
+    return position_bias(positions, start, int(positions.max()) + 1, mask, dtype)
 
 
 def _tail_bias(bias: torch.Tensor | None, chosen: np.ndarray, pages: int, page: int, tokens: int,
@@ -1082,25 +923,6 @@ def _tail_bias(bias: torch.Tensor | None, chosen: np.ndarray, pages: int, page: 
     if bias is None:
         bias = torch.zeros((batch, 1, 1, tokens), dtype=query.dtype, device=query.device)
     return bias.masked_fill(hidden, torch.finfo(query.dtype).min)
-
-
-def _bias(positions: torch.Tensor, start: int, stop: int, mask: torch.Tensor | None,
-          dtype: torch.dtype) -> torch.Tensor:
-    """Additive bias ``[B, 1, 1, T]`` over staged tokens at ``positions`` ``[B, T]``: positions outside
-    ``[start, stop)`` (the tail's empty slots, a sliding window's first block) and those ``mask`` hides get the
-    lowest finite value (like eager masks: a fully masked row stays finite)."""
-    lowest = torch.finfo(dtype).min
-    allowed = (positions >= start) & (positions < stop)
-    bias = torch.zeros(positions.shape, dtype=dtype, device=positions.device)
-    if mask is not None:
-        part = mask[:, 0, -1]  # [B or 1, kv] over tokens [start, stop)
-        index = (positions - start).clamp(0, part.shape[-1] - 1)
-        picked = part.expand(positions.shape[0], -1).gather(1, index)
-        if picked.dtype == torch.bool:
-            allowed &= picked
-        else:
-            bias = picked.to(dtype).clamp_min(lowest)
-    return bias.masked_fill(~allowed, lowest)[:, None, None, :]
 
 
 def _unit_shares(weights: torch.Tensor, count: int, size: int) -> torch.Tensor:
