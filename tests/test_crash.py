@@ -4,15 +4,20 @@ nothing unlisted or abandoned is left."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
+
+from tierkv.errors import DiskFullError, DiskTierError
 from tierkv.persist import record
-from tierkv.persist.blockfile import DIRECTORY_NAME, SUFFIX, PersistentStore
+from tierkv.persist.blockfile import DIRECTORY_NAME, SUFFIX, Item, PersistentStore
 
 KILLS = 24
 
@@ -126,3 +131,78 @@ def test_a_killed_persistent_cache_leaves_blocks_a_later_cache_reuses_exactly(tm
     assert torch.equal(out.sequences, reference.sequences)
     for a, b in zip(reference.logits, out.logits):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
+def test_a_persistent_tree_removed_under_a_running_store_is_named_with_its_errno(tmp_path):
+    """``rm -r disk_dir/tierkv-persist`` while a store runs: its next ``put`` says the folders were removed
+    (ENOENT), not "free space there" with no errno; the next store makes the tree again and works."""
+    def item(key: str) -> Item:
+        head, payload = record.encode({"kind": "block", "key": key}, bytes(1000))
+        return Item(key, 0, head, bytes(payload))
+
+    store = PersistentStore(tmp_path, 1 << 20)
+    assert store.put([item("a" * 32)]) == 1
+    shutil.rmtree(tmp_path / DIRECTORY_NAME)
+    with pytest.raises(DiskTierError, match="were removed while this cache used them") as info:
+        store.put([item("b" * 32)])
+    assert info.value.errno == errno.ENOENT and not isinstance(info.value, DiskFullError)
+    store.close()
+    again = PersistentStore(tmp_path, 1 << 20)
+    assert again.lookup(["a" * 32]) == 0 and again.put([item("b" * 32)]) == 1 and again.verify() == []
+    again.close()
+
+
+# Saves a conversation file whose records stop coming after the first (the writer is blocked mid-save), printing
+# "writing" once the first bytes are in its temporary file.
+STALLED_SAVER = """
+import sys, time
+from tierkv.persist import conversation
+
+def records():
+    yield bytes(4096), memoryview(b"")
+    print("writing", flush=True)
+    time.sleep(3600)
+
+conversation.save(sys.argv[1], records())
+"""
+
+
+def test_saves_killed_mid_write_leave_no_temporary_behind_the_next_save(tmp_path):
+    """Regression: each ``save()`` SIGKILLed mid-write left its temporary (``.chat.tkv.<hex>.tmp``, as large as the
+    conversation) for ever. The next save of that file removes the dead writers' temporaries, never a live
+    writer's, and the file is always either the previous version or the new one."""
+    from tierkv.persist import conversation
+
+    target = tmp_path / "chat.tkv"
+    conversation.save(target, [(b"first", memoryview(b""))])
+
+    def stalled_saver() -> subprocess.Popen:
+        child = subprocess.Popen([sys.executable, "-c", STALLED_SAVER, str(target)], stdout=subprocess.PIPE,
+                                 env={**os.environ, "PYTHONPATH": os.getcwd()})
+        assert child.stdout.readline() == b"writing\n"
+        return child
+
+    def temporaries() -> list[str]:
+        return sorted(p.name for p in tmp_path.iterdir() if p.name != "chat.tkv")
+
+    live = stalled_saver()
+    for _ in range(2):  # each saver, as it starts, removes the temporary the one before it left
+        child = stalled_saver()
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+        child.stdout.close()
+    assert len(temporaries()) == 2 and target.read_bytes() == b"first"  # the live one's and the last killed one's
+    (tmp_path / ".chat.tkv.0123456789ab.tmp").write_bytes(b"")  # created by a writer that did not write yet
+    (tmp_path / ".other.tkv.0123456789ab.tmp").write_bytes(b"another file's")
+    stranger = tmp_path / ".chat.tkv.ba9876543210.tmp"
+    stranger.symlink_to(tmp_path / "chat.tkv")
+    mine = temporaries()
+    conversation.save(target, [(b"second", memoryview(b""))])
+    assert target.read_bytes() == b"second"
+    left = temporaries()  # the live writer's, the empty one, another file's and the link stay
+    assert len(left) == 4 and set(left) < set(mine) and stranger.name in left
+    live.send_signal(signal.SIGKILL)
+    assert live.wait(timeout=30) == -signal.SIGKILL
+    live.stdout.close()
+    conversation.save(target, [(b"third", memoryview(b""))])
+    assert target.read_bytes() == b"third" and len(temporaries()) == 3

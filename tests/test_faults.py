@@ -4,8 +4,12 @@ every layer at one length, every accepted token readable, no slot leaked."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -160,6 +164,43 @@ def test_a_disk_that_fills_up_keeps_every_accepted_token(model, tmp_path, faulty
     assert not list(tmp_path.iterdir())
 
 
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_saving_to_a_full_filesystem_is_a_disk_full_error_and_keeps_the_old_file(model, tmp_path, asynchronous):
+    """Regression: ``save()`` onto a real filesystem that fills up raised a bare ``OSError`` (ENOSPC) from the
+    temporary file's write. It is a DiskFullError naming the path and the fix; the previous file and the cache
+    are untouched, no temporary file is left, and the cache goes on decoding exactly."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        cache, reference, token = start(model, tmp_path / "kv")
+        target = mount / "chat.tkv"
+        cache.save(target, model=model)
+        saved = target.read_bytes()
+        decode(model, cache, reference, token, 4)
+        filler = os.open(mount / "other-program", os.O_WRONLY | os.O_CREAT, 0o600)
+        with contextlib.suppress(OSError):  # someone else fills the filesystem
+            while True:
+                os.write(filler, bytes(4096))
+        os.close(filler)
+        with pytest.raises(DiskFullError, match="cannot save the conversation to .*chat.tkv.*free space") as info:
+            if asynchronous:
+                asyncio.run(cache.asave(target, model=model))
+            else:
+                cache.save(target, model=model)
+        assert info.value.errno == errno.ENOSPC
+        assert target.read_bytes() == saved and sorted(p.name for p in mount.iterdir()) == ["chat.tkv",
+                                                                                            "other-program"]
+        assert_consistent(cache, reference)
+        decode(model, cache, reference, token, 4)
+        assert_consistent(cache, reference)
+        cache.close()
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
 def test_short_reads_and_writes_move_every_byte(model, tmp_path, faulty):
     faulty.short = True
     cache, reference, token = start(model, tmp_path)
@@ -224,3 +265,55 @@ def test_keyboard_interrupt_anywhere_leaks_no_slot(tmp_path, monkeypatch, where,
         if not interrupted:
             break  # the workload makes fewer calls than nth: every point was reached
     assert nth > 1, f"{where}.{name} was never called by the workload"
+
+
+# Closes an engine file on the main thread while another thread keeps submitting reads and waiting for them, many
+# times over; prints the errors the reader saw once every round is done.
+CLOSE_UNDER_A_READER = """
+import sys, threading
+from tierkv.io.base import aligned_empty
+from tierkv.io.select import open_disk_file
+
+path, engine, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with open(path, "wb") as f:
+    f.truncate(1 << 20)
+seen = set()
+for _ in range(rounds):
+    file = open_disk_file(path, engine=engine, direct=False)
+    started = threading.Event()
+
+    def read_until_closed():
+        buffer = aligned_empty(1 << 20)
+        try:
+            while True:
+                handle = file.submit_reads([(k << 16, buffer[k << 16 : (k + 1) << 16]) for k in range(16)])
+                started.set()
+                handle.wait()
+        except Exception as exc:
+            seen.add(f"{type(exc).__name__}: {str(exc)[:13]}")
+
+    reader = threading.Thread(target=read_until_closed)
+    reader.start()
+    started.wait()
+    file.close()
+    reader.join()
+print(sorted(seen), flush=True)
+"""
+
+
+@pytest.mark.parametrize("engine", ["native", "posix"])
+def test_closing_an_engine_file_while_another_thread_reads_it(tmp_path, engine):
+    """Regression: ``close()`` on one thread while another submitted and waited (a server closing a cache whose
+    request thread decodes, or the mover's read): the native engine freed its C pool under a ``tkv_wait`` or
+    ``tkv_submit`` (a segfault, or a deadlock on the freed mutex), the posix engine raised AttributeError /
+    RuntimeError. Now the pool lives until the last C call is out, and the reader only ever sees "I/O on closed"."""
+    from tierkv.io.select import engine_status
+
+    reason = engine_status()[engine]
+    if reason is not None:
+        pytest.skip(f"{engine} unavailable: {reason}")
+    child = subprocess.run([sys.executable, "-X", "faulthandler", "-c", CLOSE_UNDER_A_READER,
+                            str(tmp_path / "file.bin"), engine, "300"], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.strip() == "['ValueError: I/O on closed']"

@@ -3,7 +3,10 @@ exception out of the store and never wrong bytes (the cache-level versions are i
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import threading
 import time
 
 import pytest
@@ -143,3 +146,37 @@ def test_a_corrupted_value_is_a_miss_and_is_replaced(redis_server, caplog, damag
         assert store.flush(5) and not raw.exists(name)  # deleted, so a write-through can replace it
         fill(store, keys[1:2], values[1:2])
         assert bytes(store.get_many(keys[1:2])[0]) == values[1]
+
+
+def test_a_service_that_does_not_speak_redis_is_a_miss(caplog) -> None:
+    """Regression: another service on the URL's port (an HTTP server answering every connection with text) made
+    ``load_prefix`` raise redis-py's raw ``InvalidResponse``; it is a server that is down: a miss, warned once
+    with the hint to check the host and port, never an exception out of the store."""
+    pytest.importorskip("redis", reason="redis-py is not installed (pip install -e '.[redis]')")
+    listener = socket.create_server(("127.0.0.1", 0))
+    answered: list[socket.socket] = []
+
+    def answer_in_http() -> None:
+        with contextlib.suppress(OSError):  # the listener closed: the test is over
+            while True:
+                connection, _ = listener.accept()
+                answered.append(connection)
+                connection.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    server = threading.Thread(target=answer_in_http, daemon=True)
+    server.start()
+    keys, values = blocks(4)
+    try:
+        url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+        with RemoteBlockStore(url, "m", backoff_s=0.05) as store:
+            assert store.prefix_length(keys) == 0 and store.get_many(keys) == [None] * 4
+            fill(store, keys, values)  # writes fail in the background, counted
+            stats = store.stats()
+            assert stats["down"] and stats["errors"] >= 1 and stats["writes"] == 0
+        assert answered and "does not speak the Redis protocol" in caplog.text
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() (Linux), which close() alone does not
+        listener.close()
+        server.join(timeout=10)
+        for connection in answered:
+            connection.close()

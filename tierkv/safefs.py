@@ -13,9 +13,10 @@ The rules (docs/reliability.md, "Security"):
   group-shared opt-in it may belong to, and be writable by, a group of this process.
 - Files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a random name (a planted name fails, it is
   never opened) and ``fchmod``-ed to 0600 (0660 shared) whatever the umask; a file is replaced by renaming
-  such a temporary file over it (a symlink in its place is replaced, not followed). A created file is opened
-  again only through its descriptor (:func:`reopen`), never by name: a file renamed into its place is never
-  opened.
+  such a temporary file over it (a symlink in its place is replaced, not followed); its writer holds its
+  ``flock`` until the rename, so the next write of that file removes the temporaries of writers that died
+  (:func:`reap_temporaries`), never a live one's. A created file is opened again only through its descriptor
+  (:func:`reopen`), never by name: a file renamed into its place is never opened.
 - Files are opened for reading with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO opens without waiting for a writer)
   and refused unless ``fstat`` says they are regular; a read is bounded by that size.
 """
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
+import re
 import secrets
 import stat
 from collections.abc import Iterable, Iterator
@@ -311,19 +314,75 @@ def fsync_directory(fd: int) -> None:
     os.fsync(fd)
 
 
+_TEMPORARY_TAIL = re.compile(r"[0-9a-f]{12}\.tmp")  # what create_file's random part and ".tmp" make
+
+
+def new_temporary(directory: int, name: str, shared: bool | None = None) -> tuple[int, str]:
+    """``(fd, temporary)``: a fresh temporary file for a new version of ``name`` in ``directory``, exclusively
+    ``flock``-ed before a byte is written; keep ``fd`` open until the temporary is renamed or removed. First
+    removes the temporaries of ``name`` that writers killed mid-write left behind (:func:`reap_temporaries`),
+    so a ``save()`` killed again and again does not fill the disk with copies."""
+    reap_temporaries(directory, name)
+    fd, temporary = create_file(directory, f".{name}.", ".tmp", shared)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a new file nobody else has locked: never waits
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(temporary, dir_fd=directory)
+        raise
+    return fd, temporary
+
+
+def reap_temporaries(directory: int, name: str) -> int:
+    """Remove the temporaries of ``name`` in ``directory`` (``.<name>.<12 hex>.tmp``) whose writer died (SIGKILL,
+    a crash, a power cut) and return how many. A writer (:func:`new_temporary`) holds its temporary's ``flock``
+    from before its first byte until after the rename, and the kernel drops it when the writer dies, so a
+    temporary that is not empty and can be locked is abandoned; a live writer's (locked, or still empty) is left
+    alone, and so is anything that is not this user's regular file."""
+    prefix = f".{name}."
+    try:
+        with os.scandir(directory) as entries:
+            candidates = [entry.name for entry in entries
+                          if entry.name.startswith(prefix) and _TEMPORARY_TAIL.fullmatch(entry.name[len(prefix):])]
+    except OSError:  # a directory that can be written but not listed (mode -wx): nothing to reap from here
+        return 0
+    removed = 0
+    for candidate in candidates:
+        try:
+            fd = os.open(candidate, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC, dir_fd=directory)
+        except OSError:  # gone meanwhile (renamed into place, reaped by another process), or a link
+            continue
+        try:
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode) or not is_ours(status) or status.st_size == 0:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its writer lives
+            here = os.stat(candidate, dir_fd=directory, follow_symlinks=False)
+            if (here.st_dev, here.st_ino) == (status.st_dev, status.st_ino):
+                os.unlink(candidate, dir_fd=directory)
+                removed += 1
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
 @contextlib.contextmanager
 def replacing(directory: int, name: str, shared: bool | None = None) -> Iterator[int]:
     """Write a new version of ``name`` in ``directory`` (a descriptor): yields the descriptor of a fresh
-    temporary file; on success it is fsynced and renamed over ``name`` (whatever is there, a link too, is
-    replaced, never followed), and the directory fsynced; on failure it is removed and ``name`` is untouched."""
-    fd, temporary = create_file(directory, f".{name}.", ".tmp", shared)
+    temporary file (:func:`new_temporary`); on success it is fsynced and renamed over ``name`` (whatever is there,
+    a link too, is replaced, never followed), and the directory fsynced; on failure it is removed and ``name`` is
+    untouched. The descriptor (and its lock) is closed only after the rename, so no reaper takes it before."""
+    fd, temporary = new_temporary(directory, name, shared)
     try:
         try:
             yield fd
             os.fsync(fd)
+            os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
         finally:
             os.close(fd)
-        os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary, dir_fd=directory)

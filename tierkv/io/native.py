@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import struct
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -169,11 +170,22 @@ def load() -> type[DiskFile]:
 class _Pool:
     """A C thread pool and the descriptor it serves, shared by a file and its batches, so that whichever is
     collected first (the garbage collector calls weakref callbacks before ``__del__``) sees whether the pool
-    still exists."""
+    still exists.
+
+    Threads: a file may be closed on one thread while another is inside a C call on its pool (a server closing a
+    cache whose request thread decodes, or the mover thread's read). Every C call holds the pool as a *user*
+    (:meth:`enter` / :meth:`exit`); :meth:`release` refuses new submissions at once but frees the pool and closes
+    the descriptor only when the last user is out — a pool freed under a ``tkv_submit``/``tkv_wait``, or a
+    descriptor closed (and its number reused by another file) under queued writes, crashed the process or wrote
+    into the wrong file."""
 
     def __init__(self, lib: ctypes.CDLL, depth: int, fd: int) -> None:
         self.lib, self.fd = lib, fd
         self.handle: int | None = None
+        self._lock = threading.RLock()  # reentrant: a finalizer that runs while this thread holds it
+        self._users = 0
+        self._closing = False
+        self.freed = threading.Event()  # set once the pool was freed (every batch finished) and the fd closed
         if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= settings.MAX_IO_QUEUE_DEPTH:
             raise InvalidConfigError(
                 f"the native engine's pool needs 1 to {settings.MAX_IO_QUEUE_DEPTH} I/O threads, got {depth!r} "
@@ -181,16 +193,51 @@ class _Pool:
             )
         self.handle = lib.tkv_pool_new(depth) or None
 
+    def enter(self, submit: bool) -> int | None:
+        """The pool's handle, held until :meth:`exit`; None once it is released — for a ``submit`` already when
+        the release began (the caller then makes no C call on it)."""
+        with self._lock:
+            if self.handle is None or (submit and self._closing):
+                return None
+            self._users += 1
+            return self.handle
+
+    def exit(self) -> None:
+        """The end of a C call :meth:`enter` allowed; the last user out of a released pool frees it."""
+        with self._lock:
+            self._users -= 1
+            taken = self._take() if self._closing and not self._users else None
+        self._free(taken)
+
     def release(self) -> None:
-        """Stop and join the threads (after the queued batches: they all finish), free the pool, close the fd."""
-        handle, self.handle = self.handle, None
+        """Stop and join the threads (after the queued batches: they all finish), free the pool, close the fd —
+        now, or when the last C call still using the pool returns."""
+        with self._lock:
+            self._closing = True
+            taken = self._take() if not self._users else None
+        self._free(taken)
+
+    def _take(self) -> tuple[int | None, int] | None:
+        """The handle and descriptor to free, taken out of the pool (under the lock), or None if taken before."""
+        if self.handle is None and self.fd < 0:
+            return None
+        taken = (self.handle, self.fd)
+        self.handle, self.fd = None, -1
+        return taken
+
+    def _free(self, taken: tuple[int | None, int] | None) -> None:
+        if taken is None:
+            return
+        handle, fd = taken
         try:
             if handle is not None:
                 self.lib.tkv_pool_free(handle)
         finally:
-            if self.fd >= 0:
-                fd, self.fd = self.fd, -1
-                os.close(fd)
+            try:
+                if fd >= 0:
+                    os.close(fd)
+            finally:
+                self.freed.set()
 
 
 class _NativeBatch(IOHandle):
@@ -205,26 +252,34 @@ class _NativeBatch(IOHandle):
         self._digests = digests  # ... and writes into this one
         self._offsets, self._lengths = offsets, lengths  # of each request, for the error of the first that failed
         self._error: OSError | None = None
+        self._finishing = threading.Lock()  # held while a thread waits for and frees the C batch
 
     def _finish(self) -> None:
-        """Wait in C, record the first error, free the C batch. Idempotent; never raises."""
-        if self._batch is None:
-            return
-        lib, pool = self._pool.lib, self._pool.handle
-        batch, self._batch = self._batch, None
-        if pool is None:  # the pool was freed, which finished every batch first
-            lib.tkv_batch_free(batch)
+        """Wait in C, record the first error, free the C batch. Idempotent; never raises. Threads that finish one
+        batch at once (a ``close()`` on another thread) take turns: the later one finds it finished."""
+        with self._finishing:
+            if self._batch is None:
+                return
+            lib, state = self._pool.lib, self._pool
+            pool = state.enter(submit=False)
+            if pool is None:  # released: its free finishes every batch first
+                state.freed.wait()
+                lib.tkv_batch_free(self._batch)
+                self._batch, self._buffers, self._digests = None, None, None
+                return
+            try:
+                code = ctypes.c_int32()
+                failed = lib.tkv_wait(pool, self._batch, ctypes.byref(code))
+                lib.tkv_batch_free(self._batch)
+                self._batch = None
+            finally:
+                state.exit()
+            if failed >= 0:
+                if code.value == _EOF:
+                    self._error = eof_error(self._path, int(self._offsets[failed]), int(self._lengths[failed]), None)
+                else:
+                    self._error = OSError(code.value, os.strerror(code.value), self._path)
             self._buffers, self._digests = None, None
-            return
-        code = ctypes.c_int32()
-        failed = lib.tkv_wait(pool, batch, ctypes.byref(code))
-        lib.tkv_batch_free(batch)
-        if failed >= 0:
-            if code.value == _EOF:
-                self._error = eof_error(self._path, int(self._offsets[failed]), int(self._lengths[failed]), None)
-            else:
-                self._error = OSError(code.value, os.strerror(code.value), self._path)
-        self._buffers, self._digests = None, None
 
     def wait(self) -> None:
         self._finish()
@@ -232,8 +287,22 @@ class _NativeBatch(IOHandle):
             raise self._error
 
     def done(self) -> bool:
-        pool = self._pool.handle
-        return self._batch is None or pool is None or bool(self._pool.lib.tkv_done(pool, self._batch))
+        if self._batch is None:
+            return True
+        if not self._finishing.acquire(blocking=False):  # another thread is finishing it
+            return False
+        try:
+            if self._batch is None:
+                return True
+            pool = self._pool.enter(submit=False)
+            if pool is None:
+                return self._pool.freed.is_set()
+            try:
+                return bool(self._pool.lib.tkv_done(pool, self._batch))
+            finally:
+                self._pool.exit()
+        finally:
+            self._finishing.release()
 
     def __del__(self) -> None:
         # An abandoned handle must not free memory that workers still write into: drain it first.
@@ -262,6 +331,7 @@ class NativeFile(DiskFile):
             raise OSError(errno.EAGAIN, f"native engine: could not start its {depth} I/O threads (the thread or "
                           "memory limit; a smaller TIERKV_IO_QUEUE_DEPTH needs fewer)", path)
         self._live: weakref.WeakSet[_NativeBatch] = weakref.WeakSet()  # finished before the pool is freed
+        self._live_lock = threading.Lock()
         # dropped without close() (or alive at exit), the file still joins its C threads and closes its descriptor
         self._finalizer = weakref.finalize(self, self.pool_state.release)
 
@@ -331,13 +401,18 @@ class NativeFile(DiskFile):
         piece_addresses = np.array([view.ctypes.data for view in views], dtype=np.uint64)
         digest_addresses = np.array([array.ctypes.data for array in digests], dtype=np.uint64)
         batches = np.array([handle._batch or 0 for handle in given], dtype=np.uint64)  # type: ignore[attr-defined]
-        packed = ctypes.create_string_buffer(_ROUNDS.pack(
-            rounds, len(pieces), len(given), self.fd, self._chunk, ring.unit, self.pool, ring.request_start.ctypes.data,
-            ring.offsets.ctypes.data, ring.lengths.ctypes.data, ring.within.ctypes.data, piece_addresses.ctypes.data,
-            digest_addresses.ctypes.data, ring.unit_start.ctypes.data, expected.ctypes.data, batches.ctypes.data,
-            consumer, arguments.ctypes.data, 0, 0, 0, 0, 0), _ROUNDS.size)  # fmt: skip
-        if self.lib.tkv_rounds(packed):
-            raise ValueError("run_rounds: the C loop refused its arguments.")
+        pool = self._enter()
+        try:
+            packed = ctypes.create_string_buffer(_ROUNDS.pack(
+                rounds, len(pieces), len(given), self.fd, self._chunk, ring.unit, pool, ring.request_start.ctypes.data,
+                ring.offsets.ctypes.data, ring.lengths.ctypes.data, ring.within.ctypes.data,
+                piece_addresses.ctypes.data, digest_addresses.ctypes.data, ring.unit_start.ctypes.data,
+                expected.ctypes.data, batches.ctypes.data, consumer, arguments.ctypes.data, 0, 0, 0, 0, 0),
+                _ROUNDS.size)  # fmt: skip
+            if self.lib.tkv_rounds(packed):
+                raise ValueError("run_rounds: the C loop refused its arguments.")
+        finally:
+            self.pool_state.exit()
         failed, kind, code, request, waited = struct.unpack_from("<5q", packed, _RESULTS_AT)
         if kind == _ROUND_NOMEM:
             raise OSError(errno.ENOMEM, "native engine: out of memory queueing a round", self.path)
@@ -352,6 +427,14 @@ class NativeFile(DiskFile):
     def _open(self) -> None:
         if self.pool is None:
             raise ValueError(f"I/O on closed {self!r}.")
+
+    def _enter(self) -> int:
+        """The pool, held for one C call that submits (:meth:`_Pool.enter`); closed meanwhile (a ``close()`` on
+        another thread after :meth:`_open`'s check): the same error as a closed file's."""
+        pool = self.pool_state.enter(submit=True)
+        if pool is None:
+            raise ValueError(f"I/O on closed {self!r}.")
+        return pool
 
     def _submit(self, requests: Sequence[tuple[int, Any]], *, write: bool,
                 unit: int = 0) -> tuple[IOHandle, np.ndarray | None]:
@@ -373,21 +456,28 @@ class NativeFile(DiskFile):
         digests = None
         if unit:
             digests = np.empty(int(lengths.sum()) // unit if units is None else units, dtype=np.uint64)
-        batch = self.lib.tkv_submit(
-            self.pool, self.fd, int(write), self._chunk, offsets.size, offsets.ctypes.data, lengths.ctypes.data,
-            addrs.ctypes.data, unit, digests.ctypes.data if digests is not None else None,
-        )  # fmt: skip
-        if not batch:
-            raise OSError(errno.ENOMEM, "native engine: out of memory queueing a batch", self.path)
-        handle = _NativeBatch(self, batch, buffers, offsets, lengths, digests)
-        self._live.add(handle)
+        pool = self._enter()
+        try:
+            batch = self.lib.tkv_submit(
+                pool, self.fd, int(write), self._chunk, offsets.size, offsets.ctypes.data, lengths.ctypes.data,
+                addrs.ctypes.data, unit, digests.ctypes.data if digests is not None else None,
+            )  # fmt: skip
+            if not batch:
+                raise OSError(errno.ENOMEM, "native engine: out of memory queueing a batch", self.path)
+            handle = _NativeBatch(self, batch, buffers, offsets, lengths, digests)
+            with self._live_lock:
+                self._live.add(handle)
+        finally:
+            self.pool_state.exit()
         return handle, digests
 
     def close(self) -> None:
         if self.pool is None:
             return
         try:
-            for handle in list(self._live):  # their C batches point into the pool: finish them first
+            with self._live_lock:  # a thread submitting meanwhile adds to it
+                live = list(self._live)
+            for handle in live:  # their C batches point into the pool: finish them first
                 handle._finish()
         finally:
             self._finalizer()

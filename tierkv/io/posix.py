@@ -76,7 +76,8 @@ class PosixFile(DiskFile):
         return self._submit(check_requests(requests, direct=self.direct, writable=False), self._write_piece)
 
     def _submit(self, requests: list[Request], op: Any) -> IOHandle:
-        if self._pool is None:
+        pool = self._pool  # read once: close() on another thread sets it to None
+        if pool is None:
             raise ValueError(f"I/O on closed {self!r}.")
         if not requests:
             return CompletedHandle()
@@ -94,7 +95,13 @@ class PosixFile(DiskFile):
                 except OSError as exc:
                     errors.setdefault(index, exc)
 
-        futures = [self._pool.submit(runner) for _ in range(min(self._depth, len(pieces)))]
+        futures: list[cf.Future] = []
+        try:
+            for _ in range(min(self._depth, len(pieces))):
+                futures.append(pool.submit(runner))
+        except RuntimeError:  # shut down meanwhile by close() on another thread: what was queued runs first
+            cf.wait(futures)
+            raise ValueError(f"I/O on closed {self!r}.") from None
         return _Batch(futures, errors)
 
     def _read_piece(self, offset: int, view: np.ndarray) -> None:

@@ -38,6 +38,7 @@ against it, importing torch only for the dtype's item size).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -52,7 +53,7 @@ from typing import TYPE_CHECKING
 
 from tierkv import safefs
 from tierkv.atomic import deferred_interrupts
-from tierkv.errors import DiskTierError, IntegrityError, InvalidConfigError
+from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, InvalidConfigError
 from tierkv.persist import manifest as manifests
 from tierkv.persist import record
 from tierkv.persist.lock import OwnerLock, is_abandoned, locked
@@ -242,8 +243,7 @@ class PersistentStore:
         except DiskTierError:  # a refusal (a link where a folder belongs) says why itself
             raise
         except OSError as error:
-            raise DiskTierError(f"writing persistent blocks under {self.root} failed: {error}. Free space there "
-                                "or lower persist_gb.") from error
+            raise _write_error(error, self.root) from error
         finally:
             for _, name, _ in staged:
                 safefs.remove_regular(scratch, name)  # only those that were not renamed into place remain
@@ -470,3 +470,19 @@ def _release(tree: _Tree) -> None:
             safefs.remove_regular(tree.tmp, tree.owner.name)
             tree.owner = None
         tree.close()
+
+
+def _write_error(error: OSError, root: Path) -> DiskTierError:
+    """A failed write of persistent blocks as a DiskTierError with the errno and the fix that fits it: a full
+    disk says to free space; a folder removed under a running store says that this store writes nothing more
+    (it works through the folders it opened) and that the next cache makes them again."""
+    why = error.strerror or str(error)
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(error.errno, f"writing persistent blocks under {root} failed ({why}). Free space "
+                                          "there or lower persist_gb.")
+    if error.errno == errno.ENOENT:
+        return DiskTierError(error.errno, f"writing persistent blocks under {root} failed ({why}): its folders "
+                                          "were removed while this cache used them, so it persists nothing more; "
+                                          "a new cache on the same disk_dir makes them again.")
+    return DiskTierError(error.errno, f"writing persistent blocks under {root} failed ({why}). Check the drive "
+                                      "and the directory's permissions.")

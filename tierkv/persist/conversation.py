@@ -25,6 +25,8 @@ record has exactly the shape the header's geometry implies — any failure is an
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import io
 import os
 import re
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 
 from tierkv import safefs
-from tierkv.errors import DiskTierError, IntegrityError, InvalidConfigError, TierKVError
+from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, InvalidConfigError, TierKVError
 from tierkv.inputs import output_problem
 from tierkv.persist import record
 from tierkv.persist.keys import KEY_BYTES, Namespace
@@ -117,7 +119,8 @@ def _layer_dict(layer: LayerState) -> dict[str, Any]:
 def save(path: str | os.PathLike, chunks: Iterable[tuple[bytes, memoryview]]) -> None:
     """Write the records ``chunks`` to ``path`` atomically (see the module's docstring)."""
     check_target(path)
-    safefs.write_file(path, (part for pair in chunks for part in pair))
+    with _save_errors(path):
+        safefs.write_file(path, (part for pair in chunks for part in pair))
 
 
 async def asave(path: str | os.PathLike, chunks: Iterable[tuple[bytes, memoryview]]) -> None:
@@ -125,23 +128,49 @@ async def asave(path: str | os.PathLike, chunks: Iterable[tuple[bytes, memoryvie
     writes, the fsyncs and the rename run on worker threads, so the event loop never waits for the disk."""
     check_target(path)
     target = Path(path)
+    with _save_errors(path):
+        await _asave(target, chunks)
+
+
+async def _asave(target: Path, chunks: Iterable[tuple[bytes, memoryview]]) -> None:
+    """:func:`asave`'s writes, fsyncs and rename (its errors as they come)."""
     directory = await asyncio.to_thread(os.open, target.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fd, temporary = safefs.create_file(directory, f".{target.name}.", ".tmp")
+        fd, temporary = safefs.new_temporary(directory, target.name)
         try:
             try:
                 for head, payload in chunks:
                     await asyncio.to_thread(safefs.write_all, fd, (head, payload))
                 await asyncio.to_thread(os.fsync, fd)
+                await asyncio.to_thread(os.replace, temporary, target.name, src_dir_fd=directory,
+                                        dst_dir_fd=directory)
             finally:
-                os.close(fd)
-            await asyncio.to_thread(os.replace, temporary, target.name, src_dir_fd=directory, dst_dir_fd=directory)
+                os.close(fd)  # after the rename: its lock keeps reapers away until then
         except BaseException:
             safefs.remove_regular(directory, temporary)
             raise
         await asyncio.to_thread(safefs.fsync_directory, directory)
     finally:
         os.close(directory)
+
+
+@contextlib.contextmanager
+def _save_errors(path: str | os.PathLike) -> Iterator[None]:
+    """A failed write, fsync or rename while saving (a full disk, EIO, a read-only remount) raised as a
+    DiskTierError naming ``path`` and the fix, not a bare OSError (the previous file is left as it was)."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, TierKVError):
+            raise
+        where = os.fspath(path)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(exc.errno, f"cannot save the conversation to {where!r}: {exc.strerror}; free space "
+                                           "there or save to another filesystem (a file already at that path is "
+                                           "unchanged).") from exc
+        raise DiskTierError(exc.errno, f"cannot save the conversation to {where!r}: {exc.strerror or exc}; check "
+                                       "the directory's permissions and the drive (a file already at that path is "
+                                       "unchanged).") from exc
 
 
 def check_target(path: str | os.PathLike) -> None:

@@ -4,8 +4,9 @@ The remote tier is a cache: it must never fail or stall the model. So every comm
 :meth:`RemoteConnection.run`, which
 
 - refuses at once (a miss) while the server is marked down, instead of waiting for a timeout on every call;
-- marks it down on a connection error or timeout for a back-off that doubles from ``backoff_s`` up to
-  ``max_backoff_s`` (retried by the next call after it), and logs the change once;
+- marks it down on a connection error, a timeout or an answer that is not Redis protocol (another service on
+  that port) for a back-off that doubles from ``backoff_s`` up to ``max_backoff_s`` (retried by the next call
+  after it), and logs the change once;
 - classifies a server's refusal to store (``OOM`` under ``maxmemory`` with ``noeviction``) as *full*, not down;
 - never retries inside redis-py (its default retry would multiply a dead server's timeout).
 
@@ -105,6 +106,8 @@ class RemoteConnection:
             hint = ""
             if isinstance(exc, redis_module().exceptions.AuthenticationError):
                 hint = "; give the password in the URL or in $TIERKV_REDIS_PASSWORD"
+            elif isinstance(exc, redis_module().exceptions.InvalidResponse):
+                hint = "; what answers there does not speak the Redis protocol: check the URL's host and port"
             self.warn("down", f"unreachable ({type(exc).__name__}: {exc}){hint}; remote lookups are misses and "
                               f"writes are dropped, retrying in {retry:.0f} s")
 
@@ -128,7 +131,8 @@ class RemoteConnection:
         try:
             result = op(self._get_client())
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
-                redis.exceptions.ClusterError, redis.exceptions.RedisClusterException) as exc:
+                redis.exceptions.InvalidResponse, redis.exceptions.ClusterError,
+                redis.exceptions.RedisClusterException) as exc:
             self._drop_client_if_cluster()
             self._failed(exc)
             return fallback

@@ -355,7 +355,8 @@ class DiskTier:
         if exc.errno == errno.ENOENT:
             return DiskTierError(
                 exc.errno, f"disk_dir {where!r} no longer exists (it was removed after the cache was created); "
-                "recreate it, or create the cache with another disk_dir."
+                "recreate it and create a new cache (this one keeps using the directory it opened, so recreating it "
+                "does not bring this cache's disk tier back), or create the cache with another disk_dir."
             )
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return DiskTierError(
