@@ -15,7 +15,7 @@ from models import prompt, tiny_model
 from transformers import DynamicCache
 
 from tierkv import safefs
-from tierkv.errors import DiskTierError, IntegrityError, InvalidConfigError
+from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, InvalidConfigError
 from tierkv.hf import TieredCache, cache_keyword
 from tierkv.persist import keys, record
 from tierkv.persist import manifest as manifests
@@ -689,3 +689,29 @@ def test_a_failing_persistent_disk_never_fails_decoding(tmp_path, monkeypatch, c
     with _cache(model, tmp_path) as later:
         assert later.load_prefix(model, ids) == 0  # nothing was listed: recomputed, not wrong
         _assert_same(reference, _generate(model, ids, later))
+
+
+def test_a_disk_that_fills_up_mid_batch_keeps_the_records_written_before(tmp_path):
+    """Regression: a batch of a chain's records hitting ENOSPC (a real tmpfs) listed none of them, so the next
+    process reloaded nothing. The records fsynced whole before the failure are listed (the shallow end of the
+    chain, usable alone); the cut one is removed; the error is a DiskFullError."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        store = PersistentStore(mount, 1 << 20)
+        keys = _keys(12)
+        with pytest.raises(DiskFullError, match="Free space"):
+            store.put([_item(key, size=40_000, depth=i) for i, key in enumerate(keys)])
+        store.close()
+        again = PersistentStore(mount, 1 << 20)
+        kept = again.lookup(keys)
+        assert 1 <= kept < len(keys)
+        assert [record.decode(data)[0]["key"] for data in again.get(keys)] == keys[:kept]
+        assert again.verify() == [] and again.stats()["blocks"] == kept
+        again.close()
+        assert [p.name for p in (mount / DIRECTORY_NAME / "tmp").iterdir()] == []
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)

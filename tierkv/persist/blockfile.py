@@ -224,6 +224,7 @@ class PersistentStore:
                                          "and its record: Item(key, depth, *record.encode_block(...)).") from None
         listed = self._listing().entries
         staged: list[tuple[Item, str, int]] = []
+        written = 0  # the staged records fsynced whole (a failure may cut the next one short)
         scratch = self._tree.scratch
         try:
             for item in items:
@@ -236,6 +237,7 @@ class PersistentStore:
                         staged.append((item, name, len(item.head) + len(item.payload)))
                     safefs.write_all(fd, (item.head, item.payload))
                     os.fsync(fd)
+                    written = len(staged)
                 finally:
                     if fd >= 0:
                         os.close(fd)
@@ -243,10 +245,22 @@ class PersistentStore:
         except DiskTierError:  # a refusal (a link where a folder belongs) says why itself
             raise
         except OSError as error:
+            self._keep_written(staged, written)
             raise _write_error(error, self.root) from error
         finally:
             for _, name, _ in staged:
                 safefs.remove_regular(scratch, name)  # only those that were not renamed into place remain
+
+    def _keep_written(self, staged: list[tuple[Item, str, int]], written: int) -> None:
+        """A write failed (a disk that filled up) after ``written`` of ``staged`` were fsynced whole: free the
+        others' space, then list those, the shallow end of the chain, so the next process reuses them. Best effort:
+        where even the listing fails, nothing is listed, as before."""
+        for _, name, _ in staged[written:]:
+            safefs.remove_regular(self._tree.scratch, name)
+        del staged[written:]
+        if staged:
+            with contextlib.suppress(OSError):  # a DiskTierError too: the write's own error is the one raised
+                self._update(add=staged)
 
     def close(self) -> None:
         """Release this store's scratch area (listed records stay for the next process)."""
