@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 
@@ -18,8 +19,10 @@ import psutil
 import pytest
 import torch
 from models import small_llama
+from transformers import DynamicCache
 
 from tierkv import TieredCache
+from tierkv.errors import InvalidConfigError
 from tierkv.tiers import disk as disk_module
 from tierkv.tiers.disk import DiskTier
 
@@ -229,3 +232,74 @@ def test_a_dropped_cache_used_by_a_real_model_is_released(model, tmp_path):
     assert alive() is None
     assert fds() == before_fds
     assert not list(tmp_path.iterdir())
+
+
+
+def _decoding(model, ids: torch.Tensor, cache: TieredCache, new: int, start: threading.Barrier | None = None,
+              ) -> tuple[threading.Thread, list[torch.Tensor], list[BaseException]]:
+    """A started thread that generates ``new`` tokens after ``ids`` with ``cache`` (after ``start``, if given), and
+    the lists its output or its error land in."""
+    outputs: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+
+    def decode() -> None:
+        try:
+            if start is not None:
+                start.wait()
+            with torch.no_grad():
+                outputs.append(model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new,
+                                              do_sample=False))  # fmt: skip
+        except BaseException as error:  # noqa: BLE001 - what reaches the user is the subject
+            errors.append(error)
+
+    worker = threading.Thread(target=decode)
+    worker.start()
+    return worker, outputs, errors
+
+
+@pytest.mark.parametrize("engine", ["posix", "native"])
+def test_close_on_another_thread_while_decoding_is_clean(model, tmp_path, engine):
+    """A server closing a cache whose request thread decodes (blocks on every tier): ``close()`` waits for the
+    layer-step in progress; the decoding thread then finishes or gets "closed" at its next step — never a raw
+    KeyError / AssertionError / "slot not in use" from tiers released under it, nor a crash or a hang; the
+    directory is left empty."""
+    ids = torch.randint(2, 128, (1, 150), generator=torch.Generator().manual_seed(0))
+    outcomes = set()
+    for attempt in range(24):
+        cache = TieredCache(gpu_gb="120KB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=16, disk_engine=engine,
+                            config=model.config)  # fmt: skip
+        worker, _, errors = _decoding(model, ids, cache, 40)
+        time.sleep(0.02 * (attempt % 12))
+        cache.close()
+        worker.join(60)
+        assert not worker.is_alive(), "the decoding thread hangs after close()"
+        for error in errors:
+            assert isinstance(error, InvalidConfigError) and "was closed" in str(error), repr(error)
+        outcomes.add("closed" if errors else "finished")
+        assert not list(tmp_path.iterdir())
+    assert "closed" in outcomes  # the close came during decoding at least once
+
+
+def test_two_threads_decoding_with_one_cache_one_is_refused_and_the_other_is_exact(model, tmp_path):
+    """One cache holds one sequence of steps. Two request threads given the same cache used to interleave their
+    layers' steps: a misleading InterruptedStepError and, now and then, a slot leaked or one thread's prompt in the
+    other's KV. The thread that comes second to a half-done forward is refused with the fix; the other's tokens
+    equal DynamicCache's and the store is consistent."""
+    ids = torch.randint(2, 128, (1, 60), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=20, do_sample=False)
+    for _ in range(3):
+        cache = TieredCache(gpu_gb="120KB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=16, config=model.config)
+        start = threading.Barrier(2)
+        runs = [_decoding(model, ids, cache, 20, start) for _ in range(2)]
+        for worker, _, _ in runs:
+            worker.join(120)
+        outputs = [output for _, done, _ in runs for output in done]
+        errors = [error for _, _, failed in runs for error in failed]
+        for error in errors:  # (or, had the first finished before the second began: no new tokens to add)
+            assert isinstance(error, InvalidConfigError) and ("another thread" in str(error)
+                                                              or "no new tokens" in str(error)), repr(error)
+        assert len(outputs) == 1 and torch.equal(outputs[0], reference)  # (both, one after the other: never here)
+        cache.store.check()
+        assert cache.get_seq_length() == reference.shape[1] - 1
+        cache.close()

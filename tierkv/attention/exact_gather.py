@@ -203,11 +203,12 @@ class ExactGather(PipelinedExecutor):
         if tokens <= self.capacity and batch <= self.batch and token_bytes <= self.token_bytes and not self._resize:
             return
         old_capacity, old_batch, old_token_bytes = self.capacity, self.batch, self.token_bytes
-        if tokens <= old_capacity and batch <= old_batch and token_bytes <= old_token_bytes:
-            capacity = old_capacity  # only the depth changed ("auto"): same buffers, another count
+        if tokens <= old_capacity:  # only the depth ("auto"), the batch or the token width changed: as many tokens
+            capacity = old_capacity  # (growing them too would pass what min_device_bytes counts for the context)
         else:
-            self._auto_wait = AUTO_AFTER_STEPS  # the staging grows: "auto" decides again on the new sizes
             capacity = gather_capacity(tokens, self.store.block_tokens, old_capacity)
+        if tokens > old_capacity or batch > old_batch or token_bytes > old_token_bytes:
+            self._auto_wait = AUTO_AFTER_STEPS  # the staging grows: "auto" decides again on the new sizes
         self._resize = False
         self.invalidate()
         self._release()

@@ -55,10 +55,33 @@ _STEP = threading.local()  # .layer: the TieredLayer whose update just handed th
 # .masks: masks this thread built (one or two a forward); .handed_at: .masks when .layer handed over
 
 
+def masks_built() -> int:
+    """Masks the engaged models' forwards built on this thread so far (one or two a forward)."""
+    return getattr(_STEP, "masks", 0)
+
+
 def hand_over(layer: TieredLayer) -> None:
     """``layer``'s update gave the model only the step's K/V: this thread's next attention call is the layer's
-    (whatever the attention module's own index: HRM's modules update layer ``layer_idx + cycle_offset``)."""
-    _STEP.layer, _STEP.handed_at = layer, getattr(_STEP, "masks", 0)
+    (whatever the attention module's own index: HRM's modules update layer ``layer_idx + cycle_offset``).
+
+    A forward that asked the cache for its mask sizes without building its mask through :func:`_mask` is a model
+    that was not engaged (another instance than the one passed to ``cache.streaming``): its own attention would
+    see only the step's K/V, so the step is refused."""
+    cache = layer.cache
+    sized_at, cache.sized_at = cache.sized_at, None
+    if sized_at is not None and sized_at == masks_built():
+        layer.refuse(InvalidConfigError(
+            "this cache is engaged (`with cache.streaming/split/sparse(model)`) but was called by a model that is "
+            "not: its attention would see only each step's K/V. Engage the model object you call: pass that very "
+            "model to `cache.streaming/split/sparse(...)` (not a copy, another instance, or its base model)."))
+    _STEP.layer, _STEP.handed_at = layer, masks_built()
+
+
+def check_model(model: Any, what: str) -> None:
+    """``cache.<what>(model)`` switches the attention of the model itself: a config or a name is refused."""
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidConfigError(f"cache.{what}(model) takes the model object you call generate() or forward on, "
+                                 f"got a {type(model).__name__}; pass the model itself (not its config or name).")
 
 
 class Engagement:
@@ -71,6 +94,8 @@ class Engagement:
     on the same model — runs the implementation the model had, with its own mask."""
 
     def __init__(self, cache: TieredCache, model: Any, mode: Mode, what: str) -> None:
+        self.entered = True  # until the model is accepted: a refused engagement has nothing to warn about
+        check_model(model, what)
         self.cache, self.model, self.mode, self.what = cache, model, mode, what
         self.entered = False
         self.modules: list[Any] = []
@@ -220,7 +245,12 @@ def _streaming_attention_forward(layer: TieredLayer, module: Any, query: torch.T
     """The streaming executors' attention for ``layer``'s step: ``key``/``value`` are only this step's tokens
     (already stored); attention runs over everything the cache holds for the layer."""
     if module.training and dropout:
-        raise TierKVError("streaming attention is for inference; call model.eval() (dropout is not supported).")
+        layer.refuse(TierKVError("streaming attention is for inference; call model.eval() (dropout is not supported)."))
+    if kwargs.get("output_attentions"):
+        layer.refuse(InvalidConfigError(
+            "output_attentions=True asks for the attention weights, which streaming, split and sparse attention never "
+            "form (they merge chunks, tiers or pages by log-sum-exp). Leave it out, or decode with exact gather: leave "
+            "out the `with cache.streaming/split/sparse(model)` block (outputs equal DynamicCache's, weights too)."))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     sinks = kwargs.get("s_aux")  # gpt-oss: a learnt logit per query head that takes softmax mass and no value
     return layer.attend(key, value, query, attention_mask, scale, softcap, sinks), None

@@ -17,6 +17,7 @@ the forward-level rollback that keeps every layer at the same length whatever fa
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any, cast
@@ -31,7 +32,7 @@ from tierkv.bandwidth import LinkProfile
 from tierkv.errors import InvalidConfigError, UnsupportedLayerError
 from tierkv.hf import conversation, sizing
 from tierkv.hf.attention import Engagement
-from tierkv.hf.forward import Forward
+from tierkv.hf.forward import Forward, closed_error
 from tierkv.hf.layer import TieredLayer, not_held
 from tierkv.hf.modes import AttentionModes
 from tierkv.hf.runtime import Budgets, Runtime
@@ -114,7 +115,11 @@ class TieredCache(AttentionModes, Cache):
         self.closed = False
         self.unentered: Engagement | None = None  # a streaming()/sparse() made but not entered (never honoured)
         self.chosen = "gather"  # the exact executor the last exact() chose
+        self.sized_at: int | None = None  # masks_built() when a forward last asked for mask sizes (hf.attention)
         self.forward = Forward()  # how far the current forward got; the rollback it may owe
+        # held by each update and an engaged layer's attention, and by close(): a close() on another thread waits
+        # for the layer-step in progress, whose next update then finds the cache closed
+        self.using = threading.RLock()
         disk = DiskTier(disk_dir, disk_budget, DEFAULT_DISK_FRACTION, engine=disk_engine) if disk_dir else None
         self.runtime = Runtime(budgets, disk, self.trace)
         # dropped without close() (or alive at exit), the cache still releases threads, descriptors and files
@@ -130,21 +135,31 @@ class TieredCache(AttentionModes, Cache):
     # ------------------------------------------------------------------------------ transformers API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.forward.unsettled is not None:
-            self.forward.settle(self.layers, self.runtime)
-        if not 0 <= layer_idx < len(self.layers):
-            try:
-                self._add_layers(layer_idx)
-            except BaseException:  # refused mid-forward: the layers that took this step give it back
-                if self.forward.layers_updated:
-                    self.roll_back(self.layers[0].length_before)
-                raise
-        return self.layers[layer_idx].update(key_states, value_states)
+        with self.using:
+            if self.forward.thread != threading.get_ident():  # (the same thread's updates: no call)
+                self.forward.claim(self.runtime.num_layers)
+            if self.forward.unsettled is not None:
+                self.forward.settle(self.layers, self.runtime)
+            if not 0 <= layer_idx < len(self.layers):
+                try:
+                    self._add_layers(layer_idx)
+                except BaseException:  # refused mid-forward: the layers that took this step give it back
+                    if self.forward.layers_updated:
+                        self.roll_back(self.layers[0].length_before)
+                    raise
+            return self.layers[layer_idx].update(key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        if self.forward.unsettled is not None:  # generate() asks before its first update: finish the rollback
-            self.forward.settle(self.layers, self.runtime)
-        return super().get_seq_length(layer_idx)
+        with self.using:
+            if self.forward.unsettled is not None:  # generate() asks before its first update: finish the rollback
+                self.forward.settle(self.layers, self.runtime)
+            return super().get_seq_length(layer_idx)
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether the cache holds tokens, as ``DynamicCache`` answers it after a forward: PaliGemma, Molmo2 and
+        HRM read it to tell a prefill from a later step (their layers update no transformers-side state)."""
+        return self.get_seq_length() > 0
 
     def _holds_attention_only(self, *args: Any, **kwargs: Any) -> Any:
         raise UnsupportedLayerError(not_held("convolution or recurrent state (Mamba, linear attention) or an indexer"))
@@ -152,6 +167,10 @@ class TieredCache(AttentionModes, Cache):
     # transformers' Cache methods for state TieredCache does not hold: a model built without config= reaches them
     get_conv_state = update_conv_state = get_recurrent_state = update_recurrent_state = _holds_attention_only
     update_indexer = _holds_attention_only
+
+    def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        """Nothing to move: the executors read ahead themselves (``prefetch_depth``); transformers' version needs the
+        stream of its own offloading, which this cache never turns on (``offload`` is its layers' no-op)."""
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_rows(beam_idx.tolist())
@@ -212,7 +231,7 @@ class TieredCache(AttentionModes, Cache):
             raise InvalidConfigError("load_prefix needs persistent or remote blocks: remote='redis://...', or "
                                      "TieredCache(disk_dir='/path/on/nvme', persist=True).")
         if self.closed:
-            raise InvalidConfigError("this TieredCache was closed (its tiers are released); create a new one.")
+            raise closed_error()
         return self.session.load(self, model, input_ids)
 
     def flush(self) -> None:
@@ -262,13 +281,14 @@ class TieredCache(AttentionModes, Cache):
         last ones written first. Idempotent; a failure while cleaning up is logged, never raised (a file that
         cannot be removed is retried at exit, or by the next cache that opens its directory). A cache dropped
         without ``close()`` is closed when it is garbage-collected."""
-        session, self.session = self.session, None
-        if session is not None:
-            if not self.closed:
-                session.collect(self)
-            session.close()
-        self._finalizer()
-        self.closed = True
+        with self.using:
+            session, self.session = self.session, None
+            if session is not None:
+                if not self.closed:
+                    session.collect(self)
+                session.close()
+            self._finalizer()
+            self.closed = True
 
     def __enter__(self) -> TieredCache:
         return self
@@ -290,7 +310,7 @@ class TieredCache(AttentionModes, Cache):
         """A layer's update (``forward``) or import begins: the store, built on the first K/V's device. At a
         forward's layer 0, the previous forward is complete: its full blocks are persisted."""
         if self.closed:
-            raise InvalidConfigError("this TieredCache was closed (its tiers are released); create a new one.")
+            raise closed_error()
         store = self.runtime.open_store(key_states)
         if forward and index == 0:
             if self.unentered is not None:

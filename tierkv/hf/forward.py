@@ -3,23 +3,31 @@
 A forward updates layer 0, 1, ... in the model's own code. When a layer's step fails, or the cache refuses one
 (a layer beyond its config), the layers that already took the step give it back (:meth:`Forward.roll_back`);
 when a forward stops between two layers where no tierkv code runs (a Ctrl-C in the model), the next forward
-finds the layers at different lengths, rolls them back and refuses itself (:meth:`Forward.begin`).
+finds the layers at different lengths, rolls them back and refuses itself (:meth:`Forward.begin`). A cache serves
+one sequence of forwards at a time: another thread's update while a forward is half done is refused
+(:meth:`Forward.claim`), not taken for a forward that stopped.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tierkv.atomic import deferred_interrupts
-from tierkv.errors import InterruptedStepError
+from tierkv.errors import InterruptedStepError, InvalidConfigError
 
 if TYPE_CHECKING:
     from tierkv.hf.layer import TieredLayer
     from tierkv.hf.runtime import Runtime
 
 log = logging.getLogger("tierkv")
+
+
+def closed_error() -> InvalidConfigError:
+    """What a closed cache answers to any use."""
+    return InvalidConfigError("this TieredCache was closed (its tiers are released); create a new one.")
 
 
 class Forward:
@@ -29,6 +37,20 @@ class Forward:
         self.layers_updated = 0  # layers updated since the current forward's update of layer 0
         self.full = 0  # layers a complete forward updates (the most one has updated)
         self.unsettled: int | None = None  # the length a rollback cut short by a second Ctrl-C still owes
+        self.thread: int | None = None  # the thread of the last update
+
+    def claim(self, layers: int | None) -> None:
+        """An update on this thread: refused while a forward of another thread that is still running is half done
+        (two threads decoding with one cache would interleave their layers' steps). ``layers``: the updates a
+        forward makes, where the config told them (else a forward is known complete only from the second on)."""
+        me = threading.get_ident()
+        if self.thread != me and 0 < self.layers_updated < (self.full or layers or 0) \
+                and any(thread.ident == self.thread for thread in threading.enumerate()):
+            raise InvalidConfigError(
+                "this TieredCache is in the middle of a forward on another thread: a cache holds one sequence of "
+                "steps, so give each concurrent request (thread) its own TieredCache, or wait for the other's forward "
+                "to finish.")
+        self.thread = me
 
     def begin(self, layers: Sequence[TieredLayer], runtime: Runtime) -> None:
         """A forward's first update: if the previous forward updated fewer layers than a complete one does, it

@@ -17,7 +17,8 @@ from transformers.cache_utils import CacheLayerMixin
 
 from tierkv.attention.base import Executor, Span
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError, TierKVError, UnsupportedLayerError
-from tierkv.hf.attention import hand_over
+from tierkv.hf.attention import hand_over, masks_built
+from tierkv.hf.forward import closed_error
 
 if TYPE_CHECKING:
     from tierkv.hf.cache import TieredCache
@@ -114,17 +115,22 @@ class TieredLayer(CacheLayerMixin):
         """Whether this layer's last update handed the model ``key_states`` for an executor to attend."""
         return self.pending is not None and self.pending[2] is key_states
 
+    def refuse(self, error: TierKVError) -> NoReturn:
+        """Refuse the step this layer handed over, before attending it: every layer that took the step gives it
+        back (else a retry would find this layer a step ahead of the next ones)."""
+        self.pending = None
+        self.cache.roll_back(self.length_before)
+        raise error
+
     def refuse_changed_kv(self) -> NoReturn:
         """The model attends this step with K/V other than those :meth:`update` returned (JetMoE repeats them per
         expert, DiffLlama splits the values): the executors read the stored K/V, so the step is given back and
         refused with the fix."""
-        self.pending = None
-        self.cache.roll_back(self.length_before)
-        raise InvalidConfigError(
+        self.refuse(InvalidConfigError(
             "the model attends with keys or values other than those the cache's update returned (it repeats, splits "
             "or changes them after the update, as JetMoE and DiffLlama do); streaming, split and sparse attention "
             "read the stored K/V. Decode this model with exact gather: leave out the `with "
-            "cache.streaming/split/sparse(model)` block (outputs equal DynamicCache's).")
+            "cache.streaming/split/sparse(model)` block (outputs equal DynamicCache's)."))
 
     def attend(self, key_states: torch.Tensor, value_states: torch.Tensor, query: torch.Tensor,
                mask: torch.Tensor | None, scaling: float, softcap: float | None,
@@ -134,6 +140,14 @@ class TieredLayer(CacheLayerMixin):
         dtype. ``sinks``
         (``[H_q]``, gpt-oss's ``s_aux``): one more logit per query head in the softmax's denominator, attached to no
         value — the output scaled by ``sigmoid(lse - sink)``, exactly."""
+        with self.cache.using:
+            return self._attend(key_states, value_states, query, mask, scaling, softcap, sinks)
+
+    def _attend(self, key_states: torch.Tensor, value_states: torch.Tensor, query: torch.Tensor,
+                mask: torch.Tensor | None, scaling: float, softcap: float | None,
+                sinks: torch.Tensor | None) -> torch.Tensor:
+        if self.cache.closed:
+            raise closed_error()
         pending, self.pending = self.pending, None
         if pending is None or pending[2] is not key_states:
             raise TierKVError("inside `cache.streaming(model)` the model must be called with that cache "
@@ -193,7 +207,15 @@ class TieredLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # transformers 5.0 passes the cache positions
             query_length = query_length.shape[0]
+        cache = self.cache
+        cache.sized_at = masks_built()  # a forward's mask begins (see hand_over)
         length = self.get_seq_length()
+        if query_length == 0 and length:  # else the model fails on an empty reshape, naming neither cause nor fix
+            raise InvalidConfigError(
+                f"the input brings no new tokens: this cache already holds {length} tokens, and generate() passes the "
+                f"model only the input's tokens beyond those. To continue, pass the ids the cache holds followed by "
+                f"the new ones (the previous output, then the next turn); for another prompt (a pipeline call, a new "
+                f"request), call cache.reset() first or use a new cache.")  # fmt: skip
         if self.sliding_window is None:
             return length + query_length, 0
         window = self.sliding_window
@@ -233,6 +255,13 @@ class TieredLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.dropped = 0
         self.pending = None
+
+    def offload(self) -> None:
+        """Nothing to move: the store already places this layer's blocks on the tiers by their budgets (transformers'
+        own offloading would move K/V tensors this layer does not hold)."""
+
+    def prefetch(self) -> None:
+        """Nothing to move: the executors read the next layers' blocks ahead themselves (``prefetch_depth``)."""
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.cache.reorder_cache(beam_idx)

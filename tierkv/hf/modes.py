@@ -13,7 +13,7 @@ from transformers import PreTrainedConfig
 from tierkv import accel
 from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseBudget
 from tierkv.hf import sizing
-from tierkv.hf.attention import Engagement, split_mode, streaming_mode, takes_attention_functions
+from tierkv.hf.attention import Engagement, check_model, split_mode, streaming_mode, takes_attention_functions
 from tierkv.hf.choice import choose_executor
 from tierkv.hf.sizing import DEFAULT_CHUNK_TOKENS
 from tierkv.stats import resolve_profile
@@ -101,6 +101,7 @@ class AttentionModes:
             with TieredCache(gpu_gb=2, config=model.config) as cache, cache.exact(model):
                 model.generate(ids, cache=cache)
         """
+        check_model(model, "exact")
         device = next(model.parameters()).device
         major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
         profile, _ = resolve_profile(self.runtime.budgets.profile, device.type, major)
