@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tierkv.blocks import Tier
@@ -19,6 +21,21 @@ from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.memory import MemoryTier
 
 SLOT = 4096  # every test layout below fits one 4 KiB slot per block
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A real filesystem of ``size`` (a tmpfs mounted at ``path``) that runs out of space; the test skips where it
+    cannot be mounted (not root). Unmounted lazily at the end: a store a failed assertion left open does not keep
+    it mounted."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 def make_store(tmp_path, device_slots: int, host_slots: int, disk_bytes: int | None = 2**22,

@@ -7,10 +7,10 @@ import os
 import re
 import subprocess
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_tmpfs
 from models import small_llama
 from transformers import DynamicCache
 
@@ -80,21 +80,10 @@ def test_kv_that_does_not_fit_keeps_accepted_tokens(model):
             torch.testing.assert_close(stored[1], layer.values[..., :length, :], rtol=0, atol=0)
 
 
-def _mount_tiny_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir()
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
-
-
 def test_real_enospc_keeps_cache_consistent(model, tmp_path):
     """A disk tier on a 64 KiB tmpfs that another program fills up for real: decoding stops with DiskFullError
     and nothing is lost."""
-    mount = tmp_path / "tiny"
-    if not _mount_tiny_tmpfs(mount, "64k"):
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tiny_tmpfs(tmp_path / "tiny", "64k") as mount:
         ids = torch.randint(0, 128, (1, 12))
         with TieredCache(gpu_gb="48KB", cpu_gb="24KB", disk_dir=mount, block_tokens=4) as cache:
             (mount / "other-program").write_bytes(bytes(40 * 1024))  # someone else fills the filesystem
@@ -112,8 +101,6 @@ def test_real_enospc_keeps_cache_consistent(model, tmp_path):
             for index, layer in enumerate(reference.layers):
                 stored = cache.store.read_tokens(index)
                 torch.testing.assert_close(stored[0], layer.keys[..., :length, :], rtol=0, atol=0)
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True)
 
 
 def test_files_removed_on_close(model, tmp_path):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from helpers import kv, make_store
+from helpers import kv, make_store, tiny_tmpfs
 from models import small_llama
 from transformers import DynamicCache
 
@@ -170,12 +170,7 @@ def test_saving_to_a_full_filesystem_is_a_disk_full_error_and_keeps_the_old_file
     """Regression: ``save()`` onto a real filesystem that fills up raised a bare ``OSError`` (ENOSPC) from the
     temporary file's write. It is a DiskFullError naming the path and the fix; the previous file and the cache
     are untouched, no temporary file is left, and the cache goes on decoding exactly."""
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
-                                           capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tiny_tmpfs(tmp_path / "tiny", "64k") as mount:
         cache, reference, token = start(model, tmp_path / "kv")
         target = mount / "chat.tkv"
         cache.save(target, model=model)
@@ -198,8 +193,6 @@ def test_saving_to_a_full_filesystem_is_a_disk_full_error_and_keeps_the_old_file
         decode(model, cache, reference, token, 4)
         assert_consistent(cache, reference)
         cache.close()
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)  # lazy: a store a failed assert left open
 
 def test_short_reads_and_writes_move_every_byte(model, tmp_path, faulty):
     faulty.short = True

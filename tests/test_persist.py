@@ -11,6 +11,7 @@ import tracemalloc
 
 import pytest
 import torch
+from helpers import tiny_tmpfs
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
@@ -695,12 +696,7 @@ def test_a_disk_that_fills_up_mid_batch_keeps_the_records_written_before(tmp_pat
     """Regression: a batch of a chain's records hitting ENOSPC (a real tmpfs) listed none of them, so the next
     process reloaded nothing. The records fsynced whole before the failure are listed (the shallow end of the
     chain, usable alone); the cut one is removed; the error is a DiskFullError."""
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                                           capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tiny_tmpfs(tmp_path / "tiny", "256k") as mount:
         store = PersistentStore(mount, 1 << 20)
         keys = _keys(12)
         with pytest.raises(DiskFullError, match="Free space"):
@@ -713,5 +709,3 @@ def test_a_disk_that_fills_up_mid_batch_keeps_the_records_written_before(tmp_pat
         assert again.verify() == [] and again.stats()["blocks"] == kept
         again.close()
         assert [p.name for p in (mount / DIRECTORY_NAME / "tmp").iterdir()] == []
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)  # lazy: a store a failed assert left open

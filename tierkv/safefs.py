@@ -177,12 +177,17 @@ def create_file(directory: int, prefix: str, suffix: str = "", shared: bool | No
         try:
             os.fchmod(fd, mode)
         except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=directory)
+            _discard(directory, fd, name)
             raise
         return fd, name
     raise FileExistsError(errno.EEXIST, f"no free temporary name {prefix}*{suffix}")
+
+
+def _discard(directory: int, fd: int, name: str) -> None:
+    """Close and remove a file just created whose setup failed (the caller raises its error)."""
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(name, dir_fd=directory)
 
 
 _FD_DIRECTORY = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
@@ -327,9 +332,7 @@ def new_temporary(directory: int, name: str, shared: bool | None = None) -> tupl
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # a new file nobody else has locked: never waits
     except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(temporary, dir_fd=directory)
+        _discard(directory, fd, temporary)
         raise
     return fd, temporary
 
