@@ -94,7 +94,6 @@ class Engagement:
     on the same model — runs the implementation the model had, with its own mask."""
 
     def __init__(self, cache: TieredCache, model: Any, mode: Mode, what: str) -> None:
-        self.entered = True  # until the model is accepted: a refused engagement has nothing to warn about
         check_model(model, what)
         self.cache, self.model, self.mode, self.what = cache, model, mode, what
         self.entered = False
@@ -190,7 +189,7 @@ class Engagement:
                                  "model.generate(...)`.")
 
     def __del__(self) -> None:
-        if not self.entered:
+        if not getattr(self, "entered", True):  # (an __init__ that refused the model set nothing to warn about)
             warnings.warn(f"cache.{self.what}(model) was never entered (use `with cache.{self.what}(model): ...`); "
                           "it had no effect.", RuntimeWarning, stacklevel=2)
 

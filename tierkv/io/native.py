@@ -18,6 +18,7 @@ compiler costs one lookup, not one per opened file.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -26,7 +27,7 @@ import os
 import struct
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -401,8 +402,7 @@ class NativeFile(DiskFile):
         piece_addresses = np.array([view.ctypes.data for view in views], dtype=np.uint64)
         digest_addresses = np.array([array.ctypes.data for array in digests], dtype=np.uint64)
         batches = np.array([handle._batch or 0 for handle in given], dtype=np.uint64)  # type: ignore[attr-defined]
-        pool = self._enter()
-        try:
+        with self._holding_pool() as pool:
             packed = ctypes.create_string_buffer(_ROUNDS.pack(
                 rounds, len(pieces), len(given), self.fd, self._chunk, ring.unit, pool, ring.request_start.ctypes.data,
                 ring.offsets.ctypes.data, ring.lengths.ctypes.data, ring.within.ctypes.data,
@@ -411,8 +411,6 @@ class NativeFile(DiskFile):
                 _ROUNDS.size)  # fmt: skip
             if self.lib.tkv_rounds(packed):
                 raise ValueError("run_rounds: the C loop refused its arguments.")
-        finally:
-            self.pool_state.exit()
         failed, kind, code, request, waited = struct.unpack_from("<5q", packed, _RESULTS_AT)
         if kind == _ROUND_NOMEM:
             raise OSError(errno.ENOMEM, "native engine: out of memory queueing a round", self.path)
@@ -428,13 +426,17 @@ class NativeFile(DiskFile):
         if self.pool is None:
             raise ValueError(f"I/O on closed {self!r}.")
 
-    def _enter(self) -> int:
-        """The pool, held for one C call that submits (:meth:`_Pool.enter`); closed meanwhile (a ``close()`` on
-        another thread after :meth:`_open`'s check): the same error as a closed file's."""
+    @contextlib.contextmanager
+    def _holding_pool(self) -> Iterator[int]:
+        """The pool, held for the C calls that submit inside the block (:meth:`_Pool.enter`); closed meanwhile (a
+        ``close()`` on another thread after :meth:`_open`'s check): the same error as a closed file's."""
         pool = self.pool_state.enter(submit=True)
         if pool is None:
             raise ValueError(f"I/O on closed {self!r}.")
-        return pool
+        try:
+            yield pool
+        finally:
+            self.pool_state.exit()
 
     def _submit(self, requests: Sequence[tuple[int, Any]], *, write: bool,
                 unit: int = 0) -> tuple[IOHandle, np.ndarray | None]:
@@ -456,8 +458,7 @@ class NativeFile(DiskFile):
         digests = None
         if unit:
             digests = np.empty(int(lengths.sum()) // unit if units is None else units, dtype=np.uint64)
-        pool = self._enter()
-        try:
+        with self._holding_pool() as pool:
             batch = self.lib.tkv_submit(
                 pool, self.fd, int(write), self._chunk, offsets.size, offsets.ctypes.data, lengths.ctypes.data,
                 addrs.ctypes.data, unit, digests.ctypes.data if digests is not None else None,
@@ -467,8 +468,6 @@ class NativeFile(DiskFile):
             handle = _NativeBatch(self, batch, buffers, offsets, lengths, digests)
             with self._live_lock:
                 self._live.add(handle)
-        finally:
-            self.pool_state.exit()
         return handle, digests
 
     def close(self) -> None:
