@@ -10,7 +10,8 @@ The rules (docs/reliability.md, "Security"):
   or replaced after it was checked is never followed.
 - A directory the user named is refused when another user could rename tierkv's files in it: when it belongs
   to another user (root aside), or its group or every user can write it and it lacks the sticky bit. With the
-  group-shared opt-in it may belong to, and be writable by, a group of this process.
+  group-shared opt-in it may belong to, and be writable by, a group of this process. So is one that is a symbolic
+  link of another user (root aside): planted in /tmp, it would point tierkv at any directory of this user's.
 - Files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a random name (a planted name fails, it is
   never opened) and ``fchmod``-ed to 0600 (0660 shared) whatever the umask; a file is replaced by renaming
   such a temporary file over it (a symlink in its place is replaced, not followed); its writer holds its
@@ -77,6 +78,7 @@ def open_user_directory(path: str | os.PathLike) -> int:
         with contextlib.suppress(FileExistsError):
             path.parent.mkdir(parents=True, exist_ok=True)
             os.mkdir(path, dir_mode())
+    _check_link_owner(path)
     fd = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
     try:
         _check_user_directory(path, os.fstat(fd))
@@ -84,6 +86,21 @@ def open_user_directory(path: str | os.PathLike) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _check_link_owner(path: Path) -> None:
+    """Refuse (:func:`refuse`) ``path`` if it is a symbolic link another user owns (root aside): planted in a
+    shared directory such as /tmp (before tierkv made the directory, or instead of it), it points tierkv at any
+    directory of this user's. The kernel's ``fs.protected_symlinks`` refuses that only where it is on; in a
+    sticky directory nobody else can replace a link of this user's, so the check holds until the open."""
+    try:
+        status = os.lstat(path)
+    except OSError:
+        return  # nothing there: the open says so
+    if stat.S_ISLNK(status.st_mode) and status.st_uid not in (os.geteuid(), 0):
+        raise refuse(path, f"it is a symbolic link of another user (uid {status.st_uid}), who can point it at any "
+                     "directory of yours", "Remove the link and name a directory of your own (tierkv creates a "
+                     "missing one 0700), or name the link's target itself if you trust it.", errno.ELOOP)
 
 
 def _check_user_directory(path: Path, status: os.stat_result) -> None:

@@ -135,6 +135,9 @@ def _count(high: int) -> Callable[[Any], int]:
 def _seconds_in(low: float, high: float) -> Callable[[Any], float]:
     """A converter to a number of seconds in ``[low, high]`` (``low`` 0 accepts 0; else ``low`` is the least)."""
     def convert(value: Any) -> float:
+        # ASCII only, as the integer knobs: float() also reads other scripts' digits ('١٢') and '1_0'
+        if isinstance(value, str) and not (value.strip().isascii() and "_" not in value):
+            raise _Invalid("must be a number of seconds such as 0.5, in ASCII digits")
         try:
             seconds = float(value) if not isinstance(value, bool) else -1.0
         except (TypeError, ValueError):

@@ -86,8 +86,8 @@ def load_at(directory: int, what: str) -> Manifest:
         raise IntegrityError(f"{what}: not a tierkv manifest of format {FORMAT} ({header}).")
     try:
         listing = json.loads(bytes(payload))
-    except ValueError as error:
-        raise IntegrityError(f"{what}: unreadable manifest listing ({error}).") from None
+    except (ValueError, RecursionError) as error:  # RecursionError: nested past the parser's stack
+        raise IntegrityError(f"{what}: unreadable manifest listing ({str(error)[:200]}).") from None
     if not isinstance(listing, dict) or not isinstance(listing.get("blocks"), dict):
         raise IntegrityError(f"{what}: field 'blocks' is not an object.")
     clock = _count(listing.get("clock"), what, "clock")

@@ -88,8 +88,9 @@ def _finish(text: bytes | bytearray | memoryview, payload: memoryview, checksum:
         raise IntegrityError(f"{what}: checksum mismatch (xxh3_64); the stored bytes changed after they were written.")
     try:
         header = json.loads(bytes(text))
-    except ValueError as error:  # only reachable with a colliding checksum: still never decoded as data
-        raise IntegrityError(f"{what}: unreadable header ({error}).") from None
+    except (ValueError, RecursionError) as error:  # a checksum anyone can compute: malformed, or nested past
+        # the parser's stack ('[' * 10**5, which raises RecursionError, not ValueError)
+        raise IntegrityError(f"{what}: unreadable header ({str(error)[:200]}).") from None
     if not isinstance(header, dict):
         raise IntegrityError(f"{what}: the header is not a JSON object.")
     return header
