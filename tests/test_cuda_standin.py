@@ -178,6 +178,26 @@ def test_checker_orders_accesses_by_events_only():
         s.check()
 
 
+def test_checker_takes_host_to_host_copies_as_done_on_the_cpu():
+    """torch copies host memory to host memory on the CPU whatever the stream (non_blocking or not): the buffer
+    copied from may be rewritten at once, and a stream's later read of the copy is ordered after it."""
+    s = StandIn()
+    device = torch.device("cpu")
+    bounce, out = s.host_empty((1024,), pin=True), s.host_empty((1024,), pin=True)
+    staging = s.empty(1024, device)
+    side = s.Stream(device)
+    with s.on_stream(side, device):
+        s.copy(out, bounce)
+        s.host_write(bounce)  # the next read into the bounce buffer
+        s.copy(staging, out)
+    s.check()
+    with s.on_stream(side, device):
+        s.copy(staging, bounce)  # host -> device: queued on the stream
+    s.host_write(bounce)  # no wait: the stream may not have read it yet
+    with pytest.raises(AssertionError, match="not ordered"):
+        s.check()
+
+
 def test_checker_bookkeeps_host_registration():
     s = StandIn()
     s.register_host(4096, 8192, pin=True)

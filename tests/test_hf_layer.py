@@ -104,3 +104,33 @@ def test_a_layer_outliving_its_cache_says_so():
     gc.collect()
     with pytest.raises(TierKVError, match="garbage-collected"):
         layer.get_seq_length()
+
+
+def test_a_layers_keys_and_values_are_what_it_holds_read_from_every_tier(tmp_path):
+    """``layer.keys`` / ``values`` as DynamicCache's layers have them (transformers' Whisper, RAG and users read
+    them), read from the device, host and disk tiers; a sliding layer's end with DynamicSlidingWindowLayer's."""
+    from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=6,
+                          layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    model = Gemma2ForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (2, 23))
+    reference = DynamicCache(config=config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=reference)
+    gpu = f"{TieredCache.min_device_bytes(config, 23, 2, block_tokens=4)}B"
+    with TieredCache(gpu_gb=gpu, cpu_gb="8KB", disk_dir=tmp_path, block_tokens=4, config=config) as cache:
+        assert cache.layers[0].keys is None and cache.layers[1].values is None  # nothing held yet
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache)
+        assert all(cache.stats()["blocks"][tier] for tier in ("device", "host", "disk"))
+        full, sliding = cache.layers[1], cache.layers[0]
+        assert torch.equal(full.keys, reference.layers[1].keys) and torch.equal(full.values, reference.layers[1].values)
+        kept = reference.layers[0].keys.shape[2]  # the window less one
+        assert sliding.keys.shape[2] >= kept and torch.equal(sliding.keys[:, :, -kept:], reference.layers[0].keys)
+        assert torch.equal(sliding.values[:, :, -kept:], reference.layers[0].values)
+        with pytest.raises(InvalidConfigError, match="cannot be assigned"):
+            full.keys = reference.layers[1].keys
+    assert full.keys is None  # closed: nothing held

@@ -361,9 +361,16 @@ class StandIn(HostOnly):
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with self._lock:
             source = self._buffer_at(src.data_ptr())
-            if self.space(dst) == DEVICE and source is not None and source.space == HOST and not source.pinned:
-                self.pageable_copies += 1
-            self._on_stream(f"copy {self.space(src)}->{self.space(dst)}", [(src, None)], [(dst, None)])
+            if self.space(dst) == HOST and self.space(src) == HOST:  # torch copies host to host on the CPU, now
+                agent, clock = self._thread()
+                clock[agent] = clock.get(agent, 0) + 1
+                self._access(src, agent, clock[agent], clock, False, "host copy")
+                self._access(dst, agent, clock[agent], clock, True, "host copy")
+                self.log.append((agent, "host copy", f"{dst.numel() * dst.element_size()} bytes"))
+            else:
+                if self.space(dst) == DEVICE and source is not None and source.space == HOST and not source.pinned:
+                    self.pageable_copies += 1
+                self._on_stream(f"copy {self.space(src)}->{self.space(dst)}", [(src, None)], [(dst, None)])
         dst.copy_(src)
 
     def index_select(self, src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:

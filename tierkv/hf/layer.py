@@ -204,6 +204,44 @@ class TieredLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.dropped + self.stored()
 
+    @property  # a plain attribute in CacheLayerMixin; these K/V live in the tiers
+    def keys(self) -> torch.Tensor | None:
+        """The keys this layer holds, ``[B, H_kv, tokens, D]``: a new host tensor read from every tier, for
+        inspection (it costs their bytes in host memory; decoding never reads it). None while it holds none; a
+        sliding-window layer holds its window and the rest of the blocks that hold it."""
+        return self._held(0)
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._refuse_assignment("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The values this layer holds, as :attr:`keys`."""
+        return self._held(1)
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._refuse_assignment("values", value)
+
+    def _held(self, part: int) -> torch.Tensor | None:
+        cache = self.cache
+        with cache.using:  # not while another thread closes the cache or steps this layer
+            store = cache.runtime.store
+            stored = store.seq_length(self.index) if store is not None else 0
+            if store is None or not stored:
+                return None
+            rows = store.table.rows[self.index]
+            blocks = store.export_blocks(self.index, rows.front, rows.front + rows.count)  # [B, n, 2, H, bt, D]
+        return blocks[:, :, part].transpose(1, 2).flatten(2, 3)[:, :, :stored].contiguous()
+
+    @staticmethod
+    def _refuse_assignment(name: str, value: torch.Tensor | None) -> None:
+        if value is not None:  # CacheLayerMixin's __init__ sets None: nothing is held yet, as here
+            raise InvalidConfigError(f"a TieredLayer's {name} are read from its tiers and cannot be assigned: the "
+                                     f"cache takes K/V through update() (a model's forward) and edits through crop(), "
+                                     f"reset() and the batch methods.")
+
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # transformers 5.0 passes the cache positions
             query_length = query_length.shape[0]
