@@ -27,6 +27,8 @@ from tierkv.hf.runtime import Mode
 from tierkv.hf.sizing import kv_producers
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
     from tierkv.attention.sparse import SparseBudget
     from tierkv.hf.cache import TieredCache
     from tierkv.hf.layer import TieredLayer
@@ -34,12 +36,14 @@ if TYPE_CHECKING:
 STREAMING_ATTENTION = "tierkv_streaming"  # the AttentionInterface name of the executors that attend themselves
 
 
-def streaming_mode(chunk_tokens: int, budget: SparseBudget | None = None) -> Mode:
-    """Multi-token steps stream in chunks of ``chunk_tokens``; one-token steps too, or sparsely within ``budget``."""
+def streaming_mode(chunk_tokens: int, budget: SparseBudget | None = None,
+                   config: PreTrainedConfig | None = None) -> Mode:
+    """Multi-token steps stream in chunks of ``chunk_tokens``; one-token steps too, or sparsely within ``budget``
+    (``config``: the engaged model's, for the sparse minimum a budget error names)."""
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
         raise InvalidConfigError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}.")
     options = {"streaming": {"chunk_tokens": chunk_tokens}}
-    return Mode("streaming", "streaming" if budget is None else "sparse", options, budget)
+    return Mode("streaming", "streaming" if budget is None else "sparse", options, budget, config)
 
 
 def split_mode(chunk_tokens: int) -> Mode:

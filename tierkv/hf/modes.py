@@ -69,7 +69,8 @@ class AttentionModes:
                 model.generate(ids, cache=cache)
         """
         budget = SparseBudget(tokens, sinks, recent, dense_layers, rest_bits, page_tokens, rest_means)
-        return Engagement(self._cache, model, streaming_mode(chunk_tokens, budget), "sparse")
+        config = getattr(model, "config", None)  # a model without one is refused when engaged (check_model)
+        return Engagement(self._cache, model, streaming_mode(chunk_tokens, budget, config), "sparse")
 
     def split(self, model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Engagement:
         """Decode with exact *split* attention over this cache while inside the block: no staging copy.

@@ -39,6 +39,8 @@ from tierkv.tiers.memory import MemoryTier
 from tierkv.units import format_gb, format_size_option, plural
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
     from tierkv.attention.sparse import SparseBudget
 
 log = logging.getLogger("tierkv")
@@ -51,12 +53,14 @@ EXACT = "exact_gather"
 @dataclass(frozen=True, slots=True)
 class Mode:
     """The registered executors that run multi-token steps (``prefill``) and one-token steps (``decode``), their
-    construction options (an executor built with other options is rebuilt), and a sparse step's budget."""
+    construction options (an executor built with other options is rebuilt), a sparse step's budget, and the
+    engaged model's config (a sparse mode's budget errors name ``min_sparse_device_bytes`` of it)."""
 
     prefill: str = EXACT
     decode: str = EXACT
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
     budget: SparseBudget | None = None
+    config: PreTrainedConfig | None = None
 
 
 @dataclass(slots=True)
@@ -181,9 +185,16 @@ class Runtime:
         chunk = mode.options.get("streaming", {}).get("chunk_tokens")
         split = self.executors.get("split")
         scratch = split.staging.reserved if mode.decode == "split" and split is not None else 0  # 0 on a CPU host
+        config = mode.config
+        sparse = mode.budget if mode.decode == "sparse" and config is not None else None
 
         def minimum(chunk_tokens: int | None) -> int:
-            """The budget a step needs with exact gather (None) or with streaming in ``chunk_tokens`` chunks."""
+            """The budget a step needs with exact gather (None) or with streaming in ``chunk_tokens`` chunks (a
+            sparse mode: its prefill's chunks, its selection and key summaries: ``min_sparse_device_bytes``)."""
+            if sparse is not None and config is not None and chunk_tokens is not None:
+                return sizing.min_sparse_device_bytes(config, context, sparse.tokens, batch, store.block_tokens,
+                                                      sparse.page_tokens, sparse.rest_bits, chunk_tokens,
+                                                      layout.dtype, store.device.device)  # fmt: skip
             if chunk_tokens is None:
                 depth = self.budgets.prefetch_depth if isinstance(self.budgets.prefetch_depth, int) else 1
                 staging = gather_staging_bytes(batch, context, layout.token_bytes, store.block_tokens, depth)
@@ -201,10 +212,13 @@ class Runtime:
             f"the {plural(layers, 'layer')} seen so far (pass config=model.config to TieredCache to count all)"
         how = "exact gather" if chunk is None else f"{mode.decode} attention in {chunk}-token chunks"
         api = "min_device_bytes gives it for the context you decode to" if chunk is None else \
+            "min_sparse_device_bytes gives it for the context you decode to" if sparse is not None else \
             f"{'min_split_device_bytes' if mode.decode == 'split' else 'min_streaming_device_bytes'} gives it"
+        taken = format_size_option(need)
+        taken += "GB" if taken[-1].isdigit() else ""  # the option's bare number counts GB: '3.91' reads '3.91GB'
         error.args = (f"the device budget ({format_gb(budget)}) is too small for {how} over {over} at {context:,} "
                       f"tokens: gpu_gb=\"{need}B\" holds the staging and every layer's open block, which takes "
-                      f"{format_size_option(need)}; raise gpu_gb to at least that (TieredCache.{api})"
+                      f"{taken}; raise gpu_gb to at least that (TieredCache.{api})"
                       f"{self._way_out(chunk, minimum, budget, need)}",)
         return error
 
