@@ -47,8 +47,10 @@ def test_a_full_device_demotes_the_policys_victim_but_never_a_protected_block_or
     assert [b.tier for b in blocks] == [Tier.DEVICE] * 3
     taken = store.placement.alloc_device(SLOT, protect={blocks[0].id}, near=(1, 0))
     assert (blocks[0].tier, blocks[1].tier, blocks[2].tier) == (Tier.DEVICE, Tier.HOST, Tier.DEVICE)
-    with pytest.raises(BudgetTooSmallError, match="blocks being filled"):  # left: a protected block and the tail
+    with pytest.raises(BudgetTooSmallError, match="blocks being filled") as refused:  # a protected block, the tail
         store.placement.alloc_device(SLOT, protect={blocks[0].id}, near=(1, 1))
+    need = store.tiers[Tier.DEVICE].reserved + 3 * SLOT  # in bytes: a rounded size can read as the budget itself
+    assert f'gpu_gb="{need}B"' in str(refused.value)
     store.tiers[Tier.DEVICE].free(SLOT, taken)
     store.check()
     store.close()

@@ -283,7 +283,7 @@ class BlockPlacement:
         return BudgetTooSmallError(
             f"the device budget ({_size(device.budget)}) cannot hold the attention staging area "
             f"({_size(device.reserved)}) plus {plural(tails + 1, 'block')} being filled "
-            f"({_size((tails + 1) * slot_bytes)}): at least {_size(need)} is needed; raise gpu_gb "
+            f"({_size((tails + 1) * slot_bytes)}): at least {_size(need)} (gpu_gb=\"{need}B\") is needed; raise gpu_gb "
             "(TieredCache.min_device_bytes; inside cache.streaming / split / sparse: min_streaming_device_bytes, "
             "min_split_device_bytes, min_sparse_device_bytes) or lower block_tokens."
         )
