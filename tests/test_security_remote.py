@@ -427,6 +427,7 @@ NUMERIC = {  # setting -> (its largest value, a value beyond, the range its erro
     "remote_timeout": ("600", "1e9", "0.001 to 600"),
     "remote_queue": ("16GiB", "17GiB", "4.00 KiB to 16.00 GiB"),
     "remote_queue_wait": ("600", "inf", "0 to 600"),
+    "persist_lock_timeout": ("600", "inf", "0 to 600"),
 }
 
 

@@ -23,25 +23,26 @@ Settings (variable, default, range). Every number has a lower *and* an upper bou
 read, so a slip (``TIERKV_IO_QUEUE_DEPTH=4294967296``) is an error naming the variable, its range and a valid
 value, never a pool of 0 threads or an allocation of terabytes:
 
-=================  ========================  ===========  ===============  ======================================
-name               variable                  default      range            meaning
-=================  ========================  ===========  ===============  ======================================
-disk_engine        TIERKV_DISK_ENGINE        auto         engine name      auto, kvikio, native or posix
-direct_io          TIERKV_DIRECT_IO          None (auto)  1, 0, auto       O_DIRECT: on, off (page cache), try it
-io_queue_depth     TIERKV_IO_QUEUE_DEPTH     16           1 - 256          I/O requests (threads) per disk file
-io_chunk           TIERKV_IO_CHUNK           4 MiB        4 KiB - 256 MiB  largest single I/O, 4 KiB multiple
-cache_dir          TIERKV_CACHE_DIR          XDG cache    a directory      native engine build, models
-profile            TIERKV_PROFILE            None         a file           link profile JSON (tierkv bench)
-trace              TIERKV_TRACE              None         a file           Chrome trace of each cache
-debug              TIERKV_DEBUG              False        1, 0             full tracebacks from the CLI
-prefetch_min       TIERKV_PREFETCH_MIN       1 MiB        0 - 64 GiB       smallest layer read prefetched
-redis_password     TIERKV_REDIS_PASSWORD     None         a string         Redis password if not in the URL
-cuda_standin       TIERKV_CUDA_STANDIN       False        1, 0             CUDA paths on a CPU stand-in
-remote_timeout     TIERKV_REMOTE_TIMEOUT     2.0          0.001 - 600 s    a remote command's longest wait
-remote_queue       TIERKV_REMOTE_QUEUE       64 MiB       4 KiB - 16 GiB   bytes queued for remote writes
-remote_queue_wait  TIERKV_REMOTE_QUEUE_WAIT  10.0         0 - 600 s        wait for room, no write sent
-shared_group       TIERKV_SHARED_GROUP       False        1, 0             persistent blocks group-shared
-=================  ========================  ===========  ===============  ======================================
+====================  ===========================  ===========  ===============  ======================================
+name                  variable                     default      range            meaning
+====================  ===========================  ===========  ===============  ======================================
+disk_engine           TIERKV_DISK_ENGINE           auto         engine name      auto, kvikio, native or posix
+direct_io             TIERKV_DIRECT_IO             None (auto)  1, 0, auto       O_DIRECT: on, off (page cache), try it
+io_queue_depth        TIERKV_IO_QUEUE_DEPTH        16           1 - 256          I/O requests (threads) per disk file
+io_chunk              TIERKV_IO_CHUNK              4 MiB        4 KiB - 256 MiB  largest single I/O, 4 KiB multiple
+cache_dir             TIERKV_CACHE_DIR             XDG cache    a directory      native engine build, models
+profile               TIERKV_PROFILE               None         a file           link profile JSON (tierkv bench)
+trace                 TIERKV_TRACE                 None         a file           Chrome trace of each cache
+debug                 TIERKV_DEBUG                 False        1, 0             full tracebacks from the CLI
+prefetch_min          TIERKV_PREFETCH_MIN          1 MiB        0 - 64 GiB       smallest layer read prefetched
+redis_password        TIERKV_REDIS_PASSWORD        None         a string         Redis password if not in the URL
+cuda_standin          TIERKV_CUDA_STANDIN          False        1, 0             CUDA paths on a CPU stand-in
+remote_timeout        TIERKV_REMOTE_TIMEOUT        2.0          0.001 - 600 s    a remote command's longest wait
+remote_queue          TIERKV_REMOTE_QUEUE          64 MiB       4 KiB - 16 GiB   bytes queued for remote writes
+remote_queue_wait     TIERKV_REMOTE_QUEUE_WAIT     10.0         0 - 600 s        wait for room, no write sent
+shared_group          TIERKV_SHARED_GROUP          False        1, 0             persistent blocks group-shared
+persist_lock_timeout  TIERKV_PERSIST_LOCK_TIMEOUT  30.0         0 - 600 s        wait for the persistent store's lock
+====================  ===========================  ===========  ===============  ======================================
 
 Secrets (``redis_password``) are never shown: :func:`source` and :func:`describe` print ``***`` for them.
 """
@@ -251,6 +252,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("shared_group", "TIERKV_SHARED_GROUP", lambda: False, _flag, "1",
                 "the persistent block directory is shared with its group (dirs 2770, files 0660) instead of "
                 "private to its owner (0700/0600); see docs/reliability.md (Security)"),
+        Setting("persist_lock_timeout", "TIERKV_PERSIST_LOCK_TIMEOUT", lambda: 30.0, _seconds_in(0.0, 600.0), "30",
+                "longest wait for the persistent block store's lock held by another process (a stopped one): then "
+                "that store is used without it (no recovery, writes skipped, a warning) (0: try once)"),
     )
 }  # fmt: skip
 """Every setting by name."""

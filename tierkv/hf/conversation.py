@@ -12,13 +12,16 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import torch
 
-from tierkv.errors import IntegrityError, InvalidConfigError
+from tierkv.errors import CapacityError, IntegrityError, InvalidConfigError
 from tierkv.hf import sizing
+from tierkv.hf.runtime import DEFAULT_DEVICE_FRACTION, DEFAULT_HOST_FRACTION
 from tierkv.persist import conversation
 from tierkv.persist import record as records
 from tierkv.persist.keys import model_fingerprint
+from tierkv.units import format_bytes
 
 if TYPE_CHECKING:
     from tierkv.hf.cache import TieredCache
@@ -37,12 +40,11 @@ def load(cls: type[TieredCache], path: str | os.PathLike, model: torch.nn.Module
          device: str | torch.device | None, options: dict[str, Any]) -> TieredCache:
     model = _required(model)
     what = os.fspath(path)
-    with conversation.open_file(path) as f:
-        restore = Restore(cls, model, device, options, what, *records.read(f, what))
-        with restore:
-            while restore.take(*records.read(f, what)):
-                pass
-            return restore.finish(f.read(1))
+    with conversation.open_file(path) as f, Restore(cls, model, device, options, what) as restore:
+        restore.start(*records.read(f, what, restore.header_limit))
+        while restore.take(*records.read(f, what, restore.record_limit)):
+            pass
+        return restore.finish(f.read(1))
 
 
 async def aload(cls: type[TieredCache], path: str | os.PathLike, model: torch.nn.Module | None,
@@ -51,9 +53,9 @@ async def aload(cls: type[TieredCache], path: str | os.PathLike, model: torch.nn
     aiofiles = _aiofiles()
     what = os.fspath(path)
     async with aiofiles.open(conversation.open_fd(path), "rb") as f:
-        restore = Restore(cls, model, device, options, what, *(await records.aread(f, what)))
-        with restore:
-            while restore.take(*(await records.aread(f, what))):
+        with Restore(cls, model, device, options, what) as restore:
+            restore.start(*(await records.aread(f, what, restore.header_limit)))
+            while restore.take(*(await records.aread(f, what, restore.record_limit))):
                 pass
             return restore.finish(await f.read(1))
 
@@ -90,15 +92,61 @@ def _fits_model(header: conversation.Header, model: torch.nn.Module, what: str) 
             for layout in sizing.layer_layouts(config, header.block_tokens, None)]
 
 
+def _kv_claim(header: conversation.Header, model: torch.nn.Module) -> int | None:
+    """The K/V bytes the header says its layers hold (``length - dropped`` tokens of every row, at the model's
+    per-token K/V bytes of each layer, in the file's dtype, else the model's); None if the model has no config."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    dtype = getattr(torch, header.namespace["dtype"]) if header.namespace is not None else \
+        next(model.parameters()).dtype
+    layouts = sizing.layer_layouts(config, 1, dtype)
+    return sum((layer.length - layer.dropped) * header.batch * layout.token_bytes
+               for layer, layout in zip(header.layers, layouts))
+
+
+def _budget_bytes(cache: TieredCache, device: torch.device) -> int:
+    """The bytes ``cache``'s tiers may hold on ``device``: its device, host and disk budgets, a budget left out
+    counted as the share of free memory (or disk) the cache would take when it builds its store."""
+    budgets, runtime = cache.runtime.budgets, cache.runtime
+    available = psutil.virtual_memory().available
+    if budgets.gpu is not None:
+        gpu = budgets.gpu
+    else:
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available
+        gpu = int(free * DEFAULT_DEVICE_FRACTION)
+    cpu = budgets.cpu if budgets.cpu is not None else int(available * DEFAULT_HOST_FRACTION)
+    return gpu + cpu + (runtime.disk.budget if runtime.disk is not None else 0)
+
+
 class Restore:
-    """A cache being filled from a conversation's records: built from the header record, fed each K/V record
-    by :meth:`take`, checked by :meth:`finish`; used as a context manager, it closes the cache on any error."""
+    """A cache being filled from a conversation's records. :meth:`header_limit` checks the header record
+    before its payload (the token ids) is read: its fields, the model, and that the K/V it claims fits the
+    budgets of the cache it builds; :meth:`start` takes the header record, :meth:`take` each K/V record
+    (:meth:`record_limit` checks its header first), :meth:`finish` checks the end. Used as a context manager, it
+    closes the cache on any error (the disk tier's files go with it)."""
 
     def __init__(self, cls: type[TieredCache], model: torch.nn.Module, device: str | torch.device | None,
-                 options: dict[str, Any], what: str, head: dict[str, Any], payload: bytearray) -> None:
-        self.header = header = conversation.parse_header(head, payload, what)
-        self.what = what
-        self.device = device if device is not None else next(model.parameters()).device
+                 options: dict[str, Any], what: str) -> None:
+        self.cls, self.model, self.options, self.what = cls, model, options, what
+        self.device = torch.device(device if device is not None else next(model.parameters()).device)
+        self.cache: TieredCache | None = None
+        self.header: conversation.Header | None = None
+        self.reader: conversation.Reader | None = None
+        self.budget = 0
+
+    def __enter__(self) -> Restore:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is not None and self.cache is not None:
+            self.cache.close()
+
+    def header_limit(self, head: dict[str, Any]) -> tuple[int, str]:
+        """Check the header record's fields and the model, build the cache and check that the K/V the header
+        claims fits its budgets — all before the ids are read; the ids payload bytes the header allows."""
+        what, model, options = self.what, self.model, self.options
+        header, _ = conversation.check_header(head, what)
         if options.setdefault("block_tokens", header.block_tokens) != header.block_tokens:
             raise InvalidConfigError(f"{what} was saved with block_tokens={header.block_tokens}; load it with the "
                                      "same (or leave block_tokens out).")
@@ -106,24 +154,38 @@ class Restore:
             raise InvalidConfigError(f"{what} was saved from another model (weights or config differ); load it "
                                      "with the model that produced it.")
         geometry = _fits_model(header, model, what)
-        self.cache = cache = cls(**options)
+        self.cache = cache = self.cls(**options)  # closed by __exit__ on any refusal
         windows = [layer.sliding_window for layer in header.layers]
         if cache.runtime.num_layers is not None and [layer.sliding_window for layer in cache.layers] != windows:
-            cache.close()
             raise InvalidConfigError(f"{what} holds {len(windows)} layers with sliding windows {windows}; the "
                                      "config= given describes other layers. Pass the model's own config, or none.")
-        cache.set_layers(windows)
-        self.reader = conversation.Reader(header, what, geometry)
+        self.budget = budget = _budget_bytes(cache, self.device)
+        claim = _kv_claim(header, model)
+        if claim is not None and claim > budget:
+            raise CapacityError(f"{what} holds {format_bytes(claim)} of K/V ({claim} bytes), more than the "
+                                f"{format_bytes(budget)} ({budget} bytes) of the cache's budgets (gpu_gb + cpu_gb + "
+                                "disk_gb): raise the budgets, e.g. TieredCache.load(path, model=model, cpu_gb=..., "
+                                "disk_dir=..., disk_gb=...). Nothing of the file was loaded.")
+        self.reader = conversation.Reader(header, what, geometry, budget)
+        return conversation.ids_limit(head, what)
 
-    def __enter__(self) -> Restore:
-        return self
+    def start(self, head: dict[str, Any], payload: bytearray) -> None:
+        """Take the header record (checked by :meth:`header_limit` before its payload was read)."""
+        if self.cache is None or self.reader is None:
+            self.header_limit(head)
+        assert self.cache is not None and self.reader is not None
+        self.header = header = conversation.parse_header(head, payload, self.what)
+        self.reader.header = header
+        self.cache.set_layers([layer.sliding_window for layer in header.layers])
 
-    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
-        if kind is not None:
-            self.cache.close()
+    def record_limit(self, head: dict[str, Any]) -> tuple[int, str]:
+        """The payload bytes the next record's header allows (:meth:`tierkv.persist.conversation.Reader.limit`)."""
+        assert self.reader is not None, "start() takes the header record first"
+        return self.reader.limit(head)
 
     def take(self, head: dict[str, Any], payload: bytearray) -> bool:
         """Append one K/V record's blocks; False at the end record."""
+        assert self.cache is not None and self.reader is not None and self.header is not None
         chunk = self.reader.take(head, payload)
         if chunk is None:
             return False
@@ -138,8 +200,9 @@ class Restore:
         """Set what the K/V records do not carry and check every layer's length against the header."""
         if trailing:
             raise IntegrityError(f"{self.what}: data after the end record.")
-        cache = self.cache
-        for saved, layer in zip(self.header.layers, cache.layers):
+        cache, header = self.cache, self.header
+        assert cache is not None and header is not None
+        for saved, layer in zip(header.layers, cache.layers):
             layer.dropped = saved.dropped
             if layer.get_seq_length() != saved.length:
                 raise IntegrityError(f"layer {saved.index} holds {layer.get_seq_length()} tokens after loading, "
@@ -160,8 +223,10 @@ def _records(cache: TieredCache, model: torch.nn.Module | None) -> Iterator[tupl
     fingerprint = model_fingerprint(model) if model is not None else namespace.fingerprint if namespace else None
     layers = tuple(conversation.LayerState(layer.index, layer.sliding_window, layer.dropped,
                                            layer.get_seq_length()) for layer in cache.layers)
-    header = conversation.Header(cache.block_tokens, cache.batch_size, layers,
-                                 session.ids if session is not None else None,
+    ids = session.ids if session is not None else None
+    if ids is not None:  # ids of tokens about to be appended (load_prefix of the next turn) are not held yet
+        ids = ids[:, : max(layer.length for layer in layers)]
+    header = conversation.Header(cache.block_tokens, cache.batch_size, layers, ids,
                                  namespace.to_dict() if namespace is not None else None, fingerprint)
     return conversation.records(store, header)
 

@@ -20,6 +20,14 @@ Reading needs no lock: the manifest is replaced atomically, and a record evicted
 after it was looked up reads as a miss. Eviction keeps the listed bytes under ``capacity_bytes``:
 least recently used first (:meth:`~tierkv.persist.manifest.Manifest.victims`).
 
+**A lock held for ever** (a stopped process, another member of a group-shared directory) stops nobody: each
+wait for the ``lock`` ends after ``TIERKV_PERSIST_LOCK_TIMEOUT`` seconds (:mod:`tierkv.persist.lock`), and
+the store goes on without what needed it, logging a warning that names the lock file, its holder and the fix:
+opening skips the recovery, a write (or a read's marking of what it used, or its removal of a record that
+failed its checks) is skipped and its scratch files removed. After one such timeout the store tries the lock
+once, without waiting, until it gets it again, so one stuck holder costs one timeout, not one per write.
+Persistence is a copy: nothing the cache holds is lost, and the listing is only ever changed under the lock.
+
 **Trust** (docs/reliability.md, "Security"). The tree is this user's (0700 directories, 0600 files; 2770/0660
 with ``TIERKV_SHARED_GROUP=1``): a ``tierkv-persist``, ``blocks`` or ``tmp`` that is a link, belongs to another
 user or is writable by others is refused (:mod:`tierkv.safefs`). Every name is taken relative to a directory
@@ -51,12 +59,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierkv import safefs
+from tierkv import safefs, settings
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, InvalidConfigError
 from tierkv.persist import manifest as manifests
 from tierkv.persist import record
-from tierkv.persist.lock import OwnerLock, is_abandoned, locked
+from tierkv.persist.lock import LockTimeoutError, OwnerLock, is_abandoned, locked
 from tierkv.persist.manifest import KEY, Entry, Manifest
 
 if TYPE_CHECKING:
@@ -93,6 +101,7 @@ class Recovery:
     torn: int = 0  # listed files of the wrong size removed
     missing: int = 0  # listed keys without a file dropped from the listing
     manifest_lost: bool = False  # the manifest did not verify: started empty
+    skipped: bool = False  # another process held the lock past the deadline: nothing was cleaned up
 
 
 class _Tree:
@@ -134,23 +143,24 @@ class PersistentStore:
         self.capacity_bytes = capacity_bytes
         self.root = Path(directory) / DIRECTORY_NAME
         self._blocks = self.root / "blocks"
+        self._scratch = self.root / "tmp"
+        self._lock_busy = False  # a wait for the lock timed out: try it once, without waiting, until it is had
+        self._lock_warned = False  # that was logged as a warning (later ones at debug level)
+        self._scratch_mutex = threading.Lock()  # one scratch area per store, whichever thread makes it
         try:
             with deferred_interrupts():  # the descriptors and the finalizer that closes them, together
                 tree = _Tree(Path(directory))
                 self._tree = tree
                 self._finalizer = weakref.finalize(self, _release, tree)
             try:
-                with self._locked(exclusive=True):
-                    self.recovery = self._recover()
-                with self._locked(exclusive=False):  # recovery (exclusive) never sees a half-made area
-                    name = f"{os.getpid()}-{secrets.token_hex(4)}"
-                    self._scratch = self.root / "tmp" / name
-                    with deferred_interrupts():  # the lock file and the record that _release removes it, together
-                        tree.owner = OwnerLock(tree.tmp, f"{name}.lock")  # a new file: its flock never waits
-                        tree.scratch_name = name
-                    os.mkdir(name, safefs.dir_mode(), dir_fd=tree.tmp)
-                    with deferred_interrupts():
-                        tree.scratch = safefs.open_own_directory(tree.tmp, name, self._scratch, create=False)
+                try:
+                    with self._locked(exclusive=True):
+                        self.recovery = self._recover()
+                except LockTimeoutError as error:
+                    self.recovery = Recovery(skipped=True)
+                    self._lock_timed_out(error, "this store opens without cleaning up after dead processes "
+                                                "(the next one to get the lock does)")
+                self._open_scratch()
             except BaseException:  # an interrupt too: nothing of this store stays behind
                 self._finalizer()
                 raise
@@ -161,6 +171,29 @@ class PersistentStore:
                                 "disk_dir on a writable filesystem.") from error
         self._mutex = threading.Lock()  # the cached manifest, between this process's threads
         self._cached: tuple[tuple[int, int, int], Manifest] | None = None
+
+    def _open_scratch(self) -> bool:
+        """Make this store's scratch area (under the shared lock, so that recovery never sees a half-made one);
+        False, with a warning, while another process holds the lock past the deadline (nothing can be written
+        then). Made once: by the open, or by the first write after the lock was free again."""
+        tree = self._tree
+        with self._scratch_mutex:
+            if tree.scratch >= 0:
+                return True
+            try:
+                with self._locked(exclusive=False):  # recovery (exclusive) never sees a half-made area
+                    name = f"{os.getpid()}-{secrets.token_hex(4)}"
+                    self._scratch = self.root / "tmp" / name
+                    with deferred_interrupts():  # the lock file and the record that _release removes it, together
+                        tree.owner = OwnerLock(tree.tmp, f"{name}.lock")  # a new file: its flock never waits
+                        tree.scratch_name = name
+                    os.mkdir(name, safefs.dir_mode(), dir_fd=tree.tmp)
+                    with deferred_interrupts():
+                        tree.scratch = safefs.open_own_directory(tree.tmp, name, self._scratch, create=False)
+            except LockTimeoutError as error:
+                self._lock_timed_out(error, "this store writes no blocks until it gets the lock")
+                return False
+        return True
 
     # --------------------------------------------------------------------------------------- reading
     def __contains__(self, key: str) -> bool:
@@ -195,14 +228,20 @@ class PersistentStore:
                 break
             found.append(data)
         if found or bad:
-            self._update(touch=keys[: len(found)], remove=bad)
+            try:
+                self._update(touch=keys[: len(found)], remove=bad)
+            except LockTimeoutError as error:  # the records read are verified: only the bookkeeping is skipped
+                self._lock_timed_out(error, "the blocks read are not marked as used, nor a bad one removed")
         return found
 
     def verify(self) -> list[str]:
         """Read and check every listed record; remove and return the keys of those that fail."""
         bad = [key for key, entry in self._listing().entries.items() if self._read(key, entry) is None]
         if bad:
-            self._update(remove=bad)
+            try:
+                self._update(remove=bad)
+            except LockTimeoutError as error:  # still listed: read as misses (and dropped) until removed
+                self._lock_timed_out(error, "the records that failed their checks stay listed for now")
         return bad
 
     def stats(self) -> dict[str, int]:
@@ -223,6 +262,8 @@ class PersistentStore:
                 raise InvalidConfigError(f"{error} An item is a block key, its index in its chain "
                                          "and its record: Item(key, depth, *record.encode_block(...)).") from None
         listed = self._listing().entries
+        if not self._open_scratch():  # the lock is held past the deadline: skipped (logged)
+            return 0
         staged: list[tuple[Item, str, int]] = []
         written = 0  # the staged records fsynced whole (a failure may cut the next one short)
         scratch = self._tree.scratch
@@ -242,6 +283,9 @@ class PersistentStore:
                     if fd >= 0:
                         os.close(fd)
             return self._update(touch=[*touch, *(item.key for item in items)], add=staged)
+        except LockTimeoutError as error:  # the staged files are removed below: the store is as it was
+            self._lock_timed_out(error, f"{len(staged)} blocks were not persisted (they are recomputed next time)")
+            return 0
         except DiskTierError:  # a refusal (a link where a folder belongs) says why itself
             raise
         except OSError as error:
@@ -377,12 +421,30 @@ class PersistentStore:
         """The directory's lock (:func:`tierkv.persist.lock.locked`); a non-file planted at its name is refused
         with the fix (:func:`_refuse_planted`), never waited on."""
         with contextlib.ExitStack() as held:
+            busy = self._lock_busy
             try:
-                held.enter_context(locked(self._tree.root, LOCK, exclusive))
+                held.enter_context(locked(self._tree.root, LOCK, exclusive,
+                                          0.0 if busy else settings.get("persist_lock_timeout"), str(self.root / LOCK)))
+            except LockTimeoutError:
+                self._lock_busy = True  # the next waits try once: one stuck holder costs one timeout
+                raise
             except OSError:
                 _refuse_planted(self._tree.root, LOCK, self.root / LOCK)
                 raise
+            if busy:
+                self._lock_busy = self._lock_warned = False
+                log.info("tierkv: the lock %s is free again; persistent blocks are written again", self.root / LOCK)
             yield
+
+    def _lock_timed_out(self, error: LockTimeoutError, consequence: str) -> None:
+        """Log a wait for the lock that ended at its deadline (``error`` names the lock, its holder and the fix):
+        a warning for the first, then at debug level until the lock is had again."""
+        if self._lock_warned:
+            log.debug("tierkv: %s Meanwhile %s.", error, consequence)
+            return
+        self._lock_warned = True
+        log.warning("tierkv: %s Meanwhile %s (persistence is a copy: nothing the cache holds is lost); set "
+                    "TIERKV_PERSIST_LOCK_TIMEOUT to wait longer.", error, consequence)
 
     def _write_manifest(self, listing: Manifest) -> None:
         """Replace the manifest (:func:`tierkv.persist.manifest.write`); a directory planted at its name, which

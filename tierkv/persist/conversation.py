@@ -16,7 +16,9 @@ file intact, and a link planted at ``path`` is replaced, never followed.
 Every file carries the fingerprint of the model that computed its K/V (:func:`records` refuses to write one
 without). A file is input from anywhere: :func:`open_file` refuses anything but a regular file (a FIFO is
 never waited on), :func:`tierkv.persist.record.read` checks each length against the bytes the file really
-has before allocating, and :func:`parse_header` and :class:`Reader` check every field's type and range (a
+has and against what the record's own header allows (:func:`ids_limit`, :meth:`Reader.limit`: a sparse file
+has every byte it claims) before allocating, and :func:`check_header` and :class:`Reader` check every field's
+type and range (a
 layer drops whole blocks, only with a sliding window, never one the window still reaches) and that each K/V
 record has exactly the shape the header's geometry implies — any failure is an
 :class:`~tierkv.errors.IntegrityError` naming the file and the field.
@@ -28,10 +30,11 @@ import asyncio
 import contextlib
 import errno
 import io
+import math
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -267,8 +270,12 @@ def _layers(value: Any, what: str, block_tokens: int) -> tuple[LayerState, ...]:
     return tuple(layers)
 
 
-def parse_header(header: dict[str, Any], payload: bytearray, what: str) -> Header:
-    """The first record of a conversation file, every field checked (IntegrityError naming the field)."""
+def check_header(header: dict[str, Any], what: str) -> tuple[Header, int]:
+    """The first record's header, every field checked (IntegrityError naming the field), before its payload is
+    read: ``(the header without its ids, the exact bytes of its ids payload)``. The ids are ``batch x
+    ids_shape[1]`` int64, and a file knows the ids of no more tokens than its longest layer holds, so the payload
+    a file may make the loader allocate is bounded by what the header says it holds (a sparse file has every byte
+    it claims: only the header can bound it)."""
     if header.get("kind") != "conversation" or header.get("format") != FORMAT:
         raise IntegrityError(f"{what}: not a tierkv conversation of format {FORMAT} (first record: "
                              f"{str(header)[:200]}).")
@@ -285,20 +292,42 @@ def parse_header(header: dict[str, Any], payload: bytearray, what: str) -> Heade
     layers = _layers(header["layers"], what, block_tokens)
     namespace = _namespace(header["namespace"], what, block_tokens, len(layers))
     shape = header["ids_shape"]
-    ids = None
-    if shape is None:
-        if len(payload):
-            raise IntegrityError(f"{what}: {len(payload)} bytes of token ids, but field 'ids_shape' is null.")
-    else:
+    ids_bytes = 0
+    if shape is not None:
         if not isinstance(shape, list) or len(shape) != 2:
             raise IntegrityError(f"{what}: field 'ids_shape' is not [batch, tokens].")
         _integer(shape[0], what, "ids_shape[0]", batch, batch)
+        longest = max(layer.length for layer in layers)
         tokens = _integer(shape[1], what, "ids_shape[1]", 0, MAX_TOKENS)
-        if len(payload) != batch * tokens * 8:
-            raise IntegrityError(f"{what}: {len(payload)} bytes of token ids, field 'ids_shape' {shape} needs "
-                                 f"{batch * tokens * 8}.")
-        ids = np.frombuffer(bytes(payload), dtype="<i8").reshape(batch, tokens).astype(np.int64)
-    return Header(block_tokens, batch, layers, ids, namespace, fingerprint)
+        if tokens > longest:
+            raise IntegrityError(f"{what}: field 'ids_shape' is {shape}: the ids of {tokens} tokens, but its longest "
+                                 f"layer holds {longest}; the file is damaged or crafted. Save the conversation "
+                                 "again.")
+        ids_bytes = batch * tokens * 8
+    return Header(block_tokens, batch, layers, None, namespace, fingerprint), ids_bytes
+
+
+def ids_limit(header: dict[str, Any], what: str) -> tuple[int, str]:
+    """The most payload bytes the first record may have (:func:`check_header`), as a
+    :data:`tierkv.persist.record.Limit`."""
+    _, ids_bytes = check_header(header, what)
+    return ids_bytes, f"its field 'ids_shape' {str(header['ids_shape'])[:80]} (batch x tokens x 8 bytes) allows"
+
+
+def parse_header(header: dict[str, Any], payload: bytearray, what: str) -> Header:
+    """The first record of a conversation file, every field checked (IntegrityError naming the field); its ids
+    are a view of ``payload`` (int64, little-endian: no copy where that is the machine's order)."""
+    checked, ids_bytes = check_header(header, what)
+    shape = header["ids_shape"]
+    if shape is None:
+        if len(payload):
+            raise IntegrityError(f"{what}: {len(payload)} bytes of token ids, but field 'ids_shape' is null.")
+        return checked
+    if len(payload) != ids_bytes:
+        raise IntegrityError(f"{what}: {len(payload)} bytes of token ids, field 'ids_shape' {shape} needs "
+                             f"{ids_bytes}.")
+    ids = np.frombuffer(payload, dtype="<i8").reshape(shape[0], shape[1]).astype(np.int64, copy=False)
+    return replace(checked, ids=ids)
 
 
 class Reader:
@@ -306,12 +335,16 @@ class Reader:
     of a K/V record, or None at the end record (after which the file must end). A K/V record must continue
     its layer where the last one stopped, stay within the layer's length, and have exactly the shape
     ``[batch, n, 2, H_kv, block_tokens, head_dim]`` of the header (and its namespace, if any), in one dtype
-    per layer. ``geometry``: each layer's ``(H_kv, head_dim)`` in the loading model's config, which every
-    record must also have."""
+    per layer, of at most ``max(CHUNK_BYTES, one block column of the batch)`` (what :func:`records` writes) and
+    at most ``budget`` bytes (what the cache can hold, if known). ``geometry``: each layer's ``(H_kv,
+    head_dim)`` in the loading model's config, which every record must also have. :meth:`limit` checks a
+    record's header before its payload is read (a :data:`tierkv.persist.record.Limit`)."""
 
-    def __init__(self, header: Header, what: str, geometry: Sequence[tuple[int, int]] | None = None) -> None:
+    def __init__(self, header: Header, what: str, geometry: Sequence[tuple[int, int]] | None = None,
+                 budget: int | None = None) -> None:
         self.header, self.what = header, what
         self.heads_dims = geometry  # per layer (H_kv, D) of the model that loads the file, if known
+        self.budget = budget
         self.count = 1
         bt = header.block_tokens
         self.next_block = {layer.index: layer.dropped // bt for layer in header.layers}
@@ -320,20 +353,33 @@ class Reader:
         self.geometry: dict[int, tuple[str, int, int]] = {}  # layer -> (dtype, H_kv, D) of its first record
         self.expected = (ns["dtype"], ns["kv_heads"], ns["head_dim"]) if ns is not None else None
 
-    def take(self, header: dict[str, Any], payload: bytearray) -> tuple[int, int, torch.Tensor] | None:
+    def limit(self, header: dict[str, Any]) -> tuple[int, str]:
+        """The payload bytes the next record's ``header`` allows (its checks, without taking it)."""
+        if header.get("kind") == "end":
+            return 0, "an end record carries no payload, it allows"
+        layer, _, dtype, shape = self._check(header)
+        name = f"record {self.count}"
+        itemsize = getattr(torch, dtype).itemsize
+        column = shape[0] * math.prod(shape[2:]) * itemsize  # one block column of the whole batch
+        size = math.prod(shape) * itemsize
+        most = max(CHUNK_BYTES, column)
+        if size > most:
+            raise IntegrityError(f"{self.what}: field '{name}.shape' is {shape}: {size} bytes of layer {layer}'s K/V "
+                                 f"in one record, more than the {most} a saved file's records hold (max of "
+                                 f"{CHUNK_BYTES} and one block column, {column}); the file is damaged or crafted "
+                                 "(refused before reading it). Save the conversation again.")
+        if self.budget is not None and size > self.budget:
+            raise IntegrityError(f"{self.what}: field '{name}.shape' is {shape}: {size} bytes of K/V in one record, "
+                                 f"more than the {self.budget} bytes of the cache's budgets; the file is damaged or "
+                                 "crafted (refused before reading it). Save the conversation again.")
+        return size, f"its field '{name}.shape' {shape} of {dtype} allows"
+
+    def _check(self, header: dict[str, Any]) -> tuple[int, int, str, list[int]]:
+        """``(layer, first, dtype, shape)`` of the K/V record ``header``, every field checked; no state changes."""
         what = self.what
-        kind = header.get("kind")
-        if kind == "end":
-            if header.get("records") != self.count or set(header) != {"kind", "records"}:
-                raise IntegrityError(f"{what}: {self.count} records before the end, it says {str(header)[:200]}.")
-            short = [index for index, stop in self.stop.items() if self.next_block[index] < stop]
-            if short:
-                raise IntegrityError(f"{what}: layers {short[:20]} are incomplete.")
-            return None
-        if kind != "kv" or set(header) != {"kind", "layer", "first", "dtype", "shape"}:
+        if header.get("kind") != "kv" or set(header) != {"kind", "layer", "first", "dtype", "shape"}:
             raise IntegrityError(f"{what}: unexpected record {str(header)[:200]}.")
-        self.count += 1
-        name = f"record {self.count - 1}"
+        name = f"record {self.count}"
         layer = _integer(header["layer"], what, f"{name}.layer", 0, len(self.header.layers) - 1)
         first = _integer(header["first"], what, f"{name}.first", 0, MAX_TOKENS)
         if self.next_block[layer] != first:
@@ -347,12 +393,12 @@ class Reader:
                                  "head_dim].")
         bt = self.header.block_tokens
         _integer(shape[0], what, f"{name}.shape[0] (batch)", self.header.batch, self.header.batch)
-        count = _integer(shape[1], what, f"{name}.shape[1] (blocks)", 1, self.stop[layer] - first)
+        _integer(shape[1], what, f"{name}.shape[1] (blocks)", 1, self.stop[layer] - first)
         _integer(shape[2], what, f"{name}.shape[2] (K and V)", 2, 2)
         heads = _integer(shape[3], what, f"{name}.shape[3] (kv_heads)", 1, MAX_HEADS)
         _integer(shape[4], what, f"{name}.shape[4] (block_tokens)", bt, bt)
         dim = _integer(shape[5], what, f"{name}.shape[5] (head_dim)", 1, MAX_HEAD_DIM)
-        geometry = self.geometry.setdefault(layer, (dtype, heads, dim))
+        geometry = self.geometry.get(layer, (dtype, heads, dim))
         if geometry != (dtype, heads, dim) or (self.expected is not None and geometry != self.expected):
             raise IntegrityError(f"{what}: {name} of layer {layer} holds {dtype} K/V of {heads} heads of {dim}; the "
                                  f"file says {self.expected or geometry}.")
@@ -360,6 +406,22 @@ class Reader:
             model_heads, model_dim = self.heads_dims[layer]
             raise IntegrityError(f"{what}: {name} of layer {layer} holds K/V of {heads} heads of {dim}; the model's "
                                  f"config has {model_heads} heads of {model_dim} in that layer.")
+        return layer, first, dtype, shape
+
+    def take(self, header: dict[str, Any], payload: bytearray) -> tuple[int, int, torch.Tensor] | None:
+        what = self.what
+        if header.get("kind") == "end":
+            if header.get("records") != self.count or set(header) != {"kind", "records"}:
+                raise IntegrityError(f"{what}: {self.count} records before the end, it says {str(header)[:200]}.")
+            if payload:
+                raise IntegrityError(f"{what}: {len(payload)} payload bytes in the end record, which has none.")
+            short = [index for index, stop in self.stop.items() if self.next_block[index] < stop]
+            if short:
+                raise IntegrityError(f"{what}: layers {short[:20]} are incomplete.")
+            return None
+        layer, first, dtype, shape = self._check(header)
+        self.count += 1
+        self.geometry.setdefault(layer, (dtype, shape[3], shape[5]))
         blocks = record.tensor_from(payload, dtype, shape, what)
-        self.next_block[layer] = first + count
+        self.next_block[layer] = first + shape[1]
         return layer, first, blocks

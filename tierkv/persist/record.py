@@ -27,6 +27,13 @@ Interface::
     header, payload = decode(buffer)                               # a record from one contiguous buffer
     header, payload = read(binary_file)                            # a record from a stream (sync)
     header, payload = await aread(aiofiles_file)                   # ... and from an aiofiles file
+    header, payload = read(binary_file, limit=limit)               # payload bounded by its own header
+
+A stream's record may be bounded by what its own header implies (``limit``: the header, parsed before the
+payload is read, to the most payload bytes it allows): a file that claims more (a sparse file passes the size
+check) is refused before the payload is allocated. The checksum is still verified after the payload is read
+(it is no authentication: anyone can compute it), so a header changed on disk may be refused by the limit
+before its checksum is checked.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import math
 import os
 import re
 import struct
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -55,6 +63,10 @@ PREFIX_BYTES = _PREFIX.size  # 28
 MAX_HEADER_BYTES = 1 << 20  # a header is a few hundred bytes; a larger length is a corrupt prefix
 BLOCK_HEADER_BYTES = 4096  # room for a block record's JSON header (about 250 bytes) in the largest one read
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # a dtype's name in torch
+
+Limit = Callable[[dict[str, Any]], tuple[int, str]]
+"""A record's header to ``(most payload bytes, what allows them)``: the second names the header's field, e.g.
+``"field 'ids_shape' [1, 9] allows"``; it raises IntegrityError itself for a header it refuses."""
 
 
 def _checksum(header: bytes, payload: bytes | memoryview) -> int:
@@ -83,9 +95,8 @@ def _parse_prefix(prefix: bytes | bytearray | memoryview, what: str) -> tuple[in
     return header_bytes, payload_bytes, checksum
 
 
-def _finish(text: bytes | bytearray | memoryview, payload: memoryview, checksum: int, what: str) -> dict[str, Any]:
-    if _checksum(bytes(text), payload) != checksum:
-        raise IntegrityError(f"{what}: checksum mismatch (xxh3_64); the stored bytes changed after they were written.")
+def _parse_header(text: bytes | bytearray | memoryview, what: str) -> dict[str, Any]:
+    """The JSON object of a record's header text (IntegrityError if it is none)."""
     try:
         header = json.loads(bytes(text))
     except (ValueError, RecursionError) as error:  # a checksum anyone can compute: malformed, or nested past
@@ -93,6 +104,30 @@ def _finish(text: bytes | bytearray | memoryview, payload: memoryview, checksum:
         raise IntegrityError(f"{what}: unreadable header ({str(error)[:200]}).") from None
     if not isinstance(header, dict):
         raise IntegrityError(f"{what}: the header is not a JSON object.")
+    return header
+
+
+def _finish(text: bytes | bytearray | memoryview, payload: memoryview, checksum: int, what: str,
+            header: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Verify the checksum, then the header (``header``: already parsed from ``text``)."""
+    if _checksum(bytes(text), payload) != checksum:
+        raise IntegrityError(f"{what}: checksum mismatch (xxh3_64); the stored bytes changed after they were written.")
+    return header if header is not None else _parse_header(text, what)
+
+
+def _check_limit(text: bytes | bytearray, payload_bytes: int, limit: Limit | None,
+                 what: str) -> dict[str, Any] | None:
+    """The header parsed from ``text``, and ``payload_bytes`` checked against what ``limit`` says it allows —
+    before the payload is allocated (None without a limit: the header is parsed after the checksum)."""
+    if limit is None:
+        return None
+    header = _parse_header(text, what)
+    allowed, why = limit(header)
+    if payload_bytes > allowed:
+        raise IntegrityError(f"{what}: a {str(header.get('kind'))[:40]!r} record claims {payload_bytes} payload bytes, "
+                             f"but {why} {allowed}: the file is damaged or crafted (refused before reading them). "
+                             "Save the conversation again, and load files only from where you would load weights "
+                             "from.")
     return header
 
 
@@ -131,18 +166,21 @@ def _left(stream: Any, position: int) -> int | None:
         return None
 
 
-def read(stream: io.BufferedIOBase, what: str = "record") -> tuple[dict[str, Any], bytearray]:
+def read(stream: io.BufferedIOBase, what: str = "record",
+         limit: Limit | None = None) -> tuple[dict[str, Any], bytearray]:
     """Read and check the next record of a binary stream (the payload is a fresh, writable bytearray). In a
-    file, lengths beyond the file's real size are refused before the payload is allocated."""
+    file, lengths beyond the file's real size are refused before the payload is allocated, and so is a payload
+    larger than ``limit`` allows for the record's own header (a sparse file has the bytes it claims)."""
     header_bytes, payload_bytes, checksum = _parse_prefix(_read_exact(stream, PREFIX_BYTES, what), what)
     _check_room(header_bytes, payload_bytes, _left(stream, stream.tell()) if hasattr(stream, "tell") else None,
                 what)
     text = _read_exact(stream, header_bytes, what)
+    header = _check_limit(text, payload_bytes, limit, what)
     payload = _read_exact(stream, payload_bytes, what)
-    return _finish(text, memoryview(payload), checksum, what), payload
+    return _finish(text, memoryview(payload), checksum, what, header), payload
 
 
-async def aread(stream: Any, what: str = "record") -> tuple[dict[str, Any], bytearray]:
+async def aread(stream: Any, what: str = "record", limit: Limit | None = None) -> tuple[dict[str, Any], bytearray]:
     """:func:`read` for an asynchronous file (``aiofiles``) opened in binary mode."""
 
     async def exact(size: int) -> bytes:
@@ -154,8 +192,9 @@ async def aread(stream: Any, what: str = "record") -> tuple[dict[str, Any], byte
     header_bytes, payload_bytes, checksum = _parse_prefix(await exact(PREFIX_BYTES), what)
     _check_room(header_bytes, payload_bytes, _left(stream, await stream.tell()), what)
     text = await exact(header_bytes)
+    header = _check_limit(text, payload_bytes, limit, what)
     payload = bytearray(await exact(payload_bytes))
-    return _finish(text, memoryview(payload), checksum, what), payload
+    return _finish(text, memoryview(payload), checksum, what, header), payload
 
 
 # ------------------------------------------------------------------------------------------ tensors
