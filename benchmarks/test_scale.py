@@ -2,12 +2,12 @@
 
     pytest benchmarks/test_scale.py --benchmark-enable -s
 
-``test_step_cost_follows_bytes_not_blocks``: a tiny 8-layer Llama (fp32, 2 KV heads x 16) with 16-token
-blocks at 64, 256, 1,024 and 4,096 blocks per layer, three caches side by side in one run, interleaved over
-rounds: ``DynamicCache``, (a) a ``TieredCache`` with every block on the device tier, (b) a ``TieredCache``
-whose device budget is ``TieredCache.min_device_bytes`` (the rest on the host tier). Targets: (a) and (b)
-each <= 1.5 x ``DynamicCache`` at every block count, and the ratio at 4,096 blocks <= 1.25 x the ratio at
-64 (a step's cost follows its bytes, not its block count).
+``test_step_cost_follows_bytes_not_blocks``: a tiny 8-layer Llama (fp32; one KV head x 16, two x 16, four x 64:
+``SCALE_SHAPES``) with 16-token blocks at 64, 256, 1,024 and 4,096 blocks per layer, three caches side by side in
+one run, interleaved over rounds: ``DynamicCache``, (a) a ``TieredCache`` with every block on the device tier,
+(b) a ``TieredCache`` whose device budget is ``TieredCache.min_device_bytes`` (the rest on the host tier).
+Targets, per shape: (a) and (b) each <= 1.5 x ``DynamicCache`` at every block count, and the ratio at 4,096
+blocks <= 1.25 x the ratio at 64 (a step's cost follows its bytes, not its block count).
 
 ``test_disk_reads_overlap_compute``: 8K tokens of a 16-layer model (8 KV heads x 64, fp32: 512 MiB of KV)
 with most of it on the disk tier; each executor's decode step against max(compute step, disk bytes per step
@@ -47,6 +47,7 @@ from tierkv.io import aligned_empty
 from tierkv.io.base import queue_depth
 
 BLOCK_COUNTS = (64, 256, 1024, 4096)
+SCALE_SHAPES = ((1, 16), (2, 16), (4, 64))  # (KV heads, head dim): one narrow head, two, several wide ones
 SCALE_BLOCK = 16
 ROUNDS, STEPS, WARMUP = 6, 3, 2
 RATIO_TARGET, GROWTH_TARGET = 1.5, 1.25
@@ -102,17 +103,18 @@ def _steps(model: torch.nn.Module, cache, token: torch.Tensor) -> Callable[[int]
     return lambda n: [_step(model, cache, token) for _ in range(n)]
 
 
-def _scale_config() -> LlamaConfig:
+def _scale_config(kv_heads: int, head_dim: int) -> LlamaConfig:
     return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim,
                        max_position_embeddings=max(BLOCK_COUNTS) * SCALE_BLOCK + 1024)
 
 
-def test_step_cost_follows_bytes_not_blocks(benchmark, capsys) -> None:
-    config = _scale_config()
+@pytest.mark.parametrize("kv_heads, head_dim", SCALE_SHAPES, ids=[f"{h}x{d}" for h, d in SCALE_SHAPES])
+def test_step_cost_follows_bytes_not_blocks(benchmark, capsys, kv_heads: int, head_dim: int) -> None:
+    config = _scale_config(kv_heads, head_dim)
     model, token = _model(config)
-    table = Table(title=f"decode step vs DynamicCache, {config.num_hidden_layers} layers, {SCALE_BLOCK}-token "
-                        "blocks (median of interleaved rounds)")
+    table = Table(title=f"decode step vs DynamicCache, {config.num_hidden_layers} layers, {kv_heads} KV heads x "
+                        f"{head_dim}, {SCALE_BLOCK}-token blocks (median of interleaved rounds)")
     for column in ("blocks/layer", "context", "DynamicCache", "(a) all device", "ratio (a)", "(b) device at min",
                    "ratio (b)", "(b) blocks device/host"):
         table.add_column(column, justify="right")
@@ -125,7 +127,7 @@ def test_step_cost_follows_bytes_not_blocks(benchmark, capsys) -> None:
         everything = TieredCache(gpu_gb="4GB", cpu_gb="64MB", block_tokens=SCALE_BLOCK, config=config)
         at_minimum = TieredCache(gpu_gb=f"{minimum}B", cpu_gb="4GB", block_tokens=SCALE_BLOCK, config=config)
         try:
-            _fill([dynamic, everything, at_minimum], config.num_hidden_layers, 2, 16, context, 1024)
+            _fill([dynamic, everything, at_minimum], config.num_hidden_layers, kv_heads, head_dim, context, 1024)
             medians = _interleaved({"dynamic": _steps(model, dynamic, token), "a": _steps(model, everything, token),
                                     "b": _steps(model, at_minimum, token)})
             placed = at_minimum.stats()["blocks"]
