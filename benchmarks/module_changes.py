@@ -7,13 +7,14 @@ two tokens; the third decode step is traced with :func:`sys.setprofile`. Every P
 file, and every return into one, sets the "current" tierkv module; a change of it is counted (code of torch,
 transformers and the standard library is transparent: it neither counts nor resets). Printed: the changes, the
 changes per layer, and with ``--verbose`` the most frequent transitions. Deterministic for a given tree: it counts
-calls, not time.
+calls, not time (the garbage collector is run before the step and held off during it).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import sys
 from pathlib import Path
 from types import FrameType
@@ -54,11 +55,14 @@ def count_changes(step: Any) -> tuple[int, collections.Counter]:
                 pairs[(current[0], module)] += 1
             current[0] = module
 
+    gc.collect()  # finalizers of objects dropped before (another cache's disk tier) would run inside the step
+    gc.disable()
     sys.setprofile(profile)
     try:
         step()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return sum(pairs.values()), pairs
 
 
