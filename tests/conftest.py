@@ -19,6 +19,13 @@ def prefetch_every_layer():
         yield
 
 
+@pytest.fixture
+def no_tierkv_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No TIERKV_* variable of the environment the suite runs in: tests of the knobs set their own."""
+    for setting in settings.SETTINGS.values():
+        monkeypatch.delenv(setting.variable, raising=False)
+
+
 @pytest.fixture(autouse=True)
 def cuda_protocol_checked():
     """With ``TIERKV_CUDA_STANDIN=1`` every test runs the CUDA paths on the stand-in: each starts a fresh one

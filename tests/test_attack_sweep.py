@@ -54,6 +54,8 @@ from tierkv.persist.blockfile import DIRECTORY_NAME, PersistentStore
 from tierkv.persist.keys import Namespace, block_keys
 from tierkv.remote.framing import frame
 
+pytestmark = pytest.mark.usefixtures("no_tierkv_env")  # the environment's TIERKV_* knobs: none
+
 BT = 16
 NEW = 4
 NESTED = b"[" * 100_000 + b"]" * 100_000  # valid JSON nesting, deeper than the parser's stack
@@ -67,12 +69,6 @@ needs_other_user = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to g
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama", layers=3)
-
-
-@pytest.fixture(autouse=True)
-def _no_tierkv_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for setting in settings.SETTINGS.values():
-        monkeypatch.delenv(setting.variable, raising=False)
 
 
 @pytest.fixture

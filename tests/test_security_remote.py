@@ -44,6 +44,8 @@ from tierkv.remote import RemoteBlockStore
 from tierkv.remote.chain import ChainedBlockStore
 from tierkv.remote.framing import HEADER, MAGIC, frame, unframe
 
+pytestmark = pytest.mark.usefixtures("no_tierkv_env")  # the environment's TIERKV_* knobs: none
+
 BT = 16
 NEW = 4
 SECRET = "Kq7Zp/Wx9@Lm:3Rt"  # holds '/', '@' and ':', the characters that broke the old parser
@@ -54,12 +56,6 @@ PLAIN = "Kq7ZpWx9Lm3Rt"  # a password without special characters, for the forms 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama", layers=3)
-
-
-@pytest.fixture(autouse=True)
-def _no_tierkv_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for setting in settings.SETTINGS.values():
-        monkeypatch.delenv(setting.variable, raising=False)
 
 
 def leaks(text: str) -> list[str]:

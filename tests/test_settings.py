@@ -20,11 +20,7 @@ from tierkv.hf import cache_keyword
 from tierkv.inputs import MAX_JSON_BYTES
 from tierkv.io import ALIGN, ENGINES
 
-
-@pytest.fixture(autouse=True)
-def _no_tierkv_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for setting in settings.SETTINGS.values():
-        monkeypatch.delenv(setting.variable, raising=False)
+pytestmark = pytest.mark.usefixtures("no_tierkv_env")  # the environment's TIERKV_* knobs: none
 
 
 def test_defaults_are_typed() -> None:
