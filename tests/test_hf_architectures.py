@@ -13,7 +13,9 @@
   before anything changes, and ``cache.exact(model)`` picks gather for it.
 - Doge passes a mask per head (its dynamic mask): the step is refused with an error that names the fix, and every
   token accepted before it still reads back.
-- DeepSeek V3 caches values narrower than keys (multi-head latent attention): refused before anything is stored.
+- Multi-head latent attention (DeepSeek V2 / V3, MiniCPM3) caches keys and values of two head dims (the latent and
+  the rotary key, or expanded keys wider than values): stored at the wider, decoded exactly by exact gather from
+  every tier, saved and loaded; the executors that attend the stored K/V are refused, nothing stored.
 - T5 (encoder-decoder): the cache serves as the decoder's self-attention cache inside an EncoderDecoderCache.
 """
 
@@ -258,18 +260,40 @@ def test_a_model_keeping_other_state_in_its_cache_is_refused_without_a_config(tm
     assert not hasattr(TieredLayer(TieredCache(block_tokens=4), 0), "store_compression_weights")
 
 
-def test_values_narrower_than_keys_are_refused_before_anything_is_stored(tmp_path):
-    """DeepSeek's multi-head latent attention caches keys of 24 dims and values of 16."""
-    model = build("DeepseekV3Config", "DeepseekV3ForCausalLM", num_attention_heads=4, num_key_value_heads=4,
-                  head_dim=8, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-                  n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32,
-                  n_group=1, topk_group=1)  # fmt: skip
-    ids, _ = prompt(1, 12, seed=4)
-    model(input_ids=ids, past_key_values=DynamicCache(config=model.config))  # the reference takes it
-    with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
-        with pytest.raises(InvalidConfigError, match="differ in shape.*latent attention.*DynamicCache"):
-            model(input_ids=ids, past_key_values=cache)
-        assert cache.get_seq_length() == 0
+MLA = dict(num_attention_heads=4, num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=32,
+           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+MLA_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32,
+               n_group=1, topk_group=1)
+
+
+@pytest.mark.parametrize(("family", "extra"), [("DeepseekV3", MLA_MOE), ("DeepseekV2", MLA_MOE), ("MiniCPM3", {})])
+def test_latent_attention_decodes_exactly_with_keys_and_values_of_two_widths(tmp_path, family, extra):
+    """Multi-head latent attention caches keys of 32 dims and values of 8 (transformers' latent and rotary key; in
+    releases that cache them expanded, 24 and 16): stored at the wider, exact from the device and disk tiers at
+    ``min_device_bytes``, continued after save and load; streaming, split and sparse refused, nothing stored."""
+    model = build(f"{family}Config", f"{family}ForCausalLM", **MLA, **extra)
+    ids, mask = prompt(2, 30, seed=2, left_pad=(0, 5))
+    reference_cache = DynamicCache(config=model.config)
+    reference = run(model, ids, mask, reference_cache)
+    gpu = TieredCache.min_device_bytes(model.config, 64, 2, block_tokens=4)
+    with TieredCache(gpu_gb=f"{gpu}B", cpu_gb="8KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
+        out = run(model, ids, mask, cache)
+        assert cache.stats()["blocks"]["disk"] > 0
+        assert cache.layers[1].keys.shape == reference_cache.layers[1].keys.shape
+        assert torch.equal(cache.layers[1].values, reference_cache.layers[1].values)
+        cache.save(tmp_path / "conversation.tkv", model=model)
+        for executor in ("streaming", "split", "sparse"):
+            with TieredCache(gpu_gb="1MB", block_tokens=4, config=model.config) as other:
+                with pytest.raises(InvalidConfigError, match="keys of .* values of .* dims.*exact gather"), \
+                        engage(other, model, executor):  # fmt: skip
+                    run(model, ids, mask, other)
+                assert other.get_seq_length() == 0
+    assert_same_generation(out, reference, atol=1e-4)
+    mask = torch.cat([mask, mask.new_ones(2, NEW)], dim=1)
+    with TieredCache.load(tmp_path / "conversation.tkv", model=model, gpu_gb=f"{gpu}B", cpu_gb="8KB",
+                          disk_dir=tmp_path / "loaded") as loaded:  # fmt: skip
+        continued = run(model, out.sequences, mask, loaded)
+    assert_same_generation(continued, run(model, out.sequences, mask, reference_cache), atol=1e-4)
 
 
 def test_an_encoder_decoder_model_decodes_exactly_with_the_cache_as_its_self_attention(tmp_path):

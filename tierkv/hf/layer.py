@@ -48,6 +48,7 @@ class TieredLayer(CacheLayerMixin):
         self.dropped = 0  # tokens freed from the front (sliding layers only)
         self.length_before = 0  # sequence length before the update in progress (the rollback target)
         self.pending: tuple[Executor, Span, torch.Tensor, torch.Tensor] | None = None  # the step attend() completes
+        self.widths: tuple[int, int] | None = None  # (keys, values) head dims where they differ
 
     def __getattr__(self, name: str) -> Any:
         """A cache-layer attribute this layer lacks is state of another kind of attention (DeepSeek V4's
@@ -71,13 +72,12 @@ class TieredLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append this step's K/V ``[B, H_kv, T, D]`` and return what the model's attention function gets."""
+        """Append this step's K/V ``[B, H_kv, T, D]`` and return what the model's attention function gets. Keys
+        and values of different head dims (multi-head latent attention caches its latent and its rotary key) are
+        stored at the wider one, the narrower zero-padded, and handed back at their own (:meth:`_widen`)."""
+        widths = None
         if key_states.shape != value_states.shape:
-            raise InvalidConfigError(
-                f"layer {self.index}'s keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} differ "
-                f"in shape: TieredCache stores K and V of one head dim (a model whose values are narrower than its "
-                f"keys, as DeepSeek's multi-head latent attention, is not supported); use transformers' "
-                f"DynamicCache for this model.")  # fmt: skip
+            key_states, value_states, widths = self._widen(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         cache = self.cache
@@ -102,14 +102,39 @@ class TieredLayer(CacheLayerMixin):
             if executor is None or executor is not runtime.attending:
                 executor = runtime.hand_off(new)
             if executor.replaces_attention:
+                if widths is not None:
+                    raise InvalidConfigError(
+                        f"layer {self.index} caches keys of {widths[0]} and values of {widths[1]} dims (multi-head "
+                        f"latent attention: the model expands them after the cache, or attends values narrower than "
+                        f"its keys); streaming, split and sparse attention attend the stored K/V of one head dim. "
+                        f"Decode this model with exact gather: leave out the `with cache.streaming/split/"
+                        f"sparse(model)` block (outputs equal DynamicCache's).")  # fmt: skip
                 self.pending = (executor, span, key_states, value_states)
                 hand_over(self)
-            return executor.step(span, key_states, value_states)
+            keys, values = executor.step(span, key_states, value_states)
+            return (keys, values) if widths is None else (keys[..., :widths[0]], values[..., :widths[1]])
         except BaseException as error:  # a KeyboardInterrupt too: the layers that took this step give it back
             cache.roll_back(self.length_before)
             if isinstance(error, BudgetTooSmallError):
                 raise runtime.budget_error(error, self.length_before + new, key_states.shape[0]) from error
             raise
+
+    def _widen(self, key_states: torch.Tensor,
+               value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:  # fmt: skip
+        """Keys and values that differ only in head dim, the narrower zero-padded to the wider (zeros add nothing
+        to a dot product or a weighted sum, and are never handed back), and their own widths (kept: every step of
+        the layer must bring the same)."""
+        widths = (key_states.shape[-1], value_states.shape[-1])
+        if key_states.shape[:-1] != value_states.shape[:-1] or (self.widths or widths) != widths:
+            earlier = f" (its earlier steps: {self.widths})" if self.widths else ""
+            raise InvalidConfigError(
+                f"layer {self.index}'s keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} differ in "
+                f"more than their head dim, or in other head dims than before{earlier}: TieredCache stores K and V of "
+                f"one head count and length; use transformers' DynamicCache for this model.")  # fmt: skip
+        self.widths = widths
+        wide = max(widths)
+        pad = torch.nn.functional.pad
+        return pad(key_states, (0, wide - widths[0])), pad(value_states, (0, wide - widths[1])), widths
 
     def handed(self, key_states: torch.Tensor) -> bool:
         """Whether this layer's last update handed the model ``key_states`` for an executor to attend."""
@@ -233,7 +258,8 @@ class TieredLayer(CacheLayerMixin):
                 return None
             rows = store.table.rows[self.index]
             blocks = store.export_blocks(self.index, rows.front, rows.front + rows.count)  # [B, n, 2, H, bt, D]
-        return blocks[:, :, part].transpose(1, 2).flatten(2, 3)[:, :, :stored].contiguous()
+        held = blocks[:, :, part].transpose(1, 2).flatten(2, 3)[:, :, :stored]
+        return (held if self.widths is None else held[..., : self.widths[part]]).contiguous()
 
     @staticmethod
     def _refuse_assignment(name: str, value: torch.Tensor | None) -> None:
@@ -293,6 +319,7 @@ class TieredLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.dropped = 0
         self.pending = None
+        self.widths = None
 
     def offload(self) -> None:
         """Nothing to move: the store already places this layer's blocks on the tiers by their budgets (transformers'

@@ -7,6 +7,7 @@ the first ``generate``. The staging arithmetic itself is :mod:`tierkv.staging` (
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import shutil
@@ -192,10 +193,31 @@ def layer_layouts(config: PreTrainedConfig, block_tokens: int, dtype: torch.dtyp
         dtype = getattr(torch, dtype)
     layers = len(layer_windows(config))
     each = text.per_layer_config[:layers] if getattr(text, "is_heterogeneous", False) else [text] * layers
-    shapes = [(getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads,
-               getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads) for layer in each]
+    shapes = [_stored_shape(layer) for layer in each]
     layouts = {shape: BlockLayout(*shape, block_tokens, dtype) for shape in set(shapes)}
     return [layouts[shape] for shape in shapes]
+
+
+def _stored_shape(config: Any) -> tuple[int, int]:
+    """(KV heads, head dim) of what a layer of ``config`` stores. Multi-head latent attention (``kv_lora_rank``)
+    caches, where the installed transformers expands its K/V after the cache (``expand_kv``), its latent and its
+    rotary key as one head of ``kv_lora_rank`` and ``qk_rope_head_dim`` dims, else the expanded keys and values per
+    head; keys and values of two widths are stored at the wider (:meth:`TieredLayer.update`)."""
+    if getattr(config, "kv_lora_rank", None):
+        if _expands_after_cache(config.model_type):
+            return 1, max(config.kv_lora_rank, config.qk_rope_head_dim)
+        return config.num_attention_heads, max(config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
+    return (getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def _expands_after_cache(model_type: str) -> bool:
+    """Whether the installed transformers' attention of ``model_type`` caches the latent and expands it after."""
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError:  # not a model of this release: the expanded form, the larger, sizes no budget too small
+        return False
+    return any(callable(getattr(kind, "expand_kv", None)) for kind in vars(module).values() if isinstance(kind, type))
 
 
 def layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, Any]]]:
