@@ -275,7 +275,7 @@ def test_latent_attention_decodes_exactly_with_keys_and_values_of_two_widths(tmp
     ids, mask = prompt(2, 30, seed=2, left_pad=(0, 5))
     reference_cache = DynamicCache(config=model.config)
     reference = run(model, ids, mask, reference_cache)
-    gpu = TieredCache.min_device_bytes(model.config, 64, 2, block_tokens=4)
+    gpu = TieredCache.min_device_bytes(model.config, 30 + NEW, 2, block_tokens=4)
     with TieredCache(gpu_gb=f"{gpu}B", cpu_gb="8KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
         out = run(model, ids, mask, cache)
         assert cache.stats()["blocks"]["disk"] > 0
