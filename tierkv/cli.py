@@ -14,10 +14,12 @@ shows the traceback instead. A command module may list more exception types that
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.metadata
 import re
 import sys
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from tierkv.errors import TierKVError
@@ -46,9 +48,50 @@ class _Parser(argparse.ArgumentParser):
         # so the option's own type refuses it as negative, naming the fix.
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        self._given = list(sys.argv[1:] if args is None else args)  # for error(): options this parser lacks
+        return super().parse_known_args(args, namespace)
+
+    def _options(self) -> list[str]:
+        """The long options of this parser, and of the subcommand chosen (the top-level parser reports the
+        subcommand's unrecognized arguments)."""
+        names = [o for o in self._option_string_actions if o.startswith("--")]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and self.command in action.choices:
+                names += action.choices[self.command]._option_string_actions
+        return names
+
+    def _unknown(self, words: list[str]) -> list[str]:
+        """The ``--options`` of ``words`` that no option of this parser is, nor a unique prefix of one."""
+        options = self._options()
+        unknown = []
+        for word in words:
+            name = word.split("=", 1)[0]
+            if name.startswith("--") and name != "--" and name not in options and \
+                    len([o for o in options if o.startswith(name)]) != 1:
+                unknown.append(name)
+        return unknown
+
+    def _did_you_mean(self, unknown: list[str]) -> str:
+        """``" (did you mean --context?)"`` for the first unknown option close to a real one, else ``""``."""
+        for name in unknown:
+            close = difflib.get_close_matches(name, self._options(), n=1, cutoff=0.6)
+            if close:
+                return f" (did you mean {close[0]}?)"
+        return ""
+
     def error(self, message: str) -> NoReturn:
         # argparse says "argument --context: --context='0' must ..."; the option is named once is enough.
         message = re.sub(r"^argument (\S+): (?=\1)", "", message)
+        # A misspelt option ("--contxt 8K") leaves a required one missing, and argparse reports the missing one
+        # first: the user sees "--context is required" after typing it. Name the misspelling instead.
+        unknown = self._unknown(getattr(self, "_given", []))
+        if unknown and message.startswith("the following arguments are required"):
+            message = f"unrecognized arguments: {' '.join(unknown)}"
+        if message.startswith("unrecognized arguments"):
+            unknown = unknown or self._unknown(message.split(": ", 1)[-1].split())
+            message += self._did_you_mean(unknown)
         if message.startswith("the following arguments are required: command"):
             message += f" ({', '.join(SUBCOMMANDS)})"
         prog = f"{self.prog} {self.command}" if self.command and self.prog == "tierkv" else self.prog
@@ -120,6 +163,14 @@ def _debug_requested(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "debug", False)) or bool(settings.get("debug"))
 
 
+def _check_settings() -> None:
+    """Every ``TIERKV_*`` variable read once before the command starts: a bad value is a usage error in
+    milliseconds, not after a model loaded (or, for one the runtime reads mid-step, a traceback)."""
+    from tierkv import settings
+
+    settings.describe()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``tierkv`` with ``argv`` (default: the process arguments) and return the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -133,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as exc:  # --help, --version, or a usage error already printed on one line
             return exc.code if isinstance(exc.code, int) else USAGE
         debug = _debug_requested(args)
+        _check_settings()
         usage_errors += tuple(getattr(args._module, "USAGE_ERRORS", ()))
         return int(args._module.run(args) or 0)
     except KeyboardInterrupt:

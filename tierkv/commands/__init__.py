@@ -67,17 +67,19 @@ def integer(option: str, minimum: int) -> Callable[[str], int]:
     return _typed(parse)
 
 
-def number(option: str, low: float = 0.0, high: float = math.inf) -> Callable[[str], float]:
-    """Type of a real-number option in ``[low, high]``."""
+def number(option: str, low: float = 0.0, high: float = math.inf, *, above: bool = False) -> Callable[[str], float]:
+    """Type of a real-number option in ``[low, high]`` (``above``: ``low`` itself excluded, for a rate or a time
+    the command divides by)."""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise InvalidConfigError(f"{option}={text!r} is not a number.") from None
-        if not low <= value <= high:
-            bounds = f"in [{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
-            raise InvalidConfigError(f"{option}={text!r} must be a number {bounds}.")
+        if not low <= value <= high or (above and value == low) or not math.isfinite(value):
+            bounds = f"in [{low:g}, {high:g}]" if math.isfinite(high) else f"{'>' if above else '>='} {low:g}"
+            finite = "" if math.isfinite(value) else "finite "
+            raise InvalidConfigError(f"{option}={text!r} must be a {finite}number {bounds}.")
         return value
 
     return _typed(parse)
@@ -163,7 +165,8 @@ def model_or_folder(option: str) -> Callable[[str], str | Path]:
         try:
             return folder(text)
         except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"{exc} (named models: {', '.join(names())})") from None
+            raise argparse.ArgumentTypeError(f"{str(exc).rstrip('.')}, or a named model: {', '.join(names())}.") \
+                from None
 
     return parse
 

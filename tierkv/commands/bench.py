@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import shutil
 import tempfile
 import time
 from collections import defaultdict
@@ -100,6 +101,19 @@ def _aligned_size(option: str, aligned: bool = True) -> Callable[[str], int]:
     return convert
 
 
+def _check_free_space(folder: Path, disk_bytes: int, shown: str) -> None:
+    """Refuse a test file larger than the free space under ``--dir`` before any measuring: otherwise the disk
+    phase fails only after the memory phases, with the OS's "No space left on device"."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if disk_bytes > free:
+        raise InvalidConfigError(f"{shown} does not fit in --dir {str(folder)!r}: {format_bytes(free)} free there; "
+                                 "give a smaller --disk-size (a bare number counts GB: e.g. 256MiB), free space, or "
+                                 "a --dir on a disk with more room.")
+
+
 def _engines(text: str | None) -> tuple[str, ...] | None:
     """``--engines``: each name must be an engine that loads here (None: all that do)."""
     if not text:
@@ -134,6 +148,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
                                                             "--disk-size or lower --block-size")):
         if value[small] > value[large]:
             raise InvalidConfigError(f"{shown(small)} is larger than {shown(large)}; {fix}.")
+    _check_free_space(args.dir, value["disk_bytes"], shown("disk_bytes"))
     overrides = {field: given for field, (_, given) in flags.items() if given is not None}
     if args.repeats is not None:
         overrides["repeats"] = args.repeats

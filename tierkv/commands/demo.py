@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import math
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -44,7 +45,7 @@ from tierkv.commands import (
     write_json,
 )
 from tierkv.commands.progress import Phases, quiet_transformers, seconds
-from tierkv.errors import BudgetTooSmallError, InvalidConfigError
+from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
 from tierkv.staging import DEFAULT_PAGE_TOKENS, REST_BITS, default_page_tokens
 from tierkv.units import format_bytes, format_size_option, format_tokens, plural
 from tierkv.vocabulary import CLI_EXECUTORS
@@ -150,10 +151,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_device_budget(args: argparse.Namespace) -> None:
-    """A ``--gpu-gb`` below the run's minimum, refused before the model loads where its config is at hand (the
-    demo model's file, the random Llama's): the haystack is exactly ``--context`` tokens, and at least
-    :data:`MIN_DECODE` are decoded, so this minimum never exceeds the run's own (checked again after the load)."""
-    if args.gpu_gb is None or args.model not in (None, "demo"):
+    """A ``--gpu-gb`` below the run's minimum, or a disk tier without room for the run's KV, refused before the
+    model loads where its config is at hand (the demo model's file, the random Llama's): the haystack is exactly
+    ``--context`` tokens, and at least :data:`MIN_DECODE` are decoded, so this minimum never exceeds the run's
+    own, nor this disk share (both checked again after the load)."""
+    if args.model not in (None, "demo"):
         return
     from tierkv.demo.model import WEIGHTS_DIR, missing_files
 
@@ -164,9 +166,38 @@ def _check_device_budget(args: argparse.Namespace) -> None:
         from transformers import LlamaConfig
 
         config = LlamaConfig.from_pretrained(WEIGHTS_DIR)
-    floor = _device_floor(args, config, torch.float32, context, args.max_new_tokens or MIN_DECODE)
-    if args.gpu_gb < floor:
+    decode = args.max_new_tokens or MIN_DECODE
+    floor = _device_floor(args, config, torch.float32, context, decode)
+    if args.gpu_gb is not None and args.gpu_gb < floor:
         raise InvalidConfigError(_budget_advice(args, config, context, floor))
+    kv_bytes = _kv_bytes(config, context + decode)
+    gpu, cpu = _budgets(args, kv_bytes, floor)
+    _check_memory(args, gpu, cpu)
+    _check_disk_room(args, kv_bytes - gpu - cpu)
+
+
+def _check_memory(args: argparse.Namespace, gpu: int, cpu: int) -> None:
+    """A budget beyond this machine's RAM (on a CPU-only host, where the device is RAM too), refused in flags
+    before the haystack is built (minutes at tens of millions of tokens); the cache refuses it only later, in its
+    own API's words."""
+    if torch.cuda.is_available():
+        return
+    import psutil
+
+    ram = psutil.virtual_memory().total
+    for flag, value, given, default in (("--gpu-gb", gpu, args.gpu_gb, "1/8 of the KV plus the executor's minimum"),
+                                        ("--cpu-gb", cpu, args.cpu_gb, "1/4 of the KV")):
+        if value > ram:
+            what = "" if given is not None else f" ({default}, the default)"
+            raise InvalidConfigError(f"{flag} {format_size_option(value)}{what} is more than this machine's "
+                                     f"{format_bytes(ram)} of RAM; give a smaller {flag} or --context.")
+
+
+def _budgets(args: argparse.Namespace, kv_bytes: int, floor: int) -> tuple[int, int]:
+    """``(device, host)`` budgets of the run: ``--gpu-gb``/``--cpu-gb``, else the executor's minimum plus 1/8 of
+    the KV, and 1/4 of the KV."""
+    cpu = args.cpu_gb if args.cpu_gb is not None else max(kv_bytes // 4, 2**20)
+    return (args.gpu_gb if args.gpu_gb is not None else floor + kv_bytes // 8), cpu
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -175,11 +206,11 @@ def _run(args: argparse.Namespace) -> int:
     phases = Phases(status)
     model, prompt, expected, decode = _load(args, status, phases)
     kv_bytes = _kv_bytes(model.config, len(prompt) + decode)
-    cpu = args.cpu_gb if args.cpu_gb is not None else max(kv_bytes // 4, 2**20)
     floor = _device_floor(args, model.config, model.dtype, len(prompt), decode)
     if args.gpu_gb is not None and args.gpu_gb < floor:  # before the plan and the run
         raise InvalidConfigError(_budget_advice(args, model.config, len(prompt), floor))
-    gpu = args.gpu_gb if args.gpu_gb is not None else floor + kv_bytes // 8
+    gpu, cpu = _budgets(args, kv_bytes, floor)
+    disk_free = _check_disk_room(args, kv_bytes - gpu - cpu)
     _announce(status, args, model, len(prompt), decode, gpu, cpu, kv_bytes)
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as tmp:
         try:
@@ -188,6 +219,9 @@ def _run(args: argparse.Namespace) -> int:
             raise InvalidConfigError(f"--gpu-gb {format_size_option(gpu)} is too small for this run "
                                      f"({_without_api_names(exc)}); give a larger --gpu-gb, e.g. "
                                      f"--gpu-gb {format_size_option(2 * gpu)}.") from exc
+        except CapacityError as exc:  # the disk filled up (the cache's fix names disk_gb, which the demo lacks)
+            raise CapacityError(f"the disk tier filled {_disk_where(args)} ({format_bytes(disk_free)} free when the "
+                                f"run started); {_DISK_FIX}") from exc
     answer_text = result["answer_text"]
     reference = None
     if not args.no_reference:
@@ -218,6 +252,30 @@ def _run(args: argparse.Namespace) -> int:
     exact = args.executor != "sparse"  # sparse attention is approximate: only its answer must be right
     ok = (not exact or summary["tokens_match_reference"] is not False) and (expected is None or summary["match"])
     return 0 if ok else 1
+
+
+_DISK_FIX = "free space there, give a --disk-dir on a disk with more room, or a smaller --context."
+
+
+def _disk_where(args: argparse.Namespace) -> str:
+    """Where the disk tier lives, as the user named it: ``--disk-dir 'X'`` or the temporary directory."""
+    if args.disk_dir:
+        return f"--disk-dir {str(args.disk_dir)!r}"
+    return f"the temporary directory {tempfile.gettempdir()!r}"
+
+
+def _check_disk_room(args: argparse.Namespace, need: int) -> int:
+    """The free bytes where the disk tier will live; a run whose disk share (the KV beyond the device and host
+    budgets, a lower bound) exceeds the cache's default disk budget there (90% of the free space) is refused
+    before the prefill, which would otherwise fail minutes in."""
+    folder = Path(args.disk_dir) if args.disk_dir else Path(tempfile.gettempdir())
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if need > 0.9 * free:
+        raise InvalidConfigError(f"this run puts at least {format_bytes(need)} of KV on disk, but "
+                                 f"{_disk_where(args)} has {format_bytes(free)} free; {_DISK_FIX}")
+    return free
 
 
 def _device_floor(args: argparse.Namespace, config, dtype: torch.dtype, prompt: int, decode: int) -> int:

@@ -46,6 +46,8 @@ from tierkv.units import format_size_option, format_tokens, plural
 from tierkv.vocabulary import CLI_EXECUTORS
 
 CHUNK_TOKENS = 4096  # --chunk-tokens' default
+PROGRESS_EVERY_S = 8.0  # a trial's prefill reports its progress at least this often (a 64K trial takes minutes)
+TIER_OVERHEAD = 1.5  # --cache tiered's time over the in-memory roofline estimate (as tierkv demo's)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,26 +86,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     quality.add_argument("--tasks", type=_task_list, default=None,
                          help=f"measure approximate attention on these tasks ({', '.join(TASKS)}) instead of the "
                               "retrieval heat map")
-    quality.add_argument("--budgets", type=fractions("--budgets"), default="0.02,0.05,0.1",
-                         help="sparse budgets, fractions of the context (default: %(default)s)")
-    quality.add_argument("--methods", type=_method_list, default="exact,sparse",
-                         help="tierkv methods next to full attention: exact, sparse (default: %(default)s)")
-    quality.add_argument("--stage", choices=("all", "reference", "measure"), default="all",
+    quality.add_argument("--budgets", type=fractions("--budgets"), default=None,
+                         help=f"sparse budgets, fractions of the context (default: {QUALITY_DEFAULTS['budgets']})")
+    quality.add_argument("--methods", type=_method_list, default=None,
+                         help="tierkv methods next to full attention: exact, sparse (default: "
+                              f"{QUALITY_DEFAULTS['methods']})")
+    quality.add_argument("--stage", choices=("all", "reference", "measure"), default=None,
                          help="reference: full attention only; measure: the methods on every prompt of the "
                               "reference in --out (no --tasks needed); default: both")
-    quality.add_argument("--fidelity-steps", type=integer("--fidelity-steps", 2), default=256,
-                         help="decode steps compared per fidelity prompt (default: %(default)s)")
-    quality.add_argument("--block-tokens", type=integer("--block-tokens", 1), default=16,
-                         help="tokens per block of the sparse runs (default: %(default)s)")
+    quality.add_argument("--fidelity-steps", type=integer("--fidelity-steps", 2), default=None,
+                         help="decode steps compared per fidelity prompt (default: "
+                              f"{QUALITY_DEFAULTS['fidelity_steps']})")
+    quality.add_argument("--block-tokens", type=integer("--block-tokens", 1), default=None,
+                         help=f"tokens per block of the sparse runs (default: {QUALITY_DEFAULTS['block_tokens']})")
     quality.add_argument("--sinks", type=integer("--sinks", 0), default=None,
                          help="sparse sink tokens (default: one block)")
     quality.add_argument("--recent", type=integer("--recent", 0), default=None,
                          help="sparse recent-window tokens (default: one block)")
-    quality.add_argument("--dense-layers", type=integer("--dense-layers", 0), default=0,
-                         help="sparse: first layers attended in full, within the budget (default: %(default)s)")
-    quality.add_argument("--rest-bits", type=int, choices=REST_BITS, default=0,
+    quality.add_argument("--dense-layers", type=integer("--dense-layers", 0), default=None,
+                         help="sparse: first layers attended in full, within the budget (default: 0)")
+    quality.add_argument("--rest-bits", type=int, choices=REST_BITS, default=None,
                          help="sparse: attend the pages not read from a copy of this many bits on the device "
-                              "(default: %(default)s, not at all)")
+                              "(default: 0, not at all)")
     quality.add_argument("--page-tokens", type=integer("--page-tokens", 1), default=None,
                          help="sparse: tokens per selected page, a divisor of --block-tokens (default: the "
                               "library's; equal to --block-tokens: whole blocks)")
@@ -134,6 +138,11 @@ def _device(text: str) -> str:
     return text
 
 
+QUALITY_DEFAULTS: dict[str, object] = {"budgets": "0.02,0.05,0.1", "methods": "exact,sparse", "stage": "all",
+                                       "fidelity_steps": 256, "block_tokens": 16, "sinks": None, "recent": None,
+                                       "dense_layers": 0, "rest_bits": 0, "page_tokens": None}
+"""The options of the quality runs (``--tasks``, ``--stage measure``) and their defaults (strings: as typed)."""
+
 TIERED_ONLY = ("gpu_gb", "cpu_gb", "disk_dir", "executor", "chunk_tokens")
 """The options that size or run the ``TieredCache`` of ``--cache tiered`` (meaningless with the in-memory cache)."""
 
@@ -155,6 +164,16 @@ def _check_combination(args: argparse.Namespace) -> None:
                                  "layers); leave it out, or give --executor streaming.")
     args.executor = args.executor or "streaming"
     args.chunk_tokens = args.chunk_tokens or CHUNK_TOKENS
+    quality = [f"--{name.replace('_', '-')}" for name in QUALITY_DEFAULTS if getattr(args, name) is not None]
+    if quality and not args.tasks and args.stage != "measure":
+        them = "it" if len(quality) == 1 else "them"
+        raise InvalidConfigError(f"{', '.join(quality)} {'applies' if len(quality) == 1 else 'apply'} only to the "
+                                 "sparse attention quality runs; add --tasks (e.g. --tasks needle --out DIR) or "
+                                 f"leave {them} out (the retrieval heat map ignores {them}).")
+    defaults = {"budgets": fractions("--budgets"), "methods": _method_list}
+    for name, default in QUALITY_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[name](default) if name in defaults else default)  # type: ignore[arg-type]
 
 
 def _task_list(text: str) -> list[str]:
@@ -228,9 +247,10 @@ def _run(args: argparse.Namespace) -> int:
     total = len(lengths) * len(depths) * args.samples
     done = 0
     start = time.perf_counter()
+    last_line = [start]  # when progress last printed a line
     status.print(f"{plural(total, 'trial')}: {args.kind} over {', '.join(map(format_tokens, lengths))} tokens x "
                  f"{plural(len(depths), 'depth')} x {plural(args.samples, 'haystack')}, each a prefill and a greedy "
-                 "answer; one line per trial")
+                 f"answer{_estimate(args, model)}; one line per trial")
 
     def progress(trial) -> None:
         nonlocal done
@@ -240,13 +260,22 @@ def _run(args: argparse.Namespace) -> int:
         left = elapsed / done * (total - done)
         status.print(f"[{done}/{total}] {format_tokens(trial.length)} depth {trial.depth:.2f} #{trial.sample}: "
                      f"{trial.answer} {mark} ({seconds(elapsed)}, ~{seconds(left)} to go)", markup=False)
+        last_line[0] = time.perf_counter()
+
+    def prefilling(tokens_done: int, tokens_total: int) -> None:
+        """A line every :data:`PROGRESS_EVERY_S` within a long trial, so a long prefill is never silent."""
+        now = time.perf_counter()
+        if now - last_line[0] >= PROGRESS_EVERY_S and tokens_done < tokens_total:
+            status.print(f"[{done + 1}/{total}] prefill {format_tokens(tokens_done)}/{format_tokens(tokens_total)} "
+                         f"tokens ({seconds(now - start)})", markup=False)
+            last_line[0] = now
 
     with tempfile.TemporaryDirectory(prefix="tierkv-eval-") as tmp:
         factory, context, cache_record = _cache_mode(args, model, max(lengths), tmp)
         try:
             result = evaluate(model, tokenizer, lengths=lengths, depths=depths, samples=args.samples, kind=args.kind,
                               seed=args.seed, cache_factory=factory, cache_context=context,
-                              prefill_chunk_size=args.prefill_chunk, on_trial=progress)
+                              prefill_chunk_size=args.prefill_chunk, on_trial=progress, on_prefill=prefilling)
         except BudgetTooSmallError as exc:  # the cache's message names its API: say it in this command's flags
             raise InvalidConfigError(
                 f"--gpu-gb {format_size_option(cache_record['gpu_bytes'])} is below the minimum of --executor "
@@ -263,7 +292,8 @@ def _run(args: argparse.Namespace) -> int:
         written = write_json(record, args.json)
         if written:
             status.print(f"wrote {written}")
-    table = Table(title=f"{args.kind} accuracy, greedy, {plural(args.samples, 'haystack')} per cell")
+    title = f"{args.kind} accuracy, greedy, {plural(args.samples, 'haystack')} per cell"
+    table = Table(title=title, min_width=len(title))  # a narrow table would wrap its title over lines
     table.add_column("depth", justify="right")
     for n in lengths:
         table.add_column(format_tokens(n), justify="right")
@@ -272,6 +302,19 @@ def _run(args: argparse.Namespace) -> int:
     table.add_row("all", *(f"[bold]{result.accuracy(n):.0%}[/bold]" for n in lengths))
     console.print(table)
     return 0
+
+
+def _estimate(args: argparse.Namespace, model) -> str:
+    """``", ~12 min 30 s in all, roughly"``: the trials' roofline on this CPU (measured now, 0.1-0.5 s), so a run
+    of an hour (the default lengths reach 64K) says so before it starts; ``""`` on a GPU."""
+    if args.device != "cpu":
+        return ""
+    from tierkv.commands.estimate import greedy_s, measure_cpu
+
+    cpu = measure_cpu()
+    per_haystack = sum(sum(greedy_s(model, cpu, n, 2, args.prefill_chunk)) for n in args.lengths)
+    total = per_haystack * len(args.depths) * args.samples * (TIER_OVERHEAD if args.cache == "tiered" else 1.0)
+    return f", ~{seconds(total)} in all, roughly"
 
 
 class _Log:

@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compute-ms-per-token",
-        type=number("--compute-ms-per-token"),
+        type=number("--compute-ms-per-token", above=True),
         default=None,
         help="device compute of one decode step (one token per sequence), instead of the roofline estimate",
     )
@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "attended where it lives, the host's on its CPUs (nothing staged); plan compares them all")
     parser.add_argument("--host-cores", type=integer("--host-cores", 1), default=None,
                         help="split on a GPU host without a measured profile: the host's CPU cores (default 32)")
-    parser.add_argument("--host-dram-gbps", type=number("--host-dram-gbps"), default=None,
+    parser.add_argument("--host-dram-gbps", type=number("--host-dram-gbps", above=True), default=None,
                         help="split on a GPU host without a measured profile: host DRAM read GB/s (default 300)")
     parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=4096,
                         help="streaming chunk length (default 4096)")

@@ -17,11 +17,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 
 def seconds(value: float) -> str:
-    """``'0.4 s'``, ``'12.3 s'``, ``'2 min 05 s'``: how long a phase took or may take."""
+    """``'0.4 s'``, ``'12.3 s'``, ``'2 min 05 s'``, ``'3 h 20 min'``, ``'41 days'``: how long a phase took or may
+    take (an estimate of weeks reads as such, not as millions of minutes)."""
     if value < 60:
         return f"{value:.1f} s"
-    minutes, rest = divmod(round(value), 60)
-    return f"{minutes} min {rest:02d} s"
+    if value < 3600:
+        minutes, rest = divmod(round(value), 60)
+        return f"{minutes} min {rest:02d} s"
+    if value < 2 * 86400:
+        hours, rest = divmod(round(value / 60), 60)
+        return f"{hours} h {rest:02d} min"
+    return f"{round(value / 86400):,} days"
 
 
 class Phases:

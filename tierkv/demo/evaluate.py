@@ -85,9 +85,11 @@ def greedy_generate(
     cache_factory: Callable[[], object] | None = None,
     cache_context: Callable[[object], contextlib.AbstractContextManager] | None = None,
     prefill_chunk_size: int = 2048,
+    on_prefill: Callable[[int, int], None] | None = None,
 ) -> list[int]:
     """Greedy continuation of ``prompt_ids`` through a fresh cache, prefilling ``prefill_chunk_size``
     tokens per forward. Only the last position's logits are computed (``logits_to_keep=1``).
+    ``on_prefill(done, total)`` is told after each prefill chunk (a long prompt's prefill takes minutes).
 
     ``cache_context(cache)`` is entered around the forwards (e.g. ``lambda c: c.streaming(model)``); a cache
     with a ``close`` method is closed afterwards (a ``TieredCache`` frees its tiers and disk files).
@@ -110,6 +112,8 @@ def greedy_generate(
                 # the keyword this transformers takes (`cache=` in newer 5.x, `past_key_values=` before)
                 out = model(input_ids=ids[:, start : start + prefill_chunk_size], logits_to_keep=1,
                             **{keyword: cache})
+                if on_prefill is not None:
+                    on_prefill(min(start + prefill_chunk_size, ids.shape[1]), ids.shape[1])
             for _ in range(max_new_tokens):
                 token = int(out.logits[0, -1].argmax())
                 generated.append(token)
@@ -136,8 +140,10 @@ def evaluate(
     cache_context: Callable[[object], contextlib.AbstractContextManager] | None = None,
     prefill_chunk_size: int = 2048,
     on_trial: Callable[[Trial], None] | None = None,
+    on_prefill: Callable[[int, int], None] | None = None,
 ) -> EvalResult:
-    """Greedy retrieval accuracy over ``samples`` seeded haystacks per (length, depth).
+    """Greedy retrieval accuracy over ``samples`` seeded haystacks per (length, depth); ``on_trial`` is told
+    of each finished trial, ``on_prefill`` of each prefill chunk (:func:`greedy_generate`).
 
     The haystack of (kind, seed, length, depth, sample) is the same on every run and every machine, so
     two cache modes evaluated with the same arguments see identical prompts.
@@ -163,6 +169,7 @@ def evaluate(
                     cache_factory=cache_factory,
                     cache_context=cache_context,
                     prefill_chunk_size=prefill_chunk_size,
+                    on_prefill=on_prefill,
                 )
                 output = decode_answer(tokenizer, ids)
                 trial = Trial(length, depth, sample, example.answer, output, output == example.answer)
