@@ -110,7 +110,7 @@ def test_plan_runtime_os_error_is_status_1(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("tierkv.commands.plan.write_json", full)
     assert main([*PLAN, "--context", "128K", "--json", str(target)]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"tierkv plan: error: No space left on device: '{target}'; check the path and its permissions"
+        f"tierkv plan: error: No space left on device: '{target}'; free space there, or choose another path"
     ]
 
 

@@ -217,3 +217,26 @@ def test_a_profile_on_a_device_is_never_read(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.startswith("InvalidConfigError link profile '/dev/zero' (TIERKV_PROFILE) is a character "
                                  "device"), out.stdout + out.stderr
+
+
+def test_a_bad_knob_read_when_the_first_layer_steps_is_one_clean_error(tmp_path):
+    """``TIERKV_PREFETCH_MIN`` is read when the exact executor is built, inside the first forward: refused with the
+    variable named, and nothing half-built left for close() to fail on (it logged "close failed ... no attribute
+    'pending'"). A process of its own: the suite overrides the setting."""
+    script = tmp_path / "step.py"
+    script.write_text(
+        "import torch\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from tierkv import TieredCache, InvalidConfigError\n"
+        "config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
+        "                     num_attention_heads=4, num_key_value_heads=2)\n"
+        "model = LlamaForCausalLM(config).eval()\n"
+        "try:\n"
+        "    with TieredCache(gpu_gb='64MB', cpu_gb='64MB', config=config) as cache:\n"
+        "        model.generate(torch.ones(1, 10, dtype=torch.long), cache=cache, max_new_tokens=2)\n"
+        "except InvalidConfigError as error:\n"
+        "    print('refused:', error)\n")
+    env = {**os.environ, "TIERKV_PREFETCH_MIN": "-1"}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("refused: TIERKV_PREFETCH_MIN"), result
+    assert "close failed" not in result.stderr and "Traceback" not in result.stderr, result.stderr

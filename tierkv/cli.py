@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import importlib
 import importlib.metadata
 import re
@@ -151,7 +152,9 @@ def _one_line(exc: BaseException) -> str:
     """The error as one line: TierKVError messages as written, OS errors as "what: which file"."""
     if isinstance(exc, OSError) and not isinstance(exc, TierKVError) and exc.strerror:
         where = f": {exc.filename!r}" if exc.filename else ""
-        text = f"{exc.strerror}{where}; check the path and its permissions"
+        fix = "free space there, or choose another path" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else \
+            "check the path and its permissions"
+        text = f"{exc.strerror}{where}; {fix}"
     else:
         text = str(exc) or type(exc).__name__
     return " ".join(text.split())

@@ -59,11 +59,12 @@ class ExactGather(PipelinedExecutor):
                  prefetch_depth: int | str = 1, timeline: Timeline | None = None, trace: Trace | None = None) -> None:
         if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int) or prefetch_depth < 0):
             raise InvalidConfigError(f"prefetch_depth must be an int >= 0 or 'auto', got {prefetch_depth!r}.")
+        prefetch_min: int = settings.get("prefetch_min")  # a bad TIERKV_PREFETCH_MIN: refused before any state
         super().__init__(store, mover, num_layers=num_layers, timeline=timeline, trace=trace)
         self.auto = prefetch_depth == "auto"
         # Layers with less KV than this (setting prefetch_min) are not prefetched: handing a job to the mover (a
         # thread switch, tens of µs) costs more than the copy it would overlap.
-        self.prefetch_min: int = settings.get("prefetch_min")
+        self.prefetch_min = prefetch_min
         self.prefetch_depth: int = 1 if self.auto else int(prefetch_depth)
         self.auto_choices: list[dict] = []  # decisions of prefetch_depth="auto", oldest first
         self._auto_wait = AUTO_AFTER_STEPS  # decode steps left before the next "auto" decision
