@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -193,6 +195,19 @@ def test_saving_to_a_full_filesystem_is_a_disk_full_error_and_keeps_the_old_file
         decode(model, cache, reference, token, 4)
         assert_consistent(cache, reference)
         cache.close()
+
+def test_a_nearly_full_disk_dir_is_warned_of_when_the_cache_is_made(tmp_path, caplog):
+    """The disk tier's default budget is 90% of the free space: on a nearly full filesystem a few bytes, and the
+    cache failed only once its KV reached the disk ("disk 0 B of 0 B"). Made, it says so and names the fix."""
+    with tiny_tmpfs(tmp_path / "tiny", "1m") as mount, caplog.at_level(logging.WARNING, logger="tierkv"), \
+            TieredCache(gpu_gb="1MB", cpu_gb="1MB", disk_dir=mount) as cache:  # fmt: skip
+        assert cache.runtime.disk is not None and cache.runtime.disk.budget < 2**20
+    assert re.search(r"has [\d.,]+ [KM]iB free.*is [\d.,]+ KiB.*pass disk_gb", caplog.text), caplog.text
+    caplog.clear()
+    with TieredCache(gpu_gb="1MB", cpu_gb="1MB", disk_dir=tmp_path / "roomy"):
+        pass
+    assert "disk_gb" not in caplog.text  # a disk with room: nothing said
+
 
 def test_short_reads_and_writes_move_every_byte(model, tmp_path, faulty):
     faulty.short = True

@@ -63,10 +63,12 @@ from tierkv.layout import BlockLayout, SlotBytes
 from tierkv.tiers.base import BounceLike, Dest, Scratch, landing_pieces
 from tierkv.tiers.lease import Lease, reclaim_dead
 from tierkv.tiers.slots import SlotPool, growth_slots
+from tierkv.units import format_bytes
 
 log = logging.getLogger("tierkv")
 
 DEFAULT_EXTENT_BYTES = 256 * 2**20
+LOW_DEFAULT_BUDGET = 64 * 2**20  # a default budget below this (a disk_dir nearly full) is warned of when made
 FIRST_EXTENT_BYTES = 2**20
 """A slot file starts with this much (or one slot) and doubles, up to ``extent_bytes`` at a time: it grows with
 the KV it holds, never past the budget."""
@@ -317,6 +319,11 @@ class DiskTier:
         except BaseException:
             self._finalizer()
             raise
+        if budget is None and self.budget < LOW_DEFAULT_BUDGET:  # it would fail only once the KV reaches the disk
+            log.warning("tierkv: disk_dir %r has %s free, so the disk tier's default budget (%.0f%% of it) is %s: "
+                        "free space there, choose another disk_dir, or pass disk_gb.", str(self.directory),
+                        format_bytes(shutil.disk_usage(self.directory).free), 100 * free_fraction,
+                        format_bytes(self.budget))  # fmt: skip
 
     def fit_bounce(self, memory_budget: int) -> None:
         """Size the bounce buffers for budgets of ``memory_budget`` bytes of host memory (the host tier's, and the
