@@ -292,6 +292,7 @@ def test_latent_attention_decodes_exactly_with_keys_and_values_of_two_widths(tmp
     mask = torch.cat([mask, mask.new_ones(2, NEW)], dim=1)
     with TieredCache.load(tmp_path / "conversation.tkv", model=model, gpu_gb=f"{gpu}B", cpu_gb="8KB",
                           disk_dir=tmp_path / "loaded") as loaded:  # fmt: skip
+        assert torch.equal(loaded.layers[1].values, reference_cache.layers[1].values)  # at its own head dim
         continued = run(model, out.sequences, mask, loaded)
     assert_same_generation(continued, run(model, out.sequences, mask, reference_cache), atol=1e-4)
 

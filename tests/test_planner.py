@@ -675,3 +675,13 @@ def test_auto_depth_stops_where_a_deeper_staging_leaves_the_kv_no_room():
     KV past the budgets (CapacityError); the search keeps the depth that fits instead of refusing the plan."""
     result = plan(build_request("llama-3-8b", "128K", gpu=20, cpu=12, disk=0))
     assert result.bytes_per_tier.disk == 0 and result.forecast.prefetch_depth >= 1
+
+
+def test_a_latent_attention_config_is_refused_with_why_the_plan_would_be_wrong(tmp_path):
+    """TieredCache decodes multi-head latent attention (tests/test_hf_architectures.py), but transformers expands
+    every cached latent again each step: a plan from the cache's bytes alone would be far too fast, so none."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_hidden_layers": 27, "num_attention_heads": 16, "hidden_size": 2048,
+                                "vocab_size": 102400, "kv_lora_rank": 512, "qk_rope_head_dim": 64}))
+    with pytest.raises(InvalidConfigError, match="TieredCache decodes such models.*expands every cached token"):
+        model_from_config(path)

@@ -183,8 +183,10 @@ def model_from_config(path: str | os.PathLike[str]) -> ModelSpec:
     cfg = cfg.get("text_config") or cfg
     if "kv_lora_rank" in cfg:
         raise InvalidConfigError(
-            f"model config {path!r} uses multi-head latent attention (kv_lora_rank); its compressed KV "
-            "is not modelled yet. Plan with an equivalent preset or a config with plain K/V heads."
+            f"model config {path!r} uses multi-head latent attention (kv_lora_rank). TieredCache decodes such "
+            "models (exact gather, the latent and rotary key stored at one head dim), but the planner does not "
+            "model their step: transformers expands every cached token's latent again each step, compute that "
+            "grows with the context. Plan with a config of plain K/V heads of the same bytes per token."
         )
     try:
         layers = int(cfg["num_hidden_layers"])

@@ -202,8 +202,11 @@ class Restore:
             raise IntegrityError(f"{self.what}: data after the end record.")
         cache, header = self.cache, self.header
         assert cache is not None and header is not None
+        config = getattr(self.model, "config", None)
+        widths = sizing.kv_widths(config.get_text_config(decoder=True)) if config is not None else None
         for saved, layer in zip(header.layers, cache.layers):
             layer.dropped = saved.dropped
+            layer.widths = widths  # keys and values of two head dims (latent attention): read back at their own
             if layer.get_seq_length() != saved.length:
                 raise IntegrityError(f"layer {saved.index} holds {layer.get_seq_length()} tokens after loading, "
                                      f"the file says {saved.length}.")

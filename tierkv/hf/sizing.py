@@ -203,12 +203,21 @@ def _stored_shape(config: Any) -> tuple[int, int]:
     caches, where the installed transformers expands its K/V after the cache (``expand_kv``), its latent and its
     rotary key as one head of ``kv_lora_rank`` and ``qk_rope_head_dim`` dims, else the expanded keys and values per
     head; keys and values of two widths are stored at the wider (:meth:`TieredLayer.update`)."""
-    if getattr(config, "kv_lora_rank", None):
-        if _expands_after_cache(config.model_type):
-            return 1, max(config.kv_lora_rank, config.qk_rope_head_dim)
-        return config.num_attention_heads, max(config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
+    widths = kv_widths(config)
+    if widths is not None:
+        return 1 if _expands_after_cache(config.model_type) else config.num_attention_heads, max(widths)
     return (getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def kv_widths(config: Any) -> tuple[int, int] | None:
+    """The head dims of the keys and the values a layer of ``config`` caches where they differ (multi-head latent
+    attention: :func:`_stored_shape`), else None."""
+    if not getattr(config, "kv_lora_rank", None):
+        return None
+    if _expands_after_cache(config.model_type):
+        return config.kv_lora_rank, config.qk_rope_head_dim
+    return config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
 
 
 def _expands_after_cache(model_type: str) -> bool:
