@@ -93,6 +93,13 @@ def _report(problems: list[str]) -> None:
     assert not problems, "stale references in the docs:\n" + "\n".join(problems)
 
 
+def _check(found: tuple[int, list[str]], what: str) -> None:
+    """A check's ``(references seen, problems)``: some seen (else the recogniser is broken), none stale."""
+    seen, problems = found
+    assert seen, f"no {what} found: the recogniser is broken"
+    _report(problems)
+
+
 BARE_TEST = re.compile(r"(?<![\w./~$-])(test_\w+\.py)(::[\w:\[\]./-]+)?")
 """A test file named without its folder (``test_scale.py::test_overlap``): looked up under tests/ and benchmarks/."""
 TEST_DIRS = (ROOT / "tests", ROOT / "benchmarks")
@@ -179,9 +186,7 @@ def _test_problems(texts: list[Text]) -> tuple[int, list[str]]:
 
 
 def test_test_references_name_defined_tests():
-    seen, problems = _test_problems(TEXTS)
-    assert seen, "no path::test reference found: the recogniser is broken"
-    _report(problems)
+    _check(_test_problems(TEXTS), "path::test reference")
 
 
 EXTENSIONS = set(re.findall(r"""["'](tierkv(?:\.\w+)+)["']""", (ROOT / "setup.py").read_text(encoding="utf-8")))
@@ -224,9 +229,7 @@ def _dotted_problems(texts: list[Text]) -> tuple[int, list[str]]:
 
 
 def test_dotted_names_resolve():
-    seen, problems = _dotted_problems(TEXTS)
-    assert seen, "no tierkv.* name found: the recogniser is broken"
-    _report(problems)
+    _check(_dotted_problems(TEXTS), "tierkv.* name")
 
 
 def _classes() -> dict[str, list[str]]:
@@ -279,9 +282,7 @@ def _attribute_problems(texts: list[Text]) -> tuple[int, list[str]]:
 
 
 def test_class_attributes_exist():
-    seen, problems = _attribute_problems(TEXTS)
-    assert seen, "no Class.attribute of a tierkv class found: the recogniser is broken"
-    _report(problems)
+    _check(_attribute_problems(TEXTS), "Class.attribute of a tierkv class")
 
 
 def _benchmark_knobs() -> set[str]:
@@ -312,9 +313,7 @@ def _variable_problems(texts: list[Text]) -> tuple[int, list[str]]:
 
 
 def test_variables_are_settings_or_benchmark_knobs():
-    seen, problems = _variable_problems(TEXTS)
-    assert seen, "no TIERKV_* variable found: the recogniser is broken"
-    _report(problems)
+    _check(_variable_problems(TEXTS), "TIERKV_* variable")
 
 
 def _command_lines(texts: list[Text]) -> Iterator[tuple[Text, str, list[str]]]:
@@ -367,9 +366,7 @@ def _option_problems(texts: list[Text]) -> tuple[int, list[str]]:
 
 
 def test_cli_options_exist():
-    seen, problems = _option_problems(TEXTS)
-    assert seen, "no tierkv COMMAND --option found: the recogniser is broken"
-    _report(problems)
+    _check(_option_problems(TEXTS), "tierkv COMMAND --option")
 
 
 GOOD = """\
