@@ -69,7 +69,7 @@ def test_a_disk_budget_beyond_the_free_space_is_refused_with_the_free_figure(tmp
     assert not list(tmp_path.iterdir())  # refused before any file was made
 
 
-def test_disk_engine_names_are_checked_up_front():
+def test_disk_engine_names_are_checked_up_front(monkeypatch):
     check_disk_engine(None)
     check_disk_engine("auto")
     check_disk_engine("posix")
@@ -78,8 +78,11 @@ def test_disk_engine_names_are_checked_up_front():
 
     if engine_status()["kvikio"] is None:
         pytest.skip("kvikio loads on this host")
-    with settings.override(disk_engine="kvikio"), pytest.raises(InvalidConfigError, match="cannot load"):
+    with settings.override(disk_engine="kvikio"), pytest.raises(InvalidConfigError, match="cannot load.*'auto'"):
         check_disk_engine(None)  # a forced engine that cannot load here (no GPU / no kvikio)
+    monkeypatch.setenv("TIERKV_DISK_ENGINE", "kvikio")  # the fix of a variable is said in the variable's words
+    with pytest.raises(InvalidConfigError, match="cannot load.*unset TIERKV_DISK_ENGINE"):
+        check_disk_engine(None)
 
 
 def test_check_count():

@@ -365,9 +365,10 @@ def check_disk_engine(engine: str | None) -> None:
     try:
         load_engine(name)
     except EngineUnavailableError as exc:
+        fix = "unset TIERKV_DISK_ENGINE (or set it to auto)" if source.startswith("TIERKV_") else \
+            "use disk_engine='auto'"
         raise InvalidConfigError(
-            f"disk engine {name!r} ({source}) cannot load here: {exc.reason}; use disk_engine='auto' to pick one "
-            "that does."
+            f"disk engine {name!r} ({source}) cannot load here: {exc.reason}; {fix} to pick one that does."
         ) from exc
 
 
