@@ -233,7 +233,7 @@ class TieredLayer(CacheLayerMixin):
     def keys(self) -> torch.Tensor | None:
         """The keys this layer holds, ``[B, H_kv, tokens, D]``: a new host tensor read from every tier, for
         inspection (it costs their bytes in host memory; decoding never reads it). None while it holds none; a
-        sliding-window layer holds its window and the rest of the blocks that hold it."""
+        sliding-window layer's last ``window - 1`` tokens, as ``DynamicSlidingWindowLayer`` keeps."""
         return self._held(0)
 
     @keys.setter
@@ -259,6 +259,8 @@ class TieredLayer(CacheLayerMixin):
             rows = store.table.rows[self.index]
             blocks = store.export_blocks(self.index, rows.front, rows.front + rows.count)  # [B, n, 2, H, bt, D]
         held = blocks[:, :, part].transpose(1, 2).flatten(2, 3)[:, :, :stored]
+        if self.sliding_window is not None:  # what attention still sees, as DynamicSlidingWindowLayer keeps
+            held = held[:, :, -(self.sliding_window - 1):] if self.sliding_window > 1 else held[:, :, :0]
         return (held if self.widths is None else held[..., : self.widths[part]]).contiguous()
 
     @staticmethod
