@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -192,6 +193,13 @@ def writable_file(option: str, example: str, or_else: str = "") -> Callable[[str
 
 
 _json_file = writable_file("--json", "out.json", ", or - for stdout")
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes of the filesystem ``folder`` is (or will be made) on: its nearest existing ancestor's."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
 
 
 def require_model_package(name: str) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import shutil
 import tempfile
 import time
 from collections import defaultdict
@@ -31,6 +30,7 @@ from tierkv.calibrate import BenchConfig, BenchResult, Measurement, plot, run_be
 from tierkv.calibrate.attention import ATTENTION
 from tierkv.commands import (
     add_json_argument,
+    free_bytes,
     integer,
     json_to_stdout,
     size,
@@ -104,10 +104,7 @@ def _aligned_size(option: str, aligned: bool = True) -> Callable[[str], int]:
 def _check_free_space(folder: Path, disk_bytes: int, shown: str) -> None:
     """Refuse a test file larger than the free space under ``--dir`` before any measuring: otherwise the disk
     phase fails only after the memory phases, with the OS's "No space left on device"."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    free = shutil.disk_usage(existing).free
+    free = free_bytes(folder)
     if disk_bytes > free:
         raise InvalidConfigError(f"{shown} does not fit in --dir {str(folder)!r}: {format_bytes(free)} free there; "
                                  "give a smaller --disk-size (a bare number counts GB: e.g. 256MiB), free space, or "

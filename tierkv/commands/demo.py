@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import math
 import random
-import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseBudget
 from tierkv.commands import (
     add_json_argument,
     existing_file,
+    free_bytes,
     integer,
     json_to_stdout,
     model_or_folder,
@@ -268,10 +268,7 @@ def _check_disk_room(args: argparse.Namespace, need: int) -> int:
     """The free bytes where the disk tier will live; a run whose disk share (the KV beyond the device and host
     budgets, a lower bound) exceeds the cache's default disk budget there (90% of the free space) is refused
     before the prefill, which would otherwise fail minutes in."""
-    folder = Path(args.disk_dir) if args.disk_dir else Path(tempfile.gettempdir())
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    free = shutil.disk_usage(folder).free
+    free = free_bytes(Path(args.disk_dir) if args.disk_dir else Path(tempfile.gettempdir()))
     if need > 0.9 * free:
         raise InvalidConfigError(f"this run puts at least {format_bytes(need)} of KV on disk, but "
                                  f"{_disk_where(args)} has {format_bytes(free)} free; {_DISK_FIX}")

@@ -12,12 +12,10 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import torch
 
 from tierkv.errors import CapacityError, IntegrityError, InvalidConfigError
 from tierkv.hf import sizing
-from tierkv.hf.runtime import DEFAULT_DEVICE_FRACTION, DEFAULT_HOST_FRACTION
 from tierkv.persist import conversation
 from tierkv.persist import record as records
 from tierkv.persist.keys import model_fingerprint
@@ -106,17 +104,10 @@ def _kv_claim(header: conversation.Header, model: torch.nn.Module) -> int | None
 
 
 def _budget_bytes(cache: TieredCache, device: torch.device) -> int:
-    """The bytes ``cache``'s tiers may hold on ``device``: its device, host and disk budgets, a budget left out
-    counted as the share of free memory (or disk) the cache would take when it builds its store."""
-    budgets, runtime = cache.runtime.budgets, cache.runtime
-    available = psutil.virtual_memory().available
-    if budgets.gpu is not None:
-        gpu = budgets.gpu
-    else:
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available
-        gpu = int(free * DEFAULT_DEVICE_FRACTION)
-    cpu = budgets.cpu if budgets.cpu is not None else int(available * DEFAULT_HOST_FRACTION)
-    return gpu + cpu + (runtime.disk.budget if runtime.disk is not None else 0)
+    """The bytes ``cache``'s tiers may hold on ``device``: its device, host and disk budgets (those left out as
+    the shares of free memory or disk the cache takes when it builds its store)."""
+    runtime = cache.runtime
+    return sum(runtime.memory_budgets(device)) + (runtime.disk.budget if runtime.disk is not None else 0)
 
 
 class Restore:

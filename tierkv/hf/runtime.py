@@ -108,9 +108,7 @@ class Runtime:
         if self.store is not None:
             return self.store
         budgets, device = self.budgets, key_states.device
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-        gpu = budgets.gpu if budgets.gpu is not None else int(free * DEFAULT_DEVICE_FRACTION)
-        cpu = budgets.cpu if budgets.cpu is not None else int(psutil.virtual_memory().available * DEFAULT_HOST_FRACTION)
+        gpu, cpu = self.memory_budgets(device)
         if self.disk is not None:  # bounce buffers shrink with the host memory the budgets give (docs/reliability.md)
             self.disk.fit_bounce(cpu + (gpu if device.type == "cpu" else 0))
         device_tier = MemoryTier(Tier.DEVICE, gpu, device)
@@ -124,6 +122,15 @@ class Runtime:
             log.warning("tierkv: no room for the landing buffers in gpu_gb; host runs cross PCIe block by block")
         self.executor(EXACT, {"prefetch_depth": budgets.prefetch_depth})
         return store
+
+    def memory_budgets(self, device: torch.device) -> tuple[int, int]:
+        """The device and host tiers' budgets on ``device``: ``gpu_gb`` and ``cpu_gb``, or where left out the
+        shares of free device memory (RAM on a CPU-only host) and of available RAM the store takes."""
+        budgets = self.budgets
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+        gpu = budgets.gpu if budgets.gpu is not None else int(free * DEFAULT_DEVICE_FRACTION)
+        cpu = budgets.cpu if budgets.cpu is not None else int(psutil.virtual_memory().available * DEFAULT_HOST_FRACTION)
+        return gpu, cpu
 
     def executor(self, name: str, options: dict[str, Any]) -> PipelinedExecutor:
         """The registered executor ``name``, built with ``options`` (rebuilt if it was built with others)."""

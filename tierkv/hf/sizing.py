@@ -7,6 +7,7 @@ the first ``generate``. The staging arithmetic itself is :mod:`tierkv.staging` (
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -220,6 +221,7 @@ def kv_widths(config: Any) -> tuple[int, int] | None:
     return config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
 
 
+@functools.cache  # per model type, for the installed transformers: sizing asks it per layer
 def _expands_after_cache(model_type: str) -> bool:
     """Whether the installed transformers' attention of ``model_type`` caches the latent and expands it after."""
     try:
