@@ -135,8 +135,8 @@ def test_missing_disk_dir_is_created_with_a_real_budget(tmp_path):
 
 def test_unsupported_layer_kinds_are_named(model):
     config = model.config.__class__(**model.config.to_dict())
-    config.layer_types = ["full_attention", "linear_attention"]
-    with pytest.raises(InvalidConfigError, match="linear_attention layers"):
+    config.layer_types = ["full_attention", "indexed_attention"]
+    with pytest.raises(InvalidConfigError, match="indexed_attention layers"):
         TieredCache(config=config)
 
 

@@ -685,3 +685,15 @@ def test_a_latent_attention_config_is_refused_with_why_the_plan_would_be_wrong(t
                                 "vocab_size": 102400, "kv_lora_rank": 512, "qk_rope_head_dim": 64}))
     with pytest.raises(InvalidConfigError, match="TieredCache decodes such models.*expands every cached token"):
         model_from_config(path)
+
+
+@pytest.mark.parametrize("kinds", [{"layer_types": ["linear_attention", "full_attention"]},
+                                   {"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]}])
+def test_a_config_with_recurrent_layers_is_refused_with_why_the_plan_would_be_wrong(tmp_path, kinds):
+    """TieredCache decodes hybrid models (tests/test_hf_state.py), but the planner would price every layer as one
+    with K/V (four times Qwen3-Next's K/V): refused with the way to plan it."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 16, "hidden_size": 2048,
+                                "vocab_size": 151936, **kinds}))
+    with pytest.raises(InvalidConfigError, match="linear_attention.*attention layers alone"):
+        model_from_config(path)

@@ -20,6 +20,7 @@ metric                                      type     from ``stats()``
 ``tierkv_peak_allocated_bytes{tier}``       gauge    ``peak_bytes_allocated``
 ``tierkv_budget_bytes{tier}``               gauge    ``budget_bytes``
 ``tierkv_staging_bytes``                    gauge    ``bytes_staging``
+``tierkv_state_bytes``                      gauge    ``state_bytes``
 ``tierkv_moved_bytes_total{link}``          counter  ``bytes_moved``
 ``tierkv_prefetch_hits_total``              counter  ``prefetch_hits``
 ``tierkv_prefetch_misses_total``            counter  ``prefetch_misses``
@@ -87,6 +88,9 @@ class CacheCollector:
             staging = self._gauge("staging_bytes", "device bytes reserved for staging buffers and key summaries")
             staging.add_metric(values, stats["bytes_staging"])
             yield staging
+        state = self._gauge("state_bytes", "device bytes of recurrent state (layers that keep it)")
+        state.add_metric(values, stats.get("state_bytes", 0))
+        yield state
         moved = self._counter("moved_bytes", "bytes moved per link", ("link",))
         for link, value in stats.get("bytes_moved", {}).items():
             moved.add_metric([*values, link], value)

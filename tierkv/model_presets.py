@@ -188,6 +188,15 @@ def model_from_config(path: str | os.PathLike[str]) -> ModelSpec:
             "model their step: transformers expands every cached token's latent again each step, compute that "
             "grows with the context. Plan with a config of plain K/V heads of the same bytes per token."
         )
+    kinds = cfg.get("layer_types") or cfg.get("layers_block_type") or []
+    other = sorted({str(kind) for kind in kinds} - {"full_attention", "sliding_attention", "chunked_attention"})
+    if other:
+        raise InvalidConfigError(
+            f"model config {path!r} has {', '.join(other)} layers besides attention (recurrent state, MoE or MLP "
+            f"blocks). TieredCache decodes such models (their state stays on the device), but the planner prices "
+            f"every layer as an attention layer with K/V. Plan with a config of the attention layers alone "
+            f"(num_hidden_layers = their count) to size the K/V."
+        )
     try:
         layers = int(cfg["num_hidden_layers"])
         heads = int(cfg["num_attention_heads"])

@@ -71,6 +71,7 @@ class _CacheStatsAlways(TypedDict):
     prefetch_hits: int
     prefetch_misses: int
     prefetch_stall_s: float  # time the model waited for prefetched data
+    state_bytes: int  # device bytes of the recurrent state of layers that keep it (tierkv.hf.state)
 
 
 class CacheStats(_CacheStatsAlways, total=False):
@@ -106,7 +107,8 @@ TIERS = ("device", "host", "disk")
 def empty_stats() -> CacheStats:
     """``stats()`` of a cache that holds no tokens yet: every tier empty, nothing moved."""
     return {"tokens": 0, "bytes_resident": dict.fromkeys(TIERS, 0), "bytes_moved": {},
-            "blocks": dict.fromkeys(TIERS, 0), "prefetch_hits": 0, "prefetch_misses": 0, "prefetch_stall_s": 0.0}
+            "blocks": dict.fromkeys(TIERS, 0), "prefetch_hits": 0, "prefetch_misses": 0, "prefetch_stall_s": 0.0,
+            "state_bytes": 0}
 
 
 # --------------------------------------------------------------------------------------- profile

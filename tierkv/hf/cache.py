@@ -26,6 +26,11 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
+try:  # a layer that keeps nothing (an MoE or MLP block between recurrent and attention layers)
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # releases without it refuse such configs (sizing.layer_kinds)
+    DummyLayer = type("DummyLayer", (), {})  # type: ignore[misc,assignment]
+
 from tierkv.attention.base import PipelinedExecutor
 from tierkv.attention.exact_gather import ExactGather
 from tierkv.bandwidth import LinkProfile
@@ -38,6 +43,7 @@ from tierkv.hf.modes import AttentionModes
 from tierkv.hf.runtime import Budgets, Runtime
 from tierkv.hf.session import PrefixSession
 from tierkv.hf.sizing import DEFAULT_BLOCK_TOKENS
+from tierkv.hf.state import HybridLayer, StateLayer
 from tierkv.policy import Policy, make_policy
 from tierkv.stats import make_trace
 from tierkv.store import KVStore
@@ -124,10 +130,13 @@ class TieredCache(AttentionModes, Cache):
         self.runtime = Runtime(budgets, disk, self.trace)
         # dropped without close() (or alive at exit), the cache still releases threads, descriptors and files
         self._finalizer = weakref.finalize(self, self.runtime.close)
-        layers = []
-        if config is not None:
-            layers = [TieredLayer(self, i, window) for i, window in enumerate(sizing.layer_windows(config))]
-            self.runtime.num_layers = len(layers)  # the layer count is known before the first pass
+        layers = self._layers_of(config) if config is not None else []
+        self.stateful = any(isinstance(layer, StateLayer) for layer in layers)  # recurrent state beside or for K/V
+        if self.stateful and (persist or remote is not None):
+            raise InvalidConfigError(
+                "persist= and remote= reuse a prefix's K/V blocks, but this model also keeps recurrent state in its "
+                "layers (Mamba, linear attention, convolutions), which no K/V block holds: a loaded prefix would "
+                "decode from the wrong state. Build the cache without persist= / remote= for this model.")
         self.session = PrefixSession(disk_dir, persist, persist_gb, remote, block_tokens) \
             if persist or remote is not None else None
         super().__init__(layers=cast(list, layers))  # transformers types its own layer kinds
@@ -139,7 +148,7 @@ class TieredCache(AttentionModes, Cache):
             if self.forward.thread != threading.get_ident():  # (the same thread's updates: no call)
                 self.forward.claim(self.runtime.num_layers)
             if self.forward.unsettled is not None:
-                self.forward.settle(self.layers, self.runtime)
+                self.forward.settle(self.holding, self.runtime)
             if not 0 <= layer_idx < len(self.layers):
                 try:
                     self._add_layers(layer_idx)
@@ -152,7 +161,7 @@ class TieredCache(AttentionModes, Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         with self.using:
             if self.forward.unsettled is not None:  # generate() asks before its first update: finish the rollback
-                self.forward.settle(self.layers, self.runtime)
+                self.forward.settle(self.holding, self.runtime)
             return super().get_seq_length(layer_idx)
 
     @property
@@ -161,12 +170,61 @@ class TieredCache(AttentionModes, Cache):
         HRM read it to tell a prefill from a later step (their layers update no transformers-side state)."""
         return self.get_seq_length() > 0
 
-    def _holds_attention_only(self, *args: Any, **kwargs: Any) -> Any:
-        raise UnsupportedLayerError(not_held("convolution or recurrent state (Mamba, linear attention) or an indexer"))
+    # ------------------------------------------------------------- recurrent state (docs: tierkv.hf.state)
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self.enter(self._state_layer(layer_idx), "get_conv", state_idx)
+        return super().get_conv_state(layer_idx, state_idx)
 
-    # transformers' Cache methods for state TieredCache does not hold: a model built without config= reaches them
-    get_conv_state = update_conv_state = get_recurrent_state = update_recurrent_state = _holds_attention_only
-    update_indexer = _holds_attention_only
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          **kwargs: Any) -> torch.Tensor:
+        self.enter(self._state_layer(layer_idx), "update_conv", state_idx)
+        return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self.enter(self._state_layer(layer_idx), "get_recurrent", state_idx)
+        return super().get_recurrent_state(layer_idx, state_idx)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs: Any) -> torch.Tensor:
+        self.enter(self._state_layer(layer_idx), "update_recurrent", state_idx)
+        return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
+
+    def increase_count(self, layer_idx: int, state_idx: int) -> None:
+        self.enter(self._state_layer(layer_idx), "increase_count", state_idx)
+        super().increase_count(layer_idx, state_idx)
+
+    def update_indexer(self, *args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedLayerError(not_held("an indexer's keys (sparse attention's own cache)"))
+
+    def _state_layer(self, layer_idx: int) -> StateLayer:
+        layer = self.layers[layer_idx] if isinstance(layer_idx, int) and 0 <= layer_idx < len(self.layers) else None
+        if isinstance(layer, StateLayer):
+            return layer
+        if not sizing.HOLDS_STATE:
+            raise UnsupportedLayerError(not_held("convolution or recurrent state (Mamba, linear attention)"))
+        raise UnsupportedLayerError(
+            f"the model asks layer {layer_idx} for convolution or recurrent state (Mamba, linear attention), which "
+            f"this cache did not build it to hold: TieredCache learns each layer's kind from the model's config. "
+            f"Build it with TieredCache(config=model.config, ...), as DynamicCache needs for this model.")
+
+    def enter(self, layer: TieredLayer | StateLayer, call: str, state_idx: int = 0) -> None:
+        """A layer of a cache with recurrent state is used: the first use of a forward begins it (the layers that
+        hold state are touched in the model's own code, not only through ``update``), and a layer's first use
+        within a forward copies its state aside for the rollback."""
+        with self.using:
+            forward = self.forward
+            if forward.unsettled is not None:
+                forward.settle(self.holding, self.runtime)
+            if forward.entered(layer.position, call, state_idx):
+                self.begin_forward()
+            if isinstance(layer, StateLayer) and layer.touch(forward.number):
+                forward.layers_updated += 1
+
+    @property
+    def holding(self) -> list[Any]:
+        """The layers that hold K/V or state, in the model's order (the others, MoE or MLP blocks, hold nothing)."""
+        return [layer for layer in self.layers if not isinstance(layer, DummyLayer)] if self.stateful \
+            else self.layers
 
     def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
         """Nothing to move: the executors read ahead themselves (``prefetch_depth``); transformers' version needs the
@@ -176,11 +234,18 @@ class TieredCache(AttentionModes, Cache):
         self._select_rows(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.runtime.store is not None:
-            self._select_rows([i for i in range(self.batch_size) for _ in range(repeats)])
+        self._select_rows([i for i in range(self.batch_size) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._select_rows(torch.as_tensor(indices).tolist())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' crop (``tokens_to_remove`` < 0), refused before any layer changes where a layer's
+        recurrent state cannot go back that far (:meth:`StateLayer.check_crop`)."""
+        for layer in self.layers:
+            if isinstance(layer, StateLayer):
+                layer.check_crop(layer.get_seq_length() + tokens_to_remove)
+        super().crop(tokens_to_remove)
 
     def reset(self) -> None:
         if self.session is not None:
@@ -192,8 +257,7 @@ class TieredCache(AttentionModes, Cache):
             self.runtime.store.reset()
         for layer in self.layers:
             layer.reset()
-        self.forward.unsettled = None
-        self.forward.layers_updated = 0
+        self.forward.reset()
 
     # ----------------------------------------------------------------------------------- tierkv API
     @property
@@ -213,7 +277,9 @@ class TieredCache(AttentionModes, Cache):
     def stats(self) -> dict[str, Any]:
         """Occupancy and traffic; see docs/architecture.md ("Statistics") for every key."""
         remote = self.session.remote if self.session is not None else None
-        return self.runtime.stats(self.get_seq_length(), remote.stats() if remote is not None else None)
+        stats = self.runtime.stats(self.get_seq_length(), remote.stats() if remote is not None else None)
+        stats["state_bytes"] = sum(layer.state_bytes() for layer in self.layers if isinstance(layer, StateLayer))
+        return stats
 
     def load_prefix(self, model: torch.nn.Module, input_ids: torch.Tensor | Sequence[int]) -> int:
         """Load the longest persisted prefix of ``input_ids`` ``[B, T]`` into this empty cache and remember the
@@ -307,27 +373,51 @@ class TieredCache(AttentionModes, Cache):
 
     # -------------------------------------------------------------------------- layers and forwards
     def begin_layer(self, index: int, key_states: torch.Tensor, forward: bool = True) -> KVStore:
-        """A layer's update (``forward``) or import begins: the store, built on the first K/V's device. At a
-        forward's layer 0, the previous forward is complete: its full blocks are persisted."""
+        """A layer's update (``forward``) or import begins: the store, built on the first K/V's device. Layer 0's
+        update begins a forward (with recurrent state, the forward's first use of any layer does: :meth:`enter`)."""
         if self.closed:
             raise closed_error()
         store = self.runtime.open_store(key_states)
-        if forward and index == 0:
-            if self.unentered is not None:
-                engagement, self.unentered = self.unentered, None
-                engagement.refuse()
-            self.forward.begin(self.layers, self.runtime)
-            if self.session is not None:
-                self.session.collect(self)
+        if forward and index == 0 and not self.stateful:
+            self.begin_forward()
         return store
+
+    def begin_forward(self) -> None:
+        """A forward begins: the previous one is complete (its full blocks are persisted), or it stopped part-way
+        and its layers are rolled back (:meth:`Forward.begin`)."""
+        if self.closed:
+            raise closed_error()
+        if self.unentered is not None:
+            engagement, self.unentered = self.unentered, None
+            engagement.refuse()
+        self.forward.begin(self.holding, self.runtime)
+        if self.session is not None:
+            self.session.collect(self)
 
     def roll_back(self, length: int) -> None:
         """A forward failed (or was refused) at some layer: every layer gives back what it took, to ``length``."""
-        self.forward.roll_back(self.layers, self.runtime, length)
+        self.forward.roll_back(self.holding, self.runtime, length)
 
     def ensure_layers(self, count: int) -> None:
         while len(self.layers) < count:
             self.layers.append(TieredLayer(self, len(self.layers)))
+
+    def _layers_of(self, config: PreTrainedConfig) -> list[Any]:
+        """One layer per model layer, of its kind: K/V in the tiers (numbered in store order), recurrent state on
+        the device, both, or nothing."""
+        layers: list[Any] = []
+        held = 0  # layers that hold K/V so far: the store's layer index
+        for position, kind in enumerate(sizing.layer_kinds(config)):
+            if kind is None:
+                layers.append(DummyLayer())
+            elif not kind.kv:
+                layers.append(StateLayer(self, position, kind.states))
+            else:
+                layers.append(HybridLayer(self, position, held, kind.window, kind.states) if kind.states
+                              else TieredLayer(self, held, kind.window, position))
+                held += 1
+        self.runtime.num_layers = held  # the layer count is known before the first pass
+        return layers
 
     def set_layers(self, windows: list[int | None]) -> None:
         """Layers of these sliding windows (None: full attention), as a saved conversation had them."""
@@ -337,7 +427,10 @@ class TieredCache(AttentionModes, Cache):
     @property
     def batch_size(self) -> int:
         store = self.runtime.store
-        return max((store.batch_size(layer) for layer in store.layouts), default=0) if store is not None else 0
+        rows = [store.batch_size(layer) for layer in store.layouts] if store is not None else []
+        rows += [state.shape[0] for layer in self.layers if isinstance(layer, StateLayer)
+                 for state in (*layer.conv_states.values(), *layer.recurrent_states.values()) if state is not None]
+        return max(rows, default=0)
 
     def _add_layers(self, layer_idx: int) -> None:
         """Layers up to ``layer_idx`` (a model seen without ``config=``); refused beyond the config's count."""
@@ -352,6 +445,10 @@ class TieredCache(AttentionModes, Cache):
         self.ensure_layers(layer_idx + 1)
 
     def _select_rows(self, indices: Sequence[int]) -> None:
+        rows = torch.tensor(list(indices), dtype=torch.long)
+        for layer in self.layers:
+            if isinstance(layer, StateLayer):
+                layer.select_rows(rows)
         if self.runtime.store is None:
             return
         self.runtime.invalidate()

@@ -65,7 +65,15 @@ def _required(model: torch.nn.Module | None) -> torch.nn.Module:
         raise InvalidConfigError("load() needs the model that will decode the conversation, so that a file of "
                                  "another model (or one that does not fit it) is refused instead of decoded into "
                                  "wrong output: TieredCache.load(path, model=model).")
+    config = getattr(model, "config", None)
+    if config is not None and any(kind is not None and kind.states for kind in sizing.layer_kinds(config)):
+        raise InvalidConfigError(_KEEPS_STATE)
     return model
+
+
+_KEEPS_STATE = ("this model keeps recurrent state in its layers (Mamba, linear attention, convolutions) beside its "
+                "K/V, and a conversation file holds K/V only: its conversations are not saved or loaded. Keep the "
+                "cache open to continue one, or recompute it from its token ids.")
 
 
 def _fits_model(header: conversation.Header, model: torch.nn.Module, what: str) -> list[tuple[int, int]] | None:
@@ -209,6 +217,8 @@ class Restore:
 def _records(cache: TieredCache, model: torch.nn.Module | None) -> Iterator[tuple[bytes, memoryview]]:
     if cache.closed:
         raise InvalidConfigError("this TieredCache was closed (its tiers are released); save before close().")
+    if cache.stateful:
+        raise InvalidConfigError(_KEEPS_STATE)
     store = cache.runtime.store
     if store is None or not cache.get_seq_length():
         raise InvalidConfigError("this cache holds no tokens yet; save it after a forward pass or generate().")

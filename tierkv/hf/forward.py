@@ -13,14 +13,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import InterruptedStepError, InvalidConfigError
 
 if TYPE_CHECKING:
-    from tierkv.hf.layer import TieredLayer
     from tierkv.hf.runtime import Runtime
+
+
+class Holding(Protocol):
+    """A layer that holds K/V or state: its length, and how it gives tokens back."""
+
+    def get_seq_length(self) -> int: ...
+
+    def crop(self, tokens_to_remove: int) -> None: ...
 
 log = logging.getLogger("tierkv")
 
@@ -38,6 +45,27 @@ class Forward:
         self.full = 0  # layers a complete forward updates (the most one has updated)
         self.unsettled: int | None = None  # the length a rollback cut short by a second Ctrl-C still owes
         self.thread: int | None = None  # the thread of the last update
+        # with recurrent state (layers the model uses without update): the forwards begun, and the first and the
+        # last use of a layer in the current one, (model layer, call, state index)
+        self.number = 0
+        self.first: tuple[int, str, int] | None = None
+        self.last = -1
+
+    def entered(self, position: int, call: str, state_idx: int) -> bool:
+        """Whether this use of model layer ``position`` begins a forward: a model runs its layers in order, so a
+        forward begins where a layer before the last one used is used again, or the current forward's first use
+        comes again."""
+        use = (position, call, state_idx)
+        new = self.first is None or position < self.last or use == self.first
+        if new:
+            self.first = use
+            self.number += 1
+        self.last = position
+        return new
+
+    def reset(self) -> None:
+        """The cache was emptied: the next use begins a forward of its own."""
+        self.unsettled, self.layers_updated, self.first, self.last = None, 0, None, -1
 
     def claim(self, layers: int | None) -> None:
         """An update on this thread: refused while a forward of another thread that is still running is half done
@@ -52,7 +80,7 @@ class Forward:
                 "to finish.")
         self.thread = me
 
-    def begin(self, layers: Sequence[TieredLayer], runtime: Runtime) -> None:
+    def begin(self, layers: Sequence[Holding], runtime: Runtime) -> None:
         """A forward's first update: if the previous forward updated fewer layers than a complete one does, it
         stopped between two layers in the model's own code (no tierkv code ran to undo it), so its layers differ
         in length. Roll back the ones it reached and refuse this forward: its positions were computed from
@@ -75,13 +103,13 @@ class Forward:
             "per forward, self- and cross-attention: pass EncoderDecoderCache(cache, DynamicCache()) instead.)"
         )
 
-    def roll_back(self, layers: Sequence[TieredLayer], runtime: Runtime, length: int) -> None:
+    def roll_back(self, layers: Sequence[Holding], runtime: Runtime, length: int) -> None:
         """A step failed (or was refused) at some layer: every layer gives back what it took, to ``length``."""
         self.unsettled = length  # first, by assignment: no signal is handled here
         self.layers_updated = 0  # this forward is undone: the next one is not a resumption of it
         self.settle(layers, runtime)
 
-    def settle(self, layers: Sequence[TieredLayer], runtime: Runtime) -> None:
+    def settle(self, layers: Sequence[Holding], runtime: Runtime) -> None:
         """Crop every layer longer than :attr:`unsettled` back to it.
 
         Called while an error propagates; a failure here is logged, so the original error is the one raised. A
@@ -90,12 +118,12 @@ class Forward:
         ``get_seq_length`` settles it.
         """
         length = self.unsettled
-        if runtime.store is None or length is None:
-            self.unsettled = None
+        if length is None:
             return
         try:
             with deferred_interrupts():
-                runtime.invalidate()
+                if runtime.store is not None:
+                    runtime.invalidate()
                 for layer in layers:
                     if layer.get_seq_length() > length:
                         layer.crop(length - layer.get_seq_length())

@@ -32,17 +32,43 @@ def not_held(what: str) -> str:
             f"architecture.")
 
 
-class TieredLayer(CacheLayerMixin):
+class OfCache:
+    """A layer of one TieredCache: the reference back to it (``_cache``, weak: the cache holds its layers, a strong
+    reference back would be a cycle) and the batch edits, which the cache makes for all its layers at once."""
+
+    _cache: weakref.ReferenceType[TieredCache]
+
+    @property
+    def cache(self) -> TieredCache:
+        cache = self._cache()
+        if cache is None:
+            raise TierKVError("this layer's TieredCache was garbage-collected; keep a reference to the cache while "
+                              "its layers are in use.")
+        return cache
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.cache.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.cache.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.cache.batch_select_indices(indices)
+
+
+class TieredLayer(OfCache, CacheLayerMixin):
     """One model layer's view of the shared store. Sliding-window layers keep only their window."""
 
     is_compileable = False
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, cache: TieredCache, index: int, sliding_window: int | None = None) -> None:
-        super().__init__()
-        self._cache = weakref.ref(cache)  # the cache holds its layers: a strong reference back would be a cycle
-        self.index = index
+    def __init__(self, cache: TieredCache, index: int, sliding_window: int | None = None,
+                 position: int | None = None) -> None:
+        CacheLayerMixin.__init__(self)  # by name: in HybridLayer the next class after this one is the state's
+        self._cache = weakref.ref(cache)
+        self.index = index  # in the store (the layers that hold K/V, in order)
+        self.position = index if position is None else position  # in the model (layers with state only count too)
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.dropped = 0  # tokens freed from the front (sliding layers only)
@@ -56,14 +82,6 @@ class TieredLayer(CacheLayerMixin):
         if name.startswith("_"):
             raise AttributeError(name)
         raise UnsupportedLayerError(not_held(f"state TieredCache's layers lack (layer.{name})"))
-
-    @property
-    def cache(self) -> TieredCache:
-        cache = self._cache()
-        if cache is None:
-            raise TierKVError("this layer's TieredCache was garbage-collected; keep a reference to the cache while "
-                              "its layers are in use.")
-        return cache
 
     # ------------------------------------------------------------------------------------------ the step
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -81,6 +99,8 @@ class TieredLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         cache = self.cache
+        if cache.stateful:
+            cache.enter(self, "update")
         runtime = cache.runtime
         store = runtime.store
         if self.index == 0 or store is None or cache.closed:
@@ -329,12 +349,3 @@ class TieredLayer(CacheLayerMixin):
 
     def prefetch(self) -> None:
         """Nothing to move: the executors read the next layers' blocks ahead themselves (``prefetch_depth``)."""
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.cache.reorder_cache(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.cache.batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.cache.batch_select_indices(indices)

@@ -12,10 +12,13 @@ import importlib
 import math
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache
 
 from tierkv import accel
 from tierkv import staging as sizes
@@ -31,12 +34,31 @@ try:  # transformers >= 5.x (after 5.0): how its caches read layer types from a 
     from transformers.cache_utils import get_layer_types_and_kwargs
 except ImportError:  # 5.0: DynamicCache inlines the same rule (see _layer_types_of_config)
     get_layer_types_and_kwargs = None  # type: ignore[assignment]
+try:  # recurrent state held by cache layers (earlier releases' hybrid models bring their own cache)
+    from transformers.cache_utils import LinearAttentionLayer
+except ImportError:
+    LinearAttentionLayer = None  # type: ignore[assignment,misc]
+# and read through the cache's methods (5.17's models reach into the layers' tensors, which no rollback could see)
+HOLDS_STATE = LinearAttentionLayer is not None and all(
+    hasattr(Cache, name) for name in ("get_conv_state", "get_recurrent_state", "increase_count"))
 
 DEFAULT_BLOCK_TOKENS = 256
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+STATE_TYPES = ("linear_attention", "conv")  # recurrent or convolution state only, no K/V
+BOTH_TYPES = ("hybrid", "hybrid_sliding")  # state and K/V in one layer
 
 
 # ------------------------------------------------------------------------------------------ device budgets
+def _zero_without_kv(size: Callable[..., int]) -> Callable[..., int]:
+    """A model none of whose layers holds K/V (Mamba: recurrent state only) needs no device bytes for it."""
+    @functools.wraps(size)
+    def sized(config: PreTrainedConfig, *args: Any, **kwargs: Any) -> int:
+        check_model_config(config)
+        return size(config, *args, **kwargs) if layer_windows(config) else 0
+    return sized
+
+
+@_zero_without_kv
 def min_device_bytes(config: PreTrainedConfig, context: int, batch: int = 1,
                      block_tokens: int = DEFAULT_BLOCK_TOKENS, prefetch_depth: int = 1,
                      dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> int:
@@ -57,6 +79,7 @@ def min_device_bytes(config: PreTrainedConfig, context: int, batch: int = 1,
     return device_minimum(staging, tails, layout.slot_bytes, device)
 
 
+@_zero_without_kv
 def min_streaming_device_bytes(config: PreTrainedConfig, batch: int = 1, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                                chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: torch.dtype | None = None,
                                device: str | torch.device | None = None) -> int:
@@ -73,6 +96,7 @@ def min_streaming_device_bytes(config: PreTrainedConfig, batch: int = 1, block_t
     return device_minimum(staging, tails, layout.slot_bytes, device)
 
 
+@_zero_without_kv
 def min_split_device_bytes(config: PreTrainedConfig, batch: int = 1, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: torch.dtype | None = None,
                            device: str | torch.device | None = None) -> int:
@@ -109,6 +133,7 @@ def kv_bytes_held(config: PreTrainedConfig, tokens: int, dtype: torch.dtype | No
                for layout, window in zip(layer_layouts(config, 1, dtype), layer_windows(config), strict=True))
 
 
+@_zero_without_kv
 def min_sparse_device_bytes(config: PreTrainedConfig, context: int, tokens: int | float = 0.1, batch: int = 1,
                             block_tokens: int = DEFAULT_BLOCK_TOKENS, page_tokens: int | None = None,
                             rest_bits: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
@@ -161,6 +186,7 @@ def _sparse_budget(tokens: int | float, rest_bits: int | None, page_tokens: int 
                         page_tokens=page_tokens)
 
 
+@_zero_without_kv
 def rest_copy_bytes(config: PreTrainedConfig, tokens: int, rest_bits: int, dtype: torch.dtype | None = None) -> int:
     """Device bytes of the ``rest_bits`` copy that ``cache.sparse(..., rest_bits=)`` keeps of ``tokens``
     tokens' K/V (every layer): to add to ``gpu_gb`` besides the key summaries."""
@@ -192,8 +218,9 @@ def layer_layouts(config: PreTrainedConfig, block_tokens: int, dtype: torch.dtyp
     dtype = dtype or getattr(text, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    layers = len(layer_windows(config))
-    each = text.per_layer_config[:layers] if getattr(text, "is_heterogeneous", False) else [text] * layers
+    holding = [i for i, kind in enumerate(layer_kinds(config)) if kind is not None and kind.kv]
+    each = [text.per_layer_config[i] for i in holding] if getattr(text, "is_heterogeneous", False) \
+        else [text] * len(holding)
     shapes = [_stored_shape(layer) for layer in each]
     layouts = {shape: BlockLayout(*shape, block_tokens, dtype) for shape in set(shapes)}
     return [layouts[shape] for shape in shapes]
@@ -254,16 +281,41 @@ def layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, Any
     return kinds, kwargs
 
 
-def layer_windows(config: PreTrainedConfig) -> list[int | None]:
-    """Each layer's sliding window (None: full attention); other attention types are refused."""
+@dataclass(frozen=True)
+class LayerKind:
+    """What one model layer keeps in its cache: attention K/V (with its sliding window, None: full), recurrent
+    state (``states``: its count of conv / recurrent state pairs), or both (Falcon-H1's parallel blocks)."""
+
+    kv: bool
+    window: int | None = None
+    states: int = 0
+
+
+def layer_kinds(config: PreTrainedConfig) -> list[LayerKind | None]:
+    """Each model layer's cache (None: a layer that keeps nothing, an MoE or MLP block); other kinds are refused.
+    Recurrent state (Mamba, gated delta nets, short convolutions) needs :data:`HOLDS_STATE`."""
     kinds, kwargs = layer_types(config.get_text_config(decoder=True))
-    unsupported = sorted(set(kinds) - {"full_attention", *SLIDING_TYPES})
+    known = {"full_attention", *SLIDING_TYPES, *(("dummy",) + STATE_TYPES + BOTH_TYPES if HOLDS_STATE else ())}
+    unsupported = sorted(set(kinds) - known)
     if unsupported:
+        state = set(unsupported) & {*STATE_TYPES, *BOTH_TYPES}
+        fix = ("install a transformers release whose cache holds recurrent state by layer (5.25 does: pip install -U "
+               "transformers), or use transformers' DynamicCache" if len(state) == len(unsupported)
+               else "use transformers' DynamicCache for this architecture")
         raise InvalidConfigError(
-            f"this model has {', '.join(unsupported)} layers; TieredCache holds full and sliding-window "
-            "attention KV only. Use transformers' DynamicCache for this architecture."
-        )
-    return [kw.get("sliding_window") if kind in SLIDING_TYPES else None for kind, kw in zip(kinds, kwargs)]
+            f"this model has {', '.join(unsupported)} layers; TieredCache holds full and sliding-window attention K/V "
+            f"and, with a recent transformers, linear-attention and convolution state. To run it, {fix}.")
+    result: list[LayerKind | None] = []
+    for kind, kw in zip(kinds, kwargs):
+        window = kw.get("sliding_window") if kind in (*SLIDING_TYPES, "hybrid_sliding") else None
+        states = kw.get("number_of_states", 1) if kind in (*STATE_TYPES, *BOTH_TYPES) else 0
+        result.append(None if kind == "dummy" else LayerKind(kind not in STATE_TYPES, window, states))
+    return result
+
+
+def layer_windows(config: PreTrainedConfig) -> list[int | None]:
+    """The sliding window (None: full attention) of each layer that holds K/V, in order."""
+    return [kind.window for kind in layer_kinds(config) if kind is not None and kind.kv]
 
 
 def kv_producers(config: PreTrainedConfig) -> list[int]:

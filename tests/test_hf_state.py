@@ -1,0 +1,235 @@
+"""Models whose layers keep recurrent state (Mamba, gated delta nets, short convolutions) beside or instead of K/V.
+
+- Every hybrid family of the installed transformers tried here (Qwen3-Next / Qwen3.5, OLMo hybrid, Bamba, Jamba,
+  Granite 4 hybrid, Nemotron-H with MoE / MLP layers that keep nothing, LFM-style convolution layers, Falcon-H1 and
+  Zamba with attention and Mamba in one layer, a sliding-window hybrid, pure Mamba) decodes exactly as
+  ``DynamicCache(config=...)``, K/V on every tier; the attention executors too.
+- A forward that fails part-way (in an attention layer after the state layers ran, or a Ctrl-C in the model's own
+  code) leaves every layer's state as it was: the retry decodes exactly. ``crop`` takes back the last step, and
+  prompt lookup's crops go through transformers' record of past states.
+- Beams and batch edits move the state's rows with the K/V's; what cannot be kept for such a model (a prefix
+  store) is refused with the fix, and without ``config=`` the model's first request for state names it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from helpers import assert_same_generation
+from models import prompt
+from test_hf_architectures import SMALL, engage, instantiate
+from transformers import DynamicCache
+
+from tierkv import TieredCache
+from tierkv.errors import InterruptedStepError, InvalidConfigError, UnsupportedLayerError
+from tierkv.hf import sizing
+from tierkv.hf.state import HybridLayer, StateLayer
+from tierkv.store import KVStore
+
+pytestmark = pytest.mark.skipif(not sizing.HOLDS_STATE, reason="this transformers' cache holds no recurrent state")
+
+NEW = 6
+GQA = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+ALTERNATE = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+FAMILIES: dict[str, dict] = {  # model_type -> config arguments beside SMALL's and GQA's (four layers)
+    "qwen3_next": dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32),
+    "qwen3_5_text": {},
+    "olmo_hybrid": {},
+    "bamba": dict(attn_layer_indices=[1, 3]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, num_experts=2),
+    "granitemoehybrid": dict(layer_types=ALTERNATE, num_local_experts=2),
+    "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], n_routed_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, mamba_num_heads=4, mamba_head_dim=16,
+                       n_groups=1, ssm_state_size=16),
+    "lfm3": {},  # convolution layers
+    "lara_mini": dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+                      sliding_window=8),
+    "falcon_h1": {},  # attention and Mamba side by side in every layer
+    "zamba": dict(attn_layer_period=2, attn_layer_offset=1, layers_block_type=None),
+    "falcon_mamba": {},  # Mamba only: no K/V at all
+}
+
+
+def hybrid(model_type: str, **overrides) -> transformers.PreTrainedModel:
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **{**SMALL, "num_hidden_layers": 4, **GQA,
+                                                                  **FAMILIES[model_type], **overrides})
+    except (KeyError, ValueError):
+        pytest.skip(f"this transformers release has no {model_type}")
+    return instantiate(transformers.AutoModelForCausalLM.from_config, config)
+
+
+def run(model, ids, mask, cache, **kwargs):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, past_key_values=cache, **kwargs)
+
+
+def tiered(model, tmp_path, executor: str = "gather", rows: int = 2) -> TieredCache:
+    """K/V on every tier: the device budget at the executor's minimum for 64 tokens of ``rows`` rows."""
+    config = model.config
+    minimum = {"gather": lambda: TieredCache.min_device_bytes(config, 64, rows, block_tokens=4),
+               "split": lambda: TieredCache.min_split_device_bytes(config, rows, block_tokens=4, chunk_tokens=8),
+               "sparse": lambda: TieredCache.min_sparse_device_bytes(config, 64, 1.0, rows, block_tokens=4,
+                                                                     chunk_tokens=8),
+               "streaming": lambda: TieredCache.min_streaming_device_bytes(config, rows, block_tokens=4,
+                                                                           chunk_tokens=8)}[executor]()  # fmt: skip
+    return TieredCache(gpu_gb=f"{minimum + 16384}B", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4, config=config)
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_models_with_recurrent_state_decode_exactly(tmp_path, model_type):
+    model = hybrid(model_type)
+    ids, mask = prompt(2, 40, seed=3, left_pad=(0, 5))
+    reference = run(model, ids, mask, DynamicCache(config=model.config))
+    with tiered(model, tmp_path) as cache:
+        out = run(model, ids, mask, cache)
+        kinds = {type(layer) for layer in cache.layers}
+        stats = cache.stats()
+        assert stats["state_bytes"] > 0
+        if kinds - {StateLayer}:
+            assert stats["blocks"]["host"] + stats["blocks"]["disk"] > 0
+        else:  # Mamba only: nothing for the tiers
+            assert TieredCache.min_device_bytes(model.config, 1024) == 0 and cache.store is None
+    assert kinds & {StateLayer, HybridLayer}
+    assert_same_generation(out, reference, atol=1e-4)
+
+
+@pytest.mark.parametrize("executor", ["split", "sparse", "streaming"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "falcon_h1", "lara_mini"])
+def test_the_attention_executors_decode_hybrid_models_exactly(tmp_path, model_type, executor):
+    model = hybrid(model_type)
+    ids, mask = prompt(2, 40, seed=5, left_pad=(0, 3))
+    reference = run(model, ids, mask, DynamicCache(config=model.config))
+    with tiered(model, tmp_path, executor) as cache, engage(cache, model, executor):
+        out = run(model, ids, mask, cache)
+    assert_same_generation(out, reference, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "falcon_h1"])
+def test_beams_and_sampling_rows_move_the_state_with_the_kv(tmp_path, model_type):
+    model = hybrid(model_type)
+    ids, mask = prompt(2, 24, seed=7, left_pad=(0, 2))
+    options = dict(num_beams=3, num_return_sequences=2)
+    reference = run(model, ids, mask, DynamicCache(config=model.config), **options)
+    with tiered(model, tmp_path, rows=6) as cache:
+        out = run(model, ids, mask, cache, **options)
+    assert torch.equal(out.sequences, reference.sequences)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "falcon_h1"])
+def test_prompt_lookup_crops_the_state_through_transformers_record_of_it(tmp_path, model_type):
+    """Assisted decoding turns on transformers' record of past states and crops the rejected candidates: the
+    state layers take it (``record_past``), the K/V layers crop in the tiers; tokens and logits as DynamicCache's."""
+    model = hybrid(model_type)
+    ids, mask = prompt(1, 30, seed=2)
+    ids[0, 20:26] = ids[0, 5:11]  # a repeat for the lookup to find
+    reference = run(model, ids, mask, DynamicCache(config=model.config), prompt_lookup_num_tokens=3)
+    with tiered(model, tmp_path) as cache:
+        out = run(model, ids, mask, cache, prompt_lookup_num_tokens=3)
+    assert_same_generation(out, reference, atol=1e-4)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "falcon_h1", "bamba"])
+def test_a_forward_failing_after_the_state_layers_ran_leaves_every_state_as_it_was(tmp_path, model_type,
+                                                                                  monkeypatch):
+    """The last K/V layer's update fails at the third decode step, after every earlier layer changed its state:
+    the cache rolls every layer back at once, so generating on from the tokens it holds decodes exactly."""
+    model = hybrid(model_type)
+    ids, mask = prompt(1, 30, seed=11)
+    reference = run(model, ids, mask, DynamicCache(config=model.config))
+    appends = {"n": 0}
+    append = KVStore.append
+
+    def failing(store, layer, keys, values):
+        if layer == cache.runtime.num_layers - 1 and keys.shape[2] == 1:
+            appends["n"] += 1
+            if appends["n"] == 3:
+                raise Boom("injected")
+        return append(store, layer, keys, values)
+
+    with tiered(model, tmp_path) as cache:
+        monkeypatch.setattr(KVStore, "append", failing)
+        with pytest.raises(Boom):
+            run(model, ids, mask, cache)
+        monkeypatch.undo()
+        held = cache.get_seq_length()
+        assert held == ids.shape[1] + 2 and {layer.get_seq_length() for layer in cache.holding} == {held}
+        continued = reference.sequences[:, :held + 1]  # the tokens held and the one the failed step took in
+        out = run(model, continued, torch.ones_like(continued), cache)
+    assert torch.equal(out.sequences[:, : reference.sequences.shape[1]], reference.sequences)
+    for got, expected in zip(out.logits, reference.logits[3:], strict=False):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_a_ctrl_c_in_the_models_own_code_between_state_layers_is_rolled_back(tmp_path):
+    """A KeyboardInterrupt in the second linear-attention layer's own code (no tierkv code runs there): the next
+    forward finds the first layer a step ahead, rolls it back and refuses itself; the one after decodes exactly."""
+    model = hybrid("qwen3_next")
+    ids, mask = prompt(1, 20, seed=13)
+    reference = run(model, ids, mask, DynamicCache(config=model.config))
+    mixer = model.model.layers[1].linear_attn
+    original = mixer.forward
+    with tiered(model, tmp_path) as cache:
+        out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        first = out.logits[:, -1].argmax(-1, keepdim=True)
+        assert torch.equal(first, reference.sequences[:, ids.shape[1]: ids.shape[1] + 1])
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        mixer.forward = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            model(first, past_key_values=cache, use_cache=True)
+        mixer.forward = original
+        with pytest.raises(InterruptedStepError, match="rolled back"):
+            model(first, past_key_values=cache, use_cache=True)
+        assert {layer.get_seq_length() for layer in cache.holding} == {ids.shape[1]}
+        step = model(first, past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(step.logits[:, -1], reference.logits[1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("model_type", "overrides"), [
+    ("qwen3_next", {}),
+    ("granitemoehybrid", dict(layer_types=["full_attention", "linear_attention"] * 2)),  # K/V layers first
+])
+def test_crop_takes_back_the_last_step_of_a_model_with_state(tmp_path, model_type, overrides):
+    """``crop`` of the last step restores every layer's state (the next step's logits are bit-identical); further
+    back is refused before any layer changes."""
+    model = hybrid(model_type, **overrides)
+    ids, mask = prompt(1, 20, seed=17)
+    with tiered(model, tmp_path) as cache:
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        token = torch.tensor([[5]])
+        before = model(token, past_key_values=cache, use_cache=True).logits
+        cache.crop(-1)
+        assert {layer.get_seq_length() for layer in cache.holding} == {ids.shape[1]}
+        again = model(token, past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(again, before, atol=0, rtol=0)
+        model(token, past_key_values=cache, use_cache=True)
+        with pytest.raises(InvalidConfigError, match="activate_past_recording"):
+            cache.crop(-3)
+        assert {layer.get_seq_length() for layer in cache.holding} == {ids.shape[1] + 2}
+
+
+def test_what_a_model_with_state_cannot_use_is_refused_with_the_fix(tmp_path):
+    """A prefix store and a conversation file hold K/V only: refused for such a model, with the fix; a cache built
+    without ``config=`` cannot know the layers' kinds: the model's first request for state names the fix."""
+    model = hybrid("qwen3_next")
+    with pytest.raises(InvalidConfigError, match="without persist="):
+        TieredCache(disk_dir=tmp_path, persist=True, config=model.config)
+    ids, mask = prompt(1, 12, seed=4)
+    with TieredCache(gpu_gb="1MB", block_tokens=4) as cache, \
+            pytest.raises(UnsupportedLayerError, match=r"config=model\.config"):  # fmt: skip
+        model.generate(ids, max_new_tokens=2, do_sample=False, past_key_values=cache)
+    with tiered(model, tmp_path) as cache:
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        with pytest.raises(InvalidConfigError, match="recurrent state"):
+            cache.save(tmp_path / "conversation.tkv", model=model)
+    assert not (tmp_path / "conversation.tkv").exists()
+    with pytest.raises(InvalidConfigError, match="recurrent state"):
+        TieredCache.load(tmp_path / "conversation.tkv", model=model)
