@@ -226,3 +226,15 @@ def teacher_forced(model: Any, ids: torch.Tensor, steps: int) -> tuple[list[torc
         expected.append(model(inputs[-1], past_key_values=reference).logits[:, -1])
         inputs.append(expected[-1].argmax(-1, keepdim=True))
     return inputs, expected
+
+
+def conversation_records(path: Path) -> list[tuple[dict, bytes]]:
+    """Every record of a conversation file: (header, payload)."""
+    from tierkv.persist import record
+
+    out, size = [], path.stat().st_size
+    with open(path, "rb") as f:
+        while f.tell() < size:
+            header, payload = record.read(f, str(path))
+            out.append((header, bytes(payload)))
+    return out

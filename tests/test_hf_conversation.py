@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import torch
+from helpers import conversation_records
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
@@ -86,22 +87,12 @@ def test_both_faces_load_the_same_conversation(tmp_path, face):
                                    model(token, past_key_values=reference).logits, atol=1e-5, rtol=0)
 
 
-def _records(path) -> list[tuple[dict, bytes]]:
-    """Every record of a conversation file: (header, payload)."""
-    out, size = [], path.stat().st_size
-    with open(path, "rb") as f:
-        while f.tell() < size:
-            header, payload = record.read(f, str(path))
-            out.append((header, bytes(payload)))
-    return out
-
-
 def _rewritten(path, layers: list[dict], blocks: tuple[int, int], at: int | None = None, shape=None) -> None:
     """``path`` with the header's ``layers`` replaced and each layer's K/V record cut to the saved ``blocks``
     (first, stop: real bytes; each layer is one record in these small files), placed at block ``at`` (default:
     first); checksums valid. ``shape``: another [kv_heads, head_dim] for the same bytes. A layer beyond the
     saved ones repeats the last one's K/V."""
-    records = _records(path)
+    records = conversation_records(path)
     head, ids = records[0]
     kv = [(h, p) for h, p in records[1:] if h["kind"] == "kv"]
     out = [({**head, "layers": layers}, ids)]
@@ -126,7 +117,7 @@ def _saved(model, tmp_path, tokens: int):
     with TieredCache(block_tokens=BT, config=model.config) as cache:
         model(ids, **{cache_keyword(model): cache})
         cache.save(path, model=model)
-    return path, _records(path)[0][0]["layers"], ids
+    return path, conversation_records(path)[0][0]["layers"], ids
 
 
 @pytest.mark.parametrize(("family", "window", "change", "blocks", "at", "match"), [

@@ -7,24 +7,29 @@
 - A forward that fails part-way (in an attention layer after the state layers ran, or a Ctrl-C in the model's own
   code) leaves every layer's state as it was: the retry decodes exactly. ``crop`` takes back the last step, and
   prompt lookup's crops go through transformers' record of past states.
-- Beams and batch edits move the state's rows with the K/V's; what cannot be kept for such a model (a prefix
-  store) is refused with the fix, and without ``config=`` the model's first request for state names it.
+- Beams and batch edits move the state's rows with the K/V's; a saved conversation keeps every layer's state and
+  continues exactly, and a crafted one cannot give a layer a wrong or missing state; what cannot be kept for such
+  a model (a prefix store) is refused with the fix, and without ``config=`` the model's first request for state
+  names it.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
-from helpers import assert_same_generation
+from helpers import assert_same_generation, conversation_records
 from models import prompt
 from test_hf_architectures import SMALL, engage, instantiate
 from transformers import DynamicCache
 
 from tierkv import TieredCache
-from tierkv.errors import InterruptedStepError, InvalidConfigError, UnsupportedLayerError
+from tierkv.errors import IntegrityError, InterruptedStepError, InvalidConfigError, UnsupportedLayerError
 from tierkv.hf import sizing
 from tierkv.hf.state import HybridLayer, StateLayer
+from tierkv.persist import record
 from tierkv.store import KVStore
 
 pytestmark = pytest.mark.skipif(not sizing.HOLDS_STATE, reason="this transformers' cache holds no recurrent state")
@@ -217,19 +222,83 @@ def test_crop_takes_back_the_last_step_of_a_model_with_state(tmp_path, model_typ
 
 
 def test_what_a_model_with_state_cannot_use_is_refused_with_the_fix(tmp_path):
-    """A prefix store and a conversation file hold K/V only: refused for such a model, with the fix; a cache built
-    without ``config=`` cannot know the layers' kinds: the model's first request for state names the fix."""
+    """A prefix store holds K/V blocks only: refused for such a model, with the fix; a cache built without
+    ``config=`` cannot know the layers' kinds: the model's first request for state names the fix."""
     model = hybrid("qwen3_next")
     with pytest.raises(InvalidConfigError, match="without persist="):
         TieredCache(disk_dir=tmp_path, persist=True, config=model.config)
-    ids, mask = prompt(1, 12, seed=4)
+    ids, _ = prompt(1, 12, seed=4)
     with TieredCache(gpu_gb="1MB", block_tokens=4) as cache, \
             pytest.raises(UnsupportedLayerError, match=r"config=model\.config"):  # fmt: skip
         model.generate(ids, max_new_tokens=2, do_sample=False, past_key_values=cache)
+
+
+def saved(model, tmp_path, ids, mask) -> tuple[Path, object]:
+    """A conversation of ``ids`` and the 6 tokens generated after them, saved; and the generation's output."""
+    path = tmp_path / "conversation.tkv"
     with tiered(model, tmp_path) as cache:
-        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-        with pytest.raises(InvalidConfigError, match="recurrent state"):
-            cache.save(tmp_path / "conversation.tkv", model=model)
-    assert not (tmp_path / "conversation.tkv").exists()
-    with pytest.raises(InvalidConfigError, match="recurrent state"):
-        TieredCache.load(tmp_path / "conversation.tkv", model=model)
+        out = run(model, ids, mask, cache)
+        cache.save(path, model=model)
+    return path, out
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_a_saved_conversation_continues_exactly_with_every_layers_state(tmp_path, model_type):
+    """Saved after a generation and loaded into a new cache, the conversation (K/V and every layer's state)
+    continues as DynamicCache continues the same conversation."""
+    model = hybrid(model_type)
+    ids, mask = prompt(2, 24, seed=19)
+    path, first = saved(model, tmp_path, ids, mask)
+    reference_cache = DynamicCache(config=model.config)
+    reference_first = run(model, ids, mask, reference_cache)
+    assert torch.equal(first.sequences, reference_first.sequences)
+    more = torch.cat([first.sequences, torch.full((2, 1), 7)], dim=1)  # the last token generated, and one more
+    more_mask = None  # (Mamba's first continued step cannot take a mask longer than its input)
+    reference = run(model, more, more_mask, reference_cache)
+    with TieredCache.load(path, model=model, gpu_gb=f"{TieredCache.min_device_bytes(model.config, 64, 2, 4) + 16384}B",
+                          cpu_gb="16KB", disk_dir=tmp_path) as loaded:
+        assert loaded.get_seq_length() == first.sequences.shape[1] - 1
+        out = run(model, more, more_mask, loaded)
+    assert_same_generation(out, reference, atol=1e-4)
+
+
+def _write(path: Path, records: list[tuple[dict, bytes]]) -> None:
+    """``records`` as a file, the end record's count and every checksum valid."""
+    records = [r for r in records if r[0]["kind"] != "end"]
+    records.append(({"kind": "end", "records": len(records)}, b""))
+    with open(path, "wb") as f:
+        for head, payload in records:
+            f.write(b"".join(record.encode(head, payload)))
+
+
+@pytest.mark.parametrize("attack", ["missing recurrent", "state of an attention layer", "huge claim",
+                                    "tokens ahead", "repeated", "unlisted layers"])
+def test_a_crafted_conversation_cannot_give_a_layer_a_wrong_or_missing_state(tmp_path, attack):
+    """A file is untrusted: its state records are checked against the header and the model before they are used,
+    a claim beyond the budgets before its payload is read; each crafted file is refused (IntegrityError) and
+    nothing of it is kept."""
+    model = hybrid("qwen3_next")
+    ids, mask = prompt(1, 16, seed=23)
+    path, _ = saved(model, tmp_path, ids, mask)
+    records = conversation_records(path)
+    head = records[0][0]
+    states = [i for i, (h, _) in enumerate(records) if h["kind"] == "state"]
+    if attack == "missing recurrent":  # layer 0 would decode on from a zero state
+        records = [r for i, r in enumerate(records) if not (i in states and r[0]["layer"] == 0
+                                                            and r[0]["part"] == "recurrent")]
+    elif attack == "state of an attention layer":
+        h, p = records[states[0]]
+        records[states[0]] = ({**h, "layer": 3}, p)
+    elif attack == "huge claim":
+        h, p = records[states[0]]
+        records[states[0]] = ({**h, "shape": [1, 1 << 20, 1 << 12]}, p)  # 16 GiB of float32 claimed
+    elif attack == "tokens ahead":
+        records[0] = ({**head, "states": [{**s, "tokens": s["tokens"] + 1} for s in head["states"]]},
+                      records[0][1])
+    elif attack == "repeated":
+        records.insert(states[0] + 1, records[states[0]])
+    else:
+        records[0] = ({**head, "states": head["states"][:1]}, records[0][1])
+    _write(path, records)
+    with pytest.raises(IntegrityError):
+        TieredCache.load(path, model=model, cpu_gb="64MB", disk_dir=tmp_path)

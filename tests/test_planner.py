@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -687,13 +688,38 @@ def test_a_latent_attention_config_is_refused_with_why_the_plan_would_be_wrong(t
         model_from_config(path)
 
 
-@pytest.mark.parametrize("kinds", [{"layer_types": ["linear_attention", "full_attention"]},
-                                   {"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]}])
-def test_a_config_with_recurrent_layers_is_refused_with_why_the_plan_would_be_wrong(tmp_path, kinds):
-    """TieredCache decodes hybrid models (tests/test_hf_state.py), but the planner would price every layer as one
-    with K/V (four times Qwen3-Next's K/V): refused with the way to plan it."""
+@pytest.mark.parametrize(("kinds", "attention"), [
+    ({"layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]}, 1),  # Qwen3-Next
+    ({"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]}, 1),
+    ({"hybrid_override_pattern": "M-*E"}, 1),  # Nemotron-H
+    ({"attn_layer_period": 2, "attn_layer_offset": 1}, 2),  # Jamba
+    ({"attn_layer_indices": [1, 3]}, 2),  # Bamba
+    ({"layer_types": ["hybrid"] * 4}, 4),  # Falcon-H1: attention in every layer
+])
+def test_a_hybrid_config_plans_the_kv_of_its_attention_layers_and_the_weights_of_all(tmp_path, kinds, attention):
+    """A hybrid's K/V is its attention layers' (four times too much if every layer counted); its weights, which set
+    the compute, are every layer's."""
+    dense = {"num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_size": 2048,
+             "vocab_size": 151936, "intermediate_size": 4096}
+    (tmp_path / "hybrid.json").write_text(json.dumps({**dense, **kinds}))
+    (tmp_path / "dense.json").write_text(json.dumps(dense))
+    model, plain = model_from_config(tmp_path / "hybrid.json"), model_from_config(tmp_path / "dense.json")
+    assert model.layers == attention and model.other_layers == 4 - attention
+    assert model.kv_bytes_per_token * 4 == plain.kv_bytes_per_token * attention
+    assert model.params == plain.params
+    held = [plan(build_request(str(tmp_path / name), "128K", gpu=1, cpu=64)).bytes_per_tier
+            for name in ("hybrid.json", "dense.json")]  # fmt: skip
+    assert sum(dataclasses.astuple(held[0])) * 4 == sum(dataclasses.astuple(held[1])) * attention
+
+
+@pytest.mark.parametrize(("kinds", "match"), [
+    ({"layer_types": ["linear_attention"] * 4}, "no attention layer"),  # Mamba only
+    ({"layer_types": ["indexed_attention"] * 4}, "indexed_attention layers"),
+    ({"layer_types": ["full_attention"] * 3}, "3 layer kinds for 4 layers"),
+])
+def test_a_config_whose_kv_the_planner_cannot_size_is_refused_with_why(tmp_path, kinds, match):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 16, "hidden_size": 2048,
                                 "vocab_size": 151936, **kinds}))
-    with pytest.raises(InvalidConfigError, match="linear_attention.*attention layers alone"):
+    with pytest.raises(InvalidConfigError, match=match):
         model_from_config(path)

@@ -30,7 +30,9 @@ class ModelSpec:
     ``sliding_layers`` of the ``layers`` attend only to the last ``sliding_window`` tokens (Gemma2/3,
     Mistral v0.1), so they hold at most that many tokens of KV whatever the context. ``intermediate_size`` is the
     MLP width a token passes through: in a mixture of experts, the experts it takes (their weights are what a
-    decode step reads).
+    decode step reads). ``other_layers`` hold no K/V (a hybrid's Mamba or linear-attention layers, MoE or MLP
+    blocks): ``layers`` counts only those with K/V, and each of them carries an equal share of the others' weights
+    (their recurrent state, constant in the context, is not planned).
     """
 
     name: str
@@ -45,6 +47,7 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     sliding_layers: int = 0
     sliding_window: int | None = None
+    other_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -88,11 +91,13 @@ class ModelSpec:
 
     @property
     def params_per_layer(self) -> int:
-        """Weights of one decoder layer: Q/K/V/O projections and a gated (3-matrix) MLP; norms neglected."""
+        """Weights of one decoder layer: Q/K/V/O projections and a gated (3-matrix) MLP; norms neglected (with
+        ``other_layers``, their share too)."""
         q_out = self.attention_heads * self.head_dim
         kv_out = self.kv_heads * self.head_dim
         attention = self.hidden_size * (q_out + 2 * kv_out) + q_out * self.hidden_size
-        return attention + 3 * self.hidden_size * self.intermediate_size
+        return (attention + 3 * self.hidden_size * self.intermediate_size) * (self.layers + self.other_layers) \
+            // self.layers
 
     @property
     def params_outside_layers(self) -> int:
@@ -128,7 +133,7 @@ def _sliding_layers(cfg: dict, layers: int) -> tuple[int, int | None]:
     if not window:
         return 0, None
     if cfg.get("layer_types"):
-        return sum(t == "sliding_attention" for t in cfg["layer_types"]), window
+        return sum(t in ("sliding_attention", "hybrid_sliding") for t in cfg["layer_types"]), window
     model_type = cfg.get("model_type", "")
     if model_type == "gemma2":  # alternating: even layers slide (Gemma2Config default)
         return (layers + 1) // 2, window
@@ -188,17 +193,10 @@ def model_from_config(path: str | os.PathLike[str]) -> ModelSpec:
             "model their step: transformers expands every cached token's latent again each step, compute that "
             "grows with the context. Plan with a config of plain K/V heads of the same bytes per token."
         )
-    kinds = cfg.get("layer_types") or cfg.get("layers_block_type") or []
-    other = sorted({str(kind) for kind in kinds} - {"full_attention", "sliding_attention", "chunked_attention"})
-    if other:
-        raise InvalidConfigError(
-            f"model config {path!r} has {', '.join(other)} layers besides attention (recurrent state, MoE or MLP "
-            f"blocks). TieredCache decodes such models (their state stays on the device), but the planner prices "
-            f"every layer as an attention layer with K/V. Plan with a config of the attention layers alone "
-            f"(num_hidden_layers = their count) to size the K/V."
-        )
     try:
-        layers = int(cfg["num_hidden_layers"])
+        total = int(cfg["num_hidden_layers"])
+        kinds = _layer_kinds(cfg, total, path)
+        layers = sum(kind in _KV_KINDS for kind in kinds)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -231,7 +229,34 @@ def model_from_config(path: str | os.PathLike[str]) -> ModelSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         sliding_layers=sliding,
         sliding_window=window,
+        other_layers=total - layers,
     )
+
+
+_KV_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention", "hybrid", "hybrid_sliding")
+_OTHER_KINDS = ("linear_attention", "conv", "mamba", "moe", "mlp", "dummy")
+_PATTERN = {"*": "attention", "M": "mamba", "-": "mlp", "E": "moe"}  # Nemotron-H's hybrid_override_pattern
+
+
+def _layer_kinds(cfg: dict, layers: int, path: str) -> list[str]:
+    """Each layer's kind, from the fields hybrid families spell it in (``layer_types``, ``layers_block_type``,
+    Jamba's attention period, Bamba's attention indices, Nemotron-H's pattern); all attention without them."""
+    kinds = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if kinds is None and isinstance(cfg.get("hybrid_override_pattern"), str):
+        kinds = [_PATTERN.get(symbol, symbol) for symbol in cfg["hybrid_override_pattern"]]
+    elif kinds is None and isinstance(cfg.get("attn_layer_indices"), list):
+        kinds = ["attention" if i in cfg["attn_layer_indices"] else "mamba" for i in range(layers)]
+    elif kinds is None and type(cfg.get("attn_layer_period")) is int and cfg["attn_layer_period"] > 0:
+        period, offset = cfg["attn_layer_period"], cfg.get("attn_layer_offset", 0)
+        kinds = ["attention" if i % period == offset else "mamba" for i in range(layers)]
+    kinds = [str(kind) for kind in kinds] if isinstance(kinds, list) else ["full_attention"] * layers
+    unknown = sorted(set(kinds) - {*_KV_KINDS, *_OTHER_KINDS})
+    if len(kinds) != layers or unknown or not any(kind in _KV_KINDS for kind in kinds):
+        why = (f"{len(kinds)} layer kinds for {layers} layers" if len(kinds) != layers else
+               f"{', '.join(unknown)} layers, whose cache the planner does not model" if unknown else
+               "no attention layer: nothing of it is K/V for tierkv to place")  # fmt: skip
+        raise InvalidConfigError(f"model config {path!r} has {why}. Plan with a config of its attention layers.")
+    return kinds
 
 
 def resolve_model(name_or_path: str) -> ModelSpec:

@@ -221,6 +221,11 @@ class TieredCache(AttentionModes, Cache):
                 forward.layers_updated += 1
 
     @property
+    def kv_layers(self) -> list[TieredLayer]:
+        """The layers that hold K/V, in store order."""
+        return [layer for layer in self.layers if isinstance(layer, TieredLayer)] if self.stateful else self.layers
+
+    @property
     def holding(self) -> list[Any]:
         """The layers that hold K/V or state, in the model's order (the others, MoE or MLP blocks, hold nothing)."""
         return [layer for layer in self.layers if not isinstance(layer, DummyLayer)] if self.stateful \

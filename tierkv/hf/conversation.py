@@ -16,6 +16,8 @@ import torch
 
 from tierkv.errors import CapacityError, IntegrityError, InvalidConfigError
 from tierkv.hf import sizing
+from tierkv.hf.layer import TieredLayer
+from tierkv.hf.state import StateLayer
 from tierkv.persist import conversation
 from tierkv.persist import record as records
 from tierkv.persist.keys import model_fingerprint
@@ -65,15 +67,15 @@ def _required(model: torch.nn.Module | None) -> torch.nn.Module:
         raise InvalidConfigError("load() needs the model that will decode the conversation, so that a file of "
                                  "another model (or one that does not fit it) is refused instead of decoded into "
                                  "wrong output: TieredCache.load(path, model=model).")
-    config = getattr(model, "config", None)
-    if config is not None and any(kind is not None and kind.states for kind in sizing.layer_kinds(config)):
-        raise InvalidConfigError(_KEEPS_STATE)
     return model
 
 
-_KEEPS_STATE = ("this model keeps recurrent state in its layers (Mamba, linear attention, convolutions) beside its "
-                "K/V, and a conversation file holds K/V only: its conversations are not saved or loaded. Keep the "
-                "cache open to continue one, or recompute it from its token ids.")
+def _state_layers(model: torch.nn.Module) -> dict[int, sizing.LayerKind]:
+    """The layers of ``model`` that keep recurrent state, by the model's layer index (none without a config)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    return {i: kind for i, kind in enumerate(sizing.layer_kinds(config)) if kind is not None and kind.states}
 
 
 def _fits_model(header: conversation.Header, model: torch.nn.Module, what: str) -> list[tuple[int, int]] | None:
@@ -133,6 +135,7 @@ class Restore:
         self.header: conversation.Header | None = None
         self.reader: conversation.Reader | None = None
         self.budget = 0
+        self.states: dict[int, dict[tuple[str, int], torch.Tensor]] = {}  # model layer -> its state records
 
     def __enter__(self) -> Restore:
         return self
@@ -153,9 +156,15 @@ class Restore:
             raise InvalidConfigError(f"{what} was saved from another model (weights or config differ); load it "
                                      "with the model that produced it.")
         geometry = _fits_model(header, model, what)
+        kinds = _state_layers(model)
+        if set(kinds) != set(header.states or {}):
+            raise IntegrityError(f"{what}: the file says layers {sorted(header.states or {})[:20]} keep recurrent "
+                                 f"state, the model's config {sorted(kinds)[:20]}; the file is damaged or crafted.")
+        if kinds:  # each layer of its kind: from the model's config
+            options.setdefault("config", model.config)
         self.cache = cache = self.cls(**options)  # closed by __exit__ on any refusal
         windows = [layer.sliding_window for layer in header.layers]
-        if cache.runtime.num_layers is not None and [layer.sliding_window for layer in cache.layers] != windows:
+        if cache.runtime.num_layers is not None and [layer.sliding_window for layer in cache.kv_layers] != windows:
             raise InvalidConfigError(f"{what} holds {len(windows)} layers with sliding windows {windows}; the "
                                      "config= given describes other layers. Pass the model's own config, or none.")
         self.budget = budget = _budget_bytes(cache, self.device)
@@ -175,7 +184,8 @@ class Restore:
         assert self.cache is not None and self.reader is not None
         self.header = header = conversation.parse_header(head, payload, self.what)
         self.reader.header = header
-        self.cache.set_layers([layer.sliding_window for layer in header.layers])
+        if not self.cache.stateful:
+            self.cache.set_layers([layer.sliding_window for layer in header.layers])
 
     def record_limit(self, head: dict[str, Any]) -> tuple[int, str]:
         """The payload bytes the next record's header allows (:meth:`tierkv.persist.conversation.Reader.limit`)."""
@@ -188,11 +198,14 @@ class Restore:
         chunk = self.reader.take(head, payload)
         if chunk is None:
             return False
+        if isinstance(chunk, conversation.StatePart):
+            self.states.setdefault(chunk.layer, {})[chunk.part, chunk.index] = chunk.tensor
+            return True
         index, first, blocks = chunk  # blocks: [B, n, 2, H, bt, D]
         bt = self.header.block_tokens
         end = min((first + blocks.shape[1]) * bt, self.header.layers[index].length) - first * bt  # tokens in it
         kv = blocks.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)[:, :, :, :end].to(self.device)  # [2, B, H, tokens, D]
-        self.cache.layers[index].load(kv[0], kv[1])
+        self.cache.kv_layers[index].load(kv[0], kv[1])
         return True
 
     def finish(self, trailing: bytes) -> TieredCache:
@@ -203,36 +216,61 @@ class Restore:
         assert cache is not None and header is not None
         config = getattr(self.model, "config", None)
         widths = sizing.kv_widths(config.get_text_config(decoder=True)) if config is not None else None
-        for saved, layer in zip(header.layers, cache.layers):
+        for saved, layer in zip(header.layers, cache.kv_layers):
             layer.dropped = saved.dropped
             layer.widths = widths  # keys and values of two head dims (latent attention): read back at their own
-            if layer.get_seq_length() != saved.length:
+            if TieredLayer.get_seq_length(layer) != saved.length:
                 raise IntegrityError(f"layer {saved.index} holds {layer.get_seq_length()} tokens after loading, "
                                      f"the file says {saved.length}.")
+        self._restore_states(cache, header)
         if cache.session is not None:
             cache.session.loaded_from_file()  # its K/V is the file's: never persisted under the ids it claims
         return cache
+
+    def _restore_states(self, cache: TieredCache, header: conversation.Header) -> None:
+        """Give each layer that keeps recurrent state the states the file holds for it: every one its kind keeps
+        (a convolution state per pair, and a recurrent one unless it is a convolution layer), after as many
+        tokens as the K/V layers hold — else the model would decode on from a state it never had."""
+        if header.states is None:
+            return
+        lengths = {saved.length for saved in header.layers} | set(header.states.values())
+        if len(lengths) > 1:
+            raise IntegrityError(f"{self.what}: its layers hold {sorted(lengths)[:8]} tokens; a conversation's "
+                                 "layers hold as many each. The file is damaged or crafted.")
+        kinds = _state_layers(self.model)
+        for layer in cache.layers:
+            if not isinstance(layer, StateLayer):
+                continue
+            kind = kinds[layer.position]
+            needed = {("conv", i) for i in range(kind.states)} | \
+                ({("recurrent", i) for i in range(kind.states)} if kind.recurrent else set())
+            parts = self.states.get(layer.position, {})
+            if set(parts) != needed:
+                raise IntegrityError(f"{self.what}: layer {layer.position} keeps {sorted(needed)} state, the file "
+                                     f"holds {sorted(parts)}; it is damaged or crafted. Save the conversation again.")
+            layer.restore(parts, next(iter(lengths)), self.device)
 
 
 def _records(cache: TieredCache, model: torch.nn.Module | None) -> Iterator[tuple[bytes, memoryview]]:
     if cache.closed:
         raise InvalidConfigError("this TieredCache was closed (its tiers are released); save before close().")
-    if cache.stateful:
-        raise InvalidConfigError(_KEEPS_STATE)
     store = cache.runtime.store
-    if store is None or not cache.get_seq_length():
+    if (store is None and not cache.stateful) or not cache.get_seq_length():
         raise InvalidConfigError("this cache holds no tokens yet; save it after a forward pass or generate().")
     session = cache.session
     namespace = session.namespace if session is not None else None
     fingerprint = model_fingerprint(model) if model is not None else namespace.fingerprint if namespace else None
     layers = tuple(conversation.LayerState(layer.index, layer.sliding_window, layer.dropped,
-                                           layer.get_seq_length()) for layer in cache.layers)
+                                           TieredLayer.get_seq_length(layer)) for layer in cache.kv_layers)
     ids = session.ids if session is not None else None
     if ids is not None:  # ids of tokens about to be appended (load_prefix of the next turn) are not held yet
         ids = ids[:, : max(layer.length for layer in layers)]
+    held = [layer for layer in cache.layers if isinstance(layer, StateLayer)]
+    states = {layer.position: layer.tokens() for layer in held} if held else None
     header = conversation.Header(cache.block_tokens, cache.batch_size, layers, ids,
-                                 namespace.to_dict() if namespace is not None else None, fingerprint)
-    return conversation.records(store, header)
+                                 namespace.to_dict() if namespace is not None else None, fingerprint, states)
+    return conversation.records(store, header, [conversation.StatePart(layer.position, *part)
+                                                for layer in held for part in layer.parts()])
 
 
 def _aiofiles() -> Any:

@@ -289,6 +289,7 @@ class LayerKind:
     kv: bool
     window: int | None = None
     states: int = 0
+    recurrent: bool = False  # a recurrent state beside each convolution state (all but "conv" layers)
 
 
 def layer_kinds(config: PreTrainedConfig) -> list[LayerKind | None]:
@@ -309,7 +310,8 @@ def layer_kinds(config: PreTrainedConfig) -> list[LayerKind | None]:
     for kind, kw in zip(kinds, kwargs):
         window = kw.get("sliding_window") if kind in (*SLIDING_TYPES, "hybrid_sliding") else None
         states = kw.get("number_of_states", 1) if kind in (*STATE_TYPES, *BOTH_TYPES) else 0
-        result.append(None if kind == "dummy" else LayerKind(kind not in STATE_TYPES, window, states))
+        result.append(None if kind == "dummy" else
+                      LayerKind(kind not in STATE_TYPES, window, states, bool(states) and kind != "conv"))
     return result
 
 

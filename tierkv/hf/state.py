@@ -105,6 +105,24 @@ class StateLayer(OfCache, Base):
             self.has_previous_state[i] = saved.previous[i]
         self.saved, self.saved_in = None, -1  # restored once: its tensors are the state now
 
+    def parts(self) -> list[tuple[str, int, torch.Tensor]]:
+        """Every state this layer holds: ``(conv / recurrent, index, tensor)``."""
+        return [(part, i, state) for part, states in (("conv", self.conv_states), ("recurrent", self.recurrent_states))
+                for i, state in states.items() if state is not None and self.has_previous_state[i]]
+
+    def restore(self, parts: dict[tuple[str, int], torch.Tensor], tokens: int, device: torch.device) -> None:
+        """Take the states a saved conversation held (``parts`` by (conv / recurrent, index)) after ``tokens``."""
+        for (part, i), state in parts.items():
+            state = state.to(device)
+            if part == "conv":
+                self.conv_states[i], self.is_conv_states_initialized[i] = state, True
+                self.conv_kernel_size[i] = state.shape[-1]
+            else:
+                self.recurrent_states[i], self.is_recurrent_states_initialized[i] = state, True
+            self.has_previous_state[i] = True
+            self.device, self.dtype = device, state.dtype
+        self.cumulative_length_linear = torch.tensor(tokens)
+
     def select_rows(self, indices: torch.Tensor) -> None:
         """Keep (or repeat) these batch rows of every state, as the K/V's rows are."""
         for states in (self.conv_states, self.recurrent_states):

@@ -6,6 +6,9 @@
                            length}], namespace, fingerprint, ids_shape    payload: the token ids (<i8), if known
     record "kv" ...        header: layer, first (block index), dtype, shape [B, n, 2, H_kv, bt, D]
                            payload: those blocks (a layer's partial tail block zero-padded)
+    record "state" ...     header: layer (the model's), part (conv / recurrent), index, dtype, shape
+                           payload: that state tensor (models whose layers keep recurrent state; the header's
+                           ``states`` lists those layers and the tokens each has taken in)
     record "end"           header: records (the count before it) — a file cut at a record boundary is caught
 
 Each layer is written in chunks of at most ``CHUNK_BYTES``, so saving and loading hold one chunk at a time
@@ -58,6 +61,9 @@ MAX_TOKENS = 1 << 40
 MAX_HEADS = 1 << 12
 MAX_HEAD_DIM = 1 << 16
 KV_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"})
+STATE_PARTS = ("conv", "recurrent")
+MAX_STATES = 64  # conv / recurrent state pairs a layer may keep
+MAX_STATE_DIMS = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,37 +77,53 @@ class LayerState:
 
 
 @dataclass(frozen=True, slots=True)
+class StatePart:
+    """One state tensor of a layer that keeps recurrent state: the model's layer, conv or recurrent, which pair."""
+
+    layer: int
+    part: str
+    index: int
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class Header:
     block_tokens: int
     batch: int
-    layers: tuple[LayerState, ...]
+    layers: tuple[LayerState, ...]  # the layers that hold K/V, in order
     ids: np.ndarray | None  # [B, T]
     namespace: dict[str, Any] | None
     fingerprint: str | None
+    states: dict[int, int] | None = None  # model layer -> tokens its recurrent state has taken in
 
 
-def records(kv: KVStore, header: Header) -> Iterator[tuple[bytes, memoryview]]:
-    """The records of ``header`` and of every layer's blocks (read from ``kv`` one chunk at a time).
-    InvalidConfigError at once if ``header`` has no model fingerprint: a file must say which model it fits."""
+def records(kv: KVStore | None, header: Header,
+            states: Sequence[StatePart] = ()) -> Iterator[tuple[bytes, memoryview]]:
+    """The records of ``header``, of every layer's blocks (read from ``kv`` one chunk at a time) and of the
+    ``states`` of the layers ``header.states`` names. InvalidConfigError at once if ``header`` has no model
+    fingerprint: a file must say which model it fits."""
     if header.fingerprint is None:
         raise InvalidConfigError("save() needs the model whose K/V this cache holds, so that the file can only be "
                                  "loaded into that model: cache.save(path, model=model).")
-    return _records(kv, header)
+    return _records(kv, header, states)
 
 
-def _records(kv: KVStore, header: Header) -> Iterator[tuple[bytes, memoryview]]:
+def _records(kv: KVStore | None, header: Header, states: Sequence[StatePart]) -> Iterator[tuple[bytes, memoryview]]:
     ids = header.ids if header.ids is not None else np.zeros((0, 0), dtype="<i8")
-    yield record.encode({"kind": "conversation", "format": FORMAT, "block_tokens": header.block_tokens,
-                         "batch": header.batch, "layers": [_layer_dict(layer) for layer in header.layers],
-                         "namespace": header.namespace, "fingerprint": header.fingerprint,
-                         "ids_shape": list(ids.shape) if header.ids is not None else None},
-                        np.ascontiguousarray(ids, dtype="<i8").tobytes())
+    fields = {"kind": "conversation", "format": FORMAT, "block_tokens": header.block_tokens,
+              "batch": header.batch, "layers": [_layer_dict(layer) for layer in header.layers],
+              "namespace": header.namespace, "fingerprint": header.fingerprint,
+              "ids_shape": list(ids.shape) if header.ids is not None else None}
+    if header.states is not None:  # written only where there is state: other files stay as they were
+        fields["states"] = [{"layer": layer, "tokens": tokens} for layer, tokens in header.states.items()]
+    yield record.encode(fields, np.ascontiguousarray(ids, dtype="<i8").tobytes())
     count = 1
     bt = header.block_tokens
     for layer in header.layers:
         first, stop = layer.dropped // bt, -(-layer.length // bt)
         if stop <= first:
             continue
+        assert kv is not None, "a layer that holds tokens has a store"
         layout = kv.layouts[layer.index]
         step = max(1, CHUNK_BYTES // (header.batch * layout.block_bytes))
         for start in range(first, stop, step):
@@ -110,6 +132,12 @@ def _records(kv: KVStore, header: Header) -> Iterator[tuple[bytes, memoryview]]:
                                  "dtype": str(blocks.dtype).removeprefix("torch."), "shape": list(blocks.shape)},
                                 record.tensor_bytes(blocks))
             count += 1
+    for state in states:
+        tensor = state.tensor.detach().to("cpu").contiguous()
+        yield record.encode({"kind": "state", "layer": state.layer, "part": state.part, "index": state.index,
+                             "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)},
+                            record.tensor_bytes(tensor))
+        count += 1
     yield record.encode({"kind": "end", "records": count}, b"")
 
 
@@ -240,12 +268,12 @@ def _namespace(value: Any, what: str, block_tokens: int, layers: int) -> dict[st
     return dict(value)
 
 
-def _layers(value: Any, what: str, block_tokens: int) -> tuple[LayerState, ...]:
+def _layers(value: Any, what: str, block_tokens: int, fewest: int = 1) -> tuple[LayerState, ...]:
     """Each layer's state, checked as the cache makes it: tokens are ``dropped`` only from a sliding layer, whole
     blocks at a time, and never one its window still reaches (``length - (window - 1)`` tokens at most), so
     no file makes a layer attend without tokens it needs."""
-    if not isinstance(value, list) or not 1 <= len(value) <= MAX_LAYERS:
-        raise IntegrityError(f"{what}: field 'layers' is not a list of 1 to {MAX_LAYERS} layers.")
+    if not isinstance(value, list) or not fewest <= len(value) <= MAX_LAYERS:
+        raise IntegrityError(f"{what}: field 'layers' is not a list of {fewest} to {MAX_LAYERS} layers.")
     layers = []
     for i, d in enumerate(value):
         name = f"layers[{i}]"
@@ -280,8 +308,9 @@ def check_header(header: dict[str, Any], what: str) -> tuple[Header, int]:
         raise IntegrityError(f"{what}: not a tierkv conversation of format {FORMAT} (first record: "
                              f"{str(header)[:200]}).")
     expected = {"kind", "format", "block_tokens", "batch", "layers", "namespace", "fingerprint", "ids_shape"}
-    if set(header) != expected:
-        raise IntegrityError(f"{what}: the first record's fields are {sorted(header)[:20]}, not {sorted(expected)}.")
+    if set(header) - {"states"} != expected:
+        raise IntegrityError(f"{what}: the first record's fields are {sorted(header)[:20]}, not {sorted(expected)} "
+                             "(and 'states' where layers keep recurrent state).")
     fingerprint = header["fingerprint"]
     if fingerprint is None:
         raise IntegrityError(f"{what}: field 'fingerprint' is missing: the file does not say which model computed "
@@ -289,7 +318,8 @@ def check_header(header: dict[str, Any], what: str) -> tuple[Header, int]:
     _text(fingerprint, what, "fingerprint", FINGERPRINT.pattern)
     block_tokens = _integer(header["block_tokens"], what, "block_tokens", 1, MAX_BLOCK_TOKENS)
     batch = _integer(header["batch"], what, "batch", 1, MAX_BATCH)
-    layers = _layers(header["layers"], what, block_tokens)
+    states = _states(header.get("states"), what)
+    layers = _layers(header["layers"], what, block_tokens, 0 if states else 1)
     namespace = _namespace(header["namespace"], what, block_tokens, len(layers))
     shape = header["ids_shape"]
     ids_bytes = 0
@@ -297,14 +327,29 @@ def check_header(header: dict[str, Any], what: str) -> tuple[Header, int]:
         if not isinstance(shape, list) or len(shape) != 2:
             raise IntegrityError(f"{what}: field 'ids_shape' is not [batch, tokens].")
         _integer(shape[0], what, "ids_shape[0]", batch, batch)
-        longest = max(layer.length for layer in layers)
+        longest = max([layer.length for layer in layers] + list((states or {}).values()))
         tokens = _integer(shape[1], what, "ids_shape[1]", 0, MAX_TOKENS)
         if tokens > longest:
             raise IntegrityError(f"{what}: field 'ids_shape' is {shape}: the ids of {tokens} tokens, but its longest "
                                  f"layer holds {longest}; the file is damaged or crafted. Save the conversation "
                                  "again.")
         ids_bytes = batch * tokens * 8
-    return Header(block_tokens, batch, layers, None, namespace, fingerprint), ids_bytes
+    return Header(block_tokens, batch, layers, None, namespace, fingerprint, states), ids_bytes
+
+
+def _states(value: Any, what: str) -> dict[int, int] | None:
+    """The layers that keep recurrent state and the tokens each has taken in (None: no such layers), checked."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_LAYERS:
+        raise IntegrityError(f"{what}: field 'states' is not a list of 1 to {MAX_LAYERS} layers.")
+    states: dict[int, int] = {}
+    for i, entry in enumerate(value):
+        if not isinstance(entry, dict) or set(entry) != {"layer", "tokens"}:
+            raise IntegrityError(f"{what}: field 'states[{i}]' is not an object of layer, tokens.")
+        layer = _integer(entry["layer"], what, f"states[{i}].layer", max(states, default=-1) + 1, MAX_LAYERS - 1)
+        states[layer] = _integer(entry["tokens"], what, f"states[{i}].tokens", 0, MAX_TOKENS)
+    return states
 
 
 def ids_limit(header: dict[str, Any], what: str) -> tuple[int, str]:
@@ -352,11 +397,17 @@ class Reader:
         ns = header.namespace
         self.geometry: dict[int, tuple[str, int, int]] = {}  # layer -> (dtype, H_kv, D) of its first record
         self.expected = (ns["dtype"], ns["kv_heads"], ns["head_dim"]) if ns is not None else None
+        self.states_taken: set[tuple[int, str, int]] = set()
+        self.state_bytes = 0
 
     def limit(self, header: dict[str, Any]) -> tuple[int, str]:
         """The payload bytes the next record's ``header`` allows (its checks, without taking it)."""
         if header.get("kind") == "end":
             return 0, "an end record carries no payload, it allows"
+        if header.get("kind") == "state":
+            dtype, shape = self._check_state(header)[3:]
+            size = math.prod(shape) * getattr(torch, dtype).itemsize
+            return size, f"its field 'record {self.count}.shape' {shape} of {dtype} allows"
         layer, _, dtype, shape = self._check(header)
         name = f"record {self.count}"
         itemsize = getattr(torch, dtype).itemsize
@@ -408,8 +459,49 @@ class Reader:
                                  f"config has {model_heads} heads of {model_dim} in that layer.")
         return layer, first, dtype, shape
 
-    def take(self, header: dict[str, Any], payload: bytearray) -> tuple[int, int, torch.Tensor] | None:
+    def _check_state(self, header: dict[str, Any]) -> tuple[int, str, int, str, list[int]]:
+        """``(layer, part, index, dtype, shape)`` of the state record ``header``, every field checked: a layer the
+        header lists, each state once, a float dtype, ``batch`` rows, and its bytes with every state record's
+        before it within the cache's budgets (a sparse file claims what it likes: only its header can bound it)."""
+        what, name = self.what, f"record {self.count}"
+        if set(header) != {"kind", "layer", "part", "index", "dtype", "shape"}:
+            raise IntegrityError(f"{what}: unexpected record {str(header)[:200]}.")
+        states = self.header.states or {}
+        layer = header["layer"]
+        if type(layer) is not int or layer not in states:
+            raise IntegrityError(f"{what}: field '{name}.layer' is {str(layer)[:40]!r}, not a layer the file says "
+                                 f"keeps state ({sorted(states)[:20]}).")
+        part = header["part"]
+        if part not in STATE_PARTS:
+            raise IntegrityError(f"{what}: field '{name}.part' is {str(part)[:40]!r}, not one of {STATE_PARTS}.")
+        index = _integer(header["index"], what, f"{name}.index", 0, MAX_STATES - 1)
+        if (layer, part, index) in self.states_taken:
+            raise IntegrityError(f"{what}: {name} repeats the {part} state {index} of layer {layer}.")
+        dtype = header["dtype"]
+        if dtype not in KV_DTYPES:
+            raise IntegrityError(f"{what}: field '{name}.dtype' is {str(dtype)[:40]!r}, not a state dtype.")
+        shape = header["shape"]
+        if not isinstance(shape, list) or not 1 <= len(shape) <= MAX_STATE_DIMS:
+            raise IntegrityError(f"{what}: field '{name}.shape' is not a list of 1 to {MAX_STATE_DIMS} sizes.")
+        _integer(shape[0], what, f"{name}.shape[0] (batch)", self.header.batch, self.header.batch)
+        for i, size in enumerate(shape[1:], 1):
+            _integer(size, what, f"{name}.shape[{i}]", 1, MAX_TOKENS)
+        size = math.prod(shape) * getattr(torch, dtype).itemsize
+        if self.budget is not None and self.state_bytes + size > self.budget:
+            raise IntegrityError(f"{what}: field '{name}.shape' is {shape}: with the state records before it, "
+                                 f"{self.state_bytes + size} bytes of state, more than the {self.budget} bytes of the "
+                                 "cache's budgets; the file is damaged or crafted (refused before reading it).")
+        return layer, part, index, dtype, shape
+
+    def take(self, header: dict[str, Any],
+             payload: bytearray) -> tuple[int, int, torch.Tensor] | StatePart | None:  # fmt: skip
         what = self.what
+        if header.get("kind") == "state":
+            layer, part, index, dtype, shape = self._check_state(header)
+            self.count += 1
+            self.states_taken.add((layer, part, index))
+            self.state_bytes += math.prod(shape) * getattr(torch, dtype).itemsize
+            return StatePart(layer, part, index, record.tensor_from(payload, dtype, shape, what))
         if header.get("kind") == "end":
             if header.get("records") != self.count or set(header) != {"kind", "records"}:
                 raise IntegrityError(f"{what}: {self.count} records before the end, it says {str(header)[:200]}.")
