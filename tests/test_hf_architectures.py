@@ -380,3 +380,26 @@ def test_sizes_count_each_layers_own_heads_and_only_the_layers_that_hold_kv(mode
     minimum = TieredCache.min_device_bytes(model.config, 512, prefetch_depth=1)
     monkeypatch.setattr("tierkv.hf.sizing.kv_producers", lambda config: [])
     assert minimum == TieredCache.min_device_bytes(model.config, 512, prefetch_depth=3)
+
+
+@pytest.mark.parametrize(("model_type", "extra"), [
+    ("cpmant", dict(num_attention_heads=4, dim_head=32)),  # its head dim is dim_head, not hidden_size / heads
+    ("qwen3_next", dict(GQA, num_hidden_layers=4, num_experts=2, num_experts_per_tok=1,
+                        moe_intermediate_size=32)),  # K/V in one layer of four
+])
+def test_kv_bytes_held_is_what_dynamic_cache_holds(model_type, extra):
+    """The sizes a budget is chosen from count the K/V the model really caches: its own head dim, and only the
+    layers that hold K/V."""
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **{**SMALL, **extra})
+    except (KeyError, ValueError):
+        pytest.skip(f"this transformers release has no {model_type}")
+    if model_type == "qwen3_next" and not HOLDS_STATE:
+        pytest.skip("this transformers' cache holds no recurrent state")
+    model = instantiate(transformers.AutoModelForCausalLM.from_config, config)
+    ids, _ = prompt(1, 6, seed=1)
+    reference = DynamicCache(config=model.config)
+    model(input_ids=ids, past_key_values=reference)
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in reference.layers
+               if getattr(layer, "keys", None) is not None)  # fmt: skip
+    assert held and kv_bytes_held(model.config, reference.get_seq_length()) == held  # (CPM-Ant adds 32 tokens)

@@ -235,7 +235,8 @@ def _stored_shape(config: Any) -> tuple[int, int]:
     if widths is not None:
         return 1 if _expands_after_cache(config.model_type) else config.num_attention_heads, max(widths)
     return (getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+            getattr(config, "head_dim", None) or getattr(config, "dim_head", None)  # CPM-Ant spells it dim_head
+            or config.hidden_size // config.num_attention_heads)
 
 
 def kv_widths(config: Any) -> tuple[int, int] | None:
