@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,38 @@ def test_a_ctrl_c_in_the_models_own_code_between_state_layers_is_rolled_back(tmp
         assert {layer.get_seq_length() for layer in cache.holding} == {ids.shape[1]}
         step = model(first, past_key_values=cache, use_cache=True)
     torch.testing.assert_close(step.logits[:, -1], reference.logits[1], atol=1e-4, rtol=0)
+
+
+def test_a_second_thread_is_refused_while_anothers_forward_is_between_state_layers(tmp_path):
+    """A request thread held before the last layer of its first forward (its three linear-attention layers have
+    taken the prompt into their state) while a second thread calls the model with the same cache: the second is
+    refused at its first use of a layer's state, which it would otherwise have taken for a new forward; the first
+    thread's tokens equal DynamicCache's."""
+    model = hybrid("qwen3_next")
+    ids, mask = prompt(1, 20, seed=29)
+    reference = run(model, ids, mask, DynamicCache(config=model.config))
+    between, resume = threading.Event(), threading.Event()
+    main = threading.get_ident()
+
+    def hold(*_: object) -> None:
+        if threading.get_ident() != main and not resume.is_set():
+            between.set()
+            resume.wait(60)
+
+    outputs: list = []
+    hook = model.model.layers[-1].register_forward_pre_hook(hold)
+    with tiered(model, tmp_path) as cache:
+        worker = threading.Thread(target=lambda: outputs.append(run(model, ids, mask, cache)))
+        try:
+            worker.start()
+            assert between.wait(60)
+            with pytest.raises(InvalidConfigError, match="another thread"), torch.no_grad():
+                model(ids[:, :5], past_key_values=cache)
+            resume.set()
+            worker.join(120)
+        finally:
+            hook.remove()
+    assert outputs and torch.equal(outputs[0].sequences, reference.sequences)
 
 
 @pytest.mark.parametrize(("model_type", "overrides"), [

@@ -146,7 +146,7 @@ class TieredCache(AttentionModes, Cache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         with self.using:
             if self.forward.thread != threading.get_ident():  # (the same thread's updates: no call)
-                self.forward.claim(self.runtime.num_layers)
+                self.forward.claim(self.uses_per_forward())
             if self.forward.unsettled is not None:
                 self.forward.settle(self.holding, self.runtime)
             if not 0 <= layer_idx < len(self.layers):
@@ -213,12 +213,20 @@ class TieredCache(AttentionModes, Cache):
         within a forward copies its state aside for the rollback."""
         with self.using:
             forward = self.forward
+            if forward.thread != threading.get_ident():
+                forward.claim(self.uses_per_forward())
             if forward.unsettled is not None:
                 forward.settle(self.holding, self.runtime)
             if forward.entered(layer.position, call, state_idx):
                 self.begin_forward()
             if isinstance(layer, StateLayer) and layer.touch(forward.number):
                 forward.layers_updated += 1
+
+    def uses_per_forward(self) -> int | None:
+        """The layer updates and first uses of a layer's state that a complete forward makes (None: not known
+        before one, without a config)."""
+        layers = self.runtime.num_layers
+        return None if layers is None else layers + sum(isinstance(layer, StateLayer) for layer in self.layers)
 
     @property
     def kv_layers(self) -> list[TieredLayer]:
