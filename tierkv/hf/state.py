@@ -171,8 +171,6 @@ class HybridLayer(StateLayer, TieredLayer):
         StateLayer.reset(self)
         TieredLayer.reset(self)
 
-    get_max_length = TieredLayer.get_max_length
-
 
 def _copies(states: dict[int, torch.Tensor | None]) -> dict[int, torch.Tensor | None]:
     return {i: None if state is None else state.clone() for i, state in states.items()}
