@@ -71,7 +71,7 @@ class _CacheStatsAlways(TypedDict):
     prefetch_hits: int
     prefetch_misses: int
     prefetch_stall_s: float  # time the model waited for prefetched data
-    state_bytes: int  # device bytes of the recurrent state of layers that keep it (tierkv.hf.state)
+    state_bytes: int  # device bytes of layers' recurrent state and its rollback copy (tierkv.hf.state)
 
 
 class CacheStats(_CacheStatsAlways, total=False):

@@ -1,11 +1,11 @@
 """Layers that keep recurrent state (Mamba, gated delta nets, short convolutions) instead of, or beside, K/V.
 
 Such state is constant in the context (a layer's convolution window and its recurrent matrix), so it is not
-tiered: it stays on the model's device, as in ``DynamicCache`` (``stats()["state_bytes"]`` counts it; the device
-budget bounds K/V and staging only). What tierkv adds is the rollback every layer of a TieredCache has: the first
-time a forward touches a layer's state, the state is copied aside — the model may change it in place, as the
-one-token convolution does — so a forward that fails part-way puts every layer back where it began
-(:class:`~tierkv.hf.forward.Forward`), and ``crop`` can take back the last forward.
+tiered: it stays on the model's device, as in ``DynamicCache`` (the device budget bounds K/V and staging only;
+``stats()["state_bytes"]`` counts the state and its copy). What tierkv adds is the rollback every layer of a
+TieredCache has: the first time a forward touches a layer's state, the state is copied aside — the model may
+change it in place, as the one-token convolution does — so a forward that fails part-way puts every layer back
+where it began (:class:`~tierkv.hf.forward.Forward`), and ``crop`` can take back the last forward.
 """
 
 from __future__ import annotations
@@ -132,8 +132,10 @@ class StateLayer(OfCache, Base):
         self.saved, self.saved_in = None, -1
 
     def state_bytes(self) -> int:
-        return sum(state.nbytes for states in (self.conv_states, self.recurrent_states)
-                   for state in states.values() if state is not None)
+        """Device bytes of this layer's state and of the copy kept for the rollback."""
+        saved = self.saved
+        held = (self.conv_states, self.recurrent_states) + ((saved.conv, saved.recurrent) if saved else ())
+        return sum(state.nbytes for states in held for state in states.values() if state is not None)
 
     def reset(self) -> None:
         Base.reset(self)
