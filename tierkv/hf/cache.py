@@ -132,6 +132,7 @@ class TieredCache(AttentionModes, Cache):
         self._finalizer = weakref.finalize(self, self.runtime.close)
         layers = self._layers_of(config) if config is not None else []
         self.stateful = any(isinstance(layer, StateLayer) for layer in layers)  # recurrent state beside or for K/V
+        self.mixed = any(isinstance(layer, (StateLayer, DummyLayer)) for layer in layers)  # not K/V alone
         if self.stateful and (persist or remote is not None):
             raise InvalidConfigError(
                 "persist= and remote= reuse a prefix's K/V blocks, but this model also keeps recurrent state in its "
@@ -231,13 +232,12 @@ class TieredCache(AttentionModes, Cache):
     @property
     def kv_layers(self) -> list[TieredLayer]:
         """The layers that hold K/V, in store order."""
-        return [layer for layer in self.layers if isinstance(layer, TieredLayer)] if self.stateful else self.layers
+        return [layer for layer in self.layers if isinstance(layer, TieredLayer)] if self.mixed else self.layers
 
     @property
     def holding(self) -> list[Any]:
         """The layers that hold K/V or state, in the model's order (the others, MoE or MLP blocks, hold nothing)."""
-        return [layer for layer in self.layers if not isinstance(layer, DummyLayer)] if self.stateful \
-            else self.layers
+        return [layer for layer in self.layers if not isinstance(layer, DummyLayer)] if self.mixed else self.layers
 
     def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
         """Nothing to move: the executors read ahead themselves (``prefetch_depth``); transformers' version needs the

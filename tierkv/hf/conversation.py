@@ -160,8 +160,10 @@ class Restore:
         if set(kinds) != set(header.states or {}):
             raise IntegrityError(f"{what}: the file says layers {sorted(header.states or {})[:20]} keep recurrent "
                                  f"state, the model's config {sorted(kinds)[:20]}; the file is damaged or crafted.")
-        if kinds:  # each layer of its kind: from the model's config
-            options.setdefault("config", model.config)
+        config = getattr(model, "config", None)
+        kinds_of_all = sizing.layer_kinds(config) if config is not None else []
+        if any(kind is None or kind.states or not kind.kv for kind in kinds_of_all):
+            options.setdefault("config", config)  # layers of other kinds than K/V alone: each built as its kind
         self.cache = cache = self.cls(**options)  # closed by __exit__ on any refusal
         windows = [layer.sliding_window for layer in header.layers]
         if cache.runtime.num_layers is not None and [layer.sliding_window for layer in cache.kv_layers] != windows:
@@ -184,7 +186,7 @@ class Restore:
         assert self.cache is not None and self.reader is not None
         self.header = header = conversation.parse_header(head, payload, self.what)
         self.reader.header = header
-        if not self.cache.stateful:
+        if not self.cache.mixed:
             self.cache.set_layers([layer.sliding_window for layer in header.layers])
 
     def record_limit(self, head: dict[str, Any]) -> tuple[int, str]:
