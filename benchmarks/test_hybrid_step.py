@@ -15,20 +15,14 @@ printed always and asserted only with ``--benchmark-enable``; one torch thread (
 
 from __future__ import annotations
 
-import statistics
-import tempfile
-import time
-from pathlib import Path
-
 import pytest
 import torch
 import transformers
-from rich.console import Console
 from rich.table import Table
+from test_scale import ROUNDS, STEPS, WARMUP, _interleaved, _show, _steps
 from transformers import DynamicCache
 
 from tierkv import TieredCache
-from tierkv.calibrate import machine_description
 from tierkv.hf.sizing import HOLDS_STATE
 
 pytestmark = pytest.mark.skipif(not HOLDS_STATE, reason="this transformers' cache holds no recurrent state")
@@ -36,7 +30,6 @@ pytestmark = pytest.mark.skipif(not HOLDS_STATE, reason="this transformers' cach
 CONTEXTS = (1024, 4096, 8192)
 BLOCK = 16
 CHUNK = 1024
-ROUNDS, STEPS, WARMUP = 6, 3, 2
 RATIO_TARGET = 1.5
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=16384, tie_word_embeddings=False)
@@ -70,21 +63,10 @@ def _prefill(model: transformers.PreTrainedModel, caches: list, context: int) ->
                 model(input_ids=ids[:, start:start + CHUNK], past_key_values=cache, use_cache=True)
 
 
-def _steps(model: transformers.PreTrainedModel, cache, n: int) -> list[float]:
-    token = torch.tensor([[7]])
-    times = []
-    with torch.inference_mode():
-        for _ in range(n):
-            start = time.perf_counter()
-            model(input_ids=token, past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter() - start)
-    return times
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_hybrid_decode_step_against_dynamic_cache(benchmark, capsys, case: str) -> None:
     model = _model(case)
-    config = model.config
+    config, token = model.config, torch.tensor([[7]])
     table = Table(title=f"{case} (tiny, 4 layers) decode step vs DynamicCache, {BLOCK}-token blocks "
                         "(median of interleaved rounds)")
     for column in ("context", "DynamicCache", "(a) all device", "ratio (a)", "(b) device at min", "ratio (b)",
@@ -92,33 +74,25 @@ def test_a_hybrid_decode_step_against_dynamic_cache(benchmark, capsys, case: str
         table.add_column(column, justify="right")
     ratios: dict[int, tuple[float, float]] = {}
     for context in CONTEXTS:
-        decoded = WARMUP + ROUNDS * STEPS + 8
+        decoded = WARMUP + ROUNDS * STEPS + 8  # test_scale's rounds
         minimum = TieredCache.min_device_bytes(config, context + decoded, block_tokens=BLOCK)
         caches = {"dynamic": DynamicCache(config=config),
                   "a": TieredCache(gpu_gb="4GB", cpu_gb="64MB", block_tokens=BLOCK, config=config),
                   "b": TieredCache(gpu_gb=f"{minimum}B", cpu_gb="4GB", block_tokens=BLOCK, config=config)}
         try:
             _prefill(model, list(caches.values()), context)
-            for cache in caches.values():
-                _steps(model, cache, WARMUP)
-            times: dict[str, list[float]] = {name: [] for name in caches}
-            for _ in range(ROUNDS):
-                for name, cache in caches.items():
-                    times[name].extend(_steps(model, cache, STEPS))
+            medians = _interleaved({name: _steps(model, cache, token) for name, cache in caches.items()})
             placed = caches["b"].stats()["blocks"]
             assert caches["a"].stats()["blocks"]["host"] == 0 and placed["host"] > placed["device"]
             state = caches["a"].stats()["state_bytes"]
         finally:
             caches["a"].close()
             caches["b"].close()
-        medians = {name: statistics.median(values) for name, values in times.items()}
         ratios[context] = (medians["a"] / medians["dynamic"], medians["b"] / medians["dynamic"])
         table.add_row(f"{context:,}", f"{medians['dynamic'] * 1e3:.2f} ms", f"{medians['a'] * 1e3:.2f} ms",
                       f"{ratios[context][0]:.2f}x", f"{medians['b'] * 1e3:.2f} ms", f"{ratios[context][1]:.2f}x",
                       f"{state:,}")
-    with capsys.disabled():
-        print("\n" + ", ".join(f"{k}: {v}" for k, v in machine_description(Path(tempfile.gettempdir())).items()))
-        Console(width=150).print(table)
+    _show(capsys, table)
     benchmark.extra_info.update(ratios={str(k): v for k, v in ratios.items()})
     benchmark.pedantic(lambda: None, rounds=1)
     if not benchmark.disabled:

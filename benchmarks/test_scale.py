@@ -103,6 +103,15 @@ def _steps(model: torch.nn.Module, cache, token: torch.Tensor) -> Callable[[int]
     return lambda n: [_step(model, cache, token) for _ in range(n)]
 
 
+def _show(capsys, table: Table, directory: Path | None = None) -> None:
+    """The machine (and the filesystem of ``directory``, default the temp dir) and ``table``, past pytest's
+    capture."""
+    with capsys.disabled():
+        where = directory or Path(tempfile.gettempdir())
+        print("\n" + ", ".join(f"{k}: {v}" for k, v in machine_description(where).items()))
+        Console(width=150).print(table)
+
+
 def _scale_config(kv_heads: int, head_dim: int) -> LlamaConfig:
     return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                        num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim,
@@ -141,9 +150,8 @@ def test_step_cost_follows_bytes_not_blocks(benchmark, capsys, kv_heads: int, he
                       f"{medians['a'] * 1e3:.2f} ms", f"{ratio_a:.2f}x", f"{medians['b'] * 1e3:.2f} ms",
                       f"{ratio_b:.2f}x", f"{placed['device']:,} / {placed['host']:,}")
     growth = [ratios[BLOCK_COUNTS[-1]][i] / ratios[BLOCK_COUNTS[0]][i] for i in range(2)]
+    _show(capsys, table)
     with capsys.disabled():
-        print("\n" + ", ".join(f"{k}: {v}" for k, v in machine_description(Path(tempfile.gettempdir())).items()))
-        Console(width=150).print(table)
         print(f"ratio at {BLOCK_COUNTS[-1]:,} blocks / ratio at {BLOCK_COUNTS[0]}: (a) {growth[0]:.2f}, "
               f"(b) {growth[1]:.2f} (target <= {GROWTH_TARGET})")
     benchmark.extra_info.update(ratios={str(k): v for k, v in ratios.items()}, growth=growth)
@@ -281,9 +289,8 @@ def test_disk_reads_overlap_compute(benchmark, capsys) -> None:
     table.add_row(f"{medians['compute'] * 1e3:.1f} ms", f"{per_step / MiB:.0f} MiB", f"{raw / 1e9:.2f} GB/s",
                   f"{bound * 1e3:.1f} ms", *(cell for executor in EXECUTORS for cell in (
                       f"{medians[executor] * 1e3:.1f} ms", f"{medians[executor] / bound:.2f}")))
+    _show(capsys, table, directory)
     with capsys.disabled():
-        print("\n" + ", ".join(f"{k}: {v}" for k, v in machine_description(directory).items()))
-        Console(width=150).print(table)
         own_bound = max(medians["compute"], per_step / raw_own)
 
         def against(rate: float) -> str:

@@ -15,16 +15,12 @@ contexts (e.g. ``1K,4K``).
 from __future__ import annotations
 
 import copy
-import tempfile
-from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
-from test_scale import ROUNDS, SCALE_BLOCK, STEPS, WARMUP, _fill, _interleaved, _model, _steps
+from test_scale import ROUNDS, SCALE_BLOCK, STEPS, WARMUP, _fill, _interleaved, _model, _show, _steps
 from transformers import DynamicCache, LlamaConfig
 
 from tierkv import TieredCache
-from tierkv.calibrate import machine_description
 from tierkv.inputs import env_str
 from tierkv.units import parse_token_list
 
@@ -74,9 +70,7 @@ def test_split_step_against_dynamic_and_gather(benchmark, capsys) -> None:
                       f"{medians['split'] * 1e3:.2f} ms", f"{results[tokens]['dynamic']:.2f}x",
                       f"{results[tokens]['gather']:.2f}x", f"{gather_min / 2**20:.2f} MiB",
                       f"{split_min / 2**20:.2f} MiB")
-    with capsys.disabled():
-        print("\n" + ", ".join(f"{k}: {v}" for k, v in machine_description(Path(tempfile.gettempdir())).items()))
-        Console(width=150).print(table)
+    _show(capsys, table)
     benchmark.extra_info.update(ratios={str(k): v for k, v in results.items()})
     benchmark.pedantic(lambda: None, rounds=1)
     if not benchmark.disabled:

@@ -70,12 +70,10 @@ def _required(model: torch.nn.Module | None) -> torch.nn.Module:
     return model
 
 
-def _state_layers(model: torch.nn.Module) -> dict[int, sizing.LayerKind]:
-    """The layers of ``model`` that keep recurrent state, by the model's layer index (none without a config)."""
+def _layer_kinds(model: torch.nn.Module) -> list[sizing.LayerKind | None]:
+    """Each layer's kind in ``model``'s config (none without a config)."""
     config = getattr(model, "config", None)
-    if config is None:
-        return {}
-    return {i: kind for i, kind in enumerate(sizing.layer_kinds(config)) if kind is not None and kind.states}
+    return sizing.layer_kinds(config) if config is not None else []
 
 
 def _fits_model(header: conversation.Header, model: torch.nn.Module, what: str) -> list[tuple[int, int]] | None:
@@ -136,6 +134,7 @@ class Restore:
         self.reader: conversation.Reader | None = None
         self.budget = 0
         self.states: dict[int, dict[tuple[str, int], torch.Tensor]] = {}  # model layer -> its state records
+        self.state_kinds: dict[int, sizing.LayerKind] = {}  # model layer -> its kind, of those that keep state
 
     def __enter__(self) -> Restore:
         return self
@@ -156,14 +155,14 @@ class Restore:
             raise InvalidConfigError(f"{what} was saved from another model (weights or config differ); load it "
                                      "with the model that produced it.")
         geometry = _fits_model(header, model, what)
-        kinds = _state_layers(model)
-        if set(kinds) != set(header.states or {}):
+        kinds = _layer_kinds(model)
+        self.state_kinds = {i: kind for i, kind in enumerate(kinds) if kind is not None and kind.states}
+        if set(self.state_kinds) != set(header.states or {}):
             raise IntegrityError(f"{what}: the file says layers {sorted(header.states or {})[:20]} keep recurrent "
-                                 f"state, the model's config {sorted(kinds)[:20]}; the file is damaged or crafted.")
-        config = getattr(model, "config", None)
-        kinds_of_all = sizing.layer_kinds(config) if config is not None else []
-        if any(kind is None or kind.states or not kind.kv for kind in kinds_of_all):
-            options.setdefault("config", config)  # layers of other kinds than K/V alone: each built as its kind
+                                 f"state, the model's config {sorted(self.state_kinds)[:20]}; the file is damaged or "
+                                 "crafted.")
+        if any(kind is None or kind.states or not kind.kv for kind in kinds):
+            options.setdefault("config", model.config)  # layers of other kinds than K/V alone: each built as its kind
         self.cache = cache = self.cls(**options)  # closed by __exit__ on any refusal
         windows = [layer.sliding_window for layer in header.layers]
         if cache.runtime.num_layers is not None and [layer.sliding_window for layer in cache.kv_layers] != windows:
@@ -239,11 +238,10 @@ class Restore:
         if len(lengths) > 1:
             raise IntegrityError(f"{self.what}: its layers hold {sorted(lengths)[:8]} tokens; a conversation's "
                                  "layers hold as many each. The file is damaged or crafted.")
-        kinds = _state_layers(self.model)
         for layer in cache.layers:
             if not isinstance(layer, StateLayer):
                 continue
-            kind = kinds[layer.position]
+            kind = self.state_kinds[layer.position]
             needed = {("conv", i) for i in range(kind.states)} | \
                 ({("recurrent", i) for i in range(kind.states)} if kind.recurrent else set())
             parts = self.states.get(layer.position, {})
