@@ -308,7 +308,7 @@ def _write(path: Path, records: list[tuple[dict, bytes]]) -> None:
 
 
 @pytest.mark.parametrize("attack", ["missing recurrent", "state of an attention layer", "huge claim",
-                                    "tokens ahead", "repeated", "unlisted layers"])
+                                    "tokens ahead", "repeated", "unlisted layers", "reshaped", "float16", "float64"])
 def test_a_crafted_conversation_cannot_give_a_layer_a_wrong_or_missing_state(tmp_path, attack):
     """A file is untrusted: its state records are checked against the header and the model before they are used,
     a claim beyond the budgets before its payload is read; each crafted file is refused (IntegrityError) and
@@ -333,8 +333,17 @@ def test_a_crafted_conversation_cannot_give_a_layer_a_wrong_or_missing_state(tmp
                       records[0][1])
     elif attack == "repeated":
         records.insert(states[0] + 1, records[states[0]])
+    elif attack == "reshaped":  # the same bytes as another shape: the convolution window read as channels
+        h, p = records[states[0]]
+        records[states[0]] = ({**h, "shape": [h["shape"][0], *reversed(h["shape"][1:])]}, p)
+    elif attack in ("float16", "float64"):  # a state the model never makes, silently cast on use
+        h, p = records[states[0]]
+        state = torch.frombuffer(bytearray(p), dtype=getattr(torch, h["dtype"])).to(getattr(torch, attack))
+        records[states[0]] = ({**h, "dtype": attack}, state.numpy().tobytes())
     else:
         records[0] = ({**head, "states": head["states"][:1]}, records[0][1])
     _write(path, records)
-    with pytest.raises(IntegrityError):
+    with pytest.raises(IntegrityError) as refused:
         TieredCache.load(path, model=model, cpu_gb="64MB", disk_dir=tmp_path)
+    if attack in ("reshaped", "float16", "float64"):
+        assert "the model makes float32 of shape" in str(refused.value)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import subprocess
 import sys
 import tracemalloc
 
 import pytest
 import torch
+import transformers
 from helpers import tiny_tmpfs
 from models import prompt, tiny_model
 from transformers import DynamicCache
@@ -18,6 +20,7 @@ from transformers import DynamicCache
 from tierkv import safefs
 from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, InvalidConfigError
 from tierkv.hf import TieredCache, cache_keyword
+from tierkv.hf.session import rope_limit
 from tierkv.persist import keys, record
 from tierkv.persist import manifest as manifests
 from tierkv.persist.blockfile import DIRECTORY_NAME, Item, PersistentStore, Recovery
@@ -287,6 +290,23 @@ def test_the_manifest_is_read_within_a_bound_the_writer_keeps(tmp_path, monkeypa
     again.close()
 
 
+def test_a_hard_link_planted_at_the_lock_is_refused_and_its_file_unchanged(tmp_path):
+    """A lock file with another name elsewhere (a hard link to someone's file) is never locked nor chmod-ed."""
+    store = PersistentStore(tmp_path, 1 << 20)
+    store.close()
+    lock = tmp_path / DIRECTORY_NAME / "lock"
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    outside.chmod(0o444)
+    lock.unlink()
+    os.link(outside, lock)
+    with pytest.raises(IntegrityError, match="hard link"):
+        PersistentStore(tmp_path, 1 << 20)
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o444 and outside.read_bytes() == b"keep"
+    lock.unlink()
+    PersistentStore(tmp_path, 1 << 20).close()
+
+
 @pytest.mark.parametrize("name,planted", [("manifest", "directory"), ("lock", "directory"), ("lock", "FIFO"),
                                           ("lock", "symbolic link")])
 def test_a_non_file_planted_at_the_lock_or_manifest_is_named_with_its_fix(tmp_path, name, planted):
@@ -541,6 +561,98 @@ def test_a_conversation_persists_its_generated_tokens_on_the_next_turn(tmp_path)
     with _cache(model, tmp_path, context=64) as later:  # the first turn's generated tokens were persisted
         assert later.load_prefix(model, turn) == (turn.shape[1] - 1) // BT * BT
         _assert_same(reference, _generate(model, turn, later))
+
+
+def _masked_generate(model, ids, mask, cache):
+    return model.generate(ids, attention_mask=mask, **{cache_keyword(model): cache}, max_new_tokens=NEW,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+def test_a_padded_batch_is_neither_stored_nor_served_under_its_ids(tmp_path):
+    """A block's key is its ids, but a masked token changes every later token's K/V (and, left-padded, their
+    positions): a padded row is not persisted, a forward that masks tokens loaded from the store is refused
+    before it runs, and ``load_prefix(..., attention_mask=)`` loads only the tokens before the first masked
+    one; what is decoded equals DynamicCache throughout."""
+    model = tiny_model("llama")
+    ids, mask = prompt(2, PROMPT, seed=31, left_pad=(8, 0))
+    padded = _masked_generate(model, ids, mask, DynamicCache(config=model.config))
+    with _cache(model, tmp_path, batch=2) as cold:  # load_prefix not told of the padding: the forward says it
+        assert cold.load_prefix(model, ids) == 0
+        _assert_same(padded, _masked_generate(model, ids, mask, cold))
+    row = ids[:1]  # 8 PAD ids, then tokens
+    with _cache(model, tmp_path) as probe:
+        assert probe.load_prefix(model, row) == 0  # the padded batch stored nothing under these ids
+    _persist(model, row, tmp_path)  # the same ids, every token attended (a prompt that starts with PAD ids)
+    with _cache(model, tmp_path) as warm:
+        assert warm.load_prefix(model, row) == PROMPT // BT * BT
+        with pytest.raises(InvalidConfigError, match="masks token 0") as refused:
+            _masked_generate(model, row, mask[:1], warm)
+        assert "attention_mask" in str(refused.value) and warm.get_seq_length() == PROMPT // BT * BT
+    reference = _masked_generate(model, row, mask[:1], DynamicCache(config=model.config))
+    with _cache(model, tmp_path) as told:
+        with pytest.raises(InvalidConfigError, match="attention_mask has shape"):
+            told.load_prefix(model, row, attention_mask=mask)  # the batch's, not this row's
+        assert told.load_prefix(model, row, attention_mask=mask[:1].tolist()) == 0
+        _assert_same(reference, _masked_generate(model, row, mask[:1], told))
+    middle = torch.ones_like(row)
+    middle[0, 13] = 0  # tokens 0-12 attend as when stored; block 3 (tokens 12-15) holds the masked one
+    reference = _masked_generate(model, row, middle, DynamicCache(config=model.config))
+    with _cache(model, tmp_path) as partly:
+        assert partly.load_prefix(model, row, attention_mask=middle) == 3 * BT
+        _assert_same(reference, _masked_generate(model, row, middle, partly))
+
+
+def test_positions_a_length_dependent_rope_rescales_are_neither_stored_nor_served(tmp_path):
+    """Dynamic NTK scaling rescales every position of a forward that reaches ``max_position_embeddings``: its K/V
+    is not persisted under its ids, a prompt that long loads nothing, and a forward that would take loaded K/V
+    past that length is refused; what is decoded equals DynamicCache throughout. (The scaling also depends on
+    the longest forward the model object ran, so each run gets a fresh copy of the same weights.)"""
+    limit = 32
+    config = transformers.LlamaConfig(**{**tiny_model("llama").config.to_dict(), "max_position_embeddings": limit,
+                                         "rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+                                                             "rope_theta": 10000.0}})
+
+    def fresh() -> transformers.LlamaForCausalLM:
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).eval()
+        model.generation_config.eos_token_id = None
+        return model
+
+    assert rope_limit(config) == limit
+    long, _ = prompt(1, limit + 8, seed=33)
+    short = long[:, :PROMPT]
+    _persist(fresh(), long, tmp_path)  # one 40-token forward: every position rescaled
+    reference = _generate(fresh(), short, DynamicCache(config=config))
+    for loads in (0, PROMPT // BT * BT):  # nothing of the long prompt's; then the short prompt's own blocks
+        with _cache(model := fresh(), tmp_path, context=64) as warm:
+            assert warm.load_prefix(model, short) == loads
+            _assert_same(reference, _generate(model, short, warm))
+    reference = _generate(fresh(), long, DynamicCache(config=config))
+    with _cache(model := fresh(), tmp_path, context=64) as whole:
+        assert whole.load_prefix(model, long) == 0  # its forward rescales what the stored blocks did not
+        _assert_same(reference, _generate(model, long, whole))
+    with _cache(model := fresh(), tmp_path, context=64) as told_less:
+        assert told_less.load_prefix(model, short) == PROMPT // BT * BT
+        with pytest.raises(InvalidConfigError, match="rescales every position"):
+            _generate(model, long, told_less)
+        assert told_less.get_seq_length() == PROMPT // BT * BT
+
+
+def test_the_rope_limit_of_each_kind_of_rotary_embedding():
+    base = tiny_model("llama").config.to_dict()
+    assert rope_limit(transformers.LlamaConfig(**base)) is None
+    for kind in ("linear", "llama3", "yarn"):  # scaled, but the same at every length
+        parameters = {"rope_type": kind, "factor": 2.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                      "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        assert rope_limit(transformers.LlamaConfig(**{**base, "rope_parameters": parameters})) is None
+    phi = transformers.Phi3Config(**{**tiny_model("phi3").config.to_dict(), "max_position_embeddings": 256,
+                                     "original_max_position_embeddings": 64,
+                                     "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                                         "long_factor": [2.0] * 8, "rope_theta": 10000.0,
+                                                         "original_max_position_embeddings": 64}})
+    assert rope_limit(phi) == 64
+    gemma = transformers.AutoConfig.for_model("gemma3_text")  # a rope per layer type, none length-dependent
+    assert rope_limit(gemma) is None
 
 
 def test_a_corrupt_persisted_block_is_recomputed(tmp_path, caplog):

@@ -100,7 +100,7 @@ def test_server_down_at_start(model, redis_factory, tmp_path) -> None:
     ids, _ = prompt(1, 100)
     out, loaded, stats = run(model, ids, remote=dead.url)
     assert loaded == 0 and torch.equal(out, reference(model, ids))
-    assert stats["remote"]["down"] and stats["remote"]["writes"] == 0
+    assert stats["remote"]["errors"] >= 1 and stats["remote"]["writes"] == 0  # "down" lasts only its backoff
 
 
 def test_server_killed_between_workers_and_mid_run(model, redis_server) -> None:

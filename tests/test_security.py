@@ -330,6 +330,36 @@ def test_links_at_save_and_trace_paths_are_replaced_not_followed(tmp_path):
     assert _snapshot(victim) == before
 
 
+@pytest.mark.parametrize("planted", ["FIFO", "link to a FIFO", "directory", "link to a directory"])
+def test_a_device_fifo_or_directory_at_a_save_or_trace_path_is_never_replaced(tmp_path, planted):
+    """Saving renames a new file over the path: where a FIFO, a device (``/dev/null``, ``/dev/stdout``) or a
+    directory is, or a link to one, that would destroy what other programs use. Refused (when the path is given,
+    and again at the write), and what was there is left."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, 9, seed=1)
+    special = tmp_path / "special"
+    if planted.endswith("FIFO"):
+        os.mkfifo(special)
+    else:
+        special.mkdir()
+    path = tmp_path / "out"
+    if planted.startswith("link"):
+        path.symlink_to(special)
+    else:
+        path = special
+    with pytest.raises(InvalidConfigError, match="does not replace"):
+        TieredCache(trace=path)
+    with TieredCache(block_tokens=BT, trace=True) as cache:
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        with pytest.raises(DiskTierError, match="does not replace"):
+            cache.save(path, model=model)
+        with pytest.raises(DiskTierError, match="does not replace"):
+            cache.save_trace(path)
+    assert path.is_symlink() == planted.startswith("link")
+    assert stat.S_ISFIFO(special.stat().st_mode) if planted.endswith("FIFO") else special.is_dir()
+
+
 def test_a_linked_models_folder_in_the_cache_dir_is_refused(tmp_path):
     """Dequantised checkpoints are written and renamed into ``$TIERKV_CACHE_DIR/models``: never through a link."""
     from tierkv import models
@@ -714,6 +744,26 @@ def test_crafted_kv_records_are_refused(saved, tmp_path, fields, match):
     path = tmp_path / "crafted.tkv"
     _write(path, _crafted(saved, 1, **fields))
     _refused(path, match)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16", "float8_e4m3fn"])
+def test_kv_records_in_another_dtype_than_the_models_are_refused_at_load(tmp_path, dtype):
+    """A file saved without ``load_prefix`` names no dtype in its header: each K/V record's is checked against
+    the model's at load (not at the first step, and never a bare error from a tier that cannot hold it)."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, 9, seed=2)
+    path = tmp_path / "chat.tkv"
+    with TieredCache(block_tokens=BT) as cache:
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        cache.save(path, model=model)
+    records = _records(path)
+    for i, (head, payload) in enumerate(records):
+        if head["kind"] == "kv":
+            kv = torch.frombuffer(bytearray(payload), dtype=torch.float32).to(getattr(torch, dtype))
+            records[i] = ({**head, "dtype": dtype}, kv.view(torch.uint8).numpy().tobytes())
+    _write(path, records)
+    _refused(path, f"holds {dtype} K/V; the model computes float32")
 
 
 def test_lengths_beyond_the_file_are_refused_before_allocating(saved, tmp_path):

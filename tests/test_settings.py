@@ -106,6 +106,7 @@ def test_override_can_turn_an_environment_trace_off(monkeypatch: pytest.MonkeyPa
         ("TIERKV_IO_QUEUE_DEPTH", "many", "positive integer"),
         ("TIERKV_IO_QUEUE_DEPTH", "²", "positive integer"),  # str.isdigit() is True, int() refuses it
         ("TIERKV_IO_QUEUE_DEPTH", "1²", "positive integer"),
+        ("TIERKV_IO_QUEUE_DEPTH", "9" * 5000, "positive integer"),  # int() refuses over 4,300 digits itself
         ("TIERKV_CACHE_DIR", "~no-such-user-of-tierkv/cache", "whose home directory cannot be found"),
         ("TIERKV_IO_CHUNK", "6KiB", f"multiple of {ALIGN}"),
         ("TIERKV_IO_CHUNK", "big", "is not a size"),

@@ -9,7 +9,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from tierkv import settings
+from tierkv import safefs, settings
 from tierkv.errors import InvalidConfigError
 
 MAX_JSON_BYTES = 4 << 20
@@ -18,10 +18,6 @@ of KB, so this bounds what a wrong path (``/dev/zero``, a huge log) can cost wit
 
 JSON_SETTINGS = ("profile",)
 """Settings whose value is the path of a JSON file :func:`read_json` reads (its errors name the variable)."""
-
-_SPECIAL = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-            (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
 
 def env_str(name: str, default: str | None = None) -> str | None:
     """Read a ``TIERKV_*`` environment knob (empty counts as unset)."""
@@ -60,8 +56,7 @@ def _read_regular(name: str) -> bytearray:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = next((kind for special, kind in _SPECIAL if special(mode)), "not a regular file")
-            raise _Unusable(f"is {kind}, not a JSON file")
+            raise _Unusable(f"is {safefs.kind_of(mode)}, not a JSON file")
         os.set_blocking(fd, True)
         data = bytearray()
         while len(data) <= MAX_JSON_BYTES and (chunk := os.read(fd, MAX_JSON_BYTES + 1 - len(data))):
@@ -86,11 +81,13 @@ def _variable_naming(name: str) -> str | None:
 
 
 def output_problem(path: str | os.PathLike[str]) -> tuple[int, str] | None:
-    """Why no file can be written at the user's ``path`` (its errno and a phrase: "is a directory", its folder is
-    missing), or None; checked when the path is given, so that the failure is not found only at the write."""
+    """Why no file can be written at the user's ``path`` (its errno and a phrase: "is a directory", "is a FIFO",
+    its folder is missing), or None; checked when the path is given, so that the failure is not found only at the
+    write (which checks again: :func:`tierkv.safefs.write_file`)."""
     target = Path(path)
-    if target.is_dir() and not target.is_symlink():  # a link there is replaced (renamed over), never followed
-        return errno.EISDIR, "is a directory"
+    problem = safefs.replace_problem(None, target)
+    if problem is not None:
+        return problem
     if not target.parent.is_dir():
         return errno.ENOENT, f"is in {os.fspath(target.parent)!r}, which is not an existing directory"
     return None

@@ -410,11 +410,42 @@ def replacing(directory: int, name: str, shared: bool | None = None) -> Iterator
     fsync_directory(directory)
 
 
+SPECIAL_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                 (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def kind_of(mode: int) -> str:
+    """What a non-regular file of ``mode`` is, in words ("a FIFO", "a character device" ...)."""
+    return next((kind for special, kind in SPECIAL_KINDS if special(mode)), "not a regular file")
+
+
+def replace_problem(directory: int | None, name: str | os.PathLike) -> tuple[int, str] | None:
+    """Why a new file must not be renamed over ``name`` (in ``directory``, a descriptor, or None: a path): a
+    directory, FIFO, device or socket is there, or a link to one (``/dev/stdout``, ``/dev/null``) — replacing it
+    would destroy what other programs use. ``(errno, phrase)``, or None where nothing, a regular file, a link to
+    one or a dangling link is there (a link is replaced, never followed)."""
+    try:
+        status = os.stat(name, dir_fd=directory, follow_symlinks=False)
+        if stat.S_ISLNK(status.st_mode):
+            status = os.stat(name, dir_fd=directory)  # what the link names, if anything
+    except OSError:
+        return None
+    if stat.S_ISREG(status.st_mode):
+        return None
+    code = errno.EISDIR if stat.S_ISDIR(status.st_mode) else errno.EEXIST
+    return code, f"is {kind_of(status.st_mode)}, which tierkv does not replace with a file"
+
+
 def write_file(path: str | os.PathLike, chunks: Iterable[bytes | memoryview], shared: bool | None = None) -> None:
-    """Replace the file ``path`` atomically with ``chunks`` (mode 0600; :func:`replacing`)."""
+    """Replace the file ``path`` atomically with ``chunks`` (mode 0600; :func:`replacing`); refused (DiskTierError)
+    where :func:`replace_problem` finds a device, FIFO, socket or directory there."""
     path = Path(path)
-    with directory(path.parent) as parent, replacing(parent, path.name, shared) as fd:
-        write_all(fd, chunks)
+    with directory(path.parent) as parent:
+        problem = replace_problem(parent, path.name)
+        if problem is not None:
+            raise refuse(path, problem[1], "give the path of a regular file", problem[0])
+        with replacing(parent, path.name, shared) as fd:
+            write_all(fd, chunks)
 
 
 @contextlib.contextmanager

@@ -125,7 +125,8 @@ def _count(high: int) -> Callable[[Any], int]:
     """A converter to an int in ``[1, high]``."""
     def convert(value: Any) -> int:
         # ASCII digits only: str.isdigit() also accepts superscripts ('²'), which int() refuses
-        digits = isinstance(value, str) and value.strip().isascii() and value.strip().isdigit()
+        digits = isinstance(value, str) and value.strip().isascii() and value.strip().isdigit() \
+            and len(value.strip().lstrip("0")) <= len(str(high))  # int() of thousands of digits raises ValueError
         if isinstance(value, bool) or not (isinstance(value, int) or digits) or not 1 <= int(value) <= high:
             raise _Invalid(f"must be a positive integer of at most {high} (range 1-{high})")
         return int(value)

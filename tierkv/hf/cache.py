@@ -294,7 +294,8 @@ class TieredCache(AttentionModes, Cache):
         stats["state_bytes"] = sum(layer.state_bytes() for layer in self.layers if isinstance(layer, StateLayer))
         return stats
 
-    def load_prefix(self, model: torch.nn.Module, input_ids: torch.Tensor | Sequence[int]) -> int:
+    def load_prefix(self, model: torch.nn.Module, input_ids: torch.Tensor | Sequence[int],
+                    attention_mask: torch.Tensor | None = None) -> int:
         """Load the longest persisted prefix of ``input_ids`` ``[B, T]`` into this empty cache and remember the
         ids, so the sequence's own full blocks are persisted in turn (needs ``persist=True``). Returns the
         tokens the cache now holds; ``model.generate(input_ids, cache=cache)`` then computes only the rest —
@@ -305,13 +306,16 @@ class TieredCache(AttentionModes, Cache):
         with the ones it holds: pass the previous ids, the generated tokens, then the new ones), loads nothing
         and returns the tokens held. A conversation loaded from a file (:meth:`load`) stays private: nothing
         of it, nor what is computed on top of it, is persisted.
+
+        ``attention_mask``: the one the forward gets (a padded batch): only tokens before the first masked one
+        are loaded or persisted; a forward whose mask masks loaded tokens is refused (:mod:`tierkv.hf.session`).
         """
         if self.session is None:
             raise InvalidConfigError("load_prefix needs persistent or remote blocks: remote='redis://...', or "
                                      "TieredCache(disk_dir='/path/on/nvme', persist=True).")
         if self.closed:
             raise closed_error()
-        return self.session.load(self, model, input_ids)
+        return self.session.load(self, model, input_ids, attention_mask)
 
     def flush(self) -> None:
         """Persist the full blocks with known ids now and wait until they are written (``persist=True``;

@@ -16,11 +16,12 @@ import torch
 
 from tierkv.errors import CapacityError, IntegrityError, InvalidConfigError
 from tierkv.hf import sizing
+from tierkv.hf.attention import cache_keyword
 from tierkv.hf.layer import TieredLayer
 from tierkv.hf.state import StateLayer
 from tierkv.persist import conversation
 from tierkv.persist import record as records
-from tierkv.persist.keys import model_fingerprint
+from tierkv.persist.keys import kv_dtype, model_fingerprint
 from tierkv.units import format_bytes
 
 if TYPE_CHECKING:
@@ -104,11 +105,28 @@ def _kv_claim(header: conversation.Header, model: torch.nn.Module) -> int | None
     config = getattr(model, "config", None)
     if config is None:
         return None
-    dtype = getattr(torch, header.namespace["dtype"]) if header.namespace is not None else \
-        next(model.parameters()).dtype
+    dtype = getattr(torch, header.namespace["dtype"]) if header.namespace is not None else kv_dtype(model)
     layouts = sizing.layer_layouts(config, 1, dtype)
     return sum((layer.length - layer.dropped) * header.batch * layout.token_bytes
                for layer, layout in zip(header.layers, layouts))
+
+
+def _state_geometry(model: torch.nn.Module) -> dict[tuple[int, str, int], tuple[str, tuple[int, ...]]]:
+    """The dtype and shape after the batch of every state ``model`` keeps, by ``(layer, conv / recurrent,
+    index)``, as the model makes them: one token through a ``DynamicCache`` of its config (each family sizes its
+    state from fields of its own), so that a file's state records are checked before any is read."""
+    from transformers import DynamicCache
+
+    config: Any = getattr(model, "config", None)
+    probe = DynamicCache(config=config)
+    token = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+    with torch.inference_mode():  # by the keyword the model takes (Mamba models ignore past_key_values= now)
+        model(input_ids=token, use_cache=True, **{cache_keyword(model): probe})
+    return {(index, part, i): (str(state.dtype).removeprefix("torch."), tuple(state.shape[1:]))
+            for index, layer in enumerate(probe.layers)
+            for part, states in (("conv", getattr(layer, "conv_states", {})),
+                                 ("recurrent", getattr(layer, "recurrent_states", {})))
+            for i, state in states.items() if state is not None}
 
 
 def _budget_bytes(cache: TieredCache, device: torch.device) -> int:
@@ -175,7 +193,9 @@ class Restore:
                                 f"{format_bytes(budget)} ({budget} bytes) of the cache's budgets (gpu_gb + cpu_gb + "
                                 "disk_gb): raise the budgets, e.g. TieredCache.load(path, model=model, cpu_gb=..., "
                                 "disk_dir=..., disk_gb=...). Nothing of the file was loaded.")
-        self.reader = conversation.Reader(header, what, geometry, budget)
+        states = _state_geometry(model) if self.state_kinds else None
+        self.reader = conversation.Reader(header, what, geometry, budget, str(kv_dtype(model)).removeprefix("torch."),
+                                          states)
         return conversation.ids_limit(head, what)
 
     def start(self, head: dict[str, Any], payload: bytearray) -> None:

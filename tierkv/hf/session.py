@@ -4,14 +4,25 @@
 A conversation loaded from a file (:meth:`TieredCache.load`) is *private*: its K/V came from the file, not from
 this process's forward passes, so neither it nor anything computed on top of it is written to the shared
 stores under the token ids the file claims (a crafted file would otherwise serve its K/V to other prompts).
+
+A block is keyed by its token ids, so it is stored and served only where its K/V depends on the ids and their
+positions alone. Two things a forward's inputs can add to that: an attention mask that masks a token (left
+padding: every later token's K/V then differs, positions shift too), and a rotary embedding whose frequencies
+depend on the forward's length (dynamic NTK, LongRoPE: a forward that reaches the model's original length
+rescales every position). A forward pre-hook on the model given to ``load_prefix`` (:class:`ForwardWatch`) sees
+each forward's mask and length: tokens after the first masked one, and those computed by a forward past that
+length, are never persisted; a forward that would mix them with K/V loaded from the store is refused before it
+runs (nothing changes). ``load_prefix(..., attention_mask=)`` loads only what the mask leaves untouched, and
+nothing for a prompt past that length.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import psutil
@@ -61,6 +72,9 @@ class PrefixSession:
         self.prefix = PrefixPersistence(store, block_tokens)
         self.block_tokens = block_tokens
         self.private = False  # a conversation from a file: nothing of it is persisted
+        self.clean: int | None = None  # tokens from the start whose K/V depends on ids and positions alone
+        self.loaded = 0  # tokens of this sequence loaded from the store
+        self.watches: dict[int, ForwardWatch] = {}  # id(model) -> its hook
 
     @property
     def ids(self) -> np.ndarray | None:
@@ -70,9 +84,14 @@ class PrefixSession:
     def namespace(self) -> Namespace | None:
         return self.prefix.namespace
 
-    def load(self, cache: TieredCache, model: torch.nn.Module, input_ids: torch.Tensor | Sequence[int]) -> int:
+    def load(self, cache: TieredCache, model: torch.nn.Module, input_ids: torch.Tensor | Sequence[int],
+             attention_mask: torch.Tensor | None = None) -> int:
         """:meth:`TieredCache.load_prefix` (see there)."""
         ids = token_ids(input_ids)
+        if attention_mask is not None and tuple(np.shape(attention_mask)) != ids.shape:
+            raise InvalidConfigError(f"attention_mask has shape {tuple(np.shape(attention_mask))}, the ids "
+                                     f"{ids.shape}: pass the mask of these ids (the one generate() gets).")
+        unmasked = first_masked(None if attention_mask is None else torch.as_tensor(attention_mask))
         held = cache.get_seq_length()
         if held:
             batch = cache.batch_size
@@ -82,19 +101,40 @@ class PrefixSession:
                     f"one new token, got ids of shape {tuple(ids.shape)}. Call cache.reset() for a new prompt.")
             if not self.private:
                 self.prefix.extend(ids, held)
+                self.narrow(unmasked, "load_prefix's attention_mask")
             return held
         namespace = Namespace.of_model(model, self.block_tokens)
         if cache.runtime.num_layers is not None and len(cache.layers) != namespace.layers:
             raise InvalidConfigError(f"the model has {namespace.layers} layers but this cache was built for "
                                      f"{len(cache.layers)} (config=); pass that model's config.")
-        self.private = False
+        watch = self.watches.get(id(model))
+        if watch is None or watch.model() is not model:
+            watch = self.watches[id(model)] = ForwardWatch(self, cache, model)
+        self.private, self.loaded, self.clean = False, 0, unmasked
         self.prefix.start(namespace, ids)
         if self.remote is not None:
             self.remote.bind(namespace)
-        blocks, kv = self.prefix.load()
+        most = unmasked
+        if watch.rope_limit is not None and ids.shape[1] >= watch.rope_limit:
+            most = 0  # the prompt's forward rescales every position: nothing stored was computed so
+        blocks, kv = self.prefix.load(most)
         if blocks:
             _import(cache, kv, next(model.parameters()).device)
-        return blocks * self.block_tokens
+        self.loaded = blocks * self.block_tokens
+        return self.loaded
+
+    def narrow(self, clean: int | None, why: str) -> None:
+        """Only the first ``clean`` tokens (None: all) depend on ids and positions alone (``why``: what says so):
+        nothing after them is persisted; refused before anything changes if the store's K/V is among them."""
+        if clean is None:
+            return
+        if clean < self.loaded:
+            raise InvalidConfigError(
+                f"the first {self.loaded} tokens of this cache were loaded from the prefix store, computed with "
+                f"every token attended at its own position, but {why} masks token {clean}, so the model's K/V of "
+                "them differs. Pass load_prefix the attention_mask the forward gets (it then loads only the tokens "
+                "before any masked one), or call cache.reset() and run the prompt without load_prefix.")
+        self.clean = clean if self.clean is None else min(self.clean, clean)
 
     def loaded_from_file(self) -> None:
         """The cache now holds a conversation read from a file: it is private (module docstring)."""
@@ -107,8 +147,9 @@ class PrefixSession:
         store = cache.runtime.store
         if store is None or self.private:
             return
+        clean = self.clean if self.clean is not None else cache.get_seq_length()
         try:
-            self.prefix.collect(store, [layer.get_seq_length() for layer in cache.layers],
+            self.prefix.collect(store, [min(layer.get_seq_length(), clean) for layer in cache.layers],
                                 [layer.dropped for layer in cache.layers])
         except Exception:
             log.exception("tierkv: persisting this sequence's blocks failed; it is no longer persisted")
@@ -122,7 +163,7 @@ class PrefixSession:
 
     def reset(self) -> None:
         self.prefix.reset()
-        self.private = False
+        self.private, self.loaded, self.clean = False, 0, None
 
     def flush(self) -> None:
         self.prefix.flush()
@@ -130,10 +171,85 @@ class PrefixSession:
             self.remote.flush()  # the remote's writes (each bounded by its timeout)
 
     def close(self) -> None:
+        for watch in self.watches.values():
+            watch.remove()
+        self.watches.clear()
         try:
             self.prefix.close()  # waits for the writer, releases the store
         except Exception:  # noqa: BLE001 - close() never raises; what was listed stays listed
             log.exception("tierkv: closing the persistent block store failed")
+
+
+class ForwardWatch:
+    """A forward pre-hook on a model ``load_prefix`` was given: before each of its forwards with this cache, the
+    tokens whose K/V the forward's mask or length makes depend on more than ids and positions
+    (:meth:`PrefixSession.narrow`; module docstring). Holds its session and cache weakly."""
+
+    def __init__(self, session: PrefixSession, cache: TieredCache, model: torch.nn.Module) -> None:
+        self.session, self.cache, self.model = weakref.ref(session), weakref.ref(cache), weakref.ref(model)
+        self.rope_limit = rope_limit(getattr(model, "config", None))
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, _: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        session, cache = self.session(), self.cache()
+        if session is None or cache is None:
+            self.remove()
+            return
+        given: object = next((kwargs[name] for name in CACHE_KEYWORDS if kwargs.get(name) is not None), None)
+        if given is not cache or session.private or session.prefix.ids is None:
+            return
+        self.check(session, cache, args, kwargs)
+
+    def check(self, session: PrefixSession, cache: TieredCache, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> None:
+        held = cache.get_seq_length()
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        new = int(inputs.shape[1]) if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else 0
+        session.narrow(first_masked(kwargs.get("attention_mask"), held), "this forward's attention_mask")
+        if self.rope_limit is not None and held + new >= self.rope_limit:
+            if session.loaded > 0 and held <= session.loaded:
+                raise InvalidConfigError(
+                    f"this model's rotary embedding rescales every position of a forward that reaches "
+                    f"{self.rope_limit} tokens; the {session.loaded} tokens loaded from the prefix store were "
+                    f"computed by shorter forwards, and this one reaches {held + new}. Give load_prefix the whole "
+                    "prompt (it loads nothing for one that long), or call cache.reset().")
+            session.narrow(held, "a forward that rescales positions")
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+CACHE_KEYWORDS = ("past_key_values", "cache", "cache_params")  # what transformers' forwards call the cache
+
+
+def first_masked(mask: Any, fallback: int = 0) -> int | None:
+    """The first token position any row of a 2-D ``attention_mask`` masks (None: none, or no mask); ``fallback``
+    for a mask of another form (a 4-D one may mask anything)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return fallback
+    masked = torch.nonzero((mask == 0).any(0)).flatten()
+    return int(masked[0]) if masked.numel() else None
+
+
+def rope_limit(config: Any) -> int | None:
+    """The forward length from which ``config``'s rotary embedding rescales positions (dynamic NTK scaling from
+    the model's length, LongRoPE's long factors past its original length), the smallest of its layer types';
+    None if its K/V does not depend on the forward's length."""
+    if config is None:
+        return None
+    text = config.get_text_config(decoder=True)
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    kinds = list(params.values()) if params and all(isinstance(p, dict) for p in params.values()) else [params]
+    limits = [int(length) for p in kinds if "dynamic" in str(p.get("rope_type", p.get("type", "")))
+              or p.get("rope_type", p.get("type")) == "longrope"
+              for length in (p.get("original_max_position_embeddings"),
+                             getattr(text, "original_max_position_embeddings", None), text.max_position_embeddings)
+              if isinstance(length, int) and length > 0]
+    return min(limits) if limits else None
 
 
 def _import(cache: TieredCache, kv: list[torch.Tensor], device: torch.device) -> None:

@@ -382,13 +382,16 @@ class Reader:
     ``[batch, n, 2, H_kv, block_tokens, head_dim]`` of the header (and its namespace, if any), in one dtype
     per layer, of at most ``max(CHUNK_BYTES, one block column of the batch)`` (what :func:`records` writes) and
     at most ``budget`` bytes (what the cache can hold, if known). ``geometry``: each layer's ``(H_kv,
-    head_dim)`` in the loading model's config, which every record must also have. :meth:`limit` checks a
-    record's header before its payload is read (a :data:`tierkv.persist.record.Limit`)."""
+    head_dim)`` in the loading model's config, which every record must also have; ``dtype``: the K/V dtype of that
+    model; ``states``: the dtype and shape after the batch of each state it keeps, by ``(layer, part, index)``.
+    :meth:`limit` checks a record's header before its payload is read (a :data:`tierkv.persist.record.Limit`)."""
 
     def __init__(self, header: Header, what: str, geometry: Sequence[tuple[int, int]] | None = None,
-                 budget: int | None = None) -> None:
+                 budget: int | None = None, dtype: str | None = None,
+                 states: dict[tuple[int, str, int], tuple[str, tuple[int, ...]]] | None = None) -> None:
         self.header, self.what = header, what
         self.heads_dims = geometry  # per layer (H_kv, D) of the model that loads the file, if known
+        self.dtype, self.state_geometry = dtype, states
         self.budget = budget
         self.count = 1
         bt = header.block_tokens
@@ -453,6 +456,9 @@ class Reader:
         if geometry != (dtype, heads, dim) or (self.expected is not None and geometry != self.expected):
             raise IntegrityError(f"{what}: {name} of layer {layer} holds {dtype} K/V of {heads} heads of {dim}; the "
                                  f"file says {self.expected or geometry}.")
+        if self.dtype is not None and dtype != self.dtype:
+            raise IntegrityError(f"{what}: {name} of layer {layer} holds {dtype} K/V; the model computes "
+                                 f"{self.dtype}. Load it with the model (and dtype) that saved it.")
         if self.heads_dims is not None and self.heads_dims[layer] != (heads, dim):
             model_heads, model_dim = self.heads_dims[layer]
             raise IntegrityError(f"{what}: {name} of layer {layer} holds K/V of {heads} heads of {dim}; the model's "
@@ -486,6 +492,12 @@ class Reader:
         _integer(shape[0], what, f"{name}.shape[0] (batch)", self.header.batch, self.header.batch)
         for i, size in enumerate(shape[1:], 1):
             _integer(size, what, f"{name}.shape[{i}]", 1, MAX_TOKENS)
+        expected = self.state_geometry.get((layer, part, index)) if self.state_geometry is not None else None
+        if self.state_geometry is not None and (dtype, tuple(shape[1:])) != expected:
+            made = f"{expected[0]} of shape {list(expected[1])} a row" if expected else "no such state"
+            raise IntegrityError(f"{what}: {name} holds the {part} state {index} of layer {layer} as {dtype} of shape "
+                                 f"{shape[1:]} a row; the model makes {made}. The file is damaged or crafted (refused "
+                                 "before reading it).")
         size = math.prod(shape) * getattr(torch, dtype).itemsize
         if self.budget is not None and self.state_bytes + size > self.budget:
             raise IntegrityError(f"{what}: field '{name}.shape' is {shape}: with the state records before it, "

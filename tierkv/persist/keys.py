@@ -139,12 +139,19 @@ class Namespace:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         parameter = next(model.parameters())
         return cls(fingerprint=fingerprint or model_fingerprint(model), layers=int(text.num_hidden_layers),
-                   kv_heads=int(kv_heads), head_dim=int(head_dim), dtype=str(parameter.dtype).removeprefix("torch."),
+                   kv_heads=int(kv_heads), head_dim=int(head_dim), dtype=str(kv_dtype(model)).removeprefix("torch."),
                    block_tokens=int(block_tokens), device_type=parameter.device.type,
                    attention=str(config._attn_implementation))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def kv_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of a decoder's K/V: its first floating-point parameter's (a quantized model's packed integer
+    weights are not what its attention computes in)."""
+    parameters = list(model.parameters())
+    return next((p.dtype for p in parameters if p.is_floating_point()), parameters[0].dtype)
 
 
 def block_keys(root: str, ids: Sequence[int] | np.ndarray, block_tokens: int) -> list[str]:

@@ -29,7 +29,7 @@ from typing import BinaryIO
 
 from tierkv import safefs
 from tierkv.atomic import deferred_interrupts
-from tierkv.errors import DiskTierError
+from tierkv.errors import DiskTierError, IntegrityError
 
 POLL_SECONDS = (0.001, 0.05)  # first and longest pause between tries of a lock another process holds
 
@@ -44,6 +44,11 @@ def _open(directory: int, name: str, flags: int) -> BinaryIO:
 
     def opener(path: str, _: int) -> int:
         fd = safefs.open_regular(directory, path, f"lock file {name}", os.O_RDONLY | flags, mode=mode)
+        links = os.fstat(fd).st_nlink
+        if links != 1:  # a hard link planted to a file elsewhere: never locked, never chmod-ed
+            os.close(fd)
+            raise IntegrityError(errno.EPERM, f"lock file {name}: {links} names for one file where tierkv keeps its "
+                                              "own lock (a hard link to a file elsewhere); refused. Remove it.")
         if flags & os.O_CREAT:
             with contextlib.suppress(OSError):  # exact whatever the umask (only its owner may change it)
                 os.fchmod(fd, mode)

@@ -115,15 +115,15 @@ class PrefixPersistence:
         self._keys = [block_keys(root, row, self.block_tokens) for row in ids]
 
     # --------------------------------------------------------------------------------------- load
-    def load(self) -> tuple[int, list[torch.Tensor]]:
+    def load(self, most: int | None = None) -> tuple[int, list[torch.Tensor]]:
         """``(blocks, kv)``: the stored prefix of every row — ``kv[layer]`` ``[2, B, H_kv, blocks * bt, D]`` on
-        the host — leaving at least the last id to compute. ``(0, [])`` if nothing is stored. Call after
-        :meth:`start`."""
+        the host — leaving at least the last id to compute, and at most ``most`` tokens. ``(0, [])`` if nothing is
+        stored. Call after :meth:`start`."""
         ids, namespace = self.ids, self.namespace
         if ids is None or namespace is None:
             raise InvalidConfigError("PrefixPersistence.load() has no sequence to load; call start(namespace, "
                                      "ids) first.")
-        limit = (ids.shape[1] - 1) // self.block_tokens
+        limit = min(ids.shape[1] - 1, ids.shape[1] if most is None else most) // self.block_tokens
         blocks = min(self.store.lookup(keys[:limit]) for keys in self._keys)
         rows: list[list[torch.Tensor]] = []
         for keys in self._keys:
