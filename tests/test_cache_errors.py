@@ -38,6 +38,8 @@ def model():
     ({"block_tokens": 0}, "block_tokens"),
     ({"prefetch_depth": -1}, "prefetch_depth"),
     ({"policy": "nope"}, "valid policies"),
+    ({"disk_dir": ""}, "empty path"),  # os.environ.get("UNSET", "") used to drop the disk tier silently
+    ({"disk_dir": " "}, "empty path"),
 ])
 def test_invalid_arguments(kwargs, match):
     with pytest.raises(InvalidConfigError, match=match):

@@ -164,7 +164,7 @@ def _alarm(signum: int, frame: object) -> None:
     ("oversized", f"larger than {MAX_JSON_BYTES >> 20} MiB"),
     ("deeply nested", "not valid JSON"),
 ])  # fmt: skip
-def test_a_profile_that_is_no_json_file_is_refused_at_the_first_forward(
+def test_a_profile_that_is_no_json_file_is_refused_when_the_cache_is_built(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: str, problem: str
 ) -> None:
     """Sweep finding 4: ``TIERKV_PROFILE`` naming a directory was a bare IsADirectoryError, a FIFO hung the first
@@ -220,9 +220,24 @@ def test_a_profile_on_a_device_is_never_read(tmp_path: Path) -> None:
                                  "device"), out.stdout + out.stderr
 
 
+def test_a_bad_knob_or_profile_is_refused_when_the_cache_is_built(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """Knobs a cache reads only in its first forward, and ``profile=``, are checked when it is built: a prefill
+    is not computed to be given back."""
+    monkeypatch.setenv("TIERKV_DIRECT_IO", "maybe")
+    with pytest.raises(InvalidConfigError, match="TIERKV_DIRECT_IO='maybe' must be 1"):
+        TieredCache()
+    monkeypatch.delenv("TIERKV_DIRECT_IO")
+    with pytest.raises(InvalidConfigError, match="does not exist; create one with `tierkv bench`"):
+        TieredCache(profile=tmp_path / "nope.json")
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(InvalidConfigError, match="is malformed"):
+        TieredCache(profile=tmp_path / "empty.json")
+
+
 def test_a_bad_knob_read_when_the_first_layer_steps_is_one_clean_error(tmp_path):
-    """``TIERKV_PREFETCH_MIN`` is read when the exact executor is built, inside the first forward: refused with the
-    variable named, and nothing half-built left for close() to fail on (it logged "close failed ... no attribute
+    """``TIERKV_PREFETCH_MIN`` (read when the exact executor is built) is refused with the variable named when the
+    cache is built, and nothing half-built is left for close() to fail on (it logged "close failed ... no attribute
     'pending'"). A process of its own: the suite overrides the setting."""
     script = tmp_path / "step.py"
     script.write_text(

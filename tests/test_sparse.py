@@ -178,7 +178,7 @@ def test_beam_search_shares_blocks_and_keeps_the_table_consistent(tmp_path):
     assert out.shape == (1, 40 + NEW)
 
 
-@pytest.mark.parametrize("tokens", [0, -3, 1.5, 0.0, "2K", True])
+@pytest.mark.parametrize("tokens", [0, -3, 1.5, 0.0, "2Q", "0.5", "", True])
 def test_bad_budgets_name_the_fix(tokens):
     with pytest.raises(InvalidConfigError, match="sparse tokens"):
         SparseBudget(tokens)
@@ -186,6 +186,10 @@ def test_bad_budgets_name_the_fix(tokens):
         SparseBudget(16, sinks=-1)
     with pytest.raises(InvalidConfigError, match="sparse dense_layers=-1 must be an int >= 0 \\(layers\\)"):
         SparseBudget(16, dense_layers=-1)
+
+
+def test_a_budget_is_a_count_as_the_command_line_writes_it():
+    assert SparseBudget("2K").budget_tokens(100_000) == 2048 and SparseBudget("300").tokens == 300
 
 
 def test_dense_layers_are_read_in_full_and_paid_for_by_the_others(tmp_path):

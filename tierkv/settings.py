@@ -306,6 +306,13 @@ def get(name: str) -> Any:
     return _resolve(_setting(name))[0]
 
 
+def check_all() -> None:
+    """Resolve every setting: a malformed ``TIERKV_*`` variable is refused (naming it) where this is called — when
+    a cache is built — rather than inside a forward that would then give back its work."""
+    for name in SETTINGS:
+        get(name)
+
+
 def source(name: str) -> str:
     """How the value of ``name`` was given, for messages: ``"TIERKV_DISK_ENGINE=posix"``,
     ``"override(disk_engine='posix')"`` or ``"default"``."""

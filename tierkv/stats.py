@@ -129,6 +129,14 @@ def default_profile(device_type: str, cuda_major: int = 0) -> LinkProfile:
     return LinkProfile(links, {"source": "presets: dram (CPU-only host), nvme-gen4"}, serial_mover=True)
 
 
+def check_profile(profile: LinkProfile | str | os.PathLike | None) -> None:
+    """Read the profile a cache would use from a file (``profile=``, else ``$TIERKV_PROFILE``), so that a missing or
+    malformed one is refused when the cache is built (InvalidConfigError naming it), not at its first forward."""
+    path = settings.get("profile") if profile is None else None if isinstance(profile, LinkProfile) else profile
+    if path is not None:
+        LinkProfile.load(path)
+
+
 def resolve_profile(profile: LinkProfile | str | os.PathLike | None, device_type: str,
                     cuda_major: int = 0) -> tuple[LinkProfile, str]:
     """The profile the telemetry and ``prefetch_depth="auto"`` use, and where it came from:

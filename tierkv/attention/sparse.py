@@ -76,6 +76,7 @@ from tierkv.staging import GROWTH, REST_BITS, default_page_tokens
 from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
 from tierkv.store.transfer import link
+from tierkv.units import parse_tokens
 
 DEFAULT_REST_BITS = 4  # cache.sparse's rest copy: at 10% the one with top-1 >= 97% on every model (docs/quality.md)
 _LABELS = tuple(tier.label for tier in Tier)  # each tier's label by its value, looked up without the enum
@@ -102,7 +103,7 @@ class SparseBudget:
     for the page's tokens), which the summaries hold anyway: nothing more is kept or read.
     """
 
-    tokens: int | float
+    tokens: int | float | str
     sinks: int | None = None
     recent: int | None = None
     dense_layers: int = 0
@@ -112,9 +113,12 @@ class SparseBudget:
 
     def __post_init__(self) -> None:
         tokens = self.tokens
+        if isinstance(tokens, str):  # a count as the CLI writes it: "2K", "2048"
+            tokens = parse_tokens(tokens, name="sparse tokens")
+            object.__setattr__(self, "tokens", tokens)
         if isinstance(tokens, bool) or not isinstance(tokens, (int, float)):
-            raise InvalidConfigError(f"sparse tokens={tokens!r}: give an int budget (e.g. 2048) or a fraction "
-                                     "of the context in (0, 1] (e.g. 0.05).")
+            raise InvalidConfigError(f"sparse tokens={tokens!r}: give an int budget (e.g. 2048 or '2K') or a "
+                                     "fraction of the context in (0, 1] (e.g. 0.05).")
         if isinstance(tokens, int) and tokens < 1:
             raise InvalidConfigError(f"sparse tokens={tokens} must be >= 1 (or a fraction in (0, 1]).")
         if isinstance(tokens, float) and not 0.0 < tokens <= 1.0:
@@ -137,7 +141,7 @@ class SparseBudget:
         """Attended tokens per row, at most, for a layer attending over ``context`` tokens."""
         if isinstance(self.tokens, float):
             return max(1, math.floor(self.tokens * context))
-        return self.tokens
+        return int(self.tokens)  # a count ("2K" was parsed to one)
 
     def page_size(self, block_tokens: int) -> int:
         """Tokens per selected page in a cache of ``block_tokens``-token blocks (raises if it does not divide)."""

@@ -31,6 +31,7 @@ try:  # a layer that keeps nothing (an MoE or MLP block between recurrent and at
 except ImportError:  # releases without it refuse such configs (sizing.layer_kinds)
     DummyLayer = type("DummyLayer", (), {})  # type: ignore[misc,assignment]
 
+from tierkv import settings
 from tierkv.attention.base import PipelinedExecutor
 from tierkv.attention.exact_gather import ExactGather
 from tierkv.bandwidth import LinkProfile
@@ -45,7 +46,7 @@ from tierkv.hf.session import PrefixSession
 from tierkv.hf.sizing import DEFAULT_BLOCK_TOKENS
 from tierkv.hf.state import HybridLayer, StateLayer
 from tierkv.policy import Policy, make_policy
-from tierkv.stats import make_trace
+from tierkv.stats import check_profile, make_trace
 from tierkv.store import KVStore
 from tierkv.tiers.disk import DiskTier
 from tierkv.units import parse_size
@@ -111,6 +112,8 @@ class TieredCache(AttentionModes, Cache):
                  persist_gb: float | str | None = None, remote: str | None = None) -> None:
         sizing.check_arguments(block_tokens, prefetch_depth, config, disk_dir, disk_gb, disk_engine, persist,
                                persist_gb, remote)
+        settings.check_all()  # every TIERKV_* knob: a bad one is refused now, not inside the first forward
+        check_profile(profile)
         self.trace = make_trace(trace)  # None when off (also reads TIERKV_TRACE)
         budgets = Budgets(None if gpu_gb is None else parse_size(gpu_gb, name="gpu_gb"),
                           None if cpu_gb is None else parse_size(cpu_gb, name="cpu_gb"),
@@ -150,6 +153,14 @@ class TieredCache(AttentionModes, Cache):
                 self.forward.claim(self.uses_per_forward())
             if self.forward.unsettled is not None:
                 self.forward.settle(self.holding, self.runtime)
+            if layer_idx == self.forward.last_update > 0:
+                self.reset()  # every forward of such a model mixed its cross-attention K/V into the layers
+                raise InvalidConfigError(
+                    f"layer {layer_idx} was updated twice in a row, as an encoder-decoder model (T5, BART, Whisper) "
+                    "updates each decoder layer given one cache for both its self- and cross-attention; tierkv "
+                    "holds the self-attention K/V: pass EncoderDecoderCache(cache, DynamicCache()) (from "
+                    "transformers). This cache was emptied.")
+            self.forward.last_update = layer_idx
             if not 0 <= layer_idx < len(self.layers):
                 try:
                     self._add_layers(layer_idx)

@@ -50,6 +50,7 @@ class Forward:
         self.number = 0
         self.first: tuple[int, str, int] | None = None
         self.last = -1
+        self.last_update = -1  # the layer index of the last update (a decoder-only model never repeats one > 0)
 
     def entered(self, position: int, call: str, state_idx: int) -> bool:
         """Whether this use of model layer ``position`` begins a forward: a model runs its layers in order, so a
@@ -65,7 +66,7 @@ class Forward:
 
     def reset(self) -> None:
         """The cache was emptied: the next use begins a forward of its own."""
-        self.unsettled, self.layers_updated, self.first, self.last = None, 0, None, -1
+        self.unsettled, self.layers_updated, self.first, self.last, self.last_update = None, 0, None, -1, -1
 
     def claim(self, layers: int | None) -> None:
         """An update on this thread: refused while a forward of another thread that is still running is half done

@@ -47,17 +47,18 @@ class AttentionModes:
         """
         return Engagement(self._cache, model, streaming_mode(chunk_tokens), "streaming")
 
-    def sparse(self, model: torch.nn.Module, tokens: int | float = 2048, sinks: int | None = None,
+    def sparse(self, model: torch.nn.Module, tokens: int | float | str = 2048, sinks: int | None = None,
                recent: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                dense_layers: int = 0, rest_bits: int = DEFAULT_REST_BITS, page_tokens: int | None = None,
                rest_means: bool = False) -> Engagement:
         """Decode with query-aware *sparse* attention over this cache while inside the block (approximate).
 
         Each decode step, every layer scores its pages by their key summaries and attends exactly over the
-        best ones within ``tokens`` (an int, or a fraction in (0, 1] of the sequence's tokens), which include
-        ``sinks`` (first tokens; default one page) and ``recent`` (last tokens; default: the newest token's page) —
-        fetched from whatever tier holds them. ``dense_layers``: the first layers attend in full. Nothing is
-        dropped. Prefill and other multi-token steps stay exact (streaming attention, ``chunk_tokens``).
+        best ones within ``tokens`` (an int or a count such as "2K", or a fraction in (0, 1] of the sequence's
+        tokens), which include ``sinks`` (first tokens; default one page) and ``recent`` (last tokens; default:
+        the newest token's page) — fetched from whatever tier holds them. ``dense_layers``: the first layers
+        attend in full. Nothing is dropped. Prefill and other multi-token steps stay exact (streaming attention,
+        ``chunk_tokens``).
         ``rest_bits`` (2, 4 — the default — or 8; 0: none): the pages a step does not read are attended too, from a
         low-bit copy on the device (a page whose mass Quest's bound proves negligible is left out); without a copy,
         ``rest_means`` attends them from each page's mean key and value (kept with the summaries, nothing more).

@@ -365,6 +365,10 @@ def check_arguments(block_tokens: object, prefetch_depth: object, config: object
         raise InvalidConfigError(f"prefetch_depth must be an int >= 0 or 'auto', got {prefetch_depth!r}.")
     if config is not None:
         check_model_config(config)
+    if isinstance(disk_dir, (str, os.PathLike)) and not os.fspath(disk_dir).strip():
+        raise InvalidConfigError(f"disk_dir={os.fspath(disk_dir)!r} is an empty path (an unset variable?): give "
+                                 "the directory of the disk tier, e.g. disk_dir='/path/on/nvme', or leave disk_dir "
+                                 "out for no disk tier.")
     if disk_dir is None and (disk_gb is not None or disk_engine is not None):
         what = "disk_gb" if disk_gb is not None else "disk_engine"
         raise InvalidConfigError(f"{what} was given without disk_dir; pass disk_dir='/path/on/nvme' to enable "
