@@ -54,12 +54,20 @@ def test_unwritable_disk_dir(tmp_path):
     assert isinstance(info.value, OSError)
 
 
-def test_budget_below_minimum_is_refused(model):
+def test_budget_below_minimum_is_refused_with_the_smaller_one_without_prefetch(model):
+    """The error names the budget that reads a layer ahead, and says that less decodes without; that smaller
+    minimum decodes exactly with prefetch_depth=0."""
     ids = torch.randint(0, 128, (1, 64))
     needed = TieredCache.min_device_bytes(model.config, context=64, block_tokens=4)
     with TieredCache(gpu_gb=f"{needed // 8}B", block_tokens=4) as cache, \
-            pytest.raises(BudgetTooSmallError, match="raise gpu_gb"):
+            pytest.raises(BudgetTooSmallError, match="raise gpu_gb") as info:
         model(ids, past_key_values=cache)
+    assert "min_device_bytes(..., prefetch_depth=0)" in str(info.value)
+    least = TieredCache.min_device_bytes(model.config, context=64, block_tokens=4, prefetch_depth=0)
+    assert least < needed
+    with TieredCache(gpu_gb=f"{least}B", block_tokens=4, prefetch_depth=0, config=model.config) as cache:
+        torch.testing.assert_close(model(ids, past_key_values=cache).logits,
+                                   model(ids, past_key_values=DynamicCache()).logits, atol=1e-5, rtol=0)
 
 
 def test_kv_that_does_not_fit_keeps_accepted_tokens(model):

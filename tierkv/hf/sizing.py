@@ -62,11 +62,12 @@ def _zero_without_kv(size: Callable[..., int]) -> Callable[..., int]:
 def min_device_bytes(config: PreTrainedConfig, context: int, batch: int = 1,
                      block_tokens: int = DEFAULT_BLOCK_TOKENS, prefetch_depth: int = 1,
                      dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> int:
-    """Smallest ``gpu_gb`` (in bytes) that decodes ``context`` tokens: staging for the largest layer
-    (``prefetch_depth + 1`` buffers of one layer's full K/V, with 25% growth headroom, and one more for each
-    layer whose K/V later layers reuse: :func:`kv_producers`), one tail block per (row, layer), and on CUDA
-    (``device``; default: CUDA if available) the two landing buffers. Bytes, not GB: pass it on as
-    ``gpu_gb=f"{n}B"``."""
+    """Smallest ``gpu_gb`` (in bytes) that decodes ``context`` tokens reading ``prefetch_depth`` layers ahead:
+    staging for the largest layer (``prefetch_depth + 1`` buffers of one layer's full K/V, with 25% growth
+    headroom, and one more for each layer whose K/V later layers reuse: :func:`kv_producers`), one tail block per
+    (row, layer), and on CUDA (``device``; default: CUDA if available) the two landing buffers. A cache built with
+    ``prefetch_depth=0`` (no layer read ahead: slower) needs ``prefetch_depth=0``'s number. Bytes, not GB: pass
+    it on as ``gpu_gb=f"{n}B"``."""
     check_model_config(config)
     check_count(context, name="context")
     check_count(batch, name="batch")
