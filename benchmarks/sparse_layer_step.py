@@ -43,8 +43,9 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     import test_sparse as bench
 
-    from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseAttention
+    from tierkv.attention.sparse import SparseAttention
     from tierkv.attention.sparse_rest import RestAttention
+    from tierkv.staging import DEFAULT_REST_BITS
 
     layer = 1
     recorded: dict[str, tuple] = {}

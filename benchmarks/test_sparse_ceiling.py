@@ -74,7 +74,7 @@ from transformers import DynamicCache
 
 from tierkv import TieredCache, models
 from tierkv.attention import rest_kernel
-from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseBudget
+from tierkv.attention.sparse import SparseBudget
 from tierkv.calibrate.disk import RawDirect
 from tierkv.calibrate.timing import seconds
 from tierkv.hf import cache_keyword
@@ -84,6 +84,7 @@ from tierkv.io.base import queue_depth
 from tierkv.planner import kv_summary_bytes
 from tierkv.quality import harness
 from tierkv.quality.tasks import task_writer
+from tierkv.staging import DEFAULT_REST_BITS
 from tierkv.store.summaries import TABLE_GROWTH
 from tierkv.units import format_bytes, parse_token_list
 

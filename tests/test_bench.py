@@ -30,10 +30,14 @@ KiB, MiB = 1 << 10, 1 << 20
 
 def test_quick_bench_writes_a_loadable_profile_and_a_png(tmp_path: Path, capsys) -> None:
     profile_path, plot_path = tmp_path / "profile.json", tmp_path / "bench.png"
+    (tmp_path / "disk").mkdir()  # --dir must exist (a typo never creates a folder)
     status = main(["bench", "--quick", "--dir", str(tmp_path / "disk"), "--profile-out", str(profile_path),
                    "--plot-out", str(plot_path)])  # fmt: skip
     assert status == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert "numbers indicative only" in captured.err  # --quick says so in its output, not only in the docs
+    assert "measuring the store's own gather" in captured.err  # the gather phases are named one by one
     for heading in ("CPU", "RAM", "GPU", "Memory links", "Disk read", "Disk write", "raw O_DIRECT"):
         assert heading in printed
     profile = LinkProfile.load(profile_path)
@@ -233,7 +237,7 @@ def no_measuring(monkeypatch):
      ["--min-size (16.00 MiB) is larger than --disk-size (8.00 MiB)", "raise --disk-size"]),
     (["--block-size", "0"], ["--block-size 0 is 0 B; give a multiple of 4KiB"]),
     (["--block-size", "64MiB"], ["--block-size (64.00 MiB) is larger than --disk-size (32.00 MiB, the default"]),
-    (["--dir", UNWRITABLE + "/disk"], ["--dir", "is not writable"]),
+    (["--dir", UNWRITABLE], ["--dir", "is not a writable directory"]),
     (["--profile-out", UNWRITABLE + "/p.json"], ["--profile-out", "is not writable"]),
     (["--plot-out", UNWRITABLE + "/p.png"], ["--plot-out", "is not writable"]),
 ])  # fmt: skip

@@ -290,7 +290,7 @@ def no_eval_load(monkeypatch):
 
 @pytest.mark.parametrize(("argv", "needles"), [
     (["--device", "foo"], ["--device 'foo' is not a torch device", "give cpu, cuda or cuda:N"]),
-    (["--out", UNWRITABLE + "/results"], ["--out", "is not writable"]),
+    (["--out", UNWRITABLE + "/results"], ["--out", "is not a writable directory"]),
     (["--cache", "dynamic", "--gpu-gb", "1"], ["--gpu-gb applies only with --cache tiered", "add --cache tiered"]),
     (["--cpu-gb", "1", "--executor", "gather"], ["--cpu-gb, --executor apply only with --cache tiered"]),
     (["--cache", "tiered", "--executor", "gather", "--chunk-tokens", "1K"],

@@ -318,7 +318,7 @@ def test_an_encoder_decoder_model_decodes_exactly_with_the_cache_as_its_self_att
     with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path / "alone", block_tokens=4,
                      config=config) as cache:  # fmt: skip
         for _ in range(2):  # not mistaken for an interrupted step that a second call would resume
-            with pytest.raises(InvalidConfigError, match=r"updated twice in a row.*EncoderDecoderCache\(cache, "
+            with pytest.raises(InvalidConfigError, match=r"updated twice in one forward.*EncoderDecoderCache\(cache, "
                                                          r"DynamicCache\(\)\)"):  # fmt: skip
                 model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
             assert cache.get_seq_length() == 0

@@ -96,7 +96,7 @@ def test_eval_says_how_long_and_keeps_its_table_title_on_one_line():
     result = tierkv("eval", "--lengths", "256", "--depths", "0", "--samples", "1")
     assert result.returncode == 0, result.stderr
     announce = next(line for line in result.stderr.splitlines() if line.startswith("1 trial: "))
-    assert "in all, roughly" in announce, announce
+    assert "in all by this host's speed now" in announce and "between " in announce, announce
     assert result.stdout.splitlines()[0].strip() == "passkey accuracy, greedy, 1 haystack per cell", result.stdout
 
 

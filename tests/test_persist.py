@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import stat
@@ -288,6 +289,20 @@ def test_the_manifest_is_read_within_a_bound_the_writer_keeps(tmp_path, monkeypa
     assert again.put([_item("c" * 32)]) == 1 and again.stats()["blocks"] == 3
     assert again.lookup(keys) == 2 and "c" * 32 in again  # the deepest of the older chain went first
     again.close()
+
+
+def test_names_another_program_left_in_blocks_are_one_warning(tmp_path, caplog):
+    """Thousands of names tierkv did not make in ``blocks/`` are left alone and said once (they flooded the log
+    with one warning each at every open)."""
+    PersistentStore(tmp_path, 1 << 20).close()
+    blocks = tmp_path / DIRECTORY_NAME / "blocks"
+    for i in range(2000):
+        (blocks / f"junk-{i}").write_bytes(b"")
+    with caplog.at_level("WARNING", logger="tierkv"):
+        PersistentStore(tmp_path, 1 << 20).close()
+    lines = [r.getMessage() for r in caplog.records if "not tierkv's" in r.getMessage()]
+    assert len(lines) == 1 and "2,000 names" in lines[0] and "and 1,997 more" in lines[0]
+    assert len(list(blocks.iterdir())) == 2000
 
 
 def test_a_hard_link_planted_at_the_lock_is_refused_and_its_file_unchanged(tmp_path):
@@ -636,6 +651,64 @@ def test_positions_a_length_dependent_rope_rescales_are_neither_stored_nor_serve
         with pytest.raises(InvalidConfigError, match="rescales every position"):
             _generate(model, long, told_less)
         assert told_less.get_seq_length() == PROMPT // BT * BT
+
+
+@pytest.mark.parametrize("how", ["position_ids", "inputs_embeds", "other ids", "training mode", "base model",
+                                 "another model object", "token_type_ids"])
+def test_forwards_whose_kv_is_not_of_their_ids_alone_persist_nothing(tmp_path, how):
+    """The ids load_prefix was given are stored only with K/V a checked forward computed from exactly them at
+    their own positions: other positions, embeddings, other ids, dropout, an unchecked input, or a forward the
+    hook on the model never saw (the base model, another object of the same weights) persist nothing."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=41)
+    with _cache(model, tmp_path) as cold, torch.no_grad():
+        cold.load_prefix(model, ids)
+        run = {"position_ids": lambda: model(ids, position_ids=torch.arange(PROMPT)[None] + 3, past_key_values=cold),
+               "inputs_embeds": lambda: model(inputs_embeds=model.get_input_embeddings()(ids), past_key_values=cold),
+               "other ids": lambda: model(ids.flip(1), past_key_values=cold),
+               "training mode": lambda: model.train()(ids, past_key_values=cold),
+               "base model": lambda: model.model(ids, past_key_values=cold),
+               "another model object": lambda: copy.deepcopy(model)(ids, past_key_values=cold),
+               "token_type_ids": lambda: model(ids, token_type_ids=torch.zeros_like(ids), past_key_values=cold)}
+        try:
+            run[how]()
+        except TypeError:  # llama takes no token_type_ids: refused by the model after the hook ran
+            assert how == "token_type_ids"
+        finally:
+            model.eval()
+    with _cache(model, tmp_path) as later:
+        assert later.load_prefix(model, ids) == 0
+
+
+def test_generate_repeating_rows_persists_each_rows_own_kv(tmp_path):
+    """``num_return_sequences`` repeats each row before the first forward: the ids' rows are repeated alike, so
+    a later process loading row 1 gets row 1's K/V (it used to get row 0's)."""
+    model = tiny_model("llama")
+    ids, _ = prompt(2, PROMPT, seed=43)
+    with _cache(model, tmp_path, batch=4) as cold:
+        cold.load_prefix(model, ids)
+        torch.manual_seed(0)
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cold, do_sample=True, num_return_sequences=2,
+                       max_new_tokens=3)
+    for row in (0, 1):
+        reference = _generate(model, ids[row:row + 1], DynamicCache(config=model.config))
+        with _cache(model, tmp_path) as later:
+            assert later.load_prefix(model, ids[row:row + 1]) == PROMPT // BT * BT
+            _assert_same(reference, _generate(model, ids[row:row + 1], later))
+
+
+def test_the_next_turn_must_repeat_the_tokens_the_cache_generated(tmp_path):
+    """The generated tokens' K/V is persisted under the next turn's ids only if those repeat what was generated."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=47)
+    with _cache(model, tmp_path, context=64) as cache:
+        cache.load_prefix(model, ids)
+        first = _generate(model, ids, cache).sequences
+        claimed = torch.cat((first, torch.tensor([[5]])), dim=1)
+        claimed[0, PROMPT + 1] += 1  # a generated token the cache did not compute
+        with pytest.raises(InvalidConfigError, match="differ from the ones it computed"):
+            cache.load_prefix(model, claimed)
+        assert cache.load_prefix(model, torch.cat((first, torch.tensor([[5]])), dim=1)) == first.shape[1] - 1
 
 
 def test_the_rope_limit_of_each_kind_of_rotary_embedding():

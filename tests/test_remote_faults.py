@@ -148,10 +148,14 @@ def test_a_corrupted_value_is_a_miss_and_is_replaced(redis_server, caplog, damag
         assert bytes(store.get_many(keys[1:2])[0]) == values[1]
 
 
-def test_a_service_that_does_not_speak_redis_is_a_miss(caplog) -> None:
+@pytest.mark.parametrize("reply", [b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n",
+                                   b"+OK\r\n" * 64,  # an OK to redis-py's HELLO, which expects a map
+                                   b"*1\r\n" * 5000 + b":1\r\n"])  # nested deeper than Python's recursion limit
+def test_a_service_that_does_not_speak_redis_is_a_miss(caplog, reply: bytes) -> None:
     """Regression: another service on the URL's port (an HTTP server answering every connection with text) made
-    ``load_prefix`` raise redis-py's raw ``InvalidResponse``; it is a server that is down: a miss, warned once
-    with the hint to check the host and port, never an exception out of the store."""
+    ``load_prefix`` raise redis-py's raw ``InvalidResponse``, and replies redis-py's parser chokes on raised
+    AttributeError or RecursionError; each is a server that is down: a miss, warned once with the hint to check
+    the host and port, never an exception out of the store."""
     pytest.importorskip("redis", reason="redis-py is not installed (pip install -e '.[redis]')")
     listener = socket.create_server(("127.0.0.1", 0))
     answered: list[socket.socket] = []
@@ -161,7 +165,7 @@ def test_a_service_that_does_not_speak_redis_is_a_miss(caplog) -> None:
             while True:
                 connection, _ = listener.accept()
                 answered.append(connection)
-                connection.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                connection.sendall(reply)
 
     server = threading.Thread(target=answer_in_http, daemon=True)
     server.start()

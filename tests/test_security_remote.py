@@ -312,8 +312,10 @@ def test_only_records_that_fit_are_saved_locally(redis_server, tmp_path) -> None
     again.close()
 
 
-def test_a_key_of_another_redis_type_is_corrupt_and_replaced(model, redis_server, caplog) -> None:
-    """A list at a block's key: GETRANGE answers WRONGTYPE. It is a corrupt miss and is deleted, so the
+@pytest.mark.parametrize("planted", ["a list", "an empty string"])
+def test_a_key_of_another_redis_type_is_corrupt_and_replaced(model, redis_server, caplog, planted) -> None:
+    """A list at a block's key (GETRANGE answers WRONGTYPE), or an empty string (GETRANGE answers as for no key,
+    while EXISTS says it is there, so no write-through replaced it): a corrupt miss, deleted, so the
     write-through stores the block there and the next worker loads the whole prefix."""
     ids, _ = prompt(1, 100)
     expected = reference(model, ids)
@@ -322,11 +324,14 @@ def test_a_key_of_another_redis_type_is_corrupt_and_replaced(model, redis_server
     root = Namespace.of_model(model, BT).root
     name = f"tierkv:{root}:{block_keys(root, ids[0], BT)[1]}"
     raw.delete(name)
-    raw.rpush(name, b"x")
+    if planted == "a list":
+        raw.rpush(name, b"x")
+    else:
+        raw.set(name, b"")
     out, loaded, stats = run(model, ids, remote=redis_server.url)
     assert loaded == BT and torch.equal(out, expected)
-    assert stats["remote"]["corrupt"] == 1 and "WRONGTYPE" in caplog.text
-    assert raw.type(name) == b"string"  # deleted, then written by the write-through
+    assert stats["remote"]["corrupt"] == 1 and ("WRONGTYPE" if planted == "a list" else "is empty") in caplog.text
+    assert raw.type(name) == b"string" and raw.strlen(name) > 0  # deleted, then written by the write-through
     out, loaded, _ = run(model, ids, remote=redis_server.url)
     assert loaded == 96 and torch.equal(out, expected)
 

@@ -32,7 +32,9 @@ class ModelSpec:
     MLP width a token passes through: in a mixture of experts, the experts it takes (their weights are what a
     decode step reads). ``other_layers`` hold no K/V (a hybrid's Mamba or linear-attention layers, MoE or MLP
     blocks): ``layers`` counts only those with K/V, and each of them carries an equal share of the others' weights
-    (their recurrent state, constant in the context, is not planned).
+    (their recurrent state, constant in the context, is not planned). ``max_positions``: the context the model
+    was trained for (``max_position_embeddings``; None when unknown), past which ``tierkv plan`` notes that the
+    plan prices bytes, not answers.
     """
 
     name: str
@@ -48,6 +50,7 @@ class ModelSpec:
     sliding_layers: int = 0
     sliding_window: int | None = None
     other_layers: int = 0
+    max_positions: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -111,19 +114,20 @@ class ModelSpec:
 
 MODEL_PRESETS: dict[str, ModelSpec] = {
     # meta-llama/Meta-Llama-3-8B config.json
-    "llama-3-8b": ModelSpec("llama-3-8b", 32, 8, 128, 2, 32, 4096, 14336, 128256),
+    "llama-3-8b": ModelSpec("llama-3-8b", 32, 8, 128, 2, 32, 4096, 14336, 128256, max_positions=8192),
     # meta-llama/Meta-Llama-3-70B config.json
-    "llama-3-70b": ModelSpec("llama-3-70b", 80, 8, 128, 2, 64, 8192, 28672, 128256),
+    "llama-3-70b": ModelSpec("llama-3-70b", 80, 8, 128, 2, 64, 8192, 28672, 128256, max_positions=8192),
     # mistralai/Mistral-7B-v0.3 config.json (sliding_window null; v0.1 had a 4096-token window)
-    "mistral-7b": ModelSpec("mistral-7b", 32, 8, 128, 2, 32, 4096, 14336, 32768),
+    "mistral-7b": ModelSpec("mistral-7b", 32, 8, 128, 2, 32, 4096, 14336, 32768, max_positions=32768),
     # Qwen/Qwen2.5-7B config.json (use_sliding_window false)
-    "qwen2.5-7b": ModelSpec("qwen2.5-7b", 28, 4, 128, 2, 28, 3584, 18944, 152064),
+    "qwen2.5-7b": ModelSpec("qwen2.5-7b", 28, 4, 128, 2, 28, 3584, 18944, 152064, max_positions=131072),
     # The two models tierkv.models runs on CPU hosts (float32, as tierkv.models dequantises them):
     # HuggingFaceTB/SmolLM2-135M-Instruct config.json
-    "smollm2-135m": ModelSpec("smollm2-135m", 30, 3, 64, 4, 9, 576, 1536, 49152, tie_word_embeddings=True),
+    "smollm2-135m": ModelSpec("smollm2-135m", 30, 3, 64, 4, 9, 576, 1536, 49152, tie_word_embeddings=True,
+                              max_positions=8192),
     # google/gemma-3-270m config.json: 15 of 18 layers slide over 512 tokens
     "gemma3-270m": ModelSpec("gemma3-270m", 18, 1, 256, 4, 4, 640, 2048, 262144, tie_word_embeddings=True,
-                             sliding_layers=15, sliding_window=512),
+                             sliding_layers=15, sliding_window=512, max_positions=32768),
 }
 
 
@@ -230,6 +234,7 @@ def model_from_config(path: str | os.PathLike[str]) -> ModelSpec:
         sliding_layers=sliding,
         sliding_window=window,
         other_layers=total - layers,
+        max_positions=_positive(cfg, "max_position_embeddings") or None,
     )
 
 

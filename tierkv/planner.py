@@ -101,6 +101,9 @@ both (its profile's ``host->host`` link and ``machine["compute_flops"]``), and a
 those instead."""
 COMPUTE_FLOPS_KEY = "compute_flops"
 """Key of a :class:`LinkProfile`'s ``machine`` that holds the host's measured matmul FLOP/s (``tierkv bench``)."""
+WARNINGS_KEY = "warnings"
+"""Key of a :class:`LinkProfile`'s ``machine`` that holds why ``tierkv bench`` doubted its numbers (a busy host,
+contradicting points: :mod:`tierkv.calibrate.consistency`); ``tierkv plan --profile`` repeats it."""
 
 
 def cpu_device(profile: LinkProfile | None = None) -> DeviceSpec:
@@ -158,7 +161,9 @@ def host_attention_rate(links: LinkProfile, host_cores: int | None = None,
                         host_dram_bytes_per_s: float | None = None) -> HostAttentionRate:
     """The host attention rate a split plan assumes, in order:
 
-    1. measured: the profile's ``host_attention`` (``tierkv bench``, every torch thread);
+    1. measured: the profile's ``host_attention`` (``tierkv bench``, every torch thread; the one-thread rate where
+       every thread measured slower, which on an otherwise idle host does not happen: the slower rate is the
+       other work's, not the kernel's);
     2. a GPU host's presets: ``min(cores x PER_CORE_ATTENTION, DRAM_READ_SHARE x DRAM)``, cores
        :data:`DEFAULT_HOST_CORES` and DRAM :data:`SERVER_DRAM` unless given;
     3. otherwise (a profile measured before the kernel was, or a CPU-only host's presets):
@@ -170,6 +175,10 @@ def host_attention_rate(links: LinkProfile, host_cores: int | None = None,
         raise InvalidConfigError(f"host DRAM bandwidth {host_dram_bytes_per_s!r} must be a positive number of "
                                  "bytes per second (--host-dram-gbps 300).")
     measured = links.host_attention
+    if measured is not None and measured.bandwidth_bytes_per_s < measured.single_thread_bytes_per_s:
+        return HostAttentionRate(measured.single_thread_bytes_per_s, (
+            f"measured by tierkv bench: 1 thread ({measured.kernel} kernel; {measured.threads} threads measured "
+            f"slower, {measured.bandwidth_bytes_per_s / 1e9:.1f} GB/s: a busy host)"))
     if measured is not None:
         return HostAttentionRate(measured.bandwidth_bytes_per_s, (
             f"measured by tierkv bench: {measured.threads} threads ({measured.kernel} kernel; 1 thread "
@@ -222,7 +231,8 @@ class PlanRequest:
     # "split": each tier's KV attended where it lives (the host's on the CPUs), no staging
     chunk_tokens: int = 4096
     sparse_tokens: int = 2048  # attended tokens per row and layer in sparse mode (sinks and recent included)
-    sparse_rest_bits: int = 0  # sparse: the blocks not read attended from a copy of this many bits on the device
+    sparse_rest_bits: int = 0  # sparse: the blocks not read attended from a copy of this many bits (tierkv plan
+    # passes cache.sparse's default, DEFAULT_REST_BITS)
     sparse_page_tokens: int | None = None  # sparse: tokens per selected page (None: the library's default page)
     block_tokens: int = PLAN_BLOCK_TOKENS  # staging is whole blocks (TieredCache's default block)
     host_cores: int | None = None  # split, GPU-host presets: the host's cores (host_attention_rate)
@@ -433,6 +443,9 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
             + ("lower --batch (split's minimum does not grow with the context)" if req.executor == "split"
                else "lower --context or --batch")
             + (", or --prefetch-depth" if depth > 0 and req.executor == "gather" else "")
+            + (f", or --sparse-rest-bits 0 (no rest copy: the pages not read are not attended; --gpu-gb "
+               f"{format_size_option(sparse_staging_bytes(dataclasses.replace(req, sparse_rest_bits=0)))} is enough)"
+               if req.executor == "sparse" and req.sparse_rest_bits else "")
             + (", or use --executor streaming (two chunks instead of whole layers: --gpu-gb "
                f"{format_size_option(streaming)} is enough)" if req.executor == "gather" else "") + "."
         )

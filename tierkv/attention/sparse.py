@@ -72,13 +72,12 @@ from tierkv.blocks import Tier
 from tierkv.errors import InvalidConfigError
 from tierkv.layout import BlockLayout
 from tierkv.mover import ThreadMover
-from tierkv.staging import GROWTH, REST_BITS, default_page_tokens
+from tierkv.staging import GROWTH, REST_BITS, default_page_tokens, sparse_budget_tokens
 from tierkv.stats import Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
 from tierkv.store.transfer import link
 from tierkv.units import parse_tokens
 
-DEFAULT_REST_BITS = 4  # cache.sparse's rest copy: at 10% the one with top-1 >= 97% on every model (docs/quality.md)
 _LABELS = tuple(tier.label for tier in Tier)  # each tier's label by its value, looked up without the enum
 _INTO_DEVICE = tuple(link(tier, Tier.DEVICE) for tier in Tier)  # the links into the device
 _FROM_DEVICE = tuple(link(Tier.DEVICE, tier) for tier in Tier)  # ... and out of it
@@ -139,9 +138,8 @@ class SparseBudget:
 
     def budget_tokens(self, context: int) -> int:
         """Attended tokens per row, at most, for a layer attending over ``context`` tokens."""
-        if isinstance(self.tokens, float):
-            return max(1, math.floor(self.tokens * context))
-        return int(self.tokens)  # a count ("2K" was parsed to one)
+        assert not isinstance(self.tokens, str)  # "2K" was parsed to a count
+        return sparse_budget_tokens(self.tokens, context)
 
     def page_size(self, block_tokens: int) -> int:
         """Tokens per selected page in a cache of ``block_tokens``-token blocks (raises if it does not divide)."""

@@ -31,8 +31,9 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: N
     attention_rows, attention = measure_host_attention(cfg)
     measurements += attention_rows
     device = compute_device()
-    progress(f"block gather ({device})")
+    progress(f"block gather ({device}): a plain copy, index_select and a copy per block")
     measurements += measure_gather(sizes, cfg, device)
+    progress(f"the store's own gather (KVStore.read_into) from {device} and host blocks")
     measurements += measure_store_gather(sizes, cfg, device)
     if device.type == "cuda":
         progress("host<->device copies")

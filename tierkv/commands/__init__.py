@@ -43,6 +43,26 @@ def tokens(option: str, minimum: int = 1) -> Callable[[str], int]:
     return _typed(lambda text: parse_tokens(text, name=option, minimum=minimum))
 
 
+def sparse_tokens(option: str) -> Callable[[str], int | float]:
+    """Type of a sparse budget, in the forms ``cache.sparse(model, tokens=...)`` takes: a fraction of the context
+    in (0, 1] (``0.1``, a float) or a token count (``2048``, ``2K``, an int; a bare ``1`` is one token)."""
+
+    def parse(text: str) -> int | float:
+        try:
+            fraction = float(text)
+        except ValueError:
+            fraction = None
+        if fraction is not None and 0.0 < fraction <= 1.0 and not text.strip().isdigit():
+            return fraction
+        try:
+            return parse_tokens(text, name=option)
+        except InvalidConfigError:
+            raise InvalidConfigError(f"{option}={text!r} is neither a token count nor a fraction of the context; "
+                                     "give a count (2048, 2K) or a fraction in (0, 1] (0.1).") from None
+
+    return _typed(parse)
+
+
 def token_list(option: str) -> Callable[[str], list[int]]:
     """Type of a comma-separated list of token counts (``4K,16K,1.5K``)."""
     return _typed(lambda text: parse_token_list(text, name=option))
@@ -126,9 +146,35 @@ def writable_dir(option: str) -> Callable[[str], Path]:
             existing = existing.parent
         if not existing.is_dir():
             raise InvalidConfigError(f"{option} {text!r}: {str(existing)!r} is a file; give a directory.")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise InvalidConfigError(f"{option} {text!r}: {str(existing)!r} is not writable; give a directory you "
-                                     "can write to.")
+        _check_writable(option, text, existing)
+        return path
+
+    return _typed(parse)
+
+
+def _check_writable(option: str, text: str, folder: Path) -> None:
+    """Refuse a directory this process cannot write files in: no permission, a read-only filesystem, or one
+    with no storage (``/proc``, ``/sys``: root passes ``os.access`` there, and their free space reads 0 B)."""
+    stat = os.statvfs(folder)
+    if not os.access(folder, os.W_OK | os.X_OK) or stat.f_flag & os.ST_RDONLY or not stat.f_blocks:
+        raise InvalidConfigError(f"{option} {text!r}: {str(folder)!r} is not a writable directory; give a "
+                                 "directory on a disk you can write to.")
+
+
+def existing_dir(option: str, what: str) -> Callable[[str], Path]:
+    """Type of an option naming a directory that must exist and be writable (it is never created: a typo would
+    otherwise make a folder somewhere unexpected); ``what``: what the directory is for, for the message."""
+
+    def parse(text: str) -> Path:
+        path = Path(text).expanduser()
+        existing = next(folder for folder in (path, *path.parents) if folder.exists())
+        if not existing.is_dir():
+            raise InvalidConfigError(f"{option} {text!r}: {str(existing)!r} is a file, not a directory; give a "
+                                     f"directory ({what}).")
+        if existing != path:
+            raise InvalidConfigError(f"{option} {text!r}: folder not found; create it, or give an existing "
+                                     f"directory ({what}).")
+        _check_writable(option, text, path)
         return path
 
     return _typed(parse)

@@ -28,13 +28,14 @@ from rich.table import Table
 
 from tierkv.calibrate import BenchConfig, BenchResult, Measurement, plot, run_bench
 from tierkv.calibrate.attention import ATTENTION
+from tierkv.calibrate.consistency import RERUN, contradictions, host_load
 from tierkv.commands import (
     add_json_argument,
+    existing_dir,
     free_bytes,
     integer,
     json_to_stdout,
     size,
-    writable_dir,
     writable_file,
     write_json,
 )
@@ -42,15 +43,16 @@ from tierkv.commands.estimate import measure_cpu
 from tierkv.commands.progress import seconds
 from tierkv.errors import InvalidConfigError
 from tierkv.io import ALIGN, ENGINES, engine_status
-from tierkv.planner import COMPUTE_FLOPS_KEY
+from tierkv.planner import COMPUTE_FLOPS_KEY, WARNINGS_KEY
 from tierkv.units import format_bytes
 from tierkv.vocabulary import LinkName
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--dir", type=writable_dir("--dir"), default=Path(tempfile.gettempdir()),
-        help="directory on the disk to measure (put it where the disk tier will live; default: the temp dir)",
+        "--dir", type=existing_dir("--dir", "on the disk to measure"), default=Path(tempfile.gettempdir()),
+        help="an existing directory on the disk to measure (put it where the disk tier will live; default: the temp "
+             "dir); its test files are removed after",
     )  # fmt: skip
     parser.add_argument("--disk-size", type=_aligned_size("--disk-size"), default=None,
                         help="test file size, a multiple of 4KiB (default 1GiB; 32MiB with --quick)")  # fmt: skip
@@ -67,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--repeats", type=integer("--repeats", 1), default=None,
                         help="timed repeats per point; the median is kept (default 5; 3 with --quick)")  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="small sizes, ~10 s; for smoke tests")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes, 10-40 s on 2 cores; numbers indicative only (smoke tests)")
     parser.add_argument(
         "--threads", type=integer("--threads", 1), default=None,
         help="torch intra-op threads for the memory links (default: torch's choice; recorded in the profile)",
@@ -262,6 +265,9 @@ def tables(result: BenchResult) -> list[Table]:
                       f"{attention.bandwidth_bytes_per_s / 1e9:.2f} ({attention.threads} threads)", "")
         table.add_row(f"{ATTENTION}, 1 thread", f"{attention.single_thread_bytes_per_s / 1e9:.2f}", "")
         caption = f"split prices its host share at the {attention.threads}-thread rate{versus}"
+        if attention.bandwidth_bytes_per_s < attention.single_thread_bytes_per_s:  # other work took the cores
+            caption = (f"The {attention.threads}-thread rate measured below the 1-thread one: split prices its host "
+                       f"share at the 1-thread rate{versus}")
         table.caption = f"{table.caption}. {caption}" if table.caption else caption
     out.append(table)
     return out
@@ -292,6 +298,12 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     log = Console(stderr=True, highlight=False)  # progress: a spinner on a terminal, else a line per phase
+    busy = host_load()
+    if busy:
+        log.print(f"[yellow]warning:[/yellow] {busy}: other work skews every timing; {RERUN}.", soft_wrap=True)
+    if args.quick:
+        log.print("--quick: small sizes, numbers indicative only (a smoke test, not a profile to plan with)",
+                  soft_wrap=True)
     started = time.perf_counter()
     with log.status("measuring") if log.is_terminal else contextlib.nullcontext() as status:
 
@@ -305,6 +317,9 @@ def run(args: argparse.Namespace) -> int:
         result = run_bench(cfg, progress=progress)
         progress("matmul FLOP/s (the compute estimate of tierkv plan --device cpu)")
         result.profile.machine[COMPUTE_FLOPS_KEY] = f"{measure_cpu().peak_flops:.4g}"
+    warnings = ([busy] if busy else []) + contradictions(result)
+    if warnings:  # plan --profile repeats them
+        result.profile.machine[WARNINGS_KEY] = "; ".join(warnings)
     m = result.machine
     console.print(f"[bold]tierkv bench[/bold] {m['date']}")
     console.print(f"CPU {m['cpu']}, {m['cores']}, RAM {m['ram']}, GPU {m['gpu']}")
@@ -317,6 +332,11 @@ def run(args: argparse.Namespace) -> int:
     for table in tables(result):
         console.print(table)
     console.print(f"CPU matmul: {float(result.profile.machine[COMPUTE_FLOPS_KEY]) / 1e9:.1f} GFLOP/s (float32)")
+    for warning in warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False, soft_wrap=True)
+    if warnings:
+        console.print(f"[yellow]warning:[/yellow] these numbers are not this host's own; {RERUN}.", highlight=False,
+                      soft_wrap=True)
     result.profile.save(args.profile_out)
     plot(result, args.plot_out)
     console.print(f"profile -> {args.profile_out}, plot -> {args.plot_out}")

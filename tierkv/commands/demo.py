@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
-from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseBudget
+from tierkv.attention.sparse import SparseBudget
 from tierkv.commands import (
     add_json_argument,
     existing_file,
@@ -40,13 +40,14 @@ from tierkv.commands import (
     number,
     require_model_package,
     size,
+    sparse_tokens,
     tokens,
     writable_dir,
     write_json,
 )
-from tierkv.commands.progress import Phases, quiet_transformers, seconds
+from tierkv.commands.progress import Phases, Remaining, between, forward_cost, load_label, quiet_transformers
 from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
-from tierkv.staging import DEFAULT_PAGE_TOKENS, REST_BITS, default_page_tokens
+from tierkv.staging import DEFAULT_PAGE_TOKENS, DEFAULT_REST_BITS, REST_BITS, default_page_tokens
 from tierkv.units import format_bytes, format_size_option, format_tokens, plural
 from tierkv.vocabulary import CLI_EXECUTORS
 
@@ -57,7 +58,6 @@ MIN_DECODE = 16  # default decode length: enough steps for a decode rate that is
 FEW_TOKENS_PER_WORD = 0.25  # a real tokenizer gives >= ~1 token per word; far fewer means the wrong one
 TIER_OVERHEAD = 1.5  # the tiered run's time over the in-memory roofline estimate (reads, writes, bookkeeping)
 ANSWER_CHARS = 40  # characters of the answer the summary table shows
-WEIGHT_TOKENS = 1024  # the reference forecast: a token's weight matmuls cost about as much as attending this many
 CHECKPOINT_DECODE = 32  # tokens decoded from a --prompt-file by default (no expected answer to size it by)
 DEFAULT_SPARSE_TOKENS = 0.1  # --sparse-tokens: a tenth of the context
 
@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "gather: whole layers assembled on the device; split: exact, decode steps attend each "
                              "tier's blocks where they live (host blocks on the CPU), prefill streams; sparse: "
                              "decode steps attend only the top pages (approximate; --sparse-tokens, --page-tokens)")
-    parser.add_argument("--sparse-tokens", type=_sparse_budget, default=None,
+    parser.add_argument("--sparse-tokens", type=sparse_tokens("--sparse-tokens"), default=None,
                         help="with --executor sparse: tokens attended per layer, a count (2048, 2K) or a fraction "
                              "of the context (0.1, the default)")
     parser.add_argument("--sparse-rest-bits", type=int, choices=REST_BITS, default=None,
@@ -118,6 +118,9 @@ def _check_combination(args: argparse.Namespace) -> None:
     if args.prompt_file and not folder:
         raise InvalidConfigError("--prompt-file needs --model with a checkpoint folder (the named models build "
                                  "their own haystack).")
+    if args.prompt_file and not args.prompt_file.read_bytes().strip():
+        raise InvalidConfigError(f"--prompt-file {str(args.prompt_file)!r} is empty; give a file with the prompt "
+                                 "text to decode from.")
     trained = _trained_context(args.model) if isinstance(args.model, str) else None
     if trained is not None and args.context is not None and args.context > trained:
         raise InvalidConfigError(f"--context {args.context}: {args.model} was trained for {trained} tokens; give "
@@ -227,8 +230,8 @@ def _run(args: argparse.Namespace) -> int:
     if not args.no_reference:
         with phases.phase("reference check (in-memory DynamicCache)",
                           total=len(prompt) + decode - 1) as advance:
-            reference = _reference(model, prompt, decode, args.prefill_chunk,
-                                   _forecasting(advance, status, len(prompt), decode, args.prefill_chunk))
+            remaining = Remaining(status, "reference check", _costs(len(prompt), decode, args.prefill_chunk))
+            reference = _reference(model, prompt, decode, args.prefill_chunk, _forecasting(advance, remaining))
     summary = {
         "context": len(prompt),
         "kv_bytes": kv_bytes,
@@ -328,17 +331,19 @@ def _without_api_names(exc: BaseException) -> str:
 
 def _announce(status: Console, args: argparse.Namespace, model, prompt: int, decode: int, gpu: int, cpu: int,
               kv_bytes: int) -> None:
-    """What the demo does next, with a rough time for each phase (a roofline of this host, measured now)."""
+    """What the demo does next, with a rough time range (a roofline of this host, measured now, as loaded as the
+    host is then); the runs re-estimate it from their measured rate as they go."""
     from tierkv.commands.estimate import greedy_s, measure_cpu
 
     prefill_s, decode_s = greedy_s(model, measure_cpu(), prompt, decode, args.prefill_chunk)
     tiered = TIER_OVERHEAD * (prefill_s + decode_s)
     reference = "" if args.no_reference else (
         ", then the same with an in-memory DynamicCache to check every token (transformers' own attention, often "
-        "several times slower on a CPU: its time is estimated after its first chunk; --no-reference skips it)")
+        "several times slower on a CPU: its time is estimated as it runs; --no-reference skips it)")
     status.print(f"plan: prefill {format_tokens(prompt)} tokens ({format_bytes(kv_bytes)} of KV) into device "
                  f"{format_bytes(gpu)} + host {format_bytes(cpu)} + disk, decode {plural(decode, 'token')} with "
-                 f"--executor {args.executor} (~{seconds(tiered)} in all, roughly){reference}.", soft_wrap=True)
+                 f"--executor {args.executor} ({between(tiered)} by this host's speed now; re-estimated as it "
+                 f"runs){reference}.", soft_wrap=True)
 
 
 def _load(args: argparse.Namespace, status: Console, phases: Phases):
@@ -387,21 +392,12 @@ def _trained_context(name: str) -> int:
     return models.spec(name).context
 
 
-FIRST_LOAD_S = {"smollm2": 45, "gemma3": 110}
-"""Seconds the first load of a named model takes on two CPU cores (joining and dequantising its GGUF)."""
-
-
 def _real_model_question(args: argparse.Namespace, status: Console, phases: Phases):
     """A named real model asked for a fact placed at ``--depth`` of a real document of ``--context`` tokens."""
     from tierkv import models
     from tierkv.quality.tasks import TextTaskWriter
 
-    found = models.spec(args.model)
-    cached = found.checkpoint is None or (found.checkpoint() / "config.json").is_file()
-    label = (f"loading {found.description}" if cached else
-             f"dequantising the GGUF of {found.description} (first load only, ~{seconds(FIRST_LOAD_S[args.model])} "
-             "on 2 cores; later loads take seconds)")
-    with phases.phase(label):
+    with phases.phase(load_label(args.model)):
         model, tokenizer = models.load(args.model)
     prompt = TextTaskWriter(tokenizer).needle(args.context or REAL_MODEL_DEFAULT_CONTEXT, args.depth, 0, args.seed)
     status.print(f"question: {tokenizer.decode(prompt.question_ids, skip_special_tokens=True)!r}")
@@ -495,6 +491,7 @@ def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, dis
     progress = Progress(console=status, transient=True)
     task = progress.add_task("prefill", total=len(prompt))
     marks = {"started": time.perf_counter()}
+    remaining = Remaining(status, "tiered run", _costs(len(prompt), decode, args.prefill_chunk))
     with TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{cpu}B", disk_dir=disk_dir, block_tokens=args.block_tokens,
                      config=model.config) as cache, torch.inference_mode(), _executor(args, cache, model), \
             (Live(Group(progress, _live_table(cache, [], 0.0, decode)), console=status, refresh_per_second=8,
@@ -504,11 +501,14 @@ def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, dis
             if len(tokens) == 1:  # the prefill's logits gave the first token: the prefill is over
                 phases.done(f"prefill {format_tokens(len(prompt))} tokens through the tiers",
                             time.perf_counter() - marks["started"])
+            elif tokens:
+                remaining.part_done()
             if live is not None:
                 live.update(Group(progress, _live_table(cache, tokens, elapsed, decode)))
 
         def prefilled(n: int) -> None:
             progress.update(task, advance=n)
+            remaining.part_done()
             show([], 0.0)
 
         run = greedy(model, prompt, decode, cache, args.prefill_chunk, on_prefill=prefilled, on_token=show)
@@ -544,17 +544,6 @@ def _executor(args: argparse.Namespace, cache, model):
     if args.executor == "split":
         return cache.split(model, chunk_tokens=args.chunk_tokens)
     return contextlib.nullcontext()
-
-
-def _sparse_budget(text: str) -> int | float:
-    """``0.1`` (a fraction of the context, in (0, 1]) or a token count (``2048``, ``2K``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is not None and 0.0 < value <= 1.0 and not text.strip().isdigit():
-        return value
-    return tokens("--sparse-tokens")(text)
 
 
 def _page_tokens(args: argparse.Namespace) -> int:
@@ -600,28 +589,19 @@ def _reference(model, prompt: list[int], decode: int, chunk: int,
                       on_token=lambda tokens, elapsed: advance(1) if len(tokens) > 1 else None).tokens
 
 
-def _forecasting(advance: Callable[[int], None], status: Console, prompt: int, decode: int,
-                 chunk: int) -> Callable[[int], None]:
-    """``advance`` that also says, once the first prefill chunk is done, how long the rest will take: each chunk
-    costs its tokens times (the tokens before it + half its own + :data:`WEIGHT_TOKENS`), a decode step the same
-    with one token."""
-    started = time.perf_counter()
-    state = {"tokens": 0}
+def _costs(prompt: int, decode: int, chunk: int) -> list[float]:
+    """Relative cost of each part of a greedy run, in order (:func:`~tierkv.commands.progress.forward_cost`):
+    every prefill chunk, then every decode step after the first token."""
+    return [forward_cost(s, min(chunk, prompt - s)) for s in range(0, prompt, chunk)] + \
+        [forward_cost(prompt + i, 1) for i in range(decode - 1)]
 
-    def cost(start: int, n: int) -> float:
-        return n * (start + n / 2 + WEIGHT_TOKENS)
 
-    total = sum(cost(s, min(chunk, prompt - s)) for s in range(0, prompt, chunk)) + \
-        sum(cost(prompt + i, 1) for i in range(decode - 1))
+def _forecasting(advance: Callable[[int], None], remaining: Remaining) -> Callable[[int], None]:
+    """``advance`` that also tells ``remaining`` of each part done (a chunk's tokens, or one decode step)."""
 
     def step(n: int) -> None:
         advance(n)
-        state["tokens"] += n
-        if state["tokens"] == min(chunk, prompt) and prompt > chunk:
-            first = time.perf_counter() - started
-            rest = first * (total / cost(0, min(chunk, prompt)) - 1)
-            status.print(f"reference check: first chunk {seconds(first)}, about {seconds(rest)} to go",
-                         highlight=False, soft_wrap=True)
+        remaining.part_done()
 
     return step
 

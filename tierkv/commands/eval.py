@@ -38,8 +38,9 @@ from tierkv.commands import (
     writable_dir,
     write_json,
 )
-from tierkv.commands.progress import Phases, quiet_transformers, seconds
+from tierkv.commands.progress import Phases, between, forward_cost, load_label, quiet_transformers, seconds
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError
+from tierkv.quality.harness import REFERENCE_FILE
 from tierkv.quality.tasks import TASKS
 from tierkv.staging import REST_BITS
 from tierkv.units import format_size_option, format_tokens, plural
@@ -162,6 +163,9 @@ def _check_combination(args: argparse.Namespace) -> None:
     if args.chunk_tokens is not None and args.executor == "gather":
         raise InvalidConfigError("--chunk-tokens applies only with --executor streaming (exact gather stages whole "
                                  "layers); leave it out, or give --executor streaming.")
+    if args.stage == "measure" and args.out is not None and not (args.out / REFERENCE_FILE).is_file():
+        raise InvalidConfigError(f"--out {str(args.out)!r} holds no reference ({REFERENCE_FILE}): run `tierkv eval "
+                                 "--stage reference --out DIR` (or --stage all) into it first.")
     args.executor = args.executor or "streaming"
     args.chunk_tokens = args.chunk_tokens or CHUNK_TOKENS
     quality = [f"--{name.replace('_', '-')}" for name in QUALITY_DEFAULTS if getattr(args, name) is not None]
@@ -246,6 +250,8 @@ def _run(args: argparse.Namespace) -> int:
         model, tokenizer = load_demo_model(device=args.device, path=folder)
     total = len(lengths) * len(depths) * args.samples
     done = 0
+    total_cost = sum(forward_cost(0, n) for n in lengths) * len(depths) * args.samples
+    done_cost = 0.0  # the trials run shortest length first: time left goes by cost, not by trials
     start = time.perf_counter()
     last_line = [start]  # when progress last printed a line
     status.print(f"{plural(total, 'trial')}: {args.kind} over {', '.join(map(format_tokens, lengths))} tokens x "
@@ -253,13 +259,14 @@ def _run(args: argparse.Namespace) -> int:
                  f"answer{_estimate(args, model)}; one line per trial")
 
     def progress(trial) -> None:
-        nonlocal done
+        nonlocal done, done_cost
         done += 1
+        done_cost += forward_cost(0, trial.length)
         mark = "ok" if trial.correct else f"got {trial.output!r}"
         elapsed = time.perf_counter() - start
-        left = elapsed / done * (total - done)
+        left = elapsed / done_cost * (total_cost - done_cost)
         status.print(f"[{done}/{total}] {format_tokens(trial.length)} depth {trial.depth:.2f} #{trial.sample}: "
-                     f"{trial.answer} {mark} ({seconds(elapsed)}, ~{seconds(left)} to go)", markup=False)
+                     f"{trial.answer} {mark} ({seconds(elapsed)}, about {seconds(left)} to go)", markup=False)
         last_line[0] = time.perf_counter()
 
     def prefilling(tokens_done: int, tokens_total: int) -> None:
@@ -305,8 +312,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace, model) -> str:
-    """``", ~12 min 30 s in all, roughly"``: the trials' roofline on this CPU (measured now, 0.1-0.5 s), so a run
-    of an hour (the default lengths reach 64K) says so before it starts; ``""`` on a GPU."""
+    """``", between 6 min 15 s and 25 min 00 s in all"``: the trials' roofline on this CPU (measured now, 0.1-0.5 s,
+    as loaded as the host is then: a range, half to twice it), so a run of an hour (the default lengths reach 64K)
+    says so before it starts; each trial's line then says the time left by the rate measured so far; ``""`` on a
+    GPU."""
     if args.device != "cpu":
         return ""
     from tierkv.commands.estimate import greedy_s, measure_cpu
@@ -314,7 +323,7 @@ def _estimate(args: argparse.Namespace, model) -> str:
     cpu = measure_cpu()
     per_haystack = sum(sum(greedy_s(model, cpu, n, 2, args.prefill_chunk)) for n in args.lengths)
     total = per_haystack * len(args.depths) * args.samples * (TIER_OVERHEAD if args.cache == "tiered" else 1.0)
-    return f", ~{seconds(total)} in all, roughly"
+    return f", {between(total)} in all by this host's speed now"
 
 
 class _Log:
@@ -350,7 +359,7 @@ def _run_quality(args: argparse.Namespace, console, status: _Log, phases: Phases
         raise InvalidConfigError(f"--lengths {', '.join(map(format_tokens, too_long))}: model {name!r} was trained "
                                  f"for {format_tokens(context)} tokens; give lengths up to that.")
     require_model_package(name)
-    with phases.phase(f"loading {name} (a GGUF model's first load dequantises it)"):
+    with phases.phase(load_label(name)):
         model, tokenizer = models.load(name, device=args.device)
     out = Path(args.out)
     started = time.perf_counter()

@@ -21,6 +21,7 @@ from tierkv.commands import (
     json_to_stdout,
     number,
     size,
+    sparse_tokens,
     tokens,
     write_json,
 )
@@ -30,6 +31,7 @@ from tierkv.planner import (
     CPU,
     DEVICES,
     PLAN_BLOCK_TOKENS,
+    WARNINGS_KEY,
     ExecutorOption,
     Plan,
     WhatIf,
@@ -42,8 +44,8 @@ from tierkv.planner import (
     split_what_if,
     what_ifs,
 )
-from tierkv.staging import REST_BITS, default_page_tokens
-from tierkv.units import format_bytes
+from tierkv.staging import DEFAULT_REST_BITS, REST_BITS, default_page_tokens, sparse_budget_tokens
+from tierkv.units import format_bytes, format_tokens
 from tierkv.vocabulary import PLAN_EXECUTORS, LinkName
 
 USAGE_ERRORS = (CapacityError,)  # a KV that does not fit the budgets given is a usage error here, not a failure
@@ -98,12 +100,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="split on a GPU host without a measured profile: host DRAM read GB/s (default 300)")
     parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=4096,
                         help="streaming chunk length (default 4096)")
-    parser.add_argument("--sparse-tokens", type=tokens("--sparse-tokens"), default=2048,
-                        help="tokens a sparse step attends per layer, sinks and recent window included "
-                             "(default 2048); plan compares sparse with exact either way")
-    parser.add_argument("--sparse-rest-bits", type=int, choices=REST_BITS, default=0,
+    parser.add_argument("--sparse-tokens", type=sparse_tokens("--sparse-tokens"), default=2048,
+                        help="tokens a sparse step attends per layer, sinks and recent window included: a count "
+                             "(2048, the default; 2K) or a fraction of the context (0.1), as tierkv demo and "
+                             "cache.sparse(tokens=...) take; plan compares sparse with exact either way")
+    parser.add_argument("--sparse-rest-bits", type=int, choices=REST_BITS, default=DEFAULT_REST_BITS,
                         help="sparse: the blocks not read are attended from a copy of this many bits kept on the "
-                             "device (default 0: not attended)")
+                             f"device (default {DEFAULT_REST_BITS}, what cache.sparse() runs; 0: not attended)")
     parser.add_argument("--sparse-page-tokens", type=_page_tokens, default=None,
                         help=f"sparse: tokens per selected page, a divisor of the {PLAN_BLOCK_TOKENS}-token block "
                              f"(default: the library's, {default_page_tokens(PLAN_BLOCK_TOKENS)})")
@@ -233,6 +236,28 @@ def _render_executors(console: Console, base: Plan, options: list[ExecutorOption
         console.print(advice, highlight=False)
 
 
+def _notes(result: Plan, sparse: int | float) -> list[str]:
+    """What the plan's numbers do not say: a context past the model's trained length (the bytes are priced, not
+    whether it answers there), a ``--profile`` that ``tierkv bench`` doubted, a sparse budget that covers the whole
+    context (sparse then reads every token)."""
+    req = result.request
+    notes = []
+    trained = req.model.max_positions
+    if trained is not None and req.context > trained:
+        notes.append(f"--context {format_tokens(req.context)} is past {req.model.name}'s trained "
+                     f"{format_tokens(trained)} tokens (max_position_embeddings): the plan prices bytes and time, "
+                     "not answer quality there.")
+    warnings = req.links.machine.get(WARNINGS_KEY)
+    if warnings:
+        notes.append(f"the --profile was measured with warnings ({warnings}); re-run `tierkv bench` on a quiet "
+                     "machine before trusting its links.")
+    if req.sparse_tokens >= req.context:
+        given = format_tokens(sparse) if isinstance(sparse, int) else f"{sparse:g}"
+        notes.append(f"--sparse-tokens {given} covers the whole {format_tokens(req.context)}-token context: "
+                     "sparse reads every token (no sparse what-if); give fewer tokens or a fraction, e.g. 0.1.")
+    return notes
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=json_to_stdout(args))
     request = build_request(
@@ -250,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         prefetch_depth=args.prefetch_depth,
         executor=args.executor,
         chunk_tokens=args.chunk_tokens,
-        sparse_tokens=args.sparse_tokens,
+        sparse_tokens=sparse_budget_tokens(args.sparse_tokens, args.context),
         sparse_rest_bits=args.sparse_rest_bits,
         sparse_page_tokens=args.sparse_page_tokens,
         host_cores=args.host_cores,
@@ -266,10 +291,14 @@ def run(args: argparse.Namespace) -> int:
     _render(console, result, alternatives, advice)
     fastest = fastest_advice(options)
     _render_executors(console, result, options, fastest)
+    notes = _notes(result, args.sparse_tokens)
+    for note in notes:
+        console.print(f"note: {note}", highlight=False)
     if args.json:
         data = result.to_dict()
         data["sparse_advice"] = advice
         data["fastest_advice"] = fastest
+        data["notes"] = notes
         data["executors"] = [
             {"executor": o.executor, "attention": o.note if o.plan is not None else "",
              "fits": o.plan is not None, "reason": o.note if o.plan is None else "",

@@ -9,6 +9,7 @@ huggingface_hub's own bars and info messages out of the command's output.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 
@@ -28,6 +29,52 @@ def seconds(value: float) -> str:
         hours, rest = divmod(round(value / 60), 60)
         return f"{hours} h {rest:02d} min"
     return f"{round(value / 86400):,} days"
+
+
+def between(estimate: float) -> str:
+    """A rough estimate as the range it is good for, half to twice it: ``'between 10.0 s and 40.0 s'`` (the host's
+    speed is measured in a fraction of a second, as loaded as the host is then; runs differ that much)."""
+    return f"between {seconds(estimate / 2)} and {seconds(estimate * 2)}"
+
+
+REESTIMATE_S = 10.0  # a running estimate is said at most this often
+WEIGHT_TOKENS = 1024  # a token's weight matmuls cost about as much as attending this many tokens
+
+
+def forward_cost(start: int, n: int) -> float:
+    """Relative cost of a forward of ``n`` tokens after ``start``: their tokens times (the tokens before them + half
+    their own + :data:`WEIGHT_TOKENS`); what running estimates weigh a measured rate by."""
+    return n * (start + n / 2 + WEIGHT_TOKENS)
+
+
+class Remaining:
+    """The time left of work made of parts whose relative costs are known, re-estimated from the rate measured
+    so far and said on ``console`` at most every ``every_s`` seconds. The first part (warm-up, allocation) is
+    left out of the rate: one noisy part extrapolated over the run is what made earlier estimates 9x off."""
+
+    def __init__(self, console: Console, label: str, costs: list[float], every_s: float = REESTIMATE_S,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.console, self.label, self.costs = console, label, costs
+        self.every_s, self.clock = every_s, clock
+        self.done = 0  # parts done
+        self.measured_from: float | None = None  # when the first part ended
+        self.measured_cost = 0.0  # cost of the parts done since
+        self.said = clock()
+
+    def part_done(self) -> None:
+        """One more part is done (in order); says the time left when it is due and there is a rate to go by."""
+        now = self.clock()
+        self.done += 1
+        if self.measured_from is None:
+            self.measured_from = now
+            return
+        self.measured_cost += self.costs[self.done - 1]
+        left = sum(self.costs[self.done:])
+        if left > 0 and now - self.said >= self.every_s:
+            rate = (now - self.measured_from) / self.measured_cost
+            self.console.print(f"{self.label}: {self.done:,}/{len(self.costs):,} done, about {seconds(rate * left)} "
+                               "to go", highlight=False, soft_wrap=True)
+            self.said = now
 
 
 class Phases:
@@ -58,11 +105,31 @@ class Phases:
         self.done(label, time.perf_counter() - started)
 
 
+FIRST_LOAD = {"smollm2": "10 s to 1 min", "gemma3": "30 s to 2 min"}
+"""How long the first load of a named GGUF model takes on two CPU cores (joining and dequantising it), as a range:
+SmolLM2 took 14-18 s, Gemma 3 42-110 s, and the host's other work moves it either way."""
+
+
+def load_label(name: str) -> str:
+    """What loading the named model (:mod:`tierkv.models`) is about to do: ``loading X``, or for a GGUF model
+    not yet dequantised, that it is dequantised now (first load only) and the range that takes."""
+    from tierkv import models
+
+    found = models.spec(name)
+    if found.checkpoint is None or (found.checkpoint() / "config.json").is_file():
+        return f"loading {found.description}"
+    return (f"dequantising the GGUF of {found.description} (first load only, {FIRST_LOAD[name]} on 2 cores; later "
+            "loads take seconds)")
+
+
 @contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
-    """Within: no "Loading weights" bars and info logs from transformers, no huggingface_hub bars (the command
-    shows its own progress; warnings and errors still print). The caller's settings come back after."""
+    """Within: no "Loading weights" bars and info logs from transformers, no huggingface_hub bars, no bar of the
+    GGUF dequantisation on a model's first load (it calls tqdm directly, past transformers' switch: its ``tqdm``
+    is swapped for a disabled one); the command shows its own progress, warnings and errors still print. The
+    caller's settings come back after."""
     import huggingface_hub.utils as hub  # a dependency of transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf
     from transformers.utils import logging as hf_logging
 
     bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
@@ -70,9 +137,12 @@ def quiet_transformers() -> Iterator[None]:
     hub.disable_progress_bars()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    gguf_bar = gguf.tqdm
+    gguf.tqdm = functools.partial(gguf_bar, disable=True)
     try:
         yield
     finally:
+        gguf.tqdm = gguf_bar
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()

@@ -153,14 +153,6 @@ class TieredCache(AttentionModes, Cache):
                 self.forward.claim(self.uses_per_forward())
             if self.forward.unsettled is not None:
                 self.forward.settle(self.holding, self.runtime)
-            if layer_idx == self.forward.last_update > 0:
-                self.reset()  # every forward of such a model mixed its cross-attention K/V into the layers
-                raise InvalidConfigError(
-                    f"layer {layer_idx} was updated twice in a row, as an encoder-decoder model (T5, BART, Whisper) "
-                    "updates each decoder layer given one cache for both its self- and cross-attention; tierkv "
-                    "holds the self-attention K/V: pass EncoderDecoderCache(cache, DynamicCache()) (from "
-                    "transformers). This cache was emptied.")
-            self.forward.last_update = layer_idx
             if not 0 <= layer_idx < len(self.layers):
                 try:
                     self._add_layers(layer_idx)
@@ -410,6 +402,17 @@ class TieredCache(AttentionModes, Cache):
             self.begin_forward()
         return store
 
+    def refuse_repeated(self, layer: TieredLayer) -> None:
+        """``layer`` (a K/V layer after the first) was the last one updated and is updated again within one forward:
+        an encoder-decoder model given this cache alone, whose self- and cross-attention both update it (which
+        mixed the encoder's K/V into every layer so far). Refused, the cache emptied."""
+        self.reset()
+        raise InvalidConfigError(
+            f"layer {layer.position} was updated twice in one forward, as an encoder-decoder model (T5, BART, "
+            "Whisper) updates each decoder layer given one cache for both its self- and cross-attention; tierkv "
+            "holds the self-attention K/V: pass EncoderDecoderCache(cache, DynamicCache()) (from transformers). "
+            "This cache was emptied.")
+
     def begin_forward(self) -> None:
         """A forward begins: the previous one is complete (its full blocks are persisted), or it stopped part-way
         and its layers are rolled back (:meth:`Forward.begin`)."""
@@ -420,6 +423,7 @@ class TieredCache(AttentionModes, Cache):
             engagement.refuse()
         self.forward.begin(self.holding, self.runtime)
         if self.session is not None:
+            self.session.began(self.get_seq_length())
             self.session.collect(self)
 
     def roll_back(self, length: int) -> None:

@@ -50,7 +50,7 @@ class Forward:
         self.number = 0
         self.first: tuple[int, str, int] | None = None
         self.last = -1
-        self.last_update = -1  # the layer index of the last update (a decoder-only model never repeats one > 0)
+        self.last_update = -1  # the store index of the K/V layer updated last in this forward (-1: none yet)
 
     def entered(self, position: int, call: str, state_idx: int) -> bool:
         """Whether this use of model layer ``position`` begins a forward: a model runs its layers in order, so a
@@ -86,7 +86,7 @@ class Forward:
         stopped between two layers in the model's own code (no tierkv code ran to undo it), so its layers differ
         in length. Roll back the ones it reached and refuse this forward: its positions were computed from
         layer 0's length, one step ahead."""
-        reached, self.layers_updated = self.layers_updated, 0
+        reached, self.layers_updated, self.last_update = self.layers_updated, 0, -1
         if not reached or reached >= self.full:
             self.full = max(self.full, reached)
             return

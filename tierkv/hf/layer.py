@@ -105,6 +105,9 @@ class TieredLayer(OfCache, CacheLayerMixin):
         store = runtime.store
         if self.index == 0 or store is None or cache.closed:
             store = cache.begin_layer(self.index, key_states)
+        if cache.forward.last_update == self.index:  # (a forward's first K/V layer: it began one, so never)
+            cache.refuse_repeated(self)
+        cache.forward.last_update = self.index
         cache.forward.layers_updated += 1
         stored = store.seq_length(self.index)
         self.length_before = self.dropped + stored

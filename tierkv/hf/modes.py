@@ -11,11 +11,12 @@ import torch
 from transformers import PreTrainedConfig
 
 from tierkv import accel
-from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseBudget
+from tierkv.attention.sparse import SparseBudget
 from tierkv.hf import sizing
 from tierkv.hf.attention import Engagement, check_model, split_mode, streaming_mode, takes_attention_functions
 from tierkv.hf.choice import choose_executor
 from tierkv.hf.sizing import DEFAULT_CHUNK_TOKENS
+from tierkv.staging import DEFAULT_REST_BITS
 from tierkv.stats import resolve_profile
 
 if TYPE_CHECKING:

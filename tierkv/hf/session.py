@@ -10,10 +10,14 @@ positions alone. Two things a forward's inputs can add to that: an attention mas
 padding: every later token's K/V then differs, positions shift too), and a rotary embedding whose frequencies
 depend on the forward's length (dynamic NTK, LongRoPE: a forward that reaches the model's original length
 rescales every position). A forward pre-hook on the model given to ``load_prefix`` (:class:`ForwardWatch`) sees
-each forward's mask and length: tokens after the first masked one, and those computed by a forward past that
-length, are never persisted; a forward that would mix them with K/V loaded from the store is refused before it
-runs (nothing changes). ``load_prefix(..., attention_mask=)`` loads only what the mask leaves untouched, and
-nothing for a prompt past that length.
+each forward's inputs: tokens after the first masked one, those computed by a forward past that length, with
+other positions, from embeddings, in training mode or with inputs it cannot check (``token_type_ids``, images)
+are never persisted, nor are ids other than the ones the forward computed (its ``input_ids`` are compared with
+the ids ``load_prefix`` was given, and those it computes past them — generated tokens — are recorded, so the next
+turn's ids must repeat them). A forward the hook did not see (another module, the cache passed positionally) is
+not persisted either. A forward that would mix masked tokens or rescaled positions with K/V loaded from the store
+is refused before it runs (nothing changes). ``load_prefix(..., attention_mask=)`` loads only what the mask
+leaves untouched, and nothing for a prompt past that length.
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ class PrefixSession:
         self.clean: int | None = None  # tokens from the start whose K/V depends on ids and positions alone
         self.loaded = 0  # tokens of this sequence loaded from the store
         self.watches: dict[int, ForwardWatch] = {}  # id(model) -> its hook
+        self.computed: list[np.ndarray] = []  # ids forwards computed past the known ids, in order: [rows, n] each
+        self.announced: int | None = None  # the length at which the forward the hook checked last begins
 
     @property
     def ids(self) -> np.ndarray | None:
@@ -100,7 +106,9 @@ class PrefixSession:
                     f"the cache holds {held} tokens of {batch} rows; load_prefix needs the same rows with at least "
                     f"one new token, got ids of shape {tuple(ids.shape)}. Call cache.reset() for a new prompt.")
             if not self.private:
+                self.check_computed(ids, held)
                 self.prefix.extend(ids, held)
+                self.computed = []
                 self.narrow(unmasked, "load_prefix's attention_mask")
             return held
         namespace = Namespace.of_model(model, self.block_tokens)
@@ -110,7 +118,7 @@ class PrefixSession:
         watch = self.watches.get(id(model))
         if watch is None or watch.model() is not model:
             watch = self.watches[id(model)] = ForwardWatch(self, cache, model)
-        self.private, self.loaded, self.clean = False, 0, unmasked
+        self.private, self.loaded, self.clean, self.computed = False, 0, unmasked, []
         self.prefix.start(namespace, ids)
         if self.remote is not None:
             self.remote.bind(namespace)
@@ -136,6 +144,61 @@ class PrefixSession:
                 "before any masked one), or call cache.reset() and run the prompt without load_prefix.")
         self.clean = clean if self.clean is None else min(self.clean, clean)
 
+    def check_computed(self, ids: np.ndarray, held: int) -> None:
+        """The next turn's ``ids`` must repeat the tokens the cache computed past the ids it knew (generated):
+        their K/V is of those tokens, whatever ids a caller claims."""
+        known = self.prefix.ids
+        if known is None or not self.computed:
+            return
+        computed = np.concatenate(self.computed, axis=1)[:, : max(0, held - known.shape[1])]
+        start, stop = known.shape[1], known.shape[1] + computed.shape[1]
+        if ids.shape[0] != computed.shape[0] or ids.shape[1] < stop or \
+                not np.array_equal(ids[:, start:stop], computed):
+            raise InvalidConfigError(
+                "these ids do not start with the tokens this cache holds: tokens "
+                f"{start}-{stop - 1} differ from the ones it computed (generated); pass the whole conversation so "
+                "far (the previous ids, the generated tokens, then the new ones), or call cache.reset() first.")
+
+    def observe(self, ids: np.ndarray, held: int) -> None:
+        """A checked forward computes ``ids`` ``[rows, n]`` after ``held`` tokens: where they are not the known ids,
+        nothing from ``held`` on is persisted; past the known ids they are recorded (:meth:`check_computed`)."""
+        known = self.prefix.ids
+        assert known is not None
+        stop = held + ids.shape[1]
+        overlap = max(0, min(known.shape[1], stop) - held)
+        recorded = sum(chunk.shape[1] for chunk in self.computed)
+        if ids.shape[0] != known.shape[0] or not np.array_equal(known[:, held:held + overlap], ids[:, :overlap]) \
+                or (stop > known.shape[1] and max(held, known.shape[1]) != known.shape[1] + recorded):
+            self.narrow(held, "this forward's input_ids")  # other ids, other rows, or a forward not seen between
+            return
+        if stop > known.shape[1]:
+            self.computed.append(ids[:, overlap:].copy())
+        self.announced = held
+
+    def match_rows(self, rows: int, held: int) -> None:
+        """A forward of ``rows`` rows: ``generate`` repeating each row (``num_return_sequences``, beams) before its
+        first forward repeats the known ids' rows alike; other rows than the ids' persist nothing from ``held``."""
+        known = self.prefix.ids
+        assert known is not None
+        if rows == known.shape[0]:
+            return
+        if rows % known.shape[0] == 0 and held <= known.shape[1]:
+            repeats = rows // known.shape[0]
+            self.select_rows([row for row in range(known.shape[0]) for _ in range(repeats)])
+            return
+        self.prefix.reset()  # rows the ids do not describe: this sequence is not persisted
+        self.computed = []
+
+    def began(self, held: int) -> None:
+        """A forward begins at ``held`` tokens: unless the hook checked it, nothing it computes is persisted."""
+        if self.announced != held and self.prefix.ids is not None and not self.private:
+            if self.clean is None or self.clean > held:
+                log.info("tierkv: a forward with this cache did not go through the model given to load_prefix "
+                         "(another module, or the cache passed positionally): from token %d nothing is persisted",
+                         held)
+            self.narrow(held, "a forward load_prefix's model did not run")
+        self.announced = None
+
     def loaded_from_file(self) -> None:
         """The cache now holds a conversation read from a file: it is private (module docstring)."""
         self.prefix.reset()
@@ -156,14 +219,19 @@ class PrefixSession:
             self.prefix.reset()
 
     def truncate(self, length: int) -> None:
+        known = self.prefix.ids
+        if known is not None and self.computed:
+            kept = max(0, length - known.shape[1])
+            self.computed = [np.concatenate(self.computed, axis=1)[:, :kept]] if kept else []
         self.prefix.truncate(length)
 
     def select_rows(self, indices: Sequence[int]) -> None:
         self.prefix.select_rows(indices)
+        self.computed = [chunk[list(indices)] for chunk in self.computed]
 
     def reset(self) -> None:
         self.prefix.reset()
-        self.private, self.loaded, self.clean = False, 0, None
+        self.private, self.loaded, self.clean, self.computed, self.announced = False, 0, None, [], None
 
     def flush(self) -> None:
         self.prefix.flush()
@@ -190,23 +258,26 @@ class ForwardWatch:
         self.rope_limit = rope_limit(getattr(model, "config", None))
         self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
 
-    def __call__(self, _: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         session, cache = self.session(), self.cache()
         if session is None or cache is None:
             self.remove()
             return
         given: object = next((kwargs[name] for name in CACHE_KEYWORDS if kwargs.get(name) is not None), None)
-        if given is not cache or session.private or session.prefix.ids is None:
-            return
-        self.check(session, cache, args, kwargs)
+        if given is not cache or module is not self.model() or session.private or session.prefix.ids is None:
+            return  # (a deep copy of the model carries a copy of this hook: not the model load_prefix was given)
+        self.check(session, cache, module, args, kwargs)
 
-    def check(self, session: PrefixSession, cache: TieredCache, args: tuple[Any, ...],
+    def check(self, session: PrefixSession, cache: TieredCache, module: torch.nn.Module, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> None:
         held = cache.get_seq_length()
-        inputs = kwargs.get("input_ids", args[0] if args else None)
-        if inputs is None:
-            inputs = kwargs.get("inputs_embeds")
-        new = int(inputs.shape[1]) if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else 0
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        inputs = ids if ids is not None else kwargs.get("inputs_embeds")
+        rows, new = tuple(inputs.shape[:2]) if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else (0, 0)
+        if new:
+            session.match_rows(rows, held)
+            if session.prefix.ids is None:
+                return
         session.narrow(first_masked(kwargs.get("attention_mask"), held), "this forward's attention_mask")
         if self.rope_limit is not None and held + new >= self.rope_limit:
             if session.loaded > 0 and held <= session.loaded:
@@ -216,12 +287,34 @@ class ForwardWatch:
                     f"computed by shorter forwards, and this one reaches {held + new}. Give load_prefix the whole "
                     "prompt (it loads nothing for one that long), or call cache.reset().")
             session.narrow(held, "a forward that rescales positions")
+        unchecked = sorted(name for name, value in kwargs.items()
+                           if value is not None and name not in CHECKED and name not in CACHE_KEYWORDS)
+        if module.training or unchecked or not isinstance(ids, torch.Tensor) or ids.dim() != 2 \
+                or not _default_positions(kwargs, held, new):
+            session.narrow(held, "this forward's inputs")  # K/V of more than ids at their positions
+            return
+        session.observe(ids.detach().cpu().numpy().astype(np.int64, copy=False), held)
 
     def remove(self) -> None:
         self.handle.remove()
 
 
 CACHE_KEYWORDS = ("past_key_values", "cache", "cache_params")  # what transformers' forwards call the cache
+CHECKED = frozenset({"input_ids", "attention_mask", "position_ids", "cache_position", "use_cache", "return_dict",
+                     "logits_to_keep", "num_logits_to_keep", "output_attentions", "output_hidden_states", "labels"})
+"""Forward inputs the hook checks (ids, mask, positions) or that change no K/V; any other given is not persisted."""
+
+
+def _default_positions(kwargs: dict[str, Any], held: int, new: int) -> bool:
+    """Whether the forward's ``position_ids`` and ``cache_position`` (where given) are the positions its tokens
+    take after ``held`` tokens, as without them."""
+    expected = torch.arange(held, held + new)
+    for name in ("position_ids", "cache_position"):
+        given = kwargs.get(name)
+        if given is not None and not (isinstance(given, torch.Tensor) and given.shape[-1] == new
+                                      and bool((given.detach().cpu() == expected).all())):
+            return False
+    return True
 
 
 def first_masked(mask: Any, fallback: int = 0) -> int | None:

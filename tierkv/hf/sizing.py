@@ -181,7 +181,8 @@ def sparse_table_bytes(config: PreTrainedConfig, context: int, tokens: int | flo
 
 def _sparse_budget(tokens: int | float, rest_bits: int | None, page_tokens: int | None) -> SparseBudget:
     """``cache.sparse``'s budget for these arguments (``rest_bits`` None: its default)."""
-    from tierkv.attention.sparse import DEFAULT_REST_BITS, SparseBudget
+    from tierkv.attention.sparse import SparseBudget
+    from tierkv.staging import DEFAULT_REST_BITS
 
     return SparseBudget(tokens, rest_bits=DEFAULT_REST_BITS if rest_bits is None else rest_bits,
                         page_tokens=page_tokens)

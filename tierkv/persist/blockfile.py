@@ -66,6 +66,7 @@ from tierkv.persist import manifest as manifests
 from tierkv.persist import record
 from tierkv.persist.lock import LockTimeoutError, OwnerLock, is_abandoned, locked
 from tierkv.persist.manifest import KEY, Entry, Manifest
+from tierkv.units import plural
 
 if TYPE_CHECKING:
     from tierkv.persist.keys import Namespace
@@ -487,9 +488,10 @@ class PersistentStore:
             safefs.remove_regular(tree.tmp, f"{area}.lock")
         unlisted = torn = 0
         seen: set[str] = set()
+        foreign: list[str] = []
         for folder_name in os.listdir(tree.blocks):
             if not _FOLDER.match(folder_name):
-                log.warning("tierkv: %s is not tierkv's; left alone", self._blocks / folder_name)
+                foreign.append(folder_name)
                 continue
             try:
                 with safefs.own_directory(tree.blocks, folder_name, self._blocks / folder_name, False) as folder:
@@ -511,6 +513,10 @@ class PersistentStore:
                         safefs.remove_regular(folder, name)
             except OSError as error:  # a link, a file or another user's directory where a folder belongs
                 log.warning("tierkv: %s", error)
+        if foreign:  # one line however many: a directory another program filled must not flood the log
+            shown = ", ".join(sorted(foreign)[:3]) + (f" and {len(foreign) - 3:,} more" if len(foreign) > 3 else "")
+            log.warning("tierkv: %s holds %s that %s not tierkv's (%s); left alone", self._blocks,
+                        plural(len(foreign), "name"), "is" if len(foreign) == 1 else "are", shown)
         missing = [key for key in listing.entries if key not in seen]
         for key in missing:
             del listing.entries[key]

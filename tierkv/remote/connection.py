@@ -17,8 +17,10 @@ The client is built lazily, on the first command: a cache that names an unreacha
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -139,6 +141,11 @@ class RemoteConnection:
         except redis.exceptions.ResponseError as exc:
             self._refused(exc)
             return fallback
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError, RecursionError) as exc:
+            if not _raised_in_redis_py(exc):
+                raise  # tierkv's own bug: not the server's
+            self._failed(redis.exceptions.InvalidResponse(f"a reply redis-py could not parse ({exc!r})"))
+            return fallback
         self._succeeded()
         return result
 
@@ -203,3 +210,10 @@ class RemoteConnection:
             pool = getattr(client, "connection_pool", None)
             if pool is not None:
                 pool.disconnect()
+
+
+def _raised_in_redis_py(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside redis-py (its reply parser, given what a server that does not speak Redis
+    sends), not in tierkv's code."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and f"{os.sep}redis{os.sep}" in frames[-1].filename

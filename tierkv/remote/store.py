@@ -78,12 +78,14 @@ class _Wire:
 
         return op
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
+    def exists(self, keys: Sequence[str], count: bool = True) -> list[bool]:
+        """Whether the server holds each key (a reply other than an integer: no); ``count``: in the lookups."""
         results = self.conn.run(self._each("exists", keys), fallback=[False] * len(keys))
         self.conn.refused(results)
-        found = [result is not False and not isinstance(result, Exception) and int(result) > 0 for result in results]
-        self.conn.count("lookups", len(keys))
-        self.conn.count("lookup_hits", sum(found))
+        found = [type(result) is int and result > 0 for result in results]
+        if count:
+            self.conn.count("lookups", len(keys))
+            self.conn.count("lookup_hits", sum(found))
         return found
 
     def get(self, keys: Sequence[str], max_bytes: int | None = None) -> list[memoryview | None]:
@@ -96,8 +98,14 @@ class _Wire:
                 pipe = client.pipeline(transaction=False)
                 for key in keys:
                     pipe.getrange(self.name(key), 0, max_bytes)
-                return [value or None for value in pipe.execute(raise_on_error=False)]  # b"": no such key
+                return pipe.execute(raise_on_error=False)
         values = self.conn.run(op, fallback=[None] * len(keys))
+        if max_bytes is not None:  # b"": no such key, or an empty value planted there, which is never replaced
+            empty = [key for key, value in zip(keys, values) if value == b""]
+            for key, there in zip(empty, self.exists(empty, count=False) if empty else []):
+                if there:
+                    self.discard(key, "is empty")
+            values = [None if value == b"" else value for value in values]
         self.conn.refused([value for value in values if not _wrong_type(value)])
         payloads: list[memoryview | None] = []
         for key, value in zip(keys, values):
