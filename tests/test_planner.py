@@ -342,9 +342,9 @@ def test_sparse_step_reads_the_budgets_fraction_and_pays_for_the_summaries(page)
     """Llama-3-8B at 1M tokens, 32K attended: 1/32 of every layer's KV crosses the links; the device holds the
     prefill's two chunks, one layer's selection and one summary per page (4·H_kv·D values = 2 tokens' K/V): 16
     per 256-token block at the default 16-token pages, one where the page is the block."""
-    exact = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=136, link="pcie5"))
+    exact = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=136, link="pcie5", sparse_rest_bits=0))
     sparse = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=136, link="pcie5", executor="sparse",
-                                sparse_tokens="32K", sparse_page_tokens=page))
+                                sparse_tokens="32K", sparse_page_tokens=page, sparse_rest_bits=0))
     per_layer_token = 4 * 1024
     summaries = 32 * (2**20 // (page or 16)) * per_layer_token * 2  # layers x pages x 2 tokens' K/V
     assert sparse.staging_bytes == 2 * 4096 * per_layer_token + 32768 * per_layer_token + summaries
@@ -376,14 +376,15 @@ def test_a_rest_copy_is_paid_for_in_device_bytes_and_compute_not_in_reads():
 
 
 def test_plan_says_when_sparse_is_the_better_choice():
-    exact = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=136, link="pcie5", sparse_tokens="32K"))
+    exact = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=136, link="pcie5", sparse_tokens="32K",
+                               sparse_rest_bits=0))
     alternative = sparse_what_if(exact)
     assert alternative.plan.request.executor == "sparse" and "approximate" in alternative.note
     assert "faster: the better choice" in sparse_advice(exact, alternative)
     sparse = alternative.plan
     back = sparse_what_if(sparse)
     assert back.plan.request.executor == "gather" and "sparse is predicted" in sparse_advice(sparse, back)
-    covering = plan(build_request("llama-3-8b", "8K", gpu=20, cpu=136, sparse_tokens="8K"))
+    covering = plan(build_request("llama-3-8b", "8K", gpu=20, cpu=136, sparse_tokens="8K", sparse_rest_bits=0))
     assert sparse_what_if(covering) is None  # the budget covers the context: sparse would read it all
 
 
@@ -391,7 +392,7 @@ def test_plan_says_when_sparse_is_the_better_choice():
 def test_the_sparse_what_if_names_its_share_of_the_kv_attended(executor):
     """The share is of the KV an exact step attends, whatever the exact executor moves (split moves almost
     nothing: a share of its moved bytes read 50,803%)."""
-    base = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=128, link="pcie5", executor=executor))
+    base = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=128, link="pcie5", executor=executor, sparse_rest_bits=0))
     note = sparse_what_if(base).note
     share = float(note.split("reads ")[1].split("%")[0])
     assert 0 < share < 5  # 2,048 of 1M tokens, with sinks, recent window and summaries
@@ -399,9 +400,9 @@ def test_the_sparse_what_if_names_its_share_of_the_kv_attended(executor):
 
 def test_sparse_cost_grows_with_its_budget_not_the_context():
     small = plan(build_request("llama-3-8b", "256K", gpu=24, cpu=136, link="pcie5", executor="sparse",
-                               sparse_tokens=4096))  # 24 GB: the 1M context's page summaries take 17 GB
+                               sparse_tokens=4096, sparse_rest_bits=0))  # 24 GB: the 1M context's summaries take 17 GB
     large = plan(build_request("llama-3-8b", "1M", gpu=24, cpu=136, link="pcie5", executor="sparse",
-                               sparse_tokens=4096))
+                               sparse_tokens=4096, sparse_rest_bits=0))
     read = [p.bytes_moved_per_step["host->device"] + p.bytes_moved_per_step["device->device"] for p in (small, large)]
     assert read[0] == pytest.approx(read[1], rel=0.01)  # 4096 tokens per layer either way
     assert large.staging_bytes - small.staging_bytes == sparse_summary_bytes(large.request) - \
@@ -583,14 +584,15 @@ def test_a_cpu_host_prices_split_on_its_measured_memcpy(tmp_path):
 
 
 def test_executors_are_compared_and_the_fastest_exact_one_named():
-    base = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=128, link="pcie5", host_cores=32))
+    base = plan(build_request("llama-3-8b", "1M", gpu=20, cpu=128, link="pcie5", host_cores=32, sparse_rest_bits=0))
     options = compare_executors(base)
     assert [o.executor for o in options] == ["gather", "streaming", "sparse", "split"]
     assert options[0].plan is base and all(o.plan is not None for o in options)
     advice = fastest_advice(options)
     assert advice.startswith("fastest exact executor for this machine: split (2.04 tok/s, 5.2x gather)")
     assert "240 GB/s (preset: min(32 cores" in advice
-    small = plan(build_request("llama-3-8b", "1M", gpu="40MB", cpu=200, link="pcie5", executor="streaming"))
+    small = plan(build_request("llama-3-8b", "1M", gpu="40MB", cpu=200, link="pcie5", executor="streaming",
+                               sparse_rest_bits=0))
     refused = {o.executor: o for o in compare_executors(small)}
     assert refused["gather"].plan is None and refused["gather"].note.startswith("does not fit")
     assert refused["split"].plan is None and "at least 126.62MB" in refused["split"].note  # its fixed minimum
@@ -649,11 +651,11 @@ def test_sparse_selects_pages_and_reads_whole_sectors_from_disk():
     hold from disk, 16-token ones (4 KiB) what they hold; a page that does not divide the block is refused."""
     def sparse(page):
         return build_request("llama-3-8b", "128K", gpu=8, cpu=4, disk=1000, link="pcie5", executor="sparse",
-                             sparse_tokens=1024, sparse_page_tokens=page)
+                             sparse_tokens=1024, sparse_page_tokens=page, sparse_rest_bits=0)
 
     assert sparse_fetched_tokens(sparse(None), 0) == 1024 and sparse_fetched_tokens(sparse(256), 0) == 1024
     assert sparse_fetched_tokens(build_request("llama-3-8b", "128K", gpu=4, cpu=8, executor="sparse",
-                                               sparse_tokens=1000), 0) == 992
+                                               sparse_tokens=1000, sparse_rest_bits=0), 0) == 992
     read = {page: plan(sparse(page)) for page in (8, 16, 256)}
     disk = {page: p.bytes_moved_per_step["disk->host"] / p.bytes_per_tier.disk for page, p in read.items()}
     assert disk[16] == pytest.approx(disk[256], rel=0.02) and disk[8] == pytest.approx(2 * disk[16], rel=0.02)

@@ -41,6 +41,7 @@ from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
 from tierkv.model_presets import ModelSpec, resolve_model
 from tierkv.settings import DIRECT_IO_ALIGN
 from tierkv.staging import (
+    DEFAULT_REST_BITS,
     REST_BITS,
     default_page_tokens,
     gather_staging_bytes,
@@ -231,8 +232,8 @@ class PlanRequest:
     # "split": each tier's KV attended where it lives (the host's on the CPUs), no staging
     chunk_tokens: int = 4096
     sparse_tokens: int = 2048  # attended tokens per row and layer in sparse mode (sinks and recent included)
-    sparse_rest_bits: int = 0  # sparse: the blocks not read attended from a copy of this many bits (tierkv plan
-    # passes cache.sparse's default, DEFAULT_REST_BITS)
+    sparse_rest_bits: int = DEFAULT_REST_BITS  # sparse: the blocks not read attended from a copy of this many
+    # bits on the device (cache.sparse's default)
     sparse_page_tokens: int | None = None  # sparse: tokens per selected page (None: the library's default page)
     block_tokens: int = PLAN_BLOCK_TOKENS  # staging is whole blocks (TieredCache's default block)
     host_cores: int | None = None  # split, GPU-host presets: the host's cores (host_attention_rate)
@@ -919,7 +920,7 @@ def build_request(
     executor: str = "gather",
     chunk_tokens: int = 4096,
     sparse_tokens: int | str = 2048,
-    sparse_rest_bits: int = 0,
+    sparse_rest_bits: int = DEFAULT_REST_BITS,
     sparse_page_tokens: int | None = None,
     host_cores: int | None = None,
     host_dram_gbps: float | None = None,
