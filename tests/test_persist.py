@@ -680,6 +680,27 @@ def test_forwards_whose_kv_is_not_of_their_ids_alone_persist_nothing(tmp_path, h
         assert later.load_prefix(model, ids) == 0
 
 
+def test_a_conversation_cropped_into_its_loaded_prefix_decodes_on(tmp_path):
+    """Cropped back into the tokens loaded from the store, a forward of another branch that masks one of its own
+    tokens (past the crop, where loaded tokens were) is not taken for one that masks loaded tokens: it decodes as
+    DynamicCache cropped alike."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=49)
+    _persist(model, ids, tmp_path)
+    reference = DynamicCache(config=model.config)
+    with _cache(model, tmp_path) as warm, torch.no_grad():
+        assert warm.load_prefix(model, ids) == 24
+        model(ids[:, 24:], past_key_values=warm)
+        model(ids, past_key_values=reference)
+        warm.crop(-10)
+        reference.crop(-10)
+        branch, mask = (ids[:, 16:20] + 1) % 120 + 2, torch.ones(1, 20, dtype=torch.long)
+        mask[0, 18] = 0
+        torch.testing.assert_close(model(branch, attention_mask=mask, past_key_values=warm).logits,
+                                   model(branch, attention_mask=mask, past_key_values=reference).logits,
+                                   atol=1e-5, rtol=0)
+
+
 def test_generate_repeating_rows_persists_each_rows_own_kv(tmp_path):
     """``num_return_sequences`` repeats each row before the first forward: the ids' rows are repeated alike, so
     a later process loading row 1 gets row 1's K/V (it used to get row 0's)."""

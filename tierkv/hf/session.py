@@ -219,6 +219,8 @@ class PrefixSession:
             self.prefix.reset()
 
     def truncate(self, length: int) -> None:
+        """The cache was cropped to ``length`` tokens: what it loaded or computed past them is gone."""
+        self.loaded = min(self.loaded, length)
         known = self.prefix.ids
         if known is not None and self.computed:
             kept = max(0, length - known.shape[1])
