@@ -411,7 +411,7 @@ def replacing(directory: int, name: str, shared: bool | None = None) -> Iterator
 
 
 SPECIAL_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                 (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+                 (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))
 
 
 def kind_of(mode: int) -> str:

@@ -223,9 +223,11 @@ class Runtime:
             f"{'min_split_device_bytes' if mode.decode == 'split' else 'min_streaming_device_bytes'} gives it"
         least = "; TieredCache(prefetch_depth=0, ...), which reads no layer ahead (slower), needs less: " \
             "min_device_bytes(..., prefetch_depth=0)" if chunk is None and self.budgets.prefetch_depth != 0 else ""
+        taken = format_size_option(need)
+        taken += "GB" if taken[-1].isdigit() else ""  # the option's bare number counts GB: '3.91' reads '3.91GB'
         error.args = (f"the device budget ({format_gb(budget)}) is too small for {how} over {over} at {context:,} "
                       f"tokens: gpu_gb=\"{need}B\" holds the staging and every layer's open block, which takes "
-                      f"{_gb(need)}; raise gpu_gb to at least that (TieredCache.{api}{least})"
+                      f"{taken}; raise gpu_gb to at least that (TieredCache.{api}{least})"
                       f"{self._way_out(chunk, minimum, budget, need)}",)
         return error
 
@@ -307,9 +309,3 @@ class Runtime:
         self.executors.clear()
         self.prefill = self.decode = self.attending = None
         self.store = self.mover = self.disk = None
-
-
-def _gb(nbytes: int) -> str:
-    """``nbytes`` as ``gpu_gb``'s option reads it ('3.91GB': its bare number counts GB)."""
-    taken = format_size_option(nbytes)
-    return taken + ("GB" if taken[-1].isdigit() else "")

@@ -80,6 +80,7 @@ class PrefixSession:
         self.loaded = 0  # tokens of this sequence loaded from the store
         self.watches: dict[int, ForwardWatch] = {}  # id(model) -> its hook
         self.computed: list[np.ndarray] = []  # ids forwards computed past the known ids, in order: [rows, n] each
+        self.recorded = 0  # tokens in them (a count kept, not summed: one chunk a decode step)
         self.announced: int | None = None  # the length at which the forward the hook checked last begins
 
     @property
@@ -108,7 +109,7 @@ class PrefixSession:
             if not self.private:
                 self.check_computed(ids, held)
                 self.prefix.extend(ids, held)
-                self.computed = []
+                self._record([])
                 self.narrow(unmasked, "load_prefix's attention_mask")
             return held
         namespace = Namespace.of_model(model, self.block_tokens)
@@ -118,7 +119,8 @@ class PrefixSession:
         watch = self.watches.get(id(model))
         if watch is None or watch.model() is not model:
             watch = self.watches[id(model)] = ForwardWatch(self, cache, model)
-        self.private, self.loaded, self.clean, self.computed = False, 0, unmasked, []
+        self.private, self.loaded, self.clean = False, 0, unmasked
+        self._record([])
         self.prefix.start(namespace, ids)
         if self.remote is not None:
             self.remote.bind(namespace)
@@ -166,13 +168,13 @@ class PrefixSession:
         assert known is not None
         stop = held + ids.shape[1]
         overlap = max(0, min(known.shape[1], stop) - held)
-        recorded = sum(chunk.shape[1] for chunk in self.computed)
         if ids.shape[0] != known.shape[0] or not np.array_equal(known[:, held:held + overlap], ids[:, :overlap]) \
-                or (stop > known.shape[1] and max(held, known.shape[1]) != known.shape[1] + recorded):
+                or (stop > known.shape[1] and max(held, known.shape[1]) != known.shape[1] + self.recorded):
             self.narrow(held, "this forward's input_ids")  # other ids, other rows, or a forward not seen between
             return
         if stop > known.shape[1]:
             self.computed.append(ids[:, overlap:].copy())
+            self.recorded += ids.shape[1] - overlap
         self.announced = held
 
     def match_rows(self, rows: int, held: int) -> None:
@@ -187,7 +189,7 @@ class PrefixSession:
             self.select_rows([row for row in range(known.shape[0]) for _ in range(repeats)])
             return
         self.prefix.reset()  # rows the ids do not describe: this sequence is not persisted
-        self.computed = []
+        self._record([])
 
     def began(self, held: int) -> None:
         """A forward begins at ``held`` tokens: unless the hook checked it, nothing it computes is persisted."""
@@ -224,16 +226,22 @@ class PrefixSession:
         known = self.prefix.ids
         if known is not None and self.computed:
             kept = max(0, length - known.shape[1])
-            self.computed = [np.concatenate(self.computed, axis=1)[:, :kept]] if kept else []
+            self._record([np.concatenate(self.computed, axis=1)[:, :kept]] if kept else [])
         self.prefix.truncate(length)
 
     def select_rows(self, indices: Sequence[int]) -> None:
         self.prefix.select_rows(indices)
-        self.computed = [chunk[list(indices)] for chunk in self.computed]
+        if self.computed:  # one array again: beams reorder every step
+            self._record([np.concatenate(self.computed, axis=1)[list(indices)]])
 
     def reset(self) -> None:
         self.prefix.reset()
-        self.private, self.loaded, self.clean, self.computed, self.announced = False, 0, None, [], None
+        self.private, self.loaded, self.clean, self.announced = False, 0, None, None
+        self._record([])
+
+    def _record(self, chunks: list[np.ndarray]) -> None:
+        """The ids computed past the known ones are now ``chunks``."""
+        self.computed, self.recorded = chunks, sum(chunk.shape[1] for chunk in chunks)
 
     def flush(self) -> None:
         self.prefix.flush()

@@ -79,10 +79,6 @@ LOCK = "lock"
 _FOLDER = re.compile(r"^[0-9a-f]{2}$")
 _SCRATCH_LOCK = re.compile(r"^(\d+-[0-9a-f]+)\.lock$")
 _STALE_MANIFEST = re.compile(rf"^(\.{manifests.NAME}\..*\.tmp|{manifests.NAME}\.tmp)$")
-_SPECIAL = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFLNK: "a symbolic link",
-            stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
-
-
 @dataclass(frozen=True, slots=True)
 class Item:
     """A record to store under ``key``: write ``head`` then ``payload`` (from :func:`tierkv.persist.record.encode`)."""
@@ -531,13 +527,14 @@ def _refuse_planted(directory: int, name: str, where: Path) -> None:
     """Raise a DiskTierError that names what is at tierkv's file ``name`` in ``directory`` and how to remove it,
     if it is not a regular file (a directory, FIFO, link ... that tierkv never made, so never removes)."""
     try:
-        kind = _SPECIAL.get(stat.S_IFMT(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode))
+        mode = os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode
     except OSError:
         return
-    if kind is not None:
-        raise safefs.refuse(where, f"it is {kind} where tierkv keeps a file of its own (another program or user "
-                            "made it; tierkv never uses nor removes it)", f"Remove it (rm -r '{where}') while no "
-                            "tierkv process uses this disk_dir; tierkv makes the file again.")
+    if not stat.S_ISREG(mode):
+        raise safefs.refuse(where, f"it is {safefs.kind_of(mode)} where tierkv keeps a file of its own (another "
+                            "program or user made it; tierkv never uses nor removes it)",
+                            f"Remove it (rm -r '{where}') while no tierkv process uses this disk_dir; tierkv makes the "
+                            "file again.")
 
 
 def _release(tree: _Tree) -> None:
