@@ -24,12 +24,13 @@ SLOT = 4096  # every test layout below fits one 4 KiB slot per block
 
 
 @contextlib.contextmanager
-def tiny_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A real filesystem of ``size`` (a tmpfs mounted at ``path``) that runs out of space; the test skips where it
-    cannot be mounted (not root). Unmounted lazily at the end: a store a failed assertion left open does not keep
-    it mounted."""
+def tiny_tmpfs(path: Path, size: str, inodes: int | None = None) -> Iterator[Path]:
+    """A real filesystem of ``size`` (a tmpfs mounted at ``path``; with ``inodes``, that many files and folders at
+    most) that runs out of space; the test skips where it cannot be mounted (not root). Unmounted lazily at the
+    end: a store a failed assertion left open does not keep it mounted."""
     path.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+    options = f"size={size}" + (f",nr_inodes={inodes}" if inodes is not None else "")
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
                                            capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:

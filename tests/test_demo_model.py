@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tierkv.demo.evaluate import evaluate, greedy_generate, parse_token_count, plot_heatmap
+from tierkv.demo.evaluate import evaluate, greedy_generate, plot_heatmap
 from tierkv.demo.model import DemoWeightsMissingError, load_demo_model
 from tierkv.demo.task import make_example
 from tierkv.errors import InvalidConfigError
@@ -74,9 +74,6 @@ def test_eval_command_json(tmp_path, capsys):
 
 def test_bad_eval_arguments(demo):
     model, tokenizer = demo
-    assert parse_token_count("64K") == 65536 and parse_token_count("1M") == 2**20
-    with pytest.raises(InvalidConfigError):
-        parse_token_count("64 apples")
     with pytest.raises(InvalidConfigError, match="depths"):
         evaluate(model, tokenizer, lengths=[512], depths=[2.0], samples=1)
     with pytest.raises(InvalidConfigError, match="samples"):

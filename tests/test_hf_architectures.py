@@ -324,6 +324,73 @@ def test_an_encoder_decoder_model_decodes_exactly_with_the_cache_as_its_self_att
             assert cache.get_seq_length() == 0
 
 
+@pytest.mark.parametrize("executor", ["streaming", "split"])
+def test_a_position_bias_the_executors_cannot_apply_is_refused_and_nothing_is_lost(tmp_path, executor):
+    """Regression: T5 hands its relative position bias to the attention function (``position_bias=``, sized to the
+    keys the model sees: the step's alone under streaming), which the executors dropped: logits 0.76 off with no
+    error. Any tensor keyword they cannot apply refuses the step with the fix; the cache holds what it held."""
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=PAD, pad_token_id=PAD, eos_token_id=None)  # fmt: skip
+    model = instantiate(transformers.T5ForConditionalGeneration, config)
+    ids, _ = prompt(1, 12, seed=8)
+    with TieredCache(gpu_gb="8MB", cpu_gb="1MB", disk_dir=tmp_path, block_tokens=4) as cache:
+        with engage(cache, model, executor), pytest.raises(InvalidConfigError, match="passes `position_bias`.*exact "
+                                                                                    "gather"):  # fmt: skip
+            model.generate(ids, max_new_tokens=4, do_sample=False,
+                           past_key_values=transformers.EncoderDecoderCache(cache, DynamicCache()))  # fmt: skip
+        assert cache.get_seq_length() == 0
+
+
+def whisper() -> tuple[transformers.PreTrainedModel, dict]:
+    config = transformers.WhisperConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+                                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                        decoder_ffn_dim=128, num_mel_bins=8, max_source_positions=16,
+                                        max_target_positions=64, pad_token_id=PAD, bos_token_id=BOS,
+                                        eos_token_id=None, decoder_start_token_id=BOS, suppress_tokens=None,
+                                        begin_suppress_tokens=None)  # fmt: skip
+    model = instantiate(transformers.WhisperForConditionalGeneration, config)
+    model.generation_config.forced_decoder_ids = None
+    return model, {"input_features": torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))}
+
+
+def llava() -> tuple[transformers.PreTrainedModel, dict]:
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=16, patch_size=8, projection_dim=32)
+    text = transformers.LlamaConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=VOCAB - 1,
+                                      image_seq_length=5, vision_feature_select_strategy="full",
+                                      vision_feature_layer=-1)  # fmt: skip
+    model = instantiate(transformers.LlavaForConditionalGeneration, config)
+    ids = torch.cat([torch.tensor([[BOS] + [VOCAB - 1] * 5]), prompt(1, 10, seed=3)[0]], 1)
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    return model, {"input_ids": ids, "pixel_values": pixels}
+
+
+@pytest.mark.parametrize("executor", ["streaming", "split"])
+@pytest.mark.parametrize("family", ["whisper", "llava"])
+def test_attention_without_a_layer_index_keeps_its_own_implementation(tmp_path, family, executor):
+    """Regression: a Whisper encoder's or a Llava vision tower's attention modules have no ``layer_idx``, so the
+    engagement recorded no implementation for them and their forward raised "runs only inside `with
+    cache.streaming(model):`" inside that very block. They attend as before; the decoder's K/V through the tiers."""
+    model, inputs = {"whisper": whisper, "llava": llava}[family]()
+    encoder_decoder = family == "whisper"
+
+    def generate(cache):
+        cache = transformers.EncoderDecoderCache(cache, DynamicCache()) if encoder_decoder else cache
+        return model.generate(**inputs, max_new_tokens=20, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, past_key_values=cache)  # fmt: skip
+
+    reference = generate(DynamicCache(config=None if encoder_decoder else model.config))
+    text = model.config.get_text_config(decoder=True)
+    gpu = {"split": TieredCache.min_split_device_bytes, "streaming": TieredCache.min_streaming_device_bytes}[executor]
+    with TieredCache(gpu_gb=f"{gpu(text, 1, block_tokens=4, chunk_tokens=8) + 4096}B", cpu_gb="1KB",
+                     disk_dir=tmp_path, block_tokens=4, config=None if encoder_decoder else model.config) as cache:
+        with engage(cache, model, executor):
+            out = generate(cache)
+        assert cache.stats()["blocks"]["disk"] > 0
+    assert_same_generation(out, reference, atol=1e-4)
+
+
 # Six layers, the last three reusing the K/V of layer 0 (full) and layer 2 (sliding): the two layers whose K/V is kept
 # are not neighbours, so a third staging buffer is needed while layer 1 attends.
 KINDS = ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention", "full_attention",

@@ -12,7 +12,7 @@ from models import prompt, tiny_model
 from transformers import DynamicCache
 
 from tierkv import TieredCache
-from tierkv.errors import IntegrityError
+from tierkv.errors import IntegrityError, InvalidConfigError
 from tierkv.hf import cache_keyword
 from tierkv.persist import record
 
@@ -169,3 +169,25 @@ def _decodes_like_dynamic_cache(model, path, ids) -> None:
     with TieredCache.load(path, model=model) as loaded:
         torch.testing.assert_close(model(token, **{cache_keyword(model): loaded}).logits,
                                    model(token, past_key_values=reference).logits, atol=1e-5, rtol=0)
+
+
+def test_a_close_while_saving_stops_the_save_with_a_clear_error(tmp_path):
+    """Regression: ``save()`` read the tiers without the cache's lock, so a ``close()`` from another thread released
+    them mid-save and the save failed with a raw KeyError. Each record is made under the lock (a close waits for
+    it); a close between two stops the save with the cache's error, and no file is written."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, 40, seed=3)
+    cache = TieredCache(gpu_gb="4MB", cpu_gb="16KB", disk_dir=tmp_path / "kv", block_tokens=4, config=model.config)
+    with torch.no_grad():
+        model(ids, **{cache_keyword(model): cache})
+    store, export = cache.store, cache.store.export_blocks
+
+    def export_then_close(*args, **kwargs):  # a close that lands right after the first record (the lock is reentrant)
+        exported = export(*args, **kwargs)
+        cache.close()
+        return exported
+
+    store.export_blocks = export_then_close
+    with pytest.raises(InvalidConfigError, match="closed while it was being saved"):
+        cache.save(tmp_path / "chat.tkv", model=model)
+    assert not (tmp_path / "chat.tkv").exists()

@@ -288,6 +288,68 @@ def test_crop_of_sliding_layer_is_exact_or_refused(remove, make_cache):
             nxt = ref_logits[:, -1:].argmax(-1)
 
 
+def test_a_refused_crop_changes_no_layer(make_cache):
+    """Regression: with a full layer before a sliding one, the full layer was cropped before the sliding layer
+    refused, and the next step's logits were 0.16 off with no error. A crop into what a window dropped is refused
+    before any layer changes; the cache decodes on exactly."""
+    config = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       query_pre_attn_scalar=16, sliding_window=WINDOW,
+                                       layer_types=["full_attention", "sliding_attention"])  # fmt: skip
+    torch.manual_seed(3)
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    model.set_attn_implementation("eager")
+    ids, mask = prompt(1, 30, seed=4)
+    dynamic = DynamicCache(config=config)
+    with make_cache(model, 40, 1, with_config=True) as cache:
+        for start in (0, *range(20, 30)):  # decode steps: the sliding layer frees what leaves its window
+            stop = 20 if start == 0 else start + 1
+            forward(model, ids[:, start:stop], mask[:, :stop], dynamic)
+            forward(model, ids[:, start:stop], mask[:, :stop], cache)
+        with pytest.raises(InvalidConfigError, match="sliding window only keeps"):
+            cache.crop(-20)
+        assert [layer.get_seq_length() for layer in cache.layers] == [30, 30]
+        nxt, mask = ids[:, -1:], torch.cat((mask, mask[:, -1:]), dim=1)
+        torch.testing.assert_close(forward(model, nxt, mask, cache), forward(model, nxt, mask, dynamic), atol=ATOL,
+                                   rtol=0)  # fmt: skip
+
+
+def test_a_crop_of_more_than_is_held_empties_the_cache_as_dynamic_cache_does(make_cache):
+    """Regression: without a sliding window, ``crop(-n)`` past the tokens held was refused with a message about
+    sliding windows; DynamicCache empties the layer, and so does the cache (which then decodes a new prompt)."""
+    model = model_of("llama-sdpa")
+    ids, mask = prompt(1, 9)
+    dynamic = DynamicCache()
+    with make_cache(model, 20, 1) as cache:
+        forward(model, ids, mask, dynamic)
+        forward(model, ids, mask, cache)
+        dynamic.crop(-100)
+        cache.crop(-100)
+        assert cache.get_seq_length() == dynamic.get_seq_length() == 0
+        torch.testing.assert_close(forward(model, ids, mask, cache), forward(model, ids, mask, dynamic), atol=ATOL,
+                                   rtol=0)  # fmt: skip
+
+
+def test_a_cache_filled_in_inference_mode_is_edited_and_decodes_outside_it(make_cache):
+    """Regression: slabs made under ``torch.inference_mode()`` (as servers generate) are inference tensors, so a
+    crop outside it (README's prompt reuse) failed halfway with torch's RuntimeError, one layer cropped, and any
+    later ``no_grad`` forward failed too. The tiers' tensors are normal whatever the caller's mode."""
+    model = model_of("llama-sdpa")
+    ids, mask = prompt(1, 30, seed=6)
+    dynamic = DynamicCache()
+    with make_cache(model, 40, 1) as cache:
+        with torch.inference_mode():
+            forward(model, ids, mask, dynamic)
+            forward(model, ids, mask, cache)
+        dynamic.crop(-5)
+        cache.crop(-5)  # into a block
+        assert [layer.get_seq_length() for layer in cache.layers] == [25, 25]
+        mask = mask[:, :26]
+        got, expected = forward(model, ids[:, 25:26], mask, cache), forward(model, ids[:, 25:26], mask, dynamic)
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+        assert cache.stats()["blocks"]["disk"] > 0
+
+
 @pytest.mark.parametrize("name", ["llama-sdpa", "gemma2-sw8"])
 def test_reset_then_generate_again(name, make_cache):
     """After ``reset`` the cache is empty and serves new batches (other padding, batch size) exactly."""

@@ -276,7 +276,7 @@ def test_a_cache_engaged_with_another_model_object_is_refused(tmp_path, executor
     reference = generate(model, ids, mask, DynamicCache())
     with small_cache(tmp_path, model, executor, 1, 23) as cache:
         with engaged(cache, copy.deepcopy(model), executor):
-            with pytest.raises(InvalidConfigError, match="called by a model that is not.*pass that very model"):
+            with pytest.raises(InvalidConfigError, match="not the engaged one.*pass that very model"):
                 generate(model, ids, mask, cache)
             assert cache.get_seq_length() == 0
         with engaged(cache, model, executor):

@@ -121,6 +121,10 @@ def test_close_is_idempotent_and_use_after_close_is_refused(tmp_path):
     assert not list(tmp_path.iterdir())
     with pytest.raises(Exception, match="closed"):
         use(cache)
+    for edit in (lambda: cache.crop(-1), lambda: cache.reorder_cache(torch.tensor([0])),
+                 lambda: cache.batch_select_indices(torch.tensor([0]))):  # not silently nothing
+        with pytest.raises(InvalidConfigError, match="was closed"):
+            edit()
 
 
 def _chattr(path, flag: str) -> bool:

@@ -41,19 +41,21 @@ def test_peak_rss_during_decode_is_budgets_plus_a_constant():
             f"{result['budgets'] / 2**20:.1f} MiB + bounce bound + slack = {bound / 2**20:.1f} MiB")
 
 
-SMALL_KV_CHILD = r"""
+CHILD_MODEL = r"""
 import json
 import psutil, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from tierkv import TieredCache
 
 torch.set_num_threads(1)
-LAYERS, HEADS, DIM, CONTEXT, BLOCK = 2, 8, 64, 576, 16
-config = LlamaConfig(vocab_size=128, hidden_size=512, intermediate_size=256, num_hidden_layers=LAYERS,
-                     num_attention_heads=8, num_key_value_heads=HEADS, head_dim=DIM,
+config = LlamaConfig(vocab_size=128, hidden_size=HEADS * DIM, intermediate_size=256, num_hidden_layers=LAYERS,
+                     num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=DIM,
                      max_position_embeddings=CONTEXT + 64)
 torch.manual_seed(0)
 model = LlamaForCausalLM(config).eval()
+"""  # a child's model, after its LAYERS, HEADS, DIM, CONTEXT
+
+SMALL_KV_CHILD = "LAYERS, HEADS, DIM, CONTEXT, BLOCK = 2, 8, 64, 576, 16" + CHILD_MODEL + r"""
 process = psutil.Process()
 with torch.inference_mode():
     model(torch.randint(2, 128, (1, 8)))
@@ -86,3 +88,61 @@ def test_a_small_kv_on_a_large_budget_takes_memory_by_need():
     assert kv <= slabs <= 2 * kv + 2**20, f"device slabs {slabs / 2**20:.1f} MiB for {kv / 2**20:.1f} MiB of KV"
     assert stats["peak_bytes_allocated"]["device"] <= stats["budget_bytes"]["device"]
     assert result["growth"] <= 4 * kv + SLACK, f"RSS grew {result['growth'] / 2**20:.1f} MiB"
+
+
+LOAD_PREFIX_CHILD = "LAYERS, HEADS, DIM, CONTEXT, BLOCK = 8, 4, 64, 6144, 256" + CHILD_MODEL + r"""
+import sys, threading, time
+import numpy as np
+from tierkv.persist import record
+from tierkv.persist.blockfile import Item, PersistentStore
+from tierkv.persist.keys import Namespace, block_keys
+
+TOKENS = CONTEXT
+folder = sys.argv[1]
+ids = torch.randint(2, 128, (1, TOKENS + 1), generator=torch.Generator().manual_seed(0))
+namespace = Namespace.of_model(model, BLOCK)
+keys = block_keys(namespace.root, ids[0].numpy().astype(np.int64), BLOCK)
+store = PersistentStore(folder, 1 << 30)  # the prefix, stored as a cache with persist=True stores it
+generator = torch.Generator().manual_seed(1)
+for depth, key in enumerate(keys):
+    kv = torch.randn(LAYERS, 2, HEADS, BLOCK, DIM, generator=generator)
+    store.put([Item(key, depth, *record.encode_block(key, namespace.root, depth, kv))])
+store.close()
+process = psutil.Process()
+cache = TieredCache(gpu_gb="8MB", cpu_gb="8MB", disk_dir=folder, block_tokens=BLOCK, persist=True, config=config)
+base = peak = process.memory_info().rss
+done = threading.Event()
+
+def sample():
+    global peak
+    while not done.is_set():
+        peak = max(peak, process.memory_info().rss)
+        time.sleep(0.001)
+
+sampler = threading.Thread(target=sample)
+sampler.start()
+loaded = cache.load_prefix(model, ids)
+done.set()
+sampler.join()
+bounce = cache.runtime.disk.bounce_bytes
+cache.close()
+print(json.dumps(dict(growth=peak - base, loaded=loaded, prefix=loaded * LAYERS * 2 * HEADS * DIM * 4,
+                      budgets=16 * 2**20, bounce=bounce)))
+"""
+
+
+def test_load_prefix_holds_the_prefix_about_once(tmp_path):
+    """Regression: ``load_prefix`` held the records read, a stack of them and a permuted copy at once (RSS grew by
+    ~3x the prefix beyond the budgets). Each record is copied into its layer's K/V and dropped, each layer's K/V
+    dropped once appended: the prefix once, plus what appending one layer takes (bounded by the bounce buffers
+    beside the layer's copies)."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", LOAD_PREFIX_CHILD, str(tmp_path)], capture_output=True, text=True,
+                         env=env, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["loaded"] == 6144
+    layer = result["prefix"] // 8
+    bound = result["budgets"] + result["prefix"] + 3 * layer + 11 * result["bounce"] + SLACK
+    assert result["growth"] <= bound, (f"RSS grew {result['growth'] / 2**20:.1f} MiB loading a "
+                                       f"{result['prefix'] / 2**20:.0f} MiB prefix (bound {bound / 2**20:.1f} MiB)")

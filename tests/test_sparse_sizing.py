@@ -105,3 +105,43 @@ def test_a_refused_first_sparse_step_gives_back_what_it_reserved(tmp_path):
             model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, cache=cache)
         stats = cache.stats()
         assert stats["bytes_staging"] == stats["bytes_summaries"]
+
+
+def test_blocks_full_before_the_summaries_are_read_to_summarise_within_the_budget(tmp_path, monkeypatch):
+    """Regression: the first sparse step read up to 64 block columns of a prefilled prompt into device memory that
+    no budget counted (249 MiB of RSS beside 91 MiB of budgets at 16K tokens). The pieces it reads are reserved
+    in the device budget first, as many columns as its free room holds; at ``min_sparse_device_bytes``, one."""
+    from tierkv.attention.sparse_store import SparseBlocks
+
+    model = tiny_model("llama")
+    length = 100 * BLOCK  # more columns than one piece
+    ids, mask = prompt(1, length, seed=9)
+    need = sizing.min_sparse_device_bytes(model.config, length + NEW, tokens=0.1, block_tokens=BLOCK,
+                                          chunk_tokens=CHUNK, device="cpu")
+    pieces: list[tuple[int, int]] = []  # (bytes read, bytes reserved beside the tiers' when read)
+    backfill = SparseBlocks._backfill
+
+    def watched(self, summaries, layer):
+        device, accel = self.store.device, self.store.transfer.accel
+        empty = accel.empty_blocks
+
+        def counted(shape, dtype, where):
+            assert device.allocated_bytes <= device.budget
+            pieces.append((torch.Size(shape).numel() * dtype.itemsize, device.reserved))
+            return empty(shape, dtype, where)
+
+        monkeypatch.setattr(accel, "empty_blocks", counted)
+        try:
+            backfill(self, summaries, layer)
+        finally:
+            monkeypatch.setattr(accel, "empty_blocks", empty)
+
+    monkeypatch.setattr(SparseBlocks, "_backfill", watched)
+    with TieredCache(gpu_gb=f"{need}B", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=BLOCK,
+                     config=model.config) as cache:  # fmt: skip
+        with torch.no_grad(), cache.streaming(model, chunk_tokens=CHUNK):  # a prefill that keeps no summaries
+            model(ids[:, :-1], attention_mask=mask[:, :-1], past_key_values=cache)
+        with cache.sparse(model, tokens=0.1, chunk_tokens=CHUNK):
+            model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, cache=cache)
+        assert cache.stats()["peak_bytes_allocated"]["device"] <= need
+    assert pieces and all(read <= reserved for read, reserved in pieces)

@@ -66,11 +66,6 @@ class FakeStream:
     def synchronize(self) -> None:
         self.owner._host_sync(f"synchronize {self.name}", self.clock)
 
-    def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
-        event = event or self.owner.Event()
-        event.record(self)
-        return event
-
     def __repr__(self) -> str:
         return f"<stream {self.name}>"
 

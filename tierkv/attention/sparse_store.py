@@ -68,23 +68,35 @@ class SparseBlocks:
         return summaries
 
     def _backfill(self, summaries: KeySummaries, layer: int) -> None:
-        """Summarise ``layer``'s full blocks that have no summary yet, read in pieces of BACKFILL_COLUMNS columns."""
+        """Summarise ``layer``'s full blocks that have no summary yet, read in pieces of whole block columns
+        through device memory counted in the budget: as many columns as the budget has free room for (up to
+        :data:`BACKFILL_COLUMNS`), at least one (``min_sparse_device_bytes`` counts one; it may move a block)."""
         store = self.store
         bt = store.block_tokens
         rows = store.table.rows[layer]
         full = store.seq_length(layer) // bt
         layout = store.layouts[layer]
         missing = summaries.rows(rows.ids[:, :full]) < 0  # [B, full]
-        for lo in range(0, full, BACKFILL_COLUMNS):
-            hi = min(full, lo + BACKFILL_COLUMNS)
-            if not missing[:, lo:hi].any():
-                continue
-            plan = store.plan_read(layer, lo * bt, hi * bt, access=False)
-            shape = (2, rows.batch, layout.kv_heads, (hi - lo) * bt, layout.head_dim)
-            data = store.transfer.accel.empty_blocks(shape, layout.dtype, store.device.device)
-            store.read_into(layer, plan, data)
-            blocks = data.unflatten(3, (hi - lo, bt)).permute(1, 3, 0, 2, 4, 5)  # [B, n, 2, H_kv, bt, D]
-            summaries.add(layer, rows.ids[:, lo:hi].ravel().tolist(), blocks.flatten(0, 1))
+        if not missing.any():
+            return
+        column = rows.batch * layout.slot_bytes
+        device = store.device
+        step = int(min(BACKFILL_COLUMNS, full, max(1, (device.budget - device.allocated_bytes) // column)))
+        store.reserve_device(step * column)
+        try:
+            for lo in range(0, full, step):
+                hi = min(full, lo + step)
+                if not missing[:, lo:hi].any():
+                    continue
+                plan = store.plan_read(layer, lo * bt, hi * bt, access=False)
+                shape = (2, rows.batch, layout.kv_heads, (hi - lo) * bt, layout.head_dim)
+                data = store.transfer.accel.empty_blocks(shape, layout.dtype, device.device)
+                store.read_into(layer, plan, data)
+                blocks = data.unflatten(3, (hi - lo, bt)).permute(1, 3, 0, 2, 4, 5)  # [B, n, 2, H_kv, bt, D]
+                summaries.add(layer, rows.ids[:, lo:hi].ravel().tolist(), blocks.flatten(0, 1))
+                del data, blocks
+        finally:
+            store.release_device(step * column)
 
     def copy_open_tails(self, layer: int, dest: torch.Tensor, positions: np.ndarray) -> int:
         """Copy each row's open tail into block position ``positions[b]`` of ``dest``

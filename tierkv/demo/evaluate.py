@@ -19,16 +19,10 @@ import torch
 
 from tierkv.demo.task import KINDS, decode_answer, make_example
 from tierkv.errors import InvalidConfigError
-from tierkv.units import format_tokens, parse_tokens, plural
+from tierkv.units import format_tokens, plural
 
 DEFAULT_LENGTHS = (4096, 16384, 32768, 65536)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-
-
-def parse_token_count(text: str) -> int:
-    """``"4K"`` -> 4096, ``"1.5K"`` -> 1536, ``"1M"`` -> 1048576: :func:`tierkv.units.parse_tokens`, the
-    grammar every command uses (context sizes count in powers of two)."""
-    return parse_tokens(text, name="length")
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from tierkv.hf.layer import TieredLayer
 
 STREAMING_ATTENTION = "tierkv_streaming"  # the AttentionInterface name of the executors that attend themselves
+_READ = frozenset({"s_aux", "position_ids", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k"})
+"""Tensor keywords of an attention call that the executors apply (gpt-oss's sinks) or that say nothing the mask and
+the cache do not (positions, varlen offsets); any other tensor (T5's ``position_bias``, ``sinks``, DSA's
+``indices``) changes the scores over keys the executors cannot see it for, so the step is refused."""
 
 
 def streaming_mode(chunk_tokens: int, budget: SparseBudget | None = None,
@@ -69,15 +73,18 @@ def hand_over(layer: TieredLayer) -> None:
     (whatever the attention module's own index: HRM's modules update layer ``layer_idx + cycle_offset``).
 
     A forward that asked the cache for its mask sizes without building its mask through :func:`_mask` is a model
-    that was not engaged (another instance than the one passed to ``cache.streaming``): its own attention would
-    see only the step's K/V, so the step is refused."""
+    that was not engaged (another instance than the one passed to ``cache.streaming``) or one that builds its masks
+    itself (Inkling2): its own attention would see only the step's K/V, so the step is refused."""
     cache = layer.cache
     sized_at, cache.sized_at = cache.sized_at, None
     if sized_at is not None and sized_at == masks_built():
         layer.refuse(InvalidConfigError(
-            "this cache is engaged (`with cache.streaming/split/sparse(model)`) but was called by a model that is "
-            "not: its attention would see only each step's K/V. Engage the model object you call: pass that very "
-            "model to `cache.streaming/split/sparse(...)` (not a copy, another instance, or its base model)."))
+            "this cache is engaged (`with cache.streaming/split/sparse(model)`) but the forward calling it built no "
+            "attention mask through transformers' mask functions: either the model called is not the engaged one, "
+            "or it builds its masks with code of its own; either way its attention would see only each step's K/V. "
+            "Engage the model object you call: pass that very model to `cache.streaming/split/sparse(...)` (not a "
+            "copy, another instance, or its base model); a model that builds its own masks decodes with exact "
+            "gather: leave out the `with` block (outputs equal DynamicCache's)."))
     _STEP.layer, _STEP.handed_at = layer, masks_built()
 
 
@@ -111,7 +118,7 @@ class Engagement:
             cache.unentered = None
         self.entered = True
         _register_streaming_attention()
-        self.modules = [m for m in self.model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+        self.modules = list(self.model.modules())  # a vision tower's or an encoder's attention has no layer_idx
         if not takes_attention_functions(self.model):
             raise InvalidConfigError(self._not_an_interface())
         if kv_producers(self.model.config):
@@ -127,10 +134,18 @@ class Engagement:
     def __exit__(self, *exc_info: object) -> None:
         self._restore()
 
-    def _configs(self) -> frozenset[int]:
+    def _configs(self) -> list[Any]:
         config = self.model.config
-        return frozenset({id(config), id(config.get_text_config(decoder=True)),
-                          *(id(m.config) for m in self.modules if getattr(m, "config", None) is not None)})
+        return [config, config.get_text_config(decoder=True),
+                *(m.config for m in self.modules if getattr(m, "config", None) is not None)]
+
+    def _before(self, previous: str) -> dict[int, str]:
+        """What each of the model's modules and configs attended with before the switch (a vision tower's config
+        may name another implementation than the text model's)."""
+        def own(config: Any) -> str:
+            return getattr(config, "_attn_implementation", None) or previous
+        return {id(self.model): previous, **{id(c): own(c) for c in self._configs()},
+                **{id(m): own(getattr(m, "config", None)) for m in self.modules}}
 
     def _hold(self) -> None:
         """Count this engagement on the model; the first switches its attention implementation."""
@@ -139,6 +154,7 @@ class Engagement:
             held = _HELD.get(id(model), 0)
             if not held:
                 previous = model.config._attn_implementation
+                before = self._before(previous)
                 try:
                     model.set_attn_implementation(STREAMING_ATTENTION)
                     if model.config.get_text_config(decoder=True)._attn_implementation != STREAMING_ATTENTION:
@@ -147,8 +163,7 @@ class Engagement:
                     if model.config._attn_implementation != previous:
                         model.set_attn_implementation(previous)
                     raise
-                for key in (id(model), *map(id, self.modules), *self._configs()):
-                    _BEFORE[key] = previous
+                _BEFORE.update(before)
             _HELD[id(model)] = held + 1
         self.held += 1
 
@@ -161,7 +176,7 @@ class Engagement:
                 _HELD[id(model)] = held
                 return
             previous = _BEFORE[id(model)]
-            for key in (id(model), *map(id, self.modules), *self._configs()):
+            for key in (id(model), *map(id, self.modules), *map(id, self._configs())):
                 _BEFORE.pop(key, None)
             model.set_attn_implementation(previous)
 
@@ -254,6 +269,14 @@ def _streaming_attention_forward(layer: TieredLayer, module: Any, query: torch.T
             "output_attentions=True asks for the attention weights, which streaming, split and sparse attention never "
             "form (they merge chunks, tiers or pages by log-sum-exp). Leave it out, or decode with exact gather: leave "
             "out the `with cache.streaming/split/sparse(model)` block (outputs equal DynamicCache's, weights too)."))
+    unknown = sorted(name for name, value in kwargs.items() if isinstance(value, torch.Tensor) and name not in _READ)
+    if unknown:
+        layer.refuse(InvalidConfigError(
+            f"{type(module).__name__} passes {', '.join(f'`{name}`' for name in unknown)} to its attention function "
+            "(a position bias, learnt sinks or a selection of keys, sized to the keys the model sees), which "
+            "streaming, split and sparse attention cannot apply to the K/V they read from the tiers. Decode this "
+            "model with exact gather: leave out the `with cache.streaming/split/sparse(model)` block (outputs equal "
+            "DynamicCache's)."))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     sinks = kwargs.get("s_aux")  # gpt-oss: a learnt logit per query head that takes softmax mass and no value
     return layer.attend(key, value, query, attention_mask, scale, softcap, sinks), None

@@ -62,6 +62,37 @@ _NOT_COPIED = ("a TieredCache cannot be copied or pickled: it owns its budgets, 
                "model=model)`.")
 
 
+class CacheGuard:
+    """The cache's lock, held by whatever touches its tiers (a layer-step, an edit, a save, ``close()``), so another
+    thread's ``close()`` waits for it; its holder runs outside inference mode, without grad, so the slabs and
+    buffers the tiers allocate are normal tensors that any later call may write in place (made under a caller's
+    ``torch.inference_mode()``, as servers decode, a later ``crop`` or ``no_grad`` forward could not write them)."""
+
+    __slots__ = ("_lock", "_local")
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._local = threading.local()  # .modes: per entry, the mode contexts it entered (None: none needed)
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        modes = None
+        if torch.is_inference_mode_enabled():  # (leaving inference mode turns grad on: no_grad keeps it off)
+            modes = (torch.inference_mode(False), torch.no_grad())
+            for mode in modes:
+                mode.__enter__()
+        self._local.__dict__.setdefault("modes", []).append(modes)
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            modes = self._local.modes.pop()
+            if modes is not None:
+                for mode in reversed(modes):
+                    mode.__exit__(None, None, None)
+        finally:
+            self._lock.release()
+
+
 class TieredCache(AttentionModes, Cache):
     """A transformers ``Cache`` backed by device, host and disk tiers.
 
@@ -128,7 +159,7 @@ class TieredCache(AttentionModes, Cache):
         self.forward = Forward()  # how far the current forward got; the rollback it may owe
         # held by each update and an engaged layer's attention, and by close(): a close() on another thread waits
         # for the layer-step in progress, whose next update then finds the cache closed
-        self.using = threading.RLock()
+        self.using = CacheGuard()  # held by whatever touches the tiers
         disk = DiskTier(disk_dir, disk_budget, DEFAULT_DISK_FRACTION, engine=disk_engine) if disk_dir else None
         self.runtime = Runtime(budgets, disk, self.trace)
         # dropped without close() (or alive at exit), the cache still releases threads, descriptors and files
@@ -256,24 +287,27 @@ class TieredCache(AttentionModes, Cache):
         self._select_rows(torch.as_tensor(indices).tolist())
 
     def crop(self, tokens_to_remove: int) -> None:
-        """transformers' crop (``tokens_to_remove`` < 0), refused before any layer changes where a layer's
-        recurrent state cannot go back that far (:meth:`StateLayer.check_crop`)."""
-        for layer in self.layers:
-            if isinstance(layer, StateLayer):
-                layer.check_crop(layer.get_seq_length() + tokens_to_remove)
-        super().crop(tokens_to_remove)
+        """transformers' crop (``tokens_to_remove`` < 0), refused before any layer changes where a layer cannot
+        go back that far (a sliding window that dropped the tokens, recurrent state: ``check_crop``)."""
+        with self.using:
+            if self.closed:
+                raise closed_error()
+            for layer in self.holding:
+                layer.check_crop(tokens_to_remove)
+            super().crop(tokens_to_remove)
 
     def reset(self) -> None:
-        if self.session is not None:
-            self.session.collect(self)
-            self.session.reset()
-        if self.runtime.store is not None:
-            for executor in self.runtime.executors.values():
-                executor.reset()
-            self.runtime.store.reset()
-        for layer in self.layers:
-            layer.reset()
-        self.forward.reset()
+        with self.using:
+            if self.session is not None:
+                self.session.collect(self)
+                self.session.reset()
+            if self.runtime.store is not None:
+                for executor in self.runtime.executors.values():
+                    executor.reset()
+                self.runtime.store.reset()
+            for layer in self.layers:
+                layer.reset()
+            self.forward.reset()
 
     # ----------------------------------------------------------------------------------- tierkv API
     @property
@@ -313,12 +347,13 @@ class TieredCache(AttentionModes, Cache):
         ``attention_mask``: the one the forward gets (a padded batch): only tokens before the first masked one
         are loaded or persisted; a forward whose mask masks loaded tokens is refused (:mod:`tierkv.hf.session`).
         """
-        if self.session is None:
-            raise InvalidConfigError("load_prefix needs persistent or remote blocks: remote='redis://...', or "
-                                     "TieredCache(disk_dir='/path/on/nvme', persist=True).")
-        if self.closed:
-            raise closed_error()
-        return self.session.load(self, model, input_ids, attention_mask)
+        with self.using:
+            if self.closed:
+                raise closed_error()
+            if self.session is None:
+                raise InvalidConfigError("load_prefix needs persistent or remote blocks: remote='redis://...', or "
+                                         "TieredCache(disk_dir='/path/on/nvme', persist=True).")
+            return self.session.load(self, model, input_ids, attention_mask)
 
     def flush(self) -> None:
         """Persist the full blocks with known ids now and wait until they are written (``persist=True``;
@@ -478,12 +513,15 @@ class TieredCache(AttentionModes, Cache):
 
     def _select_rows(self, indices: Sequence[int]) -> None:
         rows = torch.tensor(list(indices), dtype=torch.long)
-        for layer in self.layers:
-            if isinstance(layer, StateLayer):
-                layer.select_rows(rows)
-        if self.runtime.store is None:
-            return
-        self.runtime.invalidate()
-        self.runtime.store.select_rows(list(indices))
-        if self.session is not None:
-            self.session.select_rows(indices)
+        with self.using:
+            if self.closed:
+                raise closed_error()
+            for layer in self.layers:
+                if isinstance(layer, StateLayer):
+                    layer.select_rows(rows)
+            if self.runtime.store is None:
+                return
+            self.runtime.invalidate()
+            self.runtime.store.select_rows(list(indices))
+            if self.session is not None:
+                self.session.select_rows(indices)

@@ -272,6 +272,25 @@ class Restore:
 
 
 def _records(cache: TieredCache, model: torch.nn.Module | None) -> Iterator[tuple[bytes, memoryview]]:
+    """The conversation's records, each made under the cache's guard: a ``close()`` (or a forward) from another
+    thread lands between two records, and a close stops the save with a clear error (the file is not replaced)."""
+    with cache.using:
+        return _guarded(cache, _unguarded_records(cache, model))
+
+
+def _guarded(cache: TieredCache, records: Iterator[tuple[bytes, memoryview]]) -> Iterator[tuple[bytes, memoryview]]:
+    while True:
+        with cache.using:
+            if cache.closed:
+                raise InvalidConfigError("this TieredCache was closed while it was being saved; the file was not "
+                                         "written (one saved before at that path is kept). Save before close().")
+            record = next(records, None)
+        if record is None:
+            return
+        yield record
+
+
+def _unguarded_records(cache: TieredCache, model: torch.nn.Module | None) -> Iterator[tuple[bytes, memoryview]]:
     if cache.closed:
         raise InvalidConfigError("this TieredCache was closed (its tiers are released); save before close().")
     store = cache.runtime.store

@@ -324,22 +324,28 @@ class TieredLayer(OfCache, CacheLayerMixin):
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
                 "Please use a negative integer to remove that number of tokens from the cache instead."
             )
-        remove = -tokens_to_remove
+        TieredLayer.check_crop(self, tokens_to_remove)  # (a HybridLayer checks its two parts on its own)
         cache = self.cache
         store = cache.runtime.store
-        if remove == 0 or store is None:
+        remove = min(-tokens_to_remove, store.seq_length(self.index) if store is not None else 0)
+        if remove <= 0:  # (as DynamicCache: more than the layer holds empties it)
             return
-        stored = store.seq_length(self.index)
-        keep_window = self.sliding_window - 1 if self.sliding_window is not None and self.dropped else 0
-        if remove > stored - keep_window:
-            raise InvalidConfigError(
-                f"cannot crop {remove} tokens from layer {self.index}: its sliding window only keeps the last "
-                f"{stored}; crop fewer tokens, or build the cache without config= to keep all tokens."
-            )
+        assert store is not None
         cache.runtime.invalidate()
         store.crop(self.index, remove)
         if cache.session is not None:
             cache.session.truncate(self.get_seq_length())
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Refuse :meth:`crop` into the tokens a sliding window dropped (before the cache crops any layer)."""
+        store = self.cache.runtime.store
+        if self.sliding_window is None or not self.dropped or store is None:
+            return
+        stored = store.seq_length(self.index)
+        if -tokens_to_remove > stored - (self.sliding_window - 1):
+            raise InvalidConfigError(
+                f"cannot crop {-tokens_to_remove} tokens from layer {self.index}: its sliding window only keeps the "
+                f"last {stored}; crop fewer tokens, or build the cache without config= to keep all tokens.")
 
     def reset(self) -> None:
         self.dropped = 0

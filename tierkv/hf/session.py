@@ -268,7 +268,9 @@ class ForwardWatch:
         self.rope_limit = rope_limit(getattr(model, "config", None))
         self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
 
-    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
+        if kwargs is None:  # torch looks a hook's with_kwargs up after its list: this one was registered or removed
+            return  # meanwhile, by another thread's cache, so the forward is not with this cache
         session, cache = self.session(), self.cache()
         if session is None or cache is None:
             self.remove()
@@ -356,12 +358,14 @@ def rope_limit(config: Any) -> int | None:
 
 
 def _import(cache: TieredCache, kv: list[torch.Tensor], device: torch.device) -> None:
-    """Append ``kv[layer]`` ``[2, B, H_kv, T, D]`` to every layer of the empty ``cache`` (all or nothing)."""
+    """Append ``kv[layer]`` ``[2, B, H_kv, T, D]`` to every layer of the empty ``cache`` (all or nothing), taking
+    each out of ``kv`` as it goes: the host holds the prefix once, not again as the tiers fill."""
     cache.ensure_layers(len(kv))
     try:
-        for layer, layer_kv in zip(cache.layers, kv):
-            layer_kv = layer_kv.to(device)
+        for layer in cache.layers[: len(kv)]:
+            layer_kv = kv.pop(0).to(device)
             layer.load(layer_kv[0], layer_kv[1])
+            del layer_kv
     except BaseException:
         with deferred_interrupts():  # all or nothing, even under a second Ctrl-C
             cache.reset()

@@ -140,14 +140,17 @@ def min_sparse_device_bytes(config: PreTrainedConfig, context: int, tokens: int 
                             rest_bits: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                             dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> int:
     """Smallest ``gpu_gb`` (bytes) for ``cache.sparse(model, tokens=tokens)`` up to ``context`` tokens: the prefill's
-    two streaming chunks, one layer's selection, the summaries and rest copy of every full block (their tables grow
-    in 25% steps, at least 8 rows a layer) and the open tails (and on CUDA the landing buffers). ``rest_bits``:
-    None for ``cache.sparse``'s default. Bytes, not GB: pass it on as ``gpu_gb=f"{n}B"``."""
+    two streaming chunks, one layer's selection, a column of blocks to summarise, the summaries and rest copy of
+    every full block (their tables grow in 25% steps, at least 8 rows a layer) and the open tails (and on CUDA the
+    landing buffers). ``rest_bits``: None for ``cache.sparse``'s default. Bytes, not GB: pass it on as
+    ``gpu_gb=f"{n}B"``."""
     tables = sparse_table_bytes(config, context, tokens, batch, block_tokens, page_tokens, rest_bits, dtype)
     budget = _sparse_budget(tokens, rest_bits, page_tokens)
     layout = layout_of_config(config, block_tokens, dtype)
     selection = math.ceil(batch * (budget.budget_tokens(context) + block_tokens) * layout.token_bytes * sizes.GROWTH)
-    staging = sizes.streaming_staging_bytes(batch, chunk_tokens, layout.token_bytes, block_tokens) + selection
+    backfill = batch * layout.slot_bytes  # a column of blocks full before the summaries began, read to summarise
+    staging = sizes.streaming_staging_bytes(batch, chunk_tokens, layout.token_bytes, block_tokens) + selection \
+        + backfill
     tails = sizes.open_tail_bytes(len(layer_windows(config)), batch, layout.slot_bytes)
     return device_minimum(staging + tables, tails, layout.slot_bytes, device)
 

@@ -80,13 +80,14 @@ class StateLayer(OfCache, Base):
             raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. Please "
                              f"use a negative integer to remove that number of tokens from the cache instead.")
         if tokens_to_remove:
-            self.check_crop(self.tokens() + tokens_to_remove)
+            StateLayer.check_crop(self, tokens_to_remove)
             assert self.saved is not None
             self._restore(self.saved)
 
-    def check_crop(self, target: int) -> None:
-        """Refuse to take the state back to ``target`` tokens where it cannot be (before the cache crops any layer)."""
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Refuse :meth:`crop` where the state cannot go back that far (before the cache crops any layer)."""
         saved, held = self.saved, self.tokens()
+        target = held + tokens_to_remove
         if self.record_past or target >= held or (saved is not None and saved.tokens == target):
             return
         since = f"{held - saved.tokens} tokens" if saved is not None else "nothing it kept"
@@ -168,6 +169,11 @@ class HybridLayer(StateLayer, TieredLayer):
         for held, crop in ((self.tokens(), StateLayer.crop), (TieredLayer.get_seq_length(self), TieredLayer.crop)):
             if held > target:
                 crop(self, target - held)
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        target = self.get_seq_length() + tokens_to_remove
+        StateLayer.check_crop(self, min(0, target - self.tokens()))
+        TieredLayer.check_crop(self, min(0, target - TieredLayer.get_seq_length(self)))
 
     def reset(self) -> None:
         StateLayer.reset(self)

@@ -383,7 +383,8 @@ class PersistentStore:
             total = listing.nbytes
             victims = iter(listing.victims())
             added: list[str] = []
-            for item, name, nbytes in add:
+            failed: OSError | None = None
+            for position, (item, name, nbytes) in enumerate(add):
                 if item.key in listing.entries:  # another process stored it meanwhile
                     continue
                 while total + nbytes > self.capacity_bytes or len(listing.entries) >= manifests.MAX_ENTRIES:
@@ -394,15 +395,23 @@ class PersistentStore:
                     unlisted.append(victim)
                 if total + nbytes > self.capacity_bytes or len(listing.entries) >= manifests.MAX_ENTRIES:
                     break  # deeper blocks of this batch are useless without this one
-                with safefs.own_directory(tree.blocks, item.key[:2], self._blocks / item.key[:2]) as folder:
-                    os.replace(name, f"{item.key}{SUFFIX}", src_dir_fd=tree.scratch, dst_dir_fd=folder)
-                    safefs.fsync_directory(folder)
+                try:
+                    with safefs.own_directory(tree.blocks, item.key[:2], self._blocks / item.key[:2]) as folder:
+                        os.replace(name, f"{item.key}{SUFFIX}", src_dir_fd=tree.scratch, dst_dir_fd=folder)
+                        safefs.fsync_directory(folder)
+                except OSError as error:  # a full disk (a new folder takes a block): list those moved before it,
+                    failed = error  # in the room the others leave (the manifest takes some)
+                    for _, unmoved, _ in add[position:]:
+                        safefs.remove_regular(tree.scratch, unmoved)
+                    break
                 listing.entries[item.key] = Entry(nbytes, tick, item.depth)
                 total += nbytes
                 added.append(item.key)
             self._write_manifest(listing)
             for key in unlisted:  # only once no manifest lists them (a listed block's file is always there)
                 self._remove_record(key)
+            if failed is not None:
+                raise failed
             return len(added)
 
     def _remove_record(self, key: str) -> bool:

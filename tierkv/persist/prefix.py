@@ -25,7 +25,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -125,11 +125,10 @@ class PrefixPersistence:
                                      "ids) first.")
         limit = min(ids.shape[1] - 1, ids.shape[1] if most is None else most) // self.block_tokens
         blocks = min(self.store.lookup(keys[:limit]) for keys in self._keys)
-        rows: list[list[torch.Tensor]] = []
+        rows: list[list[torch.Tensor | None]] = []
         for keys in self._keys:
-            found = self.store.get(keys[:blocks], namespace)
-            decoded = []
-            for depth, (key, data) in enumerate(zip(keys, found)):
+            decoded: list[torch.Tensor | None] = []
+            for depth, (key, data) in enumerate(zip(keys, self.store.get(keys[:blocks], namespace))):
                 try:
                     decoded.append(record.decode_block(data, key=key, namespace=namespace, what=f"block {key}",
                                                        depth=depth))
@@ -141,10 +140,16 @@ class PrefixPersistence:
         self.persisted = blocks
         if blocks == 0:
             return 0, []
-        # rows[r][j]: [L, 2, H, bt, D] -> per layer [2, B, H, blocks * bt, D]
-        grid = torch.stack([torch.stack(row[:blocks]) for row in rows])  # [B, n, L, 2, H, bt, D]
-        kv = grid.permute(2, 3, 0, 4, 1, 5, 6).flatten(4, 5)  # [L, 2, B, H, n * bt, D]
-        return blocks, list(kv.unbind(0))
+        first = cast(torch.Tensor, rows[0][0])  # [L, 2, H, bt, D], a view of its record's bytes
+        layers, _, heads, bt, dim = first.shape
+        kv = [torch.empty((2, len(rows), heads, blocks * bt, dim), dtype=first.dtype) for _ in range(layers)]
+        del first
+        for r, row in enumerate(rows):  # each record's bytes go once copied: the prefix is held once
+            for j in range(blocks):
+                for layer, block in enumerate(cast(torch.Tensor, row[j]).unbind(0)):
+                    kv[layer][:, r, :, j * bt : (j + 1) * bt] = block
+                row[j] = None
+        return blocks, kv
 
     # ------------------------------------------------------------------------------------ persist
     def collect(self, kv: KVStore, lengths: Sequence[int], dropped: Sequence[int]) -> None:

@@ -153,7 +153,8 @@ class RemoteConnection:
         if isinstance(exc, redis_module().exceptions.OutOfMemoryError):
             self.count("rejected_full")
             self.warn("full", f"the server is full and refused a write ({exc}); set maxmemory-policy allkeys-lru "
-                              "so old blocks make room (docs/remote.md)")
+                              "so old blocks make room, or where it evicts already, raise maxmemory above what "
+                              "a write needs (docs/remote.md)")
         else:
             self.count("refused")
             self.warn("refused", f"the server refused a command: {exc}")
