@@ -2,13 +2,16 @@
 
     python benchmarks/architecture_sweep.py                 # all types, one child process each (~15 min)
     python benchmarks/architecture_sweep.py qwen3_next gpt2   # some
+    python benchmarks/architecture_sweep.py --executor split  # decode inside `with cache.split(model):` (streaming too)
 
 Each type gets a tiny config (4 layers, hidden 64, 4 query heads over 2 KV heads of 16; its own defaults where the
 type refuses these), a seeded fp32 model (skipped above 60 M parameters, counted on the meta device first), and
 greedy generation of 4 tokens after 24 for two rows: ``DynamicCache(config=)`` against ``TieredCache(config=)`` at
 ``min_device_bytes`` with host and disk tiers. One JSON line per type: ``equal``, ``DIFF`` (tokens or logits
-beyond 1e-3), or where it stopped (``error@config`` / ``build`` / ``reference``: transformers itself;
-``error@tiered``: tierkv). A child per type, so a model too large for the host ends only its own line.
+beyond 1e-3), ``refused`` (tierkv's InvalidConfigError, which names the fix: a model the executor cannot serve), or
+where it stopped (``error@config`` / ``build`` / ``reference``: transformers itself; ``error@tiered``: tierkv). The
+streaming and split executors run at their own device minimum. A child per type, so a model too large for the host
+ends only its own line.
 """
 
 from __future__ import annotations
@@ -24,17 +27,25 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
 MAX_PARAMS = 60e6
 
 
-def sweep_one(model_type: str) -> dict:
+EXECUTORS = ("gather", "streaming", "split")
+
+
+def sweep_one(model_type: str, executor: str = "gather") -> dict:
+    import contextlib
+
     import torch
     import transformers
     from transformers import DynamicCache
 
     from tierkv import TieredCache
+    from tierkv.errors import InvalidConfigError
 
     stage = "config"
     try:
         try:
             config = transformers.AutoConfig.for_model(model_type, **TINY)
+            if not hasattr(type(config)(), "num_key_value_heads"):  # a type without grouped K/V heads (GPT-2)
+                del config.num_key_value_heads  # would keep the stray value, and sizing would believe it
         except Exception:  # noqa: BLE001 - a type that refuses the tiny sizes keeps its own
             config = transformers.AutoConfig.for_model(model_type)
         stage = "build"
@@ -53,11 +64,18 @@ def sweep_one(model_type: str) -> dict:
         stage = "reference"
         reference = model.generate(ids, past_key_values=DynamicCache(config=model.config), **options)
         stage = "tiered"
-        budget = TieredCache.min_device_bytes(model.config, 64, 2, block_tokens=4) + 65536
+        minimum = {"gather": lambda: TieredCache.min_device_bytes(model.config, 64, 2, block_tokens=4),
+                   "streaming": lambda: TieredCache.min_streaming_device_bytes(model.config, 2, block_tokens=4),
+                   "split": lambda: TieredCache.min_split_device_bytes(model.config, 2, block_tokens=4)}[executor]
         with tempfile.TemporaryDirectory() as directory, \
-                TieredCache(gpu_gb=f"{budget}B", cpu_gb="32KB", disk_dir=directory, block_tokens=4,
+                TieredCache(gpu_gb=f"{minimum() + 65536}B", cpu_gb="32KB", disk_dir=directory, block_tokens=4,
                             config=model.config) as cache:  # fmt: skip
-            out = model.generate(ids, past_key_values=cache, **options)
+            engaged = {"streaming": cache.streaming, "split": cache.split}.get(executor)
+            try:
+                with engaged(model) if engaged is not None else contextlib.nullcontext():
+                    out = model.generate(ids, past_key_values=cache, **options)
+            except InvalidConfigError as exc:
+                return {"type": model_type, "result": "refused", "error": str(exc)[:200]}
         error = max((a - b).abs().max().item() for a, b in zip(out.logits, reference.logits, strict=True))
         same = torch.equal(out.sequences, reference.sequences) and error < 1e-3
         return {"type": model_type, "result": "equal" if same else "DIFF", "logit_error": error}
@@ -66,9 +84,16 @@ def sweep_one(model_type: str) -> dict:
 
 
 def main(types: list[str]) -> None:
+    executor = "gather"
+    if "--executor" in types:
+        at = types.index("--executor")
+        executor = types[at + 1]
+        del types[at : at + 2]
+        if executor not in EXECUTORS:
+            sys.exit(f"--executor {executor}: give one of {', '.join(EXECUTORS)}")
     if len(types) == 1:
         warnings.filterwarnings("ignore")
-        print(json.dumps(sweep_one(types[0])), flush=True)
+        print(json.dumps(sweep_one(types[0], executor)), flush=True)
         return
     if not types:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -76,8 +101,8 @@ def main(types: list[str]) -> None:
     counts: dict[str, int] = {}
     for model_type in types:
         try:
-            child = subprocess.run([sys.executable, __file__, model_type], capture_output=True, text=True,
-                                   timeout=180)
+            child = subprocess.run([sys.executable, __file__, model_type, "--executor", executor],
+                                   capture_output=True, text=True, timeout=180)
             lines = child.stdout.strip().splitlines()
             line = lines[-1] if lines else json.dumps({"type": model_type, "result": f"died ({child.returncode})"})
         except subprocess.TimeoutExpired:

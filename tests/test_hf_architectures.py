@@ -83,9 +83,10 @@ ARCHITECTURES: dict[str, dict] = {  # model_type -> config arguments beside SMAL
     # says (HrmTextConfig has no num_key_value_heads: GQA's would be a stray attribute that sizes half the KV)
     "hrm_text": dict(num_key_value_heads=4),
     "lfm2": {},  # convolution layers beside attention: the cache holds only the attention layers' KV
+    "xlm-roberta-xl": dict(num_attention_heads=4),  # built without is_decoder: attends both ways (not causal)
 }
 GQA = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-OWN_HEADS = {"gpt_neox", "gpt2", "opt", "falcon", "persimmon", "phi", "stablelm"}  # no head_dim / GQA arguments
+OWN_HEADS = {"gpt_neox", "gpt2", "opt", "falcon", "persimmon", "phi", "stablelm", "xlm-roberta-xl"}  # no GQA
 
 
 def architecture(model_type: str, **overrides) -> transformers.PreTrainedModel:
@@ -115,6 +116,23 @@ def test_more_architectures_decode_exactly(tmp_path, model_type, executor):
             out = run(model, ids, mask, cache)
         blocks = cache.stats()["blocks"]
         assert blocks["host"] + blocks["disk"] > 0  # (sparse's device minimum holds these models' whole context)
+    assert_same_generation(out, reference, atol=1e-4)
+
+
+@pytest.mark.parametrize("executor", ["streaming", "split"])
+def test_attention_that_is_not_causal_attends_every_key_without_a_mask(tmp_path, executor):
+    """Regression: a BERT-style model built without ``is_decoder`` attends both ways (its modules are not causal,
+    and an unpadded batch has no mask); the executors took the missing mask for a causal one: logits 0.24 off
+    DynamicCache's, with no error. Without a mask a non-causal step attends every key, as sdpa does."""
+    model = architecture("xlm-roberta-xl")
+    assert not model.config.is_decoder
+    ids, _ = prompt(2, 40, seed=3)
+    reference = run(model, ids, None, DynamicCache(config=model.config))
+    with TieredCache(gpu_gb=budget(model, executor), cpu_gb="64KB", disk_dir=tmp_path, block_tokens=4,
+                     config=model.config) as cache:  # fmt: skip
+        with engage(cache, model, executor):
+            out = run(model, ids, None, cache)
+        assert cache.stats()["blocks"]["disk"] > 0
     assert_same_generation(out, reference, atol=1e-4)
 
 

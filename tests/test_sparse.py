@@ -753,3 +753,25 @@ def test_kept_blocks_give_way_when_a_larger_budget_needs_more_staging(tmp_path):
     store.check()
     torch.testing.assert_close(store.read_tokens(0), kv)
     executor.close()
+
+
+@pytest.mark.parametrize("family, block, prompt_tokens, options", [
+    pytest.param("llama", 16, 5, dict(tokens=0.1), id="one-block-whole-pages"),  # sink and tail the same block
+    pytest.param("mistral", 16, 31, dict(tokens=0.3), id="window-of-one-block"),
+    pytest.param("llama", 256, 250, dict(tokens=0.3), id="defaults-at-one-block"),  # no candidate for the rest copy
+    pytest.param("llama", 16, 17, dict(tokens=0.05, rest_bits=0, rest_means=True), id="page-means-no-candidate"),
+])
+def test_contexts_with_no_candidate_block_decode(tmp_path, family, block, prompt_tokens, options):
+    """Regression: where the attended range was one block (the sink block was the recent one) the candidate range
+    came out inverted or empty, and the rest copy, the page means or the page lists raised raw numpy / torch
+    errors (the library's defaults at 256 tokens among them). Such a step reads what it has and decodes on,
+    stepping through the contexts around the block edge."""
+    model = tiny_model(family, sliding_window=16 if family == "mistral" else None)
+    ids, _ = prompt(1, prompt_tokens, seed=1)
+    with TieredCache(gpu_gb="64MB", cpu_gb="64MB", block_tokens=block, config=model.config) as cache, \
+            cache.sparse(model, **options), torch.no_grad():  # fmt: skip
+        logits = model(input_ids=ids, past_key_values=cache).logits
+        for _ in range(block + 2 - prompt_tokens % block):
+            logits = model(input_ids=logits[:, -1:].argmax(-1), past_key_values=cache).logits
+            assert torch.isfinite(logits).all()
+        assert cache.get_seq_length() > -(-prompt_tokens // block) * block

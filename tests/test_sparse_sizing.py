@@ -118,23 +118,23 @@ def test_blocks_full_before_the_summaries_are_read_to_summarise_within_the_budge
     ids, mask = prompt(1, length, seed=9)
     need = sizing.min_sparse_device_bytes(model.config, length + NEW, tokens=0.1, block_tokens=BLOCK,
                                           chunk_tokens=CHUNK, device="cpu")
-    pieces: list[tuple[int, int]] = []  # (bytes read, bytes reserved beside the tiers' when read)
+    pieces: list[tuple[int, int]] = []  # (bytes read, bytes reserved beside the summaries' when read)
     backfill = SparseBlocks._backfill
 
     def watched(self, summaries, layer):
-        device, accel = self.store.device, self.store.transfer.accel
-        empty = accel.empty_blocks
+        store = self.store
+        device, read_into = store.device, store.read_into
 
-        def counted(shape, dtype, where):
+        def counted(layer, plan, data):  # each piece read to summarise
             assert device.allocated_bytes <= device.budget
-            pieces.append((torch.Size(shape).numel() * dtype.itemsize, device.reserved))
-            return empty(shape, dtype, where)
+            pieces.append((data.numel() * data.element_size(), device.reserved - summaries.nbytes))
+            return read_into(layer, plan, data)
 
-        monkeypatch.setattr(accel, "empty_blocks", counted)
+        monkeypatch.setattr(store, "read_into", counted)
         try:
             backfill(self, summaries, layer)
         finally:
-            monkeypatch.setattr(accel, "empty_blocks", empty)
+            monkeypatch.setattr(store, "read_into", read_into)
 
     monkeypatch.setattr(SparseBlocks, "_backfill", watched)
     with TieredCache(gpu_gb=f"{need}B", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=BLOCK,
@@ -145,3 +145,22 @@ def test_blocks_full_before_the_summaries_are_read_to_summarise_within_the_budge
             model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, cache=cache)
         assert cache.stats()["peak_bytes_allocated"]["device"] <= need
     assert pieces and all(read <= reserved for read, reserved in pieces)
+
+
+def test_min_sparse_device_bytes_holds_one_token_pages_of_wide_heads(tmp_path):
+    """Regression: at ``min_sparse_device_bytes`` (3-token blocks of one-token pages, 128-wide heads) the first
+    decode step was refused: the pieces that summarise the prompt's blocks took the free room the summaries' table
+    then needed. The table grows first; every suggested budget works."""
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                      max_position_embeddings=512, pad_token_id=PAD, bos_token_id=BOS)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids, _ = prompt(1, 70, seed=1)
+    need = sizing.min_sparse_device_bytes(config, 75, 0.1, 1, block_tokens=3, page_tokens=1, chunk_tokens=7)
+    with TieredCache(gpu_gb=f"{need}B", cpu_gb="64MB", block_tokens=3, config=config) as cache, \
+            cache.sparse(model, tokens=0.1, page_tokens=1, chunk_tokens=7), torch.no_grad():  # fmt: skip
+        logits = model(input_ids=ids, past_key_values=cache).logits
+        for _ in range(4):
+            logits = model(input_ids=logits[:, -1:].argmax(-1), past_key_values=cache).logits
+        assert cache.stats()["peak_bytes_allocated"]["device"] <= need

@@ -178,3 +178,23 @@ def test_trace_off_records_nothing(tmp_path, monkeypatch):
     with pytest.raises(InvalidConfigError, match="trace=True"):
         cache.save_trace(tmp_path / "x.json")
     cache.close()
+
+
+def test_the_telemetry_of_long_streaming_steps_stays_bounded():
+    """Regression: streaming records one stage per chunk, and the steps not yet read kept them all (the last
+    256 steps'): 36K records at 1,200 steps of a tiny model, ~1 GB at 1M tokens of an 8B one. Past
+    ``HELD_RECORDS`` the oldest are run through the bandwidth model as they close, which drops their detail."""
+    from tierkv.stats import HELD_RECORDS, Timeline
+
+    timeline = Timeline(LinkProfile.from_presets("pcie4", "nvme-gen4"), "preset")
+    stages = 500  # a long context's chunks
+    for step in range(100):
+        timeline.begin_step(float(step), 1, 1000, 1)
+        for stage in range(stages):
+            timeline.layer(stage).bytes["host->device"] = 1 << 20
+            timeline.add_compute(stage, 1e-4)
+    timeline.end_step(100.0)
+    held = sum(len(step.layers or ()) for step in timeline.history)
+    assert held <= HELD_RECORDS + 2 * stages
+    summary = timeline.summary()
+    assert summary and all(step.predicted_step_s > 0 for step in timeline.history)

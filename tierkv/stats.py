@@ -51,6 +51,10 @@ from tierkv.inputs import output_problem
 from tierkv.vocabulary import LinkName
 
 HISTORY = 256
+HELD_RECORDS = 16384
+"""The most per-stage records the steps not yet run through the bandwidth model keep (streaming records one per
+chunk, so a long context's steps hold thousands each): past it the oldest are predicted (and their detail dropped)
+as they close, so the telemetry's memory does not grow with the context."""
 
 
 # ------------------------------------------------------------------------------------ stats() shape
@@ -248,7 +252,8 @@ class Timeline:
         self.current: StepTelemetry | None = None
         self.steps_seen = 0
         self._pending: list[tuple[StepTelemetry, str, Any, Any]] = []  # CUDA event pairs not yet resolved
-        self._unpredicted: deque[StepTelemetry] = deque(maxlen=history)  # closed, not yet run through the model
+        self._unpredicted: deque[StepTelemetry] = deque()  # closed, not yet run through the model
+        self._held = 0  # their per-stage records (HELD_RECORDS)
         self.resolve: Callable[[Any, Any, bool], float | None] | None = None  # (start, end, block) -> s | None
 
     # -- recording (compute thread) ---------------------------------------------------------------
@@ -322,7 +327,17 @@ class Timeline:
         step.wall_s = now - step.started
         self.history.append(step)
         self._unpredicted.append(step)  # predicted when read (completed()): most steps are never looked at
+        self._held += len(step.layers or ())
+        while len(self._unpredicted) > len(self.history):  # out of the history unread: never predicted
+            self._held -= len(self._unpredicted.popleft().layers or ())
+        while self._held > HELD_RECORDS:
+            self._predict_oldest()
         self._resolve_pending(block=False)
+
+    def _predict_oldest(self) -> None:
+        step = self._unpredicted.popleft()
+        self._held -= len(step.layers or ())
+        self._predict(step)
 
     def _predict(self, step: StepTelemetry) -> None:
         """The bandwidth model's times for a closed step's bytes (its per-layer detail is then dropped, but for
@@ -360,7 +375,7 @@ class Timeline:
     def completed(self) -> list[StepTelemetry]:
         self._resolve_pending(block=True)
         while self._unpredicted:
-            self._predict(self._unpredicted.popleft())
+            self._predict_oldest()
         return list(self.history)
 
     def last_decode_layers(self) -> list[LayerRecord] | None:

@@ -475,7 +475,7 @@ class SparseAttention(PipelinedExecutor):
         recent_tokens = budget.recent or 0  # default: the open tail only
         recent_from = min(end - 1, max(start, stop - recent_tokens) // bt)  # the tail column at least
         recent = (end - 1 - recent_from) * per + -(-(stop - (end - 1) * bt) // page)  # its units, the tail's filled
-        sinks = min(end - first, -(-sink_tokens // bt)) if per == 1 else 0  # whole sink blocks
+        sinks = min(recent_from - first, -(-sink_tokens // bt)) if per == 1 else 0  # whole sink blocks, not recent
         lo, hi = first + sinks, recent_from  # candidates: blocks [lo, hi), all full
         tail = self._tail_pages(layer, stop, page) if per > 1 and recent_from == end - 1 else None
         if tail is not None:  # the open tail's full pages compete too: only the newest token's page is forced
@@ -491,7 +491,7 @@ class SparseAttention(PipelinedExecutor):
         if top >= competing:  # the budget covers every block: read them all (exact)
             self.counters.exact_layer_steps += 1
             return np.arange(first, end)[None].repeat(batch, axis=0), None
-        self._unread = (lo, hi)
+        self._unread = (lo, hi) if hi > lo else None  # (no candidate block: none left for the rest copy)
         head, tail_columns = np.arange(first, lo), np.arange(recent_from, end)
         if top <= 0:
             chosen = np.empty((batch, 0), dtype=np.int64)

@@ -69,8 +69,9 @@ class SparseBlocks:
 
     def _backfill(self, summaries: KeySummaries, layer: int) -> None:
         """Summarise ``layer``'s full blocks that have no summary yet, read in pieces of whole block columns
-        through device memory counted in the budget: as many columns as the budget has free room for (up to
-        :data:`BACKFILL_COLUMNS`), at least one (``min_sparse_device_bytes`` counts one; it may move a block)."""
+        through device memory counted in the budget: the layer's table grown for them first, then as many columns
+        as the budget has free room left for (up to :data:`BACKFILL_COLUMNS`), at least one
+        (``min_sparse_device_bytes`` counts one; it may move a block)."""
         store = self.store
         bt = store.block_tokens
         rows = store.table.rows[layer]
@@ -79,6 +80,8 @@ class SparseBlocks:
         missing = summaries.rows(rows.ids[:, :full]) < 0  # [B, full]
         if not missing.any():
             return
+        summaries.make_room(layer, int(np.unique(rows.ids[:, :full][missing]).size), layout.kv_heads,
+                            layout.head_dim, layout.dtype, bt)  # the table first: the pieces take what is left
         column = rows.batch * layout.slot_bytes
         device = store.device
         step = int(min(BACKFILL_COLUMNS, full, max(1, (device.budget - device.allocated_bytes) // column)))

@@ -279,7 +279,9 @@ def _streaming_attention_forward(layer: TieredLayer, module: Any, query: torch.T
             "DynamicCache's)."))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     sinks = kwargs.get("s_aux")  # gpt-oss: a learnt logit per query head that takes softmax mass and no value
-    return layer.attend(key, value, query, attention_mask, scale, softcap, sinks), None
+    causal = kwargs.get("is_causal")  # as sdpa decides it: an encoder's module (BERT-style models) is not causal
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    return layer.attend(key, value, query, attention_mask, scale, softcap, sinks, causal=bool(causal)), None
 
 
 @functools.cache

@@ -182,18 +182,18 @@ class TieredLayer(OfCache, CacheLayerMixin):
 
     def attend(self, key_states: torch.Tensor, value_states: torch.Tensor, query: torch.Tensor,
                mask: torch.Tensor | None, scaling: float, softcap: float | None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
         """The attention of this layer's step (the model's attention function with ``key_states`` and
         ``value_states`` from :meth:`update`): ``query`` ``[B, H_q, q, D]`` -> ``[B, q, H_q, D]`` in the query's
-        dtype. ``sinks``
-        (``[H_q]``, gpt-oss's ``s_aux``): one more logit per query head in the softmax's denominator, attached to no
-        value — the output scaled by ``sigmoid(lse - sink)``, exactly."""
+        dtype. ``sinks`` (``[H_q]``, gpt-oss's ``s_aux``): one more logit per query head in the softmax's
+        denominator, attached to no value — the output scaled by ``sigmoid(lse - sink)``, exactly. ``causal``
+        False with no ``mask`` (an encoder's attention): every query attends every key, as sdpa's."""
         with self.cache.using:
-            return self._attend(key_states, value_states, query, mask, scaling, softcap, sinks)
+            return self._attend(key_states, value_states, query, mask, scaling, softcap, sinks, causal)
 
     def _attend(self, key_states: torch.Tensor, value_states: torch.Tensor, query: torch.Tensor,
                 mask: torch.Tensor | None, scaling: float, softcap: float | None,
-                sinks: torch.Tensor | None) -> torch.Tensor:
+                sinks: torch.Tensor | None, causal: bool) -> torch.Tensor:
         if self.cache.closed:
             raise closed_error()
         pending, self.pending = self.pending, None
@@ -212,6 +212,9 @@ class TieredLayer(OfCache, CacheLayerMixin):
                     f"mask for every head. Decode this model with exact gather: leave out the `with "
                     f"cache.streaming/split/sparse(model)` block, or use `cache.exact(model, executor=\"gather\")` "
                     f"(outputs equal DynamicCache's).")  # fmt: skip
+            if mask is None and not causal and query.shape[2] > 1:  # no mask, not causal: every query, every key
+                mask = torch.ones((1, 1, query.shape[2], span.stop - span.start), dtype=torch.bool,
+                                  device=query.device)  # fmt: skip
             out, lse = executor.attend(span, query, mask, scaling, softcap)
             if sinks is not None:
                 out = out * torch.sigmoid(lse - sinks.to(lse).view(1, -1, 1)).unsqueeze(-1)

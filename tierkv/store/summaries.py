@@ -124,6 +124,13 @@ class KeySummaries:
                                      "give a divisor of it (e.g. 16 for 256-token blocks).")
         return block_tokens // page
 
+    def make_room(self, layer: int, rows: int, heads: int, dim: int, kv_dtype: torch.dtype,
+                  block_tokens: int) -> None:
+        """Grow ``layer``'s table (bytes reserved) to take ``rows`` more summaries, before the reads that make
+        them hold device memory of their own."""
+        like = torch.empty((0, heads, self.pages(block_tokens), 4, dim), dtype=summary_dtype(kv_dtype), device="meta")
+        self._room(layer, like, kv_dtype, rows, block_tokens)
+
     def __len__(self) -> int:
         return len(self._layer_of)
 
