@@ -347,3 +347,102 @@ def test_a_crafted_conversation_cannot_give_a_layer_a_wrong_or_missing_state(tmp
         TieredCache.load(path, model=model, cpu_gb="64MB", disk_dir=tmp_path)
     if attack in ("reshaped", "float16", "float64"):
         assert "the model makes float32 of shape" in str(refused.value)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "llama"])
+@pytest.mark.parametrize("after_reset", [False, True], ids=["fresh", "after-reset"])
+def test_a_first_forward_stopped_between_layers_is_rolled_back(tmp_path, family, after_reset):
+    """Regression: a forward stopped in the model's own code between two layers was caught only where a complete
+    forward had shown how many layers one updates; the cache's first (a fresh cache's prefill, the first after
+    ``reset()``) left the layers it reached holding the prompt, the others empty, and decoded on 0.65 off. The
+    config says how many a forward updates: the next forward rolls back and refuses itself, the one after is exact."""
+    model = hybrid(family) if family != "llama" else architecture_llama()
+    ids, mask = prompt(1, 20, seed=5)
+    reference = run(model, ids, mask, DynamicCache(config=model.config))
+
+    def stop(*_):
+        raise RuntimeError("stopped in the model's own code")
+
+    with tiered(model, tmp_path, rows=1) as cache:
+        if after_reset:
+            run(model, ids.flip(1), mask, cache)
+            cache.reset()
+        handle = model.model.layers[2].register_forward_pre_hook(stop)
+        with pytest.raises(RuntimeError, match="stopped in the model"):
+            run(model, ids, mask, cache)
+        handle.remove()
+        with pytest.raises(InterruptedStepError, match="rolled back to 0 tokens"):
+            run(model, ids, mask, cache)
+        assert {layer.get_seq_length() for layer in cache.holding} == {0}
+        assert_same_generation(run(model, ids, mask, cache), reference, atol=1e-4)
+
+
+def architecture_llama() -> transformers.PreTrainedModel:
+    return instantiate(transformers.LlamaForCausalLM, transformers.LlamaConfig(**{**SMALL, "num_hidden_layers": 4},
+                                                                               **GQA))
+
+
+def test_state_bytes_count_the_past_states_transformers_records(tmp_path):
+    """Regression: prompt lookup turns transformers' record of past recurrent states on (and leaves it on), so the
+    state grows a copy per step; ``stats()["state_bytes"]`` left that record out (127 KB reported of 496 KB)."""
+    model = hybrid("qwen3_next")
+    ids, _ = prompt(1, 30, seed=2)
+    ids[0, 20:26] = ids[0, 5:11]  # a repeat for prompt lookup to draft from
+    with tiered(model, tmp_path, rows=1) as cache:
+        sequence = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache,
+                                  prompt_lookup_num_tokens=3)  # fmt: skip
+        model.generate(sequence, max_new_tokens=8, do_sample=False, past_key_values=cache)
+        held = 0
+        for layer in cache.holding:
+            if hasattr(layer, "recurrent_states"):
+                states = [*layer.conv_states.values(), *layer.recurrent_states.values(),
+                          *(t for past in layer.recurrent_states_history.values() for t in past)]
+                if layer.saved is not None:
+                    states += [*layer.saved.conv.values(), *layer.saved.recurrent.values()]
+                held += sum(t.nbytes for t in states if t is not None)
+        assert any(layer.recurrent_states_history.get(0) for layer in cache.holding
+                   if hasattr(layer, "recurrent_states_history"))
+        assert cache.stats()["state_bytes"] == held
+
+
+def test_a_conversation_of_layers_with_convolution_state_only_loads(tmp_path):
+    """Regression: Inkling 2's hybrid layers keep convolution states and no recurrent one; the loader assumed every
+    hybrid layer has both and refused tierkv's own file as damaged. It expects what the model makes."""
+    try:
+        config = transformers.AutoConfig.for_model(
+            "inkling2_text", **{**SMALL, "num_hidden_layers": 4, **GQA}, unpadded_vocab_size=SMALL["vocab_size"],
+            layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"], sliding_window_size=8,
+            swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, n_routed_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, n_layers_per_attn_res_block=2, rel_extent=16, d_rel=4)
+    except (KeyError, ValueError):
+        pytest.skip("this transformers release has no inkling2_text")
+    model = instantiate(transformers.AutoModelForCausalLM.from_config, config)
+    ids, mask = prompt(1, 24, seed=2)
+    path, first = saved(model, tmp_path, ids, mask)
+    reference_cache = DynamicCache(config=model.config)
+    run(model, ids, mask, reference_cache)
+    more = torch.cat([first.sequences, torch.full((1, 1), 7)], dim=1)
+    reference = run(model, more, None, reference_cache)
+    with TieredCache.load(path, model=model, gpu_gb="8MB", cpu_gb="16KB", disk_dir=tmp_path / "loaded") as loaded:
+        out = run(model, more, None, loaded)
+    assert_same_generation(out, reference, atol=1e-4)
+
+
+def test_a_hybrid_layer_answers_its_mask_sizes_by_its_kv(tmp_path):
+    """Regression: Inkling's attention runs its K/V convolutions (state) before it asks the cache for its mask
+    sizes and query offset, then updates the K/V; a hybrid layer answered by the part further on (the state, a
+    step ahead) and the prefill failed in sdpa. It answers by its K/V, as transformers' hybrid layers do."""
+    try:
+        config = transformers.AutoConfig.for_model(
+            "inkling_text", **{**SMALL, "num_hidden_layers": 4, **GQA}, unpadded_vocab_size=SMALL["vocab_size"],
+            layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"], sliding_window_size=8,
+            swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, n_routed_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, rel_extent=16, d_rel=4,
+            mlp_layer_types=["dense"] * 4)
+    except (KeyError, ValueError):
+        pytest.skip("this transformers release has no inkling_text")
+    model = instantiate(transformers.AutoModelForCausalLM.from_config, config)
+    ids, mask = prompt(1, 20, seed=3)
+    reference = run(model, ids, mask, DynamicCache(config=model.config))
+    with tiered(model, tmp_path, rows=1) as cache:
+        assert_same_generation(run(model, ids, mask, cache), reference, atol=1e-4)

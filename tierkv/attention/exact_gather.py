@@ -268,10 +268,12 @@ class ExactGather(PipelinedExecutor):
             self.staging.take(self.batch * self.capacity * self.token_bytes)
         except BudgetTooSmallError as exc:
             raise BudgetTooSmallError(
-                f"{exc} The model keeps the K/V of {len(self._held())} earlier layers while this one attends "
-                "(KV shared across layers, as Gemma 3n and Gemma 4 do): each needs its own staging buffer. Build "
-                "the cache with config=model.config and a budget of at least TieredCache.min_device_bytes(config, "
-                "context), which counts them.") from exc
+                f"{exc} Something still holds the K/V of {len(self._held())} earlier layers while this one attends, "
+                "and each needs its own staging buffer: a model that shares KV across layers (Gemma 3n, Gemma 4; "
+                "build the cache with config=model.config and a budget of at least TieredCache.min_device_bytes("
+                "config, context), which counts them), or forwards run with autograd on whose outputs are kept (their "
+                "graph holds the K/V they attended: call the model under torch.no_grad() or torch.inference_mode(), "
+                "as generate() does).") from exc
         return len(self.buffers) - 1
 
     # -------------------------------------------------------------------------------- prefetch

@@ -456,7 +456,7 @@ class TieredCache(AttentionModes, Cache):
         if self.unentered is not None:
             engagement, self.unentered = self.unentered, None
             engagement.refuse()
-        self.forward.begin(self.holding, self.runtime)
+        self.forward.begin(self.holding, self.runtime, self.uses_per_forward())
         if self.session is not None:
             self.session.began(self.get_seq_length())
             self.session.collect(self)

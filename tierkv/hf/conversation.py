@@ -153,6 +153,7 @@ class Restore:
         self.budget = 0
         self.states: dict[int, dict[tuple[str, int], torch.Tensor]] = {}  # model layer -> its state records
         self.state_kinds: dict[int, sizing.LayerKind] = {}  # model layer -> its kind, of those that keep state
+        self.made: dict[tuple[int, str, int], Any] | None = None  # the states the model makes (_state_geometry)
 
     def __enter__(self) -> Restore:
         return self
@@ -193,7 +194,7 @@ class Restore:
                                 f"{format_bytes(budget)} ({budget} bytes) of the cache's budgets (gpu_gb + cpu_gb + "
                                 "disk_gb): raise the budgets, e.g. TieredCache.load(path, model=model, cpu_gb=..., "
                                 "disk_dir=..., disk_gb=...). Nothing of the file was loaded.")
-        states = _state_geometry(model) if self.state_kinds else None
+        states = self.made = _state_geometry(model) if self.state_kinds else None
         self.reader = conversation.Reader(header, what, geometry, budget, str(kv_dtype(model)).removeprefix("torch."),
                                           states)
         return conversation.ids_limit(head, what)
@@ -261,9 +262,9 @@ class Restore:
         for layer in cache.layers:
             if not isinstance(layer, StateLayer):
                 continue
-            kind = self.state_kinds[layer.position]
-            needed = {("conv", i) for i in range(kind.states)} | \
-                ({("recurrent", i) for i in range(kind.states)} if kind.recurrent else set())
+            assert self.made is not None
+            # what the model makes, not what its layer kind suggests (Inkling 2's hybrid layers: convolutions only)
+            needed = {(part, i) for position, part, i in self.made if position == layer.position}
             parts = self.states.get(layer.position, {})
             if set(parts) != needed:
                 raise IntegrityError(f"{self.what}: layer {layer.position} keeps {sorted(needed)} state, the file "

@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 
 
 class Holding(Protocol):
-    """A layer that holds K/V or state: its length, and how it gives tokens back."""
+    """A layer that holds K/V or state: its length (a hybrid layer's part further on), and how it gives tokens
+    back."""
 
-    def get_seq_length(self) -> int: ...
+    def furthest(self) -> int: ...
 
     def crop(self, tokens_to_remove: int) -> None: ...
 
@@ -43,6 +44,7 @@ class Forward:
     def __init__(self) -> None:
         self.layers_updated = 0  # layers updated since the current forward's update of layer 0
         self.full = 0  # layers a complete forward updates (the most one has updated)
+        self.completed = False  # whether a forward completed since the cache was last empty
         self.unsettled: int | None = None  # the length a rollback cut short by a second Ctrl-C still owes
         self.thread: int | None = None  # the thread of the last update
         # with recurrent state (layers the model uses without update): the forwards begun, and the first and the
@@ -67,6 +69,7 @@ class Forward:
     def reset(self) -> None:
         """The cache was emptied: the next use begins a forward of its own."""
         self.unsettled, self.layers_updated, self.first, self.last, self.last_update = None, 0, None, -1, -1
+        self.completed = False
 
     def claim(self, layers: int | None) -> None:
         """An update on this thread: refused while a forward of another thread that is still running is half done
@@ -81,27 +84,35 @@ class Forward:
                 "to finish.")
         self.thread = me
 
-    def begin(self, layers: Sequence[Holding], runtime: Runtime) -> None:
-        """A forward's first update: if the previous forward updated fewer layers than a complete one does, it
-        stopped between two layers in the model's own code (no tierkv code ran to undo it), so its layers differ
-        in length. Roll back the ones it reached and refuse this forward: its positions were computed from
-        layer 0's length, one step ahead."""
+    def begin(self, layers: Sequence[Holding], runtime: Runtime, expected: int | None = None) -> None:
+        """A forward's first update: if the previous forward updated fewer layers than a complete one does (the
+        most one has updated, or ``expected``: what the config says), it stopped between two layers in the model's
+        own code (no tierkv code ran to undo it), so its layers differ in length. Roll back the ones it reached and
+        refuse this forward: its positions were computed from layer 0's length, one step ahead."""
         reached, self.layers_updated, self.last_update = self.layers_updated, 0, -1
-        if not reached or reached >= self.full:
+        complete = self.full or expected or 0
+        if not reached or reached >= complete:
             self.full = max(self.full, reached)
+            self.completed = self.completed or bool(reached)
             return
-        lengths = {layer.get_seq_length() for layer in layers} - {0}
+        lengths = {layer.furthest() for layer in layers}
+        if self.completed or reached < 2:
+            # after a complete forward a layer that holds nothing never does (the K/V it reuses); a first forward
+            # that reached one layer may be an encoder-decoder model's given the cache alone, whose cross-attention
+            # updates layer 0 again (refused at its next layer's second update), not a stopped one
+            lengths -= {0}
         if len(lengths) < 2:  # every layer that holds tokens holds as many (an update's own rollback ran)
             return
         behind = min(lengths)
         self.unsettled = behind  # by assignment first, as in roll_back
         self.settle(layers, runtime)
         raise InterruptedStepError(
-            f"the previous forward stopped after {reached} of {self.full} layers (a Ctrl-C or an error in the "
-            f"model between layers); the layers it reached were rolled back to {behind} tokens, so every layer "
-            "holds the same tokens again. Call generate() / the model again: it will resume from there. (An "
-            "encoder-decoder model such as T5, BART or Whisper given this cache alone updates each layer twice "
-            "per forward, self- and cross-attention: pass EncoderDecoderCache(cache, DynamicCache()) instead.)"
+            f"the previous forward stopped part-way, after {reached} of the {complete} layer updates a forward makes "
+            f"(a Ctrl-C or an error in the model between layers); the layers it reached were rolled back to {behind} "
+            "tokens, so every layer holds the same tokens again. Call generate() / the model again: it will resume "
+            "from there. (An encoder-decoder model such as T5, BART or Whisper given this cache alone updates each "
+            "layer twice per forward, self- and cross-attention: pass EncoderDecoderCache(cache, DynamicCache()) "
+            "instead.)"
         )
 
     def roll_back(self, layers: Sequence[Holding], runtime: Runtime, length: int) -> None:
@@ -126,8 +137,8 @@ class Forward:
                 if runtime.store is not None:
                     runtime.invalidate()
                 for layer in layers:
-                    if layer.get_seq_length() > length:
-                        layer.crop(length - layer.get_seq_length())
+                    if layer.furthest() > length:
+                        layer.crop(length - layer.furthest())
                 self.unsettled = None
         except Exception:
             log.exception("tierkv: rolling back a failed update failed; layers may differ in length")

@@ -252,6 +252,10 @@ class TieredLayer(OfCache, CacheLayerMixin):
         store = self.cache.runtime.store
         return store.seq_length(self.index) if store is not None else 0
 
+    def furthest(self) -> int:
+        """The tokens a rollback measures this layer by (a hybrid layer: its part further on)."""
+        return self.get_seq_length()
+
     def get_seq_length(self) -> int:
         return self.dropped + self.stored()
 

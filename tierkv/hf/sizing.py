@@ -290,12 +290,12 @@ def layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict[str, Any
 @dataclass(frozen=True)
 class LayerKind:
     """What one model layer keeps in its cache: attention K/V (with its sliding window, None: full), recurrent
-    state (``states``: its count of conv / recurrent state pairs), or both (Falcon-H1's parallel blocks)."""
+    state (``states``: its count of convolution states, each with a recurrent one where the model makes it), or
+    both (Falcon-H1's parallel blocks)."""
 
     kv: bool
     window: int | None = None
     states: int = 0
-    recurrent: bool = False  # a recurrent state beside each convolution state (all but "conv" layers)
 
 
 def layer_kinds(config: PreTrainedConfig) -> list[LayerKind | None]:
@@ -317,7 +317,7 @@ def layer_kinds(config: PreTrainedConfig) -> list[LayerKind | None]:
         window = kw.get("sliding_window") if kind in (*SLIDING_TYPES, "hybrid_sliding") else None
         states = kw.get("number_of_states", 1) if kind in (*STATE_TYPES, *BOTH_TYPES) else 0
         result.append(None if kind == "dummy" else
-                      LayerKind(kind not in STATE_TYPES, window, states, bool(states) and kind != "conv"))
+                      LayerKind(kind not in STATE_TYPES, window, states))
     return result
 
 

@@ -69,6 +69,9 @@ class StateLayer(OfCache, Base):
     def get_seq_length(self) -> int:
         return self.tokens()
 
+    def furthest(self) -> int:
+        return self.tokens()
+
     def crop(self, tokens_to_remove: int) -> None:
         """Take back the last forward (``tokens_to_remove`` = minus its tokens): the state it found is restored.
         Further back needs transformers' record of past states (``activate_past_recording``, as assisted
@@ -133,10 +136,14 @@ class StateLayer(OfCache, Base):
         self.saved, self.saved_in = None, -1
 
     def state_bytes(self) -> int:
-        """Device bytes of this layer's state and of the copy kept for the rollback."""
+        """Device bytes of this layer's state, of the copy kept for the rollback, and of the past states
+        transformers records while past recording is on (assisted decoding turns it on, and leaves it on)."""
         saved = self.saved
         held = (self.conv_states, self.recurrent_states) + ((saved.conv, saved.recurrent) if saved else ())
-        return sum(state.nbytes for states in held for state in states.values() if state is not None)
+        now = sum(state.nbytes for states in held for state in states.values() if state is not None)
+        history = getattr(self, "recurrent_states_history", None) or {}
+        lists = {id(past): past for past in history.values()}.values()  # (one list may serve every index)
+        return now + sum(state.nbytes for past in lists for state in past if state is not None)
 
     def reset(self) -> None:
         Base.reset(self)
@@ -158,6 +165,11 @@ class HybridLayer(StateLayer, TieredLayer):
             StateLayer.lazy_initialization(self, **kwargs)
 
     def get_seq_length(self) -> int:
+        """The K/V part's tokens, as transformers' hybrid layers answer (Inkling asks for its mask sizes after its
+        convolutions took the step, before the K/V does)."""
+        return TieredLayer.get_seq_length(self)
+
+    def furthest(self) -> int:
         """The tokens of the part further on: a forward that failed between the layer's two parts took one and not
         the other, and the rollback brings each back to where the layer's other layers are."""
         return max(TieredLayer.get_seq_length(self), self.tokens())
@@ -165,13 +177,13 @@ class HybridLayer(StateLayer, TieredLayer):
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             StateLayer.crop(self, tokens_to_remove)  # refused, as every layer refuses it
-        target = self.get_seq_length() + tokens_to_remove
+        target = self.furthest() + tokens_to_remove
         for held, crop in ((self.tokens(), StateLayer.crop), (TieredLayer.get_seq_length(self), TieredLayer.crop)):
             if held > target:
                 crop(self, target - held)
 
     def check_crop(self, tokens_to_remove: int) -> None:
-        target = self.get_seq_length() + tokens_to_remove
+        target = self.furthest() + tokens_to_remove
         StateLayer.check_crop(self, min(0, target - self.tokens()))
         TieredLayer.check_crop(self, min(0, target - TieredLayer.get_seq_length(self)))
 
