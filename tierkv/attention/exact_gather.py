@@ -372,7 +372,7 @@ class ExactGather(PipelinedExecutor):
         tails = sum(layout.slot_bytes for layout in self.store.layouts.values()) * self.batch
         choice = choose_prefetch_depth(
             layers, timeline.profile, current=self.prefetch_depth, held_buffers=len(self.buffers),
-            buffer_bytes=per_buffer, free_device_bytes=device.budget - device.allocated_bytes,
+            buffer_bytes=per_buffer, free_device_bytes=device.unallocated_bytes,
             max_buffers=(device.budget - tails) // per_buffer,
             free_host_bytes=host.budget - host.used_bytes)
         record = {"step": timeline.steps_seen - 1, **choice.as_dict()}

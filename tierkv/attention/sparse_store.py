@@ -84,7 +84,7 @@ class SparseBlocks:
                             layout.head_dim, layout.dtype, bt)  # the table first: the pieces take what is left
         column = rows.batch * layout.slot_bytes
         device = store.device
-        step = int(min(BACKFILL_COLUMNS, full, max(1, (device.budget - device.allocated_bytes) // column)))
+        step = int(min(BACKFILL_COLUMNS, full, max(1, device.unallocated_bytes // column)))
         store.reserve_device(step * column)
         try:
             for lo in range(0, full, step):

@@ -220,6 +220,11 @@ class MemoryTier:
         return sum(pool.allocated_bytes for pool in self.pools.values()) + self.reserved
 
     @property
+    def unallocated_bytes(self) -> int:
+        """What the budget still lets this tier allocate (slab chunks or staging)."""
+        return self.budget - self.allocated_bytes
+
+    @property
     def used_bytes(self) -> int:
         return sum(pool.used * pool.slot_bytes for pool in self.pools.values())
 
@@ -259,7 +264,7 @@ class MemoryTier:
         """Slots of ``slot_bytes`` still to be had: the pool's free ones plus those its budget lets it grow by."""
         pool = self.pools.get(slot_bytes)
         free = pool.capacity - pool.used if pool is not None else 0
-        return free + max(0, (self.budget - self.allocated_bytes) // slot_bytes)
+        return free + max(0, self.unallocated_bytes // slot_bytes)
 
     def slot_sizes(self) -> list[int]:
         """The slot sizes this tier has pools for."""
