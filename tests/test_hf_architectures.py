@@ -29,7 +29,6 @@ import torch
 import transformers
 from helpers import assert_same_generation
 from models import BOS, PAD, VOCAB, prompt
-from packaging import version
 from transformers import DynamicCache
 
 from tierkv import TieredCache, settings
@@ -350,18 +349,13 @@ def test_a_position_bias_the_executors_cannot_apply_is_refused_and_nothing_is_lo
     error. Any tensor keyword they cannot apply refuses the step with the fix; the cache holds what it held."""
     config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
                                    decoder_start_token_id=PAD, pad_token_id=PAD, eos_token_id=None)  # fmt: skip
-    if version.parse("5.0.1") <= version.parse(transformers.__version__) < version.parse("5.25"):
-        pytest.skip("checked on transformers 5.0 and from 5.25 (5.17 builds T5's masks itself: refused, but the "
-                    "refused step's token stays held)")
     model = instantiate(transformers.T5ForConditionalGeneration, config)
     ids, _ = prompt(1, 12, seed=8)
+    # Refused on entering where this release attends T5 with its own code (5.0) or its attention modules keep an
+    # implementation of their own (5.17: the stacks' configs are copies); else at the step that passes the bias.
+    refused = "passes `position_bias`.*exact gather|attends with its own code"
     with TieredCache(gpu_gb="8MB", cpu_gb="1MB", disk_dir=tmp_path, block_tokens=4) as cache:
-        if not takes_attention_functions(model):  # its own attention code in this release: refused on entering
-            with pytest.raises(InvalidConfigError, match="attends with its own code"):
-                engage(cache, model, executor).__enter__()
-            return
-        refused = "passes `position_bias`.*exact gather|builds its masks with code of its own"  # (5.17: its own masks)
-        with engage(cache, model, executor), pytest.raises(InvalidConfigError, match=refused):
+        with pytest.raises(InvalidConfigError, match=refused), engage(cache, model, executor):
             model.generate(ids, max_new_tokens=4, do_sample=False,
                            past_key_values=transformers.EncoderDecoderCache(cache, DynamicCache()))  # fmt: skip
         assert cache.get_seq_length() == 0
@@ -398,9 +392,6 @@ def test_attention_without_a_layer_index_keeps_its_own_implementation(tmp_path, 
     """Regression: a Whisper encoder's or a Llava vision tower's attention modules have no ``layer_idx``, so the
     engagement recorded no implementation for them and their forward raised "runs only inside `with
     cache.streaming(model):`" inside that very block. They attend as before; the decoder's K/V through the tiers."""
-    if version.parse(transformers.__version__) < version.parse("5.25"):
-        pytest.skip("checked from transformers 5.25 (5.17: Whisper's generate outlives the cache's layers, Llava is "
-                    "refused under split as changing its K/V); exact gather serves both")
     model, inputs = {"whisper": whisper, "llava": llava}[family]()
     encoder_decoder = family == "whisper"
 
@@ -418,6 +409,37 @@ def test_attention_without_a_layer_index_keeps_its_own_implementation(tmp_path, 
             out = generate(cache)
         assert cache.stats()["blocks"]["disk"] > 0
     assert_same_generation(out, reference, atol=1e-4)
+
+
+@pytest.mark.parametrize("left_by", ["closed", "rolled back"])
+def test_a_hand_over_no_attention_took_is_not_taken_for_the_next_forward(tmp_path, left_by):
+    """Regression: a step handed over that no attention took (direct ``cache.update`` calls; a model attending with
+    its own code, refused at its next step) stayed on the thread after its cache was closed or the step given
+    back, and the next forward's first attention — a Whisper encoder's, which builds no mask — was refused as
+    changing that cache's K/V (raising "garbage-collected", or rolling the other cache back)."""
+    model, inputs = whisper()
+    kv = torch.randn(1, 4, 3, 16)
+    left = TieredCache(gpu_gb="1MB", cpu_gb="1KB", disk_dir=tmp_path / "left", block_tokens=4)
+    with left.streaming(model, chunk_tokens=8):
+        left.update(kv, kv, 0)  # handed over; no attention takes it
+        if left_by == "rolled back":
+            with pytest.raises(InvalidConfigError, match="multi-head latent attention"):
+                left.update(kv, kv[..., :8], 1)  # values narrower than keys: refused under streaming
+            assert left.get_seq_length() == 0
+    if left_by == "closed":
+        left.close()
+    reference = model.generate(**inputs, max_new_tokens=6, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True,
+                               past_key_values=transformers.EncoderDecoderCache(DynamicCache(), DynamicCache()))
+    with TieredCache(gpu_gb="1MB", cpu_gb="1KB", disk_dir=tmp_path, block_tokens=4) as cache, \
+            cache.streaming(model, chunk_tokens=8):  # fmt: skip
+        out = model.generate(**inputs, max_new_tokens=6, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True,
+                             past_key_values=transformers.EncoderDecoderCache(cache, DynamicCache()))
+    assert_same_generation(out, reference, atol=1e-4)
+    if left_by == "rolled back":
+        assert left.get_seq_length() == 0
+        left.close()
 
 
 # Six layers, the last three reusing the K/V of layer 0 (full) and layer 2 (sliding): the two layers whose K/V is kept

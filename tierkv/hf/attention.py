@@ -88,6 +88,22 @@ def hand_over(layer: TieredLayer) -> None:
     _STEP.layer, _STEP.handed_at = layer, masks_built()
 
 
+def drop_hand_over(cache: TieredCache) -> None:
+    """``cache``'s step was given back: a hand-over of it that this thread's attention has not taken yet goes too
+    (a model attending with its own code never takes one; left, it would be taken for the next forward's)."""
+    layer = getattr(_STEP, "layer", None)
+    if layer is not None and layer.belongs_to(cache):
+        layer.pending, _STEP.layer = None, None
+
+
+def _kept_its_own(module: Any) -> bool:
+    """Whether an attention module (one with a layer index) kept its implementation through the model's switch: its
+    config is a copy that ``set_attn_implementation`` does not reach (T5's stacks on some releases)."""
+    config = getattr(module, "config", None)
+    return isinstance(getattr(module, "layer_idx", None), int) and \
+        getattr(config, "_attn_implementation", STREAMING_ATTENTION) != STREAMING_ATTENTION
+
+
 def check_model(model: Any, what: str) -> None:
     """``cache.<what>(model)`` switches the attention of the model itself: a config or a name is refused."""
     if not isinstance(model, torch.nn.Module):
@@ -157,7 +173,8 @@ class Engagement:
                 before = self._before(previous)
                 try:
                     model.set_attn_implementation(STREAMING_ATTENTION)
-                    if model.config.get_text_config(decoder=True)._attn_implementation != STREAMING_ATTENTION:
+                    if model.config.get_text_config(decoder=True)._attn_implementation != STREAMING_ATTENTION \
+                            or any(map(_kept_its_own, self.modules)):
                         raise InvalidConfigError(self._not_an_interface())
                 except BaseException:
                     if model.config._attn_implementation != previous:
@@ -182,8 +199,10 @@ class Engagement:
 
     def _not_an_interface(self) -> str:
         return (f"{type(self.model).__name__} attends with its own code, not through transformers' "
-                f"AttentionInterface, so `cache.{self.what}(model)` cannot take its attention over. Decode it with "
-                f"exact gather: leave out the `with cache.{self.what}(model)` block (outputs equal DynamicCache's).")
+                f"AttentionInterface (or its attention modules keep settings of their own that switching the model's "
+                f"implementation does not reach), so `cache.{self.what}(model)` cannot take its attention over. "
+                f"Decode it with exact gather: leave out the `with cache.{self.what}(model)` block (outputs equal "
+                f"DynamicCache's).")
 
     def _reuses_kv(self) -> str:
         return (f"{type(self.model).__name__}'s last layers attend over the K/V of earlier layers (KV shared across "
@@ -223,6 +242,9 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     layer = getattr(_STEP, "layer", None)
     if layer is not None:
         _STEP.layer = None
+        if layer.gone():  # (a hand-over its cache's close or collection left behind: not this forward's)
+            layer = None
+    if layer is not None:
         if layer.handed(key):
             return _streaming_attention_forward(layer, module, query, key, value, attention_mask, *args, **kwargs)
         if layer.pending is not None and _STEP.handed_at == getattr(_STEP, "masks", 0):
@@ -306,7 +328,8 @@ def takes_attention_functions(model: torch.nn.Module) -> bool:
                if isinstance(getattr(module, "layer_idx", None), int))
 
 
-_UPDATES_THE_CACHE = re.compile(r"\b(cache|past_key_values?|layer_past)\.update\(")
+# ``past_key_values.update(``, ``curr_past_key_values.update(`` (T5), ``self_attention_cache.update(``, ...
+_UPDATES_THE_CACHE = re.compile(r"\b\w*(cache|past_key_values?|layer_past)\w*\.update\(")
 
 
 @functools.cache

@@ -37,7 +37,7 @@ from tierkv.attention.exact_gather import ExactGather
 from tierkv.bandwidth import LinkProfile
 from tierkv.errors import InvalidConfigError, UnsupportedLayerError
 from tierkv.hf import conversation, sizing
-from tierkv.hf.attention import Engagement
+from tierkv.hf.attention import Engagement, drop_hand_over
 from tierkv.hf.forward import Forward, closed_error
 from tierkv.hf.layer import TieredLayer, not_held
 from tierkv.hf.modes import AttentionModes
@@ -463,6 +463,7 @@ class TieredCache(AttentionModes, Cache):
 
     def roll_back(self, length: int) -> None:
         """A forward failed (or was refused) at some layer: every layer gives back what it took, to ``length``."""
+        drop_hand_over(self)
         self.forward.roll_back(self.holding, self.runtime, length)
 
     def ensure_layers(self, count: int) -> None:

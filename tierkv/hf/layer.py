@@ -46,6 +46,14 @@ class OfCache:
                               "its layers are in use.")
         return cache
 
+    def belongs_to(self, cache: TieredCache) -> bool:
+        return self._cache() is cache
+
+    def gone(self) -> bool:
+        """Whether this layer's cache was closed or collected."""
+        cache = self._cache()
+        return cache is None or cache.closed
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.cache.reorder_cache(beam_idx)
 
