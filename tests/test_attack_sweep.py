@@ -275,13 +275,16 @@ def long_layers(header: dict, length: int) -> list[dict]:
     return [{**layer, "length": length} for layer in header["layers"]]
 
 
-@pytest.mark.parametrize("attack", ["ids beyond the layers", "K/V beyond the budgets", "a K/V record beyond a chunk"])
+@pytest.mark.parametrize("attack", ["ids beyond the layers", "K/V beyond the budgets", "a K/V record beyond a chunk",
+                                    "one block column beyond the device"])
 def test_a_sparse_conversation_file_is_refused_before_it_costs_memory(saved_chat, tmp_path, attack) -> None:
     """A 4 KiB sparse file whose record claims 1 GiB (checksum computed) is refused from its header, before the
     payload is allocated: the ids may be no more than the longest layer holds; the K/V the header claims must
     fit the budgets of the cache it is loaded into (before the ids are read); a K/V record holds at most a
     chunk. Before the fix, ``load()`` allocated the claim (3.4 GiB for the ids): a ``MemoryError`` under the
-    limit. The cache built meanwhile is closed: the disk tier's folder is left empty."""
+    limit; a header of one token per layer in blocks of 2**20 tokens for 32 rows made the loader read a 1 GiB
+    "block column" (the padded block a record carries whole), bounded only by the disk budget: every layer's open
+    block must fit the device budget. The cache built meanwhile is closed: the disk tier's folder is left empty."""
     (head, ids), (kv_head, _) = saved_chat[0], saved_chat[1]
     path, disk_dir = tmp_path / "chat.tkv", tmp_path / "disk"
     disk_dir.mkdir()
@@ -295,6 +298,13 @@ def test_a_sparse_conversation_file_is_refused_before_it_costs_memory(saved_chat
             sparse_record(f, {**head, "layers": long_layers(head, GiB // 8), "ids_shape": [1, GiB // 8]}, GiB)
             expected = ("CapacityError", r"holds 96\.00 GiB of K/V \(103079215104 bytes\), more than the .* "
                                          r"\(\d+ bytes\) of the cache's budgets .*raise the budgets")
+        elif attack == "one block column beyond the device":  # 1 token a layer, 1 GiB in its padded block
+            rows, tokens = 32, GiB // (32 * 2 * 2 * 16 * 4)
+            sparse_record(f, {**head, "block_tokens": tokens, "batch": rows, "ids_shape": None,
+                              "namespace": None, "layers": long_layers(head, 1)}, 0)  # fmt: skip
+            sparse_record(f, {**kv_head, "shape": [rows, 1, 2, 2, tokens, 16]}, GiB)
+            expected = ("BudgetTooSmallError", r"saved with block_tokens=131072 for 32 rows: one block of every "
+                                               r"layer .* takes 3\.00 GiB, more than the device budget's 61\.04 MiB")
         else:  # a valid header whose layers hold 4M tokens (3 GiB: within budgets of 4 GB), then a 1 GiB record
             blocks = GiB // (2 * 2 * BT * 16 * 4)
             text, body = record.encode({**head, "layers": long_layers(head, blocks * BT)}, ids)

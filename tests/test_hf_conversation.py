@@ -127,6 +127,8 @@ def _saved(model, tmp_path, tokens: int):
     ("mistral", 8, {"dropped": 6}, (1, 5), None, "not a whole number of blocks"),
     ("llama", None, {"sliding_window": 8}, (0, 5), None, "sliding window is 8, the model's None"),
     ("llama", None, "one layer more", (0, 5), None, "it holds 3 layers, the model 2"),
+    # (no cache holds layers of different lengths: layer 1 would attend 4 tokens fewer, 0.05 off)
+    ("llama", None, {1: {"length": 14}}, (0, 4), None, r"its layers hold \[14, 18\] tokens"),
 ])  # fmt: skip
 def test_impossible_layer_state_is_refused_before_a_cache_is_built(tmp_path, family, window, change, blocks, at,
                                                                      match):
@@ -138,8 +140,12 @@ def test_impossible_layer_state_is_refused_before_a_cache_is_built(tmp_path, fam
     path, layers, ids = _saved(model, tmp_path, 18)  # 18 tokens: blocks 0-4 in every layer
     crafted = tmp_path / "crafted.tkv"
     crafted.write_bytes(path.read_bytes())
-    layers = layers + [{**layers[-1], "index": 2}] if change == "one layer more" else \
-        [{**layer, **change} for layer in layers]
+    if change == "one layer more":
+        layers = layers + [{**layers[-1], "index": 2}]
+    elif 1 in change:  # one layer's fields
+        layers = [{**layer, **change.get(i, {})} for i, layer in enumerate(layers)]
+    else:
+        layers = [{**layer, **change} for layer in layers]
     _rewritten(crafted, layers, blocks, at)
     with pytest.raises(IntegrityError, match=match) as info:
         TieredCache.load(crafted, model=model, disk_dir=tmp_path / "tiers")

@@ -267,19 +267,21 @@ def test_two_processes_open_caches_on_one_directory_at_once(tmp_path):
 
 # --------------------------------------------------------------------------- modes, whatever the umask
 def test_everything_written_is_private_whatever_the_umask(tmp_path):
+    """Missing parents of ``disk_dir`` too (made 0777 under umask 0 before: another user could then replace
+    ``disk_dir`` under them)."""
     model = tiny_model("llama")
     ids, _ = prompt(1, 9, seed=1)
     old = os.umask(0)
     try:
-        with TieredCache(disk_dir=tmp_path / "d", persist=True, block_tokens=BT, gpu_gb="1MiB", cpu_gb="1MiB",
-                         trace=True) as cache:
+        with TieredCache(disk_dir=tmp_path / "p" / "q" / "d", persist=True, block_tokens=BT, gpu_gb="1MiB",
+                         cpu_gb="1MiB", trace=True) as cache:
             cache.load_prefix(model, ids)
             with torch.no_grad():
                 model(ids, past_key_values=cache)
             cache.flush()
             cache.save(tmp_path / "chat.tkv", model=model)
             cache.save_trace(tmp_path / "trace.json")
-            written = [p for p in (tmp_path / "d").rglob("*")]
+            written = [tmp_path / "p", *(tmp_path / "p").rglob("*")]
     finally:
         os.umask(old)
     dirs = [p for p in written if p.is_dir()]
@@ -291,10 +293,17 @@ def test_everything_written_is_private_whatever_the_umask(tmp_path):
 
 
 def test_the_group_shared_store_is_an_explicit_opt_in(tmp_path):
+    """Only the persistent tree is shared: a conversation file (a prompt's K/V) stays 0600 (it was 0660)."""
+    model = tiny_model("llama")
     with tierkv_settings.override(shared_group=True):
         store = PersistentStore(tmp_path, 1 << 20)
         store.put([_item(KEY)])
         store.close()
+        with TieredCache(block_tokens=BT) as cache:
+            model(prompt(1, 9, seed=1)[0], past_key_values=cache)
+            cache.save(tmp_path / "chat.tkv", model=model)
+            asyncio.run(cache.asave(tmp_path / "chat_async.tkv", model=model))
+    assert _mode(tmp_path / "chat.tkv") == 0o600 and _mode(tmp_path / "chat_async.tkv") == 0o600
     root = tmp_path / DIRECTORY_NAME
     assert _mode(root) == 0o2770 and _mode(root / "blocks") == 0o2770
     assert _mode(root / "blocks" / "ab" / f"{KEY}.tkv") == 0o660 and _mode(root / "manifest") == 0o660
@@ -374,6 +383,31 @@ def test_a_linked_models_folder_in_the_cache_dir_is_refused(tmp_path):
     with models._own_models_directory(tmp_path / "fresh" / "models"):
         pass
     assert _mode(tmp_path / "fresh" / "models") == 0o700 and _snapshot(victim) == before
+
+
+def test_a_disk_dir_swapped_for_a_link_while_it_is_opened_is_refused(tmp_path, monkeypatch):
+    """Regression: ``disk_dir`` was checked (not another user's link) and then opened by name, following links:
+    another user who owns the name in a sticky directory could swap her directory for her link in between (an
+    audit's racer got the victim's private directory 11,791 times in 8 s). The directory opened must be the one
+    checked. The swap is made right after the check here, with a link of this user's (the same race)."""
+    victim = _victim(tmp_path)
+    before = _snapshot(victim)
+    disk_dir = tmp_path / "shared" / "kv"
+    disk_dir.mkdir(parents=True)
+    check = safefs._check_link_owner
+
+    def check_then_swap(path):
+        seen = check(path)
+        disk_dir.rename(tmp_path / "shared" / "away")
+        disk_dir.symlink_to(victim)
+        return seen
+
+    monkeypatch.setattr(safefs, "_check_link_owner", check_then_swap)
+    with pytest.raises(DiskTierError, match="replaced while tierkv opened it"):
+        TieredCache(disk_dir=disk_dir, gpu_gb="1MiB", cpu_gb="1MiB")
+    assert _snapshot(victim) == before and set(os.listdir(victim)) == set(before)  # nothing made there
+    monkeypatch.undo()
+    TieredCache(disk_dir=tmp_path / "shared" / "away", gpu_gb="1MiB", cpu_gb="1MiB").close()  # unswapped: opens
 
 
 def test_bench_scratch_files_are_new_private_files(tmp_path):

@@ -29,6 +29,7 @@ def test_sizes(value, expected):
 @pytest.mark.parametrize(("value", "needle"), [
     ("1e30", "beyond any machine"), pytest.param(10**400, "beyond any machine", id="10**400"),
     ("1e999999999", "beyond any machine"), pytest.param(10**5000, "beyond any machine", id="10**5000"),
+    ("1e99999999999999999999", "beyond any machine"),  # (beyond Decimal's exponents: its own error before)
     (True, "bool"), ("-1GB", "negative"), (-3, "negative"), (float("inf"), "not finite"),
     ("12 apples", "not a size"), (None, "NoneType"),
 ])  # fmt: skip

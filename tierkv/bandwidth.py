@@ -273,7 +273,8 @@ class LinkProfile:
                 "layer_overhead_s": self.layer_overhead_s}
         if self.host_attention is not None:
             data["host_attention"] = asdict(self.host_attention)
-        safefs.write_file(path, [(json.dumps(data, indent=2) + "\n").encode()])  # never through a planted link
+        # never through a planted link, never group-shared (only the persistent tree is)
+        safefs.write_file(path, [(json.dumps(data, indent=2) + "\n").encode()], shared=False)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> LinkProfile:

@@ -75,32 +75,47 @@ def open_user_directory(path: str | os.PathLike) -> int:
     group-shared opt-in accepts a directory of a group of this process (owned or writable by it)."""
     path = Path(path)
     if not path.exists():
-        with contextlib.suppress(FileExistsError):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            os.mkdir(path, dir_mode())
-    _check_link_owner(path)
+        _make_directories(path)
+    seen = _check_link_owner(path)
     fd = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
     try:
-        _check_user_directory(path, os.fstat(fd))
+        status = os.fstat(fd)
+        if seen is None or not stat.S_ISLNK(seen.st_mode) and \
+                (seen.st_dev, seen.st_ino) != (status.st_dev, status.st_ino):
+            raise refuse(path, "it was replaced while tierkv opened it (another user swapping a directory for a "
+                         "link?)", "Name a directory only you can write, in a directory only you can write.",
+                         errno.ELOOP)
+        _check_user_directory(path, status)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def _check_link_owner(path: Path) -> None:
+def _make_directories(path: Path) -> None:
+    """Create ``path`` and its missing parents, each with :func:`dir_mode` (0700: a parent that the umask left
+    writable by every user would let another user replace what tierkv makes under it)."""
+    missing = [path, *(parent for parent in path.parents if not parent.exists())]
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, dir_mode())
+
+
+def _check_link_owner(path: Path) -> os.stat_result | None:
     """Refuse (:func:`refuse`) ``path`` if it is a symbolic link another user owns (root aside): planted in a
     shared directory such as /tmp (before tierkv made the directory, or instead of it), it points tierkv at any
     directory of this user's. The kernel's ``fs.protected_symlinks`` refuses that only where it is on; in a
-    sticky directory nobody else can replace a link of this user's, so the check holds until the open."""
+    sticky directory nobody else can replace a link of this user's, so the check holds until the open. Returns
+    what is there (None: nothing), so that the open can check it opened that very directory."""
     try:
         status = os.lstat(path)
     except OSError:
-        return  # nothing there: the open says so
+        return None  # nothing there: the open says so
     if stat.S_ISLNK(status.st_mode) and status.st_uid not in (os.geteuid(), 0):
         raise refuse(path, f"it is a symbolic link of another user (uid {status.st_uid}), who can point it at any "
                      "directory of yours", "Remove the link and name a directory of your own (tierkv creates a "
                      "missing one 0700), or name the link's target itself if you trust it.", errno.ELOOP)
+    return status
 
 
 def _check_user_directory(path: Path, status: os.stat_result) -> None:

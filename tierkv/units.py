@@ -20,7 +20,7 @@ is an :class:`~tierkv.errors.InvalidConfigError`, never an ``OverflowError`` dee
 from __future__ import annotations
 
 import re
-from decimal import ROUND_CEILING, Decimal
+from decimal import ROUND_CEILING, Decimal, InvalidOperation
 
 from tierkv.errors import InvalidConfigError
 
@@ -65,7 +65,11 @@ def _number(value: object, name: str, what: str, examples: str, units: dict[str,
             f"{name}={value!r} is not {what}; write a number with an optional unit ({unit_names}), "
             f"e.g. {examples}."
         )
-    return Decimal(match.group(1)), match.group(2).lower()
+    try:
+        number = Decimal(match.group(1))
+    except InvalidOperation:  # an exponent beyond Decimal's: as absurdly large (or as small) as any other
+        number = Decimal(0) if "e-" in match.group(1).lower() else Decimal(10) ** 50
+    return number, match.group(2).lower()
 
 
 def _shown(value: object) -> str:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tierkv.errors import CapacityError, IntegrityError, InvalidConfigError
+from tierkv.errors import BudgetTooSmallError, CapacityError, IntegrityError, InvalidConfigError
 from tierkv.hf import sizing
 from tierkv.hf.attention import cache_keyword
 from tierkv.hf.layer import TieredLayer
@@ -99,16 +99,19 @@ def _fits_model(header: conversation.Header, model: torch.nn.Module, what: str) 
             for layout in sizing.layer_layouts(config, header.block_tokens, None)]
 
 
-def _kv_claim(header: conversation.Header, model: torch.nn.Module) -> int | None:
+def _kv_claim(header: conversation.Header, model: torch.nn.Module) -> tuple[int, int] | None:
     """The K/V bytes the header says its layers hold (``length - dropped`` tokens of every row, at the model's
-    per-token K/V bytes of each layer, in the file's dtype, else the model's); None if the model has no config."""
+    per-token K/V bytes of each layer, in the file's dtype, else the model's), and the bytes of one block of every
+    layer for the whole batch (the open blocks the device tier holds while the cache decodes; a record carries
+    one such block column whole); None if the model has no config."""
     config = getattr(model, "config", None)
     if config is None:
         return None
     dtype = getattr(torch, header.namespace["dtype"]) if header.namespace is not None else kv_dtype(model)
-    layouts = sizing.layer_layouts(config, 1, dtype)
-    return sum((layer.length - layer.dropped) * header.batch * layout.token_bytes
+    layouts = sizing.layer_layouts(config, header.block_tokens, dtype)
+    held = sum((layer.length - layer.dropped) * header.batch * layout.token_bytes
                for layer, layout in zip(header.layers, layouts))
+    return held, header.batch * sum(layout.block_bytes for _, layout in zip(header.layers, layouts))
 
 
 def _state_geometry(model: torch.nn.Module) -> dict[tuple[int, str, int], tuple[str, tuple[int, ...]]]:
@@ -127,13 +130,6 @@ def _state_geometry(model: torch.nn.Module) -> dict[tuple[int, str, int], tuple[
             for part, states in (("conv", getattr(layer, "conv_states", {})),
                                  ("recurrent", getattr(layer, "recurrent_states", {})))
             for i, state in states.items() if state is not None}
-
-
-def _budget_bytes(cache: TieredCache, device: torch.device) -> int:
-    """The bytes ``cache``'s tiers may hold on ``device``: its device, host and disk budgets (those left out as
-    the shares of free memory or disk the cache takes when it builds its store)."""
-    runtime = cache.runtime
-    return sum(runtime.memory_budgets(device)) + (runtime.disk.budget if runtime.disk is not None else 0)
 
 
 class Restore:
@@ -187,13 +183,22 @@ class Restore:
         if cache.runtime.num_layers is not None and [layer.sliding_window for layer in cache.kv_layers] != windows:
             raise InvalidConfigError(f"{what} holds {len(windows)} layers with sliding windows {windows}; the "
                                      "config= given describes other layers. Pass the model's own config, or none.")
-        self.budget = budget = _budget_bytes(cache, self.device)
-        claim = _kv_claim(header, model)
+        # the tiers' budgets on the device (those left out: the shares of free memory or disk the store takes)
+        device_budget, host_budget = cache.runtime.memory_budgets(self.device)
+        disk = cache.runtime.disk
+        self.budget = budget = device_budget + host_budget + (disk.budget if disk is not None else 0)
+        claim, open_blocks = _kv_claim(header, model) or (None, None)
         if claim is not None and claim > budget:
             raise CapacityError(f"{what} holds {format_bytes(claim)} of K/V ({claim} bytes), more than the "
                                 f"{format_bytes(budget)} ({budget} bytes) of the cache's budgets (gpu_gb + cpu_gb + "
                                 "disk_gb): raise the budgets, e.g. TieredCache.load(path, model=model, cpu_gb=..., "
                                 "disk_dir=..., disk_gb=...). Nothing of the file was loaded.")
+        if open_blocks is not None and open_blocks > device_budget:  # (before a record of one whole block is read)
+            raise BudgetTooSmallError(
+                f"{what} was saved with block_tokens={header.block_tokens} for {header.batch} rows: one block of "
+                f"every layer (those the device holds while decoding) takes {format_bytes(open_blocks)}, more than "
+                f"the device budget's {format_bytes(device_budget)}: raise gpu_gb (TieredCache.min_device_bytes "
+                "gives the least that decodes), or the file is damaged or crafted. Nothing of the file was loaded.")
         states = self.made = _state_geometry(model) if self.state_kinds else None
         self.reader = conversation.Reader(header, what, geometry, budget, str(kv_dtype(model)).removeprefix("torch."),
                                           states)
@@ -255,10 +260,7 @@ class Restore:
         tokens as the K/V layers hold — else the model would decode on from a state it never had."""
         if header.states is None:
             return
-        lengths = {saved.length for saved in header.layers} | set(header.states.values())
-        if len(lengths) > 1:
-            raise IntegrityError(f"{self.what}: its layers hold {sorted(lengths)[:8]} tokens; a conversation's "
-                                 "layers hold as many each. The file is damaged or crafted.")
+        tokens = max(header.states.values())  # as many as every layer's (conversation.check_header)
         for layer in cache.layers:
             if not isinstance(layer, StateLayer):
                 continue
@@ -269,7 +271,7 @@ class Restore:
             if set(parts) != needed:
                 raise IntegrityError(f"{self.what}: layer {layer.position} keeps {sorted(needed)} state, the file "
                                      f"holds {sorted(parts)}; it is damaged or crafted. Save the conversation again.")
-            layer.restore(parts, next(iter(lengths)), self.device)
+            layer.restore(parts, tokens, self.device)
 
 
 def _records(cache: TieredCache, model: torch.nn.Module | None) -> Iterator[tuple[bytes, memoryview]]:

@@ -151,7 +151,7 @@ def save(path: str | os.PathLike, chunks: Iterable[tuple[bytes, memoryview]]) ->
     """Write the records ``chunks`` to ``path`` atomically (see the module's docstring)."""
     check_target(path)
     with _save_errors(path):
-        safefs.write_file(path, (part for pair in chunks for part in pair))
+        safefs.write_file(path, (part for pair in chunks for part in pair), shared=False)  # a prompt's K/V: 0600
 
 
 async def asave(path: str | os.PathLike, chunks: Iterable[tuple[bytes, memoryview]]) -> None:
@@ -167,7 +167,7 @@ async def _asave(target: Path, chunks: Iterable[tuple[bytes, memoryview]]) -> No
     """:func:`asave`'s writes, fsyncs and rename (its errors as they come)."""
     directory = await asyncio.to_thread(os.open, target.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fd, temporary = safefs.new_temporary(directory, target.name)
+        fd, temporary = safefs.new_temporary(directory, target.name, shared=False)
         try:
             try:
                 for head, payload in chunks:
@@ -320,6 +320,10 @@ def check_header(header: dict[str, Any], what: str) -> tuple[Header, int]:
     batch = _integer(header["batch"], what, "batch", 1, MAX_BATCH)
     states = _states(header.get("states"), what)
     layers = _layers(header["layers"], what, block_tokens, 0 if states else 1)
+    lengths = {layer.length for layer in layers} | set((states or {}).values())
+    if len(lengths) > 1:
+        raise IntegrityError(f"{what}: its layers hold {sorted(lengths)[:8]} tokens; a conversation's layers hold as "
+                             "many each (its K/V would decode wrong). The file is damaged or crafted.")
     namespace = _namespace(header["namespace"], what, block_tokens, len(layers))
     shape = header["ids_shape"]
     ids_bytes = 0
