@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_same_generation
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
@@ -30,6 +31,31 @@ def test_min_device_bytes_decodes_that_context_and_less_does_not():
     with TieredCache(gpu_gb=f"{need // 4}B", cpu_gb="64MB", block_tokens=4, config=model.config) as cache, \
             pytest.raises(BudgetTooSmallError):
         model(ids, past_key_values=cache)
+
+
+def test_a_larger_device_budget_never_refuses_what_a_smaller_one_decodes(tmp_path):
+    """Regression: a budget that holds the prefetch buffers but not the open blocks of the layers not yet
+    stepped (330-370 KB here) was refused mid-prefill, while a smaller one (308 KB) decoded with prefetch off
+    and a larger one (400 KB) with it on. Below the minimum every budget decodes exactly or is refused, and from
+    the first that decodes on, every larger one decodes too."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, 300, seed=1)
+    reference = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, past_key_values=DynamicCache())
+    need = sizing.min_device_bytes(model.config, 306, block_tokens=256, device="cpu")
+    decoded = []
+    for gpu in range(need // 2, need + 1, need // 12):
+        with TieredCache(gpu_gb=f"{gpu}B", cpu_gb="64KB", disk_dir=tmp_path / str(gpu), block_tokens=256,
+                         config=model.config) as cache:  # fmt: skip
+            try:
+                out = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True, past_key_values=cache)
+            except BudgetTooSmallError:
+                decoded.append(False)
+                continue
+        assert_same_generation(out, reference, atol=1e-5)
+        decoded.append(True)
+    assert decoded[-1] and decoded == sorted(decoded), decoded  # refused only below every budget that decodes
 
 
 def test_min_streaming_device_bytes_does_not_grow_with_the_context():

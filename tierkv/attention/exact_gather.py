@@ -215,17 +215,21 @@ class ExactGather(PipelinedExecutor):
         self._release()
         batch, token_bytes = max(batch, old_batch), max(token_bytes, old_token_bytes)
         per_buffer = batch * capacity * token_bytes
+        depth = self.prefetch_depth
+        if depth and not self.store.room_for_staging((depth + 1) * per_buffer, batch, self.num_layers or None):
+            depth = 0  # the prefetch buffers would fit now but leave a later layer's new block no room
         try:
-            self.staging.allocate(self.prefetch_depth + 1, per_buffer)
+            self.staging.allocate(depth + 1, per_buffer)
         except BudgetTooSmallError:
-            if self.prefetch_depth == 0:
+            if depth == 0:
                 raise
+            depth = 0
             self.staging.allocate(1, per_buffer)  # no prefetch rather than no decoding
-            if not self.prefetch_disabled_logged:
-                log.warning("tierkv: the device budget cannot hold prefetch buffers for %d tokens; prefetch is off "
-                            "until gpu_gb is raised by about %.1f MB (%d bytes, the prefetch buffers)", tokens,
-                            self.prefetch_depth * per_buffer / 1e6, self.prefetch_depth * per_buffer)
-                self.prefetch_disabled_logged = True
+        if depth < self.prefetch_depth and not self.prefetch_disabled_logged:
+            log.warning("tierkv: the device budget cannot hold prefetch buffers for %d tokens; prefetch is off "
+                        "until gpu_gb is raised by about %.1f MB (%d bytes, the prefetch buffers)", tokens,
+                        self.prefetch_depth * per_buffer / 1e6, self.prefetch_depth * per_buffer)
+            self.prefetch_disabled_logged = True
         self.capacity, self.batch, self.token_bytes = capacity, batch, token_bytes
 
     def _release(self) -> None:

@@ -28,6 +28,7 @@ from tierkv.blocks import Block, BlockTable, LayerRows, Tier
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError
 from tierkv.layout import BlockLayout
 from tierkv.policy import Policy
+from tierkv.staging import device_minimum, open_tail_bytes
 from tierkv.store import consistency, edits, export
 from tierkv.store import pages as page_reads
 from tierkv.store.placement import BlockPlacement
@@ -323,6 +324,13 @@ class KVStore:
             return False
         self.transfer.scratch.landing_bytes = nbytes
         return True
+
+    def room_for_staging(self, nbytes: int, batch: int, layers: int | None = None) -> bool:
+        """Whether ``nbytes`` more device staging fit the device budget beside one open block per row of every
+        layer (``layers``; default: the layers seen), each as wide as the widest (:func:`device_minimum`)."""
+        slot = max((layout.slot_bytes for layout in self.layouts.values()), default=0)
+        tails = open_tail_bytes(layers or len(self.layouts), batch, slot)
+        return device_minimum(self.device.reserved + nbytes, tails) <= self.device.budget
 
     @recovering
     def reserve_device(self, nbytes: int) -> None:
