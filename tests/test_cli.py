@@ -171,6 +171,27 @@ def test_ctrl_c_exits_130_with_one_line():
     assert err.strip() == "tierkv plan: interrupted"
 
 
+@pytest.mark.parametrize("sigint", ["handled", "ignored"])  # ignored: a background job of a shell script
+def test_sigterm_ends_a_demo_like_ctrl_c_and_leaves_no_temporary_files(tmp_path, sigint):
+    """Regression: SIGTERM (``timeout``, ``kill``) killed a running demo outright, leaving its temporary disk tier
+    (a 16 MiB file and a lock) in the temp dir. It ends the command as Ctrl-C does: one line, exit 143, nothing
+    left behind."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    before = signal.SIG_IGN if sigint == "ignored" else signal.SIG_DFL
+    with subprocess.Popen([sys.executable, "-m", "tierkv.cli", "demo", "--context", "8K", "--no-reference"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, before)) as proc:
+        for line in proc.stderr:  # the tiered run has begun: its disk tier exists
+            if line.startswith("tiered run") or line.startswith("prefill"):
+                break
+        assert list(tmp_path.glob("tierkv-*")), "the demo's temporary folder exists while it runs"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "tierkv demo: terminated"
+    assert list(tmp_path.glob("tierkv-*")) == []  # (torch's own folders may stay)
+
+
 def test_in_process_usage_error_returns_2(capsys):
     assert main(["demo", "--context", "0"]) == 2
     assert "--context='0'" in capsys.readouterr().err

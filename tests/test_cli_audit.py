@@ -3,17 +3,21 @@ command where it can be, no timing assertions."""
 
 from __future__ import annotations
 
+import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from test_cli import PLAN, assert_one_line_error, tierkv
 
 from tierkv.bandwidth import HostAttention, Link, LinkProfile
 from tierkv.calibrate import BenchResult, Measurement
 from tierkv.calibrate.consistency import contradictions
 from tierkv.cli import main
-from tierkv.commands.progress import Remaining, between, load_label, quiet_transformers
+from tierkv.commands.progress import Phases, Remaining, between, first_load, load_label, quiet_transformers
 from tierkv.planner import WARNINGS_KEY, host_attention_rate
 from tierkv.staging import DEFAULT_REST_BITS
 
@@ -154,6 +158,16 @@ def test_demo_refuses_an_empty_prompt_file(tmp_path, text):
 
 
 # #8: measure without a reference
+def test_eval_measure_without_out_names_the_stage():
+    assert_one_line_error(tierkv("eval", "--stage", "measure"), 2, "--stage measure needs --out")
+
+
+def test_python_dash_m_tierkv_is_the_command():
+    result = subprocess.run([sys.executable, "-m", "tierkv", "--version"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("tierkv ")
+
+
 def test_eval_measure_without_a_reference_is_refused_before_loading(tmp_path):
     result = tierkv("eval", "--stage", "measure", "--out", str(tmp_path / "empty"))
     assert_one_line_error(result, 2, "holds no reference (reference.json)", "--stage reference --out DIR")
@@ -161,7 +175,20 @@ def test_eval_measure_without_a_reference_is_refused_before_loading(tmp_path):
 
 
 def test_load_label_mentions_gguf_only_for_a_gguf_model():
-    assert load_label("demo").startswith("loading ") and "GGUF" not in load_label("demo")
+    assert load_label("demo").startswith("loading ") and "GGUF" not in load_label("demo") and not first_load("demo")
+
+
+def test_a_phase_known_to_be_long_is_announced_as_it_begins_in_a_log():
+    """Piped (a CI log, ``| tee``), a first load's dequantisation printed nothing for up to a minute: its line
+    came only when it was done. Announced, its label comes first; other phases keep one line each."""
+    log = io.StringIO()
+    phases = Phases(Console(file=log, width=200))
+    with phases.phase("dequantising the GGUF", announce=True):
+        assert log.getvalue() == "dequantising the GGUF ...\n"
+    with phases.phase("loading the demo model"):
+        pass
+    assert log.getvalue().splitlines()[1].startswith("dequantising the GGUF: ")
+    assert log.getvalue().splitlines()[2].startswith("loading the demo model: ")
 
 
 # #11: paths neither created nor misreported

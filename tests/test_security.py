@@ -410,6 +410,29 @@ def test_a_disk_dir_swapped_for_a_link_while_it_is_opened_is_refused(tmp_path, m
     TieredCache(disk_dir=tmp_path / "shared" / "away", gpu_gb="1MiB", cpu_gb="1MiB").close()  # unswapped: opens
 
 
+@pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None, reason="root writes anywhere")
+def test_a_cache_dir_this_user_cannot_write_names_the_setting_to_change(tmp_path):
+    """A TIERKV_CACHE_DIR (or ~/.cache) this user may not create was a bare PermissionError from deep in
+    safefs; it is a DiskTierError naming the path and the setting (root is run without its override of file
+    permissions)."""
+    readonly = tmp_path / "ro"
+    readonly.mkdir(mode=0o555)
+    as_user = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--inh-caps=-all"] \
+        if os.geteuid() == 0 else []
+    script = ("from tierkv import cbuild\n"
+              "from tierkv.errors import DiskTierError\n"
+              "try:\n"
+              "    cbuild._open_cache_dir()\n"
+              "except DiskTierError as error:\n"
+              "    print(error)\n")
+    result = subprocess.run([*as_user, sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "TIERKV_CACHE_DIR": str(readonly / "cache")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"tierkv refuses '{readonly / 'cache'}': this user may not create or open it")
+    assert "Set TIERKV_CACHE_DIR to a directory you can write" in result.stdout
+    assert not (readonly / "cache").exists()
+
+
 def test_bench_scratch_files_are_new_private_files(tmp_path):
     victim = _victim(tmp_path)
     before = _snapshot(victim)

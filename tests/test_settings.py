@@ -15,6 +15,7 @@ from models import prompt, tiny_model
 from transformers import DynamicCache
 
 from tierkv import TieredCache, settings, stats
+from tierkv.cli import main
 from tierkv.errors import InvalidConfigError
 from tierkv.hf import cache_keyword
 from tierkv.inputs import MAX_JSON_BYTES
@@ -256,3 +257,19 @@ def test_a_bad_knob_read_when_the_first_layer_steps_is_one_clean_error(tmp_path)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0 and result.stdout.startswith("refused: TIERKV_PREFETCH_MIN"), result
     assert "close failed" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_misspelt_variable_is_warned_about_once_with_the_closest_name(monkeypatch, capsys):
+    """A ``TIERKV_*`` variable that names no setting was silently ignored (``TIERKV_PREFETCHMIN=0`` left
+    prefetching as it was); the benchmarks' own ``TIERKV_BENCH_*`` are not settings and say nothing."""
+    monkeypatch.setattr(settings, "_reported", set())
+    monkeypatch.setenv("TIERKV_PREFETCHMIN", "0")
+    monkeypatch.setenv("TIERKV_BENCH_ROUNDS", "3")
+    with pytest.warns(UserWarning, match="TIERKV_PREFETCHMIN is not a tierkv setting and is ignored; did you mean "
+                                         "TIERKV_PREFETCH_MIN") as caught:  # fmt: skip
+        settings.check_all()
+    assert len(caught) == 1
+    settings.check_all()  # once per process
+    monkeypatch.setattr(settings, "_reported", set())
+    assert main(["plan", "--model", "llama-3-8b", "--context", "8K", "--gpu-gb", "20", "--cpu-gb", "64"]) == 0
+    assert "tierkv: warning: TIERKV_PREFETCHMIN is not a tierkv setting" in capsys.readouterr().err

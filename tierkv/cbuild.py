@@ -45,12 +45,7 @@ def cache_dir() -> Path:
 def _open_cache_dir() -> int:
     """A descriptor of :func:`cache_dir`, created 0700 if missing; refused (DiskTierError) unless it is this
     user's own, not a link, writable by nobody else, in a cache dir no other user could rename it in."""
-    folder = cache_dir()
-    parent = safefs.open_user_directory(folder.parent)
-    try:
-        return safefs.open_own_directory(parent, folder.name, folder, shared=False)
-    finally:
-        os.close(parent)
+    return safefs.open_user_subdirectory(cache_dir(), settings.UNWRITABLE_CACHE_DIR)
 
 
 _LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.MULTILINE)

@@ -6,21 +6,26 @@ it does not need, and ``tierkv``, ``tierkv --help`` and ``tierkv --version`` imp
 
 Failures read the same in every command: one line on stderr that says what is wrong and how to fix it,
 exit status 2 for a usage error (a bad argument, a budget that cannot work) and 1 for a failure while
-running (a disk error, a KV that no longer fits); Ctrl-C exits 130. ``--debug`` (or ``TIERKV_DEBUG=1``)
-shows the traceback instead. A command module may list more exception types that count as usage errors in
-``USAGE_ERRORS`` (``plan``: a KV that does not fit the budgets given is the user's input, not a failure).
+running (a disk error, a KV that no longer fits); Ctrl-C exits 130, SIGTERM (``timeout``, ``kill``, a
+scheduler's stop) ends a command the same way, its temporary files removed, and exits 143. ``--debug`` (or
+``TIERKV_DEBUG=1``) shows the traceback instead. A command module may list more exception types that count as
+usage errors in ``USAGE_ERRORS`` (``plan``: a KV that does not fit the budgets given is the user's input, not a
+failure).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import errno
 import importlib
 import importlib.metadata
 import re
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 from tierkv.errors import TierKVError
@@ -172,6 +177,32 @@ def _check_settings() -> None:
     from tierkv import settings
 
     settings.describe()
+    for message in settings.unknown_variables():
+        print(f"tierkv: warning: {message}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[list[int]]:
+    """Within: SIGTERM ends the command as Ctrl-C does (through SIGINT's handler, so a store edit that holds
+    interrupts finishes first), so its ``finally`` blocks remove its temporary folders; the list holds the
+    signal once one came."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def on_term(signum: int, frame: Any) -> None:
+        received.append(signum)
+        handler = signal.getsignal(signal.SIGINT)
+        if not callable(handler):  # SIGINT ignored (a background job of a script): stop all the same
+            raise KeyboardInterrupt
+        handler(signal.SIGINT, frame)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,26 +212,30 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     prog = "tierkv" + (f" {chosen}" if chosen in SUBCOMMANDS else "")
     usage_errors: tuple[type[BaseException], ...] = (ValueError,)
-    try:
+    with _terminate_as_interrupt() as terminated:
         try:
-            args = build_parser(chosen if chosen in SUBCOMMANDS else None).parse_args(argv)
-        except SystemExit as exc:  # --help, --version, or a usage error already printed on one line
-            return exc.code if isinstance(exc.code, int) else USAGE
-        debug = _debug_requested(args)
-        _check_settings()
-        usage_errors += tuple(getattr(args._module, "USAGE_ERRORS", ()))
-        return int(args._module.run(args) or 0)
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        fresh_line = "\n" if sys.stderr.isatty() else ""  # after the terminal's echoed ^C
-        print(f"{fresh_line}{prog}: interrupted", file=sys.stderr)
-        return INTERRUPTED
-    except (TierKVError, OSError) as exc:
-        if debug:
-            raise
-        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
-        return USAGE if isinstance(exc, usage_errors) else FAILURE
+            try:
+                args = build_parser(chosen if chosen in SUBCOMMANDS else None).parse_args(argv)
+            except SystemExit as exc:  # --help, --version, or a usage error already printed on one line
+                return exc.code if isinstance(exc.code, int) else USAGE
+            debug = _debug_requested(args)
+            _check_settings()
+            usage_errors += tuple(getattr(args._module, "USAGE_ERRORS", ()))
+            return int(args._module.run(args) or 0)
+        except KeyboardInterrupt:
+            if debug:
+                raise
+            if terminated:
+                print(f"{prog}: terminated", file=sys.stderr)
+                return 128 + signal.SIGTERM
+            fresh_line = "\n" if sys.stderr.isatty() else ""  # after the terminal's echoed ^C
+            print(f"{fresh_line}{prog}: interrupted", file=sys.stderr)
+            return INTERRUPTED
+        except (TierKVError, OSError) as exc:
+            if debug:
+                raise
+            print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+            return USAGE if isinstance(exc, usage_errors) else FAILURE
 
 
 if __name__ == "__main__":

@@ -32,6 +32,12 @@ class CapacityError(TierKVError, MemoryError):
 class DiskTierError(TierKVError, OSError):
     """The disk tier cannot be created, written or read."""
 
+    def __str__(self) -> str:
+        """The message alone, without ``[Errno N]`` before it (it says what is wrong and the fix itself)."""
+        if len(self.args) == 2 and self.strerror and self.filename is None:
+            return str(self.strerror)
+        return super().__str__()
+
 
 class DiskFullError(DiskTierError):
     """The filesystem under the disk tier ran out of space (ENOSPC)."""

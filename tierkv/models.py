@@ -176,11 +176,7 @@ def _own_models_directory(path: Path) -> Iterator[int]:
     """A descriptor of the cache dir's ``models/`` for the block, created 0700 if missing; refused
     (DiskTierError) when it is a link or another user's, or the cache dir is one another user could rename it
     in (:mod:`tierkv.safefs`): the dequantised weights are written, renamed and read there."""
-    parent = safefs.open_user_directory(path.parent)
-    try:
-        fd = safefs.open_own_directory(parent, path.name, path, shared=False)
-    finally:
-        os.close(parent)
+    fd = safefs.open_user_subdirectory(path, settings.UNWRITABLE_CACHE_DIR)
     try:
         yield fd
     finally:

@@ -68,16 +68,24 @@ def refuse(path: str | os.PathLike, why: str, fix: str, code: int = errno.EPERM)
     return DiskTierError(code, f"tierkv refuses {os.fspath(path)!r}: {why}. {fix}")
 
 
-def open_user_directory(path: str | os.PathLike) -> int:
+UNWRITABLE = "Name a directory you can write."
+
+
+def open_user_directory(path: str | os.PathLike, unwritable: str = UNWRITABLE) -> int:
     """A descriptor of the directory the user named (links in *its* path are the user's choice and followed),
     made 0700 if tierkv creates it; refused when another user could rename or replace tierkv's files in it: one
     owned by another user (root aside), or one its group or every user can write without the sticky bit. The
-    group-shared opt-in accepts a directory of a group of this process (owned or writable by it)."""
+    group-shared opt-in accepts a directory of a group of this process (owned or writable by it). One this user
+    may not create or open is refused with ``unwritable`` as the fix."""
     path = Path(path)
-    if not path.exists():
-        _make_directories(path)
-    seen = _check_link_owner(path)
-    fd = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    try:
+        if not path.exists():
+            _make_directories(path)
+        seen = _check_link_owner(path)
+        fd = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    except PermissionError as error:
+        raise refuse(path, "this user may not create or open it (permission denied)", unwritable,
+                     errno.EACCES) from error
     try:
         status = os.fstat(fd)
         if seen is None or not stat.S_ISLNK(seen.st_mode) and \
@@ -151,6 +159,20 @@ def _private_group(gid: int) -> bool:
         return False
     return all(member == name for member in members) and \
         all(user.pw_uid == uid for user in pwd.getpwall() if user.pw_gid == gid)
+
+
+def open_user_subdirectory(folder: Path, unwritable: str = UNWRITABLE) -> int:
+    """A descriptor of ``folder``, tierkv's own private directory (0700, never group-shared) in the user's
+    directory ``folder.parent``, both checked as :func:`open_user_directory` and :func:`open_own_directory` say;
+    one this user may not create or open is refused with ``unwritable`` as the fix."""
+    parent = open_user_directory(folder.parent, unwritable)
+    try:
+        return open_own_directory(parent, folder.name, folder, shared=False)
+    except PermissionError as error:
+        raise refuse(folder, "this user may not create or open it (permission denied)", unwritable,
+                     errno.EACCES) from error
+    finally:
+        os.close(parent)
 
 
 def open_own_directory(parent: int, name: str, where: str | os.PathLike, create: bool = True,

@@ -44,15 +44,19 @@ shared_group          TIERKV_SHARED_GROUP          False        1, 0            
 persist_lock_timeout  TIERKV_PERSIST_LOCK_TIMEOUT  30.0         0 - 600 s        wait for the persistent store's lock
 ====================  ===========================  ===========  ===============  ======================================
 
-Secrets (``redis_password``) are never shown: :func:`source` and :func:`describe` print ``***`` for them.
+Secrets (``redis_password``) are never shown: :func:`source` and :func:`describe` print ``***`` for them. A
+``TIERKV_*`` variable that names none of these (a misspelling) is warned about once (``TIERKV_BENCH_*`` are the
+benchmarks' own).
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import itertools
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +77,10 @@ threads only cost memory, and the native pool refuses more."""
 
 MAX_IO_CHUNK = 256 << 20
 """Largest ``io_chunk``: past a few MiB a larger piece only serialises a request onto one thread."""
+
+UNWRITABLE_CACHE_DIR = ("Set TIERKV_CACHE_DIR to a directory you can write (tierkv keeps the kernels it builds and "
+                        "dequantised model weights there).")
+"""The fix where the cache directory (``cache_dir``) cannot be created or opened."""
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -151,19 +159,23 @@ def _seconds_in(low: float, high: float) -> Callable[[Any], float]:
     return convert
 
 
+def _size(value: int | str) -> int:
+    """Bytes: an int as it is (Python), a string as :func:`tierkv.units.parse_size` reads it (a bare number is
+    GB, as everywhere in tierkv)."""
+    try:
+        return value if isinstance(value, int) else parse_size(value)
+    except InvalidConfigError:
+        raise _Invalid("is not a size (a number with an optional unit: B, KB, MB, GB, TB or KiB, MiB, GiB, TiB; a "
+                       "bare number is GB)") from None
+
+
 def _bounded_size(low: int, high: int, what: str) -> Callable[[Any], int]:
     """A converter to a size in bytes in ``[low, high]`` (a bare number in the environment is GB, as everywhere
     in tierkv; in Python an int is bytes)."""
     def convert(value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise _Invalid(f"must be a size such as {what} (or a number of bytes in Python)")
-        if isinstance(value, str) and value.strip() == "0":
-            size = 0
-        else:
-            try:
-                size = value if isinstance(value, int) else parse_size(value)
-            except InvalidConfigError as exc:
-                raise _Invalid(f"is not a size ({exc})") from None
+        size = 0 if isinstance(value, str) and value.strip() == "0" else _size(value)
         if not low <= size <= high:
             raise _Invalid(f"must be a size from {format_bytes(low) if low else 0} to {format_bytes(high)}")
         return size
@@ -174,10 +186,7 @@ def _bounded_size(low: int, high: int, what: str) -> Callable[[Any], int]:
 def _chunk(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise _Invalid("must be a size such as 4MiB (or a number of bytes in Python)")
-    try:  # a bare number in the environment is GB, as everywhere in tierkv; in Python an int is bytes
-        size = value if isinstance(value, int) else parse_size(value)
-    except InvalidConfigError as exc:
-        raise _Invalid(f"is not a size ({exc})") from None
+    size = _size(value)
     if size < DIRECT_IO_ALIGN or size % DIRECT_IO_ALIGN or size > MAX_IO_CHUNK:
         raise _Invalid(f"must be a positive multiple of {DIRECT_IO_ALIGN} bytes of at most "
                        f"{format_bytes(MAX_IO_CHUNK)}")
@@ -308,9 +317,32 @@ def get(name: str) -> Any:
 
 def check_all() -> None:
     """Resolve every setting: a malformed ``TIERKV_*`` variable is refused (naming it) where this is called — when
-    a cache is built — rather than inside a forward that would then give back its work."""
+    a cache is built — rather than inside a forward that would then give back its work. A ``TIERKV_*`` variable
+    that names no setting (a misspelt one, which would be silently ignored) is warned about once."""
     for name in SETTINGS:
         get(name)
+    for message in unknown_variables():
+        warnings.warn(message, stacklevel=3)
+
+
+_BENCHMARK_PREFIX = "TIERKV_BENCH_"  # the benchmarks' own knobs (benchmarks/), not the library's
+_reported: set[str] = set()
+
+
+def unknown_variables() -> list[str]:
+    """One message per ``TIERKV_*`` environment variable that names no setting and was not reported before in
+    this process, with the closest setting's variable where one is close."""
+    known = [setting.variable for setting in SETTINGS.values()]
+    messages = []
+    for variable in sorted(os.environ):
+        if not variable.startswith("TIERKV_") or variable.startswith(_BENCHMARK_PREFIX) or variable in known \
+                or variable in _reported:
+            continue
+        _reported.add(variable)
+        close = difflib.get_close_matches(variable, known, n=1, cutoff=0.8)
+        hint = f"; did you mean {close[0]}?" if close else " (tierkv/settings.py lists every setting)"
+        messages.append(f"{variable} is not a tierkv setting and is ignored{hint}")
+    return messages
 
 
 def source(name: str) -> str:

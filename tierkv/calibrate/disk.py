@@ -13,7 +13,7 @@ import functools
 import itertools
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,7 @@ from tierkv.calibrate.results import Measurement
 from tierkv.calibrate.timing import median_seconds, seconds
 from tierkv.io import ALIGN, DiskFile, aligned_empty, available_engines, open_disk_file
 from tierkv.io.base import chunk_bytes, queue_depth
+from tierkv.units import format_bytes
 
 
 class RawDirect:
@@ -74,8 +75,10 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def measure_disk(sizes: Sequence[int], cfg: BenchConfig) -> tuple[list[Measurement], list[str]]:
-    """disk->host and host->disk through each engine and the raw baseline; returns (rows, notes)."""
+def measure_disk(sizes: Sequence[int], cfg: BenchConfig,
+                 progress: Callable[[str], None] = lambda _: None) -> tuple[list[Measurement], list[str]]:
+    """disk->host and host->disk through each engine and the raw baseline; returns (rows, notes). ``progress``
+    hears of each transfer size as it begins (the whole sweep takes a minute or more)."""
     engines = list(cfg.engines) if cfg.engines is not None else available_engines()
     if not engines:
         raise ValueError("no disk engine to measure; give at least one of the available engines.")
@@ -100,6 +103,7 @@ def measure_disk(sizes: Sequence[int], cfg: BenchConfig) -> tuple[list[Measureme
                 mode = "O_DIRECT" if f.direct else "buffered (page cache dropped before reads)"
                 notes.append(f"{name}: {mode}, queue depth {depth}, pieces of {chunk_bytes() // MiB} MiB")
             for size in sizes:
+                progress(f"transfers of {format_bytes(size)}")
                 total = min(cfg.disk_bytes, max(size, min(size * 1024, cfg.disk_point_bytes)))
                 requests = [(i * size, buffer[i * size : (i + 1) * size]) for i in range(total // size)]
                 n = len(requests)
@@ -113,6 +117,7 @@ def measure_disk(sizes: Sequence[int], cfg: BenchConfig) -> tuple[list[Measureme
                         t = median_seconds(functools.partial(engine_batch, f, requests, write, path),
                                             warmup=cfg.warmup, repeats=cfg.repeats)  # fmt: skip
                         out.append(Measurement(link, name, size, n * size, n, t))
+            progress("batches of blocks")
             for name, f in files.items():
                 out += _block_batches(f, name, path, buffer, cfg)
         finally:

@@ -38,8 +38,8 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] = lambda _: N
     if device.type == "cuda":
         progress("host<->device copies")
         measurements += measure_cuda_links(sizes, cfg, device)
-    progress(f"disk ({cfg.disk_bytes // MiB} MiB file in {cfg.directory})")
-    disk_rows, notes = measure_disk(sizes, cfg)
+    disk = f"disk ({cfg.disk_bytes // MiB} MiB file in {cfg.directory})"
+    disk_rows, notes = measure_disk(sizes, cfg, lambda what: progress(f"{disk}: {what}"))
     measurements += disk_rows
     engines = list(cfg.engines) if cfg.engines is not None else available_engines()
     disk_engine = next((e for e in available_engines() if e in engines), None)

@@ -47,6 +47,9 @@ from tierkv.planner import COMPUTE_FLOPS_KEY, WARNINGS_KEY
 from tierkv.units import format_bytes
 from tierkv.vocabulary import LinkName
 
+FULL_RUN = "about 2-4 min on 2 cores, less on more"
+"""How long ``tierkv bench`` takes at its default sizes (161 s on the project's 2-core VM)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -304,6 +307,8 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         log.print("--quick: small sizes, numbers indicative only (a smoke test, not a profile to plan with)",
                   soft_wrap=True)
+    else:
+        log.print(f"measuring every link at the default sizes: {FULL_RUN} (--quick: 10-40 s)", soft_wrap=True)
     started = time.perf_counter()
     with log.status("measuring") if log.is_terminal else contextlib.nullcontext() as status:
 

@@ -45,7 +45,15 @@ from tierkv.commands import (
     writable_dir,
     write_json,
 )
-from tierkv.commands.progress import Phases, Remaining, between, forward_cost, load_label, quiet_transformers
+from tierkv.commands.progress import (
+    Phases,
+    Remaining,
+    between,
+    first_load,
+    forward_cost,
+    load_label,
+    quiet_transformers,
+)
 from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
 from tierkv.staging import DEFAULT_PAGE_TOKENS, DEFAULT_REST_BITS, REST_BITS, default_page_tokens
 from tierkv.units import format_bytes, format_size_option, format_tokens, plural
@@ -95,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens to decode (default: {MIN_DECODE}, or the answer's length if longer; with a "
                              f"named --model {MIN_DECODE // 2} or the answer's length; {CHECKPOINT_DECODE} with "
                              "--prompt-file)")
-    parser.add_argument("--seed", type=integer("--seed", 0), default=0)
+    parser.add_argument("--seed", type=integer("--seed", 0), default=0,
+                        help="seed of the prompt the demo draws (its passkey and the text around it; default 0)")
     parser.add_argument("--depth", type=number("--depth", 0.0, 1.0), default=0.3,
                         help="needle depth in the haystack, 0..1 (default 0.3)")
     parser.add_argument("--model", type=model_or_folder("--model"), default=None,
@@ -397,7 +406,7 @@ def _real_model_question(args: argparse.Namespace, status: Console, phases: Phas
     from tierkv import models
     from tierkv.quality.tasks import TextTaskWriter
 
-    with phases.phase(load_label(args.model)):
+    with phases.phase(load_label(args.model), announce=first_load(args.model)):
         model, tokenizer = models.load(args.model)
     prompt = TextTaskWriter(tokenizer).needle(args.context or REAL_MODEL_DEFAULT_CONTEXT, args.depth, 0, args.seed)
     status.print(f"question: {tokenizer.decode(prompt.question_ids, skip_special_tokens=True)!r}")

@@ -38,7 +38,15 @@ from tierkv.commands import (
     writable_dir,
     write_json,
 )
-from tierkv.commands.progress import Phases, between, forward_cost, load_label, quiet_transformers, seconds
+from tierkv.commands.progress import (
+    Phases,
+    between,
+    first_load,
+    forward_cost,
+    load_label,
+    quiet_transformers,
+    seconds,
+)
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError
 from tierkv.quality.harness import REFERENCE_FILE
 from tierkv.quality.tasks import TASKS
@@ -346,7 +354,8 @@ def _run_quality(args: argparse.Namespace, console, status: _Log, phases: Phases
     from tierkv.quality.tasks import build_prompts, task_writer
 
     if not args.out:
-        raise InvalidConfigError("--tasks needs --out: the reference KV and the results are written there.")
+        raise InvalidConfigError(f"{'--tasks' if args.tasks else f'--stage {args.stage}'} needs --out: the reference "
+                                 "KV and the results are written there.")
     if args.page_tokens is not None and args.block_tokens % args.page_tokens:
         raise InvalidConfigError(f"--page-tokens {args.page_tokens} does not divide --block-tokens "
                                  f"{args.block_tokens}: give a divisor of it.")
@@ -359,7 +368,7 @@ def _run_quality(args: argparse.Namespace, console, status: _Log, phases: Phases
         raise InvalidConfigError(f"--lengths {', '.join(map(format_tokens, too_long))}: model {name!r} was trained "
                                  f"for {format_tokens(context)} tokens; give lengths up to that.")
     require_model_package(name)
-    with phases.phase(load_label(name)):
+    with phases.phase(load_label(name), announce=first_load(name)):
         model, tokenizer = models.load(name, device=args.device)
     out = Path(args.out)
     started = time.perf_counter()

@@ -90,8 +90,11 @@ class Phases:
                            soft_wrap=True)
 
     @contextlib.contextmanager
-    def phase(self, label: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
-        """Run a phase: yields ``advance(n)`` (a no-op without ``total``); prints :meth:`done`'s line after it."""
+    def phase(self, label: str, total: int | None = None,
+              announce: bool = False) -> Iterator[Callable[[int], None]]:
+        """Run a phase: yields ``advance(n)`` (a no-op without ``total``); prints :meth:`done`'s line after it.
+        ``announce``: without a terminal (a pipe, a CI log) the label is printed as it begins too, so a phase
+        known to be long (a first load's dequantisation) is not a silent minute."""
         started = time.perf_counter()
         if self.live:
             columns = [SpinnerColumn(), TextColumn(label)]
@@ -101,6 +104,8 @@ class Phases:
                 task = progress.add_task(label, total=total)
                 yield lambda n: progress.advance(task, n)
         else:
+            if announce:
+                self.console.print(f"{label} ...", highlight=False, soft_wrap=True)
             yield lambda n: None
         self.done(label, time.perf_counter() - started)
 
@@ -110,13 +115,21 @@ FIRST_LOAD = {"smollm2": "10 s to 1 min", "gemma3": "30 s to 2 min"}
 SmolLM2 took 14-18 s, Gemma 3 42-110 s, and the host's other work moves it either way."""
 
 
+def first_load(name: str) -> bool:
+    """Whether loading the named model dequantises its GGUF now (a minute or so: announced as it begins)."""
+    from tierkv import models
+
+    found = models.spec(name)
+    return found.checkpoint is not None and not (found.checkpoint() / "config.json").is_file()
+
+
 def load_label(name: str) -> str:
     """What loading the named model (:mod:`tierkv.models`) is about to do: ``loading X``, or for a GGUF model
     not yet dequantised, that it is dequantised now (first load only) and the range that takes."""
     from tierkv import models
 
     found = models.spec(name)
-    if found.checkpoint is None or (found.checkpoint() / "config.json").is_file():
+    if not first_load(name):
         return f"loading {found.description}"
     return (f"dequantising the GGUF of {found.description} (first load only, {FIRST_LOAD[name]} on 2 cores; later "
             "loads take seconds)")
