@@ -916,3 +916,25 @@ def test_flush_of_a_persistent_cache(tmp_path):
     # by the store operations above)
     lines = interrupt_everywhere(setup, flush, check, runs=FLUSH_RUNS, traced=PERSIST_CODE)
     assert lines <= FLUSH_RUNS, f"{lines} lines: raise FLUSH_RUNS so that every line is interrupted"
+
+
+@pytest.mark.parametrize("sigint", [signal.default_int_handler, signal.SIG_IGN], ids=["handled", "ignored"])
+def test_a_forced_interrupt_inside_a_commit_comes_when_it_ends_whatever_sigints_handler(sigint):
+    """SIGTERM's way out of a command (:func:`tierkv.atomic.interrupt`): inside a commit it waits for the commit's
+    end, then raises even where SIGINT is ignored (a script's background job), where a held SIGINT is dropped. It
+    was dropped too: a demo sent SIGTERM then finished its run and exited 0."""
+    from tierkv import atomic
+
+    previous = signal.signal(signal.SIGINT, sigint)
+    try:
+        finished = []
+        with pytest.raises(KeyboardInterrupt), atomic.deferred_interrupts():
+            atomic.interrupt()
+            finished.append(True)  # the commit runs to its end first
+        assert finished == [True]
+        with pytest.raises(KeyboardInterrupt):
+            atomic.interrupt()  # outside a commit: at once
+        with atomic.deferred_interrupts():
+            pass  # nothing left held
+    finally:
+        signal.signal(signal.SIGINT, previous)

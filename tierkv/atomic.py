@@ -20,6 +20,18 @@ from types import FrameType
 
 _held: list[tuple[int, FrameType | None]] = []  # a SIGINT received inside the outermost section
 _depth = 0  # sections open on the main thread
+_forced = False  # an interrupt() inside the outermost section
+
+
+def interrupt() -> None:
+    """Stop the main thread as Ctrl-C does, whatever SIGINT's own handler is (a script's background job ignores
+    SIGINT): raise KeyboardInterrupt now, or inside a section the moment it ends. SIGTERM's way out of a command
+    (:mod:`tierkv.cli`)."""
+    global _forced
+    if _depth:
+        _forced = True
+        return
+    raise KeyboardInterrupt
 
 
 def _hold(signum: int, frame: FrameType | None) -> None:
@@ -29,7 +41,7 @@ def _hold(signum: int, frame: FrameType | None) -> None:
 @contextlib.contextmanager
 def deferred_interrupts() -> Iterator[None]:
     """Hold SIGINT until the block ends (nested blocks: until the outermost ends), then deliver it."""
-    global _depth
+    global _depth, _forced
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield  # no SIGINT arrives here (or its handler is not Python's and cannot be put back)
         return
@@ -47,6 +59,10 @@ def deferred_interrupts() -> Iterator[None]:
     finally:
         _depth = 0
         signal.signal(signal.SIGINT, previous)
+        forced, _forced = _forced, False
+        if forced:
+            _held.clear()
+            raise KeyboardInterrupt
         if _held:
             signum, frame = _held.pop()
             _held.clear()

@@ -183,20 +183,19 @@ def _check_settings() -> None:
 
 @contextlib.contextmanager
 def _terminate_as_interrupt() -> Iterator[list[int]]:
-    """Within: SIGTERM ends the command as Ctrl-C does (through SIGINT's handler, so a store edit that holds
-    interrupts finishes first), so its ``finally`` blocks remove its temporary folders; the list holds the
-    signal once one came."""
+    """Within: SIGTERM ends the command as Ctrl-C does, whatever SIGINT's handler is (a store edit that holds
+    interrupts finishes first: :func:`tierkv.atomic.interrupt`), so its ``finally`` blocks remove its temporary
+    folders; the list holds the signal once one came."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
 
     def on_term(signum: int, frame: Any) -> None:
+        from tierkv import atomic
+
         received.append(signum)
-        handler = signal.getsignal(signal.SIGINT)
-        if not callable(handler):  # SIGINT ignored (a background job of a script): stop all the same
-            raise KeyboardInterrupt
-        handler(signal.SIGINT, frame)
+        atomic.interrupt()
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
