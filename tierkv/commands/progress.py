@@ -131,8 +131,8 @@ def load_label(name: str) -> str:
     found = models.spec(name)
     if not first_load(name):
         return f"loading {found.description}"
-    return (f"dequantising the GGUF of {found.description} (first load only, {FIRST_LOAD[name]} on 2 cores; later "
-            "loads take seconds)")
+    # short: a terminal's live line is cut at its width, and the time is what the user waits to read
+    return f"dequantising {name}'s GGUF (first load only: {FIRST_LOAD[name]} on 2 cores; then seconds)"
 
 
 @contextlib.contextmanager
