@@ -228,3 +228,24 @@ def test_save_and_load_paths_name_the_problem_and_the_fix(tmp_path):
     cache.close()
     with TieredCache.load(path, model=model, **_options(model, tmp_path)) as loaded:
         assert torch.equal(_generate(model, so_far, loaded, MORE).sequences, uninterrupted.sequences)
+
+
+def test_a_loaded_sliding_window_conversation_saves_and_loads_again(tmp_path):
+    """Regression: a loaded sliding layer numbered its blocks from 0 while its window had dropped the first ones,
+    so saving it again asked for blocks it never held ("blocks [7, 13) of layer 0 are not held"). Each turn is
+    saved, loaded and continued; every step equals DynamicCache's."""
+    model = tiny_model("mistral", "sdpa", 8)
+    reference = DynamicCache(config=model.config)
+    cache = TieredCache(block_tokens=BT, config=model.config, **_options(model, tmp_path, name="turn0"))
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for turn in range(3):
+            for tokens in (9, 1, 1, 1):  # a turn's prompt, then decode steps: the window drops front blocks
+                ids = torch.randint(1, 100, (1, tokens), generator=generator)
+                torch.testing.assert_close(model(ids, **{cache_keyword(model): cache}).logits,
+                                           model(ids, past_key_values=reference).logits, atol=1e-5, rtol=0)
+            assert cache.layers[0].dropped > 0
+            cache.save(tmp_path / "chat.tkv", model=model)
+            cache.close()
+            cache = TieredCache.load(tmp_path / "chat.tkv", model=model, **_options(model, tmp_path, name=f"t{turn}"))
+    cache.close()

@@ -111,10 +111,9 @@ def test_a_fractional_budget_is_a_share_of_the_sequence_not_of_a_sliding_window(
 def test_budgets_hold_with_the_summaries_counted(tmp_path):
     model = tiny_model("qwen2")
     ids, mask = prompt(1, 64, seed=2)
-    with small_cache(tmp_path) as cache:
-        with cache.sparse(model, tokens=0.25, chunk_tokens=8):
-            generate(model, ids, mask, cache)
-        stats = cache.stats()
+    with small_cache(tmp_path) as cache, cache.sparse(model, tokens=0.25, chunk_tokens=8):
+        generate(model, ids, mask, cache)
+        stats = cache.stats()  # (leaving the block gives the summaries' bytes back)
         summaries = cache.store.summaries
         full_blocks = sum(1 for b in cache.store.table.blocks.values() if b.tokens == 4)
         assert len(summaries) == full_blocks  # every full block has one, the open tails none
@@ -706,7 +705,7 @@ def test_rest_bits_bring_a_small_budget_close_to_dynamic_cache(tmp_path, name, f
         with small_cache(tmp_path / str(bits), model) as cache:
             with cache.sparse(model, tokens=12, sinks=4, chunk_tokens=8, rest_bits=bits):
                 out = generate(model, ids, mask, cache)
-            stats = cache.stats()
+                stats = cache.stats()  # (leaving the block gives the summaries' bytes back)
             cache.store.check()
             assert stats["peak_bytes_allocated"]["device"] <= stats["budget_bytes"]["device"]
             held[bits] = stats["bytes_summaries"]
@@ -775,3 +774,35 @@ def test_contexts_with_no_candidate_block_decode(tmp_path, family, block, prompt
             logits = model(input_ids=logits[:, -1:].argmax(-1), past_key_values=cache).logits
             assert torch.isfinite(logits).all()
         assert cache.get_seq_length() > -(-prompt_tokens // block) * block
+
+
+@pytest.mark.parametrize("then", ["leave", "reset"])
+def test_summaries_go_when_sparse_attention_stops(tmp_path, then):
+    """Regression: after one sparse step the key summaries (and rest copy) stayed in the device budget — after the
+    ``with`` block and after ``reset()`` — and grew with every block that filled during exact decoding, until a
+    budget of ``min_device_bytes`` refused the exact step. They go when sparse attention stops (re-entering
+    rebuilds them); exact decoding then equals DynamicCache's at its own minimum."""
+    model = tiny_model("llama")
+    context = 200
+    gpu = TieredCache.min_device_bytes(model.config, context, block_tokens=4)
+    ids, _ = prompt(1, context, seed=5)
+    reference = DynamicCache()
+    with TieredCache(gpu_gb=f"{gpu}B", cpu_gb="64KiB", disk_dir=tmp_path, block_tokens=4,
+                     config=model.config) as cache, torch.no_grad():  # fmt: skip
+        model(ids[:, :8], past_key_values=cache)
+        with cache.sparse(model, tokens=8):
+            model(ids[:, 8:9], past_key_values=cache)
+            assert cache.stats()["sparse"]["summaries_device_bytes"] > 0
+        assert cache.stats()["bytes_summaries"] == 0 and cache.stats()["sparse"]["summaries_device_bytes"] == 0
+        if then == "reset":
+            cache.reset()
+            start = 0
+        else:
+            cache.crop(-1)  # the sparse step's K/V came from approximate attention: exact from here on
+            start = 8
+            model(ids[:, :start], past_key_values=reference)
+        for position in range(start, context):
+            torch.testing.assert_close(model(ids[:, position : position + 1], past_key_values=cache).logits,
+                                       model(ids[:, position : position + 1], past_key_values=reference).logits,
+                                       atol=1e-5, rtol=0)
+        assert cache.stats()["bytes_summaries"] == 0

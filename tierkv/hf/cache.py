@@ -292,9 +292,14 @@ class TieredCache(AttentionModes, Cache):
         with self.using:
             if self.closed:
                 raise closed_error()
+            target = self.get_seq_length() + tokens_to_remove  # counted from layer 0's tokens, as transformers does
+            if self.settle_stopped() and tokens_to_remove < 0:  # a stopped forward's tokens went: to target, if any
+                tokens_to_remove = min(0, target - self.get_seq_length())
             for layer in self.holding:
                 layer.check_crop(tokens_to_remove)
             super().crop(tokens_to_remove)
+            if not any(layer.furthest() for layer in self.holding):
+                self.forward.reset()  # empty again, as after reset(): its next forward is a first one
 
     def reset(self) -> None:
         with self.using:
@@ -461,6 +466,11 @@ class TieredCache(AttentionModes, Cache):
             self.session.began(self.get_seq_length())
             self.session.collect(self)
 
+    def settle_stopped(self) -> bool:
+        """Before an edit between forwards: a forward that stopped part-way is rolled back first
+        (:meth:`Forward.settle_stopped`); whether it was."""
+        return self.forward.settle_stopped(self.holding, self.runtime, self.uses_per_forward())
+
     def roll_back(self, length: int) -> None:
         """A forward failed (or was refused) at some layer: every layer gives back what it took, to ``length``."""
         drop_hand_over(self)
@@ -517,6 +527,7 @@ class TieredCache(AttentionModes, Cache):
         with self.using:
             if self.closed:
                 raise closed_error()
+            self.settle_stopped()
             for layer in self.layers:
                 if isinstance(layer, StateLayer):
                     layer.select_rows(rows)

@@ -232,7 +232,7 @@ class Restore:
         bt = self.header.block_tokens
         end = min((first + blocks.shape[1]) * bt, self.header.layers[index].length) - first * bt  # tokens in it
         kv = blocks.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)[:, :, :, :end].to(self.device)  # [2, B, H, tokens, D]
-        self.cache.kv_layers[index].load(kv[0], kv[1])
+        self.cache.kv_layers[index].load(kv[0], kv[1], first)
         return True
 
     def finish(self, trailing: bytes) -> TieredCache:
@@ -296,6 +296,7 @@ def _guarded(cache: TieredCache, records: Iterator[tuple[bytes, memoryview]]) ->
 def _unguarded_records(cache: TieredCache, model: torch.nn.Module | None) -> Iterator[tuple[bytes, memoryview]]:
     if cache.closed:
         raise InvalidConfigError("this TieredCache was closed (its tiers are released); save before close().")
+    cache.settle_stopped()  # a forward stopped part-way (a Ctrl-C in generate): save what its layers all hold
     store = cache.runtime.store
     if (store is None and not cache.stateful) or not cache.get_seq_length():
         raise InvalidConfigError("this cache holds no tokens yet; save it after a forward pass or generate().")

@@ -95,17 +95,16 @@ class Forward:
             self.full = max(self.full, reached)
             self.completed = self.completed or bool(reached)
             return
-        lengths = {layer.furthest() for layer in layers}
-        if self.completed or reached < 2:
-            # after a complete forward a layer that holds nothing never does (the K/V it reuses); a first forward
-            # that reached one layer may be an encoder-decoder model's given the cache alone, whose cross-attention
-            # updates layer 0 again (refused at its next layer's second update), not a stopped one
-            lengths -= {0}
-        if len(lengths) < 2:  # every layer that holds tokens holds as many (an update's own rollback ran)
+        behind = self._behind(layers, reached)
+        if behind is None:
             return
-        behind = min(lengths)
         self.unsettled = behind  # by assignment first, as in roll_back
         self.settle(layers, runtime)
+        if len({layer.furthest() for layer in layers} - ({0} if self.completed else set())) > 1:
+            raise InterruptedStepError(
+                f"the previous forward stopped part-way, after {reached} of the {complete} layer updates a forward "
+                "makes, and its layers could not be rolled back to one length (the log says why): this cache "
+                "cannot continue the sequence. Call cache.reset() and start it again.")
         raise InterruptedStepError(
             f"the previous forward stopped part-way, after {reached} of the {complete} layer updates a forward makes "
             f"(a Ctrl-C or an error in the model between layers); the layers it reached were rolled back to {behind} "
@@ -114,6 +113,34 @@ class Forward:
             "layer twice per forward, self- and cross-attention: pass EncoderDecoderCache(cache, DynamicCache()) "
             "instead.)"
         )
+
+    def _behind(self, layers: Sequence[Holding], reached: int) -> int | None:
+        """The length the layers of a forward that stopped after ``reached`` updates go back to (None: they hold
+        as many tokens each, as when an update's own rollback ran)."""
+        lengths = {layer.furthest() for layer in layers}
+        if self.completed or reached < 2:
+            # after a complete forward a layer that holds nothing never does (the K/V it reuses); a first forward
+            # that reached one layer may be an encoder-decoder model's given the cache alone, whose cross-attention
+            # updates layer 0 again (refused at its next layer's second update), not a stopped one
+            lengths -= {0}
+        return min(lengths) if len(lengths) > 1 else None
+
+    def settle_stopped(self, layers: Sequence[Holding], runtime: Runtime, expected: int | None = None) -> bool:
+        """Before an edit between forwards (a crop, a row selection, a save): the layers of a forward that stopped
+        part-way go back as the next forward would take them back, so that the edit applies to layers of one
+        length (a crop of unequal layers kept them unequal, and the next forward decoded wrong). Whether any did."""
+        reached = self.layers_updated
+        if not reached or reached >= (self.full or expected or 0):
+            return False
+        behind = self._behind(layers, reached)
+        if behind is None:
+            return False
+        self.layers_updated = 0  # undone: the next forward does not continue it
+        self.unsettled = behind
+        self.settle(layers, runtime)
+        log.warning("tierkv: the previous forward stopped part-way (after %d layer updates); its layers were rolled "
+                    "back to %d tokens before this edit", reached, behind)
+        return True
 
     def roll_back(self, layers: Sequence[Holding], runtime: Runtime, length: int) -> None:
         """A step failed (or was refused) at some layer: every layer gives back what it took, to ``length``."""

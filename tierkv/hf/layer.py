@@ -251,9 +251,10 @@ class TieredLayer(OfCache, CacheLayerMixin):
                 executor.drop(self.index)  # its prefetch counted tokens from the old front
         return dropped
 
-    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append K/V that no forward of this cache computed (a persisted prefix, a saved conversation)."""
-        self.cache.begin_layer(self.index, keys, forward=False).append(self.index, keys, values)
+    def load(self, keys: torch.Tensor, values: torch.Tensor, first_block: int = 0) -> None:
+        """Append K/V that no forward of this cache computed (a persisted prefix, a saved conversation);
+        ``first_block``: the sequence's block the first of them begins (a sliding layer's dropped ones before)."""
+        self.cache.begin_layer(self.index, keys, forward=False).append(self.index, keys, values, first_block)
 
     # ---------------------------------------------------------------------------------------- queries
     def stored(self) -> int:

@@ -148,8 +148,10 @@ class KVStore:
 
     # ----------------------------------------------------------------------------------------- append
     @recovering
-    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append ``keys``/``values`` ``[B, H_kv, q, D]`` to every row of ``layer``. All or nothing."""
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor, first_block: int = 0) -> None:
+        """Append ``keys``/``values`` ``[B, H_kv, q, D]`` to every row of ``layer``. All or nothing.
+        ``first_block``: where a new layer's first block sits in its sequence (a loaded sliding layer whose window
+        had dropped the blocks before it); a layer emptied by a crop keeps its own."""
         layout = self.layouts.get(layer)
         if layout is None or not _same_geometry(layout, keys, values, self.device.device):
             layout = edits.layout_for(self, layer, keys, values)  # a new layer, or an error that says what changed
@@ -158,7 +160,9 @@ class KVStore:
         if rows is not None and rows.count and rows.batch == batch and self._append_in_place(layer, rows, keys, values):
             return
         if rows is None or rows.count == 0:
+            front = rows.front if rows is not None else first_block
             rows = LayerRows(batch)
+            rows.front = front
         elif rows.batch != batch:
             raise InvalidConfigError(
                 f"layer {layer} holds {rows.batch} sequences but update() got a batch of {batch}; call "
@@ -462,6 +466,7 @@ class KVStore:
             self.policy.on_release(block)
         if self.summaries is not None:
             self.summaries.clear()
+            self.summaries = None  # blocks filling from now on are not summarised until sparse attention asks again
         self.table.clear()
         self._forget_views()
         self.lengths.clear()
