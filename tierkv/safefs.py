@@ -84,8 +84,7 @@ def open_user_directory(path: str | os.PathLike, unwritable: str = UNWRITABLE) -
         seen = _check_link_owner(path)
         fd = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
     except PermissionError as error:
-        raise refuse(path, "this user may not create or open it (permission denied)", unwritable,
-                     errno.EACCES) from error
+        raise _denied(path, unwritable) from error
     try:
         status = os.fstat(fd)
         if seen is None or not stat.S_ISLNK(seen.st_mode) and \
@@ -98,6 +97,10 @@ def open_user_directory(path: str | os.PathLike, unwritable: str = UNWRITABLE) -
         os.close(fd)
         raise
     return fd
+
+
+def _denied(path: str | os.PathLike, fix: str) -> DiskTierError:
+    return refuse(path, "this user may not create or open it (permission denied)", fix, errno.EACCES)
 
 
 def _make_directories(path: Path) -> None:
@@ -169,8 +172,7 @@ def open_user_subdirectory(folder: Path, unwritable: str = UNWRITABLE) -> int:
     try:
         return open_own_directory(parent, folder.name, folder, shared=False)
     except PermissionError as error:
-        raise refuse(folder, "this user may not create or open it (permission denied)", unwritable,
-                     errno.EACCES) from error
+        raise _denied(folder, unwritable) from error
     finally:
         os.close(parent)
 

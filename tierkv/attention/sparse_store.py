@@ -48,8 +48,8 @@ class SparseBlocks:
         store = self.store
         summaries = store.summaries
         if summaries is not None and (summaries.rest_bits, summaries.page_tokens) != (rest_bits, page_tokens):
-            summaries.clear()
-            store.summaries = summaries = None
+            store.drop_summaries()
+            summaries = None
         if summaries is None:
             summaries = KeySummaries(store.device.device, store.reserve_device, store.release_device, rest_bits,
                                      page_tokens)
@@ -61,8 +61,7 @@ class SparseBlocks:
             try:
                 self._backfill(summaries, index)
             except BaseException:
-                summaries.clear()
-                store.summaries = None
+                store.drop_summaries()
                 raise
             summaries.backfilled.add(index)
         return summaries

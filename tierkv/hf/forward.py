@@ -100,7 +100,7 @@ class Forward:
             return
         self.unsettled = behind  # by assignment first, as in roll_back
         self.settle(layers, runtime)
-        if len({layer.furthest() for layer in layers} - ({0} if self.completed else set())) > 1:
+        if self._behind(layers, reached) is not None:  # a rollback that failed (logged): the layers still differ
             raise InterruptedStepError(
                 f"the previous forward stopped part-way, after {reached} of the {complete} layer updates a forward "
                 "makes, and its layers could not be rolled back to one length (the log says why): this cache "

@@ -285,11 +285,10 @@ class Runtime:
             executor.pause_telemetry()
             if name not in (mode.prefill, mode.decode):
                 executor.release_staging()
-        if mode.decode != "sparse" and self.store is not None and self.store.summaries is not None:
-            # sparse attention stops: its summaries and rest copy give their device bytes back (they grow with
-            # every block that fills, and no other mode's minimum counts them); entering again rebuilds them
-            self.store.summaries.clear()
-            self.store.summaries = None
+        if mode.decode != "sparse" and self.store is not None:
+            # sparse attention stops: its summaries and rest copy grow with every block that fills, and no other
+            # mode's minimum counts them
+            self.store.drop_summaries()
         self.prefill = self.decode = self.attending = None
 
     def invalidate(self) -> None:

@@ -460,13 +460,18 @@ class KVStore:
             finally:
                 self.transfer.scratch.release()
 
+    def drop_summaries(self) -> None:
+        """Give the key summaries' (and rest copy's) device bytes back and stop summarising blocks as they fill,
+        until sparse attention asks again (:meth:`SparseBlocks.enable_summaries` rebuilds them)."""
+        if self.summaries is not None:
+            self.summaries.clear()
+            self.summaries = None
+
     def _forget_blocks(self) -> None:
         """Empty the table, and everything kept per block (the policy's index, summaries, cached plans)."""
         for block in list(self.table.blocks.values()):
             self.policy.on_release(block)
-        if self.summaries is not None:
-            self.summaries.clear()
-            self.summaries = None  # blocks filling from now on are not summarised until sparse attention asks again
+        self.drop_summaries()
         self.table.clear()
         self._forget_views()
         self.lengths.clear()
