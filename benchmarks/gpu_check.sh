@@ -6,11 +6,12 @@
 # Exit 2 (and nothing else run) unless torch sees CUDA; 1 if any step failed; 0 if all passed.
 # Installs nothing from the network: kvikio is installed only from wheels carried in ./wheels (see
 # docs/gpu-check.md for the one-line download), into a private folder under $TMPDIR. Uses .venv if present.
-# Each step has its own timeout and a failing step does not stop the next; the timeouts add up to 550 s; the
+# Each step has its own timeout and a failing step does not stop the next; the timeouts add up to 570 s; the
 # steps took 180 s on an H200 (docs/benchmarks.md).
 #
 # Writes: env.txt (date, GPU, driver, CUDA, torch, pip list, disk engines, settings), build.txt, kvikio-install.txt,
-# pytest-cuda.txt, split-cuda.txt, split-profile.txt, links-cuda.txt, scale-cuda.txt, decode-cuda.txt, bench.txt,
+# pytest-cuda.txt, split-cuda.txt, split-profile.txt, links-cuda.txt, scale-cuda.txt, decode-cuda.txt,
+# offloaded-cuda.txt, bench.txt,
 # tierkv-profile.json, tierkv-bench.png, summary.txt (exit status and seconds of each step).
 set -u
 cd "$(dirname "$0")/.."
@@ -72,7 +73,7 @@ PYTEST=("$PY" -m pytest -m cuda -q -rs -p no:cacheprovider)
 step pytest-cuda 60 pytest-cuda.txt "${PYTEST[@]}" tests --ignore=tests/test_split_cuda.py
 # the split executor's CUDA path: the device share on the GPU, the host and disk shares on the CPU, merged;
 # tokens and logits against DynamicCache, then one decode step's time beside exact gather's, printed
-step split 120 split-cuda.txt "${PYTEST[@]}" -s tests/test_split_cuda.py --basetemp "$SCRATCH/split"
+step split 90 split-cuda.txt "${PYTEST[@]}" -s tests/test_split_cuda.py --basetemp "$SCRATCH/split"
 # where split's step goes beside gather's: cProfile and torch's profiler over the split step's scene
 step split-profile 60 split-profile.txt env PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" benchmarks/split_cuda_profile.py
 # pinned H2D / D2H: the store's own copies vs a plain pinned copy of the same 256 MiB, targets asserted
@@ -80,9 +81,12 @@ step links 30 links-cuda.txt "${PYTEST[@]}" -s benchmarks/test_links.py -k targe
 # one layer of 4,096 blocks from pinned host memory: kernel count, GB/s vs a plain copy
 step scale 30 scale-cuda.txt "${PYTEST[@]}" -s benchmarks/test_scale.py
 # exact (bf16) and streaming (fp32) decode on Llama-3.1-8B's attention shape, most KV on host and disk
-step decode 75 decode-cuda.txt "${PYTEST[@]}" -s benchmarks/test_gpu_decode.py --basetemp "$SCRATCH/decode"
+step decode 60 decode-cuda.txt "${PYTEST[@]}" -s benchmarks/test_gpu_decode.py --basetemp "$SCRATCH/decode"
+# tierkv beside transformers' own offloaded caches (DynamicCache / StaticCache with offloading=True) on the same
+# shape, 8 layers, 8K and 32K tokens: device memory, step time, same tokens
+step offloaded 75 offloaded-cuda.txt "${PYTEST[@]}" -s benchmarks/test_gpu_offloaded.py --basetemp "$SCRATCH/offloaded"
 # the link profile: 256 MiB file, 2 repeats (every engine that loads, kvikio too when carried)
-step bench 55 bench.txt "$PY" -m tierkv.cli bench --dir "$SCRATCH/bench" --disk-size 256MiB --max-size 128MiB \
+step bench 45 bench.txt "$PY" -m tierkv.cli bench --dir "$SCRATCH/bench" --disk-size 256MiB --max-size 128MiB \
   --repeats 2 --profile-out "$OUT/tierkv-profile.json" --plot-out "$OUT/tierkv-bench.png"
 
 rm -rf "$SCRATCH"
