@@ -209,6 +209,6 @@ def test_a_decode_step_crosses_few_module_seams():
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    with settings.override(prefetch_min=1 << 20):  # the runtime's default (the suite prefetches every layer)
+    with settings.override(prefetch_min=4 << 20):  # the runtime's default (the suite prefetches every layer)
         changes, pairs = module.measure(layers=3, context=64)
     assert changes <= MAX_MODULE_CHANGES, pairs.most_common(12)

@@ -34,7 +34,7 @@ cache_dir             TIERKV_CACHE_DIR             XDG cache    a directory     
 profile               TIERKV_PROFILE               None         a file           link profile JSON (tierkv bench)
 trace                 TIERKV_TRACE                 None         a file           Chrome trace of each cache
 debug                 TIERKV_DEBUG                 False        1, 0             full tracebacks from the CLI
-prefetch_min          TIERKV_PREFETCH_MIN          1 MiB        0 - 64 GiB       smallest layer read prefetched
+prefetch_min          TIERKV_PREFETCH_MIN          4 MiB        0 - 64 GiB       smallest layer read prefetched
 redis_password        TIERKV_REDIS_PASSWORD        None         a string         Redis password if not in the URL
 cuda_standin          TIERKV_CUDA_STANDIN          False        1, 0             CUDA paths on a CPU stand-in
 remote_timeout        TIERKV_REMOTE_TIMEOUT        2.0          0.001 - 600 s    a remote command's longest wait
@@ -245,8 +245,8 @@ SETTINGS: dict[str, Setting] = {
                 "record a Chrome trace of every cache and write it to this path when the cache closes"),
         Setting("debug", "TIERKV_DEBUG", lambda: False, _flag, "1",
                 "the CLI shows full tracebacks instead of a one-line error"),
-        Setting("prefetch_min", "TIERKV_PREFETCH_MIN", lambda: 1 << 20, _bounded_size(0, 64 << 30, "1MiB, or 0"),
-                "1MiB",
+        Setting("prefetch_min", "TIERKV_PREFETCH_MIN", lambda: 4 << 20, _bounded_size(0, 64 << 30, "4MiB, or 0"),
+                "4MiB",
                 "layers with less KV than this are read when they come, not prefetched (0: prefetch all)"),
         Setting("redis_password", "TIERKV_REDIS_PASSWORD", lambda: None, _secret, "s3cret",
                 "password of the remote tier's Redis (remote=...) when the URL carries none"),

@@ -63,7 +63,9 @@ class ExactGather(PipelinedExecutor):
         super().__init__(store, mover, num_layers=num_layers, timeline=timeline, trace=trace)
         self.auto = prefetch_depth == "auto"
         # Layers with less KV than this (setting prefetch_min) are not prefetched: handing a job to the mover (a
-        # thread switch, tens of µs) costs more than the copy it would overlap.
+        # thread switch and the GIL shared with it) costs more than the copy it would overlap. On the 2-core CPU
+        # VM a decode step of 1-2 MiB layers ran 0.1-0.3x DynamicCache's step slower prefetched, of 4 MiB about
+        # even, of 8 MiB and more 0.2-0.3x faster (docs/benchmarks.md, "Scale").
         self.prefetch_min = prefetch_min
         self.prefetch_depth: int = 1 if self.auto else int(prefetch_depth)
         self.auto_choices: list[dict] = []  # decisions of prefetch_depth="auto", oldest first
