@@ -88,6 +88,22 @@ def test_a_slow_server_is_a_miss_within_the_timeout(redis_server) -> None:
         assert [bytes(p) for p in store.get_many(keys)] == values
 
 
+def test_one_stall_seen_by_reads_in_flight_costs_one_back_off(redis_server) -> None:
+    """Read pipelines in flight when the server stalls all fail; that is one outage: the breaker stays open for
+    the first back-off, not doubled once per pipeline (8 s for four of them, while the warning said 1 s)."""
+    keys, values = blocks(64, size=100)  # 8 read pipelines of 8 keys, 4 in flight at once
+    with RemoteBlockStore(redis_server.url, "m", timeout_s=0.3, backoff_s=0.5) as store:
+        fill(store, keys, values)
+        redis_server.pause(0.6)
+        assert store.get_many(keys) == [None] * 64
+        failed = time.monotonic()
+        assert store.stats()["errors"] >= 2  # several calls failed in the one outage
+        time.sleep(0.4)  # the pause is over; the back-off (0.5 s) is not
+        wait_until_up(store, deadline_s=5.0)
+        assert time.monotonic() - failed < 1.5, "the breaker's back-off grew with the calls in flight (4 s for 4)"
+        assert [bytes(p) for p in store.get_many(keys)] == values
+
+
 def test_full_server_without_eviction_refuses_writes(redis_factory, caplog) -> None:
     server = redis_factory(maxmemory="3mb", policy="noeviction")
     keys, values = blocks(80, size=64 << 10)  # 5 MiB
@@ -124,6 +140,32 @@ def test_a_key_evicted_between_lookup_and_read(redis_server) -> None:
         payloads = store.get_many(keys)
         assert payloads[5] is None
         assert [bytes(p) for i, p in enumerate(payloads) if i != 5] == values[:5] + values[6:]
+
+
+def test_a_key_evicted_before_a_bounded_read_and_written_again_is_not_deleted(redis_server, monkeypatch) -> None:
+    """Regression: a bounded read (``GETRANGE``) that finds nothing asked the server in a second round-trip whether
+    an empty value was planted there; a block another worker wrote in between was taken for one, counted corrupt
+    and deleted. The check now rides in the read's own pipeline, next to each ``GETRANGE``."""
+    from tierkv.remote.connection import RemoteConnection
+
+    keys, values = blocks(1)
+    raw = redis_server.client()
+    name = f"tierkv:m:{keys[0]}"
+    with RemoteBlockStore(redis_server.url, "m") as store:
+        fill(store, keys, values)
+        written = raw.get(name)
+        raw.delete(name)  # evicted after the lookup
+        run = RemoteConnection.run
+
+        def then_another_worker_writes(self, op, fallback):
+            result = run(self, op, fallback)
+            raw.set(name, written)  # right after each command the store sends
+            return result
+
+        monkeypatch.setattr(RemoteConnection, "run", then_another_worker_writes)
+        assert store.get_many(keys, max_bytes=1 << 20) == [None]
+        monkeypatch.setattr(RemoteConnection, "run", run)
+        assert store.flush(5) and store.stats()["corrupt"] == 0 and raw.get(name) == written
 
 
 @pytest.mark.parametrize("damage", ["random bytes", "one payload bit", "truncated", "another key's value", "empty"])

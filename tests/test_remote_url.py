@@ -10,15 +10,17 @@ from tierkv.remote.framing import HEADER, frame, unframe
 from tierkv.remote.url import parse_remote_url
 
 
-def test_single_server_urls() -> None:
+def test_single_server_urls(tmp_path) -> None:
     url = parse_remote_url("redis://cache.internal:6380/3")
     assert (url.nodes, url.db, url.tls, url.cluster, url.password) == ((("cache.internal", 6380),), 3, False, False,
                                                                       None)
     assert parse_remote_url("redis://localhost").nodes == (("localhost", 6379),)
     assert parse_remote_url("redis://[::1]:7000/0").nodes == (("::1", 7000),)
-    tls = parse_remote_url("rediss://alice:s%40cret@h:6390/1?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    tls = parse_remote_url(f"rediss://alice:s%40cret@h:6390/1?ssl_ca_certs={ca}&ssl_cert_reqs=REQUIRED")
     assert tls.tls and tls.username == "alice" and tls.password == "s@cret"
-    assert dict(tls.tls_options) == {"ssl_ca_certs": "/etc/ca.pem", "ssl_cert_reqs": "required"}
+    assert dict(tls.tls_options) == {"ssl_ca_certs": str(ca), "ssl_cert_reqs": "required"}  # as redis-py wants it
 
 
 def test_cluster_urls() -> None:
@@ -43,6 +45,11 @@ def test_password_from_the_url_wins_over_the_setting() -> None:
     ("redis+cluster://h:1/2", "only database 0"),
     ("redis://h:1/0?ssl_ca_certs=/x", "not rediss://"),
     ("rediss://h:1/0?timeout=3", "unknown options timeout"),
+    ("redis://h:\u00b2/0", "a port is 1-65535"),  # str.isdigit() takes '²', int() does not
+    ("redis://h:\uff16\uff13\uff17\uff19/0", "a port is 1-65535"),  # fullwidth 6379 is not a port either
+    ("redis://h:1/\u00b3", "a database is a number"),
+    ("rediss://h:1/0?ssl_cert_reqs=requird", "ssl_cert_reqs must be one of required, optional, none"),
+    ("rediss://h:1/0?ssl_ca_certs=/nonexistent/ca.pem", "ssl_ca_certs='/nonexistent/ca.pem' is not a file"),
 ])
 def test_bad_urls_name_the_problem(url: str, problem: str) -> None:
     with pytest.raises(InvalidConfigError, match=problem):

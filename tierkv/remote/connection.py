@@ -98,12 +98,16 @@ class RemoteConnection:
         log.warning("tierkv remote %s: %s%s", self.url.redacted(), message, suffix)
 
     def _failed(self, exc: BaseException) -> None:
+        """Open the breaker for the back-off, doubled for the next time. Calls that were in flight when the server
+        failed fail too, inside the same back-off: they count as errors, not as failed retries."""
         with self._lock:
             self.counts["errors"] += 1
+            was_down, self._down = self._down, True
+            if was_down and time.monotonic() < self._down_until:
+                return  # the same outage, seen by another call in flight
             self._down_until = time.monotonic() + self._backoff
             retry = self._backoff
             self._backoff = min(self._backoff * 2, self.max_backoff_s)
-            was_down, self._down = self._down, True
         if not was_down:
             hint = ""
             if isinstance(exc, redis_module().exceptions.AuthenticationError):
@@ -140,6 +144,9 @@ class RemoteConnection:
             return fallback
         except redis.exceptions.ResponseError as exc:
             self._refused(exc)
+            return fallback
+        except redis.exceptions.RedisError as exc:  # any other of redis-py's own (e.g. building a connection)
+            self._failed(exc)
             return fallback
         except (AttributeError, IndexError, KeyError, TypeError, ValueError, RecursionError) as exc:
             if not _raised_in_redis_py(exc):

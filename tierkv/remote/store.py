@@ -96,14 +96,15 @@ class _Wire:
         else:
             def op(client: Any) -> list[Any]:
                 pipe = client.pipeline(transaction=False)
-                for key in keys:
+                for key in keys:  # each GETRANGE with its EXISTS, adjacent: both see the same value
                     pipe.getrange(self.name(key), 0, max_bytes)
+                    pipe.exists(self.name(key))
                 return pipe.execute(raise_on_error=False)
-        values = self.conn.run(op, fallback=[None] * len(keys))
+        values = self.conn.run(op, fallback=[None] * len(keys) * (1 if max_bytes is None else 2))
         if max_bytes is not None:  # b"": no such key, or an empty value planted there, which is never replaced
-            empty = [key for key, value in zip(keys, values) if value == b""]
-            for key, there in zip(empty, self.exists(empty, count=False) if empty else []):
-                if there:
+            values, there = values[0::2], values[1::2]
+            for key, value, exists in zip(keys, values, there):
+                if value == b"" and type(exists) is int and exists > 0:
                     self.discard(key, "is empty")
             values = [None if value == b"" else value for value in values]
         self.conn.refused([value for value in values if not _wrong_type(value)])

@@ -22,6 +22,7 @@ userinfo is everything before the *last* ``@`` of the part before the query, so 
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote
@@ -33,6 +34,7 @@ SCHEMES = {"redis": (False, False), "rediss": (True, False), "redis+cluster": (F
 DEFAULT_PORT = 6379
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 AUTH_OPTIONS = ("username", "password")
+CERT_REQS = ("required", "optional", "none")
 MASK = "***"
 _EXAMPLE = "e.g. redis://127.0.0.1:6379/0, rediss://:secret@cache.internal:6380/0 or redis+cluster://h1:7000,h2:7001"
 _ENCODE = "percent-encode special characters of a password (%40 for @, %2F for /, %3F for ?, %23 for #)"
@@ -108,10 +110,28 @@ def _parse(url: str, password: str | None) -> RemoteURL:
     tls_options = {key: value for key, value in options.items() if key in TLS_OPTIONS}
     if tls_options and not tls:
         raise InvalidConfigError(f"remote URL {shown} has TLS options but the scheme is not rediss://.")
+    _check_tls(tls_options, shown)
     username = unquote(username) or options.get("username") or ""
     secret = unquote(url_password) or options.get("password") or password or None
     return RemoteURL(nodes=nodes, db=db, tls=tls, cluster=cluster, username=username or None, password=secret,
                      tls_options=tuple(sorted(tls_options.items())))
+
+
+def _check_tls(options: dict[str, str], shown: str) -> None:
+    """The TLS options' values, checked here rather than by redis-py at the first command (where a typo would be
+    a remote failure, not a configuration error): ``ssl_cert_reqs`` one of :data:`CERT_REQS` (normalised to lower
+    case, as redis-py wants it), the files existing regular files."""
+    reqs = options.get("ssl_cert_reqs")
+    if reqs is not None:
+        if reqs.lower() not in CERT_REQS:
+            raise InvalidConfigError(f"remote URL {shown}: ssl_cert_reqs must be one of {', '.join(CERT_REQS)} (got "
+                                     f"{reqs!r}).")
+        options["ssl_cert_reqs"] = reqs.lower()
+    for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+        path = options.get(key)
+        if path is not None and not os.path.isfile(path):
+            raise InvalidConfigError(f"remote URL {shown}: {key}={path!r} is not a file; give the path of the PEM "
+                                     "file (percent-encoded in the URL).")
 
 
 def _split(rest: str) -> tuple[str | None, str, str]:
@@ -137,7 +157,7 @@ def _node(item: str, shown: str) -> tuple[str, int]:
         raise InvalidConfigError(f"remote URL {shown} has an empty host; {_EXAMPLE} ({_ENCODE}).")
     if not port:
         return host, DEFAULT_PORT
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    if not _number(port) or not 0 < int(port) < 65536:
         raise InvalidConfigError(f"remote URL {shown} has a bad port; a port is 1-65535 (a password goes before "
                                  f"an '@': redis://:password@host:6379/0; {_ENCODE}).")
     return host, int(port)
@@ -147,12 +167,17 @@ def _db(path: str, shown: str, cluster: bool) -> int:
     text = path.strip("/")
     if not text:
         return 0
-    if not text.isdigit():
+    if not _number(text):
         raise InvalidConfigError(f"remote URL {shown} has a database path that is not a number; a database is a "
                                  "number (/0).")
     if cluster and int(text) != 0:
         raise InvalidConfigError(f"remote URL {shown}: Redis Cluster has only database 0.")
     return int(text)
+
+
+def _number(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes '²' (which ``int`` refuses) and fullwidth digits."""
+    return text.isascii() and text.isdigit()
 
 
 def _shown_scheme(scheme: str) -> str:
@@ -191,14 +216,14 @@ def redact(url: str) -> str:
         query = "?" + "&".join(pairs)
     hosts, slash, path = hostpart.partition("/")
     hosts = ",".join(_shown_node(item) for item in hosts.split(","))
-    path = path if path.strip("/").isdigit() or not path else MASK
+    path = path if _number(path.strip("/")) or not path else MASK
     return f"{shown_scheme}{auth}{hosts}{slash}{path}{query}"
 
 
 def _shown_node(item: str) -> str:
     """A host of a message: its port masked unless it is a number (a misplaced password would land there)."""
     host, colon, port = item.rpartition(":") if not item.endswith("]") else (item, "", "")
-    return f"{host}:{port if port.isdigit() else MASK}" if colon else item
+    return f"{host}:{port if _number(port) else MASK}" if colon else item
 
 
 def secrets(url: str) -> set[str]:
