@@ -475,6 +475,44 @@ def test_a_later_cache_reuses_the_prefix_and_computes_only_the_tail(family, attn
         warm.store.check()
 
 
+def test_a_stalled_store_never_stalls_decoding_and_catches_up(tmp_path, monkeypatch):
+    """Regression: the writer's queue holds a few batches, and a forward waited for room in it, so a store that
+    writes slowly (a remote server behind a slow link) stalled decode steps for seconds. A forward now queues
+    what fits and leaves the rest in the tiers for a later one; ``close()`` waits for it all, and a later cache
+    reuses every block."""
+    import threading
+
+    from tierkv.persist import prefix
+
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=8)
+    reference = _generate(model, ids, DynamicCache(config=model.config))
+    monkeypatch.setattr(prefix, "BATCH_BYTES", 1)  # one block column per batch: 6 batches, the queue holds 4
+    release = threading.Event()
+    put = PersistentStore.put
+
+    def stalled(self, items, touch=()):
+        assert release.wait(60), "the test's store was never released"
+        return put(self, items, touch)
+
+    monkeypatch.setattr(PersistentStore, "put", stalled)
+    result: list = []
+    with _cache(model, tmp_path) as cold:
+        assert cold.load_prefix(model, ids) == 0
+        worker = threading.Thread(target=lambda: result.append(_generate(model, ids, cold)))
+        worker.start()
+        worker.join(30)
+        stalled_decoding = worker.is_alive()
+        release.set()  # the store catches up (and a stalled generate, before the fix, finishes)
+        worker.join(60)
+    assert not stalled_decoding, "a decode step waited for the stalled store"
+    _assert_same(reference, result[0])
+    monkeypatch.setattr(PersistentStore, "put", put)
+    with _cache(model, tmp_path) as warm:
+        assert warm.load_prefix(model, ids) == (PROMPT // BT) * BT  # every block was written in the end
+        _assert_same(reference, _generate(model, ids, warm))
+
+
 def test_at_least_one_token_is_left_to_compute(tmp_path):
     model = tiny_model("llama")
     ids, _ = prompt(1, 6 * BT, seed=4)  # a whole number of blocks

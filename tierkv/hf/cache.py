@@ -464,7 +464,7 @@ class TieredCache(AttentionModes, Cache):
         self.forward.begin(self.holding, self.runtime, self.uses_per_forward())
         if self.session is not None:
             self.session.began(self.get_seq_length())
-            self.session.collect(self)
+            self.session.collect(self, wait=False)  # never waits for a slow store: persistence lags instead
 
     def settle_stopped(self) -> bool:
         """Before an edit between forwards: a forward that stopped part-way is rolled back first

@@ -206,8 +206,9 @@ class PrefixSession:
         self.prefix.reset()
         self.private = True
 
-    def collect(self, cache: TieredCache) -> None:
-        """Hand the full blocks with known ids that are not persisted yet to the background writer. Never raises:
+    def collect(self, cache: TieredCache, wait: bool = True) -> None:
+        """Hand the full blocks with known ids that are not persisted yet to the background writer (without
+        ``wait``, a forward's: only what its queue has room for, :meth:`PrefixPersistence.collect`). Never raises:
         persistence is a copy, and its failure must not fail decoding (it is logged)."""
         store = cache.runtime.store
         if store is None or self.private:
@@ -215,7 +216,7 @@ class PrefixSession:
         clean = self.clean if self.clean is not None else cache.get_seq_length()
         try:
             self.prefix.collect(store, [min(layer.get_seq_length(), clean) for layer in cache.layers],
-                                [layer.dropped for layer in cache.layers])
+                                [layer.dropped for layer in cache.layers], wait)
         except Exception:
             log.exception("tierkv: persisting this sequence's blocks failed; it is no longer persisted")
             self.prefix.reset()

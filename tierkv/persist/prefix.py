@@ -11,8 +11,9 @@ The cache's K/V does not know which tokens it encodes; the ids come from the use
   (:class:`_Writer`), so the decode loop only pays for a host copy once every ``block_tokens`` steps.
 
 Memory outside the tier budgets is bounded by constants: one export batch holds at most
-``BATCH_BYTES`` of K/V, and the writer's queue at most ``QUEUE_BATCHES`` batches (the caller waits when
-it is full).
+``BATCH_BYTES`` of K/V, and the writer's queue at most ``QUEUE_BATCHES`` batches. When it is full, a forward
+leaves the rest in the tiers for a later forward to queue (persistence lags behind a slow store, the forward
+never waits for it); ``flush()``, ``close()`` and ``reset()`` wait for room.
 
 The ids the user passes for tokens already in the cache are taken on trust — transformers' own contract
 for a pre-filled cache (``generate`` skips them) — except that ids known from an earlier call must match.
@@ -152,9 +153,12 @@ class PrefixPersistence:
         return blocks, kv
 
     # ------------------------------------------------------------------------------------ persist
-    def collect(self, kv: KVStore, lengths: Sequence[int], dropped: Sequence[int]) -> None:
+    def collect(self, kv: KVStore, lengths: Sequence[int], dropped: Sequence[int], wait: bool = True) -> None:
         """Queue the block columns that became persistable: full in every layer (``lengths[l]`` tokens of
-        which the first ``dropped[l]`` were freed, a sliding window's), ids known, not stored yet."""
+        which the first ``dropped[l]`` were freed, a sliding window's), ids known, not stored yet. Without
+        ``wait`` (a forward's), only as many batches as the writer's queue has room for: the rest stay in the
+        tiers and are queued by a later call, so a slow store (a remote server behind a slow link) makes
+        persistence lag, never the forward wait."""
         if self.ids is None or self.namespace is None or len(lengths) != self.namespace.layers:
             return
         bt = self.block_tokens
@@ -171,6 +175,9 @@ class PrefixPersistence:
             getattr(torch, self.namespace.dtype).itemsize
         step = max(1, BATCH_BYTES // per_column)
         for start in range(first, target, step):
+            if not wait and self._writer.full():
+                self.persisted = start  # queued by a later call
+                return
             stop = min(start + step, target)
             if all(keys[c] in self.store for keys in self._keys for c in range(start, stop)):
                 continue  # another process (or an earlier run) stored them
@@ -226,6 +233,10 @@ class _Writer:
                 thread.start()
                 self._thread = thread
         self._queue.put((root, jobs, touch))
+
+    def full(self) -> bool:
+        """No room for another batch now (only the caller's thread adds: room seen here is still there)."""
+        return self._queue.full()
 
     def _run(self) -> None:
         while True:
