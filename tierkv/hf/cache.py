@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -31,7 +30,7 @@ try:  # a layer that keeps nothing (an MoE or MLP block between recurrent and at
 except ImportError:  # releases without it refuse such configs (sizing.layer_kinds)
     DummyLayer = type("DummyLayer", (), {})  # type: ignore[misc,assignment]
 
-from tierkv import settings
+from tierkv import forks, settings
 from tierkv.attention.base import PipelinedExecutor
 from tierkv.attention.exact_gather import ExactGather
 from tierkv.bandwidth import LinkProfile
@@ -68,13 +67,15 @@ class CacheGuard:
     buffers the tiers allocate are normal tensors that any later call may write in place (made under a caller's
     ``torch.inference_mode()``, as servers decode, a later ``crop`` or ``no_grad`` forward could not write them)."""
 
-    __slots__ = ("_lock", "_local")
+    __slots__ = ("_lock", "_local", "owner")
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._local = threading.local()  # .modes: per entry, the mode contexts it entered (None: none needed)
+        self.owner = forks.Owner()
 
     def __enter__(self) -> None:
+        self.owner.check("TieredCache")  # before the lock: in a forked child, a parent's thread may hold it
         self._lock.acquire()
         modes = None
         if torch.is_inference_mode_enabled():  # (leaving inference mode turns grad on: no_grad keeps it off)
@@ -163,7 +164,7 @@ class TieredCache(AttentionModes, Cache):
         disk = DiskTier(disk_dir, disk_budget, DEFAULT_DISK_FRACTION, engine=disk_engine) if disk_dir else None
         self.runtime = Runtime(budgets, disk, self.trace)
         # dropped without close() (or alive at exit), the cache still releases threads, descriptors and files
-        self._finalizer = weakref.finalize(self, self.runtime.close)
+        self._finalizer = forks.finalize(self, self.runtime.close)
         layers = self._layers_of(config) if config is not None else []
         self.stateful = any(isinstance(layer, StateLayer) for layer in layers)  # recurrent state beside or for K/V
         self.mixed = any(isinstance(layer, (StateLayer, DummyLayer)) for layer in layers)  # not K/V alone
@@ -406,7 +407,11 @@ class TieredCache(AttentionModes, Cache):
         """Release every tier and delete the disk tier's files; persisted blocks (``persist=True``) stay, the
         last ones written first. Idempotent; a failure while cleaning up is logged, never raised (a file that
         cannot be removed is retried at exit, or by the next cache that opens its directory). A cache dropped
-        without ``close()`` is closed when it is garbage-collected."""
+        without ``close()`` is closed when it is garbage-collected. In a forked child it only marks the cache
+        closed: what it would release is the parent's (:mod:`tierkv.forks`)."""
+        if self.using.owner.inherited:
+            self.closed = True
+            return
         with self.using:
             session, self.session = self.session, None
             if session is not None:

@@ -27,11 +27,10 @@ import errno
 import functools
 import importlib.util
 import os
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from tierkv import safefs
+from tierkv import forks, safefs
 from tierkv.errors import InvalidConfigError
 from tierkv.io.base import (
     ALIGN,
@@ -195,7 +194,7 @@ class KvikioFile(DiskFile):
         self.reads_device_memory = self.gds  # GDS: the disk tier reads into device buffers (no host bounce)
         self._file: Any = kvikio.CuFile(self.path if created is None else safefs.fd_path(created), "r+")
         self._batches: list[_KvikioBatch] = []  # edited in place: the finalizer holds this list
-        self._finalizer = weakref.finalize(self, _release, self._file, self._batches)
+        self._finalizer = forks.finalize(self, _release, self._file, self._batches)
         if created is not None:
             try:
                 safefs.check_same_file(created, self._file.fileno(), self.path)

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from tierkv import cbuild, settings
+from tierkv import cbuild, forks, settings
 from tierkv.errors import InvalidConfigError
 from tierkv.io.base import (
     ArrayPlan,
@@ -334,7 +334,7 @@ class NativeFile(DiskFile):
         self._live: weakref.WeakSet[_NativeBatch] = weakref.WeakSet()  # finished before the pool is freed
         self._live_lock = threading.Lock()
         # dropped without close() (or alive at exit), the file still joins its C threads and closes its descriptor
-        self._finalizer = weakref.finalize(self, self.pool_state.release)
+        self._finalizer = forks.finalize(self, self.pool_state.release)
 
     @property
     def pool(self) -> int | None:

@@ -13,12 +13,12 @@ import concurrent.futures as cf
 import errno
 import itertools
 import os
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from tierkv import forks
 from tierkv.io.base import (
     CompletedHandle,
     DiskFile,
@@ -67,7 +67,7 @@ class PosixFile(DiskFile):
             max_workers=self._depth, thread_name_prefix="tierkv-posix-io"
         )
         # a file dropped without close() (or alive at exit) still stops its threads and closes its descriptor
-        self._finalizer = weakref.finalize(self, _release, self._pool, self.fd)
+        self._finalizer = forks.finalize(self, _release, self._pool, self.fd)
 
     def submit_reads(self, requests: Sequence[tuple[int, Any]]) -> IOHandle:
         return self._submit(check_requests(requests, direct=self.direct, writable=True), self._read_piece)

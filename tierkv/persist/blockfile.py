@@ -53,13 +53,12 @@ import re
 import secrets
 import stat
 import threading
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierkv import safefs, settings
+from tierkv import forks, safefs, settings
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, InvalidConfigError
 from tierkv.persist import manifest as manifests
@@ -148,7 +147,7 @@ class PersistentStore:
             with deferred_interrupts():  # the descriptors and the finalizer that closes them, together
                 tree = _Tree(Path(directory))
                 self._tree = tree
-                self._finalizer = weakref.finalize(self, _release, tree)
+                self._finalizer = forks.finalize(self, _release, tree)
             try:
                 try:
                     with self._locked(exclusive=True):

@@ -24,13 +24,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import weakref
 from collections.abc import Sequence
 from typing import Protocol, cast
 
 import numpy as np
 import torch
 
+from tierkv import forks
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import IntegrityError, InvalidConfigError
 from tierkv.persist import record
@@ -79,7 +79,7 @@ class PrefixPersistence:
         self._keys: list[list[str]] = []  # per row, the chain of its full blocks of ids
         self._writer = _Writer(store)
         # dropped without close(): what is queued is still written, and the store's scratch area released
-        self._finalizer = weakref.finalize(self, _close, self._writer, store)
+        self._finalizer = forks.finalize(self, _close, self._writer, store)
 
     # ---------------------------------------------------------------------------------------- ids
     def start(self, namespace: Namespace, ids: np.ndarray) -> None:

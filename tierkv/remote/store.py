@@ -33,12 +33,11 @@ that passes but holds the wrong record for its key is refused by the caller, whi
 from __future__ import annotations
 
 import re
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tierkv import settings
+from tierkv import forks, settings
 from tierkv.errors import InvalidConfigError
 from tierkv.remote.connection import RemoteConnection, redis_module
 from tierkv.remote.framing import HEADER, frame, unframe
@@ -218,7 +217,7 @@ class RemoteBlockStore:
                                    is_down=lambda: conn.down)
         self._wire.writer = self._writer
         self._readers = ThreadPoolExecutor(max_workers=inflight, thread_name_prefix="tierkv-remote-read")
-        self._finalizer = weakref.finalize(self, _shut_down, self._writer, self._readers, conn)
+        self._finalizer = forks.finalize(self, _shut_down, self._writer, self._readers, conn)
 
     @staticmethod
     def check_available() -> None:

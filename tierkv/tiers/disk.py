@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierkv import safefs
+from tierkv import forks, safefs
 from tierkv.accel import DEVICE, HOST_ONLY, HostOnly
 from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Tier
@@ -93,6 +93,7 @@ def bounce_bytes_for(memory_budget: int) -> int:
     return int(min(BOUNCE_BYTES, max(MIN_BOUNCE_BYTES, memory_budget // BOUNCE_SHARE)))
 
 _LEFT_OVER: list[Path] = []  # files a close could not remove: retried at exit
+os.register_at_fork(after_in_child=_LEFT_OVER.clear)  # the parent's to retry, not a forked child's
 
 SECTOR_BYTES = ALIGN
 """The unit of page reads (:mod:`tierkv.store.pages`): each written slot also keeps an xxh3-64 per sector of this
@@ -313,7 +314,7 @@ class DiskTier:
                 exc.errno, f"disk_dir {str(self.directory)!r} is not writable ({exc.strerror}); pass a directory you "
                 "can write to (e.g. on a local NVMe), or leave disk_dir=None to run without a disk tier."
             ) from exc
-        self._finalizer = weakref.finalize(self, _release, self.files, self._lease, self._fd)
+        self._finalizer = forks.finalize(self, _release, self.files, self._lease, self._fd)
         try:
             self.budget = budget if budget is not None else int(shutil.disk_usage(self.directory).free * free_fraction)
         except BaseException:
@@ -821,7 +822,7 @@ class BounceBuffer:
             self._buffer = aligned_empty(grown)
             address = self._buffer.ctypes.data
             self.accel.register_host(address, self._buffer.nbytes, self.pin)
-            self._finalizer = weakref.finalize(self, _unregister, self.accel, address, self.pin, self._fence)
+            self._finalizer = forks.finalize(self, _unregister, self.accel, address, self.pin, self._fence)
         view = self._buffer[:nbytes]
         self.accel.host_write(torch.from_numpy(view))
         return view

@@ -1,0 +1,102 @@
+"""A forked child and its parent's cache (tierkv/forks.py): the child neither hangs at exit, nor removes the
+parent's files, nor decodes with the parent's cache (refused with the fix), and may make its own.
+
+Each scenario runs in a fresh interpreter (``fork()`` inside pytest's own process would run pytest in the child).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCENARIO = textwrap.dedent("""
+    import os, sys, time
+    import torch, transformers
+    from tierkv import TieredCache
+
+    torch.set_num_threads(1)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    directory, engine, child = sys.argv[1], sys.argv[2], sys.argv[3]
+    generator = torch.Generator().manual_seed(1)
+    ids, second = (torch.randint(2, 128, (1, 40), generator=generator) for _ in range(2))
+    device = TieredCache.min_device_bytes(config, 80, 1, 4) + 8192
+
+    def make():
+        return TieredCache(gpu_gb=f"{device}B", cpu_gb="16KiB", disk_dir=directory, disk_gb="64MiB", block_tokens=4,
+                           config=config, disk_engine=engine, persist=True)
+
+    def generate(cache, prompt, new=5):
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                              max_new_tokens=new, do_sample=False)
+
+    cache = make()
+    cache.load_prefix(model, ids)
+    out = generate(cache, ids)
+    assert cache.stats()["blocks"]["disk"] > 0
+    files = sorted(os.listdir(directory))
+    pid = os.fork()
+    if pid == 0:
+        if child == "uses it":
+            try:
+                generate(cache, out, 3)
+                print("child decoded with the parent's cache", flush=True)
+            except Exception as error:
+                print("child refused:", type(error).__name__, error, flush=True)
+        elif child == "makes its own":
+            with make() as own:
+                same = torch.equal(generate(own, ids), out)
+            print("child's own cache equal:", same, flush=True)
+        sys.exit(0)  # a normal exit: finalizers and atexit handlers run
+    deadline = time.monotonic() + 60
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            print("child hung at exit", flush=True)
+            break
+        time.sleep(0.05)
+    assert sorted(os.listdir(directory)) == files or child == "makes its own", (files, os.listdir(directory))
+    cache.reset()  # the parent goes on with its next prompt, whose blocks persist as before
+    cache.load_prefix(model, second)
+    more = generate(cache, second, 3)
+    reference = model.generate(second, attention_mask=torch.ones_like(second), max_new_tokens=3, do_sample=False)
+    print("parent equal:", torch.equal(more, reference), flush=True)
+    cache.close()
+    with make() as warm:
+        print("loaded:", warm.load_prefix(model, second), "of", second.shape[1], flush=True)
+""")
+
+
+def _run(tmp_path: Path, engine: str, child: str) -> str:
+    tmp_path.mkdir(exist_ok=True)
+    script = tmp_path / "scenario.py"
+    script.write_text(SCENARIO)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "disk"), engine, child], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hung" not in result.stdout, result.stdout
+    assert "parent equal: True" in result.stdout, result.stdout
+    loaded = result.stdout.split("loaded: ")[1].split()
+    assert int(loaded[0]) == (int(loaded[2]) - 1) // 4 * 4, result.stdout  # every full block but the last token's
+    return result.stdout
+
+
+@pytest.mark.parametrize("engine", ["native", "posix"])
+def test_a_child_exiting_leaves_the_parents_cache_and_files_alone(tmp_path, engine):
+    """Regression: at the child's exit the inherited finalizers joined the parent's I/O threads (the native
+    engine: a hang) and removed the parent's disk tier, its locks and the persistent store's scratch area."""
+    _run(tmp_path, engine, "exits")
+
+
+def test_a_child_using_the_parents_cache_is_refused_and_may_make_its_own(tmp_path):
+    """Regression: a child decoding with the inherited cache hung in its first step (no mover or I/O threads)."""
+    out = _run(tmp_path, "posix", "uses it")
+    assert "child refused: InvalidConfigError" in out and "forked child cannot use it" in out, out
+    out = _run(tmp_path / "own", "posix", "makes its own")
+    assert "child's own cache equal: True" in out, out

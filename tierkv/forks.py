@@ -1,0 +1,64 @@
+"""A forked child and what its parent made: the child never releases, removes or uses it.
+
+``fork()`` copies a process's memory but none of its threads, so a cache made before it is there in the child
+only in part: its mover and I/O pools have no threads (a read submitted there never runs: the first step hangs),
+and its finalizers would run when the child exits, joining the parent's I/O threads (a hang) and removing the
+parent's live disk tier, its locks and the persistent store's scratch files. So tierkv registers its finalizers
+through :func:`finalize`, and in a child (:func:`os.register_at_fork`) they are all detached: the parent still
+owns what they release. A cache refuses use in another process than its own (:class:`Owner`); a child makes its
+own caches (or starts with ``multiprocessing``'s ``spawn``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+_live: list[weakref.finalize] = []
+_lock = threading.Lock()
+
+
+def finalize(obj: object, func: Callable[..., Any], *args: Any) -> weakref.finalize:
+    """``weakref.finalize(obj, func, *args)``, detached in a forked child."""
+    finalizer = weakref.finalize(obj, func, *args)
+    with _lock:
+        if len(_live) >= 64:
+            _live[:] = [f for f in _live if f.alive]
+        _live.append(finalizer)
+    return finalizer
+
+
+def _detach_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # the parent's may have been held by a thread that is not here
+    for finalizer in _live:
+        finalizer.detach()
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_detach_in_child)
+
+
+class Owner:
+    """The process that made an object; :meth:`check` refuses its use in another (a forked child)."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+    @property
+    def inherited(self) -> bool:
+        return os.getpid() != self.pid
+
+    def check(self, what: str) -> None:
+        if os.getpid() != self.pid:
+            from tierkv.errors import InvalidConfigError
+
+            raise InvalidConfigError(
+                f"this {what} was made in process {self.pid}, before a fork(); a forked child cannot use it (its "
+                "threads are not in the child, and its files are the parent's): create a new one in the child, or "
+                "start workers with multiprocessing's 'spawn' method.")
