@@ -88,6 +88,64 @@ def test_asave_and_aload_round_trip(tmp_path):
     TieredCache.load(path, model=model, **_options(model, tmp_path, batch=2, name="again")).close()
 
 
+def test_a_cancelled_asave_or_aload_touches_no_other_file_and_leaks_nothing(tmp_path, monkeypatch):
+    """Regression: cancelling ``asave`` (``task.cancel()``, ``asyncio.wait_for``'s timeout) closed its descriptors
+    while a worker thread still wrote through them, so the rest of the record landed in whatever file the
+    application opened next (descriptor numbers are reused at once); cancelled before its first worker call,
+    it leaked the directory's descriptor. Now a cancellation takes effect when the worker's call returns: the
+    application's files stay empty, no descriptor is left open, the old file (or none) stays, and the cache
+    decodes on; a cancelled ``aload`` likewise."""
+    import os
+    import threading
+    import time
+
+    model = tiny_model("llama")
+    cache, so_far = _conversation(model, tmp_path)
+    target = tmp_path / "chat.tkv"
+    write, main = os.write, threading.main_thread()
+
+    def slow_write(fd, data):  # a slow disk, on the worker threads only
+        if threading.current_thread() is not main:
+            time.sleep(0.05)
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", slow_write)
+
+    def descriptors() -> set[str]:
+        return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")}
+
+    async def cancelled(work, after: float) -> None:
+        task = asyncio.ensure_future(work)
+        await asyncio.sleep(after)
+        task.cancel()
+        try:
+            loaded = await task  # a load this fast may be done before the cancellation
+        except asyncio.CancelledError:
+            loaded = None
+        assert loaded is None or isinstance(loaded, TieredCache)
+        if loaded is not None:
+            loaded.close()
+        mine = [os.open(tmp_path / f"app{i}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for i in range(3)]
+        await asyncio.sleep(0.3)  # a worker still writing would write into these
+        for fd in mine:
+            os.close(fd)
+
+    before = descriptors()
+    for after in (0, 0.01, 0.03):  # before the first worker call, inside a write, further on (each takes 50 ms)
+        asyncio.run(cancelled(cache.asave(target, model=model), after))
+        assert all(os.path.getsize(tmp_path / f"app{i}.log") == 0 for i in range(3))
+        assert not target.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    monkeypatch.setattr(os, "write", write)
+    cache.save(target, model=model)
+    monkeypatch.setattr(os, "write", slow_write)
+    for after in (0, 0.001, 0.003):
+        asyncio.run(cancelled(TieredCache.aload(target, model=model, **_options(model, tmp_path, name="l")), after))
+    assert descriptors() <= before | {str(target)}, descriptors() - before
+    assert torch.equal(_generate(model, so_far, cache, MORE).sequences[:, :so_far.shape[1]], so_far)
+    cache.close()
+
+
 def test_damaged_files_are_refused(tmp_path):
     model = tiny_model("llama")
     cache, _ = _conversation(model, tmp_path)

@@ -12,11 +12,15 @@ Never put I/O or a wait inside: the user's Ctrl-C would wait for it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from types import FrameType
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _held: list[tuple[int, FrameType | None]] = []  # a SIGINT received inside the outermost section
 _depth = 0  # sections open on the main thread
@@ -70,3 +74,24 @@ def deferred_interrupts() -> Iterator[None]:
                 previous(signum, frame)  # the default handler raises KeyboardInterrupt here
             elif previous == signal.SIG_DFL:
                 signal.raise_signal(signum)  # SIG_IGN: dropped, as it would have been
+
+
+async def finished(awaitable: Awaitable[T]) -> T:
+    """``await awaitable``, except that a cancellation meanwhile (``task.cancel()``, ``asyncio.wait_for``'s
+    timeout) is raised only once it is done. For work on a worker thread (``asyncio.to_thread``, aiofiles): it
+    goes on after a plain ``await`` is cancelled, and the caller's cleanup would close the descriptor it reads
+    or writes under it — a number the process may give to another file at once."""
+    task = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+        except BaseException:  # noqa: BLE001 - the task's own error, raised below by result()
+            break
+    if cancelled:
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancellation is what the caller gets
+        raise asyncio.CancelledError
+    return task.result()

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from tierkv import safefs
+from tierkv.atomic import finished
 from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, InvalidConfigError, TierKVError
 from tierkv.inputs import output_problem
 from tierkv.persist import record
@@ -164,23 +165,25 @@ async def asave(path: str | os.PathLike, chunks: Iterable[tuple[bytes, memoryvie
 
 
 async def _asave(target: Path, chunks: Iterable[tuple[bytes, memoryview]]) -> None:
-    """:func:`asave`'s writes, fsyncs and rename (its errors as they come)."""
-    directory = await asyncio.to_thread(os.open, target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    """:func:`asave`'s writes, fsyncs and rename (its errors as they come). Cancelled, it stops after the
+    worker's call in progress (:func:`~tierkv.atomic.finished`: never closing a descriptor a worker writes
+    through) and removes the temporary file; a cancellation during the rename leaves the new file complete."""
+    directory = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)  # at once: no worker holds it unassigned
     try:
         fd, temporary = safefs.new_temporary(directory, target.name, shared=False)
         try:
             try:
                 for head, payload in chunks:
-                    await asyncio.to_thread(safefs.write_all, fd, (head, payload))
-                await asyncio.to_thread(os.fsync, fd)
-                await asyncio.to_thread(os.replace, temporary, target.name, src_dir_fd=directory,
-                                        dst_dir_fd=directory)
+                    await finished(asyncio.to_thread(safefs.write_all, fd, (head, payload)))
+                await finished(asyncio.to_thread(os.fsync, fd))
+                await finished(asyncio.to_thread(os.replace, temporary, target.name, src_dir_fd=directory,
+                                                 dst_dir_fd=directory))
             finally:
                 os.close(fd)  # after the rename: its lock keeps reapers away until then
         except BaseException:
             safefs.remove_regular(directory, temporary)
             raise
-        await asyncio.to_thread(safefs.fsync_directory, directory)
+        await finished(asyncio.to_thread(safefs.fsync_directory, directory))
     finally:
         os.close(directory)
 

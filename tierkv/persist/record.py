@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from tierkv.atomic import finished
 from tierkv.errors import IntegrityError
 
 if TYPE_CHECKING:
@@ -183,14 +184,14 @@ def read(stream: io.BufferedIOBase, what: str = "record",
 async def aread(stream: Any, what: str = "record", limit: Limit | None = None) -> tuple[dict[str, Any], bytearray]:
     """:func:`read` for an asynchronous file (``aiofiles``) opened in binary mode."""
 
-    async def exact(size: int) -> bytes:
-        data = await stream.read(size) if size else b""
+    async def exact(size: int) -> bytes:  # finished: a cancelled read ends before the file can be closed under it
+        data = await finished(stream.read(size)) if size else b""
         if len(data) != size:
             raise IntegrityError(f"{what}: ended after {len(data)} of {size} bytes (a torn or truncated write).")
         return data
 
     header_bytes, payload_bytes, checksum = _parse_prefix(await exact(PREFIX_BYTES), what)
-    _check_room(header_bytes, payload_bytes, _left(stream, await stream.tell()), what)
+    _check_room(header_bytes, payload_bytes, _left(stream, await finished(stream.tell())), what)
     text = await exact(header_bytes)
     header = _check_limit(text, payload_bytes, limit, what)
     payload = bytearray(await exact(payload_bytes))
