@@ -146,6 +146,36 @@ def test_a_cancelled_asave_or_aload_touches_no_other_file_and_leaks_nothing(tmp_
     cache.close()
 
 
+def test_saving_while_another_thread_decodes_never_breaks_it(tmp_path):
+    """Regression: a save from another thread (an asyncio server snapshotting a conversation that a worker thread
+    generates) took the worker's forward, half done between two layers, for one stopped by an error and rolled it
+    back: the worker's generate() died. Now such a save is refused with the fix, as is one that a forward
+    changed while it was being written; the others write a file that loads; the worker decodes as DynamicCache."""
+    import threading
+
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=4)
+    reference = _generate(model, ids, DynamicCache(config=model.config), 40).sequences
+    cache = TieredCache(block_tokens=BT, config=model.config, **_options(model, tmp_path, name="busy"))
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(_generate(model, ids, cache, 40).sequences))
+    worker.start()
+    outcomes: list[str] = []
+    while worker.is_alive():
+        if cache.get_seq_length():
+            try:
+                cache.save(tmp_path / "snapshot.tkv", model=model)
+                outcomes.append("saved")
+            except InvalidConfigError as error:
+                assert "on another thread" in str(error), error
+                outcomes.append("refused")
+    worker.join()
+    assert result and torch.equal(result[0], reference), outcomes
+    if "saved" in outcomes:  # what was saved is one length in every layer: it loads
+        TieredCache.load(tmp_path / "snapshot.tkv", model=model, **_options(model, tmp_path, name="load")).close()
+    cache.close()
+
+
 def test_damaged_files_are_refused(tmp_path):
     model = tiny_model("llama")
     cache, _ = _conversation(model, tmp_path)

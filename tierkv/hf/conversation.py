@@ -278,19 +278,33 @@ def _records(cache: TieredCache, model: torch.nn.Module | None) -> Iterator[tupl
     """The conversation's records, each made under the cache's guard: a ``close()`` (or a forward) from another
     thread lands between two records, and a close stops the save with a clear error (the file is not replaced)."""
     with cache.using:
-        return _guarded(cache, _unguarded_records(cache, model))
+        records = _unguarded_records(cache, model)
+        return _guarded(cache, records, _held(cache))  # what the header counts, taken with it under the guard
 
 
-def _guarded(cache: TieredCache, records: Iterator[tuple[bytes, memoryview]]) -> Iterator[tuple[bytes, memoryview]]:
+def _guarded(cache: TieredCache, records: Iterator[tuple[bytes, memoryview]],
+             held: tuple[int, int, list[tuple[int, int]]]) -> Iterator[tuple[bytes, memoryview]]:
     while True:
         with cache.using:
             if cache.closed:
                 raise InvalidConfigError("this TieredCache was closed while it was being saved; the file was not "
                                          "written (one saved before at that path is kept). Save before close().")
+            if _held(cache) != held:
+                raise InvalidConfigError("a forward on another thread changed this TieredCache while it was being "
+                                         "saved; the file was not written (one saved before at that path is kept). "
+                                         "Save between forwards: from the thread that decodes, or after its "
+                                         "generate() returns.")
             record = next(records, None)
         if record is None:
             return
         yield record
+
+
+def _held(cache: TieredCache) -> tuple[int, int, list[tuple[int, int]]]:
+    """What any forward changes: the forwards begun (models with recurrent state count them), the layers the
+    current one updated, and each K/V layer's tokens and the front tokens its window freed."""
+    return cache.forward.number, cache.forward.layers_updated, [(TieredLayer.get_seq_length(layer), layer.dropped)
+                                                                for layer in cache.kv_layers]
 
 
 def _unguarded_records(cache: TieredCache, model: torch.nn.Module | None) -> Iterator[tuple[bytes, memoryview]]:

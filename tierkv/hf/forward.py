@@ -75,14 +75,18 @@ class Forward:
         """An update on this thread: refused while a forward of another thread that is still running is half done
         (two threads decoding with one cache would interleave their layers' steps). ``layers``: the updates a
         forward makes, where the config told them (else a forward is known complete only from the second on)."""
-        me = threading.get_ident()
-        if self.thread != me and 0 < self.layers_updated < (self.full or layers or 0) \
-                and any(thread.ident == self.thread for thread in threading.enumerate()):
+        if self._elsewhere(layers):
             raise InvalidConfigError(
                 "this TieredCache is in the middle of a forward on another thread: a cache holds one sequence of "
                 "steps, so give each concurrent request (thread) its own TieredCache, or wait for the other's forward "
                 "to finish.")
-        self.thread = me
+        self.thread = threading.get_ident()
+
+    def _elsewhere(self, layers: int | None) -> bool:
+        """Whether a forward of another thread, which is still alive, is half done (running, or stopped there by an
+        error on that thread)."""
+        return self.thread != threading.get_ident() and 0 < self.layers_updated < (self.full or layers or 0) \
+            and any(thread.ident == self.thread for thread in threading.enumerate())
 
     def begin(self, layers: Sequence[Holding], runtime: Runtime, expected: int | None = None) -> None:
         """A forward's first update: if the previous forward updated fewer layers than a complete one does (the
@@ -132,6 +136,11 @@ class Forward:
         reached = self.layers_updated
         if not reached or reached >= (self.full or expected or 0):
             return False
+        if self._elsewhere(expected):  # rolling it back would break a forward that is still running
+            raise InvalidConfigError(
+                "this TieredCache is in the middle of a forward on another thread (or that thread's forward stopped "
+                "part-way with an error): save, crop or reorder it from that thread, or once its generate() has "
+                "returned.")
         behind = self._behind(layers, reached)
         if behind is None:
             return False
