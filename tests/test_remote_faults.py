@@ -104,6 +104,22 @@ def test_one_stall_seen_by_reads_in_flight_costs_one_back_off(redis_server) -> N
         assert [bytes(p) for p in store.get_many(keys)] == values
 
 
+def test_a_write_has_longer_than_a_read_to_cross(redis_server) -> None:
+    """Regression: writes had the reads' socket timeout (``timeout_s``, 2 s), which bounds a pipeline's whole
+    ``sendall`` and its reply: a block that could not cross a slow link in 2 s was never written (a 12 MiB block
+    at 4 MB/s), far above the documented drop threshold. A write now has ``timeout_s + queue_wait_s``; here a
+    server that answers 0.6 s late, beyond a 0.2 s ``timeout_s``, still takes it."""
+    keys, values = blocks(1, size=4 << 20)
+    with RemoteBlockStore(redis_server.url, "m", timeout_s=0.2, queue_wait_s=1.0, backoff_s=0.05) as store:
+        assert store.ping()
+        redis_server.pause(0.6)
+        fill(store, keys, values)
+        stats = store.stats()
+        assert stats["writes"] == 1 and stats["errors"] == 0, stats
+        time.sleep(0.1)
+        assert [bytes(p) for p in store.get_many(keys)] == values
+
+
 def test_full_server_without_eviction_refuses_writes(redis_factory, caplog) -> None:
     server = redis_factory(maxmemory="3mb", policy="noeviction")
     keys, values = blocks(80, size=64 << 10)  # 5 MiB

@@ -52,13 +52,18 @@ class RemoteConnection:
             is marked down), and the longest wait for a free pooled connection.
         connect_timeout_s: TCP/TLS connect timeout.
         max_connections: pool bound (per node for a cluster).
+        write_timeout_s: the socket timeout of writes (:meth:`run` with ``write=True``, on a client of their own):
+            a pipeline of large blocks is sent in one ``sendall``, which the timeout bounds as a whole, so it
+            needs longer than a read of the same bytes (default ``timeout_s``).
     """
 
     def __init__(self, url: RemoteURL, timeout_s: float = 2.0, connect_timeout_s: float = 1.0,
-                 max_connections: int = 8, backoff_s: float = 1.0, max_backoff_s: float = 30.0) -> None:
+                 max_connections: int = 8, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
+                 write_timeout_s: float | None = None) -> None:
         redis_module()  # a missing redis-py is a construction error, not a silent miss
         self.url = url
         self.timeout_s = timeout_s
+        self.write_timeout_s = timeout_s if write_timeout_s is None else write_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections
         self.backoff_s = backoff_s
@@ -66,6 +71,7 @@ class RemoteConnection:
         self.counts: Counter[str] = Counter()  # what happened, for stats(): see RemoteBlockStore.stats
         self._lock = threading.Lock()
         self._client: Any = None
+        self._write_client: Any = None
         self._down_until = 0.0
         self._backoff = backoff_s
         self._down = False
@@ -125,9 +131,10 @@ class RemoteConnection:
         log.info("tierkv remote %s: reachable again", self.url.redacted())
 
     # ---------------------------------------------------------------------------------- commands
-    def run(self, op: Callable[[Any], T], fallback: T) -> T:
+    def run(self, op: Callable[[Any], T], fallback: T, write: bool = False) -> T:
         """``op(client)``, or ``fallback`` when the server is down, unreachable, slow or refuses (counted,
-        warned). Programming errors (anything not from redis-py or the socket) propagate."""
+        warned). ``write``: on the writes' client (``write_timeout_s``). Programming errors (anything not from
+        redis-py or the socket) propagate."""
         redis = redis_module()
         if self._closed:
             return fallback
@@ -135,7 +142,7 @@ class RemoteConnection:
             self.count("skipped_down")
             return fallback
         try:
-            result = op(self._get_client())
+            result = op(self._get_client(write))
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
                 redis.exceptions.InvalidResponse, redis.exceptions.ClusterError,
                 redis.exceptions.RedisClusterException) as exc:
@@ -172,28 +179,35 @@ class RemoteConnection:
             if isinstance(item, Exception):
                 self._refused(item)
 
-    def _get_client(self) -> Any:
+    def _get_client(self, write: bool = False) -> Any:
         with self._lock:
+            if write:
+                if self._write_client is None:
+                    self._write_client = self._build(self.write_timeout_s, 2)  # one writer thread
+                return self._write_client
             if self._client is None:
-                self._client = self._build()
+                self._client = self._build(self.timeout_s, self.max_connections)
             return self._client
+
+    def _take_clients(self) -> list[Any]:
+        with self._lock:
+            clients, self._client, self._write_client = [self._client, self._write_client], None, None
+        return [client for client in clients if client is not None]
 
     def _drop_client_if_cluster(self) -> None:
         """A cluster client caches the slot map; after a failure it is rebuilt from the seeds next time."""
         if self.url.cluster:
-            with self._lock:
-                client, self._client = self._client, None
-            if client is not None:
+            for client in self._take_clients():
                 client.close()
 
-    def _build(self) -> Any:
+    def _build(self, timeout_s: float, max_connections: int) -> Any:
         redis = redis_module()
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
         url = self.url
         common: dict[str, Any] = dict(
-            username=url.username, password=url.password, socket_timeout=self.timeout_s,
+            username=url.username, password=url.password, socket_timeout=timeout_s,
             socket_connect_timeout=self.connect_timeout_s, retry=Retry(NoBackoff(), 0),
         )
         if url.tls:
@@ -202,18 +216,17 @@ class RemoteConnection:
             from redis.cluster import ClusterNode, RedisCluster
 
             return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in url.nodes],
-                                max_connections=self.max_connections, **common)
+                                max_connections=max_connections, **common)
         ssl = common.pop("ssl", False)
         connection = redis.SSLConnection if ssl else redis.Connection
         (host, port), = url.nodes
-        pool = redis.BlockingConnectionPool(host=host, port=port, db=url.db, max_connections=self.max_connections,
-                                            timeout=self.timeout_s, connection_class=connection, **common)
+        pool = redis.BlockingConnectionPool(host=host, port=port, db=url.db, max_connections=max_connections,
+                                            timeout=timeout_s, connection_class=connection, **common)
         return redis.Redis(connection_pool=pool)
 
     def close(self) -> None:
-        with self._lock:
-            client, self._client, self._closed = self._client, None, True
-        if client is not None:
+        self._closed = True
+        for client in self._take_clients():
             client.close()
             pool = getattr(client, "connection_pool", None)
             if pool is not None:

@@ -153,7 +153,7 @@ class _Wire:
             ok = [not isinstance(result, Exception) for result in results]
             return sum(ok), sum(size for size, good in zip(sizes, ok) if good), len(sets) - len(todo)
 
-        written, size, existing = self.conn.run(op, fallback=(0, 0, 0))
+        written, size, existing = self.conn.run(op, fallback=(0, 0, 0), write=True)
         self.conn.count("writes", written)
         self.conn.count("bytes_written", size)
         self.conn.count("writes_existing", existing)
@@ -208,9 +208,13 @@ class RemoteBlockStore:
         self.url = url
         self.namespace = namespace
         self.keys_per_request = keys_per_request
+        # a write pipeline (at most BATCH_BYTES, or one larger block) goes in one sendall that the socket timeout
+        # bounds as a whole: it has as long as the writer waits for a batch, so a block is dropped only when the
+        # link is slower than its size per (timeout_s + queue_wait_s), 12 s by default, not per timeout_s
         conn = RemoteConnection(url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-                                max_connections=inflight + 2,  # readers, the writer, one lookup
-                                backoff_s=backoff_s, max_backoff_s=max(30.0, backoff_s))
+                                max_connections=inflight + 1,  # readers, one lookup (writes have their own client)
+                                backoff_s=backoff_s, max_backoff_s=max(30.0, backoff_s),
+                                write_timeout_s=timeout_s + queue_wait_s)
         self._wire = _Wire(conn, namespace, ttl_s)
         self._writer = WriteBehind(self._wire.write, on_drop=_dropped(conn), on_error=_write_bug(conn),
                                    max_items=queue_items, max_bytes=queue_bytes, wait_s=queue_wait_s,
