@@ -176,6 +176,47 @@ def test_saving_while_another_thread_decodes_never_breaks_it(tmp_path):
     cache.close()
 
 
+@pytest.mark.parametrize("edit", ["crop and continue", "reorder rows"])
+def test_an_edit_while_an_asave_is_pending_fails_it_and_keeps_the_old_file(tmp_path, monkeypatch, edit):
+    """Regression: ``asave`` exports its records between awaited writes, after its header was fixed; an edit
+    meanwhile (a crop and another continuation, a beam reorder) landed between two records, and the file held
+    layers of two states, passed every check at load and decoded as neither. Now the save fails with the fix
+    and the file saved before stays."""
+    import os
+    import threading
+    import time
+
+    model = tiny_model("llama")
+    cache, so_far = _conversation(model, tmp_path, batch=2)
+    target = tmp_path / "chat.tkv"
+    cache.save(target, model=model)
+    saved = target.read_bytes()
+    write, main = os.write, threading.main_thread()
+
+    def slow_write(fd, data):  # a slow disk, on the worker threads only: the edit lands mid-save
+        if threading.current_thread() is not main:
+            time.sleep(0.02)
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", slow_write)
+
+    async def save_and_edit() -> None:
+        task = asyncio.ensure_future(cache.asave(target, model=model))
+        await asyncio.sleep(0.03)
+        with torch.no_grad():
+            if edit == "crop and continue":
+                cache.crop(-2)
+                model(so_far[:, -3:-1], **{cache_keyword(model): cache}, use_cache=True)
+            else:
+                cache.reorder_cache(torch.tensor([1, 0]))
+        await task
+
+    with pytest.raises(InvalidConfigError, match="changed while it was being saved"):
+        asyncio.run(save_and_edit())
+    assert target.read_bytes() == saved
+    cache.close()
+
+
 def test_damaged_files_are_refused(tmp_path):
     model = tiny_model("llama")
     cache, _ = _conversation(model, tmp_path)

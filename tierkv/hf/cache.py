@@ -158,6 +158,7 @@ class TieredCache(AttentionModes, Cache):
         self.chosen = "gather"  # the exact executor the last exact() chose
         self.sized_at: int | None = None  # masks_built() when a forward last asked for mask sizes (hf.attention)
         self.forward = Forward()  # how far the current forward got; the rollback it may owe
+        self.edits = 0  # forwards begun and edits (crop, rows, reset): a save checks it is unchanged between records
         # held by each update and an engaged layer's attention, and by close(): a close() on another thread waits
         # for the layer-step in progress, whose next update then finds the cache closed
         self.using = CacheGuard()  # held by whatever touches the tiers
@@ -298,12 +299,14 @@ class TieredCache(AttentionModes, Cache):
                 tokens_to_remove = min(0, target - self.get_seq_length())
             for layer in self.holding:
                 layer.check_crop(tokens_to_remove)
+            self.edits += 1
             super().crop(tokens_to_remove)
             if not any(layer.furthest() for layer in self.holding):
                 self.forward.reset()  # empty again, as after reset(): its next forward is a first one
 
     def reset(self) -> None:
         with self.using:
+            self.edits += 1
             if self.session is not None:
                 self.session.collect(self)
                 self.session.reset()
@@ -463,6 +466,7 @@ class TieredCache(AttentionModes, Cache):
         and its layers are rolled back (:meth:`Forward.begin`)."""
         if self.closed:
             raise closed_error()
+        self.edits += 1
         if self.unentered is not None:
             engagement, self.unentered = self.unentered, None
             engagement.refuse()
@@ -533,6 +537,7 @@ class TieredCache(AttentionModes, Cache):
             if self.closed:
                 raise closed_error()
             self.settle_stopped()
+            self.edits += 1
             for layer in self.layers:
                 if isinstance(layer, StateLayer):
                     layer.select_rows(rows)

@@ -290,10 +290,10 @@ def _guarded(cache: TieredCache, records: Iterator[tuple[bytes, memoryview]],
                 raise InvalidConfigError("this TieredCache was closed while it was being saved; the file was not "
                                          "written (one saved before at that path is kept). Save before close().")
             if _held(cache) != held:
-                raise InvalidConfigError("a forward on another thread changed this TieredCache while it was being "
-                                         "saved; the file was not written (one saved before at that path is kept). "
-                                         "Save between forwards: from the thread that decodes, or after its "
-                                         "generate() returns.")
+                raise InvalidConfigError("this TieredCache changed while it was being saved (a forward, a crop, a "
+                                         "reorder of its rows: on another thread, or while an asave was pending); "
+                                         "the file was not written (one saved before at that path is kept). Save "
+                                         "between forwards, and await asave before the cache's next use.")
             record = next(records, None)
         if record is None:
             return
@@ -301,10 +301,11 @@ def _guarded(cache: TieredCache, records: Iterator[tuple[bytes, memoryview]],
 
 
 def _held(cache: TieredCache) -> tuple[int, int, list[tuple[int, int]]]:
-    """What any forward changes: the forwards begun (models with recurrent state count them), the layers the
-    current one updated, and each K/V layer's tokens and the front tokens its window freed."""
-    return cache.forward.number, cache.forward.layers_updated, [(TieredLayer.get_seq_length(layer), layer.dropped)
-                                                                for layer in cache.kv_layers]
+    """What any forward or edit changes: the count of forwards begun and edits (a crop, a row selection or
+    reorder, a reset), the layers the current forward updated, each K/V layer's tokens and the front tokens its
+    window freed."""
+    return cache.edits, cache.forward.layers_updated, [(TieredLayer.get_seq_length(layer), layer.dropped)
+                                                       for layer in cache.kv_layers]
 
 
 def _unguarded_records(cache: TieredCache, model: torch.nn.Module | None) -> Iterator[tuple[bytes, memoryview]]:
