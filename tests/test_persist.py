@@ -513,6 +513,60 @@ def test_a_stalled_store_never_stalls_decoding_and_catches_up(tmp_path, monkeypa
         _assert_same(reference, _generate(model, ids, warm))
 
 
+def test_two_threads_submitting_first_start_one_writer(tmp_path, monkeypatch):
+    """Regression: the writer thread was started lazily without a lock, so two threads submitting at once (a
+    flush() from another thread beside a decoding one) started two; close() queued one stop and joined the
+    writer that had not taken it: a hang."""
+    import threading
+    import time
+
+    from tierkv.persist import prefix
+
+    start = threading.Thread.start
+
+    def slow_start(self):  # widens the window between "no writer yet" and "writer recorded"
+        time.sleep(0.05)
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+    store = PersistentStore(tmp_path, 1 << 20)
+    writer = prefix._Writer(store)
+    submitters = [threading.Thread(target=writer.submit, args=("r" * 32, [], [])) for _ in range(2)]
+    for thread in submitters:
+        start(thread)
+    for thread in submitters:
+        thread.join()
+    monkeypatch.setattr(threading.Thread, "start", start)
+    assert sum(thread.name == "tierkv-persist" for thread in threading.enumerate()) == 1
+    closer = threading.Thread(target=writer.close)
+    start(closer)
+    closer.join(10)
+    assert not closer.is_alive(), "close() waits for a second writer that never stops"
+    store.close()
+
+
+def test_flush_from_another_thread_while_decoding(tmp_path):
+    """Regression: ``flush()`` exported blocks without the cache's lock while another thread decoded. Now it
+    exports under the lock a batch at a time and waits for the writer outside it: the decoding thread's tokens
+    equal DynamicCache's, and every block is persisted."""
+    import threading
+
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=9)
+    reference = _generate(model, ids, DynamicCache(config=model.config), 24)
+    with _cache(model, tmp_path, context=PROMPT + 24) as cache:
+        cache.load_prefix(model, ids)
+        result: list = []
+        worker = threading.Thread(target=lambda: result.append(_generate(model, ids, cache, 24)))
+        worker.start()
+        while worker.is_alive():
+            cache.flush()
+        worker.join()
+        _assert_same(reference, result[0])
+    with _cache(model, tmp_path) as warm:
+        assert warm.load_prefix(model, ids) == (PROMPT // BT) * BT
+
+
 def test_at_least_one_token_is_left_to_compute(tmp_path):
     model = tiny_model("llama")
     ids, _ = prompt(1, 6 * BT, seed=4)  # a whole number of blocks

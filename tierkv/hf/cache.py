@@ -366,10 +366,17 @@ class TieredCache(AttentionModes, Cache):
 
     def flush(self) -> None:
         """Persist the full blocks with known ids now and wait until they are written (``persist=True``;
-        also done on ``close()``)."""
-        if self.session is not None:
-            self.session.collect(self)
-            self.session.flush()
+        also done on ``close()``). From any thread: the blocks are exported under the cache's lock, a batch at a
+        time, and the writer is waited for outside it, so a decoding thread goes on meanwhile."""
+        while True:
+            with self.using:
+                session = self.session
+                if session is None or self.closed:
+                    return
+                queued = session.collect(self, wait=False)
+            session.flush()
+            if queued:
+                return
 
     def save(self, path: str | os.PathLike, model: torch.nn.Module | None = None) -> None:
         """Write this conversation (every layer's K/V, the token ids it knows, per-layer state) to ``path``, so

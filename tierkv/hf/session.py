@@ -206,20 +206,21 @@ class PrefixSession:
         self.prefix.reset()
         self.private = True
 
-    def collect(self, cache: TieredCache, wait: bool = True) -> None:
+    def collect(self, cache: TieredCache, wait: bool = True) -> bool:
         """Hand the full blocks with known ids that are not persisted yet to the background writer (without
-        ``wait``, a forward's: only what its queue has room for, :meth:`PrefixPersistence.collect`). Never raises:
-        persistence is a copy, and its failure must not fail decoding (it is logged)."""
+        ``wait``, a forward's: only what its queue has room for, :meth:`PrefixPersistence.collect`); whether all
+        were. Never raises: persistence is a copy, and its failure must not fail decoding (it is logged)."""
         store = cache.runtime.store
         if store is None or self.private:
-            return
+            return True
         clean = self.clean if self.clean is not None else cache.get_seq_length()
         try:
-            self.prefix.collect(store, [min(layer.get_seq_length(), clean) for layer in cache.layers],
-                                [layer.dropped for layer in cache.layers], wait)
+            return self.prefix.collect(store, [min(layer.get_seq_length(), clean) for layer in cache.layers],
+                                       [layer.dropped for layer in cache.layers], wait)
         except Exception:
             log.exception("tierkv: persisting this sequence's blocks failed; it is no longer persisted")
             self.prefix.reset()
+            return True
 
     def truncate(self, length: int) -> None:
         """The cache was cropped to ``length`` tokens: what it loaded or computed past them is gone."""

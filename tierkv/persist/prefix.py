@@ -153,23 +153,23 @@ class PrefixPersistence:
         return blocks, kv
 
     # ------------------------------------------------------------------------------------ persist
-    def collect(self, kv: KVStore, lengths: Sequence[int], dropped: Sequence[int], wait: bool = True) -> None:
+    def collect(self, kv: KVStore, lengths: Sequence[int], dropped: Sequence[int], wait: bool = True) -> bool:
         """Queue the block columns that became persistable: full in every layer (``lengths[l]`` tokens of
         which the first ``dropped[l]`` were freed, a sliding window's), ids known, not stored yet. Without
         ``wait`` (a forward's), only as many batches as the writer's queue has room for: the rest stay in the
         tiers and are queued by a later call, so a slow store (a remote server behind a slow link) makes
-        persistence lag, never the forward wait."""
+        persistence lag, never the forward wait. Whether every persistable column is queued now."""
         if self.ids is None or self.namespace is None or len(lengths) != self.namespace.layers:
-            return
+            return True
         bt = self.block_tokens
         target = min(self.ids.shape[1], *lengths) // bt
         first = max(self.persisted, max(dropped) // bt)  # columns a window freed can never be persisted
         self.persisted = max(self.persisted, min(first, target))
         if first >= target:
-            return
+            return True
         self._check_layouts(kv)
         if self.namespace is None:
-            return
+            return True
         batch = len(self._keys)
         per_column = batch * self.namespace.layers * int(np.prod(self.namespace.block_shape[1:])) * \
             getattr(torch, self.namespace.dtype).itemsize
@@ -177,7 +177,7 @@ class PrefixPersistence:
         for start in range(first, target, step):
             if not wait and self._writer.full():
                 self.persisted = start  # queued by a later call
-                return
+                return False
             stop = min(start + step, target)
             if all(keys[c] in self.store for keys in self._keys for c in range(start, stop)):
                 continue  # another process (or an earlier run) stored them
@@ -186,6 +186,7 @@ class PrefixPersistence:
             jobs = [(keys[c], c, blocks[r, c - start]) for r, keys in enumerate(self._keys) for c in range(start, stop)]
             self._writer.submit(self.namespace.root, jobs, [k for keys in self._keys for k in keys[:start]])
         self.persisted = target
+        return True
 
     def _check_layouts(self, kv: KVStore) -> None:
         ns = self.namespace
@@ -223,15 +224,17 @@ class _Writer:
         self.store = store
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()  # two threads submitting first would start two writers (close joins one)
         self._warned = False
 
     def submit(self, root: str, jobs: list[tuple[str, int, torch.Tensor]], touch: list[str]) -> None:
-        if self._thread is None:
-            with deferred_interrupts():  # started and recorded together: a thread made but never started, or
-                # started twice, would leave queued blocks nobody writes (flush() would never return)
-                thread = threading.Thread(target=self._run, name="tierkv-persist", daemon=True)
-                thread.start()
-                self._thread = thread
+        with self._starting:
+            if self._thread is None:
+                with deferred_interrupts():  # started and recorded together: a thread made but never started, or
+                    # started twice, would leave queued blocks nobody writes (flush() would never return)
+                    thread = threading.Thread(target=self._run, name="tierkv-persist", daemon=True)
+                    thread.start()
+                    self._thread = thread
         self._queue.put((root, jobs, touch))
 
     def full(self) -> bool:
