@@ -247,7 +247,8 @@ SETTINGS: dict[str, Setting] = {
                 "the CLI shows full tracebacks instead of a one-line error"),
         Setting("prefetch_min", "TIERKV_PREFETCH_MIN", lambda: 4 << 20, _bounded_size(0, 64 << 30, "4MiB, or 0"),
                 "4MiB",
-                "layers with less KV than this are read when they come, not prefetched (0: prefetch all)"),
+                "layers whose read weighs less (its bytes and 2 KiB a block) are read when they come, not "
+                "prefetched (0: prefetch all)"),
         Setting("redis_password", "TIERKV_REDIS_PASSWORD", lambda: None, _secret, "s3cret",
                 "password of the remote tier's Redis (remote=...) when the URL carries none"),
         Setting("cuda_standin", "TIERKV_CUDA_STANDIN", lambda: False, _flag, "1",

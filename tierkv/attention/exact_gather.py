@@ -44,6 +44,11 @@ from tierkv.store import KVStore
 log = logging.getLogger("tierkv")
 
 AUTO_AFTER_STEPS = 2  # decode steps measured before prefetch_depth="auto" decides (and after staging grows)
+BLOCK_GATHER_BYTES = 2048
+"""What gathering one more block costs, in bytes of plain copy (``index_select``'s work per row): the size a
+layer's read is weighed at against ``prefetch_min`` is its bytes plus this per block. On the 2-core CPU VM a
+layer of 1,024 blocks of 2 KiB (2 MiB) ran 1.45x ``DynamicCache``'s step read when it came and 1.07x prefetched,
+while 2 MiB in 64-512 larger blocks ran as fast or faster read when it came."""
 
 _Records = tuple[tuple[int, float] | None, tuple[float, int, int, int] | None]  # Timeline.add_layer's compute, begin
 
@@ -62,10 +67,11 @@ class ExactGather(PipelinedExecutor):
         prefetch_min: int = settings.get("prefetch_min")  # a bad TIERKV_PREFETCH_MIN: refused before any state
         super().__init__(store, mover, num_layers=num_layers, timeline=timeline, trace=trace)
         self.auto = prefetch_depth == "auto"
-        # Layers with less KV than this (setting prefetch_min) are not prefetched: handing a job to the mover (a
-        # thread switch and the GIL shared with it) costs more than the copy it would overlap. On the 2-core CPU
-        # VM a decode step of 1-2 MiB layers ran 0.1-0.3x DynamicCache's step slower prefetched, of 4 MiB about
-        # even, of 8 MiB and more 0.2-0.3x faster (docs/benchmarks.md, "Scale").
+        # Layers whose read weighs less than this (setting prefetch_min; a read's weight: its bytes and
+        # BLOCK_GATHER_BYTES per block) are not prefetched: handing a job to the mover (a thread switch and the GIL
+        # shared with it) costs more than the copy it would overlap. On the 2-core CPU VM a decode step of 1-2 MiB
+        # layers in a few hundred blocks ran 0.1-0.3x DynamicCache's step slower prefetched, of 4 MiB about even,
+        # of 8 MiB and more 0.2-0.3x faster (docs/benchmarks.md, "Scale").
         self.prefetch_min = prefetch_min
         self.prefetch_depth: int = 1 if self.auto else int(prefetch_depth)
         self.auto_choices: list[dict] = []  # decisions of prefetch_depth="auto", oldest first
@@ -320,7 +326,7 @@ class ExactGather(PipelinedExecutor):
         batch = self._batches.get(layer) or self.store.batch_size(layer)
         if (end - first) * bt > self.capacity or batch > self.batch or end <= first:
             return
-        if (end - first) * batch * self.store.layouts[layer].block_bytes < self.prefetch_min:  # the plan's blocks
+        if (end - first) * batch * (self.store.layouts[layer].block_bytes + BLOCK_GATHER_BYTES) < self.prefetch_min:
             return  # read it when the layer comes: a hand-off to the mover would cost more than it overlaps
         plan = self.store.plan_read(layer, start, stop, access=False)  # the access is the layer's gather
         full = stop // bt - first  # columns that are full now: the tail (if partial) is read again later
