@@ -75,7 +75,8 @@ class CacheGuard:
         self.owner = forks.Owner()
 
     def __enter__(self) -> None:
-        self.owner.check("TieredCache")  # before the lock: in a forked child, a parent's thread may hold it
+        if os.getpid() != self.owner.pid:  # before the lock: in a forked child, a parent's thread may hold it
+            self.owner.check("TieredCache")
         self._lock.acquire()
         modes = None
         if torch.is_inference_mode_enabled():  # (leaving inference mode turns grad on: no_grad keeps it off)
