@@ -90,3 +90,40 @@ def test_reserved_label_names_are_refused(used_cache):
 
     with pytest.raises(InvalidConfigError, match="'tier' is reserved"):
         tierkv.metrics.exposition(used_cache, tier="x")
+
+
+def test_a_scrape_beside_a_thread_that_decodes_never_fails():
+    """Regression: ``stats()`` read the block table without the cache's lock, so a metrics scrape (the HTTP
+    server's thread) while another thread's forward added layers (a prefill after ``reset()``) failed with
+    "dictionary changed size during iteration". It is taken under the lock now."""
+    import threading
+
+    import tierkv.metrics
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=24,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(2, 128, (1, 64), generator=torch.Generator().manual_seed(1))
+    cache = TieredCache(gpu_gb="64MiB", cpu_gb="64MiB", block_tokens=16)  # no config: layers come as they are used
+    done = threading.Event()
+
+    def requests() -> None:
+        try:
+            for _ in range(6):
+                cache.reset()
+                model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=requests)
+    worker.start()
+    scrapes = 0
+    try:
+        while not done.is_set():
+            tierkv.metrics.exposition(cache, model="tiny")
+            scrapes += 1
+    finally:
+        worker.join()
+        cache.close()
+    assert scrapes > 0

@@ -335,11 +335,13 @@ class TieredCache(AttentionModes, Cache):
         return self.runtime.exact
 
     def stats(self) -> dict[str, Any]:
-        """Occupancy and traffic; see docs/architecture.md ("Statistics") for every key."""
-        remote = self.session.remote if self.session is not None else None
-        stats = self.runtime.stats(self.get_seq_length(), remote.stats() if remote is not None else None)
-        stats["state_bytes"] = sum(layer.state_bytes() for layer in self.layers if isinstance(layer, StateLayer))
-        return stats
+        """Occupancy and traffic; see docs/architecture.md ("Statistics") for every key. Safe from any thread
+        (a metrics scrape): taken under the cache's lock, between two layer-steps."""
+        with self.using:
+            remote = self.session.remote if self.session is not None else None
+            stats = self.runtime.stats(self.get_seq_length(), remote.stats() if remote is not None else None)
+            stats["state_bytes"] = sum(layer.state_bytes() for layer in self.layers if isinstance(layer, StateLayer))
+            return stats
 
     def load_prefix(self, model: torch.nn.Module, input_ids: torch.Tensor | Sequence[int],
                     attention_mask: torch.Tensor | None = None) -> int:
