@@ -31,6 +31,18 @@ def assert_never_wrong(payloads, values) -> None:
         assert payload is None or bytes(payload) == value
 
 
+@contextlib.contextmanager
+def stored(redis_server, n: int, at: int):
+    """A store holding ``n`` blocks; with it the keys, the values, a raw client, and the server's name and value
+    of block ``at``."""
+    keys, values = blocks(n)
+    raw = redis_server.client()
+    name = f"tierkv:m:{keys[at]}"
+    with RemoteBlockStore(redis_server.url, "m") as store:
+        fill(store, keys, values)
+        yield store, keys, values, raw, name, raw.get(name)
+
+
 def wait_until_up(store: RemoteBlockStore, deadline_s: float = 10.0) -> None:
     """Poll until the store's breaker lets a command through again and the server answers."""
     end = time.monotonic() + deadline_s
@@ -164,12 +176,7 @@ def test_a_key_evicted_before_a_bounded_read_and_written_again_is_not_deleted(re
     and deleted. The check now rides in the read's own pipeline, next to each ``GETRANGE``."""
     from tierkv.remote.connection import RemoteConnection
 
-    keys, values = blocks(1)
-    raw = redis_server.client()
-    name = f"tierkv:m:{keys[0]}"
-    with RemoteBlockStore(redis_server.url, "m") as store:
-        fill(store, keys, values)
-        written = raw.get(name)
+    with stored(redis_server, 1, 0) as (store, keys, _, raw, name, written):
         raw.delete(name)  # evicted after the lookup
         run = RemoteConnection.run
 
@@ -186,12 +193,7 @@ def test_a_key_evicted_before_a_bounded_read_and_written_again_is_not_deleted(re
 
 @pytest.mark.parametrize("damage", ["random bytes", "one payload bit", "truncated", "another key's value", "empty"])
 def test_a_corrupted_value_is_a_miss_and_is_replaced(redis_server, caplog, damage: str) -> None:
-    keys, values = blocks(3)
-    raw = redis_server.client()
-    name = f"tierkv:m:{keys[1]}"
-    with RemoteBlockStore(redis_server.url, "m") as store:
-        fill(store, keys, values)
-        good = raw.get(name)
+    with stored(redis_server, 3, 1) as (store, keys, values, raw, name, good):
         bad = {"random bytes": os.urandom(len(good)),
                "one payload bit": good[:-1] + bytes([good[-1] ^ 0x10]),
                "truncated": good[: len(good) // 2],
