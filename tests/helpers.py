@@ -142,6 +142,23 @@ def prefix_worker(model, ids, block_tokens: int, new_tokens: int, **options) -> 
         return out, loaded, cache.stats()
 
 
+def saves_while_generating(cache, model, generate, directory: Path, most: int) -> tuple[list, list[Path]]:
+    """Run ``generate()`` on a worker thread and save ``cache`` from this one (up to ``most`` snapshots under
+    ``directory``) until the worker ends: the worker's result (empty if it raised) and the files saved."""
+    import threading
+
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(generate()))
+    worker.start()
+    paths: list[Path] = []
+    while worker.is_alive() and len(paths) < most:
+        if cache.get_seq_length():
+            paths.append(directory / f"snapshot{len(paths)}.tkv")
+            cache.save(paths[-1], model=model)
+    worker.join()
+    return result, paths
+
+
 def assert_same_generation(out, reference, atol: float) -> None:
     """``generate`` outputs with scores: the same tokens, and logits within ``atol`` step by step."""
     assert torch.equal(out.sequences, reference.sequences)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import assert_same_generation, conversation_records
+from helpers import assert_same_generation, conversation_records, saves_while_generating
 from models import prompt
 from test_hf_architectures import SMALL, engage, instantiate
 from transformers import DynamicCache
@@ -446,3 +446,29 @@ def test_a_hybrid_layer_answers_its_mask_sizes_by_its_kv(tmp_path):
     reference = run(model, ids, mask, DynamicCache(config=model.config))
     with tiered(model, tmp_path, rows=1) as cache:
         assert_same_generation(run(model, ids, mask, cache), reference, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "falcon_h1"])
+def test_saves_from_another_thread_take_a_hybrid_cache_between_two_forwards(tmp_path, model_type):
+    """A hybrid model's forward begins at its first use of any layer's state, not at layer 0's K/V: saves from
+    another thread while a worker generates still wait for the forward in progress and hold off the next, so each
+    file holds K/V and state of one step (it continues as DynamicCache does) and the worker decodes exactly."""
+    model = hybrid(model_type)
+    ids, mask = prompt(1, 20, seed=23)
+    steps = 16
+    reference_cache = DynamicCache(config=model.config)
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
+                               past_key_values=reference_cache)
+    with tiered(model, tmp_path / "busy", rows=1) as cache:
+        result, paths = saves_while_generating(cache, model, lambda: model.generate(
+            ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, past_key_values=cache), tmp_path, 6)
+    assert result and torch.equal(result[0], reference)
+    assert paths
+    budget = f"{TieredCache.min_device_bytes(model.config, 64, 1, 4) + 16384}B"
+    with TieredCache.load(paths[-1], model=model, gpu_gb=budget, cpu_gb="16KB", disk_dir=tmp_path / "load") as loaded:
+        held = loaded.get_seq_length()
+        more = min(3, reference.shape[1] - held - 1)
+        if more:
+            out = model.generate(reference[:, : held + 1], max_new_tokens=more, do_sample=False,
+                                 past_key_values=loaded)
+            assert torch.equal(out, reference[:, : held + 1 + more]), held

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from helpers import saves_while_generating
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
@@ -146,33 +147,104 @@ def test_a_cancelled_asave_or_aload_touches_no_other_file_and_leaks_nothing(tmp_
     cache.close()
 
 
-def test_saving_while_another_thread_decodes_never_breaks_it(tmp_path):
-    """Regression: a save from another thread (an asyncio server snapshotting a conversation that a worker thread
-    generates) took the worker's forward, half done between two layers, for one stopped by an error and rolled it
-    back: the worker's generate() died. Now such a save is refused with the fix, as is one that a forward
-    changed while it was being written; the others write a file that loads; the worker decodes as DynamicCache."""
-    import threading
+def _continues_as(reference, model, path, tmp_path) -> int:
+    """Load the snapshot at ``path`` and continue it with ``reference``'s next token: it must generate what
+    ``reference`` holds after it. Returns the snapshot's length."""
+    loaded = TieredCache.load(path, model=model, **_options(model, tmp_path, name=f"load-{path.stem}"))
+    try:
+        held = loaded.get_seq_length()
+        assert PROMPT <= held < reference.shape[1], held
+        more = min(3, reference.shape[1] - held - 1)
+        if more:
+            continued = _generate(model, reference[:, : held + 1], loaded, more).sequences
+            assert torch.equal(continued, reference[:, : held + 1 + more]), held
+        return held
+    finally:
+        loaded.close()
 
+
+def test_a_save_from_another_thread_takes_the_cache_between_two_forwards(tmp_path):
+    """A save from another thread (a server snapshotting a conversation that a worker thread generates) waits for
+    the forward in progress to finish and takes the cache between two forwards; the worker's next forward waits
+    until the save has read every record. Every save succeeds, each file continues as the uninterrupted decoding
+    does, and the worker decodes as DynamicCache. (Regressions: such a save rolled back the worker's forward, half
+    done, and generate() died; then it was refused, or failed whenever a forward changed the cache under it.)"""
     model = tiny_model("llama")
     ids, _ = prompt(1, PROMPT, seed=4)
     reference = _generate(model, ids, DynamicCache(config=model.config), 40).sequences
     cache = TieredCache(block_tokens=BT, config=model.config, **_options(model, tmp_path, name="busy"))
-    result: list = []
-    worker = threading.Thread(target=lambda: result.append(_generate(model, ids, cache, 40).sequences))
+    result, saved = saves_while_generating(cache, model, lambda: _generate(model, ids, cache, 40).sequences,
+                                           tmp_path, 12)
+    assert result and torch.equal(result[0], reference)
+    assert len(saved) >= 2
+    lengths = [_continues_as(reference, model, path, tmp_path) for path in (saved[0], saved[-1])]
+    assert lengths[0] < lengths[1], lengths  # the worker went on between the saves
+    cache.close()
+
+
+def test_an_asave_while_generate_runs_in_a_worker_thread(tmp_path):
+    """An asyncio server's pattern: generate() in ``asyncio.to_thread`` and periodic ``await cache.asave`` on the
+    loop. Each asave takes the cache between two forwards (the loop keeps running while it waits); the files
+    continue as the uninterrupted decoding does, which decodes as DynamicCache."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=5)
+    reference = _generate(model, ids, DynamicCache(config=model.config), 30).sequences
+    cache = TieredCache(block_tokens=BT, config=model.config, **_options(model, tmp_path, name="busy"))
+
+    async def serve() -> tuple[torch.Tensor, list]:
+        task = asyncio.ensure_future(asyncio.to_thread(_generate, model, ids, cache, 30))
+        saved: list = []
+        while not task.done():
+            if cache.get_seq_length() and len(saved) < 8:
+                saved.append(tmp_path / f"a{len(saved)}.tkv")
+                await cache.asave(saved[-1], model=model)
+            await asyncio.sleep(0.005)
+        return (await task).sequences, saved
+
+    sequences, saved = asyncio.run(serve())
+    assert torch.equal(sequences, reference)
+    assert saved
+    _continues_as(reference, model, saved[-1], tmp_path)
+    cache.close()
+
+
+def test_a_save_waits_no_longer_than_its_limit_for_a_forward_stopped_on_a_live_thread(tmp_path, monkeypatch):
+    """A forward stopped part-way by an error on a thread that lives on never finishes: a save from another thread
+    is refused after ``TURN_WAIT_S`` with the fix (it would roll back a forward that may still be running), and
+    goes through once that thread ended (the stopped forward rolled back first)."""
+    import threading
+
+    from tierkv.hf import conversation
+
+    monkeypatch.setattr(conversation, "TURN_WAIT_S", 0.3)
+    model = tiny_model("llama")
+    cache, so_far = _conversation(model, tmp_path)
+    stopped, leave = threading.Event(), threading.Event()
+
+    def fail(*_):
+        raise RuntimeError("an error in the model between two layers")
+
+    def decode() -> None:
+        hook = model.model.layers[0].mlp.register_forward_pre_hook(fail)
+        try:
+            with torch.no_grad():
+                model(so_far[:, -1:], **{cache_keyword(model): cache}, use_cache=True)
+        except RuntimeError:
+            stopped.set()
+        finally:
+            hook.remove()
+        leave.wait()
+
+    worker = threading.Thread(target=decode)
     worker.start()
-    outcomes: list[str] = []
-    while worker.is_alive():
-        if cache.get_seq_length():
-            try:
-                cache.save(tmp_path / "snapshot.tkv", model=model)
-                outcomes.append("saved")
-            except InvalidConfigError as error:
-                assert "on another thread" in str(error), error
-                outcomes.append("refused")
+    assert stopped.wait(30)
+    with pytest.raises(InvalidConfigError, match="did not finish within"):
+        cache.save(tmp_path / "refused.tkv", model=model)
+    assert not (tmp_path / "refused.tkv").exists()
+    leave.set()
     worker.join()
-    assert result and torch.equal(result[0], reference), outcomes
-    if "saved" in outcomes:  # what was saved is one length in every layer: it loads
-        TieredCache.load(tmp_path / "snapshot.tkv", model=model, **_options(model, tmp_path, name="load")).close()
+    cache.save(tmp_path / "after.tkv", model=model)
+    assert cache.get_seq_length() == so_far.shape[1] - 1
     cache.close()
 
 

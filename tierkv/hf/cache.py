@@ -65,14 +65,64 @@ class CacheGuard:
     """The cache's lock, held by whatever touches its tiers (a layer-step, an edit, a save, ``close()``), so another
     thread's ``close()`` waits for it; its holder runs outside inference mode, without grad, so the slabs and
     buffers the tiers allocate are normal tensors that any later call may write in place (made under a caller's
-    ``torch.inference_mode()``, as servers decode, a later ``crop`` or ``no_grad`` forward could not write them)."""
+    ``torch.inference_mode()``, as servers decode, a later ``crop`` or ``no_grad`` forward could not write them).
 
-    __slots__ = ("_lock", "_local", "owner")
+    And the cache's *turn*: a save takes it between two forwards (:meth:`take_turn`), so that other threads' next
+    forward or edit waits (:meth:`wait_turn`) until the save has read every record, instead of changing the cache
+    under it; a thread that asked for the turn (``asking``) is given it at the next forward's start, and a forward
+    that waited for a save starts before the next save takes the turn (saves in a loop never starve a decode)."""
+
+    __slots__ = ("_lock", "_local", "owner", "_turn", "holder", "asking", "starting", "owed")
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._local = threading.local()  # .modes: per entry, the mode contexts it entered (None: none needed)
         self.owner = forks.Owner()
+        self._turn = threading.Condition(self._lock)
+        self.holder: int | None = None  # the thread that holds the turn
+        self.asking = 0  # threads waiting to take it
+        self.starting = 0  # forwards waiting to start
+        self.owed = False  # a forward waited for the last holder: it starts before the turn is taken again
+
+    def take_turn(self, busy: bool) -> bool:
+        """Under the guard: take the turn unless another live thread holds it or ``busy`` (another thread's forward
+        is half done); whether this thread holds it now."""
+        me, holder = threading.get_ident(), self.holder
+        if (holder is not None and holder != me and _alive(holder)) or (self.owed and self.starting):
+            return False
+        self.owed = False
+        self.holder = None if busy else me
+        return not busy
+
+    def give_turn(self) -> None:
+        """Give the turn back (the threads waiting for it go on)."""
+        with self:
+            if self.holder == threading.get_ident():
+                self.holder = None
+                self.owed = self.starting > 0
+            self._turn.notify_all()
+
+    def pause(self, seconds: float) -> None:
+        """Under the guard: let other threads take it for up to ``seconds`` (or until the turn changes hands)."""
+        self._turn.wait(seconds)
+
+    def wait_turn(self, starting: bool = False) -> None:
+        """Under the guard, before an edit or (``starting``) a forward's start: wait while another live thread holds
+        the turn (a save), so that nothing changes under it; a forward's start also gives way to a thread asking for
+        it (the one moment between two forwards that a save can count on)."""
+        me = threading.get_ident()
+        self.starting += starting
+        try:
+            while True:
+                holder = self.holder
+                if holder is not None and holder != me and not _alive(holder):
+                    self.holder = holder = None  # its thread ended without giving it back
+                if holder == me or (holder is None and not (starting and self.asking and not self.owed)):
+                    self.owed = self.owed and not starting
+                    return
+                self._turn.wait(0.05)
+        finally:
+            self.starting -= starting
 
     def __enter__(self) -> None:
         if os.getpid() != self.owner.pid:  # before the lock: in a forked child, a parent's thread may hold it
@@ -93,6 +143,10 @@ class CacheGuard:
                     mode.__exit__(None, None, None)
         finally:
             self._lock.release()
+
+
+def _alive(ident: int) -> bool:
+    return any(thread.ident == ident for thread in threading.enumerate())
 
 
 class TieredCache(AttentionModes, Cache):
@@ -183,6 +237,9 @@ class TieredCache(AttentionModes, Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         with self.using:
+            guard = self.using
+            if (guard.holder is not None or guard.asking) and layer_idx == 0 and not self.stateful:
+                guard.wait_turn(starting=True)  # not while another thread's save holds the turn or asks for it
             if self.forward.thread != threading.get_ident():  # (the same thread's updates: no call)
                 self.forward.claim(self.uses_per_forward())
             if self.forward.unsettled is not None:
@@ -256,6 +313,8 @@ class TieredCache(AttentionModes, Cache):
             if forward.unsettled is not None:
                 forward.settle(self.holding, self.runtime)
             if forward.entered(layer.position, call, state_idx):
+                if self.using.holder is not None or self.using.asking:
+                    self.using.wait_turn(starting=True)  # not while another thread's save holds or asks for it
                 self.begin_forward()
             if isinstance(layer, StateLayer) and layer.touch(forward.number):
                 forward.layers_updated += 1
@@ -295,6 +354,7 @@ class TieredCache(AttentionModes, Cache):
         with self.using:
             if self.closed:
                 raise closed_error()
+            self.using.wait_turn()
             target = self.get_seq_length() + tokens_to_remove  # counted from layer 0's tokens, as transformers does
             if self.settle_stopped() and tokens_to_remove < 0:  # a stopped forward's tokens went: to target, if any
                 tokens_to_remove = min(0, target - self.get_seq_length())
@@ -307,6 +367,7 @@ class TieredCache(AttentionModes, Cache):
 
     def reset(self) -> None:
         with self.using:
+            self.using.wait_turn()
             self.edits += 1
             if self.session is not None:
                 self.session.collect(self)
@@ -546,6 +607,7 @@ class TieredCache(AttentionModes, Cache):
         with self.using:
             if self.closed:
                 raise closed_error()
+            self.using.wait_turn()
             self.settle_stopped()
             self.edits += 1
             for layer in self.layers:

@@ -8,8 +8,11 @@ is private: its K/V is never written to the persistent or remote store (:mod:`ti
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,13 +31,70 @@ if TYPE_CHECKING:
     from tierkv.hf.cache import TieredCache
 
 
+TURN_WAIT_S = 60.0
+"""How long a save waits for another thread's forward to finish (one that stopped part-way with an error, its
+thread still alive, never does) before it is refused."""
+
+
 def save(cache: TieredCache, path: str | os.PathLike, model: torch.nn.Module | None) -> None:
-    conversation.save(path, _records(cache, model))
+    with _turn(cache):
+        conversation.save(path, _records(cache, model))
 
 
 async def asave(cache: TieredCache, path: str | os.PathLike, model: torch.nn.Module | None) -> None:
     _aiofiles()
-    await conversation.asave(path, _records(cache, model))
+    async with _aturn(cache):
+        await conversation.asave(path, _records(cache, model))
+
+
+@contextlib.contextmanager
+def _turn(cache: TieredCache) -> Iterator[None]:
+    """The cache's turn (:class:`~tierkv.hf.cache.CacheGuard`) for a save: taken between two forwards, waiting for
+    another thread's forward in progress to finish; its next forward or edit waits until the save has read every
+    record."""
+    deadline, guard = time.monotonic() + TURN_WAIT_S, cache.using
+    with guard:
+        guard.asking += 1
+        try:
+            while not guard.take_turn(cache.forward.elsewhere(cache.uses_per_forward())):
+                _in_time(deadline)
+                guard.pause(0.01)
+        finally:
+            guard.asking -= 1
+    try:
+        yield
+    finally:
+        guard.give_turn()
+
+
+@contextlib.asynccontextmanager
+async def _aturn(cache: TieredCache) -> AsyncIterator[None]:
+    """:func:`_turn` for asave: the event loop runs while it waits."""
+    deadline, guard = time.monotonic() + TURN_WAIT_S, cache.using
+    with guard:
+        guard.asking += 1
+    try:
+        while True:
+            with guard:
+                if guard.take_turn(cache.forward.elsewhere(cache.uses_per_forward())):
+                    break
+            _in_time(deadline)
+            await asyncio.sleep(0.005)
+    finally:
+        with guard:
+            guard.asking -= 1
+    try:
+        yield
+    finally:
+        guard.give_turn()
+
+
+def _in_time(deadline: float) -> None:
+    if time.monotonic() > deadline:
+        raise InvalidConfigError(
+            f"this TieredCache is in the middle of a forward on another thread, which did not finish within "
+            f"{TURN_WAIT_S:.0f} s (or stopped part-way with an error): save it from that thread, or once its "
+            "generate() has returned.")
 
 
 def load(cls: type[TieredCache], path: str | os.PathLike, model: torch.nn.Module | None,

@@ -75,14 +75,14 @@ class Forward:
         """An update on this thread: refused while a forward of another thread that is still running is half done
         (two threads decoding with one cache would interleave their layers' steps). ``layers``: the updates a
         forward makes, where the config told them (else a forward is known complete only from the second on)."""
-        if self._elsewhere(layers):
+        if self.elsewhere(layers):
             raise InvalidConfigError(
                 "this TieredCache is in the middle of a forward on another thread: a cache holds one sequence of "
                 "steps, so give each concurrent request (thread) its own TieredCache, or wait for the other's forward "
                 "to finish.")
         self.thread = threading.get_ident()
 
-    def _elsewhere(self, layers: int | None) -> bool:
+    def elsewhere(self, layers: int | None) -> bool:
         """Whether a forward of another thread, which is still alive, is half done (running, or stopped there by an
         error on that thread)."""
         return self.thread != threading.get_ident() and 0 < self.layers_updated < (self.full or layers or 0) \
@@ -136,7 +136,7 @@ class Forward:
         reached = self.layers_updated
         if not reached or reached >= (self.full or expected or 0):
             return False
-        if self._elsewhere(expected):  # rolling it back would break a forward that is still running
+        if self.elsewhere(expected):  # rolling it back would break a forward that is still running
             raise InvalidConfigError(
                 "this TieredCache is in the middle of a forward on another thread (or that thread's forward stopped "
                 "part-way with an error): save, crop or reorder it from that thread, or once its generate() has "
