@@ -653,3 +653,41 @@ def test_kvikio_reads_into_cuda_tensors(tmp_path) -> None:
         f.submit_writes([(MiB, src)]).wait()
         f.submit_reads([(MiB, dst[: dst.numel() // 2]), (2 * MiB, dst[dst.numel() // 2 :])]).wait()
     assert torch.equal(src, dst)
+
+
+@pytest.mark.parametrize("threads_that_start", [0, 2])
+def test_posix_engine_without_threads_to_start_runs_the_batch_itself(tmp_path, monkeypatch, caplog,
+                                                                     threads_that_start: int) -> None:
+    """Regression: where the process could not start another thread (a thread, process or address-space limit),
+    the posix engine raised "I/O on closed" on an open file, and the batch it said had failed stayed queued: it
+    ran when a later batch started a thread, into the buffer the caller had reused. Now the threads that started
+    and the calling thread run the batch, which is finished when it returns; nothing of it lands later; a warning
+    says the engine goes on with fewer threads."""
+    import threading
+
+    path = tmp_path / "f.bin"
+    data = np.random.default_rng(3).integers(0, 256, 8 * 65536, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    start, started = threading.Thread.start, []
+
+    def limited(thread: threading.Thread) -> None:
+        if thread.name.startswith("tierkv-posix-io") and len(started) >= threads_that_start:
+            raise RuntimeError("can't start new thread")
+        started.append(thread)
+        start(thread)
+
+    with tierkv_settings.override(io_chunk="64KiB"), open_disk_file(path, engine="posix", direct=False) as f:
+        monkeypatch.setattr(threading.Thread, "start", limited)
+        first = aligned_empty(data.size)
+        with caplog.at_level(logging.WARNING, logger="tierkv"):
+            f.submit_reads([(0, first)]).wait()  # 8 pieces for at most threads_that_start threads
+        assert np.array_equal(first, data)
+        assert "could not start another I/O thread" in caplog.text
+        monkeypatch.setattr(threading.Thread, "start", start)
+        first[:] = 7  # reused by the caller
+        second = aligned_empty(65536)
+        for _ in range(4):  # later batches start threads: a runner queued without one finds nothing left to do
+            f.submit_reads([(65536, second)]).wait()
+        time.sleep(0.05)
+        assert np.array_equal(second, data[65536 : 2 * 65536])
+        assert (first == 7).all()

@@ -4,7 +4,10 @@ Both calls release the GIL for the duration of the system call, so Python thread
 depth: with 16 workers, 16 requests are in the kernel at once. A batch is cut into pieces of at most
 :func:`~tierkv.io.base.chunk_bytes`; instead of one future per piece (tens of microseconds of executor
 overhead each, which adds up for a step of a thousand blocks), the batch starts ``queue depth`` runners
-that pull pieces from a shared counter until none are left.
+that pull pieces from a shared counter until none are left. A batch is finished when its last piece is: where the
+process cannot start another thread (a thread, process or address-space limit), the calling thread runs the
+remaining pieces itself and the file keeps the threads it has (a warning says so), and a runner whose thread
+started late finds the counter drained.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import errno
 import itertools
+import logging
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,24 +38,27 @@ from tierkv.io.base import (
 )
 
 Piece = tuple[int, int, np.ndarray]  # (request index, file offset, [nbytes] uint8 view)
+log = logging.getLogger("tierkv")
 
 
 class _Batch(IOHandle):
-    """Runners of one batch and the errors they met, keyed by request index."""
+    """Runners of one batch, the errors they met (keyed by request index), and the event of its last piece."""
 
-    def __init__(self, futures: list[cf.Future[None]], errors: dict[int, OSError]) -> None:
+    def __init__(self, futures: list[cf.Future[None]], errors: dict[int, OSError], landed: threading.Event) -> None:
         self._futures = futures
         self._errors = errors
+        self._landed = landed
 
     def wait(self) -> None:
         cf.wait(self._futures)
         for future in self._futures:
             future.result()  # a non-OSError bug in a runner surfaces here rather than vanishing
+        self._landed.wait()  # (a piece taken by a runner whose thread started late)
         if self._errors:
             raise self._errors[min(self._errors)]
 
     def done(self) -> bool:
-        return all(future.done() for future in self._futures)
+        return self._landed.is_set() and all(future.done() for future in self._futures)
 
 
 class PosixFile(DiskFile):
@@ -82,27 +90,43 @@ class PosixFile(DiskFile):
         if not requests:
             return CompletedHandle()
         pieces = split(requests, self._chunk)
-        counter = itertools.count()  # next() on it is atomic under the GIL: a lock-free work queue
+        counter, finished = itertools.count(), itertools.count(1)  # next() is atomic under the GIL: lock-free
         errors: dict[int, OSError] = {}
+        landed, closed = threading.Event(), threading.Event()
 
         def runner() -> None:
-            while (i := next(counter)) < len(pieces):
+            while not closed.is_set() and (i := next(counter)) < len(pieces):
                 index, offset, view = pieces[i]
-                if index in errors:
-                    continue  # the request already failed; its other pieces need not run
                 try:
-                    op(offset, view)
+                    if index not in errors:  # (a request that failed already: its other pieces need not run)
+                        op(offset, view)
                 except OSError as exc:
                     errors.setdefault(index, exc)
+                finally:
+                    if next(finished) == len(pieces):
+                        landed.set()
 
         futures: list[cf.Future] = []
         try:
             for _ in range(min(self._depth, len(pieces))):
                 futures.append(pool.submit(runner))
-        except RuntimeError:  # shut down meanwhile by close() on another thread: what was queued runs first
-            cf.wait(futures)
-            raise ValueError(f"I/O on closed {self!r}.") from None
-        return _Batch(futures, errors)
+        except RuntimeError as exc:
+            if self._pool is None:  # shut down meanwhile by close() on another thread: what was queued runs first
+                closed.set()
+                cf.wait(futures)
+                raise ValueError(f"I/O on closed {self!r}.") from None
+            self._fewer_threads(len(futures), exc)
+            runner()  # no thread for the rest: this one runs it (a runner queued without a thread finds none left)
+        return _Batch(futures, errors, landed)
+
+    def _fewer_threads(self, started: int, exc: RuntimeError) -> None:
+        """A batch could start only ``started`` runners (``exc``: no new thread): later batches start no more than
+        the threads this file has."""
+        depth, self._depth = self._depth, max(1, started)
+        if depth > self._depth:
+            log.warning("tierkv: the posix disk engine could not start another I/O thread for %s (%s: a thread, "
+                        "process or memory limit); it goes on with %d at a time (TIERKV_IO_QUEUE_DEPTH sets how many "
+                        "it starts).", self.path, exc, self._depth)
 
     def _read_piece(self, offset: int, view: np.ndarray) -> None:
         done, nbytes = 0, view.nbytes
