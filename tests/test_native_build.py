@@ -101,3 +101,79 @@ def test_the_source_digest_covers_the_headers_it_includes_from_its_folder(tmp_pa
     (tmp_path / "shared.h").write_text("static int b;\n")
     assert cbuild.source_digest(source) != before
     assert cbuild.source_bytes(source).endswith(b"static int b;\n")
+
+
+_LOAD = """
+from tierkv.io import native
+native.extension = lambda: None  # built on first use into the cache, whatever the install built
+native.library()
+print("loaded")
+"""
+
+
+@needs_compiler
+def test_a_cached_library_cut_short_is_built_again_not_loaded(tmp_path: Path) -> None:
+    """Regression: a library built on first use was renamed into place without an fsync and loaded after checking
+    only its owner and mode: cut short (a crash before the disk had it, an interrupted copy of the cache), it
+    killed every process that loaded it with SIGBUS. Now its sha256, recorded beside it, is checked first: it is
+    built again, with a warning. (In subprocesses: a regression kills the process.)"""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TIERKV_CACHE_DIR": str(tmp_path / "cache")}
+
+    def load() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=300)
+
+    first = load()
+    assert first.returncode == 0 and "loaded" in first.stdout, first.stderr
+    (library,) = (tmp_path / "cache" / "native").glob("tierkv_io-*.so")
+    assert library.with_name(library.name + ".sum").exists()
+    os.truncate(library, 1000)
+    again = load()
+    assert again.returncode == 0 and "loaded" in again.stdout, (again.returncode, again.stderr)
+    assert "is not the file that was built" in again.stderr
+    assert library.stat().st_size > 1000
+
+
+@needs_compiler
+def test_a_hung_compiler_is_stopped_with_its_children(fresh_loader: None, monkeypatch, tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A compiler that hangs (a ccache or distcc waiting for a server that is gone) is stopped after
+    ``COMPILE_TIMEOUT_S`` with the processes it started, after a warning that says what the first use waits for;
+    the engine is unavailable with the reason. A build's temporary that a killed process left is removed by the
+    next build once it is older than any build runs."""
+    import os
+    import time
+
+    from tierkv import cbuild
+
+    monkeypatch.setattr(cbuild, "SLOW_COMPILE_S", 0.5)
+    monkeypatch.setattr(cbuild, "COMPILE_TIMEOUT_S", 2)
+    child = tmp_path / "child.pid"
+    compiler = tmp_path / "cc"
+    compiler.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {child}\nwait\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setattr(native, "extension", lambda: None)
+    folder = tmp_path / "cache" / "native"
+    folder.mkdir(parents=True, mode=0o700)
+    stale, fresh = folder / ".tierkv_io-0.so.0123456789ab.tmp", folder / ".tierkv_io-1.so.0123456789ab.tmp"
+    for path in (stale, fresh):
+        path.write_bytes(b"x")
+        path.chmod(0o600)
+    os.utime(stale, (time.time() - 2 * cbuild.STALE_TEMPORARY_S,) * 2)
+    with caplog.at_level(logging.WARNING, logger="tierkv"), pytest.raises(EngineUnavailableError):
+        native.library()
+    assert "is taking more than" in caplog.text
+    pid = int(child.read_text())
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the compiler's child still runs")
+    assert not stale.exists() and fresh.exists()

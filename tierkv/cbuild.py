@@ -5,8 +5,12 @@ Shared by the native disk engine (:mod:`tierkv.io.native`) and the attention ker
 (:mod:`tierkv.attention.host_kernel`, :mod:`tierkv.attention.rest_kernel`: :func:`open_kernel`), which differ only
 in their source, flags and names. A library built on
 first use lives in the ``cache_dir`` setting's ``native/`` folder under a name that carries a hash of source and
-flags, written aside and renamed into place, so concurrent processes never load a half-written file. The
+flags, written aside, fsynced and renamed into place, so concurrent processes never load a half-written file,
+with its sha256 beside it (``<name>.sum``), checked before every load: a file cut short (a crash before the disk
+had it, an interrupted copy of the cache) killed the process that mapped it (SIGBUS); now it is built again. The
 source's hash is compiled into every build, so an extension built from an older source is noticed and rebuilt.
+A compiler that hangs is stopped with its children after :data:`COMPILE_TIMEOUT_S` (a warning says what it
+waits for), and a build's temporary file that a killed process left behind is removed by the next build.
 
 A library in the cache is code this process runs, and its name is computable from the public source, so it is
 loaded only from a ``native/`` that is this user's own (not a link, nobody else can write it, in a cache dir
@@ -18,6 +22,7 @@ that names the path, the problem and the fix (never a fallback to loading it).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.machinery
@@ -26,7 +31,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
+import stat
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -35,6 +43,12 @@ from tierkv.errors import DiskTierError
 from tierkv.io.base import EngineUnavailableError
 
 logger = logging.getLogger("tierkv")
+
+COMPILE_TIMEOUT_S = 120
+"""The longest one compiler run may take (a ccache or distcc waiting for a server that is gone hangs)."""
+SLOW_COMPILE_S = 10  # past this a build says what the first use waits for
+STALE_TEMPORARY_S = 2 * COMPILE_TIMEOUT_S  # a build's temporary this old belongs to no running build
+_TEMPORARY = re.compile(r"\..+\.so\.[0-9a-f]{12}\.tmp")
 
 
 def cache_dir() -> Path:
@@ -90,24 +104,72 @@ def compile_library(source: Path, directory: int, name: str, flag_sets: Sequence
     compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or "cc"]
     if shutil.which(compiler[0]) is None:
         raise EngineUnavailableError(f"no C compiler ({compiler[0]!r} not found)", fix)
+    _remove_stale_temporaries(directory)
     fd, partial = safefs.create_file(directory, f".{name}.", ".tmp", shared=False)
     os.close(fd)
     try:
         for flags in flag_sets:
-            result = subprocess.run([*compiler, *flags, "-o", str(cache_dir() / partial), str(source), *libraries],
-                                    capture_output=True, text=True, timeout=120)  # fmt: skip
-            if result.returncode == 0:
+            returncode, output = _compile([*compiler, *flags, "-o", str(cache_dir() / partial), str(source),
+                                           *libraries], source.name)  # fmt: skip
+            if returncode == 0:
                 built = os.open(partial, os.O_RDONLY | safefs.NOFOLLOW, dir_fd=directory)
                 try:
                     os.fchmod(built, 0o700)  # the linker's own mode follows the umask (group-writable at 002)
+                    os.fsync(built)
+                    digest = _sha256(built)
                 finally:
                     os.close(built)
+                with safefs.replacing(directory, f"{name}.sum", shared=False) as sums:  # first: a library in place
+                    safefs.write_all(sums, [digest.encode()])  # always has its sum (fsynced, with the folder)
                 os.replace(partial, name, src_dir_fd=directory, dst_dir_fd=directory)
                 return
-        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+        tail = output.strip().splitlines()[-1:] or ["no output"]
         raise EngineUnavailableError(f"compiling {source.name} failed: {tail[0]}", fix)
     finally:
         safefs.remove_regular(directory, partial)
+
+
+def _compile(command: list[str], what: str) -> tuple[int, str]:
+    """Run one compiler ``command`` in its own process group: ``(returncode, output)``. Past
+    :data:`SLOW_COMPILE_S` a warning says what the first use waits for; past :data:`COMPILE_TIMEOUT_S` the group is
+    killed (a wrapper's children too) and TimeoutExpired raised."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        try:
+            output, _ = process.communicate(timeout=SLOW_COMPILE_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("tierkv: compiling %s (first use: %s) is taking more than %d s; it is stopped after %d s "
+                           "(set CC to a compiler that works, or install tierkv where one did)", what, command[0],
+                           SLOW_COMPILE_S, COMPILE_TIMEOUT_S)
+            output, _ = process.communicate(timeout=COMPILE_TIMEOUT_S - SLOW_COMPILE_S)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
+    return process.returncode, output or ""
+
+
+def _sha256(fd: int) -> str:
+    """sha256 of the whole file behind ``fd`` (read with pread: its offset is left alone)."""
+    digest, offset = hashlib.sha256(), 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+def _remove_stale_temporaries(directory: int) -> None:
+    """Remove the temporaries of builds whose process was killed (older than any build runs)."""
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if _TEMPORARY.fullmatch(entry.name):
+                with contextlib.suppress(OSError):
+                    status = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(status.st_mode) and safefs.is_ours(status) and \
+                            time.time() - status.st_mtime > STALE_TEMPORARY_S:  # fmt: skip
+                        os.unlink(entry.name, dir_fd=directory)
 
 
 def _load_cached(directory: int, name: str, where: Path) -> ctypes.CDLL:
@@ -117,10 +179,32 @@ def _load_cached(directory: int, name: str, where: Path) -> ctypes.CDLL:
     under, so a ``/proc/self/fd/N`` name is never reused for another one."""
     fd = safefs.open_own_file(directory, name, where)
     try:
+        intact = _intact(directory, name, fd)
+        if not intact:
+            if intact is None:
+                logger.info("tierkv: %s has no checksum recorded beside it; building it again", where)
+            else:
+                logger.warning("tierkv: %s is not the file that was built (cut short or changed since: a crash before "
+                               "the disk had it, an interrupted copy); building it again", where)
+            safefs.remove_regular(directory, name)
+            raise FileNotFoundError(where)
         return ctypes.CDLL(safefs.fd_path(fd))
     except BaseException:
         os.close(fd)
         raise
+
+
+def _intact(directory: int, name: str, fd: int) -> bool | None:
+    """Whether the library behind ``fd`` has the sha256 recorded beside it when it was built (None: none is)."""
+    try:
+        sums = safefs.open_own_file(directory, f"{name}.sum", cache_dir() / f"{name}.sum")
+    except FileNotFoundError:
+        return None
+    try:
+        recorded = os.pread(sums, 128, 0).decode("ascii", "replace").strip()
+    finally:
+        os.close(sums)
+    return recorded == _sha256(fd)
 
 
 def open_library(label: str, source: Path, digest: str | None, built: Path | None,
