@@ -181,6 +181,7 @@ static void *worker(void *arg) {
 
 /* Most threads one pool may have; the Python side refuses more first (settings.MAX_IO_QUEUE_DEPTH). */
 #define TKV_MAX_THREADS 256
+#define TKV_STACK_BYTES (1 << 20) /* per worker: pread/pwrite and xxh3, no deep calls */
 
 /* Free a pool whose threads were all joined (or never started). */
 static void pool_destroy(tkv_pool *pool) {
@@ -212,10 +213,17 @@ void *tkv_pool_new(int nthreads) {
     }
     pthread_mutex_init(&pool->mu, NULL);
     pthread_cond_init(&pool->work_cv, NULL);
+    pthread_attr_t attr; /* a worker needs a few KiB of stack: not the default 8 MiB of address space each */
+    int sized = pthread_attr_init(&attr) == 0;
+    if (sized && pthread_attr_setstacksize(&attr, TKV_STACK_BYTES) != 0) {
+        pthread_attr_destroy(&attr);
+        sized = 0;
+    }
     for (int i = 0; i < nthreads; i++) {
-        if (pthread_create(&pool->threads[i], NULL, worker, pool) != 0) break;
+        if (pthread_create(&pool->threads[i], sized ? &attr : NULL, worker, pool) != 0) break;
         pool->nthreads++;
     }
+    if (sized) pthread_attr_destroy(&attr);
     if (pool->nthreads < nthreads) {
         pool_stop(pool);
         pool_destroy(pool);

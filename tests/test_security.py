@@ -655,7 +655,7 @@ def test_a_planted_native_library_is_never_loaded(public_tmp, fresh_native, plan
     native._build.cache_clear()
     with tierkv_settings.override(cache_dir=own):  # ours loads again from the cache, not rebuilt
         native.library()
-    assert list((own / "native").iterdir()) == [built]
+    assert sorted((own / "native").iterdir()) == [built, built.with_name(f"{built.name}.sum")]  # its sha256 beside it
     assert _mode(own / "native") == 0o700 and _mode(built) == 0o700 and built.stat().st_uid == os.geteuid()
 
 

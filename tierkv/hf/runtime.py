@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import torch
 
 from tierkv import accel
@@ -127,9 +126,10 @@ class Runtime:
         """The device and host tiers' budgets on ``device``: ``gpu_gb`` and ``cpu_gb``, or where left out the
         shares of free device memory (RAM on a CPU-only host) and of available RAM the store takes."""
         budgets = self.budgets
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+        available = sizing.host_memory()[1] if budgets.cpu is None or budgets.gpu is None else 0
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available
         gpu = budgets.gpu if budgets.gpu is not None else int(free * DEFAULT_DEVICE_FRACTION)
-        cpu = budgets.cpu if budgets.cpu is not None else int(psutil.virtual_memory().available * DEFAULT_HOST_FRACTION)
+        cpu = budgets.cpu if budgets.cpu is not None else int(available * DEFAULT_HOST_FRACTION)
         return gpu, cpu
 
     def executor(self, name: str, options: dict[str, Any]) -> PipelinedExecutor:

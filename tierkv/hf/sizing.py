@@ -470,11 +470,24 @@ def check_budgets_fit_machine(gpu: int | None, cpu: int | None, disk: int | None
             )
 
 
-def _machine_memory() -> tuple[int, str]:
-    """The largest memory one tier could use here, and how to say it: RAM, or the largest GPU if bigger."""
+def host_memory() -> tuple[int, int]:
+    """This host's RAM: ``(total, available)`` bytes (psutil); a process out of file descriptors cannot read them
+    (/proc/meminfo): a TierKVError that says so."""
     import psutil
 
-    ram = psutil.virtual_memory().total
+    from tierkv.errors import TierKVError
+    from tierkv.tiers.disk import limit_advice
+
+    try:
+        memory = psutil.virtual_memory()
+    except OSError as exc:
+        raise TierKVError(f"tierkv could not read this host's memory size: {limit_advice(exc) or exc}") from exc
+    return memory.total, memory.available
+
+
+def _machine_memory() -> tuple[int, str]:
+    """The largest memory one tier could use here, and how to say it: RAM, or the largest GPU if bigger."""
+    ram = host_memory()[0]
     where = f"{format_bytes(ram)} of RAM"
     if torch.cuda.is_available():
         gpu = max(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))

@@ -321,16 +321,23 @@ class NativeFile(DiskFile):
         self.path = os.fspath(path)
         self.fd, self.direct, self.direct_refused = open_fd(path, direct)
         self._chunk = chunk_bytes()
-        depth = queue_depth()
+        depth = wanted = queue_depth()
         try:
             self.pool_state = _Pool(self.lib, depth, self.fd)
+            while self.pool_state.handle is None and depth > 1:  # a thread or memory limit: fewer threads
+                depth //= 2
+                self.pool_state = _Pool(self.lib, depth, self.fd)
         except BaseException:
             os.close(self.fd)
             raise
         if self.pool_state.handle is None:
             os.close(self.fd)
-            raise OSError(errno.EAGAIN, f"native engine: could not start its {depth} I/O threads (the thread or "
-                          "memory limit; a smaller TIERKV_IO_QUEUE_DEPTH needs fewer)", path)
+            raise OSError(errno.EAGAIN, "native engine: could not start even one I/O thread (a thread, process or "
+                          "memory limit, e.g. ulimit -u or -v)", path)
+        if depth < wanted:
+            logger.warning("tierkv: the native disk engine could start only %d of its %d I/O threads for %s (a "
+                           "thread, process or memory limit); it goes on with %d (TIERKV_IO_QUEUE_DEPTH sets how "
+                           "many it starts)", depth, wanted, self.path, depth)
         self._live: weakref.WeakSet[_NativeBatch] = weakref.WeakSet()  # finished before the pool is freed
         self._live_lock = threading.Lock()
         # dropped without close() (or alive at exit), the file still joins its C threads and closes its descriptor

@@ -310,6 +310,10 @@ class DiskTier:
         except OSError as exc:
             if self._fd >= 0:
                 os.close(self._fd)
+            limit = limit_advice(exc)
+            if limit is not None:
+                raise DiskTierError(exc.errno, f"disk_dir {str(self.directory)!r} could not be opened: {limit}") \
+                    from exc
             raise DiskTierError(
                 exc.errno, f"disk_dir {str(self.directory)!r} is not writable ({exc.strerror}); pass a directory you "
                 "can write to (e.g. on a local NVMe), or leave disk_dir=None to run without a disk tier."
@@ -385,10 +389,10 @@ class DiskTier:
         if extent:
             try:
                 slot_file.grow(extent)
-            except DiskFullError:
-                if extent == 1:
+            except DiskTierError as exc:
+                if extent == 1 or not isinstance(exc, DiskFullError) and exc.errno != errno.EFBIG:
                     raise
-                slot_file.grow(1)  # the filesystem is nearly full: use what is left, one slot at a time
+                slot_file.grow(1)  # the filesystem (or the file's size limit) is nearly reached: one slot at a time
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
             slot = slot_file.alloc(near)
         if slot is None and slot_file.reclaim():  # only runs' reserved slots are left: give them out
@@ -767,15 +771,37 @@ def disk_error(exc: OSError, path: Path) -> DiskTierError:
     """Wrap an I/O failure of the disk tier in a TierKVError that says what to do."""
     if isinstance(exc, DiskTierError):
         return exc
-    if exc.errno == errno.ENOSPC:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "ran out of space" if exc.errno == errno.ENOSPC else "reached this user's disk quota"
         return DiskFullError(
-            errno.ENOSPC, f"the disk tier ran out of space in {str(path.parent)!r}; free space there, point disk_dir "
-            "at a larger filesystem, or lower disk_gb so the cache stops before the disk is full."
+            exc.errno, f"the disk tier {what} in {str(path.parent)!r}; free space there, point disk_dir at a larger "
+            "filesystem, or lower disk_gb so the cache stops before the disk is full."
         )
+    limit = limit_advice(exc)
+    if limit is not None:
+        return DiskTierError(exc.errno, f"disk tier I/O failed on {str(path)!r}: {limit} The blocks accepted so far "
+                                        "are intact.")
     return DiskTierError(
         exc.errno, f"disk tier I/O failed on {str(path)!r}: {exc.strerror or exc}. The blocks accepted so far are "
         "intact; check the drive and its kernel log (dmesg), or move disk_dir to another drive."
     )
+
+
+def limit_advice(exc: OSError) -> str | None:
+    """What to do about ``exc`` where a limit of this process, not the drive, caused it (None: not one)."""
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.EFBIG:
+        return (f"{reason}: the largest file this process may write there (ulimit -f, or the filesystem's own "
+                "limit, e.g. FAT32's 4 GiB); raise the limit, lower disk_gb below it, or point disk_dir at another "
+                "filesystem.")
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        whose = "this process" if exc.errno == errno.EMFILE else "the system"
+        return (f"{reason}: {whose} has no file descriptor left; raise the limit (ulimit -n) or close files, "
+                "then retry.")
+    if exc.errno == errno.EAGAIN:
+        return (f"{reason}: a thread, process or memory limit (ulimit -u or -v, a container's pids limit); raise "
+                "it, or set TIERKV_IO_QUEUE_DEPTH lower, or TIERKV_DISK_ENGINE=posix.")
+    return None
 
 
 class BounceBuffer:
