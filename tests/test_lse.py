@@ -62,3 +62,23 @@ def test_merging_chunks_equals_attention_over_all_keys(cuts):
     for merged_out, merged_lse in ((out, lse), merge_all(pieces)):
         torch.testing.assert_close(merged_out, expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(merged_lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strided", ["query", "keys", "values"])
+def test_inputs_strided_in_their_last_dimension_attend_as_contiguous_ones(strided):
+    """Regression: the fused CPU kernel reads each row's last dimension as contiguous; a query strided there (what
+    gpt-oss's rotary makes at head dim 2) was attended over other memory: prefill logits off by up to 1e28 or NaN
+    through streaming, split and sparse, and different from run to run."""
+    generator = torch.Generator().manual_seed(0)
+
+    def tensor(*shape):  # stored with the last dimension outermost: stride(-1) > 1
+        return torch.randn(shape[-1], *shape[:-1], generator=generator).movedim(0, -1)
+
+    q = tensor(1, 3, 2, 6, 2) if strided == "query" else torch.randn(1, 3, 2, 6, 2, generator=generator)
+    k = tensor(1, 3, 6, 2) if strided == "keys" else torch.randn(1, 3, 6, 2, generator=generator)
+    v = tensor(1, 3, 6, 2) if strided == "values" else torch.randn(1, 3, 6, 2, generator=generator)
+    assert {"query": q, "keys": k, "values": v}[strided].stride(-1) > 1
+    out, lse = partial_attention(q, k, v, None, 0.7, None)
+    want, want_lse = partial_attention(q.contiguous(), k.contiguous(), v.contiguous(), None, 0.7, None)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-6)

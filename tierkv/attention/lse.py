@@ -86,6 +86,9 @@ def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     batch, kv_heads, groups, q_len, dim = q.shape
     if softcap is None and q.device.type == "cpu" and _FUSED_CPU is not None and keys.dtype == q.dtype:
         rows = q.reshape(batch, kv_heads, groups * q_len, dim)
+        # the private op reads each row's last dimension as contiguous (the public SDPA makes it so first): a
+        # query, key or value strided there (gpt-oss's rotary at head dim 2) read other memory
+        rows, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (rows, keys, values))
         if bias is not None:
             bias = bias.unsqueeze(2).expand(bias.shape[0], 1, groups, q_len, bias.shape[-1])
             bias = bias.reshape(bias.shape[0], 1, groups * q_len, bias.shape[-1])
