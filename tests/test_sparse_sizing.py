@@ -164,3 +164,52 @@ def test_min_sparse_device_bytes_holds_one_token_pages_of_wide_heads(tmp_path):
         for _ in range(4):
             logits = model(input_ids=logits[:, -1:].argmax(-1), past_key_values=cache).logits
         assert cache.stats()["peak_bytes_allocated"]["device"] <= need
+
+
+def _gpt2(head_dim: int) -> transformers.PreTrainedModel:
+    """GPT-2 (no rotary: any head dim builds) with four heads of ``head_dim``."""
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=4 * head_dim, n_head=4, n_layer=2, n_positions=512,
+                                     pad_token_id=PAD, bos_token_id=BOS, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+@pytest.mark.parametrize("head_dim", [3, 5])
+def test_the_default_rest_copy_packs_an_odd_head_dim_in_whole_bytes(tmp_path, head_dim):
+    """Regression: at the default ``rest_bits=4`` a head dim that 4-bit codes do not pack into whole bytes (odd)
+    failed the first sparse step with torch's raw "unflatten" error. The default takes 8 bits there: at a full
+    budget sparse decodes as DynamicCache; an explicit ``rest_bits`` that does not pack is refused with the fix."""
+    from transformers import DynamicCache
+
+    from tierkv.errors import InvalidConfigError
+
+    model = _gpt2(head_dim)
+    ids, mask = prompt(1, 40, seed=2)
+    options = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    reference = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(), **options)
+    with TieredCache(gpu_gb="4MB", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
+        with pytest.raises(InvalidConfigError, match="rest_bits=8"):
+            cache.sparse(model, tokens=1.0, rest_bits=4)
+        with cache.sparse(model, tokens=1.0, chunk_tokens=8):
+            out = model.generate(ids, attention_mask=mask, past_key_values=cache, **options)
+            assert cache.stats()["sparse"]["rest_copy_device_bytes"] > 0
+        cache.reset()
+        with cache.sparse(model, tokens=0.25, chunk_tokens=8):  # pages not read: attended from the 8-bit copy
+            part = model.generate(ids, attention_mask=mask, past_key_values=cache, **options)
+            assert cache.stats()["sparse"]["rest_layer_steps"] > 0
+    assert all(torch.isfinite(logits).all() for logits in part.logits)
+    assert torch.equal(out.sequences, reference.sequences)
+    for got, want in zip(out.logits, reference.logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_sparse_budget_above_the_context_sizes_for_the_context():
+    """Regression: ``tokens`` above the context (the default 2048 on a short prompt, "1M") sized the selection's
+    buffers for tokens that are not there: ``min_sparse_device_bytes`` and the budget error asked for thousands of
+    times the memory that decodes."""
+    config = tiny_model("llama").config
+    whole = TieredCache.min_sparse_device_bytes(config, 64, tokens=1.0, block_tokens=4)
+    assert TieredCache.min_sparse_device_bytes(config, 64, tokens=1 << 20, block_tokens=4) == whole
+    assert TieredCache.min_sparse_device_bytes(config, 64, tokens="1M", block_tokens=4) == whole

@@ -217,5 +217,6 @@ class Staging:
 
 def sparse_budget_tokens(tokens: int | float, context: int) -> int:
     """Tokens a sparse step attends per row over ``context`` tokens: ``tokens`` itself, or that fraction of the
-    context (at least one)."""
-    return max(1, math.floor(tokens * context)) if isinstance(tokens, float) else int(tokens)
+    context (at least one), never more than the context (a budget above it sized buffers for tokens that are not
+    there)."""
+    return max(1, math.floor(tokens * context)) if isinstance(tokens, float) else max(1, min(int(tokens), context))

@@ -359,9 +359,12 @@ class TieredLayer(OfCache, CacheLayerMixin):
             return
         stored = store.seq_length(self.index)
         if -tokens_to_remove > stored - (self.sliding_window - 1):
+            most = max(0, stored - (self.sliding_window - 1))
             raise InvalidConfigError(
-                f"cannot crop {-tokens_to_remove} tokens from layer {self.index}: its sliding window only keeps the "
-                f"last {stored}; crop fewer tokens, or build the cache without config= to keep all tokens.")
+                f"cannot crop {-tokens_to_remove} tokens from layer {self.index}: its sliding window of "
+                f"{self.sliding_window} dropped the tokens before its last {stored}, so at most {most} can be cropped "
+                "(the window must stay whole); crop fewer tokens, or build the cache without config= to keep all "
+                "tokens.")
 
     def reset(self) -> None:
         self.dropped = 0

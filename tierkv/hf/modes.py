@@ -16,7 +16,7 @@ from tierkv.hf import sizing
 from tierkv.hf.attention import Engagement, check_model, split_mode, streaming_mode, takes_attention_functions
 from tierkv.hf.choice import choose_executor
 from tierkv.hf.sizing import DEFAULT_CHUNK_TOKENS
-from tierkv.staging import DEFAULT_REST_BITS
+from tierkv.staging import REST_BITS
 from tierkv.stats import resolve_profile
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class AttentionModes:
 
     def sparse(self, model: torch.nn.Module, tokens: int | float | str = 2048, sinks: int | None = None,
                recent: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-               dense_layers: int = 0, rest_bits: int = DEFAULT_REST_BITS, page_tokens: int | None = None,
+               dense_layers: int = 0, rest_bits: int | None = None, page_tokens: int | None = None,
                rest_means: bool = False) -> Engagement:
         """Decode with query-aware *sparse* attention over this cache while inside the block (approximate).
 
@@ -60,7 +60,8 @@ class AttentionModes:
         the newest token's page) — fetched from whatever tier holds them. ``dense_layers``: the first layers
         attend in full. Nothing is dropped. Prefill and other multi-token steps stay exact (streaming attention,
         ``chunk_tokens``).
-        ``rest_bits`` (2, 4 — the default — or 8; 0: none): the pages a step does not read are attended too, from a
+        ``rest_bits`` (2, 4 — the default; 8 for a head dim 4 bits do not pack — or 8; 0: none): the pages a step
+        does not read are attended too, from a
         low-bit copy on the device (a page whose mass Quest's bound proves negligible is left out); without a copy,
         ``rest_means`` attends them from each page's mean key and value (kept with the summaries, nothing more).
         ``page_tokens``: the unit of selection inside each block (default 16 tokens, or the largest divisor of
@@ -70,8 +71,10 @@ class AttentionModes:
             with TieredCache(gpu_gb=2, disk_dir="/nvme") as cache, cache.sparse(model, tokens=0.1):
                 model.generate(ids, cache=cache)
         """
-        budget = SparseBudget(tokens, sinks, recent, dense_layers, rest_bits, page_tokens, rest_means)
         config = getattr(model, "config", None)  # a model without one is refused when engaged (check_model)
+        bits = sizing.rest_bits_for(config, rest_bits) if rest_bits is None or isinstance(rest_bits, int) and \
+            rest_bits in REST_BITS else rest_bits  # (a value SparseBudget refuses: its error)  # fmt: skip
+        budget = SparseBudget(tokens, sinks, recent, dense_layers, bits, page_tokens, rest_means)
         return Engagement(self._cache, model, streaming_mode(chunk_tokens, budget, config), "sparse")
 
     def split(self, model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Engagement:

@@ -145,7 +145,7 @@ def min_sparse_device_bytes(config: PreTrainedConfig, context: int, tokens: int 
     landing buffers). ``rest_bits``: None for ``cache.sparse``'s default. Bytes, not GB: pass it on as
     ``gpu_gb=f"{n}B"``."""
     tables = sparse_table_bytes(config, context, tokens, batch, block_tokens, page_tokens, rest_bits, dtype)
-    budget = _sparse_budget(tokens, rest_bits, page_tokens)
+    budget = _sparse_budget(config, tokens, rest_bits, page_tokens)
     layout = layout_of_config(config, block_tokens, dtype)
     selection = math.ceil(batch * (budget.budget_tokens(context) + block_tokens) * layout.token_bytes * sizes.GROWTH)
     backfill = batch * layout.slot_bytes  # a column of blocks full before the summaries began, read to summarise
@@ -169,7 +169,7 @@ def sparse_table_bytes(config: PreTrainedConfig, context: int, tokens: int | flo
     check_count(context, name="context")
     check_count(batch, name="batch")
     check_count(block_tokens, name="block_tokens")
-    budget = _sparse_budget(tokens, rest_bits, page_tokens)
+    budget = _sparse_budget(config, tokens, rest_bits, page_tokens)
     pages = block_tokens // budget.page_size(block_tokens)
 
     def row(layout: BlockLayout) -> int:
@@ -182,13 +182,30 @@ def sparse_table_bytes(config: PreTrainedConfig, context: int, tokens: int | flo
                for n, layout in zip(held, layer_layouts(config, block_tokens, dtype), strict=True))
 
 
-def _sparse_budget(tokens: int | float, rest_bits: int | None, page_tokens: int | None) -> SparseBudget:
-    """``cache.sparse``'s budget for these arguments (``rest_bits`` None: its default)."""
-    from tierkv.attention.sparse import SparseBudget
+def rest_bits_for(config: PreTrainedConfig | None, rest_bits: int | None) -> int:
+    """The rest copy's bits for ``cache.sparse(model, rest_bits=)``: ``rest_bits``, refused where it does not pack
+    every layer's head dim into whole bytes; None: :data:`~tierkv.staging.DEFAULT_REST_BITS`, or 8 bits where
+    the default does not pack (an odd head dim)."""
     from tierkv.staging import DEFAULT_REST_BITS
 
-    return SparseBudget(tokens, rest_bits=DEFAULT_REST_BITS if rest_bits is None else rest_bits,
-                        page_tokens=page_tokens)
+    dims = sorted({layout.head_dim for layout in layer_layouts(config, 1, None)}) if config is not None else []
+    bits = DEFAULT_REST_BITS if rest_bits is None else rest_bits
+    odd = [dim for dim in dims if dim * bits % 8]
+    if odd and rest_bits is None:
+        return 8
+    if odd:
+        raise InvalidConfigError(
+            f"sparse rest_bits={rest_bits} packs {8 // bits} codes a byte, which does not divide this model's head "
+            f"dim {odd[0]}: use rest_bits=8 (or 0: no rest copy), or leave rest_bits unset.")
+    return bits
+
+
+def _sparse_budget(config: PreTrainedConfig, tokens: int | float, rest_bits: int | None,
+                   page_tokens: int | None) -> SparseBudget:
+    """``cache.sparse``'s budget for these arguments (``rest_bits`` None: its default for ``config``)."""
+    from tierkv.attention.sparse import SparseBudget
+
+    return SparseBudget(tokens, rest_bits=rest_bits_for(config, rest_bits), page_tokens=page_tokens)
 
 
 @_zero_without_kv
