@@ -59,6 +59,16 @@ def test_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
     assert settings.get("cache_dir") == tmp_path / "tierkv"
 
 
+@pytest.mark.parametrize("value", ["~/.cache", "relcache", "./x"])
+def test_a_relative_xdg_cache_home_is_ignored(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str) -> None:
+    """Regression: an unexpanded ``XDG_CACHE_HOME=~/.cache`` (a systemd unit, a Dockerfile ENV) made the build cache
+    ``./~/.cache/tierkv`` wherever the process ran (a folder named ``~``: ``rm -rf ~`` then deletes the home).
+    Relative values are ignored, as the XDG spec says."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", value)
+    assert settings.get("cache_dir") == tmp_path / ".cache" / "tierkv"
+
+
 def test_override_beats_the_environment_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIERKV_DISK_ENGINE", "native")
     with settings.override(disk_engine="posix", direct_io=False):

@@ -221,7 +221,12 @@ def _secret(value: Any) -> str | None:
 
 
 def _xdg_cache() -> Path:
-    xdg = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    """``$XDG_CACHE_HOME/tierkv``, else ``~/.cache/tierkv``. A relative value (``~/.cache`` unexpanded, as a systemd
+    unit or a .env file passes it) is ignored, as the XDG spec says: it made a folder named ``~`` wherever the
+    process ran."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if not os.path.isabs(xdg):
+        xdg = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(xdg) / "tierkv"
 
 
