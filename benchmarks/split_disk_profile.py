@@ -9,6 +9,8 @@ function (a few microseconds each), after warm-up steps; the figures are per dec
 step. When the main thread's CPU time is close to the wall time, the step is bound by the CPU work on that thread
 (submitting, verifying and attending rounds), not by the disk; all threads' CPU time against the wall time times
 the cores says how busy the host was, and the executor's stall how long the main thread waited for disk rounds.
+The disk's own counters (``/proc/diskstats`` of the device under the directory) say how much of the wall time it
+had a read in flight and how fast it read meanwhile: idle time is what deeper reads ahead could fill.
 With the native engine and the C kernel a layer's rounds run in one C loop (``_DiskRead.consume_rounds``); the
 Python loop's stages appear only where it runs instead. Last, what a round's Python costs right after a
 kernel-sized stream of memory: the request arithmetic of one round (``tierkv.tiers.disk._runs``) after a sum over
@@ -18,6 +20,7 @@ a fresh 2 MiB, against the same in a loop.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import tempfile
 import time
@@ -60,6 +63,18 @@ def _timed(totals: collections.Counter, calls: collections.Counter, label: str,
     return wrapper
 
 
+def _disk_counters(directory: Path) -> tuple[int, int] | None:
+    """(bytes read, milliseconds with I/O in flight) of the block device holding ``directory``, from
+    /proc/diskstats (None where there is none: not Linux, or a filesystem without one)."""
+    device = os.stat(directory).st_dev
+    with contextlib.suppress(OSError), open("/proc/diskstats") as table:
+        for line in table:
+            fields = line.split()
+            if (int(fields[0]), int(fields[1])) == (os.major(device), os.minor(device)):
+                return int(fields[5]) * 512, int(fields[12])
+    return None
+
+
 def _after_streaming(rounds: int = 200) -> tuple[float, float]:
     """Seconds of one ``_runs`` call right after a sum over a fresh 2 MiB (a round's kernel call streams that much
     through the caches), and in a loop."""
@@ -100,14 +115,20 @@ def main() -> None:
             calls.clear()
             executor = cache.executors["split"]
             wall, cpu, process = time.perf_counter(), time.thread_time(), time.process_time()
-            stall = executor.stall_s
+            stall, counted = executor.stall_s, _disk_counters(Path(folder))
             for _ in range(STEPS):
                 scale._step(model, cache, token)
             wall, cpu = (time.perf_counter() - wall) / STEPS, (time.thread_time() - cpu) / STEPS
             process, stall = (time.process_time() - process) / STEPS, (executor.stall_s - stall) / STEPS
+            after = _disk_counters(Path(folder))
         print(f"blocks {cache.stats()['blocks']}; per step: wall {wall * 1e3:.1f} ms, main thread CPU "
               f"{cpu * 1e3:.1f} ms, all threads' CPU {process * 1e3:.1f} ms ({os.cpu_count()} cores), waiting for "
               f"disk rounds {stall * 1e3:.1f} ms")
+        if counted is not None and after is not None:
+            read, busy = (after[0] - counted[0]) / STEPS, (after[1] - counted[1]) / STEPS / 1e3
+            print(f"the disk (/proc/diskstats): {read / 2**20:.0f} MiB read per step, busy {busy / wall:.0%} of the "
+                  f"wall time, {read / max(busy, 1e-9) / 1e9:.2f} GB/s while busy, {read / wall / 1e9:.2f} GB/s "
+                  "overall")
     for _, _, label in STAGES:
         if calls[label]:
             print(f"{label:56s} {totals[label] / STEPS * 1e3:7.1f} ms  {calls[label] // STEPS:5d} calls "
