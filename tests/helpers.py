@@ -28,11 +28,19 @@ def tiny_tmpfs(path: Path, size: str, inodes: int | None = None) -> Iterator[Pat
     """A real filesystem of ``size`` (a tmpfs mounted at ``path``; with ``inodes``, that many files and folders at
     most) that runs out of space; the test skips where it cannot be mounted (not root). Unmounted lazily at the
     end: a store a failed assertion left open does not keep it mounted."""
-    path.mkdir()
     options = f"size={size}" + (f",nr_inodes={inodes}" if inodes is not None else "")
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                                           capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
+    with mounted(path, "tmpfs", options) as mount:
+        yield mount
+
+
+@contextlib.contextmanager
+def mounted(path: Path, kind: str, options: str = "") -> Iterator[Path]:
+    """A filesystem of ``kind`` mounted at ``path`` (created), unmounted lazily at the end; the test skips where it
+    cannot be mounted (not root)."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", kind, *(["-o", options] if options else []), kind,
+                                            str(path)], capture_output=True).returncode:  # fmt: skip
+        pytest.skip(f"cannot mount a {kind} here (needs root)")
     try:
         yield path
     finally:

@@ -126,3 +126,55 @@ def test_no_descriptor_left_to_read_the_hosts_memory_is_a_clear_error(monkeypatc
     ids, mask = prompt(1, 8, seed=1)
     with pytest.raises(TierKVError, match="ulimit -n"), TieredCache() as cache:
         model(ids, attention_mask=mask, past_key_values=cache)
+
+
+def test_o_direct_required_on_a_filesystem_that_refuses_it_is_refused_when_the_cache_is_built(tmp_path) -> None:
+    """Regression: with ``TIERKV_DIRECT_IO=1`` and ``disk_dir`` on a filesystem that refuses O_DIRECT (ramfs here;
+    tmpfs before Linux 6.6, many FUSE mounts), the cache was built and the refusal came at its first spill, in the
+    middle of a forward. Now the disk tier tries it on a probe file when it is built; nothing is left there."""
+    from helpers import mounted
+
+    from tierkv import settings
+    from tierkv.errors import InvalidConfigError
+
+    with mounted(tmp_path / "ram", "ramfs") as directory, settings.override(direct_io=True):
+        with pytest.raises(InvalidConfigError, match="refuses O_DIRECT") as refused:
+            TieredCache(gpu_gb="48KB", cpu_gb="16KB", disk_gb="4MB", disk_dir=directory, block_tokens=4)
+        assert str(directory) in str(refused.value) and "TIERKV_DIRECT_IO" in str(refused.value)
+        assert not [p for p in directory.iterdir() if p.suffix == ".kv"]
+
+
+def test_a_filesystem_that_reports_no_size_takes_an_explicit_disk_budget(tmp_path) -> None:
+    """Regression: on a filesystem whose statvfs reports no size (ramfs; some FUSE and network filesystems) an
+    explicit ``disk_gb`` was refused ("holds 0 B ... leave disk_gb unset") and the default was a 0 B budget that
+    failed at the first spill ("pass disk_gb"): each message recommended the other. Now ``disk_gb`` is the bound
+    there (decoding exact), and the default is refused when the cache is built, with that fix."""
+    from helpers import mounted
+
+    from tierkv.errors import InvalidConfigError
+
+    model = tiny_model("llama")
+    ids, mask = prompt(1, 30, seed=6)
+    reference = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(), max_new_tokens=12,
+                               do_sample=False)
+    with mounted(tmp_path / "ram", "ramfs") as directory:
+        with pytest.raises(InvalidConfigError, match="reports no size.*pass disk_gb"):
+            TieredCache(gpu_gb="48KB", cpu_gb="16KB", disk_dir=directory, block_tokens=4)
+        with TieredCache(gpu_gb="48KB", cpu_gb="16KB", disk_gb="4MB", disk_dir=directory, block_tokens=4) as cache:
+            out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, do_sample=False)
+            assert cache.stats()["blocks"]["disk"] > 0
+    assert torch.equal(out, reference)
+
+
+def test_the_commands_take_a_directory_on_a_filesystem_that_reports_no_size(tmp_path) -> None:
+    """``tierkv bench --dir`` (and the other commands' directories) on ramfs: writable, though it reports no size
+    (it was called "not a writable directory"); /proc still is not."""
+    from helpers import mounted
+
+    from tierkv.commands import _check_writable
+    from tierkv.errors import InvalidConfigError
+
+    with mounted(tmp_path / "ram", "ramfs") as directory:
+        _check_writable("--dir", str(directory), directory)
+    with pytest.raises(InvalidConfigError, match="not a writable directory"):
+        _check_writable("--dir", "/proc/self", Path("/proc/self"))

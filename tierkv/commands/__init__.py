@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -154,11 +155,20 @@ def writable_dir(option: str) -> Callable[[str], Path]:
 
 def _check_writable(option: str, text: str, folder: Path) -> None:
     """Refuse a directory this process cannot write files in: no permission, a read-only filesystem, or one
-    with no storage (``/proc``, ``/sys``: root passes ``os.access`` there, and their free space reads 0 B)."""
+    that takes no files (``/proc``, ``/sys``: root passes ``os.access`` there). Tried with a temporary file: a
+    filesystem that reports no size (ramfs) is still one to write to."""
     stat = os.statvfs(folder)
-    if not os.access(folder, os.W_OK | os.X_OK) or stat.f_flag & os.ST_RDONLY or not stat.f_blocks:
+    if not os.access(folder, os.W_OK | os.X_OK) or stat.f_flag & os.ST_RDONLY or not _takes_files(folder):
         raise InvalidConfigError(f"{option} {text!r}: {str(folder)!r} is not a writable directory; give a "
                                  "directory on a disk you can write to.")
+
+
+def _takes_files(folder: Path) -> bool:
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
 
 
 def existing_dir(option: str, what: str) -> Callable[[str], Path]:

@@ -474,6 +474,8 @@ def check_budgets_fit_machine(gpu: int | None, cpu: int | None, disk: int | None
                 )
     if disk is not None and disk_dir is not None:
         total, free = _disk_usage(disk_dir)
+        if total == 0:  # a filesystem that reports no size (ramfs, some FUSE and network ones): disk_gb is the bound
+            return
         if disk > total:
             raise InvalidConfigError(
                 f"disk_gb is {format_bytes(disk)} but the filesystem under {os.fspath(disk_dir)!r} holds "

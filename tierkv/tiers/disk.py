@@ -50,13 +50,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierkv import forks, safefs
+from tierkv import forks, safefs, settings
 from tierkv.accel import DEVICE, HOST_ONLY, HostOnly
 from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Tier
-from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, TierKVError
+from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, InvalidConfigError, TierKVError
 from tierkv.io import ALIGN, DiskFile, IOHandle, aligned_empty, open_disk_file
-from tierkv.io.base import ArrayPlan
+from tierkv.io.base import ArrayPlan, open_fd
 from tierkv.io.checksum import xxh3_rows
 from tierkv.io.native import NativeFile, RingPlan, RoundsOutcome
 from tierkv.layout import BlockLayout, SlotBytes
@@ -320,7 +320,8 @@ class DiskTier:
             ) from exc
         self._finalizer = forks.finalize(self, _release, self.files, self._lease, self._fd)
         try:
-            self.budget = budget if budget is not None else int(shutil.disk_usage(self.directory).free * free_fraction)
+            self.budget = budget if budget is not None else self._default_budget(free_fraction)
+            self._check_direct_io()
         except BaseException:
             self._finalizer()
             raise
@@ -347,6 +348,35 @@ class DiskTier:
     def engine_name(self) -> str:
         first = next(iter(self.files.values()), None)
         return first.file.engine_name if first else "unopened"
+
+    def _default_budget(self, free_fraction: float) -> int:
+        """``free_fraction`` of the free space under the directory; refused where the filesystem reports no size."""
+        usage = shutil.disk_usage(self.directory)
+        if usage.total == 0:
+            raise InvalidConfigError(
+                f"the filesystem under disk_dir {str(self.directory)!r} reports no size (ramfs, some FUSE and network "
+                "filesystems), so the disk tier's budget cannot default to its free space: pass disk_gb.")
+        return int(usage.free * free_fraction)
+
+    def _check_direct_io(self) -> None:
+        """Where O_DIRECT is required (``TIERKV_DIRECT_IO=1``), open a 4 KiB probe file with it now and read it: a
+        filesystem that refuses it (tmpfs before Linux 6.6, ramfs, many FUSE mounts) is refused when the cache is
+        built, not at its first spill in the middle of a forward."""
+        if settings.get("direct_io") is not True:
+            return
+        fd, name = safefs.create_file(self._fd, f"{self._lease.prefix}-probe-", ".kv", shared=False)
+        try:
+            with contextlib.suppress(OSError):  # (a full filesystem: the open is still tried)
+                os.posix_fallocate(fd, 0, ALIGN)
+            os.close(open_fd(safefs.CreatedPath.of(self.directory / name, fd), True)[0])
+        except InvalidConfigError as exc:
+            raise InvalidConfigError(
+                f"disk_dir {str(self.directory)!r} is on a filesystem that refuses O_DIRECT, which TIERKV_DIRECT_IO=1 "
+                "requires: put disk_dir on one that supports it (ext4, xfs), or unset TIERKV_DIRECT_IO (O_DIRECT "
+                "where the filesystem takes it, else the page cache).") from exc
+        finally:
+            os.close(fd)
+            safefs.remove_regular(self._fd, name)
 
     def slot_file(self, slot_bytes: int) -> DiskSlotFile:
         if slot_bytes not in self.files:
