@@ -336,10 +336,45 @@ def test_an_encoder_decoder_model_decodes_exactly_with_the_cache_as_its_self_att
     with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path / "alone", block_tokens=4,
                      config=config) as cache:  # fmt: skip
         for _ in range(2):  # not mistaken for an interrupted step that a second call would resume
-            with pytest.raises(InvalidConfigError, match=r"updated twice in one forward.*EncoderDecoderCache\(cache, "
-                                                         r"DynamicCache\(\)\)"):  # fmt: skip
+            with pytest.raises(InvalidConfigError, match=r"updated twice in one forward.*cache\.encoder_decoder\(\)"):
                 model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
             assert cache.get_seq_length() == 0
+
+
+def _bart(seed: int) -> transformers.PreTrainedModel:
+    config = transformers.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                     decoder_ffn_dim=128, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=None,
+                                     decoder_start_token_id=BOS, forced_bos_token_id=None, forced_eos_token_id=None)
+    model = instantiate(transformers.BartForConditionalGeneration, config) if seed == 99 else None
+    if model is None:
+        torch.manual_seed(seed)
+        model = transformers.BartForConditionalGeneration(config).float().eval()
+        model.generation_config.eos_token_id = None
+    model.generation_config.forced_bos_token_id = model.generation_config.forced_eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("mode", ["assisted", "prompt lookup", "beams"])
+def test_an_encoder_decoder_cache_takes_the_crops_of_assisted_decoding(tmp_path, mode):
+    """Regression: assisted decoding (and prompt lookup) crops the cache after each rejected draft;
+    transformers' EncoderDecoderCache allows that only on DynamicCache halves and raised a raw TypeError for a
+    TieredCache. ``cache.encoder_decoder()`` takes them: BART decodes as with two DynamicCaches, the
+    self-attention K/V on every tier."""
+    from transformers import EncoderDecoderCache
+
+    model = _bart(99)
+    source, _ = prompt(1, 20, seed=3)
+    options = {"assisted": dict(assistant_model=_bart(7)), "prompt lookup": dict(prompt_lookup_num_tokens=3),
+               "beams": dict(num_beams=2)}[mode]
+    reference = model.generate(source, past_key_values=EncoderDecoderCache(DynamicCache(), DynamicCache()),
+                               max_new_tokens=30, do_sample=False, **options)
+    gpu = TieredCache.min_device_bytes(model.config, 40, 2 if mode == "beams" else 1, block_tokens=4)
+    with TieredCache(gpu_gb=f"{gpu}B", cpu_gb="4KB", disk_dir=tmp_path, block_tokens=4) as cache:
+        out = model.generate(source, past_key_values=cache.encoder_decoder(), max_new_tokens=30, do_sample=False,
+                             **options)
+        assert cache.stats()["blocks"]["disk"] > 0
+    assert torch.equal(out, reference)
 
 
 @pytest.mark.parametrize("executor", ["streaming", "split"])

@@ -9,6 +9,7 @@ and :mod:`~tierkv.hf.sizing` (device budgets and checks from a model config).
 
 from tierkv.hf.attention import STREAMING_ATTENTION, cache_keyword
 from tierkv.hf.cache import TieredCache
+from tierkv.hf.encoder_decoder import TieredEncoderDecoderCache
 from tierkv.hf.layer import TieredLayer
 from tierkv.hf.sizing import (
     DEFAULT_BLOCK_TOKENS,
@@ -19,6 +20,6 @@ from tierkv.hf.sizing import (
     rest_copy_bytes,
 )
 
-__all__ = ["DEFAULT_BLOCK_TOKENS", "STREAMING_ATTENTION", "TieredCache", "TieredLayer", "cache_keyword",
-           "kv_bytes_held", "kv_bytes_per_token", "min_device_bytes", "min_streaming_device_bytes",
+__all__ = ["DEFAULT_BLOCK_TOKENS", "STREAMING_ATTENTION", "TieredCache", "TieredEncoderDecoderCache", "TieredLayer",
+           "cache_keyword", "kv_bytes_held", "kv_bytes_per_token", "min_device_bytes", "min_streaming_device_bytes",
            "rest_copy_bytes"]

@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 
 try:  # a layer that keeps nothing (an MoE or MLP block between recurrent and attention layers)
     from transformers.cache_utils import DummyLayer
@@ -37,6 +37,7 @@ from tierkv.bandwidth import LinkProfile
 from tierkv.errors import InvalidConfigError, UnsupportedLayerError
 from tierkv.hf import conversation, sizing
 from tierkv.hf.attention import Engagement, drop_hand_over
+from tierkv.hf.encoder_decoder import TieredEncoderDecoderCache
 from tierkv.hf.forward import Forward, closed_error
 from tierkv.hf.layer import TieredLayer, not_held
 from tierkv.hf.modes import AttentionModes
@@ -442,6 +443,13 @@ class TieredCache(AttentionModes, Cache):
             if queued:
                 return
 
+    def encoder_decoder(self) -> TieredEncoderDecoderCache:
+        """This cache as an encoder-decoder model's (T5, BART, Whisper) self-attention cache, the cross-attention
+        K/V in a ``DynamicCache``: ``model.generate(..., past_key_values=cache.encoder_decoder())``. Unlike
+        transformers' ``EncoderDecoderCache(cache, DynamicCache())`` it takes the crops and batch edits of assisted
+        decoding and contrastive search (:mod:`tierkv.hf.encoder_decoder`)."""
+        return TieredEncoderDecoderCache(self, DynamicCache())
+
     def save(self, path: str | os.PathLike, model: torch.nn.Module | None = None) -> None:
         """Write this conversation (every layer's K/V, the token ids it knows, per-layer state) to ``path``, so
         :meth:`load` resumes it without prefill. Atomic: a crash while saving leaves the previous file.
@@ -529,7 +537,7 @@ class TieredCache(AttentionModes, Cache):
         raise InvalidConfigError(
             f"layer {layer.position} was updated twice in one forward, as an encoder-decoder model (T5, BART, "
             "Whisper) updates each decoder layer given one cache for both its self- and cross-attention; tierkv "
-            "holds the self-attention K/V: pass EncoderDecoderCache(cache, DynamicCache()) (from transformers). "
+            "holds the self-attention K/V: pass cache.encoder_decoder() (EncoderDecoderCache(cache, DynamicCache())). "
             "This cache was emptied.")
 
     def begin_forward(self) -> None:

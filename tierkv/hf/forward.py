@@ -114,8 +114,7 @@ class Forward:
             f"(a Ctrl-C or an error in the model between layers); the layers it reached were rolled back to {behind} "
             "tokens, so every layer holds the same tokens again. Call generate() / the model again: it will resume "
             "from there. (An encoder-decoder model such as T5, BART or Whisper given this cache alone updates each "
-            "layer twice per forward, self- and cross-attention: pass EncoderDecoderCache(cache, DynamicCache()) "
-            "instead.)"
+            "layer twice per forward, self- and cross-attention: pass cache.encoder_decoder() instead.)"
         )
 
     def _behind(self, layers: Sequence[Holding], reached: int) -> int | None:
