@@ -288,10 +288,8 @@ def test_crop_of_sliding_layer_is_exact_or_refused(remove, make_cache):
             nxt = ref_logits[:, -1:].argmax(-1)
 
 
-def test_a_refused_crop_changes_no_layer(make_cache):
-    """Regression: with a full layer before a sliding one, the full layer was cropped before the sliding layer
-    refused, and the next step's logits were 0.16 off with no error. A crop into what a window dropped is refused
-    before any layer changes; the cache decodes on exactly."""
+def _full_then_sliding() -> transformers.PreTrainedModel:
+    """A Gemma2 of a full-attention layer before a sliding one (window ``WINDOW``), eager attention."""
     config = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                        query_pre_attn_scalar=16, sliding_window=WINDOW,
@@ -299,6 +297,40 @@ def test_a_refused_crop_changes_no_layer(make_cache):
     torch.manual_seed(3)
     model = transformers.Gemma2ForCausalLM(config).eval()
     model.set_attn_implementation("eager")
+    return model
+
+
+def test_past_recording_lets_a_sliding_layer_crop_beyond_its_window(make_cache):
+    """Regression: ``activate_past_recording()`` (what transformers' assisted decoding turns on for long drafts)
+    was ignored by sliding layers, so a crop beyond the window was refused where ``DynamicCache(config=)`` crops.
+    Recording keeps what leaves the window until the next crop, which brings the layer back to its window; the
+    continuation equals DynamicCache's, logit for logit."""
+    model = _full_then_sliding()
+    config = model.config
+    ids, mask = prompt(1, 40, seed=4)
+    dynamic = DynamicCache(config=config)
+    with make_cache(model, 48, 1, with_config=True) as cache:
+        for each in (dynamic, cache):
+            forward(model, ids[:, :20], mask[:, :20], each)
+            each.activate_past_recording()
+            for start in range(20, 36):  # decode steps past the window
+                forward(model, ids[:, start : start + 1], mask[:, : start + 1], each)
+            each.crop(-(WINDOW + 3))  # further back than the window holds
+        assert cache.get_seq_length() == dynamic.get_seq_length() == 36 - WINDOW - 3
+        assert cache.layers[1].dropped > 0  # the crop brought the sliding layer back to its window
+        at = cache.get_seq_length()
+        for start in range(at, at + 6):
+            step = (ids[:, start : start + 1], mask[:, : start + 1])
+            torch.testing.assert_close(forward(model, *step, cache), forward(model, *step, dynamic), atol=ATOL,
+                                       rtol=0)  # fmt: skip
+
+
+def test_a_refused_crop_changes_no_layer(make_cache):
+    """Regression: with a full layer before a sliding one, the full layer was cropped before the sliding layer
+    refused, and the next step's logits were 0.16 off with no error. A crop into what a window dropped is refused
+    before any layer changes; the cache decodes on exactly."""
+    model = _full_then_sliding()
+    config = model.config
     ids, mask = prompt(1, 30, seed=4)
     dynamic = DynamicCache(config=config)
     with make_cache(model, 40, 1, with_config=True) as cache:

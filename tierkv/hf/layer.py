@@ -70,6 +70,7 @@ class TieredLayer(OfCache, CacheLayerMixin):
     is_compileable = False
     is_croppable = True
     supports_early_init = False
+    record_past = False  # a sliding layer keeps what leaves its window until the next crop (activate_past_recording)
 
     def __init__(self, cache: TieredCache, index: int, sliding_window: int | None = None,
                  position: int | None = None) -> None:
@@ -123,7 +124,7 @@ class TieredLayer(OfCache, CacheLayerMixin):
         try:
             # Blocks that left the window during the previous step go now, not then: until this step is
             # committed, a rollback may still need them.
-            if self.sliding_window is not None and stored >= self.sliding_window:
+            if self.sliding_window is not None and stored >= self.sliding_window and not self.record_past:
                 stored -= self._drop_front(store, stored)
             store.append(self.index, key_states, value_states)
             stop = stored + new
@@ -344,13 +345,22 @@ class TieredLayer(OfCache, CacheLayerMixin):
         cache = self.cache
         store = cache.runtime.store
         remove = min(-tokens_to_remove, store.seq_length(self.index) if store is not None else 0)
-        if remove <= 0:  # (as DynamicCache: more than the layer holds empties it)
-            return
-        assert store is not None
-        cache.runtime.invalidate()
-        store.crop(self.index, remove)
-        if cache.session is not None:
-            cache.session.truncate(self.get_seq_length())
+        if remove > 0:  # (as DynamicCache: more than the layer holds empties it)
+            assert store is not None
+            cache.runtime.invalidate()
+            store.crop(self.index, remove)
+            if cache.session is not None:
+                cache.session.truncate(self.get_seq_length())
+        if self.record_past and self.sliding_window is not None and store is not None:
+            stored = store.seq_length(self.index)
+            if stored >= self.sliding_window:  # back to the window, as transformers' sliding layer after a crop
+                cache.runtime.invalidate()
+                self._drop_front(store, stored)
+
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """Keep what leaves a sliding window until the next :meth:`crop`, as transformers' sliding layer does, so a
+        crop may go back further than the window (assisted decoding of a sliding model with long drafts)."""
+        self.record_past = True
 
     def check_crop(self, tokens_to_remove: int) -> None:
         """Refuse :meth:`crop` into the tokens a sliding window dropped (before the cache crops any layer)."""

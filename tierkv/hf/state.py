@@ -191,6 +191,11 @@ class HybridLayer(StateLayer, TieredLayer):
         StateLayer.reset(self)
         TieredLayer.reset(self)
 
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """The state's record (transformers' own, which keeps its history) and with it ``record_past``, which the
+        K/V part's sliding window reads too."""
+        StateLayer.activate_past_recording(self, **kwargs)
+
 
 def _copies(states: dict[int, torch.Tensor | None]) -> dict[int, torch.Tensor | None]:
     return {i: None if state is None else state.clone() for i, state in states.items()}
