@@ -16,6 +16,7 @@ the forward-level rollback that keeps every layer at the same length whatever fa
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from typing import Any, cast
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 try:  # a layer that keeps nothing (an MoE or MLP block between recurrent and attention layers)
     from transformers.cache_utils import DummyLayer
@@ -144,6 +145,11 @@ class CacheGuard:
                     mode.__exit__(None, None, None)
         finally:
             self._lock.release()
+
+
+CROP_KEEPS_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
+"""Whether the installed transformers' ``crop(n)`` with ``n > 0`` keeps the first ``n`` tokens (5.0, what its
+assisted decoding calls) rather than refusing it (later releases crop by a negative count only)."""
 
 
 def _alive(ident: int) -> bool:
@@ -356,6 +362,8 @@ class TieredCache(AttentionModes, Cache):
             if self.closed:
                 raise closed_error()
             self.using.wait_turn()
+            if tokens_to_remove > 0 and CROP_KEEPS_LENGTH:  # transformers 5.0's crop(max_length): keep that many
+                tokens_to_remove = min(0, tokens_to_remove - self.get_seq_length())
             target = self.get_seq_length() + tokens_to_remove  # counted from layer 0's tokens, as transformers does
             if self.settle_stopped() and tokens_to_remove < 0:  # a stopped forward's tokens went: to target, if any
                 tokens_to_remove = min(0, target - self.get_seq_length())
