@@ -346,12 +346,11 @@ def _bart(seed: int) -> transformers.PreTrainedModel:
                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
                                      decoder_ffn_dim=128, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=None,
                                      decoder_start_token_id=BOS, forced_bos_token_id=None, forced_eos_token_id=None)
-    model = instantiate(transformers.BartForConditionalGeneration, config) if seed == 99 else None
-    if model is None:
-        torch.manual_seed(seed)
-        model = transformers.BartForConditionalGeneration(config).float().eval()
-        model.generation_config.eos_token_id = None
-    model.generation_config.forced_bos_token_id = model.generation_config.forced_eos_token_id = None
+    torch.manual_seed(seed)
+    model = transformers.BartForConditionalGeneration(config).float().eval()
+    settings = model.generation_config
+    settings.eos_token_id = settings.forced_bos_token_id = settings.forced_eos_token_id = None
+    settings.pad_token_id = PAD
     return model
 
 

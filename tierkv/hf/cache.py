@@ -39,7 +39,7 @@ from tierkv.errors import InvalidConfigError, UnsupportedLayerError
 from tierkv.hf import conversation, sizing
 from tierkv.hf.attention import Engagement, drop_hand_over
 from tierkv.hf.encoder_decoder import TieredEncoderDecoderCache
-from tierkv.hf.forward import Forward, closed_error
+from tierkv.hf.forward import Forward, alive, closed_error
 from tierkv.hf.layer import TieredLayer, not_held
 from tierkv.hf.modes import AttentionModes
 from tierkv.hf.runtime import Budgets, Runtime
@@ -90,7 +90,7 @@ class CacheGuard:
         """Under the guard: take the turn unless another live thread holds it or ``busy`` (another thread's forward
         is half done); whether this thread holds it now."""
         me, holder = threading.get_ident(), self.holder
-        if (holder is not None and holder != me and _alive(holder)) or (self.owed and self.starting):
+        if (holder is not None and holder != me and alive(holder)) or (self.owed and self.starting):
             return False
         self.owed = False
         self.holder = None if busy else me
@@ -117,7 +117,7 @@ class CacheGuard:
         try:
             while True:
                 holder = self.holder
-                if holder is not None and holder != me and not _alive(holder):
+                if holder is not None and holder != me and not alive(holder):
                     self.holder = holder = None  # its thread ended without giving it back
                 if holder == me or (holder is None and not (starting and self.asking and not self.owed)):
                     self.owed = self.owed and not starting
@@ -150,10 +150,6 @@ class CacheGuard:
 CROP_KEEPS_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
 """Whether the installed transformers' ``crop(n)`` with ``n > 0`` keeps the first ``n`` tokens (5.0, what its
 assisted decoding calls) rather than refusing it (later releases crop by a negative count only)."""
-
-
-def _alive(ident: int) -> bool:
-    return any(thread.ident == ident for thread in threading.enumerate())
 
 
 class TieredCache(AttentionModes, Cache):

@@ -53,14 +53,11 @@ def _turn(cache: TieredCache) -> Iterator[None]:
     another thread's forward in progress to finish; its next forward or edit waits until the save has read every
     record."""
     deadline, guard = time.monotonic() + TURN_WAIT_S, cache.using
-    with guard:
-        guard.asking += 1
-        try:
-            while not guard.take_turn(cache.forward.elsewhere(cache.uses_per_forward())):
-                _in_time(deadline)
+    with _asking(cache):
+        while not _take_turn(cache):
+            _in_time(deadline)
+            with guard:
                 guard.pause(0.01)
-        finally:
-            guard.asking -= 1
     try:
         yield
     finally:
@@ -70,23 +67,32 @@ def _turn(cache: TieredCache) -> Iterator[None]:
 @contextlib.asynccontextmanager
 async def _aturn(cache: TieredCache) -> AsyncIterator[None]:
     """:func:`_turn` for asave: the event loop runs while it waits."""
-    deadline, guard = time.monotonic() + TURN_WAIT_S, cache.using
-    with guard:
-        guard.asking += 1
-    try:
-        while True:
-            with guard:
-                if guard.take_turn(cache.forward.elsewhere(cache.uses_per_forward())):
-                    break
+    deadline = time.monotonic() + TURN_WAIT_S
+    with _asking(cache):
+        while not _take_turn(cache):
             _in_time(deadline)
             await asyncio.sleep(0.005)
-    finally:
-        with guard:
-            guard.asking -= 1
     try:
         yield
     finally:
-        guard.give_turn()
+        cache.using.give_turn()
+
+
+@contextlib.contextmanager
+def _asking(cache: TieredCache) -> Iterator[None]:
+    """This thread asks for the turn meanwhile: the other threads' next forward gives way to it."""
+    with cache.using:
+        cache.using.asking += 1
+    try:
+        yield
+    finally:
+        with cache.using:
+            cache.using.asking -= 1
+
+
+def _take_turn(cache: TieredCache) -> bool:
+    with cache.using:
+        return cache.using.take_turn(cache.forward.elsewhere(cache.uses_per_forward()))
 
 
 def _in_time(deadline: float) -> None:

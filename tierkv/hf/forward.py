@@ -33,6 +33,11 @@ class Holding(Protocol):
 log = logging.getLogger("tierkv")
 
 
+def alive(ident: int) -> bool:
+    """Whether the thread ``ident`` is still running."""
+    return any(thread.ident == ident for thread in threading.enumerate())
+
+
 def closed_error() -> InvalidConfigError:
     """What a closed cache answers to any use."""
     return InvalidConfigError("this TieredCache was closed (its tiers are released); create a new one.")
@@ -86,7 +91,7 @@ class Forward:
         """Whether a forward of another thread, which is still alive, is half done (running, or stopped there by an
         error on that thread)."""
         return self.thread != threading.get_ident() and 0 < self.layers_updated < (self.full or layers or 0) \
-            and any(thread.ident == self.thread for thread in threading.enumerate())
+            and self.thread is not None and alive(self.thread)
 
     def begin(self, layers: Sequence[Holding], runtime: Runtime, expected: int | None = None) -> None:
         """A forward's first update: if the previous forward updated fewer layers than a complete one does (the
