@@ -37,7 +37,6 @@ from tierkv.io.base import (
     split,
 )
 
-Piece = tuple[int, int, np.ndarray]  # (request index, file offset, [nbytes] uint8 view)
 log = logging.getLogger("tierkv")
 
 

@@ -10,7 +10,7 @@ for in-flight reads: executors register as *readers* (:meth:`KVStore.add_reader`
 :meth:`~KVStore.barrier` waits for them.
 
 Executors' device buffers count against the device budget like blocks: :meth:`KVStore.reserve_device` (which
-demotes blocks to make room), :meth:`KVStore.device_buffer`, then :meth:`KVStore.release_device`.
+demotes blocks to make room), then :meth:`KVStore.release_device` (the buffers come from ``tierkv.staging``).
 """
 
 from __future__ import annotations
@@ -340,13 +340,9 @@ class KVStore:
     def reserve_device(self, nbytes: int) -> None:
         """Count ``nbytes`` of device staging (an executor's buffers) against the device budget, demoting blocks
         to make room; raises :class:`~tierkv.errors.BudgetTooSmallError` with the numbers when it cannot.
-        Allocate the buffers with :meth:`device_buffer`; give the bytes back with :meth:`release_device`."""
+        Give the bytes back with :meth:`release_device`."""
         self._forget_views()  # cached plans and tails hold views of slab chunks and staging that may go now
         self.placement.reserve_device(nbytes)
-
-    def device_buffer(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of uint8 device memory through the device's accelerator (reserve them first)."""
-        return self.device.accel.empty(nbytes, self.device.device)
 
     def release_device(self, nbytes: int) -> None:
         """Give back ``nbytes`` reserved with :meth:`reserve_device`, once the caller dropped its buffers: the
