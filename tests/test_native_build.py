@@ -137,6 +137,21 @@ def test_a_cached_library_cut_short_is_built_again_not_loaded(tmp_path: Path) ->
     assert library.stat().st_size > 1000
 
 
+def _hanging_compiler(monkeypatch, tmp_path: Path, script: str) -> Path:
+    """``CC`` set to a shell ``script`` that hangs, stopped after 2 s (a warning after 0.5 s); nothing built at
+    install: the native engine builds on first use."""
+    from tierkv import cbuild
+
+    monkeypatch.setattr(cbuild, "SLOW_COMPILE_S", 0.5)
+    monkeypatch.setattr(cbuild, "COMPILE_TIMEOUT_S", 2)
+    compiler = tmp_path / "cc"
+    compiler.write_text(f"#!/bin/sh\n{script}\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setattr(native, "extension", lambda: None)
+    return compiler
+
+
 @needs_compiler
 def test_a_hung_compiler_is_stopped_with_its_children(fresh_loader: None, monkeypatch, tmp_path: Path,
                                                       caplog: pytest.LogCaptureFixture) -> None:
@@ -149,14 +164,8 @@ def test_a_hung_compiler_is_stopped_with_its_children(fresh_loader: None, monkey
 
     from tierkv import cbuild
 
-    monkeypatch.setattr(cbuild, "SLOW_COMPILE_S", 0.5)
-    monkeypatch.setattr(cbuild, "COMPILE_TIMEOUT_S", 2)
     child = tmp_path / "child.pid"
-    compiler = tmp_path / "cc"
-    compiler.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {child}\nwait\n")
-    compiler.chmod(0o755)
-    monkeypatch.setenv("CC", str(compiler))
-    monkeypatch.setattr(native, "extension", lambda: None)
+    _hanging_compiler(monkeypatch, tmp_path, f"sleep 60 &\necho $! > {child}\nwait")
     folder = tmp_path / "cache" / "native"
     folder.mkdir(parents=True, mode=0o700)
     stale, fresh = folder / ".tierkv_io-0.so.0123456789ab.tmp", folder / ".tierkv_io-1.so.0123456789ab.tmp"
@@ -177,3 +186,49 @@ def test_a_hung_compiler_is_stopped_with_its_children(fresh_loader: None, monkey
     else:
         pytest.fail("the compiler's child still runs")
     assert not stale.exists() and fresh.exists()
+
+
+@needs_compiler
+def test_a_compiler_that_timed_out_is_not_run_again_for_a_while(fresh_loader: None, monkeypatch,
+                                                                tmp_path: Path) -> None:
+    """Regression: a compiler that timed out was run again for every library a process opened (the disk engine
+    and three kernels: four timeouts in a row) and by every new process. Now a marker in the cache folder, named
+    by the compiler command, keeps this process and the next ones from running it for ``TIMED_OUT_RETRY_S``: they
+    are refused at once, naming the marker; another compiler command is tried at once; an expired marker goes."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tierkv import cbuild
+
+    runs = tmp_path / "runs"
+    compiler = _hanging_compiler(monkeypatch, tmp_path, f"echo run >> {runs}\nexec sleep 60")
+    with pytest.raises(EngineUnavailableError, match="failed"):
+        native.library()
+    assert runs.read_text().count("run") == 1
+    (marker,) = (tmp_path / "cache" / "native").glob("timed-out-*")
+
+    native._build.cache_clear()  # the next library this process opens
+    started = time.monotonic()
+    with pytest.raises(EngineUnavailableError, match="is not run again") as refused:
+        native.library()
+    assert str(marker) in str(refused.value) and time.monotonic() - started < 1
+    env = {**os.environ, "TIERKV_CACHE_DIR": str(tmp_path / "cache")}  # a new process: refused at once too
+    other = subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=60)
+    assert other.returncode != 0 and "is not run again" in other.stderr, other.stderr[-2000:]
+    assert runs.read_text().count("run") == 1
+
+    monkeypatch.setenv("CC", f"{compiler} -O2")  # another command: tried
+    native._build.cache_clear()
+    with pytest.raises(EngineUnavailableError, match="failed"):
+        native.library()
+    assert runs.read_text().count("run") == 2
+
+    monkeypatch.setenv("CC", str(compiler))
+    old = time.time() - cbuild.TIMED_OUT_RETRY_S - 1
+    os.utime(marker, (old, old))  # expired: removed, and the compiler run again
+    native._build.cache_clear()
+    with pytest.raises(EngineUnavailableError, match="failed"):
+        native.library()
+    assert runs.read_text().count("run") == 3

@@ -10,7 +10,9 @@ with its sha256 beside it (``<name>.sum``), checked before every load: a file cu
 had it, an interrupted copy of the cache) killed the process that mapped it (SIGBUS); now it is built again. The
 source's hash is compiled into every build, so an extension built from an older source is noticed and rebuilt.
 A compiler that hangs is stopped with its children after :data:`COMPILE_TIMEOUT_S` (a warning says what it
-waits for), and a build's temporary file that a killed process left behind is removed by the next build.
+waits for), and is not run again for :data:`TIMED_OUT_RETRY_S` by this or any other process of the user (a marker
+in the cache folder, named by the compiler command: another ``CC`` is tried at once); a build's temporary file that
+a killed process left behind is removed by the next build.
 
 A library in the cache is code this process runs, and its name is computable from the public source, so it is
 loaded only from a ``native/`` that is this user's own (not a link, nobody else can write it, in a cache dir
@@ -48,6 +50,9 @@ COMPILE_TIMEOUT_S = 120
 """The longest one compiler run may take (a ccache or distcc waiting for a server that is gone hangs)."""
 SLOW_COMPILE_S = 10  # past this a build says what the first use waits for
 STALE_TEMPORARY_S = 2 * COMPILE_TIMEOUT_S  # a build's temporary this old belongs to no running build
+TIMED_OUT_RETRY_S = 3600
+"""How long a compiler command that timed out is not run again (each library a process opens would wait for it
+once more, and every new process too)."""
 _TEMPORARY = re.compile(r"\..+\.so\.[0-9a-f]{12}\.tmp")
 
 
@@ -104,13 +109,25 @@ def compile_library(source: Path, directory: int, name: str, flag_sets: Sequence
     compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or "cc"]
     if shutil.which(compiler[0]) is None:
         raise EngineUnavailableError(f"no C compiler ({compiler[0]!r} not found)", fix)
+    marker = _timed_out_marker(compiler)
+    since = _timed_out_since(directory, marker)
+    if since is not None:
+        raise EngineUnavailableError(
+            f"not building {source.name}: the compiler {shlex.join(compiler)!r} did not finish within "
+            f"{COMPILE_TIMEOUT_S} s {since:.0f} s ago, and is not run again for {TIMED_OUT_RETRY_S} s (delete "
+            f"{cache_dir() / marker} to try it now)", fix)
     _remove_stale_temporaries(directory)
     fd, partial = safefs.create_file(directory, f".{name}.", ".tmp", shared=False)
     os.close(fd)
     try:
         for flags in flag_sets:
-            returncode, output = _compile([*compiler, *flags, "-o", str(cache_dir() / partial), str(source),
-                                           *libraries], source.name)  # fmt: skip
+            try:
+                returncode, output = _compile([*compiler, *flags, "-o", str(cache_dir() / partial), str(source),
+                                               *libraries], source.name)  # fmt: skip
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(OSError), safefs.replacing(directory, marker, shared=False):
+                    pass  # its time is its mtime
+                raise
             if returncode == 0:
                 built = os.open(partial, os.O_RDONLY | safefs.NOFOLLOW, dir_fd=directory)
                 try:
@@ -149,6 +166,24 @@ def _compile(command: list[str], what: str) -> tuple[int, str]:
         process.wait()
         raise
     return process.returncode, output or ""
+
+
+def _timed_out_marker(compiler: Sequence[str]) -> str:
+    """The cache folder's file that says ``compiler`` (the command) timed out, named by the command's hash."""
+    return f"timed-out-{hashlib.sha256(shlex.join(compiler).encode()).hexdigest()[:16]}"
+
+
+def _timed_out_since(directory: int, marker: str) -> float | None:
+    """Seconds since the compiler of ``marker`` timed out, if less than :data:`TIMED_OUT_RETRY_S` ago (an older
+    marker is removed)."""
+    status = safefs.is_regular_here(directory, marker)
+    if status is None or not safefs.is_ours(status):
+        return None
+    age = time.time() - status.st_mtime
+    if 0 <= age < TIMED_OUT_RETRY_S:
+        return age
+    safefs.remove_regular(directory, marker)
+    return None
 
 
 def _sha256(fd: int) -> str:
