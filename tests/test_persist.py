@@ -671,6 +671,51 @@ def test_a_conversation_persists_its_generated_tokens_on_the_next_turn(tmp_path)
         _assert_same(reference, _generate(model, turn, later))
 
 
+def _roomy(model, directory) -> TieredCache:
+    """A persisting cache with room for any executor (the device holds it all)."""
+    return TieredCache(gpu_gb="64MB", cpu_gb="64MB", disk_dir=directory, persist=True, block_tokens=BT,
+                       config=model.config)
+
+
+def test_kv_decoded_with_sparse_attention_is_never_persisted(tmp_path):
+    """Regression: a conversation decoded inside ``cache.sparse(model)`` persisted its generated tokens' blocks on
+    the next turn like any others, but their K/V came from approximate attention (every layer's K/V after the
+    first depends on the attention before it): an exact worker that loaded them decoded other logits than
+    DynamicCache. Nothing from the first sparse step on is persisted now; the exact prefill before it is."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=8)
+    follow, _ = prompt(1, 5, seed=9)
+    with _roomy(model, tmp_path) as cache:
+        cache.load_prefix(model, ids)
+        with cache.sparse(model, tokens=BT):
+            turn = torch.cat((_generate(model, ids, cache).sequences, follow), dim=1)
+            cache.load_prefix(model, turn)
+            last = torch.cat((_generate(model, turn, cache).sequences, follow), dim=1)
+    reference = _generate(model, last, DynamicCache(config=model.config))
+    with _roomy(model, tmp_path) as later:
+        assert later.load_prefix(model, last) == PROMPT // BT * BT  # the prompt's full blocks, nothing decoded
+        _assert_same(reference, _generate(model, last, later))
+
+
+@pytest.mark.parametrize("mode", ["streaming", "split", "sparse"])
+def test_an_engaged_cache_shares_the_prefix_with_plain_ones(mode, tmp_path):
+    """Regression: inside ``cache.streaming/split/sparse(model)`` the model's attention implementation is tierkv's
+    switch, and the namespace took that name: an engaged cache found none of the blocks a plain one stored (and
+    every engaged executor, sparse included, shared one namespace of their own). It is the model's own attention
+    now, which streaming and split compute."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=8)
+    reference = _generate(model, ids, DynamicCache(config=model.config))
+    with _roomy(model, tmp_path) as plain:
+        plain.load_prefix(model, ids)
+        _assert_same(reference, _generate(model, ids, plain))
+    with _roomy(model, tmp_path) as cache, getattr(cache, mode)(model):
+        assert cache.load_prefix(model, ids) == PROMPT // BT * BT
+        out = _generate(model, ids, cache)
+    if mode != "sparse":
+        _assert_same(reference, out)
+
+
 def _masked_generate(model, ids, mask, cache):
     return model.generate(ids, attention_mask=mask, **{cache_keyword(model): cache}, max_new_tokens=NEW,
                           do_sample=False, output_logits=True, return_dict_in_generate=True)

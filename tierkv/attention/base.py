@@ -77,6 +77,7 @@ class Executor(Protocol):
 
     name: ClassVar[str]
     replaces_attention: ClassVar[bool]  # True: the model's attention function calls attend() (streaming, sparse)
+    approximate: ClassVar[bool]  # True: its steps' outputs, so the next layers' K/V, differ from full attention's
     prefetch_hits: int
     prefetch_misses: int
     stall_s: float
@@ -172,6 +173,7 @@ class PipelinedExecutor:
 
     name: ClassVar[str] = ""
     replaces_attention: ClassVar[bool] = True
+    approximate: ClassVar[bool] = False
     read_ahead = READ_AHEAD
     """Disk reads this executor keeps submitted ahead (each holds a bounce buffer: :attr:`ahead_buffers` names)."""
 

@@ -234,6 +234,7 @@ class SparseAttention(PipelinedExecutor):
     """
 
     name = "sparse"
+    approximate = True  # whatever the budget: a step that reads every page is exact, but no step promises it
     speculate = True  # read the next layer's likely selection from disk while a layer attends
     speculate_runners = 0  # best-scored unselected blocks a guess adds per row (0: the previous selection only)
     sticky_share = 0.5  # a block that got this share of some query head's attention is read at the next step too

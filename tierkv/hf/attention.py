@@ -104,6 +104,13 @@ def _kept_its_own(module: Any) -> bool:
         getattr(config, "_attn_implementation", STREAMING_ATTENTION) != STREAMING_ATTENTION
 
 
+def own_implementation(model: Any) -> str:
+    """The attention implementation ``model`` computes with: the one an engagement switched from while engaged
+    (streaming and split compute that attention; :data:`STREAMING_ATTENTION` names only the switch)."""
+    with _LOCK:
+        return _BEFORE.get(id(model)) or str(model.config._attn_implementation)
+
+
 def check_model(model: Any, what: str) -> None:
     """``cache.<what>(model)`` switches the attention of the model itself: a config or a name is refused."""
     if not isinstance(model, torch.nn.Module):

@@ -133,6 +133,8 @@ class TieredLayer(OfCache, CacheLayerMixin):
             executor = runtime.decode if new == 1 else runtime.prefill
             if executor is None or executor is not runtime.attending:
                 executor = runtime.hand_off(new)
+            if executor.approximate and cache.session is not None:
+                cache.session.narrow(self.length_before, "a step decoded with approximate (sparse) attention")
             if executor.replaces_attention:
                 if widths is not None:
                     raise InvalidConfigError(

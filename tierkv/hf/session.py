@@ -6,18 +6,19 @@ this process's forward passes, so neither it nor anything computed on top of it 
 stores under the token ids the file claims (a crafted file would otherwise serve its K/V to other prompts).
 
 A block is keyed by its token ids, so it is stored and served only where its K/V depends on the ids and their
-positions alone. Two things a forward's inputs can add to that: an attention mask that masks a token (left
-padding: every later token's K/V then differs, positions shift too), and a rotary embedding whose frequencies
-depend on the forward's length (dynamic NTK, LongRoPE: a forward that reaches the model's original length
-rescales every position). A forward pre-hook on the model given to ``load_prefix`` (:class:`ForwardWatch`) sees
-each forward's inputs: tokens after the first masked one, those computed by a forward past that length, with
-other positions, from embeddings, in training mode or with inputs it cannot check (``token_type_ids``, images)
-are never persisted, nor are ids other than the ones the forward computed (its ``input_ids`` are compared with
-the ids ``load_prefix`` was given, and those it computes past them — generated tokens — are recorded, so the next
-turn's ids must repeat them). A forward the hook did not see (another module, the cache passed positionally) is
-not persisted either. A forward that would mix masked tokens or rescaled positions with K/V loaded from the store
-is refused before it runs (nothing changes). ``load_prefix(..., attention_mask=)`` loads only what the mask
-leaves untouched, and nothing for a prompt past that length.
+positions alone. Two things a forward's inputs can add to that: an attention mask that masks a token (left padding:
+every later token's K/V then differs, positions shift too), and a rotary embedding whose frequencies depend on the
+forward's length (dynamic NTK, LongRoPE: a forward that reaches the model's original length rescales every
+position). A forward pre-hook on the model given to ``load_prefix`` (:class:`ForwardWatch`) sees each forward's
+inputs: tokens after the first masked one, those computed by a forward past that length, with other positions, from
+embeddings, in training mode or with inputs it cannot check (``token_type_ids``, images) are never persisted, nor
+are ids other than the ones the forward computed (its ``input_ids`` are compared with the ids ``load_prefix`` was
+given, and those it computes past them — generated tokens — are recorded, so the next turn's ids must repeat them).
+Nor is a token decoded with sparse attention, or any after it (the layer sees the approximate executor): its K/V,
+and every later token's, is not what full attention computes. A forward the hook did not see (another module, the
+cache passed positionally) is not persisted either. A forward that would mix masked tokens or rescaled positions
+with K/V loaded from the store is refused before it runs (nothing changes). ``load_prefix(..., attention_mask=)``
+loads only what the mask leaves untouched, and nothing for a prompt past that length.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import InvalidConfigError
+from tierkv.hf.attention import own_implementation
 from tierkv.persist.blockfile import PersistentStore
 from tierkv.persist.keys import Namespace
 from tierkv.persist.prefix import PrefixPersistence
@@ -112,7 +114,7 @@ class PrefixSession:
                 self._record([])
                 self.narrow(unmasked, "load_prefix's attention_mask")
             return held
-        namespace = Namespace.of_model(model, self.block_tokens)
+        namespace = Namespace.of_model(model, self.block_tokens, attention=own_implementation(model))
         if cache.runtime.num_layers is not None and len(cache.layers) != namespace.layers:
             raise InvalidConfigError(f"the model has {namespace.layers} layers but this cache was built for "
                                      f"{len(cache.layers)} (config=); pass that model's config.")

@@ -105,7 +105,8 @@ class Namespace:
 
     ``dtype`` is the K/V dtype's name (``"float32"``, ``"bfloat16"``); ``device_type`` is ``"cpu"``/``"cuda"``
     (kernels differ in the last bits); ``attention`` is the model's attention implementation (``"sdpa"``,
-    ``"eager"`` ...: the K/V of layer 1 and up depend on layer 0's attention output, bit for bit).
+    ``"eager"`` ...: the K/V of layer 1 and up depend on layer 0's attention output, bit for bit; inside
+    ``cache.streaming/split(model)`` the one they switched from, which they compute within rounding).
     """
 
     fingerprint: str
@@ -127,9 +128,11 @@ class Namespace:
         return (self.layers, 2, self.kv_heads, self.block_tokens, self.head_dim)
 
     @classmethod
-    def of_model(cls, model: torch.nn.Module, block_tokens: int, fingerprint: str | None = None) -> Namespace:
+    def of_model(cls, model: torch.nn.Module, block_tokens: int, fingerprint: str | None = None,
+                 attention: str | None = None) -> Namespace:
         """The namespace of a transformers decoder (geometry from its text config, dtype and device from its
-        parameters); ``fingerprint`` defaults to :func:`model_fingerprint`."""
+        parameters); ``fingerprint`` defaults to :func:`model_fingerprint`, ``attention`` to the config's
+        implementation."""
         config: PreTrainedConfig | None = getattr(model, "config", None)
         if config is None:
             raise InvalidConfigError(f"{type(model).__qualname__} has no .config: persisted prefixes need a "
@@ -141,7 +144,7 @@ class Namespace:
         return cls(fingerprint=fingerprint or model_fingerprint(model), layers=int(text.num_hidden_layers),
                    kv_heads=int(kv_heads), head_dim=int(head_dim), dtype=str(kv_dtype(model)).removeprefix("torch."),
                    block_tokens=int(block_tokens), device_type=parameter.device.type,
-                   attention=str(config._attn_implementation))
+                   attention=attention or str(config._attn_implementation))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
