@@ -83,3 +83,32 @@ def test_a_minimum_of_gigabytes_is_said_with_its_unit():
     assert need >= 10**9, message
     takes = re.search(r"which takes ([^;]+);", message)
     assert takes is not None and takes.group(1).endswith("GB") and parse_size(takes.group(1)) >= need, message
+
+
+def test_sparse_with_past_recording_names_the_minimum_that_decodes():
+    """Regression: after ``activate_past_recording()`` a sliding layer keeps its whole past, which sparse
+    summarises like a full layer's; above ``min_sparse_device_bytes`` (sized for the window) a step was refused
+    with the store's "raise gpu_gb to at least X", an X that moved with the budget (following it was refused
+    again). The refusal now names ``min_sparse_device_bytes(..., record_past=True)``, which decodes."""
+    model = tiny_model("mistral", sliding_window=8, layers=8)
+    ids, mask = prompt(1, 120, seed=2)
+    total = ids.shape[1] + 3
+    window = TieredCache.min_sparse_device_bytes(model.config, total, 1.0, 1, block_tokens=BLOCK, chunk_tokens=CHUNK)
+    whole = TieredCache.min_sparse_device_bytes(model.config, total, 1.0, 1, block_tokens=BLOCK, chunk_tokens=CHUNK,
+                                                record_past=True)  # fmt: skip
+    assert whole > window
+
+    def decode(gpu: int) -> list[torch.Tensor]:
+        with TieredCache(gpu_gb=f"{gpu}B", cpu_gb="64MB", block_tokens=BLOCK, config=model.config) as cache, \
+                cache.sparse(model, tokens=1.0, chunk_tokens=CHUNK):  # fmt: skip
+            cache.activate_past_recording()
+            return run(model, ids, mask, cache)
+
+    with pytest.raises(BudgetTooSmallError) as info:
+        decode(window)
+    message = str(info.value)
+    assert "record_past=True" in message and window < _named_budgets(message)[0] <= whole, message
+    reference = DynamicCache(config=model.config)
+    reference.activate_past_recording()
+    for got, want in zip(decode(whole), run(model, ids, mask, reference), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

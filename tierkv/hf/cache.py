@@ -263,6 +263,11 @@ class TieredCache(AttentionModes, Cache):
             return super().get_seq_length(layer_idx)
 
     @property
+    def records_past(self) -> bool:
+        """Whether a sliding-window layer keeps its whole past (``activate_past_recording()``, until a crop)."""
+        return any(isinstance(layer, TieredLayer) and layer.is_sliding and layer.record_past for layer in self.layers)
+
+    @property
     def is_initialized(self) -> bool:
         """Whether the cache holds tokens, as ``DynamicCache`` answers it after a forward: PaliGemma, Molmo2 and
         HRM read it to tell a prefill from a later step (their layers update no transformers-side state)."""

@@ -150,7 +150,8 @@ class TieredLayer(OfCache, CacheLayerMixin):
         except BaseException as error:  # a KeyboardInterrupt too: the layers that took this step give it back
             cache.roll_back(self.length_before)
             if isinstance(error, BudgetTooSmallError):
-                raise runtime.budget_error(error, self.length_before + new, key_states.shape[0]) from error
+                raise runtime.budget_error(error, self.length_before + new, key_states.shape[0],
+                                           cache.records_past) from error
             raise
 
     def _widen(self, key_states: torch.Tensor,
@@ -234,7 +235,7 @@ class TieredLayer(OfCache, CacheLayerMixin):
             cache = self.cache
             cache.roll_back(self.length_before)
             if isinstance(error, BudgetTooSmallError):
-                raise cache.runtime.budget_error(error, span.context, span.batch) from error
+                raise cache.runtime.budget_error(error, span.context, span.batch, cache.records_past) from error
             raise
 
     def _start(self, stop: int, new: int) -> int:

@@ -175,12 +175,14 @@ class Runtime:
                                "rest_copy_device_bytes": summaries.nbytes - held if summaries is not None else 0}
         return stats
 
-    def budget_error(self, error: BudgetTooSmallError, context: int, batch: int) -> BudgetTooSmallError:
+    def budget_error(self, error: BudgetTooSmallError, context: int, batch: int,
+                     record_past: bool = False) -> BudgetTooSmallError:
         """``error`` told in the current mode: where the budget is below what a step at ``context`` tokens needs (the
         staging and every layer's open block, what ``min_device_bytes`` / ``min_streaming_device_bytes`` promise,
         where the store that raised it knows only the layers it has seen so far), that one minimum, and the way
-        out of this mode (streaming for gather; shorter chunks inside streaming). The same error comes back with
-        its message replaced, so ``raise budget_error(error, ...) from error`` shows one traceback, not a chain."""
+        out of this mode (streaming for gather; shorter chunks inside streaming). ``record_past``: sliding layers
+        keep their whole past (sparse's minimum counts it). The same error comes back with its message replaced,
+        so ``raise budget_error(error, ...) from error`` shows one traceback, not a chain."""
         store = self.store
         if store is None or not store.layouts:
             return error
@@ -201,7 +203,7 @@ class Runtime:
             if sparse is not None and config is not None and chunk_tokens is not None:
                 return sizing.min_sparse_device_bytes(config, context, sparse.tokens, batch, store.block_tokens,
                                                       sparse.page_tokens, sparse.rest_bits, chunk_tokens,
-                                                      layout.dtype, store.device.device)  # fmt: skip
+                                                      layout.dtype, store.device.device, record_past)  # fmt: skip
             if chunk_tokens is None:
                 depth = self.budgets.prefetch_depth if isinstance(self.budgets.prefetch_depth, int) else 1
                 staging = gather_staging_bytes(batch, context, layout.token_bytes, store.block_tokens, depth)
@@ -219,7 +221,9 @@ class Runtime:
             f"the {plural(layers, 'layer')} seen so far (pass config=model.config to TieredCache to count all)"
         how = "exact gather" if chunk is None else f"{mode.decode} attention in {chunk}-token chunks"
         api = "min_device_bytes gives it for the context you decode to" if chunk is None else \
-            "min_sparse_device_bytes gives it for the context you decode to" if sparse is not None else \
+            "min_sparse_device_bytes gives it for the context you decode to" + (
+                ", with record_past=True while activate_past_recording() keeps the sliding layers' whole past"
+                if record_past else "") if sparse is not None else \
             f"{'min_split_device_bytes' if mode.decode == 'split' else 'min_streaming_device_bytes'} gives it"
         least = "; TieredCache(prefetch_depth=0, ...), which reads no layer ahead (slower), needs less: " \
             "min_device_bytes(..., prefetch_depth=0)" if chunk is None and self.budgets.prefetch_depth != 0 else ""

@@ -138,13 +138,16 @@ def kv_bytes_held(config: PreTrainedConfig, tokens: int, dtype: torch.dtype | No
 def min_sparse_device_bytes(config: PreTrainedConfig, context: int, tokens: int | float = 0.1, batch: int = 1,
                             block_tokens: int = DEFAULT_BLOCK_TOKENS, page_tokens: int | None = None,
                             rest_bits: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                            dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> int:
+                            dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                            record_past: bool = False) -> int:
     """Smallest ``gpu_gb`` (bytes) for ``cache.sparse(model, tokens=tokens)`` up to ``context`` tokens: the prefill's
     two streaming chunks, one layer's selection, a column of blocks to summarise, the summaries and rest copy of
     every full block (their tables grow in 25% steps, at least 8 rows a layer) and the open tails (and on CUDA the
-    landing buffers). ``rest_bits``: None for ``cache.sparse``'s default. Bytes, not GB: pass it on as
-    ``gpu_gb=f"{n}B"``."""
-    tables = sparse_table_bytes(config, context, tokens, batch, block_tokens, page_tokens, rest_bits, dtype)
+    landing buffers). ``rest_bits``: None for ``cache.sparse``'s default. ``record_past``: sliding-window layers
+    keep their whole past (after ``cache.activate_past_recording()``, until the next crop), summarised as full
+    layers'. Bytes, not GB: pass it on as ``gpu_gb=f"{n}B"``."""
+    tables = sparse_table_bytes(config, context, tokens, batch, block_tokens, page_tokens, rest_bits, dtype,
+                                record_past)
     budget = _sparse_budget(config, tokens, rest_bits, page_tokens)
     layout = layout_of_config(config, block_tokens, dtype)
     selection = math.ceil(batch * (budget.budget_tokens(context) + block_tokens) * layout.token_bytes * sizes.GROWTH)
@@ -157,10 +160,12 @@ def min_sparse_device_bytes(config: PreTrainedConfig, context: int, tokens: int 
 
 def sparse_table_bytes(config: PreTrainedConfig, context: int, tokens: int | float = 0.1, batch: int = 1,
                        block_tokens: int = DEFAULT_BLOCK_TOKENS, page_tokens: int | None = None,
-                       rest_bits: int | None = None, dtype: torch.dtype | None = None) -> int:
+                       rest_bits: int | None = None, dtype: torch.dtype | None = None,
+                       record_past: bool = False) -> int:
     """Device bytes of the key summaries and rest copy that ``cache.sparse(model, tokens=tokens)`` holds up to
     ``context`` tokens (:mod:`tierkv.store.summaries`): a table per layer with a row per full block it holds (a
-    sliding-window layer: its window and the block it is filling), grown in 25% steps, at least 8 rows. The part
+    sliding-window layer: its window and the block it is filling; with ``record_past``, everything), grown in 25%
+    steps, at least 8 rows. The part
     of :func:`min_sparse_device_bytes` that grows with the context; ``stats()["sparse"]`` reports what is held
     (``summaries_device_bytes`` + ``rest_copy_device_bytes``)."""
     from tierkv.store.summaries import MIN_ROWS, TABLE_GROWTH
@@ -177,7 +182,8 @@ def sparse_table_bytes(config: PreTrainedConfig, context: int, tokens: int | flo
         return layout.kv_heads * layout.head_dim * sizes.summary_element_size(elem) * 4 * pages \
             + sizes.rest_copy_bytes(block_tokens * layout.token_bytes, budget.rest_bits, elem, layout.head_dim)
 
-    held = [min(context, window + block_tokens) if window else context for window in layer_windows(config)]
+    held = [min(context, window + block_tokens) if window and not record_past else context
+            for window in layer_windows(config)]
     return sum(max(MIN_ROWS, math.ceil(batch * (n // block_tokens) * TABLE_GROWTH) + 1) * row(layout)
                for n, layout in zip(held, layer_layouts(config, block_tokens, dtype), strict=True))
 
