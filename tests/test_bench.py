@@ -24,12 +24,13 @@ from tierkv.calibrate.kv import compute_device
 from tierkv.calibrate.plot import figure, link_label
 from tierkv.cli import main
 from tierkv.errors import InvalidConfigError
+from tierkv.planner import WARNINGS_KEY
 
 KiB, MiB = 1 << 10, 1 << 20
 
 
 def test_quick_bench_writes_a_loadable_profile_and_a_png(tmp_path: Path, capsys) -> None:
-    profile_path, plot_path = tmp_path / "profile.json", tmp_path / "bench.png"
+    profile_path, plot_path = tmp_path / "profile.json", tmp_path / "bench"  # no suffix: still exactly there
     (tmp_path / "disk").mkdir()  # --dir must exist (a typo never creates a folder)
     status = main(["bench", "--quick", "--dir", str(tmp_path / "disk"), "--profile-out", str(profile_path),
                    "--plot-out", str(plot_path)])  # fmt: skip
@@ -52,7 +53,8 @@ def test_quick_bench_writes_a_loadable_profile_and_a_png(tmp_path: Path, capsys)
     assert 0 < profile.layer_overhead_s < 0.1  # the executor's bookkeeping: microseconds to a millisecond
     caption = " ".join(printed.split())  # the table caption wraps
     assert "compute slows" in caption and "beside disk reads" in caption and "own work per layer" in caption
-    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot -> {plot_path}" in caption
+    assert "--quick" in profile.machine[WARNINGS_KEY]  # plan --profile repeats it: a smoke test, not a profile
     assert not list((tmp_path / "disk").iterdir())  # the test files (links, contention) are removed
     assert profile.host_attention is not None and profile.host_attention.bandwidth_bytes_per_s > 0
     assert "Host attention kernel" in printed and "host attention" in printed

@@ -174,9 +174,11 @@ def _debug_requested(args: argparse.Namespace) -> bool:
 def _check_settings() -> None:
     """Every ``TIERKV_*`` variable read once before the command starts: a bad value is a usage error in
     milliseconds, not after a model loaded (or, for one the runtime reads mid-step, a traceback)."""
-    from tierkv import settings
+    from tierkv import settings, stats
 
     settings.describe()
+    stats.check_profile(None)  # $TIERKV_PROFILE read and checked, and $TIERKV_TRACE's folder: before any model loads
+    stats.make_trace(None)
     for message in settings.unknown_variables():
         print(f"tierkv: warning: {message}", file=sys.stderr)
 

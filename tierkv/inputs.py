@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -90,4 +91,12 @@ def output_problem(path: str | os.PathLike[str]) -> tuple[int, str] | None:
         return problem
     if not target.parent.is_dir():
         return errno.ENOENT, f"is in {os.fspath(target.parent)!r}, which is not an existing directory"
+    try:  # a folder that takes no files (/proc), read-only, or not this user's to write
+        with tempfile.TemporaryFile(dir=target.parent):
+            pass
+        longest = os.pathconf(target.parent, "PC_NAME_MAX")
+    except OSError as exc:
+        return exc.errno or errno.EACCES, f"cannot be created in {os.fspath(target.parent)!r} ({exc.strerror})"
+    if len(os.fsencode(target.name)) > longest:
+        return errno.ENAMETOOLONG, f"has a name longer than the {longest} bytes {os.fspath(target.parent)!r} takes"
     return None

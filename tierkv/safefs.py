@@ -482,7 +482,7 @@ def write_file(path: str | os.PathLike, chunks: Iterable[bytes | memoryview], sh
     with directory(path.parent) as parent:
         problem = replace_problem(parent, path.name)
         if problem is not None:
-            raise refuse(path, problem[1], "give the path of a regular file", problem[0])
+            raise refuse(path, problem[1], "Give the path of a regular file.", problem[0])
         with replacing(parent, path.name, shared) as fd:
             write_all(fd, chunks)
 

@@ -209,6 +209,9 @@ def _directory(value: Any) -> Path:
     path = _path_or_none(value)
     if path is None:
         raise _Invalid("must be a directory path")
+    if not path.is_absolute():
+        raise _Invalid("must be an absolute path (a relative one puts the cache under whatever folder each command "
+                       "runs in, built again there); e.g. ~/.cache/tierkv")
     return path
 
 

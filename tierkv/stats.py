@@ -488,7 +488,7 @@ def _trace_path(path: str | os.PathLike, given: str) -> str | os.PathLike:
         raise InvalidConfigError(f"{given}: the trace path {problem[1]}, so the trace could not be written when the "
                                  "cache closes; give a file path in an existing directory (e.g. "
                                  "/tmp/tierkv-trace.json).")
-    return path
+    return os.path.abspath(path)  # where it was given: the process may change folder before it closes
 
 
 def make_timeline(profile: LinkProfile | str | os.PathLike | None, device: Any) -> Timeline:

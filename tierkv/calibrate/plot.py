@@ -82,5 +82,6 @@ def figure(result: BenchResult) -> Figure:
 
 
 def plot(result: BenchResult, path: str | os.PathLike[str]) -> None:
-    """Write the plot of ``result`` to ``path`` (PNG)."""
-    figure(result).savefig(path, dpi=110, bbox_inches="tight")  # "tight": legends and title are never cut
+    """Write the plot of ``result`` to ``path`` as a PNG, whatever its suffix (matplotlib would add ``.png`` to a
+    name without one, and pick another format by another suffix)."""
+    figure(result).savefig(path, format="png", dpi=110, bbox_inches="tight")  # "tight": legends, title never cut

@@ -74,8 +74,9 @@ def size(option: str) -> Callable[[str], int]:
     return _typed(lambda text: parse_size(text, name=option))
 
 
-def integer(option: str, minimum: int) -> Callable[[str], int]:
-    """Type of a whole-number option of at least ``minimum``."""
+def integer(option: str, minimum: int, maximum: int | None = None, why: str = "") -> Callable[[str], int]:
+    """Type of a whole-number option of at least ``minimum`` and, if given, at most ``maximum`` (``why``: what the
+    maximum is)."""
 
     def parse(text: str) -> int:
         try:
@@ -84,6 +85,8 @@ def integer(option: str, minimum: int) -> Callable[[str], int]:
             raise InvalidConfigError(f"{option}={text!r} is not a whole number.") from None
         if value < minimum:
             raise InvalidConfigError(f"{option}={text!r} must be at least {minimum}.")
+        if maximum is not None and value > maximum:
+            raise InvalidConfigError(f"{option}={text!r} must be at most {maximum:,}{f' ({why})' if why else ''}.")
         return value
 
     return _typed(parse)
@@ -140,6 +143,9 @@ def writable_dir(option: str) -> Callable[[str], Path]:
 
     def parse(text: str) -> Path:
         path = Path(text).expanduser()
+        if path.is_symlink() and not path.exists():
+            raise InvalidConfigError(f"{option} {text!r} is a symbolic link to {os.readlink(path)!r}, which does not "
+                                     "exist; give a directory (it is created if missing), or create the link's target.")
         if path.exists() and not path.is_dir():
             raise InvalidConfigError(f"{option} {text!r} is a file; give a directory (it is created if missing).")
         existing = path
@@ -234,13 +240,22 @@ def writable_file(option: str, example: str, or_else: str = "") -> Callable[[str
     unwritable message with another way out (``--json``: "or - for stdout")."""
 
     def parse(text: str) -> Path:
+        if not text:
+            raise InvalidConfigError(f"{option} '' names no file; give a file name such as {example}.")
         path = Path(text).expanduser()
-        if path.is_dir():
-            raise InvalidConfigError(f"{option} {text!r} is a directory; give a file name such as {example}.")
         folder = path.parent
         if not folder.is_dir():
             raise InvalidConfigError(f"{option} {text!r}: folder {str(folder)!r} does not exist; create it or give "
                                      "another path.")
+        longest = os.pathconf(folder, "PC_NAME_MAX")
+        if len(os.fsencode(path.name)) > longest:  # (before any stat of it: that raises "File name too long")
+            raise InvalidConfigError(f"{option}: the file name {path.name[:40]!r}... is longer than the {longest} "
+                                     f"bytes {str(folder)!r} takes; give a shorter one.")
+        if path.is_dir():
+            raise InvalidConfigError(f"{option} {text!r} is a directory; give a file name such as {example}.")
+        if path.exists() and not path.is_file():  # (a link to a file is replaced by the file, never written through)
+            raise InvalidConfigError(f"{option} {text!r} is {safefs.kind_of(path.stat().st_mode)}, not a file; give "
+                                     f"a file name such as {example}{or_else}.")
         if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
             raise InvalidConfigError(f"{option} {text!r} is not writable; give a path you can write to{or_else}.")
         return path

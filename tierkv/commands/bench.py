@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import tempfile
 import time
 from collections import defaultdict
@@ -42,9 +43,10 @@ from tierkv.commands import (
 from tierkv.commands.estimate import measure_cpu
 from tierkv.commands.progress import seconds
 from tierkv.errors import InvalidConfigError
+from tierkv.hf.sizing import host_memory
 from tierkv.io import ALIGN, ENGINES, engine_status
 from tierkv.planner import COMPUTE_FLOPS_KEY, WARNINGS_KEY
-from tierkv.units import format_bytes
+from tierkv.units import format_bytes, plural
 from tierkv.vocabulary import LinkName
 
 FULL_RUN = "about 2-4 min on 2 cores, less on more"
@@ -70,12 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engines", default=None,
         help=f"comma-separated disk engines to measure ({', '.join(ENGINES)}; default: all that load here)",
     )  # fmt: skip
-    parser.add_argument("--repeats", type=integer("--repeats", 1), default=None,
+    parser.add_argument("--repeats", type=integer("--repeats", 1, MAX_REPEATS), default=None,
                         help="timed repeats per point; the median is kept (default 5; 3 with --quick)")  # fmt: skip
     parser.add_argument("--quick", action="store_true",
                         help="small sizes, 10-40 s on 2 cores; numbers indicative only (smoke tests)")
     parser.add_argument(
-        "--threads", type=integer("--threads", 1), default=None,
+        "--threads", type=integer("--threads", 1, MAX_THREADS, "4 threads for each of this host's cores"),
+        default=None,
         help="torch intra-op threads for the memory links (default: torch's choice; recorded in the profile)",
     )  # fmt: skip
     parser.add_argument(
@@ -88,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where to write the bandwidth plot, a PNG (default: %(default)s in the current directory)",
     )  # fmt: skip
     add_json_argument(parser, "every measurement, the fitted profile and the machine")
+
+
+QUICK_NOTE = "measured with --quick (small sizes: a smoke test, not a profile to plan with)"
+MAX_REPEATS = 1000  # timed repeats per point: more only multiplies the run's minutes
+MAX_THREADS = 4 * (os.cpu_count() or 1)  # torch's pool crashes the process at some tens of thousands
+MEMORY_COPIES = 4  # buffers of --max-size the memory links hold at once (a gather's pool is twice its output)
 
 
 def _aligned_size(option: str, aligned: bool = True) -> Callable[[str], int]:
@@ -122,6 +131,9 @@ def _engines(text: str | None) -> tuple[str, ...] | None:
     if not text:
         return None
     engines = tuple(e.strip() for e in text.split(",") if e.strip())
+    if not engines:
+        raise InvalidConfigError(f"--engines {text!r} names no disk engine; give one or more of {', '.join(ENGINES)} "
+                                 "separated by commas, or leave --engines out to measure all that load here.")
     status = engine_status()
     for name in engines:
         if name not in status:
@@ -152,6 +164,11 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         if value[small] > value[large]:
             raise InvalidConfigError(f"{shown(small)} is larger than {shown(large)}; {fix}.")
     _check_free_space(args.dir, value["disk_bytes"], shown("disk_bytes"))
+    available = host_memory()[1]
+    if MEMORY_COPIES * value["max_size"] > available:
+        raise InvalidConfigError(f"{shown('max_size')} needs about {MEMORY_COPIES} buffers of it in memory at once "
+                                 f"(source, destination, a gather's pool), more than the {format_bytes(available)} "
+                                 "available here; give a smaller --max-size.")
     overrides = {field: given for field, (_, given) in flags.items() if given is not None}
     if args.repeats is not None:
         overrides["repeats"] = args.repeats
@@ -265,7 +282,7 @@ def tables(result: BenchResult) -> list[Table]:
         memcpy = result.profile.links.get(LinkName.HOST_TO_HOST)
         versus = f"; memcpy {memcpy.bandwidth_bytes_per_s / 1e9:.2f} GB/s" if memcpy is not None else ""
         table.add_row(f"{ATTENTION} ({attention.kernel} kernel, K/V attended in place)",
-                      f"{attention.bandwidth_bytes_per_s / 1e9:.2f} ({attention.threads} threads)", "")
+                      f"{attention.bandwidth_bytes_per_s / 1e9:.2f} ({plural(attention.threads, 'thread')})", "")
         table.add_row(f"{ATTENTION}, 1 thread", f"{attention.single_thread_bytes_per_s / 1e9:.2f}", "")
         caption = f"split prices its host share at the {attention.threads}-thread rate{versus}"
         if attention.bandwidth_bytes_per_s < attention.single_thread_bytes_per_s:  # other work took the cores
@@ -323,8 +340,9 @@ def run(args: argparse.Namespace) -> int:
         progress("matmul FLOP/s (the compute estimate of tierkv plan --device cpu)")
         result.profile.machine[COMPUTE_FLOPS_KEY] = f"{measure_cpu().peak_flops:.4g}"
     warnings = ([busy] if busy else []) + contradictions(result)
-    if warnings:  # plan --profile repeats them
-        result.profile.machine[WARNINGS_KEY] = "; ".join(warnings)
+    noted = warnings + ([QUICK_NOTE] if args.quick else [])
+    if noted:  # plan --profile repeats them
+        result.profile.machine[WARNINGS_KEY] = "; ".join(noted)
     m = result.machine
     console.print(f"[bold]tierkv bench[/bold] {m['date']}")
     console.print(f"CPU {m['cpu']}, {m['cores']}, RAM {m['ram']}, GPU {m['gpu']}")

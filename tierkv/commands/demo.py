@@ -250,7 +250,7 @@ def _run(args: argparse.Namespace) -> int:
         "page_tokens": _page_tokens(args) if args.executor == "sparse" else None,
         "expected": expected,
         "answer": answer_text,
-        "match": expected is not None and answer_text.replace(" ", "").startswith(expected),
+        "match": None if expected is None else answer_text.replace(" ", "").startswith(expected),
         "tokens_match_reference": None if reference is None else reference == result["tokens"],
         **{k: result[k] for k in ("bytes_resident", "bytes_moved", "blocks", "decode_tokens", "decode_steps",
                                   "decode_tokens_per_s", "prefill_tokens_per_s", "prefetch_stall_s", "disk_engine",

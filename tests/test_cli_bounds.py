@@ -1,0 +1,56 @@
+"""Values and paths the command line refuses while it is parsed (one line, exit status 2), which a second CLI
+audit found accepted: a thread count that crashes torch, repeat counts of days, an empty engine list, transfer
+sizes beyond the RAM, output paths a run could only fail to write at its end, a dangling link for a folder, and
+``TIERKV_*`` variables read only after a model loaded (or, for the trace, when the cache closed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from test_cli import PLAN, assert_one_line_error, tierkv
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["--threads", "100000"], ["--threads", "at most"]),  # torch's pool segfaulted the process
+    (["--repeats", "1000000000"], ["--repeats", "at most"]),
+    (["--engines", ","], ["--engines", "names no disk engine"]),  # measured nothing, then a raw ValueError
+    (["--max-size", "200GB", "--disk-size", "256MiB"], ["--max-size", "available"]),  # a raw allocator error
+])
+def test_bench_refuses_values_no_run_can_take(tmp_path: Path, argv: list[str], needles: list[str]) -> None:
+    result = tierkv("bench", "--quick", "--dir", str(tmp_path), *argv)
+    assert_one_line_error(result, 2, *needles)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("name", "needle"), [("/dev/null", "is a character device"), ("fifo", "is a FIFO"),
+                                              ("", "names no file"), ("x" * 300 + ".json", "is longer than")])
+def test_a_json_path_that_cannot_take_a_file_is_refused_while_parsing(tmp_path: Path, name: str,
+                                                                      needle: str) -> None:
+    """It was accepted, and the whole plan (or bench) ran before the write failed with exit status 1."""
+    target = name
+    if name == "fifo":
+        os.mkfifo(tmp_path / name)
+        target = str(tmp_path / name)
+    elif name.endswith(".json"):
+        target = str(tmp_path / name)
+    assert_one_line_error(tierkv(*PLAN, "--context", "8K", "--json", target), 2, "--json", needle)
+
+
+def test_a_disk_dir_that_is_a_dangling_link_is_refused_while_parsing(tmp_path: Path) -> None:
+    """It passed as a folder still to create; the demo then failed after loading its model, naming disk_dir=None."""
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "missing")
+    result = tierkv("demo", "--random-model", "--no-reference", "--disk-dir", str(link))
+    assert_one_line_error(result, 2, "--disk-dir", "symbolic link", "does not exist")
+    assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.parametrize(("variable", "value", "needle"), [
+    ("TIERKV_PROFILE", "/etc/hostname", "TIERKV_PROFILE"),  # read only once a cache was built, after the model
+    ("TIERKV_TRACE", "/proc/x", "cannot be created"),  # found when the cache closed: a logged traceback, exit 0
+    ("TIERKV_CACHE_DIR", "relative/cache", "absolute path"),  # a model cache built again in every folder
+])
+def test_a_bad_variable_is_refused_before_the_command_starts(variable: str, value: str, needle: str) -> None:
+    assert_one_line_error(tierkv(*PLAN, "--context", "8K", env={variable: value}), 2, variable, needle)
