@@ -37,6 +37,7 @@ def model():
     ({"disk_gb": 1}, "without disk_dir"),
     ({"block_tokens": 0}, "block_tokens"),
     ({"prefetch_depth": -1}, "prefetch_depth"),
+    ({"prefetch_depth": 10**9}, "at most 64"),  # accepted: a warning asked for 65536000.0 MB more
     ({"policy": "nope"}, "valid policies"),
     ({"disk_dir": ""}, "empty path"),  # os.environ.get("UNSET", "") used to drop the disk tier silently
     ({"disk_dir": " "}, "empty path"),

@@ -54,3 +54,14 @@ def test_a_disk_dir_that_is_a_dangling_link_is_refused_while_parsing(tmp_path: P
 ])
 def test_a_bad_variable_is_refused_before_the_command_starts(variable: str, value: str, needle: str) -> None:
     assert_one_line_error(tierkv(*PLAN, "--context", "8K", env={variable: value}), 2, variable, needle)
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["--block-tokens", "1000000", "--context", "512"], ["--block-tokens", "more than the whole sequence"]),
+    (["--max-new-tokens", "100000000", "--context", "256"], ["--max-new-tokens (100,000,000)"]),  # named the rest
+])
+def test_demo_names_the_flag_that_makes_a_run_impossible(tmp_path: Path, argv: list[str], needles: list[str]) -> None:
+    """A million-token block reserved GiBs for a 512-token run; a budget too large for the RAM blamed only
+    --gpu-gb and --context where --max-new-tokens made it so."""
+    result = tierkv("demo", "--random-model", "--no-reference", "--disk-dir", str(tmp_path), *argv)
+    assert_one_line_error(result, 2, *needles)

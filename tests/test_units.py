@@ -32,6 +32,7 @@ def test_sizes(value, expected):
     ("1e99999999999999999999", "beyond any machine"),  # (beyond Decimal's exponents: its own error before)
     (True, "bool"), ("-1GB", "negative"), (-3, "negative"), (float("inf"), "not finite"),
     ("12 apples", "not a size"), (None, "NoneType"),
+    ("1e-30", "less than half a byte"), ("0.4B", "less than half a byte"),  # silently 0 bytes: an empty budget
 ])  # fmt: skip
 def test_absurd_or_malformed_sizes_are_invalid_config(value, needle):
     with pytest.raises(InvalidConfigError, match=needle) as info:

@@ -96,7 +96,11 @@ def parse_size(value: float | int | str, *, name: str = "size") -> int:
             f"{name}={_shown(value)} is beyond any machine (more than {format_bytes(MAX_BYTES)}); a bare number "
             f"counts GB: give e.g. {_SIZE_EXAMPLES}, or '4096B' for bytes."
         )
-    return int(nbytes.to_integral_value())
+    whole = int(nbytes.to_integral_value())
+    if nbytes > 0 and whole == 0:  # "1e-30" was 0 bytes: an empty budget the caller never asked for
+        raise InvalidConfigError(f"{name}={_shown(value)} is less than half a byte; give 0 for none, or a size "
+                                 f"such as {_SIZE_EXAMPLES}.")
+    return whole
 
 
 def parse_tokens(value: int | float | str, *, name: str = "context", minimum: int = 1) -> int:

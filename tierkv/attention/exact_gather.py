@@ -40,6 +40,7 @@ from tierkv.mover import ThreadMover
 from tierkv.staging import gather_capacity
 from tierkv.stats import ReadTiming, Timeline, Trace, choose_prefetch_depth
 from tierkv.store import KVStore
+from tierkv.units import format_gb
 
 log = logging.getLogger("tierkv")
 
@@ -235,8 +236,8 @@ class ExactGather(PipelinedExecutor):
             self.staging.allocate(1, per_buffer)  # no prefetch rather than no decoding
         if depth < self.prefetch_depth and not self.prefetch_disabled_logged:
             log.warning("tierkv: the device budget cannot hold prefetch buffers for %d tokens; prefetch is off "
-                        "until gpu_gb is raised by about %.1f MB (%d bytes, the prefetch buffers)", tokens,
-                        self.prefetch_depth * per_buffer / 1e6, self.prefetch_depth * per_buffer)
+                        "until gpu_gb is raised by about %s (%d bytes, the prefetch buffers)", tokens,
+                        format_gb(self.prefetch_depth * per_buffer), self.prefetch_depth * per_buffer)
             self.prefetch_disabled_logged = True
         self.capacity, self.batch, self.token_bytes = capacity, batch, token_bytes
 

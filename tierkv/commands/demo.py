@@ -179,16 +179,22 @@ def _check_device_budget(args: argparse.Namespace) -> None:
 
         config = LlamaConfig.from_pretrained(WEIGHTS_DIR)
     decode = args.max_new_tokens or MIN_DECODE
+    if args.block_tokens > max(context + decode, BLOCK_TOKENS):
+        raise InvalidConfigError(
+            f"--block-tokens {args.block_tokens:,} is more than the whole sequence ({context:,} tokens of context and "
+            f"{decode:,} new): every layer's one open block would reserve {args.block_tokens:,} tokens of memory; "
+            f"give at most {max(context + decode, BLOCK_TOKENS):,} ({BLOCK_TOKENS}, the default, "
+            "suits any context).")
     floor = _device_floor(args, config, torch.float32, context, decode)
     if args.gpu_gb is not None and args.gpu_gb < floor:
         raise InvalidConfigError(_budget_advice(args, config, context, floor))
     kv_bytes = _kv_bytes(config, context + decode)
     gpu, cpu = _budgets(args, kv_bytes, floor)
-    _check_memory(args, gpu, cpu)
+    _check_memory(args, gpu, cpu, decode)
     _check_disk_room(args, kv_bytes - gpu - cpu)
 
 
-def _check_memory(args: argparse.Namespace, gpu: int, cpu: int) -> None:
+def _check_memory(args: argparse.Namespace, gpu: int, cpu: int, decode: int) -> None:
     """A budget beyond this machine's RAM (on a CPU-only host, where the device is RAM too), refused in flags
     before the haystack is built (minutes at tens of millions of tokens); the cache refuses it only later, in its
     own API's words."""
@@ -201,8 +207,9 @@ def _check_memory(args: argparse.Namespace, gpu: int, cpu: int) -> None:
                                         ("--cpu-gb", cpu, args.cpu_gb, "1/4 of the KV")):
         if value > ram:
             what = "" if given is not None else f" ({default}, the default)"
+            sequence = "--context" if not args.max_new_tokens else f"--context or --max-new-tokens ({decode:,})"
             raise InvalidConfigError(f"{flag} {format_size_option(value)}{what} is more than this machine's "
-                                     f"{format_bytes(ram)} of RAM; give a smaller {flag} or --context.")
+                                     f"{format_bytes(ram)} of RAM; give a smaller {flag} or {sequence}.")
 
 
 def _budgets(args: argparse.Namespace, kv_bytes: int, floor: int) -> tuple[int, int]:
