@@ -40,6 +40,7 @@ def test_quick_bench_writes_a_loadable_profile_and_a_png(tmp_path: Path, capsys)
     assert "numbers indicative only" in captured.err  # --quick says so in its output, not only in the docs
     assert "measuring the store's own gather" in captured.err  # the gather phases are named one by one
     assert "transfers of 4.00 KiB" in captured.err  # and the disk sweep size by size (a minute or more, else silent)
+    assert "writing the 32.00 MiB test file" in captured.err  # 20 s at the full size were silent
     for heading in ("CPU", "RAM", "GPU", "Memory links", "Disk read", "Disk write", "raw O_DIRECT"):
         assert heading in printed
     profile = LinkProfile.load(profile_path)

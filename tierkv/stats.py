@@ -96,7 +96,7 @@ class CacheStats(_CacheStatsAlways, total=False):
     writeback: WritebackStats  # blocks on their way to disk
     disk_read_ahead_hits: int  # reads whose disk part was already in flight
     mover: str  # the mover implementation
-    disk_engine: str | None  # the disk engine (None without a disk tier)
+    disk_engine: str | None  # the disk engine (None without a disk tier; "unopened" before its first file)
     prefetch_depth: int  # layers prefetched ahead now
     prefetch_auto: list[dict[str, Any]]  # prefetch_depth="auto" decisions (DepthChoice.as_dict)
     steps: dict[str, Any]  # Timeline.summary(): medians of the last HISTORY decode steps

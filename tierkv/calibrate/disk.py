@@ -85,6 +85,7 @@ def measure_disk(sizes: Sequence[int], cfg: BenchConfig,
     notes: list[str] = []
     depth = queue_depth()
     sizes = [s for s in sizes if s <= cfg.disk_bytes]
+    progress(f"writing the {format_bytes(cfg.disk_bytes)} test file")  # tens of seconds at the full size, silent else
     buffer = aligned_empty(min(cfg.disk_bytes, max(max(sizes), cfg.disk_point_bytes)))
     buffer[:] = np.random.default_rng(1).integers(0, 256, buffer.nbytes, dtype=np.uint8)
     out = []
