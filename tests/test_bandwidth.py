@@ -9,7 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierkv import bandwidth
 from tierkv.bandwidth import (
+    DIRECT_STAGES,
+    DISK_READ_AHEAD,
     LINK_KEYS,
     MAX_SLOWDOWN,
     PRESETS,
@@ -301,19 +304,14 @@ def test_prefetch_depth_is_validated():
         Placement(())
 
 
-layers = st.lists(
-    st.builds(
-        LayerLoad,
-        compute_s=st.floats(0, 5e-3),
-        device_bytes=st.integers(0, 10**8),
-        host_bytes=st.integers(0, 10**8),
-        disk_bytes=st.integers(0, 10**8),
-        host_transfers=st.integers(1, 8),
-        disk_transfers=st.integers(1, 8),
-    ),
-    min_size=1,
-    max_size=24,
-)
+def _loads(max_size: int, **fields: st.SearchStrategy) -> st.SearchStrategy:
+    """Lists of up to ``max_size`` random layer loads (``fields``: more of LayerLoad's fields drawn)."""
+    return st.lists(st.builds(LayerLoad, compute_s=st.floats(0, 5e-3), device_bytes=st.integers(0, 10**8),
+                              host_bytes=st.integers(0, 10**8), disk_bytes=st.integers(0, 10**8), **fields),
+                    min_size=1, max_size=max_size)
+
+
+layers = _loads(24, host_transfers=st.integers(1, 8), disk_transfers=st.integers(1, 8))
 
 
 @settings(max_examples=200, deadline=None)
@@ -430,3 +428,45 @@ def test_host_attention_round_trips_and_older_profiles_still_load(tmp_path):
         LinkProfile.load(path)
     with pytest.raises(InvalidConfigError, match="threads"):
         HostAttention(1e9, 1e9, 0)
+
+
+# ------------------------------------------------------------------------------------------- runs of equal stages
+runs = _loads(4, repeat=st.integers(1, 2 * DIRECT_STAGES + 50))  # past DIRECT_STAGES: the rest is jumped over
+
+
+@settings(max_examples=60, deadline=None)
+@given(loads=runs, other=st.floats(0, 5e-3), depth=st.integers(0, 3), serial=st.booleans(),
+       read_ahead=st.sampled_from([0, DISK_READ_AHEAD]), slowdowns=st.tuples(*[st.floats(1.0, MAX_SLOWDOWN)] * 4),
+       overhead=st.sampled_from([0.0, 3e-5]))
+def test_a_run_of_equal_stages_forecasts_as_the_stages_spelled_out(loads, other, depth, serial, read_ahead,
+                                                                   slowdowns, overhead):
+    profile = LinkProfile(PROFILE.links, serial_mover=serial, contention=Contention(*slowdowns),
+                          layer_overhead_s=overhead)
+    placement = Placement(tuple(loads), other)
+    spelled = Placement(placement.spelled_out(), other)
+    assert spelled.stages == placement.stages == sum(load.repeat for load in loads)
+    fast = predict_step(placement, profile, depth, read_ahead=read_ahead)
+    slow = predict_step(spelled, profile, depth, read_ahead=read_ahead)
+    for name in ("step_s", "compute_s", "host_to_device_s", "disk_s", "fill_s"):
+        assert getattr(fast, name) == pytest.approx(getattr(slow, name), rel=1e-9, abs=1e-15), name
+
+
+def test_a_long_run_costs_logarithmic_work(monkeypatch):
+    """2**40 equal stages: the pipeline steps through DIRECT_STAGES of them and jumps the rest."""
+    steps = []
+    advance = bandwidth._advance
+
+    def counted(*args: object) -> None:
+        steps.append(args)
+        assert len(steps) <= 2 * DIRECT_STAGES, "the pipeline steps through every stage of a run"
+        advance(*args)
+
+    monkeypatch.setattr(bandwidth, "_advance", counted)
+    load = LayerLoad(1e-3, host_bytes=10**6, disk_bytes=10**5, repeat=2**40)
+    forecast = predict_step(Placement((load,)), PROFILE, 1, read_ahead=DISK_READ_AHEAD)
+    assert forecast.step_s == pytest.approx(forecast.lower_bound_s, rel=1e-9)  # the fill is nothing beside 2**40
+
+
+def test_repeat_must_be_a_positive_int():
+    with pytest.raises(InvalidConfigError, match="repeat=0 must be an int >= 1"):
+        LayerLoad(1e-3, repeat=0)

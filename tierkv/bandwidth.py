@@ -21,8 +21,10 @@ The equations are in ``docs/bandwidth-model.md``.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
+import itertools
 import json
 import math
 import os
@@ -339,7 +341,9 @@ class LayerLoad:
     HBM bandwidth as the compute, so their time is added to the layer's compute rather than overlapped.
     ``host_bytes`` cross host->device; ``disk_bytes`` cross disk->host and then host->device. The
     ``*_transfers`` counts are how many separate copies carry them (1 when the mover batches a layer's
-    blocks into one copy per link); they only matter through the links' latency.
+    blocks into one copy per link); they only matter through the links' latency. ``repeat`` runs the load that
+    many times in a row, each a pipeline stage of its own (a streaming layer's equal chunks): a run of any length
+    costs :func:`predict_step` a bounded amount of work.
     """
 
     compute_s: float
@@ -348,10 +352,13 @@ class LayerLoad:
     disk_bytes: int = 0
     host_transfers: int = 1
     disk_transfers: int = 1
+    repeat: int = 1
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.compute_s) and self.compute_s >= 0):
             raise InvalidConfigError(f"LayerLoad.compute_s={self.compute_s!r} must be a finite number >= 0.")
+        if isinstance(self.repeat, bool) or not isinstance(self.repeat, int) or self.repeat < 1:
+            raise InvalidConfigError(f"LayerLoad.repeat={self.repeat!r} must be an int >= 1 (stages in a row).")
         for name in ("device_bytes", "host_bytes", "disk_bytes", "host_transfers", "disk_transfers"):
             if getattr(self, name) < 0:
                 raise InvalidConfigError(f"LayerLoad.{name}={getattr(self, name)} must be >= 0.")
@@ -373,6 +380,15 @@ class Placement:
             raise InvalidConfigError("Placement needs at least one layer.")
         if not (math.isfinite(self.other_compute_s) and self.other_compute_s >= 0):
             raise InvalidConfigError(f"Placement.other_compute_s={self.other_compute_s!r} must be >= 0.")
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: every load counted ``repeat`` times."""
+        return sum(layer.repeat for layer in self.layers)
+
+    def spelled_out(self) -> tuple[LayerLoad, ...]:
+        """One load per stage: each run of ``repeat`` loads written out (work in proportion to :attr:`stages`)."""
+        return tuple(dataclasses.replace(layer, repeat=1) for layer in self.layers for _ in range(layer.repeat))
 
     @classmethod
     def uniform(
@@ -474,33 +490,40 @@ def predict_step(placement: Placement, links: LinkProfile, prefetch_depth: int =
         raise InvalidConfigError(f"prefetch_depth={prefetch_depth} must be >= 0 (0 = no prefetch).")
     if not (math.isfinite(jitter) and 0.0 <= jitter <= 1.0):
         raise InvalidConfigError(f"jitter={jitter!r} must be a coefficient of variation in [0, 1] (0: exact times).")
-    layers = placement.layers
+    layers = placement.spelled_out() if jitter > 0 else placement.layers  # each stage varies on its own
+    contended = links.serial_mover and prefetch_depth > 0 and not links.contention.is_none
+    if contended:
+        layers = _edges(layers, prefetch_depth)
+    counts = [layer.repeat for layer in layers]
     disk = [_stage(LinkName.DISK_TO_HOST, links, layer.disk_bytes, layer.disk_transfers) for layer in layers]
     host = [_stage(LinkName.HOST_TO_DEVICE, links, layer.host_bytes, layer.host_transfers) for layer in layers]
     host_disk = [_stage(LinkName.HOST_TO_DEVICE, links, layer.disk_bytes, layer.disk_transfers) for layer in layers]
     gather = [_stage(LinkName.DEVICE_TO_DEVICE, links, layer.device_bytes, 1) for layer in layers]
     if links.serial_mover:
-        compute, copies, disk = _contended(
-            [layer.compute_s for layer in layers], [g + h + hd for g, h, hd in zip(gather, host, host_disk)],
-            disk, prefetch_depth, links.contention)
+        compute = [layer.compute_s for layer in layers]
+        copies = [g + h + hd for g, h, hd in zip(gather, host, host_disk)]
+        if contended:
+            compute, copies, disk = _contended(compute, copies, disk, counts, prefetch_depth, links.contention)
         # the copy out of a layer's disk bounce buffer can only follow its read: its share of the mover's job
         host_disk = [c * hd / (g + h + hd) if g + h + hd > 0 else 0.0
                      for c, g, h, hd in zip(copies, gather, host, host_disk)]
         copies = [c - hd for c, hd in zip(copies, host_disk)]
     else:
         compute = [layer.compute_s + g for layer, g in zip(layers, gather)]
-    if not links.serial_mover:
         copies = [0.0] * len(layers)
     stages = (compute, host, host_disk, disk, copies)
     overhead = links.layer_overhead_s
     shape = (links.serial_mover, prefetch_depth, overhead, read_ahead)
-    end, first_compute_start = _pipeline(*stages, *shape)
+    end, first_compute_start = _pipeline(*stages, counts, *shape)
     if jitter > 0:
         end = _mean_with_jitter(stages, *shape, jitter)
 
-    compute_total = sum(compute) + len(layers) * overhead + placement.other_compute_s
-    h2d_total = sum(copies) + sum(host_disk) if links.serial_mover else sum(host) + sum(host_disk)
-    disk_total = sum(disk)
+    def total(times: list[float]) -> float:
+        return sum(t * n for t, n in zip(times, counts))
+
+    compute_total = total(compute) + sum(counts) * overhead + placement.other_compute_s
+    h2d_total = total(copies) + total(host_disk) if links.serial_mover else total(host) + total(host_disk)
+    disk_total = total(disk)
     step = end + placement.other_compute_s
     busy = {Bottleneck.HOST_TO_DEVICE: h2d_total, Bottleneck.DISK: disk_total}
     transfer = max(busy, key=busy.__getitem__)
@@ -538,7 +561,7 @@ def predict_split_step(placement: Placement, links: LinkProfile, host_attention_
                                  "number of bytes per second.")
     if read_ahead < 0:
         raise InvalidConfigError(f"read_ahead={read_ahead} must be >= 0.")
-    layers = placement.layers
+    layers = placement.spelled_out()  # the planner's split loads are one per layer
     starts: list[float] = []
     t = disk_free = 0.0
     compute_total = attention_total = merge_total = disk_total = 0.0
@@ -589,54 +612,122 @@ def predict_split_step(placement: Placement, links: LinkProfile, host_attention_
     )
 
 
-def _pipeline(compute: Sequence[float], host: Sequence[float], host_disk: Sequence[float], disk: Sequence[float],
-              copies: Sequence[float], serial: bool, depth: int, overhead: float,
-              read_ahead: int = 0) -> tuple[float, float]:
-    """The recurrences of :func:`predict_step` on per-layer stage times: (last compute's end, first's start).
+Stage = tuple[float, float, float, float, float]
+"""One stage's times as :func:`_pipeline` takes them: compute, host copy, disk-bytes copy, disk read, mover copies."""
 
-    Layer ``i``'s gather returns ``overhead`` after both its data is ready and layer ``i - 1`` is done, and
-    its compute starts then. Layer ``i + depth``'s transfers may start when layer ``i - 1`` is done and has
-    released its staging buffer; with a serial mover (a CPU host) and prefetch only once layer ``i``'s
-    gather returns, because the compute thread submits that job from it, after waiting for layer ``i``'s
-    job to finish. Disk reads queue on the disk (FIFO) from ``read_ahead`` layers earlier: layer ``i``'s is
-    submitted when layer ``i - depth - read_ahead``'s gather returns; on a serial mover the job copies the
-    layer's memory blocks, then waits for its disk read and copies it out of the bounce buffer
-    (``host_disk``).
+DIRECT_STAGES = 256
+"""Stages of one run that :func:`_pipeline` steps through one by one; the rest of a longer run it jumps over in
+closed form (a streaming layer's chunks at a context of millions of tokens, or of tiny chunks)."""
+
+
+def _pipeline(compute: Sequence[float], host: Sequence[float], host_disk: Sequence[float], disk: Sequence[float],
+              copies: Sequence[float], counts: Sequence[int], serial: bool, depth: int, overhead: float,
+              read_ahead: int = 0) -> tuple[float, float]:
+    """The recurrences of :func:`predict_step` on stage times: (last compute's end, first's start).
+
+    Entry ``k`` of each sequence is a run of ``counts[k]`` equal stages (layers, or a streaming layer's chunks).
+    Stage ``i``'s gather returns ``overhead`` after both its data is ready and stage ``i - 1`` is done, and its
+    compute starts then. Stage ``i + depth``'s transfers may start when stage ``i - 1`` is done and has
+    released its staging buffer; with a serial mover (a CPU host) and prefetch only once stage ``i``'s
+    gather returns, because the compute thread submits that job from it, after waiting for stage ``i``'s
+    job to finish. Disk reads queue on the disk (FIFO) from ``read_ahead`` stages earlier: stage ``i``'s is
+    submitted when stage ``i - depth - read_ahead``'s gather returns; on a serial mover the job copies the
+    stage's memory blocks, then waits for its disk read and copies it out of the bounce buffer
+    (``host_disk``). Before the first stage every time is 0.
+
+    A run's first :data:`DIRECT_STAGES` stages are stepped through; the rest is one max-plus matrix power
+    (:func:`_jump`): each stage's times are maxima of earlier times plus constants, so equal stages compose
+    into a matrix, and ``n`` of them cost ``log2(n)`` matrix products.
     """
-    compute_end: list[float] = []
-    gather_end: list[float] = []
-    disk_free = h2d_free = compute_free = first_compute_start = 0.0
-    for i in range(len(compute)):
-        freed_by = i - depth - 1  # the layer whose staging buffer this one reuses
-        issue = compute_end[freed_by] if freed_by >= 0 else 0.0
-        if serial and depth > 0 and i >= depth:
-            issue = max(issue, gather_end[i - depth])
-        ahead_of = i - depth - read_ahead  # the layer whose gather submits this layer's disk read
-        disk_issue = (gather_end[ahead_of] if ahead_of >= 0 else 0.0) if read_ahead else issue
-        ready = 0.0  # when all of the layer's bytes are on the device
-        if serial and not read_ahead:  # the job reads the disk, then copies, in turn
-            if copies[i] + disk[i] + host_disk[i] > 0:
-                h2d_free = ready = max(issue, h2d_free) + disk[i] + copies[i] + host_disk[i]
-        elif serial:  # the read was in flight on the engine's threads; the job copies, then lands it
-            if disk[i] > 0:
-                disk_free = max(disk_issue, disk_free) + disk[i]
-            if copies[i] + disk[i] + host_disk[i] > 0:
-                copied = max(issue, h2d_free) + copies[i]
-                h2d_free = ready = (max(copied, disk_free) if disk[i] > 0 else copied) + host_disk[i]
-        else:
-            if disk[i] > 0:
-                disk_free = max(disk_issue, disk_free) + disk[i]
-            if host[i] > 0:
-                h2d_free = ready = max(issue, h2d_free) + host[i]
-            if disk[i] > 0:  # its copy into staging waits for the read and for the staging buffer
-                h2d_free = ready = max(disk_free, h2d_free, issue) + host_disk[i]
-        start = max(compute_free, ready) + overhead
-        if i == 0:
-            first_compute_start = start
-        gather_end.append(start)
-        compute_free = start + compute[i]
-        compute_end.append(compute_free)
-    return compute_free, first_compute_start
+    ends = [0.0] * (depth + 1)  # compute ends of the last depth + 1 stages
+    starts = [0.0] * (depth + read_ahead)  # gather returns of the last depth + read_ahead stages
+    free = [0.0, 0.0]  # when the disk and the host->device queue are next free
+    shape = (serial, depth, overhead, read_ahead)
+    powers: dict[Stage, list[list[list[float]]]] = {}
+    for stage, count in zip(zip(compute, host, host_disk, disk, copies), counts, strict=True):
+        for _ in range(min(count, DIRECT_STAGES)):
+            _advance(ends, starts, free, stage, *shape)
+        if count > DIRECT_STAGES:
+            _jump(ends, starts, free, stage, count - DIRECT_STAGES, powers.setdefault(stage, []), shape)
+    return ends[-1], starts[depth + read_ahead]
+
+
+def _advance(ends: list[float], starts: list[float], free: list[float], stage: Stage, serial: bool, depth: int,
+             overhead: float, read_ahead: int) -> None:
+    """One stage of :func:`_pipeline`: appends its compute end and gather return, moves the queues' free times."""
+    compute, host, host_disk, disk, copies = stage
+    issue = ends[-depth - 1]  # the stage whose staging buffer this one reuses is done
+    if serial and depth > 0:
+        issue = max(issue, starts[-depth])
+    disk_issue = starts[-depth - read_ahead] if read_ahead else issue
+    disk_free, h2d_free = free
+    ready = -math.inf  # when all of the stage's bytes are on the device
+    if serial and not read_ahead:  # the job reads the disk, then copies, in turn
+        if copies + disk + host_disk > 0:
+            h2d_free = ready = max(issue, h2d_free) + disk + copies + host_disk
+    elif serial:  # the read was in flight on the engine's threads; the job copies, then lands it
+        if disk > 0:
+            disk_free = max(disk_issue, disk_free) + disk
+        if copies + disk + host_disk > 0:
+            copied = max(issue, h2d_free) + copies
+            h2d_free = ready = (max(copied, disk_free) if disk > 0 else copied) + host_disk
+    else:
+        if disk > 0:
+            disk_free = max(disk_issue, disk_free) + disk
+        if host > 0:
+            h2d_free = ready = max(issue, h2d_free) + host
+        if disk > 0:  # its copy into staging waits for the read and for the staging buffer
+            h2d_free = ready = max(disk_free, h2d_free, issue) + host_disk
+    start = max(ends[-1], ready) + overhead
+    starts.append(start)
+    ends.append(start + compute)
+    free[:] = disk_free, h2d_free
+
+
+Matrix = list[list[float]]
+
+
+def _jump(ends: list[float], starts: list[float], free: list[float], stage: Stage, count: int,
+          powers: list[Matrix], shape: tuple[bool, int, float, int]) -> None:
+    """``count`` more stages of ``stage`` in :func:`_pipeline`, in ``log2(count)`` max-plus products.
+
+    The state the next stage reads is ``x`` = the windows of ``ends`` and ``starts`` and the queues' free times;
+    :func:`_advance` maps it to ``max_j (A[i][j] + x[j])`` (it only adds the stage's times and takes maxima), and
+    ``A``'s column ``j`` is the stage advanced from ``x[j] = 0``, every other entry -inf. ``powers`` caches
+    ``A``, ``A²``, ``A⁴``, ... for runs of the same stage.
+    """
+    depth, read_ahead = shape[1], shape[3]
+    sizes = (depth + 1, depth + read_ahead)
+
+    def state() -> list[float]:
+        return [*ends[len(ends) - sizes[0]:], *starts[len(starts) - sizes[1]:], *free]
+
+    if not powers:
+        columns = []
+        for j in range(sum(sizes) + 2):
+            probe = [-math.inf] * (sum(sizes) + 2)
+            probe[j] = 0.0
+            e, s, f = probe[:sizes[0]], probe[sizes[0]:sizes[0] + sizes[1]], probe[sizes[0] + sizes[1]:]
+            _advance(e, s, f, stage, *shape)
+            columns.append([*e[len(e) - sizes[0]:], *s[len(s) - sizes[1]:], *f])
+        powers.append([list(row) for row in zip(*columns)])
+    x, bit = state(), 0
+    while count:
+        if bit == len(powers):
+            powers.append(_product(powers[-1], powers[-1]))
+        if count & 1:
+            x = [max(a + b for a, b in zip(row, x)) for row in powers[bit]]
+        count >>= 1
+        bit += 1
+    ends.extend(x[:sizes[0]])
+    starts.extend(x[sizes[0]:sizes[0] + sizes[1]])
+    free[:] = x[sizes[0] + sizes[1]:]
+
+
+def _product(a: Matrix, b: Matrix) -> Matrix:
+    """The max-plus product: ``(a ⊗ b)[i][j] = max_k a[i][k] + b[k][j]``."""
+    columns = list(zip(*b))
+    return [[max(x + y for x, y in zip(row, column)) for column in columns] for row in a]
 
 
 JITTER_SAMPLES = 64
@@ -668,30 +759,48 @@ def _mean_with_jitter(stages: tuple[list[float], ...], serial: bool, depth: int,
     for sample in range(JITTER_SAMPLES):
         varied = [[t * f[sample] for t, f in zip(stage, fs)] for stage, fs in zip(stages, per_stage)]
         compute, host, host_disk, disk, copies = varied
-        ends.append(_pipeline(compute, host, host_disk, disk, copies, serial, depth, overhead, read_ahead)[0])
+        ends.append(_pipeline(compute, host, host_disk, disk, copies, [1] * len(compute), serial, depth, overhead,
+                              read_ahead)[0])
     return sum(ends) / JITTER_SAMPLES
 
 
-def _contended(compute: list[float], copies: list[float], disk: list[float], depth: int,
+def _edges(layers: Sequence[LayerLoad], depth: int) -> tuple[LayerLoad, ...]:
+    """``layers`` with the first and last ``depth`` stages of every run on their own, so that the stages left in a
+    run have its own loads ``depth`` stages before and after them (the pairs :func:`_contended` stretches)."""
+    out: list[LayerLoad] = []
+    for layer in layers:
+        one = dataclasses.replace(layer, repeat=1)
+        if layer.repeat <= 2 * depth + 1:
+            out += [one] * layer.repeat
+        else:
+            out += [one] * depth + [dataclasses.replace(layer, repeat=layer.repeat - 2 * depth)] + [one] * depth
+    return tuple(out)
+
+
+def _contended(compute: list[float], copies: list[float], disk: list[float], counts: list[int], depth: int,
                contention: Contention) -> tuple[list[float], list[float], list[float]]:
     """Compute, mover-copy and disk-read times stretched where they overlap on a CPU host's shared cores and DRAM.
 
-    With prefetch depth ``d`` the mover's job for layer ``i + d`` (copies ``X``, disk read ``D``) runs while
-    layer ``i`` computes (``C``). Both are taken to start together; while both run, compute progresses at
+    With prefetch depth ``d`` the mover's job for stage ``i + d`` (copies ``X``, disk read ``D``) runs while
+    stage ``i`` computes (``C``). Both are taken to start together; while both run, compute progresses at
     ``1 / s_c`` and the job at ``1 / s_j`` of their speed alone (``s_c``, ``s_j``: the slowdowns of
     ``contention``, weighted by the job's copy and read time); whichever ends first leaves the other to
     finish at full speed. The job's stretched time is split between copies and read in proportion to
-    ``X * s_x : D * s_d``. Depth 0 overlaps nothing.
+    ``X * s_x : D * s_d``. Entry ``k`` is a run of ``counts[k]`` stages whose every stage has the same loads
+    ``d`` stages before and after it (:func:`_edges`).
     """
     stretched_compute, stretched_copies, stretched_disk = list(compute), list(copies), list(disk)
-    if depth == 0 or contention.is_none:
-        return stretched_compute, stretched_copies, stretched_disk
-    c = contention
-    for i in range(len(compute) - depth):
-        j = i + depth
+    firsts = list(itertools.accumulate(counts, initial=0))  # the first stage of each run, then the stage count
+
+    def run_of(stage: int) -> int:
+        return bisect.bisect_right(firsts, stage) - 1
+
+    def overlap(i: int, j: int) -> tuple[float, float, float] | None:
+        """Run ``i``'s compute beside run ``j``'s job, stretched (None: one of them is empty)."""
         job = copies[j] + disk[j]
         if job <= 0 or compute[i] <= 0:
-            continue
+            return None
+        c = contention
         compute_factor = (copies[j] * c.compute_by_copies + disk[j] * c.compute_by_disk) / job
         copies_beside, disk_beside = copies[j] * c.copies_by_compute, disk[j] * c.disk_by_compute
         job_factor = (copies_beside + disk_beside) / job
@@ -700,9 +809,14 @@ def _contended(compute: list[float], copies: list[float], disk: list[float], dep
             job_end = compute_end + job - compute_end / job_factor
         else:
             compute_end = job_end + compute[i] - job_end / compute_factor
-        stretched_compute[i] = compute_end
-        stretched_copies[j] = job_end * copies_beside / (copies_beside + disk_beside)
-        stretched_disk[j] = job_end * disk_beside / (copies_beside + disk_beside)
+        beside = copies_beside + disk_beside
+        return compute_end, job_end * copies_beside / beside, job_end * disk_beside / beside
+
+    for k, first in enumerate(firsts[:-1]):
+        if first + depth < firsts[-1] and (ahead := overlap(k, run_of(first + depth))) is not None:
+            stretched_compute[k] = ahead[0]
+        if first >= depth and (behind := overlap(run_of(first - depth), k)) is not None:
+            stretched_copies[k], stretched_disk[k] = behind[1:]
     return stretched_compute, stretched_copies, stretched_disk
 
 
@@ -718,7 +832,7 @@ def min_prefetch_depth(
     transfers issued at step start). When a link is the bottleneck no depth hides its time; the answer is
     then the depth past which deeper prefetch stops helping. 0 when the placement moves nothing.
     """
-    n_layers = len(placement.layers)
+    n_layers = placement.stages
     deepest = n_layers if max_depth is None else max_depth
     if deepest < 0:
         raise InvalidConfigError(f"max_depth={max_depth} must be >= 0.")

@@ -6,6 +6,7 @@ on any machine. The presets copy the fields of the models' published ``config.js
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -21,6 +22,11 @@ DTYPE_BYTES = {
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
 }
+
+
+MAX_LAYERS = 512
+"""The most layers a model may have: four times the deepest published decoders' (~130). The auto prefetch depth
+search re-plans every depth up to the layer count, so the planner's work grows with its square."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +72,9 @@ class ModelSpec:
                 raise InvalidConfigError(
                     f"model {self.name!r}: {name}={getattr(self, name)} must be positive."
                 )
+        if self.layers + self.other_layers > MAX_LAYERS:
+            raise InvalidConfigError(f"model {self.name!r}: {self.layers + self.other_layers} layers is more than "
+                                     f"the planner's {MAX_LAYERS}; give the model's real layer count.")
         if not 0 <= self.sliding_layers <= self.layers:
             raise InvalidConfigError(f"model {self.name!r}: sliding_layers must be in [0, {self.layers}].")
         if self.sliding_layers and not (self.sliding_window and self.sliding_window > 0):
@@ -131,41 +140,73 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 }
 
 
-def _sliding_layers(cfg: dict, layers: int) -> tuple[int, int | None]:
+def _sliding_layers(cfg: dict, layers: int, path: str) -> tuple[int, int | None]:
     """How many layers use a sliding window, following transformers' own defaults per model family."""
-    window = cfg.get("sliding_window")
-    if not window:
+    if not cfg.get("sliding_window"):
         return 0, None
+    window = _count(cfg, "sliding_window", path)
     if cfg.get("layer_types"):
         return sum(t in ("sliding_attention", "hybrid_sliding") for t in cfg["layer_types"]), window
-    model_type = cfg.get("model_type", "")
+    model_type = str(cfg.get("model_type", ""))
     if model_type == "gemma2":  # alternating: even layers slide (Gemma2Config default)
         return (layers + 1) // 2, window
     if model_type.startswith("gemma3"):  # every `sliding_window_pattern`-th layer is global
-        pattern = int(cfg.get("sliding_window_pattern", 6))
+        pattern = _count(cfg, "sliding_window_pattern", path, default=6)
         return sum((i + 1) % pattern != 0 for i in range(layers)), window
     if "use_sliding_window" in cfg:  # Qwen2 family: only layers >= max_window_layers, and only when enabled
         if not cfg["use_sliding_window"]:
             return 0, None
-        return max(0, layers - int(cfg.get("max_window_layers", layers))), window
+        return max(0, layers - _count(cfg, "max_window_layers", path, default=layers, minimum=0)), window
     return layers, window  # Mistral v0.1 style: a window on every layer
+
+
+MAX_COUNT = 2**31
+"""The largest count a config field may hold (heads, widths, vocabulary): far past any model's, and small enough
+that the planner's products of them stay finite floats."""
+
+
+def _count(cfg: dict, key: str, path: str, *, default: int | None = None, minimum: int = 1,
+           maximum: int = MAX_COUNT) -> int:
+    """``cfg[key]`` as an int in ``[minimum, maximum]`` (an integral number, or its digits in a string), or
+    ``default`` where it is absent or null; refused in one line that names the file and the field otherwise."""
+    value = cfg.get(key)
+    if value is None and default is not None:
+        return default
+    if value is None and key not in cfg:
+        raise InvalidConfigError(
+            f"model config {path!r} lacks {key!r}; a decoder config.json needs num_hidden_layers, "
+            "num_attention_heads, hidden_size and vocab_size."
+        )
+    number = value if type(value) is int else (
+        int(value) if isinstance(value, float) and value.is_integer()
+        else int(value) if isinstance(value, str) and value.strip().isdecimal() else None)
+    if number is None or not minimum <= number <= maximum:
+        raise InvalidConfigError(f"model config {path!r}: {key}={_shown(value)} must be an integer from {minimum} "
+                                 f"to {maximum:,}; correct it to the model's own value (its published config.json).")
+    return number
 
 
 _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_topk")
 
 
+def _shown(value: object) -> str:
+    """A config value as its JSON, cut to 40 characters (a hostile one can be thousands)."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _positive(cfg: dict, *keys: str) -> int:
-    """The first of ``keys`` that ``cfg`` holds as a positive int; 0 if none does (absent, null, or not a count)."""
-    return next((cfg[k] for k in keys if type(cfg.get(k)) is int and cfg[k] > 0), 0)
+    """The first of ``keys`` that ``cfg`` holds as a positive int; 0 if none does (absent, null, or not a count up
+    to :data:`MAX_COUNT`)."""
+    return next((cfg[k] for k in keys if type(cfg.get(k)) is int and 0 < cfg[k] <= MAX_COUNT), 0)
 
 
-def _active_mlp_width(cfg: dict, hidden: int) -> int:
-    """The MLP width one token's decode passes through: ``intermediate_size``, or in a mixture of experts the
-    routed experts' widths (``moe_intermediate_size``, else ``intermediate_size``) times the experts a token takes,
+def _active_mlp_width(cfg: dict, dense: int) -> int:
+    """The MLP width one token's decode passes through: ``dense`` (``intermediate_size``), or in a mixture of
+    experts the routed experts' widths (``moe_intermediate_size``, else ``dense``) times the experts a token takes,
     plus the shared experts' (Qwen-MoE's ``shared_expert_intermediate_size``, DeepSeek-style ``n_shared_experts``).
     Dense first layers of some MoE families are priced as MoE ones."""
-    dense = int(cfg.get("intermediate_size") or 4 * hidden)
     per_token = _positive(cfg, *_EXPERTS_PER_TOKEN)
     if _positive(cfg, *_EXPERTS) <= 1 or not per_token:
         return dense
@@ -190,6 +231,9 @@ def model_from_config(path: str | os.PathLike[str]) -> ModelSpec:
     if not isinstance(cfg, dict):
         raise InvalidConfigError(f"model config {path!r} must hold a JSON object.")
     cfg = cfg.get("text_config") or cfg
+    if not isinstance(cfg, dict):
+        raise InvalidConfigError(f"model config {path!r}: text_config must be a JSON object (the language model's "
+                                 "config).")
     if "kv_lora_rank" in cfg:
         raise InvalidConfigError(
             f"model config {path!r} uses multi-head latent attention (kv_lora_rank). TieredCache decodes such "
@@ -197,31 +241,32 @@ def model_from_config(path: str | os.PathLike[str]) -> ModelSpec:
             "model their step: transformers expands every cached token's latent again each step, compute that "
             "grows with the context. Plan with a config of plain K/V heads of the same bytes per token."
         )
-    try:
-        total = int(cfg["num_hidden_layers"])
-        kinds = _layer_kinds(cfg, total, path)
-        layers = sum(kind in _KV_KINDS for kind in kinds)
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        intermediate = _active_mlp_width(cfg, hidden)
-        vocab = int(cfg["vocab_size"])
-    except KeyError as e:
-        raise InvalidConfigError(
-            f"model config {path!r} lacks {e.args[0]!r}; a decoder config.json needs num_hidden_layers, "
-            "num_attention_heads, hidden_size and vocab_size."
-        ) from None
+    total = _count(cfg, "num_hidden_layers", path, maximum=MAX_LAYERS)
+    heads = _count(cfg, "num_attention_heads", path)
+    hidden = _count(cfg, "hidden_size", path)
+    vocab = _count(cfg, "vocab_size", path)
+    kv_heads = _count(cfg, "num_key_value_heads", path, default=heads)
+    if heads % kv_heads:
+        raise InvalidConfigError(f"model config {path!r}: num_key_value_heads={kv_heads} must divide "
+                                 f"num_attention_heads={heads} (each KV head serves a group of query heads); correct "
+                                 "it to the model's own value.")
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise InvalidConfigError(f"model config {path!r}: hidden_size={hidden} is not a multiple of "
+                                 f"num_attention_heads={heads}, and head_dim is not given; add the model's head_dim.")
+    head_dim = _count(cfg, "head_dim", path, default=hidden // heads)
+    intermediate = _active_mlp_width(cfg, _count(cfg, "intermediate_size", path, default=4 * hidden))
+    kinds = _layer_kinds(cfg, total, path)
+    layers = sum(kind in _KV_KINDS for kind in kinds)
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").removeprefix("torch.")
     if dtype not in DTYPE_BYTES:
         raise InvalidConfigError(
             f"model config {path!r}: dtype {dtype!r} unknown; known: {', '.join(DTYPE_BYTES)}."
         )
-    sliding, window = _sliding_layers(cfg, layers)
+    sliding, window = _sliding_layers(cfg, layers, path)
+    folder, file = os.path.split(os.path.abspath(path))
     return ModelSpec(
-        name=str(
-            cfg.get("_name_or_path") or cfg.get("model_type") or os.path.basename(os.path.dirname(path))
-        ),
+        name=str(cfg.get("_name_or_path") or cfg.get("model_type")
+                 or (os.path.basename(folder) if file == "config.json" else file)),
         layers=layers,
         kv_heads=kv_heads,
         head_dim=head_dim,
@@ -246,7 +291,11 @@ _PATTERN = {"*": "attention", "M": "mamba", "-": "mlp", "E": "moe"}  # Nemotron-
 def _layer_kinds(cfg: dict, layers: int, path: str) -> list[str]:
     """Each layer's kind, from the fields hybrid families spell it in (``layer_types``, ``layers_block_type``,
     Jamba's attention period, Bamba's attention indices, Nemotron-H's pattern); all attention without them."""
-    kinds = cfg.get("layer_types") or cfg.get("layers_block_type")
+    key = "layer_types" if cfg.get("layer_types") else "layers_block_type"
+    kinds = cfg.get(key)
+    if kinds is not None and not isinstance(kinds, list):
+        raise InvalidConfigError(f"model config {path!r}: {key}={_shown(kinds)} must be a list of layer kinds, one per "
+                                 "layer (e.g. [\"full_attention\", ...]); correct it to the model's own value.")
     if kinds is None and isinstance(cfg.get("hybrid_override_pattern"), str):
         kinds = [_PATTERN.get(symbol, symbol) for symbol in cfg["hybrid_override_pattern"]]
     elif kinds is None and isinstance(cfg.get("attn_layer_indices"), list):

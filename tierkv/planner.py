@@ -53,7 +53,7 @@ from tierkv.staging import (
     summary_element_size,
 )
 from tierkv.stats import default_profile
-from tierkv.units import format_bytes, format_gb, format_size_option, parse_size, parse_tokens
+from tierkv.units import format_bytes, format_gb, format_size_option, parse_size, parse_tokens, plural
 from tierkv.vocabulary import CLI_EXECUTORS, PLAN_EXECUTORS, LinkName
 
 __all__ = ["DEVICES", "DeviceSpec", "ExecutorOption", "HostAttentionRate", "Plan", "PlanRequest", "TierBytes", "WhatIf",
@@ -105,6 +105,11 @@ COMPUTE_FLOPS_KEY = "compute_flops"
 WARNINGS_KEY = "warnings"
 """Key of a :class:`LinkProfile`'s ``machine`` that holds why ``tierkv bench`` doubted its numbers (a busy host,
 contradicting points: :mod:`tierkv.calibrate.consistency`); ``tierkv plan --profile`` repeats it."""
+QUICK_NOTE = "measured with --quick (small sizes: a smoke test, not a profile to plan with)"
+"""The warning ``tierkv bench --quick`` ends a profile's ``machine["warnings"]`` with; ``tierkv plan --profile``
+tells such a profile apart by it."""
+GPU_KEY = "gpu"
+"""Key of a :class:`LinkProfile`'s ``machine`` that names the measured host's GPU (``"none"`` on a CPU-only host)."""
 
 
 def cpu_device(profile: LinkProfile | None = None) -> DeviceSpec:
@@ -178,11 +183,11 @@ def host_attention_rate(links: LinkProfile, host_cores: int | None = None,
     measured = links.host_attention
     if measured is not None and measured.bandwidth_bytes_per_s < measured.single_thread_bytes_per_s:
         return HostAttentionRate(measured.single_thread_bytes_per_s, (
-            f"measured by tierkv bench: 1 thread ({measured.kernel} kernel; {measured.threads} threads measured "
-            f"slower, {measured.bandwidth_bytes_per_s / 1e9:.1f} GB/s: a busy host)"))
+            f"measured by tierkv bench: 1 thread ({measured.kernel} kernel; {plural(measured.threads, 'thread')} "
+            f"measured slower, {measured.bandwidth_bytes_per_s / 1e9:.1f} GB/s: a busy host)"))
     if measured is not None:
         return HostAttentionRate(measured.bandwidth_bytes_per_s, (
-            f"measured by tierkv bench: {measured.threads} threads ({measured.kernel} kernel; 1 thread "
+            f"measured by tierkv bench: {plural(measured.threads, 'thread')} ({measured.kernel} kernel; 1 thread "
             f"{measured.single_thread_bytes_per_s / 1e9:.1f} GB/s)"))
     presets = links.machine.get("source", "").startswith("presets")
     memcpy = links.links.get(LinkName.HOST_TO_HOST)
@@ -497,9 +502,9 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
     else:
         forecast = predict_step(Placement(layers, other), req.links, depth, read_ahead=DISK_READ_AHEAD)
         moved = {
-            LinkName.DEVICE_TO_DEVICE: sum(layer.device_bytes for layer in layers),  # the gather of device KV
-            LinkName.HOST_TO_DEVICE: sum(layer.host_bytes + layer.disk_bytes for layer in layers),
-            LinkName.DISK_TO_HOST: sum(layer.disk_bytes for layer in layers),
+            LinkName.DEVICE_TO_DEVICE: sum(layer.device_bytes * layer.repeat for layer in layers),  # device KV's gather
+            LinkName.HOST_TO_DEVICE: sum((layer.host_bytes + layer.disk_bytes) * layer.repeat for layer in layers),
+            LinkName.DISK_TO_HOST: sum(layer.disk_bytes * layer.repeat for layer in layers),
             LinkName.DEVICE_TO_HOST: new_kv if host + disk > 0 else 0,
             LinkName.HOST_TO_DISK: new_kv if disk > 0 else 0,
         }
@@ -510,7 +515,7 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
         staging_bytes=staging,
         bytes_per_tier=TierBytes(device, host, disk),
         bytes_moved_per_step=moved,
-        compute_s_per_step=sum(layer.compute_s for layer in layers) + other,
+        compute_s_per_step=sum(layer.compute_s * layer.repeat for layer in layers) + other,
         forecast=forecast,
         host_attention=rate,
     )
@@ -529,7 +534,8 @@ def _streaming_stages(req: PlanRequest, per_layer: list[float], layer_kv: list[i
 
     A chunk's compute is its share of the layer's attention; the rest of the layer (projections, MLP) runs
     after its last chunk, before the next layer's first chunk is needed. Without a roofline split (a
-    measured ``compute_s_per_step``) the layer's compute is spread evenly over its chunks.
+    measured ``compute_s_per_step``) the layer's compute is spread evenly over its chunks. A layer's chunks but
+    its last are equal: one load repeated, so the stages cost the same at any context and chunk size.
     """
     model, stages = req.model, []
     weights = model.params_per_layer * model.dtype_bytes
@@ -543,9 +549,10 @@ def _streaming_stages(req: PlanRequest, per_layer: list[float], layer_kv: list[i
             attention, rest = attention * scale, rest * scale
         else:
             attention, rest = compute, 0.0
-        loads = [_load(attention / chunks, kv / chunks, shares) for _ in range(chunks)]
-        loads[-1] = dataclasses.replace(loads[-1], compute_s=loads[-1].compute_s + rest)
-        stages += loads
+        chunk = _load(attention / chunks, kv / chunks, shares)
+        if chunks > 1:  # one run of equal stages: bounded work at any context (LayerLoad.repeat)
+            stages.append(dataclasses.replace(chunk, repeat=chunks - 1))
+        stages.append(dataclasses.replace(chunk, compute_s=chunk.compute_s + rest))
     return tuple(stages)
 
 
@@ -774,6 +781,8 @@ def what_ifs(base: Plan, *, extra_gpu_bytes: int = 16 * 10**9) -> list[WhatIf]:
     measured links, so the answer to "what would PCIe 5.0 buy on this machine" keeps the rest of the measured
     profile.
     """
+    if extra_gpu_bytes < 1:
+        raise InvalidConfigError(f"extra_gpu_bytes={extra_gpu_bytes} must be >= 1 (0 re-plans the plan itself).")
     req = base.request
     links = req.links.links
     options = [

@@ -45,7 +45,7 @@ from tierkv.commands.progress import seconds
 from tierkv.errors import InvalidConfigError
 from tierkv.hf.sizing import host_memory
 from tierkv.io import ALIGN, ENGINES, engine_status
-from tierkv.planner import COMPUTE_FLOPS_KEY, WARNINGS_KEY
+from tierkv.planner import COMPUTE_FLOPS_KEY, QUICK_NOTE, WARNINGS_KEY
 from tierkv.units import format_bytes, plural
 from tierkv.vocabulary import LinkName
 
@@ -93,7 +93,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_argument(parser, "every measurement, the fitted profile and the machine")
 
 
-QUICK_NOTE = "measured with --quick (small sizes: a smoke test, not a profile to plan with)"
 MAX_REPEATS = 1000  # timed repeats per point: more only multiplies the run's minutes
 MAX_THREADS = 4 * (os.cpu_count() or 1)  # torch's pool crashes the process at some tens of thousands
 MEMORY_COPIES = 4  # buffers of --max-size the memory links hold at once (a gather's pool is twice its output)
@@ -340,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
         progress("matmul FLOP/s (the compute estimate of tierkv plan --device cpu)")
         result.profile.machine[COMPUTE_FLOPS_KEY] = f"{measure_cpu().peak_flops:.4g}"
     warnings = ([busy] if busy else []) + contradictions(result)
-    noted = warnings + ([QUICK_NOTE] if args.quick else [])
+    noted = warnings + ([QUICK_NOTE] if args.quick else [])  # last: plan --profile tells it by the end
     if noted:  # plan --profile repeats them
         result.profile.machine[WARNINGS_KEY] = "; ".join(noted)
     m = result.machine

@@ -30,7 +30,9 @@ from tierkv.model_presets import MODEL_PRESETS
 from tierkv.planner import (
     CPU,
     DEVICES,
+    GPU_KEY,
     PLAN_BLOCK_TOKENS,
+    QUICK_NOTE,
     WARNINGS_KEY,
     ExecutorOption,
     Plan,
@@ -110,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-page-tokens", type=_page_tokens, default=None,
                         help=f"sparse: tokens per selected page, a divisor of the {PLAN_BLOCK_TOKENS}-token block "
                              f"(default: the library's, {default_page_tokens(PLAN_BLOCK_TOKENS)})")
-    parser.add_argument("--what-if-gpu-gb", type=size("--what-if-gpu-gb"), default=16 * 10**9,
+    parser.add_argument("--what-if-gpu-gb", type=_extra_gpu, default=16 * 10**9,
                         help="extra device memory for the what-if: GB or a size (default 16)")
     add_json_argument(parser, "the plan")
 
@@ -123,6 +125,15 @@ def _page_tokens(text: str) -> int:
             f"--sparse-page-tokens {text} does not divide the plans' {PLAN_BLOCK_TOKENS}-token block; give a "
             f"divisor of {PLAN_BLOCK_TOKENS}, e.g. {default_page_tokens(PLAN_BLOCK_TOKENS)} (the default).")
     return page
+
+
+def _extra_gpu(text: str) -> int:
+    """``--what-if-gpu-gb``: a size above 0 bytes (a what-if of 0 would be the plan itself)."""
+    extra = size("--what-if-gpu-gb")(text)
+    if extra < 1:
+        raise argparse.ArgumentTypeError(f"--what-if-gpu-gb {text} adds no device memory, so its what-if would be the "
+                                         "plan itself; give more, e.g. 16 (GB, the default).")
+    return extra
 
 
 def _ms(seconds: float) -> str:
@@ -238,8 +249,8 @@ def _render_executors(console: Console, base: Plan, options: list[ExecutorOption
 
 def _notes(result: Plan, sparse: int | float) -> list[str]:
     """What the plan's numbers do not say: a context past the model's trained length (the bytes are priced, not
-    whether it answers there), a ``--profile`` that ``tierkv bench`` doubted, a sparse budget that covers the whole
-    context (sparse then reads every token)."""
+    whether it answers there), a ``--profile`` of a CPU-only host priced for a GPU device, a ``--quick`` profile, one
+    that ``tierkv bench`` doubted, a sparse budget that covers the whole context (sparse then reads every token)."""
     req = result.request
     notes = []
     trained = req.model.max_positions
@@ -247,7 +258,17 @@ def _notes(result: Plan, sparse: int | float) -> list[str]:
         notes.append(f"--context {format_tokens(req.context)} is past {req.model.name}'s trained "
                      f"{format_tokens(trained)} tokens (max_position_embeddings): the plan prices bytes and time, "
                      "not answer quality there.")
-    warnings = req.links.machine.get(WARNINGS_KEY)
+    machine = req.links.machine
+    if req.links.serial_mover and req.device.name in DEVICES:
+        notes.append(f"the --profile was measured on a host without a GPU (gpu: {machine.get(GPU_KEY, 'none')}): its "
+                     f"links are memcpy within host memory and its mover one thread, yet --device {req.device.name} "
+                     "is planned with them; measure with `tierkv bench` on the target GPU host, or drop --profile to "
+                     "plan with presets (--link, --disk).")
+    warnings = machine.get(WARNINGS_KEY, "")
+    if warnings.endswith(QUICK_NOTE):
+        notes.append("the --profile was measured by `tierkv bench --quick` (small sizes: a smoke test): its links are "
+                     "indicative only; measure without --quick before planning with it.")
+        warnings = warnings.removesuffix(QUICK_NOTE).removesuffix("; ")
     if warnings:
         notes.append(f"the --profile was measured with warnings ({warnings}); re-run `tierkv bench` on a quiet "
                      "machine before trusting its links.")
