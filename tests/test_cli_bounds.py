@@ -25,7 +25,8 @@ def test_bench_refuses_values_no_run_can_take(tmp_path: Path, argv: list[str], n
 
 
 @pytest.mark.parametrize(("name", "needle"), [("/dev/null", "is a character device"), ("fifo", "is a FIFO"),
-                                              ("", "names no file"), ("x" * 300 + ".json", "is longer than")])
+                                              ("", "names no file"), ("x" * 300 + ".json", "is longer than"),
+                                              ("/proc/plan.json", "is not writable")])
 def test_a_json_path_that_cannot_take_a_file_is_refused_while_parsing(tmp_path: Path, name: str,
                                                                       needle: str) -> None:
     """It was accepted, and the whole plan (or bench) ran before the write failed with exit status 1."""

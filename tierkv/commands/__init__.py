@@ -256,7 +256,8 @@ def writable_file(option: str, example: str, or_else: str = "") -> Callable[[str
         if path.exists() and not path.is_file():  # (a link to a file is replaced by the file, never written through)
             raise InvalidConfigError(f"{option} {text!r} is {safefs.kind_of(path.stat().st_mode)}, not a file; give "
                                      f"a file name such as {example}{or_else}.")
-        if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)) \
+                or not _takes_files(folder):  # (root passes os.access in /proc, where no file can be made)
             raise InvalidConfigError(f"{option} {text!r} is not writable; give a path you can write to{or_else}.")
         return path
 
