@@ -66,3 +66,12 @@ def test_demo_names_the_flag_that_makes_a_run_impossible(tmp_path: Path, argv: l
     --gpu-gb and --context where --max-new-tokens made it so."""
     result = tierkv("demo", "--random-model", "--no-reference", "--disk-dir", str(tmp_path), *argv)
     assert_one_line_error(result, 2, *needles)
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["--kind", "multikey", "--lengths", "16"], ["--lengths 16 is too short for --kind multikey", "at least"]),
+    (["--samples", "1000000000"], ["--samples", "at most"]),  # said "62 to 248 days", then ran
+])
+def test_eval_refuses_a_run_it_cannot_or_should_not_make(argv: list[str], needles: list[str]) -> None:
+    """The too-short haystack was found after the model loaded, in the library's words (context_tokens=16)."""
+    assert_one_line_error(tierkv("eval", "--depths", "0", *argv), 2, *needles)

@@ -59,12 +59,16 @@ PROGRESS_EVERY_S = 8.0  # a trial's prefill reports its progress at least this o
 TIER_OVERHEAD = 1.5  # --cache tiered's time over the in-memory roofline estimate (as tierkv demo's)
 
 
+MAX_SAMPLES = 10_000  # haystacks per (length, depth) cell: more is days of decoding at any length
+CHECKED_SAMPLES = 256  # haystacks of the shortest length built before the model loads (each a few ms)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", type=token_list("--lengths"), default="4K,16K,32K,64K",
                         help="context lengths in tokens, e.g. 4K,1.5K,32768 (default: %(default)s)")
     parser.add_argument("--depths", type=fractions("--depths"), default="0,0.25,0.5,0.75,1",
                         help="needle depths in [0, 1] (default: %(default)s)")
-    parser.add_argument("--samples", type=integer("--samples", 1), default=4,
+    parser.add_argument("--samples", type=integer("--samples", 1, MAX_SAMPLES, "haystacks per cell"), default=4,
                         help="seeded haystacks per cell (default: %(default)s)")
     parser.add_argument("--kind", default="passkey", choices=("passkey", "multikey"), help="task (default: passkey)")
     parser.add_argument("--seed", type=integer("--seed", 0), default=0, help="haystack seed (default: %(default)s)")
@@ -188,6 +192,21 @@ def _check_combination(args: argparse.Namespace) -> None:
             setattr(args, name, defaults[name](default) if name in defaults else default)  # type: ignore[arg-type]
 
 
+def _check_lengths(args: argparse.Namespace) -> None:
+    """Every haystack of the shortest ``--lengths`` built before the model loads: one too short for the task's
+    needles and question is refused in this command's flags."""
+    from tierkv.demo.evaluate import trial_example
+
+    shortest = min(args.lengths)
+    try:
+        for depth in args.depths:
+            for sample in range(min(args.samples, CHECKED_SAMPLES)):
+                trial_example(args.kind, args.seed, shortest, depth, sample)
+    except InvalidConfigError as exc:
+        raise InvalidConfigError(f"--lengths {format_tokens(shortest)} is too short for --kind {args.kind}: "
+                                 f"{str(exc).split('; ')[-1]}; give longer --lengths.") from None
+
+
 def _task_list(text: str) -> list[str]:
     tasks = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in TASKS]
@@ -253,6 +272,7 @@ def _run(args: argparse.Namespace) -> int:
     if isinstance(args.model, str) and args.model != "demo":
         raise InvalidConfigError(f"the retrieval heat map is the demo model's own task; for --model {args.model} "
                                  "give --tasks (e.g. --tasks needle,multi-needle,fidelity).")
+    _check_lengths(args)
     folder = args.model if isinstance(args.model, Path) else None
     with phases.phase("loading the demo model"):
         model, tokenizer = load_demo_model(device=args.device, path=folder)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tierkv.demo.task import KINDS, decode_answer, make_example
+from tierkv.demo.task import KINDS, Example, decode_answer, make_example
 from tierkv.errors import InvalidConfigError
 from tierkv.units import format_tokens, plural
 
@@ -121,6 +121,11 @@ def greedy_generate(
     return generated
 
 
+def trial_example(kind: str, seed: int, length: int, depth: float, sample: int) -> Example:
+    """The haystack of one trial of :func:`evaluate`: the same for its arguments on every run and machine."""
+    return make_example(random.Random(f"{kind}/{seed}/{length}/{depth}/{sample}"), length, depth, kind)
+
+
 def evaluate(
     model,
     tokenizer,
@@ -155,7 +160,7 @@ def evaluate(
     for length in lengths:
         for depth in depths:
             for sample in range(samples):
-                example = make_example(random.Random(f"{kind}/{seed}/{length}/{depth}/{sample}"), length, depth, kind)
+                example = trial_example(kind, seed, length, depth, sample)
                 ids = greedy_generate(
                     model,
                     example.prompt_ids,
