@@ -135,8 +135,26 @@ def test_time_left_is_measured_past_the_first_part_and_re_estimated():
     for elapsed in (100.0, 2.0, 2.0, 4.0):  # a slow warm-up part, then 2 s per part, then 4 s
         now[0] += elapsed
         remaining.part_done()
-    assert said == ["run: 2/10 done, about 16.0 s to go", "run: 3/10 done, about 14.0 s to go",
-                    "run: 4/10 done, about 16.0 s to go"]
+    assert said == ["run: 1/10 done (measuring the rate)", "run: 2/10 done, about 16.0 s to go",
+                    "run: 3/10 done, about 14.0 s to go", "run: 4/10 done, about 16.0 s to go"]
+
+
+def test_parts_of_several_seconds_never_leave_the_interval_silent():
+    """Regression: a line came only at a part's end at least ``every_s`` after the last one, so 4.5 s parts left
+    13.5 s silent (SmolLM2's demo: 13 s from the plan to the first line). A line now comes at the part's end
+    where the next part would end past the interval."""
+    now, lines = [0.0], []
+
+    class Console:
+        def print(self, text: str, **_) -> None:
+            lines.append(now[0])
+
+    remaining = Remaining(Console(), "run", [1.0] * 12, every_s=10.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    for _ in range(11):
+        now[0] += 4.5
+        remaining.part_done()
+    gaps = [b - a for a, b in zip([0.0, *lines], [*lines, now[0]])]
+    assert lines and max(gaps) <= 10.0, gaps
 
 
 def test_estimates_before_a_run_are_ranges():

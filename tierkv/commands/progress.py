@@ -49,8 +49,10 @@ def forward_cost(start: int, n: int) -> float:
 
 class Remaining:
     """The time left of work made of parts whose relative costs are known, re-estimated from the rate measured
-    so far and said on ``console`` at most every ``every_s`` seconds. The first part (warm-up, allocation) is
-    left out of the rate: one noisy part extrapolated over the run is what made earlier estimates 9x off."""
+    so far and said on ``console`` about every ``every_s`` seconds: at the end of a part when the next one would
+    end past that (so parts of several seconds never leave ``every_s`` silent). The first part (warm-up,
+    allocation) is left out of the rate: one noisy part extrapolated over the run is what made earlier estimates
+    9x off; until a second part ends the line says only how many are done."""
 
     def __init__(self, console: Console, label: str, costs: list[float], every_s: float = REESTIMATE_S,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -59,21 +61,25 @@ class Remaining:
         self.done = 0  # parts done
         self.measured_from: float | None = None  # when the first part ended
         self.measured_cost = 0.0  # cost of the parts done since
+        self.first_s = 0.0  # how long the first part took (the next part's guess until there is a rate)
         self.said = clock()
 
     def part_done(self) -> None:
         """One more part is done (in order); says the time left when it is due and there is a rate to go by."""
         now = self.clock()
         self.done += 1
+        rate: float | None = None
         if self.measured_from is None:
-            self.measured_from = now
-            return
-        self.measured_cost += self.costs[self.done - 1]
-        left = sum(self.costs[self.done:])
-        if left > 0 and now - self.said >= self.every_s:
+            self.measured_from, self.first_s = now, now - self.said
+        else:
+            self.measured_cost += self.costs[self.done - 1]
             rate = (now - self.measured_from) / self.measured_cost
-            self.console.print(f"{self.label}: {self.done:,}/{len(self.costs):,} done, about {seconds(rate * left)} "
-                               "to go", highlight=False, soft_wrap=True)
+        left = sum(self.costs[self.done:])
+        upcoming = self.first_s if rate is None else rate * self.costs[self.done] if left > 0 else 0.0
+        if left > 0 and now - self.said + upcoming >= self.every_s:
+            estimate = " (measuring the rate)" if rate is None else f", about {seconds(rate * left)} to go"
+            self.console.print(f"{self.label}: {self.done:,}/{len(self.costs):,} done{estimate}", highlight=False,
+                               soft_wrap=True)
             self.said = now
 
 
