@@ -5,6 +5,7 @@ closable afterwards."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 
@@ -145,3 +146,18 @@ def test_a_trace_path_that_cannot_be_written_is_refused_when_the_cache_is_built(
     with TieredCache(block_tokens=4) as cache:
         model(torch.randint(2, 128, (1, 12)), **{cache_keyword(model): cache})
     assert json.loads(path.read_text())["traceEvents"]
+
+
+def test_a_trace_that_cannot_be_written_at_close_is_one_warning(model, tmp_path, caplog):
+    """Its folder removed after the cache was built: close() logged the whole traceback of the failed write. It
+    logs one line naming the path and the fix now, and still closes everything."""
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    cache = TieredCache(block_tokens=4, trace=folder / "t.json")
+    model(torch.randint(2, 128, (1, 12)), **{cache_keyword(model): cache})
+    folder.rmdir()
+    with caplog.at_level(logging.WARNING, logger="tierkv"):
+        cache.close()
+    records = [r for r in caplog.records if "trace" in r.getMessage()]
+    assert len(records) == 1 and records[0].exc_info is None and "could not be written" in records[0].getMessage()
+    assert cache.closed
