@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -358,23 +359,69 @@ def test_a_first_forward_stopped_between_layers_is_rolled_back(tmp_path, family,
     config says how many a forward updates: the next forward rolls back and refuses itself, the one after is exact."""
     model = hybrid(family) if family != "llama" else architecture_llama()
     ids, mask = prompt(1, 20, seed=5)
+    with tiered(model, tmp_path, rows=1) as cache:
+        if after_reset:
+            run(model, ids.flip(1), mask, cache)
+            cache.reset()
+        _stopped_then_resumed(model, cache, model.model.layers[2], ids, mask, "rolled back to 0 tokens")
+
+
+def _stopped_then_resumed(model, cache: TieredCache, where: torch.nn.Module, ids, mask, refused: str) -> None:
+    """A first forward stopped by an error raised as ``where`` is called: the next is refused (``refused``) with
+    every layer back to empty, the one after equals DynamicCache's."""
     reference = run(model, ids, mask, DynamicCache(config=model.config))
 
     def stop(*_):
         raise RuntimeError("stopped in the model's own code")
 
+    handle = where.register_forward_pre_hook(stop)
+    with pytest.raises(RuntimeError, match="stopped in the model"):
+        run(model, ids, mask, cache)
+    handle.remove()
+    with pytest.raises(InterruptedStepError, match=refused):
+        run(model, ids, mask, cache)
+    assert {layer.get_seq_length() for layer in cache.holding} == {0}
+    assert_same_generation(run(model, ids, mask, cache), reference, atol=1e-4)
+
+
+@pytest.mark.parametrize("executor", ["gather", "streaming", "split"])
+def test_a_first_forward_stopped_after_one_layer_is_rolled_back(tmp_path, executor):
+    """Regression: a first forward stopped after exactly one layer update (an error in layer 0's MLP) was taken
+    for an encoder-decoder model's second update of layer 0 and let through: layer 0 kept the prompt twice, gather
+    then failed with a raw size mismatch and streaming / split decoded on 0.19 off. A forward sizes its mask
+    before its first update, which an encoder-decoder's cross-attention does not: the next forward rolls layer 0
+    back and refuses itself, the one after is exact."""
+    model = architecture_llama()
+    ids, mask = prompt(1, 20, seed=5)
+    with tiered(model, tmp_path, executor, rows=1) as cache, contextlib.nullcontext() if executor == "gather" \
+            else getattr(cache, executor)(model, chunk_tokens=8):  # fmt: skip
+        _stopped_then_resumed(model, cache, model.model.layers[0].mlp, ids, mask, "after 1 of the 4 layer updates")
+
+
+def test_generate_after_a_stopped_chunk_resumes(tmp_path):
+    """Regression: a forward that stopped part-way after its layers took more tokens than the next generate()
+    input brought left layer 0 long enough that generate() passed the model no tokens, refused as "the input brings
+    no new tokens" with that wrong length, on every retry (the stopped forward was never rolled back). Now it is
+    rolled back and the call refused once (InterruptedStepError); the next call decodes exactly."""
+    model = architecture_llama()
+    ids, mask = prompt(1, 20, seed=5)
+    longer, _ = prompt(1, 60, seed=6)
+    turn = torch.cat((ids, longer[:, :5]), dim=1)
+    reference = run(model, turn, torch.ones_like(turn), DynamicCache(config=model.config))
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
     with tiered(model, tmp_path, rows=1) as cache:
-        if after_reset:
-            run(model, ids.flip(1), mask, cache)
-            cache.reset()
-        handle = model.model.layers[2].register_forward_pre_hook(stop)
-        with pytest.raises(RuntimeError, match="stopped in the model"):
-            run(model, ids, mask, cache)
-        handle.remove()
-        with pytest.raises(InterruptedStepError, match="rolled back to 0 tokens"):
-            run(model, ids, mask, cache)
-        assert {layer.get_seq_length() for layer in cache.holding} == {0}
-        assert_same_generation(run(model, ids, mask, cache), reference, atol=1e-4)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache)
+            handle = model.model.layers[2].mlp.register_forward_pre_hook(stop)
+            with pytest.raises(KeyboardInterrupt):
+                model(input_ids=longer, past_key_values=cache)
+            handle.remove()
+        with pytest.raises(InterruptedStepError, match="rolled back to 20 tokens"):
+            run(model, turn, torch.ones_like(turn), cache)
+        assert_same_generation(run(model, turn, torch.ones_like(turn), cache), reference, atol=1e-4)
 
 
 def architecture_llama() -> transformers.PreTrainedModel:

@@ -262,6 +262,12 @@ class TieredCache(AttentionModes, Cache):
                 self.forward.settle(self.holding, self.runtime)
             return super().get_seq_length(layer_idx)
 
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """The cache length a forward's mask starts from: asked as the forward begins, before its first update (a
+        model's own attention asks ``get_seq_length`` at every layer, so that cannot tell; :meth:`Forward.begin`)."""
+        self.forward.announced = True
+        return super().get_query_offset(layer_idx)
+
     @property
     def records_past(self) -> bool:
         """Whether a sliding-window layer keeps its whole past (``activate_past_recording()``, until a crop)."""

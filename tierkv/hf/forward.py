@@ -58,6 +58,7 @@ class Forward:
         self.first: tuple[int, str, int] | None = None
         self.last = -1
         self.last_update = -1  # the store index of the K/V layer updated last in this forward (-1: none yet)
+        self.announced = False  # a forward's mask was sized since the last update (a new forward began)
 
     def entered(self, position: int, call: str, state_idx: int) -> bool:
         """Whether this use of model layer ``position`` begins a forward: a model runs its layers in order, so a
@@ -99,12 +100,13 @@ class Forward:
         own code (no tierkv code ran to undo it), so its layers differ in length. Roll back the ones it reached and
         refuse this forward: its positions were computed from layer 0's length, one step ahead."""
         reached, self.layers_updated, self.last_update = self.layers_updated, 0, -1
+        announced, self.announced = self.announced, False
         complete = self.full or expected or 0
         if not reached or reached >= complete:
             self.full = max(self.full, reached)
             self.completed = self.completed or bool(reached)
             return
-        behind = self._behind(layers, reached)
+        behind = self._behind(layers, reached, repeat_possible=not announced)
         if behind is None:
             return
         self.unsettled = behind  # by assignment first, as in roll_back
@@ -122,14 +124,16 @@ class Forward:
             "layer twice per forward, self- and cross-attention: pass cache.encoder_decoder() instead.)"
         )
 
-    def _behind(self, layers: Sequence[Holding], reached: int) -> int | None:
+    def _behind(self, layers: Sequence[Holding], reached: int, repeat_possible: bool = False) -> int | None:
         """The length the layers of a forward that stopped after ``reached`` updates go back to (None: they hold
-        as many tokens each, as when an update's own rollback ran)."""
+        as many tokens each, as when an update's own rollback ran). ``repeat_possible``: no new forward was seen
+        starting (no mask was sized since the last update)."""
         lengths = {layer.furthest() for layer in layers}
-        if self.completed or reached < 2:
+        if self.completed or (reached < 2 and repeat_possible):
             # after a complete forward a layer that holds nothing never does (the K/V it reuses); a first forward
-            # that reached one layer may be an encoder-decoder model's given the cache alone, whose cross-attention
-            # updates layer 0 again (refused at its next layer's second update), not a stopped one
+            # that reached one layer, with no new forward seen starting since, may be an encoder-decoder model's
+            # given the cache alone, whose cross-attention updates layer 0 again (refused as a repeated update),
+            # not a stopped one
             lengths -= {0}
         return min(lengths) if len(lengths) > 1 else None
 

@@ -16,7 +16,13 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from tierkv.attention.base import Executor, Span
-from tierkv.errors import BudgetTooSmallError, InvalidConfigError, TierKVError, UnsupportedLayerError
+from tierkv.errors import (
+    BudgetTooSmallError,
+    InterruptedStepError,
+    InvalidConfigError,
+    TierKVError,
+    UnsupportedLayerError,
+)
 from tierkv.hf.attention import hand_over, masks_built
 from tierkv.hf.forward import closed_error
 
@@ -114,6 +120,7 @@ class TieredLayer(OfCache, CacheLayerMixin):
         store = runtime.store
         if self.index == 0 or store is None or cache.closed:
             store = cache.begin_layer(self.index, key_states)
+        cache.forward.announced = False
         if cache.forward.last_update == self.index:  # (a forward's first K/V layer: it began one, so never)
             cache.refuse_repeated(self)
         cache.forward.last_update = self.index
@@ -318,7 +325,13 @@ class TieredLayer(OfCache, CacheLayerMixin):
             query_length = query_length.shape[0]
         cache = self.cache
         cache.sized_at = masks_built()  # a forward's mask begins (see hand_over)
+        cache.forward.announced = True  # (Forward.begin)
         length = self.get_seq_length()
+        if query_length == 0 and length and cache.settle_stopped():  # generate() sliced the ids by a stopped length
+            raise InterruptedStepError(
+                f"the previous forward stopped part-way (a Ctrl-C or an error in the model between layers), so this "
+                f"cache's length read {length} tokens and generate() passed the model none of the input's; the layers "
+                f"were rolled back to {self.get_seq_length()} tokens. Call generate() again: it resumes from there.")
         if query_length == 0 and length:  # else the model fails on an empty reshape, naming neither cause nor fix
             raise InvalidConfigError(
                 f"the input brings no new tokens: this cache already holds {length} tokens, and generate() passes the "
