@@ -17,7 +17,7 @@ import torch
 from models import prompt, tiny_model
 from transformers import DynamicCache
 
-from tierkv import BudgetTooSmallError, TieredCache
+from tierkv import BudgetTooSmallError, InvalidConfigError, TieredCache
 from tierkv.units import parse_size
 
 BLOCK = 4
@@ -112,3 +112,27 @@ def test_sparse_with_past_recording_names_the_minimum_that_decodes():
     reference.activate_past_recording()
     for got, want in zip(decode(whole), run(model, ids, mask, reference), strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_crop_refused_after_a_stopped_forward_says_what_was_taken_back():
+    """A crop refused after a forward that stopped part-way counted from the rolled-back length ("cannot crop 47
+    tokens" for crop(-64)), naming neither the request nor the rollback: it names both now."""
+    model = tiny_model("mistral", sliding_window=4, layers=3)
+    ids, mask = prompt(1, 60, seed=3)
+    more, _ = prompt(1, 17, seed=4)
+
+    def stop(*_):
+        raise RuntimeError("stopped")
+
+    with TieredCache(gpu_gb="64MB", cpu_gb="64MB", block_tokens=BLOCK, config=model.config) as cache, \
+            torch.no_grad():  # fmt: skip
+        model(input_ids=ids, past_key_values=cache)
+        handle = model.model.layers[1].register_forward_pre_hook(stop)
+        with pytest.raises(RuntimeError, match="stopped"):
+            model(input_ids=more, past_key_values=cache)
+        handle.remove()
+        with pytest.raises(InvalidConfigError) as info:
+            cache.crop(-40)
+        message = str(info.value)
+        assert message.startswith("crop(-40): the previous forward had stopped part-way") and \
+            "the cache holds 60 now, 23 more to crop" in message and "cannot crop 23 tokens" in message, message

@@ -35,7 +35,7 @@ from tierkv import forks, settings
 from tierkv.attention.base import PipelinedExecutor
 from tierkv.attention.exact_gather import ExactGather
 from tierkv.bandwidth import LinkProfile
-from tierkv.errors import InvalidConfigError, UnsupportedLayerError
+from tierkv.errors import InvalidConfigError, TierKVError, UnsupportedLayerError
 from tierkv.hf import conversation, sizing
 from tierkv.hf.attention import Engagement, drop_hand_over
 from tierkv.hf.encoder_decoder import TieredEncoderDecoderCache
@@ -372,10 +372,18 @@ class TieredCache(AttentionModes, Cache):
             if tokens_to_remove > 0 and CROP_KEEPS_LENGTH:  # transformers 5.0's crop(max_length): keep that many
                 tokens_to_remove = min(0, tokens_to_remove - self.get_seq_length())
             target = self.get_seq_length() + tokens_to_remove  # counted from layer 0's tokens, as transformers does
-            if self.settle_stopped() and tokens_to_remove < 0:  # a stopped forward's tokens went: to target, if any
+            asked, stopped = tokens_to_remove, self.settle_stopped()
+            if stopped and tokens_to_remove < 0:  # a stopped forward's tokens went: to target, if any
                 tokens_to_remove = min(0, target - self.get_seq_length())
-            for layer in self.holding:
-                layer.check_crop(tokens_to_remove)
+            try:
+                for layer in self.holding:
+                    layer.check_crop(tokens_to_remove)
+            except TierKVError as error:
+                if stopped:  # its numbers count from the rolled-back length: say why they differ from the ask
+                    error.args = (f"crop({asked}): the previous forward had stopped part-way, and its tokens were "
+                                  f"taken back first (the cache holds {self.get_seq_length()} now, {-tokens_to_remove} "
+                                  f"more to crop); {error}",)
+                raise
             self.edits += 1
             super().crop(tokens_to_remove)
             if not any(layer.furthest() for layer in self.holding):
