@@ -91,12 +91,25 @@ def output_problem(path: str | os.PathLike[str]) -> tuple[int, str] | None:
         return problem
     if not target.parent.is_dir():
         return errno.ENOENT, f"is in {os.fspath(target.parent)!r}, which is not an existing directory"
-    try:  # a folder that takes no files (/proc), read-only, or not this user's to write
-        with tempfile.TemporaryFile(dir=target.parent):
-            pass
-        longest = os.pathconf(target.parent, "PC_NAME_MAX")
-    except OSError as exc:
-        return exc.errno or errno.EACCES, f"cannot be created in {os.fspath(target.parent)!r} ({exc.strerror})"
+    refused = creation_problem(target.parent)
+    if refused is not None:
+        return refused.errno or errno.EACCES, f"cannot be created in {os.fspath(target.parent)!r} ({refused.strerror})"
+    longest = longest_name(target.parent)
     if len(os.fsencode(target.name)) > longest:
         return errno.ENAMETOOLONG, f"has a name longer than the {longest} bytes {os.fspath(target.parent)!r} takes"
     return None
+
+
+def creation_problem(folder: str | os.PathLike[str]) -> OSError | None:
+    """Why no file can be created in ``folder`` (one that takes no files, such as ``/proc``, where root passes
+    ``os.access``; read-only; not this user's to write), tried with an unnamed temporary file; None if one can."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as exc:
+        return exc
+
+
+def longest_name(folder: str | os.PathLike[str]) -> int:
+    """The longest file name, in bytes, that ``folder``'s filesystem takes."""
+    return os.pathconf(folder, "PC_NAME_MAX")

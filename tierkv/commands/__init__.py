@@ -14,13 +14,13 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tierkv import safefs
 from tierkv.errors import InvalidConfigError
+from tierkv.inputs import creation_problem, longest_name
 from tierkv.units import parse_size, parse_token_list, parse_tokens
 
 STDOUT = "-"
@@ -164,17 +164,9 @@ def _check_writable(option: str, text: str, folder: Path) -> None:
     that takes no files (``/proc``, ``/sys``: root passes ``os.access`` there). Tried with a temporary file: a
     filesystem that reports no size (ramfs) is still one to write to."""
     stat = os.statvfs(folder)
-    if not os.access(folder, os.W_OK | os.X_OK) or stat.f_flag & os.ST_RDONLY or not _takes_files(folder):
+    if not os.access(folder, os.W_OK | os.X_OK) or stat.f_flag & os.ST_RDONLY or creation_problem(folder) is not None:
         raise InvalidConfigError(f"{option} {text!r}: {str(folder)!r} is not a writable directory; give a "
                                  "directory on a disk you can write to.")
-
-
-def _takes_files(folder: Path) -> bool:
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            return True
-    except OSError:
-        return False
 
 
 def existing_dir(option: str, what: str) -> Callable[[str], Path]:
@@ -247,7 +239,7 @@ def writable_file(option: str, example: str, or_else: str = "") -> Callable[[str
         if not folder.is_dir():
             raise InvalidConfigError(f"{option} {text!r}: folder {str(folder)!r} does not exist; create it or give "
                                      "another path.")
-        longest = os.pathconf(folder, "PC_NAME_MAX")
+        longest = longest_name(folder)
         if len(os.fsencode(path.name)) > longest:  # (before any stat of it: that raises "File name too long")
             raise InvalidConfigError(f"{option}: the file name {path.name[:40]!r}... is longer than the {longest} "
                                      f"bytes {str(folder)!r} takes; give a shorter one.")
@@ -257,7 +249,7 @@ def writable_file(option: str, example: str, or_else: str = "") -> Callable[[str
             raise InvalidConfigError(f"{option} {text!r} is {safefs.kind_of(path.stat().st_mode)}, not a file; give "
                                      f"a file name such as {example}{or_else}.")
         if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)) \
-                or not _takes_files(folder):  # (root passes os.access in /proc, where no file can be made)
+                or creation_problem(folder) is not None:  # (root passes os.access in /proc, where no file can be made)
             raise InvalidConfigError(f"{option} {text!r} is not writable; give a path you can write to{or_else}.")
         return path
 
