@@ -155,12 +155,12 @@ def test_a_forward_failing_after_the_state_layers_ran_leaves_every_state_as_it_w
     appends = {"n": 0}
     append = KVStore.append
 
-    def failing(store, layer, keys, values):
+    def failing(store, layer, keys, values, *args, **kwargs):
         if layer == cache.runtime.num_layers - 1 and keys.shape[2] == 1:
             appends["n"] += 1
             if appends["n"] == 3:
                 raise Boom("injected")
-        return append(store, layer, keys, values)
+        return append(store, layer, keys, values, *args, **kwargs)
 
     with tiered(model, tmp_path) as cache:
         monkeypatch.setattr(KVStore, "append", failing)

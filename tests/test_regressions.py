@@ -69,10 +69,10 @@ def test_failed_step_rolls_back_sliding_layers(tmp_path, monkeypatch):
     real = KVStore.append
     fail = {"armed": False}
 
-    def append(self, layer, k, v):
+    def append(self, layer, k, v, *args, **kwargs):
         if layer == 1 and fail["armed"]:
             raise CapacityError("injected: the KV cache no longer fits")
-        return real(self, layer, k, v)
+        return real(self, layer, k, v, *args, **kwargs)
 
     monkeypatch.setattr(KVStore, "append", append)
     keys, values = kv(1, 11, heads=2, dim=16)

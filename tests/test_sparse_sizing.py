@@ -213,3 +213,51 @@ def test_a_sparse_budget_above_the_context_sizes_for_the_context():
     whole = TieredCache.min_sparse_device_bytes(config, 64, tokens=1.0, block_tokens=4)
     assert TieredCache.min_sparse_device_bytes(config, 64, tokens=1 << 20, block_tokens=4) == whole
     assert TieredCache.min_sparse_device_bytes(config, 64, tokens="1M", block_tokens=4) == whole
+
+
+def _steps(model: transformers.PreTrainedModel, cache, ids: torch.Tensor, pieces: list[int]) -> torch.Tensor:
+    """Forward ``ids`` through ``cache`` in pieces of ``pieces`` tokens in turn; the last piece's logits."""
+    with torch.no_grad():
+        for piece in ids.split(pieces, dim=1):
+            logits = model(piece, past_key_values=cache).logits
+    return logits
+
+
+LONG = 20 * BLOCK  # a step far longer than the window: the sliding layers drop all but its last blocks next step
+
+
+def test_a_long_step_after_decoding_summarises_only_what_its_window_keeps(tmp_path):
+    """Exactly ``min_sparse_device_bytes`` holds a step of many blocks after sparse decode steps: a sliding layer
+    summarises only the blocks its window keeps (it summarised every block the step filled, and its table outgrew
+    the window the budget counts), and stays within ``sparse_table_bytes``."""
+    model = gemma3_shaped()
+    pieces = [PROMPT, 1, 1, LONG, 1, 1]
+    need = sizing.min_sparse_device_bytes(model.config, sum(pieces), tokens=0.1, block_tokens=BLOCK,
+                                          chunk_tokens=CHUNK, device="cpu")
+    with TieredCache(gpu_gb=f"{need}B", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=BLOCK,
+                     config=model.config) as cache, cache.sparse(model, tokens=0.1, chunk_tokens=CHUNK):
+        _steps(model, cache, prompt(1, sum(pieces), seed=3)[0], pieces)
+        sparse = cache.stats()["sparse"]
+    held = sparse["summaries_device_bytes"] + sparse["rest_copy_device_bytes"]
+    assert held <= sizing.sparse_table_bytes(model.config, sum(pieces), block_tokens=BLOCK)
+
+
+def test_a_crop_back_into_unsummarised_blocks_summarises_them(tmp_path):
+    """A crop after a long step brings blocks the sliding window was to drop (and that got no summary) back into
+    it: the next sparse steps summarise them first, and select (8 tokens: fewer than the window, so the sliding
+    layers score their blocks) and attend as a cache that never saw the cropped tokens."""
+    model = gemma3_shaped()
+    crop = 2 * BLOCK + 5
+    ids = prompt(1, PROMPT + 1 + LONG + 2, seed=3)[0]
+    kept = torch.cat((ids[:, : PROMPT + 1 + LONG - crop], ids[:, -2:]), dim=1)
+    logits = []
+    for cropped in (True, False):
+        with TieredCache(gpu_gb="64MB", cpu_gb="16KB", disk_dir=tmp_path / str(cropped), block_tokens=BLOCK,
+                         config=model.config) as cache, cache.sparse(model, tokens=8, chunk_tokens=CHUNK):
+            if cropped:
+                _steps(model, cache, ids[:, :-2], [PROMPT, 1, LONG])
+                cache.crop(-crop)
+                logits.append(_steps(model, cache, ids[:, -2:], [1, 1]))
+            else:
+                logits.append(_steps(model, cache, kept, [PROMPT, 1, LONG - crop, 1, 1]))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)

@@ -133,8 +133,11 @@ class TieredLayer(OfCache, CacheLayerMixin):
             # committed, a rollback may still need them.
             if self.sliding_window is not None and stored >= self.sliding_window and not self.record_past:
                 stored -= self._drop_front(store, stored)
-            store.append(self.index, key_states, value_states)
             stop = stored + new
+            window = None if self.record_past else self.sliding_window
+            # what the window drops at the next update needs no key summary (a long step would size them all)
+            store.append(self.index, key_states, value_states,
+                         summarise_from=0 if window is None else stop - (window - 1))
             span = Span(self.index, self._start(stop, new), stop, new, key_states.shape[0], self.sliding_window,
                         self.dropped + stop)
             executor = runtime.decode if new == 1 else runtime.prefill

@@ -153,13 +153,16 @@ def write(store: KVStore, layer: int, layout: BlockLayout, plans: list[NewBlocks
             transfer.count(link(Tier.DEVICE, tier), len(slots) * bt * layout.token_bytes)
 
 
-def filled_blocks(store: KVStore, layer: int, plans: list[NewBlocks], kv: torch.Tensor,
-                  split: Split) -> list[tuple[Block, torch.Tensor]]:
-    """The blocks this append (written, not yet committed) fills, with their keys and values
-    ``[2, H_kv, block_tokens, D]``: tails filled in place or by their copy, and every full new block (from
-    ``kv``). Only asked for while key summaries are kept."""
+def filled_blocks(store: KVStore, layer: int, plans: list[NewBlocks], kv: torch.Tensor, split: Split,
+                  length: int, summarise_from: int) -> list[tuple[Block, torch.Tensor]]:
+    """The blocks this append (written, not yet committed) to rows of ``length`` tokens fills, with their keys and
+    values ``[2, H_kv, block_tokens, D]``: tails filled in place or by their copy, and every full new block (from
+    ``kv``) — but for those that end at or before token ``summarise_from`` (never the last). Only asked for while
+    key summaries are kept."""
     bt, layout = store.block_tokens, store.layouts[layer]
-    fills = split.held + split.take == bt and split.held > 0
+    end = length + split.take + split.rest
+    cut = min(summarise_from, end - 1)  # a block ending at or before ``cut`` is left out
+    fills = split.held + split.take == bt and split.held > 0 and length + split.take > cut
     filled: list[tuple[Block, torch.Tensor]] = []
     for r, plan in enumerate(plans):
         if fills and plan.in_place:
@@ -169,7 +172,7 @@ def filled_blocks(store: KVStore, layer: int, plans: list[NewBlocks], kv: torch.
             copy = plan.tail_copy
             filled.append((copy, store.transfer.read_blocks(layout, copy.tier, [copy.slot])[0]))
         for k, block in enumerate(plan.blocks):
-            if (k + 1) * bt <= split.rest:
+            if (k + 1) * bt <= split.rest and length + split.take + (k + 1) * bt > cut:
                 filled.append((block, kv[:, r, :, split.take + k * bt : split.take + (k + 1) * bt]))
     return filled
 

@@ -148,10 +148,13 @@ class KVStore:
 
     # ----------------------------------------------------------------------------------------- append
     @recovering
-    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor, first_block: int = 0) -> None:
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor, first_block: int = 0,
+               summarise_from: int = 0) -> None:
         """Append ``keys``/``values`` ``[B, H_kv, q, D]`` to every row of ``layer``. All or nothing.
         ``first_block``: where a new layer's first block sits in its sequence (a loaded sliding layer whose window
-        had dropped the blocks before it); a layer emptied by a crop keeps its own."""
+        had dropped the blocks before it); a layer emptied by a crop keeps its own. ``summarise_from``: blocks this
+        append fills that end at or before this token of the layer get no key summary (a sliding window drops them
+        before they are attended again); the layer's summaries are completed when sparse attention next asks."""
         layout = self.layouts.get(layer)
         if layout is None or not _same_geometry(layout, keys, values, self.device.device):
             layout = edits.layout_for(self, layer, keys, values)  # a new layer, or an error that says what changed
@@ -178,7 +181,8 @@ class KVStore:
         try:
             plans = edits.allocate(self, layer, rows, split, layout, allocated)
             edits.write(self, layer, layout, plans, kv, split)
-            filled = edits.filled_blocks(self, layer, plans, kv, split) if self.summaries is not None else None
+            filled = edits.filled_blocks(self, layer, plans, kv, split, length, summarise_from) \
+                if self.summaries is not None else None
         except BaseException:
             with deferred_interrupts():
                 for block in allocated:
@@ -190,8 +194,11 @@ class KVStore:
         with deferred_interrupts():
             edits.commit(self, layer, rows, plans, split)
             self.lengths[layer] = length + tokens
-        if filled and self.summaries is not None:
-            self.summaries.add(layer, [block.id for block, _ in filled], torch.stack([kv for _, kv in filled]))
+        if self.summaries is not None:
+            if summarise_from > length:  # blocks may have gone unsummarised: the next enable_summaries checks
+                self.summaries.backfilled.discard(layer)
+            if filled:
+                self.summaries.add(layer, [block.id for block, _ in filled], torch.stack([kv for _, kv in filled]))
         self.writeback.maybe_start()
 
     def _append_in_place(self, layer: int, rows: LayerRows, keys: torch.Tensor, values: torch.Tensor) -> bool:
