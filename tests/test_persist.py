@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import io
 import os
 import stat
@@ -252,20 +253,32 @@ def test_put_refuses_what_the_manifest_reader_would_refuse(tmp_path, depth):
     again.close()
 
 
-def test_a_record_that_does_not_fit_in_memory_is_a_miss(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("fault", [
+    pytest.param(MemoryError(), id="no-memory"),
+    pytest.param(OSError(errno.EMFILE, "Too many open files"), id="no-descriptor"),
+    pytest.param(OSError(errno.EIO, "Input/output error"), id="io-error"),
+])
+def test_a_record_this_process_cannot_read_now_is_a_miss_kept_for_the_others(tmp_path, monkeypatch, caplog, fault):
+    """No memory, no file descriptor or an I/O error while reading a record is this process's miss: the record
+    stays listed and on disk for the processes sharing the store (it was unlisted and deleted for all of them)."""
     store = PersistentStore(tmp_path, 1 << 20)
     keys = _keys(2)
     store.put([_item(k, depth=i) for i, k in enumerate(keys)])
 
     read_whole = safefs.read_whole
 
-    def no_memory(fd: int, what: str, limit: int) -> bytearray:
+    def failing(fd: int, what: str, limit: int) -> bytearray:
         if what.endswith(".tkv"):  # records, not the manifest
-            raise MemoryError
+            raise fault
         return read_whole(fd, what, limit)
 
-    monkeypatch.setattr(safefs, "read_whole", no_memory)
-    assert store.get(keys) == [] and "does not fit in memory" in caplog.text
+    monkeypatch.setattr(safefs, "read_whole", failing)
+    assert store.get(keys) == [] and "recomputed" in caplog.text
+    assert store.verify() == []
+    monkeypatch.setattr(safefs, "read_whole", read_whole)
+    other = PersistentStore(tmp_path, 1 << 20)
+    assert other.lookup(keys) == 2 and len(other.get(keys)) == 2
+    other.close()
     store.close()
 
 

@@ -102,6 +102,30 @@ def test_a_native_pool_that_cannot_start_every_thread_goes_on_with_fewer(tmp_pat
     assert "could start only 4 of its 16 I/O threads" in caplog.text
 
 
+def test_a_conversation_saved_beyond_a_file_size_limit_names_the_limit(tmp_path) -> None:
+    """Regression: ``save()`` beyond ``ulimit -f`` said "check the directory's permissions and the drive"."""
+    script = textwrap.dedent("""
+        import resource, signal, sys, torch, transformers
+        from tierkv import TieredCache
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        model = transformers.LlamaForCausalLM(config).eval()
+        with TieredCache(gpu_gb="1MB", block_tokens=4) as cache, torch.no_grad():
+            model(torch.randint(2, 128, (1, 200)), past_key_values=cache)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, resource.RLIM_INFINITY))
+            try:
+                cache.save(sys.argv[1], model=model)
+            except Exception as exc:
+                print(f"{type(exc).__name__}: {exc}")
+    """)
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "chat.tkv")], capture_output=True,
+                            text=True, timeout=300)
+    said = result.stdout.strip()
+    assert said.startswith("DiskTierError") and "ulimit -f" in said and "save to another filesystem" in said, said
+    assert "disk_gb" not in said and not (tmp_path / "chat.tkv").exists()
+
+
 @pytest.mark.parametrize("code, says", [(errno.EMFILE, "ulimit -n"), (errno.ENFILE, "ulimit -n"),
                                         (errno.EFBIG, "ulimit -f"), (errno.EAGAIN, "TIERKV_IO_QUEUE_DEPTH"),
                                         (errno.EDQUOT, "quota")])

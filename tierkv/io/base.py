@@ -278,10 +278,15 @@ def _raise_first(offsets: np.ndarray, lengths: np.ndarray, starts: np.ndarray, a
     raise error(f"request {first}: {checks[which][1](first)}")
 
 
-def eof_error(path: str, offset: int, wanted: int, got: int | None) -> OSError:
-    """The error for a read that hit end of file: a KV block that was never written is a bug upstream."""
+class EndOfFileError(OSError):
+    """A read that hit end of file: the file is shorter than what was written to it (truncated by someone else;
+    a KV block that was never written would be a bug upstream)."""
+
+
+def eof_error(path: str, offset: int, wanted: int, got: int | None) -> EndOfFileError:
+    """The :class:`EndOfFileError` of a read of ``wanted`` bytes at ``offset`` that got only ``got``."""
     short = "" if got is None else f", got {got}"
-    return OSError(errno.EIO, f"read past end of file: wanted {wanted} bytes at offset {offset}{short}", path)
+    return EndOfFileError(errno.EIO, f"read past end of file: wanted {wanted} bytes at offset {offset}{short}", path)
 
 
 def open_fd(path: str | os.PathLike[str], direct: bool | None) -> tuple[int, bool, str]:

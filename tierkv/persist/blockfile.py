@@ -218,9 +218,8 @@ class PersistentStore:
             entry = entries.get(key)
             if entry is None:
                 break
-            data = self._read(key, entry, limit, namespace, depth)
+            data = self._read(key, entry, bad, limit, namespace, depth)
             if data is None:
-                bad.append(key)
                 break
             found.append(data)
         if found or bad:
@@ -232,7 +231,9 @@ class PersistentStore:
 
     def verify(self) -> list[str]:
         """Read and check every listed record; remove and return the keys of those that fail."""
-        bad = [key for key, entry in self._listing().entries.items() if self._read(key, entry) is None]
+        bad: list[str] = []
+        for key, entry in self._listing().entries.items():
+            self._read(key, entry, bad)
         if bad:
             try:
                 self._update(remove=bad)
@@ -310,11 +311,13 @@ class PersistentStore:
     def _path(self, key: str) -> Path:
         return self._blocks / key[:2] / f"{key}{SUFFIX}"
 
-    def _read(self, key: str, entry: Entry, limit: int = manifests.MAX_RECORD_BYTES,
+    def _read(self, key: str, entry: Entry, bad: list[str], limit: int = manifests.MAX_RECORD_BYTES,
               namespace: Namespace | None = None, depth: int = 0) -> bytearray | None:
         """The record of ``key`` checked (size, checksum, key; with ``namespace``, a block of it at ``depth``);
-        None if it is gone or does not verify. Its listed size must be at most ``limit`` (the largest record it
-        can be), and its file's real size must equal it, before anything is allocated."""
+        None if it is gone, cannot be read now or does not verify — only then is ``key`` added to ``bad`` (to be
+        unlisted: a failure of this process, such as no memory or no file descriptor left, says nothing of a record
+        other processes share). Its listed size must be at most ``limit`` (the largest record it can be), and its
+        file's real size must equal it, before anything is allocated."""
         what = str(self._path(key))
         try:
             if entry.nbytes > limit:
@@ -331,17 +334,22 @@ class PersistentStore:
                 raise IntegrityError(f"{what}: holds {str(header.get('key'))[:80]}, not {key}.")
             if namespace is not None:
                 record.check_block(header, len(payload), key, namespace, what, depth)
-        except FileNotFoundError:  # evicted by another process since the listing was read
+        except FileNotFoundError:  # evicted by another process since the listing was read (and maybe stored again)
             return None
         except IntegrityError as error:
             log.warning("tierkv: persistent block dropped, it will be recomputed: %s", error)
+            bad.append(key)
             return None
         except MemoryError:  # a record this process cannot hold now: a miss, never the caller's error
-            log.warning("tierkv: persistent block %s (%d bytes) does not fit in memory; dropped, it will be "
-                        "recomputed", key, entry.nbytes)
+            log.warning("tierkv: persistent block %s (%d bytes) does not fit in this process's memory now; it will "
+                        "be recomputed", key, entry.nbytes)
             return None
-        except OSError as error:  # a link or a non-directory where a folder of blocks belongs
-            log.warning("tierkv: persistent block %s unreadable, it will be recomputed: %s", key, error)
+        except OSError as error:
+            if error.errno in (errno.ELOOP, errno.ENOTDIR):  # a link or a file where a folder of blocks belongs
+                log.warning("tierkv: persistent block %s dropped, it will be recomputed: %s", key, error)
+                bad.append(key)
+            else:  # this process's trouble (no descriptor left, an I/O error): the record stays for the others
+                log.warning("tierkv: persistent block %s unreadable now, it will be recomputed: %s", key, error)
             return None
         return data
 

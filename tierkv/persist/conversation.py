@@ -51,6 +51,7 @@ from tierkv.inputs import output_problem
 from tierkv.persist import record
 from tierkv.persist.keys import KEY_BYTES, Namespace
 from tierkv.store import KVStore
+from tierkv.tiers.disk import limit_advice
 
 FORMAT = 1
 CHUNK_BYTES = 64 << 20
@@ -202,6 +203,10 @@ def _save_errors(path: str | os.PathLike) -> Iterator[None]:
             raise DiskFullError(exc.errno, f"cannot save the conversation to {where!r}: {exc.strerror}; free space "
                                            "there or save to another filesystem (a file already at that path is "
                                            "unchanged).") from exc
+        limit = limit_advice(exc, "save to another filesystem")
+        if limit is not None:
+            raise DiskTierError(exc.errno, f"cannot save the conversation to {where!r}: {limit} A file already at "
+                                           "that path is unchanged.") from exc
         raise DiskTierError(exc.errno, f"cannot save the conversation to {where!r}: {exc.strerror or exc}; check "
                                        "the directory's permissions and the drive (a file already at that path is "
                                        "unchanged).") from exc

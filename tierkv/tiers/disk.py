@@ -56,7 +56,7 @@ from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Tier
 from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, InvalidConfigError, TierKVError
 from tierkv.io import ALIGN, DiskFile, IOHandle, aligned_empty, open_disk_file
-from tierkv.io.base import ArrayPlan, open_fd
+from tierkv.io.base import ArrayPlan, EndOfFileError, open_fd
 from tierkv.io.checksum import xxh3_rows
 from tierkv.io.native import NativeFile, RingPlan, RoundsOutcome
 from tierkv.layout import BlockLayout, SlotBytes
@@ -807,6 +807,12 @@ def disk_error(exc: OSError, path: Path) -> DiskTierError:
             exc.errno, f"the disk tier {what} in {str(path.parent)!r}; free space there, point disk_dir at a larger "
             "filesystem, or lower disk_gb so the cache stops before the disk is full."
         )
+    if isinstance(exc, EndOfFileError):
+        return DiskTierError(
+            exc.errno, f"disk tier I/O failed on {str(path)!r}: {exc.strerror}: the file is shorter than the blocks "
+            "this cache wrote to it (another program truncated or replaced it), so the blocks past its end are lost; "
+            "give each cache a disk_dir no other program writes to, and start the sequence again (cache.reset())."
+        )
     limit = limit_advice(exc)
     if limit is not None:
         return DiskTierError(exc.errno, f"disk tier I/O failed on {str(path)!r}: {limit} The blocks accepted so far "
@@ -817,13 +823,14 @@ def disk_error(exc: OSError, path: Path) -> DiskTierError:
     )
 
 
-def limit_advice(exc: OSError) -> str | None:
-    """What to do about ``exc`` where a limit of this process, not the drive, caused it (None: not one)."""
+def limit_advice(exc: OSError, smaller: str = "lower disk_gb below it, or point disk_dir at another filesystem"
+                 ) -> str | None:
+    """What to do about ``exc`` where a limit of this process, not the drive, caused it (None: not one).
+    ``smaller``: the ways besides raising the limit to write less than a file-size limit."""
     reason = exc.strerror or str(exc)
     if exc.errno == errno.EFBIG:
         return (f"{reason}: the largest file this process may write there (ulimit -f, or the filesystem's own "
-                "limit, e.g. FAT32's 4 GiB); raise the limit, lower disk_gb below it, or point disk_dir at another "
-                "filesystem.")
+                f"limit, e.g. FAT32's 4 GiB); raise the limit, or {smaller}.")
     if exc.errno in (errno.EMFILE, errno.ENFILE):
         whose = "this process" if exc.errno == errno.EMFILE else "the system"
         return (f"{reason}: {whose} has no file descriptor left; raise the limit (ulimit -n) or close files, "
