@@ -20,7 +20,7 @@ from models import prompt, tiny_model
 from packaging import version
 from transformers import DynamicCache
 
-from tierkv.errors import InvalidConfigError
+from tierkv.errors import BudgetTooSmallError, InvalidConfigError
 from tierkv.hf import TieredCache, cache_keyword
 
 ATOL = 1e-5
@@ -367,6 +367,35 @@ def test_a_refused_crop_changes_no_layer(make_cache):
         nxt, mask = ids[:, -1:], torch.cat((mask, mask[:, -1:]), dim=1)
         torch.testing.assert_close(forward(model, nxt, mask, cache), forward(model, nxt, mask, dynamic), atol=ATOL,
                                    rtol=0)  # fmt: skip
+
+
+def test_a_crop_through_blocks_the_rows_share_takes_no_device_room(make_cache, monkeypatch):
+    """Regression: a crop through a block the rows share (after a beam expansion) copied it for each row onto the
+    device, so where the device had no room the crop failed after cutting the layers before (a cache of 32 tokens
+    held 22 in two layers and 32 in the third). The rows keep the block, shared, until a step writes into it:
+    with no device slot to be had, every layer is cut, and the rows decode on exactly."""
+    model = model_of("llama-sdpa")
+    ids, mask = prompt(2, 31, seed=5)
+    ids[1], mask[1] = ids[0], mask[0]
+    dynamic = DynamicCache()
+    with make_cache(model, 40, 2) as cache:
+        for step in (dynamic, cache):
+            forward(model, ids[:1, :29], mask[:1, :29], step)
+            step.batch_repeat_interleave(2)
+        placement = cache.runtime.store.placement
+
+        def no_room(*args, **kwargs):
+            raise BudgetTooSmallError("no device room (injected)")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(placement, "alloc_device", no_room)
+            cache.crop(-3)
+        dynamic.crop(-3)
+        assert [layer.get_seq_length() for layer in cache.layers] == [26, 26]
+        for start in range(26, 31):
+            step = (ids[:, start : start + 1], mask[:, : start + 1])
+            torch.testing.assert_close(forward(model, *step, cache), forward(model, *step, dynamic), atol=ATOL,
+                                       rtol=0)  # fmt: skip
 
 
 def test_a_crop_of_more_than_is_held_empties_the_cache_as_dynamic_cache_does(make_cache):

@@ -178,10 +178,14 @@ def test_sync_read_does_not_clobber_an_inflight_prefetch(tmp_path, monkeypatch):
     store.close()
 
 
-# -------------------------------------------------------------- 7. crop of a shared disk tail, I/O error
-def test_failed_crop_of_shared_disk_tail_leaks_nothing(tmp_path, monkeypatch):
+# ------------------------------------------------------------- 7. crop of a shared disk tail: nothing read
+def test_a_crop_through_a_shared_disk_tail_reads_nothing_and_the_next_append_copies_it(tmp_path, monkeypatch):
+    """A crop through a block the rows share cuts it where it is (it read the block to copy it for each row, so a
+    failing disk or a full device failed the crop, and a cache's crop after some layers were cut); the next append
+    copies it on write, and every row reads back its tokens."""
     store = make_store(tmp_path, device_slots=8, host_slots=8)
-    store.append(0, *kv(1, 12))
+    keys, values = kv(1, 12)
+    store.append(0, keys, values)
     tail = store.table.blocks[store.table.rows[0][0][-1]]
     store.demote([tail])
     store.demote([tail])
@@ -195,11 +199,17 @@ def test_failed_crop_of_shared_disk_tail_leaks_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(disk, "read", broken)
     device_used = store.device.used_bytes
-    with pytest.raises(DiskTierError):
-        store.crop(0, 2)
+    store.crop(0, 2)
+    assert store.device.used_bytes == device_used and tail.refcount == 2 and tail.tokens == 2
     monkeypatch.setattr(disk, "read", real_read)
+    more_keys, more_values = kv(2, 3, seed=1)
+    store.append(0, more_keys, more_values)
     store.check()
-    assert store.device.used_bytes == device_used
+    got = store.read_tokens(0)
+    for row in range(2):
+        torch.testing.assert_close(got[0, row], torch.cat((keys[0, :, :10], more_keys[row]), dim=1), rtol=0, atol=0)
+        torch.testing.assert_close(got[1, row], torch.cat((values[0, :, :10], more_values[row]), dim=1), rtol=0,
+                                   atol=0)
     store.close()
 
 

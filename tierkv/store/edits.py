@@ -203,26 +203,10 @@ def commit(store: KVStore, layer: int, rows: LayerRows, plans: list[NewBlocks], 
     table.rows[layer] = rows
 
 
-def copy_prefix(store: KVStore, block: Block, keep: int, allocated: list[Block]) -> Block:
-    """A new device block holding the first ``keep`` tokens of ``block`` (copy-on-write of a crop's cut through
-    a shared block); added to ``allocated``."""
-    layout, transfer = store.layouts[block.layer], store.transfer
-    data = transfer.read_blocks(layout, block.tier, [block.slot])
-    data[0, :, :, keep:].zero_()
-    slot = store.placement.alloc_device(layout.slot_bytes, {b.id for b in allocated} | {block.id},
-                                        (block.layer, block.index))
-    copy = store.table.new_block(block.layer, Tier.DEVICE, slot, layout.slot_bytes, block.index)
-    allocated.append(copy)
-    transfer.write_blocks(layout, Tier.DEVICE, [slot], data)
-    transfer.count(link(block.tier, Tier.DEVICE), keep * layout.token_bytes)
-    copy.tokens = keep
-    store.policy.on_insert(copy, store.tick)
-    return copy
-
-
-def cut(store: KVStore, layer: int, keep_tokens: int, copies: dict[int, Block]) -> None:
+def cut(store: KVStore, layer: int, keep_tokens: int) -> None:
     """The crop of ``layer`` to ``keep_tokens`` per row: its table edits (in memory only; run with interrupts
-    deferred, after the barrier). ``copies``: row -> its copy of a shared cut block (:func:`copy_prefix`)."""
+    deferred, after the barrier). A cut block the rows share is cut once, for all of them (they all keep the same
+    tokens of it)."""
     table, rows, bt = store.table, store.table.rows[layer], store.block_tokens
     keep_columns = -(-keep_tokens // bt)
     in_last = keep_tokens - (keep_columns - 1) * bt if keep_columns else 0
@@ -234,15 +218,9 @@ def cut(store: KVStore, layer: int, keep_tokens: int, copies: dict[int, Block]) 
     store.lengths[layer] = keep_tokens
     if not keep_columns:
         return
-    for r in range(rows.batch):
-        if r in copies:
-            released = table.release(int(rows.ids[r, keep_columns - 1]))
-            if released is not None:  # every row that shared it took a copy
-                store.free_block(released, barrier=False)
-            rows.put(r, keep_columns - 1, copies[r])
-        else:
-            block = table.blocks[int(rows.ids[r, keep_columns - 1])]
-            if block.tokens > in_last:
-                block.tokens = in_last
-                if block.tier == Tier.DEVICE:  # no stale bytes past the tokens (a demoted cut is copied on write)
-                    store.device.block(store.layouts[layer], block.slot)[:, :, in_last:].zero_()
+    for block_id in dict.fromkeys(rows.ids[:, keep_columns - 1].tolist()):
+        block = table.blocks[block_id]
+        if block.tokens > in_last:
+            block.tokens = in_last
+            if block.tier == Tier.DEVICE:  # no stale bytes past the tokens (a demoted cut is copied on write)
+                store.device.block(store.layouts[layer], block.slot)[:, :, in_last:].zero_()

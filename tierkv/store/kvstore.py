@@ -376,35 +376,16 @@ class KVStore:
 
     @recovering
     def crop(self, layer: int, tokens_to_remove: int) -> None:
-        """Drop the last ``tokens_to_remove`` tokens of every row of ``layer``. All or nothing: the copy a cut
-        through a shared block needs is made before any row changes."""
+        """Drop the last ``tokens_to_remove`` tokens of every row of ``layer``. Reads and allocates nothing (a block
+        the rows share is cut where it is and stays shared: the next append copies it on write), so a crop cannot
+        fail part-way, nor a cache's crop between its layers."""
         length = self.seq_length(layer)
         remove = min(tokens_to_remove, length)
         if remove <= 0:
             return
         self.barrier()
-        rows = self.table.rows[layer]
-        bt = self.block_tokens
-        keep_tokens = length - remove
-        keep_columns = -(-keep_tokens // bt)
-        in_last = keep_tokens - (keep_columns - 1) * bt if keep_columns else 0
-        copies: dict[int, Block] = {}
-        if keep_columns and in_last < self.table.blocks[int(rows.ids[0, keep_columns - 1])].tokens:
-            allocated: list[Block] = []
-            try:
-                for r in range(rows.batch):
-                    cut = self.table.blocks[int(rows.ids[r, keep_columns - 1])]
-                    if cut.refcount > 1:
-                        copies[r] = edits.copy_prefix(self, cut, in_last, allocated)
-            except BaseException:
-                with deferred_interrupts():
-                    for block in allocated:
-                        self.policy.on_release(block)
-                        self.tiers[block.tier].free(block.slot_bytes, block.slot)
-                        del self.table.blocks[block.id]
-                raise
         with deferred_interrupts():
-            edits.cut(self, layer, keep_tokens, copies)
+            edits.cut(self, layer, length - remove)
 
     @recovering
     def drop_front(self, layer: int, whole_blocks_before: int) -> int:
