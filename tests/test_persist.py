@@ -869,6 +869,26 @@ def test_generate_repeating_rows_persists_each_rows_own_kv(tmp_path):
             _assert_same(reference, _generate(model, ids[row:row + 1], later))
 
 
+def test_a_forward_of_other_rows_refused_by_a_cache_that_holds_tokens_keeps_persisting(tmp_path, caplog):
+    """Regression: ``generate(num_beams=3)`` on a cache that holds its prompt is refused (DynamicCache cannot either),
+    but the prefix hook had repeated the known ids' rows for it first: the next persist failed with an IndexError
+    (logged), nothing more of the sequence was persisted, and a later process loaded none of it."""
+    model = tiny_model("llama")
+    ids, _ = prompt(2, PROMPT, seed=44)
+    with _cache(model, tmp_path, batch=2) as cache:
+        cache.load_prefix(model, ids)
+        model(ids, past_key_values=cache)
+        with pytest.raises(InvalidConfigError, match="holds 2 sequences"):
+            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=2,
+                           num_beams=3, do_sample=False)
+    assert "persisting" not in caplog.text
+    for row in (0, 1):
+        reference = _generate(model, ids[row:row + 1], DynamicCache(config=model.config))
+        with _cache(model, tmp_path) as later:
+            assert later.load_prefix(model, ids[row:row + 1]) == PROMPT // BT * BT
+            _assert_same(reference, _generate(model, ids[row:row + 1], later))
+
+
 def test_the_next_turn_must_repeat_the_tokens_the_cache_generated(tmp_path):
     """The generated tokens' K/V is persisted under the next turn's ids only if those repeat what was generated."""
     model = tiny_model("llama")

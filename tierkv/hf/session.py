@@ -181,12 +181,13 @@ class PrefixSession:
 
     def match_rows(self, rows: int, held: int) -> None:
         """A forward of ``rows`` rows: ``generate`` repeating each row (``num_return_sequences``, beams) before its
-        first forward repeats the known ids' rows alike; other rows than the ids' persist nothing from ``held``."""
+        first forward repeats the known ids' rows alike; other rows than the ids' persist nothing. A cache that holds
+        tokens refuses a forward of other rows than its own, which then changes nothing here either."""
         known = self.prefix.ids
         assert known is not None
-        if rows == known.shape[0]:
+        if rows == known.shape[0] or held:
             return
-        if rows % known.shape[0] == 0 and held <= known.shape[1]:
+        if rows % known.shape[0] == 0:
             repeats = rows // known.shape[0]
             self.select_rows([row for row in range(known.shape[0]) for _ in range(repeats)])
             return
