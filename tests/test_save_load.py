@@ -450,3 +450,23 @@ def test_a_loaded_sliding_window_conversation_saves_and_loads_again(tmp_path):
             cache.close()
             cache = TieredCache.load(tmp_path / "chat.tkv", model=model, **_options(model, tmp_path, name=f"t{turn}"))
     cache.close()
+
+
+def test_a_conversation_of_a_cache_built_without_config_is_loaded_without_it(tmp_path):
+    """A sliding-window model's conversation saved from a cache built without ``config=`` (its layers keep every
+    token) loads without ``config=`` and decodes on exactly; with the model's own config the refusal says why and
+    what to do (it said the config "describes other layers" and to pass the model's own, which it was)."""
+    model = tiny_model("mistral", "sdpa", 8)
+    ids, _ = prompt(1, 20, seed=12)
+    path = tmp_path / "chat.tkv"
+    with TieredCache(block_tokens=BT, **_options(model, tmp_path, name="saved")) as cache, torch.no_grad():
+        model(ids, **{cache_keyword(model): cache})
+        cache.save(path, model=model)
+    with pytest.raises(InvalidConfigError, match="built without config=.*load it without config= too"):
+        TieredCache.load(path, model=model, config=model.config, **_options(model, tmp_path, name="with"))
+    reference = DynamicCache(config=model.config)
+    step = torch.tensor([[7]])
+    with TieredCache.load(path, model=model, **_options(model, tmp_path, name="without")) as loaded, torch.no_grad():
+        model(ids, past_key_values=reference)
+        torch.testing.assert_close(model(step, **{cache_keyword(model): loaded}).logits,
+                                   model(step, past_key_values=reference).logits, atol=1e-5, rtol=0)

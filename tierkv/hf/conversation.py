@@ -246,7 +246,12 @@ class Restore:
             options.setdefault("config", model.config)  # layers of other kinds than K/V alone: each built as its kind
         self.cache = cache = self.cls(**options)  # closed by __exit__ on any refusal
         windows = [layer.sliding_window for layer in header.layers]
-        if cache.runtime.num_layers is not None and [layer.sliding_window for layer in cache.kv_layers] != windows:
+        built = [layer.sliding_window for layer in cache.kv_layers]
+        if cache.runtime.num_layers is not None and built != windows:
+            if len(built) == len(windows) and not any(windows):
+                raise InvalidConfigError(f"{what} was saved from a cache built without config= (its sliding-window "
+                                         f"layers keep every token); load it without config= too (config= gives "
+                                         f"them windows {built}).")
             raise InvalidConfigError(f"{what} holds {len(windows)} layers with sliding windows {windows}; the "
                                      "config= given describes other layers. Pass the model's own config, or none.")
         # the tiers' budgets on the device (those left out: the shares of free memory or disk the store takes)
