@@ -248,6 +248,57 @@ def test_a_save_waits_no_longer_than_its_limit_for_a_forward_stopped_on_a_live_t
     cache.close()
 
 
+def test_a_save_asked_while_a_stopped_forward_waits_for_its_thread_takes_the_turn_after_its_next_forward(
+        tmp_path, monkeypatch):
+    """Regression: a forward stopped part-way on a thread that lives on, a save from another thread, then that
+    thread's next forward: the forward gave way to the save, which waited for the stopped forward, and both stalled
+    ``TURN_WAIT_S`` (60 s) before the save failed. The forward goes first (it takes the stopped one back and is
+    refused once, as on one thread); the save then goes through, and the file holds the tokens before it."""
+    import threading
+    import time
+
+    from tierkv.errors import InterruptedStepError
+    from tierkv.hf import conversation
+
+    monkeypatch.setattr(conversation, "TURN_WAIT_S", 10.0)
+    model = tiny_model("llama")
+    cache, so_far = _conversation(model, tmp_path)
+    held = cache.get_seq_length()
+
+    def fail(*_):
+        raise RuntimeError("an error in the model between two layers")
+
+    def step() -> None:
+        with torch.no_grad():
+            model(so_far[:, -1:], **{cache_keyword(model): cache}, use_cache=True)
+
+    hook = model.model.layers[0].mlp.register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="between two layers"):
+        step()
+    hook.remove()
+    saved: list[BaseException | None] = []
+
+    def save() -> None:
+        try:
+            cache.save(tmp_path / "asked.tkv", model=model)
+            saved.append(None)
+        except BaseException as error:  # noqa: BLE001 - what the save raised, checked below
+            saved.append(error)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    while not cache.using.asking and saver.is_alive():
+        time.sleep(0.01)
+    began = time.monotonic()
+    with pytest.raises(InterruptedStepError):
+        step()
+    assert time.monotonic() - began < 5
+    saver.join()
+    assert saved == [None]
+    with TieredCache.load(tmp_path / "asked.tkv", model=model, **_options(model, tmp_path, name="loaded")) as loaded:
+        assert loaded.get_seq_length() == held
+
+
 @pytest.mark.parametrize("edit", ["crop and continue", "reorder rows"])
 def test_an_edit_while_an_asave_is_pending_fails_it_and_keeps_the_old_file(tmp_path, monkeypatch, edit):
     """Regression: ``asave`` exports its records between awaited writes, after its header was fixed; an edit

@@ -242,7 +242,8 @@ class TieredCache(AttentionModes, Cache):
         with self.using:
             guard = self.using
             if (guard.holder is not None or guard.asking) and layer_idx == 0 and not self.stateful:
-                guard.wait_turn(starting=True)  # not while another thread's save holds the turn or asks for it
+                # not while another thread's save holds the turn or asks for it (unless it waits for this one)
+                guard.wait_turn(starting=not self.forward.stopped_here(self.uses_per_forward()))
             if self.forward.thread != threading.get_ident():  # (the same thread's updates: no call)
                 self.forward.claim(self.uses_per_forward())
             if self.forward.unsettled is not None:
@@ -327,8 +328,8 @@ class TieredCache(AttentionModes, Cache):
             if forward.unsettled is not None:
                 forward.settle(self.holding, self.runtime)
             if forward.entered(layer.position, call, state_idx):
-                if self.using.holder is not None or self.using.asking:
-                    self.using.wait_turn(starting=True)  # not while another thread's save holds or asks for it
+                if self.using.holder is not None or self.using.asking:  # (as in update)
+                    self.using.wait_turn(starting=not forward.stopped_here(self.uses_per_forward()))
                 self.begin_forward()
             if isinstance(layer, StateLayer) and layer.touch(forward.number):
                 forward.layers_updated += 1

@@ -248,7 +248,7 @@ class Restore:
         windows = [layer.sliding_window for layer in header.layers]
         built = [layer.sliding_window for layer in cache.kv_layers]
         if cache.runtime.num_layers is not None and built != windows:
-            if len(built) == len(windows) and not any(windows):
+            if not any(windows) and options.get("config") == getattr(model, "config", None):
                 raise InvalidConfigError(f"{what} was saved from a cache built without config= (its sliding-window "
                                          f"layers keep every token); load it without config= too (config= gives "
                                          f"them windows {built}).")

@@ -83,16 +83,25 @@ class Forward:
         forward makes, where the config told them (else a forward is known complete only from the second on)."""
         if self.elsewhere(layers):
             raise InvalidConfigError(
-                "this TieredCache is in the middle of a forward on another thread: a cache holds one sequence of "
-                "steps, so give each concurrent request (thread) its own TieredCache, or wait for the other's forward "
-                "to finish.")
+                "this TieredCache is in the middle of a forward on another thread (or that thread's forward stopped "
+                "part-way with an error, and the thread lives on): a cache holds one sequence of steps, so give each "
+                "concurrent request (thread) its own TieredCache, or wait for the other's forward to finish; a "
+                "forward stopped there is taken back by that thread's next forward (or cache.reset() from any).")
         self.thread = threading.get_ident()
 
+    def half_done(self, layers: int | None) -> bool:
+        """Whether the last forward is half done (running, or stopped part-way by an error)."""
+        return 0 < self.layers_updated < (self.full or layers or 0)
+
     def elsewhere(self, layers: int | None) -> bool:
-        """Whether a forward of another thread, which is still alive, is half done (running, or stopped there by an
-        error on that thread)."""
-        return self.thread != threading.get_ident() and 0 < self.layers_updated < (self.full or layers or 0) \
-            and self.thread is not None and alive(self.thread)
+        """Whether a forward of another thread, which is still alive, is half done."""
+        return self.thread != threading.get_ident() and self.half_done(layers) and self.thread is not None \
+            and alive(self.thread)
+
+    def stopped_here(self, layers: int | None) -> bool:
+        """Whether a forward of this thread stopped half done: this thread's next forward takes it back, which no
+        other thread can do first (so that forward does not give way to another's save)."""
+        return self.thread == threading.get_ident() and self.half_done(layers)
 
     def begin(self, layers: Sequence[Holding], runtime: Runtime, expected: int | None = None) -> None:
         """A forward's first update: if the previous forward updated fewer layers than a complete one does (the
