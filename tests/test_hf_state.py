@@ -299,6 +299,25 @@ def test_a_saved_conversation_continues_exactly_with_every_layers_state(tmp_path
     assert_same_generation(out, reference, atol=1e-4)
 
 
+def test_a_conversation_with_state_loaded_in_inference_mode_continues_outside_it(tmp_path):
+    """Regression: the states and K/V a conversation loaded under ``torch.inference_mode()`` were inference
+    tensors, so the model's next step outside it (which updates its states in place) failed with torch's raw
+    error. They are normal tensors: the conversation continues as DynamicCache continues it."""
+    model = hybrid("qwen3_next")
+    ids, mask = prompt(2, 24, seed=19)
+    path, first = saved(model, tmp_path, ids, mask)
+    reference_cache = DynamicCache(config=model.config)
+    run(model, ids, mask, reference_cache)
+    more = torch.cat([first.sequences, torch.full((2, 1), 7)], dim=1)
+    reference = run(model, more, None, reference_cache)
+    with torch.inference_mode():
+        loaded = TieredCache.load(path, model=model, cpu_gb="16KB", disk_dir=tmp_path / "loaded",
+                                  gpu_gb=f"{TieredCache.min_device_bytes(model.config, 64, 2, 4) + 16384}B")
+    with loaded:
+        out = run(model, more, None, loaded)
+    assert_same_generation(out, reference, atol=1e-4)
+
+
 def _write(path: Path, records: list[tuple[dict, bytes]]) -> None:
     """``records`` as a file, the end record's count and every checksum valid."""
     records = [r for r in records if r[0]["kind"] != "end"]

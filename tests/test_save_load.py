@@ -521,3 +521,28 @@ def test_a_conversation_of_a_cache_built_without_config_is_loaded_without_it(tmp
         model(ids, past_key_values=reference)
         torch.testing.assert_close(model(step, **{cache_keyword(model): loaded}).logits,
                                    model(step, past_key_values=reference).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("load", ["load", "aload"])
+def test_a_conversation_loaded_in_inference_mode_decodes_in_and_outside_it(tmp_path, load):
+    """Regression: a conversation loaded under ``torch.inference_mode()`` (as servers decode) built the tiers'
+    tensors as inference tensors, so the next step that moved a block failed with torch's raw "Inplace update to
+    inference tensor outside InferenceMode". Loaded in it, the cache decodes on in it and outside it, as the
+    uninterrupted conversation does."""
+    model = tiny_model("llama")
+    cache, so_far = _conversation(model, tmp_path)
+    path = tmp_path / "chat.tkv"
+    cache.save(path, model=model)
+    uninterrupted = _generate(model, so_far, cache, MORE)
+    cache.close()
+    options = _options(model, tmp_path, name="loaded")
+    with torch.inference_mode():
+        if load == "load":
+            loaded = TieredCache.load(path, model=model, **options)
+        else:
+            loaded = asyncio.run(TieredCache.aload(path, model=model, **options))
+        resumed = _generate(model, so_far, loaded, MORE // 2)
+    resumed = _generate(model, resumed.sequences, loaded, MORE - MORE // 2)
+    assert loaded.stats()["blocks"]["disk"] > 0
+    loaded.close()
+    assert torch.equal(resumed.sequences, uninterrupted.sequences)

@@ -293,17 +293,18 @@ class Restore:
     def take(self, head: dict[str, Any], payload: bytearray) -> bool:
         """Append one K/V record's blocks; False at the end record."""
         assert self.cache is not None and self.reader is not None and self.header is not None
-        chunk = self.reader.take(head, payload)
-        if chunk is None:
-            return False
-        if isinstance(chunk, conversation.StatePart):
-            self.states.setdefault(chunk.layer, {})[chunk.part, chunk.index] = chunk.tensor
-            return True
-        index, first, blocks = chunk  # blocks: [B, n, 2, H, bt, D]
-        bt = self.header.block_tokens
-        end = min((first + blocks.shape[1]) * bt, self.header.layers[index].length) - first * bt  # tokens in it
-        kv = blocks.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)[:, :, :, :end].to(self.device)  # [2, B, H, tokens, D]
-        self.cache.kv_layers[index].load(kv[0], kv[1], first)
+        with self.cache.using:  # its tensors normal ones under the caller's inference mode too (as in every call)
+            chunk = self.reader.take(head, payload)
+            if chunk is None:
+                return False
+            if isinstance(chunk, conversation.StatePart):
+                self.states.setdefault(chunk.layer, {})[chunk.part, chunk.index] = chunk.tensor
+                return True
+            index, first, blocks = chunk  # blocks: [B, n, 2, H, bt, D]
+            bt = self.header.block_tokens
+            end = min((first + blocks.shape[1]) * bt, self.header.layers[index].length) - first * bt  # its tokens
+            kv = blocks.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)[:, :, :, :end].to(self.device)  # [2, B, H, n, D]
+            self.cache.kv_layers[index].load(kv[0], kv[1], first)
         return True
 
     def finish(self, trailing: bytes) -> TieredCache:
@@ -320,7 +321,8 @@ class Restore:
             if TieredLayer.get_seq_length(layer) != saved.length:
                 raise IntegrityError(f"layer {saved.index} holds {layer.get_seq_length()} tokens after loading, "
                                      f"the file says {saved.length}.")
-        self._restore_states(cache, header)
+        with cache.using:
+            self._restore_states(cache, header)
         if cache.session is not None:
             cache.session.loaded_from_file()  # its K/V is the file's: never persisted under the ids it claims
         return cache
