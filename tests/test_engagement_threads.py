@@ -114,3 +114,24 @@ def test_the_engaged_caches_steps_run_in_a_thread_the_block_started(tmp_path):
         in_threads(lambda: outputs.update(split=run(model, ids, mask, cache)))
         assert cache.stats()["blocks"]["disk"] > 0 and "split" in cache.executors
     assert_same_generation(outputs["split"], reference, atol=1e-4)
+
+
+def test_a_forward_that_took_the_streaming_attention_as_the_last_engagement_left_attends_as_the_model(tmp_path):
+    """Regression: a plain forward of another thread whose layers had looked the streaming attention function up
+    just before the last engagement of the shared model left found its saved implementation gone, and failed with
+    "runs only inside `with cache.streaming(model)`". It attends with the model's own implementation again."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tierkv.hf.attention import _attention
+
+    model = tiny_model("llama")
+    module = model.model.layers[0].self_attn
+    with TieredCache(gpu_gb="4MB", cpu_gb="4MB", disk_dir=tmp_path) as cache, cache.streaming(model):
+        pass
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 3, 16, generator=generator)
+    key, value = torch.randn(2, 1, 2, 3, 16, generator=generator)
+    got, _ = _attention(module, query, key, value, None, dropout=0.0, scaling=0.25, is_causal=True)
+    want, _ = sdpa_attention_forward(module, query, key, value, None, dropout=0.0, scaling=0.25, is_causal=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

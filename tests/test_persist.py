@@ -889,6 +889,25 @@ def test_a_forward_of_other_rows_refused_by_a_cache_that_holds_tokens_keeps_pers
             _assert_same(reference, _generate(model, ids[row:row + 1], later))
 
 
+def test_beams_over_a_loaded_prefix_run_after_the_rows_are_repeated_as_the_refusal_says(tmp_path):
+    """Beams over a prefix ``load_prefix`` loaded are refused (the cache holds one row; DynamicCache cannot either),
+    with the way that works: ``cache.batch_repeat_interleave(n)`` first, then the same beams as a cold run's."""
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=45)
+    with _cache(model, tmp_path) as first:
+        first.load_prefix(model, ids)
+        _generate(model, ids, first)
+    beams = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW, num_beams=3, num_return_sequences=3,
+                 do_sample=False)
+    reference = model.generate(ids, past_key_values=DynamicCache(config=model.config), **beams)
+    with _cache(model, tmp_path, batch=3) as cache:
+        assert cache.load_prefix(model, ids) == PROMPT // BT * BT
+        with pytest.raises(InvalidConfigError, match=r"cache.batch_repeat_interleave\(3\)"):
+            model.generate(ids, past_key_values=cache, **beams)
+        cache.batch_repeat_interleave(3)
+        assert torch.equal(model.generate(ids, past_key_values=cache, **beams), reference)
+
+
 def test_the_next_turn_must_repeat_the_tokens_the_cache_generated(tmp_path):
     """The generated tokens' K/V is persisted under the next turn's ids only if those repeat what was generated."""
     model = tiny_model("llama")

@@ -199,10 +199,9 @@ class Engagement:
             if held:
                 _HELD[id(model)] = held
                 return
-            previous = _BEFORE[id(model)]
+            model.set_attn_implementation(_BEFORE[id(model)])  # first: a forward of another thread sees it at once
             for key in (id(model), *map(id, self.modules), *map(id, self._configs())):
                 _BEFORE.pop(key, None)
-            model.set_attn_implementation(previous)
 
     def _not_an_interface(self) -> str:
         return (f"{type(self.model).__name__} attends with its own code, not through transformers' "
@@ -257,8 +256,10 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
         if layer.pending is not None and _STEP.handed_at == getattr(_STEP, "masks", 0):
             layer.refuse_changed_kv()
     before = _BEFORE.get(id(module))
-    if before is None:
-        raise TierKVError(f"attention '{STREAMING_ATTENTION}' runs only inside `with cache.streaming(model):`.")
+    if before is None:  # a forward of another thread that took this function while the last engagement left:
+        before = getattr(getattr(module, "config", None), "_attn_implementation", None)  # the model's own again
+        if before is None or before == STREAMING_ATTENTION:
+            raise TierKVError(f"attention '{STREAMING_ATTENTION}' runs only inside `with cache.streaming(model):`.")
     return _implementation(module, before)(module, query, key, value, attention_mask, *args, **kwargs)
 
 

@@ -167,9 +167,12 @@ class KVStore:
             rows = LayerRows(batch)
             rows.front = front
         elif rows.batch != batch:
+            repeat = (f"; to run beams or num_return_sequences={batch // rows.batch} over the tokens it holds (a "
+                      f"loaded prefix, an earlier turn), repeat its rows first: cache.batch_repeat_interleave("
+                      f"{batch // rows.batch})") if batch % rows.batch == 0 else ""
             raise InvalidConfigError(
                 f"layer {layer} holds {rows.batch} sequences but update() got a batch of {batch}; call "
-                "cache.reset() before starting a new batch, or use reorder/select for beam search."
+                f"cache.reset() before starting a new batch, or use reorder/select for beam search{repeat}."
             )
         if layer == 0:
             self.tick += 1
