@@ -19,6 +19,16 @@ def prefetch_every_layer():
         yield
 
 
+@pytest.fixture(autouse=True)
+def servers_warned_afresh():
+    """A remote server's down warning is logged once a minute per process: each test starts as a new process
+    would, so a test that meets an outage sees it warned whatever the tests before it met."""
+    from tierkv.remote import connection
+
+    connection._WARNED.clear()
+    yield
+
+
 @pytest.fixture
 def no_tierkv_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No TIERKV_* variable of the environment the suite runs in: tests of the knobs set their own."""

@@ -244,3 +244,20 @@ def test_a_service_that_does_not_speak_redis_is_a_miss(caplog, reply: bytes) -> 
         server.join(timeout=10)
         for connection in answered:
             connection.close()
+
+
+def test_an_outage_met_by_many_caches_is_warned_once(tmp_path, redis_factory, caplog) -> None:
+    """A pool of workers' caches that meet one outage log it once a minute for the process (each cache warned on
+    its own: a flood), each counting what it met."""
+    redis_factory()  # (skips without redis-server)
+    server = RedisServer(tmp_path / "never")  # never started: connections are refused
+    keys, _ = blocks(2)
+    stores = [RemoteBlockStore(server.url, "m") for _ in range(4)]
+    try:
+        for store in stores:
+            assert store.prefix_length(keys) == 0
+            assert store.stats()["warnings_down"] >= 1
+        assert caplog.text.count("unreachable") == 1
+    finally:
+        for store in stores:
+            store.close()

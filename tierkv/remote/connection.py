@@ -30,7 +30,10 @@ from tierkv.remote.url import RemoteURL
 
 log = logging.getLogger("tierkv.remote")
 T = TypeVar("T")
-WARN_INTERVAL_S = 60.0  # the same kind of warning is logged at most once a minute (with its count)
+WARN_INTERVAL_S = 60.0  # the same kind of warning about a server is logged at most once a minute (with its count)
+_SHARED_WARNINGS = frozenset({"down"})  # of the server's state, not of one cache's call: once per server and process
+_WARNED: dict[tuple[str, str], float] = {}  # (server, shared kind) -> when any connection of the process logged it
+_WARNED_LOCK = threading.Lock()
 
 
 def redis_module() -> Any:
@@ -76,7 +79,7 @@ class RemoteConnection:
         self._backoff = backoff_s
         self._down = False
         self._closed = False
-        self._warned: dict[str, float] = {}
+        self._warned: dict[tuple[str, str], float] = {}  # (this connection, kind) -> when it logged it last
 
     # ----------------------------------------------------------------------------------- health
     @property
@@ -89,17 +92,22 @@ class RemoteConnection:
             self.counts[name] += n
 
     def warn(self, kind: str, message: str, counted: bool = False) -> None:
-        """Log ``message`` at WARNING, at most once per ``WARN_INTERVAL_S`` for each ``kind``, with how often it
-        happened so far unless the message ``counted`` that itself; the password is masked wherever a message
-        (an exception's text, say) would carry it."""
+        """Log ``message`` at WARNING, at most once per ``WARN_INTERVAL_S`` for each ``kind`` — of this connection,
+        or for the server's own state (down) of the process (a pool of workers' caches meeting one outage logs it
+        once) — with how often this connection met it so far unless the message ``counted`` that itself; the
+        password is masked wherever a message (an exception's text, say) would carry it."""
         message = self.url.scrub(message)
         now = time.monotonic()
         with self._lock:
             self.counts[f"warnings_{kind}"] += 1
-            if now - self._warned.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
-                return
-            self._warned[kind] = now
             seen = self.counts[f"warnings_{kind}"]
+        shared = kind in _SHARED_WARNINGS
+        with _WARNED_LOCK:
+            warned = _WARNED if shared else self._warned
+            key = (self.url.redacted() if shared else "", kind)
+            if now - warned.get(key, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
+                return
+            warned[key] = now
         suffix = f" ({seen} so far)" if seen > 1 and not counted else ""
         log.warning("tierkv remote %s: %s%s", self.url.redacted(), message, suffix)
 
