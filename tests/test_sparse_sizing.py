@@ -261,3 +261,23 @@ def test_a_crop_back_into_unsummarised_blocks_summarises_them(tmp_path):
             else:
                 logits.append(_steps(model, cache, kept, [PROMPT, 1, LONG - crop, 1, 1]))
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
+
+
+def test_a_cache_built_without_config_is_sized_as_keeping_its_sliding_layers_whole_past(tmp_path):
+    """A sliding model's cache built without ``config=`` keeps every token of its sliding layers, so the model
+    config's ``min_sparse_device_bytes`` is too small: the refusal (it said only "beside the blocks being filled")
+    names the minimum with ``record_past=True`` and why, and that minimum decodes."""
+    model = tiny_model("mistral", "sdpa", 8)
+    ids, mask = prompt(2, 40, seed=3)
+    options = dict(tokens=1.0, batch=2, block_tokens=3, chunk_tokens=5, device="cpu")
+    windows = sizing.min_sparse_device_bytes(model.config, 58, **options)
+    whole = sizing.min_sparse_device_bytes(model.config, 58, record_past=True, **options)
+    assert whole > windows
+    for budget in (windows, whole):
+        with TieredCache(gpu_gb=f"{budget}B", cpu_gb="4KB", disk_dir=tmp_path / str(budget), block_tokens=3) as cache, \
+                cache.sparse(model, tokens=1.0, chunk_tokens=5):
+            if budget == windows:
+                with pytest.raises(BudgetTooSmallError, match="record_past=True: this cache was built without config="):
+                    model.generate(ids, attention_mask=mask, max_new_tokens=18, do_sample=False, cache=cache)
+            else:
+                model.generate(ids, attention_mask=mask, max_new_tokens=18, do_sample=False, cache=cache)

@@ -271,8 +271,10 @@ class TieredCache(AttentionModes, Cache):
 
     @property
     def records_past(self) -> bool:
-        """Whether a sliding-window layer keeps its whole past (``activate_past_recording()``, until a crop)."""
-        return any(isinstance(layer, TieredLayer) and layer.is_sliding and layer.record_past for layer in self.layers)
+        """Whether sliding-window layers keep their whole past: after ``activate_past_recording()`` (until a crop),
+        or always in a cache built without ``config=`` (its layers know no window)."""
+        return self.runtime.num_layers is None or any(
+            isinstance(layer, TieredLayer) and layer.is_sliding and layer.record_past for layer in self.layers)
 
     @property
     def is_initialized(self) -> bool:

@@ -222,8 +222,11 @@ class Runtime:
         how = "exact gather" if chunk is None else f"{mode.decode} attention in {chunk}-token chunks"
         api = "min_device_bytes gives it for the context you decode to" if chunk is None else \
             "min_sparse_device_bytes gives it for the context you decode to" + (
+                "" if not record_past or not any(sizing.layer_windows(config)) else
+                ", with record_past=True: this cache was built without config=, so its sliding-window layers keep "
+                "every token (TieredCache(config=model.config) keeps their windows)" if self.num_layers is None else
                 ", with record_past=True while activate_past_recording() keeps the sliding layers' whole past"
-                if record_past else "") if sparse is not None else \
+                ) if sparse is not None and config is not None else \
             f"{'min_split_device_bytes' if mode.decode == 'split' else 'min_streaming_device_bytes'} gives it"
         least = "; TieredCache(prefetch_depth=0, ...), which reads no layer ahead (slower), needs less: " \
             "min_device_bytes(..., prefetch_depth=0)" if chunk is None and self.budgets.prefetch_depth != 0 else ""
