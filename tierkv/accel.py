@@ -53,7 +53,7 @@ class HostOnly:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def empty_blocks(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A typed device tensor (blocks read for the cold paths: copy-on-write, crops, demotions)."""
+        """A typed device tensor (blocks read for the cold paths: copy-on-write, demotions)."""
         return torch.empty(shape, dtype=dtype, device=device)
 
     def host_empty(self, shape: tuple[int, ...], pin: bool) -> torch.Tensor:

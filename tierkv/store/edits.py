@@ -1,10 +1,11 @@
-"""The table edits behind :class:`~tierkv.store.kvstore.KVStore`'s append and crop, in two phases each.
+"""The table edits behind :class:`~tierkv.store.kvstore.KVStore`'s append (in two phases) and crop.
 
 Append (its general path, when the decode step's fast path — tokens that fit every row's open device tail —
 does not apply: a prefill, a tail that fills, a shared or demoted tail): :func:`allocate` the blocks each row
-takes, :func:`write` the new tokens into them, then :func:`commit`. Crop: :func:`copy_prefix` for each row whose
-cut block is shared (copy-on-write), then :func:`cut`. The first phase may fail (the store then frees what was
-allocated); the commits only edit the table in memory and run with interrupts deferred.
+takes, :func:`write` the new tokens into them, then :func:`commit`. The first phase may fail (the store then frees
+what was allocated); the commit only edits the table in memory and runs with interrupts deferred. Crop is
+:func:`cut` alone: a cut block the rows share stays shared (the next append copies it on write), so it reads and
+allocates nothing.
 """
 
 from __future__ import annotations

@@ -124,8 +124,7 @@ class Transfer:
     def read_blocks(self, layout: BlockLayout | SlotBytes, tier: Tier, slots: list[int],
                     into: Tier = Tier.DEVICE) -> torch.Tensor:
         """Blocks of ``tier`` as a fresh ``[n, *layout.shape]`` tensor in the memory of tier ``into`` (the device
-        tier's, or the host's for a tier below it) — for the cold paths: copy-on-write, crop of a shared block,
-        demotion."""
+        tier's, or the host's for a tier below it) — for the cold paths: copy-on-write, demotion."""
         shape = (len(slots), *layout.shape)
         if into == Tier.DEVICE:
             out = self.accel.empty_blocks(shape, layout.dtype, self.device)  # device memory (the stand-in's too)
