@@ -423,6 +423,43 @@ def llava() -> tuple[transformers.PreTrainedModel, dict]:
     return model, {"input_ids": ids, "pixel_values": pixels}
 
 
+def mllama() -> tuple[transformers.PreTrainedModel, dict]:
+    """A tiny Mllama: its text layer 1 is a cross-attention layer over the image."""
+    from transformers.models.mllama import configuration_mllama as mllama_configs
+
+    vision = mllama_configs.MllamaVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_global_layers=1, attention_heads=2, image_size=16, patch_size=8,
+                                               max_num_tiles=1, vision_output_dim=64, intermediate_layers_indices=[0],
+                                               supported_aspect_ratios=[[1, 1]])  # fmt: skip
+    text = mllama_configs.MllamaTextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                           cross_attention_layers=[1], pad_token_id=PAD, bos_token_id=BOS,
+                                           eos_token_id=None, tie_word_embeddings=False)  # fmt: skip
+    config = transformers.MllamaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                                       image_token_index=VOCAB - 1)
+    model = instantiate(transformers.MllamaForConditionalGeneration, config)
+    ids = torch.cat([torch.tensor([[BOS, VOCAB - 1]]), prompt(1, 10, seed=3)[0]], 1)
+    return model, {"input_ids": ids, "pixel_values": torch.randn(1, 1, 1, 3, 16, 16,
+                                                                 generator=torch.Generator().manual_seed(2)),
+                   "aspect_ratio_ids": torch.ones(1, 1, dtype=torch.long),
+                   "aspect_ratio_mask": torch.ones(1, 1, 1, dtype=torch.long),
+                   "cross_attention_mask": torch.ones(1, ids.shape[1], 1, 1, dtype=torch.long)}
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+@pytest.mark.parametrize("with_config", [True, False], ids=["config", "no-config"])
+def test_a_decoder_whose_cross_attention_keeps_an_image_in_the_cache_is_refused(tmp_path, with_config, beams):
+    """Regression: Mllama's cross-attention layers cache the image's K/V and read it back on later steps without an
+    update; the cache took the steps that skip them for stopped forwards and rolled the other layers back to the
+    image's length (greedy: refused as "a Ctrl-C"; beams: other tokens, 0.69 off, without an error). Refused with
+    the fix: by the config, else at the first forward, whose layers cache different token counts."""
+    model, inputs = mllama()
+    config = dict(config=model.config) if with_config else {}
+    with pytest.raises(InvalidConfigError, match="DynamicCache"):
+        with TieredCache(gpu_gb="64MB", cpu_gb="64MB", disk_dir=tmp_path, block_tokens=4, **config) as cache:
+            model.generate(**inputs, past_key_values=cache, max_new_tokens=3, num_beams=beams, do_sample=False)
+
+
 @pytest.mark.parametrize("executor", ["streaming", "split"])
 @pytest.mark.parametrize("family", ["whisper", "llava"])
 def test_attention_without_a_layer_index_keeps_its_own_implementation(tmp_path, family, executor):

@@ -566,6 +566,18 @@ class TieredCache(AttentionModes, Cache):
             "holds the self-attention K/V: pass cache.encoder_decoder() (EncoderDecoderCache(cache, DynamicCache())). "
             "This cache was emptied.")
 
+    def refuse_uneven(self, layer: TieredLayer, tokens: int) -> None:
+        """``layer`` appends ``tokens`` in a forward whose first K/V layer appended another count: a layer that
+        caches other K/V than the step's own (Mllama's cross-attention keeps the image's, and reads it back on
+        later steps without an update). Refused, the cache emptied."""
+        first = self.forward.tokens
+        self.reset()
+        raise InvalidConfigError(
+            f"layer {layer.position} cached {tokens} tokens in a forward whose first layer cached {first}: it keeps "
+            "other K/V than the step's own, as a decoder's cross-attention layers keep an image's (Mllama) and read "
+            "it back later without updating the cache; TieredCache holds each step's self-attention K/V only. Use "
+            "transformers' DynamicCache for this model. This cache was emptied.")
+
     def begin_forward(self) -> None:
         """A forward begins: the previous one is complete (its full blocks are persisted), or it stopped part-way
         and its layers are rolled back (:meth:`Forward.begin`)."""

@@ -58,6 +58,7 @@ class Forward:
         self.first: tuple[int, str, int] | None = None
         self.last = -1
         self.last_update = -1  # the store index of the K/V layer updated last in this forward (-1: none yet)
+        self.tokens: int | None = None  # what its first K/V update appended (every one appends as many)
         self.announced = False  # a forward's mask was sized since the last update (a new forward began)
 
     def entered(self, position: int, call: str, state_idx: int) -> bool:
@@ -75,6 +76,7 @@ class Forward:
     def reset(self) -> None:
         """The cache was emptied: the next use begins a forward of its own."""
         self.unsettled, self.layers_updated, self.first, self.last, self.last_update = None, 0, None, -1, -1
+        self.tokens = None
         self.completed = False
 
     def claim(self, layers: int | None) -> None:
@@ -108,7 +110,7 @@ class Forward:
         most one has updated, or ``expected``: what the config says), it stopped between two layers in the model's
         own code (no tierkv code ran to undo it), so its layers differ in length. Roll back the ones it reached and
         refuse this forward: its positions were computed from layer 0's length, one step ahead."""
-        reached, self.layers_updated, self.last_update = self.layers_updated, 0, -1
+        reached, self.layers_updated, self.last_update, self.tokens = self.layers_updated, 0, -1, None
         announced, self.announced = self.announced, False
         complete = self.full or expected or 0
         if not reached or reached >= complete:

@@ -125,6 +125,10 @@ class TieredLayer(OfCache, CacheLayerMixin):
             cache.refuse_repeated(self)
         cache.forward.last_update = self.index
         cache.forward.layers_updated += 1
+        if cache.forward.tokens is None:
+            cache.forward.tokens = key_states.shape[2]
+        elif key_states.shape[2] != cache.forward.tokens:
+            cache.refuse_uneven(self, key_states.shape[2])
         stored = store.seq_length(self.index)
         self.length_before = self.dropped + stored
         new = key_states.shape[2]

@@ -324,7 +324,14 @@ class LayerKind:
 def layer_kinds(config: PreTrainedConfig) -> list[LayerKind | None]:
     """Each model layer's cache (None: a layer that keeps nothing, an MoE or MLP block); other kinds are refused.
     Recurrent state (Mamba, gated delta nets, short convolutions) needs :data:`HOLDS_STATE`."""
-    kinds, kwargs = layer_types(config.get_text_config(decoder=True))
+    text = config.get_text_config(decoder=True)
+    crossing = getattr(text, "cross_attention_layers", None)
+    if crossing:
+        raise InvalidConfigError(
+            f"this model's layers {list(crossing)[:16]} attend over an image's K/V kept in the cache (cross-attention, "
+            "as Mllama's), which they read back on later steps without updating it; TieredCache holds each step's "
+            "self-attention K/V only. To run it, use transformers' DynamicCache.")
+    kinds, kwargs = layer_types(text)
     known = {"full_attention", *SLIDING_TYPES, *(("dummy",) + STATE_TYPES + BOTH_TYPES if HOLDS_STATE else ())}
     unsupported = sorted(set(kinds) - known)
     if unsupported:
