@@ -455,9 +455,9 @@ def test_a_decoder_whose_cross_attention_keeps_an_image_in_the_cache_is_refused(
     the fix: by the config, else at the first forward, whose layers cache different token counts."""
     model, inputs = mllama()
     config = dict(config=model.config) if with_config else {}
-    with pytest.raises(InvalidConfigError, match="DynamicCache"):
-        with TieredCache(gpu_gb="64MB", cpu_gb="64MB", disk_dir=tmp_path, block_tokens=4, **config) as cache:
-            model.generate(**inputs, past_key_values=cache, max_new_tokens=3, num_beams=beams, do_sample=False)
+    with pytest.raises(InvalidConfigError, match="DynamicCache"), \
+            TieredCache(gpu_gb="64MB", cpu_gb="64MB", disk_dir=tmp_path, block_tokens=4, **config) as cache:
+        model.generate(**inputs, past_key_values=cache, max_new_tokens=3, num_beams=beams, do_sample=False)
 
 
 @pytest.mark.parametrize("executor", ["streaming", "split"])
