@@ -59,6 +59,7 @@ class Forward:
         self.last = -1
         self.last_update = -1  # the store index of the K/V layer updated last in this forward (-1: none yet)
         self.tokens: int | None = None  # what its first K/V update appended (every one appends as many)
+        self.may_repeat = False  # it began at a second update of layer 0: maybe an encoder-decoder's cross-attention
         self.announced = False  # a forward's mask was sized since the last update (a new forward began)
 
     def entered(self, position: int, call: str, state_idx: int) -> bool:
@@ -76,7 +77,7 @@ class Forward:
     def reset(self) -> None:
         """The cache was emptied: the next use begins a forward of its own."""
         self.unsettled, self.layers_updated, self.first, self.last, self.last_update = None, 0, None, -1, -1
-        self.tokens = None
+        self.tokens, self.may_repeat = None, False
         self.completed = False
 
     def claim(self, layers: int | None) -> None:
@@ -112,6 +113,7 @@ class Forward:
         refuse this forward: its positions were computed from layer 0's length, one step ahead."""
         reached, self.layers_updated, self.last_update, self.tokens = self.layers_updated, 0, -1, None
         announced, self.announced = self.announced, False
+        self.may_repeat = reached == 1 and not announced  # (then refused as a repeated update, not as uneven)
         complete = self.full or expected or 0
         if not reached or reached >= complete:
             self.full = max(self.full, reached)

@@ -127,7 +127,7 @@ class TieredLayer(OfCache, CacheLayerMixin):
         cache.forward.layers_updated += 1
         if cache.forward.tokens is None:
             cache.forward.tokens = key_states.shape[2]
-        elif key_states.shape[2] != cache.forward.tokens:
+        elif key_states.shape[2] != cache.forward.tokens and not cache.forward.may_repeat:
             cache.refuse_uneven(self, key_states.shape[2])
         stored = store.seq_length(self.index)
         self.length_before = self.dropped + stored
