@@ -279,19 +279,25 @@ def saved(model, tmp_path, ids, mask) -> tuple[Path, object]:
     return path, out
 
 
+def saved_and_continued(model, tmp_path, ids, mask) -> tuple[Path, object, object, torch.Tensor, object]:
+    """:func:`saved`'s conversation and generation; DynamicCache's generation of the same ids; the ids that continue
+    it (the last token generated, and one more); and DynamicCache's continuation of them."""
+    path, first = saved(model, tmp_path, ids, mask)
+    reference_cache = DynamicCache(config=model.config)
+    reference_first = run(model, ids, mask, reference_cache)
+    more = torch.cat([first.sequences, torch.full((ids.shape[0], 1), 7)], dim=1)
+    return path, first, reference_first, more, run(model, more, None, reference_cache)
+
+
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_a_saved_conversation_continues_exactly_with_every_layers_state(tmp_path, model_type):
     """Saved after a generation and loaded into a new cache, the conversation (K/V and every layer's state)
     continues as DynamicCache continues the same conversation."""
     model = hybrid(model_type)
     ids, mask = prompt(2, 24, seed=19)
-    path, first = saved(model, tmp_path, ids, mask)
-    reference_cache = DynamicCache(config=model.config)
-    reference_first = run(model, ids, mask, reference_cache)
+    path, first, reference_first, more, reference = saved_and_continued(model, tmp_path, ids, mask)
     assert torch.equal(first.sequences, reference_first.sequences)
-    more = torch.cat([first.sequences, torch.full((2, 1), 7)], dim=1)  # the last token generated, and one more
     more_mask = None  # (Mamba's first continued step cannot take a mask longer than its input)
-    reference = run(model, more, more_mask, reference_cache)
     with TieredCache.load(path, model=model, gpu_gb=f"{TieredCache.min_device_bytes(model.config, 64, 2, 4) + 16384}B",
                           cpu_gb="16KB", disk_dir=tmp_path) as loaded:
         assert loaded.get_seq_length() == first.sequences.shape[1] - 1
@@ -305,11 +311,7 @@ def test_a_conversation_with_state_loaded_in_inference_mode_continues_outside_it
     error. They are normal tensors: the conversation continues as DynamicCache continues it."""
     model = hybrid("qwen3_next")
     ids, mask = prompt(2, 24, seed=19)
-    path, first = saved(model, tmp_path, ids, mask)
-    reference_cache = DynamicCache(config=model.config)
-    run(model, ids, mask, reference_cache)
-    more = torch.cat([first.sequences, torch.full((2, 1), 7)], dim=1)
-    reference = run(model, more, None, reference_cache)
+    path, _, _, more, reference = saved_and_continued(model, tmp_path, ids, mask)
     with torch.inference_mode():
         loaded = TieredCache.load(path, model=model, cpu_gb="16KB", disk_dir=tmp_path / "loaded",
                                   gpu_gb=f"{TieredCache.min_device_bytes(model.config, 64, 2, 4) + 16384}B")
@@ -484,11 +486,7 @@ def test_a_conversation_of_layers_with_convolution_state_only_loads(tmp_path):
         pytest.skip("this transformers release has no inkling2_text")
     model = instantiate(transformers.AutoModelForCausalLM.from_config, config)
     ids, mask = prompt(1, 24, seed=2)
-    path, first = saved(model, tmp_path, ids, mask)
-    reference_cache = DynamicCache(config=model.config)
-    run(model, ids, mask, reference_cache)
-    more = torch.cat([first.sequences, torch.full((1, 1), 7)], dim=1)
-    reference = run(model, more, None, reference_cache)
+    path, _, _, more, reference = saved_and_continued(model, tmp_path, ids, mask)
     with TieredCache.load(path, model=model, gpu_gb="8MB", cpu_gb="16KB", disk_dir=tmp_path / "loaded") as loaded:
         out = run(model, more, None, loaded)
     assert_same_generation(out, reference, atol=1e-4)
