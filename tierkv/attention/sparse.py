@@ -302,31 +302,14 @@ class SparseAttention(PipelinedExecutor):
         # a CPU host attends the whole blocks where they are too: those on disk as pages in the kept layer, after
         # the selection's (``attended``: the pages attended in place, the selection's first)
         host_only = self.inplace.host_only()
-        in_place = host_only and (self._tail_kept is None or rest)  # (no mask of unchosen tail pages)
+        in_place = host_only and (self._tail_kept is None or bool(rest))  # (no mask of unchosen tail pages)
         host_query = query.float().contiguous() if host_only else query  # the host kernel's, converted once
-        here: KeptLayer | None = None
-        for _ in range(3):  # until no allocation came after the look at the tiers (a kept layer's may move blocks)
-            disk_blocks = self.inplace.disk_block_pages(layer, columns, per, page, start) \
-                if in_place and per > 1 else None  # fmt: skip
-            extra = None if disk_blocks is None else disk_blocks[0]
-            attended = pages if extra is None else extra if pages is None else np.concatenate((pages, extra), axis=1)
-            if attended is None or not attended.shape[1]:
-                here = None
-                break
-            if here is not None and here.capacity >= attended.shape[1]:
-                break
-            here = self._pages_here(layer, batch, attended.shape[1], page)
-            if here is None:
-                break
-        else:
-            here = None  # the blocks kept moving: stage them this step
+        blocks_in_place, here, attended, disk_blocks = self._in_place(layer, batch, columns, pages, per, page,
+                                                                      start, in_place)  # fmt: skip
         blocks_here = None  # the whole blocks attended in place: (out, lse, each block's own lse [B, H_q, K])
-        if in_place and (extra is None or here is not None):  # (whole-block selection: only with none on disk)
+        if blocks_in_place:
             blocks_here = self.inplace.blocks(layer, columns, host_query, mask, start, stop, scaling, softcap,
-                                            disk_as_pages=extra is not None)  # fmt: skip
-        elif extra is not None:  # the kept layer cannot hold them: every whole block staged, pages as selected
-            attended = pages
-            here = self._pages_here(layer, batch, picked, page) if picked else None
+                                            disk_as_pages=disk_blocks is not None)  # fmt: skip
         staging, page_staging = self._staging(layer, batch, 0 if blocks_here is not None else count,
                                               0 if here is not None else picked * page)  # fmt: skip
         parts = []  # staged (keys, values, bias), attended by torch
@@ -398,32 +381,65 @@ class SparseAttention(PipelinedExecutor):
             page_lse = page_lse[:, :, :picked] if picked else None
         units = [(columns, bt, None if blocks_here is None else blocks_here[2])]
         units += [(pages, page, page_lse)] if pages is not None and picked else []
-        unit_shares = []  # [B, H_q, K] each selected unit's share of each query head's softmax, where needed
-        if wants_mass or sticky:
-            staged = iter(weights * torch.exp(part_lse - lse)[..., None] for weights, part_lse in pieces)
-            unit_shares = [_unit_shares(next(staged), chosen.shape[1], size) if own is None
-                           else torch.exp(own - lse.reshape(batch, heads, 1)) for chosen, size, own in units]
+        attended = columns if pages is None else np.concatenate((columns, pages // per), axis=1)
+        mass = self._shares(layer, units, pieces, lse, wants_mass, sticky)
+        self._promote(layer, attended, mass, columns, staging if blocks_here is None else None)
+        self._count_moved(moved)
+        self._count_attended(layer, parts, columns, here is not None and pages is not None, chosen_pages, page,
+                             blocks_here is not None, start, stop)
+        self._left_at = time.perf_counter()
+        return out.reshape(batch, heads, 1, dim), lse.reshape(batch, heads, 1)
+
+    def _shares(self, layer: int, units: list, pieces: list, lse: torch.Tensor, wants_mass: bool,
+                sticky: bool) -> torch.Tensor | None:
+        """Each selected unit's measured share of each query head's softmax (``lse``: the merged log-sum-exp, shaped
+        as the query's groups), kept for the layer's sticky units (``sticky``) and returned for the policy
+        (``wants_mass``: ``[B, K]``, averaged over heads; else None). ``units``: (chosen ``[B, K]``, tokens each,
+        their own log-sum-exp ``[B, H_q, K]``, or None: from the staged ``pieces``' weights)."""
+        if not (wants_mass or sticky):
+            self._sticky.pop(layer, None)
+            return None
+        batch = units[0][0].shape[0]
+        staged = iter(weights * torch.exp(part_lse - lse)[..., None] for weights, part_lse in pieces)
+        unit_shares = [_unit_shares(next(staged), chosen.shape[1], size) if own is None  # [B, H_q, K] each
+                       else torch.exp(own - lse.reshape(batch, -1, 1)) for chosen, size, own in units]
         if sticky:  # the selected units' measured shares: blocks, or pages where pages are the unit
             chosen, measured = units[-1][0], unit_shares[-1]
             strongest = measured.amax(dim=1)  # [B, K]: the most some query head gave each
             self._sticky[layer] = (chosen, strongest.masked_fill(strongest < self.sticky_share, 0.0))
         else:
             self._sticky.pop(layer, None)  # never a share older than the previous step
-        attended = columns if pages is None else np.concatenate((columns, pages // per), axis=1)
-        mass = torch.cat([s.mean(dim=1) for s in unit_shares], dim=1) if wants_mass else None
-        self._promote(layer, attended, mass, columns, staging if blocks_here is None else None)
-        self._count_moved(moved)
-        counters = self.counters
-        counters.staged_bytes_read += sum(k.numel() * k.element_size() for k, _, _ in parts) * 2  # K and V
-        if here is not None and pages is not None:  # the pages attended in place: read once, by the kernel
-            counters.staged_bytes_read += chosen_pages * page * layout.token_bytes
-        whole = parts[0][0].shape[2] if blocks_here is None else _staged_tokens(columns, bt, stop)
-        if blocks_here is not None:  # the blocks attended in place: read once, by the kernel
-            counters.staged_bytes_read += batch * whole * layout.token_bytes
-        counters.tokens_read += batch * whole + chosen_pages * page
-        counters.tokens_total += batch * (stop - start)
-        self._left_at = time.perf_counter()
-        return out.reshape(batch, heads, 1, dim), lse.reshape(batch, heads, 1)
+        return torch.cat([s.mean(dim=1) for s in unit_shares], dim=1) if wants_mass else None
+
+    def _in_place(self, layer: int, batch: int, columns: np.ndarray, pages: np.ndarray | None, per: int, page: int,
+                  start: int, in_place: bool) -> tuple[bool, KeptLayer | None, np.ndarray | None,
+                                                      tuple[np.ndarray, np.ndarray] | None]:
+        """Where a CPU host attends a selection (``in_place``: it may): whether the whole blocks of ``columns`` are
+        attended in their slabs; the kept layer of the pages attended in place (None: staged); those pages (the
+        selection's, then the disk blocks' as pages); the disk blocks' pages
+        (:meth:`SparseInPlace.disk_block_pages`; None: none, or the whole blocks staged)."""
+        here: KeptLayer | None = None
+        for _ in range(3):  # until no allocation came after the look at the tiers (a kept layer's may move blocks)
+            disk_blocks = self.inplace.disk_block_pages(layer, columns, per, page, start) \
+                if in_place and per > 1 else None  # fmt: skip
+            extra = None if disk_blocks is None else disk_blocks[0]
+            attended = pages if extra is None else extra if pages is None else np.concatenate((pages, extra), axis=1)
+            if attended is None or not attended.shape[1]:
+                here = None
+                break
+            if here is not None and here.capacity >= attended.shape[1]:
+                break
+            here = self._pages_here(layer, batch, attended.shape[1], page)
+            if here is None:
+                break
+        else:
+            here = None  # the blocks kept moving: stage them this step
+        if in_place and (disk_blocks is None or here is not None):  # (whole-block selection: only with none on disk)
+            return True, here, attended, disk_blocks
+        if disk_blocks is not None:  # the kept layer cannot hold them: every whole block staged, pages as selected
+            picked = 0 if pages is None else pages.shape[1]
+            return False, self._pages_here(layer, batch, picked, page) if picked else None, pages, None
+        return False, here, attended, None
 
     def _block_part(self, columns: np.ndarray, staging: torch.Tensor, start: int, stop: int,
                     mask: torch.Tensor | None, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
@@ -764,6 +780,22 @@ class SparseAttention(PipelinedExecutor):
         return kept if kept is not None and kept.capacity >= picked else None
 
     # ---------------------------------------------------------------------------------- telemetry
+    def _count_attended(self, layer: int, parts: list, columns: np.ndarray, pages_in_place: bool, chosen_pages: int,
+                        page: int, blocks_in_place: bool, start: int, stop: int) -> None:
+        """Count a layer-step's reads on the device: the staged ``parts`` (keys, values, bias), the ``chosen_pages``
+        selected (read by the kernel where ``pages_in_place``) and the whole blocks (likewise)."""
+        counters = self.counters
+        token_bytes = self.store.layouts[layer].token_bytes
+        batch = columns.shape[0]
+        counters.staged_bytes_read += sum(k.numel() * k.element_size() for k, _, _ in parts) * 2  # K and V
+        if pages_in_place:  # the pages attended in place: read once, by the kernel
+            counters.staged_bytes_read += chosen_pages * page * token_bytes
+        whole = _staged_tokens(columns, self.store.block_tokens, stop) if blocks_in_place else parts[0][0].shape[2]
+        if blocks_in_place:  # the blocks attended in place: read once, by the kernel
+            counters.staged_bytes_read += batch * whole * token_bytes
+        counters.tokens_read += batch * whole + chosen_pages * page
+        counters.tokens_total += batch * (stop - start)
+
     def _moved_in(self) -> dict[str, int]:
         """The store's byte counters of the links into the device, now."""
         moved = self.store.transfer.bytes_moved
