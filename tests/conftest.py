@@ -21,8 +21,8 @@ def prefetch_every_layer():
 
 @pytest.fixture(autouse=True)
 def servers_warned_afresh():
-    """A remote server's down warning is logged once a minute per process: each test starts as a new process
-    would, so a test that meets an outage sees it warned whatever the tests before it met."""
+    """A remote server's warnings (down, full, refusing) are logged once a minute per kind and process: each test
+    starts as a new process would, so a test that meets one sees it warned whatever the tests before it met."""
     from tierkv.remote import connection
 
     connection._WARNED.clear()

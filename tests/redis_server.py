@@ -3,8 +3,8 @@
 Each :class:`RedisServer` is a child process started from the Debian package's binary (``.ci/run`` installs
 it), bound to 127.0.0.1 only, with ``--save ''`` and ``--appendonly no`` so nothing is written outside the
 test's temporary directory. Tests can kill it (SIGKILL) mid-run and start it again on the same port,
-pause it (``CLIENT PAUSE``), and build it with ``maxmemory`` and an eviction policy. The fixtures skip with a
-reason only when ``redis-server`` (or redis-py) is not installed.
+pause it (``CLIENT PAUSE``) or freeze it (SIGSTOP), and build it with ``maxmemory`` and an eviction policy.
+The fixtures skip with a reason only when ``redis-server`` (or redis-py) is not installed.
 
     def test_x(redis_server):                   # one server per test, default settings
         store = RemoteBlockStore(redis_server.url, ...)
@@ -112,9 +112,10 @@ class RedisServer:
         """A raw redis-py client (for tests that overwrite, evict or inspect values behind the tier's back)."""
         import redis
 
-        tls = dict(ssl=True, ssl_ca_certs=str(self.tls / "ca.crt")) if self.tls else {}
+        # the host name is not checked here: a test may serve a certificate for another name on purpose
+        tls = dict(ssl=True, ssl_ca_certs=str(self.tls / "ca.crt"), ssl_check_hostname=False) if self.tls else {}
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=timeout,
-                           socket_connect_timeout=timeout, **tls)
+                           socket_connect_timeout=timeout, protocol=2, **tls)  # RESP2: works without HELLO
 
     def kill(self) -> None:
         """SIGKILL, as a crashed or partitioned server would go: clients see reset connections."""
@@ -141,13 +142,24 @@ class RedisServer:
         self.stop()
         return self.start()
 
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """SIGSTOP for the block, then SIGCONT: a host that stopped answering while its connections stay open."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.process.send_signal(signal.SIGCONT)
+
     def pause(self, seconds: float) -> None:
         """``CLIENT PAUSE``: the server holds every client's commands for ``seconds`` (a slow server)."""
         self.client().execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
 
 
-def make_tls_files(directory: Path) -> Path:
-    """A throw-away CA and a server certificate for 127.0.0.1 (``openssl``), in ``directory``."""
+def make_tls_files(directory: Path, names: str = "IP:127.0.0.1") -> Path:
+    """A throw-away CA and a server certificate for ``names`` (its subjectAltName: 127.0.0.1 by default; e.g.
+    ``"DNS:elsewhere.invalid"`` for a certificate of another host) signed by it (``openssl``), in ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
 
     def openssl(*args: str) -> None:
@@ -157,7 +169,7 @@ def make_tls_files(directory: Path) -> Path:
             "-keyout", "ca.key", "-out", "ca.crt")
     openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key",
             "-out", "server.csr")
-    (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    (directory / "san.cnf").write_text(f"subjectAltName={names}\n")
     openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
             "-days", "2", "-extfile", "san.cnf", "-out", "server.crt")
     return directory

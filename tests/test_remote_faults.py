@@ -116,20 +116,65 @@ def test_one_stall_seen_by_reads_in_flight_costs_one_back_off(redis_server) -> N
         assert [bytes(p) for p in store.get_many(keys)] == values
 
 
+class SlowLink:
+    """A TCP proxy on loopback to ``port`` that carries what clients send at ``rate`` bytes/s: a slow link, on which
+    a small command crosses at once and a large block takes its size per rate (replies are not slowed)."""
+
+    def __init__(self, port: int, rate: float) -> None:
+        self.target, self.rate = port, rate
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            self.sockets += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, self.rate), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, None), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, rate: float | None) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(64 << 10):
+                sink.sendall(data)
+                if rate:
+                    time.sleep(len(data) / rate)
+
+    def close(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() (Linux), which close() alone does not
+        self.listener.close()
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        self.thread.join(timeout=10)
+
+
 def test_a_write_has_longer_than_a_read_to_cross(redis_server) -> None:
     """Regression: writes had the reads' socket timeout (``timeout_s``, 2 s), which bounds a pipeline's whole
     ``sendall`` and its reply: a block that could not cross a slow link in 2 s was never written (a 12 MiB block
     at 4 MB/s), far above the documented drop threshold. A write now has ``timeout_s + queue_wait_s``; here a
-    server that answers 0.6 s late, beyond a 0.2 s ``timeout_s``, still takes it."""
+    4 MiB block on a 5 MB/s link (about 0.8 s) crosses with a 0.2 s ``timeout_s``, and the small commands around
+    it (``EXISTS``, ``GET``) keep the short one."""
     keys, values = blocks(1, size=4 << 20)
-    with RemoteBlockStore(redis_server.url, "m", timeout_s=0.2, queue_wait_s=1.0, backoff_s=0.05) as store:
-        assert store.ping()
-        redis_server.pause(0.6)
-        fill(store, keys, values)
-        stats = store.stats()
-        assert stats["writes"] == 1 and stats["errors"] == 0, stats
-        time.sleep(0.1)
-        assert [bytes(p) for p in store.get_many(keys)] == values
+    link = SlowLink(redis_server.port, rate=5e6)
+    try:
+        with RemoteBlockStore(f"redis://127.0.0.1:{link.port}/0", "m", timeout_s=0.2, queue_wait_s=2.0,
+                              backoff_s=0.05) as store:
+            assert store.ping()
+            fill(store, keys, values)
+            stats = store.stats()
+            assert stats["writes"] == 1 and stats["errors"] == 0, stats
+            assert [bytes(p) for p in store.get_many(keys)] == values
+    finally:
+        link.close()
 
 
 def test_full_server_without_eviction_refuses_writes(redis_factory, caplog) -> None:
@@ -209,7 +254,7 @@ def test_a_corrupted_value_is_a_miss_and_is_replaced(redis_server, caplog, damag
 
 
 @pytest.mark.parametrize("reply", [b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n",
-                                   b"+OK\r\n" * 64,  # an OK to redis-py's HELLO, which expects a map
+                                   b"+OK\r\n" * 64,  # data nobody asked for (once an OK to HELLO, not a map)
                                    b"*1\r\n" * 5000 + b":1\r\n"])  # nested deeper than Python's recursion limit
 def test_a_service_that_does_not_speak_redis_is_a_miss(caplog, reply: bytes) -> None:
     """Regression: another service on the URL's port (an HTTP server answering every connection with text) made
@@ -261,3 +306,111 @@ def test_an_outage_met_by_many_caches_is_warned_once(tmp_path, redis_factory, ca
     finally:
         for store in stores:
             store.close()
+
+
+def test_a_corrupt_value_is_replaced_where_del_is_refused(redis_factory, caplog) -> None:
+    """An ACL user without DEL (or a read-only replica) cannot delete a corrupt value: the refusal is counted and
+    warned, and the next write of the block overwrites the value instead of skipping a key the server holds."""
+    server = redis_factory(password="root")
+    raw = server.client()
+    raw.acl_setuser("worker", enabled=True, passwords=["+pw"], keys=["tierkv:*"], commands=["+@all", "-del", "-unlink"])
+    keys, values = blocks(3)
+    name = f"tierkv:m:{keys[1]}"
+    with RemoteBlockStore(f"redis://worker:pw@127.0.0.1:{server.port}/0", "m") as store:
+        fill(store, keys, values)
+        raw.setrange(name, 40, b"XXXX")
+        assert store.get_many(keys)[1] is None and store.flush(10)
+        stats = store.stats()
+        assert stats["corrupt"] == 1 and stats["refused"] == 1 and raw.exists(name)
+        assert "no permissions to run the 'del' command" in caplog.text and "docs/remote.md" in caplog.text
+        fill(store, keys, values)  # the worker computed the block again
+        assert store.stats()["writes"] == 4  # three, then the one found corrupt (not skipped as held)
+        assert [bytes(p) for p in store.get_many(keys)] == values
+        fill(store, keys, values)
+        assert store.stats()["writes"] == 4  # rewritten once: then held again, skipped
+
+
+def test_flush_and_close_keep_to_their_timeout_with_a_frozen_server(redis_server) -> None:
+    """A frozen server (SIGSTOP: its connections stay open, nothing answers) costs a flush about ``timeout_s``, not
+    the writes' longer timeout (``timeout_s + queue_wait_s``, which the writer's ``EXISTS`` had), and
+    ``close(timeout)`` returns within ``timeout`` in all (it waited ``timeout`` to flush, then again to join)."""
+    keys, values = blocks(3)
+    with RemoteBlockStore(redis_server.url, "m", timeout_s=0.5, queue_wait_s=10.0) as store:
+        fill(store, keys[:1], values[:1])
+        with redis_server.frozen():
+            store.put(keys[1], values[1])
+            start = time.monotonic()
+            store.flush()
+            assert time.monotonic() - start < 0.5 + 2.0
+    store = RemoteBlockStore(redis_server.url, "m", timeout_s=8.0, queue_wait_s=10.0)
+    try:
+        assert store.ping()
+        with redis_server.frozen():
+            store.put(keys[2], values[2])
+            start = time.monotonic()
+            store.close(timeout=3.0)
+            assert time.monotonic() - start < 3.0 + 2.0
+    finally:
+        store.close()
+
+
+def test_a_full_server_is_warned_once_for_all_caches(redis_factory, caplog) -> None:
+    """Every cache of a process (one per conversation) meeting one full server logs it once a minute for the
+    process, as an outage is, each counting what it met."""
+    server = redis_factory(maxmemory="2mb", policy="noeviction")
+    stores = [RemoteBlockStore(server.url, f"m{i}") for i in range(3)]
+    try:
+        for store in stores:
+            fill(store, *blocks(48, size=64 << 10))
+            assert store.stats()["rejected_full"] > 0 and store.stats()["warnings_full"] >= 1
+        assert caplog.text.count("the server is full") == 1
+    finally:
+        for store in stores:
+            store.close()
+
+
+def test_a_cluster_node_behind_a_plain_url_names_redis_cluster(redis_cluster, caplog) -> None:
+    keys, values = blocks(8, size=100)
+    with RemoteBlockStore(f"redis://127.0.0.1:{redis_cluster.servers[0].port}/0", "m") as store:
+        fill(store, keys, values)  # most keys hash to other nodes' slots: MOVED
+        assert store.stats()["refused"] > 0
+    assert "Redis Cluster node" in caplog.text and "redis+cluster://host:port" in caplog.text
+
+
+def test_cluster_urls_that_cannot_work_say_why(redis_cluster, redis_factory, caplog) -> None:
+    """A redis+cluster:// URL to a server that is no cluster, or with a wrong password; both are misses."""
+    plain = redis_factory()
+    with RemoteBlockStore(f"redis+cluster://127.0.0.1:{plain.port}", "m") as store:
+        assert not store.ping()
+    assert "+cluster|slots" in caplog.text and "use redis://" in caplog.text
+    for server in redis_cluster.servers:
+        server.client().config_set("requirepass", "right")
+    with RemoteBlockStore(f"redis+cluster://:wrong@127.0.0.1:{redis_cluster.servers[0].port}", "m") as store:
+        assert not store.ping()
+    assert "$TIERKV_REDIS_PASSWORD" in caplog.text
+
+
+def test_server_settings_that_refuse_say_which(redis_factory, caplog, tmp_path) -> None:
+    """A database the server does not have, a block over proto-max-bulk-len (the server cuts the connection), a
+    rediss:// URL to a port without TLS: each warning names the setting to change."""
+    server = redis_factory(extra=("--proto-max-bulk-len", "1mb"))
+    with RemoteBlockStore(f"redis://127.0.0.1:{server.port}/16", "m") as store:
+        assert not store.ping()
+    assert "/16" in caplog.text and "'databases'" in caplog.text
+    with RemoteBlockStore(server.url, "m") as store:
+        fill(store, *blocks(1, size=2 << 20))
+        assert store.stats()["writes_failed"] == 1
+    assert "proto-max-bulk-len" in caplog.text
+    with RemoteBlockStore(f"rediss://127.0.0.1:{server.port}/0?ssl_cert_reqs=none", "m", timeout_s=0.5,
+                          connect_timeout_s=0.5) as store:
+        assert not store.ping()
+    assert "check that the port serves TLS" in caplog.text
+
+
+def test_a_read_only_replica_is_a_miss_that_names_the_primary(redis_factory, caplog) -> None:
+    primary = redis_factory()
+    replica = redis_factory(extra=("--replicaof", "127.0.0.1", str(primary.port)))
+    with RemoteBlockStore(replica.url, "m") as store:
+        fill(store, *blocks(2))
+        assert store.stats()["writes_failed"] == 2 and store.stats()["refused"] == 2
+    assert "read-only replica" in caplog.text and "point the URL at its primary" in caplog.text

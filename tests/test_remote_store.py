@@ -141,3 +141,53 @@ def test_bad_arguments() -> None:
         RemoteBlockStore("redis://127.0.0.1:1/0", "m", timeout_s=0)
     with pytest.raises(InvalidConfigError, match="ttl_s"):
         RemoteBlockStore("redis://127.0.0.1:1/0", "m", ttl_s=1.5)
+
+
+def test_tls_checks_the_host_name(redis_factory, tmp_path, caplog) -> None:
+    """A certificate the trusted CA signed for another host is refused (redis-py 5 checks no host name unless
+    asked), and every TLS client asks."""
+    from redis_server import make_tls_files
+
+    server = redis_factory(tls=make_tls_files(tmp_path / "tls", names="DNS:elsewhere.invalid"))
+    with RemoteBlockStore(server.url, "m", timeout_s=2) as store:
+        assert not store.ping() and store.stats()["down"]
+        pool = store._wire.conn._get_client().connection_pool
+        assert pool.connection_kwargs["ssl_check_hostname"] is True
+    assert "mismatch" in caplog.text and "not for the host name" in caplog.text
+    with RemoteBlockStore(server.url + "&ssl_cert_reqs=none", "m") as store:  # nothing verified: nothing to check
+        assert store.ping()
+        assert store._wire.conn._get_client().connection_pool.connection_kwargs["ssl_check_hostname"] is False
+
+
+def test_a_server_without_hello_is_used_without_a_warning(redis_factory, caplog) -> None:
+    """RESP2 (no HELLO): Redis < 6, proxies and servers that renamed HELLO are used quietly, with an ACL user."""
+    server = redis_factory(password="root", extra=("--rename-command", "HELLO", ""))
+    server.client().acl_setuser("worker", enabled=True, passwords=["+pw"], keys=["tierkv:*"], commands=["+@all"])
+    keys, blocks = keys_and_blocks(3)
+    with RemoteBlockStore(f"redis://worker:pw@127.0.0.1:{server.port}/0", "m") as store:
+        fill(store, keys, blocks)
+        assert [bytes(p) for p in store.get_many(keys)] == blocks
+        assert store._wire.conn._get_client().connection_pool.connection_kwargs["protocol"] == 2
+    assert not caplog.records, caplog.text
+
+
+MINIMAL_ACL = ["+exists", "+get", "+getrange", "+set", "+del", "+ping"]  # docs/remote.md, Security
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_the_documented_least_privilege_acl_is_enough(redis_server, redis_cluster, cluster: bool) -> None:
+    """The ACL docs/remote.md gives a worker: the data commands, and for a cluster +cluster|slots and +command."""
+    servers = redis_cluster.servers if cluster else [redis_server]
+    for server in servers:
+        server.client().acl_setuser("worker", enabled=True, passwords=["+pw"], keys=["tierkv:*"],
+                                    commands=MINIMAL_ACL + (["+cluster|slots", "+command"] if cluster else []))
+    hosts = ",".join(f"127.0.0.1:{server.port}" for server in servers)
+    url = f"redis+cluster://worker:pw@{hosts}" if cluster else f"redis://worker:pw@{hosts}/0"
+    keys, blocks = keys_and_blocks(6)
+    with RemoteBlockStore(url, "m") as store:
+        fill(store, keys, blocks)
+        assert [bytes(p) for p in store.get_many(keys, max_bytes=8192)] == blocks
+        store.discard(keys[0], "is a test")
+        assert store.flush(10)
+        stats = store.stats()
+        assert stats["writes"] == 6 and stats["refused"] == stats["errors"] == 0, stats

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from redis_server import make_tls_files
 
 from tierkv import settings
 from tierkv.errors import InvalidConfigError
@@ -16,8 +19,7 @@ def test_single_server_urls(tmp_path) -> None:
                                                                       None)
     assert parse_remote_url("redis://localhost").nodes == (("localhost", 6379),)
     assert parse_remote_url("redis://[::1]:7000/0").nodes == (("::1", 7000),)
-    ca = tmp_path / "ca.pem"
-    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    ca = make_tls_files(tmp_path) / "ca.crt"
     tls = parse_remote_url(f"rediss://alice:s%40cret@h:6390/1?ssl_ca_certs={ca}&ssl_cert_reqs=REQUIRED")
     assert tls.tls and tls.username == "alice" and tls.password == "s@cret"
     assert dict(tls.tls_options) == {"ssl_ca_certs": str(ca), "ssl_cert_reqs": "required"}  # as redis-py wants it
@@ -28,6 +30,21 @@ def test_cluster_urls() -> None:
     assert url.cluster and not url.tls and url.password == "pw"
     assert url.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 7001), ("10.0.0.3", 6379))
     assert parse_remote_url("rediss+cluster://h1:7000").tls
+
+
+def test_tls_files_are_loaded_when_the_url_is_parsed(tmp_path) -> None:
+    """A TLS file that would fail the first connection fails the URL instead, naming the file and the problem."""
+    tls = make_tls_files(tmp_path)
+    ca, cert, key, other = (str(tls / name) for name in ("ca.crt", "server.crt", "server.key", "ca.key"))
+    base = f"rediss://h:1/0?ssl_ca_certs={ca}"
+    assert parse_remote_url(f"{base}&ssl_certfile={cert}&ssl_keyfile={key}").tls
+    for query, problem in [(f"ssl_ca_certs={key}", f"ssl_ca_certs='{key}' holds no usable PEM certificate"),
+                           (f"ssl_ca_certs={tls / 'san.cnf'}", "holds no usable PEM certificate"),
+                           (f"ssl_ca_certs={ca}&ssl_certfile={cert}", "give the key with ssl_keyfile="),
+                           (f"ssl_ca_certs={ca}&ssl_certfile={cert}&ssl_keyfile={other}", "KEY_VALUES_MISMATCH"),
+                           (f"ssl_ca_certs={ca}&ssl_keyfile={key}", "without ssl_certfile")]:
+        with pytest.raises(InvalidConfigError, match=re.escape(problem)):
+            parse_remote_url(f"rediss://h:1/0?{query}")
 
 
 def test_password_from_the_url_wins_over_the_setting() -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -178,9 +179,14 @@ class ChainedBlockStore:
         return {**remote, **self.counts, "local": self.local.stats() if self.local is not None else {}}
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for queued remote writes and local saves."""
-        done = all([store.flush(timeout) for store in self._remotes.values()])
-        return (self._saver.flush(timeout) if self._saver is not None else True) and done
+        """Wait for queued remote writes and local saves: False if ``timeout`` s (for all of them) passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        done = all([store.flush(left()) for store in list(self._remotes.values())])
+        return (self._saver.flush(left()) if self._saver is not None else True) and done
 
     def __repr__(self) -> str:
         return f"ChainedBlockStore(local={self.local is not None}, remote={self.url.redacted()!r})"

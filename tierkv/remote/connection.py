@@ -31,9 +31,11 @@ from tierkv.remote.url import RemoteURL
 log = logging.getLogger("tierkv.remote")
 T = TypeVar("T")
 WARN_INTERVAL_S = 60.0  # the same kind of warning about a server is logged at most once a minute (with its count)
-_SHARED_WARNINGS = frozenset({"down"})  # of the server's state, not of one cache's call: once per server and process
-_WARNED: dict[tuple[str, str], float] = {}  # (server, shared kind) -> when any connection of the process logged it
+# (server, kind) -> when any connection of the process logged it: a condition of the server (down, full, refusing)
+# is met by every cache of the process (one per conversation), and is worth one line a minute, not one per cache
+_WARNED: dict[tuple[str, str], float] = {}
 _WARNED_LOCK = threading.Lock()
+_CUT = ("broken pipe", "connection reset", "connection closed", "closed by server")  # a connection cut mid-command
 
 
 def redis_module() -> Any:
@@ -79,7 +81,6 @@ class RemoteConnection:
         self._backoff = backoff_s
         self._down = False
         self._closed = False
-        self._warned: dict[tuple[str, str], float] = {}  # (this connection, kind) -> when it logged it last
 
     # ----------------------------------------------------------------------------------- health
     @property
@@ -92,26 +93,24 @@ class RemoteConnection:
             self.counts[name] += n
 
     def warn(self, kind: str, message: str, counted: bool = False) -> None:
-        """Log ``message`` at WARNING, at most once per ``WARN_INTERVAL_S`` for each ``kind`` — of this connection,
-        or for the server's own state (down) of the process (a pool of workers' caches meeting one outage logs it
-        once) — with how often this connection met it so far unless the message ``counted`` that itself; the
-        password is masked wherever a message (an exception's text, say) would carry it."""
+        """Log ``message`` at WARNING, at most once per ``WARN_INTERVAL_S`` for each ``kind`` and server in the
+        process (many caches meeting one full or failed server log it once), with how often this connection met
+        it so far unless the message ``counted`` that itself; the password is masked wherever a message (an
+        exception's text, say) would carry it."""
         message = self.url.scrub(message)
         now = time.monotonic()
         with self._lock:
             self.counts[f"warnings_{kind}"] += 1
             seen = self.counts[f"warnings_{kind}"]
-        shared = kind in _SHARED_WARNINGS
+        key = (self.url.redacted(), kind)
         with _WARNED_LOCK:
-            warned = _WARNED if shared else self._warned
-            key = (self.url.redacted() if shared else "", kind)
-            if now - warned.get(key, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
+            if now - _WARNED.get(key, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
                 return
-            warned[key] = now
+            _WARNED[key] = now
         suffix = f" ({seen} so far)" if seen > 1 and not counted else ""
         log.warning("tierkv remote %s: %s%s", self.url.redacted(), message, suffix)
 
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException, write: bool = False) -> None:
         """Open the breaker for the back-off, doubled for the next time. Calls that were in flight when the server
         failed fail too, inside the same back-off: they count as errors, not as failed retries."""
         with self._lock:
@@ -123,13 +122,46 @@ class RemoteConnection:
             retry = self._backoff
             self._backoff = min(self._backoff * 2, self.max_backoff_s)
         if not was_down:
-            hint = ""
-            if isinstance(exc, redis_module().exceptions.AuthenticationError):
-                hint = "; give the password in the URL or in $TIERKV_REDIS_PASSWORD"
-            elif isinstance(exc, redis_module().exceptions.InvalidResponse):
-                hint = "; what answers there does not speak the Redis protocol: check the URL's host and port"
-            self.warn("down", f"unreachable ({type(exc).__name__}: {exc}){hint}; remote lookups are misses and "
-                              f"writes are dropped, retrying in {retry:.0f} s")
+            self.warn("down", f"unreachable ({type(exc).__name__}: {exc}){self._hint(exc, write)}; remote lookups "
+                              f"are misses and writes are dropped, retrying in {retry:.0f} s")
+
+    def _hint(self, exc: BaseException, write: bool = False) -> str:
+        """What an error from the server most likely means, and what to change: "" when nothing more is known."""
+        redis = redis_module()
+        text = str(exc)
+        lower = text.lower()
+        if isinstance(exc, redis.exceptions.AuthenticationError) or any(
+                mark in lower for mark in ("wrongpass", "noauth", "invalid password", "invalid username-password",
+                                           "authentication required")):
+            return "; give the password in the URL or in $TIERKV_REDIS_PASSWORD"
+        if isinstance(exc, (redis.exceptions.MovedError, redis.exceptions.AskError)) or \
+                text.startswith(("MOVED ", "ASK ")):
+            return ("; the server is a Redis Cluster node, which a redis:// URL cannot use: use "
+                    "redis+cluster://host:port (rediss+cluster:// with TLS)")
+        if any(mark in lower for mark in ("cluster mode is not enabled", "cluster support disabled",
+                                          "'cluster|slots'")):
+            return ("; the server refused CLUSTER SLOTS: either it is not a cluster (use redis://host:port/db) or "
+                    "the ACL user lacks +cluster|slots (add it: docs/remote.md)")
+        if "db index is out of range" in lower:
+            return (f"; the URL's database /{self.url.db} is not below the server's 'databases' setting (default "
+                    "16): use a smaller /N or raise 'databases' in the server's configuration")
+        if "mismatch" in lower and "certificate" in lower:
+            return ("; the server's certificate is not for the host name (or IP address) of the URL: connect by a "
+                    "name the certificate lists, or have the certificate issued for this one")
+        if isinstance(exc, redis.exceptions.ReadOnlyError):
+            return "; the server is a read-only replica, which cannot store blocks: point the URL at its primary"
+        if isinstance(exc, redis.exceptions.NoPermissionError):
+            return "; grant the ACL user that command (the commands tierkv needs: docs/remote.md, Security)"
+        if isinstance(exc, redis.exceptions.InvalidResponse) or "connection not ready" in lower:  # (data unasked)
+            return "; what answers there does not speak the Redis protocol: check the URL's host and port"
+        if write and any(mark in lower for mark in _CUT):
+            return ("; the server cut the connection during a write: a block may exceed its limits "
+                    "(proto-max-bulk-len, client-query-buffer-limit, client-output-buffer-limit: raise them, "
+                    "docs/remote.md) or the server restarted")
+        if self.url.tls and isinstance(exc, redis.exceptions.TimeoutError) and "connect" in lower:
+            return ("; a TLS connection timed out while connecting: check that the port serves TLS (tls-port), "
+                    "or use redis:// for a plain one")
+        return ""
 
     def _succeeded(self) -> None:
         if not self._down:
@@ -155,13 +187,13 @@ class RemoteConnection:
                 redis.exceptions.InvalidResponse, redis.exceptions.ClusterError,
                 redis.exceptions.RedisClusterException) as exc:
             self._drop_client_if_cluster()
-            self._failed(exc)
+            self._failed(exc, write)
             return fallback
         except redis.exceptions.ResponseError as exc:
             self._refused(exc)
             return fallback
         except redis.exceptions.RedisError as exc:  # any other of redis-py's own (e.g. building a connection)
-            self._failed(exc)
+            self._failed(exc, write)
             return fallback
         except (AttributeError, IndexError, KeyError, TypeError, ValueError, RecursionError) as exc:
             if not _raised_in_redis_py(exc):
@@ -179,7 +211,7 @@ class RemoteConnection:
                               "a write needs (docs/remote.md)")
         else:
             self.count("refused")
-            self.warn("refused", f"the server refused a command: {exc}")
+            self.warn("refused", f"the server refused a command: {exc}{self._hint(exc)}")
 
     def refused(self, results: list[Any]) -> None:
         """Count and warn about the per-command errors of a pipeline run with ``raise_on_error=False``."""
@@ -214,12 +246,15 @@ class RemoteConnection:
         from redis.retry import Retry
 
         url = self.url
-        common: dict[str, Any] = dict(
-            username=url.username, password=url.password, socket_timeout=timeout_s,
+        common: dict[str, Any] = dict(  # RESP2: no HELLO, which servers without it answer with a warning per connection
+            username=url.username, password=url.password, socket_timeout=timeout_s, protocol=2,
             socket_connect_timeout=self.connect_timeout_s, retry=Retry(NoBackoff(), 0),
         )
         if url.tls:
-            common.update(ssl=True, **dict(url.tls_options))
+            tls = dict(url.tls_options)
+            # redis-py < 6 does not check the certificate's host name unless asked: a certificate the CA signed
+            # for any other host would pass
+            common.update(ssl=True, ssl_check_hostname=tls.get("ssl_cert_reqs", "required") != "none", **tls)
         if url.cluster:
             from redis.cluster import ClusterNode, RedisCluster
 

@@ -15,8 +15,8 @@ Keys are the caller's content hashes (hex strings: :func:`tierkv.persist.keys.bl
 fingerprint and layout) keeps models apart and lets an operator find or drop one model's blocks with
 ``SCAN MATCH tierkv:<namespace>:*``. Values carry a checksum over key and payload
 (:mod:`tierkv.remote.framing`), verified on every read; a value that fails, or a key that holds another Redis
-type (a list, a hash: the server answers WRONGTYPE), is a miss, counted as corrupt and deleted so a later
-write-through replaces it.
+type (a list, a hash: the server answers WRONGTYPE), is a miss, counted as corrupt and deleted, and the next
+write of the block overwrites it without the ``EXISTS`` check (so it is replaced even where DEL is refused).
 
 Reads are batched: ``keys_per_request`` GETs per pipeline (one round-trip), ``inflight`` pipelines at once
 on a small thread pool, each on its own pooled connection. Writes go through :class:`WriteBehind` (bounded;
@@ -27,12 +27,13 @@ send it only as often as they race.
 Values from a shared server are untrusted: a value is used only if its frame's length equals its real size
 and its checksum (over key and payload) matches; lengths it claims are compared, never allocated. A value
 that passes but holds the wrong record for its key is refused by the caller, which reports it with
-:meth:`RemoteBlockStore.discard` (counted as corrupt, deleted, then replaced by the next write-through).
+:meth:`RemoteBlockStore.discard` (counted as corrupt, deleted, then overwritten by the next write of the block).
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -46,6 +47,7 @@ from tierkv.remote.writer import DEFAULT_QUEUE_ITEMS, Item, WriteBehind
 
 KEY_PREFIX = "tierkv"
 LOOKUP_KEYS = 512  # EXISTS per lookup pipeline
+REWRITE_KEYS = 4096  # keys found corrupt that are remembered until written again (the oldest are forgotten)
 _NAMESPACE = re.compile(r"[A-Za-z0-9._+-]{1,200}")
 
 
@@ -63,6 +65,8 @@ class _Wire:
         self.prefix = f"{KEY_PREFIX}:{namespace}:".encode()
         self.ttl_s = ttl_s
         self.writer: WriteBehind | None = None
+        self._lock = threading.Lock()
+        self._rewrite: dict[str, None] = {}  # keys found corrupt, oldest first: their next write skips the EXISTS
 
     def name(self, key: str) -> bytes:
         return self.prefix + key.encode()
@@ -122,42 +126,68 @@ class _Wire:
         return payloads
 
     def discard(self, key: str, why: str) -> None:
-        """Count the value of ``key`` as corrupt, warn, and queue its deletion (a write-through replaces it)."""
+        """Count the value of ``key`` as corrupt, warn, queue its deletion, and have the next write of the block
+        overwrite it without asking whether the server holds it (where DEL is refused, the value stays)."""
         self.conn.count("corrupt")
-        self.conn.warn("corrupt", f"value of {self.name(key).decode()} {why}; it is a miss and is deleted "
-                                  "(wrong bytes on the server), so the next write of the block replaces it")
+        self.conn.warn("corrupt", f"value of {self.name(key).decode()} {why}; it is a miss (wrong bytes on the "
+                                  "server): tierkv deletes it and the next write of the block overwrites it")
+        with self._lock:
+            self._rewrite.pop(key, None)
+            self._rewrite[key] = None
+            while len(self._rewrite) > REWRITE_KEYS:
+                del self._rewrite[next(iter(self._rewrite))]
         if self.writer is not None:
             self.writer.offer(key, None)
 
     def write(self, batch: list[Item]) -> None:
-        """One writer batch: deletes, then ``SET`` of the blocks the server does not hold yet."""
+        """One writer batch: deletes, then ``SET`` of the blocks the server does not hold yet (and of those found
+        corrupt, whatever it holds). The deletes and ``EXISTS`` go on the readers' client, whose timeout is
+        ``timeout_s``: a frozen server fails them fast and opens the breaker, so the ``SET`` (whose client allows a
+        large pipeline longer) is not even sent, and a flush waits about ``timeout_s``, not the write timeout."""
         deletes = [key for key, payload in batch if payload is None]
         sets = [(key, payload) for key, payload in batch if payload is not None]
+        with self._lock:
+            forced = {key for key, _ in sets if key in self._rewrite}
+        checked = [item for item in sets if item[0] not in forced]
 
-        def op(client: Any) -> tuple[int, int, int]:
+        def ask(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for key in deletes:
                 pipe.delete(self.name(key))
-            for key, _ in sets:
+            for key, _ in checked:
                 pipe.exists(self.name(key))
-            held = pipe.execute(raise_on_error=False)[len(deletes):]
-            todo = [item for item, present in zip(sets, held) if isinstance(present, Exception) or not present]
+            return pipe.execute(raise_on_error=False)
+
+        answers = self.conn.run(ask, fallback=None) if deletes or checked else []
+        if answers is None:
+            self.conn.count("writes_failed", len(sets))
+            return
+        self.conn.refused(answers[:len(deletes)])  # a DEL refused (an ACL without it, a replica): counted, warned
+        held = {key for (key, _), present in zip(checked, answers[len(deletes):])
+                if not isinstance(present, Exception) and present}
+        todo = [(key, payload) for key, payload in sets if key not in held]
+
+        def put(client: Any) -> tuple[int, int]:
             pipe = client.pipeline(transaction=False)
             sizes = []
             for key, payload in todo:
                 value = frame(key.encode(), payload)
                 sizes.append(len(value))
                 pipe.set(self.name(key), value, ex=self.ttl_s)
-            results = pipe.execute(raise_on_error=False) if todo else []
+            results = pipe.execute(raise_on_error=False)
             self.conn.refused(results)
             ok = [not isinstance(result, Exception) for result in results]
-            return sum(ok), sum(size for size, good in zip(sizes, ok) if good), len(sets) - len(todo)
+            with self._lock:
+                for (key, _), good in zip(todo, ok):
+                    if good:
+                        self._rewrite.pop(key, None)
+            return sum(ok), sum(size for size, good in zip(sizes, ok) if good)
 
-        written, size, existing = self.conn.run(op, fallback=(0, 0, 0), write=True)
+        written, size = self.conn.run(put, fallback=(0, 0), write=True) if todo else (0, 0)
         self.conn.count("writes", written)
         self.conn.count("bytes_written", size)
-        self.conn.count("writes_existing", existing)
-        self.conn.count("writes_failed", len(sets) - written - existing)
+        self.conn.count("writes_existing", len(held))
+        self.conn.count("writes_failed", len(todo) - written)
 
 
 class RemoteBlockStore:
@@ -212,7 +242,8 @@ class RemoteBlockStore:
         # bounds as a whole: it has as long as the writer waits for a batch, so a block is dropped only when the
         # link is slower than its size per (timeout_s + queue_wait_s), 12 s by default, not per timeout_s
         conn = RemoteConnection(url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-                                max_connections=inflight + 1,  # readers, one lookup (writes have their own client)
+                                # readers, one lookup, the writer's EXISTS (its SETs have a client of their own)
+                                max_connections=inflight + 2,
                                 backoff_s=backoff_s, max_backoff_s=max(30.0, backoff_s),
                                 write_timeout_s=timeout_s + queue_wait_s)
         self._wire = _Wire(conn, namespace, ttl_s)
@@ -271,7 +302,7 @@ class RemoteBlockStore:
 
     def discard(self, key: str, why: str) -> None:
         """A value of ``key`` that passed its frame but was refused by the caller (another block's record, say):
-        counted as ``corrupt``, warned with ``why``, and deleted so the next write-through replaces it."""
+        counted as ``corrupt``, warned with ``why``, deleted, and overwritten by the next write of the block."""
         self._wire.discard(key, why)
 
     # ------------------------------------------------------------------------------- management
@@ -294,7 +325,8 @@ class RemoteBlockStore:
         ``corrupt`` (values that failed the checksum, or held another block's record), ``bytes_read``/
         ``bytes_written`` (values on the wire, header included), ``writes`` (sent), ``writes_existing`` (skipped:
         the server had them), ``writes_dropped`` (not queued: the queue stayed full, the server was down, or
-        the store closed), ``writes_failed``, ``rejected_full`` (server out of memory), ``errors`` (connection
+        the store closed), ``writes_failed``, ``rejected_full`` (server out of memory), ``refused`` (other commands
+        the server refused: a DEL or SET an ACL or a read-only replica denies, say), ``errors`` (connection
         failures and timeouts), ``skipped_down`` (calls answered as misses while down), ``warnings_*``;
         ``down`` and ``pending`` (queued writes) now."""
         conn = self._wire.conn
@@ -302,7 +334,7 @@ class RemoteBlockStore:
             counts = dict(conn.counts)
         names = ("lookups", "lookup_hits", "reads", "read_hits", "corrupt", "bytes_read", "bytes_written",
                  "writes_queued", "writes", "writes_existing", "writes_dropped", "writes_failed", "rejected_full",
-                 "errors", "skipped_down")
+                 "refused", "errors", "skipped_down")
         return {**{name: counts.get(name, 0) for name in names}, **counts, "down": conn.down,
                 "pending": self._writer.pending, "header_bytes": HEADER.size}
 

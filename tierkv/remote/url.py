@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote
 
@@ -132,6 +133,37 @@ def _check_tls(options: dict[str, str], shown: str) -> None:
         if path is not None and not os.path.isfile(path):
             raise InvalidConfigError(f"remote URL {shown}: {key}={path!r} is not a file; give the path of the PEM "
                                      "file (percent-encoded in the URL).")
+    _load_tls(options, shown)
+
+
+def _load_tls(options: dict[str, str], shown: str) -> None:
+    """Load the TLS files as the connection will (into an ``ssl`` context), so a file that is no PEM certificate,
+    a key that does not match its certificate or a certificate without its key is a configuration error naming
+    the file, not an unreachable server at the first command."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ca, cert, key = (options.get(name) for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"))
+    if ca is not None:
+        try:
+            context.load_verify_locations(cafile=ca)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            raise InvalidConfigError(f"remote URL {shown}: ssl_ca_certs={ca!r} holds no usable PEM certificate "
+                                     f"({exc}); give the CA certificate that signed the server's (-----BEGIN "
+                                     "CERTIFICATE-----).") from None
+    if key is not None and cert is None:
+        raise InvalidConfigError(f"remote URL {shown}: ssl_keyfile={key!r} without ssl_certfile; a client key goes "
+                                 "with its certificate: give ssl_certfile= too.")
+    if cert is not None:
+        try:
+            context.load_cert_chain(cert, key, password=lambda: b"")  # an encrypted key fails, never prompts
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            if key is None:
+                problem = (f"ssl_certfile={cert!r} is not a PEM certificate followed by its private key ({exc}); "
+                           "give the key with ssl_keyfile= (or a PEM holding both)")
+            else:
+                problem = (f"ssl_certfile={cert!r} and ssl_keyfile={key!r} do not load as a certificate and its "
+                           f"unencrypted private key ({exc}): check that both are PEM and that the key is this "
+                           "certificate's")
+            raise InvalidConfigError(f"remote URL {shown}: {problem}.") from None
 
 
 def _split(rest: str) -> tuple[str | None, str, str]:

@@ -107,7 +107,9 @@ class WriteBehind:
         return True
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued (up to ``timeout`` s; the rest is dropped), then stop the thread."""
+        """Send what is queued, drop the rest, and stop the thread: within ``timeout`` s in all (a write still in
+        flight then is left to its daemon thread and its socket timeout)."""
+        deadline = time.monotonic() + timeout
         self.flush(timeout)
         with self._cond:
             self._closed = True
@@ -117,7 +119,7 @@ class WriteBehind:
         for _, payload in left:
             self._on_drop(len(payload) if payload is not None else 0, "closed")
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
 
     def _take(self) -> list[Item] | None:
         with self._cond:
