@@ -210,3 +210,40 @@ def test_budget_error_without_config_counts_the_layers_it_has_seen(model):
     message = str(info.value)
     assert "1 layers" not in message and "the 1 layer seen so far" in message, message
     assert "config=model.config" in message and len(_named_budgets(message)) == 1, message
+
+
+def test_a_budget_for_fewer_rows_names_the_rows_and_the_batch_that_prices_them(model, tmp_path):
+    """A budget priced for a batch of 2 and given beams over it (6 rows): the error names the rows and the
+    ``batch=`` that gives their minimum, which then decodes exactly."""
+    ids = torch.randint(2, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    options = dict(num_beams=3, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids))
+    short = TieredCache.min_device_bytes(model.config, 23, batch=2, block_tokens=4)
+    with TieredCache(gpu_gb=f"{short}B", cpu_gb="64MB", block_tokens=4, config=model.config) as cache, \
+            pytest.raises(BudgetTooSmallError) as info:
+        model.generate(ids, past_key_values=cache, **options)
+    message = str(info.value)
+    assert "in 6 rows" in message and "with batch=6" in message, message
+    need = TieredCache.min_device_bytes(model.config, 23, batch=6, block_tokens=4)
+    with TieredCache(gpu_gb=f"{need}B", cpu_gb="64MB", block_tokens=4, config=model.config) as cache:
+        out = model.generate(ids, past_key_values=cache, **options)
+    assert torch.equal(out, model.generate(ids, past_key_values=DynamicCache(), **options))
+
+
+@pytest.mark.parametrize("index", [torch.tensor([[0], [2]]), torch.tensor([0.0, 2.0]), torch.tensor([True, False])])
+def test_rows_chosen_by_an_index_of_another_shape_are_refused_and_nothing_changes(model, tmp_path, index):
+    """A 2-D or float index, or a mask of another length, selects nothing: refused with the form that works, and
+    every token stays readable (a 2-D index was applied as fancy indexing: the layers could not be read)."""
+    ids = torch.randint(2, 128, (3, 12), generator=torch.Generator().manual_seed(1))
+    with TieredCache(gpu_gb="60KB", cpu_gb="6KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
+        model(ids, past_key_values=cache)
+        before = [layer.keys.clone() for layer in cache.layers]
+        with pytest.raises(InvalidConfigError, match=r"batch_select_indices\(torch.tensor\(\[0, 2\]\)\)|one entry "
+                                                     r"per row of the batch \(3\)"):  # fmt: skip
+            cache.batch_select_indices(index)
+        assert all(torch.equal(layer.keys, keys) for layer, keys in zip(cache.layers, before))
+        cache.batch_select_indices(torch.tensor([0, 2]))
+        reference = DynamicCache()
+        model(ids[[0, 2]], past_key_values=reference)
+        step = torch.randint(2, 128, (2, 1))
+        torch.testing.assert_close(model(step, past_key_values=cache).logits,
+                                   model(step, past_key_values=reference).logits, atol=1e-5, rtol=0)

@@ -127,6 +127,27 @@ def test_beams_and_sampling_rows_move_the_state_with_the_kv(tmp_path, model_type
     assert torch.equal(out.sequences, reference.sequences)
 
 
+@pytest.mark.parametrize("index", [[True, False, True], [0, 2], [-3, -1]])
+def test_a_row_mask_or_negative_rows_select_the_same_rows_of_state_and_kv(tmp_path, index):
+    model = hybrid("bamba")
+    ids, mask = prompt(3, 20, seed=2, left_pad=(0, 2, 4))
+    step = torch.randint(3, 100, (2, 1), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for cache in (DynamicCache(config=model.config), tiered(model, tmp_path, rows=3)):
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache)
+            if isinstance(cache, TieredCache):
+                cache.batch_select_indices(torch.tensor(index))
+            else:  # transformers' hybrid layers select no rows: the K/V's and the state's rows by hand
+                cache = DynamicCache(config=model.config)
+                model(ids[[0, 2]], attention_mask=mask[[0, 2]], past_key_values=cache)
+            logits.append(model(step, attention_mask=torch.cat([mask[[0, 2]], torch.ones(2, 1, dtype=mask.dtype)],
+                                                             dim=1), past_key_values=cache).logits)
+        if isinstance(cache, TieredCache):
+            cache.close()
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_next", "falcon_h1"])
 def test_prompt_lookup_crops_the_state_through_transformers_record_of_it(tmp_path, model_type):
     """Assisted decoding turns on transformers' record of past states and crops the rejected candidates: the

@@ -357,13 +357,13 @@ class TieredCache(AttentionModes, Cache):
         stream of its own offloading, which this cache never turns on (``offload`` is its layers' no-op)."""
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select_rows(beam_idx.tolist())
+        self._select_rows(self._row_indices(beam_idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._select_rows([i for i in range(self.batch_size) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(torch.as_tensor(indices).tolist())
+        self._select_rows(self._row_indices(indices))
 
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' crop (``tokens_to_remove`` < 0), refused before any layer changes where a layer cannot
@@ -647,6 +647,29 @@ class TieredCache(AttentionModes, Cache):
                 "without config=."
             )
         self.ensure_layers(layer_idx + 1)
+
+    def _row_indices(self, indices: object) -> list[int]:
+        """The rows ``indices`` names, as transformers' caches take them: a 1-D tensor or list of row numbers
+        (negative ones count from the end) or a boolean mask with one entry per row; anything else is refused
+        before a row changes (a 2-D index would select K/V and recurrent state apart)."""
+        index = torch.as_tensor(indices)
+        batch = self.batch_size
+        if index.dtype == torch.bool:
+            if index.dim() != 1 or (batch and index.numel() != batch):
+                raise InvalidConfigError(f"a boolean row mask needs one entry per row of the batch ({batch}), got "
+                                         f"shape {tuple(index.shape)}; nothing changed.")
+            index = index.nonzero().flatten()
+        if index.dim() != 1 or index.is_floating_point() or index.is_complex():
+            raise InvalidConfigError(f"batch rows are chosen by a 1-D tensor of row numbers or a boolean mask, got "
+                                     f"{index.dtype} of shape {tuple(index.shape)} (e.g. "
+                                     "cache.batch_select_indices(torch.tensor([0, 2]))); nothing changed.")
+        rows = index.tolist()
+        if batch:
+            wrong = [row for row in rows if not -batch <= row < batch]
+            if wrong:
+                raise IndexError(f"row {wrong[0]} is out of range for a batch of {batch} rows; nothing changed.")
+            rows = [row % batch for row in rows]
+        return rows
 
     def _select_rows(self, indices: Sequence[int]) -> None:
         rows = torch.tensor(list(indices), dtype=torch.long)

@@ -230,10 +230,13 @@ class Runtime:
             f"{'min_split_device_bytes' if mode.decode == 'split' else 'min_streaming_device_bytes'} gives it"
         least = "; TieredCache(prefetch_depth=0, ...), which reads no layer ahead (slower), needs less: " \
             "min_device_bytes(..., prefetch_depth=0)" if chunk is None and self.budgets.prefetch_depth != 0 else ""
+        rows = f" in {batch} rows" if batch > 1 else ""
+        api += f", with batch={batch}: the rows a step decodes, the batch times num_beams or num_return_sequences" \
+            if batch > 1 else ""  # fmt: skip
         taken = format_size_option(need)
         taken += "GB" if taken[-1].isdigit() else ""  # the option's bare number counts GB: '3.91' reads '3.91GB'
         error.args = (f"the device budget ({format_gb(budget)}) is too small for {how} over {over} at {context:,} "
-                      f"tokens: gpu_gb=\"{need}B\" holds the staging and every layer's open block, which takes "
+                      f"tokens{rows}: gpu_gb=\"{need}B\" holds the staging and every layer's open block, which takes "
                       f"{taken}; raise gpu_gb to at least that (TieredCache.{api}{least})"
                       f"{self._way_out(chunk, minimum, budget, need)}",)
         return error
