@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import subprocess
 import traceback
 
@@ -135,6 +136,32 @@ def test_files_removed_at_interpreter_exit(tmp_path):
     )
     subprocess.run([os.sys.executable, "-c", script], check=True, capture_output=True)
     assert not list(tmp_path.glob("tierkv-*"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None, reason="root reads any directory")
+def test_files_that_cannot_be_looked_at_on_close_are_warned_and_removed_at_exit(tmp_path):
+    """``disk_dir`` made unsearchable (chmod 000) before close: the files could not even be looked at, which was
+    taken for "already gone" (nothing logged, nothing retried). Now warned, and the K/V file removed at exit once
+    the directory is searchable again (root runs without its override of file permissions)."""
+    as_user = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--inh-caps=-all"] \
+        if os.geteuid() == 0 else []
+    script = (
+        "import os, torch; from tierkv import TieredCache\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,"
+        " num_attention_heads=2, num_key_value_heads=1)).eval()\n"
+        f"c = TieredCache(gpu_gb='40KB', cpu_gb='12KB', disk_dir={str(tmp_path)!r}, block_tokens=4)\n"
+        "m(torch.randint(0, 64, (1, 40)), past_key_values=c)\n"
+        "assert c.stats()['blocks']['disk'] > 0\n"
+        f"os.chmod({str(tmp_path)!r}, 0)\n"
+        "c.close()\n"
+        f"os.chmod({str(tmp_path)!r}, 0o700)\n"
+    )
+    result = subprocess.run([*as_user, os.sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "could not remove the disk tier file" in result.stderr and "retrying at exit" in result.stderr
+    assert "could not remove the lock file" in result.stderr
+    assert not list(tmp_path.glob("tierkv-*.kv"))
 
 
 def test_missing_disk_dir_is_created_with_a_real_budget(tmp_path):

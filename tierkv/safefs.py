@@ -582,9 +582,14 @@ def is_ours(status: os.stat_result) -> bool:
 
 def remove_regular(directory: int, name: str) -> bool:
     """Unlink ``name`` in ``directory`` only if it is a regular file tierkv may remove (:func:`is_ours`): True if
-    it was removed. A link, FIFO, device, directory or another user's file there is left alone."""
-    status = is_regular_here(directory, name)
-    if status is None or not is_ours(status):
+    it was removed. A link, FIFO, device, directory or another user's file there is left alone. A file that cannot
+    be looked at (the directory lost its search permission) raises the ``OSError``, as a failed unlink does: the
+    caller's cleanup logs it and retries, never takes it for a file already gone."""
+    try:
+        status = os.stat(name, dir_fd=directory, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(status.st_mode) or not is_ours(status):
         return False
     try:
         os.unlink(name, dir_fd=directory)
