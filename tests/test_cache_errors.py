@@ -274,3 +274,23 @@ def test_rows_chosen_by_an_index_of_another_shape_are_refused_and_nothing_change
         step = torch.randint(2, 128, (2, 1))
         torch.testing.assert_close(model(step, past_key_values=cache).logits,
                                    model(step, past_key_values=reference).logits, atol=1e-5, rtol=0)
+
+
+def test_a_filesystem_out_of_inodes_is_named_not_out_of_space(model, tmp_path):
+    """Space left but no inode (another program's many small files): the error said "ran out of space ... lower
+    disk_gb", which cannot help; it names the inodes now, and the prefill it stopped is taken back."""
+    ids = torch.randint(0, 128, (1, 40))
+    with tiny_tmpfs(tmp_path / "fs", "16M", inodes=16) as mount, \
+            TieredCache(gpu_gb="48KB", cpu_gb="24KB", disk_dir=mount, block_tokens=4) as cache:
+        taken = 0
+        with pytest.raises(OSError):
+            while True:
+                (mount / f"other-{taken}").touch()
+                taken += 1
+        with pytest.raises(DiskFullError, match=r"no inodes left \(df -i"):
+            model(ids, past_key_values=cache)
+        assert cache.get_seq_length() == 0
+        for name in range(taken):
+            (mount / f"other-{name}").unlink()
+        torch.testing.assert_close(model(ids, past_key_values=cache).logits,
+                                   model(ids, past_key_values=DynamicCache()).logits, atol=1e-5, rtol=0)

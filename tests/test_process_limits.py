@@ -152,6 +152,33 @@ def test_no_descriptor_left_to_read_the_hosts_memory_is_a_clear_error(monkeypatc
         model(ids, attention_mask=mask, past_key_values=cache)
 
 
+def test_no_descriptor_left_outside_tierkvs_own_io_is_named_and_the_step_retried_exactly(tmp_path,
+                                                                                       monkeypatch) -> None:
+    """Regression: with every descriptor taken, a step met the limit in a lazy import of numpy's (``np.unique``
+    importing ``numpy.ma``, inside the placement) and raised the import's raw OSError. It names the limit now, and
+    the step, retried once descriptors are free, is exact."""
+    from tierkv.store import placement
+
+    model = tiny_model("llama")
+    ids, mask = prompt(1, 40, seed=2)
+    step = torch.tensor([[7]])
+    reference = DynamicCache()
+    model(ids, attention_mask=mask, past_key_values=reference)
+    expected = model(step, past_key_values=reference).logits
+    original = placement.BlockPlacement._blocks_on
+
+    def exhausted(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files", "numpy/ma/__init__.py")
+
+    with TieredCache(gpu_gb="48KB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4) as cache:
+        model(ids, attention_mask=mask, past_key_values=cache)
+        monkeypatch.setattr(placement.BlockPlacement, "_blocks_on", exhausted)
+        with pytest.raises(TierKVError, match=r"no file descriptor left; raise the limit \(ulimit -n\)"):
+            model(step, past_key_values=cache)
+        monkeypatch.setattr(placement.BlockPlacement, "_blocks_on", original)
+        torch.testing.assert_close(model(step, past_key_values=cache).logits, expected, atol=1e-5, rtol=0)
+
+
 def test_o_direct_required_on_a_filesystem_that_refuses_it_is_refused_when_the_cache_is_built(tmp_path) -> None:
     """Regression: with ``TIERKV_DIRECT_IO=1`` and ``disk_dir`` on a filesystem that refuses O_DIRECT (ramfs here;
     tmpfs before Linux 6.6, many FUSE mounts), the cache was built and the refusal came at its first spill, in the

@@ -35,7 +35,7 @@ from tierkv import forks, settings
 from tierkv.attention.base import PipelinedExecutor
 from tierkv.attention.exact_gather import ExactGather
 from tierkv.bandwidth import LinkProfile
-from tierkv.errors import InvalidConfigError, TierKVError, UnsupportedLayerError
+from tierkv.errors import DiskTierError, InvalidConfigError, TierKVError, UnsupportedLayerError
 from tierkv.hf import conversation, sizing
 from tierkv.hf.attention import Engagement, drop_hand_over
 from tierkv.hf.encoder_decoder import TieredEncoderDecoderCache
@@ -49,7 +49,7 @@ from tierkv.hf.state import HybridLayer, StateLayer
 from tierkv.policy import Policy, make_policy
 from tierkv.stats import check_profile, make_trace
 from tierkv.store import KVStore
-from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.disk import DiskTier, limit_advice
 from tierkv.units import parse_size
 
 DEFAULT_DISK_FRACTION = 0.9  # of free space under disk_dir, when disk_gb is None
@@ -255,7 +255,14 @@ class TieredCache(AttentionModes, Cache):
                     if self.forward.layers_updated:
                         self.roll_back(self.layers[0].length_before)
                     raise
-            return self.layers[layer_idx].update(key_states, value_states)
+            try:
+                return self.layers[layer_idx].update(key_states, value_states)
+            except OSError as exc:  # a process limit met outside tierkv's own I/O (a lazy import, a thread): named
+                advice = None if isinstance(exc, TierKVError) else limit_advice(exc)
+                if advice is None:
+                    raise
+                raise DiskTierError(exc.errno, f"a step of layer {layer_idx} failed and was not taken: {advice}") \
+                    from exc
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         with self.using:

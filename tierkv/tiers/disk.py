@@ -797,10 +797,25 @@ def _runs(items: np.ndarray, every: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return bounds[:-1], bounds[1:] - bounds[:-1]
 
 
+def _no_inodes_left(directory: Path) -> bool:
+    """Whether the filesystem under ``directory`` has free blocks but no free inodes (an ENOSPC that a smaller
+    disk_gb cannot help); False where it cannot tell."""
+    try:
+        fs = os.statvfs(directory)
+    except OSError:
+        return False
+    return fs.f_files > 0 and fs.f_favail == 0 and fs.f_bavail > 0
+
+
 def disk_error(exc: OSError, path: Path) -> DiskTierError:
     """Wrap an I/O failure of the disk tier in a TierKVError that says what to do."""
     if isinstance(exc, DiskTierError):
         return exc
+    if exc.errno == errno.ENOSPC and _no_inodes_left(path.parent):
+        return DiskFullError(
+            exc.errno, f"the disk tier could not create a file in {str(path.parent)!r}: the filesystem has space but "
+            "no inodes left (df -i shows them); remove files there, or point disk_dir at another filesystem."
+        )
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         what = "ran out of space" if exc.errno == errno.ENOSPC else "reached this user's disk quota"
         return DiskFullError(
