@@ -60,13 +60,16 @@ def engine(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-def skip_without_direct(engine: str, path: str) -> None:
-    """kvikio reads host buffers with O_DIRECT only on releases and settings that offer it: skip (saying why)
-    where it does not; the other engines fall back or refuse by the filesystem, which the tests check."""
+def skip_unless_mode(engine: str, path: str, direct: bool) -> None:
+    """kvikio reads host buffers with O_DIRECT only on releases and settings that offer it, and then for every file
+    of the process (``KVIKIO_AUTO_DIRECT_IO_READ``): skip (saying why) where it does not read as ``direct`` asks;
+    the other engines fall back or refuse by the filesystem, which the tests check."""
     if engine == "kvikio":
         with open_disk_file(path, engine=engine) as f:
-            if not f.direct:
+            if direct and not f.direct:
                 pytest.skip(f"kvikio here: {f.direct_refused}")
+            if not direct and f.direct:
+                pytest.skip("kvikio here reads host buffers with O_DIRECT (KVIKIO_AUTO_DIRECT_IO_READ)")
 
 
 def make_file(path: os.PathLike[str] | str, nbytes: int) -> str:
@@ -98,8 +101,7 @@ def test_aligned_empty_is_aligned(nbytes: int) -> None:
 def test_round_trip_batches(engine: str, direct: bool, tmp_path) -> None:
     """Many requests per batch, some larger than the chunk size so they are split across workers."""
     path = make_file(tmp_path / "kv.bin", 8 * MiB)
-    if direct:
-        skip_without_direct(engine, path)
+    skip_unless_mode(engine, path, direct)
     src = random_bytes(8 * MiB)
     with tierkv_settings.override(io_chunk="64KiB"), open_disk_file(path, engine=engine, direct=direct) as f:
         assert f.engine_name == engine and f.direct is direct
@@ -137,6 +139,7 @@ def test_buffered_accepts_unaligned_requests(engine: str, tmp_path) -> None:
     path = make_file(tmp_path / "kv.bin", MiB)
     src = np.arange(1000, dtype=np.float32)  # any C-contiguous dtype is moved as its bytes
     dst = np.zeros(1000, dtype=np.float32)
+    skip_unless_mode(engine, path, False)
     with open_disk_file(path, engine=engine, direct=False) as f:
         f.write(13, src)
         f.read(13, dst)
@@ -187,7 +190,7 @@ def test_direct_io_alignment_errors(
     engine: str, tmp_path, offset: int, start: int, nbytes: int, what: str
 ) -> None:
     path = make_file(tmp_path / "kv.bin", MiB)
-    skip_without_direct(engine, path)
+    skip_unless_mode(engine, path, True)
     buf = aligned_empty(2 * ALIGN)[start : start + nbytes]
     with open_disk_file(path, engine=engine, direct=True) as f:
         for submit in (f.submit_reads, f.submit_writes):
@@ -199,6 +202,7 @@ def test_direct_io_alignment_errors(
 def test_bad_buffers_are_refused(engine: str, tmp_path) -> None:
     path = make_file(tmp_path / "kv.bin", MiB)
     readonly = aligned_empty(ALIGN)
+    skip_unless_mode(engine, path, False)
     readonly.flags.writeable = False
     with open_disk_file(path, engine=engine, direct=False) as f:
         with pytest.raises(ValueError, match="writable"):
@@ -227,8 +231,7 @@ def test_submit_array_round_trip(engine: str, direct: bool, tmp_path) -> None:
     than a chunk), against the same bytes moved request by request; hashed reads hash what landed."""
     rng = np.random.default_rng(3)
     path = make_file(tmp_path / "kv.bin", 512 * ALIGN)
-    if direct:
-        skip_without_direct(engine, path)
+    skip_unless_mode(engine, path, direct)
     offsets, lengths = sector_runs(rng, 512, 40)
     starts = np.concatenate([[0], np.cumsum(lengths[:-1])])  # packed in the buffer in submission order
     src = random_bytes(int(lengths.sum()), seed=4)
@@ -352,6 +355,7 @@ def test_submit_array_refuses_bad_arrays_and_buffers(engine: str, tmp_path) -> N
     path = make_file(tmp_path / "kv.bin", 16 * ALIGN)
     readonly = aligned_empty(2 * ALIGN)
     readonly.flags.writeable = False
+    skip_unless_mode(engine, path, False)
     one, zero = np.array([ALIGN]), np.array([0])
     with open_disk_file(path, engine=engine, direct=False) as f:
         with pytest.raises(ValueError, match="writable"):
@@ -649,6 +653,7 @@ def test_kvikio_reads_into_cuda_tensors(tmp_path) -> None:
     path = make_file(tmp_path / "kv.bin", 4 * MiB)
     src = torch.randn(2 * MiB // 2, dtype=torch.bfloat16, device="cuda")  # 2 MiB of bf16
     dst = torch.empty_like(src)
+    skip_unless_mode("kvikio", path, False)
     with open_disk_file(path, engine="kvikio", direct=False) as f:
         f.submit_writes([(MiB, src)]).wait()
         f.submit_reads([(MiB, dst[: dst.numel() // 2]), (2 * MiB, dst[dst.numel() // 2 :])]).wait()

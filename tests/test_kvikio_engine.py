@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from tierkv.errors import InvalidConfigError
 from tierkv.io import select
 from tierkv.io.kvikio_engine import compat_from
 from tierkv.io.posix import PosixFile
@@ -54,6 +55,10 @@ def test_kvikio_reports_its_real_mode(tmp_path):
         pytest.skip(f"kvikio unavailable: {select.engine_status()['kvikio']}")
     path = tmp_path / "kv.bin"
     path.write_bytes(bytes(1 << 20))
-    with select.open_disk_file(path, engine="kvikio", direct=False) as f:
+    with select.open_disk_file(path, engine="kvikio") as f:
         assert f.direct or "page cache" in f.direct_refused
         print(f"kvikio: gds={f.gds} host direct={f.direct} {f.direct_refused}")
+        reads_direct = f.direct
+    if reads_direct:  # KVIKIO_AUTO_DIRECT_IO_READ: buffered reads cannot be had from kvikio, so asking is refused
+        with pytest.raises(InvalidConfigError, match="buffered I/O was requested.*KVIKIO_AUTO_DIRECT_IO_READ"):
+            select.open_disk_file(path, engine="kvikio", direct=False)

@@ -113,20 +113,22 @@ def check_requests(
         if offset < 0:
             raise ValueError(f"request {index}: file offset {offset} is negative.")
         if direct:
-            address = view.ctypes.data
-            bad = [
-                f"{name}={value} ({value % ALIGN} past a multiple)"
-                for name, value in (("offset", offset), ("nbytes", view.nbytes), ("address", address))
-                if value % ALIGN
-            ]
-            if bad:
-                raise AlignmentError(
-                    f"request {index}: direct I/O needs offset, length and buffer address aligned to {ALIGN} "
-                    f"bytes; misaligned: {', '.join(bad)}. Allocate buffers with tierkv.io.aligned_empty and "
-                    "size slots in multiples of ALIGN, or open the file with direct=False."
-                )
+            check_aligned(index, offset, view.nbytes, view.ctypes.data)
         checked.append(Request(index, offset, view))
     return checked
+
+
+def check_aligned(index: int, offset: int, nbytes: int, address: int) -> None:
+    """Raise :class:`AlignmentError` for request ``index`` of a direct-I/O batch unless its offset, length and
+    buffer address are multiples of :data:`ALIGN`."""
+    bad = [f"{name}={value} ({value % ALIGN} past a multiple)"
+           for name, value in (("offset", offset), ("nbytes", nbytes), ("address", address)) if value % ALIGN]
+    if bad:
+        raise AlignmentError(
+            f"request {index}: direct I/O needs offset, length and buffer address aligned to {ALIGN} bytes; "
+            f"misaligned: {', '.join(bad)}. Allocate buffers with tierkv.io.aligned_empty and size slots in "
+            "multiples of ALIGN, or open the file with direct=False."
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,13 +33,12 @@ from typing import Any
 from tierkv import forks, safefs
 from tierkv.errors import InvalidConfigError
 from tierkv.io.base import (
-    ALIGN,
-    AlignmentError,
     CompletedHandle,
     DiskFile,
     EngineUnavailableError,
     IOHandle,
     as_byte_view,
+    check_aligned,
     eof_error,
 )
 
@@ -202,6 +201,8 @@ class KvikioFile(DiskFile):
                 self.close()
                 raise
         self.direct = _host_direct_io(self._file)
+        self._aligned = bool(direct)  # only a caller that asked for direct I/O is held to its alignment: kvikio
+        # itself serves an unaligned request through the page cache whatever its auto_direct_io_read
         self.direct_refused = "" if self.direct else (
             "kvikio reads host buffers with POSIX through the page cache (" +
             ("GDS serves device memory only)" if self.gds else "compat mode: no GPUDirect Storage)"))
@@ -210,6 +211,13 @@ class KvikioFile(DiskFile):
             raise InvalidConfigError(
                 f"direct I/O was requested but {self.direct_refused}; use engine='native' (O_DIRECT into host "
                 "buffers), set KVIKIO_AUTO_DIRECT_IO_READ=1 on kvikio >= 25.08, or set TIERKV_DIRECT_IO=0."
+            )
+        if direct is False and self.direct:  # kvikio's own setting, process-wide: tierkv does not change it
+            self.close()
+            raise InvalidConfigError(
+                "buffered I/O was requested (direct=False, TIERKV_DIRECT_IO=0) but kvikio reads host buffers with "
+                "O_DIRECT here (KVIKIO_AUTO_DIRECT_IO_READ is on); unset KVIKIO_AUTO_DIRECT_IO_READ, use "
+                "engine='posix' for buffered reads, or leave TIERKV_DIRECT_IO unset."
             )
 
     def submit_reads(self, requests: Sequence[tuple[int, Any]]) -> IOHandle:
@@ -227,11 +235,8 @@ class KvikioFile(DiskFile):
             if offset < 0:
                 raise ValueError(f"request {index}: file offset {offset} is negative.")
             on_host = not hasattr(obj, "__cuda_array_interface__")  # cuFile takes any device address (GDS)
-            if self.direct and on_host and (offset % ALIGN or nbytes % ALIGN or address % ALIGN):
-                raise AlignmentError(
-                    f"request {index}: direct I/O needs offset ({offset}), length ({nbytes}) and address "
-                    f"aligned to {ALIGN} bytes."
-                )
+            if self._aligned and on_host:
+                check_aligned(index, offset, nbytes, address)
             if nbytes:  # nothing to move (kvikio's futures need a buffer with an address)
                 checked.append((offset, obj, nbytes))
         if not checked:
