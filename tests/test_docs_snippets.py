@@ -7,6 +7,10 @@
   temporary directory. ``<!-- snippet: redis -->`` also gives ``model`` and ``ids``, and points the block's
   ``redis://localhost:6379/0`` at a real ``redis-server`` started for it (tests/redis_server.py).
 - A ```bash block's ``tierkv ...`` lines parse with the command's own parser (a renamed flag fails here).
+- A 4-space-indented ``tierkv ...`` command in docs/*.md (a Markdown code block without a fence) parses too,
+  and passes the command's own checks of option combinations (``_check_combination``: no work done), so a
+  command that exits 2 when pasted fails here. The user's own files it names (a checkpoint folder, a prompt
+  file, a reference run) are made as placeholders in a temporary directory.
 - A block after ``<!-- output: ARGS -->`` is what ``COLUMNS=100 tierkv ARGS`` prints, line for line.
 - README command 2 is the test run of ``.ci/run``.
 """
@@ -171,3 +175,77 @@ def test_every_python_block_was_collected():
     readme = [b for b in blocks("python") if b.path.name == "README.md"]
     assert len(readme) == (ROOT / "README.md").read_text(encoding="utf-8").count("```python") >= 4
     assert all(b.marker == ("snippet", "model") for b in readme)
+
+
+@dataclass(frozen=True)
+class Command:
+    path: Path
+    line: int
+    argv: list[str]
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def indented_commands() -> list[Command]:
+    """The ``tierkv ...`` commands of the 4-space-indented code blocks of docs/*.md (outside fences;
+    continuations joined)."""
+    found = []
+    for path in DOCS:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        fenced = False
+        i = 0
+        while i < len(lines):
+            line = lines[i]
+            fenced ^= line.startswith("```")
+            start = i
+            if not fenced and re.match(r"^ {4}tierkv ", line):
+                text = line.strip()
+                while text.endswith("\\") and i + 1 < len(lines):
+                    i += 1
+                    text = text[:-1] + " " + lines[i].strip()
+                found.append(Command(path, start + 1, shlex.split(text, comments=True)[1:]))
+            i += 1
+    return found
+
+
+def _placeholders(argv: list[str], folder: Path) -> list[str]:
+    """``argv`` with the user's own files it names made in ``folder``: a checkpoint folder for a ``--model``
+    path, a prompt for ``--prompt-file``, and the reference an ``--stage measure`` run reads from ``--out``."""
+    from tierkv.quality.harness import REFERENCE_FILE
+
+    argv = list(argv)
+    for i, word in enumerate(argv[:-1]):
+        value = argv[i + 1]
+        if word == "--model" and "/" in value and not Path(value).exists():
+            argv[i + 1] = str(folder / value.strip("/"))
+            Path(argv[i + 1]).mkdir(parents=True, exist_ok=True)
+            (Path(argv[i + 1]) / "config.json").write_text("{}")
+        elif word == "--prompt-file":
+            (folder / value).write_text("a prompt")
+        elif word == "--out" and "measure" in argv:
+            (folder / value).mkdir(parents=True, exist_ok=True)
+            (folder / value / REFERENCE_FILE).write_text("{}")
+    return argv
+
+
+@pytest.mark.parametrize("command", [pytest.param(c, id=c.name) for c in indented_commands()])
+def test_indented_command_works_when_pasted(command: Command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = _placeholders(command.argv, tmp_path)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    assert chosen in SUBCOMMANDS, argv
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+        args = build_parser(chosen).parse_args(argv)
+    assert err.getvalue() == "", (argv, err.getvalue())
+    check = getattr(args._module, "_check_combination", None)
+    if check is not None:
+        check(args)  # an InvalidConfigError here is the command's exit status 2
+
+
+def test_indented_commands_are_collected():
+    """The test above saw the docs' indented commands, of more than one command (a collector that finds nothing
+    proves nothing)."""
+    assert {c.argv[0] for c in indented_commands()} >= {"plan", "eval", "demo"}

@@ -10,7 +10,7 @@ running (a disk error, a KV that no longer fits); Ctrl-C exits 130, SIGTERM (``t
 scheduler's stop) ends a command the same way, its temporary files removed, and exits 143. ``--debug`` (or
 ``TIERKV_DEBUG=1``) shows the traceback instead. A command module may list more exception types that count as
 usage errors in ``USAGE_ERRORS`` (``plan``: a KV that does not fit the budgets given is the user's input, not a
-failure).
+failure), and the file settings it uses in ``FILE_SETTINGS`` (``profile``, ``trace``: checked before it starts).
 """
 
 from __future__ import annotations
@@ -171,14 +171,19 @@ def _debug_requested(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "debug", False)) or bool(settings.get("debug"))
 
 
-def _check_settings() -> None:
+def _check_settings(module: Any) -> None:
     """Every ``TIERKV_*`` variable read once before the command starts: a bad value is a usage error in
-    milliseconds, not after a model loaded (or, for one the runtime reads mid-step, a traceback)."""
+    milliseconds, not after a model loaded (or, for one the runtime reads mid-step, a traceback). The files a
+    setting names are checked only for a command that uses them (its ``FILE_SETTINGS``): ``bench`` writes the
+    profile ``TIERKV_PROFILE`` may name, and ``plan`` builds no cache to trace."""
     from tierkv import settings, stats
 
     settings.describe()
-    stats.check_profile(None)  # $TIERKV_PROFILE read and checked, and $TIERKV_TRACE's folder: before any model loads
-    stats.make_trace(None)
+    used = getattr(module, "FILE_SETTINGS", ())
+    if "profile" in used:  # $TIERKV_PROFILE read and checked before any model loads
+        stats.check_profile(None)
+    if "trace" in used:  # $TIERKV_TRACE's folder
+        stats.make_trace(None)
     for message in settings.unknown_variables():
         print(f"tierkv: warning: {message}", file=sys.stderr)
 
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             except SystemExit as exc:  # --help, --version, or a usage error already printed on one line
                 return exc.code if isinstance(exc.code, int) else USAGE
             debug = _debug_requested(args)
-            _check_settings()
+            _check_settings(args._module)
             usage_errors += tuple(getattr(args._module, "USAGE_ERRORS", ()))
             return int(args._module.run(args) or 0)
         except KeyboardInterrupt:

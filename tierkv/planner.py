@@ -42,6 +42,7 @@ from tierkv.model_presets import ModelSpec, resolve_model
 from tierkv.settings import DIRECT_IO_ALIGN
 from tierkv.staging import (
     DEFAULT_REST_BITS,
+    MAX_PREFETCH_DEPTH,
     REST_BITS,
     default_page_tokens,
     gather_staging_bytes,
@@ -163,6 +164,16 @@ class HostAttentionRate:
     source: str
 
 
+def host_estimate_applies(links: LinkProfile) -> bool:
+    """Whether a split plan prices the host's attention from its cores and DRAM (``host_cores``,
+    ``host_dram_bytes_per_s``): a GPU host's presets, or a profile with neither the kernel's measurement nor a
+    memcpy link; otherwise the links give the rate and those two are unused."""
+    if links.host_attention is not None:
+        return False
+    presets = links.machine.get("source", "").startswith("presets")
+    return (presets and not links.serial_mover) or LinkName.HOST_TO_HOST not in links.links
+
+
 def host_attention_rate(links: LinkProfile, host_cores: int | None = None,
                         host_dram_bytes_per_s: float | None = None) -> HostAttentionRate:
     """The host attention rate a split plan assumes, in order:
@@ -181,6 +192,13 @@ def host_attention_rate(links: LinkProfile, host_cores: int | None = None,
         raise InvalidConfigError(f"host DRAM bandwidth {host_dram_bytes_per_s!r} must be a positive number of "
                                  "bytes per second (--host-dram-gbps 300).")
     measured = links.host_attention
+    if host_estimate_applies(links):
+        cores = host_cores or DEFAULT_HOST_CORES
+        dram = host_dram_bytes_per_s or SERVER_DRAM
+        rate = min(cores * PER_CORE_ATTENTION, DRAM_READ_SHARE * dram)
+        return HostAttentionRate(rate, (
+            f"preset: min({cores} cores x {PER_CORE_ATTENTION / 1e9:g} GB/s, {DRAM_READ_SHARE:g} x "
+            f"{dram / 1e9:g} GB/s host DRAM); --host-cores, --host-dram-gbps, or measure with tierkv bench"))
     if measured is not None and measured.bandwidth_bytes_per_s < measured.single_thread_bytes_per_s:
         return HostAttentionRate(measured.single_thread_bytes_per_s, (
             f"measured by tierkv bench: 1 thread ({measured.kernel} kernel; {plural(measured.threads, 'thread')} "
@@ -189,16 +207,8 @@ def host_attention_rate(links: LinkProfile, host_cores: int | None = None,
         return HostAttentionRate(measured.bandwidth_bytes_per_s, (
             f"measured by tierkv bench: {plural(measured.threads, 'thread')} ({measured.kernel} kernel; 1 thread "
             f"{measured.single_thread_bytes_per_s / 1e9:.1f} GB/s)"))
-    presets = links.machine.get("source", "").startswith("presets")
-    memcpy = links.links.get(LinkName.HOST_TO_HOST)
-    if (presets and not links.serial_mover) or memcpy is None:
-        cores = host_cores or DEFAULT_HOST_CORES
-        dram = host_dram_bytes_per_s or SERVER_DRAM
-        rate = min(cores * PER_CORE_ATTENTION, DRAM_READ_SHARE * dram)
-        return HostAttentionRate(rate, (
-            f"preset: min({cores} cores x {PER_CORE_ATTENTION / 1e9:g} GB/s, {DRAM_READ_SHARE:g} x "
-            f"{dram / 1e9:g} GB/s host DRAM); --host-cores, --host-dram-gbps, or measure with tierkv bench"))
-    where = "preset" if presets else "measured"
+    memcpy = links.links[LinkName.HOST_TO_HOST]  # (host_estimate_applies where there is none)
+    where = "preset" if links.machine.get("source", "").startswith("presets") else "measured"
     return HostAttentionRate(ATTENTION_OF_MEMCPY * memcpy.bandwidth_bytes_per_s, (
         f"estimate: {ATTENTION_OF_MEMCPY:g} x the {where} memcpy ({memcpy.bandwidth_bytes_per_s / 1e9:.1f} GB/s); "
         "rerun tierkv bench to measure the kernel"))
@@ -211,6 +221,7 @@ def default_device(profile: LinkProfile | None) -> str:
 
 PLAN_BLOCK_TOKENS = 256
 """Tokens per block of every plan (TieredCache's default block): the unit of staging and of sparse pages."""
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +279,21 @@ class PlanRequest:
             )
         if self.prefetch_depth is not None and self.prefetch_depth < 0:
             raise InvalidConfigError(f"prefetch_depth={self.prefetch_depth} must be >= 0 (0 = no prefetch).")
+        deepest = max_prefetch_depth(self.model)
+        if self.prefetch_depth is not None and self.prefetch_depth > deepest:
+            raise InvalidConfigError(
+                f"prefetch depth {self.prefetch_depth} stages more layers than {self.model.name} has "
+                f"({self.model.layers}, one computing and {self.model.layers - 1} ahead); give at most {deepest} "
+                "(--prefetch-depth), or leave it out for auto."
+                if deepest < MAX_PREFETCH_DEPTH else
+                f"prefetch depth {self.prefetch_depth} is more than the runtime reads ahead; give at most "
+                f"{MAX_PREFETCH_DEPTH} (--prefetch-depth), or leave it out for auto.")
+
+
+def max_prefetch_depth(model: ModelSpec) -> int:
+    """The deepest prefetch a plan of ``model`` takes: the runtime's cap, and never more staged layers than
+    the model has (one computing, the rest ahead)."""
+    return max(0, min(MAX_PREFETCH_DEPTH, model.layers - 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,8 +347,9 @@ class Plan:
         """Each resource's busy time in one step, named as it runs on this host, the device first.
 
         On a CPU-only host (``serial_mover``) one mover thread does the device gather *and* the host->device
-        copies, so its copy time is not zero when no KV is on the host; on CUDA the gather runs on the device
-        beside the compute and each link has its own queue.
+        copies, so its copy time is not zero when no KV is on the host, while the disk engine's threads read
+        ahead beside it (``DISK_READ_AHEAD``); on CUDA the gather runs on the device beside the compute and each
+        link has its own queue.
         """
         fc = self.forecast
         if self.request.executor == "split":
@@ -332,9 +359,9 @@ class Plan:
             return [("device busy, its KV in place", fc.compute_s),
                     ("host CPUs attend host + disk KV", fc.host_attention_s),
                     ("query down, (out, lse) up", fc.host_to_device_s), ("disk->host link busy", fc.disk_s)]
-        if self.request.links.serial_mover:
+        if self.request.links.serial_mover:  # plans read the disk ahead, on the engine's threads, not the mover's
             return [("compute thread busy", fc.compute_s), ("mover: gather + host->device", fc.host_to_device_s),
-                    ("mover: disk->host", fc.disk_s)]
+                    ("disk reads (engine threads)", fc.disk_s)]
         return [("device busy", fc.compute_s), ("host->device link busy", fc.host_to_device_s),
                 ("disk->host link busy", fc.disk_s)]
 
@@ -345,7 +372,7 @@ class Plan:
         if fc.bottleneck in (Bottleneck.COMPUTE, Bottleneck.HOST_ATTENTION):
             return fc.bottleneck.value
         if self.request.links.serial_mover:
-            return "mover"
+            return "disk reads" if fc.bottleneck is Bottleneck.DISK else "mover"
         return LinkName.HOST_TO_DEVICE if fc.bottleneck is Bottleneck.HOST_TO_DEVICE else LinkName.DISK_TO_HOST
 
     def to_dict(self) -> dict:
@@ -723,7 +750,7 @@ def plan(req: PlanRequest, *, tolerance: float = 0.01) -> Plan:
     if req.prefetch_depth is not None:
         return _plan_at_depth(req, req.prefetch_depth)
     plans = [_plan_at_depth(req, 1)]
-    for depth in range(2, req.model.layers + 1):
+    for depth in range(2, max_prefetch_depth(req.model) + 1):
         try:
             plans.append(_plan_at_depth(req, depth))
         except (BudgetTooSmallError, CapacityError):  # a deeper depth's staging leaves less room: stop there
@@ -747,7 +774,9 @@ def _why_slower(base: Plan, alt: Plan) -> str:
 
     More device memory puts more KV on the device, where it is *gathered* rather than copied: on CUDA that
     gather runs on the device, in series with compute, while the host->device copies it replaces overlapped
-    compute; on a CPU-only host the gather is a copy by the same mover thread at the device->device rate.
+    compute; on a CPU-only host the gather is a copy by the same mover thread at the device->device rate. The
+    split executor gathers nothing: the device attends its share inside its compute, which the host's CPUs did
+    beside it.
     The auto prefetch depth can also change (it keeps the shallowest depth within 1% of the fastest).
     """
     if alt.forecast.step_s <= base.forecast.step_s * (1 + 1e-9):
@@ -756,7 +785,11 @@ def _why_slower(base: Plan, alt: Plan) -> str:
     more_on_device = alt.bytes_per_tier.device - base.bytes_per_tier.device
     if more_on_device > 0:
         links = alt.request.links
-        if links.serial_mover:
+        if alt.request.executor == "split":
+            if not links.serial_mover:  # (on a CPU host both shares are attended on the compute thread)
+                reasons.append(f"{format_bytes(more_on_device)} more KV is attended on the device, in series with "
+                               "its compute, instead of by the host's CPUs beside it")
+        elif links.serial_mover:
             gather, copy = links.link(LinkName.DEVICE_TO_DEVICE), links.link(LinkName.HOST_TO_DEVICE)
             reasons.append(
                 f"{format_bytes(more_on_device)} more KV is gathered on the device by the mover at "

@@ -177,7 +177,8 @@ def _bounded_size(low: int, high: int, what: str) -> Callable[[Any], int]:
             raise _Invalid(f"must be a size such as {what} (or a number of bytes in Python)")
         size = 0 if isinstance(value, str) and value.strip() == "0" else _size(value)
         if not low <= size <= high:
-            raise _Invalid(f"must be a size from {format_bytes(low) if low else 0} to {format_bytes(high)}")
+            raise _Invalid(f"must be a size from {format_bytes(low) if low else 0} to {format_bytes(high)}"
+                           f"{_bare_number_hint(value)}")
         return size
 
     return convert
@@ -189,8 +190,20 @@ def _chunk(value: Any) -> int:
     size = _size(value)
     if size < DIRECT_IO_ALIGN or size % DIRECT_IO_ALIGN or size > MAX_IO_CHUNK:
         raise _Invalid(f"must be a positive multiple of {DIRECT_IO_ALIGN} bytes of at most "
-                       f"{format_bytes(MAX_IO_CHUNK)}")
+                       f"{format_bytes(MAX_IO_CHUNK)}{_bare_number_hint(value)}")
     return size
+
+
+def _bare_number_hint(value: Any) -> str:
+    """For a size given as digits alone (a byte count, most likely), that it was read as GB and how to write
+    those bytes: ``" (a bare number is GB: 4096 is 4096 GB; for bytes give a unit, e.g. 4KiB or 4096B)"``."""
+    text = value.strip() if isinstance(value, str) else ""
+    if not (text.isascii() and text.isdigit()) or len(text) > 20:
+        return ""
+    count = int(text)
+    binary = next((f"{count >> shift}{unit} or " for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB"))
+                   if count and count % (1 << shift) == 0), "")
+    return f" (a bare number is GB: {text} is {text} GB; for bytes give a unit, e.g. {binary}{text}B)"
 
 
 def _path_or_none(value: Any) -> Path | None:
@@ -211,7 +224,12 @@ def _directory(value: Any) -> Path:
         raise _Invalid("must be a directory path")
     if not path.is_absolute():
         raise _Invalid("must be an absolute path (a relative one puts the cache under whatever folder each command "
-                       "runs in, built again there); e.g. ~/.cache/tierkv")
+                       "runs in, built again there)")
+    existing = next(folder for folder in (path, *path.parents) if os.path.lexists(folder))  # ("/" always exists)
+    if not existing.is_dir():  # (refused here, in the setting's words, not as a raw NotADirectoryError on first use)
+        where = "" if existing == path else f"is below {str(existing)!r}, which "
+        raise _Invalid(f"{where}is not a directory (a file, or a link to none); give a directory (created if "
+                       "missing)")
     return path
 
 
@@ -248,7 +266,8 @@ SETTINGS: dict[str, Setting] = {
                 "per-user cache: the native engine is compiled into its native/ folder on first use, and "
                 "tierkv.models writes dequantised checkpoints into models/"),
         Setting("profile", "TIERKV_PROFILE", lambda: None, _path_or_none, "tierkv-profile.json",
-                "link profile (JSON written by `tierkv bench`) for telemetry and prefetch_depth='auto'"),
+                "link profile (JSON written by `tierkv bench`) for telemetry, prefetch_depth='auto' and the links "
+                "of `tierkv plan` without --profile"),
         Setting("trace", "TIERKV_TRACE", lambda: None, _path_or_none, "/tmp/tierkv-trace.json",
                 "record a Chrome trace of every cache and write it to this path when the cache closes"),
         Setting("debug", "TIERKV_DEBUG", lambda: False, _flag, "1",
@@ -307,7 +326,9 @@ def _resolve(setting: Setting) -> tuple[Any, str]:
         stack = _overrides.get(setting.name)
         if stack:
             return stack[-1][1], stack[-1][2]
-    raw = os.environ.get(setting.variable, "").strip()  # empty counts as unset
+    raw = os.environ.get(setting.variable, "")  # empty counts as unset; a password keeps its spaces
+    if setting.name not in SECRETS:
+        raw = raw.strip()
     if raw:
         shown = "***" if setting.name in SECRETS else raw
         return _convert(setting, raw, f"{setting.variable}={shown!r}"), f"{setting.variable}={shown}"

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
     from tierkv.store import KVStore
 
+MAX_PREFETCH_DEPTH = 64  # layers read ahead at most (the runtime's cap, and the planner's): beyond a few, only
+# staging memory grows
 GROWTH = 1.25  # exact-gather staging grows by at least this factor, so it reallocates rarely
 LANDING_BYTES = 32 * 2**20  # per landing buffer (CUDA): host/disk runs cross PCIe as copies this large
 LANDING_SHARE = 16  # ... and at most 1/16 of the device budget each

@@ -136,9 +136,25 @@ def default_profile(device_type: str, cuda_major: int = 0) -> LinkProfile:
 def check_profile(profile: LinkProfile | str | os.PathLike | None) -> None:
     """Read the profile a cache would use from a file (``profile=``, else ``$TIERKV_PROFILE``), so that a missing or
     malformed one is refused when the cache is built (InvalidConfigError naming it), not at its first forward."""
-    path = settings.get("profile") if profile is None else None if isinstance(profile, LinkProfile) else profile
-    if path is not None:
-        LinkProfile.load(path)
+    if profile is None:
+        setting_profile()
+    elif not isinstance(profile, LinkProfile):
+        LinkProfile.load(profile)
+
+
+def setting_profile() -> LinkProfile | None:
+    """The profile ``$TIERKV_PROFILE`` names (None when unset); any error names the variable and how to unset it,
+    a malformed file's as a missing one's, so the user knows which setting to change."""
+    path = settings.get("profile")
+    if path is None:
+        return None
+    try:
+        return LinkProfile.load(path)
+    except InvalidConfigError as exc:
+        variable = settings.SETTINGS["profile"].variable
+        if variable in str(exc):
+            raise
+        raise InvalidConfigError(f"{variable}: {str(exc).rstrip('.')}; or unset {variable}.") from None
 
 
 def resolve_profile(profile: LinkProfile | str | os.PathLike | None, device_type: str,
@@ -150,9 +166,9 @@ def resolve_profile(profile: LinkProfile | str | os.PathLike | None, device_type
         return profile, "profile= (LinkProfile)"
     if profile is not None:
         return LinkProfile.load(profile), f"profile={os.fspath(profile)}"
-    path = settings.get("profile")
-    if path is not None:
-        return LinkProfile.load(path), settings.source("profile")
+    measured = setting_profile()
+    if measured is not None:
+        return measured, settings.source("profile")
     preset = default_profile(device_type, cuda_major)
     return preset, preset.machine["source"]
 

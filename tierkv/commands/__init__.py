@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable
+from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -76,20 +77,46 @@ def size(option: str) -> Callable[[str], int]:
 
 def integer(option: str, minimum: int, maximum: int | None = None, why: str = "") -> Callable[[str], int]:
     """Type of a whole-number option of at least ``minimum`` and, if given, at most ``maximum`` (``why``: what the
-    maximum is)."""
+    maximum is). ``1e3`` is read as 1000; a fraction, a word or an absurd exponent is refused saying which."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise InvalidConfigError(f"{option}={text!r} is not a whole number.") from None
+        value = _whole(option, text)
         if value < minimum:
             raise InvalidConfigError(f"{option}={text!r} must be at least {minimum}.")
         if maximum is not None and value > maximum:
-            raise InvalidConfigError(f"{option}={text!r} must be at most {maximum:,}{f' ({why})' if why else ''}.")
+            raise InvalidConfigError(f"{option}={text!r} is too large: it must be at most {maximum:,}"
+                                     f"{f' ({why})' if why else ''}.")
         return value
 
     return _typed(parse)
+
+
+def _whole(option: str, text: str) -> int:
+    """``text`` as an int: digits, or a decimal that is whole (``1e3``); else an error saying what is wrong."""
+    try:
+        value = Decimal(text.strip()) if text.strip().isascii() else Decimal("nan")
+    except InvalidOperation:
+        value = Decimal("nan")
+    if not value.is_finite():
+        raise InvalidConfigError(f"{option}={text!r} is not a number; give an integer in digits, e.g. 42.")
+    if value.adjusted() > _MAX_DIGITS:  # (int() of 1e999999999 would take the machine's memory)
+        raise InvalidConfigError(f"{option}={text!r} is too large; give an integer of at most {_MAX_DIGITS} digits.")
+    if value != value.to_integral_value():
+        raise InvalidConfigError(f"{option}={text!r} is not a whole number; give an integer, e.g. "
+                                 f"{value.to_integral_value(rounding=ROUND_CEILING)}.")
+    return int(value)
+
+
+_MAX_DIGITS = 40
+"""Longest integer an option reads (every bounded option's maximum is far below 10**40)."""
+
+SEED_MAX = 2**64 - 1
+"""Largest ``--seed``: torch's generators take seeds in [0, 2**64 - 1] (a larger one overflows mid-run)."""
+
+
+def seed(option: str = "--seed") -> Callable[[str], int]:
+    """Type of a ``--seed`` option: an integer in torch's seed range, so demo and eval take the same seeds."""
+    return integer(option, 0, SEED_MAX, "the seed range of torch's generators, 2**64 - 1")
 
 
 def number(option: str, low: float = 0.0, high: float = math.inf, *, above: bool = False) -> Callable[[str], float]:
@@ -102,7 +129,9 @@ def number(option: str, low: float = 0.0, high: float = math.inf, *, above: bool
         except ValueError:
             raise InvalidConfigError(f"{option}={text!r} is not a number.") from None
         if not low <= value <= high or (above and value == low) or not math.isfinite(value):
-            bounds = f"in [{low:g}, {high:g}]" if math.isfinite(high) else f"{'>' if above else '>='} {low:g}"
+            bounds = f"{'>' if above else '>='} {low:g}"
+            if math.isfinite(high):
+                bounds = f"{bounds} and at most {high:,.15g}" if above else f"in [{low:g}, {high:,.15g}]"
             finite = "" if math.isfinite(value) else "finite "
             raise InvalidConfigError(f"{option}={text!r} must be a {finite}number {bounds}.")
         return value

@@ -39,6 +39,7 @@ from tierkv.commands import (
     model_or_folder,
     number,
     require_model_package,
+    seed,
     size,
     sparse_tokens,
     tokens,
@@ -70,6 +71,9 @@ CHECKPOINT_DECODE = 32  # tokens decoded from a --prompt-file by default (no exp
 DEFAULT_SPARSE_TOKENS = 0.1  # --sparse-tokens: a tenth of the context
 
 
+FILE_SETTINGS = ("profile", "trace")  # the cache reads $TIERKV_PROFILE, traces to $TIERKV_TRACE (tierkv.cli)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=tokens("--context", minimum=64), default=None,
                         help="haystack length in tokens, e.g. 8K, 1.5K, 32768 (default 32K; 4K with a real --model)")
@@ -95,15 +99,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-gb", type=size("--cpu-gb"), default=None, help="host budget; default: 1/4 of the KV")
     parser.add_argument("--disk-dir", type=writable_dir("--disk-dir"), default=None,
                         help="disk tier directory, created if missing (default: a temporary directory)")
-    parser.add_argument("--block-tokens", type=integer("--block-tokens", 1), default=BLOCK_TOKENS,
+    parser.add_argument("--block-tokens", type=tokens("--block-tokens"), default=BLOCK_TOKENS,
                         help="tokens per block, the unit of placement and transfer (default %(default)s)")
     parser.add_argument("--prefill-chunk", type=tokens("--prefill-chunk"), default=1024,
                         help="prefill tokens per forward (default 1024)")
-    parser.add_argument("--max-new-tokens", type=integer("--max-new-tokens", 1), default=None,
+    parser.add_argument("--max-new-tokens", type=tokens("--max-new-tokens"), default=None,
                         help=f"tokens to decode (default: {MIN_DECODE}, or the answer's length if longer; with a "
                              f"named --model {MIN_DECODE // 2} or the answer's length; {CHECKPOINT_DECODE} with "
                              "--prompt-file)")
-    parser.add_argument("--seed", type=integer("--seed", 0), default=0,
+    parser.add_argument("--seed", type=seed(), default=0,
                         help="seed of the prompt the demo draws (its passkey and the text around it; default 0)")
     parser.add_argument("--depth", type=number("--depth", 0.0, 1.0), default=0.3,
                         help="needle depth in the haystack, 0..1 (default 0.3)")
@@ -356,8 +360,9 @@ def _announce(status: Console, args: argparse.Namespace, model, prompt: int, dec
     reference = "" if args.no_reference else (
         ", then the same with an in-memory DynamicCache to check every token (transformers' own attention, often "
         "several times slower on a CPU: its time is estimated as it runs; --no-reference skips it)")
-    status.print(f"plan: prefill {format_tokens(prompt)} tokens ({format_bytes(kv_bytes)} of KV) into device "
-                 f"{format_bytes(gpu)} + host {format_bytes(cpu)} + disk, decode {plural(decode, 'token')} with "
+    status.print(f"plan: prefill {format_tokens(prompt)} tokens ({format_bytes(kv_bytes)} of KV) into tiers with "
+                 f"budgets of {format_bytes(gpu)} (device) and {format_bytes(cpu)} (host), the rest on disk, decode "
+                 f"{plural(decode, 'token')} with "
                  f"--executor {args.executor} ({between(tiered)} by this host's speed now; re-estimated as it "
                  f"runs){reference}.", soft_wrap=True)
 

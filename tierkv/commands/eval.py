@@ -32,6 +32,7 @@ from tierkv.commands import (
     json_to_stdout,
     model_or_folder,
     require_model_package,
+    seed,
     size,
     token_list,
     tokens,
@@ -57,10 +58,17 @@ from tierkv.vocabulary import CLI_EXECUTORS
 CHUNK_TOKENS = 4096  # --chunk-tokens' default
 PROGRESS_EVERY_S = 8.0  # a trial's prefill reports its progress at least this often (a 64K trial takes minutes)
 TIER_OVERHEAD = 1.5  # --cache tiered's time over the in-memory roofline estimate (as tierkv demo's)
+TRIAL_FIXED_S = 0.5
+"""Seconds each trial costs beside its forwards' roofline: its haystack's text and tokens, and the greedy answer's
+per-token Python work (0.4-0.6 s a trial of 64 tokens on a 2-core VM); without it 0.2-0.7 s was said of a 3 s
+run, and "between 0.0 s and 0.0 s" of a 64-token one."""
 
 
 MAX_SAMPLES = 10_000  # haystacks per (length, depth) cell: more is days of decoding at any length
 CHECKED_SAMPLES = 256  # haystacks of the shortest length built before the model loads (each a few ms)
+
+
+FILE_SETTINGS = ("profile", "trace")  # the caches read $TIERKV_PROFILE, trace to $TIERKV_TRACE (tierkv.cli)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=integer("--samples", 1, MAX_SAMPLES, "haystacks per cell"), default=4,
                         help="seeded haystacks per cell (default: %(default)s)")
     parser.add_argument("--kind", default="passkey", choices=("passkey", "multikey"), help="task (default: passkey)")
-    parser.add_argument("--seed", type=integer("--seed", 0), default=0, help="haystack seed (default: %(default)s)")
+    parser.add_argument("--seed", type=seed(), default=0, help="haystack seed (default: %(default)s)")
     parser.add_argument("--model", type=model_or_folder("--model"), default=None,
                         help="a named model (demo, smollm2, gemma3) or a demo-model folder (default: the packaged "
                              "demo model)")
@@ -110,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     quality.add_argument("--fidelity-steps", type=integer("--fidelity-steps", 2), default=None,
                          help="decode steps compared per fidelity prompt (default: "
                               f"{QUALITY_DEFAULTS['fidelity_steps']})")
-    quality.add_argument("--block-tokens", type=integer("--block-tokens", 1), default=None,
+    quality.add_argument("--block-tokens", type=tokens("--block-tokens"), default=None,
                          help=f"tokens per block of the sparse runs (default: {QUALITY_DEFAULTS['block_tokens']})")
     quality.add_argument("--sinks", type=integer("--sinks", 0), default=None,
                          help="sparse sink tokens (default: one block)")
@@ -343,15 +351,16 @@ def _estimate(args: argparse.Namespace, model) -> str:
     """``", between 6 min 15 s and 25 min 00 s in all"``: the trials' roofline on this CPU (measured now, 0.1-0.5 s,
     as loaded as the host is then: a range, half to twice it), so a run of an hour (the default lengths reach 64K)
     says so before it starts; each trial's line then says the time left by the rate measured so far; ``""`` on a
-    GPU."""
+    GPU. Each trial's fixed cost (:data:`TRIAL_FIXED_S`) is counted beside its forwards."""
     if args.device != "cpu":
         return ""
     from tierkv.commands.estimate import greedy_s, measure_cpu
 
     cpu = measure_cpu()
     per_haystack = sum(sum(greedy_s(model, cpu, n, 2, args.prefill_chunk)) for n in args.lengths)
+    trials = len(args.lengths) * len(args.depths) * args.samples
     total = per_haystack * len(args.depths) * args.samples * (TIER_OVERHEAD if args.cache == "tiered" else 1.0)
-    return f", {between(total)} in all by this host's speed now"
+    return f", {between(total + trials * TRIAL_FIXED_S)} in all by this host's speed now"
 
 
 class _Log:

@@ -15,6 +15,7 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
+from tierkv import settings
 from tierkv.commands import (
     add_json_argument,
     integer,
@@ -25,7 +26,7 @@ from tierkv.commands import (
     tokens,
     write_json,
 )
-from tierkv.errors import CapacityError
+from tierkv.errors import CapacityError, InvalidConfigError
 from tierkv.model_presets import MODEL_PRESETS
 from tierkv.planner import (
     CPU,
@@ -36,21 +37,33 @@ from tierkv.planner import (
     WARNINGS_KEY,
     ExecutorOption,
     Plan,
+    PlanRequest,
     WhatIf,
     build_request,
     compare_executors,
     fastest_advice,
+    host_attention_rate,
+    host_estimate_applies,
     plan,
     sparse_advice,
     sparse_what_if,
     split_what_if,
     what_ifs,
 )
-from tierkv.staging import DEFAULT_REST_BITS, REST_BITS, default_page_tokens, sparse_budget_tokens
+from tierkv.staging import DEFAULT_REST_BITS, MAX_PREFETCH_DEPTH, REST_BITS, default_page_tokens, sparse_budget_tokens
 from tierkv.units import format_bytes, format_tokens
 from tierkv.vocabulary import PLAN_EXECUTORS, LinkName
 
 USAGE_ERRORS = (CapacityError,)  # a KV that does not fit the budgets given is a usage error here, not a failure
+FILE_SETTINGS = ("profile",)  # $TIERKV_PROFILE gives the links when --profile does not; nothing is traced
+PRESETS_SOURCE = "presets"
+"""Where a plan's links come from without a profile (``--link``, ``--disk``, ``--device``)."""
+MAX_COMPUTE_MS = 1e6
+"""Largest --compute-ms-per-token: 1,000 s a token is beyond any decoder (a slip, not a machine)."""
+MAX_HOST_CORES = 1 << 16
+"""Largest --host-cores."""
+MAX_DRAM_GBPS = 1e5
+"""Largest --host-dram-gbps: 100 TB/s, far past any host's memory."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile",
         default=None,
-        help="measured LinkProfile JSON (from `tierkv bench`); --link/--disk override",
+        help="measured LinkProfile JSON (from `tierkv bench`; default $TIERKV_PROFILE, else presets); --link/--disk "
+             "override",
     )
     parser.add_argument(
         "--device",
@@ -86,19 +100,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compute-ms-per-token",
-        type=number("--compute-ms-per-token", above=True),
+        type=number("--compute-ms-per-token", high=MAX_COMPUTE_MS, above=True),
         default=None,
         help="device compute of one decode step (one token per sequence), instead of the roofline estimate",
     )
-    parser.add_argument("--prefetch-depth", type=integer("--prefetch-depth", 0), default=None,
+    parser.add_argument("--prefetch-depth", type=integer("--prefetch-depth", 0, MAX_PREFETCH_DEPTH, "the runtime cap"),
+                        default=None,
                         help="layers prefetched ahead (default: auto)")
     parser.add_argument("--executor", choices=list(PLAN_EXECUTORS), default="gather",
                         help="gather: whole layers staged on the device (default); streaming: two chunks; "
                              "sparse: decode steps read only the top blocks (approximate); split: each tier's KV "
                              "attended where it lives, the host's on its CPUs (nothing staged); plan compares them all")
-    parser.add_argument("--host-cores", type=integer("--host-cores", 1), default=None,
+    parser.add_argument("--host-cores", type=integer("--host-cores", 1, MAX_HOST_CORES, "more than any host has"),
+                        default=None,
                         help="split on a GPU host without a measured profile: the host's CPU cores (default 32)")
-    parser.add_argument("--host-dram-gbps", type=number("--host-dram-gbps", above=True), default=None,
+    parser.add_argument("--host-dram-gbps", type=number("--host-dram-gbps", high=MAX_DRAM_GBPS, above=True),
+                        default=None,
                         help="split on a GPU host without a measured profile: host DRAM read GB/s (default 300)")
     parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=4096,
                         help="streaming chunk length (default 4096)")
@@ -153,13 +170,15 @@ def _rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s:.3g}"
 
 
-def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: str = "") -> None:
+def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: str, links_from: str) -> None:
     """The plan as one table read top to bottom: where the KV lives, what moves, then how the step adds up."""
     req, fc = result.request, result.forecast
     tiers = result.bytes_per_tier
     table = Table(title=f"tierkv plan: {req.model.name}, context {req.context:,} x batch {req.batch}")
     table.add_column("quantity")
     table.add_column("value", justify="right")
+    if links_from != PRESETS_SOURCE:  # (the presets name themselves in the "via" column)
+        table.add_row("links from", links_from)
     table.add_row("KV per token", format_bytes(result.kv_bytes_per_token))
     table.add_row("KV total", format_bytes(result.kv_bytes_total))
     what = {"streaming": "2 chunks",
@@ -195,7 +214,7 @@ def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: 
         table.add_row(f"= {device_label}", _ms(device_s))
         for label, seconds in busy[1:]:
             table.add_row(label, _ms(seconds))
-        combine = "max(compute, sum of mover)" if req.links.serial_mover else "max of the busy rows"
+        combine = "max of the busy rows"  # (the planner reads the disk ahead: never inside the mover's job)
     table.add_row(f"bound: {combine}", f"{_ms(fc.lower_bound_s)} ({result.bound_label})")
     table.add_row("+ not overlapped (fill, stalls)", _ms(max(0.0, fc.step_s - fc.lower_bound_s)))
     table.add_row("= predicted step", _ms(fc.step_s))
@@ -279,8 +298,33 @@ def _notes(result: Plan, sparse: int | float) -> list[str]:
     return notes
 
 
+def _profile(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The profile file the plan reads, and where it came from for the output: ``--profile``, else
+    ``$TIERKV_PROFILE`` (as a cache reads it), else none (presets)."""
+    if args.profile is not None:
+        return args.profile, f"--profile {args.profile}"
+    path = settings.get("profile")
+    if path is not None:
+        return str(path), settings.source("profile")
+    return None, PRESETS_SOURCE
+
+
+def _check_host_options(args: argparse.Namespace, request: PlanRequest, source: str) -> None:
+    """Refuse ``--host-cores``/``--host-dram-gbps`` where the links give the host attention rate instead (a
+    measured profile, a CPU host's memcpy): they would be silently ignored."""
+    given = [flag for flag, value in (("--host-cores", args.host_cores), ("--host-dram-gbps", args.host_dram_gbps))
+             if value is not None]
+    if given and not host_estimate_applies(request.links):
+        found = host_attention_rate(request.links)
+        rate = f"{found.bytes_per_s / 1e9:,.1f} GB/s, {found.source.split(':')[0]}"
+        flags = " and ".join(given)
+        raise InvalidConfigError(f"{flags} set the host attention estimate of a GPU host planned with presets; this "
+                                 f"plan's links ({source}) set it instead ({rate}): leave {flags} out.")
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=json_to_stdout(args))
+    profile, source = _profile(args)
     request = build_request(
         args.model,
         args.context,
@@ -290,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
         batch=args.batch,
         link=args.link,
         disk_link=args.disk,
-        profile=args.profile,
+        profile=profile,
         device=args.device,
         compute_ms_per_step=args.compute_ms_per_token,
         prefetch_depth=args.prefetch_depth,
@@ -302,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
         host_cores=args.host_cores,
         host_dram_gbps=args.host_dram_gbps,
     )
+    _check_host_options(args, request, source)
     result = plan(request)
     options = compare_executors(result)
     alternatives = what_ifs(result, extra_gpu_bytes=args.what_if_gpu_gb)
@@ -309,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     other = sparse_what_if(result)
     advice = sparse_advice(result, other)
     alternatives += [alt for alt in (split, other) if alt is not None]
-    _render(console, result, alternatives, advice)
+    _render(console, result, alternatives, advice, source)
     fastest = fastest_advice(options)
     _render_executors(console, result, options, fastest)
     notes = _notes(result, args.sparse_tokens)
@@ -317,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"note: {note}", highlight=False)
     if args.json:
         data = result.to_dict()
+        data["links_from"] = source
         data["sparse_advice"] = advice
         data["fastest_advice"] = fastest
         data["notes"] = notes

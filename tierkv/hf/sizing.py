@@ -390,7 +390,6 @@ def _layer_types_of_config(config: PreTrainedConfig) -> tuple[list[str], dict[st
 
 
 # ------------------------------------------------------------------------------------------------ checks
-MAX_PREFETCH_DEPTH = 64  # layers read ahead: beyond a few, only staging memory grows
 
 
 def check_arguments(block_tokens: object, prefetch_depth: object, config: object, disk_dir: object, disk_gb: object,
@@ -401,9 +400,9 @@ def check_arguments(block_tokens: object, prefetch_depth: object, config: object
         raise InvalidConfigError(f"block_tokens must be a positive int (e.g. 256), got {block_tokens!r}.")
     if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int) or prefetch_depth < 0):
         raise InvalidConfigError(f"prefetch_depth must be an int >= 0 or 'auto', got {prefetch_depth!r}.")
-    if isinstance(prefetch_depth, int) and prefetch_depth > MAX_PREFETCH_DEPTH:
+    if isinstance(prefetch_depth, int) and prefetch_depth > sizes.MAX_PREFETCH_DEPTH:
         raise InvalidConfigError(f"prefetch_depth={prefetch_depth} reads that many layers ahead, each in a staging "
-                                 f"buffer of a whole layer; give at most {MAX_PREFETCH_DEPTH} (1, the default, "
+                                 f"buffer of a whole layer; give at most {sizes.MAX_PREFETCH_DEPTH} (1, the default, "
                                  "overlaps a layer's read with the one computing; 'auto' picks from a profile).")
     if config is not None:
         check_model_config(config)
