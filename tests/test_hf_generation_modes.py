@@ -289,3 +289,53 @@ def test_a_config_instead_of_the_model_is_refused_with_the_fix(how):
     with TieredCache(gpu_gb="1MB", cpu_gb="1MB", block_tokens=BLOCK) as cache, \
             pytest.raises(InvalidConfigError, match=rf"cache.{how}\(model\) takes the model object.*not its config"):
         getattr(cache, how)(config)
+
+
+@pytest.mark.parametrize("executor", ["streaming", "split"])
+def test_an_implementation_set_inside_the_block_is_refused_and_kept_after_it(tmp_path, executor):
+    """``set_attn_implementation`` inside the block replaced the executors' attention: the next forward was refused
+    as "not the engaged model", and leaving the block undid the user's choice. Now the refusal says what happened,
+    nothing is stored, and the model keeps the implementation set."""
+    model = tiny_model("llama")
+    ids, mask = prompt(1, 13, seed=11)
+    with small_cache(tmp_path, model, executor, 1, 23) as cache:
+        with engaged(cache, model, executor):
+            model.set_attn_implementation("eager")
+            with pytest.raises(InvalidConfigError, match="set to 'eager' inside .*set it before entering"):
+                generate(model, ids, mask, cache)
+            assert cache.get_seq_length() == 0
+        assert model.config._attn_implementation == "eager"
+        assert_same_generation(generate(model, ids, mask, cache), generate(model, ids, mask, DynamicCache()),
+                               atol=ATOL)
+
+
+def test_a_copy_of_the_model_made_inside_the_block_is_told_how_to_attend(tmp_path):
+    model = tiny_model("llama")
+    ids, mask = prompt(1, 13, seed=12)
+    with small_cache(tmp_path, model, "streaming", 1, 23) as cache, engaged(cache, model, "streaming"):
+        twin = copy.deepcopy(model)
+    with pytest.raises(TierKVError, match=r"copy.deepcopy.*set_attn_implementation\('sdpa'\)"):
+        generate(twin, ids, mask, DynamicCache())
+    twin.set_attn_implementation("sdpa")
+    assert_same_generation(generate(twin, ids, mask, DynamicCache()), generate(model, ids, mask, DynamicCache()),
+                           atol=ATOL)
+
+
+def test_a_compiled_forward_decodes_exactly_around_the_cache_and_fullgraph_names_the_fix(tmp_path):
+    """torch.compile traced into the tiers (threads, locks, I/O: recompiles, minutes) and, with fullgraph=True,
+    failed in dynamo on the cache's lock with no word of tierkv's. The cache's calls run outside the graph now."""
+    model = tiny_model("llama")
+    ids, mask = prompt(1, 13, seed=13)
+    reference = generate(model, ids, mask, DynamicCache())
+    for fullgraph in (False, True):
+        torch.compiler.reset()  # (compiled code is found by the forward's code object, whatever fullgraph says)
+        compiled = copy.deepcopy(model)
+        compiled.forward = torch.compile(compiled.forward, fullgraph=fullgraph)
+        with small_cache(tmp_path / str(fullgraph), model, "gather", 1, 23) as cache:
+            if fullgraph:
+                with pytest.raises(Exception, match="TieredCache runs outside torch.compile's graph.*without "
+                                                    "fullgraph=True"):  # fmt: skip
+                    generate(compiled, ids, mask, cache)
+                assert cache.get_seq_length() == 0
+            else:
+                assert_same_generation(generate(compiled, ids, mask, cache), reference, atol=ATOL)

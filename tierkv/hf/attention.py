@@ -59,6 +59,7 @@ def split_mode(chunk_tokens: int) -> Mode:
 _LOCK = threading.Lock()  # guards the two below: engagements enter and leave on any thread
 _HELD: dict[int, int] = {}  # id(model) -> its engagements entered and not yet left, on every thread
 _BEFORE: dict[int, str] = {}  # id of an engaged model, its attention modules, its configs -> the implementation before
+_ENGAGED: dict[int, Any] = {}  # id(model) -> the engaged model's config (whose implementation a user may switch inside)
 _STEP = threading.local()  # .layer: the TieredLayer whose update just handed this thread's attention over;
 # .masks: masks this thread built (one or two a forward); .handed_at: .masks when .layer handed over
 
@@ -78,6 +79,12 @@ def hand_over(layer: TieredLayer) -> None:
     cache = layer.cache
     sized_at, cache.sized_at = cache.sized_at, None
     if sized_at is not None and sized_at == masks_built():
+        switched = _switched_inside()
+        if switched is not None:
+            layer.refuse(InvalidConfigError(
+                f"the engaged model's attention implementation was set to {switched!r} inside `with "
+                "cache.streaming/split/sparse(model)`, which attends through its own; set it before entering the "
+                "block or after leaving it (the model keeps the one you set when the block ends)."))
         layer.refuse(InvalidConfigError(
             "this cache is engaged (`with cache.streaming/split/sparse(model)`) but the forward calling it built no "
             "attention mask through transformers' mask functions: either the model called is not the engaged one, "
@@ -86,6 +93,17 @@ def hand_over(layer: TieredLayer) -> None:
             "copy, another instance, or its base model); a model that builds its own masks decodes with exact "
             "gather: leave out the `with` block (outputs equal DynamicCache's)."))
     _STEP.layer, _STEP.handed_at = layer, masks_built()
+
+
+def _switched_inside() -> str | None:
+    """The implementation an engaged model was switched to inside its block (``set_attn_implementation``), or None."""
+    with _LOCK:
+        configs = list(_ENGAGED.values())
+    for config in configs:
+        current = getattr(config, "_attn_implementation", STREAMING_ATTENTION)
+        if current != STREAMING_ATTENTION:
+            return str(current)
+    return None
 
 
 def drop_hand_over(cache: TieredCache) -> None:
@@ -188,6 +206,7 @@ class Engagement:
                         model.set_attn_implementation(previous)
                     raise
                 _BEFORE.update(before)
+                _ENGAGED[id(model)] = model.config
             _HELD[id(model)] = held + 1
         self.held += 1
 
@@ -199,7 +218,9 @@ class Engagement:
             if held:
                 _HELD[id(model)] = held
                 return
-            model.set_attn_implementation(_BEFORE[id(model)])  # first: a forward of another thread sees it at once
+            _ENGAGED.pop(id(model), None)
+            if model.config._attn_implementation == STREAMING_ATTENTION:  # (else the user set one inside: kept)
+                model.set_attn_implementation(_BEFORE[id(model)])  # first: a forward of another thread sees it at once
             for key in (id(model), *map(id, self.modules), *map(id, self._configs())):
                 _BEFORE.pop(key, None)
 
@@ -259,7 +280,9 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     if before is None:  # a forward of another thread that took this function while the last engagement left:
         before = getattr(getattr(module, "config", None), "_attn_implementation", None)  # the model's own again
         if before is None or before == STREAMING_ATTENTION:
-            raise TierKVError(f"attention '{STREAMING_ATTENTION}' runs only inside `with cache.streaming(model):`.")
+            raise TierKVError(f"attention '{STREAMING_ATTENTION}' runs only inside `with cache.streaming(model):`; "
+                              "a copy of a model made inside such a block (copy.deepcopy) keeps that name: give the "
+                              "copy an implementation of its own, e.g. copy.set_attn_implementation('sdpa').")
     return _implementation(module, before)(module, query, key, value, attention_mask, *args, **kwargs)
 
 

@@ -55,6 +55,8 @@ from tierkv.units import parse_size
 DEFAULT_DISK_FRACTION = 0.9  # of free space under disk_dir, when disk_gb is None
 
 
+_NOT_COMPILED = ("a TieredCache runs outside torch.compile's graph (its tiers move blocks with threads and I/O): "
+                 "compile without fullgraph=True, so the model's layers are compiled around the cache's calls")
 _NOT_COPIED = ("a TieredCache cannot be copied or pickled: it owns its budgets, I/O threads and disk files. To "
                "continue one prompt several ways (transformers' deepcopy of a prompt cache), crop it back to the "
                "prompt after each continuation: `cache.crop(prompt_tokens - cache.get_seq_length())` (a negative "
@@ -237,6 +239,7 @@ class TieredCache(AttentionModes, Cache):
         super().__init__(layers=cast(list, layers))  # transformers types its own layer kinds
 
     # ------------------------------------------------------------------------------ transformers API
+    @torch.compiler.disable(reason=_NOT_COMPILED)
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         with self.using:
@@ -264,12 +267,14 @@ class TieredCache(AttentionModes, Cache):
                 raise DiskTierError(exc.errno, f"a step of layer {layer_idx} failed and was not taken: {advice}") \
                     from exc
 
+    @torch.compiler.disable(reason=_NOT_COMPILED)
     def get_seq_length(self, layer_idx: int = 0) -> int:
         with self.using:
             if self.forward.unsettled is not None:  # generate() asks before its first update: finish the rollback
                 self.forward.settle(self.holding, self.runtime)
             return super().get_seq_length(layer_idx)
 
+    @torch.compiler.disable(reason=_NOT_COMPILED)
     def get_query_offset(self, layer_idx: int = 0) -> int:
         """The cache length a forward's mask starts from: asked as the forward begins, before its first update (a
         model's own attention asks ``get_seq_length`` at every layer, so that cannot tell; :meth:`Forward.begin`)."""

@@ -63,7 +63,7 @@ def layout_for(store: KVStore, layer: int, keys: torch.Tensor, values: torch.Ten
     if known != layout:
         raise InvalidConfigError(
             f"layer {layer} changed geometry from {known} to {layout}; one TieredCache serves one model — "
-            "create a new cache (or call reset()) for another model."
+            "create a new cache for another model."
         )
     if keys.device != device:
         raise InvalidConfigError(
