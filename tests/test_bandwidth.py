@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -144,6 +145,30 @@ def test_profile_errors_name_the_fix(tmp_path):
         LinkProfile({}, layer_overhead_s=-1)
     with pytest.raises(InvalidConfigError, match="must be a Contention"):
         LinkProfile({}, serial_mover=True, contention=1.3)
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    (lambda d: d["links"]["host->device"].update(bandwidth_bytes_per_s=1e-300), "bandwidth_bytes_per_s=1e-300 is "
+                                                                                 "outside"),
+    (lambda d: d["links"]["disk->host"].update(bandwidth_bytes_per_s=1e300), "bandwidth_bytes_per_s=1e+300"),
+    (lambda d: d["links"]["host->device"].update(latency_s=1e9), "latency_s=1000000000.0 is above 60 s"),
+    (lambda d: d.update(host_attention={"bandwidth_bytes_per_s": 1e-300, "single_thread_bytes_per_s": 1e9,
+                                        "threads": 2}), "host_attention.bandwidth_bytes_per_s=1e-300"),
+    (lambda d: d.update(host_attention={"bandwidth_bytes_per_s": 1e9, "single_thread_bytes_per_s": 1e9,
+                                        "threads": 10**12}), "threads=1000000000000 is above"),
+    (lambda d: d.update(layer_overhead_s=1e300), "layer_overhead_s=1e+300 is above"),
+])
+def test_a_profile_file_claiming_rates_no_machine_has_is_refused(tmp_path, edit, says):
+    """A profile is a file anyone may hand over: a host-kernel rate of 1e-300 B/s predicted an infinite step
+    (0 tokens/s), a link's 1e-300 failed deep in the planner; refused when the file is read, naming the number."""
+    profile = LinkProfile({"host->device": Link("pcie", 23.7e9, 8e-6), "disk->host": Link("nvme", 3.1e9, 9e-5)})
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidConfigError, match=f"malformed .*{re.escape(says)}"):
+        LinkProfile.load(path)
 
 
 def test_all_on_device_is_pure_compute():

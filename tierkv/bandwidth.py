@@ -47,6 +47,17 @@ DISK_READ_AHEAD = 4
 the disk engine works through them on its own threads while the mover copies and the model computes."""
 
 
+MIN_LINK_BANDWIDTH = 1e3  # bytes/s a profile file (which may come from anyone) may claim for a link: every real one
+MAX_LINK_BANDWIDTH = 1e15  # lies between, and a prediction from outside it overflows or divides by nearly zero
+MAX_LINK_LATENCY_S = 60.0
+
+
+MIN_LINK_BANDWIDTH = 1e3  # bytes/s a profile file may claim for a link or the host's attention: every real one lies
+MAX_LINK_BANDWIDTH = 1e15  # between, and a prediction from outside overflows or divides by nearly zero
+MAX_LINK_LATENCY_S = 60.0
+MAX_HOST_THREADS = 65536
+
+
 @dataclass(frozen=True, slots=True)
 class Link:
     """One direction of one data path: ``time = n_transfers * latency + nbytes / bandwidth``.
@@ -301,6 +312,7 @@ class LinkProfile:
                                           str(attention.get("kernel", "native")))
             if not isinstance(serial, bool):
                 raise TypeError(f"serial_mover must be true or false, got {serial!r}")
+            _check_plausible(links, attention, overhead)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, InvalidConfigError):
                 raise
@@ -844,3 +856,22 @@ def min_prefetch_depth(
         if predict_step(placement, links, depth, read_ahead=read_ahead).step_s <= best * (1.0 + tolerance):
             return depth
     return limit
+
+
+def _check_plausible(links: dict[str, Link], attention: HostAttention | None, overhead: float) -> None:
+    """A profile file may come from anyone: refuse (ValueError) rates and times no real machine has, which would
+    predict infinite or zero steps (the classes themselves take any positive number, as tests' hand-checked ones)."""
+    rates = [(f"link {link.name!r}: bandwidth_bytes_per_s", link.bandwidth_bytes_per_s) for link in links.values()]
+    if attention is not None:
+        rates += [("host_attention.bandwidth_bytes_per_s", attention.bandwidth_bytes_per_s),
+                  ("host_attention.single_thread_bytes_per_s", attention.single_thread_bytes_per_s)]
+        if attention.threads > MAX_HOST_THREADS:
+            raise ValueError(f"host_attention.threads={attention.threads} is above {MAX_HOST_THREADS}")
+    for what, rate in rates:
+        if not MIN_LINK_BANDWIDTH <= rate <= MAX_LINK_BANDWIDTH:
+            raise ValueError(f"{what}={rate!r} is outside {MIN_LINK_BANDWIDTH:.0e}-{MAX_LINK_BANDWIDTH:.0e} bytes "
+                             "per second")
+    times = [(f"link {link.name!r}: latency_s", link.latency_s) for link in links.values()]
+    for what, seconds in [*times, ("layer_overhead_s", overhead)]:
+        if seconds > MAX_LINK_LATENCY_S:
+            raise ValueError(f"{what}={seconds!r} is above {MAX_LINK_LATENCY_S:g} s")
