@@ -100,3 +100,67 @@ def test_a_child_using_the_parents_cache_is_refused_and_may_make_its_own(tmp_pat
     assert "child refused: InvalidConfigError" in out and "forked child cannot use it" in out, out
     out = _run(tmp_path / "own", "posix", "makes its own")
     assert "child's own cache equal: True" in out, out
+
+
+LOCKS = textwrap.dedent("""
+    import fcntl, os, signal, sys, threading, time
+    from tierkv import safefs, settings
+    from tierkv.hf import attention
+    from tierkv.persist.lock import OwnerLock, locked
+
+    def free(directory, name):  # whether another open of the lock file can take it now
+        fd = os.open(name, os.O_RDONLY, dir_fd=directory)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+
+    def child(then):
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a lock the child cannot take: killed, not hung
+            then()
+            os._exit(0)
+        return pid
+
+    with safefs.directory(sys.argv[1]) as directory:
+        # a child forked while a lock is held keeps the open file, not the lock, once the parent lets it go
+        with locked(directory, "store.lock", exclusive=True):
+            sleeper = child(lambda: time.sleep(5))
+        owner = OwnerLock(directory, "owner.lock")
+        sleeper2 = child(lambda: time.sleep(5))
+        owner.release()
+        print("locks free:", free(directory, "store.lock"), free(directory, "owner.lock"))
+        for pid in (sleeper, sleeper2):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+    # a child forked while another thread holds a module lock takes its own
+    for held in (settings._lock, attention._LOCK):
+        taken, done = threading.Event(), threading.Event()
+        def hold(lock=held):
+            with lock:
+                taken.set()
+                done.wait()
+        thread = threading.Thread(target=hold)
+        thread.start()
+        taken.wait()
+        pid = child(lambda: (settings.get("disk_engine"), attention._switched_inside()))
+        _, status = os.waitpid(pid, 0)
+        done.set()
+        thread.join()
+        print("child exit:", os.waitstatus_to_exitcode(status))
+""")
+
+
+def test_a_child_forked_while_locks_are_held_neither_keeps_nor_waits_for_them(tmp_path):
+    """A child forked while the persistent store's lock was held shared its open file, and the lock with it, until
+    the child exited (the parent's next flush waited its timeout, naming itself); one forked while another thread
+    held tierkv's settings or engagement lock waited for ever on its first use. The parent unlocks, and the child
+    takes module locks anew."""
+    result = subprocess.run([sys.executable, "-c", LOCKS, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["locks free: True True", "child exit: 0", "child exit: 0"], result.stdout

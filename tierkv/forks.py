@@ -42,6 +42,12 @@ def _detach_in_child() -> None:
 os.register_at_fork(after_in_child=_detach_in_child)
 
 
+def lock_anew_in_child(namespace: dict[str, Any], name: str) -> None:
+    """Give the module lock ``namespace[name]`` a new lock in every forked child: the parent's may be held at the
+    fork by one of its threads, which the child does not have (the child's first use would wait for ever)."""
+    os.register_at_fork(after_in_child=lambda: namespace.__setitem__(name, threading.Lock()))
+
+
 class Owner:
     """The process that made an object; :meth:`check` refuses its use in another (a forked child)."""
 

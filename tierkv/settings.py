@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierkv import forks
 from tierkv.errors import InvalidConfigError
 from tierkv.units import format_bytes, parse_size
 
@@ -301,6 +302,7 @@ SECRETS = frozenset({"redis_password"})
 """Settings whose values are never printed (their source reads ``TIERKV_REDIS_PASSWORD=***``)."""
 
 _lock = threading.Lock()
+forks.lock_anew_in_child(globals(), "_lock")
 _overrides: dict[str, list[tuple[int, Any, str]]] = {}  # name -> stack of (override token, typed value, source)
 _tokens = itertools.count()
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tierkv import forks
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import InvalidConfigError, TierKVError
 from tierkv.hf.runtime import Mode
@@ -56,10 +57,11 @@ def split_mode(chunk_tokens: int) -> Mode:
     return Mode("streaming", "split", options)
 
 
-_LOCK = threading.Lock()  # guards the two below: engagements enter and leave on any thread
+_LOCK = threading.Lock()  # guards the three below: engagements enter and leave on any thread
 _HELD: dict[int, int] = {}  # id(model) -> its engagements entered and not yet left, on every thread
 _BEFORE: dict[int, str] = {}  # id of an engaged model, its attention modules, its configs -> the implementation before
 _ENGAGED: dict[int, Any] = {}  # id(model) -> the engaged model's config (whose implementation a user may switch inside)
+forks.lock_anew_in_child(globals(), "_LOCK")
 _STEP = threading.local()  # .layer: the TieredLayer whose update just handed this thread's attention over;
 # .masks: masks this thread built (one or two a forward); .handed_at: .masks when .layer handed over
 

@@ -64,12 +64,15 @@ def locked(directory: int, name: str, exclusive: bool, timeout: float | None = N
     """Hold ``name`` in ``directory`` (created if missing) shared or exclusive for the block. ``timeout``: the
     longest wait in seconds (0: one try), then :class:`LockTimeoutError`; None waits as long as it takes.
     ``where``: the lock file's path, for the error."""
-    with _open(directory, name, os.O_CREAT) as f:  # closing releases the lock
+    with _open(directory, name, os.O_CREAT) as f:
         if timeout is None:
             fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         else:
             _acquire(f, exclusive, timeout, where or name)
-        yield
+        try:
+            yield
+        finally:  # unlocked, not only closed: a child forked meanwhile shares the open file, and would hold it
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _acquire(f: BinaryIO, exclusive: bool, timeout: float, where: str) -> None:
@@ -136,6 +139,7 @@ class OwnerLock:
         self._file = file
 
     def release(self) -> None:
+        fcntl.flock(self._file, fcntl.LOCK_UN)  # (a forked child shares the open file: closing alone keeps it held)
         self._file.close()
 
 
