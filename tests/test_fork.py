@@ -164,3 +164,45 @@ def test_a_child_forked_while_locks_are_held_neither_keeps_nor_waits_for_them(tm
     result = subprocess.run([sys.executable, "-c", LOCKS, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["locks free: True True", "child exit: 0", "child exit: 0"], result.stdout
+
+
+HELD = textwrap.dedent("""
+    import os, sys, torch, transformers
+    from tierkv import TieredCache
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128)
+    model = transformers.LlamaForCausalLM(config).eval()
+    cache = TieredCache(gpu_gb="48KB", cpu_gb="16KB", disk_dir=sys.argv[1], block_tokens=4, config=config,
+                        disk_engine=sys.argv[2], persist=True)
+    model(torch.randint(2, 128, (1, 40)), past_key_values=cache)
+    assert cache.stats()["blocks"]["disk"] > 0
+    def tierkv_files():
+        names = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                names.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except FileNotFoundError:  # the listing's own descriptor, closed since
+                pass
+        return sorted(os.path.basename(name) for name in names if name.endswith((".kv", ".lock")))
+    print("parent:", bool(tierkv_files()))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, repr(tierkv_files()).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print("child:", os.read(read, 65536).decode())
+    cache.close()
+""")
+
+
+@pytest.mark.parametrize("engine", ["native", "posix"])
+def test_a_child_holds_none_of_the_parents_tier_files_or_locks(tmp_path, engine):
+    """A child forked from a process with a cache kept the disk tier's files and the lock files open: the space of
+    files the parent removed stayed taken while the child lived, and after the parent died its locks still said
+    it lived (the next cache could not reclaim its files). The child closes them."""
+    result = subprocess.run([sys.executable, "-c", HELD, str(tmp_path), engine], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["parent: True", "child: []"], result.stdout

@@ -296,7 +296,7 @@ def test_an_implementation_set_inside_the_block_is_refused_and_kept_after_it(tmp
     """``set_attn_implementation`` inside the block replaced the executors' attention: the next forward was refused
     as "not the engaged model", and leaving the block undid the user's choice. Now the refusal says what happened,
     nothing is stored, and the model keeps the implementation set."""
-    model = tiny_model("llama")
+    model = copy.deepcopy(tiny_model("llama"))  # (the shared one is left as it is)
     ids, mask = prompt(1, 13, seed=11)
     with small_cache(tmp_path, model, executor, 1, 23) as cache:
         with engaged(cache, model, executor):

@@ -19,6 +19,7 @@ from typing import Any
 
 _live: list[weakref.finalize] = []
 _lock = threading.Lock()
+_private: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) of files a child must not keep open -> registrations
 
 
 def finalize(obj: object, func: Callable[..., Any], *args: Any) -> weakref.finalize:
@@ -31,12 +32,53 @@ def finalize(obj: object, func: Callable[..., Any], *args: Any) -> weakref.final
     return finalizer
 
 
+def private_file(fd: int) -> tuple[int, int]:
+    """Register the file open at ``fd`` (a disk-tier file, a lock file) as the parent's alone: a forked child
+    closes every descriptor of it that it inherited, so that it neither keeps the space of the parent's removed
+    files nor holds the parent's locks after the parent dies (which tell other processes that their owner lives).
+    The key returned goes to :func:`forget` before the file is removed."""
+    status = os.fstat(fd)
+    key = (status.st_dev, status.st_ino)
+    with _lock:
+        _private[key] = _private.get(key, 0) + 1
+    return key
+
+
+def forget(key: tuple[int, int]) -> None:
+    """Undo one :func:`private_file` (the file is about to be removed: its inode may be another file's next)."""
+    with _lock:
+        left = _private.get(key, 0) - 1
+        if left > 0:
+            _private[key] = left
+        else:
+            _private.pop(key, None)
+
+
+def _close_private() -> None:
+    """In a child: close the inherited descriptors of the parent's private files (found through /proc/self/fd;
+    where there is none, they stay open until the child exits)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        try:
+            status = os.fstat(int(name))
+        except (OSError, ValueError):
+            continue
+        if (status.st_dev, status.st_ino) in _private:
+            os.close(int(name))
+    _private.clear()
+
+
 def _detach_in_child() -> None:
     global _lock
     _lock = threading.Lock()  # the parent's may have been held by a thread that is not here
     for finalizer in _live:
         finalizer.detach()
     _live.clear()
+    if _private:
+        _close_private()
 
 
 os.register_at_fork(after_in_child=_detach_in_child)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from tierkv import safefs
+from tierkv import forks, safefs
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import DiskTierError, IntegrityError
 
@@ -137,8 +137,12 @@ class OwnerLock:
         file = _open(directory, name, os.O_CREAT | os.O_EXCL)  # a new file: its flock never waits
         fcntl.flock(file, fcntl.LOCK_EX)
         self._file = file
+        self._private = forks.private_file(file.fileno())  # a forked child does not hold it after this owner dies
 
     def release(self) -> None:
+        if self._file.closed:
+            return
+        forks.forget(self._private)
         fcntl.flock(self._file, fcntl.LOCK_UN)  # (a forked child shares the open file: closing alone keeps it held)
         self._file.close()
 

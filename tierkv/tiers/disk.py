@@ -162,6 +162,7 @@ def _release(files: dict[int, DiskSlotFile], lease: Lease, directory: int) -> No
     """Close and remove every file of a tier, then drop its lease and close its directory. Never raises: each
     failure is logged."""
     for slot_file in list(files.values()):
+        forks.forget(slot_file.private)  # before the file goes: its inode may be another file's next
         try:
             slot_file.file.close()
             os.close(slot_file.fd)
@@ -193,6 +194,7 @@ class DiskSlotFile(SlotPool):
             os.close(self.fd)
             safefs.remove_regular(directory, name)
             raise
+        self.private = forks.private_file(self.fd)  # a forked child closes its copies (the engine's too: same file)
         self.sums = np.zeros(0, dtype=np.uint64)  # [capacity]: xxh3-64 of what was written to each slot
         self.written = np.zeros(0, dtype=bool)  # [capacity]: the slot holds a block (its checksum is valid)
         # an engine that reads into GPU memory (kvikio with GDS) is verified there: [capacity, 2] positional sums

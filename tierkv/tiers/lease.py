@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from tierkv import safefs
+from tierkv import forks, safefs
 from tierkv.atomic import deferred_interrupts
 
 log = logging.getLogger("tierkv")
@@ -50,6 +50,7 @@ class Lease:
         self.prefix = f"tierkv-{os.getpid()}-{secrets.token_hex(6)}"
         self.path = where / f"{self.prefix}.lock"
         self._fd: int | None = None
+        self._private: tuple[int, int] | None = None  # the lock file's identity (forks.private_file)
         for _ in range(ATTEMPTS):
             with deferred_interrupts():  # the descriptor is recorded (closed by release) as it is made
                 fd, pending = safefs.create_file(directory, ".tierkv-", ".tmp")
@@ -58,6 +59,7 @@ class Lease:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if os.fstat(fd).st_nlink:  # locked before any reclaimer took it: it is ours
                     os.rename(pending, self.path.name, src_dir_fd=directory, dst_dir_fd=directory)
+                    self._private = forks.private_file(fd)  # a forked child does not hold it
                     return
             except BlockingIOError:
                 pass  # a reclaimer holds it and removes it
@@ -70,15 +72,22 @@ class Lease:
                       "processes keep removing them")
 
     def _close(self) -> None:
+        self._forget()
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+    def _forget(self) -> None:
+        private, self._private = self._private, None
+        if private is not None:
+            forks.forget(private)
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (idempotent; an unremovable lock file is only unlocked,
         and the next tier opening the directory removes it)."""
         if self._fd is None:
             return
+        self._forget()  # before the file goes: its inode may be another file's next
         try:
             safefs.remove_regular(self.directory, self.path.name)
         except OSError as exc:
