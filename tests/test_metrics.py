@@ -80,7 +80,8 @@ def test_register_reads_stats_at_each_scrape(used_cache):
             return used_cache.stats()
 
     registry = CollectorRegistry()
-    tierkv.metrics.register(Counting(), registry, model="tiny")
+    counting = Counting()  # the registry holds what it scrapes weakly: the caller keeps it
+    tierkv.metrics.register(counting, registry, model="tiny")
     assert calls == []  # nothing is read until a scrape
     assert registry.get_sample_value("tierkv_tokens", {"model": "tiny"}) == 259 and calls
 

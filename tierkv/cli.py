@@ -183,7 +183,7 @@ def _check_settings(module: Any) -> None:
     if "profile" in used:  # $TIERKV_PROFILE read and checked before any model loads
         stats.check_profile(None)
     if "trace" in used:  # $TIERKV_TRACE's folder
-        stats.make_trace(None)
+        stats.check_trace_setting()
     for message in settings.unknown_variables():
         print(f"tierkv: warning: {message}", file=sys.stderr)
 

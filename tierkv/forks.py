@@ -5,8 +5,10 @@ only in part: its mover and I/O pools have no threads (a read submitted there ne
 and its finalizers would run when the child exits, joining the parent's I/O threads (a hang) and removing the
 parent's live disk tier, its locks and the persistent store's scratch files. So tierkv registers its finalizers
 through :func:`finalize`, and in a child (:func:`os.register_at_fork`) they are all detached: the parent still
-owns what they release. A cache refuses use in another process than its own (:class:`Owner`); a child makes its
-own caches (or starts with ``multiprocessing``'s ``spawn``).
+owns what they release. A child also closes its copies of the parent's disk-tier and lock files
+(:func:`private_file`) and takes tierkv's module locks anew (:func:`lock_anew_in_child`). A cache refuses use in
+another process than its own (:class:`Owner`); a child makes its own caches (or starts with ``multiprocessing``'s
+``spawn``).
 """
 
 from __future__ import annotations

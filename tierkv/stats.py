@@ -26,6 +26,7 @@ This module knows nothing of tensors (CUDA event pairs are resolved through a ca
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import threading
@@ -49,6 +50,8 @@ from tierkv.bandwidth import (
 from tierkv.errors import InvalidConfigError
 from tierkv.inputs import output_problem
 from tierkv.vocabulary import LinkName
+
+log = logging.getLogger("tierkv")
 
 HISTORY = 256
 HELD_RECORDS = 16384
@@ -84,20 +87,22 @@ class CacheStats(_CacheStatsAlways, total=False):
     Tier keys are ``device``, ``host``, ``disk``; link keys as in :data:`~tierkv.vocabulary.READ_LINKS` plus the
     write links (``device->host``, ``host->disk``, ``device->disk``). The keys below are there once the cache
     holds tokens (its tiers exist), ``sparse`` after a sparse step, ``remote`` with a remote tier (the keys of
-    the base class always). docs/architecture.md ("Statistics") says what each counts.
+    the base class always). docs/architecture.md ("Statistics") says what each counts. The counters never go back
+    over the cache's life; after ``close()`` they keep their final figures while every tier reads empty.
     """
 
     bytes_allocated: dict[str, int]  # tier -> bytes held now (slots, whole chunks)
     peak_bytes_allocated: dict[str, int]  # tier -> high-water mark of bytes_allocated
     budget_bytes: dict[str, int]  # tier -> its budget
-    bytes_staging: int  # device bytes reserved for staging buffers (and key summaries)
-    bytes_summaries: int  # device bytes of the sparse key summaries
+    bytes_staging: int  # device bytes reserved for staging buffers, sparse key summaries and rest copy
+    bytes_summaries: int  # device bytes of the sparse key summaries alone
+    bytes_rest_copy: int  # device bytes of sparse attention's low-bit copy of the unselected blocks (rest_bits)
     blocks_promoted: int  # blocks moved up by policy="attention"
     writeback: WritebackStats  # blocks on their way to disk
     disk_read_ahead_hits: int  # reads whose disk part was already in flight
     mover: str  # the mover implementation
     disk_engine: str | None  # the disk engine (None without a disk tier; "unopened" before its first file)
-    prefetch_depth: int  # layers prefetched ahead now
+    prefetch_depth: int  # layers prefetched ahead now (0 while the budget leaves no room to prefetch)
     prefetch_auto: list[dict[str, Any]]  # prefetch_depth="auto" decisions (DepthChoice.as_dict)
     steps: dict[str, Any]  # Timeline.summary(): medians of the last HISTORY decode steps
     sparse: dict[str, Any]  # sparse steps' selection and reads (SparseCounters.as_dict)
@@ -448,7 +453,7 @@ class Trace:
     """Spans in Chrome trace format (``ph: "X"``, microseconds), kept in memory until :meth:`save`."""
 
     def __init__(self, path: str | os.PathLike | None = None, limit: int = 2_000_000) -> None:
-        self.path = path  # written by the executor's close() when set (TIERKV_TRACE=path, trace=path)
+        self.path = path  # written by the cache's close() when set (TIERKV_TRACE=path, trace=path)
         self.events: list[dict[str, Any]] = []
         self.limit = limit
         self.dropped = 0
@@ -484,16 +489,44 @@ class Trace:
         safefs.write_file(path, [json.dumps(self.to_json()).encode()], shared=False)
 
 
+_SETTING_TRACES: dict[str, int] = {}  # a $TIERKV_TRACE path -> the caches of this process that traced to it
+_SETTING_TRACES_LOCK = threading.Lock()
+
+
 def make_trace(trace: bool | str | os.PathLike | None) -> Trace | None:
     """``TieredCache(trace=...)``: True records in memory (``save_trace``); a path also writes it there when
-    the cache closes; None reads the ``trace`` setting (``$TIERKV_TRACE``, a path); False is off whatever the
+    the cache closes; None reads the ``trace`` setting (``$TIERKV_TRACE``, a path: the n-th cache of a process
+    that reads it writes ``<stem>-<n><suffix>``, so every cache's trace survives); False is off whatever the
     settings say."""
     if trace is False:
         return None
     if trace is None:
         path = settings.get("trace")
-        return Trace(_trace_path(path, settings.source("trace"))) if path is not None else None
+        return Trace(_setting_trace_path(_trace_path(path, settings.source("trace")))) if path is not None else None
     return Trace() if trace is True else Trace(_trace_path(trace, f"trace={os.fspath(trace)!r}"))
+
+
+def check_trace_setting() -> None:
+    """Refuse a ``$TIERKV_TRACE`` path no trace can be written to (as :func:`make_trace` would), without counting a
+    cache against it."""
+    path = settings.get("trace")
+    if path is not None:
+        _trace_path(path, settings.source("trace"))
+
+
+def _setting_trace_path(path: str | os.PathLike) -> str | os.PathLike:
+    """``path`` for the process's first cache traced by ``$TIERKV_TRACE``, ``<stem>-<n><suffix>`` for its n-th
+    (logged once), so no cache's trace replaces another's when they close."""
+    key = os.fspath(path)
+    with _SETTING_TRACES_LOCK:
+        count = _SETTING_TRACES[key] = _SETTING_TRACES.get(key, 0) + 1
+    if count == 1:
+        return path
+    stem, suffix = os.path.splitext(key)
+    numbered = f"{stem}-{count}{suffix}"
+    log.info("tierkv: %s is traced to by another cache of this process; this cache's trace is written to %s",
+             key, numbered)
+    return numbered
 
 
 def _trace_path(path: str | os.PathLike, given: str) -> str | os.PathLike:

@@ -192,13 +192,7 @@ class ExactGather(PipelinedExecutor):
         self._release()
 
     def close(self) -> None:
-        self.release_staging()
-        if self.trace is not None and self.trace.path is not None:
-            try:
-                self.trace.save(self.trace.path)
-            except OSError as exc:  # (a folder removed or a disk filled since the cache was built: not a bug)
-                log.warning("tierkv: the timeline trace could not be written to %s (%s); the cache closed without "
-                            "it. Give trace= a path in a folder that stays writable.", self.trace.path, exc)
+        self.release_staging()  # (the trace is written by the runtime's close(): a cache may close before any step)
 
     # --------------------------------------------------------------------------------- staging
     def _staging(self, buffer: int, layer: int, batch: int) -> torch.Tensor:

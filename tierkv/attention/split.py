@@ -144,6 +144,9 @@ class SplitAttention(PipelinedExecutor):
         """Attention of ``query`` ``[B, H_q, q, D]`` over stored tokens ``[span.start, span.stop)`` of
         ``span.layer``; ``mask`` None (causal) or ``[B, 1, q, stop - start]``. Returns the output ``[B, H_q, q, D]``
         and its log-sum-exp ``[B, H_q, q]``, fp32 (:meth:`Executor.attend`)."""
+        timeline = self.timeline  # telemetry: a layer at or below the last one starts a step (its wall time)
+        if timeline is not None and (span.layer <= self.last_layer or timeline.current is None):
+            timeline.begin_step(time.perf_counter(), query.shape[2], span.stop, 0)
         self._see_layer(span)
         accelerated = self._accel.streams
         if accelerated:  # before the tables: a reservation may move device blocks to the host

@@ -174,7 +174,8 @@ class TieredCache(AttentionModes, Cache):
         profile: the :class:`~tierkv.bandwidth.LinkProfile` (or its JSON path) for the predicted times in
             ``stats()["steps"]`` and for ``prefetch_depth="auto"``; default ``$TIERKV_PROFILE``, else presets
             by device type (:func:`tierkv.stats.default_profile`).
-        trace: record a timeline trace (True; or a path written at ``close()``); default ``$TIERKV_TRACE``.
+        trace: record a timeline trace (True; or a path written at ``close()``, empty if no forward ran); default
+            ``$TIERKV_TRACE`` (the n-th cache of a process it traces writes ``<stem>-<n><suffix>``, logged).
             See :meth:`save_trace`.
         persist: keep full blocks in ``disk_dir`` after the process ends, content-addressed by model and
             token ids, so a later cache reuses a shared prefix (:meth:`load_prefix`; docs/reliability.md).

@@ -47,6 +47,8 @@ log = logging.getLogger("tierkv")
 DEFAULT_DEVICE_FRACTION = 0.25  # of free device memory (CPU RAM on a CPU-only host), when gpu_gb is None
 DEFAULT_HOST_FRACTION = 0.5  # of available RAM, when cpu_gb is None
 EXACT = "exact_gather"
+COUNTERS = ("prefetch_hits", "prefetch_misses", "stall_s", "read_ahead_hits")
+"""The executors' counters ``stats()`` sums (a retired executor's are carried over: they never go back)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,8 @@ class Runtime:
         self.prefill: PipelinedExecutor | None = None  # the executors of the current mode (None: not built yet)
         self.decode: PipelinedExecutor | None = None
         self.attending: PipelinedExecutor | None = None  # the executor of the last step
+        self.retired: dict[str, float] = dict.fromkeys(COUNTERS, 0)  # the counters of executors closed so far
+        self.moved: dict[str, int] = {}  # the store's bytes_moved when it closed (readable after close())
 
     @property
     def mode(self) -> Mode:
@@ -139,6 +143,7 @@ class Runtime:
             return executor
         if executor is not None:
             executor.close()  # e.g. streaming buffers are sized per chunk length
+            self.retire(executor)
             del self.executors[name]
         exact = self.executors.get(EXACT)
         layers = self.num_layers if self.num_layers is not None else \
@@ -150,29 +155,42 @@ class Runtime:
         self.built_with[name] = options
         return executor
 
+    def retire(self, executor: PipelinedExecutor) -> None:
+        """Carry a closed executor's counters over, so ``stats()``' counters never go back."""
+        for name in COUNTERS:
+            self.retired[name] += getattr(executor, name)
+
+    def counters(self) -> dict[str, Any]:
+        """The prefetch counters of every executor of this cache's life, the retired ones' included."""
+        executors = list(self.executors.values())
+        total = {name: self.retired[name] + sum(getattr(e, name) for e in executors) for name in COUNTERS}
+        return {"prefetch_hits": int(total["prefetch_hits"]), "prefetch_misses": int(total["prefetch_misses"]),
+                "prefetch_stall_s": float(total["stall_s"]), "disk_read_ahead_hits": int(total["read_ahead_hits"])}
+
     def stats(self, tokens: int, remote: dict[str, Any] | None) -> dict[str, Any]:
-        """``TieredCache.stats()``: the store's occupancy and traffic, the executors' (docs/architecture.md)."""
+        """``TieredCache.stats()``: the store's occupancy and traffic, the executors' (docs/architecture.md). Before
+        the store exists every tier is empty; after ``close()`` too, but the counters keep their final figures."""
         extra = {"remote": remote} if remote is not None else {}  # lookups, hits, bytes on the wire (docs/remote.md)
         if self.store is None:
             empty = {tier.label: 0 for tier in Tier}
-            return {"bytes_resident": empty, "bytes_moved": {}, "blocks": dict(empty), "tokens": 0,
-                    "prefetch_hits": 0, "prefetch_misses": 0, "prefetch_stall_s": 0.0, **extra}
-        stats = {**self.store.stats(), **extra}
-        executors, exact = list(self.executors.values()), self.exact
-        stats.update(tokens=tokens, prefetch_hits=sum(e.prefetch_hits for e in executors),
-                     prefetch_misses=sum(e.prefetch_misses for e in executors),
-                     prefetch_stall_s=sum(e.stall_s for e in executors),
-                     disk_read_ahead_hits=sum(e.read_ahead_hits for e in executors), mover=exact.mover.name,
+            closed = {"steps": self.timeline.summary()} if self.timeline is not None else {}
+            return {"bytes_resident": empty, "bytes_moved": dict(self.moved), "blocks": dict(empty), "tokens": 0,
+                    **self.counters(), **closed, **extra}
+        stats = {**self.store.stats(), **extra, **self.counters()}
+        exact = self.exact
+        summaries = self.store.summaries
+        held = summaries.summary_nbytes if summaries is not None else 0
+        rest = summaries.nbytes - held if summaries is not None else 0
+        buffers = len(exact.buffers)  # one, not depth + 1, where the budget left no room to prefetch
+        stats.update(tokens=tokens, bytes_summaries=held, bytes_rest_copy=rest, mover=exact.mover.name,
                      disk_engine=self.disk.engine_name if self.disk else None,
-                     prefetch_depth=exact.prefetch_depth, prefetch_auto=list(exact.auto_choices),
+                     prefetch_depth=min(exact.prefetch_depth, buffers - 1) if buffers else exact.prefetch_depth,
+                     prefetch_auto=list(exact.auto_choices),
                      steps=exact.timeline.summary() if exact.timeline is not None else {})
         sparse = self.executors.get("sparse")
         if sparse is not None:
-            summaries = self.store.summaries
-            held = summaries.summary_nbytes if summaries is not None else 0
             stats["sparse"] = {**sparse.counters.as_dict(),  # type: ignore[attr-defined]
-                               "summaries_device_bytes": held,
-                               "rest_copy_device_bytes": summaries.nbytes - held if summaries is not None else 0}
+                               "summaries_device_bytes": held, "rest_copy_device_bytes": rest}
         return stats
 
     def budget_error(self, error: BudgetTooSmallError, context: int, batch: int,
@@ -307,8 +325,13 @@ class Runtime:
             executor.invalidate()
 
     def close(self) -> None:
-        """Close executors, the mover and the store (its tiers); log each failure and go on."""
+        """Close executors, the mover and the store (its tiers), and write the trace where it has a path; log each
+        failure and go on. The counters stay readable (``stats()``)."""
+        if self.store is not None:
+            self.moved = dict(self.store.bytes_moved)
         steps = [*(executor.close for executor in self.executors.values())]
+        if self.trace is not None and self.trace.path is not None:
+            steps.append(self.save_trace)
         if self.mover is not None:
             steps.append(self.mover.close)
         if self.store is not None:
@@ -320,6 +343,18 @@ class Runtime:
                 step()
             except Exception:  # noqa: BLE001 - cleanup goes on: every other resource is still released
                 log.exception("tierkv: closing the cache: %s failed", getattr(step, "__qualname__", step))
+        for executor in self.executors.values():
+            self.retire(executor)
         self.executors.clear()
         self.prefill = self.decode = self.attending = None
         self.store = self.mover = self.disk = None
+
+    def save_trace(self) -> None:
+        """Write the trace to its path (a cache closed before any forward writes an empty one); a folder removed
+        or a disk filled since the cache was built is logged, not raised."""
+        assert self.trace is not None and self.trace.path is not None
+        try:
+            self.trace.save(self.trace.path)
+        except OSError as exc:
+            log.warning("tierkv: the timeline trace could not be written to %s (%s); the cache closed without it. "
+                        "Give trace= a path in a folder that stays writable.", self.trace.path, exc)
