@@ -124,17 +124,21 @@ def test_files_removed_on_close(model, tmp_path):
     assert not list(tmp_path.glob("tierkv-*"))
 
 
-def test_files_removed_at_interpreter_exit(tmp_path):
-    script = (
-        "import torch; from tierkv import TieredCache\n"
+def _spilled(disk_dir) -> str:
+    """A script that decodes into a cache ``c`` whose blocks reached the disk tier in ``disk_dir``."""
+    return (
+        "import os, torch; from tierkv import TieredCache\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,"
         " num_attention_heads=2, num_key_value_heads=1)).eval()\n"
-        f"c = TieredCache(gpu_gb='40KB', cpu_gb='12KB', disk_dir={str(tmp_path)!r}, block_tokens=4)\n"
+        f"c = TieredCache(gpu_gb='40KB', cpu_gb='12KB', disk_dir={str(disk_dir)!r}, block_tokens=4)\n"
         "m(torch.randint(0, 64, (1, 40)), past_key_values=c)\n"
         "assert c.stats()['blocks']['disk'] > 0\n"
     )
-    subprocess.run([os.sys.executable, "-c", script], check=True, capture_output=True)
+
+
+def test_files_removed_at_interpreter_exit(tmp_path):
+    subprocess.run([os.sys.executable, "-c", _spilled(tmp_path)], check=True, capture_output=True)
     assert not list(tmp_path.glob("tierkv-*"))
 
 
@@ -145,18 +149,7 @@ def test_files_that_cannot_be_looked_at_on_close_are_warned_and_removed_at_exit(
     the directory is searchable again (root runs without its override of file permissions)."""
     as_user = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--inh-caps=-all"] \
         if os.geteuid() == 0 else []
-    script = (
-        "import os, torch; from tierkv import TieredCache\n"
-        "from transformers import LlamaConfig, LlamaForCausalLM\n"
-        "m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,"
-        " num_attention_heads=2, num_key_value_heads=1)).eval()\n"
-        f"c = TieredCache(gpu_gb='40KB', cpu_gb='12KB', disk_dir={str(tmp_path)!r}, block_tokens=4)\n"
-        "m(torch.randint(0, 64, (1, 40)), past_key_values=c)\n"
-        "assert c.stats()['blocks']['disk'] > 0\n"
-        f"os.chmod({str(tmp_path)!r}, 0)\n"
-        "c.close()\n"
-        f"os.chmod({str(tmp_path)!r}, 0o700)\n"
-    )
+    script = _spilled(tmp_path) + f"os.chmod({str(tmp_path)!r}, 0)\nc.close()\nos.chmod({str(tmp_path)!r}, 0o700)\n"
     result = subprocess.run([*as_user, os.sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "could not remove the disk tier file" in result.stderr and "retrying at exit" in result.stderr
