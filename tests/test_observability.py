@@ -127,6 +127,30 @@ def test_counters_never_go_back_over_rebuilds_and_close():
     assert closed["bytes_resident"] == dict.fromkeys(("device", "host", "disk"), 0)  # nothing held any more
 
 
+def test_sparse_counters_go_on_over_a_rebuild_and_stay_after_close():
+    """``stats()["sparse"]`` counts every sparse step of the cache's life: a sparse block with other options
+    (a rebuilt executor) adds to what the earlier one counted, and the figures stay readable after close."""
+    model = tiny_model("llama")
+    cache = _cache()
+    ids, _ = prompt(1, 64)
+    with torch.no_grad(), cache.sparse(model, tokens=32, chunk_tokens=16):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        _decode(cache, 3)
+    first = cache.stats()["sparse"]
+    assert first["steps"] == 3 and first["layer_steps"] > 0
+    with torch.no_grad(), cache.sparse(model, tokens=48, chunk_tokens=16):  # other options: a new executor
+        _decode(cache, 2)
+    rebuilt = cache.stats()["sparse"]
+    assert rebuilt["steps"] == 5
+    for key in ("layer_steps", "blocks_selected", "blocks_total", "pages_selected", "bytes_fetched"):
+        assert rebuilt[key] >= first[key], key
+    assert rebuilt["blocks_total"] > first["blocks_total"]
+    cache.close()
+    closed = cache.stats()["sparse"]
+    assert {k: v for k, v in closed.items() if not k.endswith("_device_bytes")} == \
+        {k: v for k, v in rebuilt.items() if not k.endswith("_device_bytes")}
+
+
 # ------------------------------------------------------------------------------------- 4. split's steps
 def test_split_records_its_decode_steps():
     model = tiny_model("llama")

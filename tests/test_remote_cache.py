@@ -64,6 +64,17 @@ def test_a_shared_prefix_with_another_tail(model, redis_server) -> None:
     assert loaded == 64 and torch.equal(out, reference(model, longer))
 
 
+def test_remote_counters_stay_readable_after_close(model, redis_server, tmp_path) -> None:
+    ids, _ = prompt(1, 100)
+    cache = TieredCache(block_tokens=BT, remote=redis_server.url, disk_dir=tmp_path, persist=True)
+    cache.load_prefix(model, ids)
+    model.generate(ids, cache=cache, max_new_tokens=NEW, do_sample=False)
+    cache.close()  # sends the queued writes
+    remote = cache.stats()["remote"]
+    assert remote["writes"] == len(keys_on(redis_server)) >= 6 and remote["pending"] == 0
+    assert remote["local"]["blocks"] >= 6
+
+
 def test_local_disk_first_then_remote(model, redis_server, tmp_path) -> None:
     """A worker with its own persistent disk loads what it has locally, the rest from the server, and keeps
     the remote blocks on its disk for next time."""

@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, TypedDict
 
 from tierkv import settings
@@ -446,6 +446,21 @@ class ReadTiming:
     copies: int
     start: Any = None
     end: Any = None
+
+
+def add_counts(into: Any, other: Any) -> None:
+    """Add the counters of dataclass ``other`` to ``into``, of the same class: numbers summed, dicts of numbers
+    summed per key, nested counter dataclasses likewise (a rebuilt executor's counters go on from its
+    predecessor's)."""
+    for item in fields(into):
+        mine, theirs = getattr(into, item.name), getattr(other, item.name)
+        if isinstance(mine, dict):
+            for key, value in theirs.items():
+                mine[key] = mine.get(key, 0) + value
+        elif is_dataclass(mine):
+            add_counts(mine, theirs)
+        else:
+            setattr(into, item.name, mine + theirs)
 
 
 # ---------------------------------------------------------------------------------------- trace

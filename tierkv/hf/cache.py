@@ -237,6 +237,7 @@ class TieredCache(AttentionModes, Cache):
                 "decode from the wrong state. Build the cache without persist= / remote= for this model.")
         self.session = PrefixSession(disk_dir, persist, persist_gb, remote, block_tokens) \
             if persist or remote is not None else None
+        self.remote_closed: dict[str, Any] | None = None  # the remote tier's final stats (``stats()`` after close)
         super().__init__(layers=cast(list, layers))  # transformers types its own layer kinds
 
     # ------------------------------------------------------------------------------ transformers API
@@ -440,7 +441,8 @@ class TieredCache(AttentionModes, Cache):
         (a metrics scrape): taken under the cache's lock, between two layer-steps."""
         with self.using:
             remote = self.session.remote if self.session is not None else None
-            stats = self.runtime.stats(self.get_seq_length(), remote.stats() if remote is not None else None)
+            stats = self.runtime.stats(self.get_seq_length(),
+                                       remote.stats() if remote is not None else self.remote_closed)
             stats["state_bytes"] = sum(layer.state_bytes() for layer in self.layers if isinstance(layer, StateLayer))
             return stats
 
@@ -539,6 +541,8 @@ class TieredCache(AttentionModes, Cache):
                 if not self.closed:
                     session.collect(self)
                 session.close()
+                if session.remote is not None:
+                    self.remote_closed = session.remote.stats()  # its writes drained: the final figures
             self._finalizer()
             self.closed = True
 

@@ -10,6 +10,7 @@ before.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from tierkv.layout import BlockLayout
 from tierkv.mover import make_mover
 from tierkv.policy import Policy
 from tierkv.staging import gather_staging_bytes, landing_bytes, open_tail_bytes, streaming_staging_bytes
-from tierkv.stats import Timeline, Trace, make_timeline
+from tierkv.stats import Timeline, Trace, add_counts, make_timeline
 from tierkv.store import KVStore
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.memory import MemoryTier
@@ -94,6 +95,7 @@ class Runtime:
         self.decode: PipelinedExecutor | None = None
         self.attending: PipelinedExecutor | None = None  # the executor of the last step
         self.retired: dict[str, float] = dict.fromkeys(COUNTERS, 0)  # the counters of executors closed so far
+        self.retired_own: dict[str, Any] = {}  # executor name -> its own counters (``counters``) summed when closed
         self.moved: dict[str, int] = {}  # the store's bytes_moved when it closed (readable after close())
 
     @property
@@ -159,6 +161,20 @@ class Runtime:
         """Carry a closed executor's counters over, so ``stats()``' counters never go back."""
         for name in COUNTERS:
             self.retired[name] += getattr(executor, name)
+        own = getattr(executor, "counters", None)  # e.g. what sparse steps read (``stats()["sparse"]``)
+        if own is not None:
+            add_counts(self.retired_own.setdefault(executor.name, type(own)()), own)
+
+    def own_counters(self, name: str) -> Any:
+        """Executor ``name``'s own counters over this cache's life (its retired predecessors' added), or None
+        where no such executor was built."""
+        live = self.executors.get(name)
+        retired = self.retired_own.get(name)
+        if live is None or retired is None:
+            return live.counters if live is not None else retired  # type: ignore[attr-defined]
+        total = copy.deepcopy(retired)
+        add_counts(total, live.counters)  # type: ignore[attr-defined]
+        return total
 
     def counters(self) -> dict[str, Any]:
         """The prefetch counters of every executor of this cache's life, the retired ones' included."""
@@ -174,6 +190,9 @@ class Runtime:
         if self.store is None:
             empty = {tier.label: 0 for tier in Tier}
             closed = {"steps": self.timeline.summary()} if self.timeline is not None else {}
+            sparse = self.own_counters("sparse")
+            if sparse is not None:
+                closed["sparse"] = {**sparse.as_dict(), "summaries_device_bytes": 0, "rest_copy_device_bytes": 0}
             return {"bytes_resident": empty, "bytes_moved": dict(self.moved), "blocks": dict(empty), "tokens": 0,
                     **self.counters(), **closed, **extra}
         stats = {**self.store.stats(), **extra, **self.counters()}
@@ -187,10 +206,9 @@ class Runtime:
                      prefetch_depth=min(exact.prefetch_depth, buffers - 1) if buffers else exact.prefetch_depth,
                      prefetch_auto=list(exact.auto_choices),
                      steps=exact.timeline.summary() if exact.timeline is not None else {})
-        sparse = self.executors.get("sparse")
+        sparse = self.own_counters("sparse")
         if sparse is not None:
-            stats["sparse"] = {**sparse.counters.as_dict(),  # type: ignore[attr-defined]
-                               "summaries_device_bytes": held, "rest_copy_device_bytes": rest}
+            stats["sparse"] = {**sparse.as_dict(), "summaries_device_bytes": held, "rest_copy_device_bytes": rest}
         return stats
 
     def budget_error(self, error: BudgetTooSmallError, context: int, batch: int,

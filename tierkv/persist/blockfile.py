@@ -167,6 +167,7 @@ class PersistentStore:
                                 "disk_dir on a writable filesystem.") from error
         self._mutex = threading.Lock()  # the cached manifest, between this process's threads
         self._cached: tuple[tuple[int, int, int], Manifest] | None = None
+        self._closed_stats: dict[str, int] | None = None  # stats() when it closed (its directory is let go)
 
     def _open_scratch(self) -> bool:
         """Make this store's scratch area (under the shared lock, so that recovery never sees a half-made one);
@@ -242,6 +243,8 @@ class PersistentStore:
         return bad
 
     def stats(self) -> dict[str, int]:
+        if self._closed_stats is not None:
+            return dict(self._closed_stats)
         listing = self._listing()
         return {"blocks": len(listing.entries), "bytes": listing.nbytes, "capacity_bytes": self.capacity_bytes}
 
@@ -304,7 +307,13 @@ class PersistentStore:
                 self._update(add=staged)
 
     def close(self) -> None:
-        """Release this store's scratch area (listed records stay for the next process)."""
+        """Release this store's scratch area (listed records stay for the next process); ``stats()`` keeps its
+        figures of now."""
+        if self._finalizer.alive and self._closed_stats is None:
+            try:
+                self._closed_stats = self.stats()
+            except OSError:  # e.g. the directory gone: nothing to report
+                self._closed_stats = {"blocks": 0, "bytes": 0, "capacity_bytes": self.capacity_bytes}
         self._finalizer()
 
     # ------------------------------------------------------------------------------------- internals
