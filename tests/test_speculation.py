@@ -89,6 +89,30 @@ def test_speculation_on_the_demo_model_keeps_its_answer(tmp_path, monkeypatch):
         assert torch.equal(got, expected)
 
 
+def test_a_steps_disk_bytes_count_its_speculative_reads(tmp_path, monkeypatch):
+    """``stats()["steps"]``: a decode step's disk bytes are those it moved (``bytes_moved``), its speculative reads
+    (submitted during the step, off its path) included. (The first sparse step also summarises the prefill's
+    blocks, a one-off read that is not attention's: compared from the second on.)"""
+    monkeypatch.setattr(kept_module, "KEEP_SHARE", 0.0)  # no kept layers: every step guesses its selection
+    model = tiny_model("llama")
+    ids, _ = prompt(1, 96, seed=9)
+    moved, recorded = [], {}
+    with TieredCache(gpu_gb="128KB", cpu_gb="24KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache, \
+            cache.sparse(model, tokens=16, chunk_tokens=8, rest_bits=0), torch.no_grad():
+        token = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(6):
+            before = cache.stats()["bytes_moved"].get("disk->device", 0)
+            token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            stats = cache.stats()
+            moved.append((stats["tokens"], stats["bytes_moved"]["disk->device"] - before))
+            last = stats["steps"]["last"]  # the last step closed: the one before this forward's
+            recorded[last["context"]] = last["bytes_by_link"].get("disk->device", 0)
+        assert stats["sparse"]["speculation"]["reads"] >= 4
+    compared = [(context, nbytes) for context, nbytes in moved[1:] if context in recorded]
+    assert len(compared) >= 4
+    assert compared == [(context, recorded[context]) for context, _ in compared]
+
+
 def test_a_mis_speculated_block_is_still_fetched(tmp_path):
     """The guess holds each row's sink and a block no query wants: the sinks come out of the speculative read,
     the needles (not guessed) are read from disk as usual, the wrong blocks are wasted, and the output is exact."""

@@ -73,7 +73,7 @@ from tierkv.errors import InvalidConfigError
 from tierkv.layout import BlockLayout
 from tierkv.mover import ThreadMover
 from tierkv.staging import GROWTH, REST_BITS, default_page_tokens, sparse_budget_tokens
-from tierkv.stats import Timeline, Trace
+from tierkv.stats import ReadTiming, Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
 from tierkv.store.transfer import link
 from tierkv.units import parse_tokens
@@ -677,7 +677,9 @@ class SparseAttention(PipelinedExecutor):
             return
         kept = self.kept.layers.get(following)
         whole = kept if kept is not None and kept.unit_tokens == self.store.block_tokens else None  # pages: no guess
-        self.speculation.launch(following, whole.ids if whole is not None else None)
+        nbytes = self.speculation.launch(following, whole.ids if whole is not None else None)
+        if nbytes and self.timeline is not None:  # the step's disk traffic, read off its path (as a prefetch is)
+            self.timeline.add_reads(following, [ReadTiming(link(Tier.DISK, Tier.DEVICE), nbytes, 1)], sync=False)
 
     def _runners_up(self, layer: int, columns: np.ndarray) -> np.ndarray | None:
         """The ``speculate_runners`` best-scored candidates of this layer-step that it did not select ``[B, r]``

@@ -116,22 +116,22 @@ class Speculation:
         else:
             self._runners[layer] = runners
 
-    def launch(self, layer: int, held: np.ndarray | None) -> None:
+    def launch(self, layer: int, held: np.ndarray | None) -> int:
         """Submit the disk read of ``layer``'s guess; ``held`` ``[B, capacity]``: the block ids its kept layer
-        holds (-1: none), or None without a kept layer."""
+        holds (-1: none), or None without a kept layer. Returns the bytes it reads (0: no read)."""
         store = self.store
         previous = self._selected.get(layer)
         if previous is None or layer in self._flights or len(self._flights) >= IN_FLIGHT \
                 or Tier.DISK not in store.tiers:
-            return
+            return 0
         rows = store.table.layer_rows(layer)
         if rows is None or rows.batch != previous.shape[0]:
-            return
+            return 0
         runners = self._runners.get(layer)
         if runners is not None and runners.shape[0] != previous.shape[0]:
             runners = None
         if held is not None and runners is None and held.shape[1] >= previous.shape[1]:
-            return  # a kept layer with room for its whole selection holds all of it: nothing to guess
+            return 0  # a kept layer with room for its whole selection holds all of it: nothing to guess
         guess = previous if runners is None else np.concatenate((previous, runners), axis=1)
         row = np.arange(rows.batch)[:, None].repeat(guess.shape[1], axis=1)
         inside = (guess >= 0) & (guess < rows.count - 1)  # a full block (the open tail is on the device)
@@ -142,7 +142,7 @@ class Speculation:
             keys = (np.arange(rows.batch, dtype=np.int64)[:, None] << _ROW_SHIFT) | held
             wanted &= ~np.isin((row.astype(np.int64) << _ROW_SHIFT) | ids, keys[held >= 0])
         if not wanted.any():
-            return
+            return 0
         ids, first = np.unique(ids[wanted], return_index=True)  # a block shared by rows is read once
         slots = slots[wanted][first]
         order = slots.argsort(kind="stable")  # the read goes in ascending slot order
@@ -152,11 +152,12 @@ class Speculation:
         part = TierPart(Tier.DISK, slots[order], (Run(0, int(order.size), 0, 0),), 0)
         pending = store.read_ahead(layer, ReadPlan(layer, 0, int(order.size), (part,)), purpose)
         if pending is None:
-            return
+            return 0
         self._flights[layer] = _InFlight(ids, slots, index, pending, purpose)
         SparseBlocks(store).count_speculated(layer, int(ids.size))
         self.counters.reads += 1
         self.counters.blocks += int(ids.size)
+        return int(ids.size) * store.layouts[layer].block_bytes
 
     def claim(self, layer: int, rows: LayerRows, targets: np.ndarray) -> Claim | None:
         """Of grid columns ``targets`` ``[B, P]`` (-1: nothing) that ``layer`` must read now, the ones its
