@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from models import prompt, tiny_model
+from models import VOCAB, prompt, tiny_model
 from transformers import DynamicCache
 
 from tierkv import BudgetTooSmallError, InvalidConfigError, TieredCache
@@ -116,6 +116,35 @@ def test_a_budget_named_when_streaming_does_not_fit_works():
     assert named is not None, str(info.value)
     expected = model(ids, past_key_values=DynamicCache()).logits[:, 4:]
     torch.testing.assert_close(stream(named.group(1)), expected, atol=1e-5, rtol=0)
+
+
+def test_a_model_that_copies_the_caches_layers_is_refused_before_any_wrong_token(tmp_path):
+    """Looped models (Dory's per-loop recurrent caches) deep-copy cache layers to give each loop its own K/V: a
+    copied TieredCache layer would read and write the original's blocks (wrong tokens, silently). Refused with the
+    fix; nothing of the cache changed."""
+    import copy
+    import pickle
+
+    from tierkv.errors import UnsupportedLayerError
+
+    with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4,
+                     config=tiny_model("llama").config) as cache:
+        for attempt in (copy.deepcopy, copy.copy, pickle.dumps):
+            with pytest.raises(UnsupportedLayerError, match=r"layer cannot be copied.*Use transformers' DynamicCache"):
+                attempt(cache.layers[1])
+    transformers = pytest.importorskip("transformers")
+    if "dory" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        return  # (a transformers release before the looped models)
+    config = transformers.AutoConfig.for_model(
+        "dory", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1,
+        n_recurrent_loops=2, recurrent_kv_cache_mode="per_loop", pad_token_id=0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, _ = prompt(1, 20)
+    with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4, config=config) as cache:
+        with pytest.raises(UnsupportedLayerError, match="Dory"), torch.no_grad():
+            model(input_ids=ids, cache=cache)
+        assert cache.get_seq_length() == 0 and len(cache.layers) == config.num_hidden_layers
 
 
 def test_a_copy_is_refused_with_the_tiered_way_to_reuse_a_prompt(tmp_path):

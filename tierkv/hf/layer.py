@@ -38,6 +38,13 @@ def not_held(what: str) -> str:
             f"architecture.")
 
 
+_LAYER_NOT_COPIED = (
+    "a TieredCache layer cannot be copied: it is a view of the cache's shared store, so a copy would read and write "
+    "the same layer's blocks. This model copies its cache's layers to give a layer run several times its own K/V "
+    "per pass (looped layers, e.g. Dory's recurrent_kv_cache_mode='per_loop'), which TieredCache does not hold. "
+    "Use transformers' DynamicCache for this architecture.")
+
+
 class OfCache:
     """A layer of one TieredCache: the reference back to it (``_cache``, weak: the cache holds its layers, a strong
     reference back would be a cycle) and the batch edits, which the cache makes for all its layers at once."""
@@ -62,6 +69,15 @@ class OfCache:
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.cache.reorder_cache(beam_idx)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OfCache:
+        raise UnsupportedLayerError(_LAYER_NOT_COPIED)
+
+    def __copy__(self) -> OfCache:
+        raise UnsupportedLayerError(_LAYER_NOT_COPIED)
+
+    def __reduce__(self) -> Any:
+        raise UnsupportedLayerError(_LAYER_NOT_COPIED)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.cache.batch_repeat_interleave(repeats)
