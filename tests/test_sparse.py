@@ -645,9 +645,12 @@ def test_packed_codes_unpack_to_themselves(bits, shape, groups, seed):
     assert torch.equal(_unpack(packed, bits), codes.float())
 
 
-def test_rest_bits_must_be_one_the_copy_knows():
-    with pytest.raises(InvalidConfigError, match="rest_bits=3"):
-        SparseBudget(0.1, rest_bits=3)
+@pytest.mark.parametrize("bits", [3, 4.0, 8.0, True, "4"])
+def test_rest_bits_must_be_one_the_copy_knows(bits):
+    """Only the ints the copy packs (4.0 equals 4 but would size its buffers with a float: a torch error at the
+    first step)."""
+    with pytest.raises(InvalidConfigError, match=f"rest_bits={bits!r}: give one of 0, 2, 4, 8"):
+        SparseBudget(0.1, rest_bits=bits)
 
 
 @pytest.mark.parametrize(("policy", "chunk"), [("lru", None), ("attention", None), ("lru", 3 * BT)],

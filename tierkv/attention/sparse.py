@@ -123,7 +123,8 @@ class SparseBudget:
         if isinstance(tokens, float) and not 0.0 < tokens <= 1.0:
             raise InvalidConfigError(f"sparse tokens={tokens} as a fraction must be in (0, 1]; give an int for a "
                                      "number of tokens.")
-        if self.rest_bits not in REST_BITS:
+        bits = self.rest_bits
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in REST_BITS:  # 4.0 == 4: not an int
             raise InvalidConfigError(f"sparse rest_bits={self.rest_bits!r}: give one of "
                                      f"{', '.join(map(str, REST_BITS))} (0: the blocks not read are not attended).")
         page = self.page_tokens
