@@ -169,8 +169,8 @@ class TieredLayer(OfCache, CacheLayerMixin):
                 if widths is not None:
                     raise InvalidConfigError(
                         f"layer {self.index} caches keys of {widths[0]} and values of {widths[1]} dims (multi-head "
-                        f"latent attention: the model expands them after the cache, or attends values narrower than "
-                        f"its keys); streaming, split and sparse attention attend the stored K/V of one head dim. "
+                        f"latent attention: the model expands them after the cache, or values of another head dim "
+                        f"than its keys); streaming, split and sparse attention attend the stored K/V of one head dim. "
                         f"Decode this model with exact gather: leave out the `with cache.streaming/split/"
                         f"sparse(model)` block (outputs equal DynamicCache's).")  # fmt: skip
                 self.pending = (executor, span, key_states, value_states)

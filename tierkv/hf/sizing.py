@@ -91,6 +91,7 @@ def min_streaming_device_bytes(config: PreTrainedConfig, batch: int = 1, block_t
     check_count(batch, name="batch")
     check_count(block_tokens, name="block_tokens")
     check_count(chunk_tokens, name="chunk_tokens")
+    _refuse_two_widths(config, "streaming")
     layout = layout_of_config(config, block_tokens, dtype)
     staging = sizes.streaming_staging_bytes(batch, chunk_tokens, layout.token_bytes, block_tokens)
     tails = sizes.open_tail_bytes(len(layer_windows(config)), batch, layout.slot_bytes)
@@ -110,6 +111,7 @@ def min_split_device_bytes(config: PreTrainedConfig, batch: int = 1, block_token
     check_count(batch, name="batch")
     check_count(block_tokens, name="block_tokens")
     check_count(chunk_tokens, name="chunk_tokens")
+    _refuse_two_widths(config, "split")
     layout = layout_of_config(config, block_tokens, dtype)
     text = config.get_text_config(decoder=True)
     if device is None:
@@ -146,6 +148,7 @@ def min_sparse_device_bytes(config: PreTrainedConfig, context: int, tokens: int 
     landing buffers). ``rest_bits``: None for ``cache.sparse``'s default. ``record_past``: sliding-window layers
     keep their whole past (after ``cache.activate_past_recording()``, until the next crop), summarised as full
     layers'. Bytes, not GB: pass it on as ``gpu_gb=f"{n}B"``."""
+    _refuse_two_widths(config, "sparse")
     tables = sparse_table_bytes(config, context, tokens, batch, block_tokens, page_tokens, rest_bits, dtype,
                                 record_past)
     budget = _sparse_budget(config, tokens, rest_bits, page_tokens)
@@ -223,6 +226,17 @@ def rest_copy_bytes(config: PreTrainedConfig, tokens: int, rest_bits: int, dtype
     return sizes.rest_copy_bytes(kv_bytes, rest_bits, layout.dtype.itemsize, layout.head_dim)
 
 
+def _refuse_two_widths(config: PreTrainedConfig, executor: str) -> None:
+    """Refuse sizing ``cache.<executor>`` for a model whose layers cache keys and values of two head dims: the
+    executor attends K/V of one (:meth:`TieredLayer.update` refuses the model), so no budget would run it."""
+    widths = next(filter(None, (kv_widths(layer, sliding) for _, layer, sliding in _kv_layers(config))), None)
+    if widths is not None:
+        raise InvalidConfigError(
+            f"this model caches keys of {widths[0]} and values of {widths[1]} dims; cache.{executor} attends "
+            "stored K/V of one head dim, so it cannot run this model at any budget. Decode it with exact gather "
+            "(no executor block) and size that with TieredCache.min_device_bytes.")
+
+
 def device_minimum(staging: int, tails: int, slot_bytes: int, device: str | torch.device | None) -> int:
     """The smallest budget for ``staging`` beside ``tails`` (:func:`tierkv.staging.device_minimum`), plus on CUDA
     (``device``; None: CUDA if available) the two landing buffers (:func:`tierkv.staging.landed_device_minimum`)."""
@@ -241,40 +255,106 @@ def layout_of_config(config: PreTrainedConfig, block_tokens: int, dtype: torch.d
 
 def layer_layouts(config: PreTrainedConfig, block_tokens: int, dtype: torch.dtype | None) -> list[BlockLayout]:
     """The block layout of each layer that holds KV. A heterogeneous config (transformers' ``per_layer_config``:
-    Gemma 4's full-attention layers have wider heads than its sliding ones) gives each layer its own."""
+    Gemma 4's full-attention layers have wider heads than its sliding ones) gives each layer its own, as do the
+    sliding layers of a config with ``swa_*`` fields (Inkling) or whose attention keeps other KV heads (MiMo)."""
     text = config.get_text_config(decoder=True)
     dtype = dtype or getattr(text, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    holding = [i for i, kind in enumerate(layer_kinds(config)) if kind is not None and kind.kv]
-    each = [text.per_layer_config[i] for i in holding] if getattr(text, "is_heterogeneous", False) \
-        else [text] * len(holding)
-    shapes = [_stored_shape(layer) for layer in each]
+    layers = _kv_layers(config)
+    heads = _attention_kv_heads(text) if len({sliding for _, _, sliding in layers}) > 1 else {}
+    shapes = [_stored_shape(layer, sliding, heads.get(i)) for i, layer, sliding in layers]
     layouts = {shape: BlockLayout(*shape, block_tokens, dtype) for shape in set(shapes)}
     return [layouts[shape] for shape in shapes]
 
 
-def _stored_shape(config: Any) -> tuple[int, int]:
-    """(KV heads, head dim) of what a layer of ``config`` stores. Multi-head latent attention (``kv_lora_rank``)
-    caches, where the installed transformers expands its K/V after the cache (``expand_kv``), its latent and its
-    rotary key as one head of ``kv_lora_rank`` and ``qk_rope_head_dim`` dims, else the expanded keys and values per
-    head; keys and values of two widths are stored at the wider (:meth:`TieredLayer.update`)."""
-    widths = kv_widths(config)
-    if widths is not None:
-        return 1 if _expands_after_cache(config.model_type) else config.num_attention_heads, max(widths)
-    return (getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            getattr(config, "head_dim", None) or getattr(config, "dim_head", None)  # CPM-Ant spells it dim_head
-            or config.hidden_size // config.num_attention_heads)
+def _kv_layers(config: PreTrainedConfig) -> list[tuple[int, Any, bool]]:
+    """Each layer that holds K/V: its index, its config (a heterogeneous config's ``per_layer_config``, else the
+    text config) and whether it is a sliding-window one."""
+    text = config.get_text_config(decoder=True)
+    per_layer = getattr(text, "is_heterogeneous", False)
+    return [(i, text.per_layer_config[i] if per_layer else text, kind.window is not None)
+            for i, kind in enumerate(layer_kinds(config)) if kind is not None and kind.kv]
 
 
-def kv_widths(config: Any) -> tuple[int, int] | None:
-    """The head dims of the keys and the values a layer of ``config`` caches where they differ (multi-head latent
-    attention: :func:`_stored_shape`), else None."""
-    if not getattr(config, "kv_lora_rank", None):
-        return None
-    if _expands_after_cache(config.model_type):
-        return config.kv_lora_rank, config.qk_rope_head_dim
-    return config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+def _stored_shape(config: Any, sliding: bool = False, kv_heads: int | None = None) -> tuple[int, int]:
+    """(KV heads, head dim) of what a layer of ``config`` stores (``sliding``: a sliding-window layer, which
+    ``swa_*`` fields size where given; ``kv_heads``: its attention module's count, where read). Multi-head
+    latent attention (``kv_lora_rank``) caches, where the installed transformers expands its K/V after the cache
+    (``expand_kv``), its latent and its rotary key as one head of ``kv_lora_rank`` and ``qk_rope_head_dim`` dims,
+    else the expanded keys and values per head; keys and values of two widths are stored at the wider
+    (:meth:`TieredLayer.update`)."""
+    widths = kv_widths(config, sliding)
+    if kv_heads is None:
+        kv_heads = 1 if getattr(config, "kv_lora_rank", None) and _expands_after_cache(config.model_type) \
+            else _field(config, sliding, "num_key_value_heads") or _query_heads(config, sliding)
+    return kv_heads, max(widths) if widths is not None else _key_width(config, sliding)
+
+
+def kv_widths(config: Any, sliding: bool = False) -> tuple[int, int] | None:
+    """The head dims of the keys and the values a layer of ``config`` caches (``sliding``: a sliding-window one)
+    where they differ, else None: multi-head latent attention (:func:`_stored_shape`), or values of their own
+    ``v_head_dim`` (MiMo-V2-Flash; ``swa_v_head_dim`` for sliding layers)."""
+    if getattr(config, "kv_lora_rank", None):
+        if _expands_after_cache(config.model_type):
+            return config.kv_lora_rank, config.qk_rope_head_dim
+        return config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    keys = _key_width(config, sliding)
+    values = _field(config, sliding, "v_head_dim") or keys
+    return None if values == keys else (keys, values)
+
+
+def _key_width(config: Any, sliding: bool) -> int:
+    """The head dim of the keys of a layer of ``config`` (``sliding``: a sliding-window one)."""
+    return (_field(config, sliding, "head_dim")
+            or getattr(config, "dim_head", None)  # CPM-Ant spells it dim_head
+            or config.hidden_size // _query_heads(config, sliding))
+
+
+def _query_heads(config: Any, sliding: bool) -> int:
+    """The attention heads of a layer of ``config``; a config that names none (RWKV's, xLSTM's) is refused."""
+    heads = _field(config, sliding, "num_attention_heads")
+    if not isinstance(heads, int):
+        raise InvalidConfigError(
+            f"this {config.model_type!r} config names no attention heads (num_attention_heads), so the K/V its "
+            "layers would cache cannot be sized. A model that keeps no K/V in the cache (RWKV and xLSTM keep "
+            "their own state) needs no TieredCache budget: use transformers' default cache for it; for one that "
+            "does, give its config num_attention_heads, num_key_value_heads and head_dim.")
+    return heads
+
+
+def _field(config: Any, sliding: bool, name: str) -> Any:
+    """``config``'s ``name``, or for a sliding-window layer its ``swa_`` variant where the config gives one."""
+    return (sliding and getattr(config, f"swa_{name}", None)) or getattr(config, name, None)
+
+
+def _attention_kv_heads(config: PreTrainedConfig) -> dict[int, int]:
+    """The KV head count of each layer's attention module, by layer index, where the model sets its own per layer
+    type beyond its config (MiMo-V2-Flash's sliding layers double ``num_key_value_heads``): read from the modules
+    the installed transformers builds for ``config`` on the meta device (no memory), each naming its count
+    (``num_key_value_heads``) or its query heads per KV head (``num_key_value_groups``). Empty where the model
+    cannot be built so (its config's fields size it)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - not a causal LM of this release, or one that needs more: the config's fields
+        return {}
+    heads: dict[int, int] = {}
+    for module in model.modules():
+        index, kv, groups = (getattr(module, name, None)
+                             for name in ("layer_idx", "num_key_value_heads", "num_key_value_groups"))
+        if not isinstance(index, int) or not hasattr(module, "head_dim"):
+            continue
+        if isinstance(kv, int):
+            heads[index] = kv
+        elif isinstance(groups, int) and groups > 0:
+            queries = getattr(module, "num_heads", None) or getattr(module, "num_attention_heads", None) \
+                or getattr(getattr(module, "config", None), "num_attention_heads", None)
+            if isinstance(queries, int):
+                heads[index] = queries // groups
+    return heads
 
 
 @functools.cache  # per model type, for the installed transformers: sizing asks it per layer
