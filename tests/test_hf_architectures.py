@@ -599,3 +599,55 @@ def test_kv_bytes_held_is_what_dynamic_cache_holds(model_type, extra):
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in reference.layers
                if getattr(layer, "keys", None) is not None)  # fmt: skip
     assert held and kv_bytes_held(model.config, reference.get_seq_length()) == held  # (CPM-Ant adds 32 tokens)
+
+
+def _recurrent_gemma() -> transformers.PreTrainedModel:
+    """A tiny RecurrentGemma: recurrent blocks (state in the model's own modules, though its config lists them as
+    linear-attention layers) between sliding-window attention layers."""
+    try:
+        config = transformers.AutoConfig.for_model(
+            "recurrent_gemma", **{**SMALL, "num_hidden_layers": 4}, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, block_types=["recurrent", "attention"], attention_window_size=24, lru_width=64)
+    except (KeyError, ValueError):
+        pytest.skip("this transformers release has no recurrent_gemma")
+    if not HOLDS_STATE:
+        pytest.skip("this transformers' cache holds no recurrent state: its config's layer kinds are not known")
+    return instantiate(transformers.AutoModelForCausalLM.from_config, config)
+
+
+@pytest.mark.parametrize("mode", ["gather", "streaming", "split", "sparse"])
+def test_a_model_that_keeps_its_recurrent_state_itself_decodes_exactly(tmp_path, mode):
+    """RecurrentGemma never uses the cache layers its config makes recurrent: the cache learns so at the first
+    forward (a K/V update with an earlier state layer untouched) and counts only its attention layers' updates —
+    where a forward was taken for one that stopped half-way (the refusal said to call generate again, which could
+    not help). Exact against DynamicCache; a conversation file, which could not hold the model's own state, is
+    refused."""
+    model = _recurrent_gemma()
+    ids, _ = prompt(1, 40, seed=4)
+    options = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    reference = model.generate(ids, past_key_values=DynamicCache(config=model.config), **options)
+    config, context = model.config, ids.shape[1] + NEW
+    least = {"gather": TieredCache.min_device_bytes(config, context, block_tokens=4),
+             "streaming": TieredCache.min_streaming_device_bytes(config, block_tokens=4, chunk_tokens=8),
+             "split": TieredCache.min_split_device_bytes(config, block_tokens=4, chunk_tokens=8),
+             "sparse": TieredCache.min_sparse_device_bytes(config, context, 1.0, block_tokens=4, chunk_tokens=8)}
+    with TieredCache(gpu_gb=f"{least[mode] + 2048}B", cpu_gb=0, disk_dir=tmp_path, block_tokens=4,
+                     config=config) as cache:
+        modes = {"gather": contextlib.nullcontext, "streaming": lambda: cache.streaming(model, chunk_tokens=8),
+                 "split": lambda: cache.split(model, chunk_tokens=8),
+                 "sparse": lambda: cache.sparse(model, tokens=1.0, chunk_tokens=8)}
+        with modes[mode]():
+            out = model.generate(ids, past_key_values=cache, **options)
+        assert cache.stats()["blocks"]["disk"] > 0
+        assert cache.get_seq_length() == ids.shape[1] + NEW - 1
+        with pytest.raises(InvalidConfigError, match="keeps its recurrent layers' state in its own modules"):
+            cache.save(tmp_path / "chat.tkv", model=model)
+    assert_same_generation(out, reference, atol=1e-4)
+
+
+def test_a_model_that_skips_cache_layers_without_config_is_told_to_pass_it(tmp_path):
+    model = _recurrent_gemma()
+    ids, _ = prompt(1, 20, seed=4)
+    with TieredCache(gpu_gb="1MB", cpu_gb="8KB", disk_dir=tmp_path, block_tokens=4) as cache, \
+            pytest.raises(InvalidConfigError, match=r"never updated the cache's layer 0 .*config=model\.config"):
+        model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)

@@ -238,6 +238,7 @@ class TieredCache(AttentionModes, Cache):
         self.session = PrefixSession(disk_dir, persist, persist_gb, remote, block_tokens) \
             if persist or remote is not None else None
         self.remote_closed: dict[str, Any] | None = None  # the remote tier's final stats (``stats()`` after close)
+        self.state_in_model = False  # the model keeps its recurrent state itself (:meth:`_leave_skipped_state`)
         super().__init__(layers=cast(list, layers))  # transformers types its own layer kinds
 
     # ------------------------------------------------------------------------------ transformers API
@@ -274,6 +275,10 @@ class TieredCache(AttentionModes, Cache):
         with self.using:
             if self.forward.unsettled is not None:  # generate() asks before its first update: finish the rollback
                 self.forward.settle(self.holding, self.runtime)
+            layers = self.layers  # a layer that keeps nothing answers for the first that holds: the sequence's length
+            if isinstance(layer_idx, int) and 0 <= layer_idx < len(layers) and \
+                    isinstance(layers[layer_idx], DummyLayer):
+                layer_idx = next((i for i, layer in enumerate(layers) if not isinstance(layer, DummyLayer)), layer_idx)
             return super().get_seq_length(layer_idx)
 
     @torch.compiler.disable(reason=_NOT_COMPILED)
@@ -349,6 +354,8 @@ class TieredCache(AttentionModes, Cache):
                 self.begin_forward()
             if isinstance(layer, StateLayer) and layer.touch(forward.number):
                 forward.layers_updated += 1
+            elif not isinstance(layer, StateLayer):
+                self._leave_skipped_state(layer.position)
 
     def uses_per_forward(self) -> int | None:
         """The layer updates and first uses of a layer's state that a complete forward makes (None: not known
@@ -588,12 +595,32 @@ class TieredCache(AttentionModes, Cache):
         caches other K/V than the step's own (Mllama's cross-attention keeps the image's, and reads it back on
         later steps without an update). Refused, the cache emptied."""
         first = self.forward.tokens
+        skipped = [other.position for other in self.kv_layers if other.position < layer.position
+                   and not TieredLayer.get_seq_length(other)]
         self.reset()
+        if skipped and self.runtime.num_layers is None:
+            raise InvalidConfigError(
+                f"this model never updated the cache's layer {skipped[0]} while it updates layer {layer.position}: not "
+                "every model layer is an attention layer that uses the cache (a hybrid such as RecurrentGemma), which "
+                "a cache built without config= cannot tell. Build it with TieredCache(config=model.config, ...). This "
+                "cache was emptied.")
         raise InvalidConfigError(
             f"layer {layer.position} cached {tokens} tokens in a forward whose first layer cached {first}: it keeps "
             "other K/V than the step's own, as a decoder's cross-attention layers keep an image's (Mllama) and read "
             "it back later without updating the cache; TieredCache holds each step's self-attention K/V only. Use "
             "transformers' DynamicCache for this model. This cache was emptied.")
+
+    def _leave_skipped_state(self, position: int) -> None:
+        """A K/V update at model layer ``position`` in a forward that did not touch the state of a layer before it:
+        the model keeps its recurrent layers' state in its own modules (RecurrentGemma), though its config lists
+        them as linear-attention layers. A model runs its layers in order and its recurrent layers one code, so
+        every layer that keeps state alone becomes an empty one, which a forward does not count."""
+        number = self.forward.number
+        if not any(type(other) is StateLayer and other.position < position and other.saved_in != number
+                   for other in self.layers):
+            return
+        self.layers[:] = cast(list, [DummyLayer() if type(other) is StateLayer else other for other in self.layers])
+        self.state_in_model = True
 
     def begin_forward(self) -> None:
         """A forward begins: the previous one is complete (its full blocks are persisted), or it stopped part-way

@@ -385,6 +385,11 @@ def _unguarded_records(cache: TieredCache, model: torch.nn.Module | None) -> Ite
     if cache.closed:
         raise InvalidConfigError("this TieredCache was closed (its tiers are released); save before close().")
     cache.settle_stopped()  # a forward stopped part-way (a Ctrl-C in generate): save what its layers all hold
+    if cache.state_in_model:
+        raise InvalidConfigError(
+            "this model keeps its recurrent layers' state in its own modules, not in the cache (RecurrentGemma): a "
+            "saved conversation would hold the attention K/V without that state, and continue from the wrong one. "
+            "Keep the model and cache in one process instead.")
     store = cache.runtime.store
     if (store is None and not cache.stateful) or not cache.get_seq_length():
         raise InvalidConfigError("this cache holds no tokens yet; save it after a forward pass or generate().")
