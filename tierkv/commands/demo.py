@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import random
 import tempfile
 import time
@@ -299,26 +298,23 @@ def _check_disk_room(args: argparse.Namespace, need: int) -> int:
 
 
 def _device_floor(args: argparse.Namespace, config, dtype: torch.dtype, prompt: int, decode: int) -> int:
-    """A device budget this run surely works with (the cache's ``min_*_device_bytes``, which keep headroom for
-    staging growth and slab chunks; a little less may work too): the executor's staging and open blocks, and with
-    ``--executor sparse`` the key summaries, two selection buffers and the rest copy; ``config`` and ``dtype``:
-    the model's."""
+    """The cache's own minimum device budget (``TieredCache.min_*_device_bytes``) for this run's executor and
+    every option it is given, up to ``prompt + decode`` tokens: the default ``--gpu-gb`` and the advice for a
+    too-small one are then budgets the cache accepts. ``config`` and ``dtype``: the model's."""
     from tierkv import TieredCache
-    from tierkv.planner import kv_summary_bytes
 
     if args.executor == "gather":
-        floor = TieredCache.min_device_bytes(config, prompt + decode, block_tokens=args.block_tokens)
-    elif args.executor == "split":
-        floor = TieredCache.min_split_device_bytes(config, block_tokens=args.block_tokens,
-                                                   chunk_tokens=args.chunk_tokens)
-    else:
-        floor = TieredCache.min_streaming_device_bytes(config, block_tokens=args.block_tokens,
-                                                       chunk_tokens=args.chunk_tokens)
-    if args.executor == "sparse":  # summaries (4 vectors per page: 2/page_tokens of the KV), the selection
-        floor += kv_summary_bytes(_kv_bytes(config, prompt + decode), _page_tokens(args), dtype.itemsize) + \
-            2 * _sparse_selection_bytes(args, config, prompt) + \
-            TieredCache.rest_copy_bytes(config, prompt + decode, args.sparse_rest_bits, torch.float32)
-    return floor
+        return TieredCache.min_device_bytes(config, prompt + decode, block_tokens=args.block_tokens, dtype=dtype)
+    if args.executor == "split":
+        return TieredCache.min_split_device_bytes(config, block_tokens=args.block_tokens,
+                                                  chunk_tokens=args.chunk_tokens, dtype=dtype)
+    if args.executor == "sparse":
+        return TieredCache.min_sparse_device_bytes(config, prompt + decode, tokens=args.sparse_tokens,
+                                                   block_tokens=args.block_tokens, page_tokens=args.page_tokens,
+                                                   rest_bits=args.sparse_rest_bits, chunk_tokens=args.chunk_tokens,
+                                                   dtype=dtype)
+    return TieredCache.min_streaming_device_bytes(config, block_tokens=args.block_tokens,
+                                                  chunk_tokens=args.chunk_tokens, dtype=dtype)
 
 
 def _budget_advice(args: argparse.Namespace, config, prompt: int, floor: int) -> str:
@@ -570,16 +566,6 @@ def _executor(args: argparse.Namespace, cache, model):
 def _page_tokens(args: argparse.Namespace) -> int:
     """Tokens per page sparse attention selects (and summarises) in this run's blocks."""
     return SparseBudget(args.sparse_tokens, page_tokens=args.page_tokens).page_size(args.block_tokens)
-
-
-def _sparse_selection_bytes(args: argparse.Namespace, config, context: int) -> int:
-    """One layer's KV of the tokens a sparse step attends (its staging buffer), in whole blocks."""
-    from tierkv import TieredCache
-
-    budget = args.sparse_tokens if isinstance(args.sparse_tokens, int) else math.ceil(args.sparse_tokens * context)
-    blocks = -(-budget // args.block_tokens) + 2  # the sinks' and the recent window's blocks may come on top
-    layers = config.get_text_config(decoder=True).num_hidden_layers
-    return blocks * args.block_tokens * TieredCache.kv_bytes_per_token(config, torch.float32) // layers
 
 
 def _live_table(cache, tokens: list[int], elapsed: float, decode: int) -> Table:

@@ -13,7 +13,8 @@ With ``--tasks`` it measures approximate attention against full attention instea
 docs/quality.md): needle, multi-needle and next-token fidelity prompts for a named model (``demo`` or
 ``smollm2``), full attention first (``--stage reference``: prefill once, save the KV and full attention's
 answers and distributions in ``--out``), then tierkv's exact and sparse executors from that KV (``--stage
-measure``, one sparse run per ``--budgets`` fraction). kvpress runs on the same ``--out`` folder in its own
+measure``, one sparse run per ``--budgets`` fraction, into ``tierkv*.json`` named by every option that changes a
+result: :func:`tierkv.quality.harness.results_file`). kvpress runs on the same ``--out`` folder in its own
 environment (benchmarks/quality/kvpress_run.py).
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -49,7 +51,7 @@ from tierkv.commands.progress import (
     seconds,
 )
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError
-from tierkv.quality.harness import REFERENCE_FILE
+from tierkv.quality.harness import REFERENCE_FILE, CacheSetup, setup_differences
 from tierkv.quality.tasks import TASKS
 from tierkv.staging import REST_BITS
 from tierkv.units import format_size_option, format_tokens, plural
@@ -107,14 +109,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     quality.add_argument("--tasks", type=_task_list, default=None,
                          help=f"measure approximate attention on these tasks ({', '.join(TASKS)}) instead of the "
                               "retrieval heat map")
-    quality.add_argument("--budgets", type=fractions("--budgets"), default=None,
-                         help=f"sparse budgets, fractions of the context (default: {QUALITY_DEFAULTS['budgets']})")
+    quality.add_argument("--budgets", type=_budget_list, default=None,
+                         help="sparse budgets, fractions of the context in (0, 1] (default: "
+                              f"{QUALITY_DEFAULTS['budgets']})")
     quality.add_argument("--methods", type=_method_list, default=None,
                          help="tierkv methods next to full attention: exact, sparse (default: "
                               f"{QUALITY_DEFAULTS['methods']})")
     quality.add_argument("--stage", choices=("all", "reference", "measure"), default=None,
                          help="reference: full attention only; measure: the methods on every prompt of the "
-                              "reference in --out (no --tasks needed); default: both")
+                              "reference in --out (no --tasks needed), into a results file named by the sparse "
+                              "options given (tierkv.json, tierkv-8-sinks0-rest2.json, ...): a run resumes only "
+                              "results measured with its own options; default: both")
     quality.add_argument("--fidelity-steps", type=integer("--fidelity-steps", 2), default=None,
                          help="decode steps compared per fidelity prompt (default: "
                               f"{QUALITY_DEFAULTS['fidelity_steps']})")
@@ -194,7 +199,7 @@ def _check_combination(args: argparse.Namespace) -> None:
         raise InvalidConfigError(f"{', '.join(quality)} {'applies' if len(quality) == 1 else 'apply'} only to the "
                                  "sparse attention quality runs; add --tasks (e.g. --tasks needle --out DIR) or "
                                  f"leave {them} out (the retrieval heat map ignores {them}).")
-    defaults = {"budgets": fractions("--budgets"), "methods": _method_list}
+    defaults = {"budgets": _budget_list, "methods": _method_list}
     for name, default in QUALITY_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, defaults[name](default) if name in defaults else default)  # type: ignore[arg-type]
@@ -221,6 +226,26 @@ def _task_list(text: str) -> list[str]:
     if not tasks or unknown:
         raise argparse.ArgumentTypeError(f"--tasks={text!r}: valid tasks are {', '.join(TASKS)}.")
     return tasks
+
+
+def _budget_list(text: str) -> list[float]:
+    """``--budgets``: fractions of the context in (0, 1], as ``cache.sparse(model, tokens=f)`` takes them, refused
+    while parsing in this option's terms (a budget of 0 attends nothing)."""
+    budgets = []
+    for part in (part.strip() for part in text.split(",")):
+        if not part:
+            continue
+        try:
+            budget = float(part)
+        except ValueError:
+            budget = math.nan
+        if not 0.0 < budget <= 1.0:  # NaN too
+            raise argparse.ArgumentTypeError(f"--budgets={part!r} is not a fraction of the context in (0, 1]; give "
+                                             "e.g. --budgets 0.02,0.05,0.1.")
+        budgets.append(budget)
+    if not budgets:
+        raise argparse.ArgumentTypeError(f"--budgets={text!r} has no values; give e.g. --budgets 0.02,0.05,0.1.")
+    return budgets
 
 
 def _method_list(text: str) -> list[str]:
@@ -415,7 +440,7 @@ def _run_quality(args: argparse.Namespace, console, status: _Log, phases: Phases
                                    dense_layers=args.dense_layers, rest_bits=args.rest_bits,
                                    page_tokens=args.page_tokens)
         path = out / harness.results_file(setup)
-        records = json.loads(path.read_text())["results"] if path.is_file() else []
+        records = _resumed_records(path, setup)
 
         def save(record: dict) -> None:  # after every record: an interrupted run resumes where it stopped
             records.append(record)
@@ -425,4 +450,21 @@ def _run_quality(args: argparse.Namespace, console, status: _Log, phases: Phases
         status.log(f"{path}: {plural(len(records), 'result')} ({time.perf_counter() - started:.0f} s)")
     console.print(summary_table(out, tokenizer))
     return 0
+
+
+def _resumed_records(path: Path, setup: CacheSetup) -> list[dict]:
+    """The records an earlier ``--stage measure`` of the same options left in ``path`` (the file's name holds
+    every option that changes a result: :func:`tierkv.quality.harness.results_file`); a file whose setup says
+    other options (written before its name said them all) is refused, not resumed nor relabelled."""
+    if not path.is_file():
+        return []
+    saved = json.loads(path.read_text())
+    differences = setup_differences(setup, saved.get("setup", {}))
+    if differences:
+        said = ", ".join(f"--{name.replace('_', '-')} {'(the default)' if value is None else value}"
+                         for name, value in differences.items())
+        raise InvalidConfigError(f"{str(path)!r} holds results measured with {said}, not this run's options: move "
+                                 "it out of --out (or rerun with those options) so that no result is reused with "
+                                 "options it was not measured with.")
+    return list(saved["results"])
 

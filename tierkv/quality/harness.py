@@ -233,14 +233,32 @@ def measure(model, tokenizer, folder: str | Path, methods: Sequence[Method], set
     return records
 
 
+RESULT_OPTIONS = ("block_tokens", "page_tokens", "sinks", "recent", "dense_layers", "rest_bits")
+"""The :class:`CacheSetup` fields that change a run's results (the others only place its blocks): every one is in
+the name of the run's results file (:func:`results_file`), so a record is reused only with the options it was
+measured with."""
+
+
 def results_file(setup: CacheSetup) -> str:
-    """The file of a run's tierkv records: ``tierkv.json``, ``tierkv-8.json`` for 8-token blocks (any size but
-    the default), ``tierkv-256-p16.json`` with ``page_tokens=16`` given, ``tierkv-8-rest2.json`` with a 2-bit rest
-    copy, so runs of other setups resume and are reported on their own (tierkv.quality.report)."""
+    """The file of a run's tierkv records, named by every option in :data:`RESULT_OPTIONS` but a default one:
+    ``tierkv.json``, ``tierkv-8.json`` for 8-token blocks, ``tierkv-256-p16.json`` with ``page_tokens=16`` given,
+    ``tierkv-sinks0-recent32-dense2.json`` with those sparse options, ``tierkv-8-rest2.json`` with a 2-bit rest
+    copy; so runs of other setups resume and are reported on their own (tierkv.quality.report)."""
     name = "tierkv" if setup.block_tokens == DEFAULT_BLOCK_TOKENS else f"tierkv-{setup.block_tokens}"
     if setup.page_tokens is not None:
         name += f"-p{setup.page_tokens}"
+    for option, value in (("sinks", setup.sinks), ("recent", setup.recent), ("dense", setup.dense_layers or None)):
+        if value is not None:
+            name += f"-{option}{value}"
     return f"{name}-rest{setup.rest_bits}.json" if setup.rest_bits else f"{name}.json"
+
+
+def setup_differences(setup: CacheSetup, saved: dict[str, Any]) -> dict[str, Any]:
+    """``{option: saved value}`` of each :data:`RESULT_OPTIONS` where ``saved`` (a results file's ``setup``; a field
+    it lacks: the default) differs from ``setup``: a file written before its name said every option."""
+    defaults = CacheSetup().to_dict()
+    return {name: saved.get(name, defaults[name]) for name in RESULT_OPTIONS
+            if saved.get(name, defaults[name]) != getattr(setup, name)}
 
 
 def _run_method(model, tokenizer, prompt: Prompt, kv, logprobs, method: Method, setup: CacheSetup) -> dict:

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from tierkv import safefs
-from tierkv.quality.harness import DEFAULT_BLOCK_TOKENS  # other block sizes get rows of their own
+from tierkv.quality.harness import DEFAULT_BLOCK_TOKENS, RESULT_OPTIONS, CacheSetup  # other setups: own rows
 from tierkv.quality.tasks import TASKS, answer_matches
-from tierkv.units import format_tokens
+from tierkv.units import format_tokens, plural
 
 FAMILIES = {"sparse": "tierkv sparse", "snapkv": "SnapKV", "streaming_llm": "StreamingLLM",
             "expected_attention": "ExpectedAttention", "knorm": "Knorm"}
@@ -66,21 +66,31 @@ def label(method: str) -> str:
     return f"{family_label(family)} {float(budget):.0%}"
 
 
+_SPARSE_LETTERS = {"page_tokens": "p", "sinks": "s", "recent": "w", "dense_layers": "d", "rest_bits": "r"}
+"""The letter of each option but the block size in a sparse family's name, in order (``sparse8p4s0w32d2r2``)."""
+
+
 def sparse_family(setup: dict[str, Any]) -> str:
-    """The family name of a run's sparse records: ``sparse``, ``sparse8`` (8-token blocks), ``sparse256p16`` (and
-    16-token pages given), ``sparse8r2`` (and a 2-bit rest copy), from the run's cache setup."""
-    block_tokens = setup.get("block_tokens", DEFAULT_BLOCK_TOKENS)
-    rest_bits, page_tokens = setup.get("rest_bits", 0), setup.get("page_tokens")
-    family = "sparse" if block_tokens == DEFAULT_BLOCK_TOKENS and not rest_bits and page_tokens is None else \
-        f"sparse{block_tokens}" + (f"p{page_tokens}" if page_tokens is not None else "")
-    return f"{family}r{rest_bits}" if rest_bits else family
+    """The family name of a run's sparse records, from the run's cache setup: ``sparse`` with the defaults, else
+    ``sparse`` and the block size, then ``p`` (pages), ``s`` (sinks), ``w`` (recent window), ``d`` (dense layers)
+    and ``r`` (rest bits) for each option given: ``sparse8``, ``sparse256p16``, ``sparse16s0w32``, ``sparse8r2``."""
+    defaults = CacheSetup().to_dict()
+    values = {name: setup.get(name, defaults[name]) for name in RESULT_OPTIONS}
+    given = "".join(f"{letter}{values[name]}" for name, letter in _SPARSE_LETTERS.items()
+                    if values[name] != defaults[name])
+    return "sparse" if values["block_tokens"] == DEFAULT_BLOCK_TOKENS and not given else \
+        f"sparse{values['block_tokens']}{given}"
 
 
-def _sparse_variant(family: str) -> tuple[int, int, int | None] | None:
-    """``sparse8r2`` -> (8, 2, None), ``sparse8`` -> (8, 0, None), ``sparse256p16`` -> (256, 0, 16): block tokens,
-    rest bits, page tokens (None: the default); None for any other family."""
-    match = re.fullmatch(r"sparse(\d+)(?:p(\d+))?(?:r(\d+))?", family)
-    return (int(match[1]), int(match[3] or 0), int(match[2]) if match[2] else None) if match else None
+def _sparse_variant(family: str) -> dict[str, int] | None:
+    """``sparse8r2`` -> ``{"block_tokens": 8, "rest_bits": 2}``: the options a sparse family's name gives; None for
+    any other family."""
+    letters = "".join(f"(?:{letter}(\\d+))?" for letter in _SPARSE_LETTERS.values())
+    match = re.fullmatch(rf"sparse(\d+){letters}", family)
+    if match is None:
+        return None
+    values = dict(zip(("block_tokens", *_SPARSE_LETTERS), match.groups(), strict=True))
+    return {name: int(value) for name, value in values.items() if value is not None}
 
 
 def family_label(family: str) -> str:
@@ -91,9 +101,11 @@ def family_label(family: str) -> str:
     variant = _sparse_variant(family)
     if variant is None:
         return family
-    size, bits, page = variant
-    return f"tierkv sparse, {size}-token blocks" + (f", {page}-token pages" if page else "") + \
-        (f", {bits}-bit rest" if bits else "")
+    words = {"page_tokens": lambda n: f"{n}-token pages", "sinks": lambda n: plural(n, "sink token"),
+             "recent": lambda n: plural(n, "recent token"), "dense_layers": lambda n: plural(n, "dense layer"),
+             "rest_bits": lambda n: f"{n}-bit rest"}
+    return ", ".join([f"tierkv sparse, {variant['block_tokens']}-token blocks",
+                      *(words[name](variant[name]) for name in _SPARSE_LETTERS if name in variant)])
 
 
 def family_rank(family: str) -> float:
@@ -101,7 +113,7 @@ def family_rank(family: str) -> float:
     if family in FAMILIES:
         return list(FAMILIES).index(family)
     variant = _sparse_variant(family)
-    return 99 if variant is None else 0.5 + 0.01 * variant[1]
+    return 99 if variant is None else 0.5 + 0.01 * variant.get("rest_bits", 0)
 
 
 def aggregate(records: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, float]]:
