@@ -598,3 +598,17 @@ def test_in_place_slabs_are_packed_once_and_again_when_a_pool_changes(tmp_path):
     pool.drop_last_chunk()
     assert packed().slots == first.slots
     executor.close()
+
+
+@pytest.mark.parametrize(("block_tokens", "page", "tokens"), [(8, 2, 24), (8, 1, 20), (16, 4, 30)])
+def test_attended_tokens_are_counted_within_the_cap(block_tokens, page, tokens):
+    """``tokens`` caps what a layer-step attends (the sinks and the open tail are within it); the open tail's full
+    pages that the selection leaves out are read with the tail but masked, and not counted as attended."""
+    model = tiny_model("llama")
+    ids, mask = prompt(1, 100)
+    with TieredCache(gpu_gb="4MB", cpu_gb="1MB", block_tokens=block_tokens, config=model.config) as cache, \
+            cache.sparse(model, tokens=tokens, page_tokens=page, rest_bits=0), torch.no_grad():
+        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=12, do_sample=False)
+        counters = cache.executors["sparse"].counters
+    assert counters.exact_layer_steps == 0 and counters.layer_steps > 0
+    assert counters.tokens_read <= tokens * counters.layer_steps

@@ -314,12 +314,15 @@ class SparseAttention(PipelinedExecutor):
         staging, page_staging = self._staging(layer, batch, 0 if blocks_here is not None else count,
                                               0 if here is not None else picked * page)  # fmt: skip
         parts = []  # staged (keys, values, bias), attended by torch
+        masked = 0  # staged tokens not attended: the open tail's full pages the selection left out
         if blocks_here is None:
             self._fill(layer, columns, staging, keep=pages is None)
             parts.append(self._block_part(columns, staging, start, stop, mask, query))
             if self._tail_kept is not None and not rest:  # the tail's pages not chosen: not attended
                 parts[0] = (*parts[0][:2], _tail_bias(parts[0][2], *self._tail_kept, page, parts[0][0].shape[2],
                                                       query))  # fmt: skip
+                chosen_in_tail, full_pages = self._tail_kept
+                masked = (batch * full_pages - int(np.count_nonzero(chosen_in_tail >= 0))) * page
         else:  # nothing read: the blocks counted by the tier each was attended in
             self._count(layer, ReadPlan(layer, 0, 0, ()), columns, 0, 0)
             tiers = store.table.rows[layer].tiers[np.arange(batch)[:, None], columns]
@@ -387,7 +390,7 @@ class SparseAttention(PipelinedExecutor):
         self._promote(layer, attended, mass, columns, staging if blocks_here is None else None)
         self._count_moved(moved)
         self._count_attended(layer, parts, columns, here is not None and pages is not None, chosen_pages, page,
-                             blocks_here is not None, start, stop)
+                             blocks_here is not None, start, stop, masked)
         self._left_at = time.perf_counter()
         return out.reshape(batch, heads, 1, dim), lse.reshape(batch, heads, 1)
 
@@ -784,9 +787,10 @@ class SparseAttention(PipelinedExecutor):
 
     # ---------------------------------------------------------------------------------- telemetry
     def _count_attended(self, layer: int, parts: list, columns: np.ndarray, pages_in_place: bool, chosen_pages: int,
-                        page: int, blocks_in_place: bool, start: int, stop: int) -> None:
+                        page: int, blocks_in_place: bool, start: int, stop: int, masked: int = 0) -> None:
         """Count a layer-step's reads on the device: the staged ``parts`` (keys, values, bias), the ``chosen_pages``
-        selected (read by the kernel where ``pages_in_place``) and the whole blocks (likewise)."""
+        selected (read by the kernel where ``pages_in_place``) and the whole blocks (likewise); ``masked`` of the
+        staged tokens were read but not attended (the open tail's pages the selection left out)."""
         counters = self.counters
         token_bytes = self.store.layouts[layer].token_bytes
         batch = columns.shape[0]
@@ -796,7 +800,7 @@ class SparseAttention(PipelinedExecutor):
         whole = _staged_tokens(columns, self.store.block_tokens, stop) if blocks_in_place else parts[0][0].shape[2]
         if blocks_in_place:  # the blocks attended in place: read once, by the kernel
             counters.staged_bytes_read += batch * whole * token_bytes
-        counters.tokens_read += batch * whole + chosen_pages * page
+        counters.tokens_read += batch * whole - masked + chosen_pages * page
         counters.tokens_total += batch * (stop - start)
 
     def _moved_in(self) -> dict[str, int]:
