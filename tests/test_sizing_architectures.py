@@ -119,3 +119,14 @@ def test_mimo_sizes_each_layer_as_its_attention_stores_it() -> None:
     held = [(layer.keys.shape[1], max(layer.keys.shape[-1], layer.values.shape[-1])) for layer in cache.layers]
     assert [(layout.kv_heads, layout.head_dim) for layout in sizing.layer_layouts(model.config, 8, None)] == held
     assert sizing.kv_widths(model.config) == (16, 128)
+
+
+def test_a_config_without_decoder_layers_is_refused_by_name(tmp_path):
+    """An encoder's config (a vision tower's) has no decoder layers to size or hold: refused with the fix, by the
+    sizing helpers and the cache alike, not an AttributeError."""
+    config = transformers.PreTrainedConfig()
+    for attempt in (lambda: TieredCache.min_device_bytes(config, 64),
+                    lambda: TieredCache.min_streaming_device_bytes(config),
+                    lambda: TieredCache(gpu_gb="1MB", disk_dir=tmp_path, config=config)):
+        with pytest.raises(InvalidConfigError, match=r"names no decoder layers .*pass the language model's config"):
+            attempt()

@@ -405,6 +405,11 @@ def layer_kinds(config: PreTrainedConfig) -> list[LayerKind | None]:
     """Each model layer's cache (None: a layer that keeps nothing, an MoE or MLP block); other kinds are refused.
     Recurrent state (Mamba, gated delta nets, short convolutions) needs :data:`HOLDS_STATE`."""
     text = config.get_text_config(decoder=True)
+    if not isinstance(getattr(text, "num_hidden_layers", None), int):
+        raise InvalidConfigError(
+            f"this {type(text).__name__} names no decoder layers (num_hidden_layers): it is not the config of a "
+            "model that decodes with a K/V cache (a vision or audio encoder's?); pass the language model's config "
+            "(model.config of the model given the cache).")
     crossing = getattr(text, "cross_attention_layers", None)
     if crossing:
         raise InvalidConfigError(
