@@ -286,12 +286,15 @@ MLA_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=
                n_group=1, topk_group=1)
 
 
-@pytest.mark.parametrize(("family", "extra"), [("DeepseekV3", MLA_MOE), ("DeepseekV2", MLA_MOE), ("MiniCPM3", {})])
+@pytest.mark.parametrize(("family", "extra"), [("DeepseekV3", MLA_MOE), ("DeepseekV2", MLA_MOE), ("MiniCPM3", {}),
+                                               ("SarvamMLA", MLA_MOE)])
 def test_latent_attention_decodes_exactly_with_keys_and_values_of_two_widths(tmp_path, family, extra):
     """Multi-head latent attention caches keys of 32 dims and values of 8 (transformers' latent and rotary key; in
     releases that cache them expanded, 24 and 16): stored at the wider, exact from the device and disk tiers at
-    ``min_device_bytes``, continued after save and load; streaming, split and sparse refused, nothing stored."""
-    model = build(f"{family}Config", f"{family}ForCausalLM", **MLA, **extra)
+    ``min_device_bytes``, continued after save and load; streaming, split and sparse refused, nothing stored.
+    Sarvam-MLA runs DeepSeek-V3's modeling code under its own model type."""
+    code = "DeepseekV3" if family == "SarvamMLA" else family
+    model = build(f"{family}Config", f"{code}ForCausalLM", **MLA, **extra)
     ids, mask = prompt(2, 30, seed=2, left_pad=(0, 5))
     reference_cache = DynamicCache(config=model.config)
     reference = run(model, ids, mask, reference_cache)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import transformers
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
@@ -359,9 +360,14 @@ def _attention_kv_heads(config: PreTrainedConfig) -> dict[int, int]:
 
 @functools.cache  # per model type, for the installed transformers: sizing asks it per layer
 def _expands_after_cache(model_type: str) -> bool:
-    """Whether the installed transformers' attention of ``model_type`` caches the latent and expands it after."""
+    """Whether the installed transformers' attention of ``model_type`` caches the latent and expands it after (in
+    the modeling code its causal LM lives in: Sarvam-MLA's is DeepSeek-V3's)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal_lm = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""), None)
     try:
-        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        module = importlib.import_module(causal_lm.__module__ if isinstance(causal_lm, type)
+                                         else f"transformers.models.{model_type}.modeling_{model_type}")
     except ImportError:  # not a model of this release: the expanded form, the larger, sizes no budget too small
         return False
     return any(callable(getattr(kind, "expand_kv", None)) for kind in vars(module).values() if isinstance(kind, type))
