@@ -124,7 +124,7 @@ def write(store: KVStore, layer: int, layout: BlockLayout, plans: list[NewBlocks
     (zero-padded) blocks elsewhere, one batched write per tier."""
     bt, transfer = store.block_tokens, store.transfer
     held, take = split.held, split.take
-    by_tier: dict[Tier, tuple[list[int], list[torch.Tensor]]] = {}
+    by_tier: dict[Tier, tuple[list[int], list[torch.Tensor]]] = {}  # slots and their blocks, in pieces
     for r, plan in enumerate(plans):
         if plan.in_place:
             tail = store.table.tail(layer, r)
@@ -139,19 +139,31 @@ def write(store: KVStore, layer: int, layout: BlockLayout, plans: list[NewBlocks
             slots.append(plan.tail_copy.slot)
             datas.append(data[None])
         if plan.blocks:
-            rest = kv[:, r, :, take:]  # [2, H_kv, n, D]
-            padded = torch.zeros((2, layout.kv_heads, len(plan.blocks) * bt, layout.head_dim),
-                                 dtype=layout.dtype, device=kv.device)
-            padded[:, :, : rest.shape[2]] = rest
-            blocks = padded.unflatten(2, (len(plan.blocks), bt)).permute(2, 0, 1, 3, 4)  # [n, 2, H, bt, D]
-            for block, data in zip(plan.blocks, blocks):
-                slots, datas = by_tier.setdefault(block.tier, ([], []))
-                slots.append(block.slot)
-                datas.append(data[None])
+            blocks = _as_blocks(kv[:, r, :, take:], len(plan.blocks), layout)  # [n, 2, H_kv, bt, D]
+            tiers = [block.tier for block in plan.blocks]
+            for tier in dict.fromkeys(tiers):  # each tier's blocks as one piece (a cat of many is slow)
+                picked = [i for i, t in enumerate(tiers) if t == tier]
+                slots, datas = by_tier.setdefault(tier, ([], []))
+                slots.extend(plan.blocks[i].slot for i in picked)
+                datas.append(blocks if len(picked) == len(tiers) else
+                             blocks[torch.tensor(picked, device=blocks.device)])
     for tier, (slots, datas) in by_tier.items():
-        transfer.write_blocks(layout, tier, slots, torch.cat(datas))
+        transfer.write_blocks(layout, tier, slots, datas[0] if len(datas) == 1 else torch.cat(datas))
         if tier != Tier.DEVICE:
             transfer.count(link(Tier.DEVICE, tier), len(slots) * bt * layout.token_bytes)
+
+
+def _as_blocks(tokens: torch.Tensor, count: int, layout: BlockLayout) -> torch.Tensor:
+    """``tokens`` ``[2, H_kv, n, D]`` as ``count`` whole blocks ``[count, 2, H_kv, bt, D]``, contiguous, zero after
+    the last token: one strided copy (torch.cat of the blocks as views costs ~10x more on the CPU)."""
+    bt = layout.block_tokens
+    blocks = torch.zeros((count, 2, layout.kv_heads, bt, layout.head_dim), dtype=layout.dtype, device=tokens.device)
+    grid = blocks.permute(1, 2, 0, 3, 4)  # [2, H_kv, count, bt, D]
+    full, extra = divmod(tokens.shape[2], bt)
+    grid[:, :, :full].copy_(tokens[:, :, : full * bt].unflatten(2, (full, bt)))
+    if extra:
+        grid[:, :, full, :extra].copy_(tokens[:, :, full * bt :])
+    return blocks
 
 
 def filled_blocks(store: KVStore, layer: int, plans: list[NewBlocks], kv: torch.Tensor, split: Split,
