@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,8 @@ def test_quick_bench_writes_a_loadable_profile_and_a_png(tmp_path: Path, capsys)
     printed = captured.out
     assert "numbers indicative only" in captured.err  # --quick says so in its output, not only in the docs
     assert "measuring the store's own gather" in captured.err  # the gather phases are named one by one
-    assert "transfers of 4.00 KiB" in captured.err  # and the disk sweep size by size (a minute or more, else silent)
+    assert "measuring disk: reads and writes of 4.00 KiB to 4.00 MiB" in captured.err  # a minute or more in full
+    assert re.search(r"\ndisk: reads and writes of 4.00 KiB to 4.00 MiB: \d+\.\d s \(\d+ points\)\n", captured.err)
     assert "writing the 32.00 MiB test file" in captured.err  # 20 s at the full size were silent
     for heading in ("CPU", "RAM", "GPU", "Memory links", "Disk read", "Disk write", "raw O_DIRECT"):
         assert heading in printed
@@ -82,7 +84,7 @@ def test_bench_runtime_failure_is_one_line(tmp_path: Path, capsys, monkeypatch) 
     def fail(*args, **kwargs):
         raise PermissionError(13, "Permission denied", str(tmp_path))
 
-    monkeypatch.setattr("tierkv.commands.bench.run_bench", fail)
+    monkeypatch.setattr("tierkv.commands.bench_run.run_bench", fail)
     assert main(["bench", "--quick", "--dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "Permission denied" in err and "Traceback" not in err
@@ -160,7 +162,7 @@ def test_bench_json_writes_every_measurement_and_the_profile(tmp_path: Path, cap
     """``tierkv bench --json``: the README promises ``--json`` on every command (bench refused it)."""
     from tierkv.planner import COMPUTE_FLOPS_KEY
 
-    monkeypatch.setattr("tierkv.commands.bench.run_bench", lambda cfg, progress: _fake_result(tmp_path))
+    monkeypatch.setattr("tierkv.commands.bench_run.run_bench", lambda cfg, progress: _fake_result(tmp_path))
     path = tmp_path / "bench.json"
     argv = ["bench", "--quick", "--dir", str(tmp_path), "--profile-out", str(tmp_path / "p.json"),
             "--plot-out", str(tmp_path / "p.png"), "--json", str(path) if target == "FILE" else "-"]
@@ -206,7 +208,7 @@ def test_bench_prints_and_saves_the_host_attention_rate(tmp_path: Path, capsys, 
         result.measurements.append(Measurement("host attention", "paged, 1 thread", MiB, MiB, 1, 1e-4))
         return result
 
-    monkeypatch.setattr("tierkv.commands.bench.run_bench", measured)
+    monkeypatch.setattr("tierkv.commands.bench_run.run_bench", measured)
     path = tmp_path / "bench.json"
     argv = ["bench", "--quick", "--dir", str(tmp_path), "--profile-out", str(tmp_path / "p.json"),
             "--plot-out", str(tmp_path / "p.png"), "--json", str(path)]
@@ -227,7 +229,7 @@ UNWRITABLE = "/proc/self"  # a folder no one, root included, can create files or
 @pytest.fixture
 def no_measuring(monkeypatch):
     """A bench that starts measuring fails the test: these errors must come before it."""
-    monkeypatch.setattr("tierkv.commands.bench.run_bench", lambda *a, **k: pytest.fail("measuring started"))
+    monkeypatch.setattr("tierkv.commands.bench_run.run_bench", lambda *a, **k: pytest.fail("measuring started"))
 
 
 @pytest.mark.parametrize(("argv", "needles"), [
@@ -259,10 +261,10 @@ def test_bench_bad_sizes_and_paths_are_refused_before_measuring(argv, needles, t
 def test_bench_progress_is_a_line_per_phase_when_piped(tmp_path, capsys, monkeypatch):
     """Sweep 17: piped, each phase prints a line as it starts (stderr), not nothing until the end."""
     def phases(cfg, progress):
-        progress("host memcpy")
+        progress.phase("host memcpy")
         raise OSError(5, "Input/output error", str(tmp_path))
 
-    monkeypatch.setattr("tierkv.commands.bench.run_bench", phases)
+    monkeypatch.setattr("tierkv.commands.bench_run.run_bench", phases)
     outputs = ["--profile-out", str(tmp_path / "p.json"), "--plot-out", str(tmp_path / "p.png")]
     assert main(["bench", "--quick", "--dir", str(tmp_path), *outputs]) == 1
     assert "measuring host memcpy" in capsys.readouterr().err

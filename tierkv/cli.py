@@ -100,6 +100,11 @@ class _Parser(argparse.ArgumentParser):
             message += self._did_you_mean(unknown)
         if message.startswith("the following arguments are required: command"):
             message += f" ({', '.join(SUBCOMMANDS)})"
+        typo = re.match(r"argument command: invalid choice: '(.*?)'", message)
+        if typo:  # a misspelt command ("tierkv bnch"): named as a misspelt option is
+            close = difflib.get_close_matches(typo.group(1), list(SUBCOMMANDS), n=1, cutoff=0.6)
+            if close:
+                message = f"invalid choice: {typo.group(1)!r} (did you mean {close[0]}?)"
         prog = f"{self.prog} {self.command}" if self.command and self.prog == "tierkv" else self.prog
         hint = "" if message.endswith(".") else f"; see {prog} --help"
         self.exit(USAGE, f"{prog}: error: {message}{hint}\n")

@@ -21,7 +21,8 @@ layer overhead (CPU only) overhead       the exact-gather executor's own work pe
 :func:`run_bench` runs them all (``run``); :func:`build_profile` (``fit``) turns the series into a
 :class:`~tierkv.bandwidth.LinkProfile`; :func:`plot` draws them. The KV layout and the store the store-level
 series run on are in ``kv``, the timing rules (warm up, median of ``repeats``, CUDA events after a sync) in
-``timing``, the machine description in ``machine``.
+``timing``, the machine description in ``machine``; each phase and point measured is reported to a
+:class:`~tierkv.calibrate.report.Progress` (``report``), which ``tierkv bench`` prints.
 
 Honesty rules: warm up before timing; report the median of ``repeats``; on CUDA, time with events and
 synchronize first; read disk data that was really written (a sparse or fallocated file reads as zeros

@@ -19,6 +19,7 @@ import torch
 from tierkv.bandwidth import HostAttention, fit_link
 from tierkv.calibrate.config import BenchConfig
 from tierkv.calibrate.kv import HEAD_DIM, KV_DTYPE, KV_HEADS, KV_TOKEN_BYTES, block_tokens
+from tierkv.calibrate.report import SILENT, Progress, point_cost
 from tierkv.calibrate.results import Measurement
 from tierkv.calibrate.timing import inner_repeats, median_seconds
 
@@ -39,7 +40,8 @@ def attention_sizes(cfg: BenchConfig) -> list[int]:
                    if share >= block})
 
 
-def measure_host_attention(cfg: BenchConfig) -> tuple[list[Measurement], HostAttention | str]:
+def measure_host_attention(cfg: BenchConfig,
+                           progress: Progress = SILENT) -> tuple[list[Measurement], HostAttention | str]:
     """Time the kernel over :func:`attention_sizes` bytes of K/V on one thread and on all of torch's; return the
     series and the fitted :class:`HostAttention`, or why it could not be fitted."""
     from tierkv.attention import host_kernel
@@ -49,11 +51,14 @@ def measure_host_attention(cfg: BenchConfig) -> tuple[list[Measurement], HostAtt
     sizes = attention_sizes(cfg)
     if len(sizes) < 2:
         return [], f"{ATTENTION}: the gather pool holds too few blocks for 2 sizes (give a larger pool)"
+    everyone = torch.get_num_threads()
+    progress.phase("the host attention kernel (K/V attended in place)",
+                   [point_cost(size, cfg, inner_repeats(size)) / threads
+                    for threads in sorted({1, everyone}) for size in sizes])
     slots = cfg.gather_pool_bytes // block
     slab = torch.ones(slots, 2, KV_HEADS, tokens_per_block, HEAD_DIM, dtype=KV_DTYPE)
     query = torch.ones(1, QUERY_HEADS, 1, HEAD_DIM)
     scaling = HEAD_DIM**-0.5
-    everyone = torch.get_num_threads()
     out: list[Measurement] = []
     rates: dict[int, float] = {}
     failures = []
@@ -70,6 +75,7 @@ def measure_host_attention(cfg: BenchConfig) -> tuple[list[Measurement], HostAtt
 
             seconds = median_seconds(attend, warmup=cfg.warmup, repeats=cfg.repeats, inner=inner_repeats(size))
             series.append(Measurement(ATTENTION, method(threads), size, size, 1, seconds))
+            progress.point()
         out += series
         try:
             rates[threads] = fit_link(method(threads), [m.size for m in series],

@@ -24,22 +24,29 @@ from tierkv.bandwidth import MAX_SLOWDOWN, Contention
 from tierkv.calibrate.config import BenchConfig
 from tierkv.calibrate.disk import engine_batch, fill_file
 from tierkv.calibrate.kv import CPU, HEAD_DIM, KV_DTYPE, KV_HEADS, KV_TOKEN_BYTES, bench_store, block_tokens, kv_tensor
+from tierkv.calibrate.report import SILENT, Progress
 from tierkv.calibrate.timing import median_seconds, seconds
 from tierkv.io import ALIGN, aligned_empty, open_disk_file
 
 CONTENTION_SAMPLES = 9
 
 
-def _slowdowns(job: Callable[[], None], unit: Callable[[], object], cfg: BenchConfig) -> tuple[float, float]:
+def _samples(cfg: BenchConfig) -> int:
+    """Samples of each side's slowdown: each is short and noisy, so at least :data:`CONTENTION_SAMPLES`."""
+    return max(CONTENTION_SAMPLES, cfg.repeats)
+
+
+def _slowdowns(job: Callable[[], None], unit: Callable[[], object], cfg: BenchConfig,
+               progress: Progress = SILENT) -> tuple[float, float]:
     """How much compute (``unit`` repeated on the calling thread) and ``job`` (on a second thread, as the mover
     runs it) slow each other.
 
     The compute is ``unit`` repeated to last about as long as one job. Each sample times both alone, then
     the compute while the mover repeats the job the whole time, then one job while the compute repeats the
     whole time. Each side is measured under full overlap because that is what the model stretches; a single
-    "together" time would hide the slowdown of whichever side ends first. Returns the medians over at least
-    :data:`CONTENTION_SAMPLES` samples of (compute beside the job / alone, job beside compute / alone), each
-    clamped to [1, MAX_SLOWDOWN].
+    "together" time would hide the slowdown of whichever side ends first. Returns the medians over
+    :func:`_samples` samples (each a point of ``progress``) of (compute beside the job / alone, job beside
+    compute / alone), each clamped to [1, MAX_SLOWDOWN].
     """
     reps = max(1, round(median_seconds(job, warmup=cfg.warmup, repeats=cfg.repeats)
                         / median_seconds(unit, warmup=cfg.warmup, repeats=cfg.repeats)))
@@ -50,7 +57,7 @@ def _slowdowns(job: Callable[[], None], unit: Callable[[], object], cfg: BenchCo
 
     compute_ratios, job_ratios = [], []
     with cf.ThreadPoolExecutor(max_workers=1) as mover:
-        for _ in range(max(CONTENTION_SAMPLES, cfg.repeats)):  # each sample is short and noisy: take more
+        for _ in range(_samples(cfg)):
             compute_alone, job_alone = seconds(compute), seconds(job)
             started, stop = threading.Event(), threading.Event()
 
@@ -69,6 +76,7 @@ def _slowdowns(job: Callable[[], None], unit: Callable[[], object], cfg: BenchCo
                 unit()
             compute_ratios.append(compute_beside / compute_alone)
             job_ratios.append(running.result() / job_alone)
+            progress.point()
     compute_ratio, job_ratio = (min(MAX_SLOWDOWN, max(1.0, statistics.median(r))) for r in (compute_ratios, job_ratios))
     return compute_ratio, job_ratio
 
@@ -76,8 +84,8 @@ def _slowdowns(job: Callable[[], None], unit: Callable[[], object], cfg: BenchCo
 DISK_CONTENTION_BATCH = 4  # blocks per read batch: a layer's disk blocks in a decode step
 
 
-def measure_contention(cfg: BenchConfig, disk_engine: str | None,
-                       compute: Callable[[], object] | None = None) -> Contention:
+def measure_contention(cfg: BenchConfig, disk_engine: str | None, compute: Callable[[], object] | None = None,
+                       progress: Progress = SILENT) -> Contention:
     """How the mover's work and compute slow each other on this CPU host (``_slowdowns``).
 
     Two mover jobs: the store's gather (``KVStore.read_into`` of ``contention_bytes`` of one layer from
@@ -87,14 +95,17 @@ def measure_contention(cfg: BenchConfig, disk_engine: str | None,
     4x that size: the engine's I/O threads and completions need the cores the compute holds). ``compute``
     is one unit of the work to measure against, e.g. one decode step of your model; the default, a
     matrix-vector product over ``contention_bytes`` of weights, is decode's most memory-bound kernel, so its
-    slowdown is an upper bound for a real model's."""
+    slowdown is an upper bound for a real model's. A phase of ``progress`` per job."""
+    samples = [1.0] * _samples(cfg)
+    progress.phase("the store's gather beside compute (contention)", samples)
     unit = compute or _matrix_vector(cfg.contention_bytes)
     with _store_gather_job(cfg) as gather:
-        compute_by_copies, copies_by_compute = _slowdowns(gather, unit, cfg)
+        compute_by_copies, copies_by_compute = _slowdowns(gather, unit, cfg, progress)
     if disk_engine is None:
         return Contention(compute_by_copies, copies_by_compute)
+    progress.phase(f"disk reads ({disk_engine}) beside compute (contention)", samples)
     with _disk_reads(cfg, disk_engine) as reads:
-        compute_by_disk, disk_by_compute = _slowdowns(reads, unit, cfg)
+        compute_by_disk, disk_by_compute = _slowdowns(reads, unit, cfg, progress)
     return Contention(compute_by_copies, copies_by_compute, compute_by_disk, disk_by_compute)
 
 

@@ -13,7 +13,7 @@ import functools
 import itertools
 import os
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,7 @@ import torch
 
 from tierkv import safefs
 from tierkv.calibrate.config import BenchConfig, MiB
+from tierkv.calibrate.report import SILENT, Progress, point_cost
 from tierkv.calibrate.results import Measurement
 from tierkv.calibrate.timing import median_seconds, seconds
 from tierkv.io import ALIGN, DiskFile, aligned_empty, available_engines, open_disk_file
@@ -76,16 +77,17 @@ def drop_page_cache(path: Path) -> None:
 
 
 def measure_disk(sizes: Sequence[int], cfg: BenchConfig,
-                 progress: Callable[[str], None] = lambda _: None) -> tuple[list[Measurement], list[str]]:
-    """disk->host and host->disk through each engine and the raw baseline; returns (rows, notes). ``progress``
-    hears of each transfer size as it begins (the whole sweep takes a minute or more)."""
+                 progress: Progress = SILENT) -> tuple[list[Measurement], list[str]]:
+    """disk->host and host->disk through each engine and the raw baseline; returns (rows, notes). Three phases
+    for ``progress``: writing the test file, the transfers of each size, the batches of blocks (the whole
+    sweep takes a minute or more)."""
     engines = list(cfg.engines) if cfg.engines is not None else available_engines()
     if not engines:
         raise ValueError("no disk engine to measure; give at least one of the available engines.")
     notes: list[str] = []
     depth = queue_depth()
     sizes = [s for s in sizes if s <= cfg.disk_bytes]
-    progress(f"writing the {format_bytes(cfg.disk_bytes)} test file")  # tens of seconds at the full size, silent else
+    progress.phase(f"disk: writing the {format_bytes(cfg.disk_bytes)} test file in {cfg.directory}")  # tens of s
     buffer = aligned_empty(min(cfg.disk_bytes, max(max(sizes), cfg.disk_point_bytes)))
     buffer[:] = np.random.default_rng(1).integers(0, 256, buffer.nbytes, dtype=np.uint8)
     out = []
@@ -103,10 +105,12 @@ def measure_disk(sizes: Sequence[int], cfg: BenchConfig,
             for name, f in files.items():
                 mode = "O_DIRECT" if f.direct else "buffered (page cache dropped before reads)"
                 notes.append(f"{name}: {mode}, queue depth {depth}, pieces of {chunk_bytes() // MiB} MiB")
+            methods = len(files) + (raw is not None)
+            progress.phase(f"disk: reads and writes of {format_bytes(sizes[0])} to {format_bytes(sizes[-1])}",
+                           [point_cost(_point_bytes(size, cfg), cfg) for size in sizes for _ in range(2 * methods)])
             for size in sizes:
-                progress(f"transfers of {format_bytes(size)}")
-                total = min(cfg.disk_bytes, max(size, min(size * 1024, cfg.disk_point_bytes)))
-                requests = [(i * size, buffer[i * size : (i + 1) * size]) for i in range(total // size)]
+                requests = [(i * size, buffer[i * size : (i + 1) * size])
+                            for i in range(_point_bytes(size, cfg) // size)]
                 n = len(requests)
                 for write in (False, True):
                     link = "host->disk" if write else "disk->host"
@@ -114,13 +118,17 @@ def measure_disk(sizes: Sequence[int], cfg: BenchConfig,
                         t = median_seconds(functools.partial(raw.run, requests, write),
                                             warmup=cfg.warmup, repeats=cfg.repeats)  # fmt: skip
                         out.append(Measurement(link, "raw O_DIRECT", size, n * size, n, t))
+                        progress.point()
                     for name, f in files.items():
                         t = median_seconds(functools.partial(engine_batch, f, requests, write, path),
                                             warmup=cfg.warmup, repeats=cfg.repeats)  # fmt: skip
                         out.append(Measurement(link, name, size, n * size, n, t))
-            progress("batches of blocks")
+                        progress.point()
+            progress.phase("disk: batches of scattered blocks",
+                           [point_cost(k * cfg.block_bytes, cfg, max(1, 16 // k))
+                            for _ in files for k in _block_counts(cfg, buffer)])
             for name, f in files.items():
-                out += _block_batches(f, name, path, buffer, cfg)
+                out += _block_batches(f, name, path, buffer, cfg, progress)
         finally:
             for f in files.values():
                 f.close()
@@ -129,10 +137,24 @@ def measure_disk(sizes: Sequence[int], cfg: BenchConfig,
     return out, notes
 
 
+def _point_bytes(size: int, cfg: BenchConfig) -> int:
+    """Bytes one timed batch of ``size``-byte requests moves: up to 1,024 requests, at most ``disk_point_bytes``
+    (but one request), within the file."""
+    return min(cfg.disk_bytes, max(size, min(size * 1024, cfg.disk_point_bytes)))
+
+
 LAYER_COPY_BLOCKS = 16  # memory copied between two batches: a layer's other blocks, as in a decode step
+BATCH_BLOCKS = (1, 2, 4, 8, 16, 32, 64)  # blocks per batch: a layer's disk blocks in a decode step
 
 
-def _block_batches(f: DiskFile, name: str, path: Path, buffer: np.ndarray, cfg: BenchConfig) -> list[Measurement]:
+def _block_counts(cfg: BenchConfig, buffer: np.ndarray) -> list[int]:
+    """The batch sizes :func:`_block_batches` measures: those the file and the buffer hold."""
+    block = cfg.block_bytes - cfg.block_bytes % ALIGN
+    return [k for k in BATCH_BLOCKS if k <= min(cfg.disk_bytes // block, buffer.nbytes // block)]
+
+
+def _block_batches(f: DiskFile, name: str, path: Path, buffer: np.ndarray, cfg: BenchConfig,
+                   progress: Progress = SILENT) -> list[Measurement]:
     """disk->host as the disk tier reads during a decode step: one batch of ``k`` block-sized requests at
     scattered slots (a layer's disk blocks), for ``k`` = 1..64; each timed batch reads other slots. In a step
     the disk tier never reads back to back: between two layers' batches the mover copies the layers' other
@@ -144,9 +166,7 @@ def _block_batches(f: DiskFile, name: str, path: Path, buffer: np.ndarray, cfg: 
     source = torch.ones(LAYER_COPY_BLOCKS * block, dtype=torch.uint8)
     copy = torch.empty_like(source)
     out = []
-    for k in (1, 2, 4, 8, 16, 32, 64):
-        if k > min(slots, buffer.nbytes // block):
-            break
+    for k in _block_counts(cfg, buffer):
         views = [buffer[i * block : (i + 1) * block] for i in range(k)]
 
         def batch(k: int = k, views: list[np.ndarray] = views) -> float:
@@ -160,6 +180,7 @@ def _block_batches(f: DiskFile, name: str, path: Path, buffer: np.ndarray, cfg: 
         inner = max(1, 16 // k)
         t = statistics.median(sum(batch() for _ in range(inner)) / inner for _ in range(max(cfg.repeats, 5)))
         out.append(Measurement("disk->host", f"{name} block batch", k * block, k * block, 1, t))
+        progress.point()
     return out
 
 

@@ -17,12 +17,15 @@ import torch
 
 from tierkv.calibrate.config import BenchConfig
 from tierkv.calibrate.kv import HEAD_DIM, KV_DTYPE, KV_HEADS, KV_TOKEN_BYTES, bench_store, block_tokens, kv_tensor
+from tierkv.calibrate.report import SILENT, Progress, point_cost
 from tierkv.calibrate.results import Measurement
 from tierkv.calibrate.timing import inner_repeats, median_cuda_seconds, median_seconds, timer_for
+from tierkv.units import format_bytes
 
 
-def measure_memcpy(sizes: Sequence[int], cfg: BenchConfig) -> list[Measurement]:
+def measure_memcpy(sizes: Sequence[int], cfg: BenchConfig, progress: Progress = SILENT) -> list[Measurement]:
     """host->host: one ``copy_`` of ``size`` bytes between CPU tensors (torch uses every core)."""
+    progress.phase("host memcpy", [point_cost(size, cfg, inner_repeats(size)) for size in sizes])
     src = torch.ones(max(sizes), dtype=torch.uint8)
     dst = torch.empty_like(src)
     out = []
@@ -32,10 +35,21 @@ def measure_memcpy(sizes: Sequence[int], cfg: BenchConfig) -> list[Measurement]:
             functools.partial(d.copy_, s), warmup=cfg.warmup, repeats=cfg.repeats, inner=inner_repeats(size)
         )
         out.append(Measurement("host->host", "memcpy", size, size, 1, t))
+        progress.point()
     return out
 
 
-def measure_gather(sizes: Sequence[int], cfg: BenchConfig, device: torch.device) -> list[Measurement]:
+GATHER_METHODS = ("plain copy", "gather index_select", "gather per-block copy_")
+
+
+def _gather_inner(method: str, size: int, blocks: int) -> int:
+    """Operations per timed sample of a gather point: ~16 MiB (:func:`inner_repeats`), per block for the per-block
+    method."""
+    return inner_repeats(size) if method != "gather per-block copy_" else max(1, inner_repeats(size) // blocks)
+
+
+def measure_gather(sizes: Sequence[int], cfg: BenchConfig, device: torch.device,
+                   progress: Progress = SILENT) -> list[Measurement]:
     """device->device: gather ``size // block`` blocks from random slots of a 2x larger pool.
 
     Three ways of moving the same bytes into the staging tensor: one plain contiguous copy (the ceiling),
@@ -45,6 +59,9 @@ def measure_gather(sizes: Sequence[int], cfg: BenchConfig, device: torch.device)
     sizes = [s for s in sizes if s >= block]
     if not sizes:
         return []
+    progress.phase(f"block gather on {device} (a plain copy, index_select, a copy per block)",
+                   [point_cost(size, cfg, _gather_inner(method, size, size // block))
+                    for size in sizes for method in GATHER_METHODS])
     n_pool = 2 * max(sizes) // block
     pool = torch.ones(n_pool, block, dtype=torch.uint8, device=device)  # [slots, block bytes]
     staging = torch.empty(max(sizes) // block, block, dtype=torch.uint8, device=device)
@@ -67,18 +84,19 @@ def measure_gather(sizes: Sequence[int], cfg: BenchConfig, device: torch.device)
             "gather index_select": lambda dst=dst, slots=slots: torch.index_select(pool, 0, slots, out=dst),
             "gather per-block copy_": per_block,
         }
-        for method, op in ops.items():
-            inner = inner_repeats(size) if method != "gather per-block copy_" else max(1, inner_repeats(size) // k)
-            t = timer(op, warmup=cfg.warmup, repeats=cfg.repeats, inner=inner)
+        for method in GATHER_METHODS:
+            t = timer(ops[method], warmup=cfg.warmup, repeats=cfg.repeats, inner=_gather_inner(method, size, k))
             out.append(
                 Measurement(
                     "device->device", method, size, size, 1 if method != "gather per-block copy_" else k, t
                 )
             )
+            progress.point()
     return out
 
 
-def measure_store_gather(sizes: Sequence[int], cfg: BenchConfig, device: torch.device) -> list[Measurement]:
+def measure_store_gather(sizes: Sequence[int], cfg: BenchConfig, device: torch.device,
+                         progress: Progress = SILENT) -> list[Measurement]:
     """The exact executors' gather as the runtime runs it: ``KVStore.read_into`` of ``size`` bytes of one
     layer into a staging tensor ``[2, 1, H_kv, T, D]``, from blocks on the device tier (``device->device``)
     and on the host tier (``host->device``).
@@ -87,6 +105,7 @@ def measure_store_gather(sizes: Sequence[int], cfg: BenchConfig, device: torch.d
     per-head slices, with the store's per-segment bookkeeping. Consecutive reads walk through a
     ``gather_pool_bytes`` layer, so they read memory that is not in the CPU's last-level cache, as a decode
     step over a long context does (the plain gather series above reuse one pool and can stay cache-resident).
+    A phase per source: writing its layer into the store first takes tens of seconds at the default size.
     """
     from tierkv.blocks import Tier
 
@@ -102,6 +121,9 @@ def measure_store_gather(sizes: Sequence[int], cfg: BenchConfig, device: torch.d
     for source, link in ((Tier.DEVICE, "device->device"), (Tier.HOST, "host->device")):
         slack = 4 * block  # the open tail block (kept on the device) and slab rounding
         pool = tokens * token_bytes
+        where = device if source == Tier.DEVICE else "host"
+        progress.phase(f"the store's own gather (KVStore.read_into) from {where} blocks, after writing its "
+                       f"{format_bytes(pool)} layer", [point_cost(size, cfg, inner_repeats(size)) for size in sizes])
         store = bench_store(cfg, pool + slack if source == Tier.DEVICE else slack, pool + slack, device)
         kv = kv_tensor(tokens, device)
         store.append(0, kv, kv)
@@ -116,11 +138,14 @@ def measure_store_gather(sizes: Sequence[int], cfg: BenchConfig, device: torch.d
             t = timer(lambda store=store, plans=plans: store.read_into(0, next(plans), staging),
                       warmup=cfg.warmup, repeats=cfg.repeats, inner=inner_repeats(size))
             out.append(Measurement(link, "store read_into", size, size, 1, t))
+            progress.point()
     return out
 
 
-def measure_cuda_links(sizes: Sequence[int], cfg: BenchConfig, device: torch.device) -> list[Measurement]:
+def measure_cuda_links(sizes: Sequence[int], cfg: BenchConfig, device: torch.device,
+                       progress: Progress = SILENT) -> list[Measurement]:
     """host->device and device->host, pinned and pageable, and both directions at once (pinned)."""
+    progress.phase("host<->device copies", [point_cost(6 * size, cfg, inner_repeats(size)) for size in sizes])
     n = max(sizes)
     dev_a = torch.empty(n, dtype=torch.uint8, device=device)
     dev_b = torch.empty(n, dtype=torch.uint8, device=device)
@@ -160,4 +185,5 @@ def measure_cuda_links(sizes: Sequence[int], cfg: BenchConfig, device: torch.dev
 
         t = median_cuda_seconds(both_ways, warmup=cfg.warmup, repeats=cfg.repeats, inner=inner)
         out.append(Measurement("host<->device", "pinned both ways", size, 2 * size, 2, t))
+        progress.point()
     return out

@@ -14,11 +14,12 @@ from tierkv import settings
 from tierkv.bandwidth import LinkProfile
 from tierkv.calibrate.config import BenchConfig
 from tierkv.calibrate.kv import CPU, KV_TOKEN_BYTES, bench_store, block_tokens, kv_tensor
+from tierkv.calibrate.report import SILENT, Progress
 
 OVERHEAD_LAYERS, OVERHEAD_BLOCKS, OVERHEAD_STEPS = 8, 16, 20
 
 
-def measure_layer_overhead(cfg: BenchConfig) -> float:
+def measure_layer_overhead(cfg: BenchConfig, progress: Progress = SILENT) -> float:
     """``LinkProfile.layer_overhead_s``: the cache's own work per layer on the compute thread, on the runtime's
     code. The exact-gather executor with layer-ahead prefetch runs decode steps over a device-tier store of
     :data:`OVERHEAD_LAYERS` layers of :data:`OVERHEAD_BLOCKS` blocks, one token appended per layer per step
@@ -29,6 +30,7 @@ def measure_layer_overhead(cfg: BenchConfig) -> float:
     from tierkv.mover import ThreadMover
     from tierkv.stats import Timeline
 
+    progress.phase("the cache's own work per layer (decode steps of the exact-gather executor)")
     per_block = block_tokens(cfg)
     tokens = OVERHEAD_BLOCKS * per_block
     budget = OVERHEAD_LAYERS * (OVERHEAD_BLOCKS + 2) * per_block * KV_TOKEN_BYTES

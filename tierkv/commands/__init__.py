@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from typing import Any
 from tierkv import safefs
 from tierkv.errors import InvalidConfigError
 from tierkv.inputs import creation_problem, longest_name
-from tierkv.units import parse_size, parse_token_list, parse_tokens
+from tierkv.units import format_size_option, parse_size, parse_token_list, parse_tokens
 
 STDOUT = "-"
 
@@ -70,9 +71,45 @@ def token_list(option: str) -> Callable[[str], list[int]]:
     return _typed(lambda text: parse_token_list(text, name=option))
 
 
+class Size(int):
+    """A size option's bytes that remember the text typed, so an error says ``--cpu-gb 20GiB`` back as typed, not
+    as bytes or a rounding of them."""
+
+    typed: str
+
+    def __new__(cls, nbytes: int, typed: str) -> Size:
+        value = super().__new__(cls, nbytes)
+        value.typed = typed
+        return value
+
+
 def size(option: str) -> Callable[[str], int]:
-    """Type of a size option, in bytes (``20`` is GB; ``512MB``, ``20GiB``)."""
-    return _typed(lambda text: parse_size(text, name=option))
+    """Type of a size option, in bytes (``20`` is GB; ``512MB``, ``20GiB``): a :class:`Size`."""
+    return _typed(lambda text: Size(parse_size(text, name=option), text))
+
+
+def as_typed(nbytes: int) -> str:
+    """A size option's value as the user typed it, or (a value the command chose) its shortest spelling."""
+    return nbytes.typed if isinstance(nbytes, Size) else format_size_option(nbytes)
+
+
+def check_fits_machine(option: str, nbytes: int | None, default: str = "", smaller: str = "") -> None:
+    """Refuse a ``--gpu-gb`` or ``--cpu-gb`` (``option``) of ``nbytes`` beyond what this machine could ever give, in
+    the command's flags and before a model loads: the check ``TieredCache`` makes when it is built
+    (:func:`tierkv.hf.sizing.check_budgets_fit_machine`), whose own message names its Python API. ``default``:
+    how the command chose ``nbytes`` when the option was not given; ``smaller``: the options that shrink it."""
+    if nbytes is None:
+        return
+    from tierkv.hf import sizing
+
+    budget = {"--gpu-gb": "gpu", "--cpu-gb": "cpu"}[option]
+    try:
+        sizing.check_budgets_fit_machine(**{"gpu": None, "cpu": None, budget: nbytes}, disk=None, disk_dir=None)
+    except InvalidConfigError as exc:  # "cpu_gb is 93.13 GiB but this machine has ...; a bare number counts GB..."
+        machine = re.sub(r"^\S+ is .*? but ", "", str(exc)).split(";")[0]
+        chosen = "" if isinstance(nbytes, Size) or not default else f" ({default}, the default)"
+        fix = f"a smaller {option}" + (f" or {smaller}" if smaller and not isinstance(nbytes, Size) else "")
+        raise InvalidConfigError(f"{option} {as_typed(nbytes)}{chosen} does not fit: {machine}; give {fix}.") from None
 
 
 def integer(option: str, minimum: int, maximum: int | None = None, why: str = "") -> Callable[[str], int]:

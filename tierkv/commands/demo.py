@@ -20,17 +20,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
-from tierkv.attention.sparse import SparseBudget
 from tierkv.commands import (
     add_json_argument,
+    check_fits_machine,
     existing_file,
     free_bytes,
     integer,
@@ -58,6 +58,9 @@ from tierkv.errors import BudgetTooSmallError, CapacityError, InvalidConfigError
 from tierkv.staging import DEFAULT_PAGE_TOKENS, DEFAULT_REST_BITS, REST_BITS, default_page_tokens
 from tierkv.units import format_bytes, format_size_option, format_tokens, plural
 from tierkv.vocabulary import CLI_EXECUTORS
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CONTEXT = 32768
 REAL_MODEL_DEFAULT_CONTEXT = 4096  # a 4K prefill of a 135M-270M model takes 15-30 s on two CPU cores
@@ -160,6 +163,7 @@ def _check_combination(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_combination(args)
+    _check_memory(args, args.gpu_gb, args.cpu_gb)  # given budgets, whatever the model: before anything loads
     with quiet_transformers():
         _check_device_budget(args)
         return _run(args)
@@ -172,6 +176,8 @@ def _check_device_budget(args: argparse.Namespace) -> None:
     own, nor this disk share (both checked again after the load)."""
     if args.model not in (None, "demo"):
         return
+    import torch
+
     from tierkv.demo.model import WEIGHTS_DIR, missing_files
 
     context = args.context or DEFAULT_CONTEXT
@@ -193,26 +199,18 @@ def _check_device_budget(args: argparse.Namespace) -> None:
         raise InvalidConfigError(_budget_advice(args, config, context, floor))
     kv_bytes = _kv_bytes(config, context + decode)
     gpu, cpu = _budgets(args, kv_bytes, floor)
-    _check_memory(args, gpu, cpu, decode)
+    _check_memory(args, gpu, cpu)
     _check_disk_room(args, kv_bytes - gpu - cpu)
 
 
-def _check_memory(args: argparse.Namespace, gpu: int, cpu: int, decode: int) -> None:
-    """A budget beyond this machine's RAM (on a CPU-only host, where the device is RAM too), refused in flags
-    before the haystack is built (minutes at tens of millions of tokens); the cache refuses it only later, in its
-    own API's words."""
-    if torch.cuda.is_available():
-        return
-    import psutil
-
-    ram = psutil.virtual_memory().total
-    for flag, value, given, default in (("--gpu-gb", gpu, args.gpu_gb, "1/8 of the KV plus the executor's minimum"),
-                                        ("--cpu-gb", cpu, args.cpu_gb, "1/4 of the KV")):
-        if value > ram:
-            what = "" if given is not None else f" ({default}, the default)"
-            sequence = "--context" if not args.max_new_tokens else f"--context or --max-new-tokens ({decode:,})"
-            raise InvalidConfigError(f"{flag} {format_size_option(value)}{what} is more than this machine's "
-                                     f"{format_bytes(ram)} of RAM; give a smaller {flag} or {sequence}.")
+def _check_memory(args: argparse.Namespace, gpu: int | None, cpu: int | None) -> None:
+    """Budgets beyond this machine's memory refused in flags (:func:`tierkv.commands.check_fits_machine`): the given
+    ones before any model loads, the defaults before the haystack is built (minutes at tens of millions of tokens)
+    or, for a real model, before the plan; the cache refuses them only later, in its own API's words."""
+    sequence = "--context" if not args.max_new_tokens else \
+        f"--context or --max-new-tokens ({args.max_new_tokens:,})"
+    check_fits_machine("--gpu-gb", gpu, "1/8 of the KV plus the executor's minimum", sequence)
+    check_fits_machine("--cpu-gb", cpu, "1/4 of the KV", sequence)
 
 
 def _budgets(args: argparse.Namespace, kv_bytes: int, floor: int) -> tuple[int, int]:
@@ -232,6 +230,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.gpu_gb is not None and args.gpu_gb < floor:  # before the plan and the run
         raise InvalidConfigError(_budget_advice(args, model.config, len(prompt), floor))
     gpu, cpu = _budgets(args, kv_bytes, floor)
+    _check_memory(args, gpu, cpu)
     disk_free = _check_disk_room(args, kv_bytes - gpu - cpu)
     _announce(status, args, model, len(prompt), decode, gpu, cpu, kv_bytes)
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as tmp:
@@ -247,9 +246,8 @@ def _run(args: argparse.Namespace) -> int:
     answer_text = result["answer_text"]
     reference = None
     if not args.no_reference:
-        with phases.phase("reference check (in-memory DynamicCache)",
-                          total=len(prompt) + decode - 1) as advance:
-            remaining = Remaining(status, "reference check", _costs(len(prompt), decode, args.prefill_chunk))
+        with phases.phase("reference check (in-memory DynamicCache)", total=len(prompt) + decode - 1) as advance, \
+                Remaining(status, "reference check", *_costs(len(prompt), decode, args.prefill_chunk)) as remaining:
             reference = _reference(model, prompt, decode, args.prefill_chunk, _forecasting(advance, remaining))
     summary = {
         "context": len(prompt),
@@ -365,6 +363,8 @@ def _announce(status: Console, args: argparse.Namespace, model, prompt: int, dec
 
 def _load(args: argparse.Namespace, status: Console, phases: Phases):
     """(model, prompt ids, expected answer or None, tokens to decode)."""
+    import torch
+
     torch.manual_seed(args.seed)
     if isinstance(args.model, Path):
         with phases.phase(f"loading {args.model}"):
@@ -456,6 +456,8 @@ def _with_decoder(model, tokenizer):
 
 def _kv_bytes(config, n_tokens: int) -> int:
     """What the tiers hold at the end (sliding-window layers: their window), which the budgets are shares of."""
+    import torch
+
     from tierkv import TieredCache
 
     return TieredCache.kv_bytes_held(config, n_tokens, torch.float32)
@@ -478,6 +480,8 @@ def greedy(model, prompt: list[int], decode: int, cache, chunk: int,
 
     The cache is passed by the keyword the installed transformers takes (:func:`tierkv.hf.cache_keyword`).
     """
+    import torch
+
     from tierkv.hf import cache_keyword
 
     keyword = cache_keyword(model)
@@ -502,15 +506,17 @@ def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, dis
             status: Console, phases: Phases) -> dict:
     """The tiered run: a live panel (progress, tiers) on stderr when it is a terminal, and either way one line
     when the prefill and one when the decode ends."""
+    import torch
+
     from tierkv import TieredCache
 
     live_view = status.is_terminal
     progress = Progress(console=status, transient=True)
     task = progress.add_task("prefill", total=len(prompt))
     marks = {"started": time.perf_counter()}
-    remaining = Remaining(status, "tiered run", _costs(len(prompt), decode, args.prefill_chunk))
-    with TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{cpu}B", disk_dir=disk_dir, block_tokens=args.block_tokens,
-                     config=model.config) as cache, torch.inference_mode(), _executor(args, cache, model), \
+    with Remaining(status, "tiered run", *_costs(len(prompt), decode, args.prefill_chunk)) as remaining, \
+            TieredCache(gpu_gb=f"{gpu}B", cpu_gb=f"{cpu}B", disk_dir=disk_dir, block_tokens=args.block_tokens,
+                        config=model.config) as cache, torch.inference_mode(), _executor(args, cache, model), \
             (Live(Group(progress, _live_table(cache, [], 0.0, decode)), console=status, refresh_per_second=8,
                   transient=True) if live_view else contextlib.nullcontext()) as live:
 
@@ -565,6 +571,8 @@ def _executor(args: argparse.Namespace, cache, model):
 
 def _page_tokens(args: argparse.Namespace) -> int:
     """Tokens per page sparse attention selects (and summarises) in this run's blocks."""
+    from tierkv.attention.sparse import SparseBudget
+
     return SparseBudget(args.sparse_tokens, page_tokens=args.page_tokens).page_size(args.block_tokens)
 
 
@@ -589,6 +597,7 @@ def _reference(model, prompt: list[int], decode: int, chunk: int,
                advance: Callable[[int], None] = lambda n: None) -> list[int]:
     """Greedy tokens with transformers' in-memory DynamicCache, prefilled in the same chunks; ``advance(n)``
     is told of every ``n`` tokens computed."""
+    import torch
     from transformers import DynamicCache
 
     with torch.inference_mode():
@@ -596,10 +605,10 @@ def _reference(model, prompt: list[int], decode: int, chunk: int,
                       on_token=lambda tokens, elapsed: advance(1) if len(tokens) > 1 else None).tokens
 
 
-def _costs(prompt: int, decode: int, chunk: int) -> list[float]:
-    """Relative cost of each part of a greedy run, in order (:func:`~tierkv.commands.progress.forward_cost`):
-    every prefill chunk, then every decode step after the first token."""
-    return [forward_cost(s, min(chunk, prompt - s)) for s in range(0, prompt, chunk)] + \
+def _costs(prompt: int, decode: int, chunk: int) -> tuple[list[float], list[float]]:
+    """Relative costs of the parts of a greedy run (:func:`~tierkv.commands.progress.forward_cost`): every prefill
+    chunk, and every decode step after the first token (timed apart: :class:`Remaining`)."""
+    return [forward_cost(s, min(chunk, prompt - s)) for s in range(0, prompt, chunk)], \
         [forward_cost(prompt + i, 1) for i in range(decode - 1)]
 
 

@@ -26,9 +26,11 @@ import math
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tierkv.commands import (
     add_json_argument,
+    check_fits_machine,
     fractions,
     integer,
     json_to_stdout,
@@ -43,6 +45,7 @@ from tierkv.commands import (
 )
 from tierkv.commands.progress import (
     Phases,
+    Ticker,
     between,
     first_load,
     forward_cost,
@@ -51,11 +54,13 @@ from tierkv.commands.progress import (
     seconds,
 )
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError
-from tierkv.quality.harness import REFERENCE_FILE, CacheSetup, setup_differences
 from tierkv.quality.tasks import TASKS
 from tierkv.staging import REST_BITS
 from tierkv.units import format_size_option, format_tokens, plural
 from tierkv.vocabulary import CLI_EXECUTORS
+
+if TYPE_CHECKING:
+    from tierkv.quality.harness import CacheSetup
 
 CHUNK_TOKENS = 4096  # --chunk-tokens' default
 PROGRESS_EVERY_S = 8.0  # a trial's prefill reports its progress at least this often (a 64K trial takes minutes)
@@ -188,9 +193,13 @@ def _check_combination(args: argparse.Namespace) -> None:
     if args.chunk_tokens is not None and args.executor == "gather":
         raise InvalidConfigError("--chunk-tokens applies only with --executor streaming (exact gather stages whole "
                                  "layers); leave it out, or give --executor streaming.")
+    from tierkv.quality.harness import REFERENCE_FILE
+
     if args.stage == "measure" and args.out is not None and not (args.out / REFERENCE_FILE).is_file():
         raise InvalidConfigError(f"--out {str(args.out)!r} holds no reference ({REFERENCE_FILE}): run `tierkv eval "
                                  "--stage reference --out DIR` (or --stage all) into it first.")
+    check_fits_machine("--gpu-gb", args.gpu_gb)  # given budgets: before the model loads (defaults: _cache_mode)
+    check_fits_machine("--cpu-gb", args.cpu_gb)
     args.executor = args.executor or "streaming"
     args.chunk_tokens = args.chunk_tokens or CHUNK_TOKENS
     quality = [f"--{name.replace('_', '-')}" for name in QUALITY_DEFAULTS if getattr(args, name) is not None]
@@ -272,6 +281,8 @@ def _cache_mode(args: argparse.Namespace, model, longest: int, tmp: str):
         floor = TieredCache.min_device_bytes(model.config, longest + 8)
     gpu = args.gpu_gb if args.gpu_gb is not None else floor + kv // 8
     cpu = args.cpu_gb if args.cpu_gb is not None else max(kv // 4, 2**20)
+    check_fits_machine("--gpu-gb", gpu, "the executor's minimum + 1/8 of the longest prompt's KV", "--lengths")
+    check_fits_machine("--cpu-gb", cpu, "1/4 of the longest prompt's KV", "--lengths")
     disk = str(args.disk_dir or tmp)
 
     def factory() -> TieredCache:
@@ -301,7 +312,8 @@ def _run(args: argparse.Namespace) -> int:
     status = Console(stderr=True, highlight=False, soft_wrap=True)  # progress: never mixed into the results
     phases = Phases(status)
     if args.tasks or args.stage == "measure":
-        return _run_quality(args, console, _Log(status), phases)
+        with _Log(status) as log:
+            return _run_quality(args, console, log, phases)
     if isinstance(args.model, str) and args.model != "demo":
         raise InvalidConfigError(f"the retrieval heat map is the demo model's own task; for --model {args.model} "
                                  "give --tasks (e.g. --tasks needle,multi-needle,fidelity).")
@@ -389,13 +401,29 @@ def _estimate(args: argparse.Namespace, model) -> str:
 
 
 class _Log:
-    """``log(message)`` for the quality harness: plain lines on stderr, each with the time since the start."""
+    """``log(message)`` for the quality harness: plain lines on stderr, each with the time since the start; within
+    ``with``, a line every :data:`~tierkv.commands.progress.REESTIMATE_S` while a prompt runs (one takes 20-30 s of
+    a real model on 2 cores, and the harness says only when it ends)."""
 
     def __init__(self, console) -> None:
         self.console = console
-        self.started = time.perf_counter()
+        self.started = self.logged = time.perf_counter()  # when the run began, when the harness last said a line
+        self.ticker = Ticker(lambda _: self._say(f"still running: {seconds(time.perf_counter() - self.logged)} "
+                                                 "since the last line of the run"))
+
+    def __enter__(self) -> _Log:
+        self.ticker.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ticker.__exit__(*exc)
 
     def log(self, message: str) -> None:
+        self._say(message)
+        self.logged = time.perf_counter()
+        self.ticker.beat()
+
+    def _say(self, message: str) -> None:
         self.console.print(f"[{seconds(time.perf_counter() - self.started)}] {message}", highlight=False,
                            markup=False)
 
@@ -458,6 +486,8 @@ def _resumed_records(path: Path, setup: CacheSetup) -> list[dict]:
     other options (written before its name said them all) is refused, not resumed nor relabelled."""
     if not path.is_file():
         return []
+    from tierkv.quality.harness import setup_differences
+
     saved = json.loads(path.read_text())
     differences = setup_differences(setup, saved.get("setup", {}))
     if differences:

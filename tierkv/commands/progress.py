@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from tierkv.units import plural
 
 
 def seconds(value: float) -> str:
@@ -37,7 +40,7 @@ def between(estimate: float) -> str:
     return f"between {seconds(estimate / 2)} and {seconds(estimate * 2)}"
 
 
-REESTIMATE_S = 10.0  # a running estimate is said at most this often
+REESTIMATE_S = 10.0  # a long run says how it goes at least this often (docs/demo.md)
 WEIGHT_TOKENS = 1024  # a token's weight matmuls cost about as much as attending this many tokens
 
 
@@ -47,40 +50,135 @@ def forward_cost(start: int, n: int) -> float:
     return n * (start + n / 2 + WEIGHT_TOKENS)
 
 
-class Remaining:
-    """The time left of work made of parts whose relative costs are known, re-estimated from the rate measured
-    so far and said on ``console`` about every ``every_s`` seconds: at the end of a part when the next one would
-    end past that (so parts of several seconds never leave ``every_s`` silent). The first part (warm-up,
-    allocation) is left out of the rate: one noisy part extrapolated over the run is what made earlier estimates
-    9x off; until a second part ends the line says only how many are done."""
+class Ticker:
+    """A background thread that calls ``say(silent_s)`` whenever ``every_s`` (default :data:`REESTIMATE_S`) passes
+    with no :meth:`beat` (a line said), so one long part (a 26 s prefill chunk, a quality prompt, a first load)
+    still shows a line at that interval. :meth:`tick` is one check; the thread runs it every second or so while
+    the ``with`` block runs."""
 
-    def __init__(self, console: Console, label: str, costs: list[float], every_s: float = REESTIMATE_S,
+    def __init__(self, say: Callable[[float], None], every_s: float | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        self.console, self.label, self.costs = console, label, costs
-        self.every_s, self.clock = every_s, clock
+        self.say, self.clock = say, clock
+        self.every_s = REESTIMATE_S if every_s is None else every_s  # (read now: a test may lower it)
+        self.last = clock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tierkv-progress", daemon=True)
+
+    def beat(self) -> None:
+        """A line was said now: the next tick line is due ``every_s`` from here."""
+        self.last = self.clock()
+
+    def tick(self) -> None:
+        """Say the line when ``every_s`` passed with none."""
+        now = self.clock()
+        if now - self.last >= self.every_s:
+            self.say(now - self.last)
+            self.last = now
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(1.0, self.every_s / 10)):
+            self.tick()
+
+    def __enter__(self) -> Ticker:
+        self.beat()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Remaining:
+    """The time left of a greedy run: prefill chunks then decode steps, whose relative costs are known
+    (:func:`forward_cost`), re-estimated from the rates measured so far and said on ``console`` about every
+    ``every_s`` seconds: at the end of a part when the next one would end past that, and (within ``with``, from
+    a :class:`Ticker`) while a part longer than that runs.
+
+    Prefill and decode are timed apart: a decode step of transformers' in-memory cache on a CPU took 10x what the
+    prefill's rate predicted (a 64-token decode said "1.7 s to go" and took 57 s), so the decode's time left
+    waits for its own rate. The first part of each (warm-up, allocation, new shapes) is left out of its rate:
+    one noisy part extrapolated over the run is what made earlier estimates 9x off."""
+
+    def __init__(self, console: Console, label: str, prefill: list[float], decode: Sequence[float] = (),
+                 every_s: float | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.console, self.label, self.clock = console, label, clock
+        self.groups = (list(prefill), list(decode))
+        self.total = sum(map(len, self.groups))
         self.done = 0  # parts done
-        self.measured_from: float | None = None  # when the first part ended
-        self.measured_cost = 0.0  # cost of the parts done since
-        self.first_s = 0.0  # how long the first part took (the next part's guess until there is a rate)
-        self.said = clock()
+        self.measured = [[0.0, 0.0], [0.0, 0.0]]  # per group: seconds and cost of its parts done after its first
+        self.last = self.said = clock()  # when the last part ended (or the run began), when a line was last said
+        self.last_s = 0.0  # how long the last part took (the next one's guess until its group has a rate)
+        self.ticker = Ticker(self._still_running, every_s, clock)
+        self.every_s = self.ticker.every_s
+        self._lock = threading.Lock()  # the ticker's thread reads what part_done writes
+
+    def __enter__(self) -> Remaining:
+        self.ticker.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ticker.__exit__(*exc)
 
     def part_done(self) -> None:
-        """One more part is done (in order); says the time left when it is due and there is a rate to go by."""
-        now = self.clock()
-        self.done += 1
-        rate: float | None = None
-        if self.measured_from is None:
-            self.measured_from, self.first_s = now, now - self.said
-        else:
-            self.measured_cost += self.costs[self.done - 1]
-            rate = (now - self.measured_from) / self.measured_cost
-        left = sum(self.costs[self.done:])
-        upcoming = self.first_s if rate is None else rate * self.costs[self.done] if left > 0 else 0.0
-        if left > 0 and now - self.said + upcoming >= self.every_s:
-            estimate = " (measuring the rate)" if rate is None else f", about {seconds(rate * left)} to go"
-            self.console.print(f"{self.label}: {self.done:,}/{len(self.costs):,} done{estimate}", highlight=False,
-                               soft_wrap=True)
-            self.said = now
+        """One more part is done (in order); says the time left when it is due."""
+        with self._lock:
+            now = self.clock()
+            group, index = self._where(self.done)
+            self.last_s = now - self.last
+            if index > 0:
+                self.measured[group][0] += self.last_s
+                self.measured[group][1] += self.groups[group][index]
+            self.done += 1
+            self.last = now
+            if self.done < self.total and now - self.said + self._next_s() >= self.every_s:
+                self._say(now, f"{self.label}: {self.done:,}/{self.total:,} done{self._left(0.0)}")
+
+    def _still_running(self, silent_s: float) -> None:
+        """The ticker's line: what is done, how long the part now running has taken, and the time left."""
+        with self._lock:
+            now = self.clock()
+            if self.done < self.total:
+                self._say(now, f"{self.label}: {self.done:,}/{self.total:,} done, the next running for "
+                               f"{seconds(now - self.last)}{self._left(now - self.last)}")
+
+    def _say(self, now: float, text: str) -> None:
+        self.console.print(text, highlight=False, soft_wrap=True)
+        self.said = now
+        self.ticker.beat()
+
+    def _where(self, part: int) -> tuple[int, int]:
+        """(group, index in it) of part number ``part``."""
+        prefill = len(self.groups[0])
+        return (0, part) if part < prefill else (1, part - prefill)
+
+    def _rate(self, group: int) -> float | None:
+        seconds_, cost = self.measured[group]
+        return seconds_ / cost if cost > 0 else None
+
+    def _next_s(self) -> float:
+        """The next part's expected time: by its group's rate, else as long as the last part."""
+        group, index = self._where(self.done)
+        rate = self._rate(group)
+        return self.last_s if rate is None else rate * self.groups[group][index]
+
+    def _left(self, running_s: float) -> str:
+        """``", about 40.0 s to go"`` (``running_s``: how long the part now running has run), or what is still
+        being measured."""
+        group, index = self._where(self.done)
+        left = [sum(self.groups[0][index:]) if group == 0 else 0.0, sum(self.groups[1][index if group else 0:])]
+        rates = [self._rate(0), self._rate(1)]
+        if left[0] > 0 and rates[0] is None:
+            return " (measuring the rate)"
+        prefill_s = (rates[0] or 0.0) * left[0]
+        if left[1] > 0 and rates[1] is None:
+            steps = plural(len(self.groups[1]) - (index if group else 0), "decode step")
+            if left[0] > 0:
+                return f", about {seconds(max(prefill_s - running_s, 0.0))} of prefill to go, then {steps}"
+            return f" (prefill done; measuring the rate of the {steps} left)"
+        total = prefill_s + (rates[1] or 0.0) * left[1]
+        after = total - self._next_s()  # the parts after the one running: the time left is never less
+        return f", about {seconds(max(total - running_s, after))} to go"
 
 
 class Phases:
@@ -99,8 +197,9 @@ class Phases:
     def phase(self, label: str, total: int | None = None,
               announce: bool = False) -> Iterator[Callable[[int], None]]:
         """Run a phase: yields ``advance(n)`` (a no-op without ``total``); prints :meth:`done`'s line after it.
-        ``announce``: without a terminal (a pipe, a CI log) the label is printed as it begins too, so a phase
-        known to be long (a first load's dequantisation) is not a silent minute."""
+        ``announce``: without a terminal (a pipe, a CI log) the label is printed as it begins too, and the time so
+        far every :data:`REESTIMATE_S`, so a phase known to be long (a first load's dequantisation) is not a silent
+        minute."""
         started = time.perf_counter()
         if self.live:
             columns = [SpinnerColumn(), TextColumn(label)]
@@ -109,9 +208,12 @@ class Phases:
             with Progress(*columns, TimeElapsedColumn(), console=self.console, transient=True) as progress:
                 task = progress.add_task(label, total=total)
                 yield lambda n: progress.advance(task, n)
+        elif announce:  # a log: "label ...", then "label: 10.0 s so far" every REESTIMATE_S until it ends
+            self.console.print(f"{label} ...", highlight=False, soft_wrap=True)
+            with Ticker(lambda _: self.console.print(f"{label}: {seconds(time.perf_counter() - started)} so far",
+                                                     highlight=False, soft_wrap=True)):
+                yield lambda n: None
         else:
-            if announce:
-                self.console.print(f"{label} ...", highlight=False, soft_wrap=True)
             yield lambda n: None
         self.done(label, time.perf_counter() - started)
 
