@@ -18,7 +18,7 @@ from tierkv.cli import main
     ("gather", 7, []),
 ])  # fmt: skip
 def test_default_budget_and_the_advised_minimum_are_accepted(tmp_path, capsys, executor, block_tokens, options):
-    """Audit 31: the demo's own floor for ``--executor sparse`` (its summaries, selection and rest copy, counted
+    """Regression: the demo's own floor for ``--executor sparse`` (its summaries, selection and rest copy, counted
     apart from the cache's) was below ``TieredCache.min_sparse_device_bytes`` for small blocks and pages: the
     default ``--gpu-gb`` was refused mid-run, and so was the ``give --gpu-gb X or more`` it advised."""
     argv = ["demo", "--random-model", "--context", "256", "--max-new-tokens", "2", "--no-reference",

@@ -15,7 +15,7 @@ from tierkv.quality import harness, report
 
 @pytest.mark.parametrize("budgets", ["0", "0.1,0", "0.0", "1.5", "nan"])
 def test_budgets_outside_zero_to_one_are_refused_while_parsing(budgets, capsys, tmp_path, monkeypatch):
-    """Audit 31: ``--budgets 0`` passed the CLI's ``[0, 1]`` check, loaded the model, then failed in the library's
+    """Regression: ``--budgets 0`` passed the CLI's ``[0, 1]`` check, loaded the model, then failed in the library's
     words (``sparse tokens=0.0``, an int for a count): refused while parsing, saying ``(0, 1]``."""
     monkeypatch.setattr("tierkv.models.load", lambda *a, **k: pytest.fail("the model was loaded"))
     assert main(["eval", "--tasks", "needle", "--budgets", budgets, "--out", str(tmp_path)]) == 2
@@ -26,13 +26,13 @@ def test_budgets_outside_zero_to_one_are_refused_while_parsing(budgets, capsys, 
 
 @pytest.mark.parametrize("option", ["block_tokens", "page_tokens", "sinks", "recent", "dense_layers", "rest_bits"])
 def test_every_option_that_changes_a_result_names_its_own_results_file(option):
-    """Audit 31: runs with other ``--sinks``, ``--recent`` or ``--dense-layers`` shared ``tierkv.json``."""
+    """Regression: runs with other ``--sinks``, ``--recent`` or ``--dense-layers`` shared ``tierkv.json``."""
     other = harness.CacheSetup(**{option: {"block_tokens": 8}.get(option, 2)})
     assert harness.results_file(other) != harness.results_file(harness.CacheSetup()) == "tierkv.json"
 
 
 def test_measure_with_other_sparse_options_measures_again_into_its_own_file(tmp_path, capsys):
-    """Audit 31: ``--stage measure`` with only ``--sinks``, ``--recent`` or ``--dense-layers`` changed reused the
+    """Regression: ``--stage measure`` with only ``--sinks``, ``--recent`` or ``--dense-layers`` changed reused the
     earlier run's records (measuring nothing), and a later save rewrote the file's setup so that the old records
     claimed the new options."""
     base = ["eval", "--tasks", "needle", "--lengths", "512", "--depths", "0.5", "--samples", "1", "--methods",

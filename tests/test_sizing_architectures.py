@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from tierkv import InvalidConfigError, TieredCache
 
 SMALL = dict(vocab_size=1000, pad_token_id=0, bos_token_id=1, eos_token_id=None)
-SLACK = 512  # bytes: the helpers' numbers are the minimum, as the harness of the audit gave them
+SLACK = 512  # bytes: the helpers' numbers are the minimum, as the sizing helpers give them
 NEW = 6
 
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {

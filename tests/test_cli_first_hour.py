@@ -1,4 +1,4 @@
-"""Audit 32: budgets beyond the machine refused in flags before any model loads, time left that holds when decode
+"""Regression: budgets beyond the machine refused in flags before any model loads, time left that holds when decode
 steps cost more than the prefill's rate says, a line at least every interval however long a part runs, a
 misspelt command named, ``--help`` without torch, and README install steps that work as pasted."""
 
@@ -51,7 +51,7 @@ def _no_loading(monkeypatch) -> None:
 # 1: budgets beyond this machine, in the command's flags, before a model loads
 @pytest.mark.parametrize("flag", ["--cpu-gb", "--gpu-gb"])
 def test_demo_with_a_real_model_refuses_a_budget_beyond_the_machine_before_loading(monkeypatch, capsys, flag):
-    """Audit 32: ``tierkv demo --model smollm2 --cpu-gb 100`` failed after the load and the plan, with
+    """Regression: ``tierkv demo --model smollm2 --cpu-gb 100`` failed after the load and the plan, with
     ``TieredCache``'s message (``cpu_gb is 93.13 GiB ... cpu_gb=f"{n}B"``)."""
     from tierkv.commands import demo
 
@@ -89,7 +89,7 @@ def test_a_default_budget_beyond_the_machine_names_the_option_that_shrinks_it():
 
 # 2: the reference check's time left with a prompt file
 def test_decode_steps_are_timed_apart_from_the_prefill():
-    """Audit 32: a 1,532-token prompt (2 prefill chunks) and 64 new tokens said "2/65 done, about 1.7 s to go" and
+    """Regression: a 1,532-token prompt (2 prefill chunks) and 64 new tokens said "2/65 done, about 1.7 s to go" and
     ran 57 s more: the prefill's rate was applied to decode steps that took 0.9 s each on a CPU."""
     now, said = [0.0], []
     console = Console(file=io.StringIO())
@@ -117,7 +117,7 @@ def test_the_prefill_time_left_says_decode_steps_follow():
 
 # 3: a line at least every interval, however long a part runs
 def test_a_part_longer_than_the_interval_is_not_silent():
-    """Audit 32: a 26 s prefill chunk left the log silent for 26 s though docs/demo.md promises a line every
+    """Regression: a 26 s prefill chunk left the log silent for 26 s though docs/demo.md promises a line every
     10 s; the ticker says the part running and the time left meanwhile."""
     now, said = [0.0], []
     console = Console(file=io.StringIO())
@@ -157,7 +157,7 @@ def test_an_announced_phase_says_its_time_so_far_in_a_log(monkeypatch):
 
 
 def test_the_quality_runs_say_they_are_still_running(monkeypatch):
-    """Audit 32: ``tierkv eval --model smollm2 --tasks needle`` was silent 23 s while a prompt ran."""
+    """Regression: ``tierkv eval --model smollm2 --tasks needle`` was silent 23 s while a prompt ran."""
     monkeypatch.setattr(progress_module, "REESTIMATE_S", 0.01)
     log = io.StringIO()
     with _Log(Console(file=log, width=200)) as status:
@@ -183,7 +183,7 @@ def test_a_misspelt_command_is_named(capsys):
 # 6: --help imports neither torch nor transformers
 @pytest.mark.parametrize("command", SUBCOMMANDS)
 def test_help_imports_neither_torch_nor_transformers(command):
-    """Audit 32: ``tierkv eval --help`` took 9.4 s on a loaded host, importing torch and transformers to list
+    """Regression: ``tierkv eval --help`` took 9.4 s on a loaded host, importing torch and transformers to list
     options."""
     code = ("import contextlib, io, sys\nfrom tierkv.cli import main\n"
             f"with contextlib.redirect_stdout(io.StringIO()):\n    assert main([{command!r}, '--help']) == 0\n"
