@@ -154,6 +154,9 @@ class RemoteConnection:
             return "; grant the ACL user that command (the commands tierkv needs: docs/remote.md, Security)"
         if isinstance(exc, redis.exceptions.InvalidResponse) or "connection not ready" in lower:  # (data unasked)
             return "; what answers there does not speak the Redis protocol: check the URL's host and port"
+        if "invalid bulk length" in lower or "invalid multibulk length" in lower:  # a value sent whole, then refused
+            return ("; the server refused a value's length: a block exceeds its proto-max-bulk-len (raise it, "
+                    "docs/remote.md)")
         if write and any(mark in lower for mark in _CUT):
             return ("; the server cut the connection during a write: a block may exceed its limits "
                     "(proto-max-bulk-len, client-query-buffer-limit, client-output-buffer-limit: raise them, "
