@@ -12,7 +12,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -95,21 +94,19 @@ def as_typed(nbytes: int) -> str:
 
 def check_fits_machine(option: str, nbytes: int | None, default: str = "", smaller: str = "") -> None:
     """Refuse a ``--gpu-gb`` or ``--cpu-gb`` (``option``) of ``nbytes`` beyond what this machine could ever give, in
-    the command's flags and before a model loads: the check ``TieredCache`` makes when it is built
-    (:func:`tierkv.hf.sizing.check_budgets_fit_machine`), whose own message names its Python API. ``default``:
+    the command's flags and before a model loads: the bound ``TieredCache`` checks when it is built
+    (:func:`tierkv.hf.sizing.machine_memory`), whose own message names its Python API. ``default``:
     how the command chose ``nbytes`` when the option was not given; ``smaller``: the options that shrink it."""
     if nbytes is None:
         return
     from tierkv.hf import sizing
 
-    budget = {"--gpu-gb": "gpu", "--cpu-gb": "cpu"}[option]
-    try:
-        sizing.check_budgets_fit_machine(**{"gpu": None, "cpu": None, budget: nbytes}, disk=None, disk_dir=None)
-    except InvalidConfigError as exc:  # "cpu_gb is 93.13 GiB but this machine has ...; a bare number counts GB..."
-        machine = re.sub(r"^\S+ is .*? but ", "", str(exc)).split(";")[0]
+    memory, where = sizing.machine_memory()
+    if nbytes > memory:
         chosen = "" if isinstance(nbytes, Size) or not default else f" ({default}, the default)"
         fix = f"a smaller {option}" + (f" or {smaller}" if smaller and not isinstance(nbytes, Size) else "")
-        raise InvalidConfigError(f"{option} {as_typed(nbytes)}{chosen} does not fit: {machine}; give {fix}.") from None
+        raise InvalidConfigError(f"{option} {as_typed(nbytes)}{chosen} does not fit: this machine has {where}; give "
+                                 f"{fix}.")
 
 
 def integer(option: str, minimum: int, maximum: int | None = None, why: str = "") -> Callable[[str], int]:

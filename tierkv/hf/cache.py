@@ -40,7 +40,7 @@ from tierkv.hf import conversation, sizing
 from tierkv.hf.attention import Engagement, drop_hand_over
 from tierkv.hf.encoder_decoder import TieredEncoderDecoderCache
 from tierkv.hf.forward import Forward, alive, closed_error
-from tierkv.hf.layer import TieredLayer, not_held
+from tierkv.hf.layer import TieredLayer, Uncopyable, not_held
 from tierkv.hf.modes import AttentionModes
 from tierkv.hf.runtime import Budgets, Runtime
 from tierkv.hf.session import PrefixSession
@@ -154,7 +154,7 @@ CROP_KEEPS_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).paramet
 assisted decoding calls) rather than refusing it (later releases crop by a negative count only)."""
 
 
-class TieredCache(AttentionModes, Cache):
+class TieredCache(Uncopyable, AttentionModes, Cache):
     """A transformers ``Cache`` backed by device, host and disk tiers.
 
     Args:
@@ -354,7 +354,7 @@ class TieredCache(AttentionModes, Cache):
                 self.begin_forward()
             if isinstance(layer, StateLayer) and layer.touch(forward.number):
                 forward.layers_updated += 1
-            elif not isinstance(layer, StateLayer):
+            elif not isinstance(layer, StateLayer) and forward.last_update == -1:  # a forward's first K/V update
                 self._leave_skipped_state(layer.position)
 
     def uses_per_forward(self) -> int | None:
@@ -556,14 +556,8 @@ class TieredCache(AttentionModes, Cache):
     def __enter__(self) -> TieredCache:
         return self
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> TieredCache:
-        raise InvalidConfigError(_NOT_COPIED)
-
-    def __copy__(self) -> TieredCache:
-        raise InvalidConfigError(_NOT_COPIED)
-
-    def __reduce__(self) -> Any:
-        raise InvalidConfigError(_NOT_COPIED)
+    def copy_refusal(self) -> Exception:
+        return InvalidConfigError(_NOT_COPIED)
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()

@@ -45,7 +45,24 @@ _LAYER_NOT_COPIED = (
     "Use transformers' DynamicCache for this architecture.")
 
 
-class OfCache:
+class Uncopyable:
+    """Refuses ``copy.deepcopy``, ``copy.copy`` and pickling with :meth:`copy_refusal`: what it owns or views a
+    copy could not share."""
+
+    def copy_refusal(self) -> Exception:
+        raise NotImplementedError
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        raise self.copy_refusal()
+
+    def __copy__(self) -> NoReturn:
+        raise self.copy_refusal()
+
+    def __reduce__(self) -> NoReturn:
+        raise self.copy_refusal()
+
+
+class OfCache(Uncopyable):
     """A layer of one TieredCache: the reference back to it (``_cache``, weak: the cache holds its layers, a strong
     reference back would be a cycle) and the batch edits, which the cache makes for all its layers at once."""
 
@@ -70,14 +87,8 @@ class OfCache:
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.cache.reorder_cache(beam_idx)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> OfCache:
-        raise UnsupportedLayerError(_LAYER_NOT_COPIED)
-
-    def __copy__(self) -> OfCache:
-        raise UnsupportedLayerError(_LAYER_NOT_COPIED)
-
-    def __reduce__(self) -> Any:
-        raise UnsupportedLayerError(_LAYER_NOT_COPIED)
+    def copy_refusal(self) -> Exception:
+        return UnsupportedLayerError(_LAYER_NOT_COPIED)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.cache.batch_repeat_interleave(repeats)

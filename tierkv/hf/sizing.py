@@ -575,7 +575,7 @@ def check_budgets_fit_machine(gpu: int | None, cpu: int | None, disk: int | None
     """
     budgets = {"gpu_gb": gpu, "cpu_gb": cpu}
     if any(v is not None for v in budgets.values()):
-        memory, where = _machine_memory()
+        memory, where = machine_memory()
         for name, nbytes in budgets.items():
             if nbytes is not None and nbytes > memory:
                 raise InvalidConfigError(
@@ -614,7 +614,7 @@ def host_memory() -> tuple[int, int]:
     return memory.total, memory.available
 
 
-def _machine_memory() -> tuple[int, str]:
+def machine_memory() -> tuple[int, str]:
     """The largest memory one tier could use here, and how to say it: RAM, or the largest GPU if bigger."""
     ram = host_memory()[0]
     where = f"{format_bytes(ram)} of RAM"
