@@ -121,20 +121,15 @@ def test_blocks_full_before_the_summaries_are_read_to_summarise_within_the_budge
     pieces: list[tuple[int, int]] = []  # (bytes read, bytes reserved beside the summaries' when read)
     backfill = SparseBlocks._backfill
 
-    def watched(self, summaries, layer):
-        store = self.store
-        device, read_into = store.device, store.read_into
+    def watched(self, summaries, layer, read):
+        device = self.store.device
 
         def counted(layer, plan, data):  # each piece read to summarise
             assert device.allocated_bytes <= device.budget
             pieces.append((data.numel() * data.element_size(), device.reserved - summaries.nbytes))
-            return read_into(layer, plan, data)
+            return read(layer, plan, data)
 
-        monkeypatch.setattr(store, "read_into", counted)
-        try:
-            backfill(self, summaries, layer)
-        finally:
-            monkeypatch.setattr(store, "read_into", read_into)
+        backfill(self, summaries, layer, counted)
 
     monkeypatch.setattr(SparseBlocks, "_backfill", watched)
     with TieredCache(gpu_gb=f"{need}B", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=BLOCK,

@@ -294,10 +294,11 @@ class PipelinedExecutor:
         self.last_layer = layer
         self.windows[layer] = span.window
 
-    def _read_now(self, layer: int, plan: ReadPlan, dest: torch.Tensor) -> list[ReadTiming]:
-        """A synchronous read on the caller's thread (a miss, or a top-up of a prefetch)."""
+    def _read_now(self, layer: int, plan: ReadPlan, dest: torch.Tensor, claim: bool = True) -> list[ReadTiming]:
+        """A synchronous read on the caller's thread (a miss, or a top-up of a prefetch; ``claim`` False: a read
+        no disk read ahead was started for)."""
         timings: list[ReadTiming] = []
-        ahead = self._claim_ahead(layer, plan)
+        ahead = self._claim_ahead(layer, plan) if claim else None
         try:
             if not self.timed:
                 self.store.read_into(layer, plan, dest, ahead=ahead.pending if ahead else None)

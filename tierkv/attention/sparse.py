@@ -288,9 +288,10 @@ class SparseAttention(PipelinedExecutor):
         bt = store.block_tokens
         page = budget.page_size(bt)
         per = bt // page  # pages per block
-        summaries = self.sparse_blocks.enable_summaries(budget.rest_bits, None if per == 1 else page, layer)
+        self._begin_layer(span)  # first: the summaries' one-off read of the prompt's blocks is this step's
+        summaries = self.sparse_blocks.enable_summaries(budget.rest_bits, None if per == 1 else page, layer,
+                                                        read=self._read_unclaimed)  # fmt: skip
         moved = self._moved_in()
-        self._begin_layer(span)
         self._speculate_after(layer)
         layout = store.layouts[layer]
         q = query.view(batch, layout.kv_heads, heads // layout.kv_heads, 1, dim)  # [B, H_kv, G, 1, D]
@@ -701,10 +702,14 @@ class SparseAttention(PipelinedExecutor):
             return None
         return np.argpartition(-rest, count - 1, axis=1)[:, :count] + lo
 
-    def _read(self, layer: int, plan: ReadPlan, dest: torch.Tensor) -> None:
-        timings = self._read_now(layer, plan, dest)
+    def _read(self, layer: int, plan: ReadPlan, dest: torch.Tensor, claim: bool = True) -> None:
+        timings = self._read_now(layer, plan, dest, claim)
         if self.timeline is not None:
             self.timeline.add_reads(layer, timings, sync=True)
+
+    def _read_unclaimed(self, layer: int, plan: ReadPlan, dest: torch.Tensor) -> None:
+        """A read outside the selection's (the summaries' backfill), in the step's telemetry like the others."""
+        self._read(layer, plan, dest, claim=False)
 
     # ---------------------------------------------------------------------------------- promotion
     def _promote(self, layer: int, attended: np.ndarray, mass: torch.Tensor | None, columns: np.ndarray,

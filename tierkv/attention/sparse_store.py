@@ -13,6 +13,7 @@ any number of them may be built over one store.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import numpy as np
@@ -20,13 +21,15 @@ import torch
 
 from tierkv.blocks import Block, Tier
 from tierkv.errors import TierKVError
-from tierkv.store import KVStore
+from tierkv.store import KVStore, ReadPlan
 from tierkv.store.kvstore import recovering
 from tierkv.store.summaries import KeySummaries
 from tierkv.store.transfer import link
 
 BACKFILL_COLUMNS = 64  # enable_summaries reads blocks already full in pieces of this many columns
 PROMOTE_PER_LAYER = 2  # at most this many blocks move up to the device per layer-step of sparse attention
+BlockRead = Callable[[int, ReadPlan, torch.Tensor], None]
+"""Reads a plan's blocks of a layer into a tensor (:meth:`KVStore.read_into`'s first three arguments)."""
 _DEVICE = int(Tier.DEVICE)  # an int: numpy compares it without ~6 Python calls of enum lookups
 
 
@@ -36,15 +39,17 @@ class SparseBlocks:
     def __init__(self, store: KVStore) -> None:
         self.store = store
 
-    def enable_summaries(self, rest_bits: int = 0, page_tokens: int | None = None,
-                         layer: int | None = None) -> KeySummaries:
+    def enable_summaries(self, rest_bits: int = 0, page_tokens: int | None = None, layer: int | None = None,
+                         read: BlockRead | None = None) -> KeySummaries:
         """Keep key summaries of every ``page_tokens``-token page of full blocks from now on (None: one per block;
         :mod:`tierkv.store.summaries`), with a ``rest_bits``-bit copy of their keys and values if that is not 0,
         on the device and in its budget (rebuilt if ``rest_bits`` or ``page_tokens`` changed). Blocks already full
         are summarised when their layer first needs them — ``layer``'s now (every layer's where None) — read once
         from wherever they live: a sliding-window layer drops the blocks that left its window at its own next
         update, so summarising every layer when the first one attends would size the others' tables for the whole
-        prompt. A refused reservation gives back every byte the summaries held (they are rebuilt when next asked)."""
+        prompt. A refused reservation gives back every byte the summaries held (they are rebuilt when next asked).
+        ``read(layer, plan, dest)`` reads those blocks (default: the store's ``read_into``; an executor passes its
+        own to time them in its step)."""
         store = self.store
         summaries = store.summaries
         if summaries is not None and (summaries.rest_bits, summaries.page_tokens) != (rest_bits, page_tokens):
@@ -59,14 +64,14 @@ class SparseBlocks:
             if index in summaries.backfilled or index not in store.table.rows:
                 continue
             try:
-                self._backfill(summaries, index)
+                self._backfill(summaries, index, read or store.read_into)
             except BaseException:
                 store.drop_summaries()
                 raise
             summaries.backfilled.add(index)
         return summaries
 
-    def _backfill(self, summaries: KeySummaries, layer: int) -> None:
+    def _backfill(self, summaries: KeySummaries, layer: int, read: BlockRead) -> None:
         """Summarise ``layer``'s full blocks that have no summary yet, read in pieces of whole block columns
         through device memory counted in the budget: the layer's table grown for them first, then as many columns
         as the budget has free room left for (up to :data:`BACKFILL_COLUMNS`), at least one
@@ -93,7 +98,7 @@ class SparseBlocks:
                 plan = store.plan_read(layer, lo * bt, hi * bt, access=False)
                 shape = (2, rows.batch, layout.kv_heads, (hi - lo) * bt, layout.head_dim)
                 data = store.transfer.accel.empty_blocks(shape, layout.dtype, device.device)
-                store.read_into(layer, plan, data)
+                read(layer, plan, data)
                 blocks = data.unflatten(3, (hi - lo, bt)).permute(1, 3, 0, 2, 4, 5)  # [B, n, 2, H_kv, bt, D]
                 summaries.add(layer, rows.ids[:, lo:hi].ravel().tolist(), blocks.flatten(0, 1))
                 del data, blocks
