@@ -5,7 +5,8 @@
 
     tierkv.metrics.register(cache, model="smollm2")   # the default registry; labels are optional
     tierkv.metrics.register(other, model="qwen3")     # more caches: the same families, told apart by labels
-    start_http_server(9100)                            # http://host:9100/metrics
+    start_http_server(9100, addr="127.0.0.1")          # http://127.0.0.1:9100/metrics; its default binds
+                                                       # every interface (a proxy or firewall for remote scrapes)
 
 Each registry gets one :class:`CacheCollector`, which yields every family once with the samples of every live
 cache registered on it (two caches with the same labels are refused: their series would collide). It reads
