@@ -29,6 +29,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -47,15 +48,12 @@ DISK_READ_AHEAD = 4
 the disk engine works through them on its own threads while the mover copies and the model computes."""
 
 
-MIN_LINK_BANDWIDTH = 1e3  # bytes/s a profile file (which may come from anyone) may claim for a link: every real one
-MAX_LINK_BANDWIDTH = 1e15  # lies between, and a prediction from outside it overflows or divides by nearly zero
-MAX_LINK_LATENCY_S = 60.0
-
-
 MIN_LINK_BANDWIDTH = 1e3  # bytes/s a profile file may claim for a link or the host's attention: every real one lies
 MAX_LINK_BANDWIDTH = 1e15  # between, and a prediction from outside overflows or divides by nearly zero
 MAX_LINK_LATENCY_S = 60.0
 MAX_HOST_THREADS = 65536
+MAX_COMPUTE_FLOPS = 1e18  # FLOP/s a profile's machine["compute_flops"] may claim: far above any host's
+_COMPUTE_FLOPS_KEY = "compute_flops"  # tierkv.planner.COMPUTE_FLOPS_KEY (the planner imports this module)
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,25 +293,28 @@ class LinkProfile:
         data = read_json(path, "link profile", "create one with `tierkv bench` or use presets")
         try:
             links = {
-                key: Link(str(v["name"]), float(v["bandwidth_bytes_per_s"]), float(v["latency_s"]))
+                key: Link(printable(v["name"]), _number(v["bandwidth_bytes_per_s"], f"{key}.bandwidth_bytes_per_s"),
+                          _number(v["latency_s"], f"{key}.latency_s"))
                 for key, v in data["links"].items()
             }
-            machine = {str(k): str(v) for k, v in data.get("machine", {}).items()}
+            machine = {printable(k): printable(v) for k, v in data.get("machine", {}).items()}
+            _check_flops(machine.get(_COMPUTE_FLOPS_KEY))
             serial, contention = data.get("serial_mover", False), data.get("contention", {})
             if isinstance(contention, (int, float)):  # profiles written before the four factors: one for all
-                contention = Contention.uniform(float(contention))
+                contention = Contention.uniform(_number(contention, "contention"))
             else:
-                contention = Contention(**{str(k): float(v) for k, v in contention.items()})
-            overhead = float(data.get("layer_overhead_s", 0.0))
+                contention = Contention(**{str(k): _number(v, f"contention.{k}") for k, v in contention.items()})
+            overhead = _number(data.get("layer_overhead_s", 0.0), "layer_overhead_s")
             attention = data.get("host_attention")  # absent in profiles measured before the kernel was
             if attention is not None:
-                attention = HostAttention(float(attention["bandwidth_bytes_per_s"]),
-                                          float(attention["single_thread_bytes_per_s"]), int(attention["threads"]),
-                                          str(attention.get("kernel", "native")))
+                attention = HostAttention(
+                    _number(attention["bandwidth_bytes_per_s"], "host_attention.bandwidth_bytes_per_s"),
+                    _number(attention["single_thread_bytes_per_s"], "host_attention.single_thread_bytes_per_s"),
+                    _threads(attention["threads"]), printable(attention.get("kernel", "native")))
             if not isinstance(serial, bool):
-                raise TypeError(f"serial_mover must be true or false, got {serial!r}")
+                raise TypeError(f"serial_mover must be true or false, got {_shown(serial)}")
             _check_plausible(links, attention, overhead)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
             if isinstance(e, InvalidConfigError):
                 raise
             raise InvalidConfigError(
@@ -866,7 +867,7 @@ def _check_plausible(links: dict[str, Link], attention: HostAttention | None, ov
         rates += [("host_attention.bandwidth_bytes_per_s", attention.bandwidth_bytes_per_s),
                   ("host_attention.single_thread_bytes_per_s", attention.single_thread_bytes_per_s)]
         if attention.threads > MAX_HOST_THREADS:
-            raise ValueError(f"host_attention.threads={attention.threads} is above {MAX_HOST_THREADS}")
+            raise ValueError(f"host_attention.threads={_shown(attention.threads)} is above {MAX_HOST_THREADS}")
     for what, rate in rates:
         if not MIN_LINK_BANDWIDTH <= rate <= MAX_LINK_BANDWIDTH:
             raise ValueError(f"{what}={rate!r} is outside {MIN_LINK_BANDWIDTH:.0e}-{MAX_LINK_BANDWIDTH:.0e} bytes "
@@ -875,3 +876,54 @@ def _check_plausible(links: dict[str, Link], attention: HostAttention | None, ov
     for what, seconds in [*times, ("layer_overhead_s", overhead)]:
         if seconds > MAX_LINK_LATENCY_S:
             raise ValueError(f"{what}={seconds!r} is above {MAX_LINK_LATENCY_S:g} s")
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+"""C0 and C1 control characters and DEL: what makes a terminal move the cursor, set its title or clear the screen."""
+
+
+def printable(value: object) -> str:
+    """``value`` as text with its control characters removed: the strings of a profile file (link and kernel
+    names, ``machine``) reach the terminal, and one from anyone must not drive it."""
+    return _CONTROL.sub("", str(value))
+
+
+def _shown(value: object, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a 400-digit number in a profile must not fill the error)."""
+    text = printable(repr(value))
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _number(value: object, what: str) -> float:
+    """The profile field ``what`` as a finite float; ValueError naming it where it is not a number, or one no float
+    holds (Infinity, NaN, a 400-digit integer)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what}={_shown(value)} is not a number")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{what}={_shown(value)} is not a finite number")
+    return number
+
+
+def _threads(value: object) -> int:
+    """The profile's ``host_attention.threads`` if it is a whole number (ValueError naming it otherwise: a float
+    such as Infinity or 2.5, or true, is no count of threads); its range is checked with the rest
+    (:class:`HostAttention`, :func:`_check_plausible`)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"host_attention.threads={_shown(value)} is not a whole number of threads")
+    return value
+
+
+def _check_flops(text: str | None) -> None:
+    """Refuse (ValueError) a ``machine["compute_flops"]`` that is a number no host computes at (Infinity, 1e400):
+    the planner would price compute at zero. Text that is no number is left, as before, to mean "not measured"."""
+    try:
+        flops = float(text) if text is not None else 0.0
+    except ValueError:
+        return
+    if not flops <= MAX_COMPUTE_FLOPS:  # (NaN too)
+        raise ValueError(f"machine.{_COMPUTE_FLOPS_KEY}={_shown(text)} is not a FLOP/s rate up to "
+                         f"{MAX_COMPUTE_FLOPS:.0e}")

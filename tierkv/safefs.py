@@ -461,18 +461,39 @@ def kind_of(mode: int) -> str:
 def replace_problem(directory: int | None, name: str | os.PathLike) -> tuple[int, str] | None:
     """Why a new file must not be renamed over ``name`` (in ``directory``, a descriptor, or None: a path): a
     directory, FIFO, device or socket is there, or a link to one (``/dev/stdout``, ``/dev/null``) — replacing it
-    would destroy what other programs use. ``(errno, phrase)``, or None where nothing, a regular file, a link to
-    one or a dangling link is there (a link is replaced, never followed)."""
+    would destroy what other programs use; or another user's entry in a sticky directory (:func:`foreign_in_sticky`),
+    which the rename would fail on. ``(errno, phrase)``, or None where nothing, a regular file, a link to one or a
+    dangling link is there (a link is replaced, never followed)."""
     try:
         status = os.stat(name, dir_fd=directory, follow_symlinks=False)
-        if stat.S_ISLNK(status.st_mode):
-            status = os.stat(name, dir_fd=directory)  # what the link names, if anything
     except OSError:
         return None
+    if foreign_in_sticky(directory, name, status):
+        return errno.EPERM, ("belongs to another user in a sticky directory (as /tmp is), where tierkv may not "
+                             "replace it")
+    if stat.S_ISLNK(status.st_mode):
+        try:
+            status = os.stat(name, dir_fd=directory)  # what the link names, if anything
+        except OSError:
+            return None
     if stat.S_ISREG(status.st_mode):
         return None
     code = errno.EISDIR if stat.S_ISDIR(status.st_mode) else errno.EEXIST
     return code, f"is {kind_of(status.st_mode)}, which tierkv does not replace with a file"
+
+
+def foreign_in_sticky(directory: int | None, name: str | os.PathLike, status: os.stat_result) -> bool:
+    """Whether the entry ``name`` (``status``: its ``lstat``) in ``directory`` (a descriptor, or None: ``name`` is a
+    path) is one this process may not rename over: its folder is sticky (/tmp's 1777), and this user owns neither
+    the entry nor the folder (root may)."""
+    user = os.geteuid()
+    if user == 0 or status.st_uid == user:
+        return False
+    try:
+        folder = os.stat(directory) if directory is not None else os.stat(os.path.dirname(os.fspath(name)) or ".")
+    except OSError:
+        return False
+    return bool(folder.st_mode & stat.S_ISVTX) and folder.st_uid != user
 
 
 def write_file(path: str | os.PathLike, chunks: Iterable[bytes | memoryview], shared: bool | None = None) -> None:
@@ -482,7 +503,8 @@ def write_file(path: str | os.PathLike, chunks: Iterable[bytes | memoryview], sh
     with directory(path.parent) as parent:
         problem = replace_problem(parent, path.name)
         if problem is not None:
-            raise refuse(path, problem[1], "Give the path of a regular file.", problem[0])
+            fix = "Choose a path of your own." if problem[0] == errno.EPERM else "Give the path of a regular file."
+            raise refuse(path, problem[1], fix, problem[0])
         with replacing(parent, path.name, shared) as fd:
             write_all(fd, chunks)
 

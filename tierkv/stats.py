@@ -25,6 +25,7 @@ This module knows nothing of tensors (CUDA event pairs are resolved through a ca
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, TypedDict
 
-from tierkv import settings
+from tierkv import safefs, settings
 from tierkv.bandwidth import (
     DISK_READ_AHEAD,
     PRESETS,
@@ -529,19 +530,52 @@ def check_trace_setting() -> None:
         _trace_path(path, settings.source("trace"))
 
 
+MAX_TRACE_NUMBER = 10_000
+"""Most numbered names :func:`_setting_trace_path` tries before it refuses (a folder already full of traces)."""
+
+
 def _setting_trace_path(path: str | os.PathLike) -> str | os.PathLike:
-    """``path`` for the process's first cache traced by ``$TIERKV_TRACE``, ``<stem>-<n><suffix>`` for its n-th
-    (logged once), so no cache's trace replaces another's when they close."""
+    """``path`` for the process's first cache traced by ``$TIERKV_TRACE``; for its n-th (logged once) the first of
+    ``<stem>-<n><suffix>``, ``<stem>-<n+1><suffix>`` ... that does not exist yet, claimed now (created exclusively,
+    holding an empty trace) so that no cache's trace replaces another's, nor a file the user did not name, and the
+    name is still free when the cache closes."""
     key = os.fspath(path)
     with _SETTING_TRACES_LOCK:
         count = _SETTING_TRACES[key] = _SETTING_TRACES.get(key, 0) + 1
-    if count == 1:
-        return path
-    stem, suffix = os.path.splitext(key)
-    numbered = f"{stem}-{count}{suffix}"
+        if count == 1:
+            return path
+        numbered = _claim_numbered(key, count)
     log.info("tierkv: %s is traced to by another cache of this process; this cache's trace is written to %s",
              key, numbered)
     return numbered
+
+
+def _claim_numbered(key: str, first: int) -> str:
+    """Create ``<stem>-<n><suffix>`` for the smallest ``n >= first`` whose name is free (``O_EXCL``: whatever is
+    there, a link too, is left alone) and return it; InvalidConfigError naming it where none can be created."""
+    stem, suffix = os.path.splitext(key)
+    empty = json.dumps(Trace().to_json()).encode()
+    for number in range(first, first + MAX_TRACE_NUMBER):
+        candidate = f"{stem}-{number}{suffix}"
+        try:
+            fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            problem = output_problem(candidate)
+            why = problem[1] if problem is not None else f"cannot be created ({exc.strerror or exc})"
+            raise InvalidConfigError(f"{settings.source('trace')}: the trace path of this process's cache {first} "
+                                     f"would be {candidate!r}, which {why}, so its trace could not be written; give "
+                                     "each cache its own trace= path, or a TIERKV_TRACE in a folder you can write."
+                                     ) from None
+        try:
+            safefs.write_all(fd, [empty])
+        finally:
+            os.close(fd)
+        return candidate
+    raise InvalidConfigError(f"{settings.source('trace')}: {stem}-{first}{suffix} to {stem}-{number}{suffix} all "
+                             "exist, so this cache's trace has no free name; remove old traces or set TIERKV_TRACE to "
+                             "a new path.")
 
 
 def _trace_path(path: str | os.PathLike, given: str) -> str | os.PathLike:
@@ -549,9 +583,10 @@ def _trace_path(path: str | os.PathLike, given: str) -> str | os.PathLike:
     lost at close with only a logged traceback."""
     problem = output_problem(path)
     if problem is not None:
+        fix = ("choose a path of your own (e.g. in your home directory)" if problem[0] == errno.EPERM
+               else "give a file path in an existing directory (e.g. /tmp/tierkv-trace.json)")
         raise InvalidConfigError(f"{given}: the trace path {problem[1]}, so the trace could not be written when the "
-                                 "cache closes; give a file path in an existing directory (e.g. "
-                                 "/tmp/tierkv-trace.json).")
+                                 f"cache closes; {fix}.")
     return os.path.abspath(path)  # where it was given: the process may change folder before it closes
 
 

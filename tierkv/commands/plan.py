@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tierkv import settings
@@ -174,11 +175,11 @@ def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: 
     """The plan as one table read top to bottom: where the KV lives, what moves, then how the step adds up."""
     req, fc = result.request, result.forecast
     tiers = result.bytes_per_tier
-    table = Table(title=f"tierkv plan: {req.model.name}, context {req.context:,} x batch {req.batch}")
+    table = Table(title=f"tierkv plan: {escape(req.model.name)}, context {req.context:,} x batch {req.batch}")
     table.add_column("quantity")
     table.add_column("value", justify="right")
     if links_from != PRESETS_SOURCE:  # (the presets name themselves in the "via" column)
-        table.add_row("links from", links_from)
+        table.add_row("links from", escape(links_from))
     table.add_row("KV per token", format_bytes(result.kv_bytes_per_token))
     table.add_row("KV total", format_bytes(result.kv_bytes_total))
     what = {"streaming": "2 chunks",
@@ -193,14 +194,14 @@ def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: 
     for key, nbytes in result.bytes_moved_per_step.items():
         if nbytes:
             link = req.links.links.get(key)
-            via = f" via {link.name}" if link else ""
+            via = f" via {escape(link.name)}" if link else ""
             verb = "gathered on device" if key == LinkName.DEVICE_TO_DEVICE else f"moved {key}"
             table.add_row(f"{verb} per token", f"{format_bytes(nbytes / req.batch)}{via}")
     table.add_section()
     busy = result.busy_rows()
     if result.host_attention is not None:  # split: nothing is gathered; the CPUs attend at this rate
         table.add_row("host attention rate", f"{result.host_attention.bytes_per_s / 1e9:,.1f} GB/s")
-        table.add_row("  from", result.host_attention.source)
+        table.add_row("  from", escape(result.host_attention.source))
         (label, seconds), *rest = busy
         table.add_row(f"{label} ({result.compute_source})", _ms(seconds))
         for label, seconds in rest:
@@ -231,14 +232,14 @@ def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: 
         wi.add_column("bound")
         for alt in alternatives:
             p = alt.plan
-            wi.add_row(alt.label, _ms(p.forecast.step_s), _rate(p.tokens_per_s),
+            wi.add_row(escape(alt.label), _ms(p.forecast.step_s), _rate(p.tokens_per_s),
                        f"{fc.step_s / p.forecast.step_s:.2f}x" + ("*" if alt.note else ""), p.bound_label)
         console.print(wi)
         for alt in alternatives:
             if alt.note:
-                console.print(f"* {alt.label}: {alt.note}", highlight=False)
+                console.print(f"* {alt.label}: {alt.note}", markup=False, highlight=False)
     if advice:
-        console.print(advice, highlight=False)
+        console.print(advice, markup=False, highlight=False)
 
 
 def _render_executors(console: Console, base: Plan, options: list[ExecutorOption], advice: str) -> None:
@@ -261,9 +262,9 @@ def _render_executors(console: Console, base: Plan, options: list[ExecutorOption
     console.print(table)
     for option in options:
         if option.plan is None:
-            console.print(f"{option.executor}: {option.note}", highlight=False)
+            console.print(f"{option.executor}: {option.note}", markup=False, highlight=False)
     if advice:
-        console.print(advice, highlight=False)
+        console.print(advice, markup=False, highlight=False)
 
 
 def _notes(result: Plan, sparse: int | float) -> list[str]:
@@ -359,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
     _render_executors(console, result, options, fastest)
     notes = _notes(result, args.sparse_tokens)
     for note in notes:
-        console.print(f"note: {note}", highlight=False)
+        console.print(f"note: {note}", markup=False, highlight=False)
     if args.json:
         data = result.to_dict()
         data["links_from"] = source
@@ -388,5 +389,5 @@ def run(args: argparse.Namespace) -> int:
         ]
         written = write_json(data, args.json)
         if written:
-            console.print(f"wrote {written}")
+            console.print(f"wrote {written}", markup=False, highlight=False)
     return 0

@@ -175,7 +175,8 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
             ``stats()["steps"]`` and for ``prefetch_depth="auto"``; default ``$TIERKV_PROFILE``, else presets
             by device type (:func:`tierkv.stats.default_profile`).
         trace: record a timeline trace (True; or a path written at ``close()``, empty if no forward ran); default
-            ``$TIERKV_TRACE`` (the n-th cache of a process it traces writes ``<stem>-<n><suffix>``, logged).
+            ``$TIERKV_TRACE`` (the n-th cache of a process it traces writes the first free name of
+            ``<stem>-<n><suffix>``, ``<stem>-<n+1><suffix>``, ..., logged).
             See :meth:`save_trace`.
         persist: keep full blocks in ``disk_dir`` after the process ends, content-addressed by model and
             token ids, so a later cache reuses a shared prefix (:meth:`load_prefix`; docs/reliability.md).

@@ -218,9 +218,10 @@ def check_target(path: str | os.PathLike) -> None:
     problem = output_problem(path)
     if problem is not None:
         code, why = problem
-        raise DiskTierError(code, f"cannot save the conversation to {os.fspath(path)!r}: it {why}; give a file path "
-                                  "in an existing directory, e.g. save('chats/chat.tkv', model=model) after "
-                                  "os.makedirs('chats', exist_ok=True).")
+        fix = ("choose a path of your own, e.g. in your home directory" if code == errno.EPERM else
+               "give a file path in an existing directory, e.g. save('chats/chat.tkv', model=model) after "
+               "os.makedirs('chats', exist_ok=True)")
+        raise DiskTierError(code, f"cannot save the conversation to {os.fspath(path)!r}: it {why}; {fix}.")
 
 
 def open_fd(path: str | os.PathLike) -> int:
