@@ -26,19 +26,22 @@ def env_str(name: str, default: str | None = None) -> str | None:
     return value or default
 
 
-def read_json(path: str | os.PathLike[str], what: str, fix: str) -> Any:
-    """Load a user-supplied JSON file. Only a regular file of at most :data:`MAX_JSON_BYTES` is read (a FIFO is
-    never waited on, a device never read); anything else, or malformed JSON, is an InvalidConfigError naming
-    the path (and the ``TIERKV_*`` variable that gave it) and saying ``fix``."""
+def read_json(path: str | os.PathLike[str], what: str, fix: str, limit: int = MAX_JSON_BYTES,
+              follow: bool = True) -> Any:
+    """Load a user-supplied JSON file. Only a regular file of at most ``limit`` bytes is read (a FIFO is never
+    waited on, a device never read), through a symbolic link only if ``follow`` (False for files found in a
+    folder a user hands over, where anything may be planted); anything else, or malformed JSON, is an
+    InvalidConfigError naming the path (and the ``TIERKV_*`` variable that gave it) and saying ``fix``."""
     name = os.fspath(path)
     try:
-        return json.loads(_read_regular(name))
+        return json.loads(_read_regular(name, limit, follow))
     except _Unusable as exc:
         problem = str(exc)
     except FileNotFoundError:
         problem = "does not exist"
     except OSError as exc:
-        problem = f"cannot be read ({exc.strerror or exc})"
+        problem = ("is a symbolic link, which tierkv does not follow here" if exc.errno == errno.ELOOP and not follow
+                   else f"cannot be read ({exc.strerror or exc})")
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError; nesting beyond the stack
         problem = f"is not valid JSON ({str(exc)[:200] or type(exc).__name__})"
     variable = _variable_naming(name)
@@ -50,22 +53,23 @@ class _Unusable(Exception):
     """Why a JSON input is not read (a phrase)."""
 
 
-def _read_regular(name: str) -> bytearray:
-    """The bytes of the regular file ``name``: opened with ``O_NONBLOCK`` so that a FIFO cannot hang, checked
-    with ``fstat``, read up to :data:`MAX_JSON_BYTES` (a file's ``st_size`` may lie: /proc)."""
-    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+def _read_regular(name: str, limit: int, follow: bool) -> bytearray:
+    """The bytes of the regular file ``name``: opened with ``O_NONBLOCK`` so that a FIFO cannot hang (and
+    ``O_NOFOLLOW`` unless ``follow``), checked with ``fstat``, read up to ``limit`` bytes (a file's ``st_size`` may
+    lie: /proc)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise _Unusable(f"is {safefs.kind_of(mode)}, not a JSON file")
         os.set_blocking(fd, True)
         data = bytearray()
-        while len(data) <= MAX_JSON_BYTES and (chunk := os.read(fd, MAX_JSON_BYTES + 1 - len(data))):
+        while len(data) <= limit and (chunk := os.read(fd, limit + 1 - len(data))):
             data += chunk
     finally:
         os.close(fd)
-    if len(data) > MAX_JSON_BYTES:
-        raise _Unusable(f"is larger than {MAX_JSON_BYTES >> 20} MiB, more than such a file holds")
+    if len(data) > limit:
+        raise _Unusable(f"is larger than {limit >> 20} MiB, more than such a file holds")
     return data
 
 

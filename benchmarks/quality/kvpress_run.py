@@ -37,8 +37,12 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # tierkv.quality's prompts and metrics (plain torch, no transformers needed)
 
+from tierkv.inputs import read_json  # noqa: E402
 from tierkv.quality.metrics import compare  # noqa: E402
 from tierkv.quality.tasks import Prompt  # noqa: E402
+
+MAX_REFERENCE_BYTES = 256 << 20  # tierkv.quality.harness's (which imports transformers: not this environment's)
+FRESH = "rerun `tierkv eval --tasks ... --stage reference` into a fresh folder"
 
 PRESSES = ("snapkv", "streaming_llm", "expected_attention", "knorm")
 
@@ -136,13 +140,14 @@ def main() -> int:
 
     kvpress_version = importlib.metadata.version("kvpress")
 
-    data = json.loads((args.reference / "reference.json").read_text())
+    data = read_json(args.reference / "reference.json", "reference", FRESH, MAX_REFERENCE_BYTES, follow=False)
     tasks = set(args.tasks.split(","))
-    prompts = [Prompt.from_dict(p) for p in data["prompts"] if p["task"] in tasks]
+    prompts = [p for p in map(Prompt.from_dict, data["prompts"]) if p.task in tasks]  # each checked
     model = load_model(args.model_dir)
     budgets = [float(b) for b in args.budgets.split(",")]
     names = [p.strip() for p in args.presses.split(",") if p.strip()]
-    records = json.loads(args.out.read_text())["results"] if args.out.is_file() else []  # resume
+    records = (read_json(args.out, "results file", "give another --out", follow=False)["results"]
+               if args.out.exists() else [])  # resume
     finished = {r["prompt"] for r in records}
     prompts = [p for p in prompts if p.key not in finished]
     started = time.perf_counter()

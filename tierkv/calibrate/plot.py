@@ -8,9 +8,11 @@ sit below their panels, inside the saved image.
 
 from __future__ import annotations
 
+import io
 import os
 from typing import TYPE_CHECKING
 
+from tierkv import safefs
 from tierkv.calibrate.results import BenchResult
 from tierkv.units import format_bytes
 
@@ -83,5 +85,9 @@ def figure(result: BenchResult) -> Figure:
 
 def plot(result: BenchResult, path: str | os.PathLike[str]) -> None:
     """Write the plot of ``result`` to ``path`` as a PNG, whatever its suffix (matplotlib would add ``.png`` to a
-    name without one, and pick another format by another suffix)."""
-    figure(result).savefig(path, format="png", dpi=110, bbox_inches="tight")  # "tight": legends, title never cut
+    name without one, and pick another format by another suffix): rendered in memory, then written as tierkv
+    writes every file (:func:`tierkv.safefs.write_file`: 0600, a link planted at ``path`` replaced, never
+    written through)."""
+    image = io.BytesIO()
+    figure(result).savefig(image, format="png", dpi=110, bbox_inches="tight")  # "tight": legends, title never cut
+    safefs.write_file(path, [image.getvalue()])

@@ -21,13 +21,14 @@ environment (benchmarks/quality/kvpress_run.py).
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tierkv import safefs
 from tierkv.commands import (
     add_json_argument,
     check_fits_machine,
@@ -365,7 +366,7 @@ def _run(args: argparse.Namespace) -> int:
                                  "cache": cache_record}
     if args.out:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        os.close(safefs.open_user_directory(out))  # created 0700 if missing
         heatmap, record_path = plot_heatmap(result, out / "heatmap.png"), write_json(record, str(out / "eval.json"))
         status.print(f"wrote {heatmap} and {record_path}")
     if args.json:
@@ -432,7 +433,7 @@ def _run_quality(args: argparse.Namespace, console, status: _Log, phases: Phases
     """``--tasks``: full attention, then tierkv's methods from its saved KV (see the module docstring)."""
     from tierkv import models
     from tierkv.quality import harness
-    from tierkv.quality.report import summary_table
+    from tierkv.quality.report import check_results, summary_table
     from tierkv.quality.tasks import build_prompts, task_writer
 
     if not args.out:
@@ -450,9 +451,11 @@ def _run_quality(args: argparse.Namespace, console, status: _Log, phases: Phases
         raise InvalidConfigError(f"--lengths {', '.join(map(format_tokens, too_long))}: model {name!r} was trained "
                                  f"for {format_tokens(context)} tokens; give lengths up to that.")
     require_model_package(name)
+    out = Path(args.out)
+    if out.is_dir():  # what the tables after the run read, refused before the model loads and the run starts
+        check_results(out)
     with phases.phase(load_label(name), announce=first_load(name)):
         model, tokenizer = models.load(name, device=args.device)
-    out = Path(args.out)
     started = time.perf_counter()
     if args.stage in ("all", "reference"):
         prompts = build_prompts(task_writer(name, tokenizer), args.tasks, args.lengths, args.depths, args.samples,
@@ -474,7 +477,8 @@ def _run_quality(args: argparse.Namespace, console, status: _Log, phases: Phases
             records.append(record)
             write_json({"model": name, "setup": setup.to_dict(), "results": records}, str(path))
 
-        harness.measure(model, tokenizer, out, methods, setup, on_prompt=status.log, done=records, on_record=save)
+        harness.measure(model, tokenizer, out, methods, setup, on_prompt=status.log, done=records, on_record=save,
+                        model_name=name)
         status.log(f"{path}: {plural(len(records), 'result')} ({time.perf_counter() - started:.0f} s)")
     console.print(summary_table(out, tokenizer))
     return 0
@@ -484,17 +488,22 @@ def _resumed_records(path: Path, setup: CacheSetup) -> list[dict]:
     """The records an earlier ``--stage measure`` of the same options left in ``path`` (the file's name holds
     every option that changes a result: :func:`tierkv.quality.harness.results_file`); a file whose setup says
     other options (written before its name said them all) is refused, not resumed nor relabelled."""
-    if not path.is_file():
+    if not os.path.lexists(path):
         return []
     from tierkv.quality.harness import setup_differences
+    from tierkv.quality.report import RESULTS_FIX, read_results_file
 
-    saved = json.loads(path.read_text())
-    differences = setup_differences(setup, saved.get("setup", {}))
+    saved_setup, saved = read_results_file(path)  # a link, a huge, damaged or foreign file: refused, naming the fix
+    differences = setup_differences(setup, saved_setup)
     if differences:
         said = ", ".join(f"--{name.replace('_', '-')} {'(the default)' if value is None else value}"
                          for name, value in differences.items())
         raise InvalidConfigError(f"{str(path)!r} holds results measured with {said}, not this run's options: move "
                                  "it out of --out (or rerun with those options) so that no result is reused with "
                                  "options it was not measured with.")
-    return list(saved["results"])
+    if not isinstance(saved, list) or not all(isinstance(r, dict) and isinstance(r.get("prompt"), str)
+                                              and isinstance(r.get("method"), str) for r in saved):
+        raise InvalidConfigError(f"results file {str(path)!r} does not list records of a prompt and a method each; "
+                                 f"{RESULTS_FIX}.")
+    return list(saved)
 

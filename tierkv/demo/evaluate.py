@@ -9,6 +9,8 @@ token at a time. ``cache_factory`` lets the same harness measure any cache (Dyna
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tierkv import safefs
 from tierkv.demo.task import KINDS, Example, decode_answer, make_example
 from tierkv.errors import InvalidConfigError
 from tierkv.units import format_tokens, plural
@@ -199,7 +202,9 @@ def plot_heatmap(result: EvalResult, path: str | Path) -> Path:
     fig.colorbar(image, ax=ax, label="accuracy")
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    os.close(safefs.open_user_directory(path.parent))  # created 0700 if missing
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    safefs.write_file(path, [png.getvalue()])  # 0600, a link planted there replaced, never written through
     return path

@@ -11,7 +11,9 @@ carry generated ids; they are decoded and scored here with the same tokenizer an
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
 import re
 import sys
 from collections import defaultdict
@@ -19,7 +21,19 @@ from pathlib import Path
 from typing import Any
 
 from tierkv import safefs
-from tierkv.quality.harness import DEFAULT_BLOCK_TOKENS, RESULT_OPTIONS, CacheSetup  # other setups: own rows
+from tierkv.errors import InvalidConfigError
+from tierkv.inputs import read_json
+from tierkv.quality.harness import (  # other setups: own rows
+    DEFAULT_BLOCK_TOKENS,
+    FRESH_FOLDER,
+    MAX_RESULTS_BYTES,
+    REFERENCE_FILE,
+    REFERENCE_FIX,
+    RESULT_OPTIONS,
+    CacheSetup,
+    check_records,
+    read_reference,
+)
 from tierkv.quality.tasks import TASKS, answer_matches
 from tierkv.units import format_tokens, plural
 
@@ -28,34 +42,90 @@ FAMILIES = {"sparse": "tierkv sparse", "snapkv": "SnapKV", "streaming_llm": "Str
 BASELINES = {"full": "full attention", "exact": "tierkv exact", "kvpress-full": "full (kvpress env)"}
 
 
+TIERKV_RESULTS = re.compile(r"tierkv(-\d+)?(-p\d+)?(-sinks\d+)?(-recent\d+)?(-dense\d+)?(-rest\d+)?\.json")
+"""The names :func:`tierkv.quality.harness.results_file` gives: other ``tierkv*.json`` files (notes, a copy) are
+not results and are left out of the tables."""
+
+
+def results_files(folder: str | Path) -> list[Path]:
+    """The results files in ``folder``: tierkv's (:data:`TIERKV_RESULTS`), then kvpress's (``kvpress*.json``)."""
+    names = sorted(os.listdir(folder))
+    return [Path(folder) / name for name in names if TIERKV_RESULTS.fullmatch(name)] + \
+        [Path(folder) / name for name in names if name.startswith("kvpress") and name.endswith(".json")]
+
+
+RESULTS_FIX = f"{FRESH_FOLDER} (a results file of tierkv eval or kvpress_run.py is an object with a list of results)"
+
+
+def read_results_file(path: Path) -> tuple[dict[str, Any], Any]:
+    """``(setup, results)`` of the object in a results file (:func:`tierkv.inputs.read_json`, never through a
+    link), the records not yet checked."""
+    data = read_json(path, "results file", RESULTS_FIX, MAX_RESULTS_BYTES, follow=False)
+    if not isinstance(data, dict) or not isinstance(data.get("setup", {}), dict):
+        raise InvalidConfigError(f"results file {str(path)!r} is not an object with a setup and results; "
+                                 f"{RESULTS_FIX}.")
+    return data.get("setup", {}), data.get("results")
+
+
+def read_results(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``(setup, records)`` of a results file, each checked (:func:`tierkv.quality.harness.check_records`): an
+    InvalidConfigError names the file and the fix."""
+    setup, results = read_results_file(path)
+    return setup, check_records(results, path, RESULTS_FIX)
+
+
+def check_results(folder: str | Path) -> None:
+    """Refuse (before a run) a results file in ``folder`` that the tables after it could not read."""
+    for path in results_files(folder):
+        read_results(path)
+
+
 def load_results(folder: str | Path, tokenizer=None) -> list[dict[str, Any]]:
-    """Every record of the run, kvpress's scored with ``tokenizer`` (needed when kvpress.json is there)."""
+    """Every record of the run, kvpress's scored with ``tokenizer`` (needed when kvpress.json is there); each file
+    read and checked as :func:`read_results` says."""
     folder = Path(folder)
-    reference = json.loads((folder / "reference.json").read_text())
-    answers = {_key(p): p["answer"] for p in reference["prompts"]}
-    records = list(reference["results"])
-    for path in sorted(folder.glob("tierkv*.json")):  # tierkv.json, and e.g. tierkv-8.json from other blocks
-        data = json.loads(path.read_text())
-        family = sparse_family(data.get("setup", {}))
-        for record in data["results"]:
-            if family != "sparse" and record["method"].startswith("sparse@"):
+    reference = read_reference(folder)
+    answers = _answers(reference, folder / REFERENCE_FILE)
+    records = check_records(reference.get("results"), folder / REFERENCE_FILE, REFERENCE_FIX)
+    for path in results_files(folder):
+        setup, results = read_results(path)
+        family = sparse_family(setup) if path.name.startswith("tierkv") else None
+        for record in results:
+            if family not in (None, "sparse") and record["method"].startswith("sparse@"):
                 record["method"] = f"{family}@{record['method'].split('@')[1]}"
+            if record["task"] != "fidelity" and "correct" not in record:
+                _score(record, answers, tokenizer, path)
             records.append(record)
-    for path in sorted(folder.glob("kvpress*.json")):
-        records += json.loads(path.read_text())["results"]
-    for record in records:
-        if "generated" in record and "correct" not in record and record["task"] != "fidelity":
-            if tokenizer is None:
-                raise ValueError("kvpress results carry token ids; give the model's tokenizer to score them")
-            text = tokenizer.decode(record["generated"], skip_special_tokens=True)
-            expected = answers[record["prompt"]]
-            record.update(answer=expected, output=text, correct=answer_matches(expected, text))
     return records
 
 
+def _score(record: dict[str, Any], answers: dict[str, str], tokenizer, path: Path) -> None:
+    """Decode and score a kvpress record's generated ids against the reference's answer."""
+    if tokenizer is None:
+        raise ValueError("kvpress results carry token ids; give the model's tokenizer to score them")
+    expected = answers.get(record["prompt"])
+    if expected is None:
+        raise InvalidConfigError(f"{str(path)!r}: record of prompt {record['prompt']!r} asks for no answer the "
+                                 f"reference has; {FRESH_FOLDER}.")
+    text = tokenizer.decode(record["generated"], skip_special_tokens=True)
+    record.update(answer=expected, output=text, correct=answer_matches(expected, text))
+
+
+def _answers(reference: dict[str, Any], path: Path) -> dict[str, str]:
+    """``{prompt key: answer}`` of the needle prompts of a ``reference.json``."""
+    prompts = reference.get("prompts")
+    try:
+        if not isinstance(prompts, list):
+            raise TypeError("no list of prompts")
+        return {_key(p): p["answer"] for p in prompts if p["task"] != "fidelity"}
+    except (TypeError, KeyError, ValueError) as exc:
+        raise InvalidConfigError(f"reference {str(path)!r}: a prompt lacks its task, length, depth, sample or answer "
+                                 f"({type(exc).__name__}: {exc}); {REFERENCE_FIX}.") from None
+
+
 def _key(prompt: dict[str, Any]) -> str:
-    depth = "" if prompt["depth"] is None else f"/d{prompt['depth']:.2f}"
-    return f"{prompt['task']}/{prompt['length']}{depth}/#{prompt['sample']}"
+    depth = "" if prompt["depth"] is None else f"/d{float(prompt['depth']):.2f}"
+    return f"{prompt['task']}/{int(prompt['length'])}{depth}/#{int(prompt['sample'])}"
 
 
 def label(method: str) -> str:
@@ -236,9 +306,11 @@ def plot(records: list[dict[str, Any]], path: str | Path, title: str) -> Path:
     fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0.05, 1, 0.97))
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    os.close(safefs.open_user_directory(path.parent))  # created 0700 if missing
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=110)
     plt.close(fig)
+    safefs.write_file(path, [image.getvalue()])  # 0600, a link planted there replaced, never written through
     return path
 
 
@@ -252,14 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from tierkv import models
 
-    name = json.loads((args.folder / "reference.json").read_text()).get("model", "demo")
+    name = read_reference(args.folder).get("model", "demo")
     _, tokenizer = models.load(name)
     records = load_results(args.folder, tokenizer)
     if args.plot:
         print(f"wrote {plot(records, args.plot, f'{name}: quality against full attention')}", file=sys.stderr)
     if args.records:
         slim = [{k: v for k, v in r.items() if k != "generated"} for r in records]
-        args.records.parent.mkdir(parents=True, exist_ok=True)
+        os.close(safefs.open_user_directory(args.records.parent))  # created 0700 if missing
         safefs.write_file(args.records, [json.dumps({"model": name, "results": slim}, indent=0).encode()])
     if args.markdown:
         text = markdown(records)

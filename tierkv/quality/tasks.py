@@ -84,10 +84,59 @@ class Prompt:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, record: dict[str, Any]) -> Prompt:
-        tuples = ("context_ids", "question_ids", "continuation_ids")
-        fields: dict[str, Any] = {k: tuple(v) if k in tuples else v for k, v in record.items()}
-        return cls(**fields)
+    def from_dict(cls, record: Any) -> Prompt:
+        """The prompt a ``reference.json`` record describes; ValueError (a phrase saying what is wrong) unless it
+        is a record :meth:`to_dict` could have written: a file another program or a person changed would else
+        feed the model ids of nothing or fail mid-run in a traceback."""
+        if not isinstance(record, dict):
+            raise ValueError(f"a prompt is {type(record).__name__}, not an object")
+        names = set(cls.__dataclass_fields__)
+        unknown, missing = sorted(set(record) - names), sorted(_REQUIRED - set(record))
+        if unknown or missing:
+            raise ValueError(f"a prompt has {'unknown fields ' + ', '.join(map(str, unknown)) if unknown else ''}"
+                             f"{' and ' if unknown and missing else ''}"
+                             f"{'no ' + ', '.join(missing) if missing else ''}")
+        fields: dict[str, Any] = {k: _ids(k, v) if k in _ID_FIELDS else v for k, v in record.items()}
+        prompt = cls(**fields)
+        problem = prompt._problem()
+        if problem:
+            raise ValueError(f"a prompt of task {prompt.task!r}, sample {prompt.sample!r}: {problem}")
+        return prompt
+
+    def _problem(self) -> str | None:
+        """What makes this prompt one no task writes (a phrase), or None."""
+        if self.task not in TASKS:
+            return f"task {self.task!r} is not one of {', '.join(TASKS)}"
+        counts = {"length": self.length, "sample": self.sample, "answer_tokens": self.answer_tokens}
+        wrong = [name for name, value in counts.items() if not _is_count(value)]
+        if wrong:
+            return f"{', '.join(wrong)} must be whole numbers >= 0"
+        if self.length != len(self.ids) or not self.ids:
+            return f"length {self.length} is not its {len(self.ids)} ids"
+        if self.task == "fidelity":
+            return None if self.depth is None and self.answer is None and self.continuation_ids else \
+                "a fidelity prompt has a continuation and no depth or answer"
+        if isinstance(self.depth, bool) or not isinstance(self.depth, int | float) or not 0.0 <= self.depth <= 1.0:
+            return f"depth {self.depth!r} is not in [0, 1]"
+        if not isinstance(self.answer, str) or not self.answer.isdigit() or self.answer_tokens < 1:
+            return f"answer {self.answer!r} is not the digits of a needle (with answer_tokens >= 1)"
+        return None
+
+
+_ID_FIELDS = ("context_ids", "question_ids", "continuation_ids")
+_REQUIRED = frozenset({"task", "length", "sample", "context_ids", "question_ids"})
+MAX_TOKEN_ID = 1 << 31  # above any vocabulary (the model's own size is checked where it runs them)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _ids(name: str, value: Any) -> tuple[int, ...]:
+    """``value`` as token ids: a list of whole numbers in ``[0, 2**31)``; ValueError naming ``name`` else."""
+    if not isinstance(value, list | tuple) or not all(_is_count(i) and i < MAX_TOKEN_ID for i in value):
+        raise ValueError(f"a prompt's {name} is not a list of token ids")
+    return tuple(value)
 
 
 def answer_matches(expected: str, output: str) -> bool:
