@@ -3,6 +3,7 @@ refused or defused when it is read, and a trace never lands on a name it may not
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import json
@@ -18,6 +19,7 @@ import pytest
 from tierkv import TieredCache, safefs
 from tierkv.bandwidth import LinkProfile
 from tierkv.cli import main
+from tierkv.commands import writable_file
 from tierkv.errors import DiskTierError, InvalidConfigError
 from tierkv.inputs import output_problem
 from tierkv.persist import conversation
@@ -142,6 +144,7 @@ def _plant(folder: Path) -> dict[str, Path]:
     """The other user's file and link in ``folder``, each at a name this user might choose."""
     file, link = folder / "tierkv-trace.json", folder / "link.json"
     file.write_text("hers\n")
+    file.chmod(0o666)  # writable by anyone: only the sticky rule keeps this user from replacing it
     link.symlink_to(folder / "elsewhere.json")
     for path in (file, link):
         os.lchown(path, OTHER_UID, OTHER_UID)
@@ -165,6 +168,8 @@ def test_another_users_entry_in_a_sticky_directory_is_refused_when_given(sticky_
                 safefs.write_file(path, [b"{}"], shared=False)
             with pytest.raises(DiskTierError, match="belongs to another user.*choose a path of your own"):
                 conversation.check_target(path)  # a save refused before any K/V is copied
+            with pytest.raises(argparse.ArgumentTypeError, match="belongs to another user.*a path of your own"):
+                writable_file("--json", "out.json")(str(path))  # an option refused while parsed, before a run
         mine = sticky_tmp / "mine.json"
         mine.write_text("{}")
         assert output_problem(mine) is None  # this user's own entry is replaced as ever

@@ -21,7 +21,7 @@ from typing import Any
 
 from tierkv import safefs
 from tierkv.errors import InvalidConfigError
-from tierkv.inputs import creation_problem, longest_name
+from tierkv.inputs import creation_problem, longest_name, output_problem
 from tierkv.units import format_size_option, parse_size, parse_token_list, parse_tokens
 
 STDOUT = "-"
@@ -314,6 +314,9 @@ def writable_file(option: str, example: str, or_else: str = "") -> Callable[[str
         if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)) \
                 or creation_problem(folder) is not None:  # (root passes os.access in /proc, where no file can be made)
             raise InvalidConfigError(f"{option} {text!r} is not writable; give a path you can write to{or_else}.")
+        problem = output_problem(path)  # another user's entry in a sticky folder (/tmp): no rename replaces it
+        if problem is not None:
+            raise InvalidConfigError(f"{option} {text!r} {problem[1]}; give a path of your own{or_else}.")
         return path
 
     return _typed(parse)
