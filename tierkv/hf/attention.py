@@ -28,6 +28,8 @@ from tierkv.hf.runtime import Mode
 from tierkv.hf.sizing import kv_producers
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from transformers import PreTrainedConfig
 
     from tierkv.attention.sparse import SparseBudget
@@ -179,7 +181,7 @@ class Engagement:
 
     def _configs(self) -> list[Any]:
         config = self.model.config
-        return [config, config.get_text_config(decoder=True),
+        return [*_config_tree(config), config.get_text_config(decoder=True),
                 *(m.config for m in self.modules if getattr(m, "config", None) is not None)]
 
     def _before(self, previous: str) -> dict[int, str]:
@@ -204,8 +206,7 @@ class Engagement:
                             or any(map(_kept_its_own, self.modules)):
                         raise InvalidConfigError(self._not_an_interface())
                 except BaseException:
-                    if model.config._attn_implementation != previous:
-                        model.set_attn_implementation(previous)
+                    _restore_implementations(model, before)
                     raise
                 _BEFORE.update(before)
                 _ENGAGED[id(model)] = model.config
@@ -221,10 +222,11 @@ class Engagement:
                 _HELD[id(model)] = held
                 return
             _ENGAGED.pop(id(model), None)
-            if model.config._attn_implementation == STREAMING_ATTENTION:  # (else the user set one inside: kept)
-                model.set_attn_implementation(_BEFORE[id(model)])  # first: a forward of another thread sees it at once
-            for key in (id(model), *map(id, self.modules), *map(id, self._configs())):
-                _BEFORE.pop(key, None)
+            try:  # first: a forward of another thread sees the model's own implementations at once
+                _restore_implementations(model, _BEFORE)
+            finally:  # a restore that failed leaves no record behind for the model's next engagement to reuse
+                for key in (id(model), *map(id, self.modules), *map(id, self._configs())):
+                    _BEFORE.pop(key, None)
 
     def _not_an_interface(self) -> str:
         return (f"{type(self.model).__name__} attends with its own code, not through transformers' "
@@ -261,6 +263,62 @@ class Engagement:
                           "it had no effect.", RuntimeWarning, stacklevel=2)
 
 
+def _sub_configs(config: Any) -> dict[str, Any]:
+    """``config``'s sub-configs that are set, by the name transformers' ``set_attn_implementation`` keys them by
+    (``text_config``, ``vision_config``, ...)."""
+    names = getattr(config, "sub_configs", None) or {}
+    return {name: sub for name in names if (sub := getattr(config, name, None)) is not None}
+
+
+def _config_tree(config: Any) -> list[Any]:
+    """``config`` and its sub-configs at any depth: each names the attention implementation of its own sub-model."""
+    return [config, *(each for sub in _sub_configs(config).values() for each in _config_tree(sub))]
+
+
+def _implementations(config: Any, implementation: Callable[[Any], str]) -> str | dict[str, Any]:
+    """The ``set_attn_implementation`` argument that gives ``config`` and each of its sub-configs, at any depth,
+    ``implementation(that config)``: transformers' dict form (``{"": own, "<sub-config name>": ...}``, nested for a
+    sub-config's own sub-configs), or one name where the whole tree shares it."""
+    own = implementation(config)
+    subs = {name: _implementations(sub, implementation) for name, sub in _sub_configs(config).items()}
+    return own if all(spec == own for spec in subs.values()) else {"": own, **subs}
+
+
+@functools.cache
+def _takes_nested_implementations() -> bool:
+    """Whether this transformers release's ``set_attn_implementation`` applies a dict value to a sub-model's own
+    sub-configs (5.25 does); earlier 5.x releases take one level of sub-config names only."""
+    import transformers
+
+    major, minor = (int(part) for part in re.findall(r"\d+", transformers.__version__)[:2])
+    return (major, minor) >= (5, 25)
+
+
+def _for_this_release(spec: str | dict[str, Any]) -> str | dict[str, Any]:
+    """``spec`` as this release takes it: a sub-config's nested dict becomes its own name where nested dicts are
+    not taken (its sub-models then get the name transformers gives them)."""
+    if isinstance(spec, str) or _takes_nested_implementations():
+        return spec
+    return {name: value if isinstance(value, str) else value[""] for name, value in spec.items()}
+
+
+def _restore_implementations(model: Any, before: dict[int, str]) -> None:
+    """Give each of ``model``'s configs that names :data:`STREAMING_ATTENTION` the implementation ``before`` recorded
+    for it (by id), each its own: one name for all would overwrite a mix the user chose, and a sub-model may refuse
+    its wrapper's (PaliGemma 2's Gemma2 text model: sdpa). A config the user set inside the block keeps that one."""
+    config = model.config
+    fallback = before.get(id(model)) or before.get(id(config))
+
+    def restored(each: Any) -> str:
+        current = each._attn_implementation
+        if current != STREAMING_ATTENTION:
+            return str(current)
+        return before.get(id(each)) or fallback or STREAMING_ATTENTION
+
+    if any(each._attn_implementation == STREAMING_ATTENTION for each in _config_tree(config)):
+        model.set_attn_implementation(_for_this_release(_implementations(config, restored)))
+
+
 def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """The attention function registered as :data:`STREAMING_ATTENTION`: the streaming executors' where this
@@ -285,7 +343,17 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
             raise TierKVError(f"attention '{STREAMING_ATTENTION}' runs only inside `with cache.streaming(model):`; "
                               "a copy of a model made inside such a block (copy.deepcopy) keeps that name: give the "
                               "copy an implementation of its own, e.g. copy.set_attn_implementation('sdpa').")
+    if before == STREAMING_ATTENTION:  # (its own function: calling it would recurse without end)
+        raise TierKVError(_ENGAGED_WHILE_SWITCHED)
     return _implementation(module, before)(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+_ENGAGED_WHILE_SWITCHED = (
+    f"this model was engaged while its attention implementation still named '{STREAMING_ATTENTION}' (a copy of a "
+    "model made inside a `with cache.streaming/split/sparse(model)` block, or a model whose implementation could not "
+    "be given back when such a block ended), so outside the executors' steps it has no attention of its own to run. "
+    "Leave the block and give the model an implementation of its own, e.g. model.set_attn_implementation('sdpa') "
+    "(or 'eager' for a model that refuses sdpa), before engaging it again.")
 
 
 def _implementation(module: Any, name: str) -> Any:

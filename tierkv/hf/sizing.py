@@ -11,6 +11,7 @@ import functools
 import importlib
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -407,6 +408,17 @@ class LayerKind:
     states: int = 0
 
 
+_ENCODER_NAME = re.compile(r"vision|visual|audio|speech|image|video|encoder", re.IGNORECASE)
+
+
+def _is_an_encoder(config: PreTrainedConfig) -> bool:
+    """Whether ``config`` is a multimodal model's vision or audio tower's (SigLIP, CLIP, a Whisper-style audio
+    encoder): no vocabulary, and a class or model type that says so. Every decoder has a vocabulary."""
+    if getattr(config, "vocab_size", None) is not None:
+        return False
+    return bool(_ENCODER_NAME.search(f"{type(config).__name__} {getattr(config, 'model_type', '')}"))
+
+
 def layer_kinds(config: PreTrainedConfig) -> list[LayerKind | None]:
     """Each model layer's cache (None: a layer that keeps nothing, an MoE or MLP block); other kinds are refused.
     Recurrent state (Mamba, gated delta nets, short convolutions) needs :data:`HOLDS_STATE`."""
@@ -416,6 +428,13 @@ def layer_kinds(config: PreTrainedConfig) -> list[LayerKind | None]:
             f"this {type(text).__name__} names no decoder layers (num_hidden_layers): it is not the config of a "
             "model that decodes with a K/V cache (a vision or audio encoder's?); pass the language model's config "
             "(model.config of the model given the cache).")
+    if _is_an_encoder(text):
+        raise InvalidConfigError(
+            f"this {type(text).__name__} is the config of a vision or audio encoder (it has layers but no "
+            "vocabulary: it reads pixels or sound, not tokens), which keeps nothing in a K/V cache; sized or decoded "
+            "with it, the cache would take the encoder's layers for the language model's. Pass the model's own "
+            "config (config=model.config), or its text model's: model.config.text_config or "
+            "model.config.get_text_config().")
     crossing = getattr(text, "cross_attention_layers", None)
     if crossing:
         raise InvalidConfigError(
