@@ -809,3 +809,17 @@ def test_summaries_go_when_sparse_attention_stops(tmp_path, then):
                                        model(ids[:, position : position + 1], past_key_values=reference).logits,
                                        atol=1e-5, rtol=0)
         assert cache.stats()["bytes_summaries"] == 0
+
+
+def test_a_budget_covering_a_sliding_window_reads_all_of_it_and_no_more(tmp_path):
+    """``selected_fraction`` and ``tokens_read_fraction`` are 1 where every block is read, on a sliding layer too:
+    its window starts inside a block whose tokens before the window are read with it (they were counted from the
+    next step's window start, which had moved on: 57 of 54 blocks, 1.24 of the tokens)."""
+    model = tiny_model("mistral", sliding_window=9)
+    ids, mask = prompt(1, 45, seed=3)
+    with TieredCache(gpu_gb="8MB", cpu_gb="1MB", disk_dir=tmp_path, block_tokens=5, config=model.config) as cache, \
+            cache.sparse(model, tokens=1.0, chunk_tokens=10):
+        model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, past_key_values=cache)
+        sparse = cache.stats()["sparse"]
+    assert sparse["layer_steps"] > 0 and sparse["blocks_selected"] == sparse["blocks_total"]
+    assert sparse["selected_fraction"] == 1.0 and sparse["tokens_read_fraction"] == 1.0

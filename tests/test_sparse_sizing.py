@@ -264,13 +264,13 @@ def test_a_cache_built_without_config_is_sized_as_keeping_its_sliding_layers_who
     names the minimum with ``record_past=True`` and why, and that minimum decodes."""
     model = tiny_model("mistral", "sdpa", 8)
     ids, mask = prompt(2, 40, seed=3)
-    options = dict(tokens=1.0, batch=2, block_tokens=3, chunk_tokens=5, device="cpu")
-    windows = sizing.min_sparse_device_bytes(model.config, 58, **options)
+    options = dict(tokens=1.0, batch=2, block_tokens=3, page_tokens=1, chunk_tokens=5, device="cpu")  # 1-token
+    windows = sizing.min_sparse_device_bytes(model.config, 58, **options)  # pages: the past's summaries weigh
     whole = sizing.min_sparse_device_bytes(model.config, 58, record_past=True, **options)
     assert whole > windows
     for budget in (windows, whole):
         with TieredCache(gpu_gb=f"{budget}B", cpu_gb="4KB", disk_dir=tmp_path / str(budget), block_tokens=3) as cache, \
-                cache.sparse(model, tokens=1.0, chunk_tokens=5):
+                cache.sparse(model, tokens=1.0, chunk_tokens=5, page_tokens=1):
             if budget == windows:
                 with pytest.raises(BudgetTooSmallError, match="record_past=True: this cache was built without config="):
                     model.generate(ids, attention_mask=mask, max_new_tokens=18, do_sample=False, cache=cache)

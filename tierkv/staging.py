@@ -136,8 +136,8 @@ DEFAULT_PAGE_TOKENS = 16  # tokens per selected page of sparse attention (docs/q
 
 def default_page_tokens(block_tokens: int) -> int:
     """Sparse attention's default page in ``block_tokens``-token blocks: the largest divisor of the block up to
-    :data:`DEFAULT_PAGE_TOKENS`."""
-    return math.gcd(block_tokens, DEFAULT_PAGE_TOKENS)
+    :data:`DEFAULT_PAGE_TOKENS` (a 100-token block: 10-token pages; a prime one: single tokens)."""
+    return max(d for d in range(1, min(block_tokens, DEFAULT_PAGE_TOKENS) + 1) if block_tokens % d == 0)
 
 
 def summary_element_size(element_size: int) -> int:

@@ -170,7 +170,7 @@ class SparseCounters:
     exact_layer_steps: int = 0  # ... of which the budget covered every block (fast path: all read)
     steps: int = 0  # passes through the layers
     blocks_selected: int = 0  # blocks read, over rows and layers
-    blocks_total: int = 0  # blocks the same layers hold, over rows
+    blocks_total: int = 0  # blocks the same layer-steps could read (from the one their first token is in), over rows
     blocks_reused: int = 0  # ... of which were kept on the device from earlier steps (not read again)
     bytes_fetched: int = 0  # KV bytes read for the other selected blocks (every tier, the device's own included)
     bytes_fetched_off_device: int = 0  # ... of which came from the host and disk tiers
@@ -180,7 +180,7 @@ class SparseCounters:
     pages_selected: int = 0  # pages read on their own (page_tokens < block_tokens), over rows and layers
     pages_reused: int = 0  # ... of which were kept on the device from earlier steps (not read from their tier)
     tokens_read: int = 0  # tokens staged and attended exactly (whole blocks and pages), over rows and layers
-    tokens_total: int = 0  # tokens the same layers hold, over rows
+    tokens_total: int = 0  # tokens in those blocks, over rows
     link_bytes: dict[str, int] = field(default_factory=dict)  # bytes the steps moved into the device, per link
     summary_bytes_read: int = 0  # key summaries read on the device to score the candidates
     rest_bytes_read: int = 0  # rest copy read on the device (codes, scales and the keys' page bounds)
@@ -806,7 +806,10 @@ class SparseAttention(PipelinedExecutor):
         if blocks_in_place:  # the blocks attended in place: read once, by the kernel
             counters.staged_bytes_read += batch * whole * token_bytes
         counters.tokens_read += batch * whole - masked + chosen_pages * page
-        counters.tokens_total += batch * (stop - start)
+        bt = self.store.block_tokens
+        first = start // bt  # the block the step's first token is in (a sliding window starts inside one)
+        counters.blocks_total += batch * (-(-stop // bt) - first)
+        counters.tokens_total += batch * (stop - first * bt)
 
     def _moved_in(self) -> dict[str, int]:
         """The store's byte counters of the links into the device, now."""
@@ -832,8 +835,6 @@ class SparseAttention(PipelinedExecutor):
             counters.bytes_fetched += nbytes
             counters.bytes_fetched_off_device += nbytes
             counters.by_tier[Tier.DISK.label] = counters.by_tier.get(Tier.DISK.label, 0) + speculated
-        counters.blocks_total += store.batch_size(layer) * (-(-store.seq_length(layer) // bt)
-                                                           - self.start_of(layer) // bt)
         for part in plan.parts:
             nbytes = (part.blocks * bt - part.tail_blocks * (bt - tail_tokens)) * layout.token_bytes
             counters.bytes_fetched += nbytes
