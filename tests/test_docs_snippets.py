@@ -213,7 +213,7 @@ def indented_commands() -> list[Command]:
 def _placeholders(argv: list[str], folder: Path) -> list[str]:
     """``argv`` with the user's own files it names made in ``folder``: a checkpoint folder for a ``--model``
     path, a prompt for ``--prompt-file``, and the reference an ``--stage measure`` run reads from ``--out``."""
-    from tierkv.quality.harness import REFERENCE_FILE
+    from tierkv.quality.run_folder import REFERENCE_FILE
 
     argv = list(argv)
     for i, word in enumerate(argv[:-1]):

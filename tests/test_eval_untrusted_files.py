@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tierkv.cli import main
-from tierkv.quality import harness, report
+from tierkv.quality import report
+from tierkv.quality.run_folder import MAX_RESULTS_BYTES
 
 NEEDLE = ["eval", "--tasks", "needle", "--model", "demo", "--lengths", "512", "--depths", "0.5", "--samples", "1"]
 
@@ -90,7 +91,7 @@ def test_a_results_file_that_is_a_link_is_refused_not_followed(run_folder: Path,
 def test_a_huge_results_file_is_refused_before_it_is_read(run_folder: Path, capsys, monkeypatch):
     """A results file larger than any run writes (a sparse file here) is refused by its size, never read whole."""
     with open(run_folder / "tierkv.json", "wb") as file:
-        file.truncate(harness.MAX_RESULTS_BYTES + 1)
+        file.truncate(MAX_RESULTS_BYTES + 1)
     _no_model(monkeypatch)
     assert main(_measure_args(run_folder)) == 2
     assert "is larger than 64 MiB" in _one_line_error(capsys)

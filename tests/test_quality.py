@@ -11,7 +11,7 @@ import torch
 from tierkv import models
 from tierkv.cli import main
 from tierkv.demo.task import WORD_TO_ID
-from tierkv.quality import harness, report
+from tierkv.quality import harness, report, run_folder
 from tierkv.quality.metrics import Agreement, compare
 from tierkv.quality.tasks import (
     KEYS,
@@ -103,7 +103,7 @@ def test_harness_exact_path_is_full_attention(tmp_path):
     harness.reference(model, tokenizer, prompts, tmp_path, prefill_chunk=256, meta={"model": "demo"})
     records = harness.measure(model, tokenizer, tmp_path, [harness.Method("exact")],
                               harness.CacheSetup(block_tokens=16, device_fraction=0.1, device_extra=1 << 20))
-    _, full = harness.load_reference(tmp_path)
+    _, full = run_folder.load_reference(tmp_path)
     needle = next(r for r in records if r["task"] == "needle")
     assert needle["output"] == full[0]["output"] and needle["correct"] == full[0]["correct"]
     fidelity = next(r for r in records if r["task"] == "fidelity")["agreement"]

@@ -22,7 +22,6 @@ alone`` is the most any sparse step could be faster here (Amdahl).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,7 @@ sys.path.insert(0, str(REPO))
 from tierkv import TieredCache, models  # noqa: E402
 from tierkv.hf import cache_keyword  # noqa: E402
 from tierkv.planner import kv_summary_bytes  # noqa: E402
-from tierkv.quality import harness  # noqa: E402
+from tierkv.quality import run_folder  # noqa: E402
 from tierkv.staging import rest_copy_bytes  # noqa: E402
 
 READ_LINKS = ("device->device", "host->device", "disk->device")
@@ -62,10 +61,10 @@ def main() -> int:
                         "of this many bits on the device (its bytes added to the device budget)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    prompts, _ = harness.load_reference(args.reference)
+    prompts, _ = run_folder.load_reference(args.reference)
     prompt = next(p for p in prompts if p.key == args.prompt)
-    kv = harness.load_kv(args.reference, prompt)
-    name = json.loads((args.reference / harness.REFERENCE_FILE).read_text())["model"]
+    kv = run_folder.load_kv(args.reference, prompt)
+    name = run_folder.read_reference(args.reference)["model"]
     model, _ = models.load(name)
     kv_bytes = TieredCache.kv_bytes_held(model.config, len(prompt.ids) - 1, kv[0][0].dtype)
     gpu = TieredCache.min_streaming_device_bytes(model.config, block_tokens=args.block_tokens) + kv_bytes // 10 \

@@ -37,12 +37,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # tierkv.quality's prompts and metrics (plain torch, no transformers needed)
 
-from tierkv.inputs import read_json  # noqa: E402
 from tierkv.quality.metrics import compare  # noqa: E402
-from tierkv.quality.tasks import Prompt  # noqa: E402
-
-MAX_REFERENCE_BYTES = 256 << 20  # tierkv.quality.harness's (which imports transformers: not this environment's)
-FRESH = "rerun `tierkv eval --tasks ... --stage reference` into a fresh folder"
+from tierkv.quality.run_folder import file_name, load_reference, read_results  # noqa: E402 (no transformers)
 
 PRESSES = ("snapkv", "streaming_llm", "expected_attention", "knorm")
 
@@ -140,14 +136,12 @@ def main() -> int:
 
     kvpress_version = importlib.metadata.version("kvpress")
 
-    data = read_json(args.reference / "reference.json", "reference", FRESH, MAX_REFERENCE_BYTES, follow=False)
     tasks = set(args.tasks.split(","))
-    prompts = [p for p in map(Prompt.from_dict, data["prompts"]) if p.task in tasks]  # each checked
+    prompts = [p for p in load_reference(args.reference)[0] if p.task in tasks]  # the folder's files checked
     model = load_model(args.model_dir)
     budgets = [float(b) for b in args.budgets.split(",")]
     names = [p.strip() for p in args.presses.split(",") if p.strip()]
-    records = (read_json(args.out, "results file", "give another --out", follow=False)["results"]
-               if args.out.exists() else [])  # resume
+    records = read_results(args.out)[1] if args.out.exists() else []  # resume
     finished = {r["prompt"] for r in records}
     prompts = [p for p in prompts if p.key not in finished]
     started = time.perf_counter()
@@ -162,8 +156,7 @@ def main() -> int:
         if fidelity:
             import safetensors.torch
 
-            name = prompt.key.replace("/", "_") + ".safetensors"  # tierkv.quality.harness.file_name
-            reference = safetensors.torch.load_file(str(args.reference / "logprobs" / name))
+            reference = safetensors.torch.load_file(str(args.reference / "logprobs" / file_name(prompt)))
         for variant, cache in caches.items():
             kept = cache.get_seq_length()
             record = {"prompt": prompt.key, "task": prompt.task, "length": prompt.length, "depth": prompt.depth,

@@ -62,8 +62,9 @@ from transformers import AttentionInterface
 
 from tierkv import models
 from tierkv.attention.sparse import SparseBudget
-from tierkv.quality.harness import decode_saved, load_reference, logprob_path
+from tierkv.quality.harness import decode_saved
 from tierkv.quality.metrics import Agreement, compare
+from tierkv.quality.run_folder import load_reference, logprob_path
 from tierkv.quality.tasks import answer_matches
 
 RULES = ("quest", "mixed", "gauss", "gauss-bound", "per-head", "per-head-union", "oracle", "oracle-per-head",

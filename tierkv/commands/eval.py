@@ -194,7 +194,7 @@ def _check_combination(args: argparse.Namespace) -> None:
     if args.chunk_tokens is not None and args.executor == "gather":
         raise InvalidConfigError("--chunk-tokens applies only with --executor streaming (exact gather stages whole "
                                  "layers); leave it out, or give --executor streaming.")
-    from tierkv.quality.harness import REFERENCE_FILE
+    from tierkv.quality.run_folder import REFERENCE_FILE
 
     if args.stage == "measure" and args.out is not None and not (args.out / REFERENCE_FILE).is_file():
         raise InvalidConfigError(f"--out {str(args.out)!r} holds no reference ({REFERENCE_FILE}): run `tierkv eval "
@@ -433,7 +433,8 @@ def _run_quality(args: argparse.Namespace, console, status: _Log, phases: Phases
     """``--tasks``: full attention, then tierkv's methods from its saved KV (see the module docstring)."""
     from tierkv import models
     from tierkv.quality import harness
-    from tierkv.quality.report import check_results, summary_table
+    from tierkv.quality.report import summary_table
+    from tierkv.quality.run_folder import check_results
     from tierkv.quality.tasks import build_prompts, task_writer
 
     if not args.out:
@@ -491,7 +492,7 @@ def _resumed_records(path: Path, setup: CacheSetup) -> list[dict]:
     if not os.path.lexists(path):
         return []
     from tierkv.quality.harness import setup_differences
-    from tierkv.quality.report import RESULTS_FIX, read_results_file
+    from tierkv.quality.run_folder import RESULTS_FIX, read_results_file
 
     saved_setup, saved = read_results_file(path)  # a link, a huge, damaged or foreign file: refused, naming the fix
     differences = setup_differences(setup, saved_setup)

@@ -22,17 +22,15 @@ from typing import Any
 
 from tierkv import safefs
 from tierkv.errors import InvalidConfigError
-from tierkv.inputs import read_json
-from tierkv.quality.harness import (  # other setups: own rows
-    DEFAULT_BLOCK_TOKENS,
+from tierkv.quality.harness import DEFAULT_BLOCK_TOKENS, RESULT_OPTIONS, CacheSetup  # other setups: own rows
+from tierkv.quality.run_folder import (
     FRESH_FOLDER,
-    MAX_RESULTS_BYTES,
     REFERENCE_FILE,
     REFERENCE_FIX,
-    RESULT_OPTIONS,
-    CacheSetup,
     check_records,
     read_reference,
+    read_results,
+    results_files,
 )
 from tierkv.quality.tasks import TASKS, answer_matches
 from tierkv.units import format_tokens, plural
@@ -40,44 +38,6 @@ from tierkv.units import format_tokens, plural
 FAMILIES = {"sparse": "tierkv sparse", "snapkv": "SnapKV", "streaming_llm": "StreamingLLM",
             "expected_attention": "ExpectedAttention", "knorm": "Knorm"}
 BASELINES = {"full": "full attention", "exact": "tierkv exact", "kvpress-full": "full (kvpress env)"}
-
-
-TIERKV_RESULTS = re.compile(r"tierkv(-\d+)?(-p\d+)?(-sinks\d+)?(-recent\d+)?(-dense\d+)?(-rest\d+)?\.json")
-"""The names :func:`tierkv.quality.harness.results_file` gives: other ``tierkv*.json`` files (notes, a copy) are
-not results and are left out of the tables."""
-
-
-def results_files(folder: str | Path) -> list[Path]:
-    """The results files in ``folder``: tierkv's (:data:`TIERKV_RESULTS`), then kvpress's (``kvpress*.json``)."""
-    names = sorted(os.listdir(folder))
-    return [Path(folder) / name for name in names if TIERKV_RESULTS.fullmatch(name)] + \
-        [Path(folder) / name for name in names if name.startswith("kvpress") and name.endswith(".json")]
-
-
-RESULTS_FIX = f"{FRESH_FOLDER} (a results file of tierkv eval or kvpress_run.py is an object with a list of results)"
-
-
-def read_results_file(path: Path) -> tuple[dict[str, Any], Any]:
-    """``(setup, results)`` of the object in a results file (:func:`tierkv.inputs.read_json`, never through a
-    link), the records not yet checked."""
-    data = read_json(path, "results file", RESULTS_FIX, MAX_RESULTS_BYTES, follow=False)
-    if not isinstance(data, dict) or not isinstance(data.get("setup", {}), dict):
-        raise InvalidConfigError(f"results file {str(path)!r} is not an object with a setup and results; "
-                                 f"{RESULTS_FIX}.")
-    return data.get("setup", {}), data.get("results")
-
-
-def read_results(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """``(setup, records)`` of a results file, each checked (:func:`tierkv.quality.harness.check_records`): an
-    InvalidConfigError names the file and the fix."""
-    setup, results = read_results_file(path)
-    return setup, check_records(results, path, RESULTS_FIX)
-
-
-def check_results(folder: str | Path) -> None:
-    """Refuse (before a run) a results file in ``folder`` that the tables after it could not read."""
-    for path in results_files(folder):
-        read_results(path)
 
 
 def load_results(folder: str | Path, tokenizer=None) -> list[dict[str, Any]]:
