@@ -135,3 +135,81 @@ def test_a_forward_that_took_the_streaming_attention_as_the_last_engagement_left
     got, _ = _attention(module, query, key, value, None, dropout=0.0, scaling=0.25, is_causal=True)
     want, _ = sdpa_attention_forward(module, query, key, value, None, dropout=0.0, scaling=0.25, is_causal=True)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_forward_of_another_thread_in_the_moment_the_model_is_switched_attends_as_the_model(tmp_path,
+                                                                                              monkeypatch, attn):
+    """Regression: entering the first engagement switched the shared model's implementation before recording what
+    it had, so another thread's forward in between (a server's other request) failed ("runs only inside ...") or,
+    on an eager model, built sdpa's boolean mask and decoded other tokens. That forward is made right after the
+    switch here (the moment another thread could come in), and decodes as the model."""
+    model = tiny_model("llama", attn)
+    ids, mask = prompt(2, 30, seed=5, left_pad=(0, 4))
+    reference = run(model, ids, mask, DynamicCache())
+    switch, outputs = model.set_attn_implementation, {}
+
+    def switched_then_another_forward(implementation):
+        switch(implementation)
+        if not outputs:
+            outputs["between"] = run(model, ids, mask, DynamicCache())
+
+    monkeypatch.setattr(model, "set_attn_implementation", switched_then_another_forward)
+    with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4) as cache, \
+            cache.streaming(model, chunk_tokens=8):  # fmt: skip
+        pass
+    assert_same_generation(outputs["between"], reference, atol=1e-4)
+
+
+def test_a_mask_built_as_the_last_engagement_left_is_the_models_own(monkeypatch):
+    """A forward that looked the streaming mask builder up just before the last engagement left builds the mask of
+    the implementation the model has again (eager's additive one), not sdpa's boolean one."""
+    from transformers import masking_utils
+
+    from tierkv.hf.attention import _mask
+
+    model = tiny_model("llama", "eager")
+    monkeypatch.setitem(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS, "eager", lambda *a, **k: "eager's")
+    monkeypatch.setattr(masking_utils, "sdpa_mask", lambda *a, **k: "sdpa's")
+    assert _mask(config=model.config) == "eager's"
+
+
+def test_leaving_the_block_while_its_generate_thread_is_mid_forward_waits_for_the_forward(tmp_path):
+    """The streamer pattern with a client that leaves: the block ends while the generate thread it started is in
+    the middle of a forward. Leaving switched the executors at once (staging given back, sparse summaries
+    dropped) under that forward's layers, which failed with an IndexError or KeyError; it now waits for the forward
+    to end, and the rest of the generation decodes with exact gather, equal to DynamicCache's."""
+    import torch
+
+    model = tiny_model("llama")
+    ids, mask = prompt(1, 30, seed=9)
+    reference = run(model, ids, mask, DynamicCache())
+    forwards, paused, resume, left = [0], threading.Event(), threading.Event(), threading.Event()
+
+    def pause_in_the_third_decode_step(module, args):
+        forwards[0] += 1
+        if forwards[0] == 4:  # the prefill, then decode steps
+            paused.set()
+            assert resume.wait(120)
+
+    hook = model.model.layers[1].register_forward_pre_hook(pause_in_the_third_decode_step)
+    outputs = {}
+    try:
+        with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4) as cache:
+            block = cache.sparse(model, tokens=1.0, chunk_tokens=8)
+            block.__enter__()
+            generating = threading.Thread(target=lambda: outputs.update(got=run(model, ids, mask, cache)))
+            generating.start()
+            assert paused.wait(120)
+            leaving = threading.Thread(target=lambda: (block.__exit__(None, None, None), left.set()))
+            leaving.start()
+            assert not left.wait(0.5)  # waits for the forward in progress
+            resume.set()
+            assert left.wait(120)
+            generating.join(120)
+            leaving.join(120)
+    finally:
+        hook.remove()
+        resume.set()
+    assert_same_generation(outputs["got"], reference, atol=1e-4)
+    assert torch.equal(outputs["got"].sequences, reference.sequences)

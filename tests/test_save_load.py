@@ -214,9 +214,9 @@ def test_a_save_waits_no_longer_than_its_limit_for_a_forward_stopped_on_a_live_t
     goes through once that thread ended (the stopped forward rolled back first)."""
     import threading
 
-    from tierkv.hf import conversation
+    from tierkv.hf import turn
 
-    monkeypatch.setattr(conversation, "TURN_WAIT_S", 0.3)
+    monkeypatch.setattr(turn, "TURN_WAIT_S", 0.3)
     model = tiny_model("llama")
     cache, so_far = _conversation(model, tmp_path)
     stopped, leave = threading.Event(), threading.Event()
@@ -258,9 +258,9 @@ def test_a_save_asked_while_a_stopped_forward_waits_for_its_thread_takes_the_tur
     import time
 
     from tierkv.errors import InterruptedStepError
-    from tierkv.hf import conversation
+    from tierkv.hf import turn
 
-    monkeypatch.setattr(conversation, "TURN_WAIT_S", 10.0)
+    monkeypatch.setattr(turn, "TURN_WAIT_S", 10.0)
     model = tiny_model("llama")
     cache, so_far = _conversation(model, tmp_path)
     held = cache.get_seq_length()

@@ -3,7 +3,8 @@
 Modules, cut along transformers' own lines: :mod:`~tierkv.hf.cache` (the cache: layers, resources, executor
 modes, forward rollback), :mod:`~tierkv.hf.layer` (one layer's state and step), :mod:`~tierkv.hf.runtime`
 (store, mover, executors), :mod:`~tierkv.hf.attention` (the attention function of ``streaming()`` /
-``sparse()``), :mod:`~tierkv.hf.conversation` (save / load), :mod:`~tierkv.hf.session` (prefix persistence)
+``sparse()``), :mod:`~tierkv.hf.conversation` (save / load), :mod:`~tierkv.hf.turn` (a moment between two
+forwards for a save or an executor switch from another thread), :mod:`~tierkv.hf.session` (prefix persistence)
 and :mod:`~tierkv.hf.sizing` (device budgets and checks from a model config).
 """
 

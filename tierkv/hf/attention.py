@@ -26,6 +26,7 @@ from tierkv.atomic import deferred_interrupts
 from tierkv.errors import InvalidConfigError, TierKVError
 from tierkv.hf.runtime import Mode
 from tierkv.hf.sizing import kv_producers
+from tierkv.hf.turn import turn
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -168,7 +169,8 @@ class Engagement:
             raise InvalidConfigError(self._not_an_interface())
         if kv_producers(self.model.config):
             raise InvalidConfigError(self._reuses_kv())
-        cache.runtime.push(self.mode)  # exact-gather staging is released: the new mode may need all the budget
+        with turn(cache, _ENTER_FIX), cache.using:  # between two forwards: another thread's may be decoding
+            cache.runtime.push(self.mode)  # exact-gather staging is released: the new mode may need all the budget
         try:  # every change to the user's model happens inside the try, so a failure undoes all of it
             self._hold()
         except BaseException:
@@ -200,16 +202,23 @@ class Engagement:
             if not held:
                 previous = model.config._attn_implementation
                 before = self._before(previous)
+                # first: another thread's forward on this model (no cache of it engaged) that meets the switched
+                # implementation finds what to run instead (its mask builder and attention) at once
+                _BEFORE.update(before)
+                _ENGAGED[id(model)] = model.config
                 try:
                     model.set_attn_implementation(STREAMING_ATTENTION)
                     if model.config.get_text_config(decoder=True)._attn_implementation != STREAMING_ATTENTION \
                             or any(map(_kept_its_own, self.modules)):
                         raise InvalidConfigError(self._not_an_interface())
                 except BaseException:
-                    _restore_implementations(model, before)
+                    try:
+                        _restore_implementations(model, before)
+                    finally:
+                        _ENGAGED.pop(id(model), None)
+                        for key in before:
+                            _BEFORE.pop(key, None)
                     raise
-                _BEFORE.update(before)
-                _ENGAGED[id(model)] = model.config
             _HELD[id(model)] = held + 1
         self.held += 1
 
@@ -244,7 +253,9 @@ class Engagement:
     def _restore(self) -> None:
         with deferred_interrupts():  # a Ctrl-C while leaving waits until the model is the user's again
             try:
-                self.cache.runtime.pop()
+                cache = self.cache
+                with turn(cache, fix=None), cache.using:  # a generate thread (a streamer's) may be mid-forward
+                    cache.runtime.pop()
             finally:  # the model is restored even if the executors' bookkeeping fails
                 if self.held:
                     self.held -= 1
@@ -348,6 +359,8 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     return _implementation(module, before)(module, query, key, value, attention_mask, *args, **kwargs)
 
 
+_ENTER_FIX = ("enter the `with cache.streaming/split/sparse(model)` block before that thread's generate() starts, or "
+              "once it has returned")
 _ENGAGED_WHILE_SWITCHED = (
     f"this model was engaged while its attention implementation still named '{STREAMING_ATTENTION}' (a copy of a "
     "model made inside a `with cache.streaming/split/sparse(model)` block, or a model whose implementation could not "
@@ -374,7 +387,8 @@ def _mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
 
     _STEP.masks = getattr(_STEP, "masks", 0) + 1  # a forward begins: earlier hand-overs are not its own
 
-    before = None if config is None else _BEFORE.get(id(config))
+    # (no record: the last engagement left as this forward began, and the config names the model's own again)
+    before = None if config is None else _BEFORE.get(id(config), config._attn_implementation)
     builder = ALL_MASK_ATTENTION_FUNCTIONS[before] if before in ("sdpa", "eager") else sdpa_mask
     return builder(*args, config=config, **kwargs)
 

@@ -8,11 +8,8 @@ is private: its K/V is never written to the persistent or remote store (:mod:`ti
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +19,7 @@ from tierkv.hf import sizing
 from tierkv.hf.attention import cache_keyword
 from tierkv.hf.layer import TieredLayer
 from tierkv.hf.state import StateLayer
+from tierkv.hf.turn import aturn, turn
 from tierkv.persist import conversation
 from tierkv.persist import record as records
 from tierkv.persist.keys import kv_dtype, model_fingerprint
@@ -31,76 +29,15 @@ if TYPE_CHECKING:
     from tierkv.hf.cache import TieredCache
 
 
-TURN_WAIT_S = 60.0
-"""How long a save waits for another thread's forward to finish (one that stopped part-way with an error, its
-thread still alive, never does) before it is refused."""
-
-
 def save(cache: TieredCache, path: str | os.PathLike, model: torch.nn.Module | None) -> None:
-    with _turn(cache):
+    with turn(cache):
         conversation.save(path, _records(cache, model))
 
 
 async def asave(cache: TieredCache, path: str | os.PathLike, model: torch.nn.Module | None) -> None:
     _aiofiles()
-    async with _aturn(cache):
+    async with aturn(cache):
         await conversation.asave(path, _records(cache, model))
-
-
-@contextlib.contextmanager
-def _turn(cache: TieredCache) -> Iterator[None]:
-    """The cache's turn (:class:`~tierkv.hf.cache.CacheGuard`) for a save: taken between two forwards, waiting for
-    another thread's forward in progress to finish; its next forward or edit waits until the save has read every
-    record."""
-    deadline, guard = time.monotonic() + TURN_WAIT_S, cache.using
-    with _asking(cache):
-        while not _take_turn(cache):
-            _in_time(deadline)
-            with guard:
-                guard.pause(0.01)
-    try:
-        yield
-    finally:
-        guard.give_turn()
-
-
-@contextlib.asynccontextmanager
-async def _aturn(cache: TieredCache) -> AsyncIterator[None]:
-    """:func:`_turn` for asave: the event loop runs while it waits."""
-    deadline = time.monotonic() + TURN_WAIT_S
-    with _asking(cache):
-        while not _take_turn(cache):
-            _in_time(deadline)
-            await asyncio.sleep(0.005)
-    try:
-        yield
-    finally:
-        cache.using.give_turn()
-
-
-@contextlib.contextmanager
-def _asking(cache: TieredCache) -> Iterator[None]:
-    """This thread asks for the turn meanwhile: the other threads' next forward gives way to it."""
-    with cache.using:
-        cache.using.asking += 1
-    try:
-        yield
-    finally:
-        with cache.using:
-            cache.using.asking -= 1
-
-
-def _take_turn(cache: TieredCache) -> bool:
-    with cache.using:
-        return cache.using.take_turn(cache.forward.elsewhere(cache.uses_per_forward()))
-
-
-def _in_time(deadline: float) -> None:
-    if time.monotonic() > deadline:
-        raise InvalidConfigError(
-            f"this TieredCache is in the middle of a forward on another thread, which did not finish within "
-            f"{TURN_WAIT_S:.0f} s (or stopped part-way with an error): save it from that thread, or once its "
-            "generate() has returned.")
 
 
 def load(cls: type[TieredCache], path: str | os.PathLike, model: torch.nn.Module | None,
