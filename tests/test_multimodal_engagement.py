@@ -167,6 +167,8 @@ def test_the_decoders_transformers_lists_are_not_taken_for_encoders():
             config = transformers.AutoConfig.for_model(name)
         except Exception:  # (a config that needs arguments or packages this environment lacks)
             continue
+        if type(config).__name__.endswith("VisionConfig"):  # (5.0 maps "pixtral", a vision tower's type, to Llava)
+            continue
         if _is_an_encoder(config.get_text_config(decoder=True)):
             taken.append(name)
     assert taken == []
