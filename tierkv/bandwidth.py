@@ -919,7 +919,7 @@ def _threads(value: object) -> int:
 
 def _check_flops(text: str | None) -> None:
     """Refuse (ValueError) a ``machine["compute_flops"]`` that is a number no host computes at (Infinity, 1e400):
-    the planner would price compute at zero. Text that is no number is left, as before, to mean "not measured"."""
+    the planner would price compute at zero. Text that is no number means "not measured"."""
     try:
         flops = float(text) if text is not None else 0.0
     except ValueError:
