@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import re
@@ -376,15 +377,41 @@ def fsync_directory(fd: int) -> None:
 
 
 _TEMPORARY_TAIL = re.compile(r"[0-9a-f]{12}\.tmp")  # what create_file's random part and ".tmp" make
+_TEMPORARY_EXTRA = len(".") + len(".") + 12 + len(".tmp")  # bytes a temporary adds to its file's name
+_DIGEST_HEX = 16  # hex digits of the digest that tells apart the temporaries of long names cut alike
+
+
+def temporary_prefix(directory: int, name: str) -> str:
+    """What the names of ``name``'s temporaries in ``directory`` start with, before :func:`create_file`'s 12 random
+    hex digits and ``.tmp``: ``.<name>.``, or, where that would make a temporary longer than the filesystem's
+    NAME_MAX, ``.<name cut short>.<digest of name>-`` — so every name the filesystem takes can be written. The
+    ``-`` before the random part keeps the two forms apart: no temporary of one name is ever taken for another's."""
+    longest = _longest_name(directory)
+    if len(os.fsencode(name)) + _TEMPORARY_EXTRA <= longest:
+        return f".{name}."
+    budget = longest - _TEMPORARY_EXTRA - _DIGEST_HEX - len("-")
+    cut = name
+    while len(os.fsencode(cut)) > budget:
+        cut = cut[:-1]
+    return f".{cut}.{hashlib.blake2b(os.fsencode(name), digest_size=_DIGEST_HEX // 2).hexdigest()}-"
+
+
+def _longest_name(directory: int) -> int:
+    """The longest file name, in bytes, the filesystem of ``directory`` (a descriptor) takes (255 if it won't say)."""
+    try:
+        return os.fpathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
 
 
 def new_temporary(directory: int, name: str, shared: bool | None = None) -> tuple[int, str]:
     """``(fd, temporary)``: a fresh temporary file for a new version of ``name`` in ``directory``, exclusively
     ``flock``-ed before a byte is written; keep ``fd`` open until the temporary is renamed or removed. First
     removes the temporaries of ``name`` that writers killed mid-write left behind (:func:`reap_temporaries`),
-    so a ``save()`` killed again and again does not fill the disk with copies."""
+    so a ``save()`` killed again and again does not fill the disk with copies. Its name fits NAME_MAX whenever
+    ``name`` does (:func:`temporary_prefix`)."""
     reap_temporaries(directory, name)
-    fd, temporary = create_file(directory, f".{name}.", ".tmp", shared)
+    fd, temporary = create_file(directory, temporary_prefix(directory, name), ".tmp", shared)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # a new file nobody else has locked: never waits
     except BaseException:
@@ -394,12 +421,12 @@ def new_temporary(directory: int, name: str, shared: bool | None = None) -> tupl
 
 
 def reap_temporaries(directory: int, name: str) -> int:
-    """Remove the temporaries of ``name`` in ``directory`` (``.<name>.<12 hex>.tmp``) whose writer died (SIGKILL,
-    a crash, a power cut) and return how many. A writer (:func:`new_temporary`) holds its temporary's ``flock``
-    from before its first byte until after the rename, and the kernel drops it when the writer dies, so a
-    temporary that is not empty and can be locked is abandoned; a live writer's (locked, or still empty) is left
-    alone, and so is anything that is not this user's regular file."""
-    prefix = f".{name}."
+    """Remove the temporaries of ``name`` in ``directory`` (:func:`temporary_prefix`, 12 hex, ``.tmp``), and only
+    its, whose writer died (SIGKILL, a crash, a power cut) and return how many. A writer (:func:`new_temporary`)
+    holds its temporary's ``flock`` from before its first byte until after the rename, and the kernel drops it when
+    the writer dies, so a temporary that is not empty and can be locked is abandoned; a live writer's (locked, or
+    still empty) is left alone, and so is anything that is not this user's regular file."""
+    prefix = temporary_prefix(directory, name)
     try:
         with os.scandir(directory) as entries:
             candidates = [entry.name for entry in entries

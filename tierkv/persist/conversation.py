@@ -218,10 +218,22 @@ def check_target(path: str | os.PathLike) -> None:
     problem = output_problem(path)
     if problem is not None:
         code, why = problem
-        fix = ("choose a path of your own, e.g. in your home directory" if code == errno.EPERM else
-               "give a file path in an existing directory, e.g. save('chats/chat.tkv', model=model) after "
-               "os.makedirs('chats', exist_ok=True)")
-        raise DiskTierError(code, f"cannot save the conversation to {os.fspath(path)!r}: it {why}; {fix}.")
+        raise DiskTierError(code, f"cannot save the conversation to {os.fspath(path)!r}: it {why}; "
+                                  f"{_target_fix(code)}.")
+
+
+def _target_fix(code: int) -> str:
+    """What to do about a save target refused with ``code`` (:func:`check_target`)."""
+    if code == errno.EROFS:
+        return "its filesystem is mounted read-only: save to a writable filesystem, or remount it read-write"
+    if code == errno.EACCES:
+        return "save in a directory you can write to, e.g. in your home directory"
+    if code == errno.EPERM:
+        return "choose a path of your own, e.g. in your home directory"
+    if code == errno.ENAMETOOLONG:
+        return "give a shorter file name"
+    return ("give a file path in an existing directory, e.g. save('chats/chat.tkv', model=model) after "
+            "os.makedirs('chats', exist_ok=True)")
 
 
 def open_fd(path: str | os.PathLike) -> int:

@@ -312,6 +312,8 @@ class DiskTier:
         except OSError as exc:
             if self._fd >= 0:
                 os.close(self._fd)
+            if exc.errno == errno.ENOSPC and _no_inodes_left(self.directory):
+                raise disk_error(exc, self.directory / "tierkv-*.lock") from exc
             limit = limit_advice(exc)
             if limit is not None:
                 raise DiskTierError(exc.errno, f"disk_dir {str(self.directory)!r} could not be opened: {limit}") \
@@ -323,6 +325,7 @@ class DiskTier:
         self._finalizer = forks.finalize(self, _release, self.files, self._lease, self._fd)
         try:
             self.budget = budget if budget is not None else self._default_budget(free_fraction)
+            self._check_writes()
             self._check_direct_io()
         except BaseException:
             self._finalizer()
@@ -359,6 +362,29 @@ class DiskTier:
                 f"the filesystem under disk_dir {str(self.directory)!r} reports no size (ramfs, some FUSE and network "
                 "filesystems), so the disk tier's budget cannot default to its free space: pass disk_gb.")
         return int(usage.free * free_fraction)
+
+    def _check_writes(self) -> None:
+        """Write a byte to a probe file now: a filesystem that makes files but refuses to write them (hugetlbfs:
+        EINVAL) is refused when the cache is built, naming its type, not at its first spill in the middle of a
+        forward. Any other failure (a full filesystem, no inode left) is left to the spill, whose error says why."""
+        try:
+            fd, name = safefs.create_file(self._fd, f"{self._lease.prefix}-probe-", ".kv", shared=False)
+        except OSError:
+            return
+        try:
+            os.pwrite(fd, b"\0", 0)
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                from tierkv.calibrate.machine import filesystem_of  # only to word this error
+
+                raise InvalidConfigError(
+                    f"disk_dir {str(self.directory)!r} is on a filesystem that makes files but refuses to write "
+                    f"them ({exc.strerror}; {filesystem_of(self.directory)}), such as hugetlbfs: put disk_dir on a "
+                    "regular filesystem (ext4, xfs, tmpfs), or leave disk_dir=None to run without a disk tier."
+                ) from exc
+        finally:
+            os.close(fd)
+            safefs.remove_regular(self._fd, name)
 
     def _check_direct_io(self) -> None:
         """Where O_DIRECT is required (``TIERKV_DIRECT_IO=1``), open a 4 KiB probe file with it now and read it: a
@@ -402,12 +428,9 @@ class DiskTier:
                 "recreate it and create a new cache (this one keeps using the directory it opened, so recreating it "
                 "does not bring this cache's disk tier back), or create the cache with another disk_dir."
             )
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            return DiskTierError(
-                exc.errno, f"disk_dir {where!r} no longer accepts new files ({exc.strerror}): it was made read-only "
-                "or immutable after the cache was created; make it writable again (chmod u+w, chattr -i, a read-write "
-                "mount), or create the cache with another disk_dir."
-            )
+        if exc.errno in UNWRITABLE_ERRNOS:
+            return DiskTierError(exc.errno, f"disk_dir {where!r} no longer accepts new files ({exc.strerror}): "
+                                            f"{made_unwritable('it')}")
         return disk_error(exc, self.directory / f"{self._lease.prefix}-*.kv")
 
     def alloc(self, slot_bytes: int, near: tuple[int, int] | None = None) -> int | None:
@@ -495,7 +518,7 @@ class DiskTier:
             return slot_file.file.submit_array(sectors[first] * SECTOR_BYTES, count * SECTOR_BYTES, buffer,
                                                first * SECTOR_BYTES, write=False, unit=SECTOR_BYTES)
         except OSError as exc:
-            raise disk_error(exc, slot_file.path) from exc
+            raise disk_error(exc, slot_file.path, reading=True) from exc
 
     def start_read(self, layout: BlockLayout | SlotBytes, slots: np.ndarray, scratch: Scratch, memo: dict | None = None,
                    purpose: str | Sequence[str] = "read", *, limit: int | None = None, parts: int = 2,
@@ -523,7 +546,7 @@ class DiskTier:
             try:
                 with deferred_interrupts():  # a Ctrl-C mid-submit must not lose the handle of queued writes
                     handle = self.write(slot_bytes, slots[lo:hi], bounce)
-                self.wait(handle, slot_bytes)
+                self.wait(handle, slot_bytes, reading=False)
             except OSError as exc:
                 raise disk_error(exc, self.files[slot_bytes].path) from exc
             except BaseException:
@@ -532,14 +555,15 @@ class DiskTier:
                         handle.wait()
                 raise
 
-    def wait(self, handle: IOHandle, slot_bytes: int) -> None:
-        """Wait for ``handle``; an OS failure becomes a :class:`DiskTierError` that names the file."""
+    def wait(self, handle: IOHandle, slot_bytes: int, reading: bool = True) -> None:
+        """Wait for ``handle`` (a read's, unless ``reading`` is False); an OS failure becomes a
+        :class:`DiskTierError` that names the file (:func:`disk_error`)."""
         try:
             handle.wait()
         except TierKVError:
             raise
         except OSError as exc:
-            raise disk_error(exc, self.files[slot_bytes].path) from exc
+            raise disk_error(exc, self.files[slot_bytes].path, reading) from exc
 
     def _submit(self, slot_bytes: int, slots: np.ndarray, buffer: np.ndarray | torch.Tensor, write: bool) -> Any:
         """One request per run of consecutive slots (found with numpy: the loop is over runs, not blocks)."""
@@ -637,7 +661,7 @@ class _DiskRead:
                 self.handles[k] = handle
                 self._piece_owners[piece].landing(handle)  # its next user waits for it, whatever happens to the read
         except OSError as exc:
-            raise disk_error(exc, self.slot_file.path) from exc
+            raise disk_error(exc, self.slot_file.path, reading=True) from exc
 
     def settle(self) -> None:
         """Wait for the rounds in flight (a barrier: the read stays usable; its failure is raised by finish)."""
@@ -716,7 +740,7 @@ class _DiskRead:
             outcome = file.run_rounds(plan, self.pieces, given, digests, self.slot_file.sums[slots], consumer,
                                       arguments)  # fmt: skip
         except OSError as exc:
-            raise disk_error(exc, self.slot_file.path) from exc
+            raise disk_error(exc, self.slot_file.path, reading=True) from exc
         finally:
             self.settle()  # the given rounds landed (the loop waited for them): their batches are freed
             self.handles.clear()
@@ -772,7 +796,7 @@ class _DiskRead:
                 with deferred_interrupts():  # as in _submit: no Ctrl-C between queueing the reads and their handle
                     handle, _ = self.tier.read(size, self.slots[piece:end], flat if flat.is_cuda else flat.numpy())
             except OSError as exc:
-                raise disk_error(exc, self.slot_file.path) from exc
+                raise disk_error(exc, self.slot_file.path, reading=True) from exc
             try:
                 self.tier.wait(handle, size)
             except BaseException:  # an interrupted wait: nothing may land in the landing buffer once it is reused
@@ -809,10 +833,27 @@ def _no_inodes_left(directory: Path) -> bool:
     return fs.f_files > 0 and fs.f_favail == 0 and fs.f_bavail > 0
 
 
-def disk_error(exc: OSError, path: Path) -> DiskTierError:
-    """Wrap an I/O failure of the disk tier in a TierKVError that says what to do."""
+UNWRITABLE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+"""What a write into a file or directory made read-only or immutable (a read-only remount, ``chattr +i``) fails with."""
+
+
+def made_unwritable(what: str) -> str:
+    """Why ``what`` (disk_dir, or a file of the tier) refuses writes with one of :data:`UNWRITABLE_ERRNOS`, and
+    what to do."""
+    return (f"{what} was made read-only or immutable after the cache was created (a filesystem error remounts it "
+            "read-only: the kernel log, dmesg, says why); make it writable again (a read-write mount, chattr -i, "
+            "chmod u+w), or create the cache with another disk_dir.")
+
+
+def disk_error(exc: OSError, path: Path, reading: bool = False) -> DiskTierError:
+    """Wrap an I/O failure of the disk tier in a TierKVError that says what to do (``reading``: it failed reading
+    blocks back, so those on disk may be lost, not writing new ones)."""
     if isinstance(exc, DiskTierError):
         return exc
+    if exc.errno in UNWRITABLE_ERRNOS and not reading:
+        return DiskTierError(exc.errno, f"disk tier I/O failed on {str(path)!r}: {exc.strerror or exc}: "
+                                        f"{made_unwritable('the file or its filesystem')} The blocks accepted "
+                                        "so far are intact.")
     if exc.errno == errno.ENOSPC and _no_inodes_left(path.parent):
         return DiskFullError(
             exc.errno, f"the disk tier could not create a file in {str(path.parent)!r}: the filesystem has space but "
@@ -830,6 +871,8 @@ def disk_error(exc: OSError, path: Path) -> DiskTierError:
             "this cache wrote to it (another program truncated or replaced it), so the blocks past its end are lost; "
             "give each cache a disk_dir no other program writes to, and start the sequence again (cache.reset())."
         )
+    if reading:
+        return read_error(exc, path)
     limit = limit_advice(exc)
     if limit is not None:
         return DiskTierError(exc.errno, f"disk tier I/O failed on {str(path)!r}: {limit} The blocks accepted so far "
@@ -837,6 +880,18 @@ def disk_error(exc: OSError, path: Path) -> DiskTierError:
     return DiskTierError(
         exc.errno, f"disk tier I/O failed on {str(path)!r}: {exc.strerror or exc}. The blocks accepted so far are "
         "intact; check the drive and its kernel log (dmesg), or move disk_dir to another drive."
+    )
+
+
+def read_error(exc: OSError, path: Path) -> DiskTierError:
+    """A read of blocks back from the disk tier failed (EIO: a failing drive, a filesystem error). What is known:
+    nothing of that read was used (no KV from it is returned); whether the blocks on disk can still be read is
+    not — a passing fault leaves them readable, a failing drive may not."""
+    return DiskTierError(
+        exc.errno, f"disk tier I/O failed on {str(path)!r} reading blocks back: {exc.strerror or exc}. Nothing of "
+        "that read was used (no KV from it was returned), but whether the blocks on disk can still be read is "
+        "unknown; check the drive and its kernel log (dmesg), then retry the step, or start the sequence "
+        "again (cache.reset()) or create the cache with another disk_dir if it fails again."
     )
 
 
