@@ -752,7 +752,7 @@ def test_ctrl_c_inside_the_engines_read_submit_lands_nothing_in_a_reused_buffer(
 
 # ------------------------------------------------------------------------------- the persistence writer
 PERSIST_RUNS = 30  # interrupt points per persistent-store operation
-UPDATE_RUNS = 120  # every line of a put's listing change: its own code, the manifest's write, the lock
+UPDATE_RUNS = 140  # every line of a put's listing change: its own code, the manifest's write, the lock
 UPDATE_CODE = frozenset({"_update", "write", "fsync_directory", "locked", "deferred_interrupts"})
 STORE_CODE = tuple(str(PACKAGE / name) for name in ("persist/blockfile.py", "persist/manifest.py", "persist/lock.py",
                                                     "atomic.py"))  # record.py and keys.py: pure functions

@@ -213,7 +213,8 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                           None if cpu_gb is None else parse_size(cpu_gb, name="cpu_gb"),
                           block_tokens, make_policy(policy), prefetch_depth, profile)
         disk_budget = None if disk_gb is None else parse_size(disk_gb, name="disk_gb")
-        sizing.check_budgets_fit_machine(budgets.gpu, budgets.cpu, disk_budget, disk_dir)
+        persist_budget = parse_size(persist_gb, name="persist_gb") if persist and persist_gb is not None else None
+        sizing.check_budgets_fit_machine(budgets.gpu, budgets.cpu, disk_budget, disk_dir, persist=persist_budget)
         self.block_tokens = block_tokens
         self.closed = False
         self.unentered: Engagement | None = None  # a streaming()/sparse() made but not entered (never honoured)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,14 +36,16 @@ import torch
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import InvalidConfigError
 from tierkv.hf.attention import own_implementation
+from tierkv.persist import record
 from tierkv.persist.blockfile import PersistentStore
 from tierkv.persist.keys import Namespace
 from tierkv.persist.prefix import PrefixPersistence
-from tierkv.units import parse_size
+from tierkv.units import format_bytes, parse_size
 
 if TYPE_CHECKING:
     from tierkv.hf.cache import TieredCache
     from tierkv.remote.chain import ChainedBlockStore
+    from tierkv.tiers.disk import DiskTier
 
 log = logging.getLogger("tierkv")
 
@@ -57,12 +59,16 @@ class PrefixSession:
                  remote: str | None, block_tokens: int) -> None:
         local = None
         self.remote: ChainedBlockStore | None = None
+        self.capacity_from = "persist_gb"  # what set the local store's capacity (named when it is too small)
         if persist:
             if disk_dir is None:
                 raise InvalidConfigError("persist=True keeps blocks in disk_dir; pass disk_dir='/path/on/nvme'.")
-            capacity = parse_size(persist_gb, name="persist_gb") if persist_gb is not None else \
-                int(psutil.disk_usage(os.fspath(disk_dir)).free * DEFAULT_PERSIST_FRACTION)
-            local = PersistentStore(disk_dir, max(capacity, 1))
+            if persist_gb is not None:
+                capacity = parse_size(persist_gb, name="persist_gb")
+            else:
+                capacity, self.capacity_from = default_capacity(disk_dir)
+            local = PersistentStore(disk_dir, capacity)
+        self.local = local
         if remote is not None:
             from tierkv.remote.chain import ChainedBlockStore  # imports redis-py only when asked for
 
@@ -118,6 +124,8 @@ class PrefixSession:
         if cache.runtime.num_layers is not None and len(cache.layers) != namespace.layers:
             raise InvalidConfigError(f"the model has {namespace.layers} layers but this cache was built for "
                                      f"{len(cache.layers)} (config=); pass that model's config.")
+        self.check_capacity(namespace)
+        self.leave_room(cache.runtime.disk)
         watch = self.watches.get(id(model))
         if watch is None or watch.model() is not model:
             watch = self.watches[id(model)] = ForwardWatch(self, cache, model)
@@ -134,6 +142,32 @@ class PrefixSession:
             _import(cache, kv, next(model.parameters()).device)
         self.loaded = blocks * self.block_tokens
         return self.loaded
+
+    def check_capacity(self, namespace: Namespace) -> None:
+        """Refuse a local store that cannot hold one block record of ``namespace``: it would write every block and
+        drop it at once, persisting nothing."""
+        local = self.local
+        if local is None:
+            return
+        need = record.max_block_bytes(namespace)
+        if local.capacity_bytes < need:
+            raise InvalidConfigError(
+                f"persist=True can keep nothing: one block record of this model takes up to {format_bytes(need)} but "
+                f"the persistent store's capacity ({self.capacity_from}) is {format_bytes(local.capacity_bytes)}. "
+                f"Pass persist_gb=\"{need}B\" or more (a multiple of it keeps that many blocks), or free space under "
+                "disk_dir.")
+
+    def leave_room(self, disk: DiskTier | None) -> None:
+        """Make the local store's writer keep the free space the disk tier ``disk`` has yet to reserve, where both
+        are on one filesystem: persistence is a copy, and must never make decoding meet a full disk."""
+        local = self.local
+        if local is None or disk is None:
+            return
+        try:
+            shared = os.stat(disk.directory).st_dev == os.stat(local.root).st_dev
+        except OSError:
+            shared = True  # cannot tell: keep the room
+        local.keep_free = unreserved(weakref.ref(disk)) if shared else None
 
     def narrow(self, clean: int | None, why: str) -> None:
         """Only the first ``clean`` tokens (None: all) depend on ids and positions alone (``why``: what says so):
@@ -375,6 +409,38 @@ def _import(cache: TieredCache, kv: list[torch.Tensor], device: torch.device) ->
         with deferred_interrupts():  # all or nothing, even under a second Ctrl-C
             cache.reset()
         raise
+
+
+def default_capacity(disk_dir: str | os.PathLike) -> tuple[int, str]:
+    """The local store's capacity without ``persist_gb`` (``DEFAULT_PERSIST_FRACTION`` of the free space under
+    ``disk_dir``) and how to name it; refused where that is no space at all (a filesystem that reports no size,
+    such as ramfs, or a full one), where every block would be dropped as soon as it is written."""
+    usage = psutil.disk_usage(os.fspath(disk_dir))
+    if usage.total == 0:
+        raise InvalidConfigError(
+            f"the filesystem under disk_dir {os.fspath(disk_dir)!r} reports no size (ramfs, some FUSE and network "
+            "filesystems), so the persistent store's capacity cannot default to its free space: pass persist_gb.")
+    capacity = int(usage.free * DEFAULT_PERSIST_FRACTION)
+    source = f"{DEFAULT_PERSIST_FRACTION:.0%} of the {format_bytes(usage.free)} free under disk_dir"
+    if capacity <= 0:
+        raise InvalidConfigError(
+            f"persist=True can keep nothing: the persistent store's capacity defaults to {source}. Free space there, "
+            "choose another disk_dir, or pass persist_gb.")
+    return capacity, source
+
+
+def unreserved(disk: weakref.ref[DiskTier]) -> Callable[[], int]:
+    """The bytes of the disk tier's budget it has not reserved on its filesystem yet, read when asked (0 once the
+    tier is gone; its whole budget while another thread changes its files)."""
+    def measure() -> int:
+        tier = disk()
+        if tier is None:
+            return 0
+        try:
+            return max(0, tier.budget - tier.allocated_bytes)
+        except RuntimeError:  # its files changed while they were summed (a growth on the decoding thread)
+            return tier.budget
+    return measure
 
 
 def token_ids(input_ids: torch.Tensor | Sequence[int]) -> np.ndarray:

@@ -585,9 +585,10 @@ def check_disk_engine(engine: str | None) -> None:
 
 
 def check_budgets_fit_machine(gpu: int | None, cpu: int | None, disk: int | None,
-                              disk_dir: str | os.PathLike[str] | None) -> None:
+                              disk_dir: str | os.PathLike[str] | None, *, persist: int | None = None) -> None:
     """Refuse a budget larger than this machine could ever provide (bytes; None = not given), and a disk budget
-    larger than the free space under ``disk_dir`` (it would end in ENOSPC mid-generation).
+    larger than the free space under ``disk_dir`` (it would end in ENOSPC mid-generation) — with ``persist``
+    (``persist_gb``'s bytes), the disk budget and what the persistent store may still add, together.
 
     The usual cause is a byte count passed where GB are expected (``gpu_gb=TieredCache.min_device_bytes(...)``
     is a petabyte budget); the message says how to pass bytes.
@@ -616,6 +617,30 @@ def check_budgets_fit_machine(gpu: int | None, cpu: int | None, disk: int | None
                 f"under {os.fspath(disk_dir)!r} (of {format_bytes(total)}); free some space, give a smaller "
                 "disk_gb, or leave it unset (90% of the free space)."
             )
+        if persist is not None:
+            check_persist_fits(disk, persist, disk_dir, free)
+
+
+def check_persist_fits(disk: int, persist: int, disk_dir: str | os.PathLike[str], free: int) -> None:
+    """Refuse ``disk_gb`` (``disk`` bytes) and ``persist_gb`` (``persist``) that together exceed the ``free`` bytes
+    under ``disk_dir``, where the disk tier and the persistent store share its filesystem: persisted blocks would
+    take the room the disk tier counts on. Only the part of ``persist`` the store does not hold yet counts (what it
+    lists is already on disk)."""
+    from tierkv.persist.blockfile import DIRECTORY_NAME, listed_bytes
+
+    store = os.path.join(os.fspath(disk_dir), DIRECTORY_NAME)
+    if os.path.isdir(store) and os.stat(store).st_dev != os.stat(disk_dir).st_dev:
+        return  # the persistent store is another filesystem mounted there
+    more = max(0, persist - listed_bytes(disk_dir))
+    fitting = max(0, free - disk) + persist - more  # the persist_gb that would fit beside disk_gb
+    if disk + more > free:
+        raise InvalidConfigError(
+            f"disk_gb ({format_bytes(disk)}) and persist_gb ({format_bytes(persist)}, {format_bytes(more)} of it not "
+            f"yet on disk) share the filesystem under {os.fspath(disk_dir)!r}, where only {format_bytes(free)} are "
+            f"free: persisted blocks would take the room the disk tier needs (ENOSPC mid-generation). Give them at "
+            f"most {format_bytes(free)} together (e.g. lower persist_gb to {format_bytes(fitting)}), "
+            "or free some space."
+        )
 
 
 def host_memory() -> tuple[int, int]:

@@ -53,7 +53,7 @@ import re
 import secrets
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,7 +65,7 @@ from tierkv.persist import manifest as manifests
 from tierkv.persist import record
 from tierkv.persist.lock import LockTimeoutError, OwnerLock, is_abandoned, locked
 from tierkv.persist.manifest import KEY, Entry, Manifest
-from tierkv.units import plural
+from tierkv.units import format_bytes, plural
 
 if TYPE_CHECKING:
     from tierkv.persist.keys import Namespace
@@ -168,6 +168,12 @@ class PersistentStore:
         self._mutex = threading.Lock()  # the cached manifest, between this process's threads
         self._cached: tuple[tuple[int, int, int], Manifest] | None = None
         self._closed_stats: dict[str, int] | None = None  # stats() when it closed (its directory is let go)
+        # bytes the filesystem must keep free after a record is written: the disk tier's budget it has not reserved
+        # yet, where both share the filesystem (set by the cache's prefix session); None: no such bound
+        self.keep_free: Callable[[], int] | None = None
+        self.skipped_for_space = 0  # records not written: the filesystem's free space is the disk tier's
+        self._space_warned = False  # a skip for space was logged (once per store)
+        self._capacity_warned = False  # a record dropped for capacity_bytes was logged (once per store)
 
     def _open_scratch(self) -> bool:
         """Make this store's scratch area (under the shared lock, so that recovery never sees a half-made one);
@@ -246,7 +252,8 @@ class PersistentStore:
         if self._closed_stats is not None:
             return dict(self._closed_stats)
         listing = self._listing()
-        return {"blocks": len(listing.entries), "bytes": listing.nbytes, "capacity_bytes": self.capacity_bytes}
+        return {"blocks": len(listing.entries), "bytes": listing.nbytes, "capacity_bytes": self.capacity_bytes,
+                "skipped_for_space": self.skipped_for_space}
 
     # --------------------------------------------------------------------------------------- writing
     def put(self, items: Sequence[Item], touch: Sequence[str] = ()) -> int:
@@ -267,11 +274,14 @@ class PersistentStore:
         staged: list[tuple[Item, str, int]] = []
         written = 0  # the staged records fsynced whole (a failure may cut the next one short)
         scratch = self._tree.scratch
+        fd = -1  # the record being written
         try:
-            for item in items:
+            for position, item in enumerate(items):
                 if item.key in listed:
                     continue
-                fd = -1
+                if not self._room_for(len(item.head) + len(item.payload)):
+                    self._skip_for_space(len(items) - position)  # deeper blocks are useless without this one
+                    break
                 try:
                     with deferred_interrupts():  # the new file and the record that removes it, together
                         fd, name = safefs.create_file(scratch, f"{item.key}.", SUFFIX)
@@ -280,8 +290,10 @@ class PersistentStore:
                     os.fsync(fd)
                     written = len(staged)
                 finally:
-                    if fd >= 0:
-                        os.close(fd)
+                    with deferred_interrupts():  # closed and forgotten together: never closed twice, never leaked
+                        if fd >= 0:
+                            os.close(fd)
+                        fd = -1
             return self._update(touch=[*touch, *(item.key for item in items)], add=staged)
         except LockTimeoutError as error:  # the staged files are removed below: the store is as it was
             self._lock_timed_out(error, f"{len(staged)} blocks were not persisted (they are recomputed next time)")
@@ -292,8 +304,46 @@ class PersistentStore:
             self._keep_written(staged, written)
             raise _write_error(error, self.root) from error
         finally:
+            if fd >= 0:  # an interrupt before the loop's close began (it closes and forgets it in one deferred block)
+                os.close(fd)
             for _, name, _ in staged:
                 safefs.remove_regular(scratch, name)  # only those that were not renamed into place remain
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether writing a record of ``nbytes`` (and the manifest copy and folder that list it) leaves the free
+        space that :attr:`keep_free` asks for: persistence is a copy and must never take the disk tier's room."""
+        if self.keep_free is None:
+            return True
+        keep = self.keep_free()
+        if keep <= 0:
+            return True
+        usage = os.statvfs(self._tree.scratch)
+        if usage.f_blocks == 0:  # a filesystem that reports no size (ramfs): its free space cannot be measured
+            return True
+        unit = usage.f_frsize or usage.f_bsize or 4096
+        manifest = self._manifest_bytes()
+        needed = -(-nbytes // unit) * unit + -(-manifest // unit) * unit + unit  # rounded to the allocation unit
+        return usage.f_bavail * unit - needed >= keep
+
+    def _manifest_bytes(self) -> int:
+        """The manifest's size now (a listing change writes a new copy beside it before the rename)."""
+        try:
+            return os.stat(manifests.NAME, dir_fd=self._tree.root, follow_symlinks=False).st_size
+        except OSError:
+            return 0
+
+    def _skip_for_space(self, count: int) -> None:
+        """Count ``count`` records not written for the disk tier's room; a warning the first time."""
+        self.skipped_for_space += count
+        if self._space_warned:
+            log.debug("tierkv: %s not persisted: the free space under %s is the disk tier's", plural(count, "block"),
+                      self.root)
+            return
+        self._space_warned = True
+        log.warning("tierkv: %s not persisted: writing them would leave less free space under %s than the disk "
+                    "tier's budget still needs (persistence is a copy: decoding goes on; stats()['skipped_for_space'] "
+                    "counts them). Free space there, or lower disk_gb or persist_gb.", plural(count, "block"),
+                    self.root)
 
     def _keep_written(self, staged: list[tuple[Item, str, int]], written: int) -> None:
         """A write failed (a disk that filled up) after ``written`` of ``staged`` were fsynced whole: free the
@@ -313,7 +363,8 @@ class PersistentStore:
             try:
                 self._closed_stats = self.stats()
             except OSError:  # e.g. the directory gone: nothing to report
-                self._closed_stats = {"blocks": 0, "bytes": 0, "capacity_bytes": self.capacity_bytes}
+                self._closed_stats = {"blocks": 0, "bytes": 0, "capacity_bytes": self.capacity_bytes,
+                                      "skipped_for_space": self.skipped_for_space}
         self._finalizer()
 
     # ------------------------------------------------------------------------------------- internals
@@ -410,6 +461,7 @@ class PersistentStore:
                     total -= listing.entries.pop(victim).nbytes
                     unlisted.append(victim)
                 if total + nbytes > self.capacity_bytes or len(listing.entries) >= manifests.MAX_ENTRIES:
+                    self._dropped_for_capacity(len(add) - position, nbytes, total)
                     break  # deeper blocks of this batch are useless without this one
                 try:
                     with safefs.own_directory(tree.blocks, item.key[:2], self._blocks / item.key[:2]) as folder:
@@ -429,6 +481,19 @@ class PersistentStore:
             if failed is not None:
                 raise failed
             return len(added)
+
+    def _dropped_for_capacity(self, count: int, nbytes: int, kept: int) -> None:
+        """Log (a warning once, then at debug level) ``count`` records dropped as soon as written: the next, of
+        ``nbytes``, does not fit in ``capacity_bytes`` beside the ``kept`` bytes this write just used."""
+        message = ("tierkv: %s not persisted: a record of %s does not fit in persist_gb (%s) beside the %s of blocks "
+                   "this write uses; pass a larger persist_gb to keep them")
+        arguments = (plural(count, "block"), format_bytes(nbytes), format_bytes(self.capacity_bytes),
+                     format_bytes(kept))
+        if self._capacity_warned:
+            log.debug(message, *arguments)
+            return
+        self._capacity_warned = True
+        log.warning(message, *arguments)
 
     def _remove_record(self, key: str) -> bool:
         """Unlink the record file of ``key`` (a validated key) if it is a regular file of this user."""
@@ -546,6 +611,15 @@ class PersistentStore:
             self._write_manifest(listing)
             log.info("tierkv: persistent directory %s recovered: %s", self.root, recovery)
         return recovery
+
+
+def listed_bytes(directory: str | os.PathLike) -> int:
+    """The bytes the persistent store in ``directory`` lists now (0 where there is none or its manifest does not
+    read): already on the filesystem, so a budget check counts only the rest of ``persist_gb``."""
+    try:
+        return manifests.load(Path(directory) / DIRECTORY_NAME / manifests.NAME).nbytes
+    except (OSError, IntegrityError):
+        return 0
 
 
 def _refuse_planted(directory: int, name: str, where: Path) -> None:
