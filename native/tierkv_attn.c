@@ -730,6 +730,14 @@ static int best_isa(void) { return TKV_PORTABLE; }
 /* State of one (kv head, query of its group): running max, sum of exp(score - max), output * sum. */
 #define STATE(state, hh, r, D) ((state) + ((hh) * rows + (r)) * ((D) + 2))
 
+/* whether any of n scores is NaN or +inf (a NaN or infinite key makes one), where softmax gives NaN: one compare a
+ * score, beside the D FMAs that made it; max_ps and the exp's clamp would drop it */
+static int any_nan(const float *w, int64_t n) {
+    int nan = 0;
+    for (int64_t t = 0; t < n; t++) nan |= isnan(w[t]) | (w[t] == INFINITY);
+    return nan;
+}
+
 static void run_task(const tkv_attn_args *a, const uint64_t *blocks, int64_t b, int64_t h0, int64_t h1, int64_t j0, int64_t j1,
                      float *state, float *qbuf, float *kbuf, float *vbuf, float *sc, int simd) {
     const int64_t D = a->head_dim, bt = a->block_tokens, et = a->entry_tokens, q_len = a->q_len;
@@ -826,6 +834,14 @@ static void run_task(const tkv_attn_args *a, const uint64_t *blocks, int64_t b, 
             /* online softmax: rescale each query's state to the new running max, turn scores into weights */
             for (r = 0; r < rows; r++) {
                 float *st = STATE(state, hh, r, D), *w = sh + r * n;
+                if (isnan(st[0]) || any_nan(w, n)) { /* a NaN score (a NaN or infinite key): NaN, as softmax gives */
+                    for (int64_t d = 0; d < D + 2; d++) st[d] = NAN;
+                    for (int64_t t = 0; t < n; t++) w[t] = 0.0f;
+                    if (a->entry_lse)
+                        a->entry_lse[(((b * a->q_heads + (h0 + hh) * group + r / q_len) * q_len + r % q_len) *
+                                      a->n_blocks) + j] = NAN;
+                    continue;
+                }
                 const float peak = max_of(w, n, st[0], simd);
                 if (peak == -INFINITY) { /* nothing attended yet */
                     for (int64_t t = 0; t < n; t++) w[t] = 0.0f;
@@ -985,7 +1001,8 @@ int tkv_attn(const tkv_attn_args *a) {
             float peak = -INFINITY;
             for (int64_t s = 0; s < splits; s++) {
                 const float m = first[s * state_per_head];
-                peak = m > peak ? m : peak;
+                peak = m > peak || isnan(m) ? m : peak; /* a NaN piece makes the query's output NaN */
+                if (isnan(peak)) break;
             }
             /* query head h * group + r / q_len, query r % q_len: rows of a kv head are contiguous in out */
             const int64_t at = (b * a->q_heads + h * (a->q_heads / H)) * a->q_len + r;

@@ -273,6 +273,33 @@ def test_every_code_path_matches_float64_softmax(isa, dtype, monkeypatch):
         _close(got, reference(q, keys, values, lengths, scaling=dim**-0.5, query_start=start, window=200))
 
 
+@pytest.mark.parametrize("isa", range(len(host_kernel.ISAS)), ids=host_kernel.ISAS)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_nan_or_infinite_key_makes_its_queries_nan_as_softmax_does(isa, threads, monkeypatch):
+    """A NaN or infinite key (a model that overflowed) makes the queries that attend it NaN, as SDPA and
+    ``DynamicCache`` do, whichever lane or key range it falls in: the SIMD max and the exp's clamp dropped it (an
+    almost-zero weight, a finite output: other tokens than DynamicCache's). The torch version and the merge of
+    parts keep it too; a query with no key in a part stays an empty part."""
+    if isa > 0 and (not host_kernel.available() or isa > host_kernel.library().tkv_attn_isa()):
+        pytest.skip(f"this CPU cannot run the {host_kernel.ISAS[isa]} path")
+    monkeypatch.setattr(host_kernel, "ISA", isa)
+    keys, values = _kv(1, 2, 40, 16, torch.float32, seed=7)
+    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(8))
+    for where, value in [(5, math.nan), (37, math.nan), (20, math.inf), (3, -math.inf)]:
+        poisoned = keys.clone()
+        poisoned[0, 0, where, 0] = value  # one channel of one key of KV head 0
+        want = torch.nn.functional.scaled_dot_product_attention(q, poisoned.repeat_interleave(2, 1),
+                                                                values.repeat_interleave(2, 1), scale=0.25)
+        placed = Placed(poisoned, values, 8)
+        for attend in (_native, host_kernel.paged_attention_torch):
+            out, lse = attend(q, placed.slab, placed.table, 40, scaling=0.25, threads=threads)
+            assert torch.equal(out.isnan(), want.isnan()), (where, value, attend)
+            assert torch.equal(~lse.isfinite(), want.isnan().any(-1)), (where, value, attend)  # NaN or +inf
+            empty = attend(q, placed.slab, placed.table[:, :1], 40, scaling=0.25, window=8)  # no key: empty part
+            merged, _ = merge(out, lse, *empty)
+            assert torch.equal(merged.isnan(), want.isnan())
+
+
 def _errors_cases():
     slab = torch.zeros(4, 2, 2, 4, 8, dtype=torch.float16)
     q = torch.zeros(1, 4, 1, 8)

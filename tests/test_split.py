@@ -233,3 +233,41 @@ def test_a_layers_prepared_table_follows_its_grid_and_its_pools(tmp_path, kernel
         assert cache.stats()["blocks"]["device"] > 0 and cache.stats()["blocks"]["host"] > 0
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_key_that_overflowed_makes_its_row_nan_as_in_dynamic_cache(tmp_path, value):
+    """A model whose key overflows at a decode step (NaN or inf in row 1's new key, every tier in use): split gives
+    that row NaN logits from then on, as DynamicCache does (it decoded finite, other tokens: the host kernel dropped
+    the key), and the other row is unchanged."""
+    model = tiny_model("llama")
+    ids, mask = prompt(2, 40, seed=4)
+    calls = [0]
+
+    def overflow(module, args, output):
+        calls[0] += 1
+        if calls[0] == 3:  # the prefill, a decode step, then this one
+            output = output.clone()
+            output[1, -1, 0] = value
+        return output
+
+    outputs = {}
+    for name in ("dynamic", "split"):
+        calls[0] = 0
+        hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(overflow)
+        try:
+            if name == "dynamic":
+                outputs[name] = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                               output_logits=True, return_dict_in_generate=True, cache=DynamicCache())
+                continue
+            with TieredCache(gpu_gb="128KB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4) as cache, \
+                    cache.split(model, chunk_tokens=8):  # fmt: skip
+                outputs[name] = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                               output_logits=True, return_dict_in_generate=True, cache=cache)
+                assert cache.stats()["blocks"]["disk"] > 0
+        finally:
+            hook.remove()
+    want = torch.stack(outputs["dynamic"].logits)
+    got = torch.stack(outputs["split"].logits)
+    assert want[:, 1].isnan().any() and torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got[:, 0], want[:, 0], rtol=0, atol=1e-4)

@@ -656,6 +656,7 @@ def _attend_torch(inputs: _Inputs, entry_lse: torch.Tensor | None = None) -> tup
     lse = torch.logsumexp(scores, dim=-1)
     if entry_lse is not None:  # [B, H_kv, G, q, n] -> [B, H_q, q, n]
         entry_lse.copy_(torch.logsumexp(scores.unflatten(-1, (n, entry)), dim=-1).flatten(1, 2))
-    weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # a query with no key: all weights 0
+    weights = torch.exp(scores - lse.unsqueeze(-1))
+    weights = weights.masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0)  # a query with no key: 0 (a NaN stays)
     out = torch.matmul(weights.view(batch, kv_heads, group * q_len, -1), values)
     return out.view(q.shape), lse.view(q.shape[:-1])

@@ -429,9 +429,10 @@ class SplitAttention(PipelinedExecutor):
 def merge(out: torch.Tensor | None, lse: torch.Tensor | None, part_out: torch.Tensor,
           part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tierkv.attention.lse.merge` where a row may hold no block of either part (each tier holds some rows'
-    blocks only): such a query keeps output 0 and log-sum-exp ``-inf`` instead of NaN."""
+    blocks only): such a query keeps output 0 and log-sum-exp ``-inf`` instead of NaN (a NaN of its keys stays NaN,
+    as softmax gives it)."""
     merged_out, merged_lse = _lse.merge(out, lse, part_out, part_lse)
-    return merged_out.nan_to_num(0.0), merged_lse
+    return merged_out.masked_fill(torch.isneginf(merged_lse).unsqueeze(-1), 0.0), merged_lse  # (a NaN stays)
 
 
 def merge_all(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -441,7 +442,7 @@ def merge_all(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Ten
         return parts[0]
     lses = torch.stack([lse for _, lse in parts])
     lse = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - lse).nan_to_num_(0.0)  # -inf - -inf: a query no part attended
+    weights = torch.exp(lses - lse).masked_fill_(torch.isneginf(lses), 0.0)  # -inf - -inf: no key in that part
     return (torch.stack([out for out, _ in parts]) * weights.unsqueeze(-1)).sum(dim=0), lse
 
 
