@@ -528,12 +528,18 @@ def write_file(path: str | os.PathLike, chunks: Iterable[bytes | memoryview], sh
     where :func:`replace_problem` finds a device, FIFO, socket or directory there."""
     path = Path(path)
     with directory(path.parent) as parent:
-        problem = replace_problem(parent, path.name)
-        if problem is not None:
-            fix = "Choose a path of your own." if problem[0] == errno.EPERM else "Give the path of a regular file."
-            raise refuse(path, problem[1], fix, problem[0])
-        with replacing(parent, path.name, shared) as fd:
-            write_all(fd, chunks)
+        write_at(parent, path.name, chunks, path, shared)
+
+
+def write_at(folder: int, name: str, chunks: Iterable[bytes | memoryview], where: str | os.PathLike,
+             shared: bool | None = None) -> None:
+    """:func:`write_file` of ``name`` in ``folder`` (a descriptor; ``where``: its path, for errors)."""
+    problem = replace_problem(folder, name)
+    if problem is not None:
+        fix = "Choose a path of your own." if problem[0] == errno.EPERM else "Give the path of a regular file."
+        raise refuse(where, problem[1], fix, problem[0])
+    with replacing(folder, name, shared) as fd:
+        write_all(fd, chunks)
 
 
 @contextlib.contextmanager

@@ -558,7 +558,7 @@ def _claim_numbered(key: str, first: int) -> str:
     for number in range(first, first + MAX_TRACE_NUMBER):
         candidate = f"{stem}-{number}{suffix}"
         try:
-            fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = safefs.open_regular(None, candidate, candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL)  # 0600
         except FileExistsError:
             continue
         except OSError as exc:

@@ -172,8 +172,7 @@ class PersistentStore:
         # yet, where both share the filesystem (set by the cache's prefix session); None: no such bound
         self.keep_free: Callable[[], int] | None = None
         self.skipped_for_space = 0  # records not written: the filesystem's free space is the disk tier's
-        self._space_warned = False  # a skip for space was logged (once per store)
-        self._capacity_warned = False  # a record dropped for capacity_bytes was logged (once per store)
+        self._warned: set[str] = set()  # what was logged as a warning (once per store; later at debug level)
 
     def _open_scratch(self) -> bool:
         """Make this store's scratch area (under the shared lock, so that recovery never sees a half-made one);
@@ -335,15 +334,15 @@ class PersistentStore:
     def _skip_for_space(self, count: int) -> None:
         """Count ``count`` records not written for the disk tier's room; a warning the first time."""
         self.skipped_for_space += count
-        if self._space_warned:
-            log.debug("tierkv: %s not persisted: the free space under %s is the disk tier's", plural(count, "block"),
-                      self.root)
-            return
-        self._space_warned = True
-        log.warning("tierkv: %s not persisted: writing them would leave less free space under %s than the disk "
-                    "tier's budget still needs (persistence is a copy: decoding goes on; stats()['skipped_for_space'] "
-                    "counts them). Free space there, or lower disk_gb or persist_gb.", plural(count, "block"),
-                    self.root)
+        self._warn_once("space", "tierkv: %s not persisted: writing them would leave less free space under %s than "
+                        "the disk tier's budget still needs (persistence is a copy: decoding goes on; "
+                        "stats()['skipped_for_space'] counts them). Free space there, or lower disk_gb or persist_gb.",
+                        plural(count, "block"), self.root)
+
+    def _warn_once(self, kind: str, message: str, *arguments: object) -> None:
+        """Log ``message``: a warning the first time this store logs a ``kind``, then at debug level."""
+        log.log(logging.DEBUG if kind in self._warned else logging.WARNING, message, *arguments)
+        self._warned.add(kind)
 
     def _keep_written(self, staged: list[tuple[Item, str, int]], written: int) -> None:
         """A write failed (a disk that filled up) after ``written`` of ``staged`` were fsynced whole: free the
@@ -487,13 +486,8 @@ class PersistentStore:
         ``nbytes``, does not fit in ``capacity_bytes`` beside the ``kept`` bytes this write just used."""
         message = ("tierkv: %s not persisted: a record of %s does not fit in persist_gb (%s) beside the %s of blocks "
                    "this write uses; pass a larger persist_gb to keep them")
-        arguments = (plural(count, "block"), format_bytes(nbytes), format_bytes(self.capacity_bytes),
-                     format_bytes(kept))
-        if self._capacity_warned:
-            log.debug(message, *arguments)
-            return
-        self._capacity_warned = True
-        log.warning(message, *arguments)
+        self._warn_once("capacity", message, plural(count, "block"), format_bytes(nbytes),
+                        format_bytes(self.capacity_bytes), format_bytes(kept))
 
     def _remove_record(self, key: str) -> bool:
         """Unlink the record file of ``key`` (a validated key) if it is a regular file of this user."""

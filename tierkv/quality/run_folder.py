@@ -125,11 +125,7 @@ def write_private(path: Path, data: bytes) -> None:
     followed)."""
     with safefs.directory(path.parent.parent) as parent, \
             safefs.own_directory(parent, path.parent.name, path.parent) as folder:
-        problem = safefs.replace_problem(folder, path.name)
-        if problem is not None:
-            raise safefs.refuse(path, problem[1], "Remove it.", problem[0])
-        with safefs.replacing(folder, path.name) as fd:
-            safefs.write_all(fd, [data])
+        safefs.write_at(folder, path.name, [data], path)
 
 
 def save_kv(cache, path: Path, model_name: str, ids: Sequence[int]) -> None:
