@@ -55,3 +55,23 @@ def test_exact_across_tiers_and_edits(tmp_path, name):
 def test_every_executor_is_registered_by_its_name():
     assert {"exact_gather", "streaming", "sparse"} <= set(EXECUTORS)
     assert all(cls.name == name for name, cls in EXECUTORS.items())
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", sorted(EXECUTORS))
+def test_padding_queries_get_what_the_models_attention_gives_them(tmp_path, name, attn):
+    """A query whose every key is masked (the padding of a left-padded row; a row that is all padding) gets what
+    the model's own implementation gives it — eager's softmax of equal logits: the mean of the keys; sdpa: zeros —
+    at every position of every layer, although an executor attends it in pieces merged by log-sum-exp."""
+    model = tiny_model("llama", attn, layers=3)
+    ids, _ = prompt(3, 30, seed=5)
+    mask = torch.ones_like(ids)
+    mask[0, :11] = 0
+    mask[2] = 0  # all padding
+    expected = model(ids, attention_mask=mask, past_key_values=DynamicCache()).logits
+    gpu = TieredCache.min_device_bytes(model.config, 40, batch=3, block_tokens=4, device="cpu")
+    with TieredCache(gpu_gb=f"{gpu}B", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
+        with engage(name, cache, model):
+            got = model(ids, attention_mask=mask, past_key_values=cache).logits
+        assert cache.stats()["blocks"]["disk"] > 0
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -189,6 +189,18 @@ def test_attention_sinks_decode_exactly_on_every_tier(tmp_path, executor):
     assert_same_generation(out, reference, atol=1e-4)
 
 
+@pytest.mark.parametrize("executor", ["split", "sparse", "streaming"])
+def test_sinks_take_all_of_a_padding_querys_mass(tmp_path, executor):
+    """A padding query (every key masked) of a model with sinks: eager gives the sinks all the mass, so zeros."""
+    model = gpt_oss()
+    ids, mask = prompt(2, 30, seed=12, left_pad=(0, 9))
+    expected = model(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config)).logits
+    with TieredCache(gpu_gb=budget(model, executor), cpu_gb="64KB", disk_dir=tmp_path, block_tokens=4,
+                     config=model.config) as cache, engage(cache, model, executor):  # fmt: skip
+        got = model(ids, attention_mask=mask, past_key_values=cache).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
 def bloom() -> transformers.PreTrainedModel:
     return build("BloomConfig", "BloomForCausalLM", n_head=4)
 
@@ -645,6 +657,22 @@ def test_a_model_that_keeps_its_recurrent_state_itself_decodes_exactly(tmp_path,
         assert cache.get_seq_length() == ids.shape[1] + NEW - 1
         with pytest.raises(InvalidConfigError, match="keeps its recurrent layers' state in its own modules"):
             cache.save(tmp_path / "chat.tkv", model=model)
+    assert_same_generation(out, reference, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["streaming", "split", "sparse"])
+def test_a_recurrent_model_carries_its_padding_queries_outputs_as_with_dynamic_cache(tmp_path, mode):
+    """RecurrentGemma's recurrence runs over a left-padded row's padding too, so what attention gives a fully
+    masked query reaches the row's real tokens: each executor gives it what the model's own attention does."""
+    model = _recurrent_gemma()
+    ids, mask = prompt(2, 40, seed=6, left_pad=(0, 9))
+    options = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    reference = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), **options)
+    with TieredCache(gpu_gb=budget(model, mode), cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4,
+                     config=model.config) as cache:  # fmt: skip
+        with engage(cache, model, mode):
+            out = model.generate(ids, attention_mask=mask, past_key_values=cache, **options)
+        assert cache.stats()["blocks"]["disk"] > 0
     assert_same_generation(out, reference, atol=1e-4)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tierkv.attention.lse import merge, merge_all, partial_attention
+from tierkv.attention.lse import FullyMaskedRows, merge, merge_all, partial_attention
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -82,3 +82,16 @@ def test_inputs_strided_in_their_last_dimension_attend_as_contiguous_ones(stride
     want, want_lse = partial_attention(q.contiguous(), k.contiguous(), v.contiguous(), None, 0.7, None)
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-6)
+
+
+def test_fully_masked_rows_are_found_again_when_the_mask_changes():
+    rows = FullyMaskedRows()
+    mask = torch.ones(2, 1, 3, 5, dtype=torch.bool)
+    assert rows(mask) is None
+    mask[1, 0, 2] = False  # the same tensor, edited in place: found again
+    assert rows(mask).nonzero().tolist() == [[1, 0, 2]]
+    additive = torch.zeros(1, 1, 2, 4).index_fill_(2, torch.tensor([0]), torch.finfo(torch.float32).min)
+    assert rows(additive).tolist() == [[[True, False]]]
+    with torch.inference_mode():
+        assert rows(torch.zeros(1, 1, 2, 4, dtype=torch.bool)).all()
+    assert rows(torch.zeros(1, 1, 1, 4, dtype=torch.int64)) is None  # not a mask transformers makes: left alone

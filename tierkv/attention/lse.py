@@ -55,6 +55,35 @@ def mask_bias(mask: torch.Tensor | None, offset: int, count: int, total: int, q_
     return part.to(dtype).clamp_min(lowest)
 
 
+def fully_masked(mask: torch.Tensor) -> torch.Tensor | None:
+    """The query rows ``[B or 1, 1, q]`` whose every key ``mask`` hides (a padding query in a left-padded batch), or
+    None where there is none: such a row has no softmax of its own — each implementation gives it its own output
+    (eager's additive mask: the uniform mean of the keys; sdpa's boolean one: zeros) — and a log-sum-exp merge
+    would weigh its pieces alike whatever their key counts (every piece's is the mask's lowest value)."""
+    if mask.dtype == torch.bool:
+        dead = ~mask.any(dim=-1)
+    elif mask.is_floating_point():
+        dead = (mask <= torch.finfo(mask.dtype).min).all(dim=-1)
+    else:
+        return None
+    return dead if bool(dead.any()) else None
+
+
+class FullyMaskedRows:
+    """:func:`fully_masked` of the last mask asked about, kept while that tensor is unchanged: a model passes one
+    mask object to every layer of a forward, so its rows are found (a device sync) once a forward, not a layer."""
+
+    def __init__(self) -> None:
+        self._last: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
+
+    def __call__(self, mask: torch.Tensor) -> torch.Tensor | None:
+        version = -1 if mask.is_inference() else mask._version  # (inference tensors count no version)
+        last = self._last
+        if last is None or last[0] is not mask or last[1] != version:
+            last = self._last = (mask, version, fully_masked(mask))
+        return last[2]
+
+
 def position_bias(positions: torch.Tensor, start: int, stop: int, mask: torch.Tensor | None,
                   dtype: torch.dtype) -> torch.Tensor:
     """Additive bias ``[B, 1, 1, T]`` over staged tokens at ``positions`` ``[B, T]``: positions outside

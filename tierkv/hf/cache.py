@@ -34,6 +34,7 @@ except ImportError:  # releases without it refuse such configs (sizing.layer_kin
 from tierkv import forks, settings
 from tierkv.attention.base import PipelinedExecutor
 from tierkv.attention.exact_gather import ExactGather
+from tierkv.attention.lse import FullyMaskedRows
 from tierkv.bandwidth import LinkProfile
 from tierkv.errors import DiskTierError, InvalidConfigError, TierKVError, UnsupportedLayerError
 from tierkv.hf import conversation, sizing
@@ -221,6 +222,7 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
         self.chosen = "gather"  # the exact executor the last exact() chose
         self.sized_at: int | None = None  # masks_built() when a forward last asked for mask sizes (hf.attention)
         self.forward = Forward()  # how far the current forward got; the rollback it may owe
+        self.fully_masked = FullyMaskedRows()  # the padding queries of the mask the layers attend with
         self.edits = 0  # forwards begun and edits (crop, rows, reset): a save checks it is unchanged between records
         # held by each update and an engaged layer's attention, and by close(): a close() on another thread waits
         # for the layer-step in progress, whose next update then finds the cache closed

@@ -268,9 +268,17 @@ class TieredLayer(OfCache, CacheLayerMixin):
             if mask is None and not causal and query.shape[2] > 1:  # no mask, not causal: every query, every key
                 mask = torch.ones((1, 1, query.shape[2], span.stop - span.start), dtype=torch.bool,
                                   device=query.device)  # fmt: skip
+            zeros = None  # fully masked query rows: sdpa gives them zeros, as eager with sinks (they take the mass)
+            if mask is not None and (dead := self.cache.fully_masked(mask)) is not None:
+                if mask.dtype == torch.bool or sinks is not None:
+                    zeros = dead[..., None]
+                else:  # eager's softmax of equal logits: the mean of every key, which the pieces merge to exactly
+                    query, mask = query.masked_fill(dead[..., None], 0), mask.masked_fill(dead[..., None], 0)
             out, lse = executor.attend(span, query, mask, scaling, softcap)
             if sinks is not None:
                 out = out * torch.sigmoid(lse - sinks.to(lse).view(1, -1, 1)).unsqueeze(-1)
+            if zeros is not None:
+                out = out.masked_fill(zeros, 0)
             return out.transpose(1, 2).contiguous().to(query.dtype)  # contiguous as sdpa's: models .view() it
         except BaseException as error:
             cache = self.cache
