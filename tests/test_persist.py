@@ -21,7 +21,7 @@ from models import prompt, tiny_model
 from transformers import DynamicCache
 
 from tierkv import safefs
-from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, InvalidConfigError
+from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, InvalidConfigError, NewerFormatError
 from tierkv.hf import TieredCache, cache_keyword
 from tierkv.hf.session import rope_limit
 from tierkv.persist import keys, record
@@ -234,6 +234,67 @@ def test_a_corrupt_manifest_starts_empty(tmp_path):
     again = PersistentStore(tmp_path, 1 << 20)
     assert again.recovery.manifest_lost and again.recovery.unlisted == 2 and again.stats()["blocks"] == 0
     again.close()
+
+
+def _rewrite_manifest(path, header=None, version=None) -> None:
+    """Replace the manifest at ``path`` by its listing under ``header`` and/or record version ``version``."""
+    _, listing = record.decode(path.read_bytes())
+    head, payload = record.encode(header or {"kind": "manifest", "format": manifests.FORMAT}, bytes(listing))
+    if version is not None:
+        head = head[:4] + version.to_bytes(2, "little") + head[6:]
+    path.write_bytes(head + bytes(payload))
+
+
+@pytest.mark.parametrize("newer", ["format", "record"])
+def test_a_store_a_newer_tierkv_wrote_is_refused_and_left_as_it_is(tmp_path, newer, caplog):
+    """A manifest of a later format (or record version) is a newer tierkv's store, not a damaged one: opening it
+    is refused with the way out and removes nothing (it used to start an empty listing and delete every block);
+    one that appears while a store is open is left alone too (no write replaces it, no read is bookkept)."""
+    store = PersistentStore(tmp_path, 1 << 20)
+    keys = _keys(3)
+    store.put([_item(k, depth=i) for i, k in enumerate(keys)])
+    manifest = tmp_path / DIRECTORY_NAME / "manifest"
+    if newer == "format":
+        _rewrite_manifest(manifest, {"kind": "manifest", "format": manifests.FORMAT + 1})
+    else:
+        _rewrite_manifest(manifest, version=record.VERSION + 1)
+    def files() -> dict:
+        return {path: path.read_bytes() for path in (tmp_path / DIRECTORY_NAME / "blocks").rglob("*")
+                if path.is_file()} | {manifest: manifest.read_bytes()}  # fmt: skip
+
+    before = files()
+    assert len(before) == 4
+    assert store.lookup(keys) == 0 and store.get(keys) == []
+    assert store.put([_item(k) for k in _keys(2, tag="b")]) == 0
+    store.close()
+    with pytest.raises(NewerFormatError, match=r"newer tierkv .*upgrade tierkv, or give this version a disk_dir"):
+        PersistentStore(tmp_path, 1 << 20)
+    assert files() == before
+    assert caplog.text.count("leaves that store as it is") == 1  # warned once
+
+
+@pytest.mark.parametrize("found", [True, 1.0, "1", None, 0])
+def test_a_manifest_format_is_an_integer_exactly(tmp_path, found):
+    store = PersistentStore(tmp_path, 1 << 20)
+    store.put([_item(k) for k in _keys(2)])
+    store.close()
+    _rewrite_manifest(tmp_path / DIRECTORY_NAME / "manifest", {"kind": "manifest", "format": found})
+    with pytest.raises(IntegrityError, match="not a tierkv manifest of format 1"):
+        manifests.load(tmp_path / DIRECTORY_NAME / "manifest")
+
+
+def test_a_block_record_of_a_newer_tierkv_is_a_miss_left_in_place(tmp_path, caplog):
+    store = PersistentStore(tmp_path, 1 << 20)
+    keys = _keys(2)
+    store.put([_item(k, depth=i) for i, k in enumerate(keys)])
+    path = next((tmp_path / DIRECTORY_NAME / "blocks").rglob(f"{keys[1]}*"))
+    data = bytearray(path.read_bytes())
+    data[4:6] = (record.VERSION + 1).to_bytes(2, "little")
+    path.write_bytes(data)
+    assert len(store.get(keys)) == 1 and path.read_bytes() == data and keys[1] in store
+    assert "newer tierkv" in caplog.text
+    assert store.verify() == [] and path.exists()
+    store.close()
 
 
 @pytest.mark.parametrize("depth", [2**70, 2**63, -1, True, 1.5])

@@ -369,6 +369,35 @@ def test_damaged_files_are_refused(tmp_path):
     TieredCache.load(path, model=model, **options).close()
 
 
+@pytest.mark.parametrize("change", ["format 2", "record version 2", "format true", "format 1.0"])
+def test_a_file_of_a_newer_tierkv_says_so(tmp_path, change):
+    """A file of a later format is refused as a newer tierkv's, with the fix (upgrade), not as a damaged file;
+    the format is an integer exactly (true and 1.0 are not format 1)."""
+    from helpers import conversation_records
+
+    from tierkv.errors import NewerFormatError
+    from tierkv.persist import record
+
+    model = tiny_model("llama")
+    cache, _ = _conversation(model, tmp_path)
+    path = tmp_path / "c.tkv"
+    cache.save(path, model=model)
+    cache.close()
+    records = conversation_records(path)
+    header = dict(records[0][0])
+    if change.startswith("format"):
+        header["format"] = {"format 2": 2, "format true": True, "format 1.0": 1.0}[change]
+    parts = [record.encode(h, p) for h, p in [(header, records[0][1]), *records[1:]]]
+    data = b"".join(head + bytes(payload) for head, payload in parts)
+    if change == "record version 2":
+        data = data[:4] + (2).to_bytes(2, "little") + data[6:]
+    path.write_bytes(data)
+    newer = change in ("format 2", "record version 2")
+    with pytest.raises(NewerFormatError if newer else IntegrityError,
+                       match="written by a newer tierkv .*upgrade tierkv" if newer else "not a tierkv conversation"):
+        TieredCache.load(path, model=model, **_options(model, tmp_path))
+
+
 def test_saving_is_atomic_and_needs_tokens(tmp_path):
     model = tiny_model("llama")
     path = tmp_path / "c.tkv"

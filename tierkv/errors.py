@@ -48,6 +48,11 @@ class IntegrityError(DiskTierError):
     (a failing drive, or another program wrote to the file): its data is never returned."""
 
 
+class NewerFormatError(IntegrityError):
+    """A file or record was written by a newer tierkv, in a format this one does not read: it is refused and left
+    as it is (never taken for a damaged one and removed)."""
+
+
 class CheckpointError(TierKVError, RuntimeError):
     """A model checkpoint folder cannot be loaded (a missing or unreadable file, pickle weights, a config or
     tensor transformers refuses): a failure while running, not a malformed argument."""

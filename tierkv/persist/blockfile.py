@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING
 
 from tierkv import forks, safefs, settings
 from tierkv.atomic import deferred_interrupts
-from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, InvalidConfigError
+from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, InvalidConfigError, NewerFormatError
 from tierkv.persist import manifest as manifests
 from tierkv.persist import record
 from tierkv.persist.lock import LockTimeoutError, OwnerLock, is_abandoned, locked
@@ -233,6 +233,8 @@ class PersistentStore:
                 self._update(touch=keys[: len(found)], remove=bad)
             except LockTimeoutError as error:  # the records read are verified: only the bookkeeping is skipped
                 self._lock_timed_out(error, "the blocks read are not marked as used, nor a bad one removed")
+            except NewerFormatError as error:  # a newer tierkv took the store over since the listing was read
+                self._newer_store(error)
         return found
 
     def verify(self) -> list[str]:
@@ -245,6 +247,8 @@ class PersistentStore:
                 self._update(remove=bad)
             except LockTimeoutError as error:  # still listed: read as misses (and dropped) until removed
                 self._lock_timed_out(error, "the records that failed their checks stay listed for now")
+            except NewerFormatError as error:
+                self._newer_store(error)
         return bad
 
     def stats(self) -> dict[str, int]:
@@ -297,6 +301,9 @@ class PersistentStore:
         except LockTimeoutError as error:  # the staged files are removed below: the store is as it was
             self._lock_timed_out(error, f"{len(staged)} blocks were not persisted (they are recomputed next time)")
             return 0
+        except NewerFormatError as error:  # the staged files are removed below: that store stays as it is
+            self._newer_store(error)
+            return 0
         except DiskTierError:  # a refusal (a link where a folder belongs) says why itself
             raise
         except OSError as error:
@@ -338,6 +345,11 @@ class PersistentStore:
                         "the disk tier's budget still needs (persistence is a copy: decoding goes on; "
                         "stats()['skipped_for_space'] counts them). Free space there, or lower disk_gb or persist_gb.",
                         plural(count, "block"), self.root)
+
+    def _newer_store(self, error: NewerFormatError) -> None:
+        """A newer tierkv's manifest replaced this one's while it runs: warned once; nothing of it is changed."""
+        self._warn_once("newer", "tierkv: %s This tierkv leaves that store as it is: it reads and writes no "
+                        "persistent blocks there.", error)
 
     def _warn_once(self, kind: str, message: str, *arguments: object) -> None:
         """Log ``message``: a warning the first time this store logs a ``kind``, then at debug level."""
@@ -395,6 +407,9 @@ class PersistentStore:
                 record.check_block(header, len(payload), key, namespace, what, depth)
         except FileNotFoundError:  # evicted by another process since the listing was read (and maybe stored again)
             return None
+        except NewerFormatError as error:  # a newer tierkv's record: a miss, left for it
+            self._warn_once("newer", "tierkv: %s It is left as it is and recomputed here.", error)
+            return None
         except IntegrityError as error:
             log.warning("tierkv: persistent block dropped, it will be recomputed: %s", error)
             bad.append(key)
@@ -424,6 +439,9 @@ class PersistentStore:
                 return self._cached[1]
         try:
             listing = manifests.load_at(self._tree.root, str(self.root / manifests.NAME))
+        except NewerFormatError as error:
+            self._newer_store(error)
+            return Manifest()
         except IntegrityError as error:
             log.warning("tierkv: %s; persistent blocks are ignored until the next write repairs it", error)
             return Manifest()
@@ -540,6 +558,8 @@ class PersistentStore:
         """The manifest as it is on disk now (under the exclusive lock); a copy, so the cached one stays."""
         try:
             return manifests.load_at(self._tree.root, str(self.root / manifests.NAME))
+        except NewerFormatError:  # a newer tierkv's store: never replaced by this one's listing
+            raise
         except IntegrityError as error:
             log.warning("tierkv: %s; starting a new listing (unlisted blocks are removed at the next open)", error)
             return Manifest()
@@ -551,6 +571,9 @@ class PersistentStore:
         manifest_lost = False
         try:
             listing = manifests.load_at(tree.root, str(self.root / manifests.NAME))
+        except NewerFormatError as error:  # nothing of it removed: refused, with the way out
+            raise NewerFormatError(f"{error} This tierkv leaves that store as it is: upgrade tierkv, or give this "
+                                   "version a disk_dir of its own to persist blocks in.") from None
         except IntegrityError as error:
             log.warning("tierkv: %s; starting with an empty listing", error)
             listing, manifest_lost = Manifest(), True

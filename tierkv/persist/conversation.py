@@ -325,9 +325,7 @@ def check_header(header: dict[str, Any], what: str) -> tuple[Header, int]:
     ids_shape[1]`` int64, and a file knows the ids of no more tokens than its longest layer holds, so the payload
     a file may make the loader allocate is bounded by what the header says it holds (a sparse file has every byte
     it claims: only the header can bound it)."""
-    if header.get("kind") != "conversation" or header.get("format") != FORMAT:
-        raise IntegrityError(f"{what}: not a tierkv conversation of format {FORMAT} (first record: "
-                             f"{str(header)[:200]}).")
+    record.check_format(header, "conversation", FORMAT, what)
     expected = {"kind", "format", "block_tokens", "batch", "layers", "namespace", "fingerprint", "ids_shape"}
     if set(header) - {"states"} != expected:
         raise IntegrityError(f"{what}: the first record's fields are {sorted(header)[:20]}, not {sorted(expected)} "

@@ -82,8 +82,7 @@ def load_at(directory: int, what: str) -> Manifest:
     except FileNotFoundError:
         return Manifest()
     header, payload = record.decode(data, what=what)
-    if header.get("kind") != "manifest" or header.get("format") != FORMAT:
-        raise IntegrityError(f"{what}: not a tierkv manifest of format {FORMAT} ({header}).")
+    record.check_format(header, "manifest", FORMAT, what)
     try:
         listing = json.loads(bytes(payload))
     except (ValueError, RecursionError) as error:  # RecursionError: nested past the parser's stack

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from tierkv.atomic import finished
-from tierkv.errors import IntegrityError
+from tierkv.errors import IntegrityError, NewerFormatError
 
 if TYPE_CHECKING:
     import torch
@@ -89,11 +89,26 @@ def _parse_prefix(prefix: bytes | bytearray | memoryview, what: str) -> tuple[in
         raise IntegrityError(f"{what}: {len(prefix)} bytes, shorter than a record's {PREFIX_BYTES}-byte prefix "
                              "(a torn or truncated write).")
     magic, version, reserved, header_bytes, payload_bytes, checksum = _PREFIX.unpack_from(prefix)
+    if magic == MAGIC and version > VERSION:
+        raise NewerFormatError(f"{what}: a tierkv record of version {version}, written by a newer tierkv (this one "
+                               f"reads version {VERSION}); upgrade tierkv to read it.")
     if magic != MAGIC or version != VERSION or reserved:
         raise IntegrityError(f"{what}: not a tierkv record (magic {magic!r}, version {version}, reserved {reserved}).")
     if header_bytes > MAX_HEADER_BYTES:
         raise IntegrityError(f"{what}: header length {header_bytes} is corrupt.")
     return header_bytes, payload_bytes, checksum
+
+
+def check_format(header: dict[str, Any], kind: str, expected: int, what: str) -> None:
+    """Refuse a record other than a ``kind`` of format ``expected`` (an integer, exactly): one of a later format,
+    written by a newer tierkv, with :class:`~tierkv.errors.NewerFormatError` (its callers leave it as it is)."""
+    found = header.get("format")
+    if header.get("kind") == kind and type(found) is int and found == expected:
+        return
+    if header.get("kind") == kind and type(found) is int and found > expected:
+        raise NewerFormatError(f"{what}: a tierkv {kind} of format {found}, written by a newer tierkv (this one "
+                               f"reads format {expected}); upgrade tierkv to read it.")
+    raise IntegrityError(f"{what}: not a tierkv {kind} of format {expected} (first record: {str(header)[:200]}).")
 
 
 def _parse_header(text: bytes | bytearray | memoryview, what: str) -> dict[str, Any]:
