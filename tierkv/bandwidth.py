@@ -53,6 +53,8 @@ MAX_LINK_BANDWIDTH = 1e15  # between, and a prediction from outside overflows or
 MAX_LINK_LATENCY_S = 60.0
 MAX_HOST_THREADS = 65536
 MAX_COMPUTE_FLOPS = 1e18  # FLOP/s a profile's machine["compute_flops"] may claim: far above any host's
+PROFILE_FORMAT = 1  # a saved profile's "format": a later one is a newer tierkv's (absent: written before it was)
+_PROFILE_FIELDS = {"format", "links", "machine", "serial_mover", "contention", "layer_overhead_s", "host_attention"}
 _COMPUTE_FLOPS_KEY = "compute_flops"  # tierkv.planner.COMPUTE_FLOPS_KEY (the planner imports this module)
 
 
@@ -279,7 +281,8 @@ class LinkProfile:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the profile as JSON (``{"links": {key: Link fields}, "machine": {...}}``)."""
-        data = {"links": {key: asdict(link) for key, link in self.links.items()}, "machine": self.machine,
+        data = {"format": PROFILE_FORMAT, "links": {key: asdict(link) for key, link in self.links.items()},
+                "machine": self.machine,
                 "serial_mover": self.serial_mover, "contention": asdict(self.contention),
                 "layer_overhead_s": self.layer_overhead_s}
         if self.host_attention is not None:
@@ -289,8 +292,10 @@ class LinkProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> LinkProfile:
-        """Read a profile written by :meth:`save` (or by ``tierkv bench --json``)."""
+        """Read a profile written by :meth:`save` (``tierkv bench --profile-out``); one of a later format (a newer
+        tierkv's) or with fields no profile has is refused, not planned with in part."""
         data = read_json(path, "link profile", "create one with `tierkv bench` or use presets")
+        _check_profile_fields(data, os.fspath(path))
         try:
             links = {
                 key: Link(printable(v["name"]), _number(v["bandwidth_bytes_per_s"], f"{key}.bandwidth_bytes_per_s"),
@@ -892,6 +897,27 @@ def _shown(value: object, limit: int = 40) -> str:
     """``repr(value)`` cut to ``limit`` characters (a 400-digit number in a profile must not fill the error)."""
     text = printable(repr(value))
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+
+def _check_profile_fields(data: object, path: str) -> None:
+    """Refuse a profile file of a later format, or one that is not a profile (``tierkv bench --json``'s record)."""
+    if not isinstance(data, dict):
+        raise InvalidConfigError(f"link profile {path!r} is not a JSON object; create one with `tierkv bench`.")
+    found = data.get("format", PROFILE_FORMAT)
+    if type(found) is int and found > PROFILE_FORMAT:
+        raise InvalidConfigError(f"link profile {path!r} is of format {found}, written by a newer tierkv (this one "
+                                 f"reads format {PROFILE_FORMAT}): upgrade tierkv, or measure again with "
+                                 "`tierkv bench`.")
+    if type(found) is not int or found != PROFILE_FORMAT:
+        raise InvalidConfigError(f"link profile {path!r}: field 'format' is {_shown(found)}, not {PROFILE_FORMAT}.")
+    if "links" not in data and "profile" in data:
+        raise InvalidConfigError(f"{path!r} is `tierkv bench --json`'s record, not a link profile: pass the profile "
+                                 "bench saved beside it (--profile-out, tierkv-profile.json by default).")
+    unknown = sorted(printable(str(key))[:40] for key in data if key not in _PROFILE_FIELDS)
+    if unknown:
+        raise InvalidConfigError(f"link profile {path!r} has fields no profile of format {PROFILE_FORMAT} has "
+                                 f"({', '.join(unknown[:5])}); create one with `tierkv bench`.")
 
 
 def _number(value: object, what: str) -> float:
