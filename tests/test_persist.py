@@ -745,6 +745,43 @@ def test_a_conversation_persists_its_generated_tokens_on_the_next_turn(tmp_path)
         _assert_same(reference, _generate(model, turn, later))
 
 
+def test_weights_changed_between_turns_persist_nothing_more(tmp_path):
+    """The model load_prefix was given changed its weights in place before the next turn (a fine-tune's
+    load_state_dict): the blocks computed from then on are another model's over this one's K/V, and were
+    persisted under the first model's keys, so a worker with the first model loaded them and decoded other tokens.
+    Nothing of the sequence is persisted after the change; what was persisted before stays valid."""
+    model = tiny_model("llama")
+    worker = copy.deepcopy(model)
+    ids, _ = prompt(1, PROMPT, seed=8)
+    with _cache(model, tmp_path, context=80) as cache:
+        cache.load_prefix(worker, ids)
+        first = _generate(worker, ids, cache).sequences
+        cache.flush()
+        stored = _listed(tmp_path)
+        assert stored == ids.shape[1] // BT  # the prompt's (generated ids are known at the next turn)
+        worker.load_state_dict({name: value * 1.5 if "v_proj" in name else value
+                                for name, value in model.state_dict().items()})  # fmt: skip
+        turn = torch.cat((first, prompt(1, 12, seed=9)[0]), dim=1)
+        cache.load_prefix(worker, turn)
+        _generate(worker, turn, cache)
+        cache.flush()
+        after = _listed(tmp_path)
+    reference = _generate(model, turn, DynamicCache(config=model.config))
+    with _cache(model, tmp_path, context=80) as later:
+        loaded = later.load_prefix(model, turn)
+        _assert_same(reference, _generate(model, turn, later))
+    assert loaded == stored * BT and after == stored
+
+
+def _listed(directory) -> int:
+    """The blocks the persistent store under ``directory`` lists."""
+    store = PersistentStore(directory, 1 << 30)
+    try:
+        return store.stats()["blocks"]
+    finally:
+        store.close()
+
+
 def _roomy(model, directory) -> TieredCache:
     """A persisting cache with room for any executor (the device holds it all)."""
     return TieredCache(gpu_gb="64MB", cpu_gb="64MB", disk_dir=directory, persist=True, block_tokens=BT,

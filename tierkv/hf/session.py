@@ -38,7 +38,7 @@ from tierkv.errors import InvalidConfigError
 from tierkv.hf.attention import own_implementation
 from tierkv.persist import record
 from tierkv.persist.blockfile import PersistentStore
-from tierkv.persist.keys import Namespace
+from tierkv.persist.keys import Namespace, model_fingerprint, tensor_state
 from tierkv.persist.prefix import PrefixPersistence
 from tierkv.units import format_bytes, parse_size
 
@@ -90,6 +90,9 @@ class PrefixSession:
         self.computed: list[np.ndarray] = []  # ids forwards computed past the known ids, in order: [rows, n] each
         self.recorded = 0  # tokens in them (a count kept, not summed: one chunk a decode step)
         self.announced: int | None = None  # the length at which the forward the hook checked last begins
+        # the model load_prefix was given (weakly) and its tensors' state then: blocks are persisted only while the
+        # weights are those its namespace was computed of
+        self.source: tuple[weakref.ref[torch.nn.Module], tuple] | None = None
 
     @property
     def ids(self) -> np.ndarray | None:
@@ -131,6 +134,7 @@ class PrefixSession:
             watch = self.watches[id(model)] = ForwardWatch(self, cache, model)
         self.private, self.loaded, self.clean = False, 0, unmasked
         self._record([])
+        self.source = (weakref.ref(model), tensor_state(model))
         self.prefix.start(namespace, ids)
         if self.remote is not None:
             self.remote.bind(namespace)
@@ -253,11 +257,33 @@ class PrefixSession:
         clean = self.clean if self.clean is not None else cache.get_seq_length()
         try:
             return self.prefix.collect(store, [min(layer.get_seq_length(), clean) for layer in cache.layers],
-                                       [layer.dropped for layer in cache.layers], wait)
+                                       [layer.dropped for layer in cache.layers], wait, self.same_weights)
         except Exception:
             log.exception("tierkv: persisting this sequence's blocks failed; it is no longer persisted")
             self.prefix.reset()
             return True
+
+    def same_weights(self) -> bool:
+        """Whether the model load_prefix was given still computes what the sequence's namespace says (asked before
+        blocks are persisted, once a block: comparing tensor states costs ~1 us a tensor). Weights changed in place
+        since (a fine-tune's ``load_state_dict``, a ``.to()``) make every block from then on of another model,
+        computed over K/V of this one: none of this sequence is persisted any more (logged)."""
+        source, namespace = self.source, self.prefix.namespace
+        if source is None or namespace is None:
+            return True
+        model = source[0]()
+        if model is not None:
+            state = tensor_state(model)
+            if state == source[1]:
+                return True
+            if model_fingerprint(model) == namespace.fingerprint:
+                self.source = (source[0], state)  # the same bytes in new tensors
+                return True
+        log.info("tierkv: the weights of the model given to load_prefix changed since (or it is gone); nothing more "
+                 "of this sequence is persisted (cache.reset() and load_prefix start a new one)")
+        self.source = None
+        self.prefix.reset()
+        return False
 
     def truncate(self, length: int) -> None:
         """The cache was cropped to ``length`` tokens: what it loaded or computed past them is gone."""
@@ -275,7 +301,7 @@ class PrefixSession:
 
     def reset(self) -> None:
         self.prefix.reset()
-        self.private, self.loaded, self.clean, self.announced = False, 0, None, None
+        self.private, self.loaded, self.clean, self.announced, self.source = False, 0, None, None, None
         self._record([])
 
     def _record(self, chunks: list[np.ndarray]) -> None:

@@ -73,12 +73,22 @@ def model_fingerprint(model: torch.nn.Module, cached: bool = True) -> str:
     for key in _CONFIG_NOISE:
         described.pop(key, None)
     tensors = [(name, tensor.detach()) for name, tensor in [*model.named_parameters(), *model.named_buffers()]]
-    state = tuple((name, t.untyped_storage().data_ptr(), t.storage_offset(), t._version, tuple(t.shape), t.dtype,
-                   t.device) for name, t in tensors)
+    state = _state(tensors)
     known = _TENSOR_DIGESTS.get(model) if cached else None
     if known is None or known[0] != state:
         known = _TENSOR_DIGESTS[model] = (state, _tensors_digest(tensors))
     return _digest(json.dumps(described, sort_keys=True, default=str).encode(), known[1])
+
+
+def tensor_state(model: torch.nn.Module) -> tuple:
+    """What ``model``'s parameters and buffers are now, cheaply (no byte read): name, storage, offset, version
+    (in-place writes count, ``load_state_dict`` among them), shape, dtype, device. Equal states: equal weights."""
+    return _state([(name, tensor.detach()) for name, tensor in [*model.named_parameters(), *model.named_buffers()]])
+
+
+def _state(tensors: list[tuple[str, torch.Tensor]]) -> tuple:
+    return tuple((name, t.untyped_storage().data_ptr(), t.storage_offset(), t._version, tuple(t.shape), t.dtype,
+                  t.device) for name, t in tensors)
 
 
 def _tensors_digest(tensors: list[tuple[str, torch.Tensor]]) -> bytes:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
 import numpy as np
@@ -153,19 +153,21 @@ class PrefixPersistence:
         return blocks, kv
 
     # ------------------------------------------------------------------------------------ persist
-    def collect(self, kv: KVStore, lengths: Sequence[int], dropped: Sequence[int], wait: bool = True) -> bool:
+    def collect(self, kv: KVStore, lengths: Sequence[int], dropped: Sequence[int], wait: bool = True,
+                valid: Callable[[], bool] | None = None) -> bool:
         """Queue the block columns that became persistable: full in every layer (``lengths[l]`` tokens of
         which the first ``dropped[l]`` were freed, a sliding window's), ids known, not stored yet. Without
         ``wait`` (a forward's), only as many batches as the writer's queue has room for: the rest stay in the
         tiers and are queued by a later call, so a slow store (a remote server behind a slow link) makes
-        persistence lag, never the forward wait. Whether every persistable column is queued now."""
+        persistence lag, never the forward wait. ``valid``: asked before any is queued (False: none is, it said
+        why). Whether every persistable column is queued now."""
         if self.ids is None or self.namespace is None or len(lengths) != self.namespace.layers:
             return True
         bt = self.block_tokens
         target = min(self.ids.shape[1], *lengths) // bt
         first = max(self.persisted, max(dropped) // bt)  # columns a window freed can never be persisted
         self.persisted = max(self.persisted, min(first, target))
-        if first >= target:
+        if first >= target or (valid is not None and not valid()):
             return True
         self._check_layouts(kv)
         if self.namespace is None:
