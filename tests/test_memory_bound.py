@@ -131,18 +131,23 @@ print(json.dumps(dict(growth=peak - base, loaded=loaded, prefix=loaded * LAYERS 
 """
 
 
+def check_load_prefix_rss(child: str, loaded: int, *args: str) -> None:
+    """Run ``child`` (:data:`LOAD_PREFIX_CHILD` or a variant) with ``args``: it must load ``loaded`` tokens while
+    RSS grows by at most the budgets, the prefix once, what appending one layer takes and a constant."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", child, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["loaded"] == loaded
+    layer = result["prefix"] // 8
+    bound = result["budgets"] + result["prefix"] + 3 * layer + 11 * result["bounce"] + SLACK
+    assert result["growth"] <= bound, (f"RSS grew {result['growth'] / 2**20:.1f} MiB loading a "
+                                       f"{result['prefix'] / 2**20:.0f} MiB prefix (bound {bound / 2**20:.1f} MiB)")
+
+
 def test_load_prefix_holds_the_prefix_about_once(tmp_path):
     """Regression: ``load_prefix`` held the records read, a stack of them and a permuted copy at once (RSS grew by
     ~3x the prefix beyond the budgets). Each record is copied into its layer's K/V and dropped, each layer's K/V
     dropped once appended: the prefix once, plus what appending one layer takes (bounded by the bounce buffers
     beside the layer's copies)."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": os.getcwd()}
-    out = subprocess.run([sys.executable, "-c", LOAD_PREFIX_CHILD, str(tmp_path)], capture_output=True, text=True,
-                         env=env, timeout=600)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["loaded"] == 6144
-    layer = result["prefix"] // 8
-    bound = result["budgets"] + result["prefix"] + 3 * layer + 11 * result["bounce"] + SLACK
-    assert result["growth"] <= bound, (f"RSS grew {result['growth'] / 2**20:.1f} MiB loading a "
-                                       f"{result['prefix'] / 2**20:.0f} MiB prefix (bound {bound / 2**20:.1f} MiB)")
+    check_load_prefix_rss(LOAD_PREFIX_CHILD, 6144, str(tmp_path))

@@ -3,17 +3,21 @@ loaded by another, and under every fault the generated tokens equal a cold run's
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 from helpers import prefix_worker
 from models import prompt, tiny_model
+from test_memory_bound import LOAD_PREFIX_CHILD, check_load_prefix_rss
 from transformers import DynamicCache
 
 from tierkv import settings
-from tierkv.errors import InvalidConfigError
+from tierkv.errors import InvalidConfigError, NewerFormatError
 from tierkv.hf import TieredCache
+from tierkv.persist import record
 from tierkv.persist.keys import Namespace, block_keys
-from tierkv.remote.framing import frame
+from tierkv.remote.framing import frame, unframe
 
 BT = 16
 NEW = 6
@@ -189,3 +193,42 @@ def test_a_corrupted_value(model, redis_server, damage: str, caplog) -> None:
     out, loaded, _ = run(model, ids, remote=redis_server.url)
     assert loaded == 2 * BT and torch.equal(out, reference(model, ids))
     assert "checksum" in caplog.text or "not used" in caplog.text
+
+
+def test_a_newer_tierkvs_record_is_a_miss_left_on_the_server(model, redis_server, caplog) -> None:
+    """A block record of a newer tierkv (a later record version, valid checksums) is a miss here: warned, not
+    counted corrupt, neither deleted nor overwritten by this version's record (the newer workers read it)."""
+    ids, _ = prompt(1, 100)
+    run(model, ids, remote=redis_server.url)
+    raw = redis_server.client()
+    keys = block_keys(Namespace.of_model(model, BT).root, ids[0], BT)
+    name = f"tierkv:{Namespace.of_model(model, BT).root}:{keys[1]}"
+    inner = bytearray(unframe(keys[1].encode(), raw.get(name)))
+    struct.pack_into("<H", inner, 4, struct.unpack_from("<H", inner, 4)[0] + 1)  # the record's version
+    with pytest.raises(NewerFormatError):
+        record.decode(inner)
+    newer = frame(keys[1].encode(), bytes(inner))
+    raw.set(name, newer)
+    out, loaded, stats = run(model, ids, remote=redis_server.url)
+    assert loaded == BT and torch.equal(out, reference(model, ids))
+    assert stats["remote"]["corrupt"] == 0 and stats["remote"]["newer"] == 1
+    assert raw.get(name) == newer  # not deleted, not overwritten
+    assert "newer tierkv" in caplog.text and "wrong bytes" not in caplog.text
+
+
+def test_load_prefix_from_redis_holds_the_prefix_about_once(redis_server, tmp_path) -> None:
+    """``test_memory_bound.py::test_load_prefix_holds_the_prefix_about_once`` with the prefix (192 MiB) served by
+    Redis: each value read is dropped once copied, so the prefix is held once, as read from the local store (it
+    was held twice: the values read, all kept until every record was copied)."""
+    child = LOAD_PREFIX_CHILD.replace("CONTEXT, BLOCK = 8, 4, 64, 6144, 256", "CONTEXT, BLOCK = 8, 4, 64, 12288, 256")
+    child = child.replace("store = PersistentStore(folder, 1 << 30)",
+                          "import redis\nfrom tierkv.remote.framing import frame\n"
+                          "raw = redis.Redis(port=int(sys.argv[2]))")
+    child = child.replace("    store.put([Item(key, depth, *record.encode_block(key, namespace.root, depth, kv))])",
+                          "    head, payload = record.encode_block(key, namespace.root, depth, kv)\n"
+                          "    raw.set(f'tierkv:{namespace.root}:{key}', frame(key.encode(), head + bytes(payload)))")
+    child = child.replace("store.close()", "").replace(
+        "disk_dir=folder, block_tokens=BLOCK, persist=True, config=config)",
+        "disk_dir=folder, block_tokens=BLOCK, remote=f'redis://127.0.0.1:{sys.argv[2]}/0', config=config)")
+    assert "raw.set" in child and "remote=" in child and "12288" in child
+    check_load_prefix_rss(child, 12288, str(tmp_path), str(redis_server.port))

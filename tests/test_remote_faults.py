@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import threading
 import time
+import tracemalloc
 
 import pytest
 from redis_server import RedisServer
 
-from tierkv.remote import RemoteBlockStore
+from tierkv.remote import RemoteBlockStore, RemoteURL
+from tierkv.remote.connection import RemoteConnection
+from tierkv.remote.framing import frame
 
 
 def blocks(n: int, size: int = 4096) -> tuple[list[str], list[bytes]]:
@@ -247,7 +251,8 @@ def test_a_corrupted_value_is_a_miss_and_is_replaced(redis_server, caplog, damag
         raw.set(name, bad)
         payloads = store.get_many(keys)
         assert payloads[1] is None and bytes(payloads[0]) == values[0] and bytes(payloads[2]) == values[2]
-        assert store.stats()["corrupt"] == 1 and "failed its checksum" in caplog.text
+        assert store.stats()["corrupt"] == 1 and ("is empty" if damage == "empty" else "failed its checksum") \
+            in caplog.text
         assert store.flush(5) and not raw.exists(name)  # deleted, so a write-through can replace it
         fill(store, keys[1:2], values[1:2])
         assert bytes(store.get_many(keys[1:2])[0]) == values[1]
@@ -428,3 +433,81 @@ def test_a_read_only_replica_is_a_miss_that_names_the_primary(redis_factory, cap
         fill(store, *blocks(2))
         assert store.stats()["writes_failed"] == 2 and store.stats()["refused"] == 2
     assert "read-only replica" in caplog.text and "point the URL at its primary" in caplog.text
+
+
+def test_a_host_the_resolver_cannot_take_is_a_warned_miss(caplog) -> None:
+    """A host name whose IDNA encoding fails inside the socket (an empty label), given past the URL's checks:
+    a connection failure (a miss, warned), never a UnicodeError out of the store."""
+    with RemoteBlockStore(RemoteURL(nodes=(("a..b", 6379),)), "m", timeout_s=1.0) as store:
+        assert store.contains(["ab" * 16]) == [False] and store.get_many(["ab" * 16]) == [None]
+        assert store.stats()["errors"] == 1 and store.stats()["down"]
+    assert "unreachable" in caplog.text and "host" in caplog.text
+
+
+def test_a_server_frozen_between_exists_and_set_costs_a_flush_about_timeout_s(redis_server, monkeypatch) -> None:
+    """The writer's ``EXISTS`` answered, then the server froze: its ``SET`` pipeline waits out the long write
+    timeout (``timeout_s + queue_wait_s``), but ``flush()`` pings the server meanwhile and returns False after
+    about ``timeout_s`` (bounded here at 3x)."""
+    keys, values = blocks(2)
+    with RemoteBlockStore(redis_server.url, "m", timeout_s=1.0, queue_wait_s=20.0) as store:
+        fill(store, keys[:1], values[:1])
+        run = RemoteConnection.run
+
+        def freeze_before_the_set(self, op, fallback, write=False):
+            if write:
+                redis_server.process.send_signal(signal.SIGSTOP)
+            return run(self, op, fallback, write=write)
+
+        monkeypatch.setattr(RemoteConnection, "run", freeze_before_the_set)
+        try:
+            store.put(keys[1], values[1])
+            start = time.monotonic()
+            assert not store.flush()
+            elapsed = time.monotonic() - start
+        finally:
+            redis_server.process.send_signal(signal.SIGCONT)
+        monkeypatch.setattr(RemoteConnection, "run", run)
+        assert elapsed < 3 * 1.0, f"flush took {elapsed:.1f} s with a frozen server"
+        assert store.stats()["errors"] >= 1
+
+
+def test_get_many_without_max_bytes_reads_a_value_only_so_far(redis_server, caplog) -> None:
+    """``get_many(keys)`` reads each value at most ``max_value_bytes`` far (default: the write queue's bound): a
+    planted 64 MiB value costs about the bound, then is corrupt and deleted; a valid frame longer than the bound
+    (a block of a store with a larger bound) is a miss left on the server, warned with the fix."""
+    key, other = "ab" * 16, "cd" * 16
+    raw = redis_server.client()
+    raw.set(f"tierkv:m:{key}", b"\0" * (64 << 20))
+    raw.set(f"tierkv:m:{other}", frame(other.encode(), os.urandom(2 << 20)))
+    with RemoteBlockStore(redis_server.url, "m", max_value_bytes=1 << 20) as store:
+        assert store.prefix_length([key]) == 1
+        tracemalloc.start()
+        try:
+            assert store.get_many([key]) == [None]
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 << 20, f"reading a 64 MiB value bounded at 1 MiB took {peak >> 20} MiB"
+        assert store.stats()["corrupt"] == 1 and store.flush(5) and not raw.exists(f"tierkv:m:{key}")
+        assert store.get_many([other]) == [None]
+        assert store.stats()["too_large"] == 1 and store.stats()["corrupt"] == 1 and raw.exists(f"tierkv:m:{other}")
+        assert "raise max_value_bytes" in caplog.text
+    with RemoteBlockStore(redis_server.url, "m", queue_bytes=4 << 20) as store:
+        assert store.max_value_bytes == 4 << 20 and len(store.get_many([other])[0]) == 2 << 20
+
+
+def test_close_during_a_stall_is_not_warned_as_an_outage(redis_server, caplog) -> None:
+    """``close()`` shuts the sockets under a write still in flight on a frozen server: that call's failure is the
+    close's doing, not the server's, and is not warned as an outage ("Bad file descriptor ... retrying")."""
+    keys, values = blocks(2)
+    store = RemoteBlockStore(redis_server.url, "m", timeout_s=5.0)
+    try:
+        fill(store, keys[:1], values[:1])
+        with redis_server.frozen():
+            store.put(keys[1], values[1])
+            time.sleep(0.3)  # the writer's EXISTS is in flight
+            store.close(timeout=0.2)
+            time.sleep(0.5)  # the writer's call fails on its closed socket meanwhile
+    finally:
+        store.close()
+    assert "unreachable" not in caplog.text and store.stats()["errors"] == 0

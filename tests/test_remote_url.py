@@ -67,6 +67,14 @@ def test_password_from_the_url_wins_over_the_setting() -> None:
     ("redis://h:1/\u00b3", "a database is a number"),
     ("rediss://h:1/0?ssl_cert_reqs=requird", "ssl_cert_reqs must be one of required, optional, none"),
     ("rediss://h:1/0?ssl_ca_certs=/nonexistent/ca.pem", "ssl_ca_certs='/nonexistent/ca.pem' is not a file"),
+    ("redis://a..b:6379/0", "no valid host name"),  # the resolver's IDNA encoding would fail at the first command
+    ("redis://" + "x" * 64 + ".example:6379/0", "a label over 63 characters"),
+    ("redis://.leadingdot:6379/0", "no valid host name"),
+    ("redis+cluster://h1:7000,a..b:7001", "no valid host name"),
+    ("redis://h:6379:6380/0", "more than one ':port'"),
+    ("redis://[::1:6379/0", r"an unclosed '\['"),
+    ("redis://[::1]x/0", "text after its ']'"),
+    ("redis://[cache.internal]:6379/0", "other than an IPv6 address in brackets"),
 ])
 def test_bad_urls_name_the_problem(url: str, problem: str) -> None:
     with pytest.raises(InvalidConfigError, match=problem):
@@ -86,6 +94,29 @@ def test_passwords_are_never_printed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.describe()["redis_password"] == ("***", "TIERKV_REDIS_PASSWORD=***")
     with settings.override(redis_password="other"):
         assert settings.get("redis_password") == "other" and "other" not in settings.source("redis_password")
+
+
+def test_valid_hosts_still_parse() -> None:
+    for host in ("localhost", "cache.internal.", "my_cache-1.example", "10.0.0.5", "x" * 63 + ".example"):
+        assert parse_remote_url(f"redis://{host}:6379/0").nodes == ((host, 6379),)
+    assert parse_remote_url("redis://::1/0").nodes == (("::1", 6379),)  # a bare IPv6 address: the default port
+
+
+def test_a_bad_host_error_masks_the_password() -> None:
+    with pytest.raises(InvalidConfigError, match="no valid host name") as info:
+        parse_remote_url("redis://:hunter2@a..b:6379/0")
+    assert "hunter2" not in str(info.value) and "cache.internal" in str(info.value)  # the problem and the fix
+
+
+def test_an_unknown_option_after_the_password_is_not_shown() -> None:
+    """A password holding ``&`` continues into what parses as the next option: its name is not printed."""
+    for url in ("redis://h:1/0?password=ab&hx7secretword9=1", "redis://h:1/0?password=ab&Hx7Secretword9=1",
+                "redis://h:1/0?password=ab&hx%37secretword9=1"):
+        with pytest.raises(InvalidConfigError, match="unknown options") as info:
+            parse_remote_url(url)
+        assert "secretword" not in str(info.value).lower() and "%26 for &" in str(info.value)
+    with pytest.raises(InvalidConfigError, match="unknown options timeout"):  # no password: the name helps
+        parse_remote_url("redis://h:1/0?timeout=3")
 
 
 def test_framing_detects_any_change_and_the_wrong_key() -> None:

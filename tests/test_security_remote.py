@@ -40,7 +40,7 @@ from tierkv.hf import TieredCache
 from tierkv.persist import record
 from tierkv.persist.blockfile import Item, PersistentStore, Recovery
 from tierkv.persist.keys import Namespace, block_keys
-from tierkv.remote import RemoteBlockStore
+from tierkv.remote import RemoteBlockStore, RemoteURL, parse_remote_url
 from tierkv.remote.chain import ChainedBlockStore
 from tierkv.remote.framing import HEADER, MAGIC, frame, unframe
 
@@ -500,3 +500,35 @@ def test_a_queue_depth_of_2_to_the_32_is_a_clear_error(tmp_path: Path, engine: s
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "REFUSED TIERKV_IO_QUEUE_DEPTH='4294967296'" in result.stdout and "1-256" in result.stdout
+
+
+# ------------------------------------------------------------------------- passwords that are not UTF-8
+LATIN1_SECRET = "p\udce4sswort-TopSecretTail"  # b"p\xe4sswort-..." read from a Latin-1 environment
+
+
+def test_a_password_that_is_not_utf8_is_refused_where_it_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A byte of another encoding in ``$TIERKV_REDIS_PASSWORD`` (a surrogate escape) or in a URL's password is
+    a configuration error that names the problem, never shows the password, and is raised before any command."""
+    monkeypatch.setenv("TIERKV_REDIS_PASSWORD", LATIN1_SECRET)
+    with pytest.raises(InvalidConfigError, match="not UTF-8") as info:
+        settings.get("redis_password")
+    assert "TopSecretTail" not in str(info.value) and "TIERKV_REDIS_PASSWORD" in str(info.value)
+    with pytest.raises(InvalidConfigError, match="not UTF-8") as info:
+        RemoteBlockStore(f"redis://127.0.0.1:{closed_port()}/0", "m")
+    assert "TopSecretTail" not in str(info.value)
+    monkeypatch.delenv("TIERKV_REDIS_PASSWORD")
+    with pytest.raises(InvalidConfigError, match="the password holds a character that is not UTF-8") as info:
+        parse_remote_url(f"redis://:{LATIN1_SECRET}@127.0.0.1:6379/0")
+    assert "TopSecretTail" not in str(info.value)
+
+
+def test_a_password_redis_py_cannot_encode_is_warned_without_it(redis_server, caplog) -> None:
+    """Given directly (past the URL's checks), such a password fails inside redis-py's encoder: a warned miss
+    whose message shows neither the password nor its escaped form (an exception's repr quoted it)."""
+    url = RemoteURL(nodes=(("127.0.0.1", redis_server.port),), password=LATIN1_SECRET)
+    with RemoteBlockStore(url, "m", timeout_s=1.0) as store:
+        assert store.contains(["ab" * 16]) == [False] and store.stats()["errors"] == 1
+    assert "cannot encode" in caplog.text
+    assert "TopSecretTail" not in caplog.text and "sswort" not in caplog.text
+    quoted = f"{LATIN1_SECRET!r} {LATIN1_SECRET.encode('utf-8', 'surrogateescape')!r}"  # a repr, and the bytes
+    assert RemoteURL(nodes=(), password=LATIN1_SECRET).scrub(quoted) == "'***' b'***'"

@@ -235,10 +235,17 @@ def _directory(value: Any) -> Path:
 
 
 def _secret(value: Any) -> str | None:
+    """A non-empty string that encodes as UTF-8 (as it is sent): a byte of another encoding in the environment
+    (a Latin-1 locale's) comes as a surrogate escape, which redis-py would fail on, quoting it."""
     if value is None:
         return None
     if not isinstance(value, str) or not value:
         raise _Invalid("must be a non-empty string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _Invalid("holds a byte that is not UTF-8 (set in a non-UTF-8 locale?); give the password as UTF-8 "
+                       "text") from None
     return value
 
 

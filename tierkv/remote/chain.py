@@ -15,7 +15,9 @@ A remote value whose frame is intact but whose record is not this key's block of
 (another block's record, a torn record framed anew, another namespace's, another shape, dtype or depth) is
 a miss there, counted as ``corrupt`` and deleted from the server, so the block this worker computes next is
 written in its place and later workers load past it. A local record that fails the same checks is removed
-from the local store (:meth:`PersistentStore.get` with the namespace).
+from the local store (:meth:`PersistentStore.get` with the namespace). A record of a newer tierkv (a later record
+version or block format) is a miss left on the server as it is, for the workers that read it: warned, never
+counted corrupt, deleted or overwritten.
 
 Records read from the remote — only those that passed every check — are also written to the local store in
 the background (bounded, dropped when full; each checked again, header field by field, before it is listed),
@@ -32,6 +34,7 @@ may cost to read: a value longer than the namespace's block record is read only 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -40,7 +43,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierkv import settings
-from tierkv.errors import IntegrityError, TierKVError
+from tierkv.errors import IntegrityError, NewerFormatError, TierKVError
 from tierkv.persist import manifest, record
 from tierkv.persist.blockfile import Item, PersistentStore
 from tierkv.persist.keys import Namespace
@@ -114,19 +117,25 @@ class ChainedBlockStore:
         if len(found) == len(keys):
             return found
         limit = HEADER.size + record.max_block_bytes(namespace)  # a longer value is read that far, then refused
-        for depth, (key, payload) in enumerate(zip(keys[len(found):], remote.get_many(keys[len(found):], limit)),
-                                               start=len(found)):
-            if payload is None:
-                break
-            why = _wrong_record(payload, key, namespace, depth)
-            if why:
-                remote.discard(key, why)
-                break
-            data = bytearray(payload)  # writable, for the tensor view that decoding makes
-            found.append(data)
-            self.counts["remote_blocks"] += 1
-            if self._saver is not None:
-                self._saver.offer(key, data)
+        # each value is copied, then dropped, and no read is sent past the first miss: the prefix is held once
+        with contextlib.closing(remote.iter_many(keys[len(found):], limit)) as values:
+            for depth, (key, payload) in enumerate(values, start=len(found)):
+                if payload is None:
+                    break
+                try:
+                    why = _wrong_record(payload, key, namespace, depth)
+                except NewerFormatError as error:  # a newer tierkv's block: a miss, left on the server for it
+                    remote.newer(key, str(error))
+                    break
+                if why:
+                    remote.discard(key, why)
+                    break
+                data = bytearray(payload)  # writable, for the tensor view that decoding makes
+                del payload
+                found.append(data)
+                self.counts["remote_blocks"] += 1
+                if self._saver is not None:
+                    self._saver.offer(key, data)
         return found
 
     # ---------------------------------------------------------------------------------------- writing
@@ -202,10 +211,13 @@ class ChainedBlockStore:
 
 def _wrong_record(value: memoryview, key: str, namespace: Namespace, depth: int) -> str:
     """Why ``value`` (a remote payload whose frame checked out) is not the record of block ``key``, at ``depth``
-    in its chain, of ``namespace`` (its dtype and shape too); "" when it is."""
+    in its chain, of ``namespace`` (its dtype and shape too); "" when it is. A record of a newer tierkv raises
+    :class:`NewerFormatError`: it is not wrong, only unreadable here."""
     what = f"block {key}"
     try:
         header, payload = record.decode(value, what=what)
+    except NewerFormatError:
+        raise
     except TierKVError as error:
         return f"holds no valid record ({error})"
     found = tuple(header.get(field) for field in ("kind", "key", "namespace"))
@@ -214,6 +226,8 @@ def _wrong_record(value: memoryview, key: str, namespace: Namespace, depth: int)
         return f"passed its frame's checksum but holds the record of another block ({shown})"
     try:
         record.check_block(header, len(payload), key, namespace, what, depth)
+    except NewerFormatError:
+        raise
     except IntegrityError as error:
         return f"passed its frame's checksum but its record does not fit this model's blocks ({error})"
     return ""

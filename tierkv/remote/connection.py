@@ -35,6 +35,8 @@ WARN_INTERVAL_S = 60.0  # the same kind of warning about a server is logged at m
 # is met by every cache of the process (one per conversation), and is worth one line a minute, not one per cache
 _WARNED: dict[tuple[str, str], float] = {}
 _WARNED_LOCK = threading.Lock()
+_REDIS = f"{os.sep}redis{os.sep}"  # a frame of redis-py's
+_TIERKV = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # a frame of tierkv's
 _CUT = ("broken pipe", "connection reset", "connection closed", "closed by server")  # a connection cut mid-command
 
 
@@ -186,25 +188,34 @@ class RemoteConnection:
             return fallback
         try:
             result = op(self._get_client(write))
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
-                redis.exceptions.InvalidResponse, redis.exceptions.ClusterError,
-                redis.exceptions.RedisClusterException) as exc:
-            self._drop_client_if_cluster()
-            self._failed(exc, write)
-            return fallback
-        except redis.exceptions.ResponseError as exc:
-            self._refused(exc)
-            return fallback
-        except redis.exceptions.RedisError as exc:  # any other of redis-py's own (e.g. building a connection)
-            self._failed(exc, write)
-            return fallback
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
+            if self._closed:  # close() shut the socket under this call: no failure of the server's
+                return fallback
+            return self._failure(exc, fallback, write)
         except (AttributeError, IndexError, KeyError, TypeError, ValueError, RecursionError) as exc:
             if not _raised_in_redis_py(exc):
                 raise  # tierkv's own bug: not the server's
-            self._failed(redis.exceptions.InvalidResponse(f"a reply redis-py could not parse ({exc!r})"))
+            if self._closed:
+                return fallback
+            self._drop_client_if_cluster()
+            self._failed(_as_redis_error(exc), write)
             return fallback
         self._succeeded()
         return result
+
+    def _failure(self, exc: BaseException, fallback: T, write: bool) -> T:
+        """``fallback``, with ``exc`` (redis-py's, or the socket's) counted and warned: a refusal, or a failure
+        that opens the breaker."""
+        errors = redis_module().exceptions
+        if isinstance(exc, (errors.ConnectionError, errors.TimeoutError, OSError, errors.InvalidResponse,
+                            errors.ClusterError, errors.RedisClusterException)):
+            self._drop_client_if_cluster()
+            self._failed(exc, write)
+        elif isinstance(exc, errors.ResponseError):
+            self._refused(exc)
+        else:  # any other of redis-py's own (e.g. building a connection)
+            self._failed(exc, write)
+        return fallback
 
     def _refused(self, exc: BaseException) -> None:
         if isinstance(exc, redis_module().exceptions.OutOfMemoryError):
@@ -280,7 +291,20 @@ class RemoteConnection:
 
 
 def _raised_in_redis_py(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised inside redis-py (its reply parser, given what a server that does not speak Redis
-    sends), not in tierkv's code."""
+    """Whether ``exc`` was raised inside redis-py or what it calls (its reply parser, given what a server that does
+    not speak Redis sends; the socket's IDNA encoding of a host name it cannot take), not in tierkv's code: some
+    frame after the last of tierkv's is redis-py's."""
     frames = traceback.extract_tb(exc.__traceback__)
-    return bool(frames) and f"{os.sep}redis{os.sep}" in frames[-1].filename
+    ours = [index for index, frame in enumerate(frames) if _TIERKV in frame.filename]
+    return any(_REDIS in frame.filename for frame in frames[ours[-1] + 1 if ours else 0:])
+
+
+def _as_redis_error(exc: BaseException) -> Exception:
+    """A connection failure standing for ``exc``, raised inside redis-py: its type and message, never its repr, and
+    for a Unicode error not even the message (it quotes the string it failed on: the password, say)."""
+    redis = redis_module()
+    if isinstance(exc, UnicodeError):
+        return redis.exceptions.ConnectionError(
+            f"{type(exc).__name__} inside redis-py: a host name or password it cannot encode (check the URL's host "
+            "and that the password is UTF-8 text)")
+    return redis.exceptions.InvalidResponse(f"a reply redis-py could not parse ({type(exc).__name__}: {exc})")

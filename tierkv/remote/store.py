@@ -8,7 +8,8 @@ logged, never an exception and never wrong data::
     store = RemoteBlockStore("redis://10.0.0.5:6379/0", namespace="a3f9...-l3h2d32f32b256")
     store.put(key, payload)                 # returns at once; a background thread writes it
     n = store.prefix_length(keys)           # how many leading keys the server holds (one round-trip)
-    payloads = store.get_many(keys[:n])     # verified payloads (memoryviews), None for a miss
+    payloads = store.get_many(keys[:n])     # verified payloads (memoryviews), None for a miss;
+                                            # each value read at most max_value_bytes far
 
 Keys are the caller's content hashes (hex strings: :func:`tierkv.persist.keys.block_keys`), stored as
 ``tierkv:<namespace>:<key>``: the namespace (model
@@ -18,14 +19,15 @@ fingerprint and layout) keeps models apart and lets an operator find or drop one
 type (a list, a hash: the server answers WRONGTYPE), is a miss, counted as corrupt and deleted, and the next
 write of the block overwrites it without the ``EXISTS`` check (so it is replaced even where DEL is refused).
 
-Reads are batched: ``keys_per_request`` GETs per pipeline (one round-trip), ``inflight`` pipelines at once
-on a small thread pool, each on its own pooled connection. Writes go through :class:`WriteBehind` (bounded;
-``put(..., wait=True)`` from a background thread waits for room while the server keeps up) and skip blocks
-the server already holds (an ``EXISTS`` before the ``SET``), so workers that computed the same block at once
-send it only as often as they race.
+Reads are batched: ``keys_per_request`` bounded reads (``GETRANGE``) per pipeline (one round-trip),
+``inflight`` pipelines at once on a small thread pool, each on its own pooled connection. Writes go through
+:class:`WriteBehind` (bounded; ``put(..., wait=True)`` from a background thread waits for room while the server
+keeps up) and skip blocks the server already holds (an ``EXISTS`` before the ``SET``), so workers that computed
+the same block at once send it only as often as they race.
 
 Values from a shared server are untrusted: a value is used only if its frame's length equals its real size
-and its checksum (over key and payload) matches; lengths it claims are compared, never allocated. A value
+and its checksum (over key and payload) matches; lengths it claims are compared, never allocated, and no
+read goes past ``max_bytes`` (the caller's) or ``max_value_bytes`` (the store's default). A value
 that passes but holds the wrong record for its key is refused by the caller, which reports it with
 :meth:`RemoteBlockStore.discard` (counted as corrupt, deleted, then overwritten by the next write of the block).
 """
@@ -34,14 +36,16 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tierkv import forks, settings
 from tierkv.errors import InvalidConfigError
 from tierkv.remote.connection import RemoteConnection, redis_module
-from tierkv.remote.framing import HEADER, frame, unframe
+from tierkv.remote.framing import HEADER, MAGIC, frame, unframe
 from tierkv.remote.url import RemoteURL, parse_remote_url
 from tierkv.remote.writer import DEFAULT_QUEUE_ITEMS, Item, WriteBehind
 
@@ -49,6 +53,22 @@ KEY_PREFIX = "tierkv"
 LOOKUP_KEYS = 512  # EXISTS per lookup pipeline
 REWRITE_KEYS = 4096  # keys found corrupt that are remembered until written again (the oldest are forgotten)
 _NAMESPACE = re.compile(r"[A-Za-z0-9._+-]{1,200}")
+
+
+def _dropping(keys: Sequence[str], payloads: list[memoryview | None]) -> Generator[tuple[str, memoryview | None]]:
+    """``(key, payload)`` pairs, each payload let go of here once yielded (so the caller's copy is the only one)."""
+    for index, key in enumerate(keys):
+        payload, payloads[index] = payloads[index], None
+        yield key, payload
+        del payload
+
+
+def _claims_more(value: bytes, max_bytes: int) -> bool:
+    """Whether ``value``, cut at ``max_bytes + 1`` bytes, starts with a frame header claiming a longer payload."""
+    if len(value) <= max_bytes or len(value) < HEADER.size:
+        return False
+    magic, length, _ = HEADER.unpack_from(value)
+    return bool(magic == MAGIC and HEADER.size + length > max_bytes)
 
 
 def _wrong_type(value: object) -> bool:
@@ -91,31 +111,35 @@ class _Wire:
             self.conn.count("lookup_hits", sum(found))
         return found
 
-    def get(self, keys: Sequence[str], max_bytes: int | None = None) -> list[memoryview | None]:
-        """Verified payloads; with ``max_bytes``, each value is read as ``GETRANGE 0..max_bytes`` so a value
-        longer than that costs at most ``max_bytes + 1`` bytes here (and then fails its frame: corrupt)."""
-        if max_bytes is None:
-            op = self._each("get", keys)
-        else:
-            def op(client: Any) -> list[Any]:
-                pipe = client.pipeline(transaction=False)
-                for key in keys:  # each GETRANGE with its EXISTS, adjacent: both see the same value
-                    pipe.getrange(self.name(key), 0, max_bytes)
-                    pipe.exists(self.name(key))
-                return pipe.execute(raise_on_error=False)
-        values = self.conn.run(op, fallback=[None] * len(keys) * (1 if max_bytes is None else 2))
-        if max_bytes is not None:  # b"": no such key, or an empty value planted there, which is never replaced
-            values, there = values[0::2], values[1::2]
-            for key, value, exists in zip(keys, values, there):
-                if value == b"" and type(exists) is int and exists > 0:
-                    self.discard(key, "is empty")
-            values = [None if value == b"" else value for value in values]
+    def get(self, keys: Sequence[str], max_bytes: int, strict: bool = True) -> list[memoryview | None]:
+        """Verified payloads, each value read as ``GETRANGE 0..max_bytes`` so a value longer than that costs at
+        most ``max_bytes + 1`` bytes here. Such a value fails its frame (corrupt) unless ``strict`` is False (the
+        bound is a default, not the known size of a block): then one whose header claims a larger payload is
+        a miss left on the server, warned with the fix."""
+        def op(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:  # each GETRANGE with its EXISTS, adjacent: both see the same value
+                pipe.getrange(self.name(key), 0, max_bytes)
+                pipe.exists(self.name(key))
+            return pipe.execute(raise_on_error=False)
+
+        values = self.conn.run(op, fallback=[None] * len(keys) * 2)
+        values, there = values[0::2], values[1::2]  # b"": no such key, or an empty value planted there
+        for key, value, exists in zip(keys, values, there):
+            if value == b"" and type(exists) is int and exists > 0:
+                self.discard(key, "is empty")
+        values = [None if value == b"" else value for value in values]
         self.conn.refused([value for value in values if not _wrong_type(value)])
         payloads: list[memoryview | None] = []
         for key, value in zip(keys, values):
             payload = unframe(key.encode(), value) if isinstance(value, bytes) else None
             if _wrong_type(value):  # a list, hash ... at a block's name: only deleting it lets the block be written
                 self.discard(key, "is a Redis value of another type (WRONGTYPE), not a block")
+            elif isinstance(value, bytes) and payload is None and not strict and _claims_more(value, max_bytes):
+                self.conn.count("too_large")
+                self.conn.warn("too_large", f"value of {self.name(key).decode()} is longer than the read bound "
+                                            f"({max_bytes} bytes); it is a miss, left on the server: pass max_bytes= "
+                                            "to get_many or raise max_value_bytes")
             elif isinstance(value, bytes) and payload is None:
                 self.discard(key, f"failed its checksum ({len(value)} bytes)")
             elif payload is not None:
@@ -201,19 +225,22 @@ class RemoteBlockStore:
             a server slower than this is a miss and is marked down for a back-off
             (:class:`~tierkv.remote.connection.RemoteConnection`).
         inflight: read pipelines in flight at once (threads, and pooled connections).
-        keys_per_request: GETs per read pipeline.
+        keys_per_request: reads (``GETRANGE``) per read pipeline.
         queue_items / queue_bytes: bounds of the write-behind queue (default 1,024 blocks and the
             ``remote_queue`` setting, 64 MiB); a full queue drops, counted, unless the put may wait.
         queue_wait_s: how long ``put(..., wait=True)`` waits for room without a batch sent before it drops
             (default the ``remote_queue_wait`` setting, 10 s; :mod:`tierkv.remote.writer`).
         ttl_s: expiry of written blocks; None keeps them until the server evicts them (``allkeys-lru``).
         backoff_s: how long a failed server is left alone before the next try (doubling, up to 30 s).
+        max_value_bytes: how far :meth:`get_many` without ``max_bytes`` reads a value (default ``queue_bytes``,
+            raised to the largest value this store was given to write): a longer one is not read whole.
     """
 
     def __init__(self, url: str | RemoteURL, namespace: str, *, timeout_s: float | None = None,
                  connect_timeout_s: float = 1.0, inflight: int = 4, keys_per_request: int = 8,
                  queue_items: int = DEFAULT_QUEUE_ITEMS, queue_bytes: int | None = None,
-                 queue_wait_s: float | None = None, ttl_s: int | None = None, backoff_s: float = 1.0) -> None:
+                 queue_wait_s: float | None = None, ttl_s: int | None = None, backoff_s: float = 1.0,
+                 max_value_bytes: int | None = None) -> None:
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise InvalidConfigError(f"remote namespace {namespace!r} must be 1-200 letters, digits or ._+- "
                                      "(e.g. the model fingerprint and layout).")
@@ -221,8 +248,10 @@ class RemoteBlockStore:
         queue_wait_s = settings.get("remote_queue_wait") if queue_wait_s is None else queue_wait_s
         if isinstance(queue_wait_s, bool) or not isinstance(queue_wait_s, (int, float)) or not queue_wait_s >= 0:
             raise InvalidConfigError(f"queue_wait_s must be a number of seconds >= 0, got {queue_wait_s!r}.")
+        max_value_bytes = queue_bytes if max_value_bytes is None else max_value_bytes
         for name, value in (("inflight", inflight), ("keys_per_request", keys_per_request),
-                            ("queue_items", queue_items), ("queue_bytes", queue_bytes)):
+                            ("queue_items", queue_items), ("queue_bytes", queue_bytes),
+                            ("max_value_bytes", max_value_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidConfigError(f"{name} must be a positive int, got {value!r}.")
         if timeout_s is None:
@@ -238,6 +267,8 @@ class RemoteBlockStore:
         self.url = url
         self.namespace = namespace
         self.keys_per_request = keys_per_request
+        self.inflight = inflight
+        self.max_value_bytes = max_value_bytes
         # a write pipeline (at most BATCH_BYTES, or one larger block) goes in one sendall that the socket timeout
         # bounds as a whole: it has as long as the writer waits for a batch, so a block is dropped only when the
         # link is slower than its size per (timeout_s + queue_wait_s), 12 s by default, not per timeout_s
@@ -276,14 +307,31 @@ class RemoteBlockStore:
         """Verified payloads of ``keys`` in order (None: missing, evicted, corrupt, or the server failed),
         read ``keys_per_request`` per pipeline with up to ``inflight`` pipelines in flight. ``max_bytes``
         bounds what one value may cost to read (the largest valid value: a shared server's values are
-        untrusted); a longer one is corrupt."""
-        groups = [keys[start:start + self.keys_per_request] for start in range(0, len(keys), self.keys_per_request)]
-        if len(groups) <= 1:
-            return self._wire.get(groups[0], max_bytes) if groups else []
-        payloads: list[memoryview | None] = []
-        for result in self._readers.map(lambda group: self._wire.get(group, max_bytes), groups):
-            payloads += result
-        return payloads
+        untrusted); a longer one is corrupt. Without it, a value is read at most :attr:`max_value_bytes` far,
+        and one whose frame claims more is a miss left on the server (warned)."""
+        return [payload for _, payload in self.iter_many(keys, max_bytes)]
+
+    def iter_many(self, keys: Sequence[str], max_bytes: int | None = None) -> Generator[tuple[str, memoryview | None]]:
+        """``(key, payload)`` of :meth:`get_many`, in order, as the pipelines answer: at most ``inflight`` of them
+        are in flight or waiting, each value is dropped here once yielded, and a caller that stops (at a miss)
+        sends no further reads. So the values held at once are one window of pipelines, not all of ``keys``."""
+        bound, strict = (self.max_value_bytes, False) if max_bytes is None else (max_bytes, True)
+        if len(keys) <= self.keys_per_request:  # one pipeline: on this thread (also after close(): a miss)
+            yield from _dropping(keys, self._wire.get(keys, bound, strict))
+            return
+        groups = deque(keys[start:start + self.keys_per_request]
+                       for start in range(0, len(keys), self.keys_per_request))
+        window: deque[tuple[Sequence[str], Future[list[memoryview | None]]]] = deque()
+        try:
+            while groups or window:
+                while groups and len(window) < self.inflight:
+                    group = groups.popleft()
+                    window.append((group, self._readers.submit(self._wire.get, group, bound, strict)))
+                group, future = window.popleft()
+                yield from _dropping(group, future.result())
+        finally:
+            for _, future in window:
+                future.cancel()
 
     # ------------------------------------------------------------------------------------ writes
     def put(self, key: str, payload: bytes | memoryview, wait: bool = False) -> bool:
@@ -291,14 +339,33 @@ class RemoteBlockStore:
         ``wait`` (a background thread's put) waits for room while the server keeps up: it drops only while
         the server is down or no batch was sent for ``queue_wait_s``. ``payload`` must not change afterwards
         (``bytes``, or a view of memory nobody writes again)."""
+        self.max_value_bytes = max(self.max_value_bytes, HEADER.size + len(payload))  # what it writes, it reads
         queued = self._writer.offer(key, payload, wait=wait)
         if queued:
             self._wire.conn.count("writes_queued")
         return queued
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write was sent (or failed); False if ``timeout`` passed first."""
-        return self._writer.flush(timeout)
+        """Wait until every queued write was sent (or failed); False if ``timeout`` passed first, or as soon as the
+        server stops answering: a ``SET`` pipeline in flight has the long write timeout (``timeout_s +
+        queue_wait_s``), so while writes are pending the server is pinged (a command bounded by ``timeout_s``)
+        every ``timeout_s / 4``, and a frozen one costs a flush about ``timeout_s`` (the write is left to its
+        socket timeout, then counted as failed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        step = self._wire.conn.timeout_s / 4
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._writer.flush(step if left is None else min(step, left)):
+                return True
+            if left is not None and left <= step or not self.ping():
+                return self._writer.flush(0.0)
+
+    def newer(self, key: str, why: str) -> None:
+        """A value of ``key`` holding a newer tierkv's record (``why``): a miss, counted as ``newer`` and warned, left
+        on the server (the next write of the block finds it there and skips it)."""
+        self._wire.conn.count("newer")
+        self._wire.conn.warn("newer", f"value of {self._wire.name(key).decode()}: {why} It is a miss here, left on "
+                                      "the server for the workers that read it.")
 
     def discard(self, key: str, why: str) -> None:
         """A value of ``key`` that passed its frame but was refused by the caller (another block's record, say):
@@ -322,19 +389,20 @@ class RemoteBlockStore:
 
     def stats(self) -> dict[str, Any]:
         """Counters since construction: ``lookups``/``lookup_hits`` (keys asked/held), ``reads``/``read_hits``,
-        ``corrupt`` (values that failed the checksum, or held another block's record), ``bytes_read``/
-        ``bytes_written`` (values on the wire, header included), ``writes`` (sent), ``writes_existing`` (skipped:
-        the server had them), ``writes_dropped`` (not queued: the queue stayed full, the server was down, or
-        the store closed), ``writes_failed``, ``rejected_full`` (server out of memory), ``refused`` (other commands
-        the server refused: a DEL or SET an ACL or a read-only replica denies, say), ``errors`` (connection
-        failures and timeouts), ``skipped_down`` (calls answered as misses while down), ``warnings_*``;
-        ``down`` and ``pending`` (queued writes) now."""
+        ``corrupt`` (values that failed the checksum, or held another block's record), ``too_large`` (values
+        longer than ``max_value_bytes``, left on the server), ``newer`` (a newer tierkv's records, left there),
+        ``bytes_read``/``bytes_written`` (values on the wire, header included), ``writes`` (sent),
+        ``writes_existing`` (skipped: the server had them), ``writes_dropped`` (not queued: the queue stayed full,
+        the server was down, or the store closed), ``writes_failed``, ``rejected_full`` (server out of memory),
+        ``refused`` (other commands the server refused: a DEL or SET an ACL or a read-only replica denies, say),
+        ``errors`` (connection failures and timeouts), ``skipped_down`` (calls answered as misses while down),
+        ``warnings_*``; ``down`` and ``pending`` (queued writes) now."""
         conn = self._wire.conn
         with conn._lock:
             counts = dict(conn.counts)
-        names = ("lookups", "lookup_hits", "reads", "read_hits", "corrupt", "bytes_read", "bytes_written",
-                 "writes_queued", "writes", "writes_existing", "writes_dropped", "writes_failed", "rejected_full",
-                 "refused", "errors", "skipped_down")
+        names = ("lookups", "lookup_hits", "reads", "read_hits", "corrupt", "too_large", "newer", "bytes_read",
+                 "bytes_written", "writes_queued", "writes", "writes_existing", "writes_dropped", "writes_failed",
+                 "rejected_full", "refused", "errors", "skipped_down")
         return {**{name: counts.get(name, 0) for name in names}, **counts, "down": conn.down,
                 "pending": self._writer.pending, "header_bytes": HEADER.size}
 

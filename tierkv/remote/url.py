@@ -18,10 +18,16 @@ about a URL, well-formed or not: a message shows the URL with its userinfo and e
 the TLS options masked (:func:`redact`), and any text that could hold the secret passes :func:`scrub`. The
 userinfo is everything before the *last* ``@`` of the part before the query, so a password holding ``/``,
 ``:`` or ``@`` parses as one (better: percent-encode such characters, ``%2F`` for ``/``).
+
+Hosts are checked here, not at the first command: a name the resolver cannot take (an empty label, a label over
+63 characters), two ports, or brackets around anything but an IPv6 address is an :class:`InvalidConfigError`;
+so is a username or password that is not UTF-8 text.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
 import re
 import ssl
@@ -105,8 +111,11 @@ def _parse(url: str, password: str | None) -> RemoteURL:
     options = dict(parse_qsl(query, keep_blank_values=True))  # a repeated option: the last one counts
     unknown = sorted(set(options) - set(TLS_OPTIONS) - set(AUTH_OPTIONS))
     if unknown:
-        names = ", ".join(name if _OPTION.fullmatch(name) else MASK for name in unknown)
-        raise InvalidConfigError(f"remote URL {shown} has unknown options {names}; "
+        plain = {key for (key, _), masked in _pairs(query) if not masked}  # the others may be part of a password
+        names = ", ".join(name if name in plain else MASK for name in unknown)
+        hint = "" if set(unknown) <= plain else f" ({MASK}: a name that may be part of a password; {_ENCODE}, %26 " \
+            "for &)"
+        raise InvalidConfigError(f"remote URL {shown} has unknown options {names}{hint}; "
                                  f"valid: {', '.join(TLS_OPTIONS + AUTH_OPTIONS)}.")
     tls_options = {key: value for key, value in options.items() if key in TLS_OPTIONS}
     if tls_options and not tls:
@@ -114,6 +123,11 @@ def _parse(url: str, password: str | None) -> RemoteURL:
     _check_tls(tls_options, shown)
     username = unquote(username) or options.get("username") or ""
     secret = unquote(url_password) or options.get("password") or password or None
+    for name, text in (("username", username), ("password", secret)):
+        if text is not None and not _utf8(text):
+            raise InvalidConfigError(f"remote URL {shown}: the {name} holds a character that is not UTF-8 text (a "
+                                     f"byte of another encoding, as a non-UTF-8 locale passes it); give the {name} "
+                                     "as UTF-8 text (percent-encoded in the URL).")
     return RemoteURL(nodes=nodes, db=db, tls=tls, cluster=cluster, username=username or None, password=secret,
                      tls_options=tuple(sorted(tls_options.items())))
 
@@ -179,20 +193,62 @@ def _split(rest: str) -> tuple[str | None, str, str]:
 def _node(item: str, shown: str) -> tuple[str, int]:
     item = item.strip()
     if item.startswith("["):  # [IPv6]:port
-        host, _, port = item[1:].partition("]")
+        host, bracket, port = item[1:].partition("]")
+        if not bracket or port and not port.startswith(":"):
+            raise InvalidConfigError(f"remote URL {shown} has an unclosed '[' or text after its ']'; write an "
+                                     "IPv6 address in brackets, then the port: redis://[::1]:6379/0.")
+        if not _ipv6(host):
+            raise InvalidConfigError(f"remote URL {shown} has something other than an IPv6 address in brackets; "
+                                     "write redis://[::1]:6379/0, or a host name without brackets.")
         port = port.removeprefix(":")
+    elif item.count(":") > 1 and not _ipv6(item):
+        raise InvalidConfigError(f"remote URL {shown} has more than one ':port' on a host; give one port "
+                                 "(host:6379), or an IPv6 address in brackets ([::1]:6379).")
     elif item.count(":") == 1:
         host, port = item.split(":")
     else:
         host, port = item, ""
     if not host:
         raise InvalidConfigError(f"remote URL {shown} has an empty host; {_EXAMPLE} ({_ENCODE}).")
+    _check_host(host, shown)
     if not port:
         return host, DEFAULT_PORT
     if not _number(port) or not 0 < int(port) < 65536:
         raise InvalidConfigError(f"remote URL {shown} has a bad port; a port is 1-65535 (a password goes before "
                                  f"an '@': redis://:password@host:6379/0; {_ENCODE}).")
     return host, int(port)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_host(host: str, shown: str) -> None:
+    """Refuse a host the resolver cannot take (an empty or over-63-character label, a leading dot): it would
+    fail only at the first command, inside the socket's IDNA encoding, not as a configuration error."""
+    if ":" in host:
+        return  # an IPv6 address, checked by the caller
+    try:
+        encoded = host.encode("idna")
+    except UnicodeError:
+        encoded = b""
+    labels = encoded.removesuffix(b".").split(b".")
+    if not encoded or len(encoded) > 253 or not all(0 < len(label) < 64 for label in labels):
+        raise InvalidConfigError(f"remote URL {shown} has a host that is no valid host name (an empty label such "
+                                 "as '..' or a leading dot, or a label over 63 characters); give a name such as "
+                                 "cache.internal, an IPv4 address or an IPv6 address in brackets ([::1]:6379).")
 
 
 def _db(path: str, shown: str, cluster: bool) -> int:
@@ -239,9 +295,8 @@ def redact(url: str) -> str:
         auth = (f"{user}:{MASK}@" if colon else f"{user}@") if _NAME.fullmatch(user) or not user else f"{MASK}@"
     if "?" in rest:
         pairs = []
-        for pair in re.split("[&;]", query):
-            key, equals, value = pair.partition("=")
-            if not equals or not _OPTION.fullmatch(key):
+        for (key, value), hidden in _pairs(query):
+            if hidden:
                 pairs.append(MASK)
             else:
                 pairs.append(f"{key}={value}" if key in TLS_OPTIONS else f"{key}={MASK}")
@@ -275,12 +330,36 @@ def secrets(url: str) -> set[str]:
     return {text for text in found if text}
 
 
+def _pairs(query: str) -> list[tuple[tuple[str, str], bool]]:
+    """Each ``key=value`` item of ``query``, and whether even its key may be part of a password: an item without
+    ``=``, a key that is no option name, or an unknown key after a ``username=``/``password=`` item (a password
+    holding ``&`` or ``;`` continues there)."""
+    items = []
+    after_secret = False
+    for pair in re.split("[&;]", query):
+        key, equals, value = pair.partition("=")
+        known = key in TLS_OPTIONS or key in AUTH_OPTIONS
+        items.append(((key, value), not equals or not _OPTION.fullmatch(key) or after_secret and not known))
+        after_secret = after_secret or key in AUTH_OPTIONS
+    return items
+
+
 def scrub(text: str, url: str) -> str:
     """``text`` with every possible password of ``url`` (:func:`secrets`) masked."""
     return _mask(text, secrets(url))
 
 
 def _mask(text: str, secrets: set[str]) -> str:
-    for secret in sorted(secrets, key=len, reverse=True):  # longest first: a secret may contain another
+    forms = {form for secret in secrets for form in _forms(secret)}
+    for secret in sorted(forms, key=len, reverse=True):  # longest first: a secret may contain another
         text = text.replace(secret, MASK)
     return text
+
+
+def _forms(secret: str) -> set[str]:
+    """``secret`` as written and as an exception's repr or message would quote it (escaped, or as bytes)."""
+    forms = {secret, repr(secret)[1:-1], ascii(secret)[1:-1], secret.encode("unicode_escape").decode("ascii")}
+    for encoding in ("utf-8", "latin-1"):
+        with contextlib.suppress(UnicodeEncodeError):  # a character latin-1 lacks
+            forms.add(repr(secret.encode(encoding, "surrogateescape"))[2:-1])
+    return {form for form in forms if form}
