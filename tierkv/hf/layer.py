@@ -45,6 +45,28 @@ _LAYER_NOT_COPIED = (
     "Use transformers' DynamicCache for this architecture.")
 
 
+class _NoBackward(torch.autograd.Function):
+    """``value`` as it is (no copy), tied to ``source``'s autograd graph so that a backward reaching it raises with
+    the fix: the tiers hold K/V without autograd history, so gradients through a TieredCache's attention would miss
+    its K/V (exact gather's) or fail on a reused buffer (streaming's) — never silently wrong."""
+
+    @staticmethod
+    def forward(ctx: Any, source: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> NoReturn:
+        raise TierKVError(
+            "backward through a forward with a TieredCache: the cache's tiers hold K/V without autograd history, so "
+            "gradients through its attention would be wrong. TieredCache is for inference: decode under "
+            "torch.no_grad() or torch.inference_mode(); to train or take gradients, use transformers' DynamicCache.")
+
+
+def _without_backward(source: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value``, raising at backward (:class:`_NoBackward`) where a forward takes gradients through ``source``."""
+    return _NoBackward.apply(source, value) if torch.is_grad_enabled() and source.requires_grad else value
+
+
 class Uncopyable:
     """Refuses ``copy.deepcopy``, ``copy.copy`` and pickling with :meth:`copy_refusal`: what it owns or views a
     copy could not share."""
@@ -187,6 +209,8 @@ class TieredLayer(OfCache, CacheLayerMixin):
                 self.pending = (executor, span, key_states, value_states)
                 hand_over(self)
             keys, values = executor.step(span, key_states, value_states)
+            if not executor.replaces_attention:  # (those attend(): the model must pass back these very tensors)
+                keys, values = _without_backward(key_states, keys), _without_backward(value_states, values)
             return (keys, values) if widths is None else (keys[..., :widths[0]], values[..., :widths[1]])
         except BaseException as error:  # a KeyboardInterrupt too: the layers that took this step give it back
             cache.roll_back(self.length_before)
@@ -274,12 +298,14 @@ class TieredLayer(OfCache, CacheLayerMixin):
                     zeros = dead[..., None]
                 else:  # eager's softmax of equal logits: the mean of every key, which the pieces merge to exactly
                     query, mask = query.masked_fill(dead[..., None], 0), mask.masked_fill(dead[..., None], 0)
-            out, lse = executor.attend(span, query, mask, scaling, softcap)
-            if sinks is not None:
-                out = out * torch.sigmoid(lse - sinks.to(lse).view(1, -1, 1)).unsqueeze(-1)
-            if zeros is not None:
-                out = out.masked_fill(zeros, 0)
-            return out.transpose(1, 2).contiguous().to(query.dtype)  # contiguous as sdpa's: models .view() it
+            with torch.no_grad():  # (a backward is refused below: the executors' buffers hold no history)
+                out, lse = executor.attend(span, query, mask, scaling, softcap)
+                if sinks is not None:
+                    out = out * torch.sigmoid(lse - sinks.to(lse).view(1, -1, 1)).unsqueeze(-1)
+                if zeros is not None:
+                    out = out.masked_fill(zeros, 0)
+                out = out.transpose(1, 2).contiguous().to(query.dtype)  # contiguous as sdpa's: models .view() it
+            return _without_backward(query, out)
         except BaseException as error:
             cache = self.cache
             cache.roll_back(self.length_before)
