@@ -326,12 +326,16 @@ def test_past_recording_lets_a_sliding_layer_crop_beyond_its_window(make_cache):
     config = model.config
     ids, mask = prompt(1, 40, seed=4)
     dynamic = DynamicCache(config=config)
+    shown = {}  # the K/V each cache's layers show (layers[i].keys) while recording, and after the crop
+
     def decode_and_crop(each) -> None:
         forward(model, ids[:, :20], mask[:, :20], each)
         each.activate_past_recording()
         for start in range(20, 36):  # decode steps past the window
             forward(model, ids[:, start : start + 1], mask[:, : start + 1], each)
+        recording = [layer.keys for layer in each.layers]
         each.crop(-(WINDOW + 3))  # further back than the window holds
+        shown[type(each).__name__] = (recording, [layer.keys for layer in each.layers])
 
     try:
         decode_and_crop(dynamic)
@@ -341,6 +345,9 @@ def test_past_recording_lets_a_sliding_layer_crop_beyond_its_window(make_cache):
         decode_and_crop(cache)
         assert cache.get_seq_length() == dynamic.get_seq_length() == 36 - WINDOW - 3
         assert cache.layers[1].dropped > 0  # the crop brought the sliding layer back to its window
+        for ours, theirs in zip(shown["TieredCache"], shown["DynamicCache"]):  # the past too, then the window
+            for got, expected in zip(ours, theirs):
+                torch.testing.assert_close(got, expected, atol=0, rtol=0)
         at = cache.get_seq_length()
         for start in range(at, at + 6):
             step = (ids[:, start : start + 1], mask[:, : start + 1])

@@ -71,3 +71,29 @@ def test_kv_bytes_held_counts_a_sliding_layer_only_up_to_its_window():
     assert TieredCache.kv_bytes_held(config, 50, torch.float32) == per_layer * 50 * config.num_hidden_layers
     llama = tiny_model("llama").config
     assert TieredCache.kv_bytes_held(llama, 1000) == TieredCache.kv_bytes_per_token(llama) * 1000
+
+
+def test_a_cache_iterates_as_dynamic_cache_does(tmp_path):
+    """``for keys, values, window in cache``: each layer's K/V (read from every tier) and its sliding window."""
+    from models import prompt
+    from transformers import DynamicCache
+
+    model = tiny_model("gemma2", "eager", 8)
+    ids, _ = prompt(1, 20, seed=2)
+    dynamic = DynamicCache(config=model.config)
+    with torch.no_grad(), TieredCache(gpu_gb=f"{sizing_min(model)}B", cpu_gb="8KB", disk_dir=tmp_path, block_tokens=4,
+                                      config=model.config) as cache:  # fmt: skip
+        model(ids, past_key_values=dynamic)
+        model(ids, past_key_values=cache)
+        assert cache.stats()["blocks"]["disk"] > 0
+        ours, theirs = list(cache), list(dynamic)
+    assert len(ours) == len(theirs) == model.config.num_hidden_layers
+    for (keys, values, window), (expected_keys, expected_values, expected_window) in zip(ours, theirs):
+        assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+        assert (window is None) == (expected_window is None)
+        assert window is None or torch.equal(window, expected_window)
+
+
+def sizing_min(model) -> int:
+    """The device minimum for 24 tokens of ``model``: the rest of the K/V spills to the host and disk."""
+    return TieredCache.min_device_bytes(model.config, 24, block_tokens=4, device="cpu")

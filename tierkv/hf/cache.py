@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -273,6 +273,14 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                     raise
                 raise DiskTierError(exc.errno, f"a step of layer {layer_idx} failed and was not taken: {advice}") \
                     from exc
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]:
+        """Each layer's ``(keys, values, sliding window)`` as ``DynamicCache`` iterates them: the K/V read from every
+        tier into new host tensors (for inspection: it costs their bytes), the window a tensor or None."""
+        for layer in self.layers:
+            window = getattr(layer, "sliding_window", None)
+            yield (getattr(layer, "keys", None), getattr(layer, "values", None),
+                   None if window is None else torch.tensor(window, dtype=torch.long))
 
     @torch.compiler.disable(reason=_NOT_COMPILED)
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -139,6 +139,7 @@ class TieredLayer(OfCache, CacheLayerMixin):
         self.length_before = 0  # sequence length before the update in progress (the rollback target)
         self.pending: tuple[Executor, Span, torch.Tensor, torch.Tensor] | None = None  # the step attend() completes
         self.widths: tuple[int, int] | None = None  # (keys, values) head dims where they differ
+        self.past_front = 0  # recording the past: the stored tokens before what the layer shows (:meth:`_held`)
 
     def __getattr__(self, name: str) -> Any:
         """A cache-layer attribute this layer lacks is state of another kind of attention (DeepSeek V4's
@@ -377,7 +378,9 @@ class TieredLayer(OfCache, CacheLayerMixin):
             rows = store.table.rows[self.index]
             blocks = store.export_blocks(self.index, rows.front, rows.front + rows.count)  # [B, n, 2, H, bt, D]
         held = blocks[:, :, part].transpose(1, 2).flatten(2, 3)[:, :, :stored]
-        if self.sliding_window is not None:  # what attention still sees, as DynamicSlidingWindowLayer keeps
+        if self.sliding_window is not None and self.record_past:  # what DynamicSlidingWindowLayer shows: its window
+            held = held[:, :, self.past_front:]  # when recording began or the last crop, and every token since
+        elif self.sliding_window is not None:  # what attention still sees, as DynamicSlidingWindowLayer keeps
             held = held[:, :, -(self.sliding_window - 1):] if self.sliding_window > 1 else held[:, :, :0]
         return (held if self.widths is None else held[..., : self.widths[part]]).contiguous()
 
@@ -440,11 +443,20 @@ class TieredLayer(OfCache, CacheLayerMixin):
             if stored >= self.sliding_window:  # back to the window, as transformers' sliding layer after a crop
                 cache.runtime.invalidate()
                 self._drop_front(store, stored)
+            self._mark_past_front()
 
     def activate_past_recording(self, **kwargs: Any) -> None:
         """Keep what leaves a sliding window until the next :meth:`crop`, as transformers' sliding layer does, so a
         crop may go back further than the window (assisted decoding of a sliding model with long drafts)."""
         self.record_past = True
+        self._mark_past_front()
+
+    def _mark_past_front(self) -> None:
+        """What transformers' recording sliding layer holds from here on is its window now and every token after
+        it: the stored tokens before that window (whole blocks are dropped, so some may be) are not shown."""
+        store = self.cache.runtime.store
+        stored = store.seq_length(self.index) if store is not None else 0
+        self.past_front = 0 if self.sliding_window is None else max(0, stored - (self.sliding_window - 1))
 
     def check_crop(self, tokens_to_remove: int) -> None:
         """Refuse :meth:`crop` into the tokens a sliding window dropped (before the cache crops any layer)."""
@@ -464,6 +476,7 @@ class TieredLayer(OfCache, CacheLayerMixin):
         self.dropped = 0
         self.pending = None
         self.widths = None
+        self.past_front = 0
 
     def offload(self) -> None:
         """Nothing to move: the store already places this layer's blocks on the tiers by their budgets (transformers'
