@@ -200,7 +200,7 @@ def test_the_demos_first_line_calls_the_sizes_budgets(monkeypatch):
     monkeypatch.setattr(estimate, "greedy_s", lambda *a: (1.0, 1.0))
     args = build_parser("demo").parse_args(["demo", "--no-reference"])
     out = io.StringIO()
-    _announce(Console(file=out, width=300), args, None, 1024, 16, 1_550_000, 2**20, 2_130_000)
+    _announce(Console(file=out, width=300), args, None, 1024, 16, 1_550_000, 2**20, 2_130_000, 1_000_000)
     line = out.getvalue()
     assert "budgets of 1.48 MiB (device) and 1.00 MiB (host), the rest on disk" in line, line
 

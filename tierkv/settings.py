@@ -390,11 +390,25 @@ def source(name: str) -> str:
     return _resolve(_setting(name))[1]
 
 
-def describe() -> dict[str, tuple[Any, str]]:
-    """``{name: (value, source)}`` of every setting, for reports and debug output."""
+class Described(dict[str, tuple[Any, str]]):
+    """``{name: (value, source)}`` of every setting; ``str()`` (what ``print`` shows) is a table of one line per
+    setting: its variable, value and source (``default``, ``environment`` or the ``override(...)``)."""
+
+    def __str__(self) -> str:
+        rows = [("variable", "value", "source")]
+        for name, (value, src) in self.items():
+            variable = SETTINGS[name].variable
+            rows.append((variable, str(value), "environment" if src.startswith(f"{variable}=") else src))
+        widths = [max(len(row[i]) for row in rows) for i in range(2)]
+        return "\n".join(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}" for row in rows)
+
+
+def describe() -> Described:
+    """Every setting's value and source, for reports and debug output; ``print(describe())`` shows them as a
+    table (:class:`Described`), secrets as ``***``."""
     described = {name: _resolve(s) for name, s in SETTINGS.items()}
-    return {name: ("***", src) if name in SECRETS and value is not None else (value, src)
-            for name, (value, src) in described.items()}
+    return Described({name: ("***", src) if name in SECRETS and value is not None else (value, src)
+                      for name, (value, src) in described.items()})
 
 
 @contextlib.contextmanager

@@ -103,15 +103,18 @@ def parse_size(value: float | int | str, *, name: str = "size") -> int:
     return whole
 
 
-def parse_tokens(value: int | float | str, *, name: str = "context", minimum: int = 1) -> int:
-    """A whole token count: ``32768``, ``"128K"`` (131072), ``"1.5K"`` (1536), ``"1M"`` (1048576).
+def parse_tokens(value: int | float | str, *, name: str = "context", minimum: int = 1,
+                 examples: str | None = None) -> int:
+    """A whole token count: ``32768``, ``"128K"`` (131072), ``"1.5K"`` (1536), ``"1M"`` (1048576). ``examples``:
+    what errors suggest instead of context lengths (for a count of new tokens: ``"16, 64 or '1K' (1024)"``).
 
     >>> parse_tokens("1.5K"), parse_tokens(4096)
     (1536, 4096)
     """
+    examples = examples or _TOKEN_EXAMPLES
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    number, unit = _number(value, name, "a token count", _TOKEN_EXAMPLES, TOKEN_UNITS, _TOKEN_UNIT_NAMES,
+    number, unit = _number(value, name, "a token count", examples, TOKEN_UNITS, _TOKEN_UNIT_NAMES,
                            least=f"of at least {plural(minimum, 'token')}")
     count = number * (TOKEN_UNITS[unit] if unit else 1) if number <= MAX_TOKENS else number
     if count != count.to_integral_value():
@@ -121,10 +124,10 @@ def parse_tokens(value: int | float | str, *, name: str = "context", minimum: in
         )
     if count < minimum:
         raise InvalidConfigError(
-            f"{name}={value!r} must be at least {plural(minimum, 'token')}; e.g. {_TOKEN_EXAMPLES}."
+            f"{name}={value!r} must be at least {plural(minimum, 'token')}; e.g. {examples}."
         )
     if count > MAX_TOKENS:
-        raise InvalidConfigError(f"{name}={_shown(value)} is more than {MAX_TOKENS:,} tokens; e.g. {_TOKEN_EXAMPLES}.")
+        raise InvalidConfigError(f"{name}={_shown(value)} is more than {MAX_TOKENS:,} tokens; e.g. {examples}.")
     return int(count)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from tierkv import safefs
 from tierkv.errors import InvalidConfigError
 from tierkv.inputs import creation_problem, longest_name, output_problem
-from tierkv.units import format_size_option, parse_size, parse_token_list, parse_tokens
+from tierkv.units import format_size_option, format_tokens, parse_size, parse_token_list, parse_tokens
 
 STDOUT = "-"
 
@@ -40,9 +40,10 @@ def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return convert
 
 
-def tokens(option: str, minimum: int = 1) -> Callable[[str], int]:
-    """Type of a token-count option (``32768``, ``1.5K``, ``1M``; see :mod:`tierkv.units`)."""
-    return _typed(lambda text: parse_tokens(text, name=option, minimum=minimum))
+def tokens(option: str, minimum: int = 1, examples: str | None = None) -> Callable[[str], int]:
+    """Type of a token-count option (``32768``, ``1.5K``, ``1M``; see :mod:`tierkv.units`); ``examples``: valid
+    values its errors suggest, where context lengths would not fit (a count of new tokens)."""
+    return _typed(lambda text: parse_tokens(text, name=option, minimum=minimum, examples=examples))
 
 
 def sparse_tokens(option: str) -> Callable[[str], int | float]:
@@ -330,6 +331,12 @@ def free_bytes(folder: Path) -> int:
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     return shutil.disk_usage(folder).free
+
+
+def past_trained(context: int, model: str, trained: int, limit: str) -> str:
+    """The start of a note for a ``--context`` past the length ``model`` was trained for (``limit``: where that
+    length comes from); each command ends it with what that means for its output."""
+    return f"--context {format_tokens(context)} is past {model}'s trained {format_tokens(trained)} tokens ({limit})"
 
 
 def require_model_package(name: str) -> None:

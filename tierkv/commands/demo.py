@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import random
 import tempfile
 import time
@@ -37,6 +38,7 @@ from tierkv.commands import (
     json_to_stdout,
     model_or_folder,
     number,
+    past_trained,
     require_model_package,
     seed,
     size,
@@ -73,6 +75,9 @@ CHECKPOINT_DECODE = 32  # tokens decoded from a --prompt-file by default (no exp
 DEFAULT_SPARSE_TOKENS = 0.1  # --sparse-tokens: a tenth of the context
 
 
+IMPORTING = "importing torch and transformers"
+"""What the demo does in the seconds before its model loads (a terminal shows it with a spinner)."""
+
 FILE_SETTINGS = ("profile", "trace")  # the cache reads $TIERKV_PROFILE, traces to $TIERKV_TRACE (tierkv.cli)
 
 
@@ -105,7 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per block, the unit of placement and transfer (default %(default)s)")
     parser.add_argument("--prefill-chunk", type=tokens("--prefill-chunk"), default=1024,
                         help="prefill tokens per forward (default 1024)")
-    parser.add_argument("--max-new-tokens", type=tokens("--max-new-tokens"), default=None,
+    parser.add_argument("--max-new-tokens", type=tokens("--max-new-tokens", examples="16, 64 or '1K' (1024)"),
+                        default=None,
                         help=f"tokens to decode (default: {MIN_DECODE}, or the answer's length if longer; with a "
                              f"named --model {MIN_DECODE // 2} or the answer's length; {CHECKPOINT_DECODE} with "
                              "--prompt-file)")
@@ -136,10 +142,13 @@ def _check_combination(args: argparse.Namespace) -> None:
     if args.prompt_file and not args.prompt_file.read_bytes().strip():
         raise InvalidConfigError(f"--prompt-file {str(args.prompt_file)!r} is empty; give a file with the prompt "
                                  "text to decode from.")
-    trained = _trained_context(args.model) if isinstance(args.model, str) else None
-    if trained is not None and args.context is not None and args.context > trained:
-        raise InvalidConfigError(f"--context {args.context}: {args.model} was trained for {trained} tokens; give "
-                                 f"--context {format_tokens(trained)} or less.")
+    named = _named_model(args)
+    limit = _trained_context(named) if named is not None else None
+    if limit is not None and args.context is not None and args.context > limit:
+        took = f"takes at most {limit} positions (max_position_embeddings)" if named == "demo" else \
+            f"was trained for {limit} tokens"
+        raise InvalidConfigError(f"--context {format_tokens(args.context)}: {named} {took}; give --context "
+                                 f"{format_tokens(limit)} or less.")
     if args.model and args.random_model:
         raise InvalidConfigError("--model and --random-model exclude each other; give one.")
     if isinstance(args.model, str):
@@ -164,8 +173,12 @@ def _check_combination(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _check_combination(args)
     _check_memory(args, args.gpu_gb, args.cpu_gb)  # given budgets, whatever the model: before anything loads
-    with quiet_transformers():
-        _check_device_budget(args)
+    status = Console(stderr=True, highlight=False)
+    with contextlib.ExitStack() as stack:
+        # seconds of imports before the first phase: a spinner from the start on a terminal (a log gets the plan)
+        with status.status(IMPORTING) if status.is_terminal else contextlib.nullcontext():
+            stack.enter_context(quiet_transformers())
+            _check_device_budget(args)
         return _run(args)
 
 
@@ -232,7 +245,10 @@ def _run(args: argparse.Namespace) -> int:
     gpu, cpu = _budgets(args, kv_bytes, floor)
     _check_memory(args, gpu, cpu)
     disk_free = _check_disk_room(args, kv_bytes - gpu - cpu)
-    _announce(status, args, model, len(prompt), decode, gpu, cpu, kv_bytes)
+    _announce(status, args, model, len(prompt), decode, gpu, cpu, kv_bytes, floor)
+    note = _untrained_note(args)
+    if note:
+        status.print(f"note: {note}", markup=False, soft_wrap=True)
     with tempfile.TemporaryDirectory(prefix="tierkv-demo-") as tmp:
         try:
             result = _decode(args, model, prompt, decode, gpu, cpu, str(args.disk_dir or tmp), status, phases)
@@ -343,10 +359,22 @@ def _without_api_names(exc: BaseException) -> str:
     return reason[:cut].rstrip(" ;:,.")
 
 
+def _tiers_used(kv_bytes: int, gpu: int, cpu: int, floor: int) -> str:
+    """Where the KV goes, from the budgets: the device's share is its budget less the executor's minimum
+    (``floor``: staging), the host's its budget, the disk takes the rest."""
+    device_room = max(gpu - floor, 0)
+    if kv_bytes <= device_room:
+        return "all of it on the device, none on host or disk"
+    if kv_bytes <= device_room + cpu:
+        return "the rest on the host, none on disk"
+    return "the rest on disk"
+
+
 def _announce(status: Console, args: argparse.Namespace, model, prompt: int, decode: int, gpu: int, cpu: int,
-              kv_bytes: int) -> None:
+              kv_bytes: int, floor: int) -> None:
     """What the demo does next, with a rough time range (a roofline of this host, measured now, as loaded as the
-    host is then); the runs re-estimate it from their measured rate as they go."""
+    host is then); the runs re-estimate it from their measured rate as they go. ``floor``: the executor's
+    minimum device budget."""
     from tierkv.commands.estimate import greedy_s, measure_cpu
 
     prefill_s, decode_s = greedy_s(model, measure_cpu(), prompt, decode, args.prefill_chunk)
@@ -355,7 +383,8 @@ def _announce(status: Console, args: argparse.Namespace, model, prompt: int, dec
         ", then the same with an in-memory DynamicCache to check every token (transformers' own attention, often "
         "several times slower on a CPU: its time is estimated as it runs; --no-reference skips it)")
     status.print(f"plan: prefill {format_tokens(prompt)} tokens ({format_bytes(kv_bytes)} of KV) into tiers with "
-                 f"budgets of {format_bytes(gpu)} (device) and {format_bytes(cpu)} (host), the rest on disk, decode "
+                 f"budgets of {format_bytes(gpu)} (device) and {format_bytes(cpu)} (host), "
+                 f"{_tiers_used(kv_bytes, gpu, cpu, floor)}, decode "
                  f"{plural(decode, 'token')} with "
                  f"--executor {args.executor} ({between(tiered)} by this host's speed now; re-estimated as it "
                  f"runs){reference}.", soft_wrap=True)
@@ -403,10 +432,35 @@ def _random_config(context: int):
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context + 64)
 
 
+def _named_model(args: argparse.Namespace) -> str | None:
+    """The :mod:`tierkv.models` name of the run's model (``demo`` by default); None for a checkpoint folder or
+    ``--random-model``."""
+    if isinstance(args.model, Path) or args.random_model:
+        return None
+    return args.model or "demo"
+
+
 def _trained_context(name: str) -> int:
     from tierkv import models
 
     return models.spec(name).context
+
+
+def _untrained_note(args: argparse.Namespace) -> str | None:
+    """A note for a ``--context`` past the positions the demo model was trained on (``max_position`` of its
+    ``training.json``), which it takes but was never checked at; None otherwise."""
+    if _named_model(args) != "demo" or args.context is None:
+        return None
+    from tierkv.demo.model import WEIGHTS_DIR
+
+    try:
+        trained = int(json.loads((WEIGHTS_DIR / "training.json").read_text())["max_position"])
+    except (OSError, ValueError, KeyError, TypeError):  # no training record: nothing documented to compare with
+        return None
+    if args.context <= trained:
+        return None
+    return past_trained(args.context, "demo", trained, "positions it saw in training") + \
+        ": it takes them, but its answers there are untested (docs/demo.md)."
 
 
 def _real_model_question(args: argparse.Namespace, status: Console, phases: Phases):

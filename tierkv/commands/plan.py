@@ -22,13 +22,14 @@ from tierkv.commands import (
     integer,
     json_to_stdout,
     number,
+    past_trained,
     size,
     sparse_tokens,
     tokens,
     write_json,
 )
 from tierkv.errors import CapacityError, InvalidConfigError
-from tierkv.model_presets import MODEL_PRESETS
+from tierkv.model_presets import model_names
 from tierkv.planner import (
     CPU,
     DEVICES,
@@ -69,7 +70,9 @@ MAX_DRAM_GBPS = 1e5
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", required=True, help=f"preset ({', '.join(MODEL_PRESETS)}) or path of a HF config.json"
+        "--model", required=True,
+        help=f"a model name ({', '.join(model_names())}; smollm2, gemma3 and demo as tierkv demo takes them) or "
+             "the path of a HF config.json"
     )
     parser.add_argument("--context", required=True, type=tokens("--context"),
                         help="tokens per sequence: 32768, 128K, 1.5K, 1M (binary K/M)")
@@ -275,9 +278,8 @@ def _notes(result: Plan, sparse: int | float) -> list[str]:
     notes = []
     trained = req.model.max_positions
     if trained is not None and req.context > trained:
-        notes.append(f"--context {format_tokens(req.context)} is past {req.model.name}'s trained "
-                     f"{format_tokens(trained)} tokens (max_position_embeddings): the plan prices bytes and time, "
-                     "not answer quality there.")
+        notes.append(past_trained(req.context, req.model.name, trained, "max_position_embeddings")
+                     + ": the plan prices bytes and time, not answer quality there.")
     machine = req.links.machine
     if req.links.serial_mover and req.device.name in DEVICES:
         notes.append(f"the --profile was measured on a host without a GPU (gpu: {machine.get(GPU_KEY, 'none')}): its "
