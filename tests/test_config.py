@@ -47,10 +47,14 @@ def test_model_instead_of_its_config_names_the_fix():
 
 def test_budget_beyond_the_machine_names_its_memory(tmp_path):
     check_budgets_fit_machine(2**20, 2**20, 2**20, tmp_path)
-    with pytest.raises(InvalidConfigError, match=r"gpu_gb is .*PiB but this machine has .* of RAM"):
+    bytes_as_gb = r"gpu_gb is 8,000,000 GB \(.*PiB\) but this machine has .* of RAM.*byte count"
+    with pytest.raises(InvalidConfigError, match=bytes_as_gb):
         check_budgets_fit_machine(parse_size(8_000_000), None, None, None)  # 8 PB: bytes passed as GB
     with pytest.raises(InvalidConfigError, match="cpu_gb"):
         check_budgets_fit_machine(None, 2**62, None, None)
+    with pytest.raises(InvalidConfigError, match="cpu_gb") as caught:  # GB asked for: no hint about bytes
+        check_budgets_fit_machine(None, parse_size(100_000), None, None)
+    assert "cpu_gb is 100,000 GB (" in str(caught.value) and "byte count" not in str(caught.value)
     with pytest.raises(InvalidConfigError, match="filesystem under"):
         check_budgets_fit_machine(None, None, 2**62, tmp_path / "not" / "yet")
 

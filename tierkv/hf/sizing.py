@@ -584,6 +584,10 @@ def check_disk_engine(engine: str | None) -> None:
         ) from exc
 
 
+BYTES_AS_GB = 10**15
+"""A budget from a bare number of a million GB or more: surely a byte count passed where GB are expected."""
+
+
 def check_budgets_fit_machine(gpu: int | None, cpu: int | None, disk: int | None,
                               disk_dir: str | os.PathLike[str] | None, *, persist: int | None = None) -> None:
     """Refuse a budget larger than this machine could ever provide (bytes; None = not given), and a disk budget
@@ -598,10 +602,11 @@ def check_budgets_fit_machine(gpu: int | None, cpu: int | None, disk: int | None
         memory, where = machine_memory()
         for name, nbytes in budgets.items():
             if nbytes is not None and nbytes > memory:
-                raise InvalidConfigError(
-                    f"{name} is {format_bytes(nbytes)} but this machine has {where}; a bare number counts GB, so "
-                    f"pass a byte count as a string (e.g. {name}=f\"{{n}}B\") or give a size that fits."
-                )
+                fix = (f"a bare number counts GB, so pass a byte count as a string (e.g. {name}=f\"{{n}}B\")"
+                       if nbytes >= BYTES_AS_GB else "give a size that fits")
+                gb = f"{nbytes / 1e9:,.2f}".rstrip("0").rstrip(".") if nbytes < 10**24 else f"{nbytes / 1e9:.3g}"
+                raise InvalidConfigError(f"{name} is {gb} GB ({format_bytes(nbytes)}) but this "
+                                         f"machine has {where}; {fix}.")
     if disk is not None and disk_dir is not None:
         total, free = _disk_usage(disk_dir)
         if total == 0:  # a filesystem that reports no size (ramfs, some FUSE and network ones): disk_gb is the bound
