@@ -204,3 +204,21 @@ def test_the_demos_first_line_calls_the_sizes_budgets(monkeypatch):
     line = out.getvalue()
     assert "budgets of 1.48 MiB (device) and 1.00 MiB (host), the rest on disk" in line, line
 
+
+
+def test_the_roofline_reads_each_kv_head_once():
+    """A decode step's K/V bytes are the KV heads' (a query group shares its head): counting query heads made a
+    grouped-query model's memory-bound step look group-times slower."""
+    import transformers
+
+    from tierkv.commands.estimate import forward_s
+    from tierkv.planner import DeviceSpec
+
+    def model(kv_heads: int):
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=8)
+        return transformers.LlamaForCausalLM(config)
+
+    slow_memory = DeviceSpec("memory-bound", 1e9, 1e18, 1.0)  # the step's time is its bytes
+    grouped, full = (forward_s(model(heads), slow_memory, 1, 100_000) for heads in (2, 8))
+    assert grouped < full / 3  # the weights' bytes aside, a quarter of the K/V

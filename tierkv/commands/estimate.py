@@ -39,22 +39,23 @@ def measure_cpu(size: int = 768, copy_bytes: int = 64 * 2**20, repeats: int = 5)
     return DeviceSpec("cpu, measured", bandwidth, flops, CPU_PRESET.efficiency)
 
 
-def model_shape(model: torch.nn.Module) -> tuple[int, int, int, int]:
-    """``(parameters, layers, attention heads, head dim)`` of a transformers decoder."""
+def model_shape(model: torch.nn.Module) -> tuple[int, int, int, int, int]:
+    """``(parameters, layers, attention heads, KV heads, head dim)`` of a transformers decoder."""
     model_config: Any = model.config
     config = model_config.get_text_config(decoder=True)
     heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return sum(p.numel() for p in model.parameters()), config.num_hidden_layers, heads, head_dim
+    return sum(p.numel() for p in model.parameters()), config.num_hidden_layers, heads, kv_heads, head_dim
 
 
 def forward_s(model: torch.nn.Module, device: DeviceSpec, new_tokens: int, context: int) -> float:
     """Roofline time of one forward of ``new_tokens`` tokens after ``context`` tokens (a prefill chunk, or a
     decode step with ``new_tokens=1``)."""
-    params, layers, heads, head_dim = model_shape(model)
+    params, layers, heads, kv_heads, head_dim = model_shape(model)
     attended = context * new_tokens + new_tokens * (new_tokens + 1) // 2
-    flops = 2 * params * new_tokens + 4 * layers * heads * head_dim * attended
-    kv_bytes = 2 * layers * heads * head_dim * 4 * (context + new_tokens)
+    flops = 2 * params * new_tokens + 4 * layers * heads * head_dim * attended  # every query head scores
+    kv_bytes = 2 * layers * kv_heads * head_dim * 4 * (context + new_tokens)  # a query group reads its KV head once
     return device.time(4 * params + kv_bytes, flops)
 
 
