@@ -4,6 +4,7 @@ against DynamicCache across tiers and table edits, and the bookkeeping the adapt
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -102,3 +103,53 @@ def _prefilled(model, ids, cache):
     with torch.no_grad():
         model(ids, past_key_values=cache)
     return cache
+
+
+@pytest.mark.parametrize("name", sorted(EXECUTORS))
+def test_a_backward_that_needs_other_gradients_is_refused_too(tmp_path, name):
+    """Where the step's query needs no gradient (only the value projection trains), or only the K/V of an earlier
+    forward had one (a soft prompt given as inputs_embeds, the model frozen), a backward still raises: the K/V
+    gradients were dropped silently."""
+    model = copy.deepcopy(tiny_model("llama"))
+    for parameter_name, parameter in model.named_parameters():
+        parameter.requires_grad_("v_proj" in parameter_name)
+    ids, _ = prompt(1, 24, seed=3)
+    gpu = TieredCache.min_device_bytes(model.config, 40, block_tokens=4, device="cpu")
+    with TieredCache(gpu_gb=f"{gpu}B", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
+        with engage(name, cache, model):
+            _prefilled(model, ids[:, :16], cache)
+            loss = model(ids[:, 16:], past_key_values=cache, labels=ids[:, 16:]).loss
+        with pytest.raises(TierKVError, match="backward through a forward with a TieredCache"):
+            loss.backward()
+    model.requires_grad_(False)
+    soft_prompt = model.get_input_embeddings()(ids[:, :16]).detach().requires_grad_(True)
+    with TieredCache(gpu_gb=f"{gpu}B", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4, config=model.config) as cache:
+        with engage(name, cache, model):
+            model(inputs_embeds=soft_prompt, past_key_values=cache)
+            loss = model(ids[:, 16:], past_key_values=cache, labels=ids[:, 16:]).loss
+        with pytest.raises(TierKVError, match="backward through a forward with a TieredCache"):
+            loss.backward()
+
+
+@pytest.mark.parametrize("name", sorted(EXECUTORS))
+def test_a_users_4d_mask_is_read_afresh_each_forward(tmp_path, name):
+    """A 4-D mask a user passes (float, -inf where hidden: sdpa gives a fully hidden row zeros) and edits in place
+    between forwards under inference_mode (whose tensors count no version): each forward's rows are its own."""
+    model = tiny_model("llama", layers=3)
+    ids, _ = prompt(2, 20, seed=7)
+    hidden = torch.full((20, 20), float("-inf")).triu(1)  # causal
+    mask = hidden.expand(2, 1, 20, 20).clone()
+    mask[0, :, :, :6] = float("-inf")  # row 0: 6 padding tokens, its first 6 queries see nothing
+    edited = hidden.expand(2, 1, 20, 20).clone()
+    edited[1, :, :, :9] = float("-inf")
+    gpu = TieredCache.min_device_bytes(model.config, 40, batch=2, block_tokens=4, device="cpu")
+    with torch.inference_mode(), TieredCache(gpu_gb=f"{gpu}B", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4,
+                                             config=model.config) as cache:  # fmt: skip
+        user_mask = mask.clone()
+        for expected_mask in (mask, edited):
+            user_mask.copy_(expected_mask)
+            expected = model(ids, attention_mask=expected_mask, past_key_values=DynamicCache()).logits
+            with engage(name, cache, model):
+                got = model(ids, attention_mask=user_mask, past_key_values=cache).logits
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+            cache.reset()

@@ -84,14 +84,19 @@ def test_inputs_strided_in_their_last_dimension_attend_as_contiguous_ones(stride
     torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-6)
 
 
-def test_fully_masked_rows_are_found_again_when_the_mask_changes():
+def test_fully_masked_rows_are_found_once_a_forward():
     rows = FullyMaskedRows()
     mask = torch.ones(2, 1, 3, 5, dtype=torch.bool)
     assert rows(mask) is None
-    mask[1, 0, 2] = False  # the same tensor, edited in place: found again
-    assert rows(mask).nonzero().tolist() == [[1, 0, 2]]
-    additive = torch.zeros(1, 1, 2, 4).index_fill_(2, torch.tensor([0]), torch.finfo(torch.float32).min)
-    assert rows(additive).tolist() == [[[True, False]]]
+    mask[1, 0, 2] = False
+    assert rows(mask) is None  # the same forward: the same answer
+    rows.forget()  # the next forward: found again
+    found = rows(mask)
+    assert found.uniform is None and found.empty.nonzero().tolist() == [[1, 0, 2]]
+    additive = torch.zeros(1, 1, 3, 4).index_fill_(2, torch.tensor([0]), torch.finfo(torch.float32).min)
+    additive[0, 0, 2] = float("-inf")  # hidden outright: sdpa's zeros, not the mean
+    found = rows(additive)
+    assert found.uniform.tolist() == [[[True, False, False]]] and found.empty.tolist() == [[[False, False, True]]]
     with torch.inference_mode():
-        assert rows(torch.zeros(1, 1, 2, 4, dtype=torch.bool)).all()
+        assert rows(torch.zeros(1, 1, 2, 4, dtype=torch.bool)).empty.all()
     assert rows(torch.zeros(1, 1, 1, 4, dtype=torch.int64)) is None  # not a mask transformers makes: left alone

@@ -745,11 +745,13 @@ def test_a_conversation_persists_its_generated_tokens_on_the_next_turn(tmp_path)
         _assert_same(reference, _generate(model, turn, later))
 
 
-def test_weights_changed_between_turns_persist_nothing_more(tmp_path):
+@pytest.mark.parametrize("change", ["load_state_dict", "through .data"])
+def test_weights_changed_between_turns_persist_nothing_more(tmp_path, change):
     """The model load_prefix was given changed its weights in place before the next turn (a fine-tune's
-    load_state_dict): the blocks computed from then on are another model's over this one's K/V, and were
-    persisted under the first model's keys, so a worker with the first model loaded them and decoded other tokens.
-    Nothing of the sequence is persisted after the change; what was persisted before stays valid."""
+    load_state_dict, an optimizer's write through .data): the blocks computed from then on are another model's over
+    this one's K/V, and were persisted under the first model's keys, so a worker with the first model loaded them
+    and decoded other tokens. Nothing of the sequence is persisted after the change; what was persisted before stays
+    valid."""
     model = tiny_model("llama")
     worker = copy.deepcopy(model)
     ids, _ = prompt(1, PROMPT, seed=8)
@@ -759,8 +761,13 @@ def test_weights_changed_between_turns_persist_nothing_more(tmp_path):
         cache.flush()
         stored = _listed(tmp_path)
         assert stored == ids.shape[1] // BT  # the prompt's (generated ids are known at the next turn)
-        worker.load_state_dict({name: value * 1.5 if "v_proj" in name else value
-                                for name, value in model.state_dict().items()})  # fmt: skip
+        if change == "load_state_dict":
+            worker.load_state_dict({name: value * 1.5 if "v_proj" in name else value
+                                    for name, value in model.state_dict().items()})  # fmt: skip
+        else:  # as an optimizer or an EMA writes: torch counts no version
+            for name, parameter in worker.named_parameters():
+                if "v_proj" in name:
+                    parameter.data.mul_(1.5)
         turn = torch.cat((first, prompt(1, 12, seed=9)[0]), dim=1)
         cache.load_prefix(worker, turn)
         _generate(worker, turn, cache)

@@ -11,6 +11,8 @@ two at a time as they come (:func:`merge`), or all of a step's at once (:func:`m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -55,33 +57,49 @@ def mask_bias(mask: torch.Tensor | None, offset: int, count: int, total: int, q_
     return part.to(dtype).clamp_min(lowest)
 
 
-def fully_masked(mask: torch.Tensor) -> torch.Tensor | None:
-    """The query rows ``[B or 1, 1, q]`` whose every key ``mask`` hides (a padding query in a left-padded batch), or
-    None where there is none: such a row has no softmax of its own — each implementation gives it its own output
-    (eager's additive mask: the uniform mean of the keys; sdpa's boolean one: zeros) — and a log-sum-exp merge
-    would weigh its pieces alike whatever their key counts (every piece's is the mask's lowest value)."""
+@dataclass(frozen=True, slots=True)
+class MaskedRows:
+    """A mask's fully masked query rows ``[B or 1, 1, q]`` (the padding of a left-padded row), each None where there
+    is none. Such a row has no softmax of its own, so each implementation gives it its own output — ``uniform``:
+    every key at the additive mask's lowest finite value, a softmax of equal logits (eager's, and sdpa's with a float
+    mask): the mean of the keys; ``empty``: every key hidden outright (a boolean mask, ``-inf``): sdpa's zeros — and
+    a log-sum-exp merge would weigh its pieces alike whatever their key counts (every piece's is the same)."""
+
+    uniform: torch.Tensor | None
+    empty: torch.Tensor | None
+
+
+def fully_masked(mask: torch.Tensor) -> MaskedRows | None:
+    """:class:`MaskedRows` of ``mask`` ``[B or 1, 1, q, kv]`` (one device sync), None where no row is fully masked."""
     if mask.dtype == torch.bool:
-        dead = ~mask.any(dim=-1)
+        uniform, empty = torch.zeros_like(mask[..., 0]), ~mask.any(dim=-1)
     elif mask.is_floating_point():
-        dead = (mask <= torch.finfo(mask.dtype).min).all(dim=-1)
+        empty = (mask == float("-inf")).all(dim=-1)
+        uniform = (mask <= torch.finfo(mask.dtype).min).all(dim=-1) & ~empty
     else:
         return None
-    return dead if bool(dead.any()) else None
+    any_uniform, any_empty = torch.stack([uniform.any(), empty.any()]).tolist()
+    if not (any_uniform or any_empty):
+        return None
+    return MaskedRows(uniform if any_uniform else None, empty if any_empty else None)
 
 
 class FullyMaskedRows:
-    """:func:`fully_masked` of the last mask asked about, kept while that tensor is unchanged: a model passes one
-    mask object to every layer of a forward, so its rows are found (a device sync) once a forward, not a layer."""
+    """:func:`fully_masked` of each mask a forward's layers attend with, found once a forward (a model passes one
+    mask object per layer kind to every layer of that kind): forgotten when the next forward begins."""
 
     def __init__(self) -> None:
-        self._last: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
+        self._found: dict[int, tuple[torch.Tensor, MaskedRows | None]] = {}
 
-    def __call__(self, mask: torch.Tensor) -> torch.Tensor | None:
-        version = -1 if mask.is_inference() else mask._version  # (inference tensors count no version)
-        last = self._last
-        if last is None or last[0] is not mask or last[1] != version:
-            last = self._last = (mask, version, fully_masked(mask))
-        return last[2]
+    def __call__(self, mask: torch.Tensor) -> MaskedRows | None:
+        found = self._found.get(id(mask))
+        if found is None or found[0] is not mask:
+            found = self._found[id(mask)] = (mask, fully_masked(mask))
+        return found[1]
+
+    def forget(self) -> None:
+        """A forward begins: its masks are new (or a user's, edited in place since)."""
+        self._found.clear()
 
 
 def position_bias(positions: torch.Tensor, start: int, stop: int, mask: torch.Tensor | None,

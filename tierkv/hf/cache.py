@@ -222,7 +222,10 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
         self.chosen = "gather"  # the exact executor the last exact() chose
         self.sized_at: int | None = None  # masks_built() when a forward last asked for mask sizes (hf.attention)
         self.forward = Forward()  # how far the current forward got; the rollback it may owe
-        self.fully_masked = FullyMaskedRows()  # the padding queries of the mask the layers attend with
+        self.fully_masked = FullyMaskedRows()  # the padding queries of the masks the layers attend with
+        # a leaf that requires grad once K/V with autograd history were stored (a forward with gradients on): later
+        # forwards tie their outputs to it, so a backward that would need those K/V's gradients raises (hf.layer)
+        self.history: torch.Tensor | None = None
         self.edits = 0  # forwards begun and edits (crop, rows, reset): a save checks it is unchanged between records
         # held by each update and an engaged layer's attention, and by close(): a close() on another thread waits
         # for the layer-step in progress, whose next update then finds the cache closed
@@ -439,6 +442,7 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
             for layer in self.layers:
                 layer.reset()
             self.forward.reset()
+            self.history = None
 
     # ----------------------------------------------------------------------------------- tierkv API
     @property
@@ -634,6 +638,7 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
         if self.closed:
             raise closed_error()
         self.edits += 1
+        self.fully_masked.forget()
         if self.unentered is not None:
             engagement, self.unentered = self.unentered, None
             engagement.refuse()
@@ -641,6 +646,12 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
         if self.session is not None:
             self.session.began(self.get_seq_length())
             self.session.collect(self, wait=False)  # never waits for a slow store: persistence lags instead
+
+    def note_history(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A layer stored ``keys``/``values``: where they carry autograd history (gradients on), the tiers' copies
+        lose it, so from then on :attr:`history` marks every forward's outputs (a backward through them raises)."""
+        if self.history is None and torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad):
+            self.history = torch.zeros((), requires_grad=True)
 
     def settle_stopped(self) -> bool:
         """Before an edit between forwards: a forward that stopped part-way is rolled back first

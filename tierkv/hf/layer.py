@@ -46,12 +46,13 @@ _LAYER_NOT_COPIED = (
 
 
 class _NoBackward(torch.autograd.Function):
-    """``value`` as it is (no copy), tied to ``source``'s autograd graph so that a backward reaching it raises with
-    the fix: the tiers hold K/V without autograd history, so gradients through a TieredCache's attention would miss
-    its K/V (exact gather's) or fail on a reused buffer (streaming's) — never silently wrong."""
+    """``value`` as it is (no copy), tied to the autograd graph of ``sources`` so that a backward reaching it raises
+    with the fix: the tiers hold K/V without autograd history, so gradients through a TieredCache's attention would
+    miss its K/V (exact gather's), the K/V of earlier forwards, or fail on a reused buffer (streaming's) — never
+    silently wrong."""
 
     @staticmethod
-    def forward(ctx: Any, source: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, value: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
         return value
 
     @staticmethod
@@ -62,9 +63,13 @@ class _NoBackward(torch.autograd.Function):
             "torch.no_grad() or torch.inference_mode(); to train or take gradients, use transformers' DynamicCache.")
 
 
-def _without_backward(source: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value``, raising at backward (:class:`_NoBackward`) where a forward takes gradients through ``source``."""
-    return _NoBackward.apply(source, value) if torch.is_grad_enabled() and source.requires_grad else value
+def _without_backward(value: torch.Tensor, *sources: torch.Tensor | None) -> torch.Tensor:
+    """``value``, raising at backward (:class:`_NoBackward`) where a forward takes gradients through any of
+    ``sources`` (the step's query and K/V; the cache's mark of K/V stored with autograd history)."""
+    given = [source for source in sources if source is not None]
+    if torch.is_grad_enabled() and any(source.requires_grad for source in given):
+        return _NoBackward.apply(value, *given)
+    return value
 
 
 class Uncopyable:
@@ -211,7 +216,10 @@ class TieredLayer(OfCache, CacheLayerMixin):
                 hand_over(self)
             keys, values = executor.step(span, key_states, value_states)
             if not executor.replaces_attention:  # (those attend(): the model must pass back these very tensors)
-                keys, values = _without_backward(key_states, keys), _without_backward(value_states, values)
+                history = cache.history
+                keys = _without_backward(keys, key_states, value_states, history)
+                values = _without_backward(values, key_states, value_states, history)
+            cache.note_history(key_states, value_states)
             return (keys, values) if widths is None else (keys[..., :widths[0]], values[..., :widths[1]])
         except BaseException as error:  # a KeyboardInterrupt too: the layers that took this step give it back
             cache.roll_back(self.length_before)
@@ -293,12 +301,16 @@ class TieredLayer(OfCache, CacheLayerMixin):
             if mask is None and not causal and query.shape[2] > 1:  # no mask, not causal: every query, every key
                 mask = torch.ones((1, 1, query.shape[2], span.stop - span.start), dtype=torch.bool,
                                   device=query.device)  # fmt: skip
-            zeros = None  # fully masked query rows: sdpa gives them zeros, as eager with sinks (they take the mass)
-            if mask is not None and (dead := self.cache.fully_masked(mask)) is not None:
-                if mask.dtype == torch.bool or sinks is not None:
-                    zeros = dead[..., None]
-                else:  # eager's softmax of equal logits: the mean of every key, which the pieces merge to exactly
-                    query, mask = query.masked_fill(dead[..., None], 0), mask.masked_fill(dead[..., None], 0)
+            zeros = None  # fully masked query rows (lse.MaskedRows): zeros, or the mean of the keys
+            if mask is not None and (rows := self.cache.fully_masked(mask)) is not None:
+                zeros = rows.empty
+                if rows.uniform is not None and sinks is not None:  # the sinks take all the mass: zeros
+                    zeros = rows.uniform if zeros is None else zeros | rows.uniform
+                elif rows.uniform is not None:  # a softmax of equal logits: the pieces merge to the mean exactly
+                    uniform = rows.uniform[..., None]
+                    query, mask = query.masked_fill(uniform, 0), mask.masked_fill(uniform, 0)
+                zeros = None if zeros is None else zeros[..., None]
+            given = query
             with torch.no_grad():  # (a backward is refused below: the executors' buffers hold no history)
                 out, lse = executor.attend(span, query, mask, scaling, softcap)
                 if sinks is not None:
@@ -306,7 +318,7 @@ class TieredLayer(OfCache, CacheLayerMixin):
                 if zeros is not None:
                     out = out.masked_fill(zeros, 0)
                 out = out.transpose(1, 2).contiguous().to(query.dtype)  # contiguous as sdpa's: models .view() it
-            return _without_backward(query, out)
+            return _without_backward(out, given, key_states, value_states, self.cache.history)
         except BaseException as error:
             cache = self.cache
             cache.roll_back(self.length_before)

@@ -38,7 +38,7 @@ from tierkv.errors import InvalidConfigError
 from tierkv.hf.attention import own_implementation
 from tierkv.persist import record
 from tierkv.persist.blockfile import PersistentStore
-from tierkv.persist.keys import Namespace, model_fingerprint, tensor_state
+from tierkv.persist.keys import Namespace, model_fingerprint, tensor_state, weights_sample
 from tierkv.persist.prefix import PrefixPersistence
 from tierkv.units import format_bytes, parse_size
 
@@ -92,7 +92,7 @@ class PrefixSession:
         self.announced: int | None = None  # the length at which the forward the hook checked last begins
         # the model load_prefix was given (weakly) and its tensors' state then: blocks are persisted only while the
         # weights are those its namespace was computed of
-        self.source: tuple[weakref.ref[torch.nn.Module], tuple] | None = None
+        self.source: tuple[weakref.ref[torch.nn.Module], tuple, torch.Tensor] | None = None
 
     @property
     def ids(self) -> np.ndarray | None:
@@ -134,7 +134,7 @@ class PrefixSession:
             watch = self.watches[id(model)] = ForwardWatch(self, cache, model)
         self.private, self.loaded, self.clean = False, 0, unmasked
         self._record([])
-        self.source = (weakref.ref(model), tensor_state(model))
+        self.source = (weakref.ref(model), tensor_state(model), weights_sample(model))
         self.prefix.start(namespace, ids)
         if self.remote is not None:
             self.remote.bind(namespace)
@@ -265,19 +265,20 @@ class PrefixSession:
 
     def same_weights(self) -> bool:
         """Whether the model load_prefix was given still computes what the sequence's namespace says (asked before
-        blocks are persisted, once a block: comparing tensor states costs ~1 us a tensor). Weights changed in place
-        since (a fine-tune's ``load_state_dict``, a ``.to()``) make every block from then on of another model,
-        computed over K/V of this one: none of this sequence is persisted any more (logged)."""
+        blocks are persisted, once a block: tensor states and a few elements of each, ~10 us a tensor). Weights
+        changed in place since (a fine-tune's ``load_state_dict``, a ``.to()``, a write through ``.data``) make
+        every block from then on of another model, computed over K/V of this one: none of this sequence is
+        persisted any more (logged). A write through ``.data`` of elements the sample does not read is not seen."""
         source, namespace = self.source, self.prefix.namespace
         if source is None or namespace is None:
             return True
         model = source[0]()
         if model is not None:
-            state = tensor_state(model)
-            if state == source[1]:
+            state, sample = tensor_state(model), weights_sample(model)
+            if state == source[1] and torch.equal(sample, source[2]):
                 return True
-            if model_fingerprint(model) == namespace.fingerprint:
-                self.source = (source[0], state)  # the same bytes in new tensors
+            if model_fingerprint(model, cached=False) == namespace.fingerprint:
+                self.source = (source[0], state, sample)  # the same bytes in new tensors
                 return True
         log.info("tierkv: the weights of the model given to load_prefix changed since (or it is gone); nothing more "
                  "of this sequence is persisted (cache.reset() and load_prefix start a new one)")

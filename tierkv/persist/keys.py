@@ -86,6 +86,22 @@ def tensor_state(model: torch.nn.Module) -> tuple:
     return _state([(name, tensor.detach()) for name, tensor in [*model.named_parameters(), *model.named_buffers()]])
 
 
+def weights_sample(model: torch.nn.Module, per_tensor: int = 8) -> torch.Tensor:
+    """The bytes of a few elements of every parameter and buffer (up to ``per_tensor``, spread over each), on the
+    host: what :func:`tensor_state` cannot see — a write through ``.data``, which torch does not count (an
+    optimizer's or an EMA's update) — changes them, and reading them costs a few milliseconds."""
+    import torch
+
+    pieces = []
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            flat = tensor.detach().reshape(-1)
+            if flat.numel():
+                index = torch.linspace(0, flat.numel() - 1, min(per_tensor, flat.numel()), device=flat.device)
+                pieces.append(flat[index.long()].contiguous().view(torch.uint8).reshape(-1).cpu())
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+
+
 def _state(tensors: list[tuple[str, torch.Tensor]]) -> tuple:
     return tuple((name, t.untyped_storage().data_ptr(), t.storage_offset(), t._version, tuple(t.shape), t.dtype,
                   t.device) for name, t in tensors)
