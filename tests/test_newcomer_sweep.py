@@ -141,6 +141,19 @@ def test_the_demo_model_is_planned_from_its_shipped_config():
         config["max_position_embeddings"])
 
 
+@pytest.mark.parametrize("name", ["gemma3", "demo"])
+def test_a_folder_of_a_models_name_is_what_plan_reads(tmp_path, monkeypatch, name):
+    """``--model gemma3`` where ``./gemma3`` holds a downloaded config: that folder, as before the short names."""
+    from tierkv.model_presets import resolve_model
+
+    config = json.loads((WEIGHTS_DIR / "config.json").read_text())
+    config["num_hidden_layers"] = 7
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.json").write_text(json.dumps(config))
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model(name).layers == 7
+
+
 @pytest.mark.parametrize(("typed", "suggested"), [("llama3-8b", "'llama-3-8b'"), ("smolm2", "'smollm2'"),
                                                   ("qwen", "'qwen2.5-7b'")])
 def test_plan_suggests_the_closest_model_name(typed, suggested, capsys):

@@ -58,6 +58,9 @@ def test_a_file_that_is_not_a_profile_of_this_format_is_refused(tmp_path: Path, 
 def test_a_profile_saved_before_it_had_a_format_plans_as_before(tmp_path: Path) -> None:
     path = _profile(tmp_path, lambda d: d.pop("format"))
     assert LinkProfile.load(path) == LinkProfile.load(_profile(tmp_path, lambda d: None))
+    older = _profile(tmp_path, lambda d: d.pop("format") and d.update(contention=1.2, disk_contention=1.3))
+    assert LinkProfile.load(older).contention == LinkProfile.load(_profile(tmp_path, lambda d: d.update(
+        contention=1.2))).contention  # one factor for all, as profiles of then were read
 
 
 # ------------------------------------------------------------------ numbers in a profile file

@@ -54,7 +54,8 @@ MAX_LINK_LATENCY_S = 60.0
 MAX_HOST_THREADS = 65536
 MAX_COMPUTE_FLOPS = 1e18  # FLOP/s a profile's machine["compute_flops"] may claim: far above any host's
 PROFILE_FORMAT = 1  # a saved profile's "format": a later one is a newer tierkv's (absent: written before it was)
-_PROFILE_FIELDS = {"format", "links", "machine", "serial_mover", "contention", "layer_overhead_s", "host_attention"}
+_PROFILE_FIELDS = {"format", "links", "machine", "serial_mover", "contention", "layer_overhead_s", "host_attention",
+                   "disk_contention"}  # (the last: profiles written before the four contention factors; not read)
 _COMPUTE_FLOPS_KEY = "compute_flops"  # tierkv.planner.COMPUTE_FLOPS_KEY (the planner imports this module)
 
 
