@@ -647,12 +647,6 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
             self.session.began(self.get_seq_length())
             self.session.collect(self, wait=False)  # never waits for a slow store: persistence lags instead
 
-    def note_history(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """A layer stored ``keys``/``values``: where they carry autograd history (gradients on), the tiers' copies
-        lose it, so from then on :attr:`history` marks every forward's outputs (a backward through them raises)."""
-        if self.history is None and torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad):
-            self.history = torch.zeros((), requires_grad=True)
-
     def settle_stopped(self) -> bool:
         """Before an edit between forwards: a forward that stopped part-way is rolled back first
         (:meth:`Forward.settle_stopped`); whether it was."""

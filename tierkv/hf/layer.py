@@ -66,10 +66,10 @@ class _NoBackward(torch.autograd.Function):
 def _without_backward(value: torch.Tensor, *sources: torch.Tensor | None) -> torch.Tensor:
     """``value``, raising at backward (:class:`_NoBackward`) where a forward takes gradients through any of
     ``sources`` (the step's query and K/V; the cache's mark of K/V stored with autograd history)."""
+    if not torch.is_grad_enabled():  # (decoding: the step's only cost here)
+        return value
     given = [source for source in sources if source is not None]
-    if torch.is_grad_enabled() and any(source.requires_grad for source in given):
-        return _NoBackward.apply(value, *given)
-    return value
+    return _NoBackward.apply(value, *given) if any(source.requires_grad for source in given) else value
 
 
 class Uncopyable:
@@ -219,7 +219,9 @@ class TieredLayer(OfCache, CacheLayerMixin):
                 history = cache.history
                 keys = _without_backward(keys, key_states, value_states, history)
                 values = _without_backward(values, key_states, value_states, history)
-            cache.note_history(key_states, value_states)
+            if cache.history is None and torch.is_grad_enabled() and (key_states.requires_grad or
+                                                                       value_states.requires_grad):
+                cache.history = torch.zeros((), requires_grad=True)  # the tiers' copies of these K/V lose theirs
             return (keys, values) if widths is None else (keys[..., :widths[0]], values[..., :widths[1]])
         except BaseException as error:  # a KeyboardInterrupt too: the layers that took this step give it back
             cache.roll_back(self.length_before)
