@@ -142,16 +142,19 @@ def test_the_demo_model_is_planned_from_its_shipped_config():
 
 
 @pytest.mark.parametrize("name", ["gemma3", "demo"])
-def test_a_folder_of_a_models_name_is_what_plan_reads(tmp_path, monkeypatch, name):
-    """``--model gemma3`` where ``./gemma3`` holds a downloaded config: that folder, as before the short names."""
+def test_a_name_means_the_same_model_to_plan_and_demo_and_a_folder_is_a_path(tmp_path, monkeypatch, name):
+    """``--model gemma3`` is Gemma 3 270M to plan as to demo, whatever folders the working directory holds (an empty
+    ``./demo`` made plan fail); the folder is read when given as a path (``./gemma3``)."""
     from tierkv.model_presets import resolve_model
 
     config = json.loads((WEIGHTS_DIR / "config.json").read_text())
     config["num_hidden_layers"] = 7
     (tmp_path / name).mkdir()
-    (tmp_path / name / "config.json").write_text(json.dumps(config))
     monkeypatch.chdir(tmp_path)
-    assert resolve_model(name).layers == 7
+    named = resolve_model(name)
+    (tmp_path / name / "config.json").write_text(json.dumps(config))
+    assert resolve_model(name) == named and named.layers != 7
+    assert resolve_model(f"./{name}").layers == 7
 
 
 @pytest.mark.parametrize(("typed", "suggested"), [("llama3-8b", "'llama-3-8b'"), ("smolm2", "'smollm2'"),
@@ -180,13 +183,18 @@ def no_run(monkeypatch):
     monkeypatch.setattr(demo, "_run", lambda args: 0)
 
 
-def test_demo_refuses_a_context_past_its_models_positions(capsys, no_run):
+@pytest.mark.parametrize(("context", "decoded"), [("150K", 16), ("128K", 16), ("131061", 12)])
+def test_demo_refuses_a_context_past_its_models_positions(capsys, no_run, context, decoded):
+    """The prompt is --context tokens and the tokens decoded come after it: 128K and 16 more are past 131072."""
     from tierkv.cli import main
 
-    assert main(["demo", "--context", "150K"]) == 2
+    argv = ["demo", "--context", context] + (["--max-new-tokens", str(decoded)] if decoded != 16 else [])
+    assert main(argv) == 2
     line = capsys.readouterr().err.strip()
-    assert line == ("tierkv demo: error: --context 150K: demo takes at most 131072 positions "
-                    "(max_position_embeddings); give --context 128K or less."), line
+    assert line.startswith(f"tierkv demo: error: --context {context}: demo takes at most 131072 positions "
+                           f"(max_position_embeddings), {decoded} of them for the tokens it decodes; give "
+                           "--context "), line
+    assert main(["demo", "--context", str(131072 - decoded), "--max-new-tokens", str(decoded)]) == 0
 
 
 def _demo_args(*argv: str):

@@ -1249,3 +1249,31 @@ def test_the_forward_hook_of_another_threads_cache_never_breaks_a_forward(tmp_pa
         (hook,) = model._forward_pre_hooks.values()
         assert hook(model, (ids,)) is None
         _assert_same(_generate(model, ids), _generate(model, ids, cache))
+
+
+def test_a_ctrl_c_during_close_comes_after_the_cleanup(tmp_path, monkeypatch):
+    """A Ctrl-C while close() writes the queued blocks cut it half way: the store's scratch area and threads stayed
+    until exit, and a second close() had nothing left to finish. The interrupt now comes once close() is done."""
+    import signal
+    import threading
+
+    from tierkv.persist import prefix
+
+    model = tiny_model("llama")
+    ids, _ = prompt(1, PROMPT, seed=8)
+    before = set(threading.enumerate())
+    cache = _cache(model, tmp_path)
+    cache.load_prefix(model, ids)
+    _generate(model, ids, cache)
+    writer_close = prefix._Writer.close
+
+    def interrupted(writer) -> None:
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C, as the queued blocks are written
+        writer_close(writer)
+
+    monkeypatch.setattr(prefix._Writer, "close", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cache.close()
+    assert cache.closed and not list((tmp_path / DIRECTORY_NAME / "tmp").iterdir())
+    assert not [thread for thread in threading.enumerate() if thread not in before and thread.is_alive()]
+    assert _listed(tmp_path) == PROMPT // BT  # what was queued was written

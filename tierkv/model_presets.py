@@ -333,14 +333,12 @@ def model_names() -> list[str]:
 def resolve_model(name_or_path: str) -> ModelSpec:
     """A preset name (``llama-3-8b``), a name ``tierkv demo`` takes (``smollm2``, ``gemma3``, ``demo``), or the
     path of a ``config.json`` / model directory."""
-    if os.path.exists(name_or_path):  # a folder or file of that name is what the user has at hand
-        return model_from_config(name_or_path)
-    name = MODEL_ALIASES.get(name_or_path, name_or_path)
-    if name in MODEL_PRESETS:
+    name = MODEL_ALIASES.get(name_or_path, name_or_path)  # a name first, as tierkv demo and eval read it: a
+    if name in MODEL_PRESETS:  # folder of that name is given as a path (./gemma3)
         return MODEL_PRESETS[name]
     if name == DEMO_MODEL:
         return dataclasses.replace(model_from_config(DEMO_CONFIG), name=DEMO_MODEL)
-    if name_or_path.endswith(".json"):
+    if os.path.exists(name_or_path) or name_or_path.endswith(".json"):
         return model_from_config(name_or_path)
     typed = name_or_path.strip().lower()
     close = [known for known in model_names() if typed and known.startswith(typed)][:1] \

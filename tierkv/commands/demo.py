@@ -144,11 +144,12 @@ def _check_combination(args: argparse.Namespace) -> None:
                                  "text to decode from.")
     named = _named_model(args)
     limit = _trained_context(named) if named is not None else None
-    if limit is not None and args.context is not None and args.context > limit:
-        took = f"takes at most {limit} positions (max_position_embeddings)" if named == "demo" else \
-            f"was trained for {limit} tokens"
+    decoded = (args.max_new_tokens or MIN_DECODE) if named == "demo" else 0  # its prompt is --context tokens long
+    if limit is not None and args.context is not None and args.context + decoded > limit:
+        took = f"takes at most {limit} positions (max_position_embeddings), {decoded} of them for the tokens it " \
+            "decodes" if named == "demo" else f"was trained for {limit} tokens"
         raise InvalidConfigError(f"--context {format_tokens(args.context)}: {named} {took}; give --context "
-                                 f"{format_tokens(limit)} or less.")
+                                 f"{format_tokens(limit - decoded)} or less.")
     if args.model and args.random_model:
         raise InvalidConfigError("--model and --random-model exclude each other; give one.")
     if isinstance(args.model, str):

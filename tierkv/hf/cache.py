@@ -32,6 +32,7 @@ except ImportError:  # releases without it refuse such configs (sizing.layer_kin
     DummyLayer = type("DummyLayer", (), {})  # type: ignore[misc,assignment]
 
 from tierkv import forks, settings
+from tierkv.atomic import deferred_interrupts
 from tierkv.attention.base import PipelinedExecutor
 from tierkv.attention.exact_gather import ExactGather
 from tierkv.attention.lse import FullyMaskedRows
@@ -558,16 +559,21 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
         if self.using.owner.inherited:
             self.closed = True
             return
-        with self.using:
-            session, self.session = self.session, None
-            if session is not None:
-                if not self.closed:
-                    session.collect(self)
-                session.close()
-                if session.remote is not None:
-                    self.remote_closed = session.remote.stats()  # its writes drained: the final figures
-            self._finalizer()
-            self.closed = True
+        with self.using, deferred_interrupts():  # a Ctrl-C waits for the cleanup it would cut in half, then comes
+            session = self.session
+            try:
+                if session is not None:
+                    try:
+                        if not self.closed:
+                            session.collect(self)
+                    finally:  # a Ctrl-C in collect still closes the session (its threads, its scratch area)
+                        self.session = None
+                        session.close()
+                    if session.remote is not None:
+                        self.remote_closed = session.remote.stats()  # its writes drained: the final figures
+            finally:  # and the tiers: a second close() has nothing left to do
+                self._finalizer()
+                self.closed = True
 
     def __enter__(self) -> TieredCache:
         return self

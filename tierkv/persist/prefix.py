@@ -212,8 +212,10 @@ class PrefixPersistence:
 
 
 def _close(writer: _Writer, store: BlockStore) -> None:
-    writer.close()
-    store.close()
+    try:
+        writer.close()
+    finally:  # a Ctrl-C while the queued blocks are written: the store is released all the same
+        store.close()
 
 
 class _Writer:

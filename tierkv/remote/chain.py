@@ -201,12 +201,15 @@ class ChainedBlockStore:
         return f"ChainedBlockStore(local={self.local is not None}, remote={self.url.redacted()!r})"
 
     def close(self) -> None:
-        if self._saver is not None:
-            self._saver.close()
-        for store in self._remotes.values():
-            store.close()
-        if self.local is not None:
-            self.local.close()
+        """Stop the saver, then close the remote stores and the local one — each whatever the others met (a Ctrl-C
+        in one still closes the rest: no thread or scratch area is left behind)."""
+        with contextlib.ExitStack() as closing:  # (its callbacks run last first)
+            if self.local is not None:
+                closing.callback(self.local.close)
+            for store in self._remotes.values():
+                closing.callback(store.close)
+            if self._saver is not None:
+                closing.callback(self._saver.close)
 
 
 def _wrong_record(value: memoryview, key: str, namespace: Namespace, depth: int) -> str:

@@ -409,8 +409,10 @@ class RemoteBlockStore:
     def close(self, timeout: float = 5.0) -> None:
         """Send queued writes (up to ``timeout`` s), stop the threads, close the connections. Idempotent."""
         if self._finalizer.alive:
-            self._writer.close(timeout)
-            self._finalizer()
+            try:
+                self._writer.close(timeout)
+            finally:  # a Ctrl-C while the writes drain: the threads and sockets go all the same
+                self._finalizer()
 
     def __enter__(self) -> RemoteBlockStore:
         return self
@@ -452,6 +454,10 @@ def _write_bug(conn: RemoteConnection):
 
 def _shut_down(writer: WriteBehind, readers: ThreadPoolExecutor, conn: RemoteConnection) -> None:
     """Finalizer (also when a store is dropped without close()): stop the threads, close the sockets."""
-    writer.close(timeout=0.0)
-    readers.shutdown(wait=False, cancel_futures=True)
-    conn.close()
+    try:
+        writer.close(timeout=0.0)
+    finally:  # each step whatever the one before it met (a Ctrl-C)
+        try:
+            readers.shutdown(wait=False, cancel_futures=True)
+        finally:
+            conn.close()
