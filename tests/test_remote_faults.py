@@ -446,10 +446,10 @@ def test_a_host_the_resolver_cannot_take_is_a_warned_miss(caplog) -> None:
 
 def test_a_server_frozen_between_exists_and_set_costs_a_flush_about_timeout_s(redis_server, monkeypatch) -> None:
     """The writer's ``EXISTS`` answered, then the server froze: its ``SET`` pipeline waits out the long write
-    timeout (``timeout_s + queue_wait_s``), but ``flush()`` pings the server meanwhile and returns False after
-    about ``timeout_s`` (bounded here at 3x)."""
+    timeout (``timeout_s + queue_wait_s``, 61 s here), but ``flush()`` pings the server meanwhile and returns
+    False after about ``timeout_s`` (bounded here far below the write timeout, so a busy host passes too)."""
     keys, values = blocks(2)
-    with RemoteBlockStore(redis_server.url, "m", timeout_s=1.0, queue_wait_s=20.0) as store:
+    with RemoteBlockStore(redis_server.url, "m", timeout_s=1.0, queue_wait_s=60.0) as store:
         fill(store, keys[:1], values[:1])
         run = RemoteConnection.run
 
@@ -467,7 +467,7 @@ def test_a_server_frozen_between_exists_and_set_costs_a_flush_about_timeout_s(re
         finally:
             redis_server.process.send_signal(signal.SIGCONT)
         monkeypatch.setattr(RemoteConnection, "run", run)
-        assert elapsed < 3 * 1.0, f"flush took {elapsed:.1f} s with a frozen server"
+        assert elapsed < 15.0, f"flush took {elapsed:.1f} s with a frozen server (the write timeout: 61 s)"
         assert store.stats()["errors"] >= 1
 
 
