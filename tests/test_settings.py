@@ -283,3 +283,16 @@ def test_a_misspelt_variable_is_warned_about_once_with_the_closest_name(monkeypa
     monkeypatch.setattr(settings, "_reported", set())
     assert main(["plan", "--model", "llama-3-8b", "--context", "8K", "--gpu-gb", "20", "--cpu-gb", "64"]) == 0
     assert "tierkv: warning: TIERKV_PREFETCHMIN is not a tierkv setting" in capsys.readouterr().err
+
+
+def test_describe_names_a_misspelt_variable_every_time(monkeypatch):
+    """``describe()`` is where a user looks when a variable seems to have no effect: it lists each ``TIERKV_*``
+    variable that names no setting, also once the one-time warning has been given."""
+    monkeypatch.setenv("TIERKV_DISK_ENGNE", "posix")
+    monkeypatch.setenv("TIERKV_BENCH_ROUNDS", "3")
+    settings.unknown_variables()  # the warning's turn: describe() still names it
+    for _ in range(2):
+        text = str(settings.describe())
+        assert "TIERKV_DISK_ENGNE is not a tierkv setting and is ignored; did you mean TIERKV_DISK_ENGINE?" in text
+        assert "TIERKV_BENCH_ROUNDS" not in text
+    assert "TIERKV_DISK_ENGNE" not in settings.describe()  # still a dict of the settings only

@@ -371,17 +371,25 @@ _reported: set[str] = set()
 def unknown_variables() -> list[str]:
     """One message per ``TIERKV_*`` environment variable that names no setting and was not reported before in
     this process, with the closest setting's variable where one is close."""
-    known = [setting.variable for setting in SETTINGS.values()]
     messages = []
-    for variable in sorted(os.environ):
-        if not variable.startswith("TIERKV_") or variable.startswith(_BENCHMARK_PREFIX) or variable in known \
-                or variable in _reported:
-            continue
-        _reported.add(variable)
-        close = difflib.get_close_matches(variable, known, n=1, cutoff=0.8)
-        hint = f"; did you mean {close[0]}?" if close else " (tierkv/settings.py lists every setting)"
-        messages.append(f"{variable} is not a tierkv setting and is ignored{hint}")
+    for variable, hint in _ignored_variables():
+        if variable not in _reported:
+            _reported.add(variable)
+            messages.append(f"{variable} is not a tierkv setting and is ignored{hint}")
     return messages
+
+
+def _ignored_variables() -> list[tuple[str, str]]:
+    """``(variable, hint)`` for each ``TIERKV_*`` environment variable that names no setting: the hint names the
+    closest setting's variable where one is close."""
+    known = [setting.variable for setting in SETTINGS.values()]
+    ignored = []
+    for variable in sorted(os.environ):
+        if variable.startswith("TIERKV_") and not variable.startswith(_BENCHMARK_PREFIX) and variable not in known:
+            close = difflib.get_close_matches(variable, known, n=1, cutoff=0.8)
+            ignored.append((variable, f"; did you mean {close[0]}?" if close else
+                            " (tierkv/settings.py lists every setting)"))
+    return ignored
 
 
 def source(name: str) -> str:
@@ -392,7 +400,12 @@ def source(name: str) -> str:
 
 class Described(dict[str, tuple[Any, str]]):
     """``{name: (value, source)}`` of every setting; ``str()`` (what ``print`` shows) is a table of one line per
-    setting: its variable, value and source (``default``, ``environment`` or the ``override(...)``)."""
+    setting: its variable, value and source (``default``, ``environment`` or the ``override(...)``), then one line
+    per ``TIERKV_*`` variable that names no setting (``ignored``: a misspelling has no effect)."""
+
+    def __init__(self, values: dict[str, tuple[Any, str]], ignored: list[tuple[str, str]]) -> None:
+        super().__init__(values)
+        self.ignored = ignored
 
     def __str__(self) -> str:
         rows = [("variable", "value", "source")]
@@ -400,7 +413,9 @@ class Described(dict[str, tuple[Any, str]]):
             variable = SETTINGS[name].variable
             rows.append((variable, str(value), "environment" if src.startswith(f"{variable}=") else src))
         widths = [max(len(row[i]) for row in rows) for i in range(2)]
-        return "\n".join(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}" for row in rows)
+        lines = [f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}" for row in rows]
+        lines += [f"{variable} is not a tierkv setting and is ignored{hint}" for variable, hint in self.ignored]
+        return "\n".join(lines)
 
 
 def describe() -> Described:
@@ -408,7 +423,7 @@ def describe() -> Described:
     table (:class:`Described`), secrets as ``***``."""
     described = {name: _resolve(s) for name, s in SETTINGS.items()}
     return Described({name: ("***", src) if name in SECRETS and value is not None else (value, src)
-                      for name, (value, src) in described.items()})
+                      for name, (value, src) in described.items()}, _ignored_variables())
 
 
 @contextlib.contextmanager
