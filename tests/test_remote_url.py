@@ -10,7 +10,7 @@ from redis_server import make_tls_files
 from tierkv import settings
 from tierkv.errors import InvalidConfigError
 from tierkv.remote.framing import HEADER, frame, unframe
-from tierkv.remote.url import parse_remote_url
+from tierkv.remote.url import parse_remote_url, redact, scrub
 
 
 def test_single_server_urls(tmp_path) -> None:
@@ -94,6 +94,19 @@ def test_passwords_are_never_printed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.describe()["redis_password"] == ("***", "TIERKV_REDIS_PASSWORD=***")
     with settings.override(redis_password="other"):
         assert settings.get("redis_password") == "other" and "other" not in settings.source("redis_password")
+
+
+@pytest.mark.parametrize("url", ["redis://hunter2:@h:1/0", "redis://hunter2@h:1/0", "redis://h:1/0?username=hunter2",
+                                 "redis+cluster://hunter2:@h1:1,h2:2"])
+def test_a_username_without_a_password_is_not_printed(url: str) -> None:
+    """A password written where the username goes (``redis://SECRET:@host``) is sent as the username; messages
+    show a username only beside a password, so such a one is masked in every display of the URL."""
+    parsed = parse_remote_url(url)
+    assert parsed.username == "hunter2"  # still sent as given: an ACL user with nopass authenticates this way
+    for shown in (parsed.redacted(), repr(parsed), redact(url), scrub(f"AUTH failed for {url}", url)):
+        assert "hunter2" not in shown, shown
+    assert parse_remote_url("redis://alice:pw@h:1/0").redacted() == "redis://alice:***@h:1/0"
+    assert redact("redis://alice:pw@h:1/0") == "redis://alice:***@h:1/0"
 
 
 def test_valid_hosts_still_parse() -> None:

@@ -15,7 +15,8 @@ secret need not appear in code or in a process list.
 
 The password never appears in :meth:`RemoteURL.redacted` (what logs, reprs and stats print) nor in any error
 about a URL, well-formed or not: a message shows the URL with its userinfo and every query value other than
-the TLS options masked (:func:`redact`), and any text that could hold the secret passes :func:`scrub`. The
+the TLS options masked (:func:`redact`; a username is shown only beside a password: alone it may be the password
+in the wrong place), and any text that could hold the secret passes :func:`scrub`. The
 userinfo is everything before the *last* ``@`` of the part before the query, so a password holding ``/``,
 ``:`` or ``@`` parses as one (better: percent-encode such characters, ``%2F`` for ``/``).
 
@@ -58,14 +59,15 @@ class RemoteURL:
     db: int = 0
     tls: bool = False
     cluster: bool = False
-    username: str | None = None
+    username: str | None = field(default=None, repr=False)
     password: str | None = field(default=None, repr=False)
     tls_options: tuple[tuple[str, str], ...] = ()
+    username_shown: bool = field(default=True, repr=False, compare=False)  # see _shows_username
 
     def redacted(self) -> str:
         """The URL without its password, for logs and messages."""
         scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
-        user = self.username if self.username is None or _NAME.fullmatch(self.username) else MASK
+        user = self.username if self.username is None or self.username_shown else MASK
         auth = f"{user or ''}:{MASK}@" if self.password else (f"{user}@" if user else "")
         hosts = ",".join(f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in self.nodes)
         return f"{scheme}://{auth}{hosts}" + ("" if self.cluster else f"/{self.db}")
@@ -121,6 +123,7 @@ def _parse(url: str, password: str | None) -> RemoteURL:
     if tls_options and not tls:
         raise InvalidConfigError(f"remote URL {shown} has TLS options but the scheme is not rediss://.")
     _check_tls(tls_options, shown)
+    beside_password = bool(url_password) if unquote(username) else bool(options.get("password"))
     username = unquote(username) or options.get("username") or ""
     secret = unquote(url_password) or options.get("password") or password or None
     for name, text in (("username", username), ("password", secret)):
@@ -129,7 +132,14 @@ def _parse(url: str, password: str | None) -> RemoteURL:
                                      f"byte of another encoding, as a non-UTF-8 locale passes it); give the {name} "
                                      "as UTF-8 text (percent-encoded in the URL).")
     return RemoteURL(nodes=nodes, db=db, tls=tls, cluster=cluster, username=username or None, password=secret,
-                     tls_options=tuple(sorted(tls_options.items())))
+                     tls_options=tuple(sorted(tls_options.items())),
+                     username_shown=_shows_username(username, beside_password))
+
+
+def _shows_username(username: str, beside_password: bool) -> bool:
+    """Whether messages may show ``username``: a plain name given with a password beside it. A name alone
+    (``redis://NAME@host``, ``redis://NAME:@host``) is as likely a password written in the username's place."""
+    return beside_password and _NAME.fullmatch(username) is not None
 
 
 def _check_tls(options: dict[str, str], shown: str) -> None:
@@ -291,8 +301,8 @@ def redact(url: str) -> str:
     userinfo, hostpart, query = _split(rest)
     auth = ""
     if userinfo is not None:
-        user, colon, _ = userinfo.partition(":")
-        auth = (f"{user}:{MASK}@" if colon else f"{user}@") if _NAME.fullmatch(user) or not user else f"{MASK}@"
+        user, _, password = userinfo.partition(":")
+        auth = f"{user}:{MASK}@" if password and (not user or _shows_username(user, True)) else f"{MASK}@"
     if "?" in rest:
         pairs = []
         for (key, value), hidden in _pairs(query):
@@ -320,9 +330,9 @@ def secrets(url: str) -> set[str]:
     found: set[str] = set()
     rest = url.partition("://")[2] or url
     for userinfo in (rest.rpartition("@")[0], rest.partition("?")[0].rpartition("@")[0]):
-        user, colon, password = userinfo.partition(":")
-        found |= {password} if colon else set()
-        found |= {userinfo} if userinfo and not _NAME.fullmatch(user) else set()
+        user, _, password = userinfo.partition(":")
+        found |= {password}
+        found |= {userinfo, user} if userinfo and not _shows_username(user, bool(password)) else set()
     for pair in re.split("[&;]", rest.partition("?")[2]):
         key, equals, value = pair.partition("=")
         found |= {value} if key in AUTH_OPTIONS else set() if equals else {key}
