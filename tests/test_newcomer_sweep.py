@@ -236,9 +236,11 @@ def test_the_demo_plan_says_where_the_kv_goes(budgets, where, tmp_path, capsys):
     assert (resident["host"] > 0) == (where == "the rest on the host, none on disk")
 
 
-def test_settings_describe_prints_a_table_and_stays_a_dict():
+def test_settings_describe_prints_a_table_and_stays_a_dict(monkeypatch):
     from tierkv import settings
 
+    for variable in [name for name in os.environ if name.startswith("TIERKV_")]:
+        monkeypatch.delenv(variable)
     with settings.override(io_queue_depth=4):
         described = settings.describe()
     assert described["io_queue_depth"] == (4, "override(io_queue_depth=4)")
@@ -248,3 +250,31 @@ def test_settings_describe_prints_a_table_and_stays_a_dict():
     assert row.split() == ["TIERKV_IO_QUEUE_DEPTH", "4", "override(io_queue_depth=4)"]
     assert next(line for line in lines if line.startswith("TIERKV_DISK_ENGINE ")).split()[-1] in (
         "default", "environment")
+
+
+@pytest.mark.parametrize("command", [["demo", "--context", "1K", "--gpu-gb", "1KB"],
+                                     ["eval", "--stage", "measure"]])
+def test_on_a_terminal_the_imports_show_a_spinner_at_once(command):
+    """The seconds demo and eval spend importing torch and transformers showed nothing (eval) before the first
+    phase: on a terminal (a real pseudo-terminal here) a spinner names them; the run's usage error follows."""
+    import pty
+
+    primary, secondary = pty.openpty()
+    environment = {k: v for k, v in os.environ.items() if k not in ("TIERKV_DEBUG", "NO_COLOR")} | {"TERM": "xterm"}
+    process = subprocess.Popen([sys.executable, "-m", "tierkv.cli", *command], stdin=secondary, stdout=secondary,
+                               stderr=secondary, env=environment, close_fds=True)
+    os.close(secondary)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(primary, 4096)
+        except OSError:  # the terminal closed: the process ended
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(primary)
+    assert process.wait(timeout=120) == 2, seen
+    text = seen.decode(errors="replace")
+    assert "importing torch and transformers" in text and "error:" in text, text
+    assert text.index("importing torch and transformers") < text.index("error:")

@@ -53,6 +53,7 @@ from tierkv.commands.progress import (
     between,
     first_load,
     forward_cost,
+    importing,
     load_label,
     quiet_transformers,
 )
@@ -73,10 +74,6 @@ TIER_OVERHEAD = 1.5  # the tiered run's time over the in-memory roofline estimat
 ANSWER_CHARS = 40  # characters of the answer the summary table shows
 CHECKPOINT_DECODE = 32  # tokens decoded from a --prompt-file by default (no expected answer to size it by)
 DEFAULT_SPARSE_TOKENS = 0.1  # --sparse-tokens: a tenth of the context
-
-
-IMPORTING = "importing torch and transformers"
-"""What the demo does in the seconds before its model loads (a terminal shows it with a spinner)."""
 
 FILE_SETTINGS = ("profile", "trace")  # the cache reads $TIERKV_PROFILE, traces to $TIERKV_TRACE (tierkv.cli)
 
@@ -176,8 +173,7 @@ def run(args: argparse.Namespace) -> int:
     _check_memory(args, args.gpu_gb, args.cpu_gb)  # given budgets, whatever the model: before anything loads
     status = Console(stderr=True, highlight=False)
     with contextlib.ExitStack() as stack:
-        # seconds of imports before the first phase: a spinner from the start on a terminal (a log gets the plan)
-        with status.status(IMPORTING) if status.is_terminal else contextlib.nullcontext():
+        with importing(status):
             stack.enter_context(quiet_transformers())
             _check_device_budget(args)
         return _run(args)

@@ -21,6 +21,7 @@ environment (benchmarks/quality/kvpress_run.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import tempfile
@@ -50,6 +51,7 @@ from tierkv.commands.progress import (
     between,
     first_load,
     forward_cost,
+    importing,
     load_label,
     quiet_transformers,
     seconds,
@@ -296,8 +298,12 @@ def _cache_mode(args: argparse.Namespace, model, longest: int, tmp: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     _check_combination(args)
-    with quiet_transformers():
+    with contextlib.ExitStack() as stack:
+        with importing(Console(stderr=True, highlight=False)):
+            stack.enter_context(quiet_transformers())
         return _run(args)
 
 

@@ -243,6 +243,18 @@ def load_label(name: str) -> str:
     return f"dequantising {name}'s GGUF (first load only: {FIRST_LOAD[name]} on 2 cores; then seconds)"
 
 
+IMPORTING = "importing torch and transformers"
+"""What demo and eval do in the seconds before their model loads (a terminal shows it with a spinner)."""
+
+
+@contextlib.contextmanager
+def importing(console: Console) -> Iterator[None]:
+    """The seconds a command spends importing torch and transformers before its first phase: a spinner on a
+    terminal. A log (a pipe, a CI job) gets nothing here: a usage error found after the imports stays its one line."""
+    with console.status(IMPORTING) if console.is_terminal else contextlib.nullcontext():
+        yield
+
+
 @contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
     """Within: no "Loading weights" bars and info logs from transformers, no huggingface_hub bars, no bar of the
