@@ -171,11 +171,12 @@ def test_ctrl_c_exits_130_with_one_line():
     assert err.strip() == "tierkv plan: interrupted"
 
 
-@pytest.mark.parametrize("sigint", ["handled", "ignored"])  # ignored: a background job of a shell script
-def test_sigterm_ends_a_demo_like_ctrl_c_and_leaves_no_temporary_files(tmp_path, sigint):
-    """Regression: SIGTERM (``timeout``, ``kill``) killed a running demo outright, leaving its temporary disk tier
-    (a 16 MiB file and a lock) in the temp dir. It ends the command as Ctrl-C does: one line, exit 143, nothing
-    left behind."""
+@pytest.mark.parametrize(("stop", "sigint"), [(signal.SIGTERM, "handled"), (signal.SIGTERM, "ignored"),
+                                             (signal.SIGHUP, "handled")])  # ignored: a shell script's background job
+def test_sigterm_ends_a_demo_like_ctrl_c_and_leaves_no_temporary_files(tmp_path, stop, sigint):
+    """Regression: SIGTERM (``timeout``, ``kill``) and SIGHUP (a closed terminal, a dropped ssh session) killed a
+    running demo outright, leaving its temporary disk tier (a 16 MiB file and a lock) in the temp dir. They end the
+    command as Ctrl-C does: one line, exit 128 + the signal, nothing left behind."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     before = signal.SIG_IGN if sigint == "ignored" else signal.SIG_DFL
     demo = ["demo", "--context", "8K", "--no-reference", "--max-new-tokens", "2K"]  # decodes for seconds after prefill
@@ -186,11 +187,28 @@ def test_sigterm_ends_a_demo_like_ctrl_c_and_leaves_no_temporary_files(tmp_path,
             if line.startswith("prefill"):
                 break
         assert list(tmp_path.glob("tierkv-*")), "the demo's temporary folder exists while it runs"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop)
         _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err
+    assert proc.returncode == 128 + stop, err
     assert err.strip().splitlines()[-1] == "tierkv demo: terminated"
     assert list(tmp_path.glob("tierkv-*")) == []  # (torch's own folders may stay)
+
+
+def test_under_nohup_a_hangup_leaves_the_demo_running(tmp_path):
+    """SIGHUP ends a command as SIGTERM does, but not where it is ignored (``nohup tierkv demo &``, then logging
+    out): the run goes on to its end."""
+    demo = ["demo", "--random-model", "--context", "512", "--block-tokens", "16", "--prefill-chunk", "256",
+            "--chunk-tokens", "128", "--max-new-tokens", "8", "--no-reference"]
+    with subprocess.Popen([sys.executable, "-m", "tierkv.cli", *demo], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)},
+                          preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) as proc:
+        for line in proc.stderr:
+            if line.startswith("plan:"):
+                break
+        proc.send_signal(signal.SIGHUP)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "terminated" not in err and "tierkv demo" in out
 
 
 def test_in_process_usage_error_returns_2(capsys):

@@ -21,6 +21,8 @@ import difflib
 import errno
 import importlib
 import importlib.metadata
+import io
+import os
 import re
 import signal
 import sys
@@ -195,9 +197,10 @@ def _check_settings(module: Any) -> None:
 
 @contextlib.contextmanager
 def _terminate_as_interrupt() -> Iterator[list[int]]:
-    """Within: SIGTERM ends the command as Ctrl-C does, whatever SIGINT's handler is (a store edit that holds
-    interrupts finishes first: :func:`tierkv.atomic.interrupt`), so its ``finally`` blocks remove its temporary
-    folders; the list holds the signal once one came."""
+    """Within: SIGTERM and SIGHUP (a closed terminal, a dropped ssh session; not where ignored, as ``nohup`` does)
+    end the command as Ctrl-C does, whatever SIGINT's handler is (a store edit that holds interrupts finishes first:
+    :func:`tierkv.atomic.interrupt`), so its ``finally`` blocks remove its temporary folders; the list holds the
+    signal once one came."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
@@ -209,19 +212,81 @@ def _terminate_as_interrupt() -> Iterator[list[int]]:
         received.append(signum)
         atomic.interrupt()
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    stops = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    previous = {signum: signal.signal(signum, on_term) for signum in stops
+                if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         yield received
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _silence_output() -> None:
+    """Point stdout and stderr at /dev/null, so that the interpreter's flush at exit (of output a reader that left
+    never took) prints no "Exception ignored ... BrokenPipeError" and exits 0, not 120."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            os.dup2(devnull, stream.fileno())
+    os.close(devnull)
+
+
+def _output_error(exc: OSError, prog: str) -> int:
+    """A write to stdout or stderr that failed: a reader that left (``| head``) ends the command quietly as SIGPIPE
+    would (141); a full disk under a redirection is one line on stderr (1)."""
+    if not isinstance(exc, BrokenPipeError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            print(f"{prog}: error: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+            sys.stderr.flush()
+    _silence_output()
+    return 128 + signal.SIGPIPE if isinstance(exc, BrokenPipeError) else FAILURE
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``tierkv`` with ``argv`` (default: the process arguments) and return the exit status."""
+    for stream in (sys.stdout, sys.stderr):  # a character the locale cannot encode (LANG=C, PYTHONIOENCODING=ascii)
+        if isinstance(stream, io.TextIOWrapper):  # is shown escaped, never a UnicodeEncodeError traceback
+            stream.reconfigure(errors="backslashreplace")
     argv = sys.argv[1:] if argv is None else list(argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    debug = "--debug" in argv
     prog = "tierkv" + (f" {chosen}" if chosen in SUBCOMMANDS else "")
+    try:
+        try:
+            code = _main(argv, prog)
+        except SystemExit as exc:  # rich ends a print to a closed pipe with SystemExit(1)
+            if isinstance(exc.__context__, BrokenPipeError):
+                return _output_error(exc.__context__, prog)
+            raise
+        if sys.stdout is not None:
+            sys.stdout.flush()  # here, not at exit: a failure is reported as one line, not as "Exception ignored"
+        return code
+    except OSError as exc:
+        if not _output_failed(exc):
+            raise
+        return _output_error(exc, prog)
+
+
+def _output_failed(exc: OSError) -> bool:
+    """Whether ``exc`` is a failed write to stdout or stderr: a closed pipe, or a full disk or an I/O error (a plain
+    OSError naming no file: the tiers raise TierKVErrors that name theirs) where stdout or stderr still cannot be
+    flushed."""
+    if isinstance(exc, BrokenPipeError):
+        return True
+    if isinstance(exc, TierKVError) or exc.filename is not None or exc.errno not in (errno.ENOSPC, errno.EDQUOT,
+                                                                                      errno.EIO):
+        return False
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # AttributeError: the stream is None (closed at start)
+            return True
+    return False
+
+
+def _main(argv: list[str], prog: str) -> int:
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    debug = "--debug" in argv
     usage_errors: tuple[type[BaseException], ...] = (ValueError,)
     with _terminate_as_interrupt() as terminated:
         try:
@@ -238,11 +303,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             if terminated:
                 print(f"{prog}: terminated", file=sys.stderr)
-                return 128 + signal.SIGTERM
+                return 128 + terminated[0]
             fresh_line = "\n" if sys.stderr.isatty() else ""  # after the terminal's echoed ^C
             print(f"{fresh_line}{prog}: interrupted", file=sys.stderr)
             return INTERRUPTED
         except (TierKVError, OSError) as exc:
+            if isinstance(exc, OSError) and _output_failed(exc):
+                raise  # stdout or stderr could not be written (its reader left, a full disk): main() says so
             if debug:
                 raise
             print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)

@@ -374,6 +374,8 @@ def write_json(data: Any, target: str) -> str | None:
     """Write ``data`` to ``target`` (a path, or ``-`` for stdout); returns the path written, None for stdout."""
     text = json.dumps(data, indent=2) + "\n"
     if target == STDOUT:
+        if sys.stdout is None:  # started with stdout closed (">&-")
+            raise InvalidConfigError("--json -: stdout is closed; give --json a file path.")
         sys.stdout.write(text)
         sys.stdout.flush()
         return None

@@ -24,7 +24,7 @@ from tierkv.calibrate.report import Progress
 from tierkv.commands import free_bytes, json_to_stdout, write_json
 from tierkv.commands.bench import FULL_RUN
 from tierkv.commands.estimate import measure_cpu
-from tierkv.commands.progress import REESTIMATE_S, Ticker, seconds
+from tierkv.commands.progress import REESTIMATE_S, Ticker, animated, seconds
 from tierkv.errors import InvalidConfigError
 from tierkv.hf.sizing import host_memory
 from tierkv.io import ENGINES, engine_status
@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
                   soft_wrap=True)
     else:
         log.print(f"measuring every link at the default sizes: {FULL_RUN} (--quick: 10-40 s)", soft_wrap=True)
-    with (log.status("measuring") if log.is_terminal else contextlib.nullcontext() as status,
+    with (log.status("measuring") if animated(log) else contextlib.nullcontext() as status,
           BenchProgress(log, status) as progress):
         result = run_bench(cfg, progress=progress)
         progress.phase("matmul FLOP/s (the compute estimate of tierkv plan --device cpu)")
@@ -348,8 +348,9 @@ def run(args: argparse.Namespace) -> int:
         result.profile.machine[WARNINGS_KEY] = "; ".join(noted)
     m = result.machine
     console.print(f"[bold]tierkv bench[/bold] {m['date']}")
-    console.print(f"CPU {m['cpu']}, {m['cores']}, RAM {m['ram']}, GPU {m['gpu']}")
-    console.print(f"disk dir {m['disk_dir']}: {m['filesystem']}; kernel {m['kernel']}, torch {m['torch']}")
+    console.print(f"CPU {m['cpu']}, {m['cores']}, RAM {m['ram']}, GPU {m['gpu']}", markup=False)
+    console.print(f"disk dir {m['disk_dir']}: {m['filesystem']}; kernel {m['kernel']}, torch {m['torch']}",
+                  markup=False)
     console.print(f"load average before the run: {m['load_average']}")
     if LinkName.HOST_TO_DEVICE in m:
         console.print(f"host->device: {m['host->device']}")
@@ -365,9 +366,9 @@ def run(args: argparse.Namespace) -> int:
                       soft_wrap=True)
     result.profile.save(args.profile_out)
     plot(result, args.plot_out)
-    console.print(f"profile -> {args.profile_out}, plot -> {args.plot_out}")
+    console.print(f"profile -> {args.profile_out}, plot -> {args.plot_out}", markup=False)
     if args.json:
         written = write_json(to_dict(result), args.json)
         if written:
-            console.print(f"wrote {written}")
+            console.print(f"wrote {written}", markup=False, highlight=False, soft_wrap=True)
     return 0

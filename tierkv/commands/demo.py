@@ -50,6 +50,7 @@ from tierkv.commands import (
 from tierkv.commands.progress import (
     Phases,
     Remaining,
+    animated,
     between,
     first_load,
     forward_cost,
@@ -281,7 +282,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         written = write_json(summary, args.json)
         if written:
-            status.print(f"wrote {written}")
+            status.print(f"wrote {written}", markup=False, highlight=False, soft_wrap=True)
     exact = args.executor != "sparse"  # sparse attention is approximate: only its answer must be right
     ok = (not exact or summary["tokens_match_reference"] is not False) and (expected is None or summary["match"])
     return 0 if ok else 1
@@ -407,7 +408,7 @@ def _load(args: argparse.Namespace, status: Console, phases: Phases):
             with phases.phase("loading the demo model"):
                 model, tokenizer = load_demo_model()
         except DemoWeightsMissingError as exc:  # a checkout without the trained demo model
-            status.print(f"[yellow]{exc}[/yellow]\nFalling back to a random tiny Llama (exactness only).")
+            status.print(f"[yellow]{escape(str(exc))}[/yellow]\nFalling back to a random tiny Llama (exactness only).")
         else:
             example = make_example(random.Random(args.seed), args.context or DEFAULT_CONTEXT, args.depth)
             decode = args.max_new_tokens or max(MIN_DECODE, len(example.answer_ids))
@@ -561,7 +562,7 @@ def _decode(args, model, prompt: list[int], decode: int, gpu: int, cpu: int, dis
 
     from tierkv import TieredCache
 
-    live_view = status.is_terminal
+    live_view = animated(status)
     progress = Progress(console=status, transient=True)
     task = progress.add_task("prefill", total=len(prompt))
     marks = {"started": time.perf_counter()}
@@ -677,7 +678,7 @@ def answer_cell(text: str, limit: int = ANSWER_CHARS) -> str:
     """A decoded answer as one table cell: newlines and other control characters escaped (``\\n``), cut to
     ``limit`` characters with an ellipsis, so a multi-line answer never prints blank rows."""
     escaped = "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
-    return escaped if len(escaped) <= limit else escaped[: limit - 1] + "…"
+    return escaped if len(escaped) <= limit else escaped[: limit - 3] + "..."  # ASCII: LANG=C prints it too
 
 
 def _yes_no(value: bool) -> str:

@@ -374,11 +374,11 @@ def _run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         os.close(safefs.open_user_directory(out))  # created 0700 if missing
         heatmap, record_path = plot_heatmap(result, out / "heatmap.png"), write_json(record, str(out / "eval.json"))
-        status.print(f"wrote {heatmap} and {record_path}")
+        status.print(f"wrote {heatmap} and {record_path}", markup=False, highlight=False, soft_wrap=True)
     if args.json:
         written = write_json(record, args.json)
         if written:
-            status.print(f"wrote {written}")
+            status.print(f"wrote {written}", markup=False, highlight=False, soft_wrap=True)
     title = f"{args.kind} accuracy, greedy, {plural(args.samples, 'haystack')} per cell"
     table = Table(title=title, min_width=len(title))  # a narrow table would wrap its title over lines
     table.add_column("depth", justify="right")

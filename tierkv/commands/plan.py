@@ -179,8 +179,8 @@ def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: 
     req, fc = result.request, result.forecast
     tiers = result.bytes_per_tier
     table = Table(title=f"tierkv plan: {escape(req.model.name)}, context {req.context:,} x batch {req.batch}")
-    table.add_column("quantity")
-    table.add_column("value", justify="right")
+    table.add_column("quantity", overflow="fold")
+    table.add_column("value", justify="right", overflow="fold")
     if links_from != PRESETS_SOURCE:  # (the presets name themselves in the "via" column)
         table.add_row("links from", escape(links_from))
     table.add_row("KV per token", format_bytes(result.kv_bytes_per_token))
@@ -228,11 +228,12 @@ def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: 
 
     if alternatives:
         wi = Table(title="what-if (re-planned as the runtime would place the KV)")
-        wi.add_column("change")
-        wi.add_column("step", justify="right")
-        wi.add_column("tokens/s", justify="right")
-        wi.add_column("speed-up", justify="right")
-        wi.add_column("bound")
+        # a narrow terminal folds a cell onto more lines: cut short ("13,0…") a number reads as another one
+        wi.add_column("change", overflow="fold")
+        wi.add_column("step", justify="right", overflow="fold")
+        wi.add_column("tokens/s", justify="right", overflow="fold")
+        wi.add_column("speed-up", justify="right", overflow="fold")
+        wi.add_column("bound", overflow="fold")
         for alt in alternatives:
             p = alt.plan
             wi.add_row(escape(alt.label), _ms(p.forecast.step_s), _rate(p.tokens_per_s),
@@ -249,7 +250,7 @@ def _render_executors(console: Console, base: Plan, options: list[ExecutorOption
     """Every executor planned for the same request, side by side, and which exact one is fastest here."""
     table = Table(title="executors on this machine (same budgets and links)")
     for name in ("executor", "staging", "step", "tokens/s", "vs gather", "bound"):
-        table.add_column(name, justify="left" if name in ("executor", "bound") else "right")
+        table.add_column(name, justify="left" if name in ("executor", "bound") else "right", overflow="fold")
     gather = next((o.plan for o in options if o.executor == "gather"), None)
     for option in options:
         p = option.plan
@@ -391,5 +392,5 @@ def run(args: argparse.Namespace) -> int:
         ]
         written = write_json(data, args.json)
         if written:
-            console.print(f"wrote {written}", markup=False, highlight=False)
+            console.print(f"wrote {written}", markup=False, highlight=False, soft_wrap=True)
     return 0

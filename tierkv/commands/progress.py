@@ -181,12 +181,20 @@ class Remaining:
         return f", about {seconds(max(total - running_s, after))} to go"
 
 
+def animated(console: Console) -> bool:
+    """Whether ``console`` may show spinners and live panels: a terminal, really. rich's ``is_terminal`` is also true
+    under ``FORCE_COLOR`` (set by many CI systems) with the output in a log, which then got every redraw (tens of
+    KB a second of cursor movements) and none of the lines a log gets."""
+    isatty = getattr(console.file, "isatty", None)
+    return console.is_terminal and not console.is_dumb_terminal and bool(isatty and isatty())
+
+
 class Phases:
     """One line per finished phase on ``console`` (stderr), a transient live view while it runs on a terminal."""
 
     def __init__(self, console: Console) -> None:
         self.console = console
-        self.live = console.is_terminal
+        self.live = animated(console)
 
     def done(self, label: str, elapsed: float, detail: str = "") -> None:
         """The line that closes a phase: ``'{label}: {elapsed}'`` and an optional detail in parentheses."""
@@ -251,7 +259,7 @@ IMPORTING = "importing torch and transformers"
 def importing(console: Console) -> Iterator[None]:
     """The seconds a command spends importing torch and transformers before its first phase: a spinner on a
     terminal. A log (a pipe, a CI job) gets nothing here: a usage error found after the imports stays its one line."""
-    with console.status(IMPORTING) if console.is_terminal else contextlib.nullcontext():
+    with console.status(IMPORTING) if animated(console) else contextlib.nullcontext():
         yield
 
 

@@ -1,0 +1,94 @@
+"""Where the CLI's output goes: a reader that leaves (``| head``), a full disk, a closed stdout, a locale that cannot
+encode a character, a CI log with ``FORCE_COLOR``, a narrow terminal, a path that reads as rich markup. Each is a
+real process writing to a real pipe or file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+PLAN = ["plan", "--model", "llama-3-8b", "--context", "1M", "--gpu-gb", "20", "--cpu-gb", "128", "--link", "pcie5"]
+ELLIPSIS = "\N{HORIZONTAL ELLIPSIS}"
+
+
+def _environment(**extra: str) -> dict[str, str]:
+    drop = ("TIERKV_DEBUG", "PYTHONUNBUFFERED", "FORCE_COLOR", "NO_COLOR", "COLUMNS", "PYTHONIOENCODING")
+    return {k: v for k, v in os.environ.items() if k not in drop} | extra
+
+
+def _command(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "tierkv.cli", *argv]
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+@pytest.mark.parametrize("argv", [PLAN, ["--help"], [*PLAN, "--json", "-"]])
+def test_a_reader_that_leaves_ends_the_command_quietly(argv, unbuffered):
+    """``tierkv plan | head -1``: the pipe's reader gone, the command printed "Exception ignored ...
+    BrokenPipeError" (exit 120) or "error: Broken pipe; check the path and its permissions" (exit 1). It ends as a
+    process killed by SIGPIPE would: nothing on stderr but what it printed there before, exit 141 (``--help``
+    unbuffered: argparse drops the failed write itself and exits 0)."""
+    read, write = os.pipe()
+    os.close(read)  # the reader left before the first line
+    environment = _environment(**({"PYTHONUNBUFFERED": unbuffered} if unbuffered else {}))
+    try:
+        result = subprocess.run(_command(*argv), stdout=write, stderr=subprocess.PIPE, text=True, env=environment,
+                                timeout=120)
+    finally:
+        os.close(write)
+    assert result.returncode == (0 if argv == ["--help"] and unbuffered else 141), result.stderr
+    for noise in ("Exception ignored", "Broken pipe", "BrokenPipeError", "Traceback", "error:"):
+        assert noise not in result.stderr, result.stderr
+    assert result.stderr == "" or argv[-1] == "-"  # --json -: the tables went to stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [PLAN, ["--help"]])
+def test_a_full_disk_under_a_redirection_is_one_line(argv):
+    """``tierkv plan > /dev/full`` said "No space left on device; free space there, or choose another path" and then
+    "Exception ignored ... OSError" at exit (120): now one line that says the output could not be written."""
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(_command(*argv), stdout=full, stderr=subprocess.PIPE, text=True, env=_environment(),
+                                timeout=120)
+    assert result.returncode == 1, result.stderr
+    line = result.stderr.strip()
+    assert "\n" not in line and line.endswith("error: cannot write the output: No space left on device"), line
+
+
+def test_json_to_a_closed_stdout_names_the_fix():
+    """``--json -`` with stdout closed (``>&-``) was an AttributeError traceback."""
+    result = subprocess.run(_command(*PLAN, "--json", "-"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=_environment(), timeout=120, preexec_fn=lambda: os.close(1))
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line == "tierkv plan: error: --json -: stdout is closed; give --json a file path.", result.stderr
+
+
+def test_plan_at_40_columns_cuts_no_number():
+    """At 40 columns rich cut cells short with an ellipsis: a speed-up of 3.33 read "3." and an ellipsis."""
+    result = subprocess.run(_command(*PLAN), capture_output=True, text=True, env=_environment(COLUMNS="40"),
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "what-if" in result.stdout and ELLIPSIS not in result.stdout, result.stdout
+
+
+def test_a_demo_in_a_ci_log(tmp_path):
+    """A CI job's log: ``FORCE_COLOR=1`` made rich take it for a terminal (the log filled with spinner redraws, tens
+    of KB a second of cursor movements, and none of the lines a log gets); an ASCII-only stdout
+    (``PYTHONIOENCODING=ascii``, a C or Latin-1 locale) made the result table's cut answer (its ellipsis) a
+    UnicodeEncodeError traceback after the whole run; a ``--json`` path holding ``[...]`` was read as markup
+    (``wrote out.json`` named another file)."""
+    target = tmp_path / "out[v2].json"
+    demo = ["demo", "--random-model", "--context", "512", "--block-tokens", "16", "--prefill-chunk", "256",
+            "--chunk-tokens", "128", "--max-new-tokens", "48", "--no-reference", "--json", str(target)]
+    result = subprocess.run(_command(*demo), capture_output=True, timeout=300,
+                            env=_environment(FORCE_COLOR="1", PYTHONIOENCODING="ascii"))
+    err = result.stderr.decode("ascii", "replace")
+    assert result.returncode == 0, err
+    assert "\x1b[1A" not in err and "\x1b[2K" not in err, err[:2000]
+    assert "prefill 512 tokens through the tiers: " in err and "Traceback" not in err, err
+    assert f"wrote {target}\n" in err and len(json.loads(target.read_text())["answer"]) > 40
+    assert b"..." in result.stdout  # the cut answer's cell
