@@ -382,6 +382,47 @@ def test_a_cluster_node_behind_a_plain_url_names_redis_cluster(redis_cluster, ca
     assert "Redis Cluster node" in caplog.text and "redis+cluster://host:port" in caplog.text
 
 
+def _default_node_port(store: RemoteBlockStore) -> int:
+    """The port of the node a cluster client sends keyless commands (PING) to."""
+    return store._wire.conn._get_client().get_default_node().port
+
+
+def test_a_frozen_cluster_primary_costs_one_timeout_and_opens_the_breaker(redis_cluster) -> None:
+    """A primary frozen (SIGSTOP) under a cluster: redis-py resent each of its keys' commands one at a time after
+    the pipeline's timeout, a full timeout each (60 keys, a third on the frozen node: ~10 s at timeout_s=0.5), and
+    counted them as refusals, so the breaker stayed closed and the next call paid again. Now a call costs about
+    one timeout, is a miss, and the breaker opens; a flush finds a frozen primary that is not the one PING goes to."""
+    keys, values = blocks(60, size=100)
+    with RemoteBlockStore(redis_cluster.url, "m", timeout_s=0.5, backoff_s=30.0, keys_per_request=60) as store:
+        fill(store, keys, values)
+        assert store.prefix_length(keys) == 60
+        default = _default_node_port(store)
+        node = next(server for server in redis_cluster.servers if server.port != default)
+        with node.frozen():
+            start = time.monotonic()
+            payloads = store.get_many(keys)
+            assert time.monotonic() - start < 4.0  # (one timeout: 0.5 s; the resends took ~10 s)
+            assert_never_wrong(payloads, values)
+            assert store.stats()["down"]
+    with RemoteBlockStore(redis_cluster.url, "m", timeout_s=0.5, queue_wait_s=10.0) as store:
+        assert store.ping()
+        node = next(server for server in redis_cluster.servers if server.port != _default_node_port(store))
+        with node.frozen():
+            assert not store.ping()  # every primary asked
+            store.put(keys[0], values[0])
+            start = time.monotonic()
+            store.flush()
+            assert time.monotonic() - start < 4.0
+
+
+def test_a_redirection_is_named_as_one(redis_cluster, caplog) -> None:
+    """redis-py's MOVED error reads "3406 127.0.0.1:7003": the warning says MOVED."""
+    keys, values = blocks(8, size=100)
+    with RemoteBlockStore(f"redis://127.0.0.1:{redis_cluster.servers[0].port}/0", "m") as store:
+        fill(store, keys, values)
+    assert "the server refused a command: MOVED " in caplog.text
+
+
 def test_cluster_urls_that_cannot_work_say_why(redis_cluster, redis_factory, caplog) -> None:
     """A redis+cluster:// URL to a server that is no cluster, or with a wrong password; both are misses."""
     plain = redis_factory()
@@ -392,7 +433,7 @@ def test_cluster_urls_that_cannot_work_say_why(redis_cluster, redis_factory, cap
         server.client().config_set("requirepass", "right")
     with RemoteBlockStore(f"redis+cluster://:wrong@127.0.0.1:{redis_cluster.servers[0].port}", "m") as store:
         assert not store.ping()
-    assert "$TIERKV_REDIS_PASSWORD" in caplog.text
+    assert "$TIERKV_REDIS_PASSWORD" in caplog.text and "on every node, replicas too" in caplog.text
 
 
 def test_server_settings_that_refuse_say_which(redis_factory, caplog, tmp_path) -> None:

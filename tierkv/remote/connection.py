@@ -125,7 +125,7 @@ class RemoteConnection:
             self._backoff = min(self._backoff * 2, self.max_backoff_s)
         if not was_down:
             self.warn("down", f"unreachable ({type(exc).__name__}: {exc}){self._hint(exc, write)}; remote lookups "
-                              f"are misses and writes are dropped, retrying in {retry:.0f} s")
+                              f"are misses and writes are dropped, retrying in {retry:.3g} s")
 
     def _hint(self, exc: BaseException, write: bool = False) -> str:
         """What an error from the server most likely means, and what to change: "" when nothing more is known."""
@@ -135,7 +135,9 @@ class RemoteConnection:
         if isinstance(exc, redis.exceptions.AuthenticationError) or any(
                 mark in lower for mark in ("wrongpass", "noauth", "invalid password", "invalid username-password",
                                            "authentication required")):
-            return "; give the password in the URL or in $TIERKV_REDIS_PASSWORD"
+            cluster = (" (in a Redis Cluster, on every node, replicas too: requirepass and ACL users are per node, and "
+                       "a replica promoted without them refuses the workers)") if self.url.cluster else ""
+            return f"; give the password in the URL or in $TIERKV_REDIS_PASSWORD{cluster}"
         if isinstance(exc, (redis.exceptions.MovedError, redis.exceptions.AskError)) or \
                 text.startswith(("MOVED ", "ASK ")):
             return ("; the server is a Redis Cluster node, which a redis:// URL cannot use: use "
@@ -197,8 +199,8 @@ class RemoteConnection:
                 raise  # tierkv's own bug: not the server's
             if self._closed:
                 return fallback
-            self._drop_client_if_cluster()
             self._failed(_as_redis_error(exc), write)
+            self._drop_client_if_cluster()
             return fallback
         self._succeeded()
         return result
@@ -209,8 +211,8 @@ class RemoteConnection:
         errors = redis_module().exceptions
         if isinstance(exc, (errors.ConnectionError, errors.TimeoutError, OSError, errors.InvalidResponse,
                             errors.ClusterError, errors.RedisClusterException)):
+            self._failed(exc, write)  # first: closing the client fails the other calls in flight (EBADF), not this
             self._drop_client_if_cluster()
-            self._failed(exc, write)
         elif isinstance(exc, errors.ResponseError):
             self._refused(exc)
         else:  # any other of redis-py's own (e.g. building a connection)
@@ -225,13 +227,29 @@ class RemoteConnection:
                               "a write needs (docs/remote.md)")
         else:
             self.count("refused")
-            self.warn("refused", f"the server refused a command: {exc}{self._hint(exc)}")
+            errors = redis_module().exceptions
+            shown = f"{'MOVED' if isinstance(exc, errors.MovedError) else 'ASK'} {exc}" \
+                if isinstance(exc, errors.AskError) else str(exc)  # redis-py's text drops the word: "3406 host:port"
+            self.warn("refused", f"the server refused a command: {shown}{self._hint(exc)}")
 
     def refused(self, results: list[Any]) -> None:
         """Count and warn about the per-command errors of a pipeline run with ``raise_on_error=False``."""
         for item in results:
             if isinstance(item, Exception):
                 self._refused(item)
+
+    def pipeline(self, client: Any) -> Any:
+        """A pipeline of ``client`` (``transaction=False``). On a cluster, redis-py resends one at a time every command
+        that met an error (MOVED, ASK, but also a connection error or a timeout): to a frozen node each resend costs
+        another full timeout, one per key. So a resend is refused once the pipeline ran past its timeout, and a
+        node that failed (connection error, timeout, authentication) raises out of ``execute`` as a single-server
+        pipeline does: the call is a miss and the breaker opens, instead of per-command errors taken for refusals."""
+        pipe = client.pipeline(transaction=False)
+        if self.url.cluster:
+            with self._lock:  # the writer's client has the writes' longer timeout
+                timeout_s = self.write_timeout_s if client is self._write_client else self.timeout_s
+            _bound_cluster_pipeline(pipe, timeout_s)
+        return pipe
 
     def _get_client(self, write: bool = False) -> Any:
         with self._lock:
@@ -288,6 +306,31 @@ class RemoteConnection:
             pool = getattr(client, "connection_pool", None)
             if pool is not None:
                 pool.disconnect()
+
+
+def _bound_cluster_pipeline(pipe: Any, timeout_s: float) -> None:
+    """See :meth:`RemoteConnection.pipeline`."""
+    errors = redis_module().exceptions
+    started = [time.monotonic()]
+    resend, execute = getattr(pipe, "parent_execute_command", None), pipe.execute
+
+    def resend_in_time(*args: Any, **options: Any) -> Any:
+        if time.monotonic() - started[0] > timeout_s:  # a MOVED/ASK resend comes at once; this one followed a timeout
+            raise errors.TimeoutError(f"Timeout: a cluster node did not answer within {timeout_s:g} s")
+        assert resend is not None  # set only where redis-py has it
+        return resend(*args, **options)
+
+    def execute_or_raise(raise_on_error: bool = True) -> list[Any]:
+        started[0] = time.monotonic()
+        results = execute(raise_on_error=raise_on_error)
+        for result in results:
+            if isinstance(result, (errors.ConnectionError, errors.TimeoutError)):
+                raise result
+        return results
+
+    pipe.execute = execute_or_raise
+    if resend is not None:  # redis-py >= 7 resends through it; 5.x-6.x call the class's own (not bounded here)
+        pipe.parent_execute_command = resend_in_time
 
 
 def _raised_in_redis_py(exc: BaseException) -> bool:

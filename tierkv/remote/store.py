@@ -94,7 +94,7 @@ class _Wire:
     def _each(self, command: str, keys: Sequence[str]) -> Callable[[Any], list[Any]]:
         """One pipeline (one round-trip) of ``command`` per key; per-command errors come back as values."""
         def op(client: Any) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
+            pipe = self.conn.pipeline(client)
             for key in keys:
                 getattr(pipe, command)(self.name(key))
             return pipe.execute(raise_on_error=False)
@@ -117,7 +117,7 @@ class _Wire:
         bound is a default, not the known size of a block): then one whose header claims a larger payload is
         a miss left on the server, warned with the fix."""
         def op(client: Any) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
+            pipe = self.conn.pipeline(client)
             for key in keys:  # each GETRANGE with its EXISTS, adjacent: both see the same value
                 pipe.getrange(self.name(key), 0, max_bytes)
                 pipe.exists(self.name(key))
@@ -175,7 +175,7 @@ class _Wire:
         checked = [item for item in sets if item[0] not in forced]
 
         def ask(client: Any) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
+            pipe = self.conn.pipeline(client)
             for key in deletes:
                 pipe.delete(self.name(key))
             for key, _ in checked:
@@ -192,7 +192,7 @@ class _Wire:
         todo = [(key, payload) for key, payload in sets if key not in held]
 
         def put(client: Any) -> tuple[int, int]:
-            pipe = client.pipeline(transaction=False)
+            pipe = self.conn.pipeline(client)
             sizes = []
             for key, payload in todo:
                 value = frame(key.encode(), payload)
@@ -375,6 +375,8 @@ class RemoteBlockStore:
     # ------------------------------------------------------------------------------- management
     def ping(self) -> bool:
         """True if the server answers now; False while it is down (the breaker), unreachable or slow."""
+        if self.url.cluster:  # a cluster's PING goes to one node: ask every primary (a frozen one is the one to find)
+            return self._wire.conn.run(lambda client: bool(client.ping(target_nodes=client.PRIMARIES)), fallback=False)
         return self._wire.conn.run(lambda client: bool(client.ping()), fallback=False)
 
     def clear(self) -> int:
