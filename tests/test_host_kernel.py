@@ -238,6 +238,21 @@ def test_a_query_with_no_key_is_an_empty_part(attend):
     torch.testing.assert_close(merged, full)
 
 
+@pytest.mark.parametrize("attend", IMPLEMENTATIONS)
+def test_a_query_whose_every_key_is_masked_gets_their_mean_as_eager_softmax_does(attend):
+    """A boolean mask hiding every key of a query: the scores all sit at the float minimum, and softmax spreads the
+    weight evenly (the mean of the values). The torch version gave their sum: ``exp(scores - lse)`` is not
+    normalised where the logsumexp rounds back to the float minimum."""
+    keys, values = _kv(1, 1, 3, 4, torch.float32, seed=5)
+    q = torch.randn(1, 1, 1, 4)
+    placed = Placed(keys, values, 1)
+    mask = torch.zeros(1, 1, 1, 3, dtype=torch.bool)
+    out, _ = attend(q, placed.slab, placed.table, 3, scaling=1.0, causal=False, mask=mask)
+    scores = q[0, 0, 0] @ keys[0, 0].T + torch.finfo(torch.float32).min
+    torch.testing.assert_close(out[0, 0, 0], torch.softmax(scores, -1) @ values[0, 0])
+    torch.testing.assert_close(out[0, 0, 0], values[0, 0].mean(0))
+
+
 @needs_compiler
 def test_many_threads_split_the_keys_and_merge_exactly():
     """A long row on several threads is attended in key ranges merged inside the kernel: the result does not
@@ -324,6 +339,11 @@ def _errors_cases():
         ("contiguous block", dict(slabs=slab.transpose(3, 4))),
         ("threads must be", dict(threads=0)),
         ("threads must be", dict(threads=1.5)),
+        # beyond +-2**62 the C kernel's int64 sums of two of them wrapped: a silently wrong key range
+        ("positions must lie within", dict(positions=np.array([[-2**63, 0]]))),
+        ("query_start must lie within", dict(query_start=2**63 - 1)),
+        ("window must lie within", dict(window=2**63 - 1)),
+        ("lengths must lie within", dict(lengths=2**62)),
     ], dict(query=q, slabs=slab, block_table=table, lengths=8, scaling=1.0)
 
 

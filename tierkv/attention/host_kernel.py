@@ -69,6 +69,8 @@ entry_tokens, n_blocks, dtype, window, mask_len, mask_start, mask_batch_stride, 
 softcap; the addresses of query, table, starts, positions, lengths, query_start, mask, out, lse, entry_lse (0:
 none). Then
 come the chunks (address, slots, slot stride in bytes; int64 each), in the same buffer."""
+_POSITION_LIMIT = 1 << 62
+"""Bound on key positions, lengths, query starts and windows: the C kernel's int64 sums of two of them stay exact."""
 _ESLOT = -3  # TKV_ESLOT in the C source
 _ESTART = -4  # TKV_ESTART in the C source
 
@@ -311,6 +313,13 @@ def _check(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor] | P
         raise InvalidConfigError("query_start and window place the queries: they need causal=True.")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise InvalidConfigError(f"window must be a positive number of keys or None, got {window!r}.")
+    for name, values in (("positions", pos), ("lengths", length), ("query_start", start),
+                         ("window", None if window is None else np.array([window])),
+                         ("mask_start", None if mask is None else np.array([int(mask_start)]))):
+        if values is not None and values.size and (int(values.max()) >= _POSITION_LIMIT
+                                                   or int(values.min()) <= -_POSITION_LIMIT):
+            raise InvalidConfigError(f"{name} must lie within +-2**62 (the C kernel adds positions, query offsets "
+                                     f"and windows in int64), got {int(values.min())}..{int(values.max())}.")
     if softcap is not None and not softcap > 0:
         raise InvalidConfigError(f"softcap must be positive or None, got {softcap!r}.")
     bias = None if mask is None else _bias(mask, batch, q_len, query.device, mask_start, int(length.max(initial=0)))
@@ -656,7 +665,7 @@ def _attend_torch(inputs: _Inputs, entry_lse: torch.Tensor | None = None) -> tup
     lse = torch.logsumexp(scores, dim=-1)
     if entry_lse is not None:  # [B, H_kv, G, q, n] -> [B, H_q, q, n]
         entry_lse.copy_(torch.logsumexp(scores.unflatten(-1, (n, entry)), dim=-1).flatten(1, 2))
-    weights = torch.exp(scores - lse.unsqueeze(-1))
+    weights = torch.softmax(scores, dim=-1)  # (exp(scores - lse) is not normalised where lse rounds to -FLT_MAX)
     weights = weights.masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0)  # a query with no key: 0 (a NaN stays)
     out = torch.matmul(weights.view(batch, kv_heads, group * q_len, -1), values)
     return out.view(q.shape), lse.view(q.shape[:-1])
