@@ -124,6 +124,9 @@ def test_wrong_shapes_are_refused_by_name():
     with pytest.raises(InvalidConfigError, match="query must be contiguous"):
         rest_kernel.rest_attention(torch.zeros(1, 1, 1, 16, dtype=torch.float64), *summaries.rest_packed(0), pages,
                                    torch.tensor([2]), None, 4, None)
+    with pytest.raises(InvalidConfigError, match="query is on meta; the C kernel reads CPU memory only"):
+        rest_kernel.rest_attention(torch.zeros(1, 1, 1, 16, device="meta"), *summaries.rest_packed(0), pages,
+                                   torch.tensor([2]), None, 4, None)  # (a device address read as host memory)
 
 
 def test_setup_builds_the_extension_and_the_loader_takes_it(built_extensions, tmp_path, monkeypatch, caplog):

@@ -76,6 +76,8 @@ def test_wrong_shapes_are_refused_by_name():
         score_kernel.page_scores(torch.zeros(1, 1, 1, 16, dtype=torch.float64), table, torch.tensor([[0, 1]]))
     with pytest.raises(InvalidConfigError, match="pages must be contiguous"):
         score_kernel.page_scores(torch.zeros(1, 1, 1, 16), table, torch.tensor([[0, 1]], dtype=torch.int32))
+    with pytest.raises(InvalidConfigError, match="query is on meta; the C kernel reads CPU memory only"):
+        score_kernel.page_scores(torch.zeros(1, 1, 1, 16, device="meta"), table, torch.tensor([[0, 1]]))
 
 
 @pytest.mark.parametrize("tail_tokens", [3, 5 * PAGE + 3])

@@ -127,6 +127,9 @@ def rest_attention(query: torch.Tensor, codes: torch.Tensor, summaries: torch.Te
         if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
             raise InvalidConfigError(f"rest_attention: {name} must be contiguous {dtype} {list(shape)}, got "
                                      f"{tensor.dtype} {list(tensor.shape)}.")
+        if tensor.device.type != "cpu":  # the C kernel would read a device address as host memory
+            raise InvalidConfigError(f"rest_attention: {name} is on {tensor.device}; the C kernel reads CPU memory "
+                                     "only.")
     out = torch.empty((batch, heads, groups, dim), dtype=torch.float32)
     lse = torch.empty((batch, heads, groups), dtype=torch.float32)
     packed = _ARGS.pack(batch, heads, groups, dim, pt, entries, bits, value_groups, rows, torch.get_num_threads(),

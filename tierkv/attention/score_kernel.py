@@ -118,6 +118,8 @@ def page_scores(query: torch.Tensor, table: torch.Tensor,
         if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
             raise InvalidConfigError(f"page_scores: {name} must be contiguous {dtype} {list(shape)}, got "
                                      f"{tensor.dtype} {list(tensor.shape)}.")
+        if tensor.device.type != "cpu":  # the C kernel would read a device address as host memory
+            raise InvalidConfigError(f"page_scores: {name} is on {tensor.device}; the C kernel reads CPU memory only.")
     bound = torch.empty((batch, heads, groups, entries), dtype=torch.float32)
     logits = torch.empty((batch, heads, groups, entries), dtype=torch.float32)
     packed = _ARGS.pack(batch, heads, groups, dim, entries, rows, fields, _DTYPES[table.dtype],
