@@ -92,3 +92,49 @@ def test_a_demo_in_a_ci_log(tmp_path):
     assert "prefill 512 tokens through the tiers: " in err and "Traceback" not in err, err
     assert f"wrote {target}\n" in err and len(json.loads(target.read_text())["answer"]) > 40
     assert b"..." in result.stdout  # the cut answer's cell
+
+
+def test_a_closed_terminal_ends_the_demo_with_129_and_no_files_left(tmp_path):
+    """A real hangup (the terminal's other side closes): SIGHUP comes and every later write to the terminal fails
+    (EIO), which replaced the interrupt: exit 1 with "Input/output error; check the path". It is 129, and the
+    disk tier's files are gone."""
+    import pty
+    import select
+    import time
+
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: the demo on the pseudo-terminal
+        os.environ.update(TMPDIR=str(tmp_path), TERM="xterm")
+        os.environ.pop("TIERKV_DEBUG", None)
+        os.execv(sys.executable, [sys.executable, "-m", "tierkv.cli", "demo", "--random-model", "--context", "8K",
+                                  "--no-reference", "--max-new-tokens", "2K"])
+    seen, deadline = b"", time.monotonic() + 240
+    while not list(tmp_path.glob("tierkv-*")) and time.monotonic() < deadline:  # until the tiered run began
+        if select.select([terminal], [], [], 0.1)[0]:
+            try:
+                seen += os.read(terminal, 65536)
+            except OSError:
+                break
+    assert list(tmp_path.glob("tierkv-*")), seen[-2000:]
+    os.close(terminal)  # hang up
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 129
+    assert list(tmp_path.glob("tierkv-*")) == []
+
+
+def test_main_in_process_gives_the_callers_streams_back():
+    """``tierkv.cli.main()`` called from a program: the streams' error handling it sets for the run is undone, and a
+    reader that left stdout does not take the caller's stderr away."""
+    script = (
+        "import os, sys\n"
+        "from tierkv.cli import main\n"
+        "before = sys.stdout.errors\n"
+        "read, write = os.pipe(); os.close(read)\n"
+        "saved = os.dup(1); os.dup2(write, 1)\n"
+        "code = main(['plan', '--model', 'llama-3-8b', '--context', '8K', '--gpu-gb', '20', '--cpu-gb', '64'])\n"
+        "os.dup2(saved, 1)\n"
+        "print('code', code, 'errors kept', sys.stdout.errors == before, file=sys.stderr, flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_environment(),
+                            timeout=120)
+    assert result.stderr.strip().splitlines()[-1] == "code 141 errors kept True", result.stderr

@@ -700,6 +700,19 @@ def test_a_prepared_call_keeps_no_slab_alive_and_refuses_what_does_not_fit():
         call(query, 40)
 
 
+@needs_compiler
+def test_a_prepared_call_refuses_lengths_and_mask_starts_beyond_the_bound():
+    """The +-2**62 bound held for paged_attention but not for a prepared call (the per-step path), whose length
+    comes per call and whose mask start comes at prepare(masked=True) without a mask."""
+    slab, q, table = torch.randn(4, 2, 1, 16, 8), torch.randn(1, 1, 1, 8), np.array([[0, 1]])
+    call = host_kernel.prepare(q, slab, table, 32, scaling=1.0)
+    assert call is not None
+    with pytest.raises(InvalidConfigError, match="lengths must lie within"):
+        call(q, 2**62 + 5)
+    with pytest.raises(InvalidConfigError, match="mask_start must lie within"):
+        host_kernel.prepare(q, slab, table, 32, scaling=1.0, causal=False, masked=True, mask_start=-(2**62 + 5))
+
+
 def test_prepare_without_the_c_kernel_is_none(monkeypatch):
     """Where the C kernel does not load, there is nothing to prepare: callers call paged_attention (torch)."""
     from tierkv.io.base import EngineUnavailableError

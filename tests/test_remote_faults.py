@@ -417,6 +417,36 @@ def test_a_frozen_cluster_primary_costs_one_timeout_and_opens_the_breaker(redis_
             assert time.monotonic() - start < 4.0
 
 
+def _move_slot(cluster, slot: int) -> int:
+    """Migrate ``slot`` (and its keys) to another primary behind the clients' backs; returns its old owner's port."""
+    nodes = {server.port: server.client() for server in cluster.servers}
+    ids = {port: client.execute_command("CLUSTER", "MYID").decode() for port, client in nodes.items()}
+    source = next(port for port, client in nodes.items() if client.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot))
+    target = next(port for port in nodes if port != source)
+    nodes[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
+    nodes[source].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+    keys = nodes[source].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+    nodes[source].execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+    for client in nodes.values():
+        client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+    return source
+
+
+def test_a_moved_key_is_followed_when_slow_nodes_still_answer(redis_cluster) -> None:
+    """Bounding the resends that follow a frozen node must not drop a MOVED: nodes busy in turn, each answering
+    within the timeout, make the pipeline as a whole outlast it, and the moved key is still read."""
+    keys, values = blocks(8, size=100)
+    with RemoteBlockStore(redis_cluster.url, "m", timeout_s=0.5, backoff_s=30.0, keys_per_request=8) as store:
+        fill(store, keys, values)
+        client = store._wire.conn._get_client()
+        source = _move_slot(redis_cluster, client.keyslot(store._wire.name(keys[0])))  # the client's map is stale
+        busy = [server.client() for server in redis_cluster.servers if server.port != source]
+        busy[0].execute_command("CLIENT", "PAUSE", 300, "ALL")
+        busy[1].execute_command("CLIENT", "PAUSE", 600, "ALL")
+        assert [bytes(p) if p is not None else None for p in store.get_many(keys)] == values
+        assert not store.stats()["down"]
+
+
 def test_a_redirection_is_named_as_one(redis_cluster, caplog) -> None:
     """redis-py's MOVED error reads "3406 127.0.0.1:7003": the warning says MOVED."""
     keys, values = blocks(8, size=100)

@@ -107,6 +107,11 @@ def test_a_username_without_a_password_is_not_printed(url: str) -> None:
         assert "hunter2" not in shown, shown
     assert parse_remote_url("redis://alice:pw@h:1/0").redacted() == "redis://alice:***@h:1/0"
     assert redact("redis://alice:pw@h:1/0") == "redis://alice:***@h:1/0"
+    # a password given apart (the documented $TIERKV_REDIS_PASSWORD pattern) makes the name a username
+    assert parse_remote_url("redis://alice@h:1/0", password="pw").redacted() == "redis://alice:***@h:1/0"
+    with pytest.raises(InvalidConfigError) as info:  # a word as the name: the message stays readable
+        parse_remote_url("redis://redis@localhost:63x79/0")
+    assert str(info.value).startswith("remote URL redis://***@localhost"), info.value
 
 
 def test_valid_hosts_still_parse() -> None:

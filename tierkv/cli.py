@@ -196,12 +196,11 @@ def _check_settings(module: Any) -> None:
 
 
 @contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[list[int]]:
+def _terminate_as_interrupt(received: list[int]) -> Iterator[list[int]]:
     """Within: SIGTERM and SIGHUP (a closed terminal, a dropped ssh session; not where ignored, as ``nohup`` does)
     end the command as Ctrl-C does, whatever SIGINT's handler is (a store edit that holds interrupts finishes first:
     :func:`tierkv.atomic.interrupt`), so its ``finally`` blocks remove its temporary folders; the list holds the
     signal once one came."""
-    received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
@@ -228,7 +227,11 @@ def _silence_output() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, OSError, ValueError):
-            os.dup2(devnull, stream.fileno())
+            try:
+                stream.flush()
+                continue  # a stream that still takes its output stays (a caller of main() in-process keeps it)
+            except OSError:
+                os.dup2(devnull, stream.fileno())
     os.close(devnull)
 
 
@@ -245,15 +248,27 @@ def _output_error(exc: OSError, prog: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``tierkv`` with ``argv`` (default: the process arguments) and return the exit status."""
-    for stream in (sys.stdout, sys.stderr):  # a character the locale cannot encode (LANG=C, PYTHONIOENCODING=ascii)
-        if isinstance(stream, io.TextIOWrapper):  # is shown escaped, never a UnicodeEncodeError traceback
-            stream.reconfigure(errors="backslashreplace")
+    # a character the locale cannot encode (LANG=C, PYTHONIOENCODING=ascii) is shown escaped, never a
+    # UnicodeEncodeError traceback; an in-process caller gets its streams back as they were
+    encoded = [(stream, stream.errors) for stream in (sys.stdout, sys.stderr) if isinstance(stream, io.TextIOWrapper)]
+    for stream, _ in encoded:
+        stream.reconfigure(errors="backslashreplace")
+    try:
+        return _run_main(argv)
+    finally:
+        for stream, errors in encoded:
+            with contextlib.suppress(OSError, ValueError):
+                stream.reconfigure(errors=errors)
+
+
+def _run_main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     prog = "tierkv" + (f" {chosen}" if chosen in SUBCOMMANDS else "")
+    terminated: list[int] = []  # SIGTERM or SIGHUP came: its status, even where the terminal is gone (EIO)
     try:
         try:
-            code = _main(argv, prog)
+            code = _main(argv, prog, terminated)
         except SystemExit as exc:  # rich ends a print to a closed pipe with SystemExit(1)
             if isinstance(exc.__context__, BrokenPipeError):
                 return _output_error(exc.__context__, prog)
@@ -262,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()  # here, not at exit: a failure is reported as one line, not as "Exception ignored"
         return code
     except OSError as exc:
+        if terminated:
+            _silence_output()
+            return 128 + terminated[0]
         if not _output_failed(exc):
             raise
         return _output_error(exc, prog)
@@ -284,11 +302,11 @@ def _output_failed(exc: OSError) -> bool:
     return False
 
 
-def _main(argv: list[str], prog: str) -> int:
+def _main(argv: list[str], prog: str, terminated: list[int]) -> int:
     chosen = next((a for a in argv if not a.startswith("-")), None)
     debug = "--debug" in argv
     usage_errors: tuple[type[BaseException], ...] = (ValueError,)
-    with _terminate_as_interrupt() as terminated:
+    with _terminate_as_interrupt(terminated):
         try:
             try:
                 args = build_parser(chosen if chosen in SUBCOMMANDS else None).parse_args(argv)
@@ -308,6 +326,8 @@ def _main(argv: list[str], prog: str) -> int:
             print(f"{fresh_line}{prog}: interrupted", file=sys.stderr)
             return INTERRUPTED
         except (TierKVError, OSError) as exc:
+            if terminated and isinstance(exc, OSError):
+                raise  # the write after a hangup failed (EIO): main() returns 128 + the signal
             if isinstance(exc, OSError) and _output_failed(exc):
                 raise  # stdout or stderr could not be written (its reader left, a full disk): main() says so
             if debug:

@@ -313,9 +313,10 @@ def _check(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor] | P
         raise InvalidConfigError("query_start and window place the queries: they need causal=True.")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise InvalidConfigError(f"window must be a positive number of keys or None, got {window!r}.")
+    # mask_start whether or not a mask is given: prepare(masked=True) checks it here, its mask comes per call
     for name, values in (("positions", pos), ("lengths", length), ("query_start", start),
                          ("window", None if window is None else np.array([window])),
-                         ("mask_start", None if mask is None else np.array([int(mask_start)]))):
+                         ("mask_start", np.array([int(mask_start)]))):
         if values is not None and values.size and (int(values.max()) >= _POSITION_LIMIT
                                                    or int(values.min()) <= -_POSITION_LIMIT):
             raise InvalidConfigError(f"{name} must lie within +-2**62 (the C kernel adds positions, query offsets "
@@ -552,6 +553,8 @@ class PagedCall:
         if query.dtype != torch.float32 or not query.is_contiguous():
             query = query.detach().float().contiguous()
         if length != self._length:
+            if not -_POSITION_LIMIT < length < _POSITION_LIMIT:  # as _check: the C kernel's int64 sums
+                raise InvalidConfigError(f"lengths must lie within +-2**62, got {length}.")
             inputs = self._inputs
             inputs.lengths.fill(length)
             if self._causal:

@@ -241,9 +241,9 @@ class RemoteConnection:
     def pipeline(self, client: Any) -> Any:
         """A pipeline of ``client`` (``transaction=False``). On a cluster, redis-py resends one at a time every command
         that met an error (MOVED, ASK, but also a connection error or a timeout): to a frozen node each resend costs
-        another full timeout, one per key. So a resend is refused once the pipeline ran past its timeout, and a
-        node that failed (connection error, timeout, authentication) raises out of ``execute`` as a single-server
-        pipeline does: the call is a miss and the breaker opens, instead of per-command errors taken for refusals."""
+        another full timeout, one per key. So once a resend met a node that does not answer, the others are refused,
+        and a node that failed (connection error, timeout) raises out of ``execute`` as a single-server pipeline does:
+        the call is a miss and the breaker opens, instead of per-command errors taken for refusals."""
         pipe = client.pipeline(transaction=False)
         if self.url.cluster:
             with self._lock:  # the writer's client has the writes' longer timeout
@@ -311,17 +311,21 @@ class RemoteConnection:
 def _bound_cluster_pipeline(pipe: Any, timeout_s: float) -> None:
     """See :meth:`RemoteConnection.pipeline`."""
     errors = redis_module().exceptions
-    started = [time.monotonic()]
+    failed: list[BaseException] = []  # a resend of this execute that met a node not answering
     resend, execute = getattr(pipe, "parent_execute_command", None), pipe.execute
 
-    def resend_in_time(*args: Any, **options: Any) -> Any:
-        if time.monotonic() - started[0] > timeout_s:  # a MOVED/ASK resend comes at once; this one followed a timeout
+    def resend_once_a_node_failed(*args: Any, **options: Any) -> Any:
+        if failed:  # the others would each wait their own timeout for the same node: the call is a miss anyway
             raise errors.TimeoutError(f"Timeout: a cluster node did not answer within {timeout_s:g} s")
         assert resend is not None  # set only where redis-py has it
-        return resend(*args, **options)
+        try:
+            return resend(*args, **options)  # a MOVED/ASK resend to a node that answers, however slowly, goes on
+        except (errors.ConnectionError, errors.TimeoutError) as exc:
+            failed.append(exc)
+            raise
 
     def execute_or_raise(raise_on_error: bool = True) -> list[Any]:
-        started[0] = time.monotonic()
+        failed.clear()
         results = execute(raise_on_error=raise_on_error)
         for result in results:
             if isinstance(result, (errors.ConnectionError, errors.TimeoutError)):
@@ -330,7 +334,7 @@ def _bound_cluster_pipeline(pipe: Any, timeout_s: float) -> None:
 
     pipe.execute = execute_or_raise
     if resend is not None:  # redis-py >= 7 resends through it; 5.x-6.x call the class's own (not bounded here)
-        pipe.parent_execute_command = resend_in_time
+        pipe.parent_execute_command = resend_once_a_node_failed
 
 
 def _raised_in_redis_py(exc: BaseException) -> bool:

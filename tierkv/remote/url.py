@@ -123,7 +123,9 @@ def _parse(url: str, password: str | None) -> RemoteURL:
     if tls_options and not tls:
         raise InvalidConfigError(f"remote URL {shown} has TLS options but the scheme is not rediss://.")
     _check_tls(tls_options, shown)
-    beside_password = bool(url_password) if unquote(username) else bool(options.get("password"))
+    # a password given apart ($TIERKV_REDIS_PASSWORD, the password argument) makes the URL's name a username too
+    beside_password = bool(url_password or password) if unquote(username) else bool(options.get("password")
+                                                                                    or password)
     username = unquote(username) or options.get("username") or ""
     secret = unquote(url_password) or options.get("password") or password or None
     for name, text in (("username", username), ("password", secret)):
@@ -332,7 +334,9 @@ def secrets(url: str) -> set[str]:
     for userinfo in (rest.rpartition("@")[0], rest.partition("?")[0].rpartition("@")[0]):
         user, _, password = userinfo.partition(":")
         found |= {password}
-        found |= {userinfo, user} if userinfo and not _shows_username(user, bool(password)) else set()
+        # a name alone may be a password in the wrong place; one of letters only (a word: "redis") stays readable
+        found |= {userinfo, user} if userinfo and not _shows_username(user, bool(password)) \
+            and not user.isalpha() else set()
     for pair in re.split("[&;]", rest.partition("?")[2]):
         key, equals, value = pair.partition("=")
         found |= {value} if key in AUTH_OPTIONS else set() if equals else {key}
