@@ -16,6 +16,7 @@ from tierkv.attention.base import Span
 from tierkv.attention.sparse import SparseAttention, SparseBudget
 from tierkv.attention.sparse_store import SparseBlocks
 from tierkv.blocks import Tier
+from tierkv.hf import cache_keyword
 from tierkv.mover import ThreadMover
 from tierkv.policy import make_policy
 from tierkv.staging import default_page_tokens
@@ -301,7 +302,7 @@ def test_pages_at_a_budget_covering_everything_match_dynamic_cache(tmp_path, fam
 
     def run(cache):
         return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True, cache=cache)
+                              return_dict_in_generate=True, **{cache_keyword(model): cache})
 
     reference_out = run(DynamicCache())
     with TieredCache(gpu_gb="512KB", cpu_gb="64KB", disk_dir=tmp_path, block_tokens=32) as cache:
@@ -603,7 +604,7 @@ def test_attended_tokens_are_counted_within_the_cap(block_tokens, page, tokens):
     ids, mask = prompt(1, 100)
     with TieredCache(gpu_gb="4MB", cpu_gb="1MB", block_tokens=block_tokens, config=model.config) as cache, \
             cache.sparse(model, tokens=tokens, page_tokens=page, rest_bits=0), torch.no_grad():
-        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=12, do_sample=False)
+        model.generate(ids, attention_mask=mask, **{cache_keyword(model): cache}, max_new_tokens=12, do_sample=False)
         counters = cache.executors["sparse"].counters
     assert counters.exact_layer_steps == 0 and counters.layer_steps > 0
     assert counters.tokens_read <= tokens * counters.layer_steps

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from tierkv import TieredCache, accel
 from tierkv.errors import InvalidConfigError
+from tierkv.hf import cache_keyword
 from tierkv.hf.attention import Engagement
 
 NEW = 8
@@ -258,12 +259,14 @@ def test_a_key_that_overflowed_makes_its_row_nan_as_in_dynamic_cache(tmp_path, v
         try:
             if name == "dynamic":
                 outputs[name] = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
-                                               output_logits=True, return_dict_in_generate=True, cache=DynamicCache())
+                                               output_logits=True, return_dict_in_generate=True,
+                                               **{cache_keyword(model): DynamicCache()})
                 continue
             with TieredCache(gpu_gb="128KB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4) as cache, \
                     cache.split(model, chunk_tokens=8):  # fmt: skip
                 outputs[name] = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
-                                               output_logits=True, return_dict_in_generate=True, cache=cache)
+                                               output_logits=True, return_dict_in_generate=True,
+                                               **{cache_keyword(model): cache})
                 assert cache.stats()["blocks"]["disk"] > 0
         finally:
             hook.remove()
