@@ -221,17 +221,26 @@ def _terminate_as_interrupt(received: list[int]) -> Iterator[list[int]]:
             signal.signal(signum, handler)
 
 
-def _silence_output() -> None:
-    """Point stdout and stderr at /dev/null, so that the interpreter's flush at exit (of output a reader that left
-    never took) prints no "Exception ignored ... BrokenPipeError" and exits 0, not 120."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
+def _failing_streams() -> list[Any]:
+    """stdout and stderr where a flush fails (a reader that left, a full disk, a terminal gone), or that are None
+    (closed when the process started)."""
+    failing = []
     for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # AttributeError: the stream is None
+            failing.append(stream)
+    return failing
+
+
+def _silence_output() -> None:
+    """Point a stream that cannot be written at /dev/null, so that the interpreter's flush at exit (of output a
+    reader that left never took) prints no "Exception ignored ... BrokenPipeError" and exits 0, not 120; a stream
+    that still takes its output stays (a caller of main() in-process keeps it)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in _failing_streams():
         with contextlib.suppress(AttributeError, OSError, ValueError):
-            try:
-                stream.flush()
-                continue  # a stream that still takes its output stays (a caller of main() in-process keeps it)
-            except OSError:
-                os.dup2(devnull, stream.fileno())
+            os.dup2(devnull, stream.fileno())
     os.close(devnull)
 
 
@@ -268,7 +277,7 @@ def _run_main(argv: list[str] | None) -> int:
     terminated: list[int] = []  # SIGTERM or SIGHUP came: its status, even where the terminal is gone (EIO)
     try:
         try:
-            code = _main(argv, prog, terminated)
+            code = _main(argv, chosen, prog, terminated)
         except SystemExit as exc:  # rich ends a print to a closed pipe with SystemExit(1)
             if isinstance(exc.__context__, BrokenPipeError):
                 return _output_error(exc.__context__, prog)
@@ -294,16 +303,10 @@ def _output_failed(exc: OSError) -> bool:
     if isinstance(exc, TierKVError) or exc.filename is not None or exc.errno not in (errno.ENOSPC, errno.EDQUOT,
                                                                                       errno.EIO):
         return False
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):  # AttributeError: the stream is None (closed at start)
-            return True
-    return False
+    return bool(_failing_streams())
 
 
-def _main(argv: list[str], prog: str, terminated: list[int]) -> int:
-    chosen = next((a for a in argv if not a.startswith("-")), None)
+def _main(argv: list[str], chosen: str | None, prog: str, terminated: list[int]) -> int:
     debug = "--debug" in argv
     usage_errors: tuple[type[BaseException], ...] = (ValueError,)
     with _terminate_as_interrupt(terminated):

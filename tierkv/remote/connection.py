@@ -246,9 +246,7 @@ class RemoteConnection:
         the call is a miss and the breaker opens, instead of per-command errors taken for refusals."""
         pipe = client.pipeline(transaction=False)
         if self.url.cluster:
-            with self._lock:  # the writer's client has the writes' longer timeout
-                timeout_s = self.write_timeout_s if client is self._write_client else self.timeout_s
-            _bound_cluster_pipeline(pipe, timeout_s)
+            _bound_cluster_pipeline(pipe)
         return pipe
 
     def _get_client(self, write: bool = False) -> Any:
@@ -308,7 +306,7 @@ class RemoteConnection:
                 pool.disconnect()
 
 
-def _bound_cluster_pipeline(pipe: Any, timeout_s: float) -> None:
+def _bound_cluster_pipeline(pipe: Any) -> None:
     """See :meth:`RemoteConnection.pipeline`."""
     errors = redis_module().exceptions
     failed: list[BaseException] = []  # a resend of this execute that met a node not answering
@@ -316,7 +314,8 @@ def _bound_cluster_pipeline(pipe: Any, timeout_s: float) -> None:
 
     def resend_once_a_node_failed(*args: Any, **options: Any) -> Any:
         if failed:  # the others would each wait their own timeout for the same node: the call is a miss anyway
-            raise errors.TimeoutError(f"Timeout: a cluster node did not answer within {timeout_s:g} s")
+            raise errors.TimeoutError("Timeout: a cluster node did not answer (an earlier resend of this call timed "
+                                      "out)")
         assert resend is not None  # set only where redis-py has it
         try:
             return resend(*args, **options)  # a MOVED/ASK resend to a node that answers, however slowly, goes on

@@ -62,12 +62,12 @@ class RemoteURL:
     username: str | None = field(default=None, repr=False)
     password: str | None = field(default=None, repr=False)
     tls_options: tuple[tuple[str, str], ...] = ()
-    username_shown: bool = field(default=True, repr=False, compare=False)  # see _shows_username
 
     def redacted(self) -> str:
         """The URL without its password, for logs and messages."""
         scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
-        user = self.username if self.username is None or self.username_shown else MASK
+        user = self.username if self.username is None or _shows_username(self.username, bool(self.password)) \
+            else MASK
         auth = f"{user or ''}:{MASK}@" if self.password else (f"{user}@" if user else "")
         hosts = ",".join(f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in self.nodes)
         return f"{scheme}://{auth}{hosts}" + ("" if self.cluster else f"/{self.db}")
@@ -123,9 +123,6 @@ def _parse(url: str, password: str | None) -> RemoteURL:
     if tls_options and not tls:
         raise InvalidConfigError(f"remote URL {shown} has TLS options but the scheme is not rediss://.")
     _check_tls(tls_options, shown)
-    # a password given apart ($TIERKV_REDIS_PASSWORD, the password argument) makes the URL's name a username too
-    beside_password = bool(url_password or password) if unquote(username) else bool(options.get("password")
-                                                                                    or password)
     username = unquote(username) or options.get("username") or ""
     secret = unquote(url_password) or options.get("password") or password or None
     for name, text in (("username", username), ("password", secret)):
@@ -134,13 +131,13 @@ def _parse(url: str, password: str | None) -> RemoteURL:
                                      f"byte of another encoding, as a non-UTF-8 locale passes it); give the {name} "
                                      "as UTF-8 text (percent-encoded in the URL).")
     return RemoteURL(nodes=nodes, db=db, tls=tls, cluster=cluster, username=username or None, password=secret,
-                     tls_options=tuple(sorted(tls_options.items())),
-                     username_shown=_shows_username(username, beside_password))
+                     tls_options=tuple(sorted(tls_options.items())))
 
 
 def _shows_username(username: str, beside_password: bool) -> bool:
-    """Whether messages may show ``username``: a plain name given with a password beside it. A name alone
-    (``redis://NAME@host``, ``redis://NAME:@host``) is as likely a password written in the username's place."""
+    """Whether messages may show ``username``: a plain name given with a password (in the URL or apart, as
+    ``$TIERKV_REDIS_PASSWORD``). A name alone (``redis://NAME@host``, ``redis://NAME:@host``) is as likely a password
+    written in the username's place."""
     return beside_password and _NAME.fullmatch(username) is not None
 
 
