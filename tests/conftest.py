@@ -21,11 +21,12 @@ def prefetch_every_layer():
 
 @pytest.fixture(autouse=True)
 def servers_warned_afresh():
-    """A remote server's warnings (down, full, refusing) are logged once a minute per kind and process: each test
-    starts as a new process would, so a test that meets one sees it warned whatever the tests before it met."""
-    from tierkv.remote import connection
+    """A remote server's warnings (down, full, refusing) and a persistent directory's are logged once a minute per
+    kind and process: each test starts as a new process would, so a test that meets one sees it warned whatever the
+    tests before it met."""
+    from tierkv import logs
 
-    connection._WARNED.clear()
+    logs.forget()
     yield
 
 

@@ -65,6 +65,9 @@ class PrefixSession:
                 raise InvalidConfigError("persist=True keeps blocks in disk_dir; pass disk_dir='/path/on/nvme'.")
             if persist_gb is not None:
                 capacity = parse_size(persist_gb, name="persist_gb")
+                if not capacity:
+                    raise InvalidConfigError(f"persist_gb={persist_gb!r} keeps no block: give the persistent store's "
+                                             "size (e.g. persist_gb=10, in GB), or leave persist=True out.")
             else:
                 capacity, self.capacity_from = default_capacity(disk_dir)
             local = PersistentStore(disk_dir, capacity)
@@ -153,12 +156,12 @@ class PrefixSession:
         local = self.local
         if local is None:
             return
-        need = record.max_block_bytes(namespace)
+        need = record.block_bytes(namespace)
         if local.capacity_bytes < need:
             raise InvalidConfigError(
-                f"persist=True can keep nothing: one block record of this model takes up to {format_bytes(need)} but "
-                f"the persistent store's capacity ({self.capacity_from}) is {format_bytes(local.capacity_bytes)}. "
-                f"Pass persist_gb=\"{need}B\" or more (a multiple of it keeps that many blocks), or free space under "
+                f"persist=True can keep nothing: one block record of this model takes {format_bytes(need)} but the "
+                f"persistent store's capacity ({self.capacity_from}) is {format_bytes(local.capacity_bytes)}. Pass "
+                f"persist_gb=\"{need}B\" or more (each block's record takes about as much), or free space under "
                 "disk_dir.")
 
     def leave_room(self, disk: DiskTier | None) -> None:

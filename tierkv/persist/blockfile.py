@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierkv import forks, safefs, settings
+from tierkv import forks, logs, safefs, settings
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import DiskFullError, DiskTierError, IntegrityError, InvalidConfigError, NewerFormatError
 from tierkv.persist import manifest as manifests
@@ -86,6 +86,7 @@ class Item:
     depth: int
     head: bytes
     payload: bytes | memoryview
+    parent: str | None = None  # the block before it in its chain: where given, it is listed only beside that one
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,8 +353,10 @@ class PersistentStore:
                         "persistent blocks there.", error)
 
     def _warn_once(self, kind: str, message: str, *arguments: object) -> None:
-        """Log ``message``: a warning the first time this store logs a ``kind``, then at debug level."""
-        log.log(logging.DEBUG if kind in self._warned else logging.WARNING, message, *arguments)
+        """Log ``message``: a warning the first time this store logs a ``kind`` unless a store of this process
+        warned it for this directory within :data:`tierkv.logs.WARN_INTERVAL_S`, else at debug level."""
+        loud = kind not in self._warned and logs.due(str(self.root), kind)
+        log.log(logging.WARNING if loud else logging.DEBUG, message, *arguments)
         self._warned.add(kind)
 
     def _keep_written(self, staged: list[tuple[Item, str, int]], written: int) -> None:
@@ -467,9 +470,13 @@ class PersistentStore:
             total = listing.nbytes
             victims = iter(listing.victims())
             added: list[str] = []
+            unreachable = 0
             failed: OSError | None = None
             for position, (item, name, nbytes) in enumerate(add):
                 if item.key in listing.entries:  # another process stored it meanwhile
+                    continue
+                if item.parent is not None and item.parent not in listing.entries:
+                    unreachable += 1  # its chain lost a shallower block: no lookup would reach it (nor what follows)
                     continue
                 while total + nbytes > self.capacity_bytes or len(listing.entries) >= manifests.MAX_ENTRIES:
                     victim = next(victims, None)
@@ -495,6 +502,9 @@ class PersistentStore:
             self._write_manifest(listing)
             for key in unlisted:  # only once no manifest lists them (a listed block's file is always there)
                 self._remove_record(key)
+            if unreachable:
+                log.debug("tierkv: %s not persisted: the blocks before them in their chain were evicted (the next "
+                          "sequence that computes the chain stores it from its start)", plural(unreachable, "block"))
             if failed is not None:
                 raise failed
             return len(added)

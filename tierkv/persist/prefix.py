@@ -185,7 +185,8 @@ class PrefixPersistence:
                 continue  # another process (or an earlier run) stored them
             # per layer [B, n, 2, H, bt, D] -> [B, n, L, 2, H, bt, D]
             blocks = torch.stack([kv.export_blocks(layer, start, stop) for layer in range(len(lengths))], dim=2)
-            jobs = [(keys[c], c, blocks[r, c - start]) for r, keys in enumerate(self._keys) for c in range(start, stop)]
+            jobs = [(keys[c], c, blocks[r, c - start], keys[c - 1] if c else None)
+                    for r, keys in enumerate(self._keys) for c in range(start, stop)]
             self._writer.submit(self.namespace.root, jobs, [k for keys in self._keys for k in keys[:start]])
         self.persisted = target
         return True
@@ -231,7 +232,9 @@ class _Writer:
         self._starting = threading.Lock()  # two threads submitting first would start two writers (close joins one)
         self._warned = False
 
-    def submit(self, root: str, jobs: list[tuple[str, int, torch.Tensor]], touch: list[str]) -> None:
+    def submit(self, root: str, jobs: list[tuple[str, int, torch.Tensor, str | None]], touch: list[str]) -> None:
+        """Queue block-rows ``(key, depth, K/V, the key before it in its chain)`` to store, ``touch``: the keys of the
+        chains they extend (marked used, so that the store never evicts a block they need)."""
         with self._starting:
             if self._thread is None:
                 with deferred_interrupts():  # started and recorded together: a thread made but never started, or
@@ -252,7 +255,8 @@ class _Writer:
                 if job is None:
                     return
                 root, blocks, touch = job
-                items = [Item(key, depth, *record.encode_block(key, root, depth, kv)) for key, depth, kv in blocks]
+                items = [Item(key, depth, *record.encode_block(key, root, depth, kv), parent=parent)
+                         for key, depth, kv, parent in blocks]
                 self.store.put(items, touch=touch)
             except Exception as error:
                 if not self._warned:

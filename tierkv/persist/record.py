@@ -257,6 +257,17 @@ def encode_block(key: str, namespace: str, depth: int, kv: torch.Tensor) -> tupl
     return encode(header, tensor_bytes(kv))
 
 
+def block_bytes(namespace: Namespace, depth: int = 0) -> int:
+    """The bytes of the block record of ``namespace`` at ``depth`` that :func:`encode_block` writes (its header
+    without building the payload): what a store must hold to keep that block."""
+    import torch
+
+    header = {"kind": "block", "key": namespace.root, "namespace": namespace.root, "depth": depth,
+              "dtype": namespace.dtype, "shape": list(namespace.block_shape)}  # a key is as long as a root
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return PREFIX_BYTES + len(text) + math.prod(namespace.block_shape) * getattr(torch, namespace.dtype).itemsize
+
+
 def max_block_bytes(namespace: Namespace) -> int:
     """The most bytes a block record of ``namespace`` can have: reads of one are bounded by it, so a listed or
     served size beyond it is refused before anything is allocated."""

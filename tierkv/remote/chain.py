@@ -69,6 +69,9 @@ class ChainedBlockStore:
         self._namespaces: dict[str, Namespace] = {}  # bound so far, by root: what a record saved locally must fit
         self._local_missing_remotely: set[str] = set()  # read from local, absent remotely: pushed on get()
         self.counts = {"local_blocks": 0, "remote_blocks": 0, "pushed_from_local": 0, "saved_locally": 0}
+        # a block read remotely and offered to the local store -> (its chain's keys from the first, its depth): saved
+        # beside the blocks before it, which the save marks used so that it never evicts them
+        self._chains: dict[str, tuple[tuple[str, ...], int]] = {}
         self._saver = WriteBehind(functools.partial(self._save_locally, local), on_drop=lambda size, reason: None,
                                   on_error=self._save_failed) if local is not None else None
 
@@ -117,6 +120,7 @@ class ChainedBlockStore:
         if len(found) == len(keys):
             return found
         limit = HEADER.size + record.max_block_bytes(namespace)  # a longer value is read that far, then refused
+        chain = tuple(keys)
         # each value is copied, then dropped, and no read is sent past the first miss: the prefix is held once
         with contextlib.closing(remote.iter_many(keys[len(found):], limit)) as values:
             for depth, (key, payload) in enumerate(values, start=len(found)):
@@ -135,7 +139,9 @@ class ChainedBlockStore:
                 found.append(data)
                 self.counts["remote_blocks"] += 1
                 if self._saver is not None:
-                    self._saver.offer(key, data)
+                    self._chains[key] = (chain, depth)
+                    if not self._saver.offer(key, data):
+                        self._chains.pop(key, None)
         return found
 
     # ---------------------------------------------------------------------------------------- writing
@@ -151,9 +157,13 @@ class ChainedBlockStore:
     def _save_locally(self, local: PersistentStore, batch: list[tuple[str, Any]]) -> None:
         """Writer thread: records the remote gave us, into the ``local`` store. Each is checked again, every
         header field (kind, key, a namespace bound here, its dtype and shape, a depth the manifest can list),
-        so nothing the local manifest's readers would refuse is listed; one that fails is not saved."""
+        so nothing the local manifest's readers would refuse is listed; one that fails is not saved. Each is saved
+        after the block before it in its chain, and those before it are marked used: a chain whose shallow end the
+        save evicted, or that lost it since, would be unreachable."""
         items = []
+        extended: dict[tuple[str, ...], int] = {}  # chain -> the shallowest depth saved of it: the blocks before it
         for key, data in batch:
+            chain, at = self._chains.pop(key, ((), 0))
             what = f"block {key}"
             try:
                 header, payload = record.decode(data, what=what)
@@ -167,9 +177,13 @@ class ChainedBlockStore:
             except IntegrityError as error:
                 self._save_failed(error)
                 continue
-            items.append(Item(key, depth, bytes(data[: len(data) - len(payload)]), payload))
+            parent = chain[depth - 1] if 0 < depth == at else None
+            if parent is not None:
+                extended[chain] = min(extended.get(chain, depth), depth)
+            items.append(Item(key, depth, bytes(data[: len(data) - len(payload)]), payload, parent))
         try:
-            self.counts["saved_locally"] += local.put(items)
+            before = [key for chain, depth in extended.items() for key in chain[:depth]]
+            self.counts["saved_locally"] += local.put(items, before)
         except TierKVError as error:
             self._save_failed(error)
 

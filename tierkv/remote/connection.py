@@ -25,16 +25,12 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from tierkv import logs
 from tierkv.errors import InvalidConfigError
 from tierkv.remote.url import RemoteURL
 
 log = logging.getLogger("tierkv.remote")
 T = TypeVar("T")
-WARN_INTERVAL_S = 60.0  # the same kind of warning about a server is logged at most once a minute (with its count)
-# (server, kind) -> when any connection of the process logged it: a condition of the server (down, full, refusing)
-# is met by every cache of the process (one per conversation), and is worth one line a minute, not one per cache
-_WARNED: dict[tuple[str, str], float] = {}
-_WARNED_LOCK = threading.Lock()
 _REDIS = f"{os.sep}redis{os.sep}"  # a frame of redis-py's
 _TIERKV = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # a frame of tierkv's
 _CUT = ("broken pipe", "connection reset", "connection closed", "closed by server")  # a connection cut mid-command
@@ -95,20 +91,16 @@ class RemoteConnection:
             self.counts[name] += n
 
     def warn(self, kind: str, message: str, counted: bool = False) -> None:
-        """Log ``message`` at WARNING, at most once per ``WARN_INTERVAL_S`` for each ``kind`` and server in the
-        process (many caches meeting one full or failed server log it once), with how often this connection met
-        it so far unless the message ``counted`` that itself; the password is masked wherever a message (an
-        exception's text, say) would carry it."""
+        """Log ``message`` at WARNING, at most once a minute for each ``kind`` and server in the process
+        (:mod:`tierkv.logs`: every cache of the process, one per conversation, meets the server's condition),
+        with how often this connection met it so far unless the message ``counted`` that itself; the password is
+        masked wherever a message (an exception's text, say) would carry it."""
         message = self.url.scrub(message)
-        now = time.monotonic()
         with self._lock:
             self.counts[f"warnings_{kind}"] += 1
             seen = self.counts[f"warnings_{kind}"]
-        key = (self.url.redacted(), kind)
-        with _WARNED_LOCK:
-            if now - _WARNED.get(key, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
-                return
-            _WARNED[key] = now
+        if not logs.due(self.url.redacted(), kind):
+            return
         suffix = f" ({seen} so far)" if seen > 1 and not counted else ""
         log.warning("tierkv remote %s: %s%s", self.url.redacted(), message, suffix)
 
