@@ -145,6 +145,9 @@ def check_profile(profile: LinkProfile | str | os.PathLike | None) -> None:
     if profile is None:
         setting_profile()
     elif not isinstance(profile, LinkProfile):
+        if not isinstance(profile, (str, os.PathLike)):
+            raise InvalidConfigError(f"profile must be a LinkProfile or the path of one saved as JSON (tierkv bench "
+                                     f"--profile-out), got {type(profile).__name__}.")
         LinkProfile.load(profile)
 
 
@@ -518,8 +521,15 @@ def make_trace(trace: bool | str | os.PathLike | None) -> Trace | None:
         return None
     if trace is None:
         path = settings.get("trace")
-        return Trace(_setting_trace_path(_trace_path(path, settings.source("trace")))) if path is not None else None
-    return Trace() if trace is True else Trace(_trace_path(trace, f"trace={os.fspath(trace)!r}"))
+        if path is None:
+            return None
+        return Trace(_setting_trace_path(checked_trace_path(path, settings.source("trace"))))
+    if trace is True:
+        return Trace()
+    if not isinstance(trace, (str, os.PathLike)):
+        raise InvalidConfigError(f"trace must be True (kept for save_trace), a file path (also written there when the "
+                                 f"cache closes), False or None (the TIERKV_TRACE setting), got {trace!r}.")
+    return Trace(checked_trace_path(trace, f"trace={os.fspath(trace)!r}"))
 
 
 def check_trace_setting() -> None:
@@ -527,7 +537,7 @@ def check_trace_setting() -> None:
     cache against it."""
     path = settings.get("trace")
     if path is not None:
-        _trace_path(path, settings.source("trace"))
+        checked_trace_path(path, settings.source("trace"))
 
 
 MAX_TRACE_NUMBER = 10_000
@@ -578,15 +588,14 @@ def _claim_numbered(key: str, first: int) -> str:
                              "a new path.")
 
 
-def _trace_path(path: str | os.PathLike, given: str) -> str | os.PathLike:
-    """``path`` if a trace can be written there when the cache closes; else InvalidConfigError now, not a trace
-    lost at close with only a logged traceback."""
-    problem = output_problem(path)
+def checked_trace_path(path: str | os.PathLike, given: str) -> str | os.PathLike:
+    """``path`` if a trace can be written there; else InvalidConfigError now (``given`` names where the path came
+    from), not a trace lost at close with only a logged traceback."""
+    problem = (errno.ENOENT, "is empty") if not os.fspath(path).strip() else output_problem(path)
     if problem is not None:
         fix = ("choose a path of your own (e.g. in your home directory)" if problem[0] == errno.EPERM
                else "give a file path in an existing directory (e.g. /tmp/tierkv-trace.json)")
-        raise InvalidConfigError(f"{given}: the trace path {problem[1]}, so the trace could not be written when the "
-                                 f"cache closes; {fix}.")
+        raise InvalidConfigError(f"{given}: the trace path {problem[1]}, so no trace can be written there; {fix}.")
     return os.path.abspath(path)  # where it was given: the process may change folder before it closes
 
 

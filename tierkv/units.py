@@ -12,13 +12,15 @@ tokens     ``K M G`` (powers of 2, as context lengths are named:   tokens
 =========  =====================================================  ==========================
 
 Numbers are parsed as decimals, not floats, so ``"1.5K"`` tokens is exactly 1,536 and ``"0.1GB"`` exactly
-100,000,000 bytes. Python numbers are accepted too (``bool`` is not: ``True`` is a typo, not 1). Anything
+100,000,000 bytes. Python numbers are accepted too, and numpy's (``bool`` is not: ``True`` is a typo, not 1). Anything
 above :data:`MAX_BYTES` / :data:`MAX_TOKENS` is refused as no machine's size, so ``"1e30"`` or ``10**400``
 is an :class:`~tierkv.errors.InvalidConfigError`, never an ``OverflowError`` deeper down.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
 
@@ -34,6 +36,9 @@ MAX_BYTES = 2**63 - 1
 """The largest size accepted (8 EiB, int64's range: what torch, numpy and the OS can index)."""
 MAX_TOKENS = 2**40
 """The largest token count accepted (about 10^12)."""
+MAX_CHUNK_TOKENS = 2**24
+"""The longest streaming chunk accepted (``chunk_tokens``, ``--chunk-tokens``): 16M tokens, beyond any model's
+context. Its two device buffers are sized by it whatever the context, so a longer one is a slip no budget holds."""
 
 _VALUE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _SIZE_EXAMPLES = "'512MB', '20GiB' or 1.5 (GB)"
@@ -48,12 +53,16 @@ def _number(value: object, name: str, what: str, examples: str, units: dict[str,
     ``least`` are how errors spell the units and the smallest value allowed."""
     if isinstance(value, bool):
         raise InvalidConfigError(f"{name}={value!r} is a bool; give a number such as {examples}.")
-    if isinstance(value, int):  # clamped: a 5,000-digit int must not reach int-to-str limits
-        return Decimal(min(value, 10**40)), ""
-    if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
+    if isinstance(value, numbers.Integral):  # int and numpy's ints; clamped: a 5,000-digit int must not reach
+        return Decimal(min(int(value), 10**40)), ""  # int-to-str limits
+    if isinstance(value, numbers.Real):  # float and numpy's floats, read as Python floats (np.float64's repr is
+        try:  # "np.float64(0.5)", no decimal)
+            real = float(value)
+        except OverflowError:  # a Fraction beyond floats: as absurdly large as any other
+            return Decimal(10) ** 50, ""
+        if not math.isfinite(real):
             raise InvalidConfigError(f"{name}={value!r} is not finite; give a value such as {examples}.")
-        return Decimal(repr(value)), ""
+        return Decimal(repr(real)), ""
     if not isinstance(value, str):
         raise InvalidConfigError(f"{name} must be a number or a string such as {examples}, not {type(value).__name__}.")
     text = value.strip()
@@ -104,9 +113,10 @@ def parse_size(value: float | int | str, *, name: str = "size") -> int:
 
 
 def parse_tokens(value: int | float | str, *, name: str = "context", minimum: int = 1,
-                 examples: str | None = None) -> int:
-    """A whole token count: ``32768``, ``"128K"`` (131072), ``"1.5K"`` (1536), ``"1M"`` (1048576). ``examples``:
-    what errors suggest instead of context lengths (for a count of new tokens: ``"16, 64 or '1K' (1024)"``).
+                 examples: str | None = None, maximum: int = MAX_TOKENS) -> int:
+    """A whole token count: ``32768``, ``"128K"`` (131072), ``"1.5K"`` (1536), ``"1M"`` (1048576), from ``minimum``
+    to ``maximum``. ``examples``: what errors suggest instead of context lengths (for a count of new tokens:
+    ``"16, 64 or '1K' (1024)"``).
 
     >>> parse_tokens("1.5K"), parse_tokens(4096)
     (1536, 4096)
@@ -126,8 +136,8 @@ def parse_tokens(value: int | float | str, *, name: str = "context", minimum: in
         raise InvalidConfigError(
             f"{name}={value!r} must be at least {plural(minimum, 'token')}; e.g. {examples}."
         )
-    if count > MAX_TOKENS:
-        raise InvalidConfigError(f"{name}={_shown(value)} is more than {MAX_TOKENS:,} tokens; e.g. {examples}.")
+    if count > maximum:
+        raise InvalidConfigError(f"{name}={_shown(value)} is more than {maximum:,} tokens; e.g. {examples}.")
     return int(count)
 
 

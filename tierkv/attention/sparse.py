@@ -72,7 +72,7 @@ from tierkv.blocks import Tier
 from tierkv.errors import InvalidConfigError
 from tierkv.layout import BlockLayout
 from tierkv.mover import ThreadMover
-from tierkv.staging import GROWTH, REST_BITS, default_page_tokens, sparse_budget_tokens
+from tierkv.staging import DEFAULT_REST_BITS, GROWTH, REST_BITS, default_page_tokens, sparse_budget_tokens
 from tierkv.stats import ReadTiming, Timeline, Trace
 from tierkv.store import KVStore, ReadPlan
 from tierkv.store.transfer import link
@@ -133,9 +133,17 @@ class SparseBudget:
                                      "block_tokens (e.g. 16 for 256-token blocks).")
         for name in ("sinks", "recent", "dense_layers"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            if (value is not None or name == "dense_layers") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 unit = "layers" if name == "dense_layers" else "tokens"
                 raise InvalidConfigError(f"sparse {name}={value!r} must be an int >= 0 ({unit}).")
+        if not isinstance(self.rest_means, bool):
+            raise InvalidConfigError(f"sparse rest_means={self.rest_means!r} must be True or False (True: the pages "
+                                     "not read are attended from their mean key and value, without a rest copy).")
+        if self.rest_means and bits:  # the copy would attend the pages not read: the means would do nothing
+            raise InvalidConfigError(f"sparse rest_means=True stands in for a rest copy, which rest_bits={bits} keeps "
+                                     f"(cache.sparse's default: {DEFAULT_REST_BITS} bits); pass rest_bits=0 with "
+                                     "rest_means=True, or leave rest_means out.")
 
     def budget_tokens(self, context: int) -> int:
         """Attended tokens per row, at most, for a layer attending over ``context`` tokens."""

@@ -22,7 +22,14 @@ from typing import Any
 from tierkv import safefs
 from tierkv.errors import InvalidConfigError
 from tierkv.inputs import creation_problem, longest_name, output_problem
-from tierkv.units import format_size_option, format_tokens, parse_size, parse_token_list, parse_tokens
+from tierkv.units import (
+    MAX_CHUNK_TOKENS,
+    format_size_option,
+    format_tokens,
+    parse_size,
+    parse_token_list,
+    parse_tokens,
+)
 
 STDOUT = "-"
 
@@ -44,6 +51,13 @@ def tokens(option: str, minimum: int = 1, examples: str | None = None) -> Callab
     """Type of a token-count option (``32768``, ``1.5K``, ``1M``; see :mod:`tierkv.units`); ``examples``: valid
     values its errors suggest, where context lengths would not fit (a count of new tokens)."""
     return _typed(lambda text: parse_tokens(text, name=option, minimum=minimum, examples=examples))
+
+
+def chunk_tokens(option: str = "--chunk-tokens") -> Callable[[str], int]:
+    """Type of a streaming chunk length: a token count up to :data:`~tierkv.units.MAX_CHUNK_TOKENS`, the bound
+    ``cache.streaming(model, chunk_tokens=)`` sets (a chunk's two device buffers hold that many tokens)."""
+    return _typed(lambda text: parse_tokens(text, name=option, maximum=MAX_CHUNK_TOKENS,
+                                            examples="1024, 4096 or '4K' (4096)"))
 
 
 def sparse_tokens(option: str) -> Callable[[str], int | float]:
@@ -187,11 +201,30 @@ def fractions(option: str) -> Callable[[str], list[float]]:
     return parse
 
 
+def _path(option: str, text: str) -> Path:
+    """``text`` as a path, refused where it is empty or blank: ``Path("")`` is the current directory, which the
+    user never named (an unset shell variable: ``--disk-dir "$DIR"``)."""
+    if not text.strip():
+        raise InvalidConfigError(f"{option} {text!r} names no path (an unset shell variable?); give one, or leave "
+                                 f"{option} out for its default.")
+    return Path(text).expanduser()
+
+
+def named_path(option: str) -> Callable[[str], str]:
+    """Type of an option naming a path that the command checks where it reads it: refused here where empty."""
+
+    def parse(text: str) -> str:
+        _path(option, text)
+        return text
+
+    return _typed(parse)
+
+
 def existing_file(option: str) -> Callable[[str], Path]:
     """Type of an option naming a file that must exist."""
 
     def parse(text: str) -> Path:
-        path = Path(text).expanduser()
+        path = _path(option, text)
         if not path.exists():
             raise InvalidConfigError(f"{option} {text!r}: file not found.")
         if not path.is_file():
@@ -206,7 +239,7 @@ def writable_dir(option: str) -> Callable[[str], Path]:
     must then be a writable directory), checked while parsing so a typo fails before a model loads."""
 
     def parse(text: str) -> Path:
-        path = Path(text).expanduser()
+        path = _path(option, text)
         if path.is_symlink() and not path.exists():
             raise InvalidConfigError(f"{option} {text!r} is a symbolic link to {os.readlink(path)!r}, which does not "
                                      "exist; give a directory (it is created if missing), or create the link's target.")
@@ -238,7 +271,7 @@ def existing_dir(option: str, what: str) -> Callable[[str], Path]:
     otherwise make a folder somewhere unexpected); ``what``: what the directory is for, for the message."""
 
     def parse(text: str) -> Path:
-        path = Path(text).expanduser()
+        path = _path(option, text)
         existing = next(folder for folder in (path, *path.parents) if folder.exists())
         if not existing.is_dir():
             raise InvalidConfigError(f"{option} {text!r}: {str(existing)!r} is a file, not a directory; give a "
@@ -256,7 +289,7 @@ def checkpoint_folder(option: str) -> Callable[[str], Path]:
     """Type of an option naming a local Hugging Face checkpoint folder (it must hold ``config.json``)."""
 
     def parse(text: str) -> Path:
-        path = Path(text).expanduser()
+        path = _path(option, text)
         if not path.exists():
             raise InvalidConfigError(f"{option} {text!r}: folder not found; give a local checkpoint folder.")
         if not path.is_dir():

@@ -46,8 +46,8 @@ def _check_free_space(folder: Path, disk_bytes: int, shown: str) -> None:
 
 
 def _engines(text: str | None) -> tuple[str, ...] | None:
-    """``--engines``: each name must be an engine that loads here (None: all that do)."""
-    if not text:
+    """``--engines``: each name must be an engine that loads here (None, left out: all that do; ``""`` names none)."""
+    if text is None:
         return None
     engines = tuple(e.strip() for e in text.split(",") if e.strip())
     if not engines:

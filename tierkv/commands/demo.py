@@ -32,6 +32,7 @@ from rich.table import Table
 from tierkv.commands import (
     add_json_argument,
     check_fits_machine,
+    chunk_tokens,
     existing_file,
     free_bytes,
     integer,
@@ -99,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --executor sparse: tokens per selected page, a divisor of --block-tokens (default: "
                              f"the library's, {DEFAULT_PAGE_TOKENS} or the largest divisor of --block-tokens below it; "
                              "--page-tokens equal to --block-tokens selects whole blocks)")
-    parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=1024,
+    parser.add_argument("--chunk-tokens", type=chunk_tokens(), default=1024,
                         help="chunk length of the streaming executor (default 1024)")
     parser.add_argument("--cpu-gb", type=size("--cpu-gb"), default=None, help="host budget; default: 1/4 of the KV")
     parser.add_argument("--disk-dir", type=writable_dir("--disk-dir"), default=None,

@@ -33,6 +33,7 @@ from tierkv import safefs
 from tierkv.commands import (
     add_json_argument,
     check_fits_machine,
+    chunk_tokens,
     fractions,
     integer,
     json_to_stdout,
@@ -101,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dynamic: full attention in memory (DynamicCache); tiered: TieredCache over three tiers")
     parser.add_argument("--executor", default=None, choices=[n for n in CLI_EXECUTORS if n != "sparse"],
                         help="with --cache tiered: streaming attention or exact gather (default: streaming)")
-    parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=None,
+    parser.add_argument("--chunk-tokens", type=chunk_tokens(), default=None,
                         help=f"with --executor streaming: tokens per attention chunk (default: {CHUNK_TOKENS})")
     parser.add_argument("--gpu-gb", type=size("--gpu-gb"), default=None,
                         help="with --cache tiered: device budget, GB or a size (default: the executor's minimum + "

@@ -19,8 +19,10 @@ from rich.table import Table
 from tierkv import settings
 from tierkv.commands import (
     add_json_argument,
+    chunk_tokens,
     integer,
     json_to_stdout,
+    named_path,
     number,
     past_trained,
     size,
@@ -90,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profile",
+        type=named_path("--profile"),
         default=None,
         help="measured LinkProfile JSON (from `tierkv bench`; default $TIERKV_PROFILE, else presets); --link/--disk "
              "override",
@@ -121,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-dram-gbps", type=number("--host-dram-gbps", high=MAX_DRAM_GBPS, above=True),
                         default=None,
                         help="split on a GPU host without a measured profile: host DRAM read GB/s (default 300)")
-    parser.add_argument("--chunk-tokens", type=tokens("--chunk-tokens"), default=4096,
+    parser.add_argument("--chunk-tokens", type=chunk_tokens(), default=4096,
                         help="streaming chunk length (default 4096)")
     parser.add_argument("--sparse-tokens", type=sparse_tokens("--sparse-tokens"), default=2048,
                         help="tokens a sparse step attends per layer, sinks and recent window included: a count "

@@ -25,7 +25,7 @@ from tierkv import forks
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import InvalidConfigError, TierKVError
 from tierkv.hf.runtime import Mode
-from tierkv.hf.sizing import kv_producers
+from tierkv.hf.sizing import check_chunk_tokens, kv_producers
 from tierkv.hf.turn import turn
 
 if TYPE_CHECKING:
@@ -48,8 +48,7 @@ def streaming_mode(chunk_tokens: int, budget: SparseBudget | None = None,
                    config: PreTrainedConfig | None = None) -> Mode:
     """Multi-token steps stream in chunks of ``chunk_tokens``; one-token steps too, or sparsely within ``budget``
     (``config``: the engaged model's, for the sparse minimum a budget error names)."""
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
-        raise InvalidConfigError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}.")
+    check_chunk_tokens(chunk_tokens)
     options = {"streaming": {"chunk_tokens": chunk_tokens}}
     return Mode("streaming", "streaming" if budget is None else "sparse", options, budget, config)
 

@@ -17,6 +17,7 @@ the forward-level rollback that keeps every layer at the same length whatever fa
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -49,7 +50,7 @@ from tierkv.hf.session import PrefixSession
 from tierkv.hf.sizing import DEFAULT_BLOCK_TOKENS
 from tierkv.hf.state import HybridLayer, StateLayer
 from tierkv.policy import Policy, make_policy
-from tierkv.stats import check_profile, make_trace
+from tierkv.stats import check_profile, checked_trace_path, make_trace
 from tierkv.store import KVStore
 from tierkv.tiers.disk import DiskTier, limit_advice
 from tierkv.units import parse_size
@@ -149,6 +150,47 @@ class CacheGuard:
                     mode.__exit__(None, None, None)
         finally:
             self._lock.release()
+
+
+MAX_LAYERS = 1 << 14
+"""Most layers a cache built without ``config=`` grows to (an index past it is a slip, not a model: each layer
+index up to it becomes a layer)."""
+
+
+def _checked_update(key_states: object, value_states: object, layer_idx: object) -> int:
+    """``update``'s arguments refused before any layer changes where they are not a layer's step: K/V tensors
+    ``[B, H_kv, T, D]`` of one dtype (strided: a sparse tensor has no storage to copy) and an int layer index (a
+    bool is a slip); the index as an int."""
+    dtypes = []
+    for name, states in (("key_states", key_states), ("value_states", value_states)):
+        if not isinstance(states, torch.Tensor):
+            raise InvalidConfigError(f"update() takes {name} as a torch.Tensor [batch, kv_heads, tokens, head_dim], "
+                                     f"got {type(states).__name__}; nothing changed.")
+        if states.dim() != 4 or states.layout != torch.strided:
+            raise InvalidConfigError(
+                f"update() takes {name} as a dense tensor [batch, kv_heads, tokens, head_dim], got "
+                f"{'a ' + str(states.layout) + ' ' if states.layout != torch.strided else ''}shape "
+                f"{tuple(states.shape)}; nothing changed.")
+        dtypes.append(states.dtype)
+    if dtypes[0] != dtypes[1]:
+        raise InvalidConfigError(f"update() got keys in {dtypes[0]} and values in {dtypes[1]}: a layer's K/V is stored "
+                                 "in one dtype (the other would lose precision); cast both to the model's dtype. "
+                                 "Nothing changed.")
+    index = _as_int(layer_idx)
+    if index is None:
+        raise InvalidConfigError(f"layer_idx must be an int >= 0, got {layer_idx!r}; nothing changed.")
+    return index
+
+
+def _as_int(value: object) -> int | None:
+    """``value`` as an int where it is one (numpy's and torch's integer scalars too), else None (a bool is a slip,
+    a float is no count)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 CROP_KEEPS_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
@@ -262,13 +304,13 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                 self.forward.claim(self.uses_per_forward())
             if self.forward.unsettled is not None:
                 self.forward.settle(self.holding, self.runtime)
-            if not 0 <= layer_idx < len(self.layers):
-                try:
+            try:
+                layer_idx = _checked_update(key_states, value_states, layer_idx)
+                if not 0 <= layer_idx < len(self.layers):
                     self._add_layers(layer_idx)
-                except BaseException:  # refused mid-forward: the layers that took this step give it back
-                    if self.forward.layers_updated:
-                        self.roll_back(self.layers[0].length_before)
-                    raise
+            except BaseException:
+                self._take_back_part()
+                raise
             try:
                 return self.layers[layer_idx].update(key_states, value_states)
             except OSError as exc:  # a process limit met outside tierkv's own I/O (a lazy import, a thread): named
@@ -397,6 +439,7 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
         self._select_rows(self._row_indices(beam_idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        sizing.check_count(repeats, name="batch_repeat_interleave's repeats")
         self._select_rows([i for i in range(self.batch_size) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -405,6 +448,11 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' crop (``tokens_to_remove`` < 0), refused before any layer changes where a layer cannot
         go back that far (a sliding window that dropped the tokens, recurrent state: ``check_crop``)."""
+        count = _as_int(tokens_to_remove)
+        if count is None:
+            raise InvalidConfigError(f"crop takes an int (tokens to remove, negative: crop(-3)), got "
+                                     f"{tokens_to_remove!r}; nothing changed.")
+        tokens_to_remove = count
         with self.using:
             if self.closed:
                 raise closed_error()
@@ -548,7 +596,7 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
         if self.trace is None:
             raise InvalidConfigError("no trace was recorded; create the cache with TieredCache(trace=True) "
                                      "or set TIERKV_TRACE=path.")
-        self.trace.save(path)
+        self.trace.save(checked_trace_path(path, f"save_trace({os.fspath(path)!r})"))
 
     def close(self) -> None:
         """Release every tier and delete the disk tier's files; persisted blocks (``persist=True``) stay, the
@@ -598,33 +646,54 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
     def refuse_repeated(self, layer: TieredLayer) -> None:
         """``layer`` (a K/V layer after the first) was the last one updated and is updated again within one forward:
         an encoder-decoder model given this cache alone, whose self- and cross-attention both update it (which
-        mixed the encoder's K/V into every layer so far). Refused, the cache emptied."""
-        self.reset()
+        mixed the encoder's K/V into every layer so far). Refused (:meth:`_take_back_refused`)."""
+        outcome = self._take_back_refused()
         raise InvalidConfigError(
             f"layer {layer.position} was updated twice in one forward, as an encoder-decoder model (T5, BART, "
             "Whisper) updates each decoder layer given one cache for both its self- and cross-attention; tierkv "
             "holds the self-attention K/V: pass cache.encoder_decoder() (EncoderDecoderCache(cache, DynamicCache())). "
-            "This cache was emptied.")
+            f"{outcome}")
 
     def refuse_uneven(self, layer: TieredLayer, tokens: int) -> None:
         """``layer`` appends ``tokens`` in a forward whose first K/V layer appended another count: a layer that
         caches other K/V than the step's own (Mllama's cross-attention keeps the image's, and reads it back on
-        later steps without an update). Refused, the cache emptied."""
+        later steps without an update). Refused (:meth:`_take_back_refused`)."""
         first = self.forward.tokens
         skipped = [other.position for other in self.kv_layers if other.position < layer.position
                    and not TieredLayer.get_seq_length(other)]
-        self.reset()
+        outcome = self._take_back_refused()
         if skipped and self.runtime.num_layers is None:
             raise InvalidConfigError(
                 f"this model never updated the cache's layer {skipped[0]} while it updates layer {layer.position}: not "
                 "every model layer is an attention layer that uses the cache (a hybrid such as RecurrentGemma), which "
-                "a cache built without config= cannot tell. Build it with TieredCache(config=model.config, ...). This "
-                "cache was emptied.")
+                f"a cache built without config= cannot tell. Build it with TieredCache(config=model.config, ...). "
+                f"{outcome}")
         raise InvalidConfigError(
             f"layer {layer.position} cached {tokens} tokens in a forward whose first layer cached {first}: it keeps "
             "other K/V than the step's own, as a decoder's cross-attention layers keep an image's (Mllama) and read "
             "it back later without updating the cache; TieredCache holds each step's self-attention K/V only. Use "
-            "transformers' DynamicCache for this model. This cache was emptied.")
+            f"transformers' DynamicCache for this model. {outcome}")
+
+    def _take_back_refused(self) -> str:
+        """Undo what a forward refused at a layer took: an encoder-decoder's second update of layer 0 began it (the
+        layers hold its encoder's K/V, none of it the sequence's): the cache is emptied; else the layers that took
+        its step give it back, every token accepted before it staying. What happened, for the refusal's message."""
+        if self.forward.may_repeat:
+            self.reset()
+            return "This cache was emptied."
+        if self._take_back_part():
+            return (f"The layers that took this forward's step gave it back: the cache holds {self.get_seq_length()} "
+                    "tokens.")
+        return "Nothing changed."
+
+    def _take_back_part(self) -> bool:
+        """A forward refused part-way: the layers that took its step give it back (a complete forward keeps its
+        tokens: the refused call took nothing); whether they did."""
+        if not self.forward.taken_in_part(self.holding, self.uses_per_forward()):
+            return False
+        first = self.kv_layers
+        self.roll_back(first[0].length_before if first else 0)
+        return True
 
     def _leave_skipped_state(self, position: int) -> None:
         """A K/V update at model layer ``position`` in a forward that did not touch the state of a layer before it:
@@ -707,23 +776,31 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                 "with; pass the config of the model that uses the cache (config=model.config), or build the cache "
                 "without config=."
             )
+        if layer_idx >= MAX_LAYERS:
+            raise InvalidConfigError(
+                f"layer_idx {layer_idx} is beyond the {MAX_LAYERS:,} layers a TieredCache holds (no model has as many: "
+                "a model's layer index, from 0, is expected); nothing changed.")
         self.ensure_layers(layer_idx + 1)
 
     def _row_indices(self, indices: object) -> list[int]:
         """The rows ``indices`` names, as transformers' caches take them: a 1-D tensor or list of row numbers
         (negative ones count from the end) or a boolean mask with one entry per row; anything else is refused
         before a row changes (a 2-D index would select K/V and recurrent state apart)."""
-        index = torch.as_tensor(indices)
+        try:
+            index: torch.Tensor | None = torch.as_tensor(indices)
+        except (TypeError, ValueError, RuntimeError):
+            index = None
         batch = self.batch_size
-        if index.dtype == torch.bool:
+        if index is not None and index.dtype == torch.bool:
             if index.dim() != 1 or (batch and index.numel() != batch):
                 raise InvalidConfigError(f"a boolean row mask needs one entry per row of the batch ({batch}), got "
                                          f"shape {tuple(index.shape)}; nothing changed.")
             index = index.nonzero().flatten()
-        if index.dim() != 1 or index.is_floating_point() or index.is_complex():
+        if index is None or index.dim() != 1 or index.is_floating_point() or index.is_complex():
+            given = type(indices).__name__ if index is None else f"{index.dtype} of shape {tuple(index.shape)}"
             raise InvalidConfigError(f"batch rows are chosen by a 1-D tensor of row numbers or a boolean mask, got "
-                                     f"{index.dtype} of shape {tuple(index.shape)} (e.g. "
-                                     "cache.batch_select_indices(torch.tensor([0, 2]))); nothing changed.")
+                                     f"{given} (e.g. cache.batch_select_indices(torch.tensor([0, 2]))); nothing "
+                                     "changed.")
         rows = index.tolist()
         if batch:
             wrong = [row for row in rows if not -batch <= row < batch]

@@ -30,11 +30,13 @@ if TYPE_CHECKING:
 
 
 def save(cache: TieredCache, path: str | os.PathLike, model: torch.nn.Module | None) -> None:
+    _check_model(model, "save")
     with turn(cache):
         conversation.save(path, _records(cache, model))
 
 
 async def asave(cache: TieredCache, path: str | os.PathLike, model: torch.nn.Module | None) -> None:
+    _check_model(model, "asave")
     _aiofiles()
     async with aturn(cache):
         await conversation.asave(path, _records(cache, model))
@@ -43,6 +45,7 @@ async def asave(cache: TieredCache, path: str | os.PathLike, model: torch.nn.Mod
 def load(cls: type[TieredCache], path: str | os.PathLike, model: torch.nn.Module | None,
          device: str | torch.device | None, options: dict[str, Any]) -> TieredCache:
     model = _required(model)
+    _check_device(device)
     what = os.fspath(path)
     with conversation.open_file(path) as f, Restore(cls, model, device, options, what) as restore:
         restore.start(*records.read(f, what, restore.header_limit))
@@ -54,6 +57,7 @@ def load(cls: type[TieredCache], path: str | os.PathLike, model: torch.nn.Module
 async def aload(cls: type[TieredCache], path: str | os.PathLike, model: torch.nn.Module | None,
                 device: str | torch.device | None, options: dict[str, Any]) -> TieredCache:
     model = _required(model)
+    _check_device(device)
     aiofiles = _aiofiles()
     what = os.fspath(path)
     async with aiofiles.open(conversation.open_fd(path), "rb") as f:
@@ -71,7 +75,30 @@ def _required(model: torch.nn.Module | None) -> torch.nn.Module:
         raise InvalidConfigError("load() needs the model that will decode the conversation, so that a file of "
                                  "another model (or one that does not fit it) is refused instead of decoded into "
                                  "wrong output: TieredCache.load(path, model=model).")
+    _check_model(model, "load")
     return model
+
+
+def _check_model(model: object, call: str) -> None:
+    """Refuse a ``model=`` that is not a torch module (its weights are the file's fingerprint): a config or a
+    name is the usual slip."""
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise InvalidConfigError(f"{call}() takes model= as the torch model itself (its weights identify the "
+                                 f"conversation's K/V), got {type(model).__name__}: pass the model, e.g. "
+                                 f"cache.{call.removeprefix('a')}(path, model).")
+
+
+def _check_device(device: object) -> None:
+    """Refuse a ``device=`` that names no device the K/V could be held on, before the file is opened."""
+    if device is None:
+        return
+    try:
+        kind = torch.device(device).type  # type: ignore[call-overload]
+    except (RuntimeError, TypeError, ValueError):
+        kind = None
+    if kind is None or kind == "meta":
+        raise InvalidConfigError(f"load() takes device= as a device the K/V is held on ('cpu', 'cuda', 'cuda:1' or a "
+                                 f"torch.device; None: the model's), got {device!r}.")
 
 
 def _layer_kinds(model: torch.nn.Module) -> list[sizing.LayerKind | None]:

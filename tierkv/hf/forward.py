@@ -96,6 +96,17 @@ class Forward:
         """Whether the last forward is half done (running, or stopped part-way by an error)."""
         return 0 < self.layers_updated < (self.full or layers or 0)
 
+    def taken_in_part(self, layers: Sequence[Holding], expected: int | None) -> bool:
+        """Whether the current forward took its step in some layers and not yet in all: fewer updates than a complete
+        forward makes, or, before a forward's count is known (no config, none completed), layers of unequal length.
+        A refusal then takes that step back; after a complete forward there is nothing to take back."""
+        if not self.layers_updated:
+            return False
+        complete = self.full or expected or 0
+        if complete:
+            return self.layers_updated < complete
+        return self._behind(layers, self.layers_updated) is not None
+
     def elsewhere(self, layers: int | None) -> bool:
         """Whether a forward of another thread, which is still alive, is half done."""
         return self.thread != threading.get_ident() and self.half_done(layers) and self.thread is not None \

@@ -178,12 +178,12 @@ class TieredLayer(OfCache, CacheLayerMixin):
         cache.forward.announced = False
         if cache.forward.last_update == self.index:  # (a forward's first K/V layer: it began one, so never)
             cache.refuse_repeated(self)
-        cache.forward.last_update = self.index
-        cache.forward.layers_updated += 1
         if cache.forward.tokens is None:
             cache.forward.tokens = key_states.shape[2]
         elif key_states.shape[2] != cache.forward.tokens and not cache.forward.may_repeat:
             cache.refuse_uneven(self, key_states.shape[2])
+        cache.forward.last_update = self.index
+        cache.forward.layers_updated += 1
         stored = store.seq_length(self.index)
         self.length_before = self.dropped + stored
         new = key_states.shape[2]

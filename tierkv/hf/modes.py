@@ -16,7 +16,6 @@ from tierkv.hf import sizing
 from tierkv.hf.attention import Engagement, check_model, split_mode, streaming_mode, takes_attention_functions
 from tierkv.hf.choice import choose_executor
 from tierkv.hf.sizing import DEFAULT_CHUNK_TOKENS
-from tierkv.staging import REST_BITS
 from tierkv.stats import resolve_profile
 
 if TYPE_CHECKING:
@@ -72,9 +71,8 @@ class AttentionModes:
                 model.generate(ids, cache=cache)
         """
         config = getattr(model, "config", None)  # a model without one is refused when engaged (check_model)
-        bits = sizing.rest_bits_for(config, rest_bits) if rest_bits is None or isinstance(rest_bits, int) and \
-            rest_bits in REST_BITS else rest_bits  # (a value SparseBudget refuses: its error)  # fmt: skip
-        budget = SparseBudget(tokens, sinks, recent, dense_layers, bits, page_tokens, rest_means)
+        budget = SparseBudget(tokens, sinks, recent, dense_layers, sizing.rest_bits_for(config, rest_bits),
+                              page_tokens, rest_means)  # (each argument checked: rest_bits_for, SparseBudget, the mode)
         return Engagement(self._cache, model, streaming_mode(chunk_tokens, budget, config), "sparse")
 
     def split(self, model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Engagement:

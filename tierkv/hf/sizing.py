@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import operator
 import os
 import re
 import shutil
@@ -27,7 +28,7 @@ from tierkv import staging as sizes
 from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS
 from tierkv.errors import InvalidConfigError
 from tierkv.layout import BlockLayout
-from tierkv.units import format_bytes
+from tierkv.units import MAX_CHUNK_TOKENS, format_bytes
 
 if TYPE_CHECKING:
     from tierkv.attention.sparse import SparseBudget
@@ -70,11 +71,8 @@ def min_device_bytes(config: PreTrainedConfig, context: int, batch: int = 1,
     (row, layer), and on CUDA (``device``; default: CUDA if available) the two landing buffers. A cache built with
     ``prefetch_depth=0`` (no layer read ahead: slower) needs ``prefetch_depth=0``'s number. Bytes, not GB: pass
     it on as ``gpu_gb=f"{n}B"``."""
-    check_model_config(config)
-    check_count(context, name="context")
-    check_count(batch, name="batch")
-    check_count(block_tokens, name="block_tokens")
-    check_count(prefetch_depth, name="prefetch_depth", minimum=0)
+    context, batch, block_tokens, prefetch_depth = check_sizing(
+        config, dtype, device, context=context, batch=batch, block_tokens=block_tokens, prefetch_depth=prefetch_depth)
     layout = layout_of_config(config, block_tokens, dtype)
     buffers = prefetch_depth + len(kv_producers(config))  # + 1: gather_staging_bytes counts the attended one
     staging = sizes.gather_staging_bytes(batch, context, layout.token_bytes, block_tokens, buffers)
@@ -89,10 +87,8 @@ def min_streaming_device_bytes(config: PreTrainedConfig, batch: int = 1, block_t
     """Smallest ``gpu_gb`` (bytes) for ``cache.streaming``: two chunk buffers plus the open tail blocks (and
     the landing buffers on CUDA) — independent of the context length. Bytes, not GB: pass it on as
     ``gpu_gb=f"{n}B"``."""
-    check_model_config(config)
-    check_count(batch, name="batch")
-    check_count(block_tokens, name="block_tokens")
-    check_count(chunk_tokens, name="chunk_tokens")
+    batch, block_tokens, chunk_tokens = check_sizing(config, dtype, device, batch=batch, block_tokens=block_tokens,
+                                                     chunk_tokens=chunk_tokens)
     _refuse_two_widths(config, "streaming")
     layout = layout_of_config(config, block_tokens, dtype)
     staging = sizes.streaming_staging_bytes(batch, chunk_tokens, layout.token_bytes, block_tokens)
@@ -109,16 +105,12 @@ def min_split_device_bytes(config: PreTrainedConfig, batch: int = 1, block_token
     device share's bounded scratch and the landing buffers); the prefill streams in ``chunk_tokens`` chunks
     (two chunk buffers). Independent of the context (:func:`tierkv.staging.split_device_minimum`). Bytes, not
     GB: pass it on as ``gpu_gb=f"{n}B"``."""
-    check_model_config(config)
-    check_count(batch, name="batch")
-    check_count(block_tokens, name="block_tokens")
-    check_count(chunk_tokens, name="chunk_tokens")
+    batch, block_tokens, chunk_tokens = check_sizing(config, dtype, device, batch=batch, block_tokens=block_tokens,
+                                                     chunk_tokens=chunk_tokens)
     _refuse_two_widths(config, "split")
     layout = layout_of_config(config, block_tokens, dtype)
     text = config.get_text_config(decoder=True)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    accelerated = accel.backend(torch.device(device)).streams
+    accelerated = accel.backend(device_of(device)).streams
     return sizes.split_device_minimum(len(layer_windows(config)), batch, text.num_attention_heads, layout.kv_heads,
                                       layout.head_dim, layout.dtype.itemsize, block_tokens, chunk_tokens,
                                       accelerated)
@@ -126,14 +118,14 @@ def min_split_device_bytes(config: PreTrainedConfig, batch: int = 1, block_token
 
 def kv_bytes_per_token(config: PreTrainedConfig, dtype: torch.dtype | None = None) -> int:
     """K and V bytes of one token across all layers that hold KV (every one counted, as full attention)."""
-    check_model_config(config)
+    check_sizing(config, dtype)
     return sum(layout.token_bytes for layout in layer_layouts(config, 1, dtype))
 
 
 def kv_bytes_held(config: PreTrainedConfig, tokens: int, dtype: torch.dtype | None = None) -> int:
     """K and V bytes the cache holds after ``tokens`` tokens: a sliding-window layer keeps only its window
     (Gemma 3 270M at 16K: 15 of its 18 layers hold 512 tokens), so this is what the tiers must hold."""
-    check_model_config(config)
+    (tokens,) = check_sizing(config, dtype, tokens=tokens)
     return sum(layout.token_bytes * (min(tokens, window) if window else tokens)
                for layout, window in zip(layer_layouts(config, 1, dtype), layer_windows(config), strict=True))
 
@@ -150,6 +142,7 @@ def min_sparse_device_bytes(config: PreTrainedConfig, context: int, tokens: int 
     landing buffers). ``rest_bits``: None for ``cache.sparse``'s default. ``record_past``: sliding-window layers
     keep their whole past (after ``cache.activate_past_recording()``, until the next crop), summarised as full
     layers'. Bytes, not GB: pass it on as ``gpu_gb=f"{n}B"``."""
+    (chunk_tokens,) = check_sizing(config, dtype, device, chunk_tokens=chunk_tokens)  # the others: sparse_table_bytes
     _refuse_two_widths(config, "sparse")
     tables = sparse_table_bytes(config, context, tokens, batch, block_tokens, page_tokens, rest_bits, dtype,
                                 record_past)
@@ -175,10 +168,9 @@ def sparse_table_bytes(config: PreTrainedConfig, context: int, tokens: int | flo
     (``summaries_device_bytes`` + ``rest_copy_device_bytes``)."""
     from tierkv.store.summaries import MIN_ROWS, TABLE_GROWTH
 
-    check_model_config(config)
-    check_count(context, name="context")
-    check_count(batch, name="batch")
-    check_count(block_tokens, name="block_tokens")
+    context, batch, block_tokens = check_sizing(config, dtype, context=context, batch=batch, block_tokens=block_tokens)
+    if not isinstance(record_past, bool):
+        raise InvalidConfigError(f"record_past must be True or False, got {record_past!r}.")
     budget = _sparse_budget(config, tokens, rest_bits, page_tokens)
     pages = block_tokens // budget.page_size(block_tokens)
 
@@ -199,6 +191,10 @@ def rest_bits_for(config: PreTrainedConfig | None, rest_bits: int | None) -> int
     the default does not pack (an odd head dim)."""
     from tierkv.staging import DEFAULT_REST_BITS
 
+    if rest_bits is not None and (isinstance(rest_bits, bool) or not isinstance(rest_bits, int)
+                                  or rest_bits not in sizes.REST_BITS):
+        raise InvalidConfigError(f"sparse rest_bits={rest_bits!r}: give one of {', '.join(map(str, sizes.REST_BITS))} "
+                                 "(0: the blocks not read are not attended), or None for the default.")
     dims = sorted({layout.head_dim for layout in layer_layouts(config, 1, None)}) if config is not None else []
     bits = DEFAULT_REST_BITS if rest_bits is None else rest_bits
     odd = [dim for dim in dims if dim * bits % 8]
@@ -220,12 +216,16 @@ def _sparse_budget(config: PreTrainedConfig, tokens: int | float, rest_bits: int
 
 
 @_zero_without_kv
-def rest_copy_bytes(config: PreTrainedConfig, tokens: int, rest_bits: int, dtype: torch.dtype | None = None) -> int:
+def rest_copy_bytes(config: PreTrainedConfig, tokens: int, rest_bits: int | None,
+                    dtype: torch.dtype | None = None) -> int:
     """Device bytes of the ``rest_bits`` copy that ``cache.sparse(..., rest_bits=)`` keeps of ``tokens``
-    tokens' K/V (every layer): to add to ``gpu_gb`` besides the key summaries."""
+    tokens' K/V (every layer): to add to ``gpu_gb`` besides the key summaries. ``rest_bits``: one that
+    ``cache.sparse`` takes (None: its default for ``config``)."""
+    (tokens,) = check_sizing(config, dtype, tokens=tokens)
+    bits = rest_bits_for(config, rest_bits)
     layout = layout_of_config(config, 1, dtype)
     kv_bytes = kv_bytes_per_token(config, dtype) * tokens
-    return sizes.rest_copy_bytes(kv_bytes, rest_bits, layout.dtype.itemsize, layout.head_dim)
+    return sizes.rest_copy_bytes(kv_bytes, bits, layout.dtype.itemsize, layout.head_dim)
 
 
 def _refuse_two_widths(config: PreTrainedConfig, executor: str) -> None:
@@ -242,9 +242,7 @@ def _refuse_two_widths(config: PreTrainedConfig, executor: str) -> None:
 def device_minimum(staging: int, tails: int, slot_bytes: int, device: str | torch.device | None) -> int:
     """The smallest budget for ``staging`` beside ``tails`` (:func:`tierkv.staging.device_minimum`), plus on CUDA
     (``device``; None: CUDA if available) the two landing buffers (:func:`tierkv.staging.landed_device_minimum`)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not accel.backend(torch.device(device)).streams:  # CUDA (or its stand-in): landing buffers too
+    if not accel.backend(device_of(device)).streams:  # CUDA (or its stand-in): landing buffers too
         return sizes.device_minimum(staging, tails)
     return sizes.landed_device_minimum(staging, tails, slot_bytes)
 
@@ -260,9 +258,7 @@ def layer_layouts(config: PreTrainedConfig, block_tokens: int, dtype: torch.dtyp
     Gemma 4's full-attention layers have wider heads than its sliding ones) gives each layer its own, as do the
     sliding layers of a config with ``swa_*`` fields (Inkling) or whose attention keeps other KV heads (MiMo)."""
     text = config.get_text_config(decoder=True)
-    dtype = dtype or getattr(text, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = check_dtype(dtype) or check_dtype(getattr(text, "dtype", None), name="config.dtype") or torch.float32
     layers = _kv_layers(config)
     heads = _attention_kv_heads(text) if len({sliding for _, _, sliding in layers}) > 1 else {}
     shapes = [_stored_shape(layer, sliding, heads.get(i)) for i, layer, sliding in layers]
@@ -508,7 +504,8 @@ def check_arguments(block_tokens: object, prefetch_depth: object, config: object
     checks the budgets)."""
     if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens <= 0:
         raise InvalidConfigError(f"block_tokens must be a positive int (e.g. 256), got {block_tokens!r}.")
-    if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int) or prefetch_depth < 0):
+    if prefetch_depth != "auto" and (isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int)
+                                     or prefetch_depth < 0):
         raise InvalidConfigError(f"prefetch_depth must be an int >= 0 or 'auto', got {prefetch_depth!r}.")
     if isinstance(prefetch_depth, int) and prefetch_depth > sizes.MAX_PREFETCH_DEPTH:
         raise InvalidConfigError(f"prefetch_depth={prefetch_depth} reads that many layers ahead, each in a staging "
@@ -551,10 +548,75 @@ def check_model_config(config: object, *, name: str = "config") -> None:
 
 
 def check_count(value: object, *, name: str, minimum: int = 1) -> int:
-    """``value`` as an int >= ``minimum`` (a bool or a float is refused: ``batch=True`` is a slip, not 1)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` as an int >= ``minimum``: an int or numpy's or torch's integer scalar (what ``get_seq_length()``
+    may return); a bool or a float is refused (``batch=True`` is a slip, not 1)."""
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        count = None
+    if count is None or count < minimum:
         raise InvalidConfigError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    return count
+
+
+_MAY_BE_ZERO = frozenset({"prefetch_depth", "tokens"})  # counts of the sizing helpers where 0 means something
+
+
+def check_sizing(config: object, dtype: object = None, device: object = None, **counts: object) -> tuple[int, ...]:
+    """What every public sizing helper checks before it sizes anything, so a slip is an InvalidConfigError that
+    names the argument, never a wrong number or an error from inside torch: ``config`` a transformers config,
+    ``dtype`` and ``device`` ones torch takes, and each count an int (``chunk_tokens`` up to
+    :data:`~tierkv.units.MAX_CHUNK_TOKENS`; ``prefetch_depth`` and ``tokens`` >= 0, the others >= 1). Returns the
+    counts as ints, in the order given."""
+    check_model_config(config)
+    checked = tuple(check_chunk_tokens(value) if name == "chunk_tokens" else
+                    check_count(value, name=name, minimum=0 if name in _MAY_BE_ZERO else 1)
+                    for name, value in counts.items())
+    check_dtype(dtype)
+    device_of(device)
+    return checked
+
+
+def check_chunk_tokens(value: object) -> int:
+    """``chunk_tokens`` (``cache.streaming/split/sparse`` and their sizing) as an int from 1 to
+    :data:`~tierkv.units.MAX_CHUNK_TOKENS`: a chunk is two device buffers of that many tokens whatever the context,
+    so a longer one only asks for a budget no machine has."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidConfigError(f"chunk_tokens must be an int >= 1 (tokens per streaming chunk), got {value!r}; "
+                                 f"give e.g. {DEFAULT_CHUNK_TOKENS} (the default).")
+    if value > MAX_CHUNK_TOKENS:
+        raise InvalidConfigError(f"chunk_tokens={value:,} is more than {MAX_CHUNK_TOKENS:,} tokens, longer than any "
+                                 "model's context: each of the two chunk buffers on the device holds that many tokens "
+                                 f"whatever the context; give e.g. {DEFAULT_CHUNK_TOKENS} (the default).")
     return value
+
+
+def check_dtype(dtype: object, *, name: str = "dtype") -> torch.dtype | None:
+    """``dtype`` as a torch dtype (None stays None): a ``torch.dtype`` or its name, ``"bfloat16"`` or
+    ``"torch.bfloat16"`` (configs spell it so)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if isinstance(named, torch.dtype):
+        return named
+    raise InvalidConfigError(f"{name}={dtype!r} is not a torch dtype; give the K/V's dtype, e.g. torch.bfloat16, "
+                             "torch.float16 or 'float32' (None: the config's).")
+
+
+def device_of(device: object) -> torch.device:
+    """``device`` (a ``torch.device``, or a name: ``"cuda"``, ``"cuda:1"``, ``"cpu"``) as a torch device; None: CUDA
+    where it is available, else the CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError:
+            pass
+    raise InvalidConfigError(f"device={device!r} is not a torch device; give e.g. 'cuda', 'cuda:0' or 'cpu' (None: "
+                             "CUDA where it is available).")
 
 
 def check_disk_engine(engine: str | None) -> None:

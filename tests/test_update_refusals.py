@@ -1,0 +1,202 @@
+"""A refused call leaves every accepted token readable: ``update`` arguments that are not a layer's step, a
+layer index out of range, a repeated or uneven update, and the row, crop, save, load and trace calls given values
+of the wrong kind, each refused with an error that names the argument (InvalidConfigError), and the K/V held
+before it equal to what it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from models import small_llama
+from transformers import DynamicCache, LlamaConfig
+
+from tierkv import InvalidConfigError, TieredCache
+from tierkv.hf import cache_keyword
+from tierkv.hf.cache import MAX_LAYERS
+
+CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=128)
+
+
+def _step(tokens: int, seed: int) -> torch.Tensor:
+    return torch.randn(1, 2, tokens, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def _forward(cache: TieredCache, tokens: int, seed: int, layers: int = 3) -> None:
+    for layer in range(layers):
+        states = _step(tokens, seed * 10 + layer)
+        cache.update(states, -states, layer)
+
+
+def _held(cache: TieredCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+def _same(before: list[tuple[torch.Tensor, torch.Tensor]], cache: TieredCache) -> bool:
+    return all(torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+               for (k, v), layer in zip(before, cache.layers, strict=True))
+
+
+@pytest.fixture(params=["config", "no config"])
+def cache(request):
+    config = {"config": CONFIG} if request.param == "config" else {}
+    with TieredCache(gpu_gb="1MB", cpu_gb="1MB", block_tokens=4, **config) as cache:
+        _forward(cache, 5, 1)
+        _forward(cache, 1, 2)
+        yield cache
+
+
+@pytest.mark.parametrize("layer_idx", [3, -1, 2**63, True, None, 1.0, "0"])
+def test_a_layer_index_refused_after_a_complete_forward_keeps_every_token(cache, layer_idx):
+    if layer_idx == 3 and cache.runtime.num_layers is None:
+        pytest.skip("without a config a next layer index adds a layer, as DynamicCache's")
+    before = _held(cache)
+    expected = "beyond" if layer_idx in (3, 2**63) else "layer_idx must be an int"
+    with pytest.raises(InvalidConfigError, match=expected):
+        cache.update(_step(1, 9), _step(1, 9), layer_idx)
+    assert cache.get_seq_length() == 6 and _same(before, cache)
+    assert len(cache.layers) == 3
+    _forward(cache, 1, 3)  # and the sequence goes on
+    assert cache.get_seq_length() == 7
+
+
+def test_a_layer_index_refused_mid_forward_takes_that_forwards_step_back(cache):
+    before = _held(cache)
+    cache.update(_step(1, 5), _step(1, 5), 0)
+    with pytest.raises(InvalidConfigError):
+        cache.update(_step(1, 6), _step(1, 6), -1)
+    assert cache.get_seq_length() == 6 and _same(before, cache)
+    _forward(cache, 1, 3)
+    assert [layer.keys.shape[2] for layer in cache.layers] == [7, 7, 7]
+
+
+def test_a_huge_layer_index_without_a_config_is_refused_before_layers_grow():
+    with TieredCache(gpu_gb="1MB", block_tokens=4) as cache:
+        _forward(cache, 2, 1)
+        with pytest.raises(InvalidConfigError, match=f"{MAX_LAYERS:,} layers"):
+            cache.update(_step(1, 2), _step(1, 2), MAX_LAYERS)
+        assert len(cache.layers) == 3 and cache.get_seq_length() == 2
+
+
+@pytest.mark.parametrize(("keys", "values", "needle"), [
+    (None, None, "key_states as a torch.Tensor"),
+    (_step(1, 0).tolist(), _step(1, 0), "key_states as a torch.Tensor"),
+    (_step(1, 0).flatten(), _step(1, 0).flatten(), "dense tensor .* shape \\(32,\\)"),
+    (_step(1, 0)[0], _step(1, 0)[0], "dense tensor"),
+    (_step(1, 0).to_sparse(), _step(1, 0).to_sparse(), "sparse_coo"),
+    (_step(1, 0), _step(1, 0).half(), "keys in torch.float32 and values in torch.float16"),
+    (_step(1, 0).half(), _step(1, 0), "keys in torch.float16 and values in torch.float32"),
+    (_step(1, 0).bfloat16(), _step(1, 0).half(), "one dtype"),
+])  # fmt: skip
+def test_states_that_are_not_a_layers_step_are_refused_and_change_nothing(cache, keys, values, needle):
+    before = _held(cache)
+    with pytest.raises(InvalidConfigError, match=needle):
+        cache.update(keys, values, 0)
+    assert cache.get_seq_length() == 6 and _same(before, cache)
+
+
+def test_a_numpy_layer_index_is_a_layer_index(cache):
+    for layer in range(3):
+        cache.update(_step(1, layer), _step(1, layer), np.int64(layer))
+    assert [layer.keys.shape[2] for layer in cache.layers] == [7, 7, 7]
+
+
+def test_a_repeated_update_after_a_complete_forward_changes_nothing(cache):
+    before = _held(cache)
+    with pytest.raises(InvalidConfigError, match="updated twice in one forward.*Nothing changed"):
+        cache.update(_step(1, 7), _step(1, 7), 2)
+    assert cache.get_seq_length() == 6 and _same(before, cache)
+
+
+def test_a_repeated_update_mid_forward_takes_that_forwards_step_back(cache):
+    before = _held(cache)
+    cache.update(_step(1, 5), _step(1, 5), 0)
+    cache.update(_step(1, 6), _step(1, 6), 1)
+    with pytest.raises(InvalidConfigError, match="updated twice in one forward.*holds 6 tokens"):
+        cache.update(_step(1, 7), _step(1, 7), 1)
+    assert _same(before, cache)
+
+
+def test_an_uneven_update_takes_that_forwards_step_back(cache):
+    before = _held(cache)
+    cache.update(_step(1, 5), _step(1, 5), 0)
+    with pytest.raises(InvalidConfigError, match="cached 3 tokens in a forward whose first layer cached 1.*holds 6"):
+        cache.update(_step(3, 6), _step(3, 6), 1)
+    assert _same(before, cache)
+    _forward(cache, 2, 4)
+    assert [layer.keys.shape[2] for layer in cache.layers] == [8, 8, 8]
+
+
+@pytest.mark.parametrize("value", [None, -1.0, float("-inf"), float("nan"), "-1", True])
+def test_crop_takes_an_int(cache, value):
+    before = _held(cache)
+    with pytest.raises(InvalidConfigError, match="crop takes an int"):
+        cache.crop(value)
+    assert _same(before, cache)
+    cache.crop(np.int64(-2))
+    assert cache.get_seq_length() == 4
+
+
+@pytest.mark.parametrize("repeats", [-1, 0, 1.5, None, True])
+def test_batch_repeat_interleave_takes_a_count_of_at_least_one(cache, repeats):
+    before = _held(cache)
+    with pytest.raises(InvalidConfigError, match="repeats must be an int >= 1"):
+        cache.batch_repeat_interleave(repeats)
+    assert _same(before, cache)
+
+
+@pytest.mark.parametrize("indices", [None, "0", object(), {0: 1}])
+def test_rows_are_chosen_by_row_numbers(cache, indices):
+    before = _held(cache)
+    with pytest.raises(InvalidConfigError, match="1-D tensor of row numbers"):
+        cache.batch_select_indices(indices)
+    assert _same(before, cache)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return small_llama()
+
+
+def test_save_and_load_take_the_model_and_a_device(model, tmp_path):
+    ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "talk.tkv"
+    with TieredCache(gpu_gb="1MB", block_tokens=4) as cache:
+        with torch.no_grad():
+            model(input_ids=ids, **{cache_keyword(model): cache})
+        with pytest.raises(InvalidConfigError, match="save\\(\\) takes model= as the torch model itself.*LlamaConfig"):
+            cache.save(path, model.config)
+        assert not path.exists()
+        cache.save(path, model)
+    with pytest.raises(InvalidConfigError, match="load\\(\\) takes model= as the torch model itself"):
+        TieredCache.load(path, model.config)
+    for device in ("meta", "no-such-device", 5):
+        with pytest.raises(InvalidConfigError, match="load\\(\\) takes device="):
+            TieredCache.load(path, model, device=device, gpu_gb="1MB")
+    with TieredCache.load(path, model, gpu_gb="1MB") as loaded:
+        reference = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=reference)
+        assert torch.equal(loaded.layers[0].keys, reference.layers[0].keys)
+
+
+def test_save_trace_refuses_a_path_it_cannot_write(tmp_path):
+    with TieredCache(gpu_gb="1MB", block_tokens=4, trace=True) as cache:
+        _forward(cache, 2, 1)
+        for path, needle in (("", "is empty"), (tmp_path / "missing" / "t.json", "not an existing directory")):
+            with pytest.raises(InvalidConfigError, match=f"save_trace\\(.*{needle}"):
+                cache.save_trace(path)
+        cache.save_trace(tmp_path / "t.json")
+        assert (tmp_path / "t.json").stat().st_size > 0
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    (dict(profile={}), "profile must be a LinkProfile or the path"),
+    (dict(profile=5), "profile must be a LinkProfile or the path"),
+    (dict(trace=5), "trace must be True"),
+    (dict(trace=b"/tmp/t.json"), "trace must be True"),
+])  # fmt: skip
+def test_profile_and_trace_of_the_wrong_kind_are_refused(kwargs, needle):
+    with pytest.raises(InvalidConfigError, match=needle):
+        TieredCache(gpu_gb="1MB", **kwargs)
