@@ -711,24 +711,28 @@ def check_persist_fits(disk: int, persist: int, disk_dir: str | os.PathLike[str]
 
 
 def host_memory() -> tuple[int, int]:
-    """This host's RAM: ``(total, available)`` bytes (psutil); a process out of file descriptors cannot read them
-    (/proc/meminfo): a TierKVError that says so."""
-    import psutil
+    """The RAM this process may use: ``(total, available)`` bytes, the host's bounded by its cgroup's limit (a
+    container's: :mod:`tierkv.ram`); a process out of file descriptors cannot read them (/proc/meminfo): a
+    TierKVError that says so."""
+    return _usable_memory()[:2]
 
+
+def _usable_memory() -> tuple[int, int, bool]:
     from tierkv.errors import TierKVError
+    from tierkv.ram import usable_memory
     from tierkv.tiers.disk import limit_advice
 
     try:
-        memory = psutil.virtual_memory()
+        return usable_memory()
     except OSError as exc:
         raise TierKVError(f"tierkv could not read this host's memory size: {limit_advice(exc) or exc}") from exc
-    return memory.total, memory.available
 
 
 def machine_memory() -> tuple[int, str]:
-    """The largest memory one tier could use here, and how to say it: RAM, or the largest GPU if bigger."""
-    ram = host_memory()[0]
-    where = f"{format_bytes(ram)} of RAM"
+    """The largest memory one tier could use here, and how to say it: RAM (as a cgroup limits it), or the largest
+    GPU if bigger."""
+    ram, _, limited = _usable_memory()
+    where = f"{format_bytes(ram)} of RAM" + (" (the memory limit of this process's cgroup)" if limited else "")
     if torch.cuda.is_available():
         gpu = max(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
         where += f" and a {format_bytes(gpu)} GPU"
