@@ -122,3 +122,23 @@ def test_a_full_store_warns_once_per_directory_in_a_process(model, tmp_path, cap
     dropped = [r for r in caplog.records if "does not fit in persist_gb" in r.getMessage()]
     assert len(dropped) >= 3  # every cache dropped blocks ...
     assert [r.levelno for r in dropped].count(logging.WARNING) == 1  # ... and one warning says so
+
+
+def test_records_that_the_capacity_cannot_keep_are_not_written(tmp_path, monkeypatch):
+    """A put of more than the capacity holds wrote and fsynced every record, then deleted those it could not list:
+    a busy server with a small ``persist_gb`` wrote its disk for nothing on every request."""
+    from tierkv import safefs
+
+    items = [_item(f"{n:032x}", n, parent=f"{n - 1:032x}" if n else None) for n in range(6)]
+    size = len(items[0].head) + len(items[0].payload)
+    store = PersistentStore(tmp_path, 2 * size + size // 2)
+    written: list[int] = []
+    write_all = safefs.write_all
+    monkeypatch.setattr(safefs, "write_all", lambda fd, parts: (written.append(sum(map(len, parts))),
+                                                                  write_all(fd, parts))[1])
+    try:
+        assert store.put(items) == 2
+        assert written.count(size) == 2  # the two records that fit, and no other (besides the manifest)
+        assert store.lookup([item.key for item in items]) == 2
+    finally:
+        store.close()

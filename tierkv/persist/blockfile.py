@@ -275,21 +275,33 @@ class PersistentStore:
         listed = self._listing().entries
         if not self._open_scratch():  # the lock is held past the deadline: skipped (logged)
             return 0
+        # what the listing keeps whatever this call adds (marked used by it: never its victims), so a record past
+        # the rest of the capacity would be dropped as soon as written: not written (the listing decides again)
+        room = self.capacity_bytes - sum(listed[key].nbytes for key in {*touch, *(item.key for item in items)}
+                                         if key in listed)
         staged: list[tuple[Item, str, int]] = []
         written = 0  # the staged records fsynced whole (a failure may cut the next one short)
         scratch = self._tree.scratch
         fd = -1  # the record being written
         try:
             for position, item in enumerate(items):
+                nbytes = len(item.head) + len(item.payload)
                 if item.key in listed:
                     continue
-                if not self._room_for(len(item.head) + len(item.payload)):
+                if item.parent is not None and item.parent not in listed \
+                        and all(item.parent != other.key for other, _, _ in staged):
+                    continue  # its chain lost a block before it (or this call did not write that one)
+                if nbytes > room:
+                    self._dropped_for_capacity(len(items) - position, nbytes, self.capacity_bytes - room)
+                    break  # deeper blocks are useless without this one
+                if not self._room_for(nbytes):
                     self._skip_for_space(len(items) - position)  # deeper blocks are useless without this one
                     break
+                room -= nbytes
                 try:
                     with deferred_interrupts():  # the new file and the record that removes it, together
                         fd, name = safefs.create_file(scratch, f"{item.key}.", SUFFIX)
-                        staged.append((item, name, len(item.head) + len(item.payload)))
+                        staged.append((item, name, nbytes))
                     safefs.write_all(fd, (item.head, item.payload))
                     os.fsync(fd)
                     written = len(staged)
