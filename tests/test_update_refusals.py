@@ -131,7 +131,7 @@ def test_an_uneven_update_takes_that_forwards_step_back(cache):
 @pytest.mark.parametrize("value", [None, -1.0, float("-inf"), float("nan"), "-1", True])
 def test_crop_takes_an_int(cache, value):
     before = _held(cache)
-    with pytest.raises(InvalidConfigError, match="crop takes an int"):
+    with pytest.raises(InvalidConfigError, match="crop's tokens_to_remove .* must be an int, got"):
         cache.crop(value)
     assert _same(before, cache)
     cache.crop(np.int64(-2))

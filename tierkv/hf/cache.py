@@ -17,7 +17,6 @@ the forward-level rollback that keeps every layer at the same length whatever fa
 from __future__ import annotations
 
 import inspect
-import operator
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -176,21 +175,7 @@ def _checked_update(key_states: object, value_states: object, layer_idx: object)
         raise InvalidConfigError(f"update() got keys in {dtypes[0]} and values in {dtypes[1]}: a layer's K/V is stored "
                                  "in one dtype (the other would lose precision); cast both to the model's dtype. "
                                  "Nothing changed.")
-    index = _as_int(layer_idx)
-    if index is None:
-        raise InvalidConfigError(f"layer_idx must be an int >= 0, got {layer_idx!r}; nothing changed.")
-    return index
-
-
-def _as_int(value: object) -> int | None:
-    """``value`` as an int where it is one (numpy's and torch's integer scalars too), else None (a bool is a slip,
-    a float is no count)."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return None
+    return sizing.check_count(layer_idx, name="layer_idx", minimum=0)
 
 
 CROP_KEEPS_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
@@ -448,11 +433,8 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' crop (``tokens_to_remove`` < 0), refused before any layer changes where a layer cannot
         go back that far (a sliding window that dropped the tokens, recurrent state: ``check_crop``)."""
-        count = _as_int(tokens_to_remove)
-        if count is None:
-            raise InvalidConfigError(f"crop takes an int (tokens to remove, negative: crop(-3)), got "
-                                     f"{tokens_to_remove!r}; nothing changed.")
-        tokens_to_remove = count
+        tokens_to_remove = sizing.check_count(tokens_to_remove, name="crop's tokens_to_remove (negative: crop(-3))",
+                                              minimum=None)
         with self.using:
             if self.closed:
                 raise closed_error()
@@ -767,9 +749,8 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
         return max(rows, default=0)
 
     def _add_layers(self, layer_idx: int) -> None:
-        """Layers up to ``layer_idx`` (a model seen without ``config=``); refused beyond the config's count."""
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
-            raise InvalidConfigError(f"layer_idx must be an int >= 0, got {layer_idx!r}.")
+        """Layers up to ``layer_idx`` (an int >= 0: :func:`_checked_update`; a model seen without ``config=``);
+        refused beyond the config's count."""
         if self.runtime.num_layers is not None:
             raise InvalidConfigError(
                 f"layer_idx {layer_idx} is beyond the {len(self.layers)} layers of the config this cache was built "

@@ -547,15 +547,16 @@ def check_model_config(config: object, *, name: str = "config") -> None:
     )
 
 
-def check_count(value: object, *, name: str, minimum: int = 1) -> int:
-    """``value`` as an int >= ``minimum``: an int or numpy's or torch's integer scalar (what ``get_seq_length()``
-    may return); a bool or a float is refused (``batch=True`` is a slip, not 1)."""
+def check_count(value: object, *, name: str, minimum: int | None = 1) -> int:
+    """``value`` as an int >= ``minimum`` (None: any): an int or numpy's or torch's integer scalar (what
+    ``get_seq_length()`` may return); a bool or a float is refused (``batch=True`` is a slip, not 1)."""
     try:
         count = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         count = None
-    if count is None or count < minimum:
-        raise InvalidConfigError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    if count is None or minimum is not None and count < minimum:
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise InvalidConfigError(f"{name} must be an int{bound}, got {value!r}.")
     return count
 
 
