@@ -291,11 +291,17 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                 self.forward.settle(self.holding, self.runtime)
             try:
                 layer_idx = _checked_update(key_states, value_states, layer_idx)
-                if not 0 <= layer_idx < len(self.layers):
-                    self._add_layers(layer_idx)
             except BaseException:
                 self._take_back_part()
                 raise
+            if not 0 <= layer_idx < len(self.layers):
+                try:
+                    self._add_layers(layer_idx)
+                except BaseException as error:  # past every layer: the forward of a model with more layers, refused
+                    outcome = self._take_back_part(beyond=layer_idx >= len(self.layers))
+                    if outcome and isinstance(error, TierKVError):
+                        error.args = (f"{error} {outcome}",)
+                    raise
             try:
                 return self.layers[layer_idx].update(key_states, value_states)
             except OSError as exc:  # a process limit met outside tierkv's own I/O (a lazy import, a thread): named
@@ -663,19 +669,19 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
         if self.forward.may_repeat:
             self.reset()
             return "This cache was emptied."
-        if self._take_back_part():
-            return (f"The layers that took this forward's step gave it back: the cache holds {self.get_seq_length()} "
-                    "tokens.")
-        return "Nothing changed."
+        return self._take_back_part() or "Nothing changed."
 
-    def _take_back_part(self) -> bool:
-        """A forward refused part-way: the layers that took its step give it back (a complete forward keeps its
-        tokens: the refused call took nothing); whether they did."""
-        if not self.forward.taken_in_part(self.holding, self.uses_per_forward()):
-            return False
+    def _take_back_part(self, beyond: bool = False) -> str:
+        """A forward refused part-way: the layers that took its step give it back; what happened, for the refusal's
+        message ("": nothing). A complete forward keeps its tokens (the refused call took nothing), unless the call
+        continues it (``beyond``: a layer past every layer, as a model with more layers than the config's updates
+        next)."""
+        forward = self.forward
+        if not (forward.taken_in_part(self.holding, self.uses_per_forward()) or beyond and forward.layers_updated):
+            return ""
         first = self.kv_layers
         self.roll_back(first[0].length_before if first else 0)
-        return True
+        return f"The layers that took this forward's step gave it back: the cache holds {self.get_seq_length()} tokens."
 
     def _leave_skipped_state(self, position: int) -> None:
         """A K/V update at model layer ``position`` in a forward that did not touch the state of a layer before it:
