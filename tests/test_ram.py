@@ -5,6 +5,7 @@ Checked in a real cgroup (v1 or v2, where this host lets the tests make one) and
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,8 +14,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
-from tierkv.ram import UNLIMITED, Limit, cgroup_limit
+from tierkv import InvalidConfigError, TieredCache
+from tierkv.hf.sizing import host_memory
+from tierkv.ram import UNLIMITED, Limit, cgroup_limit, memory_filesystem
 
 GiB = 1 << 30
 
@@ -98,10 +102,70 @@ def test_a_process_in_a_limited_cgroup_sizes_and_refuses_budgets_by_its_limit(cg
             print("refused:", error)
         cache = TieredCache(config=None)
         gpu, cpu = cache.runtime.memory_budgets(__import__("torch").device("cpu"))
-        assert gpu + cpu <= available, (gpu, cpu, available)
+        assert gpu + cpu <= 0.55 * available, (gpu, cpu, available)  # half of it: the rest is the model's
         print("budgets within the limit:", gpu, cpu)
+        try:
+            TieredCache(gpu_gb="64MB", cpu_gb="64MB", disk_dir="/dev/shm/tierkv-cgroup-test")
+        except InvalidConfigError as error:
+            print("tmpfs refused:", error)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "refused: cpu_gb is" in done.stdout and "memory limit of this process's cgroup" in done.stdout
     assert "budgets within the limit" in done.stdout
+    if memory_filesystem("/dev/shm") and shutil.disk_usage("/dev/shm").free > limit:  # its default disk_gb: RAM
+        assert "tmpfs refused: gpu_gb (" in done.stdout and "disk_gb defaults to 90% of it" in done.stdout
+
+
+def test_budgets_that_together_exceed_the_ram_are_refused_where_the_device_is_ram():
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the device tier is not RAM")
+    total = host_memory()[0]
+    with pytest.raises(InvalidConfigError, match="gpu_gb .* and cpu_gb .* together take .*device tier is RAM too"):
+        TieredCache(gpu_gb=f"{total * 6 // 10}B", cpu_gb=f"{total * 6 // 10}B")
+    TieredCache(gpu_gb=f"{total * 4 // 10}B", cpu_gb=f"{total * 4 // 10}B").close()
+
+
+def test_a_disk_tier_on_tmpfs_counts_as_ram(tmp_path):
+    if memory_filesystem("/dev/shm") is None:
+        pytest.skip("no tmpfs at /dev/shm")
+    assert memory_filesystem(tmp_path) is None or memory_filesystem(tmp_path) in ("tmpfs", "ramfs")
+    total = host_memory()[0]
+    free = shutil.disk_usage("/dev/shm").free
+    folder = Path("/dev/shm") / f"tierkv-test-{uuid.uuid4().hex[:8]}"
+    disk = min(free, total) * 7 // 10
+    try:
+        with pytest.raises(InvalidConfigError, match="disk_dir is on tmpfs, whose files are RAM"):
+            TieredCache(gpu_gb="64MB", cpu_gb=f"{total // 2}B", disk_dir=folder, disk_gb=f"{disk}B")
+        TieredCache(gpu_gb="64MB", cpu_gb="64MB", disk_dir=folder, disk_gb=f"{disk}B").close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_host_memory_that_is_not_there_is_a_capacity_error_and_every_token_stays():
+    """Budgets are caps; where the process cannot get the memory they allow (a ulimit -v here), growing a tier is
+    refused with the fix, the step taken back, and what the cache held stays readable."""
+    script = textwrap.dedent("""
+        import resource, torch
+        from tierkv import CapacityError, TieredCache
+        cache = TieredCache(gpu_gb="4GB", cpu_gb="4GB", block_tokens=16)
+        step = torch.ones(1, 8, 256, 128)
+        for _ in range(4):
+            cache.update(step, step, 0)
+        held = cache.get_seq_length()
+        size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (size + (256 << 20), resource.RLIM_INFINITY))
+        try:
+            for _ in range(200):
+                cache.update(step, step, 0)
+        except CapacityError as error:
+            print("refused:", error)
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        after = cache.get_seq_length()
+        assert after >= held and torch.equal(cache.layers[0].keys[:, :, :after], torch.ones(1, 8, after, 128))
+        print("held", after)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused:" in done.stdout and "could not allocate" in done.stdout, done.stdout
+    assert "the memory is not there" in done.stdout

@@ -5,7 +5,8 @@ below the host's, and psutil reports the host's: budgets sized from it (``cpu_gb
 it would pass, and the kernel's OOM killer would end the process mid-generation with no message. The limit is
 the tightest of the process's cgroup and its ancestors' (cgroup v2 ``memory.max``, v1
 ``memory.limit_in_bytes``); what is available under it is the limit less the memory charged to the cgroup, of
-which inactive file pages count as free (the kernel reclaims them before it kills anything).
+which inactive file pages count as free (the kernel reclaims them before it kills anything). A disk tier on a
+memory filesystem (tmpfs, ramfs) is RAM as well.
 """
 
 from __future__ import annotations
@@ -79,6 +80,25 @@ def _stat(path: Path, key: str) -> int:
         if name == key and value.strip().isdigit():
             return int(value)
     return 0
+
+
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def memory_filesystem(path: str | os.PathLike[str]) -> str | None:
+    """The type of the filesystem under ``path`` (or its nearest existing parent) where its files are RAM (tmpfs,
+    ramfs: ``/dev/shm``, a container's ``--tmpfs`` or memory-backed emptyDir), else None."""
+    import psutil
+
+    real = os.path.realpath(path)
+    try:
+        mounts = psutil.disk_partitions(all=True)
+    except OSError:
+        return None
+    under = [mount for mount in mounts
+             if real == mount.mountpoint or real.startswith(mount.mountpoint.rstrip("/") + "/")]
+    best = max(under, key=lambda mount: len(mount.mountpoint), default=None)
+    return best.fstype if best is not None and best.fstype in MEMORY_FILESYSTEMS else None
 
 
 def usable_memory() -> tuple[int, int, bool]:

@@ -184,17 +184,42 @@ class Staging:
         self.release()
         self.store.reserve_device(count * nbytes)
         self.reserved = count * nbytes
-        device = self.store.device.device
-        self.buffers = [self._accel.empty(nbytes, device) for _ in range(count)]
+        try:
+            self.buffers = [self._empty(nbytes) for _ in range(count)]
+        except BaseException:
+            self.release()
+            raise
         return self.buffers
 
     def take(self, nbytes: int) -> torch.Tensor:
         """One more buffer of ``nbytes`` beside those held (BudgetTooSmallError when the budget cannot)."""
         self.store.reserve_device(nbytes)
+        try:
+            buffer = self._empty(nbytes)
+        except BaseException:
+            self.store.device.unreserve(nbytes)
+            raise
         self.reserved += nbytes
-        buffer = self._accel.empty(nbytes, self.store.device.device)
         self.buffers.append(buffer)
         return buffer
+
+    def _empty(self, nbytes: int) -> torch.Tensor:
+        """A buffer of ``nbytes`` on the device; CapacityError where the memory is not there although the budget
+        allows it (the budget is a cap, the machine's memory the fact)."""
+        from tierkv import accel
+        from tierkv.errors import CapacityError
+        from tierkv.units import format_bytes
+
+        try:
+            return self._accel.empty(nbytes, self.store.device.device)
+        except (MemoryError, RuntimeError) as exc:  # torch's allocators raise RuntimeError (OutOfMemoryError: CUDA)
+            if not accel.out_of_memory(exc):
+                raise
+            raise CapacityError(
+                f"{self.store.device.device} could not allocate {format_bytes(nbytes)} of attention staging although "
+                "gpu_gb allows it: the memory is not there (other processes, a ulimit -v, a container's memory "
+                "limit); give budgets the machine has, or decode with cache.streaming(model), whose staging does not "
+                "grow with the context.") from exc
 
     def give_back(self, buffer: torch.Tensor) -> None:
         """Return one buffer of :meth:`take` to the budget."""

@@ -46,16 +46,13 @@ from tierkv.hf.layer import TieredLayer, Uncopyable, not_held
 from tierkv.hf.modes import AttentionModes
 from tierkv.hf.runtime import Budgets, Runtime
 from tierkv.hf.session import PrefixSession
-from tierkv.hf.sizing import DEFAULT_BLOCK_TOKENS
+from tierkv.hf.sizing import DEFAULT_BLOCK_TOKENS, DEFAULT_DISK_FRACTION
 from tierkv.hf.state import HybridLayer, StateLayer
 from tierkv.policy import Policy, make_policy
 from tierkv.stats import check_profile, checked_trace_path, make_trace
 from tierkv.store import KVStore
 from tierkv.tiers.disk import DiskTier, limit_advice
 from tierkv.units import parse_size
-
-DEFAULT_DISK_FRACTION = 0.9  # of free space under disk_dir, when disk_gb is None
-
 
 _NOT_COMPILED = ("a TieredCache runs outside torch.compile's graph (its tiers move blocks with threads and I/O): "
                  "compile without fullgraph=True, so the model's layers are compiled around the cache's calls")
@@ -190,7 +187,8 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
         gpu_gb: device-tier budget (GB as a float, or a string like ``"512MB"``, ``"20GiB"``). It bounds
             *all* device memory the cache holds, the attention staging area included (see
             :meth:`min_device_bytes`). Default: 25% of free device memory.
-        cpu_gb: host-tier budget (pinned RAM on CUDA hosts). Default: half of the available RAM.
+        cpu_gb: host-tier budget (pinned RAM on CUDA hosts). Default: half of the available RAM (a quarter
+            where the device tier is RAM too and ``gpu_gb`` is left out).
         disk_dir: directory of the disk tier's files; no disk tier when None.
         disk_gb: disk-tier budget. Default: 90% of the free space under ``disk_dir``.
         block_tokens: tokens per block, the unit of placement and I/O.

@@ -135,7 +135,10 @@ class Runtime:
         available = sizing.host_memory()[1] if budgets.cpu is None or budgets.gpu is None else 0
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available
         gpu = budgets.gpu if budgets.gpu is not None else int(free * DEFAULT_DEVICE_FRACTION)
-        cpu = budgets.cpu if budgets.cpu is not None else int(available * DEFAULT_HOST_FRACTION)
+        host = DEFAULT_HOST_FRACTION
+        if device.type != "cuda" and budgets.gpu is None:  # both from the same RAM: together no more than the host's
+            host -= DEFAULT_DEVICE_FRACTION  # share, the rest left to the model, its activations and the allocator
+        cpu = budgets.cpu if budgets.cpu is not None else int(available * host)
         return gpu, cpu
 
     def executor(self, name: str, options: dict[str, Any]) -> PipelinedExecutor:

@@ -28,6 +28,7 @@ from tierkv import staging as sizes
 from tierkv.attention.streaming import DEFAULT_CHUNK_TOKENS
 from tierkv.errors import InvalidConfigError
 from tierkv.layout import BlockLayout
+from tierkv.ram import memory_filesystem
 from tierkv.units import MAX_CHUNK_TOKENS, format_bytes
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ HOLDS_STATE = LinearAttentionLayer is not None and all(
     hasattr(Cache, name) for name in ("get_conv_state", "get_recurrent_state", "increase_count"))
 
 DEFAULT_BLOCK_TOKENS = 256
+DEFAULT_DISK_FRACTION = 0.9  # of free space under disk_dir, when disk_gb is None
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 STATE_TYPES = ("linear_attention", "conv")  # recurrent or convolution state only, no K/V
 BOTH_TYPES = ("hybrid", "hybrid_sliding")  # state and K/V in one layer
@@ -661,7 +663,8 @@ def check_budgets_fit_machine(gpu: int | None, cpu: int | None, disk: int | None
     is a petabyte budget); the message says how to pass bytes.
     """
     budgets = {"gpu_gb": gpu, "cpu_gb": cpu}
-    if any(v is not None for v in budgets.values()):
+    memory_backed = memory_filesystem(disk_dir) if disk_dir is not None else None
+    if any(v is not None for v in budgets.values()) or memory_backed:
         memory, where = machine_memory()
         for name, nbytes in budgets.items():
             if nbytes is not None and nbytes > memory:
@@ -670,6 +673,20 @@ def check_budgets_fit_machine(gpu: int | None, cpu: int | None, disk: int | None
                 gb = f"{nbytes / 1e9:,.2f}".rstrip("0").rstrip(".") if nbytes < 10**24 else f"{nbytes / 1e9:.3g}"
                 raise InvalidConfigError(f"{name} is {gb} GB ({format_bytes(nbytes)}) but this "
                                          f"machine has {where}; {fix}.")
+        in_ram = {"cpu_gb": cpu} if torch.cuda.is_available() else dict(budgets)  # no GPU: the device tier is RAM
+        if memory_backed and disk_dir is not None:  # its files are RAM too
+            in_ram["disk_gb"] = disk if disk is not None else int(_disk_usage(disk_dir)[1] * DEFAULT_DISK_FRACTION)
+        given = {name: nbytes for name, nbytes in in_ram.items() if nbytes is not None}
+        if len(given) > 1 and sum(given.values()) > memory:
+            parts = " and ".join(f"{name} ({format_bytes(nbytes)})" for name, nbytes in given.items())
+            if memory_backed:
+                why = f"disk_dir is on {memory_backed}, whose files are RAM" + ("" if disk is not None else
+                                                                               ", and disk_gb defaults to 90% of it")
+                fix = "give budgets that fit together (disk_gb too), or a disk_dir on a disk"
+            else:
+                why, fix = "without a GPU the device tier is RAM too", "give budgets that fit together"
+            raise InvalidConfigError(f"{parts} together take {format_bytes(sum(given.values()))} of RAM ({why}), "
+                                     f"but this machine has {where}; {fix}.")
     if disk is not None and disk_dir is not None:
         total, free = _disk_usage(disk_dir)
         if total == 0:  # a filesystem that reports no size (ramfs, some FUSE and network ones): disk_gb is the bound
