@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, build_ext
+from helpers import ROOT, build_ext, mounted, tiny_tmpfs
 
 from tierkv import settings
 from tierkv.io import native
@@ -232,3 +232,86 @@ def test_a_compiler_that_timed_out_is_not_run_again_for_a_while(fresh_loader: No
     with pytest.raises(EngineUnavailableError, match="failed"):
         native.library()
     assert runs.read_text().count("run") == 3
+
+
+@needs_compiler
+def test_a_compiler_that_builds_nothing_puts_nothing_in_the_cache(fresh_loader: None, monkeypatch,
+                                                                  tmp_path: Path) -> None:
+    """Regression: a compiler that exits 0 without building (``CC=/bin/true``) left an empty library in the cache
+    under the name every later build looks for, and every process after failed to load it ("file too short"), a
+    working compiler too. Now the build is refused, naming the compiler, and nothing is cached: the next one
+    builds."""
+    monkeypatch.setattr(native, "extension", lambda: None)
+    monkeypatch.setenv("CC", shutil.which("true") or "/bin/true")
+    with pytest.raises(EngineUnavailableError, match="exited 0 but built no shared library") as refused:
+        native.library()
+    assert "its output is empty" in str(refused.value)
+    assert list((tmp_path / "cache" / "native").glob("tierkv_io-*.so")) == []
+    monkeypatch.delenv("CC")
+    native._build.cache_clear()
+    native.library()
+
+
+@needs_compiler
+def test_a_cached_library_that_does_not_load_is_removed_and_built_again(tmp_path: Path) -> None:
+    """Regression: a cached library the loader refuses though its checksum matches (the empty file an earlier
+    version cached for a compiler that built nothing, with that file's sum beside it) failed every process that
+    opened it, for good. Now it is removed, with a warning, and built again."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TIERKV_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("CC", None)
+
+    def load() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=300)
+
+    first = load()
+    assert first.returncode == 0 and "loaded" in first.stdout, first.stderr
+    (library,) = (tmp_path / "cache" / "native").glob("tierkv_io-*.so")
+    library.write_bytes(b"")
+    library.with_name(library.name + ".sum").write_text(hashlib.sha256(b"").hexdigest())
+    again = load()
+    assert again.returncode == 0 and "loaded" in again.stdout, again.stderr
+    assert "does not load" in again.stderr and "building it again" in again.stderr
+    assert library.stat().st_size > 0
+
+
+@needs_compiler
+def test_another_compiler_builds_its_own_library(fresh_loader: None, monkeypatch, tmp_path: Path) -> None:
+    """The cache name covers ``CC``: a library one compiler built is not taken for another's (a broken one's
+    output never shadows a working one's)."""
+    monkeypatch.setattr(native, "extension", lambda: None)
+    monkeypatch.setenv("CC", "cc")
+    native.library()
+    monkeypatch.setenv("CC", "cc -O0")
+    native._build.cache_clear()
+    native.library()
+    assert len(list((tmp_path / "cache" / "native").glob("tierkv_io-*.so"))) == 2
+
+
+def test_a_cache_dir_on_a_noexec_mount_names_the_fix(fresh_loader: None, monkeypatch, tmp_path: Path) -> None:
+    """A cache dir on a filesystem mounted ``noexec`` failed with the loader's "failed to map segment from shared
+    object" after a build. Now it is refused before any build, naming the mount option and the setting to
+    change."""
+    monkeypatch.setattr(native, "extension", lambda: None)
+    with (mounted(tmp_path / "noexec", "tmpfs", "noexec,size=16m,mode=0700") as mount,
+          settings.override(cache_dir=mount),
+          pytest.raises(EngineUnavailableError, match="mounted noexec") as refused):
+        native.library()
+    assert "Set TIERKV_CACHE_DIR to a directory on a filesystem mounted without noexec" in str(refused.value)
+
+
+@needs_compiler
+def test_a_full_tmpdir_names_the_space_to_free(fresh_loader: None, monkeypatch, tmp_path: Path) -> None:
+    """A full ``TMPDIR`` during a build said only "compiling tierkv_io.c failed: compilation terminated." (the
+    compiler's last line). Now it says the compiler ran out of space, and where to free it."""
+    monkeypatch.setattr(native, "extension", lambda: None)
+    with tiny_tmpfs(tmp_path / "tmp", "64k") as full:
+        (full / "filler").write_bytes(b"\0" * 60 * 1024)  # what is left is less than a compiler's output
+        monkeypatch.setenv("TMPDIR", str(full))
+        with pytest.raises(EngineUnavailableError, match="no space left for the compiler's files") as refused:
+            native.library()
+    assert f"Free space in {full}" in str(refused.value) and "set TMPDIR" in str(refused.value)

@@ -4,10 +4,12 @@ first use from the source checkout (FlashInfer-style), else unavailable with the
 Shared by the native disk engine (:mod:`tierkv.io.native`) and the attention kernels
 (:mod:`tierkv.attention.host_kernel`, :mod:`tierkv.attention.rest_kernel`: :func:`open_kernel`), which differ only
 in their source, flags and names. A library built on
-first use lives in the ``cache_dir`` setting's ``native/`` folder under a name that carries a hash of source and
-flags, written aside, fsynced and renamed into place, so concurrent processes never load a half-written file,
-with its sha256 beside it (``<name>.sum``), checked before every load: a file cut short (a crash before the disk
-had it, an interrupted copy of the cache) killed the process that mapped it (SIGBUS); now it is built again. The
+first use lives in the ``cache_dir`` setting's ``native/`` folder under a name that carries a hash of source,
+flags and ``CC`` (another compiler builds its own), written aside, fsynced and renamed into place, so concurrent
+processes never load a half-written file, with its sha256 beside it (``<name>.sum``), checked before every load: a
+file cut short (a crash before the disk had it, an interrupted copy of the cache) killed the process that mapped it
+(SIGBUS); now it is built again. A build whose output is no shared library for this machine is never put in place,
+and a cached library the loader refuses is removed and built again once. The
 source's hash is compiled into every build, so an extension built from an older source is noticed and rebuilt.
 A compiler that hangs is stopped with its children after :data:`COMPILE_TIMEOUT_S` (a warning says what it
 waits for), and is not run again for :data:`TIMED_OUT_RETRY_S` by this or any other process of the user (a marker
@@ -38,6 +40,7 @@ import stat
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from functools import cache
 from pathlib import Path
 
 from tierkv import safefs, settings
@@ -105,7 +108,9 @@ def built_from(lib: ctypes.CDLL, symbol: str) -> str:
 def compile_library(source: Path, directory: int, name: str, flag_sets: Sequence[Sequence[str]],
                     libraries: Sequence[str], fix: str) -> None:
     """Compile ``source`` into ``name`` in the cache folder ``directory`` (a descriptor of :func:`cache_dir`), made
-    0700, with the first of ``flag_sets`` that works; raise :class:`EngineUnavailableError` saying why not."""
+    0700, with the first of ``flag_sets`` that works; raise :class:`EngineUnavailableError` saying why not. What a
+    compiler leaves that is no shared library for this machine (``CC=/bin/true`` exits 0 and leaves nothing) never
+    goes into the cache: every later process would fail to load it."""
     compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or "cc"]
     if shutil.which(compiler[0]) is None:
         raise EngineUnavailableError(f"no C compiler ({compiler[0]!r} not found)", fix)
@@ -131,6 +136,11 @@ def compile_library(source: Path, directory: int, name: str, flag_sets: Sequence
             if returncode == 0:
                 built = os.open(partial, os.O_RDONLY | safefs.NOFOLLOW, dir_fd=directory)
                 try:
+                    problem = _not_a_library(built)
+                    if problem:
+                        raise EngineUnavailableError(f"the compiler {shlex.join(compiler)!r} exited 0 but built no "
+                                                     f"shared library of {source.name} for this machine ({problem})",
+                                                     fix)
                     os.fchmod(built, 0o700)  # the linker's own mode follows the umask (group-writable at 002)
                     os.fsync(built)
                     digest = _sha256(built)
@@ -140,10 +150,25 @@ def compile_library(source: Path, directory: int, name: str, flag_sets: Sequence
                     safefs.write_all(sums, [digest.encode()])  # always has its sum (fsynced, with the folder)
                 os.replace(partial, name, src_dir_fd=directory, dst_dir_fd=directory)
                 return
-        tail = output.strip().splitlines()[-1:] or ["no output"]
-        raise EngineUnavailableError(f"compiling {source.name} failed: {tail[0]}", fix)
+        raise _compile_failed(source, output, fix)
     finally:
         safefs.remove_regular(directory, partial)
+
+
+_NO_SPACE = ("No space left on device", "Disk quota exceeded")
+
+
+def _compile_failed(source: Path, output: str, fix: str) -> EngineUnavailableError:
+    """The error for a compiler run that failed with ``output``: its first line that names an error (the last one,
+    "compilation terminated.", says nothing), and where the compiler ran out of space, where to free it."""
+    lines = output.strip().splitlines() or ["no output"]
+    line = next((x for x in lines if "error" in x.lower() or any(s in x for s in _NO_SPACE)), lines[-1]).strip()
+    if any(s in output for s in _NO_SPACE):
+        return EngineUnavailableError(
+            f"compiling {source.name} failed: no space left for the compiler's files ({line})",
+            f"Free space in {os.environ.get('TMPDIR') or '/tmp'} (its temporary files; or set TMPDIR to a "
+            f"directory with room) and in {cache_dir()} (the library it builds)")
+    return EngineUnavailableError(f"compiling {source.name} failed: {line}", fix)
 
 
 def _compile(command: list[str], what: str) -> tuple[int, str]:
@@ -186,6 +211,32 @@ def _timed_out_since(directory: int, marker: str) -> float | None:
     return None
 
 
+_ELF_SHARED_OBJECT = 3  # e_type ET_DYN
+
+
+def _not_a_library(fd: int) -> str | None:
+    """Why the file behind ``fd`` is no shared library this process could load, from its ELF header (None: it may
+    be one): empty, not ELF, not a shared object, or for another machine than this Python's."""
+    header = os.pread(fd, 20, 0)
+    if not header:
+        return "its output is empty"
+    if len(header) < 20 or header[:4] != b"\x7fELF":
+        return "its output is not an ELF file"
+    if int.from_bytes(header[16:18], "little" if header[5] == 1 else "big") != _ELF_SHARED_OBJECT:
+        return "its output is not a shared object"
+    own = _own_elf_header()
+    if header[4:6] != own[4:6] or header[18:20] != own[18:20]:
+        return "its output is for another machine (a cross compiler?)"
+    return None
+
+
+@cache
+def _own_elf_header() -> bytes:
+    """The ELF header of this process's executable: the class, byte order and machine a library must have."""
+    with open("/proc/self/exe", "rb") as executable:
+        return executable.read(20)
+
+
 def _sha256(fd: int) -> str:
     """sha256 of the whole file behind ``fd`` (read with pread: its offset is left alone)."""
     digest, offset = hashlib.sha256(), 0
@@ -207,11 +258,17 @@ def _remove_stale_temporaries(directory: int) -> None:
                         os.unlink(entry.name, dir_fd=directory)
 
 
+class _Unloadable(OSError):
+    """A cached library that the dynamic loader refused (empty, truncated, for another machine): removed."""
+
+
 def _load_cached(directory: int, name: str, where: Path) -> ctypes.CDLL:
     """Load the library ``name`` of the cache folder ``directory`` through the descriptor it was checked on
     (:func:`tierkv.safefs.open_own_file`); FileNotFoundError if it is not there. The descriptor stays open while
     the process lives, as the library stays loaded: the dynamic loader knows a library by the name it was loaded
-    under, so a ``/proc/self/fd/N`` name is never reused for another one."""
+    under, so a ``/proc/self/fd/N`` name is never reused for another one. One the loader refuses is removed (it
+    is this user's own regular file: checked on opening) and :class:`_Unloadable` raised, so it is built again
+    rather than refused by every later process."""
     fd = safefs.open_own_file(directory, name, where)
     try:
         intact = _intact(directory, name, fd)
@@ -223,7 +280,11 @@ def _load_cached(directory: int, name: str, where: Path) -> ctypes.CDLL:
                                "the disk had it, an interrupted copy); building it again", where)
             safefs.remove_regular(directory, name)
             raise FileNotFoundError(where)
-        return ctypes.CDLL(safefs.fd_path(fd))
+        try:
+            return ctypes.CDLL(safefs.fd_path(fd))
+        except OSError as exc:
+            safefs.remove_regular(directory, name)
+            raise _Unloadable(str(exc)) from exc
     except BaseException:
         os.close(fd)
         raise
@@ -262,15 +323,22 @@ def open_library(label: str, source: Path, digest: str | None, built: Path | Non
     if digest is None:
         raise EngineUnavailableError("not built at install (no C compiler then?) and no C source to build it from",
                                      reinstall)
-    flags = " ".join(" ".join(f) for f in flag_sets).encode()
-    name = f"{source.stem}-{hashlib.sha256(source_bytes(source) + flags).hexdigest()[:16]}.so"
+    built_with = " ".join(" ".join(f) for f in flag_sets) + "\0" + os.environ.get("CC", "")
+    name = f"{source.stem}-{hashlib.sha256(source_bytes(source) + built_with.encode()).hexdigest()[:16]}.so"
     target = cache_dir() / name
     try:
         directory = _open_cache_dir()
         try:
+            if os.fstatvfs(directory).f_flag & os.ST_NOEXEC:
+                raise EngineUnavailableError(
+                    f"{label} cannot be built on first use: {cache_dir()} is on a filesystem mounted noexec, where "
+                    "no library can be loaded", "Set TIERKV_CACHE_DIR to a directory on a filesystem mounted "
+                    "without noexec.")
             try:
                 lib = _load_cached(directory, name, target)
-            except FileNotFoundError:
+            except (FileNotFoundError, _Unloadable) as exc:
+                if isinstance(exc, _Unloadable):
+                    logger.warning("tierkv: %s does not load (%s); removed, building it again", target, exc)
                 compile_library(source, directory, name, flag_sets, libraries, fix)
                 lib = _load_cached(directory, name, target)
         finally:
