@@ -13,6 +13,8 @@ import pytest
 
 PLAN = ["plan", "--model", "llama-3-8b", "--context", "1M", "--gpu-gb", "20", "--cpu-gb", "128", "--link", "pcie5"]
 ELLIPSIS = "\N{HORIZONTAL ELLIPSIS}"
+DEMO = ["demo", "--random-model", "--context", "512", "--block-tokens", "16", "--prefill-chunk", "256",
+        "--chunk-tokens", "128", "--max-new-tokens", "8", "--no-reference"]
 
 
 def _environment(**extra: str) -> dict[str, str]:
@@ -46,16 +48,39 @@ def test_a_reader_that_leaves_ends_the_command_quietly(argv, unbuffered):
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-@pytest.mark.parametrize("argv", [PLAN, ["--help"]])
-def test_a_full_disk_under_a_redirection_is_one_line(argv):
+@pytest.mark.parametrize(("argv", "unbuffered"), [(PLAN, ""), (PLAN, "1"), (["--help"], ""), (DEMO, ""), (DEMO, "1")])
+def test_a_full_disk_under_a_redirection_is_one_line(argv, unbuffered):
     """``tierkv plan > /dev/full`` said "No space left on device; free space there, or choose another path" and then
-    "Exception ignored ... OSError" at exit (120): now one line that says the output could not be written."""
+    "Exception ignored ... OSError" at exit (120): now one line that says the output could not be written. Unbuffered
+    (``PYTHONUNBUFFERED=1``), a write that failed left nothing to flush, and the plan and the demo said the first
+    again, never naming the output. (``--help`` unbuffered: argparse drops the failed write itself and exits 0.)"""
+    environment = _environment(**({"PYTHONUNBUFFERED": unbuffered} if unbuffered else {}))
     with open("/dev/full", "w") as full:
-        result = subprocess.run(_command(*argv), stdout=full, stderr=subprocess.PIPE, text=True, env=_environment(),
+        result = subprocess.run(_command(*argv), stdout=full, stderr=subprocess.PIPE, text=True, env=environment,
                                 timeout=120)
     assert result.returncode == 1, result.stderr
-    line = result.stderr.strip()
-    assert "\n" not in line and line.endswith("error: cannot write the output: No space left on device"), line
+    assert result.stderr.count("error:") == 1 and "Exception ignored" not in result.stderr, result.stderr
+    assert argv == DEMO or "\n" not in result.stderr.strip(), result.stderr  # the demo's progress lines come first
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.endswith("error: cannot write the output: No space left on device"), result.stderr
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_a_demo_into_a_file_on_a_full_disk_is_one_line(tmp_path, unbuffered):
+    """``tierkv demo > out.txt`` on a filesystem that is full, unbuffered: the result table's write was dropped whole
+    and the command said "No space left on device; free space there, or choose another path", never naming the
+    output."""
+    from helpers import tiny_tmpfs
+
+    environment = _environment(**({"PYTHONUNBUFFERED": unbuffered} if unbuffered else {}))
+    with tiny_tmpfs(tmp_path / "full", "64k") as full:
+        (full / "filler").write_bytes(b"\0" * 64 * 1024)
+        with open(full / "out.txt", "w") as out:
+            result = subprocess.run(_command(*DEMO), stdout=out, stderr=subprocess.PIPE, text=True,
+                                    env=environment, timeout=300)
+    assert result.returncode == 1, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line == "tierkv demo: error: cannot write the output: No space left on device", result.stderr
 
 
 def test_json_to_a_closed_stdout_names_the_fix():
@@ -138,3 +163,19 @@ def test_main_in_process_gives_the_callers_streams_back():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_environment(),
                             timeout=120)
     assert result.stderr.strip().splitlines()[-1] == "code 141 errors kept True", result.stderr
+
+
+def test_memory_the_process_cannot_get_is_one_line():
+    """An allocation refused mid-run (a ulimit -v here; a container's limit elsewhere) printed torch's traceback from
+    wherever it happened; it is one line that says what ran out, exit 1."""
+    script = (
+        "import resource, sys, torch, transformers, tierkv.cli, tierkv.hf, tierkv.demo.model\n"
+        "size = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), resource.RLIM_INFINITY))\n"
+        "sys.exit(tierkv.cli.main(['demo', '--context', '8K', '--no-reference']))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=_environment())
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert errors[-1].startswith("tierkv demo: error: out of memory: this process could not get"), errors
+    assert "Traceback" not in done.stderr

@@ -216,9 +216,3 @@ def host_backend() -> HostOnly:
 
         return current()
     return _cuda() if torch.cuda.is_available() else HOST_ONLY
-
-
-def out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is an allocator's refusal: MemoryError, torch's OutOfMemoryError (CUDA), or its CPU
-    allocator's RuntimeError ("can't allocate memory")."""
-    return isinstance(error, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(error)

@@ -25,12 +25,14 @@ import io
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
-from tierkv.errors import TierKVError
+from tierkv.errors import TierKVError, out_of_memory
+from tierkv.units import format_bytes
 
 SUBCOMMANDS = {
     "demo": "decode a long context through all three tiers and check the answer",
@@ -297,13 +299,33 @@ def _run_main(argv: list[str] | None) -> int:
 def _output_failed(exc: OSError) -> bool:
     """Whether ``exc`` is a failed write to stdout or stderr: a closed pipe, or a full disk or an I/O error (a plain
     OSError naming no file: the tiers raise TierKVErrors that name theirs) where stdout or stderr still cannot be
-    flushed."""
+    flushed, or refuses writes though nothing is left to flush (unbuffered, ``PYTHONUNBUFFERED=1``, a failed write
+    is dropped whole)."""
     if isinstance(exc, BrokenPipeError):
         return True
     if isinstance(exc, TierKVError) or exc.filename is not None or exc.errno not in (errno.ENOSPC, errno.EDQUOT,
                                                                                       errno.EIO):
         return False
-    return bool(_failing_streams())
+    return bool(_failing_streams()) or any(_refuses_writes(stream) for stream in (sys.stdout, sys.stderr))
+
+
+def _refuses_writes(stream: Any) -> bool:
+    """Whether ``stream``'s file cannot take output now: a device that fails even an empty write (``/dev/full``, a
+    terminal hung up), or a file on a filesystem with no space left (for this user: root has the reserved part)."""
+    try:
+        fd = stream.fileno()
+        status = os.fstat(fd)
+    except (OSError, ValueError, AttributeError):  # None, closed, or no file (an in-process caller's StringIO)
+        return False
+    try:
+        if stat.S_ISCHR(status.st_mode):
+            os.write(fd, b"")
+        elif stat.S_ISREG(status.st_mode):
+            space = os.fstatvfs(fd)
+            return (space.f_bfree if os.geteuid() == 0 else space.f_bavail) == 0
+    except OSError:
+        return True
+    return False
 
 
 def _main(argv: list[str], chosen: str | None, prog: str, terminated: list[int]) -> int:
@@ -337,6 +359,15 @@ def _main(argv: list[str], chosen: str | None, prog: str, terminated: list[int])
                 raise
             print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
             return USAGE if isinstance(exc, usage_errors) else FAILURE
+        except (MemoryError, RuntimeError) as exc:  # torch's allocators raise RuntimeError
+            if debug or not out_of_memory(exc):
+                raise
+            asked = re.search(r"allocate (\d+) bytes", str(exc))  # torch's CPU allocator names the size
+            more = f" {format_bytes(int(asked.group(1)))} more" if asked else " the memory the run needs"
+            print(f"{prog}: error: out of memory: this process could not get{more} (other processes, a ulimit -v, a "
+                  "container's memory limit); give smaller budgets or a shorter context, or free memory",
+                  file=sys.stderr)
+            return FAILURE
 
 
 if __name__ == "__main__":

@@ -61,3 +61,10 @@ class CheckpointError(TierKVError, RuntimeError):
 class InterruptedStepError(TierKVError, RuntimeError):
     """The previous forward stopped between two layers (a Ctrl-C or an error in the model's own code): the layers
     it reached were rolled back, and this forward, whose positions were computed before, is refused."""
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocator's refusal: MemoryError, torch's OutOfMemoryError (CUDA), or its CPU
+    allocator's RuntimeError ("can't allocate memory"). Told by name, so that callers need not import torch."""
+    return isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError" \
+        or "can't allocate memory" in str(error)

@@ -206,14 +206,13 @@ class Staging:
     def _empty(self, nbytes: int) -> torch.Tensor:
         """A buffer of ``nbytes`` on the device; CapacityError where the memory is not there although the budget
         allows it (the budget is a cap, the machine's memory the fact)."""
-        from tierkv import accel
-        from tierkv.errors import CapacityError
+        from tierkv.errors import CapacityError, out_of_memory
         from tierkv.units import format_bytes
 
         try:
             return self._accel.empty(nbytes, self.store.device.device)
         except (MemoryError, RuntimeError) as exc:  # torch's allocators raise RuntimeError (OutOfMemoryError: CUDA)
-            if not accel.out_of_memory(exc):
+            if not out_of_memory(exc):
                 raise
             raise CapacityError(
                 f"{self.store.device.device} could not allocate {format_bytes(nbytes)} of attention staging although "

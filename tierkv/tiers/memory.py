@@ -22,11 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierkv import accel
 from tierkv.accel import DEVICE, HOST, HostOnly, backend, host_backend
 from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Tier
-from tierkv.errors import CapacityError
+from tierkv.errors import CapacityError, out_of_memory
 from tierkv.layout import BlockLayout, SlotBytes
 from tierkv.staging import CHUNKS_PER_BUDGET  # chunks are at most 1/16 of the budget: staging can take them back
 from tierkv.tiers.base import Dest, Scratch, landing_pieces
@@ -67,7 +66,7 @@ class SlabPool(SlotPool):
             else:
                 chunk = self.accel.host_empty((slots, self.slot_bytes), self.pin)
         except (MemoryError, RuntimeError) as exc:  # torch's allocators raise RuntimeError (OutOfMemoryError: CUDA)
-            if not accel.out_of_memory(exc):
+            if not out_of_memory(exc):
                 raise
             budget = "gpu_gb" if self.space == DEVICE else "cpu_gb"
             raise CapacityError(
