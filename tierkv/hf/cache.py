@@ -17,6 +17,7 @@ the forward-level rollback that keeps every layer at the same length whatever fa
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -172,7 +173,13 @@ def _checked_update(key_states: object, value_states: object, layer_idx: object)
         raise InvalidConfigError(f"update() got keys in {dtypes[0]} and values in {dtypes[1]}: a layer's K/V is stored "
                                  "in one dtype (the other would lose precision); cast both to the model's dtype. "
                                  "Nothing changed.")
-    return sizing.check_count(layer_idx, name="layer_idx", minimum=0)
+    try:  # (not sizing.check_count: this runs in every layer-step, within this module)
+        index = None if isinstance(layer_idx, bool) else operator.index(layer_idx)  # type: ignore[arg-type]
+    except TypeError:
+        index = None
+    if index is None or index < 0:
+        raise InvalidConfigError(f"layer_idx must be an int >= 0, got {layer_idx!r}.")
+    return index
 
 
 CROP_KEEPS_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
