@@ -1,7 +1,7 @@
-"""Arguments of the public API and the commands that were accepted and then gave a wrong number, a raw error from
-deep inside (``decimal.InvalidOperation``, ``AttributeError``, a ``TypeError`` at the first decode), or an advice no
-one could follow: each is now refused up front with an :class:`~tierkv.errors.InvalidConfigError` that names the
-argument, the value and the fix (or, on the command line, a one-line usage error, exit status 2)."""
+"""Arguments of the public API and the commands that would give a wrong number, a raw error from deep inside
+(``decimal.InvalidOperation``, ``AttributeError``, a ``TypeError`` at the first decode), or an advice no one could
+follow: each is refused up front with an :class:`~tierkv.errors.InvalidConfigError` that names the argument, the
+value and the fix (or, on the command line, a one-line usage error, exit status 2)."""
 
 from __future__ import annotations
 
