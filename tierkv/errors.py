@@ -7,6 +7,9 @@ fit), so callers can catch either. Messages name the problem *and* the fix.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 
 class TierKVError(Exception):
     """Base class of every error raised by tierkv."""
@@ -61,6 +64,20 @@ class CheckpointError(TierKVError, RuntimeError):
 class InterruptedStepError(TierKVError, RuntimeError):
     """The previous forward stopped between two layers (a Ctrl-C or an error in the model's own code): the layers
     it reached were rolled back, and this forward, whose positions were computed before, is refused."""
+
+
+@contextlib.contextmanager
+def memory_for(what: str, fix: str) -> Iterator[None]:
+    """Allocate ``what`` ("the host tier could not allocate 64 MiB more on cpu although cpu_gb allows it") in the
+    block: an allocator's refusal becomes a CapacityError that says so and ``fix`` (the budget is a cap, the
+    machine's memory the fact)."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:  # torch's allocators raise RuntimeError (OutOfMemoryError: CUDA)
+        if not out_of_memory(exc):
+            raise
+        raise CapacityError(f"{what}: the memory is not there (other processes, a ulimit -v, a container's memory "
+                            f"limit); {fix}.") from exc
 
 
 def out_of_memory(error: BaseException) -> bool:

@@ -206,19 +206,14 @@ class Staging:
     def _empty(self, nbytes: int) -> torch.Tensor:
         """A buffer of ``nbytes`` on the device; CapacityError where the memory is not there although the budget
         allows it (the budget is a cap, the machine's memory the fact)."""
-        from tierkv.errors import CapacityError, out_of_memory
+        from tierkv.errors import memory_for
         from tierkv.units import format_bytes
 
-        try:
-            return self._accel.empty(nbytes, self.store.device.device)
-        except (MemoryError, RuntimeError) as exc:  # torch's allocators raise RuntimeError (OutOfMemoryError: CUDA)
-            if not out_of_memory(exc):
-                raise
-            raise CapacityError(
-                f"{self.store.device.device} could not allocate {format_bytes(nbytes)} of attention staging although "
-                "gpu_gb allows it: the memory is not there (other processes, a ulimit -v, a container's memory "
-                "limit); give budgets the machine has, or decode with cache.streaming(model), whose staging does not "
-                "grow with the context.") from exc
+        device = self.store.device.device
+        with memory_for(f"{device} could not allocate {format_bytes(nbytes)} of attention staging although gpu_gb "
+                        "allows it", "give budgets the machine has, or decode with cache.streaming(model), whose "
+                        "staging does not grow with the context"):
+            return self._accel.empty(nbytes, device)
 
     def give_back(self, buffer: torch.Tensor) -> None:
         """Return one buffer of :meth:`take` to the budget."""

@@ -44,7 +44,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -80,8 +80,12 @@ def _checksum(header: bytes, payload: bytes | memoryview) -> int:
 def encode(header: dict[str, Any], payload: bytes | bytearray | memoryview) -> tuple[bytes, memoryview]:
     """``(head, payload)``: write ``head`` then ``payload`` (not copied) to store the record."""
     payload = memoryview(payload).cast("B")
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text = _header_text(header)
     return _PREFIX.pack(MAGIC, VERSION, 0, len(text), len(payload), _checksum(text, payload)) + text, payload
+
+
+def _header_text(header: dict[str, Any]) -> bytes:
+    return json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _parse_prefix(prefix: bytes | bytearray | memoryview, what: str) -> tuple[int, int, int]:
@@ -252,29 +256,33 @@ def _layout(size: int, dtype_name: Any, shape: Any, what: str) -> torch.dtype:
 def encode_block(key: str, namespace: str, depth: int, kv: torch.Tensor) -> tuple[bytes, memoryview]:
     """A block record of ``kv`` ``[layers, 2, H_kv, block_tokens, D]`` under ``key`` (``namespace``: the
     root of its chain, ``depth``: its index in the chain)."""
-    header = {"kind": "block", "key": key, "namespace": namespace, "depth": depth,
-              "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}
-    return encode(header, tensor_bytes(kv))
+    return encode(_block_header(key, namespace, depth, str(kv.dtype).removeprefix("torch."), kv.shape),
+                  tensor_bytes(kv))
+
+
+def _block_header(key: str, namespace: str, depth: int, dtype: str, shape: Sequence[int]) -> dict[str, Any]:
+    return {"kind": "block", "key": key, "namespace": namespace, "depth": depth, "dtype": dtype, "shape": list(shape)}
 
 
 def block_bytes(namespace: Namespace, depth: int = 0) -> int:
     """The bytes of the block record of ``namespace`` at ``depth`` that :func:`encode_block` writes (its header
     without building the payload): what a store must hold to keep that block."""
-    import torch
-
-    header = {"kind": "block", "key": namespace.root, "namespace": namespace.root, "depth": depth,
-              "dtype": namespace.dtype, "shape": list(namespace.block_shape)}  # a key is as long as a root
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    return PREFIX_BYTES + len(text) + math.prod(namespace.block_shape) * getattr(torch, namespace.dtype).itemsize
+    root = namespace.root  # a key is as long as a root
+    header = _block_header(root, root, depth, namespace.dtype, namespace.block_shape)
+    return PREFIX_BYTES + len(_header_text(header)) + _payload_bytes(namespace)
 
 
 def max_block_bytes(namespace: Namespace) -> int:
     """The most bytes a block record of ``namespace`` can have: reads of one are bounded by it, so a listed or
     served size beyond it is refused before anything is allocated."""
+    return PREFIX_BYTES + BLOCK_HEADER_BYTES + _payload_bytes(namespace)
+
+
+def _payload_bytes(namespace: Namespace) -> int:
+    """The K/V bytes of one block record of ``namespace``."""
     import torch
 
-    payload = math.prod(namespace.block_shape) * getattr(torch, namespace.dtype).itemsize
-    return PREFIX_BYTES + BLOCK_HEADER_BYTES + payload
+    return math.prod(namespace.block_shape) * getattr(torch, namespace.dtype).itemsize
 
 
 def decode_block(buffer: bytes | bytearray | memoryview, key: str | None = None,

@@ -25,7 +25,7 @@ import torch
 from tierkv.accel import DEVICE, HOST, HostOnly, backend, host_backend
 from tierkv.atomic import deferred_interrupts
 from tierkv.blocks import Tier
-from tierkv.errors import CapacityError, out_of_memory
+from tierkv.errors import memory_for
 from tierkv.layout import BlockLayout, SlotBytes
 from tierkv.staging import CHUNKS_PER_BUDGET  # chunks are at most 1/16 of the budget: staging can take them back
 from tierkv.tiers.base import Dest, Scratch, landing_pieces
@@ -60,20 +60,14 @@ class SlabPool(SlotPool):
     def add_chunk(self, slots: int) -> None:
         """Grow by a chunk of ``slots`` slots; CapacityError where the memory is not there although the budget
         allows it (the budget is a cap, the machine's memory the fact)."""
-        try:
+        budget = "gpu_gb" if self.space == DEVICE else "cpu_gb"
+        tier = "device" if self.space == DEVICE else "host"
+        with memory_for(f"the {tier} tier could not allocate {format_bytes(slots * self.slot_bytes)} more on "
+                        f"{self.device} although {budget} allows it", f"give a smaller {budget}"):
             if self.space == DEVICE:
                 chunk = self.accel.empty(slots * self.slot_bytes, self.device).view(slots, self.slot_bytes)
             else:
                 chunk = self.accel.host_empty((slots, self.slot_bytes), self.pin)
-        except (MemoryError, RuntimeError) as exc:  # torch's allocators raise RuntimeError (OutOfMemoryError: CUDA)
-            if not out_of_memory(exc):
-                raise
-            budget = "gpu_gb" if self.space == DEVICE else "cpu_gb"
-            raise CapacityError(
-                f"the {'device' if self.space == DEVICE else 'host'} tier could not allocate "
-                f"{format_bytes(slots * self.slot_bytes)} more on {self.device} although {budget} allows it: the "
-                "memory is not there (other processes, a ulimit -v, a container's memory limit); give a smaller "
-                f"{budget}.") from exc
         starts = np.append(self._starts, self.capacity)
         with deferred_interrupts():  # chunks, their starts and the slot ids change together
             self._starts = starts
