@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,28 @@ from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.memory import MemoryTier
 
 SLOT = 4096  # every test layout below fits one 4 KiB slot per block
+
+
+@contextlib.contextmanager
+def held_before(module: torch.nn.Module, call: int = 1) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Another thread's ``call``-th forward through ``module`` waits before it (the test's own thread passes):
+    ``(between, resume)``: set when it waits, and what lets it go (an unset ``resume`` lets it go after 60 s)."""
+    between, resume = threading.Event(), threading.Event()
+    main, calls = threading.get_ident(), [0]
+
+    def hold(*_: object) -> None:
+        if threading.get_ident() != main and not resume.is_set():
+            calls[0] += 1
+            if calls[0] == call:
+                between.set()
+                resume.wait(60)
+
+    hook = module.register_forward_pre_hook(hold)
+    try:
+        yield between, resume
+    finally:
+        resume.set()
+        hook.remove()
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import assert_same_generation, conversation_records, saves_while_generating
+from helpers import assert_same_generation, conversation_records, held_before, saves_while_generating
 from models import prompt
 from test_hf_architectures import SMALL, engage, instantiate
 from transformers import DynamicCache
@@ -232,28 +232,45 @@ def test_a_second_thread_is_refused_while_anothers_forward_is_between_state_laye
     model = hybrid("qwen3_next")
     ids, mask = prompt(1, 20, seed=29)
     reference = run(model, ids, mask, DynamicCache(config=model.config))
-    between, resume = threading.Event(), threading.Event()
-    main = threading.get_ident()
-
-    def hold(*_: object) -> None:
-        if threading.get_ident() != main and not resume.is_set():
-            between.set()
-            resume.wait(60)
-
     outputs: list = []
-    hook = model.model.layers[-1].register_forward_pre_hook(hold)
-    with tiered(model, tmp_path) as cache:
+    with tiered(model, tmp_path) as cache, held_before(model.model.layers[-1]) as (between, resume):
         worker = threading.Thread(target=lambda: outputs.append(run(model, ids, mask, cache)))
+        worker.start()
+        assert between.wait(60)
+        with pytest.raises(InvalidConfigError, match="another thread"), torch.no_grad():
+            model(ids[:, :5], past_key_values=cache)
+        resume.set()
+        worker.join(120)
+    assert outputs and torch.equal(outputs[0].sequences, reference.sequences)
+
+
+def test_a_reset_from_another_thread_between_state_layers_refuses_the_rest_of_that_forward(tmp_path):
+    """A server resets a hybrid cache while its request thread is held before the last layer of a decode step (a
+    linear-attention layer: its state is used in the model's code): the rest of that forward is refused, so it
+    neither reads the emptied state nor writes its step into the cache; the next request decodes as DynamicCache."""
+    model = hybrid("qwen3_next")
+    ids, mask = prompt(1, 20, seed=31)
+    errors: list = []
+
+    def request() -> None:
         try:
+            run(model, ids, mask, cache)
+        except InvalidConfigError as error:
+            errors.append(error)
+
+    with tiered(model, tmp_path) as cache:
+        with held_before(model.model.layers[-1], call=2) as (between, resume):  # the first decode step
+            worker = threading.Thread(target=request)
             worker.start()
             assert between.wait(60)
-            with pytest.raises(InvalidConfigError, match="another thread"), torch.no_grad():
-                model(ids[:, :5], past_key_values=cache)
+            cache.reset()
             resume.set()
             worker.join(120)
-        finally:
-            hook.remove()
-    assert outputs and torch.equal(outputs[0].sequences, reference.sequences)
+        assert len(errors) == 1 and "in the middle of this thread's forward" in str(errors[0])
+        assert not any(layer.furthest() for layer in cache.holding)
+        other, other_mask = prompt(1, 12, seed=32)
+        reference = run(model, other, other_mask, DynamicCache(config=model.config))
+        assert torch.equal(run(model, other, other_mask, cache).sequences, reference.sequences)
 
 
 @pytest.mark.parametrize(("model_type", "overrides"), [

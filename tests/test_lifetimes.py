@@ -18,6 +18,7 @@ import weakref
 import psutil
 import pytest
 import torch
+from helpers import held_before
 from models import small_llama
 from transformers import DynamicCache
 
@@ -239,6 +240,31 @@ def test_a_dropped_cache_used_by_a_real_model_is_released(model, tmp_path):
 
 
 
+def test_a_reset_from_another_thread_mid_forward_refuses_the_rest_of_that_forward(model, tmp_path):
+    """A server resets a cache while its request thread is between two layers of a decode step: the reset goes
+    ahead, and the request's forward is refused the layers it had not reached (they would attend a cache that no
+    longer holds its sequence: wrong logits, and their step written into the emptied cache, where the next request
+    found layers of unequal length and a misleading "stopped part-way" error). The cache is left empty, and the
+    next request decodes as DynamicCache does."""
+    ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    cache = TieredCache(gpu_gb="120KB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=16, config=model.config)
+    with held_before(model.model.layers[-1], call=2) as (between, resume):  # the first decode step
+        worker, outputs, errors = _decoding(model, ids, cache, 4)
+        assert between.wait(60)
+        cache.reset()
+        resume.set()
+        worker.join(120)
+    assert not outputs and len(errors) == 1 and isinstance(errors[0], InvalidConfigError), errors
+    assert "in the middle of this thread's forward" in str(errors[0])
+    assert [layer.get_seq_length() for layer in cache.layers] == [0] * len(cache.layers)  # nothing of the cut step
+    other = torch.randint(2, 128, (1, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model.generate(other, past_key_values=DynamicCache(), max_new_tokens=6, do_sample=False)
+        assert torch.equal(model.generate(other, past_key_values=cache, max_new_tokens=6, do_sample=False), expected)
+    cache.store.check()
+    cache.close()
+
+
 def _decoding(model, ids: torch.Tensor, cache: TieredCache, new: int, start: threading.Barrier | None = None,
               ) -> tuple[threading.Thread, list[torch.Tensor], list[BaseException]]:
     """A started thread that generates ``new`` tokens after ``ids`` with ``cache`` (after ``start``, if given), and
@@ -293,16 +319,7 @@ def test_a_second_thread_is_refused_while_anothers_forward_is_half_done(model, t
     with torch.no_grad():
         reference = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=8, do_sample=False)
     cache = TieredCache(gpu_gb="120KB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=16, config=model.config)
-    between, resume = threading.Event(), threading.Event()
-    main = threading.get_ident()
-
-    def hold(*_: object) -> None:  # the request thread's first forward waits before its last layer
-        if threading.get_ident() != main and not resume.is_set():
-            between.set()
-            resume.wait(60)
-
-    hook = model.model.layers[-1].register_forward_pre_hook(hold)
-    try:
+    with held_before(model.model.layers[-1]) as (between, resume):  # the request's first forward, before its last layer
         worker, outputs, errors = _decoding(model, ids, cache, 8)
         assert between.wait(60)
         held = cache.get_seq_length()
@@ -311,8 +328,6 @@ def test_a_second_thread_is_refused_while_anothers_forward_is_half_done(model, t
         assert cache.get_seq_length() == held  # nothing of the refused step stored
         resume.set()
         worker.join(120)
-    finally:
-        hook.remove()
     assert not errors and torch.equal(outputs[0], reference)
     cache.store.check()
     cache.close()

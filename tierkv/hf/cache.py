@@ -299,6 +299,9 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
             except BaseException:
                 self._take_back_part()
                 raise
+            if self.forward.cut is not None and not self.stateful:  # (a stateful cache checks in enter)
+                layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+                self.forward.refuse_cut(beginning=isinstance(layer, TieredLayer) and layer.index == 0)
             if not 0 <= layer_idx < len(self.layers):
                 try:
                     self._add_layers(layer_idx)
@@ -402,6 +405,8 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                 forward.claim(self.uses_per_forward())
             if forward.unsettled is not None:
                 forward.settle(self.holding, self.runtime)
+            if forward.cut is not None:
+                forward.refuse_cut(beginning=(layer.position, call, state_idx) == forward.cut[1])
             if forward.entered(layer.position, call, state_idx):
                 if self.using.holder is not None or self.using.asking:  # (as in update)
                     self.using.wait_turn(starting=not forward.stopped_here(self.uses_per_forward()))
@@ -471,8 +476,12 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                 self.forward.reset()  # empty again, as after reset(): its next forward is a first one
 
     def reset(self) -> None:
+        """Empty the cache for an unrelated prompt. From another thread while that thread's forward is half done: the
+        rest of that forward is refused (:meth:`Forward.cut_off`), so it neither attends nor writes the emptied cache
+        (crops and batch edits are refused there instead: they would roll back a forward still running)."""
         with self.using:
             self.using.wait_turn()
+            self.forward.cut_off(self.uses_per_forward())
             self.edits += 1
             if self.session is not None:
                 self.session.collect(self)

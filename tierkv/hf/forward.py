@@ -61,6 +61,8 @@ class Forward:
         self.tokens: int | None = None  # what its first K/V update appended (every one appends as many)
         self.may_repeat = False  # it began at a second update of layer 0: maybe an encoder-decoder's cross-attention
         self.announced = False  # a forward's mask was sized since the last update (a new forward began)
+        # a thread whose forward a reset from another thread cut in half, and that forward's first use (see cut_off)
+        self.cut: tuple[int, tuple[int, str, int] | None] | None = None
 
     def entered(self, position: int, call: str, state_idx: int) -> bool:
         """Whether this use of model layer ``position`` begins a forward: a model runs its layers in order, so a
@@ -91,6 +93,26 @@ class Forward:
                 "concurrent request (thread) its own TieredCache, or wait for the other's forward to finish; a "
                 "forward stopped there is taken back by that thread's next forward (or cache.reset() from any).")
         self.thread = threading.get_ident()
+
+    def cut_off(self, layers: int | None) -> None:
+        """A ``reset()`` on this thread while another live thread's forward is half done: that forward's later layers
+        would attend a cache that no longer holds its sequence, and write their step into it, so that thread's next
+        use is refused unless it begins a new forward (:meth:`refuse_cut`)."""
+        if self.elsewhere(layers):
+            self.cut = (self.thread, self.first) if self.thread is not None else None
+
+    def refuse_cut(self, beginning: bool) -> None:
+        """A use of the cache on this thread: refused where a reset from another thread cut this thread's forward
+        in half and this use continues that forward (``beginning`` False); a new forward goes on."""
+        if self.cut is None or self.cut[0] != threading.get_ident():
+            return
+        self.cut = None
+        if not beginning:
+            raise InvalidConfigError(
+                "another thread reset this TieredCache in the middle of this thread's forward: "
+                "the layers the forward had not reached would attend a cache that no longer holds its sequence, so "
+                "the rest of the forward is refused (nothing of it is stored). Run the request again; to end a "
+                "generate() early, stop it with a StoppingCriteria and edit the cache once generate() has returned.")
 
     def half_done(self, layers: int | None) -> bool:
         """Whether the last forward is half done (running, or stopped part-way by an error)."""
