@@ -44,6 +44,18 @@ def in_threads(*jobs):
         raise errors[0]
 
 
+def waits_for_the_forward(action, resume: threading.Event) -> None:
+    """Run ``action`` on a thread of its own while another thread's forward is held; it must wait for that forward
+    (``resume`` lets the forward go on), then finish."""
+    done = threading.Event()
+    acting = threading.Thread(target=lambda: (action(), done.set()))
+    acting.start()
+    assert not done.wait(0.5)  # waits for the forward in progress
+    resume.set()
+    assert done.wait(120)
+    acting.join(120)
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_another_threads_forwards_run_the_models_own_attention(tmp_path, attn):
     model = tiny_model("llama", attn)
@@ -184,7 +196,7 @@ def test_leaving_the_block_while_its_generate_thread_is_mid_forward_waits_for_th
     model = tiny_model("llama")
     ids, mask = prompt(1, 30, seed=9)
     reference = run(model, ids, mask, DynamicCache())
-    forwards, paused, resume, left = [0], threading.Event(), threading.Event(), threading.Event()
+    forwards, paused, resume = [0], threading.Event(), threading.Event()
 
     def pause_in_the_third_decode_step(module, args):
         forwards[0] += 1
@@ -201,15 +213,38 @@ def test_leaving_the_block_while_its_generate_thread_is_mid_forward_waits_for_th
             generating = threading.Thread(target=lambda: outputs.update(got=run(model, ids, mask, cache)))
             generating.start()
             assert paused.wait(120)
-            leaving = threading.Thread(target=lambda: (block.__exit__(None, None, None), left.set()))
-            leaving.start()
-            assert not left.wait(0.5)  # waits for the forward in progress
-            resume.set()
-            assert left.wait(120)
+            waits_for_the_forward(lambda: block.__exit__(None, None, None), resume)
             generating.join(120)
-            leaving.join(120)
     finally:
         hook.remove()
         resume.set()
+    assert_same_generation(outputs["got"], reference, atol=1e-4)
+    assert torch.equal(outputs["got"].sequences, reference.sequences)
+
+
+@pytest.mark.parametrize("held", [0, 1], ids=["before the first layer", "mid-forward"])
+@pytest.mark.parametrize("mode", ["split", "streaming"])
+def test_entering_the_block_while_another_threads_generate_is_in_a_forward_waits_for_it(tmp_path, held, mode):
+    """A thread enters ``with cache.split/streaming(model)`` while the cache's generate thread is in a decode step
+    (mid-forward, or past its mask and positions but before its first layer). Entering waits for that forward, and
+    the switch of executors and of the model's attention happens between two forwards, so the next forward builds
+    its mask for the attention it runs: it was refused ("built no attention mask") when the switch landed between its
+    mask and its first layer. The generation equals DynamicCache's."""
+    import torch
+    from helpers import held_before
+
+    model = tiny_model("llama")
+    ids, mask = prompt(1, 30, seed=10)
+    reference = run(model, ids, mask, DynamicCache())
+    outputs = {}
+    with TieredCache(gpu_gb="1MB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=4) as cache:
+        block = getattr(cache, mode)(model, chunk_tokens=8)
+        with held_before(model.model.layers[held], call=2) as (between, resume):  # the first decode step
+            generating = threading.Thread(target=lambda: outputs.update(got=run(model, ids, mask, cache)))
+            generating.start()
+            assert between.wait(120)
+            waits_for_the_forward(block.__enter__, resume)
+            generating.join(120)
+        block.__exit__(None, None, None)
     assert_same_generation(outputs["got"], reference, atol=1e-4)
     assert torch.equal(outputs["got"].sequences, reference.sequences)

@@ -244,10 +244,12 @@ def test_a_second_thread_is_refused_while_anothers_forward_is_between_state_laye
     assert outputs and torch.equal(outputs[0].sequences, reference.sequences)
 
 
-def test_a_reset_from_another_thread_between_state_layers_refuses_the_rest_of_that_forward(tmp_path):
-    """A server resets a hybrid cache while its request thread is held before the last layer of a decode step (a
-    linear-attention layer: its state is used in the model's code): the rest of that forward is refused, so it
-    neither reads the emptied state nor writes its step into the cache; the next request decodes as DynamicCache."""
+@pytest.mark.parametrize("held", [0, -1])
+def test_a_reset_from_another_thread_between_state_layers_refuses_the_rest_of_that_forward(tmp_path, held):
+    """A server resets a hybrid cache while its request thread is held before a layer of a decode step (a
+    linear-attention layer, whose state is used in the model's code: the first, after the step took its positions
+    and mask from the cache, or the last): the rest of that forward is refused, so it neither reads the emptied
+    state nor writes its step into the cache; the next request decodes as DynamicCache."""
     model = hybrid("qwen3_next")
     ids, mask = prompt(1, 20, seed=31)
     errors: list = []
@@ -259,14 +261,15 @@ def test_a_reset_from_another_thread_between_state_layers_refuses_the_rest_of_th
             errors.append(error)
 
     with tiered(model, tmp_path) as cache:
-        with held_before(model.model.layers[-1], call=2) as (between, resume):  # the first decode step
+        with held_before(model.model.layers[held], call=2) as (between, resume):  # the first decode step
             worker = threading.Thread(target=request)
             worker.start()
             assert between.wait(60)
             cache.reset()
             resume.set()
             worker.join(120)
-        assert len(errors) == 1 and "in the middle of this thread's forward" in str(errors[0])
+        assert len(errors) == 1 and ("before its first layer" if held == 0 else "in the middle of this thread's "
+                                     "forward") in str(errors[0]), errors
         assert not any(layer.furthest() for layer in cache.holding)
         other, other_mask = prompt(1, 12, seed=32)
         reference = run(model, other, other_mask, DynamicCache(config=model.config))

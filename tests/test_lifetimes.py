@@ -265,6 +265,40 @@ def test_a_reset_from_another_thread_mid_forward_refuses_the_rest_of_that_forwar
     cache.close()
 
 
+@pytest.mark.parametrize("edit", ["reset", "crop", "reorder", "load_prefix"])
+def test_an_edit_from_another_thread_before_a_forwards_first_layer_refuses_that_forward(model, tmp_path, edit):
+    """Another thread edits the cache after a decode step took its positions and sized its mask from it, before its
+    first layer (no layer is half done, so the edit goes ahead): the step is refused with the reason (it attended the
+    edited cache: wrong tokens, or a raw shape error and layers of unequal length), the cache stays consistent, and
+    the next request decodes as DynamicCache does."""
+    ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(4))
+    cache = TieredCache(gpu_gb="120KB", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=16, config=model.config,
+                        persist=edit == "load_prefix")
+    edits = {"reset": cache.reset, "crop": lambda: cache.crop(-1), "reorder": lambda: cache.reorder_cache([0]),
+             "load_prefix": lambda: cache.load_prefix(model, ids)}
+    if edit == "load_prefix":  # the prompt persisted by an earlier request, loaded before the prefill's layer 0
+        cache.load_prefix(model, ids)  # (nothing yet: it records the ids, so their blocks are persisted)
+        with torch.no_grad():
+            model.generate(ids, past_key_values=cache, max_new_tokens=1)
+        cache.flush()
+        cache.reset()
+    with held_before(model.model.layers[0], call=1 if edit == "load_prefix" else 2) as (between, resume):
+        worker, outputs, errors = _decoding(model, ids, cache, 4)
+        assert between.wait(60)
+        edits[edit]()
+        resume.set()
+        worker.join(120)
+    assert not outputs and len(errors) == 1 and "before its first layer" in str(errors[0]), errors
+    assert len({layer.get_seq_length() for layer in cache.layers}) == 1
+    cache.store.check()
+    cache.reset()
+    other = torch.randint(2, 128, (1, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model.generate(other, past_key_values=DynamicCache(), max_new_tokens=6, do_sample=False)
+        assert torch.equal(model.generate(other, past_key_values=cache, max_new_tokens=6, do_sample=False), expected)
+    cache.close()
+
+
 def _decoding(model, ids: torch.Tensor, cache: TieredCache, new: int, start: threading.Barrier | None = None,
               ) -> tuple[threading.Thread, list[torch.Tensor], list[BaseException]]:
     """A started thread that generates ``new`` tokens after ``ids`` with ``cache`` (after ``start``, if given), and

@@ -24,6 +24,7 @@ import torch
 from tierkv import forks
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import InvalidConfigError, TierKVError
+from tierkv.hf.forward import alive
 from tierkv.hf.runtime import Mode
 from tierkv.hf.sizing import check_chunk_tokens, kv_producers
 from tierkv.hf.turn import turn
@@ -155,6 +156,7 @@ class Engagement:
         self.entered = False
         self.modules: list[Any] = []
         self.held = 0  # times counted on the model (_HELD): entered and not yet left
+        self.thread = threading.get_ident()  # the thread that made it: its own forwards are refused until it enters
         cache.unentered = self
 
     def __enter__(self) -> TieredCache:
@@ -168,13 +170,15 @@ class Engagement:
             raise InvalidConfigError(self._not_an_interface())
         if kv_producers(self.model.config):
             raise InvalidConfigError(self._reuses_kv())
-        with turn(cache, _ENTER_FIX), cache.using:  # between two forwards: another thread's may be decoding
+        # between two forwards (another thread's may be decoding), the executors and the model's attention switch
+        # together: a forward sizes its mask after the switch, or has attended before it
+        with turn(cache, _ENTER_FIX), cache.using:
             cache.runtime.push(self.mode)  # exact-gather staging is released: the new mode may need all the budget
-        try:  # every change to the user's model happens inside the try, so a failure undoes all of it
-            self._hold()
-        except BaseException:
-            self._restore()
-            raise
+            try:  # every change to the user's model happens inside the try, so a failure undoes all of it
+                self._hold()
+            except BaseException:
+                cache.runtime.pop()
+                raise
         return cache
 
     def __exit__(self, *exc_info: object) -> None:
@@ -251,14 +255,19 @@ class Engagement:
 
     def _restore(self) -> None:
         with deferred_interrupts():  # a Ctrl-C while leaving waits until the model is the user's again
-            try:
-                cache = self.cache
-                with turn(cache, fix=None), cache.using:  # a generate thread (a streamer's) may be mid-forward
+            cache = self.cache
+            with turn(cache, fix=None), cache.using:  # a generate thread (a streamer's) may be mid-forward
+                try:
                     cache.runtime.pop()
-            finally:  # the model is restored even if the executors' bookkeeping fails
-                if self.held:
-                    self.held -= 1
-                    self._release()
+                finally:  # the model is restored even if the executors' bookkeeping fails
+                    if self.held:
+                        self.held -= 1
+                        self._release()
+
+    def made_here(self) -> bool:
+        """Whether a forward on this thread meets the engagement unentered: one made on this thread (or on one that
+        ended without entering it); another live thread's may be entering it now, which waits for the forward."""
+        return self.thread == threading.get_ident() or not alive(self.thread)
 
     def refuse(self) -> None:
         """The cache is used without this engagement having been entered: say so (once)."""

@@ -287,7 +287,8 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         with self.using:
             guard = self.using
-            if (guard.holder is not None or guard.asking) and layer_idx == 0 and not self.stateful:
+            if (guard.holder is not None or guard.asking) and layer_idx == 0 and not self.stateful \
+                    and not self.forward.sized_here():
                 # not while another thread's save holds the turn or asks for it (unless it waits for this one)
                 guard.wait_turn(starting=not self.forward.stopped_here(self.uses_per_forward()))
             if self.forward.thread != threading.get_ident():  # (the same thread's updates: no call)
@@ -299,9 +300,13 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
             except BaseException:
                 self._take_back_part()
                 raise
-            if self.forward.cut is not None and not self.stateful:  # (a stateful cache checks in enter)
+            if not self.stateful:  # (a stateful cache checks in enter: its forwards may begin at a state layer)
                 layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
-                self.forward.refuse_cut(beginning=isinstance(layer, TieredLayer) and layer.index == 0)
+                beginning = isinstance(layer, TieredLayer) and layer.index == 0
+                if self.forward.cut is not None:
+                    self.forward.refuse_cut(beginning)
+                if beginning and self.forward.sized is not None and not self.closed:  # (closed: said as such)
+                    self.forward.refuse_changed_since_sized(self.edits, self.get_seq_length())
             if not 0 <= layer_idx < len(self.layers):
                 try:
                     self._add_layers(layer_idx)
@@ -343,7 +348,20 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
         """The cache length a forward's mask starts from: asked as the forward begins, before its first update (a
         model's own attention asks ``get_seq_length`` at every layer, so that cannot tell; :meth:`Forward.begin`)."""
         self.forward.announced = True
-        return super().get_query_offset(layer_idx)
+        offset = super().get_query_offset(layer_idx)
+        self.note_sized()
+        return offset
+
+    def note_sized(self) -> None:
+        """A forward sizes its mask from the cache as it is now (its positions were taken just before): first it gives
+        way to another thread's save or executor switch that holds or asks for the turn (the mask and the attention
+        must be the same kind), then it counts as begun, and its first update checks that no other thread changed the
+        cache in between (:meth:`Forward.refuse_changed_since_sized`)."""
+        with self.using:
+            guard, forward = self.using, self.forward
+            if (guard.holder is not None or guard.asking) and not forward.sized_here():
+                guard.wait_turn(starting=not forward.stopped_here(self.uses_per_forward()))
+            forward.sized = (threading.get_ident(), self.edits, self.get_seq_length())
 
     @property
     def records_past(self) -> bool:
@@ -407,8 +425,11 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                 forward.settle(self.holding, self.runtime)
             if forward.cut is not None:
                 forward.refuse_cut(beginning=(layer.position, call, state_idx) == forward.cut[1])
+            sized_here = forward.sized_here()
+            if forward.sized is not None and not self.closed and forward.begins(layer.position, call, state_idx):
+                forward.refuse_changed_since_sized(self.edits, self.get_seq_length())
             if forward.entered(layer.position, call, state_idx):
-                if self.using.holder is not None or self.using.asking:  # (as in update)
+                if (self.using.holder is not None or self.using.asking) and not sized_here:  # (as in update)
                     self.using.wait_turn(starting=not forward.stopped_here(self.uses_per_forward()))
                 self.begin_forward()
             if isinstance(layer, StateLayer) and layer.touch(forward.number):
@@ -716,7 +737,7 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
             raise closed_error()
         self.edits += 1
         self.fully_masked.forget()
-        if self.unentered is not None:
+        if self.unentered is not None and self.unentered.made_here():
             engagement, self.unentered = self.unentered, None
             engagement.refuse()
         self.forward.begin(self.holding, self.runtime, self.uses_per_forward())

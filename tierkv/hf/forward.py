@@ -63,18 +63,38 @@ class Forward:
         self.announced = False  # a forward's mask was sized since the last update (a new forward began)
         # a thread whose forward a reset from another thread cut in half, and that forward's first use (see cut_off)
         self.cut: tuple[int, tuple[int, str, int] | None] | None = None
+        # (thread, the cache's edits, its length) as a forward sized its mask from it, until that forward's first update
+        self.sized: tuple[int, int, int] | None = None
 
     def entered(self, position: int, call: str, state_idx: int) -> bool:
         """Whether this use of model layer ``position`` begins a forward: a model runs its layers in order, so a
         forward begins where a layer before the last one used is used again, or the current forward's first use
         comes again."""
         use = (position, call, state_idx)
-        new = self.first is None or position < self.last or use == self.first
+        new = self.begins(position, call, state_idx)
         if new:
             self.first = use
             self.number += 1
         self.last = position
         return new
+
+    def begins(self, position: int, call: str, state_idx: int) -> bool:
+        """Whether this use of model layer ``position`` would begin a forward (:meth:`entered`, which records it)."""
+        return self.first is None or position < self.last or (position, call, state_idx) == self.first
+
+    def refuse_changed_since_sized(self, edits: int, length: int) -> None:
+        """A forward's first update on this thread: refused where another thread edited the cache (a reset, crop,
+        batch edit or loaded prefix) or stepped it after this forward took its positions and sized its mask from it
+        (``edits`` and ``length``: the cache's now) — its layers would attend a sequence the cache no longer holds."""
+        sized, self.sized = self.sized, None
+        if sized is None or sized[0] != threading.get_ident() or sized[1:] == (edits, length):
+            return
+        raise InvalidConfigError(
+            f"another thread changed this TieredCache (a reset, crop, batch edit, loaded prefix or forward: {sized[2]} "
+            f"tokens then, {length} now) after this thread's forward took its positions and mask from it, before its "
+            "first layer: the forward would attend a sequence the cache no longer holds, so it is refused (nothing of "
+            "it is stored). Run the request again; edit a cache from another thread only once its generate() has "
+            "returned.")
 
     def reset(self) -> None:
         """The cache was emptied: the next use begins a forward of its own."""
@@ -133,6 +153,17 @@ class Forward:
         """Whether a forward of another thread, which is still alive, is half done."""
         return self.thread != threading.get_ident() and self.half_done(layers) and self.thread is not None \
             and alive(self.thread)
+
+    def begun_elsewhere(self, layers: int | None) -> bool:
+        """Whether a forward of another live thread is half done, or has sized its mask from the cache and not yet
+        reached its first layer (it attends as the cache was then: nothing may switch under it)."""
+        sized = self.sized
+        return self.elsewhere(layers) or (sized is not None and sized[0] != threading.get_ident() and alive(sized[0]))
+
+    def sized_here(self) -> bool:
+        """Whether this thread's forward has sized its mask and not yet reached its first layer (it gave way to a
+        thread asking for the turn then: it does not again at its first layer)."""
+        return self.sized is not None and self.sized[0] == threading.get_ident()
 
     def stopped_here(self, layers: int | None) -> bool:
         """Whether a forward of this thread stopped half done: this thread's next forward takes it back, which no

@@ -412,6 +412,7 @@ class TieredLayer(OfCache, CacheLayerMixin):
         cache.sized_at = masks_built()  # a forward's mask begins (see hand_over)
         cache.forward.announced = True  # (Forward.begin)
         length = self.get_seq_length()
+        cache.note_sized()
         if query_length == 0 and length and cache.settle_stopped():  # generate() sliced the ids by a stopped length
             raise InterruptedStepError(
                 f"the previous forward stopped part-way (a Ctrl-C or an error in the model between layers), so this "

@@ -74,7 +74,7 @@ def _asking(cache: TieredCache) -> Iterator[None]:
 
 def _take_turn(cache: TieredCache) -> bool:
     with cache.using:
-        return cache.using.take_turn(cache.forward.elsewhere(cache.uses_per_forward()))
+        return cache.using.take_turn(cache.forward.begun_elsewhere(cache.uses_per_forward()))
 
 
 def _refusal(fix: str) -> InvalidConfigError:
