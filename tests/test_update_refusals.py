@@ -180,8 +180,8 @@ def test_save_and_load_take_the_model_and_a_device(model, tmp_path):
         cache.save(path, model)
     with pytest.raises(InvalidConfigError, match="load\\(\\) takes model= as the torch model itself"):
         TieredCache.load(path, model.config)
-    for device in ("meta", "no-such-device", 5):
-        with pytest.raises(InvalidConfigError, match="load\\(\\) takes device="):
+    for device in ("meta", "no-such-device", 5, f"cuda:{torch.cuda.device_count()}", torch.device("cuda", 99)):
+        with pytest.raises(InvalidConfigError, match="load\\(\\) takes device="):  # (a GPU it lacks: raw errors)
             TieredCache.load(path, model, device=device, gpu_gb="1MB")
     with TieredCache.load(path, model, gpu_gb="1MB") as loaded:
         reference = DynamicCache()

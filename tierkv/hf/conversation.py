@@ -99,6 +99,12 @@ def _check_device(device: object) -> None:
     if kind is None or kind == "meta":
         raise InvalidConfigError(f"load() takes device= as a device the K/V is held on ('cpu', 'cuda', 'cuda:1' or a "
                                  f"torch.device; None: the model's), got {device!r}.")
+    if kind == "cuda":  # a CUDA build of torch parses 5 as cuda:5 on any host
+        index, count = torch.device(device).index or 0, torch.cuda.device_count()  # type: ignore[call-overload]
+        if index >= count:
+            raise InvalidConfigError(f"load() takes device= as a device the K/V is held on, got {device!r}, but this "
+                                     f"torch sees {count} CUDA GPU{'' if count == 1 else 's'}: give a GPU it sees, "
+                                     "'cpu', or None (the model's device).")
 
 
 def _layer_kinds(model: torch.nn.Module) -> list[sizing.LayerKind | None]:
