@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,8 +50,12 @@ def test_readme_plan_says_sparse_does_not_fit_and_the_way_out(tmp_path, capsys):
     data, printed = _plan_json(tmp_path, capsys, *argv)
     assert not _sparse(data)["fits"] and "--sparse-rest-bits 0" in _sparse(data)["reason"]
     assert "better choice" not in printed
+    enough = re.search(r"--sparse-rest-bits 0 \(.*--gpu-gb (\d+) is enough", _sparse(data)["reason"])
+    assert enough, _sparse(data)["reason"]
     data, _ = _plan_json(tmp_path, capsys, *argv, "--sparse-rest-bits", "0")
-    assert _sparse(data)["fits"]
+    assert not _sparse(data)["fits"]  # 20 GB: still short of the selection, its summaries and the open blocks
+    data, _ = _plan_json(tmp_path, capsys, *[a if a != "20" else enough[1] for a in argv], "--sparse-rest-bits", "0")
+    assert _sparse(data)["fits"]  # the budget the advice names
 
 
 # #7: one grammar for a sparse budget

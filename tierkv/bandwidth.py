@@ -272,7 +272,7 @@ class LinkProfile:
             return self.links[key]
         except KeyError:
             raise InvalidConfigError(
-                f"the link profile has no {key!r} link (it has: {', '.join(self.links) or 'none'}); "
+                f"the link profile has no '{key}' link (it has: {', '.join(self.links) or 'none'}); "
                 "measure it with `tierkv bench` or start from LinkProfile.from_presets()."
             ) from None
 
@@ -863,6 +863,24 @@ def min_prefetch_depth(
         if predict_step(placement, links, depth, read_ahead=read_ahead).step_s <= best * (1.0 + tolerance):
             return depth
     return limit
+
+
+MAX_MEMORY_LATENCY_S = 1e-3
+"""The most one copy within memory or across PCIe costs besides its bytes in a plan: a memcpy or a DMA starts in
+microseconds, so a larger fitted latency is a busy host's noise (``tierkv bench`` fitting time other work took),
+which a plan would multiply by every layer and chunk of a step."""
+DISK_LINKS = (LinkName.DISK_TO_HOST, LinkName.HOST_TO_DISK)
+
+
+def capped_latencies(profile: LinkProfile) -> tuple[LinkProfile, list[str]]:
+    """``profile`` with each memory or PCIe link's latency capped at :data:`MAX_MEMORY_LATENCY_S` (a disk's may be
+    milliseconds), and a line for each link capped."""
+    capped = {key: dataclasses.replace(link, latency_s=MAX_MEMORY_LATENCY_S) for key, link in profile.links.items()
+              if key not in DISK_LINKS and link.latency_s > MAX_MEMORY_LATENCY_S}
+    lines = [f"the profile's {key} latency {profile.links[key].latency_s * 1e3:.3g} ms per copy is more than any copy "
+             f"within memory or across PCIe takes (a busy host while tierkv bench ran); planned with "
+             f"{MAX_MEMORY_LATENCY_S * 1e3:g} ms" for key in capped]
+    return (profile.replace(**capped) if capped else profile), lines
 
 
 def _check_plausible(links: dict[str, Link], attention: HostAttention | None, overhead: float) -> None:

@@ -94,7 +94,8 @@ class ModelSpec:
         return self.layers * self.kv_bytes_per_token_per_layer
 
     def tokens_held(self, layer: int, context: int) -> int:
-        """Tokens of KV that ``layer`` holds at ``context``: the sliding layers come first in this count."""
+        """Tokens of KV that ``layer`` holds while decoding at ``context``: the sliding layers come first in this
+        count. The prefill holds more: :meth:`prefill_kv_bytes`."""
         if layer < self.sliding_layers and self.sliding_window is not None:
             return min(context, self.sliding_window)
         return context
@@ -103,6 +104,12 @@ class ModelSpec:
         """Total KV bytes of ``batch`` sequences of ``context`` tokens."""
         tokens = sum(self.tokens_held(layer, context) for layer in range(self.layers))
         return batch * tokens * self.kv_bytes_per_token_per_layer
+
+    def prefill_kv_bytes(self, context: int, batch: int = 1) -> int:
+        """KV bytes the tiers hold at the end of a one-shot prefill of ``context`` tokens: every layer keeps the
+        whole prompt until the first decode step (a sliding layer drops the blocks that left its window only once
+        the step after them is committed, as a rollback may still need them: :mod:`tierkv.hf.layer`)."""
+        return batch * context * self.kv_bytes_per_token
 
     @property
     def params_per_layer(self) -> int:

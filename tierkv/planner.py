@@ -34,6 +34,7 @@ from tierkv.bandwidth import (
     LinkProfile,
     Placement,
     StepForecast,
+    capped_latencies,
     predict_split_step,
     predict_step,
 )
@@ -42,24 +43,32 @@ from tierkv.model_presets import ModelSpec, resolve_model
 from tierkv.settings import DIRECT_IO_ALIGN
 from tierkv.staging import (
     DEFAULT_REST_BITS,
+    GROWTH,
     MAX_PREFETCH_DEPTH,
     REST_BITS,
+    SLOT_ALIGN,
     default_page_tokens,
+    device_minimum,
+    gather_capacity,
     gather_staging_bytes,
+    landed_device_minimum,
+    open_tail_bytes,
     rest_copy_bytes,
-    round_to_blocks,
+    sparse_budget_tokens,
     split_device_minimum,
     split_staging_bytes,
     streaming_staging_bytes,
     summary_element_size,
+    summary_table_rows,
 )
 from tierkv.stats import default_profile
 from tierkv.units import format_bytes, format_gb, format_size_option, parse_size, parse_tokens, plural
 from tierkv.vocabulary import CLI_EXECUTORS, PLAN_EXECUTORS, LinkName
 
 __all__ = ["DEVICES", "DeviceSpec", "ExecutorOption", "HostAttentionRate", "Plan", "PlanRequest", "TierBytes", "WhatIf",
-           "build_request", "compare_executors", "fastest_advice", "host_attention_rate", "parse_tokens", "plan",
-           "sparse_advice", "sparse_what_if", "split_min_device_bytes", "split_what_if", "what_ifs"]
+           "build_request", "compare_executors", "fastest_advice", "host_attention_rate", "min_device_bytes",
+           "parse_tokens", "plan", "sparse_advice", "sparse_what_if", "split_min_device_bytes", "split_what_if",
+           "what_ifs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +122,17 @@ GPU_KEY = "gpu"
 """Key of a :class:`LinkProfile`'s ``machine`` that names the measured host's GPU (``"none"`` on a CPU-only host)."""
 
 
+MEMCPY_TRAFFIC = 2
+"""Bytes a memcpy moves over the memory bus per byte copied (it reads each byte and writes it): memory read
+bandwidth is this times the ``host->host`` memcpy rate."""
+
+
 def cpu_device(profile: LinkProfile | None = None) -> DeviceSpec:
-    """The CPU as the compute device: memory bandwidth from ``profile``'s ``host->host`` link and FLOP/s from
-    its ``machine["compute_flops"]`` where a ``tierkv bench`` profile measured them, else :data:`CPU_PRESET`."""
+    """The CPU as the compute device: where a ``tierkv bench`` profile measured them, memory read bandwidth from its
+    ``host->host`` memcpy rate (:data:`MEMCPY_TRAFFIC` times it) and FLOP/s from its ``machine["compute_flops"]``
+    (a matmul's achieved rate). Rates measured on this host are reached, not peaks, so the roofline takes them at
+    efficiency 1, and one not measured as :data:`CPU_PRESET` reaches it (its peak times its efficiency). Neither
+    measured: :data:`CPU_PRESET` itself."""
     if profile is None:
         return CPU_PRESET
     memcpy = profile.links.get(LinkName.HOST_TO_HOST)
@@ -123,11 +140,13 @@ def cpu_device(profile: LinkProfile | None = None) -> DeviceSpec:
         flops = float(profile.machine.get(COMPUTE_FLOPS_KEY, ""))
     except ValueError:
         flops = 0.0
-    bandwidth = memcpy.bandwidth_bytes_per_s if memcpy is not None else 0.0
+    bandwidth = MEMCPY_TRAFFIC * memcpy.bandwidth_bytes_per_s if memcpy is not None else 0.0
     if bandwidth <= 0 and flops <= 0:
         return CPU_PRESET
-    return DeviceSpec("cpu, measured", bandwidth if bandwidth > 0 else CPU_PRESET.memory_bandwidth_bytes_per_s,
-                      flops if flops > 0 else CPU_PRESET.peak_flops, CPU_PRESET.efficiency)
+    reached = CPU_PRESET.efficiency
+    return DeviceSpec("cpu, measured",
+                      bandwidth if bandwidth > 0 else CPU_PRESET.memory_bandwidth_bytes_per_s * reached,
+                      flops if flops > 0 else CPU_PRESET.peak_flops * reached, efficiency=1.0)
 
 
 def resolve_device(name: str, profile: LinkProfile | None = None) -> DeviceSpec:
@@ -254,6 +273,7 @@ class PlanRequest:
     block_tokens: int = PLAN_BLOCK_TOKENS  # staging is whole blocks (TieredCache's default block)
     host_cores: int | None = None  # split, GPU-host presets: the host's cores (host_attention_rate)
     host_dram_bytes_per_s: float | None = None  # ... and its DRAM read bandwidth
+    notes: tuple[str, ...] = ()  # what was changed in the inputs to plan with them (a busy host's latencies capped)
 
     def __post_init__(self) -> None:
         if self.executor not in PLANNED:
@@ -323,6 +343,7 @@ class Plan:
     compute_s_per_step: float
     forecast: StepForecast
     host_attention: HostAttentionRate | None = None  # split: the rate its host share was priced at
+    notes: tuple[str, ...] = ()  # what the numbers above do not show (the prefill's peak, a capped latency)
 
     @property
     def tokens_per_s(self) -> float:
@@ -445,52 +466,100 @@ def _lm_head_s(model: ModelSpec, batch: int, device: DeviceSpec) -> float:
     )
 
 
+def _slot_bytes(req: PlanRequest) -> int:
+    """Bytes of one block's slot: its K/V rounded up to :data:`~tierkv.staging.SLOT_ALIGN` (``BlockLayout``)."""
+    return -(-req.model.kv_bytes_per_token_per_layer * req.block_tokens // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def _staging_bytes(req: PlanRequest, depth: int) -> int:
+    """Device bytes ``req``'s executor holds besides blocks (gather: ``depth`` layers read ahead), sized by the
+    runtime's own :mod:`tierkv.staging` arithmetic."""
+    model, token_bytes = req.model, req.model.kv_bytes_per_token_per_layer
+    if req.executor == "streaming":
+        return streaming_staging_bytes(req.batch, req.chunk_tokens, token_bytes, req.block_tokens)
+    if req.executor == "sparse":
+        return sparse_staging_bytes(req)
+    if req.executor == "split":  # prefill chunks and a bounded scratch, at any context
+        return split_staging_bytes(req.batch, req.chunk_tokens, token_bytes, req.block_tokens,
+                                   model.attention_heads, model.kv_heads, model.head_dim, _accelerated(req))
+    return gather_staging_bytes(req.batch, req.context, token_bytes, req.block_tokens, depth)
+
+
+def min_device_bytes(req: PlanRequest, depth: int = 1) -> int:
+    """The smallest device budget the runtime takes for ``req``'s executor (gather: reading ``depth`` layers
+    ahead): its staging beside every layer's open tail block, in the 15/16 of the budget the slabs leave, and on a
+    GPU host the two landing buffers (:func:`tierkv.staging.device_minimum`, :func:`~tierkv.staging
+    .landed_device_minimum`). The same number as ``TieredCache.min_device_bytes`` / ``min_streaming_device_bytes``
+    / ``min_sparse_device_bytes`` / ``min_split_device_bytes`` for the model's config."""
+    if req.executor == "split":
+        return split_min_device_bytes(req)
+    slot = _slot_bytes(req)
+    staging = _staging_bytes(req, depth)
+    tails = open_tail_bytes(req.model.layers, req.batch, slot)
+    return landed_device_minimum(staging, tails, slot) if _accelerated(req) else device_minimum(staging, tails)
+
+
+def _too_small(req: PlanRequest, depth: int) -> BudgetTooSmallError:
+    """Why the device budget is below the minimum of ``req``'s executor, with the budgets that run it; for gather,
+    the runtime's floor (no layer read ahead: it turns prefetch off below ``depth``'s minimum) and ``depth``'s."""
+    minimum = min_device_bytes(req, 0 if req.executor == "gather" else depth)
+    what = {"streaming": "streaming chunk buffers",
+            "sparse": "streaming chunk buffers, the sparse selection's buffer and the key summaries"
+                      + (" with their rest copy" if req.sparse_rest_bits else ""),
+            "split": "open tail blocks, the prefill's two streaming chunks"
+                     + ("" if req.links.serial_mover else " and the decode step's bounded scratch")}.get(
+        req.executor, "exact-gather staging of one layer's full K/V")
+    if req.executor != "split":
+        what += " beside every layer's open block"
+    streaming = min_device_bytes(dataclasses.replace(req, executor="streaming")) if req.executor == "gather" \
+        else minimum
+    ahead = (f" to decode with prefetch off (slower), {format_size_option(min_device_bytes(req, depth))} to read "
+             f"{plural(depth, 'layer')} ahead" if req.executor == "gather" and depth else "")
+    return BudgetTooSmallError(
+        f"the device budget {format_gb(req.gpu_bytes)} cannot hold the {what} ({format_gb(minimum)} at "
+        f"context {req.context:,}, batch {req.batch}); raise --gpu-gb to at least {format_size_option(minimum)}"
+        f"{ahead}, "
+        + ("lower --batch (split's minimum does not grow with the context)" if req.executor == "split"
+           else "lower --context or --batch")
+        + (f", or --sparse-rest-bits 0 (no rest copy: the pages not read are not attended; --gpu-gb "
+           f"{format_size_option(min_device_bytes(dataclasses.replace(req, sparse_rest_bits=0)))} is enough)"
+           if req.executor == "sparse" and req.sparse_rest_bits else "")
+        + (f", or use --executor streaming (two chunks instead of whole layers: --gpu-gb "
+           f"{format_size_option(streaming)} is enough)" if streaming < minimum else "") + "."
+    )
+
+
 def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
     model = req.model
+    notes = req.notes
     layer_kv = _layer_kv_bytes(model, req.context, req.batch)
     total = sum(layer_kv)
-    token_bytes = model.kv_bytes_per_token_per_layer
-    if req.executor == "streaming":  # the runtime's sizes (tierkv.staging): the planner and the cache agree
-        staging = streaming_staging_bytes(req.batch, req.chunk_tokens, token_bytes, req.block_tokens)
-    elif req.executor == "sparse":
-        staging = sparse_staging_bytes(req)
-    elif req.executor == "split":  # the runtime's sizes: prefill chunks and a bounded scratch, at any context
-        staging = split_staging_bytes(req.batch, req.chunk_tokens, token_bytes, req.block_tokens,
-                                      model.attention_heads, model.kv_heads, model.head_dim, _accelerated(req))
-    else:
-        held = max(model.tokens_held(i, req.context) for i in range(model.layers))
-        staging = gather_staging_bytes(req.batch, held, token_bytes, req.block_tokens, depth)
-    minimum = split_min_device_bytes(req) if req.executor == "split" else staging
-    if minimum > req.gpu_bytes:
-        staging = minimum
-        streaming = streaming_staging_bytes(req.batch, req.chunk_tokens, token_bytes, req.block_tokens)
-        what = {"streaming": "streaming chunk buffers",
-                "sparse": "streaming chunk buffers, the sparse selection's buffer and the key summaries"
-                          + (" with their rest copy" if req.sparse_rest_bits else ""),
-                "split": "open tail blocks, the prefill's two streaming chunks"
-                         + ("" if req.links.serial_mover else " and the decode step's bounded scratch")}.get(
-            req.executor, f"exact-gather staging of {depth + 1} layers' full K/V")
-        raise BudgetTooSmallError(
-            f"the device budget {format_gb(req.gpu_bytes)} cannot hold the {what} ({format_gb(staging)} at "
-            f"context {req.context:,}, batch {req.batch}); raise --gpu-gb to at least {format_size_option(staging)}, "
-            + ("lower --batch (split's minimum does not grow with the context)" if req.executor == "split"
-               else "lower --context or --batch")
-            + (", or --prefetch-depth" if depth > 0 and req.executor == "gather" else "")
-            + (f", or --sparse-rest-bits 0 (no rest copy: the pages not read are not attended; --gpu-gb "
-               f"{format_size_option(sparse_staging_bytes(dataclasses.replace(req, sparse_rest_bits=0)))} is enough)"
-               if req.executor == "sparse" and req.sparse_rest_bits else "")
-            + (", or use --executor streaming (two chunks instead of whole layers: --gpu-gb "
-               f"{format_size_option(streaming)} is enough)" if req.executor == "gather" else "") + "."
-        )
-    device = min(total, req.gpu_bytes - staging)
+    if min_device_bytes(req, depth) > req.gpu_bytes:
+        raise _too_small(req, depth)
+    staging = _staging_bytes(req, depth)
+    room = req.gpu_bytes - staging
+    device = min(total, room)
     host = min(total - device, req.cpu_bytes)
     disk = total - device - host
-    if req.disk_bytes is not None and disk > req.disk_bytes:
-        short = disk - req.disk_bytes
+    prefill = model.prefill_kv_bytes(req.context, req.batch)
+    prefill_room = req.gpu_bytes - staging if req.executor != "gather" else req.gpu_bytes - (depth + 1) * req.batch \
+        * gather_capacity(req.context, req.block_tokens) * model.kv_bytes_per_token_per_layer  # staging sans growth
+    if prefill > total:
+        at_prefill = [min(prefill, prefill_room), min(max(0, prefill - prefill_room), req.cpu_bytes)]
+        at_prefill.append(prefill - sum(at_prefill))
+        notes = (*notes, f"sliding layers hold the whole prompt until the first decode step: the tiers need "
+                         f"{format_bytes(prefill)} at the prefill (device / host / disk "
+                         f"{' / '.join(format_bytes(n) for n in at_prefill)}), {format_bytes(total)} while decoding")
+    at_peak = prefill - prefill_room > total - room  # the prefill is what does not fit
+    kv, space = (prefill, prefill_room) if at_peak else (total, room)
+    short = kv - space - req.cpu_bytes - (req.disk_bytes or 0)
+    if req.disk_bytes is not None and short > 0:
+        held = (f"{format_gb(prefill)} of KV at the prefill (sliding layers hold the whole prompt until the first "
+                f"decode step; {format_gb(total)} while decoding)" if at_peak else f"{format_gb(total)} of KV")
         raise CapacityError(
-            f"{model.name} at context {req.context:,} x batch {req.batch} needs {format_gb(total)} of KV "
-            f"but the budgets hold {format_gb(device + req.cpu_bytes + req.disk_bytes)} "
-            f"(device {format_gb(device)} after {format_gb(staging)} staging, "
+            f"{model.name} at context {req.context:,} x batch {req.batch} needs {held} "
+            f"but the budgets hold {format_gb(space + req.cpu_bytes + req.disk_bytes)} "
+            f"(device {format_gb(space)} after {format_gb(req.gpu_bytes - space)} staging, "
             f"host {format_gb(req.cpu_bytes)}, disk {format_gb(req.disk_bytes)}); "
             f"raise --disk-gb or --cpu-gb by {_gb_words(short)}, or lower --context or --batch."
         )
@@ -545,6 +614,7 @@ def _plan_at_depth(req: PlanRequest, depth: int) -> Plan:
         compute_s_per_step=sum(layer.compute_s * layer.repeat for layer in layers) + other,
         forecast=forecast,
         host_attention=rate,
+        notes=notes,
     )
 
 
@@ -612,19 +682,21 @@ def _split_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int],
     Compute is the device's part only: the layer's roofline with attention over its device-resident tokens (read
     in place; a GPU host), or without attention on a CPU-only host (``links.serial_mover``), whose every share the
     host kernel attends at the host attention rate (:func:`~tierkv.bandwidth.predict_split_step`). A measured
-    ``compute_s_per_step`` (of exact decoding) is kept as it is.
+    ``compute_s_per_step`` (of exact decoding: attention over every token included) keeps the fraction of it the
+    roofline gives the same device part, so the attention the host attends is not also counted in it.
     """
     model, loads = req.model, []
     weights = model.params_per_layer * model.dtype_bytes
+    on_device = 0.0 if req.links.serial_mover else shares[0]  # the share the device attends itself
     for layer, (compute, kv) in enumerate(zip(per_layer, layer_kv, strict=True)):
         load = _load(compute, kv, shares)
-        if req.compute_s_per_step is None:
-            cpu_host = req.links.serial_mover
-            tokens = 0.0 if cpu_host else model.tokens_held(layer, req.context) * shares[0]
-            flops = req.batch * (2 * model.params_per_layer + 4 * model.attention_heads * model.head_dim * tokens)
-            compute = req.device.time(weights + (0 if cpu_host else load.device_bytes), flops)
-            load = dataclasses.replace(load, compute_s=compute)
-        loads.append(load)
+        tokens = model.tokens_held(layer, req.context)
+        attention = 4 * req.batch * model.attention_heads * model.head_dim * tokens
+        part = req.device.time(weights + kv * on_device, 2 * req.batch * model.params_per_layer + attention * on_device)
+        if req.compute_s_per_step is not None:  # measured: the roofline's share of it that is the device part
+            exact = req.device.time(weights + kv, 2 * req.batch * model.params_per_layer + attention)
+            part = compute * part / exact if exact > 0 else compute
+        loads.append(dataclasses.replace(load, compute_s=part))
     return tuple(loads)
 
 
@@ -649,15 +721,21 @@ def sparse_page_tokens(req: PlanRequest) -> int:
     return req.sparse_page_tokens or default_page_tokens(req.block_tokens)
 
 
-def sparse_summary_bytes(req: PlanRequest) -> int:
-    """Device bytes of the key summaries: per page of every full block of every layer and row, a per-channel min,
-    max and mean of its keys and the mean of its values — 2 tokens' K+V bytes (:mod:`tierkv.store.summaries`) —
-    and the blocks' rest copy if asked."""
-    model = req.model
-    blocks = sum(model.tokens_held(i, req.context) // req.block_tokens for i in range(model.layers))
-    pages = blocks * (req.block_tokens // sparse_page_tokens(req))
-    return summary_bytes(req.batch * pages, model.kv_bytes_per_token_per_layer, model.dtype_bytes) + \
-        _rest_bytes(req, blocks)
+def sparse_table_bytes(req: PlanRequest) -> int:
+    """Device bytes of the key summaries and rest copy ``cache.sparse`` holds at ``req.context``: a table per layer
+    with a row per full block it holds (a sliding layer: its window and the block it fills), reserved as
+    :func:`~tierkv.staging.summary_table_rows` says; a row is a page's :data:`SUMMARY_VECTORS` per KV head
+    and the block's rest copy. ``TieredCache.min_sparse_device_bytes`` counts the same
+    (:func:`tierkv.hf.sizing.sparse_table_bytes`)."""
+    model, block = req.model, req.block_tokens
+    pages = block // sparse_page_tokens(req)
+    row = model.kv_heads * model.head_dim * summary_element_size(model.dtype_bytes) * SUMMARY_VECTORS * pages \
+        + rest_copy_bytes(block * model.kv_bytes_per_token_per_layer, req.sparse_rest_bits, model.dtype_bytes,
+                          model.head_dim)
+    held = [min(req.context, model.sliding_window + block)
+            if layer < model.sliding_layers and model.sliding_window is not None else req.context
+            for layer in range(model.layers)]
+    return sum(summary_table_rows(req.batch, tokens, block) * row for tokens in held)
 
 
 def _rest_bytes(req: PlanRequest, blocks: int) -> int:
@@ -678,13 +756,15 @@ def sparse_fetched_tokens(req: PlanRequest, layer: int) -> int:
 
 
 def sparse_staging_bytes(req: PlanRequest) -> int:
-    """Device bytes sparse mode holds besides blocks: the exact prefill's two streaming chunks, the buffer of
-    one layer's selected blocks, and the key summaries."""
+    """Device bytes sparse mode holds besides blocks, as ``TieredCache.min_sparse_device_bytes`` counts them: the
+    exact prefill's two streaming chunks, one layer's selection (the budget and a block, with growth headroom), a
+    column of blocks read to summarise, and the key summaries and rest copy (:func:`sparse_table_bytes`)."""
     token_bytes = req.model.kv_bytes_per_token_per_layer
     chunks = streaming_staging_bytes(req.batch, req.chunk_tokens, token_bytes, req.block_tokens)
-    largest = max(sparse_fetched_tokens(req, i) for i in range(req.model.layers))
-    selection = req.batch * round_to_blocks(largest, req.block_tokens) * token_bytes
-    return chunks + selection + sparse_summary_bytes(req)
+    budget = sparse_budget_tokens(req.sparse_tokens, req.context)
+    selection = math.ceil(req.batch * (budget + req.block_tokens) * token_bytes * GROWTH)
+    backfill = req.batch * _slot_bytes(req)
+    return chunks + selection + backfill + sparse_table_bytes(req)
 
 
 def _sparse_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int],
@@ -736,24 +816,32 @@ def _sparse_layers(req: PlanRequest, per_layer: list[float], layer_kv: list[int]
 def plan(req: PlanRequest, *, tolerance: float = 0.01) -> Plan:
     """Place the KV and forecast the step for ``req``.
 
-    With ``req.prefetch_depth`` None the planner weighs depth against device memory: each level of depth
-    adds a layer of staging, which pushes KV off the device. It tries every depth from 1 that fits the
-    budgets (the device's staging, and the KV in the tiers beside it) and keeps the shallowest one within
-    ``tolerance`` of the fastest.
-    Raises :class:`BudgetTooSmallError` when even one layer-ahead staging does not fit the device budget,
-    :class:`CapacityError` when the KV does not fit all tiers together.
+    Gather reads as many layers ahead as the runtime would: ``req.prefetch_depth``, or with none given, the
+    shallowest depth from 1 (the runtime's default) within ``tolerance`` of the fastest of those whose staging
+    fits (each level of depth adds a layer of staging, which pushes KV off the device). A depth fits where the
+    budget holds the runtime's minimum (:func:`min_device_bytes`); below it, down to depth 0's, the runtime turns
+    prefetch off, and so does the plan (its staging row says why).
+    Raises :class:`BudgetTooSmallError` when the device budget is below the executor's minimum (gather: at depth
+    0), :class:`CapacityError` when the KV does not fit all tiers together.
     """
     if req.executor == "streaming":  # two chunk buffers: one chunk ahead, across layers (_streaming_stages)
         return _plan_at_depth(req, 1)
     if req.executor in ("sparse", "split"):  # both need the layer's query first: nothing is prefetched
         return _plan_at_depth(req, 0)
+    wanted = 1 if req.prefetch_depth is None else req.prefetch_depth
+    if min_device_bytes(req, wanted) > req.gpu_bytes:
+        if not wanted or min_device_bytes(req, 0) > req.gpu_bytes:
+            raise _too_small(req, wanted)
+        return _plan_at_depth(req, 0)  # the runtime turns prefetch off once its staging outgrows the budget
     if req.prefetch_depth is not None:
         return _plan_at_depth(req, req.prefetch_depth)
-    plans = [_plan_at_depth(req, 1)]
+    plans = [_plan_at_depth(req, 1)]  # the runtime's default depth wherever it fits
     for depth in range(2, max_prefetch_depth(req.model) + 1):
+        if min_device_bytes(req, depth) > req.gpu_bytes:  # a deeper depth's staging does not fit: stop there
+            break
         try:
             plans.append(_plan_at_depth(req, depth))
-        except (BudgetTooSmallError, CapacityError):  # a deeper depth's staging leaves less room: stop there
+        except CapacityError:  # its staging leaves the tiers too little room
             break
     best = min(p.forecast.step_s for p in plans)
     return next(p for p in plans if p.forecast.step_s <= best * (1.0 + tolerance))
@@ -820,6 +908,7 @@ def what_ifs(base: Plan, *, extra_gpu_bytes: int = 16 * 10**9) -> list[WhatIf]:
     links = req.links.links
     options = [
         (
+            f"+{extra_gpu_bytes // 2**30} GiB device" if extra_gpu_bytes % 2**30 == 0 else
             f"+{extra_gpu_bytes / 1e9:g} GB device",
             dataclasses.replace(req, gpu_bytes=req.gpu_bytes + extra_gpu_bytes),
         )
@@ -956,7 +1045,7 @@ def build_request(
     link: str | None = None,
     disk_link: str | None = None,
     profile: str | None = None,
-    device: str | None = "h100-sxm",
+    device: str | None = None,
     compute_ms_per_step: float | None = None,
     prefetch_depth: int | None = None,
     executor: str = "gather",
@@ -978,8 +1067,13 @@ def build_request(
     if batch < 1:
         raise InvalidConfigError(f"batch={batch} must be >= 1.")
     measured = LinkProfile.load(profile) if profile else None
+    if measured is not None and measured.serial_mover and link:
+        raise InvalidConfigError(f"link={link!r}: the profile {profile} was measured on a CPU-only host, which has no "
+                                 "PCIe link (its device tier is host memory); leave --link out, or measure with "
+                                 "`tierkv bench` on the GPU host to plan with its links.")
+    notes: list[str] = []
     if measured is not None:
-        links = measured
+        links, notes = capped_latencies(measured)
     elif device == CPU:  # the "device" tier is host memory: every copy is a memcpy by one mover thread
         if link:
             raise InvalidConfigError(f"link={link!r}: a CPU-only host has no PCIe link (its device tier is host "
@@ -1013,4 +1107,5 @@ def build_request(
         sparse_page_tokens=sparse_page_tokens,
         host_cores=host_cores,
         host_dram_bytes_per_s=None if host_dram_gbps is None else host_dram_gbps * 1e9,
+        notes=tuple(notes),
     )

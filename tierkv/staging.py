@@ -27,6 +27,8 @@ REST_BITS = (0, 2, 4, 8)  # bits per key and value of sparse attention's rest co
 DEFAULT_REST_BITS = 4  # cache.sparse's rest copy: at 10% the one with top-1 >= 97% on every model (docs/quality.md)
 VALUE_GROUP = 32  # channels per value scale of the rest copy (a head dimension not divisible by it: one group)
 SLOT_ALIGN = 4096  # a slot's bytes are a multiple of this (tierkv.layout.SLOT_ALIGN, here without torch)
+TABLE_MIN_ROWS = 8  # a key-summary table's first capacity, in rows (a row: one block's page summaries, rest copy)
+TABLE_GROWTH = 1.25  # a full summary table grows by this factor: doubling could reserve twice the bytes needed
 
 
 def round_to_blocks(tokens: int, block_tokens: int) -> int:
@@ -241,3 +243,10 @@ def sparse_budget_tokens(tokens: int | float, context: int) -> int:
     context (at least one), never more than the context (a budget above it sized buffers for tokens that are not
     there)."""
     return max(1, math.floor(tokens * context)) if isinstance(tokens, float) else max(1, min(int(tokens), context))
+
+
+def summary_table_rows(batch: int, tokens: int, block_tokens: int) -> int:
+    """Rows a layer's key-summary table has reserved once it holds ``tokens`` of ``batch`` rows (a row per full
+    block): grown by :data:`TABLE_GROWTH` past what it holds, and one more, at least :data:`TABLE_MIN_ROWS` (a bound
+    on what :mod:`tierkv.store.summaries` reserves, for the minimum budgets)."""
+    return max(TABLE_MIN_ROWS, math.ceil(batch * (tokens // block_tokens) * TABLE_GROWTH) + 1)

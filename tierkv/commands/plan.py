@@ -48,6 +48,7 @@ from tierkv.planner import (
     fastest_advice,
     host_attention_rate,
     host_estimate_applies,
+    min_device_bytes,
     plan,
     sparse_advice,
     sparse_what_if,
@@ -193,7 +194,8 @@ def _render(console: Console, result: Plan, alternatives: list[WhatIf], advice: 
                       + (f" + {req.sparse_rest_bits}-bit rest copy" if req.sparse_rest_bits else ""),
             "split": "2 prefill chunks" + ("" if req.links.serial_mover else " + decode scratch")
                      + "; no layer staged"}.get(
-        req.executor, f"{fc.prefetch_depth + 1} layers")
+        req.executor, f"{fc.prefetch_depth + 1} layers" if fc.prefetch_depth or req.prefetch_depth == 0 else
+        f"1 layer; prefetch off: reading ahead needs {format_bytes(min_device_bytes(req, req.prefetch_depth or 1))}")
     table.add_row("device staging", f"{format_bytes(result.staging_bytes)} ({what})")
     table.add_row("KV on device / host / disk",
                   " / ".join(format_bytes(n) for n in (tiers.device, tiers.host, tiers.disk)))
@@ -274,29 +276,31 @@ def _render_executors(console: Console, base: Plan, options: list[ExecutorOption
         console.print(advice, markup=False, highlight=False)
 
 
-def _notes(result: Plan, sparse: int | float) -> list[str]:
-    """What the plan's numbers do not say: a context past the model's trained length (the bytes are priced, not
-    whether it answers there), a ``--profile`` of a CPU-only host priced for a GPU device, a ``--quick`` profile, one
-    that ``tierkv bench`` doubted, a sparse budget that covers the whole context (sparse then reads every token)."""
+def _notes(result: Plan, sparse: int | float, source: str) -> list[str]:
+    """What the plan's numbers do not say: the plan's own notes, a context past the model's trained length (the
+    bytes are priced, not whether it answers there), a profile (from ``source``) of a CPU-only host priced for a GPU
+    device, a ``--quick`` profile, one that ``tierkv bench`` doubted, a sparse budget that covers the whole context
+    (sparse then reads every token)."""
     req = result.request
-    notes = []
+    notes = list(result.notes)
+    profile = "the --profile" if source.startswith("--profile") else f"the profile ({source})"
     trained = req.model.max_positions
     if trained is not None and req.context > trained:
         notes.append(past_trained(req.context, req.model.name, trained, "max_position_embeddings")
                      + ": the plan prices bytes and time, not answer quality there.")
     machine = req.links.machine
     if req.links.serial_mover and req.device.name in DEVICES:
-        notes.append(f"the --profile was measured on a host without a GPU (gpu: {machine.get(GPU_KEY, 'none')}): its "
+        notes.append(f"{profile} was measured on a host without a GPU (gpu: {machine.get(GPU_KEY, 'none')}): its "
                      f"links are memcpy within host memory and its mover one thread, yet --device {req.device.name} "
                      "is planned with them; measure with `tierkv bench` on the target GPU host, or drop --profile to "
                      "plan with presets (--link, --disk).")
     warnings = machine.get(WARNINGS_KEY, "")
     if warnings.endswith(QUICK_NOTE):
-        notes.append("the --profile was measured by `tierkv bench --quick` (small sizes: a smoke test): its links are "
+        notes.append(f"{profile} was measured by `tierkv bench --quick` (small sizes: a smoke test): its links are "
                      "indicative only; measure without --quick before planning with it.")
         warnings = warnings.removesuffix(QUICK_NOTE).removesuffix("; ")
     if warnings:
-        notes.append(f"the --profile was measured with warnings ({warnings}); re-run `tierkv bench` on a quiet "
+        notes.append(f"{profile} was measured with warnings ({warnings}); re-run `tierkv bench` on a quiet "
                      "machine before trusting its links.")
     if req.sparse_tokens >= req.context:
         given = format_tokens(sparse) if isinstance(sparse, int) else f"{sparse:g}"
@@ -364,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
     _render(console, result, alternatives, advice, source)
     fastest = fastest_advice(options)
     _render_executors(console, result, options, fastest)
-    notes = _notes(result, args.sparse_tokens)
+    notes = _notes(result, args.sparse_tokens, source)
     for note in notes:
         console.print(f"note: {note}", markup=False, highlight=False)
     if args.json:

@@ -168,8 +168,6 @@ def sparse_table_bytes(config: PreTrainedConfig, context: int, tokens: int | flo
     steps, at least 8 rows. The part
     of :func:`min_sparse_device_bytes` that grows with the context; ``stats()["sparse"]`` reports what is held
     (``summaries_device_bytes`` + ``rest_copy_device_bytes``)."""
-    from tierkv.store.summaries import MIN_ROWS, TABLE_GROWTH
-
     context, batch, block_tokens = check_sizing(config, dtype, context=context, batch=batch, block_tokens=block_tokens)
     if not isinstance(record_past, bool):
         raise InvalidConfigError(f"record_past must be True or False, got {record_past!r}.")
@@ -183,7 +181,7 @@ def sparse_table_bytes(config: PreTrainedConfig, context: int, tokens: int | flo
 
     held = [min(context, window + block_tokens) if window and not record_past else context
             for window in layer_windows(config)]
-    return sum(max(MIN_ROWS, math.ceil(batch * (n // block_tokens) * TABLE_GROWTH) + 1) * row(layout)
+    return sum(sizes.summary_table_rows(batch, n, block_tokens) * row(layout)
                for n, layout in zip(held, layer_layouts(config, block_tokens, dtype), strict=True))
 
 

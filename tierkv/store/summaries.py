@@ -51,11 +51,9 @@ import torch
 
 from tierkv.accel import backend
 from tierkv.errors import InvalidConfigError
-from tierkv.staging import REST_BITS, value_groups
+from tierkv.staging import REST_BITS, TABLE_GROWTH, TABLE_MIN_ROWS, value_groups
 
 SUMMARY_DTYPES = {torch.float32: torch.bfloat16}  # KV dtype -> the summaries' (others: the KV's own)
-MIN_ROWS = 8  # a table's first capacity
-TABLE_GROWTH = 1.25  # a full table grows by this factor: doubling could reserve twice the device bytes needed
 
 
 class _LayerTable:
@@ -274,7 +272,7 @@ class KeySummaries:
         if entry is not None and len(entry.free) >= new_rows:
             return entry
         used = entry.table.shape[1] - len(entry.free) if entry is not None else 0
-        capacity = max(MIN_ROWS, entry.table.shape[1] if entry is not None else 0)
+        capacity = max(TABLE_MIN_ROWS, entry.table.shape[1] if entry is not None else 0)
         while capacity - used < new_rows:
             capacity = max(capacity + 1, int(capacity * TABLE_GROWTH))
         _, heads, pages, vectors, dim = like.shape  # like: [n, H_kv, pages, 4, D]
