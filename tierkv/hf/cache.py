@@ -42,7 +42,7 @@ from tierkv.errors import DiskTierError, InvalidConfigError, TierKVError, Unsupp
 from tierkv.hf import conversation, sizing
 from tierkv.hf.attention import Engagement, drop_hand_over
 from tierkv.hf.encoder_decoder import TieredEncoderDecoderCache
-from tierkv.hf.forward import Forward, alive, closed_error
+from tierkv.hf.forward import Forward, alive, changed_since_sized, closed_error
 from tierkv.hf.layer import TieredLayer, Uncopyable, not_held
 from tierkv.hf.modes import AttentionModes
 from tierkv.hf.runtime import Budgets, Runtime
@@ -306,7 +306,7 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                 if self.forward.cut is not None:
                     self.forward.refuse_cut(beginning)
                 if beginning and self.forward.sized is not None and not self.closed:  # (closed: said as such)
-                    self.forward.refuse_changed_since_sized(self.edits, self.get_seq_length())
+                    self._check_sized()
             if not 0 <= layer_idx < len(self.layers):
                 try:
                     self._add_layers(layer_idx)
@@ -356,12 +356,19 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
         """A forward sizes its mask from the cache as it is now (its positions were taken just before): first it gives
         way to another thread's save or executor switch that holds or asks for the turn (the mask and the attention
         must be the same kind), then it counts as begun, and its first update checks that no other thread changed the
-        cache in between (:meth:`Forward.refuse_changed_since_sized`)."""
+        cache in between (:meth:`_check_sized`)."""
         with self.using:
             guard, forward = self.using, self.forward
             if (guard.holder is not None or guard.asking) and not forward.sized_here():
                 guard.wait_turn(starting=not forward.stopped_here(self.uses_per_forward()))
-            forward.sized = (threading.get_ident(), self.edits, self.get_seq_length())
+            forward.sized = (threading.get_ident(), self.edits)
+
+    def _check_sized(self) -> None:
+        """A forward's first update: refused where another thread edited the cache after this forward sized its mask
+        (:meth:`note_sized`; every edit, a loaded prefix and a forward's start count in ``edits``)."""
+        sized, self.forward.sized = self.forward.sized, None
+        if sized is not None and sized[0] == threading.get_ident() and sized[1] != self.edits:
+            raise changed_since_sized()
 
     @property
     def records_past(self) -> bool:
@@ -427,7 +434,7 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                 forward.refuse_cut(beginning=(layer.position, call, state_idx) == forward.cut[1])
             sized_here = forward.sized_here()
             if forward.sized is not None and not self.closed and forward.begins(layer.position, call, state_idx):
-                forward.refuse_changed_since_sized(self.edits, self.get_seq_length())
+                self._check_sized()
             if forward.entered(layer.position, call, state_idx):
                 if (self.using.holder is not None or self.using.asking) and not sized_here:  # (as in update)
                     self.using.wait_turn(starting=not forward.stopped_here(self.uses_per_forward()))
@@ -563,6 +570,7 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
             if self.session is None:
                 raise InvalidConfigError("load_prefix needs persistent or remote blocks: remote='redis://...', or "
                                          "TieredCache(disk_dir='/path/on/nvme', persist=True).")
+            self.edits += 1  # (another thread's forward that sized its mask before it is refused: _check_sized)
             return self.session.load(self, model, input_ids, attention_mask)
 
     def flush(self) -> None:

@@ -38,6 +38,16 @@ def alive(ident: int) -> bool:
     return any(thread.ident == ident for thread in threading.enumerate())
 
 
+def changed_since_sized() -> InvalidConfigError:
+    """What a forward's first update answers where another thread edited the cache (a reset, crop, batch edit, loaded
+    prefix, or a forward) after this forward took its positions and sized its mask from it."""
+    return InvalidConfigError(
+        "another thread changed this TieredCache (a reset, crop, batch edit, loaded prefix or forward) after this "
+        "thread's forward took its positions and mask from it, before its first layer: the forward would attend a "
+        "sequence the cache no longer holds, so it is refused (nothing of it is stored). Run the request again; edit "
+        "a cache from another thread only once its generate() has returned.")
+
+
 def closed_error() -> InvalidConfigError:
     """What a closed cache answers to any use."""
     return InvalidConfigError("this TieredCache was closed (its tiers are released); create a new one.")
@@ -63,8 +73,8 @@ class Forward:
         self.announced = False  # a forward's mask was sized since the last update (a new forward began)
         # a thread whose forward a reset from another thread cut in half, and that forward's first use (see cut_off)
         self.cut: tuple[int, tuple[int, str, int] | None] | None = None
-        # (thread, the cache's edits, its length) as a forward sized its mask from it, until that forward's first update
-        self.sized: tuple[int, int, int] | None = None
+        # (thread, the cache's edits) as a forward sized its mask from it, until that forward's first update
+        self.sized: tuple[int, int] | None = None
 
     def entered(self, position: int, call: str, state_idx: int) -> bool:
         """Whether this use of model layer ``position`` begins a forward: a model runs its layers in order, so a
@@ -81,20 +91,6 @@ class Forward:
     def begins(self, position: int, call: str, state_idx: int) -> bool:
         """Whether this use of model layer ``position`` would begin a forward (:meth:`entered`, which records it)."""
         return self.first is None or position < self.last or (position, call, state_idx) == self.first
-
-    def refuse_changed_since_sized(self, edits: int, length: int) -> None:
-        """A forward's first update on this thread: refused where another thread edited the cache (a reset, crop,
-        batch edit or loaded prefix) or stepped it after this forward took its positions and sized its mask from it
-        (``edits`` and ``length``: the cache's now) — its layers would attend a sequence the cache no longer holds."""
-        sized, self.sized = self.sized, None
-        if sized is None or sized[0] != threading.get_ident() or sized[1:] == (edits, length):
-            return
-        raise InvalidConfigError(
-            f"another thread changed this TieredCache (a reset, crop, batch edit, loaded prefix or forward: {sized[2]} "
-            f"tokens then, {length} now) after this thread's forward took its positions and mask from it, before its "
-            "first layer: the forward would attend a sequence the cache no longer holds, so it is refused (nothing of "
-            "it is stored). Run the request again; edit a cache from another thread only once its generate() has "
-            "returned.")
 
     def reset(self) -> None:
         """The cache was emptied: the next use begins a forward of its own."""

@@ -9,6 +9,7 @@ fails (the cache then rolls back the layers before it: :meth:`TieredCache.roll_b
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -412,7 +413,9 @@ class TieredLayer(OfCache, CacheLayerMixin):
         cache.sized_at = masks_built()  # a forward's mask begins (see hand_over)
         cache.forward.announced = True  # (Forward.begin)
         length = self.get_seq_length()
-        cache.note_sized()
+        sized = cache.forward.sized
+        if sized is None or sized[0] != threading.get_ident():  # (transformers 5.0 asks no get_query_offset first)
+            cache.note_sized()
         if query_length == 0 and length and cache.settle_stopped():  # generate() sliced the ids by a stopped length
             raise InterruptedStepError(
                 f"the previous forward stopped part-way (a Ctrl-C or an error in the model between layers), so this "
