@@ -290,7 +290,7 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
             if (guard.holder is not None or guard.asking) and layer_idx == 0 and not self.stateful \
                     and not self.forward.sized_here():
                 # not while another thread's save holds the turn or asks for it (unless it waits for this one)
-                guard.wait_turn(starting=not self.forward.stopped_here(self.uses_per_forward()))
+                self._give_way()
             if self.forward.thread != threading.get_ident():  # (the same thread's updates: no call)
                 self.forward.claim(self.uses_per_forward())
             if self.forward.unsettled is not None:
@@ -358,10 +358,14 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
         must be the same kind), then it counts as begun, and its first update checks that no other thread changed the
         cache in between (:meth:`_check_sized`)."""
         with self.using:
-            guard, forward = self.using, self.forward
-            if (guard.holder is not None or guard.asking) and not forward.sized_here():
-                guard.wait_turn(starting=not forward.stopped_here(self.uses_per_forward()))
-            forward.sized = (threading.get_ident(), self.edits)
+            if (self.using.holder is not None or self.using.asking) and not self.forward.sized_here():
+                self._give_way()
+            self.forward.sized = (threading.get_ident(), self.edits)
+
+    def _give_way(self) -> None:
+        """Under the guard, as a forward begins while another thread's save or executor switch holds or asks for the
+        turn: wait for it (a forward this thread left half done goes first: only its next forward can take it back)."""
+        self.using.wait_turn(starting=not self.forward.stopped_here(self.uses_per_forward()))
 
     def _check_sized(self) -> None:
         """A forward's first update: refused where another thread edited the cache after this forward sized its mask
@@ -437,7 +441,7 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                 self._check_sized()
             if forward.entered(layer.position, call, state_idx):
                 if (self.using.holder is not None or self.using.asking) and not sized_here:  # (as in update)
-                    self.using.wait_turn(starting=not forward.stopped_here(self.uses_per_forward()))
+                    self._give_way()
                 self.begin_forward()
             if isinstance(layer, StateLayer) and layer.touch(forward.number):
                 forward.layers_updated += 1

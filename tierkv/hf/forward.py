@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import InterruptedStepError, InvalidConfigError
@@ -115,7 +115,7 @@ class Forward:
         would attend a cache that no longer holds its sequence, and write their step into it, so that thread's next
         use is refused unless it begins a new forward (:meth:`refuse_cut`)."""
         if self.elsewhere(layers):
-            self.cut = (self.thread, self.first) if self.thread is not None else None
+            self.cut = (cast(int, self.thread), self.first)  # (elsewhere: a thread's)
 
     def refuse_cut(self, beginning: bool) -> None:
         """A use of the cache on this thread: refused where a reset from another thread cut this thread's forward
