@@ -274,3 +274,57 @@ def test_a_key_that_overflowed_makes_its_row_nan_as_in_dynamic_cache(tmp_path, v
     got = torch.stack(outputs["split"].logits)
     assert want[:, 1].isnan().any() and torch.equal(got.isnan(), want.isnan())
     torch.testing.assert_close(got[:, 0], want[:, 0], rtol=0, atol=1e-4)
+
+
+def test_the_device_share_is_prepared_once_per_grid_and_its_ops_do_not_grow_with_it(monkeypatch):
+    """On the CUDA path the device share's tables (gather indices, key positions) are device tensors made when
+    the layer's grid changes, not each step, and a step's device share queues the same ops at 3 or 14 blocks."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tierkv import cuda_standin, settings
+    from tierkv.attention import host_kernel
+    from tierkv.attention import split as split_module
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    prepared, ops = [], []
+    real_prepare, real_attend = host_kernel.prepare_torch, split_module._DeviceShare.attend
+
+    def prepare(*args, **kwargs):
+        prepared.append(1)
+        return real_prepare(*args, **kwargs)
+
+    def attend(self, *args, **kwargs):
+        if self.calls and self.pool is not None:  # prepared: count what a step queues
+            with Count() as count:
+                result = real_attend(self, *args, **kwargs)
+            ops.append(count.ops)
+            return result
+        return real_attend(self, *args, **kwargs)
+
+    monkeypatch.setattr(host_kernel, "prepare_torch", prepare)
+    monkeypatch.setattr(split_module._DeviceShare, "attend", attend)
+    model = tiny_model("llama")
+    layers, steps = model.config.num_hidden_layers, 24
+    for context in (40, 200):
+        prepared.clear()
+        ids, _ = prompt(1, context, seed=5)
+        reference = model.generate(ids, max_new_tokens=steps, do_sample=False, past_key_values=DynamicCache())
+        with settings.override(cuda_standin=True):
+            standin = cuda_standin.fresh()
+            with TieredCache(gpu_gb="64MB", cpu_gb="1MB", block_tokens=16) as cache, \
+                    cache.split(model, chunk_tokens=1024):  # one piece: a quarter of 1,024 tokens per row
+                out = model.generate(ids, max_new_tokens=steps, do_sample=False, past_key_values=cache)
+                assert cache.stats()["blocks"]["device"] > 0
+            standin.check()
+        assert torch.equal(out, reference)
+        grids = -(-(context + steps) // 16) - context // 16 + 1  # the first step's, and one per new block
+        assert 0 < len(prepared) <= layers * grids < layers * (steps - 1)
+    assert ops and len(set(ops)) == 1, ops  # the same ops every step, at either context

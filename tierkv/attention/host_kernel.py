@@ -614,61 +614,137 @@ def paged_attention_torch(query: torch.Tensor, slabs: torch.Tensor | Sequence[to
     return _attend_torch(inputs, _entry_lse(entry_lse, inputs))
 
 
+def prepare_torch(query: torch.Tensor, slabs: torch.Tensor | Sequence[torch.Tensor], block_table: Table,
+                  lengths: int, *, scaling: float, softcap: float | None = None, causal: bool = True,
+                  window: int | None = None, mask_start: int = 0, positions: Table | None = None,
+                  starts: Table | None = None, entry_tokens: int | None = None) -> TorchCall:  # fmt: skip
+    """:func:`paged_attention_torch`'s arguments (without an explicit ``query_start``: causal queries are the last
+    ``q_len`` positions) checked once and their tables made device tensors (:class:`TorchCall`), for repeated
+    calls on the slabs' device: an accelerator's decode steps then copy no index from the host."""
+    inputs = _check(query, slabs, block_table, lengths, scaling=scaling, softcap=softcap, causal=causal,
+                    query_start=None, window=window, mask=None, mask_start=mask_start, positions=positions,
+                    starts=starts, entry_tokens=entry_tokens, threads=None, host=False)  # fmt: skip
+    return TorchCall(inputs)
+
+
 def _attend_torch(inputs: _Inputs, entry_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(inputs.slabs, PackedSlabs):
         raise InvalidConfigError("packed slabs hold only addresses, for the C kernel: pass the chunks themselves.")
-    _check_slots(inputs)
-    q, table = inputs.query, inputs.table
-    device = q.device
+    return TorchCall(inputs).attend(inputs.query, inputs.slabs, inputs.lengths, inputs.mask, inputs.query_start,
+                                    entry_lse=entry_lse)  # fmt: skip
 
-    def tensor(array: np.ndarray) -> torch.Tensor:
+
+class TorchCall:
+    """:func:`paged_attention_torch` over one block table, its gather indices, key positions and presence made
+    device tensors once (:func:`prepare_torch`): a call gathers the named blocks or pages into fp32 and attends
+    them, a dozen kernels whatever the table, with nothing copied from the host but a per-row length or start
+    where a call passes arrays. The caller passes the slab chunks each call (the pool's, unchanged since
+    preparing: the indices name slots of those chunks); ``offset`` moves every key position down (a sliding
+    window's start moved inside the same blocks)."""
+
+    def __init__(self, inputs: _Inputs) -> None:
+        _check_slots(inputs)
+        assert not isinstance(inputs.slabs, PackedSlabs)
+        table, device, entry = inputs.table, inputs.query.device, inputs.entry_tokens
+        self.device, self.entry, self.scaling, self.softcap = device, entry, inputs.scaling, inputs.softcap
+        self.shape = tuple(inputs.query.shape)
+        self.columns = table.shape[1]
+        self.causal, self.window, self.mask_start = inputs.query_start is not None, inputs.window, inputs.mask_start
+        self.chunk_slots = tuple(int(chunk.shape[0]) for chunk in inputs.slabs)
+        tokens = torch.arange(entry, device=device)
+        self.gathers: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        start = 0
+        for index, slots in enumerate(self.chunk_slots):  # one gather per chunk of the pool that holds entries
+            inside = (table >= start) & (table < start + slots)
+            if inside.any():
+                page = None if inputs.starts is None else self._tensor(inputs.starts[inside])[:, None] + tokens
+                self.gathers.append((index, self._tensor(table[inside] - start), self._tensor(np.flatnonzero(inside)),
+                                     page))  # fmt: skip
+            start += slots
+        batch, n = table.shape
+        self.dense = len(self.gathers) == 1 and bool((table >= 0).all())  # one gather fills every entry in order
+        first = inputs.positions if inputs.positions is not None else np.arange(n, dtype=np.int64)[None] * entry
+        key_pos = self._tensor(np.broadcast_to(first, table.shape))[:, :, None] + tokens
+        self.key_pos = key_pos.reshape(batch, 1, n * entry)  # [B, 1 (query), keys]
+        self.present = self._tensor(table >= 0).repeat_interleave(entry, dim=1)[:, None]
+        self.attended = self.present & (self.key_pos >= 0)  # at offset 0
+        self.query_offsets = torch.arange(self.shape[2], device=device)[None, :, None]
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
         # a writable copy (broadcast views are read-only); on an accelerator queued, not waited for: pageable
         # memory is staged at once, so the copy does not stall the host behind the device's queue
-        return torch.from_numpy(np.array(array)).to(device, non_blocking=True)
+        return torch.from_numpy(np.array(array)).to(self.device, non_blocking=True)
 
-    batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, entry, n = inputs.kv_heads, inputs.entry_tokens, table.shape[1]
-    group = q_heads // kv_heads
-    blocks = torch.zeros((batch, n, 2, kv_heads, entry, head_dim), dtype=torch.float32, device=device)
-    entries = blocks.view(batch * n, 2, kv_heads, entry, head_dim)  # integer indices: no boolean mask (a sync)
-    start = 0
-    for chunk in inputs.slabs:  # one gather per chunk of the pool
-        inside = (table >= start) & (table < start + chunk.shape[0])
-        if inside.any():
-            slots, where = tensor(table[inside] - start), tensor(np.flatnonzero(inside))
-            if inputs.starts is None:
-                entries[where] = chunk[slots].float()
-            else:  # each entry's tokens of its slot: [entries, entry, 2, H_kv, D] -> [entries, 2, H_kv, entry, D]
-                tokens = tensor(inputs.starts[inside])[:, None] + torch.arange(entry, device=device)
-                entries[where] = chunk[slots[:, None], :, :, tokens].permute(0, 2, 3, 1, 4).float()
-        start += int(chunk.shape[0])
-    keys = blocks[:, :, 0].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * entry, head_dim)
-    values = blocks[:, :, 1].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * entry, head_dim)
-    first = inputs.positions if inputs.positions is not None else np.arange(n, dtype=np.int64)[None] * entry
-    key_pos = tensor(np.broadcast_to(first, table.shape))[:, :, None] + torch.arange(entry, device=device)
-    key_pos = key_pos.reshape(batch, 1, n * entry)  # [B, 1 (query), keys]
-    present = tensor(table >= 0).repeat_interleave(entry, dim=1)[:, None]
-    allowed = present & (key_pos >= 0) & (key_pos < tensor(inputs.lengths)[:, None, None])
-    if inputs.query_start is not None:
-        query_pos = tensor(inputs.query_start)[:, None, None] + torch.arange(q_len, device=device)[None, :, None]
-        allowed = allowed & (key_pos <= query_pos)
-        if inputs.window:
-            allowed = allowed & (key_pos > query_pos - inputs.window)
-    rows = (q * inputs.scaling).view(batch, kv_heads, group * q_len, head_dim)
-    scores = torch.matmul(rows, keys.transpose(-1, -2)).view(batch, kv_heads, group, q_len, -1)
-    if inputs.softcap:
-        scores = torch.tanh(scores / inputs.softcap) * inputs.softcap
-    if inputs.mask is not None:
-        allowed = allowed & (key_pos >= inputs.mask_start)
-        column = (key_pos - inputs.mask_start).clamp(0, inputs.mask.shape[-1] - 1)
-        bias = torch.gather(inputs.mask.expand(batch, q_len, -1), 2, column.expand(batch, q_len, -1))
-        scores = (scores + bias[:, None, None]).clamp_min(torch.finfo(torch.float32).min)
-    allowed = allowed[:, None, None].expand(scores.shape)  # [B, H_kv, G, q, keys]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    if entry_lse is not None:  # [B, H_kv, G, q, n] -> [B, H_q, q, n]
-        entry_lse.copy_(torch.logsumexp(scores.unflatten(-1, (n, entry)), dim=-1).flatten(1, 2))
-    weights = torch.softmax(scores, dim=-1)  # (exp(scores - lse) is not normalised where lse rounds to -FLT_MAX)
-    weights = weights.masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0)  # a query with no key: 0 (a NaN stays)
-    out = torch.matmul(weights.view(batch, kv_heads, group * q_len, -1), values)
-    return out.view(q.shape), lse.view(q.shape[:-1])
+    def __call__(self, query: torch.Tensor, chunks: Sequence[torch.Tensor], length: int,
+                 mask: torch.Tensor | None = None, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """:func:`paged_attention_torch` of ``query`` over the keys at positions below ``length`` (in every row),
+        moved down by ``offset``, with ``mask`` (``[B or 1, 1, q_len, keys]``, bool or additive) or None: the
+        normalised output and the log-sum-exp, fp32."""
+        bias = None if mask is None else _bias(mask, self.shape[0], self.shape[2], self.device, self.mask_start,
+                                                length)  # fmt: skip
+        return self.attend(query, chunks, length, bias, offset=offset)
+
+    @staticmethod
+    def _gather(chunks: Sequence[torch.Tensor], index: int, slots: torch.Tensor, where: torch.Tensor,
+                page: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """The entries one chunk holds, in fp32 ``[entries, 2, H_kv, entry, D]``."""
+        if page is None:
+            return chunks[index][slots].float()
+        # each entry's tokens of its slot: [entries, entry, 2, H_kv, D] -> [entries, 2, H_kv, entry, D]
+        return chunks[index][slots[:, None], :, :, page].permute(0, 2, 3, 1, 4).float()
+
+    def attend(self, query: torch.Tensor, chunks: Sequence[torch.Tensor], lengths: int | np.ndarray,
+               bias: torch.Tensor | None = None, query_start: np.ndarray | None = None, *, offset: int = 0,
+               entry_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Attention of ``query`` (of the prepared shape) over the keys below ``lengths`` (an int for every row, or
+        one per row) with positions moved down by ``offset``, ``bias`` ``[1 or B, q, M]`` fp32 (keys from the
+        prepared ``mask_start``, :func:`_bias`) or None, causal queries from ``query_start`` (default: the last
+        ``q_len`` positions): the normalised output and the log-sum-exp, fp32; ``entry_lse`` ``[B, H_q, q, n]``,
+        if given, receives each entry's log-sum-exp."""
+        if tuple(query.shape) != self.shape or len(chunks) != len(self.chunk_slots):
+            raise InvalidConfigError(f"this TorchCall was prepared for a query of shape {self.shape} over "
+                                     f"{len(self.chunk_slots)} slab chunks, got {tuple(query.shape)} over "
+                                     f"{len(chunks)}: prepare another.")  # fmt: skip
+        q = query.detach().float()
+        batch, q_heads, q_len, head_dim = self.shape
+        first = chunks[0]
+        kv_heads, entry, n = int(first.shape[2]), self.entry, self.columns
+        group = q_heads // kv_heads
+        if self.dense:
+            blocks = self._gather(chunks, *self.gathers[0]).view(batch, n, 2, kv_heads, entry, head_dim)
+        else:
+            blocks = torch.zeros((batch, n, 2, kv_heads, entry, head_dim), dtype=torch.float32, device=self.device)
+            entries = blocks.view(batch * n, 2, kv_heads, entry, head_dim)  # integer indices: no boolean mask (a sync)
+            for gather in self.gathers:
+                entries[gather[2]] = self._gather(chunks, *gather)
+        keys = blocks[:, :, 0].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * entry, head_dim)
+        values = blocks[:, :, 1].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * entry, head_dim)
+        key_pos = self.key_pos if not offset else self.key_pos - offset
+        allowed = self.attended if not offset else self.present & (key_pos >= 0)
+        # per-row numbers as [B, 1, 1] device tensors; one number for every row stays a Python scalar (no copy)
+        stop: int | torch.Tensor = lengths if isinstance(lengths, int) else self._tensor(lengths)[:, None, None]
+        allowed = allowed & (key_pos < stop)
+        if self.causal and (q_len > 1 or query_start is not None or self.window):
+            start = stop - q_len if query_start is None else self._tensor(query_start)[:, None, None]
+            query_pos = self.query_offsets + start
+            allowed = allowed & (key_pos <= query_pos)
+            if self.window:
+                allowed = allowed & (key_pos > query_pos - self.window)
+        rows = (q * self.scaling).view(batch, kv_heads, group * q_len, head_dim)
+        scores = torch.matmul(rows, keys.transpose(-1, -2)).view(batch, kv_heads, group, q_len, -1)
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        if bias is not None:
+            allowed = allowed & (key_pos >= self.mask_start)
+            column = (key_pos - self.mask_start).clamp(0, bias.shape[-1] - 1)
+            keys_bias = torch.gather(bias.expand(batch, q_len, -1), 2, column.expand(batch, q_len, -1))
+            scores = (scores + keys_bias[:, None, None]).clamp_min(torch.finfo(torch.float32).min)
+        allowed = allowed[:, None, None].expand(scores.shape)  # [B, H_kv, G, q, keys]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        if entry_lse is not None:  # [B, H_kv, G, q, n] -> [B, H_q, q, n]
+            entry_lse.copy_(torch.logsumexp(scores.unflatten(-1, (n, entry)), dim=-1).flatten(1, 2))
+        weights = torch.softmax(scores, dim=-1)  # (exp(scores - lse) is not normalised where lse rounds to -FLT_MAX)
+        weights = weights.masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0)  # a query with no key: 0 (a NaN stays)
+        out = torch.matmul(weights.view(batch, kv_heads, group * q_len, -1), values)
+        return out.view(self.shape), lse.view(self.shape[:-1])

@@ -62,11 +62,12 @@ waits for (:meth:`MoveHandle.wait`) before the final merge. The disk share is re
 thread meanwhile, round by round in its bounce buffer as on a CPU host (the buffer is that thread's; the query and
 mask go down once, the merged (out, lse) up once), after the device share's work was queued: the device share
 is attended on the compute stream straight from the device slab through its block table, in pieces of at most
-``piece_tokens / 4`` per row: torch's paged fallback (:func:`host_kernel.paged_attention_torch`), which indexes the
-slab and whose fp32 temporaries per piece are reserved against the device budget
-(:func:`tierkv.staging.split_scratch_bytes`) — a paged device kernel (FlashInfer / flash-attention
-``block_table``, FlexAttention) would read it without them. Nothing is staged: the device budget needs only
-the open tails and that bounded scratch (``TieredCache.min_split_device_bytes``).
+``piece_tokens / 4`` per row: torch's paged fallback, each piece's table made device tensors once per grid and
+pool (:class:`_DeviceShare`, :class:`~tierkv.attention.host_kernel.TorchCall`: a step copies no index from the
+host and queues the same kernels per piece whatever the context), whose fp32 temporaries per piece are reserved
+against the device budget (:func:`tierkv.staging.split_scratch_bytes`) — a paged device kernel (FlashInfer /
+flash-attention ``block_table``, FlexAttention) would read it without them. Nothing is staged: the device budget
+needs only the open tails and that bounded scratch (``TieredCache.min_split_device_bytes``).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class SplitAttention(PipelinedExecutor):
         self.threads = threads
         self.piece_tokens = streaming_chunk_tokens(piece_tokens, store.block_tokens)  # device share, per row
         self._shares: dict[int, tuple[int, int, int, list[tuple[Tier, np.ndarray]], np.ndarray,
-                                      _DiskShare | None]] = {}  # fmt: skip
+                                      _DiskShare | None, _DeviceShare | None]] = {}  # fmt: skip
         self._here: dict[int, _Combined] = {}  # layer -> its one-call table on a CPU host (_attend_here)
 
     def attend(self, span: Span, query: torch.Tensor, mask: torch.Tensor | None, scaling: float,
@@ -168,13 +169,13 @@ class SplitAttention(PipelinedExecutor):
             self._read_ahead(upcoming)  # this layer's ring is free: the layer after next starts reading now
             return attended
         # host share on the mover's thread, device share on the compute stream, disk share on this thread
-        shares, columns, shift, disk = self._tables(layer, start, stop)
-        attend = _Attend(self, plan, query, mask, scaling, softcap, columns - shift, stop - start)
+        shares, columns, shift, disk, device = self._tables(layer, start, stop)
+        attend = _Attend(self, plan, query, mask, scaling, softcap, columns, shift, stop - start)
         by_tier = dict(shares)
         host = [(Tier.HOST, by_tier[Tier.HOST])] if Tier.HOST in by_tier else []
         handle = self._start_cpu_part(attend, host) if host else None
         try:
-            out, lse = attend.device_part(by_tier[Tier.DEVICE]) if Tier.DEVICE in by_tier else (None, None)
+            out, lse = attend.device_part(device) if device is not None else (None, None)
             if disk is not None:
                 out, lse = merge(out, lse, *self._disk_part(attend, disk, columns, shift))
         finally:
@@ -380,25 +381,27 @@ class SplitAttention(PipelinedExecutor):
 
         return self.mover.submit(job)
 
-    def _tables(self, layer: int, start: int,
-                stop: int) -> tuple[list[tuple[Tier, np.ndarray]], np.ndarray, int, _DiskShare | None]:  # fmt: skip
+    def _tables(self, layer: int, start: int, stop: int) -> tuple[list[tuple[Tier, np.ndarray]], np.ndarray, int,
+                                                                  _DiskShare | None, _DeviceShare | None]:  # fmt: skip
         """Per tier, the block table of its share (``[B, n]`` slots, -1 where another tier holds the block); each
         column's first token counted from the first column's, and ``shift``, where ``start`` lies in it (key
-        positions: ``columns - shift``); the disk share (which keeps its rounds' requests and calls). Cached until
-        the layer's grid changes."""
+        positions: ``columns - shift``); the disk share (which keeps its rounds' requests and calls) and the device
+        share (which keeps its prepared tables). Cached until the layer's grid changes."""
         rows = self.store.table.rows[layer]
         bt = self.store.block_tokens
         first, end = start // bt, -(-stop // bt)
         shift = start - first * bt
         cached = self._shares.get(layer)
         if cached is not None and cached[:3] == (rows.version, first, end):
-            return cached[3], cached[4], shift, cached[5]
+            return cached[3], cached[4], shift, cached[5], cached[6]
         tiers, slots = rows.tiers[:, first:end], rows.slots[:, first:end]
         shares = [(tier, np.where(tiers == tier, slots, -1)) for tier in self.store.chain if (tiers == tier).any()]
         columns = np.ascontiguousarray(np.broadcast_to(np.arange(end - first) * bt, slots.shape), dtype=np.int64)
         disk = next((_DiskShare(table) for tier, table in shares if tier == Tier.DISK), None)
-        self._shares[layer] = (rows.version, first, end, shares, columns, disk)
-        return shares, columns, shift, disk
+        per = max(1, self.piece_tokens // 4 // bt)  # within the scratch (split_scratch_bytes)
+        device = next((_DeviceShare(table, columns, per) for tier, table in shares if tier == Tier.DEVICE), None)
+        self._shares[layer] = (rows.version, first, end, shares, columns, disk, device)
+        return shares, columns, shift, disk, device
 
     # ------------------------------------------------------------------------------------ bookkeeping
     def invalidate(self) -> None:
@@ -662,9 +665,10 @@ class _Attend:
     """One layer-step's arguments, and its two parts: shares attended on the CPU, the device share on the device."""
 
     def __init__(self, executor: SplitAttention, plan: ReadPlan, query: torch.Tensor, mask: torch.Tensor | None,
-                 scaling: float, softcap: float | None, positions: np.ndarray, length: int) -> None:
+                 scaling: float, softcap: float | None, columns: np.ndarray, shift: int, length: int) -> None:
         self.executor, self.plan, self.query, self.mask = executor, plan, query, mask
-        self.scaling, self.softcap, self.positions, self.length = scaling, softcap, positions, length
+        self.scaling, self.softcap, self.shift, self.length = scaling, softcap, shift, length
+        self.positions = columns - shift  # each column's first key position
         self.layout = executor.store.layouts[plan.layer]
         self.landed: tuple[torch.Tensor, torch.Tensor] | None = None  # the CPU part's (out, lse), on the device
 
@@ -684,23 +688,48 @@ class _Attend:
             out, lse = merge(out, lse, *part)
         return out, lse
 
-    def device_part(self, table: np.ndarray) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The device share attended on the compute stream straight from the device slab, through its block
-        table: only the columns that hold a device block, a quarter of ``piece_tokens`` per row at a time (the
-        fp32 temporaries of each piece fit in the reserved scratch)."""
-        executor, layout = self.executor, self.layout
-        memory = executor.store.tiers[Tier.DEVICE]
+    def device_part(self, share: _DeviceShare) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The device share attended on the compute stream straight from the device slab, through its prepared
+        tables (:class:`_DeviceShare`)."""
+        memory = self.executor.store.tiers[Tier.DEVICE]
         assert isinstance(memory, MemoryTier)
-        slabs = memory.slabs(layout)
-        executor._accel.used(*slabs)  # the compute stream reads the slab now
-        columns = np.flatnonzero((table >= 0).any(axis=0))
-        per = max(1, executor.piece_tokens // 4 // layout.block_tokens)  # within the scratch (split_scratch_bytes)
+        slabs = memory.slabs(self.layout)
+        self.executor._accel.used(*slabs)  # the compute stream reads the slab now
+        return share.attend(memory, slabs, self.layout, self.query, self.length, self.mask, self.shift,
+                            self.scaling, self.softcap)  # fmt: skip
+
+
+class _DeviceShare:
+    """A layer's device blocks over its grid, attended on the device from the device slab: only the columns that
+    hold a device block, a quarter of ``piece_tokens`` per row at a time (the fp32 temporaries of each piece fit in
+    the reserved scratch), each piece's table prepared once as device tensors
+    (:class:`~tierkv.attention.host_kernel.TorchCall`), so a step copies no index from the host. Prepared again
+    for a new query shape, scaling, softcap or causality, or when the device pool's chunks change; a moved
+    ``shift`` (a sliding window's start inside the same blocks) moves the prepared key positions."""
+
+    def __init__(self, table: np.ndarray, columns: np.ndarray, per: int) -> None:
+        """``table`` ``[B, n]``: the device slot of each column's block, -1 where another tier holds it;
+        ``columns``: each column's first token, from the first column's; ``per``: columns per piece."""
+        held = np.flatnonzero((table >= 0).any(axis=0))
+        self.pieces = [held[first:first + per] for first in range(0, len(held), per)]
+        self.table, self.columns = table, columns
+        self.calls: list[host_kernel.TorchCall] = []
+        self.options: tuple | None = None  # what the calls were prepared for
+        self.pool: _PoolState | None = None
+        self.shift = 0  # the shift the calls' positions were prepared at
+
+    def attend(self, memory: MemoryTier, slabs: list[torch.Tensor], layout: BlockLayout, query: torch.Tensor,
+               length: int, mask: torch.Tensor | None, shift: int, scaling: float,
+               softcap: float | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        options = (query.shape, scaling, softcap, mask is None)
+        if options != self.options or self.pool is None or not self.pool.unchanged(layout.slot_bytes):
+            self.calls = [host_kernel.prepare_torch(query, slabs, self.table[:, piece], length, scaling=scaling,
+                                                    softcap=softcap, causal=mask is None,
+                                                    positions=self.columns[:, piece] - shift)
+                          for piece in self.pieces]  # fmt: skip
+            self.options, self.pool, self.shift = options, _PoolState.of(memory, layout.slot_bytes), shift
         out = lse = None
-        for first in range(0, len(columns), per):
-            piece = columns[first:first + per]
-            part = host_kernel.paged_attention_torch(self.query, slabs, table[:, piece], self.length,
-                                                     scaling=self.scaling, softcap=self.softcap,
-                                                     causal=self.mask is None, mask=self.mask,
-                                                     positions=self.positions[:, piece])  # fmt: skip
-            out, lse = merge(out, lse, *part)
+        for call in self.calls:  # (a piece's own output is 0 where it attends no key)
+            part = call(query, slabs, length, mask, shift - self.shift)
+            out, lse = part if out is None else merge(out, lse, *part)
         return out, lse
