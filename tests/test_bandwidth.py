@@ -139,6 +139,11 @@ def test_profile_errors_name_the_fix(tmp_path):
         LinkProfile({"gpu->moon": PRESETS["pcie4"]})
     with pytest.raises(InvalidConfigError, match="tierkv bench"):
         LinkProfile({}).link("host->device")
+    partial = LinkProfile.from_presets()
+    del partial.links["device->device"]
+    partial.save(tmp_path / "partial.json")
+    with pytest.raises(InvalidConfigError, match=r"profile '.*partial\.json' has no 'device->device' link"):
+        LinkProfile.load(tmp_path / "partial.json").link("device->device")
     with pytest.raises(InvalidConfigError, match=r"compute_by_copies=0.5 must be a slowdown in \[1, 4\]"):
         Contention(compute_by_copies=0.5)
     with pytest.raises(InvalidConfigError, match="layer_overhead_s=-1 must be a finite number of seconds"):

@@ -245,6 +245,8 @@ class LinkProfile:
     host_attention: HostAttention | None = None
     """The host attention kernel's measured rate (``tierkv bench``); None in presets and in profiles measured
     before it was (the planner then estimates it: ``tierkv.planner.host_attention_rate``)."""
+    path: str = field(default="", compare=False, repr=False)
+    """The file :meth:`load` read it from (errors name it); empty for a profile built in code."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.links) - set(LINK_KEYS))
@@ -271,8 +273,9 @@ class LinkProfile:
         try:
             return self.links[key]
         except KeyError:
+            where = f" {self.path!r}" if self.path else ""
             raise InvalidConfigError(
-                f"the link profile has no '{key}' link (it has: {', '.join(self.links) or 'none'}); "
+                f"the link profile{where} has no '{key}' link (it has: {', '.join(self.links) or 'none'}); "
                 "measure it with `tierkv bench` or start from LinkProfile.from_presets()."
             ) from None
 
@@ -329,7 +332,7 @@ class LinkProfile:
                 "...}, "
                 '"machine": {...}}.'
             ) from None
-        return cls(links, machine, serial, contention, overhead, attention)
+        return cls(links, machine, serial, contention, overhead, attention, os.fspath(path))
 
     @classmethod
     def from_presets(cls, link: str = "pcie4", disk: str = "nvme-gen4") -> LinkProfile:
