@@ -15,12 +15,13 @@ Interface (also used by the remote tier)::
 
     ns = Namespace.of_model(model, block_tokens=256)  # or Namespace(fingerprint=..., layers=..., ...)
     keys = block_keys(ns.root, ids, 256)             # one hex key per *full* block of ids (a 1-D int sequence)
-    model_fingerprint(model)                          # hex digest of config + every parameter's bytes
+    model_fingerprint(model)                          # hex digest of config + every parameter's bytes + adapters
 
 Keys are 32 hex characters (BLAKE2b, 128 bits): cryptographic, so two different prefixes cannot be made to
 collide on purpose, and short enough for file names and Redis keys. The fingerprint hashes *every byte* of
 every parameter and buffer (xxh3-128; a model that differs in one weight element, e.g. a fine-tune of one
-layer, has another fingerprint and never reuses this one's blocks). That costs one pass over the weights
+layer, has another fingerprint and never reuses this one's blocks), and which adapters (LoRA) the model applies
+now: an adapter's weights are parameters whether it is active or not. That costs one pass over the weights
 (measured in docs/reliability.md), so the tensor digests are kept per model object and reused while each
 tensor is the same storage at the same version (``tensor._version``, which every in-place operation and
 ``load_state_dict`` bump); a write through ``tensor.data`` is not seen — pass ``cached=False`` after one.
@@ -65,13 +66,17 @@ _TENSOR_DIGESTS: weakref.WeakKeyDictionary[Any, tuple[tuple, bytes]] = weakref.W
 
 def model_fingerprint(model: torch.nn.Module, cached: bool = True) -> str:
     """Hex digest of what makes ``model`` compute what it does: its config (without its path and the
-    transformers version) and, for every parameter and buffer, its name, shape, dtype and all of its bytes.
-    The tensors' digest is computed once per model object and reused while no tensor was replaced or changed
-    in place (``cached=False`` hashes them again: after a write through ``.data``, which torch does not count)."""
+    transformers version), for every parameter and buffer its name, shape, dtype and all of its bytes, and which
+    adapters its adapter layers apply (:func:`adapter_state`; absent from a model without them). The tensors'
+    digest is computed once per model object and reused while no tensor was replaced or changed in place
+    (``cached=False`` hashes them again: after a write through ``.data``, which torch does not count)."""
     config = getattr(model, "config", None)
     described = config.to_dict() if config is not None else {"class": type(model).__qualname__}
     for key in _CONFIG_NOISE:
         described.pop(key, None)
+    adapters = adapter_state(model)
+    if adapters:
+        described["tierkv_adapters"] = adapters
     tensors = [(name, tensor.detach()) for name, tensor in [*model.named_parameters(), *model.named_buffers()]]
     state = _state(tensors)
     known = _TENSOR_DIGESTS.get(model) if cached else None
@@ -82,8 +87,31 @@ def model_fingerprint(model: torch.nn.Module, cached: bool = True) -> str:
 
 def tensor_state(model: torch.nn.Module) -> tuple:
     """What ``model``'s parameters and buffers are now, cheaply (no byte read): name, storage, offset, version
-    (in-place writes count, ``load_state_dict`` among them), shape, dtype, device. Equal states: equal weights."""
-    return _state([(name, tensor.detach()) for name, tensor in [*model.named_parameters(), *model.named_buffers()]])
+    (in-place writes count, ``load_state_dict`` among them), shape, dtype, device; and the adapters it applies
+    (:func:`adapter_state`). Equal states: equal weights."""
+    tensors = [(name, tensor.detach()) for name, tensor in [*model.named_parameters(), *model.named_buffers()]]
+    return (*_state(tensors), tuple(map(tuple, adapter_state(model))))
+
+
+def adapter_state(model: torch.nn.Module) -> list[list]:
+    """For each adapter layer of ``model`` (peft's LoRA and kin: a module whose ``active_adapters`` is a list of
+    names and ``disable_adapters`` a bool), its name, the adapters it applies, whether they are turned off, the ones
+    merged into its weights, and the active ones' scales. Switching adapters or turning them off changes what the
+    model computes without changing a parameter: K/V stored under one adapter is not another's."""
+    state: list[list] = []
+    for name, module in model.named_modules():
+        disabled = getattr(module, "disable_adapters", None)
+        active = getattr(module, "active_adapters", None) if isinstance(disabled, bool) else None
+        if isinstance(active, str):
+            active = [active]
+        if not isinstance(active, (list, tuple)):
+            continue
+        scaling = getattr(module, "scaling", None)
+        scales = sorted((str(k), float(v)) for k, v in scaling.items() if k in active) \
+            if isinstance(scaling, dict) else []  # fmt: skip
+        state.append([name, [str(a) for a in active], disabled, [str(m) for m in getattr(module, "merged_adapters",
+                                                                                         ())], scales])  # fmt: skip
+    return state
 
 
 def weights_sample(model: torch.nn.Module, per_tensor: int = 8) -> torch.Tensor:

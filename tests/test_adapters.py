@@ -1,0 +1,98 @@
+"""A model with LoRA adapters (peft) computes other K/V under each adapter, and other again with them turned off,
+while its parameters and config stay the same: stored K/V and conversation files are one adapter's, never
+another's."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from models import tiny_model
+from transformers import DynamicCache
+
+from tierkv import TieredCache
+from tierkv.errors import InvalidConfigError
+from tierkv.persist.keys import model_fingerprint
+
+peft = pytest.importorskip("peft")
+
+
+def lora_model() -> torch.nn.Module:
+    """A tiny Llama with two LoRA adapters "a" and "b" of random (non-zero) weights (peft edits the model it
+    wraps: a copy of the shared one)."""
+    torch.manual_seed(0)
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+              "init_lora_weights": False}
+    model = peft.get_peft_model(copy.deepcopy(tiny_model("llama")), peft.LoraConfig(**config), adapter_name="a")
+    model.add_adapter("b", peft.LoraConfig(**config))
+    return model.eval()
+
+
+def applying(model: torch.nn.Module, adapter: str) -> contextlib.AbstractContextManager:
+    """Adapter ``adapter`` active, or "off": every adapter turned off (the base model)."""
+    if adapter == "off":
+        return model.disable_adapter()
+    model.set_adapter(adapter)
+    return contextlib.nullcontext()
+
+
+def test_a_prefix_stored_under_one_adapter_is_not_loaded_under_another(tmp_path):
+    model = lora_model()
+    ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+
+    def turn(adapter: str) -> int:
+        with applying(model, adapter), torch.no_grad():
+            with TieredCache(gpu_gb="1MB", cpu_gb="1MB", disk_dir=tmp_path, persist=True, block_tokens=8,
+                             config=model.config) as cache:  # fmt: skip
+                loaded = cache.load_prefix(model, ids)
+                logits = model(input_ids=ids[:, loaded:], past_key_values=cache).logits[0, -1]
+            reference = model(input_ids=ids, past_key_values=DynamicCache()).logits[0, -1]
+        torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
+        return loaded
+
+    assert turn("a") == 0
+    assert turn("b") == 0  # adapter a's blocks are not b's
+    assert turn("off") == 0  # nor the base model's
+    assert turn("a") == 32  # the same adapter reuses its own (four full 8-token blocks before the last token)
+    fingerprints = set()
+    for adapter in ("a", "b", "off"):
+        with applying(model, adapter):
+            fingerprints.add(model_fingerprint(model))
+    assert len(fingerprints) == 3
+
+
+def test_a_conversation_saved_under_one_adapter_is_refused_under_another(tmp_path):
+    model = lora_model()
+    ids = torch.randint(2, 128, (1, 24), generator=torch.Generator().manual_seed(6))
+    model.set_adapter("a")
+    with TieredCache(gpu_gb="1MB", cpu_gb="1MB", block_tokens=8) as cache, torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+        cache.save(tmp_path / "c.tkv", model=model)
+    model.set_adapter("b")
+    with pytest.raises(InvalidConfigError, match="saved from another model"):
+        TieredCache.load(tmp_path / "c.tkv", model=model, gpu_gb="1MB", cpu_gb="1MB")
+    model.set_adapter("a")
+    with TieredCache.load(tmp_path / "c.tkv", model=model, gpu_gb="1MB", cpu_gb="1MB") as loaded:
+        assert loaded.get_seq_length() == 24
+
+
+def test_an_adapter_switched_mid_sequence_persists_nothing_after_the_switch(tmp_path):
+    model = lora_model()
+    ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(7))
+    options = {"gpu_gb": "1MB", "cpu_gb": "1MB", "disk_dir": tmp_path, "persist": True, "block_tokens": 8,
+               "config": model.config}
+    model.set_adapter("a")
+    with TieredCache(**options) as cache, torch.no_grad():
+        assert cache.load_prefix(model, ids) == 0
+        model(input_ids=ids[:, :16], past_key_values=cache)
+        model.set_adapter("b")  # the rest is computed by another model
+        model(input_ids=ids[:, 16:], past_key_values=cache)
+    model.set_adapter("a")
+    with TieredCache(**options) as cache, torch.no_grad():
+        loaded = cache.load_prefix(model, ids)
+        logits = model(input_ids=ids[:, loaded:], past_key_values=cache).logits[0, -1]
+    assert loaded <= 16
+    reference = model(input_ids=ids, past_key_values=DynamicCache()).logits[0, -1]
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
