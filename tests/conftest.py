@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,15 @@ def cuda_protocol_checked():
     standin = cuda_standin.fresh()
     yield
     standin.check()
+
+
+@pytest.fixture
+def public_tmp() -> Iterator[Path]:
+    """A directory as /tmp is (1777): another user can make names in it."""
+    path = Path(tempfile.mkdtemp(prefix="tierkv-shared-"))
+    path.chmod(0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

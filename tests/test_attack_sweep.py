@@ -27,15 +27,12 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -68,15 +65,6 @@ needs_other_user = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to g
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama", layers=3)
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    """A directory as /tmp is (1777): another user can make names in it."""
-    path = Path(tempfile.mkdtemp(prefix="tierkv-sweep-"))
-    path.chmod(0o1777)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def raw_record(text: bytes, payload: bytes = b"") -> bytes:

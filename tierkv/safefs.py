@@ -9,9 +9,11 @@ The rules (docs/reliability.md, "Security"):
   Everything below it is named relative to the directory's descriptor (``dir_fd=``), so a directory renamed
   or replaced after it was checked is never followed.
 - A directory the user named is refused when another user could rename tierkv's files in it: when it belongs
-  to another user (root aside), or its group or every user can write it and it lacks the sticky bit. With the
-  group-shared opt-in it may belong to, and be writable by, a group of this process. So is one that is a symbolic
-  link of another user (root aside): planted in /tmp, it would point tierkv at any directory of this user's.
+  to another user (root aside), or its group, every user or a POSIX ACL entry of another user or group can write
+  it and it lacks the sticky bit. With the group-shared opt-in it may belong to, and be writable by, a group of
+  this process. So is one that is a symbolic link of another user (root aside), or whose path goes through a link
+  that another user planted in a sticky directory every user can write (the rule of Linux's
+  ``fs.protected_symlinks``): planted in /tmp, it would point tierkv at any directory of this user's.
 - Files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a random name (a planted name fails, it is
   never opened) and ``fchmod``-ed to 0600 (0660 shared) whatever the umask; a file is replaced by renaming
   such a temporary file over it (a symlink in its place is replaced, not followed); its writer holds its
@@ -73,13 +75,15 @@ UNWRITABLE = "Name a directory you can write."
 
 
 def open_user_directory(path: str | os.PathLike, unwritable: str = UNWRITABLE) -> int:
-    """A descriptor of the directory the user named (links in *its* path are the user's choice and followed),
-    made 0700 if tierkv creates it; refused when another user could rename or replace tierkv's files in it: one
-    owned by another user (root aside), or one its group or every user can write without the sticky bit. The
-    group-shared opt-in accepts a directory of a group of this process (owned or writable by it). One this user
-    may not create or open is refused with ``unwritable`` as the fix."""
+    """A descriptor of the directory the user named (links in *its* path are the user's choice and followed, but
+    not one another user planted in a sticky directory: :func:`_check_planted_links`), made 0700 if tierkv
+    creates it; refused when another user could rename or replace tierkv's files in it: one owned by another user
+    (root aside), or one its group, every user or an ACL entry of another user or group can write without the
+    sticky bit. The group-shared opt-in accepts a directory of a group of this process (owned or writable by it).
+    One this user may not create or open is refused with ``unwritable`` as the fix."""
     path = Path(path)
     try:
+        _check_planted_links(path)
         if not path.exists():
             _make_directories(path)
         seen = _check_link_owner(path)
@@ -94,6 +98,8 @@ def open_user_directory(path: str | os.PathLike, unwritable: str = UNWRITABLE) -
                          "link?)", "Name a directory only you can write, in a directory only you can write.",
                          errno.ELOOP)
         _check_user_directory(path, status)
+        if not status.st_mode & stat.S_ISVTX:
+            _check_acl(path, fd)
     except BaseException:
         os.close(fd)
         raise
@@ -111,6 +117,56 @@ def _make_directories(path: Path) -> None:
     for directory in reversed(missing):
         with contextlib.suppress(FileExistsError):
             os.mkdir(directory, dir_mode())
+
+
+_MAX_LINKS = 40  # links the kernel follows in one path before it gives up (ELOOP)
+
+
+def _check_planted_links(path: Path) -> None:
+    """Refuse (:func:`refuse`) ``path`` if resolving it goes through a symbolic link in a sticky directory every
+    user can write (/tmp) that neither this user nor that directory's owner owns: another user planted it, and can
+    point it at any directory of this user's. Linux's ``fs.protected_symlinks`` refuses to follow such a link
+    only where it is on; tierkv checks it itself. Links of this user's, or in other directories, are followed.
+    Each component is looked at as the kernel resolves it (``..`` after a link goes up from its target); a missing
+    one is taken for the directory tierkv will make there."""
+    current = Path("/")  # the link-free directory resolved so far
+    pending = list(reversed((path if path.is_absolute() else Path.cwd() / path).parts[1:]))  # the next one last
+    links = 0
+    while pending:
+        name = pending.pop()
+        if name == "..":
+            current = current.parent
+            continue
+        entry = current / name
+        try:
+            status = os.lstat(entry)
+        except OSError:  # missing (tierkv makes it, a directory) or unreachable (opening it fails): no link
+            current = entry
+            continue
+        if not stat.S_ISLNK(status.st_mode):
+            current = entry
+            continue
+        try:
+            folder = os.stat(current)
+        except OSError:
+            return  # gone meanwhile: opening it says so
+        shared = folder.st_mode & stat.S_ISVTX and folder.st_mode & stat.S_IWOTH
+        if shared and status.st_uid not in (os.geteuid(), folder.st_uid):
+            raise refuse(path, f"{str(entry)!r} is a symbolic link of another user (uid {status.st_uid}) "
+                         f"in {str(current)!r}, a sticky directory every user can write, so that user can point it "
+                         "at any directory of yours", "Remove the link and name a directory of your own, or name "
+                         "the link's target itself if you trust it.", errno.ELOOP)
+        links += 1
+        try:
+            target = os.readlink(entry)
+        except OSError:
+            return  # gone meanwhile: opening it says so
+        if links > _MAX_LINKS:
+            return  # a loop: opening it says so (ELOOP)
+        parts = Path(target).parts
+        if os.path.isabs(target):
+            current, parts = Path("/"), parts[1:]
+        pending.extend(reversed(parts))
 
 
 def _check_link_owner(path: Path) -> os.stat_result | None:
@@ -147,6 +203,43 @@ def _check_user_directory(path: Path, status: os.stat_result) -> None:
         raise refuse(path, f"its group (gid {status.st_gid}) can write it and it has no sticky bit, so another "
                      "member could replace tierkv's files in it", "chmod g-w it or use a directory only you "
                      "can write; for a directory shared by that group, set TIERKV_SHARED_GROUP=1.")
+
+
+_ACL_XATTR = "system.posix_acl_access"
+_ACL_VERSION = 2
+_ACL_USER, _ACL_GROUP, _ACL_MASK = 0x02, 0x08, 0x10  # tags of named users, named groups and the mask
+_ACL_WRITE = 0x02
+
+
+def _check_acl(path: Path, fd: int) -> None:
+    """Refuse (:func:`refuse`) the directory ``fd`` if its POSIX ACL lets another user (root aside) or a named
+    group write it: ``chmod`` bits show only the ACL's mask, so ``setfacl -m u:other:rwx`` leaves it looking
+    private. A group of this process with the group-shared opt-in, or this user's private group, is this user's.
+    No ACL, or a filesystem without them, is nothing to refuse."""
+    try:
+        acl = os.getxattr(fd, _ACL_XATTR)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return
+        raise
+    fix = f"Remove the ACL (setfacl -b {str(path)!r}) or use a directory only you can write."
+    if len(acl) < 4 or (len(acl) - 4) % 8 or int.from_bytes(acl[:4], "little") != _ACL_VERSION:
+        raise refuse(path, "it has a POSIX ACL tierkv cannot read, which may let others write it", fix)
+    entries = [(int.from_bytes(acl[at:at + 2], "little"), int.from_bytes(acl[at + 2:at + 4], "little"),
+                int.from_bytes(acl[at + 4:at + 8], "little")) for at in range(4, len(acl), 8)]
+    mask = next((perm for tag, perm, _ in entries if tag == _ACL_MASK), _ACL_WRITE)
+    groups = _groups() if shared_group() else set()
+    for tag, perm, ident in entries:
+        if not perm & mask & _ACL_WRITE:
+            continue
+        if tag == _ACL_USER and ident not in (os.geteuid(), 0):
+            who = f"another user (uid {ident})"
+        elif tag == _ACL_GROUP and ident not in groups and not _private_group(ident):
+            who = f"the group gid {ident}"
+        else:
+            continue
+        raise refuse(path, f"its POSIX ACL lets {who} write it and it has no sticky bit, so they could replace "
+                     "tierkv's files in it (its mode shows only the ACL's mask)", fix)
 
 
 def _private_group(gid: int) -> bool:

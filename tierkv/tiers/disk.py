@@ -305,13 +305,11 @@ class DiskTier:
             reclaim_dead(self._fd, self.directory)
             with deferred_interrupts():  # the lease is recorded (released by the finalizer) as it is made
                 self._lease = Lease(self._fd, self.directory)  # also proves that the directory takes new files
-        except DiskTierError:
+        except BaseException as exc:  # whatever fails, the directory's descriptor is closed
             if self._fd >= 0:
                 os.close(self._fd)
-            raise
-        except OSError as exc:
-            if self._fd >= 0:
-                os.close(self._fd)
+            if isinstance(exc, DiskTierError) or not isinstance(exc, OSError):
+                raise
             if exc.errno == errno.ENOSPC and _no_inodes_left(self.directory):
                 raise disk_error(exc, self.directory / "tierkv-*.lock") from exc
             limit = limit_advice(exc)

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 
 import psutil
@@ -103,7 +104,7 @@ def reclaim_dead(directory: int, where: Path) -> list[Path]:
 
     A lock file nobody holds, and the ``.kv`` files with its prefix, go; so do ``.kv`` files without a lock
     file whose pid is not running (left by versions before lock files). Only regular files of this user are
-    removed; everything else stays.
+    looked at and removed; everything else (another user's names in a shared directory) stays untouched.
     """
     try:
         names = os.listdir(directory)
@@ -115,16 +116,17 @@ def reclaim_dead(directory: int, where: Path) -> list[Path]:
     for name in names:
         match = _LOCK.match(name)
         if match is not None:
-            prefix = name[: -len(".lock")]
-            (dead if _take(directory, name, where, removed) else live).add(prefix)
-        elif _PENDING.match(name):
+            if _ours(directory, name):
+                prefix = name[: -len(".lock")]
+                (dead if _take(directory, name, where, removed) else live).add(prefix)
+        elif _PENDING.match(name) and _ours(directory, name):
             _take(directory, name, where, removed)
     for name in names:
         match = _DATA.match(name)
-        if match is None:
+        if match is None or not _ours(directory, name):
             continue
         prefix = f"tierkv-{match.group(1)}-{match.group(2)}"
-        if prefix in live or (prefix not in dead and psutil.pid_exists(int(match.group(1)))):
+        if prefix in live or (prefix not in dead and _running(match.group(1))):
             continue
         try:
             if safefs.remove_regular(directory, name):
@@ -134,6 +136,25 @@ def reclaim_dead(directory: int, where: Path) -> list[Path]:
     if removed:
         log.info("tierkv: removed %d file(s) that processes which died left in %s", len(removed), where)
     return removed
+
+
+def _ours(directory: int, name: str) -> bool:
+    """Whether ``name`` in ``directory`` is a regular file tierkv may remove (:func:`tierkv.safefs.is_ours`),
+    told by one ``lstat``: another user's entries in a shared directory (any number of them, with any name)
+    cost nothing more, and nothing in them is acted on."""
+    try:
+        status = os.stat(name, dir_fd=directory, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(status.st_mode) and safefs.is_ours(status)
+
+
+_PID_MAX = 2**31 - 1  # the largest pid_t: a number above it names no process
+
+
+def _running(pid: str) -> bool:
+    """Whether the process of ``pid`` (the digits of a file name) is running; a number no pid can be is not."""
+    return int(pid) <= _PID_MAX and psutil.pid_exists(int(pid))
 
 
 def _take(directory: int, name: str, where: Path, removed: list[Path]) -> bool:
