@@ -29,14 +29,13 @@ import json
 import math
 import os
 import random
-import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from tierkv import safefs
 from tierkv.errors import InvalidConfigError
-from tierkv.inputs import read_json
+from tierkv.inputs import printable, read_json
 from tierkv.vocabulary import PROFILE_LINKS, LinkName
 
 LINK_KEYS = PROFILE_LINKS
@@ -903,16 +902,6 @@ def _check_plausible(links: dict[str, Link], attention: HostAttention | None, ov
     for what, seconds in [*times, ("layer_overhead_s", overhead)]:
         if seconds > MAX_LINK_LATENCY_S:
             raise ValueError(f"{what}={seconds!r} is above {MAX_LINK_LATENCY_S:g} s")
-
-
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
-"""C0 and C1 control characters and DEL: what makes a terminal move the cursor, set its title or clear the screen."""
-
-
-def printable(value: object) -> str:
-    """``value`` as text with its control characters removed: the strings of a profile file (link and kernel
-    names, ``machine``) reach the terminal, and one from anyone must not drive it."""
-    return _CONTROL.sub("", str(value))
 
 
 def _shown(value: object, limit: int = 40) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -24,6 +25,16 @@ def env_str(name: str, default: str | None = None) -> str | None:
     """Read a ``TIERKV_*`` environment knob (empty counts as unset)."""
     value = os.environ.get(name, "").strip()
     return value or default
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+"""C0 and C1 control characters and DEL: what makes a terminal move the cursor, set its title or clear the screen."""
+
+
+def printable(value: object) -> str:
+    """``value`` as text with its control characters removed: text from a file or a server anyone may write (a
+    profile's link names, a remote server's error reply) reaches the terminal and the logs, and must not drive the
+    one or forge lines in the other."""
+    return _CONTROL.sub("", str(value))
 
 
 def read_json(path: str | os.PathLike[str], what: str, fix: str, limit: int = MAX_JSON_BYTES,

@@ -44,6 +44,7 @@ from typing import Any
 
 from tierkv import settings
 from tierkv.errors import IntegrityError, NewerFormatError, TierKVError
+from tierkv.inputs import printable
 from tierkv.persist import manifest, record
 from tierkv.persist.blockfile import Item, PersistentStore
 from tierkv.persist.keys import Namespace
@@ -188,7 +189,8 @@ class ChainedBlockStore:
             self._save_failed(error)
 
     def _save_failed(self, error: BaseException) -> None:
-        log.warning("tierkv: keeping remote blocks on the local disk failed (they stay remote): %s", error)
+        log.warning("tierkv: keeping remote blocks on the local disk failed (they stay remote): %s",
+                    printable(error))  # (the server's bytes may be in it)
 
     # ---------------------------------------------------------------------------------- management
     def stats(self) -> dict[str, Any]:

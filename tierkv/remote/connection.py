@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from tierkv import logs
 from tierkv.errors import InvalidConfigError
+from tierkv.inputs import printable
 from tierkv.remote.url import RemoteURL
 
 log = logging.getLogger("tierkv.remote")
@@ -94,8 +95,9 @@ class RemoteConnection:
         """Log ``message`` at WARNING, at most once a minute for each ``kind`` and server in the process
         (:mod:`tierkv.logs`: every cache of the process, one per conversation, meets the server's condition),
         with how often this connection met it so far unless the message ``counted`` that itself; the password is
-        masked wherever a message (an exception's text, say) would carry it."""
-        message = self.url.scrub(message)
+        masked wherever a message (an exception's text, say) would carry it, and control characters are removed: the
+        server's own text (an error reply) must not drive the terminal or forge log lines."""
+        message = printable(self.url.scrub(message))
         with self._lock:
             self.counts[f"warnings_{kind}"] += 1
             seen = self.counts[f"warnings_{kind}"]
