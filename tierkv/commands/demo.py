@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import tempfile
 import time
@@ -29,6 +30,7 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
+from tierkv import safefs
 from tierkv.commands import (
     add_json_argument,
     check_fits_machine,
@@ -76,13 +78,17 @@ TIER_OVERHEAD = 1.5  # the tiered run's time over the in-memory roofline estimat
 ANSWER_CHARS = 40  # characters of the answer the summary table shows
 CHECKPOINT_DECODE = 32  # tokens decoded from a --prompt-file by default (no expected answer to size it by)
 DEFAULT_SPARSE_TOKENS = 0.1  # --sparse-tokens: a tenth of the context
+PROMPT_BYTES_PER_TOKEN = 16  # a --prompt-file's bound per token of --context: text takes 3-6 bytes per token
+PROMPT_MIN_BYTES = 16 << 20  # its bound without a --context that raises it: a million tokens of text and more
 
 FILE_SETTINGS = ("profile", "trace")  # the cache reads $TIERKV_PROFILE, traces to $TIERKV_TRACE (tierkv.cli)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=tokens("--context", minimum=64), default=None,
-                        help="haystack length in tokens, e.g. 8K, 1.5K, 32768 (default 32K; 4K with a real --model)")
+                        help="haystack length in tokens, e.g. 8K, 1.5K, 32768 (default 32K; 4K with a real --model); "
+                             "with --prompt-file, the prompt's length decides, and --context only raises the "
+                             "file's size bound")
     parser.add_argument("--gpu-gb", type=size("--gpu-gb"), default=None,
                         help="device budget, GB or a size ('8MiB'); default: 1/8 of the KV plus the executor's minimum")
     parser.add_argument("--executor", choices=[*CLI_EXECUTORS, "split"], default="streaming",
@@ -122,7 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a named model (demo, smollm2, gemma3: see tierkv.models) or a local HF checkpoint folder "
                              "(needs --prompt-file) instead of the demo model")
     parser.add_argument("--prompt-file", type=existing_file("--prompt-file"), default=None,
-                        help="prompt text for --model")
+                        help=f"prompt text for --model, UTF-8; at most {PROMPT_MIN_BYTES >> 20} MiB, or "
+                             f"{PROMPT_BYTES_PER_TOKEN} bytes per token of --context where that is more")
     parser.add_argument("--random-model", action="store_true", help="a tiny random Llama (exactness only)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the check that decodes the same tokens again with an in-memory DynamicCache "
@@ -138,7 +145,7 @@ def _check_combination(args: argparse.Namespace) -> None:
     if args.prompt_file and not folder:
         raise InvalidConfigError("--prompt-file needs --model with a checkpoint folder (the named models build "
                                  "their own haystack).")
-    if args.prompt_file and not args.prompt_file.read_bytes().strip():
+    if args.prompt_file and not _read_prompt(args.prompt_file, args.context).strip():
         raise InvalidConfigError(f"--prompt-file {str(args.prompt_file)!r} is empty; give a file with the prompt "
                                  "text to decode from.")
     named = _named_model(args)
@@ -397,7 +404,7 @@ def _load(args: argparse.Namespace, status: Console, phases: Phases):
     if isinstance(args.model, Path):
         with phases.phase(f"loading {args.model}"):
             model, tokenizer = _load_checkpoint(args.model)
-        prompt = _tokenize_prompt(tokenizer, args.prompt_file, status)
+        prompt = _tokenize_prompt(tokenizer, args.prompt_file, status, args.context)
         return _with_decoder(model, tokenizer), prompt, None, args.max_new_tokens or CHECKPOINT_DECODE
     if isinstance(args.model, str) and args.model != "demo":
         return _real_model_question(args, status, phases)
@@ -482,14 +489,41 @@ def _load_checkpoint(folder: Path):
     return models.load_folder(folder, what=f"--model {str(folder)!r}")
 
 
-def _tokenize_prompt(tokenizer, path: Path, status: Console) -> list[int]:
-    """The prompt's ids, with a warning when the tokenizer makes far fewer tokens than the text has words:
-    a checkpoint whose tokenizer files transformers maps to the wrong class (seen with Qwen2) silently
-    turns a long prompt into a handful of ids."""
+def _read_prompt(path: Path, context: int | None) -> str:
+    """The text of the prompt file ``path``, refused before anything is read when it holds more than
+    :data:`PROMPT_BYTES_PER_TOKEN` bytes per token of ``context`` (at least :data:`PROMPT_MIN_BYTES`): a huge file
+    (a sparse one costs no disk) would be allocated whole, then fail as an out-of-memory error. Only a regular file
+    is opened (a FIFO is never waited on), and the read stops past the bound where its size lies (/proc)."""
+    what = f"--prompt-file {str(path)!r}"
+    limit = max(PROMPT_MIN_BYTES, PROMPT_BYTES_PER_TOKEN * (context or 0))
+    fd = safefs.open_regular(None, path, what, follow=True)
     try:
-        text = path.read_text(encoding="utf-8")
+        size = os.fstat(fd).st_size
+        data = bytearray()
+        if size <= limit:
+            while len(data) <= limit and (chunk := os.read(fd, limit + 1 - len(data))):
+                data += chunk
+    finally:
+        os.close(fd)
+    size = max(size, len(data))
+    if size > limit:
+        raise InvalidConfigError(
+            f"{what} is {size:,} bytes ({format_bytes(size)}), more than the {limit:,} ({format_bytes(limit)}) a "
+            "prompt file may hold "
+            f"({PROMPT_BYTES_PER_TOKEN} bytes per token of --context, at least {format_bytes(PROMPT_MIN_BYTES)}); "
+            f"give a shorter prompt, or for one this long --context "
+            f"{format_tokens(-(-size // PROMPT_BYTES_PER_TOKEN))} or more.")
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InvalidConfigError(f"--prompt-file {str(path)!r} is not UTF-8 text ({exc.reason}).") from None
+        raise InvalidConfigError(f"{what} is not UTF-8 text ({exc.reason}).") from None
+
+
+def _tokenize_prompt(tokenizer, path: Path, status: Console, context: int | None = None) -> list[int]:
+    """The ids of the prompt file ``path`` (read by :func:`_read_prompt`, bounded by ``context``), with a warning
+    when the tokenizer makes far fewer tokens than the text has words: a checkpoint whose tokenizer files
+    transformers maps to the wrong class (seen with Qwen2) silently turns a long prompt into a handful of ids."""
+    text = _read_prompt(path, context)
     prompt = list(tokenizer(text)["input_ids"])
     if not prompt:
         raise InvalidConfigError(f"--prompt-file {str(path)!r} tokenizes to no tokens; give a file with text.")
