@@ -16,6 +16,7 @@ ends only its own line.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -83,14 +84,16 @@ def sweep_one(model_type: str, executor: str = "gather") -> dict:
         return {"type": model_type, "result": f"error@{stage}", "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
-def main(types: list[str]) -> None:
-    executor = "gather"
-    if "--executor" in types:
-        at = types.index("--executor")
-        executor = types[at + 1]
-        del types[at : at + 2]
-        if executor not in EXECUTORS:
-            sys.exit(f"--executor {executor}: give one of {', '.join(EXECUTORS)}")
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("types", nargs="*", metavar="TYPE",
+                        help="transformers model types to sweep, e.g. qwen3_next gpt2 (default: every causal-LM type, "
+                             "one child process each; one type runs in this process)")
+    parser.add_argument("--executor", choices=EXECUTORS, default="gather",
+                        help="gather: exact gather (default); streaming or split: decode inside "
+                             "`with cache.streaming(model):` or `with cache.split(model):`")
+    args = parser.parse_args(argv)
+    types, executor = args.types, args.executor
     if len(types) == 1:
         warnings.filterwarnings("ignore")
         print(json.dumps(sweep_one(types[0], executor)), flush=True)

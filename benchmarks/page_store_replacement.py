@@ -15,6 +15,7 @@ rules, counting the misses (pages read from disk) over the second half of the st
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from collections.abc import Callable
@@ -111,11 +112,16 @@ def replay(capacity: int, steps: Selections, rule: str) -> int:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("selections", nargs="*", type=int, default=[768, 1536], metavar="TOKENS",
+                        help="tokens the sparse run selects per layer, one run each (default: 768 1536); the context "
+                             "is $TIERKV_BENCH_SPARSE_CONTEXT (default 16384)")
+    args = parser.parse_args()
     rules = ("lru", "opt", "2q", "lrfu-1", "lrfu-4", "lrfu-16")
     print(f"context {test_sparse.CONTEXT}, device {test_sparse.GPU}: disk page misses over steps "
           f"{test_sparse.DECODE // 2}..{test_sparse.DECODE}, all layers")
     print(f"{'selection':>9} {'capacity':>8} {'lru KiB/step':>12} " + " ".join(f"{rule:>8}" for rule in rules))
-    for tokens in (int(arg) for arg in sys.argv[1:] or ["768", "1536"]):
+    for tokens in args.selections:
         layers, kib = record(tokens)
         misses = [sum(replay(capacity, steps, rule) for capacity, steps in layers) for rule in rules]
         print(f"{tokens:>9} {layers[0][0]:>8} {kib:>12.0f} " + " ".join(f"{m:>8}" for m in misses))

@@ -19,6 +19,7 @@ a fresh 2 MiB, against the same in a loop.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import os
@@ -94,6 +95,10 @@ def _after_streaming(rounds: int = 200) -> tuple[float, float]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                     epilog="$TIERKV_BENCH_DIR: the disk tier's directory (default: the temporary "
+                                            "directory). It takes no arguments.")
+    parser.parse_args()
     torch.set_num_threads(1)
     config = scale._disk_config()
     model, token = scale._model(config)

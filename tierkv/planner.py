@@ -90,9 +90,9 @@ class DeviceSpec:
 
 
 EXECUTORS = tuple(CLI_EXECUTORS)
-"""The executors ``tierkv demo`` and ``eval`` run (the ``--executor`` spellings of :mod:`tierkv.vocabulary`)."""
+"""The short ``--executor`` spellings of :mod:`tierkv.vocabulary` (:data:`~tierkv.vocabulary.CLI_EXECUTORS`)."""
 PLANNED = tuple(PLAN_EXECUTORS)
-"""``executor=`` values: :data:`EXECUTORS` and ``split``, which the planner prices before those commands run it."""
+"""``executor=`` values: :data:`EXECUTORS` and ``split``."""
 
 DEVICES: dict[str, DeviceSpec] = {
     # Data-sheet peaks: HBM/GDDR bandwidth and dense BF16 tensor FLOPs (no sparsity).

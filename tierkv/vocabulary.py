@@ -50,15 +50,16 @@ class ExecutorName(_Name):
     EXACT_GATHER = "exact_gather"
     STREAMING = "streaming"
     SPARSE = "sparse"
-    SPLIT = "split"  # each tier's share attended where it lives (tierkv plan prices it; not a demo/eval choice yet)
+    SPLIT = "split"  # each tier's share attended where it lives (tierkv plan prices it, tierkv demo runs it)
 
 
 CLI_EXECUTORS: dict[str, ExecutorName] = {"gather": ExecutorName.EXACT_GATHER, "streaming": ExecutorName.STREAMING,
                                           "sparse": ExecutorName.SPARSE}
-"""``--executor`` spellings of ``tierkv demo`` and ``eval`` -> executor."""
+"""Short ``--executor`` spellings -> executor: ``tierkv demo`` offers these and ``split``, ``tierkv eval`` these
+but ``sparse``."""
 
 PLAN_EXECUTORS: dict[str, ExecutorName] = {**CLI_EXECUTORS, "split": ExecutorName.SPLIT}
-"""``tierkv plan --executor`` spellings (the planner's ``executor=``): the CLI's and ``split``."""
+"""``tierkv plan --executor`` spellings (the planner's ``executor=``): :data:`CLI_EXECUTORS` and ``split``."""
 
 
 def executor_name(text: str) -> ExecutorName:
