@@ -202,3 +202,19 @@ def test_a_saved_kv_of_other_ids_is_refused_by_measure(run_folder: Path, capsys)
     os.replace(next((other / "kv").iterdir()), kv)
     assert main(_measure_args(run_folder)) == 2
     assert "was not prefilled from this prompt's token ids" in _one_line_error(capsys)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the folder another owner")
+@pytest.mark.parametrize("how", ["another owner", "group-writable"])
+def test_a_run_folder_another_user_can_write_is_refused_before_the_model_loads(how: str, run_folder: Path, capsys,
+                                                                              monkeypatch):
+    """A run folder another user owns or can write (one made in /tmp by someone else, with a reference and KV of
+    their own planted in it) is refused before anything in it is read or the model loads."""
+    if how == "another owner":
+        os.chown(run_folder, 1002, 1002)
+    else:
+        run_folder.chmod(0o770)
+        os.chown(run_folder, os.geteuid(), 1002)
+    _no_model(monkeypatch)
+    assert main(_measure_args(run_folder)) == 1  # (a DiskTierError, as for a disk_dir)
+    assert str(run_folder) in _one_line_error(capsys)

@@ -461,6 +461,7 @@ def _run_quality(args: argparse.Namespace, console, status: _Log, phases: Phases
     require_model_package(name)
     out = Path(args.out)
     if out.is_dir():  # what the tables after the run read, refused before the model loads and the run starts
+        os.close(safefs.open_user_directory(out))  # not one another user could have planted a reference or KV in
         check_results(out)
     with phases.phase(load_label(name), announce=first_load(name)):
         model, tokenizer = models.load(name, device=args.device)
