@@ -663,11 +663,13 @@ class TorchCall:
             start += slots
         batch, n = table.shape
         self.dense = len(self.gathers) == 1 and bool((table >= 0).all())  # one gather fills every entry in order
-        first = inputs.positions if inputs.positions is not None else np.arange(n, dtype=np.int64)[None] * entry
-        key_pos = self._tensor(np.broadcast_to(first, table.shape))[:, :, None] + tokens
-        self.key_pos = key_pos.reshape(batch, 1, n * entry)  # [B, 1 (query), keys]
-        self.present = self._tensor(table >= 0).repeat_interleave(entry, dim=1)[:, None]
-        self.attended = self.present & (self.key_pos >= 0)  # at offset 0
+        first = np.broadcast_to(inputs.positions if inputs.positions is not None else
+                                np.arange(n, dtype=np.int64)[None] * entry, table.shape)  # fmt: skip
+        # per entry, not per token: what stays on the device between calls is a few bytes a block
+        self.first = self._tensor(first)[:, :, None]  # [B, n, 1] each entry's first key position
+        self.present = self._tensor(table >= 0)[:, :, None]
+        self.negative = bool((first < 0).any())  # a key before position 0 (a window starting inside a block)
+        self.tokens = tokens
         self.query_offsets = torch.arange(self.shape[2], device=device)[None, :, None]
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -719,11 +721,13 @@ class TorchCall:
                 entries[gather[2]] = self._gather(chunks, *gather)
         keys = blocks[:, :, 0].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * entry, head_dim)
         values = blocks[:, :, 1].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * entry, head_dim)
-        key_pos = self.key_pos if not offset else self.key_pos - offset
-        allowed = self.attended if not offset else self.present & (key_pos >= 0)
+        key_pos = self.first + (self.tokens if not offset else self.tokens - offset)  # [B, n, entry]
         # per-row numbers as [B, 1, 1] device tensors; one number for every row stays a Python scalar (no copy)
         stop: int | torch.Tensor = lengths if isinstance(lengths, int) else self._tensor(lengths)[:, None, None]
-        allowed = allowed & (key_pos < stop)
+        allowed = self.present & (key_pos < stop)
+        if self.negative or offset > 0:
+            allowed = allowed & (key_pos >= 0)
+        key_pos, allowed = key_pos.reshape(batch, 1, n * entry), allowed.reshape(batch, 1, n * entry)  # [B, 1, keys]
         if self.causal and (q_len > 1 or query_start is not None or self.window):
             start = stop - q_len if query_start is None else self._tensor(query_start)[:, None, None]
             query_pos = self.query_offsets + start
