@@ -18,6 +18,14 @@ MAX_JSON_BYTES = 4 << 20
 """Largest JSON file :func:`read_json` reads: link profiles are a few KB and a Hugging Face ``config.json`` tens
 of KB, so this bounds what a wrong path (``/dev/zero``, a huge log) can cost without refusing a real file."""
 
+PARSE_FACTOR = 12
+"""Most bytes of Python objects :func:`parse_json` lets a JSON text become, per byte of the text: a file tierkv
+writes becomes 2-8 times its size (token ids, records of a few fields); ``[{},{},...]`` would become 24 times
+(an empty dict for every three bytes), which is refused before parsing."""
+_OBJECT_BYTES = {b"{": 72, b"[": 72, b'"': 28, b",": 28}
+"""What each of these bytes costs parsed, at most about: a dict or list (and its slot), half a short string (a
+string has two quotes), one more value (a slot and a number)."""
+
 JSON_SETTINGS = ("profile",)
 """Settings whose value is the path of a JSON file :func:`read_json` reads (its errors name the variable)."""
 
@@ -45,7 +53,7 @@ def read_json(path: str | os.PathLike[str], what: str, fix: str, limit: int = MA
     InvalidConfigError naming the path (and the ``TIERKV_*`` variable that gave it) and saying ``fix``."""
     name = os.fspath(path)
     try:
-        return json.loads(_read_regular(name, limit, follow))
+        return parse_json(_read_regular(name, limit, follow))
     except _Unusable as exc:
         problem = str(exc)
     except FileNotFoundError:
@@ -62,6 +70,22 @@ def read_json(path: str | os.PathLike[str], what: str, fix: str, limit: int = MA
 
 class _Unusable(Exception):
     """Why a JSON input is not read (a phrase)."""
+
+
+class CostlyJSONError(_Unusable, ValueError):
+    """A JSON text that would take far more memory parsed than a file tierkv writes (:func:`parse_json`)."""
+
+
+def parse_json(data: bytes | bytearray) -> Any:
+    """``json.loads(data)``, refused (:class:`CostlyJSONError`) before parsing where the objects it would build are
+    estimated from a count of its structural bytes at more than :data:`PARSE_FACTOR` times its size: a text of
+    nothing but empty objects or tiny strings would otherwise cost 10-25 times its size in memory whatever bound
+    its file size has."""
+    estimate = sum(data.count(byte) * cost for byte, cost in _OBJECT_BYTES.items())
+    if estimate > PARSE_FACTOR * len(data) + (64 << 10):
+        raise CostlyJSONError(f"would take about {estimate >> 20} MiB of memory to parse ({len(data):,} bytes "
+                              "of text, nearly all brackets, braces, quotes and commas), more than such a file does")
+    return json.loads(data)
 
 
 def _read_regular(name: str, limit: int, follow: bool) -> bytearray:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tierkv import safefs
 from tierkv.errors import IntegrityError
+from tierkv.inputs import parse_json
 from tierkv.persist import record
 from tierkv.persist.keys import KEY_BYTES
 
@@ -84,7 +85,7 @@ def load_at(directory: int, what: str) -> Manifest:
     header, payload = record.decode(data, what=what)
     record.check_format(header, "manifest", FORMAT, what)
     try:
-        listing = json.loads(bytes(payload))
+        listing = parse_json(bytes(payload))
     except (ValueError, RecursionError) as error:  # RecursionError: nested past the parser's stack
         raise IntegrityError(f"{what}: unreadable manifest listing ({str(error)[:200]}).") from None
     if not isinstance(listing, dict) or not isinstance(listing.get("blocks"), dict):
