@@ -163,7 +163,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def _one_line(exc: BaseException) -> str:
-    """The error as one line: TierKVError messages as written, OS errors as "what: which file"."""
+    """The error as one line: TierKVError messages as written, OS errors as "what: which file"; without control
+    characters (a message may quote a file's or a server's text, which must not drive the terminal)."""
+    from tierkv.inputs import printable
+
     if isinstance(exc, OSError) and not isinstance(exc, TierKVError) and exc.strerror:
         where = f": {exc.filename!r}" if exc.filename else ""
         fix = "free space there, or choose another path" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else \
@@ -171,7 +174,7 @@ def _one_line(exc: BaseException) -> str:
         text = f"{exc.strerror}{where}; {fix}"
     else:
         text = str(exc) or type(exc).__name__
-    return " ".join(text.split())
+    return printable(" ".join(text.split()))
 
 
 def _debug_requested(args: argparse.Namespace) -> bool:
@@ -273,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_main(argv: list[str] | None) -> int:
+    from tierkv import logs
+
+    logs.install()  # tierkv's log lines without control characters, whichever module logs first
     argv = sys.argv[1:] if argv is None else list(argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     prog = "tierkv" + (f" {chosen}" if chosen in SUBCOMMANDS else "")

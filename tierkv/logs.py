@@ -1,10 +1,41 @@
-"""Warnings that many caches of one process would each repeat (a server opens a cache per request): logged at
-most once per :data:`WARN_INTERVAL_S` for each subject (a server, a directory) and kind, process-wide."""
+"""tierkv's loggers: their messages without control characters (:class:`PrintableMessages`), and warnings that
+many caches of one process would each repeat (a server opens a cache per request) logged at most once per
+:data:`WARN_INTERVAL_S` for each subject (a server, a directory) and kind, process-wide."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+
+from tierkv.inputs import printable
+
+LOGGERS = ("tierkv", "tierkv.remote")
+"""The loggers tierkv logs through (a logger's filters see only its own records, not its children's)."""
+
+
+class PrintableMessages(logging.Filter):
+    """Drops the control characters of a record's formatted message: a message may quote a file name, a record's
+    key or a server's reply that anyone sharing a store may write, whose newline would forge a log line and whose
+    escapes would drive the terminal. The record's traceback (``exc_info``) is formatted by the handler, as ever."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        shown = printable(message)
+        if shown != message:
+            record.msg, record.args = shown, None
+        return True
+
+
+def install() -> None:
+    """Put one :class:`PrintableMessages` on each of :data:`LOGGERS` (again: no second)."""
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(existing, PrintableMessages) for existing in logger.filters):
+            logger.addFilter(PrintableMessages())
+
+
+install()
 
 WARN_INTERVAL_S = 60.0
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierkv.errors import InvalidConfigError
-from tierkv.inputs import read_json
+from tierkv.inputs import printable, read_json
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -275,8 +275,8 @@ def model_from_config(path: str | os.PathLike[str]) -> ModelSpec:
     sliding, window = _sliding_layers(cfg, layers, path)
     folder, file = os.path.split(os.path.abspath(path))
     return ModelSpec(
-        name=str(cfg.get("_name_or_path") or cfg.get("model_type")
-                 or (os.path.basename(folder) if file == "config.json" else file)),
+        name=printable(cfg.get("_name_or_path") or cfg.get("model_type")  # the plan's title: no terminal escapes
+                       or (os.path.basename(folder) if file == "config.json" else file))[:200],
         layers=layers,
         kv_heads=kv_heads,
         head_dim=head_dim,
@@ -317,7 +317,7 @@ def _layer_kinds(cfg: dict, layers: int, path: str) -> list[str]:
     unknown = sorted(set(kinds) - {*_KV_KINDS, *_OTHER_KINDS})
     if len(kinds) != layers or unknown or not any(kind in _KV_KINDS for kind in kinds):
         why = (f"{len(kinds)} layer kinds for {layers} layers" if len(kinds) != layers else
-               f"{', '.join(unknown)} layers, whose cache the planner does not model" if unknown else
+               f"{', '.join(map(_shown, unknown[:5]))} layers, whose cache the planner does not model" if unknown else
                "no attention layer: nothing of it is K/V for tierkv to place")  # fmt: skip
         raise InvalidConfigError(f"model config {path!r} has {why}. Plan with a config of its attention layers.")
     return kinds

@@ -22,6 +22,7 @@ import importlib.metadata
 import importlib.util
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from tierkv import safefs, settings
 from tierkv.errors import CheckpointError, InvalidConfigError, TierKVError
+from tierkv.inputs import parse_json, printable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -155,8 +157,8 @@ def _load_checkpoint(folder: Path, gguf: Callable[[Path], Path], install: str, m
     if not _has_checkpoint(folder):
         with tempfile.TemporaryDirectory(prefix=f".{folder.name}-gguf-", dir=folder.parent) as scratch:
             _dequantise(gguf(Path(scratch)), folder, install)
-    model = quietly(lambda: model_class.from_pretrained(folder, attn_implementation="sdpa"))
-    return model.to(device).eval(), AutoTokenizer.from_pretrained(folder)
+    model = quietly(lambda: model_class.from_pretrained(folder, attn_implementation="sdpa", trust_remote_code=False))
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
 def _has_checkpoint(folder: Path) -> bool:
@@ -202,8 +204,9 @@ def _dequantise(gguf: Path, folder: Path, install: str) -> None:
 
     from tierkv.demo.model import quietly
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = quietly(lambda: AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name))
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+    model = quietly(lambda: AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                                 trust_remote_code=False))
     config = copy.deepcopy(model.config)
     del config.quantization_config  # the weights written are plain float32 tensors, not GGUF blocks
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
@@ -223,12 +226,91 @@ def _dequantise(gguf: Path, folder: Path, install: str) -> None:
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 """Weights stored with pickle: loading them can run code, so :func:`load_folder` never does."""
 
+MAX_TOKENIZER_BYTES = 64 << 20
+"""Largest tokenizer vocabulary file of a checkpoint folder loaded (``tokenizer.json``, ``vocab.json``,
+``merges.txt``, ``tokenizer.model``): transformers reads it whole, and real ones are at most some 35 MB (Gemma 3's
+``tokenizer.json``)."""
+
+MAX_CHECKPOINT_TEXT_BYTES = 16 << 20
+"""Largest other JSON or text file of a checkpoint folder loaded (``config.json``, ``tokenizer_config.json``,
+``generation_config.json``, ``special_tokens_map.json``, ``*.index.json``, a chat template): transformers reads it
+whole, and real ones are at most a few MB (a many-shard index)."""
+
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+
+
+def _read_whole_limit(name: str) -> int | None:
+    """The most bytes a checkpoint folder's file ``name`` may have, as transformers reads it whole; None for a
+    file it does not (the safetensors weights, which are mapped and checked by their header)."""
+    if name in _TOKENIZER_FILES or name.endswith(".tiktoken"):
+        return MAX_TOKENIZER_BYTES
+    if name.endswith((".json", ".txt", ".jinja")):
+        return MAX_CHECKPOINT_TEXT_BYTES
+    return None
+
+
+def check_folder_files(folder: Path, names: set[str], what: str) -> None:
+    """Refuse (CheckpointError naming the file) a checkpoint ``folder`` (whose entries are ``names``) that
+    transformers would read a file of whole that is not a regular file (a FIFO would hang the load, a device
+    never end) or is larger than such a file is (a wrong or planted file would cost its size in memory), or whose
+    ``config.json`` names Python code of the folder (``auto_map``) for a model type transformers does not ship:
+    a folder's code is never run. Links are followed (a Hugging Face snapshot folder is links into its blobs)."""
+    fix = "give a folder that save_pretrained wrote"
+    for name in sorted(names):
+        limit = _read_whole_limit(name)
+        if limit is None:
+            continue
+        try:
+            status = (folder / name).stat()
+        except OSError as exc:
+            raise CheckpointError(f"{what}: its {printable(name)!r} cannot be read ({exc.strerror}); {fix}.") from None
+        if not stat.S_ISREG(status.st_mode):
+            raise CheckpointError(f"{what}: its {printable(name)!r} is {safefs.kind_of(status.st_mode)}, not a file; "
+                                  f"{fix}.")
+        if status.st_size > limit:
+            raise CheckpointError(f"{what}: its {printable(name)!r} is {status.st_size:,} bytes, more than the "
+                                  f"{limit >> 20} MiB such a file holds; {fix}.")
+    if "config.json" in names:
+        _check_no_code(folder / "config.json", what)
+
+
+def _check_no_code(config: Path, what: str) -> None:
+    """Refuse a ``config`` (already checked to be a small regular file) whose ``auto_map`` names the folder's own
+    Python for a model type transformers does not ship: loading it would need that code run. A known model type
+    with an ``auto_map`` loads with transformers' own classes. A file that is no JSON object is left for
+    transformers to refuse."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        data = parse_json(config.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return
+    if not isinstance(data, dict) or "auto_map" not in data:
+        return
+    model_type = data.get("model_type")
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return
+    raise CheckpointError(
+        f"{what}: its config.json names Python code of the folder to run (auto_map) for model type "
+        f"{printable(model_type)[:80]!r}, which transformers does not ship; tierkv never runs a folder's code: give "
+        "a checkpoint of a model type transformers knows.")
+
+
+def transformers_load(what: str, load: Callable[[], tuple]) -> tuple:
+    """``load()`` (transformers reading a checkpoint folder), whatever it raises on a bad folder turned into one
+    CheckpointError that starts with ``what`` and says the reason (control characters dropped)."""
+    try:
+        return load()
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises on a bad folder: one line, the reason
+        reason = " ".join(printable(exc).split())[:600] or type(exc).__name__  # the reason names what is wrong
+        raise CheckpointError(f"{what}: transformers cannot load it: {reason}") from exc
+
 
 def load_folder(folder: str | os.PathLike, device: str = "cpu", what: str | None = None) -> tuple:
     """``(model, tokenizer)`` of a local transformers checkpoint folder, weights from safetensors only
-    (nothing is unpickled). Every failure — a missing or unreadable file, pickle weights, a config or tensor
-    transformers refuses — is one :class:`~tierkv.errors.CheckpointError` that starts with ``what``
-    (default: the folder) and says why."""
+    (nothing is unpickled, none of the folder's code is run). Every failure — a missing, unreadable or oversized
+    file, pickle weights, a config or tensor transformers refuses — is one :class:`~tierkv.errors.CheckpointError`
+    that starts with ``what`` (default: the folder) and says why."""
     folder = Path(folder)
     what = what or f"checkpoint folder {str(folder)!r}"
     try:
@@ -237,23 +319,22 @@ def load_folder(folder: str | os.PathLike, device: str = "cpu", what: str | None
         raise CheckpointError(f"{what}: cannot list it ({exc.strerror}); give a folder that save_pretrained "
                                  "wrote.") from None
     if not any(name.endswith((".safetensors", ".safetensors.index.json")) for name in names):
-        pickles = sorted(name for name in names if name.endswith(PICKLE_SUFFIXES))
+        pickles = sorted(repr(printable(name)) for name in names if name.endswith(PICKLE_SUFFIXES))
         if pickles:
             raise CheckpointError(
                 f"{what}: transformers cannot load it: its weights ({', '.join(pickles[:3])}) are pickle files, which "
                 "tierkv never loads (unpickling can run code); convert them once, in an environment you trust, with "
                 "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder, safe_serialization=True).")
+    check_folder_files(folder, names, what)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True)
+    def load() -> tuple:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, trust_remote_code=False)
         # transformers declares PreTrainedModel.to with functools.wraps, whose stub is no method descriptor
-        model = model.to(device).eval()  # type: ignore[arg-type]
-    except Exception as exc:  # noqa: BLE001 - whatever transformers raises on a bad folder: one line, the reason
-        reason = " ".join(str(exc).split())[:600] or type(exc).__name__  # the reason names what is wrong
-        raise CheckpointError(f"{what}: transformers cannot load it: {reason}") from exc
-    return model, tokenizer
+        return model.to(device).eval(), tokenizer  # type: ignore[arg-type]
+
+    return transformers_load(what, load)
 
 
 MODELS: dict[str, ModelSpec] = {

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,8 +38,9 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # tierkv.quality's prompts and metrics (plain torch, no transformers needed)
 
+from tierkv import safefs  # noqa: E402
 from tierkv.quality.metrics import compare  # noqa: E402
-from tierkv.quality.run_folder import file_name, load_reference, read_results  # noqa: E402 (no transformers)
+from tierkv.quality.run_folder import load_logprobs, load_reference, logprob_path, read_results  # noqa: E402
 
 PRESSES = ("snapkv", "streaming_llm", "expected_attention", "knorm")
 
@@ -114,7 +116,8 @@ def teacher_forced(model, cache, fed: list[int], context_length: int) -> torch.T
 def load_model(folder: Path):
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+    return LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa", use_safetensors=True,
+                                            trust_remote_code=False).eval()
 
 
 def main() -> int:
@@ -141,7 +144,7 @@ def main() -> int:
     model = load_model(args.model_dir)
     budgets = [float(b) for b in args.budgets.split(",")]
     names = [p.strip() for p in args.presses.split(",") if p.strip()]
-    records = read_results(args.out)[1] if args.out.exists() else []  # resume
+    records = read_results(args.out)[1] if os.path.lexists(args.out) else []  # resume; a link is refused
     finished = {r["prompt"] for r in records}
     prompts = [p for p in prompts if p.key not in finished]
     started = time.perf_counter()
@@ -153,10 +156,8 @@ def main() -> int:
         caches = fan_out_prefill(model, context, variants)
         prefill_s = time.perf_counter() - t0
         reference = None
-        if fidelity:
-            import safetensors.torch
-
-            reference = safetensors.torch.load_file(str(args.reference / "logprobs" / file_name(prompt)))
+        if fidelity:  # checked against the model's vocabulary before it is read, never through a link
+            reference = load_logprobs(logprob_path(args.reference, prompt), prompt, model.config.vocab_size)
         for variant, cache in caches.items():
             kept = cache.get_seq_length()
             record = {"prompt": prompt.key, "task": prompt.task, "length": prompt.length, "depth": prompt.depth,
@@ -166,17 +167,18 @@ def main() -> int:
             if fidelity:
                 fed = [prompt.context_ids[-1], *prompt.continuation_ids[:-1]]
                 logits = teacher_forced(model, cache, fed, len(context))
-                record["agreement"] = compare(reference["logprobs"], logits).to_dict()
+                record["agreement"] = compare(reference, logits).to_dict()
             else:
                 record["generated"] = answer(model, cache, list(prompt.question_ids), len(context),
                                              prompt.answer_tokens)
             records.append(record)
             print(f"[{done + 1}/{len(prompts)}] {prompt.key} {record['method']}: "
                   f"{record.get('agreement') or record.get('generated')}", flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)  # after every prompt: a rerun resumes from here
-        args.out.write_text(json.dumps({"kvpress": kvpress_version, "transformers": transformers.__version__,
-                                        "torch": torch.__version__, "presses": names, "budgets": budgets,
-                                        "results": records}))
+        os.close(safefs.open_user_directory(args.out.parent))  # created 0700 if missing
+        # after every prompt (a rerun resumes from here); a link planted there is replaced, never written through
+        safefs.write_file(args.out, [json.dumps({"kvpress": kvpress_version, "transformers": transformers.__version__,
+                                                 "torch": torch.__version__, "presses": names, "budgets": budgets,
+                                                 "results": records}).encode()])
     print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
     return 0
 

@@ -51,12 +51,10 @@ those layers and the rule in the others: which layer's choice decides an answer.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-import safetensors.torch
 import torch
 from transformers import AttentionInterface
 
@@ -64,7 +62,7 @@ from tierkv import models
 from tierkv.attention.sparse import SparseBudget
 from tierkv.quality.harness import decode_saved
 from tierkv.quality.metrics import Agreement, compare
-from tierkv.quality.run_folder import load_reference, logprob_path
+from tierkv.quality.run_folder import load_logprobs, load_reference, logprob_path, read_reference
 from tierkv.quality.tasks import answer_matches
 
 RULES = ("quest", "mixed", "gauss", "gauss-bound", "per-head", "per-head-union", "oracle", "oracle-per-head",
@@ -316,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-layer", action="store_true", help="print each layer's read fraction")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    model, tokenizer = models.load(json.loads((args.reference / "reference.json").read_text()).get("model", "demo"))
-    prompts = [p for p in load_reference(args.reference)[0]
+    data = read_reference(args.reference)  # a link, a huge or damaged file: refused, naming the fix
+    model, tokenizer = models.load(data.get("model", "demo"))
+    prompts = [p for p in load_reference(args.reference, data)[0]
                if not args.prompts or p.key.startswith(tuple(args.prompts.split(",")))]
     for rule in args.rules.split(","):
         if rule not in RULES:
@@ -337,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             study.credit, study.bases, study.seen = 0, {}, {}
             generated, logits = decode_saved(model, args.reference, prompt)
             if prompt.task == "fidelity":
-                reference = safetensors.torch.load_file(str(logprob_path(args.reference, prompt)))["logprobs"]
+                reference = load_logprobs(logprob_path(args.reference, prompt), prompt, model.config.vocab_size)
                 fidelity[prompt.length] = fidelity.get(prompt.length, Agreement()) + compare(reference, logits)
             else:
                 needles += 1

@@ -58,6 +58,7 @@ from tierkv.commands.progress import (
     seconds,
 )
 from tierkv.errors import BudgetTooSmallError, InvalidConfigError
+from tierkv.inputs import printable
 from tierkv.quality.tasks import TASKS
 from tierkv.staging import REST_BITS
 from tierkv.units import format_size_option, format_tokens, plural
@@ -505,7 +506,7 @@ def _resumed_records(path: Path, setup: CacheSetup) -> list[dict]:
     saved_setup, saved = read_results_file(path)  # a link, a huge, damaged or foreign file: refused, naming the fix
     differences = setup_differences(setup, saved_setup)
     if differences:
-        said = ", ".join(f"--{name.replace('_', '-')} {'(the default)' if value is None else value}"
+        said = ", ".join(f"--{name.replace('_', '-')} {'(the default)' if value is None else printable(value)[:40]}"
                          for name, value in differences.items())
         raise InvalidConfigError(f"{str(path)!r} holds results measured with {said}, not this run's options: move "
                                  "it out of --out (or rerun with those options) so that no result is reused with "

@@ -21,9 +21,13 @@ class DemoWeightsMissingError(TierKVError, FileNotFoundError):
 
 def load_demo_model(device: str = "cpu", path: str | Path | None = None):
     """Return ``(model, tokenizer)``: the demo ``LlamaForCausalLM`` (fp32, sdpa, eval mode) on ``device``
-    and its ``PreTrainedTokenizerFast``. ``path`` defaults to the weights packaged with tierkv.
+    and its ``PreTrainedTokenizerFast``. ``path`` defaults to the weights packaged with tierkv; a folder given
+    is read as :func:`tierkv.models.load_folder` reads one (safetensors only, no code of its run, its files
+    checked first) and whatever transformers raises on it is one CheckpointError naming it.
     """
     from transformers import LlamaForCausalLM
+
+    from tierkv.models import check_folder_files, transformers_load
 
     folder = Path(path) if path is not None else WEIGHTS_DIR
     missing = missing_files(folder)
@@ -32,8 +36,15 @@ def load_demo_model(device: str = "cpu", path: str | Path | None = None):
             f"demo model files missing in {folder}: {', '.join(missing)}. Train them (about 30 minutes on a "
             f"2-core CPU) with: python -m tierkv.demo.train --out {folder}"
         )
-    model = quietly(lambda: LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa"))
-    return model.to(device).eval(), load_tokenizer(folder / "tokenizer.json")
+    what = f"demo model folder {str(folder)!r}"
+    check_folder_files(folder, {entry.name for entry in folder.iterdir()}, what)
+
+    def load() -> tuple:
+        model = quietly(lambda: LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa",
+                                                                 use_safetensors=True, trust_remote_code=False))
+        return model.to(device).eval(), load_tokenizer(folder / "tokenizer.json")
+
+    return transformers_load(what, load)
 
 
 def missing_files(folder: Path) -> list[str]:

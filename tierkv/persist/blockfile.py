@@ -417,7 +417,7 @@ class PersistentStore:
                 data = safefs.read_whole(fd, what, entry.nbytes)
             header, payload = record.decode(data, what=what)
             if header.get("key") != key:
-                raise IntegrityError(f"{what}: holds {str(header.get('key'))[:80]}, not {key}.")
+                raise IntegrityError(f"{what}: holds {str(header.get('key'))[:80]!r}, not {key}.")
             if namespace is not None:
                 record.check_block(header, len(payload), key, namespace, what, depth)
         except FileNotFoundError:  # evicted by another process since the listing was read (and maybe stored again)
@@ -639,7 +639,8 @@ class PersistentStore:
             except OSError as error:  # a link, a file or another user's directory where a folder belongs
                 log.warning("tierkv: %s", error)
         if foreign:  # one line however many: a directory another program filled must not flood the log
-            shown = ", ".join(sorted(foreign)[:3]) + (f" and {len(foreign) - 3:,} more" if len(foreign) > 3 else "")
+            shown = ", ".join(map(repr, sorted(foreign)[:3])) + (f" and {len(foreign) - 3:,} more"
+                                                                 if len(foreign) > 3 else "")
             log.warning("tierkv: %s holds %s that %s not tierkv's (%s); left alone", self._blocks,
                         plural(len(foreign), "name"), "is" if len(foreign) == 1 else "are", shown)
         missing = [key for key in listing.entries if key not in seen]

@@ -301,7 +301,7 @@ def check_block(header: dict[str, Any], size: int, key: str | None = None, names
     if header.get("kind") != "block":
         raise IntegrityError(f"{what}: a {str(header.get('kind'))[:40]!r} record, not a block.")
     if key is not None and header.get("key") != key:
-        raise IntegrityError(f"{what}: holds block {str(header.get('key'))[:80]}, not {key}.")
+        raise IntegrityError(f"{what}: holds block {str(header.get('key'))[:80]!r}, not {key}.")
     if depth is not None and (type(header.get("depth")) is not int or header["depth"] != depth):
         raise IntegrityError(f"{what}: field 'depth' is {str(header.get('depth'))[:40]!r}, not its place in the "
                              f"chain ({depth}).")

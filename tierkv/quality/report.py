@@ -22,6 +22,7 @@ from typing import Any
 
 from tierkv import safefs
 from tierkv.errors import InvalidConfigError
+from tierkv.inputs import printable
 from tierkv.quality.harness import DEFAULT_BLOCK_TOKENS, RESULT_OPTIONS, CacheSetup  # other setups: own rows
 from tierkv.quality.run_folder import (
     FRESH_FOLDER,
@@ -125,12 +126,13 @@ def _sparse_variant(family: str) -> dict[str, int] | None:
 
 def family_label(family: str) -> str:
     """``snapkv`` -> ``SnapKV``; ``sparse8`` (tierkv sparse on 8-token blocks) -> ``tierkv sparse, 8-token blocks``;
-    ``sparse8r2`` -> ``tierkv sparse, 8-token blocks, 2-bit rest``."""
+    ``sparse8r2`` -> ``tierkv sparse, 8-token blocks, 2-bit rest``; another family as named, without control
+    characters."""
     if family in FAMILIES:
         return FAMILIES[family]
     variant = _sparse_variant(family)
     if variant is None:
-        return family
+        return printable(family)  # a results file's own name: never a terminal's escape
     words = {"page_tokens": lambda n: f"{n}-token pages", "sinks": lambda n: plural(n, "sink token"),
              "recent": lambda n: plural(n, "recent token"), "dense_layers": lambda n: plural(n, "dense layer"),
              "rest_bits": lambda n: f"{n}-bit rest"}
@@ -201,6 +203,7 @@ def rows(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[tuple
 def summary_table(folder: str | Path, tokenizer=None):
     """A rich table for the terminal: one block of rows per task."""
     from rich.table import Table
+    from rich.text import Text
 
     records = load_results(folder, tokenizer)
     table = Table(title="quality vs full attention: accuracy (prompts) / fidelity top-1 agreement / mean KL")
@@ -213,7 +216,7 @@ def summary_table(folder: str | Path, tokenizer=None):
     for task, (task_lengths, body) in per_task.items():
         for i, (name, cells) in enumerate(body):
             by_length = dict(zip(task_lengths, cells, strict=True))
-            table.add_row(task if i == 0 else "", name, *(by_length.get(n, "") for n in lengths))
+            table.add_row(task if i == 0 else "", Text(name), *(by_length.get(n, "") for n in lengths))  # no markup
     return table
 
 

@@ -21,7 +21,7 @@ import torch
 
 from tierkv import safefs
 from tierkv.errors import IntegrityError, InvalidConfigError
-from tierkv.inputs import read_json
+from tierkv.inputs import printable, read_json
 from tierkv.quality.tasks import TASKS, Prompt
 
 REFERENCE_FILE = "reference.json"
@@ -151,6 +151,54 @@ class Unusable(Exception):
     """Why a saved KV file is not the KV of a prompt (a phrase)."""
 
 
+SAVED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+"""The safetensors dtypes a saved KV or log-probabilities file may hold (a model's floating-point dtypes)."""
+
+MAX_KV_BYTES_PER_TOKEN = 8 << 20
+"""Most K/V bytes a saved KV may hold per prefilled token where no model is given to size it by: the largest
+real caches take some 5 MB a token (DeepSeek-V3's expanded latent attention), so a planted file cannot cost more
+than a real prefill of its length."""
+
+MAX_VOCABULARY = 1 << 20
+"""Most log-probabilities a saved row may hold where the model's vocabulary is not given: the largest real
+vocabularies are some 260K tokens."""
+
+
+def _layer_shapes(model, layers: int) -> list[tuple[int, int]]:
+    """(KV heads, widest head dim) of what each of ``model``'s ``layers`` layers caches; the widest layer's for
+    each where not every layer holds K/V."""
+    from tierkv.hf.sizing import layer_layouts
+
+    layouts = layer_layouts(model.config, 1, model.dtype)
+    if len(layouts) != layers:
+        layouts = [max(layouts, key=lambda layout: layout.token_bytes)] * layers
+    return [(layout.kv_heads, layout.head_dim) for layout in layouts]
+
+
+def _check_kv_tensors(saved, model, layers: int, tokens: int) -> None:
+    """Unusable unless every ``k<i>``/``v<i>`` of the open safetensors file ``saved`` is ``[1, H, tokens, D]`` of
+    a float dtype (the model's, and its layer's H and at most its D, when ``model`` is given; else at most
+    :data:`MAX_KV_BYTES_PER_TOKEN` in all): checked on the header, before a tensor is read."""
+    shapes = _layer_shapes(model, layers) if model is not None else None
+    total = 0
+    for i in range(layers):
+        for key in (f"k{i}", f"v{i}"):
+            piece = saved.get_slice(key)
+            shape, dtype = piece.get_shape(), piece.get_dtype()
+            heads, dim = shapes[i] if shapes is not None else (0, 0)
+            if len(shape) != 4 or shape[0] != 1 or shape[2] != tokens or shapes is not None and (
+                    shape[1] != heads or not 1 <= shape[3] <= dim):
+                wanted = f"[1, {heads}, {tokens}, {dim} or fewer]" if shapes else f"[1, heads, {tokens}, dim]"
+                raise Unusable(f"holds {key} of shape {shape}, not {wanted}")
+            if dtype not in SAVED_DTYPES or model is not None and SAVED_DTYPES[dtype] != model.dtype:
+                wanted = f"the model's {model.dtype}" if model is not None else "a float dtype"
+                raise Unusable(f"holds {key} of dtype {printable(dtype)[:20]!r}, not {wanted}")
+            total += math.prod(shape) * SAVED_DTYPES[dtype].itemsize
+    if shapes is None and total > tokens * MAX_KV_BYTES_PER_TOKEN:
+        raise Unusable(f"holds {total:,} bytes of K/V for {tokens} tokens, more than "
+                       f"{MAX_KV_BYTES_PER_TOKEN >> 20} MiB a token")
+
+
 def read_kv(path: Path, model, model_name: str | None, prompt: Prompt, unmarked: bool = False
              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The KV saved for ``prompt`` at ``path``, checked before its tensors are read: made by ``model_name`` (None:
@@ -172,16 +220,13 @@ def read_kv(path: Path, model, model_name: str | None, prompt: Prompt, unmarked:
             names = {f"{kind}{i}" for kind in "kv" for i in range(layers)}
             if set(saved.keys()) != names:
                 raise Unusable(f"does not hold a key and a value for each of the model's {layers} layers")
-            for key in names:
-                shape = saved.get_slice(key).get_shape()
-                if len(shape) != 4 or shape[0] != 1 or shape[2] != len(prompt.ids) - 1:
-                    raise Unusable(f"holds {key} of shape {shape}, not [1, heads, {len(prompt.ids) - 1}, dim]")
+            _check_kv_tensors(saved, model, layers, len(prompt.ids) - 1)
             return [(saved.get_tensor(f"k{i}"), saved.get_tensor(f"v{i}")) for i in range(layers)]
     except IntegrityError as exc:
         raise Unusable("is a symbolic link or not a regular file" if exc.errno in (errno.ELOOP, errno.EINVAL)
                         else str(exc)) from None
     except SafetensorError as exc:
-        raise Unusable(f"is not a safetensors file ({str(exc)[:120]})") from None
+        raise Unusable(f"is not a safetensors file ({printable(exc)[:120]})") from None
 
 
 def kept_reference(folder: Path, model_name: str) -> tuple[list[Prompt], list[dict[str, Any]]]:
@@ -190,7 +235,8 @@ def kept_reference(folder: Path, model_name: str) -> tuple[list[Prompt], list[di
     data = read_reference(folder)
     if model_name and data.get("model", model_name) != model_name:
         raise InvalidConfigError(f"{str(folder / REFERENCE_FILE)!r} holds the prompts of model {data['model']!r}, "
-                                 f"not {model_name!r}: give --model {data['model']} or a fresh --out folder.")
+                                 f"not {model_name!r}: give --model {printable(data['model'])} or a fresh --out "
+                                 "folder.")
     return load_reference(folder, data)
 
 
@@ -244,20 +290,26 @@ def check_vocabulary(prompts: Sequence[Prompt], model, path: str | Path) -> None
                                  f"of {vocabulary} (made for another model); {REFERENCE_FIX}.")
 
 
-def load_logprobs(path: Path, prompt: Prompt) -> torch.Tensor:
-    """Full attention's saved log-probabilities of a fidelity ``prompt``: ``[S, V]``, one row per compared step;
-    an InvalidConfigError naming the file unless it is that (never read through a link)."""
+def load_logprobs(path: Path, prompt: Prompt, vocabulary: int | None = None) -> torch.Tensor:
+    """Full attention's saved log-probabilities of a fidelity ``prompt``: ``[S, V]`` of a float dtype, one row per
+    compared step, ``V`` the model's ``vocabulary`` (None: at most :data:`MAX_VOCABULARY`); an InvalidConfigError
+    naming the file unless it is that (checked on its header before it is read; never read through a link)."""
     from safetensors import SafetensorError, safe_open
 
-    problem = "does not hold one row of log-probabilities per compared step"
+    width = vocabulary or "vocabulary"
+    problem = f"does not hold one row of {width} log-probabilities per compared step"
     try:
         with opened_saved(path, "saved log-probabilities") as name, safe_open(name, "pt") as saved:
             if list(saved.keys()) == ["logprobs"]:
-                shape = saved.get_slice("logprobs").get_shape()
-                if len(shape) == 2 and shape[0] == len(prompt.continuation_ids):
-                    return saved.get_tensor("logprobs")
+                piece = saved.get_slice("logprobs")
+                shape = piece.get_shape()
+                if len(shape) == 2 and shape[0] == len(prompt.continuation_ids) and (
+                        shape[1] == vocabulary if vocabulary else 1 <= shape[1] <= MAX_VOCABULARY):
+                    if piece.get_dtype() in SAVED_DTYPES:
+                        return saved.get_tensor("logprobs")
+                    problem = f"holds log-probabilities of dtype {printable(piece.get_dtype())[:20]!r}, not a float"
     except (OSError, SafetensorError) as exc:
-        problem = f"cannot be read ({getattr(exc, 'strerror', None) or str(exc)[:120]})"
+        problem = f"cannot be read ({printable(getattr(exc, 'strerror', None) or str(exc))[:120]})"
     raise InvalidConfigError(f"{str(path)!r} {problem}; {REFERENCE_FIX}.")
 
 

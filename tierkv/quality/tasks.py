@@ -93,20 +93,21 @@ class Prompt:
         names = set(cls.__dataclass_fields__)
         unknown, missing = sorted(set(record) - names), sorted(_REQUIRED - set(record))
         if unknown or missing:
-            raise ValueError(f"a prompt has {'unknown fields ' + ', '.join(map(str, unknown)) if unknown else ''}"
+            shown = ", ".join(map(_shown, unknown[:5]))
+            raise ValueError(f"a prompt has {'unknown fields ' + shown if unknown else ''}"
                              f"{' and ' if unknown and missing else ''}"
                              f"{'no ' + ', '.join(missing) if missing else ''}")
         fields: dict[str, Any] = {k: _ids(k, v) if k in _ID_FIELDS else v for k, v in record.items()}
         prompt = cls(**fields)
         problem = prompt._problem()
         if problem:
-            raise ValueError(f"a prompt of task {prompt.task!r}, sample {prompt.sample!r}: {problem}")
+            raise ValueError(f"a prompt of task {_shown(prompt.task)}, sample {_shown(prompt.sample)}: {problem}")
         return prompt
 
     def _problem(self) -> str | None:
         """What makes this prompt one no task writes (a phrase), or None."""
         if self.task not in TASKS:
-            return f"task {self.task!r} is not one of {', '.join(TASKS)}"
+            return f"task {_shown(self.task)} is not one of {', '.join(TASKS)}"
         counts = {"length": self.length, "sample": self.sample, "answer_tokens": self.answer_tokens}
         wrong = [name for name, value in counts.items() if not _is_count(value)]
         if wrong:
@@ -117,10 +118,17 @@ class Prompt:
             return None if self.depth is None and self.answer is None and self.continuation_ids else \
                 "a fidelity prompt has a continuation and no depth or answer"
         if isinstance(self.depth, bool) or not isinstance(self.depth, int | float) or not 0.0 <= self.depth <= 1.0:
-            return f"depth {self.depth!r} is not in [0, 1]"
+            return f"depth {_shown(self.depth)} is not in [0, 1]"
         if not isinstance(self.answer, str) or not self.answer.isdigit() or self.answer_tokens < 1:
-            return f"answer {self.answer!r} is not the digits of a needle (with answer_tokens >= 1)"
+            return f"answer {_shown(self.answer)} is not the digits of a needle (with answer_tokens >= 1)"
         return None
+
+
+def _shown(value: object) -> str:
+    """A value of a ``reference.json`` in a message: its repr (control characters escaped), cut to 40 characters
+    (a planted one can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 _ID_FIELDS = ("context_ids", "question_ids", "continuation_ids")
