@@ -287,3 +287,33 @@ def conversation_records(path: Path) -> list[tuple[dict, bytes]]:
             header, payload = record.read(f, str(path))
             out.append((header, bytes(payload)))
     return out
+
+
+def stored_blocks(directory: Any) -> int:
+    """The blocks the persistent store under ``directory`` lists."""
+    from tierkv.persist.blockfile import PersistentStore
+
+    store = PersistentStore(directory, 2**30)
+    try:
+        return store.stats()["blocks"]
+    finally:
+        store.close()
+
+
+def reuse_prefix(model: Any, ids: Any, directory: Any) -> int:
+    """A later request on a persistent cache in ``directory`` (8-token blocks): the tokens ``load_prefix`` loads
+    for ``ids``, after checking that the rest's last logits equal a fresh ``DynamicCache`` run of the model."""
+    import torch
+    from transformers import DynamicCache
+
+    from tierkv import TieredCache
+
+    with TieredCache(gpu_gb="1MB", cpu_gb="1MB", disk_dir=directory, persist=True, block_tokens=8,
+                     config=model.config) as cache, torch.no_grad():  # fmt: skip
+        loaded = cache.load_prefix(model, ids)
+        logits = model(input_ids=ids[:, loaded:], past_key_values=cache).logits[0, -1]
+    with torch.no_grad():
+        reference = model(input_ids=ids, past_key_values=DynamicCache()).logits[0, -1]
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
+    return loaded
+

@@ -1,6 +1,7 @@
 """A model with LoRA adapters (peft) computes other K/V under each adapter, and other again with them turned off,
 while its parameters and config stay the same: stored K/V and conversation files are one adapter's, never
-another's."""
+another's. Prompt learning (peft's prompt and prefix tuning) adds K/V of its own to what the ids compute: none of
+it is persisted under the ids."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from helpers import reuse_prefix, stored_blocks
 from models import tiny_model
 from transformers import DynamicCache
 
@@ -43,14 +45,8 @@ def test_a_prefix_stored_under_one_adapter_is_not_loaded_under_another(tmp_path)
     ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(5))
 
     def turn(adapter: str) -> int:
-        with applying(model, adapter), torch.no_grad():
-            with TieredCache(gpu_gb="1MB", cpu_gb="1MB", disk_dir=tmp_path, persist=True, block_tokens=8,
-                             config=model.config) as cache:  # fmt: skip
-                loaded = cache.load_prefix(model, ids)
-                logits = model(input_ids=ids[:, loaded:], past_key_values=cache).logits[0, -1]
-            reference = model(input_ids=ids, past_key_values=DynamicCache()).logits[0, -1]
-        torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
-        return loaded
+        with applying(model, adapter):
+            return reuse_prefix(model, ids, tmp_path)
 
     assert turn("a") == 0
     assert turn("b") == 0  # adapter a's blocks are not b's
@@ -96,3 +92,43 @@ def test_an_adapter_switched_mid_sequence_persists_nothing_after_the_switch(tmp_
     assert loaded <= 16
     reference = model(input_ids=ids, past_key_values=DynamicCache()).logits[0, -1]
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
+
+
+def prompt_learning_model(kind: str) -> torch.nn.Module:
+    """A tiny Llama with a peft prompt-learning adapter of 4 virtual tokens: "prompt" tuning (embeddings before the
+    ids) or "prefix" tuning (learned K/V in front of a cache of its own)."""
+    torch.manual_seed(0)
+    config = (peft.PromptTuningConfig if kind == "prompt" else peft.PrefixTuningConfig)(task_type="CAUSAL_LM",
+                                                                                         num_virtual_tokens=4)
+    return peft.get_peft_model(copy.deepcopy(tiny_model("llama")), config).eval()
+
+
+@pytest.mark.parametrize("kind", ["prompt", "prefix"])
+def test_prompt_learning_persists_nothing_and_never_loads_the_base_models_blocks(tmp_path, kind, caplog):
+    model = prompt_learning_model(kind)
+    ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(8))
+
+    def turn() -> int:
+        with caplog.at_level("INFO", logger="tierkv"):
+            return reuse_prefix(model, ids, tmp_path)
+
+    assert turn() == 0
+    assert stored_blocks(tmp_path) == 0  # the cache held 44 (prompt) or 0 (prefix) tokens for 40 ids
+    assert "nothing is persisted" in caplog.text
+    with model.disable_adapter():
+        assert turn() == 0  # the base model stores its own blocks
+        assert turn() == 32
+    assert stored_blocks(tmp_path) == 5
+    assert turn() == 0  # not the base model's
+
+
+def test_a_conversation_saved_with_prompt_tuning_is_refused_without_it(tmp_path):
+    model = prompt_learning_model("prompt")
+    ids = torch.randint(2, 128, (1, 24), generator=torch.Generator().manual_seed(9))
+    with TieredCache(gpu_gb="1MB", cpu_gb="1MB", block_tokens=8) as cache, torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+        cache.save(tmp_path / "c.tkv", model=model)
+    with model.disable_adapter(), pytest.raises(InvalidConfigError, match="saved from another model"):
+        TieredCache.load(tmp_path / "c.tkv", model=model, gpu_gb="1MB", cpu_gb="1MB")
+    with TieredCache.load(tmp_path / "c.tkv", model=model, gpu_gb="1MB", cpu_gb="1MB") as loaded:
+        assert loaded.get_seq_length() == 28  # 4 virtual tokens and the ids

@@ -11,9 +11,15 @@ every later token's K/V then differs, positions shift too), and a rotary embeddi
 forward's length (dynamic NTK, LongRoPE: a forward that reaches the model's original length rescales every
 position). A forward pre-hook on the model given to ``load_prefix`` (:class:`ForwardWatch`) sees each forward's
 inputs: tokens after the first masked one, those computed by a forward past that length, with other positions, from
-embeddings, in training mode or with inputs it cannot check (``token_type_ids``, images) are never persisted, nor
-are ids other than the ones the forward computed (its ``input_ids`` are compared with the ids ``load_prefix`` was
-given, and those it computes past them — generated tokens — are recorded, so the next turn's ids must repeat them).
+embeddings, with any module in training mode, another config or attention implementation than at ``load_prefix``,
+or inputs it cannot check (``token_type_ids``, images) are never persisted, nor are ids other than the ones the
+forward computed (its ``input_ids`` are compared with the ids ``load_prefix`` was given, and those it computes past
+them — generated tokens — are recorded, so the next turn's ids must repeat them). Inputs are checked by name,
+passed positionally or by keyword. A forward that grows the cache by another count than its ids (peft's prompt
+tuning prepends virtual tokens; prefix tuning attends a cache of its own) persists nothing from its start (their
+on/off state is part of the fingerprint); one that grew it over K/V loaded from the store is refused, and this cache's
+``load_prefix`` loads nothing for that model from then on. While the model has forward hooks of the user's
+(:func:`~tierkv.persist.keys.user_hooks`: a steering vector, rewritten inputs), nothing is loaded or persisted.
 Nor is a token decoded with sparse attention, or any after it (the layer sees the approximate executor): its K/V,
 and every later token's, is not what full attention computes. A forward the hook did not see (another module, the
 cache passed positionally) is not persisted either. A forward that would mix masked tokens or rescaled positions
@@ -23,6 +29,8 @@ loads only what the mask leaves untouched, and nothing for a prompt past that le
 
 from __future__ import annotations
 
+import inspect
+import json
 import logging
 import os
 import weakref
@@ -38,7 +46,15 @@ from tierkv.errors import InvalidConfigError
 from tierkv.hf.attention import own_implementation
 from tierkv.persist import record
 from tierkv.persist.blockfile import PersistentStore
-from tierkv.persist.keys import Namespace, model_fingerprint, tensor_state, weights_sample
+from tierkv.persist.keys import (
+    Namespace,
+    global_hooks,
+    hook_name,
+    model_fingerprint,
+    tensor_state,
+    user_hooks,
+    weights_sample,
+)
 from tierkv.persist.prefix import PrefixPersistence
 from tierkv.units import format_bytes, parse_size
 
@@ -93,9 +109,9 @@ class PrefixSession:
         self.computed: list[np.ndarray] = []  # ids forwards computed past the known ids, in order: [rows, n] each
         self.recorded = 0  # tokens in them (a count kept, not summed: one chunk a decode step)
         self.announced: int | None = None  # the length at which the forward the hook checked last begins
-        # the model load_prefix was given (weakly) and its tensors' state then: blocks are persisted only while the
-        # weights are those its namespace was computed of
-        self.source: tuple[weakref.ref[torch.nn.Module], tuple, torch.Tensor] | None = None
+        # the model load_prefix was given (weakly), its tensors' state then and how it computed (:func:`setup`):
+        # blocks are persisted only while the weights are those its namespace was computed of
+        self.source: tuple[weakref.ref[torch.nn.Module], tuple, torch.Tensor, tuple[str, str]] | None = None
 
     @property
     def ids(self) -> np.ndarray | None:
@@ -137,13 +153,15 @@ class PrefixSession:
             watch = self.watches[id(model)] = ForwardWatch(self, cache, model)
         self.private, self.loaded, self.clean = False, 0, unmasked
         self._record([])
-        self.source = (weakref.ref(model), tensor_state(model), weights_sample(model))
+        self.source = (weakref.ref(model), tensor_state(model), weights_sample(model), setup(model))
         self.prefix.start(namespace, ids)
         if self.remote is not None:
             self.remote.bind(namespace)
         most = unmasked
         if watch.rope_limit is not None and ids.shape[1] >= watch.rope_limit:
             most = 0  # the prompt's forward rescales every position: nothing stored was computed so
+        if watch.hooked(model) or watch.grew_otherwise:
+            most = 0  # its K/V is not of the ids alone
         blocks, kv = self.prefix.load(most)
         if blocks:
             _import(cache, kv, next(model.parameters()).device)
@@ -281,7 +299,7 @@ class PrefixSession:
             if state == source[1] and torch.equal(sample, source[2]):
                 return True
             if model_fingerprint(model, cached=False) == namespace.fingerprint:
-                self.source = (source[0], state, sample)  # the same bytes in new tensors
+                self.source = (source[0], state, sample, source[3])  # the same bytes in new tensors
                 return True
         log.info("tierkv: the weights of the model given to load_prefix changed since (or it is gone); nothing more "
                  "of this sequence is persisted (cache.reset() and load_prefix start a new one)")
@@ -330,12 +348,17 @@ class PrefixSession:
 class ForwardWatch:
     """A forward pre-hook on a model ``load_prefix`` was given: before each of its forwards with this cache, the
     tokens whose K/V the forward's mask or length makes depend on more than ids and positions
-    (:meth:`PrefixSession.narrow`; module docstring). Holds its session and cache weakly."""
+    (:meth:`PrefixSession.narrow`; module docstring); and a forward hook that checks the cache grew by the
+    forward's token count. Holds its session and cache weakly."""
 
     def __init__(self, session: PrefixSession, cache: TieredCache, model: torch.nn.Module) -> None:
         self.session, self.cache, self.model = weakref.ref(session), weakref.ref(cache), weakref.ref(model)
         self.rope_limit = rope_limit(getattr(model, "config", None))
+        self.expected: tuple[int, int] | None = None  # a forward of ids alone: (held, tokens), until it returns
+        self.grew_otherwise = False  # a forward of this model grew the cache by another count than its tokens
+        self.reported: list[str] = []  # the user hooks last logged
         self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+        self.after = model.register_forward_hook(self.finished, with_kwargs=True)
 
     def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
         if kwargs is None:  # torch looks a hook's with_kwargs up after its list: this one was registered or removed
@@ -345,21 +368,28 @@ class ForwardWatch:
             self.remove()
             return
         given: object = next((kwargs[name] for name in CACHE_KEYWORDS if kwargs.get(name) is not None), None)
-        if given is not cache or module is not self.model() or session.private or session.prefix.ids is None:
+        if given is not cache or module is not self.model():
             return  # (a deep copy of the model carries a copy of this hook: not the model load_prefix was given)
+        self.expected = None  # (a forward that raised never reached :meth:`finished`)
+        if session.private or session.prefix.ids is None:
+            return
         self.check(session, cache, module, args, kwargs)
 
     def check(self, session: PrefixSession, cache: TieredCache, module: torch.nn.Module, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> None:
         held = cache.get_seq_length()
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        inputs = ids if ids is not None else kwargs.get("inputs_embeds")
+        named = forward_inputs(module, args, kwargs)
+        if named is None:
+            session.narrow(held, "this forward's inputs")  # they do not bind to its forward's parameters
+            return
+        ids = named.get("input_ids")
+        inputs = ids if ids is not None else named.get("inputs_embeds")
         rows, new = tuple(inputs.shape[:2]) if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else (0, 0)
         if new:
             session.match_rows(rows, held)
             if session.prefix.ids is None:
                 return
-        session.narrow(first_masked(kwargs.get("attention_mask"), held), "this forward's attention_mask")
+        session.narrow(first_masked(named.get("attention_mask"), held), "this forward's attention_mask")
         if self.rope_limit is not None and held + new >= self.rope_limit:
             if session.loaded > 0 and held <= session.loaded:
                 raise InvalidConfigError(
@@ -368,22 +398,114 @@ class ForwardWatch:
                     f"computed by shorter forwards, and this one reaches {held + new}. Give load_prefix the whole "
                     "prompt (it loads nothing for one that long), or call cache.reset().")
             session.narrow(held, "a forward that rescales positions")
-        unchecked = sorted(name for name, value in kwargs.items()
+        unchecked = sorted(name for name, value in named.items()
                            if value is not None and name not in CHECKED and name not in CACHE_KEYWORDS)
-        if module.training or unchecked or not isinstance(ids, torch.Tensor) or ids.dim() != 2 \
-                or not _default_positions(kwargs, held, new):
+        source, (training, hooked) = session.source, modules_state(module)
+        if unchecked or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or training \
+                or not _default_positions(named, held, new) or (source is not None and setup(module) != source[3]) \
+                or (hooked and self.hooked(module)):
             session.narrow(held, "this forward's inputs")  # K/V of more than ids at their positions
             return
+        self.expected = (held, new)  # a forward of ids alone: :meth:`finished` checks the cache grew by as many
         session.observe(ids.detach().cpu().numpy().astype(np.int64, copy=False), held)
+
+    def finished(self, module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+        """After a forward (``rest``: its keywords and output): one that grew this cache by another count than the
+        tokens it was given (peft's prompt tuning prepends virtual tokens, prefix tuning attends a cache of its own)
+        put K/V under ids it is not of: nothing from its start is persisted; where the cache holds K/V loaded from
+        the store, computed without such tokens, the forward's output is not this model's, and is refused."""
+        session, cache = self.session(), self.cache()
+        if len(rest) != 2 or session is None or cache is None or self.expected is None \
+                or module is not self.model() or not any(rest[0].get(name) is cache for name in CACHE_KEYWORDS):
+            return  # (torch calls it without keywords where it was registered or removed meanwhile: not this cache)
+        (held, new), self.expected = self.expected, None
+        grew = cache.get_seq_length() - held
+        if grew == new:
+            return
+        self.grew_otherwise = True
+        if session.loaded:
+            raise InvalidConfigError(
+                f"this forward added {grew} tokens to the cache for its {new} tokens (the model adds tokens of its "
+                f"own, as peft's prompt tuning does), so the {session.loaded} tokens loaded from the prefix store, "
+                "computed without them, are not what this model computes. Call cache.reset() and run the prompt "
+                "again (this cache's load_prefix loads nothing for this model from now on).")
+        if session.clean is None or session.clean > held:
+            log.info("tierkv: a forward added %d tokens to the cache for its %d (the model adds or keeps tokens of "
+                     "its own, as peft's prompt and prefix tuning do): from token %d nothing is persisted", grew, new,
+                     held)
+        session.narrow(held, "a forward that added other tokens than its own")
+
+    def hooked(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` has forward hooks of the user's (:func:`~tierkv.persist.keys.user_hooks`), which may
+        make its K/V depend on more than the ids; logged once for each set of them."""
+        hooks = user_hooks(model)
+        if hooks and hooks != self.reported:
+            log.info("tierkv: the model has forward hooks of your own (%s), which may change its K/V: while it has "
+                     "them no prefix is loaded or persisted for it. Remove them (handle.remove()), or use a cache "
+                     "without persist=True and remote=.", ", ".join(hooks))
+        self.reported = hooks
+        return bool(hooks)
 
     def remove(self) -> None:
         self.handle.remove()
+        self.after.remove()
 
 
 CACHE_KEYWORDS = ("past_key_values", "cache", "cache_params")  # what transformers' forwards call the cache
 CHECKED = frozenset({"input_ids", "attention_mask", "position_ids", "cache_position", "use_cache", "return_dict",
                      "logits_to_keep", "num_logits_to_keep", "output_attentions", "output_hidden_states", "labels"})
 """Forward inputs the hook checks (ids, mask, positions) or that change no K/V; any other given is not persisted."""
+
+
+_SIGNATURES: weakref.WeakKeyDictionary[Any, inspect.Signature] = weakref.WeakKeyDictionary()
+"""A forward function -> its signature (without ``self``)."""
+
+
+def forward_inputs(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """A forward's inputs by parameter name, positional and keyword alike (those its ``**kwargs`` takes among
+    them); None where they do not bind to ``module``'s forward or fill a ``*args`` (then they cannot be checked)."""
+    forward = module.forward
+    function = getattr(forward, "__func__", forward)  # keyed by function: peft's disable_adapter() swaps forward
+    try:
+        signature = _SIGNATURES.get(function)
+        if signature is None:
+            signature = _SIGNATURES[function] = inspect.signature(forward)
+        bound = signature.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                return None
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    return named
+
+
+def modules_state(model: torch.nn.Module) -> tuple[bool, bool]:
+    """In one pass over ``model``'s modules (a few hundred microseconds for a 30-layer model): whether any is in
+    training mode (dropout), and whether any forward hook on them, or a global one, is the user's
+    (:func:`~tierkv.persist.keys.hook_name`)."""
+    training, hooked = False, any(hook_name(hook) for hooks in global_hooks() for hook in hooks.values())
+    for module in model.modules():
+        training = training or module.training
+        if not hooked and (module._forward_pre_hooks or module._forward_hooks):
+            hooked = any(hook_name(hook) for hooks in (module._forward_pre_hooks, module._forward_hooks)
+                         for hook in hooks.values())
+    return training, hooked
+
+
+def setup(model: torch.nn.Module) -> tuple[str, str]:
+    """What decides ``model``'s K/V besides its tensors and can change in place: its config (every entry: a
+    ``sliding_window`` edited) and the attention implementation it computes with (``set_attn_implementation``)."""
+    config = getattr(model, "config", None)
+    described = json.dumps(config.to_dict(), sort_keys=True, default=str) if config is not None else ""
+    return described, own_implementation(model)
+
 
 
 def _default_positions(kwargs: dict[str, Any], held: int, new: int) -> bool:

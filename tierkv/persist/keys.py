@@ -20,15 +20,19 @@ Interface (also used by the remote tier)::
 Keys are 32 hex characters (BLAKE2b, 128 bits): cryptographic, so two different prefixes cannot be made to
 collide on purpose, and short enough for file names and Redis keys. The fingerprint hashes *every byte* of
 every parameter and buffer (xxh3-128; a model that differs in one weight element, e.g. a fine-tune of one
-layer, has another fingerprint and never reuses this one's blocks), and which adapters (LoRA) the model applies
-now: an adapter's weights are parameters whether it is active or not. That costs one pass over the weights
-(measured in docs/reliability.md), so the tensor digests are kept per model object and reused while each
-tensor is the same storage at the same version (``tensor._version``, which every in-place operation and
-``load_state_dict`` bump); a write through ``tensor.data`` is not seen — pass ``cached=False`` after one.
+layer, has another fingerprint and never reuses this one's blocks), which adapters the model applies now (LoRA,
+peft's prompt learning on or off: an adapter's weights are parameters whether it is active or not), and the
+qualified names of the user's forward hooks on it (:func:`user_hooks`; a hook of the same name that computes
+something else cannot be told apart). That costs one pass over the weights (measured in docs/reliability.md),
+so the tensor digests are kept per model object and reused while each tensor is the same storage at the same
+version (``tensor._version``, which every in-place operation and ``load_state_dict`` bump) and a few elements of
+each are the bytes they were (:func:`weights_sample`: a write through ``tensor.data`` bumps no version); one that
+changes no sampled element is not seen — pass ``cached=False`` after one.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import weakref
@@ -60,16 +64,22 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()
 
 
-_TENSOR_DIGESTS: weakref.WeakKeyDictionary[Any, tuple[tuple, bytes]] = weakref.WeakKeyDictionary()
-"""model -> (what its tensors were when hashed: name, storage, version, shape, dtype, device; their digest)."""
+_TENSOR_DIGESTS: weakref.WeakKeyDictionary[Any, tuple[tuple, torch.Tensor, bytes]] = weakref.WeakKeyDictionary()
+"""model -> (what its tensors were when hashed: name, storage, version, shape, dtype, device; a few elements of
+each, :func:`weights_sample`; their digest)."""
+LIBRARIES = ("torch", "transformers", "tierkv")
+"""Packages whose forward hooks compute nothing of their own (transformers' output capturing, tierkv's checks)."""
 
 
 def model_fingerprint(model: torch.nn.Module, cached: bool = True) -> str:
     """Hex digest of what makes ``model`` compute what it does: its config (without its path and the
-    transformers version), for every parameter and buffer its name, shape, dtype and all of its bytes, and which
-    adapters its adapter layers apply (:func:`adapter_state`; absent from a model without them). The tensors'
-    digest is computed once per model object and reused while no tensor was replaced or changed in place
-    (``cached=False`` hashes them again: after a write through ``.data``, which torch does not count)."""
+    transformers version), for every parameter and buffer its name, shape, dtype and all of its bytes, which
+    adapters its adapter layers apply (:func:`adapter_state`) and the user's forward hooks on it
+    (:func:`user_hooks`; both absent from a model without them). The tensors' digest is computed once per model
+    object and reused while no tensor was replaced or changed in place and their sampled elements are the same
+    (``cached=False`` hashes them again: after a write through ``.data`` the sample may miss)."""
+    import torch
+
     config = getattr(model, "config", None)
     described = config.to_dict() if config is not None else {"class": type(model).__qualname__}
     for key in _CONFIG_NOISE:
@@ -77,12 +87,15 @@ def model_fingerprint(model: torch.nn.Module, cached: bool = True) -> str:
     adapters = adapter_state(model)
     if adapters:
         described["tierkv_adapters"] = adapters
+    hooks = user_hooks(model)
+    if hooks:
+        described["tierkv_hooks"] = hooks
     tensors = [(name, tensor.detach()) for name, tensor in [*model.named_parameters(), *model.named_buffers()]]
-    state = _state(tensors)
+    state, sample = _state(tensors), weights_sample(model)
     known = _TENSOR_DIGESTS.get(model) if cached else None
-    if known is None or known[0] != state:
-        known = _TENSOR_DIGESTS[model] = (state, _tensors_digest(tensors))
-    return _digest(json.dumps(described, sort_keys=True, default=str).encode(), known[1])
+    if known is None or known[0] != state or not torch.equal(known[1], sample):
+        known = _TENSOR_DIGESTS[model] = (state, sample, _tensors_digest(tensors))
+    return _digest(json.dumps(described, sort_keys=True, default=str).encode(), known[2])
 
 
 def tensor_state(model: torch.nn.Module) -> tuple:
@@ -96,10 +109,14 @@ def tensor_state(model: torch.nn.Module) -> tuple:
 def adapter_state(model: torch.nn.Module) -> list[list]:
     """For each adapter layer of ``model`` (peft's LoRA and kin: a module whose ``active_adapters`` is a list of
     names and ``disable_adapters`` a bool), its name, the adapters it applies, whether they are turned off, the ones
-    merged into its weights, and the active ones' scales. Switching adapters or turning them off changes what the
-    model computes without changing a parameter: K/V stored under one adapter is not another's."""
+    merged into its weights, and the active ones' scales; for each peft model with prompt learning active
+    (:func:`prompt_learning`), that. Switching adapters or turning them off changes what the model computes without
+    changing a parameter: K/V stored under one adapter is not another's."""
     state: list[list] = []
     for name, module in model.named_modules():
+        prompt = prompt_learning(module)
+        if prompt is not None:
+            state.append([name, *prompt])
         disabled = getattr(module, "disable_adapters", None)
         active = getattr(module, "active_adapters", None) if isinstance(disabled, bool) else None
         if isinstance(active, str):
@@ -112,6 +129,57 @@ def adapter_state(model: torch.nn.Module) -> list[list]:
         state.append([name, [str(a) for a in active], disabled, [str(m) for m in getattr(module, "merged_adapters",
                                                                                          ())], scales])  # fmt: skip
     return state
+
+
+def prompt_learning(module: torch.nn.Module) -> list | None:
+    """For a peft model whose active adapter is prompt learning (prompt tuning's virtual tokens before the ids,
+    prefix tuning's learned K/V in front of the cache): that adapter's name, kind and virtual token count, and
+    whether it is turned off (``disable_adapter()``); None for any other module."""
+    disabled = vars(module).get("_adapters_disabled")  # an instance attribute: no module's __getattr__ is asked
+    configs = getattr(module, "peft_config", None) if isinstance(disabled, bool) else None
+    if not isinstance(configs, dict):
+        return None
+    active = getattr(module, "active_adapter", None)
+    config = configs.get(active) if isinstance(active, str) else None
+    if not getattr(config, "is_prompt_learning", False):
+        return None
+    return ["prompt learning", active, str(getattr(config, "peft_type", "")),
+            int(getattr(config, "num_virtual_tokens", 0) or 0), disabled]
+
+
+def user_hooks(model: torch.nn.Module) -> list[str]:
+    """The forward hooks and pre-hooks (with keywords or not) on ``model`` and its submodules, and torch's global
+    module hooks, whose function (inside a ``functools.partial``, of a bound method) is defined outside
+    :data:`LIBRARIES`: ``"<module path>: <module>.<qualified name>"`` each. Such a hook may change what a forward
+    computes (a steering vector, rewritten inputs) while every parameter stays the same."""
+    found = [f"(global): {name}" for hooks in global_hooks() for name in map(hook_name, hooks.values())
+             if name is not None]
+    for path, module in model.named_modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            if hooks:
+                found += [f"{path or '(model)'}: {name}" for name in map(hook_name, hooks.values())
+                          if name is not None]
+    return found
+
+
+def global_hooks() -> tuple[dict, dict]:
+    """torch's global forward pre-hooks and forward hooks (``register_module_forward_pre_hook`` and kin)."""
+    from torch.nn.modules import module
+
+    return module._global_forward_pre_hooks, module._global_forward_hooks
+
+
+def hook_name(hook: Any) -> str | None:
+    """A forward hook's function's qualified name, with its module; None where :data:`LIBRARIES` define it."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    function = getattr(hook, "__func__", hook)  # a bound method's function
+    if not hasattr(function, "__qualname__"):
+        function = type(function)  # a callable object: its class
+    where = str(getattr(function, "__module__", None) or "")
+    if where.split(".", 1)[0] in LIBRARIES:
+        return None
+    return f"{where}.{function.__qualname__}"
 
 
 def weights_sample(model: torch.nn.Module, per_tensor: int = 8) -> torch.Tensor:
