@@ -365,3 +365,17 @@ def test_a_second_thread_is_refused_while_anothers_forward_is_half_done(model, t
     assert not errors and torch.equal(outputs[0], reference)
     cache.store.check()
     cache.close()
+
+
+def test_an_interrupt_once_the_lock_file_is_in_place_leaves_no_lock_file(tmp_path, monkeypatch):
+    """A Ctrl-C (or any error) after the tier's lock file was renamed into place, before the tier holds it, removes
+    that file, not the temporary name it no longer has."""
+    from tierkv.tiers import lease
+
+    def interrupted(fd: int) -> tuple[int, int]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lease.forks, "private_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        disk_module.DiskTier(tmp_path, 1 << 20)
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(("tierkv-", ".tierkv-"))]

@@ -56,17 +56,20 @@ class Lease:
             with deferred_interrupts():  # the descriptor is recorded (closed by release) as it is made
                 fd, pending = safefs.create_file(directory, ".tierkv-", ".tmp")
                 self._fd = fd
+            name = pending  # the lock file's name now
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if os.fstat(fd).st_nlink:  # locked before any reclaimer took it: it is ours
-                    os.rename(pending, self.path.name, src_dir_fd=directory, dst_dir_fd=directory)
+                    with deferred_interrupts():  # renamed and known to be, together
+                        os.rename(pending, self.path.name, src_dir_fd=directory, dst_dir_fd=directory)
+                        name = self.path.name
                     self._private = forks.private_file(fd)  # a forked child does not hold it
                     return
             except BlockingIOError:
                 pass  # a reclaimer holds it and removes it
             except BaseException:
                 self._close()
-                safefs.remove_regular(directory, pending)
+                safefs.remove_regular(directory, name)
                 raise
             self._close()
         raise OSError(errno.EBUSY, f"no lock file could be made in {str(where)!r} in {ATTEMPTS} tries: other "
