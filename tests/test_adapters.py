@@ -132,3 +132,27 @@ def test_a_conversation_saved_with_prompt_tuning_is_refused_without_it(tmp_path)
         TieredCache.load(tmp_path / "c.tkv", model=model, gpu_gb="1MB", cpu_gb="1MB")
     with TieredCache.load(tmp_path / "c.tkv", model=model, gpu_gb="1MB", cpu_gb="1MB") as loaded:
         assert loaded.get_seq_length() == 28  # 4 virtual tokens and the ids
+
+
+def test_the_model_a_prompt_tuned_peft_model_wraps_never_takes_the_base_models_blocks(tmp_path):
+    """``PeftModel.generate`` runs the model it wraps, whose own fingerprint is the plain model's: over blocks that
+    plain use stored, the prompt-tuned forwards are refused (its virtual tokens would follow K/V computed without
+    them), and on a fresh cache they persist nothing."""
+    model = prompt_learning_model("prompt")
+    inner = model.get_base_model()
+    ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(10))
+    with model.disable_adapter():
+        assert reuse_prefix(inner, ids, tmp_path) == 0
+        assert reuse_prefix(inner, ids, tmp_path) == 32
+    stored = stored_blocks(tmp_path)
+    options = {"gpu_gb": "1MB", "cpu_gb": "1MB", "disk_dir": tmp_path, "persist": True, "block_tokens": 8,
+               "config": inner.config}
+    with TieredCache(**options) as cache, torch.no_grad():
+        assert cache.load_prefix(inner, ids) == 32
+        with pytest.raises(InvalidConfigError, match="peft's prompt learning drives this model's forwards"):
+            model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    other = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(11))
+    with TieredCache(**options) as cache, torch.no_grad():
+        assert cache.load_prefix(inner, other) == 0
+        model.generate(input_ids=other, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    assert stored_blocks(tmp_path) == stored  # nothing of the prompt-tuned run

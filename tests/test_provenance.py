@@ -136,6 +136,15 @@ def test_positional_mask_and_positions_are_checked(tmp_path, call):
     assert stored_blocks(tmp_path) == 5  # the positions a forward takes anyway, positionally: stored
 
 
+def test_a_compiled_model_called_positionally_persists_and_reuses(tmp_path):
+    """``torch.compile``'s wrapper takes ``*args, **kwargs``: its inputs are bound to the compiled model's own
+    forward, so positional ids are checked (and persisted) as keywords are."""
+    model = torch.compile(llama(), backend="eager")
+    store(model, tmp_path, lambda model, cache: model(IDS, past_key_values=cache))
+    assert stored_blocks(tmp_path) == 5
+    assert reuse_prefix(model, IDS, tmp_path) == 32
+
+
 def edit_config(model: torch.nn.Module, cache: TieredCache) -> None:
     model.config.sliding_window = 4
     model(input_ids=IDS, past_key_values=cache)

@@ -51,6 +51,7 @@ from tierkv.persist.keys import (
     global_hooks,
     hook_name,
     model_fingerprint,
+    prompt_learning,
     tensor_state,
     user_hooks,
     weights_sample,
@@ -378,6 +379,15 @@ class ForwardWatch:
     def check(self, session: PrefixSession, cache: TieredCache, module: torch.nn.Module, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> None:
         held = cache.get_seq_length()
+        if driven_by_prompt_learning(module):
+            if session.loaded:
+                raise InvalidConfigError(
+                    f"peft's prompt learning drives this model's forwards (its virtual tokens come after the "
+                    f"{session.loaded} tokens loaded from the prefix store, which were computed without them), so "
+                    "they would not compute what the peft model does. Call cache.reset() and give load_prefix no "
+                    "part of a prompt-tuned model, or use a cache without persist=True and remote=.")
+            session.narrow(held, "peft's prompt learning")  # virtual tokens among the ids' K/V
+            return
         named = forward_inputs(module, args, kwargs)
         if named is None:
             session.narrow(held, "this forward's inputs")  # they do not bind to its forward's parameters
@@ -464,7 +474,7 @@ _SIGNATURES: weakref.WeakKeyDictionary[Any, inspect.Signature] = weakref.WeakKey
 def forward_inputs(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
     """A forward's inputs by parameter name, positional and keyword alike (those its ``**kwargs`` takes among
     them); None where they do not bind to ``module``'s forward or fill a ``*args`` (then they cannot be checked)."""
-    forward = module.forward
+    forward = getattr(module, "_orig_mod", module).forward  # (torch.compile's wrapper takes *args, **kwargs)
     function = getattr(forward, "__func__", forward)  # keyed by function: peft's disable_adapter() swaps forward
     try:
         signature = _SIGNATURES.get(function)
@@ -484,6 +494,16 @@ def forward_inputs(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
         else:
             named[name] = value
     return named
+
+
+def driven_by_prompt_learning(model: torch.nn.Module) -> bool:
+    """Whether a peft model with prompt learning active drives ``model`` (the model it wraps): its ``generate()``
+    sets the wrapped model's ``prepare_inputs_for_generation`` to its own, which puts virtual tokens before the
+    ids, so the wrapped model's forwards compute K/V of more than the ids (a fingerprint of the wrapped model alone
+    cannot say so)."""
+    owner = getattr(vars(model).get("prepare_inputs_for_generation"), "__self__", None)
+    state = prompt_learning(owner) if isinstance(owner, torch.nn.Module) and owner is not model else None
+    return state is not None and not state[-1]  # (the last: turned off)
 
 
 def modules_state(model: torch.nn.Module) -> tuple[bool, bool]:
