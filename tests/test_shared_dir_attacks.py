@@ -119,6 +119,26 @@ def test_an_acl_entry_for_this_user_alone_is_accepted(tmp_path) -> None:
     DiskTier(where, budget=1 << 20).close()
 
 
+@pytest.mark.parametrize(("code", "refused"), [(errno.EACCES, True), (errno.EIO, True), (errno.EINVAL, False),
+                                               (errno.ENOSYS, False)])
+def test_an_acl_that_cannot_be_read_is_refused_and_a_filesystem_without_acls_is_not(tmp_path, monkeypatch, code,
+                                                                                    refused) -> None:
+    """Where reading the ACL fails (some FUSE and container filesystems), the directory is refused with the reason
+    unless the error says the filesystem has no ACLs."""
+    where = tmp_path / "kv"
+    where.mkdir(mode=0o700)
+
+    def failing(*args: object, **kwargs: object) -> bytes:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(safefs.os, "getxattr", failing)
+    if refused:
+        with pytest.raises(DiskTierError, match="its POSIX ACL cannot be read"):
+            DiskTier(where, budget=1 << 20)
+    else:
+        DiskTier(where, budget=1 << 20).close()
+
+
 # ------------------------------------------------------------------------------- a link above the disk_dir
 @needs_root
 def test_a_link_another_user_planted_above_the_disk_dir_is_refused(public_tmp, tmp_path) -> None:

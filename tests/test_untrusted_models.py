@@ -104,6 +104,16 @@ def test_an_oversized_file_transformers_reads_whole_is_refused_by_name(tmp_path,
     assert f"its {name!r} is {size:,} bytes, more than the {bound}" in line, line
 
 
+def test_files_transformers_does_not_read_are_left_alone_whatever_their_size(tmp_path):
+    """A trainer's state or logs beside a checkpoint (large after a long run) are not what a load reads."""
+    folder = _folder(tmp_path)
+    for name in ("trainer_state.json", "train_log.txt"):
+        (folder / name).touch()
+        os.truncate(folder / name, (16 << 20) + 1)
+    model, _ = models.load_folder(folder)
+    assert model.config.num_hidden_layers == 2
+
+
 def test_a_fifo_among_the_files_transformers_reads_is_refused_not_waited_on(tmp_path):
     folder = _folder(tmp_path)
     os.mkfifo(folder / "tokenizer_config.json")

@@ -132,6 +132,15 @@ def test_tierkvs_log_lines_carry_no_control_characters(logger):
     assert line.startswith("tierkv: failed [2J\nTraceback") and "ValueError: kept" in line, line
 
 
+def test_a_log_record_that_does_not_format_passes_the_filter_for_its_handler():
+    """The filter formats each message first; one that does not format (a wrong argument) is passed on as it is,
+    for the handler to report as logging does (``handleError``), not raised out of the ``log`` call."""
+    from tierkv.logs import PrintableMessages
+
+    record = logging.LogRecord("tierkv", logging.WARNING, __file__, 1, "tierkv: %d blocks", ("x",), None)
+    assert PrintableMessages().filter(record) and record.args == ("x",)
+
+
 def test_a_foreign_name_in_a_shared_store_is_logged_escaped(tmp_path, caplog):
     PersistentStore(tmp_path, 1 << 20).close()
     name = f"x\nERROR tierkv: forged line {ESCAPES}"

@@ -20,7 +20,10 @@ class PrintableMessages(logging.Filter):
     escapes would drive the terminal. The record's traceback (``exc_info``) is formatted by the handler, as ever."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a message that does not format: the handler reports it, as without us
+            return True
         shown = printable(message)
         if shown != message:
             record.msg, record.args = shown, None

@@ -237,14 +237,18 @@ MAX_CHECKPOINT_TEXT_BYTES = 16 << 20
 whole, and real ones are at most a few MB (a many-shard index)."""
 
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+_CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "added_tokens.json", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
+                 "processor_config.json")
 
 
 def _read_whole_limit(name: str) -> int | None:
     """The most bytes a checkpoint folder's file ``name`` may have, as transformers reads it whole; None for a
-    file it does not (the safetensors weights, which are mapped and checked by their header)."""
+    file it does not read for a causal LM (the safetensors weights, mapped and checked by their header; a
+    trainer's state or logs)."""
     if name in _TOKENIZER_FILES or name.endswith(".tiktoken"):
         return MAX_TOKENIZER_BYTES
-    if name.endswith((".json", ".txt", ".jinja")):
+    if name in _CONFIG_FILES or name.endswith(".index.json"):
         return MAX_CHECKPOINT_TEXT_BYTES
     return None
 

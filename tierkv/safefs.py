@@ -216,13 +216,14 @@ def _check_acl(path: Path, fd: int) -> None:
     group write it: ``chmod`` bits show only the ACL's mask, so ``setfacl -m u:other:rwx`` leaves it looking
     private. A group of this process with the group-shared opt-in, or this user's private group, is this user's.
     No ACL, or a filesystem without them, is nothing to refuse."""
+    fix = f"Remove the ACL (setfacl -b {str(path)!r}) or use a directory only you can write."
     try:
         acl = os.getxattr(fd, _ACL_XATTR)
     except OSError as exc:
-        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
-            return
-        raise
-    fix = f"Remove the ACL (setfacl -b {str(path)!r}) or use a directory only you can write."
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return  # no ACL, or a filesystem without them
+        raise refuse(path, f"its POSIX ACL cannot be read ({exc.strerror}), so it may let others write it",
+                     fix) from None
     if len(acl) < 4 or (len(acl) - 4) % 8 or int.from_bytes(acl[:4], "little") != _ACL_VERSION:
         raise refuse(path, "it has a POSIX ACL tierkv cannot read, which may let others write it", fix)
     entries = [(int.from_bytes(acl[at:at + 2], "little"), int.from_bytes(acl[at + 2:at + 4], "little"),
