@@ -11,6 +11,7 @@ import torch
 from tierkv import models
 from tierkv.cli import main
 from tierkv.demo.task import WORD_TO_ID
+from tierkv.errors import InvalidConfigError
 from tierkv.quality import harness, report, run_folder
 from tierkv.quality.metrics import Agreement, compare
 from tierkv.quality.tasks import (
@@ -169,3 +170,19 @@ def test_report_gives_other_block_sizes_rows_of_their_own(tmp_path):
     assert "| tierkv sparse, 8-token blocks 10% | 100% (1) |" in text
     assert "| tierkv sparse, 8-token blocks, 4-bit rest 10% | 0% (1) |" in text
     assert text.index("tierkv sparse 10%") < text.index("8-token blocks 10%") < text.index("4-bit rest 10%")
+
+
+def test_saved_log_probabilities_of_another_vocabulary_are_refused_naming_the_file(tmp_path):
+    """Full attention's saved log-probabilities must be as wide as the model's logits: a planted or stale file of
+    another width is refused on its header, naming it, before any method runs."""
+    import safetensors.torch
+
+    model, tokenizer = models.load("demo")
+    prompts = build_prompts(DemoTaskWriter(), ["fidelity"], [512], [0.5], 1, 8)
+    harness.reference(model, tokenizer, prompts, tmp_path, prefill_chunk=256, meta={"model": "demo"})
+    path = run_folder.logprob_path(tmp_path, prompts[0])
+    width = model.get_output_embeddings().out_features
+    path.write_bytes(safetensors.torch.save({"logprobs": torch.zeros(8, width + 7)}))
+    with pytest.raises(InvalidConfigError, match=f"{path.name}.*one row of {width} log-probabilities"):
+        harness.measure(model, tokenizer, tmp_path, [harness.Method("exact")],
+                        harness.CacheSetup(block_tokens=16, device_fraction=0.1, device_extra=1 << 20))

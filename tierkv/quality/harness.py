@@ -220,7 +220,8 @@ def measure(model, tokenizer, folder: str | Path, methods: Sequence[Method], set
         if not todo:
             continue
         kv = load_kv(folder, prompt, model, model_name)
-        logprobs = load_logprobs(logprob_path(folder, prompt), prompt) if prompt.task == "fidelity" else None
+        logprobs = load_logprobs(logprob_path(folder, prompt), prompt, _vocabulary(model)) \
+            if prompt.task == "fidelity" else None  # fmt: skip
         for method in todo:
             record = _run_method(model, tokenizer, prompt, kv, logprobs, method, setup)
             records.append(record)
@@ -255,6 +256,13 @@ def setup_differences(setup: CacheSetup, saved: dict[str, Any]) -> dict[str, Any
     defaults = CacheSetup().to_dict()
     return {name: saved.get(name, defaults[name]) for name in RESULT_OPTIONS
             if saved.get(name, defaults[name]) != getattr(setup, name)}
+
+
+def _vocabulary(model) -> int | None:
+    """The width of ``model``'s logits (its output embedding's rows), which full attention's saved
+    log-probabilities must have; None where the model does not say."""
+    head = model.get_output_embeddings()
+    return getattr(head, "out_features", None)
 
 
 def _run_method(model, tokenizer, prompt: Prompt, kv, logprobs, method: Method, setup: CacheSetup) -> dict:
