@@ -48,8 +48,6 @@ from tierkv.persist import record
 from tierkv.persist.blockfile import PersistentStore
 from tierkv.persist.keys import (
     Namespace,
-    global_hooks,
-    hook_name,
     model_fingerprint,
     prompt_learning,
     tensor_state,
@@ -410,10 +408,10 @@ class ForwardWatch:
             session.narrow(held, "a forward that rescales positions")
         unchecked = sorted(name for name, value in named.items()
                            if value is not None and name not in CHECKED and name not in CACHE_KEYWORDS)
-        source, (training, hooked) = session.source, modules_state(module)
-        if unchecked or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or training \
-                or not _default_positions(named, held, new) or (source is not None and setup(module) != source[3]) \
-                or (hooked and self.hooked(module)):
+        source = session.source
+        if unchecked or not isinstance(ids, torch.Tensor) or ids.dim() != 2 \
+                or any(part.training for part in module.modules()) or not _default_positions(named, held, new) \
+                or (source is not None and setup(module) != source[3]) or self.hooked(module):
             session.narrow(held, "this forward's inputs")  # K/V of more than ids at their positions
             return
         self.expected = (held, new)  # a forward of ids alone: :meth:`finished` checks the cache grew by as many
@@ -504,19 +502,6 @@ def driven_by_prompt_learning(model: torch.nn.Module) -> bool:
     owner = getattr(vars(model).get("prepare_inputs_for_generation"), "__self__", None)
     state = prompt_learning(owner) if isinstance(owner, torch.nn.Module) and owner is not model else None
     return state is not None and not state[-1]  # (the last: turned off)
-
-
-def modules_state(model: torch.nn.Module) -> tuple[bool, bool]:
-    """In one pass over ``model``'s modules (a few hundred microseconds for a 30-layer model): whether any is in
-    training mode (dropout), and whether any forward hook on them, or a global one, is the user's
-    (:func:`~tierkv.persist.keys.hook_name`)."""
-    training, hooked = False, any(hook_name(hook) for hooks in global_hooks() for hook in hooks.values())
-    for module in model.modules():
-        training = training or module.training
-        if not hooked and (module._forward_pre_hooks or module._forward_hooks):
-            hooked = any(hook_name(hook) for hooks in (module._forward_pre_hooks, module._forward_hooks)
-                         for hook in hooks.values())
-    return training, hooked
 
 
 def setup(model: torch.nn.Module) -> tuple[str, str]:
