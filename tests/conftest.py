@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,16 @@ def servers_warned_afresh():
 
     logs.forget()
     yield
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt in every test, as under an interactive shell: a runner a non-interactive
+    shell started in the background (``cmd &``) inherits SIGINT ignored, and the tests that deliver a Ctrl-C would
+    see nothing happen."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

@@ -208,3 +208,39 @@ def test_checker_bookkeeps_host_registration():
     with pytest.raises(AssertionError, match="712"):
         s.check()
     assert any("not registered" in v for v in s.violations)
+
+
+def test_prefix_reuse_and_save_load_on_the_standin(standin, tmp_path):
+    """tests/test_persist.py's CUDA-only test (``test_prefix_reuse_and_save_load_on_cuda``) on the stand-in: blocks
+    persisted and saved from the device and the pinned host tier, loaded back through the copy stream; tokens and
+    logits as DynamicCache's, and no access the race detector finds unordered."""
+    model = tiny_model("llama")
+    ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(12))
+
+    def generate(cache, prompt_ids):
+        return model.generate(prompt_ids, max_new_tokens=NEW, do_sample=False, past_key_values=cache,
+                              output_logits=True, return_dict_in_generate=True)
+
+    def assert_same(reference, out):
+        assert torch.equal(out.sequences, reference.sequences)
+        for got, want in zip(out.logits, reference.logits, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+    reference = generate(DynamicCache(config=model.config), ids)
+    continued = generate(DynamicCache(config=model.config), reference.sequences)
+    budget = TieredCache.min_device_bytes(model.config, 64, block_tokens=BLOCK, device="cpu") + 8 * 1024
+    options = dict(gpu_gb=f"{budget}B", cpu_gb="16KB", disk_dir=tmp_path, block_tokens=BLOCK, persist=True,
+                   config=model.config)
+    with TieredCache(**options) as cold:
+        assert cold.load_prefix(model, ids) == 0
+        assert_same(reference, generate(cold, ids))
+        assert cold.stats()["mover"] == "cuda-stream" and cold.stats()["blocks"]["disk"] > 0
+        cold.save(tmp_path / "c.tkv", model=model)
+    with TieredCache(**options) as warm:
+        assert warm.load_prefix(model, ids) == 36
+        assert_same(reference, generate(warm, ids))
+    with TieredCache.load(tmp_path / "c.tkv", model=model, **options) as loaded:
+        assert_same(continued, generate(loaded, reference.sequences))
+    standin.check()
+    gc.collect()
+    assert standin.registered == {}

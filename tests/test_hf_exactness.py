@@ -8,7 +8,7 @@ calls step by step, ``crop``, ``reset`` and ``get_seq_length``.
 
 One block of these models (4 tokens x 2 KV heads x 16 dims x K+V x fp32 = 1 KiB) takes a 4 KiB slot. The
 device budget is ``TieredCache.min_device_bytes`` plus two slots and the host budget four slots, so the
-prompt alone spills to disk. The strict xfails at the end pin known bugs (see their reasons).
+prompt alone spills to disk.
 """
 
 from __future__ import annotations

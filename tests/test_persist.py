@@ -518,10 +518,15 @@ class _Counter:
 
 
 def _persist(model, ids: torch.Tensor, tmp_path):
-    """A cold process: prefill ``ids`` with persistence on and generate; returns its output."""
+    """A cold process: prefill ``ids`` with persistence on and generate; returns its output, checked against
+    DynamicCache's (the tests' reference for the warm caches, so it must be right itself). The reference runs on
+    a copy made first: a model's dynamic RoPE scaling depends on the longest forward the object ran."""
+    plain = copy.deepcopy(model)
     with _cache(model, tmp_path) as cold:
         cold.load_prefix(model, ids)
-        return _generate(model, ids, cold)
+        out = _generate(model, ids, cold)
+    _assert_same(_generate(plain, ids, DynamicCache(config=model.config)), out)
+    return out
 
 
 def _assert_same(ref, out) -> None:

@@ -321,9 +321,12 @@ def test_pages_at_a_budget_covering_everything_match_dynamic_cache(tmp_path, fam
             sparse["summary_bytes_read_per_step"] + sparse["rest_bytes_read_per_step"]
             + sparse["staged_bytes_read_per_step"])
         cache.store.check()
+    # Close in logits, not in probabilities: over this vocabulary every probability is about 1/128, so no two
+    # distributions differ by much (decoding a wrong context moves them by < 0.01, its logits by 0.45 or more).
+    # Measured here: logits within 2.1e-3 of DynamicCache's, every argmax the same.
     for got, want in zip(out.logits, reference_out.logits, strict=True):
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.5
-        assert (torch.softmax(got, -1) - torch.softmax(want, -1)).abs().max() < 0.2
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
 
 
 def test_the_page_means_attend_the_pages_not_read_closer_to_full_attention(tmp_path):

@@ -62,11 +62,18 @@ def test_a_layer_index_refused_after_a_complete_forward_keeps_every_token(cache,
 def test_a_layer_past_every_layer_takes_back_the_forward_it_continues(cache, layer_idx):
     """Past every layer is where a model with more layers than the config's goes on: its forward is refused, and
     the layers that took its step give it back (the model whose cache it is then decodes on exactly)."""
-    if layer_idx == 3 and cache.runtime.num_layers is None:
-        pytest.skip("without a config a next layer index adds a layer, as DynamicCache's")
-    with pytest.raises(InvalidConfigError, match="beyond.*gave it back: the cache holds 5 tokens"):
-        cache.update(_step(1, 9), _step(1, 9), layer_idx)
-    assert [layer.keys.shape[2] for layer in cache.layers] == [5, 5, 5]
+    if layer_idx == 3 and cache.runtime.num_layers is None:  # without a config it adds a layer, as DynamicCache
+        reference = DynamicCache()
+        _forward(reference, 5, 1)
+        _forward(reference, 1, 2)
+        got, want = cache.update(_step(1, 9), _step(1, 9), 3), reference.update(_step(1, 9), _step(1, 9), 3)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        assert [layer.keys.shape[2] for layer in cache.layers] == [6, 6, 6, 1] == \
+            [layer.keys.shape[2] for layer in reference.layers]
+    else:
+        with pytest.raises(InvalidConfigError, match="beyond.*gave it back: the cache holds 5 tokens"):
+            cache.update(_step(1, 9), _step(1, 9), layer_idx)
+        assert [layer.keys.shape[2] for layer in cache.layers] == [5, 5, 5]
 
 
 def test_a_layer_index_refused_mid_forward_takes_that_forwards_step_back(cache):

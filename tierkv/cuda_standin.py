@@ -194,7 +194,10 @@ class StandIn(HostOnly):
     def _thread(self) -> tuple[str, Clock]:
         local = self._local
         if not hasattr(local, "clock"):
-            local.name = f"thread{next(self._threads)}:{threading.current_thread().name}"
+            ident = threading.get_ident()  # not current_thread(): a thread past its end (a finalizer run as it
+            # exits) would become a _DummyThread that threading.enumerate() lists for the rest of the process
+            named = next((thread.name for thread in threading.enumerate() if thread.ident == ident), "exiting")
+            local.name = f"thread{next(self._threads)}:{named}"
             local.clock = {}
         return local.name, local.clock
 
