@@ -145,7 +145,7 @@ class Watch:
 CASES = [  # (id, family, attention implementation, sliding window, slots per round)
     ("llama-rounds-of-3", "llama", "sdpa", None, 3),
     ("llama-rounds-of-1", "llama", "eager", None, 1),
-    ("mistral-sw8", "mistral", "sdpa", 8, 2),  # the window's start moves inside the first block: positions shift
+    ("mistral-sw8", "mistral", "sdpa", 8, 2),  # the window from the mask (no config: every token kept)
     ("gemma2-sw8", "gemma2", "eager", 8, 2),  # soft-capping, sliding and full layers
     ("qwen3", "qwen3", "sdpa", None, 2),
 ]

@@ -33,3 +33,17 @@ def test_split_with_a_config_moves_the_window_inside_its_first_block_exactly(tmp
                      config=model.config) as cache, cache.split(model, chunk_tokens=8):
         out = _run(model, ids, mask, cache)
     assert_same_generation(out, reference, atol=1e-4)
+
+
+def test_split_with_a_config_moves_the_window_inside_blocks_read_from_disk_exactly(tmp_path, kernel):
+    """The same with a longer window whose blocks lie mostly on disk: the disk's rounds are attended at the
+    shifted positions too."""
+    model = tiny_model("mistral", "sdpa", 24)
+    ids, mask = prompt(2, 41, seed=4, left_pad=(0, 6))
+    reference = _run(model, ids, mask, DynamicCache())
+    device = TieredCache.min_split_device_bytes(model.config, 2, block_tokens=4, chunk_tokens=8)
+    with TieredCache(gpu_gb=f"{device}B", cpu_gb="8KB", disk_dir=tmp_path, block_tokens=4,
+                     config=model.config) as cache, cache.split(model, chunk_tokens=8):
+        out = _run(model, ids, mask, cache)
+        assert cache.stats()["blocks"]["disk"] > cache.stats()["blocks"]["host"]
+    assert_same_generation(out, reference, atol=1e-4)
