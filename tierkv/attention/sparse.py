@@ -526,9 +526,9 @@ class SparseAttention(PipelinedExecutor):
         if top <= 0:
             chosen = np.empty((batch, 0), dtype=np.int64)
         else:
-            score = self._scores(layer, rows, lo, hi, q, summaries, scaling, softcap, tail)  # [B, C·per (+ E)]
+            offset = start // page - lo * per if per > 1 else 0  # pages before the window's start
+            score = self._scores(layer, rows, lo, hi, q, summaries, scaling, softcap, tail, offset)  # [B, C·per (+ E)]
             if per > 1:  # pages before the window's start never; the sink pages always
-                offset = start // page - lo * per
                 score[:, :offset] = -math.inf
                 score[:, offset : offset + -(-sink_tokens // page)] = math.inf
             score = self._with_sticky(layer, lo * per, lo * per + score.shape[1], score)
@@ -544,12 +544,14 @@ class SparseAttention(PipelinedExecutor):
         return recent_columns, chosen
 
     def _scores(self, layer: int, rows, lo: int, hi: int, q: torch.Tensor, summaries, scaling: float,
-                softcap: float | None, extra: torch.Tensor | None = None) -> torch.Tensor:
+                softcap: float | None, extra: torch.Tensor | None = None, before: int = 0) -> torch.Tensor:
         """Each row's score of the pages of candidate columns ``[lo, hi)``, then of the ``extra`` summaries
         ``[B, H_kv, E, 4·D]`` (the open tail's full pages): ``[B, C · pages + E]`` (one vectorized pass, no
-        loop; one softmax over them all). In CPU memory the C kernel (:mod:`~tierkv.attention.score_kernel`) reads
-        the candidates' summaries where the table holds them; elsewhere, and where the page means are attended
-        (they are gathered anyway), torch gathers them and runs the same computation."""
+        loop; one softmax over them all). The first ``before`` pages lie before a sliding window's start: they
+        take no share of the softmax (a key outside the window would lower every page's share inside it). In CPU
+        memory the C kernel (:mod:`~tierkv.attention.score_kernel`) reads the candidates' summaries where the
+        table holds them; elsewhere, and where the page means are attended (they are gathered anyway), torch
+        gathers them and runs the same computation."""
         table = summaries.table(layer)
         found = self.rest.rows(layer, rows, lo, hi, summaries, q.device)
         index, missing = found.index, found.missing
@@ -588,6 +590,9 @@ class SparseAttention(PipelinedExecutor):
         self._bound = (layer, bound if missing is None else bound.masked_fill(
             missing.repeat_interleave(pages, dim=1)[:, None, None], math.inf))
         self._means = (layer, stacked[..., 2 * dim :]) if means and stacked is not None else None
+        if before > 0:  # (finite: a row of nothing else stays a softmax, not NaN)
+            logits = logits.clone()
+            logits[..., :before] = torch.finfo(logits.dtype).min
         share = torch.softmax(logits, dim=-1)  # each head's estimated attention share
         score = share.flatten(1, 2).amax(dim=1)  # [B, C·pages]: the most any query head would give the page
         return score if missing is None else score.masked_fill(missing.repeat_interleave(pages, dim=1), math.inf)
