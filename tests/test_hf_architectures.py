@@ -33,7 +33,7 @@ from transformers import DynamicCache
 
 from tierkv import TieredCache, settings
 from tierkv.errors import InvalidConfigError
-from tierkv.hf import TieredLayer
+from tierkv.hf import TieredLayer, cache_keyword
 from tierkv.hf.attention import takes_attention_functions
 from tierkv.hf.sizing import HOLDS_STATE, kv_bytes_held, kv_producers
 
@@ -382,14 +382,15 @@ def test_an_encoder_decoder_cache_takes_the_crops_of_assisted_decoding(tmp_path,
     options = {"assisted": dict(assistant_model=_bart(7)), "prompt lookup": dict(prompt_lookup_num_tokens=3),
                "beams": dict(num_beams=2)}[mode]
     try:
-        reference = model.generate(source, past_key_values=EncoderDecoderCache(DynamicCache(), DynamicCache()),
-                                   max_new_tokens=30, do_sample=False, **options)
+        two = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        reference = model.generate(source, **{cache_keyword(model): two}, max_new_tokens=30, do_sample=False,
+                                   **options)
     except TypeError as exc:  # 5.0's prompt lookup on BART: isin(..., None) in its candidate generator
         pytest.skip(f"this transformers release fails {mode} with two DynamicCaches: {str(exc)[:60]}")
     gpu = TieredCache.min_device_bytes(model.config, 40, 2 if mode == "beams" else 1, block_tokens=4)
     with TieredCache(gpu_gb=f"{gpu}B", cpu_gb="4KB", disk_dir=tmp_path, block_tokens=4) as cache:
-        out = model.generate(source, past_key_values=cache.encoder_decoder(), max_new_tokens=30, do_sample=False,
-                             **options)
+        out = model.generate(source, **{cache_keyword(model): cache.encoder_decoder()}, max_new_tokens=30,
+                             do_sample=False, **options)
         assert cache.stats()["blocks"]["disk"] > 0
     assert torch.equal(out, reference)
 

@@ -38,20 +38,26 @@ pytestmark = pytest.mark.skipif(not sizing.HOLDS_STATE, reason="this transformer
 NEW = 6
 GQA = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 ALTERNATE = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+# the recurrent layers' own dims, small: their defaults (128 Mamba heads of a 256-wide state, 16 x 128 linear-attention
+# heads, 128 experts) run transformers' reference kernels 10-30x longer and test nothing more
+MAMBA = dict(mamba_n_heads=8, mamba_d_state=16, mamba_chunk_size=16)
+LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              shared_expert_intermediate_size=32)
 FAMILIES: dict[str, dict] = {  # model_type -> config arguments beside SMALL's and GQA's (four layers)
-    "qwen3_next": dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32),
-    "qwen3_5_text": {},
+    "qwen3_next": dict(LINEAR, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32),
+    "qwen3_5_text": LINEAR,
     "olmo_hybrid": {},
-    "bamba": dict(attn_layer_indices=[1, 3]),
+    "bamba": dict(MAMBA, attn_layer_indices=[1, 3]),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, num_experts=2),
-    "granitemoehybrid": dict(layer_types=ALTERNATE, num_local_experts=2),
+    "granitemoehybrid": dict(MAMBA, layer_types=ALTERNATE, num_local_experts=2),
     "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], n_routed_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=32, mamba_num_heads=4, mamba_head_dim=16,
                        n_groups=1, ssm_state_size=16),
     "lfm3": {},  # convolution layers
-    "lara_mini": dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
-                      sliding_window=8),
-    "falcon_h1": {},  # attention and Mamba side by side in every layer
+    "lara_mini": dict(LINEAR, layer_types=["linear_attention", "sliding_attention", "linear_attention",
+                                           "full_attention"], sliding_window=8, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32),
+    "falcon_h1": dict(MAMBA, mamba_d_ssm=128, mamba_d_head=16),  # attention and Mamba side by side in every layer
     "zamba": dict(attn_layer_period=2, attn_layer_offset=1, layers_block_type=None),
     "falcon_mamba": {},  # Mamba only: no K/V at all
     "nemotron_h, no Mamba": dict(layers_block_type=["full_attention", "mlp", "full_attention", "moe"],

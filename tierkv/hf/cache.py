@@ -593,9 +593,9 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
 
     def encoder_decoder(self) -> TieredEncoderDecoderCache:
         """This cache as an encoder-decoder model's (T5, BART, Whisper) self-attention cache, the cross-attention
-        K/V in a ``DynamicCache``: ``model.generate(..., past_key_values=cache.encoder_decoder())``. Unlike
-        transformers' ``EncoderDecoderCache(cache, DynamicCache())`` it takes the crops and batch edits of assisted
-        decoding and contrastive search (:mod:`tierkv.hf.encoder_decoder`)."""
+        K/V in a ``DynamicCache``: ``model.generate(..., cache=cache.encoder_decoder())`` (``past_key_values=`` before
+        transformers 5.24). Unlike transformers' ``EncoderDecoderCache(cache, DynamicCache())`` it takes the crops and
+        batch edits of assisted decoding and contrastive search (:mod:`tierkv.hf.encoder_decoder`)."""
         return TieredEncoderDecoderCache(self, DynamicCache())
 
     def save(self, path: str | os.PathLike, model: torch.nn.Module | None = None) -> None:
