@@ -284,10 +284,11 @@ class Restore:
         cache, header = self.cache, self.header
         assert cache is not None and header is not None
         config = getattr(self.model, "config", None)
-        widths = sizing.kv_widths(config.get_text_config(decoder=True)) if config is not None else None
+        widths = sizing.layer_kv_widths(config) if config is not None else {}
         for saved, layer in zip(header.layers, cache.kv_layers):
             layer.dropped = saved.dropped
-            layer.widths = widths  # keys and values of two head dims (latent attention): read back at their own
+            layer.widths = widths.get(layer.index)  # keys and values of two head dims (latent attention): read back
+            # at their own
             if TieredLayer.get_seq_length(layer) != saved.length:
                 raise IntegrityError(f"layer {saved.index} holds {layer.get_seq_length()} tokens after loading, "
                                      f"the file says {saved.length}.")

@@ -289,6 +289,12 @@ def _stored_shape(config: Any, sliding: bool = False, kv_heads: int | None = Non
     return kv_heads, max(widths) if widths is not None else _key_width(config, sliding)
 
 
+def layer_kv_widths(config: PreTrainedConfig) -> dict[int, tuple[int, int] | None]:
+    """:func:`kv_widths` of each layer that holds K/V, by layer index: from its own config where the config is
+    heterogeneous (Gemma 4: the global fields are ambiguous there), a sliding layer's from its ``swa_`` fields."""
+    return {i: kv_widths(layer, sliding) for i, layer, sliding in _kv_layers(config)}
+
+
 def kv_widths(config: Any, sliding: bool = False) -> tuple[int, int] | None:
     """The head dims of the keys and the values a layer of ``config`` caches (``sliding``: a sliding-window one)
     where they differ, else None: multi-head latent attention (:func:`_stored_shape`), or values of their own
