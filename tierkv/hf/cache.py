@@ -49,6 +49,7 @@ from tierkv.hf.runtime import Budgets, Runtime
 from tierkv.hf.session import PrefixSession
 from tierkv.hf.sizing import DEFAULT_BLOCK_TOKENS, DEFAULT_DISK_FRACTION
 from tierkv.hf.state import HybridLayer, StateLayer
+from tierkv.persist.keys import mixed_geometry_error
 from tierkv.policy import Policy, make_policy
 from tierkv.stats import check_profile, checked_trace_path, make_trace
 from tierkv.store import KVStore
@@ -275,6 +276,11 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                 "persist= and remote= reuse a prefix's K/V blocks, but this model also keeps recurrent state in its "
                 "layers (Mamba, linear attention, convolutions), which no K/V block holds: a loaded prefix would "
                 "decode from the wrong state. Build the cache without persist= / remote= for this model.")
+        if (persist or remote is not None) and config is not None:
+            shapes = sorted({(layout.kv_heads, layout.head_dim)
+                             for layout in sizing.layer_layouts(config, block_tokens, None)})
+            if len(shapes) > 1:
+                raise mixed_geometry_error(shapes)
         self.session = PrefixSession(disk_dir, persist, persist_gb, remote, block_tokens) \
             if persist or remote is not None else None
         self.remote_closed: dict[str, Any] | None = None  # the remote tier's final stats (``stats()`` after close)

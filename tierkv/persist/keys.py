@@ -260,8 +260,14 @@ class Namespace:
             raise InvalidConfigError(f"{type(model).__qualname__} has no .config: persisted prefixes need a "
                                      "transformers model (its config gives the K/V geometry); pass one.")
         text = config.get_text_config(decoder=True)
-        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        # a heterogeneous config (transformers' per_layer_config) refuses its global per-layer fields
+        layers = text.per_layer_config if getattr(text, "is_heterogeneous", False) else [text]
+        shapes = sorted({(getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads,
+                          getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads)
+                         for layer in layers})  # fmt: skip
+        if len(shapes) > 1:
+            raise mixed_geometry_error(shapes)
+        kv_heads, head_dim = shapes[0]
         parameter = next(model.parameters())
         return cls(fingerprint=fingerprint or model_fingerprint(model), layers=int(text.num_hidden_layers),
                    kv_heads=int(kv_heads), head_dim=int(head_dim), dtype=str(kv_dtype(model)).removeprefix("torch."),
@@ -270,6 +276,16 @@ class Namespace:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def mixed_geometry_error(shapes: Sequence[tuple[int, int]]) -> InvalidConfigError:
+    """Why a model whose layers cache K/V of several ``(KV heads, head dim)`` shapes has no prefix store."""
+    listed = ", ".join(f"{heads} x {dim}" for heads, dim in shapes)
+    return InvalidConfigError(
+        f"persist= and remote= store a prefix's blocks in one K/V shape for every layer, but this model's layers "
+        f"cache K/V of {len(shapes)} shapes (KV heads x head dim: {listed}; Gemma 4's full-attention layers have "
+        "wider heads than its sliding ones). Build the cache without persist= / remote= for this model "
+        "(cache.save / TieredCache.load keep its conversations).")
 
 
 def kv_dtype(model: torch.nn.Module) -> torch.dtype:
