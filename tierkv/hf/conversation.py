@@ -287,8 +287,8 @@ class Restore:
         widths = sizing.layer_kv_widths(config) if config is not None else {}
         for saved, layer in zip(header.layers, cache.kv_layers):
             layer.dropped = saved.dropped
-            layer.widths = widths.get(layer.index)  # keys and values of two head dims (latent attention): read back
-            # at their own
+            # keys and values of two head dims (latent attention) are read back at their own
+            layer.widths = widths.get(layer.index)
             if TieredLayer.get_seq_length(layer) != saved.length:
                 raise IntegrityError(f"layer {saved.index} holds {layer.get_seq_length()} tokens after loading, "
                                      f"the file says {saved.length}.")
