@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from tierkv.blocks import Tier
 from tierkv.policy import make_policy
@@ -84,6 +85,24 @@ def kv(batch: int, tokens: int, heads: int = 2, dim: int = 8, seed: int = 0) -> 
     generator = torch.Generator().manual_seed(seed)
     keys = torch.randn(batch, heads, tokens, dim, generator=generator)
     return keys, torch.randn(batch, heads, tokens, dim, generator=generator)
+
+
+STEP_CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=128)
+"""Three layers of 2 KV heads x 16: the model config of the steps :func:`kv_step` makes."""
+
+
+def kv_step(tokens: int, seed: int) -> torch.Tensor:
+    """One layer's keys (or values) of a step of ``tokens`` tokens for :data:`STEP_CONFIG`, ``[1, 2, tokens, 16]``."""
+    return torch.randn(1, 2, tokens, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def forward_steps(cache: Any, tokens: int, seed: int, layers: int = 3) -> None:
+    """A forward's updates without a model, layer by layer: keys ``kv_step(tokens, seed * 10 + layer)``, values
+    their negation."""
+    for layer in range(layers):
+        states = kv_step(tokens, seed * 10 + layer)
+        cache.update(states, -states, layer)
 
 
 DECODE_RSS_CHILD = r"""

@@ -7,27 +7,19 @@ updating layer 0 again; two cannot be, so they are not let through as such."""
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import LlamaConfig
+from helpers import STEP_CONFIG, kv_step
 
 from tierkv import TieredCache
 from tierkv.errors import InterruptedStepError
 
-CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=128)
-
-
-def step(tokens: int, seed: int) -> torch.Tensor:
-    return torch.randn(1, 2, tokens, 16, generator=torch.Generator().manual_seed(seed))
-
 
 def test_a_first_forward_stopped_after_two_layers_is_taken_back():
-    with TieredCache(gpu_gb="1MB", cpu_gb="1MB", block_tokens=4, config=CONFIG) as cache:
+    with TieredCache(gpu_gb="1MB", cpu_gb="1MB", block_tokens=4, config=STEP_CONFIG) as cache:
         for layer in range(2):
-            cache.update(step(5, layer), step(5, layer), layer)
+            cache.update(kv_step(5, layer), kv_step(5, layer), layer)
         with pytest.raises(InterruptedStepError, match="rolled back to 0 tokens"):
-            cache.update(step(5, 0), step(5, 0), 0)
+            cache.update(kv_step(5, 0), kv_step(5, 0), 0)
         assert [layer.get_seq_length() for layer in cache.layers] == [0, 0, 0]
         for layer in range(3):
-            cache.update(step(5, layer), step(5, layer), layer)
+            cache.update(kv_step(5, layer), kv_step(5, layer), layer)
         assert [layer.get_seq_length() for layer in cache.layers] == [5, 5, 5]

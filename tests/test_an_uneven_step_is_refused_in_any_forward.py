@@ -6,52 +6,39 @@ forward's step back, so the layers keep one length and the tokens accepted befor
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import LlamaConfig
+from helpers import STEP_CONFIG, forward_steps, kv_step
 
 from tierkv import InvalidConfigError, TieredCache
 
-CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=128)
 UNEVEN = "cached 3 tokens in a forward whose first layer cached 1"
-
-
-def step(tokens: int, seed: int) -> torch.Tensor:
-    return torch.randn(1, 2, tokens, 16, generator=torch.Generator().manual_seed(seed))
-
-
-def forward(cache: TieredCache, tokens: int, seed: int) -> None:
-    for layer in range(3):
-        states = step(tokens, seed * 10 + layer)
-        cache.update(states, -states, layer)
 
 
 def lengths(cache: TieredCache) -> list[int]:
     return [layer.get_seq_length() for layer in cache.layers]
 
 
-@pytest.mark.parametrize("config", [CONFIG, None], ids=["config", "no-config"])
+@pytest.mark.parametrize("config", [STEP_CONFIG, None], ids=["config", "no-config"])
 def test_an_uneven_step_in_the_first_forward_is_refused(config):
     """A fresh cache's first forward: layer 1 caches three tokens where layer 0 cached one."""
     with TieredCache(gpu_gb="1MB", cpu_gb="1MB", block_tokens=4, config=config) as cache:
-        cache.update(step(1, 1), step(1, 1), 0)
+        cache.update(kv_step(1, 1), kv_step(1, 1), 0)
         with pytest.raises(InvalidConfigError, match=UNEVEN):
-            cache.update(step(3, 2), step(3, 2), 1)
+            cache.update(kv_step(3, 2), kv_step(3, 2), 1)
         assert cache.get_seq_length() == 0
-        forward(cache, 2, 3)  # and the cache takes a sequence afterwards
+        forward_steps(cache, 2, 3)  # and the cache takes a sequence afterwards
         assert lengths(cache) == [2, 2, 2]
 
 
 def test_an_uneven_step_after_a_step_taken_back_is_refused():
     """The forward after a refused (and taken back) step: its uneven layer is refused too, and the cache keeps
     the tokens of the complete forwards before."""
-    with TieredCache(gpu_gb="1MB", cpu_gb="1MB", block_tokens=4, config=CONFIG) as cache:
-        forward(cache, 5, 1)
-        cache.update(step(1, 2), step(1, 2), 0)
+    with TieredCache(gpu_gb="1MB", cpu_gb="1MB", block_tokens=4, config=STEP_CONFIG) as cache:
+        forward_steps(cache, 5, 1)
+        cache.update(kv_step(1, 2), kv_step(1, 2), 0)
         with pytest.raises(InvalidConfigError, match=UNEVEN):
-            cache.update(step(3, 3), step(3, 3), 1)
+            cache.update(kv_step(3, 3), kv_step(3, 3), 1)
         assert lengths(cache) == [5, 5, 5]
-        cache.update(step(1, 4), step(1, 4), 0)
+        cache.update(kv_step(1, 4), kv_step(1, 4), 0)
         with pytest.raises(InvalidConfigError, match=UNEVEN):
-            cache.update(step(3, 5), step(3, 5), 1)
+            cache.update(kv_step(3, 5), kv_step(3, 5), 1)
         assert lengths(cache) == [5, 5, 5]

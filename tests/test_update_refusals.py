@@ -8,25 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import STEP_CONFIG, forward_steps, kv_step
 from models import small_llama
-from transformers import DynamicCache, LlamaConfig
+from transformers import DynamicCache
 
 from tierkv import InvalidConfigError, TieredCache
 from tierkv.hf import cache_keyword
 from tierkv.hf.cache import MAX_LAYERS
-
-CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=128)
-
-
-def _step(tokens: int, seed: int) -> torch.Tensor:
-    return torch.randn(1, 2, tokens, 16, generator=torch.Generator().manual_seed(seed))
-
-
-def _forward(cache: TieredCache, tokens: int, seed: int, layers: int = 3) -> None:
-    for layer in range(layers):
-        states = _step(tokens, seed * 10 + layer)
-        cache.update(states, -states, layer)
 
 
 def _held(cache: TieredCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -40,10 +28,10 @@ def _same(before: list[tuple[torch.Tensor, torch.Tensor]], cache: TieredCache) -
 
 @pytest.fixture(params=["config", "no config"])
 def cache(request):
-    config = {"config": CONFIG} if request.param == "config" else {}
+    config = {"config": STEP_CONFIG} if request.param == "config" else {}
     with TieredCache(gpu_gb="1MB", cpu_gb="1MB", block_tokens=4, **config) as cache:
-        _forward(cache, 5, 1)
-        _forward(cache, 1, 2)
+        forward_steps(cache, 5, 1)
+        forward_steps(cache, 1, 2)
         yield cache
 
 
@@ -51,10 +39,10 @@ def cache(request):
 def test_a_layer_index_refused_after_a_complete_forward_keeps_every_token(cache, layer_idx):
     before = _held(cache)
     with pytest.raises(InvalidConfigError, match="layer_idx must be an int"):
-        cache.update(_step(1, 9), _step(1, 9), layer_idx)
+        cache.update(kv_step(1, 9), kv_step(1, 9), layer_idx)
     assert cache.get_seq_length() == 6 and _same(before, cache)
     assert len(cache.layers) == 3
-    _forward(cache, 1, 3)  # and the sequence goes on
+    forward_steps(cache, 1, 3)  # and the sequence goes on
     assert cache.get_seq_length() == 7
 
 
@@ -64,46 +52,46 @@ def test_a_layer_past_every_layer_takes_back_the_forward_it_continues(cache, lay
     the layers that took its step give it back (the model whose cache it is then decodes on exactly)."""
     if layer_idx == 3 and cache.runtime.num_layers is None:  # without a config it adds a layer, as DynamicCache
         reference = DynamicCache()
-        _forward(reference, 5, 1)
-        _forward(reference, 1, 2)
-        got, want = cache.update(_step(1, 9), _step(1, 9), 3), reference.update(_step(1, 9), _step(1, 9), 3)
+        forward_steps(reference, 5, 1)
+        forward_steps(reference, 1, 2)
+        got, want = cache.update(kv_step(1, 9), kv_step(1, 9), 3), reference.update(kv_step(1, 9), kv_step(1, 9), 3)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
         assert [layer.keys.shape[2] for layer in cache.layers] == [6, 6, 6, 1] == \
             [layer.keys.shape[2] for layer in reference.layers]
     else:
         with pytest.raises(InvalidConfigError, match="beyond.*gave it back: the cache holds 5 tokens"):
-            cache.update(_step(1, 9), _step(1, 9), layer_idx)
+            cache.update(kv_step(1, 9), kv_step(1, 9), layer_idx)
         assert [layer.keys.shape[2] for layer in cache.layers] == [5, 5, 5]
 
 
 def test_a_layer_index_refused_mid_forward_takes_that_forwards_step_back(cache):
     before = _held(cache)
-    cache.update(_step(1, 5), _step(1, 5), 0)
+    cache.update(kv_step(1, 5), kv_step(1, 5), 0)
     with pytest.raises(InvalidConfigError):
-        cache.update(_step(1, 6), _step(1, 6), -1)
+        cache.update(kv_step(1, 6), kv_step(1, 6), -1)
     assert cache.get_seq_length() == 6 and _same(before, cache)
-    _forward(cache, 1, 3)
+    forward_steps(cache, 1, 3)
     assert [layer.keys.shape[2] for layer in cache.layers] == [7, 7, 7]
 
 
 def test_a_huge_layer_index_without_a_config_is_refused_before_layers_grow():
     with TieredCache(gpu_gb="1MB", block_tokens=4) as cache:
-        _forward(cache, 2, 1)
-        _forward(cache, 1, 2)
+        forward_steps(cache, 2, 1)
+        forward_steps(cache, 1, 2)
         with pytest.raises(InvalidConfigError, match=f"{MAX_LAYERS:,} layers.*holds 2 tokens"):
-            cache.update(_step(1, 3), _step(1, 3), MAX_LAYERS)
+            cache.update(kv_step(1, 3), kv_step(1, 3), MAX_LAYERS)
         assert len(cache.layers) == 3 and cache.get_seq_length() == 2
 
 
 @pytest.mark.parametrize(("keys", "values", "needle"), [
     (None, None, "key_states as a torch.Tensor"),
-    (_step(1, 0).tolist(), _step(1, 0), "key_states as a torch.Tensor"),
-    (_step(1, 0).flatten(), _step(1, 0).flatten(), "dense tensor .* shape \\(32,\\)"),
-    (_step(1, 0)[0], _step(1, 0)[0], "dense tensor"),
-    (_step(1, 0).to_sparse(), _step(1, 0).to_sparse(), "sparse_coo"),
-    (_step(1, 0), _step(1, 0).half(), "keys in torch.float32 and values in torch.float16"),
-    (_step(1, 0).half(), _step(1, 0), "keys in torch.float16 and values in torch.float32"),
-    (_step(1, 0).bfloat16(), _step(1, 0).half(), "one dtype"),
+    (kv_step(1, 0).tolist(), kv_step(1, 0), "key_states as a torch.Tensor"),
+    (kv_step(1, 0).flatten(), kv_step(1, 0).flatten(), "dense tensor .* shape \\(32,\\)"),
+    (kv_step(1, 0)[0], kv_step(1, 0)[0], "dense tensor"),
+    (kv_step(1, 0).to_sparse(), kv_step(1, 0).to_sparse(), "sparse_coo"),
+    (kv_step(1, 0), kv_step(1, 0).half(), "keys in torch.float32 and values in torch.float16"),
+    (kv_step(1, 0).half(), kv_step(1, 0), "keys in torch.float16 and values in torch.float32"),
+    (kv_step(1, 0).bfloat16(), kv_step(1, 0).half(), "one dtype"),
 ])  # fmt: skip
 def test_states_that_are_not_a_layers_step_are_refused_and_change_nothing(cache, keys, values, needle):
     before = _held(cache)
@@ -114,33 +102,33 @@ def test_states_that_are_not_a_layers_step_are_refused_and_change_nothing(cache,
 
 def test_a_numpy_layer_index_is_a_layer_index(cache):
     for layer in range(3):
-        cache.update(_step(1, layer), _step(1, layer), np.int64(layer))
+        cache.update(kv_step(1, layer), kv_step(1, layer), np.int64(layer))
     assert [layer.keys.shape[2] for layer in cache.layers] == [7, 7, 7]
 
 
 def test_a_repeated_update_after_a_complete_forward_changes_nothing(cache):
     before = _held(cache)
     with pytest.raises(InvalidConfigError, match="updated twice in one forward.*Nothing changed"):
-        cache.update(_step(1, 7), _step(1, 7), 2)
+        cache.update(kv_step(1, 7), kv_step(1, 7), 2)
     assert cache.get_seq_length() == 6 and _same(before, cache)
 
 
 def test_a_repeated_update_mid_forward_takes_that_forwards_step_back(cache):
     before = _held(cache)
-    cache.update(_step(1, 5), _step(1, 5), 0)
-    cache.update(_step(1, 6), _step(1, 6), 1)
+    cache.update(kv_step(1, 5), kv_step(1, 5), 0)
+    cache.update(kv_step(1, 6), kv_step(1, 6), 1)
     with pytest.raises(InvalidConfigError, match="updated twice in one forward.*holds 6 tokens"):
-        cache.update(_step(1, 7), _step(1, 7), 1)
+        cache.update(kv_step(1, 7), kv_step(1, 7), 1)
     assert _same(before, cache)
 
 
 def test_an_uneven_update_takes_that_forwards_step_back(cache):
     before = _held(cache)
-    cache.update(_step(1, 5), _step(1, 5), 0)
+    cache.update(kv_step(1, 5), kv_step(1, 5), 0)
     with pytest.raises(InvalidConfigError, match="cached 3 tokens in a forward whose first layer cached 1.*holds 6"):
-        cache.update(_step(3, 6), _step(3, 6), 1)
+        cache.update(kv_step(3, 6), kv_step(3, 6), 1)
     assert _same(before, cache)
-    _forward(cache, 2, 4)
+    forward_steps(cache, 2, 4)
     assert [layer.keys.shape[2] for layer in cache.layers] == [8, 8, 8]
 
 
@@ -199,7 +187,7 @@ def test_save_and_load_take_the_model_and_a_device(model, tmp_path):
 
 def test_save_trace_refuses_a_path_it_cannot_write(tmp_path):
     with TieredCache(gpu_gb="1MB", block_tokens=4, trace=True) as cache:
-        _forward(cache, 2, 1)
+        forward_steps(cache, 2, 1)
         for path, needle in (("", "is empty"), (tmp_path / "missing" / "t.json", "not an existing directory")):
             with pytest.raises(InvalidConfigError, match=f"save_trace\\(.*{needle}"):
                 cache.save_trace(path)
