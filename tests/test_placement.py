@@ -102,18 +102,9 @@ def test_free_device_slots_takes_only_what_is_free(tmp_path):
 def test_staging_evacuates_the_newest_chunk_of_a_pool_that_grew_by_need(tmp_path):
     """Default chunk sizes on a large budget (they double from FIRST_CHUNK_BYTES): a reservation that does not fit
     empties the newest chunk — full blocks demoted, open tails moved into older chunks — and gives it back."""
-    heads, dim, bt = 8, 64, 16  # fp32: 64 KiB blocks
-    device = MemoryTier(Tier.DEVICE, 64 * 2**20, torch.device("cpu"))
-    host = MemoryTier(Tier.HOST, 64 * 2**20, torch.device("cpu"))
-    store = KVStore(device, host, None, make_policy("lru"), bt)
-    generator = torch.Generator().manual_seed(0)
-    expected = {}
-    for layer in range(2):
-        keys = torch.randn(1, heads, 40 * bt + 5, dim, generator=generator)  # 41 blocks a layer: 5.1 MiB in all
-        values = torch.randn(1, heads, 40 * bt + 5, dim, generator=generator)
-        store.append(layer, keys, values)
-        expected[layer] = torch.stack((keys, values))
-    keys, values = (torch.randn(1, heads, 12, dim, generator=generator) for _ in range(2))
+    store, expected, generator = _grown_device()
+    device = store.tiers[Tier.DEVICE]
+    keys, values = (torch.randn(1, HEADS, 12, DIM, generator=generator) for _ in range(2))
     store.append(0, keys, values)  # the tail fills; the new one takes the lowest free slot, in the newest chunk
     expected[0] = torch.cat((expected[0], torch.stack((keys, values))), dim=3)
     pool = device.pools[store.layouts[0].slot_bytes]
@@ -136,6 +127,38 @@ def test_staging_evacuates_the_newest_chunk_of_a_pool_that_grew_by_need(tmp_path
     store.close()
 
 
+def test_evacuation_keeps_the_newest_chunks_recently_read_blocks_and_demotes_the_least_recently_read():
+    """The blocks that move down are the policy's victims over the whole tier: a block of the emptied chunk the
+    policy wants kept takes the slot of a colder one outside it, so which blocks stay on the device never depends
+    on where their slots are."""
+    store, expected, _ = _grown_device()
+    device = store.tiers[Tier.DEVICE]
+    pool = device.pools[store.layouts[0].slot_bytes]
+    newest = pool.last_chunk_slots()
+    tails = {store.table.tail(layer).id for layer in range(2)}
+    on_device = [b for b in store.table.blocks.values() if b.tier == Tier.DEVICE and b.id not in tails]
+    hot = {b.id for b in on_device if b.slot in newest}
+    cold = sorted((b for b in on_device if b.id not in hot), key=lambda b: b.id)
+    assert hot and len(cold) >= len(hot)  # the chunk's blocks could all be kept
+    for layer in range(2):  # every block read once, then the newest chunk's read again: those are the recent ones
+        store.policy.on_access(layer, 1)
+        store.policy.on_access(layer, 2, [b.id for b in on_device if b.id in hot and b.layer == layer])
+    chunks = len(pool.chunks)
+    staging = device.budget - device.allocated_bytes + 1  # one byte more than the room left: one chunk goes back
+    store.reserve_device(staging)
+    assert len(pool.chunks) == chunks - 1
+    placed = {b.id: b for b in store.table.blocks.values()}
+    assert all(placed[i].tier == Tier.DEVICE and placed[i].slot not in newest for i in hot)  # moved, not demoted
+    demoted = [b for b in cold if placed[b.id].tier == Tier.HOST]
+    assert len(demoted) == len(hot)  # as many blocks went down as the chunk held
+    assert all(placed[i].tier == Tier.DEVICE for i in tails)
+    store.check()
+    for layer in range(2):
+        torch.testing.assert_close(store.read_tokens(layer), expected[layer], rtol=0, atol=0)
+    store.release_device(staging)
+    store.close()
+
+
 def test_staging_that_cannot_fit_beside_the_open_tails_says_how_much_would(tmp_path):
     store = make_store(tmp_path, device_slots=4, host_slots=8)
     store.append(0, *kv(2, 6))  # two rows: two open tails on the device
@@ -145,3 +168,21 @@ def test_staging_that_cannot_fit_beside_the_open_tails_says_how_much_would(tmp_p
     store.check()
     assert np.all(store.table.rows[0].tiers[:, -1] == Tier.DEVICE)
     store.close()
+
+
+HEADS, DIM = 8, 64  # fp32, 16-token blocks: 64 KiB each
+
+
+def _grown_device() -> tuple[KVStore, dict[int, torch.Tensor], torch.Generator]:
+    """Two layers of 41 blocks (5.1 MiB) on a 64 MiB device whose pool grew by doubling chunks from
+    FIRST_CHUNK_BYTES; the K/V appended per layer, and the generator for more."""
+    device = MemoryTier(Tier.DEVICE, 64 * 2**20, torch.device("cpu"))
+    host = MemoryTier(Tier.HOST, 64 * 2**20, torch.device("cpu"))
+    store = KVStore(device, host, None, make_policy("lru"), 16)
+    generator = torch.Generator().manual_seed(0)
+    expected = {}
+    for layer in range(2):
+        keys, values = (torch.randn(1, HEADS, 40 * 16 + 5, DIM, generator=generator) for _ in range(2))
+        store.append(layer, keys, values)
+        expected[layer] = torch.stack((keys, values))
+    return store, expected, generator

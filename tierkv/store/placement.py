@@ -250,16 +250,22 @@ class BlockPlacement:
         return sorted((b for b in blocks if b.slot_bytes == slot_bytes), key=lambda b: b.id)
 
     def _evacuate(self, slot_bytes: int, chunk: range) -> None:
-        """Empty the device chunk holding slots ``chunk`` (demote its blocks, relocate open tails within the
-        device) and give it back."""
+        """Empty the device chunk holding slots ``chunk`` and give it back. As many blocks move down as the chunk
+        holds, but the policy's victims over the whole tier, not whatever the chunk holds: a block of the chunk
+        that is not among them takes the slot of one outside it that is (a copy within the device); open tails
+        are relocated within the device."""
         self.barrier()
         device, top = self.device, self.chain[0]
         tails = self.open_tails()
         on_chunk = self._blocks_on(top, slot_bytes, chunk)
         movable = [b for b in on_chunk if b.id not in tails]
+        coldest = {b.id: b for b in self.policy.victims(top, slot_bytes, len(movable), tails)} if movable else {}
+        outside = [b for b in coldest.values() if b.slot not in chunk]
+        staying = [b for b in movable if b.id not in coldest][: len(outside)]
+        kept = {b.id for b in staying}
         if movable:
-            self.demote(movable)
-        for block in (b for b in on_chunk if b.id in tails):
+            self.demote([b for b in movable if b.id not in kept] + outside[: len(staying)])
+        for block in staying + [b for b in on_chunk if b.id in tails]:
             slot = device.alloc_outside(slot_bytes, chunk)
             if slot is None:
                 self.demote_victims(top, slot_bytes, 1, protect={b.id for b in on_chunk})
