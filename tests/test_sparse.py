@@ -468,6 +468,33 @@ def test_every_layer_gets_its_part_of_the_kept_share(tmp_path):
     assert kept.reserved == 0
 
 
+def test_layers_kept_before_the_device_filled_give_back_what_exceeds_their_part():
+    """The first layers size their kept buffers while little else is reserved; when other reservations grow (each
+    layer's summaries as it first attends) a later layer that finds too little room makes them give back what
+    exceeds their part now, and every layer then keeps the same share, its selection included, instead of the
+    last one keeping almost nothing."""
+    from tierkv.attention.kept import KeptBlocks
+
+    device = MemoryTier(Tier.DEVICE, 96 * 4096, torch.device("cpu"), chunk_bytes=2 * 4096)
+    store = KVStore(device, MemoryTier(Tier.HOST, 96 * 4096, torch.device("cpu")), None, make_policy("lru"), BT)
+    for layer in range(3):
+        store.append(layer, torch.zeros(2, HEADS, 3 * BT, DIM), torch.zeros(2, HEADS, 3 * BT, DIM))
+    kept, count = KeptBlocks(store), 40
+    first = [kept.layer(layer, 2, count).capacity for layer in range(2)]
+    assert first[0] == first[1] > count
+    store.reserve_device(device.budget // 2)  # the device's other reservations grow
+    last = kept.layer(2, 2, count)
+    assert last is not None and count <= last.capacity < first[0]
+    again = [kept.layer(layer, 2, count) for layer in range(3)]
+    assert all(k is not None for k in again) and {k.capacity for k in again} == {last.capacity}
+    assert again[2] is last  # the last layer kept what it took
+    assert device.reserved <= device.budget
+    kept.release()
+    store.release_device(device.budget // 2)
+    assert device.reserved == 0
+    store.close()
+
+
 def test_a_failed_read_leaves_nothing_stale_kept(tmp_path, monkeypatch):
     """A read that fails mid-step forgets the positions it was filling: the next step reads them again."""
     store, kv = store_with_needles(tmp_path, {0: 5, 1: 10})

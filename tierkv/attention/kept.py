@@ -30,10 +30,14 @@ selection, reset) calls :meth:`KeptBlocks.clear`; block ids never repeat, so a k
 for another one.
 
 Memory: a layer keeps up to :data:`KEEP_FACTOR` times its selection's blocks (the previous selection and the
-blocks that recently left it) but no more than its equal part of the :data:`KEEP_SHARE` of the device budget
-that all kept layers may take together (so that the first layers do not take it all: at least its selection's),
-or only its selection's, or as much of that as fits, whichever fits in what is left of that share and still
-leaves the device room for every layer's open tail (``tierkv.staging.device_minimum``). A layer that keeps part
+blocks that recently left it) but no more than its equal part of what all kept layers could take together
+beside the device's other reservations now, within :data:`KEEP_SHARE` of the device budget (at least its
+selection's), or only its selection's, or as much of that as fits, whichever fits in what is left of that share
+and still leaves the device room for every layer's open tail (``tierkv.staging.device_minimum``). The other
+reservations grow as the first layers attend (each layer's summaries): a layer that finds less than it wants
+makes the layers holding more than their part now give it back where every layer's selection fits its part,
+and they take their part at their next step, so that no layer is left keeping nothing while the first ones keep
+more than theirs. A layer that keeps part
 of its selection reads the rest every step, and speculation guesses that rest (its previous selection less what
 it keeps); one that keeps nothing reads its whole selection every step (the behaviour without this module).
 """
@@ -52,10 +56,9 @@ from tierkv.staging import CHUNKS_PER_BUDGET, Staging, device_minimum, open_tail
 from tierkv.store import KVStore
 
 # A kept layer holds up to KEEP_FACTOR times its selection's blocks; all kept layers together take at most
-# KEEP_SHARE of the device budget. More reads fewer disk blocks per step but leaves the store's device tier too
-# little room for policy="attention"'s promotions, which then saves no off-device bytes over lru.
-KEEP_FACTOR = 2
-KEEP_SHARE = 0.5
+# KEEP_SHARE of the device budget (measured: docs/benchmarks.md, "Attention policy against lru").
+KEEP_FACTOR = 4
+KEEP_SHARE = 0.65
 _ROW_SHIFT = 40  # (row << 40) | block id: one sorted key per (row, block) for a single vectorized search
 
 
@@ -217,16 +220,23 @@ class KeptBlocks:
         self._drop(layer)
         layout = store.layouts[layer]
         block_bytes = batch * unit * layout.token_bytes
-        share = int(store.device.budget * KEEP_SHARE) - self.reserved
         tails = open_tail_bytes(len(store.layouts), batch, layout.slot_bytes)  # must stay possible beside it
-        fair = int(store.device.budget * KEEP_SHARE) // (len(store.layouts) * block_bytes)  # blocks per layer
-        room = min(count, fair, _fitting_blocks(store.device.budget, store.device.reserved, tails, share, block_bytes))
+        device, cap = store.device, int(store.device.budget * KEEP_SHARE)
+        # each layer's equal part of what the kept layers could take beside everything else reserved now
+        fair = _fitting_blocks(device.budget, device.reserved - self.reserved, tails, cap, block_bytes) \
+            // len(store.layouts)  # fmt: skip
+        wanted = min(KEEP_FACTOR * count, max(count, fair))
+        if count <= fair and not self._fits(wanted * block_bytes, tails):
+            # layers sized while less else was reserved give back what exceeds their part now (each takes its part
+            # at its next step); only where a selection fits a part, or the layers would take turns
+            for index in [i for i, held in self.layers.items() if held.buffer.numel() > fair * block_bytes]:
+                self._drop(index)
+        room = min(count, _fitting_blocks(device.budget, device.reserved, tails, cap - self.reserved, block_bytes))
         # the doubled selection within the fair part, else the selection, else what fits: a layer that keeps part
         # of its selection still reads only the rest and its new blocks (one that keeps none reads all of it)
-        for capacity in dict.fromkeys((min(KEEP_FACTOR * count, max(count, fair)), count, room)):
+        for capacity in dict.fromkeys((wanted, count, room)):
             nbytes = capacity * block_bytes
-            if capacity < 1 or nbytes > share \
-                    or device_minimum(store.device.reserved + nbytes, tails) > store.device.budget:
+            if capacity < 1 or not self._fits(nbytes, tails):
                 continue
             try:
                 self._taking = True
@@ -240,6 +250,12 @@ class KeptBlocks:
             return kept
         self.refused[layer] = (batch, count, unit)
         return None
+
+    def _fits(self, nbytes: int, tails: int) -> bool:
+        """Whether a kept buffer of ``nbytes`` more fits the kept layers' share and the device beside ``tails``."""
+        device = self.store.device
+        return self.reserved + nbytes <= int(device.budget * KEEP_SHARE) \
+            and device_minimum(device.reserved + nbytes, tails) <= device.budget  # fmt: skip
 
     def clear(self, layer: int | None = None) -> None:
         """Forget what is held (a table edit): the buffers stay reserved for the next steps."""
