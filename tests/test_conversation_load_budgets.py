@@ -87,3 +87,30 @@ def test_a_sliding_window_conversation_claims_only_the_tokens_its_windows_hold(t
         assert loaded.get_seq_length() == 63 and all(layer.dropped > 0 for layer in loaded.kv_layers)
         logits = model(input_ids=next_token, use_cache=True, **{cache_keyword(model): loaded}).logits
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+
+def test_rows_that_shared_a_prompts_blocks_are_claimed_one_by_one_and_the_refusal_says_so(tmp_path):
+    """Rows repeated over one prompt share its blocks while the cache decodes, but a file holds every row's K/V
+    on its own: loading claims them unshared, so budgets that held the conversation may refuse it, and the error
+    says why (instead of a claim that looks wrong for the cache that saved it)."""
+    model = tiny_model("llama", "sdpa", None)
+    bt, rows, chunk = 16, 4, 64
+    ids, _ = prompt(1, 25 * bt, seed=4)  # 25 full blocks a layer, shared by every row
+    layouts = sizing.layer_layouts(model.config, bt, None)
+    one_row = 25 * bt * sum(layout.token_bytes for layout in layouts)
+    device = TieredCache.min_streaming_device_bytes(model.config, rows, block_tokens=bt, chunk_tokens=chunk)
+    budgets = {"block_tokens": bt, "gpu_gb": f"{device}B", "cpu_gb": f"{2 * one_row}B"}
+    cache = TieredCache(**budgets)
+    with torch.inference_mode(), cache.streaming(model, chunk_tokens=chunk):
+        model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache})
+        cache.batch_repeat_interleave(rows)  # the rows share the prompt's blocks
+        model(input_ids=torch.full((rows, 1), 5), use_cache=True, **{cache_keyword(model): cache})
+    path = tmp_path / "rows.tkv"
+    cache.save(path, model=model)
+    cache.close()
+    with pytest.raises(CapacityError, match=rf"holds each of its {rows} rows' K/V on its own, so rows that shared "
+                                            rf"blocks .* take {rows}x their tokens here"):
+        TieredCache.load(path, model=model, **budgets)
+    loaded = TieredCache.load(path, model=model, **{**budgets, "cpu_gb": f"{rows * 2 * one_row}B"})
+    assert loaded.get_seq_length() == 25 * bt + 1 and loaded.batch_size == rows
+    loaded.close()

@@ -230,10 +230,13 @@ class Restore:
         self.budget = budget = device_budget + host_budget + (disk.budget if disk is not None else 0)
         claim, open_blocks = _kv_claim(header, model) or (None, None)
         if claim is not None and claim > budget:
+            rows = (f" The file holds each of its {header.batch} rows' K/V on its own, so rows that shared blocks when "
+                    "it was saved (beams, num_return_sequences, batch_repeat_interleave over one prompt) take "
+                    f"{header.batch}x their tokens here." if header.batch > 1 else "")
             raise CapacityError(f"{what} holds {format_bytes(claim)} of K/V ({claim} bytes), more than the "
                                 f"{format_bytes(budget)} ({budget} bytes) of the cache's budgets (gpu_gb + cpu_gb + "
                                 "disk_gb): raise the budgets, e.g. TieredCache.load(path, model=model, cpu_gb=..., "
-                                "disk_dir=..., disk_gb=...). Nothing of the file was loaded.")
+                                f"disk_dir=..., disk_gb=...). Nothing of the file was loaded.{rows}")
         if open_blocks is not None and open_blocks > device_budget:  # (before a record of one whole block is read)
             raise BudgetTooSmallError(
                 f"{what} was saved with block_tokens={header.block_tokens} for {header.batch} rows: one block of "
