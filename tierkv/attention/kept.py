@@ -37,9 +37,9 @@ and still leaves the device room for every layer's open tail (``tierkv.staging.d
 reservations grow as the first layers attend (each layer's summaries): a layer that finds less than it wants
 makes the layers holding more than their part now give it back where every layer's selection fits its part,
 and they take their part at their next step, so that no layer is left keeping nothing while the first ones keep
-more than theirs. A layer that keeps part
-of its selection reads the rest every step, and speculation guesses that rest (its previous selection less what
-it keeps); one that keeps nothing reads its whole selection every step (the behaviour without this module).
+more than theirs. A layer that keeps part of its selection reads the rest every step, and speculation guesses
+that rest (its previous selection less what it keeps); one that keeps nothing reads its whole selection every
+step (the behaviour without this module).
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ class KeptBlocks:
             for index in [i for i, held in self.layers.items() if held.buffer.numel() > fair * block_bytes]:
                 self._drop(index)
         room = min(count, _fitting_blocks(device.budget, device.reserved, tails, cap - self.reserved, block_bytes))
-        # the doubled selection within the fair part, else the selection, else what fits: a layer that keeps part
+        # KEEP_FACTOR selections within the fair part, else the selection, else what fits: a layer that keeps part
         # of its selection still reads only the rest and its new blocks (one that keeps none reads all of it)
         for capacity in dict.fromkeys((wanted, count, room)):
             nbytes = capacity * block_bytes
