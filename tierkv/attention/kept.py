@@ -228,8 +228,9 @@ class KeptBlocks:
         wanted = min(KEEP_FACTOR * count, max(count, fair))
         if count <= fair and not self._fits(wanted * block_bytes, tails):
             # layers sized while less else was reserved give back what exceeds their part now (each takes its part
-            # at its next step); only where a selection fits a part, or the layers would take turns
-            for index in [i for i, held in self.layers.items() if held.buffer.numel() > fair * block_bytes]:
+            # at its next step); only where a selection fits a part, or the layers would take turns (a unit's slack:
+            # layers of other widths round their parts to their own units)
+            for index in [i for i, held in self.layers.items() if held.buffer.numel() > (fair + 1) * block_bytes]:
                 self._drop(index)
         room = min(count, _fitting_blocks(device.budget, device.reserved, tails, cap - self.reserved, block_bytes))
         # KEEP_FACTOR selections within the fair part, else the selection, else what fits: a layer that keeps part
