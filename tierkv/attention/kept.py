@@ -221,7 +221,7 @@ class KeptBlocks:
         layout = store.layouts[layer]
         block_bytes = batch * unit * layout.token_bytes
         tails = open_tail_bytes(len(store.layouts), batch, layout.slot_bytes)  # must stay possible beside it
-        device, cap = store.device, int(store.device.budget * KEEP_SHARE)
+        device, cap = store.device, self._share()
         # each layer's equal part of what the kept layers could take beside everything else reserved now
         fair = _fitting_blocks(device.budget, device.reserved - self.reserved, tails, cap, block_bytes) \
             // len(store.layouts)  # fmt: skip
@@ -252,10 +252,14 @@ class KeptBlocks:
         self.refused[layer] = (batch, count, unit)
         return None
 
+    def _share(self) -> int:
+        """The device bytes all kept layers may take together."""
+        return int(self.store.device.budget * KEEP_SHARE)
+
     def _fits(self, nbytes: int, tails: int) -> bool:
         """Whether a kept buffer of ``nbytes`` more fits the kept layers' share and the device beside ``tails``."""
         device = self.store.device
-        return self.reserved + nbytes <= int(device.budget * KEEP_SHARE) \
+        return self.reserved + nbytes <= self._share() \
             and device_minimum(device.reserved + nbytes, tails) <= device.budget  # fmt: skip
 
     def clear(self, layer: int | None = None) -> None:
