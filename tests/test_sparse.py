@@ -495,6 +495,30 @@ def test_layers_kept_before_the_device_filled_give_back_what_exceeds_their_part(
     store.close()
 
 
+def test_layers_that_keep_little_leave_the_rest_of_their_part_to_the_others():
+    """A layer whose KEEP_FACTOR selections need less than an equal part (a sliding layer's window) takes only
+    that, and the layers that select more share what it leaves: the one sized first, while the others' needs were
+    unknown, grows to its larger part at its next step, within the kept layers' share."""
+    from tierkv.attention.kept import KEEP_FACTOR, KeptBlocks
+
+    device = MemoryTier(Tier.DEVICE, 96 * 4096, torch.device("cpu"), chunk_bytes=2 * 4096)
+    store = KVStore(device, MemoryTier(Tier.HOST, 96 * 4096, torch.device("cpu")), None, make_policy("lru"), BT)
+    for layer in range(3):
+        store.append(layer, torch.zeros(2, HEADS, 3 * BT, DIM), torch.zeros(2, HEADS, 3 * BT, DIM))
+    kept, count = KeptBlocks(store), 60
+    equal = kept.layer(0, 2, count)
+    assert equal is not None and count <= equal.capacity < KEEP_FACTOR * count  # a third of what fits
+    small = [kept.layer(layer, 2, 1) for layer in (1, 2)]
+    assert [k.capacity for k in small if k is not None] == [KEEP_FACTOR, KEEP_FACTOR]
+    grown = kept.layer(0, 2, count)
+    assert grown is not None and grown.capacity >= 2 * equal.capacity
+    assert kept.layer(0, 2, count) is grown and [kept.layer(layer, 2, 1) for layer in (1, 2)] == small  # settled
+    assert kept.reserved <= kept._share() and device.reserved <= device.budget
+    kept.release()
+    assert device.reserved == 0
+    store.close()
+
+
 def test_a_failed_read_leaves_nothing_stale_kept(tmp_path, monkeypatch):
     """A read that fails mid-step forgets the positions it was filling: the next step reads them again."""
     store, kv = store_with_needles(tmp_path, {0: 5, 1: 10})

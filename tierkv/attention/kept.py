@@ -30,9 +30,11 @@ selection, reset) calls :meth:`KeptBlocks.clear`; block ids never repeat, so a k
 for another one.
 
 Memory: a layer keeps up to :data:`KEEP_FACTOR` times its selection's blocks (the previous selection and the
-blocks that recently left it) but no more than its equal part of what all kept layers could take together
-beside the device's other reservations now, within :data:`KEEP_SHARE` of the device budget (at least its
-selection's), or only its selection's, or as much of that as fits, whichever fits in what is left of that share
+blocks that recently left it) but no more than its part of what all kept layers could take together beside the
+device's other reservations now, within :data:`KEEP_SHARE` of the device budget (at least its selection's): an
+equal part, except that layers whose :data:`KEEP_FACTOR` selections need less (a sliding layer's window) count
+at that and leave the rest to the others (a layer sized before the others' needs were known grows to its larger
+part at a later step); or only its selection's, or as much of that as fits, whichever fits in what is left of that share
 and still leaves the device room for every layer's open tail (``tierkv.staging.device_minimum``). The other
 reservations grow as the first layers attend (each layer's summaries): a layer that finds less than it wants
 makes the layers holding more than their part now give it back where every layer's selection fits its part,
@@ -59,6 +61,7 @@ from tierkv.store import KVStore
 # KEEP_SHARE of the device budget (measured: docs/benchmarks.md, "Attention policy against lru").
 KEEP_FACTOR = 4
 KEEP_SHARE = 0.65
+GROWTH = 1.25  # a kept layer is re-allocated larger only where its part grew by this much (it drops what it held)
 _ROW_SHIFT = 40  # (row << 40) | block id: one sorted key per (row, block) for a single vectorized search
 
 
@@ -201,6 +204,8 @@ class KeptBlocks:
         self.layers: dict[int, KeptLayer] = {}
         self.refused: dict[int, tuple[int, int, int]] = {}  # layer -> (batch, units, unit tokens): nothing fit
         self.sized: dict[int, int] = {}  # layer -> the selection its kept layer was allocated for
+        self._sizings = 0  # how many times kept layers were allocated or dropped
+        self._checked: dict[int, int] = {}  # layer -> ``_sizings`` when its part was last compared with its size
 
     @property
     def reserved(self) -> int:
@@ -212,19 +217,22 @@ class KeptBlocks:
         store = self.store
         unit = unit_tokens or store.block_tokens
         kept = self.layers.get(layer)
-        if kept is not None and kept.batch == batch and kept.unit_tokens == unit \
-                and max(kept.capacity, self.sized[layer]) >= count:
-            return kept
-        if self.refused.get(layer) == (batch, count, unit):
-            return None  # nothing fits (a larger selection would not either)
-        self._drop(layer)
         layout = store.layouts[layer]
         block_bytes = batch * unit * layout.token_bytes
+        if kept is not None and kept.batch == batch and kept.unit_tokens == unit \
+                and max(kept.capacity, self.sized[layer]) >= count:
+            if self._checked.get(layer) == self._sizings:
+                return kept
+            tails = open_tail_bytes(len(store.layouts), batch, layout.slot_bytes)
+            self._checked[layer] = self._sizings
+            if not self._grows(layer, kept, count, block_bytes, tails):
+                return kept
+        elif self.refused.get(layer) == (batch, count, unit):
+            return None  # nothing fits (a larger selection would not either)
         tails = open_tail_bytes(len(store.layouts), batch, layout.slot_bytes)  # must stay possible beside it
+        self._drop(layer)
         device, cap = store.device, self._share()
-        # each layer's equal part of what the kept layers could take beside everything else reserved now
-        fair = _fitting_blocks(device.budget, device.reserved - self.reserved, tails, cap, block_bytes) \
-            // len(store.layouts)  # fmt: skip
+        fair = self._part(layer, block_bytes, tails)
         wanted = min(KEEP_FACTOR * count, max(count, fair))
         if count <= fair and not self._fits(wanted * block_bytes, tails):
             # layers sized while less else was reserved give back what exceeds their part now (each takes its part
@@ -248,9 +256,33 @@ class KeptBlocks:
                 self._taking = False
             self.layers[layer] = kept = KeptLayer(buffer, batch, capacity, unit)
             self.sized[layer] = count
+            self._sizings += 1
+            self._checked[layer] = self._sizings
             return kept
         self.refused[layer] = (batch, count, unit)
         return None
+
+    def _part(self, layer: int, block_bytes: int, tails: int) -> int:
+        """``layer``'s part, in its units of ``block_bytes``, of what the kept layers could take together beside
+        everything else reserved now: an equal part, except that the other layers whose :data:`KEEP_FACTOR`
+        selections need less (a sliding layer's window) are counted at that and leave the rest to the others."""
+        device = self.store.device
+        total = _fitting_blocks(device.budget, device.reserved - self.reserved, tails, self._share(), block_bytes)
+        layers = self.store.layouts
+        wants = sorted(KEEP_FACTOR * self.sized[i] * kept.batch * kept.unit_tokens * layers[i].token_bytes
+                       for i, kept in self.layers.items() if i != layer)  # fmt: skip
+        left, room = len(layers), total * block_bytes
+        for want in wants:
+            if want * left > room:
+                break
+            left, room = left - 1, room - want
+        return room // left // block_bytes
+
+    def _grows(self, layer: int, kept: KeptLayer, count: int, block_bytes: int, tails: int) -> bool:
+        """Whether ``layer``'s part grew (layers sized since need less than theirs) to at least GROWTH times what it
+        keeps, and the larger buffer fits where this one is given back."""
+        more = min(KEEP_FACTOR * count, self._part(layer, block_bytes, tails))
+        return more >= GROWTH * kept.capacity and self._fits((more - kept.capacity) * block_bytes, tails)
 
     def _share(self) -> int:
         """The device bytes all kept layers may take together."""
@@ -274,10 +306,12 @@ class KeptBlocks:
         kept = self.layers.pop(layer, None)
         if kept is not None:
             self.staging.give_back(kept.buffer)
+            self._sizings += 1
 
     def release(self) -> None:
         self.layers.clear()
         self.sized.clear()
+        self._checked.clear()
         self.staging.release()
         self.refused.clear()
 
