@@ -277,10 +277,9 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                 "layers (Mamba, linear attention, convolutions), which no K/V block holds: a loaded prefix would "
                 "decode from the wrong state. Build the cache without persist= / remote= for this model.")
         if (persist or remote is not None) and config is not None:
-            shapes = sorted({(layout.kv_heads, layout.head_dim)
-                             for layout in sizing.layer_layouts(config, block_tokens, None)})
-            if len(shapes) > 1:
-                raise mixed_geometry_error(shapes)
+            shapes = sizing.kv_shapes(config)
+            if len(set(shapes)) > 1 and len(shapes) != config.get_text_config(decoder=True).num_hidden_layers:
+                raise mixed_geometry_error(sorted(set(shapes)))  # some layers hold no K/V of their own
         self.session = PrefixSession(disk_dir, persist, persist_gb, remote, block_tokens) \
             if persist or remote is not None else None
         self.remote_closed: dict[str, Any] | None = None  # the remote tier's final stats (``stats()`` after close)

@@ -43,6 +43,7 @@ import torch
 
 from tierkv.atomic import deferred_interrupts
 from tierkv.errors import InvalidConfigError
+from tierkv.hf import sizing
 from tierkv.hf.attention import own_implementation
 from tierkv.persist import record
 from tierkv.persist.blockfile import PersistentStore
@@ -141,7 +142,9 @@ class PrefixSession:
                 self._record([])
                 self.narrow(unmasked, "load_prefix's attention_mask")
             return held
-        namespace = Namespace.of_model(model, self.block_tokens, attention=own_implementation(model))
+        config = getattr(model, "config", None)  # (of_model refuses a model without one)
+        namespace = Namespace.of_model(model, self.block_tokens, attention=own_implementation(model),
+                                       shapes=sizing.kv_shapes(config) if config is not None else ())
         if cache.runtime.num_layers is not None and len(cache.layers) != namespace.layers:
             raise InvalidConfigError(f"the model has {namespace.layers} layers but this cache was built for "
                                      f"{len(cache.layers)} (config=); pass that model's config.")

@@ -266,6 +266,11 @@ def layer_layouts(config: PreTrainedConfig, block_tokens: int, dtype: torch.dtyp
     return [layouts[shape] for shape in shapes]
 
 
+def kv_shapes(config: PreTrainedConfig) -> list[tuple[int, int]]:
+    """``(KV heads, head dim)`` of each layer that holds K/V, as the cache stores them (:func:`layer_layouts`)."""
+    return [(layout.kv_heads, layout.head_dim) for layout in layer_layouts(config, 1, None)]
+
+
 def _kv_layers(config: PreTrainedConfig) -> list[tuple[int, Any, bool]]:
     """Each layer that holds K/V: its index, its config (a heterogeneous config's ``per_layer_config``, else the
     text config) and whether it is a sliding-window one."""

@@ -271,9 +271,10 @@ def _namespace(value: Any, what: str, block_tokens: int, layers: int) -> dict[st
     """The namespace a conversation's blocks were computed in, every field checked (or None)."""
     if value is None:
         return None
-    names = {f.name for f in fields(Namespace)}
-    if not isinstance(value, dict) or set(value) != names:
-        raise IntegrityError(f"{what}: field 'namespace' is not an object with exactly {sorted(names)}.")
+    names = {f.name for f in fields(Namespace)} - {"shapes"}  # (only where the layers' shapes differ)
+    if not isinstance(value, dict) or set(value) - {"shapes"} != names:
+        raise IntegrityError(f"{what}: field 'namespace' is not an object with exactly {sorted(names)} (and "
+                             "'shapes' where the layers' differ).")
     _text(value["fingerprint"], what, "namespace.fingerprint", FINGERPRINT.pattern)
     if _integer(value["layers"], what, "namespace.layers", 1, MAX_LAYERS) != layers:
         raise IntegrityError(f"{what}: field 'namespace.layers' is {value['layers']}, the file has {layers} layers.")
@@ -286,6 +287,17 @@ def _namespace(value: Any, what: str, block_tokens: int, layers: int) -> dict[st
                              f"file's block_tokens is {block_tokens}.")
     _text(value["device_type"], what, "namespace.device_type")
     _text(value["attention"], what, "namespace.attention")
+    if "shapes" in value:
+        shapes = value["shapes"]
+        if not isinstance(shapes, list) or len(shapes) != layers or not all(
+                isinstance(shape, list) and len(shape) == 2 for shape in shapes):  # fmt: skip
+            raise IntegrityError(f"{what}: field 'namespace.shapes' is not a list of {layers} [KV heads, head dim].")
+        for i, (heads, dim) in enumerate(shapes):
+            _integer(heads, what, f"namespace.shapes[{i}][0]", 1, MAX_HEADS)
+            _integer(dim, what, f"namespace.shapes[{i}][1]", 1, MAX_HEAD_DIM)
+        if len({tuple(shape) for shape in shapes}) < 2:
+            raise IntegrityError(f"{what}: field 'namespace.shapes' gives every layer one shape; a namespace of one "
+                                 "shape has no 'shapes' field.")
     return dict(value)
 
 
@@ -422,9 +434,17 @@ class Reader:
         self.stop = {layer.index: -(-layer.length // bt) for layer in header.layers}
         ns = header.namespace
         self.geometry: dict[int, tuple[str, int, int]] = {}  # layer -> (dtype, H_kv, D) of its first record
-        self.expected = (ns["dtype"], ns["kv_heads"], ns["head_dim"]) if ns is not None else None
+        self.namespace = ns
         self.states_taken: set[tuple[int, str, int]] = set()
         self.state_bytes = 0
+
+    def _expected(self, layer: int) -> tuple[str, int, int] | None:
+        """(dtype, KV heads, head dim) the file's namespace gives ``layer`` (None: the file has no namespace)."""
+        ns = self.namespace
+        if ns is None:
+            return None
+        heads, dim = ns["shapes"][layer] if "shapes" in ns else (ns["kv_heads"], ns["head_dim"])
+        return ns["dtype"], heads, dim
 
     def limit(self, header: dict[str, Any]) -> tuple[int, str]:
         """The payload bytes the next record's ``header`` allows (its checks, without taking it)."""
@@ -476,9 +496,10 @@ class Reader:
         _integer(shape[4], what, f"{name}.shape[4] (block_tokens)", bt, bt)
         dim = _integer(shape[5], what, f"{name}.shape[5] (head_dim)", 1, MAX_HEAD_DIM)
         geometry = self.geometry.get(layer, (dtype, heads, dim))
-        if geometry != (dtype, heads, dim) or (self.expected is not None and geometry != self.expected):
+        expected = self._expected(layer)
+        if geometry != (dtype, heads, dim) or (expected is not None and geometry != expected):
             raise IntegrityError(f"{what}: {name} of layer {layer} holds {dtype} K/V of {heads} heads of {dim}; the "
-                                 f"file says {self.expected or geometry}.")
+                                 f"file says {expected or geometry}.")
         if self.dtype is not None and dtype != self.dtype:
             raise IntegrityError(f"{what}: {name} of layer {layer} holds {dtype} K/V; the model computes "
                                  f"{self.dtype}. Load it with the model (and dtype) that saved it.")

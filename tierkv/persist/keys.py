@@ -229,6 +229,10 @@ class Namespace:
     (kernels differ in the last bits); ``attention`` is the model's attention implementation (``"sdpa"``,
     ``"eager"`` ...: the K/V of layer 1 and up depend on layer 0's attention output, bit for bit; inside
     ``cache.streaming/split(model)`` the one they switched from, which they compute within rounding).
+    ``shapes``: each layer's ``(KV heads, head dim)`` where the layers' differ (Gemma 4: its full-attention
+    layers' heads are wider than its sliding ones'), ``()`` where every layer's is ``(kv_heads, head_dim)``; a
+    block of such a model holds every layer's ``[2, H_kv, block_tokens, D]`` one after the other (the largest
+    ``kv_heads`` and ``head_dim`` stand in the two fields then).
     """
 
     fingerprint: str
@@ -239,53 +243,83 @@ class Namespace:
     block_tokens: int
     device_type: str
     attention: str
+    shapes: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:  # JSON gives lists: one form, hashable and comparable
+        object.__setattr__(self, "shapes", tuple((int(heads), int(dim)) for heads, dim in self.shapes))
 
     @property
     def root(self) -> str:
-        return _digest(FORMAT.encode(), json.dumps(asdict(self), sort_keys=True).encode())
+        return _digest(FORMAT.encode(), json.dumps(self.to_dict(), sort_keys=True).encode())
 
     @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        """The K/V of one block of every layer: ``[layers, 2, kv_heads, block_tokens, head_dim]``."""
+    def block_shape(self) -> tuple[int, ...]:
+        """The K/V of one block of every layer: ``[layers, 2, kv_heads, block_tokens, head_dim]``, or where the
+        layers' shapes differ the elements of every layer's ``[2, H_kv, block_tokens, D]`` in a row."""
+        if self.shapes:
+            return (sum(self.layer_elements(layer) for layer in range(self.layers)),)
         return (self.layers, 2, self.kv_heads, self.block_tokens, self.head_dim)
+
+    def layer_shape(self, layer: int) -> tuple[int, int]:
+        """``(KV heads, head dim)`` of ``layer``."""
+        return self.shapes[layer] if self.shapes else (self.kv_heads, self.head_dim)
+
+    def layer_elements(self, layer: int) -> int:
+        """The K/V elements of one block of ``layer``."""
+        heads, dim = self.layer_shape(layer)
+        return 2 * heads * self.block_tokens * dim
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, block_tokens: int, fingerprint: str | None = None,
-                 attention: str | None = None) -> Namespace:
+                 attention: str | None = None, shapes: Sequence[tuple[int, int]] = ()) -> Namespace:
         """The namespace of a transformers decoder (geometry from its text config, dtype and device from its
         parameters); ``fingerprint`` defaults to :func:`model_fingerprint`, ``attention`` to the config's
-        implementation."""
+        implementation. ``shapes``: each layer's ``(KV heads, head dim)`` as its cache stores them, where the
+        caller knows them (the text config's global fields describe a model whose layers all cache one shape)."""
         config: PreTrainedConfig | None = getattr(model, "config", None)
         if config is None:
             raise InvalidConfigError(f"{type(model).__qualname__} has no .config: persisted prefixes need a "
                                      "transformers model (its config gives the K/V geometry); pass one.")
         text = config.get_text_config(decoder=True)
-        # a heterogeneous config (transformers' per_layer_config) refuses its global per-layer fields
-        layers = text.per_layer_config if getattr(text, "is_heterogeneous", False) else [text]
-        shapes = sorted({(getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads,
-                          getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads)
-                         for layer in layers})  # fmt: skip
-        if len(shapes) > 1:
-            raise mixed_geometry_error(shapes)
-        kv_heads, head_dim = shapes[0]
         parameter = next(model.parameters())
-        return cls(fingerprint=fingerprint or model_fingerprint(model), layers=int(text.num_hidden_layers),
-                   kv_heads=int(kv_heads), head_dim=int(head_dim), dtype=str(kv_dtype(model)).removeprefix("torch."),
+        layers = int(text.num_hidden_layers)
+        per_layer: tuple[tuple[int, int], ...] = ()
+        if len(set(shapes)) > 1:
+            if len(shapes) != layers:  # some layers hold no K/V of their own (they attend an earlier layer's)
+                raise mixed_geometry_error(sorted(set(shapes)))
+            per_layer = tuple((int(heads), int(dim)) for heads, dim in shapes)
+            kv_heads, head_dim = max(heads for heads, _ in per_layer), max(dim for _, dim in per_layer)
+        else:
+            # a heterogeneous config (transformers' per_layer_config) refuses its global per-layer fields
+            configs = text.per_layer_config if getattr(text, "is_heterogeneous", False) else [text]
+            found = sorted({(getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads,
+                             getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads)
+                            for layer in configs})  # fmt: skip
+            if len(found) > 1:  # the caller did not say how the layers store them
+                raise mixed_geometry_error(found)
+            kv_heads, head_dim = found[0]
+        return cls(fingerprint=fingerprint or model_fingerprint(model), layers=layers, kv_heads=int(kv_heads),
+                   head_dim=int(head_dim), dtype=str(kv_dtype(model)).removeprefix("torch."),
                    block_tokens=int(block_tokens), device_type=parameter.device.type,
-                   attention=attention or str(config._attn_implementation))
+                   attention=attention or str(config._attn_implementation), shapes=per_layer)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as JSON values; ``shapes`` only where the layers' differ (so a namespace of one shape, and
+        its root, are what they were before the field existed)."""
+        fields = asdict(self)
+        shapes = fields.pop("shapes")
+        return {**fields, "shapes": [list(shape) for shape in shapes]} if shapes else fields
 
 
 def mixed_geometry_error(shapes: Sequence[tuple[int, int]]) -> InvalidConfigError:
-    """Why a model whose layers cache K/V of several ``(KV heads, head dim)`` shapes has no prefix store."""
+    """Why a model whose layers cache K/V of several ``(KV heads, head dim)`` shapes, some layers none of their
+    own, has no prefix store."""
     listed = ", ".join(f"{heads} x {dim}" for heads, dim in shapes)
     return InvalidConfigError(
-        f"persist= and remote= store a prefix's blocks in one K/V shape for every layer, but this model's layers "
-        f"cache K/V of {len(shapes)} shapes (KV heads x head dim: {listed}; Gemma 4's full-attention layers have "
-        "wider heads than its sliding ones). Build the cache without persist= / remote= for this model "
-        "(cache.save / TieredCache.load keep its conversations).")
+        f"persist= and remote= store a block of every layer's K/V, but this model's layers cache K/V of "
+        f"{len(shapes)} shapes (KV heads x head dim: {listed}) and some layers hold none of their own (they attend "
+        "an earlier layer's). Build the cache without persist= / remote= for this model (cache.save / "
+        "TieredCache.load keep its conversations).")
 
 
 def kv_dtype(model: torch.nn.Module) -> torch.dtype:

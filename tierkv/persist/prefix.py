@@ -22,6 +22,7 @@ for a pre-filled cache (``generate`` skips them) — except that ids known from 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -141,13 +142,12 @@ class PrefixPersistence:
         self.persisted = blocks
         if blocks == 0:
             return 0, []
-        first = cast(torch.Tensor, rows[0][0])  # [L, 2, H, bt, D], a view of its record's bytes
-        layers, _, heads, bt, dim = first.shape
-        kv = [torch.empty((2, len(rows), heads, blocks * bt, dim), dtype=first.dtype) for _ in range(layers)]
-        del first
+        bt, dtype = self.block_tokens, cast(torch.Tensor, rows[0][0]).dtype
+        shapes = [namespace.layer_shape(layer) for layer in range(namespace.layers)]
+        kv = [torch.empty((2, len(rows), heads, blocks * bt, dim), dtype=dtype) for heads, dim in shapes]
         for r, row in enumerate(rows):  # each record's bytes go once copied: the prefix is held once
             for j in range(blocks):
-                for layer, block in enumerate(cast(torch.Tensor, row[j]).unbind(0)):
+                for layer, block in enumerate(_layer_blocks(cast(torch.Tensor, row[j]), namespace)):
                     kv[layer][:, r, :, j * bt : (j + 1) * bt] = block
                 row[j] = None
         return blocks, kv
@@ -173,8 +173,7 @@ class PrefixPersistence:
         if self.namespace is None:
             return True
         batch = len(self._keys)
-        per_column = batch * self.namespace.layers * int(np.prod(self.namespace.block_shape[1:])) * \
-            getattr(torch, self.namespace.dtype).itemsize
+        per_column = batch * math.prod(self.namespace.block_shape) * getattr(torch, self.namespace.dtype).itemsize
         step = max(1, BATCH_BYTES // per_column)
         for start in range(first, target, step):
             if not wait and self._writer.full():
@@ -183,8 +182,12 @@ class PrefixPersistence:
             stop = min(start + step, target)
             if all(keys[c] in self.store for keys in self._keys for c in range(start, stop)):
                 continue  # another process (or an earlier run) stored them
-            # per layer [B, n, 2, H, bt, D] -> [B, n, L, 2, H, bt, D]
-            blocks = torch.stack([kv.export_blocks(layer, start, stop) for layer in range(len(lengths))], dim=2)
+            exported = [kv.export_blocks(layer, start, stop) for layer in range(len(lengths))]  # [B, n, 2, H, bt, D]
+            if self.namespace.shapes:  # layers of several shapes: [B, n, Σ elements], each layer's in a row
+                blocks = torch.cat([layer.flatten(2) for layer in exported], dim=2)
+            else:  # [B, n, L, 2, H, bt, D]
+                blocks = torch.stack(exported, dim=2)
+            del exported
             jobs = [(keys[c], c, blocks[r, c - start], keys[c - 1] if c else None)
                     for r, keys in enumerate(self._keys) for c in range(start, stop)]
             self._writer.submit(self.namespace.root, jobs, [k for keys in self._keys for k in keys[:start]])
@@ -197,9 +200,10 @@ class PrefixPersistence:
             return
         for layer, layout in kv.layouts.items():
             found = (layout.kv_heads, layout.head_dim, str(layout.dtype).removeprefix("torch."), layout.block_tokens)
-            if found != (ns.kv_heads, ns.head_dim, ns.dtype, ns.block_tokens):
+            expected = (*ns.layer_shape(layer), ns.dtype, ns.block_tokens)
+            if found != expected:
                 log.warning("tierkv: layer %d's K/V %s differ from the model config's %s; this sequence is not "
-                            "persisted", layer, found, (ns.kv_heads, ns.head_dim, ns.dtype, ns.block_tokens))
+                            "persisted", layer, found, expected)
                 self.namespace = None
                 return
 
@@ -274,3 +278,12 @@ class _Writer:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+
+
+def _layer_blocks(block: torch.Tensor, namespace: Namespace) -> list[torch.Tensor]:
+    """A decoded block record's K/V, per layer ``[2, H_kv, bt, D]`` (views of it)."""
+    if not namespace.shapes:
+        return list(block.unbind(0))  # [L, 2, H, bt, D]
+    sizes = [namespace.layer_elements(layer) for layer in range(namespace.layers)]
+    return [part.view(2, heads, namespace.block_tokens, dim)
+            for part, (heads, dim) in zip(block.split(sizes), namespace.shapes)]
