@@ -275,7 +275,8 @@ class Namespace:
         """The namespace of a transformers decoder (geometry from its text config, dtype and device from its
         parameters); ``fingerprint`` defaults to :func:`model_fingerprint`, ``attention`` to the config's
         implementation. ``shapes``: each layer's ``(KV heads, head dim)`` as its cache stores them, where the
-        caller knows them (the text config's global fields describe a model whose layers all cache one shape)."""
+        caller knows them (else the text config's global fields, which describe a model whose layers all cache one
+        shape of its K/V heads)."""
         config: PreTrainedConfig | None = getattr(model, "config", None)
         if config is None:
             raise InvalidConfigError(f"{type(model).__qualname__} has no .config: persisted prefixes need a "
@@ -289,6 +290,8 @@ class Namespace:
                 raise mixed_geometry_error(sorted(set(shapes)))
             per_layer = tuple((int(heads), int(dim)) for heads, dim in shapes)
             kv_heads, head_dim = max(heads for heads, _ in per_layer), max(dim for _, dim in per_layer)
+        elif shapes:  # one shape, as stored (latent attention stores other heads than its config's K/V heads)
+            kv_heads, head_dim = shapes[0]
         else:
             # a heterogeneous config (transformers' per_layer_config) refuses its global per-layer fields
             configs = text.per_layer_config if getattr(text, "is_heterogeneous", False) else [text]
