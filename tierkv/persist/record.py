@@ -15,7 +15,9 @@ A record is valid only if its length is exactly ``28 + H + P`` and the checksum 
 (a process killed half way, a short read) or a flipped byte anywhere is detected, never decoded.
 
 Block records hold one block-row of KV — the K/V of ``block_tokens`` tokens of *every* layer, one
-``[layers, 2, kv_heads, block_tokens, head_dim]`` tensor — with the header
+``[layers, 2, kv_heads, block_tokens, head_dim]`` tensor (where the layers' shapes differ, each layer's
+``[2, kv_heads, block_tokens, head_dim]`` flattened one after the other: ``Namespace.block_shape``) — with the
+header
 ``{"kind": "block", "key", "namespace", "depth", "dtype", "shape"}`` (``depth``: the block's index in its
 chain). One record per block-row keeps a prefix lookup to one object per block, whatever the layer count.
 
