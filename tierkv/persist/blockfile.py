@@ -144,12 +144,13 @@ class PersistentStore:
         self._lock_busy = False  # a wait for the lock timed out: try it once, without waiting, until it is had
         self._lock_warned = False  # that was logged as a warning (later ones at debug level)
         self._scratch_mutex = threading.Lock()  # one scratch area per store, whichever thread makes it
+        finalizer = None  # set with the descriptors it closes
         try:
-            with deferred_interrupts():  # the descriptors and the finalizer that closes them, together
-                tree = _Tree(Path(directory))
-                self._tree = tree
-                self._finalizer = forks.finalize(self, _release, tree)
             try:
+                with deferred_interrupts():  # the descriptors and the finalizer that closes them, together
+                    tree = _Tree(Path(directory))
+                    self._tree = tree
+                    self._finalizer = finalizer = forks.finalize(self, _release, tree)
                 try:
                     with self._locked(exclusive=True):
                         self.recovery = self._recover()
@@ -158,8 +159,10 @@ class PersistentStore:
                     self._lock_timed_out(error, "this store opens without cleaning up after dead processes "
                                                 "(the next one to get the lock does)")
                 self._open_scratch()
-            except BaseException:  # an interrupt too: nothing of this store stays behind
-                self._finalizer()
+            except BaseException:  # an interrupt too (one held while the descriptors were opened is raised as
+                # that block ends): nothing of this store stays behind
+                if finalizer is not None:
+                    finalizer()
                 raise
         except DiskTierError:
             raise
