@@ -166,10 +166,13 @@ def make_tls_files(directory: Path, names: str = "IP:127.0.0.1") -> Path:
         subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
 
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=tierkv-test-ca",
-            "-keyout", "ca.key", "-out", "ca.crt")
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign", "-keyout", "ca.key", "-out", "ca.crt")
     openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key",
             "-out", "server.csr")
-    (directory / "san.cnf").write_text(f"subjectAltName={names}\n")
+    # what Python 3.13's default context requires (VERIFY_X509_STRICT): the CA's key usage (above), the server
+    # certificate's authority key identifier
+    (directory / "san.cnf").write_text(f"subjectAltName={names}\nauthorityKeyIdentifier=keyid,issuer\n"
+                                       "basicConstraints=CA:FALSE\n")
     openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
             "-days", "2", "-extfile", "san.cnf", "-out", "server.crt")
     return directory

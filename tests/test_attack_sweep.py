@@ -107,7 +107,9 @@ def test_a_nested_remote_record_is_a_corrupt_miss(model, redis_server, caplog) -
     raw.set(f"tierkv:{root}:{key}", frame(key.encode(), raw_record(SHALLOW_NESTED)))
     out, loaded, stats = prefix_worker(model, ids, BT, NEW, remote=redis_server.url)
     assert loaded == BT and torch.equal(out, expected)
-    assert stats["remote"]["corrupt"] == 1 and "unreadable header" in caplog.text
+    # 3.13's json parses 5,000 levels (its C recursion limit is higher): a list, "not a JSON object"
+    assert stats["remote"]["corrupt"] == 1 and ("unreadable header" in caplog.text or
+                                                "the header is not a JSON object" in caplog.text)
     out, loaded, _ = prefix_worker(model, ids, BT, NEW, remote=redis_server.url)  # the write-through replaced it
     assert loaded == 96 and torch.equal(out, expected)
 
