@@ -217,12 +217,14 @@ class KeptBlocks:
         store = self.store
         unit = unit_tokens or store.block_tokens
         kept = self.layers.get(layer)
+        fits = kept is not None and kept.batch == batch and kept.unit_tokens == unit \
+            and max(kept.capacity, self.sized[layer]) >= count  # fmt: skip
+        if fits and self._checked.get(layer) == self._sizings:
+            return kept  # the step's common case: nothing was sized since this layer's part was last compared
         layout = store.layouts[layer]
         block_bytes = batch * unit * layout.token_bytes
-        if kept is not None and kept.batch == batch and kept.unit_tokens == unit \
-                and max(kept.capacity, self.sized[layer]) >= count:
-            if self._checked.get(layer) == self._sizings:
-                return kept
+        if fits:
+            assert kept is not None
             tails = open_tail_bytes(len(store.layouts), batch, layout.slot_bytes)
             self._checked[layer] = self._sizings
             if not self._grows(layer, kept, count, block_bytes, tails):

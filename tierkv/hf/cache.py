@@ -49,7 +49,7 @@ from tierkv.hf.runtime import Budgets, Runtime
 from tierkv.hf.session import PrefixSession
 from tierkv.hf.sizing import DEFAULT_BLOCK_TOKENS, DEFAULT_DISK_FRACTION
 from tierkv.hf.state import HybridLayer, StateLayer
-from tierkv.persist.keys import mixed_geometry_error
+from tierkv.persist.keys import layer_shapes
 from tierkv.policy import Policy, make_policy
 from tierkv.stats import check_profile, checked_trace_path, make_trace
 from tierkv.store import KVStore
@@ -277,9 +277,7 @@ class TieredCache(Uncopyable, AttentionModes, Cache):
                 "layers (Mamba, linear attention, convolutions), which no K/V block holds: a loaded prefix would "
                 "decode from the wrong state. Build the cache without persist= / remote= for this model.")
         if (persist or remote is not None) and config is not None:
-            shapes = sizing.kv_shapes(config)
-            if len(set(shapes)) > 1 and len(shapes) != config.get_text_config(decoder=True).num_hidden_layers:
-                raise mixed_geometry_error(sorted(set(shapes)))  # some layers hold no K/V of their own
+            layer_shapes(sizing.kv_shapes(config), config.get_text_config(decoder=True).num_hidden_layers)
         self.session = PrefixSession(disk_dir, persist, persist_gb, remote, block_tokens) \
             if persist or remote is not None else None
         self.remote_closed: dict[str, Any] | None = None  # the remote tier's final stats (``stats()`` after close)

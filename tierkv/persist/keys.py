@@ -284,11 +284,8 @@ class Namespace:
         text = config.get_text_config(decoder=True)
         parameter = next(model.parameters())
         layers = int(text.num_hidden_layers)
-        per_layer: tuple[tuple[int, int], ...] = ()
-        if len(set(shapes)) > 1:
-            if len(shapes) != layers:  # some layers hold no K/V of their own (they attend an earlier layer's)
-                raise mixed_geometry_error(sorted(set(shapes)))
-            per_layer = tuple((int(heads), int(dim)) for heads, dim in shapes)
+        per_layer = layer_shapes(shapes, layers)
+        if per_layer:
             kv_heads, head_dim = max(heads for heads, _ in per_layer), max(dim for _, dim in per_layer)
         elif shapes:  # one shape, as stored (latent attention stores other heads than its config's K/V heads)
             kv_heads, head_dim = shapes[0]
@@ -312,6 +309,17 @@ class Namespace:
         fields = asdict(self)
         shapes = fields.pop("shapes")
         return {**fields, "shapes": [list(shape) for shape in shapes]} if shapes else fields
+
+
+def layer_shapes(shapes: Sequence[tuple[int, int]], layers: int) -> tuple[tuple[int, int], ...]:
+    """A namespace's ``shapes`` for a model of ``layers`` layers whose K/V-holding layers store ``shapes``: ``()``
+    where they are one shape; refused (:func:`mixed_geometry_error`) where they differ and some layers hold no
+    K/V of their own."""
+    if len(set(shapes)) < 2:
+        return ()
+    if len(shapes) != layers:  # some layers attend an earlier layer's K/V
+        raise mixed_geometry_error(sorted(set(shapes)))
+    return tuple((int(heads), int(dim)) for heads, dim in shapes)
 
 
 def mixed_geometry_error(shapes: Sequence[tuple[int, int]]) -> InvalidConfigError:
